@@ -1,0 +1,117 @@
+"""Turn a TOML table into a frozen config dataclass, failing with the name of the wrong key.
+
+Every config section is a frozen dataclass whose field names carry their units (`ttl_seconds`,
+`capacity_bytes`). `parse_section` checks unknown keys, types and `Literal` choices, recurses
+into nested dataclasses and `dict[str, Dataclass]` tables, then calls the dataclass's own
+`validate()` (if any) for cross-field rules. A section's `validate()` raises `ConfigError` with
+the dotted key. Nothing here reads files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+from kvstore.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (tuple, list):
+        return "a list"
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if tp is type(None):
+        return "absent"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(key, f"must be {_describe(tp)}, got {value!r}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        errors = []
+        for arg in get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(e.problem)
+        raise ConfigError(key, f"must be {_describe(tp)}, got {value!r}")
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(key, f"must be a list, got {value!r}")
+        args = get_args(tp)
+        item_tp = args[0] if args else Any
+        return tuple(_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"must be a table, got {value!r}")
+        _, val_tp = get_args(tp)
+        return {str(k): _coerce(v, val_tp, f"{key}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"must be a table, got {value!r}")
+        return parse_section(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(key, f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"must be a string, got {value!r}")
+        return value
+    raise AssertionError(f"config field type {tp!r} at {key} is not supported by parse_section")
+
+
+def parse_section(cls: type[T], table: Mapping[str, Any], prefix: str) -> T:
+    """Build `cls` from `table`; unknown keys and wrong types raise ConfigError naming the key."""
+    assert dataclasses.is_dataclass(cls)
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(where, f"unknown key (known keys: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, value in table.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _coerce(value, hints[name], key)
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        validate(prefix)
+    return obj
+
+
+def require(cond: bool, key: str, problem: str) -> None:
+    """Raise ConfigError(key, problem) unless cond holds. For `validate()` methods."""
+    if not cond:
+        raise ConfigError(key, problem)
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

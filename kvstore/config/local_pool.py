@@ -1,0 +1,56 @@
+"""The [local_pool] section: where local SWA snapshots live and for how long."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvstore.config.fields import join, require
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class TtlPolicyConfig:
+    kind: Literal["fixed", "sliding", "adaptive"] = "fixed"
+    ttl_seconds: float = 300.0
+    min_ttl_seconds: float = 10.0  # adaptive: clamp
+    max_ttl_seconds: float = 3600.0  # adaptive: clamp
+    replay_cost_per_token: float = 1.0  # adaptive: cost units of one replayed token
+    hold_cost_per_byte_second: float = 1e-9  # adaptive: cost units of holding one byte one second
+    tenant_ttl_seconds: dict[str, float] = field(default_factory=dict)  # per-tenant overrides
+
+    def validate(self, prefix: str) -> None:
+        require(self.ttl_seconds > 0, join(prefix, "ttl_seconds"), "must be > 0")
+        require(0 < self.min_ttl_seconds <= self.max_ttl_seconds, join(prefix, "min_ttl_seconds"),
+                "must be > 0 and <= max_ttl_seconds")
+        require(self.replay_cost_per_token > 0, join(prefix, "replay_cost_per_token"), "must be > 0")
+        require(self.hold_cost_per_byte_second > 0, join(prefix, "hold_cost_per_byte_second"), "must be > 0")
+        for t, v in self.tenant_ttl_seconds.items():
+            require(v > 0, join(prefix, f"tenant_ttl_seconds.{t}"), "must be > 0")
+
+
+@dataclass(frozen=True)
+class LocalPoolConfig:
+    url: str = "embedded"  # or redis://, rediss://, unix://, redis+cluster://host:port
+    capacity_bytes: int = 512 * MiB  # embedded pool budget
+    ttl: TtlPolicyConfig = field(default_factory=TtlPolicyConfig)
+    socket_timeout_seconds: float = 0.25
+    connect_timeout_seconds: float = 0.25
+    retries: int = 1
+    breaker_failures: int = 5
+    breaker_reset_seconds: float = 5.0
+    part_bytes: int = 512 * 1024  # large snapshots are split across keys sharing a hash tag
+
+    def validate(self, prefix: str) -> None:
+        ok_scheme = self.url == "embedded" or self.url.split("://", 1)[0] in (
+            "redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+        require(ok_scheme, join(prefix, "url"),
+                "must be 'embedded' or a redis://, rediss://, unix:// or redis+cluster:// URL")
+        require(self.capacity_bytes >= 0, join(prefix, "capacity_bytes"), "must be >= 0")
+        require(self.socket_timeout_seconds > 0, join(prefix, "socket_timeout_seconds"), "must be > 0")
+        require(self.connect_timeout_seconds > 0, join(prefix, "connect_timeout_seconds"), "must be > 0")
+        require(self.retries >= 0, join(prefix, "retries"), "must be >= 0")
+        require(self.breaker_failures >= 1, join(prefix, "breaker_failures"), "must be >= 1")
+        require(self.breaker_reset_seconds > 0, join(prefix, "breaker_reset_seconds"), "must be > 0")
+        require(self.part_bytes >= 4096, join(prefix, "part_bytes"), "must be >= 4096")

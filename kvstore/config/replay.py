@@ -1,0 +1,24 @@
+"""The [replay] section: how expired local state is rebuilt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvstore.config.fields import join, require
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    mode: Literal["bounded", "exact", "off"] = "bounded"
+    runner: Literal["reference", "attached", "none"] = "reference"
+    timeout_seconds: float = 30.0
+    per_tenant_concurrency: int = 4
+    max_batch: int = 8
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    reference_seed: int = 0
+
+    def validate(self, prefix: str) -> None:
+        require(self.timeout_seconds > 0, join(prefix, "timeout_seconds"), "must be > 0")
+        require(self.per_tenant_concurrency >= 1, join(prefix, "per_tenant_concurrency"), "must be >= 1")
+        require(self.max_batch >= 1, join(prefix, "max_batch"), "must be >= 1")

@@ -1,0 +1,83 @@
+"""The [service], [tenants.*] and [admin] sections: ports, limits, TLS and who may call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore.config.fields import join, require
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    # Bearer tokens that authenticate as this tenant. An mTLS peer whose certificate common name
+    # equals `mtls_common_name` is also this tenant.
+    tokens: tuple[str, ...] = ()
+    mtls_common_name: str = ""
+    quota_device_bytes: int = -1  # -1: no quota beyond the tier's capacity
+    quota_dram_bytes: int = -1
+    quota_lmdb_bytes: int = -1
+    local_ttl_seconds: float = -1.0  # -1: the pool's policy decides
+
+    def validate(self, prefix: str) -> None:
+        for t in self.tokens:
+            require(len(t) >= 8, join(prefix, "tokens"), "each token must be at least 8 characters")
+        for name in ("quota_device_bytes", "quota_dram_bytes", "quota_lmdb_bytes"):
+            require(getattr(self, name) >= -1, join(prefix, name), "must be -1 (none) or >= 0")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    max_message_bytes: int = 4 * MiB
+    stream_message_bytes: int = 1 * MiB  # payload bytes per streamed message
+    max_concurrent_calls: int = 64
+    max_lookup_tokens: int = 2_000_000
+    grace_seconds: float = 10.0
+    reflection: bool = True
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""  # set: mTLS, clients must present a certificate signed by it
+    models: tuple[str, ...] = ("reference-toy-8", "deepseek-v4.1-flash", "dense-gqa-32l")
+
+    def validate(self, prefix: str) -> None:
+        require(0 <= self.grpc_port <= 65535, join(prefix, "grpc_port"), "must be in 0..65535")
+        require(self.max_message_bytes >= 64 * 1024, join(prefix, "max_message_bytes"), "must be >= 65536")
+        require(
+            0 < self.stream_message_bytes <= self.max_message_bytes // 2,
+            join(prefix, "stream_message_bytes"), "must be > 0 and at most half of max_message_bytes",
+        )
+        require(self.max_concurrent_calls >= 1, join(prefix, "max_concurrent_calls"), "must be >= 1")
+        require(self.grace_seconds >= 0, join(prefix, "grace_seconds"), "must be >= 0")
+        require(
+            bool(self.tls_cert_file) == bool(self.tls_key_file),
+            join(prefix, "tls_cert_file"), "tls_cert_file and tls_key_file must be set together",
+        )
+        require(
+            not self.tls_client_ca_file or bool(self.tls_cert_file),
+            join(prefix, "tls_client_ca_file"), "mTLS needs tls_cert_file and tls_key_file too",
+        )
+        require(len(self.models) >= 1, join(prefix, "models"), "must name at least one model")
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    host: str = "127.0.0.1"
+    port: int = 9400
+    admin_token: str = ""  # set: /api and /dashboard require `Authorization: Bearer <token>`
+    per_tenant_labels: bool = False
+    timeseries_seconds: int = 3600
+
+    def validate(self, prefix: str) -> None:
+        require(0 <= self.port <= 65535, join(prefix, "port"), "must be in 0..65535")
+        require(self.timeseries_seconds >= 60, join(prefix, "timeseries_seconds"), "must be >= 60")
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    enabled: bool = False
+    path: str = "kvstore-trace.jsonl"
+
+

@@ -1,0 +1,51 @@
+"""The [store] section: tier capacities, write and eviction policy, LMDB durability, compression."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvstore.config.fields import join, require
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# What each LMDB durability mode loses on a power cut (also in the README):
+# - "sync":   nothing acknowledged; every commit is fsynced before the store acknowledges it.
+# - "nometasync": the last committed transaction(s) may roll back; the database stays consistent.
+# - "async":  recent transactions (since the OS last flushed) may be lost; the database stays
+#             consistent because kvstore never combines writemap with sync off.
+Durability = Literal["sync", "nometasync", "async"]
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    device_capacity_bytes: int = 256 * MiB
+    dram_capacity_bytes: int = 1 * GiB
+    lmdb_capacity_bytes: int = 16 * GiB
+    page_bytes: int = 16 * 1024  # arena page; a chunk takes ceil(bytes / page) pages
+    lmdb_durability: Durability = "sync"
+    write_policy: Literal["write-through", "write-back"] = "write-through"
+    compression: Literal["auto", "none", "zstd", "zstd-split"] = "auto"
+    zstd_level: int = 3
+    eviction_policy: Literal["lru", "s3fifo", "cost-aware"] = "s3fifo"
+    admission_policy: Literal["always", "second-sighting"] = "always"
+    promote_on_hit: bool = True
+    pin_timeout_seconds: float = 30.0
+    chunk_tokens: int = 128
+
+    def validate(self, prefix: str) -> None:
+        for name in ("device_capacity_bytes", "dram_capacity_bytes", "lmdb_capacity_bytes"):
+            require(getattr(self, name) >= 0, join(prefix, name), "must be >= 0")
+        require(self.lmdb_capacity_bytes >= 1 * MiB, join(prefix, "lmdb_capacity_bytes"), "must be >= 1 MiB")
+        require(
+            self.page_bytes >= 4096 and self.page_bytes & (self.page_bytes - 1) == 0,
+            join(prefix, "page_bytes"), "must be a power of two >= 4096",
+        )
+        require(1 <= self.zstd_level <= 19, join(prefix, "zstd_level"), "must be in 1..19")
+        require(self.pin_timeout_seconds > 0, join(prefix, "pin_timeout_seconds"), "must be > 0")
+        require(
+            self.chunk_tokens > 0 and self.chunk_tokens % 8 == 0,
+            join(prefix, "chunk_tokens"), "must be a positive multiple of 8",
+        )

@@ -1,0 +1,47 @@
+"""The exception hierarchy for environment failures and bad input.
+
+Three kinds of error live in three places (DESIGN.md §4.7):
+- expected outcomes (a miss, an expired snapshot, no room) are *results*, never exceptions;
+- broken invariants are `assert`s;
+- the classes below are for bad input and for the environment failing under us.
+Only the gRPC servicer maps these to status codes; nothing else in the code base knows gRPC.
+"""
+
+from __future__ import annotations
+
+
+class KvstoreError(Exception):
+    """Base class of every error kvstore raises on purpose."""
+
+
+class InvalidInput(KvstoreError, ValueError):
+    """A request, payload or argument is malformed. The message says what is wrong."""
+
+
+class ConfigError(KvstoreError, ValueError):
+    """A config file, key or value is invalid. The message names the key."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"config key '{key}': {problem}")
+        self.key = key
+        self.problem = problem
+
+
+class UnknownModel(InvalidInput):
+    """A model or layout name that is not registered."""
+
+
+class Unauthenticated(KvstoreError):
+    """Missing or wrong credentials."""
+
+
+class ResourceExhausted(KvstoreError):
+    """Overload: too many concurrent calls or replays, or a quota that cannot be met by eviction."""
+
+
+class StorageError(KvstoreError):
+    """A tier's backing resource failed (disk full, LMDB error, device out of memory)."""
+
+
+class Unavailable(KvstoreError):
+    """A dependency is down (no runner attached, Redis unreachable, shutting down)."""

@@ -1,0 +1,96 @@
+"""Content-addressed chunk keys: chained SHA-256 over a canonical byte encoding.
+
+key_0 = SHA-256(namespace digest || tokens of chunk 0 as little-endian uint32)
+key_i = SHA-256(key_{i-1}   || tokens of chunk i as little-endian uint32)
+
+so a key names a chunk *and* everything before it, and a longest-prefix lookup is a walk that
+stops at the first key the store does not hold. The namespace digest binds the tenant (as the
+server authenticated it, never a request field), the model fingerprint (name, revision, layout
+id, replay mode) and the format version, so two tenants or two replay modes can never share a
+chunk. Python's `hash()` is never used: it is salted per process. Clients never supply a hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from kvstore.errors import InvalidInput
+
+FORMAT_VERSION = 1
+KEY_BYTES = 32
+REPLAY_MODES = ("bounded", "exact", "off")
+
+
+def _field(b: bytes) -> bytes:
+    return struct.pack("<I", len(b)) + b
+
+
+@dataclass(frozen=True)
+class Namespace:
+    tenant: str
+    model: str
+    revision: str
+    layout_id: bytes
+    replay_mode: str
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.replay_mode not in REPLAY_MODES:
+            raise InvalidInput(f"replay mode must be one of {REPLAY_MODES}, got '{self.replay_mode}'")
+        if not self.tenant:
+            raise InvalidInput("tenant must not be empty")
+
+    @cached_property
+    def digest(self) -> bytes:
+        enc = b"kvstore.ns\x00" + b"".join(
+            _field(x)
+            for x in (
+                self.tenant.encode(),
+                self.model.encode(),
+                self.revision.encode(),
+                self.layout_id,
+                self.replay_mode.encode(),
+                struct.pack("<I", self.format_version),
+            )
+        )
+        return hashlib.sha256(enc).digest()
+
+
+def as_token_array(tokens: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
+    """Validate token ids and return them as a little-endian uint32 array (no copy when possible)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidInput("token ids must be a flat list")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<u4")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidInput("token ids must be integers")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise InvalidInput(f"token id {bad} is outside the model's vocab [0, {vocab_size})")
+    return arr.astype("<u4", copy=False)
+
+
+def chunk_token_bytes(tokens: np.ndarray, chunk_tokens: int) -> list[bytes]:
+    """The canonical bytes of each *full* chunk; a trailing partial chunk is dropped."""
+    n = len(tokens) // chunk_tokens
+    raw = tokens[: n * chunk_tokens].astype("<u4", copy=False).tobytes()
+    step = chunk_tokens * 4
+    return [raw[i * step : (i + 1) * step] for i in range(n)]
+
+
+def chain_keys(namespace_digest: bytes, chunks: Sequence[bytes]) -> list[bytes]:
+    keys: list[bytes] = []
+    prev = namespace_digest
+    sha = hashlib.sha256
+    for c in chunks:
+        prev = sha(prev + c).digest()
+        keys.append(prev)
+    return keys

@@ -1,0 +1,231 @@
+"""Cache layouts: what one model stores per token, and the capacity arithmetic that follows.
+
+A layout is a pure description. It knows record sizes, compression ratios and the local SWA
+window; it knows nothing about tensors, tiers or keys. The store validates payload sizes against
+it, the LMDB tier uses its record segments to split FP4 nibbles from scale bytes before zstd, and
+the capacity planner multiplies by it.
+
+Layouts ship for the released DeepSeek-V4.1-Flash config (890 B/token of global KV), for the
+small reference CED model in `replay/`, and for a classic dense GQA model so that engines without
+compressed caches can use the service too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from kvstore.errors import InvalidInput, UnknownModel
+
+SegmentKind = Literal["fp4", "e4m3_scale", "ue8m0_scale", "fp8", "bf16", "raw"]
+SCALE_KINDS: frozenset[str] = frozenset({"e4m3_scale", "ue8m0_scale"})
+
+
+@dataclass(frozen=True)
+class RecordSegment:
+    """A contiguous run of bytes inside one global record, e.g. 256 B of packed FP4 values."""
+
+    kind: SegmentKind
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GlobalGroup:
+    """One shared global-KV cache: written by a Full layer, read by the layers that share it."""
+
+    name: str
+    layers: tuple[int, ...]  # every layer that reads the group; the first is the Full layer
+    ratio: int  # tokens per record (sequence compression)
+    segments: tuple[RecordSegment, ...]
+
+    @property
+    def record_bytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+
+@dataclass(frozen=True)
+class LocalSpec:
+    """The short-lived sliding-window state kept in the local pool, one snapshot per boundary."""
+
+    row_bytes: int  # one SWA row: one token of one layer
+    window_tokens: int
+    persisted_layers: tuple[int, ...]  # layers whose SWA rows go to the local pool
+    tail_bytes: int = 0  # compressor tail carried with the snapshot (0: hits cut at even boundaries)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return len(self.persisted_layers) * self.window_tokens * self.row_bytes + self.tail_bytes
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    name: str
+    groups: tuple[GlobalGroup, ...]
+    local: LocalSpec
+    chunk_tokens: int = 128
+    # Encoder depth: the exact-replay length is encoder_layers * (window - 1) + 1 tokens.
+    encoder_layers: int = 0
+
+    def __post_init__(self) -> None:
+        validate_chunk_tokens(self, self.chunk_tokens)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return sum((self.chunk_tokens // g.ratio) * g.record_bytes for g in self.groups)
+
+    @property
+    def global_bytes_per_token(self) -> float:
+        return sum(g.record_bytes / g.ratio for g in self.groups)
+
+    @property
+    def local_snapshot_bytes(self) -> int:
+        return self.local.snapshot_bytes
+
+    @property
+    def layout_id(self) -> bytes:
+        """A stable 8-byte identity of the byte format, written into every stored value."""
+        desc = json.dumps(
+            {"name": self.name, "groups": [asdict(g) for g in self.groups], "chunk": self.chunk_tokens},
+            sort_keys=True,
+        ).encode()
+        return hashlib.sha256(desc).digest()[:8]
+
+    def chunk_segments(self) -> list[tuple[str, int, int]]:
+        """(kind, offset, nbytes) of every segment of one chunk payload, in payload order.
+
+        A chunk payload is the records of each group in group order; records of one group are
+        contiguous and each record is its segments in order.
+        """
+        out: list[tuple[str, int, int]] = []
+        offset = 0
+        for g in self.groups:
+            for _ in range(self.chunk_tokens // g.ratio):
+                for s in g.segments:
+                    out.append((s.kind, offset, s.nbytes))
+                    offset += s.nbytes
+        assert offset == self.chunk_bytes
+        return out
+
+    def with_chunk_tokens(self, chunk_tokens: int) -> CacheLayout:
+        return CacheLayout(self.name, self.groups, self.local, chunk_tokens, self.encoder_layers)
+
+
+def validate_chunk_tokens(layout: CacheLayout, chunk_tokens: int) -> None:
+    if chunk_tokens <= 0 or chunk_tokens % 8 != 0:
+        raise InvalidInput(f"chunk_tokens must be a positive multiple of 8, got {chunk_tokens}")
+    for g in layout.groups:
+        if chunk_tokens % g.ratio != 0:
+            raise InvalidInput(
+                f"chunk_tokens {chunk_tokens} is not a multiple of group {g.name}'s ratio {g.ratio}"
+            )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the service accepts: its cache layout plus what keys and bills need to know."""
+
+    name: str
+    revision: str
+    layout: CacheLayout
+    vocab_size: int
+    prefill_flops_per_token: float  # ~2 x active parameters on the prefill path
+    notes: str = field(default="", compare=False)
+
+
+# --- DeepSeek-V4.1-Flash (released config) -------------------------------------------------------
+# Main KV row: 512 FP4 values (256 B) + 32 E4M3 scales (32 B) = 288 B.
+# Indexer K row: 128 FP4 values (64 B) + 4 UE8M0 scales (4 B) = 68 B. One record = 356 B.
+_V41_RECORD = (
+    RecordSegment("fp4", 256),
+    RecordSegment("e4m3_scale", 32),
+    RecordSegment("fp4", 64),
+    RecordSegment("ue8m0_scale", 4),
+)
+DEEPSEEK_V41_FLASH = CacheLayout(
+    name="deepseek-v4.1-flash",
+    groups=(
+        GlobalGroup("enc-2", tuple(range(2, 8)), 2, _V41_RECORD),
+        GlobalGroup("enc-8", tuple(range(8, 14)), 2, _V41_RECORD),
+        GlobalGroup("enc-14", tuple(range(14, 20)), 2, _V41_RECORD),
+        GlobalGroup("dec-20", tuple(range(20, 40)), 1, _V41_RECORD),
+    ),
+    # SWA row: 512 FP8 E4M3 values + 16 UE8M0 scales = 528 B; encoder layers 0-19 persisted.
+    local=LocalSpec(row_bytes=528, window_tokens=128, persisted_layers=tuple(range(20))),
+    chunk_tokens=128,
+    encoder_layers=20,
+)
+
+# --- The reference CED model "toy-8" (replay/model.py) ---------------------------------------------
+# Latent K=V head_dim 64: 64 FP4 values (32 B) + 4 E4M3 scales (4 B) = 36 B.
+# Indexer K 32 dims: 32 FP4 values (16 B) + 1 UE8M0 scale (1 B) = 17 B. One record = 53 B.
+# SWA row: 64 FP8 values + 2 UE8M0 scales = 66 B. Encoder layers 0-3 persisted.
+_TOY_RECORD = (
+    RecordSegment("fp4", 32),
+    RecordSegment("e4m3_scale", 4),
+    RecordSegment("fp4", 16),
+    RecordSegment("ue8m0_scale", 1),
+)
+REFERENCE_TOY8 = CacheLayout(
+    name="reference-toy-8",
+    groups=(
+        GlobalGroup("enc-2", (2, 3), 2, _TOY_RECORD),
+        GlobalGroup("dec-4", (4, 5, 6, 7), 1, _TOY_RECORD),
+    ),
+    local=LocalSpec(row_bytes=66, window_tokens=128, persisted_layers=(0, 1, 2, 3)),
+    chunk_tokens=128,
+    encoder_layers=4,
+)
+
+# --- A classic dense GQA model (no compression, bf16) ----------------------------------------------
+# 32 layers x 8 KV heads x 128 dims x (K and V) x 2 B = 131,072 B/token; no separate local state.
+DENSE_GQA_32L = CacheLayout(
+    name="dense-gqa-32l",
+    groups=(GlobalGroup("kv", tuple(range(32)), 1, (RecordSegment("bf16", 32 * 8 * 128 * 2 * 2),)),),
+    local=LocalSpec(row_bytes=0, window_tokens=0, persisted_layers=()),
+    chunk_tokens=128,
+    encoder_layers=0,
+)
+
+_MODELS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        ModelSpec(
+            "deepseek-v4.1-flash", "2026-09-10", DEEPSEEK_V41_FLASH, vocab_size=129_280,
+            prefill_flops_per_token=2 * 8e9, notes="released config; 8B active parameters on prefill",
+        ),
+        ModelSpec(
+            "reference-toy-8", "1", REFERENCE_TOY8, vocab_size=512,
+            prefill_flops_per_token=2 * 1.2e6, notes="the in-process reference CED model",
+        ),
+        ModelSpec(
+            "dense-gqa-32l", "1", DENSE_GQA_32L, vocab_size=128_256,
+            prefill_flops_per_token=2 * 8e9, notes="a dense 8B-class GQA model in bf16",
+        ),
+    )
+}
+
+
+def model_names() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model(name: str) -> ModelSpec:
+    try:
+        return _MODELS[name]
+    except KeyError:
+        raise UnknownModel(f"unknown model or layout '{name}'; known: {', '.join(model_names())}") from None
+
+
+def register_model(spec: ModelSpec) -> None:
+    """Add a model at start-up (from config). Re-registering the same name with another spec fails."""
+    old = _MODELS.get(spec.name)
+    if old is not None and old != spec:
+        raise InvalidInput(f"model '{spec.name}' is already registered with a different spec")
+    _MODELS[spec.name] = spec
+
+
+def exact_replay_tokens(layout: CacheLayout) -> int:
+    """Tokens an exact rebuild of the encoder SWA state needs: L(W-1)+1."""
+    return layout.encoder_layers * (layout.local.window_tokens - 1) + 1

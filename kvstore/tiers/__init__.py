@@ -1,0 +1,1 @@
+"""Tiers move bytes and decide nothing: device memory, host DRAM, and LMDB on SSD."""

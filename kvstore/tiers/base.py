@@ -1,0 +1,84 @@
+"""The tier contract. The store (the bookkeeper) decides what goes where; a tier only moves bytes.
+
+A tier never evicts on its own, never refuses for policy reasons and never logs: the store asks
+`footprint()` before placing a chunk and keeps every tier within its budget. A tier raises
+`StorageError` only when its backing resource fails (disk full, device out of memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+TierName = Literal["device", "dram", "lmdb"]
+TIER_ORDER: tuple[TierName, ...] = ("device", "dram", "lmdb")
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What is stored beside a chunk's payload, and checked on every read."""
+
+    namespace: bytes  # 32-byte namespace digest (keys.Namespace.digest)
+    layout_id: bytes  # 8 bytes (layout.CacheLayout.layout_id)
+    tokens: bytes  # the chunk's token ids, little-endian uint32
+
+
+@dataclass(frozen=True)
+class ScannedChunk:
+    """One entry found by `LmdbTier.scan()` when a store reopens its durable tier."""
+
+    key: bytes
+    meta: ChunkMeta | None  # None: the entry is of another format version, or corrupt
+    payload_bytes: int  # raw payload size (0 when meta is None)
+    stored_bytes: int  # bytes the value takes in the database
+    problem: str = ""  # why meta is None: "format-version", "corrupt"
+
+
+@dataclass(frozen=True)
+class TierStats:
+    used_bytes: int
+    capacity_bytes: int
+    entries: int
+    corrupt_total: int = 0  # values that failed verification on read and were removed
+    map_size_bytes: int = 0  # lmdb only
+    readers: int = 0  # lmdb only
+
+
+class Tier(Protocol):
+    name: TierName
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    def footprint(self, payload_bytes: int) -> int:
+        """Bytes of capacity a payload of this size takes in this tier (page rounding etc.)."""
+        ...
+
+    def put(self, key: bytes, payload: memoryview, meta: ChunkMeta) -> None: ...
+
+    def put_many(self, items: Iterable[tuple[bytes, memoryview, ChunkMeta]]) -> None:
+        """Store several chunks; for LMDB in one transaction (one fsync), all or none."""
+        ...
+
+    def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
+        """Copy the payload into out[:payload_bytes]; None if absent (or corrupt: then removed)."""
+        ...
+
+    def delete(self, key: bytes) -> None: ...
+
+    def stats(self) -> TierStats: ...
+
+    def close(self) -> None: ...
+
+
+class DurableTier(Tier, Protocol):
+    def scan(self) -> Iterator[ScannedChunk]:
+        """Every entry in the database, for rebuilding the store's index after a restart."""
+        ...
+
+    def put_namespace(self, digest: bytes, record: bytes) -> None:
+        """Remember what a namespace digest stands for (tenant, model...), durably."""
+        ...
+
+    def namespaces(self) -> dict[bytes, bytes]: ...

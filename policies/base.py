@@ -1,0 +1,67 @@
+"""The policy contracts. Policies hold their own bookkeeping state but do no I/O, no logging and
+no metrics; the store and the local pool call them and act on the answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+from typing import Protocol
+
+
+class EvictionPolicy(Protocol):
+    """Chooses victims within one tier. Keys are opaque bytes; sizes are the tier footprint."""
+
+    def insert(self, key: bytes, nbytes: int, cost: float) -> None:
+        """A chunk entered the tier. `cost` is its recompute value (e.g. tokens it saves)."""
+        ...
+
+    def touch(self, key: bytes) -> None:
+        """The chunk was read (a hit)."""
+        ...
+
+    def remove(self, key: bytes) -> None:
+        """The chunk left the tier for a reason the policy did not choose (deleted, corrupt)."""
+        ...
+
+    def evict(
+        self,
+        nbytes: int,
+        protected: Container[bytes],
+        eligible: Callable[[bytes], bool] | None = None,
+    ) -> list[bytes] | None:
+        """Pick victims whose sizes add up to at least `nbytes`, never a protected key and only
+        keys for which `eligible` (if given) is true. The victims stop being tracked. If that
+        cannot be done, return None and change nothing."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+
+class AdmissionPolicy(Protocol):
+    """Decides whether a chunk is worth writing to the durable tier."""
+
+    def admit(self, key: bytes) -> bool:
+        """Record one sighting of `key` and say whether to write it now."""
+        ...
+
+
+class TtlPolicy(Protocol):
+    """Decides the lifetime of a local-state snapshot in the pool."""
+
+    def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
+        """Seconds a snapshot written now should live."""
+        ...
+
+    def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
+        """Seconds to refresh the TTL to after a hit, or None to leave it as it is."""
+        ...
+
+    def observe_return(self, tenant: str, gap_seconds: float) -> None:
+        """A session came back after `gap_seconds` (learning policies use this)."""
+        ...
+
+    def describe(self) -> dict[str, object]:
+        """The policy in force, for the dashboard and `check-config`."""
+        ...
