@@ -1,0 +1,65 @@
+"""The `kvstore` command line. Each subcommand lives in its own module under `kvstore/commands/`
+and exposes `add_arguments(parser)` and `run(args) -> int`; this file only dispatches.
+
+Modules are imported lazily where they are heavy (torch, grpc), so `kvstore --help` is fast.
+Errors a user can fix (bad flags, bad config, a service that is not running) print one clear
+line to stderr and exit 2; they never print a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvstore.errors import KvstoreError
+
+# (subcommand, module under kvstore.commands, one-line help)
+COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("demo", "demo", "play one agent session (cold, warm, expired) on the embedded default"),
+    ("serve", "serve", "run the gRPC service and the admin HTTP port"),
+    ("stats", "stats", "ask a running service for its statistics"),
+    ("layout", "layout", "show a model's cache layout and capacity arithmetic"),
+    ("check-config", "check_config", "validate a config file and print the effective settings"),
+    ("bench", "bench", "run a benchmark (store, service, pool, replay, workload)"),
+    ("runner", "runner", "run the reference model as a runner attached to a service"),
+    ("replay-quality", "replay_quality", "measure bounded vs exact replay error on the reference model"),
+    ("tune", "tune", "evaluate TTL policies offline against a recorded trace"),
+    ("explain", "explain", "explain why a recent request missed"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstore", description=__doc__.split("\n")[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module, help_text in COMMANDS:
+        try:
+            mod = importlib.import_module(f"kvstore.commands.{module}")
+        except ModuleNotFoundError as e:
+            if e.name != f"kvstore.commands.{module}":
+                raise
+            continue  # not built yet; the README says which commands exist
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args))
+    except KvstoreError as e:
+        print(f"kvstore {args.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

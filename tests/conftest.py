@@ -1,0 +1,3 @@
+"""Shared pytest set-up. Fixture modules live in tests/fixtures/ and are registered here."""
+
+pytest_plugins: list[str] = []
