@@ -1,0 +1,615 @@
+"""The global-KV store: the bookkeeper. It decides; it never touches bytes itself.
+
+It owns the index (chunk key -> which tiers hold the chunk, its tenant, its token ids), the byte
+budgets per tier and per tenant, the pins, and the policies. It asks tiers to move bytes:
+- lookup walks the chained keys and stops at the first key it does not hold (or whose stored
+  token ids differ from the request's: a miss, counted);
+- a store is two-phase: `begin_store` -> `write` (payloads staged in the transaction) -> `commit`
+  writes the new chunks durably in ONE LMDB transaction (write-through), then places them in the
+  hot tier and makes them visible; `abort` (or an exception, or a cancelled stream) leaves nothing;
+- a load pins the hit prefix with a receipt, reads each chunk from the fastest tier holding it,
+  promotes it to the device tier when the policy says so, and releases the pin;
+- pressure demotes device -> DRAM -> LMDB -> dropped, choosing victims with the tier's eviction
+  policy, never a pinned chunk, and never exceeding a tier's capacity or a tenant's quota.
+
+What it does not know: how bytes are laid out in memory or on disk (tiers), how victims are
+ranked (policies), gRPC, tenants' credentials, or local SWA state (the local pool).
+
+Locking: one re-entrant lock guards the index and the in-memory tiers; the slow durable write of
+a commit happens outside it, before the new chunks become visible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+
+from kvstore.config.store import StoreConfig
+from kvstore.errors import InvalidInput, UnknownModel
+from kvstore.keys import Namespace, as_token_array, chain_keys, chunk_token_bytes
+from kvstore.layout import CacheLayout, ModelSpec
+from kvstore.pins import PinReceipt, PinTable
+from kvstore.store_types import (
+    LoadedChunk,
+    LookupResult,
+    StoreResult,
+    StoreStats,
+    TenantQuota,
+    TierUsage,
+)
+from kvstore.tiers.base import TIER_ORDER, ChunkMeta, DurableTier, Tier, TierName
+from kvstore.tiers.factory import build_tiers
+from policies.base import AdmissionPolicy, EvictionPolicy
+from policies.factory import build_admission, build_eviction
+
+__all__ = [
+    "GlobalStore",
+    "LoadSession",
+    "LoadedChunk",
+    "LookupResult",
+    "StoreResult",
+    "StoreStats",
+    "StoreTxn",
+    "TenantQuota",
+]
+
+
+@dataclass
+class _Entry:
+    namespace: bytes
+    tenant: str
+    layout: CacheLayout
+    tokens: bytes
+    payload_bytes: int
+    footprint: dict[TierName, int] = field(default_factory=dict)  # tier -> bytes charged there
+
+
+class GlobalStore:
+    def __init__(
+        self,
+        cfg: StoreConfig,
+        data_dir: Path,
+        models: Sequence[ModelSpec],
+        quotas: Mapping[str, TenantQuota] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self._clock = clock
+        self._models = {m.name: m for m in models}
+        # Chunk geometry comes from the config, so one store has one chunk size.
+        self._layouts = {self._layout_for(m).layout_id: self._layout_for(m) for m in models}
+        self._quotas = dict(quotas or {})
+        self._lock = threading.RLock()
+        self._index: dict[bytes, _Entry] = {}
+        self._pins = PinTable()
+        device, dram, lmdb = build_tiers(cfg, Path(data_dir), list(self._layouts.values()))
+        self._durable: DurableTier = lmdb
+        self._tiers: dict[TierName, Tier] = {"device": device, "dram": dram, "lmdb": lmdb}
+        self._policies: dict[TierName, EvictionPolicy] = {
+            t: build_eviction(cfg.eviction_policy) for t in TIER_ORDER
+        }
+        self._admission: AdmissionPolicy = build_admission(cfg.admission_policy)
+        self._used: dict[TierName, int] = dict.fromkeys(TIER_ORDER, 0)
+        self._tenant_used: dict[tuple[str, TierName], int] = {}
+        self._known_ns: dict[bytes, str] = {}  # namespace digest -> tenant
+        self._counters: dict[str, int] = {}
+        self._by_tier: dict[str, int] = {}
+        self._ignored: dict[str, int] = {}
+        self._recover()
+
+    # --- namespaces and validation -----------------------------------------------------------------
+
+    def _layout_for(self, model: ModelSpec) -> CacheLayout:
+        return model.layout.with_chunk_tokens(self.cfg.chunk_tokens)
+
+    def model(self, name: str) -> ModelSpec:
+        try:
+            return self._models[name]
+        except KeyError:
+            raise UnknownModel(
+                f"model '{name}' is not served here; served: {', '.join(sorted(self._models))}"
+            ) from None
+
+    def layout(self, ns: Namespace) -> CacheLayout:
+        return self._layouts[ns.layout_id]
+
+    def namespace(self, tenant: str, model: str, replay_mode: str) -> Namespace:
+        spec = self.model(model)
+        return Namespace(tenant, spec.name, spec.revision, self._layout_for(spec).layout_id, replay_mode)
+
+    def tokens(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        return as_token_array(token_ids, self._models[ns.model].vocab_size)
+
+    # --- lookup -----------------------------------------------------------------------------------
+
+    def lookup(self, ns: Namespace, tokens: np.ndarray) -> LookupResult:
+        layout = self.layout(ns)
+        chunks = chunk_token_bytes(tokens, layout.chunk_tokens)
+        tiers: list[TierName] = []
+        mismatches = 0
+        sha = hashlib.sha256
+        with self._lock:
+            prev = ns.digest
+            for tok in chunks:
+                key = sha(prev + tok).digest()  # the chain of keys.chain_keys, computed lazily
+                entry = self._index.get(key)
+                if entry is None:
+                    break
+                if entry.tokens != tok or entry.namespace != ns.digest:
+                    mismatches += 1
+                    break
+                tiers.append(_fastest(entry))
+                prev = key
+            hit = len(tiers) * layout.chunk_tokens
+            self._bump("lookups")
+            self._bump("lookup_hit_tokens", hit)
+            self._bump("lookup_miss_tokens", len(tokens) - hit)
+            self._bump("token_mismatches", mismatches)
+        return LookupResult(
+            hit_tokens=hit,
+            hit_chunks=len(tiers),
+            chunk_tiers=tuple(tiers),
+            full_chunks=len(chunks),
+            remainder_tokens=len(tokens) - len(chunks) * layout.chunk_tokens,
+            chunk_tokens=layout.chunk_tokens,
+            chunk_bytes=layout.chunk_bytes,
+            token_mismatches=mismatches,
+        )
+
+    def chunk_keys(self, ns: Namespace, tokens: np.ndarray) -> list[bytes]:
+        layout = self.layout(ns)
+        return chain_keys(ns.digest, chunk_token_bytes(tokens, layout.chunk_tokens))
+
+    # --- store (two-phase) ------------------------------------------------------------------------
+
+    def begin_store(self, ns: Namespace, tokens: np.ndarray) -> StoreTxn:
+        layout = self.layout(ns)
+        chunks = chunk_token_bytes(tokens, layout.chunk_tokens)
+        keys = chain_keys(ns.digest, chunks)
+        with self._lock:
+            needed = [i for i, k in enumerate(keys) if k not in self._index]
+        remainder = len(tokens) - len(chunks) * layout.chunk_tokens
+        return StoreTxn(self, ns, layout, keys, chunks, needed, remainder)
+
+    def _commit(self, txn: StoreTxn) -> StoreResult:
+        ns, layout = txn.ns, txn.layout
+        staged = sorted(txn.staged.items())
+        missing = [i for i in txn.chunks_needed if i not in txn.staged]
+        if missing:
+            raise InvalidInput(
+                f"store is incomplete: chunk {missing[0]} (of {len(txn.keys)}) was never sent"
+            )
+        durable_items: list[tuple[bytes, memoryview, ChunkMeta]] = []
+        with self._lock:
+            new = [(i, p) for i, p in staged if txn.keys[i] not in self._index]
+            self._remember_namespace(ns)
+            write_through = self.cfg.write_policy == "write-through"
+            lmdb_room = True
+            reserved = 0
+            if write_through and new:
+                need = sum(self._tiers["lmdb"].footprint(len(p)) for _, p in new)
+                lmdb_room = self._make_room("lmdb", ns.tenant, need, protect=set())
+                if lmdb_room:
+                    # Reserve the bytes so a concurrent commit cannot take them meanwhile.
+                    reserved = need
+                    self._reserve("lmdb", ns.tenant, reserved)
+                else:
+                    self._bump("admissions_refused", len(new))
+            for i, p in new:
+                meta = ChunkMeta(ns.digest, layout.layout_id, txn.chunks[i])
+                if write_through and lmdb_room and self._admission.admit(txn.keys[i]):
+                    durable_items.append((txn.keys[i], p, meta))
+                elif write_through and lmdb_room:
+                    self._bump("admissions_refused")
+        # The durable write happens outside the lock: it may fsync. Nothing is visible yet.
+        try:
+            if durable_items:
+                self._durable.put_many(durable_items)
+        finally:
+            with self._lock:
+                self._reserve("lmdb", ns.tenant, -reserved)
+        placed = skipped = 0
+        with self._lock:
+            durable_keys = {k for k, _, _ in durable_items}
+            for i, p in new:
+                key = txn.keys[i]
+                if key in self._index:  # a concurrent store of the same prefix won the race
+                    continue
+                entry = _Entry(ns.digest, ns.tenant, layout, txn.chunks[i], len(p))
+                self._index[key] = entry
+                if key in durable_keys:
+                    self._charge(key, entry, "lmdb")
+                hot = self._place_hot(key, entry, p, protect={key})
+                if not hot and key not in durable_keys:
+                    del self._index[key]
+                    skipped += 1
+                else:
+                    placed += 1
+            all_durable = all(
+                (e := self._index.get(k)) is not None and "lmdb" in e.footprint for k in txn.keys
+            )
+        return StoreResult(
+            stored_chunks=placed,
+            already_present=len(txn.keys) - len(new),
+            skipped_chunks=skipped,
+            skipped_reason="no room within the tier budgets" if skipped else "",
+            durable=all_durable,
+            remainder_tokens=txn.remainder_tokens,
+        )
+
+    def _remember_namespace(self, ns: Namespace) -> None:
+        if ns.digest in self._known_ns:
+            return
+        record = json.dumps(
+            {"tenant": ns.tenant, "model": ns.model, "revision": ns.revision,
+             "layout_id": ns.layout_id.hex(), "replay_mode": ns.replay_mode,
+             "format_version": ns.format_version},
+            sort_keys=True,
+        ).encode()
+        self._durable.put_namespace(ns.digest, record)
+        self._known_ns[ns.digest] = ns.tenant
+
+    # --- load -------------------------------------------------------------------------------------
+
+    def load(self, ns: Namespace, tokens: np.ndarray, max_chunks: int | None = None) -> LoadSession:
+        result = self.lookup(ns, tokens)
+        n = result.hit_chunks if max_chunks is None else min(result.hit_chunks, max_chunks)
+        keys = self.chunk_keys(ns, tokens[: n * result.chunk_tokens])
+        with self._lock:
+            self._pins.expire(self._clock())
+            receipt = self._pins.pin(keys, self._clock(), self.cfg.pin_timeout_seconds)
+        return LoadSession(self, ns, self.layout(ns), keys, receipt)
+
+    def _read(self, key: bytes, out: memoryview) -> TierName | None:
+        """Copy one chunk into `out` from the fastest tier that holds it intact."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return None
+            order = [t for t in TIER_ORDER if t in entry.footprint]
+            for tier in order:
+                if tier == "lmdb":
+                    break  # read outside the lock below
+                if self._tiers[tier].get_into(key, out) is not None:
+                    self._policies[tier].touch(key)
+                    return tier
+                self._lost(key, entry, tier)
+        if "lmdb" not in order:
+            return None
+        meta = self._tiers["lmdb"].get_into(key, out)
+        with self._lock:
+            entry = self._index.get(key)
+            if meta is None or entry is None or meta.tokens != entry.tokens:
+                if entry is not None:
+                    self._lost(key, entry, "lmdb")
+                return None
+            if "lmdb" in entry.footprint:
+                self._policies["lmdb"].touch(key)
+            if (
+                self.cfg.promote_on_hit
+                and not (entry.footprint.keys() & {"device", "dram"})
+                and self._place_hot(key, entry, out[: entry.payload_bytes], protect={key})
+            ):
+                self._bump_tier("promotions", _fastest(entry))
+        return "lmdb"
+
+    def _lost(self, key: bytes, entry: _Entry, tier: TierName) -> None:
+        """A tier no longer has a chunk it was charged for (corrupt value removed by the tier)."""
+        self._bump("corrupt_reads")
+        self._bump_tier("corrupt", tier)
+        self._policies[tier].remove(key)
+        self._uncharge(key, entry, tier)
+
+    def _release(self, receipt: PinReceipt) -> None:
+        with self._lock:
+            self._pins.release(receipt)
+
+    # --- placement, demotion, budgets ---------------------------------------------------------------
+
+    def _place_hot(self, key: bytes, entry: _Entry, payload: memoryview, protect: set[bytes]) -> bool:
+        """Put a chunk in the fastest in-memory tier with room; True if it landed somewhere."""
+        for tier in ("device", "dram"):
+            t = self._tiers[tier]
+            if t.capacity_bytes == 0 or tier in entry.footprint:
+                continue
+            if self._make_room(tier, entry.tenant, t.footprint(len(payload)), protect):
+                t.put(key, payload, ChunkMeta(entry.namespace, entry.layout.layout_id, entry.tokens))
+                self._charge(key, entry, tier)
+                return True
+        return False
+
+    def _reserve(self, tier: TierName, tenant: str, nbytes: int) -> None:
+        self._used[tier] += nbytes
+        self._tenant_used[(tenant, tier)] = self._tenant_used.get((tenant, tier), 0) + nbytes
+
+    def _budget_excess(self, tier: TierName, tenant: str, need: int) -> tuple[int, int]:
+        cap = self._tiers[tier].capacity_bytes
+        over_tier = self._used[tier] + need - cap
+        quota = self._quotas.get(tenant, TenantQuota()).limit(tier)
+        over_tenant = self._tenant_used.get((tenant, tier), 0) + need - quota if quota >= 0 else 0
+        return over_tier, over_tenant
+
+    def _make_room(self, tier: TierName, tenant: str, need: int, protect: set[bytes]) -> bool:
+        """Evict (demoting where a lower tier has room) until `need` bytes fit; False if they can't."""
+        over_tier, over_tenant = self._budget_excess(tier, tenant, need)
+        if need > self._tiers[tier].capacity_bytes:
+            return False
+        policy = self._policies[tier]
+        protected = _Protected(self._pins, protect)
+        if over_tenant > 0:
+            victims = policy.evict(over_tenant, protected, lambda k: self._index[k].tenant == tenant)
+            if victims is None:
+                return False
+            self._evict(tier, victims, "quota")
+            over_tier, _ = self._budget_excess(tier, tenant, need)
+        if over_tier > 0:
+            victims = policy.evict(over_tier, protected)
+            if victims is None:
+                return False
+            self._evict(tier, victims, "capacity")
+        return True
+
+    def _evict(self, tier: TierName, victims: list[bytes], reason: str) -> None:
+        for key in victims:
+            entry = self._index[key]
+            self._bump_tier("evictions", tier)
+            self._bump_tier(f"evict_reason:{tier}", reason)
+            self._demote(key, entry, tier)
+
+    def _demote(self, key: bytes, entry: _Entry, tier: TierName) -> None:
+        """Move a victim down to the next tier that lacks it (if any has room), then drop it here.
+
+        A device victim goes to DRAM even when LMDB holds it (write-through): DRAM is the faster
+        place to find it again. A chunk already in a lower in-memory tier is simply dropped.
+        """
+        lower = TIER_ORDER[TIER_ORDER.index(tier) + 1 :]
+        in_lower_memory = any(t in entry.footprint for t in lower if t != "lmdb")
+        targets = tuple(t for t in lower if t not in entry.footprint and self._tiers[t].capacity_bytes > 0)
+        if targets and not in_lower_memory:
+            buf = bytearray(entry.payload_bytes)
+            if self._tiers[tier].get_into(key, memoryview(buf)) is not None:
+                self._demote_into(key, entry, targets, memoryview(buf))
+        self._tiers[tier].delete(key)
+        self._uncharge(key, entry, tier)
+
+    def _demote_into(self, key: bytes, entry: _Entry, targets: tuple[TierName, ...], payload: memoryview) -> None:
+        meta = ChunkMeta(entry.namespace, entry.layout.layout_id, entry.tokens)
+        protect = {key}
+        for t in targets:
+            tier = self._tiers[t]
+            if t == "lmdb" and not self._admission.admit(key):
+                self._bump("admissions_refused")
+                return
+            if self._make_room(t, entry.tenant, tier.footprint(len(payload)), protect):
+                tier.put(key, payload, meta)
+                self._charge(key, entry, t)
+                self._bump_tier("demotions", t)
+                return
+
+    def _charge(self, key: bytes, entry: _Entry, tier: TierName) -> None:
+        fp = self._tiers[tier].footprint(entry.payload_bytes)
+        entry.footprint[tier] = fp
+        self._used[tier] += fp
+        tk = (entry.tenant, tier)
+        self._tenant_used[tk] = self._tenant_used.get(tk, 0) + fp
+        self._policies[tier].insert(key, fp, float(entry.layout.chunk_tokens))
+
+    def _uncharge(self, key: bytes, entry: _Entry, tier: TierName) -> None:
+        fp = entry.footprint.pop(tier)
+        self._used[tier] -= fp
+        self._tenant_used[(entry.tenant, tier)] -= fp
+        if not entry.footprint:
+            del self._index[key]
+
+    # --- restart ----------------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Rebuild the index from the durable tier: the index *is* the database."""
+        namespaces = self._durable.namespaces()
+        for digest, record in namespaces.items():
+            try:
+                self._known_ns[digest] = str(json.loads(record)["tenant"])
+            except (ValueError, KeyError):
+                self._ignored["bad-namespace-record"] = self._ignored.get("bad-namespace-record", 0) + 1
+        for sc in self._durable.scan():
+            reason = ""
+            if sc.meta is None:
+                reason = sc.problem or "unreadable"
+            elif sc.meta.layout_id not in self._layouts:
+                reason = "layout"
+            elif sc.meta.namespace not in self._known_ns:
+                reason = "unknown-namespace"
+            if reason:
+                self._ignored[reason] = self._ignored.get(reason, 0) + 1
+                continue
+            assert sc.meta is not None
+            layout = self._layouts[sc.meta.layout_id]
+            if sc.payload_bytes != layout.chunk_bytes:
+                self._ignored["size-mismatch"] = self._ignored.get("size-mismatch", 0) + 1
+                continue
+            entry = _Entry(sc.meta.namespace, self._known_ns[sc.meta.namespace], layout,
+                           sc.meta.tokens, sc.payload_bytes)
+            self._index[sc.key] = entry
+            self._charge(sc.key, entry, "lmdb")
+
+    # --- stats and lifecycle ------------------------------------------------------------------------
+
+    def _bump(self, name: str, n: int = 1) -> None:
+        self._counters[name] = self._counters.get(name, 0) + n
+
+    def _bump_tier(self, name: str, label: str) -> None:
+        k = f"{name}:{label}"
+        self._by_tier[k] = self._by_tier.get(k, 0) + 1
+
+    def expire_pins(self) -> int:
+        with self._lock:
+            return self._pins.expire(self._clock())
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            self._pins.expire(self._clock())
+            tiers: dict[str, TierUsage] = {}
+            for name in TIER_ORDER:
+                ts = self._tiers[name].stats()
+                tiers[name] = TierUsage(
+                    used_bytes=self._used[name],
+                    capacity_bytes=self._tiers[name].capacity_bytes,
+                    entries=len(self._policies[name]),
+                    evictions=self._by_tier.get(f"evictions:{name}", 0),
+                    demotions=self._by_tier.get(f"demotions:{name}", 0),
+                    promotions=self._by_tier.get(f"promotions:{name}", 0),
+                    corrupt_total=ts.corrupt_total,
+                    backend=str(getattr(self._tiers[name], "backend", "")),
+                    map_size_bytes=ts.map_size_bytes,
+                    readers=ts.readers,
+                )
+            tenant_bytes: dict[str, dict[str, int]] = {}
+            for (tenant, tier), b in self._tenant_used.items():
+                tenant_bytes.setdefault(tenant, {})[tier] = b
+            reasons = {k.split(":", 1)[1]: v for k, v in self._by_tier.items() if k.startswith("evict_reason:")}
+            c = self._counters
+            return StoreStats(
+                chunks=len(self._index), tiers=tiers, tenant_bytes=tenant_bytes,
+                lookups=c.get("lookups", 0), lookup_hit_tokens=c.get("lookup_hit_tokens", 0),
+                lookup_miss_tokens=c.get("lookup_miss_tokens", 0),
+                token_mismatches=c.get("token_mismatches", 0), corrupt_reads=c.get("corrupt_reads", 0),
+                pins_active=self._pins.active, pins_expired=self._pins.expired_total,
+                admissions_refused=c.get("admissions_refused", 0),
+                ignored_on_open=dict(self._ignored), evictions_by_reason=reasons,
+            )
+
+    def check_invariants(self) -> None:
+        """Budgets hold and the accounting adds up (used by tests after every step)."""
+        with self._lock:
+            for tier in TIER_ORDER:
+                total = sum(e.footprint.get(tier, 0) for e in self._index.values())
+                assert total == self._used[tier], (tier, total, self._used[tier])
+                assert self._used[tier] <= self._tiers[tier].capacity_bytes, tier
+                assert len(self._policies[tier]) == sum(1 for e in self._index.values() if tier in e.footprint)
+            for (tenant, tier), used in self._tenant_used.items():
+                quota = self._quotas.get(tenant, TenantQuota()).limit(tier)
+                assert quota < 0 or used <= quota, (tenant, tier, used, quota)
+
+    def close(self) -> None:
+        with self._lock:
+            for t in self._tiers.values():
+                t.close()
+
+
+def _fastest(entry: _Entry) -> TierName:
+    for t in TIER_ORDER:
+        if t in entry.footprint:
+            return t
+    raise AssertionError("an indexed chunk is held by no tier")
+
+
+class _Protected:
+    """Keys the eviction policy must not choose: pinned ones and those of the current operation."""
+
+    def __init__(self, pins: PinTable, extra: set[bytes]) -> None:
+        self._pins = pins
+        self._extra = extra
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._extra or key in self._pins
+
+
+class StoreTxn:
+    """One two-phase store: stage payloads with `write`, then `commit` or `abort`."""
+
+    def __init__(
+        self, store: GlobalStore, ns: Namespace, layout: CacheLayout, keys: list[bytes],
+        chunks: list[bytes], needed: list[int], remainder_tokens: int,
+    ) -> None:
+        self._store = store
+        self.ns = ns
+        self.layout = layout
+        self.keys = keys
+        self.chunks = chunks
+        self.chunks_needed = needed
+        self.remainder_tokens = remainder_tokens
+        self.staged: dict[int, memoryview] = {}
+        self._done = False
+
+    def write(self, chunk_index: int, payload: bytes | bytearray | memoryview) -> None:
+        if self._done:
+            raise InvalidInput("this store transaction is already finished")
+        if not 0 <= chunk_index < len(self.keys):
+            raise InvalidInput(
+                f"chunk index {chunk_index} is outside the {len(self.keys)} full chunks of the prefix"
+            )
+        mv = memoryview(payload).cast("B")
+        if mv.nbytes != self.layout.chunk_bytes:
+            raise InvalidInput(
+                f"chunk {chunk_index} payload is {mv.nbytes} bytes; layout {self.layout.name} "
+                f"needs {self.layout.chunk_bytes}"
+            )
+        self.staged[chunk_index] = mv
+
+    def commit(self) -> StoreResult:
+        if self._done:
+            raise InvalidInput("this store transaction is already finished")
+        self._done = True
+        try:
+            return self._store._commit(self)
+        finally:
+            self.staged.clear()
+
+    def abort(self) -> None:
+        self._done = True
+        self.staged.clear()
+
+    def __enter__(self) -> StoreTxn:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if not self._done:
+            self.abort()
+
+
+class LoadSession:
+    """The chunks of a hit prefix, pinned until the session closes (or the pin times out)."""
+
+    def __init__(self, store: GlobalStore, ns: Namespace, layout: CacheLayout, keys: list[bytes],
+                 receipt: PinReceipt) -> None:
+        self._store = store
+        self.ns = ns
+        self.layout = layout
+        self.keys = keys
+        self.receipt = receipt
+        self._buf = memoryview(bytearray(layout.chunk_bytes))
+        self.read_chunks = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def read_into(self, index: int, out: memoryview) -> TierName | None:
+        """Copy chunk `index` into `out`; None when it vanished (corrupt), which ends the hit."""
+        tier = self._store._read(self.keys[index], out)
+        if tier is not None:
+            self.read_chunks += 1
+        return tier
+
+    def __iter__(self) -> Iterator[LoadedChunk]:
+        for i in range(len(self.keys)):
+            tier = self.read_into(i, self._buf)
+            if tier is None:
+                return
+            yield LoadedChunk(i, tier, self._buf)
+
+    def close(self) -> None:
+        self._store._release(self.receipt)
+
+    def __enter__(self) -> LoadSession:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

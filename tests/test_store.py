@@ -1,0 +1,235 @@
+"""The store (bookkeeper) over real tiers: LMDB in a temp dir, arenas in CPU memory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.errors import InvalidInput, UnknownModel
+from kvstore.layout import get_model
+from kvstore.store import GlobalStore, TenantQuota
+from kvstore.tiers.base import ChunkMeta
+from tests.store_helpers import (
+    CHUNK,
+    MODELS,
+    small_config,
+    expected_payloads,
+    open_store,
+    payload_for,
+    store_prefix,
+    tokens_for,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_all(store: GlobalStore, ns, tokens) -> list[tuple[str, bytes]]:  # type: ignore[no-untyped-def]
+    with store.load(ns, tokens) as session:
+        return [(c.tier, bytes(c.payload)) for c in session]
+
+
+def test_store_lookup_load_round_trip(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    tokens = tokens_for(1, 5 * CHUNK + 3)
+    assert store.lookup(ns, tokens).hit_tokens == 0
+    res = store_prefix(store, ns, tokens)
+    assert res.stored_chunks == 5 and res.durable and res.remainder_tokens == 3
+    look = store.lookup(ns, tokens)
+    assert look.hit_tokens == 5 * CHUNK
+    assert look.remainder_tokens == 3 and look.full_chunks == 5
+    got = load_all(store, ns, tokens)
+    assert [p for _, p in got] == expected_payloads(store, ns, tokens, 5)
+    # A longer prompt sharing the prefix hits the prefix only.
+    longer = np.concatenate([tokens[: 5 * CHUNK], tokens_for(2, 4 * CHUNK)])
+    assert store.lookup(ns, longer).hit_tokens == 5 * CHUNK
+    # A different first chunk misses entirely: keys are chained.
+    other = tokens.copy()
+    other[0] = (other[0] + 1) % 512
+    assert store.lookup(ns, other).hit_tokens == 0
+    store.check_invariants()
+    store.close()
+
+
+def test_bad_input_is_rejected_and_nothing_is_written(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    with pytest.raises(UnknownModel):
+        store.namespace("default", "no-such-model", "bounded")
+    with pytest.raises(InvalidInput, match="outside the model's vocab"):
+        store.tokens(ns, [1, 2, 512])
+    with pytest.raises(InvalidInput, match="replay mode"):
+        store.namespace("default", "reference-toy-8", "sometimes")
+    tokens = tokens_for(3, 2 * CHUNK)
+    txn = store.begin_store(ns, tokens)
+    with pytest.raises(InvalidInput, match="needs"):
+        txn.write(0, b"\x00" * 10)
+    with pytest.raises(InvalidInput, match="outside"):
+        txn.write(7, b"\x00" * store.layout(ns).chunk_bytes)
+    txn.write(0, payload_for(ns, 0, tokens[:CHUNK], store.layout(ns).chunk_bytes))
+    with pytest.raises(InvalidInput, match="never sent"):
+        txn.commit()
+    assert store.lookup(ns, tokens).hit_tokens == 0
+    assert store.stats().chunks == 0
+
+
+def test_abort_and_exception_leave_nothing_visible(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    tokens = tokens_for(4, 3 * CHUNK)
+    nbytes = store.layout(ns).chunk_bytes
+    txn = store.begin_store(ns, tokens)
+    for i in txn.chunks_needed:
+        txn.write(i, payload_for(ns, i, tokens[i * CHUNK : (i + 1) * CHUNK], nbytes))
+    txn.abort()
+    assert store.lookup(ns, tokens).hit_tokens == 0
+    with pytest.raises(RuntimeError), store.begin_store(ns, tokens) as txn2:
+        txn2.write(0, payload_for(ns, 0, tokens[:CHUNK], nbytes))
+        raise RuntimeError("stream broke")
+    assert store.lookup(ns, tokens).hit_tokens == 0
+    store.close()
+    # Nothing reached the durable tier either.
+    again = open_store(tmp_path)
+    assert again.lookup(ns, tokens).hit_tokens == 0
+
+
+def test_pressure_demotes_down_the_tiers_and_loads_from_each(tmp_path: Path) -> None:
+    # toy chunk of 16 tokens = 1,272 B -> one 4 KiB page. Device holds 2, DRAM 3.
+    store = open_store(tmp_path, device_capacity_bytes=2 * 4096, dram_capacity_bytes=3 * 4096)
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    tokens = tokens_for(5, 8 * CHUNK)
+    res = store_prefix(store, ns, tokens)
+    assert res.stored_chunks == 8 and res.durable
+    store.check_invariants()
+    look = store.lookup(ns, tokens)
+    assert look.hit_chunks == 8
+    assert look.chunk_tiers.count("device") == 2
+    assert look.chunk_tiers.count("dram") == 3
+    assert look.chunk_tiers.count("lmdb") == 3
+    got = load_all(store, ns, tokens)
+    assert [p for _, p in got] == expected_payloads(store, ns, tokens, 8)
+    assert {t for t, _ in got} == {"device", "dram", "lmdb"}
+    stats = store.stats()
+    assert stats.tiers["device"].evictions > 0 and stats.tiers["dram"].demotions > 0
+    # While the whole prefix was pinned nothing could make room: no promotion happened.
+    assert stats.tiers["device"].promotions == 0
+    # Loading just the head (held by LMDB) promotes it into the device tier.
+    first_lmdb = look.chunk_tiers.index("lmdb")
+    with store.load(ns, tokens, max_chunks=first_lmdb + 1) as session:
+        assert [c.tier for c in session][-1] == "lmdb"
+    assert store.stats().tiers["device"].promotions == 1
+    assert store.lookup(ns, tokens).chunk_tiers[first_lmdb] == "device"
+    store.check_invariants()
+
+
+def test_capacity_drops_from_the_last_tier(tmp_path: Path) -> None:
+    chunk_fp = 4096  # toy chunk footprint in the arenas; LMDB charges its own footprint
+    store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=chunk_fp,
+                       lmdb_capacity_bytes=1 << 20)
+    lmdb_fp = store._tiers["lmdb"].footprint(store.layout(store.namespace("default", "reference-toy-8",
+                                                                              "bounded")).chunk_bytes)
+    store.close()
+    store = open_store(tmp_path / "b", device_capacity_bytes=0, dram_capacity_bytes=chunk_fp,
+                       lmdb_capacity_bytes=max(1 << 20, 4 * lmdb_fp))
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    cap_chunks = store._tiers["lmdb"].capacity_bytes // lmdb_fp
+    for seed in range(cap_chunks + 3):
+        store_prefix(store, ns, tokens_for(100 + seed, CHUNK))
+        store.check_invariants()
+    assert store.stats().tiers["lmdb"].evictions >= 3
+
+
+def test_tenant_quota_is_never_exceeded(tmp_path: Path) -> None:
+    quotas = {"small": TenantQuota(device_bytes=4096, dram_bytes=2 * 4096)}
+    store = open_store(tmp_path, quotas=quotas)
+    small = store.namespace("small", "reference-toy-8", "bounded")
+    big = store.namespace("big", "reference-toy-8", "bounded")
+    for seed in range(6):
+        store_prefix(store, small, tokens_for(200 + seed, 2 * CHUNK))
+        store_prefix(store, big, tokens_for(300 + seed, 2 * CHUNK))
+        store.check_invariants()
+    tb = store.stats().tenant_bytes
+    assert tb["small"]["device"] <= 4096 and tb["small"]["dram"] <= 2 * 4096
+    assert tb["big"]["device"] > 4096  # the other tenant is not held to it
+
+
+def test_pinned_chunks_are_not_evicted_and_stale_pins_expire(tmp_path: Path) -> None:
+    now = [0.0]
+    store = GlobalStore(small_config(device_capacity_bytes=2 * 4096, dram_capacity_bytes=0,
+                                     pin_timeout_seconds=5.0), tmp_path, MODELS, clock=lambda: now[0])
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    a = tokens_for(6, 2 * CHUNK)
+    store_prefix(store, ns, a)
+    assert store.lookup(ns, a).chunk_tiers == ("device", "device")
+    session = store.load(ns, a)  # pins both device chunks
+    store_prefix(store, ns, tokens_for(7, 2 * CHUNK))
+    # The pinned chunks stayed on the device; the new ones went to LMDB only.
+    assert store.lookup(ns, a).chunk_tiers == ("device", "device")
+    now[0] = 10.0
+    assert store.expire_pins() == 1
+    assert store.stats().pins_expired == 1
+    session.close()  # a late release after expiry is harmless
+    store.check_invariants()
+
+
+def test_restart_in_a_new_process_finds_every_chunk(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    ns_a = store.namespace("alice", "reference-toy-8", "bounded")
+    ns_b = store.namespace("bob", "deepseek-v4.1-flash", "exact")
+    ta, tb = tokens_for(8, 4 * CHUNK), tokens_for(9, 3 * CHUNK, vocab=129_280)
+    store_prefix(store, ns_a, ta)
+    store_prefix(store, ns_b, tb)
+    store.close()
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        import numpy as np
+        from pathlib import Path
+        from tests.store_helpers import open_store, expected_payloads, tokens_for, CHUNK
+        s = open_store(Path({str(tmp_path)!r}))
+        for tenant, model, mode, seed, n, vocab in [("alice", "reference-toy-8", "bounded", 8, 4, 512),
+                                                   ("bob", "deepseek-v4.1-flash", "exact", 9, 3, 129280)]:
+            ns = s.namespace(tenant, model, mode)
+            t = tokens_for(seed, n * CHUNK, vocab)
+            assert s.lookup(ns, t).hit_chunks == n, (tenant, s.lookup(ns, t))
+            with s.load(ns, t) as sess:
+                got = [bytes(c.payload) for c in sess]
+            assert got == expected_payloads(s, ns, t, n)
+            # Another tenant with the same tokens misses.
+            assert s.lookup(s.namespace("mallory", model, mode), t).hit_tokens == 0
+        s.check_invariants()
+        print("ok", s.stats().chunks)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok", "7"]
+
+
+def test_foreign_layout_and_token_mismatch_are_ignored_and_reported(tmp_path: Path) -> None:
+    toy = get_model("reference-toy-8")
+    other = replace(toy, name="other-model", layout=replace(toy.layout, name="other-layout"))
+    store = GlobalStore(small_config(), tmp_path, [*MODELS, other])
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    tokens = tokens_for(10, 2 * CHUNK)
+    store_prefix(store, ns, tokens)
+    store_prefix(store, store.namespace("default", "other-model", "bounded"), tokens)
+    keys = store.chunk_keys(ns, tokens)
+    nbytes = store.layout(ns).chunk_bytes
+    # Chunk 1 rewritten with other token ids: a key hit whose tokens differ is a miss.
+    wrong = tokens_for(11, CHUNK).tobytes()
+    store._durable.put(keys[1], memoryview(b"\x01" * nbytes), ChunkMeta(ns.digest, ns.layout_id, wrong))
+    store.close()
+    # Reopened by a store that does not serve "other-model": its entries are ignored and reported.
+    store = open_store(tmp_path)
+    look = store.lookup(ns, tokens)
+    assert look.hit_chunks == 1 and look.token_mismatches == 1
+    assert store.stats().token_mismatches == 1
+    assert store.stats().ignored_on_open.get("layout") == 2
