@@ -69,6 +69,7 @@ class _Entry:
     layout: CacheLayout
     tokens: bytes
     payload_bytes: int
+    cost: float  # recompute value for cost-aware eviction: the tokens this chunk keeps reachable
     footprint: dict[TierName, int] = field(default_factory=dict)  # tier -> bytes charged there
 
 
@@ -219,11 +220,14 @@ class GlobalStore:
         placed = skipped = 0
         with self._lock:
             durable_keys = {k for k, _, _ in durable_items}
-            for i, p in new:
+            # Last chunk first: the head of a prefix is then the most recently inserted, so
+            # LRU-like policies evict a prefix from its tail (a lost head strands the rest).
+            for i, p in reversed(new):
                 key = txn.keys[i]
                 if key in self._index:  # a concurrent store of the same prefix won the race
                     continue
-                entry = _Entry(ns.digest, ns.tenant, layout, txn.chunks[i], len(p))
+                cost = float((len(txn.keys) - i) * layout.chunk_tokens)
+                entry = _Entry(ns.digest, ns.tenant, layout, txn.chunks[i], len(p), cost)
                 self._index[key] = entry
                 if key in durable_keys:
                     self._charge(key, entry, "lmdb")
@@ -279,7 +283,6 @@ class GlobalStore:
                 if tier == "lmdb":
                     break  # read outside the lock below
                 if self._tiers[tier].get_into(key, out) is not None:
-                    self._policies[tier].touch(key)
                     return tier
                 self._lost(key, entry, tier)
         if "lmdb" not in order:
@@ -291,8 +294,6 @@ class GlobalStore:
                 if entry is not None:
                     self._lost(key, entry, "lmdb")
                 return None
-            if "lmdb" in entry.footprint:
-                self._policies["lmdb"].touch(key)
             if (
                 self.cfg.promote_on_hit
                 and not (entry.footprint.keys() & {"device", "dram"})
@@ -308,9 +309,16 @@ class GlobalStore:
         self._policies[tier].remove(key)
         self._uncharge(key, entry, tier)
 
-    def _release(self, receipt: PinReceipt) -> None:
+    def _release(self, receipt: PinReceipt, read_keys: Sequence[bytes]) -> None:
         with self._lock:
             self._pins.release(receipt)
+            # Touch the chunks that were read tail first, so the head of the prefix ends up the
+            # most recently used: eviction then takes a prefix from its tail.
+            for key in reversed(read_keys):
+                entry = self._index.get(key)
+                if entry is not None:
+                    for tier in entry.footprint:
+                        self._policies[tier].touch(key)
 
     # --- placement, demotion, budgets ---------------------------------------------------------------
 
@@ -400,7 +408,7 @@ class GlobalStore:
         self._used[tier] += fp
         tk = (entry.tenant, tier)
         self._tenant_used[tk] = self._tenant_used.get(tk, 0) + fp
-        self._policies[tier].insert(key, fp, float(entry.layout.chunk_tokens))
+        self._policies[tier].insert(key, fp, entry.cost)
 
     def _uncharge(self, key: bytes, entry: _Entry, tier: TierName) -> None:
         fp = entry.footprint.pop(tier)
@@ -436,7 +444,7 @@ class GlobalStore:
                 self._ignored["size-mismatch"] = self._ignored.get("size-mismatch", 0) + 1
                 continue
             entry = _Entry(sc.meta.namespace, self._known_ns[sc.meta.namespace], layout,
-                           sc.meta.tokens, sc.payload_bytes)
+                           sc.meta.tokens, sc.payload_bytes, float(layout.chunk_tokens))
             self._index[sc.key] = entry
             self._charge(sc.key, entry, "lmdb")
 
@@ -587,6 +595,7 @@ class LoadSession:
         self.receipt = receipt
         self._buf = memoryview(bytearray(layout.chunk_bytes))
         self.read_chunks = 0
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -606,7 +615,9 @@ class LoadSession:
             yield LoadedChunk(i, tier, self._buf)
 
     def close(self) -> None:
-        self._store._release(self.receipt)
+        if not self._closed:
+            self._closed = True
+            self._store._release(self.receipt, self.keys[: self.read_chunks])
 
     def __enter__(self) -> LoadSession:
         return self

@@ -18,10 +18,10 @@ from kvstore.tiers.base import ChunkMeta
 from tests.store_helpers import (
     CHUNK,
     MODELS,
-    small_config,
     expected_payloads,
     open_store,
     payload_for,
+    small_config,
     store_prefix,
     tokens_for,
 )
@@ -101,7 +101,8 @@ def test_abort_and_exception_leave_nothing_visible(tmp_path: Path) -> None:
 
 def test_pressure_demotes_down_the_tiers_and_loads_from_each(tmp_path: Path) -> None:
     # toy chunk of 16 tokens = 1,272 B -> one 4 KiB page. Device holds 2, DRAM 3.
-    store = open_store(tmp_path, device_capacity_bytes=2 * 4096, dram_capacity_bytes=3 * 4096)
+    store = open_store(tmp_path, device_capacity_bytes=2 * 4096, dram_capacity_bytes=3 * 4096,
+                       eviction_policy="lru")
     ns = store.namespace("default", "reference-toy-8", "bounded")
     tokens = tokens_for(5, 8 * CHUNK)
     res = store_prefix(store, ns, tokens)
@@ -119,12 +120,16 @@ def test_pressure_demotes_down_the_tiers_and_loads_from_each(tmp_path: Path) -> 
     assert stats.tiers["device"].evictions > 0 and stats.tiers["dram"].demotions > 0
     # While the whole prefix was pinned nothing could make room: no promotion happened.
     assert stats.tiers["device"].promotions == 0
-    # Loading just the head (held by LMDB) promotes it into the device tier.
-    first_lmdb = look.chunk_tiers.index("lmdb")
-    with store.load(ns, tokens, max_chunks=first_lmdb + 1) as session:
-        assert [c.tier for c in session][-1] == "lmdb"
+    # Inserted tail first, the head of the prefix is the hottest: it stayed on the device.
+    assert look.chunk_tiers[:2] == ("device", "device")
+    # A second prefix pushes the first one down to LMDB; loading the first one's head (now
+    # only in LMDB) promotes it into the device tier.
+    store_prefix(store, ns, tokens_for(55, 8 * CHUNK))
+    assert store.lookup(ns, tokens).chunk_tiers[0] == "lmdb"
+    with store.load(ns, tokens, max_chunks=1) as session:
+        assert [c.tier for c in session] == ["lmdb"]
     assert store.stats().tiers["device"].promotions == 1
-    assert store.lookup(ns, tokens).chunk_tiers[first_lmdb] == "device"
+    assert store.lookup(ns, tokens).chunk_tiers[0] == "device"
     store.check_invariants()
 
 

@@ -19,6 +19,8 @@ class TtlPolicyConfig:
     replay_cost_per_token: float = 1.0  # adaptive: cost units of one replayed token
     hold_cost_per_byte_second: float = 1e-9  # adaptive: cost units of holding one byte one second
     tenant_ttl_seconds: dict[str, float] = field(default_factory=dict)  # per-tenant overrides
+    adaptive_min_samples: int = 32  # adaptive: return gaps seen before ttl_seconds gives way
+    adaptive_window_samples: int = 1024  # adaptive: most recent return gaps kept per tenant
 
     def validate(self, prefix: str) -> None:
         require(self.ttl_seconds > 0, join(prefix, "ttl_seconds"), "must be > 0")
@@ -26,6 +28,9 @@ class TtlPolicyConfig:
                 "must be > 0 and <= max_ttl_seconds")
         require(self.replay_cost_per_token > 0, join(prefix, "replay_cost_per_token"), "must be > 0")
         require(self.hold_cost_per_byte_second > 0, join(prefix, "hold_cost_per_byte_second"), "must be > 0")
+        require(self.adaptive_min_samples >= 1, join(prefix, "adaptive_min_samples"), "must be >= 1")
+        require(self.adaptive_window_samples >= self.adaptive_min_samples,
+                join(prefix, "adaptive_window_samples"), "must be >= adaptive_min_samples")
         for t, v in self.tenant_ttl_seconds.items():
             require(v > 0, join(prefix, f"tenant_ttl_seconds.{t}"), "must be > 0")
 
@@ -41,6 +46,10 @@ class LocalPoolConfig:
     breaker_failures: int = 5
     breaker_reset_seconds: float = 5.0
     part_bytes: int = 512 * 1024  # large snapshots are split across keys sharing a hash tag
+    # The most one pool call (get, put, delete) may take, retries included, when the caller
+    # passes no deadline of its own; socket timeouts are cut down to what is left of it.
+    call_budget_seconds: float = 0.5
+    key_prefix: str = "kvs"  # Redis keys are <key_prefix>:{<hash>}:p<i>
 
     def validate(self, prefix: str) -> None:
         ok_scheme = self.url == "embedded" or self.url.split("://", 1)[0] in (
@@ -54,3 +63,6 @@ class LocalPoolConfig:
         require(self.breaker_failures >= 1, join(prefix, "breaker_failures"), "must be >= 1")
         require(self.breaker_reset_seconds > 0, join(prefix, "breaker_reset_seconds"), "must be > 0")
         require(self.part_bytes >= 4096, join(prefix, "part_bytes"), "must be >= 4096")
+        require(self.call_budget_seconds > 0, join(prefix, "call_budget_seconds"), "must be > 0")
+        require(bool(self.key_prefix) and not any(c in self.key_prefix for c in "{}: \t\r\n"),
+                join(prefix, "key_prefix"), "must be non-empty, without braces, colons or spaces")

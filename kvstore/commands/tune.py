@@ -1,0 +1,161 @@
+"""`kvstore tune ttl`: evaluate local-state TTLs offline against a recorded (or synthetic) trace.
+
+Prints, per candidate TTL and semantics (fixed, sliding): the local hit rate, replay tokens spent,
+byte-seconds held in the pool and the total cost; then the least-cost TTL and what the adaptive
+policy would do. Costs and clamps come from `[local_pool.ttl]` of `--config` (or the defaults),
+overridden by flags. Progress goes to stderr so `--json` output stays clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+
+from kvstore.config import load_config
+from kvstore.errors import InvalidInput
+from kvstore.layout import get_model
+from kvstore.trace import TraceRecord, TraceWriter, read_trace, synthetic_trace
+from kvstore.tune import (
+    DEFAULT_TTLS_SECONDS,
+    CostModel,
+    TtlEvaluation,
+    TuneReport,
+    columns_from_records,
+    tune_ttl,
+)
+
+
+def _ttl_list(text: str) -> tuple[float, ...]:
+    try:
+        ttls = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated seconds, e.g. 30,60,300; got {text!r}"
+        ) from None
+    if not ttls or any(not t > 0 for t in ttls):
+        raise argparse.ArgumentTypeError(f"TTLs must be > 0 seconds, got {text!r}")
+    return ttls
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="tune_what", metavar="WHAT")
+    p = sub.add_parser(
+        "ttl", help="replay a trace under candidate local-state TTLs",
+        description="Replay a request trace under candidate local-state TTLs (fixed and sliding) and "
+                    "print hit rate, replay tokens, byte-seconds held and cost for each.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", metavar="FILE", help="a JSON-lines trace recorded by the service")
+    src.add_argument("--synthetic", metavar="N", type=int,
+                     help="generate an N-request synthetic trace instead")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace (default 0)")
+    p.add_argument("--save-trace", metavar="FILE", help="with --synthetic: also write the trace to FILE")
+    p.add_argument("--ttl", type=_ttl_list, default=DEFAULT_TTLS_SECONDS, metavar="S,S,...",
+                   help="candidate TTLs in seconds (default "
+                        + ",".join(f"{t:g}" for t in DEFAULT_TTLS_SECONDS) + ")")
+    p.add_argument("--model", default="deepseek-v4.1-flash",
+                   help="model whose snapshot size and replay window are the defaults (default %(default)s)")
+    p.add_argument("--snapshot-bytes", type=int, metavar="N",
+                   help="bytes per local snapshot, for every request "
+                        "(default: the trace's, else the model's)")
+    p.add_argument("--replay-tokens", type=int, metavar="N",
+                   help="tokens one replay runs, for every request "
+                        "(default: the trace's, else the model's window)")
+    p.add_argument("--chunk-tokens", type=int, default=128, metavar="N",
+                   help="chunk size: prefixes are cut to chunk boundaries (default %(default)s)")
+    p.add_argument("--config", metavar="FILE",
+                   help="take costs and clamps from this config's [local_pool.ttl]")
+    p.add_argument("--replay-cost-per-token", type=float, metavar="X",
+                   help="cost of one replayed token (default: the config's)")
+    p.add_argument("--hold-cost-per-byte-second", type=float, metavar="X",
+                   help="cost of holding one byte for one second (default: the config's)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "tune_what", None) != "ttl":
+        print("kvstore tune: say what to tune: `kvstore tune ttl --trace FILE`", file=sys.stderr)
+        return 2
+    ttl_cfg = load_config(args.config).local_pool.ttl
+    if args.replay_cost_per_token is not None:
+        ttl_cfg = replace(ttl_cfg, replay_cost_per_token=args.replay_cost_per_token)
+    if args.hold_cost_per_byte_second is not None:
+        ttl_cfg = replace(ttl_cfg, hold_cost_per_byte_second=args.hold_cost_per_byte_second)
+    ttl_cfg.validate("local_pool.ttl")
+    for flag in ("snapshot_bytes", "replay_tokens", "synthetic"):
+        v = getattr(args, flag)
+        if v is not None and v < 0:
+            raise InvalidInput(f"--{flag.replace('_', '-')} must be >= 0, got {v}")
+    if args.chunk_tokens <= 0:
+        raise InvalidInput(f"--chunk-tokens must be > 0, got {args.chunk_tokens}")
+    if args.save_trace and args.synthetic is None:
+        raise InvalidInput("--save-trace needs --synthetic")
+    layout = get_model(args.model).layout
+
+    started = time.perf_counter()
+    records: list[TraceRecord]
+    if args.synthetic is not None:
+        records = synthetic_trace(args.synthetic, seed=args.seed)
+        source = f"synthetic trace (seed {args.seed})"
+        if args.save_trace:
+            with TraceWriter(args.save_trace, truncate=True) as w:
+                w.write_many(records)
+    else:
+        records = list(read_trace(args.trace))
+        source = args.trace
+    force = args.snapshot_bytes is not None or args.replay_tokens is not None
+    cols = columns_from_records(
+        records, args.chunk_tokens,
+        layout.local_snapshot_bytes if args.snapshot_bytes is None else args.snapshot_bytes,
+        layout.local.window_tokens if args.replay_tokens is None else args.replay_tokens,
+        force_sizes=force,
+    )
+    print(f"kvstore tune: {cols.n} requests from {source} in {time.perf_counter() - started:.2f} s",
+          file=sys.stderr)
+    if cols.n == 0:
+        raise InvalidInput(f"{source} holds no requests")
+    cost = CostModel(ttl_cfg.replay_cost_per_token, ttl_cfg.hold_cost_per_byte_second,
+                     ttl_cfg.min_ttl_seconds, ttl_cfg.max_ttl_seconds)
+    report = tune_ttl(cols, args.ttl, cost, ttl_cfg)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def _row(r: TtlEvaluation) -> str:
+    ttl = "adaptive" if r.ttl_seconds is None else f"{r.ttl_seconds:g}"
+    return (f"{ttl:>9} {r.semantics:<9} {r.local_hit_rate:>8.1%} {r.replays:>9,} {r.replay_tokens:>14,} "
+            f"{r.byte_seconds:>14.4g} {r.replay_cost:>12.4g} {r.hold_cost:>12.4g} {r.total_cost:>12.4g}")
+
+
+def format_report(rep: TuneReport) -> str:
+    c = rep.cost
+    eligible = rep.rows[0].eligible if rep.rows else rep.recommended.eligible
+    lines = [
+        f"trace: {rep.requests:,} requests, {rep.sessions:,} sessions, {len(rep.tenants)} tenant(s); "
+        f"{eligible:,} could hit locally (global hit, session seen before); "
+        f"{rep.same_boundary_requests:,} at an unchanged boundary",
+        f"cost: {c.replay_cost_per_token:g} per replayed token, "
+        f"{c.hold_cost_per_byte_second:g} per byte-second held; break-even hold "
+        f"{rep.break_even_seconds:,.0f} s (holding one snapshot that long costs one replay)",
+        "",
+        f"{'ttl_s':>9} {'semantics':<9} {'hit_rate':>8} {'replays':>9} {'replay_tokens':>14} "
+        f"{'byte_seconds':>14} {'replay_cost':>12} {'hold_cost':>12} {'total_cost':>12}",
+    ]
+    lines += [_row(r) for r in rep.rows]
+    lines += [
+        "",
+        f"recommended TTL (least total cost, within [{c.min_ttl_seconds:g}, {c.max_ttl_seconds:g}] s):",
+        _row(rep.recommended),
+        _row(rep.recommended_fixed),
+        "adaptive policy over this trace (sliding, TTL learned per tenant):",
+        _row(rep.adaptive),
+        "  final TTL per tenant: "
+        + ", ".join(f"{t} {v:,.0f} s" for t, v in sorted(rep.adaptive_final_ttl_seconds.items())),
+    ]
+    return "\n".join(lines)

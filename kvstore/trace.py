@@ -1,0 +1,254 @@
+"""The request trace: one JSON line per request, for evaluating TTL policies offline.
+
+Role: defines `TraceRecord` (what one request looked like to the local pool), writes records as
+JSON lines (`TraceWriter`: append-only, flushed per record, safe from many threads), reads them
+back as a stream (`read_trace`: a malformed line fails with its line number), and generates
+deterministic synthetic traces (`synthetic_trace`) for tests and `kvstore tune ttl --synthetic`.
+
+A line holds no token contents and no keys: only time, tenant, an opaque session id, the prefix
+length and the local-state outcome, optionally the snapshot size and replay length:
+
+    {"time": 1712.5, "tenant": "acme", "session": "s-42", "prefix_tokens": 8192,
+     "local_outcome": "hit", "snapshot_bytes": 1351680, "replay_tokens": 128}
+
+`local_outcome`: "hit" (local snapshot found), "expired" (global hit, snapshot expired, not
+replayed), "replayed" (global hit, snapshot missing, rebuilt by replay), "absent" (global hit, no
+snapshot was ever written for it), "cold" (global miss: a full prefill; local state irrelevant).
+Unknown keys are ignored so that later versions can add fields.
+
+What it does not know: the service, the pool, or how records are evaluated (kvstore.tune).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Literal, get_args
+
+import numpy as np
+
+from kvstore.errors import InvalidInput, StorageError
+
+LocalOutcome = Literal["hit", "expired", "absent", "replayed", "cold"]
+LOCAL_OUTCOMES: tuple[str, ...] = get_args(LocalOutcome)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    time: float  # seconds; any origin, but one clock for the whole trace
+    tenant: str
+    session: str  # opaque; sessions are told apart by (tenant, session)
+    prefix_tokens: int  # prompt tokens of the request (the part that can be cached)
+    local_outcome: LocalOutcome
+    snapshot_bytes: int | None = None  # bytes of the local snapshot this request would write
+    replay_tokens: int | None = None  # tokens a replay of this request's boundary runs
+
+    def to_json(self) -> str:
+        obj: dict[str, object] = {
+            "time": self.time, "tenant": self.tenant, "session": self.session,
+            "prefix_tokens": self.prefix_tokens, "local_outcome": self.local_outcome,
+        }
+        if self.snapshot_bytes is not None:
+            obj["snapshot_bytes"] = self.snapshot_bytes
+        if self.replay_tokens is not None:
+            obj["replay_tokens"] = self.replay_tokens
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+    @staticmethod
+    def from_mapping(obj: Mapping[str, object]) -> TraceRecord:
+        """Validate one decoded line; raises InvalidInput naming the bad field."""
+        time = obj.get("time")
+        if isinstance(time, bool) or not isinstance(time, int | float) or not math.isfinite(time):
+            raise InvalidInput(f"'time' must be a finite number of seconds, got {time!r}")
+        tenant, session = obj.get("tenant"), obj.get("session")
+        if not isinstance(tenant, str):
+            raise InvalidInput(f"'tenant' must be a string, got {tenant!r}")
+        if not isinstance(session, str):
+            raise InvalidInput(f"'session' must be a string, got {session!r}")
+        outcome = obj.get("local_outcome")
+        if outcome not in LOCAL_OUTCOMES:
+            raise InvalidInput(f"'local_outcome' must be one of {', '.join(LOCAL_OUTCOMES)}, got {outcome!r}")
+        prefix = _count(obj, "prefix_tokens", required=True)
+        assert prefix is not None
+        return TraceRecord(
+            float(time), tenant, session, prefix, outcome,  # type: ignore[arg-type]
+            _count(obj, "snapshot_bytes", required=False), _count(obj, "replay_tokens", required=False),
+        )
+
+
+def _count(obj: Mapping[str, object], name: str, required: bool) -> int | None:
+    v = obj.get(name)
+    if v is None and not required:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise InvalidInput(f"'{name}' must be an integer >= 0, got {v!r}")
+    return v
+
+
+class TraceWriter:
+    """Appends records to a JSON-lines file (`truncate`: start it afresh). Each record is one
+    `write` of one whole line, under a lock, then flushed: a crash loses at most the line being
+    written, and lines never interleave."""
+
+    def __init__(self, path: str | os.PathLike[str], truncate: bool = False) -> None:
+        self._path = Path(path)
+        try:
+            mode = "w" if truncate else "a"
+            self._file: IO[str] = self._path.open(mode, encoding="utf-8", newline="\n")
+        except OSError as e:
+            raise StorageError(f"cannot open trace file {self._path}: {e.strerror}") from None
+        self._lock = threading.Lock()
+
+    def write(self, record: TraceRecord) -> None:
+        line = record.to_json() + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+
+    def write_many(self, records: Iterable[TraceRecord]) -> int:
+        """Append many records with one flush at the end (for saving generated traces)."""
+        n = 0
+        with self._lock:
+            for r in records:
+                self._file.write(r.to_json() + "\n")
+                n += 1
+            self._file.flush()
+        return n
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRecord]:
+    """Stream the records of a trace file. The file is opened now (a missing file fails here);
+    a malformed line fails, when reached, with InvalidInput naming the file and line. Blank lines
+    are skipped."""
+    p = Path(path)
+    try:
+        f = p.open("rb")
+    except OSError as e:
+        raise InvalidInput(f"cannot read trace {p}: {e.strerror}") from None
+    return _records(f, p)
+
+
+def _records(f: IO[bytes], p: Path) -> Iterator[TraceRecord]:
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)  # bytes: decoded as UTF-8; a bad byte is a ValueError too
+            except ValueError as e:
+                raise InvalidInput(f"{p}:{lineno}: not a JSON line ({_reason(e)})") from None
+            if not isinstance(obj, dict):
+                raise InvalidInput(f"{p}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            try:
+                yield TraceRecord.from_mapping(obj)
+            except InvalidInput as e:
+                raise InvalidInput(f"{p}:{lineno}: {e}") from None
+
+
+def _reason(e: ValueError) -> str:
+    return e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+
+
+# --- synthetic traces ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyntheticTraceSpec:
+    """Sessions arrive as a Poisson process; each has a geometric number of turns. Gaps between
+    turns mix short in-session gaps (think and tool time, exponential) with long returns after a
+    break (log-normal). Some requests are retries of the previous prompt (same boundary)."""
+
+    tenants: tuple[str, ...] = ("tenant-a", "tenant-b")
+    sessions_per_second: float = 0.2
+    mean_turns: float = 12.0
+    short_gap_mean_seconds: float = 20.0
+    long_gap_probability: float = 0.15
+    long_gap_median_seconds: float = 1800.0
+    long_gap_sigma: float = 1.0  # of log(gap)
+    retry_probability: float = 0.05
+    retry_gap_mean_seconds: float = 3.0
+    first_prefix_tokens: int = 4096
+    turn_tokens_mean: float = 700.0
+    cold_probability: float = 0.02  # a return whose global KV was gone (recorded as cold)
+    recorded_ttl_seconds: float = 300.0  # outcomes are recorded as if under this sliding TTL
+    snapshot_bytes: int = 1_351_680
+    replay_tokens: int = 128
+
+
+def synthetic_trace(
+    n_requests: int, seed: int = 0, spec: SyntheticTraceSpec | None = None
+) -> list[TraceRecord]:
+    """`n_requests` records in time order, the same for the same seed and spec."""
+    if n_requests < 0:
+        raise InvalidInput(f"a synthetic trace needs n_requests >= 0, got {n_requests}")
+    s = spec or SyntheticTraceSpec()
+    rng = np.random.default_rng(seed)
+    if n_requests == 0:
+        return []
+    # Turns per session, until they add up to n_requests (the last session is cut short).
+    turns = rng.geometric(1.0 / max(s.mean_turns, 1.0), size=int(n_requests / max(s.mean_turns, 1.0)) + 16)
+    while int(turns.sum()) < n_requests:
+        turns = np.concatenate([turns, rng.geometric(1.0 / max(s.mean_turns, 1.0), size=len(turns))])
+    ends = np.cumsum(turns)
+    n_sessions = int(np.searchsorted(ends, n_requests)) + 1
+    turns = turns[:n_sessions].copy()
+    turns[-1] -= int(ends[n_sessions - 1]) - n_requests
+    session_of = np.repeat(np.arange(n_sessions), turns)  # [n]
+    first = np.ones(n_requests, dtype=bool)
+    first[1:] = session_of[1:] != session_of[:-1]
+
+    starts = np.cumsum(rng.exponential(1.0 / s.sessions_per_second, size=n_sessions))  # [sessions]
+    is_long = rng.random(n_requests) < s.long_gap_probability
+    is_retry = ~first & (rng.random(n_requests) < s.retry_probability)
+    gap = np.where(
+        is_long,
+        rng.lognormal(math.log(s.long_gap_median_seconds), s.long_gap_sigma, size=n_requests),
+        rng.exponential(s.short_gap_mean_seconds, size=n_requests),
+    )
+    gap = np.where(is_retry, rng.exponential(s.retry_gap_mean_seconds, size=n_requests), gap)
+    gap = np.round(np.where(first, 0.0, gap), 3)  # [n] milliseconds are plenty
+    turn_tokens = 1 + rng.exponential(s.turn_tokens_mean, size=n_requests).astype(np.int64)
+    grow = np.where(is_retry | first, 0, turn_tokens)  # [n] tokens added by each request
+    session_start_idx = np.flatnonzero(first)
+    time = starts[session_of] + _segment_cumsum(gap, session_start_idx)
+    prefix = s.first_prefix_tokens + _segment_cumsum(grow, session_start_idx).astype(np.int64)
+    cold = first | (rng.random(n_requests) < s.cold_probability)
+    hit = ~cold & (gap <= s.recorded_ttl_seconds)
+    tenant_of = rng.integers(0, len(s.tenants), size=n_sessions)[session_of]
+
+    order = np.argsort(time, kind="stable")
+    records = []
+    for i in order.tolist():
+        outcome: LocalOutcome = "cold" if cold[i] else ("hit" if hit[i] else "replayed")
+        records.append(TraceRecord(
+            round(float(time[i]), 3), s.tenants[int(tenant_of[i])], f"s{int(session_of[i]):07d}",
+            int(prefix[i]), outcome, s.snapshot_bytes, s.replay_tokens,
+        ))
+    return records
+
+
+def _segment_cumsum(x: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Cumulative sum of `x` restarting at each index in `starts` (which includes 0)."""
+    c = np.cumsum(x)
+    offset = np.zeros_like(c)
+    offset[starts[1:]] = c[starts[1:] - 1]
+    return c - np.maximum.accumulate(offset)

@@ -1,0 +1,283 @@
+"""TTL policies for local SWA snapshots: how long a snapshot stays in the local pool.
+
+Role: answers the pool's two questions (TTL for a write; TTL to refresh to after a read) and
+learns from the session return gaps it is told about. Policies here:
+
+- `FixedTtl`: every snapshot lives `ttl_seconds` from its write; reads do not extend it.
+- `SlidingTtl`: a read refreshes the TTL, so an active session keeps its snapshot.
+- `TenantOverrideTtl`: wraps any policy and gives some tenants their own TTL (keeping the wrapped
+  policy's read semantics).
+- `AdaptiveTtl`: learns each tenant's return-gap distribution and picks the TTL that minimises the
+  expected cost of a snapshot: holding it (bytes × seconds × hold cost) against replaying it when
+  it has expired (replay tokens × cost per token). Reads refresh it, as in `SlidingTtl`, because
+  the gaps it learns from are measured from the session's last access.
+
+What they do not know: the pool's backend, keys, clocks (time is passed in), or why a session
+came back. No I/O, no logging.
+
+The cost model of `AdaptiveTtl`, per snapshot written, with return gap g (∞ if the session never
+returns), replay cost R and hold cost H per second:
+
+    cost(T) = P(g > T) × R + E[min(g, T)] × H
+
+A return that finds the snapshot costs the hold only; one that comes after T costs T of hold and
+a replay; a session that never returns costs T of hold. cost(T) rises between observed gaps and
+drops at each of them, so the minimum is at an observed gap or at a clamp: the search evaluates
+exactly those points. R / H is reported as the break-even time (holding one snapshot that long
+costs as much as one replay); it is a guide, not a bound: returns clustered a little past it can
+still make a longer TTL cheaper.
+
+Sessions that never return are not observed as gaps; the policy infers them from the count of
+writes (`ttl_for_write` is called once per snapshot written) against the count of returns.
+The caller must report every return it sees through `observe_return`, including those that found
+the snapshot expired; reporting only hits would censor the gaps at the TTL and pull it down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from policies.base import TtlPolicy
+
+_RECOMPUTE_EVERY_SAMPLES = 16  # a sort of ≤ window samples every 16 returns: cheap on the write path
+_OTHER_TENANTS = "*"  # tenants past the first `max_tenants - 1` share one bucket: bounded memory
+
+
+class FixedTtl:
+    def __init__(self, ttl_seconds: float) -> None:
+        assert ttl_seconds > 0, ttl_seconds
+        self._ttl = float(ttl_seconds)
+
+    def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
+        return self._ttl
+
+    def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
+        return None
+
+    def observe_return(self, tenant: str, gap_seconds: float) -> None:
+        pass
+
+    def describe(self) -> dict[str, object]:
+        return {"kind": "fixed", "ttl_seconds": self._ttl}
+
+
+class SlidingTtl:
+    def __init__(self, ttl_seconds: float) -> None:
+        assert ttl_seconds > 0, ttl_seconds
+        self._ttl = float(ttl_seconds)
+
+    def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
+        return self._ttl
+
+    def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
+        return self._ttl
+
+    def observe_return(self, tenant: str, gap_seconds: float) -> None:
+        pass
+
+    def describe(self) -> dict[str, object]:
+        return {"kind": "sliding", "ttl_seconds": self._ttl}
+
+
+class TenantOverrideTtl:
+    """Tenants named in `tenant_ttl_seconds` get that TTL; the rest get `inner`'s. A listed
+    tenant's reads refresh its TTL exactly when `inner` refreshes on read."""
+
+    def __init__(self, inner: TtlPolicy, tenant_ttl_seconds: Mapping[str, float]) -> None:
+        assert all(v > 0 for v in tenant_ttl_seconds.values()), tenant_ttl_seconds
+        self._inner = inner
+        self._overrides = {t: float(v) for t, v in tenant_ttl_seconds.items()}
+
+    def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
+        ttl = self._overrides.get(tenant)
+        return self._inner.ttl_for_write(tenant, nbytes, now) if ttl is None else ttl
+
+    def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
+        refreshed = self._inner.ttl_on_read(tenant, nbytes, now)
+        ttl = self._overrides.get(tenant)
+        return refreshed if ttl is None or refreshed is None else ttl
+
+    def observe_return(self, tenant: str, gap_seconds: float) -> None:
+        self._inner.observe_return(tenant, gap_seconds)
+
+    def describe(self) -> dict[str, object]:
+        return {**self._inner.describe(), "tenant_ttl_seconds": dict(self._overrides)}
+
+
+def best_ttl(
+    gaps_sorted: np.ndarray,
+    replay_cost: float,
+    hold_cost_per_second: float,
+    min_ttl_seconds: float,
+    max_ttl_seconds: float,
+    never_return_fraction: float = 0.0,
+) -> tuple[float, float]:
+    """The TTL in [min, max] minimising the expected cost per snapshot, and that cost.
+
+    `gaps_sorted`: observed return gaps (seconds, ascending, non-empty); `never_return_fraction`:
+    the share of snapshots whose session never comes back. Ties go to the shorter TTL."""
+    g = np.asarray(gaps_sorted, dtype=np.float64)  # [k]
+    k = g.shape[0]
+    assert k > 0 and 0.0 <= never_return_fraction <= 1.0
+    inside = g[(g >= min_ttl_seconds) & (g <= max_ttl_seconds)]
+    cand = np.concatenate(([min_ttl_seconds], inside, [max_ttl_seconds]))  # [m], ascending
+    n_le = np.searchsorted(g, cand, side="right")  # [m] returns that find the snapshot
+    csum = np.concatenate(([0.0], np.cumsum(g)))  # [k + 1]
+    n_gt = k - n_le
+    per_return = (n_gt * replay_cost + (csum[n_le] + n_gt * cand) * hold_cost_per_second) / k
+    q = never_return_fraction
+    cost = (1.0 - q) * per_return + q * cand * hold_cost_per_second  # [m]
+    i = int(np.argmin(cost))  # first minimum: the shortest of equally cheap TTLs
+    return float(cand[i]), float(cost[i])
+
+
+class _TenantGaps:
+    """A ring of the most recent return gaps of one tenant, with write/return counts."""
+
+    __slots__ = ("cost", "filled", "gaps", "next", "returns", "since", "ttl", "ttl_nbytes", "writes")
+
+    def __init__(self, window: int) -> None:
+        self.gaps = np.zeros(window, dtype=np.float64)
+        self.next = 0
+        self.filled = 0
+        self.since = 0  # samples added since `ttl` was computed
+        self.writes = 0
+        self.returns = 0
+        self.ttl: float | None = None  # learned TTL (None: not enough samples yet)
+        self.cost = 0.0
+        self.ttl_nbytes = -1  # snapshot size `ttl` was computed for
+
+    def add(self, gap: float) -> None:
+        self.gaps[self.next] = gap
+        self.next = (self.next + 1) % self.gaps.shape[0]
+        self.filled = min(self.filled + 1, self.gaps.shape[0])
+        self.since += 1
+        self.returns += 1
+        self._decay()
+
+    def wrote(self) -> None:
+        self.writes += 1
+        self._decay()
+
+    def _decay(self) -> None:
+        # Keep the write/return ratio about as recent as the gap window: halve both counts.
+        if self.writes + self.returns > 4 * self.gaps.shape[0]:
+            self.writes //= 2
+            self.returns //= 2
+
+    def never_return_fraction(self) -> float:
+        if self.writes <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - self.returns / self.writes))
+
+
+@dataclass(frozen=True)
+class AdaptiveTtlParams:
+    """Parameters of `AdaptiveTtl` (from `TtlPolicyConfig` plus the layout and replay mode)."""
+
+    ttl_seconds: float  # used until a tenant has `min_samples` gaps
+    min_ttl_seconds: float
+    max_ttl_seconds: float
+    replay_tokens: int  # tokens one replay runs (128 bounded, 2,541 exact for V4.1)
+    replay_cost_per_token: float
+    snapshot_bytes: int  # used when a write reports no size
+    hold_cost_per_byte_second: float
+    min_samples: int = 32
+    window_samples: int = 1024
+    max_tenants: int = 1024
+
+
+class AdaptiveTtl:
+    """Per-tenant break-even TTL learned from return gaps; falls back to `ttl_seconds`."""
+
+    def __init__(self, params: AdaptiveTtlParams) -> None:
+        p = params
+        assert 0 < p.min_ttl_seconds <= p.max_ttl_seconds and p.ttl_seconds > 0, p
+        assert p.replay_tokens >= 0 and p.snapshot_bytes >= 0, p
+        assert p.replay_cost_per_token > 0 and p.hold_cost_per_byte_second > 0, p
+        assert 1 <= p.min_samples <= p.window_samples and p.max_tenants >= 1, p
+        self._p = p
+        self._tenants: dict[str, _TenantGaps] = {}
+
+    def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
+        state = self._state(tenant)
+        state.wrote()
+        return self._ttl(state, nbytes)
+
+    def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
+        return self._ttl(self._state(tenant), nbytes)
+
+    def observe_return(self, tenant: str, gap_seconds: float) -> None:
+        if not gap_seconds >= 0.0:  # negative (clock skew) or NaN: not a gap
+            return
+        self._state(tenant).add(float(gap_seconds))
+
+    def describe(self) -> dict[str, object]:
+        p = self._p
+        tenants: dict[str, object] = {}
+        for name, st in sorted(self._tenants.items()):
+            ttl = self._ttl(st, p.snapshot_bytes)
+            tenants[name] = {
+                "ttl_seconds": ttl,
+                "learned": st.ttl is not None,
+                "samples": st.filled,
+                "never_return_fraction": round(st.never_return_fraction(), 6),
+            }
+        return {
+            "kind": "adaptive",
+            "ttl_seconds": p.ttl_seconds,
+            "min_ttl_seconds": p.min_ttl_seconds,
+            "max_ttl_seconds": p.max_ttl_seconds,
+            "replay_tokens": p.replay_tokens,
+            "replay_cost_per_token": p.replay_cost_per_token,
+            "snapshot_bytes": p.snapshot_bytes,
+            "hold_cost_per_byte_second": p.hold_cost_per_byte_second,
+            "break_even_seconds": self._replay_cost() / self._hold_cost(p.snapshot_bytes),
+            "min_samples": p.min_samples,
+            "window_samples": p.window_samples,
+            "tenants": tenants,
+        }
+
+    def ttl_for_tenant(self, tenant: str) -> float:
+        """The TTL a write of a default-size snapshot would get now (no write is counted)."""
+        st = self._tenants.get(tenant) or self._tenants.get(_OTHER_TENANTS)
+        return self._p.ttl_seconds if st is None else self._ttl(st, self._p.snapshot_bytes)
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _state(self, tenant: str) -> _TenantGaps:
+        st = self._tenants.get(tenant)
+        if st is None:
+            if len(self._tenants) >= self._p.max_tenants - 1:
+                tenant = _OTHER_TENANTS
+                st = self._tenants.get(tenant)
+            if st is None:
+                st = self._tenants[tenant] = _TenantGaps(self._p.window_samples)
+        return st
+
+    def _replay_cost(self) -> float:
+        return self._p.replay_tokens * self._p.replay_cost_per_token
+
+    def _hold_cost(self, nbytes: int) -> float:
+        # A zero-byte snapshot is priced as one byte so the break-even stays finite.
+        return max(nbytes, 1) * self._p.hold_cost_per_byte_second
+
+    def _ttl(self, st: _TenantGaps, nbytes: int) -> float:
+        p = self._p
+        if st.filled < p.min_samples:
+            return p.ttl_seconds
+        nbytes = nbytes if nbytes > 0 else p.snapshot_bytes
+        # Snapshot sizes barely vary within a layout; re-solve only when the price moves.
+        resized = abs(nbytes - st.ttl_nbytes) * 64 > st.ttl_nbytes
+        if st.ttl is None or st.since >= _RECOMPUTE_EVERY_SAMPLES or resized:
+            gaps = np.sort(st.gaps[: st.filled])
+            st.ttl, st.cost = best_ttl(
+                gaps, self._replay_cost(), self._hold_cost(nbytes),
+                p.min_ttl_seconds, p.max_ttl_seconds, st.never_return_fraction(),
+            )
+            st.since = 0
+            st.ttl_nbytes = nbytes
+        return st.ttl

@@ -1,0 +1,261 @@
+"""The request trace (format, writer, reader, synthetic generator) and `kvstore tune ttl`."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.cli import main
+from kvstore.config.local_pool import TtlPolicyConfig
+from kvstore.errors import InvalidInput
+from kvstore.trace import TraceRecord, TraceWriter, read_trace, synthetic_trace
+from kvstore.tune import (
+    CostModel,
+    TraceColumns,
+    TuneReport,
+    _Derived,
+    best_sliding_ttl,
+    columns_from_records,
+    evaluate_sliding,
+    tune_ttl,
+)
+
+# --- the trace format ----------------------------------------------------------------------------------
+
+
+def test_records_round_trip_through_a_file(tmp_path: Path) -> None:
+    recs = [
+        TraceRecord(0.5, "acme", "s-1", 4096, "cold", 1_351_680, 128),
+        TraceRecord(12.25, "acme", "s-1", 4200, "hit"),
+        TraceRecord(1e9 + 0.001, "ünï", "\"quoted\"", 0, "replayed", None, 2541),
+    ]
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path) as w:
+        for r in recs[:2]:
+            w.write(r)
+    with TraceWriter(path) as w:  # appends
+        w.write(recs[2])
+    assert list(read_trace(path)) == recs
+    first = json.loads(path.read_text().splitlines()[1])
+    assert set(first) == {"time", "tenant", "session", "prefix_tokens", "local_outcome"}
+
+
+def test_writer_is_safe_from_many_threads(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    w = TraceWriter(path)
+
+    def work(t: int) -> None:
+        for i in range(300):
+            w.write(TraceRecord(float(i), f"tenant{t}", f"s{t}-{i}", i, "hit", 10 * i, 128))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    w.close()
+    recs = list(read_trace(path))
+    assert len(recs) == 1800 and len({(r.tenant, r.session) for r in recs}) == 1800
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("{not json", "not a JSON line"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"tenant": "a", "session": "s", "prefix_tokens": 1, "local_outcome": "hit"}', "'time'"),
+        ('{"time": "now", "tenant": "a", "session": "s", "prefix_tokens": 1, "local_outcome": "hit"}',
+         "'time'"),
+        ('{"time": 1, "tenant": 5, "session": "s", "prefix_tokens": 1, "local_outcome": "hit"}', "'tenant'"),
+        ('{"time": 1, "tenant": "a", "session": "s", "prefix_tokens": -1, "local_outcome": "hit"}',
+         "'prefix_tokens'"),
+        ('{"time": 1, "tenant": "a", "session": "s", "prefix_tokens": true, "local_outcome": "hit"}',
+         "'prefix_tokens'"),
+        ('{"time": 1, "tenant": "a", "session": "s", "prefix_tokens": 1, "local_outcome": "warm"}',
+         "'local_outcome'"),
+        ('{"time": 1, "tenant": "a", "session": "s", "prefix_tokens": 1, "local_outcome": "hit", '
+         '"snapshot_bytes": 1.5}', "'snapshot_bytes'"),
+    ],
+)
+def test_a_malformed_line_is_reported_with_its_number(tmp_path: Path, line: str, problem: str) -> None:
+    good = TraceRecord(1.0, "a", "s", 128, "hit").to_json()
+    path = tmp_path / "t.jsonl"
+    path.write_text(f"{good}\n\n{good}\n{line}\n{good}\n")
+    stream = read_trace(path)
+    assert next(stream) == next(stream)  # two good lines, a blank one skipped
+    with pytest.raises(InvalidInput, match=rf"t\.jsonl:4: .*{re.escape(problem)}"):
+        next(stream)
+
+
+def test_bad_bytes_and_missing_files_are_clear_errors(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b'{"time": 1, "tenant": "\xff"}\n')
+    with pytest.raises(InvalidInput, match=r"t\.jsonl:1: not a JSON line"):
+        list(read_trace(path))
+    with pytest.raises(InvalidInput, match=r"cannot read trace .*missing\.jsonl"):
+        read_trace(tmp_path / "missing.jsonl")  # fails on the call, before iteration
+
+
+def test_synthetic_traces_are_deterministic_and_plausible() -> None:
+    a = synthetic_trace(3000, seed=5)
+    assert a == synthetic_trace(3000, seed=5)
+    assert a != synthetic_trace(3000, seed=6)
+    assert len(a) == 3000 and synthetic_trace(0) == []
+    times = [r.time for r in a]
+    assert times == sorted(times)
+    last: dict[str, int] = {}
+    for r in a:
+        if r.session in last:
+            assert r.prefix_tokens >= last[r.session] and r.local_outcome != "absent"
+        else:
+            assert r.local_outcome == "cold"
+        last[r.session] = r.prefix_tokens
+    assert {r.local_outcome for r in a} == {"cold", "hit", "replayed"}
+
+
+# --- the evaluator on a hand-checked trace -------------------------------------------------------------
+
+# Chunks of 128 tokens, snapshots of 1000 B, replays of 100 tokens.
+# Session A: t=0 cold (boundary 256), 50 (512), 60 retry (512), 155 retry (512), 1000 (1024).
+# Session B: t=0 cold (128), 30 cold (256: global miss), 40 (384).
+HAND = [
+    TraceRecord(0.0, "t", "A", 256, "cold"),
+    TraceRecord(50.0, "t", "A", 600, "hit"),
+    TraceRecord(60.0, "t", "A", 520, "hit"),
+    TraceRecord(155.0, "t", "A", 600, "hit"),
+    TraceRecord(1000.0, "t", "A", 1100, "replayed"),
+    TraceRecord(0.0, "u", "B", 200, "cold"),
+    TraceRecord(30.0, "u", "B", 256, "cold"),
+    TraceRecord(40.0, "u", "B", 400, "hit"),
+]
+COST = CostModel(replay_cost_per_token=1.0, hold_cost_per_byte_second=1e-3, min_ttl_seconds=1.0,
+                 max_ttl_seconds=10_000.0)
+
+
+def hand_report(ttls: tuple[float, ...] = (100.0,)) -> tuple[TraceColumns, TuneReport]:
+    shuffled = HAND[:]
+    random.Random(1).shuffle(shuffled)  # the evaluator sorts by session and time itself
+    cols = columns_from_records(shuffled, 128, 1000, 100)
+    return cols, tune_ttl(cols, ttls, COST, TtlPolicyConfig())
+
+
+def test_hand_checked_fixed_and_sliding_at_100_s() -> None:
+    _, rep = hand_report()
+    fixed, sliding = rep.rows
+    assert (rep.requests, rep.sessions, rep.same_boundary_requests) == (8, 2, 2)
+    # Sliding: the gap since the session's previous request decides. A: 50 hit, 10 hit, 95 hit,
+    # 845 miss. B: 30 is cold (cannot hit), 10 hit.
+    assert sliding.semantics == "sliding" and sliding.ttl_seconds == 100.0
+    assert (sliding.eligible, sliding.local_hits, sliding.replays, sliding.replay_tokens) == (5, 4, 1, 100)
+    # Held after each request until the next one or 100 s: A 50+10+95+100+100, B 30+10+100.
+    assert sliding.byte_seconds == 495 * 1000
+    assert sliding.total_cost == pytest.approx(100 + 495)
+    # Fixed: A's retries do not renew the snapshot written at t=50, so the retry at 155 (105 s
+    # after that write) misses and writes again; t=1000 misses. A: hits at 50 and 60. B: 40 hits.
+    assert fixed.semantics == "fixed"
+    assert (fixed.eligible, fixed.local_hits, fixed.replays, fixed.replay_tokens) == (5, 3, 2, 200)
+    # Writes A: 0, 50, 155, 1000 -> held 50, 100, 100, 100; B: 0, 30, 40 -> held 30, 10, 100.
+    assert fixed.byte_seconds == 490 * 1000
+    assert fixed.total_cost == pytest.approx(200 + 490)
+
+
+def test_hand_checked_recommendation() -> None:
+    # Sliding cost(T) = 100 x (eligible gaps > T) + sum of min(next gap, T), next gaps
+    # A: 50, 10, 95, 845, inf; B: 30, 10, inf.  T=1: 508;  T=10: 300 + 80 = 380;  T=50: 500.
+    cols, rep = hand_report()
+    assert rep.recommended.ttl_seconds == 10.0
+    assert rep.recommended.total_cost == pytest.approx(380.0)
+    assert rep.recommended_fixed.ttl_seconds == 10.0
+    # Nothing on a fine grid beats it.
+    d = _Derived(cols)
+    for ttl in np.geomspace(1.0, 10_000.0, 400):
+        hits, bs = evaluate_sliding(cols, d, float(ttl))
+        replays = int((d.eligible & ~hits).sum())
+        assert replays * 100 + bs * 1e-3 >= 380.0 - 1e-9
+    assert best_sliding_ttl(cols, d, COST) == 10.0
+
+
+def test_without_retries_fixed_and_sliding_agree() -> None:
+    recs = [r for r in HAND if not (r.session == "A" and r.time in (60.0, 155.0))]
+    cols = columns_from_records(recs, 128, 1000, 100)
+    rep = tune_ttl(cols, (20.0, 100.0, 1000.0), COST, TtlPolicyConfig())
+    for fixed, sliding in zip(rep.rows[::2], rep.rows[1::2], strict=True):
+        assert (fixed.local_hits, fixed.byte_seconds) == (sliding.local_hits, sliding.byte_seconds)
+
+
+def test_record_sizes_are_used_unless_forced() -> None:
+    recs = [TraceRecord(0.0, "t", "A", 256, "cold", 10, 7), TraceRecord(5.0, "t", "A", 512, "hit")]
+    cols = columns_from_records(recs, 128, 1000, 100)
+    assert cols.snapshot_bytes.tolist() == [10.0, 1000.0] and cols.replay_tokens.tolist() == [7.0, 100.0]
+    cols = columns_from_records(recs, 128, 1000, 100, force_sizes=True)
+    assert cols.snapshot_bytes.tolist() == [1000.0, 1000.0]
+
+
+# --- a large generated trace ---------------------------------------------------------------------------
+
+
+def test_a_100k_request_trace() -> None:
+    cols = columns_from_records(synthetic_trace(100_000, seed=11), 128, 1_351_680, 128)
+    cost = CostModel(1.0, 1e-7, 10.0, 3600.0)
+    ttls = (10.0, 60.0, 300.0, 1800.0)
+    rep = tune_ttl(cols, ttls, cost, TtlPolicyConfig(min_ttl_seconds=10.0, max_ttl_seconds=3600.0))
+    assert rep.requests == 100_000 and len(rep.rows) == 2 * len(ttls)
+    sliding = [r for r in rep.rows if r.semantics == "sliding"]
+    fixed = [r for r in rep.rows if r.semantics == "fixed"]
+    assert [r.local_hits for r in sliding] == sorted(r.local_hits for r in sliding)
+    for f, s in zip(fixed, sliding, strict=True):
+        assert f.eligible == s.eligible and f.local_hits <= s.local_hits  # refresh only helps hits
+    assert all(rep.recommended.total_cost <= r.total_cost + 1e-6 for r in sliding)
+    assert 10.0 <= rep.recommended.ttl_seconds <= 3600.0  # type: ignore[operator]
+    assert all(10.0 <= v <= 3600.0 for v in rep.adaptive_final_ttl_seconds.values())
+    assert set(rep.adaptive_final_ttl_seconds) == set(rep.tenants)
+    json.dumps(rep.as_dict())
+
+
+# --- the command ---------------------------------------------------------------------------------------
+
+
+def test_cli_on_a_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path) as w:
+        w.write_many(HAND)
+    assert main(["tune", "ttl", "--trace", str(path), "--ttl", "100", "--snapshot-bytes", "1000",
+                 "--replay-tokens", "100", "--hold-cost-per-byte-second", "1e-3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["local_hits"] for r in out["rows"]] == [3, 4]
+    assert out["rows"][1]["byte_seconds"] == 495_000
+    assert main(["tune", "ttl", "--trace", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "recommended TTL" in table and "adaptive" in table and "sliding" in table
+
+
+def test_cli_synthetic_and_save(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = tmp_path / "s.jsonl"
+    assert main(["tune", "ttl", "--synthetic", "500", "--seed", "3", "--save-trace", str(saved)]) == 0
+    assert len(list(read_trace(saved))) == 500
+    assert main(["tune", "ttl", "--synthetic", "500", "--seed", "3", "--save-trace", str(saved)]) == 0
+    assert len(list(read_trace(saved))) == 500  # saved afresh, not appended
+
+
+def test_cli_errors_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", "ttl", "--trace", str(tmp_path / "nope.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot read trace" in err[0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(TraceRecord(1.0, "a", "s", 128, "hit").to_json() + "\n{oops\n")
+    assert main(["tune", "ttl", "--trace", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.jsonl:2: not a JSON line" in err[0]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["tune", "ttl", "--trace", str(empty)]) == 2
+    assert main(["tune"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "ttl", "--trace", str(bad), "--ttl", "0,5"])
+    assert e.value.code == 2
