@@ -13,8 +13,10 @@ GiB = 1 << 30
 # What each LMDB durability mode loses on a power cut (also in the README):
 # - "sync":   nothing acknowledged; every commit is fsynced before the store acknowledges it.
 # - "nometasync": the last committed transaction(s) may roll back; the database stays consistent.
-# - "async":  recent transactions (since the OS last flushed) may be lost; the database stays
-#             consistent because kvstore never combines writemap with sync off.
+# - "async":  recent transactions (since the OS last flushed) may be lost, and LMDB documents
+#             that the database itself can be corrupted by a power cut in this mode (a process
+#             crash loses nothing: the OS still writes the pages). kvstore never combines
+#             writemap with sync off. Use it only for a cache you can afford to rebuild.
 Durability = Literal["sync", "nometasync", "async"]
 
 

@@ -29,10 +29,10 @@ class ScannedChunk:
     """One entry found by `LmdbTier.scan()` when a store reopens its durable tier."""
 
     key: bytes
-    meta: ChunkMeta | None  # None: the entry is of another format version, or corrupt
+    meta: ChunkMeta | None  # None: another format version or layout, or corrupt (see problem)
     payload_bytes: int  # raw payload size (0 when meta is None)
     stored_bytes: int  # bytes the value takes in the database
-    problem: str = ""  # why meta is None: "format-version", "corrupt"
+    problem: str = ""  # why meta is None: "format-version", "layout" (unknown layout id), "corrupt"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,265 @@
+"""A paged arena over one preallocated uint8 tensor: the byte store behind the device and DRAM tiers.
+
+The tensor is cut into fixed pages; a chunk takes ceil(nbytes / page) pages, one contiguous run
+when the free list has one (so a put or a get is one slice copy), otherwise several runs. Nothing
+is allocated per chunk on the hot path except the small index entry. The arena keeps key ->
+(page runs, size, meta) and a free list of page runs that coalesces neighbours on release.
+
+The arena decides nothing: it stores what it is given or, when the pages are not there, raises
+StorageError. The store asks `footprint()` first and keeps the arena within budget, so running
+out of pages here means the bookkeeping is broken. Whether the tensor lives in GPU or pinned host
+memory is the subclass's business (device.py, dram.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Iterable
+
+import torch
+
+from kvstore.errors import InvalidInput, StorageError
+from kvstore.tiers.base import ChunkMeta, TierName, TierStats
+from kvstore.tiers.value_format import byte_view
+
+Run = tuple[int, int]  # (first page, page count)
+
+
+class FreeRuns:
+    """Free pages as maximal runs, indexed by start, end and length for best-fit allocation."""
+
+    def __init__(self, n_pages: int) -> None:
+        self._len_at: dict[int, int] = {}  # start -> length
+        self._start_of_end: dict[int, int] = {}  # end (exclusive) -> start
+        self._by_len: dict[int, dict[int, None]] = {}  # length -> starts (an ordered set)
+        self.free_pages = 0
+        if n_pages:
+            self._add(0, n_pages)
+
+    def _add(self, start: int, length: int) -> None:
+        self._len_at[start] = length
+        self._start_of_end[start + length] = start
+        self._by_len.setdefault(length, {})[start] = None
+        self.free_pages += length
+
+    def _remove(self, start: int) -> int:
+        length = self._len_at.pop(start)
+        del self._start_of_end[start + length]
+        starts = self._by_len[length]
+        del starts[start]
+        if not starts:
+            del self._by_len[length]
+        self.free_pages -= length
+        return length
+
+    def take(self, n: int) -> list[Run] | None:
+        """n pages: one run if any free run is long enough (best fit), else the longest runs."""
+        if n > self.free_pages:
+            return None
+        if n == 0:
+            return []
+        fits = [length for length in self._by_len if length >= n]
+        if fits:
+            length = min(fits)
+            start = next(iter(self._by_len[length]))
+            self._remove(start)
+            if length > n:
+                self._add(start + n, length - n)
+            return [(start, n)]
+        runs: list[Run] = []
+        need = n
+        for length in sorted(self._by_len, reverse=True):
+            for start in list(self._by_len.get(length, ())):
+                take = min(length, need)
+                self._remove(start)
+                if take < length:
+                    self._add(start + take, length - take)
+                runs.append((start, take))
+                need -= take
+                if not need:
+                    return sorted(runs)
+        raise AssertionError("free page count and free runs disagree")
+
+    def release(self, start: int, length: int) -> None:
+        prev = self._start_of_end.get(start)
+        if prev is not None:
+            length += start - prev
+            self._remove(prev)
+            start = prev
+        if start + length in self._len_at:
+            length += self._remove(start + length)
+        self._add(start, length)
+
+    @property
+    def run_count(self) -> int:
+        return len(self._len_at)
+
+
+class _Entry:
+    """Where one chunk lives. For host pools `views` are the chunk's byte ranges of the pool, made
+    once at put time so that a get is a bare memoryview copy per run (no numpy or torch dispatch)."""
+
+    __slots__ = ("meta", "nbytes", "runs", "views")
+
+    def __init__(
+        self, runs: tuple[Run, ...], nbytes: int, meta: ChunkMeta, views: tuple[memoryview, ...]
+    ) -> None:
+        self.runs = runs
+        self.nbytes = nbytes
+        self.meta = meta
+        self.views = views
+
+
+class PagedArena:
+    """The tier surface (see base.Tier) over one preallocated tensor of pages."""
+
+    name: TierName
+
+    def __init__(self, capacity_bytes: int, page_bytes: int, device: torch.device, pin_memory: bool) -> None:
+        if page_bytes <= 0 or capacity_bytes < 0:
+            raise InvalidInput(f"bad arena geometry: capacity {capacity_bytes}, page {page_bytes}")
+        self.page_bytes = page_bytes
+        self.n_pages = capacity_bytes // page_bytes
+        try:
+            # (n_pages * page_bytes,) uint8: the only payload allocation this arena ever makes.
+            # A plain host pool is not pre-touched: the OS backs each page on its first write, so
+            # a generous capacity costs nothing until used (pinned pools are backed at once).
+            self._pool = torch.empty(self.n_pages * page_bytes, dtype=torch.uint8, device=device,
+                                     pin_memory=pin_memory)
+        except (RuntimeError, MemoryError) as e:  # CUDA OOM is a RuntimeError subclass
+            raise StorageError(f"cannot allocate a {capacity_bytes}-byte arena on {device}: {e}") from e
+        # Host pools are copied through memoryviews (a plain memcpy); device pools through torch.
+        self._host: memoryview | None = None
+        if self._pool.device.type == "cpu":
+            self._host = self._pool.numpy().data
+        self._free = FreeRuns(self.n_pages)
+        self._entries: dict[bytes, _Entry] = {}
+        self._lock = threading.Lock()
+
+    # --- the tier contract -------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self.n_pages * self.page_bytes
+
+    def footprint(self, payload_bytes: int) -> int:
+        return -(-payload_bytes // self.page_bytes) * self.page_bytes
+
+    def put(self, key: bytes, payload: memoryview, meta: ChunkMeta) -> None:
+        self.put_many(((key, payload, meta),))
+
+    def put_many(self, items: Iterable[tuple[bytes, memoryview, ChunkMeta]]) -> None:
+        """All or none: the page count is checked for the whole batch before anything changes."""
+        # A key repeated within one batch: the last payload wins, as with successive puts.
+        batch = {k: (byte_view(p), m) for k, p, m in items}
+        pb = self.page_bytes
+        with self._lock:
+            need = sum(-(-len(p) // pb) for p, _ in batch.values())
+            have = self._free.free_pages
+            for k in batch:
+                old = self._entries.get(k)
+                if old is not None:
+                    have += len_pages(old.runs)
+            if need > have:
+                raise StorageError(
+                    f"{self.name} arena: {need} pages asked, {have} free of {self.n_pages} "
+                    "(the store must keep the tier within its budget)"
+                )
+            for k in batch:
+                old = self._entries.pop(k, None)
+                if old is not None:
+                    self._release(old.runs)
+            for k, (payload, meta) in batch.items():
+                runs = self._free.take(-(-len(payload) // pb))
+                assert runs is not None
+                self._entries[k] = _Entry(tuple(runs), len(payload), meta, self._write(runs, payload))
+
+    def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
+        dst = byte_view(out)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            n = entry.nbytes
+            if len(dst) < n:
+                raise InvalidInput(f"buffer of {len(dst)} bytes is too small for a {n}-byte chunk")
+            views = entry.views
+            if len(views) == 1:  # the common case: one contiguous run, one memcpy
+                dst[:n] = views[0]
+            elif views:
+                pos = 0
+                for v in views:
+                    dst[pos : pos + len(v)] = v
+                    pos += len(v)
+            else:
+                self._read_device(entry.runs, n, dst)
+            return entry.meta
+
+    def delete(self, key: bytes) -> None:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._release(entry.runs)
+
+    def delete_many(self, keys: Iterable[bytes]) -> None:
+        for k in keys:
+            self.delete(k)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            used = (self.n_pages - self._free.free_pages) * self.page_bytes
+            return TierStats(used_bytes=used, capacity_bytes=self.capacity_bytes, entries=len(self._entries))
+
+    def close(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._free = FreeRuns(0)
+            self.n_pages = 0
+            if self._host is not None:
+                self._host.release()
+                self._host = None
+            self._pool = torch.empty(0, dtype=torch.uint8, device=self._pool.device)
+
+    # --- bytes -------------------------------------------------------------------------------
+    def _release(self, runs: tuple[Run, ...]) -> None:
+        for start, count in runs:
+            self._free.release(start, count)
+
+    def _write(self, runs: list[Run], payload: memoryview) -> tuple[memoryview, ...]:
+        """Copy payload into its runs (one copy per run); the host views of the chunk, if any."""
+        pb = self.page_bytes
+        total = len(payload)
+        pos = 0
+        if self._host is not None:
+            views = []
+            for start, count in runs:
+                n = min(count * pb, total - pos)
+                view = self._host[start * pb : start * pb + n]
+                view[:] = payload[pos : pos + n]
+                views.append(view)
+                pos += n
+            return tuple(views)
+        with warnings.catch_warnings():
+            # torch warns that a read-only buffer is not writable; it is only read from here
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(payload, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+        for start, count in runs:
+            n = min(count * pb, total - pos)
+            self._pool[start * pb : start * pb + n].copy_(src[pos : pos + n])
+            pos += n
+        return ()
+
+    def _read_device(self, runs: tuple[Run, ...], nbytes: int, dst: memoryview) -> None:
+        if not nbytes:
+            return
+        out = torch.frombuffer(dst, dtype=torch.uint8, count=nbytes)
+        pb = self.page_bytes
+        pos = 0
+        for start, count in runs:  # device -> host; copy_ is synchronous for pageable memory
+            n = min(count * pb, nbytes - pos)
+            out[pos : pos + n].copy_(self._pool[start * pb : start * pb + n])
+            pos += n
+
+
+def len_pages(runs: Iterable[Run]) -> int:
+    return sum(count for _, count in runs)

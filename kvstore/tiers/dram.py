@@ -1,0 +1,26 @@
+"""The DRAM tier: the paged arena in host memory, pinned when CUDA is present.
+
+Pinned (page-locked) pages let chunks move to and from the GPU by DMA without a staging copy;
+without CUDA pinning buys nothing, so plain memory is used. The whole arena is allocated once at
+start; puts and gets are slice copies into and out of it. The tier knows nothing about policy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.tiers.arena import PagedArena
+from kvstore.tiers.base import TierName
+
+
+class DramTier(PagedArena):
+    name: TierName = "dram"
+
+    def __init__(self, capacity_bytes: int, page_bytes: int, pin_memory: bool | None = None) -> None:
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        super().__init__(capacity_bytes, page_bytes, torch.device("cpu"), pin_memory=pin)
+        self.pinned = pin
+
+    @property
+    def backend(self) -> str:
+        return "cpu-pinned" if self.pinned else "cpu"

@@ -1,0 +1,40 @@
+"""Builds the three tiers from a StoreConfig: the one place that knows which classes implement them.
+
+The device tier goes to CUDA when the config allows and CUDA is present; the DRAM tier pins its
+arena when CUDA is present; the LMDB tier lives in `<data_dir>/lmdb`. The factory decides
+nothing about chunks; it only turns config into objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvstore.config.store import StoreConfig
+from kvstore.layout import CacheLayout
+from kvstore.tiers.device import DeviceTier
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.lmdb_tier import LmdbTier
+
+LMDB_SUBDIR = "lmdb"
+
+
+def build_tiers(
+    cfg: StoreConfig, data_dir: Path, layouts: Iterable[CacheLayout]
+) -> tuple[DeviceTier, DramTier, LmdbTier]:
+    """(device, dram, lmdb), in TIER_ORDER. `layouts` are every layout the store may write."""
+    device = DeviceTier(cfg.device_capacity_bytes, cfg.page_bytes, cfg.device)
+    try:
+        dram = DramTier(cfg.dram_capacity_bytes, cfg.page_bytes)
+        try:
+            lmdb_tier = LmdbTier(
+                Path(data_dir) / LMDB_SUBDIR, cfg.lmdb_capacity_bytes, layouts,
+                durability=cfg.lmdb_durability, compression=cfg.compression, zstd_level=cfg.zstd_level,
+            )
+        except BaseException:
+            dram.close()
+            raise
+    except BaseException:
+        device.close()
+        raise
+    return device, dram, lmdb_tier

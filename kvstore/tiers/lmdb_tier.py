@@ -1,0 +1,358 @@
+"""The LMDB tier: chunks on SSD, restart-warm because the index *is* the database.
+
+One LMDB environment (a directory) holds two named databases: `chunks` (32-byte chunk key ->
+value_format value) and `namespaces` (32-byte namespace digest -> the record the store gave).
+Named databases are used for both because LMDB keeps the names of named databases as keys of its
+unnamed main database; putting chunks there would mix them with those names.
+
+Durability (StoreConfig.lmdb_durability) and what each mode loses on a power cut or kernel crash
+(a crash of the process alone loses nothing in any mode: committed pages are in the OS cache):
+- "sync" (sync=True, metasync=True): nothing. Each commit fsyncs data and meta pages before
+  `put`/`put_many` returns, so every acknowledged chunk survives. One fsync per transaction,
+  which is why the store commits a whole Store stream in one `put_many`.
+- "nometasync" (sync=True, metasync=False): the last committed transaction(s) may roll back;
+  the database stays consistent (LMDB keeps atomicity, consistency and isolation, not durability).
+- "async" (sync=False): every transaction since the OS last flushed may be lost, and LMDB warns
+  that the database itself can be left corrupt, since the OS may write the meta page before the
+  data pages it points to. Checksums then catch a damaged value; a damaged tree means deleting
+  the directory. `writemap` is never used, and in particular never with sync=False, where it
+  would let a stray write through the map damage committed pages. `close()` and `sync()` flush.
+
+The map starts small and grows (env.set_mapsize) on MapFullError, up to the tier's capacity plus
+an overhead for LMDB's copy-on-write pages; past that a write raises StorageError. Stale reader
+slots left by dead processes are cleared at open (env.reader_check()).
+
+The tier moves bytes and decides nothing: the store keeps it within `capacity_bytes` using
+`footprint()`. It knows layouts only to split FP4 segments for compression and to flag entries
+of layouts it was not told about.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import lmdb
+
+from kvstore.config.store import Durability
+from kvstore.errors import InvalidInput, StorageError
+from kvstore.layout import CacheLayout
+from kvstore.tiers import value_format as vf
+from kvstore.tiers.base import ChunkMeta, ScannedChunk, TierName, TierStats
+from kvstore.tiers.compression import CODEC_NONE, Codec, Mode
+from kvstore.tiers.value_format import ValueProblem
+
+MiB = 1 << 20
+INITIAL_MAP_BYTES = 64 * MiB
+MAP_OVERHEAD_MIN_BYTES = 64 * MiB  # room for copy-on-write pages and the tree beyond the budget
+MAP_OVERHEAD_FRACTION = 0.25
+SCAN_BATCH = 1024  # entries read per read transaction by scan(); short transactions let the map grow
+
+_DURABILITY: dict[str, dict[str, bool]] = {
+    "sync": {"sync": True, "metasync": True},
+    "nometasync": {"sync": True, "metasync": False},
+    "async": {"sync": False, "metasync": False},
+}
+
+# LMDB page arithmetic (mdb.c): a leaf node is an 8-byte header + key + data, plus a 2-byte slot;
+# a node larger than nodemax keeps its data on dedicated overflow pages, each run of which starts
+# with a 16-byte page header.
+_PAGE_HEADER = 16
+_NODE_HEADER = 8
+_KEY_BYTES = 32
+
+
+class LmdbTier:
+    name: TierName = "lmdb"
+
+    def __init__(
+        self,
+        path: Path,
+        capacity_bytes: int,
+        layouts: Iterable[CacheLayout],
+        *,
+        durability: Durability = "sync",
+        compression: Mode = "auto",
+        zstd_level: int = 3,
+        initial_map_bytes: int | None = None,
+        max_map_bytes: int | None = None,
+    ) -> None:
+        if durability not in _DURABILITY:
+            raise InvalidInput(f"unknown LMDB durability mode '{durability}'")
+        self.path = Path(path)
+        self.durability = durability
+        self._capacity = capacity_bytes
+        self._layouts = {layout.layout_id: layout for layout in layouts}
+        self._max_token_bytes = 4 * max((lo.chunk_tokens for lo in self._layouts.values()), default=128)
+        self._max_map = max_map_bytes or capacity_bytes + max(
+            MAP_OVERHEAD_MIN_BYTES, int(capacity_bytes * MAP_OVERHEAD_FRACTION)
+        )
+        self._codec = Codec(compression, zstd_level, self._layouts)
+        self._lock = threading.Lock()
+        self.corrupt_total = 0
+        self.problems: dict[str, int] = {}  # removed-on-read values by problem ("corrupt", ...)
+        self._writes = 0  # bumped by every write; scan() rebuilds totals only if none happened
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            data = self.path / "data.mdb"
+            existing = data.stat().st_size if data.exists() else 0
+            initial = initial_map_bytes or min(self._max_map, INITIAL_MAP_BYTES)
+            # readahead off: chunks are read at random, each already a contiguous run of pages;
+            # OS readahead would fill the page cache with neighbours nobody asked for once the
+            # database outgrows RAM (LMDB's own advice for MDB_NORDAHEAD).
+            self._env = lmdb.open(
+                str(self.path), map_size=max(initial, existing), subdir=True, max_dbs=4,
+                writemap=False, map_async=False, readahead=False, **_DURABILITY[durability],
+            )
+            # Reader slots of processes that died inside a read transaction pin old pages forever.
+            self.stale_readers_cleared = self._env.reader_check()
+            self._chunks = self._env.open_db(b"chunks")
+            self._ns = self._env.open_db(b"namespaces")
+            self._psize = int(self._env.stat()["psize"])
+        except lmdb.Error as e:
+            raise StorageError(f"cannot open LMDB at {self.path}: {e}") from e
+        # Largest leaf node LMDB keeps inline (mdb.c: me_nodemax).
+        self._nodemax = (((self._psize - _PAGE_HEADER) // 2) & ~1) - 2
+        self._used, self._count = self._measure()
+
+    # --- sizes -------------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def disk_bytes(self, value_bytes: int) -> int:
+        """Bytes of the database one value of this length takes (leaf node + overflow pages)."""
+        node = _NODE_HEADER + _KEY_BYTES + value_bytes
+        if node <= self._nodemax:
+            return node + 2
+        pages = -(-(value_bytes + _PAGE_HEADER) // self._psize)
+        return pages * self._psize + _NODE_HEADER + _KEY_BYTES + 8 + 2
+
+    def footprint(self, payload_bytes: int) -> int:
+        """An upper bound: header, the longest chunk's token ids, the payload uncompressed."""
+        return self.disk_bytes(vf.value_bytes(self._max_token_bytes, payload_bytes))
+
+    def _measure(self) -> tuple[int, int]:
+        used = count = 0
+        with self._env.begin(db=self._chunks, buffers=True) as txn:
+            for _, value in txn.cursor():
+                used += self.disk_bytes(len(value))
+                count += 1
+        return used, count
+
+    # --- writes ------------------------------------------------------------------------------
+    def put(self, key: bytes, payload: memoryview, meta: ChunkMeta) -> None:
+        self.put_many(((key, payload, meta),))
+
+    def put_many(self, items: Iterable[tuple[bytes, memoryview, ChunkMeta]]) -> None:
+        """All chunks in one write transaction (one fsync in sync mode): all or none."""
+        with self._lock:
+            values: list[tuple[bytes, bytes]] = []
+            for key, payload, meta in items:
+                if len(key) != _KEY_BYTES:
+                    raise InvalidInput(f"chunk keys are {_KEY_BYTES} bytes, got {len(key)}")
+                if meta.layout_id not in self._layouts:
+                    raise InvalidInput(f"layout id {meta.layout_id.hex()} is not known to the LMDB tier")
+                raw = vf.byte_view(payload)
+                codec, stored = self._codec.encode(raw, meta.layout_id)
+                values.append((key, vf.build_value(meta, codec, len(raw), stored)))
+            if values:
+                self._commit(values)
+
+    def _commit(self, values: list[tuple[bytes, bytes]]) -> None:
+        while True:
+            used, count = self._used, self._count
+            try:
+                with self._env.begin(write=True, buffers=True, db=self._chunks) as txn:
+                    for key, value in values:
+                        old = txn.get(key)
+                        if old is None:
+                            count += 1
+                        else:
+                            used -= self.disk_bytes(len(old))
+                        txn.put(key, value)
+                        used += self.disk_bytes(len(value))
+            except lmdb.MapFullError:
+                self._grow(sum(len(v) for _, v in values))
+                continue
+            except lmdb.Error as e:
+                raise StorageError(f"LMDB write failed: {e}") from e
+            self._used, self._count = used, count
+            self._writes += 1
+            return
+
+    def _grow(self, need_bytes: int) -> None:
+        current = int(self._env.info()["map_size"])
+        if current >= self._max_map:
+            raise StorageError(
+                f"LMDB map is full at {current} bytes (capacity {self._capacity} + overhead); "
+                "the store must keep the tier within its budget"
+            )
+        new = min(self._max_map, max(2 * current, current + 2 * need_bytes + MiB))
+        try:
+            self._env.set_mapsize(new)  # no transaction is open: we hold the lock
+        except lmdb.Error as e:
+            raise StorageError(f"cannot grow the LMDB map to {new} bytes: {e}") from e
+
+    def delete(self, key: bytes) -> None:
+        self.delete_many((key,))
+
+    def delete_many(self, keys: Iterable[bytes]) -> None:
+        """Delete several chunks in one transaction (one fsync); absent keys are ignored."""
+        with self._lock:
+            self._delete_locked(list(keys))
+
+    def _delete_locked(self, keys: list[bytes]) -> None:
+        used, count = self._used, self._count
+        try:
+            with self._env.begin(write=True, buffers=True, db=self._chunks) as txn:
+                for key in keys:
+                    old = txn.get(key)
+                    if old is not None:
+                        used -= self.disk_bytes(len(old))
+                        count -= 1
+                        txn.delete(key)
+        except lmdb.Error as e:
+            raise StorageError(f"LMDB delete failed: {e}") from e
+        self._used, self._count = used, count
+        self._writes += 1
+
+    # --- reads -------------------------------------------------------------------------------
+    def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
+        """Verify and copy (or decompress) the payload into out; corrupt values are removed."""
+        dst = vf.byte_view(out)
+        with self._lock:
+            with self._env.begin(db=self._chunks, buffers=True) as txn:
+                value = txn.get(key)
+                if value is None:
+                    return None
+                try:
+                    return self._read(value, dst)
+                except ValueProblem as p:
+                    problem = p
+            self._remove_bad(key, problem)
+            return None
+
+    def _read(self, value: memoryview, dst: memoryview) -> ChunkMeta:
+        h = vf.parse_header(value)
+        if h.layout_id not in self._layouts:
+            raise ValueProblem("layout", f"layout id {h.layout_id.hex()} is not known to this tier")
+        if len(dst) < h.raw_size:
+            raise InvalidInput(f"buffer of {len(dst)} bytes is too small for a {h.raw_size}-byte chunk")
+        target = dst[: h.raw_size]
+        stored = value[h.payload_offset :]
+        if h.codec == CODEC_NONE:
+            if h.stored_size != h.raw_size:
+                raise ValueProblem("corrupt", "stored size differs from raw size")
+            target[:] = stored  # the one copy, straight out of the map
+            if vf.sum64(target) != h.payload_sum:  # checked on the copy, hot in cache
+                raise ValueProblem("corrupt", "payload checksum mismatch")
+        else:
+            if vf.sum64(stored) != h.payload_sum:
+                raise ValueProblem("corrupt", "payload checksum mismatch")
+            self._codec.decode_into(h.codec, stored, target, h.layout_id)
+        return vf.header_meta(value, h)
+
+    def _remove_bad(self, key: bytes, problem: ValueProblem) -> None:
+        self.corrupt_total += 1
+        self.problems[problem.problem] = self.problems.get(problem.problem, 0) + 1
+        self._delete_locked([key])
+
+    def scan(self, verify: bool = False) -> Iterator[ScannedChunk]:
+        """Every entry, in key order. Reads headers and token ids; payload sums only if verify.
+
+        Entries are read in batches of short read transactions, so the store may write between
+        batches. Used bytes and the entry count are rebuilt if no write happened meanwhile.
+        """
+        writes_at_start = self._writes
+        used = count = 0
+        after: bytes | None = None
+        while True:
+            with self._lock:
+                batch = self._scan_batch(after, verify)
+            if not batch:
+                break
+            for sc in batch:
+                used += sc.stored_bytes
+                count += 1
+                yield sc
+            after = batch[-1].key
+        with self._lock:
+            if self._writes == writes_at_start:
+                self._used, self._count = used, count
+
+    def _scan_batch(self, after: bytes | None, verify: bool) -> list[ScannedChunk]:
+        out: list[ScannedChunk] = []
+        with self._env.begin(db=self._chunks, buffers=True) as txn:
+            cur = txn.cursor()
+            ok = cur.first() if after is None else cur.set_range(after)
+            if ok and after is not None and bytes(cur.key()) == after:
+                ok = cur.next()
+            while ok and len(out) < SCAN_BATCH:
+                key, value = bytes(cur.key()), cur.value()
+                out.append(self._scan_one(key, value, verify))
+                ok = cur.next()
+        return out
+
+    def _scan_one(self, key: bytes, value: memoryview, verify: bool) -> ScannedChunk:
+        disk = self.disk_bytes(len(value))
+        try:
+            h = vf.parse_header(value)
+            if h.layout_id not in self._layouts:
+                raise ValueProblem("layout", "unknown layout id")
+            if verify and vf.sum64(value[h.payload_offset :]) != h.payload_sum:
+                raise ValueProblem("corrupt", "payload checksum mismatch")
+        except ValueProblem as p:
+            return ScannedChunk(key, None, 0, disk, p.problem)
+        return ScannedChunk(key, vf.header_meta(value, h), h.raw_size, disk)
+
+    # --- namespaces --------------------------------------------------------------------------
+    def put_namespace(self, digest: bytes, record: bytes) -> None:
+        with self._lock:
+            while True:
+                try:
+                    with self._env.begin(write=True, db=self._ns) as txn:
+                        txn.put(digest, record)
+                    return
+                except lmdb.MapFullError:
+                    self._grow(len(record))
+                except lmdb.Error as e:
+                    raise StorageError(f"LMDB write failed: {e}") from e
+
+    def namespaces(self) -> dict[bytes, bytes]:
+        with self._lock, self._env.begin(db=self._ns) as txn:
+            return {bytes(k): bytes(v) for k, v in txn.cursor()}
+
+    # --- housekeeping ------------------------------------------------------------------------
+    def stats(self) -> TierStats:
+        info = self._env.info()
+        return TierStats(
+            used_bytes=self._used, capacity_bytes=self._capacity, entries=self._count,
+            corrupt_total=self.corrupt_total, map_size_bytes=int(info["map_size"]),
+            readers=int(info["num_readers"]),
+        )
+
+    @property
+    def max_map_bytes(self) -> int:
+        return self._max_map
+
+    @property
+    def compression_decisions(self) -> dict[bytes, int]:
+        """Layout id -> codec id that `auto` settled on (empty until enough samples were seen)."""
+        return dict(self._codec.decisions)
+
+    def file_bytes(self) -> int:
+        """Size of the data file on disk (the high-water mark of pages LMDB has written)."""
+        return (self.path / "data.mdb").stat().st_size
+
+    def sync(self) -> None:
+        """Flush to disk now; only meaningful in the nometasync and async modes."""
+        with self._lock:
+            self._env.sync(True)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.durability != "sync":
+                self._env.sync(True)
+            self._env.close()

@@ -1,0 +1,54 @@
+"""Deterministic chunks for the tier tests and their child processes.
+
+A chunk's payload and token ids are derived from its key, so a process that did not write a
+chunk (a reopened tier in a new process, a parent after its child was killed) can check every
+byte it reads back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.layout import REFERENCE_TOY8, CacheLayout
+from kvstore.tiers.base import ChunkMeta
+from kvstore.tiers.lmdb_tier import LmdbTier
+
+LAYOUT: CacheLayout = REFERENCE_TOY8  # 128 tokens, 10,176 B per chunk
+NAMESPACE = hashlib.sha256(b"tier-tests").digest()
+
+
+def key_of(seed: int, i: int) -> bytes:
+    return hashlib.sha256(b"tier-key" + seed.to_bytes(8, "little") + i.to_bytes(8, "little")).digest()
+
+
+def payload_of(key: bytes, nbytes: int = LAYOUT.chunk_bytes) -> bytes:
+    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+    return rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def meta_of(key: bytes, layout: CacheLayout = LAYOUT) -> ChunkMeta:
+    rng = np.random.default_rng(int.from_bytes(key[8:16], "little"))
+    tokens = rng.integers(0, 512, layout.chunk_tokens, dtype="<u4").tobytes()
+    return ChunkMeta(NAMESPACE, layout.layout_id, tokens)
+
+
+def open_tier(path: Path, **kwargs: object) -> LmdbTier:
+    opts: dict = {"durability": "sync", "compression": "none"}
+    opts.update(kwargs)
+    return LmdbTier(path, 64 << 20, [LAYOUT], **opts)
+
+
+def check_chunk(tier: LmdbTier, key: bytes) -> str:
+    """"" if the tier returns exactly this key's bytes and meta, else what is wrong."""
+    out = bytearray(LAYOUT.chunk_bytes)
+    meta = tier.get_into(key, memoryview(out))
+    if meta is None:
+        return "missing"
+    if meta != meta_of(key):
+        return "meta differs"
+    if bytes(out) != payload_of(key):
+        return "payload differs"
+    return ""
