@@ -1,0 +1,187 @@
+"""`kvstore bench pool`: the local-state pool against its raw baselines, in one run.
+
+- Redis backend put/get of V4.1 local snapshots (1,351,680 B) against raw redis-py `SET PX` /
+  `GET` of the same bytes on the same server, over the same kind of connection. The server is
+  started by the benchmark (as the test harness does: loopback, free port, nothing persisted)
+  unless `--redis-url` names one.
+- Embedded pool get against memcpy (a numpy copy into a preallocated buffer). A hit of the
+  embedded pool is a zero-copy view, so `embedded_get_gbps` times the get *plus* copying the view
+  into the caller's preallocated buffer, the copy any consumer makes; the bare get is reported as
+  `embedded_get_us`.
+
+Contenders take turns operation by operation and each figure comes from the median time of one
+operation: on a shared machine load from other processes then falls on every contender alike,
+and the median ignores the operations it stretched. Targets: Redis backend >= 0.8 x raw for put
+and get; embedded get >= 0.5 x memcpy. This module knows nothing about how figures are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import redis
+
+from kvstore.config.local_pool import LocalPoolConfig
+from kvstore.errors import InvalidInput
+from kvstore.local_pool.embedded import EmbeddedPool
+from kvstore.local_pool.factory import build_local_pool
+from kvstore.local_pool.redis_process import RedisProcess
+from kvstore.local_pool.snapshot_format import encode_parts
+
+V41_SNAPSHOT_BYTES = 1_351_680
+LAYOUT = b"benchlay"
+TTL_SECONDS = 300.0
+
+
+class _Ttl:
+    """A fixed TTL; the benchmark measures bytes, not policy."""
+
+    def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
+        return TTL_SECONDS
+
+    def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
+        return None
+
+    def observe_return(self, tenant: str, gap_seconds: float) -> None:
+        pass
+
+    def describe(self) -> dict[str, object]:
+        return {"kind": "fixed", "ttl_seconds": TTL_SECONDS}
+
+
+def add_pool_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=None,
+                   help="a running Redis (redis:// or unix://); default: start one on loopback")
+    p.add_argument("--snapshot-bytes", type=int, default=V41_SNAPSHOT_BYTES,
+                   help="bytes per snapshot (default: one DeepSeek-V4.1-Flash local snapshot)")
+    p.add_argument("--part-bytes", type=int, default=LocalPoolConfig().part_bytes,
+                   help="pool part size (default: the config default)")
+    p.add_argument("--snapshots", type=int, default=16, help="distinct snapshots cycled through")
+    p.add_argument("--ops", type=int, default=16, help="operations per contender per round")
+    p.add_argument("--rounds", type=int, default=10, help="rounds of --ops operations per contender")
+
+
+def run_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
+    if args.redis_url and not args.redis_url.startswith(("redis://", "unix://")):
+        raise InvalidInput("--redis-url: the raw baseline needs a single node (redis:// or unix://)")
+    n, k = args.snapshot_bytes, max(1, args.snapshots)
+    payloads = [os.urandom(n) for _ in range(k)]
+    server = None if args.redis_url else RedisProcess().start()
+    url = args.redis_url or (server.url if server else "")
+    try:
+        result = _bench_redis(url, payloads, args)
+    finally:
+        if server is not None:
+            server.close()
+    result.update(_bench_embedded(payloads, args))
+    result["snapshot_bytes"] = n
+    result["redis_put_vs_raw"] = result["redis_put_gbps"] / result["raw_redis_set_gbps"]
+    result["redis_get_vs_raw"] = result["redis_get_gbps"] / result["raw_redis_get_gbps"]
+    result["embedded_get_vs_memcpy"] = result["embedded_get_gbps"] / result["memcpy_gbps"]
+    result["targets"] = [
+        _target("redis put / raw SET PX", result["redis_put_vs_raw"], 0.8),
+        _target("redis get / raw GET", result["redis_get_vs_raw"], 0.8),
+        _target("embedded get / memcpy", result["embedded_get_vs_memcpy"], 0.5),
+    ]
+    return result
+
+
+def _target(name: str, value: float, target: float) -> dict[str, Any]:
+    return {"name": name, "value": value, "target": f">= {target}", "ok": value >= target}
+
+
+def _median_gbps(
+    contenders: dict[str, Callable[[int], None]], nbytes: int, ops: int, rounds: int,
+) -> dict[str, float]:
+    """GB/s of each contender from the median time of one operation; `fn(i)` moves one snapshot.
+    Contenders take turns op by op, so load from other processes falls on all of them alike,
+    and the median ignores the ops that such load stretched."""
+    for fn in contenders.values():  # warm-up: connections, allocator, caches
+        for i in range(min(ops, 4)):
+            fn(i)
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for i in range(ops * rounds):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            fn(i)
+            times[name].append(time.perf_counter() - t0)
+    return {name: nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
+
+
+def _bench_redis(url: str, payloads: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
+    k, n = len(payloads), len(payloads[0])
+    cfg = LocalPoolConfig(url=url, part_bytes=args.part_bytes, socket_timeout_seconds=10.0,
+                          connect_timeout_seconds=10.0, call_budget_seconds=30.0, key_prefix="kvsbench")
+    pool = build_local_pool(cfg, _Ttl())
+    raw = redis.Redis.from_url(url, socket_timeout=10.0)
+    ns = [i.to_bytes(32, "big") for i in range(k)]
+    boundary = b"\x01" * 32
+    raw_keys = [f"kvsbench:raw:{i}" for i in range(k)]
+    ttl_ms = int(TTL_SECONDS * 1000)
+
+    def pool_put(i: int) -> None:
+        put = pool.put(ns[i % k], boundary, "bench", LAYOUT, 128, payloads[i % k])
+        assert put.written, put
+
+    def pool_get(i: int) -> None:
+        got = pool.get(ns[i % k], boundary, "bench", LAYOUT)
+        assert got.payload is not None and got.payload.nbytes == n, got.miss_reason
+
+    def raw_set(i: int) -> None:
+        raw.set(raw_keys[i % k], payloads[i % k], px=ttl_ms)
+
+    def raw_get(i: int) -> None:
+        value = raw.get(raw_keys[i % k])
+        assert isinstance(value, bytes) and len(value) == n
+
+    try:
+        puts = _median_gbps({"raw_redis_set_gbps": raw_set, "redis_put_gbps": pool_put}, n, args.ops,
+                          args.rounds)
+        gets = _median_gbps({"raw_redis_get_gbps": raw_get, "redis_get_gbps": pool_get}, n, args.ops,
+                          args.rounds)
+        stats = pool.stats()
+        assert stats.skipped_writes == dict.fromkeys(stats.skipped_writes, 0), stats
+    finally:
+        raw.delete(*raw_keys)
+        for key in ns:
+            pool.delete(key, boundary)
+        pool.close()
+        raw.close()
+    parts = len(encode_parts(LAYOUT, 128, payloads[0], args.part_bytes))
+    return {**puts, **gets, "redis_parts_per_snapshot": parts}
+
+
+def _bench_embedded(payloads: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
+    k, n = len(payloads), len(payloads[0])
+    pool = EmbeddedPool(2 * k * (n + 4096), _Ttl())
+    ns = [i.to_bytes(32, "big") for i in range(k)]
+    boundary = b"\x02" * 32
+    for i in range(k):
+        assert pool.put(ns[i], boundary, "bench", LAYOUT, 128, payloads[i]).written
+    # memcpy gets its own copies: copying the very buffer the pool's get just read would find it
+    # in cache, and each side must cycle through k buffers of its own.
+    sources = [np.frombuffer(p, dtype=np.uint8).copy() for p in payloads]  # [n] each
+    dst = np.empty(n, dtype=np.uint8)  # the caller's preallocated buffer
+
+    def get_into(i: int) -> None:
+        got = pool.get(ns[i % k], boundary, "bench", LAYOUT)
+        assert got.payload is not None
+        np.copyto(dst, np.frombuffer(got.payload, dtype=np.uint8))
+
+    def memcpy(i: int) -> None:
+        np.copyto(dst, sources[i % k])
+
+    ops = max(args.ops, k)
+    best = _median_gbps({"memcpy_gbps": memcpy, "embedded_get_gbps": get_into}, n, ops, args.rounds)
+    t0 = time.perf_counter()
+    for i in range(ops):
+        pool.get(ns[i % k], boundary, "bench", LAYOUT)
+    best["embedded_get_us"] = (time.perf_counter() - t0) / ops * 1e6  # the bare get, no copy
+    pool.close()
+    return best

@@ -1,0 +1,270 @@
+"""The Redis local pool: snapshots in Redis (one node or a cluster), TTLs kept by the server.
+
+Keys: one snapshot per (namespace digest, boundary chunk key), stored as parts
+
+    <prefix>:{<hex of sha256(ns_digest || boundary_key)[:16]>}:p<i>
+
+The braces are a Redis Cluster hash tag, so all parts of a snapshot live in one slot and one
+MULTI/EXEC reaches them all. Every write is `SET key value PX ttl` for every part in one
+transaction, so the value and its TTL arrive together and no key exists without a TTL through
+any path (the only other commands are PEXPIRE on existing keys, GET and UNLINK). A read fetches
+the parts in one transaction and returns the snapshot only when all are present and verify.
+
+Trouble with Redis (slow, hanging, down, restarted empty, out of memory) becomes a miss or a
+skipped write with a counter, never an exception. Each call has a budget: the caller's deadline,
+at most `call_budget_seconds`; attempts (1 + `retries`) run only while budget is left and their
+socket timeouts are cut to it. A circuit breaker stops calls to a Redis that keeps failing.
+
+This module knows the key scheme and the call discipline; the byte format is in
+`snapshot_format`, the wire in `redis_transport`, TTL choices in the policy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvstore.config.local_pool import LocalPoolConfig
+from kvstore.local_pool.base import (
+    BytesLike,
+    GetResult,
+    MissReason,
+    PoolCounters,
+    PoolHealth,
+    PoolStats,
+    PutResult,
+    SkipReason,
+)
+from kvstore.local_pool.breaker import CircuitBreaker
+from kvstore.local_pool.redis_transport import Command, RedisTransport
+from kvstore.local_pool.snapshot_format import SnapshotFormatError, SnapshotHeader, decode_parts, encode_parts
+from policies.base import TtlPolicy
+
+# No attempt is started with less time than this left: it could not finish, and a socket
+# timeout of a few microseconds only turns a slow answer into a wasted one.
+MIN_ATTEMPT_SECONDS = 0.002
+
+# Why an attempt loop gave up without replies.
+Failure = Literal["breaker-open", "timeout", "error", "oom"]
+
+
+def snapshot_key_base(prefix: str, ns_digest: bytes, boundary_key: bytes) -> bytes:
+    """`<prefix>:{<hash>}:p`; part i is this plus str(i)."""
+    tag = hashlib.sha256(ns_digest + boundary_key).digest()[:16].hex()
+    return f"{prefix}:{{{tag}}}:p".encode()
+
+
+class RedisPool:
+    """`LocalPool` over Redis. Thread-safe; the transport holds the connections."""
+
+    def __init__(
+        self,
+        cfg: LocalPoolConfig,
+        transport: RedisTransport,
+        ttl_policy: TtlPolicy,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cfg = cfg
+        self._transport = transport
+        self._policy = ttl_policy
+        self._clock = clock  # policy time and the breaker; socket deadlines use time.monotonic()
+        self._breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_seconds, clock)
+        self._counters = PoolCounters()
+        self._lock = threading.Lock()
+        # Part counts learned per layout, so a read fetches all parts in its first round trip.
+        self._parts_hint: dict[bytes, int] = {}
+        self._max_parts = 1
+        self._closed = False
+
+    # --- LocalPool ---------------------------------------------------------------------------
+    def put(
+        self, ns_digest: bytes, boundary_key: bytes, tenant: str, layout_id: bytes,
+        boundary_tokens: int, payload: BytesLike, deadline_seconds: float | None = None,
+    ) -> PutResult:
+        if self._closed:
+            return self._counters.skip("closed")
+        if self._breaker.state == "open":
+            # Before the policy hears of a write that will not happen, and before the checksum.
+            return self._counters.skip("breaker-open")
+        deadline_at = self._deadline(deadline_seconds)
+        nbytes = memoryview(payload).nbytes
+        ttl = self._policy.ttl_for_write(tenant, nbytes, self._clock())
+        if not (ttl > 0 and math.isfinite(ttl)):
+            return self._counters.skip("policy")
+        # Whole milliseconds, rounded down, so the key never outlives the TTL it was given.
+        ttl_ms = max(1, int(ttl * 1000))
+        parts = encode_parts(layout_id, boundary_tokens, payload, self._cfg.part_bytes)
+        base = snapshot_key_base(self._cfg.key_prefix, ns_digest, boundary_key)
+        cmds: list[Command] = [("SET", base + b"%d" % i, part, "PX", ttl_ms) for i, part in enumerate(parts)]
+        # Parts beyond this write's count, left by an earlier write of the same key with more
+        # parts, would never be read again but would hold memory until their TTL.
+        cmds += [("UNLINK", base + b"%d" % i) for i in range(len(parts), self._max_parts)]
+        replies = self._run(cmds, deadline_at)
+        if isinstance(replies, str):
+            return self._counters.skip(_skip_reason(replies))
+        for r in replies:
+            if isinstance(r, ResponseError):
+                return self._counters.skip("oom" if isinstance(r, OutOfMemoryError) else "error")
+        self._learn_parts(layout_id, len(parts))
+        self._counters.wrote(nbytes)
+        return PutResult.ok(ttl_ms / 1000)
+
+    def get(
+        self, ns_digest: bytes, boundary_key: bytes, tenant: str, layout_id: bytes,
+        deadline_seconds: float | None = None,
+    ) -> GetResult:
+        if self._closed:
+            return self._counters.miss("closed")
+        deadline_at = self._deadline(deadline_seconds)
+        base = snapshot_key_base(self._cfg.key_prefix, ns_digest, boundary_key)
+        want = self._parts_hint.get(layout_id, 1)
+        for _ in range(2):  # a second round only when the snapshot has more parts than hinted
+            replies = self._run([("GET", base + b"%d" % i) for i in range(want)], deadline_at)
+            if isinstance(replies, str):
+                return self._counters.miss(_miss_reason(replies))
+            outcome = self._assemble(replies, layout_id)
+            if not isinstance(outcome, int):
+                break
+            want = outcome
+            self._learn_parts(layout_id, want)
+        else:
+            return self._counters.miss("corrupt")  # a part count that keeps changing: not ours
+        if isinstance(outcome, str):
+            if outcome in ("corrupt", "incomplete"):
+                self._unlink(base, max(want, self._max_parts), deadline_at)
+            return self._counters.miss(outcome)
+        header, payload = outcome
+        self._refresh(base, header.part_count, tenant, header.payload_bytes, deadline_at)
+        self._counters.hit(header.payload_bytes)
+        return GetResult.found(payload, header.boundary_tokens)
+
+    def delete(self, ns_digest: bytes, boundary_key: bytes, deadline_seconds: float | None = None) -> bool:
+        if self._closed:
+            return False
+        base = snapshot_key_base(self._cfg.key_prefix, ns_digest, boundary_key)
+        replies = self._unlink(base, self._max_parts, self._deadline(deadline_seconds))
+        found = bool(replies and isinstance(replies[0], int) and replies[0] > 0)
+        if found:
+            self._counters.add("deletes")
+        return found
+
+    def set_ttl_policy(self, policy: TtlPolicy) -> None:
+        self._policy = policy  # stored keys keep the TTL Redis holds for them
+
+    def stats(self) -> PoolStats:
+        plain, misses, skipped = self._counters.snapshot()
+        return PoolStats(
+            backend=self._transport.kind, misses=misses, skipped_writes=skipped, entries=-1, used_bytes=-1,
+            capacity_bytes=-1, breaker_state=self._breaker.state, breaker_opens=self._breaker.opens, **plain,
+        )
+
+    def health(self) -> PoolHealth:
+        if self._closed:
+            return PoolHealth("degraded", "closed")
+        state = self._breaker.state
+        if state != "closed":
+            return PoolHealth("degraded", f"redis unreachable, breaker {state}: {self._breaker.last_error}")
+        return PoolHealth("ok")
+
+    def close(self) -> None:
+        self._closed = True
+        self._transport.close()
+
+    # --- helpers -----------------------------------------------------------------------------
+    def _deadline(self, deadline_seconds: float | None) -> float:
+        budget = self._cfg.call_budget_seconds
+        if deadline_seconds is not None:
+            budget = min(budget, max(0.0, deadline_seconds))
+        return time.monotonic() + budget
+
+    def _run(self, cmds: Sequence[Command], deadline_at: float) -> list[Any] | Failure:
+        """Replies of one transaction, or why there are none: "breaker-open", "timeout",
+        "error" or "oom". Retries transport failures while the deadline allows."""
+        if deadline_at - time.monotonic() < MIN_ATTEMPT_SECONDS:
+            return "timeout"  # the caller is out of time; says nothing about Redis
+        if not self._breaker.allow():
+            return "breaker-open"
+        failure: Failure = "timeout"
+        error_text = ""
+        for attempt in range(1 + self._cfg.retries):
+            if attempt and deadline_at - time.monotonic() < MIN_ATTEMPT_SECONDS:
+                break
+            try:
+                replies = self._transport.transaction(cmds, deadline_at)
+            except OutOfMemoryError:
+                self._breaker.record_success()  # Redis is up; it is full
+                return "oom"
+            except (RedisError, RedisClusterException, OSError) as e:  # OSError covers ssl errors
+                self._counters.add("errors")
+                failure = "timeout" if isinstance(e, RedisTimeoutError | TimeoutError) else "error"
+                error_text = f"{type(e).__name__}: {e}"
+                continue
+            self._breaker.record_success()
+            return replies
+        self._breaker.record_failure(error_text)
+        return failure
+
+    def _assemble(
+        self, replies: list[Any], layout_id: bytes,
+    ) -> tuple[SnapshotHeader, memoryview] | MissReason | int:
+        """The verified snapshot, a miss reason, or the part count to fetch when it exceeds
+        what was read."""
+        if any(isinstance(r, ResponseError) for r in replies):
+            return "error"
+        if replies[0] is None:
+            return "absent"
+        try:
+            header = SnapshotHeader.unpack(replies[0])
+        except SnapshotFormatError:
+            return "corrupt"
+        if header.layout_id != layout_id:
+            return "corrupt"  # the namespace digest binds the layout: not a snapshot of ours
+        if header.part_count > len(replies):
+            return header.part_count
+        parts = replies[: header.part_count]
+        if any(p is None for p in parts):
+            return "incomplete"  # parts evicted (volatile-ttl) or expired one by one
+        try:
+            return header, decode_parts(header, parts)
+        except SnapshotFormatError:
+            return "corrupt"
+
+    def _refresh(self, base: bytes, part_count: int, tenant: str, nbytes: int, deadline_at: float) -> None:
+        ttl = self._policy.ttl_on_read(tenant, nbytes, self._clock())
+        if ttl is None or not (ttl > 0 and math.isfinite(ttl)):
+            return
+        ttl_ms = max(1, int(ttl * 1000))
+        # PEXPIRE only touches keys that exist and always leaves a TTL on them.
+        replies = self._run([("PEXPIRE", base + b"%d" % i, ttl_ms) for i in range(part_count)], deadline_at)
+        if not isinstance(replies, str):
+            self._counters.add("refreshes")
+
+    def _unlink(self, base: bytes, part_count: int, deadline_at: float) -> list[Any] | None:
+        replies = self._run([("UNLINK", base + b"%d" % i) for i in range(part_count)], deadline_at)
+        return None if isinstance(replies, str) else replies
+
+    def _learn_parts(self, layout_id: bytes, count: int) -> None:
+        with self._lock:
+            self._parts_hint[layout_id] = count
+            self._max_parts = max(self._max_parts, count)
+
+
+def _miss_reason(failure: Failure) -> MissReason:
+    if failure == "breaker-open":
+        return "breaker-open"
+    return "timeout" if failure == "timeout" else "error"
+
+
+def _skip_reason(failure: Failure) -> SkipReason:
+    if failure == "breaker-open":
+        return "breaker-open"
+    if failure == "oom":
+        return "oom"
+    return "timeout" if failure == "timeout" else "error"

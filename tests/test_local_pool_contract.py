@@ -1,0 +1,365 @@
+"""The LocalPool contract, run over every backend: embedded, Redis over TCP, Redis over a unix
+socket, and a real 3-node Redis Cluster.
+
+Entries really expire (short TTLs, and the test checks they are gone); after every test on a
+Redis backend, every key has 0 < PTTL <= the largest TTL any policy of the test handed out.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import redis
+
+from kvstore.config.local_pool import LocalPoolConfig
+from kvstore.local_pool import LocalPool, build_local_pool
+from kvstore.local_pool.redis_pool import snapshot_key_base
+from kvstore.local_pool.redis_process import RedisClusterProcesses
+from tests.fixtures.redis_server import RedisFactory, scan_pttls
+
+V41_SNAPSHOT_BYTES = 1_351_680
+LAYOUT = b"layout01"
+TENANT = "acme"
+PART_BYTES = 256 * 1024  # a V4.1 snapshot is 6 parts
+
+
+class StaticTtl:
+    """A TtlPolicy with fixed answers (seconds), changeable by the test."""
+
+    def __init__(self, write_seconds: float, read_seconds: float | None = None) -> None:
+        self.write_seconds = write_seconds
+        self.read_seconds = read_seconds
+
+    def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
+        return self.write_seconds
+
+    def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
+        return self.read_seconds
+
+    def observe_return(self, tenant: str, gap_seconds: float) -> None:
+        pass
+
+    def describe(self) -> dict[str, object]:
+        return {"kind": "static", "ttl_seconds": self.write_seconds}
+
+
+@dataclass
+class Backend:
+    """One backend under test: builds pools on it and checks the Redis key invariants."""
+
+    name: str
+    url: str
+    clients: list[redis.Redis] = field(default_factory=list)  # one per node (none: embedded)
+    pools: list[LocalPool] = field(default_factory=list)
+    policies: list[StaticTtl] = field(default_factory=list)
+
+    @property
+    def is_redis(self) -> bool:
+        return bool(self.clients)
+
+    def policy(self, write_seconds: float, read_seconds: float | None = None) -> StaticTtl:
+        p = StaticTtl(write_seconds, read_seconds)
+        self.policies.append(p)
+        return p
+
+    def pool(self, policy: StaticTtl, **overrides: object) -> LocalPool:
+        cfg = LocalPoolConfig(url=self.url, part_bytes=PART_BYTES, call_budget_seconds=2.0,
+                              socket_timeout_seconds=1.0, **overrides)  # type: ignore[arg-type]
+        pool = build_local_pool(cfg, policy)
+        self.pools.append(pool)
+        return pool
+
+    def pttls(self) -> dict[bytes, int]:
+        out: dict[bytes, int] = {}
+        for c in self.clients:
+            out.update(scan_pttls(c, "kvs:*"))
+        return out
+
+    def check_ttl_invariant(self) -> None:
+        if not self.is_redis:
+            return
+        most_ms = max((int(max(p.write_seconds, p.read_seconds or 0) * 1000) for p in self.policies),
+                      default=0)
+        for key, pttl in self.pttls().items():
+            if pttl == -2:
+                continue  # expired between the scan and the PTTL
+            assert 0 < pttl <= most_ms, f"{key!r} has PTTL {pttl} (largest TTL given: {most_ms} ms)"
+
+    def client_for(self, key: bytes) -> redis.Redis:
+        for c in self.clients:  # SCAN, not EXISTS: a cluster node answers EXISTS elsewhere with MOVED
+            if any(True for _ in c.scan_iter(match=key)):
+                return c
+        raise AssertionError(f"{key!r} is on no node")
+
+
+@pytest.fixture(params=["embedded", "redis", "redis-unix", "redis-cluster"])
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    name = request.param
+    if name == "embedded":
+        b = Backend(name, "embedded")
+    elif name == "redis-cluster":
+        cluster: RedisClusterProcesses = request.getfixturevalue("redis_cluster")
+        b = Backend(name, cluster.url, [n.client() for n in cluster.nodes])
+    else:
+        factory: RedisFactory = request.getfixturevalue("redis_factory")
+        server = factory(unixsocket=name == "redis-unix")
+        b = Backend(name, server.unix_url if name == "redis-unix" else server.url, [server.client()])
+    yield b
+    b.check_ttl_invariant()
+    for pool in b.pools:
+        pool.close()
+    for c in b.clients:
+        c.close()
+
+
+def _ns(i: int = 0) -> bytes:
+    return (b"ns%030d" % i)[:32]
+
+
+def _bk(i: int = 0) -> bytes:
+    return (b"bk%030d" % i)[:32]
+
+
+def _payload(nbytes: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(nbytes)
+
+
+# --- round trips ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("nbytes", [1, 4095, PART_BYTES - 64, PART_BYTES - 63, 3 * PART_BYTES + 7,
+                                    V41_SNAPSHOT_BYTES])
+def test_put_get_round_trip(backend: Backend, nbytes: int) -> None:
+    pool = backend.pool(backend.policy(30))
+    data = os.urandom(nbytes)
+    put = pool.put(_ns(), _bk(), TENANT, LAYOUT, 256, data)
+    assert put.written and put.skip_reason is None and 0 < put.ttl_seconds <= 30
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)
+    assert got.hit and got.miss_reason is None
+    assert got.payload is not None and bytes(got.payload) == data
+    assert got.boundary_tokens == 256
+    assert got.payload.readonly
+    backend.check_ttl_invariant()
+
+
+def test_payload_may_be_any_buffer(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(30))
+    data = bytearray(os.urandom(70_000))
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, memoryview(data)).written
+    data[:10] = b"\0" * 10  # the pool kept its own copy
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)
+    assert got.payload is not None and bytes(got.payload[:10]) != b"\0" * 10
+
+
+def test_miss_when_absent(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(30))
+    got = pool.get(_ns(9), _bk(9), TENANT, LAYOUT)
+    assert not got.hit and got.payload is None and got.miss_reason == "absent"
+    assert pool.stats().misses["absent"] == 1
+
+
+def test_keys_are_separate_per_namespace_and_boundary(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(30))
+    for i in range(3):
+        for j in range(2):
+            assert pool.put(_ns(i), _bk(j), TENANT, LAYOUT, 128 * (i + 1), _payload(5000, i * 2 + j)).written
+    for i in range(3):
+        for j in range(2):
+            got = pool.get(_ns(i), _bk(j), TENANT, LAYOUT)
+            assert got.payload is not None and bytes(got.payload) == _payload(5000, i * 2 + j)
+            assert got.boundary_tokens == 128 * (i + 1)
+
+
+def test_overwrite_replaces_snapshot_with_more_or_fewer_parts(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(30))
+    big, small, mid = os.urandom(V41_SNAPSHOT_BYTES), os.urandom(1000), os.urandom(2 * PART_BYTES)
+    for data, tokens, parts in ((big, 128, 6), (small, 256, 1), (mid, 384, 3), (big, 512, 6)):
+        assert pool.put(_ns(), _bk(), TENANT, LAYOUT, tokens, data).written
+        got = pool.get(_ns(), _bk(), TENANT, LAYOUT)
+        assert got.payload is not None and bytes(got.payload) == data and got.boundary_tokens == tokens
+        backend.check_ttl_invariant()
+        if backend.is_redis:
+            assert len(backend.pttls()) == parts, "parts of the earlier, larger write are gone"
+
+
+def test_other_layout_is_a_corrupt_miss(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(30))
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x" * 100).written
+    assert pool.get(_ns(), _bk(), TENANT, b"layout02").miss_reason == "corrupt"
+
+
+def test_delete(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(30))
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
+    assert pool.delete(_ns(), _bk()) is True
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "absent"
+    assert pool.delete(_ns(), _bk()) is False
+    if backend.is_redis:
+        assert backend.pttls() == {}
+
+
+# --- TTLs --------------------------------------------------------------------------------------
+def test_entries_really_expire(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(0.3))
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+    time.sleep(0.45)
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)
+    assert not got.hit and got.miss_reason in ("expired", "absent")
+    if backend.is_redis:
+        assert backend.pttls() == {}, "expired parts are still in Redis"
+
+
+def test_fixed_ttl_is_not_extended_by_reads(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(0.6))
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(300_000)).written
+    time.sleep(0.35)
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+    time.sleep(0.45)  # 0.8 s after the write
+    assert not pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+
+
+def test_sliding_ttl_refreshes_on_hit(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(0.6, read_seconds=0.6))
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
+    time.sleep(0.35)
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit  # refreshed to 0.6 s from now
+    if backend.is_redis:
+        assert min(backend.pttls().values()) > 450  # every part was refreshed
+    time.sleep(0.45)  # 0.8 s after the write, 0.45 s after the refresh
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+    assert pool.stats().refreshes == 2
+    time.sleep(0.75)  # no reads: it goes
+    assert not pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+
+
+def test_policy_lifetime_zero_skips_the_write(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(0.0))
+    put = pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"abc")
+    assert not put.written and put.skip_reason == "policy"
+    assert pool.stats().skipped_writes["policy"] == 1
+
+
+def test_new_policy_applies_to_new_writes_only(backend: Backend) -> None:
+    long, short = backend.policy(30), backend.policy(0.3)
+    pool = backend.pool(long)
+    assert pool.put(_ns(1), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
+    pool.set_ttl_policy(short)
+    assert pool.put(_ns(2), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
+    time.sleep(0.45)
+    assert pool.get(_ns(1), _bk(), TENANT, LAYOUT).hit
+    assert not pool.get(_ns(2), _bk(), TENANT, LAYOUT).hit
+    if backend.is_redis:
+        assert all(pttl > 20_000 for pttl in backend.pttls().values())
+
+
+# --- everything else -------------------------------------------------------------------------------
+def test_stats_count_outcomes(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(30))
+    pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"a" * 1000)
+    pool.get(_ns(), _bk(), TENANT, LAYOUT)
+    pool.get(_ns(), _bk(), TENANT, LAYOUT)
+    pool.get(_ns(1), _bk(), TENANT, LAYOUT)
+    s = pool.stats()
+    assert (s.hits, s.writes, s.misses["absent"], s.bytes_written, s.bytes_read) == (2, 1, 1, 1000, 2000)
+    assert s.breaker_state == "closed"
+    assert pool.health().status == "ok"
+
+
+def test_closed_pool_misses_and_skips(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(30))
+    pool.close()
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "closed"
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x").skip_reason == "closed"
+    assert pool.health().status == "degraded"
+
+
+def test_concurrent_readers_and_writers(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(30))
+    versions = [os.urandom(300_000) for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(12):
+                key = _bk(i % 3)
+                if (i + w) % 2:
+                    assert pool.put(_ns(), key, TENANT, LAYOUT, 128, versions[(i + w) % 4]).written
+                else:
+                    got = pool.get(_ns(), key, TENANT, LAYOUT)
+                    assert got.miss_reason in (None, "absent")
+                    assert got.payload is None or bytes(got.payload) in versions  # whole, never mixed
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+# --- Redis: verification of what comes back -------------------------------------------------------
+def _redis_only(backend: Backend) -> None:
+    if not backend.is_redis:
+        pytest.skip("the embedded pool holds immutable bytes in process; nothing can tear or "
+                    "overwrite a part behind its back")
+
+
+def test_corrupt_part_is_a_miss_and_is_removed(backend: Backend) -> None:
+    _redis_only(backend)
+    pool = backend.pool(backend.policy(30))
+    base = snapshot_key_base("kvs", _ns(), _bk())
+    for part, offset in ((1, 5000), (0, 30), (0, 100), (5, 16)):  # payload, header, payload, last
+        assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
+        key = base + b"%d" % part
+        c = backend.client_for(key)
+        old = c.getrange(key, offset, offset)
+        assert isinstance(old, bytes)
+        c.setrange(key, offset, bytes([old[0] ^ 0x01]))  # SETRANGE keeps the key's TTL
+        assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
+        assert backend.pttls() == {}, "a corrupt snapshot is removed"
+    assert pool.stats().misses["corrupt"] == 4
+
+
+def test_missing_part_is_an_incomplete_miss(backend: Backend) -> None:
+    _redis_only(backend)
+    pool = backend.pool(backend.policy(30))
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
+    key = snapshot_key_base("kvs", _ns(), _bk()) + b"3"
+    backend.client_for(key).delete(key)  # as an eviction under volatile-ttl would
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "incomplete"
+
+
+def test_part_from_another_write_is_corrupt(backend: Backend) -> None:
+    _redis_only(backend)
+    pool = backend.pool(backend.policy(30))
+    data = os.urandom(V41_SNAPSHOT_BYTES)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).written
+    key = snapshot_key_base("kvs", _ns(), _bk()) + b"2"
+    c = backend.client_for(key)
+    stale = c.get(key)
+    assert isinstance(stale, bytes)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).written  # same bytes, new write id
+    c.set(key, stale, keepttl=True)
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
+
+
+def test_parts_share_one_cluster_slot(backend: Backend) -> None:
+    _redis_only(backend)
+    pool = backend.pool(backend.policy(30))
+    for i in range(12):
+        assert pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, os.urandom(3 * PART_BYTES)).written
+    by_node = [set(scan_pttls(c, "kvs:*")) for c in backend.clients]
+    for i in range(12):
+        base = snapshot_key_base("kvs", _ns(i), _bk())
+        holders = [n for n, keys in enumerate(by_node) if base + b"0" in keys]
+        assert len(holders) == 1
+        assert {base + b"%d" % p for p in range(4)} <= by_node[holders[0]]
+    if backend.name == "redis-cluster":
+        assert sum(1 for keys in by_node if keys) >= 2, "12 snapshots all landed on one node"

@@ -1,0 +1,334 @@
+"""The Redis pool when Redis misbehaves: slow, hanging, resetting, down, restarted empty, out of
+memory, evicting; plus lazy expiry, authentication and TLS. Every trouble must come back as a
+miss or a skipped write with a counter, never an exception, and within the call's deadline; the
+breaker must open on a dead Redis and close by itself when it is back.
+
+Faults come from a real TCP proxy and real server processes; nothing is mocked. The only timing
+assertions are deadline bounds with a generous margin (a hang without the deadline would take
+several times longer), never speed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from kvstore.config.local_pool import LocalPoolConfig
+from kvstore.local_pool import LocalPool, build_local_pool
+from kvstore.local_pool.redis_process import RedisClusterProcesses, RedisProcess, free_port
+from tests.fixtures.redis_server import RedisFactory, scan_pttls
+from tests.fixtures.tcp_proxy import TcpProxy
+
+SNAPSHOT = 1_351_680
+LAYOUT = b"layout01"
+TENANT = "acme"
+TTL_SECONDS = 30.0
+SLACK_SECONDS = 1.0  # scheduling margin on a shared machine for deadline bounds
+
+
+class StaticTtl:
+    def __init__(self, write_seconds: float, read_seconds: float | None = None) -> None:
+        self.write_seconds, self.read_seconds = write_seconds, read_seconds
+
+    def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
+        return self.write_seconds
+
+    def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
+        return self.read_seconds
+
+    def observe_return(self, tenant: str, gap_seconds: float) -> None:
+        pass
+
+    def describe(self) -> dict[str, object]:
+        return {"kind": "static"}
+
+
+def _pool(url: str, ttl: float = TTL_SECONDS, **overrides: Any) -> LocalPool:
+    settings: dict[str, Any] = dict(
+        url=url, part_bytes=256 * 1024, socket_timeout_seconds=0.2, connect_timeout_seconds=0.2,
+        retries=1, call_budget_seconds=0.6, breaker_failures=3, breaker_reset_seconds=0.3)
+    settings.update(overrides)
+    return build_local_pool(LocalPoolConfig(**settings), StaticTtl(ttl))
+
+
+def _ns(i: int = 0) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def _bk(i: int = 0) -> bytes:
+    return (1000 + i).to_bytes(32, "big")
+
+
+def _assert_ttl_invariant(client: redis.Redis, ttl_seconds: float = TTL_SECONDS) -> None:
+    for key, pttl in scan_pttls(client).items():
+        assert pttl == -2 or 0 < pttl <= ttl_seconds * 1000, (key, pttl)
+
+
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    t0 = time.monotonic()
+    out = fn(*args, **kwargs)
+    return out, time.monotonic() - t0
+
+
+# --- expiry ------------------------------------------------------------------------------------
+def test_lazy_expiry_with_active_expiry_disabled(redis_factory: RedisFactory) -> None:
+    server = redis_factory({"hz": "1"})
+    server.disable_active_expiry()
+    pool = _pool(server.url, ttl=0.3)
+    c = server.client()
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(SNAPSHOT)).written
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+    time.sleep(0.5)
+    assert c.dbsize() == 6, "with active expiry off the expired parts are still in memory"
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)
+    assert got.miss_reason == "absent"
+    assert c.dbsize() == 0, "reading the parts expired them lazily"
+    pool.close()
+
+
+# --- down, killed, restarted ------------------------------------------------------------------
+def test_killed_mid_test_and_restarted_empty(redis_factory: RedisFactory) -> None:
+    server = redis_factory()
+    pool = _pool(server.url, breaker_failures=100)
+    data = os.urandom(SNAPSHOT)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).written
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+
+    server.kill()
+    got, took = _timed(pool.get, _ns(), _bk(), TENANT, LAYOUT)
+    assert got.miss_reason in ("error", "timeout") and took < 0.6 + SLACK_SECONDS
+    put = pool.put(_ns(1), _bk(), TENANT, LAYOUT, 128, data)
+    assert not put.written and put.skip_reason in ("error", "timeout")
+    assert pool.delete(_ns(), _bk()) is False
+    assert pool.stats().errors >= 2
+
+    server.restart()  # same port, nothing persisted
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)
+    assert got.miss_reason == "absent", "the restarted server is empty; stale connections were redialled"
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 256, data).written
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)
+    assert got.payload is not None and bytes(got.payload) == data and got.boundary_tokens == 256
+    _assert_ttl_invariant(server.client())
+    pool.close()
+
+
+def test_down_at_start_is_only_a_degraded_pool(redis_factory: RedisFactory) -> None:
+    server = redis_factory()
+    server.kill()
+    pool = _pool(server.url)  # building touches nothing
+    for _ in range(3):
+        assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason in ("error", "timeout")
+    assert pool.health().status == "degraded"
+    assert "breaker open" in pool.health().reason
+    server.start()
+    time.sleep(0.35)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x" * 100).written
+    assert pool.health().status == "ok"
+    pool.close()
+
+
+# --- slow, hanging, resetting (through a proxy) -------------------------------------------------
+def test_slow_redis_within_timeout_still_hits(redis_server: RedisProcess,
+                                              tcp_proxy_factory: Any) -> None:
+    proxy: TcpProxy = tcp_proxy_factory(redis_server.port)
+    pool = _pool(proxy.url)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(SNAPSHOT)).written
+    proxy.set_mode("delay", 0.02)
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+    pool.close()
+
+
+@pytest.mark.parametrize("mode", ["delay", "hang", "reset"])
+def test_misbehaving_redis_is_a_miss_within_the_deadline(
+    redis_server: RedisProcess, tcp_proxy_factory: Any, mode: str,
+) -> None:
+    proxy: TcpProxy = tcp_proxy_factory(redis_server.port)
+    pool = _pool(proxy.url, breaker_failures=100)
+    data = os.urandom(SNAPSHOT)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).written
+    proxy.set_mode(mode, 1.0)  # type: ignore[arg-type]
+    expected = ("error",) if mode == "reset" else ("timeout",)
+    for _ in range(2):
+        got, took = _timed(pool.get, _ns(), _bk(), TENANT, LAYOUT)
+        assert got.miss_reason in expected and took < 0.6 + SLACK_SECONDS
+        put, took = _timed(pool.put, _ns(1), _bk(), TENANT, LAYOUT, 128, data)
+        assert put.skip_reason in expected and took < 0.6 + SLACK_SECONDS
+    proxy.set_mode("pass")
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)
+    assert got.payload is not None and bytes(got.payload) == data
+    _assert_ttl_invariant(redis_server.client())
+    pool.close()
+
+
+def test_caller_deadline_caps_socket_timeouts(redis_server: RedisProcess, tcp_proxy_factory: Any) -> None:
+    proxy: TcpProxy = tcp_proxy_factory(redis_server.port)
+    # Configured timeouts alone would let one call hang for 2 x 3 s.
+    pool = _pool(proxy.url, socket_timeout_seconds=3.0, connect_timeout_seconds=3.0,
+                 call_budget_seconds=10.0, breaker_failures=100)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x" * 1000).written
+    proxy.set_mode("hang")
+    got, took = _timed(pool.get, _ns(), _bk(), TENANT, LAYOUT, deadline_seconds=0.2)
+    assert got.miss_reason == "timeout" and took < 0.2 + SLACK_SECONDS
+    put, took = _timed(pool.put, _ns(), _bk(), TENANT, LAYOUT, 128, b"y", deadline_seconds=0.2)
+    assert put.skip_reason == "timeout" and took < 0.2 + SLACK_SECONDS
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT, deadline_seconds=0.0)
+    assert got.miss_reason == "timeout"  # no time at all: not even an attempt
+    pool.close()
+
+
+def test_breaker_opens_on_dead_redis_and_recovers_by_itself(
+    redis_server: RedisProcess, tcp_proxy_factory: Any,
+) -> None:
+    proxy: TcpProxy = tcp_proxy_factory(redis_server.port)
+    pool = _pool(proxy.url)  # breaker: 3 failures, 0.3 s
+    data = os.urandom(SNAPSHOT)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).written
+    proxy.set_mode("reset")
+    for _ in range(3):
+        assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "error"
+    assert pool.stats().breaker_state == "open"
+    assert pool.health().status == "degraded"
+    accepted = proxy.accepted
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "breaker-open"
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).skip_reason == "breaker-open"
+    assert proxy.accepted == accepted, "an open breaker must not touch the network"
+
+    time.sleep(0.35)  # still dead at the probe: open again
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "error"
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "breaker-open"
+
+    proxy.set_mode("pass")
+    time.sleep(0.35)
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)  # the probe
+    assert got.payload is not None and bytes(got.payload) == data
+    s = pool.stats()
+    assert s.breaker_state == "closed" and s.breaker_opens == 2
+    assert s.misses["breaker-open"] == 2 and s.skipped_writes["breaker-open"] == 1
+    assert pool.health().status == "ok"
+    pool.close()
+
+
+# --- memory pressure ---------------------------------------------------------------------------
+def test_noeviction_oom_skips_writes_and_counts(redis_factory: RedisFactory) -> None:
+    server = redis_factory({"maxmemory": "6mb", "maxmemory-policy": "noeviction"})
+    pool = _pool(server.url)
+    data = os.urandom(SNAPSHOT)
+    results = [pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, data) for i in range(8)]
+    written = [i for i, r in enumerate(results) if r.written]
+    skipped = [r.skip_reason for r in results if not r.written]
+    assert written and skipped and set(skipped) == {"oom"}
+    s = pool.stats()
+    assert s.skipped_writes["oom"] == len(skipped) and s.writes == len(written)
+    assert s.breaker_state == "closed", "a full Redis is up: no reason to stop calling it"
+    for i in written:
+        got = pool.get(_ns(i), _bk(), TENANT, LAYOUT)
+        assert got.payload is not None and bytes(got.payload) == data
+    for i in set(range(8)) - set(written):
+        assert pool.get(_ns(i), _bk(), TENANT, LAYOUT).miss_reason == "absent"
+    c = server.client()
+    assert c.dbsize() == 6 * len(written), "a refused snapshot leaves no parts behind"
+    _assert_ttl_invariant(c)
+    pool.close()
+
+
+def test_volatile_ttl_eviction_becomes_misses(redis_factory: RedisFactory) -> None:
+    server = redis_factory({"maxmemory": "6mb", "maxmemory-policy": "volatile-ttl"})
+    pool = _pool(server.url)
+    data = os.urandom(SNAPSHOT)
+    for i in range(8):
+        pool.set_ttl_policy(StaticTtl(10 + i))  # later writes live longer: earlier ones go first
+        assert pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, data).skip_reason in (None, "oom")
+    c = server.client()
+    assert int(c.info("stats")["evicted_keys"]) > 0
+    outcomes = [pool.get(_ns(i), _bk(), TENANT, LAYOUT) for i in range(8)]
+    for got in outcomes:
+        assert got.miss_reason in (None, "absent", "incomplete")
+        assert got.payload is None or bytes(got.payload) == data
+    assert not all(got.hit for got in outcomes[:4]) and outcomes[7].hit  # the shortest-lived went
+    _assert_ttl_invariant(c, ttl_seconds=18)
+    pool.close()
+
+
+# --- authentication and TLS --------------------------------------------------------------------
+def test_acl_user_and_password_in_url(redis_factory: RedisFactory) -> None:
+    server = redis_factory()
+    admin = server.client()
+    admin.acl_setuser("kvs", enabled=True, passwords=["+s3cret"], keys=["kvs:*"], commands=["+@all"])
+    pool = _pool(f"redis://kvs:s3cret@127.0.0.1:{server.port}/0")
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"z" * 5000).written
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+    pool.close()
+
+    wrong = _pool(f"redis://kvs:nope@127.0.0.1:{server.port}")
+    for _ in range(3):
+        assert wrong.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "error"
+    health = wrong.health()
+    assert health.status == "degraded" and "AuthenticationError" in health.reason
+    wrong.close()
+
+
+def _make_certs(directory: Path) -> tuple[Path, Path, Path]:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    ca_key, ca, key, csr, crt = (directory / n for n in ("ca.key", "ca.crt", "s.key", "s.csr", "s.crt"))
+    ext = directory / "san.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for cmd in (
+        [openssl, "req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "1",
+         "-subj", "/CN=kvs-test-ca"],
+        [openssl, "req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+        [openssl, "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", crt,
+         "-days", "1", "-extfile", ext],
+    ):
+        subprocess.run([str(a) for a in cmd], check=True, capture_output=True)
+    return crt, key, ca
+
+
+def test_tls_url(redis_factory: RedisFactory, tmp_path: Path) -> None:
+    crt, key, ca = _make_certs(tmp_path)
+    tls_port = free_port()
+    try:
+        server = redis_factory({"tls-port": str(tls_port), "tls-cert-file": str(crt),
+                                "tls-key-file": str(key), "tls-ca-cert-file": str(ca),
+                                "tls-auth-clients": "no"})
+    except RuntimeError as e:
+        pytest.skip(f"this redis-server has no TLS support: {e}")
+    pool = _pool(f"rediss://127.0.0.1:{tls_port}?ssl_ca_certs={ca}&ssl_cert_reqs=required",
+                 socket_timeout_seconds=2.0, connect_timeout_seconds=2.0, call_budget_seconds=5.0)
+    data = os.urandom(SNAPSHOT)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).written
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)
+    assert got.payload is not None and bytes(got.payload) == data
+    _assert_ttl_invariant(server.client())
+    pool.close()
+
+
+# --- cluster -----------------------------------------------------------------------------------
+def test_cluster_node_down_is_misses_not_errors(redis_binary: str) -> None:
+    cluster = RedisClusterProcesses(3, redis_binary).start()  # its own: this test kills a node
+    try:
+        pool = _pool(cluster.url, breaker_failures=1000, call_budget_seconds=1.0)
+        data = os.urandom(300_000)
+        for i in range(9):
+            assert pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, data).written
+        cluster.nodes[0].kill()
+        outcomes = [pool.get(_ns(i), _bk(), TENANT, LAYOUT) for i in range(9)]
+        assert any(not g.hit for g in outcomes)
+        for got in outcomes:
+            assert got.miss_reason in (None, "error", "timeout")
+            assert got.payload is None or bytes(got.payload) == data
+        for i in range(9, 12):
+            put = pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, data)
+            assert put.skip_reason in (None, "error", "timeout")
+        pool.close()
+    finally:
+        cluster.close()

@@ -1,0 +1,161 @@
+"""Config hot reload: SIGHUP and file changes reach the pool's TTL policy for new writes only;
+an invalid file is rejected with one log line and the old config stays."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import load_config
+from kvstore.config.local_pool import LocalPoolConfig
+from kvstore.local_pool import LocalPool, build_local_pool
+from kvstore.local_pool.redis_process import RedisProcess
+from kvstore.local_pool.reload import ConfigReloader
+from policies.factory import build_ttl
+from tests.fixtures.redis_server import scan_pttls
+
+LAYOUT = b"layout01"
+SNAPSHOT = 1_351_680
+
+
+def _write(path: Path, body: str) -> None:
+    path.write_text(body)
+    st = path.stat()  # make sure the poller sees a new mtime even on coarse clocks
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+
+
+def _toml(ttl_seconds: float, url: str = "embedded", extra: str = "") -> str:
+    return (f'[local_pool]\nurl = "{url}"\n{extra}\n'
+            f'[local_pool.ttl]\nkind = "fixed"\nttl_seconds = {ttl_seconds}\n')
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.seen: list[LocalPoolConfig] = []
+
+    def __call__(self, cfg: LocalPoolConfig) -> None:
+        self.seen.append(cfg)
+
+
+def _wait_for(cond: object, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if callable(cond) and cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _reloader(path: Path, rec: Recorder, poll: float = 0.05) -> ConfigReloader:
+    return ConfigReloader(path, rec, current=load_config(path).local_pool, poll_seconds=poll)
+
+
+def test_invalid_file_is_rejected_with_one_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "kvstore.toml"
+    _write(path, _toml(300))
+    rec = Recorder()
+    r = _reloader(path, rec)
+    bad_files = (  # (file, what the log line must name)
+        (_toml(-5), "local_pool.ttl.ttl_seconds"),
+        ("[local_pool\nnot toml", "not valid TOML"),
+        (_toml(60, extra="ttl_secs = 3"), "local_pool.ttl_secs"),
+        (_toml(60, extra='key_prefix = "a{b"'), "local_pool.key_prefix"),
+        (_toml(60, extra="call_budget_seconds = 0"), "local_pool.call_budget_seconds"),
+    )
+    for bad, names in bad_files:
+        _write(path, bad)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvstore.local_pool.reload"):
+            assert r.reload_now() is False
+        lines = [rec_.getMessage() for rec_ in caplog.records]
+        assert len(lines) == 1 and "rejected" in lines[0] and "keeping the previous" in lines[0]
+        assert names in lines[0]
+    assert rec.seen == [] and r.current.ttl.ttl_seconds == 300
+
+
+def test_valid_change_reaches_the_callback_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "kvstore.toml"
+    _write(path, _toml(300))
+    rec = Recorder()
+    r = _reloader(path, rec)
+    assert r.reload_now() and rec.seen == []  # unchanged: nothing to apply
+    _write(path, _toml(42))
+    assert r.reload_now()
+    assert [c.ttl.ttl_seconds for c in rec.seen] == [42]
+    _write(path, _toml(42, extra="capacity_bytes = 1048576"))
+    with caplog.at_level(logging.WARNING, logger="kvstore.local_pool.reload"):
+        assert r.reload_now()
+    assert "capacity_bytes" in caplog.text and "restart" in caplog.text
+
+
+def test_polling_sees_the_file_change(tmp_path: Path) -> None:
+    path = tmp_path / "kvstore.toml"
+    _write(path, _toml(300))
+    rec = Recorder()
+    r = _reloader(path, rec)
+    r.start()
+    try:
+        _write(path, _toml(7))
+        assert _wait_for(lambda: len(rec.seen) == 1)
+        _write(path, _toml(-1))  # rejected; the poller keeps going
+        time.sleep(0.2)
+        _write(path, _toml(9))
+        assert _wait_for(lambda: len(rec.seen) == 2)
+    finally:
+        r.stop()
+    assert [c.ttl.ttl_seconds for c in rec.seen] == [7, 9]
+
+
+def test_sighup_triggers_a_reload(tmp_path: Path) -> None:
+    path = tmp_path / "kvstore.toml"
+    _write(path, _toml(300))
+    rec = Recorder()
+    r = ConfigReloader(path, rec, current=load_config(path).local_pool, poll_seconds=3600)
+    r.install_sighup()
+    r.start()
+    try:
+        path.write_text(_toml(11))  # mtime aside, the poller would not look for an hour
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert _wait_for(lambda: len(rec.seen) == 1)
+    finally:
+        r.stop()
+    assert rec.seen[0].ttl.ttl_seconds == 11
+    assert signal.getsignal(signal.SIGHUP) is not r._on_sighup  # stop() put the old handler back
+
+
+@pytest.mark.parametrize("backend", ["embedded", "redis"])
+def test_hot_reload_changes_ttl_of_new_writes_only(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest,
+) -> None:
+    server: RedisProcess | None = request.getfixturevalue("redis_server") if backend == "redis" else None
+    url = server.url if server else "embedded"
+    path = tmp_path / "kvstore.toml"
+    _write(path, _toml(30, url))
+    cfg = load_config(path).local_pool
+    pool: LocalPool = build_local_pool(cfg, build_ttl(cfg.ttl, 128, SNAPSHOT))
+
+    def apply(new: LocalPoolConfig) -> None:  # what the service does with a reloaded section
+        pool.set_ttl_policy(build_ttl(new.ttl, 128, SNAPSHOT))
+
+    r = ConfigReloader(path, apply, current=cfg, poll_seconds=0.05)
+    r.start()
+    try:
+        assert pool.put(b"a" * 32, b"k" * 32, "t", LAYOUT, 128, os.urandom(SNAPSHOT)).written
+        _write(path, _toml(0.3, url))
+        assert _wait_for(lambda: r.current.ttl.ttl_seconds == 0.3)
+        put = pool.put(b"b" * 32, b"k" * 32, "t", LAYOUT, 128, os.urandom(SNAPSHOT))
+        assert put.written and put.ttl_seconds == pytest.approx(0.3)
+        time.sleep(0.45)
+        assert pool.get(b"a" * 32, b"k" * 32, "t", LAYOUT).hit, "the old entry kept its TTL"
+        assert not pool.get(b"b" * 32, b"k" * 32, "t", LAYOUT).hit, "the new write got the new TTL"
+        if server is not None:
+            pttls = scan_pttls(server.client())
+            assert pttls and all(25_000 < p <= 30_000 for p in pttls.values())
+    finally:
+        r.stop()
+        pool.close()
