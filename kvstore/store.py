@@ -163,6 +163,7 @@ class GlobalStore:
             chunk_tokens=layout.chunk_tokens,
             chunk_bytes=layout.chunk_bytes,
             token_mismatches=mismatches,
+            boundary_key=prev if tiers else b"",
         )
 
     def chunk_keys(self, ns: Namespace, tokens: np.ndarray) -> list[bytes]:
@@ -270,7 +271,7 @@ class GlobalStore:
         with self._lock:
             self._pins.expire(self._clock())
             receipt = self._pins.pin(keys, self._clock(), self.cfg.pin_timeout_seconds)
-        return LoadSession(self, ns, self.layout(ns), keys, receipt)
+        return LoadSession(self, ns, self.layout(ns), keys, receipt, result)
 
     def _read(self, key: bytes, out: memoryview) -> TierName | None:
         """Copy one chunk into `out` from the fastest tier that holds it intact."""
@@ -587,8 +588,9 @@ class LoadSession:
     """The chunks of a hit prefix, pinned until the session closes (or the pin times out)."""
 
     def __init__(self, store: GlobalStore, ns: Namespace, layout: CacheLayout, keys: list[bytes],
-                 receipt: PinReceipt) -> None:
+                 receipt: PinReceipt, lookup: LookupResult) -> None:
         self._store = store
+        self.lookup = lookup  # the lookup that chose these chunks (hit length may exceed len(keys))
         self.ns = ns
         self.layout = layout
         self.keys = keys

@@ -29,6 +29,7 @@ class LookupResult:
     chunk_tokens: int
     chunk_bytes: int
     token_mismatches: int = 0  # a key hit whose stored token ids differ: treated as a miss
+    boundary_key: bytes = b""  # key of the last hit chunk (names the local snapshot there)
 
     def tokens_by_tier(self) -> dict[TierName, int]:
         out: dict[TierName, int] = {}

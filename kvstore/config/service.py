@@ -66,13 +66,26 @@ class ServiceConfig:
 class AdminConfig:
     host: str = "127.0.0.1"
     port: int = 9400
-    admin_token: str = ""  # set: /api and /dashboard require `Authorization: Bearer <token>`
+    # Set: /api/* requires `Authorization: Bearer <token>` (the /dashboard page carries no data; it
+    # asks for the token and sends it with its API calls). Unset: a loopback bind treats every
+    # caller as the admin; any other bind serves aggregates only, never per-tenant data.
+    admin_token: str = ""
+    metrics_require_token: bool = False  # /metrics needs the admin token too
     per_tenant_labels: bool = False
-    timeseries_seconds: int = 3600
+    timeseries_seconds: int = 3600  # rolling history kept in memory for /api/timeseries
+    timeseries_step_seconds: int = 10  # one point per step
+    explain_requests: int = 4096  # recent requests the miss explainer keeps
+    explain_chunk_fates: int = 50_000  # evicted / corrupt / refused chunks it remembers (~300 B each)
 
     def validate(self, prefix: str) -> None:
         require(0 <= self.port <= 65535, join(prefix, "port"), "must be in 0..65535")
         require(self.timeseries_seconds >= 60, join(prefix, "timeseries_seconds"), "must be >= 60")
+        require(1 <= self.timeseries_step_seconds <= self.timeseries_seconds // 10,
+                join(prefix, "timeseries_step_seconds"), "must be >= 1 and at most timeseries_seconds / 10")
+        require(self.timeseries_seconds // self.timeseries_step_seconds <= 100_000,
+                join(prefix, "timeseries_step_seconds"), "keeps at most 100000 points: use a longer step")
+        require(self.explain_requests >= 1, join(prefix, "explain_requests"), "must be >= 1")
+        require(self.explain_chunk_fates >= 1, join(prefix, "explain_chunk_fates"), "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,225 @@
+"""`kvstore bench service`: the gRPC service against a plain gRPC server, in one run.
+
+- Load: a 32,768-token DeepSeek-V4.1 prefix (~29 MB) held in the DRAM tier, streamed over loopback
+  through `KvstoreClient.load`, against a plain gRPC server streaming the same bytes in the same
+  message sizes (pre-built `LoadResponse`s: the ceiling for protobuf streaming in Python).
+- Lookup: a 32,768-token prompt, p50 / p99, against a plain unary call carrying the same token list
+  (the same request message) to a server that does nothing with it.
+- Concurrent load: 4 client processes loading at once; aggregate GB/s.
+
+Servers run in their own processes (the service through `kvstore serve`, as deployed) and clients
+in others, so no two of them share a GIL. Figures are GB/s = 1e9 bytes/s, best of the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+
+
+def add_service_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="deepseek-v4.1-flash")
+    p.add_argument("--tokens", type=int, default=32_768, help="prefix length")
+    p.add_argument("--repeats", type=int, default=8, help="timed loads per figure")
+    p.add_argument("--lookups", type=int, default=200, help="timed lookups per figure")
+    p.add_argument("--clients", type=int, default=4, help="concurrent client processes")
+    p.add_argument("--message-bytes", type=int, default=MiB, help="payload bytes per streamed message")
+
+
+# --- the plain server (the ceiling) -----------------------------------------------------------------
+
+def _raw_server(port_out: Any, messages: list[bytes], stop: Any) -> None:
+    import grpc
+
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    parsed = [pb.LoadResponse.FromString(m) for m in messages]
+
+    def stream(request: bytes, context: Any) -> Iterator[pb.LoadResponse]:
+        yield from parsed  # pre-built messages: only serialization and transport remain
+
+    def unary(request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        return pb.LookupResponse()  # parses the request, does nothing with it
+
+    handlers = {
+        "Load": grpc.unary_stream_rpc_method_handler(
+            stream, request_deserializer=lambda b: b, response_serializer=pb.LoadResponse.SerializeToString),
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            unary, request_deserializer=pb.LookupRequest.FromString,
+            response_serializer=pb.LookupResponse.SerializeToString),
+    }
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=16), options=[
+        ("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB),
+        ("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("raw.Raw", handlers),))
+    port_out.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    stop.wait()
+    server.stop(0)
+
+
+def _raw_load(channel: Any) -> int:
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    call = channel.unary_stream("/raw.Raw/Load", request_serializer=lambda b: b,
+                                response_deserializer=pb.LoadResponse.FromString)
+    n = 0
+    for msg in call(b""):
+        n += len(msg.chunks.data)
+    return n
+
+
+# --- client processes -------------------------------------------------------------------------------
+
+def _load_worker(target: str, model: str, tokens: bytes, loads: int, start_at: float) -> tuple[int, float, float]:
+    from kvstore.client import KvstoreClient
+
+    arr = np.frombuffer(tokens, dtype="<u4")
+    with KvstoreClient(target) as kv:
+        kv.load(model, arr)  # warm the channel
+        time.sleep(max(0.0, start_at - time.time()))
+        t0 = time.time()
+        n = sum(sum(len(c) for c in kv.load(model, arr).chunks) for _ in range(loads))
+        return n, t0, time.time()
+
+
+# --- the run ----------------------------------------------------------------------------------------
+
+def _start_service(tmp: Path, model: str, nbytes: int, message_bytes: int) -> tuple[subprocess.Popen[str], str]:
+    cfg = tmp / "bench.toml"
+    cfg.write_text(
+        "[store]\ndevice = \"cpu\"\ndevice_capacity_bytes = 0\n"  # no device tier: every chunk in DRAM
+        f"dram_capacity_bytes = {2 * nbytes + 64 * MiB}\nlmdb_capacity_bytes = {4 * nbytes + 64 * MiB}\n"
+        "lmdb_durability = \"async\"\ncompression = \"none\"\n"
+        f"[service]\nstream_message_bytes = {message_bytes}\nmax_message_bytes = {max(4 * MiB, 2 * message_bytes)}\n"
+        f"models = [\"{model}\"]\n[replay]\nrunner = \"none\"\n"
+        "[local_pool]\ncapacity_bytes = 16777216\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "serve", "--config", str(cfg), "--grpc-port", "0", "--admin-port", "-1",
+         "--data-dir", str(tmp / "data"), "--log-level", "warning"],
+        stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "gRPC listening on" in line:
+            return proc, line.split("listening on ", 1)[1].split()[0]
+    raise RuntimeError(f"kvstore serve exited with {proc.wait()} before listening")
+
+
+def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
+    import grpc
+
+    from kvstore.bench.timing import best_rate, percentile
+    from kvstore.client import KvstoreClient
+    from kvstore.layout import get_model
+    from kvstore.service.framing import plan_pieces
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    spec = get_model(args.model)
+    layout = spec.layout
+    n_chunks = args.tokens // layout.chunk_tokens
+    cb = layout.chunk_bytes
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, spec.vocab_size, args.tokens).astype("<u4")
+    blob = rng.integers(0, 256, n_chunks * cb, dtype=np.uint8).tobytes()
+    total = len(blob)
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        proc, target = _start_service(tmp, args.model, total, args.message_bytes)
+        raw_port_q = ctx.Queue()
+        raw_stop = ctx.Event()
+        messages = [pb.LoadResponse(header=pb.LoadHeader(hit_chunks=n_chunks)).SerializeToString()] + [
+            pb.LoadResponse(chunks=pb.ChunkPiece(first_chunk=s.first_chunk, data=blob[s.first_chunk * cb:][:s.nbytes],
+                                                 tiers=[pb.TIER_DRAM] * (s.nbytes // cb))).SerializeToString()
+            for s in plan_pieces(0, n_chunks, cb, args.message_bytes)]
+        raw = ctx.Process(target=_raw_server, args=(raw_port_q, messages, raw_stop), daemon=True)
+        raw.start()
+        try:
+            raw_target = f"127.0.0.1:{raw_port_q.get(timeout=60)}"
+            opts = [("grpc.max_receive_message_length", 64 * MiB), ("grpc.max_send_message_length", 64 * MiB)]
+            raw_channel = grpc.insecure_channel(raw_target, options=opts)
+            with KvstoreClient(target, message_bytes=args.message_bytes) as kv:
+                stored = kv.store(args.model, tokens, blob)
+                assert stored.stored_chunks == n_chunks, stored
+                got = kv.load(args.model, tokens)
+                assert set(got.chunk_tiers) == {"dram"}, set(got.chunk_tiers)
+                assert b"".join(got.chunks) == blob
+
+                def ours() -> int:
+                    return sum(sum(len(c) for c in kv.load(args.model, tokens).chunks) for _ in range(args.repeats))
+
+                def plain() -> int:
+                    return sum(_raw_load(raw_channel) for _ in range(args.repeats))
+
+                plain()
+                raw_gbps = best_rate(plain)
+                load_gbps = best_rate(ours)
+                raw_gbps = max(raw_gbps, best_rate(plain))  # interleaved, so drift hits both
+
+                lookup = pb.LookupRequest(model=args.model, tokens=pb.Tokens(u32le=tokens.tobytes()))
+                raw_unary = raw_channel.unary_unary(
+                    "/raw.Raw/Lookup", request_serializer=pb.LookupRequest.SerializeToString,
+                    response_deserializer=pb.LookupResponse.FromString)
+                ours_ms, raw_ms = [], []
+                for i in range(args.lookups + 10):
+                    t0 = time.perf_counter()
+                    r = kv.lookup(args.model, tokens)
+                    t1 = time.perf_counter()
+                    raw_unary(lookup)
+                    t2 = time.perf_counter()
+                    if i >= 10:
+                        ours_ms.append((t1 - t0) * 1e3)
+                        raw_ms.append((t2 - t1) * 1e3)
+                assert r.hit_tokens == n_chunks * layout.chunk_tokens
+
+            start_at = time.time() + 3.0
+            with ctx.Pool(args.clients) as pool:
+                results = pool.starmap(_load_worker, [
+                    (target, args.model, tokens.tobytes(), args.repeats, start_at) for _ in range(args.clients)])
+            moved = sum(r[0] for r in results)
+            span = max(r[2] for r in results) - min(r[1] for r in results)
+            raw_channel.close()
+        finally:
+            raw_stop.set()
+            proc.terminate()
+            proc.wait(timeout=30)
+            raw.join(timeout=10)
+
+    lookup_p50 = percentile(ours_ms, 50)
+    raw_p50 = percentile(raw_ms, 50)
+    return {
+        "model": args.model,
+        "prefix_tokens": args.tokens,
+        "prefix_bytes": total,
+        "message_bytes": args.message_bytes,
+        "cpus": os.cpu_count(),
+        "load_gbps": load_gbps,
+        "raw_stream_gbps": raw_gbps,
+        "lookup_32k_p50_ms": lookup_p50,
+        "lookup_32k_p99_ms": percentile(ours_ms, 99),
+        "raw_unary_32k_p50_ms": raw_p50,
+        "raw_unary_32k_p99_ms": percentile(raw_ms, 99),
+        "concurrent_load_gbps": moved / span / 1e9,
+        "concurrent_clients": args.clients,
+        "targets": [
+            {"name": "load_gbps / raw_stream_gbps", "value": load_gbps / raw_gbps, "target": ">= 0.8",
+             "ok": load_gbps >= 0.8 * raw_gbps},
+            {"name": "lookup_32k_p50_ms / raw_unary_32k_p50_ms", "value": lookup_p50 / raw_p50,
+             "target": "<= 1.5", "ok": lookup_p50 <= 1.5 * raw_p50},
+        ],
+    }

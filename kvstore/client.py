@@ -1,0 +1,454 @@
+"""The Python client of the kvstore service: everything an engine integrator needs.
+
+    from kvstore.client import KvstoreClient
+    with KvstoreClient("127.0.0.1:50051", token="...") as kv:
+        hit = kv.lookup("deepseek-v4.1-flash", prompt_ids)
+        kv.store("deepseek-v4.1-flash", prompt_ids, chunk_payloads)
+        got = kv.resume("deepseek-v4.1-flash", prompt_ids)   # case, chunks, local snapshot, bills
+
+One method per RPC in snake_case; streaming, message sizing and reassembly happen inside; results
+are frozen dataclasses with plain strings for tiers ("device", "dram", "lmdb"), local states
+("hit", "expired", "absent", "not_applicable", "replayed") and cases ("cold", "warm", "expired").
+Failures raise `RpcFailure` subclasses carrying the gRPC status code and the server's message.
+Only idempotent calls (lookup, load, load_local, stats, health) are retried, and only on
+UNAVAILABLE, within the call's deadline. Loaded chunks are zero-copy `memoryview`s into the
+received messages; `bytes(view)` makes an owned copy.
+
+What it does not know: anything of the server's internals; it speaks only the proto.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.client_types import (
+    Bills,
+    LoadLocalResult,
+    LoadResult,
+    LookupResult,
+    ResumeResult,
+    ServiceStats,
+    StoreLocalResult,
+    StoreResult,
+    bills_from_pb,
+    stats_from_pb,
+)
+from kvstore.errors import KvstoreError
+from kvstore.service.framing import BlobAssembler, ChunkAssembler, blob_spans, plan_pieces
+from kvstore.service.wire import PB_TO_CASE, PB_TO_LOCAL, PB_TO_TIER, tokens_to_proto
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+__all__ = [
+    "Bills", "DeadlineExceededError", "InvalidArgumentError", "KvstoreClient", "LoadLocalResult",
+    "LoadResult", "LookupResult", "ResourceExhaustedError", "ResumeResult", "RpcFailure", "ServerError",
+    "ServiceStats", "StoreLocalResult", "StoreResult", "UnauthenticatedError", "UnavailableError",
+]
+
+T = TypeVar("T")
+MiB = 1 << 20
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+class RpcFailure(KvstoreError):
+    """A call failed; `code` is the gRPC status code, `details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, method: str) -> None:
+        super().__init__(f"{method}: {code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.method = method
+
+
+class InvalidArgumentError(RpcFailure):
+    """The request was malformed (bad token ids, sizes, model name...)."""
+
+
+class UnauthenticatedError(RpcFailure):
+    """Missing or wrong credentials."""
+
+
+class ResourceExhaustedError(RpcFailure):
+    """Overload or a limit; retry later with backoff."""
+
+
+class UnavailableError(RpcFailure):
+    """The service is unreachable or shutting down."""
+
+
+class DeadlineExceededError(RpcFailure):
+    """The call did not finish within its timeout."""
+
+
+class ServerError(RpcFailure):
+    """Any other status (INTERNAL, UNKNOWN...): a server-side bug or failure."""
+
+
+_ERRORS: dict[grpc.StatusCode, type[RpcFailure]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+
+
+def _failure(e: grpc.RpcError, method: str) -> RpcFailure:
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = (e.details() if hasattr(e, "details") else "") or ""
+    return _ERRORS.get(code, ServerError)(code, details, method)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 4
+    initial_backoff_seconds: float = 0.05
+    max_backoff_seconds: float = 1.0
+
+
+@dataclass
+class _Deadline:
+    at: float
+
+    def left(self) -> float:
+        return max(0.001, self.at - time.monotonic())
+
+
+# --- the client -------------------------------------------------------------------------------------
+
+class KvstoreClient:
+    def __init__(
+        self,
+        target: str,
+        token: str | None = None,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        timeout_seconds: float = 30.0,
+        message_bytes: int = 1 * MiB,
+        max_store_call_bytes: int = 256 * MiB,
+        retry: RetryPolicy = RetryPolicy(),
+        tls_server_name: str | None = None,
+    ) -> None:
+        """`target` "host:port"; `token` the bearer token; `tls_ca` turns on TLS (with `tls_cert` and
+        `tls_key`: mTLS). `message_bytes`: payload bytes per streamed message (keep it at or under
+        the server's `stream_message_bytes`). A Store larger than `max_store_call_bytes` is sent as
+        several calls on growing prefixes."""
+        self.target = target
+        self.timeout_seconds = timeout_seconds
+        self.message_bytes = message_bytes
+        self.max_store_call_bytes = max_store_call_bytes
+        self.retry = retry
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", 256 * MiB),
+            ("grpc.max_send_message_length", 256 * MiB),
+        ]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        if tls_ca or tls_cert:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca), private_key=_read(tls_key), certificate_chain=_read(tls_cert))
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = pb_grpc.KVCacheStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> KvstoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def channel(self) -> grpc.Channel:
+        return self._channel
+
+    # --- calls ------------------------------------------------------------------------------------
+
+    def lookup(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
+               timeout_seconds: float | None = None) -> LookupResult:
+        """How much of `tokens` is cached, where, and the local state at the boundary."""
+        req = pb.LookupRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens))
+        r = self._idempotent("Lookup", lambda t: self._stub.Lookup(req, timeout=t, metadata=self._metadata),
+                             timeout_seconds)
+        return LookupResult(
+            hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, chunk_tiers=tuple(PB_TO_TIER[t] for t in r.chunk_tiers),
+            local_state=PB_TO_LOCAL.get(r.local_state, "absent"), bills=bills_from_pb(r.bills),
+            chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes, full_chunks=r.full_chunks,
+            remainder_tokens=r.remainder_tokens, local_snapshot_bytes=r.local_snapshot_bytes,
+            replay_mode=r.replay_mode,
+        )
+
+    def store(self, model: str, tokens: Sequence[int] | np.ndarray, payloads: Sequence[bytes | memoryview] | bytes,
+              replay_mode: str = "", skip_present: bool = True, timeout_seconds: float | None = None) -> StoreResult:
+        """Store the global KV of `tokens`' first chunks. `payloads`: one payload per chunk, or all of
+        them concatenated; fewer chunks than the prompt holds store that prefix. With `skip_present`,
+        a lookup first finds the chunks already held and they are not sent again."""
+        arr = _token_array(tokens)
+        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        info = self.lookup(model, arr, replay_mode, timeout_seconds=deadline.left())
+        cb, ct = info.chunk_bytes, info.chunk_tokens
+        blob = _as_blob(payloads, cb)
+        n = len(blob) // cb
+        if n > info.full_chunks:
+            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"{n} chunk payloads for a prompt of {info.full_chunks} full chunks", "Store")
+        first = min(info.hit_chunks, n) if skip_present else 0
+        per_call = max(1, self.max_store_call_bytes // cb)
+        # Calls on growing prefixes, each sending only its new chunks; always at least one call, so
+        # that the answer (durable, already present) comes from the server, not from the lookup.
+        ranges = [(a, min(n, a + per_call)) for a in range(first, n, per_call)] or [(first, first)]
+        results = []
+        for a, b in ranges:
+            prompt = arr if b >= info.full_chunks else arr[: b * ct]
+            results.append(self._store_call(model, replay_mode, prompt, blob, a, b, cb, deadline))
+        last = results[-1]
+        stored_before = sum(r.stored_chunks for r in results[:-1])
+        return StoreResult(
+            stored_chunks=sum(r.stored_chunks for r in results),
+            already_present=last.already_present - stored_before,
+            skipped_chunks=sum(r.skipped_chunks for r in results),
+            skipped_reason="; ".join(dict.fromkeys(r.skipped_reason for r in results if r.skipped_reason)),
+            durable=last.durable, remainder_tokens=last.remainder_tokens,
+            sent_chunks=sum(r.sent_chunks for r in results),
+        )
+
+    def _store_call(self, model: str, replay_mode: str, prompt: np.ndarray, blob: memoryview,
+                    start: int, end: int, cb: int, deadline: _Deadline) -> StoreResult:
+        def messages() -> Iterator[pb.StoreRequest]:
+            yield pb.StoreRequest(header=pb.StoreHeader(model=model, replay_mode=replay_mode,
+                                                        tokens=_tokens(prompt)))
+            for span in plan_pieces(start, end - start, cb, self.message_bytes):
+                a = span.first_chunk * cb + span.offset
+                yield pb.StoreRequest(chunks=pb.ChunkPiece(first_chunk=span.first_chunk, offset=span.offset,
+                                                           data=bytes(blob[a : a + span.nbytes])))
+            yield pb.StoreRequest(end=pb.StoreEnd(chunks_sent=end - start))
+
+        try:
+            r = self._stub.Store(messages(), timeout=deadline.left(), metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _failure(e, "Store") from None
+        return StoreResult(r.stored_chunks, r.already_present, r.skipped_chunks, r.skipped_reason, r.durable,
+                           r.remainder_tokens, r.received_chunks)
+
+    def iter_load(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
+                  max_chunks: int = 0, timeout_seconds: float | None = None) -> Iterator[tuple[int, str, memoryview]]:
+        """Stream (chunk index, tier, payload) as chunks arrive. Not retried (it is a generator)."""
+        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks)
+        try:
+            stream = self._stub.Load(req, timeout=timeout_seconds or self.timeout_seconds, metadata=self._metadata)
+            head = next(stream).header
+            asm = _Chunks(head.chunk_bytes, head.hit_chunks)
+            for msg in stream:
+                yield from asm.add(msg.chunks)
+        except grpc.RpcError as e:
+            raise _failure(e, "Load") from None
+
+    def load(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
+             timeout_seconds: float | None = None) -> LoadResult:
+        """The cached prefix's chunk payloads (zero-copy views), pinned on the server while sent."""
+        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks)
+
+        def call(t: float) -> LoadResult:
+            stream = self._stub.Load(req, timeout=t, metadata=self._metadata)
+            head = next(stream).header
+            asm = _Chunks(head.chunk_bytes, head.hit_chunks)
+            chunks: list[memoryview] = []
+            tiers: list[str] = []
+            for msg in stream:
+                for _, tier, view in asm.add(msg.chunks):
+                    chunks.append(view)
+                    tiers.append(tier)
+            asm.finish()
+            return LoadResult(len(chunks) * head.chunk_tokens, head.chunk_tokens, head.chunk_bytes, chunks,
+                              tuple(tiers))
+
+        return self._idempotent("Load", call, timeout_seconds)
+
+    def store_local(self, model: str, tokens: Sequence[int] | np.ndarray, snapshot: bytes | memoryview,
+                    replay_mode: str = "", timeout_seconds: float | None = None) -> StoreLocalResult:
+        """Keep the local SWA snapshot taken after `tokens` (a whole number of chunks)."""
+        view = memoryview(snapshot).cast("B")
+
+        def messages() -> Iterator[pb.StoreLocalRequest]:
+            yield pb.StoreLocalRequest(header=pb.LocalHeader(
+                model=model, replay_mode=replay_mode, tokens=_tokens(tokens), snapshot_bytes=len(view)))
+            for a, b in blob_spans(len(view), self.message_bytes):
+                yield pb.StoreLocalRequest(local=pb.LocalPiece(offset=a, data=bytes(view[a:b])))
+
+        try:
+            r = self._stub.StoreLocal(messages(), timeout=timeout_seconds or self.timeout_seconds,
+                                      metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _failure(e, "StoreLocal") from None
+        return StoreLocalResult(r.stored, r.reason, r.ttl_seconds, r.boundary_tokens)
+
+    def load_local(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
+                   timeout_seconds: float | None = None) -> LoadLocalResult:
+        """The local snapshot at the last full-chunk boundary of `tokens`, if held."""
+        req = pb.LoadLocalRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens))
+
+        def call(t: float) -> LoadLocalResult:
+            stream = self._stub.LoadLocal(req, timeout=t, metadata=self._metadata)
+            head = next(stream).header
+            asm = BlobAssembler(head.snapshot_bytes)
+            for msg in stream:
+                asm.add(msg.local.offset, msg.local.data)
+            snap = asm.finish()
+            state = PB_TO_LOCAL.get(head.local_state, "absent")
+            return LoadLocalResult(state, head.boundary_tokens, snap if state == "hit" else None, head.reason)
+
+        return self._idempotent("LoadLocal", call, timeout_seconds)
+
+    def resume(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
+               skip_chunks: bool = False, timeout_seconds: float | None = None) -> ResumeResult:
+        """Lookup + load + local state (replayed if expired and a runner is available) in one call."""
+        req = pb.ResumeRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
+                               skip_chunks=skip_chunks)
+        try:
+            stream = self._stub.Resume(req, timeout=timeout_seconds or self.timeout_seconds, metadata=self._metadata)
+            head = next(stream).header
+            asm = _Chunks(head.chunk_bytes, head.hit_chunks)
+            local: BlobAssembler | None = None
+            chunks: list[memoryview] = []
+            loaded_tiers: list[str] = []
+            trailer: pb.ResumeTrailer | None = None
+            for msg in stream:
+                kind = msg.WhichOneof("kind")
+                if kind == "chunks":
+                    for _, tier, view in asm.add(msg.chunks):
+                        chunks.append(view)
+                        loaded_tiers.append(tier)
+                elif kind == "local":
+                    if local is None:
+                        local = BlobAssembler(head.local_snapshot_bytes)
+                    local.add(msg.local.offset, msg.local.data)
+                elif kind == "trailer":
+                    trailer = msg.trailer
+        except grpc.RpcError as e:
+            raise _failure(e, "Resume") from None
+        if trailer is None:
+            raise ServerError(grpc.StatusCode.UNKNOWN, "the Resume stream ended without its trailer", "Resume")
+        snapshot = local.finish() if local is not None else None
+        final_state = PB_TO_LOCAL.get(trailer.local_state, "absent")
+        return ResumeResult(
+            case=PB_TO_CASE.get(head.resume_case, "cold"),
+            hit_tokens=head.hit_tokens if head.hit_chunks == 0 else len(chunks) * head.chunk_tokens,
+            chunk_tokens=head.chunk_tokens, chunk_bytes=head.chunk_bytes, chunks=chunks,
+            chunk_tiers=tuple(loaded_tiers) if head.hit_chunks else tuple(PB_TO_TIER[t] for t in head.chunk_tiers),
+            local_state=final_state, initial_local_state=PB_TO_LOCAL.get(head.local_state, "absent"),
+            snapshot=snapshot if final_state in ("hit", "replayed") else None,
+            replay_planned=head.replay_planned, replay_tokens=trailer.replay_tokens,
+            replay_status=trailer.replay_status, planned_bills=bills_from_pb(head.bills),
+            bills=bills_from_pb(trailer.bills),
+        )
+
+    def stats(self, timeout_seconds: float | None = None) -> ServiceStats:
+        r = self._idempotent("Stats", lambda t: self._stub.Stats(pb.StatsRequest(), timeout=t,
+                                                                  metadata=self._metadata), timeout_seconds)
+        return stats_from_pb(r)
+
+    def health(self, service: str = "", timeout_seconds: float | None = None) -> str:
+        """"SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN" for `service` ("" = overall)."""
+        try:
+            r = self._idempotent("Health", lambda t: self._health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=t), timeout_seconds)
+        except RpcFailure as e:
+            if e.code == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN"
+            raise
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+
+    def wait_ready(self, timeout_seconds: float = 10.0) -> None:
+        """Block until the channel connects (or raise UnavailableError)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_seconds)
+        except grpc.FutureTimeoutError:
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no service at {self.target}", "connect") from None
+
+    # --- retries ----------------------------------------------------------------------------------
+
+    def _idempotent(self, method: str, call: Callable[[float], T], timeout_seconds: float | None) -> T:
+        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        backoff = self.retry.initial_backoff_seconds
+        for attempt in range(self.retry.attempts):
+            try:
+                return call(deadline.left())
+            except grpc.RpcError as e:
+                failure = _failure(e, method)
+                last = attempt == self.retry.attempts - 1
+                if failure.code != grpc.StatusCode.UNAVAILABLE or last or deadline.left() <= backoff:
+                    raise failure from None
+            time.sleep(backoff * (0.5 + random.random()))  # jitter: clients retrying in step overload again
+            backoff = min(backoff * 2, self.retry.max_backoff_seconds)
+        raise AssertionError("unreachable")
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+
+def _read(path: str | Path | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def _token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, "token ids must be a flat list", "client")
+    if arr.size and (not np.issubdtype(arr.dtype, np.integer) or int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
+        raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   "token ids must be integers in [0, 2**32)", "client")
+    return arr.astype("<u4", copy=False)
+
+
+def _tokens(tokens: Sequence[int] | np.ndarray) -> pb.Tokens:
+    return tokens_to_proto(_token_array(tokens))
+
+
+def _as_blob(payloads: Sequence[bytes | memoryview] | bytes, chunk_bytes: int) -> memoryview:
+    if isinstance(payloads, bytes | bytearray | memoryview):
+        blob = memoryview(payloads).cast("B")
+    else:
+        for i, p in enumerate(payloads):
+            if memoryview(p).nbytes != chunk_bytes:
+                raise InvalidArgumentError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"chunk payload {i} is {memoryview(p).nbytes} bytes; the layout needs {chunk_bytes}", "Store")
+        blob = memoryview(b"".join(payloads))
+    if len(blob) % chunk_bytes:
+        raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"{len(blob)} payload bytes are not a whole number of {chunk_bytes}-byte chunks",
+                                   "Store")
+    return blob
+
+
+class _Chunks:
+    """Reassembles a chunk stream; a chunk's tier label comes in the piece where the chunk starts,
+    and chunks complete in order, so labels queue until their chunk is whole."""
+
+    def __init__(self, chunk_bytes: int, num_chunks: int) -> None:
+        self._asm = ChunkAssembler(max(1, chunk_bytes), num_chunks)
+        self._tiers: deque[str] = deque()
+
+    def add(self, piece: pb.ChunkPiece) -> Iterator[tuple[int, str, memoryview]]:
+        self._tiers.extend(PB_TO_TIER.get(t, "") for t in piece.tiers)
+        for index, view in self._asm.add(piece.first_chunk, piece.offset, piece.data):
+            yield index, self._tiers.popleft() if self._tiers else "", view
+
+    def finish(self) -> None:
+        self._asm.finish()

@@ -1,0 +1,181 @@
+"""The client's result types: frozen dataclasses with plain strings for tiers, states and cases.
+
+Kept apart from `client.py` so that code that only handles results (the demo's tables, the
+dashboard's tests) can import them without a channel. What it does not know: gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.service.wire import PB_TO_TIER
+from kvstore.v1 import kvstore_pb2 as pb
+
+
+@dataclass(frozen=True)
+class TierBill:
+    hit_tokens: int
+    hit_chunks: int
+    bytes: int  # moved (Resume) or that a load would move (Lookup)
+
+
+@dataclass(frozen=True)
+class Bills:
+    """A request's three bills: prefill avoided / still due, replay spent, bytes per tier."""
+
+    prompt_tokens: int
+    prefill_tokens_avoided: int
+    prefill_tokens: int
+    replay_tokens: int
+    tiers: dict[str, TierBill]  # "device" | "dram" | "lmdb"
+    local_bytes: int
+    prefill_flops_avoided: float
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(t.bytes for t in self.tiers.values()) + self.local_bytes
+
+
+def bills_from_pb(b: pb.Bills) -> Bills:
+    return Bills(
+        prompt_tokens=b.prompt_tokens, prefill_tokens_avoided=b.prefill_tokens_avoided,
+        prefill_tokens=b.prefill_tokens, replay_tokens=b.replay_tokens,
+        tiers={PB_TO_TIER[t.tier]: TierBill(t.hit_tokens, t.hit_chunks, t.bytes) for t in b.tiers
+               if t.tier in PB_TO_TIER},
+        local_bytes=b.local_bytes, prefill_flops_avoided=b.prefill_flops_avoided,
+    )
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    hit_tokens: int
+    hit_chunks: int
+    chunk_tiers: tuple[str, ...]
+    local_state: str  # "hit" | "expired" | "absent" | "not_applicable"
+    bills: Bills
+    chunk_tokens: int
+    chunk_bytes: int
+    full_chunks: int
+    remainder_tokens: int
+    local_snapshot_bytes: int
+    replay_mode: str
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    stored_chunks: int
+    already_present: int
+    skipped_chunks: int
+    skipped_reason: str
+    durable: bool
+    remainder_tokens: int
+    sent_chunks: int  # chunk payloads this call actually sent
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    hit_tokens: int
+    chunk_tokens: int
+    chunk_bytes: int
+    chunks: list[memoryview]  # one payload per hit chunk, zero-copy views
+    chunk_tiers: tuple[str, ...]  # the tier each chunk was read from
+
+
+@dataclass(frozen=True)
+class StoreLocalResult:
+    stored: bool
+    reason: str  # why not, when not stored
+    ttl_seconds: float
+    boundary_tokens: int
+
+
+@dataclass(frozen=True)
+class LoadLocalResult:
+    local_state: str  # "hit" | "expired" | "absent" | "not_applicable"
+    boundary_tokens: int
+    snapshot: bytes | None
+    reason: str  # the pool's reason for a miss
+
+
+@dataclass(frozen=True)
+class ResumeResult:
+    case: str  # "cold" | "warm" | "expired"
+    hit_tokens: int
+    chunk_tokens: int
+    chunk_bytes: int
+    chunks: list[memoryview]  # empty with skip_chunks
+    chunk_tiers: tuple[str, ...]
+    local_state: str  # final: "hit" | "replayed" | "expired" | "absent" | "not_applicable"
+    initial_local_state: str  # at the boundary before any replay
+    snapshot: bytes | None  # the local snapshot at the boundary (held or replayed)
+    replay_planned: bool
+    replay_tokens: int
+    replay_status: str
+    planned_bills: Bills  # announced in the first message
+    bills: Bills  # as it happened
+
+
+@dataclass(frozen=True)
+class TierStats:
+    backend: str
+    used_bytes: int
+    capacity_bytes: int
+    entries: int
+    evictions: int
+    demotions: int
+    promotions: int
+    corrupt_total: int
+    tenant_used_bytes: int
+    map_size_bytes: int = 0
+    readers: int = 0
+
+
+@dataclass(frozen=True)
+class ServiceStats:
+    version: str
+    uptime_seconds: float
+    tenant: str
+    tiers: dict[str, TierStats]
+    chunks: int
+    lookups: int
+    lookup_hit_tokens: int
+    lookup_miss_tokens: int
+    token_mismatches: int
+    corrupt_reads: int
+    pins_active: int
+    pins_expired: int
+    admissions_refused: int
+    evictions_by_reason: dict[str, int]
+    local_pool: dict[str, Any]
+    runners_attached: int
+    models: tuple[str, ...]
+    calls_in_flight: int
+    calls_rejected: int
+    replay_coordinator: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def stats_from_pb(r: pb.StatsResponse) -> ServiceStats:
+    return ServiceStats(
+        version=r.version, uptime_seconds=r.uptime_seconds, tenant=r.tenant,
+        tiers={
+            PB_TO_TIER[t.tier]: TierStats(
+                t.backend, t.used_bytes, t.capacity_bytes, t.entries, t.evictions, t.demotions, t.promotions,
+                t.corrupt_total, t.tenant_used_bytes, t.map_size_bytes, t.readers)
+            for t in r.tiers if t.tier in PB_TO_TIER
+        },
+        chunks=r.chunks, lookups=r.lookups, lookup_hit_tokens=r.lookup_hit_tokens,
+        lookup_miss_tokens=r.lookup_miss_tokens, token_mismatches=r.token_mismatches,
+        corrupt_reads=r.corrupt_reads, pins_active=r.pins_active, pins_expired=r.pins_expired,
+        admissions_refused=r.admissions_refused, evictions_by_reason=dict(r.evictions_by_reason),
+        local_pool={"backend": r.local_pool.backend, "healthy": r.local_pool.healthy,
+                    "detail": r.local_pool.detail},
+        runners_attached=r.runners_attached, models=tuple(r.models), calls_in_flight=r.calls_in_flight,
+        calls_rejected=r.calls_rejected, replay_coordinator=r.replay_coordinator,
+    )

@@ -1,0 +1,95 @@
+"""`kvstore serve`: run the gRPC service (and the admin HTTP port) until SIGTERM or SIGINT.
+
+With no `--config` it runs the embedded default and says what that is: tiers and capacities, the
+device backend, the data directory, the local pool, the runner, and that auth is off and the
+service binds loopback only. It prints `kvstore: gRPC listening on HOST:PORT` once it accepts
+calls (tests and scripts parse that line; `--grpc-port 0` picks a free port).
+
+SIGTERM/SIGINT: health NOT_SERVING, new calls refused, calls in flight get `grace_seconds`, the
+store (LMDB) closes cleanly, exit 0. SIGHUP, or an edit of `--config`, re-reads the file and applies
+what can change without a restart (the local TTL policy); a bad new file is rejected with one log
+line and the old config stays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+
+from kvstore import __version__
+from kvstore.config import load_config
+from kvstore.errors import ConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config file (default: the embedded default)")
+    p.add_argument("--grpc-host", metavar="HOST", help="address to bind (default: service.grpc_host)")
+    p.add_argument("--grpc-port", type=int, metavar="N", help="gRPC port (0: any free port)")
+    p.add_argument("--admin-port", type=int, metavar="N", help="admin HTTP port (0: any free port, -1: none)")
+    p.add_argument("--data-dir", metavar="DIR", help="where LMDB lives (default: data_dir in the config)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _say(line: str) -> None:
+    print(f"kvstore: {line}", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvstore.service.app import build_app
+    from kvstore.service.auth import check_bind_allowed
+    from kvstore.service.server import KvstoreServer
+
+    cfg = load_config(args.config)
+    host = args.grpc_host or cfg.service.grpc_host
+    check_bind_allowed(cfg, host)  # before opening anything
+    if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
+        raise ConfigError("--grpc-port", "must be in 0..65535")
+    app = build_app(cfg, args.data_dir)
+    try:
+        server = KvstoreServer(app, host, args.grpc_port, args.admin_port).start()
+    except BaseException:
+        app.close()
+        raise
+    svc = cfg.service
+    _say(f"{__version__} running " + ("the embedded default (no config file)" if args.config is None
+                                      else f"config {args.config}"))
+    for line in app.describe():
+        _say(line)
+    security = "mTLS" if svc.tls_client_ca_file else "TLS" if svc.tls_cert_file else "plaintext"
+    _say(f"limits: {svc.max_concurrent_calls} concurrent calls, messages <= {svc.max_message_bytes} B, "
+         f"grace {svc.grace_seconds:g} s; reflection {'on' if svc.reflection else 'off'}")
+    if server.admin is not None:
+        _say(f"admin HTTP on http://{cfg.admin.host}:{server.admin.port}/")
+    _say(f"gRPC listening on {server.address} ({security})")
+
+    stop = threading.Event()
+
+    def on_stop(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    reloader = None
+    if args.config is not None:
+        from kvstore.local_pool.reload import ConfigReloader
+
+        # SIGHUP and edits of the file re-read it; the TTL policy applies to new writes.
+        reloader = ConfigReloader(args.config, app.reload_local_pool, cfg.local_pool)
+        reloader.start()
+        reloader.install_sighup()
+    while not stop.wait(0.5):
+        pass
+    if reloader is not None:
+        reloader.stop()
+    _say("shutting down: health NOT_SERVING, refusing new calls, "
+         f"waiting up to {svc.grace_seconds:g} s for calls in flight")
+    finished = server.stop()
+    app.close()
+    _say("stopped cleanly" if finished else "stopped (some calls were cancelled after the grace period)")
+    return 0

@@ -1,0 +1,76 @@
+"""`kvstore stats`: ask a running service for its statistics and print a readable summary.
+
+The bearer token comes from `--token` or, better (it stays out of `ps`), `KVSTORE_TOKEN`.
+`--json` prints the same figures as JSON. A service that is not running is a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from kvstore.client_types import ServiceStats
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the service")
+    p.add_argument("--token", default=None, help="bearer token (default: $KVSTORE_TOKEN)")
+    p.add_argument("--tls-ca", metavar="FILE", help="CA certificate: use TLS")
+    p.add_argument("--tls-cert", metavar="FILE", help="client certificate (mTLS)")
+    p.add_argument("--tls-key", metavar="FILE", help="client key (mTLS)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def render(s: ServiceStats) -> str:
+    lines = [f"kvstore {s.version} — up {s.uptime_seconds:.0f} s — you are tenant '{s.tenant}'"]
+    lines.append(f"{'tier':8s} {'backend':8s} {'used':>11s} {'capacity':>11s} {'use':>5s} {'yours':>11s} "
+                 f"{'chunks':>8s} {'evicted':>8s} {'corrupt':>7s}")
+    for name, t in s.tiers.items():
+        pct = 100 * t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
+        lines.append(f"{name:8s} {t.backend or '-':8s} {_size(t.used_bytes):>11s} {_size(t.capacity_bytes):>11s} "
+                     f"{pct:4.0f}% {_size(t.tenant_used_bytes):>11s} {t.entries:8d} {t.evictions:8d} "
+                     f"{t.corrupt_total:7d}")
+    looked = s.lookup_hit_tokens + s.lookup_miss_tokens
+    rate = 100 * s.lookup_hit_tokens / looked if looked else 0.0
+    lines.append(f"lookups {s.lookups}: {s.lookup_hit_tokens} of {looked} tokens hit ({rate:.1f}%), "
+                 f"{s.token_mismatches} token mismatches, {s.corrupt_reads} corrupt reads")
+    pool = s.local_pool
+    lines.append(f"local pool: {pool['backend']} ({'healthy' if pool['healthy'] else 'DEGRADED'}"
+                 + (f": {pool['detail']}" if pool["detail"] else "") + ")")
+    lines.append(f"replay: coordinator {'on' if s.replay_coordinator else 'off'}, "
+                 f"{s.runners_attached} runner(s) attached")
+    lines.append(f"calls: {s.calls_in_flight} in flight, {s.calls_rejected} refused for overload; "
+                 f"pins {s.pins_active} active, {s.pins_expired} expired")
+    if s.evictions_by_reason:
+        lines.append("evictions by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(s.evictions_by_reason.items())))
+    lines.append(f"models: {', '.join(s.models)}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstore.client import KvstoreClient, RpcFailure
+
+    token = args.token if args.token is not None else os.environ.get("KVSTORE_TOKEN") or None
+    with KvstoreClient(args.target, token=token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                       tls_key=args.tls_key, timeout_seconds=args.timeout) as client:
+        try:
+            s = client.stats()
+        except RpcFailure as e:
+            print(f"kvstore stats: {args.target}: {e.code.name}: {e.details}", file=sys.stderr)
+            return 2
+    if args.json:
+        json.dump(s.as_dict(), sys.stdout, indent=2)
+        print()
+    else:
+        print(render(s))
+    return 0

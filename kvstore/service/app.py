@@ -1,0 +1,222 @@
+"""The composition root: builds the store, the local pool, the runner registry and the replay
+coordinator from one `KvstoreConfig`, and holds them for the servers that serve them.
+
+Where other parts plug in (each is optional; the service runs without it):
+- local pool: `kvstore.local_pool.build_local_pool(cfg.local_pool, ttl_policy, clock)`, with the TTL
+  policy from `policies.factory.build_ttl` (`App.reload_local_pool` swaps it on a config reload).
+- replay: `replay.coordinator.build_coordinator(app) -> ReplayCoordinator | None`, called once the
+  app is otherwise complete (so it can use `app.store`, `app.local_pool`, `app.runners`,
+  `app.config.replay`, `app.clock`). Absent: `app.coordinator` is None and an expired `Resume`
+  reports "expired" without replaying.
+- observability: append callables to `app.observers`; each gets a `CallRecord` after every KVCache
+  call (method, tenant, status code name, seconds, the request's bills). The admin HTTP port is
+  started by `kvstore.admin.server.start_admin(app, host, port, health=...)` when that module
+  exists, else by the minimal /healthz server in `admin_hook.py`.
+
+What it does not know: gRPC (see `server.py`), or how any of the parts do their work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.config import KvstoreConfig, LocalPoolConfig
+from kvstore.errors import ConfigError, UnknownModel
+from kvstore.layout import CacheLayout, ModelSpec, exact_replay_tokens, get_model
+from kvstore.local_pool.base import LocalPool
+from kvstore.service.replay_port import ReplayCoordinator
+from kvstore.service.runners import RunnerRegistry
+from kvstore.store import GlobalStore, TenantQuota
+from kvstore.v1 import kvstore_pb2 as pb
+from policies.base import TtlPolicy
+
+log = logging.getLogger("kvstore.service")
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One finished KVCache call, for metrics and the ledger. `bills` is the reply's `Bills`
+    message when the call priced one (Lookup, Resume), else None."""
+
+    method: str
+    tenant: str
+    code: str  # grpc.StatusCode name: "OK", "INVALID_ARGUMENT", ...
+    seconds: float
+    model: str = ""
+    case: str = ""  # Resume: "cold" | "warm" | "expired"
+    local_state: str = ""  # "hit" | "expired" | "absent" | "not_applicable" | "replayed"
+    bills: pb.Bills | None = None
+
+
+CallObserver = Callable[[CallRecord], None]
+
+
+@dataclass
+class App:
+    config: KvstoreConfig
+    data_dir: Path
+    models: dict[str, ModelSpec]
+    store: GlobalStore
+    local_pool: LocalPool | None
+    runners: RunnerRegistry
+    clock: Callable[[], float]
+    coordinator: ReplayCoordinator | None = None
+    observers: list[CallObserver] = field(default_factory=list)
+    started_at: float = field(default_factory=time.time)
+    _closed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def layouts(self) -> dict[str, CacheLayout]:
+        """Each served model's layout at the store's chunk size (what chunks and runners must match)."""
+        return {n: m.layout.with_chunk_tokens(self.config.store.chunk_tokens) for n, m in self.models.items()}
+
+    def reload_local_pool(self, new: LocalPoolConfig) -> None:
+        """Apply a re-read [local_pool] section (`local_pool.reload.ConfigReloader`'s callback): its
+        TTL policy takes effect for new writes; `config` then shows the policy in force. Other keys
+        need a restart and are not applied."""
+        cfg = dataclasses.replace(self.config, local_pool=dataclasses.replace(self.config.local_pool, ttl=new.ttl))
+        if self.local_pool is not None:
+            self.local_pool.set_ttl_policy(build_ttl_policy(cfg, self.models))
+        self.config = cfg
+
+    def describe(self) -> list[str]:
+        """What this instance runs and where, for the start-up banner."""
+        cfg = self.config
+        st = self.store.stats()
+        tiers = ", ".join(
+            f"{name} {_size(t.capacity_bytes)}" + (f" on {t.backend}" if t.backend else "")
+            for name, t in st.tiers.items()
+        )
+        device = st.tiers["device"].backend or "?"
+        if device == "cpu":
+            device += " (no CUDA: the device tier is host memory)"
+        pool = cfg.local_pool.url if self.local_pool is not None else "none"
+        if self.local_pool is not None and cfg.local_pool.url == "embedded":
+            pool = f"embedded, {_size(cfg.local_pool.capacity_bytes)}"
+        ttl = cfg.local_pool.ttl
+        runner = "none"
+        if self.coordinator is not None:
+            runner = f"{cfg.replay.runner} ({cfg.replay.mode} replay)"
+        elif cfg.replay.runner != "none":
+            runner = f"{cfg.replay.runner} requested, but no replay coordinator is installed"
+        auth = (
+            f"bearer tokens / mTLS for {len(cfg.tenants)} tenant(s)" if cfg.auth_enabled
+            else "off (one tenant 'default'; loopback only)"
+        )
+        return [
+            f"tiers: {tiers}",
+            f"device backend: {device}",
+            f"data dir: {self.data_dir.resolve()} (lmdb durability {cfg.store.lmdb_durability}, "
+            f"{cfg.store.write_policy})",
+            f"models: {', '.join(self.models)}",
+            f"local pool: {pool}; TTL policy {ttl.kind} {ttl.ttl_seconds:g} s",
+            f"runner: {runner}; attached runners: {len(self.runners.runners())}",
+            f"auth: {auth}",
+        ]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.runners.close()
+        closer = getattr(self.coordinator, "close", None)
+        if callable(closer):
+            closer()
+        if self.local_pool is not None:
+            self.local_pool.close()
+        self.store.close()
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n} B"
+
+
+def served_models(cfg: KvstoreConfig) -> dict[str, ModelSpec]:
+    out: dict[str, ModelSpec] = {}
+    for i, name in enumerate(cfg.service.models):
+        try:
+            out[name] = get_model(name)
+        except UnknownModel as e:
+            raise ConfigError(f"service.models[{i}]", str(e)) from None
+    return out
+
+
+def tenant_quotas(cfg: KvstoreConfig) -> dict[str, TenantQuota]:
+    return {
+        name: TenantQuota(t.quota_device_bytes, t.quota_dram_bytes, t.quota_lmdb_bytes)
+        for name, t in cfg.tenants.items()
+    }
+
+
+def build_ttl_policy(cfg: KvstoreConfig, models: dict[str, ModelSpec]) -> TtlPolicy:
+    from policies.factory import build_ttl
+
+    # The pool's byte economics follow the served model with the largest snapshot.
+    layouts = [m.layout for m in models.values()]
+    layout = max(layouts, key=lambda lay: lay.local_snapshot_bytes)
+    window = layout.local.window_tokens
+    replay_tokens = exact_replay_tokens(layout) if cfg.replay.mode == "exact" else window
+    overrides = {n: t.local_ttl_seconds for n, t in cfg.tenants.items() if t.local_ttl_seconds > 0}
+    return build_ttl(cfg.local_pool.ttl, max(1, replay_tokens), max(1, layout.local_snapshot_bytes),
+                     tenant_ttl_seconds=overrides)
+
+
+def optional_part(module: str, name: str) -> Any:
+    """`module.name` if that module exists, else None (a part another issue has not built yet)."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and module.startswith(e.name):
+            return None
+        raise
+    return getattr(mod, name, None)
+
+
+def build_pool(cfg: KvstoreConfig, models: dict[str, ModelSpec], clock: Callable[[], float]) -> LocalPool:
+    from kvstore.local_pool import build_local_pool
+
+    return build_local_pool(cfg.local_pool, build_ttl_policy(cfg, models), clock)
+
+
+def build_app(
+    cfg: KvstoreConfig,
+    data_dir: str | Path | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    local_pool: LocalPool | str | None = "config",
+    coordinator_factory: Callable[[App], ReplayCoordinator | None] | str | None = "config",
+) -> App:
+    """Build every part from `cfg`. Tests pass `local_pool` / `coordinator_factory` to substitute
+    a part (None: leave it out); "config" builds what the config asks for."""
+    ddir = Path(data_dir if data_dir is not None else cfg.data_dir)
+    ddir.mkdir(parents=True, exist_ok=True)
+    models = served_models(cfg)
+    store = GlobalStore(cfg.store, ddir, list(models.values()), tenant_quotas(cfg), clock=clock)
+    try:
+        pool = build_pool(cfg, models, clock) if local_pool == "config" else local_pool
+        assert not isinstance(pool, str)
+        app = App(cfg, ddir, models, store, pool, RunnerRegistry(), clock)
+        factory = coordinator_factory
+        if factory == "config":
+            factory = None
+            if cfg.replay.runner != "none" and cfg.replay.mode != "off":
+                factory = optional_part("replay.coordinator", "build_coordinator")
+        assert not isinstance(factory, str)
+        if factory is not None:
+            app.coordinator = factory(app)
+    except BaseException:
+        store.close()
+        raise
+    return app

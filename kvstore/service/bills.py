@@ -1,0 +1,85 @@
+"""A request's bills and the local-state status at its hit boundary.
+
+The bills (DESIGN.md section 1) priced per request: prefill tokens avoided (the global hit) and
+still to prefill, replay tokens, and per tier the tokens hit and the bytes a load moves. The
+local-state status asks the pool for the snapshot at the boundary chunk key.
+
+What it does not know: gRPC status codes, or how the pool or the store keep their bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvstore.layout import exact_replay_tokens
+from kvstore.local_pool.base import GetResult
+from kvstore.service.calls import Resolved
+from kvstore.service.wire import TIER_TO_PB
+from kvstore.store import LookupResult
+from kvstore.tiers.base import TIER_ORDER
+from kvstore.v1 import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvstore.service.app import App
+
+
+def price(
+    res: Resolved, chunk_tiers: Sequence[str], replay_tokens: int, local_bytes: int, moved: bool = True
+) -> pb.Bills:
+    """The bills of a request whose hit chunks sit in `chunk_tiers`. `moved`: their bytes are (or
+    would be) loaded; False when the engine kept the chunks and only the boundary was resumed."""
+    ct, cb = res.layout.chunk_tokens, res.layout.chunk_bytes
+    hit = len(chunk_tiers) * ct
+    counts = dict.fromkeys(TIER_ORDER, 0)
+    for t in chunk_tiers:
+        counts[t] += 1  # type: ignore[index]
+    return pb.Bills(
+        prompt_tokens=len(res.tokens),
+        prefill_tokens_avoided=hit,
+        prefill_tokens=len(res.tokens) - hit,
+        replay_tokens=replay_tokens,
+        tiers=[
+            pb.TierBill(tier=TIER_TO_PB[t], hit_tokens=n * ct, hit_chunks=n, bytes=n * cb if moved else 0)
+            for t, n in counts.items()
+        ],
+        local_bytes=local_bytes,
+        prefill_flops_avoided=hit * res.spec.prefill_flops_per_token,
+    )
+
+
+def planned_replay_tokens(res: Resolved, hit_tokens: int) -> int:
+    """Tokens a replay at this boundary runs under the namespace's replay mode."""
+    mode = res.ns.replay_mode
+    if mode == "off" or res.layout.local_snapshot_bytes == 0:
+        return 0
+    n = exact_replay_tokens(res.layout) if mode == "exact" else res.layout.local.window_tokens
+    return min(n, hit_tokens)
+
+
+def local_status(
+    app: App, res: Resolved, hit_chunks: int, deadline_seconds: float | None = None,
+    lookup: LookupResult | None = None, key: bytes | None = None,
+) -> tuple[str, GetResult | None]:
+    """("hit" | "expired" | "absent" | "not_applicable", the pool's answer when it was asked).
+    `key`, when the caller has it, is the boundary chunk's key (else it is computed)."""
+    if res.layout.local_snapshot_bytes == 0:
+        return "not_applicable", None
+    if hit_chunks == 0:
+        return "absent", None
+    pool = app.local_pool
+    if pool is None:
+        return "expired", None
+    if key is None:
+        key = boundary_key(app, res, hit_chunks, lookup)
+    got = pool.get(res.ns.digest, key, res.ns.tenant, res.ns.layout_id, deadline_seconds)
+    return ("hit" if got.hit else "expired"), got
+
+
+def boundary_key(app: App, res: Resolved, chunks: int, lookup: LookupResult | None = None) -> bytes:
+    """The chained key of the last chunk before the boundary: the pool's key for the snapshot."""
+    # The lookup already knows the key of its last hit chunk: reusing it saves hashing the prefix
+    # a second time (~0.2 ms for 32K tokens, as much as the lookup's own hashing).
+    if lookup is not None and lookup.boundary_key and lookup.hit_chunks == chunks:
+        return lookup.boundary_key
+    return app.store.chunk_keys(res.ns, res.tokens[: chunks * res.chunk_tokens])[-1]

@@ -1,0 +1,168 @@
+"""Cutting chunk payloads into stream messages and putting them back together.
+
+A stream carries the payloads of consecutive chunks as `ChunkPiece`s of about `message_bytes`
+each: as many whole chunks as fit, or one chunk split across several pieces when a chunk is larger
+than a message (a dense bf16 model's 128-token chunk is 16 MiB). Never one message per small
+chunk: per-message overhead in gRPC Python is ~20 us, which would dominate 114 KB chunks.
+
+`plan_pieces` decides the cuts; `ChunkAssembler` checks and reassembles incoming pieces, handing
+out each chunk as a zero-copy memoryview into the received message bytes when the chunk lies
+inside one piece. Both server and client use this module; it knows nothing about gRPC, tenants
+or the store. Malformed sequences raise `InvalidInput` with what is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidInput
+
+
+@dataclass(frozen=True)
+class PieceSpan:
+    """One message's share of the chunk byte stream: chunk `first_chunk` from byte `offset`, `nbytes` long."""
+
+    first_chunk: int
+    offset: int
+    nbytes: int
+
+    def chunks_starting(self, chunk_bytes: int) -> range:
+        """Indices of the chunks whose first byte lies in this span (for per-chunk tier labels)."""
+        start = self.first_chunk if self.offset == 0 else self.first_chunk + 1
+        end_byte = self.first_chunk * chunk_bytes + self.offset + self.nbytes
+        end = -(-end_byte // chunk_bytes)  # ceil
+        return range(start, max(start, end))
+
+
+def plan_pieces(first_chunk: int, num_chunks: int, chunk_bytes: int, message_bytes: int) -> Iterator[PieceSpan]:
+    """Cut chunks [first_chunk, first_chunk + num_chunks) into spans of at most `message_bytes`.
+
+    Whole chunks are never split when a chunk fits in a message, so a receiver can use each chunk in
+    place; a chunk larger than a message is split into message-sized pieces.
+    """
+    assert chunk_bytes > 0 and message_bytes > 0
+    if chunk_bytes <= message_bytes:
+        per = message_bytes // chunk_bytes
+        i, end = first_chunk, first_chunk + num_chunks
+        while i < end:
+            n = min(per, end - i)
+            yield PieceSpan(i, 0, n * chunk_bytes)
+            i += n
+        return
+    for i in range(first_chunk, first_chunk + num_chunks):
+        off = 0
+        while off < chunk_bytes:
+            n = min(message_bytes, chunk_bytes - off)
+            yield PieceSpan(i, off, n)
+            off += n
+
+
+class ChunkAssembler:
+    """Reassembles pieces of chunks [0, num_chunks) that arrive in ascending order.
+
+    Chunks may be skipped (a client need not resend chunks the service already holds), but pieces
+    may not overlap, go backwards, or leave a chunk half-sent.
+    """
+
+    def __init__(self, chunk_bytes: int, num_chunks: int) -> None:
+        assert chunk_bytes > 0
+        self.chunk_bytes = chunk_bytes
+        self.num_chunks = num_chunks
+        self._next_pos = 0  # stream byte position the next piece may start at (or after)
+        self._partial: bytearray | None = None  # a chunk split across pieces, being filled
+        self._partial_index = -1
+        self._partial_fill = 0
+        self.received = 0  # whole chunks handed out
+
+    def add(self, first_chunk: int, offset: int, data: bytes) -> Iterator[tuple[int, memoryview]]:
+        """Feed one piece; yields (chunk index, payload) for every chunk it completes."""
+        cb = self.chunk_bytes
+        if not 0 <= first_chunk < self.num_chunks:
+            raise InvalidInput(
+                f"chunk piece starts at chunk {first_chunk}; the prompt has {self.num_chunks} full chunks"
+            )
+        if not 0 <= offset < cb:
+            raise InvalidInput(f"chunk piece offset {offset} is outside a {cb}-byte chunk")
+        if not data:
+            raise InvalidInput("chunk piece carries no data")
+        pos = first_chunk * cb + offset
+        end = pos + len(data)
+        if end > self.num_chunks * cb:
+            raise InvalidInput(
+                f"chunk piece runs past the last full chunk ({self.num_chunks} chunks of {cb} bytes)"
+            )
+        if self._partial is not None:
+            if pos != self._next_pos:
+                raise InvalidInput(
+                    f"chunk {self._partial_index} was cut short: the next piece must continue it "
+                    f"at byte {self._partial_fill}"
+                )
+        elif pos < self._next_pos:
+            raise InvalidInput(f"chunk piece for chunk {first_chunk} overlaps or repeats earlier data")
+        elif offset != 0:
+            raise InvalidInput(f"chunk {first_chunk} must start at offset 0, not {offset}")
+        mv = memoryview(data)
+        p = 0
+        if self._partial is not None:
+            take = min(cb - self._partial_fill, len(mv))
+            self._partial[self._partial_fill : self._partial_fill + take] = mv[:take]
+            self._partial_fill += take
+            p = take
+            if self._partial_fill == cb:
+                done = memoryview(self._partial)
+                index = self._partial_index
+                self._partial = None
+                self.received += 1
+                yield index, done
+        while len(mv) - p >= cb:
+            index = (pos + p) // cb
+            self.received += 1
+            yield index, mv[p : p + cb]
+            p += cb
+        if p < len(mv):
+            self._partial = bytearray(cb)
+            self._partial_index = (pos + p) // cb
+            self._partial[: len(mv) - p] = mv[p:]
+            self._partial_fill = len(mv) - p
+        self._next_pos = end
+
+    def finish(self) -> None:
+        """The stream ended: a chunk left half-sent is an error."""
+        if self._partial is not None:
+            raise InvalidInput(
+                f"the stream ended inside chunk {self._partial_index} "
+                f"({self._partial_fill} of {self.chunk_bytes} bytes sent)"
+            )
+
+
+class BlobAssembler:
+    """Reassembles one blob (a local snapshot) of a declared size from in-order pieces."""
+
+    def __init__(self, total_bytes: int, what: str = "local snapshot") -> None:
+        self.total_bytes = total_bytes
+        self._what = what
+        self._buf = bytearray(total_bytes)
+        self._fill = 0
+
+    def add(self, offset: int, data: bytes) -> None:
+        if offset != self._fill:
+            raise InvalidInput(f"{self._what} piece at byte {offset}; expected byte {self._fill}")
+        if self._fill + len(data) > self.total_bytes:
+            raise InvalidInput(f"{self._what} is longer than the declared {self.total_bytes} bytes")
+        self._buf[self._fill : self._fill + len(data)] = data
+        self._fill += len(data)
+
+    def finish(self) -> bytes:
+        if self._fill != self.total_bytes:
+            raise InvalidInput(f"{self._what} ended after {self._fill} of {self.total_bytes} bytes")
+        return bytes(self._buf)
+
+
+def blob_spans(total_bytes: int, message_bytes: int) -> Iterator[tuple[int, int]]:
+    """(offset, end) of each piece of a blob cut into messages of at most `message_bytes`."""
+    off = 0
+    while off < total_bytes:
+        end = min(total_bytes, off + message_bytes)
+        yield off, end
+        off = end

@@ -1,0 +1,96 @@
+"""Health per component on the standard `grpc.health.v1` service.
+
+Service names and what decides them:
+- "" and "kvstore.v1.KVCache": the service as a whole. SERVING while the store answers; NOT_SERVING
+  once shutdown begins (first thing on SIGTERM, so balancers stop sending before calls are refused).
+- "kvstore.v1.Runners": accepting runner attachments.
+- "kvstore.store", "kvstore.lmdb": the bookkeeper and the durable tier answer.
+- "kvstore.local_pool": the pool is healthy. A degraded pool (Redis down) is NOT_SERVING here but
+  leaves the service SERVING: a missing snapshot costs a replay, not an outage.
+- "kvstore.runners": something can replay (an attached runner, or an in-process one).
+
+A daemon thread re-evaluates every `interval_seconds`; `refresh()` does it on demand. What it does
+not know: gRPC status codes of calls, or how the parts work inside.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from grpc_health.v1 import health, health_pb2
+
+from kvstore.service.app import App
+
+log = logging.getLogger("kvstore.service")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+OVERALL = ("", "kvstore.v1.KVCache")
+RUNNERS_SERVICE = "kvstore.v1.Runners"
+COMPONENTS = ("kvstore.store", "kvstore.lmdb", "kvstore.local_pool", "kvstore.runners")
+
+
+class HealthReporter:
+    def __init__(self, app: App, interval_seconds: float = 2.0) -> None:
+        self.app = app
+        self.servicer = health.HealthServicer(experimental_non_blocking=True)
+        self._interval = interval_seconds
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._shutting_down = False
+        self.last: dict[str, str] = {}
+
+    def evaluate(self) -> dict[str, bool]:
+        """Component name -> healthy, computed now."""
+        app = self.app
+        ok: dict[str, bool] = {}
+        try:
+            st = app.store.stats()
+            ok["kvstore.store"] = True
+            ok["kvstore.lmdb"] = "lmdb" in st.tiers
+        except Exception:  # a failing store must turn into NOT_SERVING, whatever it raised
+            log.exception("store health check failed")
+            ok["kvstore.store"] = ok["kvstore.lmdb"] = False
+        pool = app.local_pool
+        ok["kvstore.local_pool"] = pool is not None and pool.health().status == "ok"
+        in_process = app.coordinator is not None and app.config.replay.runner == "reference"
+        ok["kvstore.runners"] = in_process or bool(app.runners.runners())
+        ok["kvstore.v1.Runners"] = not self._shutting_down
+        overall = ok["kvstore.store"] and not self._shutting_down
+        for name in OVERALL:
+            ok[name] = overall
+        return ok
+
+    def refresh(self) -> dict[str, str]:
+        if self._shutting_down:
+            return self.last
+        ok = self.evaluate()
+        for name, good in ok.items():
+            self.servicer.set(name, SERVING if good else NOT_SERVING)
+        self.last = {name: "SERVING" if good else "NOT_SERVING" for name, good in ok.items()}
+        return self.last
+
+    def start(self) -> None:
+        self.refresh()
+        self._thread = threading.Thread(target=self._run, name="kvstore-health", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.refresh()
+            except Exception:
+                log.exception("health refresh failed")
+
+    def shutting_down(self) -> None:
+        """Every service NOT_SERVING from now on (it cannot be undone)."""
+        self._shutting_down = True
+        self.last = dict.fromkeys(self.last or OVERALL, "NOT_SERVING")
+        self.servicer.enter_graceful_shutdown()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

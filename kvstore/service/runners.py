@@ -1,0 +1,190 @@
+"""The registry of attached model runners: who is attached, and handing them replay jobs.
+
+A runner process dials in over `Runners.Attach` (see `runners_servicer.py`) and announces what it
+runs. `RunnerRegistry.submit(job)` picks an attached runner for the job's model that may serve the
+job's tenant (a runner attached with a tenant's credentials serves only that tenant; one attached
+with the admin token serves all), queues the job on its link and returns a `Future` that resolves
+to a `JobOutcome` when the runner answers, fails, detaches, or the job is cancelled. Futures always
+resolve with an outcome (never an exception): a failed job is an expected result for replay.
+
+What it does not know: gRPC messages (the servicer frames jobs), the store, or replay policy
+(which tokens to replay, timeouts, coalescing: the coordinator decides those).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvstore.errors import ResourceExhausted, Unavailable
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    runner_id: str
+    model: str
+    layout_id: bytes
+    device: str
+    max_concurrent_jobs: int
+    max_batch: int
+    name: str
+    tenant: str | None  # None: attached with the admin token, serves every tenant
+
+
+@dataclass(frozen=True)
+class ReplayJob:
+    """One replay: run `tokens` at positions [position_start, position_end) over the global chunks."""
+
+    tenant: str
+    model: str
+    replay_mode: str
+    tokens: np.ndarray  # (position_end - position_start,) uint32
+    position_start: int
+    position_end: int
+    first_chunk: int
+    chunk_bytes: int
+    chunks: Sequence[bytes | memoryview]  # global chunk payloads first_chunk, first_chunk+1, ...
+    deadline_seconds: float
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    job_id: int
+    runner_id: str
+    snapshot: bytes | None
+    error: str = ""  # "" when snapshot is set
+
+
+class JobFuture(Future[JobOutcome]):
+    """A Future that knows its job id, so the coordinator can `cancel_job` it on a deadline."""
+
+    def __init__(self, job_id: int) -> None:
+        super().__init__()
+        self.job_id = job_id
+
+
+@dataclass
+class _Pending:
+    job_id: int
+    job: ReplayJob
+    future: JobFuture
+
+
+@dataclass(eq=False)
+class RunnerLink:
+    """One attached runner: its outbound queue of jobs (None: close) and its jobs in flight."""
+
+    info: RunnerInfo
+    outbox: queue.Queue[_Pending | int | None] = field(default_factory=queue.Queue)  # int: cancel job id
+    in_flight: dict[int, _Pending] = field(default_factory=dict)
+    closed: bool = False
+
+
+class RunnerRegistry:
+    def __init__(self, max_runners: int = 16) -> None:
+        self.max_runners = max_runners
+        self._lock = threading.Lock()
+        self._links: dict[str, RunnerLink] = {}
+        self._jobs: dict[int, RunnerLink] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+        self.jobs_total = 0
+        self.jobs_failed = 0
+
+    # --- runner side (called by the Attach servicer) ------------------------------------------------
+
+    def attach(self, info: RunnerInfo) -> RunnerLink:
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the service is shutting down")
+            if len(self._links) >= self.max_runners:
+                raise ResourceExhausted(f"{self.max_runners} runners are attached already")
+            link = RunnerLink(info)
+            self._links[info.runner_id] = link
+            return link
+
+    def new_runner_id(self) -> str:
+        return f"runner-{next(self._ids)}"
+
+    def detach(self, link: RunnerLink, reason: str = "runner detached") -> None:
+        """The runner went away: fail its jobs in flight and forget it. Idempotent."""
+        with self._lock:
+            if self._links.get(link.info.runner_id) is link:
+                del self._links[link.info.runner_id]
+            link.closed = True
+            pending = list(link.in_flight.values())
+            link.in_flight.clear()
+            for p in pending:
+                self._jobs.pop(p.job_id, None)
+        link.outbox.put(None)
+        for p in pending:
+            self._resolve(p, JobOutcome(p.job_id, link.info.runner_id, None, reason))
+
+    def complete(self, link: RunnerLink, job_id: int, snapshot: bytes | None, error: str) -> bool:
+        """The runner answered job `job_id`; False if the job is unknown (cancelled, or not its job)."""
+        with self._lock:
+            p = link.in_flight.pop(job_id, None)
+            if p is None:
+                return False
+            self._jobs.pop(job_id, None)
+        outcome = JobOutcome(job_id, link.info.runner_id, snapshot if not error else None, error)
+        self._resolve(p, outcome)
+        return True
+
+    # --- coordinator side ---------------------------------------------------------------------------
+
+    def submit(self, job: ReplayJob) -> JobFuture:
+        """Queue a job on the least-loaded runner that may serve it; raises Unavailable if none."""
+        with self._lock:
+            candidates = [
+                link for link in self._links.values()
+                if not link.closed and link.info.model == job.model
+                and (link.info.tenant is None or link.info.tenant == job.tenant)
+            ]
+            if not candidates:
+                raise Unavailable(f"no runner for model '{job.model}' is attached")
+            link = min(candidates, key=lambda lk: len(lk.in_flight) / lk.info.max_concurrent_jobs)
+            job_id = next(self._ids)
+            fut = JobFuture(job_id)
+            pending = _Pending(job_id, job, fut)
+            link.in_flight[job_id] = pending
+            self._jobs[job_id] = link
+            self.jobs_total += 1
+        link.outbox.put(pending)
+        return fut
+
+    def cancel_job(self, job_id: int, reason: str = "cancelled") -> None:
+        """Give up on a job (e.g. its deadline passed); its future resolves with `reason`."""
+        with self._lock:
+            link = self._jobs.pop(job_id, None)
+            p = link.in_flight.pop(job_id, None) if link is not None else None
+        if link is not None and p is not None:
+            link.outbox.put(job_id)
+            self._resolve(p, JobOutcome(job_id, link.info.runner_id, None, reason))
+
+    def runners(self) -> list[RunnerInfo]:
+        with self._lock:
+            return [link.info for link in self._links.values()]
+
+    def has_runner(self, model: str | None = None) -> bool:
+        return any(model is None or r.model == model for r in self.runners())
+
+    def close(self) -> None:
+        """Shutting down: detach every runner (their streams end) and refuse new attachments."""
+        with self._lock:
+            self._closed = True
+            links = list(self._links.values())
+        for link in links:
+            self.detach(link, "the service is shutting down")
+
+    def _resolve(self, p: _Pending, outcome: JobOutcome) -> None:
+        if outcome.error:
+            self.jobs_failed += 1
+        if not p.future.done():
+            p.future.set_result(outcome)

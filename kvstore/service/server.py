@@ -1,0 +1,173 @@
+"""The gRPC server: binds, registers the servicers, health and reflection, and shuts down gracefully.
+
+Handlers are registered from the proto descriptors with `wire.safe_deserializer`, so a request
+that does not parse (or exceeds `max_message_bytes`) reaches the servicer as a `Malformed` marker
+and is answered INVALID_ARGUMENT, instead of gRPC's own INTERNAL for a failed parse. gRPC's hard
+receive limit is set above the configured one so that the friendlier check sees oversize messages.
+
+Shutdown (`stop`), in this order so that no caller is dropped silently:
+1. health goes NOT_SERVING (balancers stop routing here);
+2. new KVCache calls are refused with UNAVAILABLE (the limiter drains);
+3. calls in flight get up to `grace_seconds` to finish;
+4. runners are detached, the gRPC server stops (cancelling anything still running), the admin
+   port closes. The caller then closes the app (the store closes LMDB cleanly).
+
+What it does not know: what the calls do (servicers), or which parts the app holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.errors import ConfigError
+from kvstore.service.admin_hook import AdminServer, start_admin
+from kvstore.service.app import App
+from kvstore.service.auth import Authenticator, check_bind_allowed, server_credentials
+from kvstore.service.calls import CallGuard
+from kvstore.service.health import HealthReporter
+from kvstore.service.limits import CallLimiter
+from kvstore.service.runners_servicer import RunnersServicer
+from kvstore.service.servicer import KVCacheServicer
+from kvstore.service.wire import safe_deserializer, serialize_response
+from kvstore.v1 import kvstore_pb2 as pb
+
+log = logging.getLogger("kvstore.service")
+
+# Threads beyond the call limit: refused calls, health checks, reflection and attached runners
+# (each holds a thread for as long as it is attached) must still find one.
+SPARE_THREADS = 8
+
+
+def generic_handler(service: str, servicer: object, max_message_bytes: int) -> grpc.GenericRpcHandler:
+    """Method handlers for every RPC of `service` (a name in kvstore.v1), bound to `servicer`."""
+    desc = pb.DESCRIPTOR.services_by_name[service]
+    makers = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for m in desc.methods:
+        req_cls = getattr(pb, m.input_type.name)
+        make: Any = makers[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = make(
+            getattr(servicer, m.name),
+            request_deserializer=safe_deserializer(req_cls, max_message_bytes),
+            response_serializer=serialize_response,
+        )
+    return grpc.method_handlers_generic_handler(desc.full_name, handlers)
+
+
+class KvstoreServer:
+    def __init__(
+        self,
+        app: App,
+        host: str | None = None,
+        port: int | None = None,
+        admin_port: int | None = None,
+        health_interval_seconds: float = 2.0,
+    ) -> None:
+        """`port`/`admin_port` override the config (0: any free port); `admin_port=None` uses the
+        config's admin port, -1 starts no admin server."""
+        cfg = app.config
+        self.app = app
+        self.host = host if host is not None else cfg.service.grpc_host
+        self._port = port if port is not None else cfg.service.grpc_port
+        self._admin_port = admin_port if admin_port is not None else cfg.admin.port
+        check_bind_allowed(cfg, self.host)
+        svc = cfg.service
+        self.limiter = CallLimiter(svc.max_concurrent_calls)
+        self.auth = Authenticator(cfg)
+        self.health = HealthReporter(app, health_interval_seconds)
+        self.kvcache = KVCacheServicer(app, CallGuard(app, self.auth, self.limiter), self.limiter)
+        self.runners = RunnersServicer(
+            app.runners, self.auth, app.layouts(),
+            svc.stream_message_bytes, svc.max_message_bytes, lambda: self.limiter.draining,
+        )
+        threads = svc.max_concurrent_calls + app.runners.max_runners + SPARE_THREADS
+        self._server = grpc.server(
+            ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-grpc"),
+            maximum_concurrent_rpcs=threads,
+            options=[
+                ("grpc.max_receive_message_length", 2 * svc.max_message_bytes + 4096),
+                ("grpc.max_send_message_length", svc.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ],
+        )
+        self._server.add_generic_rpc_handlers((
+            generic_handler("KVCache", self.kvcache, svc.max_message_bytes),
+            generic_handler("Runners", self.runners, svc.max_message_bytes),
+        ))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self._server)
+        if svc.reflection:
+            names = (
+                pb.DESCRIPTOR.services_by_name["KVCache"].full_name,
+                pb.DESCRIPTOR.services_by_name["Runners"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            )
+            reflection.enable_server_reflection(names, self._server)
+        self.port = 0
+        self.admin: AdminServer | None = None
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def start(self) -> KvstoreServer:
+        addr = f"[{self.host}]:{self._port}" if ":" in self.host else f"{self.host}:{self._port}"
+        creds = server_credentials(self.app.config.service)
+        try:
+            port = (self._server.add_secure_port(addr, creds) if creds is not None
+                    else self._server.add_insecure_port(addr))
+        except RuntimeError as e:
+            raise ConfigError("service.grpc_port", f"cannot listen on {addr}: {e}") from None
+        if port == 0:
+            raise ConfigError("service.grpc_port", f"cannot listen on {addr} (in use, or not an address here)")
+        self.port = port
+        self.health.start()
+        self._server.start()
+        if self._admin_port >= 0:
+            try:
+                self.admin = start_admin(self.app, self.health, self.app.config.admin.host, self._admin_port)
+            except OSError as e:
+                self.stop(0)
+                raise ConfigError("admin.port", f"cannot listen on {self.app.config.admin.host}:"
+                                  f"{self._admin_port}: {e.strerror}") from None
+        return self
+
+    def stop(self, grace_seconds: float | None = None) -> bool:
+        """Graceful shutdown; True if every call in flight finished within the grace period."""
+        if self._stopped:
+            return True
+        self._stopped = True
+        grace = self.app.config.service.grace_seconds if grace_seconds is None else grace_seconds
+        deadline = time.monotonic() + grace
+        self.health.shutting_down()
+        self.limiter.start_draining()
+        finished = self.limiter.wait_idle(grace)
+        if not finished:
+            log.warning("%d call(s) still running after the %.1f s grace period; cancelling them",
+                        self.limiter.in_flight, grace)
+        self.app.runners.close()
+        self._server.stop(max(0.0, deadline - time.monotonic())).wait()
+        self.kvcache.close()
+        self.health.stop()
+        if self.admin is not None:
+            self.admin.close()
+        return finished
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return bool(self._server.wait_for_termination(timeout))

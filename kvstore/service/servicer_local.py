@@ -1,0 +1,214 @@
+"""The KVCache calls that touch local SWA state: StoreLocal, LoadLocal and Resume.
+
+Resume is the engine's one-call path: it pins the hit prefix, decides the case (cold: no global
+hit; warm: global hit and a snapshot held, or a model without local state; expired: global hit,
+no snapshot), answers a `ResumeHeader` with the case and the planned bills at once, streams the
+global chunks, then the local snapshot, then a `ResumeTrailer` saying what happened. When the
+case is expired and a replay coordinator is installed, the replay starts before the first chunk
+is sent and runs while the chunks stream, so its latency hides behind the transfer. Once chunks
+have been sent, a replay that fails, times out or is refused (per-tenant limit) is reported in the
+trailer (`replay_status`, local state EXPIRED) instead of failing the call: the engine keeps the
+chunks it already has and recomputes the local state itself.
+
+What it does not know: how the pool stores snapshots or how a replay is run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvstore.errors import InvalidInput
+from kvstore.local_pool.base import GetResult
+from kvstore.service.bills import boundary_key, local_status, planned_replay_tokens, price
+from kvstore.service.calls import CallGuard, CallState, Resolved
+from kvstore.service.codes import status_for
+from kvstore.service.framing import BlobAssembler, blob_spans
+from kvstore.service.replay_port import ReplayOutcome
+from kvstore.service.wire import CASE_TO_PB, LOCAL_TO_PB, TIER_TO_PB, Malformed, accept
+from kvstore.store import LoadSession
+from kvstore.v1 import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvstore.service.app import App
+
+
+class LocalStateCalls:
+    """Mixed into `KVCacheServicer`, which provides the attributes declared here."""
+
+    app: App
+    guard: CallGuard
+    message_bytes: int
+    replay_executor: cf.ThreadPoolExecutor
+
+    def stream_chunks(
+        self, session: LoadSession, res: Resolved, n: int, context: grpc.ServicerContext,
+        loaded: list[str] | None = None,
+    ) -> Iterator[bytes]:
+        raise NotImplementedError
+
+    # --- StoreLocal -------------------------------------------------------------------------------
+
+    def StoreLocal(
+        self, request_iterator: Iterator[pb.StoreLocalRequest | Malformed], context: grpc.ServicerContext
+    ) -> pb.StoreLocalResponse:
+        with self.guard.enter(context, "StoreLocal") as call:
+            return self._store_local(call, request_iterator, context)
+        return pb.StoreLocalResponse()
+
+    def _store_local(
+        self, call: CallState, request_iterator: Iterator[pb.StoreLocalRequest | Malformed],
+        context: grpc.ServicerContext,
+    ) -> pb.StoreLocalResponse:
+        first = next(request_iterator, None)
+        if first is None:
+            raise InvalidInput("empty StoreLocal stream: send a LocalHeader first")
+        head = accept(first, pb.StoreLocalRequest)
+        if head.WhichOneof("kind") != "header":
+            raise InvalidInput("the first StoreLocal message must be a LocalHeader")
+        h = head.header
+        res = self.guard.resolve(call, h.model, h.replay_mode, h.tokens)
+        size = res.layout.local_snapshot_bytes
+        if size == 0:
+            raise InvalidInput(f"model '{res.spec.name}' keeps no local state")
+        ct = res.chunk_tokens
+        if len(res.tokens) == 0 or len(res.tokens) % ct:
+            raise InvalidInput(
+                f"a local snapshot sits on a chunk boundary: {len(res.tokens)} tokens is not a positive "
+                f"multiple of {ct}")
+        if h.snapshot_bytes != size:
+            raise InvalidInput(
+                f"snapshot_bytes is {h.snapshot_bytes}; a local snapshot of '{res.spec.name}' is {size} bytes")
+        asm = BlobAssembler(size)
+        for raw in request_iterator:
+            msg = accept(raw, pb.StoreLocalRequest)
+            if msg.WhichOneof("kind") != "local":
+                raise InvalidInput("after the LocalHeader a StoreLocal stream carries only LocalPieces")
+            asm.add(msg.local.offset, msg.local.data)
+        payload = asm.finish()
+        boundary = len(res.tokens)
+        if not context.is_active():
+            return pb.StoreLocalResponse()
+        pool = self.app.local_pool
+        if pool is None:
+            return pb.StoreLocalResponse(stored=False, reason="no local pool", boundary_tokens=boundary)
+        key = boundary_key(self.app, res, boundary // ct)
+        r = pool.put(res.ns.digest, key, res.ns.tenant, res.ns.layout_id, boundary, payload,
+                     context.time_remaining())
+        return pb.StoreLocalResponse(stored=r.written, reason=r.skip_reason or "", ttl_seconds=r.ttl_seconds,
+                                     boundary_tokens=boundary)
+
+    # --- LoadLocal --------------------------------------------------------------------------------
+
+    def LoadLocal(
+        self, request: pb.LoadLocalRequest | Malformed, context: grpc.ServicerContext
+    ) -> Iterator[pb.LoadLocalResponse]:
+        with self.guard.enter(context, "LoadLocal") as call:
+            req = accept(request, pb.LoadLocalRequest)
+            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens)
+            n = res.full_chunks
+            state, got = local_status(self.app, res, n, context.time_remaining())
+            call.local_state = state
+            payload = got.payload if got is not None and got.payload is not None else None
+            yield pb.LoadLocalResponse(header=pb.LoadLocalHeader(
+                local_state=LOCAL_TO_PB[state], boundary_tokens=n * res.chunk_tokens,
+                snapshot_bytes=len(payload) if payload is not None else 0,
+                reason=(got.miss_reason or "") if got is not None else ""))
+            if payload is not None:
+                for off, end in blob_spans(len(payload), self.message_bytes):
+                    yield pb.LoadLocalResponse(local=pb.LocalPiece(offset=off, data=bytes(payload[off:end])))
+
+    # --- Resume -----------------------------------------------------------------------------------
+
+    def Resume(
+        self, request: pb.ResumeRequest | Malformed, context: grpc.ServicerContext
+    ) -> Iterator[pb.ResumeResponse | bytes]:
+        with self.guard.enter(context, "Resume") as call:
+            req = accept(request, pb.ResumeRequest)
+            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens)
+            yield from self._resume(call, req, res, context)
+
+    def _resume(
+        self, call: CallState, req: pb.ResumeRequest, res: Resolved, context: grpc.ServicerContext
+    ) -> Iterator[pb.ResumeResponse | bytes]:
+        store = self.app.store
+        r = store.lookup(res.ns, res.tokens)
+        limit = req.max_chunks or r.hit_chunks
+        session = None if req.skip_chunks else store.load(res.ns, res.tokens, limit)
+        try:
+            # The session pins what it found; it may be shorter than the lookup if chunks left between.
+            n = min(r.hit_chunks, limit) if session is None else min(len(session), r.hit_chunks)
+            tiers = r.chunk_tiers[:n]
+            deadline = context.time_remaining()
+            pinned_key = session.keys[n - 1] if session is not None and n else None  # saves re-hashing
+            state, got = local_status(self.app, res, n, deadline, r, pinned_key)
+            case = "cold" if n == 0 else ("expired" if state == "expired" else "warm")
+            replay = self._start_replay(res, case, n * res.chunk_tokens, deadline)
+            plan = planned_replay_tokens(res, n * res.chunk_tokens) if replay is not None else 0
+            size = res.layout.local_snapshot_bytes
+            call.case, call.local_state = case, state
+            yield pb.ResumeResponse(header=pb.ResumeHeader(
+                resume_case=CASE_TO_PB[case], hit_tokens=n * res.chunk_tokens,
+                hit_chunks=0 if session is None else n, chunk_tiers=[TIER_TO_PB[t] for t in tiers],
+                local_state=LOCAL_TO_PB[state],
+                bills=price(res, tiers, plan, size if state == "hit" else 0, moved=session is not None),
+                chunk_tokens=res.chunk_tokens, chunk_bytes=res.layout.chunk_bytes, local_snapshot_bytes=size,
+                replay_planned=replay is not None))
+            loaded: list[str] = []
+            if session is not None:
+                yield from self.stream_chunks(session, res, n, context, loaded)
+        finally:
+            if session is not None:
+                session.close()
+        if session is None:
+            loaded = list(tiers)
+        outcome = self._local_outcome(state, got, replay, len(loaded) < n, context)
+        snapshot = outcome.snapshot
+        if snapshot is not None and len(snapshot) != size:
+            snapshot, outcome = None, ReplayOutcome(None, outcome.replay_tokens, "wrong snapshot size")
+        final = ("hit" if state == "hit" else "replayed") if snapshot is not None else state
+        if final == "hit" and len(loaded) < n:
+            final = "expired"
+        view = memoryview(snapshot) if snapshot is not None else memoryview(b"")
+        for off, end in blob_spans(len(view), self.message_bytes):
+            yield pb.ResumeResponse(local=pb.LocalPiece(offset=off, data=bytes(view[off:end])))
+        bills = price(res, loaded, outcome.replay_tokens, len(view), moved=session is not None)
+        call.local_state, call.bills = final, bills
+        yield pb.ResumeResponse(trailer=pb.ResumeTrailer(
+            local_state=LOCAL_TO_PB[final], snapshot_bytes=len(view), replay_tokens=outcome.replay_tokens,
+            replay_status=outcome.status, bills=bills))
+
+    def _start_replay(
+        self, res: Resolved, case: str, hit_tokens: int, deadline: float | None
+    ) -> cf.Future[ReplayOutcome] | None:
+        coordinator = self.app.coordinator
+        if case != "expired" or coordinator is None or planned_replay_tokens(res, hit_tokens) == 0:
+            return None
+        budget = deadline if deadline is not None else self.app.config.replay.timeout_seconds
+        return self.replay_executor.submit(coordinator.resume_local, res.ns, res.tokens, hit_tokens, budget)
+
+    def _local_outcome(
+        self, state: str, got: GetResult | None, replay: cf.Future[ReplayOutcome] | None, shrank: bool,
+        context: grpc.ServicerContext,
+    ) -> ReplayOutcome:
+        """The snapshot to send (or None) and what happened to get it."""
+        if shrank:
+            # A chunk turned out corrupt while streaming: the boundary moved, so neither the held
+            # snapshot nor a replay at the old boundary fits the chunks the engine received.
+            return ReplayOutcome(None, 0, "prefix shrank while loading")
+        if state == "hit":
+            payload = got.payload if got is not None else None
+            return ReplayOutcome(bytes(payload) if payload is not None else None, 0, "")
+        if replay is None:
+            return ReplayOutcome(None, 0, "")
+        remaining = context.time_remaining()
+        try:
+            return replay.result(timeout=remaining)
+        except cf.TimeoutError:
+            return ReplayOutcome(None, 0, "timeout")
+        except Exception as e:  # the coordinator refused or failed; the chunks are already sent
+            code, message = status_for(e)
+            return ReplayOutcome(None, 0, f"{code.name.lower()}: {message}")

@@ -1,0 +1,168 @@
+"""Conversions between protobuf messages and kvstore's values, shared by servicers and the client.
+
+- Token ids: `Tokens.u32le` (little-endian uint32 bytes, parsed with `np.frombuffer`, no copy) or
+  `Tokens.ids` (packed varints). The bytes form is what the client sends: for a 32K-token prompt it
+  parses in ~0.01 ms against ~0.2 ms for the list, and builds in ~0.01 ms against ~1.3 ms.
+- Enum names: tiers, local-state outcomes and resume cases travel as proto enums and are plain
+  strings ("dram", "expired", "warm") everywhere else.
+- `safe_deserializer`: gRPC answers a request that fails to parse with INTERNAL before any handler
+  runs. Bad bytes on the wire are bad input, so the server registers deserializers that return a
+  `Malformed` marker instead of raising; the servicer turns it into INVALID_ARGUMENT. The same hook
+  refuses messages above the configured limit with a message saying so.
+
+What it does not know: tenants, the store, or status codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import numpy as np
+from google.protobuf.message import DecodeError, Message
+
+from kvstore.errors import InvalidInput
+from kvstore.v1 import kvstore_pb2 as pb
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request message that could not be accepted; `problem` says why."""
+
+    problem: str
+
+
+def safe_deserializer(cls: type[M], max_bytes: int) -> Callable[[bytes], M | Malformed]:
+    def parse(data: bytes) -> M | Malformed:
+        if len(data) > max_bytes:
+            return Malformed(
+                f"request message of {len(data)} bytes exceeds the service's limit of {max_bytes} bytes; "
+                "send fewer tokens or stream payloads in smaller pieces"
+            )
+        try:
+            return cls.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as e:
+            return Malformed(f"request is not a valid {cls.DESCRIPTOR.full_name} message: {e}")
+
+    return parse
+
+
+def accept(msg: object, cls: type[M]) -> M:
+    """The parsed message, or InvalidInput if the deserializer marked it malformed."""
+    if isinstance(msg, Malformed):
+        raise InvalidInput(msg.problem)
+    assert isinstance(msg, cls), type(msg)
+    return msg
+
+
+def tokens_from_proto(t: pb.Tokens, max_tokens: int) -> np.ndarray:
+    """The token ids of a request as a uint32 array (vocab checks are the store's)."""
+    if t.u32le and len(t.ids):
+        raise InvalidInput("set either tokens.u32le or tokens.ids, not both")
+    if t.u32le:
+        if len(t.u32le) % 4:
+            raise InvalidInput(f"tokens.u32le is {len(t.u32le)} bytes; it must be 4 bytes per token")
+        n = len(t.u32le) // 4
+        if n > max_tokens:
+            raise InvalidInput(f"{n} tokens exceed the service's limit of {max_tokens} tokens per request")
+        return np.frombuffer(t.u32le, dtype="<u4")
+    n = len(t.ids)
+    if n > max_tokens:
+        raise InvalidInput(f"{n} tokens exceed the service's limit of {max_tokens} tokens per request")
+    return np.fromiter(t.ids, dtype="<u4", count=n)
+
+
+def tokens_to_proto(tokens: np.ndarray) -> pb.Tokens:
+    return pb.Tokens(u32le=np.ascontiguousarray(tokens, dtype="<u4").tobytes())
+
+
+TIER_TO_PB: Final[dict[str, Any]] = {"device": pb.TIER_DEVICE, "dram": pb.TIER_DRAM, "lmdb": pb.TIER_LMDB}
+PB_TO_TIER: Final[dict[int, str]] = {v: k for k, v in TIER_TO_PB.items()}
+
+LOCAL_TO_PB: Final[dict[str, Any]] = {
+    "hit": pb.LOCAL_STATE_HIT,
+    "expired": pb.LOCAL_STATE_EXPIRED,
+    "absent": pb.LOCAL_STATE_ABSENT,
+    "not_applicable": pb.LOCAL_STATE_NOT_APPLICABLE,
+    "replayed": pb.LOCAL_STATE_REPLAYED,
+}
+PB_TO_LOCAL: Final[dict[int, str]] = {v: k for k, v in LOCAL_TO_PB.items()}
+
+CASE_TO_PB: Final[dict[str, Any]] = {
+    "cold": pb.RESUME_CASE_COLD,
+    "warm": pb.RESUME_CASE_WARM,
+    "expired": pb.RESUME_CASE_EXPIRED,
+}
+PB_TO_CASE: Final[dict[int, str]] = {v: k for k, v in CASE_TO_PB.items()}
+
+
+# --- hand-encoded chunk pieces ------------------------------------------------------------------------
+# Load and Resume stream ~1 MiB pieces. Building them as messages costs three copies of every byte
+# (into a bytes object, into the message, out at serialization); a 29 MB load then spends more time
+# copying than sending. Instead the wire bytes of `LoadResponse{chunks: ChunkPiece{...}}` (and of
+# `ResumeResponse`, where `chunks` is field 2 as well) are laid out by hand with the payload last, the
+# tiers read chunks straight into the payload region, and the server's serializer passes the bytes
+# through. tests/test_proto.py checks that they parse to the message the protobuf library would build.
+
+CHUNKS_FIELD = 2  # LoadResponse.chunks and ResumeResponse.chunks
+assert pb.LoadResponse.DESCRIPTOR.fields_by_name["chunks"].number == CHUNKS_FIELD
+assert pb.ResumeResponse.DESCRIPTOR.fields_by_name["chunks"].number == CHUNKS_FIELD
+_PIECE = pb.ChunkPiece.DESCRIPTOR.fields_by_name
+assert (_PIECE["first_chunk"].number, _PIECE["offset"].number, _PIECE["data"].number, _PIECE["tiers"].number) == (
+    1, 2, 3, 4)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+@dataclass
+class PieceFrame:
+    """A serialized `chunks` response with its payload (and tier labels) still to be filled in."""
+
+    buf: bytearray
+    payload_start: int  # buf[payload_start:] is the payload region
+    tiers_start: int  # one byte per chunk label (tier enums are one-byte varints)
+
+    def finish(self) -> bytes:
+        return bytes(self.buf)
+
+
+def chunk_piece_frame(first_chunk: int, offset: int, num_labels: int, nbytes: int) -> PieceFrame:
+    """Frame a piece of `nbytes` payload bytes starting `offset` into chunk `first_chunk`, with room
+    for `num_labels` tier labels (set `buf[tiers_start + k]`; they default to TIER_UNSPECIFIED)."""
+    first = b"\x08" + _varint(first_chunk) if first_chunk else b""
+    off = b"\x10" + _varint(offset) if offset else b""
+    labels = b"\x22" + _varint(num_labels) if num_labels else b""
+    data = b"\x1a" + _varint(nbytes)
+    inner_len = len(first) + len(off) + len(labels) + num_labels + len(data) + nbytes
+    head = bytes([CHUNKS_FIELD << 3 | 2]) + _varint(inner_len) + first + off + labels
+    tiers_start = len(head)
+    head += bytes(num_labels) + data
+    buf = bytearray(len(head) + nbytes)
+    buf[: len(head)] = head
+    return PieceFrame(buf, len(head), tiers_start)
+
+
+def encode_chunk_piece(first_chunk: int, offset: int, tiers: Sequence[int], data: bytes | memoryview) -> bytes:
+    """The serialized `chunks` response carrying `data` (one copy)."""
+    frame = chunk_piece_frame(first_chunk, offset, len(tiers), len(data))
+    frame.buf[frame.tiers_start : frame.tiers_start + len(tiers)] = bytes(tiers)
+    frame.buf[frame.payload_start :] = data
+    return frame.finish()
+
+
+def serialize_response(msg: Message | bytes) -> bytes:
+    """Response serializer: messages serialize, pre-encoded frames pass through."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()

@@ -1,0 +1,192 @@
+"""The client: retries only where they are safe, typed errors, framing; and the CLI around it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.cli import main
+from kvstore.client import (
+    InvalidArgumentError,
+    KvstoreClient,
+    RetryPolicy,
+    UnavailableError,
+)
+from kvstore.errors import InvalidInput
+from kvstore.service.framing import ChunkAssembler, plan_pieces
+from tests.fixtures.service import CHUNK, TOY, Service, base_table, payloads, to_toml, tokens
+
+
+def _unavailable_for(svc: Service, seconds: float) -> None:
+    """Fault injection: the service refuses calls (as while draining) for a while."""
+    svc.server.limiter._draining = True
+    threading.Timer(seconds, lambda: setattr(svc.server.limiter, "_draining", False)).start()
+
+
+def test_idempotent_calls_retry_on_unavailable(service: Service) -> None:
+    prompt = tokens(70, 2 * CHUNK)
+    kv = service.client(retry=RetryPolicy(attempts=6, initial_backoff_seconds=0.05))
+    kv.store(TOY, prompt, payloads(70, 2, service.chunk_bytes(TOY)))
+    methods: list[tuple[str, str]] = []
+    service.app.observers.append(lambda rec: methods.append((rec.method, rec.code)))
+    for call in (lambda: kv.lookup(TOY, prompt), lambda: kv.load(TOY, prompt), lambda: kv.load_local(TOY, prompt),
+                 kv.stats):
+        methods.clear()
+        _unavailable_for(service, 0.15)
+        call()
+        assert ("UNAVAILABLE" in {c for _, c in methods}) and methods[-1][1] == "OK", methods
+
+
+def test_non_idempotent_calls_are_not_retried(service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.errors import Unavailable
+
+    prompt = tokens(71, 2 * CHUNK)
+    kv = service.client(retry=RetryPolicy(attempts=6))
+    attempts: list[str] = []
+
+    def down(*args: object, **kw: object) -> None:  # fault injection: the store is unavailable
+        attempts.append("Store")
+        raise Unavailable("store backend is down")
+
+    monkeypatch.setattr(service.server.kvcache, "_store", down)
+    monkeypatch.setattr(service.server.kvcache, "_store_local", down)
+    with pytest.raises(UnavailableError):
+        kv.store(TOY, prompt, payloads(71, 2, service.chunk_bytes(TOY)))
+    with pytest.raises(UnavailableError):
+        kv.store_local(TOY, prompt, b"x" * service.snapshot_bytes(TOY))
+    assert attempts == ["Store", "Store"]  # once each, no retry
+
+
+def test_errors_carry_code_and_message(service: Service) -> None:
+    kv = service.client()
+    with pytest.raises(InvalidArgumentError) as e:
+        kv.lookup("gpt-17", [1, 2])
+    assert e.value.code.name == "INVALID_ARGUMENT" and "not served" in e.value.details
+    with pytest.raises(InvalidArgumentError):
+        kv.lookup(TOY, [-1])  # caught in the client: not a uint32
+    with pytest.raises(InvalidArgumentError):
+        kv.store(TOY, tokens(72, 2 * CHUNK), [b"short", b"short"])
+    gone = KvstoreClient("127.0.0.1:1", timeout_seconds=0.5, retry=RetryPolicy(attempts=2))
+    with pytest.raises(UnavailableError):
+        gone.lookup(TOY, [1])
+    gone.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(chunk_bytes=st.integers(1, 5000), count=st.integers(0, 12), message=st.integers(1, 9000),
+       first=st.integers(0, 3))
+def test_pieces_reassemble_to_the_chunks(chunk_bytes: int, count: int, message: int, first: int) -> None:
+    data = bytes(range(256)) * ((chunk_bytes * (first + count)) // 256 + 1)
+    spans = list(plan_pieces(first, count, chunk_bytes, message))
+    assert all(0 < s.nbytes <= max(message, 0) for s in spans)
+    if chunk_bytes <= message:
+        assert all(s.offset == 0 and s.nbytes % chunk_bytes == 0 for s in spans)
+    asm = ChunkAssembler(chunk_bytes, first + count)
+    got: dict[int, bytes] = {}
+    for s in spans:
+        start = s.first_chunk * chunk_bytes + s.offset
+        got.update((i, bytes(v)) for i, v in asm.add(s.first_chunk, s.offset, data[start : start + s.nbytes]))
+    asm.finish()
+    assert got == {i: data[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(first, first + count)}
+
+
+def test_assembler_refuses_bad_sequences() -> None:
+    asm = ChunkAssembler(10, 3)
+    list(asm.add(1, 0, b"x" * 10))
+    with pytest.raises(InvalidInput, match="overlaps"):
+        list(asm.add(0, 0, b"x" * 10))
+    with pytest.raises(InvalidInput, match="offset 0"):
+        list(ChunkAssembler(10, 3).add(0, 4, b"x"))
+    with pytest.raises(InvalidInput, match="full chunks"):
+        list(ChunkAssembler(10, 3).add(3, 0, b"x"))
+    half = ChunkAssembler(10, 3)
+    list(half.add(0, 0, b"x" * 15))
+    with pytest.raises(InvalidInput, match="ended inside chunk 1"):
+        half.finish()
+
+
+# --- the CLI --------------------------------------------------------------------------------------
+
+def test_check_config_prints_effective_settings_and_the_ttl_policy(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    table = base_table(local_pool={"ttl": {"kind": "sliding", "ttl_seconds": 120}},
+                       tenants={"alice": {"tokens": ["alice-token-0123456789"]}})
+    path = tmp_path / "ok.toml"
+    path.write_text(to_toml(table))
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "valid" in out and "[store]" in out and "chunk_tokens = 16" in out
+    assert "kind: sliding" in out and "alice-token" not in out and "redacted" in out
+    assert main(["check-config", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["valid"] and doc["ttl_policy"]["kind"] == "sliding"
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("[store]\ndram_capacity_bytes = -1\n", "store.dram_capacity_bytes"),
+    ("[service]\ngrpc_host = \"0.0.0.0\"\n", "service.grpc_host"),
+    ("[service]\nmodels = [\"gpt-17\"]\n", "service.models[0]"),
+    ("[service]\ntls_cert_file = \"missing.pem\"\ntls_key_file = \"missing.key\"\n", "service.tls_cert_file"),
+    ("[local_pool.ttl]\nkind = \"forever\"\n", "local_pool.ttl.kind"),
+    ("this is not toml", "<file>"),
+])
+def test_check_config_names_the_bad_key(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
+                                        key: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    assert main(["check-config", str(path)]) == 2
+    assert f"'{key}'" in capsys.readouterr().err
+
+
+def test_stats_command_against_a_running_service(service: Service, capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = tokens(73, 3 * CHUNK)
+    kv = service.client()
+    kv.store(TOY, prompt, payloads(73, 3, service.chunk_bytes(TOY)))
+    kv.lookup(TOY, prompt)
+    assert main(["stats", "--target", service.address]) == 0
+    out = capsys.readouterr().out
+    assert "tenant 'default'" in out and "device" in out and "lookups" in out
+    assert main(["stats", "--target", service.address, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["chunks"] == 3 and doc["tiers"]["lmdb"]["entries"] == 3
+
+
+def test_stats_command_without_a_service(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stats", "--target", "127.0.0.1:1", "--timeout", "0.5"]) == 2
+    assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_serve_prints_a_parseable_listening_line(tmp_path: Path, make_service: Callable[..., Service]) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--grpc-port", "0", "--admin-port", "0",
+                             "--data-dir", str(tmp_path / "d"), "--config", str(_small_config(tmp_path))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 60
+        for line in proc.stdout:
+            lines.append(line)
+            if "gRPC listening on" in line or time.monotonic() > deadline:
+                break
+        address = lines[-1].split("listening on ", 1)[1].split()[0]
+        assert any("admin HTTP on http://127.0.0.1:" in ln for ln in lines)
+        with KvstoreClient(address, timeout_seconds=5) as kv:
+            assert kv.health() == "SERVING"
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
+def _small_config(tmp_path: Path) -> Path:
+    p = tmp_path / "small.toml"
+    p.write_text(to_toml(base_table()))
+    return p

@@ -1,0 +1,120 @@
+"""The generated API code is what the .proto says, the dependency pins match it, and the hand-encoded
+chunk pieces are byte-for-byte what the protobuf library would produce."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.service.wire import chunk_piece_frame, encode_chunk_piece
+from kvstore.v1 import kvstore_pb2 as pb
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERATED = ("kvstore_pb2.py", "kvstore_pb2.pyi", "kvstore_pb2_grpc.py")
+# Lines that name the generator's version: a newer grpcio-tools changes them and nothing else that
+# matters, and the pin test below checks the versions themselves.
+VERSION_LINE = re.compile(r"^(# Protobuf Python Version:.*|GRPC_GENERATED_VERSION = .*|\s+\d+,)$", re.M)
+
+
+def _normalized(text: str) -> str:
+    return VERSION_LINE.sub("<version>", text)
+
+
+def _load_gen_script() -> object:
+    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "scripts" / "gen_proto.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_checked_in_code_is_regenerated_from_the_proto(tmp_path: Path) -> None:
+    pytest.importorskip("grpc_tools")
+    gen = _load_gen_script()
+    gen.generate(tmp_path)  # type: ignore[attr-defined]
+    for name in GENERATED:
+        fresh = (tmp_path / "kvstore" / "v1" / name).read_text()
+        checked_in = (ROOT / "kvstore" / "v1" / name).read_text()
+        assert _normalized(fresh) == _normalized(checked_in), (
+            f"kvstore/v1/{name} is stale: run `python scripts/gen_proto.py` and commit the result")
+
+
+def _min_version(spec: str, package: str) -> tuple[int, ...]:
+    m = re.fullmatch(rf"{package}\s*>=\s*([0-9.]+)(,.*)?", spec.strip())
+    assert m, f"pyproject pins {package} as {spec!r}; expected '{package}>=X.Y.Z'"
+    return tuple(int(x) for x in m.group(1).split("."))
+
+
+def test_dependency_pins_admit_only_runtimes_the_generated_code_accepts() -> None:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    by_name = {re.split(r"[<>=!~ ]", d, maxsplit=1)[0]: d for d in deps}
+    pb_src = (ROOT / "kvstore" / "v1" / "kvstore_pb2.py").read_text()
+    m = re.search(r"Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", pb_src)
+    assert m, "cannot find the protobuf gencode version in kvstore_pb2.py"
+    gencode = tuple(int(x) for x in m.groups())
+    assert _min_version(by_name["protobuf"], "protobuf") >= gencode, (
+        f"generated code needs protobuf >= {'.'.join(map(str, gencode))}; pyproject says {by_name['protobuf']}")
+    assert f"<{gencode[0] + 1}" in by_name["protobuf"], "the protobuf major version must be capped"
+    grpc_src = (ROOT / "kvstore" / "v1" / "kvstore_pb2_grpc.py").read_text()
+    g = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", grpc_src)
+    assert g
+    needed = tuple(int(x) for x in g.group(1).split("."))
+    assert _min_version(by_name["grpcio"], "grpcio") >= needed, (
+        f"generated code needs grpcio >= {g.group(1)}; pyproject says {by_name['grpcio']}")
+
+
+def test_services_and_methods_are_what_clients_expect() -> None:
+    kv = pb.DESCRIPTOR.services_by_name["KVCache"]
+    assert pb.DESCRIPTOR.package == "kvstore.v1"
+    shape = {m.name: (m.client_streaming, m.server_streaming) for m in kv.methods}
+    assert shape == {
+        "Lookup": (False, False), "Store": (True, False), "Load": (False, True), "StoreLocal": (True, False),
+        "LoadLocal": (False, True), "Resume": (False, True), "Stats": (False, False),
+    }
+    attach = pb.DESCRIPTOR.services_by_name["Runners"].methods_by_name["Attach"]
+    assert attach.client_streaming and attach.server_streaming
+    # No request carries a tenant: the server takes it from authentication only.
+    for msg in pb.DESCRIPTOR.message_types_by_name.values():
+        assert "tenant" not in msg.fields_by_name or msg.name == "StatsResponse", msg.name
+
+
+def test_generated_package_imports_inside_kvstore() -> None:
+    assert "kvstore.v1.kvstore_pb2" in sys.modules
+    from kvstore.v1 import kvstore_pb2_grpc
+
+    assert hasattr(kvstore_pb2_grpc, "KVCacheStub")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    first=st.integers(0, 2**32 - 1),
+    offset=st.integers(0, 2**40),
+    tiers=st.lists(st.sampled_from([0, 1, 2, 3]), max_size=40),
+    data=st.binary(max_size=3000),
+    resume=st.booleans(),
+)
+def test_hand_encoded_pieces_equal_the_library_encoding(
+    first: int, offset: int, tiers: list[int], data: bytes, resume: bool
+) -> None:
+    wire = encode_chunk_piece(first, offset, tiers, data)
+    piece = pb.ChunkPiece(first_chunk=first, offset=offset, data=data, tiers=cast(Any, tiers))
+    cls = pb.ResumeResponse if resume else pb.LoadResponse
+    expected = cls(chunks=piece)
+    assert cls.FromString(wire) == expected
+
+
+def test_frame_labels_are_filled_in_place() -> None:
+    frame = chunk_piece_frame(3, 0, 2, 8)
+    frame.buf[frame.tiers_start : frame.tiers_start + 2] = bytes([pb.TIER_DRAM, pb.TIER_LMDB])
+    frame.buf[frame.payload_start :] = b"abcdefgh"
+    msg = pb.LoadResponse.FromString(frame.finish())
+    assert (msg.chunks.first_chunk, list(msg.chunks.tiers), msg.chunks.data) == (
+        3, [pb.TIER_DRAM, pb.TIER_LMDB], b"abcdefgh")

@@ -1,0 +1,236 @@
+"""Runners.Attach: a runner dials in, receives replay jobs with their global chunks, and answers."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.errors import Unavailable
+from kvstore.service.framing import BlobAssembler, ChunkAssembler
+from kvstore.service.runners import JobOutcome, ReplayJob
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.fixtures.service import CHUNK, TOY, V41, Service, make_config, payloads, tokens
+
+ALICE, BOB, ADMIN = "alice-token-0123456789", "bob-token-0123456789", "admin-token-0123456789"
+
+
+@dataclass
+class FakeRunner:
+    """A runner process's side of Attach, with a replay function that answers each job."""
+
+    channel: grpc.Channel
+    model: str
+    layout_id: bytes
+    replay: Callable[[pb.ReplayJob, list[bytes]], bytes | str]
+    token: str | None = None
+    piece_bytes: int = 16 * 1024
+    outbox: queue.Queue[pb.RunnerMessage | None] = field(default_factory=queue.Queue)
+    runner_id: str = ""
+    jobs: list[pb.ReplayJob] = field(default_factory=list)
+    cancelled: list[int] = field(default_factory=list)
+    error: grpc.RpcError | None = None
+    attached: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> FakeRunner:
+        self.outbox.put(pb.RunnerMessage(hello=pb.RunnerHello(
+            model=self.model, layout_id=self.layout_id, device="cpu", max_concurrent_jobs=2, max_batch=1,
+            name="test-runner")))
+        metadata = [("authorization", f"Bearer {self.token}")] if self.token else []
+        self.call = pb_grpc.RunnersStub(self.channel).Attach(iter(self.outbox.get, None), metadata=metadata)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        open_jobs: dict[int, tuple[pb.ReplayJob, ChunkAssembler, list[bytes]]] = {}
+        try:
+            for cmd in self.call:
+                kind = cmd.WhichOneof("kind")
+                if kind == "attached":
+                    self.runner_id = cmd.attached.runner_id
+                    self.attached.set()
+                elif kind == "job":
+                    job = cmd.job
+                    self.jobs.append(job)
+                    open_jobs[job.job_id] = (job, ChunkAssembler(max(1, job.chunk_bytes), job.first_chunk +
+                                                                 job.num_chunks), [])
+                    if job.num_chunks == 0:
+                        self._spawn(job, [])
+                elif kind == "chunks":
+                    job, asm, got = open_jobs[cmd.chunks.job_id]
+                    p = cmd.chunks.chunks
+                    got.extend(bytes(v) for _, v in asm.add(p.first_chunk, p.offset, p.data))
+                    if len(got) == job.num_chunks:
+                        del open_jobs[job.job_id]
+                        self._spawn(job, got)
+                elif kind == "cancel":
+                    self.cancelled.append(cmd.cancel.job_id)
+        except grpc.RpcError as e:
+            self.error = e
+        finally:
+            self.attached.set()
+
+    def _spawn(self, job: pb.ReplayJob, chunks: list[bytes]) -> None:
+        # Replays run beside the stream reader, so cancels keep arriving while a job runs.
+        threading.Thread(target=self._answer, args=(job, chunks), daemon=True).start()
+
+    def _answer(self, job: pb.ReplayJob, chunks: list[bytes]) -> None:
+        out = self.replay(job, chunks)
+        if isinstance(out, str):
+            self.outbox.put(pb.RunnerMessage(result=pb.JobResult(job_id=job.job_id, error=out, last=True)))
+            return
+        for off in range(0, max(1, len(out)), self.piece_bytes):
+            part = out[off : off + self.piece_bytes]
+            self.outbox.put(pb.RunnerMessage(result=pb.JobResult(
+                job_id=job.job_id, offset=off, data=part, total_bytes=len(out),
+                last=off + self.piece_bytes >= len(out))))
+
+    def close(self) -> None:
+        self.outbox.put(None)
+        self.thread.join(10)
+
+
+def _job(svc: Service, tenant: str = "default", n: int = 3, model: str = TOY) -> tuple[ReplayJob, list[bytes]]:
+    cb = svc.chunk_bytes(model)
+    chunks = payloads(60, n, cb)
+    toks = tokens(60, 2 * CHUNK)
+    return ReplayJob(tenant, model, "bounded", toks, n * CHUNK - len(toks), n * CHUNK, 0, cb, chunks, 5.0), chunks
+
+
+def _echo_digest(job: pb.ReplayJob, chunks: list[bytes]) -> bytes:
+    toks = np.frombuffer(job.tokens.u32le, dtype="<u4")
+    seed = int(toks.sum()) + len(chunks) + sum(c[0] for c in chunks)
+    return np.random.default_rng(seed).integers(0, 256, 40_000, dtype=np.uint8).tobytes()
+
+
+def _expected(job: ReplayJob) -> bytes:
+    seed = int(job.tokens.sum()) + len(job.chunks) + sum(bytes(c)[0] for c in job.chunks)
+    return np.random.default_rng(seed).integers(0, 256, 40_000, dtype=np.uint8).tobytes()
+
+
+def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_a_job_goes_to_an_attached_runner_and_its_result_comes_back(service: Service) -> None:
+    layout = service.app.layouts()[TOY]
+    runner = FakeRunner(service.client().channel, TOY, layout.layout_id, _echo_digest).start()
+    assert runner.attached.wait(10) and runner.runner_id
+    assert [r.model for r in service.app.runners.runners()] == [TOY]
+    _wait(lambda: service.client().health("kvstore.runners") == "SERVING")
+    job, _ = _job(service, n=40)  # 40 x 1,272 B: several JobChunks pieces
+    outcome = service.app.runners.submit(job).result(timeout=10)
+    assert outcome == JobOutcome(outcome.job_id, runner.runner_id, _expected(job), "")
+    sent = runner.jobs[-1]
+    assert (sent.model, sent.replay_mode, sent.position_start, sent.position_end, sent.num_chunks) == (
+        TOY, "bounded", 40 * CHUNK - 2 * CHUNK, 40 * CHUNK, 40)
+    # A failing replay is an outcome, not an exception.
+    runner.replay = lambda job, chunks: "out of memory"
+    failed = service.app.runners.submit(job).result(timeout=10)
+    assert failed.snapshot is None and failed.error == "out of memory"
+    runner.close()
+    _wait(lambda: not service.app.runners.runners())
+    with pytest.raises(Unavailable):
+        service.app.runners.submit(job)
+
+
+def test_jobs_in_flight_fail_when_the_runner_goes_away(service: Service) -> None:
+    hold = threading.Event()
+
+    def slow(job: pb.ReplayJob, chunks: list[bytes]) -> bytes:
+        hold.wait(10)
+        return b"late"
+
+    runner = FakeRunner(service.client().channel, TOY, service.app.layouts()[TOY].layout_id, slow).start()
+    assert runner.attached.wait(10)
+    fut = service.app.runners.submit(_job(service)[0])
+    _wait(lambda: len(runner.jobs) == 1)
+    runner.call.cancel()
+    outcome = fut.result(timeout=10)
+    assert outcome.snapshot is None and outcome.error
+    hold.set()
+
+
+def test_a_cancelled_job_is_told_to_the_runner(service: Service) -> None:
+    hold = threading.Event()
+    runner = FakeRunner(service.client().channel, TOY, service.app.layouts()[TOY].layout_id,
+                        lambda j, c: (hold.wait(10), b"x")[1]).start()
+    assert runner.attached.wait(10)
+    fut = service.app.runners.submit(_job(service)[0])
+    _wait(lambda: len(runner.jobs) == 1)
+    service.app.runners.cancel_job(fut.job_id, "deadline")
+    assert fut.result(timeout=5).error == "deadline"
+    _wait(lambda: runner.cancelled == [fut.job_id])
+    hold.set()
+    runner.close()
+
+
+@pytest.mark.parametrize(("model", "layout", "needle"), [
+    ("gpt-17", b"12345678", "not served here"),
+    (TOY, b"12345678", "does not match"),
+])
+def test_a_runner_that_does_not_match_is_refused(service: Service, model: str, layout: bytes, needle: str) -> None:
+    runner = FakeRunner(service.client().channel, model, layout, _echo_digest).start()
+    runner.thread.join(10)
+    assert runner.error is not None and runner.error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in (runner.error.details() or "")
+    assert not service.app.runners.runners()
+
+
+def test_runners_serve_their_own_tenant_or_all_with_the_admin_token(make_service: Callable[..., Service]) -> None:
+    svc = make_service(make_config(tenants={"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}},
+                                   admin={"admin_token": ADMIN}))
+    lid = svc.app.layouts()[TOY].layout_id
+    channel = svc.client().channel
+    anonymous = FakeRunner(channel, TOY, lid, _echo_digest).start()
+    anonymous.thread.join(10)
+    assert anonymous.error is not None and anonymous.error.code() == grpc.StatusCode.UNAUTHENTICATED
+    bobs = FakeRunner(channel, TOY, lid, _echo_digest, token=BOB).start()
+    assert bobs.attached.wait(10)
+    with pytest.raises(Unavailable):  # bob's runner never sees alice's tokens
+        svc.app.runners.submit(_job(svc, tenant="alice")[0])
+    job, _ = _job(svc, tenant="bob")
+    assert svc.app.runners.submit(job).result(timeout=10).runner_id == bobs.runner_id
+    shared = FakeRunner(channel, TOY, lid, _echo_digest, token=ADMIN).start()
+    assert shared.attached.wait(10)
+    alice_job, _ = _job(svc, tenant="alice")
+    assert svc.app.runners.submit(alice_job).result(timeout=10).runner_id == shared.runner_id
+    bobs.close()
+    shared.close()
+
+
+def test_a_runner_for_a_large_layout_gets_its_chunks_in_pieces(service: Service) -> None:
+    layout = service.app.layouts()[V41]
+    runner = FakeRunner(service.client().channel, V41, layout.layout_id, _echo_digest).start()
+    assert runner.attached.wait(10)
+    job, _ = _job(service, n=12, model=V41)  # 12 x 14,240 B = 171 KB > one 64 KiB message
+    assert service.app.runners.submit(job).result(timeout=10).snapshot == _expected(job)
+    runner.close()
+
+
+def test_shutdown_ends_runner_streams(make_service: Callable[..., Service]) -> None:
+    svc = make_service()
+    runner = FakeRunner(svc.client().channel, TOY, svc.app.layouts()[TOY].layout_id, _echo_digest).start()
+    assert runner.attached.wait(10)
+    assert svc.server.stop(2.0) is True
+    runner.thread.join(10)
+    assert not runner.thread.is_alive()
+    svc.app.close()
+
+
+def test_blob_assembler_rejects_gaps() -> None:
+    asm = BlobAssembler(10)
+    asm.add(0, b"abc")
+    with pytest.raises(ValueError, match="expected byte 3"):
+        asm.add(5, b"x")

@@ -1,0 +1,198 @@
+"""Graceful shutdown: health first, then refusal, then in-flight calls finish; and the service as a
+separate process, driven only through the client, stopped by SIGTERM and restarted on its data."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.client import KvstoreClient, RpcFailure, UnauthenticatedError, UnavailableError
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.fixtures.service import CHUNK, TOY, Service, base_table, payloads, spawn_service, to_toml, tokens
+
+
+def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.02)
+
+
+def _health(address: str) -> str:
+    with KvstoreClient(address, timeout_seconds=2) as c:
+        try:
+            return c.health()
+        except UnavailableError:
+            return "DOWN"
+
+
+def _slow_store(stub: pb_grpc.KVCacheStub, prompt: np.ndarray, data: bytes, cb: int,
+                release: threading.Event) -> grpc.Future:
+    def messages() -> Iterator[pb.StoreRequest]:
+        yield pb.StoreRequest(header=pb.StoreHeader(model=TOY, tokens=pb.Tokens(u32le=prompt.tobytes())))
+        yield pb.StoreRequest(chunks=pb.ChunkPiece(first_chunk=0, data=data[:cb]))
+        release.wait(30)
+        yield pb.StoreRequest(chunks=pb.ChunkPiece(first_chunk=1, data=data[cb:]))
+        yield pb.StoreRequest(end=pb.StoreEnd(chunks_sent=len(data) // cb))
+
+    return stub.Store.future(messages(), timeout=30)
+
+
+def test_shutdown_goes_not_serving_refuses_new_calls_and_lets_calls_in_flight_finish(
+    make_service: Callable[..., Service],
+) -> None:
+    svc = make_service()
+    cb = svc.chunk_bytes(TOY)
+    prompt = tokens(50, 2 * CHUNK)
+    data = b"".join(payloads(50, 2, cb))
+    kv = svc.client()
+    release = threading.Event()
+    in_flight = _slow_store(pb_grpc.KVCacheStub(kv.channel), prompt, data, cb, release)
+    _wait(lambda: svc.server.limiter.in_flight == 1)
+    result: list[bool] = []
+    stopper = threading.Thread(target=lambda: result.append(svc.server.stop(10.0)))
+    stopper.start()
+    _wait(lambda: _health(svc.address) == "NOT_SERVING")
+    assert kv.health("kvstore.v1.KVCache") == "NOT_SERVING"
+    with pytest.raises(UnavailableError) as e:
+        svc.client(retry=_no_retry()).lookup(TOY, prompt)
+    assert "shutting down" in e.value.details
+    release.set()
+    assert in_flight.result(timeout=10).stored_chunks == 2  # the call in flight completed
+    stopper.join(15)
+    assert result == [True]
+    svc.app.close()
+    again = _restart(make_service, svc)
+    assert again.client().lookup(TOY, prompt).hit_tokens == 2 * CHUNK
+
+
+def _no_retry() -> object:
+    from kvstore.client import RetryPolicy
+
+    return RetryPolicy(attempts=1)
+
+
+def _restart(make_service: Callable[..., Service], svc: Service) -> Service:
+    return make_service(svc.app.config, data_dir=svc.data_dir)
+
+
+def test_calls_past_the_grace_period_are_cancelled_and_store_nothing(make_service: Callable[..., Service]) -> None:
+    svc = make_service()
+    cb = svc.chunk_bytes(TOY)
+    prompt = tokens(51, 2 * CHUNK)
+    release = threading.Event()
+    stuck = _slow_store(pb_grpc.KVCacheStub(svc.client().channel), prompt, b"".join(payloads(51, 2, cb)), cb,
+                        release)
+    _wait(lambda: svc.server.limiter.in_flight == 1)
+    assert svc.server.stop(0.3) is False
+    release.set()
+    with pytest.raises(grpc.RpcError) as e:
+        stuck.result(timeout=10)
+    assert e.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+    assert svc.app.store.stats().chunks == 0
+    svc.app.close()
+
+
+def test_shutdown_under_load(make_service: Callable[..., Service]) -> None:
+    svc = make_service()
+    cb = svc.chunk_bytes(TOY)
+    prompt = tokens(52, 8 * CHUNK)
+    svc.client().store(TOY, prompt, payloads(52, 8, cb))
+    calls: list[tuple[float, float, str]] = []  # (start, end, status code)
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def worker(i: int) -> None:
+        with KvstoreClient(svc.address, timeout_seconds=5, retry=_no_retry()) as c:  # type: ignore[arg-type]
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    if i % 2:
+                        assert len(c.load(TOY, prompt).chunks) == 8
+                    else:
+                        assert c.lookup(TOY, prompt).hit_tokens == 8 * CHUNK
+                    code = "OK"
+                except RpcFailure as e:
+                    code = e.code.name
+                with lock:
+                    calls.append((t0, time.monotonic(), code))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    _wait(lambda: len(calls) > 30)
+    began = time.monotonic()
+    assert svc.server.stop(5.0) is True
+    ended = time.monotonic()
+    time.sleep(0.2)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    svc.app.close()
+    codes = [c for _, _, c in calls]
+    assert set(codes) <= {"OK", "UNAVAILABLE", "CANCELLED"}, set(codes)
+    assert codes.count("OK") > 30 and "UNAVAILABLE" in codes
+    assert all(code == "OK" for _, end, code in calls if end < began)
+    # While draining, refusals are UNAVAILABLE. Only a call that reaches the server as its listener
+    # closes can be cut by gRPC itself (CANCELLED); after that the address refuses (UNAVAILABLE).
+    assert all(began <= end <= ended + 0.5 for _, end, code in calls if code == "CANCELLED")
+    assert all(code == "UNAVAILABLE" for start, _, code in calls if start > ended + 0.5)
+
+
+def test_the_service_as_a_separate_process(tmp_path: Path) -> None:
+    alice, bob = "alice-token-0123456789", "bob-token-0123456789"
+    table = base_table(tenants={"alice": {"tokens": [alice]}, "bob": {"tokens": [bob]}})
+    proc = spawn_service(tmp_path, table)
+    try:
+        banner = "".join(proc.banner)
+        assert "bearer tokens" in banner and "tiers: device" in banner and "data dir:" in banner
+        prompt = tokens(53, 4 * CHUNK)
+        chunks = payloads(53, 4, 1272)
+        with KvstoreClient(proc.address, token=alice) as a, KvstoreClient(proc.address, token=bob) as b:
+            assert a.store(TOY, prompt, chunks).stored_chunks == 4
+            assert [bytes(c) for c in a.load(TOY, prompt).chunks] == chunks
+            assert b.lookup(TOY, prompt).hit_tokens == 0
+            with pytest.raises(UnauthenticatedError):
+                KvstoreClient(proc.address).lookup(TOY, prompt)
+            assert a.health() == "SERVING"
+    finally:
+        rc = proc.terminate(signal.SIGTERM)
+    assert rc == 0, proc.output()
+    assert "stopped cleanly" in proc.output()
+    proc = spawn_service(tmp_path, table)  # the same data dir: restart-warm from LMDB
+    try:
+        with KvstoreClient(proc.address, token=alice) as a, KvstoreClient(proc.address, token=bob) as b:
+            hit = a.lookup(TOY, prompt)
+            assert hit.hit_tokens == 4 * CHUNK and set(hit.chunk_tiers) == {"lmdb"}
+            assert [bytes(c) for c in a.load(TOY, prompt).chunks] == chunks
+            assert b.lookup(TOY, prompt).hit_tokens == 0
+            assert b.resume(TOY, prompt).case == "cold"
+            snap = b"s" * 33_792
+            assert a.store_local(TOY, prompt, snap).ttl_seconds == 300.0
+            # SIGHUP re-reads the config: the new TTL applies to new writes, no restart.
+            table["local_pool"]["ttl"] = {"kind": "fixed", "ttl_seconds": 77.0}
+            (tmp_path / "kvstore.toml").write_text(to_toml(table))
+            proc.proc.send_signal(signal.SIGHUP)
+            _wait(lambda: a.store_local(TOY, prompt, snap).ttl_seconds == 77.0)
+            assert a.load_local(TOY, prompt).snapshot == snap
+    finally:
+        assert proc.terminate(signal.SIGINT) == 0, proc.output()
+
+
+def test_serve_without_a_config_says_what_it_runs(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--grpc-host", "0.0.0.0", "--grpc-port", "0",
+         "--data-dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "without authentication" in out.stderr
+    assert not (tmp_path / "d").exists()  # refused before opening anything
