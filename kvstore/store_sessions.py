@@ -1,0 +1,118 @@
+"""The two transaction-like objects the store hands out: a two-phase store and a pinned load.
+
+They hold the state of one caller's operation and call back into the store (the bookkeeper) for
+every decision; they move no bytes themselves except through the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from kvstore.errors import InvalidInput
+from kvstore.keys import Namespace
+from kvstore.layout import CacheLayout
+from kvstore.pins import PinReceipt
+from kvstore.store_types import LoadedChunk, LookupResult, StoreResult
+from kvstore.tiers.base import TierName
+
+if TYPE_CHECKING:
+    from kvstore.store import GlobalStore
+
+
+class StoreTxn:
+    """One two-phase store: stage payloads with `write`, then `commit` or `abort`."""
+
+    def __init__(
+        self, store: GlobalStore, ns: Namespace, layout: CacheLayout, keys: list[bytes],
+        chunks: list[bytes], needed: list[int], remainder_tokens: int,
+    ) -> None:
+        self._store = store
+        self.ns = ns
+        self.layout = layout
+        self.keys = keys
+        self.chunks = chunks
+        self.chunks_needed = needed
+        self.remainder_tokens = remainder_tokens
+        self.staged: dict[int, memoryview] = {}
+        self._done = False
+
+    def write(self, chunk_index: int, payload: bytes | bytearray | memoryview) -> None:
+        if self._done:
+            raise InvalidInput("this store transaction is already finished")
+        if not 0 <= chunk_index < len(self.keys):
+            raise InvalidInput(
+                f"chunk index {chunk_index} is outside the {len(self.keys)} full chunks of the prefix"
+            )
+        mv = memoryview(payload).cast("B")
+        if mv.nbytes != self.layout.chunk_bytes:
+            raise InvalidInput(
+                f"chunk {chunk_index} payload is {mv.nbytes} bytes; layout {self.layout.name} "
+                f"needs {self.layout.chunk_bytes}"
+            )
+        self.staged[chunk_index] = mv
+
+    def commit(self) -> StoreResult:
+        if self._done:
+            raise InvalidInput("this store transaction is already finished")
+        self._done = True
+        try:
+            return self._store._commit(self)
+        finally:
+            self.staged.clear()
+
+    def abort(self) -> None:
+        self._done = True
+        self.staged.clear()
+
+    def __enter__(self) -> StoreTxn:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if not self._done:
+            self.abort()
+
+
+class LoadSession:
+    """The chunks of a hit prefix, pinned until the session closes (or the pin times out)."""
+
+    def __init__(self, store: GlobalStore, ns: Namespace, layout: CacheLayout, keys: list[bytes],
+                 receipt: PinReceipt, lookup: LookupResult) -> None:
+        self._store = store
+        self.lookup = lookup  # the lookup that chose these chunks (hit length may exceed len(keys))
+        self.ns = ns
+        self.layout = layout
+        self.keys = keys
+        self.receipt = receipt
+        self._buf = memoryview(bytearray(layout.chunk_bytes))
+        self.read_chunks = 0
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def read_into(self, index: int, out: memoryview) -> TierName | None:
+        """Copy chunk `index` into `out`; None when it vanished (corrupt), which ends the hit."""
+        tier = self._store._read(self.keys[index], out)
+        if tier is not None:
+            self.read_chunks += 1
+        return tier
+
+    def __iter__(self) -> Iterator[LoadedChunk]:
+        for i in range(len(self.keys)):
+            tier = self.read_into(i, self._buf)
+            if tier is None:
+                return
+            yield LoadedChunk(i, tier, self._buf)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._store._release(self.receipt, self.keys[: self.read_chunks])
+
+    def __enter__(self) -> LoadSession:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
