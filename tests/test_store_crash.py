@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.helpers.store_writer import WRITER_CONFIG
 from tests.store_helpers import CHUNK, expected_payloads, open_store, tokens_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ def test_sigkill_at_random_points_loses_nothing_acknowledged(tmp_path: Path) -> 
         rest, _ = proc.communicate()
         acked.extend(int(x) for x in rest.split())
         next_seed += 400
-        store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=4 * 4096)
+        store = open_store(tmp_path, **WRITER_CONFIG)
         ns = store.namespace("default", "reference-toy-8", "bounded")
         for seed in acked:
             t = tokens_for(seed, 3 * CHUNK)
@@ -47,6 +48,8 @@ def test_sigkill_at_random_points_loses_nothing_acknowledged(tmp_path: Path) -> 
                 got = [bytes(c.payload) for c in s]
             assert got == expected_payloads(store, ns, t, 3)
         assert store.stats().corrupt_reads == 0
+        # Nothing was evicted: a loss can only have been a durability bug, not a budget decision.
+        assert store.stats().tiers["lmdb"].evictions == 0
         store.check_invariants()
         store.close()
     assert len(acked) > ROUNDS  # the test really exercised durable writes
