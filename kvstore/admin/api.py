@@ -1,0 +1,126 @@
+"""The analytics API's documents: what `/api/stats`, `/api/timeseries` and `/api/explain/<id>`
+return, as plain JSON-ready dicts, for a given viewer.
+
+Viewers: an admin sees everything, including per-tenant sums, tenant names and every recent
+request; a tenant (a tenant's bearer token) sees the aggregates plus its own tenant's figures and
+requests; an anonymous viewer (no admin token configured, non-loopback bind) sees aggregates only.
+
+What it does not know: HTTP (status codes, headers, auth parsing: `http.py`), Prometheus, or how
+the figures are produced (it reads the ledger, the explainer and `InfoSources` callables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore import __version__
+from kvstore.explain import Explainer
+from kvstore.ledger import Ledger
+
+
+@dataclass(frozen=True)
+class Viewer:
+    admin: bool = False
+    tenant: str | None = None  # set for a tenant's token
+
+    @property
+    def sees_tenants(self) -> bool:
+        return self.admin or self.tenant is not None
+
+
+@dataclass
+class InfoSources:
+    """Callables read per request; any may be None. Each returns plain data (dataclasses are
+    flattened)."""
+
+    store: Callable[[], Any] | None = None  # the store's StoreStats
+    pool: Callable[[], Any] | None = None  # the pool's PoolStats
+    pool_health: Callable[[], Any] | None = None  # the pool's PoolHealth
+    replay: Callable[[], Mapping[str, Any]] | None = None  # queue depth, runners, coordinator present
+    policy: Callable[[], Mapping[str, Any]] | None = None  # the TTL / eviction / replay policy in force
+    health: Callable[[], Mapping[str, str]] | None = None  # component -> SERVING / NOT_SERVING
+    extra: dict[str, Callable[[], Any]] = field(default_factory=dict)
+
+
+def plain(obj: Any) -> Any:
+    """A dataclass (or nested mappings/sequences of them) as JSON-ready data."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [plain(v) for v in obj]
+    if isinstance(obj, bytes):
+        return obj.hex()
+    return obj
+
+
+class AdminApi:
+    def __init__(self, ledger: Ledger, explainer: Explainer, sources: InfoSources | None = None,
+                 wall_clock: Callable[[], float] = time.time, recent_limit: int = 50) -> None:
+        self.ledger = ledger
+        self.explainer = explainer
+        self.sources = sources or InfoSources()
+        self._wall = wall_clock
+        self._recent = recent_limit
+
+    def _read(self, fn: Callable[[], Any] | None) -> Any:
+        if fn is None:
+            return None
+        try:
+            return plain(fn())
+        except Exception as e:  # one failing part must not blank the whole page
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def stats(self, viewer: Viewer) -> dict[str, Any]:
+        s = self.sources
+        out: dict[str, Any] = {
+            "version": __version__,
+            "generated_at": self._wall(),
+            "viewer": {"admin": viewer.admin, "tenant": viewer.tenant},
+            "totals": self.ledger.totals(),
+            "store": self._store_view(self._read(s.store), viewer),
+            "pool": self._read(s.pool),
+            "pool_health": self._read(s.pool_health),
+            "replay": self._read(s.replay),
+            "policy": self._read(s.policy),
+            "health": self._read(s.health),
+            "timeseries": {"step_seconds": self.ledger.step_seconds,
+                           "window_seconds": self.ledger.window_seconds},
+        }
+        for name, fn in s.extra.items():
+            out[name] = self._read(fn)
+        if viewer.admin:
+            out["tenants"] = self.ledger.tenants()
+            out["recent_requests"] = self.ledger.recent(self._recent)
+        elif viewer.tenant is not None:
+            mine = self.ledger.tenants().get(viewer.tenant)
+            out["tenants"] = {viewer.tenant: mine} if mine is not None else {}
+            out["recent_requests"] = self.ledger.recent(self._recent, tenant=viewer.tenant)
+        return out
+
+    @staticmethod
+    def _store_view(st: Any, viewer: Viewer) -> Any:
+        if not isinstance(st, dict):
+            return st
+        tb = st.pop("tenant_bytes", None)
+        if viewer.admin:
+            st["tenant_bytes"] = tb
+        elif viewer.tenant is not None and isinstance(tb, dict):
+            st["tenant_bytes"] = {viewer.tenant: tb.get(viewer.tenant, {})}
+        return st
+
+    def timeseries(self, viewer: Viewer, window_seconds: float, step_seconds: float | None = None) -> dict[str, Any]:
+        # The time series is aggregate only: per-tenant series would multiply its memory.
+        return self.ledger.timeseries(window_seconds, step_seconds)
+
+    def explain(self, viewer: Viewer, request_id: str) -> dict[str, Any] | None:
+        """None when the request is unknown, aged out, or another tenant's (all look the same)."""
+        if not viewer.sees_tenants:
+            return None
+        exp = self.explainer.get(request_id, None if viewer.admin else viewer.tenant)
+        return None if exp is None else exp.to_json()

@@ -1,0 +1,304 @@
+"""The admin HTTP server (stdlib `ThreadingHTTPServer`), separate from the engine-facing gRPC port.
+
+Routes (GET and HEAD only):
+    /metrics                   Prometheus exposition of the injected registry
+    /api/stats                 current totals (JSON)
+    /api/timeseries?window=S[&step=T]  rolling history over the last S seconds, a point per T (JSON)
+    /api/explain/<request_id>  why a recent request missed (JSON)
+    /dashboard                 the built-in page (static: it fetches /api itself)
+    /healthz                   component health (200 serving, 503 not)
+
+Access: it binds loopback by default. With `admin_token` set, /api/* needs
+`Authorization: Bearer <admin token>` (or a tenant's token, which sees only that tenant's data);
+/metrics needs it too when `metrics_require_token`. Without an admin token, a loopback bind
+treats every caller as the admin (the operator on the box) and any other bind gives aggregates
+only. The dashboard page itself carries no data, so it is served to anyone; it asks for the token
+and sends it with its API calls. Errors are JSON: {"error": {"status": N, "message": "..."}}.
+
+What it does not know: what the figures mean (`api.py` builds them), or gRPC.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import re
+import threading
+from collections.abc import Callable, Mapping
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from kvstore.admin.api import AdminApi, Viewer
+from kvstore.explain import REQUEST_ID_RE
+
+log = logging.getLogger("kvstore.admin")
+
+DEFAULT_WINDOW_SECONDS = 900
+_SCRIPT_RE = re.compile(rb"<script>(.*?)</script>", re.S)
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = dict(headers or {})
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_dashboard() -> bytes:
+    return (resources.files("kvstore.admin") / "static" / "dashboard.html").read_bytes()
+
+
+def _csp(page: bytes) -> str:
+    """A Content-Security-Policy allowing exactly the page's own inline script (by hash), its
+    inline styles, and fetches to this origin: nothing from elsewhere can run or load."""
+    hashes = " ".join(
+        "'sha256-" + base64.b64encode(hashlib.sha256(m.group(1)).digest()).decode() + "'"
+        for m in _SCRIPT_RE.finditer(page)
+    )
+    return (f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; connect-src 'self'; "
+            "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+class AdminHttpServer:
+    def __init__(
+        self,
+        api: AdminApi,
+        registry: CollectorRegistry,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        admin_token: str = "",
+        metrics_require_token: bool = False,
+        tenant_of_token: Callable[[str], str | None] | None = None,
+        health: Callable[[], Mapping[str, str]] | None = None,
+        max_window_seconds: int = 3600,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.api = api
+        self.registry = registry
+        self.host = host
+        self._token = admin_token
+        self._metrics_auth = metrics_require_token and bool(admin_token)
+        self._tenant_of = tenant_of_token
+        self._health = health
+        self._max_window = max_window_seconds
+        self._on_close = on_close
+        self._loopback = is_loopback(host)
+        self._page = load_dashboard()
+        self._page_csp = _csp(self._page)
+        self._httpd = _Server((host, port), _Handler)
+        self._httpd.admin = self
+        self._httpd.daemon_threads = True
+        self.port = int(self._httpd.server_address[1])
+        # A short poll interval: `close()` waits for the serving loop to notice the shutdown.
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), name="kvstore-admin",
+                                        daemon=True)
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> AdminHttpServer:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._on_close is not None:
+            self._on_close()
+
+    # --- auth ---
+
+    def viewer(self, authorization: str | None, *, required: bool) -> Viewer:
+        token = ""
+        if authorization:
+            scheme, _, rest = authorization.partition(" ")
+            if scheme.lower() == "bearer":
+                token = rest.strip()
+        if token and self._token and hmac.compare_digest(token.encode(), self._token.encode()):
+            return Viewer(admin=True)
+        if token and self._tenant_of is not None:
+            tenant = self._tenant_of(token)
+            if tenant:
+                return Viewer(tenant=tenant)
+        if self._token:
+            if required or token:
+                raise HttpError(401, "this endpoint needs 'Authorization: Bearer <admin token>'",
+                                {"WWW-Authenticate": 'Bearer realm="kvstore-admin"'})
+            return Viewer()
+        return Viewer(admin=self._loopback)
+
+    # --- routes ---
+
+    def route(self, path: str, query: str, authorization: str | None,
+              accept: str = "") -> tuple[int, str, bytes, dict[str, str]]:
+        """(status, content type, body, extra headers) for a GET."""
+        if path in ("/", ""):
+            return 302, "text/plain", b"", {"Location": "/dashboard"}
+        if path == "/healthz":
+            return self._healthz()
+        if path == "/metrics":
+            if self._metrics_auth:
+                self.viewer(authorization, required=True)
+            return self._metrics(query, accept)
+        if path == "/dashboard":
+            return 200, "text/html; charset=utf-8", self._page, {"Content-Security-Policy": self._page_csp}
+        if path.startswith("/api/"):
+            viewer = self.viewer(authorization, required=True)
+            params = _params(query)
+            if path == "/api/stats":
+                _only(params, ())
+                return _json(200, self.api.stats(viewer))
+            if path == "/api/timeseries":
+                _only(params, ("window", "step"))
+                window = _int_param(params, "window", DEFAULT_WINDOW_SECONDS, 1, self._max_window)
+                step = _int_param(params, "step", 0, 1, self._max_window) if "step" in params else None
+                return _json(200, self.api.timeseries(viewer, window, step))
+            if path.startswith("/api/explain/"):
+                _only(params, ())
+                rid = unquote(path[len("/api/explain/"):])
+                if not REQUEST_ID_RE.match(rid):
+                    raise HttpError(400, "a request id is 1-64 characters of letters, digits and . _ : -")
+                if not viewer.sees_tenants:
+                    raise HttpError(403, "explanations name tenants' requests: they need the admin token")
+                doc = self.api.explain(viewer, rid)
+                if doc is None:
+                    raise HttpError(404, f"no recent request '{rid}' (unknown, or aged out of the journal)")
+                return _json(200, doc)
+        raise HttpError(404, f"no such page: {path}")
+
+    def _healthz(self) -> tuple[int, str, bytes, dict[str, str]]:
+        comps = dict(self._health()) if self._health is not None else {"": "SERVING"}
+        serving = comps.get("", "SERVING") == "SERVING"
+        body = {"status": "SERVING" if serving else "NOT_SERVING", "components": comps}
+        return _json(200 if serving else 503, body)
+
+    def _metrics(self, query: str, accept: str) -> tuple[int, str, bytes, dict[str, str]]:
+        encoder, ctype = choose_encoder(accept)
+        params = _params(query)
+        _only(params, ("name[]",))
+        registry = self.registry
+        names = params.get("name[]")
+        if names:
+            registry = registry.restricted_registry(names)  # type: ignore[assignment]
+        return 200, ctype, encoder(registry), {}
+
+
+class _Server(ThreadingHTTPServer):
+    admin: AdminHttpServer
+    # Quiet restarts: a port just released must be bindable again at once.
+    allow_reuse_address = True
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    timeout = 10  # a client that sends its request slowly must not hold a thread forever
+    server_version = "kvstore-admin"
+    sys_version = ""
+
+    def do_GET(self) -> None:
+        self._serve(head=False)
+
+    def do_HEAD(self) -> None:
+        self._serve(head=True)
+
+    def _not_allowed(self) -> None:
+        self._send(405, "application/json", _error_body(405, f"{self.command} is not allowed here"),
+                   {"Allow": "GET, HEAD"}, head=False)
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed
+
+    def _serve(self, head: bool) -> None:
+        admin = self.server.admin
+        try:
+            parts = urlsplit(self.path)
+            status, ctype, body, extra = admin.route(
+                parts.path, parts.query, self.headers.get("Authorization"), self.headers.get("Accept", ""))
+        except HttpError as e:
+            status, ctype, extra = e.status, "application/json", e.headers
+            body = _error_body(e.status, e.message)
+        except Exception:
+            log.exception("admin request %s failed", self.path[:200])
+            status, ctype, body, extra = 500, "application/json", _error_body(500, "internal error"), {}
+        self._send(status, ctype, body, extra, head)
+
+    def _send(self, status: int, ctype: str, body: bytes, extra: Mapping[str, str], head: bool) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        for k, v in extra.items():
+            self.send_header(k, v)
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("admin %s - %s", self.address_string(), format % args)
+
+
+def _error_body(status: int, message: str) -> bytes:
+    return json.dumps({"error": {"status": status, "reason": HTTPStatus(status).phrase,
+                                 "message": message}}).encode()
+
+
+def _json(status: int, doc: Any) -> tuple[int, str, bytes, dict[str, str]]:
+    return status, "application/json", json.dumps(doc, separators=(",", ":"), allow_nan=False).encode(), {}
+
+
+def _params(query: str) -> dict[str, list[str]]:
+    try:
+        return parse_qs(query, keep_blank_values=True, strict_parsing=bool(query), max_num_fields=16)
+    except ValueError as e:
+        raise HttpError(400, f"malformed query string: {e}") from None
+
+
+def _only(params: Mapping[str, list[str]], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        known = ", ".join(allowed) or "none"
+        raise HttpError(400, f"unknown query parameter '{unknown[0][:40]}' (known: {known})")
+
+
+def _int_param(params: Mapping[str, list[str]], name: str, default: int, lo: int, hi: int) -> int:
+    values = params.get(name)
+    if not values:
+        return default
+    if len(values) > 1:
+        raise HttpError(400, f"query parameter '{name}' is given {len(values)} times")
+    raw = values[0]
+    try:
+        v = int(raw)
+    except ValueError:
+        raise HttpError(400, f"query parameter '{name}' must be an integer number of seconds in {lo}..{hi}, "
+                        f"got '{raw[:40]}'") from None
+    if not lo <= v <= hi:
+        raise HttpError(400, f"query parameter '{name}' must be in {lo}..{hi} seconds, got {v}")
+    return v

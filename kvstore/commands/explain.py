@@ -1,0 +1,74 @@
+"""`kvstore explain REQUEST_ID [--target ADMIN_URL] [--token TOKEN] [--json]`: why a recent request
+missed, asked of a running service's admin port (`/api/explain/<id>`).
+
+It prints the request's case and bills, each run of missed chunks with its reason (never stored,
+evicted by which policy and when, corrupt, over quota, ...), why the local state was not held and
+why a replay happened. Exit 0 when found, 1 when the service does not know the request (unknown,
+or aged out of its journal), 2 when the service cannot be asked.
+
+What it does not know: the service's internals; it speaks HTTP to the admin port only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from kvstore.errors import InvalidInput, Unavailable
+from kvstore.explain import REQUEST_ID_RE, render_text
+
+DEFAULT_TARGET = "http://127.0.0.1:9400"  # the admin port's default bind (config: [admin])
+TOKEN_ENV = "KVSTORE_ADMIN_TOKEN"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("request_id", metavar="REQUEST_ID", help="the request id (x-request-id) to explain")
+    p.add_argument("--target", default=DEFAULT_TARGET, metavar="ADMIN_URL",
+                   help=f"the service's admin HTTP address (default: {DEFAULT_TARGET})")
+    p.add_argument("--token", default=None, help=f"the admin token (default: ${TOKEN_ENV}, if set)")
+    p.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    p.add_argument("--timeout-seconds", type=float, default=5.0, help="HTTP timeout (default 5)")
+
+
+def fetch(target: str, request_id: str, token: str | None, timeout_seconds: float) -> dict[str, Any] | None:
+    """The explanation document, or None when the service does not know the request."""
+    if not REQUEST_ID_RE.match(request_id):
+        raise InvalidInput("a request id is 1-64 characters of letters, digits and . _ : -")
+    base = target if "://" in target else f"http://{target}"
+    url = base.rstrip("/") + "/api/explain/" + urllib.parse.quote(request_id, safe="")
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_seconds) as resp:
+            doc: dict[str, Any] = json.load(resp)
+            return doc
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise Unavailable(f"{url} answered {e.code}: {_message(e)}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise Unavailable(f"cannot reach the admin port at {base}: {reason}") from None
+
+
+def _message(e: urllib.error.HTTPError) -> str:
+    try:
+        return str(json.load(e)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return e.reason if isinstance(e.reason, str) else "error"
+
+
+def run(args: argparse.Namespace) -> int:
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    doc = fetch(args.target, args.request_id, token, args.timeout_seconds)
+    if doc is None:
+        print(f"kvstore explain: no recent request '{args.request_id}' at {args.target} "
+              "(unknown, or aged out of the journal)", file=sys.stderr)
+        return 1
+    print(json.dumps(doc, indent=2) if args.json else render_text(doc))
+    return 0

@@ -1,0 +1,528 @@
+"""The miss explainer: why a recent request's chunks missed, and why a replay happened.
+
+Two bounded in-memory journals, fed from outside:
+- chunk fates, by chunk key: the store reports a chunk it dropped (evicted out of the last tier
+  that held it: which tier, the store's reason, the policy, when), a corrupt value it removed, or
+  a chunk it refused (over the tenant's quota, no room, not admitted). The store calls the
+  `ChunkFateSink` methods; it never reads anything back.
+- local snapshot writes, by boundary key: when the service stored local state and with what TTL,
+  so a later local miss can be told apart: expired by TTL, pushed out early, never stored, or the
+  pool was down.
+
+At each Lookup/Resume the service hands over a `LookupTrace` (the keys of the chunks that missed,
+the pool's miss reason, the replay's outcome). `explain_request` turns it into an `Explanation`
+right away (a later eviction must not rewrite history) and keeps it by request id, in a bounded
+journal.
+
+Tenancy: chunk keys are chained from a namespace digest that binds the tenant, so a tenant's keys
+never name another tenant's chunks; fates are still checked against the asker's namespace, and an
+explanation only ever says "not stored in this namespace": it never reveals that another tenant
+holds the same tokens. `get` hides other tenants' requests from a tenant viewer (as not found).
+
+What it does not know: the store's index, tiers or policies (it is told names), the pool, gRPC,
+HTTP. Time comes from injected clocks (monotonic for ages, wall time for people).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from kvstore.ledger import Bills, RequestRecord
+
+FateKind = Literal["evicted", "corrupt", "over_quota", "no_room", "not_admitted"]
+RefusalReason = Literal["over_quota", "no_room", "not_admitted"]
+MAX_RUNS = 64  # chunk runs kept per explanation; the rest are summed into the last one
+MAX_EXPLAINED_CHUNKS = 4096  # missed chunks examined per request (a 512K-token miss at 128/chunk)
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def request_id_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The caller's `x-request-id` if it is a safe id (letters, digits, ._:-, at most 64), else a
+    fresh one. The id is echoed in logs and URLs, so nothing else is accepted."""
+    for k, v in metadata or ():
+        if k.lower() == "x-request-id":
+            s = v.decode("ascii", "replace") if isinstance(v, bytes) else v
+            if REQUEST_ID_RE.match(s):
+                return s
+    return new_request_id()
+
+
+# --- what the store reports --------------------------------------------------------------------------
+
+
+class ChunkFateSink(Protocol):
+    """What the store calls when a chunk leaves it or is kept out. Cheap; never raises."""
+
+    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str) -> None:
+        """Evicted from `tier`, which was the last tier holding it; `reason`: "capacity" | "quota"."""
+        ...
+
+    def corrupt(self, key: bytes, namespace: bytes, tier: str) -> None:
+        """A value failed verification on read in `tier` and was removed."""
+        ...
+
+    def refused(self, key: bytes, namespace: bytes, reason: RefusalReason) -> None:
+        """Never placed: the tenant's quota or the tiers had no room, or admission kept it out."""
+        ...
+
+
+class NoFates:
+    """The sink a store has when nobody is listening."""
+
+    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str) -> None:
+        pass
+
+    def corrupt(self, key: bytes, namespace: bytes, tier: str) -> None:
+        pass
+
+    def refused(self, key: bytes, namespace: bytes, reason: RefusalReason) -> None:
+        pass
+
+
+@dataclass(frozen=True, slots=True)  # slots: ~300 B per remembered fate, key and index included
+class _Fate:
+    kind: FateKind
+    namespace: bytes  # checked against the asker's; never reported
+    tier: str
+    reason: str
+    at: float  # monotonic
+    at_wall: float
+
+
+@dataclass(frozen=True, slots=True)
+class _LocalWrite:
+    namespace: bytes
+    at: float  # monotonic: when stored, or last read (a sliding TTL counts from there)
+    at_wall: float
+    ttl_seconds: float
+
+
+# --- what the service reports --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LookupTrace:
+    """What the service learnt answering one Lookup/Resume, beyond its bills."""
+
+    namespace: bytes  # the request's namespace digest (never reported)
+    chunk_tokens: int
+    full_chunks: int  # full chunks in the prompt
+    hit_chunks: int
+    remainder_tokens: int = 0  # tokens after the last full chunk (never cached)
+    miss_keys: tuple[bytes, ...] = ()  # keys of full chunks hit_chunks, hit_chunks+1, ... (may be cut)
+    token_mismatch: bool = False  # the first missed key was held with other token ids
+    boundary_key: bytes = b""  # key of the last hit chunk: where local state is held
+    pool_miss_reason: str = ""  # the pool's reason when local state was not found ("" on a hit)
+    has_local_state: bool = True  # False: the model keeps none (e.g. a dense GQA model)
+    replay_status: str = ""  # the coordinator's outcome ("" when no replay was tried)
+    replay_seconds: float = 0.0
+    replay_mode: str = ""
+    window_tokens: int = 0  # the replay window (the layout's SWA window)
+
+
+def lookup_trace(
+    *,
+    namespace: bytes,
+    full_chunks: int,
+    hit_chunks: int,
+    chunk_tokens: int,
+    miss_keys: Sequence[bytes] = (),
+    boundary_key: bytes = b"",
+    remainder_tokens: int = 0,
+    token_mismatches: int = 0,
+    pool_miss_reason: str = "",
+    has_local_state: bool = True,
+    window_tokens: int = 0,
+    replay_mode: str = "",
+) -> LookupTrace:
+    """The trace of one lookup. `miss_keys`: the keys of full chunks hit_chunks.. (the store's
+    `chunk_keys(ns, tokens)[hit_chunks:]`; only worth hashing when something missed);
+    `boundary_key`: the key of the last hit chunk (where local state is held)."""
+    return LookupTrace(
+        namespace=namespace, chunk_tokens=chunk_tokens, full_chunks=full_chunks, hit_chunks=hit_chunks,
+        remainder_tokens=remainder_tokens, miss_keys=tuple(miss_keys), token_mismatch=token_mismatches > 0,
+        boundary_key=boundary_key, pool_miss_reason=pool_miss_reason, has_local_state=has_local_state,
+        window_tokens=window_tokens, replay_mode=replay_mode,
+    )
+
+
+@dataclass(frozen=True)
+class LocalWriteTrace:
+    """A StoreLocal that wrote a snapshot: where, and with which TTL the policy gave it."""
+
+    namespace: bytes
+    boundary_key: bytes
+    ttl_seconds: float
+
+
+@dataclass(frozen=True)
+class ChunkRun:
+    """Consecutive missed chunks [first_chunk, last_chunk] that missed for the same reason."""
+
+    first_chunk: int
+    last_chunk: int
+    # never_stored | evicted | corrupt | over_quota | no_room | not_admitted | token_mismatch | unreachable
+    reason: str
+    detail: str
+    tier: str = ""
+    policy: str = ""
+    first_at: float | None = None  # wall time of the earliest event in the run
+    last_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"first_chunk": self.first_chunk, "last_chunk": self.last_chunk, "reason": self.reason,
+                "detail": self.detail, "tier": self.tier, "policy": self.policy,
+                "first_at": self.first_at, "last_at": self.last_at}
+
+
+@dataclass(frozen=True)
+class Explanation:
+    request_id: str
+    tenant: str
+    model: str
+    method: str
+    at_wall: float
+    case: str
+    prompt_tokens: int
+    hit_tokens: int
+    hit_chunks: int
+    full_chunks: int
+    chunk_tokens: int
+    remainder_tokens: int
+    chunks: tuple[ChunkRun, ...]
+    local_outcome: str
+    local_reason: str
+    local_detail: str
+    replay: str  # why a replay happened (or did not), in words; "" when none applies
+    bills: Bills
+    summary: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def first_miss_reason(self) -> str:
+        return self.chunks[0].reason if self.chunks else ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id, "tenant": self.tenant, "model": self.model, "method": self.method,
+            "time": self.at_wall, "case": self.case, "summary": self.summary,
+            "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens, "hit_chunks": self.hit_chunks,
+            "full_chunks": self.full_chunks, "chunk_tokens": self.chunk_tokens,
+            "remainder_tokens": self.remainder_tokens, "chunks": [c.to_json() for c in self.chunks],
+            "local": {"outcome": self.local_outcome, "reason": self.local_reason,
+                      "detail": self.local_detail},
+            "replay": self.replay, "bills": self.bills.to_json(),
+        }
+
+
+# --- the explainer -------------------------------------------------------------------------------------
+
+
+class Explainer:
+    """Thread-safe. Memory is bounded by the three `max_*` sizes (LRU on insertion)."""
+
+    def __init__(
+        self,
+        *,
+        max_requests: int = 4096,
+        max_fates: int = 50_000,
+        max_local: int = 100_000,
+        eviction_policy: str = "",
+        admission_policy: str = "",
+        sliding_ttl: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._clock = clock
+        self._wall = wall_clock
+        self._lock = threading.Lock()
+        self._fates: OrderedDict[bytes, _Fate] = OrderedDict()
+        self._local: OrderedDict[bytes, _LocalWrite] = OrderedDict()
+        # Keyed by (tenant, id): ids may come from clients, and one tenant's id must never
+        # overwrite (or reveal) another tenant's explanation.
+        self._requests: OrderedDict[tuple[str, str], Explanation] = OrderedDict()
+        self.max_requests, self.max_fates, self.max_local = max_requests, max_fates, max_local
+        self.eviction_policy = eviction_policy
+        self.admission_policy = admission_policy
+        self.sliding_ttl = sliding_ttl
+
+    # --- the store's sink ---
+
+    def _fate(self, key: bytes, kind: FateKind, namespace: bytes, tier: str, reason: str) -> None:
+        f = _Fate(kind, namespace, tier, reason, self._clock(), self._wall())
+        with self._lock:
+            self._fates[key] = f
+            self._fates.move_to_end(key)
+            while len(self._fates) > self.max_fates:
+                self._fates.popitem(last=False)
+
+    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str) -> None:
+        self._fate(key, "evicted", namespace, tier, reason)
+
+    def corrupt(self, key: bytes, namespace: bytes, tier: str) -> None:
+        self._fate(key, "corrupt", namespace, tier, "")
+
+    def refused(self, key: bytes, namespace: bytes, reason: RefusalReason) -> None:
+        self._fate(key, reason, namespace, "", "")
+
+    # --- local state ---
+
+    def local_stored(self, namespace: bytes, boundary_key: bytes, ttl_seconds: float) -> None:
+        """The service stored (or a replay rebuilt) a local snapshot at this boundary."""
+        w = _LocalWrite(namespace, self._clock(), self._wall(), ttl_seconds)
+        with self._lock:
+            self._local[boundary_key] = w
+            self._local.move_to_end(boundary_key)
+            while len(self._local) > self.max_local:
+                self._local.popitem(last=False)
+
+    def local_read(self, namespace: bytes, boundary_key: bytes) -> None:
+        """A hit on local state: under a sliding TTL its lifetime now counts from here."""
+        if not self.sliding_ttl:
+            return
+        with self._lock:
+            w = self._local.get(boundary_key)
+            if w is not None and w.namespace == namespace:
+                self._local[boundary_key] = _LocalWrite(namespace, self._clock(), self._wall(), w.ttl_seconds)
+
+    def explain_local(self, namespace: bytes, boundary_key: bytes, pool_reason: str) -> tuple[str, str]:
+        """(reason, detail) for local state that was not found at a hit boundary."""
+        if pool_reason in ("timeout", "error", "breaker-open", "closed"):
+            words = {"timeout": "did not answer in time", "error": "failed",
+                     "breaker-open": "is down (its circuit breaker is open, so it was not asked)",
+                     "closed": "is closed"}[pool_reason]
+            return pool_reason, f"the local pool {words}: treated as a local miss"
+        if pool_reason in ("corrupt", "incomplete"):
+            return pool_reason, ("the snapshot failed verification" if pool_reason == "corrupt"
+                                 else "parts of the snapshot were gone (pushed out under memory pressure)")
+        if pool_reason == "no_pool":
+            return "no_pool", "no local pool is configured, so local state is never held"
+        now = self._clock()
+        with self._lock:
+            w = self._local.get(boundary_key)
+        if w is None or w.namespace != namespace:
+            return "never_stored", ("no local snapshot was stored at this boundary in this namespace since "
+                                    "the service started (or its record aged out of the journal)")
+        held = now - w.at
+        since = "last read" if self.sliding_ttl else "stored"
+        if held >= w.ttl_seconds or pool_reason == "expired":
+            over = held - w.ttl_seconds
+            return "ttl_expired", (f"{since} {_ago(held)}, with a TTL of {w.ttl_seconds:g} s: it expired "
+                                   f"{_ago(max(over, 0.0))}")
+        return "evicted", (f"{since} {_ago(held)} with a TTL of {w.ttl_seconds:g} s, but gone "
+                           f"{w.ttl_seconds - held:.0f} s early: pushed out by the pool's memory limit")
+
+    # --- chunks ---
+
+    def explain_chunks(
+        self,
+        namespace: bytes,
+        first_chunk: int,
+        miss_keys: Sequence[bytes],
+        *,
+        token_mismatch: bool = False,
+        present: Callable[[bytes], bool] | None = None,
+    ) -> tuple[ChunkRun, ...]:
+        """Why each full chunk from `first_chunk` on missed, as runs of equal reasons."""
+        keys = miss_keys[:MAX_EXPLAINED_CHUNKS]
+        with self._lock:
+            fates = [self._fates.get(k) for k in keys]
+        runs: list[ChunkRun] = []
+        for j, (key, fate) in enumerate(zip(keys, fates, strict=True)):
+            run = self._why(j, key, fate, namespace, token_mismatch, present)
+            idx = first_chunk + j
+            prev = runs[-1] if runs else None
+            same = prev is not None and (prev.reason, prev.tier, prev.policy) == (
+                run.reason, run.tier, run.policy)
+            if prev is not None and same and prev.last_chunk == idx - 1:
+                runs[-1] = ChunkRun(prev.first_chunk, idx, prev.reason, prev.detail, prev.tier, prev.policy,
+                                    _min(prev.first_at, run.first_at), _max(prev.last_at, run.last_at))
+            elif len(runs) < MAX_RUNS:
+                runs.append(ChunkRun(idx, idx, run.reason, run.detail, run.tier, run.policy,
+                                     run.first_at, run.last_at))
+            else:
+                last = runs[-1]
+                runs[-1] = ChunkRun(last.first_chunk, idx, "mixed", "several reasons (too many runs to list)")
+        if len(miss_keys) > len(keys):
+            n = len(miss_keys) - len(keys)
+            runs.append(ChunkRun(first_chunk + len(keys), first_chunk + len(miss_keys) - 1, "unexamined",
+                                 f"{n} more chunks were not examined"))
+        return tuple(runs)
+
+    def _why(self, j: int, key: bytes, fate: _Fate | None, namespace: bytes, token_mismatch: bool,
+             present: Callable[[bytes], bool] | None) -> ChunkRun:
+        if j == 0 and token_mismatch:
+            return ChunkRun(0, 0, "token_mismatch", "a chunk is held under this key but with other token ids "
+                            "(a hash collision or a corrupt index entry): treated as a miss")
+        if fate is not None and fate.namespace == namespace:
+            if fate.kind == "evicted":
+                policy = self.eviction_policy
+                why = "the tier was full" if fate.reason == "capacity" else (
+                    "the tenant was over its quota" if fate.reason == "quota" else fate.reason)
+                return ChunkRun(0, 0, "evicted", f"evicted from {fate.tier} (the last tier holding it) by "
+                                f"{policy or 'the eviction policy'} because {why}", fate.tier, policy,
+                                fate.at_wall, fate.at_wall)
+            if fate.kind == "corrupt":
+                return ChunkRun(0, 0, "corrupt", f"its value in {fate.tier} failed verification on read and "
+                                "was removed", fate.tier, "", fate.at_wall, fate.at_wall)
+            if fate.kind == "over_quota":
+                return ChunkRun(0, 0, "over_quota", "not stored: the tenant was over its quota and nothing "
+                                "of its own could be evicted to make room", "", "",
+                                fate.at_wall, fate.at_wall)
+            if fate.kind == "no_room":
+                return ChunkRun(0, 0, "no_room", "not stored: no tier had room (everything was pinned or "
+                                "the chunk is larger than a tier)", "", "", fate.at_wall, fate.at_wall)
+            return ChunkRun(0, 0, "not_admitted", f"not stored: the admission policy "
+                            f"({self.admission_policy or 'configured'}) kept it out of the durable tier",
+                            "", self.admission_policy, fate.at_wall, fate.at_wall)
+        if j > 0 and present is not None and present(key):
+            return ChunkRun(0, 0, "unreachable", "cached, but an earlier chunk missed: keys are chained, "
+                            "so a hit needs every chunk before it")
+        return ChunkRun(0, 0, "never_stored", "not stored in this namespace since the service started (or "
+                        "its record aged out of the journal)")
+
+    # --- requests ---
+
+    def explain_request(self, rec: RequestRecord, trace: LookupTrace | None,
+                        present: Callable[[bytes], bool] | None = None) -> Explanation:
+        """Build the request's explanation now and keep it by request id."""
+        chunks: tuple[ChunkRun, ...] = ()
+        local_reason = rec.local_reason
+        local_detail = ""
+        replay = ""
+        hit_chunks = full = remainder = 0
+        chunk_tokens = 0
+        if trace is not None:
+            chunk_tokens, full, remainder = trace.chunk_tokens, trace.full_chunks, trace.remainder_tokens
+            hit_chunks = trace.hit_chunks
+            if trace.miss_keys:
+                chunks = self.explain_chunks(trace.namespace, trace.hit_chunks, trace.miss_keys,
+                                             token_mismatch=trace.token_mismatch, present=present)
+            if hit_chunks and trace.has_local_state and rec.local_outcome in ("expired", "replayed"):
+                local_reason, local_detail = self.explain_local(trace.namespace, trace.boundary_key,
+                                                                trace.pool_miss_reason)
+            elif rec.local_outcome == "hit" and trace.boundary_key:
+                self.local_read(trace.namespace, trace.boundary_key)
+            replay = _replay_words(rec, trace)
+        exp = Explanation(
+            request_id=rec.request_id, tenant=rec.tenant, model=rec.model, method=rec.method,
+            at_wall=self._wall(), case=rec.case, prompt_tokens=rec.bills.prompt_tokens,
+            hit_tokens=rec.bills.prefill_tokens_avoided, hit_chunks=hit_chunks, full_chunks=full,
+            chunk_tokens=chunk_tokens, remainder_tokens=remainder, chunks=chunks,
+            local_outcome=rec.local_outcome, local_reason=local_reason, local_detail=local_detail,
+            replay=replay, bills=rec.bills,
+        )
+        exp = _with_summary(exp)
+        if rec.request_id:
+            key = (rec.tenant, rec.request_id)
+            with self._lock:
+                self._requests[key] = exp
+                self._requests.move_to_end(key)
+                while len(self._requests) > self.max_requests:
+                    self._requests.popitem(last=False)
+        return exp
+
+    def get(self, request_id: str, tenant: str | None = None) -> Explanation | None:
+        """The explanation of a recent request; with `tenant`, only that tenant's (others: None)."""
+        with self._lock:
+            if tenant is not None:
+                return self._requests.get((tenant, request_id))
+            # The admin: the most recent request with this id, whoever sent it.
+            for (_, rid), exp in reversed(self._requests.items()):
+                if rid == request_id:
+                    return exp
+        return None
+
+    def recent_ids(self, limit: int = 50, tenant: str | None = None) -> list[str]:
+        with self._lock:
+            ids = [rid for (t, rid) in self._requests if tenant is None or t == tenant]
+        return list(reversed(ids[-limit:]))
+
+
+def _replay_words(rec: RequestRecord, trace: LookupTrace) -> str:
+    if rec.case != "expired" and rec.local_outcome != "replayed":
+        return ""
+    h = trace.hit_chunks * trace.chunk_tokens
+    w = trace.window_tokens or rec.bills.replay_tokens
+    start = max(0, h - w) if w else 0
+    why = (f"the global prefix hit {h} tokens but the local state at that boundary was not held, so "
+           f"tokens [{start}, {h}) were to be replayed to rebuild it ({trace.replay_mode or 'bounded'} mode)")
+    status = trace.replay_status
+    if not status:
+        return why + "; no replay was tried (no coordinator, or Lookup only): the engine recomputes"
+    if status == "replayed":
+        return why + f"; replayed {rec.bills.replay_tokens} tokens in {trace.replay_seconds * 1000:.1f} ms"
+    return why + f"; the replay did not rebuild it ({status}): the engine recomputes"
+
+
+def _with_summary(e: Explanation) -> Explanation:
+    if e.case == "warm":
+        s = f"warm: {e.hit_tokens} of {e.prompt_tokens} tokens hit and the local state was held"
+    elif e.case == "cold":
+        first = e.chunks[0].reason.replace("_", " ") if e.chunks else (
+            "the prompt is shorter than one chunk" if e.full_chunks == 0 else "nothing cached")
+        s = f"cold: no global hit ({first})"
+    else:
+        why = e.local_reason.replace("_", " ") or "not held"
+        s = f"expired: {e.hit_tokens} of {e.prompt_tokens} tokens hit, local state {why}"
+    if e.case != "cold" and e.chunks:
+        s += f"; chunk {e.chunks[0].first_chunk} missed: {e.chunks[0].reason.replace('_', ' ')}"
+    if e.remainder_tokens:
+        s += f"; the last {e.remainder_tokens} tokens are a partial chunk (never cached)"
+    return Explanation(**{**e.__dict__, "summary": s})
+
+
+def render_text(d: dict[str, Any]) -> str:
+    """An explanation (as `Explanation.to_json` gives it) in words, for the CLI."""
+    lines = [f"request {d['request_id']}  ({d['method']}, model {d['model']}, tenant {d['tenant']})",
+             f"  {d['summary']}"]
+    b = d["bills"]
+    lines.append(f"  bills: {b['prefill_tokens_avoided']} prefill tokens avoided "
+                 f"({b['prefill_flops_avoided']:.3g} FLOPs), {b['prefill_tokens']} to prefill, "
+                 f"{b['replay_tokens']} replay tokens")
+    ct = d["chunk_tokens"] or 1
+    for c in d["chunks"]:
+        span = (f"chunk {c['first_chunk']}" if c["first_chunk"] == c["last_chunk"]
+                else f"chunks {c['first_chunk']}-{c['last_chunk']}")
+        toks = f"tokens [{c['first_chunk'] * ct}, {(c['last_chunk'] + 1) * ct})"
+        when = ""
+        if c.get("last_at"):
+            when = f" at {time.strftime('%H:%M:%S', time.localtime(c['last_at']))}"
+        lines.append(f"  {span} ({toks}): {c['reason']}: {c['detail']}{when}")
+    if d["remainder_tokens"]:
+        lines.append(f"  last {d['remainder_tokens']} tokens: partial chunk: only full chunks are cached")
+    loc = d["local"]
+    if loc["reason"]:
+        lines.append(f"  local state: {loc['outcome']}: {loc['reason']}: {loc['detail']}")
+    else:
+        lines.append(f"  local state: {loc['outcome']}")
+    if d["replay"]:
+        lines.append(f"  replay: {d['replay']}")
+    return "\n".join(lines)
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 600:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def _min(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)

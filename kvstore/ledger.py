@@ -1,0 +1,590 @@
+"""The three bills (DESIGN.md §1), priced per request and summed per tenant and over time.
+
+Role:
+- `Bills` prices one request: tokens hit per tier, prefill tokens (and FLOPs) avoided, prefill
+  tokens still to run, replay tokens (and FLOPs) spent, bytes per tier and local-snapshot bytes.
+  `price_request` builds it from what a lookup found; it mirrors the `Bills` message of the proto
+  field for field, so the servicer copies it across without arithmetic of its own.
+- `Ledger` adds bills up per tenant and over time, and integrates occupancy it is shown by the
+  caller: HBM byte-seconds (the device tier's bytes × time: the runtime-KV bill) and persistent
+  byte-seconds per tier (DRAM and SSD: the persistent-KV bill). It keeps a rolling in-memory time
+  series for `/api/timeseries`, with memory bounded by `window_seconds / step_seconds` buckets,
+  a bounded number of tenants and a bounded list of recent requests.
+
+What it does not know: gRPC, Prometheus, the store or the pool. Occupancy comes from an injected
+callable returning `Occupancy` (built from anything shaped like the store's stats with
+`occupancy_from_stats`); time comes from an injected monotonic clock, and wall time (only to
+label points for people) from an injected wall clock.
+
+Approximations, stated once: replay FLOPs are priced at the model's prefill FLOPs per token (an
+upper bound: a replay runs the encoder only); byte-seconds integrate occupancy as a step function
+between samples (left Riemann sum), so they are as fine as the sampling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+TierLabel = Literal["device", "dram", "lmdb"]
+TIERS: tuple[TierLabel, ...] = ("device", "dram", "lmdb")
+# The persistent-KV bill: tiers that hold state between turns. The device tier is the runtime bill.
+PERSISTENT_TIERS: tuple[TierLabel, ...] = ("dram", "lmdb")
+Case = Literal["cold", "warm", "expired"]
+CASES: tuple[Case, ...] = ("cold", "warm", "expired")
+LocalOutcome = Literal["hit", "expired", "absent", "replayed", "not_applicable"]
+LOCAL_OUTCOMES: tuple[LocalOutcome, ...] = ("hit", "expired", "absent", "replayed", "not_applicable")
+Method = Literal["lookup", "resume"]
+OTHER_TENANT = "(other)"  # tenants beyond `max_tenants` are summed here
+
+
+# --- one request's bills ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TierBill:
+    tier: TierLabel
+    hit_tokens: int = 0
+    hit_chunks: int = 0
+    bytes: int = 0  # lookup: bytes a load would move from this tier; resume: bytes it moved
+
+
+@dataclass(frozen=True)
+class Bills:
+    prompt_tokens: int
+    prefill_tokens_avoided: int  # the global hit
+    prefill_tokens: int  # prompt tokens the engine still prefills
+    replay_tokens: int  # tokens replayed to rebuild local state
+    tiers: tuple[TierBill, ...]  # always device, dram, lmdb in that order
+    local_bytes: int = 0  # local snapshot bytes at the boundary (held / moved)
+    prefill_flops_avoided: float = 0.0
+    replay_flops: float = 0.0
+
+    def tier(self, name: str) -> TierBill:
+        for t in self.tiers:
+            if t.tier == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def hit_bytes(self) -> int:
+        return sum(t.bytes for t in self.tiers)
+
+    def with_replay(self, replay_tokens: int, flops_per_token: float) -> Bills:
+        """The same bills after a replay of `replay_tokens` (a Resume's trailer)."""
+        return Bills(
+            self.prompt_tokens, self.prefill_tokens_avoided, self.prefill_tokens, replay_tokens,
+            self.tiers, self.local_bytes, self.prefill_flops_avoided, replay_tokens * flops_per_token,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens_avoided": self.prefill_tokens_avoided,
+            "prefill_tokens": self.prefill_tokens,
+            "replay_tokens": self.replay_tokens,
+            "prefill_flops_avoided": self.prefill_flops_avoided,
+            "replay_flops": self.replay_flops,
+            "local_bytes": self.local_bytes,
+            "tiers": {t.tier: {"hit_tokens": t.hit_tokens, "hit_chunks": t.hit_chunks, "bytes": t.bytes}
+                      for t in self.tiers},
+        }
+
+
+def price_request(
+    *,
+    prompt_tokens: int,
+    chunk_tokens: int,
+    chunk_bytes: int,
+    hit_tiers: Sequence[str],
+    flops_per_token: float,
+    replay_tokens: int = 0,
+    local_bytes: int = 0,
+    moved_tiers: Sequence[str] | None = None,
+) -> Bills:
+    """Bills for a request whose global hit is `hit_tiers` (the fastest tier of each hit chunk).
+
+    `moved_tiers`: the tiers of the chunks actually moved (a Resume that streamed them); None
+    prices the bytes a load of the whole hit would move (a Lookup)."""
+    assert prompt_tokens >= 0 and chunk_tokens > 0
+    hit = len(hit_tiers) * chunk_tokens
+    assert hit <= prompt_tokens, (hit, prompt_tokens)
+    hit_n = Counter(hit_tiers)
+    moved_n = hit_n if moved_tiers is None else Counter(moved_tiers)
+    unknown = (set(hit_n) | set(moved_n)) - set(TIERS)
+    assert not unknown, f"unknown tiers {unknown}"
+    tiers = tuple(
+        TierBill(t, hit_n[t] * chunk_tokens, hit_n[t], moved_n[t] * chunk_bytes) for t in TIERS
+    )
+    return Bills(
+        prompt_tokens=prompt_tokens,
+        prefill_tokens_avoided=hit,
+        prefill_tokens=prompt_tokens - hit,
+        replay_tokens=replay_tokens,
+        tiers=tiers,
+        local_bytes=local_bytes,
+        prefill_flops_avoided=hit * flops_per_token,
+        replay_flops=replay_tokens * flops_per_token,
+    )
+
+
+# --- what the ledger is told per request -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    seconds: float | None  # None: the caller did not time it
+    tokens: int
+    failure: str | None = None  # None: the replay rebuilt the local state
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One priced request, as metrics, the ledger and the explainer all see it."""
+
+    request_id: str
+    method: Method
+    tenant: str
+    model: str
+    case: Case
+    local_outcome: LocalOutcome
+    bills: Bills
+    replay: ReplayResult | None = None
+    miss_reason: str = ""  # why the first uncached full chunk missed ("" when all hit)
+    local_reason: str = ""  # why local state was not held ("" when it was, or none applies)
+
+    @property
+    def moved(self) -> bool:
+        """Whether `bills` bytes moved (a Resume) or are only what a load would move (a Lookup)."""
+        return self.method == "resume"
+
+    def to_json(self, wall_time: float) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id, "method": self.method, "tenant": self.tenant,
+            "model": self.model, "case": self.case, "local_outcome": self.local_outcome,
+            "miss_reason": self.miss_reason, "local_reason": self.local_reason,
+            "time": wall_time, "bills": self.bills.to_json(),
+            "replay": None if self.replay is None else {
+                "seconds": self.replay.seconds, "tokens": self.replay.tokens, "failure": self.replay.failure},
+        }
+
+
+# --- occupancy, as shown to the ledger ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    used_bytes: Mapping[str, int]  # tier -> bytes
+    capacity_bytes: Mapping[str, int]  # tier -> bytes
+    tenant_bytes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # tenant -> tier -> bytes
+    evictions: Mapping[str, int] = field(default_factory=dict)  # "tier:reason" -> cumulative count
+
+
+class _TierUsageLike(Protocol):
+    @property
+    def used_bytes(self) -> int: ...
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+
+class StoreStatsLike(Protocol):
+    """The part of the store's `StoreStats` the ledger reads."""
+
+    @property
+    def tiers(self) -> Mapping[str, _TierUsageLike]: ...
+
+    @property
+    def tenant_bytes(self) -> Mapping[str, Mapping[str, int]]: ...
+
+    @property
+    def evictions_by_reason(self) -> Mapping[str, int]: ...
+
+
+def occupancy_from_stats(stats: StoreStatsLike) -> Occupancy:
+    return Occupancy(
+        used_bytes={t: u.used_bytes for t, u in stats.tiers.items()},
+        capacity_bytes={t: u.capacity_bytes for t, u in stats.tiers.items()},
+        tenant_bytes={k: dict(v) for k, v in stats.tenant_bytes.items()},
+        evictions=dict(stats.evictions_by_reason),
+    )
+
+
+# --- latency percentiles in bounded memory -------------------------------------------------------------
+
+# Log-spaced bins from 0.1 ms to ~100 s, 8 per decade (each ~33% wide): percentiles are reported at a
+# bin's geometric middle, within ~15%, which is what a dashboard needs, in 49 integers per histogram.
+_BIN_LO = 1e-4
+_BINS_PER_DECADE = 8
+_NBINS = 6 * _BINS_PER_DECADE + 1
+
+
+def _bin(seconds: float) -> int:
+    if seconds <= _BIN_LO:
+        return 0
+    return min(_NBINS - 1, 1 + int(math.log10(seconds / _BIN_LO) * _BINS_PER_DECADE))
+
+
+def _bin_mid(i: int) -> float:
+    if i == 0:
+        return _BIN_LO
+    return float(_BIN_LO * 10 ** ((i - 0.5) / _BINS_PER_DECADE))
+
+
+class LatencyHistogram:
+    def __init__(self) -> None:
+        self.counts = [0] * _NBINS
+        self.n = 0
+
+    def add(self, seconds: float) -> None:
+        self.counts[_bin(seconds)] += 1
+        self.n += 1
+
+    def merge(self, other: LatencyHistogram) -> None:
+        for i, c in enumerate(other.counts):
+            self.counts[i] += c
+        self.n += other.n
+
+    def quantile(self, q: float) -> float | None:
+        if self.n == 0:
+            return None
+        rank = q * self.n
+        seen = 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if c and seen >= rank:
+                return _bin_mid(i)
+        return _bin_mid(_NBINS - 1)
+
+    def percentiles(self) -> dict[str, float | None]:
+        return {"p50": self.quantile(0.5), "p90": self.quantile(0.9), "p99": self.quantile(0.99)}
+
+
+# --- sums -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Sums:
+    """What is added up per tenant, per time bucket and in total."""
+
+    requests: int = 0
+    cases: Counter[str] = field(default_factory=Counter)
+    local: Counter[str] = field(default_factory=Counter)
+    hit_tokens: Counter[str] = field(default_factory=Counter)  # by tier
+    miss_tokens: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens_avoided: int = 0
+    prefill_flops_avoided: float = 0.0
+    prefill_tokens: int = 0
+    replays: int = 0
+    replay_failures: Counter[str] = field(default_factory=Counter)
+    replay_tokens: int = 0
+    replay_flops: float = 0.0
+    bytes_moved: Counter[str] = field(default_factory=Counter)  # by tier (resumes only)
+    local_bytes_moved: int = 0
+    miss_reasons: Counter[str] = field(default_factory=Counter)
+    local_reasons: Counter[str] = field(default_factory=Counter)
+    byte_seconds: dict[str, float] = field(default_factory=dict)  # by tier
+    latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+    def add(self, rec: RequestRecord) -> None:
+        b = rec.bills
+        self.requests += 1
+        self.cases[rec.case] += 1
+        self.local[rec.local_outcome] += 1
+        for t in b.tiers:
+            self.hit_tokens[t.tier] += t.hit_tokens
+            if rec.moved:
+                self.bytes_moved[t.tier] += t.bytes
+        if rec.moved:
+            self.local_bytes_moved += b.local_bytes
+        self.prompt_tokens += b.prompt_tokens
+        self.miss_tokens += b.prompt_tokens - b.prefill_tokens_avoided
+        self.prefill_tokens_avoided += b.prefill_tokens_avoided
+        self.prefill_flops_avoided += b.prefill_flops_avoided
+        self.prefill_tokens += b.prefill_tokens
+        self.replay_tokens += b.replay_tokens
+        self.replay_flops += b.replay_flops
+        if rec.replay is not None:
+            self.replays += 1
+            if rec.replay.seconds is not None:
+                self.latency.add(rec.replay.seconds)
+            if rec.replay.failure is not None:
+                self.replay_failures[rec.replay.failure] += 1
+        if rec.miss_reason:
+            self.miss_reasons[rec.miss_reason] += 1
+        if rec.local_reason:
+            self.local_reasons[rec.local_reason] += 1
+
+    def merge(self, other: _Sums) -> None:
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, LatencyHistogram):
+                mine.merge(theirs)
+            elif isinstance(mine, Counter):
+                mine.update(theirs)
+            elif isinstance(mine, dict):
+                for key, v in theirs.items():
+                    mine[key] = mine.get(key, 0.0) + v
+            else:
+                setattr(self, f.name, mine + theirs)
+
+    def to_json(self) -> dict[str, Any]:
+        looked = self.prompt_tokens
+        return {
+            "requests": self.requests,
+            "cases": {c: self.cases[c] for c in CASES},
+            "local": {o: self.local[o] for o in LOCAL_OUTCOMES},
+            "hit_tokens": {t: self.hit_tokens[t] for t in TIERS},
+            "miss_tokens": self.miss_tokens,
+            "prompt_tokens": looked,
+            "hit_rate": {t: (self.hit_tokens[t] / looked if looked else 0.0) for t in TIERS},
+            "prefill_tokens_avoided": self.prefill_tokens_avoided,
+            "prefill_flops_avoided": self.prefill_flops_avoided,
+            "prefill_tokens": self.prefill_tokens,
+            "replay": {
+                "count": self.replays, "tokens": self.replay_tokens, "flops": self.replay_flops,
+                "failures": dict(self.replay_failures), **self.latency.percentiles(),
+            },
+            "bytes_moved": {t: self.bytes_moved[t] for t in TIERS},
+            "local_bytes_moved": self.local_bytes_moved,
+            "miss_reasons": dict(self.miss_reasons),
+            "local_reasons": dict(self.local_reasons),
+            "hbm_byte_seconds": self.byte_seconds.get("device", 0.0),
+            "persistent_byte_seconds": {t: self.byte_seconds.get(t, 0.0) for t in PERSISTENT_TIERS},
+        }
+
+
+@dataclass
+class _Bucket:
+    index: int  # floor(monotonic time / step)
+    sums: _Sums = field(default_factory=_Sums)
+    used: dict[str, int] = field(default_factory=dict)  # last occupancy seen in the bucket
+    capacity: dict[str, int] = field(default_factory=dict)
+    evictions: Counter[str] = field(default_factory=Counter)
+
+
+# --- the ledger ----------------------------------------------------------------------------------------
+
+
+class Ledger:
+    """Thread-safe; every method takes the lock briefly and does no I/O except the occupancy call."""
+
+    def __init__(
+        self,
+        *,
+        window_seconds: float = 3600.0,
+        step_seconds: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        occupancy: Callable[[], Occupancy] | None = None,
+        max_tenants: int = 1024,
+        recent_requests: int = 200,
+    ) -> None:
+        assert step_seconds > 0 and window_seconds >= step_seconds
+        self.window_seconds = float(window_seconds)
+        self.step_seconds = float(step_seconds)
+        self._clock = clock
+        self._wall = wall_clock
+        self._occupancy = occupancy
+        self._max_tenants = max_tenants
+        self._lock = threading.Lock()
+        self._total = _Sums()
+        self._tenants: dict[str, _Sums] = {}
+        self._buckets: deque[_Bucket] = deque(maxlen=math.ceil(window_seconds / step_seconds) + 1)
+        self._recent: deque[tuple[float, RequestRecord]] = deque(maxlen=recent_requests)
+        self._last_t = clock()
+        self._occ: Occupancy | None = None
+        self._evictions_seen: dict[str, int] | None = None
+        self._evictions_total: Counter[str] = Counter()
+        self.started_at = self._last_t
+
+    # --- input ---
+
+    def record(self, rec: RequestRecord) -> None:
+        now = self._clock()
+        with self._lock:
+            self._advance(now)
+            self._total.add(rec)
+            self._tenant(rec.tenant).add(rec)
+            self._bucket(now).sums.add(rec)
+            self._recent.append((now, rec))
+
+    def sample(self) -> None:
+        """Read occupancy now: integrate the previous reading up to now, then keep this one."""
+        occ = self._occupancy() if self._occupancy is not None else None
+        now = self._clock()
+        with self._lock:
+            self._advance(now)
+            if occ is None:
+                return
+            self._occ = occ
+            b = self._bucket(now)
+            b.used = dict(occ.used_bytes)
+            b.capacity = dict(occ.capacity_bytes)
+            if self._evictions_seen is not None:
+                for k, v in occ.evictions.items():
+                    d = v - self._evictions_seen.get(k, 0)
+                    if d > 0:  # a store that was reopened restarts its counters: not negative evictions
+                        b.evictions[k] += d
+                        self._evictions_total[k] += d
+            else:
+                self._evictions_total.update(occ.evictions)
+            self._evictions_seen = dict(occ.evictions)
+
+    def _advance(self, now: float) -> None:
+        """Integrate the last occupancy over [last, now], split across the buckets it spans."""
+        t0 = self._last_t
+        if now <= t0:
+            return
+        self._last_t = now
+        occ = self._occ
+        if occ is None:
+            return
+        step = self.step_seconds
+        # Only the part inside the kept window can land in a bucket; the totals take all of it.
+        for tier, used in occ.used_bytes.items():
+            _add(self._total.byte_seconds, tier, used * (now - t0))
+        for tenant, per_tier in occ.tenant_bytes.items():
+            sums = self._tenant(tenant)
+            for tier, used in per_tier.items():
+                _add(sums.byte_seconds, tier, used * (now - t0))
+        t = max(t0, now - self.window_seconds)
+        while t < now:
+            end = min(now, (math.floor(t / step) + 1) * step)
+            b = self._bucket(t)
+            for tier, used in occ.used_bytes.items():
+                _add(b.sums.byte_seconds, tier, used * (end - t))
+            t = end
+
+    def _bucket(self, t: float) -> _Bucket:
+        idx = math.floor(t / self.step_seconds)
+        if self._buckets and self._buckets[-1].index == idx:
+            return self._buckets[-1]
+        for b in reversed(self._buckets):  # an older bucket (integrating a gap): rare, short walk
+            if b.index == idx:
+                return b
+            if b.index < idx:
+                break
+        nb = _Bucket(idx)
+        if self._buckets and self._buckets[-1].index > idx:
+            # Only _advance asks for an older bucket, and only one inside the window: keep order.
+            items = sorted([*self._buckets, nb], key=lambda x: x.index)
+            self._buckets.clear()
+            self._buckets.extend(items[-(self._buckets.maxlen or len(items)):])
+        else:
+            self._buckets.append(nb)
+        return nb
+
+    def _tenant(self, tenant: str) -> _Sums:
+        s = self._tenants.get(tenant)
+        if s is None:
+            if len(self._tenants) >= self._max_tenants:
+                tenant = OTHER_TENANT
+            s = self._tenants.setdefault(tenant, _Sums())
+        return s
+
+    # --- output ---
+
+    def _wall_of(self, t: float, now: float, wall_now: float) -> float:
+        return wall_now - (now - t)
+
+    def totals(self) -> dict[str, Any]:
+        """All-time sums, current occupancy and cumulative evictions (no per-tenant data)."""
+        self.sample()
+        with self._lock:
+            out = self._total.to_json()
+            occ = self._occ
+            out["tiers"] = {} if occ is None else {
+                t: {"used_bytes": occ.used_bytes.get(t, 0), "capacity_bytes": occ.capacity_bytes.get(t, 0)}
+                for t in TIERS if t in occ.used_bytes
+            }
+            out["persistent_bytes_held"] = {
+                t: (occ.used_bytes.get(t, 0) if occ else 0) for t in PERSISTENT_TIERS}
+            out["hbm_bytes"] = occ.used_bytes.get("device", 0) if occ else 0
+            out["evictions"] = dict(self._evictions_total)
+            out["uptime_seconds"] = self._clock() - self.started_at
+            return out
+
+    def byte_seconds(self) -> dict[str, float]:
+        """Bytes held per tier integrated over time since start, up to now."""
+        self._advance_now()
+        with self._lock:
+            return {t: self._total.byte_seconds.get(t, 0.0) for t in TIERS}
+
+    def _advance_now(self) -> None:
+        now = self._clock()
+        with self._lock:
+            self._advance(now)
+
+    def tenants(self) -> dict[str, dict[str, Any]]:
+        """Per-tenant sums and bytes held now (for an admin only: it names tenants)."""
+        self.sample()
+        with self._lock:
+            occ = self._occ
+            out: dict[str, dict[str, Any]] = {}
+            for name, sums in sorted(self._tenants.items()):
+                d = sums.to_json()
+                held = occ.tenant_bytes.get(name, {}) if occ is not None else {}
+                d["bytes_held"] = {t: int(held.get(t, 0)) for t in TIERS}
+                out[name] = d
+            return out
+
+    def recent(self, limit: int = 50, tenant: str | None = None) -> list[dict[str, Any]]:
+        """The most recent requests, newest first; only `tenant`'s when given."""
+        now, wall = self._clock(), self._wall()
+        with self._lock:
+            items = [(t, r) for t, r in self._recent if tenant is None or r.tenant == tenant]
+        return [r.to_json(self._wall_of(t, now, wall)) for t, r in reversed(items[-limit:])]
+
+    def timeseries(self, window_seconds: float, step_seconds: float | None = None) -> dict[str, Any]:
+        """Points over the last `window_seconds` (at most the ledger's window), one per
+        `step_seconds` (rounded to a whole number of the ledger's steps; default: the ledger's
+        step). A coarser step merges buckets: sums add, latency histograms merge (so percentiles
+        stay true percentiles), occupancy is the last seen."""
+        self.sample()
+        now, wall = self._clock(), self._wall()
+        k = max(1, round((step_seconds or self.step_seconds) / self.step_seconds))
+        step = self.step_seconds * k
+        window = min(float(window_seconds), self.window_seconds)
+        last = math.floor(now / step)
+        first = last - max(1, math.ceil(window / step)) + 1
+        with self._lock:
+            groups: dict[int, list[_Bucket]] = {}
+            older: _Bucket | None = None
+            for b in self._buckets:
+                g = b.index // k
+                if first <= g <= last:
+                    groups.setdefault(g, []).append(b)
+                elif g < first and b.used:
+                    older = b  # the last occupancy seen before the window carries into it
+            used = dict(older.used) if older is not None else {}
+            capacity = dict(older.capacity) if older is not None else {}
+            points: list[dict[str, Any]] = []
+            for g in range(first, last + 1):
+                sums = _Sums()
+                evictions: Counter[str] = Counter()
+                for b in groups.get(g, ()):
+                    sums.merge(b.sums)
+                    evictions.update(b.evictions)
+                    if b.used:
+                        used, capacity = dict(b.used), dict(b.capacity)
+                p = sums.to_json()
+                span = min(step, now - g * step) if g == last else step
+                p["t"] = self._wall_of(g * step, now, wall)
+                p["seconds"] = max(span, 0.0)
+                p["tiers"] = {t: {"used_bytes": used.get(t, 0), "capacity_bytes": capacity.get(t, 0)}
+                              for t in TIERS if t in used}
+                p["evictions"] = dict(evictions)
+                points.append(p)
+        return {"step_seconds": step, "window_seconds": window, "now": wall, "points": points}
+
+
+def _add(d: dict[str, float], key: str, v: float) -> None:
+    d[key] = d.get(key, 0.0) + v

@@ -1,0 +1,540 @@
+"""Every Prometheus metric kvstore exports, defined here and nowhere else, in an injected registry.
+
+Two ways in:
+- `Metrics` is the recorder the core calls for events: one priced request (`request`), a replay
+  (inside `request`), a finished RPC (`rpc`), bytes a Load moved (`load`). Its counters and
+  histograms live in the registry it was given.
+- `SourceCollector` (registered by `Metrics`) reads gauges and the counters that other parts
+  already keep (the store's tier bytes, evictions, corrupt reads; the local pool's hits, misses,
+  errors and breaker state; the replay queue; the ledger's byte-seconds) from callables at scrape
+  time, so those parts never hold a metrics object and nothing is counted twice.
+
+Cardinality is bounded by construction: every label value passes through `_label()` against a
+small fixed set (an unknown value becomes "other"); tenant labels exist only when the config
+turns them on, and then only for configured tenant names. No hashes, session ids or token data
+ever become label values. Label combinations are created up front so a dashboard query finds a
+zero rather than nothing.
+
+What it does not know: how the numbers are produced, gRPC, HTTP (the admin server renders the
+registry), or the store's and pool's classes (it reads them through small protocols).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstore.ledger import CASES, LOCAL_OUTCOMES, TIERS, RequestRecord
+
+log = logging.getLogger("kvstore.metrics")
+
+# prometheus-client adds a `*_created` gauge beside every counter and histogram child: it doubles the
+# series count, Prometheus does not use it in the text format, and it is process-wide state anyway.
+disable_created_metrics()
+
+OTHER = "other"
+METHODS = ("lookup", "resume")
+LOOKUP_RESULTS = ("hit", "miss")
+REPLAY_RESULTS = ("ok", "failed")
+# The coordinator's outcomes (service/replay_port.py), overload (the per-tenant bound refused it)
+# and prefix-lost (the cached prefix went away under the replay or the load).
+REPLAY_FAILURES = ("no-runner", "timeout", "failed", "disabled", "overload", "prefix-lost", OTHER)
+# Why the first uncached full chunk of a request missed (explain.py decides).
+MISS_REASONS = ("never_stored", "evicted", "corrupt", "over_quota", "not_admitted", "no_room",
+                "token_mismatch", OTHER)
+# Why the local state at a hit boundary was not held (the pool's reasons, refined by explain.py).
+LOCAL_MISS_REASONS = ("ttl_expired", "never_stored", "evicted", "absent", "expired", "incomplete",
+                      "corrupt", "timeout", "error", "breaker-open", "closed", "no_pool", OTHER)
+EVICTION_REASONS = ("capacity", "quota", OTHER)
+BREAKER_STATES = ("closed", "open", "half-open")
+POOL_MISS_REASONS = ("absent", "expired", "incomplete", "corrupt", "timeout", "error", "breaker-open",
+                     "closed")
+POOL_SKIP_REASONS = ("oom", "no-room", "policy", "timeout", "error", "breaker-open", "closed")
+RPC_METHODS = ("Lookup", "Store", "Load", "StoreLocal", "LoadLocal", "Resume", "Stats", "Attach", OTHER)
+RPC_CODES = (
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+    "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
+)
+TTL_KINDS = ("fixed", "sliding", "adaptive", OTHER)
+EVICTION_POLICIES = ("lru", "s3fifo", "cost-aware", OTHER)
+REPLAY_MODES = ("bounded", "exact", "off", OTHER)
+
+# Replays run a few hundred tokens: milliseconds on a GPU, up to the 30 s default timeout on a CPU.
+REPLAY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def replay_failure(status: str) -> str:
+    """A replay's status (free text from the coordinator or the servicer) as a REPLAY_FAILURES value."""
+    s = status.strip().lower()
+    if s in REPLAY_FAILURES:
+        return s
+    if s.startswith(("resource_exhausted", "overload")):
+        return "overload"
+    if "prefix" in s:  # "prefix no longer cached", "prefix shrank while loading"
+        return "prefix-lost"
+    if s.startswith("deadline_exceeded"):
+        return "timeout"
+    if s.startswith("unavailable"):
+        return "no-runner"
+    return OTHER
+
+
+def _label(value: str, allowed: Collection[str]) -> str:
+    """`value` if it is in the fixed set, else "other": the one gate on every label value."""
+    return value if value in allowed else OTHER
+
+
+# --- sources read at scrape time -------------------------------------------------------------------
+
+
+class TierUsageLike(Protocol):
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def entries(self) -> int: ...
+    @property
+    def demotions(self) -> int: ...
+    @property
+    def promotions(self) -> int: ...
+    @property
+    def corrupt_total(self) -> int: ...
+    @property
+    def map_size_bytes(self) -> int: ...
+    @property
+    def readers(self) -> int: ...
+
+
+class StoreStatsLike(Protocol):
+    """What the collector reads of the store's `StoreStats`."""
+
+    @property
+    def chunks(self) -> int: ...
+    @property
+    def tiers(self) -> Mapping[str, TierUsageLike]: ...
+    @property
+    def tenant_bytes(self) -> Mapping[str, Mapping[str, int]]: ...
+    @property
+    def lookups(self) -> int: ...
+    @property
+    def token_mismatches(self) -> int: ...
+    @property
+    def corrupt_reads(self) -> int: ...
+    @property
+    def pins_active(self) -> int: ...
+    @property
+    def pins_expired(self) -> int: ...
+    @property
+    def admissions_refused(self) -> int: ...
+    @property
+    def evictions_by_reason(self) -> Mapping[str, int]: ...  # "tier:reason" -> count
+
+
+class PoolStatsLike(Protocol):
+    """What the collector reads of the local pool's `PoolStats` (-1: a figure the backend cannot know)."""
+
+    @property
+    def hits(self) -> int: ...
+    @property
+    def misses(self) -> Mapping[str, int]: ...
+    @property
+    def writes(self) -> int: ...
+    @property
+    def skipped_writes(self) -> Mapping[str, int]: ...
+    @property
+    def errors(self) -> int: ...
+    @property
+    def evictions(self) -> int: ...
+    @property
+    def expirations(self) -> int: ...
+    @property
+    def entries(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def breaker_state(self) -> str: ...
+    @property
+    def breaker_opens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ByteSeconds:
+    """The ledger's integrals, for the runtime and persistent bills as counters."""
+
+    by_tier: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    """The policies in force (they may change on a config reload)."""
+
+    ttl_kind: str
+    ttl_seconds: float
+    eviction_policy: str
+    replay_mode: str
+
+
+@dataclass
+class Sources:
+    """Callables the collector reads at scrape time; any may be None (that part is absent).
+    Set them after the parts exist: the collector looks them up on every scrape."""
+
+    store: Callable[[], StoreStatsLike] | None = None
+    pool: Callable[[], PoolStatsLike] | None = None
+    pool_up: Callable[[], bool] | None = None
+    replay_queue_depth: Callable[[], int] | None = None
+    runners_attached: Callable[[], int] | None = None
+    byte_seconds: Callable[[], ByteSeconds] | None = None
+    policy: Callable[[], PolicyInfo] | None = None
+
+
+class SourceCollector(Collector):
+    """Reads `Sources` at scrape time. A failing source loses its own families for that scrape
+    (counted in kvstore_scrape_errors_total), never the whole scrape."""
+
+    def __init__(self, sources: Sources, tenant_label: Callable[[str], str] | None,
+                 start_time: float) -> None:
+        self.sources = sources
+        self._tenant_label = tenant_label
+        self._start_time = start_time
+        self._errors: dict[str, int] = {}
+
+    def describe(self) -> list[Metric]:
+        # Names only, so registering does not call the sources (they may not exist yet).
+        return [
+            GaugeMetricFamily("kvstore_tier_bytes", "Bytes used in each tier.", labels=["tier"]),
+            GaugeMetricFamily("kvstore_build_info", "Always 1; labels say what is running.",
+                              labels=["version"]),
+        ]
+
+    def collect(self) -> Iterator[Metric]:
+        from kvstore import __version__
+
+        info = GaugeMetricFamily("kvstore_build_info", "Always 1; labels say what is running.",
+                                 labels=["version"])
+        info.add_metric([str(__version__)], 1.0)
+        yield info
+        yield GaugeMetricFamily("kvstore_start_time_seconds", "Unix time the service started.",
+                                value=self._start_time)
+        s = self.sources
+        store, pool, byte_seconds, policy = s.store, s.pool, s.byte_seconds, s.policy
+        if store is not None:
+            yield from self._guarded("store", lambda: self._store(store()))
+        if pool is not None:
+            yield from self._guarded("pool", lambda: self._pool(pool()))
+        if byte_seconds is not None:
+            yield from self._guarded("byte_seconds", lambda: self._byte_seconds(byte_seconds()))
+        if policy is not None:
+            yield from self._guarded("policy", lambda: self._policy(policy()))
+        for name, gfn, metric, help_text in (
+            ("pool_up", s.pool_up, "kvstore_pool_up", "1 while the local pool's backend answers, else 0."),
+            ("replay_queue", s.replay_queue_depth, "kvstore_replay_queue_depth",
+             "Replay jobs waiting for a runner."),
+            ("runners", s.runners_attached, "kvstore_runners_attached", "Model runners attached now."),
+        ):
+            if gfn is None:
+                continue
+            try:
+                v = float(gfn())
+            except Exception:
+                log.exception("metrics source %s failed", name)
+                self._errors[name] = self._errors.get(name, 0) + 1
+                continue
+            yield GaugeMetricFamily(metric, help_text, value=v)
+        errs = CounterMetricFamily("kvstore_scrape_errors", "Metric sources that failed during a scrape.",
+                                   labels=["source"])
+        for name, n in sorted(self._errors.items()):
+            errs.add_metric([name], n)
+        yield errs
+
+    def _guarded(self, name: str, render: Callable[[], Iterator[Metric]]) -> list[Metric]:
+        try:
+            return list(render())
+        except Exception:  # a source's failure must not take the scrape down
+            log.exception("metrics source %s failed", name)
+            self._errors[name] = self._errors.get(name, 0) + 1
+            return []
+
+    def _store(self, st: StoreStatsLike) -> Iterator[Metric]:
+        used = GaugeMetricFamily("kvstore_tier_bytes", "Bytes used in each tier.", labels=["tier"])
+        cap = GaugeMetricFamily("kvstore_tier_capacity_bytes", "Byte capacity of each tier.", labels=["tier"])
+        entries = GaugeMetricFamily("kvstore_tier_entries", "Chunks held in each tier.", labels=["tier"])
+        demoted = CounterMetricFamily("kvstore_tier_demotions", "Chunks demoted into each tier.",
+                                      labels=["tier"])
+        promoted = CounterMetricFamily("kvstore_tier_promotions", "Chunks promoted into each tier on a hit.",
+                                       labels=["tier"])
+        corrupt = CounterMetricFamily("kvstore_tier_corrupt", "Values that failed verification on read.",
+                                      labels=["tier"])
+        for tier in TIERS:
+            u = st.tiers.get(tier)
+            if u is None:
+                continue
+            used.add_metric([tier], u.used_bytes)
+            cap.add_metric([tier], u.capacity_bytes)
+            entries.add_metric([tier], u.entries)
+            demoted.add_metric([tier], u.demotions)
+            promoted.add_metric([tier], u.promotions)
+            corrupt.add_metric([tier], u.corrupt_total)
+        yield from (used, cap, entries, demoted, promoted, corrupt)
+        lm = st.tiers.get("lmdb")
+        if lm is not None:
+            yield GaugeMetricFamily("kvstore_lmdb_map_size_bytes", "The LMDB memory map's size.",
+                                    value=lm.map_size_bytes)
+            yield GaugeMetricFamily("kvstore_lmdb_readers", "LMDB reader slots in use.", value=lm.readers)
+        ev = CounterMetricFamily("kvstore_evictions", "Chunks evicted from a tier, by tier and reason.",
+                                 labels=["tier", "reason"])
+        by: dict[tuple[str, str], int] = {(t, r): 0 for t in TIERS for r in EVICTION_REASONS if r != OTHER}
+        for key, n in st.evictions_by_reason.items():
+            tier_s, _, reason_s = key.partition(":")
+            k = (_label(tier_s, TIERS), _label(reason_s, EVICTION_REASONS))
+            by[k] = by.get(k, 0) + n
+        for (tier_s, reason_s), n in sorted(by.items()):
+            ev.add_metric([tier_s, reason_s], n)
+        yield ev
+        yield GaugeMetricFamily("kvstore_chunks", "Chunks in the store's index.", value=st.chunks)
+        yield CounterMetricFamily("kvstore_store_lookups", "Longest-prefix lookups the store ran.",
+                                  value=st.lookups)
+        yield CounterMetricFamily("kvstore_admissions_refused", "Chunks the admission policy kept out.",
+                                  value=st.admissions_refused)
+        yield CounterMetricFamily("kvstore_token_mismatches",
+                                  "Key hits whose stored token ids differed (treated as misses).",
+                                  value=st.token_mismatches)
+        yield CounterMetricFamily("kvstore_corrupt_reads", "Chunk reads that found a corrupt value.",
+                                  value=st.corrupt_reads)
+        yield GaugeMetricFamily("kvstore_pins_active", "Pins held by loads and replays now.",
+                                value=st.pins_active)
+        yield CounterMetricFamily("kvstore_pins_expired", "Pins released by their timeout.",
+                                  value=st.pins_expired)
+        if self._tenant_label is not None:
+            tb = GaugeMetricFamily("kvstore_tenant_bytes", "Bytes each tenant holds in each tier.",
+                                   labels=["tenant", "tier"])
+            agg: dict[tuple[str, str], int] = {}
+            for tenant, per in st.tenant_bytes.items():
+                for tier_s, n in per.items():
+                    k = (self._tenant_label(tenant), _label(tier_s, TIERS))
+                    agg[k] = agg.get(k, 0) + n
+            for (tenant, tier_s), n in sorted(agg.items()):
+                tb.add_metric([tenant, tier_s], n)
+            yield tb
+
+    def _pool(self, p: PoolStatsLike) -> Iterator[Metric]:
+        yield CounterMetricFamily("kvstore_pool_hits", "Local snapshots found in the pool.", value=p.hits)
+        miss = CounterMetricFamily("kvstore_pool_misses", "Local snapshot gets that found nothing usable.",
+                                   labels=["reason"])
+        for r in POOL_MISS_REASONS:
+            miss.add_metric([r], p.misses.get(r, 0))
+        other = sum(n for r, n in p.misses.items() if r not in POOL_MISS_REASONS)
+        if other:
+            miss.add_metric([OTHER], other)
+        yield miss
+        yield CounterMetricFamily("kvstore_pool_writes", "Local snapshots written.", value=p.writes)
+        skip = CounterMetricFamily("kvstore_pool_skipped_writes", "Local snapshot writes not done.",
+                                   labels=["reason"])
+        for r in POOL_SKIP_REASONS:
+            skip.add_metric([r], p.skipped_writes.get(r, 0))
+        yield skip
+        yield CounterMetricFamily("kvstore_pool_errors", "Pool backend calls that failed.", value=p.errors)
+        yield CounterMetricFamily("kvstore_pool_evictions", "Snapshots pushed out by the pool's budget.",
+                                  value=p.evictions)
+        yield CounterMetricFamily("kvstore_pool_expirations", "Snapshots found or purged past their TTL.",
+                                  value=p.expirations)
+        if p.entries >= 0:
+            yield GaugeMetricFamily("kvstore_pool_entries", "Snapshots held in the pool.", value=p.entries)
+        if p.used_bytes >= 0:
+            yield GaugeMetricFamily("kvstore_pool_bytes", "Bytes the pool holds.", value=p.used_bytes)
+        if p.capacity_bytes >= 0:
+            yield GaugeMetricFamily("kvstore_pool_capacity_bytes", "The pool's byte budget.",
+                                    value=p.capacity_bytes)
+        br = GaugeMetricFamily("kvstore_pool_breaker_state",
+                               "1 for the circuit breaker's current state, 0 for the others.",
+                               labels=["state"])
+        for state in BREAKER_STATES:
+            br.add_metric([state], 1.0 if p.breaker_state == state else 0.0)
+        yield br
+        yield CounterMetricFamily("kvstore_pool_breaker_opens", "Times the pool's circuit breaker opened.",
+                                  value=p.breaker_opens)
+
+    def _byte_seconds(self, bs: ByteSeconds) -> Iterator[Metric]:
+        fam = CounterMetricFamily(
+            "kvstore_tier_byte_seconds",
+            "Bytes held in each tier integrated over time (device: the HBM bill; dram, lmdb: persistent).",
+            labels=["tier"])
+        for tier in TIERS:
+            fam.add_metric([tier], float(bs.by_tier.get(tier, 0.0)))
+        yield fam
+
+    def _policy(self, p: PolicyInfo) -> Iterator[Metric]:
+        fam = GaugeMetricFamily("kvstore_policy_info", "Always 1; labels name the policies in force.",
+                                labels=["ttl_kind", "eviction_policy", "replay_mode"])
+        fam.add_metric([_label(p.ttl_kind, TTL_KINDS), _label(p.eviction_policy, EVICTION_POLICIES),
+                        _label(p.replay_mode, REPLAY_MODES)], 1.0)
+        yield fam
+        yield GaugeMetricFamily("kvstore_local_ttl_seconds", "The local pool's base TTL in force.",
+                                value=p.ttl_seconds)
+
+
+# --- the recorder ------------------------------------------------------------------------------------
+
+
+class Metrics:
+    """The recorder. Thread-safe (prometheus-client's metrics are)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        per_tenant_labels: bool = False,
+        tenants: Collection[str] = (),
+        sources: Sources | None = None,
+        start_time: float | None = None,
+    ) -> None:
+        self.registry = registry
+        self._per_tenant = per_tenant_labels
+        # Configured tenants plus the no-auth tenant: the whole set a tenant label can take.
+        self._tenants = frozenset(tenants) | {"default"}
+        t: list[str] = ["tenant"] if per_tenant_labels else []
+        r = registry
+        self.lookups = Counter("kvstore_lookups_total", "Lookup and Resume requests, by whether any "
+                               "global KV hit.", ["method", "result", *t], registry=r)
+        self.lookup_tokens = Counter("kvstore_lookup_tokens_total", "Prompt tokens looked up: hits by the "
+                                     "tier that served them, misses with tier=\"none\".",
+                                     ["tier", "result", *t], registry=r)
+        self.requests = Counter("kvstore_requests_total", "Requests by case (cold: global miss; warm: "
+                                "global and local hit; expired: global hit, local miss).",
+                                ["method", "case", *t], registry=r)
+        self.local_state = Counter("kvstore_local_state_total", "Local SWA state at the hit boundary, by "
+                                   "outcome.", ["outcome", *t], registry=r)
+        self.local_misses = Counter("kvstore_local_misses_total", "Why local state at a hit boundary was "
+                                    "not held.", ["reason"], registry=r)
+        self.misses = Counter("kvstore_lookup_misses_total", "Why the first uncached full chunk of a "
+                              "request missed.", ["reason"], registry=r)
+        self.replays = Counter("kvstore_replays_total", "Bounded replays run, by result.", ["result"],
+                               registry=r)
+        self.replay_failures = Counter("kvstore_replay_failures_total", "Replays that did not rebuild "
+                                       "local state, by reason.", ["reason"], registry=r)
+        self.replay_tokens = Counter("kvstore_replay_tokens_total", "Tokens replayed to rebuild local "
+                                     "state (the replay compute bill).", t, registry=r)
+        self.replay_seconds = Histogram("kvstore_replay_seconds", "Time to rebuild local state by replay.",
+                                        buckets=REPLAY_BUCKETS, registry=r)
+        self.prefill_avoided = Counter("kvstore_prefill_tokens_avoided_total", "Prompt tokens the engine "
+                                       "did not prefill because their global KV hit.", t, registry=r)
+        self.prefill_flops_avoided = Counter("kvstore_prefill_flops_avoided_total", "Prefill FLOPs avoided "
+                                             "(tokens avoided x the model's prefill FLOPs per token).",
+                                             t, registry=r)
+        self.prefill_tokens = Counter("kvstore_prefill_tokens_total", "Prompt tokens the engine still had "
+                                      "to prefill.", t, registry=r)
+        self.bytes_moved = Counter("kvstore_bytes_moved_total", "Global KV bytes moved to the engine, by the "
+                                   "tier they came from.", ["tier", *t], registry=r)
+        self.local_bytes_moved = Counter("kvstore_local_bytes_moved_total", "Local snapshot bytes moved to "
+                                         "the engine.", registry=r)
+        self.rpc_seconds = Histogram("kvstore_rpc_seconds", "gRPC call latency, by method and status code.",
+                                     ["method", "code"], buckets=RPC_BUCKETS, registry=r)
+        self.sources = sources or Sources()
+        self.collector = SourceCollector(
+            self.sources, self._tenant if per_tenant_labels else None,
+            time.time() if start_time is None else start_time)
+        r.register(self.collector)
+        self._initialise()
+
+    def _tenant(self, tenant: str) -> str:
+        return _label(tenant, self._tenants)
+
+    def _t(self, tenant: str) -> tuple[str, ...]:
+        return (self._tenant(tenant),) if self._per_tenant else ()
+
+    @staticmethod
+    def _tc(metric: Counter, t: tuple[str, ...]) -> Counter:
+        """The child for tenant labels `t`, or the metric itself when it has no labels."""
+        return metric.labels(*t) if t else metric
+
+    def _initialise(self) -> None:
+        """Create every label combination with a zero (per tenant too: the set is configured)."""
+        tenants = sorted(self._tenants | {OTHER}) if self._per_tenant else [""]
+        for tn in tenants:
+            t = (tn,) if self._per_tenant else ()
+            for m in METHODS:
+                for res in LOOKUP_RESULTS:
+                    self.lookups.labels(m, res, *t)
+                for c in CASES:
+                    self.requests.labels(m, c, *t)
+            for tier in TIERS:
+                self.lookup_tokens.labels(tier, "hit", *t)
+                self.bytes_moved.labels(tier, *t)
+            self.lookup_tokens.labels("none", "miss", *t)
+            for o in LOCAL_OUTCOMES:
+                self.local_state.labels(o, *t)
+            if t:
+                self.replay_tokens.labels(*t)
+                self.prefill_avoided.labels(*t)
+                self.prefill_flops_avoided.labels(*t)
+                self.prefill_tokens.labels(*t)
+        for res in REPLAY_RESULTS:
+            self.replays.labels(res)
+        for reason in REPLAY_FAILURES:
+            self.replay_failures.labels(reason)
+        for reason in MISS_REASONS:
+            self.misses.labels(reason)
+        for reason in LOCAL_MISS_REASONS:
+            self.local_misses.labels(reason)
+
+    # --- events ---
+
+    def request(self, rec: RequestRecord) -> None:
+        """One priced Lookup or Resume: its case, tokens by tier, local state, bills and replay."""
+        t = self._t(rec.tenant)
+        b = rec.bills
+        self.requests.labels(rec.method, rec.case, *t).inc()
+        self.lookups.labels(rec.method, "hit" if b.prefill_tokens_avoided else "miss", *t).inc()
+        for tb in b.tiers:
+            if tb.hit_tokens:
+                self.lookup_tokens.labels(tb.tier, "hit", *t).inc(tb.hit_tokens)
+            if rec.moved and tb.bytes:
+                self.bytes_moved.labels(tb.tier, *t).inc(tb.bytes)
+        missed = b.prompt_tokens - b.prefill_tokens_avoided
+        if missed:
+            self.lookup_tokens.labels("none", "miss", *t).inc(missed)
+        if rec.moved and b.local_bytes:
+            self.local_bytes_moved.inc(b.local_bytes)
+        self.local_state.labels(rec.local_outcome, *t).inc()
+        if rec.local_reason:
+            self.local_misses.labels(_label(rec.local_reason, LOCAL_MISS_REASONS)).inc()
+        if rec.miss_reason:
+            self.misses.labels(_label(rec.miss_reason, MISS_REASONS)).inc()
+        self._tc(self.prefill_avoided, t).inc(b.prefill_tokens_avoided)
+        self._tc(self.prefill_flops_avoided, t).inc(b.prefill_flops_avoided)
+        self._tc(self.prefill_tokens, t).inc(b.prefill_tokens)
+        if b.replay_tokens:
+            self._tc(self.replay_tokens, t).inc(b.replay_tokens)
+        if rec.replay is not None:
+            self.replay(rec.replay.seconds, rec.replay.failure)
+
+    def replay(self, seconds: float | None, failure: str | None) -> None:
+        """A replay finished (its tokens are counted with the request's bills); `seconds` None: untimed."""
+        if seconds is not None:
+            self.replay_seconds.observe(max(0.0, seconds))
+        self.replays.labels("ok" if failure is None else "failed").inc()
+        if failure is not None:
+            self.replay_failures.labels(replay_failure(failure)).inc()
+
+    def load(self, tier_bytes: Mapping[str, int], tenant: str = "default") -> None:
+        """Bytes a Load call moved, by the tier each chunk came from."""
+        t = self._t(tenant)
+        for tier, n in tier_bytes.items():
+            if n:
+                self.bytes_moved.labels(_label(tier, TIERS), *t).inc(n)
+
+    def rpc(self, method: str, code: str, seconds: float) -> None:
+        labels = (_label(method, RPC_METHODS), _label(code, RPC_CODES))
+        self.rpc_seconds.labels(*labels).observe(max(0.0, seconds))

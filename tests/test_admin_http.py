@@ -1,0 +1,221 @@
+"""The admin HTTP port: its routes, who sees what (loopback, admin token, tenant token, anonymous),
+clean JSON errors for bad requests, and the config that drives it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from kvstore.admin.http import AdminHttpServer, is_loopback
+from kvstore.admin.server import _tenant_of_token, redact_url
+from kvstore.config import parse_config
+from kvstore.errors import ConfigError
+from tests.test_admin_workload import CHUNK, Rig, small_config, workload
+
+ADMIN = "admin-secret-1234"
+
+
+def get(srv: AdminHttpServer, path: str, token: str | None = None, method: str = "GET",
+        headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    u = urlsplit(srv.url)
+    conn = http.client.HTTPConnection("127.0.0.1", u.port, timeout=10)
+    h = dict(headers or {})
+    if token:
+        h["Authorization"] = f"Bearer {token}"
+    conn.request(method, path, headers=h)
+    r = conn.getresponse()
+    body = r.read()
+    conn.close()
+    return r.status, {k.lower(): v for k, v in r.getheaders()}, body
+
+
+def get_json(srv: AdminHttpServer, path: str, token: str | None = None) -> tuple[int, Any]:
+    status, headers, body = get(srv, path, token)
+    assert headers["content-type"] == "application/json"
+    return status, json.loads(body)
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    r = Rig(tmp_path)
+    workload(r, minutes=5, sessions=6)
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def open_srv(rig: Rig) -> AdminHttpServer:
+    return rig.serve()
+
+
+def test_routes_on_a_loopback_bind_without_a_token(open_srv: AdminHttpServer) -> None:
+    srv = open_srv
+    assert is_loopback(srv.host)
+    status, st = get_json(srv, "/api/stats")
+    assert status == 200 and st["viewer"] == {"admin": True, "tenant": None}
+    assert set(st["tenants"]) >= {"acme", "globex", "default"} and st["recent_requests"]
+    assert st["totals"]["requests"] == sum(t["requests"] for t in st["tenants"].values())
+    assert st["store"]["tiers"]["device"]["capacity_bytes"] == 64 * 1024
+    assert st["policy"]["ttl"]["ttl_seconds"] == 120.0 and st["pool"]["backend"] == "embedded"
+    status, ts = get_json(srv, "/api/timeseries?window=300&step=30")
+    assert status == 200 and ts["step_seconds"] == 30 and 10 <= len(ts["points"]) <= 11
+    assert {"t", "requests", "cases", "hit_tokens", "replay", "tiers", "hbm_byte_seconds"} <= set(ts["points"][-1])
+    rid = st["recent_requests"][0]["request_id"]
+    status, exp = get_json(srv, f"/api/explain/{rid}")
+    assert status == 200 and exp["request_id"] == rid and exp["summary"]
+    status, headers, body = get(srv, "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert b"kvstore_requests_total" in body
+    status, headers, body = get(srv, "/metrics", headers={"Accept": "application/openmetrics-text"})
+    assert headers["content-type"].startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
+    status, _, body = get(srv, "/metrics?name[]=kvstore_requests_total")
+    assert b"kvstore_requests_total" in body and b"kvstore_tier_bytes" not in body
+    status, health = get_json(srv, "/healthz")
+    assert status == 200 and health["status"] == "SERVING"
+    status, headers, body = get(srv, "/dashboard")
+    assert status == 200 and headers["content-type"].startswith("text/html") and b"<svg" in body
+    csp = headers["content-security-policy"]
+    assert "'sha256-" in csp and "default-src 'none'" in csp and "connect-src 'self'" in csp
+    assert headers["x-content-type-options"] == "nosniff" and headers["cache-control"] == "no-store"
+    status, headers, _ = get(srv, "/")
+    assert status == 302 and headers["location"] == "/dashboard"
+    status, headers, body = get(srv, "/metrics", method="HEAD")
+    assert status == 200 and body == b"" and int(headers["content-length"]) > 0
+
+
+@pytest.fixture(scope="module")
+def shared_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AdminHttpServer]:
+    r = Rig(tmp_path_factory.mktemp("shared"))
+    workload(r, minutes=2, sessions=3)
+    yield r.serve()
+    r.close()
+
+
+@pytest.mark.parametrize("path, status, words", [
+    ("/api/timeseries?window=abc", 400, "must be an integer number of seconds in 1..3600, got 'abc'"),
+    ("/api/timeseries?window=0", 400, "must be in 1..3600 seconds, got 0"),
+    ("/api/timeseries?window=99999", 400, "must be in 1..3600 seconds"),
+    ("/api/timeseries?window=60&window=120", 400, "is given 2 times"),
+    ("/api/timeseries?step=-5", 400, "'step' must be in 1..3600"),
+    ("/api/timeseries?windw=60", 400, "unknown query parameter 'windw' (known: window, step)"),
+    ("/api/timeseries?window", 400, "malformed query string"),
+    ("/api/stats?x=1", 400, "unknown query parameter 'x'"),
+    ("/api/explain/bad%20id", 400, "a request id is 1-64 characters"),
+    ("/api/explain/" + "x" * 65, 400, "a request id is 1-64 characters"),
+    ("/api/explain/no-such-request", 404, "no recent request 'no-such-request'"),
+    ("/api/nothing", 404, "no such page: /api/nothing"),
+    ("/nothing", 404, "no such page"),
+])
+def test_bad_requests_get_clean_json_errors(shared_srv: AdminHttpServer, path: str, status: int,
+                                            words: str) -> None:
+    got, doc = get_json(shared_srv, path)
+    assert got == status and doc["error"]["status"] == status
+    assert words in doc["error"]["message"]
+
+
+def test_only_get_and_head(shared_srv: AdminHttpServer) -> None:
+    status, headers, body = get(shared_srv, "/api/stats", method="POST")
+    assert status == 405 and headers["allow"] == "GET, HEAD"
+    assert json.loads(body)["error"]["message"] == "POST is not allowed here"
+
+
+def test_an_admin_token_guards_the_api_and_tenants_see_only_their_own(tmp_path: Path) -> None:
+    cfg = small_config(admin_token=ADMIN)
+    rig = Rig(tmp_path, cfg=cfg)
+    try:
+        workload(rig, minutes=5, sessions=6)
+        srv = rig.serve(tenant_of_token=_tenant_of_token(cfg))
+        for path in ("/api/stats", "/api/timeseries", "/api/explain/req-0001"):
+            status, headers, _ = get(srv, path)
+            assert status == 401 and headers["www-authenticate"].startswith("Bearer")
+            assert get(srv, path, token="wrong-token-123")[0] == 401
+        # The page carries no data: it is served to anyone and asks for the token itself.
+        assert get(srv, "/dashboard")[0] == 200 and get(srv, "/healthz")[0] == 200
+        assert get(srv, "/metrics")[0] == 200  # metrics_require_token is off
+        status, st = get_json(srv, "/api/stats", ADMIN)
+        assert status == 200 and st["viewer"]["admin"] and len(st["tenants"]) >= 3
+        status, mine = get_json(srv, "/api/stats", "acme-token-1234")
+        assert mine["viewer"] == {"admin": False, "tenant": "acme"}
+        assert list(mine["tenants"]) == ["acme"] and list(mine["store"]["tenant_bytes"]) == ["acme"]
+        assert mine["recent_requests"] and {r["tenant"] for r in mine["recent_requests"]} == {"acme"}
+        theirs = next(r["request_id"] for r in st["recent_requests"] if r["tenant"] == "globex")
+        ours = mine["recent_requests"][0]["request_id"]
+        assert get_json(srv, f"/api/explain/{ours}", "acme-token-1234")[0] == 200
+        assert get_json(srv, f"/api/explain/{theirs}", "acme-token-1234")[0] == 404  # not 403: existence hidden
+        assert get_json(srv, f"/api/explain/{theirs}", ADMIN)[0] == 200
+    finally:
+        rig.close()
+
+
+def test_metrics_can_require_the_token(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, cfg=small_config(admin_token=ADMIN, metrics_require_token=True))
+    try:
+        srv = rig.serve()
+        assert get(srv, "/metrics")[0] == 401
+        assert get(srv, "/metrics", ADMIN)[0] == 200
+    finally:
+        rig.close()
+
+
+def test_a_non_loopback_bind_without_a_token_serves_aggregates_only(rig: Rig) -> None:
+    srv = rig.serve(host="0.0.0.0")
+    status, st = get_json(srv, "/api/stats")
+    assert status == 200 and st["viewer"] == {"admin": False, "tenant": None}
+    assert "tenants" not in st and "recent_requests" not in st and "tenant_bytes" not in st["store"]
+    assert st["totals"]["requests"] > 0
+    status, doc = get_json(srv, "/api/explain/req-0001")
+    assert status == 403 and "admin token" in doc["error"]["message"]
+
+
+def test_closing_frees_the_port(rig: Rig) -> None:
+    srv = rig.serve()
+    port = srv.port
+    srv.close()
+    srv.close()  # idempotent
+    with pytest.raises(OSError):
+        http.client.HTTPConnection("127.0.0.1", port, timeout=2).request("GET", "/healthz")
+
+
+def test_admin_config_validation() -> None:
+    ok = parse_config({"admin": {"timeseries_seconds": 600, "timeseries_step_seconds": 5, "explain_requests": 10}})
+    assert ok.admin.timeseries_step_seconds == 5
+    for table, key in (
+        ({"timeseries_step_seconds": 0}, "admin.timeseries_step_seconds"),
+        ({"timeseries_seconds": 600, "timeseries_step_seconds": 61}, "admin.timeseries_step_seconds"),
+        ({"explain_requests": 0}, "admin.explain_requests"),
+        ({"metrics_require_token": "yes"}, "admin.metrics_require_token"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            parse_config({"admin": table})
+        assert e.value.key == key
+
+
+def test_redact_url() -> None:
+    assert redact_url("redis://:hunter2@cache:6379/0") == "redis://***@cache:6379/0"
+    assert redact_url("rediss://user:pw@h/1") == "rediss://***@h/1"
+    assert redact_url("embedded") == "embedded"
+    assert redact_url("redis://cache:6379") == "redis://cache:6379"
+
+
+def test_policy_shows_tenant_ttl_overrides(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from kvstore.admin.server import policy_doc
+    from kvstore.config import TenantConfig
+
+    cfg = small_config()
+    slow = TenantConfig(tokens=("slow-token-1234",), local_ttl_seconds=900)
+    cfg = replace(cfg, tenants={**cfg.tenants, "slow": slow})
+    assert policy_doc(cfg)["ttl"]["tenant_ttl_seconds"] == {"slow": 900}
+
+
+def test_request_ids_in_urls_are_unquoted(open_srv: AdminHttpServer, rig: Rig) -> None:
+    rid = rig.request("acme", rig.tokens(2 * CHUNK))
+    status, doc = get_json(open_srv, "/api/explain/" + rid.replace("-", "%2D"))
+    assert status == 200 and doc["request_id"] == rid

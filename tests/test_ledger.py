@@ -1,0 +1,184 @@
+"""The three-bills ledger: pricing one request, sums per tenant and over time, byte-seconds integrated
+with an injected clock, the rolling time series, and bounded memory."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvstore.layout import get_model
+from kvstore.ledger import (
+    OTHER_TENANT,
+    Bills,
+    LatencyHistogram,
+    Ledger,
+    Occupancy,
+    ReplayResult,
+    RequestRecord,
+    occupancy_from_stats,
+    price_request,
+)
+from tests.test_admin_workload import FakeClock
+
+FLOPS = get_model("deepseek-v4.1-flash").prefill_flops_per_token
+CHUNK_BYTES = 128 * 890
+
+
+def bills(hit: list[str], prompt: int = 1000, replay: int = 0, moved: list[str] | None = None) -> Bills:
+    return price_request(prompt_tokens=prompt, chunk_tokens=128, chunk_bytes=CHUNK_BYTES, hit_tiers=hit,
+                         flops_per_token=FLOPS, replay_tokens=replay, local_bytes=1_351_680 if hit else 0,
+                         moved_tiers=moved)
+
+
+def rec(tenant: str, case: str, b: Bills, method: str = "resume", replay: ReplayResult | None = None,
+        rid: str = "r") -> RequestRecord:
+    local = {"cold": "absent", "warm": "hit", "expired": "replayed" if replay else "expired"}[case]
+    return RequestRecord(rid, method, tenant, "deepseek-v4.1-flash", case, local, b, replay)  # type: ignore[arg-type]
+
+
+def test_price_request_mirrors_the_proto_bills() -> None:
+    b = bills(["device", "dram", "dram", "lmdb"], prompt=600, replay=128, moved=["device", "dram"])
+    assert b.prefill_tokens_avoided == 512 and b.prefill_tokens == 88
+    assert b.prefill_flops_avoided == 512 * FLOPS == 512 * 16e9
+    assert b.replay_flops == 128 * FLOPS
+    assert [t.tier for t in b.tiers] == ["device", "dram", "lmdb"]
+    assert (b.tier("dram").hit_tokens, b.tier("dram").hit_chunks) == (256, 2)
+    # `moved` prices what actually moved (a Resume streamed the first two chunks only).
+    assert (b.tier("device").bytes, b.tier("dram").bytes, b.tier("lmdb").bytes) == (CHUNK_BYTES, CHUNK_BYTES, 0)
+    assert bills(["lmdb"]).tier("lmdb").bytes == CHUNK_BYTES  # a Lookup: what a load would move
+    assert b.with_replay(0, FLOPS).replay_flops == 0
+    with pytest.raises(AssertionError):
+        price_request(prompt_tokens=10, chunk_tokens=128, chunk_bytes=1, hit_tiers=["dram"], flops_per_token=1)
+
+
+def test_sums_per_tenant_and_in_total() -> None:
+    clock = FakeClock()
+    led = Ledger(clock=clock, wall_clock=clock.wall)
+    led.record(rec("acme", "cold", bills([], prompt=1000), method="lookup"))
+    led.record(rec("acme", "warm", bills(["device"] * 4, prompt=1000)))
+    led.record(rec("globex", "expired", bills(["lmdb"] * 2, prompt=300, replay=128),
+                   replay=ReplayResult(0.05, 128)))
+    t = led.totals()
+    assert t["requests"] == 3 and t["cases"] == {"cold": 1, "warm": 1, "expired": 1}
+    assert t["prefill_tokens_avoided"] == 768 and t["prefill_flops_avoided"] == 768 * FLOPS
+    assert t["miss_tokens"] == 1000 + 488 + 44 and t["prompt_tokens"] == 2300
+    assert t["hit_tokens"] == {"device": 512, "dram": 0, "lmdb": 256}
+    assert t["replay"]["count"] == 1 and t["replay"]["tokens"] == 128 and t["replay"]["flops"] == 128 * FLOPS
+    # Bytes moved count only what moved: the cold Lookup's bills move nothing.
+    assert t["bytes_moved"] == {"device": 4 * CHUNK_BYTES, "dram": 0, "lmdb": 2 * CHUNK_BYTES}
+    ten = led.tenants()
+    assert set(ten) == {"acme", "globex"}
+    assert ten["acme"]["cases"] == {"cold": 1, "warm": 1, "expired": 0}
+    assert ten["globex"]["replay"]["tokens"] == 128
+    assert [r["request_id"] for r in led.recent(tenant="globex")] == ["r"]
+
+
+def test_hbm_and_persistent_byte_seconds_integrate_occupancy_over_time() -> None:
+    clock = FakeClock()
+    occ = {"v": Occupancy({"device": 1000, "dram": 0, "lmdb": 5000}, {"device": 10_000, "dram": 0, "lmdb": 1 << 20},
+                          {"acme": {"device": 600, "lmdb": 5000}, "globex": {"device": 400}})}
+    led = Ledger(clock=clock, wall_clock=clock.wall, occupancy=lambda: occ["v"], step_seconds=10)
+    led.sample()
+    clock.advance(30)  # 1000 B on device for 30 s
+    occ["v"] = Occupancy({"device": 3000, "lmdb": 5000}, {"device": 10_000, "lmdb": 1 << 20},
+                         {"acme": {"device": 3000, "lmdb": 5000}})
+    led.sample()
+    clock.advance(5)  # then 3000 B for 5 s
+    t = led.totals()
+    assert t["hbm_byte_seconds"] == pytest.approx(1000 * 30 + 3000 * 5)
+    assert t["persistent_byte_seconds"]["lmdb"] == pytest.approx(5000 * 35)
+    assert t["hbm_bytes"] == 3000 and t["persistent_bytes_held"] == {"dram": 0, "lmdb": 5000}
+    ten = led.tenants()
+    assert ten["acme"]["hbm_byte_seconds"] == pytest.approx(600 * 30 + 3000 * 5)
+    assert ten["globex"]["hbm_byte_seconds"] == pytest.approx(400 * 30)
+    assert ten["acme"]["bytes_held"]["lmdb"] == 5000
+    # The time series carries the same integral, split across its steps.
+    ts = led.timeseries(60)
+    assert sum(p["hbm_byte_seconds"] for p in ts["points"]) == pytest.approx(1000 * 30 + 3000 * 5)
+    assert led.byte_seconds()["device"] == pytest.approx(1000 * 30 + 3000 * 5)
+
+
+def test_timeseries_points_steps_and_merging() -> None:
+    clock = FakeClock(start=1000.0)
+    led = Ledger(clock=clock, wall_clock=clock.wall, step_seconds=10, window_seconds=600)
+    for i in range(30):  # one request every 10 s for 300 s, replay latency growing
+        led.record(rec("acme", "expired", bills(["dram"], prompt=200, replay=64),
+                       replay=ReplayResult(0.01 * (i + 1), 64)))
+        clock.advance(10)
+    ts = led.timeseries(300)
+    assert ts["step_seconds"] == 10 and len(ts["points"]) == 30
+    assert sum(p["requests"] for p in ts["points"]) == 29  # the oldest fell out of the 300 s window
+    assert all(p["t"] <= clock.wall() for p in ts["points"])
+    coarse = led.timeseries(300, step_seconds=60)
+    assert coarse["step_seconds"] == 60
+    # Coarse points are aligned to whole minutes: the window starts at the minute boundary.
+    first_minute = math.floor(clock.t / 60) - 4
+    expected = sum(1 for i in range(30) if 1000 + 10 * i >= first_minute * 60)
+    assert sum(p["requests"] for p in coarse["points"]) == expected
+    full = [p for p in coarse["points"] if p["requests"] == 6]
+    assert full, "a minute holds six requests"
+    # Percentiles of merged steps are percentiles of the merged samples, not averages of them.
+    p = full[-1]["replay"]
+    assert p["p50"] is not None and p["p99"] is not None and p["p50"] < p["p99"]
+    assert led.timeseries(10_000)["window_seconds"] == 600  # clamped to what is kept
+
+
+def test_memory_is_bounded() -> None:
+    clock = FakeClock()
+    led = Ledger(clock=clock, wall_clock=clock.wall, step_seconds=1, window_seconds=60, max_tenants=5,
+                 recent_requests=7,
+                 occupancy=lambda: Occupancy({"device": 1}, {"device": 2}))
+    for i in range(500):
+        led.record(rec(f"tenant-{i}", "cold", bills([], prompt=10), rid=f"r{i}"))
+        led.sample()
+        clock.advance(1.7)
+    assert len(led._buckets) <= 61
+    assert len(led.tenants()) <= 6 and OTHER_TENANT in led.tenants()
+    assert len(led.recent(100)) == 7 and led.recent(1)[0]["request_id"] == "r499"
+    clock.advance(10_000)  # a long silence integrates without creating unbounded buckets
+    led.sample()
+    assert len(led._buckets) <= 61
+
+
+def test_latency_histogram_percentiles() -> None:
+    h = LatencyHistogram()
+    assert h.quantile(0.5) is None
+    for ms in range(1, 101):
+        h.add(ms / 1000)
+    assert h.quantile(0.5) == pytest.approx(0.05, rel=0.2)
+    assert h.quantile(0.99) == pytest.approx(0.1, rel=0.2)
+    h.add(1e6)  # beyond the last bin: clamped, never an error
+    assert math.isfinite(h.quantile(1.0) or 0)
+
+
+def test_occupancy_from_the_store_stats_shape() -> None:
+    class T:
+        def __init__(self, used: int, cap: int) -> None:
+            self.used_bytes, self.capacity_bytes = used, cap
+
+    class S:
+        def __init__(self) -> None:
+            self.tiers = {"device": T(1, 2), "lmdb": T(3, 4)}
+            self.tenant_bytes = {"acme": {"lmdb": 3}}
+            self.evictions_by_reason = {"device:capacity": 5}
+
+    occ = occupancy_from_stats(S())
+    assert occ.used_bytes == {"device": 1, "lmdb": 3} and occ.capacity_bytes["lmdb"] == 4
+    assert occ.evictions == {"device:capacity": 5} and occ.tenant_bytes == {"acme": {"lmdb": 3}}
+
+
+def test_evictions_are_diffed_per_step_and_a_counter_reset_is_not_negative() -> None:
+    clock = FakeClock()
+    ev = {"device:capacity": 10}
+    led = Ledger(clock=clock, wall_clock=clock.wall, step_seconds=10,
+                 occupancy=lambda: Occupancy({"device": 0}, {"device": 1}, evictions=dict(ev)))
+    led.sample()
+    clock.advance(10)
+    ev["device:capacity"] = 14
+    led.sample()
+    clock.advance(10)
+    ev["device:capacity"] = 2  # the store was reopened: its counters restarted
+    led.sample()
+    assert led.totals()["evictions"] == {"device:capacity": 14}
+    assert [p["evictions"].get("device:capacity", 0) for p in led.timeseries(30)["points"]][-2] == 4

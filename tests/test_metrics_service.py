@@ -1,0 +1,244 @@
+"""Metrics through the real service: a gRPC server on port 0, its admin port on port 0, the Python
+client, LMDB in a temp dir, the embedded pool or a real Redis. Each case (cold, warm, expired,
+eviction, a corrupt entry, the pool down) is driven through the client and read back from a live
+`/metrics` scrape."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore.client import KvstoreClient
+from kvstore.config import KvstoreConfig, LocalPoolConfig, StoreConfig
+from kvstore.keys import Namespace
+from kvstore.service.app import App, build_app
+from kvstore.service.replay_port import ReplayOutcome
+from kvstore.service.server import KvstoreServer
+from kvstore.tiers.factory import LMDB_SUBDIR
+from tests.test_admin_workload import FakeClock
+from tests.test_metrics import assert_valid_exposition
+
+MODEL = "reference-toy-8"
+CHUNK = 16
+MiB = 1 << 20
+
+
+def config(**store: Any) -> KvstoreConfig:
+    base: dict[str, Any] = dict(device="cpu", chunk_tokens=CHUNK, device_capacity_bytes=1 * MiB,
+                                dram_capacity_bytes=2 * MiB, lmdb_capacity_bytes=16 * MiB, page_bytes=4096,
+                                compression="none", lmdb_durability="async")
+    base.update(store)
+    return KvstoreConfig(store=StoreConfig(**base))
+
+
+class StandInCoordinator:
+    """Rebuilds local state instantly with a snapshot of the right size (the real coordinator is
+    in `replay/`; here only how its outcome is observed matters)."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+
+    def resume_local(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int,
+                     deadline_seconds: float) -> ReplayOutcome:
+        layout = self.app.store.layout(ns)
+        n = min(layout.local.window_tokens, hit_tokens)
+        return ReplayOutcome(bytes(layout.local_snapshot_bytes), n, "replayed")
+
+    def queue_depth(self) -> int:
+        return 0  # it never queues
+
+
+@dataclass
+class Running:
+    app: App
+    server: KvstoreServer
+    client: KvstoreClient
+    clock: FakeClock
+
+    def scrape(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        assert self.server.admin is not None
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.server.admin.port}/metrics", timeout=10).read().decode()
+        self.text = text
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.scrape().get((name, frozenset(labels.items())), 0.0)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.server.stop(0)
+        self.app.close()
+
+
+def start(tmp: Path, cfg: KvstoreConfig, clock: FakeClock | None = None, replay: bool = True) -> Running:
+    clock = clock or FakeClock()
+    app = build_app(cfg, tmp, clock=clock, coordinator_factory=StandInCoordinator if replay else None)
+    server = KvstoreServer(app, "127.0.0.1", 0, 0).start()
+    client = KvstoreClient(f"127.0.0.1:{server.port}", timeout_seconds=20)
+    return Running(app, server, client, clock)
+
+
+@pytest.fixture
+def svc(tmp_path: Path) -> Iterator[Running]:
+    r = start(tmp_path, config())
+    yield r
+    r.stop()
+
+
+def prompt(seed: int, chunks: int, extra: int = 3) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 512, chunks * CHUNK + extra).astype("<u4")
+
+
+def store(r: Running, tokens: np.ndarray, local: bool = True) -> None:
+    lay = r.app.store.layout(r.app.store.namespace("default", MODEL, "bounded"))
+    full = len(tokens) // CHUNK
+    r.client.store(MODEL, tokens, [bytes([i % 251]) * lay.chunk_bytes for i in range(full)])
+    if local:
+        res = r.client.store_local(MODEL, tokens[: full * CHUNK], bytes(lay.local_snapshot_bytes))
+        assert res.stored
+
+
+def test_cold_warm_and_expired_move_their_counters(svc: Running) -> None:
+    toks = prompt(1, 5)
+    before = svc.scrape()
+    assert svc.client.resume(MODEL, toks).case == "cold"
+    assert svc.metric("kvstore_requests_total", method="resume", case="cold") == 1
+    assert svc.metric("kvstore_lookup_tokens_total", tier="none", result="miss") >= len(toks)
+    assert svc.metric("kvstore_local_state_total", outcome="absent") >= 1
+
+    store(svc, toks)
+    warm = svc.client.resume(MODEL, toks)
+    assert warm.case == "warm" and warm.local_state == "hit"
+    hit = sum(svc.metric("kvstore_lookup_tokens_total", tier=t, result="hit") for t in ("device", "dram", "lmdb"))
+    assert hit == 5 * CHUNK
+    assert svc.metric("kvstore_requests_total", method="resume", case="warm") == 1
+    assert svc.metric("kvstore_local_state_total", outcome="hit") == 1
+    assert svc.metric("kvstore_prefill_tokens_avoided_total") == 5 * CHUNK
+    moved = sum(svc.metric("kvstore_bytes_moved_total", tier=t) for t in ("device", "dram", "lmdb"))
+    assert moved == 5 * warm.chunk_bytes
+    assert svc.metric("kvstore_local_bytes_moved_total") == len(warm.snapshot or b"")
+
+    # The local snapshot outlives its TTL (the pool's clock is the app's): expired, and replayed.
+    svc.clock.advance(svc.app.config.local_pool.ttl.ttl_seconds + 1)
+    exp = svc.client.resume(MODEL, toks)
+    assert exp.case == "expired" and exp.local_state == "replayed"
+    assert svc.metric("kvstore_requests_total", method="resume", case="expired") == 1
+    assert svc.metric("kvstore_local_state_total", outcome="replayed") == 1
+    assert svc.metric("kvstore_replays_total", result="ok") == 1
+    assert svc.metric("kvstore_replay_tokens_total") == exp.replay_tokens == 5 * CHUNK
+    assert svc.metric("kvstore_rpc_seconds_count", method="Resume", code="OK") == 3
+    assert svc.metric("kvstore_rpc_seconds_count", method="Store", code="OK") == 1
+    assert before[("kvstore_requests_total", frozenset({("method", "resume"), ("case", "cold")}))] == 0
+    assert_valid_exposition(svc.text)
+
+
+def test_a_lookup_counts_without_moving_bytes_and_bad_input_counts_its_code(svc: Running) -> None:
+    toks = prompt(2, 3)
+    store(svc, toks, local=False)
+    look = svc.client.lookup(MODEL, toks)
+    assert look.hit_tokens == 3 * CHUNK and look.local_state == "expired"
+    assert svc.metric("kvstore_requests_total", method="lookup", case="expired") == 1
+    assert sum(svc.metric("kvstore_bytes_moved_total", tier=t) for t in ("device", "dram", "lmdb")) == 0
+    with pytest.raises(Exception, match="INVALID_ARGUMENT"):
+        svc.client.lookup("no-such-model", toks)
+    assert svc.metric("kvstore_rpc_seconds_count", method="Lookup", code="INVALID_ARGUMENT") == 1
+
+
+def test_eviction_under_pressure(tmp_path: Path) -> None:
+    r = start(tmp_path, config(device_capacity_bytes=64 * 1024, dram_capacity_bytes=128 * 1024))
+    try:
+        for seed in range(12):
+            store(r, prompt(100 + seed, 6), local=False)
+        dev = r.metric("kvstore_evictions_total", tier="device", reason="capacity")
+        dram = r.metric("kvstore_evictions_total", tier="dram", reason="capacity")
+        st = r.app.store.stats()
+        assert dev > 0 and dram > 0
+        assert dev + dram == sum(st.evictions_by_reason.values())
+        assert r.metric("kvstore_tier_demotions_total", tier="dram") > 0
+        assert r.metric("kvstore_tier_bytes", tier="device") <= 64 * 1024
+        assert r.metric("kvstore_tier_capacity_bytes", tier="device") == 64 * 1024
+        # The oldest prompts now come from the SSD tier, and the metrics say so.
+        r.client.resume(MODEL, prompt(100, 6))
+        assert r.metric("kvstore_lookup_tokens_total", tier="lmdb", result="hit") > 0
+    finally:
+        r.stop()
+
+
+def test_a_corrupt_entry_is_counted(tmp_path: Path) -> None:
+    cfg = config(device_capacity_bytes=0, dram_capacity_bytes=0, promote_on_hit=False)
+    toks = prompt(3, 4)
+    r = start(tmp_path, cfg)
+    store(r, toks, local=False)
+    r.stop()
+    # Flip a payload bit in every stored chunk value while the service is down.
+    env = lmdb.open(str(tmp_path / LMDB_SUBDIR), max_dbs=4, subdir=True)
+    db = env.open_db(b"chunks")
+    with env.begin(write=True, db=db) as txn:
+        for k, v in list(txn.cursor()):
+            b = bytearray(v)
+            b[-100] ^= 0x10
+            txn.put(k, bytes(b))
+    env.close()
+    r = start(tmp_path, cfg)
+    try:
+        assert r.client.lookup(MODEL, toks).hit_tokens == 4 * CHUNK  # restart-warm: the index is the database
+        res = r.client.resume(MODEL, toks)
+        assert res.hit_tokens == 0  # the first chunk failed verification: the stream ended before it
+        assert r.metric("kvstore_corrupt_reads_total") >= 1
+        assert r.metric("kvstore_tier_corrupt_total", tier="lmdb") >= 1
+        assert r.client.lookup(MODEL, toks).hit_tokens == 0
+    finally:
+        r.stop()
+
+
+def test_pool_down_is_a_local_miss_that_the_metrics_show(tmp_path: Path, redis_server: Any) -> None:
+    cfg = config()
+    cfg = replace(cfg, local_pool=LocalPoolConfig(url=redis_server.url, breaker_failures=2, breaker_reset_seconds=60,
+                                                  socket_timeout_seconds=0.2, connect_timeout_seconds=0.2, retries=0))
+    r = start(tmp_path, cfg)
+    try:
+        toks = prompt(4, 3)
+        store(r, toks)
+        assert r.client.resume(MODEL, toks).local_state == "hit"
+        assert r.metric("kvstore_pool_up") == 1
+        redis_server.kill()
+        for _ in range(3):
+            res = r.client.resume(MODEL, toks)
+            assert res.case == "expired"  # never an error to the engine
+        assert r.metric("kvstore_pool_up") == 0
+        assert r.metric("kvstore_pool_errors_total") >= 2
+        assert r.metric("kvstore_pool_breaker_state", state="open") == 1
+        assert r.metric("kvstore_pool_misses_total", reason="breaker-open") >= 1
+        assert r.metric("kvstore_requests_total", method="resume", case="expired") == 3
+        assert r.metric("kvstore_rpc_seconds_count", method="Resume", code="OK") == 4
+    finally:
+        r.stop()
+
+
+def test_admin_endpoints_of_the_real_service(svc: Running) -> None:
+    toks = prompt(5, 4)
+    store(svc, toks)
+    svc.client.resume(MODEL, toks)
+    assert svc.server.admin is not None
+    base = f"http://127.0.0.1:{svc.server.admin.port}"
+    import json
+
+    st = json.load(urllib.request.urlopen(base + "/api/stats", timeout=10))
+    assert st["totals"]["cases"]["warm"] == 1 and st["viewer"]["admin"] is True
+    assert st["store"]["tiers"]["lmdb"]["used_bytes"] > 0 and st["pool"]["backend"] == "embedded"
+    assert st["policy"]["ttl"]["kind"] == "fixed" and st["replay"]["coordinator"] is True
+    ts = json.load(urllib.request.urlopen(base + "/api/timeseries?window=120", timeout=10))
+    assert sum(p["requests"] for p in ts["points"]) == st["totals"]["requests"]
+    health = json.load(urllib.request.urlopen(base + "/healthz", timeout=10))
+    assert health["status"] == "SERVING"
+    page = urllib.request.urlopen(base + "/dashboard", timeout=10).read()
+    assert b"cache-hit analytics" in page
