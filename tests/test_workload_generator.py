@@ -1,0 +1,104 @@
+"""The workload generator: deterministic from its seed, prefix-consistent, shaped as specified."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.errors import InvalidInput
+from kvstore.trace import TraceRecord, read_trace
+from kvstore.workload.generator import Workload, WorkloadSpec, generate, tenant_sizes
+from kvstore.workload.thinktime import ThinkTime
+from kvstore.workload.tracing import planned_trace, write_trace
+
+SPEC = WorkloadSpec(sessions=40, turns=6, context_tokens=20_000, system_tokens=2_048, output_tokens=200,
+                    tenants=3, concurrency=10, seed=7)
+
+
+def test_same_seed_same_requests_and_tokens() -> None:
+    a, b = generate(SPEC), generate(SPEC)
+    assert a == b
+    assert a.planned_requests() == b.planned_requests()
+    s = a.sessions[5]
+    np.testing.assert_array_equal(a.context_token_ids(s, 129_280), b.context_token_ids(b.sessions[5], 129_280))
+
+
+def test_different_seed_different_requests_and_tokens() -> None:
+    a = generate(SPEC)
+    b = generate(WorkloadSpec(**{**SPEC.__dict__, "seed": 8}))
+    assert a.sessions != b.sessions
+    assert [r.time_seconds for r in a.planned_requests()] != [r.time_seconds for r in b.planned_requests()]
+    assert not np.array_equal(a.context_token_ids(a.sessions[0], 512), b.context_token_ids(b.sessions[0], 512))
+
+
+def test_turns_grow_a_prefix_to_the_context_length() -> None:
+    w = generate(SPEC)
+    for s in w.sessions:
+        prompt = s.system_tokens
+        for t in s.turns:
+            assert t.tool_tokens >= 0 and t.user_tokens >= 0 and t.new_tokens >= 1
+            prompt += t.new_tokens
+            assert t.prompt_tokens == prompt
+            prompt += t.output_tokens
+        assert s.turns[-1].prompt_tokens == SPEC.context_tokens  # exactly, by construction
+        assert s.turns[0].think_seconds == 0.0 and all(t.think_seconds > 0 for t in s.turns[1:])
+    s = w.sessions[3]
+    ctx = w.context_token_ids(s, 512)
+    assert ctx.shape == (s.turns[-1].context_after_tokens,)
+    for k in range(len(s.turns)):  # each prompt is a prefix of the whole context
+        np.testing.assert_array_equal(w.prompt_token_ids(s, k, 512), ctx[: s.turns[k].prompt_tokens])
+    other = next(o for o in w.sessions if o.tenant == s.tenant and o.index != s.index)
+    np.testing.assert_array_equal(w.context_token_ids(other, 512)[: SPEC.system_tokens], ctx[: SPEC.system_tokens])
+
+
+def test_tenants_have_zipf_sizes_and_slots_bound_concurrency() -> None:
+    assert tenant_sizes(SPEC) == [21, 11, 8]  # 37 spare sessions split 1 : 1/2 : 1/3, plus one each
+    w = generate(SPEC)
+    counts = [sum(1 for s in w.sessions if s.tenant_index == i) for i in range(3)]
+    assert counts == tenant_sizes(SPEC)
+    slots = w.sessions_by_slot()
+    assert len(slots) == 10 and all(len(slot) == 4 for slot in slots)
+    assert all(slot[0].first_in_slot and not any(s.first_in_slot for s in slot[1:]) for slot in slots)
+    times = [r.time_seconds for r in w.planned_requests()]
+    assert times == sorted(times) and len(times) == w.requests == 40 * 6
+
+
+def test_think_time_mixture_straddles_the_ttl() -> None:
+    think = ThinkTime.parse("0.6*lognormal(4,0.8)+0.4*lognormal(200,1.0)")
+    gaps = think.sample(np.random.default_rng(0), 200_000)
+    for ttl in (30.0, 300.0, 1000.0):
+        assert float(np.mean(gaps > ttl)) == pytest.approx(think.fraction_above(ttl), abs=0.005)
+    assert 0.05 < think.fraction_above(300.0) < 0.3  # some returns expire, most do not
+    assert ThinkTime.parse("fixed(5)").describe() == "1*fixed(5)"
+    for bad in ("", "lognormal(1)", "2*nope(3)", "uniform(5,1)", "-1*fixed(2)"):
+        with pytest.raises(InvalidInput):
+            ThinkTime.parse(bad)
+
+
+def test_bad_specs_fail_fast() -> None:
+    with pytest.raises(InvalidInput, match="no room"):
+        WorkloadSpec(sessions=1, turns=10, context_tokens=1000, system_tokens=900, tenants=1)
+    with pytest.raises(InvalidInput, match="tenants"):
+        WorkloadSpec(sessions=2, tenants=3)
+
+
+def test_plan_writes_the_trace_format(tmp_path: Path) -> None:
+    w = generate(SPEC)
+    records = planned_trace(w, ttl_seconds=300.0, chunk_tokens=128, snapshot_bytes=1_351_680, replay_tokens=128)
+    assert len(records) == w.requests
+    n = write_trace(records, tmp_path / "plan.jsonl")
+    back = list(read_trace(tmp_path / "plan.jsonl"))
+    assert n == len(back) == w.requests and back == records
+    first = [r for r in back if r.local_outcome == "absent"]
+    assert len(first) == SPEC.sessions  # every first turn hits its tenant's system prompt
+    gaps = {(s.name, t.turn): t.think_seconds for s in w.sessions for t in s.turns}
+    for r in back:
+        if r.local_outcome in ("hit", "replayed"):
+            assert (r.local_outcome == "hit") == (gaps[(r.session, _turn(w, r))] <= 300.0)
+
+
+def _turn(w: Workload, r: TraceRecord) -> int:
+    s = next(s for s in w.sessions if s.name == r.session)
+    return next(t.turn for t in s.turns if t.prompt_tokens == r.prefix_tokens)
