@@ -1,0 +1,144 @@
+"""`kvstore bench replay`: time to first token of cold, warm and expired requests, end to end.
+
+For each prefix length (4,096 and 32,768 tokens by default) the reference model plays the engine
+against the embedded service, exactly as the demo does (`kvstore/demo.py`):
+- cold: a prompt of prefix + a short new turn, nothing cached: the whole prompt is prefilled; the
+  engine then stores the prefix's chunks and the local snapshot at its end;
+- warm: the same prefix with another new turn: chunks and snapshot load, the turn is prefilled;
+- expired: the service's clock is moved past the local TTL first, so the snapshot is gone and
+  the coordinator replays the last W prefix tokens before the turn is prefilled.
+Time to first token runs from sending Resume to knowing the first token. Warm and expired are
+repeated and reported as medians; a short warm-up session runs first so that one-off costs
+(kernel selection, model loading) are not charged to any case. Progress goes to stderr.
+
+Target (from the issue): at 32,768 tokens, expired <= 0.1 x cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # grpc and the demo load only when the benchmark runs
+    from kvstore.demo import EmbeddedService, Engine, Turn
+
+TARGET_PREFIX = 32768
+TARGET_RATIO = 0.1
+
+
+def add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefixes", default="4096,32768", metavar="N,N",
+                   help="prefix lengths in tokens, multiples of 128 (4096,32768)")
+    p.add_argument("--turn-tokens", type=int, default=64, metavar="N", help="new tokens after the prefix (64)")
+    p.add_argument("--repeats", type=int, default=5, metavar="N", help="warm and expired requests per prefix (5)")
+    p.add_argument("--replay-mode", default="bounded", choices=("bounded", "exact"))
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _say(line: str) -> None:
+    print(f"bench replay: {line}", file=sys.stderr, flush=True)
+
+
+def _summary(turns: list[Turn]) -> dict[str, Any]:
+    return {
+        "ttft_ms": round(statistics.median(t.ttft_ms for t in turns), 3),
+        "ttft_ms_min": round(min(t.ttft_ms for t in turns), 3),
+        "resume_ms": round(statistics.median(t.resume_ms for t in turns), 3),
+        "prefill_ms": round(statistics.median(t.prefill_ms for t in turns), 3),
+        "prefill_tokens": turns[0].prefill_tokens,
+        "replay_tokens": turns[0].resume.replay_tokens,
+        "local_state": turns[0].resume.local_state,
+        "samples": len(turns),
+    }
+
+
+class _Bench:
+    def __init__(self, svc: EmbeddedService, engine: Engine, turn_tokens: int, seed: int) -> None:
+        self.svc = svc
+        self.engine = engine
+        self.turn_tokens = turn_tokens
+        self.rng = np.random.default_rng(seed)
+        self.ttl = 0.0
+
+    def _turn(self) -> np.ndarray:
+        return self.rng.integers(0, self.engine.model.cfg.vocab_size, self.turn_tokens).astype("<u4")
+
+    def run_prefix(self, n: int, repeats: int, label: str = "") -> dict[str, list[Turn]]:
+        e = self.engine
+        prefix = self.rng.integers(0, e.model.cfg.vocab_size, n).astype("<u4")
+        out: dict[str, list[Turn]] = {"cold": [], "warm": [], "expired": []}
+        prompt = np.concatenate([prefix, self._turn()])
+        cold = e.request(prompt)
+        self.ttl = max(self.ttl, e.store(prompt, cold))
+        out["cold"].append(cold)
+        if label:
+            _say(f"{label} cold: {cold.ttft_ms:,.1f} ms ({cold.prefill_tokens:,} tokens prefilled)")
+        for _ in range(repeats):
+            t = e.request(np.concatenate([prefix, self._turn()]))
+            assert t.resume.local_state == "hit", t.resume.local_state
+            out["warm"].append(t)
+        if label:
+            _say(f"{label} warm: {statistics.median(t.ttft_ms for t in out['warm']):,.1f} ms (median)")
+        for _ in range(repeats):
+            self.svc.clock.advance(self.ttl + 1.0)  # the snapshot (and any replayed one) expires
+            t = e.request(np.concatenate([prefix, self._turn()]))
+            assert t.resume.local_state == "replayed", (t.resume.local_state, t.resume.replay_status)
+            out["expired"].append(t)
+        if label:
+            _say(f"{label} expired: {statistics.median(t.ttft_ms for t in out['expired']):,.1f} ms (median, "
+                 f"{out['expired'][0].resume.replay_tokens} tokens replayed)")
+        return out
+
+
+def run_replay_bench(args: argparse.Namespace) -> dict[str, Any]:
+    prefixes = [int(x) for x in str(args.prefixes).split(",") if x.strip()]
+    if not prefixes or any(p <= 0 or p % 128 for p in prefixes):
+        raise SystemExit("bench replay: --prefixes must be positive multiples of 128")
+    if args.turn_tokens < 1 or args.repeats < 1:
+        raise SystemExit("bench replay: --turn-tokens and --repeats must be >= 1")
+    from kvstore.client import KvstoreClient
+    from kvstore.demo import MODEL, Engine, embedded_service, load_engine_model
+
+    result: dict[str, Any] = {"model": MODEL, "replay_mode": args.replay_mode, "turn_tokens": args.turn_tokens,
+                              "repeats": args.repeats, "prefixes": {}}
+    with embedded_service(None, args.replay_mode, args.device) as svc, \
+            KvstoreClient(svc.address, timeout_seconds=600.0) as client:
+        client.wait_ready(10.0)
+        _say("loading the reference model")
+        model = load_engine_model(client.lookup(MODEL, np.zeros(0, dtype="<u4")).chunk_tokens, args.device)
+        result["device"] = str(model.device)
+        bench = _Bench(svc, Engine(model, client, MODEL, args.replay_mode), args.turn_tokens, args.seed)
+        _say("warm-up session (not recorded)")
+        bench.run_prefix(512, 1)
+        for n in prefixes:
+            _say(f"prefix {n:,} tokens")
+            turns = bench.run_prefix(n, args.repeats, label=f"  {n:,}")
+            row = {case: _summary(ts) for case, ts in turns.items()}
+            cold_ms = row["cold"]["ttft_ms"]
+            row["warm_over_cold"] = round(row["warm"]["ttft_ms"] / cold_ms, 4)
+            row["expired_over_cold"] = round(row["expired"]["ttft_ms"] / cold_ms, 4)
+            result["prefixes"][str(n)] = row
+        result["local_ttl_seconds"] = bench.ttl
+    targets = []
+    at = result["prefixes"].get(str(TARGET_PREFIX))
+    if at is not None:
+        ratio = at["expired_over_cold"]
+        targets.append({"name": f"expired / cold time to first token at {TARGET_PREFIX:,} tokens", "value": ratio,
+                        "target": f"<= {TARGET_RATIO}", "ok": ratio <= TARGET_RATIO})
+    result["targets"] = targets
+    _table(result)
+    return result
+
+
+def _table(result: dict[str, Any]) -> None:
+    _say(f"time to first token on {result.get('device', '?')} ({result['replay_mode']} replay, "
+         f"{result['turn_tokens']} new tokens per request)")
+    _say(f"  {'prefix':>8} {'cold ms':>12} {'warm ms':>10} {'expired ms':>11} {'expired/cold':>13}")
+    for n, row in result["prefixes"].items():
+        _say(f"  {int(n):>8,} {row['cold']['ttft_ms']:>12,.1f} {row['warm']['ttft_ms']:>10,.1f} "
+             f"{row['expired']['ttft_ms']:>11,.1f} {row['expired_over_cold']:>13.3f}")

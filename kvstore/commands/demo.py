@@ -1,0 +1,133 @@
+"""`kvstore demo [--json] [--target ADDR]`: play one agent session through the service and show
+what the cold, warm and expired requests cost (see `kvstore/demo.py` for what happens).
+
+Human output: what the three cases mean, progress, a table per case as it finishes, and a side
+by side summary. `--json`: the report as JSON on stdout, progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the demo module loads grpc; `kvstore --help` should not
+    from kvstore.demo import CaseReport, DemoReport
+
+INTRO = """\
+kvstore demo: one agent session, three requests, through the real gRPC service and client.
+  cold     the first request: nothing is cached, so the engine prefills every token, then stores
+           the global KV chunks and the local sliding-window snapshot.
+  warm     the next turn, within the local TTL: the global chunks and the local snapshot come back,
+           and only the new tokens are prefilled. Same result as prefilling everything.
+  expired  a turn after the local TTL: the global chunks still hit but the local snapshot is gone,
+           so the service replays the last W cached tokens to rebuild it (a bounded replay),
+           instead of the engine prefilling the whole prefix again.
+Each resumed request is checked against a cold run of the same tokens (greedy next tokens)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON (progress goes to stderr)")
+    p.add_argument("--target", metavar="ADDR", help="use a running service at host:port instead of starting one")
+    p.add_argument("--token", metavar="TOKEN", help="bearer token for --target")
+    p.add_argument("--data-dir", metavar="DIR", help="embedded service: keep LMDB here (default: a temp dir)")
+    p.add_argument("--prompt-tokens", type=int, default=6000, metavar="N", help="first prompt length (6000)")
+    p.add_argument("--turn-tokens", type=int, default=368, metavar="N",
+                   help="tokens each later turn adds besides the reply (368)")
+    p.add_argument("--reply-tokens", type=int, default=16, metavar="N",
+                   help="tokens decoded after each request and compared with a cold run (16)")
+    p.add_argument("--replay-mode", default="bounded", choices=("bounded", "exact"))
+    p.add_argument("--seed", type=int, help="token seed (default: 0 embedded, random with --target)")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _loaded(c: CaseReport) -> str:
+    b = c.bytes_loaded
+    return " · ".join(f"{t} {_bytes(b.get(t, 0))}" for t in ("device", "dram", "lmdb", "local"))
+
+
+def _agreement(c: CaseReport) -> str:
+    if c.compared_tokens == 0:
+        return "(this is the cold run)"
+    hits = round(c.top1_agreement * c.compared_tokens)
+    return (f"top-1 {hits}/{c.compared_tokens} ({c.top1_agreement:.0%}), "
+            f"max |Δlogit| {c.max_abs_logit_delta:.3g}")
+
+
+def case_table(c: CaseReport) -> str:
+    rows = [
+        ("time to first token",
+         f"{c.ttft_ms:,.1f} ms  (resume {c.resume_ms:,.1f} ms + prefill {c.prefill_ms:,.1f} ms)"),
+        ("tokens hit in cache", f"{c.hit_tokens:,}"),
+        ("tokens prefilled", f"{c.prefill_tokens:,}"),
+        ("tokens replayed", f"{c.replay_tokens:,}" + (f"  ({c.replay_status})" if c.replay_status else "")),
+        ("bytes loaded", _loaded(c)),
+        ("local state", c.label),
+        ("vs. a cold run", _agreement(c)),
+        ("stored afterwards", f"{c.store_ms:,.1f} ms (not in the TTFT)"),
+    ]
+    head = f"── {c.case}: {c.prompt_tokens:,}-token prompt " + "─" * max(0, 40 - len(c.case))
+    return "\n".join([head] + [f"  {k:<21} {v}" for k, v in rows])
+
+
+def summary_table(r: DemoReport) -> str:
+    cases = [r.cases[k] for k in ("cold", "warm", "expired") if k in r.cases]
+    rows: list[tuple[str, Callable[[CaseReport], str]]] = [
+        ("time to first token", lambda c: f"{c.ttft_ms:,.1f} ms"),
+        ("tokens prefilled", lambda c: f"{c.prefill_tokens:,}"),
+        ("tokens replayed", lambda c: f"{c.replay_tokens:,}"),
+        ("loaded from tiers", lambda c: _bytes(sum(c.bytes_loaded.get(t, 0) for t in ("device", "dram", "lmdb")))),
+        ("local snapshot", lambda c: _bytes(c.bytes_loaded.get("local", 0))),
+        ("local state", lambda c: c.label),
+        ("top-1 vs cold run", lambda c: "—" if c.compared_tokens == 0 else f"{c.top1_agreement:.0%}"),
+        ("max |Δlogit|", lambda c: "—" if c.compared_tokens == 0 else f"{c.max_abs_logit_delta:.3g}"),
+    ]
+    width = 18
+    lines = [f"  {'':<21}" + "".join(f"{c.case:>{width}}" for c in cases)]
+    for name, fmt in rows:
+        lines.append(f"  {name:<21}" + "".join(f"{fmt(c):>{width}}" for c in cases))
+    cold, expired = r.cases.get("cold"), r.cases.get("expired")
+    if cold and expired and cold.ttft_ms > 0:
+        lines.append(f"\n  expired vs cold: {expired.ttft_ms / cold.ttft_ms:.2f}x the time to first token, "
+                     f"{expired.prefill_tokens + expired.replay_tokens:,} tokens of compute instead of "
+                     f"{expired.prompt_tokens:,}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstore.demo import DemoOptions, run_demo
+
+    out = sys.stderr if args.json else sys.stdout
+
+    def say(line: str) -> None:
+        print(f"  {line}", file=out, flush=True)
+
+    def on_case(c: CaseReport) -> None:
+        print("\n" + case_table(c) + "\n", file=out, flush=True)
+
+    opts = DemoOptions(
+        target=args.target, token=args.token, data_dir=args.data_dir, prompt_tokens=args.prompt_tokens,
+        turn_tokens=args.turn_tokens, reply_tokens=args.reply_tokens, replay_mode=args.replay_mode,
+        seed=args.seed, device=args.device,
+    )
+    print(INTRO + "\n", file=out, flush=True)
+    report = run_demo(opts, say, on_case)
+    if args.json:
+        json.dump(report.as_dict(), sys.stdout, indent=2, ensure_ascii=False)
+        print()
+        return 0
+    print(f"summary ({report.model} on {report.device}, {report.replay_mode} replay, window "
+          f"{report.window_tokens}, chunks of {report.chunk_tokens} tokens, local TTL "
+          f"{report.local_ttl_seconds:g} s; expired case: {report.expiry})")
+    print(summary_table(report))
+    print(f"\n  done in {report.wall_seconds:.1f} s")
+    return 0

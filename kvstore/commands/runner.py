@@ -1,0 +1,86 @@
+"""`kvstore runner --connect ADDR`: run the reference CED model as a runner attached to a service.
+
+The process dials the service, announces the model (CUDA when present, else CPU), and rebuilds
+local state for the replay jobs it receives until SIGTERM or SIGINT, reconnecting with backoff
+when the stream breaks. The service must serve a model whose layout is the reference model's at
+the given window and chunk size (the defaults match `reference-toy-8` at 128-token chunks).
+Exit status: 0 when stopped by a signal, 2 when the service refused the runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from dataclasses import replace
+from types import FrameType
+
+from kvstore.errors import ConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--connect", required=True, metavar="ADDR", help="the service's gRPC address, host:port")
+    p.add_argument("--token", metavar="TOKEN",
+                   help="bearer token: a tenant's (serves that tenant) or the admin token (serves all)")
+    p.add_argument("--tls-ca", metavar="FILE", help="connect with TLS, trusting this CA certificate (PEM)")
+    p.add_argument("--model", metavar="NAME",
+                   help="the model name the service serves it under (default: reference-toy-8, or "
+                        "reference-toy-8-wW-cN for another window)")
+    p.add_argument("--window", type=int, default=128, metavar="W", help="sliding window of the model (128)")
+    p.add_argument("--chunk-tokens", type=int, default=128, metavar="N",
+                   help="the service's chunk size in tokens (store.chunk_tokens, 128)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed; must match the engine's (0)")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--max-batch", type=int, default=8, metavar="N", help="jobs run together in one batch (8)")
+    p.add_argument("--max-concurrent-jobs", type=int, default=16, metavar="N",
+                   help="jobs the service may queue here at once (16)")
+    p.add_argument("--name", default="", help="a name for the service's logs and stats")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _say(line: str) -> None:
+    print(f"kvstore runner: {line}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_batch < 1:
+        raise ConfigError("--max-batch", "must be >= 1")
+    if args.max_concurrent_jobs < 1:
+        raise ConfigError("--max-concurrent-jobs", "must be >= 1")
+    from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
+    from replay.inprocess import ReferenceReplayer, device_option
+    from replay.model_config import ModelConfig
+
+    try:
+        cfg = replace(ModelConfig(), window=args.window, chunk_tokens=args.chunk_tokens, seed=args.seed)
+    except ValueError as e:
+        raise ConfigError("--window/--chunk-tokens", str(e)) from None
+    # The service checks the layout id, which hashes the layout's name: announce the layout under
+    # the name the service serves the model by.
+    name = args.model or ("reference-toy-8" if cfg.window == ModelConfig().window else cfg.layout().name)
+    layout = replace(cfg.layout(), name=name)
+    replayer = ReferenceReplayer({layout.name: cfg}, device_option(args.device))
+    replayer.load()
+    identity = RunnerIdentity(
+        model=layout.name, layout_id=layout.layout_id, device=replayer.device_name,
+        max_concurrent_jobs=args.max_concurrent_jobs, max_batch=args.max_batch,
+        name=args.name or f"reference runner ({replayer.device_name})",
+    )
+    runner = AttachedRunner(identity, replayer.run_batch, AttachOptions(args.connect, args.token, args.tls_ca),
+                            say=_say)
+    stop = threading.Event()
+
+    def on_stop(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    _say(f"model {layout.name} (window {cfg.window}, chunks of {cfg.chunk_tokens} tokens) on "
+         f"{replayer.device_name}; connecting to {args.connect}")
+    rc = runner.run(stop)
+    _say(f"stopped after {runner.jobs_done} job(s)" if rc == 0 else "giving up: the service refused this runner")
+    return rc

@@ -1,0 +1,266 @@
+"""The runner side of `Runners.Attach`: a model process that dials the service and takes jobs.
+
+The service never dials into an engine: a runner process (`kvstore runner --connect ADDR`, or an
+engine's own GPU worker speaking the same stream) connects, announces its model, layout id,
+device and capacity in a `RunnerHello`, and then receives `ReplayJob`s, each followed by its global
+chunks in `JobChunks` pieces. It answers each job with the rebuilt snapshot in `JobResult` pieces
+(or an error). Jobs run through a `BatchWorker`, so jobs that arrive together run as one batch.
+
+When the stream breaks (the service restarts, the network drops) the runner reconnects with
+exponential backoff and jitter, and forgets the jobs of the old stream (the service has already
+failed or re-queued them). A refusal that retrying cannot fix (a wrong layout, bad credentials)
+ends the process with an error instead. `stop` (set on SIGTERM by the command) cancels the stream
+and ends `run` cleanly.
+
+What it does not know: replay policy, the store, or the pool; which model it runs (it is given
+a batch function and the identity to announce).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import grpc
+
+from kvstore.errors import InvalidInput
+from kvstore.service.framing import ChunkAssembler, blob_spans
+from kvstore.service.wire import tokens_from_proto
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from replay.runner import BatchFn, BatchWorker, JobHandle, ReplayJob, ReplayResult
+
+log = logging.getLogger("kvstore.runner")
+
+MiB = 1 << 20
+MAX_JOB_TOKENS = 1 << 24
+SessionEnd = Literal["stopped", "refused", "lost", "unreachable"]
+# Refusals that reconnecting cannot fix: the service said no to who or what we are.
+_PERMANENT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
+              grpc.StatusCode.PERMISSION_DENIED)
+
+
+@dataclass(frozen=True)
+class RunnerIdentity:
+    """What the runner announces in its hello."""
+
+    model: str
+    layout_id: bytes
+    device: str
+    max_concurrent_jobs: int
+    max_batch: int
+    name: str
+
+
+@dataclass(frozen=True)
+class AttachOptions:
+    target: str  # host:port of the service
+    token: str | None = None  # bearer token (a tenant's, or the admin token to serve every tenant)
+    tls_ca: str | None = None  # PEM file: use TLS and trust this CA
+    initial_backoff_seconds: float = 0.2
+    max_backoff_seconds: float = 10.0
+
+
+@dataclass(eq=False)
+class _Incoming:
+    """A job whose chunks are still arriving."""
+
+    msg: pb.ReplayJob
+    assembler: ChunkAssembler
+    chunks: list[bytes | memoryview]
+
+
+class AttachedRunner:
+    def __init__(self, identity: RunnerIdentity, run_batch: BatchFn, opts: AttachOptions,
+                 say: Callable[[str], None] | None = None) -> None:
+        self.identity = identity
+        self.opts = opts
+        self._worker = BatchWorker(run_batch, identity.max_batch, "replay-attached")
+        self._say = say or (lambda line: log.info("%s", line))
+        self.jobs_done = 0
+        self.sessions = 0
+
+    def run(self, stop: threading.Event) -> int:
+        """Attach, serve jobs, reconnect when the stream breaks; 0 when stopped, 2 when refused."""
+        backoff = self.opts.initial_backoff_seconds
+        try:
+            while not stop.is_set():
+                end = self._session(stop)
+                if end == "stopped" or stop.is_set():
+                    return 0
+                if end == "refused":
+                    return 2
+                if end == "lost":  # it was attached: the service is back soon, or another took over
+                    backoff = self.opts.initial_backoff_seconds
+                wait = backoff * (0.5 + random.random())  # jitter: runners of a fleet don't return in step
+                self._say(f"reconnecting to {self.opts.target} in {wait:.1f} s")
+                if stop.wait(wait):
+                    return 0
+                backoff = min(backoff * 2, self.opts.max_backoff_seconds)
+            return 0
+        finally:
+            self._worker.close()
+
+    # --- one attached stream --------------------------------------------------------------------
+
+    def _channel(self) -> grpc.Channel:
+        options = [("grpc.max_receive_message_length", 256 * MiB), ("grpc.max_send_message_length", 256 * MiB)]
+        if self.opts.tls_ca:
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(self.opts.tls_ca).read_bytes())
+            return grpc.secure_channel(self.opts.target, creds, options=options)
+        return grpc.insecure_channel(self.opts.target, options=options)
+
+    def _session(self, stop: threading.Event) -> SessionEnd:
+        ident = self.identity
+        out: queue.Queue[pb.RunnerMessage | None] = queue.Queue()
+        out.put(pb.RunnerMessage(hello=pb.RunnerHello(
+            model=ident.model, layout_id=ident.layout_id, device=ident.device,
+            max_concurrent_jobs=ident.max_concurrent_jobs, max_batch=ident.max_batch, name=ident.name)))
+
+        def requests() -> Iterator[pb.RunnerMessage]:
+            while True:
+                m = out.get()
+                if m is None:
+                    return
+                yield m
+
+        metadata = (("authorization", f"Bearer {self.opts.token}"),) if self.opts.token else ()
+        channel = self._channel()
+        call = pb_grpc.RunnersStub(channel).Attach(requests(), metadata=metadata)
+        done = threading.Event()
+
+        def watch() -> None:  # the only way to interrupt a blocked read of the stream is cancel()
+            while not done.wait(0.2):
+                if stop.is_set():
+                    call.cancel()
+                    return
+
+        threading.Thread(target=watch, name="kvstore-runner-stop", daemon=True).start()
+        session = _Session(self, out)
+        attached = False
+        try:
+            for cmd in call:
+                kind = cmd.WhichOneof("kind")
+                if kind == "attached":
+                    attached = True
+                    self.sessions += 1
+                    session.piece_bytes = max(4096, min(MiB, cmd.attached.max_message_bytes // 2 or MiB))
+                    self._say(f"attached to {self.opts.target} as {cmd.attached.runner_id} "
+                              f"(model {ident.model} on {ident.device}, batches of up to {ident.max_batch})")
+                elif kind == "job":
+                    session.job(cmd.job)
+                elif kind == "chunks":
+                    session.chunks(cmd.chunks)
+                elif kind == "cancel":
+                    session.cancel(cmd.cancel.job_id)
+            if stop.is_set():
+                return "stopped"
+            self._say("the service closed the stream")
+            return "lost" if attached else "unreachable"
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+            if stop.is_set():
+                return "stopped"
+            details = (e.details() if hasattr(e, "details") else "") or ""
+            if code in _PERMANENT:
+                self._say(f"the service refused this runner: {code.name}: {details}")
+                return "refused"
+            self._say(f"stream to {self.opts.target} ended: {code.name}: {details}")
+            return "lost" if attached else "unreachable"
+        finally:
+            done.set()
+            session.close()
+            out.put(None)
+            channel.close()
+
+
+class _Session:
+    """The jobs of one attached stream: reassembles them, runs them, sends their results."""
+
+    def __init__(self, runner: AttachedRunner, out: queue.Queue[pb.RunnerMessage | None]) -> None:
+        self._runner = runner
+        self._out = out
+        self._incoming: dict[int, _Incoming] = {}
+        self._running: dict[int, JobHandle] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.piece_bytes = MiB
+
+    def job(self, j: pb.ReplayJob) -> None:
+        first = j.first_chunk
+        inc = _Incoming(j, ChunkAssembler(max(1, j.chunk_bytes), first + j.num_chunks), [])
+        if j.num_chunks == 0:
+            self._start(inc)
+        else:
+            self._incoming[j.job_id] = inc
+
+    def chunks(self, c: pb.JobChunks) -> None:
+        inc = self._incoming.get(c.job_id)
+        if inc is None:
+            return  # a job cancelled while its chunks were in flight
+        try:
+            for _, view in inc.assembler.add(c.chunks.first_chunk, c.chunks.offset, c.chunks.data):
+                inc.chunks.append(view)
+        except InvalidInput as e:
+            del self._incoming[c.job_id]
+            self._send_error(c.job_id, f"bad job chunks: {e}")
+            return
+        if len(inc.chunks) == inc.msg.num_chunks:
+            del self._incoming[c.job_id]
+            self._start(inc)
+
+    def cancel(self, job_id: int) -> None:
+        self._incoming.pop(job_id, None)
+        with self._lock:
+            handle = self._running.pop(job_id, None)
+        if handle is not None:
+            handle.cancel()
+
+    def _start(self, inc: _Incoming) -> None:
+        j = inc.msg
+        try:
+            job = ReplayJob(
+                tenant="", model=j.model, mode="exact" if j.replay_mode == "exact" else "bounded",
+                tokens=tokens_from_proto(j.tokens, MAX_JOB_TOKENS), position_start=j.position_start,
+                position_end=j.position_end, first_chunk=j.first_chunk, chunk_bytes=j.chunk_bytes,
+                chunks=tuple(inc.chunks), deadline_seconds=j.deadline_seconds,
+            )
+        except InvalidInput as e:
+            self._send_error(j.job_id, str(e))
+            return
+        handle = self._runner._worker.submit(job)
+        with self._lock:
+            self._running[j.job_id] = handle
+        handle.future.add_done_callback(lambda f: self._finished(j.job_id, f.result()))
+
+    def _finished(self, job_id: int, result: ReplayResult) -> None:
+        with self._lock:
+            if self._running.pop(job_id, None) is None or self._closed:
+                return  # cancelled, or the stream it came from is gone
+        self._runner.jobs_done += 1
+        if result.snapshot is None:
+            self._send_error(job_id, result.error or "replay failed")
+            return
+        snap = result.snapshot
+        spans = list(blob_spans(len(snap), self.piece_bytes)) or [(0, 0)]
+        for i, (a, b) in enumerate(spans):
+            self._out.put(pb.RunnerMessage(result=pb.JobResult(
+                job_id=job_id, offset=a, data=snap[a:b], total_bytes=len(snap), last=i == len(spans) - 1)))
+
+    def _send_error(self, job_id: int, error: str) -> None:
+        self._out.put(pb.RunnerMessage(result=pb.JobResult(job_id=job_id, error=error[:1000], last=True)))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            running = list(self._running.values())
+            self._running.clear()
+        for h in running:
+            h.cancel()
+        self._incoming.clear()

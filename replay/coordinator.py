@@ -1,0 +1,355 @@
+"""The replay coordinator: rebuilds expired local state at a hit boundary by bounded replay.
+
+`Resume` finds the global prefix cached but the local snapshot gone and calls `resume_local`.
+The coordinator then
+1. plans the replay: the last W tokens before the boundary H (`bounded`), or the last
+   L_enc(W-1)+1 (`exact`), never before position 0, so a prefix of at most W tokens replays
+   from 0 and comes out exact either way;
+2. pins the prefix with a store load session and reads its chunks (a replay reads the cached
+   global rows below H; it never rewrites them);
+3. sends one `ReplayJob` to the first runner that serves the model (attached runners first, the
+   in-process reference runner after them), waits within the deadline, and re-queues a job whose
+   runner died on another runner while time is left;
+4. stores the rebuilt snapshot in the local pool under its TTL policy and returns it.
+
+Identical concurrent replays (same namespace and boundary key) are coalesced: one leader runs the
+job, the others wait for its outcome. Replays in flight are bounded per tenant; beyond the bound
+`resume_local` raises `ResourceExhausted`. Everything else that goes wrong (no runner, a timeout,
+a runner that died with no other to take over, a prefix evicted meanwhile) is an outcome with no
+snapshot: the engine recomputes the local state itself. Batching happens in the runners, which
+run whatever is queued together (see `replay/runner.py`).
+
+The replay mode is part of the key namespace (`Namespace.replay_mode`), so a boundary replayed
+approximately never serves a request that asked for exact state, and vice versa.
+
+What it does not know: gRPC, the byte format of chunks and snapshots (runners and the model do),
+or how the pool keeps snapshots. Time comes from the injected clock.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstore.config.replay import ReplayConfig
+from kvstore.errors import InvalidInput, ResourceExhausted
+from kvstore.keys import Namespace
+from kvstore.layout import CacheLayout, exact_replay_tokens
+from kvstore.local_pool.base import LocalPool
+from kvstore.service.replay_port import DISABLED, FAILED, NO_RUNNER, REPLAYED, TIMEOUT, ReplayOutcome
+from kvstore.store import GlobalStore
+from replay.runner import ReplayJob, ReplayMode, ReplayResult, Runner
+
+if TYPE_CHECKING:
+    from kvstore.service.app import App
+
+log = logging.getLogger("kvstore.replay")
+
+MAX_REQUEUES = 2  # a job whose runner died is offered to another runner at most this many times
+# A request can find the snapshot missing just before a replay of the same boundary finishes and
+# reach the coordinator just after: it gets that replay's outcome instead of running it again.
+# Snapshots are content-addressed (same namespace and boundary key, same bytes), so this is safe;
+# it spares a second pool read per replay, which would count every expiry twice as a pool miss.
+# The prefix lost a chunk (evicted, corrupt) between the lookup and the pin: nothing to replay from.
+PREFIX_GONE = "prefix-gone"
+RECENT_SECONDS = 2.0
+RECENT_MAX = 64  # and at most this many (each holds a snapshot: 1.29 MiB for V4.1)
+
+
+@dataclass(frozen=True)
+class ReplayCounters:
+    """What the coordinator has done since it started (for metrics and the dashboard)."""
+
+    requests: int  # resume_local calls
+    replays_started: int  # jobs sent to a runner by a leader (re-queues not counted)
+    replays_ok: int  # snapshots rebuilt
+    coalesced: int  # requests served by another request's replay
+    requeued: int  # jobs re-sent after their runner died
+    timeouts: int
+    failures: int  # runner errors, runners lost with no other to take over, prefixes gone
+    no_runner: int
+    rejected: int  # over the per-tenant bound (ResourceExhausted)
+    disabled: int  # replay mode "off" or a model without local state
+    replay_tokens: int  # tokens run by replays that rebuilt a snapshot
+    replay_seconds: float  # summed over replays that rebuilt a snapshot
+    pool_writes_skipped: int  # rebuilt snapshots the pool did not keep (full, down)
+    in_flight: int  # distinct replays running now
+    queue_depth: int  # jobs submitted to runners and not answered yet
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """The positions a replay of a hit ending at `boundary` runs: [start, boundary)."""
+
+    mode: ReplayMode
+    start: int
+    boundary: int
+
+    @property
+    def tokens(self) -> int:
+        return self.boundary - self.start
+
+
+def plan_replay(layout: CacheLayout, mode: ReplayMode, boundary: int) -> ReplayPlan:
+    length = exact_replay_tokens(layout) if mode == "exact" else layout.local.window_tokens
+    return ReplayPlan(mode, max(0, boundary - length), boundary)
+
+
+@dataclass
+class _Flight:
+    future: cf.Future[ReplayOutcome]
+    tenant: str
+
+
+class _Counts:
+    """Mutable counters behind `ReplayCounters`; guarded by the coordinator's lock."""
+
+    def __init__(self) -> None:
+        self.n: dict[str, int] = {}
+        self.replay_seconds = 0.0
+
+    def bump(self, name: str, k: int = 1) -> None:
+        self.n[name] = self.n.get(name, 0) + k
+
+
+class ReplayCoordinator:
+    def __init__(
+        self,
+        store: GlobalStore,
+        pool: LocalPool | None,
+        runners: Sequence[Runner],
+        cfg: ReplayConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.runners = list(runners)
+        self.cfg = cfg
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._flights: dict[tuple[bytes, bytes], _Flight] = {}
+        self._recent: dict[tuple[bytes, bytes], tuple[float, ReplayOutcome]] = {}
+        self._per_tenant: dict[str, int] = {}
+        self._queued = 0
+        self._c = _Counts()
+
+    # --- the port the service calls ------------------------------------------------------------
+
+    def resume_local(
+        self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, deadline_seconds: float
+    ) -> ReplayOutcome:
+        start = self._clock()
+        budget = min(deadline_seconds, self.cfg.timeout_seconds) if deadline_seconds > 0 else self.cfg.timeout_seconds
+        layout = self.store.layout(ns)
+        if ns.replay_mode == "off" or layout.local_snapshot_bytes == 0:
+            self._bump("disabled")
+            return ReplayOutcome(None, 0, DISABLED)
+        ct = layout.chunk_tokens
+        if hit_tokens <= 0 or hit_tokens % ct or hit_tokens > len(tokens):
+            raise InvalidInput(f"a replay boundary must be a positive multiple of {ct} within the prompt, "
+                               f"got {hit_tokens} of {len(tokens)} tokens")
+        boundary_key = self.store.chunk_keys(ns, tokens[:hit_tokens])[-1]
+        fkey = (ns.digest, boundary_key)
+        with self._lock:
+            self._c.bump("requests")
+            recent = self._recent_outcome(fkey, start)
+            if recent is not None:
+                self._c.bump("coalesced")
+                return ReplayOutcome(recent.snapshot, 0, recent.status)
+            flight = self._flights.get(fkey)
+            if flight is None:
+                if self._per_tenant.get(ns.tenant, 0) >= self.cfg.per_tenant_concurrency:
+                    self._c.bump("rejected")
+                    raise ResourceExhausted(
+                        f"tenant '{ns.tenant}' already has {self.cfg.per_tenant_concurrency} replays in "
+                        "flight (replay.per_tenant_concurrency); retry with backoff or recompute locally")
+                flight = self._flights[fkey] = _Flight(cf.Future(), ns.tenant)
+                self._per_tenant[ns.tenant] = self._per_tenant.get(ns.tenant, 0) + 1
+                leader = True
+            else:
+                self._c.bump("coalesced")
+                leader = False
+        if not leader:
+            return self._join(flight, budget)
+        outcome = ReplayOutcome(None, 0, FAILED)
+        try:
+            outcome = self._lead(ns, layout, tokens, hit_tokens, boundary_key, start, budget)
+        except Exception:  # a bug must not leave the followers waiting, nor fail the Resume
+            log.exception("replay at boundary %d failed unexpectedly", hit_tokens)
+            self._bump("failures")
+        finally:
+            # Only after the snapshot is in the pool: a request arriving now finds it there.
+            with self._lock:
+                del self._flights[fkey]
+                if outcome.snapshot is not None:
+                    self._recent[fkey] = (self._clock(), outcome)
+                    if len(self._recent) > RECENT_MAX:
+                        del self._recent[next(iter(self._recent))]  # the oldest
+                left = self._per_tenant[ns.tenant] - 1
+                if left:
+                    self._per_tenant[ns.tenant] = left
+                else:
+                    del self._per_tenant[ns.tenant]
+            flight.future.set_result(outcome)
+        return outcome
+
+    def _recent_outcome(self, fkey: tuple[bytes, bytes], now: float) -> ReplayOutcome | None:
+        """A replay of this boundary that finished moments ago (called under the lock)."""
+        stale = [k for k, (t, _) in self._recent.items() if now - t > RECENT_SECONDS]
+        for k in stale:
+            del self._recent[k]
+        got = self._recent.get(fkey)
+        return got[1] if got is not None else None
+
+    def _join(self, flight: _Flight, budget: float) -> ReplayOutcome:
+        try:
+            got = flight.future.result(timeout=max(0.0, budget))
+        except cf.TimeoutError:
+            self._bump("timeouts")
+            return ReplayOutcome(None, 0, TIMEOUT)
+        # The leader's request carries the replay's compute bill; this one spent nothing.
+        return ReplayOutcome(got.snapshot, 0, got.status)
+
+    # --- one replay -----------------------------------------------------------------------------
+
+    def _lead(
+        self, ns: Namespace, layout: CacheLayout, tokens: np.ndarray, hit: int, boundary_key: bytes,
+        start: float, budget: float,
+    ) -> ReplayOutcome:
+        mode: ReplayMode = "exact" if ns.replay_mode == "exact" else "bounded"
+        plan = plan_replay(layout, mode, hit)
+        ct, cb = layout.chunk_tokens, layout.chunk_bytes
+        n = hit // ct
+        # The pin holds the prefix in place (no eviction, no demotion) while the runner reads it.
+        with self.store.load(ns, tokens[:hit], n) as session:
+            if len(session) < n:
+                self._bump("failures")
+                return ReplayOutcome(None, 0, PREFIX_GONE)
+            # Every chunk from 0: the Full layers' indexers score every record before a query.
+            buf = memoryview(bytearray(n * cb))
+            for i in range(n):
+                if session.read_into(i, buf[i * cb : (i + 1) * cb]) is None:
+                    self._bump("failures")
+                    return ReplayOutcome(None, 0, PREFIX_GONE)
+            job = ReplayJob(
+                tenant=ns.tenant, model=ns.model, mode=mode,
+                tokens=np.ascontiguousarray(tokens[plan.start : hit], dtype="<u4"),
+                position_start=plan.start, position_end=hit, first_chunk=0, chunk_bytes=cb,
+                chunks=tuple(buf[i * cb : (i + 1) * cb] for i in range(n)),
+                deadline_seconds=max(0.0, budget - (self._clock() - start)),
+            )
+            result = self._run(job, start, budget)
+        if result is None:
+            return ReplayOutcome(None, 0, TIMEOUT)
+        if not result.ok:
+            return ReplayOutcome(None, 0, NO_RUNNER if result.error == NO_RUNNER else FAILED)
+        snapshot = result.snapshot
+        assert snapshot is not None
+        if len(snapshot) != layout.local_snapshot_bytes:
+            log.warning("runner %s returned a %d B snapshot; the layout needs %d B", result.runner,
+                        len(snapshot), layout.local_snapshot_bytes)
+            self._bump("failures")
+            return ReplayOutcome(None, 0, FAILED)
+        if self.pool is not None:
+            left = max(0.001, budget - (self._clock() - start))
+            put = self.pool.put(ns.digest, boundary_key, ns.tenant, ns.layout_id, hit, snapshot, left)
+            if not put.written:
+                self._bump("pool_writes_skipped")
+        with self._lock:
+            self._c.bump("replays_ok")
+            self._c.bump("replay_tokens", plan.tokens)
+            self._c.replay_seconds += max(0.0, self._clock() - start)
+        return ReplayOutcome(snapshot, plan.tokens, REPLAYED)
+
+    def _run(self, job: ReplayJob, start: float, budget: float) -> ReplayResult | None:
+        """The job's result from the first runner that serves it (None: the deadline passed),
+        re-queued on another runner when the one that had it went away."""
+        last: ReplayResult | None = None
+        for attempt in range(1 + MAX_REQUEUES):
+            runner = next((r for r in self.runners if r.serves(job.model, job.tenant)), None)
+            if runner is None:
+                if last is None:
+                    self._bump("no_runner")
+                    return ReplayResult.failed(NO_RUNNER)
+                break
+            remaining = budget - (self._clock() - start)
+            if remaining <= 0:
+                self._bump("timeouts")
+                return None
+            self._bump("requeued" if attempt else "replays_started")
+            with self._lock:
+                self._queued += 1
+            handle = runner.submit(job)
+            try:
+                last = handle.future.result(timeout=remaining)
+            except cf.TimeoutError:
+                handle.cancel()
+                self._bump("timeouts")
+                return None
+            finally:
+                with self._lock:
+                    self._queued -= 1
+            if last.ok or not last.lost:
+                break
+            log.warning("replay runner %s went away mid-job (%s); re-queueing", last.runner or runner.name,
+                        last.error)
+        assert last is not None
+        if not last.ok:
+            log.warning("replay failed on %s: %s", last.runner, last.error)
+            self._bump("failures")
+        return last
+
+    # --- observability and lifecycle -------------------------------------------------------------
+
+    def _bump(self, name: str, k: int = 1) -> None:
+        with self._lock:
+            self._c.bump(name, k)
+
+    def queue_depth(self) -> int:
+        """Replay jobs submitted to runners and not answered yet."""
+        with self._lock:
+            return self._queued
+
+    def counters(self) -> ReplayCounters:
+        with self._lock:
+            n = self._c.n.get
+            return ReplayCounters(
+                requests=n("requests", 0), replays_started=n("replays_started", 0), replays_ok=n("replays_ok", 0),
+                coalesced=n("coalesced", 0), requeued=n("requeued", 0), timeouts=n("timeouts", 0),
+                failures=n("failures", 0), no_runner=n("no_runner", 0), rejected=n("rejected", 0),
+                disabled=n("disabled", 0), replay_tokens=n("replay_tokens", 0),
+                replay_seconds=self._c.replay_seconds, pool_writes_skipped=n("pool_writes_skipped", 0),
+                in_flight=len(self._flights), queue_depth=self._queued,
+            )
+
+    def close(self) -> None:
+        for r in self.runners:
+            r.close()
+
+
+def build_coordinator(app: App) -> ReplayCoordinator | None:
+    """The coordinator the config asks for: attached runners always (an engine may dial in),
+    then the in-process reference runner when `replay.runner = "reference"` and a served model is
+    the reference model. None when replay is off."""
+    from replay.inprocess import InProcessRunner, device_option, reference_configs
+    from replay.registry_runner import AttachedRunners
+
+    cfg = app.config.replay
+    if cfg.mode == "off" or cfg.runner == "none":
+        return None
+    runners: list[Runner] = [AttachedRunners(app.runners)]
+    if cfg.runner == "reference":
+        configs = reference_configs(app.models.values(), app.config.store.chunk_tokens, cfg.reference_seed)
+        if configs:
+            runners.append(InProcessRunner(configs, device_option(cfg.device), cfg.max_batch))
+        else:
+            log.warning("replay.runner is 'reference' but no served model is the reference model; "
+                        "expired local state is rebuilt only by attached runners")
+    return ReplayCoordinator(app.store, app.local_pool, runners, cfg, app.clock)

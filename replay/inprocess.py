@@ -1,0 +1,182 @@
+"""The in-process reference runner: replay jobs run on the reference CED model inside the service.
+
+`ReferenceReplayer` turns `ReplayJob`s into `ReferenceModel.replay` calls; it is shared with the
+attached runner process (`replay/attached.py`), which runs the same model on the engine's side.
+`InProcessRunner` puts one `BatchWorker` in front of it, so the service's replays take turns on
+one device (CUDA when present, else CPU) instead of fighting over its threads.
+
+Which served models it can run is decided by structure, not by name: a served model whose cache
+layout (groups, record formats, local window, encoder depth, at the store's chunk size) equals the
+reference model's layout for that window and chunk size is the reference model. So test configs
+with a small window, and the default `reference-toy-8`, are served alike; DeepSeek-V4.1-Flash and
+the dense GQA layout are not (an engine-side runner attaches for those).
+
+Models load in a background thread at construction (importing torch takes a second or two), and
+the first job waits for them. What this module does not know: the store, the pool, or gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstore.errors import InvalidInput
+from kvstore.layout import ModelSpec
+from replay.model_config import ModelConfig
+from replay.runner import BatchWorker, JobHandle, ReplayJob, ReplayResult, resolved
+
+if TYPE_CHECKING:
+    from replay.model import ReferenceModel
+
+log = logging.getLogger("kvstore.replay")
+
+
+def reference_config_for(spec: ModelSpec, chunk_tokens: int, seed: int = 0) -> ModelConfig | None:
+    """The reference model config whose cache layout is `spec`'s at `chunk_tokens`, or None."""
+    served = spec.layout.with_chunk_tokens(chunk_tokens)
+    try:
+        cfg = replace(ModelConfig(), window=served.local.window_tokens, chunk_tokens=chunk_tokens, seed=seed)
+        mine = cfg.layout()
+    except (InvalidInput, ValueError):
+        return None
+    same = (
+        mine.groups == served.groups and mine.local == served.local
+        and mine.encoder_layers == served.encoder_layers and cfg.vocab_size == spec.vocab_size
+    )
+    return cfg if same else None
+
+
+def reference_configs(specs: Iterable[ModelSpec], chunk_tokens: int, seed: int = 0) -> dict[str, ModelConfig]:
+    """Served model name -> reference config, for every served model the reference model can run."""
+    out: dict[str, ModelConfig] = {}
+    for spec in specs:
+        cfg = reference_config_for(spec, chunk_tokens, seed)
+        if cfg is not None:
+            out[spec.name] = cfg
+    return out
+
+
+class ReferenceReplayer:
+    """Runs replay jobs on reference models, one per served model name."""
+
+    def __init__(self, configs: Mapping[str, ModelConfig], device: str | None = None) -> None:
+        self._configs = dict(configs)
+        self._device = device
+        self._models: dict[str, ReferenceModel] = {}
+        self._lock = threading.Lock()
+        self.device_name = "cpu" if device == "cpu" else "?"
+
+    def models(self) -> list[str]:
+        return sorted(self._configs)
+
+    def load(self) -> None:
+        """Build every model now (importing torch); later calls are free."""
+        for name in self._configs:
+            self.model(name)
+
+    def model(self, name: str) -> ReferenceModel | None:
+        cfg = self._configs.get(name)
+        if cfg is None:
+            return None
+        with self._lock:
+            m = self._models.get(name)
+            if m is None:
+                from replay.model import ReferenceModel  # torch loads here, not at import
+
+                m = ReferenceModel(cfg, self._device)
+                _warm_up(m)
+                self._models[name] = m
+                self.device_name = str(m.device)
+                log.info("reference model for '%s' loaded on %s (window %d, chunk %d tokens)",
+                         name, m.device, cfg.window, cfg.chunk_tokens)
+            return m
+
+    def run_batch(self, jobs: Sequence[ReplayJob]) -> list[ReplayResult]:
+        # The reference model has no multi-sequence forward: jobs of one batch run back to back
+        # in one worker turn. A batched forward would slot in here without changing any caller.
+        return [self.run(job) for job in jobs]
+
+    def run(self, job: ReplayJob) -> ReplayResult:
+        name = f"in-process ({self.device_name})"
+        model = self.model(job.model)
+        if model is None:
+            return ReplayResult.failed(f"the reference runner does not serve model '{job.model}'", name)
+        if job.first_chunk != 0:
+            # The Full layer's indexer scores every record before a query: all rows are needed.
+            return ReplayResult.failed("the reference model needs the global chunks from chunk 0", name)
+        if job.chunk_bytes != model.layout.chunk_bytes:
+            return ReplayResult.failed(
+                f"chunk payloads of {job.chunk_bytes} B do not fit the reference layout's "
+                f"{model.layout.chunk_bytes} B", name)
+        try:
+            snap = model.replay(job.tokens.astype(np.int64), range(job.position_start, job.position_end),
+                                list(job.chunks))
+        except InvalidInput as e:
+            return ReplayResult.failed(str(e), name)
+        return ReplayResult(snap, "", name)
+
+
+def _warm_up(model: ReferenceModel) -> None:
+    """One throwaway replay, so that one-off set-up (kernel choice, allocator growth) is paid at
+    load time and not by the first expired request."""
+    ct = model.cfg.chunk_tokens
+    toks = np.arange(ct, dtype=np.int64) % model.cfg.vocab_size
+    res = model.prefill(toks)
+    span = model.replay_span(ct, "bounded")
+    model.replay(toks[span.start : span.stop], span, res.chunk_payloads)
+
+
+class InProcessRunner:
+    """`Runner` over reference models in this process, fed by one `BatchWorker`."""
+
+    def __init__(self, configs: Mapping[str, ModelConfig], device: str | None = None, max_batch: int = 8,
+                 preload: bool = True) -> None:
+        self.replayer = ReferenceReplayer(configs, device)
+        self._worker = BatchWorker(self.replayer.run_batch, max_batch, "replay-inprocess")
+        if preload:
+            threading.Thread(target=self._preload, name="kvstore-replay-load", daemon=True).start()
+
+    def _preload(self) -> None:
+        try:
+            self.replayer.load()
+        except Exception:  # reported again, per job, when a job needs the model
+            log.exception("loading the reference model failed")
+
+    @property
+    def name(self) -> str:
+        return f"in-process ({self.replayer.device_name})"
+
+    @property
+    def max_batch(self) -> int:
+        return self._worker.max_batch
+
+    @property
+    def batch_stats(self) -> tuple[int, int, int]:
+        """(batches run, jobs run, largest batch)."""
+        s = self._worker.stats
+        with s.lock:
+            return s.batches, s.jobs, s.largest_batch
+
+    def serves(self, model: str, tenant: str) -> bool:
+        return model in self.replayer.models()
+
+    def submit(self, job: ReplayJob) -> JobHandle:
+        if not self.serves(job.model, job.tenant):
+            return resolved(ReplayResult.failed(f"no reference model '{job.model}'", self.name))
+        return self._worker.submit(job)
+
+    def pending(self) -> int:
+        return self._worker.pending()
+
+    def close(self) -> None:
+        self._worker.close()
+
+
+def device_option(device: str) -> str | None:
+    """ReplayConfig.device ("auto" | "cuda" | "cpu") -> the model's device argument."""
+    return None if device == "auto" else device

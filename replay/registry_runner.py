@@ -1,0 +1,77 @@
+"""The service side of attached runners: the `RunnerRegistry` seen as one `Runner`.
+
+Runner processes dial in over `Runners.Attach` (`kvstore runner --connect`, or an engine's own
+GPU process) and the service's `RunnerRegistry` tracks them and queues jobs on the least-loaded
+one. This adapter translates the coordinator's `ReplayJob` into the registry's job, and the
+registry's `JobOutcome` back into a `ReplayResult`.
+
+A failed outcome is `lost` (worth re-queueing elsewhere) when the runner that had the job is no
+longer attached: it died, its stream broke, or the service is shutting down. A runner that is
+still attached and answered with an error is not lost: another runner would most likely fail the
+same way.
+
+What it does not know: gRPC messages (the Attach servicer frames jobs), or replay policy.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from kvstore.errors import Unavailable
+from kvstore.service.runners import JobFuture, JobOutcome, RunnerRegistry
+from kvstore.service.runners import ReplayJob as WireJob
+from replay.runner import JobHandle, ReplayJob, ReplayResult, resolved
+
+
+class AttachedRunners:
+    """`Runner` over every runner attached to the service."""
+
+    name = "attached"
+
+    def __init__(self, registry: RunnerRegistry) -> None:
+        self._registry = registry
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def serves(self, model: str, tenant: str) -> bool:
+        return any(r.model == model and (r.tenant is None or r.tenant == tenant) for r in self._registry.runners())
+
+    def submit(self, job: ReplayJob) -> JobHandle:
+        wire = WireJob(
+            tenant=job.tenant, model=job.model, replay_mode=job.mode, tokens=job.tokens,
+            position_start=job.position_start, position_end=job.position_end, first_chunk=job.first_chunk,
+            chunk_bytes=job.chunk_bytes, chunks=job.chunks, deadline_seconds=job.deadline_seconds,
+        )
+        try:
+            fut = self._registry.submit(wire)
+        except Unavailable as e:  # the last runner left between serves() and here
+            return resolved(ReplayResult.failed(str(e), self.name, lost=True))
+        out: Future[ReplayResult] = Future()
+        with self._lock:
+            self._pending += 1
+
+        def done(f: Future[JobOutcome]) -> None:
+            with self._lock:
+                self._pending -= 1
+            out.set_result(self._result(f.result()))
+
+        fut.add_done_callback(done)
+        return JobHandle(out, lambda: self._cancel(fut))
+
+    def _cancel(self, fut: JobFuture) -> None:
+        self._registry.cancel_job(fut.job_id, "cancelled by the coordinator")
+
+    def _result(self, o: JobOutcome) -> ReplayResult:
+        runner = f"attached {o.runner_id}"
+        if o.snapshot is not None and not o.error:
+            return ReplayResult(o.snapshot, "", runner)
+        still_there = any(r.runner_id == o.runner_id for r in self._registry.runners())
+        return ReplayResult.failed(o.error or "the runner returned no snapshot", runner, lost=not still_there)
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def close(self) -> None:
+        """The registry belongs to the app, which closes it."""

@@ -1,0 +1,253 @@
+"""The runner contract: what a replay job is, what comes back, and how a runner takes jobs.
+
+A *runner* hosts a model and rebuilds encoder local state from cached global rows. There are two
+real implementations of `Runner`: the in-process reference runner (`replay/inprocess.py`) and the
+runners that attach to the service over `Runners.Attach` (`replay/registry_runner.py` adapts the
+service's registry of them). The coordinator only talks to this protocol.
+
+`BatchWorker` is the one thread that feeds a model: it drains whatever jobs are queued (up to
+`max_batch`) and hands them to the model as one batch, so concurrent replays share one turn of
+the device instead of contending for it from many threads. The in-process runner and the
+attached runner process both use it.
+
+What this module does not know: the store, the local pool, gRPC, or which model runs the jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+
+from kvstore.errors import InvalidInput
+
+log = logging.getLogger("kvstore.replay")
+
+ReplayMode = Literal["bounded", "exact"]
+
+
+@dataclass(frozen=True)
+class ReplayJob:
+    """Rebuild the encoder local snapshot at the boundary `position_end` (= H, a chunk boundary).
+
+    The runner runs `tokens` at positions [position_start, H) and reads (never rewrites) the
+    global rows of chunks [first_chunk, H / chunk_tokens), whose payloads are `chunks`.
+    """
+
+    tenant: str
+    model: str
+    mode: ReplayMode
+    tokens: np.ndarray  # (position_end - position_start,) uint32
+    position_start: int
+    position_end: int
+    first_chunk: int
+    chunk_bytes: int
+    chunks: tuple[bytes | memoryview, ...]  # payloads of chunks first_chunk, first_chunk + 1, ...
+    deadline_seconds: float  # time the job had left when it was built
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != self.position_end - self.position_start or len(self.tokens) == 0:
+            raise InvalidInput(
+                f"a replay job of positions [{self.position_start}, {self.position_end}) carries "
+                f"{len(self.tokens)} tokens")
+        if self.position_start < 0 or self.first_chunk < 0:
+            raise InvalidInput("replay positions and chunk indices are never negative")
+        for i, c in enumerate(self.chunks):
+            if memoryview(c).nbytes != self.chunk_bytes:
+                raise InvalidInput(
+                    f"replay job chunk {self.first_chunk + i} is {memoryview(c).nbytes} B, not {self.chunk_bytes}")
+
+    @property
+    def replay_tokens(self) -> int:
+        return self.position_end - self.position_start
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """A rebuilt snapshot, or why not. `lost`: the runner went away before answering (died,
+    detached, shut down), so the job may be worth re-queueing on another runner."""
+
+    snapshot: bytes | None
+    error: str = ""
+    runner: str = ""
+    lost: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.snapshot is not None
+
+    @staticmethod
+    def failed(error: str, runner: str = "", lost: bool = False) -> ReplayResult:
+        return ReplayResult(None, error, runner, lost)
+
+
+@dataclass(frozen=True)
+class JobHandle:
+    """A submitted job: its future always resolves to a `ReplayResult` (never an exception);
+    `cancel` gives up on it (a job not started yet is dropped; a running one finishes unheard)."""
+
+    future: Future[ReplayResult]
+    cancel: Callable[[], None]
+
+
+class Runner(Protocol):
+    @property
+    def name(self) -> str:
+        """For logs and counters: "in-process (cpu)", "attached"."""
+        ...
+
+    def serves(self, model: str, tenant: str) -> bool:
+        """True if a job for `model` on behalf of `tenant` can be submitted now."""
+        ...
+
+    def submit(self, job: ReplayJob) -> JobHandle:
+        """Queue `job`. Never raises for runner trouble: the handle resolves as failed instead."""
+        ...
+
+    def pending(self) -> int:
+        """Jobs queued or running on this runner."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def resolved(result: ReplayResult) -> JobHandle:
+    """A handle that is already done (a job refused before it was queued)."""
+    fut: Future[ReplayResult] = Future()
+    fut.set_result(result)
+    return JobHandle(fut, lambda: None)
+
+
+# --- the worker that feeds one model ---------------------------------------------------------------
+
+BatchFn = Callable[[Sequence[ReplayJob]], list[ReplayResult]]
+
+
+@dataclass(eq=False)
+class _Queued:
+    job: ReplayJob
+    future: Future[ReplayResult]
+    cancelled: bool = False
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    jobs: int = 0
+    largest_batch: int = 0
+    dropped_cancelled: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+class BatchWorker:
+    """One thread that runs queued jobs through `run_batch`, up to `max_batch` at a time.
+
+    Batches form from what is already waiting when the worker is free: a lone job never waits
+    for company (that would add latency to the common case), and a burst of concurrent replays
+    goes through in as few model turns as `max_batch` allows.
+    """
+
+    def __init__(self, run_batch: BatchFn, max_batch: int, name: str) -> None:
+        assert max_batch >= 1
+        self._run_batch = run_batch
+        self.max_batch = max_batch
+        self.name = name
+        self._queue: queue.Queue[_Queued | None] = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.stats = BatchStats()
+        self._thread = threading.Thread(target=self._loop, name=f"kvstore-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: ReplayJob) -> JobHandle:
+        fut: Future[ReplayResult] = Future()
+        item = _Queued(job, fut)
+        with self._lock:
+            if self._closed:
+                fut.set_result(ReplayResult.failed("the runner is shut down", self.name, lost=True))
+                return JobHandle(fut, lambda: None)
+            self._pending += 1
+        self._queue.put(item)
+
+        def cancel() -> None:
+            item.cancelled = True
+
+        return JobHandle(fut, cancel)
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _take_batch(self, first: _Queued) -> list[_Queued]:
+        batch = [first]
+        while len(batch) < self.max_batch:
+            try:
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:  # closing: finish this batch, then stop
+                self._queue.put(None)
+                break
+            batch.append(nxt)
+        return batch
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                break
+            batch = self._take_batch(first)
+            live = [q for q in batch if not q.cancelled]
+            self._finish([q for q in batch if q.cancelled], None, "cancelled")
+            if not live:
+                continue
+            try:
+                results = self._run_batch([q.job for q in live])
+                assert len(results) == len(live), "run_batch must answer every job"
+            except Exception as e:  # a model bug must fail these jobs, not kill the worker
+                log.exception("%s: replay batch failed", self.name)
+                results = [ReplayResult.failed(f"runner error: {type(e).__name__}: {e}", self.name)] * len(live)
+            with self.stats.lock:
+                self.stats.batches += 1
+                self.stats.jobs += len(live)
+                self.stats.largest_batch = max(self.stats.largest_batch, len(live))
+            for q, r in zip(live, results, strict=True):
+                self._finish([q], r, "")
+        # Closed: whatever is still queued will never run.
+        while True:
+            try:
+                rest = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if rest is not None:
+                self._finish([rest], None, "the runner is shut down")
+
+    def _finish(self, items: list[_Queued], result: ReplayResult | None, reason: str) -> None:
+        for q in items:
+            with self._lock:
+                self._pending -= 1
+            if result is None:
+                with self.stats.lock:
+                    self.stats.dropped_cancelled += 1 if reason == "cancelled" else 0
+                result_q = ReplayResult.failed(reason, self.name, lost=reason != "cancelled")
+            else:
+                result_q = result
+            if not q.future.done():
+                q.future.set_result(result_q)

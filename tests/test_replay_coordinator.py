@@ -1,0 +1,348 @@
+"""The replay coordinator and the runners, without gRPC: a real store in a temp dir, the embedded
+pool, the reference model on CPU at a 16-token window. Faults (a stalled device, a runner that
+dies) are injected by wrapping real parts; nothing else is mocked. No test asserts on speed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.config.replay import ReplayConfig
+from kvstore.config.store import StoreConfig
+from kvstore.errors import ResourceExhausted
+from kvstore.keys import Namespace
+from kvstore.local_pool.embedded import EmbeddedPool
+from kvstore.service.replay_port import DISABLED, FAILED, NO_RUNNER, REPLAYED, TIMEOUT
+from kvstore.store import GlobalStore
+from policies.ttl import FixedTtl
+from replay.coordinator import PREFIX_GONE, ReplayCoordinator, plan_replay
+from replay.inprocess import InProcessRunner, ReferenceReplayer, reference_config_for
+from replay.model import ModelConfig, ReferenceModel
+from replay.runner import BatchWorker, JobHandle, ReplayJob, ReplayResult, Runner, resolved
+
+W = 16
+CFG = replace(ModelConfig(), window=W, chunk_tokens=16)
+MODEL = ReferenceModel(CFG, "cpu")
+SPEC = MODEL.spec
+NAME = SPEC.name
+ROW = CFG.swa_row_bytes
+
+
+def tokens(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, CFG.vocab_size, n).astype("<u4")
+
+
+class Gate:
+    """A stalled device: run_batch blocks until the test opens the gate."""
+
+    def __init__(self, inner: Callable[[Sequence[ReplayJob]], list[ReplayResult]]) -> None:
+        self.inner = inner
+        self.open = threading.Event()
+        self.entered = threading.Event()
+        self.batches: list[int] = []
+
+    def __call__(self, jobs: Sequence[ReplayJob]) -> list[ReplayResult]:
+        self.entered.set()
+        self.open.wait(30)
+        self.batches.append(len(jobs))
+        return self.inner(jobs)
+
+
+class GatedRunner:
+    """The in-process runner's parts (replayer + batch worker) with a gate in front of the model."""
+
+    name = "gated"
+
+    def __init__(self, max_batch: int = 8) -> None:
+        self.replayer = ReferenceReplayer({NAME: CFG}, "cpu")
+        self.gate = Gate(self.replayer.run_batch)
+        self.worker = BatchWorker(self.gate, max_batch, "gated")
+
+    def serves(self, model: str, tenant: str) -> bool:
+        return model == NAME
+
+    def submit(self, job: ReplayJob) -> JobHandle:
+        return self.worker.submit(job)
+
+    def pending(self) -> int:
+        return self.worker.pending()
+
+    def close(self) -> None:
+        self.gate.open.set()
+        self.worker.close()
+
+
+class DyingRunner:
+    """A runner that dies with every job it takes, and is gone after that."""
+
+    name = "dying"
+
+    def __init__(self) -> None:
+        self.died = 0
+
+    def serves(self, model: str, tenant: str) -> bool:
+        return self.died == 0
+
+    def submit(self, job: ReplayJob) -> JobHandle:
+        self.died += 1
+        return resolved(ReplayResult.failed("runner process exited", self.name, lost=True))
+
+    def pending(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Rig:
+    store: GlobalStore
+    pool: EmbeddedPool
+
+    def ns(self, mode: str = "bounded", tenant: str = "t1") -> Namespace:
+        return self.store.namespace(tenant, NAME, mode)
+
+    def cache(self, ns: Namespace, toks: np.ndarray) -> bytes:
+        """Be the engine once: prefill, store every full chunk; returns the true snapshot."""
+        res = MODEL.prefill(toks.astype(np.int64))
+        with self.store.begin_store(ns, toks[: res.boundary]) as txn:
+            for i in txn.chunks_needed:
+                txn.write(i, res.chunk_payloads[i])
+            txn.commit()
+        assert res.snapshot is not None
+        return res.snapshot
+
+    def coordinator(self, runners: Sequence[Runner], **cfg: object) -> ReplayCoordinator:
+        return ReplayCoordinator(self.store, self.pool, runners, replace(ReplayConfig(), **cfg))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    scfg = StoreConfig(device="cpu", chunk_tokens=16, device_capacity_bytes=1 << 20, dram_capacity_bytes=1 << 20,
+                       lmdb_capacity_bytes=64 << 20, page_bytes=4096, compression="none", lmdb_durability="async")
+    store = GlobalStore(scfg, tmp_path, [SPEC])
+    pool = EmbeddedPool(8 << 20, FixedTtl(60.0))
+    yield Rig(store, pool)
+    pool.close()
+    store.close()
+
+
+@pytest.fixture
+def inproc() -> Iterator[InProcessRunner]:
+    r = InProcessRunner({NAME: CFG}, "cpu", max_batch=4)
+    yield r
+    r.close()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.005)
+
+
+# --- planning ------------------------------------------------------------------------------------
+
+def test_plan_bounded_exact_and_short_prefixes() -> None:
+    lay = CFG.layout()
+    assert plan_replay(lay, "bounded", 160).tokens == W
+    assert plan_replay(lay, "exact", 160).start == 160 - (4 * (W - 1) + 1)
+    assert plan_replay(lay, "bounded", 16).start == 0  # a prefix of at most W replays from 0
+    assert plan_replay(lay, "exact", 32).start == 0
+
+
+def test_reference_runner_serves_layouts_by_structure() -> None:
+    from kvstore.layout import get_model
+
+    assert reference_config_for(get_model("reference-toy-8"), 16) is not None
+    assert reference_config_for(SPEC, 16) == CFG
+    assert reference_config_for(get_model("deepseek-v4.1-flash"), 128) is None
+    assert reference_config_for(get_model("dense-gqa-32l"), 128) is None
+
+
+# --- outcomes --------------------------------------------------------------------------------------
+
+def test_bounded_replay_rebuilds_layer0_exactly_and_fills_the_pool(rig: Rig, inproc: InProcessRunner) -> None:
+    ns, toks = rig.ns(), tokens(1, 165)
+    truth = rig.cache(ns, toks)
+    co = rig.coordinator([inproc])
+    out = co.resume_local(ns, toks, 160, 30.0)
+    assert (out.status, out.replay_tokens) == (REPLAYED, W)
+    assert out.snapshot is not None and len(out.snapshot) == len(truth)
+    assert out.snapshot[: W * ROW] == truth[: W * ROW]  # layer 0 sees only the replayed window
+    key = rig.store.chunk_keys(ns, toks[:160])[-1]
+    got = rig.pool.get(ns.digest, key, ns.tenant, ns.layout_id)
+    assert got.payload is not None and bytes(got.payload) == out.snapshot
+    c = co.counters()
+    assert (c.replays_started, c.replays_ok, c.replay_tokens, c.in_flight, c.queue_depth) == (1, 1, W, 0, 0)
+
+
+def test_exact_replay_equals_a_full_recompute(rig: Rig, inproc: InProcessRunner) -> None:
+    ns, toks = rig.ns("exact"), tokens(2, 160)
+    truth = rig.cache(ns, toks)
+    out = rig.coordinator([inproc]).resume_local(ns, toks, 160, 30.0)
+    assert out.status == REPLAYED and out.replay_tokens == 4 * (W - 1) + 1
+    assert out.snapshot == truth
+
+
+def test_prefix_of_at_most_w_tokens_replays_from_zero_exactly(rig: Rig, inproc: InProcessRunner) -> None:
+    ns, toks = rig.ns(), tokens(3, 20)
+    truth = rig.cache(ns, toks)
+    out = rig.coordinator([inproc]).resume_local(ns, toks, 16, 30.0)
+    assert (out.status, out.replay_tokens, out.snapshot) == (REPLAYED, 16, truth)
+
+
+def test_mode_off_no_runner_and_missing_prefix(rig: Rig, inproc: InProcessRunner) -> None:
+    toks = tokens(4, 64)
+    rig.cache(rig.ns("off"), toks)
+    assert rig.coordinator([inproc]).resume_local(rig.ns("off"), toks, 64, 5.0).status == DISABLED
+    rig.cache(rig.ns(), toks)
+    out = rig.coordinator([]).resume_local(rig.ns(), toks, 64, 5.0)
+    assert (out.status, out.snapshot) == (NO_RUNNER, None)
+    gone = rig.coordinator([inproc]).resume_local(rig.ns(), tokens(5, 64), 64, 5.0)
+    assert gone.snapshot is None and gone.status == PREFIX_GONE
+
+
+# --- coalescing, batching, limits ------------------------------------------------------------------
+
+def test_ten_identical_concurrent_replays_run_once(rig: Rig) -> None:
+    ns, toks = rig.ns(), tokens(6, 96)
+    rig.cache(ns, toks)
+    runner = GatedRunner()
+    co = rig.coordinator([runner])
+    outs: list[object] = [None] * 10
+
+    def call(i: int) -> None:
+        outs[i] = co.resume_local(ns, toks, 96, 30.0)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(10)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: co.counters().coalesced == 9)
+    runner.gate.open.set()
+    for t in threads:
+        t.join(30)
+    runner.close()
+    snaps = {o.snapshot for o in outs}  # type: ignore[attr-defined]
+    assert len(snaps) == 1 and None not in snaps
+    assert sorted(o.replay_tokens for o in outs) == [0] * 9 + [W]  # type: ignore[attr-defined]
+    c = co.counters()
+    assert (c.requests, c.replays_started, c.coalesced, runner.gate.batches) == (10, 1, 9, [1])
+
+
+def test_concurrent_replays_are_batched(rig: Rig) -> None:
+    ns = rig.ns()
+    prompts = [tokens(10 + i, 64) for i in range(4)]
+    for p in prompts:
+        rig.cache(ns, p)
+    runner = GatedRunner(max_batch=8)
+    co = rig.coordinator([runner], per_tenant_concurrency=8)
+    outs: list[object] = []
+    threads = [threading.Thread(target=lambda p=p: outs.append(co.resume_local(ns, p, 64, 30.0))) for p in prompts]
+    threads[0].start()
+    runner.gate.entered.wait(30)  # the device is busy with the first replay
+    for t in threads[1:]:
+        t.start()
+    wait_for(lambda: runner.pending() == 4)
+    runner.gate.open.set()
+    for t in threads:
+        t.join(30)
+    runner.close()
+    assert runner.gate.batches == [1, 3]
+    assert all(o.status == REPLAYED for o in outs)  # type: ignore[attr-defined]
+
+
+def test_per_tenant_limit_refuses_beyond_the_bound(rig: Rig) -> None:
+    ns, other = rig.ns(), rig.ns(tenant="t2")
+    a, b = tokens(20, 48), tokens(21, 48)
+    for n in (ns, other):
+        rig.cache(n, a)
+        rig.cache(n, b)
+    runner = GatedRunner()
+    co = rig.coordinator([runner], per_tenant_concurrency=1)
+    first = threading.Thread(target=co.resume_local, args=(ns, a, 48, 30.0))
+    first.start()
+    wait_for(lambda: co.counters().in_flight == 1)
+    with pytest.raises(ResourceExhausted, match="per_tenant_concurrency"):
+        co.resume_local(ns, b, 48, 30.0)
+    second = threading.Thread(target=co.resume_local, args=(other, b, 48, 30.0))  # another tenant: admitted
+    second.start()
+    wait_for(lambda: co.counters().in_flight == 2)
+    runner.gate.open.set()
+    first.join(30)
+    second.join(30)
+    runner.close()
+    c = co.counters()
+    assert (c.rejected, c.replays_ok) == (1, 2)
+
+
+# --- faults -------------------------------------------------------------------------------------------
+
+def test_timeout_degrades_to_no_local_state(rig: Rig) -> None:
+    ns, toks = rig.ns(), tokens(30, 64)
+    rig.cache(ns, toks)
+    runner = GatedRunner()
+    co = rig.coordinator([runner], timeout_seconds=0.2)
+    out = co.resume_local(ns, toks, 64, 30.0)
+    assert (out.status, out.snapshot, out.replay_tokens) == (TIMEOUT, None, 0)
+    runner.close()
+    key = rig.store.chunk_keys(ns, toks)[-1]
+    assert rig.pool.get(ns.digest, key, ns.tenant, ns.layout_id).payload is None
+    assert co.counters().timeouts == 1
+    assert rig.store.stats().pins_active == 0  # the pin went with the replay
+
+
+def test_runner_that_dies_is_replaced_by_another(rig: Rig, inproc: InProcessRunner) -> None:
+    ns, toks = rig.ns(), tokens(31, 64)
+    truth = rig.cache(ns, toks)
+    dying = DyingRunner()
+    co = rig.coordinator([dying, inproc])
+    out = co.resume_local(ns, toks, 64, 30.0)
+    assert out.status == REPLAYED and out.snapshot is not None
+    assert out.snapshot[: W * ROW] == truth[: W * ROW]
+    c = co.counters()
+    assert (dying.died, c.requeued, c.replays_ok, c.failures) == (1, 1, 1, 0)
+
+
+def test_runner_that_dies_with_no_other_degrades(rig: Rig) -> None:
+    ns, toks = rig.ns(), tokens(32, 64)
+    rig.cache(ns, toks)
+    co = rig.coordinator([DyingRunner()])
+    out = co.resume_local(ns, toks, 64, 30.0)
+    assert (out.status, out.snapshot) == (FAILED, None)
+    assert co.counters().failures == 1
+
+
+def test_batch_worker_survives_a_model_error() -> None:
+    calls = []
+
+    def broken(jobs: Sequence[ReplayJob]) -> list[ReplayResult]:
+        calls.append(len(jobs))
+        raise RuntimeError("device fell over")
+
+    w = BatchWorker(broken, 2, "broken")
+    job = ReplayJob("t", NAME, "bounded", tokens(40, 16), 0, 16, 0, 1, (b"x",), 1.0)
+    r = w.submit(job).future.result(10)
+    assert not r.ok and "device fell over" in r.error
+    r2 = w.submit(job).future.result(10)  # still serving
+    assert not r2.ok and calls == [1, 1]
+    w.close()
+    assert w.submit(job).future.result(10).lost
+
+
+def test_a_request_just_behind_a_finished_replay_reuses_it(rig: Rig, inproc: InProcessRunner) -> None:
+    ns, toks = rig.ns(), tokens(33, 64)
+    rig.cache(ns, toks)
+    co = rig.coordinator([inproc])
+    first = co.resume_local(ns, toks, 64, 30.0)
+    # It checked the pool before the replay finished and arrives after: no second replay.
+    second = co.resume_local(ns, toks, 64, 30.0)
+    assert (second.status, second.snapshot, second.replay_tokens) == (REPLAYED, first.snapshot, 0)
+    c = co.counters()
+    assert (c.replays_started, c.coalesced) == (1, 1)

@@ -1,0 +1,351 @@
+"""Replay end to end through the gRPC service and the real client: cold, warm and expired requests
+with the in-process runner and with `kvstore runner` processes attached over `Runners.Attach`.
+
+The engine is played by the reference model (window 16, 16-token chunks) exactly as the demo
+plays it. The local TTL passes on a movable clock. Faults: a stalled device (a gate in front of
+the model) and a runner process killed with SIGKILL. No test asserts on wall-clock speed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.client import KvstoreClient
+from kvstore.config import KvstoreConfig
+from kvstore.demo import Engine, OffsetClock
+from kvstore.layout import register_model
+from kvstore.service.app import App
+from replay.coordinator import ReplayCoordinator
+from replay.runner import Runner
+from tests.fixtures.service import Service, make_config, start_service
+from tests.test_replay_coordinator import MODEL, NAME, ROW, SPEC, GatedRunner, W, tokens, wait_for
+
+register_model(SPEC)
+
+
+@dataclass
+class Rig:
+    svc: Service
+    clock: OffsetClock
+    client: KvstoreClient
+
+    @property
+    def app(self) -> App:
+        return self.svc.app
+
+    def engine(self, mode: str = "bounded") -> Engine:
+        return Engine(MODEL, self.client, NAME, mode)
+
+    def expire_local(self) -> None:
+        self.clock.advance(self.app.config.local_pool.ttl.ttl_seconds + 1.0)
+
+    def coordinator(self) -> ReplayCoordinator:
+        co = self.app.coordinator
+        assert isinstance(co, ReplayCoordinator)
+        return co
+
+
+def config(**sections: dict[str, Any]) -> KvstoreConfig:
+    base: dict[str, dict[str, Any]] = {
+        "replay": {"runner": "reference", "mode": "bounded", "device": "cpu"},  # bit-exact comparisons
+        "service": {"models": [NAME], "max_concurrent_calls": 16},
+        "local_pool": {"capacity_bytes": 1 << 20, "ttl": {"kind": "fixed", "ttl_seconds": 60.0}},
+    }
+    for k, v in sections.items():
+        base[k] = {**base.get(k, {}), **v}
+    return make_config(**base)
+
+
+@pytest.fixture
+def make_rig(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
+    rigs: list[Rig] = []
+
+    def make(cfg: KvstoreConfig | None = None, runner_factory: Callable[[App], Runner] | None = None) -> Rig:
+        cfg = cfg or config()
+        clock = OffsetClock()  # the pool expires snapshots on it
+        kw: dict[str, Any] = {"clock": clock}
+        if runner_factory is not None:
+            kw["coordinator_factory"] = lambda app: ReplayCoordinator(
+                app.store, app.local_pool, [runner_factory(app)], app.config.replay, app.clock)
+        svc = start_service(cfg, tmp_path / f"data{len(rigs)}", **kw)
+        rig = Rig(svc, clock, svc.client(timeout_seconds=60.0))
+        rigs.append(rig)
+        return rig
+
+    yield make
+    for r in rigs:
+        r.svc.stop(0.5)
+
+
+def gated_factory(made: list[GatedRunner]) -> Callable[[App], GatedRunner]:
+    """Runners with a gate in front of the model (a stalled device), kept in `made`."""
+
+    def make(app: App) -> GatedRunner:
+        made.append(GatedRunner())
+        return made[-1]
+
+    return make
+
+
+def session(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Three turns of one session: 100 tokens, then 40 more, then 40 more."""
+    p1 = tokens(seed, 100)
+    p2 = np.concatenate([p1, tokens(seed + 1, 40)])
+    return p1, p2, np.concatenate([p2, tokens(seed + 2, 40)])
+
+
+def one_go(prompt: np.ndarray) -> Any:
+    return MODEL.prefill(prompt.astype(np.int64))
+
+
+# --- the three cases, in-process runner ------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["bounded", "exact"])
+def test_cold_warm_expired_with_the_in_process_runner(make_rig: Callable[..., Rig], mode: str) -> None:
+    rig = make_rig()
+    eng = rig.engine(mode)
+    p1, p2, p3 = session(1)
+
+    cold = eng.request(p1)
+    assert (cold.resume.case, cold.resume.local_state, cold.prefill_tokens) == ("cold", "absent", 100)
+    eng.store(p1, cold)
+
+    warm = eng.request(p2)
+    r = warm.resume
+    assert (r.case, r.local_state, r.hit_tokens, warm.prefill_tokens) == ("warm", "hit", 96, 44)
+    ref = one_go(p2)  # warm resume is the same computation as processing everything in one go
+    assert torch.equal(warm.result.logits, ref.logits)
+    assert warm.result.snapshot == ref.snapshot and warm.result.chunk_payloads == ref.chunk_payloads
+    eng.store(p2, warm)
+
+    rig.expire_local()
+    expired = eng.request(p3)
+    r = expired.resume
+    replayed = W if mode == "bounded" else 4 * (W - 1) + 1
+    assert (r.case, r.initial_local_state, r.local_state) == ("expired", "expired", "replayed")
+    assert (r.hit_tokens, r.replay_tokens, r.replay_status, expired.prefill_tokens) == (128, replayed, "replayed", 52)
+    assert r.bills.replay_tokens == replayed and r.snapshot is not None
+    truth = one_go(p3[:128]).snapshot
+    assert r.snapshot[: W * ROW] == truth[: W * ROW]  # layer 0 is exact in both modes
+    if mode == "exact":
+        assert r.snapshot == truth
+        assert torch.equal(expired.result.logits, one_go(p3).logits)
+    c = rig.coordinator().counters()
+    assert (c.replays_ok, c.replay_tokens) == (1, replayed)
+    # The rebuilt snapshot is back in the pool: the next request at that boundary is warm.
+    again = eng.request(p3)
+    assert (again.resume.case, again.resume.local_state) == ("warm", "hit")
+
+
+def test_replay_mode_is_part_of_the_key_namespace(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    p1, _, _ = session(5)
+    bounded = rig.engine("bounded")
+    bounded.store(p1, bounded.request(p1))
+    assert rig.client.lookup(NAME, p1, "bounded").hit_tokens == 96
+    assert rig.client.lookup(NAME, p1, "exact").hit_tokens == 0  # never served to an exact request
+    exact = rig.engine("exact")
+    assert exact.request(p1).resume.case == "cold"
+
+
+# --- coalescing, limits and faults through the service ---------------------------------------------
+
+def _expired_boundary(rig: Rig, seed: int) -> np.ndarray:
+    eng = rig.engine()
+    p1, p2, _ = session(seed)
+    eng.store(p1, eng.request(p1))
+    rig.expire_local()
+    return p2
+
+
+def test_ten_identical_concurrent_expired_resumes_replay_once(make_rig: Callable[..., Rig]) -> None:
+    gated: list[GatedRunner] = []
+    rig = make_rig(runner_factory=gated_factory(gated))
+    prompt = _expired_boundary(rig, 10)
+    results: list[Any] = []
+    threads = [threading.Thread(target=lambda: results.append(rig.client.resume(NAME, prompt))) for _ in range(10)]
+    for t in threads:
+        t.start()
+    co = rig.coordinator()
+    wait_for(lambda: co.counters().coalesced == 9)
+    gated[0].gate.open.set()
+    for t in threads:
+        t.join(60)
+    assert [r.local_state for r in results] == ["replayed"] * 10
+    assert len({r.snapshot for r in results}) == 1
+    assert sum(r.replay_tokens for r in results) == W  # one replay's compute, billed once
+    c = co.counters()
+    assert (c.replays_started, c.replays_ok, c.coalesced, gated[0].gate.batches) == (1, 1, 9, [1])
+
+
+def test_per_tenant_replay_limit_is_reported_as_resource_exhausted(make_rig: Callable[..., Rig]) -> None:
+    gated: list[GatedRunner] = []
+    rig = make_rig(config(replay={"per_tenant_concurrency": 1}),
+                   runner_factory=gated_factory(gated))
+    a, b = _expired_boundary(rig, 20), _expired_boundary(rig, 30)
+    first: list[Any] = []
+    t = threading.Thread(target=lambda: first.append(rig.client.resume(NAME, a)))
+    t.start()
+    wait_for(lambda: rig.coordinator().counters().in_flight == 1)
+    # The chunks are already on their way when the replay is refused: the trailer says why and
+    # the engine recomputes the local state itself.
+    refused = rig.client.resume(NAME, b)
+    assert (refused.case, refused.local_state, refused.snapshot) == ("expired", "expired", None)
+    assert refused.replay_status.startswith("resource_exhausted") and len(refused.chunks) == 6
+    gated[0].gate.open.set()
+    t.join(60)
+    assert first[0].local_state == "replayed"
+    assert rig.coordinator().counters().rejected == 1
+
+
+def test_replay_timeout_degrades_and_the_engine_recomputes(make_rig: Callable[..., Rig]) -> None:
+    gated: list[GatedRunner] = []
+    rig = make_rig(config(replay={"timeout_seconds": 0.3}),
+                   runner_factory=gated_factory(gated))
+    prompt = _expired_boundary(rig, 40)
+    turn = rig.engine().request(prompt)
+    gated[0].gate.open.set()
+    r = turn.resume
+    assert (r.case, r.local_state, r.replay_status, r.replay_tokens) == ("expired", "expired", "timeout", 0)
+    assert turn.prefill_tokens == len(prompt)  # no local state: the engine prefilled everything
+    assert torch.equal(turn.result.logits, one_go(prompt).logits)
+    assert rig.coordinator().counters().timeouts == 1
+
+
+# --- attached runner processes ------------------------------------------------------------------------
+
+def spawn_runner(address: str, *extra: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "kvstore", "runner", "--connect", address, "--window", str(W),
+           "--chunk-tokens", "16", "--device", "cpu", "--log-level", "warning", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+# A runner whose device stalls on the first job it gets (it is killed before it answers).
+STALLING_RUNNER = """
+import sys, threading, time
+from dataclasses import replace
+from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
+from replay.model_config import ModelConfig
+lay = replace(ModelConfig(), window=16, chunk_tokens=16).layout()
+def stall(jobs):
+    print("job received", flush=True)
+    time.sleep(3600)
+ident = RunnerIdentity(lay.name, lay.layout_id, "cpu", 4, 1, "stalling")
+AttachedRunner(ident, stall, AttachOptions(sys.argv[1])).run(threading.Event())
+"""
+
+
+def test_cold_warm_expired_with_an_attached_runner_process(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(config(replay={"runner": "attached"}))
+    proc = spawn_runner(rig.svc.address)
+    try:
+        wait_for(lambda: len(rig.app.runners.runners()) == 1 or proc.poll() is not None, 120)
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        eng = rig.engine()
+        p1, p2, p3 = session(50)
+        eng.store(p1, eng.request(p1))
+        warm = eng.request(p2)
+        assert warm.resume.local_state == "hit"
+        eng.store(p2, warm)
+        rig.expire_local()
+        expired = eng.request(p3)
+        r = expired.resume
+        assert (r.case, r.local_state, r.replay_tokens) == ("expired", "replayed", W)
+        assert r.snapshot is not None and r.snapshot[: W * ROW] == one_go(p3[:128]).snapshot[: W * ROW]
+        # Same model, same weights: the attached runner rebuilds what the in-process one would.
+        assert r.snapshot == MODEL.replay(p3[112:128].astype(np.int64), range(112, 128), one_go(p3).chunk_payloads[:8])
+        assert rig.app.runners.jobs_total == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out  # a clean exit on SIGTERM
+    assert "stopped after 1 job(s)" in out
+
+
+def test_runner_killed_mid_replay_is_replaced_by_another(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(config(replay={"runner": "attached"}))
+    staller = subprocess.Popen([sys.executable, "-c", STALLING_RUNNER, rig.svc.address], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    helper: subprocess.Popen[str] | None = None
+    try:
+        wait_for(lambda: len(rig.app.runners.runners()) == 1 or staller.poll() is not None, 120)
+        prompt = _expired_boundary(rig, 60)
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.append(rig.client.resume(NAME, prompt)))
+        t.start()
+        assert staller.stdout is not None
+        assert staller.stdout.readline().strip() == "job received"
+        helper = spawn_runner(rig.svc.address)
+        wait_for(lambda: len(rig.app.runners.runners()) == 2 or helper.poll() is not None, 120)
+        staller.kill()  # mid-replay: the job it holds is lost with it
+        t.join(60)
+        r = got[0]
+        assert (r.local_state, r.replay_tokens, r.replay_status) == ("replayed", W, "replayed")
+        c = rig.coordinator().counters()
+        assert (c.requeued, c.replays_ok, c.failures) == (1, 1, 0)
+    finally:
+        staller.kill()
+        staller.wait(30)
+        if helper is not None:
+            helper.send_signal(signal.SIGTERM)
+            helper.wait(30)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_attached_runner_waits_for_the_service_and_reattaches_after_a_restart(tmp_path: Path) -> None:
+    from kvstore.service.app import build_app
+    from kvstore.service.server import KvstoreServer
+
+    port = _free_port()
+    cfg = config(replay={"runner": "attached"})
+    proc = spawn_runner(f"127.0.0.1:{port}")
+    lines: list[str] = []
+    assert proc.stdout is not None
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        wait_for(lambda: any("reconnecting" in ln for ln in lines) or proc.poll() is not None, 120)
+        assert proc.poll() is None, "".join(lines)  # nobody listening yet: it backs off and retries
+        for _ in range(2):  # the service comes up, goes down, comes back: the runner follows
+            app = build_app(cfg, tmp_path / "data")
+            server = KvstoreServer(app, "127.0.0.1", port, admin_port=-1).start()
+            try:
+                wait_for(lambda a=app: len(a.runners.runners()) == 1, 60)  # type: ignore[misc]
+            finally:
+                server.stop(0.5)
+                app.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        reader.join(10)
+    assert proc.returncode == 0, "".join(lines)
+    assert sum("attached to" in ln for ln in lines) == 2, "".join(lines)
+
+
+def test_a_runner_the_service_refuses_exits_with_an_error(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(config(replay={"runner": "attached"}))
+    proc = spawn_runner(rig.svc.address, "--model", NAME, "--chunk-tokens", "32")  # not the served layout
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert "refused this runner: INVALID_ARGUMENT" in out and "layout" in out
+    assert rig.app.runners.runners() == []
