@@ -86,8 +86,11 @@ class CacheLayout:
     @property
     def layout_id(self) -> bytes:
         """A stable 8-byte identity of the byte format, written into every stored value."""
+        # The local spec is part of the identity too: a runner built with another window would
+        # produce snapshots of another size, and must be refused when it attaches.
         desc = json.dumps(
-            {"name": self.name, "groups": [asdict(g) for g in self.groups], "chunk": self.chunk_tokens},
+            {"name": self.name, "groups": [asdict(g) for g in self.groups], "chunk": self.chunk_tokens,
+             "local": asdict(self.local)},
             sort_keys=True,
         ).encode()
         return hashlib.sha256(desc).digest()[:8]

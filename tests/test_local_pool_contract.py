@@ -98,8 +98,7 @@ class Backend:
         raise AssertionError(f"{key!r} is on no node")
 
 
-@pytest.fixture(params=["embedded", "redis", "redis-unix", "redis-cluster"])
-def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+def _backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     name = request.param
     if name == "embedded":
         b = Backend(name, "embedded")
@@ -116,6 +115,18 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         pool.close()
     for c in b.clients:
         c.close()
+
+
+@pytest.fixture(params=["embedded", "redis", "redis-unix", "redis-cluster"])
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    yield from _backend(request)
+
+
+# What comes back from Redis is verified; the embedded pool holds immutable bytes in process, so
+# nothing can tear or overwrite a part behind its back, and these tests run on Redis only.
+@pytest.fixture(params=["redis", "redis-unix", "redis-cluster"])
+def redis_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    yield from _backend(request)
 
 
 def _ns(i: int = 0) -> bytes:
@@ -305,44 +316,35 @@ def test_concurrent_readers_and_writers(backend: Backend) -> None:
 
 
 # --- Redis: verification of what comes back -------------------------------------------------------
-def _redis_only(backend: Backend) -> None:
-    if not backend.is_redis:
-        pytest.skip("the embedded pool holds immutable bytes in process; nothing can tear or "
-                    "overwrite a part behind its back")
-
-
-def test_corrupt_part_is_a_miss_and_is_removed(backend: Backend) -> None:
-    _redis_only(backend)
-    pool = backend.pool(backend.policy(30))
+def test_corrupt_part_is_a_miss_and_is_removed(redis_backend: Backend) -> None:
+    pool = redis_backend.pool(redis_backend.policy(30))
     base = snapshot_key_base("kvs", _ns(), _bk())
     for part, offset in ((1, 5000), (0, 30), (0, 100), (5, 16)):  # payload, header, payload, last
         assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
         key = base + b"%d" % part
-        c = backend.client_for(key)
+        c = redis_backend.client_for(key)
         old = c.getrange(key, offset, offset)
         assert isinstance(old, bytes)
         c.setrange(key, offset, bytes([old[0] ^ 0x01]))  # SETRANGE keeps the key's TTL
         assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
-        assert backend.pttls() == {}, "a corrupt snapshot is removed"
+        assert redis_backend.pttls() == {}, "a corrupt snapshot is removed"
     assert pool.stats().misses["corrupt"] == 4
 
 
-def test_missing_part_is_an_incomplete_miss(backend: Backend) -> None:
-    _redis_only(backend)
-    pool = backend.pool(backend.policy(30))
+def test_missing_part_is_an_incomplete_miss(redis_backend: Backend) -> None:
+    pool = redis_backend.pool(redis_backend.policy(30))
     assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
     key = snapshot_key_base("kvs", _ns(), _bk()) + b"3"
-    backend.client_for(key).delete(key)  # as an eviction under volatile-ttl would
+    redis_backend.client_for(key).delete(key)  # as an eviction under volatile-ttl would
     assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "incomplete"
 
 
-def test_part_from_another_write_is_corrupt(backend: Backend) -> None:
-    _redis_only(backend)
-    pool = backend.pool(backend.policy(30))
+def test_part_from_another_write_is_corrupt(redis_backend: Backend) -> None:
+    pool = redis_backend.pool(redis_backend.policy(30))
     data = os.urandom(V41_SNAPSHOT_BYTES)
     assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).written
     key = snapshot_key_base("kvs", _ns(), _bk()) + b"2"
-    c = backend.client_for(key)
+    c = redis_backend.client_for(key)
     stale = c.get(key)
     assert isinstance(stale, bytes)
     assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).written  # same bytes, new write id
@@ -350,16 +352,15 @@ def test_part_from_another_write_is_corrupt(backend: Backend) -> None:
     assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
 
 
-def test_parts_share_one_cluster_slot(backend: Backend) -> None:
-    _redis_only(backend)
-    pool = backend.pool(backend.policy(30))
+def test_parts_share_one_cluster_slot(redis_backend: Backend) -> None:
+    pool = redis_backend.pool(redis_backend.policy(30))
     for i in range(12):
         assert pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, os.urandom(3 * PART_BYTES)).written
-    by_node = [set(scan_pttls(c, "kvs:*")) for c in backend.clients]
+    by_node = [set(scan_pttls(c, "kvs:*")) for c in redis_backend.clients]
     for i in range(12):
         base = snapshot_key_base("kvs", _ns(i), _bk())
         holders = [n for n, keys in enumerate(by_node) if base + b"0" in keys]
         assert len(holders) == 1
         assert {base + b"%d" % p for p in range(4)} <= by_node[holders[0]]
-    if backend.name == "redis-cluster":
+    if redis_backend.name == "redis-cluster":
         assert sum(1 for keys in by_node if keys) >= 2, "12 snapshots all landed on one node"
