@@ -11,7 +11,12 @@ are frozen dataclasses with plain strings for tiers ("device", "dram", "lmdb"), 
 ("hit", "expired", "absent", "not_applicable", "replayed") and cases ("cold", "warm", "expired").
 Failures raise `RpcFailure` subclasses carrying the gRPC status code and the server's message.
 Only idempotent calls (lookup, load, load_local, stats, health) are retried, and only on
-UNAVAILABLE, within the call's deadline. Loaded chunks are zero-copy `memoryview`s into the
+UNAVAILABLE, within the call's deadline (a retry keeps its request id).
+
+`lookup` and `resume` send an `x-request-id` (the caller's `request_id=`, else a fresh one) and
+return it in their result, so an engine can ask `kvstore explain REQUEST_ID` why its request
+missed; `session=` sends an `x-session-id`, which names the session in the service's request
+trace (for `kvstore tune ttl`). Loaded chunks are zero-copy `memoryview`s into the
 received messages; `bytes(view)` makes an owned copy.
 
 What it does not know: anything of the server's internals; it speaks only the proto.
@@ -44,6 +49,7 @@ from kvstore.client_types import (
     stats_from_pb,
 )
 from kvstore.errors import KvstoreError
+from kvstore.explain import REQUEST_ID_RE, new_request_id
 from kvstore.service.framing import BlobAssembler, ChunkAssembler, blob_spans, plan_pieces
 from kvstore.service.wire import PB_TO_CASE, PB_TO_LOCAL, PB_TO_TIER, tokens_to_proto
 from kvstore.v1 import kvstore_pb2 as pb
@@ -182,17 +188,19 @@ class KvstoreClient:
     # --- calls ------------------------------------------------------------------------------------
 
     def lookup(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
-               timeout_seconds: float | None = None) -> LookupResult:
+               timeout_seconds: float | None = None, request_id: str | None = None,
+               session: str | None = None) -> LookupResult:
         """How much of `tokens` is cached, where, and the local state at the boundary."""
         req = pb.LookupRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens))
-        r = self._idempotent("Lookup", lambda t: self._stub.Lookup(req, timeout=t, metadata=self._metadata),
+        rid, metadata = self._request_metadata("Lookup", request_id, session)
+        r = self._idempotent("Lookup", lambda t: self._stub.Lookup(req, timeout=t, metadata=metadata),
                              timeout_seconds)
         return LookupResult(
             hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, chunk_tiers=tuple(PB_TO_TIER[t] for t in r.chunk_tiers),
             local_state=PB_TO_LOCAL.get(r.local_state, "absent"), bills=bills_from_pb(r.bills),
             chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes, full_chunks=r.full_chunks,
             remainder_tokens=r.remainder_tokens, local_snapshot_bytes=r.local_snapshot_bytes,
-            replay_mode=r.replay_mode,
+            replay_mode=r.replay_mode, request_id=rid,
         )
 
     def store(self, model: str, tokens: Sequence[int] | np.ndarray, payloads: Sequence[bytes | memoryview] | bytes,
@@ -317,12 +325,14 @@ class KvstoreClient:
         return self._idempotent("LoadLocal", call, timeout_seconds)
 
     def resume(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
-               skip_chunks: bool = False, timeout_seconds: float | None = None) -> ResumeResult:
+               skip_chunks: bool = False, timeout_seconds: float | None = None, request_id: str | None = None,
+               session: str | None = None) -> ResumeResult:
         """Lookup + load + local state (replayed if expired and a runner is available) in one call."""
         req = pb.ResumeRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
                                skip_chunks=skip_chunks)
+        rid, metadata = self._request_metadata("Resume", request_id, session)
         try:
-            stream = self._stub.Resume(req, timeout=timeout_seconds or self.timeout_seconds, metadata=self._metadata)
+            stream = self._stub.Resume(req, timeout=timeout_seconds or self.timeout_seconds, metadata=metadata)
             head = next(stream).header
             asm = _Chunks(head.chunk_bytes, head.hit_chunks)
             local: BlobAssembler | None = None
@@ -356,7 +366,7 @@ class KvstoreClient:
             snapshot=snapshot if final_state in ("hit", "replayed") else None,
             replay_planned=head.replay_planned, replay_tokens=trailer.replay_tokens,
             replay_status=trailer.replay_status, planned_bills=bills_from_pb(head.bills),
-            bills=bills_from_pb(trailer.bills),
+            bills=bills_from_pb(trailer.bills), request_id=rid,
         )
 
     def stats(self, timeout_seconds: float | None = None) -> ServiceStats:
@@ -381,6 +391,21 @@ class KvstoreClient:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_seconds)
         except grpc.FutureTimeoutError:
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no service at {self.target}", "connect") from None
+
+    def _request_metadata(
+        self, method: str, request_id: str | None, session: str | None
+    ) -> tuple[str, tuple[tuple[str, str], ...]]:
+        """(the request id, the call's metadata). The server replaces an id it finds unsafe with
+        one of its own, so a bad one is refused here, where the caller can still see it."""
+        rid = request_id if request_id is not None else new_request_id()
+        extra = [("x-request-id", rid)]
+        for name, value in (("request_id", rid), ("session", session)):
+            if value is not None and not REQUEST_ID_RE.match(value):
+                raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be 1-64 letters, "
+                                           f"digits or '._:-', got {value[:80]!r}", method)
+        if session is not None:
+            extra.append(("x-session-id", session))
+        return rid, (*self._metadata, *extra)
 
     # --- retries ----------------------------------------------------------------------------------
 

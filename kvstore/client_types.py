@@ -60,6 +60,7 @@ class LookupResult:
     remainder_tokens: int
     local_snapshot_bytes: int
     replay_mode: str
+    request_id: str = ""  # the x-request-id it was sent with: `kvstore explain REQUEST_ID`
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class ResumeResult:
     replay_status: str
     planned_bills: Bills  # announced in the first message
     bills: Bills  # as it happened
+    request_id: str = ""  # the x-request-id it was sent with: `kvstore explain REQUEST_ID`
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,15 @@ class LookupTrace:
     replay_seconds: float = 0.0
     replay_mode: str = ""
     window_tokens: int = 0  # the replay window (the layout's SWA window)
+    # Or, in place of `miss_keys`, how to compute them: hashing the missed part of a prompt costs
+    # as much as the lookup itself, so the service defers it until someone reads the keys.
+    miss_keys_fn: Callable[[], Sequence[bytes]] | None = field(default=None, compare=False, repr=False)
+
+    def missed_keys(self) -> Sequence[bytes]:
+        """`miss_keys`, computed now if they were deferred."""
+        if self.miss_keys or self.miss_keys_fn is None:
+            return self.miss_keys
+        return self.miss_keys_fn()
 
 
 def lookup_trace(
@@ -145,15 +154,17 @@ def lookup_trace(
     has_local_state: bool = True,
     window_tokens: int = 0,
     replay_mode: str = "",
+    miss_keys_fn: Callable[[], Sequence[bytes]] | None = None,
 ) -> LookupTrace:
     """The trace of one lookup. `miss_keys`: the keys of full chunks hit_chunks.. (the store's
     `chunk_keys(ns, tokens)[hit_chunks:]`; only worth hashing when something missed);
-    `boundary_key`: the key of the last hit chunk (where local state is held)."""
+    `boundary_key`: the key of the last hit chunk (where local state is held); `miss_keys_fn`:
+    a function giving `miss_keys` when they are first needed, in their place."""
     return LookupTrace(
         namespace=namespace, chunk_tokens=chunk_tokens, full_chunks=full_chunks, hit_chunks=hit_chunks,
         remainder_tokens=remainder_tokens, miss_keys=tuple(miss_keys), token_mismatch=token_mismatches > 0,
         boundary_key=boundary_key, pool_miss_reason=pool_miss_reason, has_local_state=has_local_state,
-        window_tokens=window_tokens, replay_mode=replay_mode,
+        window_tokens=window_tokens, replay_mode=replay_mode, miss_keys_fn=miss_keys_fn,
     )
 
 
@@ -406,8 +417,9 @@ class Explainer:
         if trace is not None:
             chunk_tokens, full, remainder = trace.chunk_tokens, trace.full_chunks, trace.remainder_tokens
             hit_chunks = trace.hit_chunks
-            if trace.miss_keys:
-                chunks = self.explain_chunks(trace.namespace, trace.hit_chunks, trace.miss_keys,
+            miss_keys = trace.missed_keys()
+            if miss_keys:
+                chunks = self.explain_chunks(trace.namespace, trace.hit_chunks, miss_keys,
                                              token_mismatch=trace.token_mismatch, present=present)
             if hit_chunks and trace.has_local_state and rec.local_outcome in ("expired", "replayed"):
                 local_reason, local_detail = self.explain_local(trace.namespace, trace.boundary_key,

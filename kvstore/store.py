@@ -33,6 +33,7 @@ import numpy as np
 
 from kvstore.config.store import StoreConfig
 from kvstore.errors import InvalidInput, UnknownModel
+from kvstore.explain import ChunkFateSink, NoFates, RefusalReason
 from kvstore.keys import Namespace, as_token_array, chain_keys, chunk_token_bytes
 from kvstore.layout import CacheLayout, ModelSpec
 from kvstore.pins import PinReceipt, PinTable
@@ -104,7 +105,11 @@ class GlobalStore:
         self._counters: dict[str, int] = {}
         self._by_tier: dict[str, int] = {}
         self._ignored: dict[str, int] = {}
+        self._fates: ChunkFateSink = NoFates()  # told when a chunk leaves or is kept out (the explainer)
         self._recover()
+
+    def set_fate_sink(self, sink: ChunkFateSink) -> None:
+        self._fates = sink
 
     # --- namespaces and validation -----------------------------------------------------------------
 
@@ -169,6 +174,10 @@ class GlobalStore:
     def chunk_keys(self, ns: Namespace, tokens: np.ndarray) -> list[bytes]:
         layout = self.layout(ns)
         return chain_keys(ns.digest, chunk_token_bytes(tokens, layout.chunk_tokens))
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
 
     # --- store (two-phase) ------------------------------------------------------------------------
 
@@ -236,6 +245,7 @@ class GlobalStore:
                 if not hot and key not in durable_keys:
                     del self._index[key]
                     skipped += 1
+                    self._fates.refused(key, ns.digest, self._refusal(ns.tenant, len(p)))
                 else:
                     placed += 1
             all_durable = all(
@@ -249,6 +259,15 @@ class GlobalStore:
             durable=all_durable,
             remainder_tokens=txn.remainder_tokens,
         )
+
+    def _refusal(self, tenant: str, payload_bytes: int) -> RefusalReason:
+        """Why a chunk found no place: the tenant's quota in some tier, else the tiers' room."""
+        quota = self._quotas.get(tenant, TenantQuota())
+        for t in TIER_ORDER:
+            limit = quota.limit(t)
+            if limit >= 0 and self._tenant_used.get((tenant, t), 0) + self._tiers[t].footprint(payload_bytes) > limit:
+                return "over_quota"
+        return "no_room"
 
     def _remember_namespace(self, ns: Namespace) -> None:
         if ns.digest in self._known_ns:
@@ -309,6 +328,8 @@ class GlobalStore:
         self._bump_tier("corrupt", tier)
         self._policies[tier].remove(key)
         self._uncharge(key, entry, tier)
+        if key not in self._index:  # that was its last copy
+            self._fates.corrupt(key, entry.namespace, tier)
 
     def _release(self, receipt: PinReceipt, read_keys: Sequence[bytes]) -> None:
         with self._lock:
@@ -372,6 +393,8 @@ class GlobalStore:
             self._bump_tier("evictions", tier)
             self._bump_tier(f"evict_reason:{tier}", reason)
             self._demote(key, entry, tier)
+            if key not in self._index:  # no lower tier took it: dropped from the store
+                self._fates.dropped(key, entry.namespace, tier, reason)
 
     def _demote(self, key: bytes, entry: _Entry, tier: TierName) -> None:
         """Move a victim down to the next tier that lacks it (if any has room), then drop it here.

@@ -164,6 +164,45 @@ def test_tenant_quota_is_never_exceeded(tmp_path: Path) -> None:
     assert tb["big"]["device"] > 4096  # the other tenant is not held to it
 
 
+class _Fates:
+    """A chunk-fate sink that records what the store tells it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, bytes, bytes, str]] = []
+
+    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str) -> None:
+        self.seen.append(("dropped:" + reason, key, namespace, tier))
+
+    def corrupt(self, key: bytes, namespace: bytes, tier: str) -> None:
+        self.seen.append(("corrupt", key, namespace, tier))
+
+    def refused(self, key: bytes, namespace: bytes, reason: str) -> None:
+        self.seen.append((reason, key, namespace, ""))
+
+
+def test_the_store_reports_refused_and_dropped_chunks_to_its_fate_sink(tmp_path: Path) -> None:
+    quotas = {"tiny": TenantQuota(device_bytes=0, dram_bytes=0, lmdb_bytes=0)}
+    store = open_store(tmp_path, quotas=quotas, device_capacity_bytes=0, dram_capacity_bytes=0,
+                       lmdb_capacity_bytes=16 * 4096)
+    fates = _Fates()
+    store.set_fate_sink(fates)
+    tiny = store.namespace("tiny", "reference-toy-8", "bounded")
+    toks = tokens_for(400, 2 * CHUNK)
+    assert store_prefix(store, tiny, toks).skipped_chunks == 2
+    keys = store.chunk_keys(tiny, toks)
+    assert sorted(fates.seen) == sorted(("over_quota", k, tiny.digest, "") for k in keys)
+    assert not store.contains(keys[0])
+    # Chunks pushed out of the last tier that held them are reported once, with the tier and reason.
+    fates.seen.clear()
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    for seed in range(40):
+        store_prefix(store, ns, tokens_for(500 + seed, 2 * CHUNK))
+    dropped = [f for f in fates.seen if f[0].startswith("dropped")]
+    assert dropped and all(f[0] == "dropped:capacity" and f[3] == "lmdb" for f in dropped)
+    assert not any(store.contains(f[1]) for f in dropped) and len({f[1] for f in dropped}) == len(dropped)
+    store.check_invariants()
+
+
 def test_pinned_chunks_are_not_evicted_and_stale_pins_expire(tmp_path: Path) -> None:
     now = [0.0]
     store = GlobalStore(small_config(device_capacity_bytes=2 * 4096, dram_capacity_bytes=0,

@@ -9,7 +9,10 @@ Where other parts plug in (each is optional; the service runs without it):
   `app.config.replay`, `app.clock`). Absent: `app.coordinator` is None and an expired `Resume`
   reports "expired" without replaying.
 - observability: append callables to `app.observers`; each gets a `CallRecord` after every KVCache
-  call (method, tenant, status code name, seconds, the request's bills). The admin HTTP port is
+  call (method, tenant, status code name, seconds, the request's bills, its request id and trace).
+  Every app with a local pool has one already: `service.returns.ReturnTracker`, which tells the TTL
+  policy in force (`app.ttl_policy`) each session's return gap; with `[trace] enabled`, the
+  `service.request_trace.RequestTracer` appends one JSON line per Lookup/Resume. The admin HTTP port is
   started by `kvstore.admin.server.start_admin(app, host, port, health=...)` when that module
   exists, else by the minimal /healthz server in `admin_hook.py`.
 
@@ -29,12 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.config import KvstoreConfig, LocalPoolConfig
-from kvstore.errors import ConfigError, UnknownModel
+from kvstore.errors import ConfigError, StorageError, UnknownModel
+from kvstore.explain import LocalWriteTrace, LookupTrace
 from kvstore.layout import CacheLayout, ModelSpec, exact_replay_tokens, get_model
 from kvstore.local_pool.base import LocalPool
 from kvstore.service.replay_port import ReplayCoordinator
+from kvstore.service.request_trace import RequestTracer
+from kvstore.service.returns import ReturnTracker
 from kvstore.service.runners import RunnerRegistry
 from kvstore.store import GlobalStore, TenantQuota
+from kvstore.trace import TraceWriter
 from kvstore.v1 import kvstore_pb2 as pb
 from policies.base import TtlPolicy
 
@@ -54,6 +61,9 @@ class CallRecord:
     case: str = ""  # Resume: "cold" | "warm" | "expired"
     local_state: str = ""  # "hit" | "expired" | "absent" | "not_applicable" | "replayed"
     bills: pb.Bills | None = None
+    request_id: str = ""  # the caller's x-request-id, or one made up for it (echoed in the trailer)
+    session: str = ""  # the caller's x-session-id, if it sent one
+    trace: LookupTrace | LocalWriteTrace | None = None  # what the miss explainer needs
 
 
 CallObserver = Callable[[CallRecord], None]
@@ -69,7 +79,9 @@ class App:
     runners: RunnerRegistry
     clock: Callable[[], float]
     coordinator: ReplayCoordinator | None = None
+    ttl_policy: TtlPolicy | None = None  # the local pool's policy in force (None: unknown, or no pool)
     observers: list[CallObserver] = field(default_factory=list)
+    on_close: list[Callable[[], None]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     _closed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -84,7 +96,8 @@ class App:
         need a restart and are not applied."""
         cfg = dataclasses.replace(self.config, local_pool=dataclasses.replace(self.config.local_pool, ttl=new.ttl))
         if self.local_pool is not None:
-            self.local_pool.set_ttl_policy(build_ttl_policy(cfg, self.models))
+            self.ttl_policy = build_ttl_policy(cfg, self.models)
+            self.local_pool.set_ttl_policy(self.ttl_policy)
         self.config = cfg
 
     def describe(self) -> list[str]:
@@ -133,6 +146,8 @@ class App:
             closer()
         if self.local_pool is not None:
             self.local_pool.close()
+        for close in self.on_close:
+            close()
         self.store.close()
 
 
@@ -184,10 +199,26 @@ def optional_part(module: str, name: str) -> Any:
     return getattr(mod, name, None)
 
 
-def build_pool(cfg: KvstoreConfig, models: dict[str, ModelSpec], clock: Callable[[], float]) -> LocalPool:
+def build_pool(cfg: KvstoreConfig, models: dict[str, ModelSpec], clock: Callable[[], float],
+               policy: TtlPolicy | None = None) -> LocalPool:
     from kvstore.local_pool import build_local_pool
 
-    return build_local_pool(cfg.local_pool, build_ttl_policy(cfg, models), clock)
+    return build_local_pool(cfg.local_pool, policy or build_ttl_policy(cfg, models), clock)
+
+
+def install_observers(app: App) -> None:
+    """The observers every service has: session returns for the TTL policy (with a pool), and the
+    request trace when the config turns it on."""
+    if app.local_pool is not None:
+        app.observers.append(ReturnTracker(lambda: app.ttl_policy, app.clock))
+    if app.config.trace.enabled:
+        try:
+            writer = TraceWriter(app.config.trace.path)
+        except StorageError as e:
+            raise ConfigError("trace.path", str(e)) from None
+        tracer = RequestTracer(writer, app.layouts())
+        app.observers.append(tracer)
+        app.on_close.append(tracer.close)
 
 
 def build_app(
@@ -205,9 +236,10 @@ def build_app(
     models = served_models(cfg)
     store = GlobalStore(cfg.store, ddir, list(models.values()), tenant_quotas(cfg), clock=clock)
     try:
-        pool = build_pool(cfg, models, clock) if local_pool == "config" else local_pool
+        policy = build_ttl_policy(cfg, models) if local_pool == "config" else None
+        pool = build_pool(cfg, models, clock, policy) if local_pool == "config" else local_pool
         assert not isinstance(pool, str)
-        app = App(cfg, ddir, models, store, pool, RunnerRegistry(), clock)
+        app = App(cfg, ddir, models, store, pool, RunnerRegistry(), clock, ttl_policy=policy)
         factory = coordinator_factory
         if factory == "config":
             factory = None
@@ -216,6 +248,7 @@ def build_app(
         assert not isinstance(factory, str)
         if factory is not None:
             app.coordinator = factory(app)
+        install_observers(app)
     except BaseException:
         store.close()
         raise

@@ -2,16 +2,20 @@
 
 The bills (DESIGN.md section 1) priced per request: prefill tokens avoided (the global hit) and
 still to prefill, replay tokens, and per tier the tokens hit and the bytes a load moves. The
-local-state status asks the pool for the snapshot at the boundary chunk key.
+local-state status asks the pool for the snapshot at the boundary chunk key. `trace` is what the
+miss explainer is told about a lookup.
 
 What it does not know: gRPC status codes, or how the pool or the store keep their bytes.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvstore.explain import LookupTrace, lookup_trace
+from kvstore.keys import chain_keys, chunk_token_bytes
 from kvstore.layout import exact_replay_tokens
 from kvstore.local_pool.base import GetResult
 from kvstore.service.calls import Resolved
@@ -83,3 +87,42 @@ def boundary_key(app: App, res: Resolved, chunks: int, lookup: LookupResult | No
     if lookup is not None and lookup.boundary_key and lookup.hit_chunks == chunks:
         return lookup.boundary_key
     return app.store.chunk_keys(res.ns, res.tokens[: chunks * res.chunk_tokens])[-1]
+
+
+def trace(
+    app: App, res: Resolved, r: LookupResult, hit_chunks: int, got: GetResult | None, key: bytes | None = None,
+) -> LookupTrace:
+    """The miss explainer's view of a lookup that reached `hit_chunks` (at most `r.hit_chunks`);
+    `got`: the pool's answer at that boundary, `key`: the boundary key when the caller has it.
+
+    The keys of the missed chunks are computed only when first read (the explainer, or the request
+    trace for a cold request), and then only for the missed part: they chain on from the boundary
+    key, so the hit prefix is not hashed again. A Lookup stays as cheap as it was when nobody reads
+    them."""
+    ct, full = res.chunk_tokens, r.full_chunks
+    boundary = b""
+    if hit_chunks:
+        boundary = key if key is not None else boundary_key(app, res, hit_chunks, r)
+    has_local = res.layout.local_snapshot_bytes > 0
+    pool_reason = ""
+    if hit_chunks and has_local and app.local_pool is None:
+        pool_reason = "no_pool"
+    elif hit_chunks and has_local and got is not None:
+        pool_reason = got.miss_reason or ""
+    miss_fn = None
+    if hit_chunks < full:
+        start, missed = boundary or res.ns.digest, res.tokens[hit_chunks * ct : full * ct]
+
+        @functools.cache
+        def miss_keys() -> tuple[bytes, ...]:
+            return tuple(chain_keys(start, chunk_token_bytes(missed, ct)))
+
+        miss_fn = miss_keys
+    return lookup_trace(
+        namespace=res.ns.digest, full_chunks=full, hit_chunks=hit_chunks, chunk_tokens=ct,
+        boundary_key=boundary, remainder_tokens=r.remainder_tokens,
+        # A mismatch is where the lookup stopped; a shorter hit (a pin that found less) did not stop there.
+        token_mismatches=r.token_mismatches if hit_chunks == r.hit_chunks else 0,
+        pool_miss_reason=pool_reason, has_local_state=has_local, window_tokens=res.layout.local.window_tokens,
+        replay_mode=res.ns.replay_mode, miss_keys_fn=miss_fn,
+    )

@@ -5,6 +5,8 @@ resolution, status-code mapping and the call record.
 the call while draining (UNAVAILABLE) or beyond the concurrency bound (RESOURCE_EXHAUSTED),
 authenticates the caller, and on the way out maps any exception to a status code through
 `codes.status_for` (the only mapping there is) and reports a `CallRecord` to the app's observers.
+Each call has a request id: the caller's `x-request-id` (if it is a safe id) or a fresh one,
+echoed in the trailing metadata so that `kvstore explain` can find the request.
 A call whose client has gone (cancelled, deadline passed) ends quietly: nobody is listening, and
 an error log per cancelled stream would only be noise.
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -24,6 +26,7 @@ import grpc
 import numpy as np
 
 from kvstore.errors import InvalidInput, ResourceExhausted, Unauthenticated, Unavailable
+from kvstore.explain import REQUEST_ID_RE, LocalWriteTrace, LookupTrace, request_id_from
 from kvstore.keys import REPLAY_MODES, Namespace
 from kvstore.layout import CacheLayout, ModelSpec
 from kvstore.service.app import App, CallRecord
@@ -49,6 +52,9 @@ class CallState:
     case: str = ""
     local_state: str = ""
     bills: pb.Bills | None = None
+    request_id: str = ""
+    session: str = ""
+    trace: LookupTrace | LocalWriteTrace | None = None
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -68,6 +74,16 @@ class Resolved:
         return len(self.tokens) // self.layout.chunk_tokens
 
 
+def session_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The caller's `x-session-id` if it is a safe id (as for request ids), else "". It is written
+    to the request trace, so nothing else is accepted."""
+    for k, v in metadata or ():
+        if k.lower() == "x-session-id":
+            s = v.decode("ascii", "replace") if isinstance(v, bytes) else v
+            return s if REQUEST_ID_RE.match(s) else ""
+    return ""
+
+
 class CallGuard:
     def __init__(self, app: App, auth: Authenticator, limiter: CallLimiter) -> None:
         self._app = app
@@ -81,7 +97,10 @@ class CallGuard:
 
     @contextmanager
     def enter(self, context: grpc.ServicerContext, method: str) -> Iterator[CallState]:
-        state = CallState(method)
+        metadata = context.invocation_metadata()
+        state = CallState(method, request_id=request_id_from(metadata), session=session_from(metadata))
+        # Echoed so that a caller that sent no id can still find its request (`kvstore explain`).
+        context.set_trailing_metadata((("x-request-id", state.request_id),))
         t0 = time.perf_counter()
         code = grpc.StatusCode.OK
         message = ""
@@ -123,6 +142,7 @@ class CallGuard:
         rec = CallRecord(
             method=state.method, tenant=state.tenant, code=code.name, seconds=seconds, model=state.model,
             case=state.case, local_state=state.local_state, bills=state.bills,
+            request_id=state.request_id, session=state.session, trace=state.trace,
         )
         for obs in self._app.observers:
             try:

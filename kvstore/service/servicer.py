@@ -26,7 +26,7 @@ import grpc
 
 from kvstore import __version__
 from kvstore.errors import InvalidInput
-from kvstore.service.bills import local_status, price
+from kvstore.service.bills import local_status, price, trace
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.framing import ChunkAssembler, plan_pieces
 from kvstore.service.servicer_local import LocalStateCalls
@@ -70,7 +70,8 @@ class KVCacheServicer(LocalStateCalls):
             req = accept(request, pb.LookupRequest)
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens)
             r = self.app.store.lookup(res.ns, res.tokens)
-            state, _ = local_status(self.app, res, r.hit_chunks, context.time_remaining(), r)
+            state, got = local_status(self.app, res, r.hit_chunks, context.time_remaining(), r)
+            call.trace = trace(self.app, res, r, r.hit_chunks, got)
             snapshot = res.layout.local_snapshot_bytes
             bills = price(res, r.chunk_tiers, replay_tokens=0,
                           local_bytes=snapshot if state == "hit" else 0)
@@ -168,7 +169,9 @@ class KVCacheServicer(LocalStateCalls):
                 yield pb.LoadResponse(header=pb.LoadHeader(
                     hit_tokens=n * res.chunk_tokens, hit_chunks=n, chunk_tokens=res.chunk_tokens,
                     chunk_bytes=res.layout.chunk_bytes))
-                yield from self.stream_chunks(session, res, n, context)
+                loaded: list[str] = []
+                yield from self.stream_chunks(session, res, n, context, loaded)
+                call.bills = price(res, loaded, replay_tokens=0, local_bytes=0)
 
     def stream_chunks(
         self, session: LoadSession, res: Resolved, n: int, context: grpc.ServicerContext,

@@ -16,14 +16,17 @@ What it does not know: how the pool stores snapshots or how a replay is run.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import grpc
 
 from kvstore.errors import InvalidInput
+from kvstore.explain import LocalWriteTrace
 from kvstore.local_pool.base import GetResult
-from kvstore.service.bills import boundary_key, local_status, planned_replay_tokens, price
+from kvstore.service.bills import boundary_key, local_status, planned_replay_tokens, price, trace
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.codes import status_for
 from kvstore.service.framing import BlobAssembler, blob_spans
@@ -98,6 +101,8 @@ class LocalStateCalls:
         key = boundary_key(self.app, res, boundary // ct)
         r = pool.put(res.ns.digest, key, res.ns.tenant, res.ns.layout_id, boundary, payload,
                      context.time_remaining())
+        if r.written:
+            call.trace = LocalWriteTrace(res.ns.digest, key, r.ttl_seconds)
         return pb.StoreLocalResponse(stored=r.written, reason=r.skip_reason or "", ttl_seconds=r.ttl_seconds,
                                      boundary_tokens=boundary)
 
@@ -146,6 +151,7 @@ class LocalStateCalls:
             pinned_key = session.keys[n - 1] if session is not None and n else None  # saves re-hashing
             state, got = local_status(self.app, res, n, deadline, r, pinned_key)
             case = "cold" if n == 0 else ("expired" if state == "expired" else "warm")
+            replay_t0 = time.perf_counter()
             replay = self._start_replay(res, case, n * res.chunk_tokens, deadline)
             plan = planned_replay_tokens(res, n * res.chunk_tokens) if replay is not None else 0
             size = res.layout.local_snapshot_bytes
@@ -166,6 +172,7 @@ class LocalStateCalls:
         if session is None:
             loaded = list(tiers)
         outcome = self._local_outcome(state, got, replay, len(loaded) < n, context)
+        replay_seconds = time.perf_counter() - replay_t0 if replay is not None else 0.0
         snapshot = outcome.snapshot
         if snapshot is not None and len(snapshot) != size:
             snapshot, outcome = None, ReplayOutcome(None, outcome.replay_tokens, "wrong snapshot size")
@@ -177,6 +184,10 @@ class LocalStateCalls:
             yield pb.ResumeResponse(local=pb.LocalPiece(offset=off, data=bytes(view[off:end])))
         bills = price(res, loaded, outcome.replay_tokens, len(view), moved=session is not None)
         call.local_state, call.bills = final, bills
+        # The status only of a replay that was started ("" otherwise: nothing was replayed, nothing failed).
+        call.trace = dataclasses.replace(trace(self.app, res, r, n, got, pinned_key),
+                                         replay_status=outcome.status if replay is not None else "",
+                                         replay_seconds=replay_seconds)
         yield pb.ResumeResponse(trailer=pb.ResumeTrailer(
             local_state=LOCAL_TO_PB[final], snapshot_bytes=len(view), replay_tokens=outcome.replay_tokens,
             replay_status=outcome.status, bills=bills))

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from tests.store_helpers import CHUNK, open_store, store_prefix, tokens_for
 
-
 # The durable tier is large enough never to evict: a missing chunk can only be a lost write.
 WRITER_CONFIG = {"device_capacity_bytes": 0, "dram_capacity_bytes": 4 * 4096, "lmdb_capacity_bytes": 256 << 20}
 

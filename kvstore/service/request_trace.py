@@ -1,0 +1,105 @@
+"""The service's request trace (`[trace] enabled`): one JSON line per Lookup/Resume, for
+`kvstore tune ttl --trace FILE`.
+
+`RequestTracer` is an `App` observer. For each successful Lookup or Resume it appends a
+`kvstore.trace.TraceRecord`: wall-clock time, tenant, session, prompt tokens, the local-state
+outcome, and the model's snapshot size and replay length (so `tune` prices each request by its
+own model). Never token ids, keys or payloads.
+
+The session: the caller's `x-session-id` when it sent one (the client's `session=` option), else
+an opaque id derived from the namespace digest and the boundary chunk key (a hash prefix, which
+cannot be turned back into either): the key of the last hit chunk, or for a cold request the key
+of its last full chunk. A retry at the same boundary gets the same id, and a cold request's
+successor that hits exactly the prefix it sent does too; but an engine that stores more than the
+prompt (the generated tokens) moves the boundary each turn, so derived ids do not link turns.
+Engines that want `tune` to see whole sessions send `x-session-id`.
+
+Outcomes: "cold" (no global hit), "hit" (snapshot held, or a model that keeps no local state),
+"replayed" (rebuilt by a replay), "expired" (global hit, no snapshot: the pool cannot always tell
+an expired snapshot from one never written, Redis cannot; `tune` treats both alike).
+
+What it does not know: gRPC, the pool, or how traces are evaluated (kvstore.tune).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from kvstore.explain import LookupTrace
+from kvstore.layout import CacheLayout, exact_replay_tokens
+from kvstore.trace import LocalOutcome, TraceRecord, TraceWriter
+
+if TYPE_CHECKING:
+    from kvstore.service.app import CallRecord
+
+log = logging.getLogger("kvstore.service")
+
+_TRACED = ("Lookup", "Resume")
+
+
+def derived_session(namespace: bytes, boundary_key: bytes) -> str:
+    """An opaque, stable session id for a request that did not name its session."""
+    return "k" + hashlib.sha256(b"kvstore-session\x00" + namespace + boundary_key).hexdigest()[:16]
+
+
+def trace_outcome(local_state: str, hit_tokens: int) -> LocalOutcome:
+    if hit_tokens == 0:
+        return "cold"
+    if local_state in ("hit", "not_applicable"):
+        return "hit"
+    return "replayed" if local_state == "replayed" else "expired"
+
+
+class RequestTracer:
+    """Writes one `TraceRecord` per successful Lookup/Resume; `close()` closes the file."""
+
+    def __init__(
+        self,
+        writer: TraceWriter,
+        layouts: Mapping[str, CacheLayout],
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._writer = writer
+        self._layouts = dict(layouts)
+        self._wall = wall_clock
+        self._failed = False
+
+    def __call__(self, call: CallRecord) -> None:
+        if call.code != "OK" or call.method not in _TRACED or call.bills is None:
+            return
+        trace = call.trace if isinstance(call.trace, LookupTrace) else None
+        layout = self._layouts.get(call.model)
+        snapshot = replay = 0
+        if layout is not None and layout.local_snapshot_bytes > 0:
+            snapshot = layout.local_snapshot_bytes
+            mode = trace.replay_mode if trace is not None else ""
+            replay = exact_replay_tokens(layout) if mode == "exact" else layout.local.window_tokens
+        record = TraceRecord(
+            time=round(self._wall(), 6), tenant=call.tenant, session=call.session or _session_of(trace),
+            prefix_tokens=int(call.bills.prompt_tokens),
+            local_outcome=trace_outcome(call.local_state, int(call.bills.prefill_tokens_avoided)),
+            snapshot_bytes=snapshot, replay_tokens=replay,
+        )
+        try:
+            self._writer.write(record)
+        except (OSError, ValueError):  # a full disk or a closed file: never fail the call over it
+            if not self._failed:
+                self._failed = True
+                log.exception("cannot append to the request trace; further failures are not logged")
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _session_of(trace: LookupTrace | None) -> str:
+    if trace is None:
+        return derived_session(b"", b"")
+    key = trace.boundary_key
+    if not key and trace.full_chunks:
+        missed = trace.missed_keys()  # cold: hashes the prompt (only when the trace is on)
+        key = missed[-1] if missed else b""
+    return derived_session(trace.namespace, key)

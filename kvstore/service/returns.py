@@ -1,0 +1,96 @@
+"""Session returns for the TTL policy: how long after a local snapshot was written its session came
+back, reported to the policy in force so that a learning policy (the adaptive TTL) learns.
+
+`ReturnTracker` is an `App` observer. It remembers, per (namespace digest, boundary chunk key),
+when a local snapshot was last written there (a StoreLocal, or a replay that rebuilt one), in a
+bounded LRU map. When a Lookup or Resume hits a global prefix whose boundary is in the map, the
+session has returned: `policy.observe_return(tenant, now - written_at)`. That includes returns
+that found the snapshot expired: reporting only hits would censor the gaps at the TTL and pull
+the learned TTL down (see `policies.ttl`).
+
+A return consumes the write it is measured from: one write, at most one return. The adaptive
+policy infers the sessions that never come back from writes against returns, and an engine that
+calls Lookup and then Resume for one request must not count as two returns (the second one after
+a gap of milliseconds). The next write at a boundary (the engine's StoreLocal after the turn, or
+the replay's) starts the next gap.
+
+Time is the app's monotonic clock, the one the pool measures TTLs with. The policy is read
+through a callable at each return, so a hot reload's new policy is the one told.
+
+What it does not know: gRPC, the pool's backend, or what the policy does with a gap.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvstore.explain import LocalWriteTrace, LookupTrace
+from policies.base import TtlPolicy
+
+if TYPE_CHECKING:
+    from kvstore.service.app import CallRecord
+
+MAX_BOUNDARIES = 100_000  # ~200 B each: about 20 MB at most
+_RETURNS = ("Lookup", "Resume")
+
+
+class ReturnTracker:
+    """Thread-safe; memory bounded by `max_boundaries` (least recently written dropped first)."""
+
+    def __init__(
+        self,
+        policy: Callable[[], TtlPolicy | None],
+        clock: Callable[[], float],
+        max_boundaries: int = MAX_BOUNDARIES,
+    ) -> None:
+        assert max_boundaries >= 1
+        self._policy = policy
+        self._clock = clock
+        self._max = max_boundaries
+        self._lock = threading.Lock()
+        self._written: OrderedDict[tuple[bytes, bytes], float] = OrderedDict()
+        self.returns_observed = 0
+
+    def __call__(self, call: CallRecord) -> None:
+        if call.code != "OK":
+            return
+        trace = call.trace
+        if isinstance(trace, LocalWriteTrace):
+            self.wrote(trace.namespace, trace.boundary_key)
+            return
+        if call.method not in _RETURNS or not isinstance(trace, LookupTrace) or not trace.boundary_key:
+            return
+        gap = self.returned(trace.namespace, trace.boundary_key)
+        if gap is not None:
+            policy = self._policy()
+            if policy is not None:
+                policy.observe_return(call.tenant, gap)
+        if trace.replay_status == "replayed":  # the coordinator stored the rebuilt snapshot
+            self.wrote(trace.namespace, trace.boundary_key)
+
+    def wrote(self, namespace: bytes, boundary_key: bytes) -> None:
+        """A local snapshot was written at this boundary now."""
+        key = (namespace, boundary_key)
+        now = self._clock()
+        with self._lock:
+            self._written[key] = now
+            self._written.move_to_end(key)
+            while len(self._written) > self._max:
+                self._written.popitem(last=False)
+
+    def returned(self, namespace: bytes, boundary_key: bytes) -> float | None:
+        """Seconds since the write at this boundary (consuming it), or None if none is known."""
+        now = self._clock()
+        with self._lock:
+            at = self._written.pop((namespace, boundary_key), None)
+            if at is None:
+                return None
+            self.returns_observed += 1
+        return max(0.0, now - at)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._written)

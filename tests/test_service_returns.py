@@ -1,0 +1,94 @@
+"""Session returns reach the TTL policy: the service tells the policy in force how long after a
+local snapshot's write its session came back (hits and expired returns alike), so the adaptive
+policy learns in the live service; and the tracker's own contract (one return per write, bounded)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import KvstoreConfig, LocalPoolConfig, TtlPolicyConfig
+from kvstore.layout import get_model
+from kvstore.service.returns import ReturnTracker
+from policies.ttl import AdaptiveTtl
+from tests.test_admin_workload import FakeClock
+from tests.test_metrics_service import MODEL, config, prompt, start, store
+
+BREAK_EVEN_SECONDS = 100.0
+
+
+def adaptive_config() -> KvstoreConfig:
+    layout = get_model(MODEL).layout
+    replay_cost = float(layout.local.window_tokens)  # one replay, at 1 per token
+    hold = replay_cost / (BREAK_EVEN_SECONDS * layout.local_snapshot_bytes)
+    ttl = TtlPolicyConfig(kind="adaptive", ttl_seconds=300, min_ttl_seconds=5, max_ttl_seconds=3600,
+                          replay_cost_per_token=1.0, hold_cost_per_byte_second=hold,
+                          adaptive_min_samples=8, adaptive_window_samples=64)
+    cfg = config()
+    # Only the toy model: the policy prices snapshots by the largest served model's layout.
+    return replace(cfg, local_pool=LocalPoolConfig(ttl=ttl), service=replace(cfg.service, models=(MODEL,)))
+
+
+def test_the_adaptive_policy_learns_from_returns_in_the_live_service(tmp_path: Path) -> None:
+    r = start(tmp_path, adaptive_config())
+    try:
+        policy = r.app.ttl_policy
+        assert isinstance(policy, AdaptiveTtl) and policy.ttl_for_tenant("default") == 300
+        assert policy.describe()["break_even_seconds"] == pytest.approx(BREAK_EVEN_SECONDS)
+        # Two sessions come back 400 s after their snapshot was written (it has expired: those
+        # returns count too, and are replayed), ten after 20-38 s.
+        gaps = [400.0, 400.0] + [20.0 + 2 * i for i in range(10)]
+        for i, gap in enumerate(gaps):
+            toks = prompt(200 + i, 3, extra=0)
+            store(r, toks)  # chunks, then the local snapshot at their boundary
+            r.clock.advance(gap)
+            if i == 0:  # an engine that looks up first and then resumes: one return, not two
+                r.client.lookup(MODEL, toks)
+            got = r.client.resume(MODEL, toks)
+            if i < 8:  # before the policy has its 8 samples, snapshots live the configured 300 s
+                assert got.local_state == ("hit" if gap < 300 else "replayed"), (gap, got.local_state)
+        doc = policy.describe()["tenants"]["default"]  # type: ignore[index]
+        assert doc["samples"] == len(gaps) and doc["learned"] is True
+        # With a break-even of 100 s, holding for the long returns costs more than replaying them:
+        # the TTL drops from the configured 300 s to the short gaps, and new writes get it.
+        learned = policy.ttl_for_tenant("default")
+        assert 20 <= learned <= 38, learned
+        assert r.client.store_local(MODEL, prompt(299, 3, extra=0),
+                                    bytes(r.app.layouts()[MODEL].local_snapshot_bytes)).ttl_seconds == learned
+
+        # A hot reload puts a new policy in force; the returns go to it from then on.
+        r.app.reload_local_pool(r.app.config.local_pool)
+        fresh = r.app.ttl_policy
+        assert isinstance(fresh, AdaptiveTtl) and fresh is not policy
+        toks = prompt(300, 3, extra=0)
+        store(r, toks)
+        r.clock.advance(12)
+        r.client.resume(MODEL, toks)
+        assert fresh.describe()["tenants"]["default"]["samples"] == 1  # type: ignore[index]
+        assert policy.describe()["tenants"]["default"]["samples"] == len(gaps)  # type: ignore[index]
+    finally:
+        r.stop()
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.gaps: list[tuple[str, float]] = []
+
+    def observe_return(self, tenant: str, gap_seconds: float) -> None:
+        self.gaps.append((tenant, gap_seconds))
+
+
+def test_the_tracker_counts_one_return_per_write_and_stays_bounded() -> None:
+    clock = FakeClock()
+    t = ReturnTracker(lambda: None, clock, max_boundaries=2)
+    ns = b"n" * 32
+    t.wrote(ns, b"a")
+    clock.advance(5)
+    assert t.returned(ns, b"a") == 5.0
+    assert t.returned(ns, b"a") is None  # consumed
+    assert t.returned(b"m" * 32, b"a") is None  # another namespace's boundary is another boundary
+    for k in (b"x", b"y", b"z"):
+        t.wrote(ns, k)
+    assert len(t) == 2 and t.returned(ns, b"x") is None and t.returned(ns, b"z") == 0.0

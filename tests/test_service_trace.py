@@ -1,0 +1,107 @@
+"""The request trace through the real service (`[trace] enabled`): one JSON line per Lookup/Resume,
+no token contents, sessions from `x-session-id` or derived; the file feeds `kvstore tune ttl`.
+And the request id: the client sends one, the server echoes it, the explainer files it."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.admin.observer import Observability
+from kvstore.cli import main
+from kvstore.client import InvalidArgumentError
+from kvstore.config import TraceConfig
+from kvstore.trace import read_trace
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.test_metrics_service import CHUNK, MODEL, config, prompt, start, store
+
+
+def test_the_trace_records_each_lookup_and_resume_and_feeds_tune(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    r = start(tmp_path / "data", replace(config(), trace=TraceConfig(enabled=True, path=str(path))))
+    toks = prompt(7, 5)  # 5 full chunks and 3 more tokens
+    try:
+        assert r.client.resume(MODEL, toks).case == "cold"  # no session named: derived
+        store(r, toks)  # its Lookup (cold again) is traced too; Store and StoreLocal are not
+        assert r.client.resume(MODEL, toks, session="chat-1").case == "warm"
+        r.clock.advance(r.app.config.local_pool.ttl.ttl_seconds + 1)
+        assert r.client.resume(MODEL, toks, session="chat-1").local_state == "replayed"
+        r.client.lookup(MODEL, prompt(8, 1), session="chat-2")
+        with pytest.raises(InvalidArgumentError):
+            r.client.lookup("no-such-model", toks)  # failed calls are not traced
+    finally:
+        r.stop()  # closes the trace file
+
+    text = path.read_text()
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert len(lines) == 5 and all(set(d) == {"time", "tenant", "session", "prefix_tokens", "local_outcome",
+                                               "snapshot_bytes", "replay_tokens"} for d in lines)
+    assert str(int(toks[1])) not in {str(v) for d in lines for v in d.values()}  # no token contents
+    records = list(read_trace(path))
+    assert [x.local_outcome for x in records] == ["cold", "cold", "hit", "replayed", "cold"]
+    assert {x.prefix_tokens for x in records[:4]} == {5 * CHUNK + 3} and records[4].prefix_tokens == CHUNK + 3
+    assert [x.session for x in records[2:]] == ["chat-1", "chat-1", "chat-2"]
+    # A request that names no session gets an opaque id, the same for the same prompt.
+    assert records[0].session == records[1].session and records[0].session.startswith("k")
+    assert len(records[0].session) == 17 and records[0].session != records[2].session
+    assert all(x.tenant == "default" and abs(x.time - time.time()) < 600 for x in records)
+    layout = r.app.layouts()[MODEL]
+    assert records[0].snapshot_bytes == layout.local_snapshot_bytes
+    assert records[0].replay_tokens == layout.local.window_tokens
+
+    assert main(["tune", "ttl", "--trace", str(path), "--model", MODEL, "--chunk-tokens", str(CHUNK),
+                 "--ttl", "60,300", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["trace"]["requests"] == 5 and report["trace"]["sessions"] == 3
+    assert report["recommended"]["eligible"] == 1  # chat-1's second request: a return with a global hit
+
+
+def test_the_trace_is_off_by_default(tmp_path: Path) -> None:
+    r = start(tmp_path, config())
+    try:
+        r.client.resume(MODEL, prompt(9, 2))
+        from kvstore.service.request_trace import RequestTracer
+
+        assert not any(isinstance(o, RequestTracer) for o in r.app.observers)
+    finally:
+        r.stop()
+    assert not list(tmp_path.glob("*.jsonl"))
+
+
+def test_request_ids_are_sent_echoed_and_explained(tmp_path: Path) -> None:
+    r = start(tmp_path, config())
+    toks = prompt(10, 3)
+    try:
+        mine = r.client.resume(MODEL, toks, request_id="engine-req-0001")
+        assert mine.request_id == "engine-req-0001"
+        made_up = r.client.lookup(MODEL, toks)
+        assert made_up.request_id and made_up.request_id != mine.request_id
+        assert r.server.admin is not None
+        explainer = next(o for o in r.app.observers if isinstance(o, Observability)).explainer
+        for rid in (mine.request_id, made_up.request_id):
+            e = explainer.get(rid)
+            assert e is not None and e.case == "cold" and e.chunks[0].reason == "never_stored"
+        with pytest.raises(InvalidArgumentError, match="request_id"):
+            r.client.lookup(MODEL, toks, request_id="no spaces, please")
+        with pytest.raises(InvalidArgumentError, match="session"):
+            r.client.resume(MODEL, toks, session="x" * 65)
+        # The server echoes the id in the trailing metadata, its own when the caller sent none.
+        with grpc.insecure_channel(f"127.0.0.1:{r.server.port}") as ch:
+            stub = pb_grpc.KVCacheStub(ch)
+            req = pb.LookupRequest(model=MODEL, tokens=pb.Tokens(u32le=np.asarray(toks, "<u4").tobytes()))
+            _, call = stub.Lookup.with_call(req, metadata=(("x-request-id", "abc.1"),), timeout=10)
+            assert ("x-request-id", "abc.1") in tuple(call.trailing_metadata())
+            _, call = stub.Lookup.with_call(req, metadata=(("x-request-id", "bad id"),), timeout=10)
+            echoed = dict(call.trailing_metadata())["x-request-id"]
+            assert echoed != "bad id" and explainer.get(echoed) is not None
+    finally:
+        r.stop()
