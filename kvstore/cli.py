@@ -31,7 +31,10 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvstore", description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="kvstore",
+        description="kvstore: a tiered KV-cache persistence service with bounded replay (gRPC sidecar).",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, help_text in COMMANDS:
         try:
