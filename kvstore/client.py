@@ -51,7 +51,7 @@ from kvstore.client_types import (
 from kvstore.errors import KvstoreError
 from kvstore.explain import REQUEST_ID_RE, new_request_id
 from kvstore.service.framing import BlobAssembler, ChunkAssembler, blob_spans, plan_pieces
-from kvstore.service.wire import PB_TO_CASE, PB_TO_LOCAL, PB_TO_TIER, tokens_to_proto
+from kvstore.service.wire import PB_TO_CASE, PB_TO_LOCAL, PB_TO_TIER
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -196,7 +196,8 @@ class KvstoreClient:
         r = self._idempotent("Lookup", lambda t: self._stub.Lookup(req, timeout=t, metadata=metadata),
                              timeout_seconds)
         return LookupResult(
-            hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, chunk_tiers=tuple(PB_TO_TIER[t] for t in r.chunk_tiers),
+            hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks,
+            chunk_tiers=tuple(map(PB_TO_TIER.__getitem__, r.chunk_tiers)),
             local_state=PB_TO_LOCAL.get(r.local_state, "absent"), bills=bills_from_pb(r.bills),
             chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes, full_chunks=r.full_chunks,
             remainder_tokens=r.remainder_tokens, local_snapshot_bytes=r.local_snapshot_bytes,
@@ -435,14 +436,21 @@ def _token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, "token ids must be a flat list", "client")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize <= 4:
+        return arr.astype("<u4", copy=False)  # in range by its type: no pass over the ids
     if arr.size and (not np.issubdtype(arr.dtype, np.integer) or int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
         raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
                                    "token ids must be integers in [0, 2**32)", "client")
     return arr.astype("<u4", copy=False)
 
 
-def _tokens(tokens: Sequence[int] | np.ndarray) -> pb.Tokens:
-    return tokens_to_proto(_token_array(tokens))
+def _tokens(tokens: Sequence[int] | np.ndarray) -> dict[str, bytes]:
+    """The `tokens` field of a request, as the mapping its constructor fills the field from.
+
+    Rejected: passing a built `pb.Tokens`. The constructor copies a message argument into the
+    request again (serialized and parsed), which for a 32K-token prompt cost 10-100+ us per call
+    against ~5 us for filling the field from a mapping."""
+    return {"u32le": np.ascontiguousarray(_token_array(tokens), dtype="<u4").tobytes()}
 
 
 def _as_blob(payloads: Sequence[bytes | memoryview] | bytes, chunk_bytes: int) -> memoryview:

@@ -25,10 +25,10 @@ HTTP. Time comes from injected clocks (monotonic for ages, wall time for people)
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +44,8 @@ REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
 def new_request_id() -> str:
-    return uuid.uuid4().hex[:16]
+    """16 random hex digits (os.urandom directly: a uuid4 object only to cut it was 4x the cost)."""
+    return os.urandom(8).hex()
 
 
 def request_id_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:

@@ -69,9 +69,11 @@ def as_token_array(tokens: Sequence[int] | np.ndarray, vocab_size: int) -> np.nd
         raise InvalidInput("token ids must be a flat list")
     if arr.size == 0:
         return np.zeros(0, dtype="<u4")
-    if not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype.kind not in "iu":  # np.issubdtype(dtype, np.integer), without its ~0.5 us
         raise InvalidInput("token ids must be integers")
-    lo, hi = int(arr.min()), int(arr.max())
+    # An unsigned array (the wire's uint32) cannot go below 0: one pass over it, not two.
+    lo = 0 if arr.dtype.kind == "u" else int(arr.min())
+    hi = int(arr.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise InvalidInput(f"token id {bad} is outside the model's vocab [0, {vocab_size})")

@@ -43,9 +43,10 @@ OTHER = "other"
 METHODS = ("lookup", "resume")
 LOOKUP_RESULTS = ("hit", "miss")
 REPLAY_RESULTS = ("ok", "failed")
-# The coordinator's outcomes (service/replay_port.py), overload (the per-tenant bound refused it)
-# and prefix-lost (the cached prefix went away under the replay or the load).
-REPLAY_FAILURES = ("no-runner", "timeout", "failed", "disabled", "overload", "prefix-lost", OTHER)
+# The coordinator's outcomes (service/replay_port.py, and prefix-gone: the prefix lost a chunk between
+# the lookup and the replay's pin, so there was nothing to replay from), overload (the per-tenant
+# bound refused it) and prefix-lost (the cached prefix went away while the Resume streamed it).
+REPLAY_FAILURES = ("no-runner", "timeout", "failed", "disabled", "overload", "prefix-gone", "prefix-lost", OTHER)
 # Why the first uncached full chunk of a request missed (explain.py decides).
 MISS_REASONS = ("never_stored", "evicted", "corrupt", "over_quota", "not_admitted", "no_room",
                 "token_mismatch", OTHER)

@@ -6,7 +6,7 @@ every decision; they move no bytes themselves except through the store.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -98,6 +98,17 @@ class LoadSession:
         if tier is not None:
             self.read_chunks += 1
         return tier
+
+    def read_joined(
+        self, first: int, count: int, head: Callable[[TierName], bytes]
+    ) -> tuple[TierName, bytes] | None:
+        """`head(tier)` followed by chunks [first, first + count) in one new bytes object, when one
+        in-memory tier holds them all (see `GlobalStore._read_joined`); else None, and nothing
+        was read: use `read_into` chunk by chunk."""
+        got = self._store._read_joined(self.keys[first : first + count], head)
+        if got is not None:
+            self.read_chunks += count
+        return got
 
     def __iter__(self) -> Iterator[LoadedChunk]:
         for i in range(len(self.keys)):

@@ -5,19 +5,27 @@ The coordinator then
 1. plans the replay: the last W tokens before the boundary H (`bounded`), or the last
    L_enc(W-1)+1 (`exact`), never before position 0, so a prefix of at most W tokens replays
    from 0 and comes out exact either way;
-2. pins the prefix with a store load session and reads its chunks (a replay reads the cached
-   global rows below H; it never rewrites them);
+2. pins the prefix with `store.pin_prefix` (a load that is not counted as a lookup: the request
+   was counted by its own) and reads its chunks (a replay reads the cached global rows below H;
+   it never rewrites them);
 3. sends one `ReplayJob` to the first runner that serves the model (attached runners first, the
    in-process reference runner after them), waits within the deadline, and re-queues a job whose
    runner died on another runner while time is left;
 4. stores the rebuilt snapshot in the local pool under its TTL policy and returns it.
 
-Identical concurrent replays (same namespace and boundary key) are coalesced: one leader runs the
-job, the others wait for its outcome. Replays in flight are bounded per tenant; beyond the bound
-`resume_local` raises `ResourceExhausted`. Everything else that goes wrong (no runner, a timeout,
-a runner that died with no other to take over, a prefix evicted meanwhile) is an outcome with no
-snapshot: the engine recomputes the local state itself. Batching happens in the runners, which
-run whatever is queued together (see `replay/runner.py`).
+Admission comes first and apart from the replay: `admit` is called synchronously by the service
+before its Resume answers, and either hands out a `ReplayTicket` or raises `ResourceExhausted`
+(the tenant already has `per_tenant_concurrency` distinct replays admitted or running), so an
+over-limit Resume fails with RESOURCE_EXHAUSTED instead of promising a replay it cannot run.
+Identical concurrent replays (same namespace and boundary key) are coalesced: the first admission
+opens a flight and takes the tenant's slot, later ones join it without taking another; the first
+ticket used runs the job (the leader), the others wait for its outcome. The slot is given back
+when the flight ends, or when every ticket of a flight that never ran has been released.
+
+Everything else that goes wrong (no runner, a timeout, a runner that died with no other to take
+over, a prefix evicted meanwhile) is an outcome with no snapshot: the engine recomputes the local
+state itself. Batching happens in the runners, which run whatever is queued together (see
+`replay/runner.py`; the in-process one runs a batch in one forward).
 
 The replay mode is part of the key namespace (`Namespace.replay_mode`), so a boundary replayed
 approximately never serves a request that asked for exact state, and vice versa.
@@ -43,7 +51,15 @@ from kvstore.errors import InvalidInput, ResourceExhausted
 from kvstore.keys import Namespace
 from kvstore.layout import CacheLayout, exact_replay_tokens
 from kvstore.local_pool.base import LocalPool
-from kvstore.service.replay_port import DISABLED, FAILED, NO_RUNNER, REPLAYED, TIMEOUT, ReplayOutcome
+from kvstore.service.replay_port import (
+    DISABLED,
+    FAILED,
+    NO_RUNNER,
+    REPLAYED,
+    TIMEOUT,
+    ReplayOutcome,
+    ReplayTicket,
+)
 from kvstore.store import GlobalStore
 from replay.runner import ReplayJob, ReplayMode, ReplayResult, Runner
 
@@ -67,7 +83,7 @@ RECENT_MAX = 64  # and at most this many (each holds a snapshot: 1.29 MiB for V4
 class ReplayCounters:
     """What the coordinator has done since it started (for metrics and the dashboard)."""
 
-    requests: int  # resume_local calls
+    requests: int  # admissions asked for (resume_local without a ticket asks for one itself)
     replays_started: int  # jobs sent to a runner by a leader (re-queues not counted)
     replays_ok: int  # snapshots rebuilt
     coalesced: int  # requests served by another request's replay
@@ -75,13 +91,14 @@ class ReplayCounters:
     timeouts: int
     failures: int  # runner errors, runners lost with no other to take over, prefixes gone
     no_runner: int
-    rejected: int  # over the per-tenant bound (ResourceExhausted)
+    rejected: int  # admissions refused: over the per-tenant bound (ResourceExhausted)
     disabled: int  # replay mode "off" or a model without local state
     replay_tokens: int  # tokens run by replays that rebuilt a snapshot
     replay_seconds: float  # summed over replays that rebuilt a snapshot
     pool_writes_skipped: int  # rebuilt snapshots the pool did not keep (full, down)
-    in_flight: int  # distinct replays running now
+    in_flight: int  # distinct replays admitted or running now
     queue_depth: int  # jobs submitted to runners and not answered yet
+    tickets_held: int  # admissions neither used by resume_local nor released
 
 
 @dataclass(frozen=True)
@@ -102,10 +119,24 @@ def plan_replay(layout: CacheLayout, mode: ReplayMode, boundary: int) -> ReplayP
     return ReplayPlan(mode, max(0, boundary - length), boundary)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Flight:
+    """One replay of one boundary, from its first admission until its outcome is known."""
+
     future: cf.Future[ReplayOutcome]
     tenant: str
+    tickets: int = 0  # admissions joined to it, neither used nor released yet
+    led: bool = False  # a request is running it
+    done: bool = False  # its outcome is set (or it ended without running)
+
+
+@dataclass(frozen=True)
+class _Admission:
+    """What a ticket stands for: a flight to lead or join, or an outcome known at admission."""
+
+    fkey: tuple[bytes, bytes]
+    flight: _Flight | None
+    outcome: ReplayOutcome | None = None
 
 
 class _Counts:
@@ -135,6 +166,7 @@ class ReplayCoordinator:
         self._clock = clock
         self._lock = threading.Lock()
         self._flights: dict[tuple[bytes, bytes], _Flight] = {}
+        self._tickets: dict[ReplayTicket, _Admission] = {}
         self._recent: dict[tuple[bytes, bytes], tuple[float, ReplayOutcome]] = {}
         self._per_tenant: dict[str, int] = {}
         self._queued = 0
@@ -142,27 +174,28 @@ class ReplayCoordinator:
 
     # --- the port the service calls ------------------------------------------------------------
 
-    def resume_local(
-        self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, deadline_seconds: float
-    ) -> ReplayOutcome:
-        start = self._clock()
-        budget = min(deadline_seconds, self.cfg.timeout_seconds) if deadline_seconds > 0 else self.cfg.timeout_seconds
+    def admit(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int) -> ReplayTicket:
+        """A ticket for a replay at `tokens[:hit_tokens]`, or `ResourceExhausted` when the tenant's
+        distinct replays are at the bound. A replay of a boundary already admitted (or just
+        finished) joins it and takes no slot. Quick: hashing the prefix's keys, no I/O."""
+        ticket = ReplayTicket(ns.tenant, hit_tokens)
         layout = self.store.layout(ns)
         if ns.replay_mode == "off" or layout.local_snapshot_bytes == 0:
-            self._bump("disabled")
-            return ReplayOutcome(None, 0, DISABLED)
+            with self._lock:
+                self._c.bump("requests")
+                self._tickets[ticket] = _Admission((ns.digest, b""), None, ReplayOutcome(None, 0, DISABLED))
+            return ticket
         ct = layout.chunk_tokens
         if hit_tokens <= 0 or hit_tokens % ct or hit_tokens > len(tokens):
             raise InvalidInput(f"a replay boundary must be a positive multiple of {ct} within the prompt, "
                                f"got {hit_tokens} of {len(tokens)} tokens")
-        boundary_key = self.store.chunk_keys(ns, tokens[:hit_tokens])[-1]
-        fkey = (ns.digest, boundary_key)
+        fkey = (ns.digest, self.store.chunk_keys(ns, tokens[:hit_tokens])[-1])
         with self._lock:
             self._c.bump("requests")
-            recent = self._recent_outcome(fkey, start)
+            recent = self._recent_outcome(fkey, self._clock())
             if recent is not None:
-                self._c.bump("coalesced")
-                return ReplayOutcome(recent.snapshot, 0, recent.status)
+                self._tickets[ticket] = _Admission(fkey, None, ReplayOutcome(recent.snapshot, 0, recent.status))
+                return ticket
             flight = self._flights.get(fkey)
             if flight is None:
                 if self._per_tenant.get(ns.tenant, 0) >= self.cfg.per_tenant_concurrency:
@@ -172,33 +205,77 @@ class ReplayCoordinator:
                         "flight (replay.per_tenant_concurrency); retry with backoff or recompute locally")
                 flight = self._flights[fkey] = _Flight(cf.Future(), ns.tenant)
                 self._per_tenant[ns.tenant] = self._per_tenant.get(ns.tenant, 0) + 1
-                leader = True
+            flight.tickets += 1
+            self._tickets[ticket] = _Admission(fkey, flight)
+        return ticket
+
+    def release(self, ticket: ReplayTicket) -> None:
+        """Give back a ticket `resume_local` did not use (the Resume failed or went away first).
+        Idempotent; a used ticket is already given back."""
+        with self._lock:
+            adm = self._tickets.pop(ticket, None)
+            if adm is None or adm.flight is None:
+                return
+            flight = adm.flight
+            flight.tickets -= 1
+            if flight.tickets or flight.led or flight.done:
+                return
+            self._end_flight(adm.fkey, flight)  # admitted, never run, and nobody else holds it
+        flight.future.set_result(ReplayOutcome(None, 0, "not run"))
+
+    def resume_local(
+        self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, deadline_seconds: float,
+        ticket: ReplayTicket | None = None,
+    ) -> ReplayOutcome:
+        """Rebuild the local state at `hit_tokens` under `ticket` (None: admit now, which may
+        raise `ResourceExhausted`). The ticket is used up whatever happens."""
+        if ticket is None:
+            ticket = self.admit(ns, tokens, hit_tokens)
+        start = self._clock()
+        budget = min(deadline_seconds, self.cfg.timeout_seconds) if deadline_seconds > 0 else self.cfg.timeout_seconds
+        with self._lock:
+            adm = self._tickets.pop(ticket, None)
+            assert adm is not None, "a replay ticket is used once, and never after it was released"
+            flight = adm.flight
+            if flight is None:
+                assert adm.outcome is not None
+                self._c.bump("disabled" if adm.outcome.status == DISABLED else "coalesced")
+                return adm.outcome
+            flight.tickets -= 1
+            leader = not flight.led and not flight.done
+            if leader:
+                flight.led = True
             else:
                 self._c.bump("coalesced")
-                leader = False
         if not leader:
             return self._join(flight, budget)
         outcome = ReplayOutcome(None, 0, FAILED)
         try:
-            outcome = self._lead(ns, layout, tokens, hit_tokens, boundary_key, start, budget)
+            outcome = self._lead(ns, self.store.layout(ns), tokens, hit_tokens, adm.fkey[1], start, budget)
         except Exception:  # a bug must not leave the followers waiting, nor fail the Resume
             log.exception("replay at boundary %d failed unexpectedly", hit_tokens)
             self._bump("failures")
         finally:
             # Only after the snapshot is in the pool: a request arriving now finds it there.
             with self._lock:
-                del self._flights[fkey]
+                self._end_flight(adm.fkey, flight)
                 if outcome.snapshot is not None:
-                    self._recent[fkey] = (self._clock(), outcome)
+                    self._recent[adm.fkey] = (self._clock(), outcome)
                     if len(self._recent) > RECENT_MAX:
                         del self._recent[next(iter(self._recent))]  # the oldest
-                left = self._per_tenant[ns.tenant] - 1
-                if left:
-                    self._per_tenant[ns.tenant] = left
-                else:
-                    del self._per_tenant[ns.tenant]
             flight.future.set_result(outcome)
         return outcome
+
+    def _end_flight(self, fkey: tuple[bytes, bytes], flight: _Flight) -> None:
+        """The flight is over: forget it and give its tenant's slot back (called under the lock)."""
+        flight.done = True
+        if self._flights.get(fkey) is flight:
+            del self._flights[fkey]
+        left = self._per_tenant[flight.tenant] - 1
+        if left:
+            self._per_tenant[flight.tenant] = left
+        else:
+            del self._per_tenant[flight.tenant]
 
     def _recent_outcome(self, fkey: tuple[bytes, bytes], now: float) -> ReplayOutcome | None:
         """A replay of this boundary that finished moments ago (called under the lock)."""
@@ -228,7 +305,7 @@ class ReplayCoordinator:
         ct, cb = layout.chunk_tokens, layout.chunk_bytes
         n = hit // ct
         # The pin holds the prefix in place (no eviction, no demotion) while the runner reads it.
-        with self.store.load(ns, tokens[:hit], n) as session:
+        with self.store.pin_prefix(ns, tokens[:hit], n) as session:
             if len(session) < n:
                 self._bump("failures")
                 return ReplayOutcome(None, 0, PREFIX_GONE)
@@ -326,7 +403,7 @@ class ReplayCoordinator:
                 failures=n("failures", 0), no_runner=n("no_runner", 0), rejected=n("rejected", 0),
                 disabled=n("disabled", 0), replay_tokens=n("replay_tokens", 0),
                 replay_seconds=self._c.replay_seconds, pool_writes_skipped=n("pool_writes_skipped", 0),
-                in_flight=len(self._flights), queue_depth=self._queued,
+                in_flight=len(self._flights), queue_depth=self._queued, tickets_held=len(self._tickets),
             )
 
     def close(self) -> None:
@@ -349,6 +426,7 @@ def build_coordinator(app: App) -> ReplayCoordinator | None:
         configs = reference_configs(app.models.values(), app.config.store.chunk_tokens, cfg.reference_seed)
         if configs:
             runners.append(InProcessRunner(configs, device_option(cfg.device), cfg.max_batch))
+            app.inprocess_replay_models = frozenset(configs)
         else:
             log.warning("replay.runner is 'reference' but no served model is the reference model; "
                         "expired local state is rebuilt only by attached runners")

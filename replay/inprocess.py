@@ -1,7 +1,8 @@
 """The in-process reference runner: replay jobs run on the reference CED model inside the service.
 
-`ReferenceReplayer` turns `ReplayJob`s into `ReferenceModel.replay` calls; it is shared with the
-attached runner process (`replay/attached.py`), which runs the same model on the engine's side.
+`ReferenceReplayer` turns `ReplayJob`s into reference model replays, a batch of jobs for one model
+in one batched forward (`ReferenceModel.replay_batch`); it is shared with the attached runner
+process (`replay/attached.py`), which runs the same model on the engine's side.
 `InProcessRunner` puts one `BatchWorker` in front of it, so the service's replays take turns on
 one device (CUDA when present, else CPU) instead of fighting over its threads.
 
@@ -97,28 +98,63 @@ class ReferenceReplayer:
             return m
 
     def run_batch(self, jobs: Sequence[ReplayJob]) -> list[ReplayResult]:
-        # The reference model has no multi-sequence forward: jobs of one batch run back to back
-        # in one worker turn. A batched forward would slot in here without changing any caller.
-        return [self.run(job) for job in jobs]
+        """Every job, the jobs of one model in one batched forward. A job the model refuses
+        (InvalidInput) would fail its whole forward before it ran: then that model's jobs run one
+        by one, so each gets its own answer."""
+        from replay.model import ReplayRequest  # torch loads with the models, not at import
+
+        results: dict[int, ReplayResult] = {}
+        by_model: dict[str, list[int]] = {}
+        for i, job in enumerate(jobs):
+            refused = self._refusal(job)
+            if refused is not None:
+                results[i] = refused
+            else:
+                by_model.setdefault(job.model, []).append(i)
+        for name, idx in by_model.items():
+            model = self.model(name)
+            assert model is not None  # _refusal checked
+            requests = [ReplayRequest(jobs[i].tokens.astype(np.int64),
+                                      range(jobs[i].position_start, jobs[i].position_end), list(jobs[i].chunks))
+                        for i in idx]
+            try:
+                snaps = model.replay_batch(requests)
+            except InvalidInput:
+                results.update((i, self.run(jobs[i])) for i in idx)
+                continue
+            results.update((i, ReplayResult(snap, "", self._name())) for i, snap in zip(idx, snaps, strict=True))
+        return [results[i] for i in range(len(jobs))]
 
     def run(self, job: ReplayJob) -> ReplayResult:
-        name = f"in-process ({self.device_name})"
+        """One job on its own (`ReferenceModel.replay`)."""
+        refused = self._refusal(job)
+        if refused is not None:
+            return refused
         model = self.model(job.model)
-        if model is None:
-            return ReplayResult.failed(f"the reference runner does not serve model '{job.model}'", name)
-        if job.first_chunk != 0:
-            # The Full layer's indexer scores every record before a query: all rows are needed.
-            return ReplayResult.failed("the reference model needs the global chunks from chunk 0", name)
-        if job.chunk_bytes != model.layout.chunk_bytes:
-            return ReplayResult.failed(
-                f"chunk payloads of {job.chunk_bytes} B do not fit the reference layout's "
-                f"{model.layout.chunk_bytes} B", name)
+        assert model is not None
         try:
             snap = model.replay(job.tokens.astype(np.int64), range(job.position_start, job.position_end),
                                 list(job.chunks))
         except InvalidInput as e:
-            return ReplayResult.failed(str(e), name)
-        return ReplayResult(snap, "", name)
+            return ReplayResult.failed(str(e), self._name())
+        return ReplayResult(snap, "", self._name())
+
+    def _refusal(self, job: ReplayJob) -> ReplayResult | None:
+        """Why the job cannot run here (loading its model if need be), or None."""
+        model = self.model(job.model)
+        if model is None:
+            return ReplayResult.failed(f"the reference runner does not serve model '{job.model}'", self._name())
+        if job.first_chunk != 0:
+            # The Full layer's indexer scores every record before a query: all rows are needed.
+            return ReplayResult.failed("the reference model needs the global chunks from chunk 0", self._name())
+        if job.chunk_bytes != model.layout.chunk_bytes:
+            return ReplayResult.failed(
+                f"chunk payloads of {job.chunk_bytes} B do not fit the reference layout's "
+                f"{model.layout.chunk_bytes} B", self._name())
+        return None
+
+    def _name(self) -> str:
+        return f"in-process ({self.device_name})"
 
 
 def _warm_up(model: ReferenceModel) -> None:

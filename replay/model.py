@@ -19,8 +19,10 @@ alone, and the encoder's hidden states never need storing.
 
 Operations: `prefill` (optionally resuming from cached chunk payloads + a local snapshot),
 `decode_step`, `replay` (bounded or exact rebuild of the encoder local snapshot from cached
-global rows, which it reads and never rewrites). This module knows nothing of stores, keys or
-services; it speaks tensors and the byte formats of `model_cache.py`.
+global rows, which it reads and never rewrites) and `replay_batch` (several replays in one
+batched forward, `model_batch.py`). A layer's weights and per-token math are in
+`model_layers.py`; this module runs the passes. It knows nothing of stores, keys or services; it
+speaks tensors and the byte formats of `model_cache.py`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, cast
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -37,6 +38,7 @@ from torch import Tensor, nn
 from kvstore.errors import InvalidInput
 from kvstore.layout import CacheLayout, ModelSpec, get_model
 from replay import model_ops as ops
+from replay.model_batch import Lane, ReplayRequest, TokenIds, replay_lanes
 from replay.model_cache import (
     GlobalRecords,
     Payload,
@@ -47,79 +49,9 @@ from replay.model_cache import (
     encode_snapshot,
 )
 from replay.model_config import GroupSpec, ModelConfig
+from replay.model_layers import Block, attend, reindex, select_records
 
 ReplayMode = Literal["bounded", "exact"]
-TokenIds = Sequence[int] | Tensor | np.ndarray
-_ATTN_BLOCK = 256  # queries per attention block: bounds the gathered windows to ~16 MB
-_INDEX_BLOCK = 128  # queries per indexer block: bounds the score matrix at 32K tokens to ~32 MB
-
-
-class Compressor(nn.Module):
-    """Pools `ratio` consecutive tokens into one record: a softmax gate per channel over the
-    tokens (plus a learned per-slot bias), for the main KV and the index key alike."""
-
-    def __init__(self, cfg: ModelConfig, ratio: int) -> None:
-        super().__init__()
-        d, hd, di = cfg.d_model, cfg.head_dim, cfg.index_head_dim
-        self.ratio = ratio
-        self.wkv = nn.Parameter(torch.empty(hd, d))
-        self.wgate = nn.Parameter(torch.empty(hd, d))
-        self.wik = nn.Parameter(torch.empty(di, d))
-        self.wigate = nn.Parameter(torch.empty(di, d))
-        self.ape = nn.Parameter(torch.empty(ratio, hd + di))
-        self.kv_norm = nn.Parameter(torch.empty(hd))
-        self.split = (hd, hd, di, di)
-
-    def features(self, h: Tensor) -> Tensor:
-        """Per-token inputs [T, 2hd + 2di]; an unfinished record carries these as its tail."""
-        return torch.cat([ops.linear(h, w) for w in (self.wkv, self.wgate, self.wik, self.wigate)], dim=-1)
-
-    def pool(self, feats: Tensor, first_record: int, cfg: ModelConfig) -> tuple[Tensor, Tensor]:
-        """feats [n*ratio, F] -> (main [n, hd], index [n, di]) for records first_record.., unquantized."""
-        r = self.ratio
-        n = feats.shape[0] // r
-        kv, g, ik, gi = feats.view(n, r, feats.shape[-1]).split(self.split, dim=-1)  # each [n, r, .]
-        w = (torch.cat([g, gi], dim=-1) + self.ape).softmax(dim=1)  # [n, r, hd + di]
-        wkv, wik = w.split((self.split[0], self.split[2]), dim=-1)
-        main, index = wkv[:, 0] * kv[:, 0], wik[:, 0] * ik[:, 0]
-        for j in range(1, r):  # explicit adds: a fixed summation order
-            main = main + wkv[:, j] * kv[:, j]
-            index = index + wik[:, j] * ik[:, j]
-        main = ops.rms_norm(main, self.kv_norm, cfg.norm_eps)
-        # A record sits at its last token's position: it becomes visible there.
-        pos = (torch.arange(n, device=feats.device) + first_record + 1) * r - 1
-        cos, sin = ops.rope_tables(pos, cfg.rope_dim, cfg.rope_theta)
-        return ops.apply_rope(main, cos, sin), ops.apply_rope(index, cos, sin)
-
-
-class Block(nn.Module):
-    """One layer: SWA K=V + global selection + attention with a sink, then a SwiGLU MLP."""
-
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
-        d, hd, h = cfg.d_model, cfg.head_dim, cfg.n_heads
-        self.mode = cfg.layer_modes[layer]
-        self.group = cfg.group_of(layer)
-        self.attn_norm = nn.Parameter(torch.empty(d))
-        self.wq = nn.Parameter(torch.empty(h * hd, d))
-        self.wkv = nn.Parameter(torch.empty(hd, d))
-        self.wo = nn.Parameter(torch.empty(d, h * hd))
-        self.sink = nn.Parameter(torch.empty(h))
-        self.mlp_norm = nn.Parameter(torch.empty(d))
-        self.w1 = nn.Parameter(torch.empty(cfg.mlp_hidden, d))
-        self.w3 = nn.Parameter(torch.empty(cfg.mlp_hidden, d))
-        self.w2 = nn.Parameter(torch.empty(d, cfg.mlp_hidden))
-        self.wiq: nn.Parameter | None = None
-        self.wiw: nn.Parameter | None = None
-        if self.mode in ("full", "reindex"):
-            self.wiq = nn.Parameter(torch.empty(cfg.index_n_heads * cfg.index_head_dim, d))
-            self.wiw = nn.Parameter(torch.empty(cfg.index_n_heads, d))
-        # The encoder's Full layers compress their own input; the decoder's Full layer (the CED
-        # source) compresses the encoder's final output at ratio 1.
-        self.compressor: Compressor | None = None
-        if self.mode == "full":
-            assert self.group is not None
-            self.compressor = Compressor(cfg, cfg.groups()[self.group].ratio)
 
 
 @dataclass
@@ -282,22 +214,35 @@ class ReferenceModel(nn.Module):
         """Rebuild the encoder local snapshot at H = positions[-1] + 1 from the tokens at `positions`
         (contiguous) and the cached global rows of chunks covering [0, H), which are read and never
         rewritten. A query at i sees SWA keys only in [max(s, i - W + 1), i], s = positions[0]."""
+        lane = self._replay_lane(ReplayRequest(tokens, positions, global_payloads))
+        rows = [SwaRows.empty(self.cfg, lane.start, self.device) for _ in self.cfg.encoder_layers]
+        p = self._encoder(lane.toks, lane.start, lane.start, rows, lane.groups, [], write=False)
+        return encode_snapshot(self.cfg, p.rows, lane.end)
+
+    @torch.inference_mode()
+    def replay_batch(self, requests: Sequence[ReplayRequest]) -> list[bytes]:
+        """`replay` of several requests (any modes, lengths and prefixes) in one batched forward
+        (`model_batch.py`): the same snapshots, bit for bit on CPU. One bad request fails the
+        call (InvalidInput) before anything runs."""
+        lanes = [self._replay_lane(r) for r in requests]
+        return replay_lanes(self, lanes) if lanes else []
+
+    def _replay_lane(self, r: ReplayRequest) -> Lane:
+        """A replay request checked, with its cached records decoded."""
         cfg = self.cfg
-        toks = self._tokens(tokens)
-        pos = list(positions)
+        toks = self._tokens(r.tokens)
+        pos = list(r.positions)
         if len(pos) != len(toks) or not pos:
             raise InvalidInput("replay needs one position per token, and at least one token")
         s, h = pos[0], pos[-1] + 1
         if s < 0 or pos != list(range(s, h)):
             raise InvalidInput("replay positions must be contiguous and non-negative")
-        if h > len(global_payloads) * cfg.chunk_tokens:
-            raise InvalidInput(f"replay up to {h} needs global rows for [0, {h}); got {len(global_payloads)} chunks")
+        n_chunks = len(r.global_payloads)
+        if h > n_chunks * cfg.chunk_tokens:
+            raise InvalidInput(f"replay up to {h} needs global rows for [0, {h}); got {n_chunks} chunks")
         if s > max(0, h - cfg.window):
             raise InvalidInput(f"replay from {s} cannot rebuild the window [{h - cfg.window}, {h})")
-        groups = decode_chunk_payloads(cfg, global_payloads, self.device)
-        rows = [SwaRows.empty(cfg, s, self.device) for _ in cfg.encoder_layers]
-        p = self._encoder(toks, s, s, rows, groups, [], write=False)
-        return encode_snapshot(cfg, p.rows, h)
+        return Lane(toks, s, h, decode_chunk_payloads(cfg, r.global_payloads, self.device))
 
     def encode_chunk_payloads(self, state: ModelState, first_chunk: int, end_chunk: int) -> list[bytes]:
         return encode_chunk_payloads(self.cfg, state.groups, first_chunk, end_chunk)
@@ -380,78 +325,22 @@ class ReferenceModel(nn.Module):
         """x [T, d] -> [T, d]; `i` indexes the layer within its half (p.rows)."""
         cfg = self.cfg
         # The layer's SWA K=V row, stored in FP8 and used as stored.
-        kv = ops.apply_rope(ops.linear(h, blk.wkv), p.cos, p.sin)  # [T, hd]
+        kv = blk.swa_kv(h, p.cos, p.sin)  # [T, hd]
         p.rows[i] = p.rows[i].since(p.lo).append(SwaRows.quantize(p.pos0, kv))
         records = p.groups[blk.group] if blk.group is not None else None
         if blk.mode == "full":
             assert records is not None
-            p.sel, p.pool = self._select(blk, h, p, records)
+            iq, iw = blk.index_queries(h, p.cos, p.sin)
+            p.sel, p.pool = select_records(iq, iw, p.pos0, records, cfg.topk, cfg.pool_size)
         elif blk.mode == "reindex":
-            assert records is not None
-            p.sel = self._reindex(blk, h, p, records)
+            assert records is not None and p.pool is not None, "a Reindex layer needs its Full layer's pool"
+            iq, iw = blk.index_queries(h, p.cos, p.sin)
+            p.sel = reindex(iq, iw, p.pool, F.pad(records.index, (0, 0, 0, 1)), len(records), cfg.topk)
         elif blk.mode == "swa":
             p.sel = None
-        q = ops.apply_rope(ops.linear(h, blk.wq).view(p.n, cfg.n_heads, cfg.head_dim), p.cos, p.sin)
-        attn = self._attend(blk, q * cfg.head_dim**-0.5, p.rows[i], p, records)  # [T, H, hd]
-        x = x + ops.linear(attn.reshape(p.n, -1), blk.wo)
-        m = ops.rms_norm(x, blk.mlp_norm, cfg.norm_eps)
-        return x + ops.linear(F.silu(ops.linear(m, blk.w1)) * ops.linear(m, blk.w3), blk.w2)
-
-    def _attend(self, blk: Block, q: Tensor, rows: SwaRows, p: _Pass, records: GlobalRecords | None) -> Tensor:
-        w = self.cfg.window
-        lo = max(p.lo, rows.start)
-        assert rows.start <= max(p.lo, p.pos0 - w + 1), "SWA rows missing below the window"
-        padded = None
-        if p.sel is not None and records is not None:
-            padded = F.pad(records.main, (0, 0, 0, 1))  # invalid selections point at the zero row
-        out = torch.empty_like(q)
-        for b0 in range(0, p.n, _ATTN_BLOCK):
-            b1 = min(p.n, b0 + _ATTN_BLOCK)
-            first = p.pos0 + b0 - w + 1  # the first window slot of the block's first query
-            src_lo = max(first, rows.start)
-            keys = rows.values[src_lo - rows.start : p.pos0 + b1 - rows.start]
-            keys = F.pad(keys, (0, 0, src_lo - first, 0))  # [b + W - 1, hd]
-            sel_kv = sel_valid = None
-            if padded is not None and p.sel is not None:
-                sel_kv, sel_valid = padded[p.sel[0][b0:b1]], p.sel[1][b0:b1]
-            out[b0:b1] = ops.window_attention(q[b0:b1], keys, lo, p.pos0 + b0, w, sel_kv, sel_valid, blk.sink)
-        return out
-
-    def _index_queries(self, blk: Block, h: Tensor, p: _Pass) -> tuple[Tensor, Tensor]:
-        cfg = self.cfg
-        assert blk.wiq is not None and blk.wiw is not None
-        iq = ops.linear(h, blk.wiq).view(p.n, cfg.index_n_heads, cfg.index_head_dim)
-        iw = ops.linear(h, blk.wiw) * (cfg.index_n_heads * cfg.index_head_dim) ** -0.5
-        return ops.apply_rope(iq, p.cos, p.sin), iw  # [T, Hi, Di], [T, Hi]
-
-    def _select(
-        self, blk: Block, h: Tensor, p: _Pass, records: GlobalRecords
-    ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-        """Full layer: score every visible record, keep top-k, and publish the top pool_size."""
-        cfg = self.cfg
-        iq, iw = self._index_queries(blk, h, p)
-        sel, pool = [], []
-        for b0 in range(0, p.n, _INDEX_BLOCK):
-            b1 = min(p.n, b0 + _INDEX_BLOCK)
-            n_vis = records.visible(p.pos0 + b1 - 1)
-            scores = ops.index_scores(iq[b0:b1], iw[b0:b1], records.index[:n_vis])  # [b, n_vis]
-            limit = (torch.arange(p.pos0 + b0, p.pos0 + b1, device=h.device) + 1) // records.ratio
-            scores.masked_fill_(torch.arange(n_vis, device=h.device)[None, :] >= limit[:, None], float("-inf"))
-            sel.append(ops.select_topk(scores, cfg.topk, fill=len(records)))
-            pool.append(ops.select_topk(scores, cfg.pool_size, fill=len(records)))
-        return _cat_pairs(sel), _cat_pairs(pool)
-
-    def _reindex(self, blk: Block, h: Tensor, p: _Pass, records: GlobalRecords) -> tuple[Tensor, Tensor]:
-        """Reindex layer: its own index queries re-score the Full layer's candidate pool."""
-        assert p.pool is not None, "a Reindex layer needs the pool its group's Full layer published"
-        iq, iw = self._index_queries(blk, h, p)
-        keys = F.pad(records.index, (0, 0, 0, 1))
-        pidx, pvalid = p.pool  # [T, P], ascending record index, invalid last
-        cand = keys[pidx]  # [T, P, Di]
-        s = ops.head_sum(torch.einsum("thd,tpd->thp", iq, cand).relu_(), iw)
-        top, valid = ops.select_topk(s.masked_fill(~pvalid, float("-inf")), self.cfg.topk, fill=0)
-        # Pool slots are in ascending record order, so the mapped indices stay ascending.
-        return torch.where(valid, pidx.gather(1, top), len(records)), valid
+        q = blk.queries(h, p.cos, p.sin)  # [T, H, hd]
+        attn = attend(q, p.rows[i], p.lo, p.pos0, cfg.window, p.sel, records, blk.sink)  # [T, H, hd]
+        return blk.finish(x, attn)
 
     # --- helpers ---------------------------------------------------------------------------------------
 
@@ -467,10 +356,6 @@ class ReferenceModel(nn.Module):
         return [SwaRows(r.start, r.raw.clone(), r.values.clone()) for r in out]
 
 
-def _cat_pairs(pairs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    return torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
-
-
 def load_reference_model(name: str = "reference-toy-8", device: str | torch.device | None = None,
                          **overrides: int | float) -> ReferenceModel:
     """The reference model by ModelSpec name, with config overrides (window, seed, ...)."""
@@ -480,6 +365,6 @@ def load_reference_model(name: str = "reference-toy-8", device: str | torch.devi
 
 
 __all__ = [
-    "GroupSpec", "ModelConfig", "ModelState", "PrefillResult", "ReferenceModel", "ReplayMode",
+    "GroupSpec", "ModelConfig", "ModelState", "PrefillResult", "ReferenceModel", "ReplayMode", "ReplayRequest",
     "load_reference_model",
 ]

@@ -174,6 +174,17 @@ def test_replay_failure_reasons_come_from_a_fixed_set() -> None:
     assert replay_failure("wrong snapshot size") == "other"
 
 
+def test_a_prefix_gone_under_the_replay_has_its_own_label(reg: CollectorRegistry) -> None:
+    from kvstore.metrics import replay_failure
+    from replay.coordinator import PREFIX_GONE
+
+    assert replay_failure(PREFIX_GONE) == "prefix-gone"
+    m = Metrics(reg)
+    m.replay(0.01, PREFIX_GONE)
+    assert value(reg, "kvstore_replay_failures_total", reason="prefix-gone") == 1
+    assert value(reg, "kvstore_replay_failures_total", reason="other") == 0
+
+
 def test_an_untimed_replay_counts_without_a_latency_sample(reg: CollectorRegistry) -> None:
     m = Metrics(reg)
     m.request(record("resume", "expired", "replayed", ["dram"], replay=ReplayResult(None, 16)))

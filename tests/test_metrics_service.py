@@ -20,7 +20,7 @@ from kvstore.client import KvstoreClient
 from kvstore.config import KvstoreConfig, LocalPoolConfig, StoreConfig
 from kvstore.keys import Namespace
 from kvstore.service.app import App, build_app
-from kvstore.service.replay_port import ReplayOutcome
+from kvstore.service.replay_port import ReplayOutcome, ReplayTicket
 from kvstore.service.server import KvstoreServer
 from kvstore.tiers.factory import LMDB_SUBDIR
 from tests.test_admin_workload import FakeClock
@@ -46,11 +46,17 @@ class StandInCoordinator:
     def __init__(self, app: App) -> None:
         self.app = app
 
+    def admit(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int) -> ReplayTicket:
+        return ReplayTicket(ns.tenant, hit_tokens)
+
     def resume_local(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int,
-                     deadline_seconds: float) -> ReplayOutcome:
+                     deadline_seconds: float, ticket: ReplayTicket) -> ReplayOutcome:
         layout = self.app.store.layout(ns)
         n = min(layout.local.window_tokens, hit_tokens)
         return ReplayOutcome(bytes(layout.local_snapshot_bytes), n, "replayed")
+
+    def release(self, ticket: ReplayTicket) -> None:
+        pass
 
     def queue_depth(self) -> int:
         return 0  # it never queues

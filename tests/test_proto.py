@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.service.wire import chunk_piece_frame, encode_chunk_piece
+from kvstore.service.wire import chunk_piece_frame, chunk_piece_head, encode_chunk_piece
 from kvstore.v1 import kvstore_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,6 +109,26 @@ def test_hand_encoded_pieces_equal_the_library_encoding(
     cls = pb.ResumeResponse if resume else pb.LoadResponse
     expected = cls(chunks=piece)
     assert cls.FromString(wire) == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(first=st.integers(0, 2**32 - 1), tiers=st.lists(st.sampled_from([1, 2, 3]), max_size=40),
+       data=st.binary(max_size=3000))
+def test_a_piece_head_and_its_payload_are_the_library_encoding(first: int, tiers: list[int], data: bytes) -> None:
+    wire = chunk_piece_head(first, bytes(tiers), len(data)) + data
+    expected = pb.LoadResponse(chunks=pb.ChunkPiece(first_chunk=first, data=data, tiers=cast(Any, tiers)))
+    assert pb.LoadResponse.FromString(wire) == expected
+
+
+def test_a_reused_frame_buffer_starts_with_cleared_labels() -> None:
+    big = chunk_piece_frame(300, 0, 3, 30)
+    big.buf[big.tiers_start : big.tiers_start + 3] = bytes([pb.TIER_LMDB] * 3)
+    small = chunk_piece_frame(2, 0, 2, 8, into=big.buf)
+    assert small.buf is big.buf and small.size < len(big.buf)
+    small.buf[small.payload_start : small.size] = b"abcdefgh"
+    msg = pb.LoadResponse.FromString(small.finish())
+    assert (msg.chunks.first_chunk, list(msg.chunks.tiers), msg.chunks.data) == (2, [0, 0], b"abcdefgh")
+    assert chunk_piece_frame(2, 0, 2, 64, into=bytearray(4)).size == len(chunk_piece_frame(2, 0, 2, 64).buf)
 
 
 def test_frame_labels_are_filled_in_place() -> None:

@@ -16,7 +16,7 @@ import torch
 from kvstore import codecs
 from kvstore.errors import InvalidInput
 from kvstore.layout import REFERENCE_TOY8, get_model
-from replay.model import ModelState, ReferenceModel, ReplayMode
+from replay.model import ModelState, ReferenceModel, ReplayMode, ReplayRequest
 from replay.model_cache import decode_snapshot
 from replay.model_config import ModelConfig
 
@@ -199,6 +199,33 @@ def test_prefix_within_the_window_replays_from_zero_exactly(model: ReferenceMode
         assert m.replay(toks, span, cold.chunk_payloads) == cold.snapshot
 
 
+@pytest.mark.parametrize("window", [16, 80])  # 80: exact replays of 317 tokens cross the attention and indexer blocks
+def test_batched_replay_equals_each_replay_alone_bit_for_bit(model: ReferenceModel, window: int) -> None:
+    m = model if window == 16 else ReferenceModel(replace(SMALL, window=window), device="cpu")
+    jobs: list[tuple[int, int, ReplayMode]] = [  # (seed, boundary, mode): prefixes of different lengths
+        (1, 352, "exact"), (2, 352, "bounded"), (3, 32, "bounded"), (4, 128, "exact"), (2, 352, "bounded"),
+        (5, 96, "bounded"),
+    ]
+    requests, colds = [], []
+    for seed, hit, mode in jobs:
+        toks = _tokens(hit + 7, seed)
+        cold = m.prefill(toks)
+        span = m.replay_span(hit, mode)
+        requests.append(ReplayRequest(toks[span.start : hit], span, cold.chunk_payloads[: hit // 32]))
+        colds.append(cold)
+    alone = [m.replay(r.tokens, r.positions, r.global_payloads) for r in requests]
+    together = m.replay_batch(requests)
+    assert together == alone
+    for (_, hit, mode), cold, snap in zip(jobs, colds, together, strict=True):
+        if mode == "exact" or hit <= window:  # and exact replays still equal a full recompute
+            assert snap == m.prefill(cold.state.tokens[:hit]).snapshot
+    assert m.replay_batch([]) == []
+    late = requests[1]  # the same job starting 4 tokens too late: it cannot rebuild the whole window
+    bad = ReplayRequest(late.tokens[4:], range(352 - window + 4, 352), late.global_payloads)
+    with pytest.raises(InvalidInput):  # one bad request fails the batch before anything runs
+        m.replay_batch([requests[0], bad])
+
+
 def test_bad_input_is_refused(model: ReferenceModel) -> None:
     toks = _tokens(96)
     cold = model.prefill(toks)
@@ -241,3 +268,13 @@ def test_cuda_replay_within_float_tolerance() -> None:
     got, truth = gpu.decode_snapshot(snap, 256), gpu.decode_snapshot(cold.snapshot, 256)
     for g, t in zip(got, truth, strict=True):
         assert float((g.values - t.values).norm() / t.values.norm()) < 0.05
+    # Batched with another replay: within the same tolerance of the replay alone.
+    other = _tokens(160, seed=9)
+    other_cold = gpu.prefill(other)
+    bounded = gpu.replay_span(160, "bounded")
+    batch = gpu.replay_batch([ReplayRequest(toks[span.start :], span, cold.chunk_payloads),
+                              ReplayRequest(other[bounded.start :], bounded, other_cold.chunk_payloads)])
+    alone = gpu.replay(other[bounded.start :], bounded, other_cold.chunk_payloads)
+    for snap_b, snap_a, h in ((batch[0], snap, 256), (batch[1], alone, 160)):
+        for g, t in zip(gpu.decode_snapshot(snap_b, h), gpu.decode_snapshot(snap_a, h), strict=True):
+            assert float((g.values - t.values).norm() / t.values.norm()) < 0.05

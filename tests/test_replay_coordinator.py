@@ -18,7 +18,7 @@ from kvstore.config.store import StoreConfig
 from kvstore.errors import ResourceExhausted
 from kvstore.keys import Namespace
 from kvstore.local_pool.embedded import EmbeddedPool
-from kvstore.service.replay_port import DISABLED, FAILED, NO_RUNNER, REPLAYED, TIMEOUT
+from kvstore.service.replay_port import DISABLED, FAILED, NO_RUNNER, REPLAYED, TIMEOUT, ReplayOutcome
 from kvstore.store import GlobalStore
 from policies.ttl import FixedTtl
 from replay.coordinator import PREFIX_GONE, ReplayCoordinator, plan_replay
@@ -172,8 +172,11 @@ def test_bounded_replay_rebuilds_layer0_exactly_and_fills_the_pool(rig: Rig, inp
     ns, toks = rig.ns(), tokens(1, 165)
     truth = rig.cache(ns, toks)
     co = rig.coordinator([inproc])
+    before = rig.store.stats()
     out = co.resume_local(ns, toks, 160, 30.0)
     assert (out.status, out.replay_tokens) == (REPLAYED, W)
+    after = rig.store.stats()  # the replay's pin is not a lookup: the request's own was counted
+    assert (after.lookups, after.lookup_hit_tokens, after.pins_active) == (before.lookups, before.lookup_hit_tokens, 0)
     assert out.snapshot is not None and len(out.snapshot) == len(truth)
     assert out.snapshot[: W * ROW] == truth[: W * ROW]  # layer 0 sees only the replayed window
     key = rig.store.chunk_keys(ns, toks[:160])[-1]
@@ -243,8 +246,12 @@ def test_concurrent_replays_are_batched(rig: Rig) -> None:
         rig.cache(ns, p)
     runner = GatedRunner(max_batch=8)
     co = rig.coordinator([runner], per_tenant_concurrency=8)
-    outs: list[object] = []
-    threads = [threading.Thread(target=lambda p=p: outs.append(co.resume_local(ns, p, 64, 30.0))) for p in prompts]
+    outs: dict[int, ReplayOutcome] = {}
+
+    def call(i: int) -> None:
+        outs[i] = co.resume_local(ns, prompts[i], 64, 30.0)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
     threads[0].start()
     runner.gate.entered.wait(30)  # the device is busy with the first replay
     for t in threads[1:]:
@@ -255,7 +262,29 @@ def test_concurrent_replays_are_batched(rig: Rig) -> None:
         t.join(30)
     runner.close()
     assert runner.gate.batches == [1, 3]
-    assert all(o.status == REPLAYED for o in outs)  # type: ignore[attr-defined]
+    assert all(o.status == REPLAYED for o in outs.values())
+    # The three replays that ran in one forward rebuilt what each would have alone.
+    for i, p in enumerate(prompts):
+        alone = MODEL.replay(p[64 - W : 64].astype(np.int64), range(64 - W, 64), MODEL.prefill(p).chunk_payloads)
+        assert outs[i].snapshot == alone
+
+
+def test_a_batch_with_jobs_the_model_refuses_answers_each_job() -> None:
+    replayer = ReferenceReplayer({NAME: CFG}, "cpu")
+    jobs, alone = [], []
+    for seed in (50, 51):
+        toks = tokens(seed, 64)
+        payloads = MODEL.prefill(toks).chunk_payloads
+        jobs.append(ReplayJob("t", NAME, "bounded", toks[48:64], 48, 64, 0, CFG.layout().chunk_bytes,
+                              tuple(payloads), 5.0))
+        alone.append(MODEL.replay(toks[48:64].astype(np.int64), range(48, 64), payloads))
+    late = replace(jobs[0], tokens=jobs[0].tokens[4:], position_start=52)  # cannot rebuild the whole window
+    other = replace(jobs[1], model="no-such-model")
+    results = replayer.run_batch([jobs[0], late, other, jobs[1]])
+    assert [r.ok for r in results] == [True, False, False, True]
+    assert (results[0].snapshot, results[3].snapshot) == (alone[0], alone[1])
+    assert "cannot rebuild the window" in results[1].error and "does not serve" in results[2].error
+    assert replayer.run_batch(jobs) == [replayer.run(j) for j in jobs]  # batched or alone: the same
 
 
 def test_per_tenant_limit_refuses_beyond_the_bound(rig: Rig) -> None:
@@ -280,6 +309,32 @@ def test_per_tenant_limit_refuses_beyond_the_bound(rig: Rig) -> None:
     runner.close()
     c = co.counters()
     assert (c.rejected, c.replays_ok) == (1, 2)
+
+
+def test_admission_counts_a_boundary_once_and_every_path_gives_it_back(rig: Rig, inproc: InProcessRunner) -> None:
+    ns = rig.ns()
+    a, b = tokens(22, 48), tokens(23, 48)
+    rig.cache(ns, a)
+    rig.cache(ns, b)
+    co = rig.coordinator([inproc], per_tenant_concurrency=1)
+    t1 = co.admit(ns, a, 48)
+    t2 = co.admit(ns, a, 48)  # the same boundary: it joins the first and takes no slot
+    with pytest.raises(ResourceExhausted):
+        co.admit(ns, b, 48)
+    co.release(t2)
+    with pytest.raises(ResourceExhausted):  # t1 still holds the slot
+        co.admit(ns, b, 48)
+    co.release(t1)
+    co.release(t1)  # idempotent
+    c = co.counters()
+    assert (c.in_flight, c.tickets_held, c.rejected, c.replays_started) == (0, 0, 2, 0)
+    t3 = co.admit(ns, b, 48)  # the slot is free again
+    out = co.resume_local(ns, b, 48, 30.0, t3)
+    co.release(t3)  # already used up: a no-op
+    assert out.status == REPLAYED
+    c = co.counters()
+    assert (c.in_flight, c.tickets_held, c.replays_ok) == (0, 0, 1)
+    assert rig.store.stats().pins_active == 0
 
 
 # --- faults -------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.client import KvstoreClient
+from kvstore.client import KvstoreClient, ResourceExhaustedError
 from kvstore.config import KvstoreConfig
 from kvstore.demo import Engine, OffsetClock
 from kvstore.layout import register_model
@@ -172,7 +172,8 @@ def _expired_boundary(rig: Rig, seed: int) -> np.ndarray:
 
 def test_ten_identical_concurrent_expired_resumes_replay_once(make_rig: Callable[..., Rig]) -> None:
     gated: list[GatedRunner] = []
-    rig = make_rig(runner_factory=gated_factory(gated))
+    # A bound of one replay per tenant: the ten coalesce into one replay, so none is refused.
+    rig = make_rig(config(replay={"per_tenant_concurrency": 1}), runner_factory=gated_factory(gated))
     prompt = _expired_boundary(rig, 10)
     results: list[Any] = []
     threads = [threading.Thread(target=lambda: results.append(rig.client.resume(NAME, prompt))) for _ in range(10)]
@@ -188,6 +189,7 @@ def test_ten_identical_concurrent_expired_resumes_replay_once(make_rig: Callable
     assert sum(r.replay_tokens for r in results) == W  # one replay's compute, billed once
     c = co.counters()
     assert (c.replays_started, c.replays_ok, c.coalesced, gated[0].gate.batches) == (1, 1, 9, [1])
+    assert (c.rejected, c.in_flight, c.tickets_held) == (0, 0, 0)
 
 
 def test_per_tenant_replay_limit_is_reported_as_resource_exhausted(make_rig: Callable[..., Rig]) -> None:
@@ -199,15 +201,24 @@ def test_per_tenant_replay_limit_is_reported_as_resource_exhausted(make_rig: Cal
     t = threading.Thread(target=lambda: first.append(rig.client.resume(NAME, a)))
     t.start()
     wait_for(lambda: rig.coordinator().counters().in_flight == 1)
-    # The chunks are already on their way when the replay is refused: the trailer says why and
-    # the engine recomputes the local state itself.
-    refused = rig.client.resume(NAME, b)
-    assert (refused.case, refused.local_state, refused.snapshot) == ("expired", "expired", None)
-    assert refused.replay_status.startswith("resource_exhausted") and len(refused.chunks) == 6
+    # Refused at admission, before the header: the call fails, having sent no chunk.
+    with pytest.raises(ResourceExhaustedError, match="per_tenant_concurrency") as e:
+        rig.client.resume(NAME, b)
+    assert e.value.code.name == "RESOURCE_EXHAUSTED"
+    # The same boundary as the replay in flight joins it: coalesced, not refused.
+    joined: list[Any] = []
+    t2 = threading.Thread(target=lambda: joined.append(rig.client.resume(NAME, a)))
+    t2.start()
+    wait_for(lambda: rig.coordinator().counters().coalesced == 1)
     gated[0].gate.open.set()
     t.join(60)
-    assert first[0].local_state == "replayed"
-    assert rig.coordinator().counters().rejected == 1
+    t2.join(60)
+    assert first[0].local_state == joined[0].local_state == "replayed"
+    c = rig.coordinator().counters()
+    assert (c.rejected, c.replays_started, c.in_flight, c.tickets_held) == (1, 1, 0, 0)
+    assert rig.app.store.stats().pins_active == 0  # nothing leaked: no pin, no ticket, no slot
+    again = rig.client.resume(NAME, b)  # the slot is free again
+    assert again.local_state == "replayed"
 
 
 def test_replay_timeout_degrades_and_the_engine_recomputes(make_rig: Callable[..., Rig]) -> None:
@@ -349,3 +360,32 @@ def test_a_runner_the_service_refuses_exits_with_an_error(make_rig: Callable[...
     assert proc.returncode == 2, out
     assert "refused this runner: INVALID_ARGUMENT" in out and "layout" in out
     assert rig.app.runners.runners() == []
+
+
+# --- health -----------------------------------------------------------------------------------------
+
+def test_runners_health_says_serving_only_when_a_served_model_has_a_runner(tmp_path: Path) -> None:
+    from kvstore.service.app import build_app
+    from kvstore.service.health import HealthReporter
+    from kvstore.service.runners import RunnerInfo
+    from tests.fixtures.service import DENSE
+
+    # replay.runner = "reference", but the reference model is not served: no runner can replay.
+    app = build_app(config(service={"models": [DENSE]}), tmp_path / "dense")
+    try:
+        assert app.coordinator is not None and not app.inprocess_replay_models
+        health = HealthReporter(app)
+        assert not health.evaluate()["kvstore.runners"]
+        lay = app.layouts()[DENSE]
+        link = app.runners.attach(RunnerInfo("runner-1", DENSE, lay.layout_id, "cuda:0", 4, 8, "engine", None))
+        assert health.evaluate()["kvstore.runners"]  # an engine-side runner for the served model
+        app.runners.detach(link)
+        assert not health.evaluate()["kvstore.runners"]
+    finally:
+        app.close()
+    app = build_app(config(), tmp_path / "reference")
+    try:
+        assert app.inprocess_replay_models == {NAME}
+        assert HealthReporter(app).evaluate()["kvstore.runners"]
+    finally:
+        app.close()

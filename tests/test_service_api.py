@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvstore.client import InvalidArgumentError
-from kvstore.errors import ResourceExhausted
+from kvstore.client import InvalidArgumentError, ResourceExhaustedError
+from kvstore.errors import ResourceExhausted, Unavailable
 from kvstore.keys import Namespace
-from kvstore.service.replay_port import ReplayOutcome
+from kvstore.service.replay_port import ReplayOutcome, ReplayTicket
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, DENSE, TOY, V41, Service, make_config, payloads, tokens
@@ -197,13 +197,27 @@ class FakeCoordinator:
 
     def __init__(self, snapshot: bytes | None, status: str = "replayed", raises: Exception | None = None) -> None:
         self.snapshot, self.status, self.raises = snapshot, status, raises
+        self.refuse: Exception | None = None  # raised by admit
         self.calls: list[tuple[Namespace, int]] = []
+        self.held: set[ReplayTicket] = set()
 
-    def resume_local(self, ns: Namespace, toks: np.ndarray, hit_tokens: int, deadline_seconds: float) -> ReplayOutcome:
+    def admit(self, ns: Namespace, toks: np.ndarray, hit_tokens: int) -> ReplayTicket:
+        if self.refuse is not None:
+            raise self.refuse
+        ticket = ReplayTicket(ns.tenant, hit_tokens)
+        self.held.add(ticket)
+        return ticket
+
+    def resume_local(self, ns: Namespace, toks: np.ndarray, hit_tokens: int, deadline_seconds: float,
+                     ticket: ReplayTicket) -> ReplayOutcome:
+        self.held.remove(ticket)
         self.calls.append((ns, hit_tokens))
         if self.raises is not None:
             raise self.raises
         return ReplayOutcome(self.snapshot, 128 if self.snapshot else 0, self.status)
+
+    def release(self, ticket: ReplayTicket) -> None:
+        self.held.discard(ticket)
 
 
 def test_expired_resume_replays_through_the_coordinator(make_service: Callable[..., Service]) -> None:
@@ -220,13 +234,20 @@ def test_expired_resume_replays_through_the_coordinator(make_service: Callable[.
     assert r.snapshot == rebuilt and r.replay_tokens == 128 and r.replay_status == "replayed"
     assert r.planned_bills.replay_tokens == 128 and r.bills.replay_tokens == 128
     assert coord.calls[0][0].tenant == "default" and coord.calls[0][1] == 10 * CHUNK
-    coord.raises = ResourceExhausted("tenant default has 4 replays running")
-    refused = kv.resume(TOY, prompt)
-    assert refused.local_state == "expired" and refused.snapshot is None
-    assert refused.replay_status.startswith("resource_exhausted:") and len(refused.chunks) == 10
+    # Over the tenant's replay bound: refused at admission, before the header, with nothing pinned.
+    coord.refuse = ResourceExhausted("tenant default has 4 replays running")
+    with pytest.raises(ResourceExhaustedError, match="4 replays running"):
+        kv.resume(TOY, prompt)
+    assert svc.app.store.stats().pins_active == 0 and len(coord.calls) == 1
+    # A replay that fails once the chunks are on their way is reported in the trailer.
+    coord.refuse, coord.raises = None, Unavailable("the runner went away")
+    failed = kv.resume(TOY, prompt)
+    assert failed.local_state == "expired" and failed.snapshot is None
+    assert failed.replay_status == "unavailable: the runner went away" and len(failed.chunks) == 10
     coord.raises, coord.snapshot = None, b"short"
     wrong = kv.resume(TOY, prompt)
     assert wrong.snapshot is None and wrong.replay_status == "wrong snapshot size"
+    assert not coord.held  # every admission was used or given back
 
 
 def test_token_ids_as_a_list_or_as_bytes(service: Service) -> None:

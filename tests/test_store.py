@@ -222,6 +222,30 @@ def test_pinned_chunks_are_not_evicted_and_stale_pins_expire(tmp_path: Path) -> 
     store.check_invariants()
 
 
+def test_pin_prefix_pins_and_reads_like_a_load_without_counting_a_lookup(tmp_path: Path) -> None:
+    store = GlobalStore(small_config(device_capacity_bytes=2 * 4096, dram_capacity_bytes=0), tmp_path, MODELS)
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    a = tokens_for(8, 3 * CHUNK)
+    store_prefix(store, ns, a[: 2 * CHUNK])
+    store.lookup(ns, a)
+    before = store.stats()
+    with store.pin_prefix(ns, a, 5) as session:  # max_chunks beyond the hit: the hit decides
+        assert len(session) == 2 and store.stats().pins_active == 1
+        store_prefix(store, ns, tokens_for(9, 2 * CHUNK))  # pressure: the pinned chunks stay put
+        assert store.lookup(ns, a).chunk_tiers == ("device", "device")
+        got = [bytes(c.payload) for c in session]
+    assert got == expected_payloads(store, ns, a, 2)
+    after = store.stats()
+    assert after.pins_active == 0
+    # Only the test's own lookup under pressure was counted; the pin added no lookup nor hit tokens.
+    assert (after.lookups, after.lookup_hit_tokens) == (before.lookups + 1, before.lookup_hit_tokens + 2 * CHUNK)
+    with store.load(ns, a) as counted:
+        assert len(counted) == 2
+    assert store.stats().lookups == after.lookups + 1  # a load is counted
+    store.check_invariants()
+    store.close()
+
+
 def test_restart_in_a_new_process_finds_every_chunk(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     ns_a = store.namespace("alice", "reference-toy-8", "bounded")
@@ -277,3 +301,27 @@ def test_foreign_layout_and_token_mismatch_are_ignored_and_reported(tmp_path: Pa
     assert look.hit_chunks == 1 and look.token_mismatches == 1
     assert store.stats().token_mismatches == 1
     assert store.stats().ignored_on_open.get("layout") == 2
+
+
+def test_a_run_of_chunks_in_one_memory_tier_is_joined_in_one_copy(tmp_path: Path) -> None:
+    # Device holds 2 toy chunks, DRAM 3, the rest only LMDB (as in the pressure test above).
+    store = open_store(tmp_path, device_capacity_bytes=2 * 4096, dram_capacity_bytes=3 * 4096,
+                       eviction_policy="lru")
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    tokens = tokens_for(12, 8 * CHUNK)
+    store_prefix(store, ns, tokens)
+    want = expected_payloads(store, ns, tokens, 8)
+    assert store.lookup(ns, tokens).chunk_tiers == ("device",) * 2 + ("dram",) * 3 + ("lmdb",) * 3
+
+    def head(tier: str) -> bytes:
+        return tier.encode() + b":"
+
+    with store.load(ns, tokens) as session:
+        assert session.read_joined(0, 2, head) == ("device", b"device:" + want[0] + want[1])
+        assert session.read_joined(2, 3, head) == ("dram", b"dram:" + b"".join(want[2:5]))
+        assert session.read_chunks == 5
+        assert session.read_joined(4, 2, head) is None  # DRAM and LMDB: read one by one
+        assert session.read_joined(5, 3, head) is None  # LMDB verifies every read into a buffer
+        assert session.read_chunks == 5
+    store.check_invariants()
+    store.close()

@@ -182,6 +182,17 @@ def test_a_buffer_too_small_is_invalid_input(tier: Tier) -> None:
         tier.get_into(k, memoryview(bytearray(CHUNK - 1)))
 
 
+def test_join_payloads_is_the_head_and_the_payloads_or_none(tier: Tier) -> None:
+    keys = [put(tier, 10, i) for i in range(3)]
+    joined = tier.join_payloads(b"head", keys)
+    if isinstance(tier, LmdbTier):  # every read is verified into the caller's buffer: never joined
+        assert joined is None
+        return
+    assert joined == b"head" + b"".join(payload_of(k) for k in keys)
+    assert tier.join_payloads(b"head", [*keys, key_of(10, 99)]) is None  # one absent: nothing
+    assert tier.join_payloads(b"", []) == b""
+
+
 def test_stats_count_entries(tier: Tier) -> None:
     for i in range(3):
         put(tier, 6, i)
@@ -212,6 +223,9 @@ def test_arena_chunks_survive_fragmentation() -> None:
         out = bytearray(PAGE)
         assert t.get_into(k, memoryview(out)) is not None and bytes(out) == payload_of(k, PAGE)
     assert t.stats().used_bytes == 12 * PAGE
+    # a chunk held in several runs joins from all of them, in order
+    assert t.join_payloads(b"h", [big[1], small[1]]) == b"h" + payload_of(big[1], 3 * PAGE - 5) + payload_of(
+        small[1], PAGE)
 
 
 def test_free_runs_keep_their_invariants_under_random_use() -> None:

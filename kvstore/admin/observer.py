@@ -159,20 +159,27 @@ class Observability:
         miss = exp.first_miss_reason
         if miss and miss not in MISS_REASONS:
             miss = "other"
-        rec = dataclasses.replace(rec, miss_reason=miss, local_reason=exp.local_reason)
+        if (miss, exp.local_reason) != (rec.miss_reason, rec.local_reason):  # a warm hit has neither
+            rec = dataclasses.replace(rec, miss_reason=miss, local_reason=exp.local_reason)
         self.metrics.request(rec)
         self.ledger.record(rec)
         return rec
+
+
+_FLOPS: dict[str, float] = {}  # known models' prefill FLOPs per token, read once per model
 
 
 def _model_flops(model: str) -> float:
     from kvstore.errors import UnknownModel
     from kvstore.layout import get_model
 
-    try:
-        return get_model(model).prefill_flops_per_token
-    except UnknownModel:
-        return 0.0
+    flops = _FLOPS.get(model)
+    if flops is None:
+        try:
+            flops = _FLOPS[model] = get_model(model).prefill_flops_per_token
+        except UnknownModel:  # not cached: it may be registered later
+            return 0.0
+    return flops
 
 
 class Sampler:

@@ -79,6 +79,9 @@ class App:
     runners: RunnerRegistry
     clock: Callable[[], float]
     coordinator: ReplayCoordinator | None = None
+    # Served models the coordinator's in-process runner can replay (set by the factory that builds
+    # it): with `replay.runner = "reference"` and no served reference model, it can replay none.
+    inprocess_replay_models: frozenset[str] = frozenset()
     ttl_policy: TtlPolicy | None = None  # the local pool's policy in force (None: unknown, or no pool)
     observers: list[CallObserver] = field(default_factory=list)
     on_close: list[Callable[[], None]] = field(default_factory=list)
@@ -118,6 +121,8 @@ class App:
         runner = "none"
         if self.coordinator is not None:
             runner = f"{cfg.replay.runner} ({cfg.replay.mode} replay)"
+            if cfg.replay.runner == "reference" and not self.inprocess_replay_models:
+                runner = f"attached only ({cfg.replay.mode} replay; no served model is the reference model)"
         elif cfg.replay.runner != "none":
             runner = f"{cfg.replay.runner} requested, but no replay coordinator is installed"
         auth = (

@@ -51,11 +51,12 @@ class Authenticator:
         ]
         self._admin = _digest(cfg.admin.admin_token) if cfg.admin.admin_token else None
         self._by_cn = {t.mtls_common_name: name for name, t in cfg.tenants.items() if t.mtls_common_name}
+        self._default = Caller(DEFAULT_TENANT)  # every caller, when auth is off
 
     def caller_of(self, context: grpc.ServicerContext) -> Caller:
         """The caller of the call behind `context` (reads metadata and TLS state only when auth is on)."""
         if not self.enabled:
-            return Caller(DEFAULT_TENANT)
+            return self._default
         return self.caller(context.invocation_metadata(), context.auth_context())
 
     def caller(

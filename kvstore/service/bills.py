@@ -35,9 +35,8 @@ def price(
     would be) loaded; False when the engine kept the chunks and only the boundary was resumed."""
     ct, cb = res.layout.chunk_tokens, res.layout.chunk_bytes
     hit = len(chunk_tiers) * ct
-    counts = dict.fromkeys(TIER_ORDER, 0)
-    for t in chunk_tiers:
-        counts[t] += 1  # type: ignore[index]
+    # One C-level count per tier rather than a Python loop over every chunk (256 for 32K tokens).
+    counts = {t: chunk_tiers.count(t) for t in TIER_ORDER}
     return pb.Bills(
         prompt_tokens=len(res.tokens),
         prefill_tokens_avoided=hit,

@@ -7,7 +7,8 @@ Service names and what decides them:
 - "kvstore.store", "kvstore.lmdb": the bookkeeper and the durable tier answer.
 - "kvstore.local_pool": the pool is healthy. A degraded pool (Redis down) is NOT_SERVING here but
   leaves the service SERVING: a missing snapshot costs a replay, not an outage.
-- "kvstore.runners": something can replay (an attached runner, or an in-process one).
+- "kvstore.runners": some served model has a runner (an attached one, or the in-process one when
+  it serves a served model).
 
 A daemon thread re-evaluates every `interval_seconds`; `refresh()` does it on demand. What it does
 not know: gRPC status codes of calls, or how the parts work inside.
@@ -55,8 +56,10 @@ class HealthReporter:
             ok["kvstore.store"] = ok["kvstore.lmdb"] = False
         pool = app.local_pool
         ok["kvstore.local_pool"] = pool is not None and pool.health().status == "ok"
-        in_process = app.coordinator is not None and app.config.replay.runner == "reference"
-        ok["kvstore.runners"] = in_process or bool(app.runners.runners())
+        # A runner for at least one served model: the in-process one only when it serves one (the
+        # config asking for it is not enough), an attached one for its model.
+        in_process = app.coordinator is not None and bool(app.inprocess_replay_models & app.models.keys())
+        ok["kvstore.runners"] = in_process or any(r.model in app.models for r in app.runners.runners())
         ok["kvstore.v1.Runners"] = not self._shutting_down
         overall = ok["kvstore.store"] and not self._shutting_down
         for name in OVERALL:

@@ -20,6 +20,12 @@ class Admission:
     reason: str = ""  # "draining" or "overloaded" when not admitted
 
 
+# The three answers, made once: admission is on every call's path.
+ADMITTED = Admission(True)
+DRAINING = Admission(False, "draining")
+OVERLOADED = Admission(False, "overloaded")
+
+
 class CallLimiter:
     def __init__(self, max_calls: int) -> None:
         assert max_calls >= 1
@@ -32,12 +38,12 @@ class CallLimiter:
     def try_enter(self) -> Admission:
         with self._cond:
             if self._draining:
-                return Admission(False, "draining")
+                return DRAINING
             if self._in_flight >= self.max_calls:
                 self.rejected_total += 1
-                return Admission(False, "overloaded")
+                return OVERLOADED
             self._in_flight += 1
-            return Admission(True)
+            return ADMITTED
 
     def leave(self) -> None:
         with self._cond:

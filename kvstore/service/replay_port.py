@@ -3,12 +3,17 @@
 `Resume` asks a `ReplayCoordinator` to rebuild the local SWA state at a hit boundary when the
 global prefix hit but the local snapshot is gone. The coordinator (in `replay/`) decides whether
 and how to replay, pins the prefix, runs a runner, stores the rebuilt snapshot in the local pool
-and returns it. The service only calls `resume_local` and reports the outcome; with no coordinator
-(`None` in `App.coordinator`) an expired Resume says so and the engine recomputes.
+and returns it. The service first takes a ticket with `admit` (synchronously, before its Resume
+answers anything), then runs `resume_local` with it beside the chunk stream, and `release`s the
+ticket on every path; with no coordinator (`None` in `App.coordinator`) an expired Resume says so
+and the engine recomputes.
 
+`admit` is where the per-tenant replay bound is enforced: it raises `ResourceExhausted`, which the
+servicer maps to RESOURCE_EXHAUSTED before any chunk is sent. A Resume that would join a replay
+already admitted for the same boundary (coalesced) does not count against the bound again.
 The coordinator must never raise for expected outcomes (no runner, timeout, runner died): those
-are `ReplayOutcome`s with a status and no snapshot. It may raise `InvalidInput`,
-`ResourceExhausted` (per-tenant replay limit) or `Unavailable`; the servicer maps them.
+are `ReplayOutcome`s with a status and no snapshot. It may raise `InvalidInput` or `Unavailable`;
+the servicer maps them.
 """
 
 from __future__ import annotations
@@ -35,13 +40,32 @@ class ReplayOutcome:
     status: str  # REPLAYED, or why not
 
 
+@dataclass(frozen=True, eq=False)
+class ReplayTicket:
+    """One admitted replay request. Its identity is the admission (equality and hash are by
+    identity); what it holds inside the coordinator is the coordinator's business."""
+
+    tenant: str
+    hit_tokens: int
+
+
 class ReplayCoordinator(Protocol):
+    def admit(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int) -> ReplayTicket:
+        """Admit a replay at `tokens[:hit_tokens]` now, or raise `ResourceExhausted` (the tenant's
+        bound). Quick: no I/O, no waiting."""
+        ...
+
     def resume_local(
-        self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, deadline_seconds: float
+        self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, deadline_seconds: float, ticket: ReplayTicket
     ) -> ReplayOutcome:
-        """Rebuild the local state after `tokens[:hit_tokens]` (a chunk boundary) within the deadline.
+        """Rebuild the local state after `tokens[:hit_tokens]` (a chunk boundary) within the deadline,
+        under the admission `ticket` (which this call uses up).
 
         `tokens` is the validated prompt (uint32); only `tokens[:hit_tokens]` is cached globally.
         """
+        ...
+
+    def release(self, ticket: ReplayTicket) -> None:
+        """Give back an admission that `resume_local` did not use up. Idempotent."""
         ...
 

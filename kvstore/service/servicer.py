@@ -3,8 +3,10 @@
 Every method runs inside `CallGuard.enter` (admission, auth, the one exception -> status mapping,
 the call record), resolves its request into a namespace bound to the authenticated tenant, and
 answers with results for every expected outcome (miss, expired, no room). Streaming:
-- Load/Resume send chunks as `ChunkPiece`s of about `stream_message_bytes`: each message buffer is
-  allocated once and chunks are read straight into it from their tier (no per-chunk objects);
+- Load/Resume send chunks as `ChunkPiece`s of about `stream_message_bytes`, pre-encoded: a message
+  whose chunks one in-memory tier holds is joined from the tier's pages in one copy (the one copy a
+  plain server makes serializing a prebuilt message); otherwise chunks are read straight from their
+  tiers into one message buffer per stream, which is then copied out (no per-chunk objects);
 - Store reassembles pieces with `ChunkAssembler`, keeping zero-copy views into the received
   messages, and opens the store transaction only when the stream has ended cleanly, so a failed or
   cancelled stream leaves nothing behind;
@@ -18,6 +20,7 @@ What it does not know: how tiers hold bytes, credentials, or replay policy.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -36,6 +39,7 @@ from kvstore.service.wire import (
     Malformed,
     accept,
     chunk_piece_frame,
+    chunk_piece_head,
     encode_chunk_piece,
 )
 from kvstore.store import LoadSession, StoreResult
@@ -78,7 +82,7 @@ class KVCacheServicer(LocalStateCalls):
             call.local_state, call.bills = state, bills
             return pb.LookupResponse(
                 hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks,
-                chunk_tiers=[TIER_TO_PB[t] for t in r.chunk_tiers], local_state=LOCAL_TO_PB[state],
+                chunk_tiers=list(map(TIER_TO_PB.__getitem__, r.chunk_tiers)), local_state=LOCAL_TO_PB[state],
                 bills=bills, chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes,
                 full_chunks=r.full_chunks, remainder_tokens=r.remainder_tokens,
                 local_snapshot_bytes=snapshot, replay_mode=res.ns.replay_mode,
@@ -178,7 +182,8 @@ class KVCacheServicer(LocalStateCalls):
         loaded: list[str] | None = None,
     ) -> Iterator[bytes]:
         """The first `n` chunks of a pinned session as serialized `chunks` responses (see
-        `wire.chunk_piece_frame`), read straight from their tiers into the message buffer; stops
+        `wire.chunk_piece_head`): a message whose chunks one in-memory tier holds is joined from
+        the tier's pages in one copy; others are read chunk by chunk into a message buffer. Stops
         early at a chunk that turns out corrupt. `loaded` collects the tier each chunk came from."""
         cb = res.layout.chunk_bytes
         tiers_out = loaded if loaded is not None else []
@@ -193,11 +198,19 @@ class KVCacheServicer(LocalStateCalls):
     def _stream_whole(
         self, session: LoadSession, cb: int, n: int, context: grpc.ServicerContext, tiers_out: list[str]
     ) -> Iterator[bytes]:
+        scratch: bytearray | None = None  # one message buffer for the whole stream
         for span in plan_pieces(0, n, cb, self.message_bytes):
             if not context.is_active():
                 return
             count = span.nbytes // cb
-            frame = chunk_piece_frame(span.first_chunk, 0, count, span.nbytes)
+            joined = session.read_joined(span.first_chunk, count,
+                                         functools.partial(_uniform_piece_head, span.first_chunk, count, span.nbytes))
+            if joined is not None:
+                tiers_out.extend([joined[0]] * count)
+                yield joined[1]
+                continue
+            frame = chunk_piece_frame(span.first_chunk, 0, count, span.nbytes, into=scratch)
+            scratch = frame.buf
             view = memoryview(frame.buf)
             good = 0
             for k in range(count):
@@ -268,6 +281,11 @@ class KVCacheServicer(LocalStateCalls):
             calls_in_flight=self._limiter.in_flight, calls_rejected=self._limiter.rejected_total,
             replay_coordinator=app.coordinator is not None,
         )
+
+
+def _uniform_piece_head(first_chunk: int, count: int, nbytes: int, tier: str) -> bytes:
+    """The head of a message of `count` chunks that all come from `tier`."""
+    return chunk_piece_head(first_chunk, bytes([TIER_TO_PB[tier]]) * count, nbytes)
 
 
 def _store_response(r: StoreResult, received: int, remainder: int, skipped: int = 0,

@@ -4,11 +4,12 @@ Resume is the engine's one-call path: it pins the hit prefix, decides the case (
 hit; warm: global hit and a snapshot held, or a model without local state; expired: global hit,
 no snapshot), answers a `ResumeHeader` with the case and the planned bills at once, streams the
 global chunks, then the local snapshot, then a `ResumeTrailer` saying what happened. When the
-case is expired and a replay coordinator is installed, the replay starts before the first chunk
-is sent and runs while the chunks stream, so its latency hides behind the transfer. Once chunks
-have been sent, a replay that fails, times out or is refused (per-tenant limit) is reported in the
-trailer (`replay_status`, local state EXPIRED) instead of failing the call: the engine keeps the
-chunks it already has and recomputes the local state itself.
+case is expired and a replay coordinator is installed, the replay is admitted before the header
+is sent (over the tenant's replay bound the call fails with RESOURCE_EXHAUSTED there, having sent
+nothing and holding no pin), starts before the first chunk is sent and runs while the chunks
+stream, so its latency hides behind the transfer. Once chunks have been sent, a replay that fails
+or times out is reported in the trailer (`replay_status`, local state EXPIRED) instead of failing
+the call: the engine keeps the chunks it already has and recomputes the local state itself.
 
 What it does not know: how the pool stores snapshots or how a replay is run.
 """
@@ -199,7 +200,17 @@ class LocalStateCalls:
         if case != "expired" or coordinator is None or planned_replay_tokens(res, hit_tokens) == 0:
             return None
         budget = deadline if deadline is not None else self.app.config.replay.timeout_seconds
-        return self.replay_executor.submit(coordinator.resume_local, res.ns, res.tokens, hit_tokens, budget)
+        # Admitted here, synchronously: a refusal (ResourceExhausted) fails the call before its header.
+        ticket = coordinator.admit(res.ns, res.tokens, hit_tokens)
+        try:
+            fut = self.replay_executor.submit(coordinator.resume_local, res.ns, res.tokens, hit_tokens, budget,
+                                              ticket)
+        except BaseException:
+            coordinator.release(ticket)
+            raise
+        # resume_local uses the ticket up; this gives it back if the job never ran (shut down).
+        fut.add_done_callback(lambda _: coordinator.release(ticket))
+        return fut
 
     def _local_outcome(
         self, state: str, got: GetResult | None, replay: cf.Future[ReplayOutcome] | None, shrank: bool,
@@ -220,6 +231,6 @@ class LocalStateCalls:
             return replay.result(timeout=remaining)
         except cf.TimeoutError:
             return ReplayOutcome(None, 0, "timeout")
-        except Exception as e:  # the coordinator refused or failed; the chunks are already sent
+        except Exception as e:  # the coordinator failed (Unavailable, a bug); the chunks are already sent
             code, message = status_for(e)
             return ReplayOutcome(None, 0, f"{code.name.lower()}: {message}")

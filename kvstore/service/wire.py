@@ -60,15 +60,17 @@ def accept(msg: object, cls: type[M]) -> M:
 
 def tokens_from_proto(t: pb.Tokens, max_tokens: int) -> np.ndarray:
     """The token ids of a request as a uint32 array (vocab checks are the store's)."""
-    if t.u32le and len(t.ids):
+    # Each read of a bytes field makes a new copy of it (128 KiB for 32K tokens): read it once.
+    u32le = t.u32le
+    if u32le and len(t.ids):
         raise InvalidInput("set either tokens.u32le or tokens.ids, not both")
-    if t.u32le:
-        if len(t.u32le) % 4:
-            raise InvalidInput(f"tokens.u32le is {len(t.u32le)} bytes; it must be 4 bytes per token")
-        n = len(t.u32le) // 4
+    if u32le:
+        if len(u32le) % 4:
+            raise InvalidInput(f"tokens.u32le is {len(u32le)} bytes; it must be 4 bytes per token")
+        n = len(u32le) // 4
         if n > max_tokens:
             raise InvalidInput(f"{n} tokens exceed the service's limit of {max_tokens} tokens per request")
-        return np.frombuffer(t.u32le, dtype="<u4")
+        return np.frombuffer(u32le, dtype="<u4")
     n = len(t.ids)
     if n > max_tokens:
         raise InvalidInput(f"{n} tokens exceed the service's limit of {max_tokens} tokens per request")
@@ -103,9 +105,11 @@ PB_TO_CASE: Final[dict[int, str]] = {v: k for k, v in CASE_TO_PB.items()}
 # Load and Resume stream ~1 MiB pieces. Building them as messages costs three copies of every byte
 # (into a bytes object, into the message, out at serialization); a 29 MB load then spends more time
 # copying than sending. Instead the wire bytes of `LoadResponse{chunks: ChunkPiece{...}}` (and of
-# `ResumeResponse`, where `chunks` is field 2 as well) are laid out by hand with the payload last, the
-# tiers read chunks straight into the payload region, and the server's serializer passes the bytes
-# through. tests/test_proto.py checks that they parse to the message the protobuf library would build.
+# `ResumeResponse`, where `chunks` is field 2 as well) are laid out by hand with the payload last, and
+# the server's serializer passes the bytes through. Either an in-memory tier joins `chunk_piece_head`
+# and the chunks' bytes into the message in one copy, or the tiers read chunks into the payload region
+# of a `chunk_piece_frame`, which is then copied out (gRPC sends only `bytes`).
+# tests/test_proto.py checks that they parse to the message the protobuf library would build.
 
 CHUNKS_FIELD = 2  # LoadResponse.chunks and ResumeResponse.chunks
 assert pb.LoadResponse.DESCRIPTOR.fields_by_name["chunks"].number == CHUNKS_FIELD
@@ -129,37 +133,59 @@ def _varint(n: int) -> bytes:
 
 @dataclass
 class PieceFrame:
-    """A serialized `chunks` response with its payload (and tier labels) still to be filled in."""
+    """A serialized `chunks` response with its payload (and tier labels) still to be filled in:
+    the first `size` bytes of `buf` (all of it unless the frame was laid out in a reused buffer)."""
 
     buf: bytearray
-    payload_start: int  # buf[payload_start:] is the payload region
+    payload_start: int  # buf[payload_start:size] is the payload region
     tiers_start: int  # one byte per chunk label (tier enums are one-byte varints)
+    size: int
 
     def finish(self) -> bytes:
-        return bytes(self.buf)
+        if self.size == len(self.buf):
+            return bytes(self.buf)
+        return bytes(memoryview(self.buf)[: self.size])
 
 
-def chunk_piece_frame(first_chunk: int, offset: int, num_labels: int, nbytes: int) -> PieceFrame:
-    """Frame a piece of `nbytes` payload bytes starting `offset` into chunk `first_chunk`, with room
-    for `num_labels` tier labels (set `buf[tiers_start + k]`; they default to TIER_UNSPECIFIED)."""
+def _piece_head(first_chunk: int, offset: int, labels: bytes, nbytes: int) -> tuple[bytes, int]:
+    """(the wire bytes of a `chunks` response up to its payload, where its tier labels start)."""
     first = b"\x08" + _varint(first_chunk) if first_chunk else b""
     off = b"\x10" + _varint(offset) if offset else b""
-    labels = b"\x22" + _varint(num_labels) if num_labels else b""
+    packed = b"\x22" + _varint(len(labels)) if labels else b""
     data = b"\x1a" + _varint(nbytes)
-    inner_len = len(first) + len(off) + len(labels) + num_labels + len(data) + nbytes
-    head = bytes([CHUNKS_FIELD << 3 | 2]) + _varint(inner_len) + first + off + labels
-    tiers_start = len(head)
-    head += bytes(num_labels) + data
-    buf = bytearray(len(head) + nbytes)
-    buf[: len(head)] = head
-    return PieceFrame(buf, len(head), tiers_start)
+    inner_len = len(first) + len(off) + len(packed) + len(labels) + len(data) + nbytes
+    head = bytes([CHUNKS_FIELD << 3 | 2]) + _varint(inner_len) + first + off + packed
+    return head + labels + data, len(head)
+
+
+def chunk_piece_head(first_chunk: int, labels: bytes, nbytes: int) -> bytes:
+    """The serialized `chunks` response up to its payload, for a piece of `nbytes` bytes of whole
+    chunks from `first_chunk`, labelled `labels` (one tier enum byte per chunk). The response is
+    this followed by the payload."""
+    return _piece_head(first_chunk, 0, labels, nbytes)[0]
+
+
+def chunk_piece_frame(
+    first_chunk: int, offset: int, num_labels: int, nbytes: int, into: bytearray | None = None
+) -> PieceFrame:
+    """Frame a piece of `nbytes` payload bytes starting `offset` into chunk `first_chunk`, with room
+    for `num_labels` tier labels (set `buf[tiers_start + k]`; they default to TIER_UNSPECIFIED).
+
+    `into`: a buffer to lay the frame out in when it is large enough (else a new one is made; pass
+    the returned `buf` on to the next frame), so that a stream allocates and zeroes its ~1 MiB
+    message buffer once rather than once per message."""
+    head, tiers_start = _piece_head(first_chunk, offset, bytes(num_labels), nbytes)
+    size = len(head) + nbytes
+    buf = into if into is not None and len(into) >= size else bytearray(size)
+    buf[: len(head)] = head  # clears the labels of a reused buffer too
+    return PieceFrame(buf, len(head), tiers_start, size)
 
 
 def encode_chunk_piece(first_chunk: int, offset: int, tiers: Sequence[int], data: bytes | memoryview) -> bytes:
     """The serialized `chunks` response carrying `data` (one copy)."""
     frame = chunk_piece_frame(first_chunk, offset, len(tiers), len(data))
     frame.buf[frame.tiers_start : frame.tiers_start + len(tiers)] = bytes(tiers)
-    frame.buf[frame.payload_start :] = data
+    frame.buf[frame.payload_start : frame.size] = data
     return frame.finish()
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -194,6 +194,19 @@ class PagedArena:
             else:
                 self._read_device(entry.runs, n, dst)
             return entry.meta
+
+    def join_payloads(self, head: bytes, keys: Sequence[bytes]) -> bytes | None:
+        if self._host is None:
+            return None  # device memory: get_into copies it out through torch
+        parts: list[bytes | memoryview] = [head]
+        with self._lock:
+            for k in keys:
+                entry = self._entries.get(k)
+                if entry is None:
+                    return None
+                parts.extend(entry.views)
+            # Joined under the lock: no put can reuse these pages before they are copied.
+            return b"".join(parts)
 
     def delete(self, key: bytes) -> None:
         with self._lock:

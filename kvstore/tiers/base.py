@@ -7,7 +7,7 @@ A tier never evicts on its own, never refuses for policy reasons and never logs:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -63,6 +63,13 @@ class Tier(Protocol):
 
     def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         """Copy the payload into out[:payload_bytes]; None if absent (or corrupt: then removed)."""
+        ...
+
+    def join_payloads(self, head: bytes, keys: Sequence[bytes]) -> bytes | None:
+        """`head` followed by the payloads of `keys`, as one new bytes object made with one copy of
+        each payload (a whole stream message at once); None when any key is absent, or when the
+        tier cannot read its bytes in place (device memory; LMDB, which verifies every read):
+        use `get_into` then."""
         ...
 
     def delete(self, key: bytes) -> None: ...
