@@ -25,12 +25,7 @@ BENCHES = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
     for name, help_text in BENCHES.items():
-        try:
-            mod = importlib.import_module(f"kvstore.bench.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"kvstore.bench.{name}":
-                raise
-            continue
+        mod = importlib.import_module(f"kvstore.bench.{name}")
         bp = sub.add_parser(name, help=help_text, description=help_text)
         bp.add_argument("--json", action="store_true", help="print the figures as JSON")
         getattr(mod, f"add_{name}_arguments")(bp)

@@ -13,8 +13,7 @@ Where other parts plug in (each is optional; the service runs without it):
   Every app with a local pool has one already: `service.returns.ReturnTracker`, which tells the TTL
   policy in force (`app.ttl_policy`) each session's return gap; with `[trace] enabled`, the
   `service.request_trace.RequestTracer` appends one JSON line per Lookup/Resume. The admin HTTP port is
-  started by `kvstore.admin.server.start_admin(app, host, port, health=...)` when that module
-  exists, else by the minimal /healthz server in `admin_hook.py`.
+  started by `kvstore.admin.server.start_admin(app, host, port, health=...)` (see `admin_hook.py`).
 
 What it does not know: gRPC (see `server.py`), or how any of the parts do their work.
 """
@@ -22,14 +21,12 @@ What it does not know: gRPC (see `server.py`), or how any of the parts do their 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kvstore.config import KvstoreConfig, LocalPoolConfig
 from kvstore.errors import ConfigError, StorageError, UnknownModel
@@ -193,17 +190,6 @@ def build_ttl_policy(cfg: KvstoreConfig, models: dict[str, ModelSpec]) -> TtlPol
                      tenant_ttl_seconds=overrides)
 
 
-def optional_part(module: str, name: str) -> Any:
-    """`module.name` if that module exists, else None (a part another issue has not built yet)."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name is not None and module.startswith(e.name):
-            return None
-        raise
-    return getattr(mod, name, None)
-
-
 def build_pool(cfg: KvstoreConfig, models: dict[str, ModelSpec], clock: Callable[[], float],
                policy: TtlPolicy | None = None) -> LocalPool:
     from kvstore.local_pool import build_local_pool
@@ -249,7 +235,9 @@ def build_app(
         if factory == "config":
             factory = None
             if cfg.replay.runner != "none" and cfg.replay.mode != "off":
-                factory = optional_part("replay.coordinator", "build_coordinator")
+                from replay.coordinator import build_coordinator  # torch is imported only when replay is on
+
+                factory = build_coordinator
         assert not isinstance(factory, str)
         if factory is not None:
             app.coordinator = factory(app)
