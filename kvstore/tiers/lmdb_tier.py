@@ -221,7 +221,7 @@ class LmdbTier:
     # --- reads -------------------------------------------------------------------------------
     def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         """Verify and copy (or decompress) the payload into out; corrupt values are removed."""
-        dst = vf.byte_view(out)
+        dst = out if type(out) is memoryview and out.format == "B" and out.ndim == 1 else vf.byte_view(out)
         with self._lock:
             with self._env.begin(db=self._chunks, buffers=True) as txn:
                 value = txn.get(key)
@@ -238,24 +238,25 @@ class LmdbTier:
         return None  # every read is verified (and maybe decompressed) into the caller's buffer
 
     def _read(self, value: memoryview, dst: memoryview) -> ChunkMeta:
-        h = vf.parse_header(value)
-        if h.layout_id not in self._layouts:
-            raise ValueProblem("layout", f"layout id {h.layout_id.hex()} is not known to this tier")
-        if len(dst) < h.raw_size:
-            raise InvalidInput(f"buffer of {len(dst)} bytes is too small for a {h.raw_size}-byte chunk")
-        target = dst[: h.raw_size]
-        stored = value[h.payload_offset :]
-        if h.codec == CODEC_NONE:
-            if h.stored_size != h.raw_size:
+        # The hit path: one header unpack, no intermediate header object, each slice made once.
+        codec, n_tok, layout_id, namespace, raw_size, stored_size, psum, po = vf.check_header(value)
+        if layout_id not in self._layouts:
+            raise ValueProblem("layout", f"layout id {layout_id.hex()} is not known to this tier")
+        if len(dst) < raw_size:
+            raise InvalidInput(f"buffer of {len(dst)} bytes is too small for a {raw_size}-byte chunk")
+        target = dst if len(dst) == raw_size else dst[:raw_size]
+        stored = value[po:]
+        if codec == CODEC_NONE:
+            if stored_size != raw_size:
                 raise ValueProblem("corrupt", "stored size differs from raw size")
             target[:] = stored  # the one copy, straight out of the map
-            if vf.sum64(target) != h.payload_sum:  # checked on the copy, hot in cache
+            if vf.sum64(target) != psum:  # checked on the copy, hot in cache
                 raise ValueProblem("corrupt", "payload checksum mismatch")
         else:
-            if vf.sum64(stored) != h.payload_sum:
+            if vf.sum64(stored) != psum:
                 raise ValueProblem("corrupt", "payload checksum mismatch")
-            self._codec.decode_into(h.codec, stored, target, h.layout_id)
-        return vf.header_meta(value, h)
+            self._codec.decode_into(codec, stored, target, layout_id)
+        return ChunkMeta(namespace, layout_id, bytes(value[vf.TOKENS_AT : vf.TOKENS_AT + 4 * n_tok]))
 
     def _remove_bad(self, key: bytes, problem: ValueProblem) -> None:
         self.corrupt_total += 1

@@ -54,6 +54,14 @@ _CRC = struct.Struct("<II")  # header crc, reserved; right after the token ids
 HEADER_BYTES = _HEAD.size + _CRC.size  # 88 bytes besides the token ids
 CODEC_MASK = 0x000F
 _MASK64 = (1 << 64) - 1
+_HEAD_BYTES = _HEAD.size
+_CRC_BYTES = _CRC.size
+TOKENS_AT = _HEAD_BYTES  # offset of the token ids
+_U64 = np.dtype("<u8")  # built once: a dtype string is parsed on every frombuffer call
+_add_reduce = np.add.reduce
+_unpack_head = _HEAD.unpack_from
+_unpack_crc = _CRC.unpack_from
+_crc32 = zlib.crc32
 
 Problem = Literal["corrupt", "format-version", "layout"]
 
@@ -87,10 +95,11 @@ def byte_view(buf: Any) -> memoryview:
 def sum64(buf: memoryview) -> int:
     """Wrapping 64-bit sum of the little-endian words of buf; a trailing partial word is zero-padded."""
     n = len(buf)
+    if not n & 7:  # the usual case: whole words, one reduction, no slicing
+        return int(_add_reduce(np.frombuffer(buf, _U64))) if n else 0
     words = n >> 3
-    total = int(np.add.reduce(np.frombuffer(buf, dtype="<u8", count=words))) if words else 0
-    if n & 7:
-        total += int.from_bytes(buf[words << 3 :], "little")
+    total = int(_add_reduce(np.frombuffer(buf, _U64, words))) if words else 0
+    total += int.from_bytes(buf[words << 3 :], "little")
     return total & _MASK64
 
 
@@ -122,26 +131,33 @@ def build_value(meta: ChunkMeta, codec: int, raw_size: int, stored: memoryview |
 
 def parse_header(value: memoryview) -> ValueHeader:
     """Check magic, version, sizes and the header crc (not the payload); raise ValueProblem."""
-    if len(value) < HEADER_BYTES:
-        raise ValueProblem("corrupt", f"value of {len(value)} bytes is shorter than the header")
-    magic, version, flags, n_tok, _, layout_id, namespace, raw, stored, psum = _HEAD.unpack_from(value, 0)
+    return ValueHeader(*check_header(value))
+
+
+def check_header(value: memoryview) -> tuple[int, int, bytes, bytes, int, int, int, int]:
+    """parse_header's checks and fields as a plain tuple, for the read path (no named tuple):
+    (codec, token count, layout id, namespace, raw size, stored size, payload sum, payload offset)."""
+    size = len(value)
+    if size < HEADER_BYTES:
+        raise ValueProblem("corrupt", f"value of {size} bytes is shorter than the header")
+    magic, version, flags, n_tok, _, layout_id, namespace, raw, stored, psum = _unpack_head(value, 0)
     if magic != MAGIC:
         raise ValueProblem("corrupt", "bad magic")
     if version != VALUE_FORMAT_VERSION:
         raise ValueProblem("format-version", f"value format version {version}")
-    crc_at = _HEAD.size + 4 * n_tok
-    po = crc_at + _CRC.size
-    if len(value) < po:
+    crc_at = _HEAD_BYTES + 4 * n_tok
+    po = crc_at + _CRC_BYTES
+    if size < po:
         raise ValueProblem("corrupt", "value truncated inside the token ids")
-    if zlib.crc32(value[:crc_at]) != _CRC.unpack_from(value, crc_at)[0]:
+    if _crc32(value[:crc_at]) != _unpack_crc(value, crc_at)[0]:
         raise ValueProblem("corrupt", "header checksum mismatch")
-    if len(value) != po + stored:
-        raise ValueProblem("corrupt", f"value is {len(value)} bytes, header says {po + stored}")
+    if size != po + stored:
+        raise ValueProblem("corrupt", f"value is {size} bytes, header says {po + stored}")
     if flags & ~CODEC_MASK:
         raise ValueProblem("format-version", f"unknown flags {flags:#x}")
-    return ValueHeader(flags & CODEC_MASK, n_tok, layout_id, namespace, raw, stored, psum, po)
+    return flags & CODEC_MASK, n_tok, layout_id, namespace, raw, stored, psum, po
 
 
 def header_meta(value: memoryview, header: ValueHeader) -> ChunkMeta:
-    tokens = bytes(value[_HEAD.size : _HEAD.size + 4 * header.token_count])
+    tokens = bytes(value[TOKENS_AT : TOKENS_AT + 4 * header.token_count])
     return ChunkMeta(header.namespace, header.layout_id, tokens)
