@@ -48,7 +48,7 @@ from kvstore.store_types import (
     TierUsage,
 )
 from kvstore.tiers.base import TIER_ORDER, ChunkMeta, DurableTier, Tier, TierName
-from kvstore.tiers.factory import build_tiers
+from kvstore.tiers.factory import build_tiers, quantize_tiers
 from policies.base import AdmissionPolicy, EvictionPolicy
 from policies.factory import build_admission, build_eviction
 
@@ -97,7 +97,8 @@ class GlobalStore:
         self._lock = threading.RLock()
         self._index: dict[bytes, _Entry] = {}
         self._pins = PinTable()
-        device, dram, lmdb = build_tiers(cfg, Path(data_dir), list(self._layouts.values()))
+        layouts = list(self._layouts.values())
+        device, dram, lmdb = quantize_tiers(cfg, layouts, *build_tiers(cfg, Path(data_dir), layouts))
         self._durable: DurableTier = lmdb
         self._tiers: dict[TierName, Tier] = {"device": device, "dram": dram, "lmdb": lmdb}
         self._policies: dict[TierName, EvictionPolicy] = {

@@ -1,4 +1,5 @@
-"""The [store] section: tier capacities, write and eviction policy, LMDB durability, compression."""
+"""The [store] section: tier capacities, write and eviction policy, LMDB durability, compression,
+and the opt-in lossy quantize-on-store of bf16 payloads per tier."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ GiB = 1 << 30
 #             crash loses nothing: the OS still writes the pages). kvstore never combines
 #             writemap with sync off. Use it only for a cache you can afford to rebuild.
 Durability = Literal["sync", "nometasync", "async"]
+# Per tier: keep bf16 segments as FP8 (E4M3 + UE8M0 per 32) or FP4 (E2M1 + E4M3 per 16). Lossy,
+# so off by default; error bounds in kvstore/quantize.py.
+QuantizeMode = Literal["off", "fp8", "fp4"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,9 @@ class StoreConfig:
     promote_on_hit: bool = True
     pin_timeout_seconds: float = 30.0
     chunk_tokens: int = 128
+    quantize_device: QuantizeMode = "off"
+    quantize_dram: QuantizeMode = "off"
+    quantize_lmdb: QuantizeMode = "off"
 
     def validate(self, prefix: str) -> None:
         for name in ("device_capacity_bytes", "dram_capacity_bytes", "lmdb_capacity_bytes"):

@@ -1,0 +1,112 @@
+"""A tier wrapper that stores bf16 segments quantized (opt-in, lossy) and reads them back as bf16.
+
+Configured per tier (`StoreConfig.quantize_<tier>`, off by default) and built by the factory
+around any tier. The store keeps seeing the layout's chunk bytes: `put` takes the bf16 payload,
+`get_into` writes a bf16 payload of the same size (dequantized, so not the bytes that were
+stored: see kvstore/quantize.py for the error bounds), and `footprint()` reports what the
+quantized value really takes in the wrapped tier, so budgets stay honest. Payloads of layouts
+without bf16 segments (or of unknown layouts or sizes) pass through untouched.
+
+Stored values are not self-describing: the wrapper reads a tier's values in the mode it was
+built with. A durable tier reopened in another mode reports values of the old mode as another
+format version, and one reopened without the wrapper has values of the wrong size: either way the
+store ignores (and counts) them like any foreign value, and they are never misread.
+
+The wrapper decides nothing; it only changes the bytes on their way in and out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from kvstore.layout import CacheLayout
+from kvstore.quantize import QuantizeMode, QuantPlan, plan_for
+from kvstore.tiers.base import ChunkMeta, DurableTier, ScannedChunk, Tier, TierName, TierStats
+
+
+class QuantizingTier:
+    def __init__(self, inner: Tier, mode: QuantizeMode, layouts: Iterable[CacheLayout]) -> None:
+        self._inner = inner
+        self.name: TierName = inner.name
+        self.mode = mode
+        self._plans: dict[bytes, QuantPlan] = {}
+        # footprint() sees only a size: the largest stored size of any layout of that chunk size
+        # (an upper bound when layouts share a chunk size, so a budget is never exceeded).
+        self._stored_for: dict[int, int] = {}
+        for layout in layouts:
+            plan = plan_for(layout, mode)
+            stored = layout.chunk_bytes if plan is None else plan.stored_bytes
+            if plan is not None:
+                self._plans[layout.layout_id] = plan
+            self._stored_for[layout.chunk_bytes] = max(self._stored_for.get(layout.chunk_bytes, 0), stored)
+
+    @property
+    def backend(self) -> str:
+        return str(getattr(self._inner, "backend", ""))
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._inner.capacity_bytes
+
+    def footprint(self, payload_bytes: int) -> int:
+        return self._inner.footprint(self._stored_for.get(payload_bytes, payload_bytes))
+
+    def _encode(self, payload: memoryview, meta: ChunkMeta) -> memoryview:
+        plan = self._plans.get(meta.layout_id)
+        if plan is None:
+            return payload
+        # The store validates sizes against the layout; a read assumes this mode's stored size.
+        assert len(payload) == plan.payload_bytes, (len(payload), plan.payload_bytes)
+        return memoryview(plan.quantize(payload))
+
+    def put(self, key: bytes, payload: memoryview, meta: ChunkMeta) -> None:
+        self._inner.put(key, self._encode(payload, meta), meta)
+
+    def put_many(self, items: Iterable[tuple[bytes, memoryview, ChunkMeta]]) -> None:
+        self._inner.put_many([(k, self._encode(p, m), m) for k, p, m in items])
+
+    def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
+        # The wrapped tier writes the stored bytes to the head of `out` (they are never longer
+        # than the payload); a quantized value is then copied aside and expanded in place.
+        meta = self._inner.get_into(key, out)
+        if meta is not None:
+            plan = self._plans.get(meta.layout_id)
+            if plan is not None:
+                plan.dequantize_into(memoryview(bytearray(out[: plan.stored_bytes])), out)
+        return meta
+
+    def join_payloads(self, head: bytes, keys: Sequence[bytes]) -> bytes | None:
+        return None  # stored bytes are not the payload: every read goes through get_into
+
+    def delete(self, key: bytes) -> None:
+        self._inner.delete(key)
+
+    def stats(self) -> TierStats:
+        return self._inner.stats()
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class QuantizingDurableTier(QuantizingTier):
+    """The same, around the durable tier: scans report payload sizes as the store knows them."""
+
+    def __init__(self, inner: DurableTier, mode: QuantizeMode, layouts: Iterable[CacheLayout]) -> None:
+        super().__init__(inner, mode, layouts)
+        self._durable = inner
+
+    def scan(self) -> Iterator[ScannedChunk]:
+        for sc in self._durable.scan():
+            plan = None if sc.meta is None else self._plans.get(sc.meta.layout_id)
+            if plan is None:
+                yield sc
+            elif sc.payload_bytes == plan.stored_bytes:
+                yield ScannedChunk(sc.key, sc.meta, plan.payload_bytes, sc.stored_bytes)
+            else:  # written in another mode (or unquantized): not readable as this mode's bytes
+                yield ScannedChunk(sc.key, None, 0, sc.stored_bytes, "format-version")
+
+    def put_namespace(self, digest: bytes, record: bytes) -> None:
+        self._durable.put_namespace(digest, record)
+
+    def namespaces(self) -> dict[bytes, bytes]:
+        return self._durable.namespaces()
