@@ -27,7 +27,6 @@ import json
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +37,7 @@ from kvstore.explain import ChunkFateSink, NoFates, RefusalReason
 from kvstore.keys import Namespace, as_token_array, chain_keys, chunk_token_bytes
 from kvstore.layout import CacheLayout, ModelSpec
 from kvstore.pins import PinReceipt, PinTable
+from kvstore.store_placement import ChunkEntry, Placement, fastest_tier
 from kvstore.store_sessions import LoadSession, StoreTxn
 from kvstore.store_types import (
     LoadedChunk,
@@ -64,22 +64,7 @@ __all__ = [
 ]
 
 
-@dataclass
-class _Entry:
-    namespace: bytes
-    tenant: str
-    layout: CacheLayout
-    tokens: bytes
-    payload_bytes: int
-    cost: float  # recompute value for cost-aware eviction: the tokens this chunk keeps reachable
-    footprint: dict[TierName, int] = field(default_factory=dict)  # tier -> bytes charged there
-    # The fastest tier in `footprint`, kept by `_charge`/`_uncharge` (an entry stays indexed only
-    # while some tier holds it). A lookup reads it for every hit chunk: finding it by walking
-    # TIER_ORDER each time was an eighth of a 32K-token lookup.
-    fastest: TierName = "lmdb"
-
-
-class GlobalStore:
+class GlobalStore(Placement):
     def __init__(
         self,
         cfg: StoreConfig,
@@ -95,7 +80,7 @@ class GlobalStore:
         self._layouts = {self._layout_for(m).layout_id: self._layout_for(m) for m in models}
         self._quotas = dict(quotas or {})
         self._lock = threading.RLock()
-        self._index: dict[bytes, _Entry] = {}
+        self._index: dict[bytes, ChunkEntry] = {}
         self._pins = PinTable()
         layouts = list(self._layouts.values())
         device, dram, lmdb = quantize_tiers(cfg, layouts, *build_tiers(cfg, Path(data_dir), layouts))
@@ -255,7 +240,7 @@ class GlobalStore:
                 if key in self._index:  # a concurrent store of the same prefix won the race
                     continue
                 cost = float((len(txn.keys) - i) * layout.chunk_tokens)
-                entry = _Entry(ns.digest, ns.tenant, layout, txn.chunks[i], len(p), cost)
+                entry = ChunkEntry(ns.digest, ns.tenant, layout, txn.chunks[i], len(p), cost)
                 self._index[key] = entry
                 if key in durable_keys:
                     self._charge(key, entry, "lmdb")
@@ -348,7 +333,7 @@ class GlobalStore:
                 and not (entry.footprint.keys() & {"device", "dram"})
                 and self._place_hot(key, entry, out[: entry.payload_bytes], protect={key})
             ):
-                self._bump_tier("promotions", _fastest(entry))
+                self._bump_tier("promotions", fastest_tier(entry))
         return "lmdb"
 
     def _read_joined(
@@ -374,7 +359,7 @@ class GlobalStore:
             out = self._tiers[tier].join_payloads(head(tier), keys)
         return None if out is None else (tier, out)
 
-    def _lost(self, key: bytes, entry: _Entry, tier: TierName) -> None:
+    def _lost(self, key: bytes, entry: ChunkEntry, tier: TierName) -> None:
         """A tier no longer has a chunk it was charged for (corrupt value removed by the tier)."""
         self._bump("corrupt_reads")
         self._bump_tier("corrupt", tier)
@@ -393,108 +378,6 @@ class GlobalStore:
                 if entry is not None:
                     for tier in entry.footprint:
                         self._policies[tier].touch(key)
-
-    # --- placement, demotion, budgets ---------------------------------------------------------------
-
-    def _place_hot(self, key: bytes, entry: _Entry, payload: memoryview, protect: set[bytes]) -> bool:
-        """Put a chunk in the fastest in-memory tier with room; True if it landed somewhere."""
-        for tier in ("device", "dram"):
-            t = self._tiers[tier]
-            if t.capacity_bytes == 0 or tier in entry.footprint:
-                continue
-            if self._make_room(tier, entry.tenant, t.footprint(len(payload)), protect):
-                t.put(key, payload, ChunkMeta(entry.namespace, entry.layout.layout_id, entry.tokens))
-                self._charge(key, entry, tier)
-                return True
-        return False
-
-    def _reserve(self, tier: TierName, tenant: str, nbytes: int) -> None:
-        self._used[tier] += nbytes
-        self._tenant_used[(tenant, tier)] = self._tenant_used.get((tenant, tier), 0) + nbytes
-
-    def _budget_excess(self, tier: TierName, tenant: str, need: int) -> tuple[int, int]:
-        cap = self._tiers[tier].capacity_bytes
-        over_tier = self._used[tier] + need - cap
-        quota = self._quotas.get(tenant, TenantQuota()).limit(tier)
-        over_tenant = self._tenant_used.get((tenant, tier), 0) + need - quota if quota >= 0 else 0
-        return over_tier, over_tenant
-
-    def _make_room(self, tier: TierName, tenant: str, need: int, protect: set[bytes]) -> bool:
-        """Evict (demoting where a lower tier has room) until `need` bytes fit; False if they can't."""
-        over_tier, over_tenant = self._budget_excess(tier, tenant, need)
-        if need > self._tiers[tier].capacity_bytes:
-            return False
-        policy = self._policies[tier]
-        protected = _Protected(self._pins, protect)
-        if over_tenant > 0:
-            victims = policy.evict(over_tenant, protected, lambda k: self._index[k].tenant == tenant)
-            if victims is None:
-                return False
-            self._evict(tier, victims, "quota")
-            over_tier, _ = self._budget_excess(tier, tenant, need)
-        if over_tier > 0:
-            victims = policy.evict(over_tier, protected)
-            if victims is None:
-                return False
-            self._evict(tier, victims, "capacity")
-        return True
-
-    def _evict(self, tier: TierName, victims: list[bytes], reason: str) -> None:
-        for key in victims:
-            entry = self._index[key]
-            self._bump_tier("evictions", tier)
-            self._bump_tier(f"evict_reason:{tier}", reason)
-            self._demote(key, entry, tier)
-            if key not in self._index:  # no lower tier took it: dropped from the store
-                self._fates.dropped(key, entry.namespace, tier, reason)
-
-    def _demote(self, key: bytes, entry: _Entry, tier: TierName) -> None:
-        """Move a victim down to the next tier that lacks it (if any has room), then drop it here.
-
-        A device victim goes to DRAM even when LMDB holds it (write-through): DRAM is the faster
-        place to find it again. A chunk already in a lower in-memory tier is simply dropped.
-        """
-        lower = TIER_ORDER[TIER_ORDER.index(tier) + 1 :]
-        in_lower_memory = any(t in entry.footprint for t in lower if t != "lmdb")
-        targets = tuple(t for t in lower if t not in entry.footprint and self._tiers[t].capacity_bytes > 0)
-        if targets and not in_lower_memory:
-            buf = bytearray(entry.payload_bytes)
-            if self._tiers[tier].get_into(key, memoryview(buf)) is not None:
-                self._demote_into(key, entry, targets, memoryview(buf))
-        self._tiers[tier].delete(key)
-        self._uncharge(key, entry, tier)
-
-    def _demote_into(self, key: bytes, entry: _Entry, targets: tuple[TierName, ...], payload: memoryview) -> None:
-        meta = ChunkMeta(entry.namespace, entry.layout.layout_id, entry.tokens)
-        protect = {key}
-        for t in targets:
-            tier = self._tiers[t]
-            if t == "lmdb" and not self._admission.admit(key):
-                self._bump("admissions_refused")
-                return
-            if self._make_room(t, entry.tenant, tier.footprint(len(payload)), protect):
-                tier.put(key, payload, meta)
-                self._charge(key, entry, t)
-                self._bump_tier("demotions", t)
-                return
-
-    def _charge(self, key: bytes, entry: _Entry, tier: TierName) -> None:
-        fp = self._tiers[tier].footprint(entry.payload_bytes)
-        entry.footprint[tier] = fp
-        entry.fastest = _fastest(entry)
-        self._used[tier] += fp
-        tk = (entry.tenant, tier)
-        self._tenant_used[tk] = self._tenant_used.get(tk, 0) + fp
-        self._policies[tier].insert(key, fp, entry.cost)
-
-    def _uncharge(self, key: bytes, entry: _Entry, tier: TierName) -> None:
-        fp = entry.footprint.pop(tier)
-        self._used[tier] -= fp
-        self._tenant_used[(entry.tenant, tier)] -= fp
-        if not entry.footprint:
-            del self._index[key]
-        else:
-            entry.fastest = _fastest(entry)
 
     # --- restart ----------------------------------------------------------------------------------
 
@@ -522,7 +405,7 @@ class GlobalStore:
             if sc.payload_bytes != layout.chunk_bytes:
                 self._ignored["size-mismatch"] = self._ignored.get("size-mismatch", 0) + 1
                 continue
-            entry = _Entry(sc.meta.namespace, self._known_ns[sc.meta.namespace], layout,
+            entry = ChunkEntry(sc.meta.namespace, self._known_ns[sc.meta.namespace], layout,
                            sc.meta.tokens, sc.payload_bytes, float(layout.chunk_tokens))
             self._index[sc.key] = entry
             self._charge(sc.key, entry, "lmdb")
@@ -582,7 +465,7 @@ class GlobalStore:
                 assert self._used[tier] <= self._tiers[tier].capacity_bytes, tier
                 assert len(self._policies[tier]) == sum(1 for e in self._index.values() if tier in e.footprint)
             for e in self._index.values():
-                assert e.fastest == _fastest(e), (e.fastest, e.footprint)
+                assert e.fastest == fastest_tier(e), (e.fastest, e.footprint)
             for (tenant, tier), used in self._tenant_used.items():
                 quota = self._quotas.get(tenant, TenantQuota()).limit(tier)
                 assert quota < 0 or used <= quota, (tenant, tier, used, quota)
@@ -592,20 +475,3 @@ class GlobalStore:
             for t in self._tiers.values():
                 t.close()
 
-
-def _fastest(entry: _Entry) -> TierName:
-    for t in TIER_ORDER:
-        if t in entry.footprint:
-            return t
-    raise AssertionError("an indexed chunk is held by no tier")
-
-
-class _Protected:
-    """Keys the eviction policy must not choose: pinned ones and those of the current operation."""
-
-    def __init__(self, pins: PinTable, extra: set[bytes]) -> None:
-        self._pins = pins
-        self._extra = extra
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._extra or key in self._pins

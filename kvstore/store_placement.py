@@ -1,0 +1,171 @@
+"""Placement, demotion and byte budgets: the part of the store's bookkeeping that decides where a
+chunk lives when a tier fills.
+
+`Placement` is mixed into `GlobalStore` and works on its index, its tiers and its counters under
+the store's lock. Pressure demotes device -> DRAM -> LMDB -> dropped, choosing victims with each
+tier's eviction policy, never a pinned chunk, and never exceeding a tier's capacity or a tenant's
+quota. It decides; the tiers move the bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstore.explain import ChunkFateSink
+from kvstore.layout import CacheLayout
+from kvstore.pins import PinTable
+from kvstore.store_types import TenantQuota
+from kvstore.tiers.base import TIER_ORDER, ChunkMeta, Tier, TierName
+from policies.base import AdmissionPolicy, EvictionPolicy
+
+
+@dataclass
+class ChunkEntry:
+    namespace: bytes
+    tenant: str
+    layout: CacheLayout
+    tokens: bytes
+    payload_bytes: int
+    cost: float  # recompute value for cost-aware eviction: the tokens this chunk keeps reachable
+    footprint: dict[TierName, int] = field(default_factory=dict)  # tier -> bytes charged there
+    # The fastest tier in `footprint`, kept by `_charge`/`_uncharge` (an entry stays indexed only
+    # while some tier holds it). A lookup reads it for every hit chunk: finding it by walking
+    # TIER_ORDER each time was an eighth of a 32K-token lookup.
+    fastest: TierName = "lmdb"
+
+
+class Placement:
+    # State owned by GlobalStore.__init__; declared here for the type checker.
+    _index: dict[bytes, ChunkEntry]
+    _tiers: dict[TierName, Tier]
+    _policies: dict[TierName, EvictionPolicy]
+    _admission: AdmissionPolicy
+    _used: dict[TierName, int]
+    _tenant_used: dict[tuple[str, TierName], int]
+    _quotas: dict[str, TenantQuota]
+    _pins: PinTable
+    _fates: ChunkFateSink
+
+    def _bump(self, name: str, n: int = 1) -> None:
+        raise NotImplementedError
+
+    def _bump_tier(self, name: str, label: str) -> None:
+        raise NotImplementedError
+
+    def _place_hot(self, key: bytes, entry: ChunkEntry, payload: memoryview, protect: set[bytes]) -> bool:
+        """Put a chunk in the fastest in-memory tier with room; True if it landed somewhere."""
+        for tier in ("device", "dram"):
+            t = self._tiers[tier]
+            if t.capacity_bytes == 0 or tier in entry.footprint:
+                continue
+            if self._make_room(tier, entry.tenant, t.footprint(len(payload)), protect):
+                t.put(key, payload, ChunkMeta(entry.namespace, entry.layout.layout_id, entry.tokens))
+                self._charge(key, entry, tier)
+                return True
+        return False
+
+    def _reserve(self, tier: TierName, tenant: str, nbytes: int) -> None:
+        self._used[tier] += nbytes
+        self._tenant_used[(tenant, tier)] = self._tenant_used.get((tenant, tier), 0) + nbytes
+
+    def _budget_excess(self, tier: TierName, tenant: str, need: int) -> tuple[int, int]:
+        cap = self._tiers[tier].capacity_bytes
+        over_tier = self._used[tier] + need - cap
+        quota = self._quotas.get(tenant, TenantQuota()).limit(tier)
+        over_tenant = self._tenant_used.get((tenant, tier), 0) + need - quota if quota >= 0 else 0
+        return over_tier, over_tenant
+
+    def _make_room(self, tier: TierName, tenant: str, need: int, protect: set[bytes]) -> bool:
+        """Evict (demoting where a lower tier has room) until `need` bytes fit; False if they can't."""
+        over_tier, over_tenant = self._budget_excess(tier, tenant, need)
+        if need > self._tiers[tier].capacity_bytes:
+            return False
+        policy = self._policies[tier]
+        protected = _Protected(self._pins, protect)
+        if over_tenant > 0:
+            victims = policy.evict(over_tenant, protected, lambda k: self._index[k].tenant == tenant)
+            if victims is None:
+                return False
+            self._evict(tier, victims, "quota")
+            over_tier, _ = self._budget_excess(tier, tenant, need)
+        if over_tier > 0:
+            victims = policy.evict(over_tier, protected)
+            if victims is None:
+                return False
+            self._evict(tier, victims, "capacity")
+        return True
+
+    def _evict(self, tier: TierName, victims: list[bytes], reason: str) -> None:
+        for key in victims:
+            entry = self._index[key]
+            self._bump_tier("evictions", tier)
+            self._bump_tier(f"evict_reason:{tier}", reason)
+            self._demote(key, entry, tier)
+            if key not in self._index:  # no lower tier took it: dropped from the store
+                self._fates.dropped(key, entry.namespace, tier, reason)
+
+    def _demote(self, key: bytes, entry: ChunkEntry, tier: TierName) -> None:
+        """Move a victim down to the next tier that lacks it (if any has room), then drop it here.
+
+        A device victim goes to DRAM even when LMDB holds it (write-through): DRAM is the faster
+        place to find it again. A chunk already in a lower in-memory tier is simply dropped.
+        """
+        lower = TIER_ORDER[TIER_ORDER.index(tier) + 1 :]
+        in_lower_memory = any(t in entry.footprint for t in lower if t != "lmdb")
+        targets = tuple(t for t in lower if t not in entry.footprint and self._tiers[t].capacity_bytes > 0)
+        if targets and not in_lower_memory:
+            buf = bytearray(entry.payload_bytes)
+            if self._tiers[tier].get_into(key, memoryview(buf)) is not None:
+                self._demote_into(key, entry, targets, memoryview(buf))
+        self._tiers[tier].delete(key)
+        self._uncharge(key, entry, tier)
+
+    def _demote_into(self, key: bytes, entry: ChunkEntry, targets: tuple[TierName, ...], payload: memoryview) -> None:
+        meta = ChunkMeta(entry.namespace, entry.layout.layout_id, entry.tokens)
+        protect = {key}
+        for t in targets:
+            tier = self._tiers[t]
+            if t == "lmdb" and not self._admission.admit(key):
+                self._bump("admissions_refused")
+                return
+            if self._make_room(t, entry.tenant, tier.footprint(len(payload)), protect):
+                tier.put(key, payload, meta)
+                self._charge(key, entry, t)
+                self._bump_tier("demotions", t)
+                return
+
+    def _charge(self, key: bytes, entry: ChunkEntry, tier: TierName) -> None:
+        fp = self._tiers[tier].footprint(entry.payload_bytes)
+        entry.footprint[tier] = fp
+        entry.fastest = fastest_tier(entry)
+        self._used[tier] += fp
+        tk = (entry.tenant, tier)
+        self._tenant_used[tk] = self._tenant_used.get(tk, 0) + fp
+        self._policies[tier].insert(key, fp, entry.cost)
+
+    def _uncharge(self, key: bytes, entry: ChunkEntry, tier: TierName) -> None:
+        fp = entry.footprint.pop(tier)
+        self._used[tier] -= fp
+        self._tenant_used[(entry.tenant, tier)] -= fp
+        if not entry.footprint:
+            del self._index[key]
+        else:
+            entry.fastest = fastest_tier(entry)
+
+
+def fastest_tier(entry: ChunkEntry) -> TierName:
+    for t in TIER_ORDER:
+        if t in entry.footprint:
+            return t
+    raise AssertionError("an indexed chunk is held by no tier")
+
+
+class _Protected:
+    """Keys the eviction policy must not choose: pinned ones and those of the current operation."""
+
+    def __init__(self, pins: PinTable, extra: set[bytes]) -> None:
+        self._pins = pins
+        self._extra = extra
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._extra or key in self._pins
