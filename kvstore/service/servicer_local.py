@@ -141,9 +141,11 @@ class LocalStateCalls:
         self, call: CallState, req: pb.ResumeRequest, res: Resolved, context: grpc.ServicerContext
     ) -> Iterator[pb.ResumeResponse | bytes]:
         store = self.app.store
-        r = store.lookup(res.ns, res.tokens)
+        # One walk of the prefix: the load session carries the lookup that chose its chunks, so
+        # the prefix is hashed (and counted in the store's statistics) once per Resume.
+        session = None if req.skip_chunks else store.load(res.ns, res.tokens, req.max_chunks or None)
+        r = store.lookup(res.ns, res.tokens) if session is None else session.lookup
         limit = req.max_chunks or r.hit_chunks
-        session = None if req.skip_chunks else store.load(res.ns, res.tokens, limit)
         try:
             # The session pins what it found; it may be shorter than the lookup if chunks left between.
             n = min(r.hit_chunks, limit) if session is None else min(len(session), r.hit_chunks)
