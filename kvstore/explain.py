@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from kvstore.ledger import Bills, RequestRecord
+from kvstore.request_bills import Bills, RequestRecord
 
 FateKind = Literal["evicted", "corrupt", "over_quota", "no_room", "not_admitted"]
 RefusalReason = Literal["over_quota", "no_room", "not_admitted"]

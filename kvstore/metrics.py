@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstore.ledger import CASES, LOCAL_OUTCOMES, TIERS, RequestRecord
+from kvstore.request_bills import CASES, LOCAL_OUTCOMES, TIERS, RequestRecord
 
 log = logging.getLogger("kvstore.metrics")
 

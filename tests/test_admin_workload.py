@@ -28,9 +28,9 @@ from kvstore.config import KvstoreConfig, LocalPoolConfig, StoreConfig, TenantCo
 from kvstore.config.service import AdminConfig
 from kvstore.explain import LocalWriteTrace, lookup_trace
 from kvstore.keys import Namespace
-from kvstore.ledger import price_request
 from kvstore.local_pool.base import LocalPool
 from kvstore.local_pool.embedded import EmbeddedPool
+from kvstore.request_bills import price_request
 from kvstore.service.app import build_ttl_policy, served_models, tenant_quotas
 from kvstore.store import GlobalStore
 

@@ -22,7 +22,7 @@ from kvstore.explain import (
     request_id_from,
 )
 from kvstore.keys import Namespace, chain_keys, chunk_token_bytes
-from kvstore.ledger import ReplayResult, RequestRecord, price_request
+from kvstore.request_bills import ReplayResult, RequestRecord, price_request
 from tests.test_admin_workload import CHUNK, FakeClock, Rig
 
 LAYOUT_ID = b"\x01" * 8

@@ -8,17 +8,8 @@ import math
 import pytest
 
 from kvstore.layout import get_model
-from kvstore.ledger import (
-    OTHER_TENANT,
-    Bills,
-    LatencyHistogram,
-    Ledger,
-    Occupancy,
-    ReplayResult,
-    RequestRecord,
-    occupancy_from_stats,
-    price_request,
-)
+from kvstore.ledger import LatencyHistogram, Ledger, Occupancy, occupancy_from_stats
+from kvstore.request_bills import OTHER_TENANT, Bills, ReplayResult, RequestRecord, price_request
 from tests.test_admin_workload import FakeClock
 
 FLOPS = get_model("deepseek-v4.1-flash").prefill_flops_per_token

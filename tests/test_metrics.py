@@ -17,8 +17,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.ledger import ReplayResult, RequestRecord, price_request
 from kvstore.metrics import Metrics, PolicyInfo, Sources
+from kvstore.request_bills import ReplayResult, RequestRecord, price_request
 from tests.test_admin_workload import CHUNK, Rig, workload
 
 # --- exposition checks, shared with test_deploy and test_metrics_service ------------------------------

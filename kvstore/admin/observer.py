@@ -23,19 +23,19 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvstore.explain import Explainer, LocalWriteTrace, LookupTrace
-from kvstore.ledger import (
+from kvstore.ledger import Ledger
+from kvstore.metrics import MISS_REASONS, Metrics, replay_failure
+from kvstore.request_bills import (
     CASES,
     LOCAL_OUTCOMES,
     TIERS,
     Bills,
     Case,
-    Ledger,
     LocalOutcome,
     ReplayResult,
     RequestRecord,
     TierBill,
 )
-from kvstore.metrics import MISS_REASONS, Metrics, replay_failure
 
 log = logging.getLogger("kvstore.admin")
 
