@@ -26,7 +26,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from kvstore.request_bills import (
     CASES,
@@ -36,6 +36,7 @@ from kvstore.request_bills import (
     TIERS,
     RequestRecord,
 )
+from kvstore.store_types import StoreStats
 
 # --- occupancy, as shown to the ledger ---------------------------------------------------------------
 
@@ -48,28 +49,7 @@ class Occupancy:
     evictions: Mapping[str, int] = field(default_factory=dict)  # "tier:reason" -> cumulative count
 
 
-class _TierUsageLike(Protocol):
-    @property
-    def used_bytes(self) -> int: ...
-
-    @property
-    def capacity_bytes(self) -> int: ...
-
-
-class StoreStatsLike(Protocol):
-    """The part of the store's `StoreStats` the ledger reads."""
-
-    @property
-    def tiers(self) -> Mapping[str, _TierUsageLike]: ...
-
-    @property
-    def tenant_bytes(self) -> Mapping[str, Mapping[str, int]]: ...
-
-    @property
-    def evictions_by_reason(self) -> Mapping[str, int]: ...
-
-
-def occupancy_from_stats(stats: StoreStatsLike) -> Occupancy:
+def occupancy_from_stats(stats: StoreStats) -> Occupancy:
     return Occupancy(
         used_bytes={t: u.used_bytes for t, u in stats.tiers.items()},
         capacity_bytes={t: u.capacity_bytes for t, u in stats.tiers.items()},

@@ -25,13 +25,14 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstore.local_pool.base import PoolStats
 from kvstore.request_bills import CASES, LOCAL_OUTCOMES, TIERS, RequestRecord
+from kvstore.store_types import StoreStats
 
 log = logging.getLogger("kvstore.metrics")
 
@@ -97,79 +98,6 @@ def _label(value: str, allowed: Collection[str]) -> str:
 # --- sources read at scrape time -------------------------------------------------------------------
 
 
-class TierUsageLike(Protocol):
-    @property
-    def used_bytes(self) -> int: ...
-    @property
-    def capacity_bytes(self) -> int: ...
-    @property
-    def entries(self) -> int: ...
-    @property
-    def demotions(self) -> int: ...
-    @property
-    def promotions(self) -> int: ...
-    @property
-    def corrupt_total(self) -> int: ...
-    @property
-    def map_size_bytes(self) -> int: ...
-    @property
-    def readers(self) -> int: ...
-
-
-class StoreStatsLike(Protocol):
-    """What the collector reads of the store's `StoreStats`."""
-
-    @property
-    def chunks(self) -> int: ...
-    @property
-    def tiers(self) -> Mapping[str, TierUsageLike]: ...
-    @property
-    def tenant_bytes(self) -> Mapping[str, Mapping[str, int]]: ...
-    @property
-    def lookups(self) -> int: ...
-    @property
-    def token_mismatches(self) -> int: ...
-    @property
-    def corrupt_reads(self) -> int: ...
-    @property
-    def pins_active(self) -> int: ...
-    @property
-    def pins_expired(self) -> int: ...
-    @property
-    def admissions_refused(self) -> int: ...
-    @property
-    def evictions_by_reason(self) -> Mapping[str, int]: ...  # "tier:reason" -> count
-
-
-class PoolStatsLike(Protocol):
-    """What the collector reads of the local pool's `PoolStats` (-1: a figure the backend cannot know)."""
-
-    @property
-    def hits(self) -> int: ...
-    @property
-    def misses(self) -> Mapping[str, int]: ...
-    @property
-    def writes(self) -> int: ...
-    @property
-    def skipped_writes(self) -> Mapping[str, int]: ...
-    @property
-    def errors(self) -> int: ...
-    @property
-    def evictions(self) -> int: ...
-    @property
-    def expirations(self) -> int: ...
-    @property
-    def entries(self) -> int: ...
-    @property
-    def used_bytes(self) -> int: ...
-    @property
-    def capacity_bytes(self) -> int: ...
-    @property
-    def breaker_state(self) -> str: ...
-    @property
-    def breaker_opens(self) -> int: ...
-
-
 @dataclass(frozen=True)
 class ByteSeconds:
     """The ledger's integrals, for the runtime and persistent bills as counters."""
@@ -192,8 +120,8 @@ class Sources:
     """Callables the collector reads at scrape time; any may be None (that part is absent).
     Set them after the parts exist: the collector looks them up on every scrape."""
 
-    store: Callable[[], StoreStatsLike] | None = None
-    pool: Callable[[], PoolStatsLike] | None = None
+    store: Callable[[], StoreStats] | None = None
+    pool: Callable[[], PoolStats] | None = None
     pool_up: Callable[[], bool] | None = None
     replay_queue_depth: Callable[[], int] | None = None
     runners_attached: Callable[[], int] | None = None
@@ -268,7 +196,7 @@ class SourceCollector(Collector):
             self._errors[name] = self._errors.get(name, 0) + 1
             return []
 
-    def _store(self, st: StoreStatsLike) -> Iterator[Metric]:
+    def _store(self, st: StoreStats) -> Iterator[Metric]:
         used = GaugeMetricFamily("kvstore_tier_bytes", "Bytes used in each tier.", labels=["tier"])
         cap = GaugeMetricFamily("kvstore_tier_capacity_bytes", "Byte capacity of each tier.", labels=["tier"])
         entries = GaugeMetricFamily("kvstore_tier_entries", "Chunks held in each tier.", labels=["tier"])
@@ -330,7 +258,7 @@ class SourceCollector(Collector):
                 tb.add_metric([tenant, tier_s], n)
             yield tb
 
-    def _pool(self, p: PoolStatsLike) -> Iterator[Metric]:
+    def _pool(self, p: PoolStats) -> Iterator[Metric]:
         yield CounterMetricFamily("kvstore_pool_hits", "Local snapshots found in the pool.", value=p.hits)
         miss = CounterMetricFamily("kvstore_pool_misses", "Local snapshot gets that found nothing usable.",
                                    labels=["reason"])

@@ -28,7 +28,9 @@ from kvstore.admin.observer import Observability, Sampler
 from kvstore.config import KvstoreConfig
 from kvstore.explain import Explainer
 from kvstore.ledger import Ledger, Occupancy, occupancy_from_stats
-from kvstore.metrics import ByteSeconds, Metrics, PolicyInfo, PoolStatsLike, Sources, StoreStatsLike
+from kvstore.local_pool.base import PoolStats
+from kvstore.metrics import ByteSeconds, Metrics, PolicyInfo, Sources
+from kvstore.store_types import StoreStats
 
 if TYPE_CHECKING:
     from kvstore.service.app import App
@@ -77,8 +79,8 @@ def build_observability(
     *,
     registry: CollectorRegistry | None = None,
     config: Callable[[], KvstoreConfig] | None = None,
-    store_stats: Callable[[], StoreStatsLike] | None = None,
-    pool_stats: Callable[[], PoolStatsLike] | None = None,
+    store_stats: Callable[[], StoreStats] | None = None,
+    pool_stats: Callable[[], PoolStats] | None = None,
     pool_up: Callable[[], bool] | None = None,
     replay_queue_depth: Callable[[], int] | None = None,
     runners_attached: Callable[[], int] | None = None,
