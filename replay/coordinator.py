@@ -174,7 +174,9 @@ class ReplayCoordinator:
 
     # --- the port the service calls ------------------------------------------------------------
 
-    def admit(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int) -> ReplayTicket:
+    def admit(
+        self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, boundary_key: bytes | None = None
+    ) -> ReplayTicket:
         """A ticket for a replay at `tokens[:hit_tokens]`, or `ResourceExhausted` when the tenant's
         distinct replays are at the bound. A replay of a boundary already admitted (or just
         finished) joins it and takes no slot. Quick: hashing the prefix's keys, no I/O."""
@@ -189,7 +191,9 @@ class ReplayCoordinator:
         if hit_tokens <= 0 or hit_tokens % ct or hit_tokens > len(tokens):
             raise InvalidInput(f"a replay boundary must be a positive multiple of {ct} within the prompt, "
                                f"got {hit_tokens} of {len(tokens)} tokens")
-        fkey = (ns.digest, self.store.chunk_keys(ns, tokens[:hit_tokens])[-1])
+        if boundary_key is None:
+            boundary_key = self.store.chunk_keys(ns, tokens[:hit_tokens])[-1]
+        fkey = (ns.digest, boundary_key)
         with self._lock:
             self._c.bump("requests")
             recent = self._recent_outcome(fkey, self._clock())

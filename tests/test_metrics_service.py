@@ -46,7 +46,8 @@ class StandInCoordinator:
     def __init__(self, app: App) -> None:
         self.app = app
 
-    def admit(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int) -> ReplayTicket:
+    def admit(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int,
+              boundary_key: bytes | None = None) -> ReplayTicket:
         return ReplayTicket(ns.tenant, hit_tokens)
 
     def resume_local(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int,

@@ -201,7 +201,8 @@ class FakeCoordinator:
         self.calls: list[tuple[Namespace, int]] = []
         self.held: set[ReplayTicket] = set()
 
-    def admit(self, ns: Namespace, toks: np.ndarray, hit_tokens: int) -> ReplayTicket:
+    def admit(self, ns: Namespace, toks: np.ndarray, hit_tokens: int,
+              boundary_key: bytes | None = None) -> ReplayTicket:
         if self.refuse is not None:
             raise self.refuse
         ticket = ReplayTicket(ns.tenant, hit_tokens)

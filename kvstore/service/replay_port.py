@@ -50,9 +50,12 @@ class ReplayTicket:
 
 
 class ReplayCoordinator(Protocol):
-    def admit(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int) -> ReplayTicket:
+    def admit(
+        self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, boundary_key: bytes | None = None
+    ) -> ReplayTicket:
         """Admit a replay at `tokens[:hit_tokens]` now, or raise `ResourceExhausted` (the tenant's
-        bound). Quick: no I/O, no waiting."""
+        bound). Quick: no I/O, no waiting. `boundary_key`, when the caller already has it, is the
+        key of the last chunk before the boundary (saves hashing the prefix again)."""
         ...
 
     def resume_local(

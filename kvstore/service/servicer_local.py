@@ -155,7 +155,7 @@ class LocalStateCalls:
             state, got = local_status(self.app, res, n, deadline, r, pinned_key)
             case = "cold" if n == 0 else ("expired" if state == "expired" else "warm")
             replay_t0 = time.perf_counter()
-            replay = self._start_replay(res, case, n * res.chunk_tokens, deadline)
+            replay = self._start_replay(res, case, n * res.chunk_tokens, deadline, pinned_key)
             plan = planned_replay_tokens(res, n * res.chunk_tokens) if replay is not None else 0
             size = res.layout.local_snapshot_bytes
             call.case, call.local_state = case, state
@@ -196,14 +196,14 @@ class LocalStateCalls:
             replay_status=outcome.status, bills=bills))
 
     def _start_replay(
-        self, res: Resolved, case: str, hit_tokens: int, deadline: float | None
+        self, res: Resolved, case: str, hit_tokens: int, deadline: float | None, boundary_key: bytes | None
     ) -> cf.Future[ReplayOutcome] | None:
         coordinator = self.app.coordinator
         if case != "expired" or coordinator is None or planned_replay_tokens(res, hit_tokens) == 0:
             return None
         budget = deadline if deadline is not None else self.app.config.replay.timeout_seconds
         # Admitted here, synchronously: a refusal (ResourceExhausted) fails the call before its header.
-        ticket = coordinator.admit(res.ns, res.tokens, hit_tokens)
+        ticket = coordinator.admit(res.ns, res.tokens, hit_tokens, boundary_key)
         try:
             fut = self.replay_executor.submit(coordinator.resume_local, res.ns, res.tokens, hit_tokens, budget,
                                               ticket)
