@@ -64,19 +64,11 @@ class FixedTtl:
         return {"kind": "fixed", "ttl_seconds": self._ttl}
 
 
-class SlidingTtl:
-    def __init__(self, ttl_seconds: float) -> None:
-        assert ttl_seconds > 0, ttl_seconds
-        self._ttl = float(ttl_seconds)
-
-    def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
-        return self._ttl
+class SlidingTtl(FixedTtl):
+    """FixedTtl whose hits refresh the TTL to its full length."""
 
     def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
         return self._ttl
-
-    def observe_return(self, tenant: str, gap_seconds: float) -> None:
-        pass
 
     def describe(self) -> dict[str, object]:
         return {"kind": "sliding", "ttl_seconds": self._ttl}

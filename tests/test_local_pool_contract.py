@@ -22,31 +22,12 @@ from kvstore.local_pool import LocalPool, build_local_pool
 from kvstore.local_pool.redis_pool import snapshot_key_base
 from kvstore.local_pool.redis_process import RedisClusterProcesses
 from tests.fixtures.redis_server import RedisFactory, scan_pttls
+from tests.helpers.static_ttl import StaticTtl
 
 V41_SNAPSHOT_BYTES = 1_351_680
 LAYOUT = b"layout01"
 TENANT = "acme"
 PART_BYTES = 256 * 1024  # a V4.1 snapshot is 6 parts
-
-
-class StaticTtl:
-    """A TtlPolicy with fixed answers (seconds), changeable by the test."""
-
-    def __init__(self, write_seconds: float, read_seconds: float | None = None) -> None:
-        self.write_seconds = write_seconds
-        self.read_seconds = read_seconds
-
-    def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
-        return self.write_seconds
-
-    def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
-        return self.read_seconds
-
-    def observe_return(self, tenant: str, gap_seconds: float) -> None:
-        pass
-
-    def describe(self) -> dict[str, object]:
-        return {"kind": "static", "ttl_seconds": self.write_seconds}
 
 
 @dataclass

@@ -25,29 +25,13 @@ from kvstore.local_pool import LocalPool, build_local_pool
 from kvstore.local_pool.redis_process import RedisClusterProcesses, RedisProcess, free_port
 from tests.fixtures.redis_server import RedisFactory, scan_pttls
 from tests.fixtures.tcp_proxy import TcpProxy
+from tests.helpers.static_ttl import StaticTtl
 
 SNAPSHOT = 1_351_680
 LAYOUT = b"layout01"
 TENANT = "acme"
 TTL_SECONDS = 30.0
 SLACK_SECONDS = 1.0  # scheduling margin on a shared machine for deadline bounds
-
-
-class StaticTtl:
-    def __init__(self, write_seconds: float, read_seconds: float | None = None) -> None:
-        self.write_seconds, self.read_seconds = write_seconds, read_seconds
-
-    def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
-        return self.write_seconds
-
-    def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
-        return self.read_seconds
-
-    def observe_return(self, tenant: str, gap_seconds: float) -> None:
-        pass
-
-    def describe(self) -> dict[str, object]:
-        return {"kind": "static"}
 
 
 def _pool(url: str, ttl: float = TTL_SECONDS, **overrides: Any) -> LocalPool:
