@@ -6,7 +6,6 @@ replays and block boundaries inside the attention and indexer loops are all chea
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -23,15 +22,7 @@ from replay.model_config import ModelConfig
 SMALL = ModelConfig(window=16, chunk_tokens=32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The model's matrices are tiny: on a shared 2-core machine, two intra-op threads per small
-    # GEMM mostly wait for each other (measured 10-25x slower under load). Results are the same
-    # for any thread count; the model is batch- and thread-invariant by construction.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

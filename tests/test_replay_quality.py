@@ -4,25 +4,14 @@ untouched) on a small window, and the `kvstore replay-quality` command's JSON.""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from kvstore.cli import main
 from replay.quality import QualityConfig, run_quality
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The model's matrices are tiny: on a shared 2-core machine, two intra-op threads per small
-    # GEMM mostly wait for each other (measured 10-25x slower under load). Results are the same
-    # for any thread count; the model is batch- and thread-invariant by construction.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
