@@ -321,20 +321,50 @@ class GlobalStore(Placement):
                 self._lost(key, entry, tier)
         if "lmdb" not in order:
             return None
-        meta = self._tiers["lmdb"].get_into(key, out)
+        return "lmdb" if self._after_lmdb_read(key, self._durable.get_into(key, out), out) else None
+
+    def _read_many(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[TierName]:
+        """`_read` for consecutive chunks of a prefix, stopping at the first one that is gone: the
+        tiers of the chunks read. A run of chunks that only LMDB holds is read in one LMDB read
+        transaction."""
+        got: list[TierName] = []
+        i, n = 0, len(keys)
+        while i < n:
+            with self._lock:
+                j = i
+                while j < n and (e := self._index.get(keys[j])) is not None and e.fastest == "lmdb":
+                    j += 1
+            if j == i:  # in memory (or gone): one at a time
+                tier = self._read(keys[i], outs[i])
+                if tier is None:
+                    return got
+                got.append(tier)
+                i += 1
+                continue
+            metas = self._durable.get_many_into(keys[i:j], outs[i:j])
+            for k, meta in enumerate(metas, start=i):
+                if not self._after_lmdb_read(keys[k], meta, outs[k]):
+                    return got
+                got.append("lmdb")
+            i = j
+        return got
+
+    def _after_lmdb_read(self, key: bytes, meta: ChunkMeta | None, out: memoryview) -> bool:
+        """Book an LMDB read done outside the lock: check the token ids stored with the chunk
+        (a mismatch is a loss, like a corrupt value) and promote it if the policy says so."""
         with self._lock:
             entry = self._index.get(key)
             if meta is None or entry is None or meta.tokens != entry.tokens:
                 if entry is not None:
                     self._lost(key, entry, "lmdb")
-                return None
+                return False
             if (
                 self.cfg.promote_on_hit
                 and not (entry.footprint.keys() & {"device", "dram"})
                 and self._place_hot(key, entry, out[: entry.payload_bytes], protect={key})
             ):
                 self._bump_tier("promotions", fastest_tier(entry))
-        return "lmdb"
+        return True
 
     def _read_joined(
         self, keys: Sequence[bytes], head: Callable[[TierName], bytes]

@@ -6,7 +6,7 @@ every decision; they move no bytes themselves except through the store.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -98,6 +98,14 @@ class LoadSession:
         if tier is not None:
             self.read_chunks += 1
         return tier
+
+    def read_many_into(self, first: int, outs: Sequence[memoryview]) -> list[TierName]:
+        """Copy chunks first, first + 1, ... into outs; the tiers they came from, stopping at the
+        first chunk that vanished (corrupt), which ends the hit. Chunks only LMDB holds are read
+        in one read transaction."""
+        tiers = self._store._read_many(self.keys[first : first + len(outs)], outs)
+        self.read_chunks += len(tiers)
+        return tiers
 
     def read_joined(
         self, first: int, count: int, head: Callable[[TierName], bytes]

@@ -143,6 +143,28 @@ def test_a_bad_value_is_a_miss_counted_and_removed(tmp_path: Path, name: str) ->
     assert keys[1] not in raw_keys(tmp_path)
 
 
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_a_bad_value_in_a_batched_read_is_a_miss_and_the_others_still_arrive(tmp_path: Path, name: str) -> None:
+    # get_many_into is the read a Load makes for a stream message's chunks that only LMDB holds.
+    change, problem = CORRUPTIONS[name]
+    tier = open_tier(tmp_path)
+    keys = put_chunks(tier, 2, 4)
+    tier.close()
+    tamper(tmp_path, keys[2], change)
+    tier = open_tier(tmp_path)
+    absent = key_of(99, 0)
+    outs = [memoryview(bytearray(LAYOUT.chunk_bytes)) for _ in range(5)]
+    metas = tier.get_many_into([*keys, absent], outs)
+    assert [m is None for m in metas] == [False, False, True, False, True]
+    for i in (0, 1, 3):
+        assert metas[i] == meta_of(keys[i]) and bytes(outs[i]) == payload_of(keys[i])
+    assert tier.problems == {problem: 1} and tier.stats().entries == 3
+    with pytest.raises(InvalidInput, match="2 keys but 1 buffers"):
+        tier.get_many_into(keys[:2], outs[:1])
+    tier.close()
+    assert keys[2] not in raw_keys(tmp_path)
+
+
 def test_scan_reads_only_headers_unless_asked_to_verify(tmp_path: Path) -> None:
     tier = open_tier(tmp_path)
     keys = put_chunks(tier, 1, 2)

@@ -163,6 +163,10 @@ def store_and_load(store: GlobalStore, model: str, seed: int) -> tuple[list[byte
     assert res.stored_chunks + res.already_present == 3
     with store.load(ns, tokens) as session:
         got = [(c.tier, bytes(c.payload)) for c in session]
+    with store.load(ns, tokens) as session:  # the batched read a Load makes gives the same bytes
+        bufs = [memoryview(bytearray(len(p))) for _, p in got]
+        assert len(session.read_many_into(0, bufs)) == len(got)
+        assert [bytes(b) for b in bufs] == [p for _, p in got]
     return sent, got
 
 

@@ -325,3 +325,29 @@ def test_a_run_of_chunks_in_one_memory_tier_is_joined_in_one_copy(tmp_path: Path
         assert session.read_chunks == 5
     store.check_invariants()
     store.close()
+
+
+def test_read_many_into_reads_across_tiers_and_stops_at_a_lost_chunk(tmp_path: Path) -> None:
+    # Device holds 2 toy chunks, DRAM 3, the rest only LMDB: the LMDB run is read in one call.
+    store = open_store(tmp_path, device_capacity_bytes=2 * 4096, dram_capacity_bytes=3 * 4096,
+                       eviction_policy="lru")
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    tokens = tokens_for(13, 8 * CHUNK)
+    store_prefix(store, ns, tokens)
+    want = expected_payloads(store, ns, tokens, 8)
+    nbytes = store.layout(ns).chunk_bytes
+    bufs = [memoryview(bytearray(nbytes)) for _ in range(8)]
+    with store.load(ns, tokens) as session:
+        assert session.read_many_into(0, bufs) == ["device"] * 2 + ["dram"] * 3 + ["lmdb"] * 3
+        assert [bytes(b) for b in bufs] == want and session.read_chunks == 8
+    # Chunk 6 rewritten in LMDB with other token ids: the read stops there and books the loss.
+    keys = store.chunk_keys(ns, tokens)
+    wrong = tokens_for(14, CHUNK).tobytes()
+    store._durable.put(keys[6], memoryview(b"\x01" * nbytes), ChunkMeta(ns.digest, ns.layout_id, wrong))
+    with store.load(ns, tokens) as session:
+        assert session.read_many_into(5, bufs[5:]) == ["lmdb"]
+        assert bytes(bufs[5]) == want[5] and session.read_chunks == 1
+    assert store.stats().corrupt_reads == 1
+    assert store.lookup(ns, tokens).hit_chunks == 6
+    store.check_invariants()
+    store.close()

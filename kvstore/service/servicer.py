@@ -212,15 +212,12 @@ class KVCacheServicer(LocalStateCalls):
             frame = chunk_piece_frame(span.first_chunk, 0, count, span.nbytes, into=scratch)
             scratch = frame.buf
             view = memoryview(frame.buf)
-            good = 0
-            for k in range(count):
-                at = frame.payload_start + k * cb
-                tier = session.read_into(span.first_chunk + k, view[at : at + cb])
-                if tier is None:
-                    break
+            starts = range(frame.payload_start, frame.payload_start + count * cb, cb)
+            tiers = session.read_many_into(span.first_chunk, [view[at : at + cb] for at in starts])
+            for k, tier in enumerate(tiers):
                 frame.buf[frame.tiers_start + k] = TIER_TO_PB[tier]
-                tiers_out.append(tier)
-                good += 1
+            tiers_out.extend(tiers)
+            good = len(tiers)
             if good == count:
                 yield frame.finish()
                 continue

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 TierName = Literal["device", "dram", "lmdb"]
 TIER_ORDER: tuple[TierName, ...] = ("device", "dram", "lmdb")
 
 
-@dataclass(frozen=True)
-class ChunkMeta:
-    """What is stored beside a chunk's payload, and checked on every read."""
+class ChunkMeta(NamedTuple):
+    """What is stored beside a chunk's payload, and checked on every read. A named tuple, not a
+    frozen dataclass: every verified read builds one, and this is half the cost."""
 
     namespace: bytes  # 32-byte namespace digest (keys.Namespace.digest)
     layout_id: bytes  # 8 bytes (layout.CacheLayout.layout_id)
@@ -80,6 +80,10 @@ class Tier(Protocol):
 
 
 class DurableTier(Tier, Protocol):
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[ChunkMeta | None]:
+        """`get_into` for each key, into the buffer beside it, in one read transaction."""
+        ...
+
     def scan(self) -> Iterator[ScannedChunk]:
         """Every entry in the database, for rebuilding the store's index after a restart."""
         ...

@@ -40,6 +40,7 @@ from kvstore.errors import InvalidInput, StorageError
 from kvstore.layout import CacheLayout
 from kvstore.tiers import value_format as vf
 from kvstore.tiers.base import ChunkMeta, ScannedChunk, TierName, TierStats
+from kvstore.tiers.checksum import copy_words_sum64, load_kernel, sum64
 from kvstore.tiers.compression import CODEC_NONE, Codec, Mode
 from kvstore.tiers.value_format import ValueProblem
 
@@ -89,6 +90,7 @@ class LmdbTier:
             MAP_OVERHEAD_MIN_BYTES, int(capacity_bytes * MAP_OVERHEAD_FRACTION)
         )
         self._codec = Codec(compression, zstd_level, self._layouts)
+        self.checksum_kernel = load_kernel()  # compiled (or loaded from cache) now, not on a first hit
         self._lock = threading.Lock()
         self.corrupt_total = 0
         self.problems: dict[str, int] = {}  # removed-on-read values by problem ("corrupt", ...)
@@ -234,26 +236,54 @@ class LmdbTier:
             self._remove_bad(key, problem)
             return None
 
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[ChunkMeta | None]:
+        """`get_into` for several keys in one read transaction: a Load reads a stream message's
+        worth of chunks at once, and the lock and transaction are ~1 us of each ~7 us read."""
+        if len(keys) != len(outs):
+            raise InvalidInput(f"{len(keys)} keys but {len(outs)} buffers")
+        metas: list[ChunkMeta | None] = []
+        bad: list[tuple[bytes, ValueProblem]] = []
+        with self._lock:
+            with self._env.begin(db=self._chunks, buffers=True) as txn:
+                get, read = txn.get, self._read
+                for key, out in zip(keys, outs, strict=True):
+                    value = get(key)
+                    meta = None
+                    if value is not None:
+                        try:
+                            meta = read(value, out if out.format == "B" and out.ndim == 1 else vf.byte_view(out))
+                        except ValueProblem as p:
+                            bad.append((key, p))
+                    metas.append(meta)
+            for key, problem in bad:
+                self._remove_bad(key, problem)
+        return metas
+
     def join_payloads(self, head: bytes, keys: Sequence[bytes]) -> bytes | None:
         return None  # every read is verified (and maybe decompressed) into the caller's buffer
 
     def _read(self, value: memoryview, dst: memoryview) -> ChunkMeta:
-        # The hit path: one header unpack, no intermediate header object, each slice made once.
+        # The hit path, ~2 us of Python around the copy: one header unpack, no header object,
+        # each slice made once, and the payload copied and summed in one pass.
         codec, n_tok, layout_id, namespace, raw_size, stored_size, psum, po = vf.check_header(value)
         if layout_id not in self._layouts:
             raise ValueProblem("layout", f"layout id {layout_id.hex()} is not known to this tier")
         if len(dst) < raw_size:
             raise InvalidInput(f"buffer of {len(dst)} bytes is too small for a {raw_size}-byte chunk")
         target = dst if len(dst) == raw_size else dst[:raw_size]
-        stored = value[po:]
         if codec == CODEC_NONE:
             if stored_size != raw_size:
                 raise ValueProblem("corrupt", "stored size differs from raw size")
-            target[:] = stored  # the one copy, straight out of the map
-            if vf.sum64(target) != psum:  # checked on the copy, hot in cache
+            if raw_size & 7:
+                target[:] = value[po:]
+                got = sum64(target)
+            else:  # one pass: copied straight out of the map and summed as it goes
+                got = copy_words_sum64(value, po, raw_size >> 3, target)
+            if got != psum:
                 raise ValueProblem("corrupt", "payload checksum mismatch")
         else:
-            if vf.sum64(stored) != psum:
+            stored = value[po:]
+            if sum64(stored) != psum:
                 raise ValueProblem("corrupt", "payload checksum mismatch")
             self._codec.decode_into(codec, stored, target, layout_id)
         return ChunkMeta(namespace, layout_id, bytes(value[vf.TOKENS_AT : vf.TOKENS_AT + 4 * n_tok]))
@@ -305,7 +335,7 @@ class LmdbTier:
             h = vf.parse_header(value)
             if h.layout_id not in self._layouts:
                 raise ValueProblem("layout", "unknown layout id")
-            if verify and vf.sum64(value[h.payload_offset :]) != h.payload_sum:
+            if verify and sum64(value[h.payload_offset :]) != h.payload_sum:
                 raise ValueProblem("corrupt", "payload checksum mismatch")
         except ValueProblem as p:
             return ScannedChunk(key, None, 0, disk, p.problem)
@@ -360,3 +390,4 @@ class LmdbTier:
             if self.durability != "sync":
                 self._env.sync(True)
             self._env.close()
+

@@ -68,7 +68,9 @@ class QuantizingTier:
     def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         # The wrapped tier writes the stored bytes to the head of `out` (they are never longer
         # than the payload); a quantized value is then copied aside and expanded in place.
-        meta = self._inner.get_into(key, out)
+        return self._expand(self._inner.get_into(key, out), out)
+
+    def _expand(self, meta: ChunkMeta | None, out: memoryview) -> ChunkMeta | None:
         if meta is not None:
             plan = self._plans.get(meta.layout_id)
             if plan is not None:
@@ -94,6 +96,10 @@ class QuantizingDurableTier(QuantizingTier):
     def __init__(self, inner: DurableTier, mode: QuantizeMode, layouts: Iterable[CacheLayout]) -> None:
         super().__init__(inner, mode, layouts)
         self._durable = inner
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[ChunkMeta | None]:
+        metas = self._durable.get_many_into(keys, outs)
+        return [self._expand(meta, out) for meta, out in zip(metas, outs, strict=True)]
 
     def scan(self) -> Iterator[ScannedChunk]:
         for sc in self._durable.scan():

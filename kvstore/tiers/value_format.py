@@ -23,15 +23,16 @@ one contiguous range (one crc32 call, one struct unpack per read). Header plus 1
 bytes would spill it into a 29th page (+32 B/token).
 
 Why two checksums instead of one crc32 over everything: the hot path of a hit copies ~114 KB out
-of the LMDB map, which takes ~3.5 us; zlib.crc32 runs at ~4 GB/s (~27 us per chunk) and the
-hashlib digests are slower still, so a crc over the payload would make a verified read 8x slower
-than an unverified one. The payload is checked instead with sum64, a wrapping 64-bit sum of its
-little-endian words (one vectorised numpy reduction, ~45 GB/s, run on the copy while it is hot in
-cache), and the crc covers the 600-byte header and token ids, sum included. sum64 catches every
-single-bit flip, every damaged word, zeroed or garbage sectors and truncation (the size is in the
-crc'd header). Its blind spots, accepted knowingly: reordered 8-byte words, and errors that cancel
-exactly (e.g. the same bit flipped 0->1 in one word and 1->0 in another). xxhash3 would close
-them at similar speed but is not a dependency; a new codec of checksum would be a new version.
+of the LMDB map, which takes ~4-7 us; zlib.crc32 runs at ~4 GB/s (~27 us per chunk) and the
+hashlib digests are slower still, so a crc over the payload would make a verified read several
+times slower than an unverified one. The payload is checked instead with sum64 (`checksum`), a
+wrapping 64-bit sum of its little-endian words, which the read path computes in the same pass
+that copies the payload out of the map (`checksum.copy_sum64`), and the crc covers the 600-byte
+header and token ids, sum included. sum64 catches every single-bit flip, every damaged word,
+zeroed or garbage sectors and truncation (the size is in the crc'd header). Its blind spots,
+accepted knowingly: reordered 8-byte words, and errors that cancel exactly (e.g. the same bit
+flipped 0->1 in one word and 1->0 in another). A stronger payload checksum would be a new format
+version.
 
 This module knows byte layouts only: nothing about LMDB, compression algorithms or policy.
 """
@@ -42,10 +43,9 @@ import struct
 import zlib
 from typing import Any, Literal, NamedTuple
 
-import numpy as np
-
 from kvstore.errors import InvalidInput
 from kvstore.tiers.base import ChunkMeta
+from kvstore.tiers.checksum import sum64
 
 MAGIC = b"KVSC"
 VALUE_FORMAT_VERSION = 1
@@ -53,12 +53,9 @@ _HEAD = struct.Struct("<4sHHII8s32sQQQ")  # the fixed part, 80 bytes
 _CRC = struct.Struct("<II")  # header crc, reserved; right after the token ids
 HEADER_BYTES = _HEAD.size + _CRC.size  # 88 bytes besides the token ids
 CODEC_MASK = 0x000F
-_MASK64 = (1 << 64) - 1
 _HEAD_BYTES = _HEAD.size
 _CRC_BYTES = _CRC.size
 TOKENS_AT = _HEAD_BYTES  # offset of the token ids
-_U64 = np.dtype("<u8")  # built once: a dtype string is parsed on every frombuffer call
-_add_reduce = np.add.reduce
 _unpack_head = _HEAD.unpack_from
 _unpack_crc = _CRC.unpack_from
 _crc32 = zlib.crc32
@@ -90,17 +87,6 @@ def byte_view(buf: Any) -> memoryview:
     """A flat byte view of any C-contiguous buffer (memoryview, bytearray, numpy array, ...)."""
     mv = memoryview(buf)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-
-
-def sum64(buf: memoryview) -> int:
-    """Wrapping 64-bit sum of the little-endian words of buf; a trailing partial word is zero-padded."""
-    n = len(buf)
-    if not n & 7:  # the usual case: whole words, one reduction, no slicing
-        return int(_add_reduce(np.frombuffer(buf, _U64))) if n else 0
-    words = n >> 3
-    total = int(_add_reduce(np.frombuffer(buf, _U64, words))) if words else 0
-    total += int.from_bytes(buf[words << 3 :], "little")
-    return total & _MASK64
 
 
 def value_bytes(token_bytes: int, stored_bytes: int) -> int:
