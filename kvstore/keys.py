@@ -80,12 +80,26 @@ def as_token_array(tokens: Sequence[int] | np.ndarray, vocab_size: int) -> np.nd
     return arr.astype("<u4", copy=False)
 
 
+_U32LE = np.dtype("<u4")
+
+
+def full_chunk_bytes(tokens: np.ndarray, chunk_tokens: int) -> bytes:
+    """The canonical bytes of the *full* chunks, end to end; a trailing partial chunk is dropped."""
+    n = len(tokens) // chunk_tokens
+    base = tokens.base
+    # Token ids that arrived as bytes (a request's u32le field, wrapped by np.frombuffer without a
+    # copy) are those bytes already: slice them (no copy at all when the prompt is whole chunks)
+    # instead of copying 128 KiB per 32K tokens out of the array again.
+    if type(base) is bytes and tokens.dtype == _U32LE and len(base) == 4 * len(tokens):
+        return base if n * chunk_tokens == len(tokens) else base[: 4 * n * chunk_tokens]
+    return tokens[: n * chunk_tokens].astype("<u4", copy=False).tobytes()
+
+
 def chunk_token_bytes(tokens: np.ndarray, chunk_tokens: int) -> list[bytes]:
     """The canonical bytes of each *full* chunk; a trailing partial chunk is dropped."""
-    n = len(tokens) // chunk_tokens
-    raw = tokens[: n * chunk_tokens].astype("<u4", copy=False).tobytes()
+    raw = full_chunk_bytes(tokens, chunk_tokens)
     step = chunk_tokens * 4
-    return [raw[i * step : (i + 1) * step] for i in range(n)]
+    return [raw[i : i + step] for i in range(0, len(raw), step)]
 
 
 def chain_keys(namespace_digest: bytes, chunks: Sequence[bytes]) -> list[bytes]:

@@ -34,7 +34,8 @@ import numpy as np
 from kvstore.config.store import StoreConfig
 from kvstore.errors import InvalidInput, UnknownModel
 from kvstore.explain import ChunkFateSink, NoFates, RefusalReason
-from kvstore.keys import Namespace, as_token_array, chain_keys, chunk_token_bytes
+from kvstore.key_memo import KeyMemo
+from kvstore.keys import Namespace, as_token_array, chain_keys, chunk_token_bytes, full_chunk_bytes
 from kvstore.layout import CacheLayout, ModelSpec
 from kvstore.pins import PinReceipt, PinTable
 from kvstore.store_placement import ChunkEntry, Placement, fastest_tier
@@ -82,6 +83,7 @@ class GlobalStore(Placement):
         self._lock = threading.RLock()
         self._index: dict[bytes, ChunkEntry] = {}
         self._pins = PinTable()
+        self._memo = KeyMemo(cfg.key_memo_bytes)
         layouts = list(self._layouts.values())
         device, dram, lmdb = quantize_tiers(cfg, layouts, *build_tiers(cfg, Path(data_dir), layouts))
         self._durable: DurableTier = lmdb
@@ -136,25 +138,36 @@ class GlobalStore(Placement):
         """The lookup; `keys_out`, when given, receives the key of every hit chunk (a load pins
         them: hashing the prefix again for them cost as much as the lookup itself)."""
         layout = self.layout(ns)
-        chunks = chunk_token_bytes(tokens, layout.chunk_tokens)
+        ct = layout.chunk_tokens
+        step = 4 * ct
+        raw = full_chunk_bytes(tokens, ct)
+        n = len(raw) // step
+        digest = ns.digest
+        known = self._memo.known(digest, raw, step)
+        m = len(known)
+        walked = list(known)  # every key reached, the missed one included (for the memo)
         tiers: list[TierName] = []
         mismatches = 0
         sha = hashlib.sha256
-        digest = ns.digest
         with self._lock:
             get = self._index.get
             prev = digest
-            for tok in chunks:
-                key = sha(prev + tok).digest()  # the chain of keys.chain_keys, computed lazily
+            for i in range(n):
+                at = i * step
+                if i < m:
+                    key = known[i]
+                else:  # the chain of keys.chain_keys, computed lazily
+                    key = sha(prev + raw[at : at + step]).digest()
+                    walked.append(key)
                 entry = get(key)
                 if entry is None:
                     break
-                if entry.tokens != tok or entry.namespace != digest:
+                # The stored token ids must be this chunk's: compared in place, no slice made.
+                et = entry.tokens
+                if len(et) != step or not raw.startswith(et, at) or entry.namespace != digest:
                     mismatches += 1
                     break
                 tiers.append(entry.fastest)
-                if keys_out is not None:
-                    keys_out.append(key)
                 prev = key
             hit = len(tiers) * layout.chunk_tokens
             if count:
@@ -162,12 +175,16 @@ class GlobalStore(Placement):
                 self._bump("lookup_hit_tokens", hit)
                 self._bump("lookup_miss_tokens", len(tokens) - hit)
                 self._bump("token_mismatches", mismatches)
+        if keys_out is not None:
+            keys_out.extend(walked[: len(tiers)])
+        if len(walked) > m:
+            self._memo.remember(digest, raw, walked, step)
         return LookupResult(
             hit_tokens=hit,
             hit_chunks=len(tiers),
             chunk_tiers=tuple(tiers),
-            full_chunks=len(chunks),
-            remainder_tokens=len(tokens) - len(chunks) * layout.chunk_tokens,
+            full_chunks=n,
+            remainder_tokens=len(tokens) - n * ct,
             chunk_tokens=layout.chunk_tokens,
             chunk_bytes=layout.chunk_bytes,
             token_mismatches=mismatches,
@@ -175,8 +192,20 @@ class GlobalStore(Placement):
         )
 
     def chunk_keys(self, ns: Namespace, tokens: np.ndarray) -> list[bytes]:
-        layout = self.layout(ns)
-        return chain_keys(ns.digest, chunk_token_bytes(tokens, layout.chunk_tokens))
+        """The chained key of every full chunk of `tokens`: from the memo where it knows them,
+        hashed (and remembered) beyond."""
+        ct = self.layout(ns).chunk_tokens
+        step = 4 * ct
+        raw = full_chunk_bytes(tokens, ct)
+        known = self._memo.known(ns.digest, raw, step)
+        n = len(raw) // step
+        if len(known) == n:
+            return known
+        rest = chain_keys(known[-1] if known else ns.digest,
+                          [raw[i * step : (i + 1) * step] for i in range(len(known), n)])
+        keys = known + rest
+        self._memo.remember(ns.digest, raw, keys, step)
+        return keys
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
@@ -187,7 +216,7 @@ class GlobalStore(Placement):
     def begin_store(self, ns: Namespace, tokens: np.ndarray) -> StoreTxn:
         layout = self.layout(ns)
         chunks = chunk_token_bytes(tokens, layout.chunk_tokens)
-        keys = chain_keys(ns.digest, chunks)
+        keys = self.chunk_keys(ns, tokens)
         with self._lock:
             needed = [i for i, k in enumerate(keys) if k not in self._index]
         remainder = len(tokens) - len(chunks) * layout.chunk_tokens

@@ -43,6 +43,9 @@ class StoreConfig:
     quantize_device: QuantizeMode = "off"
     quantize_dram: QuantizeMode = "off"
     quantize_lmdb: QuantizeMode = "off"
+    # Chained keys of recently seen prompts (kvstore/key_memo.py): a prompt seen again is compared
+    # byte for byte instead of hashed again. ~4.25 bytes per token remembered; 0 turns it off.
+    key_memo_bytes: int = 64 * MiB
 
     def validate(self, prefix: str) -> None:
         for name in ("device_capacity_bytes", "dram_capacity_bytes", "lmdb_capacity_bytes"):
@@ -53,6 +56,7 @@ class StoreConfig:
             join(prefix, "page_bytes"), "must be a power of two >= 4096",
         )
         require(1 <= self.zstd_level <= 19, join(prefix, "zstd_level"), "must be in 1..19")
+        require(self.key_memo_bytes >= 0, join(prefix, "key_memo_bytes"), "must be >= 0")
         require(self.pin_timeout_seconds > 0, join(prefix, "pin_timeout_seconds"), "must be > 0")
         require(
             self.chunk_tokens > 0 and self.chunk_tokens % 8 == 0,

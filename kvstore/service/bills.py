@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvstore.explain import LookupTrace, lookup_trace
-from kvstore.keys import chain_keys, chunk_token_bytes
 from kvstore.layout import exact_replay_tokens
 from kvstore.local_pool.base import GetResult
 from kvstore.service.calls import Resolved
@@ -110,11 +109,13 @@ def trace(
         pool_reason = got.miss_reason or ""
     miss_fn = None
     if hit_chunks < full:
-        start, missed = boundary or res.ns.digest, res.tokens[hit_chunks * ct : full * ct]
+        store, ns, tokens = app.store, res.ns, res.tokens
 
         @functools.cache
         def miss_keys() -> tuple[bytes, ...]:
-            return tuple(chain_keys(start, chunk_token_bytes(missed, ct)))
+            # Through the store's key memo: the hit part is remembered by the lookup, and the
+            # keys hashed here are remembered for the Store that usually follows a miss.
+            return tuple(store.chunk_keys(ns, tokens)[hit_chunks:])
 
         miss_fn = miss_keys
     return lookup_trace(

@@ -1,0 +1,109 @@
+"""The key memo: a prompt seen again reuses its chunk keys only where its token bytes are exactly
+the remembered ones, in the same namespace; the keys are always the ones hashing gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.key_memo import ENTRY_OVERHEAD_BYTES, KEY_BYTES, KeyMemo
+from kvstore.keys import chain_keys, chunk_token_bytes, full_chunk_bytes
+from tests.store_helpers import CHUNK, open_store, store_prefix, tokens_for
+
+STEP = 4 * CHUNK
+NS_A, NS_B = b"a" * 32, b"b" * 32
+
+
+def raw_of(tokens: np.ndarray) -> bytes:
+    return full_chunk_bytes(tokens, CHUNK)
+
+
+def keys_of(ns: bytes, tokens: np.ndarray) -> list[bytes]:
+    return chain_keys(ns, chunk_token_bytes(tokens, CHUNK))
+
+
+def test_repeats_extensions_prefixes_and_divergence_reuse_exactly_the_shared_chunks() -> None:
+    memo = KeyMemo(1 << 20)
+    base = tokens_for(1, 6 * CHUNK)
+    assert memo.known(NS_A, raw_of(base), STEP) == []
+    memo.remember(NS_A, raw_of(base), keys_of(NS_A, base), STEP)
+    assert memo.known(NS_A, raw_of(base), STEP) == keys_of(NS_A, base)  # the same prompt
+    longer = np.concatenate([base, tokens_for(2, 3 * CHUNK)])
+    assert memo.known(NS_A, raw_of(longer), STEP) == keys_of(NS_A, base)  # extends it: 6 reused
+    assert memo.known(NS_A, raw_of(base[: 2 * CHUNK + 5]), STEP) == keys_of(NS_A, base)[:2]  # a prefix
+    forked = base.copy()
+    forked[3 * CHUNK + 7] += 1  # differs inside chunk 3: chunks 0-2 only
+    assert memo.known(NS_A, raw_of(forked), STEP) == keys_of(NS_A, base)[:3]
+    assert memo.known(NS_B, raw_of(base), STEP) == []  # another namespace never shares
+    assert memo.hits == 4 and memo.reused_keys == 6 + 6 + 2 + 3
+
+
+def test_a_longer_prompt_replaces_a_shorter_one_and_not_the_other_way() -> None:
+    memo = KeyMemo(1 << 20)
+    base = tokens_for(3, 4 * CHUNK)
+    memo.remember(NS_A, raw_of(base), keys_of(NS_A, base), STEP)
+    memo.remember(NS_A, raw_of(base[: 2 * CHUNK]), keys_of(NS_A, base)[:2], STEP)  # kept: the longer
+    assert len(memo.known(NS_A, raw_of(base), STEP)) == 4
+    longer = np.concatenate([base, tokens_for(4, CHUNK)])
+    memo.remember(NS_A, raw_of(longer), keys_of(NS_A, longer), STEP)
+    assert memo.known(NS_A, raw_of(longer), STEP) == keys_of(NS_A, longer) and len(memo) == 1
+    assert memo.used_bytes == 5 * (STEP + KEY_BYTES) + ENTRY_OVERHEAD_BYTES
+
+
+def test_the_memo_stays_within_its_bytes_dropping_the_least_recently_used() -> None:
+    size = 2 * (STEP + KEY_BYTES) + ENTRY_OVERHEAD_BYTES  # one two-chunk prompt
+    memo = KeyMemo(2 * size)
+    prompts = [tokens_for(10 + i, 2 * CHUNK) for i in range(3)]
+    for p in prompts[:2]:
+        memo.remember(NS_A, raw_of(p), keys_of(NS_A, p), STEP)
+    assert memo.known(NS_A, raw_of(prompts[0]), STEP)  # prompt 0 is now the most recent
+    memo.remember(NS_A, raw_of(prompts[2]), keys_of(NS_A, prompts[2]), STEP)
+    assert memo.used_bytes <= 2 * size and len(memo) == 2
+    assert memo.known(NS_A, raw_of(prompts[1]), STEP) == []  # the least recently used went
+    assert memo.known(NS_A, raw_of(prompts[0]), STEP) == keys_of(NS_A, prompts[0])
+    off = KeyMemo(0)
+    off.remember(NS_A, raw_of(prompts[0]), keys_of(NS_A, prompts[0]), STEP)
+    assert off.known(NS_A, raw_of(prompts[0]), STEP) == [] and len(off) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5 * CHUNK), st.integers(0, 3)), min_size=1, max_size=12))
+def test_store_keys_with_the_memo_equal_hashing_every_time(tmp_path_factory, steps) -> None:  # type: ignore[no-untyped-def]
+    # Prompts share prefixes (three roots, cut anywhere, tails varied): whatever the memo holds,
+    # the store's keys and lookups equal a store's without it.
+    path: Path = tmp_path_factory.mktemp("memo")
+    with_memo = open_store(path / "on")
+    without = open_store(path / "off", key_memo_bytes=0)
+    roots = [tokens_for(20 + r, 5 * CHUNK) for r in range(3)]
+    for root, cut, tail in steps:
+        prompt = np.concatenate([roots[root][:cut], tokens_for(30 + tail, tail * CHUNK)])
+        for store in (with_memo, without):
+            ns = store.namespace("default", "reference-toy-8", "bounded")
+            assert store.chunk_keys(ns, prompt) == keys_of(ns.digest, prompt)
+        a, b = (s.lookup(s.namespace("default", "reference-toy-8", "bounded"), prompt) for s in (with_memo, without))
+        assert a == b
+        if tail == 3:  # now and then store the prompt, so that lookups hit
+            for store in (with_memo, without):
+                store_prefix(store, store.namespace("default", "reference-toy-8", "bounded"), prompt)
+    with_memo.close()
+    without.close()
+
+
+def test_a_chunk_held_with_other_token_ids_is_still_a_mismatch_when_its_key_comes_from_the_memo(
+    tmp_path: Path,
+) -> None:
+    store = open_store(tmp_path)
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    tokens = tokens_for(40, 3 * CHUNK)
+    store_prefix(store, ns, tokens)  # the Store remembered the keys
+    assert store.lookup(ns, tokens).hit_chunks == 3 and store._memo.hits >= 1
+    keys = store.chunk_keys(ns, tokens)
+    store._index[keys[1]].tokens = tokens_for(41, CHUNK).tobytes()  # fault: the index entry is damaged
+    hits_before = store._memo.hits
+    look = store.lookup(ns, tokens)
+    assert store._memo.hits == hits_before + 1  # the keys came from the memo
+    assert look.hit_chunks == 1 and look.token_mismatches == 1
+    store.close()
