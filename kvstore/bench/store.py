@@ -205,9 +205,11 @@ def _lookup_figure(root: Path, spec: Any, payload: bytes, n_tokens: int) -> dict
     layout = spec.layout
     n_chunks = n_tokens // layout.chunk_tokens
     _log(f"storing {n_chunks:,} chunks ({n_chunks * len(payload) / 1e9:.2f} GB) in DRAM for the lookup")
+    # key_memo_bytes=0: every lookup hashes all its keys, as a prompt's first lookup does (the
+    # memo would answer this loop's repeats from memory; see kvstore/key_memo.py).
     cfg = StoreConfig(device="cpu", device_capacity_bytes=0,
                       dram_capacity_bytes=(n_chunks + 16) * 114_688, lmdb_capacity_bytes=64 * MiB,
-                      write_policy="write-back")
+                      write_policy="write-back", key_memo_bytes=0)
     store = GlobalStore(cfg, root / "lookup", [spec])
     ns = store.namespace("bench", spec.name, "bounded")
     tokens = np.random.default_rng(7).integers(0, spec.vocab_size, n_chunks * layout.chunk_tokens)
