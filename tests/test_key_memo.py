@@ -107,3 +107,13 @@ def test_a_chunk_held_with_other_token_ids_is_still_a_mismatch_when_its_key_come
     assert store._memo.hits == hits_before + 1  # the keys came from the memo
     assert look.hit_chunks == 1 and look.token_mismatches == 1
     store.close()
+
+
+def test_token_bytes_from_a_request_are_reused_and_equal_the_copied_encoding() -> None:
+    ids = tokens_for(50, 3 * CHUNK + 5)
+    wire = ids.tobytes()
+    arr = np.frombuffer(wire, dtype="<u4")  # as the service wraps a request's u32le field
+    assert full_chunk_bytes(arr, CHUNK) == full_chunk_bytes(ids.copy(), CHUNK) == wire[: 3 * STEP]
+    whole = np.frombuffer(wire[: 3 * STEP], dtype="<u4")
+    assert full_chunk_bytes(whole, CHUNK) is whole.base  # no copy at all
+    assert full_chunk_bytes(arr[1:], CHUNK) == ids[1:].tobytes()[: 3 * STEP]  # a view: copied, right

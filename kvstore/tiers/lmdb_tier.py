@@ -223,7 +223,7 @@ class LmdbTier:
     # --- reads -------------------------------------------------------------------------------
     def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         """Verify and copy (or decompress) the payload into out; corrupt values are removed."""
-        dst = out if type(out) is memoryview and out.format == "B" and out.ndim == 1 else vf.byte_view(out)
+        dst = _flat(out)
         with self._lock:
             with self._env.begin(db=self._chunks, buffers=True) as txn:
                 value = txn.get(key)
@@ -251,7 +251,7 @@ class LmdbTier:
                     meta = None
                     if value is not None:
                         try:
-                            meta = read(value, out if out.format == "B" and out.ndim == 1 else vf.byte_view(out))
+                            meta = read(value, _flat(out))
                         except ValueProblem as p:
                             bad.append((key, p))
                     metas.append(meta)
@@ -391,3 +391,7 @@ class LmdbTier:
                 self._env.sync(True)
             self._env.close()
 
+
+def _flat(out: memoryview) -> memoryview:
+    """`out` as a flat byte view (a read's destination may be any writable buffer)."""
+    return out if type(out) is memoryview and out.format == "B" and out.ndim == 1 else vf.byte_view(out)
