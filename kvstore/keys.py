@@ -97,8 +97,11 @@ def full_chunk_bytes(tokens: np.ndarray, chunk_tokens: int) -> bytes:
 
 def chunk_token_bytes(tokens: np.ndarray, chunk_tokens: int) -> list[bytes]:
     """The canonical bytes of each *full* chunk; a trailing partial chunk is dropped."""
-    raw = full_chunk_bytes(tokens, chunk_tokens)
-    step = chunk_tokens * 4
+    return split_chunks(full_chunk_bytes(tokens, chunk_tokens), 4 * chunk_tokens)
+
+
+def split_chunks(raw: bytes, step: int) -> list[bytes]:
+    """`full_chunk_bytes` cut into one bytes object per chunk of `step` bytes."""
     return [raw[i : i + step] for i in range(0, len(raw), step)]
 
 

@@ -35,7 +35,7 @@ from kvstore.config.store import StoreConfig
 from kvstore.errors import InvalidInput, UnknownModel
 from kvstore.explain import ChunkFateSink, NoFates, RefusalReason
 from kvstore.key_memo import KeyMemo
-from kvstore.keys import Namespace, as_token_array, chain_keys, chunk_token_bytes, full_chunk_bytes
+from kvstore.keys import Namespace, as_token_array, chain_keys, full_chunk_bytes, split_chunks
 from kvstore.layout import CacheLayout, ModelSpec
 from kvstore.pins import PinReceipt, PinTable
 from kvstore.store_placement import ChunkEntry, Placement, fastest_tier
@@ -195,14 +195,14 @@ class GlobalStore(Placement):
         """The chained key of every full chunk of `tokens`: from the memo where it knows them,
         hashed (and remembered) beyond."""
         ct = self.layout(ns).chunk_tokens
-        step = 4 * ct
-        raw = full_chunk_bytes(tokens, ct)
+        return self._keys_of(ns, full_chunk_bytes(tokens, ct), 4 * ct)
+
+    def _keys_of(self, ns: Namespace, raw: bytes, step: int) -> list[bytes]:
         known = self._memo.known(ns.digest, raw, step)
         n = len(raw) // step
         if len(known) == n:
             return known
-        rest = chain_keys(known[-1] if known else ns.digest,
-                          [raw[i * step : (i + 1) * step] for i in range(len(known), n)])
+        rest = chain_keys(known[-1] if known else ns.digest, split_chunks(raw[len(known) * step :], step))
         keys = known + rest
         self._memo.remember(ns.digest, raw, keys, step)
         return keys
@@ -215,8 +215,10 @@ class GlobalStore(Placement):
 
     def begin_store(self, ns: Namespace, tokens: np.ndarray) -> StoreTxn:
         layout = self.layout(ns)
-        chunks = chunk_token_bytes(tokens, layout.chunk_tokens)
-        keys = self.chunk_keys(ns, tokens)
+        step = 4 * layout.chunk_tokens
+        raw = full_chunk_bytes(tokens, layout.chunk_tokens)  # encoded once, for the keys and the chunks
+        chunks = split_chunks(raw, step)
+        keys = self._keys_of(ns, raw, step)
         with self._lock:
             needed = [i for i, k in enumerate(keys) if k not in self._index]
         remainder = len(tokens) - len(chunks) * layout.chunk_tokens
