@@ -13,6 +13,13 @@ equal the remembered ones byte for byte, in the same namespace (tenant, model, l
 version are all in the namespace digest); that is exactly what the chain hashes, so the key is the
 one hashing would give. Nothing here is trusted from a client.
 
+Checked entries: the store checks every hit chunk's stored token ids against the request's. A
+remembered prompt also carries the store's index entries that were last checked against its own
+bytes (opaque objects here). An entry's token ids and namespace never change, so the store can
+skip the check for a chunk whose bytes equal the remembered ones (the memcmp above) and whose
+current entry *is* the one checked before: the same comparison of the same bytes, with the same
+answer. Any other entry is checked again.
+
 Bounded: entries are dropped least recently used first once their bytes (token bytes + 32 bytes
 per key + a fixed overhead) pass `capacity_bytes`; 0 turns the memo off.
 """
@@ -21,17 +28,49 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 ENTRY_OVERHEAD_BYTES = 256  # dict slot, tuple, list and bytes object headers, roughly
 KEY_BYTES = 32
+# A checked index entry may outlive its chunk in the store: it holds the chunk's token ids (one
+# step of bytes) and ~160 bytes of object. Counted as if it always did.
+CHECKED_ENTRY_OVERHEAD_BYTES = 160
+
+
+def footprint_bytes(chunks: int, step: int) -> int:
+    """What a remembered prompt of `chunks` chunks of `step` bytes counts against the capacity."""
+    return chunks * (2 * step + KEY_BYTES + CHECKED_ENTRY_OVERHEAD_BYTES) + ENTRY_OVERHEAD_BYTES
+
+
+class Remembered:
+    """One remembered prompt: its token bytes, the keys of its chunks, and the index entries the
+    store last checked against its leading chunks (`checked[i]` for chunk i)."""
+
+    __slots__ = ("checked", "keys", "raw", "size")
+
+    def __init__(self, raw: bytes, keys: list[bytes], size: int) -> None:
+        self.raw = raw
+        self.keys = keys
+        self.size = size
+        self.checked: Sequence[object] = ()
+
+
+class Recall(NamedTuple):
+    keys: list[bytes]  # the keys of the leading chunks shared with a remembered prompt
+    checked: Sequence[object]  # its checked entries for (some of) those chunks
+    remembered: Remembered | None  # to report newly checked entries to (`KeyMemo.checked`)
+
+
+_NOTHING = Recall([], (), None)
 
 
 class KeyMemo:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[tuple[bytes, bytes], tuple[bytes, list[bytes], int]] = OrderedDict()
+        self._entries: OrderedDict[tuple[bytes, bytes], Remembered] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0  # lookups that reused at least one key
@@ -40,15 +79,19 @@ class KeyMemo:
     def known(self, digest: bytes, raw: bytes, step: int) -> list[bytes]:
         """Keys of the leading chunks of `raw` (a prompt's full chunks, `step` bytes each, in
         canonical encoding) that a remembered prompt of namespace `digest` shares; maybe none."""
+        return self.recall(digest, raw, step).keys
+
+    def recall(self, digest: bytes, raw: bytes, step: int) -> Recall:
+        """`known`, with the entries checked for those chunks and the remembered prompt."""
         if not self.capacity_bytes or len(raw) < step:
-            return []
+            return _NOTHING
         root = (digest, raw[:step])
         with self._lock:
             entry = self._entries.get(root)
             if entry is None:
-                return []
+                return _NOTHING
             self._entries.move_to_end(root)
-        mem_raw, mem_keys, _ = entry
+        mem_raw, mem_keys, checked = entry.raw, entry.keys, entry.checked
         if raw.startswith(mem_raw):  # the same prompt, or one that extends it: the usual case
             shared = len(mem_keys)
         elif mem_raw.startswith(raw):
@@ -63,14 +106,19 @@ class KeyMemo:
             with self._lock:
                 self.hits += 1
                 self.reused_keys += shared
-        return mem_keys[:shared]
+        return Recall(mem_keys[:shared], checked[:shared], entry)
+
+    def checked(self, remembered: Remembered, entries: Sequence[object]) -> None:
+        """The store checked `entries` against the leading chunks of `remembered.raw` (at most as
+        many as it has keys). One assignment: a reader sees the old list or the new one."""
+        remembered.checked = entries
 
     def remember(self, digest: bytes, raw: bytes, keys: list[bytes], step: int) -> None:
         """Remember the keys of the first len(keys) chunks of `raw`, unless a longer prompt with
         that same prefix is remembered already."""
         if not self.capacity_bytes or not keys:
             return
-        size = len(keys) * (step + KEY_BYTES) + ENTRY_OVERHEAD_BYTES
+        size = footprint_bytes(len(keys), step)
         if size > self.capacity_bytes:
             return
         root = (digest, raw[:step])
@@ -78,16 +126,16 @@ class KeyMemo:
         with self._lock:
             old = self._entries.get(root)
             if old is not None:
-                if len(old[1]) >= len(keys) and old[0].startswith(prefix):
+                if len(old.keys) >= len(keys) and old.raw.startswith(prefix):
                     self._entries.move_to_end(root)
                     return
-                self._bytes -= old[2]
-            self._entries[root] = (prefix, list(keys), size)
+                self._bytes -= old.size
+            self._entries[root] = Remembered(prefix, list(keys), size)
             self._entries.move_to_end(root)
             self._bytes += size
             while self._bytes > self.capacity_bytes:
-                _, (_, _, dropped) = self._entries.popitem(last=False)
-                self._bytes -= dropped
+                _, dropped = self._entries.popitem(last=False)
+                self._bytes -= dropped.size
 
     @property
     def used_bytes(self) -> int:

@@ -24,18 +24,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
 from kvstore.config.store import StoreConfig
 from kvstore.errors import InvalidInput, UnknownModel
 from kvstore.explain import ChunkFateSink, NoFates, RefusalReason
-from kvstore.key_memo import KeyMemo
-from kvstore.keys import Namespace, as_token_array, chain_keys, full_chunk_bytes, split_chunks
+from kvstore.key_chain import chain_from
+from kvstore.key_memo import KeyMemo, Recall
+from kvstore.keys import Namespace, as_token_array, full_chunk_bytes, split_chunks
 from kvstore.layout import CacheLayout, ModelSpec
 from kvstore.pins import PinReceipt, PinTable
 from kvstore.store_placement import ChunkEntry, Placement, fastest_tier
@@ -52,6 +55,11 @@ from kvstore.tiers.base import TIER_ORDER, ChunkMeta, DurableTier, Tier, TierNam
 from kvstore.tiers.factory import build_tiers, quantize_tiers
 from policies.base import AdmissionPolicy, EvictionPolicy
 from policies.factory import build_admission, build_eviction
+
+# Read from every hit entry of a lookup, through C-level map()s.
+_FASTEST = operator.attrgetter("fastest")
+_TOKENS = operator.attrgetter("tokens")
+_NAMESPACE = operator.attrgetter("namespace")
 
 __all__ = [
     "GlobalStore",
@@ -143,53 +151,83 @@ class GlobalStore(Placement):
         raw = full_chunk_bytes(tokens, ct)
         n = len(raw) // step
         digest = ns.digest
-        known = self._memo.known(digest, raw, step)
-        m = len(known)
-        walked = list(known)  # every key reached, the missed one included (for the memo)
-        tiers: list[TierName] = []
-        mismatches = 0
-        sha = hashlib.sha256
+        keys, recall = self._walk_keys(digest, raw, step)
+        # In C-level passes, not a Python loop per chunk (256 for 32K tokens): the entries held,
+        # up to the first key that is not; then one check of all their token ids and namespaces.
         with self._lock:
-            get = self._index.get
-            prev = digest
-            for i in range(n):
-                at = i * step
-                if i < m:
-                    key = known[i]
-                else:  # the chain of keys.chain_keys, computed lazily
-                    key = sha(prev + raw[at : at + step]).digest()
-                    walked.append(key)
-                entry = get(key)
-                if entry is None:
-                    break
-                # The stored token ids must be this chunk's: compared in place, no slice made.
-                et = entry.tokens
-                if len(et) != step or not raw.startswith(et, at) or entry.namespace != digest:
-                    mismatches += 1
-                    break
-                tiers.append(entry.fastest)
-                prev = key
-            hit = len(tiers) * layout.chunk_tokens
+            held = list(map(self._index.get, keys))
+            # ChunkEntry compares by identity, so this is a C-level scan.
+            entries = cast("list[ChunkEntry]", held[: held.index(None)] if None in held else held)
+            h = len(entries)
+            # Entries the memo saw checked against these very bytes need no second check.
+            same = self._still_checked(entries, recall.checked)
+            mismatches = 0
+            if not self._entries_match(entries, same, raw, step, digest):
+                h = self._first_mismatch(entries, same, raw, step, digest)
+                mismatches = 1
+            elif recall.remembered is not None and h > same:
+                self._memo.checked(recall.remembered, entries[: len(recall.keys)])
+            tiers: list[TierName] = list(map(_FASTEST, entries[:h]))
+            hit = h * ct
             if count:
                 self._bump("lookups")
                 self._bump("lookup_hit_tokens", hit)
                 self._bump("lookup_miss_tokens", len(tokens) - hit)
                 self._bump("token_mismatches", mismatches)
         if keys_out is not None:
-            keys_out.extend(walked[: len(tiers)])
-        if len(walked) > m:
-            self._memo.remember(digest, raw, walked, step)
+            keys_out.extend(keys[:h])
         return LookupResult(
             hit_tokens=hit,
-            hit_chunks=len(tiers),
+            hit_chunks=h,
             chunk_tiers=tuple(tiers),
             full_chunks=n,
             remainder_tokens=len(tokens) - n * ct,
-            chunk_tokens=layout.chunk_tokens,
+            chunk_tokens=ct,
             chunk_bytes=layout.chunk_bytes,
             token_mismatches=mismatches,
-            boundary_key=prev if tiers else b"",
+            boundary_key=keys[h - 1] if h else b"",
         )
+
+    def _walk_keys(self, digest: bytes, raw: bytes, step: int) -> tuple[list[bytes], Recall]:
+        """The keys a lookup of `raw` needs: those the memo knows, then the next one hashed; if the
+        store holds that one too, every remaining key, hashed in one pass (key_chain), since a
+        prompt that hits on a chunk the memo did not know usually hits on many (and the Store
+        after a partial hit needs the rest). A prompt that misses at once costs one hash."""
+        recall = self._memo.recall(digest, raw, step)
+        known = recall.keys
+        m = len(known)
+        if m * step == len(raw):
+            return known, recall
+        prev = known[-1] if known else digest
+        nxt = hashlib.sha256(prev + raw[m * step : (m + 1) * step]).digest()
+        keys = [*known, nxt]
+        if nxt in self._index:  # a read without the lock: the walk checks again under it
+            keys += chain_from(nxt, raw[(m + 1) * step :], step)
+        self._memo.remember(digest, raw, keys, step)
+        return keys, recall
+
+    @staticmethod
+    def _still_checked(entries: list[ChunkEntry], checked: Sequence[object]) -> int:
+        """How many leading entries are the very objects checked before."""
+        same = list(map(operator.is_, entries, checked))
+        return same.index(False) if False in same else len(same)
+
+    @staticmethod
+    def _entries_match(entries: list[ChunkEntry], start: int, raw: bytes, step: int, digest: bytes) -> bool:
+        """entries[start:] hold their chunks' token ids (all `step` bytes long, so the joined ids
+        equal the prompt's bytes exactly when each equals its chunk) in namespace `digest`."""
+        rest = entries[start:]
+        toks = list(map(_TOKENS, rest))
+        return (all(map(step.__eq__, map(len, toks))) and raw.startswith(b"".join(toks), start * step)
+                and all(map(digest.__eq__, map(_NAMESPACE, rest))))
+
+    @staticmethod
+    def _first_mismatch(entries: list[ChunkEntry], start: int, raw: bytes, step: int, digest: bytes) -> int:
+        for i in range(start, len(entries)):
+            e = entries[i]
+            if len(e.tokens) != step or not raw.startswith(e.tokens, i * step) or e.namespace != digest:
+                return i
+        return len(entries)
 
     def chunk_keys(self, ns: Namespace, tokens: np.ndarray) -> list[bytes]:
         """The chained key of every full chunk of `tokens`: from the memo where it knows them,
@@ -202,8 +240,7 @@ class GlobalStore(Placement):
         n = len(raw) // step
         if len(known) == n:
             return known
-        rest = chain_keys(known[-1] if known else ns.digest, split_chunks(raw[len(known) * step :], step))
-        keys = known + rest
+        keys = known + chain_from(known[-1] if known else ns.digest, raw[len(known) * step :], step)
         self._memo.remember(ns.digest, raw, keys, step)
         return keys
 

@@ -3,14 +3,18 @@ the remembered ones, in the same namespace; the keys are always the ones hashing
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.key_memo import ENTRY_OVERHEAD_BYTES, KEY_BYTES, KeyMemo
+from kvstore.key_memo import KeyMemo, footprint_bytes
 from kvstore.keys import chain_keys, chunk_token_bytes, full_chunk_bytes
+from kvstore.store import GlobalStore
 from tests.store_helpers import CHUNK, open_store, store_prefix, tokens_for
 
 STEP = 4 * CHUNK
@@ -50,11 +54,11 @@ def test_a_longer_prompt_replaces_a_shorter_one_and_not_the_other_way() -> None:
     longer = np.concatenate([base, tokens_for(4, CHUNK)])
     memo.remember(NS_A, raw_of(longer), keys_of(NS_A, longer), STEP)
     assert memo.known(NS_A, raw_of(longer), STEP) == keys_of(NS_A, longer) and len(memo) == 1
-    assert memo.used_bytes == 5 * (STEP + KEY_BYTES) + ENTRY_OVERHEAD_BYTES
+    assert memo.used_bytes == footprint_bytes(5, STEP)
 
 
 def test_the_memo_stays_within_its_bytes_dropping_the_least_recently_used() -> None:
-    size = 2 * (STEP + KEY_BYTES) + ENTRY_OVERHEAD_BYTES  # one two-chunk prompt
+    size = footprint_bytes(2, STEP)  # one two-chunk prompt
     memo = KeyMemo(2 * size)
     prompts = [tokens_for(10 + i, 2 * CHUNK) for i in range(3)]
     for p in prompts[:2]:
@@ -101,7 +105,9 @@ def test_a_chunk_held_with_other_token_ids_is_still_a_mismatch_when_its_key_come
     store_prefix(store, ns, tokens)  # the Store remembered the keys
     assert store.lookup(ns, tokens).hit_chunks == 3 and store._memo.hits >= 1
     keys = store.chunk_keys(ns, tokens)
-    store._index[keys[1]].tokens = tokens_for(41, CHUNK).tobytes()  # fault: the index entry is damaged
+    # Fault: the index holds a chunk with other token ids under this key (entries are never changed
+    # in place: a damaged one is a new entry, which the memo has not seen checked).
+    store._index[keys[1]] = dataclasses.replace(store._index[keys[1]], tokens=tokens_for(41, CHUNK).tobytes())
     hits_before = store._memo.hits
     look = store.lookup(ns, tokens)
     assert store._memo.hits == hits_before + 1  # the keys came from the memo
@@ -117,3 +123,31 @@ def test_token_bytes_from_a_request_are_reused_and_equal_the_copied_encoding() -
     whole = np.frombuffer(wire[: 3 * STEP], dtype="<u4")
     assert full_chunk_bytes(whole, CHUNK) is whole.base  # no copy at all
     assert full_chunk_bytes(arr[1:], CHUNK) == ids[1:].tobytes()[: 3 * STEP]  # a view: copied, right
+
+
+def test_entries_checked_once_against_the_same_bytes_are_not_compared_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = open_store(tmp_path)
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    tokens = tokens_for(42, 4 * CHUNK)
+    store_prefix(store, ns, tokens)
+    compared: list[int] = []  # how many entries each lookup compared token by token
+    check = GlobalStore._entries_match
+
+    def spy(entries: list[Any], start: int, raw: bytes, step: int, digest: bytes) -> bool:
+        compared.append(len(entries) - start)
+        return check(entries, start, raw, step, digest)
+
+    monkeypatch.setattr(GlobalStore, "_entries_match", staticmethod(spy))
+    assert store.lookup(ns, tokens).hit_chunks == 4
+    assert store.lookup(ns, tokens).hit_chunks == 4
+    assert compared[-1] == 0  # the second lookup compared nothing: all four were checked before
+    keys = store.chunk_keys(ns, tokens)
+    store._index[keys[2]] = dataclasses.replace(store._index[keys[2]])  # an equal entry, a new object
+    assert store.lookup(ns, tokens).hit_chunks == 4
+    assert compared[-1] == 2  # from the new entry on, compared again
+    assert store.lookup(ns, tokens).hit_chunks == 4 and compared[-1] == 0
+    other = np.concatenate([tokens[: 2 * CHUNK], tokens_for(43, 2 * CHUNK)])  # forks after chunk 2
+    assert store.lookup(ns, other).hit_chunks == 2 and compared[-1] == 0
+    store.close()

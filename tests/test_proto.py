@@ -1,5 +1,6 @@
-"""The generated API code is what the .proto says, the dependency pins match it, and the hand-encoded
-chunk pieces are byte-for-byte what the protobuf library would produce."""
+"""The generated API code is what the .proto says, the dependency pins match it, the hand-encoded
+chunk pieces are byte-for-byte what the protobuf library would produce, and a Lookup answer with
+hand-packed tier labels parses to the message the library would build."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.service.wire import chunk_piece_frame, chunk_piece_head, encode_chunk_piece
+from kvstore.service.wire import (
+    TIER_TO_PB,
+    chunk_piece_frame,
+    chunk_piece_head,
+    encode_chunk_piece,
+    encode_lookup_response,
+)
 from kvstore.v1 import kvstore_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,3 +145,16 @@ def test_frame_labels_are_filled_in_place() -> None:
     msg = pb.LoadResponse.FromString(frame.finish())
     assert (msg.chunks.first_chunk, list(msg.chunks.tiers), msg.chunks.data) == (
         3, [pb.TIER_DRAM, pb.TIER_LMDB], b"abcdefgh")
+
+
+@settings(max_examples=60, deadline=None)
+@given(tiers=st.lists(st.sampled_from(["device", "dram", "lmdb"]), max_size=300),
+       hit=st.integers(0, 2**31 - 1), mode=st.sampled_from(["", "bounded", "exact"]))
+def test_a_lookup_response_with_hand_packed_tiers_parses_as_the_library_builds_it(
+    tiers: list[str], hit: int, mode: str,
+) -> None:
+    bills = pb.Bills(prompt_tokens=hit, tiers=[pb.TierBill(tier=pb.TIER_DRAM, hit_chunks=len(tiers))])
+    fields: dict[str, Any] = {"hit_tokens": hit, "hit_chunks": len(tiers), "bills": bills, "replay_mode": mode}
+    wire = encode_lookup_response(pb.LookupResponse(**fields), tiers)
+    expected = pb.LookupResponse(chunk_tiers=[TIER_TO_PB[t] for t in tiers], **fields)
+    assert pb.LookupResponse.FromString(wire) == expected

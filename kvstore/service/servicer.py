@@ -41,6 +41,7 @@ from kvstore.service.wire import (
     chunk_piece_frame,
     chunk_piece_head,
     encode_chunk_piece,
+    encode_lookup_response,
 )
 from kvstore.store import LoadSession, StoreResult
 from kvstore.v1 import kvstore_pb2 as pb
@@ -69,7 +70,7 @@ class KVCacheServicer(LocalStateCalls):
 
     # --- Lookup -----------------------------------------------------------------------------------
 
-    def Lookup(self, request: pb.LookupRequest | Malformed, context: grpc.ServicerContext) -> pb.LookupResponse:
+    def Lookup(self, request: pb.LookupRequest | Malformed, context: grpc.ServicerContext) -> bytes:
         with self.guard.enter(context, "Lookup") as call:
             req = accept(request, pb.LookupRequest)
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens)
@@ -80,14 +81,13 @@ class KVCacheServicer(LocalStateCalls):
             bills = price(res, r.chunk_tiers, replay_tokens=0,
                           local_bytes=snapshot if state == "hit" else 0)
             call.local_state, call.bills = state, bills
-            return pb.LookupResponse(
-                hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks,
-                chunk_tiers=list(map(TIER_TO_PB.__getitem__, r.chunk_tiers)), local_state=LOCAL_TO_PB[state],
+            return encode_lookup_response(pb.LookupResponse(
+                hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, local_state=LOCAL_TO_PB[state],
                 bills=bills, chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes,
                 full_chunks=r.full_chunks, remainder_tokens=r.remainder_tokens,
                 local_snapshot_bytes=snapshot, replay_mode=res.ns.replay_mode,
-            )
-        return pb.LookupResponse()  # reached only when the client has gone
+            ), r.chunk_tiers)
+        return b""  # reached only when the client has gone (an empty LookupResponse)
 
     # --- Store ------------------------------------------------------------------------------------
 
