@@ -48,10 +48,11 @@ from kvstore.client_types import (
     bills_from_pb,
     stats_from_pb,
 )
+from kvstore.client_wire import PieceView, Streamed, decode_load_response, decode_resume_response
 from kvstore.errors import KvstoreError
 from kvstore.explain import REQUEST_ID_RE, new_request_id
 from kvstore.service.framing import BlobAssembler, ChunkAssembler, blob_spans, plan_pieces
-from kvstore.service.wire import PB_TO_CASE, PB_TO_LOCAL, PB_TO_TIER
+from kvstore.service.wire import PB_TO_CASE, PB_TO_LOCAL, PB_TO_TIER, encode_lookup_request, tiers_from_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -170,6 +171,17 @@ class KvstoreClient:
         else:
             self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.KVCacheStub(self._channel)
+        # Lookup sends a hand-encoded request (wire.encode_lookup_request: one copy of the tokens).
+        service = f"/{pb.DESCRIPTOR.services_by_name['KVCache'].full_name}"
+        self._lookup = self._channel.unary_unary(
+            f"{service}/Lookup", request_serializer=None, response_deserializer=pb.LookupResponse.FromString)
+        # Load and Resume read chunk payloads as views into the received messages (client_wire).
+        self._load = self._channel.unary_stream(
+            f"{service}/Load", request_serializer=pb.LoadRequest.SerializeToString,
+            response_deserializer=decode_load_response)
+        self._resume = self._channel.unary_stream(
+            f"{service}/Resume", request_serializer=pb.ResumeRequest.SerializeToString,
+            response_deserializer=decode_resume_response)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def close(self) -> None:
@@ -191,13 +203,11 @@ class KvstoreClient:
                timeout_seconds: float | None = None, request_id: str | None = None,
                session: str | None = None) -> LookupResult:
         """How much of `tokens` is cached, where, and the local state at the boundary."""
-        req = pb.LookupRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens))
+        req = encode_lookup_request(model, replay_mode, _token_bytes(tokens))
         rid, metadata = self._request_metadata("Lookup", request_id, session)
-        r = self._idempotent("Lookup", lambda t: self._stub.Lookup(req, timeout=t, metadata=metadata),
-                             timeout_seconds)
+        r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), timeout_seconds)
         return LookupResult(
-            hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks,
-            chunk_tiers=tuple(map(PB_TO_TIER.__getitem__, r.chunk_tiers)),
+            hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, chunk_tiers=tiers_from_pb(r.chunk_tiers),
             local_state=PB_TO_LOCAL.get(r.local_state, "absent"), bills=bills_from_pb(r.bills),
             chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes, full_chunks=r.full_chunks,
             remainder_tokens=r.remainder_tokens, local_snapshot_bytes=r.local_snapshot_bytes,
@@ -261,11 +271,11 @@ class KvstoreClient:
         """Stream (chunk index, tier, payload) as chunks arrive. Not retried (it is a generator)."""
         req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks)
         try:
-            stream = self._stub.Load(req, timeout=timeout_seconds or self.timeout_seconds, metadata=self._metadata)
-            head = next(stream).header
+            stream = self._load(req, timeout=timeout_seconds or self.timeout_seconds, metadata=self._metadata)
+            head = _header(stream, "Load")
             asm = _Chunks(head.chunk_bytes, head.hit_chunks)
             for msg in stream:
-                yield from asm.add(msg.chunks)
+                yield from asm.add(_piece(msg, "Load"))
         except grpc.RpcError as e:
             raise _failure(e, "Load") from None
 
@@ -275,13 +285,13 @@ class KvstoreClient:
         req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks)
 
         def call(t: float) -> LoadResult:
-            stream = self._stub.Load(req, timeout=t, metadata=self._metadata)
-            head = next(stream).header
+            stream = self._load(req, timeout=t, metadata=self._metadata)
+            head = _header(stream, "Load")
             asm = _Chunks(head.chunk_bytes, head.hit_chunks)
             chunks: list[memoryview] = []
             tiers: list[str] = []
             for msg in stream:
-                for _, tier, view in asm.add(msg.chunks):
+                for _, tier, view in asm.add(_piece(msg, "Load")):
                     chunks.append(view)
                     tiers.append(tier)
             asm.finish()
@@ -333,25 +343,25 @@ class KvstoreClient:
                                skip_chunks=skip_chunks)
         rid, metadata = self._request_metadata("Resume", request_id, session)
         try:
-            stream = self._stub.Resume(req, timeout=timeout_seconds or self.timeout_seconds, metadata=metadata)
-            head = next(stream).header
+            stream = self._resume(req, timeout=timeout_seconds or self.timeout_seconds, metadata=metadata)
+            head = _header(stream, "Resume")
             asm = _Chunks(head.chunk_bytes, head.hit_chunks)
             local: BlobAssembler | None = None
             chunks: list[memoryview] = []
             loaded_tiers: list[str] = []
             trailer: pb.ResumeTrailer | None = None
             for msg in stream:
-                kind = msg.WhichOneof("kind")
+                kind, value = msg
                 if kind == "chunks":
-                    for _, tier, view in asm.add(msg.chunks):
+                    for _, tier, view in asm.add(_piece(msg, "Resume")):
                         chunks.append(view)
                         loaded_tiers.append(tier)
-                elif kind == "local":
+                elif isinstance(value, pb.LocalPiece):
                     if local is None:
                         local = BlobAssembler(head.local_snapshot_bytes)
-                    local.add(msg.local.offset, msg.local.data)
-                elif kind == "trailer":
-                    trailer = msg.trailer
+                    local.add(value.offset, value.data)
+                elif isinstance(value, pb.ResumeTrailer):
+                    trailer = value
         except grpc.RpcError as e:
             raise _failure(e, "Resume") from None
         if trailer is None:
@@ -398,6 +408,9 @@ class KvstoreClient:
     ) -> tuple[str, tuple[tuple[str, str], ...]]:
         """(the request id, the call's metadata). The server replaces an id it finds unsafe with
         one of its own, so a bad one is refused here, where the caller can still see it."""
+        if request_id is None and session is None:  # the usual case: an id of our own, nothing to check
+            rid = new_request_id()
+            return rid, (*self._metadata, ("x-request-id", rid))
         rid = request_id if request_id is not None else new_request_id()
         extra = [("x-request-id", rid)]
         for name, value in (("request_id", rid), ("session", session)):
@@ -444,13 +457,17 @@ def _token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr.astype("<u4", copy=False)
 
 
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    return np.ascontiguousarray(_token_array(tokens), dtype="<u4").tobytes()
+
+
 def _tokens(tokens: Sequence[int] | np.ndarray) -> dict[str, bytes]:
     """The `tokens` field of a request, as the mapping its constructor fills the field from.
 
     Rejected: passing a built `pb.Tokens`. The constructor copies a message argument into the
     request again (serialized and parsed), which for a 32K-token prompt cost 10-100+ us per call
     against ~5 us for filling the field from a mapping."""
-    return {"u32le": np.ascontiguousarray(_token_array(tokens), dtype="<u4").tobytes()}
+    return {"u32le": _token_bytes(tokens)}
 
 
 def _as_blob(payloads: Sequence[bytes | memoryview] | bytes, chunk_bytes: int) -> memoryview:
@@ -470,6 +487,21 @@ def _as_blob(payloads: Sequence[bytes | memoryview] | bytes, chunk_bytes: int) -
     return blob
 
 
+def _header(stream: Iterator[Streamed], method: str) -> Any:
+    """The header that opens a Load or Resume stream."""
+    first = next(stream, None)
+    if first is None or first.kind != "header":
+        raise ServerError(grpc.StatusCode.UNKNOWN, f"the {method} stream did not start with its header", method)
+    return first.value
+
+
+def _piece(msg: Streamed, method: str) -> PieceView:
+    if not isinstance(msg.value, PieceView):
+        raise ServerError(grpc.StatusCode.UNKNOWN, f"the {method} stream sent a '{msg.kind}' message among its "
+                          "chunks", method)
+    return msg.value
+
+
 class _Chunks:
     """Reassembles a chunk stream; a chunk's tier label comes in the piece where the chunk starts,
     and chunks complete in order, so labels queue until their chunk is whole."""
@@ -478,7 +510,7 @@ class _Chunks:
         self._asm = ChunkAssembler(max(1, chunk_bytes), num_chunks)
         self._tiers: deque[str] = deque()
 
-    def add(self, piece: pb.ChunkPiece) -> Iterator[tuple[int, str, memoryview]]:
+    def add(self, piece: PieceView) -> Iterator[tuple[int, str, memoryview]]:
         self._tiers.extend(PB_TO_TIER.get(t, "") for t in piece.tiers)
         for index, view in self._asm.add(piece.first_chunk, piece.offset, piece.data):
             yield index, self._tiers.popleft() if self._tiers else "", view

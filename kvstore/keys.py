@@ -62,6 +62,9 @@ class Namespace:
         return hashlib.sha256(enc).digest()
 
 
+_max_reduce = np.maximum.reduce
+
+
 def as_token_array(tokens: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
     """Validate token ids and return them as a little-endian uint32 array (no copy when possible)."""
     arr = np.asarray(tokens)
@@ -73,7 +76,7 @@ def as_token_array(tokens: Sequence[int] | np.ndarray, vocab_size: int) -> np.nd
         raise InvalidInput("token ids must be integers")
     # An unsigned array (the wire's uint32) cannot go below 0: one pass over it, not two.
     lo = 0 if arr.dtype.kind == "u" else int(arr.min())
-    hi = int(arr.max())
+    hi = int(_max_reduce(arr))  # arr.max() without its Python-level wrapper
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise InvalidInput(f"token id {bad} is outside the model's vocab [0, {vocab_size})")

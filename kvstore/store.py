@@ -156,11 +156,16 @@ class GlobalStore(Placement):
         # up to the first key that is not; then one check of all their token ids and namespaces.
         with self._lock:
             held = list(map(self._index.get, keys))
-            # ChunkEntry compares by identity, so this is a C-level scan.
-            entries = cast("list[ChunkEntry]", held[: held.index(None)] if None in held else held)
+            checked = recall.checked
+            # Entries the memo saw checked against these very bytes need no second check. ChunkEntry
+            # compares by identity, so these are C-level scans, and the first one usually settles it.
+            if len(checked) == len(held) and held == checked:
+                entries = cast("list[ChunkEntry]", held)
+                same = len(held)
+            else:
+                entries = cast("list[ChunkEntry]", held[: held.index(None)] if None in held else held)
+                same = self._still_checked(entries, checked)
             h = len(entries)
-            # Entries the memo saw checked against these very bytes need no second check.
-            same = self._still_checked(entries, recall.checked)
             mismatches = 0
             if not self._entries_match(entries, same, raw, step, digest):
                 h = self._first_mismatch(entries, same, raw, step, digest)

@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,7 +21,9 @@ from kvstore.service.wire import (
     chunk_piece_frame,
     chunk_piece_head,
     encode_chunk_piece,
+    encode_lookup_request,
     encode_lookup_response,
+    tiers_from_pb,
 )
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -158,3 +161,21 @@ def test_a_lookup_response_with_hand_packed_tiers_parses_as_the_library_builds_i
     wire = encode_lookup_response(pb.LookupResponse(**fields), tiers)
     expected = pb.LookupResponse(chunk_tiers=[TIER_TO_PB[t] for t in tiers], **fields)
     assert pb.LookupResponse.FromString(wire) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(model=st.text(max_size=40), mode=st.sampled_from(["", "bounded", "exact", "off"]),
+       ids=st.lists(st.integers(0, 2**32 - 1), max_size=300))
+def test_a_hand_encoded_lookup_request_parses_as_the_library_builds_it(model: str, mode: str, ids: list[int]) -> None:
+    u32le = np.asarray(ids, dtype="<u4").tobytes()
+    wire = encode_lookup_request(model, mode, u32le)
+    expected = pb.LookupRequest(model=model, replay_mode=mode, tokens={"u32le": u32le})
+    parsed = pb.LookupRequest.FromString(wire)
+    assert parsed == expected and parsed.HasField("tokens") and wire == expected.SerializeToString()
+
+
+@given(tiers=st.lists(st.sampled_from([0, 1, 2, 3, 7, 300]), max_size=60))
+def test_tier_enums_read_back_as_names_with_unknown_ones_empty(tiers: list[int]) -> None:
+    names = {pb.TIER_DEVICE: "device", pb.TIER_DRAM: "dram", pb.TIER_LMDB: "lmdb"}
+    msg = pb.LookupResponse(chunk_tiers=cast(Any, tiers))
+    assert tiers_from_pb(msg.chunk_tiers) == tuple(names.get(t, "") for t in tiers)

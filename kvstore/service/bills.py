@@ -33,16 +33,23 @@ def price(
     """The bills of a request whose hit chunks sit in `chunk_tiers`. `moved`: their bytes are (or
     would be) loaded; False when the engine kept the chunks and only the boundary was resumed."""
     ct, cb = res.layout.chunk_tokens, res.layout.chunk_bytes
-    hit = len(chunk_tiers) * ct
-    # One C-level count per tier rather than a Python loop over every chunk (256 for 32K tokens).
-    counts = {t: chunk_tiers.count(t) for t in TIER_ORDER}
+    n_hit = len(chunk_tiers)
+    hit = n_hit * ct
+    # C-level counts, not a Python loop over every chunk (256 for 32K tokens); usually one tier
+    # holds them all, and one count says so.
+    if n_hit and chunk_tiers.count(chunk_tiers[0]) == n_hit:
+        counts: dict[str, int] = dict.fromkeys(TIER_ORDER, 0)
+        counts[chunk_tiers[0]] = n_hit
+    else:
+        counts = {t: chunk_tiers.count(t) for t in TIER_ORDER}
+    # Sub-messages given as mappings: the library fills them in place (a built TierBill is copied).
     return pb.Bills(
         prompt_tokens=len(res.tokens),
         prefill_tokens_avoided=hit,
         prefill_tokens=len(res.tokens) - hit,
         replay_tokens=replay_tokens,
         tiers=[
-            pb.TierBill(tier=TIER_TO_PB[t], hit_tokens=n * ct, hit_chunks=n, bytes=n * cb if moved else 0)
+            {"tier": TIER_TO_PB[t], "hit_tokens": n * ct, "hit_chunks": n, "bytes": n * cb if moved else 0}
             for t, n in counts.items()
         ],
         local_bytes=local_bytes,

@@ -75,7 +75,7 @@ class ChunkAssembler:
         self._partial_fill = 0
         self.received = 0  # whole chunks handed out
 
-    def add(self, first_chunk: int, offset: int, data: bytes) -> Iterator[tuple[int, memoryview]]:
+    def add(self, first_chunk: int, offset: int, data: bytes | memoryview) -> Iterator[tuple[int, memoryview]]:
         """Feed one piece; yields (chunk index, payload) for every chunk it completes."""
         cb = self.chunk_bytes
         if not 0 <= first_chunk < self.num_chunks:

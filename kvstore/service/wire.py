@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Final, TypeVar
 
 import numpy as np
@@ -207,8 +208,51 @@ def encode_lookup_response(msg: pb.LookupResponse, chunk_tiers: Sequence[str]) -
     head = msg.SerializeToString()
     if not chunk_tiers:
         return head
-    labels = bytes(map(_TIER_LABEL.__getitem__, chunk_tiers))
-    return head + _CHUNK_TIERS_TAG + _varint(len(labels)) + labels
+    n = len(chunk_tiers)
+    first = chunk_tiers[0]
+    if chunk_tiers.count(first) == n:  # the usual case: one tier throughout
+        labels = bytes((_TIER_LABEL[first],)) * n
+    else:
+        labels = bytes(map(_TIER_LABEL.__getitem__, chunk_tiers))
+    return head + _CHUNK_TIERS_TAG + _varint(n) + labels
+
+
+def tiers_from_pb(labels: Sequence[int]) -> tuple[str, ...]:
+    """Tier names from a response's tier enums (unknown values read as ""). Through bytes: one
+    C-level pass over the repeated field, and one tuple for the usual answer of a single tier."""
+    try:
+        packed = bytes(labels)
+    except ValueError:  # an enum value beyond a byte, from a newer server
+        return tuple(_LABEL_TIER.get(v, "") for v in labels)
+    if packed and packed.count(packed[0]) == len(packed):
+        return (_LABEL_TIER.get(packed[0], ""),) * len(packed)
+    return tuple(map(_LABEL_TIER.get, packed, repeat("")))
+
+
+_LABEL_TIER: Final[dict[int, str]] = {v: k for k, v in _TIER_LABEL.items()}
+
+
+# --- a hand-encoded LookupRequest (the client's) --------------------------------------------------------
+# The library builds a request by copying the token bytes into the message, then again into the
+# serialized bytes. Laid out by hand it is the token bytes with a short head: one copy.
+
+_LOOKUP_REQ = pb.LookupRequest.DESCRIPTOR.fields_by_name
+assert (_LOOKUP_REQ["model"].number, _LOOKUP_REQ["replay_mode"].number, _LOOKUP_REQ["tokens"].number) == (1, 2, 3)
+assert pb.Tokens.DESCRIPTOR.fields_by_name["u32le"].number == 1
+
+
+def _string_field(tag: bytes, text: str) -> bytes:
+    if not text:
+        return b""
+    raw = text.encode()
+    return tag + _varint(len(raw)) + raw
+
+
+def encode_lookup_request(model: str, replay_mode: str, u32le: bytes) -> bytes:
+    """The serialized `LookupRequest{model, replay_mode, tokens: Tokens{u32le}}`."""
+    inner = b"\x0a" + _varint(len(u32le)) if u32le else b""
+    head = _string_field(b"\x0a", model) + _string_field(b"\x12", replay_mode)
+    return b"".join((head, b"\x1a", _varint(len(inner) + len(u32le)), inner, u32le))
 
 
 def serialize_response(msg: Message | bytes) -> bytes:
