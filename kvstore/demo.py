@@ -115,15 +115,20 @@ class DemoReport:
 # --- the service's clock and the embedded service --------------------------------------------------
 
 class OffsetClock:
-    """Monotonic time that can be moved forward, so a TTL passes without waiting for it."""
+    """Monotonic time that can be moved forward, so a TTL passes without waiting for it.
+    `before_advance` runs first (the service's `App.flush_observers`: its observers stamp what they
+    see with the clock, so they must have seen every finished call before time jumps)."""
 
     def __init__(self) -> None:
         self._offset = 0.0
+        self.before_advance: Callable[[], object] | None = None
 
     def __call__(self) -> float:
         return time.monotonic() + self._offset
 
     def advance(self, seconds: float) -> None:
+        if self.before_advance is not None:
+            self.before_advance()
         self._offset += seconds
 
 
@@ -155,6 +160,7 @@ def embedded_service(data_dir: str | None, replay_mode: str, device: str) -> Ite
         )
         clock = OffsetClock()  # the store, the pool and the coordinator all run on it
         app = build_app(cfg, ddir, clock=clock)
+        clock.before_advance = app.flush_observers
         try:
             server = KvstoreServer(app, "127.0.0.1", 0, admin_port=-1, health_interval_seconds=5.0).start()
         except BaseException:

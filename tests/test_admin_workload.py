@@ -12,6 +12,7 @@ that the rig produces each case.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ class FakeClock:
     def __init__(self, start: float = 10_000.0, wall_origin: float = 1_767_000_000.0) -> None:
         self.t = start
         self._wall0 = wall_origin - start
+        # A live service's App.flush_observers: its observers see every finished call before time jumps.
+        self.before_advance: Callable[[], object] | None = None
 
     def __call__(self) -> float:
         return self.t
@@ -52,6 +55,8 @@ class FakeClock:
         return self._wall0 + self.t
 
     def advance(self, seconds: float) -> None:
+        if self.before_advance is not None:
+            self.before_advance()
         self.t += seconds
 
 

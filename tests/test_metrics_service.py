@@ -89,6 +89,7 @@ class Running:
 def start(tmp: Path, cfg: KvstoreConfig, clock: FakeClock | None = None, replay: bool = True) -> Running:
     clock = clock or FakeClock()
     app = build_app(cfg, tmp, clock=clock, coordinator_factory=StandInCoordinator if replay else None)
+    clock.before_advance = app.flush_observers
     server = KvstoreServer(app, "127.0.0.1", 0, 0).start()
     client = KvstoreClient(f"127.0.0.1:{server.port}", timeout_seconds=20)
     return Running(app, server, client, clock)

@@ -98,6 +98,7 @@ def test_store_calls_split_on_growing_prefixes(service: Service) -> None:
     chunks = payloads(6, 10, cb)
     r = kv.store(TOY, prompt, chunks)
     assert (r.stored_chunks, r.sent_chunks, r.already_present) == (10, 10, 0)
+    service.app.flush_observers()  # observers see a call once it has answered
     assert calls.count("Store") == 4
     assert [bytes(c) for c in kv.load(TOY, prompt).chunks] == chunks
 

@@ -47,6 +47,7 @@ def test_the_adaptive_policy_learns_from_returns_in_the_live_service(tmp_path: P
             if i == 0:  # an engine that looks up first and then resumes: one return, not two
                 r.client.lookup(MODEL, toks)
             got = r.client.resume(MODEL, toks)
+            r.app.flush_observers()  # the tracker sees a call once it has answered
             if i < 8:  # before the policy has its 8 samples, snapshots live the configured 300 s
                 assert got.local_state == ("hit" if gap < 300 else "replayed"), (gap, got.local_state)
         doc = policy.describe()["tenants"]["default"]  # type: ignore[index]
@@ -66,6 +67,7 @@ def test_the_adaptive_policy_learns_from_returns_in_the_live_service(tmp_path: P
         store(r, toks)
         r.clock.advance(12)
         r.client.resume(MODEL, toks)
+        r.app.flush_observers()
         assert fresh.describe()["tenants"]["default"]["samples"] == 1  # type: ignore[index]
         assert policy.describe()["tenants"]["default"]["samples"] == len(gaps)  # type: ignore[index]
     finally:

@@ -87,6 +87,7 @@ def test_request_ids_are_sent_echoed_and_explained(tmp_path: Path) -> None:
         assert made_up.request_id and made_up.request_id != mine.request_id
         assert r.server.admin is not None
         explainer = next(o for o in r.app.observers if isinstance(o, Observability)).explainer
+        r.app.flush_observers()  # observers see a call once it has answered
         for rid in (mine.request_id, made_up.request_id):
             e = explainer.get(rid)
             assert e is not None and e.case == "cold" and e.chunks[0].reason == "never_stored"
@@ -102,6 +103,7 @@ def test_request_ids_are_sent_echoed_and_explained(tmp_path: Path) -> None:
             assert ("x-request-id", "abc.1") in tuple(call.trailing_metadata())
             _, call = stub.Lookup.with_call(req, metadata=(("x-request-id", "bad id"),), timeout=10)
             echoed = dict(call.trailing_metadata())["x-request-id"]
+            r.app.flush_observers()
             assert echoed != "bad id" and explainer.get(echoed) is not None
     finally:
         r.stop()

@@ -93,7 +93,10 @@ class AdminHttpServer:
         health: Callable[[], Mapping[str, str]] | None = None,
         max_window_seconds: int = 3600,
         on_close: Callable[[], None] | None = None,
+        before_read: Callable[[], object] | None = None,
     ) -> None:
+        """`before_read`: called before metrics or an API answer is read (the service passes
+        `App.flush_observers`, so that they include every call that has answered)."""
         self.api = api
         self.registry = registry
         self.host = host
@@ -103,6 +106,7 @@ class AdminHttpServer:
         self._health = health
         self._max_window = max_window_seconds
         self._on_close = on_close
+        self._before_read = before_read
         self._loopback = is_loopback(host)
         self._page = load_dashboard()
         self._page_csp = _csp(self._page)
@@ -166,12 +170,14 @@ class AdminHttpServer:
         if path == "/metrics":
             if self._metrics_auth:
                 self.viewer(authorization, required=True)
+            self._read_fresh()
             return self._metrics(query, accept)
         if path == "/dashboard":
             return 200, "text/html; charset=utf-8", self._page, {"Content-Security-Policy": self._page_csp}
         if path.startswith("/api/"):
             viewer = self.viewer(authorization, required=True)
             params = _params(query)
+            self._read_fresh()
             if path == "/api/stats":
                 _only(params, ())
                 return _json(200, self.api.stats(viewer))
@@ -192,6 +198,10 @@ class AdminHttpServer:
                     raise HttpError(404, f"no recent request '{rid}' (unknown, or aged out of the journal)")
                 return _json(200, doc)
         raise HttpError(404, f"no such page: {path}")
+
+    def _read_fresh(self) -> None:
+        if self._before_read is not None:
+            self._before_read()
 
     def _healthz(self) -> tuple[int, str, bytes, dict[str, str]]:
         comps = dict(self._health()) if self._health is not None else {"": "SERVING"}

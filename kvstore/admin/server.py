@@ -127,6 +127,7 @@ def serve_admin(
     tenant_of_token: Callable[[str], str | None] | None = None,
     sample_seconds: float = 1.0,
     on_close: Callable[[], None] | None = None,
+    before_read: Callable[[], object] | None = None,
 ) -> AdminHttpServer:
     """Start the sampler and the admin HTTP server over `obs`."""
     sampler = Sampler(obs.ledger, sample_seconds).start()
@@ -141,7 +142,7 @@ def serve_admin(
         api, obs.metrics.registry, host=host, port=port, admin_token=cfg.admin.admin_token,
         metrics_require_token=cfg.admin.metrics_require_token, tenant_of_token=tenant_of_token,
         health=info.health if info is not None else None, max_window_seconds=cfg.admin.timeseries_seconds,
-        on_close=closed,
+        on_close=closed, before_read=before_read,
     )
     return server.start()
 
@@ -193,7 +194,8 @@ def start_admin(app: App, host: str, port: int, *,
 
             set_sink(NoFates())
 
-    return serve_admin(obs, cfg, host=host, port=port, info=info, tenant_of_token=tenant_of, on_close=unhook)
+    return serve_admin(obs, cfg, host=host, port=port, info=info, tenant_of_token=tenant_of, on_close=unhook,
+                       before_read=app.flush_observers)
 
 
 def _health(app: App) -> dict[str, str]:

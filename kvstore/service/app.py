@@ -9,7 +9,9 @@ Where other parts plug in (each is optional; the service runs without it):
   `app.config.replay`, `app.clock`). Absent: `app.coordinator` is None and an expired `Resume`
   reports "expired" without replaying.
 - observability: append callables to `app.observers`; each gets a `CallRecord` after every KVCache
-  call (method, tenant, status code name, seconds, the request's bills, its request id and trace).
+  call (method, tenant, status code name, seconds, the request's bills, its request id and trace),
+  on the observer thread once the call has answered (`service.observe_queue`); a reader that must
+  see every finished call calls `app.flush_observers()` first.
   Every app with a local pool has one already: `service.returns.ReturnTracker`, which tells the TTL
   policy in force (`app.ttl_policy`) each session's return gap; with `[trace] enabled`, the
   `service.request_trace.RequestTracer` appends one JSON line per Lookup/Resume. The admin HTTP port is
@@ -33,6 +35,7 @@ from kvstore.errors import ConfigError, StorageError, UnknownModel
 from kvstore.explain import LocalWriteTrace, LookupTrace
 from kvstore.layout import CacheLayout, ModelSpec, exact_replay_tokens, get_model
 from kvstore.local_pool.base import LocalPool
+from kvstore.service.observe_queue import ObserverQueue
 from kvstore.service.replay_port import ReplayCoordinator
 from kvstore.service.request_trace import RequestTracer
 from kvstore.service.returns import ReturnTracker
@@ -61,6 +64,7 @@ class CallRecord:
     request_id: str = ""  # the caller's x-request-id, or one made up for it (echoed in the trailer)
     session: str = ""  # the caller's x-session-id, if it sent one
     trace: LookupTrace | LocalWriteTrace | None = None  # what the miss explainer needs
+    at: float | None = None  # the app's clock when the call finished (observers see it later)
 
 
 CallObserver = Callable[[CallRecord], None]
@@ -85,6 +89,19 @@ class App:
     started_at: float = field(default_factory=time.time)
     _closed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _observe: ObserverQueue[CallRecord] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._observe = ObserverQueue(lambda: self.observers)
+
+    def notify(self, record: CallRecord) -> None:
+        """Hand a finished call's record to the observers (delivered after the call answers)."""
+        if self.observers and self._observe is not None:
+            self._observe.submit(record)
+
+    def flush_observers(self, timeout_seconds: float = 5.0) -> bool:
+        """Wait until the observers have seen every call finished so far; False on timeout."""
+        return self._observe.flush(timeout_seconds) if self._observe is not None else True
 
     def layouts(self) -> dict[str, CacheLayout]:
         """Each served model's layout at the store's chunk size (what chunks and runners must match)."""
@@ -143,6 +160,8 @@ class App:
                 return
             self._closed = True
         self.runners.close()
+        if self._observe is not None:
+            self._observe.close()  # before the observers' own resources (the trace file) close
         closer = getattr(self.coordinator, "close", None)
         if callable(closer):
             closer()

@@ -4,7 +4,8 @@ resolution, status-code mapping and the call record.
 `CallGuard.enter(context, method)` is a context manager used by each servicer method: it refuses
 the call while draining (UNAVAILABLE) or beyond the concurrency bound (RESOURCE_EXHAUSTED),
 authenticates the caller, and on the way out maps any exception to a status code through
-`codes.status_for` (the only mapping there is) and reports a `CallRecord` to the app's observers.
+`codes.status_for` (the only mapping there is) and reports a `CallRecord` to the app's observers
+(`App.notify`: they see it once the call has answered).
 Each call has a request id: the caller's `x-request-id` (if it is a safe id) or a fresh one,
 echoed in the trailing metadata so that `kvstore explain` can find the request.
 A call whose client has gone (cancelled, deadline passed) ends quietly: nobody is listening, and
@@ -139,16 +140,11 @@ class CallGuard:
     def _record(self, state: CallState, code: grpc.StatusCode, seconds: float) -> None:
         if not self._app.observers:
             return
-        rec = CallRecord(
+        self._app.notify(CallRecord(
             method=state.method, tenant=state.tenant, code=code.name, seconds=seconds, model=state.model,
             case=state.case, local_state=state.local_state, bills=state.bills,
-            request_id=state.request_id, session=state.session, trace=state.trace,
-        )
-        for obs in self._app.observers:
-            try:
-                obs(rec)
-            except Exception:  # an observer's bug must not fail the call
-                log.exception("call observer failed")
+            request_id=state.request_id, session=state.session, trace=state.trace, at=self._app.clock(),
+        ))
 
     def resolve(self, state: CallState, model: str, replay_mode: str, tokens: pb.Tokens) -> Resolved:
         if not model:

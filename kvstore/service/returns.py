@@ -58,32 +58,35 @@ class ReturnTracker:
         if call.code != "OK":
             return
         trace = call.trace
+        # When the call finished (observers run a little later, on their own thread).
+        at = getattr(call, "at", None)
         if isinstance(trace, LocalWriteTrace):
-            self.wrote(trace.namespace, trace.boundary_key)
+            self.wrote(trace.namespace, trace.boundary_key, at)
             return
         if call.method not in _RETURNS or not isinstance(trace, LookupTrace) or not trace.boundary_key:
             return
-        gap = self.returned(trace.namespace, trace.boundary_key)
+        gap = self.returned(trace.namespace, trace.boundary_key, at)
         if gap is not None:
             policy = self._policy()
             if policy is not None:
                 policy.observe_return(call.tenant, gap)
         if trace.replay_status == "replayed":  # the coordinator stored the rebuilt snapshot
-            self.wrote(trace.namespace, trace.boundary_key)
+            self.wrote(trace.namespace, trace.boundary_key, at)
 
-    def wrote(self, namespace: bytes, boundary_key: bytes) -> None:
-        """A local snapshot was written at this boundary now."""
+    def wrote(self, namespace: bytes, boundary_key: bytes, at: float | None = None) -> None:
+        """A local snapshot was written at this boundary at `at` (default: now)."""
         key = (namespace, boundary_key)
-        now = self._clock()
+        now = self._clock() if at is None else at
         with self._lock:
             self._written[key] = now
             self._written.move_to_end(key)
             while len(self._written) > self._max:
                 self._written.popitem(last=False)
 
-    def returned(self, namespace: bytes, boundary_key: bytes) -> float | None:
-        """Seconds since the write at this boundary (consuming it), or None if none is known."""
-        now = self._clock()
+    def returned(self, namespace: bytes, boundary_key: bytes, at: float | None = None) -> float | None:
+        """Seconds from the write at this boundary to `at` (default: now), consuming the write;
+        None if none is known."""
+        now = self._clock() if at is None else at
         with self._lock:
             at = self._written.pop((namespace, boundary_key), None)
             if at is None:

@@ -1,0 +1,140 @@
+"""Delivers each finished call's record to the app's observers after the call has answered.
+
+The observers (the TTL policy's return tracker; with the admin port on, metrics, the ledger and
+the miss explainer; the request trace) cost ~80 us a call with the admin port on, and more for a
+cold prompt, whose missed chunk keys the explainer reads. Run in the handler, that is time every
+caller waits for an answer that does not depend on it. Instead a call appends its record to this
+queue (no lock, and no wake-up unless the thread has been idle a while) and returns; one daemon thread delivers
+the records to every observer, in the order the calls finished, in batches that start
+`BATCH_DELAY_SECONDS` after the first record arrived. In one process the observers still need the
+interpreter (the GIL): delivered at once, they took it from the reply being sent; a moment later,
+the reply is out.
+
+Readers that must see every call finished so far (a metrics scrape, the ledger and explain APIs,
+tests) call `flush()` first. Nothing is dropped: when `max_pending` records are waiting (observers
+slower than the calls), the submitting call delivers its record itself, and the calls slow down
+instead of memory growing. `close()` delivers what is waiting and stops the thread.
+
+What it does not know: what observers do, or gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+log = logging.getLogger("kvstore.service")
+
+R = TypeVar("R")
+MAX_PENDING = 10_000
+# How long a batch waits before delivery: about the time a call takes to send its answer after its
+# handler returns, so observers run between calls rather than during their replies.
+BATCH_DELAY_SECONDS = 0.0005
+ACTIVE_SECONDS = 0.2  # after a batch, the thread polls every batch delay for this long, then sleeps
+IDLE_RECHECK_SECONDS = 1.0  # a safety net: an idle thread looks at the queue at least this often
+
+
+class ObserverQueue(Generic[R]):
+    def __init__(self, observers: Callable[[], Sequence[Callable[[R], None]]], max_pending: int = MAX_PENDING,
+                 batch_delay_seconds: float = BATCH_DELAY_SECONDS) -> None:
+        """`observers`: read at each delivery (observers come and go, as the admin port does)."""
+        assert max_pending >= 1
+        self._observers = observers
+        self._max = max_pending
+        self._delay = batch_delay_seconds
+        self._pending: deque[R] = deque()
+        self._wake = threading.Event()  # set by a call that finds the thread idle, by flush and close
+        self._hurry = threading.Event()  # set while someone flushes or closes: no batch delay
+        self._done = threading.Condition()  # notified after each batch (flush waits on it)
+        self._idle = False
+        self._busy = False
+        self._flushers = 0
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def submit(self, record: R) -> None:
+        """Queue a record (a deque append: no lock, no wake-up unless the thread is idle)."""
+        if self._closed or len(self._pending) >= self._max:
+            self._deliver(record)  # full (observers slower than calls) or closed: deliver it here
+            return
+        self._pending.append(record)
+        if self._thread is None:
+            self._start()
+        elif self._idle:
+            self._wake.set()
+
+    def flush(self, timeout_seconds: float = 5.0) -> bool:
+        """Wait until every record submitted so far has been delivered; False on timeout."""
+        with self._done:
+            self._flushers += 1
+            self._hurry.set()
+        self._wake.set()
+        try:
+            with self._done:
+                return self._done.wait_for(lambda: not self._pending and not self._busy, timeout=timeout_seconds)
+        finally:
+            with self._done:
+                self._flushers -= 1
+                if not self._flushers and not self._closed:
+                    self._hurry.clear()
+
+    def close(self, timeout_seconds: float = 5.0) -> None:
+        """Deliver what is waiting, then stop; later records are delivered by their callers."""
+        self._closed = True
+        self._hurry.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_seconds)
+        while self._pending:  # the thread never started, or did not finish in time
+            self._deliver(self._pending.popleft())
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvstore-observers", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        last_batch = time.monotonic()
+        while True:
+            if self._pending:
+                # Let the calls that made these records send their answers first (delivery would
+                # otherwise take the interpreter from them), then deliver the whole batch.
+                self._hurry.wait(self._delay)
+                self._busy = True
+                while self._pending:
+                    self._deliver(self._pending.popleft())
+                self._busy = False
+                with self._done:
+                    self._done.notify_all()
+                last_batch = time.monotonic()
+            elif self._closed:
+                return
+            elif time.monotonic() - last_batch < ACTIVE_SECONDS:
+                # Calls are arriving: look again after one batch delay, so that they need not wake
+                # this thread (a wake-up per call cost each call as much as the delivery saved).
+                self._hurry.wait(self._delay)
+            else:  # quiet: sleep until a call finds the thread idle and wakes it
+                self._idle = True
+                if not self._pending and not self._closed:  # a call that saw `_idle` False appended first
+                    self._wake.wait(IDLE_RECHECK_SECONDS)
+                self._wake.clear()
+                self._idle = False
+                last_batch = time.monotonic()
+
+    def _deliver(self, record: R) -> None:
+        for observe in tuple(self._observers()):
+            try:
+                observe(record)
+            except Exception:  # an observer's bug must not stop the others, or the queue
+                log.exception("call observer failed")

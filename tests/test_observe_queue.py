@@ -1,0 +1,96 @@
+"""Observers see every finished call, in order, after the call has answered: a slow observer does
+not hold up the caller, `flush` waits for delivery, nothing is dropped when the queue is full, and
+one failing observer does not stop the others."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvstore.service.observe_queue import ObserverQueue
+from tests.fixtures.service import Service, make_config, start_service
+from tests.store_helpers import tokens_for
+
+TOY = "reference-toy-8"
+
+
+def test_records_arrive_in_order_and_flush_waits_for_them() -> None:
+    seen: list[int] = []
+    q: ObserverQueue[int] = ObserverQueue(lambda: [seen.append])
+    for i in range(500):
+        q.submit(i)
+    assert q.flush(10.0)
+    assert seen == list(range(500))
+    q.close()
+
+
+def test_a_full_queue_delivers_inline_and_drops_nothing() -> None:
+    gate, entered = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def slow(i: int) -> None:
+        if i == 0:
+            entered.set()
+            assert gate.wait(10.0)  # the worker is stuck on record 0
+        seen.append(i)
+
+    q: ObserverQueue[int] = ObserverQueue(lambda: [slow], max_pending=3)
+    q.submit(0)
+    assert entered.wait(10.0)
+    for i in range(1, 10):  # 1-3 wait in the queue, 4-9 find it full and are delivered by the caller
+        q.submit(i)
+    assert seen == list(range(4, 10))
+    gate.set()
+    assert q.flush(10.0)
+    assert sorted(seen) == list(range(10))
+    q.close()
+
+
+def test_a_failing_observer_is_logged_and_the_others_still_see_the_record(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[str] = []
+
+    def broken(r: str) -> None:
+        raise RuntimeError("observer bug")
+
+    q: ObserverQueue[str] = ObserverQueue(lambda: [broken, seen.append])
+    q.submit("a")
+    q.submit("b")
+    assert q.flush(10.0) and seen == ["a", "b"]
+    assert "call observer failed" in caplog.text
+    q.close()
+
+
+def test_close_delivers_what_waits_and_later_records_are_delivered_by_their_callers() -> None:
+    seen: list[int] = []
+    q: ObserverQueue[int] = ObserverQueue(lambda: [seen.append])
+    for i in range(50):
+        q.submit(i)
+    q.close()
+    assert seen == list(range(50))
+    q.submit(50)
+    assert seen[-1] == 50 and q.pending == 0
+
+
+def test_a_slow_observer_does_not_hold_up_the_call(tmp_path: Path) -> None:
+    svc: Service = start_service(make_config(), tmp_path / "data")
+    gate = threading.Event()
+    seen: list[str] = []
+
+    def slow(rec: object) -> None:
+        assert gate.wait(30.0)
+        seen.append(getattr(rec, "method", ""))
+
+    observers: list[Callable[[object], None]] = [slow]
+    svc.app.observers.extend(observers)
+    try:
+        kv = svc.client()
+        r = kv.lookup(TOY, tokens_for(1, 64))  # answered while the observer is still blocked
+        assert r.hit_tokens == 0 and seen == []
+        gate.set()
+        assert svc.app.flush_observers(30.0) and seen == ["Lookup"]
+    finally:
+        gate.set()
+        svc.stop(1.0)
