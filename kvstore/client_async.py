@@ -1,0 +1,66 @@
+"""The asyncio client: `KvstoreClient`'s calls as coroutines, for engines that run an event loop.
+
+    from kvstore.client_async import AsyncKvstoreClient
+    async with AsyncKvstoreClient("127.0.0.1:50051", token="...") as kv:
+        hit, got = await asyncio.gather(kv.lookup(model, a), kv.resume(model, b))
+
+Every call takes the same arguments and returns (or raises) exactly what the synchronous client's
+does: it *is* that call, run on a worker thread of the loop's default executor
+(`asyncio.to_thread`), so the loop is never blocked while gRPC works and concurrent calls overlap
+on one channel (gRPC channels are thread-safe). It is not built on `grpc.aio`: one client, one
+set of behaviours (retries, deadlines, reassembly, errors) to test, at the cost of a thread per
+call in flight. Cancelling an awaiting task does not stop its call; the call's deadline
+(`timeout_seconds`) does. `iter_load` (a generator) has no coroutine form: use `load`.
+
+What it does not know: anything the synchronous client does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from kvstore.client import KvstoreClient
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _threaded(
+    method: Callable[Concatenate[KvstoreClient, P], T],
+) -> Callable[Concatenate[AsyncKvstoreClient, P], Coroutine[Any, Any, T]]:
+    """The coroutine form of a `KvstoreClient` method: the same call, on a worker thread."""
+
+    @functools.wraps(method)
+    async def call(self: AsyncKvstoreClient, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await asyncio.to_thread(method, self.sync, *args, **kwargs)
+
+    return call
+
+
+class AsyncKvstoreClient:
+    def __init__(self, target: str, **options: Any) -> None:
+        """The same options as `KvstoreClient` (token, TLS files, timeouts, retries, ...)."""
+        self.sync = KvstoreClient(target, **options)
+        self.target = target
+
+    lookup = _threaded(KvstoreClient.lookup)
+    store = _threaded(KvstoreClient.store)
+    load = _threaded(KvstoreClient.load)
+    store_local = _threaded(KvstoreClient.store_local)
+    load_local = _threaded(KvstoreClient.load_local)
+    resume = _threaded(KvstoreClient.resume)
+    stats = _threaded(KvstoreClient.stats)
+    health = _threaded(KvstoreClient.health)
+    wait_ready = _threaded(KvstoreClient.wait_ready)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.sync.close)
+
+    async def __aenter__(self) -> AsyncKvstoreClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,44 @@
+"""The asyncio client: the synchronous client's calls as coroutines, concurrent on one channel,
+with the same results and the same typed errors, against a real in-process service."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+
+from kvstore.client import InvalidArgumentError, KvstoreClient
+from kvstore.client_async import AsyncKvstoreClient
+from tests.fixtures.service import CHUNK, TOY, Service, payloads, tokens
+
+
+def test_calls_overlap_and_answer_as_the_synchronous_client_does(service: Service) -> None:
+    cb = service.chunk_bytes(TOY)
+    prompts = [tokens(80 + i, 3 * CHUNK) for i in range(4)]
+
+    async def run() -> None:
+        async with AsyncKvstoreClient(service.address, timeout_seconds=20.0) as kv:
+            await kv.wait_ready(10.0)
+            stored = await asyncio.gather(*(kv.store(TOY, p, payloads(80 + i, 3, cb)) for i, p in enumerate(prompts)))
+            assert [s.stored_chunks for s in stored] == [3, 3, 3, 3]
+            looked = await asyncio.gather(*(kv.lookup(TOY, p) for p in prompts))
+            assert [r.hit_chunks for r in looked] == [3, 3, 3, 3]
+            loaded = await kv.load(TOY, prompts[2])
+            assert [bytes(c) for c in loaded.chunks] == payloads(82, 3, cb)
+            resumed = await kv.resume(TOY, prompts[1])
+            assert resumed.hit_tokens == 3 * CHUNK and resumed.case in ("warm", "expired")
+            assert (await kv.stats()).chunks >= 12
+            with pytest.raises(InvalidArgumentError, match="model"):
+                await kv.lookup("no-such-model", prompts[0])
+
+    asyncio.run(run())
+    sync = service.client()
+    assert sync.lookup(TOY, prompts[3]).hit_chunks == 3
+
+
+def test_every_call_of_the_synchronous_client_but_the_generator_has_a_coroutine_form() -> None:
+    calls = {n for n, f in vars(KvstoreClient).items() if inspect.isfunction(f) and not n.startswith("_")}
+    calls -= {"close", "iter_load"}  # close is a coroutine of its own; a generator has no coroutine form
+    for name in calls:
+        assert inspect.iscoroutinefunction(getattr(AsyncKvstoreClient, name, None)), name
