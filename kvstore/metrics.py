@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -35,6 +36,7 @@ from kvstore.request_bills import CASES, LOCAL_OUTCOMES, TIERS, RequestRecord
 from kvstore.store_types import StoreStats
 
 log = logging.getLogger("kvstore.metrics")
+M = TypeVar("M", Counter, Histogram)
 
 # prometheus-client adds a `*_created` gauge beside every counter and histogram child: it doubles the
 # series count, Prometheus does not use it in the text format, and it is process-wide state anyway.
@@ -330,6 +332,7 @@ class Metrics:
         start_time: float | None = None,
     ) -> None:
         self.registry = registry
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._per_tenant = per_tenant_labels
         # Configured tenants plus the no-auth tenant: the whole set a tenant label can take.
         self._tenants = frozenset(tenants) | {"default"}
@@ -383,10 +386,18 @@ class Metrics:
     def _t(self, tenant: str) -> tuple[str, ...]:
         return (self._tenant(tenant),) if self._per_tenant else ()
 
-    @staticmethod
-    def _tc(metric: Counter, t: tuple[str, ...]) -> Counter:
+    def _tc(self, metric: Counter, t: tuple[str, ...]) -> Counter:
         """The child for tenant labels `t`, or the metric itself when it has no labels."""
-        return metric.labels(*t) if t else metric
+        return self._child(metric, *t) if t else metric
+
+    def _child(self, metric: M, *labels: str) -> M:
+        """`metric.labels(*labels)`, remembered: the library validates labels on every call (~2 us,
+        a dozen calls per request), and every label here takes a value from a fixed set."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def _initialise(self) -> None:
         """Create every label combination with a zero (per tenant too: the set is configured)."""
@@ -424,23 +435,23 @@ class Metrics:
         """One priced Lookup or Resume: its case, tokens by tier, local state, bills and replay."""
         t = self._t(rec.tenant)
         b = rec.bills
-        self.requests.labels(rec.method, rec.case, *t).inc()
-        self.lookups.labels(rec.method, "hit" if b.prefill_tokens_avoided else "miss", *t).inc()
+        self._child(self.requests, rec.method, rec.case, *t).inc()
+        self._child(self.lookups, rec.method, "hit" if b.prefill_tokens_avoided else "miss", *t).inc()
         for tb in b.tiers:
             if tb.hit_tokens:
-                self.lookup_tokens.labels(tb.tier, "hit", *t).inc(tb.hit_tokens)
+                self._child(self.lookup_tokens, tb.tier, "hit", *t).inc(tb.hit_tokens)
             if rec.moved and tb.bytes:
-                self.bytes_moved.labels(tb.tier, *t).inc(tb.bytes)
+                self._child(self.bytes_moved, tb.tier, *t).inc(tb.bytes)
         missed = b.prompt_tokens - b.prefill_tokens_avoided
         if missed:
-            self.lookup_tokens.labels("none", "miss", *t).inc(missed)
+            self._child(self.lookup_tokens, "none", "miss", *t).inc(missed)
         if rec.moved and b.local_bytes:
             self.local_bytes_moved.inc(b.local_bytes)
-        self.local_state.labels(rec.local_outcome, *t).inc()
+        self._child(self.local_state, rec.local_outcome, *t).inc()
         if rec.local_reason:
-            self.local_misses.labels(_label(rec.local_reason, LOCAL_MISS_REASONS)).inc()
+            self._child(self.local_misses, _label(rec.local_reason, LOCAL_MISS_REASONS)).inc()
         if rec.miss_reason:
-            self.misses.labels(_label(rec.miss_reason, MISS_REASONS)).inc()
+            self._child(self.misses, _label(rec.miss_reason, MISS_REASONS)).inc()
         self._tc(self.prefill_avoided, t).inc(b.prefill_tokens_avoided)
         self._tc(self.prefill_flops_avoided, t).inc(b.prefill_flops_avoided)
         self._tc(self.prefill_tokens, t).inc(b.prefill_tokens)
@@ -453,17 +464,17 @@ class Metrics:
         """A replay finished (its tokens are counted with the request's bills); `seconds` None: untimed."""
         if seconds is not None:
             self.replay_seconds.observe(max(0.0, seconds))
-        self.replays.labels("ok" if failure is None else "failed").inc()
+        self._child(self.replays, "ok" if failure is None else "failed").inc()
         if failure is not None:
-            self.replay_failures.labels(replay_failure(failure)).inc()
+            self._child(self.replay_failures, replay_failure(failure)).inc()
 
     def load(self, tier_bytes: Mapping[str, int], tenant: str = "default") -> None:
         """Bytes a Load call moved, by the tier each chunk came from."""
         t = self._t(tenant)
         for tier, n in tier_bytes.items():
             if n:
-                self.bytes_moved.labels(_label(tier, TIERS), *t).inc(n)
+                self._child(self.bytes_moved, _label(tier, TIERS), *t).inc(n)
 
     def rpc(self, method: str, code: str, seconds: float) -> None:
         labels = (_label(method, RPC_METHODS), _label(code, RPC_CODES))
-        self.rpc_seconds.labels(*labels).observe(max(0.0, seconds))
+        self._child(self.rpc_seconds, *labels).observe(max(0.0, seconds))
