@@ -130,6 +130,10 @@ class LookupTrace:
     replay_seconds: float = 0.0
     replay_mode: str = ""
     window_tokens: int = 0  # the replay window (the layout's SWA window)
+    # Whether each missed chunk (miss_keys[j]) was held when the call answered: a chunk behind the
+    # first miss can be held, and unreachable. Taken then, because observers run a moment later,
+    # when a Store may have filled the gap. Empty: not taken (the explainer asks the store).
+    miss_held: tuple[bool, ...] = ()
     # Or, in place of `miss_keys`, how to compute them: hashing the missed part of a prompt costs
     # as much as the lookup itself, so the service defers it until someone reads the keys.
     miss_keys_fn: Callable[[], Sequence[bytes]] | None = field(default=None, compare=False, repr=False)
@@ -156,6 +160,7 @@ def lookup_trace(
     window_tokens: int = 0,
     replay_mode: str = "",
     miss_keys_fn: Callable[[], Sequence[bytes]] | None = None,
+    miss_held: Sequence[bool] = (),
 ) -> LookupTrace:
     """The trace of one lookup. `miss_keys`: the keys of full chunks hit_chunks.. (the store's
     `chunk_keys(ns, tokens)[hit_chunks:]`; only worth hashing when something missed);
@@ -166,6 +171,7 @@ def lookup_trace(
         remainder_tokens=remainder_tokens, miss_keys=tuple(miss_keys), token_mismatch=token_mismatches > 0,
         boundary_key=boundary_key, pool_miss_reason=pool_miss_reason, has_local_state=has_local_state,
         window_tokens=window_tokens, replay_mode=replay_mode, miss_keys_fn=miss_keys_fn,
+        miss_held=tuple(miss_held),
     )
 
 
@@ -345,11 +351,19 @@ class Explainer:
         *,
         token_mismatch: bool = False,
         present: Callable[[bytes], bool] | None = None,
+        held: Sequence[bool] = (),
+        before: float | None = None,
     ) -> tuple[ChunkRun, ...]:
-        """Why each full chunk from `first_chunk` on missed, as runs of equal reasons."""
+        """Why each full chunk from `first_chunk` on missed, as runs of equal reasons. `held[j]`:
+        whether miss_keys[j] was held when the request was answered (else `present` asks now);
+        `before`: when it was answered (fates recorded later did not cause its miss)."""
         keys = miss_keys[:MAX_EXPLAINED_CHUNKS]
         with self._lock:
             fates = [self._fates.get(k) for k in keys]
+        if before is not None:
+            fates = [f if f is not None and f.at <= before else None for f in fates]
+        if held:
+            present = _held_at_answer(keys, held)
         runs: list[ChunkRun] = []
         for j, (key, fate) in enumerate(zip(keys, fates, strict=True)):
             run = self._why(j, key, fate, namespace, token_mismatch, present)
@@ -407,8 +421,9 @@ class Explainer:
     # --- requests ---
 
     def explain_request(self, rec: RequestRecord, trace: LookupTrace | None,
-                        present: Callable[[bytes], bool] | None = None) -> Explanation:
-        """Build the request's explanation now and keep it by request id."""
+                        present: Callable[[bytes], bool] | None = None, at: float | None = None) -> Explanation:
+        """Build the request's explanation now and keep it by request id; `at`: when it was
+        answered, on this explainer's clock (None: now)."""
         chunks: tuple[ChunkRun, ...] = ()
         local_reason = rec.local_reason
         local_detail = ""
@@ -421,7 +436,8 @@ class Explainer:
             miss_keys = trace.missed_keys()
             if miss_keys:
                 chunks = self.explain_chunks(trace.namespace, trace.hit_chunks, miss_keys,
-                                             token_mismatch=trace.token_mismatch, present=present)
+                                             token_mismatch=trace.token_mismatch, present=present,
+                                             held=trace.miss_held, before=at)
             if hit_chunks and trace.has_local_state and rec.local_outcome in ("expired", "replayed"):
                 local_reason, local_detail = self.explain_local(trace.namespace, trace.boundary_key,
                                                                 trace.pool_miss_reason)
@@ -539,3 +555,9 @@ def _min(a: float | None, b: float | None) -> float | None:
 
 def _max(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else max(a, b)
+
+
+def _held_at_answer(keys: Sequence[bytes], held: Sequence[bool]) -> Callable[[bytes], bool]:
+    """`present` as it was when the request was answered (keys beyond `held` read as not held)."""
+    at_answer = {k for k, h in zip(keys, held, strict=False) if h}
+    return at_answer.__contains__

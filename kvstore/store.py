@@ -253,6 +253,11 @@ class GlobalStore(Placement):
         with self._lock:
             return key in self._index
 
+    def held(self, keys: Sequence[bytes]) -> tuple[bool, ...]:
+        """`contains` for each key, read at one moment."""
+        with self._lock:
+            return tuple(map(self._index.__contains__, keys))
+
     # --- store (two-phase) ------------------------------------------------------------------------
 
     def begin_store(self, ns: Namespace, tokens: np.ndarray) -> StoreTxn:

@@ -69,6 +69,21 @@ def explain(ex: Explainer, tenant: str, keys: list[bytes], hit: int, *, local: s
 # --- chunks ------------------------------------------------------------------------------------------------
 
 
+def test_what_happened_after_the_answer_does_not_explain_the_miss(ex: Explainer, clock: FakeClock) -> None:
+    # Observers run a moment after a call answers: a fate recorded after it, and chunks the
+    # store holds by then, are not why it missed.
+    keys = keys_for("acme", 3)
+    answered = clock()
+    clock.advance(1)
+    ex.dropped(keys[1], ns("acme").digest, "lmdb", "capacity")  # stored and evicted after the answer
+    runs = ex.explain_chunks(ns("acme").digest, 0, keys, before=answered, held=(False, False, False),
+                             present=lambda k: True)  # everything is held now
+    assert [(c.first_chunk, c.last_chunk, c.reason) for c in runs] == [(0, 2, "never_stored")]
+    runs = ex.explain_chunks(ns("acme").digest, 0, keys, held=(False, False, True))
+    assert [(c.first_chunk, c.last_chunk, c.reason) for c in runs] == [(0, 0, "never_stored"), (1, 1, "evicted"),
+                                                                        (2, 2, "unreachable")]
+
+
 def test_never_stored(ex: Explainer) -> None:
     e = explain(ex, "acme", keys_for("acme", 3), 0)
     assert [(c.first_chunk, c.last_chunk, c.reason) for c in e.chunks] == [(0, 2, "never_stored")]

@@ -107,3 +107,28 @@ def test_request_ids_are_sent_echoed_and_explained(tmp_path: Path) -> None:
             assert echoed != "bad id" and explainer.get(echoed) is not None
     finally:
         r.stop()
+
+
+def test_a_miss_is_explained_as_it_was_when_answered_even_if_a_store_fills_it_first(tmp_path: Path) -> None:
+    # Observers run after the call answers. Here they are held back (a gated observer ahead of
+    # the explainer) while the engine stores the prompt it just missed: the explanation must still
+    # say the chunks were never stored, not that they were held but unreachable.
+    import threading
+
+    r = start(tmp_path, config())
+    gate = threading.Event()
+    r.app.observers.insert(0, lambda rec: gate.wait(30.0))
+    try:
+        toks = prompt(12, 4)
+        cold = r.client.lookup(MODEL, toks)
+        assert cold.hit_chunks == 0
+        store(r, toks, local=False)
+        assert r.client.lookup(MODEL, toks).hit_chunks == 4  # the chunks are held now
+        gate.set()
+        assert r.app.flush_observers(30.0)
+        explainer = next(o for o in r.app.observers if isinstance(o, Observability)).explainer
+        e = explainer.get(cold.request_id)
+        assert e is not None and [(c.first_chunk, c.last_chunk, c.reason) for c in e.chunks] == [(0, 3, "never_stored")]
+    finally:
+        gate.set()
+        r.stop()

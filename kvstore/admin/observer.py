@@ -146,16 +146,17 @@ class Observability:
             tenant=call.tenant, model=call.model, case=case,  # type: ignore[arg-type]
             local_outcome=local, bills=bills, replay=replay,  # type: ignore[arg-type]
         )
-        self.record(rec, lookup)
+        self.record(rec, lookup, getattr(call, "at", None))
         if replay is not None and replay.failure is None and lookup is not None and lookup.boundary_key \
                 and self._ttl is not None:
             # The coordinator stored the rebuilt snapshot in the pool under the TTL policy (noted
             # after the explanation, which must see the state before the replay).
             self.explainer.local_stored(lookup.namespace, lookup.boundary_key, self._ttl())
 
-    def record(self, rec: RequestRecord, trace: LookupTrace | None = None) -> RequestRecord:
-        """Explain, then count: the explanation decides the miss reasons the counters use."""
-        exp = self.explainer.explain_request(rec, trace, self._present)
+    def record(self, rec: RequestRecord, trace: LookupTrace | None = None, at: float | None = None) -> RequestRecord:
+        """Explain, then count: the explanation decides the miss reasons the counters use. `at`:
+        when the call answered (observers run a moment later)."""
+        exp = self.explainer.explain_request(rec, trace, self._present, at)
         miss = exp.first_miss_reason
         if miss and miss not in MISS_REASONS:
             miss = "other"

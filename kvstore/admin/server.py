@@ -170,6 +170,7 @@ def start_admin(app: App, host: str, port: int, *,
     if callable(set_sink):
         set_sink(obs.explainer)
     app.observers.append(obs)
+    app.explains_misses = True
 
     def replay_doc() -> dict[str, Any]:
         return {"coordinator": app.coordinator is not None,
@@ -189,6 +190,7 @@ def start_admin(app: App, host: str, port: int, *,
     def unhook() -> None:
         if obs in app.observers:
             app.observers.remove(obs)
+        app.explains_misses = False
         if callable(set_sink):
             from kvstore.explain import NoFates
 

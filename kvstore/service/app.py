@@ -85,6 +85,9 @@ class App:
     inprocess_replay_models: frozenset[str] = frozenset()
     ttl_policy: TtlPolicy | None = None  # the local pool's policy in force (None: unknown, or no pool)
     observers: list[CallObserver] = field(default_factory=list)
+    # An explainer observes calls (the admin port is on): a lookup that misses takes down, when
+    # it answers, which of its missed chunks the store holds (the explainer runs a moment later).
+    explains_misses: bool = False
     on_close: list[Callable[[], None]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     _closed: bool = False

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstore.explain import LookupTrace, lookup_trace
+from kvstore.explain import MAX_EXPLAINED_CHUNKS, LookupTrace, lookup_trace
 from kvstore.layout import exact_replay_tokens
 from kvstore.local_pool.base import GetResult
 from kvstore.service.calls import Resolved
@@ -115,6 +115,8 @@ def trace(
     elif hit_chunks and has_local and got is not None:
         pool_reason = got.miss_reason or ""
     miss_fn = None
+    missed: tuple[bytes, ...] = ()
+    held: tuple[bool, ...] = ()
     if hit_chunks < full:
         store, ns, tokens = app.store, res.ns, res.tokens
 
@@ -124,12 +126,18 @@ def trace(
             # keys hashed here are remembered for the Store that usually follows a miss.
             return tuple(store.chunk_keys(ns, tokens)[hit_chunks:])
 
-        miss_fn = miss_keys
+        if app.explains_misses:
+            # The explainer runs after the call has answered, when the Store that usually follows
+            # a miss may have filled it: which missed chunks the store holds is read now.
+            missed = miss_keys()
+            held = store.held(missed[:MAX_EXPLAINED_CHUNKS])
+        else:
+            miss_fn = miss_keys
     return lookup_trace(
         namespace=res.ns.digest, full_chunks=full, hit_chunks=hit_chunks, chunk_tokens=ct,
         boundary_key=boundary, remainder_tokens=r.remainder_tokens,
         # A mismatch is where the lookup stopped; a shorter hit (a pin that found less) did not stop there.
         token_mismatches=r.token_mismatches if hit_chunks == r.hit_chunks else 0,
         pool_miss_reason=pool_reason, has_local_state=has_local, window_tokens=res.layout.local.window_tokens,
-        replay_mode=res.ns.replay_mode, miss_keys_fn=miss_fn,
+        replay_mode=res.ns.replay_mode, miss_keys_fn=miss_fn, miss_keys=missed, miss_held=held,
     )
