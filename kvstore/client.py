@@ -203,7 +203,7 @@ class KvstoreClient:
                timeout_seconds: float | None = None, request_id: str | None = None,
                session: str | None = None) -> LookupResult:
         """How much of `tokens` is cached, where, and the local state at the boundary."""
-        req = encode_lookup_request(model, replay_mode, _token_bytes(tokens))
+        req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"))
         rid, metadata = self._request_metadata("Lookup", request_id, session)
         r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), timeout_seconds)
         return LookupResult(
@@ -457,8 +457,13 @@ def _token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr.astype("<u4", copy=False)
 
 
+def _token_u32le(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The token ids as a contiguous little-endian uint32 array (the caller's, when it is one)."""
+    return np.ascontiguousarray(_token_array(tokens), dtype="<u4")
+
+
 def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
-    return np.ascontiguousarray(_token_array(tokens), dtype="<u4").tobytes()
+    return _token_u32le(tokens).tobytes()
 
 
 def _tokens(tokens: Sequence[int] | np.ndarray) -> dict[str, bytes]:

@@ -172,6 +172,8 @@ def test_a_hand_encoded_lookup_request_parses_as_the_library_builds_it(model: st
     expected = pb.LookupRequest(model=model, replay_mode=mode, tokens={"u32le": u32le})
     parsed = pb.LookupRequest.FromString(wire)
     assert parsed == expected and parsed.HasField("tokens") and wire == expected.SerializeToString()
+    view = np.asarray(ids, dtype="<u4").data.cast("B")  # the client passes a view of its token array
+    assert encode_lookup_request(model, mode, view) == wire
 
 
 @given(tiers=st.lists(st.sampled_from([0, 1, 2, 3, 7, 300]), max_size=60))

@@ -218,15 +218,12 @@ def encode_lookup_response(msg: pb.LookupResponse, chunk_tiers: Sequence[str]) -
 
 
 def tiers_from_pb(labels: Sequence[int]) -> tuple[str, ...]:
-    """Tier names from a response's tier enums (unknown values read as ""). Through bytes: one
-    C-level pass over the repeated field, and one tuple for the usual answer of a single tier."""
-    try:
-        packed = bytes(labels)
-    except ValueError:  # an enum value beyond a byte, from a newer server
-        return tuple(_LABEL_TIER.get(v, "") for v in labels)
-    if packed and packed.count(packed[0]) == len(packed):
-        return (_LABEL_TIER.get(packed[0], ""),) * len(packed)
-    return tuple(map(_LABEL_TIER.get, packed, repeat("")))
+    """Tier names from a response's tier enums (unknown values read as ""): one C-level copy of
+    the repeated field, and one tuple for the usual answer of a single tier."""
+    values = list(labels)
+    if values and values.count(values[0]) == len(values):
+        return (_LABEL_TIER.get(values[0], ""),) * len(values)
+    return tuple(map(_LABEL_TIER.get, values, repeat("")))
 
 
 _LABEL_TIER: Final[dict[int, str]] = {v: k for k, v in _TIER_LABEL.items()}
@@ -248,11 +245,13 @@ def _string_field(tag: bytes, text: str) -> bytes:
     return tag + _varint(len(raw)) + raw
 
 
-def encode_lookup_request(model: str, replay_mode: str, u32le: bytes) -> bytes:
-    """The serialized `LookupRequest{model, replay_mode, tokens: Tokens{u32le}}`."""
-    inner = b"\x0a" + _varint(len(u32le)) if u32le else b""
+def encode_lookup_request(model: str, replay_mode: str, u32le: bytes | memoryview) -> bytes:
+    """The serialized `LookupRequest{model, replay_mode, tokens: Tokens{u32le}}`. `u32le` may be
+    a view of the caller's token array: its bytes are copied once, into the request."""
+    n = memoryview(u32le).nbytes
+    inner = b"\x0a" + _varint(n) if n else b""
     head = _string_field(b"\x0a", model) + _string_field(b"\x12", replay_mode)
-    return b"".join((head, b"\x1a", _varint(len(inner) + len(u32le)), inner, u32le))
+    return b"".join((head, b"\x1a", _varint(len(inner) + n), inner, u32le))
 
 
 def serialize_response(msg: Message | bytes) -> bytes:
