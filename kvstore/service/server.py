@@ -166,6 +166,7 @@ class KvstoreServer:
         self.kvcache.close()
         self.health.stop()
         if self.admin is not None:
+            self.app.flush_observers(1.0)  # the last calls reach the metrics and ledger first
             self.admin.close()
         return finished
 
