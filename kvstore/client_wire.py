@@ -23,17 +23,12 @@ from typing import NamedTuple
 
 from google.protobuf.message import DecodeError, Message
 
+from kvstore.service.wire import CHUNKS_FIELD  # its field numbers are checked there
 from kvstore.v1 import kvstore_pb2 as pb
 
 _VARINT, _FIXED64, _LEN, _START_GROUP, _END_GROUP, _FIXED32 = 0, 1, 2, 3, 4, 5
 _MAX_VARINT_SHIFT = 63
 
-CHUNKS_FIELD = 2  # LoadResponse.chunks and ResumeResponse.chunks
-assert pb.LoadResponse.DESCRIPTOR.fields_by_name["chunks"].number == CHUNKS_FIELD
-assert pb.ResumeResponse.DESCRIPTOR.fields_by_name["chunks"].number == CHUNKS_FIELD
-_PIECE = pb.ChunkPiece.DESCRIPTOR.fields_by_name
-assert (_PIECE["first_chunk"].number, _PIECE["offset"].number, _PIECE["data"].number, _PIECE["tiers"].number) == (
-    1, 2, 3, 4)
 
 
 class PieceView(NamedTuple):
