@@ -462,17 +462,13 @@ def _token_u32le(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(_token_array(tokens), dtype="<u4")
 
 
-def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
-    return _token_u32le(tokens).tobytes()
-
-
 def _tokens(tokens: Sequence[int] | np.ndarray) -> dict[str, bytes]:
     """The `tokens` field of a request, as the mapping its constructor fills the field from.
 
     Rejected: passing a built `pb.Tokens`. The constructor copies a message argument into the
     request again (serialized and parsed), which for a 32K-token prompt cost 10-100+ us per call
     against ~5 us for filling the field from a mapping."""
-    return {"u32le": _token_bytes(tokens)}
+    return {"u32le": _token_u32le(tokens).tobytes()}
 
 
 def _as_blob(payloads: Sequence[bytes | memoryview] | bytes, chunk_bytes: int) -> memoryview:

@@ -32,9 +32,10 @@ from typing import Literal
 
 import numpy as np
 
+from kvstore.keys import KEY_BYTES
+
 log = logging.getLogger("kvstore.keys")
 
-KEY_BYTES = 32
 # Below this many chunks the hashlib loop is as fast as a call into the compiled loop.
 MIN_KERNEL_CHUNKS = 4
 # OpenSSL's names -> ours, registered with LLVM: ours are unique, so that no other library's symbol
@@ -47,7 +48,7 @@ _KEY = struct.Struct(f"{KEY_BYTES}s")
 
 
 def chain_hashlib(prev: bytes, raw: bytes, step: int) -> list[bytes]:
-    """The chain through hashlib: the reference, and the fallback."""
+    """The chain through hashlib, one key per call: the fallback (keys.chain_keys is the definition)."""
     keys: list[bytes] = []
     sha = hashlib.sha256
     for at in range(0, len(raw), step):

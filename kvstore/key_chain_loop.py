@@ -10,7 +10,8 @@ import numba
 import numpy as np
 from numba import types
 
-KEY_BYTES = 32
+from kvstore.keys import KEY_BYTES
+
 SHA256_CTX_WORDS = 32  # 256 bytes; sizeof(SHA256_CTX) is 112
 # The symbols key_chain.SYMBOLS registers. Pointers travel as integers (uintp): the same registers
 # as void* in the C calling convention.

@@ -1,14 +1,16 @@
 """Delivers each finished call's record to the app's observers after the call has answered.
 
 The observers (the TTL policy's return tracker; with the admin port on, metrics, the ledger and
-the miss explainer; the request trace) cost ~80 us a call with the admin port on, and more for a
-cold prompt, whose missed chunk keys the explainer reads. Run in the handler, that is time every
-caller waits for an answer that does not depend on it. Instead a call appends its record to this
-queue (no lock, and no wake-up unless the thread has been idle a while) and returns; one daemon thread delivers
-the records to every observer, in the order the calls finished, in batches that start
-`BATCH_DELAY_SECONDS` after the first record arrived. In one process the observers still need the
-interpreter (the GIL): delivered at once, they took it from the reply being sent (and a wake-up
-per call cost as much as the delivery saved); a few milliseconds later, the replies are out.
+the miss explainer; the request trace) cost ~40 us a call in a hot loop with the admin port on,
+and about twice that in a running service. Run in the handler, that is time every caller waits
+for an answer that does not depend on it. Instead a call appends its record to this queue (no
+lock, and no wake-up unless the thread has been idle a while) and returns; one daemon thread
+delivers the records to every observer, in the order the calls finished, in batches that start
+`BATCH_DELAY_SECONDS` after the first record arrived. In one process the observers still need
+the interpreter (the GIL): delivered at once, they took it from the reply being sent (and a
+wake-up per call cost as much as the delivery saved); a few milliseconds later, the replies are
+out. What an observer must know of the moment a call answered travels in its record: the time
+(`CallRecord.at`), and for a lookup that missed, which of its missed chunks the store held.
 
 Readers that must see every call finished so far (a metrics scrape, the ledger and explain APIs,
 tests) call `flush()` first. Nothing is dropped: when `max_pending` records are waiting (observers
