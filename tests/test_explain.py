@@ -14,10 +14,12 @@ import pytest
 from kvstore.cli import main
 from kvstore.explain import (
     MAX_RUNS,
+    REQUEST_ID_RE,
     Explainer,
     Explanation,
     LookupTrace,
     lookup_trace,
+    new_request_id,
     render_text,
     request_id_from,
 )
@@ -362,3 +364,13 @@ def test_through_the_real_service(tmp_path: Path) -> None:
         assert r.metric("kvstore_local_misses_total", reason="ttl_expired") == 1
     finally:
         r.stop()
+
+
+def test_request_ids_are_fresh_in_a_forked_process() -> None:
+    import multiprocessing as mp
+
+    new_request_id()
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        child = pool.apply(new_request_id)
+    assert child != new_request_id() and REQUEST_ID_RE.match(child)
