@@ -246,6 +246,14 @@ class SourceCollector(Collector):
                                   value=st.corrupt_reads)
         yield GaugeMetricFamily("kvstore_pins_active", "Pins held by loads and replays now.",
                                 value=st.pins_active)
+        yield GaugeMetricFamily("kvstore_key_memo_bytes", "Bytes the key memo's remembered prompts count "
+                                "against store.key_memo_bytes.", value=st.key_memo_bytes)
+        yield GaugeMetricFamily("kvstore_key_memo_prompts", "Prompts the key memo remembers.",
+                                value=st.key_memo_prompts)
+        yield CounterMetricFamily("kvstore_key_memo_hits", "Key lookups that took chunk keys from the memo.",
+                                  value=st.key_memo_hits)
+        yield CounterMetricFamily("kvstore_key_memo_reused_keys", "Chunk keys taken from the memo instead of "
+                                  "hashed.", value=st.key_memo_reused_keys)
         yield CounterMetricFamily("kvstore_pins_expired", "Pins released by their timeout.",
                                   value=st.pins_expired)
         if self._tenant_label is not None:

@@ -562,6 +562,8 @@ class GlobalStore(Placement):
                 pins_active=self._pins.active, pins_expired=self._pins.expired_total,
                 admissions_refused=c.get("admissions_refused", 0),
                 ignored_on_open=dict(self._ignored), evictions_by_reason=reasons,
+                key_memo_bytes=self._memo.used_bytes, key_memo_prompts=len(self._memo),
+                key_memo_hits=self._memo.hits, key_memo_reused_keys=self._memo.reused_keys,
             )
 
     def check_invariants(self) -> None:

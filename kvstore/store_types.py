@@ -84,3 +84,7 @@ class StoreStats:
     admissions_refused: int
     ignored_on_open: dict[str, int] = field(default_factory=dict)
     evictions_by_reason: dict[str, int] = field(default_factory=dict)
+    key_memo_bytes: int = 0  # what the remembered prompts count against store.key_memo_bytes
+    key_memo_prompts: int = 0
+    key_memo_hits: int = 0  # key lookups that took at least one key from the memo
+    key_memo_reused_keys: int = 0  # keys taken from the memo instead of hashed

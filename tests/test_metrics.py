@@ -231,6 +231,11 @@ def test_store_gauges_and_evictions_come_from_the_real_store(tmp_path: Path) -> 
         assert value(reg, "kvstore_tier_byte_seconds_total", tier="device") > 0
         assert value(reg, "kvstore_policy_info", ttl_kind="fixed", eviction_policy="s3fifo",
                      replay_mode="bounded") == 1
+        # The workload's sessions come back with their prompts: their keys come from the memo.
+        assert value(reg, "kvstore_key_memo_prompts") == st.key_memo_prompts > 0
+        assert value(reg, "kvstore_key_memo_bytes") == st.key_memo_bytes > 0
+        assert value(reg, "kvstore_key_memo_hits_total") == st.key_memo_hits > 0
+        assert value(reg, "kvstore_key_memo_reused_keys_total") == st.key_memo_reused_keys >= st.key_memo_hits
         assert_valid_exposition(text)
     finally:
         rig.close()
