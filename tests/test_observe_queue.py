@@ -5,6 +5,7 @@ one failing observer does not stop the others."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,3 +95,27 @@ def test_a_slow_observer_does_not_hold_up_the_call(tmp_path: Path) -> None:
     finally:
         gate.set()
         svc.stop(1.0)
+
+
+def test_closing_while_the_first_call_starts_the_thread_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvstore.service.observe_queue as oq
+
+    starting = threading.Event()
+
+    class SlowStart(threading.Thread):  # fault injection: the thread takes a while to start
+        def start(self) -> None:
+            starting.set()
+            time.sleep(0.2)
+            super().start()
+
+    monkeypatch.setattr(oq.threading, "Thread", SlowStart)
+    seen: list[int] = []
+    q: ObserverQueue[int] = ObserverQueue(lambda: [seen.append])
+    first = threading.Thread(target=q.submit, args=(1,))
+    first.start()
+    assert starting.wait(10.0)
+    q.close()  # while the first submit is still starting the thread
+    first.join()
+    for i in range(2, 5):
+        q.submit(i)  # after close: delivered by the caller
+    assert sorted(seen) == [1, 2, 3, 4]

@@ -71,6 +71,8 @@ class ObserverQueue(Generic[R]):
             self._start()
         elif self._idle:
             self._wake.set()
+        if self._closed:  # closed while appending: the thread may be gone, so deliver here
+            self._drain()
 
     def flush(self, timeout_seconds: float = 5.0) -> bool:
         """Wait until every record submitted so far has been delivered; False on timeout."""
@@ -92,11 +94,11 @@ class ObserverQueue(Generic[R]):
         self._closed = True
         self._hurry.set()
         self._wake.set()
-        thread = self._thread
+        with self._start_lock:  # a thread being started is started before it is joined
+            thread = self._thread
         if thread is not None:
             thread.join(timeout_seconds)
-        while self._pending:  # the thread never started, or did not finish in time
-            self._deliver(self._pending.popleft())
+        self._drain()  # the thread never started, or did not finish in time
 
     @property
     def pending(self) -> int:
@@ -104,9 +106,18 @@ class ObserverQueue(Generic[R]):
 
     def _start(self) -> None:
         with self._start_lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvstore-observers", daemon=True)
-                self._thread.start()
+            if self._thread is None and not self._closed:
+                thread = threading.Thread(target=self._run, name="kvstore-observers", daemon=True)
+                thread.start()
+                self._thread = thread  # only once started: close() joins what it finds here
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                record = self._pending.popleft()
+            except IndexError:  # empty (the thread may have taken the last one)
+                return
+            self._deliver(record)
 
     def _run(self) -> None:
         last_batch = time.monotonic()
