@@ -426,6 +426,14 @@ def build_coordinator(app: App) -> ReplayCoordinator | None:
     if cfg.mode == "off" or cfg.runner == "none":
         return None
     runners: list[Runner] = [AttachedRunners(app.runners)]
+    if cfg.runner == "reference" and cfg.device == "cuda":
+        from kvstore.errors import ConfigError, KvstoreError
+        from replay.model import usable_device
+
+        try:  # at start, not at the first replay
+            usable_device("cuda")
+        except KvstoreError as e:
+            raise ConfigError("replay.device", str(e)) from None
     if cfg.runner == "reference":
         configs = reference_configs(app.models.values(), app.config.store.chunk_tokens, cfg.reference_seed)
         if configs:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvstore.errors import InvalidInput
+from kvstore.errors import InvalidInput, Unavailable
 from kvstore.layout import CacheLayout, ModelSpec, get_model
 from replay import model_ops as ops
 from replay.model_batch import Lane, ReplayRequest, TokenIds, replay_lanes
@@ -97,6 +97,25 @@ class _Pass:
     pool: tuple[Tensor, Tensor] | None = None  # (idx [T, P], valid [T, P]) published by the Full layer
 
 
+def usable_device(device: str | torch.device | None) -> torch.device:
+    """The torch device to run on (None: cuda when present, else cpu). A CUDA device asked for on a
+    machine without one is refused here, with the reason, instead of deep inside torch."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise InvalidInput(f"device '{device}' is not a torch device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch was built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+        raise Unavailable(f"device '{device}' asked for, but CUDA is not available here: {why} "
+                          f"(torch {torch.__version__}); use 'cpu' or 'auto'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise Unavailable(f"device '{device}' asked for, but this machine has {torch.cuda.device_count()} "
+                          "CUDA device(s)")
+    return dev
+
+
 class ReferenceModel(nn.Module):
     def __init__(self, config: ModelConfig | None = None, device: str | torch.device | None = None) -> None:
         super().__init__()
@@ -109,9 +128,7 @@ class ReferenceModel(nn.Module):
         self.final_norm = nn.Parameter(torch.empty(cfg.d_model))
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
         self._init_weights()
-        self.device = torch.device(device) if device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu"
-        )
+        self.device = usable_device(device)
         self.to(self.device)
         self.requires_grad_(False)
 

@@ -7,6 +7,7 @@ replays and block boundaries inside the attention and indexer loops are all chea
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -269,3 +270,25 @@ def test_cuda_replay_within_float_tolerance() -> None:
     for snap_b, snap_a, h in ((batch[0], snap, 256), (batch[1], alone, 160)):
         for g, t in zip(gpu.decode_snapshot(snap_b, h), gpu.decode_snapshot(snap_a, h), strict=True):
             assert float((g.values - t.values).norm() / t.values.norm()) < 0.05
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_refused_with_the_reason(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from kvstore.errors import ConfigError, Unavailable
+    from kvstore.service.app import build_app
+    from tests.fixtures.service import make_config
+
+    with pytest.raises(Unavailable, match="CUDA is not available here"):
+        ReferenceModel(SMALL, device="cuda")
+    with pytest.raises(InvalidInput, match="not a torch device"):
+        ReferenceModel(SMALL, device="gpu0")
+    # A flag: a clear message and status 2, no traceback.
+    run = subprocess.run([sys.executable, "-m", "kvstore", "replay-quality", "--device", "cuda", "--sizes", "128"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "CUDA is not available here" in run.stderr and "Traceback" not in run.stderr
+    # A config key: refused when the service starts, not at its first replay.
+    with pytest.raises(ConfigError, match=r"replay\.device"):
+        build_app(make_config(replay={"runner": "reference", "device": "cuda"}), tmp_path)
