@@ -267,8 +267,7 @@ def test_an_eviction_in_the_real_store_is_explained(tmp_path: Path) -> None:
     cfg = replace(cfg, store=replace(cfg.store, lmdb_capacity_bytes=1 << 20))
     rig = Rig(tmp_path, cfg=cfg)
     try:
-        if not rig.fates_wired:
-            pytest.skip("the store does not report chunk fates yet (GlobalStore.set_fate_sink: see the wiring list)")
+        assert rig.fates_wired, "the store must report chunk fates to the explainer (GlobalStore.set_fate_sink)"
         first = rig.tokens(6 * CHUNK)
         rig.store_prompt("acme", first, local=False)
         for _ in range(400):  # more prompts than the 1 MiB SSD tier holds: the oldest are dropped
@@ -333,8 +332,7 @@ def test_through_the_real_service(tmp_path: Path) -> None:
     replay timed. Needs the servicer to pass `request_id` and `trace` in its call records."""
     from kvstore.service.app import CallRecord
 
-    if "trace" not in CallRecord.__dataclass_fields__:
-        pytest.skip("the servicer does not pass request ids and traces yet (CallRecord.trace: see the wiring list)")
+    assert "trace" in CallRecord.__dataclass_fields__  # the servicer passes request ids and traces
     import urllib.request
 
     from tests.test_metrics_service import MODEL, config, start, store
