@@ -131,6 +131,29 @@ class Sources:
     policy: Callable[[], PolicyInfo] | None = None
 
 
+# The store's single-number families: (family, name, help, how to read it from StoreStats).
+_STORE_SCALARS: tuple[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily], str, str,
+                            Callable[[StoreStats], float]], ...] = (
+    (GaugeMetricFamily, "kvstore_chunks", "Chunks in the store's index.", lambda s: s.chunks),
+    (CounterMetricFamily, "kvstore_store_lookups", "Longest-prefix lookups the store ran.", lambda s: s.lookups),
+    (CounterMetricFamily, "kvstore_admissions_refused", "Chunks the admission policy kept out.",
+     lambda s: s.admissions_refused),
+    (CounterMetricFamily, "kvstore_token_mismatches", "Key hits whose stored token ids differed (treated as "
+     "misses).", lambda s: s.token_mismatches),
+    (CounterMetricFamily, "kvstore_corrupt_reads", "Chunk reads that found a corrupt value.",
+     lambda s: s.corrupt_reads),
+    (GaugeMetricFamily, "kvstore_pins_active", "Pins held by loads and replays now.", lambda s: s.pins_active),
+    (CounterMetricFamily, "kvstore_pins_expired", "Pins released by their timeout.", lambda s: s.pins_expired),
+    (GaugeMetricFamily, "kvstore_key_memo_bytes", "Bytes the key memo's remembered prompts count against "
+     "store.key_memo_bytes.", lambda s: s.key_memo_bytes),
+    (GaugeMetricFamily, "kvstore_key_memo_prompts", "Prompts the key memo remembers.", lambda s: s.key_memo_prompts),
+    (CounterMetricFamily, "kvstore_key_memo_hits", "Key lookups that took chunk keys from the memo.",
+     lambda s: s.key_memo_hits),
+    (CounterMetricFamily, "kvstore_key_memo_reused_keys", "Chunk keys taken from the memo instead of hashed.",
+     lambda s: s.key_memo_reused_keys),
+)
+
+
 class SourceCollector(Collector):
     """Reads `Sources` at scrape time. A failing source loses its own families for that scrape
     (counted in kvstore_scrape_errors_total), never the whole scrape."""
@@ -234,28 +257,8 @@ class SourceCollector(Collector):
         for (tier_s, reason_s), n in sorted(by.items()):
             ev.add_metric([tier_s, reason_s], n)
         yield ev
-        yield GaugeMetricFamily("kvstore_chunks", "Chunks in the store's index.", value=st.chunks)
-        yield CounterMetricFamily("kvstore_store_lookups", "Longest-prefix lookups the store ran.",
-                                  value=st.lookups)
-        yield CounterMetricFamily("kvstore_admissions_refused", "Chunks the admission policy kept out.",
-                                  value=st.admissions_refused)
-        yield CounterMetricFamily("kvstore_token_mismatches",
-                                  "Key hits whose stored token ids differed (treated as misses).",
-                                  value=st.token_mismatches)
-        yield CounterMetricFamily("kvstore_corrupt_reads", "Chunk reads that found a corrupt value.",
-                                  value=st.corrupt_reads)
-        yield GaugeMetricFamily("kvstore_pins_active", "Pins held by loads and replays now.",
-                                value=st.pins_active)
-        yield GaugeMetricFamily("kvstore_key_memo_bytes", "Bytes the key memo's remembered prompts count "
-                                "against store.key_memo_bytes.", value=st.key_memo_bytes)
-        yield GaugeMetricFamily("kvstore_key_memo_prompts", "Prompts the key memo remembers.",
-                                value=st.key_memo_prompts)
-        yield CounterMetricFamily("kvstore_key_memo_hits", "Key lookups that took chunk keys from the memo.",
-                                  value=st.key_memo_hits)
-        yield CounterMetricFamily("kvstore_key_memo_reused_keys", "Chunk keys taken from the memo instead of "
-                                  "hashed.", value=st.key_memo_reused_keys)
-        yield CounterMetricFamily("kvstore_pins_expired", "Pins released by their timeout.",
-                                  value=st.pins_expired)
+        for family, name, doc, read in _STORE_SCALARS:
+            yield family(name, doc, value=read(st))
         if self._tenant_label is not None:
             tb = GaugeMetricFamily("kvstore_tenant_bytes", "Bytes each tenant holds in each tier.",
                                    labels=["tenant", "tier"])
