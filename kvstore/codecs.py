@@ -1,6 +1,6 @@
 """Low-precision codecs for KV records: FP4 E2M1, FP8 E4M3, and the E4M3 / UE8M0 block scales.
 
-These are the byte formats of DESIGN.md §2, implemented as vectorised torch operations that run
+These are the byte formats of docs/architecture.md §5.1, implemented as vectorised torch operations that run
 on CPU and CUDA tensors alike (numpy arrays are accepted as input and converted):
 
 - FP4 E2M1 codes: magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} as codes 0..7, sign in bit 3; round to

@@ -1,6 +1,6 @@
 """The exception hierarchy for environment failures and bad input.
 
-Three kinds of error live in three places (DESIGN.md §4.7):
+Three kinds of error live in three places (docs/architecture.md §8):
 - expected outcomes (a miss, an expired snapshot, no room) are *results*, never exceptions;
 - broken invariants are `assert`s;
 - the classes below are for bad input and for the environment failing under us.

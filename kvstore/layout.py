@@ -20,6 +20,11 @@ from typing import Literal
 
 from kvstore.errors import InvalidInput, UnknownModel
 
+# The tiers a chunk of global KV can live in, fastest first: every per-tier figure (capacity,
+# placement, bills, metrics) is keyed by these names, here and on the wire.
+TierName = Literal["device", "dram", "lmdb"]
+TIER_NAMES: tuple[TierName, ...] = ("device", "dram", "lmdb")
+
 SegmentKind = Literal["fp4", "e4m3_scale", "ue8m0_scale", "fp8", "bf16", "raw"]
 SCALE_KINDS: frozenset[str] = frozenset({"e4m3_scale", "ue8m0_scale"})
 
@@ -163,7 +168,7 @@ DEEPSEEK_V41_FLASH = CacheLayout(
     encoder_layers=20,
 )
 
-# --- The reference CED model "toy-8" (replay/model.py) ---------------------------------------------
+# --- The reference CED model "toy-8" (replay/reference/model.py) ---------------------------------------------
 # Latent K=V head_dim 64: 64 FP4 values (32 B) + 4 E4M3 scales (4 B) = 36 B.
 # Indexer K 32 dims: 32 FP4 values (16 B) + 1 UE8M0 scale (1 B) = 17 B. One record = 53 B.
 # SWA row: 64 FP8 values + 2 UE8M0 scales = 66 B. Encoder layers 0-3 persisted.

@@ -30,10 +30,10 @@ from typing import Literal
 import grpc
 
 from kvstore.errors import InvalidInput
-from kvstore.service.framing import ChunkAssembler, blob_spans
-from kvstore.service.wire import tokens_from_proto
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire.framing import ChunkAssembler, blob_spans
+from kvstore.wire.messages import tokens_from_proto
 from replay.runner import BatchFn, BatchWorker, JobHandle, ReplayJob, ReplayResult
 
 log = logging.getLogger("kvstore.runner")

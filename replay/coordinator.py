@@ -42,29 +42,26 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstore.config.replay import ReplayConfig
 from kvstore.errors import InvalidInput, ResourceExhausted
-from kvstore.keys import Namespace
+from kvstore.keys.chunk_keys import Namespace
 from kvstore.layout import CacheLayout, exact_replay_tokens
 from kvstore.local_pool.base import LocalPool
-from kvstore.service.replay_port import (
+from kvstore.store import GlobalStore
+from replay.port import (
     DISABLED,
     FAILED,
     NO_RUNNER,
     REPLAYED,
     TIMEOUT,
     ReplayOutcome,
+    ReplayParts,
     ReplayTicket,
 )
-from kvstore.store import GlobalStore
 from replay.runner import ReplayJob, ReplayMode, ReplayResult, Runner
-
-if TYPE_CHECKING:
-    from kvstore.service.app import App
 
 log = logging.getLogger("kvstore.replay")
 
@@ -415,31 +412,39 @@ class ReplayCoordinator:
             r.close()
 
 
-def build_coordinator(app: App) -> ReplayCoordinator | None:
+@dataclass(frozen=True)
+class BuiltReplay:
+    coordinator: ReplayCoordinator
+    inprocess_models: frozenset[str]  # served models the in-process runner can replay
+
+
+def build_coordinator(parts: ReplayParts) -> BuiltReplay | None:
     """The coordinator the config asks for: attached runners always (an engine may dial in),
     then the in-process reference runner when `replay.runner = "reference"` and a served model is
     the reference model. None when replay is off."""
     from replay.inprocess import InProcessRunner, device_option, reference_configs
     from replay.registry_runner import AttachedRunners
 
-    cfg = app.config.replay
+    cfg = parts.config
     if cfg.mode == "off" or cfg.runner == "none":
         return None
-    runners: list[Runner] = [AttachedRunners(app.runners)]
+    runners: list[Runner] = [AttachedRunners(parts.runners)]
+    inprocess: frozenset[str] = frozenset()
     if cfg.runner == "reference" and cfg.device == "cuda":
         from kvstore.errors import ConfigError, KvstoreError
-        from replay.model import usable_device
+        from replay.reference.model import usable_device
 
         try:  # at start, not at the first replay
             usable_device("cuda")
         except KvstoreError as e:
             raise ConfigError("replay.device", str(e)) from None
     if cfg.runner == "reference":
-        configs = reference_configs(app.models.values(), app.config.store.chunk_tokens, cfg.reference_seed)
+        configs = reference_configs(parts.models.values(), parts.chunk_tokens, cfg.reference_seed)
         if configs:
             runners.append(InProcessRunner(configs, device_option(cfg.device), cfg.max_batch))
-            app.inprocess_replay_models = frozenset(configs)
+            inprocess = frozenset(configs)
         else:
             log.warning("replay.runner is 'reference' but no served model is the reference model; "
                         "expired local state is rebuilt only by attached runners")
-    return ReplayCoordinator(app.store, app.local_pool, runners, cfg, app.clock)
+    coordinator = ReplayCoordinator(parts.store, parts.local_pool, runners, cfg, parts.clock)
+    return BuiltReplay(coordinator, inprocess)

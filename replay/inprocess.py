@@ -28,11 +28,11 @@ import numpy as np
 
 from kvstore.errors import InvalidInput
 from kvstore.layout import ModelSpec
-from replay.model_config import ModelConfig
+from replay.reference.config import ModelConfig
 from replay.runner import BatchWorker, JobHandle, ReplayJob, ReplayResult, resolved
 
 if TYPE_CHECKING:
-    from replay.model import ReferenceModel
+    from replay.reference.model import ReferenceModel
 
 log = logging.getLogger("kvstore.replay")
 
@@ -87,7 +87,7 @@ class ReferenceReplayer:
         with self._lock:
             m = self._models.get(name)
             if m is None:
-                from replay.model import ReferenceModel  # torch loads here, not at import
+                from replay.reference.model import ReferenceModel  # torch loads here, not at import
 
                 m = ReferenceModel(cfg, self._device)
                 _warm_up(m)
@@ -101,7 +101,7 @@ class ReferenceReplayer:
         """Every job, the jobs of one model in one batched forward. A job the model refuses
         (InvalidInput) would fail its whole forward before it ran: then that model's jobs run one
         by one, so each gets its own answer."""
-        from replay.model import ReplayRequest  # torch loads with the models, not at import
+        from replay.reference.model import ReplayRequest  # torch loads with the models, not at import
 
         results: dict[int, ReplayResult] = {}
         by_model: dict[str, list[int]] = {}
@@ -190,13 +190,6 @@ class InProcessRunner:
     @property
     def max_batch(self) -> int:
         return self._worker.max_batch
-
-    @property
-    def batch_stats(self) -> tuple[int, int, int]:
-        """(batches run, jobs run, largest batch)."""
-        s = self._worker.stats
-        with s.lock:
-            return s.batches, s.jobs, s.largest_batch
 
     def serves(self, model: str, tenant: str) -> bool:
         return model in self.replayer.models()

@@ -1,12 +1,12 @@
 """The seam between the service and the replay coordinator.
 
-`Resume` asks a `ReplayCoordinator` to rebuild the local SWA state at a hit boundary when the
-global prefix hit but the local snapshot is gone. The coordinator (in `replay/`) decides whether
-and how to replay, pins the prefix, runs a runner, stores the rebuilt snapshot in the local pool
-and returns it. The service first takes a ticket with `admit` (synchronously, before its Resume
-answers anything), then runs `resume_local` with it beside the chunk stream, and `release`s the
-ticket on every path; with no coordinator (`None` in `App.coordinator`) an expired Resume says so
-and the engine recomputes.
+`Resume` asks a `ReplayPort` (implemented by `replay.coordinator.ReplayCoordinator`) to rebuild the
+local SWA state at a hit boundary when the global prefix hit but the local snapshot is gone. The
+coordinator (in `replay/`) decides whether and how to replay, pins the prefix, runs a runner, stores
+the rebuilt snapshot in the local pool and returns it. The service first takes a ticket with `admit`
+(synchronously, before its Resume answers anything), then runs `resume_local` with it beside the
+chunk stream, and `release`s the ticket on every path; with no coordinator (`None` in
+`App.coordinator`) an expired Resume says so and the engine recomputes.
 
 `admit` is where the per-tenant replay bound is enforced: it raises `ResourceExhausted`, which the
 servicer maps to RESOURCE_EXHAUSTED before any chunk is sent. A Resume that would join a replay
@@ -18,12 +18,18 @@ the servicer maps them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from kvstore.keys import Namespace
+from kvstore.config.replay import ReplayConfig
+from kvstore.keys.chunk_keys import Namespace
+from kvstore.layout import ModelSpec
+from kvstore.local_pool.base import LocalPool
+from kvstore.store import GlobalStore
+from replay.registry import RunnerRegistry
 
 # Status values the dashboard and the trailer understand; a coordinator may add its own.
 REPLAYED = "replayed"
@@ -49,7 +55,21 @@ class ReplayTicket:
     hit_tokens: int
 
 
-class ReplayCoordinator(Protocol):
+@dataclass(frozen=True)
+class ReplayParts:
+    """What a replay coordinator is built from: the composition root hands these over (never
+    itself), so that replay depends on the store's and the pool's contracts, not on the service."""
+
+    store: GlobalStore
+    local_pool: LocalPool | None
+    runners: RunnerRegistry  # runners attached over `Runners.Attach`
+    models: Mapping[str, ModelSpec]  # the served models
+    config: ReplayConfig
+    chunk_tokens: int
+    clock: Callable[[], float]
+
+
+class ReplayPort(Protocol):
     def admit(
         self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, boundary_key: bytes | None = None
     ) -> ReplayTicket:

@@ -16,13 +16,11 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvstore.errors import ResourceExhausted, Unavailable
+from replay.runner import ReplayJob
 
 
 @dataclass(frozen=True)
@@ -35,22 +33,6 @@ class RunnerInfo:
     max_batch: int
     name: str
     tenant: str | None  # None: attached with the admin token, serves every tenant
-
-
-@dataclass(frozen=True)
-class ReplayJob:
-    """One replay: run `tokens` at positions [position_start, position_end) over the global chunks."""
-
-    tenant: str
-    model: str
-    replay_mode: str
-    tokens: np.ndarray  # (position_end - position_start,) uint32
-    position_start: int
-    position_end: int
-    first_chunk: int
-    chunk_bytes: int
-    chunks: Sequence[bytes | memoryview]  # global chunk payloads first_chunk, first_chunk+1, ...
-    deadline_seconds: float
 
 
 @dataclass(frozen=True)
@@ -171,9 +153,6 @@ class RunnerRegistry:
     def runners(self) -> list[RunnerInfo]:
         with self._lock:
             return [link.info for link in self._links.values()]
-
-    def has_runner(self, model: str | None = None) -> bool:
-        return any(model is None or r.model == model for r in self.runners())
 
     def close(self) -> None:
         """Shutting down: detach every runner (their streams end) and refuse new attachments."""

@@ -2,8 +2,8 @@
 
 Runner processes dial in over `Runners.Attach` (`kvstore runner --connect`, or an engine's own
 GPU process) and the service's `RunnerRegistry` tracks them and queues jobs on the least-loaded
-one. This adapter translates the coordinator's `ReplayJob` into the registry's job, and the
-registry's `JobOutcome` back into a `ReplayResult`.
+one. This adapter hands the coordinator's `ReplayJob` to the registry and turns the registry's
+`JobOutcome` back into a `ReplayResult`.
 
 A failed outcome is `lost` (worth re-queueing elsewhere) when the runner that had the job is no
 longer attached: it died, its stream broke, or the service is shutting down. A runner that is
@@ -19,8 +19,7 @@ import threading
 from concurrent.futures import Future
 
 from kvstore.errors import Unavailable
-from kvstore.service.runners import JobFuture, JobOutcome, RunnerRegistry
-from kvstore.service.runners import ReplayJob as WireJob
+from replay.registry import JobFuture, JobOutcome, RunnerRegistry
 from replay.runner import JobHandle, ReplayJob, ReplayResult, resolved
 
 
@@ -38,13 +37,8 @@ class AttachedRunners:
         return any(r.model == model and (r.tenant is None or r.tenant == tenant) for r in self._registry.runners())
 
     def submit(self, job: ReplayJob) -> JobHandle:
-        wire = WireJob(
-            tenant=job.tenant, model=job.model, replay_mode=job.mode, tokens=job.tokens,
-            position_start=job.position_start, position_end=job.position_end, first_chunk=job.first_chunk,
-            chunk_bytes=job.chunk_bytes, chunks=job.chunks, deadline_seconds=job.deadline_seconds,
-        )
         try:
-            fut = self._registry.submit(wire)
+            fut = self._registry.submit(job)
         except Unavailable as e:  # the last runner left between serves() and here
             return resolved(ReplayResult.failed(str(e), self.name, lost=True))
         out: Future[ReplayResult] = Future()

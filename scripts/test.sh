@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Lint, type-check and run the whole test suite. The tests start every service they need
-# (Redis-protocol servers, the gRPC service, a browser where one is installed) themselves.
+# Lint, type-check, check the dependency rules (pyproject.toml [tool.importlinter]) and run the
+# whole test suite. The tests start every service they need (Redis-protocol servers, the gRPC
+# service, a browser where one is installed) themselves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check kvstore replay policies tests scripts
 .venv/bin/mypy
+.venv/bin/lint-imports --no-cache
 .venv/bin/python -m pytest -q "$@"

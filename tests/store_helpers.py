@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.config.store import StoreConfig
-from kvstore.keys import Namespace
+from kvstore.keys.chunk_keys import Namespace
 from kvstore.layout import ModelSpec, get_model
 from kvstore.store import GlobalStore, TenantQuota
 

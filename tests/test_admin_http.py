@@ -12,10 +12,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from kvstore.admin.http import AdminHttpServer, is_loopback
-from kvstore.admin.server import _tenant_of_token, redact_url
 from kvstore.config import parse_config
 from kvstore.errors import ConfigError
+from kvstore.observe.admin_http import AdminHttpServer, is_loopback
+from kvstore.service.admin_server import _tenant_of_token, redact_url
 from tests.test_admin_workload import CHUNK, Rig, small_config, workload
 
 ADMIN = "admin-secret-1234"
@@ -206,8 +206,8 @@ def test_redact_url() -> None:
 def test_policy_shows_tenant_ttl_overrides(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from kvstore.admin.server import policy_doc
     from kvstore.config import TenantConfig
+    from kvstore.service.admin_server import policy_doc
 
     cfg = small_config()
     slow = TenantConfig(tokens=("slow-token-1234",), local_ttl_seconds=900)

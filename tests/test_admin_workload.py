@@ -21,19 +21,19 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvstore.admin.api import InfoSources
-from kvstore.admin.http import AdminHttpServer
-from kvstore.admin.observer import Observability, case_of
-from kvstore.admin.server import build_observability, policy_doc, serve_admin
 from kvstore.config import KvstoreConfig, LocalPoolConfig, StoreConfig, TenantConfig, TtlPolicyConfig
 from kvstore.config.service import AdminConfig
-from kvstore.explain import LocalWriteTrace, lookup_trace
-from kvstore.keys import Namespace
+from kvstore.keys.chunk_keys import Namespace
 from kvstore.local_pool.base import LocalPool
 from kvstore.local_pool.embedded import EmbeddedPool
-from kvstore.request_bills import price_request
+from kvstore.observe.admin_api import InfoSources
+from kvstore.observe.admin_http import AdminHttpServer
+from kvstore.observe.call_observer import Observability, case_of
+from kvstore.observe.records import LocalWriteFacts, lookup_facts
+from kvstore.service.admin_server import build_observability, policy_doc, serve_admin
 from kvstore.service.app import build_ttl_policy, served_models, tenant_quotas
 from kvstore.store import GlobalStore
+from kvstore.wire.bills import price
 
 MODEL = "reference-toy-8"
 CHUNK = 16
@@ -73,7 +73,7 @@ class Call:
     local_state: str = ""
     bills: Any = None
     request_id: str = ""
-    trace: Any = None
+    facts: Any = None
 
 
 def small_config(**admin: Any) -> KvstoreConfig:
@@ -157,7 +157,7 @@ class Rig:
                               self.rng.bytes(layout.local_snapshot_bytes))
             if r.written:
                 self.obs(Call("StoreLocal", tenant, "OK", 0.001, model,
-                              trace=LocalWriteTrace(ns.digest, key, r.ttl_seconds)))
+                              facts=LocalWriteFacts(ns.digest, key, r.ttl_seconds)))
 
     def request(self, tenant: str, tokens: np.ndarray, model: str = MODEL, method: str = "Resume",
                 replay_seconds: float | None = None, replay_status: str | None = None) -> str:
@@ -182,7 +182,7 @@ class Rig:
                 local, reason = ("hit", "") if got.hit else ("expired", got.miss_reason or "")
         case = case_of(r.hit_tokens, local)  # type: ignore[arg-type]
         status, seconds, replay_tokens, final = "", 0.0, 0, local
-        moved = list(r.chunk_tiers) if method == "Resume" else None
+        moved = True  # a Lookup prices what a load would move; a Resume, what it moved: the same bytes
         if method == "Resume" and case == "expired":
             self.replays += 1
             if replay_status is None:
@@ -198,11 +198,11 @@ class Rig:
                 self.pool.put(ns.digest, keys[r.hit_chunks - 1], tenant, layout.layout_id, r.hit_tokens,
                               self.rng.bytes(snap))
         local_bytes = snap if final in ("hit", "replayed") else 0
-        bills = price_request(
+        bills = price(
             prompt_tokens=len(tokens), chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes,
-            hit_tiers=r.chunk_tiers, flops_per_token=self.store.model(model).prefill_flops_per_token,
-            replay_tokens=replay_tokens, local_bytes=local_bytes, moved_tiers=moved)
-        trace = lookup_trace(
+            chunk_tiers=r.chunk_tiers, flops_per_token=self.store.model(model).prefill_flops_per_token,
+            replay_tokens=replay_tokens, local_bytes=local_bytes, moved=moved)
+        trace = lookup_facts(
             namespace=ns.digest, full_chunks=r.full_chunks, hit_chunks=r.hit_chunks, chunk_tokens=r.chunk_tokens,
             miss_keys=keys[r.hit_chunks:], boundary_key=keys[r.hit_chunks - 1] if r.hit_chunks else b"",
             remainder_tokens=r.remainder_tokens, token_mismatches=r.token_mismatches,

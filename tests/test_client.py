@@ -15,14 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.cli import main
-from kvstore.client import (
+from kvstore.client.sync_client import (
     InvalidArgumentError,
     KvstoreClient,
     RetryPolicy,
     UnavailableError,
 )
 from kvstore.errors import InvalidInput
-from kvstore.service.framing import ChunkAssembler, plan_pieces
+from kvstore.wire.framing import ChunkAssembler, plan_pieces
 from tests.fixtures.service import CHUNK, TOY, Service, base_table, payloads, to_toml, tokens
 
 

@@ -8,8 +8,8 @@ import inspect
 
 import pytest
 
-from kvstore.client import InvalidArgumentError, KvstoreClient
-from kvstore.client_async import AsyncKvstoreClient
+from kvstore.client.async_client import AsyncKvstoreClient
+from kvstore.client.sync_client import InvalidArgumentError, KvstoreClient
 from tests.fixtures.service import CHUNK, TOY, Service, payloads, tokens
 
 

@@ -10,9 +10,9 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.client_wire import PieceView, decode_load_response, decode_resume_response
-from kvstore.service.wire import encode_chunk_piece
+from kvstore.client.chunk_views import PieceView, decode_load_response, decode_resume_response
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.messages import encode_chunk_piece
 
 tiers_st = st.lists(st.sampled_from([0, 1, 2, 3, 200, 70_000, -1]), max_size=20)
 piece_st = st.builds(

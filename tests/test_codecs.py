@@ -1,6 +1,6 @@
 """FP4 / FP8 codecs: bit-exact against ml_dtypes and torch's float8, plus round-trip properties.
 
-ml_dtypes and torch are independent references (DESIGN.md §2); where they disagree on special
+ml_dtypes and torch are independent references (docs/architecture.md §5.1); where they disagree on special
 values (overflow, NaN) the codec documents its choice and the tests pin it down.
 """
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from kvstore.admin.http import AdminHttpServer
-from kvstore.admin.server import _tenant_of_token
+from kvstore.observe.admin_http import AdminHttpServer
+from kvstore.service.admin_server import _tenant_of_token
 from tests.test_admin_workload import CHUNK, Rig, small_config, workload
 
 REPO = Path(__file__).resolve().parents[1]

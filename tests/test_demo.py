@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvstore.cli import main
-from kvstore.demo import embedded_service
+from kvstore.workload.demo import embedded_service
 
 SMALL = ["--prompt-tokens", "300", "--turn-tokens", "112", "--reply-tokens", "4", "--device", "cpu"]
 CASE_KEYS = {"ttft_ms", "prefill_tokens", "replay_tokens", "local_state", "top1_agreement"}

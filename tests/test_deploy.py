@@ -31,7 +31,7 @@ from tests.test_metrics_service import CHUNK, MODEL, config, start, store
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
-DASHBOARD_HTML = REPO / "kvstore" / "admin" / "static" / "dashboard.html"
+DASHBOARD_HTML = REPO / "kvstore" / "observe" / "static" / "dashboard.html"
 
 # --- a loader for the YAML subset the deploy files use -------------------------------------------------
 
@@ -192,7 +192,7 @@ def published(service: dict[str, Any]) -> dict[int, tuple[str, int]]:
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    doc: dict[str, Any] = load_yaml(DEPLOY / "docker-compose.yml")
+    doc: dict[str, Any] = load_yaml(REPO / "docker-compose.yml")
     return doc
 
 
@@ -205,7 +205,7 @@ def test_the_kvstore_command_is_a_real_cli_invocation_and_agrees_with_the_config
 
     assert args.command == "serve" and args._run is serve.run
     m = mounts(svc)
-    cfg_path = DEPLOY / m[args.config]
+    cfg_path = REPO / m[args.config]
     cfg = load_config(cfg_path)  # valid, with every key known
     assert f"{m[args.config]}:{args.config}:ro" in svc["volumes"]  # mounted read-only
     grpc = args.grpc_port if args.grpc_port is not None else cfg.service.grpc_port
@@ -240,7 +240,7 @@ def test_the_dockerfile_agrees(compose: dict[str, Any]) -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     cfg = load_config(DEPLOY / "kvstore.toml")
     build = compose["services"]["kvstore"]["build"]
-    assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == (DEPLOY / "Dockerfile").resolve()
+    assert (REPO / build["context"] / build["dockerfile"]).resolve() == (DEPLOY / "Dockerfile").resolve()
     expose = {int(p) for line in text.splitlines() if line.startswith("EXPOSE") for p in line.split()[1:]}
     assert expose == {cfg.service.grpc_port, cfg.admin.port}
     assert f"127.0.0.1:{cfg.admin.port}/healthz" in text
@@ -263,10 +263,10 @@ def test_prometheus_scrapes_the_admin_port_and_its_config_is_valid(compose: dict
     flags = dict(a.split("=", 1) for a in svc["command"])
     m = mounts(svc)
     cfg_in = flags["--config.file"]
-    assert m[cfg_in] == "./prometheus.yml"
+    assert m[cfg_in] == "./deploy/prometheus.yml"
     for rules in prom["rule_files"]:
         assert (DEPLOY / rules).exists()
-        assert m[str(Path(cfg_in).parent / rules)] == f"./{rules}"
+        assert m[str(Path(cfg_in).parent / rules)] == f"./deploy/{rules}"
     promtool = shutil.which("promtool")
     if promtool is not None:
         r = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus.yml")], capture_output=True,
@@ -292,8 +292,8 @@ def test_grafana_is_provisioned_against_the_compose_prometheus(compose: dict[str
     assert ds[0]["url"] == f"http://prometheus:{prom_port}"
     prov = load_yaml(DEPLOY / "grafana" / "provisioning" / "dashboards" / "kvstore.yml")["providers"][0]
     m = mounts(compose["services"]["grafana"])
-    assert m[prov["options"]["path"]] == "./grafana/dashboards"
-    assert m["/etc/grafana/provisioning"] == "./grafana/provisioning"
+    assert m[prov["options"]["path"]] == "./deploy/grafana/dashboards"
+    assert m["/etc/grafana/provisioning"] == "./deploy/grafana/provisioning"
     ids = [p["id"] for p in grafana["panels"]]
     assert len(ids) == len(set(ids))
     for p in grafana["panels"]:

@@ -12,19 +12,16 @@ import numpy as np
 import pytest
 
 from kvstore.cli import main
-from kvstore.explain import (
+from kvstore.keys.chunk_keys import Namespace, chain_keys, chunk_token_bytes
+from kvstore.observe.explainer import (
     MAX_RUNS,
-    REQUEST_ID_RE,
     Explainer,
     Explanation,
-    LookupTrace,
-    lookup_trace,
-    new_request_id,
     render_text,
-    request_id_from,
 )
-from kvstore.keys import Namespace, chain_keys, chunk_token_bytes
-from kvstore.request_bills import ReplayResult, RequestRecord, price_request
+from kvstore.observe.records import LookupFacts, ReplaySummary, RequestRecord, lookup_facts
+from kvstore.wire.bills import price
+from kvstore.wire.request_ids import REQUEST_ID_RE, new_request_id, request_id_from
 from tests.test_admin_workload import CHUNK, FakeClock, Rig
 
 LAYOUT_ID = b"\x01" * 8
@@ -51,13 +48,13 @@ def ex(clock: FakeClock) -> Explainer:
 
 
 def explain(ex: Explainer, tenant: str, keys: list[bytes], hit: int, *, local: str = "absent",
-            case: str = "cold", pool_reason: str = "", replay: ReplayResult | None = None,
+            case: str = "cold", pool_reason: str = "", replay: ReplaySummary | None = None,
             status: str = "", rid: str = "r1", mismatch: int = 0, present: set[bytes] | None = None,
             remainder: int = 0) -> Explanation:
-    bills = price_request(prompt_tokens=len(keys) * CHUNK + remainder, chunk_tokens=CHUNK, chunk_bytes=100,
-                          hit_tiers=["dram"] * hit, flops_per_token=1.0, replay_tokens=replay.tokens if replay else 0)
+    bills = price(prompt_tokens=len(keys) * CHUNK + remainder, chunk_tokens=CHUNK, chunk_bytes=100,
+                  chunk_tiers=["dram"] * hit, flops_per_token=1.0, replay_tokens=replay.tokens if replay else 0)
     rec = RequestRecord(rid, "resume", tenant, "reference-toy-8", case, local, bills, replay)  # type: ignore[arg-type]
-    trace = lookup_trace(namespace=ns(tenant).digest, full_chunks=len(keys), hit_chunks=hit, chunk_tokens=CHUNK,
+    trace = lookup_facts(namespace=ns(tenant).digest, full_chunks=len(keys), hit_chunks=hit, chunk_tokens=CHUNK,
                          miss_keys=keys[hit:], boundary_key=keys[hit - 1] if hit else b"",
                          remainder_tokens=remainder, token_mismatches=mismatch, pool_miss_reason=pool_reason,
                          window_tokens=128, replay_mode="bounded")
@@ -151,7 +148,7 @@ def test_local_state_expired_by_ttl_and_the_replay_that_rebuilt_it(ex: Explainer
     keys = keys_for("acme", 4)
     ex.local_stored(ns("acme").digest, keys[3], 120.0)
     clock.advance(200)
-    e = explain(ex, "acme", keys, 4, local="replayed", case="expired", replay=ReplayResult(0.042, 64),
+    e = explain(ex, "acme", keys, 4, local="replayed", case="expired", replay=ReplaySummary(0.042, 64),
                 status="replayed")
     assert e.local_reason == "ttl_expired"
     assert e.local_detail == "stored 200 s ago, with a TTL of 120 s: it expired 80 s ago"
@@ -170,7 +167,7 @@ def test_local_state_pushed_out_early_never_stored_pool_down_and_no_pool(ex: Exp
         "treated as a local miss")
     assert ex.explain_local(d, keys[1], "timeout")[0] == "timeout"
     assert ex.explain_local(d, keys[1], "no_pool")[0] == "no_pool"
-    e = explain(ex, "acme", keys, 2, local="expired", case="expired", replay=ReplayResult(1.0, 0, "timeout"),
+    e = explain(ex, "acme", keys, 2, local="expired", case="expired", replay=ReplaySummary(1.0, 0, "timeout"),
                 status="timeout", pool_reason="timeout")
     assert "the replay did not rebuild it (timeout): the engine recomputes" in e.replay
 
@@ -320,19 +317,19 @@ def test_the_cli_sends_the_admin_token(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_a_trace_without_a_miss_explains_nothing_missing(ex: Explainer) -> None:
-    t = LookupTrace(namespace=ns("acme").digest, chunk_tokens=CHUNK, full_chunks=2, hit_chunks=2)
-    bills = price_request(prompt_tokens=32, chunk_tokens=CHUNK, chunk_bytes=1, hit_tiers=["device"] * 2,
-                          flops_per_token=1)
+    t = LookupFacts(namespace=ns("acme").digest, chunk_tokens=CHUNK, full_chunks=2, hit_chunks=2)
+    bills = price(prompt_tokens=32, chunk_tokens=CHUNK, chunk_bytes=1, chunk_tiers=["device"] * 2,
+                  flops_per_token=1)
     e = ex.explain_request(RequestRecord("w", "lookup", "acme", "m", "warm", "hit", bills), t)
     assert e.chunks == () and e.summary.startswith("warm: 32 of 32 tokens hit")
 
 
 def test_through_the_real_service(tmp_path: Path) -> None:
     """Cold, warm and expired Resumes through gRPC, each explained by its request id, with the
-    replay timed. Needs the servicer to pass `request_id` and `trace` in its call records."""
-    from kvstore.service.app import CallRecord
+    replay timed. Needs the servicer to pass `request_id` and `facts` in its call records."""
+    from kvstore.observe.records import CallRecord
 
-    assert "trace" in CallRecord.__dataclass_fields__  # the servicer passes request ids and traces
+    assert "facts" in CallRecord.__dataclass_fields__  # the servicer passes request ids and lookup facts
     import urllib.request
 
     from tests.test_metrics_service import MODEL, config, start, store

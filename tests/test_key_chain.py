@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore import key_chain
-from kvstore.keys import chain_keys, split_chunks
+from kvstore.keys import chain as key_chain
+from kvstore.keys.chunk_keys import chain_keys, split_chunks
 
 STEP = 512  # 128 tokens
 
@@ -53,7 +53,7 @@ def test_openssl_is_in_use_wherever_a_shared_libcrypto_is_loaded() -> None:
 
 
 def test_a_disabled_jit_hashes_through_hashlib_with_the_same_keys() -> None:
-    probe = ("from kvstore import key_chain; import hashlib; raw = bytes(range(256)) * 40; "
+    probe = ("from kvstore.keys import chain as key_chain; import hashlib; raw = bytes(range(256)) * 40; "
              "print(key_chain.load_kernel(), key_chain.chain_from(bytes(32), raw, 512)[-1].hex())")
     out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "NUMBA_DISABLE_JIT": "1"},
                          capture_output=True, text=True, check=True, timeout=60)
@@ -63,7 +63,7 @@ def test_a_disabled_jit_hashes_through_hashlib_with_the_same_keys() -> None:
 
 
 def test_a_loop_that_disagrees_with_hashlib_on_the_probe_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvstore.key_chain_loop as loop
+    import kvstore.keys.chain_loop as loop
 
     def wrong(cache: bool) -> Any:  # fault: a loop whose keys are not SHA-256's
         def kernel(raw: Any, step: int, n: int, out: Any) -> int:

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.key_memo import KeyMemo, footprint_bytes
-from kvstore.keys import chain_keys, chunk_token_bytes, full_chunk_bytes
+from kvstore.keys.chunk_keys import chain_keys, chunk_token_bytes, full_chunk_bytes
+from kvstore.keys.memo import KeyMemo, footprint_bytes
 from kvstore.store import GlobalStore
 from tests.store_helpers import CHUNK, open_store, store_prefix, tokens_for
 

@@ -8,39 +8,49 @@ import math
 import pytest
 
 from kvstore.layout import get_model
-from kvstore.ledger import LatencyHistogram, Ledger, Occupancy, occupancy_from_stats
-from kvstore.request_bills import OTHER_TENANT, Bills, ReplayResult, RequestRecord, price_request
+from kvstore.observe.ledger import LatencyHistogram, Ledger, Occupancy, occupancy_from_stats
+from kvstore.observe.records import OTHER_TENANT, ReplaySummary, RequestRecord
+from kvstore.wire.bills import Bills, from_pb, price, to_pb
 from tests.test_admin_workload import FakeClock
 
 FLOPS = get_model("deepseek-v4.1-flash").prefill_flops_per_token
 CHUNK_BYTES = 128 * 890
 
 
-def bills(hit: list[str], prompt: int = 1000, replay: int = 0, moved: list[str] | None = None) -> Bills:
-    return price_request(prompt_tokens=prompt, chunk_tokens=128, chunk_bytes=CHUNK_BYTES, hit_tiers=hit,
-                         flops_per_token=FLOPS, replay_tokens=replay, local_bytes=1_351_680 if hit else 0,
-                         moved_tiers=moved)
+def bills(hit: list[str], prompt: int = 1000, replay: int = 0, moved: bool = True) -> Bills:
+    return price(prompt_tokens=prompt, chunk_tokens=128, chunk_bytes=CHUNK_BYTES, chunk_tiers=hit,
+                 flops_per_token=FLOPS, replay_tokens=replay, local_bytes=1_351_680 if hit else 0, moved=moved)
 
 
-def rec(tenant: str, case: str, b: Bills, method: str = "resume", replay: ReplayResult | None = None,
+def rec(tenant: str, case: str, b: Bills, method: str = "resume", replay: ReplaySummary | None = None,
         rid: str = "r") -> RequestRecord:
     local = {"cold": "absent", "warm": "hit", "expired": "replayed" if replay else "expired"}[case]
     return RequestRecord(rid, method, tenant, "deepseek-v4.1-flash", case, local, b, replay)  # type: ignore[arg-type]
 
 
-def test_price_request_mirrors_the_proto_bills() -> None:
-    b = bills(["device", "dram", "dram", "lmdb"], prompt=600, replay=128, moved=["device", "dram"])
+def test_price_counts_each_tier_and_travels_through_the_proto_unchanged() -> None:
+    b = bills(["device", "dram", "dram", "lmdb"], prompt=600, replay=128)
     assert b.prefill_tokens_avoided == 512 and b.prefill_tokens == 88
     assert b.prefill_flops_avoided == 512 * FLOPS == 512 * 16e9
     assert b.replay_flops == 128 * FLOPS
-    assert [t.tier for t in b.tiers] == ["device", "dram", "lmdb"]
-    assert (b.tier("dram").hit_tokens, b.tier("dram").hit_chunks) == (256, 2)
-    # `moved` prices what actually moved (a Resume streamed the first two chunks only).
-    assert (b.tier("device").bytes, b.tier("dram").bytes, b.tier("lmdb").bytes) == (CHUNK_BYTES, CHUNK_BYTES, 0)
-    assert bills(["lmdb"]).tier("lmdb").bytes == CHUNK_BYTES  # a Lookup: what a load would move
-    assert b.with_replay(0, FLOPS).replay_flops == 0
-    with pytest.raises(AssertionError):
-        price_request(prompt_tokens=10, chunk_tokens=128, chunk_bytes=1, hit_tiers=["dram"], flops_per_token=1)
+    assert list(b.tiers) == ["device", "dram", "lmdb"]
+    assert (b.tiers["dram"].hit_tokens, b.tiers["dram"].hit_chunks) == (256, 2)
+    assert [t.bytes for t in b.tiers.values()] == [CHUNK_BYTES, 2 * CHUNK_BYTES, CHUNK_BYTES]
+    assert b.bytes_moved == 4 * CHUNK_BYTES + 1_351_680
+    # The engine kept the chunks (a Resume with skip_chunks): hits counted, nothing moved.
+    kept = bills(["dram", "dram"], moved=False)
+    assert kept.tiers["dram"].hit_chunks == 2 and all(t.bytes == 0 for t in kept.tiers.values())
+    # One tier holding every chunk takes a short path; it prices as the general one does.
+    one = bills(["lmdb"] * 3)
+    assert {n: (t.hit_chunks, t.bytes) for n, t in one.tiers.items()} == {
+        "device": (0, 0), "dram": (0, 0), "lmdb": (3, 3 * CHUNK_BYTES)}
+    # The wire carries everything but the replay FLOPs, which the reader prices again.
+    assert from_pb(to_pb(b), FLOPS) == b
+    assert from_pb(to_pb(b)).replay_flops == 0
+    with pytest.raises(ValueError, match="longer than"):
+        price(prompt_tokens=10, chunk_tokens=128, chunk_bytes=1, chunk_tiers=["dram"], flops_per_token=1)
+    with pytest.raises(ValueError, match="unknown tiers"):
+        price(prompt_tokens=1000, chunk_tokens=128, chunk_bytes=1, chunk_tiers=["dram", "tape"], flops_per_token=1)
 
 
 def test_sums_per_tenant_and_in_total() -> None:
@@ -49,7 +59,7 @@ def test_sums_per_tenant_and_in_total() -> None:
     led.record(rec("acme", "cold", bills([], prompt=1000), method="lookup"))
     led.record(rec("acme", "warm", bills(["device"] * 4, prompt=1000)))
     led.record(rec("globex", "expired", bills(["lmdb"] * 2, prompt=300, replay=128),
-                   replay=ReplayResult(0.05, 128)))
+                   replay=ReplaySummary(0.05, 128)))
     t = led.totals()
     assert t["requests"] == 3 and t["cases"] == {"cold": 1, "warm": 1, "expired": 1}
     assert t["prefill_tokens_avoided"] == 768 and t["prefill_flops_avoided"] == 768 * FLOPS
@@ -95,7 +105,7 @@ def test_timeseries_points_steps_and_merging() -> None:
     led = Ledger(clock=clock, wall_clock=clock.wall, step_seconds=10, window_seconds=600)
     for i in range(30):  # one request every 10 s for 300 s, replay latency growing
         led.record(rec("acme", "expired", bills(["dram"], prompt=200, replay=64),
-                       replay=ReplayResult(0.01 * (i + 1), 64)))
+                       replay=ReplaySummary(0.01 * (i + 1), 64)))
         clock.advance(10)
     ts = led.timeseries(300)
     assert ts["step_seconds"] == 10 and len(ts["points"]) == 30

@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.bench.payloads import realistic_chunk
 from kvstore.errors import InvalidInput, StorageError
 from kvstore.layout import DEEPSEEK_V41_FLASH, DENSE_GQA_32L
 from kvstore.tiers import value_format as vf
 from kvstore.tiers.base import ChunkMeta
 from kvstore.tiers.compression import AUTO_SAMPLES, CODEC_NONE, CODEC_SPLIT, CODEC_ZSTD, Codec, Mode
 from kvstore.tiers.lmdb_tier import LmdbTier
+from kvstore.workload.payloads import realistic_chunk
 from tests.helpers.tier_data import LAYOUT, NAMESPACE, check_chunk, key_of, meta_of, open_tier, payload_of
 
 REPO = Path(__file__).resolve().parent.parent

@@ -13,10 +13,10 @@ import pytest
 
 from kvstore.config import load_config
 from kvstore.config.local_pool import LocalPoolConfig
+from kvstore.config.policies import build_ttl
 from kvstore.local_pool import LocalPool, build_local_pool
 from kvstore.local_pool.redis_process import RedisProcess
 from kvstore.local_pool.reload import ConfigReloader
-from policies.factory import build_ttl
 from tests.fixtures.redis_server import scan_pttls
 
 LAYOUT = b"layout01"

@@ -17,8 +17,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.metrics import Metrics, PolicyInfo, Sources
-from kvstore.request_bills import ReplayResult, RequestRecord, price_request
+from kvstore.observe.metrics import Metrics, PolicyInfo, Sources
+from kvstore.observe.records import ReplaySummary, RequestRecord
+from kvstore.wire.bills import price
 from tests.test_admin_workload import CHUNK, Rig, workload
 
 # --- exposition checks, shared with test_deploy and test_metrics_service ------------------------------
@@ -97,13 +98,12 @@ def value(reg: CollectorRegistry, name: str, **labels: str) -> float:
 
 
 def record(method: str, case: str, local: str, hit_tiers: Iterable[str], prompt: int = 100, *,
-           tenant: str = "default", replay: ReplayResult | None = None, miss: str = "",
+           tenant: str = "default", replay: ReplaySummary | None = None, miss: str = "",
            local_reason: str = "", rid: str = "r") -> RequestRecord:
     tiers = list(hit_tiers)
-    bills = price_request(prompt_tokens=prompt, chunk_tokens=CHUNK, chunk_bytes=1000, hit_tiers=tiers,
-                          flops_per_token=2e9, replay_tokens=replay.tokens if replay else 0,
-                          local_bytes=500 if local in ("hit", "replayed") else 0,
-                          moved_tiers=tiers if method == "resume" else None)
+    bills = price(prompt_tokens=prompt, chunk_tokens=CHUNK, chunk_bytes=1000, chunk_tiers=tiers,
+                  flops_per_token=2e9, replay_tokens=replay.tokens if replay else 0,
+                  local_bytes=500 if local in ("hit", "replayed") else 0)
     return RequestRecord(rid, method, tenant, "m", case, local, bills, replay, miss, local_reason)  # type: ignore[arg-type]
 
 
@@ -148,9 +148,9 @@ def test_warm_resume(reg: CollectorRegistry) -> None:
 
 def test_expired_resume_with_a_replay_and_one_that_fails(reg: CollectorRegistry) -> None:
     m = Metrics(reg)
-    m.request(record("resume", "expired", "replayed", ["lmdb"] * 3, replay=ReplayResult(0.04, 48),
+    m.request(record("resume", "expired", "replayed", ["lmdb"] * 3, replay=ReplaySummary(0.04, 48),
                      local_reason="ttl_expired"))
-    m.request(record("resume", "expired", "expired", ["lmdb"] * 3, replay=ReplayResult(2.0, 0, "timeout"),
+    m.request(record("resume", "expired", "expired", ["lmdb"] * 3, replay=ReplaySummary(2.0, 0, "timeout"),
                      local_reason="breaker-open"))
     assert value(reg, "kvstore_requests_total", method="resume", case="expired") == 2
     assert value(reg, "kvstore_replays_total", result="ok") == 1
@@ -166,7 +166,7 @@ def test_expired_resume_with_a_replay_and_one_that_fails(reg: CollectorRegistry)
 
 
 def test_replay_failure_reasons_come_from_a_fixed_set() -> None:
-    from kvstore.metrics import replay_failure
+    from kvstore.observe.metrics import replay_failure
 
     assert replay_failure("timeout") == "timeout" and replay_failure("no-runner") == "no-runner"
     assert replay_failure("resource_exhausted: 4 replays in flight for tenant acme") == "overload"
@@ -175,7 +175,7 @@ def test_replay_failure_reasons_come_from_a_fixed_set() -> None:
 
 
 def test_a_prefix_gone_under_the_replay_has_its_own_label(reg: CollectorRegistry) -> None:
-    from kvstore.metrics import replay_failure
+    from kvstore.observe.metrics import replay_failure
     from replay.coordinator import PREFIX_GONE
 
     assert replay_failure(PREFIX_GONE) == "prefix-gone"
@@ -187,7 +187,7 @@ def test_a_prefix_gone_under_the_replay_has_its_own_label(reg: CollectorRegistry
 
 def test_an_untimed_replay_counts_without_a_latency_sample(reg: CollectorRegistry) -> None:
     m = Metrics(reg)
-    m.request(record("resume", "expired", "replayed", ["dram"], replay=ReplayResult(None, 16)))
+    m.request(record("resume", "expired", "replayed", ["dram"], replay=ReplaySummary(None, 16)))
     assert value(reg, "kvstore_replays_total", result="ok") == 1
     assert value(reg, "kvstore_replay_seconds_count") == 0
 
@@ -270,7 +270,7 @@ def test_label_cardinality_is_bounded_under_random_tenants_and_sessions(per_tena
             hit = ["device", "dram", "lmdb"][: int(rng.integers(0, 4))]
             case = "cold" if not hit else str(rng.choice(["warm", "expired"]))
             failure = [None, "timeout", f"x{session}"][int(rng.integers(0, 3))]
-            replay = ReplayResult(float(rng.random()), 16, failure)
+            replay = ReplaySummary(float(rng.random()), 16, failure)
             m.request(record(str(rng.choice(["lookup", "resume"])), case, "hit" if case == "warm" else "expired",
                              hit, tenant=tenant, replay=replay if case == "expired" else None,
                              miss=str(rng.choice(["never_stored", "evicted", f"m{session}"])),

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.client import KvstoreClient
+from kvstore.client.sync_client import KvstoreClient
 from kvstore.config import KvstoreConfig, LocalPoolConfig, StoreConfig
-from kvstore.keys import Namespace
+from kvstore.keys.chunk_keys import Namespace
 from kvstore.service.app import App, build_app
-from kvstore.service.replay_port import ReplayOutcome, ReplayTicket
 from kvstore.service.server import KvstoreServer
 from kvstore.tiers.factory import LMDB_SUBDIR
+from replay.port import ReplayOutcome, ReplayParts, ReplayTicket
 from tests.test_admin_workload import FakeClock
 from tests.test_metrics import assert_valid_exposition
 
@@ -43,8 +43,8 @@ class StandInCoordinator:
     """Rebuilds local state instantly with a snapshot of the right size (the real coordinator is
     in `replay/`; here only how its outcome is observed matters)."""
 
-    def __init__(self, app: App) -> None:
-        self.app = app
+    def __init__(self, parts: ReplayParts) -> None:
+        self.parts = parts
 
     def admit(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int,
               boundary_key: bytes | None = None) -> ReplayTicket:
@@ -52,7 +52,7 @@ class StandInCoordinator:
 
     def resume_local(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int,
                      deadline_seconds: float, ticket: ReplayTicket) -> ReplayOutcome:
-        layout = self.app.store.layout(ns)
+        layout = self.parts.store.layout(ns)
         n = min(layout.local.window_tokens, hit_tokens)
         return ReplayOutcome(bytes(layout.local_snapshot_bytes), n, "replayed")
 

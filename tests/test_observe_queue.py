@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.service.observe_queue import ObserverQueue
+from kvstore.observe.queue import ObserverQueue
 from tests.fixtures.service import Service, make_config, start_service
 from tests.store_helpers import tokens_for
 
@@ -98,7 +98,7 @@ def test_a_slow_observer_does_not_hold_up_the_call(tmp_path: Path) -> None:
 
 
 def test_closing_while_the_first_call_starts_the_thread_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvstore.service.observe_queue as oq
+    import kvstore.observe.queue as oq
 
     starting = threading.Event()
 

@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvstore.config.policies import EVICTION_POLICIES, build_admission, build_eviction
 from kvstore.errors import ConfigError
 from policies.admission import AlwaysAdmit, SecondSightingAdmit
 from policies.base import EvictionPolicy
 from policies.cost_aware import CostAwarePolicy
-from policies.factory import EVICTION_POLICIES, build_admission, build_eviction
 from policies.lru import LruPolicy
 from policies.s3fifo import S3FifoPolicy
 

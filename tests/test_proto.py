@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.service.wire import (
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.messages import (
     TIER_TO_PB,
     chunk_piece_frame,
     chunk_piece_head,
@@ -25,7 +26,6 @@ from kvstore.service.wire import (
     encode_lookup_response,
     tiers_from_pb,
 )
-from kvstore.v1 import kvstore_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = ("kvstore_pb2.py", "kvstore_pb2.pyi", "kvstore_pb2_grpc.py")

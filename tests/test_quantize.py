@@ -12,7 +12,7 @@ import torch
 from kvstore.config import parse_config
 from kvstore.config.store import StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.keys import Namespace
+from kvstore.keys.chunk_keys import Namespace
 from kvstore.layout import (
     DENSE_GQA_32L,
     REFERENCE_TOY8,
@@ -22,12 +22,12 @@ from kvstore.layout import (
     RecordSegment,
     get_model,
 )
-from kvstore.quantize import QuantizeMode, plan_for
 from kvstore.store import GlobalStore
 from kvstore.tiers.base import ChunkMeta, TierName
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.factory import quantize_tiers
 from kvstore.tiers.lmdb_tier import LmdbTier
+from kvstore.tiers.quantize import QuantizeMode, plan_for
 from kvstore.tiers.quantizing import QuantizingDurableTier, QuantizingTier
 from tests.store_helpers import CHUNK, payload_for, small_config, tokens_for
 
@@ -48,7 +48,7 @@ def bf16_values(b: bytes) -> np.ndarray:
 
 
 def assert_within_bound(sent: bytes, got: bytes, mode: str) -> None:
-    """The documented bounds (kvstore/quantize.py), per value, with amax over its group."""
+    """The documented bounds (kvstore/tiers/quantize.py), per value, with amax over its group."""
     x = bf16_values(sent).reshape(-1, GROUP[mode])
     y = bf16_values(got).reshape(-1, GROUP[mode])
     amax = np.abs(x).max(axis=1, keepdims=True)

@@ -16,9 +16,9 @@ import torch
 from kvstore import codecs
 from kvstore.errors import InvalidInput
 from kvstore.layout import REFERENCE_TOY8, get_model
-from replay.model import ModelState, ReferenceModel, ReplayMode, ReplayRequest
-from replay.model_cache import decode_snapshot
-from replay.model_config import ModelConfig
+from replay.reference.cache import decode_snapshot
+from replay.reference.config import ModelConfig
+from replay.reference.model import ModelState, ReferenceModel, ReplayMode, ReplayRequest
 
 SMALL = ModelConfig(window=16, chunk_tokens=32)
 

@@ -16,14 +16,14 @@ import pytest
 from kvstore.config.replay import ReplayConfig
 from kvstore.config.store import StoreConfig
 from kvstore.errors import ResourceExhausted
-from kvstore.keys import Namespace
+from kvstore.keys.chunk_keys import Namespace
 from kvstore.local_pool.embedded import EmbeddedPool
-from kvstore.service.replay_port import DISABLED, FAILED, NO_RUNNER, REPLAYED, TIMEOUT, ReplayOutcome
 from kvstore.store import GlobalStore
 from policies.ttl import FixedTtl
 from replay.coordinator import PREFIX_GONE, ReplayCoordinator, plan_replay
 from replay.inprocess import InProcessRunner, ReferenceReplayer, reference_config_for
-from replay.model import ModelConfig, ReferenceModel
+from replay.port import DISABLED, FAILED, NO_RUNNER, REPLAYED, TIMEOUT, ReplayOutcome
+from replay.reference.model import ModelConfig, ReferenceModel
 from replay.runner import BatchWorker, JobHandle, ReplayJob, ReplayResult, Runner, resolved
 
 W = 16

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvstore.cli import main
-from replay.quality import QualityConfig, run_quality
+from replay.reference.quality import QualityConfig, run_quality
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.client import KvstoreClient, ResourceExhaustedError
+from kvstore.client.sync_client import KvstoreClient, ResourceExhaustedError
 from kvstore.config import KvstoreConfig
-from kvstore.demo import Engine, OffsetClock
 from kvstore.layout import register_model
 from kvstore.service.app import App
+from kvstore.workload.demo import Engine, OffsetClock
 from replay.coordinator import ReplayCoordinator
+from replay.port import ReplayParts
 from replay.runner import Runner
 from tests.fixtures.service import Service, make_config, start_service
 from tests.test_replay_coordinator import MODEL, NAME, ROW, SPEC, GatedRunner, W, tokens, wait_for
@@ -72,13 +73,13 @@ def config(**sections: dict[str, Any]) -> KvstoreConfig:
 def make_rig(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
     rigs: list[Rig] = []
 
-    def make(cfg: KvstoreConfig | None = None, runner_factory: Callable[[App], Runner] | None = None) -> Rig:
+    def make(cfg: KvstoreConfig | None = None, runner_factory: Callable[[ReplayParts], Runner] | None = None) -> Rig:
         cfg = cfg or config()
         clock = OffsetClock()  # the pool expires snapshots on it
         kw: dict[str, Any] = {"clock": clock}
         if runner_factory is not None:
-            kw["coordinator_factory"] = lambda app: ReplayCoordinator(
-                app.store, app.local_pool, [runner_factory(app)], app.config.replay, app.clock)
+            kw["coordinator_factory"] = lambda parts: ReplayCoordinator(
+                parts.store, parts.local_pool, [runner_factory(parts)], parts.config, parts.clock)
         svc = start_service(cfg, tmp_path / f"data{len(rigs)}", **kw)
         rig = Rig(svc, clock, svc.client(timeout_seconds=60.0))
         rigs.append(rig)
@@ -89,10 +90,10 @@ def make_rig(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
         r.svc.stop(0.5)
 
 
-def gated_factory(made: list[GatedRunner]) -> Callable[[App], GatedRunner]:
+def gated_factory(made: list[GatedRunner]) -> Callable[[ReplayParts], GatedRunner]:
     """Runners with a gate in front of the model (a stalled device), kept in `made`."""
 
-    def make(app: App) -> GatedRunner:
+    def make(parts: ReplayParts) -> GatedRunner:
         made.append(GatedRunner())
         return made[-1]
 
@@ -249,7 +250,7 @@ STALLING_RUNNER = """
 import sys, threading, time
 from dataclasses import replace
 from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
-from replay.model_config import ModelConfig
+from replay.reference.config import ModelConfig
 lay = replace(ModelConfig(), window=16, chunk_tokens=16).layout()
 def stall(jobs):
     print("job received", flush=True)
@@ -367,7 +368,7 @@ def test_a_runner_the_service_refuses_exits_with_an_error(make_rig: Callable[...
 def test_runners_health_says_serving_only_when_a_served_model_has_a_runner(tmp_path: Path) -> None:
     from kvstore.service.app import build_app
     from kvstore.service.health import HealthReporter
-    from kvstore.service.runners import RunnerInfo
+    from replay.registry import RunnerInfo
     from tests.fixtures.service import DENSE
 
     # replay.runner = "reference", but the reference model is not served: no runner can replay.

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvstore.client import InvalidArgumentError, ResourceExhaustedError
+from kvstore.client.sync_client import InvalidArgumentError, ResourceExhaustedError
 from kvstore.errors import ResourceExhausted, Unavailable
-from kvstore.keys import Namespace
-from kvstore.service.replay_port import ReplayOutcome, ReplayTicket
+from kvstore.keys.chunk_keys import Namespace
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from replay.port import ReplayOutcome, ReplayTicket
 from tests.fixtures.service import CHUNK, DENSE, TOY, V41, Service, make_config, payloads, tokens
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.config import KvstoreConfig, LocalPoolConfig, TtlPolicyConfig
 from kvstore.layout import get_model
-from kvstore.service.returns import ReturnTracker
+from kvstore.observe.returns import ReturnTracker
 from policies.ttl import AdaptiveTtl
 from tests.test_admin_workload import FakeClock
 from tests.test_metrics_service import MODEL, config, prompt, start, store

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from kvstore.errors import Unavailable
-from kvstore.service.framing import BlobAssembler, ChunkAssembler
-from kvstore.service.runners import JobOutcome, ReplayJob
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire.framing import BlobAssembler, ChunkAssembler
+from replay.registry import JobOutcome
+from replay.runner import ReplayJob
 from tests.fixtures.service import CHUNK, TOY, V41, Service, make_config, payloads, tokens
 
 ALICE, BOB, ADMIN = "alice-token-0123456789", "bob-token-0123456789", "admin-token-0123456789"
@@ -102,7 +103,8 @@ def _job(svc: Service, tenant: str = "default", n: int = 3, model: str = TOY) ->
     cb = svc.chunk_bytes(model)
     chunks = payloads(60, n, cb)
     toks = tokens(60, 2 * CHUNK)
-    return ReplayJob(tenant, model, "bounded", toks, n * CHUNK - len(toks), n * CHUNK, 0, cb, chunks, 5.0), chunks
+    job = ReplayJob(tenant, model, "bounded", toks, n * CHUNK - len(toks), n * CHUNK, 0, cb, tuple(chunks), 5.0)
+    return job, chunks
 
 
 def _echo_digest(job: pb.ReplayJob, chunks: list[bytes]) -> bytes:

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore.client import KvstoreClient, RpcFailure, UnauthenticatedError, UnavailableError
+from kvstore.client.sync_client import KvstoreClient, RpcFailure, UnauthenticatedError, UnavailableError
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, TOY, Service, base_table, payloads, spawn_service, to_toml, tokens
@@ -75,7 +75,7 @@ def test_shutdown_goes_not_serving_refuses_new_calls_and_lets_calls_in_flight_fi
 
 
 def _no_retry() -> object:
-    from kvstore.client import RetryPolicy
+    from kvstore.client.sync_client import RetryPolicy
 
     return RetryPolicy(attempts=1)
 

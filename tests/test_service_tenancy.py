@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore.client import KvstoreClient, UnauthenticatedError, UnavailableError
+from kvstore.client.sync_client import KvstoreClient, UnauthenticatedError, UnavailableError
 from kvstore.config import KvstoreConfig
 from kvstore.errors import ConfigError
 from kvstore.service.auth import Authenticator, check_bind_allowed

@@ -13,11 +13,11 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore.admin.observer import Observability
 from kvstore.cli import main
-from kvstore.client import InvalidArgumentError
+from kvstore.client.sync_client import InvalidArgumentError
 from kvstore.config import TraceConfig
-from kvstore.trace import read_trace
+from kvstore.observe.call_observer import Observability
+from kvstore.observe.trace_file import read_trace
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.test_metrics_service import CHUNK, MODEL, config, prompt, start, store
@@ -69,9 +69,9 @@ def test_the_trace_is_off_by_default(tmp_path: Path) -> None:
     r = start(tmp_path, config())
     try:
         r.client.resume(MODEL, prompt(9, 2))
-        from kvstore.service.request_trace import RequestTracer
+        from kvstore.observe.trace_recorder import TraceRecorder
 
-        assert not any(isinstance(o, RequestTracer) for o in r.app.observers)
+        assert not any(isinstance(o, TraceRecorder) for o in r.app.observers)
     finally:
         r.stop()
     assert not list(tmp_path.glob("*.jsonl"))

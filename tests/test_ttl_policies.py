@@ -10,8 +10,8 @@ import pytest
 
 from kvstore.config.fields import parse_section
 from kvstore.config.local_pool import TtlPolicyConfig
+from kvstore.config.policies import build_ttl
 from kvstore.errors import ConfigError
-from policies.factory import build_ttl
 from policies.ttl import AdaptiveTtl, AdaptiveTtlParams, FixedTtl, SlidingTtl, TenantOverrideTtl, best_ttl
 
 SNAP = 1_000_000  # bytes; with hold 1e-6 per byte-second a snapshot costs 1 per second held

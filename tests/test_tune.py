@@ -14,10 +14,10 @@ import pytest
 from kvstore.cli import main
 from kvstore.config.local_pool import TtlPolicyConfig
 from kvstore.errors import InvalidInput
-from kvstore.trace import TraceRecord, TraceWriter, read_trace, synthetic_trace
-from kvstore.tune import (
-    CostModel,
+from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace, synthetic_trace
+from kvstore.observe.ttl_tuning import (
     TraceColumns,
+    TtlCostModel,
     TuneReport,
     _Derived,
     best_sliding_ttl,
@@ -134,7 +134,7 @@ HAND = [
     TraceRecord(30.0, "u", "B", 256, "cold"),
     TraceRecord(40.0, "u", "B", 400, "hit"),
 ]
-COST = CostModel(replay_cost_per_token=1.0, hold_cost_per_byte_second=1e-3, min_ttl_seconds=1.0,
+COST = TtlCostModel(replay_cost_per_token=1.0, hold_cost_per_byte_second=1e-3, min_ttl_seconds=1.0,
                  max_ttl_seconds=10_000.0)
 
 
@@ -202,7 +202,7 @@ def test_record_sizes_are_used_unless_forced() -> None:
 
 def test_a_100k_request_trace() -> None:
     cols = columns_from_records(synthetic_trace(100_000, seed=11), 128, 1_351_680, 128)
-    cost = CostModel(1.0, 1e-7, 10.0, 3600.0)
+    cost = TtlCostModel(1.0, 1e-7, 10.0, 3600.0)
     ttls = (10.0, 60.0, 300.0, 1800.0)
     rep = tune_ttl(cols, ttls, cost, TtlPolicyConfig(min_ttl_seconds=10.0, max_ttl_seconds=3600.0))
     assert rep.requests == 100_000 and len(rep.rows) == 2 * len(ttls)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidInput
-from kvstore.trace import TraceRecord, read_trace
+from kvstore.observe.trace_file import TraceRecord, read_trace
 from kvstore.workload.generator import Workload, WorkloadSpec, generate, tenant_sizes
 from kvstore.workload.thinktime import ThinkTime
 from kvstore.workload.tracing import planned_trace, write_trace

@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.bench.workload import add_workload_arguments, run_workload_bench
 from kvstore.errors import InvalidInput
-from kvstore.trace import read_trace
+from kvstore.observe.trace_file import read_trace
 from kvstore.workload.generator import WorkloadSpec
 from kvstore.workload.simulator import SimConfig
 from kvstore.workload.sweep import Capacity, SweepPoint, find_cliff, parse_capacities, parse_size, run_sweep

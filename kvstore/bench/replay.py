@@ -1,7 +1,7 @@
 """`kvstore bench replay`: time to first token of cold, warm and expired requests, end to end.
 
 For each prefix length (4,096 and 32,768 tokens by default) the reference model plays the engine
-against the embedded service, exactly as the demo does (`kvstore/demo.py`):
+against the embedded service, exactly as the demo does (`kvstore/workload/demo.py`):
 - cold: a prompt of prefix + a short new turn, nothing cached: the whole prompt is prefilled; the
   engine then stores the prefix's chunks and the local snapshot at its end;
 - warm: the same prefix with another new turn: chunks and snapshot load, the turn is prefilled;
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # grpc and the demo load only when the benchmark runs
-    from kvstore.demo import EmbeddedService, Engine, Turn
+    from kvstore.workload.demo import EmbeddedService, Engine, Turn
 
 TARGET_PREFIX = 32768
 TARGET_RATIO = 0.1
@@ -101,8 +101,8 @@ def run_replay_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("bench replay: --prefixes must be positive multiples of 128")
     if args.turn_tokens < 1 or args.repeats < 1:
         raise SystemExit("bench replay: --turn-tokens and --repeats must be >= 1")
-    from kvstore.client import KvstoreClient
-    from kvstore.demo import MODEL, Engine, embedded_service, load_engine_model
+    from kvstore.client.sync_client import KvstoreClient
+    from kvstore.workload.demo import MODEL, Engine, embedded_service, load_engine_model
 
     result: dict[str, Any] = {"model": MODEL, "replay_mode": args.replay_mode, "turn_tokens": args.turn_tokens,
                               "repeats": args.repeats, "prefixes": {}}

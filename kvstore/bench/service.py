@@ -5,7 +5,7 @@
   message sizes (pre-built `LoadResponse`s: the ceiling for protobuf streaming in Python).
 - Lookup: a 32,768-token prompt, p50 / p99, against a plain unary call carrying the same token list
   (the same request message) to a server that does nothing with it. The service remembers the
-  chunk keys of prompts it has seen (kvstore/key_memo.py), so a repeated Lookup, like the Lookup,
+  chunk keys of prompts it has seen (kvstore/keys/memo.py), so a repeated Lookup, like the Lookup,
   Load and Store of one request, is not hashed again; a second service with the memo off gives
   the figure for a prompt's first sight (every chunk key hashed), also against the raw call; a
   third with its admin port on (observers of every call, as `kvstore serve` runs by default).
@@ -91,7 +91,7 @@ def _raw_load(channel: Any) -> int:
 # --- client processes -------------------------------------------------------------------------------
 
 def _load_worker(target: str, model: str, tokens: bytes, loads: int, start_at: float) -> tuple[int, float, float]:
-    from kvstore.client import KvstoreClient
+    from kvstore.client.sync_client import KvstoreClient
 
     arr = np.frombuffer(tokens, dtype="<u4")
     with KvstoreClient(target) as kv:
@@ -149,7 +149,7 @@ def _lookup_times(kv: Any, args: argparse.Namespace, tokens: np.ndarray, raw_cal
 
 def _key_kernel() -> str:
     """How this machine hashes chunk keys (the service's processes load the same way)."""
-    from kvstore.key_chain import load_kernel
+    from kvstore.keys.chain import load_kernel
 
     return load_kernel()
 
@@ -158,10 +158,10 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
     import grpc
 
     from kvstore.bench.timing import interleaved_best_rates, percentile
-    from kvstore.client import KvstoreClient
+    from kvstore.client.sync_client import KvstoreClient
     from kvstore.layout import get_model
-    from kvstore.service.framing import plan_pieces
     from kvstore.v1 import kvstore_pb2 as pb
+    from kvstore.wire.framing import plan_pieces
 
     spec = get_model(args.model)
     layout = spec.layout

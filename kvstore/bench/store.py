@@ -21,7 +21,6 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from kvstore.bench.payloads import realistic_chunk
 from kvstore.bench.timing import best_rate, interleaved_best_rates
 from kvstore.config.service import ServiceConfig
 from kvstore.config.store import GiB, MiB, StoreConfig
@@ -29,6 +28,7 @@ from kvstore.layout import get_model
 from kvstore.store import GlobalStore
 from kvstore.tiers.base import ChunkMeta
 from kvstore.tiers.factory import LMDB_SUBDIR, build_tiers
+from kvstore.workload.payloads import realistic_chunk
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
@@ -206,7 +206,7 @@ def _lookup_figure(root: Path, spec: Any, payload: bytes, n_tokens: int) -> dict
     n_chunks = n_tokens // layout.chunk_tokens
     _log(f"storing {n_chunks:,} chunks ({n_chunks * len(payload) / 1e9:.2f} GB) in DRAM for the lookup")
     # key_memo_bytes=0: every lookup hashes all its keys, as a prompt's first lookup does (the
-    # memo would answer this loop's repeats from memory; see kvstore/key_memo.py).
+    # memo would answer this loop's repeats from memory; see kvstore/keys/memo.py).
     cfg = StoreConfig(device="cpu", device_capacity_bytes=0,
                       dram_capacity_bytes=(n_chunks + 16) * 114_688, lmdb_capacity_bytes=64 * MiB,
                       write_policy="write-back", key_memo_bytes=0)

@@ -4,7 +4,7 @@ Modes:
 - `--mode simulated` (default): the workload against byte-accounting models of the store, pool and
   replay with the real policies, in simulated time (`kvstore.workload.simulator`);
 - `--mode live`: the same workload and timeline against the real service, self-started in process
-  with a simulated clock, or a running one (`--target`), through `kvstore.client`
+  with a simulated clock, or a running one (`--target`), through `kvstore.client.sync_client`
   (`kvstore.workload.live`).
 `--sweep` adds the cliff: throughput against concurrency for several device/DRAM capacities
 (simulated). `--plot FILE` draws it (matplotlib, the `plot` extra). `--markdown FILE` writes the

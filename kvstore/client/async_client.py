@@ -1,6 +1,6 @@
 """The asyncio client: `KvstoreClient`'s calls as coroutines, for engines that run an event loop.
 
-    from kvstore.client_async import AsyncKvstoreClient
+    from kvstore.client.async_client import AsyncKvstoreClient
     async with AsyncKvstoreClient("127.0.0.1:50051", token="...") as kv:
         hit, got = await asyncio.gather(kv.lookup(model, a), kv.resume(model, b))
 
@@ -22,7 +22,7 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from kvstore.client import KvstoreClient
+from kvstore.client.sync_client import KvstoreClient
 
 P = ParamSpec("P")
 T = TypeVar("T")

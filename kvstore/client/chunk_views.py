@@ -13,7 +13,7 @@ place merges). A message it cannot read
 raises DecodeError, as the library's parser would (gRPC then fails the call).
 tests/test_client_wire.py checks it against the library on generated messages.
 
-What it does not know: what the chunks hold, or how a stream is reassembled (client.py).
+What it does not know: what the chunks hold, or how a stream is reassembled (sync_client.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 from google.protobuf.message import DecodeError, Message
 
-from kvstore.service.wire import CHUNKS_FIELD  # its field numbers are checked there
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.messages import CHUNKS_FIELD  # its field numbers are checked there
 
 _VARINT, _FIXED64, _LEN, _START_GROUP, _END_GROUP, _FIXED32 = 0, 1, 2, 3, 4, 5
 _MAX_VARINT_SHIFT = 63

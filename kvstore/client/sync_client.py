@@ -36,8 +36,8 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.client_types import (
-    Bills,
+from kvstore.client.chunk_views import PieceView, Streamed, decode_load_response, decode_resume_response
+from kvstore.client.types import (
     LoadLocalResult,
     LoadResult,
     LookupResult,
@@ -45,22 +45,15 @@ from kvstore.client_types import (
     ServiceStats,
     StoreLocalResult,
     StoreResult,
-    bills_from_pb,
     stats_from_pb,
 )
-from kvstore.client_wire import PieceView, Streamed, decode_load_response, decode_resume_response
 from kvstore.errors import KvstoreError
-from kvstore.explain import REQUEST_ID_RE, new_request_id
-from kvstore.service.framing import BlobAssembler, ChunkAssembler, blob_spans, plan_pieces
-from kvstore.service.wire import PB_TO_CASE, PB_TO_LOCAL, PB_TO_TIER, encode_lookup_request, tiers_from_pb
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-
-__all__ = [
-    "Bills", "DeadlineExceededError", "InvalidArgumentError", "KvstoreClient", "LoadLocalResult",
-    "LoadResult", "LookupResult", "ResourceExhaustedError", "ResumeResult", "RpcFailure", "ServerError",
-    "ServiceStats", "StoreLocalResult", "StoreResult", "UnauthenticatedError", "UnavailableError",
-]
+from kvstore.wire.bills import from_pb as bills_from_pb
+from kvstore.wire.framing import BlobAssembler, ChunkAssembler, blob_spans, plan_pieces
+from kvstore.wire.messages import PB_TO_CASE, PB_TO_LOCAL, PB_TO_TIER, encode_lookup_request, tiers_from_pb
+from kvstore.wire.request_ids import REQUEST_ID_RE, new_request_id
 
 T = TypeVar("T")
 MiB = 1 << 20

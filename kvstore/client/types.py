@@ -1,6 +1,6 @@
 """The client's result types: frozen dataclasses with plain strings for tiers, states and cases.
 
-Kept apart from `client.py` so that code that only handles results (the demo's tables, the
+Kept apart from `sync_client.py` so that code that only handles results (the demo's tables, the
 dashboard's tests) can import them without a channel. What it does not know: gRPC.
 """
 
@@ -9,42 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.service.wire import PB_TO_TIER
 from kvstore.v1 import kvstore_pb2 as pb
-
-
-@dataclass(frozen=True)
-class TierBill:
-    hit_tokens: int
-    hit_chunks: int
-    bytes: int  # moved (Resume) or that a load would move (Lookup)
-
-
-@dataclass(frozen=True)
-class Bills:
-    """A request's three bills: prefill avoided / still due, replay spent, bytes per tier."""
-
-    prompt_tokens: int
-    prefill_tokens_avoided: int
-    prefill_tokens: int
-    replay_tokens: int
-    tiers: dict[str, TierBill]  # "device" | "dram" | "lmdb"
-    local_bytes: int
-    prefill_flops_avoided: float
-
-    @property
-    def bytes_moved(self) -> int:
-        return sum(t.bytes for t in self.tiers.values()) + self.local_bytes
-
-
-def bills_from_pb(b: pb.Bills) -> Bills:
-    return Bills(
-        prompt_tokens=b.prompt_tokens, prefill_tokens_avoided=b.prefill_tokens_avoided,
-        prefill_tokens=b.prefill_tokens, replay_tokens=b.replay_tokens,
-        tiers={PB_TO_TIER[t.tier]: TierBill(t.hit_tokens, t.hit_chunks, t.bytes) for t in b.tiers
-               if t.tier in PB_TO_TIER},
-        local_bytes=b.local_bytes, prefill_flops_avoided=b.prefill_flops_avoided,
-    )
+from kvstore.wire.bills import Bills
+from kvstore.wire.messages import PB_TO_TIER
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """`kvstore demo [--json] [--target ADDR]`: play one agent session through the service and show
-what the cold, warm and expired requests cost (see `kvstore/demo.py` for what happens).
+what the cold, warm and expired requests cost (see `kvstore/workload/demo.py` for what happens).
 
 Human output: what the three cases mean, progress, a table per case as it finishes, and a side
 by side summary. `--json`: the report as JSON on stdout, progress on stderr.
@@ -13,8 +13,10 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvstore.layout import TIER_NAMES
+
 if TYPE_CHECKING:  # the demo module loads grpc; `kvstore --help` should not
-    from kvstore.demo import CaseReport, DemoReport
+    from kvstore.workload.demo import CaseReport, DemoReport
 
 INTRO = """\
 kvstore demo: one agent session, three requests, through the real gRPC service and client.
@@ -85,7 +87,7 @@ def summary_table(r: DemoReport) -> str:
         ("time to first token", lambda c: f"{c.ttft_ms:,.1f} ms"),
         ("tokens prefilled", lambda c: f"{c.prefill_tokens:,}"),
         ("tokens replayed", lambda c: f"{c.replay_tokens:,}"),
-        ("loaded from tiers", lambda c: _bytes(sum(c.bytes_loaded.get(t, 0) for t in ("device", "dram", "lmdb")))),
+        ("loaded from tiers", lambda c: _bytes(sum(c.bytes_loaded.get(t, 0) for t in TIER_NAMES))),
         ("local snapshot", lambda c: _bytes(c.bytes_loaded.get("local", 0))),
         ("local state", lambda c: c.label),
         ("top-1 vs cold run", lambda c: "—" if c.compared_tokens == 0 else f"{c.top1_agreement:.0%}"),
@@ -104,7 +106,7 @@ def summary_table(r: DemoReport) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.demo import DemoOptions, run_demo
+    from kvstore.workload.demo import DemoOptions, run_demo
 
     out = sys.stderr if args.json else sys.stdout
 

@@ -21,7 +21,8 @@ import urllib.request
 from typing import Any
 
 from kvstore.errors import InvalidInput, Unavailable
-from kvstore.explain import REQUEST_ID_RE, render_text
+from kvstore.observe.explainer import render_text
+from kvstore.wire.request_ids import REQUEST_ID_RE
 
 DEFAULT_TARGET = "http://127.0.0.1:9400"  # the admin port's default bind (config: [admin])
 TOKEN_ENV = "KVSTORE_ADMIN_TOKEN"

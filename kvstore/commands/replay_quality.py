@@ -2,7 +2,7 @@
 
 Prints a table (or `--json`) of per-layer SWA-row error, downstream KL and top-1 agreement over
 the next greedy tokens, and whether cached global rows stayed byte-identical; see
-`replay/quality.py` for what each figure means. Progress goes to stderr.
+`replay/reference/quality.py` for what each figure means. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch  # loads only when the command runs
 
-    from replay.quality import QualityConfig, run_quality
+    from replay.reference.quality import QualityConfig, run_quality
 
     if args.suffix_tokens < 1 or args.generate_tokens < 1 or args.threads < 0:
         raise InvalidInput("--suffix-tokens and --generate-tokens must be at least 1, --threads at least 0")

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--max-concurrent-jobs", "must be >= 1")
     from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
     from replay.inprocess import ReferenceReplayer, device_option
-    from replay.model_config import ModelConfig
+    from replay.reference.config import ModelConfig
 
     try:
         cfg = replace(ModelConfig(), window=args.window, chunk_tokens=args.chunk_tokens, seed=args.seed)

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from kvstore.client_types import ServiceStats
+from kvstore.client.types import ServiceStats
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,7 +58,7 @@ def render(s: ServiceStats) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.client import KvstoreClient, RpcFailure
+    from kvstore.client.sync_client import KvstoreClient, RpcFailure
 
     token = args.token if args.token is not None else os.environ.get("KVSTORE_TOKEN") or None
     with KvstoreClient(args.target, token=token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,

@@ -17,10 +17,10 @@ from dataclasses import replace
 from kvstore.config import load_config
 from kvstore.errors import InvalidInput
 from kvstore.layout import get_model
-from kvstore.trace import TraceRecord, TraceWriter, read_trace, synthetic_trace
-from kvstore.tune import (
+from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace, synthetic_trace
+from kvstore.observe.ttl_tuning import (
     DEFAULT_TTLS_SECONDS,
-    CostModel,
+    TtlCostModel,
     TtlEvaluation,
     TuneReport,
     columns_from_records,
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     if cols.n == 0:
         raise InvalidInput(f"{source} holds no requests")
-    cost = CostModel(ttl_cfg.replay_cost_per_token, ttl_cfg.hold_cost_per_byte_second,
+    cost = TtlCostModel(ttl_cfg.replay_cost_per_token, ttl_cfg.hold_cost_per_byte_second,
                      ttl_cfg.min_ttl_seconds, ttl_cfg.max_ttl_seconds)
     report = tune_ttl(cols, args.ttl, cost, ttl_cfg)
     if args.json:

@@ -20,7 +20,7 @@ GiB = 1 << 30
 #             writemap with sync off. Use it only for a cache you can afford to rebuild.
 Durability = Literal["sync", "nometasync", "async"]
 # Per tier: keep bf16 segments as FP8 (E4M3 + UE8M0 per 32) or FP4 (E2M1 + E4M3 per 16). Lossy,
-# so off by default; error bounds in kvstore/quantize.py.
+# so off by default; error bounds in kvstore/tiers/quantize.py.
 QuantizeMode = Literal["off", "fp8", "fp4"]
 
 
@@ -43,7 +43,7 @@ class StoreConfig:
     quantize_device: QuantizeMode = "off"
     quantize_dram: QuantizeMode = "off"
     quantize_lmdb: QuantizeMode = "off"
-    # Chained keys of recently seen prompts (kvstore/key_memo.py): a prompt seen again is compared
+    # Chained keys of recently seen prompts (kvstore/keys/memo.py): a prompt seen again is compared
     # byte for byte instead of hashed again. ~4.25 bytes per token remembered; 0 turns it off.
     key_memo_bytes: int = 64 * MiB
 

@@ -32,7 +32,7 @@ from typing import Literal
 
 import numpy as np
 
-from kvstore.keys import KEY_BYTES
+from kvstore.keys.chunk_keys import KEY_BYTES
 
 log = logging.getLogger("kvstore.keys")
 
@@ -96,7 +96,7 @@ def _compile() -> tuple[Callable[..., int] | None, Literal["openssl", "hashlib"]
     # symbols are registered above first); where no cache directory is writable, compile anew.
     for cache in (True, False):
         try:
-            from kvstore.key_chain_loop import compiled
+            from kvstore.keys.chain_loop import compiled
 
             kernel = compiled(cache)
             if _run(kernel, probe_prev, probe, 512) == chain_hashlib(probe_prev, probe, 512):

@@ -1,4 +1,4 @@
-"""The compiled loop of key_chain.py, in a module of its own so that numba can cache its machine
+"""The compiled loop of chain.py, in a module of its own so that numba can cache its machine
 code (a loop defined inside a function is compiled anew in every process). Imported only by
 key_chain._compile, after it has registered the three OpenSSL symbols named here with LLVM."""
 
@@ -10,7 +10,7 @@ import numba
 import numpy as np
 from numba import types
 
-from kvstore.keys import KEY_BYTES
+from kvstore.keys.chunk_keys import KEY_BYTES
 
 SHA256_CTX_WORDS = 32  # 256 bytes; sizeof(SHA256_CTX) is 112
 # The symbols key_chain.SYMBOLS registers. Pointers travel as integers (uintp): the same registers

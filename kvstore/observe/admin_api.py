@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore import __version__
-from kvstore.explain import Explainer
-from kvstore.ledger import Ledger
+from kvstore.observe.explainer import Explainer
+from kvstore.observe.ledger import Ledger
 
 
 @dataclass(frozen=True)

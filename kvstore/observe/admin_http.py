@@ -38,8 +38,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from kvstore.admin.api import AdminApi, Viewer
-from kvstore.explain import REQUEST_ID_RE
+from kvstore.observe.admin_api import AdminApi, Viewer
+from kvstore.wire.request_ids import REQUEST_ID_RE
 
 log = logging.getLogger("kvstore.admin")
 
@@ -65,7 +65,7 @@ def is_loopback(host: str) -> bool:
 
 
 def load_dashboard() -> bytes:
-    return (resources.files("kvstore.admin") / "static" / "dashboard.html").read_bytes()
+    return (resources.files("kvstore.observe") / "static" / "dashboard.html").read_bytes()
 
 
 def _csp(page: bytes) -> str:

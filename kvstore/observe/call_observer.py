@@ -6,7 +6,7 @@ metrics and the ledger count).
 it receives each `CallRecord`. It reads a record structurally (`CallRecordLike`): method, tenant,
 status code, seconds, model, case, local state and the reply's bills (the proto `Bills` message or
 a `ledger.Bills`), plus, when the servicer provides them, `request_id` and `trace`
-(an `explain.LookupTrace`).
+(an `explain.LookupFacts`).
 
 `Sampler` is a daemon thread that shows the ledger the store's occupancy once per interval, so
 byte-seconds integrate between requests too.
@@ -20,28 +20,25 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
-from kvstore.explain import Explainer, LocalWriteTrace, LookupTrace
-from kvstore.ledger import Ledger
-from kvstore.metrics import MISS_REASONS, Metrics, replay_failure
-from kvstore.request_bills import (
+from kvstore.observe.explainer import Explainer
+from kvstore.observe.ledger import Ledger
+from kvstore.observe.metrics import MISS_REASONS, Metrics, replay_failure
+from kvstore.observe.records import (
     CASES,
     LOCAL_OUTCOMES,
-    TIERS,
-    Bills,
     Case,
     LocalOutcome,
-    ReplayResult,
+    LocalWriteFacts,
+    LookupFacts,
+    ReplaySummary,
     RequestRecord,
-    TierBill,
 )
+from kvstore.wire.bills import Bills
 
 log = logging.getLogger("kvstore.admin")
 
-# The proto's Tier enum values (TIER_DEVICE = 1, ...), read structurally so this module never
-# imports the generated code.
-_PROTO_TIERS = {1: "device", 2: "dram", 3: "lmdb"}
 _PRICED = {"Lookup": "lookup", "Resume": "resume"}
 
 
@@ -61,29 +58,7 @@ class CallRecordLike(Protocol):
     @property
     def local_state(self) -> str: ...
     @property
-    def bills(self) -> Any: ...
-
-
-def bills_from_message(msg: Any, flops_per_token: float) -> Bills:
-    """A `ledger.Bills` from the proto `Bills` message (or return a `ledger.Bills` as it is)."""
-    if isinstance(msg, Bills):
-        return msg
-    by_tier: dict[str, TierBill] = {}
-    for tb in msg.tiers:
-        name = _PROTO_TIERS.get(int(tb.tier))
-        if name is not None:
-            by_tier[name] = TierBill(name, int(tb.hit_tokens), int(tb.hit_chunks), int(tb.bytes))  # type: ignore[arg-type]
-    replay = int(msg.replay_tokens)
-    return Bills(
-        prompt_tokens=int(msg.prompt_tokens),
-        prefill_tokens_avoided=int(msg.prefill_tokens_avoided),
-        prefill_tokens=int(msg.prefill_tokens),
-        replay_tokens=replay,
-        tiers=tuple(by_tier.get(t, TierBill(t)) for t in TIERS),
-        local_bytes=int(msg.local_bytes),
-        prefill_flops_avoided=float(msg.prefill_flops_avoided),
-        replay_flops=replay * flops_per_token,
-    )
+    def bills(self) -> Bills | None: ...
 
 
 def _norm(value: str, prefix: str, allowed: tuple[str, ...], default: str) -> str:
@@ -102,14 +77,12 @@ class Observability:
         ledger: Ledger,
         explainer: Explainer,
         *,
-        flops_per_token: Callable[[str], float] | None = None,
         present: Callable[[bytes], bool] | None = None,
         local_ttl_seconds: Callable[[], float] | None = None,
     ) -> None:
         self.metrics = metrics
         self.ledger = ledger
         self.explainer = explainer
-        self._flops = flops_per_token or _model_flops
         self._present = present
         self._ttl = local_ttl_seconds
 
@@ -117,30 +90,30 @@ class Observability:
         self.metrics.rpc(call.method, call.code, call.seconds)
         if call.code != "OK":
             return
-        trace = getattr(call, "trace", None)
-        if isinstance(trace, LocalWriteTrace):  # a StoreLocal that wrote a snapshot
+        trace = getattr(call, "facts", None)
+        if isinstance(trace, LocalWriteFacts):  # a StoreLocal that wrote a snapshot
             self.explainer.local_stored(trace.namespace, trace.boundary_key, trace.ttl_seconds)
             return
         if call.bills is None:
             return
-        bills = bills_from_message(call.bills, self._flops(call.model))
+        bills = call.bills
         method = _PRICED.get(call.method)
         if method is None:
             if call.method == "Load":  # a Load prices the bytes it moved
-                self.metrics.load({t.tier: t.bytes for t in bills.tiers}, call.tenant)
+                self.metrics.load({name: t.bytes for name, t in bills.tiers.items()}, call.tenant)
             return
-        lookup = trace if isinstance(trace, LookupTrace) else None
+        lookup = trace if isinstance(trace, LookupFacts) else None
         local = _norm(call.local_state, "local_state_", LOCAL_OUTCOMES, "absent")
         case = _norm(call.case, "resume_case_", CASES, "") or case_of(
             bills.prefill_tokens_avoided, local)  # type: ignore[arg-type]
-        replay: ReplayResult | None = None
+        replay: ReplaySummary | None = None
         if lookup is None and local == "replayed":  # no trace: the replay worked, untimed
-            replay = ReplayResult(None, bills.replay_tokens, None)
+            replay = ReplaySummary(None, bills.replay_tokens, None)
         if lookup is not None and lookup.replay_status:
             ok = lookup.replay_status == "replayed"
             # The raw status stays in the explanation; counters get a fixed set of reasons.
             failure = None if ok else replay_failure(lookup.replay_status)
-            replay = ReplayResult(lookup.replay_seconds, bills.replay_tokens, failure)
+            replay = ReplaySummary(lookup.replay_seconds, bills.replay_tokens, failure)
         rec = RequestRecord(
             request_id=str(getattr(call, "request_id", "") or ""), method=method,  # type: ignore[arg-type]
             tenant=call.tenant, model=call.model, case=case,  # type: ignore[arg-type]
@@ -153,7 +126,7 @@ class Observability:
             # after the explanation, which must see the state before the replay).
             self.explainer.local_stored(lookup.namespace, lookup.boundary_key, self._ttl())
 
-    def record(self, rec: RequestRecord, trace: LookupTrace | None = None, at: float | None = None) -> RequestRecord:
+    def record(self, rec: RequestRecord, trace: LookupFacts | None = None, at: float | None = None) -> RequestRecord:
         """Explain, then count: the explanation decides the miss reasons the counters use. `at`:
         when the call answered (observers run a moment later)."""
         exp = self.explainer.explain_request(rec, trace, self._present, at)
@@ -165,22 +138,6 @@ class Observability:
         self.metrics.request(rec)
         self.ledger.record(rec)
         return rec
-
-
-_FLOPS: dict[str, float] = {}  # known models' prefill FLOPs per token, read once per model
-
-
-def _model_flops(model: str) -> float:
-    from kvstore.errors import UnknownModel
-    from kvstore.layout import get_model
-
-    flops = _FLOPS.get(model)
-    if flops is None:
-        try:
-            flops = _FLOPS[model] = get_model(model).prefill_flops_per_token
-        except UnknownModel:  # not cached: it may be registered later
-            return 0.0
-    return flops
 
 
 class Sampler:
@@ -210,7 +167,7 @@ class Sampler:
 
 
 def case_of(hit_tokens: int, local: LocalOutcome) -> Case:
-    """The request's case from its global hit and its local state (DESIGN.md §1)."""
+    """The request's case from its global hit and its local state (docs/architecture.md §1)."""
     if hit_tokens == 0:
         return "cold"
     return "warm" if local in ("hit", "not_applicable") else "expired"

@@ -9,7 +9,7 @@ Two bounded in-memory journals, fed from outside:
   so a later local miss can be told apart: expired by TTL, pushed out early, never stored, or the
   pool was down.
 
-At each Lookup/Resume the service hands over a `LookupTrace` (the keys of the chunks that missed,
+At each Lookup/Resume the service hands over a `LookupFacts` (the keys of the chunks that missed,
 the pool's miss reason, the replay's outcome). `explain_request` turns it into an `Explanation`
 right away (a later eviction must not rewrite history) and keeps it by request id, in a bounded
 journal.
@@ -25,78 +25,20 @@ HTTP. Time comes from injected clocks (monotonic for ages, wall time for people)
 
 from __future__ import annotations
 
-import os
-import random
-import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-from kvstore.request_bills import Bills, RequestRecord
+from kvstore.observe.records import LookupFacts, RequestRecord
+from kvstore.store.fates import RefusalReason
+from kvstore.wire.bills import Bills
 
 FateKind = Literal["evicted", "corrupt", "over_quota", "no_room", "not_admitted"]
-RefusalReason = Literal["over_quota", "no_room", "not_admitted"]
 MAX_RUNS = 64  # chunk runs kept per explanation; the rest are summed into the last one
 MAX_EXPLAINED_CHUNKS = 4096  # missed chunks examined per request (a 512K-token miss at 128/chunk)
-REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
-
-
-# Request ids correlate a request's logs, trace and explanation; they are not secrets (explanations
-# need the admin token), so a generator seeded once from the OS will do: os.urandom per id was a
-# system call per request (~5 us here, on the client and again on the server for a bare call).
-_ids = random.Random(os.urandom(16))
-os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(16)))  # a forked worker gets ids of its own
-
-
-def new_request_id() -> str:
-    """16 random hex digits."""
-    return f"{_ids.getrandbits(64):016x}"
-
-
-def request_id_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
-    """The caller's `x-request-id` if it is a safe id (letters, digits, ._:-, at most 64), else a
-    fresh one. The id is echoed in logs and URLs, so nothing else is accepted."""
-    for k, v in metadata or ():
-        if k.lower() == "x-request-id":
-            s = v.decode("ascii", "replace") if isinstance(v, bytes) else v
-            if REQUEST_ID_RE.match(s):
-                return s
-    return new_request_id()
-
-
-# --- what the store reports --------------------------------------------------------------------------
-
-
-class ChunkFateSink(Protocol):
-    """What the store calls when a chunk leaves it or is kept out. Cheap; never raises."""
-
-    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str) -> None:
-        """Evicted from `tier`, which was the last tier holding it; `reason`: "capacity" | "quota"."""
-        ...
-
-    def corrupt(self, key: bytes, namespace: bytes, tier: str) -> None:
-        """A value failed verification on read in `tier` and was removed."""
-        ...
-
-    def refused(self, key: bytes, namespace: bytes, reason: RefusalReason) -> None:
-        """Never placed: the tenant's quota or the tiers had no room, or admission kept it out."""
-        ...
-
-
-class NoFates:
-    """The sink a store has when nobody is listening."""
-
-    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str) -> None:
-        pass
-
-    def corrupt(self, key: bytes, namespace: bytes, tier: str) -> None:
-        pass
-
-    def refused(self, key: bytes, namespace: bytes, reason: RefusalReason) -> None:
-        pass
 
 
 @dataclass(frozen=True, slots=True)  # slots: ~300 B per remembered fate, key and index included
@@ -114,81 +56,6 @@ class _LocalWrite:
     namespace: bytes
     at: float  # monotonic: when stored, or last read (a sliding TTL counts from there)
     at_wall: float
-    ttl_seconds: float
-
-
-# --- what the service reports --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LookupTrace:
-    """What the service learnt answering one Lookup/Resume, beyond its bills."""
-
-    namespace: bytes  # the request's namespace digest (never reported)
-    chunk_tokens: int
-    full_chunks: int  # full chunks in the prompt
-    hit_chunks: int
-    remainder_tokens: int = 0  # tokens after the last full chunk (never cached)
-    miss_keys: tuple[bytes, ...] = ()  # keys of full chunks hit_chunks, hit_chunks+1, ... (may be cut)
-    token_mismatch: bool = False  # the first missed key was held with other token ids
-    boundary_key: bytes = b""  # key of the last hit chunk: where local state is held
-    pool_miss_reason: str = ""  # the pool's reason when local state was not found ("" on a hit)
-    has_local_state: bool = True  # False: the model keeps none (e.g. a dense GQA model)
-    replay_status: str = ""  # the coordinator's outcome ("" when no replay was tried)
-    replay_seconds: float = 0.0
-    replay_mode: str = ""
-    window_tokens: int = 0  # the replay window (the layout's SWA window)
-    # Whether each missed chunk (miss_keys[j]) was held when the call answered: a chunk behind the
-    # first miss can be held, and unreachable. Taken then, because observers run a moment later,
-    # when a Store may have filled the gap. Empty: not taken (the explainer asks the store).
-    miss_held: tuple[bool, ...] = ()
-    # Or, in place of `miss_keys`, how to compute them: hashing the missed part of a prompt costs
-    # as much as the lookup itself, so the service defers it until someone reads the keys.
-    miss_keys_fn: Callable[[], Sequence[bytes]] | None = field(default=None, compare=False, repr=False)
-
-    def missed_keys(self) -> Sequence[bytes]:
-        """`miss_keys`, computed now if they were deferred."""
-        if self.miss_keys or self.miss_keys_fn is None:
-            return self.miss_keys
-        return self.miss_keys_fn()
-
-
-def lookup_trace(
-    *,
-    namespace: bytes,
-    full_chunks: int,
-    hit_chunks: int,
-    chunk_tokens: int,
-    miss_keys: Sequence[bytes] = (),
-    boundary_key: bytes = b"",
-    remainder_tokens: int = 0,
-    token_mismatches: int = 0,
-    pool_miss_reason: str = "",
-    has_local_state: bool = True,
-    window_tokens: int = 0,
-    replay_mode: str = "",
-    miss_keys_fn: Callable[[], Sequence[bytes]] | None = None,
-    miss_held: Sequence[bool] = (),
-) -> LookupTrace:
-    """The trace of one lookup. `miss_keys`: the keys of full chunks hit_chunks.. (the store's
-    `chunk_keys(ns, tokens)[hit_chunks:]`; only worth hashing when something missed);
-    `boundary_key`: the key of the last hit chunk (where local state is held); `miss_keys_fn`:
-    a function giving `miss_keys` when they are first needed, in their place."""
-    return LookupTrace(
-        namespace=namespace, chunk_tokens=chunk_tokens, full_chunks=full_chunks, hit_chunks=hit_chunks,
-        remainder_tokens=remainder_tokens, miss_keys=tuple(miss_keys), token_mismatch=token_mismatches > 0,
-        boundary_key=boundary_key, pool_miss_reason=pool_miss_reason, has_local_state=has_local_state,
-        window_tokens=window_tokens, replay_mode=replay_mode, miss_keys_fn=miss_keys_fn,
-        miss_held=tuple(miss_held),
-    )
-
-
-@dataclass(frozen=True)
-class LocalWriteTrace:
-    """A StoreLocal that wrote a snapshot: where, and with which TTL the policy gave it."""
-
-    namespace: bytes
-    boundary_key: bytes
     ttl_seconds: float
 
 
@@ -428,7 +295,7 @@ class Explainer:
 
     # --- requests ---
 
-    def explain_request(self, rec: RequestRecord, trace: LookupTrace | None,
+    def explain_request(self, rec: RequestRecord, trace: LookupFacts | None,
                         present: Callable[[bytes], bool] | None = None, at: float | None = None) -> Explanation:
         """Build the request's explanation now and keep it by request id; `at`: when it was
         answered, on this explainer's clock (None: now)."""
@@ -487,7 +354,7 @@ class Explainer:
         return list(reversed(ids[-limit:]))
 
 
-def _replay_words(rec: RequestRecord, trace: LookupTrace) -> str:
+def _replay_words(rec: RequestRecord, trace: LookupFacts) -> str:
     if rec.case != "expired" and rec.local_outcome != "replayed":
         return ""
     h = trace.hit_chunks * trace.chunk_tokens

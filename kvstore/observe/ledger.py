@@ -1,5 +1,5 @@
-"""The three bills (DESIGN.md §1) summed per tenant and over time; one request's bills are
-priced in kvstore/request_bills.py.
+"""The three bills (docs/architecture.md §7) summed per tenant and over time; one request's bills are
+priced by `kvstore.wire.bills.price`.
 
 Role: `Ledger` adds bills up per tenant and over time, and integrates occupancy it is shown by the
   caller: HBM byte-seconds (the device tier's bytes × time: the runtime-KV bill) and persistent
@@ -28,15 +28,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.request_bills import (
-    CASES,
-    LOCAL_OUTCOMES,
-    OTHER_TENANT,
-    PERSISTENT_TIERS,
-    TIERS,
-    RequestRecord,
-)
-from kvstore.store_types import StoreStats
+from kvstore.layout import TIER_NAMES
+from kvstore.observe.records import CASES, LOCAL_OUTCOMES, OTHER_TENANT, PERSISTENT_TIERS, RequestRecord
+from kvstore.store.types import StoreStats
 
 # --- occupancy, as shown to the ledger ---------------------------------------------------------------
 
@@ -140,10 +134,10 @@ class _Sums:
         self.requests += 1
         self.cases[rec.case] += 1
         self.local[rec.local_outcome] += 1
-        for t in b.tiers:
-            self.hit_tokens[t.tier] += t.hit_tokens
+        for name, t in b.tiers.items():
+            self.hit_tokens[name] += t.hit_tokens
             if rec.moved:
-                self.bytes_moved[t.tier] += t.bytes
+                self.bytes_moved[name] += t.bytes
         if rec.moved:
             self.local_bytes_moved += b.local_bytes
         self.prompt_tokens += b.prompt_tokens
@@ -183,10 +177,10 @@ class _Sums:
             "requests": self.requests,
             "cases": {c: self.cases[c] for c in CASES},
             "local": {o: self.local[o] for o in LOCAL_OUTCOMES},
-            "hit_tokens": {t: self.hit_tokens[t] for t in TIERS},
+            "hit_tokens": {t: self.hit_tokens[t] for t in TIER_NAMES},
             "miss_tokens": self.miss_tokens,
             "prompt_tokens": looked,
-            "hit_rate": {t: (self.hit_tokens[t] / looked if looked else 0.0) for t in TIERS},
+            "hit_rate": {t: (self.hit_tokens[t] / looked if looked else 0.0) for t in TIER_NAMES},
             "prefill_tokens_avoided": self.prefill_tokens_avoided,
             "prefill_flops_avoided": self.prefill_flops_avoided,
             "prefill_tokens": self.prefill_tokens,
@@ -194,7 +188,7 @@ class _Sums:
                 "count": self.replays, "tokens": self.replay_tokens, "flops": self.replay_flops,
                 "failures": dict(self.replay_failures), **self.latency.percentiles(),
             },
-            "bytes_moved": {t: self.bytes_moved[t] for t in TIERS},
+            "bytes_moved": {t: self.bytes_moved[t] for t in TIER_NAMES},
             "local_bytes_moved": self.local_bytes_moved,
             "miss_reasons": dict(self.miss_reasons),
             "local_reasons": dict(self.local_reasons),
@@ -345,7 +339,7 @@ class Ledger:
             occ = self._occ
             out["tiers"] = {} if occ is None else {
                 t: {"used_bytes": occ.used_bytes.get(t, 0), "capacity_bytes": occ.capacity_bytes.get(t, 0)}
-                for t in TIERS if t in occ.used_bytes
+                for t in TIER_NAMES if t in occ.used_bytes
             }
             out["persistent_bytes_held"] = {
                 t: (occ.used_bytes.get(t, 0) if occ else 0) for t in PERSISTENT_TIERS}
@@ -358,7 +352,7 @@ class Ledger:
         """Bytes held per tier integrated over time since start, up to now."""
         self._advance_now()
         with self._lock:
-            return {t: self._total.byte_seconds.get(t, 0.0) for t in TIERS}
+            return {t: self._total.byte_seconds.get(t, 0.0) for t in TIER_NAMES}
 
     def _advance_now(self) -> None:
         now = self._clock()
@@ -374,7 +368,7 @@ class Ledger:
             for name, sums in sorted(self._tenants.items()):
                 d = sums.to_json()
                 held = occ.tenant_bytes.get(name, {}) if occ is not None else {}
-                d["bytes_held"] = {t: int(held.get(t, 0)) for t in TIERS}
+                d["bytes_held"] = {t: int(held.get(t, 0)) for t in TIER_NAMES}
                 out[name] = d
             return out
 
@@ -422,7 +416,7 @@ class Ledger:
                 p["t"] = self._wall_of(g * step, now, wall)
                 p["seconds"] = max(span, 0.0)
                 p["tiers"] = {t: {"used_bytes": used.get(t, 0), "capacity_bytes": capacity.get(t, 0)}
-                              for t in TIERS if t in used}
+                              for t in TIER_NAMES if t in used}
                 p["evictions"] = dict(evictions)
                 points.append(p)
         return {"step_seconds": step, "window_seconds": window, "now": wall, "points": points}

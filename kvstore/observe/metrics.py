@@ -31,9 +31,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstore.layout import TIER_NAMES
 from kvstore.local_pool.base import PoolStats
-from kvstore.request_bills import CASES, LOCAL_OUTCOMES, TIERS, RequestRecord
-from kvstore.store_types import StoreStats
+from kvstore.observe.records import CASES, LOCAL_OUTCOMES, RequestRecord
+from kvstore.store.types import StoreStats
 
 log = logging.getLogger("kvstore.metrics")
 M = TypeVar("M", Counter, Histogram)
@@ -46,14 +47,14 @@ OTHER = "other"
 METHODS = ("lookup", "resume")
 LOOKUP_RESULTS = ("hit", "miss")
 REPLAY_RESULTS = ("ok", "failed")
-# The coordinator's outcomes (service/replay_port.py, and prefix-gone: the prefix lost a chunk between
+# The coordinator's outcomes (replay/port.py, and prefix-gone: the prefix lost a chunk between
 # the lookup and the replay's pin, so there was nothing to replay from), overload (the per-tenant
 # bound refused it) and prefix-lost (the cached prefix went away while the Resume streamed it).
 REPLAY_FAILURES = ("no-runner", "timeout", "failed", "disabled", "overload", "prefix-gone", "prefix-lost", OTHER)
-# Why the first uncached full chunk of a request missed (explain.py decides).
+# Why the first uncached full chunk of a request missed (explainer.py decides).
 MISS_REASONS = ("never_stored", "evicted", "corrupt", "over_quota", "not_admitted", "no_room",
                 "token_mismatch", OTHER)
-# Why the local state at a hit boundary was not held (the pool's reasons, refined by explain.py).
+# Why the local state at a hit boundary was not held (the pool's reasons, refined by explainer.py).
 LOCAL_MISS_REASONS = ("ttl_expired", "never_stored", "evicted", "absent", "expired", "incomplete",
                       "corrupt", "timeout", "error", "breaker-open", "closed", "no_pool", OTHER)
 EVICTION_REASONS = ("capacity", "quota", OTHER)
@@ -231,7 +232,7 @@ class SourceCollector(Collector):
                                        labels=["tier"])
         corrupt = CounterMetricFamily("kvstore_tier_corrupt", "Values that failed verification on read.",
                                       labels=["tier"])
-        for tier in TIERS:
+        for tier in TIER_NAMES:
             u = st.tiers.get(tier)
             if u is None:
                 continue
@@ -249,10 +250,10 @@ class SourceCollector(Collector):
             yield GaugeMetricFamily("kvstore_lmdb_readers", "LMDB reader slots in use.", value=lm.readers)
         ev = CounterMetricFamily("kvstore_evictions", "Chunks evicted from a tier, by tier and reason.",
                                  labels=["tier", "reason"])
-        by: dict[tuple[str, str], int] = {(t, r): 0 for t in TIERS for r in EVICTION_REASONS if r != OTHER}
+        by: dict[tuple[str, str], int] = {(t, r): 0 for t in TIER_NAMES for r in EVICTION_REASONS if r != OTHER}
         for key, n in st.evictions_by_reason.items():
             tier_s, _, reason_s = key.partition(":")
-            k = (_label(tier_s, TIERS), _label(reason_s, EVICTION_REASONS))
+            k = (_label(tier_s, TIER_NAMES), _label(reason_s, EVICTION_REASONS))
             by[k] = by.get(k, 0) + n
         for (tier_s, reason_s), n in sorted(by.items()):
             ev.add_metric([tier_s, reason_s], n)
@@ -265,7 +266,7 @@ class SourceCollector(Collector):
             agg: dict[tuple[str, str], int] = {}
             for tenant, per in st.tenant_bytes.items():
                 for tier_s, n in per.items():
-                    k = (self._tenant_label(tenant), _label(tier_s, TIERS))
+                    k = (self._tenant_label(tenant), _label(tier_s, TIER_NAMES))
                     agg[k] = agg.get(k, 0) + n
             for (tenant, tier_s), n in sorted(agg.items()):
                 tb.add_metric([tenant, tier_s], n)
@@ -313,7 +314,7 @@ class SourceCollector(Collector):
             "kvstore_tier_byte_seconds",
             "Bytes held in each tier integrated over time (device: the HBM bill; dram, lmdb: persistent).",
             labels=["tier"])
-        for tier in TIERS:
+        for tier in TIER_NAMES:
             fam.add_metric([tier], float(bs.by_tier.get(tier, 0.0)))
         yield fam
 
@@ -420,7 +421,7 @@ class Metrics:
                     self.lookups.labels(m, res, *t)
                 for c in CASES:
                     self.requests.labels(m, c, *t)
-            for tier in TIERS:
+            for tier in TIER_NAMES:
                 self.lookup_tokens.labels(tier, "hit", *t)
                 self.bytes_moved.labels(tier, *t)
             self.lookup_tokens.labels("none", "miss", *t)
@@ -448,11 +449,11 @@ class Metrics:
         b = rec.bills
         self._child(self.requests, rec.method, rec.case, *t).inc()
         self._child(self.lookups, rec.method, "hit" if b.prefill_tokens_avoided else "miss", *t).inc()
-        for tb in b.tiers:
+        for name, tb in b.tiers.items():
             if tb.hit_tokens:
-                self._child(self.lookup_tokens, tb.tier, "hit", *t).inc(tb.hit_tokens)
+                self._child(self.lookup_tokens, name, "hit", *t).inc(tb.hit_tokens)
             if rec.moved and tb.bytes:
-                self._child(self.bytes_moved, tb.tier, *t).inc(tb.bytes)
+                self._child(self.bytes_moved, name, *t).inc(tb.bytes)
         missed = b.prompt_tokens - b.prefill_tokens_avoided
         if missed:
             self._child(self.lookup_tokens, "none", "miss", *t).inc(missed)
@@ -484,7 +485,7 @@ class Metrics:
         t = self._t(tenant)
         for tier, n in tier_bytes.items():
             if n:
-                self._child(self.bytes_moved, _label(tier, TIERS), *t).inc(n)
+                self._child(self.bytes_moved, _label(tier, TIER_NAMES), *t).inc(n)
 
     def rpc(self, method: str, code: str, seconds: float) -> None:
         labels = (_label(method, RPC_METHODS), _label(code, RPC_CODES))

@@ -27,11 +27,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvstore.explain import LocalWriteTrace, LookupTrace
+from kvstore.observe.records import LocalWriteFacts, LookupFacts
 from policies.base import TtlPolicy
 
 if TYPE_CHECKING:
-    from kvstore.service.app import CallRecord
+    from kvstore.observe.records import CallRecord
 
 MAX_BOUNDARIES = 100_000  # ~200 B each: about 20 MB at most
 _RETURNS = ("Lookup", "Resume")
@@ -57,21 +57,21 @@ class ReturnTracker:
     def __call__(self, call: CallRecord) -> None:
         if call.code != "OK":
             return
-        trace = call.trace
+        facts = call.facts
         # When the call finished (observers run a little later, on their own thread).
         at = getattr(call, "at", None)
-        if isinstance(trace, LocalWriteTrace):
-            self.wrote(trace.namespace, trace.boundary_key, at)
+        if isinstance(facts, LocalWriteFacts):
+            self.wrote(facts.namespace, facts.boundary_key, at)
             return
-        if call.method not in _RETURNS or not isinstance(trace, LookupTrace) or not trace.boundary_key:
+        if call.method not in _RETURNS or not isinstance(facts, LookupFacts) or not facts.boundary_key:
             return
-        gap = self.returned(trace.namespace, trace.boundary_key, at)
+        gap = self.returned(facts.namespace, facts.boundary_key, at)
         if gap is not None:
             policy = self._policy()
             if policy is not None:
                 policy.observe_return(call.tenant, gap)
-        if trace.replay_status == "replayed":  # the coordinator stored the rebuilt snapshot
-            self.wrote(trace.namespace, trace.boundary_key, at)
+        if facts.replay_status == "replayed":  # the coordinator stored the rebuilt snapshot
+            self.wrote(facts.namespace, facts.boundary_key, at)
 
     def wrote(self, namespace: bytes, boundary_key: bytes, at: float | None = None) -> None:
         """A local snapshot was written at this boundary at `at` (default: now)."""

@@ -16,7 +16,7 @@ replayed), "replayed" (global hit, snapshot missing, rebuilt by replay), "absent
 snapshot was ever written for it), "cold" (global miss: a full prefill; local state irrelevant).
 Unknown keys are ignored so that later versions can add fields.
 
-What it does not know: the service, the pool, or how records are evaluated (kvstore.tune).
+What it does not know: the service, the pool, or how records are evaluated (kvstore.observe.ttl_tuning).
 """
 
 from __future__ import annotations

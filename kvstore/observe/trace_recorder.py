@@ -1,8 +1,8 @@
 """The service's request trace (`[trace] enabled`): one JSON line per Lookup/Resume, for
 `kvstore tune ttl --trace FILE`.
 
-`RequestTracer` is an `App` observer. For each successful Lookup or Resume it appends a
-`kvstore.trace.TraceRecord`: wall-clock time, tenant, session, prompt tokens, the local-state
+`TraceRecorder` is an `App` observer. For each successful Lookup or Resume it appends a
+`kvstore.observe.trace_file.TraceRecord`: wall-clock time, tenant, session, prompt tokens, the local-state
 outcome, and the model's snapshot size and replay length (so `tune` prices each request by its
 own model). Never token ids, keys or payloads.
 
@@ -18,7 +18,7 @@ Outcomes: "cold" (no global hit), "hit" (snapshot held, or a model that keeps no
 "replayed" (rebuilt by a replay), "expired" (global hit, no snapshot: the pool cannot always tell
 an expired snapshot from one never written, Redis cannot; `tune` treats both alike).
 
-What it does not know: gRPC, the pool, or how traces are evaluated (kvstore.tune).
+What it does not know: gRPC, the pool, or how traces are evaluated (kvstore.observe.ttl_tuning).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from kvstore.explain import LookupTrace
 from kvstore.layout import CacheLayout, exact_replay_tokens
-from kvstore.trace import LocalOutcome, TraceRecord, TraceWriter
+from kvstore.observe.records import LookupFacts
+from kvstore.observe.trace_file import LocalOutcome, TraceRecord, TraceWriter
 
 if TYPE_CHECKING:
-    from kvstore.service.app import CallRecord
+    from kvstore.observe.records import CallRecord
 
 log = logging.getLogger("kvstore.service")
 
@@ -54,7 +54,7 @@ def trace_outcome(local_state: str, hit_tokens: int) -> LocalOutcome:
     return "replayed" if local_state == "replayed" else "expired"
 
 
-class RequestTracer:
+class TraceRecorder:
     """Writes one `TraceRecord` per successful Lookup/Resume; `close()` closes the file."""
 
     def __init__(
@@ -71,7 +71,7 @@ class RequestTracer:
     def __call__(self, call: CallRecord) -> None:
         if call.code != "OK" or call.method not in _TRACED or call.bills is None:
             return
-        trace = call.trace if isinstance(call.trace, LookupTrace) else None
+        trace = call.facts if isinstance(call.facts, LookupFacts) else None
         layout = self._layouts.get(call.model)
         snapshot = replay = 0
         if layout is not None and layout.local_snapshot_bytes > 0:
@@ -95,7 +95,7 @@ class RequestTracer:
         self._writer.close()
 
 
-def _session_of(trace: LookupTrace | None) -> str:
+def _session_of(trace: LookupFacts | None) -> str:
     if trace is None:
         return derived_session(b"", b"")
     key = trace.boundary_key

@@ -30,8 +30,8 @@ from typing import Literal
 import numpy as np
 
 from kvstore.config.local_pool import TtlPolicyConfig
-from kvstore.trace import TraceRecord
-from policies.factory import adaptive_params
+from kvstore.config.policies import adaptive_params
+from kvstore.observe.trace_file import TraceRecord
 from policies.ttl import AdaptiveTtl
 
 Semantics = Literal["fixed", "sliding", "adaptive"]
@@ -57,7 +57,7 @@ class TraceColumns:
 
 
 @dataclass(frozen=True)
-class CostModel:
+class TtlCostModel:
     replay_cost_per_token: float
     hold_cost_per_byte_second: float
     min_ttl_seconds: float  # the recommendation is clamped to [min, max]
@@ -159,7 +159,7 @@ class _Derived:
 
 def _evaluation(
     c: TraceColumns, d: _Derived, semantics: Semantics, ttl: float | None, hits: np.ndarray,
-    byte_seconds: float, cost: CostModel,
+    byte_seconds: float, cost: TtlCostModel,
 ) -> TtlEvaluation:
     miss = d.eligible & ~hits
     replay_tokens = int(c.replay_tokens[miss].sum())
@@ -215,7 +215,7 @@ def evaluate_fixed(c: TraceColumns, d: _Derived, ttl: float) -> tuple[np.ndarray
     return hits, float(np.dot(c.snapshot_bytes[w], held))
 
 
-def best_sliding_ttl(c: TraceColumns, d: _Derived, cost: CostModel) -> float:
+def best_sliding_ttl(c: TraceColumns, d: _Derived, cost: TtlCostModel) -> float:
     """The TTL in [min, max] with the least total cost under sliding semantics, found exactly:
     total cost only drops at an eligible request's gap, so those gaps and the clamps are the
     only candidates; prefix sums price them all in O(n log n)."""
@@ -244,7 +244,7 @@ class TuneReport:
     sessions: int
     tenants: tuple[str, ...]
     same_boundary_requests: int
-    cost: CostModel
+    cost: TtlCostModel
     rows: tuple[TtlEvaluation, ...]
     recommended: TtlEvaluation  # sliding, at the exact least-cost TTL
     recommended_fixed: TtlEvaluation  # fixed, at the same TTL
@@ -293,7 +293,7 @@ def run_adaptive(
 def tune_ttl(
     c: TraceColumns,
     ttls_seconds: Sequence[float],
-    cost: CostModel,
+    cost: TtlCostModel,
     ttl_cfg: TtlPolicyConfig,
 ) -> TuneReport:
     """Evaluate every TTL under fixed and sliding semantics, the exact best TTL, and the adaptive

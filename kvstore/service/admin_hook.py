@@ -1,4 +1,4 @@
-"""The admin HTTP port's hook: starts `kvstore.admin.server.start_admin` (metrics, /api/stats,
+"""The admin HTTP port's hook: starts `kvstore.service.admin_server.start_admin` (metrics, /api/stats,
 /api/timeseries, /healthz, the dashboard) for a running service, with the service's health.
 
 What it does not know: gRPC, metrics, or the store.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvstore.admin.server import start_admin as start_admin_server
+from kvstore.service.admin_server import start_admin as start_admin_server
 from kvstore.service.app import App
 from kvstore.service.health import HealthReporter
 

@@ -22,15 +22,15 @@ from urllib.parse import urlsplit, urlunsplit
 
 from prometheus_client import CollectorRegistry
 
-from kvstore.admin.api import AdminApi, InfoSources
-from kvstore.admin.http import AdminHttpServer
-from kvstore.admin.observer import Observability, Sampler
 from kvstore.config import KvstoreConfig
-from kvstore.explain import Explainer
-from kvstore.ledger import Ledger, Occupancy, occupancy_from_stats
 from kvstore.local_pool.base import PoolStats
-from kvstore.metrics import ByteSeconds, Metrics, PolicyInfo, Sources
-from kvstore.store_types import StoreStats
+from kvstore.observe.admin_api import AdminApi, InfoSources
+from kvstore.observe.admin_http import AdminHttpServer
+from kvstore.observe.call_observer import Observability, Sampler
+from kvstore.observe.explainer import Explainer
+from kvstore.observe.ledger import Ledger, Occupancy, occupancy_from_stats
+from kvstore.observe.metrics import ByteSeconds, Metrics, PolicyInfo, Sources
+from kvstore.store.types import StoreStats
 
 if TYPE_CHECKING:
     from kvstore.service.app import App
@@ -192,7 +192,7 @@ def start_admin(app: App, host: str, port: int, *,
             app.observers.remove(obs)
         app.explains_misses = False
         if callable(set_sink):
-            from kvstore.explain import NoFates
+            from kvstore.store.fates import NoFates
 
             set_sink(NoFates())
 

@@ -3,10 +3,10 @@ coordinator from one `KvstoreConfig`, and holds them for the servers that serve 
 
 Where other parts plug in (each is optional; the service runs without it):
 - local pool: `kvstore.local_pool.build_local_pool(cfg.local_pool, ttl_policy, clock)`, with the TTL
-  policy from `policies.factory.build_ttl` (`App.reload_local_pool` swaps it on a config reload).
-- replay: `replay.coordinator.build_coordinator(app) -> ReplayCoordinator | None`, called once the
-  app is otherwise complete (so it can use `app.store`, `app.local_pool`, `app.runners`,
-  `app.config.replay`, `app.clock`). Absent: `app.coordinator` is None and an expired `Resume`
+  policy from `kvstore.config.policies.build_ttl` (`App.reload_local_pool` swaps it on a config reload).
+- replay: `replay.coordinator.build_coordinator(parts)`, given the parts it needs (`replay.port.
+  ReplayParts`: the store, the local pool, the runner registry, the served models, `[replay]`, the
+  chunk size, the clock), never the app. Absent: `app.coordinator` is None and an expired `Resume`
   reports "expired" without replaying.
 - observability: append callables to `app.observers`; each gets a `CallRecord` after every KVCache
   call (method, tenant, status code name, seconds, the request's bills, its request id and trace),
@@ -14,8 +14,8 @@ Where other parts plug in (each is optional; the service runs without it):
   see every finished call calls `app.flush_observers()` first.
   Every app with a local pool has one already: `service.returns.ReturnTracker`, which tells the TTL
   policy in force (`app.ttl_policy`) each session's return gap; with `[trace] enabled`, the
-  `service.request_trace.RequestTracer` appends one JSON line per Lookup/Resume. The admin HTTP port is
-  started by `kvstore.admin.server.start_admin(app, host, port, health=...)` (see `admin_hook.py`).
+  `service.request_trace.TraceRecorder` appends one JSON line per Lookup/Resume. The admin HTTP port is
+  started by `kvstore.service.admin_server.start_admin(app, host, port, health=...)` (see `admin_hook.py`).
 
 What it does not know: gRPC (see `server.py`), or how any of the parts do their work.
 """
@@ -32,42 +32,19 @@ from pathlib import Path
 
 from kvstore.config import KvstoreConfig, LocalPoolConfig
 from kvstore.errors import ConfigError, StorageError, UnknownModel
-from kvstore.explain import LocalWriteTrace, LookupTrace
 from kvstore.layout import CacheLayout, ModelSpec, exact_replay_tokens, get_model
 from kvstore.local_pool.base import LocalPool
-from kvstore.service.observe_queue import ObserverQueue
-from kvstore.service.replay_port import ReplayCoordinator
-from kvstore.service.request_trace import RequestTracer
-from kvstore.service.returns import ReturnTracker
-from kvstore.service.runners import RunnerRegistry
+from kvstore.observe.queue import ObserverQueue
+from kvstore.observe.records import CallObserver, CallRecord
+from kvstore.observe.returns import ReturnTracker
+from kvstore.observe.trace_file import TraceWriter
+from kvstore.observe.trace_recorder import TraceRecorder
 from kvstore.store import GlobalStore, TenantQuota
-from kvstore.trace import TraceWriter
-from kvstore.v1 import kvstore_pb2 as pb
 from policies.base import TtlPolicy
+from replay.port import ReplayParts, ReplayPort
+from replay.registry import RunnerRegistry
 
 log = logging.getLogger("kvstore.service")
-
-
-@dataclass(frozen=True)
-class CallRecord:
-    """One finished KVCache call, for metrics and the ledger. `bills` is the reply's `Bills`
-    message when the call priced one (Lookup, Resume), else None."""
-
-    method: str
-    tenant: str
-    code: str  # grpc.StatusCode name: "OK", "INVALID_ARGUMENT", ...
-    seconds: float
-    model: str = ""
-    case: str = ""  # Resume: "cold" | "warm" | "expired"
-    local_state: str = ""  # "hit" | "expired" | "absent" | "not_applicable" | "replayed"
-    bills: pb.Bills | None = None
-    request_id: str = ""  # the caller's x-request-id, or one made up for it (echoed in the trailer)
-    session: str = ""  # the caller's x-session-id, if it sent one
-    trace: LookupTrace | LocalWriteTrace | None = None  # what the miss explainer needs
-    at: float | None = None  # the app's clock when the call finished (observers see it later)
-
-
-CallObserver = Callable[[CallRecord], None]
 
 
 @dataclass
@@ -79,7 +56,7 @@ class App:
     local_pool: LocalPool | None
     runners: RunnerRegistry
     clock: Callable[[], float]
-    coordinator: ReplayCoordinator | None = None
+    coordinator: ReplayPort | None = None
     # Served models the coordinator's in-process runner can replay (set by the factory that builds
     # it): with `replay.runner = "reference"` and no served reference model, it can replay none.
     inprocess_replay_models: frozenset[str] = frozenset()
@@ -200,7 +177,7 @@ def tenant_quotas(cfg: KvstoreConfig) -> dict[str, TenantQuota]:
 
 
 def build_ttl_policy(cfg: KvstoreConfig, models: dict[str, ModelSpec]) -> TtlPolicy:
-    from policies.factory import build_ttl
+    from kvstore.config.policies import build_ttl
 
     # The pool's byte economics follow the served model with the largest snapshot.
     layouts = [m.layout for m in models.values()]
@@ -229,7 +206,7 @@ def install_observers(app: App) -> None:
             writer = TraceWriter(app.config.trace.path)
         except StorageError as e:
             raise ConfigError("trace.path", str(e)) from None
-        tracer = RequestTracer(writer, app.layouts())
+        tracer = TraceRecorder(writer, app.layouts())
         app.observers.append(tracer)
         app.on_close.append(tracer.close)
 
@@ -240,7 +217,7 @@ def build_app(
     *,
     clock: Callable[[], float] = time.monotonic,
     local_pool: LocalPool | str | None = "config",
-    coordinator_factory: Callable[[App], ReplayCoordinator | None] | str | None = "config",
+    coordinator_factory: Callable[[ReplayParts], ReplayPort | None] | str | None = "config",
 ) -> App:
     """Build every part from `cfg`. Tests pass `local_pool` / `coordinator_factory` to substitute
     a part (None: leave it out); "config" builds what the config asks for."""
@@ -253,16 +230,17 @@ def build_app(
         pool = build_pool(cfg, models, clock, policy) if local_pool == "config" else local_pool
         assert not isinstance(pool, str)
         app = App(cfg, ddir, models, store, pool, RunnerRegistry(), clock, ttl_policy=policy)
-        factory = coordinator_factory
-        if factory == "config":
-            factory = None
+        parts = ReplayParts(store, pool, app.runners, models, cfg.replay, cfg.store.chunk_tokens, clock)
+        if coordinator_factory == "config":
             if cfg.replay.runner != "none" and cfg.replay.mode != "off":
                 from replay.coordinator import build_coordinator  # torch is imported only when replay is on
 
-                factory = build_coordinator
-        assert not isinstance(factory, str)
-        if factory is not None:
-            app.coordinator = factory(app)
+                built = build_coordinator(parts)
+                if built is not None:
+                    app.coordinator, app.inprocess_replay_models = built.coordinator, built.inprocess_models
+        elif coordinator_factory is not None:
+            assert not isinstance(coordinator_factory, str)
+            app.coordinator = coordinator_factory(parts)
         install_observers(app)
     except BaseException:
         store.close()

@@ -27,15 +27,17 @@ import grpc
 import numpy as np
 
 from kvstore.errors import InvalidInput, ResourceExhausted, Unauthenticated, Unavailable
-from kvstore.explain import REQUEST_ID_RE, LocalWriteTrace, LookupTrace, request_id_from
-from kvstore.keys import REPLAY_MODES, Namespace
+from kvstore.keys.chunk_keys import REPLAY_MODES, Namespace
 from kvstore.layout import CacheLayout, ModelSpec
-from kvstore.service.app import App, CallRecord
+from kvstore.observe.records import CallRecord, LocalWriteFacts, LookupFacts
+from kvstore.service.app import App
 from kvstore.service.auth import Authenticator
 from kvstore.service.codes import is_expected, status_for
 from kvstore.service.limits import CallLimiter
-from kvstore.service.wire import tokens_from_proto
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.bills import Bills
+from kvstore.wire.messages import tokens_from_proto
+from kvstore.wire.request_ids import REQUEST_ID_RE, request_id_from
 
 log = logging.getLogger("kvstore.service")
 
@@ -52,10 +54,10 @@ class CallState:
     model: str = ""
     case: str = ""
     local_state: str = ""
-    bills: pb.Bills | None = None
+    bills: Bills | None = None
     request_id: str = ""
     session: str = ""
-    trace: LookupTrace | LocalWriteTrace | None = None
+    facts: LookupFacts | LocalWriteFacts | None = None
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -143,7 +145,7 @@ class CallGuard:
         self._app.notify(CallRecord(
             method=state.method, tenant=state.tenant, code=code.name, seconds=seconds, model=state.model,
             case=state.case, local_state=state.local_state, bills=state.bills,
-            request_id=state.request_id, session=state.session, trace=state.trace, at=self._app.clock(),
+            request_id=state.request_id, session=state.session, facts=state.facts, at=self._app.clock(),
         ))
 
     def resolve(self, state: CallState, model: str, replay_mode: str, tokens: pb.Tokens) -> Resolved:

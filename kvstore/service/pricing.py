@@ -1,8 +1,8 @@
 """A request's bills and the local-state status at its hit boundary.
 
-The bills (DESIGN.md section 1) priced per request: prefill tokens avoided (the global hit) and
+The bills (docs/architecture.md §7) priced per request: prefill tokens avoided (the global hit) and
 still to prefill, replay tokens, and per tier the tokens hit and the bytes a load moves. The
-local-state status asks the pool for the snapshot at the boundary chunk key. `trace` is what the
+local-state status asks the pool for the snapshot at the boundary chunk key. `facts_for_lookup` is what the
 miss explainer is told about a lookup.
 
 What it does not know: gRPC status codes, or how the pool or the store keep their bytes.
@@ -14,14 +14,14 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstore.explain import MAX_EXPLAINED_CHUNKS, LookupTrace, lookup_trace
 from kvstore.layout import exact_replay_tokens
 from kvstore.local_pool.base import GetResult
+from kvstore.observe.explainer import MAX_EXPLAINED_CHUNKS
+from kvstore.observe.records import LookupFacts, lookup_facts
 from kvstore.service.calls import Resolved
-from kvstore.service.wire import TIER_TO_PB
-from kvstore.store import LookupResult
-from kvstore.tiers.base import TIER_ORDER
-from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.store import PrefixHit
+from kvstore.wire import bills
+from kvstore.wire.bills import Bills
 
 if TYPE_CHECKING:
     from kvstore.service.app import App
@@ -29,31 +29,13 @@ if TYPE_CHECKING:
 
 def price(
     res: Resolved, chunk_tiers: Sequence[str], replay_tokens: int, local_bytes: int, moved: bool = True
-) -> pb.Bills:
-    """The bills of a request whose hit chunks sit in `chunk_tiers`. `moved`: their bytes are (or
-    would be) loaded; False when the engine kept the chunks and only the boundary was resumed."""
-    ct, cb = res.layout.chunk_tokens, res.layout.chunk_bytes
-    n_hit = len(chunk_tiers)
-    hit = n_hit * ct
-    # C-level counts, not a Python loop over every chunk (256 for 32K tokens); usually one tier
-    # holds them all, and one count says so.
-    if n_hit and chunk_tiers.count(chunk_tiers[0]) == n_hit:
-        counts: dict[str, int] = dict.fromkeys(TIER_ORDER, 0)
-        counts[chunk_tiers[0]] = n_hit
-    else:
-        counts = {t: chunk_tiers.count(t) for t in TIER_ORDER}
-    # Sub-messages given as mappings: the library fills them in place (a built TierBill is copied).
-    return pb.Bills(
-        prompt_tokens=len(res.tokens),
-        prefill_tokens_avoided=hit,
-        prefill_tokens=len(res.tokens) - hit,
-        replay_tokens=replay_tokens,
-        tiers=[
-            {"tier": TIER_TO_PB[t], "hit_tokens": n * ct, "hit_chunks": n, "bytes": n * cb if moved else 0}
-            for t, n in counts.items()
-        ],
-        local_bytes=local_bytes,
-        prefill_flops_avoided=hit * res.spec.prefill_flops_per_token,
+) -> Bills:
+    """The bills of a resolved request whose hit chunks sit in `chunk_tiers`. `moved`: their bytes
+    are (or would be) loaded; False when the engine kept the chunks and only the boundary was resumed."""
+    return bills.price(
+        prompt_tokens=len(res.tokens), chunk_tokens=res.layout.chunk_tokens, chunk_bytes=res.layout.chunk_bytes,
+        chunk_tiers=chunk_tiers, flops_per_token=res.spec.prefill_flops_per_token,
+        replay_tokens=replay_tokens, local_bytes=local_bytes, moved=moved,
     )
 
 
@@ -68,7 +50,7 @@ def planned_replay_tokens(res: Resolved, hit_tokens: int) -> int:
 
 def local_status(
     app: App, res: Resolved, hit_chunks: int, deadline_seconds: float | None = None,
-    lookup: LookupResult | None = None, key: bytes | None = None,
+    lookup: PrefixHit | None = None, key: bytes | None = None,
 ) -> tuple[str, GetResult | None]:
     """("hit" | "expired" | "absent" | "not_applicable", the pool's answer when it was asked).
     `key`, when the caller has it, is the boundary chunk's key (else it is computed)."""
@@ -85,7 +67,7 @@ def local_status(
     return ("hit" if got.hit else "expired"), got
 
 
-def boundary_key(app: App, res: Resolved, chunks: int, lookup: LookupResult | None = None) -> bytes:
+def boundary_key(app: App, res: Resolved, chunks: int, lookup: PrefixHit | None = None) -> bytes:
     """The chained key of the last chunk before the boundary: the pool's key for the snapshot."""
     # The lookup already knows the key of its last hit chunk: reusing it saves hashing the prefix
     # a second time (~0.2 ms for 32K tokens, as much as the lookup's own hashing).
@@ -94,9 +76,9 @@ def boundary_key(app: App, res: Resolved, chunks: int, lookup: LookupResult | No
     return app.store.chunk_keys(res.ns, res.tokens[: chunks * res.chunk_tokens])[-1]
 
 
-def trace(
-    app: App, res: Resolved, r: LookupResult, hit_chunks: int, got: GetResult | None, key: bytes | None = None,
-) -> LookupTrace:
+def facts_for_lookup(
+    app: App, res: Resolved, r: PrefixHit, hit_chunks: int, got: GetResult | None, key: bytes | None = None,
+) -> LookupFacts:
     """The miss explainer's view of a lookup that reached `hit_chunks` (at most `r.hit_chunks`);
     `got`: the pool's answer at that boundary, `key`: the boundary key when the caller has it.
 
@@ -133,7 +115,7 @@ def trace(
             held = store.held(missed[:MAX_EXPLAINED_CHUNKS])
         else:
             miss_fn = miss_keys
-    return lookup_trace(
+    return lookup_facts(
         namespace=res.ns.digest, full_chunks=full, hit_chunks=hit_chunks, chunk_tokens=ct,
         boundary_key=boundary, remainder_tokens=r.remainder_tokens,
         # A mismatch is where the lookup stopped; a shorter hit (a pin that found less) did not stop there.

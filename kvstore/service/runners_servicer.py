@@ -24,10 +24,10 @@ from kvstore.errors import InvalidInput, KvstoreError, Unavailable
 from kvstore.layout import CacheLayout
 from kvstore.service.auth import Authenticator
 from kvstore.service.codes import status_for
-from kvstore.service.framing import BlobAssembler, plan_pieces
-from kvstore.service.runners import RunnerInfo, RunnerLink, RunnerRegistry, _Pending
-from kvstore.service.wire import Malformed, accept, tokens_to_proto
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.framing import BlobAssembler, plan_pieces
+from kvstore.wire.messages import Malformed, accept, tokens_to_proto
+from replay.registry import RunnerInfo, RunnerLink, RunnerRegistry, _Pending
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class RunnersServicer:
     def _job_messages(self, p: _Pending) -> Iterator[pb.RunnerCommand]:
         job = p.job
         yield pb.RunnerCommand(job=pb.ReplayJob(
-            job_id=p.job_id, model=job.model, replay_mode=job.replay_mode, tokens=tokens_to_proto(job.tokens),
+            job_id=p.job_id, model=job.model, replay_mode=job.mode, tokens=tokens_to_proto(job.tokens),
             position_start=job.position_start, position_end=job.position_end, first_chunk=job.first_chunk,
             num_chunks=len(job.chunks), chunk_bytes=job.chunk_bytes, deadline_seconds=job.deadline_seconds,
         ))

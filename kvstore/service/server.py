@@ -35,8 +35,8 @@ from kvstore.service.health import HealthReporter
 from kvstore.service.limits import CallLimiter
 from kvstore.service.runners_servicer import RunnersServicer
 from kvstore.service.servicer import KVCacheServicer
-from kvstore.service.wire import safe_deserializer, serialize_response
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.messages import safe_deserializer, serialize_response
 
 log = logging.getLogger("kvstore.service")
 

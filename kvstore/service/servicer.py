@@ -13,7 +13,7 @@ answers with results for every expected outcome (miss, expired, no room). Stream
 - a cancelled server stream closes its generator, which closes the load session and releases its
   pins at once.
 
-Resume and the local-state calls live in `servicer_local.py`; the bills in `bills.py`.
+Resume and the local-state calls live in `servicer_local.py`; the bills in `pricing.py`.
 What it does not know: how tiers hold bytes, credentials, or replay policy.
 """
 
@@ -29,11 +29,14 @@ import grpc
 
 from kvstore import __version__
 from kvstore.errors import InvalidInput
-from kvstore.service.bills import local_status, price, trace
 from kvstore.service.calls import CallGuard, CallState, Resolved
-from kvstore.service.framing import ChunkAssembler, plan_pieces
+from kvstore.service.pricing import facts_for_lookup, local_status, price
 from kvstore.service.servicer_local import LocalStateCalls
-from kvstore.service.wire import (
+from kvstore.store import CommitResult, LoadSession
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.bills import to_pb as bills_to_pb
+from kvstore.wire.framing import ChunkAssembler, plan_pieces
+from kvstore.wire.messages import (
     LOCAL_TO_PB,
     TIER_TO_PB,
     Malformed,
@@ -43,8 +46,6 @@ from kvstore.service.wire import (
     encode_chunk_piece,
     encode_lookup_response,
 )
-from kvstore.store import LoadSession, StoreResult
-from kvstore.v1 import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
     from kvstore.service.app import App
@@ -76,14 +77,14 @@ class KVCacheServicer(LocalStateCalls):
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens)
             r = self.app.store.lookup(res.ns, res.tokens)
             state, got = local_status(self.app, res, r.hit_chunks, context.time_remaining(), r)
-            call.trace = trace(self.app, res, r, r.hit_chunks, got)
+            call.facts = facts_for_lookup(self.app, res, r, r.hit_chunks, got)
             snapshot = res.layout.local_snapshot_bytes
             bills = price(res, r.chunk_tiers, replay_tokens=0,
                           local_bytes=snapshot if state == "hit" else 0)
             call.local_state, call.bills = state, bills
             return encode_lookup_response(pb.LookupResponse(
                 hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, local_state=LOCAL_TO_PB[state],
-                bills=bills, chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes,
+                bills=bills_to_pb(bills), chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes,
                 full_chunks=r.full_chunks, remainder_tokens=r.remainder_tokens,
                 local_snapshot_bytes=snapshot, replay_mode=res.ns.replay_mode,
             ), r.chunk_tiers)
@@ -285,7 +286,7 @@ def _uniform_piece_head(first_chunk: int, count: int, nbytes: int, tier: str) ->
     return chunk_piece_head(first_chunk, bytes([TIER_TO_PB[tier]]) * count, nbytes)
 
 
-def _store_response(r: StoreResult, received: int, remainder: int, skipped: int = 0,
+def _store_response(r: CommitResult, received: int, remainder: int, skipped: int = 0,
                     reason: str = "") -> pb.StoreResponse:
     return pb.StoreResponse(
         stored_chunks=r.stored_chunks, already_present=r.already_present,

@@ -25,16 +25,17 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvstore.errors import InvalidInput
-from kvstore.explain import LocalWriteTrace
 from kvstore.local_pool.base import GetResult
-from kvstore.service.bills import boundary_key, local_status, planned_replay_tokens, price, trace
+from kvstore.observe.records import LocalWriteFacts
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.codes import status_for
-from kvstore.service.framing import BlobAssembler, blob_spans
-from kvstore.service.replay_port import ReplayOutcome
-from kvstore.service.wire import CASE_TO_PB, LOCAL_TO_PB, TIER_TO_PB, Malformed, accept
+from kvstore.service.pricing import boundary_key, facts_for_lookup, local_status, planned_replay_tokens, price
 from kvstore.store import LoadSession
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.bills import to_pb as bills_to_pb
+from kvstore.wire.framing import BlobAssembler, blob_spans
+from kvstore.wire.messages import CASE_TO_PB, LOCAL_TO_PB, TIER_TO_PB, Malformed, accept
+from replay.port import ReplayOutcome
 
 if TYPE_CHECKING:
     from kvstore.service.app import App
@@ -103,7 +104,7 @@ class LocalStateCalls:
         r = pool.put(res.ns.digest, key, res.ns.tenant, res.ns.layout_id, boundary, payload,
                      context.time_remaining())
         if r.written:
-            call.trace = LocalWriteTrace(res.ns.digest, key, r.ttl_seconds)
+            call.facts = LocalWriteFacts(res.ns.digest, key, r.ttl_seconds)
         return pb.StoreLocalResponse(stored=r.written, reason=r.skip_reason or "", ttl_seconds=r.ttl_seconds,
                                      boundary_tokens=boundary)
 
@@ -163,7 +164,7 @@ class LocalStateCalls:
                 resume_case=CASE_TO_PB[case], hit_tokens=n * res.chunk_tokens,
                 hit_chunks=0 if session is None else n, chunk_tiers=[TIER_TO_PB[t] for t in tiers],
                 local_state=LOCAL_TO_PB[state],
-                bills=price(res, tiers, plan, size if state == "hit" else 0, moved=session is not None),
+                bills=bills_to_pb(price(res, tiers, plan, size if state == "hit" else 0, moved=session is not None)),
                 chunk_tokens=res.chunk_tokens, chunk_bytes=res.layout.chunk_bytes, local_snapshot_bytes=size,
                 replay_planned=replay is not None))
             loaded: list[str] = []
@@ -188,12 +189,12 @@ class LocalStateCalls:
         bills = price(res, loaded, outcome.replay_tokens, len(view), moved=session is not None)
         call.local_state, call.bills = final, bills
         # The status only of a replay that was started ("" otherwise: nothing was replayed, nothing failed).
-        call.trace = dataclasses.replace(trace(self.app, res, r, n, got, pinned_key),
+        call.facts = dataclasses.replace(facts_for_lookup(self.app, res, r, n, got, pinned_key),
                                          replay_status=outcome.status if replay is not None else "",
                                          replay_seconds=replay_seconds)
         yield pb.ResumeResponse(trailer=pb.ResumeTrailer(
             local_state=LOCAL_TO_PB[final], snapshot_bytes=len(view), replay_tokens=outcome.replay_tokens,
-            replay_status=outcome.status, bills=bills))
+            replay_status=outcome.status, bills=bills_to_pb(bills)))
 
     def _start_replay(
         self, res: Resolved, case: str, hit_tokens: int, deadline: float | None, boundary_key: bytes | None

@@ -33,45 +33,32 @@ from typing import cast
 
 import numpy as np
 
+from kvstore.config.policies import build_admission, build_eviction
 from kvstore.config.store import StoreConfig
 from kvstore.errors import InvalidInput, UnknownModel
-from kvstore.explain import ChunkFateSink, NoFates, RefusalReason
-from kvstore.key_chain import chain_from
-from kvstore.key_memo import KeyMemo, Recall
-from kvstore.keys import Namespace, as_token_array, full_chunk_bytes, split_chunks
-from kvstore.layout import CacheLayout, ModelSpec
-from kvstore.pins import PinReceipt, PinTable
-from kvstore.store_placement import ChunkEntry, Placement, fastest_tier
-from kvstore.store_sessions import LoadSession, StoreTxn
-from kvstore.store_types import (
-    LoadedChunk,
-    LookupResult,
-    StoreResult,
+from kvstore.keys.chain import chain_from
+from kvstore.keys.chunk_keys import Namespace, as_token_array, full_chunk_bytes, split_chunks
+from kvstore.keys.memo import KeyMemo, Recall
+from kvstore.layout import TIER_NAMES, CacheLayout, ModelSpec
+from kvstore.store.fates import ChunkFateSink, NoFates, RefusalReason
+from kvstore.store.pins import PinReceipt, PinTable
+from kvstore.store.placement import ChunkEntry, Placement, fastest_tier
+from kvstore.store.sessions import LoadSession, StoreTxn
+from kvstore.store.types import (
+    CommitResult,
+    PrefixHit,
     StoreStats,
     TenantQuota,
     TierUsage,
 )
-from kvstore.tiers.base import TIER_ORDER, ChunkMeta, DurableTier, Tier, TierName
+from kvstore.tiers.base import ChunkMeta, DurableTier, Tier, TierName
 from kvstore.tiers.factory import build_tiers, quantize_tiers
 from policies.base import AdmissionPolicy, EvictionPolicy
-from policies.factory import build_admission, build_eviction
 
 # Read from every hit entry of a lookup, through C-level map()s.
 _FASTEST = operator.attrgetter("fastest")
 _TOKENS = operator.attrgetter("tokens")
 _NAMESPACE = operator.attrgetter("namespace")
-
-__all__ = [
-    "GlobalStore",
-    "LoadSession",
-    "LoadedChunk",
-    "LookupResult",
-    "StoreResult",
-    "StoreStats",
-    "StoreTxn",
-    "TenantQuota",
-]
-
 
 class GlobalStore(Placement):
     def __init__(
@@ -97,10 +84,10 @@ class GlobalStore(Placement):
         self._durable: DurableTier = lmdb
         self._tiers: dict[TierName, Tier] = {"device": device, "dram": dram, "lmdb": lmdb}
         self._policies: dict[TierName, EvictionPolicy] = {
-            t: build_eviction(cfg.eviction_policy) for t in TIER_ORDER
+            t: build_eviction(cfg.eviction_policy) for t in TIER_NAMES
         }
         self._admission: AdmissionPolicy = build_admission(cfg.admission_policy)
-        self._used: dict[TierName, int] = dict.fromkeys(TIER_ORDER, 0)
+        self._used: dict[TierName, int] = dict.fromkeys(TIER_NAMES, 0)
         self._tenant_used: dict[tuple[str, TierName], int] = {}
         self._known_ns: dict[bytes, str] = {}  # namespace digest -> tenant
         self._counters: dict[str, int] = {}
@@ -137,12 +124,12 @@ class GlobalStore(Placement):
 
     # --- lookup -----------------------------------------------------------------------------------
 
-    def lookup(self, ns: Namespace, tokens: np.ndarray) -> LookupResult:
+    def lookup(self, ns: Namespace, tokens: np.ndarray) -> PrefixHit:
         return self._walk(ns, tokens, count=True)
 
     def _walk(
         self, ns: Namespace, tokens: np.ndarray, count: bool, keys_out: list[bytes] | None = None
-    ) -> LookupResult:
+    ) -> PrefixHit:
         """The lookup; `keys_out`, when given, receives the key of every hit chunk (a load pins
         them: hashing the prefix again for them cost as much as the lookup itself)."""
         layout = self.layout(ns)
@@ -181,7 +168,7 @@ class GlobalStore(Placement):
                 self._bump("token_mismatches", mismatches)
         if keys_out is not None:
             keys_out.extend(keys[:h])
-        return LookupResult(
+        return PrefixHit(
             hit_tokens=hit,
             hit_chunks=h,
             chunk_tiers=tuple(tiers),
@@ -271,7 +258,7 @@ class GlobalStore(Placement):
         remainder = len(tokens) - len(chunks) * layout.chunk_tokens
         return StoreTxn(self, ns, layout, keys, chunks, needed, remainder)
 
-    def _commit(self, txn: StoreTxn) -> StoreResult:
+    def commit_txn(self, txn: StoreTxn) -> CommitResult:
         ns, layout = txn.ns, txn.layout
         staged = sorted(txn.staged.items())
         missing = [i for i in txn.chunks_needed if i not in txn.staged]
@@ -332,7 +319,7 @@ class GlobalStore(Placement):
             all_durable = all(
                 (e := self._index.get(k)) is not None and "lmdb" in e.footprint for k in txn.keys
             )
-        return StoreResult(
+        return CommitResult(
             stored_chunks=placed,
             already_present=len(txn.keys) - len(new),
             skipped_chunks=skipped,
@@ -344,7 +331,7 @@ class GlobalStore(Placement):
     def _refusal(self, tenant: str, payload_bytes: int) -> RefusalReason:
         """Why a chunk found no place: the tenant's quota in some tier, else the tiers' room."""
         quota = self._quotas.get(tenant, TenantQuota())
-        for t in TIER_ORDER:
+        for t in TIER_NAMES:
             limit = quota.limit(t)
             if limit >= 0 and self._tenant_used.get((tenant, t), 0) + self._tiers[t].footprint(payload_bytes) > limit:
                 return "over_quota"
@@ -384,13 +371,13 @@ class GlobalStore(Placement):
             receipt = self._pins.pin(keys, self._clock(), self.cfg.pin_timeout_seconds)
         return LoadSession(self, ns, self.layout(ns), keys, receipt, result)
 
-    def _read(self, key: bytes, out: memoryview) -> TierName | None:
+    def read_chunk(self, key: bytes, out: memoryview) -> TierName | None:
         """Copy one chunk into `out` from the fastest tier that holds it intact."""
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
                 return None
-            order = [t for t in TIER_ORDER if t in entry.footprint]
+            order = [t for t in TIER_NAMES if t in entry.footprint]
             for tier in order:
                 if tier == "lmdb":
                     break  # read outside the lock below
@@ -401,8 +388,8 @@ class GlobalStore(Placement):
             return None
         return "lmdb" if self._after_lmdb_read(key, self._durable.get_into(key, out), out) else None
 
-    def _read_many(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[TierName]:
-        """`_read` for consecutive chunks of a prefix, stopping at the first one that is gone: the
+    def read_chunks(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[TierName]:
+        """`read_chunk` for consecutive chunks of a prefix, stopping at the first one that is gone: the
         tiers of the chunks read. A run of chunks that only LMDB holds is read in one LMDB read
         transaction."""
         got: list[TierName] = []
@@ -413,7 +400,7 @@ class GlobalStore(Placement):
                 while j < n and (e := self._index.get(keys[j])) is not None and e.fastest == "lmdb":
                     j += 1
             if j == i:  # in memory (or gone): one at a time
-                tier = self._read(keys[i], outs[i])
+                tier = self.read_chunk(keys[i], outs[i])
                 if tier is None:
                     return got
                 got.append(tier)
@@ -444,18 +431,18 @@ class GlobalStore(Placement):
                 self._bump_tier("promotions", fastest_tier(entry))
         return True
 
-    def _read_joined(
+    def read_joined(
         self, keys: Sequence[bytes], head: Callable[[TierName], bytes]
     ) -> tuple[TierName, bytes] | None:
         """`head(tier)` followed by the payloads of `keys`, as one new bytes object copied once
         from `tier`, the in-memory tier that is the fastest holder of every one of them; None when
         they are spread over tiers, one is held by LMDB only, or the tier cannot read in place
-        (read them one by one with `_read` then).
+        (read them one by one with `read_chunk` then).
 
         A Load's stream message is built this way: reading each chunk into a message buffer and
         then copying the buffer into the `bytes` gRPC sends cost one more pass over every byte
         than a plain server serializing a prebuilt message (~10% of a Load's CPU)."""
-        with self._lock:  # held through the copy, as `_read` does: nothing is evicted meanwhile
+        with self._lock:  # held through the copy, as `read_chunk` does: nothing is evicted meanwhile
             tier: TierName | None = None
             for k in keys:
                 entry = self._index.get(k)
@@ -476,7 +463,7 @@ class GlobalStore(Placement):
         if key not in self._index:  # that was its last copy
             self._fates.corrupt(key, entry.namespace, tier)
 
-    def _release(self, receipt: PinReceipt, read_keys: Sequence[bytes]) -> None:
+    def release_load(self, receipt: PinReceipt, read_keys: Sequence[bytes]) -> None:
         with self._lock:
             self._pins.release(receipt)
             # Touch the chunks that were read tail first, so the head of the prefix ends up the
@@ -535,7 +522,7 @@ class GlobalStore(Placement):
         with self._lock:
             self._pins.expire(self._clock())
             tiers: dict[str, TierUsage] = {}
-            for name in TIER_ORDER:
+            for name in TIER_NAMES:
                 ts = self._tiers[name].stats()
                 tiers[name] = TierUsage(
                     used_bytes=self._used[name],
@@ -569,7 +556,7 @@ class GlobalStore(Placement):
     def check_invariants(self) -> None:
         """Budgets hold and the accounting adds up (used by tests after every step)."""
         with self._lock:
-            for tier in TIER_ORDER:
+            for tier in TIER_NAMES:
                 total = sum(e.footprint.get(tier, 0) for e in self._index.values())
                 assert total == self._used[tier], (tier, total, self._used[tier])
                 assert self._used[tier] <= self._tiers[tier].capacity_bytes, tier

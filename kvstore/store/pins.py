@@ -58,9 +58,6 @@ class PinTable:
         self.expired_total += n
         return n
 
-    def is_pinned(self, key: bytes) -> bool:
-        return key in self._counts
-
     def __contains__(self, key: object) -> bool:
         return key in self._counts
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstore.explain import ChunkFateSink
-from kvstore.layout import CacheLayout
-from kvstore.pins import PinTable
-from kvstore.store_types import TenantQuota
-from kvstore.tiers.base import TIER_ORDER, ChunkMeta, Tier, TierName
+from kvstore.layout import TIER_NAMES, CacheLayout
+from kvstore.store.fates import ChunkFateSink
+from kvstore.store.pins import PinTable
+from kvstore.store.types import TenantQuota
+from kvstore.tiers.base import ChunkMeta, Tier, TierName
 from policies.base import AdmissionPolicy, EvictionPolicy
 
 
@@ -34,7 +34,7 @@ class ChunkEntry:
     footprint: dict[TierName, int] = field(default_factory=dict)  # tier -> bytes charged there
     # The fastest tier in `footprint`, kept by `_charge`/`_uncharge` (an entry stays indexed only
     # while some tier holds it). A lookup reads it for every hit chunk: finding it by walking
-    # TIER_ORDER each time was an eighth of a 32K-token lookup.
+    # TIER_NAMES each time was an eighth of a 32K-token lookup.
     fastest: TierName = "lmdb"
 
 
@@ -114,7 +114,7 @@ class Placement:
         A device victim goes to DRAM even when LMDB holds it (write-through): DRAM is the faster
         place to find it again. A chunk already in a lower in-memory tier is simply dropped.
         """
-        lower = TIER_ORDER[TIER_ORDER.index(tier) + 1 :]
+        lower = TIER_NAMES[TIER_NAMES.index(tier) + 1 :]
         in_lower_memory = any(t in entry.footprint for t in lower if t != "lmdb")
         targets = tuple(t for t in lower if t not in entry.footprint and self._tiers[t].capacity_bytes > 0)
         if targets and not in_lower_memory:
@@ -158,7 +158,7 @@ class Placement:
 
 
 def fastest_tier(entry: ChunkEntry) -> TierName:
-    for t in TIER_ORDER:
+    for t in TIER_NAMES:
         if t in entry.footprint:
             return t
     raise AssertionError("an indexed chunk is held by no tier")

@@ -8,24 +8,37 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvstore.errors import InvalidInput
-from kvstore.keys import Namespace
+from kvstore.keys.chunk_keys import Namespace
 from kvstore.layout import CacheLayout
-from kvstore.pins import PinReceipt
-from kvstore.store_types import LoadedChunk, LookupResult, StoreResult
+from kvstore.store.pins import PinReceipt
+from kvstore.store.types import CommitResult, LoadedChunk, PrefixHit
 from kvstore.tiers.base import TierName
 
-if TYPE_CHECKING:
-    from kvstore.store import GlobalStore
+
+class Bookkeeper(Protocol):
+    """What a session asks of the store that handed it out (`GlobalStore`): every decision."""
+
+    def commit_txn(self, txn: StoreTxn) -> CommitResult: ...
+
+    def read_chunk(self, key: bytes, out: memoryview) -> TierName | None: ...
+
+    def read_chunks(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[TierName]: ...
+
+    def read_joined(
+        self, keys: Sequence[bytes], head: Callable[[TierName], bytes]
+    ) -> tuple[TierName, bytes] | None: ...
+
+    def release_load(self, receipt: PinReceipt, read_keys: Sequence[bytes]) -> None: ...
 
 
 class StoreTxn:
     """One two-phase store: stage payloads with `write`, then `commit` or `abort`."""
 
     def __init__(
-        self, store: GlobalStore, ns: Namespace, layout: CacheLayout, keys: list[bytes],
+        self, store: Bookkeeper, ns: Namespace, layout: CacheLayout, keys: list[bytes],
         chunks: list[bytes], needed: list[int], remainder_tokens: int,
     ) -> None:
         self._store = store
@@ -53,12 +66,12 @@ class StoreTxn:
             )
         self.staged[chunk_index] = mv
 
-    def commit(self) -> StoreResult:
+    def commit(self) -> CommitResult:
         if self._done:
             raise InvalidInput("this store transaction is already finished")
         self._done = True
         try:
-            return self._store._commit(self)
+            return self._store.commit_txn(self)
         finally:
             self.staged.clear()
 
@@ -77,8 +90,8 @@ class StoreTxn:
 class LoadSession:
     """The chunks of a hit prefix, pinned until the session closes (or the pin times out)."""
 
-    def __init__(self, store: GlobalStore, ns: Namespace, layout: CacheLayout, keys: list[bytes],
-                 receipt: PinReceipt, lookup: LookupResult) -> None:
+    def __init__(self, store: Bookkeeper, ns: Namespace, layout: CacheLayout, keys: list[bytes],
+                 receipt: PinReceipt, lookup: PrefixHit) -> None:
         self._store = store
         self.lookup = lookup  # the lookup that chose these chunks (hit length may exceed len(keys))
         self.ns = ns
@@ -94,7 +107,7 @@ class LoadSession:
 
     def read_into(self, index: int, out: memoryview) -> TierName | None:
         """Copy chunk `index` into `out`; None when it vanished (corrupt), which ends the hit."""
-        tier = self._store._read(self.keys[index], out)
+        tier = self._store.read_chunk(self.keys[index], out)
         if tier is not None:
             self.read_chunks += 1
         return tier
@@ -103,7 +116,7 @@ class LoadSession:
         """Copy chunks first, first + 1, ... into outs; the tiers they came from, stopping at the
         first chunk that vanished (corrupt), which ends the hit. Chunks only LMDB holds are read
         in one read transaction."""
-        tiers = self._store._read_many(self.keys[first : first + len(outs)], outs)
+        tiers = self._store.read_chunks(self.keys[first : first + len(outs)], outs)
         self.read_chunks += len(tiers)
         return tiers
 
@@ -111,9 +124,9 @@ class LoadSession:
         self, first: int, count: int, head: Callable[[TierName], bytes]
     ) -> tuple[TierName, bytes] | None:
         """`head(tier)` followed by chunks [first, first + count) in one new bytes object, when one
-        in-memory tier holds them all (see `GlobalStore._read_joined`); else None, and nothing
+        in-memory tier holds them all (see `GlobalStore.read_joined`); else None, and nothing
         was read: use `read_into` chunk by chunk."""
-        got = self._store._read_joined(self.keys[first : first + count], head)
+        got = self._store.read_joined(self.keys[first : first + count], head)
         if got is not None:
             self.read_chunks += count
         return got
@@ -128,7 +141,7 @@ class LoadSession:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._store._release(self.receipt, self.keys[: self.read_chunks])
+            self._store.release_load(self.receipt, self.keys[: self.read_chunks])
 
     def __enter__(self) -> LoadSession:
         return self

@@ -20,7 +20,7 @@ class TenantQuota:
 
 
 @dataclass(frozen=True)
-class LookupResult:
+class PrefixHit:
     hit_tokens: int  # a multiple of chunk_tokens: hits end on chunk boundaries
     hit_chunks: int
     chunk_tiers: tuple[TierName, ...]  # the fastest tier holding each hit chunk
@@ -31,15 +31,9 @@ class LookupResult:
     token_mismatches: int = 0  # a key hit whose stored token ids differ: treated as a miss
     boundary_key: bytes = b""  # key of the last hit chunk (names the local snapshot there)
 
-    def tokens_by_tier(self) -> dict[TierName, int]:
-        out: dict[TierName, int] = {}
-        for t in self.chunk_tiers:
-            out[t] = out.get(t, 0) + self.chunk_tokens
-        return out
-
 
 @dataclass(frozen=True)
-class StoreResult:
+class CommitResult:
     stored_chunks: int  # newly stored by this call
     already_present: int
     skipped_chunks: int  # could not be placed (no room within budgets)

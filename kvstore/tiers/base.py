@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
-TierName = Literal["device", "dram", "lmdb"]
-TIER_ORDER: tuple[TierName, ...] = ("device", "dram", "lmdb")
+from kvstore.layout import TierName
 
 
 class ChunkMeta(NamedTuple):

@@ -5,7 +5,7 @@ evenly (~3.8 bits of entropy per 4-bit code), while the scale bytes (E4M3 and UE
 32 values) vary slowly and compress well. `zstd-split` therefore gathers the value bytes and the
 scale bytes of a layout's segments into two streams and compresses each one only if it pays.
 Measured (zstd level 3, stored/raw bytes) on V4.1 chunks quantized from gaussians through the
-real codecs, with iid channels (kvstore.bench.payloads) and with log-normal per-channel scales:
+real codecs, with iid channels (kvstore.workload.payloads) and with log-normal per-channel scales:
 
     mode                 iid channels   scaled channels
     zstd (whole)         0.983          0.957

@@ -25,7 +25,7 @@ LMDB_SUBDIR = "lmdb"
 def build_tiers(
     cfg: StoreConfig, data_dir: Path, layouts: Iterable[CacheLayout]
 ) -> tuple[DeviceTier, DramTier, LmdbTier]:
-    """(device, dram, lmdb), in TIER_ORDER. `layouts` are every layout the store may write."""
+    """(device, dram, lmdb), in TIER_NAMES. `layouts` are every layout the store may write."""
     device = DeviceTier(cfg.device_capacity_bytes, cfg.page_bytes, cfg.device)
     try:
         dram = DramTier(cfg.dram_capacity_bytes, cfg.page_bytes)

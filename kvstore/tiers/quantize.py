@@ -1,7 +1,7 @@
 """Opt-in lossy quantize-on-store: a chunk payload's bf16 segments as FP8 or FP4, and back.
 
 For engines that send bf16 KV (the dense GQA layout), a tier configured with `quantize_<tier>`
-keeps each bf16 segment in a block-scaled format of DESIGN.md §2 (through `kvstore.codecs`):
+keeps each bf16 segment in a block-scaled format of docs/architecture.md §5.1 (through `kvstore.codecs`):
 
 - "fp8": FP8 E4M3 values with one UE8M0 scale per 32 values (1.03 B per value, ~0.52x of bf16).
   |error| <= |x|/16 + amax/2^17: E4M3 keeps 3 mantissa bits and the power-of-two scale puts the

@@ -3,7 +3,7 @@
 Configured per tier (`StoreConfig.quantize_<tier>`, off by default) and built by the factory
 around any tier. The store keeps seeing the layout's chunk bytes: `put` takes the bf16 payload,
 `get_into` writes a bf16 payload of the same size (dequantized, so not the bytes that were
-stored: see kvstore/quantize.py for the error bounds), and `footprint()` reports what the
+stored: see kvstore/tiers/quantize.py for the error bounds), and `footprint()` reports what the
 quantized value really takes in the wrapped tier, so budgets stay honest. Payloads of layouts
 without bf16 segments (or of unknown layouts or sizes) pass through untouched.
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from kvstore.layout import CacheLayout
-from kvstore.quantize import QuantizeMode, QuantPlan, plan_for
 from kvstore.tiers.base import ChunkMeta, DurableTier, ScannedChunk, Tier, TierName, TierStats
+from kvstore.tiers.quantize import QuantizeMode, QuantPlan, plan_for
 
 
 class QuantizingTier:

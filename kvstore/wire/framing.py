@@ -27,13 +27,6 @@ class PieceSpan:
     offset: int
     nbytes: int
 
-    def chunks_starting(self, chunk_bytes: int) -> range:
-        """Indices of the chunks whose first byte lies in this span (for per-chunk tier labels)."""
-        start = self.first_chunk if self.offset == 0 else self.first_chunk + 1
-        end_byte = self.first_chunk * chunk_bytes + self.offset + self.nbytes
-        end = -(-end_byte // chunk_bytes)  # ceil
-        return range(start, max(start, end))
-
 
 def plan_pieces(first_chunk: int, num_chunks: int, chunk_bytes: int, message_bytes: int) -> Iterator[PieceSpan]:
     """Cut chunks [first_chunk, first_chunk + num_chunks) into spans of at most `message_bytes`.

@@ -32,9 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidInput
-from kvstore.layout import ModelSpec
-
-_TIERS = ("device", "dram", "lmdb")
+from kvstore.layout import TIER_NAMES, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,7 @@ class CostModel:
 
     def load_seconds(self, bytes_by_tier: tuple[int, int, int]) -> float:
         """Seconds to bring global chunks into HBM; bytes in tier order device, DRAM, LMDB."""
-        return sum(b / self.bandwidth(t) for t, b in zip(_TIERS, bytes_by_tier, strict=True) if b)
+        return sum(b / self.bandwidth(t) for t, b in zip(TIER_NAMES, bytes_by_tier, strict=True) if b)
 
     def ttft_work_seconds(
         self, prefill_tokens: int, replay_tokens: int, bytes_by_tier: tuple[int, int, int], snapshot_bytes: int,

@@ -36,16 +36,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvstore.client import KvstoreClient
-from kvstore.client_types import ResumeResult
+from kvstore.client.sync_client import KvstoreClient
+from kvstore.client.types import ResumeResult
 from kvstore.errors import InvalidInput
+from kvstore.layout import TIER_NAMES
 
 if TYPE_CHECKING:
-    from replay.model import ModelState, PrefillResult, ReferenceModel
+    from replay.reference.model import ModelState, PrefillResult, ReferenceModel
 
 MiB = 1 << 20
 MODEL = "reference-toy-8"
-TIERS = ("device", "dram", "lmdb")
 Say = Callable[[str], None]
 
 
@@ -257,7 +257,7 @@ def compare_with_cold(model: ReferenceModel, state: ModelState, prompt: np.ndarr
 
 def case_report(case: str, prompt: np.ndarray, turn: Turn, agreement: Agreement) -> CaseReport:
     r = turn.resume
-    loaded = {t: (r.bills.tiers[t].bytes if t in r.bills.tiers else 0) for t in TIERS}
+    loaded: dict[str, int] = {t: (r.bills.tiers[t].bytes if t in r.bills.tiers else 0) for t in TIER_NAMES}
     loaded["local"] = r.bills.local_bytes
     return CaseReport(
         case=case, prompt_tokens=len(prompt), hit_tokens=r.hit_tokens,
@@ -273,7 +273,7 @@ def case_report(case: str, prompt: np.ndarray, turn: Turn, agreement: Agreement)
 
 def load_engine_model(chunk_tokens: int, device: str) -> ReferenceModel:
     from replay.inprocess import device_option
-    from replay.model import ModelConfig, ReferenceModel
+    from replay.reference.model import ModelConfig, ReferenceModel
 
     return ReferenceModel(replace(ModelConfig(), chunk_tokens=chunk_tokens), device_option(device))
 

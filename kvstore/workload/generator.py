@@ -24,7 +24,6 @@ What it does not know: caches, tiers, TTLs, timing of the service, or the wire p
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -276,9 +275,3 @@ def expected_expired_share(workload: Workload, ttl_seconds: float) -> float:
     if workload.spec.turns < 2 or not math.isfinite(ttl_seconds):
         return 0.0
     return workload.think.fraction_above(ttl_seconds)
-
-
-def iter_turns(workload: Workload) -> Iterator[tuple[SessionPlan, TurnPlan]]:
-    for s in workload.sessions:
-        for t in s.turns:
-            yield s, t

@@ -1,4 +1,4 @@
-"""The live mode: the workload against the real service, through `kvstore.client`.
+"""The live mode: the workload against the real service, through `kvstore.client.sync_client`.
 
 Role: act as the inference engine of every session. Per request it calls `Resume` (lookup + load
 + the local snapshot, replayed by the service's runner when it expired), then, when the turn's
@@ -38,18 +38,17 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.client import KvstoreClient
+from kvstore.client.sync_client import KvstoreClient
 from kvstore.config import KvstoreConfig, LocalPoolConfig, ReplayConfig, ServiceConfig, StoreConfig
 from kvstore.config.service import AdminConfig
 from kvstore.errors import InvalidInput, Unavailable
-from kvstore.layout import ModelSpec, get_model
+from kvstore.layout import TIER_NAMES, ModelSpec, get_model
 from kvstore.local_pool.embedded import ENTRY_OVERHEAD_BYTES
 from kvstore.workload.generator import SessionPlan, Workload
 from kvstore.workload.results import Baseline, RequestLog, RunResult, TierIntegrals
 from kvstore.workload.simulator import SimConfig, simulate
 
 _CASES = {"cold": 0, "warm": 1, "expired": 2}
-_TIERS = ("device", "dram", "lmdb")
 
 
 @dataclass(frozen=True)
@@ -145,7 +144,7 @@ def _self_started(opts: LiveOptions, cfg: KvstoreConfig) -> Iterator[_Target]:
 
         def occupancy() -> tuple[list[int], list[int]]:
             tiers = app.store.stats().tiers
-            return [tiers[t].used_bytes for t in _TIERS], [tiers[t].entries for t in _TIERS]
+            return [tiers[t].used_bytes for t in TIER_NAMES], [tiers[t].entries for t in TIER_NAMES]
 
         try:
             yield _Target(client, clock, occupancy, {"service": "self-started in process", "clock": "simulated",
@@ -189,8 +188,8 @@ def _remote(opts: LiveOptions) -> Iterator[_Target]:
 
         def occupancy() -> tuple[list[int], list[int]]:
             tiers = client.stats().tiers
-            return ([tiers[t].used_bytes if t in tiers else 0 for t in _TIERS],
-                    [tiers[t].entries if t in tiers else 0 for t in _TIERS])
+            return ([tiers[t].used_bytes if t in tiers else 0 for t in TIER_NAMES],
+                    [tiers[t].entries if t in tiers else 0 for t in TIER_NAMES])
 
         yield _Target(client, None, occupancy, {"service": opts.target, "clock": "wall",
                                                  "time_scale": opts.time_scale,
@@ -397,6 +396,6 @@ def timeline_cfg_cost(timeline: RunResult) -> Any:
 
 def _payload(spec: ModelSpec) -> bytes:
     """One realistic chunk payload (FP4 records from Gaussian activations), reused for every chunk."""
-    from kvstore.bench.payloads import realistic_chunk
+    from kvstore.workload.payloads import realistic_chunk
 
     return realistic_chunk(spec.layout, seed=1)

@@ -1,7 +1,7 @@
 """A byte-accounting model of the local pool, for the simulated mode: no payloads, same decisions.
 
 Role: mirrors `kvstore.local_pool.embedded.EmbeddedPool` with sizes instead of bytes. A snapshot's
-TTL comes from the REAL TTL policy object (`policies.factory.build_ttl`) at write time; a read
+TTL comes from the REAL TTL policy object (`kvstore.config.policies.build_ttl`) at write time; a read
 asks the policy whether to refresh it (sliding TTLs); an entry whose expiry is <= now is never
 returned; when a write does not fit the byte budget, expired entries go first, then the entries
 that would expire soonest (the embedded pool's rule; Redis with `volatile-ttl` behaves alike).

@@ -36,11 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.layout import ModelSpec
+from kvstore.layout import TIER_NAMES, ModelSpec
 
 CASES = ("cold", "warm", "expired")
 LOCAL_REASONS = ("", "ttl", "capacity", "never")
-TIERS = ("device", "dram", "lmdb")
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ class RequestLog:
 
 @dataclass
 class TierIntegrals:
-    """Occupancy integrated over the run (byte-seconds and token-seconds), tiers in TIERS order."""
+    """Occupancy integrated over the run (byte-seconds and token-seconds), tiers in TIER_NAMES order."""
 
     tier_byte_seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     tier_token_seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
@@ -202,7 +201,7 @@ class RunResult:
         log, ct = self.log, self.spec.layout.chunk_tokens
         prompt = float(log.prompt.sum()) or 1.0
         per = log.by_tier.sum(axis=0) * ct
-        out = {t: float(per[k] / prompt) for k, t in enumerate(TIERS)}
+        out: dict[str, float] = {t: float(per[k] / prompt) for k, t in enumerate(TIER_NAMES)}
         out["miss"] = float(1.0 - per.sum() / prompt)
         found = float(log.hit.sum() / prompt)
         out["global_hit_found"] = found  # includes hits left unused (expired with replay off)

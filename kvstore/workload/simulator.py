@@ -37,14 +37,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from kvstore.config.local_pool import TtlPolicyConfig
+from kvstore.config.policies import build_ttl
 from kvstore.errors import InvalidInput
 from kvstore.layout import CacheLayout, ModelSpec, exact_replay_tokens, get_model
 from kvstore.workload.costmodel import CostModel
 from kvstore.workload.generator import SessionPlan, Workload, expected_expired_share, tenant_sizes
 from kvstore.workload.poolmodel import PoolModel
 from kvstore.workload.results import Baseline, RequestLog, RunResult, TierIntegrals
-from kvstore.workload.storemodel import TIER_ORDER, StoreModel, StoreModelConfig
-from policies.factory import build_ttl
+from kvstore.workload.storemodel import TIER_NAMES, StoreModel, StoreModelConfig
 
 GiB = 1 << 30
 TiB = 1 << 40
@@ -259,7 +259,7 @@ class Simulator:
         if dt > 0:
             s = self.store
             i = self.integrals
-            for k, tier in enumerate(TIER_ORDER):
+            for k, tier in enumerate(TIER_NAMES):
                 i.tier_byte_seconds[k] += s.used[tier] * dt
                 i.tier_token_seconds[k] += s.chunks_in[tier] * self.chunk_tokens * dt
             i.persistent_chunk_seconds += s.persistent_chunks * dt

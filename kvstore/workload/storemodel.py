@@ -1,7 +1,7 @@
 """A byte-accounting model of the global-KV store, for the simulated mode: no payloads, same decisions.
 
-Role: mirrors the bookkeeping of `kvstore.store.GlobalStore` over sizes: three tiers with byte
-budgets (device, DRAM, LMDB), one REAL eviction policy per tier (`policies.factory`), the real
+Role: mirrors the bookkeeping of `kvstore.store.global_store.GlobalStore` over sizes: three tiers with byte
+budgets (device, DRAM, LMDB), one REAL eviction policy per tier (`kvstore.config.policies`), the real
 admission policy, write-through to LMDB or write-back on demotion, placement in the fastest
 in-memory tier with room, demotion to the next lower tier lacking the block (device → DRAM even
 when the SSD holds it; DRAM → SSD → dropped), promotion of SSD hits, and
@@ -30,11 +30,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kvstore.config.policies import build_admission, build_eviction
+from kvstore.layout import TIER_NAMES, TierName
 from policies.base import AdmissionPolicy, EvictionPolicy
-from policies.factory import build_admission, build_eviction
 
-TierName = Literal["device", "dram", "lmdb"]
-TIER_ORDER: tuple[TierName, ...] = ("device", "dram", "lmdb")
 _HOT: tuple[TierName, ...] = ("device", "dram")
 
 
@@ -90,17 +89,17 @@ class StoreModel:
             "device": cfg.device_capacity_bytes, "dram": cfg.dram_capacity_bytes,
             "lmdb": cfg.lmdb_capacity_bytes,
         }
-        self.used: dict[TierName, int] = dict.fromkeys(TIER_ORDER, 0)
-        self.chunks_in: dict[TierName, int] = dict.fromkeys(TIER_ORDER, 0)
-        self._policies: dict[TierName, EvictionPolicy] = {t: build_eviction(cfg.eviction_policy) for t in TIER_ORDER}
+        self.used: dict[TierName, int] = dict.fromkeys(TIER_NAMES, 0)
+        self.chunks_in: dict[TierName, int] = dict.fromkeys(TIER_NAMES, 0)
+        self._policies: dict[TierName, EvictionPolicy] = {t: build_eviction(cfg.eviction_policy) for t in TIER_NAMES}
         self._admission: AdmissionPolicy = build_admission(cfg.admission_policy)
         self._index: dict[bytes, _Block] = {}
         self._pinned: set[bytes] = set()
         # Distinct chunks held off the GPU (DRAM or LMDB): the persistent-KV bill, without double
         # counting a DRAM copy of a chunk that is also on SSD.
         self.persistent_chunks = 0
-        self.evictions: dict[TierName, int] = dict.fromkeys(TIER_ORDER, 0)
-        self.demotions: dict[TierName, int] = dict.fromkeys(TIER_ORDER, 0)
+        self.evictions: dict[TierName, int] = dict.fromkeys(TIER_NAMES, 0)
+        self.demotions: dict[TierName, int] = dict.fromkeys(TIER_NAMES, 0)
         self.promotions = 0
         self.dropped_chunks = 0
 
@@ -235,7 +234,7 @@ class StoreModel:
         # The store's rule: a victim moves to the next lower tier that lacks it and has a budget,
         # even when the SSD already holds it (DRAM is the faster place to find it again); a block
         # already in a lower in-memory tier is simply dropped from this one.
-        lower = TIER_ORDER[TIER_ORDER.index(tier) + 1:]
+        lower = TIER_NAMES[TIER_NAMES.index(tier) + 1:]
         in_lower_memory = any(t in b.footprint for t in lower if t != "lmdb")
         targets = tuple(t for t in lower if t not in b.footprint and self.capacity[t] > 0)
         if targets and not in_lower_memory:
@@ -257,7 +256,7 @@ class StoreModel:
         b.footprint[tier] = fp
         self.used[tier] += fp
         self.chunks_in[tier] += b.chunks
-        b.tier = min(b.tier, TIER_ORDER.index(tier))
+        b.tier = min(b.tier, TIER_NAMES.index(tier))
         if tier != "device" and not was_persistent:
             self.persistent_chunks += b.chunks
         self._policies[tier].insert(key, fp, float(self.chunk_tokens * b.chunks))
@@ -266,7 +265,7 @@ class StoreModel:
         fp = b.footprint.pop(tier)
         self.used[tier] -= fp
         self.chunks_in[tier] -= b.chunks
-        b.tier = min((TIER_ORDER.index(t) for t in b.footprint), default=3)
+        b.tier = min((TIER_NAMES.index(t) for t in b.footprint), default=3)
         if tier != "device" and "dram" not in b.footprint and "lmdb" not in b.footprint:
             self.persistent_chunks -= b.chunks
         if not b.footprint:
@@ -282,7 +281,7 @@ class StoreModel:
         self.dropped_chunks -= b.chunks  # re-written, not lost
 
     def check_invariants(self) -> None:
-        for tier in TIER_ORDER:
+        for tier in TIER_NAMES:
             total = sum(b.footprint.get(tier, 0) for b in self._index.values())
             assert total == self.used[tier], (tier, total, self.used[tier])
             assert self.used[tier] <= self.capacity[tier], (tier, self.used[tier], self.capacity[tier])

@@ -1,8 +1,8 @@
-"""Workload requests as `kvstore.trace.TraceRecord`s, for `kvstore tune` and offline TTL evaluation.
+"""Workload requests as `kvstore.observe.trace_file.TraceRecord`s, for `kvstore tune` and offline TTL evaluation.
 
 Role: two sources of records.
 - `planned_trace`: straight from the generator's plan on the open-loop timeline, with outcomes
-  recorded as if under a fixed TTL (the way `kvstore.trace.synthetic_trace` records them): a
+  recorded as if under a fixed TTL (the way `kvstore.observe.trace_file.synthetic_trace` records them): a
   session's first turn is "absent" when it can hit its tenant's system prompt (else "cold"), later
   turns are "hit" when their think time is within the TTL, else "replayed".
 - `run_trace`: from a run (simulated or live), with the outcomes and times that run produced.
@@ -10,7 +10,7 @@ Role: two sources of records.
 Mapping of a run's cases to trace outcomes: cold -> "cold"; warm -> "hit"; expired -> "absent" when
 no snapshot was ever written at that boundary, "expired" when replay is off, else "replayed".
 
-What it does not know: how records are evaluated (kvstore.tune) or the service.
+What it does not know: how records are evaluated (kvstore.observe.ttl_tuning) or the service.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from kvstore.trace import LocalOutcome, TraceRecord, TraceWriter
+from kvstore.observe.trace_file import LocalOutcome, TraceRecord, TraceWriter
 from kvstore.workload.generator import Workload
 from kvstore.workload.results import LOCAL_REASONS, RunResult
 

@@ -4,7 +4,7 @@
 lengths and prefixes) as one pass. Their tokens are packed into one [N, d] stream (N = the sum
 of their lengths), so each layer's projections, MLP, RoPE and FP8 quantization of SWA rows run
 once for the whole batch, on every row at once. The sequences are packed ragged rather than padded
-to the longest: those ops compute each row on its own (`model_ops.py`), so padding rows would
+to the longest: those ops compute each row on its own (`ops.py`), so padding rows would
 only cost FLOPs and change nothing.
 
 What reads across rows stays per sequence, over the sequence's own slice of the packed rows: its
@@ -26,19 +26,33 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from replay import model_ops as ops
-from replay.model_cache import GlobalRecords, Payload, SwaRows, encode_snapshot
-from replay.model_layers import Block, attend, reindex, select_records
+from replay.reference import ops
+from replay.reference.cache import GlobalRecords, Payload, SwaRows, encode_snapshot
+from replay.reference.config import ModelConfig
+from replay.reference.layers import Block, attend, reindex, select_records
 
-if TYPE_CHECKING:
-    from replay.model import ReferenceModel
+
+class BatchModel(Protocol):
+    """What a batched replay reads of the model (`model.ReferenceModel` is one)."""
+
+    @property
+    def cfg(self) -> ModelConfig: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def embed(self) -> Tensor: ...
+
+    @property
+    def layers(self) -> nn.ModuleList: ...
 
 TokenIds = Sequence[int] | Tensor | np.ndarray
 
@@ -70,7 +84,7 @@ class _LaneState:
     pool: tuple[Tensor, Tensor] | None = None  # (idx [T, P], valid [T, P]) published by the Full layer
 
 
-def replay_lanes(model: ReferenceModel, lanes: Sequence[Lane]) -> list[bytes]:
+def replay_lanes(model: BatchModel, lanes: Sequence[Lane]) -> list[bytes]:
     """The encoder local snapshot at each lane's end, from one packed encoder pass (no writes)."""
     cfg, dev = model.cfg, model.device
     bounds = np.cumsum([0] + [ln.end - ln.start for ln in lanes]).tolist()
@@ -105,7 +119,7 @@ def replay_lanes(model: ReferenceModel, lanes: Sequence[Lane]) -> list[bytes]:
 
 
 def _select(
-    blk: Block, st: _LaneState, iq: Tensor, iw: Tensor, pos0: int, records: GlobalRecords, model: ReferenceModel
+    blk: Block, st: _LaneState, iq: Tensor, iw: Tensor, pos0: int, records: GlobalRecords, model: BatchModel
 ) -> None:
     """A Full layer's selection (and pool) or a Reindex layer's re-selection, for one lane."""
     cfg = model.cfg

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from kvstore import codecs
 from kvstore.errors import InvalidInput
-from replay.model_config import ModelConfig
+from replay.reference.config import ModelConfig
 
 Payload = bytes | bytearray | memoryview  # a chunk payload or snapshot as a caller may hold it
 

@@ -4,7 +4,7 @@
 `Compressor` the pooling of a Full layer. Their methods are the per-token parts of a layer: each
 output row depends on its own input row (and position) only, so the model can run them over one
 sequence (`ReferenceModel`) or over the rows of several sequences packed together
-(`model_batch.py`) and get the same bits. `select_records` and `reindex` are the global-record
+(`batch.py`) and get the same bits. `select_records` and `reindex` are the global-record
 selection of Full and Reindex layers for the queries of one sequence.
 
 What it does not know: sequences, passes, caches in bytes, or which rows belong together.
@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from replay import model_ops as ops
-from replay.model_cache import GlobalRecords, SwaRows
-from replay.model_config import ModelConfig
+from replay.reference import ops
+from replay.reference.cache import GlobalRecords, SwaRows
+from replay.reference.config import ModelConfig
 
 _ATTN_BLOCK = 256  # queries per attention block: bounds the gathered windows to ~16 MB
 _INDEX_BLOCK = 128  # queries per indexer block: bounds the score matrix at 32K tokens to ~32 MB

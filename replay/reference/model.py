@@ -1,7 +1,7 @@
 """The reference CED model: DeepSeek-V4.1-Flash's cache structure at toy size, random weights.
 
 It exists so that replay can be tested for real and its error measured. Structure (config
-"toy-8", see `model_config.py`): a causal encoder (layers 0-3) whose layer 2 compresses token pairs
+"toy-8", see `config.py`): a causal encoder (layers 0-3) whose layer 2 compresses token pairs
 into global records (group enc-2, read by layers 2-3), and a decoder (layers 4-7) whose global
 records are a projection of the encoder's final output (group dec-4, the CED source). Every layer
 attends over its own sliding window of K=V rows ∪ the top-k global records its indexer selects,
@@ -20,9 +20,9 @@ alone, and the encoder's hidden states never need storing.
 Operations: `prefill` (optionally resuming from cached chunk payloads + a local snapshot),
 `decode_step`, `replay` (bounded or exact rebuild of the encoder local snapshot from cached
 global rows, which it reads and never rewrites) and `replay_batch` (several replays in one
-batched forward, `model_batch.py`). A layer's weights and per-token math are in
-`model_layers.py`; this module runs the passes. It knows nothing of stores, keys or services; it
-speaks tensors and the byte formats of `model_cache.py`.
+batched forward, `batch.py`). A layer's weights and per-token math are in
+`layers.py`; this module runs the passes. It knows nothing of stores, keys or services; it
+speaks tensors and the byte formats of `cache.py`.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from torch import Tensor, nn
 
 from kvstore.errors import InvalidInput, Unavailable
 from kvstore.layout import CacheLayout, ModelSpec, get_model
-from replay import model_ops as ops
-from replay.model_batch import Lane, ReplayRequest, TokenIds, replay_lanes
-from replay.model_cache import (
+from replay.reference import ops
+from replay.reference.batch import Lane, ReplayRequest, TokenIds, replay_lanes
+from replay.reference.cache import (
     GlobalRecords,
     Payload,
     SwaRows,
@@ -48,8 +48,8 @@ from replay.model_cache import (
     encode_chunk_payloads,
     encode_snapshot,
 )
-from replay.model_config import GroupSpec, ModelConfig
-from replay.model_layers import Block, attend, reindex, select_records
+from replay.reference.config import GroupSpec, ModelConfig
+from replay.reference.layers import Block, attend, reindex, select_records
 
 ReplayMode = Literal["bounded", "exact"]
 
@@ -239,7 +239,7 @@ class ReferenceModel(nn.Module):
     @torch.inference_mode()
     def replay_batch(self, requests: Sequence[ReplayRequest]) -> list[bytes]:
         """`replay` of several requests (any modes, lengths and prefixes) in one batched forward
-        (`model_batch.py`): the same snapshots, bit for bit on CPU. One bad request fails the
+        (`batch.py`): the same snapshots, bit for bit on CPU. One bad request fails the
         call (InvalidInput) before anything runs."""
         lanes = [self._replay_lane(r) for r in requests]
         return replay_lanes(self, lanes) if lanes else []

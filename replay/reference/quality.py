@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from replay.model import ModelState, ReferenceModel, ReplayMode
-from replay.model_cache import decode_snapshot
-from replay.model_config import ModelConfig
+from replay.reference.cache import decode_snapshot
+from replay.reference.config import ModelConfig
+from replay.reference.model import ModelState, ReferenceModel, ReplayMode
 
 MODES: tuple[ReplayMode, ...] = ("bounded", "exact")
 

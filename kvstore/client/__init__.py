@@ -1,0 +1,54 @@
+"""The Python client of the kvstore service (`KvstoreClient`, and `AsyncKvstoreClient` for asyncio).
+
+It speaks only the proto (`kvstore.v1`) and the shared wire helpers (`kvstore.wire`); it knows
+nothing of the server's internals. `sync_client.py` holds the calls, `async_client.py` their
+coroutine forms, `types.py` the result types, `chunk_views.py` the zero-copy reading of Load and
+Resume replies.
+"""
+
+from kvstore.client.async_client import AsyncKvstoreClient
+from kvstore.client.sync_client import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    KvstoreClient,
+    ResourceExhaustedError,
+    RetryPolicy,
+    RpcFailure,
+    ServerError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from kvstore.client.types import (
+    LoadLocalResult,
+    LoadResult,
+    LookupResult,
+    ResumeResult,
+    ServiceStats,
+    StoreLocalResult,
+    StoreResult,
+    TierStats,
+)
+from kvstore.wire.bills import Bills, TierBill
+
+__all__ = [
+    "AsyncKvstoreClient",
+    "Bills",
+    "DeadlineExceededError",
+    "InvalidArgumentError",
+    "KvstoreClient",
+    "LoadLocalResult",
+    "LoadResult",
+    "LookupResult",
+    "ResourceExhaustedError",
+    "ResumeResult",
+    "RetryPolicy",
+    "RpcFailure",
+    "ServerError",
+    "ServiceStats",
+    "StoreLocalResult",
+    "StoreResult",
+    "TierBill",
+    "TierStats",
+    "UnauthenticatedError",
+    "UnavailableError",
+]

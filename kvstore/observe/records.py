@@ -1,0 +1,154 @@
+"""What observers are handed: a `CallRecord` for each finished KVCache call, and the `RequestRecord`
+that the metrics, the ledger and the explainer all see of a priced request (a Lookup or a Resume)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvstore.layout import TierName
+from kvstore.wire.bills import Bills
+
+
+@dataclass(frozen=True)
+class LookupFacts:
+    """What the service learnt answering one Lookup/Resume, beyond its bills."""
+
+    namespace: bytes  # the request's namespace digest (never reported)
+    chunk_tokens: int
+    full_chunks: int  # full chunks in the prompt
+    hit_chunks: int
+    remainder_tokens: int = 0  # tokens after the last full chunk (never cached)
+    miss_keys: tuple[bytes, ...] = ()  # keys of full chunks hit_chunks, hit_chunks+1, ... (may be cut)
+    token_mismatch: bool = False  # the first missed key was held with other token ids
+    boundary_key: bytes = b""  # key of the last hit chunk: where local state is held
+    pool_miss_reason: str = ""  # the pool's reason when local state was not found ("" on a hit)
+    has_local_state: bool = True  # False: the model keeps none (e.g. a dense GQA model)
+    replay_status: str = ""  # the coordinator's outcome ("" when no replay was tried)
+    replay_seconds: float = 0.0
+    replay_mode: str = ""
+    window_tokens: int = 0  # the replay window (the layout's SWA window)
+    # Whether each missed chunk (miss_keys[j]) was held when the call answered: a chunk behind the
+    # first miss can be held, and unreachable. Taken then, because observers run a moment later,
+    # when a Store may have filled the gap. Empty: not taken (the explainer asks the store).
+    miss_held: tuple[bool, ...] = ()
+    # Or, in place of `miss_keys`, how to compute them: hashing the missed part of a prompt costs
+    # as much as the lookup itself, so the service defers it until someone reads the keys.
+    miss_keys_fn: Callable[[], Sequence[bytes]] | None = field(default=None, compare=False, repr=False)
+
+    def missed_keys(self) -> Sequence[bytes]:
+        """`miss_keys`, computed now if they were deferred."""
+        if self.miss_keys or self.miss_keys_fn is None:
+            return self.miss_keys
+        return self.miss_keys_fn()
+
+
+def lookup_facts(
+    *,
+    namespace: bytes,
+    full_chunks: int,
+    hit_chunks: int,
+    chunk_tokens: int,
+    miss_keys: Sequence[bytes] = (),
+    boundary_key: bytes = b"",
+    remainder_tokens: int = 0,
+    token_mismatches: int = 0,
+    pool_miss_reason: str = "",
+    has_local_state: bool = True,
+    window_tokens: int = 0,
+    replay_mode: str = "",
+    miss_keys_fn: Callable[[], Sequence[bytes]] | None = None,
+    miss_held: Sequence[bool] = (),
+) -> LookupFacts:
+    """The trace of one lookup. `miss_keys`: the keys of full chunks hit_chunks.. (the store's
+    `chunk_keys(ns, tokens)[hit_chunks:]`; only worth hashing when something missed);
+    `boundary_key`: the key of the last hit chunk (where local state is held); `miss_keys_fn`:
+    a function giving `miss_keys` when they are first needed, in their place."""
+    return LookupFacts(
+        namespace=namespace, chunk_tokens=chunk_tokens, full_chunks=full_chunks, hit_chunks=hit_chunks,
+        remainder_tokens=remainder_tokens, miss_keys=tuple(miss_keys), token_mismatch=token_mismatches > 0,
+        boundary_key=boundary_key, pool_miss_reason=pool_miss_reason, has_local_state=has_local_state,
+        window_tokens=window_tokens, replay_mode=replay_mode, miss_keys_fn=miss_keys_fn,
+        miss_held=tuple(miss_held),
+    )
+
+
+@dataclass(frozen=True)
+class LocalWriteFacts:
+    """A StoreLocal that wrote a snapshot: where, and with which TTL the policy gave it."""
+
+    namespace: bytes
+    boundary_key: bytes
+    ttl_seconds: float
+
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One finished KVCache call, for metrics and the ledger. `bills` is the reply's `Bills`
+    message when the call priced one (Lookup, Resume), else None."""
+
+    method: str
+    tenant: str
+    code: str  # grpc.StatusCode name: "OK", "INVALID_ARGUMENT", ...
+    seconds: float
+    model: str = ""
+    case: str = ""  # Resume: "cold" | "warm" | "expired"
+    local_state: str = ""  # "hit" | "expired" | "absent" | "not_applicable" | "replayed"
+    bills: Bills | None = None
+    request_id: str = ""  # the caller's x-request-id, or one made up for it (echoed in the trailer)
+    session: str = ""  # the caller's x-session-id, if it sent one
+    facts: LookupFacts | LocalWriteFacts | None = None  # what the miss explainer needs
+    at: float | None = None  # the app's clock when the call finished (observers see it later)
+
+
+CallObserver = Callable[[CallRecord], None]
+
+
+# The persistent-KV bill: tiers that hold state between turns. The device tier is the runtime bill.
+PERSISTENT_TIERS: tuple[TierName, ...] = ("dram", "lmdb")
+Case = Literal["cold", "warm", "expired"]
+CASES: tuple[Case, ...] = ("cold", "warm", "expired")
+LocalOutcome = Literal["hit", "expired", "absent", "replayed", "not_applicable"]
+LOCAL_OUTCOMES: tuple[LocalOutcome, ...] = ("hit", "expired", "absent", "replayed", "not_applicable")
+Method = Literal["lookup", "resume"]
+OTHER_TENANT = "(other)"  # tenants beyond `max_tenants` are summed here
+
+
+@dataclass(frozen=True)
+class ReplaySummary:
+    seconds: float | None  # None: the caller did not time it
+    tokens: int
+    failure: str | None = None  # None: the replay rebuilt the local state
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One priced request, as metrics, the ledger and the explainer all see it."""
+
+    request_id: str
+    method: Method
+    tenant: str
+    model: str
+    case: Case
+    local_outcome: LocalOutcome
+    bills: Bills
+    replay: ReplaySummary | None = None
+    miss_reason: str = ""  # why the first uncached full chunk missed ("" when all hit)
+    local_reason: str = ""  # why local state was not held ("" when it was, or none applies)
+
+    @property
+    def moved(self) -> bool:
+        """Whether `bills` bytes moved (a Resume) or are only what a load would move (a Lookup)."""
+        return self.method == "resume"
+
+    def to_json(self, wall_time: float) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id, "method": self.method, "tenant": self.tenant,
+            "model": self.model, "case": self.case, "local_outcome": self.local_outcome,
+            "miss_reason": self.miss_reason, "local_reason": self.local_reason,
+            "time": wall_time, "bills": self.bills.to_json(),
+            "replay": None if self.replay is None else {
+                "seconds": self.replay.seconds, "tokens": self.replay.tokens, "failure": self.replay.failure},
+        }

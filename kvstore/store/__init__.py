@@ -1,0 +1,24 @@
+"""The global store: it decides where each chunk of global KV lives and for how long.
+
+`global_store.GlobalStore` is the bookkeeper (the index, budgets, two-phase writes, promotion and
+demotion); `placement.py` chooses tiers and victims, `sessions.py` holds open writes and loads,
+`pins.py` the pins a Load holds, `types.py` the result types it returns, `fates.py` the sink it
+reports each chunk's fate to. The tiers move bytes; the store decides. It knows nothing of gRPC,
+replay or observers (docs/architecture.md §2).
+"""
+
+from kvstore.store.global_store import GlobalStore
+from kvstore.store.sessions import LoadSession, StoreTxn
+from kvstore.store.types import CommitResult, LoadedChunk, PrefixHit, StoreStats, TenantQuota, TierUsage
+
+__all__ = [
+    "CommitResult",
+    "GlobalStore",
+    "LoadSession",
+    "LoadedChunk",
+    "PrefixHit",
+    "StoreStats",
+    "StoreTxn",
+    "TenantQuota",
+    "TierUsage",
+]

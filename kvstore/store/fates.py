@@ -1,0 +1,40 @@
+"""Chunk fates: what the store reports when a chunk leaves it or is kept out.
+
+The store calls a `ChunkFateSink` and never reads anything back; the miss explainer (in
+`kvstore.observe`) is the sink a running service installs. The store knows only this protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+RefusalReason = Literal["over_quota", "no_room", "not_admitted"]
+
+
+class ChunkFateSink(Protocol):
+    """What the store calls when a chunk leaves it or is kept out. Cheap; never raises."""
+
+    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str) -> None:
+        """Evicted from `tier`, which was the last tier holding it; `reason`: "capacity" | "quota"."""
+        ...
+
+    def corrupt(self, key: bytes, namespace: bytes, tier: str) -> None:
+        """A value failed verification on read in `tier` and was removed."""
+        ...
+
+    def refused(self, key: bytes, namespace: bytes, reason: RefusalReason) -> None:
+        """Never placed: the tenant's quota or the tiers had no room, or admission kept it out."""
+        ...
+
+
+class NoFates:
+    """The sink a store has when nobody is listening."""
+
+    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str) -> None:
+        pass
+
+    def corrupt(self, key: bytes, namespace: bytes, tier: str) -> None:
+        pass
+
+    def refused(self, key: bytes, namespace: bytes, reason: RefusalReason) -> None:
+        pass
