@@ -78,11 +78,11 @@ def price(
         raise ValueError(f"a hit of {hit} tokens is longer than the {prompt_tokens}-token prompt")
     # C-level counts, not a Python loop over every chunk (256 for 32K tokens); usually one tier
     # holds them all, and one count says so.
-    if n_hit and chunk_tiers.count(chunk_tiers[0]) == n_hit:
+    if n_hit and chunk_tiers[0] in TIER_NAMES and chunk_tiers.count(chunk_tiers[0]) == n_hit:
         counts: dict[str, int] = {chunk_tiers[0]: n_hit}
     else:
         counts = {t: chunk_tiers.count(t) for t in TIER_NAMES}
-    if n_hit and sum(counts.values()) != n_hit:
+    if sum(counts.values()) != n_hit:
         raise ValueError(f"unknown tiers in {sorted(set(chunk_tiers) - set(TIER_NAMES))}")
     per_chunk = chunk_bytes if moved else 0
     tiers: dict[str, TierBill] = {
