@@ -5,7 +5,7 @@ Viewers: an admin sees everything, including per-tenant sums, tenant names and e
 request; a tenant (a tenant's bearer token) sees the aggregates plus its own tenant's figures and
 requests; an anonymous viewer (no admin token configured, non-loopback bind) sees aggregates only.
 
-What it does not know: HTTP (status codes, headers, auth parsing: `http.py`), Prometheus, or how
+What it does not know: HTTP (status codes, headers, auth parsing: `admin_http.py`), Prometheus, or how
 the figures are produced (it reads the ledger, the explainer and `InfoSources` callables).
 """
 

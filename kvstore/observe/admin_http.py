@@ -15,7 +15,7 @@ treats every caller as the admin (the operator on the box) and any other bind gi
 only. The dashboard page itself carries no data, so it is served to anyone; it asks for the token
 and sends it with its API calls. Errors are JSON: {"error": {"status": N, "message": "..."}}.
 
-What it does not know: what the figures mean (`api.py` builds them), or gRPC.
+What it does not know: what the figures mean (`admin_api.py` builds them), or gRPC.
 """
 
 from __future__ import annotations

@@ -4,18 +4,19 @@ coordinator from one `KvstoreConfig`, and holds them for the servers that serve 
 Where other parts plug in (each is optional; the service runs without it):
 - local pool: `kvstore.local_pool.build_local_pool(cfg.local_pool, ttl_policy, clock)`, with the TTL
   policy from `kvstore.config.policies.build_ttl` (`App.reload_local_pool` swaps it on a config reload).
-- replay: `replay.coordinator.build_coordinator(parts)`, given the parts it needs (`replay.port.
-  ReplayParts`: the store, the local pool, the runner registry, the served models, `[replay]`, the
-  chunk size, the clock), never the app. Absent: `app.coordinator` is None and an expired `Resume`
+- replay: `replay.coordinator.build_coordinator(parts)`, given the parts it needs
+  (`replay.port.ReplayParts`: the store, the local pool, the runner registry, the served models,
+  `[replay]`, the chunk size, the clock), never the app. Absent: `app.coordinator` is None and an expired `Resume`
   reports "expired" without replaying.
-- observability: append callables to `app.observers`; each gets a `CallRecord` after every KVCache
-  call (method, tenant, status code name, seconds, the request's bills, its request id and trace),
-  on the observer thread once the call has answered (`service.observe_queue`); a reader that must
-  see every finished call calls `app.flush_observers()` first.
-  Every app with a local pool has one already: `service.returns.ReturnTracker`, which tells the TTL
-  policy in force (`app.ttl_policy`) each session's return gap; with `[trace] enabled`, the
-  `service.request_trace.TraceRecorder` appends one JSON line per Lookup/Resume. The admin HTTP port is
-  started by `kvstore.service.admin_server.start_admin(app, host, port, health=...)` (see `admin_hook.py`).
+- observability: append callables to `app.observers`; each gets a `kvstore.observe.records.CallRecord`
+  after every KVCache call (method, tenant, status code name, seconds, the request's bills, its
+  request id and the lookup facts the explainer needs), on the observer thread once the call has
+  answered (`kvstore.observe.queue`); a reader that must see every finished call calls
+  `app.flush_observers()` first. Every app with a local pool has one already:
+  `kvstore.observe.returns.ReturnTracker`, which tells the TTL policy in force (`app.ttl_policy`)
+  each session's return gap; with `[trace] enabled`, `kvstore.observe.trace_recorder.TraceRecorder`
+  appends one JSON line per Lookup/Resume. The admin HTTP port is started by
+  `kvstore.service.admin_server.start_admin(app, host, port, health=...)` (see `admin_hook.py`).
 
 What it does not know: gRPC (see `server.py`), or how any of the parts do their work.
 """
