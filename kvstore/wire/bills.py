@@ -26,7 +26,7 @@ class TierBill:
     bytes: int = 0  # a Lookup: bytes a load of the hit would move from this tier; a Resume: bytes it moved
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Bills:
     prompt_tokens: int
     prefill_tokens_avoided: int  # the global hit
@@ -56,6 +56,7 @@ class Bills:
 
 
 _NO_BILL = TierBill()
+_NO_BILLS: dict[str, TierBill] = dict.fromkeys(TIER_NAMES, _NO_BILL)
 
 
 def price(
@@ -85,10 +86,10 @@ def price(
     if sum(counts.values()) != n_hit:
         raise ValueError(f"unknown tiers in {sorted(set(chunk_tiers) - set(TIER_NAMES))}")
     per_chunk = chunk_bytes if moved else 0
-    tiers: dict[str, TierBill] = {
-        t: (TierBill(n * chunk_tokens, n, n * per_chunk) if (n := counts.get(t, 0)) else _NO_BILL)
-        for t in TIER_NAMES
-    }
+    tiers = dict(_NO_BILLS)
+    for name, n in counts.items():
+        if n:
+            tiers[name] = TierBill(n * chunk_tokens, n, n * per_chunk)
     return Bills(
         prompt_tokens=prompt_tokens,
         prefill_tokens_avoided=hit,
