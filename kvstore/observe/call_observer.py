@@ -4,9 +4,9 @@ metrics and the ledger count).
 
 `Observability` is what the service's composition root holds: append it to `app.observers` and
 it receives each `CallRecord`. It reads a record structurally (`CallRecordLike`): method, tenant,
-status code, seconds, model, case, local state and the reply's bills (the proto `Bills` message or
-a `ledger.Bills`), plus, when the servicer provides them, `request_id` and `trace`
-(an `explain.LookupFacts`).
+status code, seconds, model, case, local state and the typed bills the call priced
+(`kvstore.wire.bills.Bills`), plus, when the servicer provides them, `request_id` and `facts`
+(a `records.LookupFacts`).
 
 `Sampler` is a daemon thread that shows the ledger the store's occupancy once per interval, so
 byte-seconds integrate between requests too.
@@ -90,9 +90,9 @@ class Observability:
         self.metrics.rpc(call.method, call.code, call.seconds)
         if call.code != "OK":
             return
-        trace = getattr(call, "facts", None)
-        if isinstance(trace, LocalWriteFacts):  # a StoreLocal that wrote a snapshot
-            self.explainer.local_stored(trace.namespace, trace.boundary_key, trace.ttl_seconds)
+        facts = getattr(call, "facts", None)
+        if isinstance(facts, LocalWriteFacts):  # a StoreLocal that wrote a snapshot
+            self.explainer.local_stored(facts.namespace, facts.boundary_key, facts.ttl_seconds)
             return
         if call.bills is None:
             return
@@ -102,12 +102,12 @@ class Observability:
             if call.method == "Load":  # a Load prices the bytes it moved
                 self.metrics.load({name: t.bytes for name, t in bills.tiers.items()}, call.tenant)
             return
-        lookup = trace if isinstance(trace, LookupFacts) else None
+        lookup = facts if isinstance(facts, LookupFacts) else None
         local = _norm(call.local_state, "local_state_", LOCAL_OUTCOMES, "absent")
         case = _norm(call.case, "resume_case_", CASES, "") or case_of(
             bills.prefill_tokens_avoided, local)  # type: ignore[arg-type]
         replay: ReplaySummary | None = None
-        if lookup is None and local == "replayed":  # no trace: the replay worked, untimed
+        if lookup is None and local == "replayed":  # no facts: the replay worked, untimed
             replay = ReplaySummary(None, bills.replay_tokens, None)
         if lookup is not None and lookup.replay_status:
             ok = lookup.replay_status == "replayed"
@@ -126,10 +126,10 @@ class Observability:
             # after the explanation, which must see the state before the replay).
             self.explainer.local_stored(lookup.namespace, lookup.boundary_key, self._ttl())
 
-    def record(self, rec: RequestRecord, trace: LookupFacts | None = None, at: float | None = None) -> RequestRecord:
+    def record(self, rec: RequestRecord, facts: LookupFacts | None = None, at: float | None = None) -> RequestRecord:
         """Explain, then count: the explanation decides the miss reasons the counters use. `at`:
         when the call answered (observers run a moment later)."""
-        exp = self.explainer.explain_request(rec, trace, self._present, at)
+        exp = self.explainer.explain_request(rec, facts, self._present, at)
         miss = exp.first_miss_reason
         if miss and miss not in MISS_REASONS:
             miss = "other"

@@ -295,7 +295,7 @@ class Explainer:
 
     # --- requests ---
 
-    def explain_request(self, rec: RequestRecord, trace: LookupFacts | None,
+    def explain_request(self, rec: RequestRecord, facts: LookupFacts | None,
                         present: Callable[[bytes], bool] | None = None, at: float | None = None) -> Explanation:
         """Build the request's explanation now and keep it by request id; `at`: when it was
         answered, on this explainer's clock (None: now)."""
@@ -305,20 +305,20 @@ class Explainer:
         replay = ""
         hit_chunks = full = remainder = 0
         chunk_tokens = 0
-        if trace is not None:
-            chunk_tokens, full, remainder = trace.chunk_tokens, trace.full_chunks, trace.remainder_tokens
-            hit_chunks = trace.hit_chunks
-            miss_keys = trace.missed_keys()
+        if facts is not None:
+            chunk_tokens, full, remainder = facts.chunk_tokens, facts.full_chunks, facts.remainder_tokens
+            hit_chunks = facts.hit_chunks
+            miss_keys = facts.missed_keys()
             if miss_keys:
-                chunks = self.explain_chunks(trace.namespace, trace.hit_chunks, miss_keys,
-                                             token_mismatch=trace.token_mismatch, present=present,
-                                             held=trace.miss_held, before=at)
-            if hit_chunks and trace.has_local_state and rec.local_outcome in ("expired", "replayed"):
-                local_reason, local_detail = self.explain_local(trace.namespace, trace.boundary_key,
-                                                                trace.pool_miss_reason)
-            elif rec.local_outcome == "hit" and trace.boundary_key:
-                self.local_read(trace.namespace, trace.boundary_key)
-            replay = _replay_words(rec, trace)
+                chunks = self.explain_chunks(facts.namespace, facts.hit_chunks, miss_keys,
+                                             token_mismatch=facts.token_mismatch, present=present,
+                                             held=facts.miss_held, before=at)
+            if hit_chunks and facts.has_local_state and rec.local_outcome in ("expired", "replayed"):
+                local_reason, local_detail = self.explain_local(facts.namespace, facts.boundary_key,
+                                                                facts.pool_miss_reason)
+            elif rec.local_outcome == "hit" and facts.boundary_key:
+                self.local_read(facts.namespace, facts.boundary_key)
+            replay = _replay_words(rec, facts)
         exp = Explanation(
             request_id=rec.request_id, tenant=rec.tenant, model=rec.model, method=rec.method,
             at_wall=self._wall(), case=rec.case, prompt_tokens=rec.bills.prompt_tokens,
@@ -354,19 +354,19 @@ class Explainer:
         return list(reversed(ids[-limit:]))
 
 
-def _replay_words(rec: RequestRecord, trace: LookupFacts) -> str:
+def _replay_words(rec: RequestRecord, facts: LookupFacts) -> str:
     if rec.case != "expired" and rec.local_outcome != "replayed":
         return ""
-    h = trace.hit_chunks * trace.chunk_tokens
-    w = trace.window_tokens or rec.bills.replay_tokens
+    h = facts.hit_chunks * facts.chunk_tokens
+    w = facts.window_tokens or rec.bills.replay_tokens
     start = max(0, h - w) if w else 0
     why = (f"the global prefix hit {h} tokens but the local state at that boundary was not held, so "
-           f"tokens [{start}, {h}) were to be replayed to rebuild it ({trace.replay_mode or 'bounded'} mode)")
-    status = trace.replay_status
+           f"tokens [{start}, {h}) were to be replayed to rebuild it ({facts.replay_mode or 'bounded'} mode)")
+    status = facts.replay_status
     if not status:
         return why + "; no replay was tried (no coordinator, or Lookup only): the engine recomputes"
     if status == "replayed":
-        return why + f"; replayed {rec.bills.replay_tokens} tokens in {trace.replay_seconds * 1000:.1f} ms"
+        return why + f"; replayed {rec.bills.replay_tokens} tokens in {facts.replay_seconds * 1000:.1f} ms"
     return why + f"; the replay did not rebuild it ({status}): the engine recomputes"
 
 

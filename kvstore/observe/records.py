@@ -86,8 +86,8 @@ class LocalWriteFacts:
 
 @dataclass(frozen=True)
 class CallRecord:
-    """One finished KVCache call, for metrics and the ledger. `bills` is the reply's `Bills`
-    message when the call priced one (Lookup, Resume), else None."""
+    """One finished KVCache call, for metrics and the ledger. `bills`: what the call priced (Lookup,
+    Resume, Load), else None."""
 
     method: str
     tenant: str
