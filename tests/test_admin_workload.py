@@ -13,7 +13,6 @@ that the rig produces each case.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from kvstore.local_pool.embedded import EmbeddedPool
 from kvstore.observe.admin_api import InfoSources
 from kvstore.observe.admin_http import AdminHttpServer
 from kvstore.observe.call_observer import Observability, case_of
-from kvstore.observe.records import LocalWriteFacts, lookup_facts
+from kvstore.observe.records import CallRecord, LocalWriteFacts, lookup_facts
 from kvstore.service.admin_server import build_observability, policy_doc, serve_admin
 from kvstore.service.app import build_ttl_policy, served_models, tenant_quotas
 from kvstore.store import GlobalStore
@@ -58,22 +57,6 @@ class FakeClock:
         if self.before_advance is not None:
             self.before_advance()
         self.t += seconds
-
-
-@dataclass(frozen=True)
-class Call:
-    """Shaped like the service's `CallRecord`, with the `request_id` and `trace` the wiring adds."""
-
-    method: str
-    tenant: str
-    code: str
-    seconds: float
-    model: str = ""
-    case: str = ""
-    local_state: str = ""
-    bills: Any = None
-    request_id: str = ""
-    facts: Any = None
 
 
 def small_config(**admin: Any) -> KvstoreConfig:
@@ -156,7 +139,7 @@ class Rig:
             r = self.pool.put(ns.digest, key, tenant, layout.layout_id, full * layout.chunk_tokens,
                               self.rng.bytes(layout.local_snapshot_bytes))
             if r.written:
-                self.obs(Call("StoreLocal", tenant, "OK", 0.001, model,
+                self.obs(CallRecord("StoreLocal", tenant, "OK", 0.001, model,
                               facts=LocalWriteFacts(ns.digest, key, r.ttl_seconds)))
 
     def request(self, tenant: str, tokens: np.ndarray, model: str = MODEL, method: str = "Resume",
@@ -212,8 +195,8 @@ class Rig:
             from dataclasses import replace
 
             trace = replace(trace, replay_status=status, replay_seconds=seconds)
-        self.obs(Call(method, tenant, "OK", 0.002 + seconds, model, case if method == "Resume" else "",
-                      final, bills, rid, trace))
+        self.obs(CallRecord(method, tenant, "OK", 0.002 + seconds, model, case if method == "Resume" else "",
+                            final, bills, request_id=rid, facts=trace))
         return rid
 
 

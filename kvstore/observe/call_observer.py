@@ -3,10 +3,9 @@ ledger and the miss explainer, in the right order (the explainer decides the mis
 metrics and the ledger count).
 
 `Observability` is what the service's composition root holds: append it to `app.observers` and
-it receives each `CallRecord`. It reads a record structurally (`CallRecordLike`): method, tenant,
-status code, seconds, model, case, local state and the typed bills the call priced
-(`kvstore.wire.bills.Bills`), plus, when the servicer provides them, `request_id` and `facts`
-(a `records.LookupFacts`).
+it receives each `CallRecord` (`records.py`): method, tenant, status code, seconds, model, case,
+local state, the typed bills the call priced, its request id and the facts a Lookup or Resume
+learnt (`records.LookupFacts`).
 
 `Sampler` is a daemon thread that shows the ledger the store's occupancy once per interval, so
 byte-seconds integrate between requests too.
@@ -20,7 +19,6 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
-from typing import Protocol
 
 from kvstore.observe.explainer import Explainer
 from kvstore.observe.ledger import Ledger
@@ -28,6 +26,7 @@ from kvstore.observe.metrics import MISS_REASONS, Metrics, replay_failure
 from kvstore.observe.records import (
     CASES,
     LOCAL_OUTCOMES,
+    CallRecord,
     Case,
     LocalOutcome,
     LocalWriteFacts,
@@ -35,37 +34,14 @@ from kvstore.observe.records import (
     ReplaySummary,
     RequestRecord,
 )
-from kvstore.wire.bills import Bills
 
 log = logging.getLogger("kvstore.admin")
 
 _PRICED = {"Lookup": "lookup", "Resume": "resume"}
 
 
-class CallRecordLike(Protocol):
-    @property
-    def method(self) -> str: ...
-    @property
-    def tenant(self) -> str: ...
-    @property
-    def code(self) -> str: ...
-    @property
-    def seconds(self) -> float: ...
-    @property
-    def model(self) -> str: ...
-    @property
-    def case(self) -> str: ...
-    @property
-    def local_state(self) -> str: ...
-    @property
-    def bills(self) -> Bills | None: ...
-
-
-def _norm(value: str, prefix: str, allowed: tuple[str, ...], default: str) -> str:
-    v = value.lower()
-    if v.startswith(prefix):  # "LOCAL_STATE_HIT" -> "hit"
-        v = v[len(prefix):]
-    return v if v in allowed else default
+def _known(value: str, allowed: tuple[str, ...], default: str) -> str:
+    return value if value in allowed else default
 
 
 class Observability:
@@ -86,11 +62,11 @@ class Observability:
         self._present = present
         self._ttl = local_ttl_seconds
 
-    def __call__(self, call: CallRecordLike) -> None:
+    def __call__(self, call: CallRecord) -> None:
         self.metrics.rpc(call.method, call.code, call.seconds)
         if call.code != "OK":
             return
-        facts = getattr(call, "facts", None)
+        facts = call.facts
         if isinstance(facts, LocalWriteFacts):  # a StoreLocal that wrote a snapshot
             self.explainer.local_stored(facts.namespace, facts.boundary_key, facts.ttl_seconds)
             return
@@ -103,8 +79,8 @@ class Observability:
                 self.metrics.load({name: t.bytes for name, t in bills.tiers.items()}, call.tenant)
             return
         lookup = facts if isinstance(facts, LookupFacts) else None
-        local = _norm(call.local_state, "local_state_", LOCAL_OUTCOMES, "absent")
-        case = _norm(call.case, "resume_case_", CASES, "") or case_of(
+        local = _known(call.local_state, LOCAL_OUTCOMES, "absent")
+        case = _known(call.case, CASES, "") or case_of(
             bills.prefill_tokens_avoided, local)  # type: ignore[arg-type]
         replay: ReplaySummary | None = None
         if lookup is None and local == "replayed":  # no facts: the replay worked, untimed
@@ -115,11 +91,11 @@ class Observability:
             failure = None if ok else replay_failure(lookup.replay_status)
             replay = ReplaySummary(lookup.replay_seconds, bills.replay_tokens, failure)
         rec = RequestRecord(
-            request_id=str(getattr(call, "request_id", "") or ""), method=method,  # type: ignore[arg-type]
+            request_id=call.request_id, method=method,  # type: ignore[arg-type]
             tenant=call.tenant, model=call.model, case=case,  # type: ignore[arg-type]
             local_outcome=local, bills=bills, replay=replay,  # type: ignore[arg-type]
         )
-        self.record(rec, lookup, getattr(call, "at", None))
+        self.record(rec, lookup, call.at)
         if replay is not None and replay.failure is None and lookup is not None and lookup.boundary_key \
                 and self._ttl is not None:
             # The coordinator stored the rebuilt snapshot in the pool under the TTL policy (noted

@@ -59,7 +59,7 @@ class ReturnTracker:
             return
         facts = call.facts
         # When the call finished (observers run a little later, on their own thread).
-        at = getattr(call, "at", None)
+        at = call.at
         if isinstance(facts, LocalWriteFacts):
             self.wrote(facts.namespace, facts.boundary_key, at)
             return
