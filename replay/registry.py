@@ -16,11 +16,19 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvstore.errors import ResourceExhausted, Unavailable
+from policies.fair_share import FairShare
 from replay.runner import ReplayJob
+
+# Runners attached with the admin token (serving every tenant) share the slots as this member.
+ADMIN_MEMBER = "(admin)"
+# Job ids a link remembers after they were cancelled: a runner may still be sending their results.
+RECENTLY_CANCELLED = 256
 
 
 @dataclass(frozen=True)
@@ -65,12 +73,17 @@ class RunnerLink:
     info: RunnerInfo
     outbox: queue.Queue[_Pending | int | None] = field(default_factory=queue.Queue)  # int: cancel job id
     in_flight: dict[int, _Pending] = field(default_factory=dict)
+    cancelled: deque[int] = field(default_factory=lambda: deque(maxlen=RECENTLY_CANCELLED))
     closed: bool = False
+    protocol_error: str = ""  # set when the registry detached the runner for breaking the protocol
 
 
 class RunnerRegistry:
-    def __init__(self, max_runners: int = 16) -> None:
+    def __init__(self, max_runners: int = 16, weights: Mapping[str, float] | None = None) -> None:
+        """`weights`: each tenant's share_weight; runner slots are split by them (admin runners
+        count as one more member of weight 1)."""
         self.max_runners = max_runners
+        self._slots = FairShare(max_runners, {**(weights or {}), ADMIN_MEMBER: 1.0})
         self._lock = threading.Lock()
         self._links: dict[str, RunnerLink] = {}
         self._jobs: dict[int, RunnerLink] = {}
@@ -78,6 +91,7 @@ class RunnerRegistry:
         self._closed = False
         self.jobs_total = 0
         self.jobs_failed = 0
+        self.misbehaved_total = 0  # runners detached for breaking the protocol
 
     # --- runner side (called by the Attach servicer) ------------------------------------------------
 
@@ -85,8 +99,13 @@ class RunnerRegistry:
         with self._lock:
             if self._closed:
                 raise Unavailable("the service is shutting down")
-            if len(self._links) >= self.max_runners:
-                raise ResourceExhausted(f"{self.max_runners} runners are attached already")
+            member = ADMIN_MEMBER if info.tenant is None else info.tenant
+            r = self._slots.try_take(member, 1)
+            if r is not None:
+                whose = "admin runners hold" if info.tenant is None else f"tenant '{info.tenant}' holds"
+                raise ResourceExhausted(
+                    f"{whose} {r.used} of their {r.share} runner slots ({r.total} in all, split by "
+                    f"share_weight)" if r.limit == "share" else f"all {r.total} runner slots are taken")
             link = RunnerLink(info)
             self._links[info.runner_id] = link
             return link
@@ -99,6 +118,7 @@ class RunnerRegistry:
         with self._lock:
             if self._links.get(link.info.runner_id) is link:
                 del self._links[link.info.runner_id]
+                self._slots.give_back(ADMIN_MEMBER if link.info.tenant is None else link.info.tenant, 1)
             link.closed = True
             pending = list(link.in_flight.values())
             link.in_flight.clear()
@@ -107,6 +127,25 @@ class RunnerRegistry:
         link.outbox.put(None)
         for p in pending:
             self._resolve(p, JobOutcome(p.job_id, link.info.runner_id, None, reason))
+
+    def job_of(self, link: RunnerLink, job_id: int) -> ReplayJob | None:
+        """The job `job_id` if `link` has it in flight; None if the link was not given it, or no
+        longer has it (see `was_cancelled`)."""
+        with self._lock:
+            p = link.in_flight.get(job_id)
+            return p.job if p is not None else None
+
+    def was_cancelled(self, link: RunnerLink, job_id: int) -> bool:
+        """The link was given `job_id` and it was cancelled lately (its results may still come)."""
+        with self._lock:
+            return job_id in link.cancelled
+
+    def misbehaved(self, link: RunnerLink, reason: str) -> None:
+        """Detach a runner that broke the protocol, and count it."""
+        with self._lock:
+            self.misbehaved_total += 1
+            link.protocol_error = reason
+        self.detach(link, f"runner protocol error: {reason}")
 
     def complete(self, link: RunnerLink, job_id: int, snapshot: bytes | None, error: str) -> bool:
         """The runner answered job `job_id`; False if the job is unknown (cancelled, or not its job)."""
@@ -146,6 +185,8 @@ class RunnerRegistry:
         with self._lock:
             link = self._jobs.pop(job_id, None)
             p = link.in_flight.pop(job_id, None) if link is not None else None
+            if link is not None and p is not None:
+                link.cancelled.append(job_id)
         if link is not None and p is not None:
             link.outbox.put(job_id)
             self._resolve(p, JobOutcome(job_id, link.info.runner_id, None, reason))

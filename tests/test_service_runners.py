@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore.errors import Unavailable
+from kvstore.layout import get_model
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire.framing import BlobAssembler, ChunkAssembler
@@ -110,12 +111,17 @@ def _job(svc: Service, tenant: str = "default", n: int = 3, model: str = TOY) ->
 def _echo_digest(job: pb.ReplayJob, chunks: list[bytes]) -> bytes:
     toks = np.frombuffer(job.tokens.u32le, dtype="<u4")
     seed = int(toks.sum()) + len(chunks) + sum(c[0] for c in chunks)
-    return np.random.default_rng(seed).integers(0, 256, 40_000, dtype=np.uint8).tobytes()
+    return _snapshot(seed, job.model)
 
 
 def _expected(job: ReplayJob) -> bytes:
-    seed = int(job.tokens.sum()) + len(job.chunks) + sum(bytes(c)[0] for c in job.chunks)
-    return np.random.default_rng(seed).integers(0, 256, 40_000, dtype=np.uint8).tobytes()
+    return _snapshot(int(job.tokens.sum()) + len(job.chunks) + sum(bytes(c)[0] for c in job.chunks), job.model)
+
+
+def _snapshot(seed: int, model: str) -> bytes:
+    """A made-up snapshot of the size the service expects of `model`."""
+    size = get_model(model).layout.local_snapshot_bytes
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
 def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -141,7 +141,8 @@ def test_an_unauthenticated_service_binds_loopback_only(service: Service) -> Non
 
 
 def test_token_comparison_finds_the_tenant_among_many() -> None:
-    cfg = make_config(tenants={f"t{i}": {"tokens": [f"token-number-{i:04d}"]} for i in range(50)})
+    cfg = make_config(tenants={f"t{i}": {"tokens": [f"token-number-{i:04d}"]} for i in range(50)},
+                      service={"max_concurrent_calls": 64})
     auth = Authenticator(cfg)
     assert auth.caller([("authorization", "Bearer token-number-0042")], None).tenant == "t42"
     assert auth.caller([("Authorization", "bearer token-number-0007")], None).tenant == "t7"

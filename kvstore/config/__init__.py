@@ -64,8 +64,22 @@ class KvstoreConfig:
                 require(tok not in seen, join("tenants", name) + ".tokens",
                         f"token is already used by tenant '{seen.get(tok)}'")
                 seen[tok] = name
-        if self.tenants:
-            require(self.service.max_concurrent_calls >= 1, "service.max_concurrent_calls", "must be >= 1")
+        weights = self.share_weights()
+        whole = sum(weights.values())
+        for name, w in weights.items():
+            require(int(self.service.max_concurrent_calls * w / whole) >= 1, "service.max_concurrent_calls",
+                    f"{self.service.max_concurrent_calls} call slots split by share_weight leave tenant "
+                    f"'{name}' none: raise max_concurrent_calls or that tenant's share_weight")
+            require(int(self.service.max_staged_bytes * w / whole) >= self.service.max_message_bytes,
+                    "service.max_staged_bytes",
+                    f"split by share_weight, tenant '{name}' could not stage even one message "
+                    f"({self.service.max_message_bytes} bytes): raise max_staged_bytes")
+
+    def share_weights(self) -> dict[str, float]:
+        """Each tenant's weight in the split of the service's call slots, staged bytes and runners."""
+        if not self.tenants:
+            return {DEFAULT_TENANT: 1.0}
+        return {name: t.share_weight for name, t in self.tenants.items()}
 
 
 def parse_config(table: dict[str, Any]) -> KvstoreConfig:

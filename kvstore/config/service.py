@@ -19,12 +19,16 @@ class TenantConfig:
     quota_dram_bytes: int = -1
     quota_lmdb_bytes: int = -1
     local_ttl_seconds: float = -1.0  # -1: the pool's policy decides
+    # This tenant's weight in the split of call slots, staged Store bytes and runner slots: each
+    # tenant is guaranteed total * share_weight / (sum of all tenants' weights) of each.
+    share_weight: float = 1.0
 
     def validate(self, prefix: str) -> None:
         for t in self.tokens:
             require(len(t) >= 8, join(prefix, "tokens"), "each token must be at least 8 characters")
         for name in ("quota_device_bytes", "quota_dram_bytes", "quota_lmdb_bytes"):
             require(getattr(self, name) >= -1, join(prefix, name), "must be -1 (none) or >= 0")
+        require(0 < self.share_weight <= 1000, join(prefix, "share_weight"), "must be > 0 and <= 1000")
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,14 @@ class ServiceConfig:
     grpc_port: int = 50051
     max_message_bytes: int = 4 * MiB
     stream_message_bytes: int = 1 * MiB  # payload bytes per streamed message
-    max_concurrent_calls: int = 64
+    max_concurrent_calls: int = 64  # the ceiling over all tenants; each gets its weighted share
+    # Store payload bytes held in memory across all calls until their streams end (each tenant
+    # gets its weighted share; one call may also carry at most 1 GiB).
+    max_staged_bytes: int = 2 << 30
+    max_runners: int = 16  # attached replay runners, all tenants together (shared by weight)
+    # A client stream that sends nothing, or a server stream whose client reads nothing, for this
+    # long is ended (DEADLINE_EXCEEDED) and its pins and staged bytes released.
+    stream_idle_seconds: float = 30.0
     max_lookup_tokens: int = 2_000_000
     grace_seconds: float = 10.0
     reflection: bool = True
@@ -50,6 +61,11 @@ class ServiceConfig:
             join(prefix, "stream_message_bytes"), "must be > 0 and at most half of max_message_bytes",
         )
         require(self.max_concurrent_calls >= 1, join(prefix, "max_concurrent_calls"), "must be >= 1")
+        require(self.max_staged_bytes >= self.max_message_bytes, join(prefix, "max_staged_bytes"),
+                "must be at least max_message_bytes")
+        require(self.max_runners >= 1, join(prefix, "max_runners"), "must be >= 1")
+        require(0.1 <= self.stream_idle_seconds <= 3600, join(prefix, "stream_idle_seconds"),
+                "must be in 0.1..3600")
         require(self.grace_seconds >= 0, join(prefix, "grace_seconds"), "must be >= 0")
         require(
             bool(self.tls_cert_file) == bool(self.tls_key_file),

@@ -230,7 +230,8 @@ def build_app(
         policy = build_ttl_policy(cfg, models) if local_pool == "config" else None
         pool = build_pool(cfg, models, clock, policy) if local_pool == "config" else local_pool
         assert not isinstance(pool, str)
-        app = App(cfg, ddir, models, store, pool, RunnerRegistry(), clock, ttl_policy=policy)
+        runners = RunnerRegistry(cfg.service.max_runners, cfg.share_weights())
+        app = App(cfg, ddir, models, store, pool, runners, clock, ttl_policy=policy)
         parts = ReplayParts(store, pool, app.runners, models, cfg.replay, cfg.store.chunk_tokens, clock)
         if coordinator_factory == "config":
             if cfg.replay.runner != "none" and cfg.replay.mode != "off":

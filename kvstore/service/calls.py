@@ -2,10 +2,12 @@
 resolution, status-code mapping and the call record.
 
 `CallGuard.enter(context, method)` is a context manager used by each servicer method: it refuses
-the call while draining (UNAVAILABLE) or beyond the concurrency bound (RESOURCE_EXHAUSTED),
-authenticates the caller, and on the way out maps any exception to a status code through
-`codes.status_for` (the only mapping there is) and reports a `CallRecord` to the app's observers
-(`App.notify`: they see it once the call has answered).
+the call while draining (UNAVAILABLE), authenticates the caller, refuses the call beyond its
+tenant's share of call slots (RESOURCE_EXHAUSTED, saying which limit and whose), watches a
+streaming call for stalls on its client (`stream_watch`), releases the Store bytes the call
+staged, and on the way out maps any exception to a status code through `codes.status_for` (the
+only mapping there is) and reports a `CallRecord` to the app's observers (`App.notify`: they see
+it once the call has answered).
 Each call has a request id: the caller's `x-request-id` (if it is a safe id) or a fresh one,
 echoed in the trailing metadata so that `kvstore explain` can find the request.
 A call whose client has gone (cancelled, deadline passed) ends quietly: nobody is listening, and
@@ -33,7 +35,8 @@ from kvstore.observe.records import CallRecord, LocalWriteFacts, LookupFacts
 from kvstore.service.app import App
 from kvstore.service.auth import Authenticator
 from kvstore.service.codes import is_expected, status_for
-from kvstore.service.limits import CallLimiter
+from kvstore.service.limits import CallLimiter, refusal_message
+from kvstore.service.stream_watch import StreamWatch, Watched
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.bills import Bills
 from kvstore.wire.messages import tokens_from_proto
@@ -59,6 +62,9 @@ class CallState:
     session: str = ""
     facts: LookupFacts | LocalWriteFacts | None = None
     extra: dict[str, float] = field(default_factory=dict)
+    # Streaming calls: marks the waits on the client (the stream watch ends a call stalled there).
+    stream: Watched | None = None
+    staged_bytes: int = 0  # Store payload bytes this call holds in memory (released on exit)
 
 
 @dataclass(frozen=True)
@@ -88,10 +94,11 @@ def session_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
 
 
 class CallGuard:
-    def __init__(self, app: App, auth: Authenticator, limiter: CallLimiter) -> None:
+    def __init__(self, app: App, auth: Authenticator, limiter: CallLimiter, watch: StreamWatch) -> None:
         self._app = app
         self._auth = auth
         self._limiter = limiter
+        self._watch = watch
         self._max_tokens = app.config.service.max_lookup_tokens
         self._default_mode = app.config.replay.mode
         # Namespaces of (tenant, model, mode) seen recently. Building one hashes the layout's JSON
@@ -99,7 +106,9 @@ class CallGuard:
         self._namespaces: dict[tuple[str, str, str], tuple[Namespace, ModelSpec, CacheLayout]] = {}
 
     @contextmanager
-    def enter(self, context: grpc.ServicerContext, method: str) -> Iterator[CallState]:
+    def enter(self, context: grpc.ServicerContext, method: str, streaming: bool = False) -> Iterator[CallState]:
+        """The call's state, inside admission and the status mapping; `streaming` calls are
+        watched for stalls on their client."""
         metadata = context.invocation_metadata()
         state = CallState(method, request_id=request_id_from(metadata), session=session_from(metadata))
         # Echoed so that a caller that sent no id can still find its request (`kvstore explain`).
@@ -109,35 +118,57 @@ class CallGuard:
         message = ""
         admitted = False
         try:
-            adm = self._limiter.try_enter()
-            if not adm.admitted:
-                if adm.reason == "draining":
-                    raise Unavailable("the service is shutting down; retry on another instance")
-                raise ResourceExhausted(
-                    f"too many concurrent calls (limit {self._limiter.max_calls}); retry with backoff")
-            admitted = True
+            if self._limiter.draining:
+                raise Unavailable("the service is shutting down; retry on another instance")
+            # Authenticated before admission: the share a call is counted against is its tenant's.
             caller = self._auth.caller_of(context)
             if not caller.tenant:
                 raise Unauthenticated("the admin token authenticates runners only; KVCache calls need a "
                                       "tenant's token")
             state.tenant = caller.tenant
-            yield state
+            adm = self._limiter.try_enter(caller.tenant)
+            if not adm.admitted:
+                if adm.refusal is None:
+                    raise Unavailable("the service is shutting down; retry on another instance")
+                raise ResourceExhausted(refusal_message("too many concurrent calls", "call slots", adm.refusal))
+            admitted = True
+            if streaming:
+                with self._watch.watch(context, method, caller.tenant) as state.stream:
+                    yield state
+            else:
+                yield state
         except GeneratorExit:
             code = grpc.StatusCode.CANCELLED  # a streaming call whose client went away
             raise
         except Exception as e:
-            if not context.is_active():
-                code = grpc.StatusCode.CANCELLED
-                return
-            code, message = status_for(e)
-            if not is_expected(e):
-                log.exception("%s failed unexpectedly", method)
+            try:
+                if not context.is_active():
+                    code = grpc.StatusCode.CANCELLED
+                    return
+                code, message = status_for(e)
+                if not is_expected(e):
+                    log.exception("%s failed unexpectedly", method)
+            finally:
+                # gRPC keeps the errors it raised in the call's state, which the frames of this
+                # traceback reference: a cycle that would hold the call's received messages until
+                # the cyclic collector ran.
+                e.__traceback__ = None
         finally:
+            if state.staged_bytes:
+                self._limiter.unstage(state.tenant, state.staged_bytes)
+                state.staged_bytes = 0
             if admitted:
-                self._limiter.leave()
+                self._limiter.leave(state.tenant)
             self._record(state, code, time.perf_counter() - t0)
         if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
             context.abort(code, message)
+
+    def stage(self, state: CallState, nbytes: int) -> None:
+        """Count `nbytes` more of a Store's payload held in memory by this call, or refuse them."""
+        refusal = self._limiter.try_stage(state.tenant, nbytes)
+        if refusal is not None:
+            raise ResourceExhausted(refusal_message("too many Store bytes staged in memory", "bytes", refusal))
+        state.staged_bytes += nbytes
 
     def _record(self, state: CallState, code: grpc.StatusCode, seconds: float) -> None:
         if not self._app.observers:

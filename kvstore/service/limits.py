@@ -1,60 +1,98 @@
-"""Admission of calls: a bound on concurrent calls, and the drain switch used at shutdown.
+"""Admission of calls and staged Store bytes, shared fairly between tenants; the drain switch.
 
-Excess calls are refused at once (the servicer turns `try_enter`'s answer into RESOURCE_EXHAUSTED)
-rather than queued: a sidecar whose engine has a deadline is better served by a fast "no" than by
-a slow "yes". The gRPC thread pool is sized above the limit so that refused calls still reach a
+Both budgets are split by the tenants' `share_weight` (`policies.fair_share`): a tenant always
+gets up to its guaranteed share, whatever another tenant holds, so no tenant can lock another out
+by holding calls or staging bytes. `service.max_concurrent_calls` and `service.max_staged_bytes`
+are the ceilings over all tenants.
+
+Excess calls are refused at once (the servicer turns a refusal into RESOURCE_EXHAUSTED) rather
+than queued: a sidecar whose engine has a deadline is better served by a fast "no" than by a slow
+"yes". The gRPC thread pool is sized above the call ceiling so that refused calls still reach a
 thread and get their answer quickly.
 
-What it does not know: gRPC, tenants, or what a call does.
+What it does not know: gRPC, credentials, or what a call does.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from policies.fair_share import FairShare, ShareRefusal
 
 
 @dataclass(frozen=True)
 class Admission:
     admitted: bool
     reason: str = ""  # "draining" or "overloaded" when not admitted
+    refusal: ShareRefusal | None = None  # set when overloaded: which limit, whose
 
 
-# The three answers, made once: admission is on every call's path.
+# Answers made once: admission is on every call's path.
 ADMITTED = Admission(True)
 DRAINING = Admission(False, "draining")
-OVERLOADED = Admission(False, "overloaded")
+
+
+def refusal_message(what: str, unit: str, r: ShareRefusal) -> str:
+    """A refusal in words: which limit, whose, and the figures. `what`: "too many concurrent
+    calls"; `unit`: "call slots"."""
+    if r.limit == "share":
+        return (f"{what} for tenant '{r.member}': it holds {r.used} of its share of {r.share} {unit} "
+                f"({r.total} in all, split by share_weight); retry with backoff")
+    return f"{what}: all {r.total} {unit} of the service are in use; retry with backoff"
 
 
 class CallLimiter:
-    def __init__(self, max_calls: int) -> None:
+    def __init__(self, max_calls: int, weights: Mapping[str, float], max_staged_bytes: int) -> None:
         assert max_calls >= 1
         self.max_calls = max_calls
         self._cond = threading.Condition()
-        self._in_flight = 0
+        self._calls = FairShare(max_calls, weights)
+        self._staged = FairShare(max_staged_bytes, weights)
         self._draining = False
         self.rejected_total = 0
+        self.staging_refused_total = 0
 
-    def try_enter(self) -> Admission:
+    def try_enter(self, tenant: str) -> Admission:
         with self._cond:
             if self._draining:
                 return DRAINING
-            if self._in_flight >= self.max_calls:
+            refusal = self._calls.try_take(tenant, 1)
+            if refusal is not None:
                 self.rejected_total += 1
-                return OVERLOADED
-            self._in_flight += 1
+                return Admission(False, "overloaded", refusal)
             return ADMITTED
 
-    def leave(self) -> None:
+    def leave(self, tenant: str) -> None:
         with self._cond:
-            assert self._in_flight > 0
-            self._in_flight -= 1
-            if self._in_flight == 0:
+            self._calls.give_back(tenant, 1)
+            if self._calls.in_use == 0:
                 self._cond.notify_all()
+
+    def try_stage(self, tenant: str, nbytes: int) -> ShareRefusal | None:
+        """Count `nbytes` more of a Store's payload held in memory; None if they fit."""
+        with self._cond:
+            refusal = self._staged.try_take(tenant, nbytes)
+            if refusal is not None:
+                self.staging_refused_total += 1
+            return refusal
+
+    def unstage(self, tenant: str, nbytes: int) -> None:
+        with self._cond:
+            self._staged.give_back(tenant, nbytes)
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self._calls.in_use
+
+    @property
+    def staged_bytes(self) -> int:
+        return self._staged.in_use
+
+    def tenant_in_flight(self, tenant: str) -> int:
+        with self._cond:
+            return self._calls.used(tenant)
 
     @property
     def draining(self) -> bool:
@@ -68,4 +106,4 @@ class CallLimiter:
     def wait_idle(self, timeout_seconds: float) -> bool:
         """Wait until no call is in flight; False if the timeout passed first."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._in_flight == 0, timeout=timeout_seconds)
+            return self._cond.wait_for(lambda: self._calls.in_use == 0, timeout=timeout_seconds)

@@ -24,6 +24,7 @@ from kvstore.errors import InvalidInput, KvstoreError, Unavailable
 from kvstore.layout import CacheLayout
 from kvstore.service.auth import Authenticator
 from kvstore.service.codes import status_for
+from kvstore.service.stream_watch import StreamWatch
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.framing import BlobAssembler, plan_pieces
 from kvstore.wire.messages import Malformed, accept, tokens_to_proto
@@ -31,7 +32,6 @@ from replay.registry import RunnerInfo, RunnerLink, RunnerRegistry, _Pending
 
 log = logging.getLogger(__name__)
 
-MAX_SNAPSHOT_BYTES = 256 << 20  # a result larger than this is a broken runner, not a snapshot
 
 
 class RunnersServicer:
@@ -43,6 +43,7 @@ class RunnersServicer:
         message_bytes: int,
         max_message_bytes: int,
         draining: Callable[[], bool],
+        watch: StreamWatch,
     ) -> None:
         self._registry = registry
         self._auth = auth
@@ -50,6 +51,7 @@ class RunnersServicer:
         self._message_bytes = message_bytes
         self._max_message_bytes = max_message_bytes
         self._draining = draining
+        self._watch = watch
 
     def Attach(
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], context: grpc.ServicerContext
@@ -67,23 +69,33 @@ class RunnersServicer:
         )
         reader.start()
         try:
-            yield pb.RunnerCommand(attached=pb.Attached(
-                runner_id=link.info.runner_id, max_message_bytes=self._max_message_bytes))
-            while context.is_active() and not done.is_set():
-                try:
-                    item = link.outbox.get(timeout=0.25)
-                except queue.Empty:
-                    continue
-                if item is None:
-                    break
-                if isinstance(item, int):
-                    yield pb.RunnerCommand(cancel=pb.JobCancel(job_id=item))
-                    continue
-                if item.job_id not in link.in_flight:
-                    continue  # cancelled while queued
-                yield from self._job_messages(item)
+            # A runner that stops reading its jobs is ended like any stalled stream; one that is
+            # merely idle (no jobs) is not: only sends are watched.
+            with self._watch.watch(context, "Attach", link.info.tenant or "(admin)") as w:
+                yield from w.sent(self._commands(link, context, done))
+            if link.protocol_error:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"runner detached: {link.protocol_error}")
         finally:
             self._registry.detach(link, "runner stream closed")
+
+    def _commands(
+        self, link: RunnerLink, context: grpc.ServicerContext, done: threading.Event
+    ) -> Iterator[pb.RunnerCommand]:
+        yield pb.RunnerCommand(attached=pb.Attached(
+            runner_id=link.info.runner_id, max_message_bytes=self._max_message_bytes))
+        while context.is_active() and not done.is_set():
+            try:
+                item = link.outbox.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            if item is None:
+                break
+            if isinstance(item, int):
+                yield pb.RunnerCommand(cancel=pb.JobCancel(job_id=item))
+                continue
+            if item.job_id not in link.in_flight:
+                continue  # cancelled while queued
+            yield from self._job_messages(item)
 
     def _register(
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], context: grpc.ServicerContext
@@ -136,34 +148,51 @@ class RunnersServicer:
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], link: RunnerLink, done: threading.Event
     ) -> None:
         partial: dict[int, BlobAssembler] = {}
-        reason = "runner stream ended"
+        reason = ""
         try:
             for raw in request_iterator:
                 msg = accept(raw, pb.RunnerMessage)
                 if msg.WhichOneof("kind") != "result":
                     raise InvalidInput("after the hello a runner sends only JobResult messages")
-                r = msg.result
-                if r.error:
-                    partial.pop(r.job_id, None)
-                    self._registry.complete(link, r.job_id, None, r.error)
-                    continue
-                asm = partial.get(r.job_id)
-                if asm is None:
-                    if r.total_bytes > MAX_SNAPSHOT_BYTES:
-                        raise InvalidInput(f"job result of {r.total_bytes} bytes is too large")
-                    asm = partial[r.job_id] = BlobAssembler(r.total_bytes, "job result")
-                asm.add(r.offset, r.data)
-                if r.last:
-                    del partial[r.job_id]
-                    self._registry.complete(link, r.job_id, asm.finish(), "")
+                self._take_result(link, msg.result, partial)
         except InvalidInput as e:
-            reason = f"runner protocol error: {e}"
-            log.warning("runner %s: %s", link.info.runner_id, e)
-        except grpc.RpcError:
+            log.warning("runner %s detached: %s", link.info.runner_id, e)
+            self._registry.misbehaved(link, str(e))
+        except grpc.RpcError as e:
             reason = "runner stream cancelled"
+            e.__traceback__ = None  # see CallGuard.enter: gRPC's call state keeps the error
         finally:
+            partial.clear()  # now: a failed stream's traceback would keep the buffers alive
             done.set()
-            self._registry.detach(link, reason)
+            self._registry.detach(link, reason or "runner stream ended")
+
+    def _take_result(self, link: RunnerLink, r: pb.JobResult, partial: dict[int, BlobAssembler]) -> None:
+        """One JobResult piece. Checked against the job it answers before anything is allocated:
+        a result for a job this runner was not given, or of another size than the job's snapshot,
+        is a protocol error (the runner is detached); a late one for a cancelled job is dropped."""
+        asm = partial.get(r.job_id)
+        if asm is None:
+            job = self._registry.job_of(link, r.job_id)
+            if job is None and self._registry.was_cancelled(link, r.job_id):
+                return  # cancelled while the runner worked on it
+            if job is None:
+                raise InvalidInput(f"a result for job {r.job_id}, which is not one of this runner's jobs")
+            if r.error:
+                self._registry.complete(link, r.job_id, None, r.error)
+                return
+            expected = self._layouts[job.model].local_snapshot_bytes
+            if r.total_bytes != expected:
+                raise InvalidInput(f"job {r.job_id}'s result declares {r.total_bytes} bytes; a snapshot of "
+                                   f"'{job.model}' is {expected}")
+            asm = partial[r.job_id] = BlobAssembler(expected, "job result")
+        elif r.error:
+            del partial[r.job_id]
+            self._registry.complete(link, r.job_id, None, r.error)
+            return
+        asm.add(r.offset, r.data)
+        if r.last:
+            del partial[r.job_id]
+            self._registry.complete(link, r.job_id, asm.finish(), "")
 
 
 def _slice_chunks(chunks: Sequence[bytes | memoryview], chunk_bytes: int, start: int, nbytes: int) -> bytes:

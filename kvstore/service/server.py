@@ -35,6 +35,7 @@ from kvstore.service.health import HealthReporter
 from kvstore.service.limits import CallLimiter
 from kvstore.service.runners_servicer import RunnersServicer
 from kvstore.service.servicer import KVCacheServicer
+from kvstore.service.stream_watch import StreamWatch
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.messages import safe_deserializer, serialize_response
 
@@ -84,13 +85,14 @@ class KvstoreServer:
         self._admin_port = admin_port if admin_port is not None else cfg.admin.port
         check_bind_allowed(cfg, self.host)
         svc = cfg.service
-        self.limiter = CallLimiter(svc.max_concurrent_calls)
+        self.limiter = CallLimiter(svc.max_concurrent_calls, cfg.share_weights(), svc.max_staged_bytes)
+        self.watch = StreamWatch(svc.stream_idle_seconds)
         self.auth = Authenticator(cfg)
         self.health = HealthReporter(app, health_interval_seconds)
-        self.kvcache = KVCacheServicer(app, CallGuard(app, self.auth, self.limiter), self.limiter)
+        self.kvcache = KVCacheServicer(app, CallGuard(app, self.auth, self.limiter, self.watch), self.limiter)
         self.runners = RunnersServicer(
             app.runners, self.auth, app.layouts(),
-            svc.stream_message_bytes, svc.max_message_bytes, lambda: self.limiter.draining,
+            svc.stream_message_bytes, svc.max_message_bytes, lambda: self.limiter.draining, self.watch,
         )
         threads = svc.max_concurrent_calls + app.runners.max_runners + SPARE_THREADS
         self._server = grpc.server(
@@ -138,6 +140,7 @@ class KvstoreServer:
             raise ConfigError("service.grpc_port", f"cannot listen on {addr} (in use, or not an address here)")
         self.port = port
         self.health.start()
+        self.watch.start()
         self._server.start()
         if self._admin_port >= 0:
             try:
@@ -164,6 +167,7 @@ class KvstoreServer:
         self.app.runners.close()
         self._server.stop(max(0.0, deadline - time.monotonic())).wait()
         self.kvcache.close()
+        self.watch.stop()
         self.health.stop()
         if self.admin is not None:
             self.app.flush_observers(1.0)  # the last calls reach the metrics and ledger first

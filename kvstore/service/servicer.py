@@ -95,7 +95,7 @@ class KVCacheServicer(LocalStateCalls):
     def Store(
         self, request_iterator: Iterator[pb.StoreRequest | Malformed], context: grpc.ServicerContext
     ) -> pb.StoreResponse:
-        with self.guard.enter(context, "Store") as call:
+        with self.guard.enter(context, "Store", streaming=True) as call:
             return self._store(call, request_iterator, context)
         return pb.StoreResponse()
 
@@ -103,7 +103,9 @@ class KVCacheServicer(LocalStateCalls):
         self, call: CallState, request_iterator: Iterator[pb.StoreRequest | Malformed],
         context: grpc.ServicerContext,
     ) -> pb.StoreResponse:
-        first = next(request_iterator, None)
+        assert call.stream is not None
+        messages = call.stream.received(request_iterator)
+        first = next(messages, None)
         if first is None:
             raise InvalidInput("empty Store stream: send a StoreHeader first")
         head = accept(first, pb.StoreRequest)
@@ -117,9 +119,21 @@ class KVCacheServicer(LocalStateCalls):
                 f"one Store call may carry at most {MAX_STORE_BYTES} bytes of payload ({full} chunks of "
                 f"{cb} bytes were declared); store the prompt in several calls on growing prefixes")
         received: dict[int, memoryview] = {}
-        asm = ChunkAssembler(cb, full)
+        try:
+            end = self._receive(call, messages, ChunkAssembler(cb, full), received)
+            return self._commit(call, res, context, end, received)
+        finally:
+            # Dropped here, not when the frames go: a failed call's traceback keeps its frames.
+            received.clear()
+
+    def _receive(
+        self, call: CallState, messages: Iterator[pb.StoreRequest | Malformed], asm: ChunkAssembler,
+        received: dict[int, memoryview],
+    ) -> pb.StoreEnd | None:
+        """The payload pieces into `received`, each counted against the tenant's staging share
+        before it is kept; the StoreEnd, if one came."""
         end: pb.StoreEnd | None = None
-        for raw in request_iterator:
+        for raw in messages:
             msg = accept(raw, pb.StoreRequest)
             kind = msg.WhichOneof("kind")
             if end is not None or kind not in ("chunks", "end"):
@@ -128,9 +142,17 @@ class KVCacheServicer(LocalStateCalls):
                 end = msg.end
                 continue
             p = msg.chunks
+            self.guard.stage(call, len(p.data))
             for index, payload in asm.add(p.first_chunk, p.offset, p.data):
                 received[index] = payload
         asm.finish()
+        return end
+
+    def _commit(
+        self, call: CallState, res: Resolved, context: grpc.ServicerContext, end: pb.StoreEnd | None,
+        received: dict[int, memoryview],
+    ) -> pb.StoreResponse:
+        full = res.full_chunks
         remaining = context.time_remaining()
         if not context.is_active() or (remaining is not None and remaining <= 0):
             return pb.StoreResponse()  # cancelled or out of time: store nothing
@@ -166,7 +188,7 @@ class KVCacheServicer(LocalStateCalls):
     def Load(
         self, request: pb.LoadRequest | Malformed, context: grpc.ServicerContext
     ) -> Iterator[pb.LoadResponse | bytes]:
-        with self.guard.enter(context, "Load") as call:
+        with self.guard.enter(context, "Load", streaming=True) as call:
             req = accept(request, pb.LoadRequest)
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens)
             with self.app.store.load(res.ns, res.tokens, req.max_chunks or None) as session:
@@ -175,7 +197,8 @@ class KVCacheServicer(LocalStateCalls):
                     hit_tokens=n * res.chunk_tokens, hit_chunks=n, chunk_tokens=res.chunk_tokens,
                     chunk_bytes=res.layout.chunk_bytes))
                 loaded: list[str] = []
-                yield from self.stream_chunks(session, res, n, context, loaded)
+                assert call.stream is not None
+                yield from call.stream.sent(self.stream_chunks(session, res, n, context, loaded))
                 call.bills = price(res, loaded, replay_tokens=0, local_bytes=0)
 
     def stream_chunks(

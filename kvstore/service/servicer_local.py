@@ -60,7 +60,7 @@ class LocalStateCalls:
     def StoreLocal(
         self, request_iterator: Iterator[pb.StoreLocalRequest | Malformed], context: grpc.ServicerContext
     ) -> pb.StoreLocalResponse:
-        with self.guard.enter(context, "StoreLocal") as call:
+        with self.guard.enter(context, "StoreLocal", streaming=True) as call:
             return self._store_local(call, request_iterator, context)
         return pb.StoreLocalResponse()
 
@@ -68,7 +68,9 @@ class LocalStateCalls:
         self, call: CallState, request_iterator: Iterator[pb.StoreLocalRequest | Malformed],
         context: grpc.ServicerContext,
     ) -> pb.StoreLocalResponse:
-        first = next(request_iterator, None)
+        assert call.stream is not None
+        messages = call.stream.received(request_iterator)
+        first = next(messages, None)
         if first is None:
             raise InvalidInput("empty StoreLocal stream: send a LocalHeader first")
         head = accept(first, pb.StoreLocalRequest)
@@ -88,7 +90,7 @@ class LocalStateCalls:
             raise InvalidInput(
                 f"snapshot_bytes is {h.snapshot_bytes}; a local snapshot of '{res.spec.name}' is {size} bytes")
         asm = BlobAssembler(size)
-        for raw in request_iterator:
+        for raw in messages:
             msg = accept(raw, pb.StoreLocalRequest)
             if msg.WhichOneof("kind") != "local":
                 raise InvalidInput("after the LocalHeader a StoreLocal stream carries only LocalPieces")
@@ -113,30 +115,37 @@ class LocalStateCalls:
     def LoadLocal(
         self, request: pb.LoadLocalRequest | Malformed, context: grpc.ServicerContext
     ) -> Iterator[pb.LoadLocalResponse]:
-        with self.guard.enter(context, "LoadLocal") as call:
+        with self.guard.enter(context, "LoadLocal", streaming=True) as call:
             req = accept(request, pb.LoadLocalRequest)
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens)
             n = res.full_chunks
             state, got = local_status(self.app, res, n, context.time_remaining())
             call.local_state = state
             payload = got.payload if got is not None and got.payload is not None else None
-            yield pb.LoadLocalResponse(header=pb.LoadLocalHeader(
-                local_state=LOCAL_TO_PB[state], boundary_tokens=n * res.chunk_tokens,
-                snapshot_bytes=len(payload) if payload is not None else 0,
-                reason=(got.miss_reason or "") if got is not None else ""))
-            if payload is not None:
-                for off, end in blob_spans(len(payload), self.message_bytes):
-                    yield pb.LoadLocalResponse(local=pb.LocalPiece(offset=off, data=bytes(payload[off:end])))
+            assert call.stream is not None
+            yield from call.stream.sent(self._local_messages(state, got, payload, n * res.chunk_tokens))
+
+    def _local_messages(
+        self, state: str, got: GetResult | None, payload: memoryview | None, boundary: int
+    ) -> Iterator[pb.LoadLocalResponse]:
+        yield pb.LoadLocalResponse(header=pb.LoadLocalHeader(
+            local_state=LOCAL_TO_PB[state], boundary_tokens=boundary,
+            snapshot_bytes=len(payload) if payload is not None else 0,
+            reason=(got.miss_reason or "") if got is not None else ""))
+        if payload is not None:
+            for off, end in blob_spans(len(payload), self.message_bytes):
+                yield pb.LoadLocalResponse(local=pb.LocalPiece(offset=off, data=bytes(payload[off:end])))
 
     # --- Resume -----------------------------------------------------------------------------------
 
     def Resume(
         self, request: pb.ResumeRequest | Malformed, context: grpc.ServicerContext
     ) -> Iterator[pb.ResumeResponse | bytes]:
-        with self.guard.enter(context, "Resume") as call:
+        with self.guard.enter(context, "Resume", streaming=True) as call:
             req = accept(request, pb.ResumeRequest)
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens)
-            yield from self._resume(call, req, res, context)
+            assert call.stream is not None
+            yield from call.stream.sent(self._resume(call, req, res, context))
 
     def _resume(
         self, call: CallState, req: pb.ResumeRequest, res: Resolved, context: grpc.ServicerContext
