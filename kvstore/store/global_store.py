@@ -292,16 +292,24 @@ class GlobalStore(Placement):
         try:
             if durable_items:
                 self._durable.put_many(durable_items)
-        finally:
+        except BaseException:
             with self._lock:
                 self._reserve("lmdb", ns.tenant, -reserved)
+            raise
         placed = skipped = 0
         with self._lock:
             durable_keys = {k for k, _, _ in durable_items}
+            # Each durable chunk's reservation turns into its charge in this one critical section:
+            # released any earlier, the bytes would count as free and another commit (or a demotion
+            # below) could take them before the charge, and the tier would go over its capacity.
+            fp = self._tiers["lmdb"].footprint(layout.chunk_bytes)
+            self._reserve("lmdb", ns.tenant, -(reserved - fp * len(durable_keys)))
             # Last chunk first: the head of a prefix is then the most recently inserted, so
             # LRU-like policies evict a prefix from its tail (a lost head strands the rest).
             for i, p in reversed(new):
                 key = txn.keys[i]
+                if key in durable_keys:
+                    self._reserve("lmdb", ns.tenant, -fp)
                 if key in self._index:  # a concurrent store of the same prefix won the race
                     continue
                 cost = float((len(txn.keys) - i) * layout.chunk_tokens)
