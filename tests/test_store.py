@@ -18,6 +18,7 @@ from kvstore.tiers.base import ChunkMeta
 from tests.store_helpers import (
     CHUNK,
     MODELS,
+    RecordingFates,
     expected_payloads,
     open_store,
     payload_for,
@@ -164,27 +165,11 @@ def test_tenant_quota_is_never_exceeded(tmp_path: Path) -> None:
     assert tb["big"]["device"] > 4096  # the other tenant is not held to it
 
 
-class _Fates:
-    """A chunk-fate sink that records what the store tells it."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, bytes, bytes, str]] = []
-
-    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str) -> None:
-        self.seen.append(("dropped:" + reason, key, namespace, tier))
-
-    def corrupt(self, key: bytes, namespace: bytes, tier: str) -> None:
-        self.seen.append(("corrupt", key, namespace, tier))
-
-    def refused(self, key: bytes, namespace: bytes, reason: str) -> None:
-        self.seen.append((reason, key, namespace, ""))
-
-
 def test_the_store_reports_refused_and_dropped_chunks_to_its_fate_sink(tmp_path: Path) -> None:
     quotas = {"tiny": TenantQuota(device_bytes=0, dram_bytes=0, lmdb_bytes=0)}
     store = open_store(tmp_path, quotas=quotas, device_capacity_bytes=0, dram_capacity_bytes=0,
                        lmdb_capacity_bytes=16 * 4096)
-    fates = _Fates()
+    fates = RecordingFates()
     store.set_fate_sink(fates)
     tiny = store.namespace("tiny", "reference-toy-8", "bounded")
     toks = tokens_for(400, 2 * CHUNK)
