@@ -51,3 +51,24 @@ def test_used_bytes_never_exceed_capacity_while_commits_run(tmp_path: Path) -> N
     store.check_invariants()
     store.close()
 
+
+def test_reopening_with_more_data_than_capacity_evicts_down_to_it(tmp_path: Path) -> None:
+    # Written under a 2 MiB capacity, reopened under 1 MiB: as after a crash between evicting
+    # chunks from the index and deleting their values, the database holds more than the budget.
+    big = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0, lmdb_capacity_bytes=2 << 20)
+    ns = big.namespace("default", "deepseek-v4.1-flash", "bounded")
+    for seed in range(4):
+        assert store_prefix(big, ns, tokens_for(seed, 30 * CHUNK, vocab=129_280)).durable
+    big.close()
+    store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0, lmdb_capacity_bytes=1 << 20)
+    stats = store.stats()
+    assert stats.tiers["lmdb"].evictions > 0
+    assert stats.tiers["lmdb"].used_bytes <= stats.tiers["lmdb"].capacity_bytes
+    store.check_invariants()
+    kept = stats.chunks
+    assert store._durable.stats().entries == kept  # the evicted values were deleted, not only forgotten
+    store.close()
+    again = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0, lmdb_capacity_bytes=1 << 20)
+    assert again.stats().chunks == kept and again.stats().tiers["lmdb"].evictions == 0
+    again.check_invariants()
+    again.close()
