@@ -63,3 +63,19 @@ def expected_payloads(store: GlobalStore, ns: Namespace, tokens: np.ndarray, n: 
     layout = store.layout(ns)
     c = layout.chunk_tokens
     return [payload_for(ns, i, tokens[i * c : (i + 1) * c], layout.chunk_bytes) for i in range(n)]
+
+
+class RecordingFates:
+    """A chunk-fate sink that records what the store tells it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, bytes, bytes, str]] = []
+
+    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str) -> None:
+        self.seen.append(("dropped:" + reason, key, namespace, tier))
+
+    def corrupt(self, key: bytes, namespace: bytes, tier: str) -> None:
+        self.seen.append(("corrupt", key, namespace, tier))
+
+    def refused(self, key: bytes, namespace: bytes, reason: str) -> None:
+        self.seen.append((reason, key, namespace, ""))

@@ -5,8 +5,10 @@ budgets per tier and per tenant, the pins, and the policies. It asks tiers to mo
 - lookup walks the chained keys and stops at the first key it does not hold (or whose stored
   token ids differ from the request's: a miss, counted);
 - a store is two-phase: `begin_store` -> `write` (payloads staged in the transaction) -> `commit`
-  writes the new chunks durably in ONE LMDB transaction (write-through), then places them in the
-  hot tier and makes them visible; `abort` (or an exception, or a cancelled stream) leaves nothing;
+  reserves room for the longest head of the prefix that fits, writes those chunks durably in ONE
+  LMDB transaction (write-through), then places them in the hot tier and makes them visible; its
+  result counts what a lookup then reaches; `abort` (or an exception, or a cancelled stream)
+  leaves nothing;
 - a load pins the hit prefix with a receipt, reads each chunk from the fastest tier holding it,
   promotes it to the device tier when the policy says so, and releases the pin (`pin_prefix`
   does the same for a replay, without counting a lookup);
@@ -16,8 +18,10 @@ budgets per tier and per tenant, the pins, and the policies. It asks tiers to mo
 What it does not know: how bytes are laid out in memory or on disk (tiers), how victims are
 ranked (policies), gRPC, tenants' credentials, or local SWA state (the local pool).
 
-Locking: one re-entrant lock guards the index and the in-memory tiers; the slow durable write of
-a commit happens outside it, before the new chunks become visible.
+Locking: one re-entrant lock guards the index and the in-memory tiers. The slow LMDB work of a
+commit happens outside it: the durable write, before the new chunks become visible, and the
+deletes of the chunks evicted to make room (placement.py). A commit takes the lock for at most
+CHUNKS_PER_LOCK_HOLD chunks at a time.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from kvstore.keys.chain import chain_from
 from kvstore.keys.chunk_keys import Namespace, as_token_array, full_chunk_bytes, split_chunks
 from kvstore.keys.memo import KeyMemo, Recall
 from kvstore.layout import TIER_NAMES, CacheLayout, ModelSpec
+from kvstore.store.commit_plan import CommitPlan, PlannedChunk
 from kvstore.store.fates import ChunkFateSink, NoFates, RefusalReason
 from kvstore.store.pins import PinReceipt, PinTable
 from kvstore.store.placement import ChunkEntry, Placement, fastest_tier
@@ -47,6 +52,7 @@ from kvstore.store.sessions import LoadSession, StoreTxn
 from kvstore.store.types import (
     CommitResult,
     PrefixHit,
+    SkipReason,
     StoreStats,
     TenantQuota,
     TierUsage,
@@ -54,6 +60,17 @@ from kvstore.store.types import (
 from kvstore.tiers.base import ChunkMeta, DurableTier, Tier, TierName
 from kvstore.tiers.factory import build_tiers, quantize_tiers
 from policies.base import AdmissionPolicy, EvictionPolicy
+
+# Chunks one commit plans, or inserts, per hold of the store's lock (each may evict a few chunks
+# to make room): the lock is let go between batches so that other calls are never held up for
+# long behind a large Store.
+CHUNKS_PER_LOCK_HOLD = 32
+HOT_TIERS: tuple[TierName, ...] = ("device", "dram")
+# A skipped chunk the explainer is told about, under its fate name (a chunk skipped after a gap is
+# not: the first missing chunk already explains the miss).
+_FATE_OF_SKIP: dict[SkipReason, RefusalReason] = {
+    "no-room": "no_room", "over-quota": "over_quota", "not-admitted": "not_admitted",
+}
 
 # Read from every hit entry of a lookup, through C-level map()s.
 _FASTEST = operator.attrgetter("fastest")
@@ -94,6 +111,9 @@ class GlobalStore(Placement):
         self._by_tier: dict[str, int] = {}
         self._ignored: dict[str, int] = {}
         self._fates: ChunkFateSink = NoFates()  # told when a chunk leaves or is kept out (the explainer)
+        self._doomed: set[bytes] = set()
+        self._deleting: dict[bytes, threading.Event] = {}
+        self._committing: dict[bytes, int] = {}
         self._recover()
 
     def set_fate_sink(self, sink: ChunkFateSink) -> None:
@@ -259,83 +279,176 @@ class GlobalStore(Placement):
         return StoreTxn(self, ns, layout, keys, chunks, needed, remainder)
 
     def commit_txn(self, txn: StoreTxn) -> CommitResult:
-        ns, layout = txn.ns, txn.layout
-        staged = sorted(txn.staged.items())
+        """Store the longest head of the prefix the tiers have room for, never pushing out a chunk
+        of the prefix itself: plan head first (reserving each chunk's bytes in every tier it will
+        occupy), write the durable chunks in one LMDB transaction outside the lock, then insert
+        last chunk first, turning each reservation into the charge in one critical section. The
+        lock is let go every CHUNKS_PER_LOCK_HOLD chunks, so a large commit stalls no other call."""
         missing = [i for i in txn.chunks_needed if i not in txn.staged]
         if missing:
             raise InvalidInput(
                 f"store is incomplete: chunk {missing[0]} (of {len(txn.keys)}) was never sent"
             )
-        durable_items: list[tuple[bytes, memoryview, ChunkMeta]] = []
-        with self._lock:
-            new = [(i, p) for i, p in staged if txn.keys[i] not in self._index]
-            self._remember_namespace(ns)
-            write_through = self.cfg.write_policy == "write-through"
-            lmdb_room = True
-            reserved = 0
-            if write_through and new:
-                need = sum(self._tiers["lmdb"].footprint(len(p)) for _, p in new)
-                lmdb_room = self._make_room("lmdb", ns.tenant, need, protect=set())
-                if lmdb_room:
-                    # Reserve the bytes so a concurrent commit cannot take them meanwhile.
-                    reserved = need
-                    self._reserve("lmdb", ns.tenant, reserved)
-                else:
-                    self._bump("admissions_refused", len(new))
-            for i, p in new:
-                meta = ChunkMeta(ns.digest, layout.layout_id, txn.chunks[i])
-                if write_through and lmdb_room and self._admission.admit(txn.keys[i]):
-                    durable_items.append((txn.keys[i], p, meta))
-                elif write_through and lmdb_room:
-                    self._bump("admissions_refused")
-        # The durable write happens outside the lock: it may fsync. Nothing is visible yet.
+        plan = CommitPlan()
+        self._enter_commit(txn, plan)
         try:
-            if durable_items:
-                self._durable.put_many(durable_items)
-        finally:
-            with self._lock:
-                self._reserve("lmdb", ns.tenant, -reserved)
-        placed = skipped = 0
-        with self._lock:
-            durable_keys = {k for k, _, _ in durable_items}
+            for start in range(0, len(plan.new), CHUNKS_PER_LOCK_HOLD):
+                self._yield_lock(start)
+                with self._lock:
+                    for i, payload in plan.new[start : start + CHUNKS_PER_LOCK_HOLD]:
+                        self._plan_chunk(txn, plan, i, payload)
+            # The victims' values go first, so LMDB never holds them and the new chunks at once.
+            self._delete_doomed()
+            ns, layout = txn.ns, txn.layout
+            durable = [(txn.keys[c.index], c.payload, ChunkMeta(ns.digest, layout.layout_id, txn.chunks[c.index]))
+                       for c in plan.planned if "lmdb" in c.tiers]
+            if durable:  # may fsync: outside the lock, and nothing is visible yet
+                self._durable.put_many(durable)
             # Last chunk first: the head of a prefix is then the most recently inserted, so
             # LRU-like policies evict a prefix from its tail (a lost head strands the rest).
-            for i, p in reversed(new):
-                key = txn.keys[i]
-                if key in self._index:  # a concurrent store of the same prefix won the race
-                    continue
-                cost = float((len(txn.keys) - i) * layout.chunk_tokens)
-                entry = ChunkEntry(ns.digest, ns.tenant, layout, txn.chunks[i], len(p), cost)
-                self._index[key] = entry
-                if key in durable_keys:
-                    self._charge(key, entry, "lmdb")
-                hot = self._place_hot(key, entry, p, protect={key})
-                if not hot and key not in durable_keys:
-                    del self._index[key]
-                    skipped += 1
-                    self._fates.refused(key, ns.digest, self._refusal(ns.tenant, len(p)))
-                else:
-                    placed += 1
-            all_durable = all(
-                (e := self._index.get(k)) is not None and "lmdb" in e.footprint for k in txn.keys
-            )
-        return CommitResult(
-            stored_chunks=placed,
-            already_present=len(txn.keys) - len(new),
-            skipped_chunks=skipped,
-            skipped_reason="no room within the tier budgets" if skipped else "",
-            durable=all_durable,
-            remainder_tokens=txn.remainder_tokens,
-        )
+            tail_first = plan.planned[::-1]
+            for start in range(0, len(tail_first), CHUNKS_PER_LOCK_HOLD):
+                self._yield_lock(start)
+                with self._lock:
+                    for c in tail_first[start : start + CHUNKS_PER_LOCK_HOLD]:
+                        self._insert_planned(txn, plan, c)
+        except BaseException:
+            with self._lock:
+                for c in plan.planned:
+                    self._release_reservations(txn.ns.tenant, c)
+                self._leave_commit(txn.keys)
+            self._delete_doomed()
+            raise
+        with self._lock:
+            held = list(map(self._index.__contains__, txn.keys))
+            reach = held.index(False) if False in held else len(held)
+            durable_now = reach == len(held) and all("lmdb" in self._index[k].footprint for k in txn.keys)
+            self._leave_commit(txn.keys)
+        self._delete_doomed()  # values a commit in flight kept from deletion
+        return plan.result(reach, durable_now, txn.remainder_tokens)
 
-    def _refusal(self, tenant: str, payload_bytes: int) -> RefusalReason:
+    def _enter_commit(self, txn: StoreTxn, plan: CommitPlan) -> None:
+        """Protect the prefix's keys for the commit's duration (from eviction, and its LMDB values
+        from deletion) once no delete of one of them is under way, and sort its chunks: held
+        already, to store (the head up to the first chunk neither held nor sent), or skipped."""
+        while True:
+            with self._lock:
+                pending = next((self._deleting[k] for k in txn.keys if k in self._deleting), None)
+                if pending is None:
+                    self._remember_namespace(txn.ns)
+                    for k in txn.keys:
+                        self._committing[k] = self._committing.get(k, 0) + 1
+                    gap = False
+                    for i, key in enumerate(txn.keys):
+                        if key in self._index:
+                            plan.already_present += 1
+                        elif i not in txn.staged:
+                            gap = True
+                            plan.skipped["not-sent"] += 1
+                        elif gap:
+                            plan.skipped["after-gap"] += 1
+                        else:
+                            plan.new.append((i, txn.staged[i]))
+                    return
+            pending.wait()  # one LMDB transaction: a put now could land before that delete
+
+    def _leave_commit(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            n = self._committing[k] - 1
+            if n:
+                self._committing[k] = n
+            else:
+                del self._committing[k]
+
+    @staticmethod
+    def _yield_lock(start: int) -> None:
+        if start:  # between two holds: a thread that lets a lock go and retakes it at once usually wins it
+            time.sleep(0)
+
+    def _plan_chunk(self, txn: StoreTxn, plan: CommitPlan, i: int, payload: memoryview) -> None:
+        """Reserve room for chunk `i` in LMDB (write-through, if admitted) and in the fastest memory
+        tier with room; once a chunk finds no place, the prefix ends there."""
+        tenant = txn.ns.tenant
+        write_through = self.cfg.write_policy == "write-through"
+        # Every chunk is offered, even past the cut: a second-sighting policy counts the sighting.
+        admitted = write_through and self._admission.admit(txn.keys[i])
+        if plan.cut is not None:
+            self._skip(txn, plan, i, plan.after_cut())
+            return
+        tiers: list[TierName] = []
+        if write_through:
+            if admitted and self._reserve_room("lmdb", tenant, len(payload), plan):
+                tiers.append("lmdb")
+            else:
+                self._bump("admissions_refused")
+        for tier in HOT_TIERS:
+            if self._reserve_room(tier, tenant, len(payload), plan):
+                tiers.append(tier)
+                break
+        if tiers:
+            plan.planned.append(PlannedChunk(i, payload, tiers))
+            return
+        not_admitted = write_through and not admitted and "lmdb" not in plan.full
+        plan.cut = "not-admitted" if not_admitted else self._refusal(tenant, len(payload))
+        self._skip(txn, plan, i, plan.cut)
+
+    def _reserve_room(self, tier: TierName, tenant: str, payload_bytes: int, plan: CommitPlan) -> bool:
+        """Make room for one chunk in `tier` and reserve it; a tier that refuses one chunk of a
+        commit is not asked again for the next (it would need as much room, and evict in vain)."""
+        t = self._tiers[tier]
+        if t.capacity_bytes == 0 or tier in plan.full:
+            return False
+        need = t.footprint(payload_bytes)
+        if not self._make_room(tier, tenant, need, protect=set()):
+            plan.full.add(tier)
+            return False
+        self._reserve(tier, tenant, need)
+        return True
+
+    def _release_reservations(self, tenant: str, c: PlannedChunk) -> None:
+        for t in c.tiers:
+            self._reserve(t, tenant, -self._tiers[t].footprint(len(c.payload)))
+        c.tiers = []
+
+    def _insert_planned(self, txn: StoreTxn, plan: CommitPlan, c: PlannedChunk) -> None:
+        """Make a planned chunk visible: its reservations become its charges in this same hold of
+        the lock, so the bytes it occupies are never counted free in between."""
+        ns, layout = txn.ns, txn.layout
+        key = txn.keys[c.index]
+        entry = self._index.get(key)
+        meta = ChunkMeta(ns.digest, layout.layout_id, txn.chunks[c.index])
+        if entry is None:
+            for t in c.tiers:
+                if t != "lmdb":
+                    self._tiers[t].put(key, c.payload, meta)
+        tiers = c.tiers
+        self._release_reservations(ns.tenant, c)
+        if entry is not None:  # a concurrent store of the same prefix won the race
+            plan.already_present += 1
+            if "lmdb" in tiers and "lmdb" not in entry.footprint:
+                self._charge(key, entry, "lmdb")  # this commit's write holds it in LMDB
+            return
+        cost = float((len(txn.keys) - c.index) * layout.chunk_tokens)
+        entry = ChunkEntry(ns.digest, ns.tenant, layout, txn.chunks[c.index], len(c.payload), cost)
+        self._index[key] = entry
+        for t in tiers:
+            self._charge(key, entry, t)
+        plan.inserted.add(c.index)
+
+    def _skip(self, txn: StoreTxn, plan: CommitPlan, i: int, reason: SkipReason) -> None:
+        plan.skipped[reason] += 1
+        fate = _FATE_OF_SKIP.get(reason)
+        if fate is not None:
+            self._fates.refused(txn.keys[i], txn.ns.digest, fate)
+
+    def _refusal(self, tenant: str, payload_bytes: int) -> SkipReason:
         """Why a chunk found no place: the tenant's quota in some tier, else the tiers' room."""
         quota = self._quotas.get(tenant, TenantQuota())
         for t in TIER_NAMES:
             limit = quota.limit(t)
             if limit >= 0 and self._tenant_used.get((tenant, t), 0) + self._tiers[t].footprint(payload_bytes) > limit:
-                return "over_quota"
-        return "no_room"
+                return "over-quota"
+        return "no-room"
 
     def _remember_namespace(self, ns: Namespace) -> None:
         if ns.digest in self._known_ns:
@@ -429,6 +542,7 @@ class GlobalStore(Placement):
                 and self._place_hot(key, entry, out[: entry.payload_bytes], protect={key})
             ):
                 self._bump_tier("promotions", fastest_tier(entry))
+        self._delete_doomed()  # making room for the promotion may have evicted from LMDB
         return True
 
     def read_joined(
@@ -504,6 +618,11 @@ class GlobalStore(Placement):
                            sc.meta.tokens, sc.payload_bytes, float(layout.chunk_tokens))
             self._index[sc.key] = entry
             self._charge(sc.key, entry, "lmdb")
+        # More than the capacity: a smaller capacity than the data was written under, or a crash
+        # between evicting chunks from the index and deleting their values. Evict down to it.
+        if not self._make_room("lmdb", "", 0, protect=set()):
+            raise AssertionError("nothing is pinned or committing at start, so every chunk can be evicted")
+        self._delete_doomed()
 
     # --- stats and lifecycle ------------------------------------------------------------------------
 
@@ -566,8 +685,13 @@ class GlobalStore(Placement):
             for (tenant, tier), used in self._tenant_used.items():
                 quota = self._quotas.get(tenant, TenantQuota()).limit(tier)
                 assert quota < 0 or used <= quota, (tenant, tier, used, quota)
+            assert not self._committing and not self._deleting, "a commit or a delete left its mark"
+            for key in self._doomed:  # a value to delete is held in LMDB by no indexed chunk
+                entry = self._index.get(key)
+                assert entry is None or "lmdb" not in entry.footprint, key.hex()
 
     def close(self) -> None:
+        self._delete_doomed()  # else evicted chunks would be found again at the next start
         with self._lock:
             for t in self._tiers.values():
                 t.close()

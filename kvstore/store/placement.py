@@ -5,17 +5,24 @@ chunk lives when a tier fills.
 the store's lock. Pressure demotes device -> DRAM -> LMDB -> dropped, choosing victims with each
 tier's eviction policy, never a pinned chunk, and never exceeding a tier's capacity or a tenant's
 quota. It decides; the tiers move the bytes.
+
+An LMDB victim leaves the index at once but its value is deleted later, outside the store's lock,
+in one transaction with its fellow victims (`_delete_doomed`): one fsync per delete under the lock
+stalled every other call for as long as a large commit made room. The index never points at a
+value that is gone: a key is deleted only while no commit may write it and nothing indexed holds
+it in LMDB, and a commit or a demotion into LMDB waits for (or skips) a key being deleted.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from kvstore.layout import TIER_NAMES, CacheLayout
 from kvstore.store.fates import ChunkFateSink
 from kvstore.store.pins import PinTable
 from kvstore.store.types import TenantQuota
-from kvstore.tiers.base import ChunkMeta, Tier, TierName
+from kvstore.tiers.base import ChunkMeta, DurableTier, Tier, TierName
 from policies.base import AdmissionPolicy, EvictionPolicy
 
 
@@ -49,6 +56,11 @@ class Placement:
     _quotas: dict[str, TenantQuota]
     _pins: PinTable
     _fates: ChunkFateSink
+    _lock: threading.RLock
+    _durable: DurableTier
+    _doomed: set[bytes]  # evicted from LMDB in the index; the value may still be on disk
+    _deleting: dict[bytes, threading.Event]  # being deleted from LMDB now; set when done
+    _committing: dict[bytes, int]  # keys of commits in flight -> how many: never evicted or deleted
 
     def _bump(self, name: str, n: int = 1) -> None:
         raise NotImplementedError
@@ -85,7 +97,7 @@ class Placement:
         if need > self._tiers[tier].capacity_bytes:
             return False
         policy = self._policies[tier]
-        protected = _Protected(self._pins, protect)
+        protected = _Protected(self._pins, protect, self._committing)
         if over_tenant > 0:
             victims = policy.evict(over_tenant, protected, lambda k: self._index[k].tenant == tenant)
             if victims is None:
@@ -121,7 +133,10 @@ class Placement:
             buf = bytearray(entry.payload_bytes)
             if self._tiers[tier].get_into(key, memoryview(buf)) is not None:
                 self._demote_into(key, entry, targets, memoryview(buf))
-        self._tiers[tier].delete(key)
+        if tier == "lmdb":
+            self._doomed.add(key)  # deleted outside the lock, with the other victims
+        else:
+            self._tiers[tier].delete(key)
         self._uncharge(key, entry, tier)
 
     def _demote_into(self, key: bytes, entry: ChunkEntry, targets: tuple[TierName, ...], payload: memoryview) -> None:
@@ -129,6 +144,8 @@ class Placement:
         protect = {key}
         for t in targets:
             tier = self._tiers[t]
+            if t == "lmdb" and key in self._deleting:
+                return  # a put now could land before that delete and be lost to it
             if t == "lmdb" and not self._admission.admit(key):
                 self._bump("admissions_refused")
                 return
@@ -137,6 +154,37 @@ class Placement:
                 self._charge(key, entry, t)
                 self._bump_tier("demotions", t)
                 return
+
+    def _delete_doomed(self) -> None:
+        """Delete from LMDB, in one transaction outside the lock, the evicted values no one can
+        still need. Call it with the lock not held, after any eviction that may have reached LMDB."""
+        if not self._doomed:  # read without the lock: whoever doomed a key calls this after
+            return
+        done = threading.Event()
+        with self._lock:
+            keys: list[bytes] = []
+            for key in list(self._doomed):
+                entry = self._index.get(key)
+                if entry is not None and "lmdb" in entry.footprint:
+                    self._doomed.discard(key)  # written again since: the value is live
+                elif key not in self._committing and key not in self._deleting:
+                    self._doomed.discard(key)
+                    self._deleting[key] = done
+                    keys.append(key)
+                # else a commit may be writing it: it is looked at again once the commit is done
+        if not keys:
+            return
+        try:
+            self._durable.delete_many(keys)
+        except BaseException:
+            with self._lock:
+                self._doomed.update(keys)  # tried again by the next call
+            raise
+        finally:
+            with self._lock:
+                for key in keys:
+                    del self._deleting[key]
+            done.set()
 
     def _charge(self, key: bytes, entry: ChunkEntry, tier: TierName) -> None:
         fp = self._tiers[tier].footprint(entry.payload_bytes)
@@ -165,11 +213,14 @@ def fastest_tier(entry: ChunkEntry) -> TierName:
 
 
 class _Protected:
-    """Keys the eviction policy must not choose: pinned ones and those of the current operation."""
+    """Keys the eviction policy must not choose: pinned ones, those of the current operation and
+    those of every commit in flight (a commit never pushes out its own prefix, nor does another
+    call while the commit runs)."""
 
-    def __init__(self, pins: PinTable, extra: set[bytes]) -> None:
+    def __init__(self, pins: PinTable, extra: set[bytes], committing: dict[bytes, int]) -> None:
         self._pins = pins
         self._extra = extra
+        self._committing = committing
 
     def __contains__(self, key: object) -> bool:
-        return key in self._extra or key in self._pins
+        return key in self._extra or key in self._committing or key in self._pins

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kvstore.tiers.base import TierName
 
@@ -32,14 +34,36 @@ class PrefixHit:
     boundary_key: bytes = b""  # key of the last hit chunk (names the local snapshot there)
 
 
+# Why a chunk of a Store was not stored (CommitResult.skipped_by_reason); each with what it means.
+SkipReason = Literal["no-room", "over-quota", "not-admitted", "after-gap", "not-sent"]
+SKIP_REASONS: dict[SkipReason, str] = {
+    "no-room": "no tier had room within its budget",
+    "over-quota": "the tenant's quota was full",
+    "not-admitted": "kept out of LMDB by the admission policy, and no memory tier had room",
+    "after-gap": "behind a chunk of the prefix that is not held, so no lookup reaches them",
+    "not-sent": "held when the store began, evicted before it committed, and not sent",
+}
+
+
 @dataclass(frozen=True)
 class CommitResult:
-    stored_chunks: int  # newly stored by this call
-    already_present: int
-    skipped_chunks: int  # could not be placed (no room within budgets)
-    skipped_reason: str  # "" when nothing was skipped
+    """What a commit left, as a lookup right after it finds: `stored_chunks` + `already_present`
+    chunks lead the prefix; every other chunk is in `skipped_by_reason`."""
+
+    stored_chunks: int  # chunks this call stored that a lookup reaches
+    already_present: int  # chunks held before this call (or stored meanwhile by another)
+    skipped_chunks: int  # the rest of the prefix: sum(skipped_by_reason.values())
     durable: bool  # every chunk of the prefix is now in the durable tier
     remainder_tokens: int = 0
+    skipped_by_reason: Mapping[SkipReason, int] = field(default_factory=dict)
+
+    @property
+    def skipped_reason(self) -> str:
+        """The skipped chunks' reasons in words; "" when nothing was skipped."""
+        return "; ".join(
+            f"{reason}: {n} chunk{'s' if n != 1 else ''} ({SKIP_REASONS[reason]})"
+            for reason, n in self.skipped_by_reason.items()
+        )
 
 
 @dataclass(frozen=True)

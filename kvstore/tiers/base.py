@@ -83,6 +83,10 @@ class DurableTier(Tier, Protocol):
         """`get_into` for each key, into the buffer beside it, in one read transaction."""
         ...
 
+    def delete_many(self, keys: Iterable[bytes]) -> None:
+        """Delete several chunks in one transaction (one fsync); absent keys are ignored."""
+        ...
+
     def scan(self) -> Iterator[ScannedChunk]:
         """Every entry in the database, for rebuilding the store's index after a restart."""
         ...

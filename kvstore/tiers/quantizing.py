@@ -101,6 +101,9 @@ class QuantizingDurableTier(QuantizingTier):
         metas = self._durable.get_many_into(keys, outs)
         return [self._expand(meta, out) for meta, out in zip(metas, outs, strict=True)]
 
+    def delete_many(self, keys: Iterable[bytes]) -> None:
+        self._durable.delete_many(keys)
+
     def scan(self) -> Iterator[ScannedChunk]:
         for sc in self._durable.scan():
             plan = None if sc.meta is None else self._plans.get(sc.meta.layout_id)
