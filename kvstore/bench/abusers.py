@@ -297,6 +297,8 @@ class Victim:
         return self.report()
 
     def start(self) -> None:
+        self._stop.clear()
+
         def loop() -> None:
             i = 0
             while not self._stop.is_set():

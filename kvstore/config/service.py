@@ -45,6 +45,13 @@ class ServiceConfig:
     # A client stream that sends nothing, or a server stream whose client reads nothing, for this
     # long is ended (DEADLINE_EXCEEDED) and its pins and staged bytes released.
     stream_idle_seconds: float = 30.0
+    # HTTP/2 transport limits (see README "Limits"): streams one connection may have open, how
+    # long a connection with no stream lives, and the age after which any connection is asked to
+    # reconnect (streams in flight get the grace period to finish).
+    max_streams_per_connection: int = 32
+    connection_idle_seconds: float = 300.0
+    connection_age_seconds: float = 3600.0
+    connection_age_grace_seconds: float = 60.0
     max_lookup_tokens: int = 2_000_000
     grace_seconds: float = 10.0
     reflection: bool = True
@@ -66,6 +73,12 @@ class ServiceConfig:
         require(self.max_runners >= 1, join(prefix, "max_runners"), "must be >= 1")
         require(0.1 <= self.stream_idle_seconds <= 3600, join(prefix, "stream_idle_seconds"),
                 "must be in 0.1..3600")
+        require(1 <= self.max_streams_per_connection <= 10_000, join(prefix, "max_streams_per_connection"),
+                "must be in 1..10000")
+        require(self.connection_idle_seconds >= 1, join(prefix, "connection_idle_seconds"), "must be >= 1")
+        require(self.connection_age_seconds >= 1, join(prefix, "connection_age_seconds"), "must be >= 1")
+        require(self.connection_age_grace_seconds >= 0, join(prefix, "connection_age_grace_seconds"),
+                "must be >= 0")
         require(self.grace_seconds >= 0, join(prefix, "grace_seconds"), "must be >= 0")
         require(
             bool(self.tls_cert_file) == bool(self.tls_key_file),

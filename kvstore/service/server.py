@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvstore.config import ServiceConfig
 from kvstore.errors import ConfigError
 from kvstore.service.admin_hook import AdminServer, start_admin
 from kvstore.service.app import App
@@ -67,6 +68,40 @@ def generic_handler(service: str, servicer: object, max_message_bytes: int) -> g
     return grpc.method_handlers_generic_handler(desc.full_name, handlers)
 
 
+def transport_options(svc: ServiceConfig) -> list[tuple[str, int]]:
+    """The gRPC server's HTTP/2 limits. What each defends against (README "Limits"):
+    - message sizes: the receive limit sits above `max_message_bytes` so that the servicer's own
+      check answers oversize messages with a readable INVALID_ARGUMENT;
+    - streams per connection: a connection that opens and resets streams as fast as it can
+      ("rapid reset") holds at most this many of the server's call slots while gRPC's core counts
+      reset streams the application has not finished;
+    - keepalive: the server pings an idle client every 30 s and drops it if no answer comes in
+      10 s; a client pinging more often than every 5 s without data is told `too_many_pings`
+      (GOAWAY) after two strikes;
+    - a connection with no stream for `connection_idle_seconds` is closed (idle sockets, and
+      SETTINGS or header floods that never open a stream), any connection older than
+      `connection_age_seconds` is asked to reconnect, and a client that does not finish its
+      HTTP/2 handshake in 10 s is dropped;
+    - header blocks are limited to 16 KiB of metadata (an endless CONTINUATION is cut there).
+    What gRPC cannot do here is close a connection that keeps resetting streams: see the README
+    for the proxy that does."""
+    return [
+        ("grpc.max_receive_message_length", 2 * svc.max_message_bytes + 4096),
+        ("grpc.max_send_message_length", svc.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", svc.max_streams_per_connection),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.max_connection_idle_ms", int(svc.connection_idle_seconds * 1000)),
+        ("grpc.max_connection_age_ms", int(svc.connection_age_seconds * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(svc.connection_age_grace_seconds * 1000)),
+        ("grpc.server_handshake_timeout_ms", 10_000),
+        ("grpc.max_metadata_size", 16 * 1024),
+    ]
+
+
 class KvstoreServer:
     def __init__(
         self,
@@ -98,13 +133,7 @@ class KvstoreServer:
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-grpc"),
             maximum_concurrent_rpcs=threads,
-            options=[
-                ("grpc.max_receive_message_length", 2 * svc.max_message_bytes + 4096),
-                ("grpc.max_send_message_length", svc.max_message_bytes),
-                ("grpc.so_reuseport", 0),
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ],
+            options=transport_options(svc),
         )
         self._server.add_generic_rpc_handlers((
             generic_handler("KVCache", self.kvcache, svc.max_message_bytes),

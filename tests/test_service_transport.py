@@ -1,0 +1,106 @@
+"""Raw HTTP/2 abuse on the plaintext port while a victim tenant calls Lookup on its own
+connection: the victim's calls all succeed, and the abusive connections are closed by the
+server's transport limits (kvstore/service/server.py `transport_options`). Latency under abuse
+is the benchmark's (`kvstore bench abuse`), not asserted here."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvstore.bench import h2_abusers as h2
+from kvstore.bench.abusers import Victim
+from kvstore.v1 import kvstore_pb2 as pb
+from tests.fixtures.service import CHUNK, TOY, Service, make_config, tokens
+
+ALICE = "alice-token-0001"
+BOB = "bob-token-00002"
+
+
+@pytest.fixture
+def svc(make_service: Callable[..., Service]) -> Service:
+    return make_service(make_config(
+        tenants={"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}},
+        service={"max_concurrent_calls": 16, "connection_idle_seconds": 1, "connection_age_seconds": 3,
+                 "connection_age_grace_seconds": 1, "max_streams_per_connection": 8}))
+
+
+@pytest.fixture
+def victim(svc: Service) -> Iterator[Victim]:
+    v = Victim(svc.address, BOB, TOY, tokens(2, 4 * CHUNK), timeout_seconds=10.0, pause_seconds=0.005)
+    v.run_for(5)  # connected and warm
+    v.reset()
+    v.start()
+    yield v
+    v.stop()
+    v.close()
+
+
+def _lookup_request() -> bytes:
+    return pb.LookupRequest(model=TOY, tokens=pb.Tokens(u32le=tokens(1, 4 * CHUNK).tobytes())).SerializeToString()
+
+
+def _no_victim_errors(v: Victim) -> None:
+    report = v.stop()
+    assert report.calls > 0
+    assert report.errors == 0, report.error_codes[:5]
+
+
+@pytest.mark.parametrize("read_acks", [True, False], ids=["reading", "not-reading"])
+def test_a_ping_flood_is_cut_off_and_the_victim_is_served(svc: Service, victim: Victim, read_acks: bool) -> None:
+    flood = h2.PingFlood(svc.address, frames=100_000, read=read_acks)
+    flood.start()
+    try:
+        assert flood.wait_finished(60)
+        assert flood.conn is not None and flood.conn.wait_closed(10)
+        assert flood.conn.frames_sent < 100_000  # cut off before it was done
+        if read_acks:
+            assert "too_many_pings" in flood.conn.goaway
+        _no_victim_errors(victim)
+    finally:
+        flood.stop()
+
+
+@pytest.mark.parametrize("abuser", [
+    lambda a: h2.SettingsFlood(a, frames=100_000),
+    lambda a: h2.EndlessHeaders(a),
+], ids=["settings-flood", "endless-header-block"])
+def test_connections_that_never_open_a_stream_are_closed(
+        svc: Service, victim: Victim, abuser: Callable[[str], h2.RapidReset]) -> None:
+    flood = abuser(svc.address)
+    flood.start()
+    try:
+        assert flood.wait_finished(60)
+        assert flood.conn is not None and flood.conn.wait_closed(10)
+        _no_victim_errors(victim)
+    finally:
+        flood.stop()
+
+
+def test_idle_connections_are_closed(svc: Service, victim: Victim) -> None:
+    idle = h2.IdleConnections(svc.address, connections=20)
+    idle.start()
+    try:
+        assert all(c.wait_closed(10) for c in idle.conns)
+        assert idle.closed() == 20
+        _no_victim_errors(victim)
+    finally:
+        idle.stop()
+
+
+def test_rapid_reset_leaves_the_victim_served_and_the_server_bounded(svc: Service, victim: Victim) -> None:
+    threads_before = threading.active_count()
+    flood = h2.RapidReset(svc.address, ALICE, _lookup_request(), streams=20_000)
+    flood.start()
+    try:
+        assert flood.wait_finished(120)
+        # gRPC's core counts reset streams until the handler is done with them, so the flood holds
+        # at most max_streams_per_connection call slots and never a thread per stream.
+        assert threading.active_count() - threads_before < 20  # the pool has 40; unbounded, it filled
+        # gRPC cannot cut a connection for resetting streams; connection_age_seconds ends it.
+        assert flood.conn is not None and flood.conn.wait_closed(15)
+        _no_victim_errors(victim)
+    finally:
+        flood.stop()
