@@ -212,8 +212,9 @@ def test_the_kvstore_command_is_a_real_cli_invocation_and_agrees_with_the_config
     admin = args.admin_port if args.admin_port is not None else cfg.admin.port
     assert (grpc, admin) == (cfg.service.grpc_port, cfg.admin.port)  # flags and file agree
     ports = published(svc)
-    assert set(ports) == {grpc, admin}
+    assert set(ports) == {admin}  # gRPC is published by envoy, in front of it
     assert all(host == "127.0.0.1" for host, _ in ports.values())  # published on this machine only
+    assert published(compose["services"]["envoy"]) == {grpc: ("127.0.0.1", grpc)}
     # The data directory is the named volume, so the cache survives a container restart.
     data = args.data_dir or cfg.data_dir
     assert m[data] in compose["volumes"] and cfg.data_dir == data
@@ -226,6 +227,27 @@ def test_the_kvstore_command_is_a_real_cli_invocation_and_agrees_with_the_config
     host, port = re.match(r"redis://([^:/]+):(\d+)", url).groups()  # type: ignore[union-attr]
     assert host in compose["services"] and int(port) == 6379
     assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_envoy_fronts_the_grpc_port_and_closes_rapid_reset_connections(compose: dict[str, Any]) -> None:
+    svc = compose["services"]["envoy"]
+    m = mounts(svc)
+    assert svc["command"][-1] in m and (REPO / m[svc["command"][-1]]).resolve() == (DEPLOY / "envoy.yaml").resolve()
+    env = load_yaml(DEPLOY / "envoy.yaml")
+    cfg = load_config(DEPLOY / "kvstore.toml")
+    listener = env["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"]["port_value"] == cfg.service.grpc_port
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["codec_type"] == "HTTP2"
+    assert hcm["http2_protocol_options"]["max_concurrent_streams"] == cfg.service.max_streams_per_connection
+    # Envoy's own idle timeout is looser than kvstore's, which answers with the reason itself.
+    assert int(hcm["stream_idle_timeout"].rstrip("s")) > cfg.service.stream_idle_seconds
+    upstream = env["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    addr = upstream["endpoint"]["address"]["socket_address"]
+    assert addr["address"] in compose["services"] and addr["port_value"] == cfg.service.grpc_port
+    runtime = env["layered_runtime"]["layers"][0]["static_layer"]
+    assert runtime["overload.premature_reset_total_stream_count"] > 0
+    assert runtime["overload.premature_reset_min_stream_lifetime_seconds"] >= 1
 
 
 def test_redis_has_a_memory_bound_and_evicts_soonest_to_expire(compose: dict[str, Any]) -> None:

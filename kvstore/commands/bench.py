@@ -19,6 +19,7 @@ BENCHES = {
     "pool": "local-state pool (Redis, embedded) against raw redis-py and memcpy",
     "replay": "time to first token for cold, warm and expired requests",
     "workload": "agentic workload: the three bills, the 1/8 claim and the concurrency cliff",
+    "abuse": "a victim tenant's latency alone and while another tenant abuses the service",
 }
 
 

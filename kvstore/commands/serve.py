@@ -62,8 +62,11 @@ def run(args: argparse.Namespace) -> int:
     for line in app.describe():
         _say(line)
     security = "mTLS" if svc.tls_client_ca_file else "TLS" if svc.tls_cert_file else "plaintext"
-    _say(f"limits: {svc.max_concurrent_calls} concurrent calls, messages <= {svc.max_message_bytes} B, "
-         f"grace {svc.grace_seconds:g} s; reflection {'on' if svc.reflection else 'off'}")
+    split = "shared by share_weight" if len(cfg.share_weights()) > 1 else "one tenant"
+    _say(f"limits: {svc.max_concurrent_calls} concurrent calls, {svc.max_staged_bytes >> 20} MiB staged, "
+         f"{svc.max_runners} runners ({split}); messages <= {svc.max_message_bytes} B; streams idle "
+         f"{svc.stream_idle_seconds:g} s; grace {svc.grace_seconds:g} s; reflection "
+         f"{'on' if svc.reflection else 'off'}")
     if server.admin is not None:
         _say(f"admin HTTP on http://{cfg.admin.host}:{server.admin.port}/")
     _say(f"gRPC listening on {server.address} ({security})")

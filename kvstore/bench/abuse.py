@@ -1,0 +1,252 @@
+"""`kvstore bench abuse`: a victim tenant's Lookup latency alone and while another tenant abuses
+the service, in one run, and the server's memory before and after each abuse.
+
+The service runs as `kvstore serve` in its own process, with two tenants (alice abuses, bob is
+the victim). Each abuser runs in a process of its own, so that neither it nor the victim is
+slowed by the other's interpreter. For each abuse, in turn:
+1. the victim's Lookups alone (the baseline next to this abuse);
+2. the abuse starts and holds (idle Store streams, unread Load streams, maximal staging, a runner
+   flood with bogus results, Stores larger than the tiers, HTTP/2 rapid reset, a PING flood);
+3. the victim's Lookups again, while the abuse holds;
+4. the abuse stops; once the service has no call in flight, the server's RSS is read again.
+
+Targets: no victim errors; victim p99 at most 3x its baseline; RSS back within 64 MiB of where it
+was before each abuse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstore.bench.abusers import Abuser, IdleStoreStreams, RunnerFlood, UnreadLoadStreams, Victim
+
+MiB = 1 << 20
+ALICE = "bench-alice-token"
+BOB = "bench-bob-token-1"
+TOY = "reference-toy-8"
+V41 = "deepseek-v4.1-flash"
+V41_VOCAB = 129_280
+ABUSES = ("idle_store_streams", "unread_load_streams", "maximal_staging", "runner_flood",
+          "store_larger_than_tiers", "rapid_reset", "ping_flood")
+
+
+def add_abuse_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calls", type=int, default=400, help="victim Lookups per measurement")
+    p.add_argument("--only", choices=ABUSES, action="append", help="run only this abuse (repeatable)")
+    p.add_argument("--settle-seconds", type=float, default=20.0,
+                   help="longest wait for the service to drop an ended abuse's calls")
+
+
+def _config(tmp: Path) -> Path:
+    cfg = tmp / "abuse.toml"
+    cfg.write_text(
+        "[store]\ndevice = \"cpu\"\ndevice_capacity_bytes = 1048576\ndram_capacity_bytes = 67108864\n"
+        "lmdb_capacity_bytes = 67108864\nlmdb_durability = \"async\"\ncompression = \"none\"\n"
+        "[service]\nmax_concurrent_calls = 64\nstream_idle_seconds = 5\nmax_staged_bytes = 536870912\n"
+        f"max_message_bytes = 4194304\nmodels = [\"{TOY}\", \"{V41}\"]\n"
+        "[replay]\nrunner = \"none\"\n[local_pool]\ncapacity_bytes = 16777216\n"
+        f"[tenants.alice]\ntokens = [\"{ALICE}\"]\n[tenants.bob]\ntokens = [\"{BOB}\"]\n")
+    return cfg
+
+
+def _start_service(tmp: Path) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore", "serve", "--config", str(_config(tmp)), "--grpc-port", "0",
+         "--admin-port", "-1", "--data-dir", str(tmp / "data"), "--log-level", "warning"],
+        stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "gRPC listening on" in line:
+            return proc, line.split("listening on ", 1)[1].split()[0]
+    raise RuntimeError(f"kvstore serve exited with {proc.wait()} before listening")
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _tokens(seed: int, n: int, vocab: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, n).astype("<u4")
+
+
+# --- the abusers, each in its own process -----------------------------------------------------------
+
+class _StoresLargerThanTiers(Abuser):
+    """Stores of 700 DeepSeek-V4.1 chunks (80 MB) into tiers of 64 MiB, one after another."""
+
+    def __init__(self, address: str) -> None:
+        from kvstore.client import KvstoreClient
+
+        self._client = KvstoreClient(address, token=ALICE, timeout_seconds=120)
+        self._stop = threading.Event()
+        self._seed = 100
+        self.stores = 0
+
+    def start(self) -> None:
+        def loop() -> None:
+            cb = self._client.lookup(V41, _tokens(0, 128, V41_VOCAB)).chunk_bytes
+            payload = bytes(cb)
+            while not self._stop.is_set():
+                self._seed += 1
+                self._client.store(V41, _tokens(self._seed, 700 * 128, V41_VOCAB), [payload] * 700)
+                self.stores += 1
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        self._client.close()
+
+    def outcome(self) -> dict[str, object]:
+        return {"stores": self.stores}
+
+
+def _make_abuser(name: str, address: str, layout_id: bytes) -> Abuser:
+    from kvstore.bench import h2_abusers as h2
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    if name == "idle_store_streams":
+        return IdleStoreStreams(address, ALICE, TOY, _tokens(1, 64 * 128, 512), streams=64)
+    if name == "unread_load_streams":
+        return UnreadLoadStreams(address, ALICE, V41, _tokens(7, 256 * 128, V41_VOCAB), streams=16)
+    if name == "maximal_staging":
+        # 16 streams of 32 MiB each: twice alice's 256 MiB share of staging.
+        return IdleStoreStreams(address, ALICE, V41, _tokens(3, 400 * 128, V41_VOCAB), streams=16,
+                                chunk_bytes=113_920, pieces=32, piece_bytes=1 * MiB)
+    if name == "runner_flood":
+        return RunnerFlood(address, ALICE, TOY, layout_id, runners=32, bogus_results=0)
+    if name == "store_larger_than_tiers":
+        return _StoresLargerThanTiers(address)
+    request = pb.LookupRequest(model=TOY, tokens=pb.Tokens(u32le=_tokens(2, 4 * 128, 512).tobytes()))
+    if name == "rapid_reset":
+        return h2.RapidReset(address, ALICE, request.SerializeToString(), streams=50_000)
+    if name == "ping_flood":
+        return h2.PingFlood(address, frames=100_000, read=False)
+    raise ValueError(name)
+
+
+def _abuse_process(name: str, address: str, layout_id: bytes, ready: Any, stop: Any, out: Any) -> None:
+    abuser = _make_abuser(name, address, layout_id)
+    if isinstance(abuser, RunnerFlood):
+        abuser.start(with_bogus=False)
+        # Then one runner that lies about its results: detached before anything is allocated.
+        liar = RunnerFlood(address, ALICE, TOY, layout_id, runners=1, bogus_results=4)
+        liar.start(with_bogus=True)
+    else:
+        abuser.start()
+    ready.set()
+    stop.wait()
+    result = abuser.outcome()
+    abuser.stop()
+    out.put(result)
+
+
+# --- the run ----------------------------------------------------------------------------------------
+
+def _victim_pass(victim: Victim, calls: int) -> tuple[float, int, list[str]]:
+    victim.reset()
+    r = victim.run_for(calls)
+    return r.p99_ms(), r.errors, r.error_codes[:3]
+
+
+def _settle(address: str, settle_seconds: float) -> bool:
+    """Wait until the service has no call in flight but the one asking."""
+    from kvstore.client import KvstoreClient
+
+    end = time.monotonic() + settle_seconds
+    with KvstoreClient(address, token=BOB) as c:
+        while time.monotonic() < end:
+            if c.stats().calls_in_flight <= 1:
+                return True
+            time.sleep(0.2)
+    return False
+
+
+def run_abuse_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from kvstore.client import KvstoreClient
+    from kvstore.layout import get_model
+
+    names = args.only or list(ABUSES)
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-abuse-") as d:
+        proc, address = _start_service(Path(d))
+        try:
+            with KvstoreClient(address, token=ALICE, timeout_seconds=60) as alice:
+                cb = alice.lookup(V41, _tokens(0, 128, V41_VOCAB)).chunk_bytes
+                alice.store(V41, _tokens(7, 256 * 128, V41_VOCAB), [bytes(cb)] * 256)  # what Loads read
+            with KvstoreClient(address, token=BOB) as bob:
+                bob_prompt = _tokens(11, 32 * 128, 512)
+                ccb = bob.lookup(TOY, bob_prompt).chunk_bytes
+                bob.store(TOY, bob_prompt, [bytes(ccb)] * 32)
+            victim = Victim(address, BOB, TOY, bob_prompt, timeout_seconds=10.0, pause_seconds=0.002)
+            _victim_pass(victim, 100)  # warm
+            layout_id = get_model(TOY).layout.layout_id
+            results: dict[str, dict[str, Any]] = {}
+            alone_all: list[float] = []
+            for name in names:
+                alone, alone_errors, _ = _victim_pass(victim, args.calls)
+                alone_all.append(alone)
+                rss0, threads0 = _rss(proc.pid), _threads(proc.pid)
+                ready, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+                p = ctx.Process(target=_abuse_process, args=(name, address, layout_id, ready, stop, out), daemon=True)
+                p.start()
+                ready.wait(120)
+                time.sleep(0.5)  # the abuse takes hold
+                p99, errors, codes = _victim_pass(victim, args.calls)
+                rss_during, threads_during = _rss(proc.pid), _threads(proc.pid)
+                stop.set()
+                outcome = out.get(timeout=180)
+                p.join(timeout=60)
+                settled = _settle(address, args.settle_seconds)
+                time.sleep(0.5)
+                results[name] = {
+                    "victim_p99_ms_alone": alone, "victim_p99_ms": p99, "victim_errors": errors + alone_errors,
+                    "victim_error_codes": codes, "p99_ratio": p99 / alone if alone else float("inf"),
+                    "rss_before_bytes": rss0, "rss_during_bytes": rss_during,
+                    "rss_growth_bytes": _rss(proc.pid) - rss0, "threads_before": threads0,
+                    "threads_during": threads_during, "settled": settled, "abuser": outcome,
+                }
+                print(f"  {name}: victim p99 {p99:.2f} ms ({p99 / alone:.2f}x of {alone:.2f} alone), "
+                      f"errors {errors}, RSS {results[name]['rss_growth_bytes'] / MiB:+.0f} MiB", file=sys.stderr)
+            victim.close()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    return _summary(results, alone_all)
+
+
+def _summary(results: dict[str, dict[str, Any]], alone_all: list[float]) -> dict[str, Any]:
+    targets: list[dict[str, Any]] = []
+
+    def target(name: str, value: float, goal: str, ok: Callable[[float], bool]) -> None:
+        targets.append({"name": name, "value": value, "target": goal, "ok": bool(ok(value))})
+
+    for name, r in results.items():
+        target(f"{name}: victim errors", r["victim_errors"], "= 0", lambda v: v == 0)
+        target(f"{name}: victim p99 / alone", r["p99_ratio"], "<= 3", lambda v: v <= 3)
+        target(f"{name}: RSS growth MiB", r["rss_growth_bytes"] / MiB, "<= 64", lambda v: v <= 64)
+    return {"victim_p99_ms_alone": statistics.median(alone_all) if alone_all else float("nan"),
+            "abuses": results, "targets": targets}
