@@ -133,29 +133,28 @@ def test_replay_modes(mode: str, replay: int, usable: int) -> None:
     assert int(r.log.prefill[2]) == 1664 - usable
 
 
-def test_lru_eviction_drops_durable_chunks_from_the_device_tier() -> None:
-    # Device tier of exactly 8 chunks, no DRAM. Turn 0 stores chunks 0..5 (inserted last-first, so
-    # 0 is the most recent); turn 1 touches them last-first and stores 6..9: the LRU victims are 5
-    # and 4, already on SSD (write-through), so they are dropped from the device, not demoted.
-    # Turn 2 reads 0-3 and 6-9 from the device and 4-5 from the SSD; it cannot promote them back
-    # because the rest of the device tier is pinned by the same load. Its store of 10..13 then
-    # evicts 9, 8, 7, 6.
+def test_a_store_never_evicts_its_own_chain_from_the_device_tier() -> None:
+    # Device tier of exactly 8 chunks, no DRAM. Turn 0 stores chunks 0..5. Turn 1 stores 6..9: 6
+    # and 7 fill the device; 8 and 9 would need it to evict chunks of the chain being stored
+    # (0..5, what the next turn reads first), so, as the store does, they go to the SSD only
+    # (write-through). Turn 2 reads 0-7 from the device and 8-9 from the SSD, and cannot promote
+    # them (the device tier is pinned by the same load); its store of 10..13 lands on the SSD too.
     cfg = config(device_capacity_bytes=8 * CHUNK, dram_capacity_bytes=0, hbm_shared=False)
     r = simulate(hand_workload(session(0, 0, 0.0, [0.0, 10.0, 10.0])), cfg)
     assert r.log.by_tier.tolist() == [[0, 0, 0], [6, 0, 0], [8, 0, 2]]
     assert r.counters["store"]["promotions"] == 0
-    assert r.counters["store"]["evictions"] == {"device": 6, "dram": 0, "lmdb": 0}
+    assert r.counters["store"]["evictions"] == {"device": 0, "dram": 0, "lmdb": 0}
     assert r.counters["store"]["dropped_chunks"] == 0
     assert r.summary()["hit_rate_by_tier"]["lmdb"] == pytest.approx(2 * 128 / (640 + 1152 + 1664), rel=1e-12)
 
 
-def test_device_victims_go_to_dram_even_when_the_ssd_holds_them() -> None:
-    # The same turns with a DRAM tier: chunks 5 and 4 leave the device for DRAM (the faster place to
-    # find them again), so turn 2 reads them from DRAM; turn 2's store then demotes 9..6 there too.
+def test_a_store_that_finds_the_device_full_of_its_chain_places_the_rest_in_dram() -> None:
+    # The same turns with a DRAM tier: 8 and 9 go to DRAM (the fastest tier with room), so turn 2
+    # reads them from there; nothing is demoted.
     cfg = config(device_capacity_bytes=8 * CHUNK, dram_capacity_bytes=GiB, hbm_shared=False)
     r = simulate(hand_workload(session(0, 0, 0.0, [0.0, 10.0, 10.0])), cfg)
     assert r.log.by_tier.tolist() == [[0, 0, 0], [6, 0, 0], [8, 2, 0]]
-    assert r.counters["store"]["demotions"] == {"device": 0, "dram": 6, "lmdb": 0}
+    assert r.counters["store"]["demotions"] == {"device": 0, "dram": 0, "lmdb": 0}
 
 
 def test_device_budget_shrinks_with_runtime_kv_in_flight() -> None:

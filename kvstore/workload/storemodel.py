@@ -17,7 +17,8 @@ prefixes (system prompts) have their own blocks, so chains share them as the sto
 
 Order, as in the store: a hit prefix is read head first (promotions happen in that order, while
 the prefix is pinned), then touched tail first in every tier holding it once the pin is released;
-a stored prefix's new blocks are admitted head first and placed tail first. So the head of a chain
+a stored prefix's new blocks are planned head first (the longest head that fits, never evicting
+the chain's own blocks) and placed tail first. So the head of a chain
 is the most recent (evicting a head would strand every later chunk).
 
 What it does not know: tokens, keys' hashes, tenants' quotas (not modelled), layouts (it is given
@@ -177,22 +178,55 @@ class StoreModel:
             if key in self._index:
                 self._drop(key)
         written = sum(n for _, _, n in new)
-        durable: set[bytes] = set()
-        if self.cfg.write_policy == "write-through" and new:
-            need = sum(self.footprint("lmdb", c) for _, c, _ in new)
-            if self._make_room("lmdb", need, protect=set()):
-                durable = {k for k, _, _ in new if self._admission.admit(k)}
-        durable_chunks = skipped = 0
-        for key, want, fresh in reversed(new):
+        # As the store commits: plan head first, reserving each block's bytes in LMDB (write-through,
+        # if admitted) and in the fastest in-memory tier with room, never evicting a block of the
+        # chain being written; the first block that fits nowhere ends the storable head. Then insert
+        # tail first, each reservation becoming its charge.
+        protect = set(keys)
+        write_through = self.cfg.write_policy == "write-through"
+        full: set[TierName] = set()
+        planned: list[tuple[bytes, int, int, list[TierName]]] = []
+        cut = False
+        skipped = 0
+        for key, want, fresh in new:
+            admitted = write_through and self._admission.admit(key)  # offered even past the cut
+            if cut:
+                skipped += fresh
+                continue
+            tiers: list[TierName] = []
+            if admitted and self._reserve_room("lmdb", want, protect, full):
+                tiers.append("lmdb")
+            for tier in _HOT:
+                if self._reserve_room(tier, want, protect, full):
+                    tiers.append(tier)
+                    break
+            if not tiers:
+                cut = True
+                skipped += fresh
+                continue
+            planned.append((key, want, fresh, tiers))
+        durable_chunks = 0
+        for key, want, fresh, tiers in reversed(planned):
             b = _Block(want)
             self._index[key] = b
-            if key in durable:
-                self._charge(key, b, "lmdb")
+            for tier in tiers:
+                self.used[tier] -= self.footprint(tier, want)  # the reservation becomes the charge
+                self._charge(key, b, tier)
+            if "lmdb" in tiers:
                 durable_chunks += fresh
-            if not self._place_hot(key, b, protect={key}) and key not in durable:
-                del self._index[key]
-                skipped += fresh
         return WriteResult(written, durable_chunks, skipped)
+
+    def _reserve_room(self, tier: TierName, chunks: int, protect: set[bytes], full: set[TierName]) -> bool:
+        """Make room for a block in `tier` and reserve it; a tier that refused one block of a write
+        is not asked again."""
+        if self.capacity[tier] == 0 or tier in full:
+            return False
+        need = self.footprint(tier, chunks)
+        if not self._make_room(tier, need, protect):
+            full.add(tier)
+            return False
+        self.used[tier] += need
+        return True
 
     def set_device_capacity(self, capacity_bytes: int) -> None:
         """Move the device budget; shrinking it demotes victims until the tier fits again."""
