@@ -230,7 +230,9 @@ def build_app(
         policy = build_ttl_policy(cfg, models) if local_pool == "config" else None
         pool = build_pool(cfg, models, clock, policy) if local_pool == "config" else local_pool
         assert not isinstance(pool, str)
-        app = App(cfg, ddir, models, store, pool, RunnerRegistry(), clock, ttl_policy=policy)
+        # Models engines registered before a restart are served again (the store recovered them).
+        app = App(cfg, ddir, {**models, **store.engine_models()}, store, pool, RunnerRegistry(), clock,
+                  ttl_policy=policy)
         parts = ReplayParts(store, pool, app.runners, models, cfg.replay, cfg.store.chunk_tokens, clock)
         if coordinator_factory == "config":
             if cfg.replay.runner != "none" and cfg.replay.mode != "off":
