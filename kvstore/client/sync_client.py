@@ -209,22 +209,27 @@ class KvstoreClient:
             replay_mode=r.replay_mode, request_id=rid,
         )
 
-    def store(self, model: str, tokens: Sequence[int] | np.ndarray, payloads: Sequence[bytes | memoryview] | bytes,
-              replay_mode: str = "", skip_present: bool = True, timeout_seconds: float | None = None,
-              cache_salt: str = "") -> StoreResult:
+    def store(self, model: str, tokens: Sequence[int] | np.ndarray,
+              payloads: Sequence[bytes | memoryview] | bytes | memoryview, replay_mode: str = "",
+              skip_present: bool = True, timeout_seconds: float | None = None, cache_salt: str = "",
+              first_chunk: int = 0) -> StoreResult:
         """Store the global KV of `tokens`' first chunks. `payloads`: one payload per chunk, or all of
         them concatenated; fewer chunks than the prompt holds store that prefix. With `skip_present`,
-        a lookup first finds the chunks already held and they are not sent again."""
+        a lookup first finds the chunks already held and they are not sent again. `first_chunk`: the
+        payloads start at that chunk (the service holds those before it; if it no longer does, only
+        the prefix before the gap is stored and the rest is reported skipped)."""
         arr = _token_array(tokens)
         deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
         info = self.lookup(model, arr, replay_mode, timeout_seconds=deadline.left(), cache_salt=cache_salt)
         cb, ct = info.chunk_bytes, info.chunk_tokens
         blob = _as_blob(payloads, cb)
-        n = len(blob) // cb
+        if first_chunk < 0:
+            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, "first_chunk must be >= 0", "Store")
+        n = first_chunk + len(blob) // cb
         if n > info.full_chunks:
             raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
                                        f"{n} chunk payloads for a prompt of {info.full_chunks} full chunks", "Store")
-        first = min(info.hit_chunks, n) if skip_present else 0
+        first = max(first_chunk, min(info.hit_chunks, n) if skip_present else 0)
         per_call = max(1, self.max_store_call_bytes // cb)
         # Calls on growing prefixes, each sending only its new chunks; always at least one call, so
         # that the answer (durable, already present) comes from the server, not from the lookup.
@@ -232,7 +237,8 @@ class KvstoreClient:
         results = []
         for a, b in ranges:
             prompt = arr if b >= info.full_chunks else arr[: b * ct]
-            results.append(self._store_call(model, replay_mode, prompt, blob, a, b, cb, deadline, cache_salt))
+            results.append(self._store_call(model, replay_mode, prompt, blob, a, b, cb, deadline, cache_salt,
+                                            first_chunk))
         last = results[-1]
         stored_before = sum(r.stored_chunks for r in results[:-1])
         return StoreResult(
@@ -245,12 +251,14 @@ class KvstoreClient:
         )
 
     def _store_call(self, model: str, replay_mode: str, prompt: np.ndarray, blob: memoryview,
-                    start: int, end: int, cb: int, deadline: _Deadline, cache_salt: str) -> StoreResult:
+                    start: int, end: int, cb: int, deadline: _Deadline, cache_salt: str,
+                    blob_chunk: int) -> StoreResult:
+        """One Store of chunks [start, end); `blob` holds chunks from `blob_chunk` on."""
         def messages() -> Iterator[pb.StoreRequest]:
             yield pb.StoreRequest(header=pb.StoreHeader(model=model, replay_mode=replay_mode,
                                                         tokens=_tokens(prompt), cache_salt=cache_salt))
             for span in plan_pieces(start, end - start, cb, self.message_bytes):
-                a = span.first_chunk * cb + span.offset
+                a = (span.first_chunk - blob_chunk) * cb + span.offset
                 yield pb.StoreRequest(chunks=pb.ChunkPiece(first_chunk=span.first_chunk, offset=span.offset,
                                                            data=bytes(blob[a : a + span.nbytes])))
             yield pb.StoreRequest(end=pb.StoreEnd(chunks_sent=end - start))
@@ -487,7 +495,7 @@ def _tokens(tokens: Sequence[int] | np.ndarray) -> dict[str, bytes]:
     return {"u32le": _token_u32le(tokens).tobytes()}
 
 
-def _as_blob(payloads: Sequence[bytes | memoryview] | bytes, chunk_bytes: int) -> memoryview:
+def _as_blob(payloads: Sequence[bytes | memoryview] | bytes | memoryview, chunk_bytes: int) -> memoryview:
     if isinstance(payloads, bytes | bytearray | memoryview):
         blob = memoryview(payloads).cast("B")
     else:
