@@ -19,6 +19,7 @@ BENCHES = {
     "pool": "local-state pool (Redis, embedded) against raw redis-py and memcpy",
     "replay": "time to first token for cold, warm and expired requests",
     "workload": "agentic workload: the three bills, the 1/8 claim and the concurrency cliff",
+    "engine": "vLLM (CPU) time to first token: cold, kvstore (DRAM, LMDB), ExampleConnector, prefix cache",
 }
 
 
