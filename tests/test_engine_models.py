@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from kvstore.client.sync_client import InvalidArgumentError
+from kvstore.config import KvstoreConfig
 from kvstore.layout import EngineLayerGroup, EngineModel, engine_model_spec
 from tests.fixtures.service import CHUNK, Service, make_config, payloads, tokens
 
@@ -18,7 +19,7 @@ FULL = EngineLayerGroup("full", num_layers=2, kv_heads=2, head_size=8, dtype="bf
 DESC = EngineModel("tiny-llama", "weights-abc", (FULL,), chunk_tokens=CHUNK, vocab_size=1000)
 
 
-def _config():  # type: ignore[no-untyped-def]
+def _config() -> KvstoreConfig:
     return make_config(tenants={"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}})
 
 

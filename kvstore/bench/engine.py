@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.bench.engine_models import TINY_VOCAB, write_llama
+from kvstore.bench.engine_proc import ANSWER
 
 CHUNK = 128
 
@@ -57,7 +58,7 @@ class _Engine:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"op": "generate", "prompts": [{"tokens": tokens}], "max_tokens": 1}) + "\n")
         self.proc.stdin.flush()
-        answer = json.loads(self._read(lambda line: line.startswith("{")))
+        answer = json.loads(self._read(lambda line: line.startswith(ANSWER)).removeprefix(ANSWER))
         return float(answer["seconds"]) * 1000
 
     def close(self) -> None:

@@ -5,7 +5,8 @@ start fresh ones. Its connector: kvstore's, vLLM's in-tree ExampleConnector, or 
     python -m kvstore.bench.engine_proc MODEL_DIR SPEC_JSON
 
 Commands: {"op": "generate", "prompts": [{"tokens": [...], "cache_salt": "..."}], "max_tokens": N}
-answers {"outputs": [{"tokens", "logprobs", "num_cached_tokens", "kvstore"}], "seconds": wall time};
+answers a line "engine-answer {"outputs": [{"tokens", "logprobs", "num_cached_tokens", "kvstore"}],
+"seconds": wall time}";
 {"op": "reset_prefix_cache"} empties vLLM's own prefix cache; {"op": "exit"} stops.
 vLLM spawns processes, hence the `__main__` guard.
 """
@@ -19,6 +20,7 @@ import time
 from typing import Any
 
 READY = "engine-ready"
+ANSWER = "engine-answer "
 
 
 def _connector_config(spec: dict[str, Any]) -> Any:
@@ -60,7 +62,7 @@ def main() -> int:
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             answer = {"outputs": [_output(o) for o in outs], "seconds": time.perf_counter() - t0}
-        print(json.dumps(answer), flush=True)
+        print(ANSWER + json.dumps(answer), flush=True)  # marked: vLLM and connectors log to stdout too
     return 0
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from kvstore.bench.engine_proc import ANSWER
 from kvstore.client import KvstoreClient
 from tests.fixtures.service import ServiceProcess, base_table, spawn_service
 from tests.fixtures.tcp_proxy import TcpProxy
@@ -105,8 +106,8 @@ class Engine:
         timer.start()
         try:
             for line in self.proc.stdout:
-                if line.startswith("{"):
-                    answer: dict[str, Any] = json.loads(line)
+                if line.startswith(ANSWER):
+                    answer: dict[str, Any] = json.loads(line.removeprefix(ANSWER))
                     return answer
         finally:
             timer.cancel()
