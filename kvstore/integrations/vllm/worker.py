@@ -180,6 +180,13 @@ class WorkerSide:
             spec = st.spec
             if name is None:
                 return
+            # The window state first: a lookup that sees the chunks then finds it too.
+            if st.snapshot is not None:
+                snap = st.snapshot.numpy().data.cast("B")
+                prefix = spec.tokens[: spec.snapshot_chunk * self.plan.block_tokens]
+                self.link.call("store_local", lambda c: c.store_local(
+                    name, prefix, snap, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds,
+                    cache_salt=spec.cache_salt))
             if spec.end_chunk > spec.first_chunk:
                 view = st.chunks.numpy().data.cast("B")
                 r = self.link.call("store", lambda c: c.store(
@@ -187,12 +194,6 @@ class WorkerSide:
                     timeout_seconds=self.link.cfg.budget_seconds, cache_salt=spec.cache_salt))
                 if r is not None:
                     self.link.count("stored_chunks", r.stored_chunks)
-            if st.snapshot is not None:
-                snap = st.snapshot.numpy().data.cast("B")
-                prefix = spec.tokens[: spec.snapshot_chunk * self.plan.block_tokens]
-                self.link.call("store_local", lambda c: c.store_local(
-                    name, prefix, snap, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds,
-                    cache_salt=spec.cache_salt))
         finally:
             self._release(st)
 
