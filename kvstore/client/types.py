@@ -31,6 +31,19 @@ class LookupResult:
 
 
 @dataclass(frozen=True)
+class RegisteredModel:
+    """The service's answer to RegisterModel: the model name to use, and the sizes it derived."""
+
+    model: str
+    layout_id: bytes
+    chunk_tokens: int
+    chunk_bytes: int
+    local_snapshot_bytes: int
+    local_window_tokens: int
+    created: bool
+
+
+@dataclass(frozen=True)
 class StoreResult:
     stored_chunks: int
     already_present: int

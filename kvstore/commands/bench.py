@@ -20,6 +20,7 @@ BENCHES = {
     "replay": "time to first token for cold, warm and expired requests",
     "workload": "agentic workload: the three bills, the 1/8 claim and the concurrency cliff",
     "abuse": "a victim tenant's latency alone and while another tenant abuses the service",
+    "engine": "vLLM (CPU) time to first token: cold, kvstore (DRAM, LMDB), ExampleConnector, prefix cache",
 }
 
 

@@ -6,7 +6,8 @@ key_i = SHA-256(key_{i-1}   || tokens of chunk i as little-endian uint32)
 so a key names a chunk *and* everything before it, and a longest-prefix lookup is a walk that
 stops at the first key the store does not hold. The namespace digest binds the tenant (as the
 server authenticated it, never a request field), the model fingerprint (name, revision, layout
-id, replay mode) and the format version, so two tenants or two replay modes can never share a
+id, replay mode), the format version and the request's cache salt (a sub-namespace inside the
+tenant, e.g. vLLM's `cache_salt`), so two tenants, salts or replay modes can never share a
 chunk. Python's `hash()` is never used: it is salted per process. Clients never supply a hash.
 """
 
@@ -25,6 +26,7 @@ from kvstore.errors import InvalidInput
 FORMAT_VERSION = 1
 KEY_BYTES = 32
 REPLAY_MODES = ("bounded", "exact", "off")
+MAX_SALT_CHARS = 128
 
 
 def _field(b: bytes) -> bytes:
@@ -39,8 +41,11 @@ class Namespace:
     layout_id: bytes
     replay_mode: str
     format_version: int = FORMAT_VERSION
+    salt: str = ""
 
     def __post_init__(self) -> None:
+        if len(self.salt) > MAX_SALT_CHARS or not self.salt.isprintable():
+            raise InvalidInput(f"cache_salt must be at most {MAX_SALT_CHARS} printable characters")
         if self.replay_mode not in REPLAY_MODES:
             raise InvalidInput(f"replay mode must be one of {REPLAY_MODES}, got '{self.replay_mode}'")
         if not self.tenant:
@@ -59,6 +64,8 @@ class Namespace:
                 struct.pack("<I", self.format_version),
             )
         )
+        if self.salt:  # appended only when set, so the digests of unsalted namespaces stay as they were
+            enc += b"salt\x00" + _field(self.salt.encode())
         return hashlib.sha256(enc).digest()
 
 

@@ -62,7 +62,8 @@ BREAKER_STATES = ("closed", "open", "half-open")
 POOL_MISS_REASONS = ("absent", "expired", "incomplete", "corrupt", "timeout", "error", "breaker-open",
                      "closed")
 POOL_SKIP_REASONS = ("oom", "no-room", "policy", "timeout", "error", "breaker-open", "closed")
-RPC_METHODS = ("Lookup", "Store", "Load", "StoreLocal", "LoadLocal", "Resume", "Stats", "Attach", OTHER)
+RPC_METHODS = ("Lookup", "Store", "Load", "StoreLocal", "LoadLocal", "Resume", "Stats", "RegisterModel", "Attach",
+               OTHER)
 RPC_CODES = (
     "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
     "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",

@@ -231,7 +231,8 @@ def build_app(
         pool = build_pool(cfg, models, clock, policy) if local_pool == "config" else local_pool
         assert not isinstance(pool, str)
         runners = RunnerRegistry(cfg.service.max_runners, cfg.share_weights())
-        app = App(cfg, ddir, models, store, pool, runners, clock, ttl_policy=policy)
+        # Models engines registered before a restart are served again (the store recovered them).
+        app = App(cfg, ddir, {**models, **store.engine_models()}, store, pool, runners, clock, ttl_policy=policy)
         parts = ReplayParts(store, pool, app.runners, models, cfg.replay, cfg.store.chunk_tokens, clock)
         if coordinator_factory == "config":
             if cfg.replay.runner != "none" and cfg.replay.mode != "off":

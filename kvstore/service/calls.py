@@ -13,8 +13,9 @@ echoed in the trailing metadata so that `kvstore explain` can find the request.
 A call whose client has gone (cancelled, deadline passed) ends quietly: nobody is listening, and
 an error log per cancelled stream would only be noise.
 
-`resolve()` turns (model, replay mode, tokens) from a request into a validated `Resolved`: the
-namespace that binds the authenticated tenant, the model, its layout and the token ids.
+`resolve()` turns (model, replay mode, tokens, cache salt) from a request into a validated
+`Resolved`: the namespace that binds the authenticated tenant, the model, its layout and the
+token ids.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class CallGuard:
         self._default_mode = app.config.replay.mode
         # Namespaces of (tenant, model, mode) seen recently. Building one hashes the layout's JSON
         # description (~0.1 ms), a third of a 32K-token lookup; its digest is cached inside it.
-        self._namespaces: dict[tuple[str, str, str], tuple[Namespace, ModelSpec, CacheLayout]] = {}
+        self._namespaces: dict[tuple[str, str, str, str], tuple[Namespace, ModelSpec, CacheLayout]] = {}
 
     @contextmanager
     def enter(self, context: grpc.ServicerContext, method: str, streaming: bool = False) -> Iterator[CallState]:
@@ -179,7 +180,8 @@ class CallGuard:
             request_id=state.request_id, session=state.session, facts=state.facts, at=self._app.clock(),
         ))
 
-    def resolve(self, state: CallState, model: str, replay_mode: str, tokens: pb.Tokens) -> Resolved:
+    def resolve(self, state: CallState, model: str, replay_mode: str, tokens: pb.Tokens,
+                cache_salt: str = "") -> Resolved:
         if not model:
             raise InvalidInput("model is required")
         if len(model) > MAX_MODEL_NAME or not model.isprintable():
@@ -188,11 +190,11 @@ class CallGuard:
         if mode not in REPLAY_MODES:
             shown = mode if len(mode) <= 32 and mode.isprintable() else "(unprintable)"
             raise InvalidInput(f"replay_mode must be one of {', '.join(REPLAY_MODES)} or empty, got '{shown}'")
-        key = (state.tenant, model, mode)
+        key = (state.tenant, model, mode, cache_salt)
         found = self._namespaces.get(key)
         if found is None:
             store = self._app.store
-            ns = store.namespace(state.tenant, model, mode)
+            ns = store.namespace(state.tenant, model, mode, cache_salt)
             found = (ns, store.model(model), store.layout(ns))
             if len(self._namespaces) >= NAMESPACE_CACHE:
                 self._namespaces.clear()

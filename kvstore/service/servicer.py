@@ -29,6 +29,7 @@ import grpc
 
 from kvstore import __version__
 from kvstore.errors import InvalidInput
+from kvstore.layout import EngineLayerGroup, EngineModel
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.pricing import facts_for_lookup, local_status, price
 from kvstore.service.servicer_local import LocalStateCalls
@@ -74,7 +75,7 @@ class KVCacheServicer(LocalStateCalls):
     def Lookup(self, request: pb.LookupRequest | Malformed, context: grpc.ServicerContext) -> bytes:
         with self.guard.enter(context, "Lookup") as call:
             req = accept(request, pb.LookupRequest)
-            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens)
+            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt)
             r = self.app.store.lookup(res.ns, res.tokens)
             state, got = local_status(self.app, res, r.hit_chunks, context.time_remaining(), r)
             call.facts = facts_for_lookup(self.app, res, r, r.hit_chunks, got)
@@ -112,7 +113,7 @@ class KVCacheServicer(LocalStateCalls):
         if head.WhichOneof("kind") != "header":
             raise InvalidInput("the first Store message must be a StoreHeader")
         h = head.header
-        res = self.guard.resolve(call, h.model, h.replay_mode, h.tokens)
+        res = self.guard.resolve(call, h.model, h.replay_mode, h.tokens, h.cache_salt)
         cb, full = res.layout.chunk_bytes, res.full_chunks
         if full * cb > MAX_STORE_BYTES:
             raise InvalidInput(
@@ -190,7 +191,7 @@ class KVCacheServicer(LocalStateCalls):
     ) -> Iterator[pb.LoadResponse | bytes]:
         with self.guard.enter(context, "Load", streaming=True) as call:
             req = accept(request, pb.LoadRequest)
-            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens)
+            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt)
             with self.app.store.load(res.ns, res.tokens, req.max_chunks or None) as session:
                 n = len(session)
                 yield pb.LoadResponse(header=pb.LoadHeader(
@@ -265,6 +266,28 @@ class KVCacheServicer(LocalStateCalls):
             for span in plan_pieces(i, 1, cb, self.message_bytes):
                 yield encode_chunk_piece(i, span.offset, [TIER_TO_PB[tier]] if span.offset == 0 else [],
                                          chunk[span.offset : span.offset + span.nbytes])
+
+    # --- RegisterModel ----------------------------------------------------------------------------
+
+    def RegisterModel(
+        self, request: pb.RegisterModelRequest | Malformed, context: grpc.ServicerContext
+    ) -> pb.RegisterModelResponse:
+        with self.guard.enter(context, "RegisterModel") as call:
+            req = accept(request, pb.RegisterModelRequest)
+            desc = EngineModel(
+                model=req.model, revision=req.revision, chunk_tokens=req.chunk_tokens, vocab_size=req.vocab_size,
+                prefill_flops_per_token=req.prefill_flops_per_token,
+                groups=tuple(EngineLayerGroup(g.name, g.num_layers, g.kv_heads, g.head_size, g.dtype, g.sliding_window)
+                             for g in req.groups))
+            spec, created = self.app.store.register_engine_model(desc, call.tenant)
+            self.app.models.setdefault(spec.name, spec)
+            call.model = spec.name
+            layout = spec.layout
+            return pb.RegisterModelResponse(
+                model=spec.name, layout_id=layout.layout_id, chunk_tokens=layout.chunk_tokens,
+                chunk_bytes=layout.chunk_bytes, local_snapshot_bytes=layout.local_snapshot_bytes,
+                local_window_tokens=layout.local.window_tokens, created=created)
+        return pb.RegisterModelResponse()
 
     # --- Stats ------------------------------------------------------------------------------------
 

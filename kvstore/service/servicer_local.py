@@ -77,7 +77,7 @@ class LocalStateCalls:
         if head.WhichOneof("kind") != "header":
             raise InvalidInput("the first StoreLocal message must be a LocalHeader")
         h = head.header
-        res = self.guard.resolve(call, h.model, h.replay_mode, h.tokens)
+        res = self.guard.resolve(call, h.model, h.replay_mode, h.tokens, h.cache_salt)
         size = res.layout.local_snapshot_bytes
         if size == 0:
             raise InvalidInput(f"model '{res.spec.name}' keeps no local state")
@@ -117,7 +117,7 @@ class LocalStateCalls:
     ) -> Iterator[pb.LoadLocalResponse]:
         with self.guard.enter(context, "LoadLocal", streaming=True) as call:
             req = accept(request, pb.LoadLocalRequest)
-            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens)
+            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt)
             n = res.full_chunks
             state, got = local_status(self.app, res, n, context.time_remaining())
             call.local_state = state
@@ -143,7 +143,7 @@ class LocalStateCalls:
     ) -> Iterator[pb.ResumeResponse | bytes]:
         with self.guard.enter(context, "Resume", streaming=True) as call:
             req = accept(request, pb.ResumeRequest)
-            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens)
+            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt)
             assert call.stream is not None
             yield from call.stream.sent(self._resume(call, req, res, context))
 

@@ -39,11 +39,11 @@ import numpy as np
 
 from kvstore.config.policies import build_admission, build_eviction
 from kvstore.config.store import StoreConfig
-from kvstore.errors import InvalidInput, UnknownModel
+from kvstore.errors import InvalidInput, ResourceExhausted, UnknownModel
 from kvstore.keys.chain import chain_from
 from kvstore.keys.chunk_keys import Namespace, as_token_array, full_chunk_bytes, split_chunks
 from kvstore.keys.memo import KeyMemo, Recall
-from kvstore.layout import TIER_NAMES, CacheLayout, ModelSpec
+from kvstore.layout import TIER_NAMES, CacheLayout, EngineModel, ModelSpec, engine_model_spec
 from kvstore.store.commit_plan import CommitPlan, PlannedChunk
 from kvstore.store.fates import ChunkFateSink, NoFates, RefusalReason
 from kvstore.store.pins import PinReceipt, PinTable
@@ -76,6 +76,10 @@ _FATE_OF_SKIP: dict[SkipReason, RefusalReason] = {
 _FASTEST = operator.attrgetter("fastest")
 _TOKENS = operator.attrgetter("tokens")
 _NAMESPACE = operator.attrgetter("namespace")
+# Registered engine models are kept for good (their chunks outlive them): bounded, and per tenant
+# too, so one tenant cannot use up the room of the others.
+MAX_ENGINE_MODELS = 1024
+MAX_ENGINE_MODELS_PER_TENANT = 64
 
 class GlobalStore(Placement):
     def __init__(
@@ -114,6 +118,8 @@ class GlobalStore(Placement):
         self._doomed: set[bytes] = set()
         self._deleting: dict[bytes, threading.Event] = {}
         self._committing: dict[bytes, int] = {}
+        self._registered_by: dict[str, str] = {}  # engine model name -> the tenant that registered it
+        self._recover_engine_models()
         self._recover()
 
     def set_fate_sink(self, sink: ChunkFateSink) -> None:
@@ -135,12 +141,60 @@ class GlobalStore(Placement):
     def layout(self, ns: Namespace) -> CacheLayout:
         return self._layouts[ns.layout_id]
 
-    def namespace(self, tenant: str, model: str, replay_mode: str) -> Namespace:
+    def namespace(self, tenant: str, model: str, replay_mode: str, salt: str = "") -> Namespace:
         spec = self.model(model)
-        return Namespace(tenant, spec.name, spec.revision, self._layout_for(spec).layout_id, replay_mode)
+        return Namespace(tenant, spec.name, spec.revision, self._layout_for(spec).layout_id, replay_mode,
+                         salt=salt)
 
     def tokens(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         return as_token_array(token_ids, self._models[ns.model].vocab_size)
+
+    # --- engine models (registered at run time) ----------------------------------------------------
+
+    def register_engine_model(self, desc: EngineModel, tenant: str) -> tuple[ModelSpec, bool]:
+        """Serve a model an engine described (validated and bounded), durably: its record is in the
+        LMDB tier, so its chunks are recovered after a restart. (spec, created); the same
+        description registered again is the same model."""
+        spec = engine_model_spec(desc)
+        if spec.layout.chunk_tokens != self.cfg.chunk_tokens:
+            raise InvalidInput(f"chunk_tokens is {spec.layout.chunk_tokens}; this service stores chunks of "
+                               f"{self.cfg.chunk_tokens} tokens")
+        with self._lock:
+            old = self._models.get(spec.name)
+            if old is not None:
+                return old, False
+            if len(self._registered_by) >= MAX_ENGINE_MODELS:
+                raise ResourceExhausted(f"this service holds {MAX_ENGINE_MODELS} registered models already")
+            mine = sum(1 for t in self._registered_by.values() if t == tenant)
+            if mine >= MAX_ENGINE_MODELS_PER_TENANT:
+                raise ResourceExhausted(f"a tenant may register at most {MAX_ENGINE_MODELS_PER_TENANT} models")
+            record = json.dumps({"tenant": tenant, "model": json.loads(desc.to_json())}, sort_keys=True).encode()
+            self._durable.put_model(spec.name.encode(), record)
+            self._serve(spec, tenant)
+        return spec, True
+
+    def engine_models(self) -> dict[str, ModelSpec]:
+        with self._lock:
+            return {name: self._models[name] for name in self._registered_by}
+
+    def _serve(self, spec: ModelSpec, tenant: str) -> None:
+        layout = self._layout_for(spec)
+        for tier in self._tiers.values():
+            tier.add_layout(layout)
+        self._layouts[layout.layout_id] = layout
+        self._models[spec.name] = spec
+        self._registered_by[spec.name] = tenant
+
+    def _recover_engine_models(self) -> None:
+        for name, record in self._durable.models().items():
+            try:
+                d = json.loads(record)
+                spec = engine_model_spec(EngineModel.from_json(json.dumps(d["model"]).encode()))
+                if spec.name != name.decode() or spec.layout.chunk_tokens != self.cfg.chunk_tokens:
+                    raise InvalidInput("the record does not match its name or this chunk size")
+                self._serve(spec, str(d["tenant"]))
+            except (ValueError, KeyError, TypeError):
+                self._ignored["bad-model-record"] = self._ignored.get("bad-model-record", 0) + 1
 
     # --- lookup -----------------------------------------------------------------------------------
 
@@ -456,7 +510,7 @@ class GlobalStore(Placement):
         record = json.dumps(
             {"tenant": ns.tenant, "model": ns.model, "revision": ns.revision,
              "layout_id": ns.layout_id.hex(), "replay_mode": ns.replay_mode,
-             "format_version": ns.format_version},
+             "format_version": ns.format_version, "salt": ns.salt},
             sort_keys=True,
         ).encode()
         self._durable.put_namespace(ns.digest, record)

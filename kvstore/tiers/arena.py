@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from kvstore.errors import InvalidInput, StorageError
+from kvstore.layout import CacheLayout
 from kvstore.tiers.base import ChunkMeta, TierName, TierStats
 from kvstore.tiers.value_format import byte_view
 
@@ -222,6 +223,9 @@ class PagedArena:
         with self._lock:
             used = (self.n_pages - self._free.free_pages) * self.page_bytes
             return TierStats(used_bytes=used, capacity_bytes=self.capacity_bytes, entries=len(self._entries))
+
+    def add_layout(self, layout: CacheLayout) -> None:
+        """Nothing to learn: an arena moves payload bytes without reading them."""
 
     def close(self) -> None:
         with self._lock:

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from kvstore.layout import TierName
+from kvstore.layout import CacheLayout, TierName
 
 
 class ChunkMeta(NamedTuple):
@@ -75,6 +75,11 @@ class Tier(Protocol):
 
     def stats(self) -> TierStats: ...
 
+    def add_layout(self, layout: CacheLayout) -> None:
+        """Learn a layout registered after start (an engine's own); a tier that moves bytes
+        without reading them ignores it."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -96,3 +101,9 @@ class DurableTier(Tier, Protocol):
         ...
 
     def namespaces(self) -> dict[bytes, bytes]: ...
+
+    def put_model(self, name: bytes, record: bytes) -> None:
+        """Remember a model registered at run time (its description), durably."""
+        ...
+
+    def models(self) -> dict[bytes, bytes]: ...

@@ -1,9 +1,11 @@
 """The LMDB tier: chunks on SSD, restart-warm because the index *is* the database.
 
-One LMDB environment (a directory) holds two named databases: `chunks` (32-byte chunk key ->
-value_format value) and `namespaces` (32-byte namespace digest -> the record the store gave).
-Named databases are used for both because LMDB keeps the names of named databases as keys of its
-unnamed main database; putting chunks there would mix them with those names.
+One LMDB environment (a directory) holds three named databases: `chunks` (32-byte chunk key ->
+value_format value), `namespaces` (32-byte namespace digest -> the record the store gave) and
+`models` (the name of a model registered at run time -> its description, so that its chunks are
+recovered after a restart). Named databases are used for all because LMDB keeps the names of
+named databases as keys of its unnamed main database; putting chunks there would mix them with
+those names.
 
 Durability (StoreConfig.lmdb_durability) and what each mode loses on a power cut or kernel crash
 (a crash of the process alone loses nothing in any mode: committed pages are in the OS cache):
@@ -111,6 +113,7 @@ class LmdbTier:
             self.stale_readers_cleared = self._env.reader_check()
             self._chunks = self._env.open_db(b"chunks")
             self._ns = self._env.open_db(b"namespaces")
+            self._models = self._env.open_db(b"models")
             self._psize = int(self._env.stat()["psize"])
         except lmdb.Error as e:
             raise StorageError(f"cannot open LMDB at {self.path}: {e}") from e
@@ -341,21 +344,38 @@ class LmdbTier:
             return ScannedChunk(key, None, 0, disk, p.problem)
         return ScannedChunk(key, vf.header_meta(value, h), h.raw_size, disk)
 
-    # --- namespaces --------------------------------------------------------------------------
+    # --- namespaces and registered models -----------------------------------------------------
     def put_namespace(self, digest: bytes, record: bytes) -> None:
+        self._put_record(self._ns, digest, record)
+
+    def namespaces(self) -> dict[bytes, bytes]:
+        return self._records(self._ns)
+
+    def put_model(self, name: bytes, record: bytes) -> None:
+        self._put_record(self._models, name, record)
+
+    def models(self) -> dict[bytes, bytes]:
+        return self._records(self._models)
+
+    def add_layout(self, layout: CacheLayout) -> None:
+        with self._lock:
+            self._layouts[layout.layout_id] = layout  # the codec reads the same dict
+            self._max_token_bytes = max(self._max_token_bytes, 4 * layout.chunk_tokens)
+
+    def _put_record(self, db: lmdb._Database, key: bytes, record: bytes) -> None:
         with self._lock:
             while True:
                 try:
-                    with self._env.begin(write=True, db=self._ns) as txn:
-                        txn.put(digest, record)
+                    with self._env.begin(write=True, db=db) as txn:
+                        txn.put(key, record)
                     return
                 except lmdb.MapFullError:
                     self._grow(len(record))
                 except lmdb.Error as e:
                     raise StorageError(f"LMDB write failed: {e}") from e
 
-    def namespaces(self) -> dict[bytes, bytes]:
-        with self._lock, self._env.begin(db=self._ns) as txn:
+    def _records(self, db: lmdb._Database) -> dict[bytes, bytes]:
+        with self._lock, self._env.begin(db=db) as txn:
             return {bytes(k): bytes(v) for k, v in txn.cursor()}
 
     # --- housekeeping ------------------------------------------------------------------------

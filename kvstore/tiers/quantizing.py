@@ -34,11 +34,15 @@ class QuantizingTier:
         # (an upper bound when layouts share a chunk size, so a budget is never exceeded).
         self._stored_for: dict[int, int] = {}
         for layout in layouts:
-            plan = plan_for(layout, mode)
-            stored = layout.chunk_bytes if plan is None else plan.stored_bytes
-            if plan is not None:
-                self._plans[layout.layout_id] = plan
-            self._stored_for[layout.chunk_bytes] = max(self._stored_for.get(layout.chunk_bytes, 0), stored)
+            self.add_layout(layout)
+
+    def add_layout(self, layout: CacheLayout) -> None:
+        plan = plan_for(layout, self.mode)
+        stored = layout.chunk_bytes if plan is None else plan.stored_bytes
+        if plan is not None:
+            self._plans[layout.layout_id] = plan
+        self._stored_for[layout.chunk_bytes] = max(self._stored_for.get(layout.chunk_bytes, 0), stored)
+        self._inner.add_layout(layout)
 
     @property
     def backend(self) -> str:
@@ -119,3 +123,9 @@ class QuantizingDurableTier(QuantizingTier):
 
     def namespaces(self) -> dict[bytes, bytes]:
         return self._durable.namespaces()
+
+    def put_model(self, name: bytes, record: bytes) -> None:
+        self._durable.put_model(name, record)
+
+    def models(self) -> dict[bytes, bytes]:
+        return self._durable.models()

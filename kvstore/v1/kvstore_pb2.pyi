@@ -103,14 +103,16 @@ class LocalPiece(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model", "replay_mode", "tokens")
+    __slots__ = ("model", "replay_mode", "tokens", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     replay_mode: str
     tokens: Tokens
-    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_tokens", "hit_chunks", "chunk_tiers", "local_state", "bills", "chunk_tokens", "chunk_bytes", "full_chunks", "remainder_tokens", "local_snapshot_bytes", "replay_mode")
@@ -139,14 +141,16 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_tokens: _Optional[int] = ..., hit_chunks: _Optional[int] = ..., chunk_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., local_state: _Optional[_Union[LocalState, str]] = ..., bills: _Optional[_Union[Bills, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., full_chunks: _Optional[int] = ..., remainder_tokens: _Optional[int] = ..., local_snapshot_bytes: _Optional[int] = ..., replay_mode: _Optional[str] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
-    __slots__ = ("model", "replay_mode", "tokens")
+    __slots__ = ("model", "replay_mode", "tokens", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     replay_mode: str
     tokens: Tokens
-    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class StoreEnd(_message.Message):
     __slots__ = ("chunks_sent",)
@@ -183,16 +187,18 @@ class StoreResponse(_message.Message):
     def __init__(self, stored_chunks: _Optional[int] = ..., already_present: _Optional[int] = ..., skipped_chunks: _Optional[int] = ..., skipped_reason: _Optional[str] = ..., durable: _Optional[bool] = ..., remainder_tokens: _Optional[int] = ..., received_chunks: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "replay_mode", "tokens", "max_chunks")
+    __slots__ = ("model", "replay_mode", "tokens", "max_chunks", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     replay_mode: str
     tokens: Tokens
     max_chunks: int
-    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., max_chunks: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., max_chunks: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class LoadHeader(_message.Message):
     __slots__ = ("hit_tokens", "hit_chunks", "chunk_tokens", "chunk_bytes")
@@ -215,16 +221,18 @@ class LoadResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[LoadHeader, _Mapping]] = ..., chunks: _Optional[_Union[ChunkPiece, _Mapping]] = ...) -> None: ...
 
 class LocalHeader(_message.Message):
-    __slots__ = ("model", "replay_mode", "tokens", "snapshot_bytes")
+    __slots__ = ("model", "replay_mode", "tokens", "snapshot_bytes", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     replay_mode: str
     tokens: Tokens
     snapshot_bytes: int
-    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., snapshot_bytes: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., snapshot_bytes: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class StoreLocalRequest(_message.Message):
     __slots__ = ("header", "local")
@@ -247,14 +255,16 @@ class StoreLocalResponse(_message.Message):
     def __init__(self, stored: _Optional[bool] = ..., reason: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., boundary_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadLocalRequest(_message.Message):
-    __slots__ = ("model", "replay_mode", "tokens")
+    __slots__ = ("model", "replay_mode", "tokens", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     replay_mode: str
     tokens: Tokens
-    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class LoadLocalHeader(_message.Message):
     __slots__ = ("local_state", "boundary_tokens", "snapshot_bytes", "reason")
@@ -277,18 +287,20 @@ class LoadLocalResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[LoadLocalHeader, _Mapping]] = ..., local: _Optional[_Union[LocalPiece, _Mapping]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("model", "replay_mode", "tokens", "max_chunks", "skip_chunks")
+    __slots__ = ("model", "replay_mode", "tokens", "max_chunks", "skip_chunks", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SKIP_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     replay_mode: str
     tokens: Tokens
     max_chunks: int
     skip_chunks: bool
-    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., max_chunks: _Optional[int] = ..., skip_chunks: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., max_chunks: _Optional[int] = ..., skip_chunks: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ResumeHeader(_message.Message):
     __slots__ = ("resume_case", "hit_tokens", "hit_chunks", "chunk_tiers", "local_state", "bills", "chunk_tokens", "chunk_bytes", "local_snapshot_bytes", "replay_planned")
@@ -432,6 +444,56 @@ class StatsResponse(_message.Message):
     calls_rejected: int
     replay_coordinator: bool
     def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., chunks: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., token_mismatches: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., pins_active: _Optional[int] = ..., pins_expired: _Optional[int] = ..., admissions_refused: _Optional[int] = ..., evictions_by_reason: _Optional[_Mapping[str, int]] = ..., local_pool: _Optional[_Union[LocalPoolStats, _Mapping]] = ..., runners_attached: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., calls_in_flight: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., replay_coordinator: _Optional[bool] = ...) -> None: ...
+
+class EngineLayerGroup(_message.Message):
+    __slots__ = ("name", "num_layers", "kv_heads", "head_size", "dtype", "sliding_window")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_layers: int
+    kv_heads: int
+    head_size: int
+    dtype: str
+    sliding_window: int
+    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+
+class RegisterModelRequest(_message.Message):
+    __slots__ = ("model", "revision", "groups", "chunk_tokens", "vocab_size", "prefill_flops_per_token")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FLOPS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    groups: _containers.RepeatedCompositeFieldContainer[EngineLayerGroup]
+    chunk_tokens: int
+    vocab_size: int
+    prefill_flops_per_token: float
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[EngineLayerGroup, _Mapping]]] = ..., chunk_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., prefill_flops_per_token: _Optional[float] = ...) -> None: ...
+
+class RegisterModelResponse(_message.Message):
+    __slots__ = ("model", "layout_id", "chunk_tokens", "chunk_bytes", "local_snapshot_bytes", "local_window_tokens", "created")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    layout_id: bytes
+    chunk_tokens: int
+    chunk_bytes: int
+    local_snapshot_bytes: int
+    local_window_tokens: int
+    created: bool
+    def __init__(self, model: _Optional[str] = ..., layout_id: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., local_snapshot_bytes: _Optional[int] = ..., local_window_tokens: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class RunnerHello(_message.Message):
     __slots__ = ("model", "layout_id", "device", "max_concurrent_jobs", "max_batch", "name")

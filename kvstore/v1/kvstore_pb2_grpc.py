@@ -72,6 +72,11 @@ class KVCacheStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.RegisterModel = channel.unary_unary(
+                '/kvstore.v1.KVCache/RegisterModel',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RegisterModelRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RegisterModelResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -132,6 +137,16 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterModel(self, request, context):
+        """Describe an engine's own cache (layers, KV heads, head size, dtype, sliding window): the service
+        validates and bounds it, keeps it durably, and answers the model name to use in every other call
+        (a content hash of the description, so changed weights or another layout get other keys).
+        Idempotent: the same description always answers the same name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +184,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'RegisterModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterModel,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RegisterModelRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RegisterModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -363,6 +383,33 @@ class KVCache:
             '/kvstore.v1.KVCache/Stats',
             kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVCache/RegisterModel',
+            kvstore_dot_v1_dot_kvstore__pb2.RegisterModelRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.RegisterModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,180 @@
+"""`kvstore bench engine`: time to first token of a real vLLM engine (CPU) on a tiny model, in one
+run, for prompts of several lengths: cold, restored by kvstore from its memory tiers, restored
+from LMDB after a kvstore restart, restored by vLLM's in-tree ExampleConnector (safetensors files
+on disk), and served by vLLM's own in-process prefix cache.
+
+Needs the engine environment (`scripts/setup.sh engine`; run `.venv-engine/bin/kvstore bench
+engine`). Every engine runs in its own process (kvstore/bench/engine_proc.py) with vLLM's prefix
+cache off, except the one measuring it. TTFT is the wall time of a generate of one token, best of
+`--repeats` (cold: of as many fresh prompts). Targets at the longest prompt: kvstore from LMDB at
+most ExampleConnector's time, and at most half the cold time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstore.bench.engine_models import TINY_VOCAB, write_llama
+from kvstore.bench.engine_proc import ANSWER
+
+CHUNK = 128
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", default="1024,4096,16384", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--repeats", type=int, default=3, help="timed generates per figure (best of)")
+
+
+class _Engine:
+    def __init__(self, model: Path, spec: dict[str, Any], log: Path) -> None:
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="WARNING")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.engine_proc", str(model), json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+                                     env=env)
+        self.log = log
+        self._read(lambda line: line.strip() == "engine-ready")
+
+    def _read(self, done: Any) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if done(line):
+                return line
+        raise RuntimeError(f"the engine exited; see {self.log}")
+
+    def ttft_ms(self, tokens: list[int]) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "generate", "prompts": [{"tokens": tokens}], "max_tokens": 1}) + "\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self._read(lambda line: line.startswith(ANSWER)).removeprefix(ANSWER))
+        return float(answer["seconds"]) * 1000
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+        self.proc.stdin.flush()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_CONFIG = """
+[store]
+device = "cpu"
+chunk_tokens = 128
+device_capacity_bytes = 268435456
+dram_capacity_bytes = 268435456
+lmdb_capacity_bytes = 4294967296
+lmdb_durability = "sync"
+compression = "none"
+promote_on_hit = false
+
+[service]
+max_message_bytes = 16777216
+stream_message_bytes = 1048576
+"""
+
+
+@contextmanager
+def _kvstore(workdir: Path, port: int) -> Iterator[subprocess.Popen[str]]:
+    cfg = workdir / "kvstore.toml"
+    cfg.write_text(_CONFIG)
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--config", str(cfg), "--grpc-port", str(port),
+                             "--admin-port", "-1", "--data-dir", str(workdir / "data"), "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "gRPC listening" in line:
+            break
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _wait_stored(port: int, chunks: int) -> None:
+    from kvstore.client import KvstoreClient
+
+    with KvstoreClient(f"127.0.0.1:{port}") as c:
+        deadline = time.monotonic() + 120
+        while c.stats().chunks < chunks and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
+    lengths = [int(x) for x in str(args.lengths).split(",")]
+    reps = max(1, int(args.repeats))
+    longest = max(lengths)
+    prompts = {n: [np.random.default_rng(n * 100 + r).integers(0, TINY_VOCAB, n).tolist() for r in range(reps + 1)]
+               for n in lengths}
+    rows: dict[int, dict[str, float]] = {n: {} for n in lengths}
+    base = {"max_model_len": longest + 256, "max_num_batched_tokens": longest + 256, "prefix_caching": False}
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-engine-") as tmp:
+        work = Path(tmp)
+        model = write_llama(work / "llama", seed=0)
+        warmup = prompts[min(lengths)][reps][:CHUNK]
+
+        # vLLM alone: cold (fresh prompts), then its own prefix cache (the same prompt again).
+        e = _Engine(model, {**base, "connector": "none", "prefix_caching": True}, work / "engine-plain.log")
+        e.ttft_ms(warmup)
+        for n in lengths:
+            rows[n]["cold_ttft_ms"] = min(e.ttft_ms(p) for p in prompts[n][:reps])
+            rows[n]["prefix_cache_ttft_ms"] = min(e.ttft_ms(prompts[n][0]) for _ in range(reps))
+        e.close()
+
+        # vLLM's ExampleConnector: a first pass saves files, the next ones load them.
+        e = _Engine(model, {**base, "connector": "example", "path": str(work / "example")}, work / "engine-example.log")
+        e.ttft_ms(warmup)
+        for n in lengths:
+            e.ttft_ms(prompts[n][0])
+            rows[n]["example_connector_ttft_ms"] = min(e.ttft_ms(prompts[n][0]) for _ in range(reps))
+        e.close()
+
+        # kvstore: a first pass stores; then from the memory tiers; then, after a restart, from LMDB.
+        port = _free_port()
+        spec = {**base, "extra": {"address": f"127.0.0.1:{port}", "budget_ms": 30000,
+                                  "fingerprint_cache": str(work / "fingerprints.json")}}
+        with _kvstore(work, port):
+            e = _Engine(model, spec, work / "engine-kvstore.log")
+            e.ttft_ms(warmup)
+            for n in lengths:
+                e.ttft_ms(prompts[n][0])
+                _wait_stored(port, sum(m // CHUNK for m in lengths if m <= n) + 1)
+                rows[n]["kvstore_dram_ttft_ms"] = min(e.ttft_ms(prompts[n][0]) for _ in range(reps))
+        with _kvstore(work, port):
+            for n in lengths:
+                rows[n]["kvstore_lmdb_ttft_ms"] = min(e.ttft_ms(prompts[n][0]) for _ in range(reps))
+            e.close()
+
+    results = [{"prompt_tokens": n, **rows[n]} for n in lengths]
+    top = rows[longest]
+    targets = [
+        {"name": f"kvstore_lmdb_ttft_ms / example_connector_ttft_ms at {longest} tokens",
+         "value": top["kvstore_lmdb_ttft_ms"] / top["example_connector_ttft_ms"], "target": "<= 1.0",
+         "ok": top["kvstore_lmdb_ttft_ms"] <= top["example_connector_ttft_ms"]},
+        {"name": f"kvstore_lmdb_ttft_ms / cold_ttft_ms at {longest} tokens",
+         "value": top["kvstore_lmdb_ttft_ms"] / top["cold_ttft_ms"], "target": "<= 0.5",
+         "ok": top["kvstore_lmdb_ttft_ms"] <= 0.5 * top["cold_ttft_ms"]},
+    ]
+    return {"model": "tiny llama (2 layers, 2 KV heads x 32, bf16; 512 B of KV per token)", "device": "cpu",
+            "results": results, "targets": targets}

@@ -1,0 +1,77 @@
+"""One vLLM engine in a child process, driven over stdin/stdout (one JSON object a line), so that
+the engine benchmark and the engine tests can keep an engine alive while kvstore restarts, and
+start fresh ones. Its connector: kvstore's, vLLM's in-tree ExampleConnector, or none.
+
+    python -m kvstore.bench.engine_proc MODEL_DIR SPEC_JSON
+
+Commands: {"op": "generate", "prompts": [{"tokens": [...], "cache_salt": "..."}], "max_tokens": N}
+answers a line "engine-answer {"outputs": [{"tokens", "logprobs", "num_cached_tokens", "kvstore"}],
+"seconds": wall time}";
+{"op": "reset_prefix_cache"} empties vLLM's own prefix cache; {"op": "exit"} stops.
+vLLM spawns processes, hence the `__main__` guard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+READY = "engine-ready"
+ANSWER = "engine-answer "
+
+
+def _connector_config(spec: dict[str, Any]) -> Any:
+    from vllm.config import KVTransferConfig
+
+    if spec.get("connector") == "example":  # vLLM's in-tree reference connector (the benchmark's baseline)
+        return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                kv_connector_extra_config={"shared_storage_path": spec["path"]})
+    return KVTransferConfig(kv_connector="KvstoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
+                            kv_role="kv_both", kv_load_failure_policy="recompute",
+                            kv_connector_extra_config=spec["extra"])
+
+
+def main() -> int:
+    model_dir, spec = sys.argv[1], json.loads(sys.argv[2])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw: dict[str, Any] = {}
+    if spec.get("connector") != "none":
+        kw["kv_transfer_config"] = _connector_config(spec)
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=spec.get("max_model_len", 4096), enforce_eager=True,
+              enable_prefix_caching=spec.get("prefix_caching", True),
+              max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), seed=0, **kw)
+    print(READY, flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            break
+        if cmd["op"] == "reset_prefix_cache":
+            llm.reset_prefix_cache()
+            answer: dict[str, Any] = {"ok": True}
+        else:
+            prompts = [TokensPrompt(prompt_token_ids=p["tokens"], cache_salt=p["cache_salt"]) if p.get("cache_salt")
+                       else TokensPrompt(prompt_token_ids=p["tokens"]) for p in cmd["prompts"]]
+            params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0, logprobs=0)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            answer = {"outputs": [_output(o) for o in outs], "seconds": time.perf_counter() - t0}
+        print(ANSWER + json.dumps(answer), flush=True)  # marked: vLLM and connectors log to stdout too
+    return 0
+
+
+def _output(o: Any) -> dict[str, Any]:
+    c = o.outputs[0]
+    logprobs = [lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids, strict=False)]
+    return {"tokens": list(c.token_ids), "logprobs": logprobs, "num_cached_tokens": o.num_cached_tokens,
+            "kvstore": (o.kv_transfer_params or {}).get("kvstore")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

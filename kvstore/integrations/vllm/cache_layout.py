@@ -1,0 +1,193 @@
+"""vLLM's KV cache as a kvstore engine layout, and the canonical byte order of its chunks.
+
+A chunk's payload is, for each full-attention group (vLLM's KV cache groups in order), its
+records token by token: for each layer of the group, K then V, each [kv_heads, head_size]
+(`[tokens, layers, 2, heads, head_size]`). A local snapshot (the sliding-window rows a boundary
+needs) is, for each sliding-window layer, its rows for the window's tokens in the same per-token
+form. Neither depends on how the attention backend lays out its paged blocks: `PagedCache` turns
+each backend's block tensor into K and V views, and only these views are copied.
+
+vLLM's blocks must be kvstore's chunks (128 tokens, the CPU block size); GPU block sizes (16, 32)
+would need several blocks grouped per chunk, which is not implemented.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstore.layout import EngineLayerGroup, EngineModel
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One of vLLM's KV cache groups: its layers share a shape (and a block table)."""
+
+    group_id: int
+    layer_names: tuple[str, ...]
+    kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    sliding_window: int  # 0: full attention
+
+    @property
+    def row_bytes(self) -> int:
+        return 2 * self.kv_heads * self.head_size * self.dtype.itemsize
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    groups: tuple[GroupPlan, ...]
+    block_tokens: int
+
+    @property
+    def full(self) -> tuple[GroupPlan, ...]:
+        return tuple(g for g in self.groups if not g.sliding_window)
+
+    @property
+    def sliding(self) -> tuple[GroupPlan, ...]:
+        return tuple(g for g in self.groups if g.sliding_window)
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.sliding)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return sum(self.block_tokens * len(g.layer_names) * g.row_bytes for g in self.full)
+
+    @property
+    def window_blocks(self) -> int:
+        """Blocks of sliding-window state a boundary needs: ceil((W-1) / block)."""
+        if not self.sliding:
+            return 0
+        w = self.sliding[0].sliding_window
+        return max(1, -(-(w - 1) // self.block_tokens))
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return sum(self.window_blocks * self.block_tokens * len(g.layer_names) * g.row_bytes for g in self.sliding)
+
+    def engine_model(self, model: str, revision: str, vocab_size: int, flops_per_token: float) -> EngineModel:
+        return EngineModel(
+            model=model, revision=revision, chunk_tokens=self.block_tokens, vocab_size=vocab_size,
+            prefill_flops_per_token=flops_per_token,
+            groups=tuple(EngineLayerGroup(f"{'sliding' if g.sliding_window else 'full'}-{g.group_id}",
+                                          len(g.layer_names), g.kv_heads, g.head_size, g.dtype_name,
+                                          g.sliding_window) for g in self.groups))
+
+
+def plan_from_vllm(kv_cache_config: Any, block_size: int) -> EnginePlan:
+    """The plan of vLLM's KVCacheConfig; raises ValueError for a cache it cannot hold."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = []
+    for gid, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            window = int(spec.sliding_window)
+        elif isinstance(spec, FullAttentionSpec) and not spec.sliding_window:
+            window = 0
+        else:
+            raise ValueError(f"KV cache group {gid} is {type(spec).__name__}; the kvstore connector holds full and "
+                             "sliding-window attention only")
+        if spec.head_size_v not in (None, spec.head_size):
+            raise ValueError(f"KV cache group {gid}: K and V head sizes differ ({spec.head_size}, {spec.head_size_v})")
+        if spec.block_size != block_size:
+            raise ValueError(f"KV cache group {gid} has blocks of {spec.block_size} tokens, not {block_size}")
+        groups.append(GroupPlan(gid, tuple(g.layer_names), int(spec.num_kv_heads), int(spec.head_size), spec.dtype,
+                                window))
+    plan = EnginePlan(tuple(groups), block_size)
+    if len({(g.sliding_window, g.row_bytes) for g in plan.sliding}) > 1:
+        raise ValueError("sliding-window groups with different windows or shapes are not supported")
+    return plan
+
+
+class PagedCache:
+    """The engine's per-layer block tensors as K/V views, and copies between them and kvstore's
+    canonical chunks and snapshots. CPU backend: a layer's tensor is [blocks, heads, block, 2*head]
+    in memory as [blocks, heads, 2, block, head] (K rows, then V rows, per head)."""
+
+    def __init__(self, plan: EnginePlan, kv_caches: Mapping[str, torch.Tensor], platform: str) -> None:
+        if platform != "cpu":
+            raise ValueError(f"the kvstore connector reads vLLM's CPU cache layout only (this is {platform})")
+        self.plan = plan
+        n = plan.block_tokens
+        self._views: dict[str, torch.Tensor] = {}
+        for g in plan.groups:
+            for name in g.layer_names:
+                t = kv_caches[name]
+                if t.dim() != 4 or t.shape[1] != g.kv_heads or t.shape[2] != n or t.shape[3] != 2 * g.head_size:
+                    raise ValueError(f"layer {name}: cache tensor {tuple(t.shape)} is not "
+                                     f"[blocks, {g.kv_heads}, {n}, {2 * g.head_size}]")
+                self._views[name] = t.view(t.shape[0], g.kv_heads, 2, n, g.head_size)
+        self._group_of = {name: g for g in plan.groups for name in g.layer_names}
+        self._layer_index = {name: i for g in plan.groups for i, name in enumerate(g.layer_names)}
+        offset = 0
+        self._offsets: dict[int, int] = {}
+        for g in plan.full:
+            self._offsets[g.group_id] = offset
+            offset += n * len(g.layer_names) * g.row_bytes
+        offset = 0
+        self._snap_offsets: dict[int, int] = {}
+        for g in plan.sliding:
+            self._snap_offsets[g.group_id] = offset
+            offset += plan.window_blocks * n * len(g.layer_names) * g.row_bytes
+
+    def group_of(self, layer: str) -> GroupPlan | None:
+        return self._group_of.get(layer)
+
+    def _chunk_view(self, buf: torch.Tensor, g: GroupPlan) -> torch.Tensor:
+        """[chunks, tokens, layers, 2, heads, head_size] view of group g inside `buf` ([chunks, chunk_bytes])."""
+        n, size = self.plan.block_tokens, self.plan.block_tokens * len(g.layer_names) * g.row_bytes
+        off = self._offsets[g.group_id]
+        return buf[:, off : off + size].view(g.dtype).view(buf.shape[0], n, len(g.layer_names), 2, g.kv_heads,
+                                                           g.head_size)
+
+    def _snap_view(self, buf: torch.Tensor, g: GroupPlan) -> torch.Tensor:
+        """[layers, window blocks, tokens, 2, heads, head_size] view of group g inside a snapshot."""
+        n, k = self.plan.block_tokens, self.plan.window_blocks
+        size = k * n * len(g.layer_names) * g.row_bytes
+        off = self._snap_offsets[g.group_id]
+        return buf[off : off + size].view(g.dtype).view(len(g.layer_names), k, n, 2, g.kv_heads, g.head_size)
+
+    def gather_chunks(self, layer: str, blocks: Sequence[int], out: torch.Tensor) -> None:
+        """Copy one full-attention layer's `blocks` into `out` ([len(blocks), chunk_bytes], uint8)."""
+        g = self._group_of[layer]
+        idx = torch.tensor(blocks, dtype=torch.long)
+        src = self._views[layer].index_select(0, idx)  # [n, heads, 2, tokens, head]
+        self._chunk_view(out, g)[:, :, self._layer_index[layer]] = src.permute(0, 3, 2, 1, 4)
+
+    def scatter_chunks(self, src: torch.Tensor, blocks: Mapping[int, Sequence[int]]) -> None:
+        """Write canonical chunks (`src`, [chunks, chunk_bytes] uint8) into every full-attention
+        layer, at each group's `blocks` (group id -> one block per chunk)."""
+        for g in self.plan.full:
+            idx = torch.tensor(blocks[g.group_id], dtype=torch.long)
+            view = self._chunk_view(src, g)
+            for i, name in enumerate(g.layer_names):
+                self._views[name][idx] = view[:, :, i].permute(0, 3, 2, 1, 4)
+
+    def gather_snapshot(self, layer: str, blocks: Sequence[int], out: torch.Tensor) -> None:
+        """Copy one sliding-window layer's last `blocks` before a boundary into the snapshot `out`
+        (uint8); when the prompt is shorter than the window, the first rows stay zero."""
+        g = self._group_of[layer]
+        idx = torch.tensor(blocks, dtype=torch.long)
+        view = self._snap_view(out, g)[self._layer_index[layer]]
+        view[view.shape[0] - len(blocks) :] = self._views[layer].index_select(0, idx).permute(0, 3, 2, 1, 4)
+
+    def scatter_snapshot(self, src: torch.Tensor, blocks: Mapping[int, Sequence[int]]) -> None:
+        """Write a snapshot's rows into the sliding-window layers' last blocks before the boundary
+        (group id -> those blocks, oldest first)."""
+        for g in self.plan.sliding:
+            ids = blocks[g.group_id]
+            idx = torch.tensor(ids, dtype=torch.long)
+            view = self._snap_view(src, g)
+            for i, name in enumerate(g.layer_names):
+                self._views[name][idx] = view[i, view.shape[1] - len(ids) :].permute(0, 3, 2, 1, 4)

@@ -1,0 +1,52 @@
+"""The connector's settings: vLLM's `kv_connector_extra_config`, checked when the engine starts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import ConfigError
+
+KEYS = ("address", "token", "revision", "model_name", "budget_ms", "fingerprint_cache", "max_pending_store_mib",
+        "retry_after_ms")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    address: str  # the kvstore service, "host:port"
+    token: str = ""  # the tenant's bearer token ("" when the service runs without tenants)
+    revision: str = ""  # overrides the weight fingerprint when set
+    model_name: str = ""  # for people (Stats, logs); default: the model's directory name
+    budget_seconds: float = 2.0  # the longest any one kvstore call may hold up a request
+    fingerprint_cache: Path | None = None  # where weight fingerprints are remembered across restarts
+    max_pending_store_bytes: int = 256 << 20  # copied-out KV waiting to be stored; beyond: dropped
+    retry_after_seconds: float = 5.0  # after a failed registration, how long to serve cold first
+
+    @staticmethod
+    def from_extra(extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        d = dict(extra or {})
+        unknown = sorted(set(d) - set(KEYS))
+        if unknown:
+            raise ConfigError("kv_connector_extra_config", f"unknown keys {unknown}; known: {', '.join(KEYS)}")
+        address = d.get("address")
+        if not isinstance(address, str) or ":" not in address:
+            raise ConfigError("kv_connector_extra_config.address", "must be the kvstore service as 'host:port'")
+        for key in ("token", "revision", "model_name", "fingerprint_cache"):
+            if key in d and not isinstance(d[key], str):
+                raise ConfigError(f"kv_connector_extra_config.{key}", "must be a string")
+        numbers = {}
+        for key, default in (("budget_ms", 2000.0), ("max_pending_store_mib", 256.0), ("retry_after_ms", 5000.0)):
+            v = d.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise ConfigError(f"kv_connector_extra_config.{key}", f"must be a positive number, got {v!r}")
+            numbers[key] = float(v)
+        cache = d.get("fingerprint_cache")
+        return ConnectorConfig(
+            address=address, token=d.get("token", ""), revision=d.get("revision", ""),
+            model_name=d.get("model_name", ""), budget_seconds=numbers["budget_ms"] / 1000,
+            fingerprint_cache=Path(cache) if cache else None,
+            max_pending_store_bytes=int(numbers["max_pending_store_mib"] * (1 << 20)),
+            retry_after_seconds=numbers["retry_after_ms"] / 1000,
+        )

@@ -1,0 +1,151 @@
+"""`KvstoreConnector`: vLLM's KV connector (KVConnectorBase_V1, with SupportsHMA) over kvstore.
+
+Loaded out of tree:
+
+    KVTransferConfig(kv_connector="KvstoreConnector",
+                     kv_connector_module_path="kvstore.integrations.vllm",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"address": "host:port", "token": "..."})
+
+vLLM builds one connector per role: the scheduler's (`SchedulerSide`) and each worker's
+(`WorkerSide`). Both derive the same layout from vLLM's KV cache config and the same model
+identity (the weights' fingerprint, or `revision`), and register it with kvstore on first use.
+Each request's `kv_transfer_params` in its output carries what the connector did for it and the
+connector's counters (failures by kind, chunks stored and loaded).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.platforms import current_platform
+
+from kvstore.integrations.vllm.cache_layout import plan_from_vllm
+from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.identity import fingerprint
+from kvstore.integrations.vllm.link import Link
+from kvstore.integrations.vllm.metadata import KvstoreMeta, WorkerReport
+from kvstore.integrations.vllm.scheduler import SchedulerSide
+from kvstore.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.v1.outputs import KVConnectorOutput
+
+
+def model_identity(model_config: Any, cfg: ConnectorConfig) -> tuple[str, str]:
+    """(name, revision): the configured revision, else the fingerprint of the weight files."""
+    path = Path(str(model_config.model))
+    name = cfg.model_name or path.name or str(model_config.model)
+    if cfg.revision:
+        return name, cfg.revision
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(str(model_config.model), revision=model_config.revision, local_files_only=True))
+    return name, fingerprint(path, cfg.fingerprint_cache)
+
+
+class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        plan = plan_from_vllm(kv_cache_config, vllm_config.cache_config.block_size)
+        mc = vllm_config.model_config
+        name, revision = model_identity(mc, cfg)
+        link = Link(cfg, plan.engine_model(name, revision, mc.get_vocab_size(), 0.0))
+        self._scheduler = SchedulerSide(link, plan) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = WorkerSide(link, plan) if role == KVConnectorRole.WORKER else None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that never happens is only a later miss
+
+    # --- worker side ------------------------------------------------------------------------------
+
+    def _w(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on the scheduler's connector"
+        return self._worker
+
+    def _meta(self) -> KvstoreMeta:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvstoreMeta)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._w().register(kv_caches, current_platform.device_type)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._w().start_loads(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request runs only once its load has finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self._w().save_layer(self._meta(), layer_name)
+
+    def wait_for_save(self) -> None:
+        self._w().submit_saves()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._w().transfer_results()[0] or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        done, failed = self._w().transfer_results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._w().take_load_errors()
+
+    def build_connector_worker_meta(self) -> WorkerReport | None:
+        return self._w().report()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    # --- scheduler side ---------------------------------------------------------------------------
+
+    def _s(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on a worker's connector"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._s().matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._s().after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        manager = self._kv_cache_manager
+        assert manager is not None, "vLLM binds its KV cache manager before scheduling"
+        return self._s().build_meta(scheduler_output, manager.get_block_ids, manager.block_pool.null_block.block_id)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, WorkerReport):
+            self._s().worker_report(meta.counters)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._s().finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._s().finished(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        # A load restores every group: the full-attention chunks and, for a hybrid model, the
+        # sliding-window blocks at the boundary (no hit is reported without them).
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))

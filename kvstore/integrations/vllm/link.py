@@ -1,0 +1,97 @@
+"""The connector's line to kvstore: the client, the model's registration, and what went wrong.
+
+kvstore is a cache: when it is down, slow or restarting the engine serves cold. Every call runs
+within the configured budget; a failure is counted by kind and logged as a warning (the first
+of each kind, then every hundredth, so a dead service does not flood the log). A registration
+that failed is tried again after `retry_after_seconds`; until then every request is cold.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import TypeVar
+
+from kvstore.client import KvstoreClient, RpcFailure
+from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.layout import EngineModel
+
+log = logging.getLogger("kvstore.integrations.vllm")
+T = TypeVar("T")
+WARN_EVERY = 100
+REPLAY_MODE = "off"  # vLLM's V1 model runner cannot replay a window: the namespace says so
+
+
+class Link:
+    def __init__(self, cfg: ConnectorConfig, model: EngineModel) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.counters: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._client: KvstoreClient | None = None
+        self._name = ""
+        self._retry_at = 0.0
+
+    def client(self) -> KvstoreClient:
+        with self._lock:
+            if self._client is None:
+                self._client = KvstoreClient(self.cfg.address, token=self.cfg.token or None,
+                                             timeout_seconds=self.cfg.budget_seconds)
+            return self._client
+
+    def model_name(self) -> str | None:
+        """The registered model's name, registering it first if needed; None: serve cold for now."""
+        if self._name:
+            return self._name
+        now = time.monotonic()
+        if now < self._retry_at:
+            return None
+        try:
+            reg = self.client().register_model(self.model, timeout_seconds=self.cfg.budget_seconds)
+        except (RpcFailure, OSError) as e:
+            self._retry_at = now + self.cfg.retry_after_seconds
+            self.failed("register", e)
+            return None
+        if reg.chunk_bytes != self._expected_chunk_bytes():
+            self._retry_at = float("inf")
+            self.failed("register", ValueError(f"the service derived {reg.chunk_bytes}-byte chunks"))
+            return None
+        self._name = reg.model
+        log.info("kvstore: model %s registered as %s", self.model.model, reg.model)
+        return self._name
+
+    def _expected_chunk_bytes(self) -> int:
+        return sum(self.model.chunk_tokens * g.row_bytes * g.num_layers for g in self.model.groups
+                   if not g.sliding_window)
+
+    def call(self, kind: str, fn: Callable[[KvstoreClient], T]) -> T | None:
+        """`fn(client)`, or None after counting and logging a failure."""
+        try:
+            return fn(self.client())
+        except (RpcFailure, OSError, ValueError) as e:
+            self.failed(kind, e)
+            return None
+
+    def failed(self, kind: str, e: BaseException) -> None:
+        with self._lock:
+            self.counters[f"{kind}_failures"] += 1
+            n = self.counters[f"{kind}_failures"]
+        if n == 1 or n % WARN_EVERY == 0:
+            log.warning("kvstore %s failed (%d so far; the engine computes instead): %s", kind, n, e)
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counters)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None

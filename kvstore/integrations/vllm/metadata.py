@@ -1,0 +1,56 @@
+"""What the scheduler side tells the worker side each step, and what the workers report back."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass
+class LoadSpec:
+    """Load chunks [first_chunk, end_chunk) of `tokens` (and, for a hybrid model, the snapshot at
+    the boundary end_chunk) into the request's blocks."""
+
+    req_id: str
+    tokens: np.ndarray  # the prompt up to the boundary (end_chunk chunks)
+    cache_salt: str
+    first_chunk: int  # chunks before it are in vLLM's own prefix cache already
+    end_chunk: int
+    chunk_blocks: dict[int, list[int]]  # full-attention group id -> a block per loaded chunk
+    window_blocks: dict[int, list[int]]  # sliding-window group id -> its blocks before the boundary
+
+
+@dataclass
+class SaveSpec:
+    """Store chunks [first_chunk, end_chunk) of `tokens`, copied out of the blocks during this
+    step's forward; with `window_blocks`, also the local snapshot at the boundary `snapshot_chunk`."""
+
+    req_id: str
+    tokens: np.ndarray
+    cache_salt: str
+    first_chunk: int
+    end_chunk: int
+    chunk_blocks: dict[int, list[int]]
+    snapshot_chunk: int = 0
+    window_blocks: dict[int, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class KvstoreMeta(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Counters the workers gathered this step (failures, chunks moved), summed over workers."""
+
+    counters: Counter[str] = field(default_factory=Counter)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, WorkerReport):
+            return WorkerReport(self.counters + other.counters)
+        return self

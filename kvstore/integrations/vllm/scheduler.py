@@ -1,0 +1,171 @@
+"""The scheduler side: asks kvstore what is cached without stalling the scheduler, and plans each
+step's loads and stores for the workers.
+
+A request's first `get_num_new_matched_tokens` starts a Lookup on a thread and answers None
+("ask again next step", as vLLM allows); once the Lookup is back (or the budget is spent, then
+cold) it answers the usable hit. A usable hit ends on a chunk boundary and leaves at least one
+prompt token to compute. For a hybrid model it also needs the sliding-window snapshot at that
+boundary (local state "hit"); without one the engine could not use the hit exactly (vLLM's V1
+runner cannot replay a window), so it is reported as no hit. Loads are asynchronous: the workers
+fetch and scatter between steps and say when they are done.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstore.client import LookupResult
+from kvstore.integrations.vllm.cache_layout import EnginePlan
+from kvstore.integrations.vllm.link import REPLAY_MODE, Link
+from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec
+
+
+@dataclass
+class _Request:
+    tokens: np.ndarray  # the prompt as uint32
+    salt: str
+    lookup: cf.Future[LookupResult | None] | None = None
+    lookup_started: float = 0.0
+    usable_chunks: int | None = None  # decided: chunks a load may restore (None: not yet known)
+    load_planned: bool = False
+    loaded_tokens: int = 0
+    saved_chunks: int = 0  # chunks kvstore holds or that were sent to it
+    snapshot_saved: bool = False
+
+
+def salt_of(cache_salt: str | None) -> str:
+    """vLLM's cache_salt as kvstore's sub-namespace: hashed, so the salt itself never leaves."""
+    return hashlib.sha256(cache_salt.encode()).hexdigest()[:32] if cache_salt else ""
+
+
+class SchedulerSide:
+    def __init__(self, link: Link, plan: EnginePlan) -> None:
+        self.link = link
+        self.plan = plan
+        self.ct = plan.block_tokens
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[LoadSpec] = []
+        self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-lookup")
+        self.worker_counters: Counter[str] = Counter()
+
+    # --- matching ---------------------------------------------------------------------------------
+
+    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        if st.load_planned:
+            return 0, False  # one load per request: a failed one is recomputed, not retried
+        if st.usable_chunks is None and not self._decide(st):
+            return None, False
+        external = (st.usable_chunks or 0) * self.ct - num_computed_tokens
+        return (external, True) if external > 0 else (0, False)
+
+    def _state(self, request: Any) -> _Request:
+        st = self._requests.get(request.request_id)
+        if st is None:
+            tokens = np.asarray(request.prompt_token_ids or [], dtype="<u4")
+            st = self._requests[request.request_id] = _Request(tokens, salt_of(request.cache_salt))
+        return st
+
+    def _decide(self, st: _Request) -> bool:
+        """Start or finish the Lookup; True once `usable_chunks` is known."""
+        boundary = max(0, (len(st.tokens) - 1) // self.ct)  # leave at least one token to compute
+        if boundary == 0:
+            st.usable_chunks = 0
+            return True
+        if st.lookup is None:
+            name = self.link.model_name()
+            if name is None:
+                st.usable_chunks = 0
+                return True
+            prefix = st.tokens[: boundary * self.ct]
+            st.lookup_started = time.monotonic()
+            st.lookup = self._pool.submit(self.link.call, "lookup", lambda c: c.lookup(
+                name, prefix, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds, cache_salt=st.salt))
+            return False
+        if not st.lookup.done():
+            if time.monotonic() - st.lookup_started < self.link.cfg.budget_seconds:
+                return False
+            self.link.failed("lookup", TimeoutError("no answer within the budget"))
+            st.usable_chunks = 0
+            return True
+        r = st.lookup.result()
+        hit = 0 if r is None else r.hit_chunks
+        if hit and self.plan.hybrid and r is not None and r.local_state != "hit":
+            self.link.count("hybrid_hits_without_window")  # the engine could not use it exactly
+            hit = 0
+        st.usable_chunks = hit
+        st.saved_chunks = max(st.saved_chunks, hit if r is not None else 0)
+        return True
+
+    def after_alloc(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
+        st = self._requests.get(request.request_id)
+        if st is None or num_external_tokens <= 0 or st.load_planned or not st.usable_chunks:
+            return
+        end = st.usable_chunks
+        first = end - num_external_tokens // self.ct
+        st.load_planned = True
+        st.loaded_tokens = num_external_tokens
+        k = self.plan.window_blocks
+        self._loads.append(LoadSpec(
+            req_id=request.request_id, tokens=st.tokens[: end * self.ct], cache_salt=st.salt, first_chunk=first,
+            end_chunk=end, chunk_blocks={g.group_id: list(block_ids[g.group_id][first:end]) for g in self.plan.full},
+            window_blocks={g.group_id: list(block_ids[g.group_id][max(0, end - k) : end]) for g in self.plan.sliding},
+        ))
+
+    # --- each step --------------------------------------------------------------------------------
+
+    def build_meta(self, scheduler_output: Any, block_ids_of: Any, null_block: int) -> KvstoreMeta:
+        meta = KvstoreMeta(loads=self._loads)
+        self._loads = []
+        computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, before in computed.items():
+            st = self._requests.get(req_id)
+            if st is None:
+                continue
+            after = before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            save = self._plan_save(req_id, st, after, block_ids_of(req_id), null_block)
+            if save is not None:
+                meta.saves.append(save)
+        return meta
+
+    def _plan_save(self, req_id: str, st: _Request, after: int, blocks: tuple[list[int], ...],
+                   null_block: int) -> SaveSpec | None:
+        full = len(st.tokens) // self.ct
+        done = min(full, after // self.ct)
+        spec = None
+        if done > st.saved_chunks:
+            spec = SaveSpec(req_id, st.tokens[: done * self.ct], st.salt, st.saved_chunks, done,
+                            {g.group_id: list(blocks[g.group_id][st.saved_chunks:done]) for g in self.plan.full})
+            st.saved_chunks = done
+        boundary = max(0, (len(st.tokens) - 1) // self.ct)  # where an identical prompt's hit would end
+        if self.plan.hybrid and not st.snapshot_saved and boundary and after >= boundary * self.ct:
+            st.snapshot_saved = True
+            k = self.plan.window_blocks
+            window = {g.group_id: list(blocks[g.group_id][max(0, boundary - k) : boundary]) for g in self.plan.sliding}
+            if any(null_block in ids for ids in window.values()):
+                self.link.count("window_already_freed")  # computed in an earlier step and let go
+                return spec
+            if spec is None:
+                spec = SaveSpec(req_id, st.tokens[: done * self.ct], st.salt, done, done, {})
+            spec.snapshot_chunk, spec.window_blocks = boundary, window
+        return spec
+
+    def worker_report(self, counters: Counter[str]) -> None:
+        self.worker_counters = Counter(counters)  # totals so far, summed over the workers
+
+    def finished(self, request: Any) -> dict[str, Any] | None:
+        st = self._requests.pop(request.request_id, None)
+        counters = dict(Counter(self.link.snapshot()) + self.worker_counters)
+        return {"kvstore": {"loaded_tokens": st.loaded_tokens if st else 0, "counters": counters}}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

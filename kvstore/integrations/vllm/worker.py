@@ -1,0 +1,216 @@
+"""The worker side: scatters loaded chunks into vLLM's paged blocks, and copies newly computed
+chunks out of them for a Store that runs off the forward pass.
+
+Loads run on threads between steps (vLLM asked for them asynchronously); a load that comes back
+short (a chunk corrupt or evicted, kvstore down, out of budget) reports the blocks it did not fill
+through `get_block_ids_with_load_errors`, so vLLM recomputes them: never wrong output. With more
+than one KV cache group (a hybrid model) block ids are not unique across groups, so a failed load
+is reported for the whole request instead (`failed_recving`), which vLLM then recomputes in full.
+Saves copy each layer's new chunks into a staging buffer as the layer finishes (`save_kv_layer`);
+`wait_for_save` hands the buffer to one background thread that stores it. Staged bytes are
+bounded; beyond the bound a save is dropped and counted, never waited for.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvstore.integrations.vllm.cache_layout import EnginePlan, PagedCache
+from kvstore.integrations.vllm.link import REPLAY_MODE, Link
+from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec, WorkerReport
+
+
+@dataclass
+class _LoadOutcome:
+    req_id: str
+    ok: bool
+    failed_blocks: set[int] = field(default_factory=set)
+    loaded_chunks: int = 0
+
+
+@dataclass
+class _Staged:
+    spec: SaveSpec
+    chunks: torch.Tensor  # [chunks, chunk_bytes] uint8
+    snapshot: torch.Tensor | None
+    layers_left: int
+
+
+class WorkerSide:
+    def __init__(self, link: Link, plan: EnginePlan) -> None:
+        self.link = link
+        self.plan = plan
+        self.cache: PagedCache | None = None
+        self._loads: dict[str, cf.Future[_LoadOutcome]] = {}
+        self._load_pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-load")
+        self._store_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-store")
+        self._staged: list[_Staged] = []
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self._errors: set[int] = set()
+        self._reported: dict[str, int] = {}
+        self._layers = sum(len(g.layer_names) for g in plan.groups)
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor], platform: str) -> None:
+        self.cache = PagedCache(self.plan, kv_caches, platform)
+
+    # --- loads ------------------------------------------------------------------------------------
+
+    def start_loads(self, meta: KvstoreMeta) -> None:
+        for spec in meta.loads:
+            self._loads[spec.req_id] = self._load_pool.submit(self._load, spec)
+
+    def _load(self, spec: LoadSpec) -> _LoadOutcome:
+        assert self.cache is not None
+        wanted = spec.end_chunk - spec.first_chunk
+        got = 0
+        name = self.link.model_name()
+        if name is not None:
+            r = self.link.call("load", lambda c: c.load(name, spec.tokens, REPLAY_MODE, max_chunks=spec.end_chunk,
+                                                        timeout_seconds=self.link.cfg.budget_seconds,
+                                                        cache_salt=spec.cache_salt))
+            chunks = r.chunks[spec.first_chunk : spec.end_chunk] if r is not None else []
+            got = len(chunks)
+            for tier in r.chunk_tiers[spec.first_chunk : spec.end_chunk] if r is not None else ():
+                self.link.count(f"loaded_chunks_{tier}")
+            if got:
+                buf = torch.from_numpy(np.stack([np.frombuffer(c, dtype=np.uint8) for c in chunks]))
+                self.cache.scatter_chunks(buf, {g: ids[:got] for g, ids in spec.chunk_blocks.items()})
+            if r is not None and got < wanted:
+                self.link.failed("load", ValueError(f"{wanted - got} of {wanted} chunks did not arrive"))
+        ok = got == wanted
+        if ok and self.plan.hybrid:
+            ok = self._load_window(name, spec)
+        failed = {b for ids in spec.chunk_blocks.values() for b in ids[got:]}
+        return _LoadOutcome(spec.req_id, ok, failed, got)
+
+    def _load_window(self, name: str | None, spec: LoadSpec) -> bool:
+        assert self.cache is not None and name is not None
+        r = self.link.call("load_local", lambda c: c.load_local(name, spec.tokens, REPLAY_MODE,
+                                                                timeout_seconds=self.link.cfg.budget_seconds,
+                                                                cache_salt=spec.cache_salt))
+        if r is None or r.snapshot is None or len(r.snapshot) != self.plan.snapshot_bytes:
+            if r is not None:
+                self.link.failed("load_local", ValueError(f"the window state is {r.local_state}"))
+            return False
+        snap = torch.frombuffer(bytearray(r.snapshot), dtype=torch.uint8)
+        self.cache.scatter_snapshot(snap, spec.window_blocks)
+        return True
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """(loads finished, loads failed for a whole request)."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        for req_id, fut in list(self._loads.items()):
+            if not fut.done():
+                continue
+            del self._loads[req_id]
+            finished.add(req_id)
+            try:
+                out = fut.result()
+            except Exception as e:  # a bug or a torch error: recompute rather than serve garbage
+                self.link.failed("load", e)
+                out = _LoadOutcome(req_id, False)
+                failed.add(req_id)
+            self.link.count("loaded_chunks", out.loaded_chunks)
+            if out.ok:
+                continue
+            self.link.count("load_failed_requests")
+            if len(self.plan.groups) > 1:
+                failed.add(req_id)
+            else:
+                self._errors |= out.failed_blocks
+                self.link.count("load_failed_blocks", len(out.failed_blocks))
+        return finished, failed
+
+    def take_load_errors(self) -> set[int]:
+        out, self._errors = self._errors, set()
+        return out
+
+    # --- saves ------------------------------------------------------------------------------------
+
+    def save_layer(self, meta: KvstoreMeta, layer: str) -> None:
+        assert self.cache is not None
+        if meta.saves and not self._staged:
+            self._stage(meta)
+        group = self.cache.group_of(layer)
+        if group is None:
+            return
+        for st in self._staged:
+            spec = st.spec
+            if group.sliding_window:
+                if st.snapshot is not None:
+                    self.cache.gather_snapshot(layer, spec.window_blocks[group.group_id], st.snapshot)
+            elif spec.end_chunk > spec.first_chunk:
+                self.cache.gather_chunks(layer, spec.chunk_blocks[group.group_id], st.chunks)
+            st.layers_left -= 1
+
+    def _stage(self, meta: KvstoreMeta) -> None:
+        for spec in meta.saves:
+            n = spec.end_chunk - spec.first_chunk
+            need = n * self.plan.chunk_bytes + (self.plan.snapshot_bytes if spec.window_blocks else 0)
+            with self._lock:
+                if self._pending_bytes + need > self.link.cfg.max_pending_store_bytes:
+                    self.link.count("saves_dropped")
+                    continue
+                self._pending_bytes += need
+            chunks = torch.empty((n, self.plan.chunk_bytes), dtype=torch.uint8)
+            snap = torch.zeros(self.plan.snapshot_bytes, dtype=torch.uint8) if spec.window_blocks else None
+            self._staged.append(_Staged(spec, chunks, snap, self._layers))
+
+    def submit_saves(self) -> None:
+        staged, self._staged = self._staged, []
+        for st in staged:
+            if st.layers_left > 0:  # a forward that skipped some layers: the copy is incomplete
+                self.link.count("saves_incomplete")
+                self._release(st)
+                continue
+            self._store_pool.submit(self._store, st)
+
+    def _store(self, st: _Staged) -> None:
+        try:
+            name = self.link.model_name()
+            spec = st.spec
+            if name is None:
+                return
+            # The window state first: a lookup that sees the chunks then finds it too.
+            if st.snapshot is not None:
+                snap = st.snapshot.numpy().data.cast("B")
+                prefix = spec.tokens[: spec.snapshot_chunk * self.plan.block_tokens]
+                self.link.call("store_local", lambda c: c.store_local(
+                    name, prefix, snap, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds,
+                    cache_salt=spec.cache_salt))
+            if spec.end_chunk > spec.first_chunk:
+                view = st.chunks.numpy().data.cast("B")
+                r = self.link.call("store", lambda c: c.store(
+                    name, spec.tokens, view, REPLAY_MODE, first_chunk=spec.first_chunk,
+                    timeout_seconds=self.link.cfg.budget_seconds, cache_salt=spec.cache_salt))
+                if r is not None:
+                    self.link.count("stored_chunks", r.stored_chunks)
+        finally:
+            self._release(st)
+
+    def _release(self, st: _Staged) -> None:
+        need = st.chunks.numel() + (st.snapshot.numel() if st.snapshot is not None else 0)
+        with self._lock:
+            self._pending_bytes -= need
+
+    def report(self) -> WorkerReport | None:
+        """The worker's counters so far, when they changed (the scheduler keeps the latest)."""
+        snap = self.link.snapshot()
+        if snap == self._reported:
+            return None
+        self._reported = snap
+        return WorkerReport(Counter(snap))
+
+    def close(self) -> None:
+        self._store_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=False, cancel_futures=True)
+        self.link.close()

@@ -1,0 +1,72 @@
+"""Issue test 7: a hybrid (Gemma-3-style) model, sliding-window layers beside full-attention ones.
+Warm: the full-attention chunks come from the global tiers and the sliding-window blocks at the
+boundary from the local pool, so nothing of the prefix is recomputed. Once the local TTL has
+passed, the connector reports no hit (vLLM's V1 runner cannot replay a window, so a hit without
+the window state is not one it could use exactly): the engine computes cold."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstore.bench.engine_models import TINY_VOCAB, write_gemma3
+from tests.engine.conftest import Engine, Kvstore, connector_spec, service_table, start_engine
+
+CT = 128
+LOCAL_TTL_SECONDS = 8.0
+PROMPT = np.random.default_rng(7).integers(0, TINY_VOCAB, 7 * CT + 37).tolist()
+
+
+@pytest.fixture(scope="module")
+def kv(workdir: Path) -> Iterator[Kvstore]:
+    table = service_table()
+    table["local_pool"]["ttl"] = {"kind": "fixed", "ttl_seconds": LOCAL_TTL_SECONDS}
+    k = Kvstore(workdir / "kvstore-hybrid", table).start()
+    yield k
+    k.close()
+
+
+@pytest.fixture(scope="module")
+def engine(workdir: Path, kv: Kvstore, engines: list[Engine]) -> Engine:
+    model = write_gemma3(workdir / "gemma3", seed=0, sliding_window=256)
+    e = start_engine(model, connector_spec(kv), workdir / "engine-hybrid.log")
+    engines.append(e)
+    return e
+
+
+def _stored(kv: Kvstore, chunks: int, timeout: float = 30) -> None:
+    with kv.client() as c:
+        deadline = time.monotonic() + timeout
+        while c.stats().chunks < chunks and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def test_7_warm_restores_the_window_and_expired_is_cold(engine: Engine, kv: Kvstore) -> None:
+    [cold] = engine.generate({"tokens": PROMPT})
+    stored_at = time.monotonic()
+    assert cold["kvstore"]["loaded_tokens"] == 0
+    _stored(kv, 7)
+    engine.ask({"op": "reset_prefix_cache"})
+    [warm] = engine.generate({"tokens": PROMPT})
+    assert time.monotonic() - stored_at < LOCAL_TTL_SECONDS, "too slow to see the window state before its TTL"
+    assert (warm["kvstore"]["loaded_tokens"], warm["num_cached_tokens"]) == (7 * CT, 7 * CT)
+    _same(warm, cold)
+    counters: dict[str, Any] = warm["kvstore"]["counters"]
+    assert not any(k.endswith("_failures") for k in counters), counters
+
+    time.sleep(max(0.0, stored_at + LOCAL_TTL_SECONDS + 1 - time.monotonic()))
+    engine.ask({"op": "reset_prefix_cache"})
+    [expired] = engine.generate({"tokens": PROMPT})
+    assert (expired["kvstore"]["loaded_tokens"], expired["num_cached_tokens"]) == (0, 0)
+    _same(expired, cold)
+    assert expired["kvstore"]["counters"]["hybrid_hits_without_window"] >= 1
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["tokens"] == want["tokens"]
+    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=2e-2)

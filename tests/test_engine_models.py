@@ -1,0 +1,92 @@
+"""Models an engine registers at run time (RegisterModel): validated and bounded by the service,
+named by a content hash, kept durably so their chunks are recovered after a restart; and the
+cache salt, a sub-namespace inside a tenant."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+
+from kvstore.client.sync_client import InvalidArgumentError
+from kvstore.config import KvstoreConfig
+from kvstore.layout import EngineLayerGroup, EngineModel, engine_model_spec
+from tests.fixtures.service import CHUNK, Service, make_config, payloads, tokens
+
+ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
+FULL = EngineLayerGroup("full", num_layers=2, kv_heads=2, head_size=8, dtype="bfloat16")
+DESC = EngineModel("tiny-llama", "weights-abc", (FULL,), chunk_tokens=CHUNK, vocab_size=1000)
+
+
+def _config() -> KvstoreConfig:
+    return make_config(tenants={"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}})
+
+
+def test_a_registered_model_stores_and_hits_and_survives_a_restart(make_service: Callable[..., Service]) -> None:
+    svc = make_service(_config())
+    kv = svc.client(ALICE)
+    reg = kv.register_model(DESC)
+    # Two layers x (K, V) x 2 heads x 8 dims x 2 bytes per token, 16 tokens a chunk.
+    assert (reg.created, reg.chunk_bytes, reg.local_snapshot_bytes) == (True, CHUNK * 2 * 2 * 2 * 8 * 2, 0)
+    assert reg.model == DESC.name and reg.model.startswith("engine-")
+    assert kv.register_model(DESC).created is False  # idempotent: same description, same model
+    prompt = tokens(1, 3 * CHUNK + 5, vocab=1000)
+    chunks = payloads(2, 3, reg.chunk_bytes)
+    assert kv.store(reg.model, prompt, chunks).stored_chunks == 3
+    svc.stop()
+
+    again = make_service(_config(), data_dir=svc.data_dir)
+    kv2 = again.client(ALICE)
+    hit = kv2.lookup(reg.model, prompt)  # served again without registering first
+    assert (hit.hit_tokens, set(hit.chunk_tiers)) == (3 * CHUNK, {"lmdb"})
+    assert [bytes(c) for c in kv2.load(reg.model, prompt).chunks] == chunks
+    assert again.client(BOB).lookup(reg.model, prompt).hit_tokens == 0
+
+
+def test_changed_weights_or_layout_are_another_model() -> None:
+    other_rev = dataclasses.replace(DESC, revision="weights-def")
+    other_dtype = dataclasses.replace(DESC, groups=(dataclasses.replace(FULL, dtype="float16"),))
+    assert len({DESC.name, other_rev.name, other_dtype.name}) == 3
+    assert engine_model_spec(DESC).layout.layout_id != engine_model_spec(other_dtype).layout.layout_id
+
+
+def test_a_sliding_window_group_becomes_the_local_state() -> None:
+    swa = EngineLayerGroup("sliding", num_layers=3, kv_heads=1, head_size=8, dtype="float32", sliding_window=20)
+    spec = engine_model_spec(dataclasses.replace(DESC, groups=(FULL, swa)))
+    local = spec.layout.local
+    # ceil((20 - 1) / 16) = 2 chunks of rows; a row is K and V of one token of one layer.
+    assert (local.window_tokens, local.row_bytes, local.persisted_layers) == (2 * CHUNK, 2 * 8 * 4, (2, 3, 4))
+    assert spec.layout.chunk_bytes == CHUNK * 2 * 2 * 2 * 8 * 2  # the full group only
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"groups": ()}, "at least one layer group"),
+    ({"groups": (dataclasses.replace(FULL, dtype="int4"),)}, "dtype must be one of"),
+    ({"groups": (dataclasses.replace(FULL, num_layers=0),)}, "must be >= 1"),
+    ({"groups": (dataclasses.replace(FULL, num_layers=2000),)}, "at most 1024 layers"),
+    ({"groups": (dataclasses.replace(FULL, kv_heads=2048, head_size=1024, num_layers=1),)}, "kv_heads x head_size"),
+    ({"groups": (dataclasses.replace(FULL, kv_heads=64, head_size=512, num_layers=200),)}, "at most 268435456"),
+    ({"groups": (dataclasses.replace(FULL, sliding_window=64),)}, "full-attention group"),
+    ({"chunk_tokens": 32}, "chunks of 16 tokens"),
+    ({"model": ""}, "model must be"),
+    ({"revision": "x" * 200}, "revision must be"),
+    ({"vocab_size": 0}, "vocab_size"),
+])
+def test_bad_descriptions_are_invalid_argument(service: Service, change: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        service.client().register_model(dataclasses.replace(DESC, **change))  # type: ignore[arg-type]
+
+
+def test_a_cache_salt_is_a_sub_namespace_inside_the_tenant(make_service: Callable[..., Service]) -> None:
+    svc = make_service(_config())
+    kv = svc.client(ALICE)
+    model = kv.register_model(DESC).model
+    prompt = tokens(3, 2 * CHUNK, vocab=1000)
+    kv.store(model, prompt, payloads(4, 2, kv.lookup(model, prompt).chunk_bytes), cache_salt="user-1")
+    assert kv.lookup(model, prompt, cache_salt="user-1").hit_tokens == 2 * CHUNK
+    assert kv.lookup(model, prompt, cache_salt="user-2").hit_tokens == 0
+    assert kv.lookup(model, prompt).hit_tokens == 0
+    assert svc.client(BOB).lookup(model, prompt, cache_salt="user-1").hit_tokens == 0
+    with pytest.raises(InvalidArgumentError, match="cache_salt"):
+        kv.lookup(model, prompt, cache_salt="x" * 200)
