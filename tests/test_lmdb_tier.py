@@ -347,3 +347,18 @@ def test_v41_chunks_take_at_most_917_bytes_per_token_on_disk(tmp_path: Path) -> 
     assert tier.file_bytes() / tokens <= 917
     assert tier.footprint(layout.chunk_bytes) / layout.chunk_tokens <= 917
     tier.close()
+
+
+def test_values_deleted_to_make_room_are_reusable_by_the_next_write(tmp_path: Path) -> None:
+    # The store deletes its victims in one transaction and writes the new chunks in the next. LMDB
+    # reuses freed pages only two transactions later, so without an empty commit between, a map
+    # sized for the budget (+ overhead) filled up: a 700-chunk store replacing another failed.
+    tier = LmdbTier(tmp_path, 64 << 20, [LAYOUT], compression="none", durability="async",
+                    initial_map_bytes=3 << 20, max_map_bytes=3 << 20)
+    for round_ in range(1, 6):
+        keys = put_chunks(tier, round_, 150)  # ~1.7 MB: two rounds at once would not fit
+        assert all(check_chunk(tier, k) == "" for k in keys)
+        tier.delete_many(keys)
+    assert tier.stats().entries == 0
+    assert tier.namespaces() == {}  # the empty commit's counter is not a namespace
+    tier.close()

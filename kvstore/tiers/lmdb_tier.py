@@ -64,6 +64,8 @@ _DURABILITY: dict[str, dict[str, bool]] = {
 _PAGE_HEADER = 16
 _NODE_HEADER = 8
 _KEY_BYTES = 32
+# The counter `_advance` bumps, in the namespaces database: shorter than any namespace digest.
+_ADVANCE_KEY = b"\0advance"
 
 
 class LmdbTier:
@@ -166,6 +168,7 @@ class LmdbTier:
                 self._commit(values)
 
     def _commit(self, values: list[tuple[bytes, bytes]]) -> None:
+        advanced = False
         while True:
             used, count = self._used, self._count
             try:
@@ -179,6 +182,14 @@ class LmdbTier:
                         txn.put(key, value)
                         used += self.disk_bytes(len(value))
             except lmdb.MapFullError:
+                if not advanced and int(self._env.info()["map_size"]) >= self._max_map:
+                    # LMDB reuses the pages a transaction freed only two transactions later (the
+                    # previous snapshot must stay whole until the next commit): the values the
+                    # store just deleted to make room are not reusable yet. One empty commit in
+                    # between makes them so.
+                    self._advance()
+                    advanced = True
+                    continue
                 self._grow(sum(len(v) for _, v in values))
                 continue
             except lmdb.Error as e:
@@ -186,6 +197,13 @@ class LmdbTier:
             self._used, self._count = used, count
             self._writes += 1
             return
+
+    def _advance(self) -> None:
+        """Commit one write transaction that changes nothing the store reads (a counter in the
+        namespaces database under a key no namespace digest can take)."""
+        with self._env.begin(write=True, db=self._ns) as txn:
+            n = int.from_bytes(txn.get(_ADVANCE_KEY) or b"\0", "little")
+            txn.put(_ADVANCE_KEY, (n + 1 & 0xFFFFFFFF).to_bytes(4, "little"))
 
     def _grow(self, need_bytes: int) -> None:
         current = int(self._env.info()["map_size"])
@@ -349,7 +367,9 @@ class LmdbTier:
         self._put_record(self._ns, digest, record)
 
     def namespaces(self) -> dict[bytes, bytes]:
-        return self._records(self._ns)
+        records = self._records(self._ns)
+        records.pop(_ADVANCE_KEY, None)
+        return records
 
     def put_model(self, name: bytes, record: bytes) -> None:
         self._put_record(self._models, name, record)
