@@ -5,10 +5,14 @@ The service runs as `kvstore serve` in its own process, with two tenants (alice 
 the victim). Each abuser runs in a process of its own, so that neither it nor the victim is
 slowed by the other's interpreter. For each abuse, in turn:
 1. the victim's Lookups alone (the baseline next to this abuse);
-2. the abuse starts and holds (idle Store streams, unread Load streams, maximal staging, a runner
-   flood with bogus results, Stores larger than the tiers, HTTP/2 rapid reset, a PING flood);
+2. the abuse starts and holds: idle Store streams, unread Load streams, maximal staging, a
+   runner flood with bogus results, Stores larger than the tiers, HTTP/2 rapid reset, a PING
+   flood (a staging abuser is measured once it has sent what it will, holding it);
 3. the victim's Lookups again, while the abuse holds;
-4. the abuse stops; once the service has no call in flight, the server's RSS is read again.
+4. the abuse stops; once the service has no call in flight, the server's RSS is read again, and
+   the victim runs alone once more (the baseline is the mean of the passes before and after).
+
+RSS here is RssAnon (the heap, the arenas): LMDB's file pages are page cache, mapped.
 
 Targets: no victim errors; victim p99 at most 3x its baseline; RSS back within 64 MiB of where it
 was before each abuse.
@@ -38,6 +42,7 @@ BOB = "bench-bob-token-1"
 TOY = "reference-toy-8"
 V41 = "deepseek-v4.1-flash"
 V41_VOCAB = 129_280
+RSS_SLACK_BYTES = 64 * MiB  # the target: back within this of the RSS before the abuse
 ABUSES = ("idle_store_streams", "unread_load_streams", "maximal_staging", "runner_flood",
           "store_larger_than_tiers", "rapid_reset", "ping_flood")
 
@@ -52,7 +57,7 @@ def add_abuse_arguments(p: argparse.ArgumentParser) -> None:
 def _config(tmp: Path) -> Path:
     cfg = tmp / "abuse.toml"
     cfg.write_text(
-        "[store]\ndevice = \"cpu\"\ndevice_capacity_bytes = 1048576\ndram_capacity_bytes = 67108864\n"
+        "[store]\ndevice = \"cpu\"\ndevice_capacity_bytes = 1048576\ndram_capacity_bytes = 16777216\n"
         "lmdb_capacity_bytes = 67108864\nlmdb_durability = \"async\"\ncompression = \"none\"\n"
         "[service]\nmax_concurrent_calls = 64\nstream_idle_seconds = 5\nmax_staged_bytes = 536870912\n"
         f"max_message_bytes = 4194304\nmodels = [\"{TOY}\", \"{V41}\"]\n"
@@ -73,17 +78,22 @@ def _start_service(tmp: Path) -> tuple[subprocess.Popen[str], str]:
     raise RuntimeError(f"kvstore serve exited with {proc.wait()} before listening")
 
 
+def _status(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
 def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * 4096
+    """Anonymous resident memory: the heap and the arenas, not LMDB's file pages (those are the
+    page cache, mapped)."""
+    return _status(pid, "RssAnon") * 1024
 
 
 def _threads(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    return 0
+    return _status(pid, "Threads")
 
 
 def _tokens(seed: int, n: int, vocab: int) -> np.ndarray:
@@ -157,6 +167,8 @@ def _abuse_process(name: str, address: str, layout_id: bytes, ready: Any, stop: 
         liar.start(with_bogus=True)
     else:
         abuser.start()
+    if isinstance(abuser, IdleStoreStreams):
+        abuser.wait_sent(timeout_seconds=120)  # measured once the bytes are held, not while they flow
     ready.set()
     stop.wait()
     result = abuser.outcome()
@@ -207,8 +219,7 @@ def run_abuse_bench(args: argparse.Namespace) -> dict[str, Any]:
             results: dict[str, dict[str, Any]] = {}
             alone_all: list[float] = []
             for name in names:
-                alone, alone_errors, _ = _victim_pass(victim, args.calls)
-                alone_all.append(alone)
+                before, alone_errors, _ = _victim_pass(victim, args.calls)
                 rss0, threads0 = _rss(proc.pid), _threads(proc.pid)
                 ready, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
                 p = ctx.Process(target=_abuse_process, args=(name, address, layout_id, ready, stop, out), daemon=True)
@@ -221,12 +232,24 @@ def run_abuse_bench(args: argparse.Namespace) -> dict[str, Any]:
                 outcome = out.get(timeout=180)
                 p.join(timeout=60)
                 settled = _settle(address, args.settle_seconds)
-                time.sleep(0.5)
+                after, after_errors, _ = _victim_pass(victim, args.calls)
+                # Freed memory goes back to the OS over a few seconds (the allocator and gRPC's
+                # core release it lazily): wait for it, up to the settle time, and say how long.
+                t_end = time.monotonic()
+                deadline = t_end + args.settle_seconds
+                while _rss(proc.pid) - rss0 > RSS_SLACK_BYTES and time.monotonic() < deadline:
+                    time.sleep(0.25)
+                rss_settle = time.monotonic() - t_end
+                rss_after = _rss(proc.pid)
+                alone = (before + after) / 2  # alone just before and just after: the machine drifts
+                alone_all.append(alone)
+                alone_errors += after_errors
                 results[name] = {
                     "victim_p99_ms_alone": alone, "victim_p99_ms": p99, "victim_errors": errors + alone_errors,
                     "victim_error_codes": codes, "p99_ratio": p99 / alone if alone else float("inf"),
                     "rss_before_bytes": rss0, "rss_during_bytes": rss_during,
-                    "rss_growth_bytes": _rss(proc.pid) - rss0, "threads_before": threads0,
+                    "rss_growth_bytes": rss_after - rss0, "rss_settle_seconds": rss_settle,
+                    "threads_before": threads0,
                     "threads_during": threads_during, "settled": settled, "abuser": outcome,
                 }
                 print(f"  {name}: victim p99 {p99:.2f} ms ({p99 / alone:.2f}x of {alone:.2f} alone), "
@@ -247,6 +270,7 @@ def _summary(results: dict[str, dict[str, Any]], alone_all: list[float]) -> dict
     for name, r in results.items():
         target(f"{name}: victim errors", r["victim_errors"], "= 0", lambda v: v == 0)
         target(f"{name}: victim p99 / alone", r["p99_ratio"], "<= 3", lambda v: v <= 3)
-        target(f"{name}: RSS growth MiB", r["rss_growth_bytes"] / MiB, "<= 64", lambda v: v <= 64)
+        target(f"{name}: RSS growth MiB", r["rss_growth_bytes"] / MiB, "<= 64",
+               lambda v: v <= RSS_SLACK_BYTES / MiB)
     return {"victim_p99_ms_alone": statistics.median(alone_all) if alone_all else float("nan"),
             "abuses": results, "targets": targets}

@@ -49,7 +49,9 @@ from kvstore.tiers.value_format import ValueProblem
 MiB = 1 << 20
 INITIAL_MAP_BYTES = 64 * MiB
 MAP_OVERHEAD_MIN_BYTES = 64 * MiB  # room for copy-on-write pages and the tree beyond the budget
-MAP_OVERHEAD_FRACTION = 0.25
+# Replacing the whole budget takes twice it: the old values stay whole until the commit that
+# frees them, and their pages are reusable only after one more commit.
+MAP_OVERHEAD_FRACTION = 1.0
 SCAN_BATCH = 1024  # entries read per read transaction by scan(); short transactions let the map grow
 
 _DURABILITY: dict[str, dict[str, bool]] = {
@@ -182,15 +184,7 @@ class LmdbTier:
                         txn.put(key, value)
                         used += self.disk_bytes(len(value))
             except lmdb.MapFullError:
-                if not advanced and int(self._env.info()["map_size"]) >= self._max_map:
-                    # LMDB reuses the pages a transaction freed only two transactions later (the
-                    # previous snapshot must stay whole until the next commit): the values the
-                    # store just deleted to make room are not reusable yet. One empty commit in
-                    # between makes them so.
-                    self._advance()
-                    advanced = True
-                    continue
-                self._grow(sum(len(v) for _, v in values))
+                advanced = self._make_writable(advanced, sum(len(v) for _, v in values))
                 continue
             except lmdb.Error as e:
                 raise StorageError(f"LMDB write failed: {e}") from e
@@ -227,19 +221,38 @@ class LmdbTier:
             self._delete_locked(list(keys))
 
     def _delete_locked(self, keys: list[bytes]) -> None:
-        used, count = self._used, self._count
-        try:
-            with self._env.begin(write=True, buffers=True, db=self._chunks) as txn:
-                for key in keys:
-                    old = txn.get(key)
-                    if old is not None:
-                        used -= self.disk_bytes(len(old))
-                        count -= 1
-                        txn.delete(key)
-        except lmdb.Error as e:
-            raise StorageError(f"LMDB delete failed: {e}") from e
-        self._used, self._count = used, count
-        self._writes += 1
+        advanced = False
+        while True:
+            used, count = self._used, self._count
+            try:
+                with self._env.begin(write=True, buffers=True, db=self._chunks) as txn:
+                    for key in keys:
+                        old = txn.get(key)
+                        if old is not None:
+                            used -= self.disk_bytes(len(old))
+                            count -= 1
+                            txn.delete(key)
+            except lmdb.MapFullError:
+                # A delete needs pages too (the tree's copies, the free list): as for a write.
+                advanced = self._make_writable(advanced, 0)
+                continue
+            except lmdb.Error as e:
+                raise StorageError(f"LMDB delete failed: {e}") from e
+            self._used, self._count = used, count
+            self._writes += 1
+            return
+
+    def _make_writable(self, advanced: bool, need_bytes: int) -> bool:
+        """After MDB_MAP_FULL: make the pages the last transaction freed reusable (once), else
+        grow the map (StorageError at its limit). Returns whether the advance was spent."""
+        if not advanced and int(self._env.info()["map_size"]) >= self._max_map:
+            # LMDB reuses the pages a transaction freed only two transactions later (the previous
+            # snapshot must stay whole until the next commit): the values the store just deleted
+            # to make room are not reusable yet. One commit in between makes them so.
+            self._advance()
+            return True
+        self._grow(need_bytes)
+        return advanced
 
     # --- reads -------------------------------------------------------------------------------
     def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
