@@ -52,6 +52,7 @@ class AsyncKvstoreClient:
     store_local = _threaded(KvstoreClient.store_local)
     load_local = _threaded(KvstoreClient.load_local)
     resume = _threaded(KvstoreClient.resume)
+    register_model = _threaded(KvstoreClient.register_model)
     stats = _threaded(KvstoreClient.stats)
     health = _threaded(KvstoreClient.health)
     wait_ready = _threaded(KvstoreClient.wait_ready)
