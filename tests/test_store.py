@@ -384,3 +384,27 @@ def test_read_many_into_reads_across_tiers_and_stops_at_a_lost_chunk(tmp_path: P
     assert store.lookup(ns, tokens).hit_chunks == 6
     store.check_invariants()
     store.close()
+
+
+def test_a_lookup_stops_hashing_soon_after_the_hit_ends(tmp_path: Path) -> None:
+    """Only the head of a long prompt is held: the walk hashes runs that double while every key is
+    held, so it stops in the run where the hit ends; the Store after it still gets every key."""
+    from kvstore.keys.chunk_keys import chain_keys, chunk_token_bytes
+    from kvstore.store.global_store import WALK_FIRST_RUN
+
+    store = open_store(tmp_path, lmdb_capacity_bytes=64 << 20)
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    tokens = tokens_for(31, 400 * CHUNK)
+    store_prefix(store, ns, tokens[: 20 * CHUNK])
+    store.close()
+    store = open_store(tmp_path, lmdb_capacity_bytes=64 << 20)  # a fresh memo: the prompt's first sight
+    look = store.lookup(ns, tokens)
+    assert (look.hit_chunks, look.full_chunks) == (20, 400)
+    raw = tokens.astype("<u4").tobytes()
+    hashed = store._memo.known(ns.digest, raw, 4 * CHUNK)
+    assert len(hashed) == 1 + WALK_FIRST_RUN + 2 * WALK_FIRST_RUN  # runs of 1, 16, 32: the hit ends in the last
+    want = chain_keys(ns.digest, chunk_token_bytes(tokens, CHUNK))
+    assert hashed == want[: len(hashed)]
+    assert store.chunk_keys(ns, tokens) == want
+    assert store.lookup(ns, tokens[: 5 * CHUNK]).hit_chunks == 5
+    store.close()

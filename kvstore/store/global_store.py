@@ -64,6 +64,8 @@ from policies.base import AdmissionPolicy, EvictionPolicy
 # to make room): the lock is let go between batches so that other calls are never held up for
 # long behind a large Store.
 CHUNKS_PER_LOCK_HOLD = 32
+# Keys a lookup hashes past the first held one it did not know, in its first run (then 2x, 4x...).
+WALK_FIRST_RUN = 16
 HOT_TIERS: tuple[TierName, ...] = ("device", "dram")
 # A skipped chunk the explainer is told about, under its fate name (a chunk skipped after a gap is
 # not: the first missing chunk already explains the miss).
@@ -257,20 +259,26 @@ class GlobalStore(Placement):
         )
 
     def _walk_keys(self, digest: bytes, raw: bytes, step: int) -> tuple[list[bytes], Recall]:
-        """The keys a lookup of `raw` needs: those the memo knows, then the next one hashed; if the
-        store holds that one too, every remaining key, hashed in one pass (key_chain), since a
-        prompt that hits on a chunk the memo did not know usually hits on many (and the Store
-        after a partial hit needs the rest). A prompt that misses at once costs one hash."""
+        """The keys a lookup of `raw` needs: those the memo knows, then the next one hashed; while
+        the store holds every key hashed so far, the following ones in runs that double (from
+        WALK_FIRST_RUN chunks), each run in one pass (key_chain). The walk stops after the run in
+        which the hit ends: a prompt of which only the first 8K tokens are held hashes about as
+        many keys as it hits, not its whole length (the Store that may follow hashes the rest).
+        A prompt that misses at once costs one hash."""
         recall = self._memo.recall(digest, raw, step)
         known = recall.keys
         m = len(known)
-        if m * step == len(raw):
+        n = len(raw) // step
+        if m == n:
             return known, recall
-        prev = known[-1] if known else digest
-        nxt = next_key(prev, raw[m * step : (m + 1) * step])
-        keys = [*known, nxt]
-        if nxt in self._index:  # a read without the lock: the walk checks again under it
-            keys += chain_from(nxt, raw[(m + 1) * step :], step)
+        keys = [*known, next_key(known[-1] if known else digest, raw[m * step : (m + 1) * step])]
+        held = self._index.__contains__  # reads without the lock: the walk checks again under it
+        last_run, run = m, WALK_FIRST_RUN  # keys[last_run:] were hashed last; all held: go on
+        while len(keys) < n and all(map(held, keys[last_run:])):
+            pos = len(keys)
+            end = min(n, pos + run)
+            last_run, run = pos, 2 * run
+            keys += chain_from(keys[-1], raw[pos * step : end * step], step)
         self._memo.remember(digest, raw, keys, step)
         return keys, recall
 
