@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,8 +23,8 @@ from kvstore.client.sync_client import (
     UnavailableError,
 )
 from kvstore.errors import InvalidInput
-from kvstore.wire.framing import ChunkAssembler, plan_pieces
-from tests.fixtures.service import CHUNK, TOY, Service, base_table, payloads, to_toml, tokens
+from kvstore.wire.framing import ChunkAssembler, ChunkWriter, plan_pieces
+from tests.fixtures.service import CHUNK, DENSE, TOY, Service, base_table, payloads, to_toml, tokens
 
 
 def _unavailable_for(svc: Service, seconds: float) -> None:
@@ -191,3 +192,76 @@ def _small_config(tmp_path: Path) -> Path:
     p = tmp_path / "small.toml"
     p.write_text(to_toml(base_table()))
     return p
+
+
+# --- load_into: chunks written into the caller's memory ---------------------------------------------
+
+
+@pytest.mark.parametrize("model", [TOY, DENSE])  # DENSE: a 2 MiB chunk split over 64 KiB messages
+def test_load_into_writes_the_hit_into_the_callers_buffer(service: Service, model: str) -> None:
+    kv = service.client(timeout_seconds=30.0, message_bytes=64 * 1024)
+    cb = service.chunk_bytes(model)
+    prompt = tokens(140, 3 * CHUNK + 5, vocab=512)
+    sent = payloads(140, 3, cb)
+    assert kv.store(model, prompt, sent).stored_chunks == 3
+    buf = np.full(4 * cb, 0xAB, dtype=np.uint8)  # one chunk more than the hit: left as it was
+    got = kv.load_into(model, prompt, buf)
+    assert (got.loaded_chunks, got.hit_tokens, got.chunk_bytes, got.chunk_tokens) == (3, 3 * CHUNK, cb, CHUNK)
+    assert len(got.chunk_tiers) == 3 and set(got.chunk_tiers) <= {"device", "dram", "lmdb"}
+    assert buf[: 3 * cb].tobytes() == b"".join(sent) and (buf[3 * cb :] == 0xAB).all()
+    assert [bytes(c) for c in kv.load(model, prompt).chunks] == sent  # load() is built on it
+
+    small = bytearray(b"\xcd" * (cb + cb // 2))  # the buffer bounds the load: one whole chunk fits
+    part = kv.load_into(model, prompt, small)
+    assert (part.loaded_chunks, part.hit_tokens, len(part.chunk_tiers)) == (1, CHUNK, 1)
+    assert bytes(small[:cb]) == sent[0] and small[cb:] == b"\xcd" * (cb // 2)
+    assert kv.load_into(model, tokens(141, 2 * CHUNK), bytearray(cb)).loaded_chunks == 0  # a miss
+    deadline = time.monotonic() + 10.0  # the server learns of the cancel on its own thread
+    while kv.stats().pins_active and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert kv.stats().pins_active == 0  # the cancelled stream released its pins
+
+
+def test_load_into_refuses_a_buffer_it_cannot_write(service: Service) -> None:
+    kv = service.client()
+    with pytest.raises(InvalidInput, match="read-only"):
+        kv.load_into(TOY, tokens(142, CHUNK), bytes(100))
+    with pytest.raises(InvalidInput, match="C-contiguous"):
+        kv.load_into(TOY, tokens(142, CHUNK), np.zeros((8, 8), dtype=np.uint8)[:, ::2])
+    with pytest.raises(InvalidInput, match="writable buffer, not int"):
+        kv.load_into(TOY, tokens(142, CHUNK), 7)
+
+
+@settings(max_examples=60, deadline=None)
+@given(chunk_bytes=st.integers(1, 5000), count=st.integers(0, 12), message=st.integers(1, 9000),
+       room=st.integers(0, 14))
+def test_a_chunk_writer_places_pieces_where_the_assembler_would(
+    chunk_bytes: int, count: int, message: int, room: int
+) -> None:
+    data = bytes(range(256)) * ((chunk_bytes * count) // 256 + 1)
+    dst = bytearray(room * chunk_bytes)
+    w = ChunkWriter(chunk_bytes, count, memoryview(dst))
+    for s in plan_pieces(0, count, chunk_bytes, message):
+        if w.full and w.chunks < count:
+            break
+        start = s.first_chunk * chunk_bytes + s.offset
+        w.add(s.first_chunk, s.offset, data[start : start + s.nbytes])
+    w.finish()
+    n = min(room, count)
+    assert w.chunks == n and bytes(dst[: n * chunk_bytes]) == data[: n * chunk_bytes]
+
+
+def test_a_chunk_writer_refuses_bad_sequences() -> None:
+    with pytest.raises(InvalidInput, match="expected byte 0"):
+        ChunkWriter(10, 3, memoryview(bytearray(30))).add(1, 0, b"x" * 10)  # a chunk skipped
+    w = ChunkWriter(10, 3, memoryview(bytearray(30)))
+    w.add(0, 0, b"x" * 10)
+    with pytest.raises(InvalidInput, match="expected byte 10"):
+        w.add(0, 0, b"x" * 10)  # repeated
+    with pytest.raises(InvalidInput, match="past the last hit chunk"):
+        w.add(1, 0, b"x" * 21)
+    with pytest.raises(InvalidInput, match="offset 12"):
+        w.add(0, 12, b"x")
+    w.add(1, 0, b"x" * 5)
+    with pytest.raises(InvalidInput, match="ended inside chunk 1"):
+        w.finish()

@@ -42,3 +42,17 @@ def test_every_call_of_the_synchronous_client_but_the_generator_has_a_coroutine_
     calls -= {"close", "iter_load"}  # close is a coroutine of its own; a generator has no coroutine form
     for name in calls:
         assert inspect.iscoroutinefunction(getattr(AsyncKvstoreClient, name, None)), name
+
+
+def test_load_into_as_a_coroutine_writes_into_the_callers_buffer(service: Service) -> None:
+    cb = service.chunk_bytes(TOY)
+    prompt = tokens(90, 2 * CHUNK)
+    service.client().store(TOY, prompt, payloads(90, 2, cb))
+    buf = bytearray(2 * cb)
+
+    async def run() -> int:
+        async with AsyncKvstoreClient(service.address, timeout_seconds=20.0) as kv:
+            return (await kv.load_into(TOY, prompt, buf)).loaded_chunks
+
+    assert asyncio.run(run()) == 2
+    assert bytes(buf) == b"".join(payloads(90, 2, cb))

@@ -50,7 +50,7 @@ def test_every_acknowledged_chunk_survives_a_sigkill(tmp_path: Path) -> None:
         tier = open_tier(tmp_path)
         try:
             scanned = list(tier.scan(verify=True))
-            assert [sc.problem for sc in scanned if sc.meta is None] == []
+            assert [sc.problem for sc in scanned if not sc.ok] == []
             present = {sc.key for sc in scanned}
             missing = [k.hex() for k in acked if k not in present]
             assert not missing, f"round {round_no}: acknowledged but lost: {missing[:3]}"

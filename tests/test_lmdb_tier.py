@@ -24,7 +24,7 @@ import torch
 from kvstore.errors import InvalidInput, StorageError
 from kvstore.layout import DEEPSEEK_V41_FLASH, DENSE_GQA_32L
 from kvstore.tiers import value_format as vf
-from kvstore.tiers.base import ChunkMeta
+from kvstore.tiers.base import ChunkMeta, ScannedChunk
 from kvstore.tiers.compression import AUTO_SAMPLES, CODEC_NONE, CODEC_SPLIT, CODEC_ZSTD, Codec, Mode
 from kvstore.tiers.lmdb_tier import LmdbTier
 from kvstore.workload.payloads import realistic_chunk
@@ -91,6 +91,87 @@ def test_reopen_in_process_rebuilds_used_bytes(tmp_path: Path) -> None:
     again.close()
 
 
+def drop_index(path: Path, keys: list[bytes] | None = None) -> None:
+    """Remove index records (all of them and the format stamp when keys is None, as in a directory
+    kvstore 0.1 wrote), the way an older version writing into the directory would leave it."""
+    env = lmdb.open(str(path), max_dbs=8)
+    index, meta = env.open_db(b"index"), env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        if keys is None:
+            txn.drop(index, delete=True)
+            txn.drop(meta, delete=True)
+        else:
+            for k in keys:
+                assert txn.delete(k, db=index)
+    env.close()
+
+
+def index_keys(path: Path) -> list[bytes]:
+    env = lmdb.open(str(path), max_dbs=8, readonly=True)
+    with env.begin(db=env.open_db(b"index", create=False)) as txn:
+        keys = [bytes(k) for k, _ in txn.cursor()]
+    env.close()
+    return keys
+
+
+def test_a_format_1_directory_gets_its_index_built_once_with_progress_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kvstore.tiers.lmdb_tier.SCAN_BATCH", 4)  # several write transactions
+    monkeypatch.setattr("kvstore.tiers.lmdb_tier.PROGRESS_EVERY", 5)
+    tier = open_tier(tmp_path)
+    keys = put_chunks(tier, 1, 11)
+    before = tier.stats()
+    tier.close()
+    drop_index(tmp_path)
+    tamper(tmp_path, keys[3], lambda v: b"XXXX" + v[4:])  # a bad header: left out of the index
+    lines: list[str] = []
+    tier = open_tier(tmp_path, progress=lines.append)
+    assert lines[0].startswith("migrating LMDB data to format 2: indexing 11 LMDB values")
+    assert lines[1:] == ["indexed 8 of 11 LMDB values", "LMDB index built: 10 values indexed, 1 unreadable left out"]
+    assert (tier.stats().used_bytes, tier.stats().entries) == (before.used_bytes, before.entries)
+    scanned = {sc.key: sc for sc in tier.scan()}
+    assert scanned[keys[3]].problem == "corrupt"
+    assert sorted(k for k, sc in scanned.items() if sc.ok) == sorted(set(keys) - {keys[3]})
+    assert all(check_chunk(tier, k) == "" for k in keys if k != keys[3])
+    tier.close()
+    assert sorted(index_keys(tmp_path)) == sorted(set(keys) - {keys[3]})
+    lines.clear()
+    tier = open_tier(tmp_path, progress=lines.append)  # the bad value still lacks a record: checked again
+    assert lines[0] == "indexing 11 LMDB values (once; later starts read the index only)"
+    tier.delete(keys[3])
+    tier.close()
+    lines.clear()
+    open_tier(tmp_path, progress=lines.append).close()  # every value indexed: the index is read only
+    assert lines == []
+
+
+def test_values_and_index_records_out_of_step_are_reconciled_at_open(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    keys = put_chunks(tier, 1, 6)
+    tier.close()
+    drop_index(tmp_path, [keys[0], keys[4]])  # values an older version wrote into this directory
+    env = lmdb.open(str(tmp_path), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"chunks")) as txn:
+        assert txn.delete(keys[2])  # and a value an older version deleted
+    env.close()
+    tier = open_tier(tmp_path)
+    assert sorted(sc.key for sc in tier.scan(verify=True) if sc.ok) == sorted(set(keys) - {keys[2]})
+    assert tier.stats().entries == 5
+    tier.close()
+    assert sorted(index_keys(tmp_path)) == sorted(set(keys) - {keys[2]})
+
+
+def test_a_directory_of_a_newer_format_is_refused(tmp_path: Path) -> None:
+    open_tier(tmp_path).close()
+    env = lmdb.open(str(tmp_path), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"meta")) as txn:
+        txn.put(b"format_version", b"3")
+    env.close()
+    with pytest.raises(StorageError, match="of format 3, written by a newer kvstore"):
+        open_tier(tmp_path)
+
+
 # --- corruption -------------------------------------------------------------------------------
 
 
@@ -132,8 +213,8 @@ def test_a_bad_value_is_a_miss_counted_and_removed(tmp_path: Path, name: str) ->
 
     tier = open_tier(tmp_path)
     scanned = {sc.key: sc for sc in tier.scan(verify=True)}
-    assert scanned[keys[1]].meta is None and scanned[keys[1]].problem == problem
-    assert scanned[keys[0]].meta == meta_of(keys[0])
+    assert not scanned[keys[1]].ok and scanned[keys[1]].problem == problem
+    assert scanned_meta(scanned[keys[0]]) == meta_of(keys[0])
     assert check_chunk(tier, keys[1]) == "missing"
     st = tier.stats()
     assert st.corrupt_total == 1 and st.entries == 2
@@ -165,6 +246,27 @@ def test_a_bad_value_in_a_batched_read_is_a_miss_and_the_others_still_arrive(tmp
     assert keys[2] not in raw_keys(tmp_path)
 
 
+def scanned_meta(sc: ScannedChunk) -> ChunkMeta:
+    assert sc.tokens is not None, "a verifying scan returns token ids"
+    return ChunkMeta(sc.namespace, sc.layout_id, sc.tokens)
+
+
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_a_plain_scan_reads_only_index_records_and_reports_no_value_problem(tmp_path: Path, name: str) -> None:
+    tier = open_tier(tmp_path)
+    keys = put_chunks(tier, 1, 2)
+    tier.close()
+    tamper(tmp_path, keys[0], CORRUPTIONS[name][0])
+    tier = open_tier(tmp_path)
+    cheap = {sc.key: sc for sc in tier.scan()}
+    first = cheap[keys[0]]  # its value is not read: the first read finds what is wrong with it
+    assert (first.ok, first.namespace, first.layout_id, first.tokens) == (True, NAMESPACE, LAYOUT.layout_id, None)
+    assert first.payload_bytes == LAYOUT.chunk_bytes
+    assert check_chunk(tier, keys[0]) == "missing" and check_chunk(tier, keys[1]) == ""
+    assert [sc.key for sc in tier.scan()] == [keys[1]]  # removed with its index record
+    tier.close()
+
+
 def test_scan_reads_only_headers_unless_asked_to_verify(tmp_path: Path) -> None:
     tier = open_tier(tmp_path)
     keys = put_chunks(tier, 1, 2)
@@ -172,7 +274,7 @@ def test_scan_reads_only_headers_unless_asked_to_verify(tmp_path: Path) -> None:
     tamper(tmp_path, keys[0], flip_payload_bit)
     tier = open_tier(tmp_path)
     cheap = {sc.key: sc for sc in tier.scan()}
-    assert cheap[keys[0]].meta == meta_of(keys[0])  # the payload is not read by a plain scan
+    assert cheap[keys[0]].ok and cheap[keys[0]].tokens is None  # the value is not read by a plain scan
     assert cheap[keys[0]].payload_bytes == LAYOUT.chunk_bytes
     checked = {sc.key: sc for sc in tier.scan(verify=True)}
     assert checked[keys[0]].problem == "corrupt"

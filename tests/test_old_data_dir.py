@@ -82,3 +82,32 @@ def test_old_data_dir_opens_with_every_chunk_hit_from_lmdb(old_service: Service)
     assert after.corrupt_reads == 0
     assert after.token_mismatches == 0
     assert after.tiers["lmdb"].entries == MANIFEST["lmdb_entries"]
+
+
+def test_the_old_data_dir_is_migrated_once_and_then_opens_from_its_index(tmp_path: Path) -> None:
+    """Format 1 had no index records: the first open builds them from the values (saying so), later
+    opens read only them, and every chunk still loads byte for byte."""
+    from kvstore.layout import get_model
+    from kvstore.store import GlobalStore
+
+    data_dir = tmp_path / "data"
+    shutil.copytree(FIXTURE, data_dir, ignore=shutil.ignore_patterns("manifest.json"))
+    cfg = make_config(store=MANIFEST["config"]["store"])
+    models = [get_model(m) for m in MANIFEST["config"]["service"]["models"]]
+    for opening in ("first", "second"):
+        lines: list[str] = []
+        store = GlobalStore(cfg.store, data_dir, models, progress=lines.append)
+        if opening == "first":
+            assert lines[0].startswith(f"migrating LMDB data to format 2: indexing {MANIFEST['lmdb_entries']}")
+            assert lines[-1] == f"LMDB index built: {MANIFEST['lmdb_entries']} values indexed, 0 unreadable left out"
+        else:
+            assert lines == []
+        assert store.stats().ignored_on_open == {}
+        for p in PROMPTS:
+            ns = store.namespace(p["tenant"], p["model"], "bounded")
+            tokens = store.tokens(ns, p["tokens"])
+            with store.load(ns, tokens) as s:
+                got = [hashlib.sha256(c.payload).hexdigest() for c in s]
+            assert got == p["chunk_sha256"], p["name"]
+        assert store.stats().corrupt_reads == 0
+        store.close()

@@ -132,7 +132,7 @@ def test_wrapped_tier_stores_fewer_bytes_and_reads_bf16_back(tmp_path: Path, mod
     assert lmdb.footprint(DENSE.chunk_bytes) < LmdbTier(tmp_path / "p", 64 << 20, [DENSE]).footprint(
         DENSE.chunk_bytes) * 0.55
     lmdb.put(b"k" * 32, memoryview(sent), meta(DENSE, b"k"))
-    assert [(s.payload_bytes, s.meta is not None) for s in lmdb.scan()] == [(DENSE.chunk_bytes, True)]
+    assert [(s.payload_bytes, s.ok) for s in lmdb.scan()] == [(DENSE.chunk_bytes, True)]
     lmdb.close()
 
 

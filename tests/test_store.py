@@ -233,6 +233,39 @@ def test_pin_prefix_pins_and_reads_like_a_load_without_counting_a_lookup(tmp_pat
     store.close()
 
 
+def test_a_reopened_store_reads_each_value_only_when_a_load_needs_it(tmp_path: Path) -> None:
+    """Recovery reads LMDB's index records, never a value: a damaged payload is found by the first
+    load that reads it (a miss from there, counted), and the chunks read before it are checked
+    against their keys, then promoted like any LMDB hit."""
+    import lmdb
+
+    store = open_store(tmp_path)
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    tokens = tokens_for(21, 4 * CHUNK)
+    store_prefix(store, ns, tokens)
+    keys = store.chunk_keys(ns, tokens)
+    want = expected_payloads(store, ns, tokens, 4)
+    store.close()
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"chunks")) as txn:
+        value = bytearray(txn.get(keys[2]))
+        value[-9] ^= 0x04
+        txn.put(keys[2], bytes(value))
+    env.close()
+
+    store = open_store(tmp_path)
+    assert [store._index[k].tokens for k in keys] == [None] * 4  # nothing read yet
+    assert store.lookup(ns, tokens).chunk_tiers == ("lmdb",) * 4
+    with store.load(ns, tokens) as s:
+        got = [bytes(c.payload) for c in s]
+    assert got == want[:2]
+    assert store.stats().corrupt_reads == 1
+    look = store.lookup(ns, tokens)
+    assert look.hit_chunks == 2 and look.chunk_tiers[0] != "lmdb"  # read, checked, promoted
+    store.check_invariants()
+    store.close()
+
+
 def test_restart_in_a_new_process_finds_every_chunk(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     ns_a = store.namespace("alice", "reference-toy-8", "bounded")
@@ -284,10 +317,23 @@ def test_foreign_layout_and_token_mismatch_are_ignored_and_reported(tmp_path: Pa
     store.close()
     # Reopened by a store that does not serve "other-model": its entries are ignored and reported.
     store = open_store(tmp_path)
+    assert store.stats().ignored_on_open.get("layout") == 2
+    # The reopened store read index records only, which hold no token ids: the lookup hits on the
+    # keys, and the load's read of chunk 1 finds that its token ids are not those its key binds.
+    assert store.lookup(ns, tokens).hit_chunks == 2
+    with store.load(ns, tokens) as s:
+        got = [bytes(c.payload) for c in s]
+    assert got == expected_payloads(store, ns, tokens, 1)
+    assert store.stats().corrupt_reads == 1
+    look = store.lookup(ns, tokens)
+    assert look.hit_chunks == 1 and look.token_mismatches == 0
+    # A store that keeps running compares the token ids it holds on every lookup.
+    store_prefix(store, ns, tokens)
+    store._index[keys[1]].tokens = wrong
     look = store.lookup(ns, tokens)
     assert look.hit_chunks == 1 and look.token_mismatches == 1
     assert store.stats().token_mismatches == 1
-    assert store.stats().ignored_on_open.get("layout") == 2
+    store.close()
 
 
 def test_a_run_of_chunks_in_one_memory_tier_is_joined_in_one_copy(tmp_path: Path) -> None:
@@ -337,4 +383,28 @@ def test_read_many_into_reads_across_tiers_and_stops_at_a_lost_chunk(tmp_path: P
     assert store.stats().corrupt_reads == 1
     assert store.lookup(ns, tokens).hit_chunks == 6
     store.check_invariants()
+    store.close()
+
+
+def test_a_lookup_stops_hashing_soon_after_the_hit_ends(tmp_path: Path) -> None:
+    """Only the head of a long prompt is held: the walk hashes runs that double while every key is
+    held, so it stops in the run where the hit ends; the Store after it still gets every key."""
+    from kvstore.keys.chunk_keys import chain_keys, chunk_token_bytes
+    from kvstore.store.global_store import WALK_FIRST_RUN
+
+    store = open_store(tmp_path, lmdb_capacity_bytes=64 << 20)
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    tokens = tokens_for(31, 400 * CHUNK)
+    store_prefix(store, ns, tokens[: 20 * CHUNK])
+    store.close()
+    store = open_store(tmp_path, lmdb_capacity_bytes=64 << 20)  # a fresh memo: the prompt's first sight
+    look = store.lookup(ns, tokens)
+    assert (look.hit_chunks, look.full_chunks) == (20, 400)
+    raw = tokens.astype("<u4").tobytes()
+    hashed = store._memo.known(ns.digest, raw, 4 * CHUNK)
+    assert len(hashed) == 1 + WALK_FIRST_RUN + 2 * WALK_FIRST_RUN  # runs of 1, 16, 32: the hit ends in the last
+    want = chain_keys(ns.digest, chunk_token_bytes(tokens, CHUNK))
+    assert hashed == want[: len(hashed)]
+    assert store.chunk_keys(ns, tokens) == want
+    assert store.lookup(ns, tokens[: 5 * CHUNK]).hit_chunks == 5
     store.close()

@@ -10,6 +10,9 @@
   the figure for a prompt's first sight (every chunk key hashed), also against the raw call; a
   third with its admin port on (observers of every call, as `kvstore serve` runs by default).
 - Concurrent load: 4 client processes loading at once; aggregate GB/s.
+- Large load: a 131,072-token prefix (~117 MB of V4.1) through `KvstoreClient.load_into` into one
+  buffer the caller reuses (an engine's own memory), and through `load()`, against the plain
+  server streaming the same bytes in the same message sizes (`load_128k_ratio`, target >= 0.8).
 
 Servers run in their own processes (the service through `kvstore serve`, as deployed) and clients
 in others, so no two of them share a GIL. Figures are GB/s = 1e9 bytes/s, best of the repeats;
@@ -25,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,26 +44,31 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookups", type=int, default=200, help="timed lookups per figure")
     p.add_argument("--clients", type=int, default=4, help="concurrent client processes")
     p.add_argument("--message-bytes", type=int, default=MiB, help="payload bytes per streamed message")
+    p.add_argument("--large-tokens", type=int, default=131_072, help="prefix length of the large load")
 
 
 # --- the plain server (the ceiling) -----------------------------------------------------------------
 
-def _raw_server(port_out: Any, messages: list[bytes], stop: Any) -> None:
+def _raw_server(port_out: Any, streams: dict[str, list[bytes]], stop: Any) -> None:
     import grpc
 
     from kvstore.v1 import kvstore_pb2 as pb
 
-    parsed = [pb.LoadResponse.FromString(m) for m in messages]
+    def streamer(messages: list[bytes]) -> Callable[[bytes, Any], Iterator[pb.LoadResponse]]:
+        parsed = [pb.LoadResponse.FromString(m) for m in messages]
 
-    def stream(request: bytes, context: Any) -> Iterator[pb.LoadResponse]:
-        yield from parsed  # pre-built messages: only serialization and transport remain
+        def stream(request: bytes, context: Any) -> Iterator[pb.LoadResponse]:
+            yield from parsed  # pre-built messages: only serialization and transport remain
+
+        return stream
 
     def unary(request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         return pb.LookupResponse()  # parses the request, does nothing with it
 
     handlers = {
-        "Load": grpc.unary_stream_rpc_method_handler(
-            stream, request_deserializer=lambda b: b, response_serializer=pb.LoadResponse.SerializeToString),
+        **{name: grpc.unary_stream_rpc_method_handler(
+            streamer(messages), request_deserializer=lambda b: b, response_serializer=pb.LoadResponse.SerializeToString)
+           for name, messages in streams.items()},
         "Lookup": grpc.unary_unary_rpc_method_handler(
             unary, request_deserializer=pb.LookupRequest.FromString,
             response_serializer=pb.LookupResponse.SerializeToString),
@@ -77,10 +85,10 @@ def _raw_server(port_out: Any, messages: list[bytes], stop: Any) -> None:
     server.stop(0)
 
 
-def _raw_load(channel: Any) -> int:
+def _raw_load(channel: Any, method: str = "Load") -> int:
     from kvstore.v1 import kvstore_pb2 as pb
 
-    call = channel.unary_stream("/raw.Raw/Load", request_serializer=lambda b: b,
+    call = channel.unary_stream(f"/raw.Raw/{method}", request_serializer=lambda b: b,
                                 response_deserializer=pb.LoadResponse.FromString)
     n = 0
     for msg in call(b""):
@@ -147,6 +155,28 @@ def _lookup_times(kv: Any, args: argparse.Namespace, tokens: np.ndarray, raw_cal
     return ours_ms, raw_ms
 
 
+def _large_load_rates(kv: Any, raw_channel: Any, model: str, tokens: np.ndarray, blob: bytes) -> dict[str, float]:
+    """GB/s of a large prefix through `load_into` (into one buffer reused, as an engine reuses its
+    own), through `load()`, and streamed raw, passes taking turns."""
+    from kvstore.bench.timing import interleaved_best_rates
+
+    stored = kv.store(model, tokens, blob)
+    assert stored.stored_chunks > 0 and not stored.skipped_chunks, stored
+    buf = np.zeros(len(blob), dtype=np.uint8)
+    got = kv.load_into(model, tokens, buf)
+    assert set(got.chunk_tiers) == {"dram"} and buf.tobytes() == blob, set(got.chunk_tiers)
+
+    def into() -> int:
+        r = kv.load_into(model, tokens, buf)
+        return r.loaded_chunks * r.chunk_bytes
+
+    def load() -> int:
+        return sum(len(c) for c in kv.load(model, tokens).chunks)
+
+    return interleaved_best_rates({"raw": lambda: _raw_load(raw_channel, "LoadLarge"), "into": into, "load": load},
+                                  repeats=5)
+
+
 def _key_kernel() -> str:
     """How this machine hashes chunk keys (the service's processes load the same way)."""
     from kvstore.keys.chain import load_kernel
@@ -171,18 +201,24 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
     tokens = rng.integers(0, spec.vocab_size, args.tokens).astype("<u4")
     blob = rng.integers(0, 256, n_chunks * cb, dtype=np.uint8).tobytes()
     total = len(blob)
+    large_chunks = args.large_tokens // layout.chunk_tokens
+    large_tokens = rng.integers(0, spec.vocab_size, args.large_tokens).astype("<u4")
+    large_blob = rng.integers(0, 256, large_chunks * cb, dtype=np.uint8).tobytes()
+
+    def load_messages(data: bytes, chunks: int) -> list[bytes]:
+        return [pb.LoadResponse(header=pb.LoadHeader(hit_chunks=chunks)).SerializeToString()] + [
+            pb.LoadResponse(chunks=pb.ChunkPiece(first_chunk=s.first_chunk, data=data[s.first_chunk * cb:][:s.nbytes],
+                                                 tiers=[pb.TIER_DRAM] * (s.nbytes // cb))).SerializeToString()
+            for s in plan_pieces(0, chunks, cb, args.message_bytes)]
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmpdir:
         tmp = Path(tmpdir)
-        proc, target = _start_service(tmp, args.model, total, args.message_bytes)
+        proc, target = _start_service(tmp, args.model, total + len(large_blob), args.message_bytes)
         raw_port_q = ctx.Queue()
         raw_stop = ctx.Event()
-        messages = [pb.LoadResponse(header=pb.LoadHeader(hit_chunks=n_chunks)).SerializeToString()] + [
-            pb.LoadResponse(chunks=pb.ChunkPiece(first_chunk=s.first_chunk, data=blob[s.first_chunk * cb:][:s.nbytes],
-                                                 tiers=[pb.TIER_DRAM] * (s.nbytes // cb))).SerializeToString()
-            for s in plan_pieces(0, n_chunks, cb, args.message_bytes)]
-        raw = ctx.Process(target=_raw_server, args=(raw_port_q, messages, raw_stop), daemon=True)
+        streams = {"Load": load_messages(blob, n_chunks), "LoadLarge": load_messages(large_blob, large_chunks)}
+        raw = ctx.Process(target=_raw_server, args=(raw_port_q, streams, raw_stop), daemon=True)
         raw.start()
         try:
             raw_target = f"127.0.0.1:{raw_port_q.get(timeout=60)}"
@@ -206,6 +242,7 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
                 # Passes take turns, as many for each: a burst of load from elsewhere falls on both.
                 rates = interleaved_best_rates({"raw": plain, "ours": ours}, repeats=5)
                 raw_gbps, load_gbps = rates["raw"], rates["ours"]
+                large = _large_load_rates(kv, raw_channel, args.model, large_tokens, large_blob)
 
                 lookup = pb.LookupRequest(model=args.model, tokens=pb.Tokens(u32le=tokens.tobytes()))
                 raw_unary = raw_channel.unary_unary(
@@ -265,7 +302,14 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
         "key_chain_kernel": _key_kernel(),
         "concurrent_load_gbps": moved / span / 1e9,
         "concurrent_clients": args.clients,
+        "large_load_tokens": args.large_tokens,
+        "load_into_128k_gbps": large["into"],
+        "load_128k_gbps": large["load"],
+        "raw_stream_128k_gbps": large["raw"],
+        "load_128k_ratio": large["into"] / large["raw"],
         "targets": [
+            {"name": "load_128k_ratio: load_into_128k_gbps / raw_stream_128k_gbps",
+             "value": large["into"] / large["raw"], "target": ">= 0.8", "ok": large["into"] >= 0.8 * large["raw"]},
             {"name": "load_gbps / raw_stream_gbps", "value": load_gbps / raw_gbps, "target": ">= 0.8",
              "ok": load_gbps >= 0.8 * raw_gbps},
             {"name": "lookup_32k_p50_ms / raw_unary_32k_p50_ms", "value": lookup_p50 / raw_p50,

@@ -19,6 +19,7 @@ from kvstore.client.sync_client import (
     UnavailableError,
 )
 from kvstore.client.types import (
+    LoadIntoResult,
     LoadLocalResult,
     LoadResult,
     LookupResult,
@@ -37,6 +38,7 @@ __all__ = [
     "DeadlineExceededError",
     "InvalidArgumentError",
     "KvstoreClient",
+    "LoadIntoResult",
     "LoadLocalResult",
     "LoadResult",
     "LookupResult",

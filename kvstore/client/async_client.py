@@ -49,6 +49,7 @@ class AsyncKvstoreClient:
     lookup = _threaded(KvstoreClient.lookup)
     store = _threaded(KvstoreClient.store)
     load = _threaded(KvstoreClient.load)
+    load_into = _threaded(KvstoreClient.load_into)
     store_local = _threaded(KvstoreClient.store_local)
     load_local = _threaded(KvstoreClient.load_local)
     resume = _threaded(KvstoreClient.resume)

@@ -38,6 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client.chunk_views import PieceView, Streamed, decode_load_response, decode_resume_response
 from kvstore.client.types import (
+    LoadIntoResult,
     LoadLocalResult,
     LoadResult,
     LookupResult,
@@ -48,12 +49,12 @@ from kvstore.client.types import (
     StoreResult,
     stats_from_pb,
 )
-from kvstore.errors import KvstoreError
+from kvstore.errors import InvalidInput, KvstoreError
 from kvstore.layout import EngineModel
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire.bills import from_pb as bills_from_pb
-from kvstore.wire.framing import BlobAssembler, ChunkAssembler, blob_spans, plan_pieces
+from kvstore.wire.framing import BlobAssembler, ChunkAssembler, ChunkWriter, blob_spans, plan_pieces
 from kvstore.wire.messages import PB_TO_CASE, PB_TO_LOCAL, PB_TO_TIER, encode_lookup_request, tiers_from_pb
 from kvstore.wire.request_ids import REQUEST_ID_RE, new_request_id
 
@@ -287,25 +288,57 @@ class KvstoreClient:
 
     def load(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
              timeout_seconds: float | None = None, cache_salt: str = "") -> LoadResult:
-        """The cached prefix's chunk payloads (zero-copy views), pinned on the server while sent."""
+        """The cached prefix's chunk payloads, pinned on the server while sent: views of one buffer
+        this call allocates once the hit is known, written as `load_into` writes."""
         req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
                              cache_salt=cache_salt)
+        buffers: list[memoryview] = []
+
+        def fresh(nbytes: int) -> memoryview:
+            buffers[:] = [memoryview(bytearray(nbytes))]
+            return buffers[0]
 
         def call(t: float) -> LoadResult:
-            stream = self._load(req, timeout=t, metadata=self._metadata)
-            head = _header(stream, "Load")
-            asm = _Chunks(head.chunk_bytes, head.hit_chunks)
-            chunks: list[memoryview] = []
-            tiers: list[str] = []
-            for msg in stream:
-                for _, tier, view in asm.add(_piece(msg, "Load")):
-                    chunks.append(view)
-                    tiers.append(tier)
-            asm.finish()
-            return LoadResult(len(chunks) * head.chunk_tokens, head.chunk_tokens, head.chunk_bytes, chunks,
-                              tuple(tiers))
+            got = self._load_into(req, t, fresh)
+            cb = got.chunk_bytes
+            chunks = [buffers[0][i * cb : (i + 1) * cb] for i in range(got.loaded_chunks)]
+            return LoadResult(got.hit_tokens, got.chunk_tokens, cb, chunks, got.chunk_tiers)
 
         return self._idempotent("Load", call, timeout_seconds)
+
+    def load_into(self, model: str, tokens: Sequence[int] | np.ndarray, buffer: Any, replay_mode: str = "",
+                  max_chunks: int = 0, timeout_seconds: float | None = None, cache_salt: str = "") -> LoadIntoResult:
+        """Write the cached prefix's chunks straight into `buffer`, memory the caller owns (a
+        bytearray, a numpy array, a memoryview of pinned or paged engine memory: any writable
+        C-contiguous buffer), chunk i at byte i * chunk_bytes, each received message copied once
+        and let go. The buffer bounds the load: chunks past what it holds are not received."""
+        dst = _writable_bytes(buffer)
+        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
+                             cache_salt=cache_salt)
+        return self._idempotent("Load", lambda t: self._load_into(req, t, lambda nbytes: dst), timeout_seconds)
+
+    def _load_into(
+        self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview]
+    ) -> LoadIntoResult:
+        """One Load call written into `buffer_for(the hit's bytes)`; the stream is cancelled once
+        the buffer is full."""
+        stream = self._load(req, timeout=timeout, metadata=self._metadata)
+        head = _header(stream, "Load")
+        writer = ChunkWriter(max(1, head.chunk_bytes), head.hit_chunks, buffer_for(head.hit_chunks * head.chunk_bytes))
+        tiers: list[str] = []
+        for msg in stream:
+            piece = _piece(msg, "Load")
+            tiers.extend(PB_TO_TIER.get(t, "") for t in piece.tiers)
+            writer.add(piece.first_chunk, piece.offset, piece.data)
+            if writer.full and writer.chunks < head.hit_chunks:
+                stream.cancel()  # the rest would not fit: stop the server sending it
+                break
+        try:
+            writer.finish()
+        except InvalidInput as e:
+            raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
+        n = writer.chunks
+        return LoadIntoResult(n * head.chunk_tokens, head.chunk_tokens, head.chunk_bytes, n, tuple(tiers[:n]))
 
     def store_local(self, model: str, tokens: Sequence[int] | np.ndarray, snapshot: bytes | memoryview,
                     replay_mode: str = "", timeout_seconds: float | None = None,
@@ -510,6 +543,19 @@ def _as_blob(payloads: Sequence[bytes | memoryview] | bytes | memoryview, chunk_
                                    f"{len(blob)} payload bytes are not a whole number of {chunk_bytes}-byte chunks",
                                    "Store")
     return blob
+
+
+def _writable_bytes(buffer: Any) -> memoryview:
+    """`buffer` as a flat writable byte view, or a clear error."""
+    try:
+        mv = memoryview(buffer)
+    except TypeError:
+        raise InvalidInput(f"load_into needs a writable buffer, not {type(buffer).__name__}") from None
+    if mv.readonly:
+        raise InvalidInput("load_into needs a writable buffer; this one is read-only")
+    if not mv.c_contiguous:
+        raise InvalidInput("load_into needs a C-contiguous buffer")
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
 def _header(stream: Iterator[Streamed], method: str) -> Any:

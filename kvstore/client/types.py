@@ -64,6 +64,17 @@ class LoadResult:
 
 
 @dataclass(frozen=True)
+class LoadIntoResult:
+    """What `load_into` wrote: chunks [0, loaded_chunks) at byte i * chunk_bytes of the buffer."""
+
+    hit_tokens: int  # the tokens of the chunks written (the hit, or what the buffer held of it)
+    chunk_tokens: int
+    chunk_bytes: int
+    loaded_chunks: int
+    chunk_tiers: tuple[str, ...]  # the tier each written chunk was read from
+
+
+@dataclass(frozen=True)
 class StoreLocalResult:
     stored: bool
     reason: str  # why not, when not stored

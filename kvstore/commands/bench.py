@@ -21,6 +21,7 @@ BENCHES = {
     "workload": "agentic workload: the three bills, the 1/8 claim and the concurrency cliff",
     "abuse": "a victim tenant's latency alone and while another tenant abuses the service",
     "engine": "vLLM (CPU) time to first token: cold, kvstore (DRAM, LMDB), ExampleConnector, prefix cache",
+    "restart": "reopening a store: cold and warm seconds, bytes read and index memory, toy and V4.1",
 }
 
 

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     check_bind_allowed(cfg, host)  # before opening anything
     if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
         raise ConfigError("--grpc-port", "must be in 0..65535")
-    app = build_app(cfg, args.data_dir)
+    app = build_app(cfg, args.data_dir, progress=_say)
     try:
         server = KvstoreServer(app, host, args.grpc_port, args.admin_port).start()
     except BaseException:

@@ -115,6 +115,12 @@ def split_chunks(raw: bytes, step: int) -> list[bytes]:
     return [raw[i : i + step] for i in range(0, len(raw), step)]
 
 
+def next_key(prev: bytes, chunk: bytes) -> bytes:
+    """The key of the chunk whose canonical token bytes are `chunk`, after the key `prev` (or
+    after the namespace digest, for chunk 0)."""
+    return hashlib.sha256(prev + chunk).digest()
+
+
 def chain_keys(namespace_digest: bytes, chunks: Sequence[bytes]) -> list[bytes]:
     keys: list[bytes] = []
     prev = namespace_digest

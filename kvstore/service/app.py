@@ -219,13 +219,15 @@ def build_app(
     clock: Callable[[], float] = time.monotonic,
     local_pool: LocalPool | str | None = "config",
     coordinator_factory: Callable[[ReplayParts], ReplayPort | None] | str | None = "config",
+    progress: Callable[[str], None] | None = None,
 ) -> App:
     """Build every part from `cfg`. Tests pass `local_pool` / `coordinator_factory` to substitute
-    a part (None: leave it out); "config" builds what the config asks for."""
+    a part (None: leave it out); "config" builds what the config asks for. `progress` is told, a
+    line at a time, about slow work at start (building an LMDB index once, pre-faulting arenas)."""
     ddir = Path(data_dir if data_dir is not None else cfg.data_dir)
     ddir.mkdir(parents=True, exist_ok=True)
     models = served_models(cfg)
-    store = GlobalStore(cfg.store, ddir, list(models.values()), tenant_quotas(cfg), clock=clock)
+    store = GlobalStore(cfg.store, ddir, list(models.values()), tenant_quotas(cfg), clock=clock, progress=progress)
     try:
         policy = build_ttl_policy(cfg, models) if local_pool == "config" else None
         pool = build_pool(cfg, models, clock, policy) if local_pool == "config" else local_pool

@@ -26,7 +26,6 @@ CHUNKS_PER_LOCK_HOLD chunks at a time.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import operator
 import threading
@@ -41,7 +40,7 @@ from kvstore.config.policies import build_admission, build_eviction
 from kvstore.config.store import StoreConfig
 from kvstore.errors import InvalidInput, ResourceExhausted, UnknownModel
 from kvstore.keys.chain import chain_from
-from kvstore.keys.chunk_keys import Namespace, as_token_array, full_chunk_bytes, split_chunks
+from kvstore.keys.chunk_keys import Namespace, as_token_array, full_chunk_bytes, next_key, split_chunks
 from kvstore.keys.memo import KeyMemo, Recall
 from kvstore.layout import TIER_NAMES, CacheLayout, EngineModel, ModelSpec, engine_model_spec
 from kvstore.store.commit_plan import CommitPlan, PlannedChunk
@@ -65,6 +64,8 @@ from policies.base import AdmissionPolicy, EvictionPolicy
 # to make room): the lock is let go between batches so that other calls are never held up for
 # long behind a large Store.
 CHUNKS_PER_LOCK_HOLD = 32
+# Keys a lookup hashes past the first held one it did not know, in its first run (then 2x, 4x...).
+WALK_FIRST_RUN = 16
 HOT_TIERS: tuple[TierName, ...] = ("device", "dram")
 # A skipped chunk the explainer is told about, under its fate name (a chunk skipped after a gap is
 # not: the first missing chunk already explains the miss).
@@ -89,7 +90,10 @@ class GlobalStore(Placement):
         models: Sequence[ModelSpec],
         quotas: Mapping[str, TenantQuota] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
+        """`progress` is told, a line at a time, about slow work at start (building the LMDB index
+        of a data directory of an older format)."""
         self.cfg = cfg
         self._clock = clock
         self._models = {m.name: m for m in models}
@@ -101,7 +105,7 @@ class GlobalStore(Placement):
         self._pins = PinTable()
         self._memo = KeyMemo(cfg.key_memo_bytes)
         layouts = list(self._layouts.values())
-        device, dram, lmdb = quantize_tiers(cfg, layouts, *build_tiers(cfg, Path(data_dir), layouts))
+        device, dram, lmdb = quantize_tiers(cfg, layouts, *build_tiers(cfg, Path(data_dir), layouts, progress))
         self._durable: DurableTier = lmdb
         self._tiers: dict[TierName, Tier] = {"device": device, "dram": dram, "lmdb": lmdb}
         self._policies: dict[TierName, EvictionPolicy] = {
@@ -255,20 +259,26 @@ class GlobalStore(Placement):
         )
 
     def _walk_keys(self, digest: bytes, raw: bytes, step: int) -> tuple[list[bytes], Recall]:
-        """The keys a lookup of `raw` needs: those the memo knows, then the next one hashed; if the
-        store holds that one too, every remaining key, hashed in one pass (key_chain), since a
-        prompt that hits on a chunk the memo did not know usually hits on many (and the Store
-        after a partial hit needs the rest). A prompt that misses at once costs one hash."""
+        """The keys a lookup of `raw` needs: those the memo knows, then the next one hashed; while
+        the store holds every key hashed so far, the following ones in runs that double (from
+        WALK_FIRST_RUN chunks), each run in one pass (key_chain). The walk stops after the run in
+        which the hit ends: a prompt of which only the first 8K tokens are held hashes about as
+        many keys as it hits, not its whole length (the Store that may follow hashes the rest).
+        A prompt that misses at once costs one hash."""
         recall = self._memo.recall(digest, raw, step)
         known = recall.keys
         m = len(known)
-        if m * step == len(raw):
+        n = len(raw) // step
+        if m == n:
             return known, recall
-        prev = known[-1] if known else digest
-        nxt = hashlib.sha256(prev + raw[m * step : (m + 1) * step]).digest()
-        keys = [*known, nxt]
-        if nxt in self._index:  # a read without the lock: the walk checks again under it
-            keys += chain_from(nxt, raw[(m + 1) * step :], step)
+        keys = [*known, next_key(known[-1] if known else digest, raw[m * step : (m + 1) * step])]
+        held = self._index.__contains__  # reads without the lock: the walk checks again under it
+        last_run, run = m, WALK_FIRST_RUN  # keys[last_run:] were hashed last; all held: go on
+        while len(keys) < n and all(map(held, keys[last_run:])):
+            pos = len(keys)
+            end = min(n, pos + run)
+            last_run, run = pos, 2 * run
+            keys += chain_from(keys[-1], raw[pos * step : end * step], step)
         self._memo.remember(digest, raw, keys, step)
         return keys, recall
 
@@ -281,9 +291,12 @@ class GlobalStore(Placement):
     @staticmethod
     def _entries_match(entries: list[ChunkEntry], start: int, raw: bytes, step: int, digest: bytes) -> bool:
         """entries[start:] hold their chunks' token ids (all `step` bytes long, so the joined ids
-        equal the prompt's bytes exactly when each equals its chunk) in namespace `digest`."""
+        equal the prompt's bytes exactly when each equals its chunk) in namespace `digest`. An
+        entry recovered from LMDB's index knows no token ids yet: its first read checks them."""
         rest = entries[start:]
         toks = list(map(_TOKENS, rest))
+        if None in toks:
+            return GlobalStore._first_mismatch(entries, start, raw, step, digest) == len(entries)
         return (all(map(step.__eq__, map(len, toks))) and raw.startswith(b"".join(toks), start * step)
                 and all(map(digest.__eq__, map(_NAMESPACE, rest))))
 
@@ -291,7 +304,9 @@ class GlobalStore(Placement):
     def _first_mismatch(entries: list[ChunkEntry], start: int, raw: bytes, step: int, digest: bytes) -> int:
         for i in range(start, len(entries)):
             e = entries[i]
-            if len(e.tokens) != step or not raw.startswith(e.tokens, i * step) or e.namespace != digest:
+            if e.namespace != digest or (
+                e.tokens is not None and (len(e.tokens) != step or not raw.startswith(e.tokens, i * step))
+            ):
                 return i
         return len(entries)
 
@@ -538,8 +553,9 @@ class GlobalStore(Placement):
             receipt = self._pins.pin(keys, self._clock(), self.cfg.pin_timeout_seconds)
         return LoadSession(self, ns, self.layout(ns), keys, receipt, result)
 
-    def read_chunk(self, key: bytes, out: memoryview) -> TierName | None:
-        """Copy one chunk into `out` from the fastest tier that holds it intact."""
+    def read_chunk(self, key: bytes, out: memoryview, prev: bytes) -> TierName | None:
+        """Copy one chunk into `out` from the fastest tier that holds it intact; `prev` is the key
+        before it in its chain (the namespace digest for chunk 0)."""
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
@@ -553,12 +569,12 @@ class GlobalStore(Placement):
                 self._lost(key, entry, tier)
         if "lmdb" not in order:
             return None
-        return "lmdb" if self._after_lmdb_read(key, self._durable.get_into(key, out), out) else None
+        return "lmdb" if self._after_lmdb_read(key, prev, self._durable.get_into(key, out), out) else None
 
-    def read_chunks(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[TierName]:
-        """`read_chunk` for consecutive chunks of a prefix, stopping at the first one that is gone: the
-        tiers of the chunks read. A run of chunks that only LMDB holds is read in one LMDB read
-        transaction."""
+    def read_chunks(self, keys: Sequence[bytes], outs: Sequence[memoryview], prev: bytes) -> list[TierName]:
+        """`read_chunk` for consecutive chunks of a prefix (`prev`: the key before the first), stopping
+        at the first one that is gone: the tiers of the chunks read. A run of chunks that only LMDB
+        holds is read in one LMDB read transaction."""
         got: list[TierName] = []
         i, n = 0, len(keys)
         while i < n:
@@ -567,7 +583,7 @@ class GlobalStore(Placement):
                 while j < n and (e := self._index.get(keys[j])) is not None and e.fastest == "lmdb":
                     j += 1
             if j == i:  # in memory (or gone): one at a time
-                tier = self.read_chunk(keys[i], outs[i])
+                tier = self.read_chunk(keys[i], outs[i], keys[i - 1] if i else prev)
                 if tier is None:
                     return got
                 got.append(tier)
@@ -575,21 +591,28 @@ class GlobalStore(Placement):
                 continue
             metas = self._durable.get_many_into(keys[i:j], outs[i:j])
             for k, meta in enumerate(metas, start=i):
-                if not self._after_lmdb_read(keys[k], meta, outs[k]):
+                if not self._after_lmdb_read(keys[k], keys[k - 1] if k else prev, meta, outs[k]):
                     return got
                 got.append("lmdb")
             i = j
         return got
 
-    def _after_lmdb_read(self, key: bytes, meta: ChunkMeta | None, out: memoryview) -> bool:
-        """Book an LMDB read done outside the lock: check the token ids stored with the chunk
-        (a mismatch is a loss, like a corrupt value) and promote it if the policy says so."""
+    def _after_lmdb_read(self, key: bytes, prev: bytes, meta: ChunkMeta | None, out: memoryview) -> bool:
+        """Book an LMDB read done outside the lock: check the namespace and token ids stored with
+        the chunk (a mismatch is a loss, like a corrupt value) and promote it if the policy says so.
+        A chunk recovered from the index is checked against its key the first time, and then
+        knows its token ids."""
         with self._lock:
             entry = self._index.get(key)
-            if meta is None or entry is None or meta.tokens != entry.tokens:
+            ok = meta is not None and entry is not None and meta.namespace == entry.namespace and (
+                meta.tokens == entry.tokens if entry.tokens is not None else next_key(prev, meta.tokens) == key)
+            if not ok:
                 if entry is not None:
                     self._lost(key, entry, "lmdb")
                 return False
+            assert entry is not None and meta is not None
+            if entry.tokens is None:
+                entry.tokens = meta.tokens
             if (
                 self.cfg.promote_on_hit
                 and not (entry.footprint.keys() & {"device", "dram"})
@@ -645,31 +668,29 @@ class GlobalStore(Placement):
     # --- restart ----------------------------------------------------------------------------------
 
     def _recover(self) -> None:
-        """Rebuild the index from the durable tier: the index *is* the database."""
+        """Rebuild the index from the durable tier's index records: the index *is* the database."""
         namespaces = self._durable.namespaces()
         for digest, record in namespaces.items():
             try:
                 self._known_ns[digest] = str(json.loads(record)["tenant"])
             except (ValueError, KeyError):
                 self._ignored["bad-namespace-record"] = self._ignored.get("bad-namespace-record", 0) + 1
+        # Index records only (tiers/lmdb_tier.py): no value is read here, whatever their size.
         for sc in self._durable.scan():
-            reason = ""
-            if sc.meta is None:
-                reason = sc.problem or "unreadable"
-            elif sc.meta.layout_id not in self._layouts:
+            reason = sc.problem
+            if not reason and sc.layout_id not in self._layouts:
                 reason = "layout"
-            elif sc.meta.namespace not in self._known_ns:
+            elif not reason and sc.namespace not in self._known_ns:
                 reason = "unknown-namespace"
             if reason:
                 self._ignored[reason] = self._ignored.get(reason, 0) + 1
                 continue
-            assert sc.meta is not None
-            layout = self._layouts[sc.meta.layout_id]
+            layout = self._layouts[sc.layout_id]
             if sc.payload_bytes != layout.chunk_bytes:
                 self._ignored["size-mismatch"] = self._ignored.get("size-mismatch", 0) + 1
                 continue
-            entry = ChunkEntry(sc.meta.namespace, self._known_ns[sc.meta.namespace], layout,
-                           sc.meta.tokens, sc.payload_bytes, float(layout.chunk_tokens))
+            entry = ChunkEntry(sc.namespace, self._known_ns[sc.namespace], layout, None, sc.payload_bytes,
+                               float(layout.chunk_tokens))
             self._index[sc.key] = entry
             self._charge(sc.key, entry, "lmdb")
         # More than the capacity: a smaller capacity than the data was written under, or a crash

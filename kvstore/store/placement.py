@@ -35,7 +35,9 @@ class ChunkEntry:
     namespace: bytes
     tenant: str
     layout: CacheLayout
-    tokens: bytes
+    # None for a chunk recovered at start from LMDB's index, until its first read checked the token
+    # ids stored in its value against its key: only then may it be copied to another tier.
+    tokens: bytes | None
     payload_bytes: int
     cost: float  # recompute value for cost-aware eviction: the tokens this chunk keeps reachable
     footprint: dict[TierName, int] = field(default_factory=dict)  # tier -> bytes charged there
@@ -43,6 +45,14 @@ class ChunkEntry:
     # while some tier holds it). A lookup reads it for every hit chunk: finding it by walking
     # TIER_NAMES each time was an eighth of a 32K-token lookup.
     fastest: TierName = "lmdb"
+
+
+def chunk_meta(entry: ChunkEntry) -> ChunkMeta:
+    """What a tier stores beside the entry's payload: only for a chunk whose token ids are known (one
+    in memory, or read back once from LMDB since the start)."""
+    if entry.tokens is None:
+        raise AssertionError("a chunk recovered from LMDB is copied to another tier only after a read")
+    return ChunkMeta(entry.namespace, entry.layout.layout_id, entry.tokens)
 
 
 class Placement:
@@ -75,7 +85,7 @@ class Placement:
             if t.capacity_bytes == 0 or tier in entry.footprint:
                 continue
             if self._make_room(tier, entry.tenant, t.footprint(len(payload)), protect):
-                t.put(key, payload, ChunkMeta(entry.namespace, entry.layout.layout_id, entry.tokens))
+                t.put(key, payload, chunk_meta(entry))
                 self._charge(key, entry, tier)
                 return True
         return False
@@ -140,7 +150,7 @@ class Placement:
         self._uncharge(key, entry, tier)
 
     def _demote_into(self, key: bytes, entry: ChunkEntry, targets: tuple[TierName, ...], payload: memoryview) -> None:
-        meta = ChunkMeta(entry.namespace, entry.layout.layout_id, entry.tokens)
+        meta = chunk_meta(entry)
         protect = {key}
         for t in targets:
             tier = self._tiers[t]

@@ -23,9 +23,9 @@ class Bookkeeper(Protocol):
 
     def commit_txn(self, txn: StoreTxn) -> CommitResult: ...
 
-    def read_chunk(self, key: bytes, out: memoryview) -> TierName | None: ...
+    def read_chunk(self, key: bytes, out: memoryview, prev: bytes) -> TierName | None: ...
 
-    def read_chunks(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[TierName]: ...
+    def read_chunks(self, keys: Sequence[bytes], outs: Sequence[memoryview], prev: bytes) -> list[TierName]: ...
 
     def read_joined(
         self, keys: Sequence[bytes], head: Callable[[TierName], bytes]
@@ -107,7 +107,7 @@ class LoadSession:
 
     def read_into(self, index: int, out: memoryview) -> TierName | None:
         """Copy chunk `index` into `out`; None when it vanished (corrupt), which ends the hit."""
-        tier = self._store.read_chunk(self.keys[index], out)
+        tier = self._store.read_chunk(self.keys[index], out, self._prev(index))
         if tier is not None:
             self.read_chunks += 1
         return tier
@@ -116,9 +116,14 @@ class LoadSession:
         """Copy chunks first, first + 1, ... into outs; the tiers they came from, stopping at the
         first chunk that vanished (corrupt), which ends the hit. Chunks only LMDB holds are read
         in one read transaction."""
-        tiers = self._store.read_chunks(self.keys[first : first + len(outs)], outs)
+        tiers = self._store.read_chunks(self.keys[first : first + len(outs)], outs, self._prev(first))
         self.read_chunks += len(tiers)
         return tiers
+
+    def _prev(self, index: int) -> bytes:
+        """The key before chunk `index` in the chain (the namespace digest for chunk 0): the store
+        checks a chunk's stored token ids against its key with it."""
+        return self.keys[index - 1] if index else self.ns.digest
 
     def read_joined(
         self, first: int, count: int, head: Callable[[TierName], bytes]

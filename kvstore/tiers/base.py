@@ -25,13 +25,20 @@ class ChunkMeta(NamedTuple):
 
 @dataclass(frozen=True)
 class ScannedChunk:
-    """One entry found by `LmdbTier.scan()` when a store reopens its durable tier."""
+    """One entry found by `LmdbTier.scan()` when a store reopens its durable tier: what its index
+    record says (a plain scan reads no value), or what its value says (a verifying scan)."""
 
     key: bytes
-    meta: ChunkMeta | None  # None: another format version or layout, or corrupt (see problem)
-    payload_bytes: int  # raw payload size (0 when meta is None)
+    namespace: bytes  # b"" when problem is set
+    layout_id: bytes  # b"" when problem is set
+    payload_bytes: int  # raw payload size (0 when problem is set)
     stored_bytes: int  # bytes the value takes in the database
-    problem: str = ""  # why meta is None: "format-version", "layout" (unknown layout id), "corrupt"
+    problem: str = ""  # why it is unusable: "format-version", "layout" (unknown layout id), "corrupt"
+    tokens: bytes | None = None  # the chunk's token ids, read only by a verifying scan
+
+    @property
+    def ok(self) -> bool:
+        return not self.problem
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ nothing about chunks; it only turns config into objects. `quantize_tiers` wraps 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvstore.config.store import StoreConfig
@@ -23,9 +23,10 @@ LMDB_SUBDIR = "lmdb"
 
 
 def build_tiers(
-    cfg: StoreConfig, data_dir: Path, layouts: Iterable[CacheLayout]
+    cfg: StoreConfig, data_dir: Path, layouts: Iterable[CacheLayout], progress: Callable[[str], None] | None = None,
 ) -> tuple[DeviceTier, DramTier, LmdbTier]:
-    """(device, dram, lmdb), in TIER_NAMES. `layouts` are every layout the store may write."""
+    """(device, dram, lmdb), in TIER_NAMES. `layouts` are every layout the store may write;
+    `progress` is told about slow work at open."""
     device = DeviceTier(cfg.device_capacity_bytes, cfg.page_bytes, cfg.device)
     try:
         dram = DramTier(cfg.dram_capacity_bytes, cfg.page_bytes)
@@ -33,6 +34,7 @@ def build_tiers(
             lmdb_tier = LmdbTier(
                 Path(data_dir) / LMDB_SUBDIR, cfg.lmdb_capacity_bytes, layouts,
                 durability=cfg.lmdb_durability, compression=cfg.compression, zstd_level=cfg.zstd_level,
+                progress=progress,
             )
         except BaseException:
             dram.close()

@@ -1,11 +1,18 @@
 """The LMDB tier: chunks on SSD, restart-warm because the index *is* the database.
 
-One LMDB environment (a directory) holds three named databases: `chunks` (32-byte chunk key ->
-value_format value), `namespaces` (32-byte namespace digest -> the record the store gave) and
-`models` (the name of a model registered at run time -> its description, so that its chunks are
-recovered after a restart). Named databases are used for all because LMDB keeps the names of
-named databases as keys of its unnamed main database; putting chunks there would mix them with
-those names.
+One LMDB environment (a directory) holds five named databases: `chunks` (32-byte chunk key ->
+value_format value), `index` (the same key -> its small index record, value_format.index_record,
+written and deleted in the same transaction as the value), `namespaces` (32-byte namespace digest
+-> the record the store gave), `models` (the name of a model registered at run time -> its
+description, so that its chunks are recovered after a restart) and `meta` (`format_version`).
+Named databases are used for all because LMDB keeps the names of named databases as keys of its
+unnamed main database; putting chunks there would mix them with those names.
+
+A restart reads the index records only (`scan`), ~110 bytes of database per chunk, never a
+value's pages: its cost does not depend on payload bytes. Values are verified when first read.
+A directory of format 1 (no `index`; kvstore 0.1) gets its index built once at open, from the
+value headers (one page per value), and so does any value found without a record: the two
+databases' entry counts are compared at every open, which costs two page reads.
 
 Durability (StoreConfig.lmdb_durability) and what each mode loses on a power cut or kernel crash
 (a crash of the process alone loses nothing in any mode: committed pages are in the OS cache):
@@ -32,7 +39,7 @@ of layouts it was not told about.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import lmdb
@@ -53,6 +60,10 @@ MAP_OVERHEAD_MIN_BYTES = 64 * MiB  # room for copy-on-write pages and the tree b
 # frees them, and their pages are reusable only after one more commit.
 MAP_OVERHEAD_FRACTION = 1.0
 SCAN_BATCH = 1024  # entries read per read transaction by scan(); short transactions let the map grow
+# 1: chunks only (kvstore 0.1); 2: an index record beside every value.
+LMDB_FORMAT_VERSION = 2
+_FORMAT_KEY = b"format_version"
+PROGRESS_EVERY = 10_000  # values between two progress lines while an index is built
 
 _DURABILITY: dict[str, dict[str, bool]] = {
     "sync": {"sync": True, "metasync": True},
@@ -84,6 +95,7 @@ class LmdbTier:
         zstd_level: int = 3,
         initial_map_bytes: int | None = None,
         max_map_bytes: int | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         if durability not in _DURABILITY:
             raise InvalidInput(f"unknown LMDB durability mode '{durability}'")
@@ -110,19 +122,25 @@ class LmdbTier:
             # OS readahead would fill the page cache with neighbours nobody asked for once the
             # database outgrows RAM (LMDB's own advice for MDB_NORDAHEAD).
             self._env = lmdb.open(
-                str(self.path), map_size=max(initial, existing), subdir=True, max_dbs=4,
+                str(self.path), map_size=max(initial, existing), subdir=True, max_dbs=8,
                 writemap=False, map_async=False, readahead=False, **_DURABILITY[durability],
             )
             # Reader slots of processes that died inside a read transaction pin old pages forever.
             self.stale_readers_cleared = self._env.reader_check()
             self._chunks = self._env.open_db(b"chunks")
+            self._index = self._env.open_db(b"index")
             self._ns = self._env.open_db(b"namespaces")
             self._models = self._env.open_db(b"models")
+            self._meta = self._env.open_db(b"meta")
             self._psize = int(self._env.stat()["psize"])
         except lmdb.Error as e:
             raise StorageError(f"cannot open LMDB at {self.path}: {e}") from e
         # Largest leaf node LMDB keeps inline (mdb.c: me_nodemax).
         self._nodemax = (((self._psize - _PAGE_HEADER) // 2) & ~1) - 2
+        self._progress = progress or (lambda line: None)
+        # Values that have no index record because their header is bad: reported by every scan.
+        self._unindexed: list[ScannedChunk] = []
+        self._open_format()
         self._used, self._count = self._measure()
 
     # --- sizes -------------------------------------------------------------------------------
@@ -143,12 +161,92 @@ class LmdbTier:
         return self.disk_bytes(vf.value_bytes(self._max_token_bytes, payload_bytes))
 
     def _measure(self) -> tuple[int, int]:
-        used = count = 0
-        with self._env.begin(db=self._chunks, buffers=True) as txn:
-            for _, value in txn.cursor():
-                used += self.disk_bytes(len(value))
-                count += 1
-        return used, count
+        used = sum(sc.stored_bytes for sc in self._unindexed)
+        with self._env.begin(db=self._index, buffers=True) as txn:
+            for _, record in txn.cursor():
+                used += self.disk_bytes(_record_value_bytes(record))
+        return used, self._entries(self._chunks)
+
+    def _entries(self, db: lmdb._Database) -> int:
+        with self._env.begin() as txn:
+            return int(txn.stat(db)["entries"])
+
+    # --- the index database and the format version ---------------------------------------------
+    def _open_format(self) -> None:
+        with self._env.begin(db=self._meta) as txn:
+            raw = txn.get(_FORMAT_KEY)
+        version = int(raw) if raw is not None and raw.isdigit() else 1
+        if version > LMDB_FORMAT_VERSION:
+            raise StorageError(f"the LMDB data at {self.path} is of format {version}, written by a newer "
+                               f"kvstore; this one reads formats up to {LMDB_FORMAT_VERSION}")
+        values, records = self._entries(self._chunks), self._entries(self._index)
+        if values != records:
+            self._build_index(values, migrating=version < LMDB_FORMAT_VERSION)
+        if version < LMDB_FORMAT_VERSION:
+            self._put_record(self._meta, _FORMAT_KEY, str(LMDB_FORMAT_VERSION).encode())
+
+    def _build_index(self, values: int, migrating: bool) -> None:
+        """Give every value lacking an index record one, from its header (a page read each), and drop
+        records whose value is gone: a merge of the two databases' keys, SCAN_BATCH per transaction."""
+        what = "migrating LMDB data to format 2: indexing" if migrating else "indexing"
+        self._progress(f"{what} {values} LMDB values (once; later starts read the index only)")
+        after: bytes | None = None
+        done = next_line = 0
+        while True:
+            with self._lock:
+                batch, after = self._index_batch(after)
+            done += batch
+            if done >= next_line + PROGRESS_EVERY:
+                next_line = done
+                self._progress(f"indexed {done} of {values} LMDB values")
+            if after is None:
+                break
+        bad = len(self._unindexed)
+        self._progress(f"LMDB index built: {done - bad} values indexed, {bad} unreadable left out")
+
+    def _index_batch(self, after: bytes | None) -> tuple[int, bytes | None]:
+        """One write transaction of `_build_index`: (values looked at, the last key, None at the end)."""
+        while True:
+            try:
+                seen, last = 0, None
+                with self._env.begin(write=True, buffers=True) as txn:
+                    values = txn.cursor(self._chunks)
+                    records = txn.cursor(self._index)
+                    ok = values.first() if after is None else values.set_range(after)
+                    if ok and after is not None and bytes(values.key()) == after:
+                        ok = values.next()
+                    while ok and seen < SCAN_BATCH:
+                        key = bytes(values.key())
+                        self._drop_records_before(records, after, key)
+                        if not records.set_key(key):
+                            value = values.value()
+                            try:
+                                txn.put(key, vf.index_record_of(value), db=self._index)
+                            except ValueProblem as p:
+                                self._unindexed.append(ScannedChunk(key, b"", b"", 0, self.disk_bytes(len(value)),
+                                                                    p.problem))
+                        seen, last, after = seen + 1, key, key
+                        ok = values.next()
+                    if not ok:  # past the last value: records beyond it have no value
+                        self._drop_records_before(records, last, None)
+                return seen, (last if ok else None)
+            except lmdb.MapFullError:
+                self._grow(SCAN_BATCH * vf.INDEX_RECORD_BYTES)
+            except lmdb.Error as e:
+                raise StorageError(f"cannot build the LMDB index: {e}") from e
+
+    @staticmethod
+    def _drop_records_before(records: lmdb.Cursor, after: bytes | None, key: bytes | None) -> None:
+        """Delete the index records strictly between `after` and `key` (None: no bound): their values
+        are gone (written by a version that kept no index, or deleted by one)."""
+        ok = records.first() if after is None else records.set_range(after)
+        if ok and after is not None and bytes(records.key()) == after:
+            ok = records.next()
+        while ok:
+            at = bytes(records.key())
+            if not at or (key is not None and at >= key):
+                return
+            records.delete()  # and on to the next record
 
     # --- writes ------------------------------------------------------------------------------
     def put(self, key: bytes, payload: memoryview, meta: ChunkMeta) -> None:
@@ -157,7 +255,7 @@ class LmdbTier:
     def put_many(self, items: Iterable[tuple[bytes, memoryview, ChunkMeta]]) -> None:
         """All chunks in one write transaction (one fsync in sync mode): all or none."""
         with self._lock:
-            values: list[tuple[bytes, bytes]] = []
+            values: list[tuple[bytes, bytes, bytes]] = []
             for key, payload, meta in items:
                 if len(key) != _KEY_BYTES:
                     raise InvalidInput(f"chunk keys are {_KEY_BYTES} bytes, got {len(key)}")
@@ -165,26 +263,30 @@ class LmdbTier:
                     raise InvalidInput(f"layout id {meta.layout_id.hex()} is not known to the LMDB tier")
                 raw = vf.byte_view(payload)
                 codec, stored = self._codec.encode(raw, meta.layout_id)
-                values.append((key, vf.build_value(meta, codec, len(raw), stored)))
+                value = vf.build_value(meta, codec, len(raw), stored)
+                record = vf.index_record(codec, len(meta.tokens) // 4, len(value), meta.layout_id,
+                                         meta.namespace, len(raw))
+                values.append((key, value, record))
             if values:
                 self._commit(values)
 
-    def _commit(self, values: list[tuple[bytes, bytes]]) -> None:
+    def _commit(self, values: list[tuple[bytes, bytes, bytes]]) -> None:
         advanced = False
         while True:
             used, count = self._used, self._count
             try:
                 with self._env.begin(write=True, buffers=True, db=self._chunks) as txn:
-                    for key, value in values:
-                        old = txn.get(key)
+                    for key, value, record in values:
+                        old = self._value_bytes(txn, key)
                         if old is None:
                             count += 1
                         else:
-                            used -= self.disk_bytes(len(old))
+                            used -= self.disk_bytes(old)
                         txn.put(key, value)
+                        txn.put(key, record, db=self._index)  # same transaction: both or neither
                         used += self.disk_bytes(len(value))
             except lmdb.MapFullError:
-                advanced = self._make_writable(advanced, sum(len(v) for _, v in values))
+                advanced = self._make_writable(advanced, sum(len(v) for _, v, _ in values))
                 continue
             except lmdb.Error as e:
                 raise StorageError(f"LMDB write failed: {e}") from e
@@ -220,6 +322,15 @@ class LmdbTier:
         with self._lock:
             self._delete_locked(list(keys))
 
+    def _value_bytes(self, txn: lmdb.Transaction, key: bytes) -> int | None:
+        """The length of `key`'s value as its accounting knows it (its index record's, else the
+        value's own: one left out of the index), or None when there is no value."""
+        record = txn.get(key, db=self._index)
+        if record is not None:
+            return _record_value_bytes(record)
+        value = txn.get(key, db=self._chunks)
+        return None if value is None else len(value)
+
     def _delete_locked(self, keys: list[bytes]) -> None:
         advanced = False
         while True:
@@ -227,11 +338,12 @@ class LmdbTier:
             try:
                 with self._env.begin(write=True, buffers=True, db=self._chunks) as txn:
                     for key in keys:
-                        old = txn.get(key)
+                        old = self._value_bytes(txn, key)
                         if old is not None:
-                            used -= self.disk_bytes(len(old))
+                            used -= self.disk_bytes(old)
                             count -= 1
                             txn.delete(key)
+                            txn.delete(key, db=self._index)
             except lmdb.MapFullError:
                 # A delete needs pages too (the tree's copies, the free list): as for a write.
                 advanced = self._make_writable(advanced, 0)
@@ -328,13 +440,19 @@ class LmdbTier:
         self._delete_locked([key])
 
     def scan(self, verify: bool = False) -> Iterator[ScannedChunk]:
-        """Every entry, in key order. Reads headers and token ids; payload sums only if verify.
+        """Every entry, in key order, from the index records: no value is read, so this costs the
+        same whatever the payloads' size. With verify, each value is read and checked too (its
+        header, its payload sum and its agreement with the record), and its token ids returned.
 
         Entries are read in batches of short read transactions, so the store may write between
         batches. Used bytes and the entry count are rebuilt if no write happened meanwhile.
         """
         writes_at_start = self._writes
         used = count = 0
+        for sc in list(self._unindexed):
+            used += sc.stored_bytes
+            count += 1
+            yield sc
         after: bytes | None = None
         while True:
             with self._lock:
@@ -352,28 +470,42 @@ class LmdbTier:
 
     def _scan_batch(self, after: bytes | None, verify: bool) -> list[ScannedChunk]:
         out: list[ScannedChunk] = []
-        with self._env.begin(db=self._chunks, buffers=True) as txn:
-            cur = txn.cursor()
+        with self._env.begin(buffers=True) as txn:
+            cur = txn.cursor(self._index)
             ok = cur.first() if after is None else cur.set_range(after)
             if ok and after is not None and bytes(cur.key()) == after:
                 ok = cur.next()
             while ok and len(out) < SCAN_BATCH:
-                key, value = bytes(cur.key()), cur.value()
-                out.append(self._scan_one(key, value, verify))
+                key = bytes(cur.key())
+                value = txn.get(key, db=self._chunks) if verify else None
+                out.append(self._scan_one(key, cur.value(), value, verify))
                 ok = cur.next()
         return out
 
-    def _scan_one(self, key: bytes, value: memoryview, verify: bool) -> ScannedChunk:
-        disk = self.disk_bytes(len(value))
+    def _scan_one(self, key: bytes, record: memoryview, value: memoryview | None, verify: bool) -> ScannedChunk:
+        disk = self.disk_bytes(_record_value_bytes(record))
         try:
-            h = vf.parse_header(value)
-            if h.layout_id not in self._layouts:
+            r = vf.parse_index_record(record)
+            if r.layout_id not in self._layouts:
                 raise ValueProblem("layout", "unknown layout id")
-            if verify and sum64(value[h.payload_offset :]) != h.payload_sum:
-                raise ValueProblem("corrupt", "payload checksum mismatch")
+            tokens = None
+            if verify:
+                if value is None:
+                    raise ValueProblem("corrupt", "an index record without its value")
+                tokens = self._verified_tokens(value, r)
         except ValueProblem as p:
-            return ScannedChunk(key, None, 0, disk, p.problem)
-        return ScannedChunk(key, vf.header_meta(value, h), h.raw_size, disk)
+            return ScannedChunk(key, b"", b"", 0, disk, p.problem)
+        return ScannedChunk(key, r.namespace, r.layout_id, r.raw_size, disk, tokens=tokens)
+
+    def _verified_tokens(self, value: memoryview, r: vf.IndexRecord) -> bytes:
+        h = vf.parse_header(value)
+        if h.layout_id not in self._layouts:
+            raise ValueProblem("layout", "unknown layout id")
+        if sum64(value[h.payload_offset :]) != h.payload_sum:
+            raise ValueProblem("corrupt", "payload checksum mismatch")
+        if (h.codec, h.token_count, len(value), h.layout_id, h.namespace, h.raw_size) != r:
+            raise ValueProblem("corrupt", "the value differs from its index record")
+        return vf.header_meta(value, h).tokens
 
     # --- namespaces and registered models -----------------------------------------------------
     def put_namespace(self, digest: bytes, record: bytes) -> None:
@@ -443,6 +575,12 @@ class LmdbTier:
             if self.durability != "sync":
                 self._env.sync(True)
             self._env.close()
+
+
+def _record_value_bytes(record: memoryview | bytes) -> int:
+    """An index record's value length, read without checking it (accounting only; a record that is
+    not the right size counts the value as empty until a read finds it bad)."""
+    return int.from_bytes(record[16:24], "little") if len(record) == vf.INDEX_RECORD_BYTES else 0
 
 
 def _flat(out: memoryview) -> memoryview:

@@ -18,6 +18,7 @@ The wrapper decides nothing; it only changes the bytes on their way in and out.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 
 from kvstore.layout import CacheLayout
 from kvstore.tiers.base import ChunkMeta, DurableTier, ScannedChunk, Tier, TierName, TierStats
@@ -110,13 +111,13 @@ class QuantizingDurableTier(QuantizingTier):
 
     def scan(self) -> Iterator[ScannedChunk]:
         for sc in self._durable.scan():
-            plan = None if sc.meta is None else self._plans.get(sc.meta.layout_id)
+            plan = None if not sc.ok else self._plans.get(sc.layout_id)
             if plan is None:
                 yield sc
             elif sc.payload_bytes == plan.stored_bytes:
-                yield ScannedChunk(sc.key, sc.meta, plan.payload_bytes, sc.stored_bytes)
+                yield replace(sc, payload_bytes=plan.payload_bytes)
             else:  # written in another mode (or unquantized): not readable as this mode's bytes
-                yield ScannedChunk(sc.key, None, 0, sc.stored_bytes, "format-version")
+                yield ScannedChunk(sc.key, b"", b"", 0, sc.stored_bytes, "format-version")
 
     def put_namespace(self, digest: bytes, record: bytes) -> None:
         self._durable.put_namespace(digest, record)

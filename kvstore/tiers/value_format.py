@@ -147,3 +147,67 @@ def check_header(value: memoryview) -> tuple[int, int, bytes, bytes, int, int, i
 def header_meta(value: memoryview, header: ValueHeader) -> ChunkMeta:
     tokens = bytes(value[TOKENS_AT : TOKENS_AT + 4 * header.token_count])
     return ChunkMeta(header.namespace, header.layout_id, tokens)
+
+
+# --- The index record ----------------------------------------------------------------------------
+# What the store rebuilds its index from at start, kept in its own LMDB database beside each value
+# and written in the same transaction, so that a restart reads these small records and never a
+# value's pages (docs/architecture.md §5.3):
+#
+#     offset  size  field
+#     0       4     magic b"KVSI"
+#     4       2     index record version (INDEX_FORMAT_VERSION)
+#     6       2     the value's flags (codec id)
+#     8       4     token count
+#     12      4     reserved, zero
+#     16      8     value bytes (the whole value's length in the chunks database)
+#     24      8     layout id
+#     32      32    namespace digest
+#     64      8     raw payload size
+#     72      4     crc32 of bytes [0, 72)
+#
+# No token ids: they would make the record half a toy chunk's size. The value keeps them, and the
+# first read of a chunk recovered from the index checks them against its key (keys.next_key).
+INDEX_MAGIC = b"KVSI"
+INDEX_FORMAT_VERSION = 1
+_INDEX = struct.Struct("<4sHHIIQ8s32sQ")  # 72 bytes, then the crc
+_INDEX_CRC = struct.Struct("<I")
+INDEX_RECORD_BYTES = _INDEX.size + _INDEX_CRC.size
+
+
+class IndexRecord(NamedTuple):
+    codec: int
+    token_count: int
+    value_bytes: int
+    layout_id: bytes
+    namespace: bytes
+    raw_size: int
+
+
+def index_record(codec: int, token_count: int, value_bytes: int, layout_id: bytes, namespace: bytes,
+                 raw_size: int) -> bytes:
+    head = _INDEX.pack(INDEX_MAGIC, INDEX_FORMAT_VERSION, codec, token_count, 0, value_bytes, layout_id,
+                       namespace, raw_size)
+    return head + _INDEX_CRC.pack(_crc32(head))
+
+
+def index_record_of(value: memoryview) -> bytes:
+    """The index record of a stored value; raise ValueProblem if the value's header is bad."""
+    codec, n_tok, layout_id, namespace, raw, _, _, _ = check_header(value)
+    return index_record(codec, n_tok, len(value), layout_id, namespace, raw)
+
+
+def parse_index_record(record: memoryview | bytes) -> IndexRecord:
+    """Check magic, version, size and crc of an index record; raise ValueProblem."""
+    if len(record) != INDEX_RECORD_BYTES:
+        raise ValueProblem("corrupt", f"index record of {len(record)} bytes")
+    magic, version, flags, n_tok, _, value_len, layout_id, namespace, raw = _INDEX.unpack_from(record, 0)
+    if magic != INDEX_MAGIC:
+        raise ValueProblem("corrupt", "bad index record magic")
+    if version != INDEX_FORMAT_VERSION:
+        raise ValueProblem("format-version", f"index record version {version}")
+    if _crc32(record[: _INDEX.size]) != _INDEX_CRC.unpack_from(record, _INDEX.size)[0]:
+        raise ValueProblem("corrupt", "index record checksum mismatch")
+    if flags & ~CODEC_MASK:
+        raise ValueProblem("format-version", f"unknown flags {flags:#x}")
+    return IndexRecord(flags, n_tok, value_len, layout_id, namespace, raw)

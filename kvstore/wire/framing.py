@@ -129,6 +129,50 @@ class ChunkAssembler:
             )
 
 
+class ChunkWriter:
+    """Writes a chunk stream that starts at chunk 0 and skips none (a Load's) straight into a
+    caller's buffer, chunk i at byte i * chunk_bytes, as each piece arrives: nothing is kept. The
+    buffer bounds the chunks taken (`full`: the rest of the stream is not needed)."""
+
+    def __init__(self, chunk_bytes: int, num_chunks: int, dst: memoryview) -> None:
+        assert chunk_bytes > 0 and dst.format == "B" and dst.ndim == 1
+        self.chunk_bytes = chunk_bytes
+        self._dst = dst
+        self._stream_bytes = num_chunks * chunk_bytes
+        self._limit = min(num_chunks, len(dst) // chunk_bytes) * chunk_bytes
+        self._fill = 0  # stream bytes received so far
+
+    @property
+    def chunks(self) -> int:
+        """Whole chunks written."""
+        return min(self._fill, self._limit) // self.chunk_bytes
+
+    @property
+    def full(self) -> bool:
+        return self._fill >= self._limit
+
+    def add(self, first_chunk: int, offset: int, data: bytes | memoryview) -> None:
+        pos = first_chunk * self.chunk_bytes + offset
+        if not 0 <= offset < self.chunk_bytes:
+            raise InvalidInput(f"chunk piece offset {offset} is outside a {self.chunk_bytes}-byte chunk")
+        if pos != self._fill:
+            raise InvalidInput(f"chunk piece at stream byte {pos}; expected byte {self._fill} (chunks in order, "
+                               "none skipped)")
+        if not data:
+            raise InvalidInput("chunk piece carries no data")
+        if pos + len(data) > self._stream_bytes:
+            raise InvalidInput(f"chunk piece runs past the last hit chunk ({self._stream_bytes} bytes)")
+        take = min(len(data), self._limit - pos)
+        if take > 0:
+            self._dst[pos : pos + take] = data if take == len(data) else memoryview(data)[:take]
+        self._fill = pos + len(data)
+
+    def finish(self) -> None:
+        """The stream ended: a chunk left half-sent (within the buffer) is an error."""
+        if not self.full and self._fill % self.chunk_bytes:
+            raise InvalidInput(f"the stream ended inside chunk {self._fill // self.chunk_bytes}")
+
+
 class BlobAssembler:
     """Reassembles one blob (a local snapshot) of a declared size from in-order pieces."""
 

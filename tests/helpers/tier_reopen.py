@@ -16,10 +16,10 @@ def main() -> None:
     tier = open_tier(Path(sys.argv[1]))
     scanned = list(tier.scan(verify=True))
     report = {
-        "keys": [sc.key.hex() for sc in scanned if sc.meta is not None],
-        "problems": {sc.key.hex(): sc.problem for sc in scanned if sc.meta is None},
+        "keys": [sc.key.hex() for sc in scanned if sc.ok],
+        "problems": {sc.key.hex(): sc.problem for sc in scanned if not sc.ok},
         "bad": {
-            sc.key.hex(): err for sc in scanned if sc.meta is not None and (err := check_chunk(tier, sc.key))
+            sc.key.hex(): err for sc in scanned if sc.ok and (err := check_chunk(tier, sc.key))
         },
         "namespaces": {k.hex(): v.hex() for k, v in tier.namespaces().items()},
         "used_bytes": tier.stats().used_bytes,

@@ -1,0 +1,177 @@
+"""`kvstore bench restart`: what reopening a store costs, against how many bytes it holds.
+
+For each case (the toy layout at 10K and 200K chunks, V4.1 at 10K chunks) the benchmark writes a
+data directory through the store (prompts of 256 chunks, LMDB only), then reopens it twice, each
+time in a fresh process (so no memory of the writer, or of the other cases, is reused):
+- cold: the data file is fsynced and dropped from the page cache (`posix_fadvise DONTNEED`)
+  first, then `reopen_cold_seconds` is the time to build the store, and `reopen_read_bytes`
+  the `read_bytes` of `/proc/self/io` during it (bytes the process caused to be read from the
+  device, page faults on the map included);
+- warm: right after, with whatever the cold reopen left in the page cache.
+`index_bytes_per_chunk` is the growth of the process's RssAnon over the cold reopen, per chunk.
+The compiled kernels (checksum, key chain) are loaded before the clock starts in both: their
+cost does not depend on the data.
+
+Targets (issue #15): `reopen_read_bytes` <= 2% of `data_bytes`; the cold reopen of 10K V4.1
+chunks <= 1.5 x that of 10K toy chunks (the restart does not depend on payload size);
+`index_bytes_per_chunk` <= 200. Benchmarks print; tests never assert on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstore.config.store import GiB, StoreConfig
+from kvstore.layout import ModelSpec, get_model
+from kvstore.store import GlobalStore
+from kvstore.tiers.factory import LMDB_SUBDIR
+
+CHUNKS_PER_PROMPT = 256
+PAYLOAD_VARIANTS = 16  # distinct payloads cycled through (compression is off: content is irrelevant)
+TENANT = "bench"
+REPLAY_MODE = "bounded"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str
+    chunks: int
+
+
+def add_restart_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--toy-chunks", type=int, nargs=2, default=(10_000, 200_000), metavar=("SMALL", "LARGE"),
+                   help="chunks of the two toy-layout cases (default 10000 200000)")
+    p.add_argument("--v41-chunks", type=int, default=10_000, help="chunks of the V4.1 case (default 10000)")
+    p.add_argument("--dir", default=None, help="directory for the data dirs (default: a temp dir)")
+
+
+def _log(msg: str) -> None:
+    print(f"bench restart: {msg}", file=sys.stderr, flush=True)
+
+
+def _config(chunks: int, spec: ModelSpec) -> StoreConfig:
+    # Room for every chunk in LMDB and none in memory: the reopen rebuilds the LMDB index only.
+    capacity = max(GiB, 2 * chunks * (spec.layout.chunk_bytes + 8192))
+    return StoreConfig(device="cpu", device_capacity_bytes=0, dram_capacity_bytes=0,
+                       lmdb_capacity_bytes=capacity, compression="none", lmdb_durability="nometasync")
+
+
+def run_restart_bench(args: argparse.Namespace) -> dict[str, Any]:
+    small, large = args.toy_chunks
+    cases = [Case("toy_10k", "reference-toy-8", small), Case("toy_200k", "reference-toy-8", large),
+             Case("v41_10k", "deepseek-v4.1-flash", args.v41_chunks)]
+    if min(small, large, args.v41_chunks) < CHUNKS_PER_PROMPT:
+        raise SystemExit(f"bench restart: every case needs at least {CHUNKS_PER_PROMPT} chunks")
+    out: dict[str, Any] = {"read_bytes_source": "/proc/self/io read_bytes"}
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-restart-", dir=args.dir) as tmp:
+        for case in cases:
+            data_dir = Path(tmp) / case.name
+            _log(f"{case.name}: writing {case.chunks} {case.model} chunks")
+            _fill(data_dir, case)
+            figures: dict[str, Any] = {"chunks": case.chunks, "data_bytes": _data_bytes(data_dir)}
+            with ctx.Pool(1) as pool:
+                cold = pool.apply(_reopen, (str(data_dir), case.model, case.chunks, True))
+            with ctx.Pool(1) as pool:
+                warm = pool.apply(_reopen, (str(data_dir), case.model, case.chunks, False))
+            figures.update(reopen_cold_seconds=cold["seconds"], reopen_warm_seconds=warm["seconds"],
+                           reopen_read_bytes=cold["read_bytes"],
+                           reopen_read_fraction=cold["read_bytes"] / figures["data_bytes"],
+                           index_bytes_per_chunk=cold["rss_anon_growth"] / case.chunks)
+            _log(f"{case.name}: {figures}")
+            out[case.name] = figures
+            _remove(data_dir)
+    ratio = out["v41_10k"]["reopen_cold_seconds"] / out["toy_10k"]["reopen_cold_seconds"]
+    out["v41_over_toy_cold_ratio"] = ratio
+    targets = [{"name": f"{c.name} reopen read <= 2% of data", "value": out[c.name]["reopen_read_fraction"],
+                "target": "<= 0.02", "ok": out[c.name]["reopen_read_fraction"] <= 0.02} for c in cases]
+    targets.append({"name": "cold reopen 10K V4.1 <= 1.5 x 10K toy", "value": ratio, "target": "<= 1.5",
+                    "ok": ratio <= 1.5})
+    targets += [{"name": f"{c.name} index <= 200 B/chunk", "value": out[c.name]["index_bytes_per_chunk"],
+                 "target": "<= 200", "ok": out[c.name]["index_bytes_per_chunk"] <= 200} for c in cases]
+    out["targets"] = targets
+    return out
+
+
+def _fill(data_dir: Path, case: Case) -> None:
+    spec = get_model(case.model)
+    layout = spec.layout
+    rng = np.random.default_rng(15)
+    payloads = [memoryview(rng.integers(0, 256, layout.chunk_bytes, dtype=np.uint8).tobytes())
+                for _ in range(PAYLOAD_VARIANTS)]
+    store = GlobalStore(_config(case.chunks, spec), data_dir, [spec])
+    try:
+        ns = store.namespace(TENANT, spec.name, REPLAY_MODE)
+        written = 0
+        while written < case.chunks:
+            n = min(CHUNKS_PER_PROMPT, case.chunks - written)
+            tokens = rng.integers(0, spec.vocab_size, n * layout.chunk_tokens, dtype=np.int64)
+            with store.begin_store(ns, store.tokens(ns, tokens)) as txn:
+                for i in txn.chunks_needed:
+                    txn.write(i, payloads[(written + i) % PAYLOAD_VARIANTS])
+                result = txn.commit()
+            if result.stored_chunks != n:
+                raise RuntimeError(f"the store kept {result.stored_chunks} of {n} chunks: {result}")
+            written += n
+    finally:
+        store.close()
+
+
+def _data_bytes(data_dir: Path) -> int:
+    return (data_dir / LMDB_SUBDIR / "data.mdb").stat().st_size
+
+
+def _remove(data_dir: Path) -> None:
+    for f in (data_dir / LMDB_SUBDIR).iterdir():
+        f.unlink()
+
+
+def _proc_field(path: str, name: str) -> int:
+    for line in Path(path).read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key == name:
+            return int(value.split()[0])
+    raise RuntimeError(f"{name} is not in {path}")
+
+
+def _reopen(data_dir: str, model: str, chunks: int, cold: bool) -> dict[str, float]:
+    """In a fresh process: time building the store over `data_dir` (after dropping its data file
+    from the page cache when `cold`), with the bytes read and the anonymous memory it grew by."""
+    from kvstore.keys.chain import load_kernel as load_chain_kernel
+    from kvstore.tiers.checksum import load_kernel as load_checksum_kernel
+
+    load_checksum_kernel()
+    load_chain_kernel()
+    spec = get_model(model)
+    if cold:
+        fd = os.open(Path(data_dir) / LMDB_SUBDIR / "data.mdb", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    gc.collect()
+    rss0 = _proc_field("/proc/self/status", "RssAnon") * 1024
+    read0 = _proc_field("/proc/self/io", "read_bytes")
+    t0 = time.perf_counter()
+    store = GlobalStore(_config(chunks, spec), Path(data_dir), [spec])
+    seconds = time.perf_counter() - t0
+    read = _proc_field("/proc/self/io", "read_bytes") - read0
+    rss = _proc_field("/proc/self/status", "RssAnon") * 1024 - rss0
+    found = store.stats().chunks
+    store.close()
+    if found != chunks:
+        raise RuntimeError(f"the reopened store found {found} of {chunks} chunks")
+    return {"seconds": seconds, "read_bytes": float(read), "rss_anon_growth": float(rss)}
