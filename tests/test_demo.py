@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import urllib.request
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvstore.cli import main
+from kvstore.observe.trace_file import TraceWriter
+from kvstore.observe.trace_recorder import TraceRecorder
+from kvstore.service.admin_server import start_admin
 from kvstore.workload.demo import embedded_service
 
 SMALL = ["--prompt-tokens", "300", "--turn-tokens", "112", "--reply-tokens", "4", "--device", "cpu"]
@@ -42,3 +48,49 @@ def test_demo_against_a_running_service(capsys: pytest.CaptureFixture[str]) -> N
     for line in ("── cold", "── warm", "── expired", "summary", "expired→replayed"):
         assert line in out, out
     assert "was not stored" in out  # a running service's clock cannot be moved: how expiry was made
+
+
+def test_the_dashboard_counts_the_requests_a_demo_made_not_its_calls(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two demo sessions against a running service make six engine requests (three Resumes each);
+    the client's pre-check Lookup before each Store and the demo's zero-token probe are calls, and
+    the dashboard, the ledger's request rows, the trace and `tune ttl` count them apart."""
+    trace = tmp_path / "trace.jsonl"
+    with embedded_service(None, "bounded", "cpu") as svc:
+        admin = start_admin(svc.app, "127.0.0.1", 0)
+        tracer = TraceRecorder(TraceWriter(trace), svc.app.layouts())
+        svc.app.observers.append(tracer)
+        try:
+            for seed in ("7", "8"):
+                assert main(["demo", "--target", svc.address, "--seed", seed, *SMALL]) == 0
+            svc.app.flush_observers()
+            st = _get_json(admin.url + "/api/stats")
+            ts = _get_json(admin.url + "/api/timeseries?window=300")
+            metrics = urllib.request.urlopen(admin.url + "/metrics", timeout=10).read().decode()
+        finally:
+            admin.close()
+            tracer.close()
+    totals = st["totals"]
+    assert totals["requests"] == 6, totals
+    assert totals["cases"] == {"cold": 2, "warm": 2, "expired": 2}
+    assert totals["side_calls"] == {"precheck": 6, "probe": 2}  # 3 Stores and 1 probe per session
+    assert sum(p["requests"] for p in ts["points"]) == 6
+    assert sum(sum(p["side_calls"].values()) for p in ts["points"]) == 8
+    rows = st["recent_requests"]
+    assert len(rows) == 6 and {r["method"] for r in rows} == {"resume"}
+    # Calls stay visible in /metrics by method: 8 Lookups, 6 Resumes; requests are the Resumes.
+    assert 'kvstore_rpc_seconds_count{code="OK",method="Lookup"} 8.0' in metrics
+    assert 'kvstore_rpc_seconds_count{code="OK",method="Resume"} 6.0' in metrics
+    assert 'kvstore_requests_total{case="cold",method="lookup"} 0.0' in metrics
+    assert 'kvstore_side_calls_total{method="Lookup",purpose="precheck"} 6.0' in metrics
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert len(lines) == 14 and sum(1 for x in lines if x.get("purpose")) == 8
+    capsys.readouterr()
+    assert main(["tune", "ttl", "--trace", str(trace), "--model", "reference-toy-8"]) == 0
+    out = capsys.readouterr()
+    assert "trace: 6 requests (8 pre-check/probe lookups left out), 2 sessions" in out.out, out.out
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())

@@ -5,7 +5,8 @@ metrics and the ledger count).
 `Observability` is what the service's composition root holds: append it to `app.observers` and
 it receives each `CallRecord` (`records.py`): method, tenant, status code, seconds, model, case,
 local state, the typed bills the call priced, its request id and the facts a Lookup or Resume
-learnt (`records.LookupFacts`).
+learnt (`records.LookupFacts`). A Lookup marked as a client's pre-check or a probe
+(`kvstore.wire.purposes`) is counted apart, never as a request.
 
 `Sampler` is a daemon thread that shows the ledger the store's occupancy once per interval, so
 byte-seconds integrate between requests too.
@@ -71,6 +72,10 @@ class Observability:
             self.explainer.local_stored(facts.namespace, facts.boundary_key, facts.ttl_seconds)
             return
         if call.bills is None:
+            return
+        if call.purpose:  # a pre-check or a probe: a call, not a request (kvstore/wire/purposes.py)
+            self.metrics.side_call(call.method, call.purpose)
+            self.ledger.side_call(call.tenant, call.purpose)
             return
         bills = call.bills
         method = _PRICED.get(call.method)

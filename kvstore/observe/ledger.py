@@ -31,6 +31,7 @@ from typing import Any
 from kvstore.layout import TIER_NAMES
 from kvstore.observe.records import CASES, LOCAL_OUTCOMES, OTHER_TENANT, PERSISTENT_TIERS, RequestRecord
 from kvstore.store.types import StoreStats
+from kvstore.wire.purposes import PURPOSES
 
 # --- occupancy, as shown to the ledger ---------------------------------------------------------------
 
@@ -110,6 +111,8 @@ class _Sums:
     """What is added up per tenant, per time bucket and in total."""
 
     requests: int = 0
+    # Lookups that were not requests (a client's pre-check, a probe), by purpose: shown, not priced.
+    side_calls: Counter[str] = field(default_factory=Counter)
     cases: Counter[str] = field(default_factory=Counter)
     local: Counter[str] = field(default_factory=Counter)
     hit_tokens: Counter[str] = field(default_factory=Counter)  # by tier
@@ -175,6 +178,7 @@ class _Sums:
         looked = self.prompt_tokens
         return {
             "requests": self.requests,
+            "side_calls": {p: self.side_calls[p] for p in PURPOSES},
             "cases": {c: self.cases[c] for c in CASES},
             "local": {o: self.local[o] for o in LOCAL_OUTCOMES},
             "hit_tokens": {t: self.hit_tokens[t] for t in TIER_NAMES},
@@ -251,6 +255,14 @@ class Ledger:
             self._tenant(rec.tenant).add(rec)
             self._bucket(now).sums.add(rec)
             self._recent.append((now, rec))
+
+    def side_call(self, tenant: str, purpose: str) -> None:
+        """A Lookup that was not a request (`purpose`: "precheck" | "probe"): counted apart."""
+        now = self._clock()
+        with self._lock:
+            self._advance(now)
+            for sums in (self._total, self._tenant(tenant), self._bucket(now).sums):
+                sums.side_calls[purpose] += 1
 
     def sample(self) -> None:
         """Read occupancy now: integrate the previous reading up to now, then keep this one."""

@@ -2,7 +2,8 @@
 
 Two ways in:
 - `Metrics` is the recorder the core calls for events: one priced request (`request`), a replay
-  (inside `request`), a finished RPC (`rpc`), bytes a Load moved (`load`). Its counters and
+  (inside `request`), a finished RPC (`rpc`), a Lookup that is not a request (`side_call`), bytes
+  a Load moved (`load`). Its counters and
   histograms live in the registry it was given.
 - `SourceCollector` (registered by `Metrics`) reads gauges and the counters that other parts
   already keep (the store's tier bytes, evictions, corrupt reads; the local pool's hits, misses,
@@ -69,6 +70,8 @@ RPC_CODES = (
     "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
     "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
 )
+# Lookups that are not engine requests (kvstore/wire/purposes.py).
+SIDE_CALL_PURPOSES = ("precheck", "probe", OTHER)
 TTL_KINDS = ("fixed", "sliding", "adaptive", OTHER)
 EVICTION_POLICIES = ("lru", "s3fifo", "cost-aware", OTHER)
 REPLAY_MODES = ("bounded", "exact", "off", OTHER)
@@ -384,6 +387,9 @@ class Metrics:
                                    "tier they came from.", ["tier", *t], registry=r)
         self.local_bytes_moved = Counter("kvstore_local_bytes_moved_total", "Local snapshot bytes moved to "
                                          "the engine.", registry=r)
+        self.side_calls = Counter("kvstore_side_calls_total", "Lookups that are not engine requests (a "
+                                  "client's pre-check before a Store, a probe), by purpose; not in "
+                                  "kvstore_requests_total.", ["method", "purpose"], registry=r)
         self.rpc_seconds = Histogram("kvstore_rpc_seconds", "gRPC call latency, by method and status code.",
                                      ["method", "code"], buckets=RPC_BUCKETS, registry=r)
         self.sources = sources or Sources()
@@ -439,6 +445,8 @@ class Metrics:
             self.replay_failures.labels(reason)
         for reason in MISS_REASONS:
             self.misses.labels(reason)
+        for purpose in SIDE_CALL_PURPOSES:
+            self.side_calls.labels("Lookup", purpose)
         for reason in LOCAL_MISS_REASONS:
             self.local_misses.labels(reason)
 
@@ -487,6 +495,10 @@ class Metrics:
         for tier, n in tier_bytes.items():
             if n:
                 self._child(self.bytes_moved, _label(tier, TIER_NAMES), *t).inc(n)
+
+    def side_call(self, method: str, purpose: str) -> None:
+        """A call that is not an engine request (a pre-check or a probe)."""
+        self._child(self.side_calls, _label(method, RPC_METHODS), _label(purpose, SIDE_CALL_PURPOSES)).inc()
 
     def rpc(self, method: str, code: str, seconds: float) -> None:
         labels = (_label(method, RPC_METHODS), _label(code, RPC_CODES))

@@ -99,6 +99,9 @@ class CallRecord:
     bills: Bills | None = None
     request_id: str = ""  # the caller's x-request-id, or one made up for it (echoed in the trailer)
     session: str = ""  # the caller's x-session-id, if it sent one
+    # "precheck" | "probe": a Lookup that is not an engine's request (kvstore/wire/purposes.py); the
+    # observers count it apart from requests. "": an engine request.
+    purpose: str = ""
     facts: LookupFacts | LocalWriteFacts | None = None  # what the miss explainer needs
     at: float | None = None  # the app's clock when the call finished (observers see it later)
 

@@ -40,6 +40,7 @@ from kvstore.client.sync_client import KvstoreClient
 from kvstore.client.types import ResumeResult
 from kvstore.errors import InvalidInput
 from kvstore.layout import TIER_NAMES
+from kvstore.wire.request_ids import new_request_id
 
 if TYPE_CHECKING:
     from replay.reference.model import ModelState, PrefillResult, ReferenceModel
@@ -194,16 +195,18 @@ class Turn:
 class Engine:
     """The engine side, played by the reference model: resume, prefill the rest, store back."""
 
-    def __init__(self, model: ReferenceModel, client: KvstoreClient, model_name: str, replay_mode: str) -> None:
+    def __init__(self, model: ReferenceModel, client: KvstoreClient, model_name: str, replay_mode: str,
+                 session: str | None = None) -> None:
         self.model = model
         self.client = client
         self.model_name = model_name
         self.replay_mode = replay_mode
+        self.session = session  # sent as x-session-id, so the request trace links the turns
 
     def request(self, prompt: np.ndarray) -> Turn:
         """Send `prompt`; return when its first token is known (what the TTFT measures)."""
         t0 = time.perf_counter()
-        r = self.client.resume(self.model_name, prompt, self.replay_mode)
+        r = self.client.resume(self.model_name, prompt, self.replay_mode, session=self.session)
         t1 = time.perf_counter()
         toks = prompt.astype(np.int64)
         if r.hit_tokens and r.snapshot is not None:
@@ -307,7 +310,7 @@ def _session(address: str, opts: DemoOptions, say: Say, on_case: Callable[[CaseR
     rng = np.random.default_rng(seed)
     with KvstoreClient(address, token=opts.token, timeout_seconds=120.0) as client:
         client.wait_ready(10.0)
-        probe = client.lookup(MODEL, np.zeros(0, dtype="<u4"), opts.replay_mode)
+        probe = client.lookup(MODEL, np.zeros(0, dtype="<u4"), opts.replay_mode, purpose="probe")
         say(f"loading the reference model '{MODEL}' (the engine side of the demo)")
         model = load_engine_model(probe.chunk_tokens, opts.device)
         lay = model.layout
@@ -315,7 +318,7 @@ def _session(address: str, opts: DemoOptions, say: Say, on_case: Callable[[CaseR
             raise InvalidInput(f"the service's '{MODEL}' layout is not the reference model's at "
                                f"{probe.chunk_tokens}-token chunks")
         warm_up(model)
-        engine = Engine(model, client, MODEL, opts.replay_mode)
+        engine = Engine(model, client, MODEL, opts.replay_mode, session=f"demo-{new_request_id()}")
         cases: dict[str, CaseReport] = {}
         vocab = model.cfg.vocab_size
         prompt = rng.integers(0, vocab, opts.prompt_tokens).astype("<u4")
