@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from kvstore.observe.explainer import Explainer
 from kvstore.observe.ledger import Ledger
-from kvstore.observe.metrics import MISS_REASONS, Metrics, replay_failure
+from kvstore.observe.metrics import LOCAL_MISS_REASONS, MISS_REASONS, Metrics, replay_failure
 from kvstore.observe.records import (
     CASES,
     LOCAL_OUTCOMES,
@@ -114,8 +114,11 @@ class Observability:
         miss = exp.first_miss_reason
         if miss and miss not in MISS_REASONS:
             miss = "other"
-        if (miss, exp.local_reason) != (rec.miss_reason, rec.local_reason):  # a warm hit has neither
-            rec = dataclasses.replace(rec, miss_reason=miss, local_reason=exp.local_reason)
+        local = exp.local_reason
+        if local and local not in LOCAL_MISS_REASONS:
+            local = "other"
+        if (miss, local) != (rec.miss_reason, rec.local_reason):  # a warm hit has neither
+            rec = dataclasses.replace(rec, miss_reason=miss, local_reason=local)
         self.metrics.request(rec)
         self.ledger.record(rec)
         return rec
