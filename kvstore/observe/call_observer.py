@@ -94,7 +94,7 @@ class Observability:
             ok = lookup.replay_status == "replayed"
             # The raw status stays in the explanation; counters get a fixed set of reasons.
             failure = None if ok else replay_failure(lookup.replay_status)
-            replay = ReplaySummary(lookup.replay_seconds, bills.replay_tokens, failure)
+            replay = ReplaySummary(lookup.replay_seconds, bills.replay_tokens, failure, lookup.replay_shared)
         rec = RequestRecord(
             request_id=call.request_id, method=method,  # type: ignore[arg-type]
             tenant=call.tenant, model=call.model, case=case,  # type: ignore[arg-type]

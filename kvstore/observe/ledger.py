@@ -121,7 +121,8 @@ class _Sums:
     prefill_tokens_avoided: int = 0
     prefill_flops_avoided: float = 0.0
     prefill_tokens: int = 0
-    replays: int = 0
+    replays: int = 0  # replays run
+    replays_shared: int = 0  # requests served another request's replay (none ran for them)
     replay_failures: Counter[str] = field(default_factory=Counter)
     replay_tokens: int = 0
     replay_flops: float = 0.0
@@ -150,7 +151,9 @@ class _Sums:
         self.prefill_tokens += b.prefill_tokens
         self.replay_tokens += b.replay_tokens
         self.replay_flops += b.replay_flops
-        if rec.replay is not None:
+        if rec.replay is not None and rec.replay.shared:
+            self.replays_shared += 1
+        elif rec.replay is not None:
             self.replays += 1
             if rec.replay.seconds is not None:
                 self.latency.add(rec.replay.seconds)
@@ -189,7 +192,8 @@ class _Sums:
             "prefill_flops_avoided": self.prefill_flops_avoided,
             "prefill_tokens": self.prefill_tokens,
             "replay": {
-                "count": self.replays, "tokens": self.replay_tokens, "flops": self.replay_flops,
+                "count": self.replays, "shared": self.replays_shared, "tokens": self.replay_tokens,
+                "flops": self.replay_flops,
                 "failures": dict(self.replay_failures), **self.latency.percentiles(),
             },
             "bytes_moved": {t: self.bytes_moved[t] for t in TIER_NAMES},

@@ -392,13 +392,16 @@ class Metrics:
                                     "not held.", ["reason"], registry=r)
         self.misses = Counter("kvstore_lookup_misses_total", "Why the first uncached full chunk of a "
                               "request missed.", ["reason"], registry=r)
-        self.replays = Counter("kvstore_replays_total", "Bounded replays run, by result.", ["result"],
-                               registry=r)
-        self.replay_failures = Counter("kvstore_replay_failures_total", "Replays that did not rebuild "
+        self.replays = Counter("kvstore_replays_total", "Replays run, by result (one per replay, however "
+                               "many callers it served).", ["result"], registry=r)
+        self.replays_shared = Counter("kvstore_replay_shared_total", "Callers served another caller's replay "
+                                      "(coalesced onto one in flight or just finished), by its result; not "
+                                      "in kvstore_replays_total.", ["result"], registry=r)
+        self.replay_failures = Counter("kvstore_replay_failures_total", "Replays run that did not rebuild "
                                        "local state, by reason.", ["reason"], registry=r)
         self.replay_tokens = Counter("kvstore_replay_tokens_total", "Tokens replayed to rebuild local "
                                      "state (the replay compute bill).", t, registry=r)
-        self.replay_seconds = Histogram("kvstore_replay_seconds", "Time to rebuild local state by replay.",
+        self.replay_seconds = Histogram("kvstore_replay_seconds", "Time to rebuild local state by a replay run.",
                                         buckets=REPLAY_BUCKETS, registry=r)
         self.prefill_avoided = Counter("kvstore_prefill_tokens_avoided_total", "Prompt tokens the engine "
                                        "did not prefill because their global KV hit.", t, registry=r)
@@ -465,6 +468,7 @@ class Metrics:
                 self.prefill_tokens.labels(*t)
         for res in REPLAY_RESULTS:
             self.replays.labels(res)
+            self.replays_shared.labels(res)
         for reason in REPLAY_FAILURES:
             self.replay_failures.labels(reason)
         for reason in MISS_REASONS:
@@ -503,10 +507,14 @@ class Metrics:
         if b.replay_tokens:
             self._tc(self.replay_tokens, t).inc(b.replay_tokens)
         if rec.replay is not None:
-            self.replay(rec.replay.seconds, rec.replay.failure)
+            self.replay(rec.replay.seconds, rec.replay.failure, rec.replay.shared)
 
-    def replay(self, seconds: float | None, failure: str | None) -> None:
-        """A replay finished (its tokens are counted with the request's bills); `seconds` None: untimed."""
+    def replay(self, seconds: float | None, failure: str | None, shared: bool = False) -> None:
+        """A replay finished (its tokens are counted with the request's bills); `seconds` None: untimed.
+        `shared`: the caller was served another caller's replay, counted apart from replays run."""
+        if shared:
+            self._child(self.replays_shared, "ok" if failure is None else "failed").inc()
+            return
         if seconds is not None:
             self.replay_seconds.observe(max(0.0, seconds))
         self._child(self.replays, "ok" if failure is None else "failed").inc()

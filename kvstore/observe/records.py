@@ -27,6 +27,7 @@ class LookupFacts:
     has_local_state: bool = True  # False: the model keeps none (e.g. a dense GQA model)
     replay_status: str = ""  # the coordinator's outcome ("" when no replay was tried)
     replay_seconds: float = 0.0
+    replay_shared: bool = False  # served another caller's replay (coalesced): none ran for this one
     replay_mode: str = ""
     window_tokens: int = 0  # the replay window (the layout's SWA window)
     # Whether each missed chunk (miss_keys[j]) was held when the call answered: a chunk behind the
@@ -124,6 +125,7 @@ class ReplaySummary:
     seconds: float | None  # None: the caller did not time it
     tokens: int
     failure: str | None = None  # None: the replay rebuilt the local state
+    shared: bool = False  # another caller's replay served this request (coalesced): none ran for it
 
 
 @dataclass(frozen=True)
@@ -153,5 +155,6 @@ class RequestRecord:
             "miss_reason": self.miss_reason, "local_reason": self.local_reason,
             "time": wall_time, "bills": self.bills.to_json(),
             "replay": None if self.replay is None else {
-                "seconds": self.replay.seconds, "tokens": self.replay.tokens, "failure": self.replay.failure},
+                "seconds": self.replay.seconds, "tokens": self.replay.tokens, "failure": self.replay.failure,
+                "shared": self.replay.shared},
         }
