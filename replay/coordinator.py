@@ -442,6 +442,9 @@ def build_coordinator(parts: ReplayParts) -> BuiltReplay | None:
     if cfg.runner == "reference":
         configs = reference_configs(parts.models.values(), parts.chunk_tokens, cfg.reference_seed)
         if configs:
+            from replay.threads import use_threads
+
+            use_threads(cfg.threads)  # before the model loads: deliberately, not torch's one per core
             runners.append(InProcessRunner(configs, device_option(cfg.device), cfg.max_batch))
             inprocess = frozenset(configs)
         else:
