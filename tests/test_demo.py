@@ -121,3 +121,24 @@ def test_on_a_loaded_machine_the_demo_keeps_its_story(capsys: pytest.CaptureFixt
 def _get_json(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.loads(r.read())
+
+
+def test_flag_errors_name_the_flag_and_come_before_the_intro(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import torch
+
+    with socket.socket() as s:  # a port with nothing listening on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["demo", "--target", f"127.0.0.1:{port}", *SMALL]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""  # no intro before the error
+    assert f"--target 127.0.0.1:{port}" in out.err and "nothing answered within 2 s" in out.err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA
+    assert main(["demo", *SMALL[:-2], "--device", "cuda"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("kvstore demo: --device cuda: ") and "replay.device" not in out.err
+    assert main(["demo", "--repeats", "0"]) == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err

@@ -424,12 +424,15 @@ class KvstoreClient:
             raise
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
 
-    def wait_ready(self, timeout_seconds: float = 10.0) -> None:
-        """Block until the channel connects (or raise UnavailableError)."""
+    def wait_ready(self, timeout_seconds: float = 2.0) -> None:
+        """Block until the channel connects, or raise UnavailableError naming the address. A local
+        or LAN service connects in milliseconds: failing within 2 s beats a silent wait."""
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_seconds)
         except grpc.FutureTimeoutError:
-            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no service at {self.target}", "connect") from None
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no service at {self.target}: nothing answered "
+                                   f"within {timeout_seconds:g} s (is `kvstore serve` running there?)",
+                                   "connect") from None
 
     def _request_metadata(
         self, method: str, request_id: str | None, session: str | None, purpose: str = ""

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvstore.errors import InvalidInput, KvstoreError
 from kvstore.layout import TIER_NAMES
 
 if TYPE_CHECKING:  # the demo module loads grpc; `kvstore --help` should not
@@ -112,6 +113,31 @@ def summary_table(r: DemoReport) -> str:
     return "\n".join(lines)
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse what cannot work, naming the flag: bad counts, a CUDA device that is not there, a
+    target that does not answer (within 2 s, not a silent wait)."""
+    for flag in ("prompt_tokens", "turn_tokens", "reply_tokens", "repeats"):
+        if getattr(args, flag) < 1:
+            raise InvalidInput(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.threads < 0:
+        raise InvalidInput(f"--threads must be 0 (auto) or more, got {args.threads}")
+    if args.device == "cuda":
+        from replay.reference.model import usable_device
+
+        try:
+            usable_device("cuda")
+        except KvstoreError as e:
+            raise InvalidInput(f"--device cuda: {e}") from None
+    if args.target:
+        from kvstore.client.sync_client import KvstoreClient
+
+        with KvstoreClient(args.target, token=args.token) as client:
+            try:
+                client.wait_ready()
+            except KvstoreError as e:
+                raise InvalidInput(f"--target {args.target}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from kvstore.workload.demo import DemoOptions, run_demo
 
@@ -123,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     def on_case(c: CaseReport) -> None:
         print("\n" + case_table(c) + "\n", file=out, flush=True)
 
+    check_flags(args)  # before the intro: a wrong flag is the first and only thing said
     opts = DemoOptions(
         target=args.target, token=args.token, data_dir=args.data_dir, prompt_tokens=args.prompt_tokens,
         turn_tokens=args.turn_tokens, reply_tokens=args.reply_tokens, replay_mode=args.replay_mode,

@@ -357,7 +357,7 @@ def _session(address: str, opts: DemoOptions, say: Say, on_case: Callable[[CaseR
     rng = np.random.default_rng(seed)
     load_before = _load_average()
     with KvstoreClient(address, token=opts.token, timeout_seconds=120.0) as client:
-        client.wait_ready(10.0)
+        client.wait_ready()
         probe = client.lookup(MODEL, np.zeros(0, dtype="<u4"), opts.replay_mode, purpose="probe")
         say(f"loading the reference model '{MODEL}' (the engine side of the demo)")
         model = load_engine_model(probe.chunk_tokens, opts.device, opts.threads)
