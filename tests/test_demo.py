@@ -48,6 +48,7 @@ def test_demo_against_a_running_service(capsys: pytest.CaptureFixture[str]) -> N
         assert main(["demo", "--target", svc.address, "--seed", "7", *SMALL]) == 0
     out = capsys.readouterr().out
     assert out.startswith("kvstore demo: one agent session")  # what the three cases mean, first
+    assert out.count("  request ids ") == 3  # one line per case: the ids `kvstore explain` takes
     for line in ("── cold", "── warm", "── expired", "summary", "expired→replayed"):
         assert line in out, out
     assert "was not stored" in out  # a running service's clock cannot be moved: how expiry was made
@@ -70,6 +71,9 @@ def test_the_dashboard_counts_the_requests_a_demo_made_not_its_calls(
             st = _get_json(admin.url + "/api/stats")
             ts = _get_json(admin.url + "/api/timeseries?window=300")
             metrics = urllib.request.urlopen(admin.url + "/metrics", timeout=10).read().decode()
+            demo_out = capsys.readouterr()
+            assert main(["stats", "--target", svc.address, "--recent", "4", "--admin", admin.url]) == 0
+            recent_out = capsys.readouterr().out
         finally:
             admin.close()
             tracer.close()
@@ -82,6 +86,11 @@ def test_the_dashboard_counts_the_requests_a_demo_made_not_its_calls(
     assert sum(sum(p["side_calls"].values()) for p in ts["points"]) == n + 2
     rows = st["recent_requests"]
     assert len(rows) == n and {r["method"] for r in rows} == {"resume"}
+    # The demo printed the ids of the requests it made; `kvstore stats --recent` lists them too.
+    printed = {i for line in demo_out.out.splitlines() if line.startswith("  request ids ")
+               for i in line.split(None, 2)[2].split(", ")}
+    assert printed == {r["request_id"] for r in rows}
+    assert recent_out.count("resume") == 4 and all(r["request_id"] in recent_out for r in rows[:4])
     # Calls stay visible in /metrics by method; requests are the Resumes.
     assert f'kvstore_rpc_seconds_count{{code="OK",method="Lookup"}} {n + 2}.0' in metrics
     assert f'kvstore_rpc_seconds_count{{code="OK",method="Resume"}} {n}.0' in metrics

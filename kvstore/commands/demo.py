@@ -84,6 +84,7 @@ def case_table(c: CaseReport) -> str:
         ("local state", c.label),
         ("vs. a cold run", _agreement(c)),
         ("stored afterwards", f"{c.store_ms:,.1f} ms (not in the TTFT)"),
+        ("request id" + ("s" if len(c.request_ids) > 1 else ""), ", ".join(c.request_ids)),
     ]
     head = f"── {c.case}: {c.prompt_tokens:,}-token prompt " + "─" * max(0, 40 - len(c.case))
     return "\n".join([head] + [f"  {k:<21} {v}" for k, v in rows])

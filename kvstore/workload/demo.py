@@ -88,6 +88,7 @@ class CaseReport:
     max_abs_logit_delta: float
     compared_tokens: int  # 0 for the cold case: it is the cold run
     ttft_ms_runs: tuple[float, ...] = ()  # each session's time to first token, in order
+    request_ids: tuple[str, ...] = ()  # each session's Resume, for `kvstore explain ID`
 
     @property
     def label(self) -> str:
@@ -311,6 +312,7 @@ def case_report(case: str, prompt: np.ndarray, turn: Turn, agreement: Agreement)
         ttft_ms=round(turn.ttft_ms, 3), resume_ms=round(turn.resume_ms, 3), prefill_ms=round(turn.prefill_ms, 3),
         store_ms=round(turn.store_ms, 3), bytes_loaded=loaded, top1_agreement=agreement.top1,
         max_abs_logit_delta=agreement.max_abs_logit_delta, compared_tokens=agreement.compared,
+        request_ids=(r.request_id,),
     )
 
 
@@ -435,4 +437,5 @@ def _median_case(runs: list[CaseReport]) -> CaseReport:
         runs[0], ttft_ms=med("ttft_ms"), resume_ms=med("resume_ms"), prefill_ms=med("prefill_ms"),
         store_ms=med("store_ms"), top1_agreement=worst.top1_agreement,
         max_abs_logit_delta=worst.max_abs_logit_delta, ttft_ms_runs=tuple(r.ttft_ms for r in runs),
+        request_ids=tuple(i for r in runs for i in r.request_ids),
     )
