@@ -134,14 +134,15 @@ def run_replay_bench(args: argparse.Namespace) -> dict[str, Any]:
         targets.append({"name": f"expired / cold time to first token at {TARGET_PREFIX:,} tokens", "value": ratio,
                         "target": f"<= {TARGET_RATIO}", "ok": ratio <= TARGET_RATIO})
     result["targets"] = targets
-    _table(result)
+    result["tables"] = _table(result)
     return result
 
 
-def _table(result: dict[str, Any]) -> None:
-    _say(f"time to first token on {result.get('device', '?')} ({result['replay_mode']} replay, "
-         f"{result['turn_tokens']} new tokens per request)")
-    _say(f"  {'prefix':>8} {'cold ms':>12} {'warm ms':>10} {'expired ms':>11} {'expired/cold':>13}")
+def _table(result: dict[str, Any]) -> str:
+    lines = [f"time to first token on {result.get('device', '?')} ({result['replay_mode']} replay, "
+             f"{result['turn_tokens']} new tokens per request)",
+             f"  {'prefix':>8} {'cold ms':>12} {'warm ms':>10} {'expired ms':>11} {'expired/cold':>13}"]
     for n, row in result["prefixes"].items():
-        _say(f"  {int(n):>8,} {row['cold']['ttft_ms']:>12,.1f} {row['warm']['ttft_ms']:>10,.1f} "
-             f"{row['expired']['ttft_ms']:>11,.1f} {row['expired_over_cold']:>13.3f}")
+        lines.append(f"  {int(n):>8,} {row['cold']['ttft_ms']:>12,.1f} {row['warm']['ttft_ms']:>10,.1f} "
+                     f"{row['expired']['ttft_ms']:>11,.1f} {row['expired_over_cold']:>13.3f}")
+    return "\n".join(lines)
