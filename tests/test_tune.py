@@ -236,6 +236,13 @@ def test_cli_on_a_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["tune", "ttl", "--trace", str(path)]) == 0
     table = capsys.readouterr().out
     assert "recommended TTL" in table and "adaptive" in table and "sliding" in table
+    # Each recommendation says what it is and why it is listed, the cheaper one first.
+    lines = table.splitlines()
+    labels = [i for i, line in enumerate(lines) if line.startswith(("  sliding at the least-cost TTL:",
+                                                                     "  fixed at the same TTL:"))]
+    assert len(labels) == 2
+    costs = [float(lines[i + 1].split()[-1]) for i in labels]
+    assert costs == sorted(costs)
 
 
 def test_cli_synthetic_and_save(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

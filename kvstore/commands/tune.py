@@ -141,6 +141,21 @@ def _row(r: TtlEvaluation) -> str:
             f"{r.byte_seconds:>14.4g} {r.replay_cost:>12.4g} {r.hold_cost:>12.4g} {r.total_cost:>12.4g}")
 
 
+def _labelled(rep: TuneReport) -> list[str]:
+    """The recommendations, each with what it is and why it is listed, cheapest first."""
+    items = [
+        ("sliding at the least-cost TTL", "the TTL that minimises total cost under sliding semantics (every "
+         "access restarts it): set ttl_seconds to it with kind = \"sliding\"", rep.recommended),
+        ("fixed at the same TTL", "the same TTL from each write only, for kind = \"fixed\"; it differs only "
+         "on retries at an unchanged boundary", rep.recommended_fixed),
+    ]
+    items.sort(key=lambda x: x[2].total_cost)
+    out = []
+    for label, why, r in items:
+        out += [f"  {label}: {why}", _row(r)]
+    return out
+
+
 def format_report(rep: TuneReport, side_calls: int = 0) -> str:
     """The report as text; `side_calls`: pre-check and probe lookups left out of the trace."""
     c = rep.cost
@@ -160,9 +175,8 @@ def format_report(rep: TuneReport, side_calls: int = 0) -> str:
     lines += [_row(r) for r in rep.rows]
     lines += [
         "",
-        f"recommended TTL (least total cost, within [{c.min_ttl_seconds:g}, {c.max_ttl_seconds:g}] s):",
-        _row(rep.recommended),
-        _row(rep.recommended_fixed),
+        f"recommended TTLs (within [{c.min_ttl_seconds:g}, {c.max_ttl_seconds:g}] s), cheapest first:",
+        *_labelled(rep),
         "adaptive policy over this trace (sliding, TTL learned per tenant):",
         _row(rep.adaptive),
         "  final TTL per tenant: "
