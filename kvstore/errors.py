@@ -27,6 +27,25 @@ class ConfigError(KvstoreError, ValueError):
         self.problem = problem
 
 
+class ConfigErrors(ConfigError):
+    """Several config errors found in one pass, all reported at once (the first one's key is `key`)."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        assert errors
+        super().__init__(errors[0].key, errors[0].problem)
+        self.errors = errors
+        if len(errors) > 1:
+            self.args = (f"{len(errors)} problems:\n" + "\n".join(f"  {e}" for e in errors),)
+
+
+class ConfigFileError(ConfigError):
+    """The config file cannot be read, or is not TOML: said as such, not as a key."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__("<file>", problem)
+        self.args = (problem,)
+
+
 class UnknownModel(InvalidInput):
     """A model or layout name that is not registered."""
 

@@ -195,7 +195,8 @@ class ReplayCoordinator:
             self._c.bump("requests")
             recent = self._recent_outcome(fkey, self._clock())
             if recent is not None:
-                self._tickets[ticket] = _Admission(fkey, None, ReplayOutcome(recent.snapshot, 0, recent.status))
+                self._tickets[ticket] = _Admission(fkey, None, ReplayOutcome(recent.snapshot, 0, recent.status,
+                                                                             shared=True))
                 return ticket
             flight = self._flights.get(fkey)
             if flight is None:
@@ -291,9 +292,9 @@ class ReplayCoordinator:
             got = flight.future.result(timeout=max(0.0, budget))
         except cf.TimeoutError:
             self._bump("timeouts")
-            return ReplayOutcome(None, 0, TIMEOUT)
+            return ReplayOutcome(None, 0, TIMEOUT, shared=True)
         # The leader's request carries the replay's compute bill; this one spent nothing.
-        return ReplayOutcome(got.snapshot, 0, got.status)
+        return ReplayOutcome(got.snapshot, 0, got.status, shared=True)
 
     # --- one replay -----------------------------------------------------------------------------
 
@@ -441,6 +442,9 @@ def build_coordinator(parts: ReplayParts) -> BuiltReplay | None:
     if cfg.runner == "reference":
         configs = reference_configs(parts.models.values(), parts.chunk_tokens, cfg.reference_seed)
         if configs:
+            from replay.threads import use_threads
+
+            use_threads(cfg.threads)  # before the model loads: deliberately, not torch's one per core
             runners.append(InProcessRunner(configs, device_option(cfg.device), cfg.max_batch))
             inprocess = frozenset(configs)
         else:

@@ -44,6 +44,9 @@ class ReplayOutcome:
     snapshot: bytes | None  # the rebuilt local snapshot at the boundary, or None
     replay_tokens: int  # tokens actually run through the runner (0 when nothing ran)
     status: str  # REPLAYED, or why not
+    # True: this caller was handed another caller's replay (coalesced: one in flight, or one that
+    # finished moments ago), so no replay ran for it. Metrics count replays run, not callers served.
+    shared: bool = False
 
 
 @dataclass(frozen=True, eq=False)

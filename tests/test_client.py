@@ -139,7 +139,6 @@ def test_check_config_prints_effective_settings_and_the_ttl_policy(tmp_path: Pat
     ("[service]\nmodels = [\"gpt-17\"]\n", "service.models[0]"),
     ("[service]\ntls_cert_file = \"missing.pem\"\ntls_key_file = \"missing.key\"\n", "service.tls_cert_file"),
     ("[local_pool.ttl]\nkind = \"forever\"\n", "local_pool.ttl.kind"),
-    ("this is not toml", "<file>"),
 ])
 def test_check_config_names_the_bad_key(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
                                         key: str) -> None:
@@ -147,6 +146,40 @@ def test_check_config_names_the_bad_key(tmp_path: Path, capsys: pytest.CaptureFi
     path.write_text(text)
     assert main(["check-config", str(path)]) == 2
     assert f"'{key}'" in capsys.readouterr().err
+
+
+def test_check_config_reports_every_error_at_once_with_suggestions(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[local_pool.ttl]\nttl_secnds = 5\nkind = "weird"\n[replay]\nmode = "nope"\n'
+                    '[store]\nchunk_tokens = "x"\n')
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvstore check-config: 4 problems:")
+    for key in ("local_pool.ttl.ttl_secnds", "local_pool.ttl.kind", "replay.mode", "store.chunk_tokens"):
+        assert f"'{key}'" in err, err
+    assert "did you mean 'ttl_seconds'?" in err
+
+
+def test_check_config_says_file_and_syntax_errors_as_such(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("this is not toml")
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"config file {path} is not valid TOML" in err and "config key" not in err
+    assert main(["check-config", str(tmp_path / "missing.toml")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read config file" in err and "No such file" in err and "config key" not in err
+
+
+def test_check_config_warns_about_contradictory_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "odd.toml"
+    path.write_text("[local_pool.ttl]\nttl_seconds = 5000\nmax_ttl_seconds = 3600\n")
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr()
+    assert "warning: local_pool.ttl.ttl_seconds = 5000 is outside" in out.err and "(1 warning(s))" in out.out
+    assert main(["check-config", str(path), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["warnings"]) == 1
 
 
 def test_stats_command_against_a_running_service(service: Service, capsys: pytest.CaptureFixture[str]) -> None:

@@ -124,6 +124,11 @@ def test_the_dashboard_renders_every_chart_with_data(browser: Any, served: tuple
         assert page.eval_on_selector_all("#requests-table tbody tr", "els => els.length") == 12
         assert page.eval_on_selector_all("#tenants-table tbody tr", "els => els.length") == 3
         assert page.eval_on_selector_all("#requests-table .badge", "els => els.map(e => e.textContent)")
+        # The miss column says what happened: a request that hit misses only its new tail.
+        why = page.eval_on_selector_all("#requests-table tbody tr", "els => els.map(e => [e.querySelector("
+                                        "'.badge').textContent, e.lastElementChild.textContent])")
+        assert not any("never stored" in w for c, w in why if c != "cold"), why
+        assert all(w.startswith(("new tail", "local state")) for c, w in why if c == "warm" and w), why
         # Top eviction and miss reasons, and the policy in force.
         assert "device · capacity" in page.inner_text("#evictions")
         assert "local ttl expired" in page.inner_text("#misses")

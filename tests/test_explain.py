@@ -163,7 +163,7 @@ def test_local_state_pushed_out_early_never_stored_pool_down_and_no_pool(ex: Exp
     assert ex.explain_local(d, keys[1], "absent")[0] == "evicted"
     assert ex.explain_local(d, keys[0], "absent")[0] == "never_stored"
     assert ex.explain_local(d, keys[1], "breaker-open") == (
-        "breaker-open", "the local pool is down (its circuit breaker is open, so it was not asked): "
+        "breaker_open", "the local pool is down (its circuit breaker is open, so it was not asked): "
         "treated as a local miss")
     assert ex.explain_local(d, keys[1], "timeout")[0] == "timeout"
     assert ex.explain_local(d, keys[1], "no_pool")[0] == "no_pool"

@@ -162,15 +162,39 @@ def test_expired_resume_with_a_replay_and_one_that_fails(reg: CollectorRegistry)
     assert value(reg, "kvstore_local_state_total", outcome="replayed") == 1
     assert value(reg, "kvstore_local_state_total", outcome="expired") == 1
     assert value(reg, "kvstore_local_misses_total", reason="ttl_expired") == 1
-    assert value(reg, "kvstore_local_misses_total", reason="breaker-open") == 1
+    assert value(reg, "kvstore_local_misses_total", reason="breaker_open") == 1
+
+
+def test_every_label_value_is_snake_case_and_reasons_do_not_overlap(reg: CollectorRegistry) -> None:
+    """One spelling for every label value, whatever the producing part calls it ("breaker-open"),
+    and one local-miss reason per cause: the pool's coarse "expired" / "absent" are refined into
+    ttl_expired / evicted / never_stored, never counted beside them."""
+    import re
+
+    from kvstore.local_pool.base import PoolStats
+    from kvstore.observe.metrics import LOCAL_MISS_REASONS, Sources
+
+    stats = PoolStats(backend="redis", hits=1, misses={"breaker-open": 2, "expired": 1}, writes=1,
+                      skipped_writes={"no-room": 1, "breaker-open": 1}, errors=0, refreshes=0, deletes=0,
+                      bytes_written=1, bytes_read=1, evictions=0, expirations=0, entries=1, used_bytes=1,
+                      capacity_bytes=2, breaker_state="half-open", breaker_opens=1)
+    Metrics(reg, sources=Sources(pool=lambda: stats))
+    values = {v for fam in reg.collect() for smp in fam.samples for k, v in smp.labels.items()
+              if k not in ("version", "le", "tenant")}
+    bad = {v for v in values if not re.fullmatch(r"[a-z0-9_]+|[A-Z_]+|[A-Za-z]+", v)}
+    assert not bad, bad
+    assert {"breaker_open", "no_room", "half_open", "no_runner", "prefix_gone"} <= values
+    assert value(reg, "kvstore_pool_misses_total", reason="breaker_open") == 2
+    assert value(reg, "kvstore_pool_breaker_state", state="half_open") == 1
+    assert not {"expired", "absent"} & set(LOCAL_MISS_REASONS)
 
 
 def test_replay_failure_reasons_come_from_a_fixed_set() -> None:
     from kvstore.observe.metrics import replay_failure
 
-    assert replay_failure("timeout") == "timeout" and replay_failure("no-runner") == "no-runner"
+    assert replay_failure("timeout") == "timeout" and replay_failure("no-runner") == "no_runner"
     assert replay_failure("resource_exhausted: 4 replays in flight for tenant acme") == "overload"
-    assert replay_failure("prefix no longer cached") == replay_failure("prefix shrank while loading") == "prefix-lost"
+    assert replay_failure("prefix no longer cached") == replay_failure("prefix shrank while loading") == "prefix_lost"
     assert replay_failure("wrong snapshot size") == "other"
 
 
@@ -178,10 +202,10 @@ def test_a_prefix_gone_under_the_replay_has_its_own_label(reg: CollectorRegistry
     from kvstore.observe.metrics import replay_failure
     from replay.coordinator import PREFIX_GONE
 
-    assert replay_failure(PREFIX_GONE) == "prefix-gone"
+    assert replay_failure(PREFIX_GONE) == "prefix_gone"
     m = Metrics(reg)
     m.replay(0.01, PREFIX_GONE)
-    assert value(reg, "kvstore_replay_failures_total", reason="prefix-gone") == 1
+    assert value(reg, "kvstore_replay_failures_total", reason="prefix_gone") == 1
     assert value(reg, "kvstore_replay_failures_total", reason="other") == 0
 
 

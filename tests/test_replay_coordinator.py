@@ -401,3 +401,24 @@ def test_a_request_just_behind_a_finished_replay_reuses_it(rig: Rig, inproc: InP
     assert (second.status, second.snapshot, second.replay_tokens) == (REPLAYED, first.snapshot, 0)
     c = co.counters()
     assert (c.replays_started, c.coalesced) == (1, 1)
+
+
+def test_replay_threads_are_chosen_deliberately() -> None:
+    """`replay.threads`: 0 picks 1 to 4 threads for the machine, a number is taken as is, anything
+    else is refused naming the key; the in-process runner applies it before the model loads."""
+    import torch
+
+    from kvstore.config import parse_config
+    from kvstore.errors import ConfigError
+    from replay.threads import MAX_AUTO_THREADS, resolve_threads, usable_cpus, use_threads
+
+    assert 1 <= resolve_threads(0) <= MAX_AUTO_THREADS and resolve_threads(0) <= usable_cpus()
+    assert resolve_threads(3) == 3
+    assert parse_config({"replay": {"threads": 2}}).replay.threads == 2
+    with pytest.raises(ConfigError, match=r"replay\.threads"):
+        parse_config({"replay": {"threads": -1}})
+    before = torch.get_num_threads()
+    try:
+        assert use_threads(1) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

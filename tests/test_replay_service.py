@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +22,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client.sync_client import KvstoreClient, ResourceExhaustedError
 from kvstore.config import KvstoreConfig
 from kvstore.layout import register_model
+from kvstore.service.admin_server import start_admin
 from kvstore.service.app import App
 from kvstore.workload.demo import Engine, OffsetClock
 from replay.coordinator import ReplayCoordinator
@@ -175,6 +178,7 @@ def test_ten_identical_concurrent_expired_resumes_replay_once(make_rig: Callable
     gated: list[GatedRunner] = []
     # A bound of one replay per tenant: the ten coalesce into one replay, so none is refused.
     rig = make_rig(config(replay={"per_tenant_concurrency": 1}), runner_factory=gated_factory(gated))
+    admin = start_admin(rig.app, "127.0.0.1", 0)
     prompt = _expired_boundary(rig, 10)
     results: list[Any] = []
     threads = [threading.Thread(target=lambda: results.append(rig.client.resume(NAME, prompt))) for _ in range(10)]
@@ -191,6 +195,19 @@ def test_ten_identical_concurrent_expired_resumes_replay_once(make_rig: Callable
     c = co.counters()
     assert (c.replays_started, c.replays_ok, c.coalesced, gated[0].gate.batches) == (1, 1, 9, [1])
     assert (c.rejected, c.in_flight, c.tickets_held) == (0, 0, 0)
+    # The metrics count the one replay run, and the nine callers it also served apart.
+    rig.app.flush_observers()
+    try:
+        with urllib.request.urlopen(admin.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        admin.close()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert got[("kvstore_replays_total", (("result", "ok"),))] == 1
+    assert got[("kvstore_replays_total", (("result", "failed"),))] == 0
+    assert got[("kvstore_replay_shared_total", (("result", "ok"),))] == 9
+    assert got[("kvstore_replay_seconds_count", ())] == 1
 
 
 def test_per_tenant_replay_limit_is_reported_as_resource_exhausted(make_rig: Callable[..., Rig]) -> None:

@@ -31,7 +31,7 @@ def test_the_trace_records_each_lookup_and_resume_and_feeds_tune(
     toks = prompt(7, 5)  # 5 full chunks and 3 more tokens
     try:
         assert r.client.resume(MODEL, toks).case == "cold"  # no session named: derived
-        store(r, toks)  # its Lookup (cold again) is traced too; Store and StoreLocal are not
+        store(r, toks)  # its pre-check Lookup is traced, marked as one; Store and StoreLocal are not
         assert r.client.resume(MODEL, toks, session="chat-1").case == "warm"
         r.clock.advance(r.app.config.local_pool.ttl.ttl_seconds + 1)
         assert r.client.resume(MODEL, toks, session="chat-1").local_state == "replayed"
@@ -43,8 +43,10 @@ def test_the_trace_records_each_lookup_and_resume_and_feeds_tune(
 
     text = path.read_text()
     lines = [json.loads(line) for line in text.splitlines()]
-    assert len(lines) == 5 and all(set(d) == {"time", "tenant", "session", "prefix_tokens", "local_outcome",
-                                               "snapshot_bytes", "replay_tokens"} for d in lines)
+    fields = {"time", "tenant", "session", "prefix_tokens", "local_outcome", "snapshot_bytes", "replay_tokens"}
+    assert len(lines) == 5 and all(set(d) == fields | ({"purpose"} if i == 1 else set())
+                                   for i, d in enumerate(lines)), lines
+    assert lines[1]["purpose"] == "precheck"
     assert str(int(toks[1])) not in {str(v) for d in lines for v in d.values()}  # no token contents
     records = list(read_trace(path))
     assert [x.local_outcome for x in records] == ["cold", "cold", "hit", "replayed", "cold"]
@@ -61,7 +63,9 @@ def test_the_trace_records_each_lookup_and_resume_and_feeds_tune(
     assert main(["tune", "ttl", "--trace", str(path), "--model", MODEL, "--chunk-tokens", str(CHUNK),
                  "--ttl", "60,300", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["trace"]["requests"] == 5 and report["trace"]["sessions"] == 3
+    # The pre-check is a call, not a request: left out of the evaluation, and said so.
+    assert report["trace"]["requests"] == 4 and report["trace"]["sessions"] == 3
+    assert report["side_calls_left_out"] == 1
     assert report["recommended"]["eligible"] == 1  # chat-1's second request: a return with a global hit
 
 

@@ -34,13 +34,14 @@ def test_records_round_trip_through_a_file(tmp_path: Path) -> None:
         TraceRecord(0.5, "acme", "s-1", 4096, "cold", 1_351_680, 128),
         TraceRecord(12.25, "acme", "s-1", 4200, "hit"),
         TraceRecord(1e9 + 0.001, "ünï", "\"quoted\"", 0, "replayed", None, 2541),
+        TraceRecord(1e9 + 1, "acme", "s-1", 4200, "hit", purpose="precheck"),
     ]
     path = tmp_path / "t.jsonl"
     with TraceWriter(path) as w:
         for r in recs[:2]:
             w.write(r)
     with TraceWriter(path) as w:  # appends
-        w.write(recs[2])
+        w.write_many(recs[2:])
     assert list(read_trace(path)) == recs
     first = json.loads(path.read_text().splitlines()[1])
     assert set(first) == {"time", "tenant", "session", "prefix_tokens", "local_outcome"}
@@ -81,6 +82,8 @@ def test_writer_is_safe_from_many_threads(tmp_path: Path) -> None:
          "'local_outcome'"),
         ('{"time": 1, "tenant": "a", "session": "s", "prefix_tokens": 1, "local_outcome": "hit", '
          '"snapshot_bytes": 1.5}', "'snapshot_bytes'"),
+        ('{"time": 1, "tenant": "a", "session": "s", "prefix_tokens": 1, "local_outcome": "hit", '
+         '"purpose": "warmup"}', "'purpose'"),
     ],
 )
 def test_a_malformed_line_is_reported_with_its_number(tmp_path: Path, line: str, problem: str) -> None:
@@ -233,6 +236,13 @@ def test_cli_on_a_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["tune", "ttl", "--trace", str(path)]) == 0
     table = capsys.readouterr().out
     assert "recommended TTL" in table and "adaptive" in table and "sliding" in table
+    # Each recommendation says what it is and why it is listed, the cheaper one first.
+    lines = table.splitlines()
+    labels = [i for i, line in enumerate(lines) if line.startswith(("  sliding at the least-cost TTL:",
+                                                                     "  fixed at the same TTL:"))]
+    assert len(labels) == 2
+    costs = [float(lines[i + 1].split()[-1]) for i in labels]
+    assert costs == sorted(costs)
 
 
 def test_cli_synthetic_and_save(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -37,6 +37,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, metavar="N", help="warm and expired requests per prefix (5)")
     p.add_argument("--replay-mode", default="bounded", choices=("bounded", "exact"))
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="CPU threads for the model, engine side and replay (0: 1 per 4 CPUs, 1 to 4)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -106,11 +108,12 @@ def run_replay_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     result: dict[str, Any] = {"model": MODEL, "replay_mode": args.replay_mode, "turn_tokens": args.turn_tokens,
                               "repeats": args.repeats, "prefixes": {}}
-    with embedded_service(None, args.replay_mode, args.device) as svc, \
+    with embedded_service(None, args.replay_mode, args.device, args.threads) as svc, \
             KvstoreClient(svc.address, timeout_seconds=600.0) as client:
         client.wait_ready(10.0)
         _say("loading the reference model")
-        model = load_engine_model(client.lookup(MODEL, np.zeros(0, dtype="<u4")).chunk_tokens, args.device)
+        probe = client.lookup(MODEL, np.zeros(0, dtype="<u4"), purpose="probe")
+        model = load_engine_model(probe.chunk_tokens, args.device, args.threads)
         result["device"] = str(model.device)
         bench = _Bench(svc, Engine(model, client, MODEL, args.replay_mode), args.turn_tokens, args.seed)
         _say("warm-up session (not recorded)")
@@ -131,14 +134,15 @@ def run_replay_bench(args: argparse.Namespace) -> dict[str, Any]:
         targets.append({"name": f"expired / cold time to first token at {TARGET_PREFIX:,} tokens", "value": ratio,
                         "target": f"<= {TARGET_RATIO}", "ok": ratio <= TARGET_RATIO})
     result["targets"] = targets
-    _table(result)
+    result["tables"] = _table(result)
     return result
 
 
-def _table(result: dict[str, Any]) -> None:
-    _say(f"time to first token on {result.get('device', '?')} ({result['replay_mode']} replay, "
-         f"{result['turn_tokens']} new tokens per request)")
-    _say(f"  {'prefix':>8} {'cold ms':>12} {'warm ms':>10} {'expired ms':>11} {'expired/cold':>13}")
+def _table(result: dict[str, Any]) -> str:
+    lines = [f"time to first token on {result.get('device', '?')} ({result['replay_mode']} replay, "
+             f"{result['turn_tokens']} new tokens per request)",
+             f"  {'prefix':>8} {'cold ms':>12} {'warm ms':>10} {'expired ms':>11} {'expired/cold':>13}"]
     for n, row in result["prefixes"].items():
-        _say(f"  {int(n):>8,} {row['cold']['ttft_ms']:>12,.1f} {row['warm']['ttft_ms']:>10,.1f} "
-             f"{row['expired']['ttft_ms']:>11,.1f} {row['expired_over_cold']:>13.3f}")
+        lines.append(f"  {int(n):>8,} {row['cold']['ttft_ms']:>12,.1f} {row['warm']['ttft_ms']:>10,.1f} "
+                     f"{row['expired']['ttft_ms']:>11,.1f} {row['expired_over_cold']:>13.3f}")
+    return "\n".join(lines)

@@ -8,7 +8,7 @@ Modes:
   (`kvstore.workload.live`).
 `--sweep` adds the cliff: throughput against concurrency for several device/DRAM capacities
 (simulated). `--plot FILE` draws it (matplotlib, the `plot` extra). `--markdown FILE` writes the
-tables; without `--json` they also go to stderr, with progress.
+tables; the `bench` dispatcher prints them on stdout (progress goes to stderr).
 
 What it does not know: how a run works (kvstore.workload) or how the result is printed (the
 `bench` dispatcher prints the returned dict, as JSON with `--json`).
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -174,7 +173,6 @@ def run_workload_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidInput("--plot draws the cliff: add --sweep")
     if args.sweep and args.mode == "live":
         raise InvalidInput("the cliff sweep is simulated; run it with --mode simulated")
-    quiet = bool(getattr(args, "json", False))
     progress = stderr_progress("bench workload")
     baseline = Baseline(args.baseline_global_factor, args.baseline_swa_share)
     if not (args.baseline_global_factor > 0 and 0 <= args.baseline_swa_share < 1):
@@ -213,8 +211,7 @@ def run_workload_bench(args: argparse.Namespace) -> dict[str, Any]:
     text = "\n\n".join(tables) + "\n"
     if args.markdown:
         Path(args.markdown).write_text(text, encoding="utf-8")
-    if not quiet:
-        print(text, file=sys.stderr)
+    out["tables"] = text  # the readable view: the dispatcher prints it on stdout (not with --json)
     return out
 
 

@@ -56,6 +56,7 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire.bills import from_pb as bills_from_pb
 from kvstore.wire.framing import BlobAssembler, ChunkAssembler, ChunkWriter, blob_spans, plan_pieces
 from kvstore.wire.messages import PB_TO_CASE, PB_TO_LOCAL, PB_TO_TIER, encode_lookup_request, tiers_from_pb
+from kvstore.wire.purposes import PURPOSE_KEY, PURPOSES
 from kvstore.wire.request_ids import REQUEST_ID_RE, new_request_id
 
 T = TypeVar("T")
@@ -197,10 +198,12 @@ class KvstoreClient:
 
     def lookup(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
                timeout_seconds: float | None = None, request_id: str | None = None,
-               session: str | None = None, cache_salt: str = "") -> LookupResult:
-        """How much of `tokens` is cached, where, and the local state at the boundary."""
+               session: str | None = None, cache_salt: str = "", purpose: str = "") -> LookupResult:
+        """How much of `tokens` is cached, where, and the local state at the boundary. `purpose`:
+        "probe" for a lookup that is not an engine's request (e.g. zero tokens, to learn a model's
+        layout), so the service counts it apart (`kvstore.wire.purposes`)."""
         req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt)
-        rid, metadata = self._request_metadata("Lookup", request_id, session)
+        rid, metadata = self._request_metadata("Lookup", request_id, session, purpose)
         r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), timeout_seconds)
         return LookupResult(
             hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, chunk_tiers=tiers_from_pb(r.chunk_tiers),
@@ -221,7 +224,8 @@ class KvstoreClient:
         the prefix before the gap is stored and the rest is reported skipped)."""
         arr = _token_array(tokens)
         deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
-        info = self.lookup(model, arr, replay_mode, timeout_seconds=deadline.left(), cache_salt=cache_salt)
+        info = self.lookup(model, arr, replay_mode, timeout_seconds=deadline.left(), cache_salt=cache_salt,
+                           purpose="precheck")
         cb, ct = info.chunk_bytes, info.chunk_tokens
         blob = _as_blob(payloads, cb)
         if first_chunk < 0:
@@ -453,23 +457,31 @@ class KvstoreClient:
             raise
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
 
-    def wait_ready(self, timeout_seconds: float = 10.0) -> None:
-        """Block until the channel connects (or raise UnavailableError)."""
+    def wait_ready(self, timeout_seconds: float = 2.0) -> None:
+        """Block until the channel connects, or raise UnavailableError naming the address. A local
+        or LAN service connects in milliseconds: failing within 2 s beats a silent wait."""
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_seconds)
         except grpc.FutureTimeoutError:
-            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no service at {self.target}", "connect") from None
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no service at {self.target}: nothing answered "
+                                   f"within {timeout_seconds:g} s (is `kvstore serve` running there?)",
+                                   "connect") from None
 
     def _request_metadata(
-        self, method: str, request_id: str | None, session: str | None
+        self, method: str, request_id: str | None, session: str | None, purpose: str = ""
     ) -> tuple[str, tuple[tuple[str, str], ...]]:
         """(the request id, the call's metadata). The server replaces an id it finds unsafe with
         one of its own, so a bad one is refused here, where the caller can still see it."""
-        if request_id is None and session is None:  # the usual case: an id of our own, nothing to check
+        if request_id is None and session is None and not purpose:  # the usual case: nothing to check
             rid = new_request_id()
             return rid, (*self._metadata, ("x-request-id", rid))
         rid = request_id if request_id is not None else new_request_id()
         extra = [("x-request-id", rid)]
+        if purpose:
+            if purpose not in PURPOSES:
+                raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, f"purpose must be one of "
+                                           f"{', '.join(PURPOSES)} or empty, got {purpose[:80]!r}", method)
+            extra.append((PURPOSE_KEY, purpose))
         for name, value in (("request_id", rid), ("session", session)):
             if value is not None and not REQUEST_ID_RE.match(value):
                 raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be 1-64 letters, "

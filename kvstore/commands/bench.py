@@ -2,7 +2,11 @@
 
 Each benchmark module in `kvstore/bench/` exposes `add_<name>_arguments(parser)` and
 `run_<name>_bench(args) -> dict`. A result may carry a `targets` list of
-{"name", "value", "target", "ok"} entries, which are printed as a checklist.
+{"name", "value", "target", "ok"} entries, which are printed as a checklist, and a `tables`
+string: its readable tables. Every bench prints the same way: without `--json`, readable text on
+stdout (the tables, else the figures one per line with dotted names) and the checklist; progress
+always on stderr; with `--json`, the figures as JSON on stdout (without `tables`), so `> file`
+keeps what was asked for.
 """
 
 from __future__ import annotations
@@ -35,16 +39,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         bp.set_defaults(_bench=getattr(mod, f"run_{name}_bench"))
 
 
+def _lines(value: Any, name: str) -> list[tuple[str, str]]:
+    """(dotted name, readable value) for every scalar in a figure, nested ones included."""
+    if isinstance(value, dict):
+        return [row for k, v in value.items() for row in _lines(v, f"{name}.{k}" if name else str(k))]
+    if isinstance(value, list) and any(isinstance(v, dict | list) for v in value):
+        return [row for i, v in enumerate(value) for row in _lines(v, f"{name}[{i}]")]
+    if isinstance(value, list):
+        return [(name, ", ".join(_scalar(v) for v in value))]
+    return [(name, _scalar(value))]
+
+
+def _scalar(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.4g}"
+    return str(v)
+
+
 def _print_human(result: dict[str, Any]) -> None:
-    for k, v in result.items():
-        if k == "targets":
-            continue
-        if isinstance(v, float):
-            print(f"  {k:32s} {v:,.4g}")
-        elif isinstance(v, dict | list):
-            print(f"  {k:32s} {json.dumps(v)}")
-        else:
-            print(f"  {k:32s} {v}")
+    tables = result.get("tables")
+    if tables:
+        print(str(tables).rstrip("\n"))
+    else:
+        figures = {k: v for k, v in result.items() if k not in ("targets", "tables")}
+        rows = _lines(figures, "")
+        width = min(48, max((len(k) for k, _ in rows), default=0))
+        for k, v in rows:
+            print(f"  {k:{width}s} {v}")
     targets = result.get("targets", [])
     if targets:
         print("targets:")
@@ -56,7 +77,7 @@ def _print_human(result: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     result = args._bench(args)
     if args.json:
-        json.dump(result, sys.stdout, indent=2)
+        json.dump({k: v for k, v in result.items() if k != "tables"}, sys.stdout, indent=2)
         print()
     else:
         print(f"kvstore bench {args.bench}")

@@ -4,8 +4,10 @@ Everything `kvstore serve` would check before it opens anything is checked here:
 and ranges (with the dotted key that is wrong), served model names, TLS files, the rule that an
 unauthenticated service binds loopback only, and the TTL policy the local pool would run (built for
 real, so its parameters are checked too). The output is the full effective config, defaults
-included, as TOML, with secrets redacted, followed by the TTL policy in force. Exit 0 when valid,
-2 with the bad key otherwise.
+included, as TOML, with secrets redacted, followed by the TTL policy in force. Every bad key and
+value is reported at once, an unknown key with the closest known one; settings that are valid but
+contradict each other are warned about (`kvstore/config/warnings.py`). Exit 0 when valid, 2 with
+the bad keys otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from typing import Any
 
 from kvstore.config import KvstoreConfig, load_config
+from kvstore.config.warnings import config_warnings
 
 SECRET_KEYS = frozenset({"tokens", "admin_token"})
 
@@ -87,11 +90,16 @@ def run(args: argparse.Namespace) -> int:
     server_credentials(cfg.service)  # reads the TLS files: a missing one names its key
     policy = build_ttl_policy(cfg, models).describe()
     settings = effective(cfg)
+    warnings = config_warnings(cfg)
     if args.json:
-        json.dump({"valid": True, "settings": settings, "ttl_policy": policy}, sys.stdout, indent=2, default=str)
+        json.dump({"valid": True, "warnings": warnings, "settings": settings, "ttl_policy": policy}, sys.stdout,
+                  indent=2, default=str)
         print()
         return 0
-    print(f"# {args.file}: valid. Effective settings (defaults included, secrets redacted):")
+    for w in warnings:  # contradictory, not invalid: on stderr, and first, where they are seen
+        print(f"kvstore check-config: warning: {w}", file=sys.stderr)
+    print(f"# {args.file}: valid{f' ({len(warnings)} warning(s))' if warnings else ''}. "
+          "Effective settings (defaults included, secrets redacted):")
     print("\n".join(to_toml(settings)))
     print()
     print("# TTL policy in force for local snapshots:")

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvstore.errors import InvalidInput, KvstoreError
 from kvstore.layout import TIER_NAMES
 
 if TYPE_CHECKING:  # the demo module loads grpc; `kvstore --help` should not
@@ -27,7 +28,8 @@ kvstore demo: one agent session, three requests, through the real gRPC service a
   expired  a turn after the local TTL: the global chunks still hit but the local snapshot is gone,
            so the service replays the last W cached tokens to rebuild it (a bounded replay),
            instead of the engine prefilling the whole prefix again.
-Each resumed request is checked against a cold run of the same tokens (greedy next tokens)."""
+Each resumed request is checked against a cold run of the same tokens (greedy next tokens).
+The session is played a few times (--repeats) and each case's times are medians."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay-mode", default="bounded", choices=("bounded", "exact"))
     p.add_argument("--seed", type=int, help="token seed (default: 0 embedded, random with --target)")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="CPU threads for the model (0: 1 per 4 CPUs, 1 to 4; more mostly waits on a small model)")
+    p.add_argument("--repeats", type=int, default=3, metavar="N",
+                   help="sessions to play; each case's times are the median over them (3)")
 
 
 def _bytes(n: int) -> str:
@@ -69,6 +75,8 @@ def case_table(c: CaseReport) -> str:
     rows = [
         ("time to first token",
          f"{c.ttft_ms:,.1f} ms  (resume {c.resume_ms:,.1f} ms + prefill {c.prefill_ms:,.1f} ms)"),
+        *([("  median of", " / ".join(f"{t:,.1f}" for t in c.ttft_ms_runs) + " ms")] if len(c.ttft_ms_runs) > 1
+          else []),
         ("tokens hit in cache", f"{c.hit_tokens:,}"),
         ("tokens prefilled", f"{c.prefill_tokens:,}"),
         ("tokens replayed", f"{c.replay_tokens:,}" + (f"  ({c.replay_status})" if c.replay_status else "")),
@@ -76,6 +84,7 @@ def case_table(c: CaseReport) -> str:
         ("local state", c.label),
         ("vs. a cold run", _agreement(c)),
         ("stored afterwards", f"{c.store_ms:,.1f} ms (not in the TTFT)"),
+        ("request id" + ("s" if len(c.request_ids) > 1 else ""), ", ".join(c.request_ids)),
     ]
     head = f"── {c.case}: {c.prompt_tokens:,}-token prompt " + "─" * max(0, 40 - len(c.case))
     return "\n".join([head] + [f"  {k:<21} {v}" for k, v in rows])
@@ -105,6 +114,31 @@ def summary_table(r: DemoReport) -> str:
     return "\n".join(lines)
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse what cannot work, naming the flag: bad counts, a CUDA device that is not there, a
+    target that does not answer (within 2 s, not a silent wait)."""
+    for flag in ("prompt_tokens", "turn_tokens", "reply_tokens", "repeats"):
+        if getattr(args, flag) < 1:
+            raise InvalidInput(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.threads < 0:
+        raise InvalidInput(f"--threads must be 0 (auto) or more, got {args.threads}")
+    if args.device == "cuda":
+        from replay.reference.model import usable_device
+
+        try:
+            usable_device("cuda")
+        except KvstoreError as e:
+            raise InvalidInput(f"--device cuda: {e}") from None
+    if args.target:
+        from kvstore.client.sync_client import KvstoreClient
+
+        with KvstoreClient(args.target, token=args.token) as client:
+            try:
+                client.wait_ready()
+            except KvstoreError as e:
+                raise InvalidInput(f"--target {args.target}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from kvstore.workload.demo import DemoOptions, run_demo
 
@@ -116,10 +150,11 @@ def run(args: argparse.Namespace) -> int:
     def on_case(c: CaseReport) -> None:
         print("\n" + case_table(c) + "\n", file=out, flush=True)
 
+    check_flags(args)  # before the intro: a wrong flag is the first and only thing said
     opts = DemoOptions(
         target=args.target, token=args.token, data_dir=args.data_dir, prompt_tokens=args.prompt_tokens,
         turn_tokens=args.turn_tokens, reply_tokens=args.reply_tokens, replay_mode=args.replay_mode,
-        seed=args.seed, device=args.device,
+        seed=args.seed, device=args.device, threads=args.threads, repeats=args.repeats,
     )
     print(INTRO + "\n", file=out, flush=True)
     report = run_demo(opts, say, on_case)
@@ -131,5 +166,9 @@ def run(args: argparse.Namespace) -> int:
           f"{report.window_tokens}, chunks of {report.chunk_tokens} tokens, local TTL "
           f"{report.local_ttl_seconds:g} s; expired case: {report.expiry})")
     print(summary_table(report))
+    m = report.machine
+    if m is not None:
+        print(f"\n  timed on {m.cpus} CPU(s), the model on {m.threads} thread(s), median of {m.repeats} "
+              f"session(s)" + (f"\n  note: {m.note}" if m.note else ""))
     print(f"\n  done in {report.wall_seconds:.1f} s")
     return 0

@@ -38,21 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weights and token seed (default: 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when present, else cpu)")
     parser.add_argument(
-        "--threads", type=int, default=1,
-        help="torch intra-op CPU threads; 0 lets torch decide (default: 1: the model's matrices are so small "
+        "--threads", type=int, default=0,
+        help="torch intra-op CPU threads (default 0: 1 per 4 CPUs, 1 to 4: the model's matrices are so small "
              "that a second thread mostly waits, measured 8x slower on a busy 2-core machine)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch  # loads only when the command runs
-
     from replay.reference.quality import QualityConfig, run_quality
+    from replay.threads import use_threads
 
     if args.suffix_tokens < 1 or args.generate_tokens < 1 or args.threads < 0:
         raise InvalidInput("--suffix-tokens and --generate-tokens must be at least 1, --threads at least 0")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     qc = QualityConfig(
         sizes=args.sizes, suffix_tokens=args.suffix_tokens, generate_tokens=args.generate_tokens,
         sharpness=args.sharpness, seed=args.seed, device=args.device,

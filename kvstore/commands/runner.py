@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the service's chunk size in tokens (store.chunk_tokens, 128)")
     p.add_argument("--seed", type=int, default=0, help="weight seed; must match the engine's (0)")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="CPU threads for the model (0: 1 per 4 CPUs, 1 to 4)")
     p.add_argument("--max-batch", type=int, default=8, metavar="N", help="jobs run together in one batch (8)")
     p.add_argument("--max-concurrent-jobs", type=int, default=16, metavar="N",
                    help="jobs the service may queue here at once (16)")
@@ -51,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--max-batch", "must be >= 1")
     if args.max_concurrent_jobs < 1:
         raise ConfigError("--max-concurrent-jobs", "must be >= 1")
+    if not 0 <= args.threads <= 256:
+        raise ConfigError("--threads", "must be 0 (auto) to 256")
     from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
     from replay.inprocess import ReferenceReplayer, device_option
     from replay.reference.config import ModelConfig
@@ -63,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     # the name the service serves the model by.
     name = args.model or ("reference-toy-8" if cfg.window == ModelConfig().window else cfg.layout().name)
     layout = replace(cfg.layout(), name=name)
+    from replay.threads import use_threads
+
+    use_threads(args.threads)
     replayer = ReferenceReplayer({layout.name: cfg}, device_option(args.device))
     replayer.load()
     identity = RunnerIdentity(

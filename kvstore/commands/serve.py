@@ -22,6 +22,7 @@ from types import FrameType
 
 from kvstore import __version__
 from kvstore.config import load_config
+from kvstore.config.warnings import config_warnings
 from kvstore.errors import ConfigError
 
 
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from kvstore.service.server import KvstoreServer
 
     cfg = load_config(args.config)
+    for w in config_warnings(cfg):
+        logging.getLogger("kvstore.config").warning("%s", w)
     host = args.grpc_host or cfg.service.grpc_host
     check_bind_allowed(cfg, host)  # before opening anything
     if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:

@@ -2,6 +2,8 @@
 
 The bearer token comes from `--token` or, better (it stays out of `ps`), `KVSTORE_TOKEN`.
 `--json` prints the same figures as JSON. A service that is not running is a one-line error.
+`--recent N` lists the service's N most recent requests (ids for `kvstore explain ID`, case and
+the three bills), read from its admin port (`--admin`), which keeps them.
 """
 
 from __future__ import annotations
@@ -10,8 +12,13 @@ import argparse
 import json
 import os
 import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
 
 from kvstore.client.types import ServiceStats
+from kvstore.errors import InvalidInput
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", metavar="FILE", help="client key (mTLS)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--recent", type=int, default=0, metavar="N",
+                   help="also list the N most recent requests: ids, case and bills (from the admin port)")
+    p.add_argument("--admin", default="http://127.0.0.1:9400", metavar="URL",
+                   help="the service's admin HTTP address, for --recent (default %(default)s)")
 
 
 def _size(n: int) -> str:
@@ -57,8 +68,47 @@ def render(s: ServiceStats) -> str:
     return "\n".join(lines)
 
 
+def recent_requests(admin_url: str, token: str | None, limit: int, timeout: float) -> list[dict[str, Any]]:
+    """The newest `limit` requests the admin port's `/api/stats` lists (an admin's or a tenant's
+    token sees them; without one only a loopback admin port shows them)."""
+    req = urllib.request.Request(admin_url.rstrip("/") + "/api/stats",
+                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            doc = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise InvalidInput(f"--admin {admin_url}: HTTP {e.code} {e.reason}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise InvalidInput(f"--admin {admin_url}: no admin port answered ({getattr(e, 'reason', e)})") from None
+    rows = doc.get("recent_requests")
+    if rows is None:
+        raise InvalidInput(f"--admin {admin_url}: recent requests name tenants: pass the admin token or a "
+                           "tenant's (--token or KVSTORE_TOKEN)")
+    return list(rows)[:limit]
+
+
+def render_recent(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "recent requests: none yet"
+    lines = ["recent requests (newest first; `kvstore explain ID` says why one missed):",
+             f"  {'time':8s} {'request id':24s} {'tenant':10s} {'call':6s} {'case':7s} {'prompt':>7s} {'hit':>7s} "
+             f"{'prefill':>7s} {'replay':>6s} {'moved':>10s}  why"]
+    for r in rows:
+        b = r["bills"]
+        hit = sum(t["hit_tokens"] for t in b["tiers"].values())
+        moved = sum(t["bytes"] for t in b["tiers"].values()) + b["local_bytes"]
+        why = " · ".join(x.replace("_", " ") for x in (r.get("miss_reason"), r.get("local_reason")) if x)
+        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(r['time'])):8s} {r['request_id']:24s} "
+                     f"{r['tenant']:10s} {r['method']:6s} {r['case']:7s} {b['prompt_tokens']:7d} {hit:7d} "
+                     f"{b['prefill_tokens']:7d} {b['replay_tokens']:6d} {_size(moved):>10s}  {why}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvstore.client.sync_client import KvstoreClient, RpcFailure
+
+    if args.recent < 0:
+        raise InvalidInput(f"--recent must be >= 0, got {args.recent}")
 
     token = args.token if args.token is not None else os.environ.get("KVSTORE_TOKEN") or None
     with KvstoreClient(args.target, token=token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
@@ -68,9 +118,13 @@ def run(args: argparse.Namespace) -> int:
         except RpcFailure as e:
             print(f"kvstore stats: {args.target}: {e.code.name}: {e.details}", file=sys.stderr)
             return 2
+    recent = recent_requests(args.admin, token, args.recent, args.timeout) if args.recent else None
     if args.json:
-        json.dump(s.as_dict(), sys.stdout, indent=2)
+        json.dump({**s.as_dict(), **({"recent_requests": recent} if recent is not None else {})}, sys.stdout,
+                  indent=2)
         print()
     else:
         print(render(s))
+        if recent is not None:
+            print(render_recent(recent))
     return 0

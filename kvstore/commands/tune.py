@@ -106,6 +106,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         records = list(read_trace(args.trace))
         source = args.trace
+    # A client's pre-check Lookup or a probe is a call, not a request: evaluating it would count a
+    # return that never happened (kvstore/wire/purposes.py).
+    side = sum(1 for r in records if r.purpose)
+    if side:
+        records = [r for r in records if not r.purpose]
     force = args.snapshot_bytes is not None or args.replay_tokens is not None
     cols = columns_from_records(
         records, args.chunk_tokens,
@@ -113,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
         layout.local.window_tokens if args.replay_tokens is None else args.replay_tokens,
         force_sizes=force,
     )
-    print(f"kvstore tune: {cols.n} requests from {source} in {time.perf_counter() - started:.2f} s",
+    left_out = f" ({side:,} pre-check or probe lookups left out: not requests)" if side else ""
+    print(f"kvstore tune: {cols.n} requests from {source}{left_out} in {time.perf_counter() - started:.2f} s",
           file=sys.stderr)
     if cols.n == 0:
         raise InvalidInput(f"{source} holds no requests")
@@ -121,9 +127,11 @@ def run(args: argparse.Namespace) -> int:
                      ttl_cfg.min_ttl_seconds, ttl_cfg.max_ttl_seconds)
     report = tune_ttl(cols, args.ttl, cost, ttl_cfg)
     if args.json:
-        print(json.dumps(report.as_dict(), indent=2))
+        doc = report.as_dict()
+        doc["side_calls_left_out"] = side
+        print(json.dumps(doc, indent=2))
     else:
-        print(format_report(report))
+        print(format_report(report, side))
     return 0
 
 
@@ -133,11 +141,28 @@ def _row(r: TtlEvaluation) -> str:
             f"{r.byte_seconds:>14.4g} {r.replay_cost:>12.4g} {r.hold_cost:>12.4g} {r.total_cost:>12.4g}")
 
 
-def format_report(rep: TuneReport) -> str:
+def _labelled(rep: TuneReport) -> list[str]:
+    """The recommendations, each with what it is and why it is listed, cheapest first."""
+    items = [
+        ("sliding at the least-cost TTL", "the TTL that minimises total cost under sliding semantics (every "
+         "access restarts it): set ttl_seconds to it with kind = \"sliding\"", rep.recommended),
+        ("fixed at the same TTL", "the same TTL from each write only, for kind = \"fixed\"; it differs only "
+         "on retries at an unchanged boundary", rep.recommended_fixed),
+    ]
+    items.sort(key=lambda x: x[2].total_cost)
+    out = []
+    for label, why, r in items:
+        out += [f"  {label}: {why}", _row(r)]
+    return out
+
+
+def format_report(rep: TuneReport, side_calls: int = 0) -> str:
+    """The report as text; `side_calls`: pre-check and probe lookups left out of the trace."""
     c = rep.cost
     eligible = rep.rows[0].eligible if rep.rows else rep.recommended.eligible
+    left_out = f" ({side_calls:,} pre-check/probe lookups left out)" if side_calls else ""
     lines = [
-        f"trace: {rep.requests:,} requests, {rep.sessions:,} sessions, {len(rep.tenants)} tenant(s); "
+        f"trace: {rep.requests:,} requests{left_out}, {rep.sessions:,} sessions, {len(rep.tenants)} tenant(s); "
         f"{eligible:,} could hit locally (global hit, session seen before); "
         f"{rep.same_boundary_requests:,} at an unchanged boundary",
         f"cost: {c.replay_cost_per_token:g} per replayed token, "
@@ -150,9 +175,8 @@ def format_report(rep: TuneReport) -> str:
     lines += [_row(r) for r in rep.rows]
     lines += [
         "",
-        f"recommended TTL (least total cost, within [{c.min_ttl_seconds:g}, {c.max_ttl_seconds:g}] s):",
-        _row(rep.recommended),
-        _row(rep.recommended_fixed),
+        f"recommended TTLs (within [{c.min_ttl_seconds:g}, {c.max_ttl_seconds:g}] s), cheapest first:",
+        *_labelled(rep),
         "adaptive policy over this trace (sliding, TTL learned per tenant):",
         _row(rep.adaptive),
         "  final TTL per tenant: "

@@ -17,7 +17,7 @@ from kvstore.config.local_pool import LocalPoolConfig, TtlPolicyConfig
 from kvstore.config.replay import ReplayConfig
 from kvstore.config.service import AdminConfig, ServiceConfig, TenantConfig, TraceConfig
 from kvstore.config.store import StoreConfig
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigFileError
 
 DEFAULT_TENANT = "default"
 
@@ -93,9 +93,9 @@ def load_config(path: str | Path | None) -> KvstoreConfig:
     try:
         raw = p.read_bytes()
     except OSError as e:
-        raise ConfigError("<file>", f"cannot read {p}: {e.strerror}") from None
+        raise ConfigFileError(f"cannot read config file {p}: {e.strerror}") from None
     try:
         table = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError("<file>", f"{p} is not valid TOML: {e}") from None
+        raise ConfigFileError(f"config file {p} is not valid TOML: {e}") from None
     return parse_config(table)

@@ -10,12 +10,13 @@ the dotted key. Nothing here reads files.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, ConfigErrors
 
 T = TypeVar("T")
 
@@ -92,14 +93,25 @@ def parse_section(cls: type[T], table: Mapping[str, Any], prefix: str) -> T:
     assert dataclasses.is_dataclass(cls)
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(table) - set(fields))
-    if unknown:
-        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(where, f"unknown key (known keys: {', '.join(sorted(fields))})")
+    # Every bad key and value of the file at once (a fix-one-rerun loop per typo is no way to
+    # learn a config); cross-field rules (`validate`) run once the values themselves are right.
+    errors: list[ConfigError] = []
+    for name in sorted(set(table) - set(fields)):
+        close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        errors.append(ConfigError(join(prefix, name), f"unknown key ({hint}known keys: {', '.join(sorted(fields))})"))
     kwargs = {}
     for name, value in table.items():
-        key = f"{prefix}.{name}" if prefix else name
-        kwargs[name] = _coerce(value, hints[name], key)
+        if name not in fields:
+            continue
+        try:
+            kwargs[name] = _coerce(value, hints[name], join(prefix, name))
+        except ConfigErrors as e:
+            errors += e.errors
+        except ConfigError as e:
+            errors.append(e)
+    if errors:
+        raise ConfigErrors(errors)
     obj = cls(**kwargs)
     validate = getattr(obj, "validate", None)
     if callable(validate):

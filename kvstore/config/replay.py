@@ -17,8 +17,11 @@ class ReplayConfig:
     max_batch: int = 8
     device: Literal["auto", "cuda", "cpu"] = "auto"
     reference_seed: int = 0
+    # CPU threads for the in-process model (process-wide); 0: chosen for the machine (replay/threads.py).
+    threads: int = 0
 
     def validate(self, prefix: str) -> None:
+        require(0 <= self.threads <= 256, join(prefix, "threads"), "must be 0 (auto) to 256")
         require(self.timeout_seconds > 0, join(prefix, "timeout_seconds"), "must be > 0")
         require(self.per_tenant_concurrency >= 1, join(prefix, "per_tenant_concurrency"), "must be >= 1")
         require(self.max_batch >= 1, join(prefix, "max_batch"), "must be >= 1")

@@ -5,7 +5,8 @@ metrics and the ledger count).
 `Observability` is what the service's composition root holds: append it to `app.observers` and
 it receives each `CallRecord` (`records.py`): method, tenant, status code, seconds, model, case,
 local state, the typed bills the call priced, its request id and the facts a Lookup or Resume
-learnt (`records.LookupFacts`).
+learnt (`records.LookupFacts`). A Lookup marked as a client's pre-check or a probe
+(`kvstore.wire.purposes`) is counted apart, never as a request.
 
 `Sampler` is a daemon thread that shows the ledger the store's occupancy once per interval, so
 byte-seconds integrate between requests too.
@@ -22,7 +23,7 @@ from collections.abc import Callable
 
 from kvstore.observe.explainer import Explainer
 from kvstore.observe.ledger import Ledger
-from kvstore.observe.metrics import MISS_REASONS, Metrics, replay_failure
+from kvstore.observe.metrics import LOCAL_MISS_REASONS, MISS_REASONS, Metrics, replay_failure
 from kvstore.observe.records import (
     CASES,
     LOCAL_OUTCOMES,
@@ -72,6 +73,10 @@ class Observability:
             return
         if call.bills is None:
             return
+        if call.purpose:  # a pre-check or a probe: a call, not a request (kvstore/wire/purposes.py)
+            self.metrics.side_call(call.method, call.purpose)
+            self.ledger.side_call(call.tenant, call.purpose)
+            return
         bills = call.bills
         method = _PRICED.get(call.method)
         if method is None:
@@ -89,7 +94,7 @@ class Observability:
             ok = lookup.replay_status == "replayed"
             # The raw status stays in the explanation; counters get a fixed set of reasons.
             failure = None if ok else replay_failure(lookup.replay_status)
-            replay = ReplaySummary(lookup.replay_seconds, bills.replay_tokens, failure)
+            replay = ReplaySummary(lookup.replay_seconds, bills.replay_tokens, failure, lookup.replay_shared)
         rec = RequestRecord(
             request_id=call.request_id, method=method,  # type: ignore[arg-type]
             tenant=call.tenant, model=call.model, case=case,  # type: ignore[arg-type]
@@ -109,8 +114,11 @@ class Observability:
         miss = exp.first_miss_reason
         if miss and miss not in MISS_REASONS:
             miss = "other"
-        if (miss, exp.local_reason) != (rec.miss_reason, rec.local_reason):  # a warm hit has neither
-            rec = dataclasses.replace(rec, miss_reason=miss, local_reason=exp.local_reason)
+        local = exp.local_reason
+        if local and local not in LOCAL_MISS_REASONS:
+            local = "other"
+        if (miss, local) != (rec.miss_reason, rec.local_reason):  # a warm hit has neither
+            rec = dataclasses.replace(rec, miss_reason=miss, local_reason=local)
         self.metrics.request(rec)
         self.ledger.record(rec)
         return rec

@@ -195,7 +195,8 @@ class Explainer:
             words = {"timeout": "did not answer in time", "error": "failed",
                      "breaker-open": "is down (its circuit breaker is open, so it was not asked)",
                      "closed": "is closed"}[pool_reason]
-            return pool_reason, f"the local pool {words}: treated as a local miss"
+            # Reasons are snake_case like every other (the pool spells its own "breaker-open").
+            return pool_reason.replace("-", "_"), f"the local pool {words}: treated as a local miss"
         if pool_reason in ("corrupt", "incomplete"):
             return pool_reason, ("the snapshot failed verification" if pool_reason == "corrupt"
                                  else "parts of the snapshot were gone (pushed out under memory pressure)")

@@ -31,6 +31,7 @@ from typing import Any
 from kvstore.layout import TIER_NAMES
 from kvstore.observe.records import CASES, LOCAL_OUTCOMES, OTHER_TENANT, PERSISTENT_TIERS, RequestRecord
 from kvstore.store.types import StoreStats
+from kvstore.wire.purposes import PURPOSES
 
 # --- occupancy, as shown to the ledger ---------------------------------------------------------------
 
@@ -110,6 +111,8 @@ class _Sums:
     """What is added up per tenant, per time bucket and in total."""
 
     requests: int = 0
+    # Lookups that were not requests (a client's pre-check, a probe), by purpose: shown, not priced.
+    side_calls: Counter[str] = field(default_factory=Counter)
     cases: Counter[str] = field(default_factory=Counter)
     local: Counter[str] = field(default_factory=Counter)
     hit_tokens: Counter[str] = field(default_factory=Counter)  # by tier
@@ -118,7 +121,8 @@ class _Sums:
     prefill_tokens_avoided: int = 0
     prefill_flops_avoided: float = 0.0
     prefill_tokens: int = 0
-    replays: int = 0
+    replays: int = 0  # replays run
+    replays_shared: int = 0  # requests served another request's replay (none ran for them)
     replay_failures: Counter[str] = field(default_factory=Counter)
     replay_tokens: int = 0
     replay_flops: float = 0.0
@@ -147,7 +151,9 @@ class _Sums:
         self.prefill_tokens += b.prefill_tokens
         self.replay_tokens += b.replay_tokens
         self.replay_flops += b.replay_flops
-        if rec.replay is not None:
+        if rec.replay is not None and rec.replay.shared:
+            self.replays_shared += 1
+        elif rec.replay is not None:
             self.replays += 1
             if rec.replay.seconds is not None:
                 self.latency.add(rec.replay.seconds)
@@ -175,6 +181,7 @@ class _Sums:
         looked = self.prompt_tokens
         return {
             "requests": self.requests,
+            "side_calls": {p: self.side_calls[p] for p in PURPOSES},
             "cases": {c: self.cases[c] for c in CASES},
             "local": {o: self.local[o] for o in LOCAL_OUTCOMES},
             "hit_tokens": {t: self.hit_tokens[t] for t in TIER_NAMES},
@@ -185,7 +192,8 @@ class _Sums:
             "prefill_flops_avoided": self.prefill_flops_avoided,
             "prefill_tokens": self.prefill_tokens,
             "replay": {
-                "count": self.replays, "tokens": self.replay_tokens, "flops": self.replay_flops,
+                "count": self.replays, "shared": self.replays_shared, "tokens": self.replay_tokens,
+                "flops": self.replay_flops,
                 "failures": dict(self.replay_failures), **self.latency.percentiles(),
             },
             "bytes_moved": {t: self.bytes_moved[t] for t in TIER_NAMES},
@@ -251,6 +259,14 @@ class Ledger:
             self._tenant(rec.tenant).add(rec)
             self._bucket(now).sums.add(rec)
             self._recent.append((now, rec))
+
+    def side_call(self, tenant: str, purpose: str) -> None:
+        """A Lookup that was not a request (`purpose`: "precheck" | "probe"): counted apart."""
+        now = self._clock()
+        with self._lock:
+            self._advance(now)
+            for sums in (self._total, self._tenant(tenant), self._bucket(now).sums):
+                sums.side_calls[purpose] += 1
 
     def sample(self) -> None:
         """Read occupancy now: integrate the previous reading up to now, then keep this one."""

@@ -2,7 +2,8 @@
 
 Two ways in:
 - `Metrics` is the recorder the core calls for events: one priced request (`request`), a replay
-  (inside `request`), a finished RPC (`rpc`), bytes a Load moved (`load`). Its counters and
+  (inside `request`), a finished RPC (`rpc`), a Lookup that is not a request (`side_call`), bytes
+  a Load moved (`load`). Its counters and
   histograms live in the registry it was given.
 - `SourceCollector` (registered by `Metrics`) reads gauges and the counters that other parts
   already keep (the store's tier bytes, evictions, corrupt reads; the local pool's hits, misses,
@@ -47,21 +48,32 @@ OTHER = "other"
 METHODS = ("lookup", "resume")
 LOOKUP_RESULTS = ("hit", "miss")
 REPLAY_RESULTS = ("ok", "failed")
-# The coordinator's outcomes (replay/port.py, and prefix-gone: the prefix lost a chunk between
-# the lookup and the replay's pin, so there was nothing to replay from), overload (the per-tenant
-# bound refused it) and prefix-lost (the cached prefix went away while the Resume streamed it).
-REPLAY_FAILURES = ("no-runner", "timeout", "failed", "disabled", "overload", "prefix-gone", "prefix-lost", OTHER)
-# Why the first uncached full chunk of a request missed (explainer.py decides).
-MISS_REASONS = ("never_stored", "evicted", "corrupt", "over_quota", "not_admitted", "no_room",
+# Label values are snake_case, whatever spelling the part that produced them uses ("breaker-open",
+# "no-runner" become breaker_open, no_runner): `_label` converts.
+# Why a replay did not rebuild local state: the coordinator's outcomes (replay/port.py): no_runner,
+# timeout, failed, disabled; prefix_gone (the prefix lost a chunk between the lookup and the
+# replay's pin, so there was nothing to replay from); overload (the per-tenant bound refused it);
+# prefix_lost (the cached prefix went away while the Resume streamed it).
+REPLAY_FAILURES = ("no_runner", "timeout", "failed", "disabled", "overload", "prefix_gone", "prefix_lost", OTHER)
+# Why the first uncached full chunk of a request missed (explainer.py decides): never_stored (not
+# stored in this namespace since the start; on a request that hit, the new tail it adds),
+# unreachable (held, but an earlier chunk missed), evicted, corrupt, over_quota, not_admitted,
+# no_room (refused when stored), token_mismatch (the key is held with other token ids).
+MISS_REASONS = ("never_stored", "unreachable", "evicted", "corrupt", "over_quota", "not_admitted", "no_room",
                 "token_mismatch", OTHER)
-# Why the local state at a hit boundary was not held (the pool's reasons, refined by explainer.py).
-LOCAL_MISS_REASONS = ("ttl_expired", "never_stored", "evicted", "absent", "expired", "incomplete",
-                      "corrupt", "timeout", "error", "breaker-open", "closed", "no_pool", OTHER)
+# Why the local state at a hit boundary was not held, one reason each (explainer.py refines the
+# pool's): ttl_expired (its TTL ran out), evicted (pushed out before its TTL), never_stored (no
+# snapshot was written at this boundary), incomplete and corrupt (found, unusable), timeout, error,
+# breaker_open and closed (the pool did not answer), no_pool (none configured).
+LOCAL_MISS_REASONS = ("ttl_expired", "evicted", "never_stored", "incomplete", "corrupt", "timeout", "error",
+                      "breaker_open", "closed", "no_pool", OTHER)
 EVICTION_REASONS = ("capacity", "quota", OTHER)
-BREAKER_STATES = ("closed", "open", "half-open")
-POOL_MISS_REASONS = ("absent", "expired", "incomplete", "corrupt", "timeout", "error", "breaker-open",
+BREAKER_STATES = ("closed", "open", "half_open")
+# The pool's own view (kvstore_pool_misses_total): it cannot tell an expired snapshot from one never
+# written (Redis cannot), so its reasons are coarser than LOCAL_MISS_REASONS.
+POOL_MISS_REASONS = ("absent", "expired", "incomplete", "corrupt", "timeout", "error", "breaker_open",
                      "closed")
-POOL_SKIP_REASONS = ("oom", "no-room", "policy", "timeout", "error", "breaker-open", "closed")
+POOL_SKIP_REASONS = ("oom", "no_room", "policy", "timeout", "error", "breaker_open", "closed")
 RPC_METHODS = ("Lookup", "Store", "Load", "StoreLocal", "LoadLocal", "Resume", "Stats", "RegisterModel", "Attach",
                OTHER)
 RPC_CODES = (
@@ -69,8 +81,10 @@ RPC_CODES = (
     "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
     "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
 )
+# Lookups that are not engine requests (kvstore/wire/purposes.py).
+SIDE_CALL_PURPOSES = ("precheck", "probe", OTHER)
 TTL_KINDS = ("fixed", "sliding", "adaptive", OTHER)
-EVICTION_POLICIES = ("lru", "s3fifo", "cost-aware", OTHER)
+EVICTION_POLICIES = ("lru", "s3fifo", "cost_aware", OTHER)
 REPLAY_MODES = ("bounded", "exact", "off", OTHER)
 
 # Replays run a few hundred tokens: milliseconds on a GPU, up to the 30 s default timeout on a CPU.
@@ -81,22 +95,36 @@ RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 def replay_failure(status: str) -> str:
     """A replay's status (free text from the coordinator or the servicer) as a REPLAY_FAILURES value."""
     s = status.strip().lower()
-    if s in REPLAY_FAILURES:
-        return s
+    if _snake(s) in REPLAY_FAILURES:
+        return _snake(s)
     if s.startswith(("resource_exhausted", "overload")):
         return "overload"
     if "prefix" in s:  # "prefix no longer cached", "prefix shrank while loading"
-        return "prefix-lost"
+        return "prefix_lost"
     if s.startswith("deadline_exceeded"):
         return "timeout"
     if s.startswith("unavailable"):
-        return "no-runner"
+        return "no_runner"
     return OTHER
 
 
+def _snake(value: str) -> str:
+    return value.replace("-", "_")
+
+
 def _label(value: str, allowed: Collection[str]) -> str:
-    """`value` if it is in the fixed set, else "other": the one gate on every label value."""
-    return value if value in allowed else OTHER
+    """`value` in snake_case if it is in the fixed set, else "other": the one gate on every label value."""
+    v = _snake(value)
+    return v if v in allowed else OTHER
+
+
+def _by_label(counts: Mapping[str, int], allowed: tuple[str, ...]) -> dict[str, int]:
+    """`counts` summed by label value: every allowed value (zero when absent), then "other"."""
+    out = dict.fromkeys(allowed, 0)
+    out[OTHER] = 0
+    for k, n in counts.items():
+        out[_label(k, allowed)] += n
+    return out
 
 
 # --- sources read at scrape time -------------------------------------------------------------------
@@ -277,17 +305,16 @@ class SourceCollector(Collector):
         yield CounterMetricFamily("kvstore_pool_hits", "Local snapshots found in the pool.", value=p.hits)
         miss = CounterMetricFamily("kvstore_pool_misses", "Local snapshot gets that found nothing usable.",
                                    labels=["reason"])
-        for r in POOL_MISS_REASONS:
-            miss.add_metric([r], p.misses.get(r, 0))
-        other = sum(n for r, n in p.misses.items() if r not in POOL_MISS_REASONS)
-        if other:
-            miss.add_metric([OTHER], other)
+        for r, n in _by_label(p.misses, POOL_MISS_REASONS).items():
+            if r != OTHER or n:
+                miss.add_metric([r], n)
         yield miss
         yield CounterMetricFamily("kvstore_pool_writes", "Local snapshots written.", value=p.writes)
         skip = CounterMetricFamily("kvstore_pool_skipped_writes", "Local snapshot writes not done.",
                                    labels=["reason"])
-        for r in POOL_SKIP_REASONS:
-            skip.add_metric([r], p.skipped_writes.get(r, 0))
+        for r, n in _by_label(p.skipped_writes, POOL_SKIP_REASONS).items():
+            if r != OTHER or n:
+                skip.add_metric([r], n)
         yield skip
         yield CounterMetricFamily("kvstore_pool_errors", "Pool backend calls that failed.", value=p.errors)
         yield CounterMetricFamily("kvstore_pool_evictions", "Snapshots pushed out by the pool's budget.",
@@ -305,7 +332,7 @@ class SourceCollector(Collector):
                                "1 for the circuit breaker's current state, 0 for the others.",
                                labels=["state"])
         for state in BREAKER_STATES:
-            br.add_metric([state], 1.0 if p.breaker_state == state else 0.0)
+            br.add_metric([state], 1.0 if _snake(p.breaker_state) == state else 0.0)
         yield br
         yield CounterMetricFamily("kvstore_pool_breaker_opens", "Times the pool's circuit breaker opened.",
                                   value=p.breaker_opens)
@@ -365,13 +392,16 @@ class Metrics:
                                     "not held.", ["reason"], registry=r)
         self.misses = Counter("kvstore_lookup_misses_total", "Why the first uncached full chunk of a "
                               "request missed.", ["reason"], registry=r)
-        self.replays = Counter("kvstore_replays_total", "Bounded replays run, by result.", ["result"],
-                               registry=r)
-        self.replay_failures = Counter("kvstore_replay_failures_total", "Replays that did not rebuild "
+        self.replays = Counter("kvstore_replays_total", "Replays run, by result (one per replay, however "
+                               "many callers it served).", ["result"], registry=r)
+        self.replays_shared = Counter("kvstore_replay_shared_total", "Callers served another caller's replay "
+                                      "(coalesced onto one in flight or just finished), by its result; not "
+                                      "in kvstore_replays_total.", ["result"], registry=r)
+        self.replay_failures = Counter("kvstore_replay_failures_total", "Replays run that did not rebuild "
                                        "local state, by reason.", ["reason"], registry=r)
         self.replay_tokens = Counter("kvstore_replay_tokens_total", "Tokens replayed to rebuild local "
                                      "state (the replay compute bill).", t, registry=r)
-        self.replay_seconds = Histogram("kvstore_replay_seconds", "Time to rebuild local state by replay.",
+        self.replay_seconds = Histogram("kvstore_replay_seconds", "Time to rebuild local state by a replay run.",
                                         buckets=REPLAY_BUCKETS, registry=r)
         self.prefill_avoided = Counter("kvstore_prefill_tokens_avoided_total", "Prompt tokens the engine "
                                        "did not prefill because their global KV hit.", t, registry=r)
@@ -384,6 +414,9 @@ class Metrics:
                                    "tier they came from.", ["tier", *t], registry=r)
         self.local_bytes_moved = Counter("kvstore_local_bytes_moved_total", "Local snapshot bytes moved to "
                                          "the engine.", registry=r)
+        self.side_calls = Counter("kvstore_side_calls_total", "Lookups that are not engine requests (a "
+                                  "client's pre-check before a Store, a probe), by purpose; not in "
+                                  "kvstore_requests_total.", ["method", "purpose"], registry=r)
         self.rpc_seconds = Histogram("kvstore_rpc_seconds", "gRPC call latency, by method and status code.",
                                      ["method", "code"], buckets=RPC_BUCKETS, registry=r)
         self.sources = sources or Sources()
@@ -435,10 +468,13 @@ class Metrics:
                 self.prefill_tokens.labels(*t)
         for res in REPLAY_RESULTS:
             self.replays.labels(res)
+            self.replays_shared.labels(res)
         for reason in REPLAY_FAILURES:
             self.replay_failures.labels(reason)
         for reason in MISS_REASONS:
             self.misses.labels(reason)
+        for purpose in SIDE_CALL_PURPOSES:
+            self.side_calls.labels("Lookup", purpose)
         for reason in LOCAL_MISS_REASONS:
             self.local_misses.labels(reason)
 
@@ -471,10 +507,14 @@ class Metrics:
         if b.replay_tokens:
             self._tc(self.replay_tokens, t).inc(b.replay_tokens)
         if rec.replay is not None:
-            self.replay(rec.replay.seconds, rec.replay.failure)
+            self.replay(rec.replay.seconds, rec.replay.failure, rec.replay.shared)
 
-    def replay(self, seconds: float | None, failure: str | None) -> None:
-        """A replay finished (its tokens are counted with the request's bills); `seconds` None: untimed."""
+    def replay(self, seconds: float | None, failure: str | None, shared: bool = False) -> None:
+        """A replay finished (its tokens are counted with the request's bills); `seconds` None: untimed.
+        `shared`: the caller was served another caller's replay, counted apart from replays run."""
+        if shared:
+            self._child(self.replays_shared, "ok" if failure is None else "failed").inc()
+            return
         if seconds is not None:
             self.replay_seconds.observe(max(0.0, seconds))
         self._child(self.replays, "ok" if failure is None else "failed").inc()
@@ -487,6 +527,10 @@ class Metrics:
         for tier, n in tier_bytes.items():
             if n:
                 self._child(self.bytes_moved, _label(tier, TIER_NAMES), *t).inc(n)
+
+    def side_call(self, method: str, purpose: str) -> None:
+        """A call that is not an engine request (a pre-check or a probe)."""
+        self._child(self.side_calls, _label(method, RPC_METHODS), _label(purpose, SIDE_CALL_PURPOSES)).inc()
 
     def rpc(self, method: str, code: str, seconds: float) -> None:
         labels = (_label(method, RPC_METHODS), _label(code, RPC_CODES))

@@ -27,6 +27,7 @@ class LookupFacts:
     has_local_state: bool = True  # False: the model keeps none (e.g. a dense GQA model)
     replay_status: str = ""  # the coordinator's outcome ("" when no replay was tried)
     replay_seconds: float = 0.0
+    replay_shared: bool = False  # served another caller's replay (coalesced): none ran for this one
     replay_mode: str = ""
     window_tokens: int = 0  # the replay window (the layout's SWA window)
     # Whether each missed chunk (miss_keys[j]) was held when the call answered: a chunk behind the
@@ -99,6 +100,9 @@ class CallRecord:
     bills: Bills | None = None
     request_id: str = ""  # the caller's x-request-id, or one made up for it (echoed in the trailer)
     session: str = ""  # the caller's x-session-id, if it sent one
+    # "precheck" | "probe": a Lookup that is not an engine's request (kvstore/wire/purposes.py); the
+    # observers count it apart from requests. "": an engine request.
+    purpose: str = ""
     facts: LookupFacts | LocalWriteFacts | None = None  # what the miss explainer needs
     at: float | None = None  # the app's clock when the call finished (observers see it later)
 
@@ -121,6 +125,7 @@ class ReplaySummary:
     seconds: float | None  # None: the caller did not time it
     tokens: int
     failure: str | None = None  # None: the replay rebuilt the local state
+    shared: bool = False  # another caller's replay served this request (coalesced): none ran for it
 
 
 @dataclass(frozen=True)
@@ -150,5 +155,6 @@ class RequestRecord:
             "miss_reason": self.miss_reason, "local_reason": self.local_reason,
             "time": wall_time, "bills": self.bills.to_json(),
             "replay": None if self.replay is None else {
-                "seconds": self.replay.seconds, "tokens": self.replay.tokens, "failure": self.replay.failure},
+                "seconds": self.replay.seconds, "tokens": self.replay.tokens, "failure": self.replay.failure,
+                "shared": self.replay.shared},
         }

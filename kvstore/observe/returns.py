@@ -65,6 +65,8 @@ class ReturnTracker:
             return
         if call.method not in _RETURNS or not isinstance(facts, LookupFacts) or not facts.boundary_key:
             return
+        if call.purpose:  # a client's pre-check or a probe: the session has not returned
+            return
         gap = self.returned(facts.namespace, facts.boundary_key, at)
         if gap is not None:
             policy = self._policy()

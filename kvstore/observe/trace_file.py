@@ -14,7 +14,10 @@ length and the local-state outcome, optionally the snapshot size and replay leng
 `local_outcome`: "hit" (local snapshot found), "expired" (global hit, snapshot expired, not
 replayed), "replayed" (global hit, snapshot missing, rebuilt by replay), "absent" (global hit, no
 snapshot was ever written for it), "cold" (global miss: a full prefill; local state irrelevant).
-Unknown keys are ignored so that later versions can add fields.
+A Lookup that was not an engine's request (a client's pre-check before a Store, a probe) is
+written with `"purpose": "precheck"` or `"probe"`, so a reader can count it apart; `kvstore tune
+ttl` leaves such lines out of the evaluation. Unknown keys are ignored so that later versions can
+add fields.
 
 What it does not know: the service, the pool, or how records are evaluated (kvstore.observe.ttl_tuning).
 """
@@ -34,6 +37,7 @@ from typing import IO, Literal, get_args
 import numpy as np
 
 from kvstore.errors import InvalidInput, StorageError
+from kvstore.wire.purposes import PURPOSES
 
 LocalOutcome = Literal["hit", "expired", "absent", "replayed", "cold"]
 LOCAL_OUTCOMES: tuple[str, ...] = get_args(LocalOutcome)
@@ -48,6 +52,7 @@ class TraceRecord:
     local_outcome: LocalOutcome
     snapshot_bytes: int | None = None  # bytes of the local snapshot this request would write
     replay_tokens: int | None = None  # tokens a replay of this request's boundary runs
+    purpose: str = ""  # "precheck" | "probe": not an engine request (kvstore/wire/purposes.py)
 
     def to_json(self) -> str:
         obj: dict[str, object] = {
@@ -58,6 +63,8 @@ class TraceRecord:
             obj["snapshot_bytes"] = self.snapshot_bytes
         if self.replay_tokens is not None:
             obj["replay_tokens"] = self.replay_tokens
+        if self.purpose:
+            obj["purpose"] = self.purpose
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
     @staticmethod
@@ -76,9 +83,13 @@ class TraceRecord:
             raise InvalidInput(f"'local_outcome' must be one of {', '.join(LOCAL_OUTCOMES)}, got {outcome!r}")
         prefix = _count(obj, "prefix_tokens", required=True)
         assert prefix is not None
+        purpose = obj.get("purpose", "")
+        if purpose not in ("", *PURPOSES):
+            raise InvalidInput(f"'purpose' must be one of {', '.join(PURPOSES)} when present, got {purpose!r}")
         return TraceRecord(
             float(time), tenant, session, prefix, outcome,  # type: ignore[arg-type]
             _count(obj, "snapshot_bytes", required=False), _count(obj, "replay_tokens", required=False),
+            str(purpose),
         )
 
 

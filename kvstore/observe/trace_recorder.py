@@ -17,6 +17,7 @@ Engines that want `tune` to see whole sessions send `x-session-id`.
 Outcomes: "cold" (no global hit), "hit" (snapshot held, or a model that keeps no local state),
 "replayed" (rebuilt by a replay), "expired" (global hit, no snapshot: the pool cannot always tell
 an expired snapshot from one never written, Redis cannot; `tune` treats both alike).
+A client's pre-check Lookup and a probe are written with their `purpose`, so `tune` leaves them out.
 
 What it does not know: gRPC, the pool, or how traces are evaluated (kvstore.observe.ttl_tuning).
 """
@@ -82,7 +83,7 @@ class TraceRecorder:
             time=round(self._wall(), 6), tenant=call.tenant, session=call.session or _session_of(trace),
             prefix_tokens=int(call.bills.prompt_tokens),
             local_outcome=trace_outcome(call.local_state, int(call.bills.prefill_tokens_avoided)),
-            snapshot_bytes=snapshot, replay_tokens=replay,
+            snapshot_bytes=snapshot, replay_tokens=replay, purpose=call.purpose,
         )
         try:
             self._writer.write(record)

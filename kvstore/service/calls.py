@@ -41,6 +41,7 @@ from kvstore.service.stream_watch import StreamWatch, Watched
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.bills import Bills
 from kvstore.wire.messages import tokens_from_proto
+from kvstore.wire.purposes import purpose_from
 from kvstore.wire.request_ids import REQUEST_ID_RE, request_id_from
 
 log = logging.getLogger("kvstore.service")
@@ -61,6 +62,7 @@ class CallState:
     bills: Bills | None = None
     request_id: str = ""
     session: str = ""
+    purpose: str = ""  # the caller's x-kvstore-purpose: "" for an engine request (wire/purposes.py)
     facts: LookupFacts | LocalWriteFacts | None = None
     extra: dict[str, float] = field(default_factory=dict)
     # Streaming calls: marks the waits on the client (the stream watch ends a call stalled there).
@@ -111,7 +113,9 @@ class CallGuard:
         """The call's state, inside admission and the status mapping; `streaming` calls are
         watched for stalls on their client."""
         metadata = context.invocation_metadata()
-        state = CallState(method, request_id=request_id_from(metadata), session=session_from(metadata))
+        # Only a Lookup can be something other than a request: a Resume always is one.
+        state = CallState(method, request_id=request_id_from(metadata), session=session_from(metadata),
+                          purpose=purpose_from(metadata) if method == "Lookup" else "")
         # Echoed so that a caller that sent no id can still find its request (`kvstore explain`).
         context.set_trailing_metadata((("x-request-id", state.request_id),))
         t0 = time.perf_counter()
@@ -178,6 +182,7 @@ class CallGuard:
             method=state.method, tenant=state.tenant, code=code.name, seconds=seconds, model=state.model,
             case=state.case, local_state=state.local_state, bills=state.bills,
             request_id=state.request_id, session=state.session, facts=state.facts, at=self._app.clock(),
+            purpose=state.purpose,
         ))
 
     def resolve(self, state: CallState, model: str, replay_mode: str, tokens: pb.Tokens,

@@ -1,0 +1,32 @@
+"""Settings that are each valid but contradict one another: said by `kvstore check-config` (and
+logged by `kvstore serve`), never refused, since the service can run with them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstore.config import KvstoreConfig
+
+
+def config_warnings(cfg: KvstoreConfig) -> list[str]:
+    """One sentence per contradiction, naming the keys."""
+    out: list[str] = []
+    ttl = cfg.local_pool.ttl
+    lo, hi = ttl.min_ttl_seconds, ttl.max_ttl_seconds
+    if not lo <= ttl.ttl_seconds <= hi:
+        out.append(f"local_pool.ttl.ttl_seconds = {ttl.ttl_seconds:g} is outside [min_ttl_seconds, "
+                   f"max_ttl_seconds] = [{lo:g}, {hi:g}]: the adaptive policy would clamp it, the fixed "
+                   f"and sliding ones use it as is ({ttl.kind} is in force)")
+    for tenant, v in sorted(ttl.tenant_ttl_seconds.items()):
+        if not lo <= v <= hi:
+            out.append(f"local_pool.ttl.tenant_ttl_seconds.{tenant} = {v:g} is outside [{lo:g}, {hi:g}] "
+                       "(min_ttl_seconds, max_ttl_seconds)")
+        if cfg.tenants and tenant not in cfg.tenants:
+            out.append(f"local_pool.ttl.tenant_ttl_seconds.{tenant}: no tenant '{tenant}' in [tenants]")
+    if cfg.replay.mode == "off" and cfg.replay.runner != "none":
+        out.append(f"replay.runner = '{cfg.replay.runner}' has no effect with replay.mode = 'off'")
+    if cfg.replay.timeout_seconds > ttl.ttl_seconds:
+        out.append(f"replay.timeout_seconds = {cfg.replay.timeout_seconds:g} is longer than "
+                   f"local_pool.ttl.ttl_seconds = {ttl.ttl_seconds:g}: a replay may outlive the snapshot it rebuilds")
+    return out

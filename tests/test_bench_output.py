@@ -1,0 +1,36 @@
+"""Every bench prints alike: readable text on stdout (its tables, or its figures one per line),
+progress on stderr, JSON with `--json`; so `> file` keeps what was asked for."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from kvstore.cli import main
+from kvstore.commands.bench import _print_human
+
+SMALL = ["bench", "workload", "--sessions", "6", "--turns", "3"]
+RAW_JSON = re.compile(r"^\s*\S+\s+[\[{]\"?")  # a `key {json}` line
+
+
+def test_bench_workload_tables_go_to_stdout_and_progress_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(SMALL) == 0
+    out = capsys.readouterr()
+    assert "| case | requests |" in out.out and "## simulated run" in out.out
+    assert not [line for line in out.out.splitlines() if RAW_JSON.match(line)], out.out
+    assert "bench workload:" in out.err and "| case |" not in out.err
+    assert main([*SMALL, "--json"]) == 0
+    out = capsys.readouterr()
+    doc = json.loads(out.out)
+    assert "tables" not in doc and doc["mode"] == "simulated"
+
+
+def test_figures_without_tables_print_one_per_line(capsys: pytest.CaptureFixture[str]) -> None:
+    _print_human({"model": "m", "lookup": {"p50_ms": 0.25, "tiers": {"dram": 3}}, "sizes": [1, 2],
+                  "runs": [{"ms": 1.5}], "targets": [{"name": "t", "value": 0.5, "target": "<= 1", "ok": True}]})
+    out = capsys.readouterr().out
+    assert "lookup.p50_ms" in out and "lookup.tiers.dram" in out and "runs[0].ms" in out and "1, 2" in out
+    assert not [line for line in out.splitlines() if RAW_JSON.match(line)], out
+    assert "[ok  ] t: 0.5 (target <= 1)" in out
