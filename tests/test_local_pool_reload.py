@@ -85,8 +85,11 @@ def test_valid_change_reaches_the_callback_once(tmp_path: Path, caplog: pytest.L
     r = _reloader(path, rec)
     assert r.reload_now() and rec.seen == []  # unchanged: nothing to apply
     _write(path, _toml(42))
-    assert r.reload_now()
+    with caplog.at_level(logging.INFO, logger="kvstore.local_pool.reload"):
+        assert r.reload_now()
     assert [c.ttl.ttl_seconds for c in rec.seen] == [42]
+    assert "local_pool.ttl.ttl_seconds: 300.0 -> 42.0" in caplog.text  # from what to what
+    caplog.clear()
     _write(path, _toml(42, extra="capacity_bytes = 1048576"))
     with caplog.at_level(logging.WARNING, logger="kvstore.local_pool.reload"):
         assert r.reload_now()

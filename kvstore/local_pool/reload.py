@@ -37,6 +37,16 @@ HOT_FIELDS = frozenset({"ttl"})  # [local_pool] keys that take effect without a 
 _FileSig = tuple[int, int, int] | None  # (mtime_ns, size, inode), None while the file is missing
 
 
+def differences(old: object, new: object, prefix: str) -> list[str]:
+    """`key: old -> new` for every leaf setting that differs between two config sections."""
+    if not (dataclasses.is_dataclass(old) and dataclasses.is_dataclass(new)):
+        return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
+    out: list[str] = []
+    for f in dataclasses.fields(old):
+        out += differences(getattr(old, f.name), getattr(new, f.name), f"{prefix}.{f.name}")
+    return out
+
+
 class ConfigReloader:
     def __init__(
         self,
@@ -77,6 +87,7 @@ class ConfigReloader:
                 return True
             changed = sorted(f.name for f in dataclasses.fields(LocalPoolConfig)
                              if getattr(new, f.name) != getattr(self._current, f.name))
+            what = "; ".join(differences(self._current, new, "local_pool"))
             try:
                 self._on_change(new)
             except Exception:
@@ -84,7 +95,7 @@ class ConfigReloader:
                 return False
             self._current = new
             cold = [k for k in changed if k not in HOT_FIELDS]
-            log.info("config reloaded from %s: local_pool %s changed", self._path, ", ".join(changed))
+            log.info("config reloaded from %s: %s", self._path, what)
             if cold:
                 log.warning("config reload: local_pool %s take effect only after a restart", ", ".join(cold))
             return True
@@ -131,10 +142,19 @@ class ConfigReloader:
             if self._stop.is_set():
                 return
             if woken or self._signature() != self._sig:
+                self._settle()
                 try:
                     self.reload_now()
                 except Exception:  # keep watching whatever went wrong with one reload
                     log.exception("config reload failed")
+
+    def _settle(self) -> None:
+        """Wait (briefly) until the file stops changing: an editor or `cat >` may be mid-write,
+        and a half-written file may even parse (as another, valid config)."""
+        for _ in range(20):
+            before = self._signature()
+            if self._stop.wait(0.05) or self._signature() == before:
+                return
 
     def _signature(self) -> _FileSig:
         try:
