@@ -46,12 +46,19 @@ if [ "${1:-}" = "engine" ]; then
   engine
   exit 0
 fi
+echo "kvstore environment (.venv): creating it if missing (1/3)"
 make_venv .venv
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
-.venv/bin/python -c 'import torch' 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
+if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+  echo "kvstore environment (.venv): torch 2.13.0, about a minute (2/3)"
+  "${PIP[@]}" "torch==2.13.0"
+fi
 if [ "${1:-}" = "test" ]; then
+  echo "kvstore environment (.venv): kvstore with its test, lint and type-check tools (3/3)"
   "${PIP[@]}" -e '.[test]'
   engine
 else
+  echo "kvstore environment (.venv): kvstore (3/3)"
   "${PIP[@]}" -e .
 fi
+echo "set up: .venv$([ "${1:-}" = "test" ] && echo " and .venv-engine")"
