@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.bench.abusers import Abuser, IdleStoreStreams, RunnerFlood, UnreadLoadStreams, Victim
+from kvstore.bench.serve_proc import start_serve
 
 MiB = 1 << 20
 ALICE = "bench-alice-token"
@@ -67,15 +68,7 @@ def _config(tmp: Path) -> Path:
 
 
 def _start_service(tmp: Path) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "serve", "--config", str(_config(tmp)), "--grpc-port", "0",
-         "--admin-port", "-1", "--data-dir", str(tmp / "data"), "--log-level", "warning"],
-        stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "gRPC listening on" in line:
-            return proc, line.split("listening on ", 1)[1].split()[0]
-    raise RuntimeError(f"kvstore serve exited with {proc.wait()} before listening")
+    return start_serve(_config(tmp), tmp / "data")
 
 
 def _status(pid: int, field: str) -> int:

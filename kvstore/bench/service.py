@@ -25,7 +25,6 @@ import argparse
 import multiprocessing as mp
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvstore.bench.serve_proc import start_serve
 
 MiB = 1 << 20
 
@@ -124,16 +125,7 @@ def _start_service(
         f"[service]\nstream_message_bytes = {message_bytes}\nmax_message_bytes = {max(4 * MiB, 2 * message_bytes)}\n"
         f"models = [\"{model}\"]\n[replay]\nrunner = \"none\"\n"
         "[local_pool]\ncapacity_bytes = 16777216\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore", "serve", "--config", str(cfg), "--grpc-port", "0",
-         "--admin-port", "0" if admin else "-1", "--data-dir", str(tmp / f"data-{key_memo_bytes}-{admin}"),
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "gRPC listening on" in line:
-            return proc, line.split("listening on ", 1)[1].split()[0]
-    raise RuntimeError(f"kvstore serve exited with {proc.wait()} before listening")
+    return start_serve(cfg, tmp / f"data-{key_memo_bytes}-{admin}", admin=admin)
 
 
 def _lookup_times(kv: Any, args: argparse.Namespace, tokens: np.ndarray, raw_call: Any,
