@@ -47,6 +47,12 @@ def test_live_and_simulated_agree_on_the_same_workload(tmp_path: Path) -> None:
                                                                      rel=1e-9)
     assert live.counters["live"]["replay_status"] == {"replayed": ls["cases"]["expired"]["count"]}
     assert ls["mode"] == "live" and ss["mode"] == "simulated"
+    # One clock for every case (the cost model's, on the live service's answers), the simulated
+    # mode's: with the same decisions, the same times. With this machine's CPU replay added to a
+    # modelled GPU prefill, live expired read 10-500x the simulated one.
+    for c in ("cold", "warm", "expired"):
+        assert ls["cases"][c]["ttft_p50_ms"] == pytest.approx(ss["cases"][c]["ttft_p50_ms"], rel=0.25), c
+    assert "modelled for every case" in live.settings["live"]["ttft"]
 
 
 def test_live_refuses_to_run_without_a_replayer(tmp_path: Path) -> None:

@@ -13,9 +13,14 @@ service gets a simulated clock (`build_app(clock=...)`): TTLs and pins run on si
 minutes of think time take no wall time. A running service (`--target`) keeps its own clock, so
 the driver sleeps until each call's time × `time_scale`.
 
-TTFT (live) = queue wait from the timeline + the measured wall time of the `Resume` call (lookup,
-load, replay on the service's runner) + the uncached prompt tokens × the cost model's prefill time
-per token (the engine's prefill is not run). Persistent bytes are integrated from the service's
+TTFT (live) is on one clock for every case, the cost model's (labelled "modelled"): the queue
+wait from the timeline + `CostModel.ttft_work_seconds` of what the live service answered (the
+uncached tokens to prefill, the tokens it replayed, the bytes it loaded per tier, the snapshot).
+What differs from the simulated mode is the cache's decisions, which are the real service's. The
+measured `Resume` wall time (which includes this machine's CPU replay) is reported apart
+(`resume_wall_ms`): adding it to a modelled GPU prefill mixed two clocks.
+
+Persistent bytes are integrated from the service's
 tier statistics sampled at every call (distinct chunks: the SSD tier's entries, exact under
 write-through) and from the snapshots the pool accepted (with the TTL it returned).
 
@@ -219,8 +224,9 @@ def run_live(
         mode="live", spec=spec, log=driver.log.freeze(), integrals=driver.integrals,
         end_seconds=timeline.end_seconds, pool_byte_seconds=driver.pool_byte_seconds(),
         settings={**timeline.settings, "live": {**target.description, "ttft": (
-            "queue wait from the timeline + measured Resume wall time + uncached tokens x the cost "
-            "model's prefill time per token")}},
+            "modelled for every case: queue wait from the timeline + the cost model's time for the "
+            "prefill, replay and bytes the live service's answers called for; the measured Resume "
+            "wall time is in counters.live.resume_wall_ms")}},
         counters=driver.counters(), baseline=baseline or Baseline(), elapsed_seconds=time.perf_counter() - t0,
     )
 
@@ -232,7 +238,7 @@ class _Driver:
         self.progress = progress
         self.spec: ModelSpec = get_model(opts.model)
         lay = self.spec.layout
-        self.ct, self.snap_bytes = lay.chunk_tokens, lay.local_snapshot_bytes
+        self.ct, self.snap_bytes, self.chunk_bytes = lay.chunk_tokens, lay.local_snapshot_bytes, lay.chunk_bytes
         self.cost = timeline_cfg_cost(timeline)
         self.log = RequestLog(timeline.log.n)
         # The engine is modelled: its runtime KV in HBM is the timeline's.
@@ -293,11 +299,17 @@ class _Driver:
         by_tier = (tiers["device"], tiers["dram"], tiers["lmdb"])
         prefill = plan.prompt_tokens - usable
         queue = float(tl.start[i] - tl.arrival[i])
+        cb = self.chunk_bytes
         reason = self._miss_reason(s, r.hit_tokens // self.ct) if case == 2 else ""
         self.log.add(
             case=case, tenant=int(tl.tenant[i]), session=int(tl.session[i]), turn=int(tl.turn[i]),
             arrival=float(tl.arrival[i]), start=float(tl.start[i]),
-            ttft=queue + wall + prefill * self.cost.prefill_seconds_per_token,
+            # One clock for every case: the cost model's, applied to what the service decided
+            # (its hits, tiers and replays). The measured Resume wall time mixed this machine's
+            # CPU replay into a modelled GPU prefill; it is reported apart (`resume_wall_ms`).
+            ttft=queue + self.cost.ttft_work_seconds(
+                prefill, r.replay_tokens, (by_tier[0] * cb, by_tier[1] * cb, by_tier[2] * cb),
+                self.snap_bytes if r.local_state == "hit" else 0),
             prompt=plan.prompt_tokens, hit=r.hit_tokens, usable=usable, by_tier=by_tier, replay=r.replay_tokens,
             prefill=prefill, snapshot_loaded=self.snap_bytes if r.local_state == "hit" else 0,
             runtime_byte_seconds=float(tl.runtime_byte_seconds[i]), gpu_seconds=float(tl.gpu_seconds[i]),
