@@ -13,6 +13,8 @@ memory is the subclass's business (device.py, dram.py).
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
@@ -96,6 +98,15 @@ class FreeRuns:
     def run_count(self) -> int:
         return len(self._len_at)
 
+    def runs_within(self, first: int, last: int) -> list[Run]:
+        """The free pages in [first, last), as (start, length) runs."""
+        out: list[Run] = []
+        for start, length in self._len_at.items():
+            a, b = max(start, first), min(start + length, last)
+            if a < b:
+                out.append((a, b - a))
+        return out
+
 
 class _Entry:
     """Where one chunk lives. For host pools `views` are the chunk's byte ranges of the pool, made
@@ -124,8 +135,8 @@ class PagedArena:
         self.n_pages = capacity_bytes // page_bytes
         try:
             # (n_pages * page_bytes,) uint8: the only payload allocation this arena ever makes.
-            # A plain host pool is not pre-touched: the OS backs each page on its first write, so
-            # a generous capacity costs nothing until used (pinned pools are backed at once).
+            # A plain host pool is backed by the OS on each page's first write, unless the store
+            # prefaults it at start (`prefault`, store.prefault_arenas); pinned pools are backed at once.
             self._pool = torch.empty(self.n_pages * page_bytes, dtype=torch.uint8, device=device,
                                      pin_memory=pin_memory)
         except (RuntimeError, MemoryError) as e:  # CUDA OOM is a RuntimeError subclass
@@ -137,6 +148,39 @@ class PagedArena:
         self._free = FreeRuns(self.n_pages)
         self._entries: dict[bytes, _Entry] = {}
         self._lock = threading.Lock()
+        self.prefaulted = threading.Event()  # set once `prefault` has touched the free pages
+
+    @property
+    def host_pool(self) -> bool:
+        """The pool is host memory (the DRAM tier, or a device tier without CUDA)."""
+        return self._host is not None
+
+    def prefault(self, slice_bytes: int = 8 << 20) -> tuple[int, bool]:
+        """Back every page of a host pool that no chunk holds (and ask for transparent huge pages
+        first, where the OS has them): (bytes touched, whether the huge-page advice was taken).
+        A slice at a time under the arena's lock, so that it can run beside the service: a store
+        waits for one slice at most, and a page a chunk holds is never written. Device pools are
+        allocated by their driver and are left alone."""
+        if self._host is None or not self.capacity_bytes:
+            self.prefaulted.set()
+            return 0, False
+        address = self._pool.data_ptr()
+        huge = advise_huge_pages(address, self.capacity_bytes)
+        pb = self.page_bytes
+        step = max(1, slice_bytes // pb)
+        touched = 0
+        for first in range(0, self.n_pages, step):
+            last = min(self.n_pages, first + step)
+            with self._lock:
+                if self._host is None:
+                    break  # closed meanwhile: the pool is gone
+                for start, length in self._free.runs_within(first, last):
+                    # One write per page is what backs it: a plain memset (torch's would start
+                    # worker threads that outlive the call).
+                    ctypes.memset(address + start * pb, 0, length * pb)
+                    touched += length * pb
+        self.prefaulted.set()
+        return touched, huge
 
     # --- the tier contract -------------------------------------------------------------------
     @property
@@ -280,3 +324,24 @@ class PagedArena:
 
 def len_pages(runs: Iterable[Run]) -> int:
     return sum(count for _, count in runs)
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+
+
+def advise_huge_pages(address: int, nbytes: int) -> bool:
+    """madvise(MADV_HUGEPAGE) over the 2 MiB-aligned part of [address, address + nbytes); False
+    where the call is not available (another OS, no libc) or refused (THP off)."""
+    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
+    end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return bool(madvise(start, end - start, _MADV_HUGEPAGE) == 0)

@@ -8,11 +8,14 @@ nothing about chunks; it only turns config into objects. `quantize_tiers` wraps 
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvstore.config.store import StoreConfig
 from kvstore.layout import CacheLayout
+from kvstore.tiers.arena import PagedArena
 from kvstore.tiers.base import DurableTier, Tier
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.dram import DramTier
@@ -42,7 +45,31 @@ def build_tiers(
     except BaseException:
         device.close()
         raise
+    if cfg.prefault_arenas:
+        _prefault((device, dram), progress)
     return device, dram, lmdb_tier
+
+
+def _prefault(arenas: Iterable[PagedArena], progress: Callable[[str], None] | None) -> None:
+    """Touch the host arenas' pages on a thread of its own, so that the service listens at once
+    (a restart waits for no memory); a store meanwhile waits one slice at most."""
+    host = [a for a in arenas if a.host_pool and a.capacity_bytes]
+    total = sum(a.capacity_bytes for a in host)
+    if not total:
+        return
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        huge = [a.name for a in host if a.prefault()[1]]
+        if progress is not None:
+            progress(f"arenas: {total / (1 << 20):,.0f} MiB of host memory backed in "
+                     f"{time.perf_counter() - t0:.2f} s; huge pages advised for "
+                     f"{', '.join(huge) if huge else 'none (not offered here)'}")
+
+    if progress is not None:
+        progress(f"arenas: backing {total / (1 << 20):,.0f} MiB of host memory in the background "
+                 "(store.prefault_arenas)")
+    threading.Thread(target=run, name="kvstore-prefault", daemon=True).start()
 
 
 def quantize_tiers(
