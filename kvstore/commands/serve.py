@@ -71,15 +71,12 @@ def run(args: argparse.Namespace) -> int:
          f"{svc.max_runners} runners ({split}); messages <= {svc.max_message_bytes} B; streams idle "
          f"{svc.stream_idle_seconds:g} s; grace {svc.grace_seconds:g} s; reflection "
          f"{'on' if svc.reflection else 'off'}")
-    if server.admin is not None:
-        _say(f"admin HTTP on http://{cfg.admin.host}:{server.admin.port}/")
-    _say(f"gRPC listening on {server.address} ({security})")
-
     stop = threading.Event()
 
     def on_stop(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
+    # Before the line that says it listens: whoever waits for that line may signal at once.
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
     reloader = None
@@ -90,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
         reloader = ConfigReloader(args.config, app.reload_local_pool, cfg.local_pool)
         reloader.start()
         reloader.install_sighup()
+    if server.admin is not None:
+        _say(f"admin HTTP on http://{cfg.admin.host}:{server.admin.port}/")
+    _say(f"gRPC listening on {server.address} ({security})")
     while not stop.wait(0.5):
         pass
     if reloader is not None:
