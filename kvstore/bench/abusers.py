@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -327,11 +327,3 @@ class Victim:
     def close(self) -> None:
         self._channel.close()
 
-
-def stored_prefix(address: str, token: str | None, model: str, token_ids: np.ndarray,
-                  payloads: Sequence[bytes]) -> None:
-    """Store a prefix through the real client (the abusers then hold streams over it)."""
-    from kvstore.client import KvstoreClient
-
-    with KvstoreClient(address, token=token) as c:
-        c.store(model, token_ids, list(payloads))
