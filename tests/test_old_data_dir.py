@@ -97,6 +97,7 @@ def test_the_old_data_dir_is_migrated_once_and_then_opens_from_its_index(tmp_pat
     for opening in ("first", "second"):
         lines: list[str] = []
         store = GlobalStore(cfg.store, data_dir, models, progress=lines.append)
+        lines = [line for line in lines if "LMDB" in line]  # not the arenas' lines (another thread)
         if opening == "first":
             assert lines[0].startswith(f"migrating LMDB data to format 2: indexing {MANIFEST['lmdb_entries']}")
             assert lines[-1] == f"LMDB index built: {MANIFEST['lmdb_entries']} values indexed, 0 unreadable left out"

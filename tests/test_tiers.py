@@ -341,7 +341,7 @@ def test_host_arenas_are_backed_at_start_when_asked(tmp_path: Path, prefault: bo
             assert dram.prefaulted.wait(30)
             grown = _rss_anon() - before
             assert grown >= 60 << 20, grown
-            assert any("backing 64 MiB" in line for line in lines)
+            assert any("backing 64.0 MiB" in line for line in lines)
             assert _wait_for(lambda: any("backed in" in line for line in lines))
         else:
             grown = _rss_anon() - before

@@ -62,12 +62,12 @@ def _prefault(arenas: Iterable[PagedArena], progress: Callable[[str], None] | No
         t0 = time.perf_counter()
         huge = [a.name for a in host if a.prefault()[1]]
         if progress is not None:
-            progress(f"arenas: {total / (1 << 20):,.0f} MiB of host memory backed in "
+            progress(f"arenas: {total / (1 << 20):,.1f} MiB of host memory backed in "
                      f"{time.perf_counter() - t0:.2f} s; huge pages advised for "
                      f"{', '.join(huge) if huge else 'none (not offered here)'}")
 
     if progress is not None:
-        progress(f"arenas: backing {total / (1 << 20):,.0f} MiB of host memory in the background "
+        progress(f"arenas: backing {total / (1 << 20):,.1f} MiB of host memory in the background "
                  "(store.prefault_arenas)")
     threading.Thread(target=run, name="kvstore-prefault", daemon=True).start()
 
