@@ -4,7 +4,7 @@ whose client reads nothing, for `idle_seconds`.
 gRPC's synchronous server has no per-message timeout: a handler blocked on its request iterator
 (the client went quiet) or on a send (the client stopped reading and flow control filled up) waits
 for ever, holding its call slot, its staged bytes and its pins. A handler marks the moments it
-waits on its client (`Watched.waiting()` around a receive or a send); one thread checks every
+waits on its client (its messages pass through `Watched.received` or `Watched.sent`); one thread checks every
 watched call a few times per `idle_seconds` and cancels, with DEADLINE_EXCEEDED and a message, a
 call that has waited longer. The cancel wakes the blocked handler: its iterator raises or its
 generator is closed, and its `finally` blocks release what it held at once. Time the server
@@ -30,9 +30,10 @@ T = TypeVar("T")
 
 
 class Watched:
-    """One watched call: `waiting_since` is set while the handler waits on its client."""
+    """One watched call: `waiting_since` is set while the handler waits on its client, and
+    `stalled` says on what ("sent nothing": a receive; "read nothing": a send)."""
 
-    __slots__ = ("_clock", "context", "ended", "method", "tenant", "waiting_since")
+    __slots__ = ("_clock", "context", "ended", "method", "stalled", "tenant", "waiting_since")
 
     def __init__(self, context: grpc.ServicerContext, method: str, tenant: str,
                  clock: Callable[[], float]) -> None:
@@ -41,33 +42,31 @@ class Watched:
         self.tenant = tenant
         self._clock = clock
         self.waiting_since: float | None = None
+        self.stalled = ""
         self.ended = False
-
-    @contextmanager
-    def waiting(self) -> Iterator[None]:
-        self.waiting_since = self._clock()
-        try:
-            yield
-        finally:
-            self.waiting_since = None
 
     def received(self, messages: Iterable[T]) -> Iterator[T]:
         """The client's messages, counting the wait for each as waiting on the client."""
         it = iter(messages)
         while True:
-            with self.waiting():
-                try:
-                    msg = next(it)
-                except StopIteration:
-                    return
+            self.stalled, self.waiting_since = "sent nothing", self._clock()
+            try:
+                msg = next(it)
+            except StopIteration:
+                return
+            finally:
+                self.waiting_since = None
             yield msg
 
     def sent(self, messages: Iterable[T]) -> Iterator[T]:
         """The server's messages, counting the time each takes to be taken as waiting on the client
         (the synchronous server resumes a response generator once its last message was sent)."""
         for msg in messages:
-            with self.waiting():
+            self.stalled, self.waiting_since = "read nothing", self._clock()
+            try:
                 yield msg
+            finally:
+                self.waiting_since = None
 
 
 class StreamWatch:
@@ -110,8 +109,7 @@ class StreamWatch:
             for w in stalled:
                 w.ended = True
         for w in stalled:
-            what = "sent nothing" if w.method in CLIENT_STREAMS else "read nothing"
-            msg = (f"{w.method} stream ended: its client {what} for {self.idle_seconds:g} s "
+            msg = (f"{w.method} stream ended: its client {w.stalled} for {self.idle_seconds:g} s "
                    f"(service.stream_idle_seconds)")
             log.info("tenant %s: %s", w.tenant, msg)
             cancel_with_status(w.context, grpc.StatusCode.DEADLINE_EXCEEDED, msg)
@@ -122,10 +120,6 @@ class StreamWatch:
         interval = min(1.0, self.idle_seconds / 4)
         while not self._stop.wait(interval):
             self.check()
-
-
-# The calls whose client streams requests (the rest stream responses).
-CLIENT_STREAMS = frozenset({"Store", "StoreLocal"})
 
 
 def cancel_with_status(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> None:
