@@ -25,13 +25,12 @@ from policies.fair_share import FairShare, ShareRefusal
 @dataclass(frozen=True)
 class Admission:
     admitted: bool
-    reason: str = ""  # "draining" or "overloaded" when not admitted
-    refusal: ShareRefusal | None = None  # set when overloaded: which limit, whose
+    refusal: ShareRefusal | None = None  # not admitted: which limit, whose; None: draining
 
 
 # Answers made once: admission is on every call's path.
 ADMITTED = Admission(True)
-DRAINING = Admission(False, "draining")
+DRAINING = Admission(False)
 
 
 def refusal_message(what: str, unit: str, r: ShareRefusal) -> str:
@@ -61,7 +60,7 @@ class CallLimiter:
             refusal = self._calls.try_take(tenant, 1)
             if refusal is not None:
                 self.rejected_total += 1
-                return Admission(False, "overloaded", refusal)
+                return Admission(False, refusal)
             return ADMITTED
 
     def leave(self, tenant: str) -> None:
