@@ -462,5 +462,5 @@ def test_values_deleted_to_make_room_are_reusable_by_the_next_write(tmp_path: Pa
         assert all(check_chunk(tier, k) == "" for k in keys)
         tier.delete_many(keys)
     assert tier.stats().entries == 0
-    assert tier.namespaces() == {}  # the empty commit's counter is not a namespace
+    assert tier.namespaces() == {}
     tier.close()

@@ -77,8 +77,7 @@ _DURABILITY: dict[str, dict[str, bool]] = {
 _PAGE_HEADER = 16
 _NODE_HEADER = 8
 _KEY_BYTES = 32
-# The counter `_advance` bumps, in the namespaces database: shorter than any namespace digest.
-_ADVANCE_KEY = b"\0advance"
+_ADVANCE_KEY = b"advance"  # the counter `_advance` bumps, in the meta database
 
 
 class LmdbTier:
@@ -296,8 +295,8 @@ class LmdbTier:
 
     def _advance(self) -> None:
         """Commit one write transaction that changes nothing the store reads (a counter in the
-        namespaces database under a key no namespace digest can take)."""
-        with self._env.begin(write=True, db=self._ns) as txn:
+        meta database)."""
+        with self._env.begin(write=True, db=self._meta) as txn:
             n = int.from_bytes(txn.get(_ADVANCE_KEY) or b"\0", "little")
             txn.put(_ADVANCE_KEY, (n + 1 & 0xFFFFFFFF).to_bytes(4, "little"))
 
@@ -512,9 +511,7 @@ class LmdbTier:
         self._put_record(self._ns, digest, record)
 
     def namespaces(self) -> dict[bytes, bytes]:
-        records = self._records(self._ns)
-        records.pop(_ADVANCE_KEY, None)
-        return records
+        return self._records(self._ns)
 
     def put_model(self, name: bytes, record: bytes) -> None:
         self._put_record(self._models, name, record)
