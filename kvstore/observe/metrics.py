@@ -127,6 +127,15 @@ def _by_label(counts: Mapping[str, int], allowed: tuple[str, ...]) -> dict[str, 
     return out
 
 
+def _by_reason(name: str, doc: str, counts: Mapping[str, int], allowed: tuple[str, ...]) -> CounterMetricFamily:
+    """A counter labelled `reason`: every allowed reason, and "other" only when it counted."""
+    family = CounterMetricFamily(name, doc, labels=["reason"])
+    for r, n in _by_label(counts, allowed).items():
+        if r != OTHER or n:
+            family.add_metric([r], n)
+    return family
+
+
 # --- sources read at scrape time -------------------------------------------------------------------
 
 
@@ -303,19 +312,11 @@ class SourceCollector(Collector):
 
     def _pool(self, p: PoolStats) -> Iterator[Metric]:
         yield CounterMetricFamily("kvstore_pool_hits", "Local snapshots found in the pool.", value=p.hits)
-        miss = CounterMetricFamily("kvstore_pool_misses", "Local snapshot gets that found nothing usable.",
-                                   labels=["reason"])
-        for r, n in _by_label(p.misses, POOL_MISS_REASONS).items():
-            if r != OTHER or n:
-                miss.add_metric([r], n)
-        yield miss
+        yield _by_reason("kvstore_pool_misses", "Local snapshot gets that found nothing usable.",
+                         p.misses, POOL_MISS_REASONS)
         yield CounterMetricFamily("kvstore_pool_writes", "Local snapshots written.", value=p.writes)
-        skip = CounterMetricFamily("kvstore_pool_skipped_writes", "Local snapshot writes not done.",
-                                   labels=["reason"])
-        for r, n in _by_label(p.skipped_writes, POOL_SKIP_REASONS).items():
-            if r != OTHER or n:
-                skip.add_metric([r], n)
-        yield skip
+        yield _by_reason("kvstore_pool_skipped_writes", "Local snapshot writes not done.",
+                         p.skipped_writes, POOL_SKIP_REASONS)
         yield CounterMetricFamily("kvstore_pool_errors", "Pool backend calls that failed.", value=p.errors)
         yield CounterMetricFamily("kvstore_pool_evictions", "Snapshots pushed out by the pool's budget.",
                                   value=p.evictions)
