@@ -173,22 +173,21 @@ class RunnersServicer:
         asm = partial.get(r.job_id)
         if asm is None:
             job = self._registry.job_of(link, r.job_id)
-            if job is None and self._registry.was_cancelled(link, r.job_id):
-                return  # cancelled while the runner worked on it
             if job is None:
+                if self._registry.was_cancelled(link, r.job_id):
+                    return  # cancelled while the runner worked on it
                 raise InvalidInput(f"a result for job {r.job_id}, which is not one of this runner's jobs")
-            if r.error:
-                self._registry.complete(link, r.job_id, None, r.error)
-                return
             expected = self._layouts[job.model].local_snapshot_bytes
-            if r.total_bytes != expected:
+            if not r.error and r.total_bytes != expected:
                 raise InvalidInput(f"job {r.job_id}'s result declares {r.total_bytes} bytes; a snapshot of "
                                    f"'{job.model}' is {expected}")
-            asm = partial[r.job_id] = BlobAssembler(expected, "job result")
-        elif r.error:
-            del partial[r.job_id]
+            if not r.error:
+                asm = partial[r.job_id] = BlobAssembler(expected, "job result")
+        if r.error:
+            partial.pop(r.job_id, None)
             self._registry.complete(link, r.job_id, None, r.error)
             return
+        assert asm is not None
         asm.add(r.offset, r.data)
         if r.last:
             del partial[r.job_id]
