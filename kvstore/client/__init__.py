@@ -19,6 +19,7 @@ from kvstore.client.sync_client import (
     UnavailableError,
 )
 from kvstore.client.types import (
+    DataPlaneStats,
     LoadIntoResult,
     LoadLocalResult,
     LoadResult,
@@ -26,6 +27,7 @@ from kvstore.client.types import (
     RegisteredModel,
     ResumeResult,
     ServiceStats,
+    ShmSessionStats,
     StoreLocalResult,
     StoreResult,
     TierStats,
@@ -35,6 +37,7 @@ from kvstore.wire.bills import Bills, TierBill
 __all__ = [
     "AsyncKvstoreClient",
     "Bills",
+    "DataPlaneStats",
     "DeadlineExceededError",
     "InvalidArgumentError",
     "KvstoreClient",
@@ -49,6 +52,7 @@ __all__ = [
     "RpcFailure",
     "ServerError",
     "ServiceStats",
+    "ShmSessionStats",
     "StoreLocalResult",
     "StoreResult",
     "TierBill",

@@ -185,6 +185,7 @@ def stream_decoder(cls: type[Message], others: dict[int, tuple[str, type[Message
     return decode
 
 
-decode_load_response = stream_decoder(pb.LoadResponse, {1: ("header", pb.LoadHeader)})
+decode_load_response = stream_decoder(pb.LoadResponse, {1: ("header", pb.LoadHeader), 3: ("shm", pb.ShmSpan)})
 decode_resume_response = stream_decoder(
-    pb.ResumeResponse, {1: ("header", pb.ResumeHeader), 3: ("local", pb.LocalPiece), 4: ("trailer", pb.ResumeTrailer)})
+    pb.ResumeResponse, {1: ("header", pb.ResumeHeader), 3: ("local", pb.LocalPiece), 4: ("trailer", pb.ResumeTrailer),
+                        5: ("shm", pb.ShmSpan)})

@@ -24,7 +24,9 @@ What it does not know: anything of the server's internals; it speaks only the pr
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +39,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client.chunk_views import PieceView, Streamed, decode_load_response, decode_resume_response
+from kvstore.client.shm_path import LeaseLapsed, ShmPath, ShmUnavailable
 from kvstore.client.types import (
     LoadIntoResult,
     LoadLocalResult,
@@ -49,6 +52,7 @@ from kvstore.client.types import (
     StoreResult,
     stats_from_pb,
 )
+from kvstore.dataplane import unix_path_of
 from kvstore.errors import InvalidInput, KvstoreError
 from kvstore.layout import EngineModel
 from kvstore.v1 import kvstore_pb2 as pb
@@ -61,6 +65,11 @@ from kvstore.wire.request_ids import REQUEST_ID_RE, new_request_id
 
 T = TypeVar("T")
 MiB = 1 << 20
+log = logging.getLogger("kvstore.client")
+DATA_PATHS = ("auto", "shm", "stream")
+# After a same-host session could not be opened, streams are used for this long before another try.
+SHM_RETRY_SECONDS = 5.0
+UNKNOWN_SESSION = "unknown same-host session"
 
 
 # --- errors -----------------------------------------------------------------------------------------
@@ -144,12 +153,26 @@ class KvstoreClient:
         max_store_call_bytes: int = 256 * MiB,
         retry: RetryPolicy = RetryPolicy(),
         tls_server_name: str | None = None,
+        data_path: str = "auto",
     ) -> None:
-        """`target` "host:port"; `token` the bearer token; `tls_ca` turns on TLS (with `tls_cert` and
-        `tls_key`: mTLS). `message_bytes`: payload bytes per streamed message (keep it at or under
-        the server's `stream_message_bytes`). A Store larger than `max_store_call_bytes` is sent as
-        several calls on growing prefixes."""
+        """`target` "host:port", or "unix:///path/to/kvstore.sock" on the service's host; `token`
+        the bearer token; `tls_ca` turns on TLS (with `tls_cert` and `tls_key`: mTLS).
+        `message_bytes`: payload bytes per streamed message (keep it at or under the server's
+        `stream_message_bytes`). A Store larger than `max_store_call_bytes` is sent as several calls
+        on growing prefixes. `data_path`: "auto" moves chunk bytes through shared memory when the
+        target is a Unix socket with the service's side socket beside it, and through gRPC streams
+        otherwise; "shm" insists on shared memory (UnavailableError without it); "stream" never
+        uses it."""
+        if data_path not in DATA_PATHS:
+            raise InvalidInput(f"data_path must be one of {', '.join(DATA_PATHS)}, got {data_path!r}")
         self.target = target
+        self.data_path = data_path
+        self._token = token
+        self._unix_path = unix_path_of(target)
+        self._shm: ShmPath | None = None
+        self._shm_lock = threading.Lock()
+        self._shm_retry_at = 0.0
+        self.shm_detail = "" if self._unix_path else "the target is not a unix: address"
         self.timeout_seconds = timeout_seconds
         self.message_bytes = message_bytes
         self.max_store_call_bytes = max_store_call_bytes
@@ -182,7 +205,52 @@ class KvstoreClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def close(self) -> None:
+        with self._shm_lock:
+            if self._shm is not None:
+                self._shm.close()
+                self._shm = None
         self._channel.close()
+
+    @property
+    def data_path_in_use(self) -> str:
+        """"shm" when calls move chunk bytes through a same-host session now, else "stream"."""
+        shm = self._shm
+        return "shm" if shm is not None and not shm.closed else "stream"
+
+    def _shm_path(self) -> ShmPath | None:
+        """The same-host session for the next call, opened on first use; None: use streams."""
+        if self.data_path == "stream" or self._unix_path is None:
+            if self.data_path == "shm":
+                raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"data_path='shm' needs a unix: target, not "
+                                       f"{self.target}", "connect")
+            return None
+        shm = self._shm
+        if shm is not None and not shm.closed:
+            return shm
+        with self._shm_lock:
+            if self._shm is not None and not self._shm.closed:
+                return self._shm
+            now = time.monotonic()
+            if now < self._shm_retry_at and self.data_path != "shm":
+                return None
+            try:
+                self._shm = ShmPath.open(self._unix_path, self._token)
+            except ShmUnavailable as e:
+                self._shm, self._shm_retry_at, self.shm_detail = None, now + SHM_RETRY_SECONDS, str(e)
+                if self.data_path == "shm":
+                    raise UnavailableError(grpc.StatusCode.UNAVAILABLE, str(e), "connect") from None
+                log.info("%s; moving chunk bytes over gRPC streams", e)
+                return None
+            self.shm_detail = ""
+            return self._shm
+
+    def _shm_failed(self, shm: ShmPath, why: str) -> None:
+        """Stop using a session that failed a call (the service closed it, or a lease lapsed)."""
+        log.info("same-host session dropped (%s); the call goes over gRPC streams", why)
+        with self._shm_lock:
+            shm.close()
+            if self._shm is shm:
+                self._shm = None
 
     def __enter__(self) -> KvstoreClient:
         return self
@@ -235,7 +303,8 @@ class KvstoreClient:
             raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
                                        f"{n} chunk payloads for a prompt of {info.full_chunks} full chunks", "Store")
         first = max(first_chunk, min(info.hit_chunks, n) if skip_present else 0)
-        per_call = max(1, self.max_store_call_bytes // cb)
+        shm = self._shm_path()
+        per_call = max(1, min(self.max_store_call_bytes, shm.store_bytes if shm else self.max_store_call_bytes) // cb)
         # Calls on growing prefixes, each sending only its new chunks; always at least one call, so
         # that the answer (durable, already present) comes from the server, not from the lookup.
         ranges = [(a, min(n, a + per_call)) for a in range(first, n, per_call)] or [(first, first)]
@@ -243,7 +312,7 @@ class KvstoreClient:
         for a, b in ranges:
             prompt = arr if b >= info.full_chunks else arr[: b * ct]
             results.append(self._store_call(model, replay_mode, prompt, blob, a, b, cb, deadline, cache_salt,
-                                            first_chunk))
+                                            first_chunk, shm))
         last = results[-1]
         stored_before = sum(r.stored_chunks for r in results[:-1])
         return StoreResult(
@@ -257,8 +326,30 @@ class KvstoreClient:
 
     def _store_call(self, model: str, replay_mode: str, prompt: np.ndarray, blob: memoryview,
                     start: int, end: int, cb: int, deadline: _Deadline, cache_salt: str,
-                    blob_chunk: int) -> StoreResult:
-        """One Store of chunks [start, end); `blob` holds chunks from `blob_chunk` on."""
+                    blob_chunk: int, shm: ShmPath | None) -> StoreResult:
+        """One Store of chunks [start, end); `blob` holds chunks from `blob_chunk` on. Through the
+        same-host session's store segment when there is one with room, else streamed."""
+        if shm is not None and end > start and not shm.closed:
+            with shm.staging((end - start) * cb) as staged:
+                if staged is not None:
+                    offset, view = staged
+                    a = (start - blob_chunk) * cb
+                    view[:] = blob[a : a + (end - start) * cb]
+                    header = pb.StoreHeader(model=model, replay_mode=replay_mode, tokens=_tokens(prompt),
+                                            cache_salt=cache_salt, shm_session=shm.session_id)
+                    requests = [pb.StoreRequest(header=header),
+                                pb.StoreRequest(shm=pb.ShmSpan(first_chunk=start, num_chunks=end - start,
+                                                               offset=offset)),
+                                pb.StoreRequest(end=pb.StoreEnd(chunks_sent=end - start))]
+                    try:
+                        r = self._stub.Store(iter(requests), timeout=deadline.left(), metadata=self._metadata)
+                    except grpc.RpcError as e:
+                        if not _session_gone(e):
+                            raise _failure(e, "Store") from None
+                        self._shm_failed(shm, "the service no longer knows the session")
+                    else:
+                        return _store_result(r)
+
         def messages() -> Iterator[pb.StoreRequest]:
             yield pb.StoreRequest(header=pb.StoreHeader(model=model, replay_mode=replay_mode,
                                                         tokens=_tokens(prompt), cache_salt=cache_salt))
@@ -272,8 +363,7 @@ class KvstoreClient:
             r = self._stub.Store(messages(), timeout=deadline.left(), metadata=self._metadata)
         except grpc.RpcError as e:
             raise _failure(e, "Store") from None
-        return StoreResult(r.stored_chunks, r.already_present, r.skipped_chunks, r.skipped_reason, r.durable,
-                           r.remainder_tokens, r.received_chunks)
+        return _store_result(r)
 
     def iter_load(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
                   max_chunks: int = 0, timeout_seconds: float | None = None,
@@ -281,14 +371,28 @@ class KvstoreClient:
         """Stream (chunk index, tier, payload) as chunks arrive. Not retried (it is a generator)."""
         req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
                              cache_salt=cache_salt)
+        shm = self._shm_path()
+        if shm is not None:
+            req.shm_session = shm.session_id
         try:
             stream = self._load(req, timeout=timeout_seconds or self.timeout_seconds, metadata=self._metadata)
             head = _header(stream, "Load")
-            asm = _Chunks(head.chunk_bytes, head.hit_chunks)
+            if shm is None:
+                asm = _Chunks(head.chunk_bytes, head.hit_chunks)
+                for msg in stream:
+                    yield from asm.add(_piece(msg, "Load"))
+                return
+            cb, got = max(1, head.chunk_bytes), 0
             for msg in stream:
-                yield from asm.add(_piece(msg, "Load"))
+                span = _span(msg, "Load")
+                buf = memoryview(bytearray(span.num_chunks * cb))
+                got += _copy_span(shm, span, got, cb, got + span.num_chunks, buf, dst_first_chunk=got)
+                for k, t in enumerate(span.tiers[: span.num_chunks]):
+                    yield span.first_chunk + k, PB_TO_TIER.get(t, ""), buf[k * cb : (k + 1) * cb]
         except grpc.RpcError as e:
             raise _failure(e, "Load") from None
+        except LeaseLapsed as e:
+            raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
 
     def load(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
              timeout_seconds: float | None = None, cache_salt: str = "") -> LoadResult:
@@ -324,7 +428,50 @@ class KvstoreClient:
     def _load_into(
         self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview]
     ) -> LoadIntoResult:
-        """One Load call written into `buffer_for(the hit's bytes)`; the stream is cancelled once
+        """One Load call written into `buffer_for(the hit's bytes)`: through the same-host session
+        when there is one (falling back to a stream if the session fails), else streamed."""
+        shm = self._shm_path()
+        if shm is not None:
+            req.shm_session = shm.session_id
+            try:
+                return self._load_into_shm(req, timeout, buffer_for, shm)
+            except LeaseLapsed as e:
+                self._shm_failed(shm, str(e))
+            except grpc.RpcError as e:
+                if not _session_gone(e):
+                    raise
+                self._shm_failed(shm, "the service no longer knows the session")
+            finally:
+                req.shm_session = ""
+        return self._load_into_stream(req, timeout, buffer_for)
+
+    def _load_into_shm(
+        self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview], shm: ShmPath
+    ) -> LoadIntoResult:
+        """One Load answered with spans of the session's load segment, each copied into the
+        buffer and its lease released at once."""
+        stream = self._load(req, timeout=timeout, metadata=self._metadata)
+        head = _header(stream, "Load")
+        cb = max(1, head.chunk_bytes)
+        dst = buffer_for(head.hit_chunks * head.chunk_bytes)
+        limit = min(head.hit_chunks, len(dst) // cb)
+        got = 0
+        tiers: list[str] = []
+        for msg in stream:
+            span = _span(msg, "Load")
+            take = _copy_span(shm, span, got, cb, limit, dst)
+            tiers.extend(PB_TO_TIER.get(t, "") for t in span.tiers[:take])
+            got += take
+            if got >= limit:
+                if got < head.hit_chunks:
+                    stream.cancel()  # the rest would not fit
+                break
+        return LoadIntoResult(got * head.chunk_tokens, head.chunk_tokens, head.chunk_bytes, got, tuple(tiers))
+
+    def _load_into_stream(
+        self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview]
+    ) -> LoadIntoResult:
+        """One Load call streamed into `buffer_for(the hit's bytes)`; the stream is cancelled once
         the buffer is full."""
         stream = self._load(req, timeout=timeout, metadata=self._metadata)
         head = _header(stream, "Load")
@@ -384,24 +531,48 @@ class KvstoreClient:
     def resume(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
                skip_chunks: bool = False, timeout_seconds: float | None = None, request_id: str | None = None,
                session: str | None = None, cache_salt: str = "") -> ResumeResult:
-        """Lookup + load + local state (replayed if expired and a runner is available) in one call."""
+        """Lookup + load + local state (replayed if expired and a runner is available) in one call.
+        The chunks come through the same-host session when there is one; if it fails, the call
+        goes again over a stream (a Resume only reads, and a repeated replay is shared)."""
         req = pb.ResumeRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
                                skip_chunks=skip_chunks, cache_salt=cache_salt)
         rid, metadata = self._request_metadata("Resume", request_id, session)
+        timeout = timeout_seconds or self.timeout_seconds
+        shm = None if skip_chunks else self._shm_path()
+        if shm is not None:
+            req.shm_session = shm.session_id
+            try:
+                return self._resume_call(req, timeout, metadata, rid, shm)
+            except LeaseLapsed as e:
+                self._shm_failed(shm, str(e))
+            except UnknownSession:
+                self._shm_failed(shm, "the service no longer knows the session")
+            req.shm_session = ""
+        return self._resume_call(req, timeout, metadata, rid, None)
+
+    def _resume_call(self, req: pb.ResumeRequest, timeout: float, metadata: tuple[tuple[str, str], ...], rid: str,
+                     shm: ShmPath | None) -> ResumeResult:
         try:
-            stream = self._resume(req, timeout=timeout_seconds or self.timeout_seconds, metadata=metadata)
+            stream = self._resume(req, timeout=timeout, metadata=metadata)
             head = _header(stream, "Resume")
             asm = _Chunks(head.chunk_bytes, head.hit_chunks)
             local: BlobAssembler | None = None
             chunks: list[memoryview] = []
             loaded_tiers: list[str] = []
             trailer: pb.ResumeTrailer | None = None
+            cb = max(1, head.chunk_bytes)
+            buf = memoryview(bytearray(head.hit_chunks * head.chunk_bytes)) if shm is not None else None
             for msg in stream:
                 kind, value = msg
                 if kind == "chunks":
                     for _, tier, view in asm.add(_piece(msg, "Resume")):
                         chunks.append(view)
                         loaded_tiers.append(tier)
+                elif isinstance(value, pb.ShmSpan) and shm is not None and buf is not None:
+                    got = len(chunks)
+                    take = _copy_span(shm, value, got, cb, head.hit_chunks, buf)
+                    chunks.extend(buf[(got + k) * cb : (got + k + 1) * cb] for k in range(take))
+                    loaded_tiers.extend(PB_TO_TIER.get(t, "") for t in value.tiers[:take])
                 elif isinstance(value, pb.LocalPiece):
                     if local is None:
                         local = BlobAssembler(head.local_snapshot_bytes)
@@ -409,6 +580,8 @@ class KvstoreClient:
                 elif isinstance(value, pb.ResumeTrailer):
                     trailer = value
         except grpc.RpcError as e:
+            if shm is not None and _session_gone(e):
+                raise UnknownSession() from None
             raise _failure(e, "Resume") from None
         if trailer is None:
             raise ServerError(grpc.StatusCode.UNKNOWN, "the Resume stream ended without its trailer", "Resume")
@@ -576,6 +749,51 @@ def _header(stream: Iterator[Streamed], method: str) -> Any:
     if first is None or first.kind != "header":
         raise ServerError(grpc.StatusCode.UNKNOWN, f"the {method} stream did not start with its header", method)
     return first.value
+
+
+class UnknownSession(Exception):
+    """The service does not know the call's same-host session (any more)."""
+
+
+def _span(msg: Streamed, method: str) -> pb.ShmSpan:
+    if not isinstance(msg.value, pb.ShmSpan):
+        raise ServerError(grpc.StatusCode.UNKNOWN, f"the {method} stream sent a '{msg.kind}' message where a "
+                          "shared-memory span belongs", method)
+    return msg.value
+
+
+def _copy_span(shm: ShmPath, span: pb.ShmSpan, got: int, chunk_bytes: int, limit: int, dst: memoryview,
+               dst_first_chunk: int = 0) -> int:
+    """Copy the chunks of `span` (which must start at chunk `got`) that lie below chunk `limit`
+    into `dst`, whose byte 0 holds chunk `dst_first_chunk`; release its lease whatever happens.
+    How many chunks were copied."""
+    try:
+        if span.first_chunk != got or span.num_chunks == 0:
+            raise ServerError(grpc.StatusCode.UNKNOWN, f"a span of chunks {span.first_chunk}+{span.num_chunks} "
+                              f"arrived where chunk {got} was next", "Load")
+        take = max(0, min(span.num_chunks, limit - got))
+        if take:
+            at = (got - dst_first_chunk) * chunk_bytes
+            try:
+                shm.copy_out(span.offset, take * chunk_bytes, dst[at : at + take * chunk_bytes], span.lease_expires_at)
+            except InvalidInput as e:
+                raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
+        return take
+    finally:
+        shm.release([span.lease_id])
+
+
+def _session_gone(e: grpc.RpcError) -> bool:
+    """The service answered that the call's same-host session is unknown (it restarted, or
+    closed the session): the call may go again over streams."""
+    code = e.code() if hasattr(e, "code") else None
+    return code == grpc.StatusCode.INVALID_ARGUMENT and UNKNOWN_SESSION in ((e.details() or "") if hasattr(
+        e, "details") else "")
+
+
+def _store_result(r: pb.StoreResponse) -> StoreResult:
+    return StoreResult(r.stored_chunks, r.already_present, r.skipped_chunks, r.skipped_reason, r.durable,
+                       r.remainder_tokens, r.received_chunks)
 
 
 def _piece(msg: Streamed, method: str) -> PieceView:

@@ -125,6 +125,33 @@ class TierStats:
 
 
 @dataclass(frozen=True)
+class ShmSessionStats:
+    """One of the calling tenant's same-host sessions."""
+
+    session: str  # the first 8 characters of its id
+    pid: int
+    kind: str  # "client" | "runner"
+    leases_active: int
+    load_segment_bytes: int
+    store_segment_bytes: int
+    loaded_bytes: int
+    stored_bytes: int
+    age_seconds: float
+
+
+@dataclass(frozen=True)
+class DataPlaneStats:
+    """How the calling tenant's chunk bytes move: shared memory on the service's host, or streams."""
+
+    shm_enabled: bool
+    shm_detail: str
+    unix_socket: str
+    sessions: tuple[ShmSessionStats, ...]
+    calls_by_path: dict[str, int]
+    leases_expired: int
+
+
+@dataclass(frozen=True)
 class ServiceStats:
     version: str
     uptime_seconds: float
@@ -146,6 +173,7 @@ class ServiceStats:
     calls_in_flight: int
     calls_rejected: int
     replay_coordinator: bool
+    data_plane: DataPlaneStats | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -171,4 +199,11 @@ def stats_from_pb(r: pb.StatsResponse) -> ServiceStats:
                     "detail": r.local_pool.detail},
         runners_attached=r.runners_attached, models=tuple(r.models), calls_in_flight=r.calls_in_flight,
         calls_rejected=r.calls_rejected, replay_coordinator=r.replay_coordinator,
+        data_plane=DataPlaneStats(
+            shm_enabled=r.data_plane.shm_enabled, shm_detail=r.data_plane.shm_detail,
+            unix_socket=r.data_plane.unix_socket,
+            sessions=tuple(ShmSessionStats(s.session, s.pid, s.kind, s.leases_active, s.load_segment_bytes,
+                                           s.store_segment_bytes, s.loaded_bytes, s.stored_bytes, s.age_seconds)
+                           for s in r.data_plane.sessions),
+            calls_by_path=dict(r.data_plane.calls_by_path), leases_expired=r.data_plane.leases_expired),
     )

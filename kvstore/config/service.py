@@ -53,6 +53,16 @@ class ServiceConfig:
     connection_age_seconds: float = 3600.0
     connection_age_grace_seconds: float = 60.0
     max_lookup_tokens: int = 2_000_000
+    # Same host (README "Same host"): a Unix socket for gRPC beside TCP ("" for none), and on it
+    # shared memory for chunk bytes. Each client session gets a load segment it can only read and
+    # a store segment it writes; a span of the load segment stays leased to the client until it
+    # releases it or `shm_lease_seconds` pass.
+    unix_socket_path: str = ""
+    shm_enabled: bool = True
+    shm_load_segment_bytes: int = 256 * MiB
+    shm_store_segment_bytes: int = 256 * MiB
+    shm_lease_seconds: float = 30.0
+    max_shm_sessions: int = 64  # all tenants together (shared by weight)
     grace_seconds: float = 10.0
     reflection: bool = True
     tls_cert_file: str = ""
@@ -80,6 +90,14 @@ class ServiceConfig:
         require(self.connection_age_grace_seconds >= 0, join(prefix, "connection_age_grace_seconds"),
                 "must be >= 0")
         require(self.grace_seconds >= 0, join(prefix, "grace_seconds"), "must be >= 0")
+        require(not self.unix_socket_path or self.unix_socket_path.startswith("/"), join(prefix, "unix_socket_path"),
+                "must be an absolute path (or empty for none)")
+        require(len(self.unix_socket_path.encode()) <= 100, join(prefix, "unix_socket_path"),
+                "must be at most 100 bytes (a Unix socket path, with room for the '.shm' beside it)")
+        for name in ("shm_load_segment_bytes", "shm_store_segment_bytes"):
+            require(1 * MiB <= getattr(self, name) <= 1 << 40, join(prefix, name), "must be in 1 MiB..1 TiB")
+        require(0.1 <= self.shm_lease_seconds <= 3600, join(prefix, "shm_lease_seconds"), "must be in 0.1..3600")
+        require(self.max_shm_sessions >= 1, join(prefix, "max_shm_sessions"), "must be >= 1")
         require(
             bool(self.tls_cert_file) == bool(self.tls_key_file),
             join(prefix, "tls_cert_file"), "tls_cert_file and tls_key_file must be set together",

@@ -65,6 +65,8 @@ class Observability:
 
     def __call__(self, call: CallRecord) -> None:
         self.metrics.rpc(call.method, call.code, call.seconds)
+        if call.data_path:
+            self.metrics.data_path(call.method, call.data_path)
         if call.code != "OK":
             return
         facts = call.facts

@@ -76,6 +76,8 @@ POOL_MISS_REASONS = ("absent", "expired", "incomplete", "corrupt", "timeout", "e
 POOL_SKIP_REASONS = ("oom", "no_room", "policy", "timeout", "error", "breaker_open", "closed")
 RPC_METHODS = ("Lookup", "Store", "Load", "StoreLocal", "LoadLocal", "Resume", "Stats", "RegisterModel", "Attach",
                OTHER)
+DATA_PATH_METHODS = ("Load", "Resume", "Store", OTHER)
+DATA_PATHS = ("shm", "stream", OTHER)
 RPC_CODES = (
     "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
     "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
@@ -166,6 +168,8 @@ class Sources:
     pool_up: Callable[[], bool] | None = None
     replay_queue_depth: Callable[[], int] | None = None
     runners_attached: Callable[[], int] | None = None
+    shm_sessions: Callable[[], int] | None = None
+    shm_leases: Callable[[], int] | None = None
     byte_seconds: Callable[[], ByteSeconds] | None = None
     policy: Callable[[], PolicyInfo] | None = None
 
@@ -236,6 +240,8 @@ class SourceCollector(Collector):
             ("replay_queue", s.replay_queue_depth, "kvstore_replay_queue_depth",
              "Replay jobs waiting for a runner."),
             ("runners", s.runners_attached, "kvstore_runners_attached", "Model runners attached now."),
+            ("shm_sessions", s.shm_sessions, "kvstore_shm_sessions", "Same-host shared-memory sessions open now."),
+            ("shm_leases", s.shm_leases, "kvstore_shm_leases_active", "Load spans leased to same-host clients now."),
         ):
             if gfn is None:
                 continue
@@ -418,6 +424,9 @@ class Metrics:
         self.side_calls = Counter("kvstore_side_calls_total", "Lookups that are not engine requests (a "
                                   "client's pre-check before a Store, a probe), by purpose; not in "
                                   "kvstore_requests_total.", ["method", "purpose"], registry=r)
+        self.data_path_calls = Counter("kvstore_data_path_calls_total", "Load, Resume and Store calls by how "
+                                       "their chunk bytes moved: shm (same-host shared memory) or stream (gRPC "
+                                       "messages).", ["method", "path"], registry=r)
         self.rpc_seconds = Histogram("kvstore_rpc_seconds", "gRPC call latency, by method and status code.",
                                      ["method", "code"], buckets=RPC_BUCKETS, registry=r)
         self.sources = sources or Sources()
@@ -478,6 +487,9 @@ class Metrics:
             self.side_calls.labels("Lookup", purpose)
         for reason in LOCAL_MISS_REASONS:
             self.local_misses.labels(reason)
+        for m in DATA_PATH_METHODS:
+            for path in DATA_PATHS:
+                self.data_path_calls.labels(m, path)
 
     # --- events ---
 
@@ -532,6 +544,10 @@ class Metrics:
     def side_call(self, method: str, purpose: str) -> None:
         """A call that is not an engine request (a pre-check or a probe)."""
         self._child(self.side_calls, _label(method, RPC_METHODS), _label(purpose, SIDE_CALL_PURPOSES)).inc()
+
+    def data_path(self, method: str, path: str) -> None:
+        """A Load, Resume or Store call and the path its bytes took."""
+        self._child(self.data_path_calls, _label(method, DATA_PATH_METHODS), _label(path, DATA_PATHS)).inc()
 
     def rpc(self, method: str, code: str, seconds: float) -> None:
         labels = (_label(method, RPC_METHODS), _label(code, RPC_CODES))

@@ -105,6 +105,7 @@ class CallRecord:
     purpose: str = ""
     facts: LookupFacts | LocalWriteFacts | None = None  # what the miss explainer needs
     at: float | None = None  # the app's clock when the call finished (observers see it later)
+    data_path: str = ""  # Load, Resume, Store: "shm" (same-host shared memory) or "stream"
 
 
 CallObserver = Callable[[CallRecord], None]

@@ -6,6 +6,7 @@ What it does not know: gRPC, metrics, or the store.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from kvstore.service.admin_server import start_admin as start_admin_server
@@ -19,6 +20,8 @@ class AdminServer(Protocol):
     def close(self) -> None: ...
 
 
-def start_admin(app: App, health: HealthReporter, host: str, port: int) -> AdminServer:
-    server: AdminServer = start_admin_server(app, host, port, health=lambda: health.last or health.refresh())
+def start_admin(app: App, health: HealthReporter, host: str, port: int,
+                shm_totals: Callable[[], tuple[int, int]] | None = None) -> AdminServer:
+    server: AdminServer = start_admin_server(app, host, port, health=lambda: health.last or health.refresh(),
+                                             shm_totals=shm_totals)
     return server

@@ -68,6 +68,7 @@ class CallState:
     # Streaming calls: marks the waits on the client (the stream watch ends a call stalled there).
     stream: Watched | None = None
     staged_bytes: int = 0  # Store payload bytes this call holds in memory (released on exit)
+    data_path: str = ""  # Load, Resume, Store: "shm" (a same-host session) or "stream"
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class CallGuard:
             method=state.method, tenant=state.tenant, code=code.name, seconds=seconds, model=state.model,
             case=state.case, local_state=state.local_state, bills=state.bills,
             request_id=state.request_id, session=state.session, facts=state.facts, at=self._app.clock(),
-            purpose=state.purpose,
+            purpose=state.purpose, data_path=state.data_path,
         ))
 
     def resolve(self, state: CallState, model: str, replay_mode: str, tokens: pb.Tokens,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -36,6 +37,7 @@ from kvstore.service.health import HealthReporter
 from kvstore.service.limits import CallLimiter
 from kvstore.service.runners_servicer import RunnersServicer
 from kvstore.service.servicer import KVCacheServicer
+from kvstore.service.shm_listener import ShmSessions
 from kvstore.service.stream_watch import StreamWatch
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.messages import safe_deserializer, serialize_response
@@ -124,7 +126,11 @@ class KvstoreServer:
         self.watch = StreamWatch(svc.stream_idle_seconds)
         self.auth = Authenticator(cfg)
         self.health = HealthReporter(app, health_interval_seconds)
-        self.kvcache = KVCacheServicer(app, CallGuard(app, self.auth, self.limiter, self.watch), self.limiter)
+        self.unix_socket = svc.unix_socket_path
+        self.shm = (ShmSessions(svc.unix_socket_path, svc, self.auth, cfg.share_weights())
+                    if svc.unix_socket_path and svc.shm_enabled else None)
+        self.kvcache = KVCacheServicer(app, CallGuard(app, self.auth, self.limiter, self.watch), self.limiter,
+                                       self.shm, svc.unix_socket_path)
         self.runners = RunnersServicer(
             app.runners, self.auth, app.layouts(),
             svc.stream_message_bytes, svc.max_message_bytes, lambda: self.limiter.draining, self.watch,
@@ -168,17 +174,33 @@ class KvstoreServer:
         if port == 0:
             raise ConfigError("service.grpc_port", f"cannot listen on {addr} (in use, or not an address here)")
         self.port = port
+        if self.unix_socket:
+            self._listen_unix(self.unix_socket)
         self.health.start()
         self.watch.start()
         self._server.start()
         if self._admin_port >= 0:
             try:
-                self.admin = start_admin(self.app, self.health, self.app.config.admin.host, self._admin_port)
+                self.admin = start_admin(self.app, self.health, self.app.config.admin.host, self._admin_port,
+                                         self.shm.totals if self.shm is not None else None)
             except OSError as e:
                 self.stop(0)
                 raise ConfigError("admin.port", f"cannot listen on {self.app.config.admin.host}:"
                                   f"{self._admin_port}: {e.strerror}") from None
         return self
+
+    def _listen_unix(self, path: str) -> None:
+        """gRPC on the Unix socket too (plaintext: the socket never leaves the host, and tokens are
+        still checked), and the shared-memory side socket beside it."""
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            bound = self._server.add_insecure_port(f"unix:{path}")
+        except (OSError, RuntimeError) as e:
+            raise ConfigError("service.unix_socket_path", f"cannot listen on {path}: {e}") from None
+        if bound == 0:
+            raise ConfigError("service.unix_socket_path", f"cannot listen on {path}")
+        if self.shm is not None:
+            self.shm.start()
 
     def stop(self, grace_seconds: float | None = None) -> bool:
         """Graceful shutdown; True if every call in flight finished within the grace period."""
@@ -196,6 +218,8 @@ class KvstoreServer:
         self.app.runners.close()
         self._server.stop(max(0.0, deadline - time.monotonic())).wait()
         self.kvcache.close()
+        if self.shm is not None:
+            self.shm.stop()
         self.watch.stop()
         self.health.stop()
         if self.admin is not None:

@@ -33,6 +33,8 @@ from kvstore.layout import EngineLayerGroup, EngineModel
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.pricing import facts_for_lookup, local_status, price
 from kvstore.service.servicer_local import LocalStateCalls
+from kvstore.service.shm_calls import PathCounts, load_spans, store_span_data
+from kvstore.service.shm_listener import ShmSession, ShmSessions
 from kvstore.store import CommitResult, LoadSession
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.bills import to_pb as bills_to_pb
@@ -58,10 +60,14 @@ MAX_STORE_BYTES = 1 << 30
 
 
 class KVCacheServicer(LocalStateCalls):
-    def __init__(self, app: App, guard: CallGuard, limiter: CallLimiter) -> None:
+    def __init__(self, app: App, guard: CallGuard, limiter: CallLimiter, shm: ShmSessions | None = None,
+                 unix_socket: str = "") -> None:
         self.app = app
         self.guard = guard
         self._limiter = limiter
+        self.shm = shm
+        self._unix_socket = unix_socket
+        self.paths = PathCounts()
         self.message_bytes = app.config.service.stream_message_bytes
         # Replays run beside the chunk stream of their Resume; one slot per admissible call.
         self.replay_executor = cf.ThreadPoolExecutor(
@@ -114,6 +120,7 @@ class KVCacheServicer(LocalStateCalls):
             raise InvalidInput("the first Store message must be a StoreHeader")
         h = head.header
         res = self.guard.resolve(call, h.model, h.replay_mode, h.tokens, h.cache_salt)
+        shm = self.shm_session(call, h.shm_session)
         cb, full = res.layout.chunk_bytes, res.full_chunks
         if full * cb > MAX_STORE_BYTES:
             raise InvalidInput(
@@ -121,7 +128,7 @@ class KVCacheServicer(LocalStateCalls):
                 f"{cb} bytes were declared); store the prompt in several calls on growing prefixes")
         received: dict[int, memoryview] = {}
         try:
-            end = self._receive(call, messages, ChunkAssembler(cb, full), received)
+            end = self._receive(call, messages, ChunkAssembler(cb, full), received, shm)
             return self._commit(call, res, context, end, received)
         finally:
             # Dropped here, not when the frames go: a failed call's traceback keeps its frames.
@@ -129,18 +136,27 @@ class KVCacheServicer(LocalStateCalls):
 
     def _receive(
         self, call: CallState, messages: Iterator[pb.StoreRequest | Malformed], asm: ChunkAssembler,
-        received: dict[int, memoryview],
+        received: dict[int, memoryview], shm: ShmSession | None,
     ) -> pb.StoreEnd | None:
         """The payload pieces into `received`, each counted against the tenant's staging share
-        before it is kept; the StoreEnd, if one came."""
+        before it is kept (spans of a same-host store segment stage nothing); the StoreEnd, if
+        one came."""
         end: pb.StoreEnd | None = None
         for raw in messages:
             msg = accept(raw, pb.StoreRequest)
             kind = msg.WhichOneof("kind")
-            if end is not None or kind not in ("chunks", "end"):
-                raise InvalidInput("a Store stream is one StoreHeader, ChunkPieces, then one StoreEnd")
+            if end is not None or kind not in ("chunks", "end", "shm"):
+                raise InvalidInput("a Store stream is one StoreHeader, ChunkPieces (or ShmSpans), then one StoreEnd")
             if kind == "end":
                 end = msg.end
+                continue
+            if kind == "shm":
+                if shm is None:
+                    raise InvalidInput("a ShmSpan needs a StoreHeader that names its shm_session")
+                span = msg.shm
+                data = store_span_data(shm, span, asm.chunk_bytes)
+                for index, payload in asm.add(span.first_chunk, 0, data):
+                    received[index] = payload
                 continue
             p = msg.chunks
             self.guard.stage(call, len(p.data))
@@ -192,6 +208,7 @@ class KVCacheServicer(LocalStateCalls):
         with self.guard.enter(context, "Load", streaming=True) as call:
             req = accept(request, pb.LoadRequest)
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt)
+            shm = self.shm_session(call, req.shm_session)
             with self.app.store.load(res.ns, res.tokens, req.max_chunks or None) as session:
                 n = len(session)
                 yield pb.LoadResponse(header=pb.LoadHeader(
@@ -199,7 +216,11 @@ class KVCacheServicer(LocalStateCalls):
                     chunk_bytes=res.layout.chunk_bytes))
                 loaded: list[str] = []
                 assert call.stream is not None
-                yield from call.stream.sent(self.stream_chunks(session, res, n, context, loaded))
+                if shm is None:
+                    yield from call.stream.sent(self.stream_chunks(session, res, n, context, loaded))
+                else:
+                    yield from call.stream.sent(pb.LoadResponse(shm=span)
+                                                for span in self.shm_spans(session, shm, res, n, context, loaded))
                 call.bills = price(res, loaded, replay_tokens=0, local_bytes=0)
 
     def stream_chunks(
@@ -267,6 +288,28 @@ class KVCacheServicer(LocalStateCalls):
                 yield encode_chunk_piece(i, span.offset, [TIER_TO_PB[tier]] if span.offset == 0 else [],
                                          chunk[span.offset : span.offset + span.nbytes])
 
+    def shm_session(self, call: CallState, session_id: str) -> ShmSession | None:
+        """The same-host session a Load, Resume or Store names (None: byte streams), counted
+        by path for Stats."""
+        if not session_id:
+            self.paths.count(call.tenant, "stream")
+            call.data_path = "stream"
+            return None
+        if self.shm is None:
+            raise InvalidInput("this service offers no same-host sessions (service.unix_socket_path is unset, "
+                               "or shm_enabled is off): call without shm_session")
+        s = self.shm.session(session_id, call.tenant)
+        self.paths.count(call.tenant, "shm")
+        call.data_path = "shm"
+        return s
+
+    def shm_spans(
+        self, session: LoadSession, shm: ShmSession, res: Resolved, n: int, context: grpc.ServicerContext,
+        loaded: list[str],
+    ) -> Iterator[pb.ShmSpan]:
+        return load_spans(session, shm, res.layout.chunk_bytes, n, self.app.config.service.stream_idle_seconds,
+                          context.is_active, loaded)
+
     # --- RegisterModel ----------------------------------------------------------------------------
 
     def RegisterModel(
@@ -323,8 +366,24 @@ class KVCacheServicer(LocalStateCalls):
             admissions_refused=st.admissions_refused, evictions_by_reason=st.evictions_by_reason,
             local_pool=pool, runners_attached=len(app.runners.runners()), models=list(app.models),
             calls_in_flight=self._limiter.in_flight, calls_rejected=self._limiter.rejected_total,
-            replay_coordinator=app.coordinator is not None,
+            replay_coordinator=app.coordinator is not None, data_plane=self._data_plane(tenant),
         )
+
+    def _data_plane(self, tenant: str) -> pb.DataPlaneStats:
+        shm = self.shm
+        now = time.monotonic()
+        sessions = [] if shm is None else [
+            pb.ShmSessionStats(
+                session=s.session_id[:8], pid=s.pid, leases_active=s.leases.active,
+                load_segment_bytes=s.load.nbytes, store_segment_bytes=s.store.nbytes, loaded_bytes=s.loaded_bytes,
+                stored_bytes=s.stored_bytes, age_seconds=now - s.created_at, kind=s.kind)
+            for s in shm.sessions_of(tenant)]
+        detail = ("no Unix socket (service.unix_socket_path)" if not self._unix_socket
+                  else "service.shm_enabled is off" if shm is None else shm.detail)
+        return pb.DataPlaneStats(
+            shm_enabled=shm is not None and shm.enabled, shm_detail=detail, unix_socket=self._unix_socket,
+            sessions=sessions, calls_by_path=self.paths.of(tenant),
+            leases_expired=0 if shm is None else shm.leases_expired(tenant))
 
 
 def _uniform_piece_head(first_chunk: int, count: int, nbytes: int, tier: str) -> bytes:

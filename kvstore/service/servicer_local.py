@@ -30,6 +30,7 @@ from kvstore.observe.records import LocalWriteFacts
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.codes import status_for
 from kvstore.service.pricing import boundary_key, facts_for_lookup, local_status, planned_replay_tokens, price
+from kvstore.service.shm_listener import ShmSession
 from kvstore.store import LoadSession
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.bills import to_pb as bills_to_pb
@@ -53,6 +54,15 @@ class LocalStateCalls:
         self, session: LoadSession, res: Resolved, n: int, context: grpc.ServicerContext,
         loaded: list[str] | None = None,
     ) -> Iterator[bytes]:
+        raise NotImplementedError
+
+    def shm_session(self, call: CallState, session_id: str) -> ShmSession | None:
+        raise NotImplementedError
+
+    def shm_spans(
+        self, session: LoadSession, shm: ShmSession, res: Resolved, n: int, context: grpc.ServicerContext,
+        loaded: list[str],
+    ) -> Iterator[pb.ShmSpan]:
         raise NotImplementedError
 
     # --- StoreLocal -------------------------------------------------------------------------------
@@ -151,6 +161,7 @@ class LocalStateCalls:
         self, call: CallState, req: pb.ResumeRequest, res: Resolved, context: grpc.ServicerContext
     ) -> Iterator[pb.ResumeResponse | bytes]:
         store = self.app.store
+        shm = self.shm_session(call, req.shm_session) if not req.skip_chunks else None
         # One walk of the prefix: the load session carries the lookup that chose its chunks, so
         # the prefix is hashed (and counted in the store's statistics) once per Resume.
         session = None if req.skip_chunks else store.load(res.ns, res.tokens, req.max_chunks or None)
@@ -177,7 +188,10 @@ class LocalStateCalls:
                 chunk_tokens=res.chunk_tokens, chunk_bytes=res.layout.chunk_bytes, local_snapshot_bytes=size,
                 replay_planned=replay is not None))
             loaded: list[str] = []
-            if session is not None:
+            if session is not None and shm is not None:
+                for span in self.shm_spans(session, shm, res, n, context, loaded):
+                    yield pb.ResumeResponse(shm=span)
+            elif session is not None:
                 yield from self.stream_chunks(session, res, n, context, loaded)
         finally:
             if session is not None:

@@ -94,6 +94,22 @@ class ChunkPiece(_message.Message):
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     def __init__(self, first_chunk: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
+class ShmSpan(_message.Message):
+    __slots__ = ("first_chunk", "num_chunks", "offset", "lease_id", "lease_expires_at", "tiers")
+    FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    first_chunk: int
+    num_chunks: int
+    offset: int
+    lease_id: int
+    lease_expires_at: float
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, first_chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., offset: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
 class LocalPiece(_message.Message):
     __slots__ = ("offset", "data")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -141,16 +157,18 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_tokens: _Optional[int] = ..., hit_chunks: _Optional[int] = ..., chunk_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., local_state: _Optional[_Union[LocalState, str]] = ..., bills: _Optional[_Union[Bills, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., full_chunks: _Optional[int] = ..., remainder_tokens: _Optional[int] = ..., local_snapshot_bytes: _Optional[int] = ..., replay_mode: _Optional[str] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
-    __slots__ = ("model", "replay_mode", "tokens", "cache_salt")
+    __slots__ = ("model", "replay_mode", "tokens", "cache_salt", "shm_session")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SHM_SESSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     replay_mode: str
     tokens: Tokens
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    shm_session: str
+    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., cache_salt: _Optional[str] = ..., shm_session: _Optional[str] = ...) -> None: ...
 
 class StoreEnd(_message.Message):
     __slots__ = ("chunks_sent",)
@@ -159,14 +177,16 @@ class StoreEnd(_message.Message):
     def __init__(self, chunks_sent: _Optional[int] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("header", "chunks", "end")
+    __slots__ = ("header", "chunks", "end", "shm")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     header: StoreHeader
     chunks: ChunkPiece
     end: StoreEnd
-    def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., chunks: _Optional[_Union[ChunkPiece, _Mapping]] = ..., end: _Optional[_Union[StoreEnd, _Mapping]] = ...) -> None: ...
+    shm: ShmSpan
+    def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., chunks: _Optional[_Union[ChunkPiece, _Mapping]] = ..., end: _Optional[_Union[StoreEnd, _Mapping]] = ..., shm: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("stored_chunks", "already_present", "skipped_chunks", "skipped_reason", "durable", "remainder_tokens", "received_chunks")
@@ -187,18 +207,20 @@ class StoreResponse(_message.Message):
     def __init__(self, stored_chunks: _Optional[int] = ..., already_present: _Optional[int] = ..., skipped_chunks: _Optional[int] = ..., skipped_reason: _Optional[str] = ..., durable: _Optional[bool] = ..., remainder_tokens: _Optional[int] = ..., received_chunks: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "replay_mode", "tokens", "max_chunks", "cache_salt")
+    __slots__ = ("model", "replay_mode", "tokens", "max_chunks", "cache_salt", "shm_session")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SHM_SESSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     replay_mode: str
     tokens: Tokens
     max_chunks: int
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., max_chunks: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    shm_session: str
+    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., max_chunks: _Optional[int] = ..., cache_salt: _Optional[str] = ..., shm_session: _Optional[str] = ...) -> None: ...
 
 class LoadHeader(_message.Message):
     __slots__ = ("hit_tokens", "hit_chunks", "chunk_tokens", "chunk_bytes")
@@ -213,12 +235,14 @@ class LoadHeader(_message.Message):
     def __init__(self, hit_tokens: _Optional[int] = ..., hit_chunks: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("header", "chunks")
+    __slots__ = ("header", "chunks", "shm")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     header: LoadHeader
     chunks: ChunkPiece
-    def __init__(self, header: _Optional[_Union[LoadHeader, _Mapping]] = ..., chunks: _Optional[_Union[ChunkPiece, _Mapping]] = ...) -> None: ...
+    shm: ShmSpan
+    def __init__(self, header: _Optional[_Union[LoadHeader, _Mapping]] = ..., chunks: _Optional[_Union[ChunkPiece, _Mapping]] = ..., shm: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
 
 class LocalHeader(_message.Message):
     __slots__ = ("model", "replay_mode", "tokens", "snapshot_bytes", "cache_salt")
@@ -287,20 +311,22 @@ class LoadLocalResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[LoadLocalHeader, _Mapping]] = ..., local: _Optional[_Union[LocalPiece, _Mapping]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("model", "replay_mode", "tokens", "max_chunks", "skip_chunks", "cache_salt")
+    __slots__ = ("model", "replay_mode", "tokens", "max_chunks", "skip_chunks", "cache_salt", "shm_session")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SKIP_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SHM_SESSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     replay_mode: str
     tokens: Tokens
     max_chunks: int
     skip_chunks: bool
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., max_chunks: _Optional[int] = ..., skip_chunks: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    shm_session: str
+    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., max_chunks: _Optional[int] = ..., skip_chunks: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., shm_session: _Optional[str] = ...) -> None: ...
 
 class ResumeHeader(_message.Message):
     __slots__ = ("resume_case", "hit_tokens", "hit_chunks", "chunk_tiers", "local_state", "bills", "chunk_tokens", "chunk_bytes", "local_snapshot_bytes", "replay_planned")
@@ -341,16 +367,18 @@ class ResumeTrailer(_message.Message):
     def __init__(self, local_state: _Optional[_Union[LocalState, str]] = ..., snapshot_bytes: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., replay_status: _Optional[str] = ..., bills: _Optional[_Union[Bills, _Mapping]] = ...) -> None: ...
 
 class ResumeResponse(_message.Message):
-    __slots__ = ("header", "chunks", "local", "trailer")
+    __slots__ = ("header", "chunks", "local", "trailer", "shm")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     header: ResumeHeader
     chunks: ChunkPiece
     local: LocalPiece
     trailer: ResumeTrailer
-    def __init__(self, header: _Optional[_Union[ResumeHeader, _Mapping]] = ..., chunks: _Optional[_Union[ChunkPiece, _Mapping]] = ..., local: _Optional[_Union[LocalPiece, _Mapping]] = ..., trailer: _Optional[_Union[ResumeTrailer, _Mapping]] = ...) -> None: ...
+    shm: ShmSpan
+    def __init__(self, header: _Optional[_Union[ResumeHeader, _Mapping]] = ..., chunks: _Optional[_Union[ChunkPiece, _Mapping]] = ..., local: _Optional[_Union[LocalPiece, _Mapping]] = ..., trailer: _Optional[_Union[ResumeTrailer, _Mapping]] = ..., shm: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -395,7 +423,7 @@ class LocalPoolStats(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., healthy: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_seconds", "tenant", "tiers", "chunks", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "token_mismatches", "corrupt_reads", "pins_active", "pins_expired", "admissions_refused", "evictions_by_reason", "local_pool", "runners_attached", "models", "calls_in_flight", "calls_rejected", "replay_coordinator")
+    __slots__ = ("version", "uptime_seconds", "tenant", "tiers", "chunks", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "token_mismatches", "corrupt_reads", "pins_active", "pins_expired", "admissions_refused", "evictions_by_reason", "local_pool", "runners_attached", "models", "calls_in_flight", "calls_rejected", "replay_coordinator", "data_plane")
     class EvictionsByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -423,6 +451,7 @@ class StatsResponse(_message.Message):
     CALLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     CALLS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     REPLAY_COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_seconds: float
     tenant: str
@@ -443,7 +472,53 @@ class StatsResponse(_message.Message):
     calls_in_flight: int
     calls_rejected: int
     replay_coordinator: bool
-    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., chunks: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., token_mismatches: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., pins_active: _Optional[int] = ..., pins_expired: _Optional[int] = ..., admissions_refused: _Optional[int] = ..., evictions_by_reason: _Optional[_Mapping[str, int]] = ..., local_pool: _Optional[_Union[LocalPoolStats, _Mapping]] = ..., runners_attached: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., calls_in_flight: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., replay_coordinator: _Optional[bool] = ...) -> None: ...
+    data_plane: DataPlaneStats
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., chunks: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., token_mismatches: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., pins_active: _Optional[int] = ..., pins_expired: _Optional[int] = ..., admissions_refused: _Optional[int] = ..., evictions_by_reason: _Optional[_Mapping[str, int]] = ..., local_pool: _Optional[_Union[LocalPoolStats, _Mapping]] = ..., runners_attached: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., calls_in_flight: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., replay_coordinator: _Optional[bool] = ..., data_plane: _Optional[_Union[DataPlaneStats, _Mapping]] = ...) -> None: ...
+
+class DataPlaneStats(_message.Message):
+    __slots__ = ("shm_enabled", "shm_detail", "unix_socket", "sessions", "calls_by_path", "leases_expired")
+    class CallsByPathEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    SHM_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    SHM_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_BY_PATH_FIELD_NUMBER: _ClassVar[int]
+    LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    shm_enabled: bool
+    shm_detail: str
+    unix_socket: str
+    sessions: _containers.RepeatedCompositeFieldContainer[ShmSessionStats]
+    calls_by_path: _containers.ScalarMap[str, int]
+    leases_expired: int
+    def __init__(self, shm_enabled: _Optional[bool] = ..., shm_detail: _Optional[str] = ..., unix_socket: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[ShmSessionStats, _Mapping]]] = ..., calls_by_path: _Optional[_Mapping[str, int]] = ..., leases_expired: _Optional[int] = ...) -> None: ...
+
+class ShmSessionStats(_message.Message):
+    __slots__ = ("session", "pid", "leases_active", "load_segment_bytes", "store_segment_bytes", "loaded_bytes", "stored_bytes", "age_seconds", "kind")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    LEASES_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    pid: int
+    leases_active: int
+    load_segment_bytes: int
+    store_segment_bytes: int
+    loaded_bytes: int
+    stored_bytes: int
+    age_seconds: float
+    kind: str
+    def __init__(self, session: _Optional[str] = ..., pid: _Optional[int] = ..., leases_active: _Optional[int] = ..., load_segment_bytes: _Optional[int] = ..., store_segment_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class EngineLayerGroup(_message.Message):
     __slots__ = ("name", "num_layers", "kv_heads", "head_size", "dtype", "sliding_window")
@@ -496,20 +571,22 @@ class RegisterModelResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., layout_id: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., local_snapshot_bytes: _Optional[int] = ..., local_window_tokens: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class RunnerHello(_message.Message):
-    __slots__ = ("model", "layout_id", "device", "max_concurrent_jobs", "max_batch", "name")
+    __slots__ = ("model", "layout_id", "device", "max_concurrent_jobs", "max_batch", "name", "shm_session")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENT_JOBS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_SESSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     layout_id: bytes
     device: str
     max_concurrent_jobs: int
     max_batch: int
     name: str
-    def __init__(self, model: _Optional[str] = ..., layout_id: _Optional[bytes] = ..., device: _Optional[str] = ..., max_concurrent_jobs: _Optional[int] = ..., max_batch: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    shm_session: str
+    def __init__(self, model: _Optional[str] = ..., layout_id: _Optional[bytes] = ..., device: _Optional[str] = ..., max_concurrent_jobs: _Optional[int] = ..., max_batch: _Optional[int] = ..., name: _Optional[str] = ..., shm_session: _Optional[str] = ...) -> None: ...
 
 class JobResult(_message.Message):
     __slots__ = ("job_id", "offset", "data", "total_bytes", "last", "error")
@@ -568,12 +645,14 @@ class ReplayJob(_message.Message):
     def __init__(self, job_id: _Optional[int] = ..., model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., position_start: _Optional[int] = ..., position_end: _Optional[int] = ..., first_chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., deadline_seconds: _Optional[float] = ...) -> None: ...
 
 class JobChunks(_message.Message):
-    __slots__ = ("job_id", "chunks")
+    __slots__ = ("job_id", "chunks", "shm")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     chunks: ChunkPiece
-    def __init__(self, job_id: _Optional[int] = ..., chunks: _Optional[_Union[ChunkPiece, _Mapping]] = ...) -> None: ...
+    shm: ShmSpan
+    def __init__(self, job_id: _Optional[int] = ..., chunks: _Optional[_Union[ChunkPiece, _Mapping]] = ..., shm: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
 
 class JobCancel(_message.Message):
     __slots__ = ("job_id",)

@@ -1,0 +1,159 @@
+"""The client's end of a same-host session: the shared-memory path beside a `unix:` gRPC address.
+
+`ShmPath.open` connects the side socket next to the gRPC socket, says hello with the client's
+token and maps the two segments it gets back: the load segment read-only (the service sealed it:
+it cannot be mapped writable), the store segment read-write. The client then names the session
+in its calls; the service answers loads with spans of the load segment, and this module copies
+them out and releases their leases.
+
+A lease runs out `lease_seconds` after the service granted it, after which the span may be
+reused. The copy is checked against that on the service's own clock (the hello carries it; the
+offset is bounded by the hello's round trip, and the bound is taken on the late side), so a copy
+that finished after its lease lapsed is never trusted: the caller loads again over streams.
+
+What it does not know: the service's internals; it speaks the side-socket protocol only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+from kvstore.dataplane import (
+    HELLO_VERSION,
+    LeaseTable,
+    NoRoom,
+    SideSocketClosed,
+    check_span,
+    data_socket_path,
+    map_segment,
+    recv_message,
+    send_message,
+)
+
+log = logging.getLogger("kvstore.client")
+
+HELLO_TIMEOUT_SECONDS = 5.0
+
+
+class ShmUnavailable(Exception):
+    """No same-host session could be opened; the message says why."""
+
+
+class LeaseLapsed(Exception):
+    """A span was copied after its lease ran out: the bytes cannot be trusted."""
+
+
+class ShmPath:
+    def __init__(self, sock: socket.socket, reply: dict, fds: list[int], sent_at: float) -> None:
+        self._sock = sock
+        self._send_lock = threading.Lock()
+        self.session_id: str = reply["session"]
+        self.tenant: str = reply.get("tenant", "")
+        self.load_bytes = int(reply["load_bytes"])
+        self.store_bytes = int(reply["store_bytes"])
+        self.lease_seconds = float(reply["lease_seconds"])
+        # The service's clock is at most this far ahead of ours (it stamped the hello's answer
+        # after we sent it).
+        self._clock_ahead = float(reply["monotonic"]) - sent_at
+        try:
+            self._load_map = map_segment(fds[0], self.load_bytes, writable=False)
+            self._store_map = map_segment(fds[1], self.store_bytes, writable=True)
+        finally:
+            for fd in fds:
+                os.close(fd)  # the maps keep the memory
+        self.load_view = memoryview(self._load_map)
+        self.store_view = memoryview(self._store_map)
+        # Space in the store segment for Stores in flight on this client's threads.
+        self._staging = LeaseTable(self.store_bytes, lease_seconds=1e9)
+        self.closed = False
+
+    @classmethod
+    def open(cls, grpc_socket_path: str, token: str | None, kind: str = "client") -> ShmPath:
+        path = data_socket_path(grpc_socket_path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(HELLO_TIMEOUT_SECONDS)
+        try:
+            sock.connect(path)
+            sent_at = time.monotonic()
+            send_message(sock, {"v": HELLO_VERSION, "kind": kind, **({"token": token} if token else {})})
+            reply, fds = recv_message(sock)
+        except (OSError, SideSocketClosed) as e:
+            sock.close()
+            raise ShmUnavailable(f"no same-host session at {path}: {e}") from None
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            sock.close()
+            raise ShmUnavailable(f"the service refused a same-host session: {reply.get('error', 'no reason given')}")
+        if len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            sock.close()
+            raise ShmUnavailable(f"the service sent {len(fds)} segment(s), not 2")
+        try:
+            return cls(sock, reply, fds, sent_at)
+        except (OSError, KeyError, ValueError, TypeError) as e:
+            sock.close()
+            raise ShmUnavailable(f"the same-host segments could not be mapped: {e}") from None
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._sock.close()  # the service drops the session and its leases on this
+        for view, m in ((self.load_view, self._load_map), (self.store_view, self._store_map)):
+            with contextlib.suppress(BufferError):  # a view the caller still holds keeps its map
+                view.release()
+                m.close()
+
+    # --- loads ------------------------------------------------------------------------------------
+
+    def lease_valid(self, expires_at: float) -> bool:
+        """True while a lease granted until `expires_at` (the service's clock) is surely held."""
+        return time.monotonic() + self._clock_ahead < expires_at
+
+    def span(self, offset: int, nbytes: int) -> memoryview:
+        """The load segment's bytes [offset, offset + nbytes), checked to lie inside it."""
+        check_span(offset, nbytes, self.load_bytes, "a load span")
+        return self.load_view[offset : offset + nbytes]
+
+    def copy_out(self, offset: int, nbytes: int, dst: memoryview, expires_at: float) -> None:
+        """Copy a leased span into `dst`; raises LeaseLapsed if the lease ran out before the copy
+        was done."""
+        dst[:] = self.span(offset, nbytes)
+        if not self.lease_valid(expires_at):
+            raise LeaseLapsed(f"a lease ran out before its {nbytes}-byte span was copied")
+
+    def release(self, lease_ids: list[int]) -> None:
+        """Tell the service these spans may be reused. Never raises: a session whose socket is gone
+        has no leases left to release."""
+        if not lease_ids or self.closed:
+            return
+        try:
+            with self._send_lock:
+                send_message(self._sock, {"release": lease_ids})
+        except OSError:
+            self.closed = True
+
+    # --- stores -----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def staging(self, nbytes: int) -> Iterator[tuple[int, memoryview] | None]:
+        """(offset, view) of `nbytes` of the store segment for one Store call, or None when the
+        segment has no such room now (the caller streams the bytes instead)."""
+        try:
+            lease = self._staging.grant(nbytes, wait_seconds=0.0)
+        except (NoRoom, ValueError):
+            yield None
+            return
+        try:
+            yield lease.offset, self.store_view[lease.offset : lease.offset + nbytes]
+        finally:
+            self._staging.release(lease.lease_id)
+

@@ -1,0 +1,45 @@
+"""The same-host data plane: chunk bytes through shared memory, beside gRPC's control plane.
+
+When an engine and the service share a host, the service listens on a Unix socket as well as TCP.
+A client that reaches it over the Unix socket opens a second, plain Unix socket beside it (the
+gRPC socket's path plus `.shm`), authenticates there, and receives two memory segments as file
+descriptors: a load segment the service writes and the client can only read, and a store segment
+the client writes and the service reads. `Load` and `Resume` then answer with spans of the load
+segment under a lease instead of bytes, and `Store` commits spans of the store segment.
+
+This package holds what both sides share and nothing of either: segments (`segments.py`), the
+framed messages and descriptor passing of the side socket (`side_socket.py`), the allocation of a
+segment's space under leases (`leases.py`) and the checks of a span against its segment
+(`spans.py`). The service's listener lives in `kvstore.service.shm_listener`, the client's end in
+`kvstore.client.shm_path`.
+"""
+
+from kvstore.dataplane.leases import Lease, LeaseTable, NoRoom
+from kvstore.dataplane.segments import Segment, map_segment, sealing_available
+from kvstore.dataplane.side_socket import (
+    HELLO_VERSION,
+    FrameReader,
+    SideSocketClosed,
+    data_socket_path,
+    recv_message,
+    send_message,
+    unix_path_of,
+)
+from kvstore.dataplane.spans import check_span
+
+__all__ = [
+    "HELLO_VERSION",
+    "FrameReader",
+    "Lease",
+    "LeaseTable",
+    "NoRoom",
+    "Segment",
+    "SideSocketClosed",
+    "check_span",
+    "data_socket_path",
+    "map_segment",
+    "recv_message",
+    "sealing_available",
+    "send_message",
+    "unix_path_of",
+]

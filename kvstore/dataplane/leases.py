@@ -1,0 +1,153 @@
+"""Space in a segment, handed out under leases.
+
+The service copies a load's chunks into its session's load segment and leases the span to the
+client until the client says it is done with it (or the lease runs out): until then the span is
+never reused, so what the client reads under a lease is what the service wrote there. Space is
+allocated first-fit from a free list that coalesces on release; a writer that finds no room waits
+for releases or expiries, up to its own time limit.
+
+Lease ids are never reused within a table, so a release of a lease that already expired (or a
+forged id) is recognised as stale and frees nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ALIGN_BYTES = 64  # spans start on cache lines
+
+
+class NoRoom(Exception):
+    """No span of the size asked for came free within the wait."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: int
+    offset: int
+    length: int
+    expires_at: float  # on the table's clock
+
+
+class LeaseTable:
+    def __init__(self, segment_bytes: int, lease_seconds: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.segment_bytes = segment_bytes
+        self.lease_seconds = lease_seconds
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._free: list[tuple[int, int]] = [(0, segment_bytes)]  # (offset, length), sorted, coalesced
+        self._leases: dict[int, Lease] = {}
+        self._next_id = 1
+        self._closed = False
+        self.granted_total = 0
+        self.released_total = 0
+        self.expired_total = 0
+        self.stale_releases = 0
+
+    @property
+    def active(self) -> int:
+        return len(self._leases)
+
+    @property
+    def leased_bytes(self) -> int:
+        return sum(lease.length for lease in self._leases.values())
+
+    def grant(self, nbytes: int, wait_seconds: float, still_wanted: Callable[[], bool] = lambda: True) -> Lease:
+        """A lease on `nbytes` of free space; waits up to `wait_seconds` for room (checking
+        `still_wanted` as it waits). Raises NoRoom, or ValueError for a size the segment can never hold."""
+        if not 0 < nbytes <= self.segment_bytes:
+            raise ValueError(f"a span of {nbytes} bytes does not fit a {self.segment_bytes}-byte segment")
+        size = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+        size = min(size, self.segment_bytes)
+        give_up = self._clock() + wait_seconds
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise NoRoom("the session is closed")
+                at = self._take(size)
+                if at is None and self._expire_locked():
+                    at = self._take(size)
+                if at is not None:
+                    lease = Lease(self._next_id, at, size, self._clock() + self.lease_seconds)
+                    self._next_id += 1
+                    self._leases[lease.lease_id] = lease
+                    self.granted_total += 1
+                    return lease
+                left = give_up - self._clock()
+                if left <= 0 or not still_wanted():
+                    raise NoRoom(f"no {nbytes}-byte span came free in {wait_seconds:g} s: "
+                                 f"{len(self._leases)} lease(s) hold {self.leased_bytes} of "
+                                 f"{self.segment_bytes} bytes")
+                self._cond.wait(min(left, 0.05, self._next_expiry_in()))
+
+    def release(self, lease_id: int) -> bool:
+        """Give a lease's span back; False (and nothing freed) for an unknown or expired lease."""
+        with self._cond:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                self.stale_releases += 1
+                return False
+            self._give_back(lease)
+            self.released_total += 1
+            self._cond.notify_all()
+            return True
+
+    def expire(self) -> int:
+        """Drop leases past their time; how many."""
+        with self._cond:
+            return self._expire_locked()
+
+    def close(self) -> int:
+        """Drop every lease (the client went away); how many were held."""
+        with self._cond:
+            n = len(self._leases)
+            self._leases.clear()
+            self._free = [(0, self.segment_bytes)]
+            self._closed = True
+            self._cond.notify_all()
+            return n
+
+    def _expire_locked(self) -> int:
+        now = self._clock()
+        gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in gone:
+            del self._leases[lease.lease_id]
+            self._give_back(lease)
+        self.expired_total += len(gone)
+        if gone:
+            self._cond.notify_all()
+        return len(gone)
+
+    def _next_expiry_in(self) -> float:
+        if not self._leases:
+            return 0.05
+        return max(0.001, min(lease.expires_at for lease in self._leases.values()) - self._clock())
+
+    def _take(self, size: int) -> int | None:
+        for k, (off, length) in enumerate(self._free):
+            if length >= size:
+                if length == size:
+                    del self._free[k]
+                else:
+                    self._free[k] = (off + size, length - size)
+                return off
+        return None
+
+    def _give_back(self, lease: Lease) -> None:
+        free = self._free
+        k = bisect.bisect_left(free, (lease.offset, 0))
+        off, length = lease.offset, lease.length
+        if k < len(free) and off + length == free[k][0]:  # joins the next free span
+            length += free[k][1]
+            del free[k]
+        if k > 0 and free[k - 1][0] + free[k - 1][1] == off:  # joins the previous one
+            off = free[k - 1][0]
+            length += free[k - 1][1]
+            del free[k - 1]
+            k -= 1
+        free.insert(k, (off, length))

@@ -1,0 +1,132 @@
+"""The side socket beside the gRPC Unix socket: small JSON messages, and descriptors passed with them.
+
+A message is a 4-byte little-endian length and that many bytes of a JSON object; descriptors travel
+as SCM_RIGHTS ancillary data of the message's first bytes. Messages are small (a hello, a list of
+leases to release): anything larger than `MAX_MESSAGE_BYTES` is refused, so a peer cannot make
+the other side buffer without bound.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import socket
+import struct
+from typing import Any
+
+HELLO_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_FDS = 4
+SUFFIX = ".shm"
+_LEN = struct.Struct("<I")
+
+
+class SideSocketClosed(ConnectionError):
+    """The peer closed the side socket, or sent something that is not a message."""
+
+
+def unix_path_of(address: str) -> str | None:
+    """The socket path of a gRPC `unix:` address ("unix:/p", "unix:///p", "unix:p"); None for
+    any other address."""
+    if not address.startswith("unix:"):
+        return None
+    rest = address[len("unix:"):]
+    if rest.startswith("//"):
+        rest = rest[2:]
+    return rest or None
+
+
+def data_socket_path(grpc_socket_path: str) -> str:
+    """Where the side socket of a gRPC Unix socket listens."""
+    return grpc_socket_path + SUFFIX
+
+
+def send_message(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"a side-socket message of {len(body)} bytes is over {MAX_MESSAGE_BYTES}")
+    data = _LEN.pack(len(body)) + body
+    if fds:
+        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        if sent < len(data):
+            sock.sendall(data[sent:])
+    else:
+        sock.sendall(data)
+
+
+def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """The next message and the descriptors that came with it. Raises SideSocketClosed on a
+    closed socket or a malformed message (closing any descriptors received with it)."""
+    head, fds = _recv_exact(sock, _LEN.size, want_fds=True)
+    try:
+        (n,) = _LEN.unpack(head)
+        if n > MAX_MESSAGE_BYTES:
+            raise SideSocketClosed(f"a side-socket message of {n} bytes is over {MAX_MESSAGE_BYTES}")
+        body, _ = _recv_exact(sock, n, want_fds=False)
+        try:
+            message = json.loads(body)
+        except ValueError:
+            raise SideSocketClosed("a side-socket message is not JSON") from None
+        if not isinstance(message, dict):
+            raise SideSocketClosed("a side-socket message is not a JSON object")
+    except BaseException:
+        for fd in fds:
+            _close_quietly(fd)
+        raise
+    return message, fds
+
+
+def _recv_exact(sock: socket.socket, n: int, want_fds: bool) -> tuple[bytes, list[int]]:
+    buf = bytearray()
+    fds: list[int] = []
+    while len(buf) < n:
+        if want_fds and not buf:
+            data, ancdata, _flags, _addr = sock.recvmsg(n, socket.CMSG_SPACE(MAX_FDS * 4))
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                    fds.extend(got)
+        else:
+            data = sock.recv(n - len(buf))
+        if not data:
+            for fd in fds:
+                _close_quietly(fd)
+            raise SideSocketClosed("the side socket was closed")
+        buf += data
+    return bytes(buf), fds
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+class FrameReader:
+    """Frames out of a non-blocking socket's bytes, for a reader that multiplexes many sockets."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        """The whole messages `data` completes. Raises SideSocketClosed on a malformed one."""
+        self._buf += data
+        out: list[dict[str, Any]] = []
+        while len(self._buf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(self._buf)
+            if n > MAX_MESSAGE_BYTES:
+                raise SideSocketClosed(f"a side-socket message of {n} bytes is over {MAX_MESSAGE_BYTES}")
+            if len(self._buf) < _LEN.size + n:
+                break
+            body = bytes(self._buf[_LEN.size : _LEN.size + n])
+            del self._buf[: _LEN.size + n]
+            try:
+                message = json.loads(body)
+            except ValueError:
+                raise SideSocketClosed("a side-socket message is not JSON") from None
+            if not isinstance(message, dict):
+                raise SideSocketClosed("a side-socket message is not a JSON object")
+            out.append(message)
+        return out

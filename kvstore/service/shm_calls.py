@@ -1,0 +1,93 @@
+"""The shared-memory forms of Load, Resume and Store (README "Same host").
+
+A load copies its chunks from their tiers into spans of the caller's session load segment, one
+lease per span, and answers a `ShmSpan` per span instead of payload bytes. A span is at most
+`SPAN_BYTES`, so the client copies one span while the next is being filled; a session whose
+segment is full of unreleased leases makes the load wait for releases, up to the stream idle time.
+A store takes its chunks as views of the session's store segment (no copy until the store's own).
+
+What it does not know: gRPC codes (NoRoom becomes ResourceExhausted here), or how tiers hold bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from kvstore.dataplane import NoRoom, check_span
+from kvstore.errors import InvalidInput, ResourceExhausted
+from kvstore.service.shm_listener import ShmSession
+from kvstore.store import LoadSession
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.messages import TIER_TO_PB
+
+# Spans of about 4 MiB: a 32K-token V4.1 load (29 MB) is 8 spans, enough for the client's copy of
+# one to overlap the service's copy of the next, few enough that messages cost little.
+SPAN_BYTES = 4 << 20
+PATHS = ("shm", "stream")
+
+
+def load_spans(
+    session: LoadSession, shm: ShmSession, chunk_bytes: int, n: int, wait_seconds: float,
+    still_wanted: Callable[[], bool], tiers_out: list[str],
+) -> Iterator[pb.ShmSpan]:
+    """The first `n` chunks of a pinned load session, copied into leased spans of `shm`'s load
+    segment. Stops early at a chunk that turns out corrupt (its span is released)."""
+    if chunk_bytes > shm.load.nbytes:
+        raise InvalidInput(f"a {chunk_bytes}-byte chunk does not fit the session's {shm.load.nbytes}-byte load "
+                           "segment: load without shm_session")
+    per = max(1, min(SPAN_BYTES, shm.load.nbytes // 2) // chunk_bytes)
+    first = 0
+    while first < n and still_wanted():
+        count = min(per, n - first)
+        try:
+            lease = shm.leases.grant(count * chunk_bytes, wait_seconds, still_wanted)
+        except NoRoom as e:
+            raise ResourceExhausted(f"the same-host session's load segment stays full: {e}; release leases "
+                                    "sooner, or raise service.shm_load_segment_bytes") from None
+        try:
+            view = shm.load.view[lease.offset : lease.offset + count * chunk_bytes]
+        except ValueError:  # the segment was unmapped: the client closed its session meanwhile
+            raise InvalidInput("the same-host session closed during the load") from None
+        tiers = session.read_many_into(first, [view[k * chunk_bytes : (k + 1) * chunk_bytes] for k in range(count)])
+        view.release()
+        if not tiers:
+            shm.leases.release(lease.lease_id)
+            return
+        tiers_out.extend(tiers)
+        shm.loaded_bytes += len(tiers) * chunk_bytes
+        yield pb.ShmSpan(first_chunk=first, num_chunks=len(tiers), offset=lease.offset, lease_id=lease.lease_id,
+                         lease_expires_at=lease.expires_at, tiers=[TIER_TO_PB[t] for t in tiers])
+        if len(tiers) < count:
+            return
+        first += count
+
+
+def store_span_data(shm: ShmSession, span: pb.ShmSpan, chunk_bytes: int) -> memoryview:
+    """The bytes a Store's span names in the session's store segment, checked to lie inside it."""
+    if span.num_chunks == 0:
+        raise InvalidInput("a Store span holds no chunks")
+    check_span(span.offset, span.num_chunks * chunk_bytes, shm.store.nbytes, "the Store span")
+    try:
+        data = shm.store.view[span.offset : span.offset + span.num_chunks * chunk_bytes]
+    except ValueError:
+        raise InvalidInput("the same-host session closed during the store") from None
+    shm.stored_bytes += span.num_chunks * chunk_bytes
+    return data
+
+
+@dataclass
+class PathCounts:
+    """Load, Resume and Store calls by tenant and path, for Stats."""
+
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _counts: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def count(self, tenant: str, path: str) -> None:
+        with self._lock:
+            self._counts[(tenant, path)] = self._counts.get((tenant, path), 0) + 1
+
+    def of(self, tenant: str) -> dict[str, int]:
+        with self._lock:
+            return {p: self._counts.get((tenant, p), 0) for p in PATHS}

@@ -1,0 +1,336 @@
+"""The same-host side socket: who may have shared memory, and for how long.
+
+Beside the gRPC Unix socket the service listens on a second Unix socket (`kvstore.dataplane`).
+A client connects, sends a hello with its bearer token, and gets a session: an id to name in its
+Load, Resume and Store calls, a load segment it can only read and a store segment it writes. The
+session lives exactly as long as that connection: when the client closes it, or dies (SIGKILL
+closes its sockets too), its leases are dropped and its segments unmapped at once.
+
+Isolation: a session belongs to the tenant its token names, and the service checks that every
+call naming a session comes from that tenant; the load segment only ever holds chunks that the
+session's own calls loaded, so no tenant can map another's chunks. Sessions are a bounded
+resource, shared fairly between tenants by weight (`service.max_shm_sessions`).
+
+One thread serves every connection (selectors): accepting, the hello, lease releases, closes and
+the expiry of leases. A connection that has not said hello within `HANDSHAKE_SECONDS` is closed.
+
+What it does not know: what calls do with a session (the servicers), or gRPC codes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import selectors
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.config import ServiceConfig
+from kvstore.dataplane import (
+    HELLO_VERSION,
+    FrameReader,
+    LeaseTable,
+    Segment,
+    SideSocketClosed,
+    data_socket_path,
+    sealing_available,
+    send_message,
+)
+from kvstore.errors import ConfigError, InvalidInput, Unauthenticated
+from kvstore.service.auth import Authenticator
+from kvstore.service.limits import refusal_message
+from policies.fair_share import FairShare
+from replay.registry import ADMIN_MEMBER
+
+log = logging.getLogger("kvstore.service")
+
+HANDSHAKE_SECONDS = 5.0
+MAX_PENDING = 64  # connections that have not said hello yet
+_PEERCRED = struct.Struct("3i")
+KINDS = ("client", "runner")
+
+
+@dataclass
+class ShmSession:
+    session_id: str
+    tenant: str  # "" for a runner attached with the admin token (it serves every tenant)
+    kind: str  # "client" | "runner"
+    pid: int
+    load: Segment
+    store: Segment
+    leases: LeaseTable
+    created_at: float = field(default_factory=time.monotonic)
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+
+    @property
+    def closed(self) -> bool:
+        return self.load.fd < 0
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    accepted_at: float
+    reader: FrameReader = field(default_factory=FrameReader)
+    session: ShmSession | None = None
+
+
+class ShmSessions:
+    def __init__(self, grpc_socket_path: str, svc: ServiceConfig, auth: Authenticator,
+                 weights: Mapping[str, float]) -> None:
+        self.path = data_socket_path(grpc_socket_path)
+        self._svc = svc
+        self._auth = auth
+        self._slots = FairShare(svc.max_shm_sessions, weights)
+        self._lock = threading.Lock()
+        self._sessions: dict[str, ShmSession] = {}
+        self._expired_by_tenant: dict[str, int] = {}
+        self._sel = selectors.DefaultSelector()
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.detail = sealing_available()  # "" when shared memory can be offered
+        self.refused_total = 0
+
+    @property
+    def enabled(self) -> bool:
+        return not self.detail and self._listener is not None
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.detail:
+            log.warning("same-host shared memory is off: %s", self.detail)
+            return
+        self._listener = _bind(self.path)
+        self._listener.setblocking(False)
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._run, name="kvstore-shm", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self._thread is not None:
+            self._thread.join(5.0)
+        for key in list(self._sel.get_map().values()):
+            conn = key.data
+            if isinstance(conn, _Conn):
+                self._drop(conn, "the service is stopping")
+        if self._listener is not None:
+            self._listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        self._sel.close()
+
+    # --- what the servicers ask ---------------------------------------------------------------------
+
+    def session(self, session_id: str, tenant: str, kind: str = "client") -> ShmSession:
+        """The open session `session_id` of `tenant` ("" for an admin runner's). Raises InvalidInput
+        for any other: an unknown, closed or foreign session reads the same, so ids cannot be probed."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+        if s is None or s.closed or s.kind != kind or s.tenant != tenant:
+            raise InvalidInput("unknown same-host session (closed, or not this caller's): reconnect, or call "
+                               "without shm_session to use byte streams")
+        return s
+
+    def sessions_of(self, tenant: str) -> list[ShmSession]:
+        with self._lock:
+            return [s for s in self._sessions.values() if s.tenant == tenant]
+
+    def leases_expired(self, tenant: str) -> int:
+        with self._lock:
+            return self._expired_by_tenant.get(tenant, 0) + sum(
+                s.leases.expired_total for s in self._sessions.values() if s.tenant == tenant)
+
+    def totals(self) -> tuple[int, int]:
+        """(sessions open, leases active) over every tenant."""
+        with self._lock:
+            return len(self._sessions), sum(s.leases.active for s in self._sessions.values())
+
+    # --- the listener thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                events = self._sel.select(timeout=0.25)
+            except OSError:
+                return
+            for key, _ in events:
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._readable(key.data)
+            self._sweep()
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            log.warning("same-host socket: accept failed: %s", e)
+            return
+        pending = sum(1 for k in self._sel.get_map().values()
+                      if isinstance(k.data, _Conn) and k.data.session is None)
+        if pending >= MAX_PENDING:
+            sock.close()
+            self.refused_total += 1
+            return
+        sock.setblocking(False)
+        self._sel.register(sock, selectors.EVENT_READ, _Conn(sock, time.monotonic()))
+
+    def _readable(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._drop(conn, f"read failed: {e.strerror}")
+            return
+        if not data:
+            self._drop(conn, "closed by the client")
+            return
+        try:
+            for message in conn.reader.feed(data):
+                self._handle(conn, message)
+        except SideSocketClosed as e:
+            self._drop(conn, str(e))
+
+    def _handle(self, conn: _Conn, message: dict[str, Any]) -> None:
+        if conn.session is None:
+            self._hello(conn, message)
+            return
+        release = message.get("release")
+        if not isinstance(release, list) or len(message) != 1:
+            raise SideSocketClosed("after the hello, a client sends only {\"release\": [lease ids]}")
+        for lease_id in release:
+            if isinstance(lease_id, int):
+                conn.session.leases.release(lease_id)
+
+    def _hello(self, conn: _Conn, hello: dict[str, Any]) -> None:
+        try:
+            session = self._open(conn, hello)
+        except (Unauthenticated, InvalidInput) as e:
+            self.refused_total += 1
+            with contextlib.suppress(OSError):
+                conn.sock.setblocking(True)
+                conn.sock.settimeout(1.0)
+                send_message(conn.sock, {"ok": False, "error": str(e)})
+            raise SideSocketClosed(f"hello refused: {e}") from None
+        conn.session = session
+        conn.sock.setblocking(True)
+        conn.sock.settimeout(1.0)
+        try:
+            send_message(conn.sock, {
+                "ok": True, "session": session.session_id, "tenant": session.tenant,
+                "load_bytes": session.load.nbytes, "store_bytes": session.store.nbytes,
+                "lease_seconds": self._svc.shm_lease_seconds, "monotonic": time.monotonic(),
+            }, (session.load.fd, session.store.fd))
+        except OSError as e:
+            raise SideSocketClosed(f"the hello could not be answered: {e}") from None
+        finally:
+            conn.sock.setblocking(False)
+        with self._lock:
+            self._sessions[session.session_id] = session
+        log.info("same-host session %s opened: tenant '%s', %s, pid %d", session.session_id[:8],
+                 session.tenant or ADMIN_MEMBER, session.kind, session.pid)
+
+    def _open(self, conn: _Conn, hello: dict[str, Any]) -> ShmSession:
+        if hello.get("v") != HELLO_VERSION:
+            raise InvalidInput(f"this service speaks side-socket version {HELLO_VERSION}, not {hello.get('v')!r}")
+        kind = hello.get("kind", "client")
+        if kind not in KINDS:
+            raise InvalidInput(f"kind must be one of {', '.join(KINDS)}")
+        token = hello.get("token")
+        if token is not None and not isinstance(token, str):
+            raise InvalidInput("token must be a string")
+        caller = self._auth.caller((("authorization", f"Bearer {token}"),) if token else (), None)
+        if not caller.tenant and kind != "runner":
+            raise Unauthenticated("the admin token authenticates runners only; clients need a tenant's token")
+        member = caller.tenant or ADMIN_MEMBER
+        with self._lock:
+            refusal = self._slots.try_take(member, 1)
+        if refusal is not None:
+            raise InvalidInput(refusal_message("too many same-host sessions", "sessions", refusal))
+        try:
+            load = Segment("kvstore-load", self._svc.shm_load_segment_bytes, client_writable=False)
+            try:
+                store = Segment("kvstore-store", self._svc.shm_store_segment_bytes, client_writable=True)
+            except BaseException:
+                load.close()
+                raise
+        except BaseException:
+            with self._lock:
+                self._slots.give_back(member, 1)
+            raise
+        pid, _uid, _gid = _PEERCRED.unpack(conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                 _PEERCRED.size))
+        return ShmSession(secrets.token_hex(16), caller.tenant, kind, pid, load, store,
+                          LeaseTable(load.nbytes, self._svc.shm_lease_seconds))
+
+    def _drop(self, conn: _Conn, why: str) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn.sock)
+        conn.sock.close()
+        s = conn.session
+        if s is None:
+            return
+        with self._lock:
+            self._sessions.pop(s.session_id, None)
+            self._slots.give_back(s.tenant or ADMIN_MEMBER, 1)
+            self._expired_by_tenant[s.tenant] = self._expired_by_tenant.get(s.tenant, 0) + s.leases.expired_total
+        held = s.leases.close()
+        s.load.close()
+        s.store.close()
+        log.info("same-host session %s closed (%s): %d lease(s) released", s.session_id[:8], why, held)
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for key in list(self._sel.get_map().values()):
+            conn = key.data
+            if not isinstance(conn, _Conn):
+                continue
+            if conn.session is None:
+                if now - conn.accepted_at > HANDSHAKE_SECONDS:
+                    self._drop(conn, "no hello in time")
+            else:
+                conn.session.leases.expire()
+
+
+def _bind(path: str) -> socket.socket:
+    """A listening Unix socket at `path`, replacing a stale socket file (nothing listening) but
+    never a live one or a file of another kind."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.exists() or p.is_symlink():
+        if not stat.S_ISSOCK(p.lstat().st_mode):
+            raise ConfigError("service.unix_socket_path", f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            p.unlink()
+        else:
+            raise ConfigError("service.unix_socket_path", f"another process is listening on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(64)
+    except OSError as e:
+        sock.close()
+        raise ConfigError("service.unix_socket_path", f"cannot listen on {path}: {e.strerror}") from None
+    return sock

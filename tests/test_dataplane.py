@@ -1,0 +1,185 @@
+"""The same-host data plane's parts on their own: segments and their seals, leases, the side
+socket's messages and descriptor passing, span checks."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+
+import pytest
+
+from kvstore.dataplane import (
+    FrameReader,
+    LeaseTable,
+    NoRoom,
+    Segment,
+    SideSocketClosed,
+    check_span,
+    data_socket_path,
+    map_segment,
+    recv_message,
+    send_message,
+    unix_path_of,
+)
+from kvstore.dataplane.side_socket import MAX_MESSAGE_BYTES
+from kvstore.errors import InvalidInput
+
+MiB = 1 << 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_load_segment_can_only_be_read_by_whoever_receives_it() -> None:
+    seg = Segment("t", MiB, client_writable=False)
+    try:
+        seg.view[:5] = b"hello"  # the creator's mapping still writes
+        peer = os.dup(seg.fd)
+        with pytest.raises(PermissionError):
+            mmap.mmap(peer, MiB)  # shared and writable: refused
+        with pytest.raises(PermissionError):
+            os.ftruncate(peer, 10)  # shrinking would fault the service's reads
+        with pytest.raises(PermissionError):
+            os.pwrite(peer, b"x", 0)
+        reopened = os.open(f"/proc/self/fd/{peer}", os.O_RDWR)  # nor through a reopened file
+        with pytest.raises(PermissionError):
+            mmap.mmap(reopened, MiB)
+        with pytest.raises(PermissionError):
+            os.pwrite(reopened, b"x", 0)
+        os.close(reopened)
+        ro = map_segment(peer, MiB, writable=False)
+        assert ro[:5] == b"hello"
+        seg.view[:5] = b"HELLO"
+        assert ro[:5] == b"HELLO"  # the same memory
+        ro.close()
+        os.close(peer)
+    finally:
+        seg.close()
+
+
+def test_a_store_segment_is_writable_by_the_peer_but_cannot_change_size() -> None:
+    seg = Segment("t", MiB, client_writable=True)
+    try:
+        peer = os.dup(seg.fd)
+        rw = map_segment(peer, MiB, writable=True)
+        rw[:3] = b"abc"
+        assert bytes(seg.view[:3]) == b"abc"
+        with pytest.raises(PermissionError):
+            os.ftruncate(peer, 10)
+        with pytest.raises(OSError, match="not the"):
+            map_segment(peer, 2 * MiB, writable=False)  # announced larger than it is
+        rw.close()
+        os.close(peer)
+    finally:
+        seg.close()
+
+
+def test_leases_hold_their_span_until_released_and_coalesce() -> None:
+    t = LeaseTable(1024, lease_seconds=10, clock=Clock())
+    a = t.grant(256, 0)
+    b = t.grant(256, 0)
+    c = t.grant(512, 0)
+    assert (a.offset, b.offset, c.offset) == (0, 256, 512)
+    with pytest.raises(NoRoom, match="3 lease"):
+        t.grant(64, 0)
+    assert t.release(b.lease_id) and t.release(a.lease_id)
+    big = t.grant(512, 0)  # a and b joined into one free span
+    assert big.offset == 0
+    assert not t.release(a.lease_id)  # a stale id frees nothing
+    assert t.stale_releases == 1
+    assert t.active == 2 and t.leased_bytes == 1024
+
+
+def test_a_lapsed_lease_frees_its_span_and_its_late_release_is_stale() -> None:
+    clock = Clock()
+    t = LeaseTable(1024, lease_seconds=5, clock=clock)
+    a = t.grant(1024, 0)
+    clock.now += 5.0
+    assert t.expire() == 1 and t.expired_total == 1
+    b = t.grant(1024, 0)
+    assert b.offset == a.offset and b.lease_id != a.lease_id
+    assert not t.release(a.lease_id)
+    assert t.active == 1
+
+
+def test_a_grant_waits_for_a_release() -> None:
+    t = LeaseTable(1024, lease_seconds=60)
+    a = t.grant(1024, 0)
+    threading.Timer(0.1, t.release, (a.lease_id,)).start()
+    assert t.grant(1024, 5.0).offset == 0
+
+
+def test_a_grant_gives_up_when_no_longer_wanted_and_refuses_impossible_sizes() -> None:
+    t = LeaseTable(1024, lease_seconds=60)
+    t.grant(1024, 0)
+    with pytest.raises(NoRoom):
+        t.grant(10, 30.0, still_wanted=lambda: False)
+    with pytest.raises(ValueError):
+        t.grant(2048, 0)
+    with pytest.raises(ValueError):
+        t.grant(0, 0)
+    assert t.close() == 1
+    with pytest.raises(NoRoom, match="closed"):
+        t.grant(10, 0)
+
+
+@pytest.mark.parametrize(("offset", "length", "message"), [
+    (-1, 10, "negative"), (0, 0, "empty"), (90, 11, "runs past"), (1 << 62, 1, "runs past"),
+])
+def test_a_span_outside_its_segment_is_refused(offset: int, length: int, message: str) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        check_span(offset, length, 100)
+    check_span(90, 10, 100)
+
+
+def test_side_socket_messages_carry_descriptors() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    r, w = os.pipe()
+    try:
+        send_message(a, {"hello": 1}, (r,))
+        message, fds = recv_message(b)
+        assert message == {"hello": 1} and len(fds) == 1
+        os.write(w, b"through")
+        assert os.read(fds[0], 7) == b"through"
+        os.close(fds[0])
+        a.close()
+        with pytest.raises(SideSocketClosed):
+            recv_message(b)
+    finally:
+        b.close()
+        os.close(r)
+        os.close(w)
+
+
+def test_the_frame_reader_takes_split_and_joined_frames_and_refuses_garbage() -> None:
+    a, b = socket.socketpair()
+    send_message(a, {"release": [1, 2]})
+    send_message(a, {"release": [3]})
+    data = b.recv(1000)
+    reader = FrameReader()
+    assert reader.feed(data[:3]) == []
+    assert reader.feed(data[3:]) == [{"release": [1, 2]}, {"release": [3]}]
+    with pytest.raises(SideSocketClosed, match="not JSON"):
+        FrameReader().feed(b"\x03\x00\x00\x00abc")
+    with pytest.raises(SideSocketClosed, match="over"):
+        FrameReader().feed((MAX_MESSAGE_BYTES + 1).to_bytes(4, "little"))
+    with pytest.raises(SideSocketClosed, match="object"):
+        FrameReader().feed(b"\x02\x00\x00\x00[]")
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize(("address", "path"), [
+    ("unix:///run/kvstore/kvstore.sock", "/run/kvstore/kvstore.sock"), ("unix:/tmp/k.sock", "/tmp/k.sock"),
+    ("unix:rel.sock", "rel.sock"), ("127.0.0.1:50051", None), ("unix:", None),
+])
+def test_unix_addresses(address: str, path: str | None) -> None:
+    assert unix_path_of(address) == path
+    assert data_socket_path("/run/kvstore/kvstore.sock") == "/run/kvstore/kvstore.sock.shm"

@@ -1,0 +1,284 @@
+"""The same-host data plane end to end: a real service listening on a Unix socket with its side
+socket beside it, real clients, real segments. Bytes equal on every path; forged, stale and
+foreign descriptors refused; leases that lapse or whose client dies released; tenants kept apart;
+streams whenever shared memory is not there."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvstore.client import KvstoreClient
+from kvstore.client.shm_path import LeaseLapsed, ShmPath
+from kvstore.client.sync_client import UnavailableError
+from kvstore.dataplane import data_socket_path
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.fixtures.service import CHUNK, TOY, V41, KiB, Service, make_config, payloads, tokens
+
+ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    # Unix socket paths are limited to ~100 bytes: pytest's tmp_path can be longer.
+    d = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def shm_config(sock: Path, tenants: bool = False, **service: Any) -> Any:
+    extra: dict[str, Any] = {}
+    if tenants:
+        extra["tenants"] = {"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}}
+    return make_config(
+        store={"device": "cpu", "chunk_tokens": CHUNK, "device_capacity_bytes": 64 * KiB,
+               "dram_capacity_bytes": 8 << 20, "lmdb_capacity_bytes": 64 << 20, "page_bytes": 4096,
+               "compression": "none", "lmdb_durability": "async"},
+        service={"max_concurrent_calls": 8, "grace_seconds": 5.0, "stream_message_bytes": 64 * KiB,
+                 "max_message_bytes": 256 * KiB, "models": [TOY, V41], "unix_socket_path": str(sock),
+                 "shm_load_segment_bytes": 4 << 20, "shm_store_segment_bytes": 4 << 20, **service},
+        **extra)
+
+
+def unix(svc: Service, token: str | None = None, **kw: Any) -> KvstoreClient:
+    c = KvstoreClient(f"unix://{svc.server.unix_socket}", token=token, timeout_seconds=10.0, **kw)
+    svc._clients.append(c)
+    return c
+
+
+def _same(chunks: list[memoryview] | list[bytes], want: list[bytes]) -> bool:
+    return len(chunks) == len(want) and all(bytes(a) == b for a, b in zip(chunks, want, strict=True))
+
+
+def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def _memfds(name: str) -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name}")
+    return n
+
+
+def test_bytes_are_equal_on_every_path(make_service: Callable[..., Service], sock_dir: Path) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    kv, tcp = unix(svc), svc.client(message_bytes=64 * KiB)
+    cb = svc.chunk_bytes(V41)
+    prompt = tokens(1, CHUNK * 60)  # 60 chunks of 58 KiB: several spans of the 4 MiB segment
+    chunks = payloads(2, 60, cb)
+    r = kv.store(V41, prompt, chunks)
+    assert (r.stored_chunks, kv.data_path_in_use) == (60, "shm"), kv.shm_detail
+    assert _same(kv.load(V41, prompt).chunks, chunks)
+    assert _same(tcp.load(V41, prompt).chunks, chunks)  # what shm stored, streams load
+    buf = bytearray(60 * cb)
+    got = kv.load_into(V41, prompt, buf)
+    assert got.loaded_chunks == 60 and bytes(buf) == b"".join(chunks)
+    small = bytearray(7 * cb + 5)  # the buffer bounds the load
+    assert kv.load_into(V41, prompt, small).loaded_chunks == 7 and small[: 7 * cb] == b"".join(chunks[:7])
+    assert [bytes(v) for _, _, v in kv.iter_load(V41, prompt)] == chunks
+    res = kv.resume(V41, prompt)
+    assert res.case != "cold" and _same(res.chunks, chunks) and len(res.chunk_tiers) == 60
+    other = tokens(3, CHUNK * 20)
+    theirs = payloads(4, 20, cb)
+    tcp.store(V41, other, theirs)  # streams store, shm loads
+    assert _same(kv.load(V41, other).chunks, theirs)
+    dp = kv.stats().data_plane
+    assert dp is not None and dp.shm_enabled and dp.unix_socket == str(sock_dir / "kv.sock")
+    assert dp.calls_by_path["shm"] >= 6 and dp.calls_by_path["stream"] >= 2
+    (mine,) = dp.sessions
+    assert mine.pid == os.getpid() and mine.kind == "client" and mine.leases_active == 0
+    assert mine.loaded_bytes >= 4 * 60 * cb and mine.stored_bytes == 60 * cb
+    assert kv._shm is not None and kv._shm.load_view.readonly
+
+
+def test_a_forged_or_stale_descriptor_is_refused(make_service: Callable[..., Service], sock_dir: Path) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    shm = ShmPath.open(str(sock_dir / "kv.sock"), None)
+    stub = pb_grpc.KVCacheStub(grpc.insecure_channel(f"unix://{sock_dir / 'kv.sock'}"))
+    prompt = tokens(5, CHUNK * 4)
+    cb = svc.chunk_bytes(TOY)
+
+    def store(session: str, span: pb.ShmSpan) -> pb.StoreResponse:
+        msgs = [pb.StoreRequest(header=pb.StoreHeader(model=TOY, tokens={"u32le": prompt.tobytes()},
+                                                      shm_session=session)),
+                pb.StoreRequest(shm=span), pb.StoreRequest(end=pb.StoreEnd(chunks_sent=span.num_chunks))]
+        return stub.Store(iter(msgs), timeout=10)
+
+    for span, message in [
+        (pb.ShmSpan(first_chunk=0, num_chunks=4, offset=shm.store_bytes - cb), "runs past the end"),
+        (pb.ShmSpan(first_chunk=0, num_chunks=4, offset=1 << 62), "runs past the end"),
+        (pb.ShmSpan(first_chunk=0, num_chunks=0, offset=0), "holds no chunks"),
+        (pb.ShmSpan(first_chunk=3, num_chunks=4, offset=0), "runs past the last full chunk"),
+    ]:
+        with pytest.raises(grpc.RpcError) as e:
+            store(shm.session_id, span)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in (e.value.details() or "")
+    for session in ("0" * 32, shm.session_id[::-1]):
+        with pytest.raises(grpc.RpcError) as e:
+            store(session, pb.ShmSpan(first_chunk=0, num_chunks=4, offset=0))
+        assert "unknown same-host session" in (e.value.details() or "")
+    with pytest.raises(grpc.RpcError) as e:  # a span with no session named in the header
+        store("", pb.ShmSpan(first_chunk=0, num_chunks=4, offset=0))
+    assert "needs a StoreHeader that names its shm_session" in (e.value.details() or "")
+    shm.store_view[: 4 * cb] = b"".join(payloads(6, 4, cb))
+    assert store(shm.session_id, pb.ShmSpan(first_chunk=0, num_chunks=4, offset=0)).stored_chunks == 4
+    stale = shm.session_id
+    shm.close()
+    _wait(lambda: not svc.server.shm.sessions_of("default"))  # type: ignore[union-attr]
+    with pytest.raises(grpc.RpcError) as e:  # the session of a closed connection is gone
+        list(stub.Load(pb.LoadRequest(model=TOY, tokens={"u32le": prompt.tobytes()}, shm_session=stale), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown same-host session" in e.value.details()
+    with pytest.raises(ValueError):
+        shm.load_view[0]  # the client's maps went with it
+
+
+def test_a_lease_that_outlives_its_timeout_is_released(make_service: Callable[..., Service], sock_dir: Path) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_lease_seconds=0.5))
+    kv = unix(svc)
+    prompt = tokens(7, CHUNK * 10)
+    kv.store(TOY, prompt, payloads(8, 10, svc.chunk_bytes(TOY)))
+    shm = ShmPath.open(str(sock_dir / "kv.sock"), None)
+    stub = pb_grpc.KVCacheStub(grpc.insecure_channel(f"unix://{sock_dir / 'kv.sock'}"))
+    replies = list(stub.Load(pb.LoadRequest(model=TOY, tokens={"u32le": prompt.tobytes()},
+                                            shm_session=shm.session_id), timeout=10))
+    spans = [r.shm for r in replies if r.WhichOneof("kind") == "shm"]
+    assert spans and sum(s.num_chunks for s in spans) == 10
+
+    def held() -> int:
+        return sum(s.leases_active for s in kv.stats().data_plane.sessions)  # type: ignore[union-attr]
+
+    assert held() == len(spans)  # never released by this client
+    _wait(lambda: held() == 0, timeout=5)
+    assert kv.stats().data_plane.leases_expired >= len(spans)  # type: ignore[union-attr]
+    with pytest.raises(LeaseLapsed):  # and the client refuses to trust a copy made after it lapsed
+        shm.copy_out(spans[0].offset, 10, memoryview(bytearray(10)), spans[0].lease_expires_at)
+    shm.close()
+
+
+def test_a_lapsed_copy_makes_the_client_load_again_over_streams(
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    kv = unix(svc)
+    prompt = tokens(9, CHUNK * 12)
+    chunks = payloads(10, 12, svc.chunk_bytes(TOY))
+    kv.store(TOY, prompt, chunks)
+    assert kv.data_path_in_use == "shm"
+    monkeypatch.setattr(ShmPath, "lease_valid", lambda self, expires_at: False)  # the fault: every lease lapses
+    assert _same(kv.load(TOY, prompt).chunks, chunks)
+    assert kv.data_path_in_use == "stream"
+    assert _same(kv.resume(TOY, prompt).chunks, chunks)
+
+
+def test_a_killed_client_releases_its_leases_and_its_segments(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    kv = svc.client()
+    prompt = tokens(11, CHUNK * 10)
+    kv.store(TOY, prompt, payloads(12, 10, svc.chunk_bytes(TOY)))
+    loads_before, stores_before = _memfds("kvstore-load"), _memfds("kvstore-store")
+    holder = f"""
+import sys, time, grpc
+from kvstore.client.shm_path import ShmPath
+from kvstore.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc as pb_grpc
+shm = ShmPath.open({str(sock_dir / "kv.sock")!r}, None)
+stub = pb_grpc.KVCacheStub(grpc.insecure_channel("unix://{sock_dir / "kv.sock"}"))
+r = list(stub.Load(pb.LoadRequest(model={TOY!r}, tokens={{"u32le": bytes.fromhex({prompt.tobytes().hex()!r})}},
+                                  shm_session=shm.session_id), timeout=10))
+print("held", sum(1 for m in r if m.WhichOneof("kind") == "shm"), flush=True)
+time.sleep(600)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("held ") and int(line.split()[1]) >= 1, line
+        (s,) = kv.stats().data_plane.sessions  # type: ignore[union-attr]
+        assert s.pid == proc.pid and s.leases_active >= 1
+        assert _memfds("kvstore-load") > loads_before and _memfds("kvstore-store") > stores_before
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        _wait(lambda: not kv.stats().data_plane.sessions)  # type: ignore[union-attr]
+        _wait(lambda: _memfds("kvstore-load") == loads_before and _memfds("kvstore-store") == stores_before)
+        assert svc.server.shm is not None and svc.server.shm.totals() == (0, 0)
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_two_tenants_on_one_host_cannot_reach_each_others_chunks(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock", tenants=True))
+    alice, bob = unix(svc, ALICE), unix(svc, BOB)
+    prompt = tokens(13, CHUNK * 8)
+    cb = svc.chunk_bytes(V41)
+    chunks = payloads(14, 8, cb)
+    alice.store(V41, prompt, chunks)
+    assert _same(alice.load(V41, prompt).chunks, chunks)
+    assert bob.load(V41, prompt).chunks == [] and bob.data_path_in_use == "shm"
+    assert alice._shm is not None and bob._shm is not None
+    assert alice._shm.session_id != bob._shm.session_id
+    # Bob naming Alice's session is refused as if it did not exist.
+    stub = pb_grpc.KVCacheStub(grpc.insecure_channel(f"unix://{sock_dir / 'kv.sock'}"))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Load(pb.LoadRequest(model=V41, tokens={"u32le": prompt.tobytes()},
+                                      shm_session=alice._shm.session_id),
+                       metadata=(("authorization", f"Bearer {BOB}"),), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown same-host session" in e.value.details()
+    # Nothing of Alice's is in Bob's segment, while her own holds what she loaded.
+    assert chunks[0][:64] not in bytes(bob._shm.load_view)
+    assert chunks[0][:64] in bytes(alice._shm.load_view)
+    assert [s.pid for s in bob.stats().data_plane.sessions] == [os.getpid()]  # type: ignore[union-attr]
+    # A bad token gets no session at all.
+    with pytest.raises(UnavailableError, match="refused a same-host session: the bearer token is not valid"):
+        unix(svc, "wrong-token-0123456789", data_path="shm").load(V41, prompt)
+
+
+def test_streams_are_used_where_shared_memory_is_not(make_service: Callable[..., Service], sock_dir: Path) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_enabled=False))
+    assert not Path(data_socket_path(str(sock_dir / "kv.sock"))).exists()
+    kv = unix(svc)
+    prompt = tokens(15, CHUNK * 6)
+    chunks = payloads(16, 6, svc.chunk_bytes(TOY))
+    assert kv.store(TOY, prompt, chunks).stored_chunks == 6
+    assert _same(kv.load(TOY, prompt).chunks, chunks) and kv.data_path_in_use == "stream"
+    assert "no same-host session" in kv.shm_detail
+    dp = kv.stats().data_plane
+    assert dp is not None and not dp.shm_enabled and dp.shm_detail == "service.shm_enabled is off"
+    assert dp.calls_by_path == {"shm": 0, "stream": 2}
+    with pytest.raises(UnavailableError, match="no same-host session"):
+        unix(svc, data_path="shm").load(TOY, prompt)
+    with pytest.raises(UnavailableError, match="needs a unix: target"):
+        svc.client(data_path="shm").load(TOY, prompt)
+    with pytest.raises(grpc.RpcError) as e:
+        list(pb_grpc.KVCacheStub(svc.client().channel).Load(
+            pb.LoadRequest(model=TOY, tokens={"u32le": prompt.tobytes()}, shm_session="x" * 32), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "offers no same-host sessions" in (e.value.details() or "")
+
+
+def test_a_service_without_a_unix_socket_says_so(service: Service) -> None:
+    dp = service.client().stats().data_plane
+    assert dp is not None and (dp.shm_enabled, dp.unix_socket) == (False, "")
+    assert dp.shm_detail == "no Unix socket (service.unix_socket_path)"
