@@ -6,6 +6,10 @@ device and capacity in a `RunnerHello`, and then receives `ReplayJob`s, each fol
 chunks in `JobChunks` pieces. It answers each job with the rebuilt snapshot in `JobResult` pieces
 (or an error). Jobs run through a `BatchWorker`, so jobs that arrive together run as one batch.
 
+On the service's host (a `unix:` target) the runner opens a same-host session first and names it
+in its hello: job chunks then come as spans of the session's load segment, which the runner copies
+out and releases at once, instead of in messages. If no session can be opened it takes messages.
+
 When the stream breaks (the service restarts, the network drops) the runner reconnects with
 exponential backoff and jitter, and forgets the jobs of the old stream (the service has already
 failed or re-queued them). A refusal that retrying cannot fix (a wrong layout, bad credentials)
@@ -29,6 +33,7 @@ from typing import Literal
 
 import grpc
 
+from kvstore.dataplane import LeaseLapsed, ShmPath, ShmUnavailable, unix_path_of
 from kvstore.errors import InvalidInput
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -116,12 +121,24 @@ class AttachedRunner:
             return grpc.secure_channel(self.opts.target, creds, options=options)
         return grpc.insecure_channel(self.opts.target, options=options)
 
+    def _open_shm(self) -> ShmPath | None:
+        path = unix_path_of(self.opts.target)
+        if path is None:
+            return None
+        try:
+            return ShmPath.open(path, self.opts.token, kind="runner")
+        except ShmUnavailable as e:
+            self._say(f"{e}; job chunks come in messages")
+            return None
+
     def _session(self, stop: threading.Event) -> SessionEnd:
         ident = self.identity
         out: queue.Queue[pb.RunnerMessage | None] = queue.Queue()
+        shm = self._open_shm()
         out.put(pb.RunnerMessage(hello=pb.RunnerHello(
             model=ident.model, layout_id=ident.layout_id, device=ident.device,
-            max_concurrent_jobs=ident.max_concurrent_jobs, max_batch=ident.max_batch, name=ident.name)))
+            max_concurrent_jobs=ident.max_concurrent_jobs, max_batch=ident.max_batch, name=ident.name,
+            shm_session=shm.session_id if shm is not None else "")))
 
         def requests() -> Iterator[pb.RunnerMessage]:
             while True:
@@ -142,7 +159,7 @@ class AttachedRunner:
                     return
 
         threading.Thread(target=watch, name="kvstore-runner-stop", daemon=True).start()
-        session = _Session(self, out)
+        session = _Session(self, out, shm)
         attached = False
         try:
             for cmd in call:
@@ -178,14 +195,18 @@ class AttachedRunner:
             session.close()
             out.put(None)
             channel.close()
+            if shm is not None:
+                shm.close()
 
 
 class _Session:
     """The jobs of one attached stream: reassembles them, runs them, sends their results."""
 
-    def __init__(self, runner: AttachedRunner, out: queue.Queue[pb.RunnerMessage | None]) -> None:
+    def __init__(self, runner: AttachedRunner, out: queue.Queue[pb.RunnerMessage | None],
+                 shm: ShmPath | None = None) -> None:
         self._runner = runner
         self._out = out
+        self._shm = shm
         self._incoming: dict[int, _Incoming] = {}
         self._running: dict[int, JobHandle] = {}
         self._lock = threading.Lock()
@@ -205,15 +226,31 @@ class _Session:
         if inc is None:
             return  # a job cancelled while its chunks were in flight
         try:
-            for _, view in inc.assembler.add(c.chunks.first_chunk, c.chunks.offset, c.chunks.data):
+            data: bytes | memoryview
+            if c.HasField("shm"):
+                first, offset, data = c.shm.first_chunk, 0, self._copy_span(c.shm, inc.msg.chunk_bytes)
+            else:
+                first, offset, data = c.chunks.first_chunk, c.chunks.offset, c.chunks.data
+            for _, view in inc.assembler.add(first, offset, data):
                 inc.chunks.append(view)
-        except InvalidInput as e:
+        except (InvalidInput, LeaseLapsed) as e:
             del self._incoming[c.job_id]
             self._send_error(c.job_id, f"bad job chunks: {e}")
             return
         if len(inc.chunks) == inc.msg.num_chunks:
             del self._incoming[c.job_id]
             self._start(inc)
+
+    def _copy_span(self, span: pb.ShmSpan, chunk_bytes: int) -> memoryview:
+        """A span of job chunks copied out of the session's load segment, its lease released."""
+        if self._shm is None:
+            raise InvalidInput("the service sent a shared-memory span to a runner without a session")
+        try:
+            out = memoryview(bytearray(span.num_chunks * chunk_bytes))
+            self._shm.copy_out(span.offset, len(out), out, span.lease_expires_at)
+            return out
+        finally:
+            self._shm.release([span.lease_id])
 
     def cancel(self, job_id: int) -> None:
         self._incoming.pop(job_id, None)

@@ -39,9 +39,22 @@ def test_calls_overlap_and_answer_as_the_synchronous_client_does(service: Servic
 
 def test_every_call_of_the_synchronous_client_but_the_generator_has_a_coroutine_form() -> None:
     calls = {n for n, f in vars(KvstoreClient).items() if inspect.isfunction(f) and not n.startswith("_")}
-    calls -= {"close", "iter_load"}  # close is a coroutine of its own; a generator has no coroutine form
-    for name in calls:
+    calls -= {"close", "iter_load", "load_shared"}  # close is a coroutine of its own; a generator has no
+    for name in calls:                                  # coroutine form; load_shared is an async `with`
         assert inspect.iscoroutinefunction(getattr(AsyncKvstoreClient, name, None)), name
+    assert inspect.isasyncgenfunction(inspect.unwrap(AsyncKvstoreClient.load_shared))
+
+
+def test_load_shared_as_an_async_context_manager(service: Service) -> None:
+    cb = service.chunk_bytes(TOY)
+    prompt = tokens(91, 2 * CHUNK)
+    service.client().store(TOY, prompt, payloads(91, 2, cb))
+
+    async def run() -> list[bytes]:
+        async with AsyncKvstoreClient(service.address) as kv, kv.load_shared(TOY, prompt) as got:
+            return [bytes(c) for c in got.chunks]
+
+    assert asyncio.run(run()) == payloads(91, 2, cb)
 
 
 def test_load_into_as_a_coroutine_writes_into_the_callers_buffer(service: Service) -> None:

@@ -328,3 +328,15 @@ def test_the_checks_catch_bad_names() -> None:
     assert any("base units" in p for p in problems)
     assert any("must not end in _total" in p for p in problems)
     assert any("namespace" in p for p in problems)
+
+
+def test_data_path_calls_are_counted_by_method_and_path(reg: CollectorRegistry) -> None:
+    m = Metrics(reg)
+    assert value(reg, "kvstore_data_path_calls_total", method="Load", path="shm") == 0  # there from the start
+    m.data_path("Load", "shm")
+    m.data_path("Load", "shm")
+    m.data_path("Store", "stream")
+    m.data_path("Nonsense", "teleport")
+    assert value(reg, "kvstore_data_path_calls_total", method="Load", path="shm") == 2
+    assert value(reg, "kvstore_data_path_calls_total", method="Store", path="stream") == 1
+    assert value(reg, "kvstore_data_path_calls_total", method="other", path="other") == 1

@@ -9,9 +9,11 @@ the model) and a runner process killed with SIGKILL. No test asserts on wall-clo
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -277,9 +279,12 @@ AttachedRunner(ident, stall, AttachOptions(sys.argv[1])).run(threading.Event())
 """
 
 
-def test_cold_warm_expired_with_an_attached_runner_process(make_rig: Callable[..., Rig]) -> None:
-    rig = make_rig(config(replay={"runner": "attached"}))
-    proc = spawn_runner(rig.svc.address)
+@pytest.mark.parametrize("path", ["tcp", "shm"])
+def test_cold_warm_expired_with_an_attached_runner_process(make_rig: Callable[..., Rig], path: str) -> None:
+    sock_dir = Path(tempfile.mkdtemp(prefix="kvr", dir="/tmp"))  # Unix socket paths must stay short
+    service = {"unix_socket_path": str(sock_dir / "kv.sock")} if path == "shm" else {}
+    rig = make_rig(config(replay={"runner": "attached"}, service=service))
+    proc = spawn_runner(f"unix://{sock_dir / 'kv.sock'}" if path == "shm" else rig.svc.address)
     try:
         wait_for(lambda: len(rig.app.runners.runners()) == 1 or proc.poll() is not None, 120)
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
@@ -297,9 +302,15 @@ def test_cold_warm_expired_with_an_attached_runner_process(make_rig: Callable[..
         # Same model, same weights: the attached runner rebuilds what the in-process one would.
         assert r.snapshot == MODEL.replay(p3[112:128].astype(np.int64), range(112, 128), one_go(p3).chunk_payloads[:8])
         assert rig.app.runners.jobs_total == 1
+        if path == "shm":  # the job's global chunks went through the runner's same-host session
+            assert rig.svc.server.shm is not None
+            (runner_session,) = rig.svc.server.shm.sessions_of("default")
+            assert runner_session.kind == "runner" and runner_session.loaded_bytes >= 8 * rig.svc.chunk_bytes(NAME)
+            assert runner_session.leases.active == 0 and runner_session.leases.released_total >= 1
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
+        shutil.rmtree(sock_dir, ignore_errors=True)
     assert proc.returncode == 0, out  # a clean exit on SIGTERM
     assert "stopped after 1 job(s)" in out
 

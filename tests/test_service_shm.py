@@ -21,9 +21,9 @@ import grpc
 import pytest
 
 from kvstore.client import KvstoreClient
-from kvstore.client.shm_path import LeaseLapsed, ShmPath
 from kvstore.client.sync_client import UnavailableError
 from kvstore.dataplane import data_socket_path
+from kvstore.dataplane.peer import LeaseLapsed, ShmPath
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, TOY, V41, KiB, Service, make_config, payloads, tokens
@@ -199,7 +199,7 @@ def test_a_killed_client_releases_its_leases_and_its_segments(
     loads_before, stores_before = _memfds("kvstore-load"), _memfds("kvstore-store")
     holder = f"""
 import sys, time, grpc
-from kvstore.client.shm_path import ShmPath
+from kvstore.dataplane.peer import ShmPath
 from kvstore.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc as pb_grpc
 shm = ShmPath.open({str(sock_dir / "kv.sock")!r}, None)
 stub = pb_grpc.KVCacheStub(grpc.insecure_channel("unix://{sock_dir / "kv.sock"}"))
@@ -282,3 +282,24 @@ def test_a_service_without_a_unix_socket_says_so(service: Service) -> None:
     dp = service.client().stats().data_plane
     assert dp is not None and (dp.shm_enabled, dp.unix_socket) == (False, "")
     assert dp.shm_detail == "no Unix socket (service.unix_socket_path)"
+
+
+def test_load_shared_reads_in_place_under_lease_and_lets_go_at_the_end(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    kv, tcp = unix(svc), svc.client()
+    prompt = tokens(17, CHUNK * 30)
+    chunks = payloads(18, 30, svc.chunk_bytes(TOY))
+    kv.store(TOY, prompt, chunks)
+    with kv.load_shared(TOY, prompt) as got:
+        assert got.path == "shm" and _same(got.chunks, chunks) and got.still_held()
+        assert all(v.readonly for v in got.chunks)
+        held = kv.stats().data_plane.sessions[0].leases_active  # type: ignore[union-attr]
+        assert held >= 1
+        kept = got.chunks[0]
+    with pytest.raises(ValueError):
+        bytes(kept)  # released with the block
+    _wait(lambda: kv.stats().data_plane.sessions[0].leases_active == 0)  # type: ignore[union-attr]
+    with tcp.load_shared(TOY, prompt) as streamed:  # without a session: a load's own buffer
+        assert streamed.path == "stream" and _same(streamed.chunks, chunks) and streamed.still_held()

@@ -11,6 +11,7 @@ on one channel (gRPC channels are thread-safe). It is not built on `grpc.aio`: o
 set of behaviours (retries, deadlines, reassembly, errors) to test, at the cost of a thread per
 call in flight. Cancelling an awaiting task does not stop its call; the call's deadline
 (`timeout_seconds`) does. `iter_load` (a generator) has no coroutine form: use `load`.
+`load_shared` is an async context manager (`async with kv.load_shared(...) as got:`).
 
 What it does not know: anything the synchronous client does not.
 """
@@ -18,11 +19,13 @@ What it does not know: anything the synchronous client does not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvstore.client.sync_client import KvstoreClient
+from kvstore.client.types import SharedLoad
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -57,6 +60,16 @@ class AsyncKvstoreClient:
     stats = _threaded(KvstoreClient.stats)
     health = _threaded(KvstoreClient.health)
     wait_ready = _threaded(KvstoreClient.wait_ready)
+
+    @contextlib.asynccontextmanager
+    async def load_shared(self, *args: Any, **kwargs: Any) -> AsyncIterator[SharedLoad]:
+        """`KvstoreClient.load_shared`, entered and left on a worker thread."""
+        cm = self.sync.load_shared(*args, **kwargs)
+        got = await asyncio.to_thread(cm.__enter__)
+        try:
+            yield got
+        finally:
+            await asyncio.to_thread(cm.__exit__, None, None, None)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.sync.close)

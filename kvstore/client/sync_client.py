@@ -24,6 +24,7 @@ What it does not know: anything of the server's internals; it speaks only the pr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -39,7 +40,6 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client.chunk_views import PieceView, Streamed, decode_load_response, decode_resume_response
-from kvstore.client.shm_path import LeaseLapsed, ShmPath, ShmUnavailable
 from kvstore.client.types import (
     LoadIntoResult,
     LoadLocalResult,
@@ -48,11 +48,13 @@ from kvstore.client.types import (
     RegisteredModel,
     ResumeResult,
     ServiceStats,
+    SharedLoad,
     StoreLocalResult,
     StoreResult,
     stats_from_pb,
 )
 from kvstore.dataplane import unix_path_of
+from kvstore.dataplane.peer import LeaseLapsed, ShmPath, ShmUnavailable
 from kvstore.errors import InvalidInput, KvstoreError
 from kvstore.layout import EngineModel
 from kvstore.v1 import kvstore_pb2 as pb
@@ -413,6 +415,60 @@ class KvstoreClient:
             return LoadResult(got.hit_tokens, got.chunk_tokens, cb, chunks, got.chunk_tiers)
 
         return self._idempotent("Load", call, timeout_seconds)
+
+    @contextlib.contextmanager
+    def load_shared(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
+                    timeout_seconds: float | None = None, cache_salt: str = "") -> Iterator[SharedLoad]:
+        """The cached prefix's chunks read in place: read-only views of the same-host session's
+        load segment, leased until the block exits (one copy fewer than `load_into`: an engine
+        scatters from them straight into its own blocks). Without a session, a `load`'s views.
+
+            with kv.load_shared(model, prompt) as got:
+                scatter(got.chunks)
+                ok = got.still_held()   # False: a lease lapsed meanwhile; do not trust the copy
+        """
+        shm = self._shm_path()
+        if shm is None:
+            r = self.load(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
+            yield SharedLoad(r.hit_tokens, r.chunk_tokens, r.chunk_bytes, r.chunks, r.chunk_tiers, "stream", [])
+            return
+        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
+                             cache_salt=cache_salt, shm_session=shm.session_id)
+        leases: list[int] = []
+        views: list[memoryview] = []
+        try:
+            try:
+                stream = self._load(req, timeout=timeout_seconds or self.timeout_seconds, metadata=self._metadata)
+                head = _header(stream, "Load")
+                cb = max(1, head.chunk_bytes)
+                expires: list[float] = []
+                tiers: list[str] = []
+                for msg in stream:
+                    span = _span(msg, "Load")
+                    leases.append(span.lease_id)
+                    if span.first_chunk != len(views) or span.num_chunks == 0:
+                        raise ServerError(grpc.StatusCode.UNKNOWN, "shared-memory spans out of order", "Load")
+                    try:
+                        region = shm.span(span.offset, span.num_chunks * cb)
+                    except InvalidInput as e:
+                        raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
+                    views.extend(region[k * cb : (k + 1) * cb] for k in range(span.num_chunks))
+                    tiers.extend(PB_TO_TIER.get(t, "") for t in span.tiers[: span.num_chunks])
+                    expires.append(span.lease_expires_at)
+            except grpc.RpcError as e:
+                if not _session_gone(e):
+                    raise _failure(e, "Load") from None
+                self._shm_failed(shm, "the service no longer knows the session")
+                r = self.load(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
+                yield SharedLoad(r.hit_tokens, r.chunk_tokens, r.chunk_bytes, r.chunks, r.chunk_tiers, "stream", [])
+                return
+            n = len(views)
+            yield SharedLoad(n * head.chunk_tokens, head.chunk_tokens, head.chunk_bytes, views, tuple(tiers), "shm",
+                             expires, shm.lease_valid)
+        finally:
+            for v in views:
+                v.release()  # a view kept past the block would read reused memory
+            shm.release(leases)
 
     def load_into(self, model: str, tokens: Sequence[int] | np.ndarray, buffer: Any, replay_mode: str = "",
                   max_chunks: int = 0, timeout_seconds: float | None = None, cache_salt: str = "") -> LoadIntoResult:

@@ -6,6 +6,7 @@ dashboard's tests) can import them without a channel. What it does not know: gRP
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,27 @@ class LoadIntoResult:
     chunk_bytes: int
     loaded_chunks: int
     chunk_tiers: tuple[str, ...]  # the tier each written chunk was read from
+
+
+@dataclass
+class SharedLoad:
+    """What `load_shared` found: the chunks as read-only views, in the service's shared memory
+    when the client is on its host (else of a buffer this client owns). Valid inside the `with`
+    block only; `still_held()` says whether every view's lease was still held when asked, so a
+    caller that copied or scattered the bytes asks it afterwards to know they were the chunks."""
+
+    hit_tokens: int
+    chunk_tokens: int
+    chunk_bytes: int
+    chunks: list[memoryview]
+    chunk_tiers: tuple[str, ...]
+    path: str  # "shm" | "stream"
+    _expires_at: list[float]
+    _lease_valid: Callable[[float], bool] | None = None  # the session's check, for "shm"
+
+    def still_held(self) -> bool:
+        check = self._lease_valid
+        return check is None or all(check(t) for t in self._expires_at)
 
 
 @dataclass(frozen=True)

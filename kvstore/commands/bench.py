@@ -26,6 +26,7 @@ BENCHES = {
     "abuse": "a victim tenant's latency alone and while another tenant abuses the service",
     "engine": "vLLM (CPU) time to first token: cold, kvstore (DRAM, LMDB), ExampleConnector, prefix cache",
     "restart": "reopening a store: cold and warm seconds, bytes read and index memory, toy and V4.1",
+    "dataplane": "Load and Store through same-host shared memory against gRPC streams and memcpy",
 }
 
 

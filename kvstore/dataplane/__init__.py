@@ -7,14 +7,15 @@ descriptors: a load segment the service writes and the client can only read, and
 the client writes and the service reads. `Load` and `Resume` then answer with spans of the load
 segment under a lease instead of bytes, and `Store` commits spans of the store segment.
 
-This package holds what both sides share and nothing of either: segments (`segments.py`), the
+This package holds what both sides share, and knows neither the service nor gRPC: segments (`segments.py`), the
 framed messages and descriptor passing of the side socket (`side_socket.py`), the allocation of a
-segment's space under leases (`leases.py`) and the checks of a span against its segment
-(`spans.py`). The service's listener lives in `kvstore.service.shm_listener`, the client's end in
-`kvstore.client.shm_path`.
+segment's space under leases (`leases.py`), the checks of a span against its segment (`spans.py`),
+and the connecting end of a session (`peer.py`), which the client and attached replay runners both
+use. The service's listener lives in `kvstore.service.shm_listener`.
 """
 
 from kvstore.dataplane.leases import Lease, LeaseTable, NoRoom
+from kvstore.dataplane.peer import LeaseLapsed, ShmPath, ShmUnavailable
 from kvstore.dataplane.segments import Segment, map_segment, sealing_available
 from kvstore.dataplane.side_socket import (
     HELLO_VERSION,
@@ -31,9 +32,12 @@ __all__ = [
     "HELLO_VERSION",
     "FrameReader",
     "Lease",
+    "LeaseLapsed",
     "LeaseTable",
     "NoRoom",
     "Segment",
+    "ShmPath",
+    "ShmUnavailable",
     "SideSocketClosed",
     "check_span",
     "data_socket_path",

@@ -24,6 +24,8 @@ from kvstore.errors import InvalidInput, KvstoreError, Unavailable
 from kvstore.layout import CacheLayout
 from kvstore.service.auth import Authenticator
 from kvstore.service.codes import status_for
+from kvstore.service.shm_calls import copy_spans
+from kvstore.service.shm_listener import ShmSession, ShmSessions
 from kvstore.service.stream_watch import StreamWatch
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.framing import BlobAssembler, plan_pieces
@@ -44,6 +46,8 @@ class RunnersServicer:
         max_message_bytes: int,
         draining: Callable[[], bool],
         watch: StreamWatch,
+        shm: ShmSessions | None = None,
+        stream_idle_seconds: float = 30.0,
     ) -> None:
         self._registry = registry
         self._auth = auth
@@ -52,12 +56,14 @@ class RunnersServicer:
         self._max_message_bytes = max_message_bytes
         self._draining = draining
         self._watch = watch
+        self._shm = shm
+        self._idle_seconds = stream_idle_seconds
 
     def Attach(
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], context: grpc.ServicerContext
     ) -> Iterator[pb.RunnerCommand]:
         try:
-            link = self._register(request_iterator, context)
+            link, shm = self._register(request_iterator, context)
         except KvstoreError as e:
             code, msg = status_for(e)
             context.abort(code, msg)
@@ -72,14 +78,14 @@ class RunnersServicer:
             # A runner that stops reading its jobs is ended like any stalled stream; one that is
             # merely idle (no jobs) is not: only sends are watched.
             with self._watch.watch(context, "Attach", link.info.tenant or "(admin)") as w:
-                yield from w.sent(self._commands(link, context, done))
+                yield from w.sent(self._commands(link, context, done, shm))
             if link.protocol_error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"runner detached: {link.protocol_error}")
         finally:
             self._registry.detach(link, "runner stream closed")
 
     def _commands(
-        self, link: RunnerLink, context: grpc.ServicerContext, done: threading.Event
+        self, link: RunnerLink, context: grpc.ServicerContext, done: threading.Event, shm: ShmSession | None,
     ) -> Iterator[pb.RunnerCommand]:
         yield pb.RunnerCommand(attached=pb.Attached(
             runner_id=link.info.runner_id, max_message_bytes=self._max_message_bytes))
@@ -95,11 +101,11 @@ class RunnersServicer:
                 continue
             if item.job_id not in link.in_flight:
                 continue  # cancelled while queued
-            yield from self._job_messages(item)
+            yield from self._job_messages(item, link, shm, context)
 
     def _register(
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], context: grpc.ServicerContext
-    ) -> RunnerLink:
+    ) -> tuple[RunnerLink, ShmSession | None]:
         if self._draining():
             raise Unavailable("the service is shutting down")
         caller = self._auth.caller_of(context)
@@ -120,17 +126,24 @@ class RunnersServicer:
                 f"{layout.layout_id.hex()} of '{h.model}' (different chunk size or record format)")
         if h.max_concurrent_jobs < 1:
             raise InvalidInput("runner max_concurrent_jobs must be >= 1")
+        shm = None
+        if h.shm_session:
+            if self._shm is None:
+                raise InvalidInput("this service offers no same-host sessions: attach without shm_session")
+            shm = self._shm.session(h.shm_session, caller.tenant, kind="runner")
         info = RunnerInfo(
             runner_id=self._registry.new_runner_id(), model=h.model, layout_id=bytes(h.layout_id),
             device=h.device[:64], max_concurrent_jobs=h.max_concurrent_jobs, max_batch=max(1, h.max_batch),
             name=h.name[:128], tenant=None if caller.admin and not caller.tenant else caller.tenant,
         )
         link = self._registry.attach(info)
-        log.info("runner %s attached: model %s on %s (%s)", info.runner_id, info.model, info.device,
-                 "all tenants" if info.tenant is None else f"tenant {info.tenant}")
-        return link
+        log.info("runner %s attached: model %s on %s (%s; job chunks %s)", info.runner_id, info.model, info.device,
+                 "all tenants" if info.tenant is None else f"tenant {info.tenant}",
+                 "through shared memory" if shm is not None else "in messages")
+        return link, shm
 
-    def _job_messages(self, p: _Pending) -> Iterator[pb.RunnerCommand]:
+    def _job_messages(self, p: _Pending, link: RunnerLink, shm: ShmSession | None,
+                      context: grpc.ServicerContext) -> Iterator[pb.RunnerCommand]:
         job = p.job
         yield pb.RunnerCommand(job=pb.ReplayJob(
             job_id=p.job_id, model=job.model, replay_mode=job.mode, tokens=tokens_to_proto(job.tokens),
@@ -138,6 +151,15 @@ class RunnersServicer:
             num_chunks=len(job.chunks), chunk_bytes=job.chunk_bytes, deadline_seconds=job.deadline_seconds,
         ))
         cb = job.chunk_bytes
+        if shm is not None and job.chunks:
+            try:
+                for leased in copy_spans(shm, job.chunks, job.first_chunk, cb, self._idle_seconds,
+                                         context.is_active):
+                    yield pb.RunnerCommand(chunks=pb.JobChunks(job_id=p.job_id, shm=leased))
+            except KvstoreError as e:  # the runner's segment stayed full, or its session closed
+                self._registry.complete(link, p.job_id, None, f"job chunks not sent: {e}")
+                yield pb.RunnerCommand(cancel=pb.JobCancel(job_id=p.job_id))
+            return
         for span in plan_pieces(job.first_chunk, len(job.chunks), cb, self._message_bytes):
             start = (span.first_chunk - job.first_chunk) * cb + span.offset
             data = _slice_chunks(job.chunks, cb, start, span.nbytes)

@@ -12,10 +12,12 @@ What it does not know: gRPC codes (NoRoom becomes ResourceExhausted here), or ho
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.dataplane import NoRoom, check_span
+import numpy as np
+
+from kvstore.dataplane import Lease, NoRoom, check_span
 from kvstore.errors import InvalidInput, ResourceExhausted
 from kvstore.service.shm_listener import ShmSession
 from kvstore.store import LoadSession
@@ -34,22 +36,11 @@ def load_spans(
 ) -> Iterator[pb.ShmSpan]:
     """The first `n` chunks of a pinned load session, copied into leased spans of `shm`'s load
     segment. Stops early at a chunk that turns out corrupt (its span is released)."""
-    if chunk_bytes > shm.load.nbytes:
-        raise InvalidInput(f"a {chunk_bytes}-byte chunk does not fit the session's {shm.load.nbytes}-byte load "
-                           "segment: load without shm_session")
-    per = max(1, min(SPAN_BYTES, shm.load.nbytes // 2) // chunk_bytes)
+    per = chunks_per_span(shm, chunk_bytes)
     first = 0
     while first < n and still_wanted():
         count = min(per, n - first)
-        try:
-            lease = shm.leases.grant(count * chunk_bytes, wait_seconds, still_wanted)
-        except NoRoom as e:
-            raise ResourceExhausted(f"the same-host session's load segment stays full: {e}; release leases "
-                                    "sooner, or raise service.shm_load_segment_bytes") from None
-        try:
-            view = shm.load.view[lease.offset : lease.offset + count * chunk_bytes]
-        except ValueError:  # the segment was unmapped: the client closed its session meanwhile
-            raise InvalidInput("the same-host session closed during the load") from None
+        lease, view = _leased(shm, count * chunk_bytes, wait_seconds, still_wanted)
         tiers = session.read_many_into(first, [view[k * chunk_bytes : (k + 1) * chunk_bytes] for k in range(count)])
         view.release()
         if not tiers:
@@ -62,6 +53,48 @@ def load_spans(
         if len(tiers) < count:
             return
         first += count
+
+
+def copy_spans(
+    shm: ShmSession, chunks: Sequence[bytes | memoryview], first_chunk: int, chunk_bytes: int, wait_seconds: float,
+    still_wanted: Callable[[], bool],
+) -> Iterator[pb.ShmSpan]:
+    """Chunk payloads the service already holds (a replay job's) copied into leased spans of a
+    runner's load segment."""
+    per = chunks_per_span(shm, chunk_bytes)
+    for at in range(0, len(chunks), per):
+        part = chunks[at : at + per]
+        lease, view = _leased(shm, len(part) * chunk_bytes, wait_seconds, still_wanted)
+        dst = np.frombuffer(view, np.uint8)
+        for k, c in enumerate(part):  # numpy's copy lets go of the GIL
+            np.copyto(dst[k * chunk_bytes : (k + 1) * chunk_bytes], np.frombuffer(c, np.uint8))
+        del dst
+        view.release()
+        shm.loaded_bytes += len(part) * chunk_bytes
+        yield pb.ShmSpan(first_chunk=first_chunk + at, num_chunks=len(part), offset=lease.offset,
+                         lease_id=lease.lease_id, lease_expires_at=lease.expires_at)
+
+
+def chunks_per_span(shm: ShmSession, chunk_bytes: int) -> int:
+    """Whole chunks per span: about SPAN_BYTES, and never more than half the segment, so that
+    one span can be filled while the peer reads the other."""
+    if chunk_bytes > shm.load.nbytes // 2:
+        raise InvalidInput(f"a {chunk_bytes}-byte chunk does not fit half the session's {shm.load.nbytes}-byte "
+                           "load segment: call without shm_session (or raise service.shm_load_segment_bytes)")
+    return max(1, min(SPAN_BYTES, shm.load.nbytes // 2) // chunk_bytes)
+
+
+def _leased(shm: ShmSession, nbytes: int, wait_seconds: float,
+            still_wanted: Callable[[], bool]) -> tuple[Lease, memoryview]:
+    try:
+        lease = shm.leases.grant(nbytes, wait_seconds, still_wanted)
+    except NoRoom as e:
+        raise ResourceExhausted(f"the same-host session's load segment stays full: {e}; release leases "
+                                "sooner, or raise service.shm_load_segment_bytes") from None
+    try:
+        return lease, shm.load.view[lease.offset : lease.offset + nbytes]
+    except ValueError:  # the segment was unmapped: the peer closed its session meanwhile
+        raise InvalidInput("the same-host session closed during the call") from None
 
 
 def store_span_data(shm: ShmSession, span: pb.ShmSpan, chunk_bytes: int) -> memoryview:

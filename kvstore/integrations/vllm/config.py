@@ -15,7 +15,7 @@ KEYS = ("address", "token", "revision", "model_name", "budget_ms", "fingerprint_
 
 @dataclass(frozen=True)
 class ConnectorConfig:
-    address: str  # the kvstore service, "host:port"
+    address: str  # the kvstore service, "host:port", or "unix:///path/kvstore.sock" on its host (shared memory)
     token: str = ""  # the tenant's bearer token ("" when the service runs without tenants)
     revision: str = ""  # overrides the weight fingerprint when set
     model_name: str = ""  # for people (Stats, logs); default: the model's directory name
@@ -32,7 +32,8 @@ class ConnectorConfig:
             raise ConfigError("kv_connector_extra_config", f"unknown keys {unknown}; known: {', '.join(KEYS)}")
         address = d.get("address")
         if not isinstance(address, str) or ":" not in address:
-            raise ConfigError("kv_connector_extra_config.address", "must be the kvstore service as 'host:port'")
+            raise ConfigError("kv_connector_extra_config.address", "must be the kvstore service as 'host:port', or "
+                              "'unix:///path/to/kvstore.sock' on the service's host")
         for key in ("token", "revision", "model_name", "fingerprint_cache"):
             if key in d and not isinstance(d[key], str):
                 raise ConfigError(f"kv_connector_extra_config.{key}", "must be a string")

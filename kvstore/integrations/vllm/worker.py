@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvstore.client import KvstoreClient
 from kvstore.integrations.vllm.cache_layout import EnginePlan, PagedCache
 from kvstore.integrations.vllm.link import REPLAY_MODE, Link
 from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec, WorkerReport
@@ -73,16 +74,8 @@ class WorkerSide:
         got = 0
         name = self.link.model_name()
         if name is not None:
-            r = self.link.call("load", lambda c: c.load(name, spec.tokens, REPLAY_MODE, max_chunks=spec.end_chunk,
-                                                        timeout_seconds=self.link.cfg.budget_seconds,
-                                                        cache_salt=spec.cache_salt))
-            chunks = r.chunks[spec.first_chunk : spec.end_chunk] if r is not None else []
-            got = len(chunks)
-            for tier in r.chunk_tiers[spec.first_chunk : spec.end_chunk] if r is not None else ():
-                self.link.count(f"loaded_chunks_{tier}")
-            if got:
-                buf = torch.from_numpy(np.stack([np.frombuffer(c, dtype=np.uint8) for c in chunks]))
-                self.cache.scatter_chunks(buf, {g: ids[:got] for g, ids in spec.chunk_blocks.items()})
+            r = self.link.call("load", lambda c: self._load_chunks(c, name, spec))
+            got = r if r is not None else 0
             if r is not None and got < wanted:
                 self.link.failed("load", ValueError(f"{wanted - got} of {wanted} chunks did not arrive"))
         ok = got == wanted
@@ -90,6 +83,24 @@ class WorkerSide:
             ok = self._load_window(name, spec)
         failed = {b for ids in spec.chunk_blocks.values() for b in ids[got:]}
         return _LoadOutcome(spec.req_id, ok, failed, got)
+
+    def _load_chunks(self, client: KvstoreClient, name: str, spec: LoadSpec) -> int:
+        """Chunks [first_chunk, end_chunk) of the request scattered into its blocks; how many.
+        On the service's host they are read in place in shared memory (one copy, into vLLM's
+        blocks); a lease that lapsed during the copy counts the load as failed (recompute)."""
+        assert self.cache is not None
+        with client.load_shared(name, spec.tokens, REPLAY_MODE, max_chunks=spec.end_chunk,
+                                timeout_seconds=self.link.cfg.budget_seconds, cache_salt=spec.cache_salt) as r:
+            chunks = r.chunks[spec.first_chunk : spec.end_chunk]
+            for tier in r.chunk_tiers[spec.first_chunk : spec.end_chunk]:
+                self.link.count(f"loaded_chunks_{tier}")
+            if chunks:
+                buf = torch.from_numpy(np.stack([np.frombuffer(c, dtype=np.uint8) for c in chunks]))
+                if not r.still_held():
+                    raise ValueError("a shared-memory lease lapsed while the chunks were copied")
+                self.cache.scatter_chunks(buf, {g: ids[: len(chunks)] for g, ids in spec.chunk_blocks.items()})
+            self.link.count(f"load_path_{r.path}")
+            return len(chunks)
 
     def _load_window(self, name: str | None, spec: LoadSpec) -> bool:
         assert self.cache is not None and name is not None

@@ -1,4 +1,4 @@
-"""The client's end of a same-host session: the shared-memory path beside a `unix:` gRPC address.
+"""The connecting end of a same-host session, for the engine client and for attached runners.
 
 `ShmPath.open` connects the side socket next to the gRPC socket, says hello with the client's
 token and maps the two segments it gets back: the load segment read-only (the service sealed it:
@@ -11,7 +11,7 @@ reused. The copy is checked against that on the service's own clock (the hello c
 offset is bounded by the hello's round trip, and the bound is taken on the late side), so a copy
 that finished after its lease lapsed is never trusted: the caller loads again over streams.
 
-What it does not know: the service's internals; it speaks the side-socket protocol only.
+What it does not know: the service's internals, or gRPC; it speaks the side-socket protocol only.
 """
 
 from __future__ import annotations
@@ -24,17 +24,12 @@ import threading
 import time
 from collections.abc import Iterator
 
-from kvstore.dataplane import (
-    HELLO_VERSION,
-    LeaseTable,
-    NoRoom,
-    SideSocketClosed,
-    check_span,
-    data_socket_path,
-    map_segment,
-    recv_message,
-    send_message,
-)
+import numpy as np
+
+from kvstore.dataplane.leases import LeaseTable, NoRoom
+from kvstore.dataplane.segments import map_segment
+from kvstore.dataplane.side_socket import HELLO_VERSION, SideSocketClosed, data_socket_path, recv_message, send_message
+from kvstore.dataplane.spans import check_span
 
 log = logging.getLogger("kvstore.client")
 
@@ -126,7 +121,8 @@ class ShmPath:
     def copy_out(self, offset: int, nbytes: int, dst: memoryview, expires_at: float) -> None:
         """Copy a leased span into `dst`; raises LeaseLapsed if the lease ran out before the copy
         was done."""
-        dst[:] = self.span(offset, nbytes)
+        # numpy's copy lets go of the GIL: the channel's threads keep receiving meanwhile.
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(self.span(offset, nbytes), np.uint8))
         if not self.lease_valid(expires_at):
             raise LeaseLapsed(f"a lease ran out before its {nbytes}-byte span was copied")
 

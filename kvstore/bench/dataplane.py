@@ -1,0 +1,172 @@
+"""`kvstore bench dataplane`: chunk bytes through same-host shared memory against gRPC streams and
+a plain memory copy, in one run.
+
+For a 32,768- and a 131,072-token DeepSeek-V4.1 prefix held in the DRAM tier of one `kvstore
+serve` (listening on TCP and on a Unix socket, as deployed), each figure is the best of several
+passes, the passes of the contenders taking turns:
+- `memcpy_gbps`: the same chunk bytes copied chunk by chunk into one destination buffer, in
+  process (the physical ceiling of a load into an engine's memory);
+- `shm_load_gbps`: `KvstoreClient.load_into` over the Unix socket (shared memory: the service
+  copies each chunk into the session's load segment, the client copies it into its buffer);
+- `grpc_load_gbps`: the same `load_into` over TCP (gRPC messages);
+- `shm_store_gbps` / `grpc_store_gbps`: a Store of a new prompt of the same size each pass,
+  through the store segment and through messages (timed from the call to its durable reply);
+- `shm_load_4_clients_gbps`: four client processes loading through shared memory at once,
+  bytes over the wall time of all of them.
+Targets: `shm_load_gbps` >= 0.5 x `memcpy_gbps` and >= 4 x `grpc_load_gbps`;
+`shm_load_4_clients_gbps` >= 1.5 x `shm_load_gbps`. Benchmarks print; tests never assert on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstore.bench.serve_proc import start_serve
+
+MiB = 1 << 20
+
+
+def add_dataplane_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="deepseek-v4.1-flash")
+    p.add_argument("--prefixes", default="32768,131072", help="prefix lengths in tokens, comma-separated")
+    p.add_argument("--repeats", type=int, default=7, help="passes of each contender per figure")
+    p.add_argument("--clients", type=int, default=4, help="concurrent client processes")
+    p.add_argument("--store-repeats", type=int, default=3, help="timed Stores per path")
+
+
+def _loader(address: str, model: str, tokens: bytes, nbytes: int, loads: int, start_at: float) -> tuple[int, float,
+                                                                                                       float, str]:
+    from kvstore.client.sync_client import KvstoreClient
+
+    arr = np.frombuffer(tokens, dtype="<u4")
+    dst = bytearray(nbytes)
+    with KvstoreClient(address) as kv:
+        kv.load_into(model, arr, dst)  # the session opened, the buffer touched
+        time.sleep(max(0.0, start_at - time.time()))
+        t0 = time.time()
+        moved = sum(kv.load_into(model, arr, dst).loaded_chunks for _ in range(loads))
+        return moved, t0, time.time(), kv.data_path_in_use
+
+
+def _config(tmp: Path, model: str, nbytes: int, sock: Path) -> Path:
+    cfg = tmp / "bench.toml"
+    cfg.write_text(
+        "[store]\ndevice = \"cpu\"\ndevice_capacity_bytes = 0\n"  # no device tier: every chunk in DRAM
+        f"dram_capacity_bytes = {nbytes + 256 * MiB}\nlmdb_capacity_bytes = {2 * nbytes + 512 * MiB}\n"
+        "lmdb_durability = \"async\"\ncompression = \"none\"\nprefault_arenas = true\n"
+        f"[service]\nunix_socket_path = \"{sock}\"\nmodels = [\"{model}\"]\n"
+        f"shm_load_segment_bytes = {256 * MiB}\nshm_store_segment_bytes = {256 * MiB}\n"
+        "[replay]\nrunner = \"none\"\n[local_pool]\ncapacity_bytes = 16777216\n")
+    return cfg
+
+
+def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from kvstore.bench.timing import interleaved_best_rates
+    from kvstore.client.sync_client import KvstoreClient
+    from kvstore.layout import get_model
+
+    spec = get_model(args.model)
+    layout = spec.layout
+    cb, ct = layout.chunk_bytes, layout.chunk_tokens
+    prefixes = [int(x) for x in args.prefixes.split(",") if x.strip()]
+    rng = np.random.default_rng(0)
+    prompts = {n: rng.integers(0, spec.vocab_size, n).astype("<u4") for n in prefixes}
+    blobs = {n: rng.integers(0, 256, (n // ct) * cb, dtype=np.uint8).tobytes() for n in prefixes}
+    held = sum(len(b) for b in blobs.values())
+    store_bytes = (prefixes[0] // ct) * cb * 2 * args.store_repeats
+    ctx = mp.get_context("spawn")
+    out: dict[str, Any] = {"model": args.model, "chunk_bytes": cb, "cpus": os.cpu_count(), "prefixes": {}}
+    targets: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvs-bench-", dir="/tmp") as tmpdir:
+        tmp = Path(tmpdir)
+        sock = tmp / "kv.sock"
+        proc, tcp_address = start_serve(_config(tmp, args.model, held + store_bytes, sock), tmp / "data")
+        unix_address = f"unix://{sock}"
+        try:
+            with KvstoreClient(unix_address) as shm, KvstoreClient(tcp_address) as tcp:
+                for n in prefixes:
+                    r = tcp.store(args.model, prompts[n], blobs[n])
+                    assert r.stored_chunks == n // ct, r
+                for n in prefixes:
+                    print(f"dataplane: {n:,}-token prefix ({len(blobs[n]) / 1e6:.0f} MB)", file=sys.stderr)
+                    out["prefixes"][str(n)] = _prefix_figures(args, ctx, shm, tcp, unix_address, prompts[n],
+                                                              blobs[n], cb, interleaved_best_rates)
+                    f = out["prefixes"][str(n)]
+                    targets += [
+                        {"name": f"{n} tokens: shm_load_gbps / memcpy_gbps", "value": f["shm_load_gbps"] /
+                         f["memcpy_gbps"], "target": ">= 0.5", "ok": f["shm_load_gbps"] >= 0.5 * f["memcpy_gbps"]},
+                        {"name": f"{n} tokens: shm_load_gbps / grpc_load_gbps", "value": f["shm_load_gbps"] /
+                         f["grpc_load_gbps"], "target": ">= 4", "ok": f["shm_load_gbps"] >= 4 * f["grpc_load_gbps"]},
+                        {"name": f"{n} tokens: shm_load_4_clients_gbps / shm_load_gbps",
+                         "value": f["shm_load_4_clients_gbps"] / f["shm_load_gbps"], "target": ">= 1.5",
+                         "ok": f["shm_load_4_clients_gbps"] >= 1.5 * f["shm_load_gbps"]},
+                    ]
+                print("dataplane: stores", file=sys.stderr)
+                out["store"] = _store_figures(args, shm, tcp, prefixes[0], cb, ct, spec.vocab_size)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    out["targets"] = targets
+    return out
+
+
+def _prefix_figures(args: argparse.Namespace, ctx: Any, shm: Any, tcp: Any, unix_address: str, prompt: np.ndarray,
+                    blob: bytes, cb: int, interleaved_best_rates: Any) -> dict[str, Any]:
+    n_chunks = len(blob) // cb
+    sources = [blob[i * cb : (i + 1) * cb] for i in range(n_chunks)]
+    memcpy_dst = memoryview(bytearray(len(blob)))
+    shm_dst, tcp_dst = bytearray(len(blob)), bytearray(len(blob))
+
+    def memcpy() -> int:
+        for i, c in enumerate(sources):
+            memcpy_dst[i * cb : (i + 1) * cb] = c
+        return len(blob)
+
+    def shm_load() -> int:
+        return shm.load_into(args.model, prompt, shm_dst).loaded_chunks * cb
+
+    def grpc_load() -> int:
+        return tcp.load_into(args.model, prompt, tcp_dst).loaded_chunks * cb
+
+    for fn in (memcpy, shm_load, grpc_load):  # warm: pages touched, sessions open
+        fn()
+    assert shm.data_path_in_use == "shm", shm.shm_detail
+    assert bytes(shm_dst) == blob and bytes(tcp_dst) == blob
+    rates = interleaved_best_rates({"memcpy": memcpy, "shm": shm_load, "grpc": grpc_load}, repeats=args.repeats)
+    start_at = time.time() + 3.0
+    with ctx.Pool(args.clients) as pool:
+        results = pool.starmap(_loader, [(unix_address, args.model, prompt.tobytes(), len(blob), args.repeats,
+                                          start_at) for _ in range(args.clients)])
+    assert all(r[3] == "shm" for r in results), [r[3] for r in results]
+    moved = sum(r[0] for r in results) * cb
+    wall = max(r[2] for r in results) - min(r[1] for r in results)
+    return {
+        "bytes": len(blob), "chunks": n_chunks,
+        "memcpy_gbps": rates["memcpy"], "shm_load_gbps": rates["shm"], "grpc_load_gbps": rates["grpc"],
+        "shm_load_4_clients_gbps": moved / wall / 1e9, "clients": args.clients,
+    }
+
+
+def _store_figures(args: argparse.Namespace, shm: Any, tcp: Any, n_tokens: int, cb: int, ct: int,
+                   vocab: int) -> dict[str, Any]:
+    rng = np.random.default_rng(1)
+    blob = rng.integers(0, 256, (n_tokens // ct) * cb, dtype=np.uint8).tobytes()
+    best = {"shm": 0.0, "grpc": 0.0}
+    for _ in range(args.store_repeats):
+        for name, kv in (("shm", shm), ("grpc", tcp)):
+            prompt = rng.integers(0, vocab, n_tokens).astype("<u4")  # new chunks every time
+            t0 = time.perf_counter()
+            r = kv.store(args.model, prompt, blob)
+            dt = time.perf_counter() - t0
+            assert r.stored_chunks == n_tokens // ct and r.durable, r
+            best[name] = max(best[name], len(blob) / dt / 1e9)
+    return {"tokens": n_tokens, "bytes": len(blob), "shm_store_gbps": best["shm"], "grpc_store_gbps": best["grpc"]}

@@ -1,0 +1,74 @@
+"""vLLM and kvstore on one host: the connector reaches the service over its Unix socket, and chunk
+bytes move through shared memory both ways (Stores through the session's store segment, loads
+read in place from its load segment and scattered into vLLM's blocks), with the same answers as
+a cold engine."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstore.bench.engine_models import TINY_VOCAB as VOCAB
+from kvstore.bench.engine_models import write_llama
+from kvstore.client import KvstoreClient
+from tests.engine.conftest import ALICE, Engine, service_table, start_engine
+from tests.fixtures.service import ServiceProcess, spawn_service
+
+CT = 128
+PROMPT = np.random.default_rng(7).integers(0, VOCAB, 5 * CT + 11).tolist()
+
+
+@pytest.fixture(scope="module")
+def sock() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="kve", dir="/tmp"))  # Unix socket paths must stay short
+    yield d / "kvstore.sock"
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def service(workdir: Path, sock: Path) -> Iterator[ServiceProcess]:
+    table = service_table()
+    table["service"]["unix_socket_path"] = str(sock)
+    (workdir / "same-host").mkdir(exist_ok=True)
+    proc = spawn_service(workdir / "same-host", table)
+    yield proc
+    proc.terminate()
+
+
+def _spec(workdir: Path, sock: Path) -> dict[str, Any]:
+    return {"extra": {"address": f"unix://{sock}", "token": ALICE, "budget_ms": 3000, "retry_after_ms": 500,
+                      "fingerprint_cache": str(workdir / "same-host-fingerprints.json")}}
+
+
+def test_8_an_engine_on_the_services_host_caches_through_shared_memory(
+        workdir: Path, sock: Path, service: ServiceProcess, engines: list[Engine]) -> None:
+    model = write_llama(workdir / "llama-same-host", seed=3)
+    cold_engine = start_engine(model, _spec(workdir, sock), workdir / "engine-same-host-cold.log")
+    engines.append(cold_engine)
+    [cold] = cold_engine.generate({"tokens": PROMPT})
+    assert cold["kvstore"]["loaded_tokens"] == 0
+    cold_engine.close()
+    with KvstoreClient(f"unix://{sock}", token=ALICE) as kv:
+        deadline = time.monotonic() + 60
+        while kv.stats().chunks < 5 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        paths = kv.stats().data_plane
+        assert paths is not None and paths.calls_by_path["shm"] >= 1  # the engine's Stores
+    warm_engine = start_engine(model, _spec(workdir, sock), workdir / "engine-same-host-warm.log")
+    engines.append(warm_engine)
+    [warm] = warm_engine.generate({"tokens": PROMPT})
+    assert warm["kvstore"]["loaded_tokens"] == 5 * CT
+    assert warm["kvstore"]["counters"].get("load_path_shm") == 1
+    assert not any(k.endswith("_failures") for k in warm["kvstore"]["counters"]), warm["kvstore"]["counters"]
+    assert warm["tokens"] == cold["tokens"]
+    assert warm["logprobs"] == pytest.approx(cold["logprobs"], abs=2e-2)
+    with KvstoreClient(f"unix://{sock}", token=ALICE) as kv:
+        dp = kv.stats().data_plane
+        assert dp is not None and dp.calls_by_path["shm"] >= 2 and dp.calls_by_path["stream"] == 0
