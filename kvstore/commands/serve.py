@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-host", metavar="HOST", help="address to bind (default: service.grpc_host)")
     p.add_argument("--grpc-port", type=int, metavar="N", help="gRPC port (0: any free port)")
     p.add_argument("--admin-port", type=int, metavar="N", help="admin HTTP port (0: any free port, -1: none)")
+    p.add_argument("--unix-socket", metavar="PATH",
+                   help="also serve gRPC on this Unix socket, with same-host shared memory beside it "
+                        "(default: service.unix_socket_path; '' for none)")
     p.add_argument("--data-dir", metavar="DIR", help="where LMDB lives (default: data_dir in the config)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -54,9 +57,11 @@ def run(args: argparse.Namespace) -> int:
     check_bind_allowed(cfg, host)  # before opening anything
     if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
         raise ConfigError("--grpc-port", "must be in 0..65535")
+    if args.unix_socket and (not args.unix_socket.startswith("/") or len(args.unix_socket.encode()) > 100):
+        raise ConfigError("--unix-socket", "must be an absolute path of at most 100 bytes")
     app = build_app(cfg, args.data_dir, progress=_say)
     try:
-        server = KvstoreServer(app, host, args.grpc_port, args.admin_port).start()
+        server = KvstoreServer(app, host, args.grpc_port, args.admin_port, unix_socket=args.unix_socket).start()
     except BaseException:
         app.close()
         raise
@@ -89,6 +94,13 @@ def run(args: argparse.Namespace) -> int:
         reloader.install_sighup()
     if server.admin is not None:
         _say(f"admin HTTP on http://{cfg.admin.host}:{server.admin.port}/")
+    if server.unix_socket:
+        shm = server.shm
+        _say(f"gRPC also on unix://{server.unix_socket} (plaintext; the same authentication as TCP); " + (
+            f"same-host shared memory on {shm.path}: segments of {svc.shm_load_segment_bytes >> 20} MiB (load) "
+            f"and {svc.shm_store_segment_bytes >> 20} MiB (store) per session, leases {svc.shm_lease_seconds:g} s"
+            if shm is not None and shm.enabled else
+            f"no shared memory ({'service.shm_enabled is off' if shm is None else shm.detail})"))
     _say(f"gRPC listening on {server.address} ({security})")
     while not stop.wait(0.5):
         pass

@@ -62,7 +62,9 @@ class ServiceConfig:
     shm_load_segment_bytes: int = 256 * MiB
     shm_store_segment_bytes: int = 256 * MiB
     shm_lease_seconds: float = 30.0
-    max_shm_sessions: int = 64  # all tenants together (shared by weight)
+    # All tenants together (shared by weight). Each session may back up to its two segments with
+    # memory, so this times (load + store segment bytes) bounds what same-host clients can pin.
+    max_shm_sessions: int = 32
     grace_seconds: float = 10.0
     reflection: bool = True
     tls_cert_file: str = ""

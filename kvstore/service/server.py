@@ -112,9 +112,11 @@ class KvstoreServer:
         port: int | None = None,
         admin_port: int | None = None,
         health_interval_seconds: float = 2.0,
+        unix_socket: str | None = None,
     ) -> None:
         """`port`/`admin_port` override the config (0: any free port); `admin_port=None` uses the
-        config's admin port, -1 starts no admin server."""
+        config's admin port, -1 starts no admin server; `unix_socket` overrides
+        `service.unix_socket_path` ("" for none)."""
         cfg = app.config
         self.app = app
         self.host = host if host is not None else cfg.service.grpc_host
@@ -126,11 +128,11 @@ class KvstoreServer:
         self.watch = StreamWatch(svc.stream_idle_seconds)
         self.auth = Authenticator(cfg)
         self.health = HealthReporter(app, health_interval_seconds)
-        self.unix_socket = svc.unix_socket_path
-        self.shm = (ShmSessions(svc.unix_socket_path, svc, self.auth, cfg.share_weights())
-                    if svc.unix_socket_path and svc.shm_enabled else None)
+        self.unix_socket = svc.unix_socket_path if unix_socket is None else unix_socket
+        self.shm = (ShmSessions(self.unix_socket, svc, self.auth, cfg.share_weights())
+                    if self.unix_socket and svc.shm_enabled else None)
         self.kvcache = KVCacheServicer(app, CallGuard(app, self.auth, self.limiter, self.watch), self.limiter,
-                                       self.shm, svc.unix_socket_path)
+                                       self.shm, self.unix_socket)
         self.runners = RunnersServicer(
             app.runners, self.auth, app.layouts(),
             svc.stream_message_bytes, svc.max_message_bytes, lambda: self.limiter.draining, self.watch,
