@@ -303,3 +303,25 @@ def test_load_shared_reads_in_place_under_lease_and_lets_go_at_the_end(
     _wait(lambda: kv.stats().data_plane.sessions[0].leases_active == 0)  # type: ignore[union-attr]
     with tcp.load_shared(TOY, prompt) as streamed:  # without a session: a load's own buffer
         assert streamed.path == "stream" and _same(streamed.chunks, chunks) and streamed.still_held()
+
+
+def test_kvstore_serve_listens_on_the_unix_socket_it_is_given(sock_dir: Path) -> None:
+    from tests.fixtures.service import spawn_service
+
+    work = sock_dir / "work"
+    work.mkdir()
+    proc = spawn_service(work, extra=("--unix-socket", str(sock_dir / "kv.sock")))
+    try:
+        banner = proc.output()
+        assert f"gRPC also on unix://{sock_dir / 'kv.sock'}" in banner
+        assert f"same-host shared memory on {sock_dir / 'kv.sock'}.shm" in banner
+        with KvstoreClient(f"unix://{sock_dir / 'kv.sock'}", timeout_seconds=10) as kv:
+            prompt = tokens(19, CHUNK * 3)
+            kv.store(TOY, prompt, payloads(20, 3, 1272))
+            assert _same(kv.load(TOY, prompt).chunks, payloads(20, 3, 1272)) and kv.data_path_in_use == "shm"
+        assert proc.terminate() == 0
+    finally:
+        proc.terminate()
+    bad = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--unix-socket", "relative.sock"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert bad.returncode == 2 and "'--unix-socket': must be an absolute path" in bad.stderr
