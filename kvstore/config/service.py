@@ -58,6 +58,9 @@ class ServiceConfig:
     # a store segment it writes; a span of the load segment stays leased to the client until it
     # releases it or `shm_lease_seconds` pass.
     unix_socket_path: str = ""
+    # Who may connect to the two sockets (connecting needs write permission on the file): the
+    # owner and its group by default; 0o666 lets any local user in (tokens still decide the tenant).
+    unix_socket_mode: int = 0o660
     shm_enabled: bool = True
     shm_load_segment_bytes: int = 256 * MiB
     shm_store_segment_bytes: int = 256 * MiB
@@ -96,6 +99,8 @@ class ServiceConfig:
                 "must be an absolute path (or empty for none)")
         require(len(self.unix_socket_path.encode()) <= 100, join(prefix, "unix_socket_path"),
                 "must be at most 100 bytes (a Unix socket path, with room for the '.shm' beside it)")
+        require(0 <= self.unix_socket_mode <= 0o777, join(prefix, "unix_socket_mode"),
+                "must be a file mode in 0o000..0o777 (TOML: unix_socket_mode = 0o660)")
         for name in ("shm_load_segment_bytes", "shm_store_segment_bytes"):
             require(1 * MiB <= getattr(self, name) <= 1 << 40, join(prefix, name), "must be in 1 MiB..1 TiB")
         require(0.1 <= self.shm_lease_seconds <= 3600, join(prefix, "shm_lease_seconds"), "must be in 0.1..3600")

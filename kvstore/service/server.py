@@ -18,6 +18,7 @@ What it does not know: what the calls do (servicers), or which parts the app hol
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -202,8 +203,11 @@ class KvstoreServer:
             raise ConfigError("service.unix_socket_path", f"cannot listen on {path}: {e}") from None
         if bound == 0:
             raise ConfigError("service.unix_socket_path", f"cannot listen on {path}")
+        mode = self.app.config.service.unix_socket_mode
+        os.chmod(path, mode)
         if self.shm is not None:
             self.shm.start()
+            os.chmod(self.shm.path, mode)
 
     def stop(self, grace_seconds: float | None = None) -> bool:
         """Graceful shutdown; True if every call in flight finished within the grace period."""
