@@ -342,3 +342,26 @@ def test_kvstore_serve_listens_on_the_unix_socket_it_is_given(sock_dir: Path) ->
     bad = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--unix-socket", "relative.sock"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert bad.returncode == 2 and "'--unix-socket': must be an absolute path" in bad.stderr
+
+
+def test_a_live_socket_is_never_taken_over_and_a_stale_one_is_replaced(
+    make_service: Callable[..., Service], sock_dir: Path, tmp_path: Path
+) -> None:
+    import socket as socketlib
+
+    sock = sock_dir / "kv.sock"
+    for path in (sock, Path(data_socket_path(str(sock)))):  # left behind by a process that died
+        s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+        s.bind(str(path))
+        s.close()
+    first = make_service(shm_config(sock))
+    kv = unix(first)
+    with pytest.raises(ConfigError, match="another process is listening on"):
+        make_service(shm_config(sock), data_dir=tmp_path / "second")
+    assert kv.stats().data_plane.shm_enabled and kv.data_path_in_use == "stream"  # type: ignore[union-attr]
+    prompt = tokens(21, CHUNK * 2)
+    kv.store(TOY, prompt, payloads(22, 2, first.chunk_bytes(TOY)))
+    assert kv.data_path_in_use == "shm"  # the first service still owns both sockets
+    (plain := sock_dir / "not-a-socket").write_text("x")
+    with pytest.raises(ConfigError, match="exists and is not a socket"):
+        make_service(shm_config(plain), data_dir=tmp_path / "third")

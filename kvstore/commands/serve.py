@@ -24,7 +24,7 @@ from types import FrameType
 from kvstore import __version__
 from kvstore.config import load_config
 from kvstore.config.warnings import config_warnings
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KvstoreError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +62,11 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(cfg, args.data_dir, progress=_say)
     try:
         server = KvstoreServer(app, host, args.grpc_port, args.admin_port, unix_socket=args.unix_socket).start()
+    except KvstoreError as e:
+        app.close()
+        # As at a clean stop (below): gRPC's core threads may abort a finalizing interpreter.
+        print(f"kvstore serve: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
     except BaseException:
         app.close()
         raise

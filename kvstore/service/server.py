@@ -38,7 +38,7 @@ from kvstore.service.health import HealthReporter
 from kvstore.service.limits import CallLimiter
 from kvstore.service.runners_servicer import RunnersServicer
 from kvstore.service.servicer import KVCacheServicer
-from kvstore.service.shm_listener import ShmSessions
+from kvstore.service.shm_listener import ShmSessions, check_socket_free
 from kvstore.service.stream_watch import StreamWatch
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.messages import safe_deserializer, serialize_response
@@ -168,18 +168,11 @@ class KvstoreServer:
         return f"{host}:{self.port}"
 
     def start(self) -> KvstoreServer:
-        addr = f"[{self.host}]:{self._port}" if ":" in self.host else f"{self.host}:{self._port}"
-        creds = server_credentials(self.app.config.service)
         try:
-            port = (self._server.add_secure_port(addr, creds) if creds is not None
-                    else self._server.add_insecure_port(addr))
-        except RuntimeError as e:
-            raise ConfigError("service.grpc_port", f"cannot listen on {addr}: {e}") from None
-        if port == 0:
-            raise ConfigError("service.grpc_port", f"cannot listen on {addr} (in use, or not an address here)")
-        self.port = port
-        if self.unix_socket:
-            self._listen_unix(self.unix_socket)
+            self._bind()
+        except BaseException:
+            self._server.stop(0)  # a gRPC server left unstopped aborts the interpreter at exit
+            raise
         self.health.start()
         self.watch.start()
         self._server.start()
@@ -192,6 +185,24 @@ class KvstoreServer:
                 raise ConfigError("admin.port", f"cannot listen on {self.app.config.admin.host}:"
                                   f"{self._admin_port}: {e.strerror}") from None
         return self
+
+    def _bind(self) -> None:
+        addr = f"[{self.host}]:{self._port}" if ":" in self.host else f"{self.host}:{self._port}"
+        creds = server_credentials(self.app.config.service)
+        if self.unix_socket:
+            # gRPC replaces whatever socket file is at the path, a live one too: look first.
+            for path in (self.unix_socket, *((self.shm.path,) if self.shm is not None else ())):
+                check_socket_free(path)
+        try:
+            port = (self._server.add_secure_port(addr, creds) if creds is not None
+                    else self._server.add_insecure_port(addr))
+        except RuntimeError as e:
+            raise ConfigError("service.grpc_port", f"cannot listen on {addr}: {e}") from None
+        if port == 0:
+            raise ConfigError("service.grpc_port", f"cannot listen on {addr} (in use, or not an address here)")
+        self.port = port
+        if self.unix_socket:
+            self._listen_unix(self.unix_socket)
 
     def _listen_unix(self, path: str) -> None:
         """gRPC on the Unix socket too (plaintext: the socket never leaves the host, and tokens are

@@ -309,23 +309,29 @@ class ShmSessions:
                 conn.session.leases.expire()
 
 
-def _bind(path: str) -> socket.socket:
-    """A listening Unix socket at `path`, replacing a stale socket file (nothing listening) but
-    never a live one or a file of another kind."""
+def check_socket_free(path: str) -> None:
+    """Remove a stale socket file at `path` (nothing listens there: a process that died); refuse
+    a live one, or a file of another kind."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    if p.exists() or p.is_symlink():
-        if not stat.S_ISSOCK(p.lstat().st_mode):
-            raise ConfigError("service.unix_socket_path", f"{path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            p.unlink()
-        else:
-            raise ConfigError("service.unix_socket_path", f"another process is listening on {path}")
-        finally:
-            probe.close()
+    if not (p.exists() or p.is_symlink()):
+        return
+    if not stat.S_ISSOCK(p.lstat().st_mode):
+        raise ConfigError("service.unix_socket_path", f"{path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        p.unlink()
+    else:
+        raise ConfigError("service.unix_socket_path", f"another process is listening on {path}")
+    finally:
+        probe.close()
+
+
+def _bind(path: str) -> socket.socket:
+    """A listening Unix socket at `path`, replacing a stale socket file but never a live one."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    check_socket_free(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
