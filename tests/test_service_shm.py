@@ -365,3 +365,43 @@ def test_a_live_socket_is_never_taken_over_and_a_stale_one_is_replaced(
     (plain := sock_dir / "not-a-socket").write_text("x")
     with pytest.raises(ConfigError, match="exists and is not a socket"):
         make_service(shm_config(plain), data_dir=tmp_path / "third")
+
+
+def test_the_side_socket_refuses_bad_hellos_and_drops_silent_connections(
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket as socketlib
+
+    from kvstore.dataplane import recv_message, send_message
+    from kvstore.service import shm_listener
+
+    monkeypatch.setattr(shm_listener, "HANDSHAKE_SECONDS", 0.5)
+    svc = make_service(shm_config(sock_dir / "kv.sock", tenants=True))
+    side = data_socket_path(str(sock_dir / "kv.sock"))
+
+    def connect() -> socketlib.socket:
+        s = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(side)
+        return s
+
+    for hello, error in [({"v": 99}, "side-socket version 1"), ({"v": 1, "kind": "thief"}, "kind must be one of"),
+                         ({"v": 1, "token": 7}, "token must be a string"), ({"v": 1}, "no credentials"),
+                         ({"v": 1, "token": "wrong-token-0123456789"}, "not valid")]:
+        s = connect()
+        send_message(s, hello)
+        reply, fds = recv_message(s)
+        assert reply["ok"] is False and error in reply["error"] and fds == []
+        assert s.recv(1) == b""  # and the connection is closed
+        s.close()
+    s = connect()
+    s.sendall(b"\x05\x00\x00\x00nope!")  # not JSON
+    assert s.recv(1) == b""
+    s.close()
+    silent = connect()
+    assert silent.recv(1) == b""  # closed after HANDSHAKE_SECONDS without a hello
+    silent.close()
+    ok = ShmPath.open(str(sock_dir / "kv.sock"), ALICE)  # the listener still serves
+    assert ok.tenant == "alice"
+    assert svc.server.shm is not None and [x.tenant for x in svc.server.shm.sessions_of("alice")] == ["alice"]
+    ok.close()

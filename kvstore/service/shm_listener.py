@@ -230,6 +230,9 @@ class ShmSessions:
                 send_message(conn.sock, {"ok": False, "error": str(e)})
             raise SideSocketClosed(f"hello refused: {e}") from None
         conn.session = session
+        # Known before the client hears of it: its first call may come at once.
+        with self._lock:
+            self._sessions[session.session_id] = session
         conn.sock.setblocking(True)
         conn.sock.settimeout(1.0)
         try:
@@ -242,8 +245,6 @@ class ShmSessions:
             raise SideSocketClosed(f"the hello could not be answered: {e}") from None
         finally:
             conn.sock.setblocking(False)
-        with self._lock:
-            self._sessions[session.session_id] = session
         log.info("same-host session %s opened: tenant '%s', %s, pid %d", session.session_id[:8],
                  session.tenant or ADMIN_MEMBER, session.kind, session.pid)
 
