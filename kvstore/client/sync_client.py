@@ -336,7 +336,8 @@ class KvstoreClient:
                 if staged is not None:
                     offset, view = staged
                     a = (start - blob_chunk) * cb
-                    view[:] = blob[a : a + (end - start) * cb]
+                    # numpy's copy lets go of the GIL (an engine stores from a background thread).
+                    np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(blob[a : a + (end - start) * cb], np.uint8))
                     header = pb.StoreHeader(model=model, replay_mode=replay_mode, tokens=_tokens(prompt),
                                             cache_salt=cache_salt, shm_session=shm.session_id)
                     requests = [pb.StoreRequest(header=header),
