@@ -11,6 +11,7 @@ What it does not know: gRPC codes (NoRoom becomes ResourceExhausted here), or ho
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,8 +42,14 @@ def load_spans(
     while first < n and still_wanted():
         count = min(per, n - first)
         lease, view = _leased(shm, count * chunk_bytes, wait_seconds, still_wanted)
-        tiers = session.read_many_into(first, [view[k * chunk_bytes : (k + 1) * chunk_bytes] for k in range(count)])
-        view.release()
+        try:
+            tiers = session.read_many_into(first, [view[k * chunk_bytes : (k + 1) * chunk_bytes]
+                                                   for k in range(count)])
+        except BaseException:
+            shm.leases.release(lease.lease_id)  # never sent: nobody else will
+            raise
+        finally:
+            view.release()
         if not tiers:
             shm.leases.release(lease.lease_id)
             return
@@ -65,11 +72,17 @@ def copy_spans(
     for at in range(0, len(chunks), per):
         part = chunks[at : at + per]
         lease, view = _leased(shm, len(part) * chunk_bytes, wait_seconds, still_wanted)
-        dst = np.frombuffer(view, np.uint8)
-        for k, c in enumerate(part):  # numpy's copy lets go of the GIL
-            np.copyto(dst[k * chunk_bytes : (k + 1) * chunk_bytes], np.frombuffer(c, np.uint8))
-        del dst
-        view.release()
+        try:
+            dst = np.frombuffer(view, np.uint8)
+            for k, c in enumerate(part):  # numpy's copy lets go of the GIL
+                np.copyto(dst[k * chunk_bytes : (k + 1) * chunk_bytes], np.frombuffer(c, np.uint8))
+            del dst
+        except BaseException:
+            shm.leases.release(lease.lease_id)
+            raise
+        finally:
+            with contextlib.suppress(BufferError):  # a failed copy's array may still hold it
+                view.release()
         shm.loaded_bytes += len(part) * chunk_bytes
         yield pb.ShmSpan(first_chunk=first_chunk + at, num_chunks=len(part), offset=lease.offset,
                          lease_id=lease.lease_id, lease_expires_at=lease.expires_at)
