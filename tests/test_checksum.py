@@ -37,6 +37,17 @@ def test_the_fused_kernel_copies_and_sums_like_two_numpy_passes(n_words: int) ->
     assert dst2.tobytes() == src
 
 
+@pytest.mark.parametrize("n", [0, 3, 8, 1001, 113_920])
+def test_the_copy_a_value_is_built_with_copies_and_sums_any_length(n: int) -> None:
+    src = np.random.default_rng(n).bytes(n)
+    for view in (memoryview(src), memoryview(bytearray(src))):  # read-only and writable sources
+        dst = bytearray(b"\xff" * n)
+        assert checksum.copy_sum64_released(view, memoryview(dst)) == checksum.sum64(memoryview(src))
+        assert dst == src
+    with pytest.raises(ValueError, match="destination"):
+        checksum.copy_sum64_released(memoryview(src), memoryview(bytearray(n + 1)))
+
+
 def test_the_kernel_reads_words_at_an_offset_without_slicing() -> None:
     src = bytes(16) + words(100, 3)
     dst = bytearray(800)

@@ -13,6 +13,7 @@ import signal
 import struct
 import subprocess
 import sys
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -323,6 +324,38 @@ def test_durability_modes_map_to_lmdb_flags_and_never_use_writemap(
     again = open_tier(tmp_path, durability=mode)
     assert again.stats().entries == 2
     again.close()
+
+
+def spelled_out_value(meta: ChunkMeta, codec: int, raw_size: int, stored: bytes) -> bytes:
+    """A value as value_format's table spells it, built field by field with struct and zlib."""
+    words = stored + bytes(-len(stored) % 8)
+    psum = sum(struct.unpack(f"<{len(words) // 8}Q", words)) % 2**64
+    head = struct.pack("<4sHHII8s32sQQQ", b"KVSC", 1, codec, len(meta.tokens) // 4, 0, meta.layout_id,
+                       meta.namespace, raw_size, len(stored), psum) + meta.tokens
+    return head + struct.pack("<II", zlib.crc32(head), 0) + stored
+
+
+@pytest.mark.parametrize("n", [0, 5, 8, 4099, LAYOUT.chunk_bytes])
+def test_a_value_is_laid_out_as_the_format_says(n: int) -> None:
+    meta = meta_of(key_of(4, n))
+    stored = np.random.default_rng(n).bytes(n)
+    want = spelled_out_value(meta, CODEC_NONE, n, stored)
+    assert vf.build_value(meta, CODEC_NONE, n, stored) == want
+    # Into a larger buffer holding an older, longer value, as the tier's scratch buffer may.
+    scratch = memoryview(bytearray(b"\xee" * (len(want) + 300)))
+    assert bytes(vf.build_value_into(scratch, meta, CODEC_NONE, n, memoryview(bytearray(stored)))) == want
+
+
+def test_the_tier_writes_each_value_of_a_batch_as_the_format_says(tmp_path: Path) -> None:
+    # One put_many builds its values one after another in one buffer: none may keep bytes of another.
+    tier = open_tier(tmp_path)
+    keys = put_chunks(tier, 8, 5)
+    tier.close()
+    env = lmdb.open(str(tmp_path), max_dbs=4, readonly=True)
+    with env.begin(db=env.open_db(b"chunks", create=False)) as txn:
+        for k in keys:
+            assert txn.get(k) == spelled_out_value(meta_of(k), CODEC_NONE, LAYOUT.chunk_bytes, payload_of(k))
+    env.close()
 
 
 def test_put_many_commits_one_transaction(tmp_path: Path) -> None:

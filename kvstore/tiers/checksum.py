@@ -103,6 +103,24 @@ def copy_words_sum64(src: memoryview, offset: int, words: int, dst: memoryview) 
     return int(kernel(_frombuffer(src, _U64, words, offset), _frombuffer(dst, _U64)))
 
 
+def copy_sum64_released(src: memoryview, dst: memoryview) -> int:
+    """Copy src into dst (the same length, any length) and return sum64(src), without holding the
+    interpreter lock over the bytes: the compiled loop releases it, and so do numpy's copy and sum
+    (which the fallback and a trailing partial word use)."""
+    n = len(src)
+    if len(dst) != n:
+        raise ValueError(f"destination of {len(dst)} bytes for {n}")
+    words = n >> 3
+    total = 0
+    if words:
+        # Read-only, as the read path's map views are: one compiled variant of the kernel serves both.
+        total = copy_words_sum64(src.toreadonly(), 0, words, dst[: words << 3])
+    if n & 7:
+        dst[words << 3 :] = src[words << 3 :]
+        total = (total + int.from_bytes(src[words << 3 :], "little")) & _MASK64
+    return total
+
+
 def _load() -> Callable[[Any, Any], int]:
     load_kernel()
     assert _kernel is not None
