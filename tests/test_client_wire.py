@@ -1,5 +1,6 @@
-"""The client's zero-copy reader of Load / Resume messages gives the fields the protobuf library
-parses, with chunk payloads as views into the received bytes, and fails only with DecodeError."""
+"""The zero-copy reader of chunk pieces (the client's Load / Resume messages, the service's Store
+requests) gives the fields the protobuf library parses, with chunk payloads as views into the
+received bytes, and fails only with DecodeError."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from kvstore.client.chunk_views import PieceView, decode_load_response, decode_resume_response
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.messages import encode_chunk_piece
+from kvstore.wire.pieces import PIECE_SLACK_BYTES, decode_store_request
 
 tiers_st = st.lists(st.sampled_from([0, 1, 2, 3, 200, 70_000, -1]), max_size=20)
 piece_st = st.builds(
@@ -61,6 +63,37 @@ def test_every_kind_of_resume_message_reads_as_the_library_reads_it(
     kind, got = decode_resume_response(wire)
     assert kind == which
     assert same_piece(got, piece) if which == "chunks" else got == value
+
+
+@settings(max_examples=60, deadline=None)
+@given(which=st.sampled_from(["header", "chunks", "end", "shm"]), piece=piece_st, n=st.integers(0, 2**32 - 1))
+def test_every_kind_of_store_message_reads_as_the_library_reads_it(which: str, piece: pb.ChunkPiece, n: int) -> None:
+    value: Any = {
+        "header": pb.StoreHeader(model="m", tokens=pb.Tokens(u32le=bytes(8 * (n % 5))), cache_salt="s"),
+        "chunks": piece,
+        "end": pb.StoreEnd(chunks_sent=n),
+        "shm": pb.ShmSpan(first_chunk=n, num_chunks=3, offset=n * 7),
+    }[which]
+    wire = pb.StoreRequest(**{which: value}).SerializeToString()
+    kind, got = decode_store_request(wire)
+    assert kind == which
+    if which == "chunks":
+        assert same_piece(got, piece)
+        assert isinstance(got, PieceView) and got.data.obj is wire  # what the Store stages is the message
+    else:
+        assert got == value
+
+
+def test_a_store_piece_padded_with_unknown_fields_is_copied_out_of_its_message() -> None:
+    # Else a client could have the service hold megabytes of padding per byte charged to its share.
+    piece = pb.ChunkPiece(first_chunk=1, data=b"x" * 100)
+    pad = PIECE_SLACK_BYTES + 1
+    unknown = b"\x7a" + bytes([pad & 0x7F | 0x80, pad >> 7]) + bytes(pad)  # field 15, `pad` bytes long
+    wire = pb.StoreRequest(chunks=piece).SerializeToString() + unknown
+    assert pb.StoreRequest.FromString(wire).chunks == piece  # the library skips it too
+    kind, got = decode_store_request(wire)
+    assert kind == "chunks" and same_piece(got, piece)
+    assert isinstance(got, PieceView) and got.data.obj is not wire and len(got.data.obj) == 100
 
 
 def test_the_servers_hand_encoded_pieces_read_back() -> None:

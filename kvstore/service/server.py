@@ -1,9 +1,10 @@
 """The gRPC server: binds, registers the servicers, health and reflection, and shuts down gracefully.
 
-Handlers are registered from the proto descriptors with `wire.safe_deserializer`, so a request
-that does not parse (or exceeds `max_message_bytes`) reaches the servicer as a `Malformed` marker
-and is answered INVALID_ARGUMENT, instead of gRPC's own INTERNAL for a failed parse. gRPC's hard
-receive limit is set above the configured one so that the friendlier check sees oversize messages.
+Handlers are registered from the proto descriptors with `wire.safe_deserializer` (Store's with the
+zero-copy reader of `wire.pieces`), so a request that does not parse (or exceeds
+`max_message_bytes`) reaches the servicer as a `Malformed` marker and is answered INVALID_ARGUMENT,
+instead of gRPC's own INTERNAL for a failed parse. gRPC's hard receive limit is set above the
+configured one so that the friendlier check sees oversize messages.
 
 Shutdown (`stop`), in this order so that no caller is dropped silently:
 1. health goes NOT_SERVING (balancers stop routing here);
@@ -41,7 +42,8 @@ from kvstore.service.servicer import KVCacheServicer
 from kvstore.service.shm_listener import ShmSessions, check_socket_free
 from kvstore.service.stream_watch import StreamWatch
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.wire.messages import safe_deserializer, serialize_response
+from kvstore.wire.messages import safe_decoder, safe_deserializer, serialize_response
+from kvstore.wire.pieces import decode_store_request
 
 log = logging.getLogger("kvstore.service")
 
@@ -63,11 +65,13 @@ def generic_handler(service: str, servicer: object, max_message_bytes: int) -> g
     for m in desc.methods:
         req_cls = getattr(pb, m.input_type.name)
         make: Any = makers[(m.client_streaming, m.server_streaming)]
+        deserializer: Any = safe_deserializer(req_cls, max_message_bytes)
+        if req_cls is pb.StoreRequest:
+            # Store payloads are read as views into the messages gRPC delivered: the library's two
+            # copies of every byte would hold the interpreter lock that every other call needs.
+            deserializer = safe_decoder(decode_store_request, req_cls.DESCRIPTOR.full_name, max_message_bytes)
         handlers[m.name] = make(
-            getattr(servicer, m.name),
-            request_deserializer=safe_deserializer(req_cls, max_message_bytes),
-            response_serializer=serialize_response,
-        )
+            getattr(servicer, m.name), request_deserializer=deserializer, response_serializer=serialize_response)
     return grpc.method_handlers_generic_handler(desc.full_name, handlers)
 
 

@@ -7,9 +7,10 @@ answers with results for every expected outcome (miss, expired, no room). Stream
   whose chunks one in-memory tier holds is joined from the tier's pages in one copy (the one copy a
   plain server makes serializing a prebuilt message); otherwise chunks are read straight from their
   tiers into one message buffer per stream, which is then copied out (no per-chunk objects);
-- Store reassembles pieces with `ChunkAssembler`, keeping zero-copy views into the received
-  messages, and opens the store transaction only when the stream has ended cleanly, so a failed or
-  cancelled stream leaves nothing behind;
+- Store reads its chunk pieces off the wire (`wire.pieces`) and reassembles them with
+  `ChunkAssembler`, keeping zero-copy views into the messages gRPC delivered, and opens the store
+  transaction only when the stream has ended cleanly, so a failed or cancelled stream leaves
+  nothing behind;
 - a cancelled server stream closes its generator, which closes the load session and releases its
   pins at once.
 
@@ -49,6 +50,7 @@ from kvstore.wire.messages import (
     encode_chunk_piece,
     encode_lookup_response,
 )
+from kvstore.wire.pieces import PieceView, Streamed
 
 if TYPE_CHECKING:
     from kvstore.service.app import App
@@ -100,14 +102,14 @@ class KVCacheServicer(LocalStateCalls):
     # --- Store ------------------------------------------------------------------------------------
 
     def Store(
-        self, request_iterator: Iterator[pb.StoreRequest | Malformed], context: grpc.ServicerContext
+        self, request_iterator: Iterator[Streamed | Malformed], context: grpc.ServicerContext
     ) -> pb.StoreResponse:
         with self.guard.enter(context, "Store", streaming=True) as call:
             return self._store(call, request_iterator, context)
         return pb.StoreResponse()
 
     def _store(
-        self, call: CallState, request_iterator: Iterator[pb.StoreRequest | Malformed],
+        self, call: CallState, request_iterator: Iterator[Streamed | Malformed],
         context: grpc.ServicerContext,
     ) -> pb.StoreResponse:
         assert call.stream is not None
@@ -115,10 +117,10 @@ class KVCacheServicer(LocalStateCalls):
         first = next(messages, None)
         if first is None:
             raise InvalidInput("empty Store stream: send a StoreHeader first")
-        head = accept(first, pb.StoreRequest)
-        if head.WhichOneof("kind") != "header":
+        kind, h = accept(first, Streamed)
+        if kind != "header":
             raise InvalidInput("the first Store message must be a StoreHeader")
-        h = head.header
+        assert isinstance(h, pb.StoreHeader)
         res = self.guard.resolve(call, h.model, h.replay_mode, h.tokens, h.cache_salt)
         shm = self.shm_session(call, h.shm_session)
         cb, full = res.layout.chunk_bytes, res.full_chunks
@@ -135,30 +137,29 @@ class KVCacheServicer(LocalStateCalls):
             received.clear()
 
     def _receive(
-        self, call: CallState, messages: Iterator[pb.StoreRequest | Malformed], asm: ChunkAssembler,
+        self, call: CallState, messages: Iterator[Streamed | Malformed], asm: ChunkAssembler,
         received: dict[int, memoryview], shm: ShmSession | None,
     ) -> pb.StoreEnd | None:
-        """The payload pieces into `received`, each counted against the tenant's staging share
-        before it is kept (spans of a same-host store segment stage nothing); the StoreEnd, if
-        one came."""
+        """The payload pieces (views into the received messages) into `received`, each counted
+        against the tenant's staging share before it is kept (spans of a same-host store segment
+        stage nothing); the StoreEnd, if one came."""
         end: pb.StoreEnd | None = None
         for raw in messages:
-            msg = accept(raw, pb.StoreRequest)
-            kind = msg.WhichOneof("kind")
+            kind, value = accept(raw, Streamed)
             if end is not None or kind not in ("chunks", "end", "shm"):
                 raise InvalidInput("a Store stream is one StoreHeader, ChunkPieces (or ShmSpans), then one StoreEnd")
-            if kind == "end":
-                end = msg.end
+            if isinstance(value, pb.StoreEnd):
+                end = value
                 continue
-            if kind == "shm":
+            if isinstance(value, pb.ShmSpan):
                 if shm is None:
                     raise InvalidInput("a ShmSpan needs a StoreHeader that names its shm_session")
-                span = msg.shm
-                data = store_span_data(shm, span, asm.chunk_bytes)
-                for index, payload in asm.add(span.first_chunk, 0, data):
+                data = store_span_data(shm, value, asm.chunk_bytes)
+                for index, payload in asm.add(value.first_chunk, 0, data):
                     received[index] = payload
                 continue
-            p = msg.chunks
+            p = value
+            assert isinstance(p, PieceView)
             self.guard.stage(call, len(p.data))
             for index, payload in asm.add(p.first_chunk, p.offset, p.data):
                 received[index] = payload

@@ -27,6 +27,7 @@ from kvstore.errors import InvalidInput
 from kvstore.v1 import kvstore_pb2 as pb
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -37,21 +38,27 @@ class Malformed:
 
 
 def safe_deserializer(cls: type[M], max_bytes: int) -> Callable[[bytes], M | Malformed]:
-    def parse(data: bytes) -> M | Malformed:
+    return safe_decoder(cls.FromString, cls.DESCRIPTOR.full_name, max_bytes)
+
+
+def safe_decoder(decode: Callable[[bytes], T], name: str, max_bytes: int) -> Callable[[bytes], T | Malformed]:
+    """`decode` (a parser of message `name`) as a request deserializer: an oversize or unparsable
+    message becomes a `Malformed` saying why."""
+    def parse(data: bytes) -> T | Malformed:
         if len(data) > max_bytes:
             return Malformed(
                 f"request message of {len(data)} bytes exceeds the service's limit of {max_bytes} bytes; "
                 "send fewer tokens or stream payloads in smaller pieces"
             )
         try:
-            return cls.FromString(data)
+            return decode(data)
         except (DecodeError, ValueError, RuntimeError) as e:
-            return Malformed(f"request is not a valid {cls.DESCRIPTOR.full_name} message: {e}")
+            return Malformed(f"request is not a valid {name} message: {e}")
 
     return parse
 
 
-def accept(msg: object, cls: type[M]) -> M:
+def accept(msg: object, cls: type[T]) -> T:
     """The parsed message, or InvalidInput if the deserializer marked it malformed."""
     if isinstance(msg, Malformed):
         raise InvalidInput(msg.problem)
@@ -112,9 +119,10 @@ PB_TO_CASE: Final[dict[int, str]] = {v: k for k, v in CASE_TO_PB.items()}
 # of a `chunk_piece_frame`, which is then copied out (gRPC sends only `bytes`).
 # tests/test_proto.py checks that they parse to the message the protobuf library would build.
 
-CHUNKS_FIELD = 2  # LoadResponse.chunks and ResumeResponse.chunks
+CHUNKS_FIELD = 2  # LoadResponse.chunks, ResumeResponse.chunks and StoreRequest.chunks
 assert pb.LoadResponse.DESCRIPTOR.fields_by_name["chunks"].number == CHUNKS_FIELD
 assert pb.ResumeResponse.DESCRIPTOR.fields_by_name["chunks"].number == CHUNKS_FIELD
+assert pb.StoreRequest.DESCRIPTOR.fields_by_name["chunks"].number == CHUNKS_FIELD
 _PIECE = pb.ChunkPiece.DESCRIPTOR.fields_by_name
 assert (_PIECE["first_chunk"].number, _PIECE["offset"].number, _PIECE["data"].number, _PIECE["tiers"].number) == (
     1, 2, 3, 4)
