@@ -13,6 +13,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -378,6 +379,88 @@ def test_the_map_grows_within_the_budget_then_refuses(tmp_path: Path) -> None:
         put_chunks(tier, 2, 400)  # ~4.4 MB: past the most the map may grow to
     assert tier.stats().entries == 60  # the failed batch left nothing behind
     assert all(check_chunk(tier, key_of(2, i)) == "missing" for i in range(3))
+    tier.close()
+
+
+def test_a_read_does_not_wait_for_a_write_transaction_in_progress(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Another tenant's large Store writes for a long time in one transaction; a Load reading LMDB
+    # meanwhile must not wait for it. The write is held inside its transaction (a stalled disk).
+    tier = open_tier(tmp_path, durability="async")
+    held = put_chunks(tier, 1, 3)
+    inside, release = threading.Event(), threading.Event()
+    build = vf.build_value_into
+
+    def stalled(*args: object, **kwargs: object) -> memoryview:
+        inside.set()
+        assert release.wait(60)
+        return build(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(vf, "build_value_into", stalled)
+    writer = threading.Thread(target=put_chunks, args=(tier, 2, 2))
+    writer.start()
+    try:
+        assert inside.wait(30)
+        found: list[str] = []
+        reader = threading.Thread(target=lambda: found.extend(check_chunk(tier, k) for k in held))
+        reader.start()
+        reader.join(30)
+        assert not reader.is_alive() and found == ["", "", ""]
+    finally:
+        release.set()
+        writer.join(30)
+    monkeypatch.undo()
+    assert all(check_chunk(tier, key_of(2, i)) == "" for i in range(2))
+    tier.close()
+
+
+def test_a_bad_value_rewritten_before_its_removal_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A read finds a value bad outside the tier's lock; a write of the same chunk may land before
+    # the removal takes the lock. The good value that write left must stay.
+    tier = open_tier(tmp_path)
+    key = put_chunks(tier, 1, 1)[0]
+    tier.close()
+    tamper(tmp_path, key, flip_payload_bit)
+    tier = open_tier(tmp_path)
+    remove = tier._remove_bad
+
+    def rewritten_first(bad: list) -> None:  # type: ignore[type-arg]
+        tier.put_many([(key, memoryview(payload_of(key)), meta_of(key))])
+        remove(bad)
+
+    monkeypatch.setattr(tier, "_remove_bad", rewritten_first)
+    assert check_chunk(tier, key) == "missing"  # this read saw the bad value
+    monkeypatch.undo()
+    assert check_chunk(tier, key) == "" and tier.corrupt_total == 0
+    tier.close()
+
+
+def test_the_map_grows_while_other_threads_read(tmp_path: Path) -> None:
+    tier = LmdbTier(tmp_path, 64 << 20, [LAYOUT], compression="none", durability="async",
+                    initial_map_bytes=256 << 10)
+    held = put_chunks(tier, 1, 8)
+    start = tier.stats().map_size_bytes
+    stop = threading.Event()
+    problems: list[str] = []
+
+    def read() -> None:
+        while not stop.is_set():
+            problems.extend(p for p in map(lambda k: check_chunk(tier, k), held) if p)
+
+    readers = [threading.Thread(target=read) for _ in range(3)]
+    for r in readers:
+        r.start()
+    try:
+        for seed in range(2, 12):
+            put_chunks(tier, seed, 40)  # ~4 MB in all: the map grows several times
+    finally:
+        stop.set()
+        for r in readers:
+            r.join(30)
+    assert tier.stats().map_size_bytes > 4 * start
+    assert problems == [] and tier.corrupt_total == 0
+    assert all(check_chunk(tier, key_of(11, i)) == "" for i in range(40))
     tier.close()
 
 

@@ -31,6 +31,10 @@ The map starts small and grows (env.set_mapsize) on MapFullError, up to the tier
 an overhead for LMDB's copy-on-write pages; past that a write raises StorageError. Stale reader
 slots left by dead processes are cleared at open (env.reader_check()).
 
+Locking: writes (and map growth, and close) take the tier's lock; reads do not, since LMDB lets
+readers run beside the one writer: they only hold the map at its size (`_MapGuard`), so a Load is
+never queued behind another Store's long write transaction.
+
 The tier moves bytes and decides nothing: the store keeps it within `capacity_bytes` using
 `footprint()`. It knows layouts only to split FP4 segments for compression and to flag entries
 of layouts it was not told about.
@@ -39,7 +43,9 @@ of layouts it was not told about.
 from __future__ import annotations
 
 import threading
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -79,6 +85,44 @@ _PAGE_HEADER = 16
 _NODE_HEADER = 8
 _KEY_BYTES = 32
 _ADVANCE_KEY = b"advance"  # the counter `_advance` bumps, in the meta database
+
+
+class _MapGuard:
+    """Read transactions opened without the tier's lock share the map; growing it waits until none
+    is open and lets none begin meanwhile (LMDB: set_mapsize only while this process has no
+    transaction open). Only a writer grows the map, holding the tier's lock, so writes need no guard."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._growing = False
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            while self._growing:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._growing = True
+            while self._readers:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._growing = False
+                self._cond.notify_all()
 
 
 class _PlannedValue(NamedTuple):
@@ -121,7 +165,10 @@ class LmdbTier:
         )
         self._codec = Codec(compression, zstd_level, self._layouts)
         self.checksum_kernel = load_kernel()  # compiled (or loaded from cache) now, not on a first hit
+        # Writes (and map growth) take the lock; reads only share the map (`_MapGuard`), so that a
+        # Load reading LMDB never waits for another tenant's write transaction of a large Store.
         self._lock = threading.Lock()
+        self._map = _MapGuard()
         self.corrupt_total = 0
         self.problems: dict[str, int] = {}  # removed-on-read values by problem ("corrupt", ...)
         self._writes = 0  # bumped by every write; scan() rebuilds totals only if none happened
@@ -326,7 +373,8 @@ class LmdbTier:
             )
         new = min(self._max_map, max(2 * current, current + 2 * need_bytes + MiB))
         try:
-            self._env.set_mapsize(new)  # no transaction is open: we hold the lock
+            with self._map.exclusive():  # no write is open (we hold the lock), and now no read
+                self._env.set_mapsize(new)
         except lmdb.Error as e:
             raise StorageError(f"cannot grow the LMDB map to {new} bytes: {e}") from e
 
@@ -385,40 +433,28 @@ class LmdbTier:
     # --- reads -------------------------------------------------------------------------------
     def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         """Verify and copy (or decompress) the payload into out; corrupt values are removed."""
-        dst = _flat(out)
-        with self._lock:
-            with self._env.begin(db=self._chunks, buffers=True) as txn:
-                value = txn.get(key)
-                if value is None:
-                    return None
-                try:
-                    return self._read(value, dst)
-                except ValueProblem as p:
-                    problem = p
-            self._remove_bad(key, problem)
-            return None
+        return self.get_many_into((key,), (out,))[0]
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[ChunkMeta | None]:
         """`get_into` for several keys in one read transaction: a Load reads a stream message's
-        worth of chunks at once, and the lock and transaction are ~1 us of each ~7 us read."""
+        worth of chunks at once, and the guard and transaction are ~1 us of each ~7 us read."""
         if len(keys) != len(outs):
             raise InvalidInput(f"{len(keys)} keys but {len(outs)} buffers")
         metas: list[ChunkMeta | None] = []
-        bad: list[tuple[bytes, ValueProblem]] = []
-        with self._lock:
-            with self._env.begin(db=self._chunks, buffers=True) as txn:
-                get, read = txn.get, self._read
-                for key, out in zip(keys, outs, strict=True):
-                    value = get(key)
-                    meta = None
-                    if value is not None:
-                        try:
-                            meta = read(value, _flat(out))
-                        except ValueProblem as p:
-                            bad.append((key, p))
-                    metas.append(meta)
-            for key, problem in bad:
-                self._remove_bad(key, problem)
+        bad: list[tuple[bytes, int, int, ValueProblem]] = []
+        with self._map.reading(), self._env.begin(db=self._chunks, buffers=True) as txn:
+            get, read = txn.get, self._read
+            for key, out in zip(keys, outs, strict=True):
+                value = get(key)
+                meta = None
+                if value is not None:
+                    try:
+                        meta = read(value, _flat(out))
+                    except ValueProblem as p:
+                        bad.append((key, len(value), zlib.crc32(value), p))  # what was read: see _remove_bad
+                metas.append(meta)
+        if bad:
+            self._remove_bad(bad)
         return metas
 
     def join_payloads(self, head: bytes, keys: Sequence[bytes]) -> bytes | None:
@@ -450,10 +486,20 @@ class LmdbTier:
             self._codec.decode_into(codec, stored, target, layout_id)
         return ChunkMeta(namespace, layout_id, bytes(value[vf.TOKENS_AT : vf.TOKENS_AT + 4 * n_tok]))
 
-    def _remove_bad(self, key: bytes, problem: ValueProblem) -> None:
-        self.corrupt_total += 1
-        self.problems[problem.problem] = self.problems.get(problem.problem, 0) + 1
-        self._delete_locked([key])
+    def _remove_bad(self, bad: list[tuple[bytes, int, int, ValueProblem]]) -> None:
+        """Delete values a read found bad (key, length, crc32, problem), each only if it is still
+        the value that read saw: a write may have replaced it with a good one since."""
+        with self._lock:
+            gone: list[bytes] = []
+            with self._env.begin(db=self._chunks, buffers=True) as txn:
+                for key, size, crc, problem in bad:
+                    value = txn.get(key)
+                    if value is not None and len(value) == size and zlib.crc32(value) == crc:
+                        self.corrupt_total += 1
+                        self.problems[problem.problem] = self.problems.get(problem.problem, 0) + 1
+                        gone.append(key)
+            if gone:
+                self._delete_locked(gone)
 
     def scan(self, verify: bool = False) -> Iterator[ScannedChunk]:
         """Every entry, in key order, from the index records: no value is read, so this costs the
@@ -585,7 +631,7 @@ class LmdbTier:
             self._env.sync(True)
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._map.exclusive():  # no write, and no read, is open while it closes
             if self.durability != "sync":
                 self._env.sync(True)
             self._env.close()
