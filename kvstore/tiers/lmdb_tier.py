@@ -88,28 +88,27 @@ _ADVANCE_KEY = b"advance"  # the counter `_advance` bumps, in the meta database
 
 
 class _MapGuard:
-    """Read transactions opened without the tier's lock share the map; growing it waits until none
-    is open and lets none begin meanwhile (LMDB: set_mapsize only while this process has no
-    transaction open). Only a writer grows the map, holding the tier's lock, so writes need no guard."""
+    """Read transactions opened without the tier's lock share the map (`with guard:` around one);
+    growing it waits until none is open and lets none begin meanwhile (LMDB: set_mapsize only while
+    this process has no transaction open). Only a writer grows the map, holding the tier's lock, so
+    writes need no guard. A plain lock and counter: it is taken around every read (~7 us a chunk)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._readers = 0
         self._growing = False
 
-    @contextmanager
-    def reading(self) -> Iterator[None]:
+    def __enter__(self) -> None:
         with self._cond:
             while self._growing:
                 self._cond.wait()
             self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._growing and not self._readers:
+                self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -433,7 +432,17 @@ class LmdbTier:
     # --- reads -------------------------------------------------------------------------------
     def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         """Verify and copy (or decompress) the payload into out; corrupt values are removed."""
-        return self.get_many_into((key,), (out,))[0]
+        dst = _flat(out)
+        with self._map, self._env.begin(db=self._chunks, buffers=True) as txn:
+            value = txn.get(key)
+            if value is None:
+                return None
+            try:
+                return self._read(value, dst)
+            except ValueProblem as p:
+                bad = (key, len(value), zlib.crc32(value), p)
+        self._remove_bad([bad])
+        return None
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[ChunkMeta | None]:
         """`get_into` for several keys in one read transaction: a Load reads a stream message's
@@ -442,7 +451,7 @@ class LmdbTier:
             raise InvalidInput(f"{len(keys)} keys but {len(outs)} buffers")
         metas: list[ChunkMeta | None] = []
         bad: list[tuple[bytes, int, int, ValueProblem]] = []
-        with self._map.reading(), self._env.begin(db=self._chunks, buffers=True) as txn:
+        with self._map, self._env.begin(db=self._chunks, buffers=True) as txn:
             get, read = txn.get, self._read
             for key, out in zip(keys, outs, strict=True):
                 value = get(key)
