@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         reloader.install_sighup()
     # What start-up built (modules, torch, the recovered index: ~260,000 objects) is kept out of the
     # cycle collector's scans (reference counting still frees it): a full collection, which Store
-    # traffic triggers every few seconds, then stalls every call for microseconds, not 130-180 ms.
+    # traffic triggers every few seconds, then stalls every call for a few ms, not 130-180 ms.
     gc.freeze()
     if server.admin is not None:
         _say(f"admin HTTP on http://{cfg.admin.host}:{server.admin.port}/")
