@@ -194,7 +194,8 @@ _decode_store = stream_decoder(
 
 
 def decode_store_request(data: bytes) -> Streamed:
-    """A `StoreRequest`: its header and end parsed by the library, its chunk pieces read as views."""
+    """A `StoreRequest`: its header, end and shm spans parsed by the library, its chunk pieces read
+    as views."""
     msg = _decode_store(data)
     if isinstance(msg.value, PieceView) and len(data) - len(msg.value.data) > PIECE_SLACK_BYTES:
         return Streamed(msg.kind, msg.value._replace(data=memoryview(bytes(msg.value.data))))
