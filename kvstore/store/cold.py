@@ -124,9 +124,12 @@ class ColdChunks:
         for i in np.flatnonzero(self._alive[: self.n]):
             yield self._keys[i].tobytes(), self._kinds[self._kind[i]]
 
-    def charged(self) -> dict[tuple[str, str], int]:
-        """LMDB bytes of the cold chunks, by (tenant, tier)."""
-        counts = np.bincount(self._kind[: self.n][self._alive[: self.n]], minlength=len(self._kinds))
+    def kind_entry(self, kind: int) -> ChunkEntry:
+        return self._kinds[kind]
+
+    def charged(self, start: int = 0) -> dict[tuple[str, str], int]:
+        """LMDB bytes of the cold chunks appended from `start` on, by (tenant, tier)."""
+        counts = np.bincount(self._kind[start : self.n][self._alive[start : self.n]], minlength=len(self._kinds))
         out: dict[tuple[str, str], int] = {}
         for e, c in zip(self._kinds, counts.tolist(), strict=False):
             tk = (e.tenant, "lmdb")

@@ -99,9 +99,13 @@ class GlobalStore(Placement):
         quotas: Mapping[str, TenantQuota] | None = None,
         clock: Callable[[], float] = time.monotonic,
         progress: Callable[[str], None] | None = None,
+        load_index_in_background: bool = False,
     ) -> None:
         """`progress` is told, a line at a time, about slow work at start (building the LMDB index
-        of a data directory of an older format)."""
+        of a data directory of an older format, loading the index in the background).
+        `load_index_in_background`: return before the LMDB tier's chunks are indexed and index them
+        on a thread; until then (`ready`), the store answers from what it has indexed so far and
+        keeps what it is given in memory only (see `_loading`)."""
         self.cfg = cfg
         self._clock = clock
         self._models = {m.name: m for m in models}
@@ -133,8 +137,22 @@ class GlobalStore(Placement):
         self._deleting: dict[bytes, threading.Event] = {}
         self._committing: dict[bytes, int] = {}
         self._registered_by: dict[str, str] = {}  # engine model name -> the tenant that registered it
+        self._progress = progress or (lambda line: None)
+        self._ready = threading.Event()
+        self._stop_loading = threading.Event()
+        self._load_error = ""
+        self._index_at_start = self._durable.stats().entries
+        self._index_loaded = 0
+        self._load_seconds = 0.0
+        self._loader: threading.Thread | None = None
         self._recover_engine_models()
-        self._recover()
+        self._recover_namespaces()
+        self._cold = ColdChunks(self._index_at_start)
+        if load_index_in_background and self._index_at_start:
+            self._loader = threading.Thread(target=self._load_index_thread, name="kvstore-index", daemon=True)
+            self._loader.start()
+        else:
+            self._load_index()
 
     def set_fate_sink(self, sink: ChunkFateSink) -> None:
         self._fates = sink
@@ -461,7 +479,8 @@ class GlobalStore(Placement):
         """Reserve room for chunk `i` in LMDB (write-through, if admitted) and in the fastest memory
         tier with room; once a chunk finds no place, the prefix ends there."""
         tenant = txn.ns.tenant
-        write_through = self.cfg.write_policy == "write-through"
+        # While the index loads, LMDB's used bytes are not all known yet: nothing is written there.
+        write_through = self.cfg.write_policy == "write-through" and self._ready.is_set()
         # Every chunk is offered, even past the cut: a second-sighting policy counts the sighting.
         admitted = write_through and self._admission.admit(txn.keys[i])
         if plan.cut is not None:
@@ -634,7 +653,8 @@ class GlobalStore(Placement):
                     self._lost(key, cast("ChunkEntry", self._entry(key)), "lmdb")
                 return False
             assert entry is not None and meta is not None
-            promote = (self.cfg.promote_on_hit and self._hot_room
+            # Not while the index loads: the LMDB policy takes the cold chunks only at its end.
+            promote = (self.cfg.promote_on_hit and self._hot_room and self._ready.is_set()
                        and not (entry.footprint.keys() & {"device", "dram"}))
             if entry.cold:
                 if not promote:
@@ -692,17 +712,32 @@ class GlobalStore(Placement):
 
     # --- restart ----------------------------------------------------------------------------------
 
-    def _recover(self) -> None:
-        """Rebuild the index from the durable tier's index records: the index *is* the database.
-        Every chunk found goes into the cold arrays (store/cold.py), not an entry object each, and
-        into the LMDB tier's eviction policy as one run, in key order, as if inserted one by one."""
-        namespaces = self._durable.namespaces()
-        for digest, record in namespaces.items():
+    def _recover_namespaces(self) -> None:
+        for digest, record in self._durable.namespaces().items():
             try:
                 self._known_ns[digest] = str(json.loads(record)["tenant"])
             except (ValueError, KeyError):
                 self._ignored["bad-namespace-record"] = self._ignored.get("bad-namespace-record", 0) + 1
-        cold = self._cold = ColdChunks(self._durable.stats().entries)
+
+    def _load_index_thread(self) -> None:
+        try:
+            self._load_index()
+        except BaseException as e:  # the store keeps answering (misses); health and Stats say why
+            self._load_error = f"{type(e).__name__}: {e}"
+            self._progress(f"loading the LMDB index failed: {self._load_error}")
+
+    def _load_index(self) -> None:
+        """Rebuild the index from the durable tier's index records: the index *is* the database.
+        Every chunk found goes into the cold arrays (store/cold.py), not an entry object each, and
+        into the LMDB tier's eviction policy as one run, in key order, as if inserted one by one.
+        Batches are indexed under the lock, so that calls go on between them (loading in the
+        background) and see the chunks indexed so far."""
+        t0 = time.perf_counter()
+        background = self._loader is not None
+        if background:
+            self._progress(f"index: loading {self._index_at_start:,} LMDB chunks in the background "
+                           "(answering from what is loaded; Stores stay in memory until it is done)")
+        cold = self._cold
         lmdb = self._tiers["lmdb"]
         cost = float(self.cfg.chunk_tokens)  # what a recovered chunk was always given
         keys = bytearray()
@@ -729,17 +764,64 @@ class GlobalStore(Placement):
             keys += sc.key
             kinds.append(kind)
             if len(kinds) >= RECOVER_BATCH:
-                cold.append(bytes(keys), kinds)
+                self._index_batch(bytes(keys), kinds)
                 keys, kinds = bytearray(), []
-        cold.append(bytes(keys), kinds)
-        for (tenant, tier), nbytes in cold.charged().items():
-            self._reserve(cast("TierName", tier), tenant, nbytes)
-        self._policies["lmdb"].insert_run(cold.run(), cold.footprints(), cost)
-        # More than the capacity: a smaller capacity than the data was written under, or a crash
-        # between evicting chunks from the index and deleting their values. Evict down to it.
-        if not self._make_room("lmdb", "", 0, protect=set()):
-            raise AssertionError("nothing is pinned or committing at start, so every chunk can be evicted")
+                if self._stop_loading.is_set():
+                    return
+        self._index_batch(bytes(keys), kinds)
+        with self._lock:
+            self._policies["lmdb"].insert_run(cold.run(), cold.footprints(), cost)
+            for key in cold.dead():  # lost while loading (a corrupt value read): gone from the run too
+                self._policies["lmdb"].remove(key)
+            # More than the capacity: a smaller capacity than the data was written under, or a crash
+            # between evicting chunks from the index and deleting their values. Evict down to it.
+            if not self._make_room("lmdb", "", 0, protect=set()):
+                raise AssertionError("nothing is pinned or committing here, so every chunk can be evicted")
         self._delete_doomed()
+        self._load_seconds = time.perf_counter() - t0
+        self._ready.set()
+        if background:
+            self._progress(f"index: {cold.n:,} LMDB chunks ready in {self._load_seconds:.2f} s")
+
+    def _index_batch(self, keys: bytes, kinds: list[int]) -> None:
+        """Index chunks the scan found (keys joined, ascending), charging their LMDB bytes. A chunk a
+        call indexed meanwhile (a Store while loading: in memory only) is held by LMDB too."""
+        width = len(keys) // max(len(kinds), 1)
+        with self._lock:
+            if self._index:
+                kept = bytearray()
+                kept_kinds: list[int] = []
+                for j, kind in enumerate(kinds):
+                    key = keys[j * width : (j + 1) * width]
+                    entry = self._index.get(key)
+                    if entry is None:
+                        kept += key
+                        kept_kinds.append(kind)
+                    elif "lmdb" not in entry.footprint and entry.namespace == self._cold.kind_entry(kind).namespace:
+                        self._charge(key, entry, "lmdb")
+                keys, kinds = bytes(kept), kept_kinds
+            first = self._cold.n
+            self._cold.append(keys, kinds)
+            for (tenant, tier), nbytes in self._cold.charged(first).items():
+                self._reserve(cast("TierName", tier), tenant, nbytes)
+            self._index_loaded += len(kinds)
+
+    # --- readiness ----------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Every chunk the LMDB tier held at start is indexed."""
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout_seconds: float | None = None) -> bool:
+        return self._ready.wait(timeout_seconds)
+
+    def index_state(self) -> str:
+        """"ready", "loading", or "failed: <why>" (the index could not be loaded; the store answers
+        from what it loaded)."""
+        if self._ready.is_set():
+            return "ready"
+        return f"failed: {self._load_error}" if self._load_error else "loading"
 
     # --- stats and lifecycle ------------------------------------------------------------------------
 
@@ -787,6 +869,8 @@ class GlobalStore(Placement):
                 ignored_on_open=dict(self._ignored), evictions_by_reason=reasons,
                 key_memo_bytes=self._memo.used_bytes, key_memo_prompts=len(self._memo),
                 key_memo_hits=self._memo.hits, key_memo_reused_keys=self._memo.reused_keys,
+                index_state=self.index_state(), index_loaded_chunks=self._index_loaded,
+                index_chunks_at_start=self._index_at_start, index_load_seconds=self._load_seconds,
             )
 
     def check_invariants(self) -> None:
@@ -814,6 +898,9 @@ class GlobalStore(Placement):
                 assert entry is None or "lmdb" not in entry.footprint, key.hex()
 
     def close(self) -> None:
+        if self._loader is not None:  # it reads the LMDB environment, which closes below
+            self._stop_loading.set()
+            self._loader.join()
         self._delete_doomed()  # else evicted chunks would be found again at the next start
         with self._lock:
             for t in self._tiers.values():

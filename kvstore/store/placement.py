@@ -76,6 +76,7 @@ class Placement:
     _doomed: set[bytes]  # evicted from LMDB in the index; the value may still be on disk
     _deleting: dict[bytes, threading.Event]  # being deleted from LMDB now; set when done
     _committing: dict[bytes, int]  # keys of commits in flight -> how many: never evicted or deleted
+    _ready: threading.Event  # the LMDB tier's index is loaded (GlobalStore._load_index)
 
     def _bump(self, name: str, n: int = 1) -> None:
         raise NotImplementedError
@@ -181,6 +182,8 @@ class Placement:
             tier = self._tiers[t]
             if t == "lmdb" and key in self._deleting:
                 return  # a put now could land before that delete and be lost to it
+            if t == "lmdb" and not self._ready.is_set():
+                return  # while the index loads, LMDB's used bytes are not all known: no writes
             if t == "lmdb" and not self._admission.admit(key):
                 self._bump("admissions_refused")
                 return
