@@ -81,6 +81,10 @@ def test_a_restart_answers_while_its_index_loads_and_says_so(
         r = kv.store(TOY, late, late_chunks)
         assert r.stored_chunks == 2 and not r.durable
         assert kv.lookup(TOY, late).chunk_tiers == ("dram", "dram")
+        # Stored again while loading: the chunks not indexed yet are kept in memory, and once the
+        # index reaches them they are found held by LMDB too (charged there once).
+        again_stored = kv.store(TOY, prompts[2], chunks[2])
+        assert not again_stored.durable or again_stored.already_present == 4
 
         gate.set()
         assert again.app.store.wait_ready(30)
@@ -88,6 +92,7 @@ def test_a_restart_answers_while_its_index_loads_and_says_so(
         assert (st.ready, st.index_state, st.index_loaded_chunks, st.chunks) == (True, "ready", 12, 14)
         _until(lambda: kv.health("kvstore.index") == "SERVING", "health to say the index is ready")
         assert _check_answers(kv, prompts, chunks) == [4, 4, 4]
+        assert kv.store(TOY, prompts[2], chunks[2]).durable  # every chunk in LMDB: held and durable
         assert [bytes(c) for c in kv.load(TOY, late).chunks] == late_chunks
         again.app.store.check_invariants()
     finally:

@@ -787,6 +787,7 @@ class GlobalStore(Placement):
         """Index chunks the scan found (keys joined, ascending), charging their LMDB bytes. A chunk a
         call indexed meanwhile (a Store while loading: in memory only) is held by LMDB too."""
         width = len(keys) // max(len(kinds), 1)
+        found = len(kinds)
         with self._lock:
             if self._index:
                 kept = bytearray()
@@ -804,7 +805,7 @@ class GlobalStore(Placement):
             self._cold.append(keys, kinds)
             for (tenant, tier), nbytes in self._cold.charged(first).items():
                 self._reserve(cast("TierName", tier), tenant, nbytes)
-            self._index_loaded += len(kinds)
+            self._index_loaded += found
 
     # --- readiness ----------------------------------------------------------------------------------
 
