@@ -16,7 +16,7 @@ view of the same arrays. The store calls this under its lock; it holds no lock o
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -87,6 +87,35 @@ class ColdChunks:
             return -1
         i = self._run.find(key)
         return i if i >= 0 and self._alive[i] else -1
+
+    def find_many(self, keys: Sequence[bytes]) -> np.ndarray:
+        """`find` for each key at once (a lookup's keys: one binary search in C for all of them, not
+        one call each): an int64 array of indices, -1 where a key is not cold."""
+        m = len(keys)
+        out = np.full(m, -1, dtype=np.int64)
+        n = self.n
+        if not self.live or not m:
+            return out
+        joined = b"".join(keys)
+        if len(joined) != m * KEY_BYTES:  # not all chunk keys: one at a time
+            return np.array([self.find(k) for k in keys], dtype=np.int64)
+        want = np.frombuffer(joined, dtype=np.uint8).reshape(m, KEY_BYTES)
+        pre = key_prefixes(want)
+        at = np.minimum(np.searchsorted(self._prefixes[:n], pre), n - 1)
+        same_prefix = self._prefixes[at] == pre
+        same_key = same_prefix & (self._keys[at] == want).all(axis=1)
+        hit = same_key & self._alive[at]
+        out[hit] = at[hit]
+        for j in np.flatnonzero(same_prefix & ~same_key).tolist():  # 8-byte prefixes shared: rare
+            out[j] = self.find(keys[j])
+        return out
+
+    def peek_many(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
+        """`peek` for each key at once."""
+        found = self.find_many(keys)
+        kinds = self._kinds
+        return [kinds[k] if i >= 0 else None for i, k in zip(found.tolist(), self._kind[np.maximum(found, 0)].tolist(),
+                                                               strict=True)]
 
     def peek(self, key: bytes) -> ChunkEntry | None:
         """The shared entry of a cold chunk's kind: read it, never change it."""

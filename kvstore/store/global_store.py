@@ -289,14 +289,21 @@ class GlobalStore(Placement):
         )
 
     def _peek_cold(self, keys: list[bytes], held: list[ChunkEntry | None]) -> None:
-        """Fill in the cold chunks among `held` (the entries of `keys`, None where not indexed), up
-        to the first key held by no one: the walk reads nothing beyond it."""
-        i = held.index(None)
-        while (entry := self._cold.peek(keys[i])) is not None:
+        """Fill in the cold chunks among `held` (the entries of `keys`, None where not indexed), all
+        looked up at once."""
+        gaps = [i for i, e in enumerate(held) if e is None]
+        for i, entry in zip(gaps, self._cold.peek_many([keys[i] for i in gaps]), strict=True):
             held[i] = entry
-            if None not in held[i + 1 :]:
-                return
-            i = held.index(None, i + 1)
+
+    def _all_held(self, keys: Sequence[bytes]) -> bool:
+        """Every key is indexed or cold (the cold ones looked up at once)."""
+        index = self._index
+        if all(map(index.__contains__, keys)):
+            return True
+        if not self._cold.live:
+            return False
+        rest = [k for k in keys if k not in index]
+        return bool((self._cold.find_many(rest) >= 0).all())
 
     def _walk_keys(self, digest: bytes, raw: bytes, step: int) -> tuple[list[bytes], Recall]:
         """The keys a lookup of `raw` needs: those the memo knows, then the next one hashed; while
@@ -313,9 +320,8 @@ class GlobalStore(Placement):
             return known, recall
         keys = [*known, next_key(known[-1] if known else digest, raw[m * step : (m + 1) * step])]
         # Reads without the lock: the walk checks again under it.
-        held = self._holds if self._cold.live else self._index.__contains__
         last_run, run = m, WALK_FIRST_RUN  # keys[last_run:] were hashed last; all held: go on
-        while len(keys) < n and all(map(held, keys[last_run:])):
+        while len(keys) < n and self._all_held(keys[last_run:]):
             pos = len(keys)
             end = min(n, pos + run)
             last_run, run = pos, 2 * run
@@ -337,6 +343,8 @@ class GlobalStore(Placement):
         rest = entries[start:]
         toks = list(map(_TOKENS, rest))
         if None in toks:
+            if toks.count(None) == len(toks):  # all cold or unread: only their namespaces to check
+                return all(map(digest.__eq__, map(_NAMESPACE, rest)))
             return GlobalStore._first_mismatch(entries, start, raw, step, digest) == len(entries)
         return (all(map(step.__eq__, map(len, toks))) and raw.startswith(b"".join(toks), start * step)
                 and all(map(digest.__eq__, map(_NAMESPACE, rest))))
@@ -373,7 +381,12 @@ class GlobalStore(Placement):
     def held(self, keys: Sequence[bytes]) -> tuple[bool, ...]:
         """`contains` for each key, read at one moment."""
         with self._lock:
-            return tuple(map(self._holds if self._cold.live else self._index.__contains__, keys))
+            held = list(map(self._index.__contains__, keys))
+            if self._cold.live and False in held:
+                gaps = [i for i, h in enumerate(held) if not h]
+                for i, c in zip(gaps, (self._cold.find_many([keys[i] for i in gaps]) >= 0).tolist(), strict=True):
+                    held[i] = c
+            return tuple(held)
 
     # --- store (two-phase) ------------------------------------------------------------------------
 
