@@ -7,12 +7,24 @@ from __future__ import annotations
 from collections.abc import Callable, Container
 from typing import Protocol
 
+import numpy as np
+
+from policies.key_run import KeyRun
+
 
 class EvictionPolicy(Protocol):
     """Chooses victims within one tier. Keys are opaque bytes; sizes are the tier footprint."""
 
     def insert(self, key: bytes, nbytes: int, cost: float) -> None:
         """A chunk entered the tier. `cost` is its recompute value (e.g. tokens it saves)."""
+        ...
+
+    def insert_run(self, run: KeyRun, nbytes: np.ndarray, cost: float) -> None:
+        """The chunks of `run` (none of them tracked yet) entered the tier before every chunk
+        tracked now, in the run's order, key i with size `nbytes[i]`: into a policy that has
+        evicted nothing yet (one run at a time), and into an empty one the same as `insert`ing
+        them one by one in that order. Kept compactly (policies/key_run.py)
+        until something happens to a key; `nbytes` is kept as given, not copied."""
         ...
 
     def touch(self, key: bytes) -> None:

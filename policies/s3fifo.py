@@ -19,12 +19,21 @@ so the touch order of a hit does not matter to this policy.
 `evict` works as a transaction: every queue move it makes is journalled and undone if it cannot
 free enough bytes, so a refusal changes nothing (the contract), and the work is proportional to
 the victims plus the chunks passed over.
+
+A run of keys (`insert_run`, a restart's chunks) is the tail end of the small queue, in the run's
+order: a live flag and a frequency per key in arrays beside the caller's sizes. A touch raises the
+frequency in place; a key leaves the run (and becomes an ordinary entry) when it reaches the tail
+and is passed over, promoted or evicted, or when it is inserted again with another size.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Container
+
+import numpy as np
+
+from policies.key_run import KeyRun, first_alive
 
 _MAX_FREQ = 3  # two bits, as in the paper: enough to tell "reused" from "reused a lot"
 
@@ -35,6 +44,10 @@ _PROMOTE = 2  # small's tail moved to main's head with its frequency reset
 _DECREMENT = 3  # main's tail went back to main's head with frequency - 1
 _EVICT_SMALL = 4  # small's tail was taken as a victim
 _EVICT_MAIN = 5  # main's tail was taken as a victim
+# The same three moves of small's tail when it was a key of the run (undone into the run).
+_ROTATE_RUN = 6
+_PROMOTE_RUN = 7
+_EVICT_RUN = 8
 
 
 class _Entry:
@@ -58,9 +71,16 @@ class S3FifoPolicy:
         self._small: OrderedDict[bytes, _Entry] = OrderedDict()
         self._main: OrderedDict[bytes, _Entry] = OrderedDict()
         self._ghost: OrderedDict[bytes, int] = OrderedDict()  # evicted key -> its size
-        self._small_bytes = 0
+        self._small_bytes = 0  # the run's live keys included
         self._main_bytes = 0
         self._ghost_bytes = 0
+        # The run: the tail end of the small queue. _run_next: no live key before it.
+        self._run: KeyRun | None = None
+        self._run_sizes = np.zeros(0, dtype=np.int64)
+        self._run_alive = np.zeros(0, dtype=bool)
+        self._run_freq = np.zeros(0, dtype=np.uint8)
+        self._run_live = 0
+        self._run_next = 0
 
     # --- the contract -------------------------------------------------------------------------------
 
@@ -78,6 +98,12 @@ class S3FifoPolicy:
             entry.nbytes = nbytes
             entry.freq = min(entry.freq + 1, _MAX_FREQ)
             return
+        i = self._run_index(key)
+        if i >= 0:  # the same, in place in the run
+            self._small_bytes += nbytes - int(self._run_sizes[i])
+            self._run_sizes[i] = nbytes
+            self._run_freq[i] = min(int(self._run_freq[i]) + 1, _MAX_FREQ)
+            return
         entry = _Entry(nbytes)
         ghost_size = self._ghost.pop(key, None)
         if ghost_size is not None:
@@ -89,10 +115,25 @@ class S3FifoPolicy:
             self._small[key] = entry
             self._small_bytes += nbytes
 
+    def insert_run(self, run: KeyRun, nbytes: np.ndarray, cost: float) -> None:
+        # `cost` is ignored, as by `insert`.
+        assert self._run_live == 0, "one run at a time"
+        assert not any(run.find(k) >= 0 for k in (*self._small, *self._main)), "a key of the run is tracked"
+        self._run, self._run_sizes = run, nbytes
+        self._run_alive = np.ones(len(run), dtype=bool)
+        self._run_freq = np.zeros(len(run), dtype=np.uint8)
+        self._run_live, self._run_next = len(run), 0
+        assert not self._ghost, "a run goes into a policy that has evicted nothing yet"
+        self._small_bytes += int(nbytes.sum())
+
     def touch(self, key: bytes) -> None:
         entry = self._small.get(key) or self._main.get(key)
         if entry is not None:
             entry.freq = min(entry.freq + 1, _MAX_FREQ)
+            return
+        i = self._run_index(key)
+        if i >= 0:
+            self._run_freq[i] = min(int(self._run_freq[i]) + 1, _MAX_FREQ)
 
     def remove(self, key: bytes) -> None:
         # Not remembered in the ghost queue: the chunk left for a reason other than being cold.
@@ -103,6 +144,36 @@ class S3FifoPolicy:
         entry = self._main.pop(key, None)
         if entry is not None:
             self._main_bytes -= entry.nbytes
+            return
+        i = self._run_index(key)
+        if i >= 0:
+            self._run_kill(i)
+            self._small_bytes -= int(self._run_sizes[i])
+
+    # --- the run ------------------------------------------------------------------------------------
+
+    def _run_index(self, key: object) -> int:
+        if not self._run_live or self._run is None:
+            return -1
+        i = self._run.find(key)
+        return i if i >= 0 and self._run_alive[i] else -1
+
+    def _run_kill(self, i: int) -> None:
+        self._run_alive[i] = False
+        self._run_live -= 1
+
+    def _run_revive(self, i: int, freq: int) -> None:
+        self._run_alive[i] = True
+        self._run_freq[i] = freq
+        self._run_live += 1
+        self._run_next = min(self._run_next, i)
+
+    def _run_tail(self) -> int:
+        """The index of the run's oldest live key (the small queue's tail), or -1."""
+        if not self._run_live:
+            return -1
+        self._run_next = first_alive(self._run_alive, self._run_next)
+        return self._run_next
 
     def evict(
         self,
@@ -114,7 +185,7 @@ class S3FifoPolicy:
             return []
         if nbytes > self._small_bytes + self._main_bytes:
             return None
-        journal: list[tuple[int, bytes, _Entry, int]] = []  # (op, key, entry, old frequency)
+        journal: list[tuple[int, bytes, _Entry, int, int]] = []  # (op, key, entry, old frequency, run index)
         victims: list[bytes] = []
         small_victims: list[tuple[bytes, int]] = []
         freed = 0
@@ -123,17 +194,42 @@ class S3FifoPolicy:
         small_stuck = main_stuck = 0
         small, main = self._small, self._main
         while freed < nbytes:
-            small_ok = bool(small) and small_stuck < len(small)
+            small_n = len(small) + self._run_live
+            small_ok = small_n > 0 and small_stuck < small_n
             main_ok = bool(main) and main_stuck < len(main)
             if not small_ok and not main_ok:
                 self._undo(journal)
                 return None
             target = self._small_fraction * (self._small_bytes + self._main_bytes)
-            if small_ok and (self._small_bytes >= target or not main_ok):
+            if small_ok and (self._small_bytes >= target or not main_ok) and (r := self._run_tail()) >= 0:
+                # Small's tail is the run's oldest live key: the same three moves, out of the run.
+                assert self._run is not None
+                key, size, freq = self._run.key(r), int(self._run_sizes[r]), int(self._run_freq[r])
+                self._run_kill(r)
+                entry = _Entry(size)
+                if key in protected or (eligible is not None and not eligible(key)):
+                    entry.freq = freq
+                    small[key] = entry  # to small's head, an ordinary entry now
+                    journal.append((_ROTATE_RUN, key, entry, freq, r))
+                    small_stuck += 1
+                    continue
+                small_stuck = 0
+                self._small_bytes -= size
+                if freq >= self._promote_after:
+                    main[key] = entry  # frequency reset, as for any promotion
+                    self._main_bytes += size
+                    journal.append((_PROMOTE_RUN, key, entry, freq, r))
+                    main_stuck = 0
+                else:
+                    journal.append((_EVICT_RUN, key, entry, freq, r))
+                    victims.append(key)
+                    small_victims.append((key, size))
+                    freed += size
+            elif small_ok and (self._small_bytes >= target or not main_ok):
                 key, entry = next(iter(small.items()))
                 if key in protected or (eligible is not None and not eligible(key)):
                     small.move_to_end(key)
-                    journal.append((_ROTATE_SMALL, key, entry, entry.freq))
+                    journal.append((_ROTATE_SMALL, key, entry, entry.freq, -1))
                     small_stuck += 1
                     continue
                 small_stuck = 0
@@ -142,11 +238,11 @@ class S3FifoPolicy:
                 if entry.freq >= self._promote_after:
                     main[key] = entry
                     self._main_bytes += entry.nbytes
-                    journal.append((_PROMOTE, key, entry, entry.freq))
+                    journal.append((_PROMOTE, key, entry, entry.freq, -1))
                     entry.freq = 0
                     main_stuck = 0  # main has a new candidate
                 else:
-                    journal.append((_EVICT_SMALL, key, entry, entry.freq))
+                    journal.append((_EVICT_SMALL, key, entry, entry.freq, -1))
                     victims.append(key)
                     small_victims.append((key, entry.nbytes))
                     freed += entry.nbytes
@@ -154,18 +250,18 @@ class S3FifoPolicy:
                 key, entry = next(iter(main.items()))
                 if key in protected or (eligible is not None and not eligible(key)):
                     main.move_to_end(key)
-                    journal.append((_ROTATE_MAIN, key, entry, entry.freq))
+                    journal.append((_ROTATE_MAIN, key, entry, entry.freq, -1))
                     main_stuck += 1
                     continue
                 main_stuck = 0
                 if entry.freq > 0:
-                    journal.append((_DECREMENT, key, entry, entry.freq))
+                    journal.append((_DECREMENT, key, entry, entry.freq, -1))
                     entry.freq -= 1
                     main.move_to_end(key)
                 else:
                     del main[key]
                     self._main_bytes -= entry.nbytes
-                    journal.append((_EVICT_MAIN, key, entry, entry.freq))
+                    journal.append((_EVICT_MAIN, key, entry, entry.freq, -1))
                     victims.append(key)
                     freed += entry.nbytes
         for key, size in small_victims:
@@ -175,10 +271,10 @@ class S3FifoPolicy:
         return victims
 
     def __len__(self) -> int:
-        return len(self._small) + len(self._main)
+        return len(self._small) + len(self._main) + self._run_live
 
     def __contains__(self, key: object) -> bool:
-        return key in self._small or key in self._main
+        return key in self._small or key in self._main or self._run_index(key) >= 0
 
     # --- introspection for tests and stats ----------------------------------------------------------
 
@@ -194,12 +290,23 @@ class S3FifoPolicy:
 
     # --- internals ----------------------------------------------------------------------------------
 
-    def _undo(self, journal: list[tuple[int, bytes, _Entry, int]]) -> None:
+    def _undo(self, journal: list[tuple[int, bytes, _Entry, int, int]]) -> None:
         """Reverse every step of a failed `evict`, newest first, restoring the exact queue order."""
         small, main = self._small, self._main
-        for op, key, entry, old_freq in reversed(journal):
+        for op, key, entry, old_freq, r in reversed(journal):
             entry.freq = old_freq
-            if op == _ROTATE_SMALL:
+            if op >= _ROTATE_RUN:  # back into the run, at its place
+                if op == _ROTATE_RUN:
+                    del small[key]
+                elif op == _PROMOTE_RUN:
+                    del main[key]
+                    self._main_bytes -= entry.nbytes
+                    self._small_bytes += entry.nbytes
+                else:
+                    assert op == _EVICT_RUN
+                    self._small_bytes += entry.nbytes
+                self._run_revive(r, old_freq)
+            elif op == _ROTATE_SMALL:
                 small.move_to_end(key, last=False)
             elif op == _ROTATE_MAIN:
                 main.move_to_end(key, last=False)
@@ -225,7 +332,7 @@ class S3FifoPolicy:
         # The paper sizes the ghost queue like the main queue. Here: at most as many bytes and
         # entries as are tracked, so its memory is bounded by the tier's own bookkeeping.
         limit_bytes = self._small_bytes + self._main_bytes
-        limit_entries = len(self._small) + len(self._main)
+        limit_entries = len(self)
         while self._ghost and (self._ghost_bytes > limit_bytes or len(self._ghost) > limit_entries):
             _, size = self._ghost.popitem(last=False)
             self._ghost_bytes -= size

@@ -83,6 +83,41 @@ def test_what_happened_after_the_answer_does_not_explain_the_miss(ex: Explainer,
                                                                         (2, 2, "unreachable")]
 
 
+def test_chunks_beyond_those_noted_at_the_answer_are_read_when_explained(ex: Explainer) -> None:
+    # A long miss notes the presence of its first missed chunks as it answers (pricing's
+    # HELD_AT_ANSWER_CHUNKS); the presence of the rest is asked of the store when explained.
+    keys = keys_for("acme", 4)
+    runs = ex.explain_chunks(ns("acme").digest, 0, keys, held=(False, False), present=lambda k: True)
+    assert [(c.first_chunk, c.last_chunk, c.reason) for c in runs] == [(0, 1, "never_stored"), (2, 3, "unreachable")]
+    runs = ex.explain_chunks(ns("acme").digest, 0, keys, held=(False, True), present=lambda k: k == keys[3])
+    assert [(c.first_chunk, c.last_chunk, c.reason) for c in runs] == [
+        (0, 0, "never_stored"), (1, 1, "unreachable"), (2, 2, "never_stored"), (3, 3, "unreachable")]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 7, 300])
+def test_a_miss_without_fates_is_cut_into_the_runs_the_general_loop_makes(ex: Explainer, chunks: int) -> None:
+    # A long miss with no fate of its own takes a shortcut (runs from change points); it must
+    # say what the chunk-by-chunk loop says, the cap on runs included.
+    from kvstore.observe.explainer import _runs_without_fates
+
+    keys = keys_for("acme", chunks, seed=chunks)
+    rng = np.random.default_rng(chunks)
+    for _ in range(5):
+        held = [bool(b) for b in rng.integers(0, 2, chunks)]
+        present = {k for k, h in zip(keys, held, strict=True) if h}
+        slow = ex._runs_with_fates(3, keys, [None] * chunks, ns("acme").digest, False, present.__contains__)
+        assert _runs_without_fates(3, list(held)) == slow
+        assert list(ex.explain_chunks(ns("acme").digest, 3, keys, present=present.__contains__)) == slow
+    assert chunks < 200 or any(r.reason == "mixed" for r in slow)
+
+
+def test_chunks_past_those_examined_are_counted_unexamined(ex: Explainer) -> None:
+    keys = keys_for("acme", 3)
+    runs = ex.explain_chunks(ns("acme").digest, 5, keys, missed=10)
+    assert [(c.first_chunk, c.last_chunk, c.reason) for c in runs] == [(5, 7, "never_stored"), (8, 14, "unexamined")]
+    assert runs[-1].detail == "7 more chunks were not examined"
+
+
 def test_never_stored(ex: Explainer) -> None:
     e = explain(ex, "acme", keys_for("acme", 3), 0)
     assert [(c.first_chunk, c.last_chunk, c.reason) for c in e.chunks] == [(0, 2, "never_stored")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ from kvstore.errors import ConfigError
 from policies.admission import AlwaysAdmit, SecondSightingAdmit
 from policies.base import EvictionPolicy
 from policies.cost_aware import CostAwarePolicy
+from policies.key_run import KeyRun
 from policies.lru import LruPolicy
 from policies.s3fifo import S3FifoPolicy
 
@@ -348,3 +350,83 @@ def test_second_sighting_memory_is_bounded_and_forgets_old_keys() -> None:
     for i in range(40):
         a.admit(k(50_000 + i))
     assert a.admit(b"old")  # within the window it is remembered
+
+
+# --- a run of keys (a restart's chunks) behaves as the same keys inserted one by one ------------------------
+
+
+class _RunTwins(RuleBasedStateMachine):
+    """Two policies of one kind: `one` had RUN_KEYS inserted one by one, `run` took them as a
+    `KeyRun`; every operation after is applied to both, and every answer must be the same."""
+
+    policy_name = "lru"
+    KEYS = st.integers(0, 23).map(k)
+    RUN_KEYS = 16  # k(0)..k(15) in the run, k(16).. only ever inserted later
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.one = build_eviction(self.policy_name)
+        self.run = build_eviction(self.policy_name)
+        self.sizes = [10 + (i % 3) * 5 for i in range(self.RUN_KEYS)]  # a few sizes, as of several layouts
+        for i in range(self.RUN_KEYS):
+            self.one.insert(k(i), self.sizes[i], 128.0)
+        self.run.insert_run(KeyRun.of([k(i) for i in range(self.RUN_KEYS)]), np.array(self.sizes, dtype=np.int64),
+                            128.0)
+
+    @rule(key=KEYS, size=st.integers(1, 40), cost=st.floats(0.0, 100.0))
+    def insert(self, key: bytes, size: int, cost: float) -> None:
+        self.one.insert(key, size, cost)
+        self.run.insert(key, size, cost)
+
+    @rule(key=KEYS)
+    def touch(self, key: bytes) -> None:
+        self.one.touch(key)
+        self.run.touch(key)
+
+    @rule(key=KEYS)
+    def remove(self, key: bytes) -> None:
+        self.one.remove(key)
+        self.run.remove(key)
+
+    @rule(need=st.integers(0, 120), protected=st.sets(KEYS, max_size=8),
+          ineligible=st.one_of(st.none(), st.sets(KEYS, max_size=8)))
+    def evict(self, need: int, protected: set[bytes], ineligible: set[bytes] | None) -> None:
+        eligible = None if ineligible is None else (lambda key: key not in ineligible)
+        assert self.one.evict(need, protected, eligible) == self.run.evict(need, protected, eligible)
+
+    @invariant()
+    def same_answers(self) -> None:
+        assert len(self.one) == len(self.run)
+        for i in range(24):
+            assert (k(i) in self.one) == (k(i) in self.run)
+        assert drain(self.one) == drain(self.run)  # the same order from here on
+
+
+def _twins_for(policy_name: str) -> type[RuleBasedStateMachine]:
+    return type(f"Twins_{policy_name}", (_RunTwins,), {"policy_name": policy_name})
+
+
+TestLruRunTwins = _twins_for("lru").TestCase
+TestLruRunTwins.settings = _SETTINGS
+TestS3FifoRunTwins = _twins_for("s3fifo").TestCase
+TestS3FifoRunTwins.settings = _SETTINGS
+TestCostAwareRunTwins = _twins_for("cost-aware").TestCase
+TestCostAwareRunTwins.settings = _SETTINGS
+
+
+def test_a_run_costs_arrays_not_objects(name: str) -> None:
+    # 100,000 keys taken as a run, then a few evicted and touched: the policy holds no Python
+    # object per key of the run (the caller's arrays aside), only for the keys that left it.
+    n = 100_000
+    keys = np.arange(n, dtype=">u8").view(np.uint8).reshape(n, 8)
+    p = build_eviction(name)
+    p.insert_run(KeyRun(keys), np.full(n, 10, dtype=np.int64), 1.0)
+    assert len(p) == n and k(5) in p and k(n) not in p
+    victims = p.evict(30, {k(0)})
+    assert victims is not None and len(victims) == 3 and k(0) not in victims
+    p.touch(k(500))
+    p.remove(k(600))
+    assert len(p) == n - 4 and k(600) not in p and k(500) in p
+    ordinary = {"lru": lambda q: len(q._sizes), "s3fifo": lambda q: len(q._small) + len(q._main),
+                "cost-aware": lambda q: len(q._entries)}[name]
+    assert ordinary(p) <= 2  # k(500) once touched (LRU, GDSF), k(0) once passed over (S3-FIFO)

@@ -254,7 +254,8 @@ def test_a_reopened_store_reads_each_value_only_when_a_load_needs_it(tmp_path: P
     env.close()
 
     store = open_store(tmp_path)
-    assert [store._index[k].tokens for k in keys] == [None] * 4  # nothing read yet
+    # Nothing read yet: every chunk cold (store/cold.py), knowing no token ids.
+    assert store._cold.live == 4 and [store._peek(k).tokens for k in keys] == [None] * 4  # type: ignore[union-attr]
     assert store.lookup(ns, tokens).chunk_tiers == ("lmdb",) * 4
     with store.load(ns, tokens) as s:
         got = [bytes(c.payload) for c in s]
@@ -407,4 +408,41 @@ def test_a_lookup_stops_hashing_soon_after_the_hit_ends(tmp_path: Path) -> None:
     assert hashed == want[: len(hashed)]
     assert store.chunk_keys(ns, tokens) == want
     assert store.lookup(ns, tokens[: 5 * CHUNK]).hit_chunks == 5
+    store.close()
+
+
+def test_a_reopened_store_keeps_its_chunks_cold_until_it_changes_something_about_them(tmp_path: Path) -> None:
+    # Recovered chunks are arrays, not entries (store/cold.py): looked up and loaded, they stay so
+    # (each read checks its token ids against its key); promoted or evicted, they are thawed.
+    store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0)
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    tokens = [tokens_for(40 + i, 3 * CHUNK) for i in range(3)]
+    for t in tokens:
+        store_prefix(store, ns, t)
+    lmdb_cap = 9 * store._tiers["lmdb"].footprint(store.layout(ns).chunk_bytes)
+    store.close()
+
+    store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0)
+    assert store._cold.live == 9 and not store._index and store.stats().chunks == 9
+    store.check_invariants()
+    for _ in range(2):  # the second load reads them cold again
+        assert load_all(store, ns, tokens[0]) == [("lmdb", p) for p in expected_payloads(store, ns, tokens[0], 3)]
+    assert store._cold.live == 9 and not store._index and store.contains(store.chunk_keys(ns, tokens[0])[2])
+    store.check_invariants()
+    # A Store of a prefix that is all cold sends nothing: held.
+    with store.begin_store(ns, tokens[1]) as txn:
+        assert txn.chunks_needed == []
+    store.close()
+
+    # With room in memory, a load promotes (thaws) what it read; pressure on LMDB evicts cold chunks.
+    store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=4 * 4096, lmdb_capacity_bytes=lmdb_cap)
+    assert load_all(store, ns, tokens[2]) == [("lmdb", p) for p in expected_payloads(store, ns, tokens[2], 3)]
+    assert store._cold.live == 6 and set(store._index) == set(store.chunk_keys(ns, tokens[2]))
+    assert store.lookup(ns, tokens[2]).chunk_tiers == ("dram",) * 3
+    store.check_invariants()
+    fresh = tokens_for(50, 3 * CHUNK)
+    assert store_prefix(store, ns, fresh).stored_chunks == 3  # LMDB full: three cold chunks make room
+    assert store._cold.live == 3 and store.stats().chunks == 12 - 3
+    store.check_invariants()
+    assert [p for _, p in load_all(store, ns, fresh)] == expected_payloads(store, ns, fresh, 3)
     store.close()

@@ -8,7 +8,9 @@ time in a fresh process (so no memory of the writer, or of the other cases, is r
   the `read_bytes` of `/proc/self/io` during it (bytes the process caused to be read from the
   device, page faults on the map included);
 - warm: right after, with whatever the cold reopen left in the page cache.
-`index_bytes_per_chunk` is the growth of the process's RssAnon over the cold reopen, per chunk.
+`index_bytes_per_chunk` is the growth of the process's RssAnon over the cold reopen, per chunk;
+`written_index_bytes_per_chunk` that of the (fresh) writing process while it stored them: what
+chunks stored since a start cost, which only a restart turns into cold arrays (no target).
 The compiled kernels (checksum, key chain) are loaded before the clock starts in both: their
 cost does not depend on the data.
 
@@ -32,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.config.policies import EVICTION_POLICIES
 from kvstore.config.store import GiB, StoreConfig
 from kvstore.layout import ModelSpec, get_model
 from kvstore.store import GlobalStore
@@ -55,17 +58,21 @@ def add_restart_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunks of the two toy-layout cases (default 10000 200000)")
     p.add_argument("--v41-chunks", type=int, default=10_000, help="chunks of the V4.1 case (default 10000)")
     p.add_argument("--dir", default=None, help="directory for the data dirs (default: a temp dir)")
+    p.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="s3fifo",
+                   help="the store's eviction policy (its LMDB state is part of the index; default s3fifo)")
 
 
 def _log(msg: str) -> None:
     print(f"bench restart: {msg}", file=sys.stderr, flush=True)
 
 
-def _config(chunks: int, spec: ModelSpec) -> StoreConfig:
+def _config(chunks: int, spec: ModelSpec, policy: str = "s3fifo") -> StoreConfig:
     # Room for every chunk in LMDB and none in memory: the reopen rebuilds the LMDB index only.
     capacity = max(GiB, 2 * chunks * (spec.layout.chunk_bytes + 8192))
+    # key_memo_bytes=0: the memo's remembered prompts are not the index.
     return StoreConfig(device="cpu", device_capacity_bytes=0, dram_capacity_bytes=0,
-                       lmdb_capacity_bytes=capacity, compression="none", lmdb_durability="nometasync")
+                       lmdb_capacity_bytes=capacity, compression="none", lmdb_durability="nometasync",
+                       eviction_policy=policy, key_memo_bytes=0)  # type: ignore[arg-type]  # one of EVICTION_POLICIES
 
 
 def run_restart_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,18 +81,20 @@ def run_restart_bench(args: argparse.Namespace) -> dict[str, Any]:
              Case("v41_10k", "deepseek-v4.1-flash", args.v41_chunks)]
     if min(small, large, args.v41_chunks) < CHUNKS_PER_PROMPT:
         raise SystemExit(f"bench restart: every case needs at least {CHUNKS_PER_PROMPT} chunks")
-    out: dict[str, Any] = {"read_bytes_source": "/proc/self/io read_bytes"}
+    out: dict[str, Any] = {"read_bytes_source": "/proc/self/io read_bytes", "eviction_policy": args.eviction_policy}
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-restart-", dir=args.dir) as tmp:
         for case in cases:
             data_dir = Path(tmp) / case.name
             _log(f"{case.name}: writing {case.chunks} {case.model} chunks")
-            _fill(data_dir, case)
-            figures: dict[str, Any] = {"chunks": case.chunks, "data_bytes": _data_bytes(data_dir)}
             with ctx.Pool(1) as pool:
-                cold = pool.apply(_reopen, (str(data_dir), case.model, case.chunks, True))
+                grown = pool.apply(_fill, (str(data_dir), case, args.eviction_policy))
+            figures: dict[str, Any] = {"chunks": case.chunks, "data_bytes": _data_bytes(data_dir),
+                                       "written_index_bytes_per_chunk": grown / case.chunks}
             with ctx.Pool(1) as pool:
-                warm = pool.apply(_reopen, (str(data_dir), case.model, case.chunks, False))
+                cold = pool.apply(_reopen, (str(data_dir), case.model, case.chunks, True, args.eviction_policy))
+            with ctx.Pool(1) as pool:
+                warm = pool.apply(_reopen, (str(data_dir), case.model, case.chunks, False, args.eviction_policy))
             figures.update(reopen_cold_seconds=cold["seconds"], reopen_warm_seconds=warm["seconds"],
                            reopen_read_bytes=cold["read_bytes"],
                            reopen_read_fraction=cold["read_bytes"] / figures["data_bytes"],
@@ -105,13 +114,17 @@ def run_restart_bench(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _fill(data_dir: Path, case: Case) -> None:
+def _fill(data_dir: str, case: Case, policy: str = "s3fifo") -> float:
+    """In a fresh process: write the case's chunks; the RssAnon the store grew by while writing them
+    (what chunks stored since the start cost: they are entries, not cold arrays)."""
     spec = get_model(case.model)
     layout = spec.layout
     rng = np.random.default_rng(15)
     payloads = [memoryview(rng.integers(0, 256, layout.chunk_bytes, dtype=np.uint8).tobytes())
                 for _ in range(PAYLOAD_VARIANTS)]
-    store = GlobalStore(_config(case.chunks, spec), data_dir, [spec])
+    store = GlobalStore(_config(case.chunks, spec, policy), Path(data_dir), [spec])
+    gc.collect()
+    rss0 = _proc_field("/proc/self/status", "RssAnon") * 1024
     try:
         ns = store.namespace(TENANT, spec.name, REPLAY_MODE)
         written = 0
@@ -125,6 +138,8 @@ def _fill(data_dir: Path, case: Case) -> None:
             if result.stored_chunks != n:
                 raise RuntimeError(f"the store kept {result.stored_chunks} of {n} chunks: {result}")
             written += n
+        gc.collect()
+        return float(_proc_field("/proc/self/status", "RssAnon") * 1024 - rss0)
     finally:
         store.close()
 
@@ -146,7 +161,7 @@ def _proc_field(path: str, name: str) -> int:
     raise RuntimeError(f"{name} is not in {path}")
 
 
-def _reopen(data_dir: str, model: str, chunks: int, cold: bool) -> dict[str, float]:
+def _reopen(data_dir: str, model: str, chunks: int, cold: bool, policy: str = "s3fifo") -> dict[str, float]:
     """In a fresh process: time building the store over `data_dir` (after dropping its data file
     from the page cache when `cold`), with the bytes read and the anonymous memory it grew by."""
     from kvstore.keys.chain import load_kernel as load_chain_kernel
@@ -166,7 +181,7 @@ def _reopen(data_dir: str, model: str, chunks: int, cold: bool) -> dict[str, flo
     rss0 = _proc_field("/proc/self/status", "RssAnon") * 1024
     read0 = _proc_field("/proc/self/io", "read_bytes")
     t0 = time.perf_counter()
-    store = GlobalStore(_config(chunks, spec), Path(data_dir), [spec])
+    store = GlobalStore(_config(chunks, spec, policy), Path(data_dir), [spec])
     seconds = time.perf_counter() - t0
     read = _proc_field("/proc/self/io", "read_bytes") - read0
     rss = _proc_field("/proc/self/status", "RssAnon") * 1024 - rss0

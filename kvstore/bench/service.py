@@ -9,6 +9,13 @@
   Load and Store of one request, is not hashed again; a second service with the memo off gives
   the figure for a prompt's first sight (every chunk key hashed), also against the raw call; a
   third with its admin port on (observers of every call, as `kvstore serve` runs by default).
+- Long first sight: a 1,000,000-token Lookup of a prompt the service has never seen (the key memo
+  on, as served; only its first 8,192 tokens held, a new tail each sample), against the plain
+  unary call carrying the very same request bytes, serialized and parsed as for the 32K figures
+  (`lookup_1m_first_sight_ratio`, target <= 2.0), and against the bare transport of those bytes
+  (neither end (de)serializing them: `..._over_bare_transport`, a stricter floor);
+  and a 1M-token Lookup that misses from its first chunk, with the admin port off and on (the
+  miss explainer's cost on a miss), each against the same raw call.
 - Concurrent load: 4 client processes loading at once; aggregate GB/s.
 - Large load: a 131,072-token prefix (~117 MB of V4.1) through `KvstoreClient.load_into` into one
   buffer the caller reuses (an engine's own memory), and through `load()`, against the plain
@@ -46,6 +53,8 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=4, help="concurrent client processes")
     p.add_argument("--message-bytes", type=int, default=MiB, help="payload bytes per streamed message")
     p.add_argument("--large-tokens", type=int, default=131_072, help="prefix length of the large load")
+    p.add_argument("--long-tokens", type=int, default=1_000_000, help="prompt length of the first-sight Lookup")
+    p.add_argument("--long-lookups", type=int, default=30, help="timed first-sight and miss Lookups per figure")
 
 
 # --- the plain server (the ceiling) -----------------------------------------------------------------
@@ -66,7 +75,11 @@ def _raw_server(port_out: Any, streams: dict[str, list[bytes]], stop: Any) -> No
     def unary(request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         return pb.LookupResponse()  # parses the request, does nothing with it
 
+    def bytes_unary(request: bytes, context: Any) -> bytes:
+        return b""  # receives the request's bytes (no parse): the transport alone
+
     handlers = {
+        "LookupBytes": grpc.unary_unary_rpc_method_handler(bytes_unary),
         **{name: grpc.unary_stream_rpc_method_handler(
             streamer(messages), request_deserializer=lambda b: b, response_serializer=pb.LoadResponse.SerializeToString)
            for name, messages in streams.items()},
@@ -145,6 +158,54 @@ def _lookup_times(kv: Any, args: argparse.Namespace, tokens: np.ndarray, raw_cal
             raw_ms.append((t2 - t1) * 1e3)
     assert r.hit_tokens == hit_tokens, r
     return ours_ms, raw_ms
+
+
+LONG_HEAD_TOKENS = 8192  # what the service holds of each first-sight prompt (as in `bench store`)
+
+
+def _long_lookup_times(target: str, raw_channel: Any, args: argparse.Namespace, vocab_size: int,
+                       head: np.ndarray | None, blob: bytes, seed: int) -> tuple[list[float], list[float], list[float]]:
+    """Milliseconds of `args.long_lookups` Lookups of `args.long_tokens` tokens, each of a prompt
+    never seen before, and of two raw calls carrying the same request bytes, taking turns: the
+    plain unary call (the message serialized by the caller and parsed by a server that does nothing
+    with it, as for the 32K figures) and the bare transport (bytes in, bytes out). With `head` (held
+    by the service), each prompt starts with it and hits it; without, each misses at once."""
+    from kvstore.client.sync_client import KvstoreClient
+    from kvstore.v1 import kvstore_pb2 as pb
+    from kvstore.wire.messages import encode_lookup_request
+
+    rng = np.random.default_rng(seed)
+    raw = raw_channel.unary_unary("/raw.Raw/Lookup", request_serializer=pb.LookupRequest.SerializeToString,
+                                  response_deserializer=pb.LookupResponse.FromString)
+    bare = raw_channel.unary_unary("/raw.Raw/LookupBytes")  # bytes in, bytes out: no (de)serializing
+    ours_ms: list[float] = []
+    raw_ms: list[float] = []
+    bare_ms: list[float] = []
+    with KvstoreClient(target, message_bytes=args.message_bytes) as kv:
+        held = 0
+        if head is not None:
+            held = kv.store(args.model, head, blob).stored_chunks * kv.lookup(args.model, head).chunk_tokens
+        for i in range(args.long_lookups + 3):
+            prompt = rng.integers(0, vocab_size, args.long_tokens).astype("<u4")
+            if head is not None:
+                prompt[: len(head)] = head
+            wire = encode_lookup_request(args.model, "", prompt.data.cast("B"))  # the bytes the client sends
+            message = pb.LookupRequest(model=args.model, tokens=pb.Tokens(u32le=prompt.tobytes()))
+            if i == 0:
+                assert message.SerializeToString() == wire
+            t0 = time.perf_counter()
+            r = kv.lookup(args.model, prompt)
+            t1 = time.perf_counter()
+            raw(message)  # serialized in the call, as the client encodes its request in the call
+            t2 = time.perf_counter()
+            bare(wire)
+            t3 = time.perf_counter()
+            assert r.hit_tokens == held, (r.hit_tokens, held)
+            if i >= 3:
+                ours_ms.append((t1 - t0) * 1e3)
+                raw_ms.append((t2 - t1) * 1e3)
+                bare_ms.append((t3 - t2) * 1e3)
+    return ours_ms, raw_ms, bare_ms
 
 
 def _large_load_rates(kv: Any, raw_channel: Any, model: str, tokens: np.ndarray, blob: bytes) -> dict[str, float]:
@@ -242,6 +303,12 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
                     response_deserializer=pb.LookupResponse.FromString)
                 hit_tokens = n_chunks * layout.chunk_tokens
                 ours_ms, raw_ms = _lookup_times(kv, args, tokens, lambda: raw_unary(lookup), hit_tokens)
+            long_head = rng.integers(0, spec.vocab_size, min(LONG_HEAD_TOKENS, args.long_tokens)).astype("<u4")
+            long_blob = rng.integers(0, 256, len(long_head) // layout.chunk_tokens * cb, dtype=np.uint8).tobytes()
+            sight_ms, sight_raw_ms, sight_bare_ms = _long_lookup_times(target, raw_channel, args, spec.vocab_size,
+                                                        long_head, long_blob, seed=1)
+            miss_ms, miss_raw_ms, miss_bare_ms = _long_lookup_times(target, raw_channel, args, spec.vocab_size,
+                                                                    None, b"", seed=2)
 
             start_at = time.time() + 3.0
             with ctx.Pool(args.clients) as pool:
@@ -264,6 +331,10 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
             with KvstoreClient(target, message_bytes=args.message_bytes) as kv:
                 kv.store(args.model, tokens, blob)
                 admin_ms, admin_raw_ms = _lookup_times(kv, args, tokens, lambda: raw_unary(lookup), hit_tokens)
+            # The miss explainer's cost on a miss: a 1M-token Lookup missing from its first chunk, the
+            # admin port on here, off in the first service (measured there).
+            miss_admin_ms, miss_admin_raw_ms, _ = _long_lookup_times(target, raw_channel, args, spec.vocab_size,
+                                                                  None, b"", seed=3)
             raw_channel.close()
         finally:
             raw_stop.set()
@@ -275,6 +346,10 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
     raw_p50 = percentile(raw_ms, 50)
     first_p50, first_raw_p50 = percentile(first_ms, 50), percentile(first_raw_ms, 50)
     admin_p50, admin_raw_p50 = percentile(admin_ms, 50), percentile(admin_raw_ms, 50)
+    sight_p50, sight_raw_p50 = percentile(sight_ms, 50), percentile(sight_raw_ms, 50)
+    sight_bare_p50, miss_bare_p50 = percentile(sight_bare_ms, 50), percentile(miss_bare_ms, 50)
+    miss_p50, miss_raw_p50 = percentile(miss_ms, 50), percentile(miss_raw_ms, 50)
+    miss_admin_p50, miss_admin_raw_p50 = percentile(miss_admin_ms, 50), percentile(miss_admin_raw_ms, 50)
     return {
         "model": args.model,
         "prefix_tokens": args.tokens,
@@ -291,6 +366,19 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
         "raw_unary_32k_unmemoized_run_p50_ms": first_raw_p50,
         "lookup_32k_admin_on_p50_ms": admin_p50,
         "raw_unary_32k_admin_on_run_p50_ms": admin_raw_p50,
+        "long_lookup_tokens": args.long_tokens,
+        "lookup_1m_first_sight_p50_ms": sight_p50,
+        "raw_unary_1m_first_sight_run_p50_ms": sight_raw_p50,
+        "lookup_1m_first_sight_ratio": sight_p50 / sight_raw_p50,
+        "bare_transport_1m_first_sight_run_p50_ms": sight_bare_p50,
+        "lookup_1m_first_sight_over_bare_transport": sight_p50 / sight_bare_p50,
+        "lookup_1m_miss_p50_ms": miss_p50,
+        "raw_unary_1m_miss_run_p50_ms": miss_raw_p50,
+        "lookup_1m_miss_ratio": miss_p50 / miss_raw_p50,
+        "lookup_1m_miss_over_bare_transport": miss_p50 / miss_bare_p50,
+        "lookup_1m_miss_admin_on_p50_ms": miss_admin_p50,
+        "raw_unary_1m_miss_admin_on_run_p50_ms": miss_admin_raw_p50,
+        "lookup_1m_miss_admin_on_ratio": miss_admin_p50 / miss_admin_raw_p50,
         "key_chain_kernel": _key_kernel(),
         "concurrent_load_gbps": moved / span / 1e9,
         "concurrent_clients": args.clients,
@@ -310,5 +398,7 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
              "value": first_p50 / first_raw_p50, "target": "<= 1.5", "ok": first_p50 <= 1.5 * first_raw_p50},
             {"name": "admin port on: lookup_32k_admin_on_p50_ms / its raw p50",
              "value": admin_p50 / admin_raw_p50, "target": "<= 1.5", "ok": admin_p50 <= 1.5 * admin_raw_p50},
+            {"name": "lookup_1m_first_sight_ratio: lookup_1m_first_sight_p50_ms / its raw p50",
+             "value": sight_p50 / sight_raw_p50, "target": "<= 2.0", "ok": sight_p50 <= 2.0 * sight_raw_p50},
         ],
     }

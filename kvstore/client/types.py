@@ -195,6 +195,11 @@ class ServiceStats:
     calls_in_flight: int
     calls_rejected: int
     replay_coordinator: bool
+    # The LMDB tier's index after a restart (until ready: misses at worst, Stores kept in memory).
+    ready: bool = True
+    index_state: str = "ready"  # "ready", "loading" or "failed: <why>"
+    index_loaded_chunks: int = 0
+    index_chunks_at_start: int = 0
     data_plane: DataPlaneStats | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -221,6 +226,9 @@ def stats_from_pb(r: pb.StatsResponse) -> ServiceStats:
                     "detail": r.local_pool.detail},
         runners_attached=r.runners_attached, models=tuple(r.models), calls_in_flight=r.calls_in_flight,
         calls_rejected=r.calls_rejected, replay_coordinator=r.replay_coordinator,
+        # A service older than these fields sends none of them: it indexed everything before listening.
+        ready=r.ready or not r.index_state, index_state=r.index_state or "ready",
+        index_loaded_chunks=r.index_loaded_chunks, index_chunks_at_start=r.index_chunks_at_start,
         data_plane=DataPlaneStats(
             shm_enabled=r.data_plane.shm_enabled, shm_detail=r.data_plane.shm_detail,
             unix_socket=r.data_plane.unix_socket,

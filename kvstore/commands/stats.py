@@ -44,6 +44,9 @@ def _size(n: int) -> str:
 
 def render(s: ServiceStats) -> str:
     lines = [f"kvstore {s.version} — up {s.uptime_seconds:.0f} s — you are tenant '{s.tenant}'"]
+    if not s.ready:
+        lines.append(f"index {s.index_state}: {s.index_loaded_chunks:,} of {s.index_chunks_at_start:,} LMDB chunks "
+                     "indexed (answering from those; Stores are kept in memory only until ready)")
     lines.append(f"{'tier':8s} {'backend':8s} {'used':>11s} {'capacity':>11s} {'use':>5s} {'yours':>11s} "
                  f"{'chunks':>8s} {'evicted':>8s} {'corrupt':>7s}")
     for name, t in s.tiers.items():

@@ -51,6 +51,11 @@ class StoreConfig:
     # a quarter of the speed of a touched one), and ask for huge pages where the OS offers them.
     # Off: pages are backed as they are first written, and a large capacity costs nothing until used.
     prefault_arenas: bool = True
+    # How a restart loads the LMDB tier's index (one record read per chunk, ~1 s per 100,000 on a
+    # busy 2-core machine): "background" listens at once and answers from what is loaded so far
+    # (misses at worst; Stores are kept in memory only, not durable, until it is done); "at-start"
+    # loads it before the service listens. Health component "kvstore.index" and Stats say which.
+    load_index: Literal["background", "at-start"] = "background"
 
     def validate(self, prefix: str) -> None:
         for name in ("device_capacity_bytes", "dram_capacity_bytes", "lmdb_capacity_bytes"):

@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from kvstore.observe.records import LookupFacts, RequestRecord
 from kvstore.store.fates import RefusalReason
 from kvstore.wire.bills import Bills
@@ -39,6 +41,9 @@ from kvstore.wire.bills import Bills
 FateKind = Literal["evicted", "corrupt", "over_quota", "no_room", "not_admitted"]
 MAX_RUNS = 64  # chunk runs kept per explanation; the rest are summed into the last one
 MAX_EXPLAINED_CHUNKS = 4096  # missed chunks examined per request (a 512K-token miss at 128/chunk)
+_UNREACHABLE = "cached, but an earlier chunk missed: keys are chained, so a hit needs every chunk before it"
+_NEVER_STORED = "not stored in this namespace since the service started (or its record aged out of the journal)"
+_MIXED = "several reasons (too many runs to list)"
 
 
 @dataclass(frozen=True, slots=True)  # slots: ~300 B per remembered fate, key and index included
@@ -229,17 +234,42 @@ class Explainer:
         present: Callable[[bytes], bool] | None = None,
         held: Sequence[bool] = (),
         before: float | None = None,
+        missed: int | None = None,
     ) -> tuple[ChunkRun, ...]:
         """Why each full chunk from `first_chunk` on missed, as runs of equal reasons. `held[j]`:
-        whether miss_keys[j] was held when the request was answered (else `present` asks now);
-        `before`: when it was answered (fates recorded later did not cause its miss)."""
+        whether miss_keys[j] was held when the request was answered (`present` asks now about the
+        keys beyond `held`);
+        `before`: when it was answered (fates recorded later did not cause its miss); `missed`: how
+        many chunks missed in all, when `miss_keys` holds only the first of them."""
         keys = miss_keys[:MAX_EXPLAINED_CHUNKS]
         with self._lock:
-            fates = [self._fates.get(k) for k in keys]
-        if before is not None:
+            fates = list(map(self._fates.get, keys))
+        if before is not None and any(fates):
             fates = [f if f is not None and f.at <= before else None for f in fates]
-        if held:
-            present = _held_at_answer(keys, held)
+        total = len(miss_keys) if missed is None else missed
+        if not token_mismatch and not any(f is not None and f.namespace == namespace for f in fates):
+            # The usual long miss: no fate of its own to tell, so every chunk was never stored or
+            # is unreachable; its runs come from change points, not a Python step per chunk.
+            runs = _runs_without_fates(first_chunk, self._presence(keys, held, present))
+        else:
+            runs = self._runs_with_fates(first_chunk, keys, fates, namespace, token_mismatch,
+                                         _held_at_answer(keys, held, present) if held else present)
+        if total > len(keys):
+            n = total - len(keys)
+            runs.append(ChunkRun(first_chunk + len(keys), first_chunk + total - 1, "unexamined",
+                                 f"{n} more chunks were not examined"))
+        return tuple(runs)
+
+    @staticmethod
+    def _presence(keys: Sequence[bytes], held: Sequence[bool], present: Callable[[bytes], bool] | None) -> list[bool]:
+        """Whether each key counts as held: as noted at the answer where `held` covers it, else as
+        `present` says now (not held without it)."""
+        noted = list(held[: len(keys)])
+        rest = keys[len(noted):]
+        return noted + (list(map(present, rest)) if present is not None else [False] * len(rest))
+
+    def _runs_with_fates(self, first_chunk: int, keys: Sequence[bytes], fates: list[_Fate | None], namespace: bytes,
+                         token_mismatch: bool, present: Callable[[bytes], bool] | None) -> list[ChunkRun]:
         runs: list[ChunkRun] = []
         for j, (key, fate) in enumerate(zip(keys, fates, strict=True)):
             run = self._why(j, key, fate, namespace, token_mismatch, present)
@@ -255,12 +285,8 @@ class Explainer:
                                      run.first_at, run.last_at))
             else:
                 last = runs[-1]
-                runs[-1] = ChunkRun(last.first_chunk, idx, "mixed", "several reasons (too many runs to list)")
-        if len(miss_keys) > len(keys):
-            n = len(miss_keys) - len(keys)
-            runs.append(ChunkRun(first_chunk + len(keys), first_chunk + len(miss_keys) - 1, "unexamined",
-                                 f"{n} more chunks were not examined"))
-        return tuple(runs)
+                runs[-1] = ChunkRun(last.first_chunk, idx, "mixed", _MIXED)
+        return runs
 
     def _why(self, j: int, key: bytes, fate: _Fate | None, namespace: bytes, token_mismatch: bool,
              present: Callable[[bytes], bool] | None) -> ChunkRun:
@@ -289,10 +315,8 @@ class Explainer:
                             f"({self.admission_policy or 'configured'}) kept it out of the durable tier",
                             "", self.admission_policy, fate.at_wall, fate.at_wall)
         if j > 0 and present is not None and present(key):
-            return ChunkRun(0, 0, "unreachable", "cached, but an earlier chunk missed: keys are chained, "
-                            "so a hit needs every chunk before it")
-        return ChunkRun(0, 0, "never_stored", "not stored in this namespace since the service started (or "
-                        "its record aged out of the journal)")
+            return ChunkRun(0, 0, "unreachable", _UNREACHABLE)
+        return ChunkRun(0, 0, "never_stored", _NEVER_STORED)
 
     # --- requests ---
 
@@ -309,11 +333,13 @@ class Explainer:
         if facts is not None:
             chunk_tokens, full, remainder = facts.chunk_tokens, facts.full_chunks, facts.remainder_tokens
             hit_chunks = facts.hit_chunks
-            miss_keys = facts.missed_keys()
+            # Only the keys examined are hashed (a 1M-token miss has 7,812; 4,096 are examined).
+            miss_keys = facts.missed_keys(MAX_EXPLAINED_CHUNKS)
             if miss_keys:
                 chunks = self.explain_chunks(facts.namespace, facts.hit_chunks, miss_keys,
                                              token_mismatch=facts.token_mismatch, present=present,
-                                             held=facts.miss_held, before=at)
+                                             held=facts.miss_held, before=at,
+                                             missed=max(len(miss_keys), full - hit_chunks))
             if hit_chunks and facts.has_local_state and rec.local_outcome in ("expired", "replayed"):
                 local_reason, local_detail = self.explain_local(facts.namespace, facts.boundary_key,
                                                                 facts.pool_miss_reason)
@@ -433,7 +459,34 @@ def _max(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else max(a, b)
 
 
-def _held_at_answer(keys: Sequence[bytes], held: Sequence[bool]) -> Callable[[bytes], bool]:
-    """`present` as it was when the request was answered (keys beyond `held` read as not held)."""
+def _runs_without_fates(first_chunk: int, held: list[bool]) -> list[ChunkRun]:
+    """The runs of chunks that are either unreachable (held, behind the first miss) or never
+    stored, as the general loop would cut them (MAX_RUNS, the last one "mixed")."""
+    if not held:
+        return []
+    held[0] = False  # the first missed chunk is the miss itself, never unreachable
+    flags = np.array(held, dtype=bool)
+    starts = [0, *(np.flatnonzero(flags[1:] != flags[:-1]) + 1).tolist()]
+    ends = [*(s - 1 for s in starts[1:]), len(held) - 1]
+    runs = [ChunkRun(first_chunk + a, first_chunk + b, *(("unreachable", _UNREACHABLE) if held[a]
+                                                          else ("never_stored", _NEVER_STORED)))
+            for a, b in zip(starts[:MAX_RUNS], ends[:MAX_RUNS], strict=True)]
+    if len(starts) > MAX_RUNS:
+        runs[-1] = ChunkRun(runs[-1].first_chunk, first_chunk + len(held) - 1, "mixed", _MIXED)
+    return runs
+
+
+def _held_at_answer(keys: Sequence[bytes], held: Sequence[bool],
+                    now: Callable[[bytes], bool] | None) -> Callable[[bytes], bool]:
+    """`present` as it was when the request was answered, for the keys `held` covers; the keys
+    beyond read from `now` (not held without it)."""
     at_answer = {k for k, h in zip(keys, held, strict=False) if h}
-    return at_answer.__contains__
+    noted = set(keys[: len(held)])
+    if now is None or len(held) >= len(keys):
+        return at_answer.__contains__
+    ask_now = now
+
+    def present(k: bytes) -> bool:
+        return k in at_answer if k in noted else ask_now(k)
+
+    return present

@@ -30,19 +30,21 @@ class LookupFacts:
     replay_shared: bool = False  # served another caller's replay (coalesced): none ran for this one
     replay_mode: str = ""
     window_tokens: int = 0  # the replay window (the layout's SWA window)
-    # Whether each missed chunk (miss_keys[j]) was held when the call answered: a chunk behind the
-    # first miss can be held, and unreachable. Taken then, because observers run a moment later,
-    # when a Store may have filled the gap. Empty: not taken (the explainer asks the store).
+    # Whether each of the first missed chunks (miss_keys[j], j < len(miss_held)) was held when the
+    # call answered: a chunk behind the first miss can be held, and unreachable. Taken then, because
+    # observers run a moment later, when a Store may have filled the gap. The explainer asks the
+    # store about the chunks beyond them.
     miss_held: tuple[bool, ...] = ()
-    # Or, in place of `miss_keys`, how to compute them: hashing the missed part of a prompt costs
-    # as much as the lookup itself, so the service defers it until someone reads the keys.
-    miss_keys_fn: Callable[[], Sequence[bytes]] | None = field(default=None, compare=False, repr=False)
+    # How to compute the first n missed keys, or all of them for None (`miss_keys` may hold only
+    # the first of them, or none): hashing the missed part of a prompt costs as much as the lookup
+    # itself, so the service defers it until someone reads the keys, and then hashes what is read.
+    miss_keys_fn: Callable[[int | None], Sequence[bytes]] | None = field(default=None, compare=False, repr=False)
 
-    def missed_keys(self) -> Sequence[bytes]:
-        """`miss_keys`, computed now if they were deferred."""
-        if self.miss_keys or self.miss_keys_fn is None:
-            return self.miss_keys
-        return self.miss_keys_fn()
+    def missed_keys(self, limit: int | None = None) -> Sequence[bytes]:
+        """The missed keys (the first `limit` of them), computed now if they were deferred."""
+        if self.miss_keys_fn is None:
+            return self.miss_keys[:limit]
+        return self.miss_keys_fn(limit)
 
 
 def lookup_facts(
@@ -59,7 +61,7 @@ def lookup_facts(
     has_local_state: bool = True,
     window_tokens: int = 0,
     replay_mode: str = "",
-    miss_keys_fn: Callable[[], Sequence[bytes]] | None = None,
+    miss_keys_fn: Callable[[int | None], Sequence[bytes]] | None = None,
     miss_held: Sequence[bool] = (),
 ) -> LookupFacts:
     """The trace of one lookup. `miss_keys`: the keys of full chunks hit_chunks.. (the store's

@@ -227,7 +227,8 @@ def build_app(
     ddir = Path(data_dir if data_dir is not None else cfg.data_dir)
     ddir.mkdir(parents=True, exist_ok=True)
     models = served_models(cfg)
-    store = GlobalStore(cfg.store, ddir, list(models.values()), tenant_quotas(cfg), clock=clock, progress=progress)
+    store = GlobalStore(cfg.store, ddir, list(models.values()), tenant_quotas(cfg), clock=clock, progress=progress,
+                        load_index_in_background=cfg.store.load_index == "background")
     try:
         policy = build_ttl_policy(cfg, models) if local_pool == "config" else None
         pool = build_pool(cfg, models, clock, policy) if local_pool == "config" else local_pool

@@ -5,6 +5,9 @@ Service names and what decides them:
   once shutdown begins (first thing on SIGTERM, so balancers stop sending before calls are refused).
 - "kvstore.v1.Runners": accepting runner attachments.
 - "kvstore.store", "kvstore.lmdb": the bookkeeper and the durable tier answer.
+- "kvstore.index": the LMDB tier's index is loaded (`store.load_index`). NOT_SERVING while a
+  restart loads it in the background (or if loading failed): the service is SERVING meanwhile
+  and answers from the chunks indexed so far (misses at worst), keeping Stores in memory only.
 - "kvstore.local_pool": the pool is healthy. A degraded pool (Redis down) is NOT_SERVING here but
   leaves the service SERVING: a missing snapshot costs a replay, not an outage.
 - "kvstore.runners": some served model has a runner (an attached one, or the in-process one when
@@ -30,7 +33,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 OVERALL = ("", "kvstore.v1.KVCache")
 RUNNERS_SERVICE = "kvstore.v1.Runners"
-COMPONENTS = ("kvstore.store", "kvstore.lmdb", "kvstore.local_pool", "kvstore.runners")
+COMPONENTS = ("kvstore.store", "kvstore.lmdb", "kvstore.index", "kvstore.local_pool", "kvstore.runners")
 
 
 class HealthReporter:
@@ -51,9 +54,10 @@ class HealthReporter:
             st = app.store.stats()
             ok["kvstore.store"] = True
             ok["kvstore.lmdb"] = "lmdb" in st.tiers
+            ok["kvstore.index"] = st.index_state == "ready"
         except Exception:  # a failing store must turn into NOT_SERVING, whatever it raised
             log.exception("store health check failed")
-            ok["kvstore.store"] = ok["kvstore.lmdb"] = False
+            ok["kvstore.store"] = ok["kvstore.lmdb"] = ok["kvstore.index"] = False
         pool = app.local_pool
         ok["kvstore.local_pool"] = pool is not None and pool.health().status == "ok"
         # A runner for at least one served model: the in-process one only when it serves one (the
@@ -81,7 +85,8 @@ class HealthReporter:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        # While the index loads, look often: its end should show at once, not at the next tick.
+        while not self._stop.wait(self._interval if self.last.get("kvstore.index") != "NOT_SERVING" else 0.1):
             try:
                 self.refresh()
             except Exception:

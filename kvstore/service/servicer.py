@@ -368,6 +368,8 @@ class KVCacheServicer(LocalStateCalls):
             local_pool=pool, runners_attached=len(app.runners.runners()), models=list(app.models),
             calls_in_flight=self._limiter.in_flight, calls_rejected=self._limiter.rejected_total,
             replay_coordinator=app.coordinator is not None, data_plane=self._data_plane(tenant),
+            ready=st.index_state == "ready", index_state=st.index_state, index_loaded_chunks=st.index_loaded_chunks,
+            index_chunks_at_start=st.index_chunks_at_start,
         )
 
     def _data_plane(self, tenant: str) -> pb.DataPlaneStats:

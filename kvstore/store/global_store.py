@@ -43,6 +43,7 @@ from kvstore.keys.chain import chain_from
 from kvstore.keys.chunk_keys import Namespace, as_token_array, full_chunk_bytes, next_key, split_chunks
 from kvstore.keys.memo import KeyMemo, Recall
 from kvstore.layout import TIER_NAMES, CacheLayout, EngineModel, ModelSpec, engine_model_spec
+from kvstore.store.cold import ColdChunks
 from kvstore.store.commit_plan import CommitPlan, PlannedChunk
 from kvstore.store.fates import ChunkFateSink, NoFates, RefusalReason
 from kvstore.store.pins import PinReceipt, PinTable
@@ -64,6 +65,7 @@ from policies.base import AdmissionPolicy, EvictionPolicy
 # to make room): the lock is let go between batches so that other calls are never held up for
 # long behind a large Store.
 CHUNKS_PER_LOCK_HOLD = 32
+RECOVER_BATCH = 4096  # chunks found at start, appended to the cold arrays at a time
 # Keys a lookup hashes past the first held one it did not know, in its first run (then 2x, 4x...).
 WALK_FIRST_RUN = 16
 HOT_TIERS: tuple[TierName, ...] = ("device", "dram")
@@ -82,7 +84,13 @@ _NAMESPACE = operator.attrgetter("namespace")
 MAX_ENGINE_MODELS = 1024
 MAX_ENGINE_MODELS_PER_TENANT = 64
 
+def _footprint(entry: ChunkEntry | None) -> Mapping[TierName, int]:
+    return {} if entry is None else entry.footprint
+
+
 class GlobalStore(Placement):
+    _cold: ColdChunks
+
     def __init__(
         self,
         cfg: StoreConfig,
@@ -91,9 +99,13 @@ class GlobalStore(Placement):
         quotas: Mapping[str, TenantQuota] | None = None,
         clock: Callable[[], float] = time.monotonic,
         progress: Callable[[str], None] | None = None,
+        load_index_in_background: bool = False,
     ) -> None:
         """`progress` is told, a line at a time, about slow work at start (building the LMDB index
-        of a data directory of an older format)."""
+        of a data directory of an older format, loading the index in the background).
+        `load_index_in_background`: return before the LMDB tier's chunks are indexed and index them
+        on a thread; until then (`ready`), the store answers from what it has indexed so far and
+        keeps what it is given in memory only (see `_loading`)."""
         self.cfg = cfg
         self._clock = clock
         self._models = {m.name: m for m in models}
@@ -102,6 +114,7 @@ class GlobalStore(Placement):
         self._quotas = dict(quotas or {})
         self._lock = threading.RLock()
         self._index: dict[bytes, ChunkEntry] = {}
+        self._cold = ColdChunks()
         self._pins = PinTable()
         self._memo = KeyMemo(cfg.key_memo_bytes)
         layouts = list(self._layouts.values())
@@ -112,6 +125,7 @@ class GlobalStore(Placement):
             t: build_eviction(cfg.eviction_policy) for t in TIER_NAMES
         }
         self._admission: AdmissionPolicy = build_admission(cfg.admission_policy)
+        self._hot_room = any(self._tiers[t].capacity_bytes > 0 for t in HOT_TIERS)  # promotion can land
         self._used: dict[TierName, int] = dict.fromkeys(TIER_NAMES, 0)
         self._tenant_used: dict[tuple[str, TierName], int] = {}
         self._known_ns: dict[bytes, str] = {}  # namespace digest -> tenant
@@ -123,8 +137,22 @@ class GlobalStore(Placement):
         self._deleting: dict[bytes, threading.Event] = {}
         self._committing: dict[bytes, int] = {}
         self._registered_by: dict[str, str] = {}  # engine model name -> the tenant that registered it
+        self._progress = progress or (lambda line: None)
+        self._ready = threading.Event()
+        self._stop_loading = threading.Event()
+        self._load_error = ""
+        self._index_at_start = self._durable.stats().entries
+        self._index_loaded = 0
+        self._load_seconds = 0.0
+        self._loader: threading.Thread | None = None
         self._recover_engine_models()
-        self._recover()
+        self._recover_namespaces()
+        self._cold = ColdChunks(self._index_at_start)
+        if load_index_in_background and self._index_at_start:
+            self._loader = threading.Thread(target=self._load_index_thread, name="kvstore-index", daemon=True)
+            self._loader.start()
+        else:
+            self._load_index()
 
     def set_fate_sink(self, sink: ChunkFateSink) -> None:
         self._fates = sink
@@ -221,6 +249,8 @@ class GlobalStore(Placement):
         # up to the first key that is not; then one check of all their token ids and namespaces.
         with self._lock:
             held = list(map(self._index.get, keys))
+            if self._cold.live and None in held:
+                self._peek_cold(keys, held)
             checked = recall.checked
             # Entries the memo saw checked against these very bytes need no second check. ChunkEntry
             # compares by identity, so these are C-level scans, and the first one usually settles it.
@@ -258,6 +288,23 @@ class GlobalStore(Placement):
             boundary_key=keys[h - 1] if h else b"",
         )
 
+    def _peek_cold(self, keys: list[bytes], held: list[ChunkEntry | None]) -> None:
+        """Fill in the cold chunks among `held` (the entries of `keys`, None where not indexed), all
+        looked up at once."""
+        gaps = [i for i, e in enumerate(held) if e is None]
+        for i, entry in zip(gaps, self._cold.peek_many([keys[i] for i in gaps]), strict=True):
+            held[i] = entry
+
+    def _all_held(self, keys: Sequence[bytes]) -> bool:
+        """Every key is indexed or cold (the cold ones looked up at once)."""
+        index = self._index
+        if all(map(index.__contains__, keys)):
+            return True
+        if not self._cold.live:
+            return False
+        rest = [k for k in keys if k not in index]
+        return bool((self._cold.find_many(rest) >= 0).all())
+
     def _walk_keys(self, digest: bytes, raw: bytes, step: int) -> tuple[list[bytes], Recall]:
         """The keys a lookup of `raw` needs: those the memo knows, then the next one hashed; while
         the store holds every key hashed so far, the following ones in runs that double (from
@@ -272,9 +319,9 @@ class GlobalStore(Placement):
         if m == n:
             return known, recall
         keys = [*known, next_key(known[-1] if known else digest, raw[m * step : (m + 1) * step])]
-        held = self._index.__contains__  # reads without the lock: the walk checks again under it
+        # Reads without the lock: the walk checks again under it.
         last_run, run = m, WALK_FIRST_RUN  # keys[last_run:] were hashed last; all held: go on
-        while len(keys) < n and all(map(held, keys[last_run:])):
+        while len(keys) < n and self._all_held(keys[last_run:]):
             pos = len(keys)
             end = min(n, pos + run)
             last_run, run = pos, 2 * run
@@ -296,6 +343,8 @@ class GlobalStore(Placement):
         rest = entries[start:]
         toks = list(map(_TOKENS, rest))
         if None in toks:
+            if toks.count(None) == len(toks):  # all cold or unread: only their namespaces to check
+                return all(map(digest.__eq__, map(_NAMESPACE, rest)))
             return GlobalStore._first_mismatch(entries, start, raw, step, digest) == len(entries)
         return (all(map(step.__eq__, map(len, toks))) and raw.startswith(b"".join(toks), start * step)
                 and all(map(digest.__eq__, map(_NAMESPACE, rest))))
@@ -327,12 +376,17 @@ class GlobalStore(Placement):
 
     def contains(self, key: bytes) -> bool:
         with self._lock:
-            return key in self._index
+            return self._holds(key)
 
     def held(self, keys: Sequence[bytes]) -> tuple[bool, ...]:
         """`contains` for each key, read at one moment."""
         with self._lock:
-            return tuple(map(self._index.__contains__, keys))
+            held = list(map(self._index.__contains__, keys))
+            if self._cold.live and False in held:
+                gaps = [i for i, h in enumerate(held) if not h]
+                for i, c in zip(gaps, (self._cold.find_many([keys[i] for i in gaps]) >= 0).tolist(), strict=True):
+                    held[i] = c
+            return tuple(held)
 
     # --- store (two-phase) ------------------------------------------------------------------------
 
@@ -343,7 +397,7 @@ class GlobalStore(Placement):
         chunks = split_chunks(raw, step)
         keys = self._keys_of(ns, raw, step)
         with self._lock:
-            needed = [i for i, k in enumerate(keys) if k not in self._index]
+            needed = [i for i, k in enumerate(keys) if not self._holds(k)]
         remainder = len(tokens) - len(chunks) * layout.chunk_tokens
         return StoreTxn(self, ns, layout, keys, chunks, needed, remainder)
 
@@ -389,9 +443,9 @@ class GlobalStore(Placement):
             self._delete_doomed()
             raise
         with self._lock:
-            held = list(map(self._index.__contains__, txn.keys))
+            held = list(map(self._holds, txn.keys))
             reach = held.index(False) if False in held else len(held)
-            durable_now = reach == len(held) and all("lmdb" in self._index[k].footprint for k in txn.keys)
+            durable_now = reach == len(held) and all("lmdb" in _footprint(self._peek(k)) for k in txn.keys)
             self._leave_commit(txn.keys)
         self._delete_doomed()  # values a commit in flight kept from deletion
         return plan.result(reach, durable_now, txn.remainder_tokens)
@@ -409,7 +463,7 @@ class GlobalStore(Placement):
                         self._committing[k] = self._committing.get(k, 0) + 1
                     gap = False
                     for i, key in enumerate(txn.keys):
-                        if key in self._index:
+                        if self._holds(key):
                             plan.already_present += 1
                         elif i not in txn.staged:
                             gap = True
@@ -438,7 +492,8 @@ class GlobalStore(Placement):
         """Reserve room for chunk `i` in LMDB (write-through, if admitted) and in the fastest memory
         tier with room; once a chunk finds no place, the prefix ends there."""
         tenant = txn.ns.tenant
-        write_through = self.cfg.write_policy == "write-through"
+        # While the index loads, LMDB's used bytes are not all known yet: nothing is written there.
+        write_through = self.cfg.write_policy == "write-through" and self._ready.is_set()
         # Every chunk is offered, even past the cut: a second-sighting policy counts the sighting.
         admitted = write_through and self._admission.admit(txn.keys[i])
         if plan.cut is not None:
@@ -484,7 +539,7 @@ class GlobalStore(Placement):
         the lock, so the bytes it occupies are never counted free in between."""
         ns, layout = txn.ns, txn.layout
         key = txn.keys[c.index]
-        entry = self._index.get(key)
+        entry = self._entry(key)
         meta = ChunkMeta(ns.digest, layout.layout_id, txn.chunks[c.index])
         if entry is None:
             for t in c.tiers:
@@ -557,7 +612,7 @@ class GlobalStore(Placement):
         """Copy one chunk into `out` from the fastest tier that holds it intact; `prev` is the key
         before it in its chain (the namespace digest for chunk 0)."""
         with self._lock:
-            entry = self._index.get(key)
+            entry = self._peek(key)
             if entry is None:
                 return None
             order = [t for t in TIER_NAMES if t in entry.footprint]
@@ -580,7 +635,7 @@ class GlobalStore(Placement):
         while i < n:
             with self._lock:
                 j = i
-                while j < n and (e := self._index.get(keys[j])) is not None and e.fastest == "lmdb":
+                while j < n and (e := self._peek(keys[j])) is not None and e.fastest == "lmdb":
                     j += 1
             if j == i:  # in memory (or gone): one at a time
                 tier = self.read_chunk(keys[i], outs[i], keys[i - 1] if i else prev)
@@ -603,21 +658,24 @@ class GlobalStore(Placement):
         A chunk recovered from the index is checked against its key the first time, and then
         knows its token ids."""
         with self._lock:
-            entry = self._index.get(key)
+            entry = self._peek(key)
             ok = meta is not None and entry is not None and meta.namespace == entry.namespace and (
                 meta.tokens == entry.tokens if entry.tokens is not None else next_key(prev, meta.tokens) == key)
             if not ok:
                 if entry is not None:
-                    self._lost(key, entry, "lmdb")
+                    self._lost(key, cast("ChunkEntry", self._entry(key)), "lmdb")
                 return False
             assert entry is not None and meta is not None
+            # Not while the index loads: the LMDB policy takes the cold chunks only at its end.
+            promote = (self.cfg.promote_on_hit and self._hot_room and self._ready.is_set()
+                       and not (entry.footprint.keys() & {"device", "dram"}))
+            if entry.cold:
+                if not promote:
+                    return True  # stays cold: checked against its key again at its next read
+                entry = cast("ChunkEntry", self._entry(key))
             if entry.tokens is None:
                 entry.tokens = meta.tokens
-            if (
-                self.cfg.promote_on_hit
-                and not (entry.footprint.keys() & {"device", "dram"})
-                and self._place_hot(key, entry, out[: entry.payload_bytes], protect={key})
-            ):
+            if promote and self._place_hot(key, entry, out[: entry.payload_bytes], protect={key}):
                 self._bump_tier("promotions", fastest_tier(entry))
         self._delete_doomed()  # making room for the promotion may have evicted from LMDB
         return True
@@ -636,7 +694,7 @@ class GlobalStore(Placement):
         with self._lock:  # held through the copy, as `read_chunk` does: nothing is evicted meanwhile
             tier: TierName | None = None
             for k in keys:
-                entry = self._index.get(k)
+                entry = self._peek(k)
                 if entry is None or entry.fastest == "lmdb" or (tier is not None and entry.fastest != tier):
                     return None
                 tier = entry.fastest
@@ -660,21 +718,44 @@ class GlobalStore(Placement):
             # Touch the chunks that were read tail first, so the head of the prefix ends up the
             # most recently used: eviction then takes a prefix from its tail.
             for key in reversed(read_keys):
-                entry = self._index.get(key)
+                entry = self._peek(key)
                 if entry is not None:
                     for tier in entry.footprint:
                         self._policies[tier].touch(key)
 
     # --- restart ----------------------------------------------------------------------------------
 
-    def _recover(self) -> None:
-        """Rebuild the index from the durable tier's index records: the index *is* the database."""
-        namespaces = self._durable.namespaces()
-        for digest, record in namespaces.items():
+    def _recover_namespaces(self) -> None:
+        for digest, record in self._durable.namespaces().items():
             try:
                 self._known_ns[digest] = str(json.loads(record)["tenant"])
             except (ValueError, KeyError):
                 self._ignored["bad-namespace-record"] = self._ignored.get("bad-namespace-record", 0) + 1
+
+    def _load_index_thread(self) -> None:
+        try:
+            self._load_index()
+        except BaseException as e:  # the store keeps answering (misses); health and Stats say why
+            self._load_error = f"{type(e).__name__}: {e}"
+            self._progress(f"loading the LMDB index failed: {self._load_error}")
+
+    def _load_index(self) -> None:
+        """Rebuild the index from the durable tier's index records: the index *is* the database.
+        Every chunk found goes into the cold arrays (store/cold.py), not an entry object each, and
+        into the LMDB tier's eviction policy as one run, in key order, as if inserted one by one.
+        Batches are indexed under the lock, so that calls go on between them (loading in the
+        background) and see the chunks indexed so far."""
+        t0 = time.perf_counter()
+        background = self._loader is not None
+        if background:
+            self._progress(f"index: loading {self._index_at_start:,} LMDB chunks in the background "
+                           "(answering from what is loaded; Stores stay in memory until it is done)")
+        cold = self._cold
+        lmdb = self._tiers["lmdb"]
+        cost = float(self.cfg.chunk_tokens)  # what a recovered chunk was always given
+        keys = bytearray()
+        kinds: list[int] = []
+        kind_of: dict[bytes, int] = {}
         # Index records only (tiers/lmdb_tier.py): no value is read here, whatever their size.
         for sc in self._durable.scan():
             reason = sc.problem
@@ -689,15 +770,72 @@ class GlobalStore(Placement):
             if sc.payload_bytes != layout.chunk_bytes:
                 self._ignored["size-mismatch"] = self._ignored.get("size-mismatch", 0) + 1
                 continue
-            entry = ChunkEntry(sc.namespace, self._known_ns[sc.namespace], layout, None, sc.payload_bytes,
-                               float(layout.chunk_tokens))
-            self._index[sc.key] = entry
-            self._charge(sc.key, entry, "lmdb")
-        # More than the capacity: a smaller capacity than the data was written under, or a crash
-        # between evicting chunks from the index and deleting their values. Evict down to it.
-        if not self._make_room("lmdb", "", 0, protect=set()):
-            raise AssertionError("nothing is pinned or committing at start, so every chunk can be evicted")
+            kind = kind_of.get(sc.namespace)
+            if kind is None:
+                kind = kind_of[sc.namespace] = cold.kind(sc.namespace, self._known_ns[sc.namespace], layout, cost,
+                                                        lmdb.footprint(layout.chunk_bytes))
+            keys += sc.key
+            kinds.append(kind)
+            if len(kinds) >= RECOVER_BATCH:
+                self._index_batch(bytes(keys), kinds)
+                keys, kinds = bytearray(), []
+                if self._stop_loading.is_set():
+                    return
+        self._index_batch(bytes(keys), kinds)
+        with self._lock:
+            self._policies["lmdb"].insert_run(cold.run(), cold.footprints(), cost)
+            for key in cold.dead():  # lost while loading (a corrupt value read): gone from the run too
+                self._policies["lmdb"].remove(key)
+            # More than the capacity: a smaller capacity than the data was written under, or a crash
+            # between evicting chunks from the index and deleting their values. Evict down to it.
+            if not self._make_room("lmdb", "", 0, protect=set()):
+                raise AssertionError("nothing is pinned or committing here, so every chunk can be evicted")
         self._delete_doomed()
+        self._load_seconds = time.perf_counter() - t0
+        self._ready.set()
+        if background:
+            self._progress(f"index: {cold.n:,} LMDB chunks ready in {self._load_seconds:.2f} s")
+
+    def _index_batch(self, keys: bytes, kinds: list[int]) -> None:
+        """Index chunks the scan found (keys joined, ascending), charging their LMDB bytes. A chunk a
+        call indexed meanwhile (a Store while loading: in memory only) is held by LMDB too."""
+        width = len(keys) // max(len(kinds), 1)
+        found = len(kinds)
+        with self._lock:
+            if self._index:
+                kept = bytearray()
+                kept_kinds: list[int] = []
+                for j, kind in enumerate(kinds):
+                    key = keys[j * width : (j + 1) * width]
+                    entry = self._index.get(key)
+                    if entry is None:
+                        kept += key
+                        kept_kinds.append(kind)
+                    elif "lmdb" not in entry.footprint and entry.namespace == self._cold.kind_entry(kind).namespace:
+                        self._charge(key, entry, "lmdb")
+                keys, kinds = bytes(kept), kept_kinds
+            first = self._cold.n
+            self._cold.append(keys, kinds)
+            for (tenant, tier), nbytes in self._cold.charged(first).items():
+                self._reserve(cast("TierName", tier), tenant, nbytes)
+            self._index_loaded += found
+
+    # --- readiness ----------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Every chunk the LMDB tier held at start is indexed."""
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout_seconds: float | None = None) -> bool:
+        return self._ready.wait(timeout_seconds)
+
+    def index_state(self) -> str:
+        """"ready", "loading", or "failed: <why>" (the index could not be loaded; the store answers
+        from what it loaded)."""
+        if self._ready.is_set():
+            return "ready"
+        return f"failed: {self._load_error}" if self._load_error else "loading"
 
     # --- stats and lifecycle ------------------------------------------------------------------------
 
@@ -736,7 +874,7 @@ class GlobalStore(Placement):
             reasons = {k.split(":", 1)[1]: v for k, v in self._by_tier.items() if k.startswith("evict_reason:")}
             c = self._counters
             return StoreStats(
-                chunks=len(self._index), tiers=tiers, tenant_bytes=tenant_bytes,
+                chunks=len(self._index) + self._cold.live, tiers=tiers, tenant_bytes=tenant_bytes,
                 lookups=c.get("lookups", 0), lookup_hit_tokens=c.get("lookup_hit_tokens", 0),
                 lookup_miss_tokens=c.get("lookup_miss_tokens", 0),
                 token_mismatches=c.get("token_mismatches", 0), corrupt_reads=c.get("corrupt_reads", 0),
@@ -745,17 +883,25 @@ class GlobalStore(Placement):
                 ignored_on_open=dict(self._ignored), evictions_by_reason=reasons,
                 key_memo_bytes=self._memo.used_bytes, key_memo_prompts=len(self._memo),
                 key_memo_hits=self._memo.hits, key_memo_reused_keys=self._memo.reused_keys,
+                index_state=self.index_state(), index_loaded_chunks=self._index_loaded,
+                index_chunks_at_start=self._index_at_start, index_load_seconds=self._load_seconds,
             )
 
     def check_invariants(self) -> None:
         """Budgets hold and the accounting adds up (used by tests after every step)."""
         with self._lock:
+            cold = list(self._cold.items())
+            entries = [*self._index.values(), *(e for _, e in cold)]
+            assert not set(self._index) & {k for k, _ in cold}, "a chunk both cold and indexed"
+            assert all(e.cold for _, e in cold) and not any(e.cold for e in self._index.values())
             for tier in TIER_NAMES:
-                total = sum(e.footprint.get(tier, 0) for e in self._index.values())
+                total = sum(e.footprint.get(tier, 0) for e in entries)
                 assert total == self._used[tier], (tier, total, self._used[tier])
                 assert self._used[tier] <= self._tiers[tier].capacity_bytes, tier
-                assert len(self._policies[tier]) == sum(1 for e in self._index.values() if tier in e.footprint)
-            for e in self._index.values():
+                assert len(self._policies[tier]) == sum(1 for e in entries if tier in e.footprint)
+            for k, _ in cold:
+                assert k in self._policies["lmdb"], k.hex()
+            for e in entries:
                 assert e.fastest == fastest_tier(e), (e.fastest, e.footprint)
             for (tenant, tier), used in self._tenant_used.items():
                 quota = self._quotas.get(tenant, TenantQuota()).limit(tier)
@@ -766,6 +912,9 @@ class GlobalStore(Placement):
                 assert entry is None or "lmdb" not in entry.footprint, key.hex()
 
     def close(self) -> None:
+        if self._loader is not None:  # it reads the LMDB environment, which closes below
+            self._stop_loading.set()
+            self._loader.join()
         self._delete_doomed()  # else evicted chunks would be found again at the next start
         with self._lock:
             for t in self._tiers.values():

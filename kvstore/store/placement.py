@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvstore.layout import TIER_NAMES, CacheLayout
 from kvstore.store.fates import ChunkFateSink
@@ -45,6 +46,9 @@ class ChunkEntry:
     # while some tier holds it). A lookup reads it for every hit chunk: finding it by walking
     # TIER_NAMES each time was an eighth of a 32K-token lookup.
     fastest: TierName = "lmdb"
+    # The read-only entry shared by the cold chunks of one namespace (store/cold.py): never
+    # charged, uncharged or given token ids.
+    cold: bool = False
 
 
 def chunk_meta(entry: ChunkEntry) -> ChunkMeta:
@@ -57,7 +61,8 @@ def chunk_meta(entry: ChunkEntry) -> ChunkMeta:
 
 class Placement:
     # State owned by GlobalStore.__init__; declared here for the type checker.
-    _index: dict[bytes, ChunkEntry]
+    _index: dict[bytes, ChunkEntry]  # every chunk but the cold ones
+    _cold: ColdIndex  # chunks recovered at start and not needed since (store/cold.py)
     _tiers: dict[TierName, Tier]
     _policies: dict[TierName, EvictionPolicy]
     _admission: AdmissionPolicy
@@ -71,9 +76,29 @@ class Placement:
     _doomed: set[bytes]  # evicted from LMDB in the index; the value may still be on disk
     _deleting: dict[bytes, threading.Event]  # being deleted from LMDB now; set when done
     _committing: dict[bytes, int]  # keys of commits in flight -> how many: never evicted or deleted
+    _ready: threading.Event  # the LMDB tier's index is loaded (GlobalStore._load_index)
 
     def _bump(self, name: str, n: int = 1) -> None:
         raise NotImplementedError
+
+    def _peek(self, key: bytes) -> ChunkEntry | None:
+        """The chunk's entry, to read: a cold chunk's is the one its kind shares."""
+        entry = self._index.get(key)
+        if entry is None and self._cold.live:
+            entry = self._cold.peek(key)
+        return entry
+
+    def _entry(self, key: bytes) -> ChunkEntry | None:
+        """The chunk's own entry, to change: a cold chunk is thawed (indexed as any other) first."""
+        entry = self._index.get(key)
+        if entry is None and self._cold.live:
+            entry = self._cold.thaw(key)
+            if entry is not None:
+                self._index[key] = entry
+        return entry
+
+    def _holds(self, key: bytes) -> bool:
+        return key in self._index or self._cold.find(key) >= 0
 
     def _bump_tier(self, name: str, label: str) -> None:
         raise NotImplementedError
@@ -109,7 +134,7 @@ class Placement:
         policy = self._policies[tier]
         protected = _Protected(self._pins, protect, self._committing)
         if over_tenant > 0:
-            victims = policy.evict(over_tenant, protected, lambda k: self._index[k].tenant == tenant)
+            victims = policy.evict(over_tenant, protected, lambda k: _tenant_of(self._peek(k)) == tenant)
             if victims is None:
                 return False
             self._evict(tier, victims, "quota")
@@ -123,7 +148,8 @@ class Placement:
 
     def _evict(self, tier: TierName, victims: list[bytes], reason: str) -> None:
         for key in victims:
-            entry = self._index[key]
+            entry = self._entry(key)
+            assert entry is not None, "an eviction policy named a chunk the store does not hold"
             self._bump_tier("evictions", tier)
             self._bump_tier(f"evict_reason:{tier}", reason)
             self._demote(key, entry, tier)
@@ -156,6 +182,8 @@ class Placement:
             tier = self._tiers[t]
             if t == "lmdb" and key in self._deleting:
                 return  # a put now could land before that delete and be lost to it
+            if t == "lmdb" and not self._ready.is_set():
+                return  # while the index loads, LMDB's used bytes are not all known: no writes
             if t == "lmdb" and not self._admission.admit(key):
                 self._bump("admissions_refused")
                 return
@@ -174,7 +202,7 @@ class Placement:
         with self._lock:
             keys: list[bytes] = []
             for key in list(self._doomed):
-                entry = self._index.get(key)
+                entry = self._peek(key)
                 if entry is not None and "lmdb" in entry.footprint:
                     self._doomed.discard(key)  # written again since: the value is live
                 elif key not in self._committing and key not in self._deleting:
@@ -197,6 +225,7 @@ class Placement:
             done.set()
 
     def _charge(self, key: bytes, entry: ChunkEntry, tier: TierName) -> None:
+        assert not entry.cold, "a cold chunk is thawed before it is charged"
         fp = self._tiers[tier].footprint(entry.payload_bytes)
         entry.footprint[tier] = fp
         entry.fastest = fastest_tier(entry)
@@ -206,6 +235,7 @@ class Placement:
         self._policies[tier].insert(key, fp, entry.cost)
 
     def _uncharge(self, key: bytes, entry: ChunkEntry, tier: TierName) -> None:
+        assert not entry.cold, "a cold chunk is thawed before it is uncharged"
         fp = entry.footprint.pop(tier)
         self._used[tier] -= fp
         self._tenant_used[(entry.tenant, tier)] -= fp
@@ -213,6 +243,22 @@ class Placement:
             del self._index[key]
         else:
             entry.fastest = fastest_tier(entry)
+
+
+def _tenant_of(entry: ChunkEntry | None) -> str | None:
+    return None if entry is None else entry.tenant
+
+
+class ColdIndex(Protocol):
+    """What placement asks of the cold chunks (store/cold.py, which imports this module)."""
+
+    live: int
+
+    def find(self, key: bytes) -> int: ...
+
+    def peek(self, key: bytes) -> ChunkEntry | None: ...
+
+    def thaw(self, key: bytes) -> ChunkEntry | None: ...
 
 
 def fastest_tier(entry: ChunkEntry) -> TierName:

@@ -106,3 +106,9 @@ class StoreStats:
     key_memo_prompts: int = 0
     key_memo_hits: int = 0  # key lookups that took at least one key from the memo
     key_memo_reused_keys: int = 0  # keys taken from the memo instead of hashed
+    # The LMDB tier's index at start: "ready", "loading" (in the background: answers come from the
+    # chunks indexed so far) or "failed: <why>"; chunks indexed of those its database held.
+    index_state: str = "ready"
+    index_loaded_chunks: int = 0
+    index_chunks_at_start: int = 0
+    index_load_seconds: float = 0.0

@@ -423,7 +423,7 @@ class LocalPoolStats(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., healthy: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_seconds", "tenant", "tiers", "chunks", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "token_mismatches", "corrupt_reads", "pins_active", "pins_expired", "admissions_refused", "evictions_by_reason", "local_pool", "runners_attached", "models", "calls_in_flight", "calls_rejected", "replay_coordinator", "data_plane")
+    __slots__ = ("version", "uptime_seconds", "tenant", "tiers", "chunks", "lookups", "lookup_hit_tokens", "lookup_miss_tokens", "token_mismatches", "corrupt_reads", "pins_active", "pins_expired", "admissions_refused", "evictions_by_reason", "local_pool", "runners_attached", "models", "calls_in_flight", "calls_rejected", "replay_coordinator", "ready", "index_state", "index_loaded_chunks", "index_chunks_at_start", "data_plane")
     class EvictionsByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -451,6 +451,10 @@ class StatsResponse(_message.Message):
     CALLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     CALLS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     REPLAY_COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    INDEX_STATE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_LOADED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_CHUNKS_AT_START_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_seconds: float
@@ -472,8 +476,12 @@ class StatsResponse(_message.Message):
     calls_in_flight: int
     calls_rejected: int
     replay_coordinator: bool
+    ready: bool
+    index_state: str
+    index_loaded_chunks: int
+    index_chunks_at_start: int
     data_plane: DataPlaneStats
-    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., chunks: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., token_mismatches: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., pins_active: _Optional[int] = ..., pins_expired: _Optional[int] = ..., admissions_refused: _Optional[int] = ..., evictions_by_reason: _Optional[_Mapping[str, int]] = ..., local_pool: _Optional[_Union[LocalPoolStats, _Mapping]] = ..., runners_attached: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., calls_in_flight: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., replay_coordinator: _Optional[bool] = ..., data_plane: _Optional[_Union[DataPlaneStats, _Mapping]] = ...) -> None: ...
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., chunks: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_tokens: _Optional[int] = ..., lookup_miss_tokens: _Optional[int] = ..., token_mismatches: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., pins_active: _Optional[int] = ..., pins_expired: _Optional[int] = ..., admissions_refused: _Optional[int] = ..., evictions_by_reason: _Optional[_Mapping[str, int]] = ..., local_pool: _Optional[_Union[LocalPoolStats, _Mapping]] = ..., runners_attached: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., calls_in_flight: _Optional[int] = ..., calls_rejected: _Optional[int] = ..., replay_coordinator: _Optional[bool] = ..., ready: _Optional[bool] = ..., index_state: _Optional[str] = ..., index_loaded_chunks: _Optional[int] = ..., index_chunks_at_start: _Optional[int] = ..., data_plane: _Optional[_Union[DataPlaneStats, _Mapping]] = ...) -> None: ...
 
 class DataPlaneStats(_message.Message):
     __slots__ = ("shm_enabled", "shm_detail", "unix_socket", "sessions", "calls_by_path", "leases_expired")

@@ -1,0 +1,166 @@
+"""The chunks a restart found in LMDB that nothing has needed since: kept as arrays, not objects.
+
+A `ChunkEntry` with its dict slot and footprint dict costs ~500 B; a 4 TB SSD tier holds ~35
+million V4.1 chunks. What a recovered chunk needs until it is used is its key and its kind (the
+namespace, hence tenant, layout, size and footprint, which all its fellows share): 32 B of key,
+8 B of key prefix for the binary search (policies/key_run.py) and a 4-byte kind, plus a live flag.
+Every chunk of one kind is read through one shared, read-only entry (`peek`); a chunk is
+"thawed" into an ordinary entry of its own (`thaw`) only when the store changes something about
+it (reads it into a faster tier, evicts it, finds it corrupt). A looked-up or loaded chunk stays
+cold: its token ids are checked against its key at each read instead of being kept.
+
+The keys come in ascending order (LMDB's, from the index database's scan), so appending keeps the
+arrays sorted; the run the LMDB tier's eviction policy takes (`EvictionPolicy.insert_run`) is a
+view of the same arrays. The store calls this under its lock; it holds no lock of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from kvstore.layout import CacheLayout
+from kvstore.store.placement import ChunkEntry
+from policies.key_run import KeyRun, key_prefixes
+
+KEY_BYTES = 32
+
+
+class ColdChunks:
+    def __init__(self, expected: int = 0) -> None:
+        # np.zeros: pages never written cost no memory, so room for the expected count is free
+        # until used (and a restart knows the count: the index database's entries).
+        cap = max(expected, 1024)
+        self._keys = np.zeros((cap, KEY_BYTES), dtype=np.uint8)
+        self._prefixes = np.zeros(cap, dtype=np.uint64)
+        self._kind = np.zeros(cap, dtype=np.uint32)
+        self._alive = np.zeros(cap, dtype=bool)
+        self.n = 0  # chunks appended (live or not)
+        self.live = 0  # chunks still cold
+        self._kinds: list[ChunkEntry] = []  # the shared entry of each kind (never changed)
+        self._kind_of: dict[bytes, int] = {}  # namespace digest -> kind
+        self._run = KeyRun(self._keys[:0], self._prefixes[:0])
+
+    # --- building -----------------------------------------------------------------------------------
+
+    def kind(self, namespace: bytes, tenant: str, layout: CacheLayout, cost: float, footprint: int) -> int:
+        """The kind of the chunks of a namespace (made on first use)."""
+        k = self._kind_of.get(namespace)
+        if k is None:
+            k = self._kind_of[namespace] = len(self._kinds)
+            self._kinds.append(ChunkEntry(namespace, tenant, layout, None, layout.chunk_bytes, cost,
+                                          {"lmdb": footprint}, "lmdb", cold=True))
+        return k
+
+    def append(self, keys: bytes, kinds: list[int]) -> None:
+        """Chunks of the given kinds, their keys joined, each above every key held."""
+        m = len(kinds)
+        if not m:
+            return
+        new = np.frombuffer(keys, dtype=np.uint8).reshape(m, KEY_BYTES)
+        if self.n and bytes(new[0]) <= self._keys[self.n - 1].tobytes():
+            raise AssertionError("cold chunks are appended in ascending key order")
+        end = self.n + m
+        if end > len(self._keys):
+            self._grow(end)
+        self._keys[self.n : end] = new
+        self._prefixes[self.n : end] = key_prefixes(new)
+        self._kind[self.n : end] = kinds
+        self._alive[self.n : end] = True
+        self.n, self.live = end, self.live + m
+        self._run = KeyRun(self._keys[: self.n], self._prefixes[: self.n])
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * len(self._keys))
+        for name in ("_keys", "_prefixes", "_kind", "_alive"):
+            old = getattr(self, name)
+            grown = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
+            grown[: self.n] = old[: self.n]
+            setattr(self, name, grown)
+
+    # --- reading ------------------------------------------------------------------------------------
+
+    def find(self, key: bytes) -> int:
+        """The index of `key` if it is cold, else -1."""
+        if not self.live:
+            return -1
+        i = self._run.find(key)
+        return i if i >= 0 and self._alive[i] else -1
+
+    def find_many(self, keys: Sequence[bytes]) -> np.ndarray:
+        """`find` for each key at once (a lookup's keys: one binary search in C for all of them, not
+        one call each): an int64 array of indices, -1 where a key is not cold."""
+        m = len(keys)
+        out = np.full(m, -1, dtype=np.int64)
+        n = self.n
+        if not self.live or not m:
+            return out
+        joined = b"".join(keys)
+        if len(joined) != m * KEY_BYTES:  # not all chunk keys: one at a time
+            return np.array([self.find(k) for k in keys], dtype=np.int64)
+        want = np.frombuffer(joined, dtype=np.uint8).reshape(m, KEY_BYTES)
+        pre = key_prefixes(want)
+        at = np.minimum(np.searchsorted(self._prefixes[:n], pre), n - 1)
+        same_prefix = self._prefixes[at] == pre
+        same_key = same_prefix & (self._keys[at] == want).all(axis=1)
+        hit = same_key & self._alive[at]
+        out[hit] = at[hit]
+        for j in np.flatnonzero(same_prefix & ~same_key).tolist():  # 8-byte prefixes shared: rare
+            out[j] = self.find(keys[j])
+        return out
+
+    def peek_many(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
+        """`peek` for each key at once."""
+        found = self.find_many(keys)
+        kinds = self._kinds
+        return [kinds[k] if i >= 0 else None for i, k in zip(found.tolist(), self._kind[np.maximum(found, 0)].tolist(),
+                                                               strict=True)]
+
+    def peek(self, key: bytes) -> ChunkEntry | None:
+        """The shared entry of a cold chunk's kind: read it, never change it."""
+        i = self.find(key)
+        return None if i < 0 else self._kinds[self._kind[i]]
+
+    def thaw(self, key: bytes) -> ChunkEntry | None:
+        """An ordinary entry of its own for a cold chunk, which stops being cold (the caller
+        indexes the entry); None if it is not cold."""
+        i = self.find(key)
+        if i < 0:
+            return None
+        self._alive[i] = False
+        self.live -= 1
+        shared = self._kinds[self._kind[i]]
+        return ChunkEntry(shared.namespace, shared.tenant, shared.layout, None, shared.payload_bytes,
+                          shared.cost, dict(shared.footprint), "lmdb")
+
+    def run(self) -> KeyRun:
+        """Every chunk appended, as a run of keys (dead ones included: check `find`)."""
+        return self._run
+
+    def footprints(self) -> np.ndarray:
+        """Each appended chunk's LMDB footprint, a new int64 array."""
+        per_kind = np.array([e.footprint["lmdb"] for e in self._kinds] or [0], dtype=np.int64)
+        return per_kind[self._kind[: self.n]]
+
+    def dead(self) -> Iterator[bytes]:
+        """The keys appended that are no longer cold."""
+        for i in np.flatnonzero(~self._alive[: self.n]):
+            yield self._keys[i].tobytes()
+
+    def items(self) -> Iterator[tuple[bytes, ChunkEntry]]:
+        """Every cold chunk's key and shared entry (for checks; slow)."""
+        for i in np.flatnonzero(self._alive[: self.n]):
+            yield self._keys[i].tobytes(), self._kinds[self._kind[i]]
+
+    def kind_entry(self, kind: int) -> ChunkEntry:
+        return self._kinds[kind]
+
+    def charged(self, start: int = 0) -> dict[tuple[str, str], int]:
+        """LMDB bytes of the cold chunks appended from `start` on, by (tenant, tier)."""
+        counts = np.bincount(self._kind[start : self.n][self._alive[start : self.n]], minlength=len(self._kinds))
+        out: dict[tuple[str, str], int] = {}
+        for e, c in zip(self._kinds, counts.tolist(), strict=False):
+            tk = (e.tenant, "lmdb")
+            out[tk] = out.get(tk, 0) + c * e.footprint["lmdb"]
+        return out

@@ -1,0 +1,88 @@
+"""A run of keys held as arrays: the compact form in which a policy takes many keys at once.
+
+A restart finds millions of chunks in the durable tier, all alike (same size per layout, same
+cost, never read yet). Tracked one by one, each costs a Python object per structure (a bytes key,
+an ordered-dict node, a policy entry): ~400 B a chunk in the policy alone. A `KeyRun` keeps them as
+one `(n, width)` byte array in ascending order and a `uint64` array of each key's first 8 bytes
+(big endian, so that it sorts as the keys do), found by binary search: 40 B a 32-byte key. A
+policy given a run (`EvictionPolicy.insert_run`) keeps per key only what it needs (a live flag,
+a size, a frequency counter) in arrays beside it, and moves a key into its ordinary structures
+only when something happens to it that the run cannot express.
+
+Pure: no I/O, no clock; numpy only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_PREFIX_BYTES = 8
+
+
+def key_prefixes(keys: np.ndarray) -> np.ndarray:
+    """The first 8 bytes of each key of an `(n, width)` uint8 array, as big-endian uint64."""
+    if keys.shape[1] < _PREFIX_BYTES:
+        raise ValueError(f"keys of a run are at least {_PREFIX_BYTES} bytes, got {keys.shape[1]}")
+    return np.ascontiguousarray(keys[:, :_PREFIX_BYTES]).view(">u8").reshape(-1).astype(np.uint64)
+
+
+class KeyRun:
+    """`n` distinct keys of one width in ascending byte order. `keys` is `(n, width)` uint8 and
+    `prefixes` its `key_prefixes` (passed in when the caller holds them already: a view costs no
+    memory). Read-only once built: a policy that forgets a key marks it dead in its own arrays."""
+
+    __slots__ = ("keys", "prefixes", "width")
+
+    def __init__(self, keys: np.ndarray, prefixes: np.ndarray | None = None) -> None:
+        if keys.ndim != 2 or keys.dtype != np.uint8:
+            raise ValueError("a key run is an (n, width) uint8 array")
+        self.keys = keys
+        self.width = int(keys.shape[1])
+        self.prefixes = key_prefixes(keys) if prefixes is None else prefixes
+        if len(self.prefixes) != len(keys):
+            raise ValueError("one prefix per key")
+
+    @classmethod
+    def of(cls, keys: list[bytes]) -> KeyRun:
+        """A run of `keys` (sorted here; they must be distinct and of one width)."""
+        ordered = sorted(keys)
+        width = len(ordered[0]) if ordered else _PREFIX_BYTES
+        arr = np.frombuffer(b"".join(ordered), dtype=np.uint8).reshape(len(ordered), width).copy()
+        if len(set(ordered)) != len(ordered):
+            raise ValueError("the keys of a run are distinct")
+        return cls(arr)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def key(self, i: int) -> bytes:
+        return self.keys[i].tobytes()
+
+    def find(self, key: object) -> int:
+        """The index of `key`, or -1."""
+        if not isinstance(key, bytes) or len(key) != self.width:
+            return -1
+        p = int.from_bytes(key[:_PREFIX_BYTES], "big")
+        prefixes = self.prefixes
+        i = int(np.searchsorted(prefixes, p))
+        n = len(prefixes)
+        while i < n and int(prefixes[i]) == p:  # more than one only when 8-byte prefixes collide
+            if self.keys[i].tobytes() == key:
+                return i
+            i += 1
+        return -1
+
+
+def first_alive(alive: np.ndarray, start: int) -> int:
+    """The first index >= `start` whose flag is set, or len(alive): looks at growing windows, so
+    finding a live key next to `start` costs no scan of the whole array."""
+    n = len(alive)
+    window = 64
+    while start < n:
+        part = alive[start : start + window]
+        hit = int(np.argmax(part))
+        if part[hit]:
+            return start + hit
+        start += len(part)
+        window *= 4
+    return n
