@@ -19,6 +19,7 @@ from kvstore.client.sync_client import ResourceExhaustedError
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, DENSE, TOY, V41, Service, payloads, tokens
+from tests.helpers.waiting import wait_until
 
 BAD_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNIMPLEMENTED}
 HYPO = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -148,11 +149,6 @@ def _held_store(stub: pb_grpc.KVCacheStub, release: threading.Event, prompt: np.
     return stub.Store.future(messages(), timeout=30)
 
 
-def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.02)
 
 
 def test_excess_calls_are_refused_quickly(service: Service) -> None:
@@ -161,7 +157,7 @@ def test_excess_calls_are_refused_quickly(service: Service) -> None:
     limit = service.app.config.service.max_concurrent_calls
     held = [_held_store(stub, release, tokens(30 + i, CHUNK)) for i in range(limit)]
     try:
-        _wait(lambda: service.server.limiter.in_flight == limit)
+        wait_until(lambda: service.server.limiter.in_flight == limit)
         kv = service.client()
         t0 = time.monotonic()
         with pytest.raises(ResourceExhaustedError) as e:
@@ -185,15 +181,15 @@ def test_a_load_stopped_mid_stream_releases_its_pins(service: Service, how: str)
     req = pb.LoadRequest(model=DENSE, tokens=pb.Tokens(u32le=prompt.tobytes()))
     stream = stub.Load(req, timeout=0.5 if how == "deadline" else 30)
     next(stream)  # the header: the session is open and pinned
-    _wait(lambda: service.app.store.stats().pins_active == 1)
+    wait_until(lambda: service.app.store.stats().pins_active == 1)
     if how == "cancel":
         stream.cancel()
     with pytest.raises(grpc.RpcError) as e:
         time.sleep(1.0 if how == "deadline" else 0)
         list(stream)
     assert e.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
-    _wait(lambda: service.app.store.stats().pins_active == 0)
-    _wait(lambda: service.server.limiter.in_flight == 0)
+    wait_until(lambda: service.app.store.stats().pins_active == 0)
+    wait_until(lambda: service.server.limiter.in_flight == 0)
     assert len(kv.load(DENSE, prompt).chunks) == 3
 
 
@@ -214,12 +210,12 @@ def test_a_store_stopped_mid_stream_stores_nothing(service: Service, how: str) -
         yield pb.StoreRequest(end=pb.StoreEnd(chunks_sent=4))
 
     fut = stub.Store.future(messages(), timeout=0.5 if how == "deadline" else 30)
-    _wait(lambda: service.server.limiter.in_flight == 1)
+    wait_until(lambda: service.server.limiter.in_flight == 1)
     if how == "cancel":
         fut.cancel()
     with pytest.raises((grpc.RpcError, grpc.FutureCancelledError)):
         fut.result(timeout=10)
     release.set()
-    _wait(lambda: service.server.limiter.in_flight == 0)
+    wait_until(lambda: service.server.limiter.in_flight == 0)
     assert service.client().lookup(TOY, prompt).hit_tokens == 0
     assert service.app.store.stats().chunks == 0

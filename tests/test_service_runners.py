@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +19,7 @@ from kvstore.wire.framing import BlobAssembler, ChunkAssembler
 from replay.registry import JobOutcome
 from replay.runner import ReplayJob
 from tests.fixtures.service import CHUNK, TOY, V41, Service, make_config, payloads, tokens
+from tests.helpers.waiting import wait_until
 
 ALICE, BOB, ADMIN = "alice-token-0123456789", "bob-token-0123456789", "admin-token-0123456789"
 
@@ -124,11 +124,6 @@ def _snapshot(seed: int, model: str) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.02)
 
 
 def test_a_job_goes_to_an_attached_runner_and_its_result_comes_back(service: Service) -> None:
@@ -136,7 +131,7 @@ def test_a_job_goes_to_an_attached_runner_and_its_result_comes_back(service: Ser
     runner = FakeRunner(service.client().channel, TOY, layout.layout_id, _echo_digest).start()
     assert runner.attached.wait(10) and runner.runner_id
     assert [r.model for r in service.app.runners.runners()] == [TOY]
-    _wait(lambda: service.client().health("kvstore.runners") == "SERVING")
+    wait_until(lambda: service.client().health("kvstore.runners") == "SERVING")
     job, _ = _job(service, n=40)  # 40 x 1,272 B: several JobChunks pieces
     outcome = service.app.runners.submit(job).result(timeout=10)
     assert outcome == JobOutcome(outcome.job_id, runner.runner_id, _expected(job), "")
@@ -148,7 +143,7 @@ def test_a_job_goes_to_an_attached_runner_and_its_result_comes_back(service: Ser
     failed = service.app.runners.submit(job).result(timeout=10)
     assert failed.snapshot is None and failed.error == "out of memory"
     runner.close()
-    _wait(lambda: not service.app.runners.runners())
+    wait_until(lambda: not service.app.runners.runners())
     with pytest.raises(Unavailable):
         service.app.runners.submit(job)
 
@@ -163,7 +158,7 @@ def test_jobs_in_flight_fail_when_the_runner_goes_away(service: Service) -> None
     runner = FakeRunner(service.client().channel, TOY, service.app.layouts()[TOY].layout_id, slow).start()
     assert runner.attached.wait(10)
     fut = service.app.runners.submit(_job(service)[0])
-    _wait(lambda: len(runner.jobs) == 1)
+    wait_until(lambda: len(runner.jobs) == 1)
     runner.call.cancel()
     outcome = fut.result(timeout=10)
     assert outcome.snapshot is None and outcome.error
@@ -176,10 +171,10 @@ def test_a_cancelled_job_is_told_to_the_runner(service: Service) -> None:
                         lambda j, c: (hold.wait(10), b"x")[1]).start()
     assert runner.attached.wait(10)
     fut = service.app.runners.submit(_job(service)[0])
-    _wait(lambda: len(runner.jobs) == 1)
+    wait_until(lambda: len(runner.jobs) == 1)
     service.app.runners.cancel_job(fut.job_id, "deadline")
     assert fut.result(timeout=5).error == "deadline"
-    _wait(lambda: runner.cancelled == [fut.job_id])
+    wait_until(lambda: runner.cancelled == [fut.job_id])
     hold.set()
     runner.close()
 

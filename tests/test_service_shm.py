@@ -13,7 +13,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from kvstore.errors import ConfigError
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, TOY, V41, KiB, Service, make_config, payloads, tokens
+from tests.helpers.waiting import wait_until
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
 REPO = Path(__file__).resolve().parents[1]
@@ -66,11 +66,6 @@ def _same(chunks: list[memoryview] | list[bytes], want: list[bytes]) -> bool:
     return len(chunks) == len(want) and all(bytes(a) == b for a, b in zip(chunks, want, strict=True))
 
 
-def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.05)
 
 
 def _memfds(name: str) -> int:
@@ -110,7 +105,7 @@ def test_bytes_are_equal_on_every_path(make_service: Callable[..., Service], soc
     assert mine.pid == os.getpid() and mine.kind == "client"
     assert mine.loaded_bytes >= 4 * 60 * cb and mine.stored_bytes == 60 * cb
     # Releases travel on the side socket, beside the calls: the last may land after the reply.
-    _wait(lambda: kv.stats().data_plane.sessions[0].leases_active == 0)  # type: ignore[union-attr]
+    wait_until(lambda: kv.stats().data_plane.sessions[0].leases_active == 0)  # type: ignore[union-attr]
     assert kv._shm is not None and kv._shm.load_view.readonly
     for path in (sock_dir / "kv.sock", Path(data_socket_path(str(sock_dir / "kv.sock")))):
         assert stat.S_IMODE(path.stat().st_mode) == 0o660  # service.unix_socket_mode
@@ -162,7 +157,7 @@ def test_a_forged_or_stale_descriptor_is_refused(make_service: Callable[..., Ser
     assert store(shm.session_id, pb.ShmSpan(first_chunk=0, num_chunks=4, offset=0)).stored_chunks == 4
     stale = shm.session_id
     shm.close()
-    _wait(lambda: not svc.server.shm.sessions_of("default"))  # type: ignore[union-attr]
+    wait_until(lambda: not svc.server.shm.sessions_of("default"))  # type: ignore[union-attr]
     with pytest.raises(grpc.RpcError) as e:  # the session of a closed connection is gone
         list(stub.Load(pb.LoadRequest(model=TOY, tokens={"u32le": prompt.tobytes()}, shm_session=stale), timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown same-host session" in e.value.details()
@@ -186,7 +181,7 @@ def test_a_lease_that_outlives_its_timeout_is_released(make_service: Callable[..
         return sum(s.leases_active for s in kv.stats().data_plane.sessions)  # type: ignore[union-attr]
 
     assert held() == len(spans)  # never released by this client
-    _wait(lambda: held() == 0, timeout=5)
+    wait_until(lambda: held() == 0, timeout=5)
     assert kv.stats().data_plane.leases_expired >= len(spans)  # type: ignore[union-attr]
     with pytest.raises(LeaseLapsed):  # and the client refuses to trust a copy made after it lapsed
         shm.copy_out(spans[0].offset, 10, memoryview(bytearray(10)), spans[0].lease_expires_at)
@@ -237,8 +232,8 @@ time.sleep(600)
         assert _memfds("kvstore-load") > loads_before and _memfds("kvstore-store") > stores_before
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        _wait(lambda: not kv.stats().data_plane.sessions)  # type: ignore[union-attr]
-        _wait(lambda: _memfds("kvstore-load") == loads_before and _memfds("kvstore-store") == stores_before)
+        wait_until(lambda: not kv.stats().data_plane.sessions)  # type: ignore[union-attr]
+        wait_until(lambda: _memfds("kvstore-load") == loads_before and _memfds("kvstore-store") == stores_before)
         assert svc.server.shm is not None and svc.server.shm.totals() == (0, 0)
     finally:
         proc.kill()
@@ -319,7 +314,7 @@ def test_load_shared_reads_in_place_under_lease_and_lets_go_at_the_end(
         kept = got.chunks[0]
     with pytest.raises(ValueError):
         bytes(kept)  # released with the block
-    _wait(lambda: kv.stats().data_plane.sessions[0].leases_active == 0)  # type: ignore[union-attr]
+    wait_until(lambda: kv.stats().data_plane.sessions[0].leases_active == 0)  # type: ignore[union-attr]
     with tcp.load_shared(TOY, prompt) as streamed:  # without a session: a load's own buffer
         assert streamed.path == "stream" and _same(streamed.chunks, chunks) and streamed.still_held()
 

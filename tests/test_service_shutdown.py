@@ -17,13 +17,7 @@ from kvstore.client.sync_client import KvstoreClient, RpcFailure, Unauthenticate
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, TOY, Service, base_table, payloads, spawn_service, to_toml, tokens
-
-
-def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.02)
+from tests.helpers.waiting import wait_until
 
 
 def _health(address: str) -> str:
@@ -56,11 +50,11 @@ def test_shutdown_goes_not_serving_refuses_new_calls_and_lets_calls_in_flight_fi
     kv = svc.client()
     release = threading.Event()
     in_flight = _slow_store(pb_grpc.KVCacheStub(kv.channel), prompt, data, cb, release)
-    _wait(lambda: svc.server.limiter.in_flight == 1)
+    wait_until(lambda: svc.server.limiter.in_flight == 1)
     result: list[bool] = []
     stopper = threading.Thread(target=lambda: result.append(svc.server.stop(10.0)))
     stopper.start()
-    _wait(lambda: _health(svc.address) == "NOT_SERVING")
+    wait_until(lambda: _health(svc.address) == "NOT_SERVING")
     assert kv.health("kvstore.v1.KVCache") == "NOT_SERVING"
     with pytest.raises(UnavailableError) as e:
         svc.client(retry=_no_retry()).lookup(TOY, prompt)
@@ -91,7 +85,7 @@ def test_calls_past_the_grace_period_are_cancelled_and_store_nothing(make_servic
     release = threading.Event()
     stuck = _slow_store(pb_grpc.KVCacheStub(svc.client().channel), prompt, b"".join(payloads(51, 2, cb)), cb,
                         release)
-    _wait(lambda: svc.server.limiter.in_flight == 1)
+    wait_until(lambda: svc.server.limiter.in_flight == 1)
     assert svc.server.stop(0.3) is False
     release.set()
     with pytest.raises(grpc.RpcError) as e:
@@ -128,7 +122,7 @@ def test_shutdown_under_load(make_service: Callable[..., Service]) -> None:
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
-    _wait(lambda: len(calls) > 30)
+    wait_until(lambda: len(calls) > 30)
     began = time.monotonic()
     assert svc.server.stop(5.0) is True
     ended = time.monotonic()
@@ -181,7 +175,7 @@ def test_the_service_as_a_separate_process(tmp_path: Path) -> None:
             table["local_pool"]["ttl"] = {"kind": "fixed", "ttl_seconds": 77.0}
             (tmp_path / "kvstore.toml").write_text(to_toml(table))
             proc.proc.send_signal(signal.SIGHUP)
-            _wait(lambda: a.store_local(TOY, prompt, snap).ttl_seconds == 77.0)
+            wait_until(lambda: a.store_local(TOY, prompt, snap).ttl_seconds == 77.0)
             assert a.load_local(TOY, prompt).snapshot == snap
     finally:
         assert proc.terminate(signal.SIGINT) == 0, proc.output()

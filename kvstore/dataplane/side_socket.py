@@ -65,17 +65,22 @@ def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
         if n > MAX_MESSAGE_BYTES:
             raise SideSocketClosed(f"a side-socket message of {n} bytes is over {MAX_MESSAGE_BYTES}")
         body, _ = _recv_exact(sock, n, want_fds=False)
-        try:
-            message = json.loads(body)
-        except ValueError:
-            raise SideSocketClosed("a side-socket message is not JSON") from None
-        if not isinstance(message, dict):
-            raise SideSocketClosed("a side-socket message is not a JSON object")
+        message = _decode(body)
     except BaseException:
         for fd in fds:
             _close_quietly(fd)
         raise
     return message, fds
+
+
+def _decode(body: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(body)
+    except ValueError:
+        raise SideSocketClosed("a side-socket message is not JSON") from None
+    if not isinstance(message, dict):
+        raise SideSocketClosed("a side-socket message is not a JSON object")
+    return message
 
 
 def _recv_exact(sock: socket.socket, n: int, want_fds: bool) -> tuple[bytes, list[int]]:
@@ -122,11 +127,5 @@ class FrameReader:
                 break
             body = bytes(self._buf[_LEN.size : _LEN.size + n])
             del self._buf[: _LEN.size + n]
-            try:
-                message = json.loads(body)
-            except ValueError:
-                raise SideSocketClosed("a side-socket message is not JSON") from None
-            if not isinstance(message, dict):
-                raise SideSocketClosed("a side-socket message is not a JSON object")
-            out.append(message)
+            out.append(_decode(body))
         return out

@@ -10,7 +10,8 @@ from typing import Any
 from kvstore.errors import ConfigError
 
 KEYS = ("address", "token", "revision", "model_name", "budget_ms", "fingerprint_cache", "max_pending_store_mib",
-        "retry_after_ms")
+        "retry_after_ms", "load_mode")
+LOAD_MODES = ("sync", "async")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,16 @@ class ConnectorConfig:
     fingerprint_cache: Path | None = None  # where weight fingerprints are remembered across restarts
     max_pending_store_bytes: int = 256 << 20  # copied-out KV waiting to be stored; beyond: dropped
     retry_after_seconds: float = 5.0  # after a failed registration, how long to serve cold first
+    # "sync": a request's Lookup is waited for (within the budget) and its chunks are loaded in the
+    # step that computes it, before the forward pass, as vLLM's own connectors do; "async": the
+    # Lookup answers "not yet" and loads finish between steps, so a step is never held up by a
+    # load. A model with more than one KV cache group (a hybrid one) always loads asynchronously:
+    # its block ids overlap across groups, so a failed load must fail the whole request, and vLLM
+    # can be told that only of an asynchronous load.
+    load_mode: str = "sync"
+
+    def loads_synchronously(self, kv_cache_groups: int) -> bool:
+        return self.load_mode == "sync" and kv_cache_groups == 1
 
     @staticmethod
     def from_extra(extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -43,11 +54,15 @@ class ConnectorConfig:
             if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
                 raise ConfigError(f"kv_connector_extra_config.{key}", f"must be a positive number, got {v!r}")
             numbers[key] = float(v)
+        load_mode = d.get("load_mode", "sync")
+        if load_mode not in LOAD_MODES:
+            raise ConfigError("kv_connector_extra_config.load_mode", f"must be one of {', '.join(LOAD_MODES)}, "
+                              f"got {load_mode!r}")
         cache = d.get("fingerprint_cache")
         return ConnectorConfig(
             address=address, token=d.get("token", ""), revision=d.get("revision", ""),
             model_name=d.get("model_name", ""), budget_seconds=numbers["budget_ms"] / 1000,
             fingerprint_cache=Path(cache) if cache else None,
             max_pending_store_bytes=int(numbers["max_pending_store_mib"] * (1 << 20)),
-            retry_after_seconds=numbers["retry_after_ms"] / 1000,
+            retry_after_seconds=numbers["retry_after_ms"] / 1000, load_mode=load_mode,
         )

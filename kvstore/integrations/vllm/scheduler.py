@@ -6,8 +6,12 @@ A request's first `get_num_new_matched_tokens` starts a Lookup on a thread and a
 cold) it answers the usable hit. A usable hit ends on a chunk boundary and leaves at least one
 prompt token to compute. For a hybrid model it also needs the sliding-window snapshot at that
 boundary (local state "hit"); without one the engine could not use the hit exactly (vLLM's V1
-runner cannot replay a window), so it is reported as no hit. Loads are asynchronous: the workers
-fetch and scatter between steps and say when they are done.
+runner cannot replay a window), so it is reported as no hit.
+
+Loads are synchronous by default (`load_mode = "sync"`): the Lookup is waited for within the
+budget instead, and the workers load in the step that computes the request, before its forward
+pass. With `"async"` (and always for a hybrid model) they fetch and scatter between steps and say
+when they are done: a step never waits for a load, at the price of a step or two of latency.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-lookup")
+        self.sync = link.cfg.loads_synchronously(len(plan.groups))
+        # After a failed Lookup, requests are served cold for retry_after_seconds without asking:
+        # a service that is down must not cost every request the budget.
+        self._ask_after = 0.0
         self.worker_counters: Counter[str] = Counter()
 
     # --- matching ---------------------------------------------------------------------------------
@@ -64,7 +72,7 @@ class SchedulerSide:
         if st.usable_chunks is None and not self._decide(st):
             return None, False
         external = (st.usable_chunks or 0) * self.ct - num_computed_tokens
-        return (external, True) if external > 0 else (0, False)
+        return (external, not self.sync) if external > 0 else (0, False)
 
     def _state(self, request: Any) -> _Request:
         st = self._requests.get(request.request_id)
@@ -81,21 +89,27 @@ class SchedulerSide:
             return True
         if st.lookup is None:
             name = self.link.model_name()
-            if name is None:
+            if name is None or time.monotonic() < self._ask_after:
                 st.usable_chunks = 0
                 return True
             prefix = st.tokens[: boundary * self.ct]
             st.lookup_started = time.monotonic()
             st.lookup = self._pool.submit(self.link.call, "lookup", lambda c: c.lookup(
                 name, prefix, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds, cache_salt=st.salt))
-            return False
+            if not self.sync:
+                return False
+        if self.sync:
+            cf.wait([st.lookup], timeout=max(0.0, st.lookup_started + self.link.cfg.budget_seconds - time.monotonic()))
         if not st.lookup.done():
             if time.monotonic() - st.lookup_started < self.link.cfg.budget_seconds:
                 return False
             self.link.failed("lookup", TimeoutError("no answer within the budget"))
+            self._ask_after = time.monotonic() + self.link.cfg.retry_after_seconds
             st.usable_chunks = 0
             return True
         r = st.lookup.result()
+        if r is None:
+            self._ask_after = time.monotonic() + self.link.cfg.retry_after_seconds
         hit = 0 if r is None else r.hit_chunks
         if hit and self.plan.hybrid and r is not None and r.local_state != "hit":
             self.link.count("hybrid_hits_without_window")  # the engine could not use it exactly

@@ -58,6 +58,7 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._reported: dict[str, int] = {}
         self._layers = sum(len(g.layer_names) for g in plan.groups)
+        self.sync = link.cfg.loads_synchronously(len(plan.groups))
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], platform: str) -> None:
         self.cache = PagedCache(self.plan, kv_caches, platform)
@@ -65,8 +66,18 @@ class WorkerSide:
     # --- loads ------------------------------------------------------------------------------------
 
     def start_loads(self, meta: KvstoreMeta) -> None:
+        """Synchronous loads run here, before the forward pass; a short one reports the blocks it
+        did not fill (vLLM recomputes them). Asynchronous ones go to threads."""
         for spec in meta.loads:
-            self._loads[spec.req_id] = self._load_pool.submit(self._load, spec)
+            if not self.sync:
+                self._loads[spec.req_id] = self._load_pool.submit(self._load, spec)
+                continue
+            try:
+                out = self._load(spec)
+            except Exception as e:  # a bug or a torch error: recompute rather than serve garbage
+                self.link.failed("load", e)
+                out = _LoadOutcome(spec.req_id, False, {b for ids in spec.chunk_blocks.values() for b in ids})
+            self._settle(out)
 
     def _load(self, spec: LoadSpec) -> _LoadOutcome:
         assert self.cache is not None
@@ -130,16 +141,22 @@ class WorkerSide:
                 self.link.failed("load", e)
                 out = _LoadOutcome(req_id, False)
                 failed.add(req_id)
-            self.link.count("loaded_chunks", out.loaded_chunks)
-            if out.ok:
-                continue
-            self.link.count("load_failed_requests")
-            if len(self.plan.groups) > 1:
+            if not self._settle(out):
                 failed.add(req_id)
-            else:
-                self._errors |= out.failed_blocks
-                self.link.count("load_failed_blocks", len(out.failed_blocks))
         return finished, failed
+
+    def _settle(self, out: _LoadOutcome) -> bool:
+        """Count a finished load; its unfilled blocks become load errors where they can (one KV
+        cache group). False when the whole request must be failed instead."""
+        self.link.count("loaded_chunks", out.loaded_chunks)
+        if out.ok:
+            return True
+        self.link.count("load_failed_requests")
+        if len(self.plan.groups) > 1:
+            return False
+        self._errors |= out.failed_blocks
+        self.link.count("load_failed_blocks", len(out.failed_blocks))
+        return True
 
     def take_load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
