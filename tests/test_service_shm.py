@@ -402,3 +402,34 @@ def test_the_side_socket_refuses_bad_hellos_and_drops_silent_connections(
     assert ok.tenant == "alice"
     assert svc.server.shm is not None and [x.tenant for x in svc.server.shm.sessions_of("alice")] == ["alice"]
     ok.close()
+
+
+def test_a_failing_hello_is_refused_and_the_listener_keeps_serving(
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from kvstore.dataplane import ShmUnavailable
+    from kvstore.service import shm_listener
+
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    path = str(sock_dir / "kv.sock")
+
+    def no_memory(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    with monkeypatch.context() as m:  # the fault: the kernel has no memory for a segment
+        m.setattr(shm_listener, "Segment", no_memory)
+        with pytest.raises(ShmUnavailable, match="cannot create shared memory now"):
+            ShmPath.open(path, None)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    with monkeypatch.context() as m:  # the fault: a bug while opening a session
+        m.setattr(shm_listener.ShmSessions, "_open", broken)
+        with pytest.raises(ShmUnavailable):
+            ShmPath.open(path, None)
+    ok = ShmPath.open(path, None)  # neither ended the listener
+    assert svc.server.shm is not None and svc.server.shm.totals() == (1, 0)
+    ok.close()

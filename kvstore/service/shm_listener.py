@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kvstore.config import ServiceConfig
 from kvstore.dataplane import (
@@ -167,10 +167,15 @@ class ShmSessions:
             except OSError:
                 return
             for key, _ in events:
-                if key.data is None:
-                    self._accept()
-                else:
-                    self._readable(key.data)
+                try:
+                    if key.data is None:
+                        self._accept()
+                    else:
+                        self._readable(key.data)
+                except Exception:  # one connection's fault must not end the listener for all
+                    log.exception("same-host socket: a connection failed unexpectedly")
+                    if isinstance(key.data, _Conn):
+                        self._drop(key.data, "an unexpected error")
             self._sweep()
 
     def _accept(self) -> None:
@@ -222,13 +227,10 @@ class ShmSessions:
     def _hello(self, conn: _Conn, hello: dict[str, Any]) -> None:
         try:
             session = self._open(conn, hello)
+        except OSError as e:  # no memory or descriptors for the segments: refused, and said why
+            self._refuse(conn, f"the service cannot create shared memory now ({e.strerror or e})")
         except (Unauthenticated, InvalidInput) as e:
-            self.refused_total += 1
-            with contextlib.suppress(OSError):
-                conn.sock.setblocking(True)
-                conn.sock.settimeout(1.0)
-                send_message(conn.sock, {"ok": False, "error": str(e)})
-            raise SideSocketClosed(f"hello refused: {e}") from None
+            self._refuse(conn, str(e))
         conn.session = session
         # Known before the client hears of it: its first call may come at once.
         with self._lock:
@@ -247,6 +249,14 @@ class ShmSessions:
             conn.sock.setblocking(False)
         log.info("same-host session %s opened: tenant '%s', %s, pid %d", session.session_id[:8],
                  session.tenant or ADMIN_MEMBER, session.kind, session.pid)
+
+    def _refuse(self, conn: _Conn, why: str) -> NoReturn:
+        self.refused_total += 1
+        with contextlib.suppress(OSError):
+            conn.sock.setblocking(True)
+            conn.sock.settimeout(1.0)
+            send_message(conn.sock, {"ok": False, "error": why})
+        raise SideSocketClosed(f"hello refused: {why}")
 
     def _open(self, conn: _Conn, hello: dict[str, Any]) -> ShmSession:
         if hello.get("v") != HELLO_VERSION:
