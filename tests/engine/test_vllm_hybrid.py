@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvstore.bench.engine_models import TINY_VOCAB, write_gemma3
+from kvstore.integrations.vllm.link import REPLAY_MODE
 from tests.engine.conftest import Engine, Kvstore, connector_spec, service_table, start_engine
 
 CT = 128
@@ -40,9 +41,15 @@ def engine(workdir: Path, kv: Kvstore, engines: list[Engine]) -> Engine:
 
 
 def _stored(kv: Kvstore, chunks: int, timeout: float = 30) -> None:
+    """Wait until the service holds the prompt's chunks and the window state at its boundary:
+    the engine stores both off the forward pass, the snapshot after the chunks."""
     with kv.client() as c:
         deadline = time.monotonic() + timeout
         while c.stats().chunks < chunks and time.monotonic() < deadline:
+            time.sleep(0.1)
+        name = next(m for m in c.stats().models if m.startswith("engine-"))  # as the connector registered it
+        while (c.lookup(name, PROMPT[: chunks * CT], REPLAY_MODE, purpose="probe").local_state != "hit"
+               and time.monotonic() < deadline):
             time.sleep(0.1)
 
 
