@@ -430,8 +430,7 @@ class KvstoreClient:
         """
         shm = self._shm_path()
         if shm is None:
-            r = self.load(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
-            yield SharedLoad(r.hit_tokens, r.chunk_tokens, r.chunk_bytes, r.chunks, r.chunk_tiers, "stream", [])
+            yield self._streamed_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
             return
         req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
                              cache_salt=cache_salt, shm_session=shm.session_id)
@@ -460,8 +459,7 @@ class KvstoreClient:
                 if not _session_gone(e):
                     raise _failure(e, "Load") from None
                 self._shm_failed(shm, "the service no longer knows the session")
-                r = self.load(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
-                yield SharedLoad(r.hit_tokens, r.chunk_tokens, r.chunk_bytes, r.chunks, r.chunk_tiers, "stream", [])
+                yield self._streamed_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
                 return
             n = len(views)
             yield SharedLoad(n * head.chunk_tokens, head.chunk_tokens, head.chunk_bytes, views, tuple(tiers), "shm",
@@ -470,6 +468,12 @@ class KvstoreClient:
             for v in views:
                 v.release()  # a view kept past the block would read reused memory
             shm.release(leases)
+
+    def _streamed_shared(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str, max_chunks: int,
+                         timeout_seconds: float | None, cache_salt: str) -> SharedLoad:
+        """`load_shared` without a session: a `load`'s views, which this client owns."""
+        r = self.load(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
+        return SharedLoad(r.hit_tokens, r.chunk_tokens, r.chunk_bytes, r.chunks, r.chunk_tiers, "stream", [])
 
     def load_into(self, model: str, tokens: Sequence[int] | np.ndarray, buffer: Any, replay_mode: str = "",
                   max_chunks: int = 0, timeout_seconds: float | None = None, cache_salt: str = "") -> LoadIntoResult:
