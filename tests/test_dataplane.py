@@ -109,6 +109,36 @@ def test_a_lapsed_lease_frees_its_span_and_its_late_release_is_stale() -> None:
     assert t.active == 1
 
 
+def test_a_hold_takes_no_space_and_ends_once_however_it_ends() -> None:
+    clock = Clock()
+    t = LeaseTable(1024, lease_seconds=5, clock=clock)
+    ended: list[str] = []
+    released = t.hold(lambda: ended.append("released"))
+    expired = t.hold(lambda: ended.append("expired"))
+    assert t.grant(1024, 0).offset == 0  # the holds took none of the segment
+    assert t.release(released.lease_id) and not t.release(released.lease_id)
+    assert ended == ["released"]
+    clock.now += 5.0
+    assert t.expire() == 2 and ended == ["released", "expired"]  # and the grant's lease, which has no end call
+    closed = t.hold(lambda: ended.append("closed"))
+    assert closed.lease_id not in (released.lease_id, expired.lease_id)
+    assert t.close() == 1 and ended[-1] == "closed"
+    t.expire()
+    assert ended.count("closed") == 1
+    with pytest.raises(NoRoom, match="closed"):
+        t.hold(lambda: None)
+
+
+def test_a_grant_that_expires_holds_calls_their_ends() -> None:
+    clock = Clock()
+    t = LeaseTable(1024, lease_seconds=5, clock=clock)
+    ended: list[int] = []
+    t.hold(lambda: ended.append(1))
+    t.grant(1024, 0)
+    clock.now += 5.0
+    assert t.grant(1024, 0).offset == 0 and ended == [1]  # room found by expiring, and the hold ended
+
+
 def test_a_grant_waits_for_a_release() -> None:
     t = LeaseTable(1024, lease_seconds=60)
     a = t.grant(1024, 0)

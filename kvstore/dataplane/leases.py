@@ -2,7 +2,9 @@
 
 The service copies a load's chunks into its session's load segment and leases the span to the
 client until the client says it is done with it (or the lease runs out): until then the span is
-never reused, so what the client reads under a lease is what the service wrote there. Space is
+never reused, so what the client reads under a lease is what the service wrote there. A lease may
+also hold no space (`hold`): it then stands for something else kept for the client (chunks it
+reads in place), and its `on_end` is called once, when it is released, expires or the table closes. Space is
 allocated first-fit from a free list that coalesces on release; a writer that finds no room waits
 for releases or expiries, up to its own time limit.
 
@@ -42,6 +44,7 @@ class LeaseTable:
         self._cond = threading.Condition()
         self._free: list[tuple[int, int]] = [(0, segment_bytes)]  # (offset, length), sorted, coalesced
         self._leases: dict[int, Lease] = {}
+        self._on_end: dict[int, Callable[[], None]] = {}
         self._next_id = 1
         self._closed = False
         self.granted_total = 0
@@ -65,25 +68,46 @@ class LeaseTable:
         size = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
         size = min(size, self.segment_bytes)
         give_up = self._clock() + wait_seconds
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise NoRoom("the session is closed")
-                at = self._take(size)
-                if at is None and self._expire_locked():
+        ended: list[Callable[[], None]] = []
+        try:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        raise NoRoom("the session is closed")
                     at = self._take(size)
-                if at is not None:
-                    lease = Lease(self._next_id, at, size, self._clock() + self.lease_seconds)
-                    self._next_id += 1
-                    self._leases[lease.lease_id] = lease
-                    self.granted_total += 1
-                    return lease
-                left = give_up - self._clock()
-                if left <= 0 or not still_wanted():
-                    raise NoRoom(f"no {nbytes}-byte span came free in {wait_seconds:g} s: "
-                                 f"{len(self._leases)} lease(s) hold {self.leased_bytes} of "
-                                 f"{self.segment_bytes} bytes")
-                self._cond.wait(min(left, 0.05, self._next_expiry_in()))
+                    if at is None:
+                        expired, ends = self._expire_locked()
+                        ended += ends
+                        if expired:
+                            at = self._take(size)
+                    if at is not None:
+                        lease = Lease(self._next_id, at, size, self._clock() + self.lease_seconds)
+                        self._next_id += 1
+                        self._leases[lease.lease_id] = lease
+                        self.granted_total += 1
+                        return lease
+                    left = give_up - self._clock()
+                    if left <= 0 or not still_wanted():
+                        raise NoRoom(f"no {nbytes}-byte span came free in {wait_seconds:g} s: "
+                                     f"{len(self._leases)} lease(s) hold {self.leased_bytes} of "
+                                     f"{self.segment_bytes} bytes")
+                    self._cond.wait(min(left, 0.05, self._next_expiry_in()))
+        finally:
+            for f in ended:
+                f()
+
+    def hold(self, on_end: Callable[[], None]) -> Lease:
+        """A lease on no space, for something kept for the client until the lease ends; `on_end`
+        is then called (outside the table's lock). Raises NoRoom once the table is closed."""
+        with self._cond:
+            if self._closed:
+                raise NoRoom("the session is closed")
+            lease = Lease(self._next_id, 0, 0, self._clock() + self.lease_seconds)
+            self._next_id += 1
+            self._leases[lease.lease_id] = lease
+            self._on_end[lease.lease_id] = on_end
+            self.granted_total += 1
+            return lease
 
     def release(self, lease_id: int) -> bool:
         """Give a lease's span back; False (and nothing freed) for an unknown or expired lease."""
@@ -93,35 +117,50 @@ class LeaseTable:
                 self.stale_releases += 1
                 return False
             self._give_back(lease)
+            ended = self._on_end.pop(lease_id, None)
             self.released_total += 1
             self._cond.notify_all()
-            return True
+        if ended is not None:
+            ended()
+        return True
 
     def expire(self) -> int:
         """Drop leases past their time; how many."""
         with self._cond:
-            return self._expire_locked()
+            expired, ended = self._expire_locked()
+        for f in ended:
+            f()
+        return expired
 
     def close(self) -> int:
         """Drop every lease (the client went away); how many were held."""
         with self._cond:
             n = len(self._leases)
             self._leases.clear()
+            ended = list(self._on_end.values())
+            self._on_end.clear()
             self._free = [(0, self.segment_bytes)]
             self._closed = True
             self._cond.notify_all()
-            return n
+        for f in ended:
+            f()
+        return n
 
-    def _expire_locked(self) -> int:
+    def _expire_locked(self) -> tuple[int, list[Callable[[], None]]]:
+        """Drop the leases past their time: how many, and the `on_end`s to call (unlocked)."""
         now = self._clock()
         gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        ended: list[Callable[[], None]] = []
         for lease in gone:
             del self._leases[lease.lease_id]
             self._give_back(lease)
+            f = self._on_end.pop(lease.lease_id, None)
+            if f is not None:
+                ended.append(f)
         self.expired_total += len(gone)
         if gone:
             self._cond.notify_all()
-        return len(gone)
+        return len(gone), ended
 
     def _next_expiry_in(self) -> float:
         if not self._leases:
@@ -139,6 +178,8 @@ class LeaseTable:
         return None
 
     def _give_back(self, lease: Lease) -> None:
+        if not lease.length:
+            return  # a hold: no space to give back
         free = self._free
         k = bisect.bisect_left(free, (lease.offset, 0))
         off, length = lease.offset, lease.length
