@@ -9,11 +9,12 @@ replay or observers (docs/architecture.md §2).
 
 from kvstore.store.global_store import GlobalStore
 from kvstore.store.sessions import LoadSession, StoreTxn
-from kvstore.store.types import CommitResult, LoadedChunk, PrefixHit, StoreStats, TenantQuota, TierUsage
+from kvstore.store.types import CommitResult, InPlaceRun, LoadedChunk, PrefixHit, StoreStats, TenantQuota, TierUsage
 
 __all__ = [
     "CommitResult",
     "GlobalStore",
+    "InPlaceRun",
     "LoadSession",
     "LoadedChunk",
     "PrefixHit",

@@ -51,6 +51,7 @@ from kvstore.store.placement import ChunkEntry, Placement, fastest_tier
 from kvstore.store.sessions import LoadSession, StoreTxn
 from kvstore.store.types import (
     CommitResult,
+    InPlaceRun,
     PrefixHit,
     SkipReason,
     StoreStats,
@@ -100,12 +101,15 @@ class GlobalStore(Placement):
         clock: Callable[[], float] = time.monotonic,
         progress: Callable[[str], None] | None = None,
         load_index_in_background: bool = False,
+        arena_owners: Mapping[str, float] | None = None,
     ) -> None:
         """`progress` is told, a line at a time, about slow work at start (building the LMDB index
         of a data directory of an older format, loading the index in the background).
         `load_index_in_background`: return before the LMDB tier's chunks are indexed and index them
         on a thread; until then (`ready`), the store answers from what it has indexed so far and
-        keeps what it is given in memory only (see `_loading`)."""
+        keeps what it is given in memory only (see `_loading`). `arena_owners` (tenant -> weight)
+        splits the in-memory tiers between those tenants, so that their same-host clients can read
+        chunks in place (`hold_in_place`); each tenant is then kept within its part."""
         self.cfg = cfg
         self._clock = clock
         self._models = {m.name: m for m in models}
@@ -118,7 +122,13 @@ class GlobalStore(Placement):
         self._pins = PinTable()
         self._memo = KeyMemo(cfg.key_memo_bytes)
         layouts = list(self._layouts.values())
-        device, dram, lmdb = quantize_tiers(cfg, layouts, *build_tiers(cfg, Path(data_dir), layouts, progress))
+        built = build_tiers(cfg, Path(data_dir), layouts, progress, arena_owners)
+        # An arena split between tenants holds each one's chunks within its part: a limit like a quota.
+        self._parts: dict[TierName, dict[str, int]] = {
+            t: caps for t, arena in zip(HOT_TIERS, built[:2], strict=True)
+            if (caps := arena.owner_capacities()) is not None}
+        self._arenas = dict(zip(HOT_TIERS, built[:2], strict=True))
+        device, dram, lmdb = quantize_tiers(cfg, layouts, *built)
         self._durable: DurableTier = lmdb
         self._tiers: dict[TierName, Tier] = {"device": device, "dram": dram, "lmdb": lmdb}
         self._policies: dict[TierName, EvictionPolicy] = {
@@ -544,7 +554,7 @@ class GlobalStore(Placement):
         if entry is None:
             for t in c.tiers:
                 if t != "lmdb":
-                    self._tiers[t].put(key, c.payload, meta)
+                    self._tiers[t].put(key, c.payload, meta, ns.tenant)
         tiers = c.tiers
         self._release_reservations(ns.tenant, c)
         if entry is not None:  # a concurrent store of the same prefix won the race
@@ -567,9 +577,8 @@ class GlobalStore(Placement):
 
     def _refusal(self, tenant: str, payload_bytes: int) -> SkipReason:
         """Why a chunk found no place: the tenant's quota in some tier, else the tiers' room."""
-        quota = self._quotas.get(tenant, TenantQuota())
         for t in TIER_NAMES:
-            limit = quota.limit(t)
+            limit = self._limit(tenant, t)
             if limit >= 0 and self._tenant_used.get((tenant, t), 0) + self._tiers[t].footprint(payload_bytes) > limit:
                 return "over-quota"
         return "no-room"
@@ -702,6 +711,46 @@ class GlobalStore(Placement):
                 return None
             out = self._tiers[tier].join_payloads(head(tier), keys)
         return None if out is None else (tier, out)
+
+    def hold_in_place(self, keys: Sequence[bytes], tenant: str, pin_seconds: float) -> InPlaceRun | None:
+        """The longest head of `keys` that one in-memory tier, split between tenants, holds in
+        `tenant`'s own part with each chunk in one piece, pinned for `pin_seconds` (or until
+        `unpin`) so that a same-host client can read it where it lies; None when the first chunk
+        is not so held (read it with `read_chunk` then)."""
+        with self._lock:
+            tier: TierName | None = None
+            offsets: list[int] = []
+            for k in keys:
+                entry = self._peek(k)
+                if entry is None or entry.fastest not in self._parts or entry.tenant != tenant:
+                    break
+                if tier is not None and entry.fastest != tier:
+                    break
+                at = self._arenas[entry.fastest].locate(k, tenant)
+                if at is None:
+                    break
+                tier = entry.fastest
+                offsets.append(at)
+            if tier is None:
+                return None
+            self._pins.expire(self._clock())
+            pin = self._pins.pin(keys[: len(offsets)], self._clock(), pin_seconds)
+        return InPlaceRun(tier, tuple(offsets), pin)
+
+    def arena_memory(self, tenant: str) -> list[tuple[TierName, int, int]]:
+        """(tier, descriptor, bytes) of `tenant`'s part of each in-memory tier split between
+        tenants: what its same-host clients map, read-only, to read chunks in place."""
+        out: list[tuple[TierName, int, int]] = []
+        for tier in self._parts:
+            got = self._arenas[tier].owner_memory(tenant)
+            if got is not None:
+                out.append((tier, *got))
+        return out
+
+    def unpin(self, pin: PinReceipt) -> None:
+        """Let chunks held in place go (a second call, or one after the pin expired, does nothing)."""
+        with self._lock:
+            self._pins.release(pin)
 
     def _lost(self, key: bytes, entry: ChunkEntry, tier: TierName) -> None:
         """A tier no longer has a chunk it was charged for (corrupt value removed by the tier)."""
@@ -904,7 +953,7 @@ class GlobalStore(Placement):
             for e in entries:
                 assert e.fastest == fastest_tier(e), (e.fastest, e.footprint)
             for (tenant, tier), used in self._tenant_used.items():
-                quota = self._quotas.get(tenant, TenantQuota()).limit(tier)
+                quota = self._limit(tenant, tier)
                 assert quota < 0 or used <= quota, (tenant, tier, used, quota)
             assert not self._committing and not self._deleting, "a commit or a delete left its mark"
             for key in self._doomed:  # a value to delete is held in LMDB by no indexed chunk

@@ -69,6 +69,7 @@ class Placement:
     _used: dict[TierName, int]
     _tenant_used: dict[tuple[str, TierName], int]
     _quotas: dict[str, TenantQuota]
+    _parts: dict[TierName, dict[str, int]]  # tier split between tenants -> each one's bytes
     _pins: PinTable
     _fates: ChunkFateSink
     _lock: threading.RLock
@@ -110,7 +111,7 @@ class Placement:
             if t.capacity_bytes == 0 or tier in entry.footprint:
                 continue
             if self._make_room(tier, entry.tenant, t.footprint(len(payload)), protect):
-                t.put(key, payload, chunk_meta(entry))
+                t.put(key, payload, chunk_meta(entry), entry.tenant)
                 self._charge(key, entry, tier)
                 return True
         return False
@@ -122,9 +123,19 @@ class Placement:
     def _budget_excess(self, tier: TierName, tenant: str, need: int) -> tuple[int, int]:
         cap = self._tiers[tier].capacity_bytes
         over_tier = self._used[tier] + need - cap
-        quota = self._quotas.get(tenant, TenantQuota()).limit(tier)
+        quota = self._limit(tenant, tier)
         over_tenant = self._tenant_used.get((tenant, tier), 0) + need - quota if quota >= 0 else 0
         return over_tier, over_tenant
+
+    def _limit(self, tenant: str, tier: TierName) -> int:
+        """The most bytes `tenant` may hold in `tier` (-1: no limit beyond the tier's): its quota,
+        and its part of the tier when the tier is split between tenants (none: no room at all)."""
+        quota = self._quotas.get(tenant, TenantQuota()).limit(tier)
+        parts = self._parts.get(tier)
+        if parts is None:
+            return quota
+        part = parts.get(tenant, 0)
+        return part if quota < 0 else min(quota, part)
 
     def _make_room(self, tier: TierName, tenant: str, need: int, protect: set[bytes]) -> bool:
         """Evict (demoting where a lower tier has room) until `need` bytes fit; False if they can't."""
@@ -188,7 +199,7 @@ class Placement:
                 self._bump("admissions_refused")
                 return
             if self._make_room(t, entry.tenant, tier.footprint(len(payload)), protect):
-                tier.put(key, payload, meta)
+                tier.put(key, payload, meta, entry.tenant)
                 self._charge(key, entry, t)
                 self._bump_tier("demotions", t)
                 return

@@ -14,7 +14,7 @@ from kvstore.errors import InvalidInput
 from kvstore.keys.chunk_keys import Namespace
 from kvstore.layout import CacheLayout
 from kvstore.store.pins import PinReceipt
-from kvstore.store.types import CommitResult, LoadedChunk, PrefixHit
+from kvstore.store.types import CommitResult, InPlaceRun, LoadedChunk, PrefixHit
 from kvstore.tiers.base import TierName
 
 
@@ -30,6 +30,10 @@ class Bookkeeper(Protocol):
     def read_joined(
         self, keys: Sequence[bytes], head: Callable[[TierName], bytes]
     ) -> tuple[TierName, bytes] | None: ...
+
+    def hold_in_place(self, keys: Sequence[bytes], tenant: str, pin_seconds: float) -> InPlaceRun | None: ...
+
+    def unpin(self, pin: PinReceipt) -> None: ...
 
     def release_load(self, receipt: PinReceipt, read_keys: Sequence[bytes]) -> None: ...
 
@@ -119,6 +123,19 @@ class LoadSession:
         tiers = self._store.read_chunks(self.keys[first : first + len(outs)], outs, self._prev(first))
         self.read_chunks += len(tiers)
         return tiers
+
+    def hold_in_place(self, first: int, count: int, pin_seconds: float) -> InPlaceRun | None:
+        """Chunks first, first + 1, ... (at most `count`) where a same-host client of this tenant
+        may read them in place, pinned apart from this session (see `GlobalStore.hold_in_place`);
+        None when chunk `first` is not held so."""
+        run = self._store.hold_in_place(self.keys[first : first + count], self.ns.tenant, pin_seconds)
+        if run is not None:
+            self.read_chunks += len(run.offsets)
+        return run
+
+    def unpin(self, pin: PinReceipt) -> None:
+        """Let chunks held by `hold_in_place` go; they outlive this session until then."""
+        self._store.unpin(pin)
 
     def _prev(self, index: int) -> bytes:
         """The key before chunk `index` in the chain (the namespace digest for chunk 0): the store

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvstore.store.pins import PinReceipt
 from kvstore.tiers.base import TierName
 
 
@@ -34,11 +35,22 @@ class PrefixHit:
     boundary_key: bytes = b""  # key of the last hit chunk (names the local snapshot there)
 
 
+@dataclass(frozen=True)
+class InPlaceRun:
+    """Consecutive chunks of a load that a same-host client may read where they lie: in `tier`,
+    in the part of its memory that is the tenant's own, chunk k at byte `offsets[k]`. They stay
+    put (pinned) until `GlobalStore.unpin(pin)`, or the pin times out."""
+
+    tier: TierName
+    offsets: tuple[int, ...]
+    pin: PinReceipt
+
+
 # Why a chunk of a Store was not stored (CommitResult.skipped_by_reason); each with what it means.
 SkipReason = Literal["no-room", "over-quota", "not-admitted", "after-gap", "not-sent"]
 SKIP_REASONS: dict[SkipReason, str] = {
     "no-room": "no tier had room within its budget",
-    "over-quota": "the tenant's quota was full",
+    "over-quota": "the tenant's quota (or its part of a memory tier split between tenants) was full",
     "not-admitted": "kept out of LMDB by the admission policy, and no memory tier had room",
     "after-gap": "behind a chunk of the prefix that is not held, so no lookup reaches them",
     "not-sent": "held when the store began, evicted before it committed, and not sent",

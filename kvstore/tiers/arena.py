@@ -9,19 +9,28 @@ The arena decides nothing: it stores what it is given or, when the pages are not
 StorageError. The store asks `footprint()` first and keeps the arena within budget, so running
 out of pages here means the bookkeeping is broken. Whether the tensor lives in GPU or pinned host
 memory is the subclass's business (device.py, dram.py).
+
+A host arena may instead be split between owners (tenants): each owner's pages are a memory file
+of their own (`kvstore.dataplane.Segment`, sealed so that its readers can never write it), which
+the service hands to that owner's same-host clients, who then read chunks in place: one copy per
+load instead of two. An owner's pages hold only its own chunks, so a client maps nothing of
+another tenant's. The split is fixed at start, by weight; the store keeps each owner within its
+part (`owner_capacities`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from kvstore.dataplane.segments import Segment
 from kvstore.errors import InvalidInput, StorageError
 from kvstore.layout import CacheLayout
 from kvstore.tiers.base import ChunkMeta, TierName, TierStats
@@ -116,48 +125,111 @@ class _Entry:
     """Where one chunk lives. For host pools `views` are the chunk's byte ranges of the pool, made
     once at put time so that a get is one copy per run (no torch dispatch)."""
 
-    __slots__ = ("meta", "nbytes", "runs", "views")
+    __slots__ = ("meta", "nbytes", "owner", "runs", "views")
 
     def __init__(
-        self, runs: tuple[Run, ...], nbytes: int, meta: ChunkMeta, views: tuple[memoryview, ...]
+        self, runs: tuple[Run, ...], nbytes: int, meta: ChunkMeta, views: tuple[memoryview, ...], owner: str
     ) -> None:
         self.runs = runs
         self.nbytes = nbytes
         self.meta = meta
         self.views = views
+        self.owner = owner  # whose pages hold it ("" in an arena that is not split)
+
+
+class _OwnerPages:
+    """One owner's part of a split host arena: a memory file the owner's clients may map."""
+
+    __slots__ = ("free", "n_pages", "segment", "view")
+
+    def __init__(self, name: str, n_pages: int, page_bytes: int) -> None:
+        self.n_pages = n_pages
+        self.free = FreeRuns(n_pages)
+        self.segment = Segment(name, max(1, n_pages) * page_bytes, client_writable=False)
+        self.view = self.segment.view
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):
+            self.view.release()
+        self.segment.close()
 
 
 class PagedArena:
-    """The tier surface (see base.Tier) over one preallocated tensor of pages."""
+    """The tier surface (see base.Tier) over one preallocated tensor of pages, or (a host arena
+    given `owners`) over one memory file of pages per owner."""
 
     name: TierName
 
-    def __init__(self, capacity_bytes: int, page_bytes: int, device: torch.device, pin_memory: bool) -> None:
+    def __init__(self, capacity_bytes: int, page_bytes: int, device: torch.device, pin_memory: bool,
+                 owners: Mapping[str, float] | None = None) -> None:
         if page_bytes <= 0 or capacity_bytes < 0:
             raise InvalidInput(f"bad arena geometry: capacity {capacity_bytes}, page {page_bytes}")
         self.page_bytes = page_bytes
         self.n_pages = capacity_bytes // page_bytes
+        self._owners: dict[str, _OwnerPages] = {}
+        if owners and device.type == "cpu" and self.n_pages:
+            self._split(owners)
+            device, pin_memory = torch.device("cpu"), False
         try:
-            # (n_pages * page_bytes,) uint8: the only payload allocation this arena ever makes.
+            # (n_pages * page_bytes,) uint8: the only payload allocation this arena ever makes
+            # (none beyond an empty tensor when it is split between owners).
             # A plain host pool is backed by the OS on each page's first write, unless the store
             # prefaults it at start (`prefault`, store.prefault_arenas); pinned pools are backed at once.
-            self._pool = torch.empty(self.n_pages * page_bytes, dtype=torch.uint8, device=device,
-                                     pin_memory=pin_memory)
+            self._pool = torch.empty(0 if self._owners else self.n_pages * page_bytes, dtype=torch.uint8,
+                                     device=device, pin_memory=pin_memory)
         except (RuntimeError, MemoryError) as e:  # CUDA OOM is a RuntimeError subclass
+            self._close_owners()
             raise StorageError(f"cannot allocate a {capacity_bytes}-byte arena on {device}: {e}") from e
         # Host pools are copied through memoryviews (a plain memcpy); device pools through torch.
         self._host: memoryview | None = None
-        if self._pool.device.type == "cpu":
+        if self._pool.device.type == "cpu" and not self._owners:
             self._host = self._pool.numpy().data
-        self._free = FreeRuns(self.n_pages)
+        self._free = FreeRuns(0 if self._owners else self.n_pages)
         self._entries: dict[bytes, _Entry] = {}
         self._lock = threading.Lock()
         self.prefaulted = threading.Event()  # set once `prefault` has touched the free pages
 
+    def _split(self, owners: Mapping[str, float]) -> None:
+        total = sum(owners.values())
+        if total <= 0:
+            raise InvalidInput("an arena split between owners needs a positive total weight")
+        try:
+            for owner, weight in owners.items():
+                self._owners[owner] = _OwnerPages(f"kvstore-{self.name}", int(self.n_pages * weight / total),
+                                                  self.page_bytes)
+        except OSError as e:
+            self._close_owners()
+            raise StorageError(f"cannot create the {self.name} arena's shared memory: {e}") from e
+        self.n_pages = sum(o.n_pages for o in self._owners.values())
+
     @property
     def host_pool(self) -> bool:
         """The pool is host memory (the DRAM tier, or a device tier without CUDA)."""
-        return self._host is not None
+        return self._host is not None or bool(self._owners)
+
+    def owner_capacities(self) -> dict[str, int] | None:
+        """Bytes of each owner's part of a split arena; None when the arena is not split."""
+        if not self._owners:
+            return None
+        return {owner: o.n_pages * self.page_bytes for owner, o in self._owners.items()}
+
+    def owner_memory(self, owner: str) -> tuple[int, int] | None:
+        """(descriptor, bytes) of `owner`'s part of a split arena, for its same-host clients to map
+        read-only; None when the arena is not split or `owner` has no part. The arena keeps the
+        descriptor: whoever sends it does not close it."""
+        part = self._owners.get(owner)
+        if part is None or part.segment.fd < 0:
+            return None
+        return part.segment.fd, part.segment.nbytes
+
+    def locate(self, key: bytes, owner: str) -> int | None:
+        """The byte offset of chunk `key` in `owner`'s memory when it lies there in one run (a
+        reader then copies it in one piece); None otherwise."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not self._owners or entry.owner != owner or len(entry.runs) != 1:
+                return None
+            return entry.runs[0][0] * self.page_bytes
 
     def prefault(self, slice_bytes: int = 8 << 20) -> tuple[int, bool]:
         """Back every page of a host pool that no chunk holds (and ask for transparent huge pages
@@ -165,26 +237,55 @@ class PagedArena:
         A slice at a time under the arena's lock, so that it can run beside the service: a store
         waits for one slice at most, and a page a chunk holds is never written. Device pools are
         allocated by their driver and are left alone."""
-        if self._host is None or not self.capacity_bytes:
+        if not self.host_pool or not self.capacity_bytes:
             self.prefaulted.set()
             return 0, False
-        address = self._pool.data_ptr()
-        huge = advise_huge_pages(address, self.capacity_bytes)
+        with self._lock:
+            parts = {owner: o.n_pages for owner, o in self._owners.items()} if self._owners else {"": self.n_pages}
+        touched, huge = 0, False
+        for owner, n_pages in parts.items():
+            with self._lock:
+                if self._free_of(owner) is None:
+                    break  # closed meanwhile
+                address = self._address_locked(owner)
+            huge = advise_huge_pages(address, n_pages * self.page_bytes) or huge
+            touched += self._prefault_part(owner, n_pages, slice_bytes)
+        self.prefaulted.set()
+        return touched, huge
+
+    def _prefault_part(self, owner: str, n_pages: int, slice_bytes: int) -> int:
         pb = self.page_bytes
         step = max(1, slice_bytes // pb)
         touched = 0
-        for first in range(0, self.n_pages, step):
-            last = min(self.n_pages, first + step)
+        for first in range(0, n_pages, step):
+            last = min(n_pages, first + step)
             with self._lock:
-                if self._host is None:
+                free = self._free_of(owner)
+                if free is None:
                     break  # closed meanwhile: the pool is gone
-                for start, length in self._free.runs_within(first, last):
+                address = self._address_locked(owner)
+                for start, length in free.runs_within(first, last):
                     # One write per page is what backs it: a plain memset (torch's would start
                     # worker threads that outlive the call).
                     ctypes.memset(address + start * pb, 0, length * pb)
                     touched += length * pb
-        self.prefaulted.set()
-        return touched, huge
+        return touched
+
+    def _address_locked(self, owner: str) -> int:
+        if self._owners:
+            probe = ctypes.c_char.from_buffer(self._owners[owner].segment.map)
+            address = ctypes.addressof(probe)
+            del probe  # lets go of the map's export; the address stays valid while it is mapped
+            return address
+        return int(self._pool.data_ptr())
+
+    def _free_of(self, owner: str) -> FreeRuns | None:
+        """The free pages of `owner`'s part (of the whole pool when the arena is not split); None
+        once the arena is closed."""
+        if self._owners:
+            part = self._owners.get(owner)
+            return None if part is None or part.segment.fd < 0 else part.free
+        return self._free if self._host is not None or self.n_pages else None
 
     # --- the tier contract -------------------------------------------------------------------
     @property
@@ -194,20 +295,26 @@ class PagedArena:
     def footprint(self, payload_bytes: int) -> int:
         return -(-payload_bytes // self.page_bytes) * self.page_bytes
 
-    def put(self, key: bytes, payload: memoryview, meta: ChunkMeta) -> None:
-        self.put_many(((key, payload, meta),))
+    def put(self, key: bytes, payload: memoryview, meta: ChunkMeta, owner: str = "") -> None:
+        self.put_many(((key, payload, meta),), owner)
 
-    def put_many(self, items: Iterable[tuple[bytes, memoryview, ChunkMeta]]) -> None:
-        """All or none: the page count is checked for the whole batch before anything changes."""
+    def put_many(self, items: Iterable[tuple[bytes, memoryview, ChunkMeta]], owner: str = "") -> None:
+        """All or none: the page count is checked for the whole batch before anything changes.
+        `owner` chooses the part of a split arena; an arena that is not split ignores it."""
         # A key repeated within one batch: the last payload wins, as with successive puts.
         batch = {k: (byte_view(p), m) for k, p, m in items}
         pb = self.page_bytes
+        if not self._owners:
+            owner = ""
         with self._lock:
+            free = self._free_of(owner)
+            if free is None:
+                raise StorageError(f"{self.name} arena: no part for owner '{owner}' (or the arena is closed)")
             need = sum(-(-len(p) // pb) for p, _ in batch.values())
-            have = self._free.free_pages
+            have = free.free_pages
             for k in batch:
                 old = self._entries.get(k)
-                if old is not None:
+                if old is not None and old.owner == owner:
                     have += len_pages(old.runs)
             if need > have:
                 raise StorageError(
@@ -217,11 +324,11 @@ class PagedArena:
             for k in batch:
                 old = self._entries.pop(k, None)
                 if old is not None:
-                    self._release(old.runs)
+                    self._release(old)
             for k, (payload, meta) in batch.items():
-                runs = self._free.take(-(-len(payload) // pb))
+                runs = free.take(-(-len(payload) // pb))
                 assert runs is not None
-                self._entries[k] = _Entry(tuple(runs), len(payload), meta, self._write(runs, payload))
+                self._entries[k] = _Entry(tuple(runs), len(payload), meta, self._write(owner, runs, payload), owner)
 
     def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         dst = byte_view(out)
@@ -248,7 +355,7 @@ class PagedArena:
             return entry.meta
 
     def join_payloads(self, head: bytes, keys: Sequence[bytes]) -> bytes | None:
-        if self._host is None:
+        if not self.host_pool:
             return None  # device memory: get_into copies it out through torch
         parts: list[bytes | memoryview] = [head]
         with self._lock:
@@ -264,7 +371,7 @@ class PagedArena:
         with self._lock:
             entry = self._entries.pop(key, None)
             if entry is not None:
-                self._release(entry.runs)
+                self._release(entry)
 
     def delete_many(self, keys: Iterable[bytes]) -> None:
         for k in keys:
@@ -272,7 +379,8 @@ class PagedArena:
 
     def stats(self) -> TierStats:
         with self._lock:
-            used = (self.n_pages - self._free.free_pages) * self.page_bytes
+            free = sum(o.free.free_pages for o in self._owners.values()) if self._owners else self._free.free_pages
+            used = (self.n_pages - free) * self.page_bytes
             return TierStats(used_bytes=used, capacity_bytes=self.capacity_bytes, entries=len(self._entries))
 
     def add_layout(self, layout: CacheLayout) -> None:
@@ -280,29 +388,43 @@ class PagedArena:
 
     def close(self) -> None:
         with self._lock:
+            for entry in self._entries.values():
+                for v in entry.views:
+                    v.release()
             self._entries.clear()
             self._free = FreeRuns(0)
             self.n_pages = 0
             if self._host is not None:
                 self._host.release()
                 self._host = None
+            self._close_owners()
             self._pool = torch.empty(0, dtype=torch.uint8, device=self._pool.device)
 
-    # --- bytes -------------------------------------------------------------------------------
-    def _release(self, runs: tuple[Run, ...]) -> None:
-        for start, count in runs:
-            self._free.release(start, count)
+    def _close_owners(self) -> None:
+        for part in self._owners.values():
+            part.close()
 
-    def _write(self, runs: list[Run], payload: memoryview) -> tuple[memoryview, ...]:
+    # --- bytes -------------------------------------------------------------------------------
+    def _release(self, entry: _Entry) -> None:
+        free = self._free_of(entry.owner)
+        for v in entry.views:
+            v.release()
+        if free is None:
+            return
+        for start, count in entry.runs:
+            free.release(start, count)
+
+    def _write(self, owner: str, runs: list[Run], payload: memoryview) -> tuple[memoryview, ...]:
         """Copy payload into its runs (one copy per run); the host views of the chunk, if any."""
         pb = self.page_bytes
         total = len(payload)
         pos = 0
-        if self._host is not None:
+        host = self._owners[owner].view if self._owners else self._host
+        if host is not None:
             views = []
             for start, count in runs:
                 n = min(count * pb, total - pos)
-                view = self._host[start * pb : start * pb + n]
+                view = host[start * pb : start * pb + n]
                 view[:] = payload[pos : pos + n]
                 views.append(view)
                 pos += n

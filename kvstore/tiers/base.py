@@ -61,7 +61,10 @@ class Tier(Protocol):
         """Bytes of capacity a payload of this size takes in this tier (page rounding etc.)."""
         ...
 
-    def put(self, key: bytes, payload: memoryview, meta: ChunkMeta) -> None: ...
+    def put(self, key: bytes, payload: memoryview, meta: ChunkMeta, owner: str = "") -> None:
+        """Store one chunk. `owner` is the tenant whose chunk it is: an arena split between owners
+        (whose clients read it in place) puts it in that owner's part; other tiers ignore it."""
+        ...
 
     def put_many(self, items: Iterable[tuple[bytes, memoryview, ChunkMeta]]) -> None:
         """Store several chunks; for LMDB in one transaction (one fsync), all or none."""

@@ -9,6 +9,7 @@ here: the store places and evicts them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -34,9 +35,11 @@ def resolve_device(choice: DeviceChoice) -> torch.device:
 class DeviceTier(PagedArena):
     name: TierName = "device"
 
-    def __init__(self, capacity_bytes: int, page_bytes: int, device: DeviceChoice = "auto") -> None:
+    def __init__(self, capacity_bytes: int, page_bytes: int, device: DeviceChoice = "auto",
+                 owners: Mapping[str, float] | None = None) -> None:
         dev = resolve_device(device)
-        super().__init__(capacity_bytes, page_bytes, dev, pin_memory=False)
+        # Split between owners only in host memory (a GPU pool would share by CUDA IPC, not built).
+        super().__init__(capacity_bytes, page_bytes, dev, pin_memory=False, owners=owners)
         self._backend = "cuda:0" if dev.type == "cuda" else "cpu"
 
     @property

@@ -7,6 +7,8 @@ start; puts and gets are slice copies into and out of it. The tier knows nothing
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from kvstore.tiers.arena import PagedArena
@@ -16,10 +18,11 @@ from kvstore.tiers.base import TierName
 class DramTier(PagedArena):
     name: TierName = "dram"
 
-    def __init__(self, capacity_bytes: int, page_bytes: int, pin_memory: bool | None = None) -> None:
+    def __init__(self, capacity_bytes: int, page_bytes: int, pin_memory: bool | None = None,
+                 owners: Mapping[str, float] | None = None) -> None:
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        super().__init__(capacity_bytes, page_bytes, torch.device("cpu"), pin_memory=pin)
-        self.pinned = pin
+        super().__init__(capacity_bytes, page_bytes, torch.device("cpu"), pin_memory=pin, owners=owners)
+        self.pinned = pin and not owners  # memory files shared with clients are not page-locked
 
     @property
     def backend(self) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from kvstore.config.store import StoreConfig
@@ -27,12 +27,17 @@ LMDB_SUBDIR = "lmdb"
 
 def build_tiers(
     cfg: StoreConfig, data_dir: Path, layouts: Iterable[CacheLayout], progress: Callable[[str], None] | None = None,
+    arena_owners: Mapping[str, float] | None = None,
 ) -> tuple[DeviceTier, DramTier, LmdbTier]:
     """(device, dram, lmdb), in TIER_NAMES. `layouts` are every layout the store may write;
-    `progress` is told about slow work at open."""
-    device = DeviceTier(cfg.device_capacity_bytes, cfg.page_bytes, cfg.device)
+    `progress` is told about slow work at open. `arena_owners` (tenant -> weight) splits the host
+    arenas that are not quantized between those tenants, each part a memory file its clients may
+    read in place (see arena.py)."""
+    device_owners = arena_owners if cfg.quantize_device == "off" else None
+    dram_owners = arena_owners if cfg.quantize_dram == "off" else None
+    device = DeviceTier(cfg.device_capacity_bytes, cfg.page_bytes, cfg.device, owners=device_owners)
     try:
-        dram = DramTier(cfg.dram_capacity_bytes, cfg.page_bytes)
+        dram = DramTier(cfg.dram_capacity_bytes, cfg.page_bytes, owners=dram_owners)
         try:
             lmdb_tier = LmdbTier(
                 Path(data_dir) / LMDB_SUBDIR, cfg.lmdb_capacity_bytes, layouts,

@@ -307,7 +307,7 @@ class LmdbTier:
             records.delete()  # and on to the next record
 
     # --- writes ------------------------------------------------------------------------------
-    def put(self, key: bytes, payload: memoryview, meta: ChunkMeta) -> None:
+    def put(self, key: bytes, payload: memoryview, meta: ChunkMeta, owner: str = "") -> None:
         self.put_many(((key, payload, meta),))
 
     def put_many(self, items: Iterable[tuple[bytes, memoryview, ChunkMeta]]) -> None:

@@ -64,8 +64,8 @@ class QuantizingTier:
         assert len(payload) == plan.payload_bytes, (len(payload), plan.payload_bytes)
         return memoryview(plan.quantize(payload))
 
-    def put(self, key: bytes, payload: memoryview, meta: ChunkMeta) -> None:
-        self._inner.put(key, self._encode(payload, meta), meta)
+    def put(self, key: bytes, payload: memoryview, meta: ChunkMeta, owner: str = "") -> None:
+        self._inner.put(key, self._encode(payload, meta), meta, owner)
 
     def put_many(self, items: Iterable[tuple[bytes, memoryview, ChunkMeta]]) -> None:
         self._inner.put_many([(k, self._encode(p, m), m) for k, p, m in items])
