@@ -247,7 +247,7 @@ class _Session:
             raise InvalidInput("the service sent a shared-memory span to a runner without a session")
         try:
             out = memoryview(bytearray(span.num_chunks * chunk_bytes))
-            self._shm.copy_out(span.offset, len(out), out, span.lease_expires_at)
+            self._shm.copy_out([self._shm.span(span.offset, len(out))], out, span.lease_expires_at)
             return out
         finally:
             self._shm.release([span.lease_id])

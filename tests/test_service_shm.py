@@ -42,14 +42,14 @@ def sock_dir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def shm_config(sock: Path, tenants: bool = False, **service: Any) -> Any:
+def shm_config(sock: Path, tenants: bool = False, store: dict[str, Any] | None = None, **service: Any) -> Any:
     extra: dict[str, Any] = {}
     if tenants:
         extra["tenants"] = {"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}}
     return make_config(
         store={"device": "cpu", "chunk_tokens": CHUNK, "device_capacity_bytes": 64 * KiB,
                "dram_capacity_bytes": 8 << 20, "lmdb_capacity_bytes": 64 << 20, "page_bytes": 4096,
-               "compression": "none", "lmdb_durability": "async"},
+               "compression": "none", "lmdb_durability": "async", **(store or {})},
         service={"max_concurrent_calls": 8, "grace_seconds": 5.0, "stream_message_bytes": 64 * KiB,
                  "max_message_bytes": 256 * KiB, "models": [TOY, V41], "unix_socket_path": str(sock),
                  "shm_load_segment_bytes": 4 << 20, "shm_store_segment_bytes": 4 << 20, **service},
@@ -180,11 +180,14 @@ def test_a_lease_that_outlives_its_timeout_is_released(make_service: Callable[..
     def held() -> int:
         return sum(s.leases_active for s in kv.stats().data_plane.sessions)  # type: ignore[union-attr]
 
-    assert held() == len(spans)  # never released by this client
+    assert all(s.chunk_offsets for s in spans)  # read in place: the lease pins the chunks
+    assert held() == len(spans) and kv.stats().pins_active == len(spans)  # never released by this client
     wait_until(lambda: held() == 0, timeout=5)
     assert kv.stats().data_plane.leases_expired >= len(spans)  # type: ignore[union-attr]
+    assert kv.stats().pins_active == 0  # the lease's end let its chunks go
     with pytest.raises(LeaseLapsed):  # and the client refuses to trust a copy made after it lapsed
-        shm.copy_out(spans[0].offset, 10, memoryview(bytearray(10)), spans[0].lease_expires_at)
+        shm.copy_out([shm.in_place("dram", spans[0].chunk_offsets[0], 10)], memoryview(bytearray(10)),
+                      spans[0].lease_expires_at)
     shm.close()
 
 
@@ -229,12 +232,14 @@ time.sleep(600)
         assert line.startswith("held ") and int(line.split()[1]) >= 1, line
         (s,) = kv.stats().data_plane.sessions  # type: ignore[union-attr]
         assert s.pid == proc.pid and s.leases_active >= 1
+        assert s.in_place_bytes > 0 and kv.stats().pins_active >= 1  # chunks it reads in place are pinned
         assert _memfds("kvstore-load") > loads_before and _memfds("kvstore-store") > stores_before
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         wait_until(lambda: not kv.stats().data_plane.sessions)  # type: ignore[union-attr]
         wait_until(lambda: _memfds("kvstore-load") == loads_before and _memfds("kvstore-store") == stores_before)
         assert svc.server.shm is not None and svc.server.shm.totals() == (0, 0)
+        assert kv.stats().pins_active == 0  # and the chunks it held are let go
     finally:
         proc.kill()
         proc.wait(10)
@@ -260,13 +265,70 @@ def test_two_tenants_on_one_host_cannot_reach_each_others_chunks(
                                       shm_session=alice._shm.session_id),
                        metadata=(("authorization", f"Bearer {BOB}"),), timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown same-host session" in e.value.details()
-    # Nothing of Alice's is in Bob's segment, while her own holds what she loaded.
-    assert chunks[0][:64] not in bytes(bob._shm.load_view)
-    assert chunks[0][:64] in bytes(alice._shm.load_view)
+    # Each maps its own part of the memory tiers, and nothing of Alice's is in anything Bob's
+    # session maps, while hers holds her chunks (read there in place).
+    assert set(alice._shm.arena_views) == {"device", "dram"} == set(bob._shm.arena_views)
+
+    def mapped(kv: KvstoreClient) -> bytes:
+        assert kv._shm is not None
+        return b"".join(bytes(v) for v in (kv._shm.load_view, *kv._shm.arena_views.values()))
+
+    assert chunks[0][:64] not in mapped(bob)
+    assert chunks[0][:64] in mapped(alice)
+    assert alice.stats().data_plane.sessions[0].in_place_bytes == 8 * cb  # type: ignore[union-attr]
     assert [s.pid for s in bob.stats().data_plane.sessions] == [os.getpid()]  # type: ignore[union-attr]
     # A bad token gets no session at all.
     with pytest.raises(UnavailableError, match="refused a same-host session: the bearer token is not valid"):
         unix(svc, "wrong-token-0123456789", data_path="shm").load(V41, prompt)
+
+
+def _load_spans(sock: Path, prompt: Any, model: str = TOY) -> list[pb.ShmSpan]:
+    """A raw Load through a fresh session: its spans (leases left to expire with the session)."""
+    shm = ShmPath.open(str(sock), None)
+    try:
+        stub = pb_grpc.KVCacheStub(grpc.insecure_channel(f"unix://{sock}"))
+        replies = stub.Load(pb.LoadRequest(model=model, tokens={"u32le": prompt.tobytes()}, shm_session=shm.session_id),
+                            timeout=10)
+        return [r.shm for r in replies if r.WhichOneof("kind") == "shm"]
+    finally:
+        shm.close()
+
+
+def test_loads_read_in_place_what_memory_holds_and_copy_the_rest(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # DRAM holds four chunks of the toy model, the device tier none: the rest of a prompt is in LMDB only.
+    cb = 1272
+    svc = make_service(shm_config(sock_dir / "kv.sock", store={"device_capacity_bytes": 0,
+                                                               "dram_capacity_bytes": 4 * 4096}))
+    assert svc.chunk_bytes(TOY) == cb
+    kv = unix(svc)
+    prompt, chunks = tokens(31, CHUNK * 10), payloads(32, 10, cb)
+    kv.store(TOY, prompt, chunks)
+    spans = _load_spans(sock_dir / "kv.sock", prompt)
+    in_place = [s for s in spans if s.chunk_offsets]
+    copied = [s for s in spans if not s.chunk_offsets]
+    assert sum(s.num_chunks for s in in_place) == 4 and sum(s.num_chunks for s in copied) == 6
+    assert all(s.arena == pb.TIER_DRAM and len(s.chunk_offsets) == s.num_chunks for s in in_place)
+    assert all(set(s.tiers) == {pb.TIER_LMDB} for s in copied)
+    assert _same(kv.load(TOY, prompt).chunks, chunks)
+    with kv.load_shared(TOY, prompt) as got:
+        assert _same(got.chunks, chunks) and got.still_held()
+    assert kv.load_into(TOY, prompt, bytearray(10 * cb)).loaded_chunks == 10
+
+
+def test_without_in_place_loads_every_chunk_is_copied_through_the_segment(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_in_place=False))
+    kv = unix(svc)
+    prompt, chunks = tokens(33, CHUNK * 6), payloads(34, 6, svc.chunk_bytes(TOY))
+    kv.store(TOY, prompt, chunks)
+    spans = _load_spans(sock_dir / "kv.sock", prompt)
+    assert spans and not any(s.chunk_offsets for s in spans)
+    assert _same(kv.load(TOY, prompt).chunks, chunks)
+    assert kv._shm is not None and kv._shm.arena_views == {}
+    assert kv.stats().data_plane.sessions[0].in_place_bytes == 0  # type: ignore[union-attr]
 
 
 def test_streams_are_used_where_shared_memory_is_not(make_service: Callable[..., Service], sock_dir: Path) -> None:

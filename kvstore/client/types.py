@@ -159,6 +159,7 @@ class ShmSessionStats:
     loaded_bytes: int
     stored_bytes: int
     age_seconds: float
+    in_place_bytes: int = 0  # of loaded_bytes, read where the service's tiers hold them (one copy)
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,8 @@ def stats_from_pb(r: pb.StatsResponse) -> ServiceStats:
             shm_enabled=r.data_plane.shm_enabled, shm_detail=r.data_plane.shm_detail,
             unix_socket=r.data_plane.unix_socket,
             sessions=tuple(ShmSessionStats(s.session, s.pid, s.kind, s.leases_active, s.load_segment_bytes,
-                                           s.store_segment_bytes, s.loaded_bytes, s.stored_bytes, s.age_seconds)
+                                           s.store_segment_bytes, s.loaded_bytes, s.stored_bytes, s.age_seconds,
+                                           s.in_place_bytes)
                            for s in r.data_plane.sessions),
             calls_by_path=dict(r.data_plane.calls_by_path), leases_expired=r.data_plane.leases_expired),
     )

@@ -14,6 +14,7 @@ line and the old config stays.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import os
@@ -60,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--grpc-port", "must be in 0..65535")
     if args.unix_socket and (not args.unix_socket.startswith("/") or len(args.unix_socket.encode()) > 100):
         raise ConfigError("--unix-socket", "must be an absolute path of at most 100 bytes")
+    if args.unix_socket is not None:  # the store splits its arenas for in-place loads only with a socket
+        cfg = dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, unix_socket_path=args.unix_socket))
     app = build_app(cfg, args.data_dir, progress=_say)
     try:
         server = KvstoreServer(app, host, args.grpc_port, args.admin_port, unix_socket=args.unix_socket).start()

@@ -65,6 +65,11 @@ class ServiceConfig:
     shm_load_segment_bytes: int = 256 * MiB
     shm_store_segment_bytes: int = 256 * MiB
     shm_lease_seconds: float = 30.0
+    # Loads read chunks where the in-memory tiers hold them (one copy, into the caller's memory,
+    # instead of two): the host-memory tiers are then split between tenants by share_weight, each
+    # part a memory file only that tenant's sessions map (read-only). Off: one shared pool, and
+    # every load is copied through the session's load segment.
+    shm_in_place: bool = True
     # All tenants together (shared by weight). Each session may back up to its two segments with
     # memory, so this times (load + store segment bytes) bounds what same-host clients can pin.
     max_shm_sessions: int = 32

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.config import KvstoreConfig, LocalPoolConfig
+from kvstore.dataplane.segments import sealing_available
 from kvstore.errors import ConfigError, StorageError, UnknownModel
 from kvstore.layout import CacheLayout, ModelSpec, exact_replay_tokens, get_model
 from kvstore.local_pool.base import LocalPool
@@ -170,6 +171,12 @@ def served_models(cfg: KvstoreConfig) -> dict[str, ModelSpec]:
     return out
 
 
+def in_place_loads(cfg: KvstoreConfig) -> bool:
+    """Same-host clients will read chunks in place: the memory tiers are split between tenants."""
+    svc = cfg.service
+    return bool(svc.unix_socket_path) and svc.shm_enabled and svc.shm_in_place and not sealing_available()
+
+
 def tenant_quotas(cfg: KvstoreConfig) -> dict[str, TenantQuota]:
     return {
         name: TenantQuota(t.quota_device_bytes, t.quota_dram_bytes, t.quota_lmdb_bytes)
@@ -228,7 +235,8 @@ def build_app(
     ddir.mkdir(parents=True, exist_ok=True)
     models = served_models(cfg)
     store = GlobalStore(cfg.store, ddir, list(models.values()), tenant_quotas(cfg), clock=clock, progress=progress,
-                        load_index_in_background=cfg.store.load_index == "background")
+                        load_index_in_background=cfg.store.load_index == "background",
+                        arena_owners=cfg.share_weights() if in_place_loads(cfg) else None)
     try:
         policy = build_ttl_policy(cfg, models) if local_pool == "config" else None
         pool = build_pool(cfg, models, clock, policy) if local_pool == "config" else local_pool

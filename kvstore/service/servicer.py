@@ -379,7 +379,8 @@ class KVCacheServicer(LocalStateCalls):
             pb.ShmSessionStats(
                 session=s.session_id[:8], pid=s.pid, leases_active=s.leases.active,
                 load_segment_bytes=s.load.nbytes, store_segment_bytes=s.store.nbytes, loaded_bytes=s.loaded_bytes,
-                stored_bytes=s.stored_bytes, age_seconds=now - s.created_at, kind=s.kind)
+                stored_bytes=s.stored_bytes, age_seconds=now - s.created_at, kind=s.kind,
+                in_place_bytes=s.in_place_bytes)
             for s in shm.sessions_of(tenant)]
         detail = ("no Unix socket (service.unix_socket_path)" if not self._unix_socket
                   else "service.shm_enabled is off" if shm is None else shm.detail)

@@ -21,13 +21,15 @@ import numpy as np
 from kvstore.dataplane import Lease, NoRoom, check_span
 from kvstore.errors import InvalidInput, ResourceExhausted
 from kvstore.service.shm_listener import ShmSession
-from kvstore.store import LoadSession
+from kvstore.store import InPlaceRun, LoadSession
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.messages import TIER_TO_PB
 
 # Spans of about 4 MiB: a 32K-token V4.1 load (29 MB) is 8 spans, enough for the client's copy of
 # one to overlap the service's copy of the next, few enough that messages cost little.
 SPAN_BYTES = 4 << 20
+# Chunks read in place need no room in the segment: a span of them is one message and one pin.
+IN_PLACE_SPAN_BYTES = 32 << 20
 PATHS = ("shm", "stream")
 
 
@@ -35,11 +37,19 @@ def load_spans(
     session: LoadSession, shm: ShmSession, chunk_bytes: int, n: int, wait_seconds: float,
     still_wanted: Callable[[], bool], tiers_out: list[str],
 ) -> Iterator[pb.ShmSpan]:
-    """The first `n` chunks of a pinned load session, copied into leased spans of `shm`'s load
-    segment. Stops early at a chunk that turns out corrupt (its span is released)."""
+    """The first `n` chunks of a pinned load session as spans: where they lie, for chunks the
+    client can read in place (its tenant's part of a memory tier it maps), else copied into leased
+    spans of `shm`'s load segment. Stops early at a chunk that turns out corrupt (its span is
+    released)."""
     per = chunks_per_span(shm, chunk_bytes)
+    in_place = max(1, IN_PLACE_SPAN_BYTES // chunk_bytes)
     first = 0
     while first < n and still_wanted():
+        run = session.hold_in_place(first, min(in_place, n - first), pin_seconds(shm)) if shm.arenas else None
+        if run is not None:
+            yield _in_place_span(session, shm, run, first, chunk_bytes, tiers_out)
+            first += len(run.offsets)
+            continue
         count = min(per, n - first)
         lease, view = _leased(shm, count * chunk_bytes, wait_seconds, still_wanted)
         try:
@@ -60,6 +70,28 @@ def load_spans(
         if len(tiers) < count:
             return
         first += count
+
+
+def pin_seconds(shm: ShmSession) -> float:
+    """How long chunks read in place stay pinned at most: past their lease (which unpins them when
+    it ends) by more than the listener's sweep, so a live lease always has its pin."""
+    return 2 * shm.leases.lease_seconds + 1.0
+
+
+def _in_place_span(session: LoadSession, shm: ShmSession, run: InPlaceRun, first: int, chunk_bytes: int,
+                   tiers_out: list[str]) -> pb.ShmSpan:
+    try:
+        lease = shm.leases.hold(lambda: session.unpin(run.pin))
+    except NoRoom:
+        session.unpin(run.pin)
+        raise InvalidInput("the same-host session closed during the call") from None
+    k = len(run.offsets)
+    tiers_out.extend([run.tier] * k)
+    shm.loaded_bytes += k * chunk_bytes
+    shm.in_place_bytes += k * chunk_bytes
+    tier = TIER_TO_PB[run.tier]
+    return pb.ShmSpan(first_chunk=first, num_chunks=k, lease_id=lease.lease_id, lease_expires_at=lease.expires_at,
+                      tiers=[tier] * k, arena=tier, chunk_offsets=run.offsets)
 
 
 def copy_spans(

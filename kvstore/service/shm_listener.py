@@ -29,7 +29,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -68,6 +68,8 @@ class ShmSession:
     load: Segment
     store: Segment
     leases: LeaseTable
+    arenas: tuple[str, ...] = ()  # tiers whose memory of this tenant the client maps (in-place loads)
+    in_place_bytes: int = 0
     created_at: float = field(default_factory=time.monotonic)
     loaded_bytes: int = 0
     stored_bytes: int = 0
@@ -87,8 +89,12 @@ class _Conn:
 
 class ShmSessions:
     def __init__(self, grpc_socket_path: str, svc: ServiceConfig, auth: Authenticator,
-                 weights: Mapping[str, float]) -> None:
+                 weights: Mapping[str, float],
+                 arena_memory: Callable[[str], Sequence[tuple[str, int, int]]] = lambda tenant: ()) -> None:
+        """`arena_memory(tenant)`: (tier, descriptor, bytes) of the memory a tenant's clients map
+        to read chunks in place (the store's); the descriptors stay the store's."""
         self.path = data_socket_path(grpc_socket_path)
+        self._arena_memory = arena_memory
         self._svc = svc
         self._auth = auth
         self._slots = FairShare(svc.max_shm_sessions, weights)
@@ -231,6 +237,9 @@ class ShmSessions:
             self._refuse(conn, f"the service cannot create shared memory now ({e.strerror or e})")
         except (Unauthenticated, InvalidInput) as e:
             self._refuse(conn, str(e))
+        # Runners read their jobs' chunks from the load segment: only clients map a tenant's memory.
+        arenas = list(self._arena_memory(session.tenant)) if session.kind == "client" and session.tenant else []
+        session.arenas = tuple(tier for tier, _, _ in arenas)
         conn.session = session
         # Known before the client hears of it: its first call may come at once.
         with self._lock:
@@ -242,7 +251,8 @@ class ShmSessions:
                 "ok": True, "session": session.session_id, "tenant": session.tenant,
                 "load_bytes": session.load.nbytes, "store_bytes": session.store.nbytes,
                 "lease_seconds": self._svc.shm_lease_seconds, "monotonic": time.monotonic(),
-            }, (session.load.fd, session.store.fd))
+                "arenas": [{"tier": tier, "bytes": nbytes} for tier, _, nbytes in arenas],
+            }, (session.load.fd, session.store.fd, *(fd for _, fd, _ in arenas)))
         except OSError as e:
             raise SideSocketClosed(f"the hello could not be answered: {e}") from None
         finally:

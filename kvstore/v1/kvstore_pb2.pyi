@@ -95,20 +95,24 @@ class ChunkPiece(_message.Message):
     def __init__(self, first_chunk: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class ShmSpan(_message.Message):
-    __slots__ = ("first_chunk", "num_chunks", "offset", "lease_id", "lease_expires_at", "tiers")
+    __slots__ = ("first_chunk", "num_chunks", "offset", "lease_id", "lease_expires_at", "tiers", "arena", "chunk_offsets")
     FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     first_chunk: int
     num_chunks: int
     offset: int
     lease_id: int
     lease_expires_at: float
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
-    def __init__(self, first_chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., offset: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+    arena: Tier
+    chunk_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., offset: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., arena: _Optional[_Union[Tier, str]] = ..., chunk_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LocalPiece(_message.Message):
     __slots__ = ("offset", "data")
@@ -507,7 +511,7 @@ class DataPlaneStats(_message.Message):
     def __init__(self, shm_enabled: _Optional[bool] = ..., shm_detail: _Optional[str] = ..., unix_socket: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[ShmSessionStats, _Mapping]]] = ..., calls_by_path: _Optional[_Mapping[str, int]] = ..., leases_expired: _Optional[int] = ...) -> None: ...
 
 class ShmSessionStats(_message.Message):
-    __slots__ = ("session", "pid", "leases_active", "load_segment_bytes", "store_segment_bytes", "loaded_bytes", "stored_bytes", "age_seconds", "kind")
+    __slots__ = ("session", "pid", "leases_active", "load_segment_bytes", "store_segment_bytes", "loaded_bytes", "stored_bytes", "age_seconds", "kind", "in_place_bytes")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     LEASES_ACTIVE_FIELD_NUMBER: _ClassVar[int]
@@ -517,6 +521,7 @@ class ShmSessionStats(_message.Message):
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_BYTES_FIELD_NUMBER: _ClassVar[int]
     session: str
     pid: int
     leases_active: int
@@ -526,7 +531,8 @@ class ShmSessionStats(_message.Message):
     stored_bytes: int
     age_seconds: float
     kind: str
-    def __init__(self, session: _Optional[str] = ..., pid: _Optional[int] = ..., leases_active: _Optional[int] = ..., load_segment_bytes: _Optional[int] = ..., store_segment_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., kind: _Optional[str] = ...) -> None: ...
+    in_place_bytes: int
+    def __init__(self, session: _Optional[str] = ..., pid: _Optional[int] = ..., leases_active: _Optional[int] = ..., load_segment_bytes: _Optional[int] = ..., store_segment_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., kind: _Optional[str] = ..., in_place_bytes: _Optional[int] = ...) -> None: ...
 
 class EngineLayerGroup(_message.Message):
     __slots__ = ("name", "num_layers", "kv_heads", "head_size", "dtype", "sliding_window")
