@@ -130,7 +130,8 @@ def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
                          "value": f["shm_load_4_clients_gbps"] / f["shm_load_gbps"], "target": ">= 1.5",
                          "ok": f["shm_load_4_clients_gbps"] >= 1.5 * f["shm_load_gbps"]},
                     ]
-                sessions = shm.stats().data_plane.sessions
+                plane = shm.stats().data_plane
+                sessions = plane.sessions if plane is not None else ()
                 loaded = sum(s.loaded_bytes for s in sessions)
                 out["shm_in_place_share"] = sum(s.in_place_bytes for s in sessions) / loaded if loaded else 0.0
                 print("dataplane: stores", file=sys.stderr)
