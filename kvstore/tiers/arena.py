@@ -187,6 +187,7 @@ class PagedArena:
         self._free = FreeRuns(0 if self._owners else self.n_pages)
         self._entries: dict[bytes, _Entry] = {}
         self._lock = threading.Lock()
+        self._closed = False
         self.prefaulted = threading.Event()  # set once `prefault` has touched the free pages
 
     def _split(self, owners: Mapping[str, float]) -> None:
@@ -218,7 +219,7 @@ class PagedArena:
         read-only; None when the arena is not split or `owner` has no part. The arena keeps the
         descriptor: whoever sends it does not close it."""
         part = self._owners.get(owner)
-        if part is None or part.segment.fd < 0:
+        if part is None or self._closed:
             return None
         return part.segment.fd, part.segment.nbytes
 
@@ -282,10 +283,12 @@ class PagedArena:
     def _free_of(self, owner: str) -> FreeRuns | None:
         """The free pages of `owner`'s part (of the whole pool when the arena is not split); None
         once the arena is closed."""
+        if self._closed:
+            return None
         if self._owners:
             part = self._owners.get(owner)
-            return None if part is None or part.segment.fd < 0 else part.free
-        return self._free if self._host is not None or self.n_pages else None
+            return None if part is None else part.free
+        return self._free
 
     # --- the tier contract -------------------------------------------------------------------
     @property
@@ -309,7 +312,8 @@ class PagedArena:
         with self._lock:
             free = self._free_of(owner)
             if free is None:
-                raise StorageError(f"{self.name} arena: no part for owner '{owner}' (or the arena is closed)")
+                raise StorageError(f"{self.name} arena: closed" if self._closed else
+                                   f"{self.name} arena: no part for owner '{owner}'")
             need = sum(-(-len(p) // pb) for p, _ in batch.values())
             have = free.free_pages
             for k in batch:
@@ -388,6 +392,7 @@ class PagedArena:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for entry in self._entries.values():
                 for v in entry.views:
                     v.release()
