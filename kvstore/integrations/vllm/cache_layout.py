@@ -7,8 +7,9 @@ needs) is, for each sliding-window layer, its rows for the window's tokens in th
 form. Neither depends on how the attention backend lays out its paged blocks: `PagedCache` turns
 each backend's block tensor into K and V views, and only these views are copied.
 
-vLLM's blocks must be kvstore's chunks (128 tokens, the CPU block size); GPU block sizes (16, 32)
-would need several blocks grouped per chunk, which is not implemented.
+A chunk is `chunk_tokens` tokens (kvstore's, 128 by default): one of vLLM's blocks on CPU (whose
+block size is 128), several consecutive blocks of a request on GPU (16 or 32 tokens each), which
+are copied block by block; block tensors on the GPU are copied to and from host memory.
 """
 
 from __future__ import annotations
@@ -45,7 +46,21 @@ class GroupPlan:
 @dataclass(frozen=True)
 class EnginePlan:
     groups: tuple[GroupPlan, ...]
-    block_tokens: int
+    chunk_tokens: int  # kvstore's chunk
+    block_size: int = 0  # vLLM's block, in tokens; it divides the chunk (0: the chunk itself)
+
+    @property
+    def block_tokens(self) -> int:
+        return self.block_size or self.chunk_tokens
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_tokens // self.block_tokens
+
+    def chunk_blocks(self, block_ids: Sequence[int], first_chunk: int, end_chunk: int) -> list[int]:
+        """The block ids of chunks [first_chunk, end_chunk) in a request's block table."""
+        k = self.blocks_per_chunk
+        return list(block_ids[first_chunk * k : end_chunk * k])
 
     @property
     def full(self) -> tuple[GroupPlan, ...]:
@@ -61,31 +76,35 @@ class EnginePlan:
 
     @property
     def chunk_bytes(self) -> int:
-        return sum(self.block_tokens * len(g.layer_names) * g.row_bytes for g in self.full)
+        return sum(self.chunk_tokens * len(g.layer_names) * g.row_bytes for g in self.full)
 
     @property
-    def window_blocks(self) -> int:
-        """Blocks of sliding-window state a boundary needs: ceil((W-1) / block)."""
+    def window_chunks(self) -> int:
+        """Chunks of sliding-window state a boundary needs: ceil((W-1) / chunk)."""
         if not self.sliding:
             return 0
         w = self.sliding[0].sliding_window
-        return max(1, -(-(w - 1) // self.block_tokens))
+        return max(1, -(-(w - 1) // self.chunk_tokens))
 
     @property
     def snapshot_bytes(self) -> int:
-        return sum(self.window_blocks * self.block_tokens * len(g.layer_names) * g.row_bytes for g in self.sliding)
+        return sum(self.window_chunks * self.chunk_tokens * len(g.layer_names) * g.row_bytes for g in self.sliding)
 
     def engine_model(self, model: str, revision: str, vocab_size: int, flops_per_token: float) -> EngineModel:
         return EngineModel(
-            model=model, revision=revision, chunk_tokens=self.block_tokens, vocab_size=vocab_size,
+            model=model, revision=revision, chunk_tokens=self.chunk_tokens, vocab_size=vocab_size,
             prefill_flops_per_token=flops_per_token,
             groups=tuple(EngineLayerGroup(f"{'sliding' if g.sliding_window else 'full'}-{g.group_id}",
                                           len(g.layer_names), g.kv_heads, g.head_size, g.dtype_name,
                                           g.sliding_window) for g in self.groups))
 
 
-def plan_from_vllm(kv_cache_config: Any, block_size: int) -> EnginePlan:
-    """The plan of vLLM's KVCacheConfig; raises ValueError for a cache it cannot hold."""
+def plan_from_vllm(kv_cache_config: Any, block_size: int, chunk_tokens: int) -> EnginePlan:
+    """The plan of vLLM's KVCacheConfig, with vLLM's blocks of `block_size` tokens grouped into
+    kvstore's chunks of `chunk_tokens`; raises ValueError for a cache it cannot hold."""
+    if block_size <= 0 or chunk_tokens % block_size:
+        raise ValueError(f"vLLM's blocks of {block_size} tokens do not divide kvstore's chunks of {chunk_tokens} "
+                         "tokens (the connector's chunk_tokens must be the service's store.chunk_tokens)")
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     groups = []
@@ -104,7 +123,7 @@ def plan_from_vllm(kv_cache_config: Any, block_size: int) -> EnginePlan:
             raise ValueError(f"KV cache group {gid} has blocks of {spec.block_size} tokens, not {block_size}")
         groups.append(GroupPlan(gid, tuple(g.layer_names), int(spec.num_kv_heads), int(spec.head_size), spec.dtype,
                                 window))
-    plan = EnginePlan(tuple(groups), block_size)
+    plan = EnginePlan(tuple(groups), chunk_tokens, block_size)
     if len({(g.sliding_window, g.row_bytes) for g in plan.sliding}) > 1:
         raise ValueError("sliding-window groups with different windows or shapes are not supported")
     return plan
@@ -112,12 +131,14 @@ def plan_from_vllm(kv_cache_config: Any, block_size: int) -> EnginePlan:
 
 class PagedCache:
     """The engine's per-layer block tensors as K/V views, and copies between them and kvstore's
-    canonical chunks and snapshots. CPU backend: a layer's tensor is [blocks, heads, block, 2*head]
-    in memory as [blocks, heads, 2, block, head] (K rows, then V rows, per head)."""
+    canonical chunks and snapshots. vLLM's CPU and CUDA (FlashAttention) backends both hold a
+    layer as [blocks, heads, block, 2*head], in memory [blocks, heads, 2, block, head] (K rows,
+    then V rows, per head). On CUDA each copy goes through host memory (a chunk's bytes are
+    kvstore's, in host memory); that path is written for GPUs and has not run on one."""
 
     def __init__(self, plan: EnginePlan, kv_caches: Mapping[str, torch.Tensor], platform: str) -> None:
-        if platform != "cpu":
-            raise ValueError(f"the kvstore connector reads vLLM's CPU cache layout only (this is {platform})")
+        if platform not in ("cpu", "cuda"):
+            raise ValueError(f"the kvstore connector reads vLLM's CPU and CUDA cache layouts only (this is {platform})")
         self.plan = plan
         n = plan.block_tokens
         self._views: dict[str, torch.Tensor] = {}
@@ -134,32 +155,34 @@ class PagedCache:
         self._offsets: dict[int, int] = {}
         for g in plan.full:
             self._offsets[g.group_id] = offset
-            offset += n * len(g.layer_names) * g.row_bytes
+            offset += plan.chunk_tokens * len(g.layer_names) * g.row_bytes
         offset = 0
         self._snap_offsets: dict[int, int] = {}
         for g in plan.sliding:
             self._snap_offsets[g.group_id] = offset
-            offset += plan.window_blocks * n * len(g.layer_names) * g.row_bytes
+            offset += plan.window_chunks * plan.chunk_tokens * len(g.layer_names) * g.row_bytes
 
     def group_of(self, layer: str) -> GroupPlan | None:
         return self._group_of.get(layer)
 
     def _chunk_view(self, buf: torch.Tensor, g: GroupPlan) -> torch.Tensor:
-        """[chunks, tokens, layers, 2, heads, head_size] view of group g inside `buf` ([chunks, chunk_bytes])."""
-        n, size = self.plan.block_tokens, self.plan.block_tokens * len(g.layer_names) * g.row_bytes
+        """[blocks, block tokens, layers, 2, heads, head_size] view of group g inside `buf`
+        ([chunks, chunk_bytes]): each chunk's tokens as its blocks_per_chunk blocks, in order."""
+        n, size = self.plan.block_tokens, self.plan.chunk_tokens * len(g.layer_names) * g.row_bytes
         off = self._offsets[g.group_id]
-        return buf[:, off : off + size].view(g.dtype).view(buf.shape[0], n, len(g.layer_names), 2, g.kv_heads,
-                                                           g.head_size)
+        blocks = buf.shape[0] * self.plan.blocks_per_chunk
+        return buf[:, off : off + size].view(g.dtype).view(blocks, n, len(g.layer_names), 2, g.kv_heads, g.head_size)
 
     def _snap_view(self, buf: torch.Tensor, g: GroupPlan) -> torch.Tensor:
-        """[layers, window blocks, tokens, 2, heads, head_size] view of group g inside a snapshot."""
-        n, k = self.plan.block_tokens, self.plan.window_blocks
+        """[layers, window blocks, block tokens, 2, heads, head_size] view of group g inside a snapshot."""
+        n, k = self.plan.block_tokens, self.plan.window_chunks * self.plan.blocks_per_chunk
         size = k * n * len(g.layer_names) * g.row_bytes
         off = self._snap_offsets[g.group_id]
         return buf[off : off + size].view(g.dtype).view(len(g.layer_names), k, n, 2, g.kv_heads, g.head_size)
 
     def gather_chunks(self, layer: str, blocks: Sequence[int], out: torch.Tensor) -> None:
-        """Copy one full-attention layer's `blocks` into `out` ([len(blocks), chunk_bytes], uint8)."""
+        """Copy one full-attention layer's `blocks` (blocks_per_chunk per chunk) into `out`
+        ([chunks, chunk_bytes], uint8)."""
         g = self._group_of[layer]
         dst = self._chunk_view(out, g)[:, :, self._layer_index[layer]]
         blocks_view = self._views[layer]
@@ -168,7 +191,7 @@ class PagedCache:
 
     def scatter_chunks(self, src: torch.Tensor, blocks: Mapping[int, Sequence[int]]) -> None:
         """Write canonical chunks (`src`, [chunks, chunk_bytes] uint8) into every full-attention
-        layer, at each group's `blocks` (group id -> one block per chunk)."""
+        layer, at each group's `blocks` (group id -> blocks_per_chunk blocks per chunk)."""
         for g in self.plan.full:
             runs = block_runs(blocks[g.group_id])
             view = self._chunk_view(src, g)

@@ -10,7 +10,7 @@ from typing import Any
 from kvstore.errors import ConfigError
 
 KEYS = ("address", "token", "revision", "model_name", "budget_ms", "fingerprint_cache", "max_pending_store_mib",
-        "retry_after_ms", "load_mode")
+        "retry_after_ms", "load_mode", "chunk_tokens")
 LOAD_MODES = ("sync", "async")
 
 
@@ -31,6 +31,8 @@ class ConnectorConfig:
     # its block ids overlap across groups, so a failed load must fail the whole request, and vLLM
     # can be told that only of an asynchronous load.
     load_mode: str = "sync"
+    # kvstore's chunk (the service's store.chunk_tokens); vLLM's block size must divide it.
+    chunk_tokens: int = 128
 
     def loads_synchronously(self, kv_cache_groups: int) -> bool:
         return self.load_mode == "sync" and kv_cache_groups == 1
@@ -58,11 +60,15 @@ class ConnectorConfig:
         if load_mode not in LOAD_MODES:
             raise ConfigError("kv_connector_extra_config.load_mode", f"must be one of {', '.join(LOAD_MODES)}, "
                               f"got {load_mode!r}")
+        chunk_tokens = d.get("chunk_tokens", 128)
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+            raise ConfigError("kv_connector_extra_config.chunk_tokens", f"must be a positive integer (the service's "
+                              f"store.chunk_tokens), got {chunk_tokens!r}")
         cache = d.get("fingerprint_cache")
         return ConnectorConfig(
             address=address, token=d.get("token", ""), revision=d.get("revision", ""),
             model_name=d.get("model_name", ""), budget_seconds=numbers["budget_ms"] / 1000,
             fingerprint_cache=Path(cache) if cache else None,
             max_pending_store_bytes=int(numbers["max_pending_store_mib"] * (1 << 20)),
-            retry_after_seconds=numbers["retry_after_ms"] / 1000, load_mode=load_mode,
+            retry_after_seconds=numbers["retry_after_ms"] / 1000, load_mode=load_mode, chunk_tokens=chunk_tokens,
         )

@@ -57,7 +57,7 @@ class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
-        plan = plan_from_vllm(kv_cache_config, vllm_config.cache_config.block_size)
+        plan = plan_from_vllm(kv_cache_config, vllm_config.cache_config.block_size, cfg.chunk_tokens)
         mc = vllm_config.model_config
         name, revision = model_identity(mc, cfg)
         link = Link(cfg, plan.engine_model(name, revision, mc.get_vocab_size(), 0.0))

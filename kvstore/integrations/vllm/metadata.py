@@ -19,7 +19,7 @@ class LoadSpec:
     cache_salt: str
     first_chunk: int  # chunks before it are in vLLM's own prefix cache already
     end_chunk: int
-    chunk_blocks: dict[int, list[int]]  # full-attention group id -> a block per loaded chunk
+    chunk_blocks: dict[int, list[int]]  # full-attention group id -> the blocks of the loaded chunks, in order
     window_blocks: dict[int, list[int]]  # sliding-window group id -> its blocks before the boundary
 
 

@@ -53,7 +53,7 @@ class SchedulerSide:
     def __init__(self, link: Link, plan: EnginePlan) -> None:
         self.link = link
         self.plan = plan
-        self.ct = plan.block_tokens
+        self.ct = plan.chunk_tokens
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-lookup")
@@ -126,11 +126,13 @@ class SchedulerSide:
         first = end - num_external_tokens // self.ct
         st.load_planned = True
         st.loaded_tokens = num_external_tokens
-        k = self.plan.window_blocks
+        k, plan = self.plan.window_chunks, self.plan
         self._loads.append(LoadSpec(
             req_id=request.request_id, tokens=st.tokens[: end * self.ct], cache_salt=st.salt, first_chunk=first,
-            end_chunk=end, chunk_blocks={g.group_id: list(block_ids[g.group_id][first:end]) for g in self.plan.full},
-            window_blocks={g.group_id: list(block_ids[g.group_id][max(0, end - k) : end]) for g in self.plan.sliding},
+            end_chunk=end, chunk_blocks={g.group_id: plan.chunk_blocks(block_ids[g.group_id], first, end)
+                                         for g in plan.full},
+            window_blocks={g.group_id: plan.chunk_blocks(block_ids[g.group_id], max(0, end - k), end)
+                           for g in plan.sliding},
         ))
 
     # --- each step --------------------------------------------------------------------------------
@@ -158,13 +160,15 @@ class SchedulerSide:
         spec = None
         if done > st.saved_chunks:
             spec = SaveSpec(req_id, st.tokens[: done * self.ct], st.salt, st.saved_chunks, done,
-                            {g.group_id: list(blocks[g.group_id][st.saved_chunks:done]) for g in self.plan.full})
+                            {g.group_id: self.plan.chunk_blocks(blocks[g.group_id], st.saved_chunks, done)
+                             for g in self.plan.full})
             st.saved_chunks = done
         boundary = max(0, (len(st.tokens) - 1) // self.ct)  # where an identical prompt's hit would end
         if self.plan.hybrid and not st.snapshot_saved and boundary and after >= boundary * self.ct:
             st.snapshot_saved = True
-            k = self.plan.window_blocks
-            window = {g.group_id: list(blocks[g.group_id][max(0, boundary - k) : boundary]) for g in self.plan.sliding}
+            k = self.plan.window_chunks
+            window = {g.group_id: self.plan.chunk_blocks(blocks[g.group_id], max(0, boundary - k), boundary)
+                      for g in self.plan.sliding}
             if any(null_block in ids for ids in window.values()):
                 self.link.count("window_already_freed")  # computed in an earlier step and let go
                 return spec

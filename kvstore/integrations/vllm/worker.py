@@ -92,7 +92,7 @@ class WorkerSide:
         ok = got == wanted
         if ok and self.plan.hybrid:
             ok = self._load_window(name, spec)
-        failed = {b for ids in spec.chunk_blocks.values() for b in ids[got:]}
+        failed = {b for ids in spec.chunk_blocks.values() for b in ids[got * self.plan.blocks_per_chunk :]}
         return _LoadOutcome(spec.req_id, ok, failed, got)
 
     def _load_chunks(self, client: KvstoreClient, name: str, spec: LoadSpec) -> int:
@@ -109,7 +109,8 @@ class WorkerSide:
                 buf = torch.from_numpy(np.stack([np.frombuffer(c, dtype=np.uint8) for c in chunks]))
                 if not r.still_held():
                     raise ValueError("a shared-memory lease lapsed while the chunks were copied")
-                self.cache.scatter_chunks(buf, {g: ids[: len(chunks)] for g, ids in spec.chunk_blocks.items()})
+                k = len(chunks) * self.plan.blocks_per_chunk
+                self.cache.scatter_chunks(buf, {g: ids[:k] for g, ids in spec.chunk_blocks.items()})
             self.link.count(f"load_path_{r.path}")
             return len(chunks)
 
@@ -211,7 +212,7 @@ class WorkerSide:
             # The window state first: a lookup that sees the chunks then finds it too.
             if st.snapshot is not None:
                 snap = st.snapshot.numpy().data.cast("B")
-                prefix = spec.tokens[: spec.snapshot_chunk * self.plan.block_tokens]
+                prefix = spec.tokens[: spec.snapshot_chunk * self.plan.chunk_tokens]
                 self.link.call("store_local", lambda c: c.store_local(
                     name, prefix, snap, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds,
                     cache_salt=spec.cache_salt))
