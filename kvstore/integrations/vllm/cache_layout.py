@@ -187,7 +187,7 @@ class PagedCache:
         dst = self._chunk_view(out, g)[:, :, self._layer_index[layer]]
         blocks_view = self._views[layer]
         for first, at, n in block_runs(blocks):
-            dst[at : at + n] = blocks_view[first : first + n].permute(0, 3, 2, 1, 4)
+            dst[at : at + n].copy_(blocks_view[first : first + n].permute(0, 3, 2, 1, 4))  # device to host on GPU
 
     def scatter_chunks(self, src: torch.Tensor, blocks: Mapping[int, Sequence[int]]) -> None:
         """Write canonical chunks (`src`, [chunks, chunk_bytes] uint8) into every full-attention
@@ -206,7 +206,7 @@ class PagedCache:
         view = self._snap_view(out, g)[self._layer_index[layer]]
         skip = view.shape[0] - len(blocks)
         for first, at, n in block_runs(blocks):
-            view[skip + at : skip + at + n] = self._views[layer][first : first + n].permute(0, 3, 2, 1, 4)
+            view[skip + at : skip + at + n].copy_(self._views[layer][first : first + n].permute(0, 3, 2, 1, 4))
 
     def scatter_snapshot(self, src: torch.Tensor, blocks: Mapping[int, Sequence[int]]) -> None:
         """Write a snapshot's rows into the sliding-window layers' last blocks before the boundary
