@@ -317,6 +317,29 @@ def test_loads_read_in_place_what_memory_holds_and_copy_the_rest(
     assert kv.load_into(TOY, prompt, bytearray(10 * cb)).loaded_chunks == 10
 
 
+def test_a_session_that_keeps_its_holds_gets_copies_past_its_limit(
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstore.service import shm_calls
+
+    monkeypatch.setattr(shm_calls, "MAX_IN_PLACE_HOLDS", 2)
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    kv = unix(svc)
+    prompt = tokens(35, CHUNK * 3)
+    kv.store(TOY, prompt, payloads(36, 3, svc.chunk_bytes(TOY)))
+    shm = ShmPath.open(str(sock_dir / "kv.sock"), None)
+    stub = pb_grpc.KVCacheStub(grpc.insecure_channel(f"unix://{sock_dir / 'kv.sock'}"))
+    req = pb.LoadRequest(model=TOY, tokens={"u32le": prompt.tobytes()}, shm_session=shm.session_id)
+    kinds = []
+    for _ in range(4):  # never released
+        spans = [r.shm for r in stub.Load(req, timeout=10) if r.WhichOneof("kind") == "shm"]
+        kinds.append(all(bool(s.chunk_offsets) for s in spans))
+    assert kinds == [True, True, False, False]
+    assert kv.stats().pins_active == 2  # the copies pin nothing past their call
+    shm.close()
+    wait_until(lambda: kv.stats().pins_active == 0)
+
+
 def test_without_in_place_loads_every_chunk_is_copied_through_the_segment(
     make_service: Callable[..., Service], sock_dir: Path
 ) -> None:

@@ -57,6 +57,11 @@ class LeaseTable:
         return len(self._leases)
 
     @property
+    def holds(self) -> int:
+        """Leases held that take no space (`hold`)."""
+        return len(self._on_end)
+
+    @property
     def leased_bytes(self) -> int:
         return sum(lease.length for lease in self._leases.values())
 

@@ -30,6 +30,9 @@ from kvstore.wire.messages import TIER_TO_PB
 SPAN_BYTES = 4 << 20
 # Chunks read in place need no room in the segment: a span of them is one message and one pin.
 IN_PLACE_SPAN_BYTES = 32 << 20
+# What a session may hold in place at once (a client that never releases holds pins of its own
+# tenant's chunks until they lapse): beyond it, loads are copied into its segment, which bounds them.
+MAX_IN_PLACE_HOLDS = 1024
 PATHS = ("shm", "stream")
 
 
@@ -45,7 +48,8 @@ def load_spans(
     in_place = max(1, IN_PLACE_SPAN_BYTES // chunk_bytes)
     first = 0
     while first < n and still_wanted():
-        run = session.hold_in_place(first, min(in_place, n - first), pin_seconds(shm)) if shm.arenas else None
+        can_hold = shm.arenas and shm.leases.holds < MAX_IN_PLACE_HOLDS
+        run = session.hold_in_place(first, min(in_place, n - first), pin_seconds(shm)) if can_hold else None
         if run is not None:
             yield _in_place_span(session, shm, run, first, chunk_bytes, tiers_out)
             first += len(run.offsets)
