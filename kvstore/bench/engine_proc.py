@@ -47,7 +47,7 @@ def main() -> int:
               max_model_len=spec.get("max_model_len", 4096), enforce_eager=True,
               enable_prefix_caching=spec.get("prefix_caching", True),
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), seed=0, **kw)
-    print(READY, flush=True)
+    _say(READY)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "exit":
@@ -62,7 +62,7 @@ def main() -> int:
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             answer = {"outputs": [_output(o) for o in outs], "seconds": time.perf_counter() - t0}
-        print(ANSWER + json.dumps(answer), flush=True)  # marked: vLLM and connectors log to stdout too
+        _say(ANSWER + json.dumps(answer))  # marked: vLLM and connectors log to stdout too
     return 0
 
 
@@ -71,6 +71,13 @@ def _output(o: Any) -> dict[str, Any]:
     logprobs = [lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids, strict=False)]
     return {"tokens": list(c.token_ids), "logprobs": logprobs, "num_cached_tokens": o.num_cached_tokens,
             "kvstore": (o.kv_transfer_params or {}).get("kvstore")}
+
+
+def _say(line: str) -> None:
+    """One line in one write: with PYTHONUNBUFFERED, print() writes the text and its newline
+    apart, and the engine's own processes, writing to the same stdout, can land in between."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
