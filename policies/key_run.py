@@ -64,7 +64,7 @@ class KeyRun:
             return -1
         p = int.from_bytes(key[:_PREFIX_BYTES], "big")
         prefixes = self.prefixes
-        i = int(np.searchsorted(prefixes, p))
+        i = int(prefixes.searchsorted(np.uint64(p)))  # a Python int below 2**63 would compare as float64: O(n)
         n = len(prefixes)
         while i < n and int(prefixes[i]) == p:  # more than one only when 8-byte prefixes collide
             if self.keys[i].tobytes() == key:
