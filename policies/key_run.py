@@ -86,3 +86,18 @@ def first_alive(alive: np.ndarray, start: int) -> int:
         start += len(part)
         window *= 4
     return n
+
+
+def first_alive_of(alive: np.ndarray, order: np.ndarray, start: int) -> int:
+    """The first position >= `start` in `order` (indices into `alive`) whose flag is set, or
+    len(order): `first_alive` through an order."""
+    n = len(order)
+    window = 64
+    while start < n:
+        part = alive[order[start : start + window]]
+        hit = int(np.argmax(part))
+        if part[hit]:
+            return start + hit
+        start += len(part)
+        window *= 4
+    return n
