@@ -23,16 +23,25 @@ the victims plus the chunks passed over.
 A run of keys (`insert_run`, a restart's chunks) is the tail end of the small queue, in the run's
 order: a live flag and a frequency per key in arrays beside the caller's sizes. A touch raises the
 frequency in place; a key leaves the run (and becomes an ordinary entry) when it reaches the tail
-and is passed over, promoted or evicted, or when it is inserted again with another size.
+and is passed over, promoted or evicted.
+
+With `young_keys` set, each queue (small, main, ghost) keeps only that many of its newest keys as
+ordinary entries: older ones leave the old end of its dict for the new end of a `KeyLog`
+(policies/key_log.py, a size and a frequency per key), so each queue is [log][dict] in order
+(small: [run][log][dict]) and every answer is the one the dicts alone would give. Touches and
+inserts of a key in a log change it in place; the moves `evict` makes take a log's oldest key out
+of it to the head of a dict, as they take a key out of the run.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 
 import numpy as np
+import numpy.typing as npt
 
+from policies.key_log import KeyLog
 from policies.key_run import KeyRun, first_alive
 
 _MAX_FREQ = 3  # two bits, as in the paper: enough to tell "reused" from "reused a lot"
@@ -44,10 +53,18 @@ _PROMOTE = 2  # small's tail moved to main's head with its frequency reset
 _DECREMENT = 3  # main's tail went back to main's head with frequency - 1
 _EVICT_SMALL = 4  # small's tail was taken as a victim
 _EVICT_MAIN = 5  # main's tail was taken as a victim
-# The same three moves of small's tail when it was a key of the run (undone into the run).
-_ROTATE_RUN = 6
-_PROMOTE_RUN = 7
-_EVICT_RUN = 8
+# The same three moves of small's tail when it was a key of the run or of small's log (undone into it).
+_ROTATE_COMPACT = 6
+_PROMOTE_COMPACT = 7
+_EVICT_COMPACT = 8
+# The three moves of main's tail when it was a key of main's log.
+_ROTATE_MAIN_LOG = 9
+_DECREMENT_MAIN_LOG = 10
+_EVICT_MAIN_LOG = 11
+
+# Where a compact key is (the journal's source field).
+_RUN, _SMALL_LOG, _MAIN_LOG = 0, 1, 2
+_QUEUE_COLUMNS: Mapping[str, npt.DTypeLike] = {"size": np.int64, "freq": np.uint8}
 
 
 class _Entry:
@@ -58,20 +75,26 @@ class _Entry:
         self.freq = 0
 
 
+_Journal = list[tuple[int, bytes, _Entry, int, int, int]]  # (op, key, entry, old frequency, source, index)
+
+
 class S3FifoPolicy:
     """S3-FIFO over bytes. `small_fraction` is the small queue's share of the tracked bytes;
-    a chunk read at least `promote_after_reads` times while in the small queue moves to main."""
+    a chunk read at least `promote_after_reads` times while in the small queue moves to main.
+    `young_keys`: how many of each queue's newest keys are kept as objects (None: all)."""
 
-    def __init__(self, small_fraction: float = 0.1, promote_after_reads: int = 1) -> None:
+    def __init__(self, small_fraction: float = 0.1, promote_after_reads: int = 1,
+                 young_keys: int | None = None) -> None:
         assert 0.0 < small_fraction < 1.0, small_fraction
         assert 1 <= promote_after_reads <= _MAX_FREQ, promote_after_reads
+        assert young_keys is None or young_keys >= 1, young_keys
         self._small_fraction = small_fraction
         self._promote_after = promote_after_reads
         # OrderedDicts are FIFOs with O(1) removal by key: first item = tail (oldest).
         self._small: OrderedDict[bytes, _Entry] = OrderedDict()
         self._main: OrderedDict[bytes, _Entry] = OrderedDict()
         self._ghost: OrderedDict[bytes, int] = OrderedDict()  # evicted key -> its size
-        self._small_bytes = 0  # the run's live keys included
+        self._small_bytes = 0  # the run's and the small log's live keys included
         self._main_bytes = 0
         self._ghost_bytes = 0
         # The run: the tail end of the small queue. _run_next: no live key before it.
@@ -81,6 +104,11 @@ class S3FifoPolicy:
         self._run_freq = np.zeros(0, dtype=np.uint8)
         self._run_live = 0
         self._run_next = 0
+        # Each queue's keys past its `young_keys` newest, just before its dict (after the run).
+        self._young = young_keys
+        self._small_log: KeyLog | None = None
+        self._main_log: KeyLog | None = None
+        self._ghost_log: KeyLog | None = None  # column "size" only
 
     # --- the contract -------------------------------------------------------------------------------
 
@@ -104,8 +132,23 @@ class S3FifoPolicy:
             self._run_sizes[i] = nbytes
             self._run_freq[i] = min(int(self._run_freq[i]) + 1, _MAX_FREQ)
             return
+        for log in (self._small_log, self._main_log):  # or in place in a log
+            s = -1 if log is None else log.find(key)
+            if s >= 0:
+                assert log is not None
+                sizes, freqs = log.cols["size"], log.cols["freq"]
+                delta = nbytes - int(sizes[s])
+                if log is self._small_log:
+                    self._small_bytes += delta
+                else:
+                    self._main_bytes += delta
+                sizes[s] = nbytes
+                freqs[s] = min(int(freqs[s]) + 1, _MAX_FREQ)
+                return
         entry = _Entry(nbytes)
         ghost_size = self._ghost.pop(key, None)
+        if ghost_size is None:
+            ghost_size = self._ghost_log_take(key)
         if ghost_size is not None:
             # Seen again soon after eviction: the small queue was too short for it.
             self._ghost_bytes -= ghost_size
@@ -114,16 +157,18 @@ class S3FifoPolicy:
         else:
             self._small[key] = entry
             self._small_bytes += nbytes
+        self._settle()
 
     def insert_run(self, run: KeyRun, nbytes: np.ndarray, cost: float) -> None:
         # `cost` is ignored, as by `insert`.
         assert self._run_live == 0, "one run at a time"
-        assert not any(run.find(k) >= 0 for k in (*self._small, *self._main)), "a key of the run is tracked"
+        tracked = (*self._small, *self._main, *_log_keys(self._small_log), *_log_keys(self._main_log))
+        assert not any(run.find(k) >= 0 for k in tracked), "a key of the run is tracked"
         self._run, self._run_sizes = run, nbytes
         self._run_alive = np.ones(len(run), dtype=bool)
         self._run_freq = np.zeros(len(run), dtype=np.uint8)
         self._run_live, self._run_next = len(run), 0
-        assert not self._ghost, "a run goes into a policy that has evicted nothing yet"
+        assert not self._ghost and not self._ghost_log, "a run goes into a policy that has evicted nothing yet"
         self._small_bytes += int(nbytes.sum())
 
     def touch(self, key: bytes) -> None:
@@ -134,6 +179,14 @@ class S3FifoPolicy:
         i = self._run_index(key)
         if i >= 0:
             self._run_freq[i] = min(int(self._run_freq[i]) + 1, _MAX_FREQ)
+            return
+        for log in (self._small_log, self._main_log):
+            s = -1 if log is None else log.find(key)
+            if s >= 0:
+                assert log is not None
+                freqs = log.cols["freq"]
+                freqs[s] = min(int(freqs[s]) + 1, _MAX_FREQ)
+                return
 
     def remove(self, key: bytes) -> None:
         # Not remembered in the ghost queue: the chunk left for a reason other than being cold.
@@ -149,8 +202,21 @@ class S3FifoPolicy:
         if i >= 0:
             self._run_kill(i)
             self._small_bytes -= int(self._run_sizes[i])
+            return
+        for log in (self._small_log, self._main_log):
+            s = -1 if log is None else log.find(key)
+            if s >= 0:
+                assert log is not None
+                log.kill(s)
+                size = int(log.cols["size"][s])
+                if log is self._small_log:
+                    self._small_bytes -= size
+                else:
+                    self._main_bytes -= size
+                log.tidy()
+                return
 
-    # --- the run ------------------------------------------------------------------------------------
+    # --- the run and the logs -----------------------------------------------------------------------
 
     def _run_index(self, key: object) -> int:
         if not self._run_live or self._run is None:
@@ -175,6 +241,69 @@ class S3FifoPolicy:
         self._run_next = first_alive(self._run_alive, self._run_next)
         return self._run_next
 
+    def _small_compact_tail(self) -> tuple[int, int]:
+        """(source, index) of small's tail when it is a key of the run or of small's log, else (-1, -1)."""
+        r = self._run_tail()
+        if r >= 0:
+            return _RUN, r
+        if self._small_log is not None and self._small_log.live:
+            return _SMALL_LOG, self._small_log.oldest()
+        return -1, -1
+
+    def _log_of(self, source: int) -> KeyLog:
+        log = self._small_log if source == _SMALL_LOG else self._main_log
+        assert log is not None
+        return log
+
+    def _take_compact(self, source: int, i: int) -> tuple[bytes, int, int]:
+        """Take a key out of the run or a log: (key, size, frequency)."""
+        if source == _RUN:
+            assert self._run is not None
+            self._run_kill(i)
+            return self._run.key(i), int(self._run_sizes[i]), int(self._run_freq[i])
+        log = self._log_of(source)
+        log.kill(i)
+        return log.key(i), int(log.cols["size"][i]), int(log.cols["freq"][i])
+
+    def _revive_compact(self, source: int, i: int, freq: int) -> None:
+        if source == _RUN:
+            self._run_revive(i, freq)
+            return
+        log = self._log_of(source)
+        log.revive(i)
+        log.cols["freq"][i] = freq
+
+    def _ghost_log_take(self, key: bytes) -> int | None:
+        log = self._ghost_log
+        s = -1 if log is None else log.find(key)
+        if s < 0:
+            return None
+        assert log is not None
+        log.kill(s)
+        return int(log.cols["size"][s])
+
+    def _settle(self) -> None:
+        """Move each queue's keys past its `young_keys` newest from its dict's old end to its log's
+        new end (the order is unchanged), and tidy the logs. Never inside `evict`: its journal
+        names the logs' slots."""
+        young = self._young
+        if young is None:
+            return
+        self._small_log = _spill(self._small, self._small_log, young)
+        self._main_log = _spill(self._main, self._main_log, young)
+        ghost, log = self._ghost, self._ghost_log
+        while len(ghost) > young:
+            key = next(iter(ghost))
+            if log is None:
+                if not _loggable(key):
+                    break
+                log = self._ghost_log = KeyLog(len(key), {"size": np.int64}, tail_keys=young)
+            elif len(key) != log.width:
+                break
+            log.append(key, size=ghost.pop(key))
+        if log is not None:
+            log.tidy()
+
     def evict(
         self,
         nbytes: int,
@@ -185,7 +314,7 @@ class S3FifoPolicy:
             return []
         if nbytes > self._small_bytes + self._main_bytes:
             return None
-        journal: list[tuple[int, bytes, _Entry, int, int]] = []  # (op, key, entry, old frequency, run index)
+        journal: _Journal = []
         victims: list[bytes] = []
         small_victims: list[tuple[bytes, int]] = []
         freed = 0
@@ -193,24 +322,27 @@ class S3FifoPolicy:
         # exhausted once it has been passed over all the way round.
         small_stuck = main_stuck = 0
         small, main = self._small, self._main
+        small_log, main_log = self._small_log, self._main_log
         while freed < nbytes:
-            small_n = len(small) + self._run_live
+            small_n = len(small) + self._run_live + (small_log.live if small_log is not None else 0)
+            main_in_log = main_log.live if main_log is not None else 0
+            main_n = len(main) + main_in_log
             small_ok = small_n > 0 and small_stuck < small_n
-            main_ok = bool(main) and main_stuck < len(main)
+            main_ok = main_n > 0 and main_stuck < main_n
             if not small_ok and not main_ok:
                 self._undo(journal)
                 return None
             target = self._small_fraction * (self._small_bytes + self._main_bytes)
-            if small_ok and (self._small_bytes >= target or not main_ok) and (r := self._run_tail()) >= 0:
-                # Small's tail is the run's oldest live key: the same three moves, out of the run.
-                assert self._run is not None
-                key, size, freq = self._run.key(r), int(self._run_sizes[r]), int(self._run_freq[r])
-                self._run_kill(r)
+            take_small = small_ok and (self._small_bytes >= target or not main_ok)
+            if take_small and (src := self._small_compact_tail())[0] >= 0:
+                # Small's tail is a key of the run or of small's log: the same three moves, out of it.
+                source, r = src
+                key, size, freq = self._take_compact(source, r)
                 entry = _Entry(size)
                 if key in protected or (eligible is not None and not eligible(key)):
                     entry.freq = freq
                     small[key] = entry  # to small's head, an ordinary entry now
-                    journal.append((_ROTATE_RUN, key, entry, freq, r))
+                    journal.append((_ROTATE_COMPACT, key, entry, freq, source, r))
                     small_stuck += 1
                     continue
                 small_stuck = 0
@@ -218,18 +350,18 @@ class S3FifoPolicy:
                 if freq >= self._promote_after:
                     main[key] = entry  # frequency reset, as for any promotion
                     self._main_bytes += size
-                    journal.append((_PROMOTE_RUN, key, entry, freq, r))
+                    journal.append((_PROMOTE_COMPACT, key, entry, freq, source, r))
                     main_stuck = 0
                 else:
-                    journal.append((_EVICT_RUN, key, entry, freq, r))
+                    journal.append((_EVICT_COMPACT, key, entry, freq, source, r))
                     victims.append(key)
                     small_victims.append((key, size))
                     freed += size
-            elif small_ok and (self._small_bytes >= target or not main_ok):
+            elif take_small:
                 key, entry = next(iter(small.items()))
                 if key in protected or (eligible is not None and not eligible(key)):
                     small.move_to_end(key)
-                    journal.append((_ROTATE_SMALL, key, entry, entry.freq, -1))
+                    journal.append((_ROTATE_SMALL, key, entry, entry.freq, -1, -1))
                     small_stuck += 1
                     continue
                 small_stuck = 0
@@ -238,43 +370,68 @@ class S3FifoPolicy:
                 if entry.freq >= self._promote_after:
                     main[key] = entry
                     self._main_bytes += entry.nbytes
-                    journal.append((_PROMOTE, key, entry, entry.freq, -1))
+                    journal.append((_PROMOTE, key, entry, entry.freq, -1, -1))
                     entry.freq = 0
                     main_stuck = 0  # main has a new candidate
                 else:
-                    journal.append((_EVICT_SMALL, key, entry, entry.freq, -1))
+                    journal.append((_EVICT_SMALL, key, entry, entry.freq, -1, -1))
                     victims.append(key)
                     small_victims.append((key, entry.nbytes))
                     freed += entry.nbytes
+            elif main_in_log:
+                assert main_log is not None
+                r = main_log.oldest()
+                key, size, freq = self._take_compact(_MAIN_LOG, r)
+                entry = _Entry(size)
+                entry.freq = freq
+                if key in protected or (eligible is not None and not eligible(key)):
+                    main[key] = entry  # to main's head
+                    journal.append((_ROTATE_MAIN_LOG, key, entry, freq, _MAIN_LOG, r))
+                    main_stuck += 1
+                    continue
+                main_stuck = 0
+                if freq > 0:
+                    entry.freq = freq - 1
+                    main[key] = entry
+                    journal.append((_DECREMENT_MAIN_LOG, key, entry, freq, _MAIN_LOG, r))
+                else:
+                    self._main_bytes -= size
+                    journal.append((_EVICT_MAIN_LOG, key, entry, freq, _MAIN_LOG, r))
+                    victims.append(key)
+                    freed += size
             else:
                 key, entry = next(iter(main.items()))
                 if key in protected or (eligible is not None and not eligible(key)):
                     main.move_to_end(key)
-                    journal.append((_ROTATE_MAIN, key, entry, entry.freq, -1))
+                    journal.append((_ROTATE_MAIN, key, entry, entry.freq, -1, -1))
                     main_stuck += 1
                     continue
                 main_stuck = 0
                 if entry.freq > 0:
-                    journal.append((_DECREMENT, key, entry, entry.freq, -1))
+                    journal.append((_DECREMENT, key, entry, entry.freq, -1, -1))
                     entry.freq -= 1
                     main.move_to_end(key)
                 else:
                     del main[key]
                     self._main_bytes -= entry.nbytes
-                    journal.append((_EVICT_MAIN, key, entry, entry.freq, -1))
+                    journal.append((_EVICT_MAIN, key, entry, entry.freq, -1, -1))
                     victims.append(key)
                     freed += entry.nbytes
         for key, size in small_victims:
             self._ghost[key] = size
             self._ghost_bytes += size
         self._trim_ghost()
+        self._settle()
         return victims
 
     def __len__(self) -> int:
-        return len(self._small) + len(self._main) + self._run_live
+        return len(self._small) + len(self._main) + self._run_live + len(self._small_log or ()) + len(
+            self._main_log or ())
 
     def __contains__(self, key: object) -> bool:
-        return key in self._small or key in self._main or self._run_index(key) >= 0
+        return (key in self._small or key in self._main or self._run_index(key) >= 0
+                or (self._small_log is not None and self._small_log.find(key) >= 0)
+                or (self._main_log is not None and self._main_log.find(key) >= 0))
 
     # --- introspection for tests and stats ----------------------------------------------------------
 
@@ -283,29 +440,37 @@ class S3FifoPolicy:
         return self._small_bytes + self._main_bytes
 
     def in_main(self, key: bytes) -> bool:
-        return key in self._main
+        return key in self._main or (self._main_log is not None and self._main_log.find(key) >= 0)
 
     def in_ghost(self, key: bytes) -> bool:
-        return key in self._ghost
+        return key in self._ghost or (self._ghost_log is not None and self._ghost_log.find(key) >= 0)
 
     # --- internals ----------------------------------------------------------------------------------
 
-    def _undo(self, journal: list[tuple[int, bytes, _Entry, int, int]]) -> None:
-        """Reverse every step of a failed `evict`, newest first, restoring the exact queue order."""
+    def _undo(self, journal: _Journal) -> None:
+        """Reverse every step of a failed `evict`, newest first, restoring the exact queue order. A
+        dict's key goes back to the dict's old end: it was taken only while no key of the run or a
+        log was older in its queue, and those taken before it are put back after it."""
         small, main = self._small, self._main
-        for op, key, entry, old_freq, r in reversed(journal):
+        for op, key, entry, old_freq, source, r in reversed(journal):
             entry.freq = old_freq
-            if op >= _ROTATE_RUN:  # back into the run, at its place
-                if op == _ROTATE_RUN:
+            if op >= _ROTATE_MAIN_LOG:  # back into main's log, at its place
+                if op == _EVICT_MAIN_LOG:
+                    self._main_bytes += entry.nbytes
+                else:
+                    del main[key]
+                self._revive_compact(source, r, old_freq)
+            elif op >= _ROTATE_COMPACT:  # back into the run or small's log, at its place
+                if op == _ROTATE_COMPACT:
                     del small[key]
-                elif op == _PROMOTE_RUN:
+                elif op == _PROMOTE_COMPACT:
                     del main[key]
                     self._main_bytes -= entry.nbytes
                     self._small_bytes += entry.nbytes
                 else:
-                    assert op == _EVICT_RUN
+                    assert op == _EVICT_COMPACT
                     self._small_bytes += entry.nbytes
-                self._run_revive(r, old_freq)
+                self._revive_compact(source, r, old_freq)
             elif op == _ROTATE_SMALL:
                 small.move_to_end(key, last=False)
             elif op == _ROTATE_MAIN:
@@ -333,6 +498,41 @@ class S3FifoPolicy:
         # entries as are tracked, so its memory is bounded by the tier's own bookkeeping.
         limit_bytes = self._small_bytes + self._main_bytes
         limit_entries = len(self)
-        while self._ghost and (self._ghost_bytes > limit_bytes or len(self._ghost) > limit_entries):
-            _, size = self._ghost.popitem(last=False)
+        ghost, log = self._ghost, self._ghost_log
+        while True:
+            held = len(ghost) + (log.live if log is not None else 0)
+            if not held or (self._ghost_bytes <= limit_bytes and held <= limit_entries):
+                break
+            if log is not None and log.live:  # the log is the ghost queue's old end
+                s = log.oldest()
+                log.kill(s)
+                size = int(log.cols["size"][s])
+            else:
+                _, size = ghost.popitem(last=False)
             self._ghost_bytes -= size
+
+
+def _loggable(key: object) -> bool:
+    return isinstance(key, bytes) and len(key) >= 8
+
+
+def _log_keys(log: KeyLog | None) -> list[bytes]:
+    return [] if log is None else [log.key(int(s)) for s in log.live_slots()]
+
+
+def _spill(queue: OrderedDict[bytes, _Entry], log: KeyLog | None, young: int) -> KeyLog | None:
+    """Move `queue`'s oldest entries past its `young` newest to the end of `log` (made on first
+    use); the log."""
+    while len(queue) > young:
+        key = next(iter(queue))
+        if log is None:
+            if not _loggable(key):
+                return None  # kept as entries: a log holds keys of 8 bytes or more
+            log = KeyLog(len(key), _QUEUE_COLUMNS, tail_keys=young)
+        elif len(key) != log.width:
+            break  # a key of another width stays an entry, and so do the newer ones
+        entry = queue.pop(key)
+        log.append(key, size=entry.nbytes, freq=entry.freq)
+    if log is not None:
+        log.tidy()
+    return log

@@ -1,5 +1,6 @@
 """Eviction and admission policies: one contract suite over every eviction policy, then what each
-policy is for (recency, scan resistance, cost per byte) and the admission policies."""
+policy is for (recency, scan resistance, cost per byte) and the admission policies; a policy given
+its keys as a run, or keeping only its newest keys as objects, answers as one given them all."""
 
 from __future__ import annotations
 
@@ -357,21 +358,27 @@ def test_second_sighting_memory_is_bounded_and_forgets_old_keys() -> None:
 
 class _RunTwins(RuleBasedStateMachine):
     """Two policies of one kind: `one` had RUN_KEYS inserted one by one, `run` took them as a
-    `KeyRun`; every operation after is applied to both, and every answer must be the same."""
+    `KeyRun` (or, with `with_run` off, one by one too) and keeps only `young_keys` keys as objects
+    (None: all); every operation after is applied to both, and every answer must be the same."""
 
     policy_name = "lru"
+    young_keys: int | None = None
+    with_run = True
     KEYS = st.integers(0, 23).map(k)
     RUN_KEYS = 16  # k(0)..k(15) in the run, k(16).. only ever inserted later
 
     def __init__(self) -> None:
         super().__init__()
         self.one = build_eviction(self.policy_name)
-        self.run = build_eviction(self.policy_name)
+        self.run = build_eviction(self.policy_name, young_keys=self.young_keys)
         self.sizes = [10 + (i % 3) * 5 for i in range(self.RUN_KEYS)]  # a few sizes, as of several layouts
         for i in range(self.RUN_KEYS):
             self.one.insert(k(i), self.sizes[i], 128.0)
-        self.run.insert_run(KeyRun.of([k(i) for i in range(self.RUN_KEYS)]), np.array(self.sizes, dtype=np.int64),
-                            128.0)
+            if not self.with_run:
+                self.run.insert(k(i), self.sizes[i], 128.0)
+        if self.with_run:
+            self.run.insert_run(KeyRun.of([k(i) for i in range(self.RUN_KEYS)]),
+                                np.array(self.sizes, dtype=np.int64), 128.0)
 
     @rule(key=KEYS, size=st.integers(1, 40), cost=st.floats(0.0, 100.0))
     def insert(self, key: bytes, size: int, cost: float) -> None:
@@ -402,8 +409,9 @@ class _RunTwins(RuleBasedStateMachine):
         assert drain(self.one) == drain(self.run)  # the same order from here on
 
 
-def _twins_for(policy_name: str) -> type[RuleBasedStateMachine]:
-    return type(f"Twins_{policy_name}", (_RunTwins,), {"policy_name": policy_name})
+def _twins_for(policy_name: str, young_keys: int | None = None, with_run: bool = True) -> type[RuleBasedStateMachine]:
+    return type(f"Twins_{policy_name}_{young_keys}_{with_run}", (_RunTwins,),
+                {"policy_name": policy_name, "young_keys": young_keys, "with_run": with_run})
 
 
 TestLruRunTwins = _twins_for("lru").TestCase
@@ -412,6 +420,20 @@ TestS3FifoRunTwins = _twins_for("s3fifo").TestCase
 TestS3FifoRunTwins.settings = _SETTINGS
 TestCostAwareRunTwins = _twins_for("cost-aware").TestCase
 TestCostAwareRunTwins.settings = _SETTINGS
+# Keys past the two newest kept in arrays (policies/key_log.py), with and without a run before them:
+# the logs spill, merge their index and drop their dead at every few steps.
+TestLruYoungTwins = _twins_for("lru", young_keys=2).TestCase
+TestLruYoungTwins.settings = _SETTINGS
+TestS3FifoYoungTwins = _twins_for("s3fifo", young_keys=2).TestCase
+TestS3FifoYoungTwins.settings = _SETTINGS
+TestCostAwareYoungTwins = _twins_for("cost-aware", young_keys=2).TestCase
+TestCostAwareYoungTwins.settings = _SETTINGS
+TestLruYoungOnlyTwins = _twins_for("lru", young_keys=1, with_run=False).TestCase
+TestLruYoungOnlyTwins.settings = _SETTINGS
+TestS3FifoYoungOnlyTwins = _twins_for("s3fifo", young_keys=1, with_run=False).TestCase
+TestS3FifoYoungOnlyTwins.settings = _SETTINGS
+TestCostAwareYoungOnlyTwins = _twins_for("cost-aware", young_keys=1, with_run=False).TestCase
+TestCostAwareYoungOnlyTwins.settings = _SETTINGS
 
 
 def test_a_run_costs_arrays_not_objects(name: str) -> None:
@@ -430,3 +452,22 @@ def test_a_run_costs_arrays_not_objects(name: str) -> None:
     ordinary = {"lru": lambda q: len(q._sizes), "s3fifo": lambda q: len(q._small) + len(q._main),
                 "cost-aware": lambda q: len(q._entries)}[name]
     assert ordinary(p) <= 2  # k(500) once touched (LRU, GDSF), k(0) once passed over (S3-FIFO)
+
+
+def test_young_keys_keep_few_objects_and_the_same_order(name: str) -> None:
+    # 20,000 keys inserted one by one, some touched, a few evicted: with young_keys=64 the policy
+    # holds an object for at most 64 keys a queue (the rest in its logs), and would evict every
+    # key in the same order as a policy that keeps them all as objects.
+    plain, young = build_eviction(name), build_eviction(name, young_keys=64)
+    for i in range(20_000):
+        for p in (plain, young):
+            p.insert(k(i), 10 + i % 7, float(i % 5))
+            if i % 11 == 0:
+                p.touch(k(i // 2))
+            if i % 1000 == 999:
+                assert p.evict(100, {k(i // 3)}) is not None
+    assert plain.evict(100, set()) == young.evict(100, set())
+    ordinary = {"lru": lambda q: len(q._sizes), "s3fifo": lambda q: len(q._small) + len(q._main) + len(q._ghost),
+                "cost-aware": lambda q: len(q._entries)}[name]
+    assert len(young) == len(plain) and ordinary(young) <= 3 * 64 and ordinary(plain) > 10_000
+    assert drain(young) == drain(plain)

@@ -22,14 +22,14 @@ EVICTION_POLICIES: tuple[str, ...] = ("lru", "s3fifo", "cost-aware")
 ADMISSION_POLICIES: tuple[str, ...] = ("always", "second-sighting")
 
 
-def build_eviction(name: str) -> EvictionPolicy:
+def build_eviction(name: str, young_keys: int | None = None) -> EvictionPolicy:
     """A fresh eviction policy for one tier (each tier needs its own instance)."""
     if name == "lru":
-        return LruPolicy()
+        return LruPolicy(young_keys)
     if name == "s3fifo":
-        return S3FifoPolicy()
+        return S3FifoPolicy(young_keys=young_keys)
     if name == "cost-aware":
-        return CostAwarePolicy()
+        return CostAwarePolicy(young_keys=young_keys)
     raise ConfigError("store.eviction_policy", f"must be one of {', '.join(EVICTION_POLICIES)}, got {name!r}")
 
 
