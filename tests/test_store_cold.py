@@ -1,12 +1,36 @@
 """The cold chunks' arrays (store/cold.py): found one at a time and all at once alike, keys that
-share their first 8 bytes included, and a thawed chunk no longer cold."""
+share their first 8 bytes included, and a thawed chunk no longer cold; chunks that come to be held
+by LMDB only while the store runs folded into them, read back checked against their keys, and
+evicted in the same order as entries would be."""
 
 from __future__ import annotations
 
-import numpy as np
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import numpy as np
+import pytest
+
+import kvstore.store.cold as cold_module
+import kvstore.store.global_store as global_store
+from kvstore.config.policies import EVICTION_POLICIES
 from kvstore.layout import get_model
+from kvstore.store import GlobalStore, TenantQuota
 from kvstore.store.cold import ColdChunks
+from kvstore.tiers.base import ChunkMeta, ScannedChunk
+from kvstore.tiers.lmdb_tier import LmdbTier
+from tests.store_helpers import (
+    CHUNK,
+    MODELS,
+    RecordingFates,
+    expected_payloads,
+    open_store,
+    small_config,
+    store_prefix,
+    tokens_for,
+)
 
 
 def test_find_many_agrees_with_find_and_thaw_takes_a_chunk_out() -> None:
@@ -32,3 +56,142 @@ def test_find_many_agrees_with_find_and_thaw_takes_a_chunk_out() -> None:
     assert [e is not None for e in cold.peek_many(probe)] == [i >= 0 for i in one_by_one]
     assert cold.peek(keys[11]) is cold.kind_entry(kind) and cold.kind_entry(kind).cold
     assert list(cold.dead()) == [keys[10]]
+
+
+# --- chunks that come to be held by LMDB only while the store runs are folded into the arrays ----------
+
+
+def load_all(store: GlobalStore, ns: Any, tokens: np.ndarray) -> list[tuple[str, bytes]]:
+    with store.load(ns, tokens) as session:
+        return [(c.tier, bytes(c.payload)) for c in session]
+
+
+def test_chunks_stored_into_lmdb_only_are_folded_and_each_read_is_checked_against_its_key(tmp_path: Path) -> None:
+    store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0, lmdb_capacity_bytes=8 << 20)
+    ns = store.namespace("alice", "reference-toy-8", "bounded")
+    prompts = [tokens_for(100 + i, 8 * CHUNK) for i in range(20)]
+    for p in prompts:
+        assert store_prefix(store, ns, p).stored_chunks == 8
+    # No entry object for any of them: rows of the cold arrays, as a restart would find them.
+    assert not store._index and store._cold.folded == 160 and store.stats().chunks == 160
+    store.check_invariants()
+    for p in prompts[:3]:
+        assert store.lookup(ns, p).chunk_tiers == ("lmdb",) * 8
+        assert load_all(store, ns, p) == [("lmdb", c) for c in expected_payloads(store, ns, p, 8)]
+    assert store.lookup(store.namespace("bob", "reference-toy-8", "bounded"), prompts[0]).hit_tokens == 0
+    # A value rewritten with other token ids under chunk 3's key: the read checks them against the
+    # key (the entry that knew the token ids is gone), so the load stops there and books the loss.
+    keys = store.chunk_keys(ns, prompts[0])
+    wrong = tokens_for(99, CHUNK).tobytes()
+    nbytes = store.layout(ns).chunk_bytes
+    store._durable.put(keys[3], memoryview(b"\x01" * nbytes), ChunkMeta(ns.digest, ns.layout_id, wrong))
+    got = load_all(store, ns, prompts[0])
+    assert [c for _, c in got] == expected_payloads(store, ns, prompts[0], 3)
+    assert store.stats().corrupt_reads == 1 and store.lookup(ns, prompts[0]).hit_chunks == 3
+    assert store._cold.folded == 159 and not store._index
+    store.check_invariants()
+    store.close()
+
+
+def test_a_chunk_whose_last_copy_in_memory_leaves_is_folded(tmp_path: Path) -> None:
+    # DRAM holds 4 toy chunks: every chunk it lets go is held by LMDB only from then on.
+    store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=4 * 4096)
+    ns = store.namespace("alice", "reference-toy-8", "bounded")
+    prompts = [tokens_for(200 + i, 3 * CHUNK) for i in range(6)]
+    for p in prompts:
+        store_prefix(store, ns, p)
+        store.check_invariants()  # which asserts that no entry is held by LMDB only
+    assert len(store._index) <= 4 and store._cold.folded == 18 - len(store._index)
+    for p in prompts:  # read from LMDB, promoted (thawed) while DRAM has room, folded when it leaves
+        assert [c for _, c in load_all(store, ns, p)] == expected_payloads(store, ns, p, 3)
+        store.check_invariants()
+    assert store.stats().chunks == 18
+    store.close()
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_evictions_are_the_same_whether_chunks_are_folded_or_kept_as_entries(
+    tmp_path: Path, policy: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two stores take the same calls: one keeps every chunk as an entry and its LMDB policy's keys
+    as objects (as before chunks were folded), the other folds them, with tiny young and tail
+    sizes so that its policy's logs spill, merge and compact. Same victims, same order, same hits."""
+    fp = 1466  # a toy chunk's LMDB footprint
+    cfg: dict[str, Any] = dict(device_capacity_bytes=2 * 4096, dram_capacity_bytes=5 * 4096,
+                               lmdb_capacity_bytes=30 * fp, eviction_policy=policy)
+    quotas = {"bob": TenantQuota(lmdb_bytes=10 * fp)}  # bob's evictions are his own (eligible)
+    monkeypatch.setattr(global_store, "LMDB_POLICY_YOUNG_KEYS", None)
+    entries = open_store(tmp_path / "entries", quotas=quotas, **cfg)
+    entries._fold = lambda key, entry: None  # type: ignore[method-assign]
+    monkeypatch.setattr(global_store, "LMDB_POLICY_YOUNG_KEYS", 3)
+    monkeypatch.setattr(cold_module, "_FOLDED_TAIL_KEYS", 2)
+    folded = open_store(tmp_path / "folded", quotas=quotas, **cfg)
+    fates = [RecordingFates(), RecordingFates()]
+    for store, sink in zip((entries, folded), fates, strict=True):
+        store.set_fate_sink(sink)
+    rng = np.random.default_rng(7)
+    roots = {t: [tokens_for(300 + 10 * i + j, 6 * CHUNK) for j in range(8)] for i, t in enumerate(("alice", "bob"))}
+    assert folded._tiers["lmdb"].footprint(folded.layout(folded.namespace("bob", "reference-toy-8", "bounded"))
+                                           .chunk_bytes) == fp
+    for _step in range(160):
+        tenant = ("alice", "bob")[int(rng.integers(2))]
+        prompt = roots[tenant][int(rng.integers(8))][: int(rng.integers(1, 7)) * CHUNK]
+        write = rng.random() < 0.5
+        results: list[Any] = []
+        for store in (entries, folded):
+            ns = store.namespace(tenant, "reference-toy-8", "bounded")
+            if write:
+                results.append(store_prefix(store, ns, prompt))
+            else:  # a hit: touched in every tier, promoted where there is room
+                results.append((store.lookup(ns, prompt), load_all(store, ns, prompt)))
+        assert results[0] == results[1]
+        assert fates[0].seen == fates[1].seen
+        assert entries.stats().tiers == folded.stats().tiers
+        folded.check_invariants()
+    assert folded._cold.folded > 0 and not entries._cold.folded
+    assert sum(1 for f in fates[1].seen if f[0].startswith("dropped")) > 20  # LMDB evicted, many times
+    entries.close()
+    folded.close()
+
+
+def test_a_chunk_left_in_lmdb_only_while_the_index_loads_is_folded_when_it_is_ready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0)
+    ns = store.namespace("alice", "reference-toy-8", "bounded")
+    filler, late, other = tokens_for(400, 6 * CHUNK), tokens_for(401, CHUNK), tokens_for(402, CHUNK)
+    store_prefix(store, ns, filler)
+    store_prefix(store, ns, late)
+    late_key = store.chunk_keys(ns, late)[0]
+    store.close()
+
+    started, scanned_late, go_on = threading.Event(), threading.Event(), threading.Event()
+    real = LmdbTier.scan
+
+    def scan(self: LmdbTier, verify: bool = False) -> Iterator[ScannedChunk]:
+        assert started.wait(30)
+        for sc in real(self, verify):
+            yield sc
+            if sc.key == late_key:  # indexed by now (one record a batch): stall here
+                scanned_late.set()
+                assert go_on.wait(30)
+
+    monkeypatch.setattr(LmdbTier, "scan", scan)
+    monkeypatch.setattr(global_store, "RECOVER_BATCH", 1)
+    store = GlobalStore(small_config(device_capacity_bytes=0, dram_capacity_bytes=4096), tmp_path, MODELS,
+                        load_index_in_background=True)
+    try:
+        assert store_prefix(store, ns, late).stored_chunks == 1  # not indexed yet: kept in DRAM only
+        started.set()
+        assert scanned_late.wait(30)  # the scan found it in LMDB too: held by both
+        assert store_prefix(store, ns, other).stored_chunks == 1  # DRAM's one chunk: `late` leaves it
+        assert store._index[late_key].footprint.keys() == {"lmdb"}  # not folded while loading
+        go_on.set()
+        assert store.wait_ready(30)
+        assert late_key not in store._index and store._cold.folded == 1
+        store.check_invariants()
+        assert [c for _, c in load_all(store, ns, late)] == expected_payloads(store, ns, late, 1)
+    finally:
+        started.set()
+        go_on.set()
+        store.close()

@@ -1,17 +1,22 @@
-"""The chunks a restart found in LMDB that nothing has needed since: kept as arrays, not objects.
+"""The chunks held by LMDB only that nothing has needed since: kept as arrays, not objects.
 
-A `ChunkEntry` with its dict slot and footprint dict costs ~500 B; a 4 TB SSD tier holds ~35
-million V4.1 chunks. What a recovered chunk needs until it is used is its key and its kind (the
-namespace, hence tenant, layout, size and footprint, which all its fellows share): 32 B of key,
-8 B of key prefix for the binary search (policies/key_run.py) and a 4-byte kind, plus a live flag.
-Every chunk of one kind is read through one shared, read-only entry (`peek`); a chunk is
-"thawed" into an ordinary entry of its own (`thaw`) only when the store changes something about
-it (reads it into a faster tier, evicts it, finds it corrupt). A looked-up or loaded chunk stays
-cold: its token ids are checked against its key at each read instead of being kept.
+A `ChunkEntry` with its dict slot, its footprint dict and the 512 B of a 128-token chunk's token
+ids costs ~1 KB; a 4 TB SSD tier holds ~35 million V4.1 chunks. What such a chunk needs until it is
+used is its key and its kind (the namespace, hence tenant, layout, size and footprint, which all
+its fellows share): 32 B of key, 8 B of key prefix for the binary search (policies/key_run.py) and
+a 4-byte kind, plus a live flag. Every chunk of one kind is read through one shared, read-only
+entry (`peek`); a chunk is "thawed" into an ordinary entry of its own (`thaw`) only when the store
+changes something about it (reads it into a faster tier, evicts it, finds it corrupt). A looked-up
+or loaded chunk stays cold: its token ids are checked against its key at each read instead of
+being kept.
 
-The keys come in ascending order (LMDB's, from the index database's scan), so appending keeps the
-arrays sorted; the run the LMDB tier's eviction policy takes (`EvictionPolicy.insert_run`) is a
-view of the same arrays. The store calls this under its lock; it holds no lock of its own.
+Two parts. The chunks a restart found come in ascending key order (LMDB's, from the index
+database's scan), so appending keeps those arrays sorted, and the run the LMDB tier's eviction
+policy takes (`EvictionPolicy.insert_run`) is a view of them. Chunks that become LMDB-only while
+the store runs (`fold`: written through and not placed in memory, or their last copy in memory
+left) come one at a time, in no key order: they go to a `KeyLog` (policies/key_log.py), with the
+recompute cost each one's entry had (the run's chunks all have one, their kind's). The store calls
+this under its lock; it holds no lock of its own.
 """
 
 from __future__ import annotations
@@ -22,9 +27,13 @@ import numpy as np
 
 from kvstore.layout import CacheLayout
 from kvstore.store.placement import ChunkEntry
+from policies.key_log import KeyLog
 from policies.key_run import KeyRun, key_prefixes
 
 KEY_BYTES = 32
+# `find` of a folded chunk: its log slot plus this, above any index of the restart's arrays.
+_FOLDED = 1 << 48
+_FOLDED_TAIL_KEYS = 256  # folded keys appended before they are merged into the log's sorted index
 
 
 class ColdChunks:
@@ -37,19 +46,30 @@ class ColdChunks:
         self._kind = np.zeros(cap, dtype=np.uint32)
         self._alive = np.zeros(cap, dtype=bool)
         self.n = 0  # chunks appended (live or not)
-        self.live = 0  # chunks still cold
+        self._live = 0  # of those, chunks still cold
         self._kinds: list[ChunkEntry] = []  # the shared entry of each kind (never changed)
-        self._kind_of: dict[bytes, int] = {}  # namespace digest -> kind
+        # (namespace digest, payload bytes, LMDB footprint) -> kind
+        self._kind_of: dict[tuple[bytes, int, int], int] = {}
         self._run = KeyRun(self._keys[:0], self._prefixes[:0])
+        self._folded = KeyLog(KEY_BYTES, {"kind": np.uint32, "cost": np.float64}, tail_keys=_FOLDED_TAIL_KEYS)
+
+    @property
+    def live(self) -> int:
+        """Chunks cold now, of both parts."""
+        return self._live + self._folded.live
 
     # --- building -----------------------------------------------------------------------------------
 
-    def kind(self, namespace: bytes, tenant: str, layout: CacheLayout, cost: float, footprint: int) -> int:
-        """The kind of the chunks of a namespace (made on first use)."""
-        k = self._kind_of.get(namespace)
+    def kind(self, namespace: bytes, tenant: str, layout: CacheLayout, cost: float, footprint: int,
+             payload_bytes: int | None = None) -> int:
+        """The kind of the chunks of a namespace with that payload size (the layout's chunk by
+        default) and LMDB footprint (made on first use). `cost` is that of the restart's chunks
+        of the kind; a folded chunk keeps its own."""
+        nbytes = layout.chunk_bytes if payload_bytes is None else payload_bytes
+        k = self._kind_of.get((namespace, nbytes, footprint))
         if k is None:
-            k = self._kind_of[namespace] = len(self._kinds)
-            self._kinds.append(ChunkEntry(namespace, tenant, layout, None, layout.chunk_bytes, cost,
+            k = self._kind_of[(namespace, nbytes, footprint)] = len(self._kinds)
+            self._kinds.append(ChunkEntry(namespace, tenant, layout, None, nbytes, cost,
                                           {"lmdb": footprint}, "lmdb", cold=True))
         return k
 
@@ -68,7 +88,7 @@ class ColdChunks:
         self._prefixes[self.n : end] = key_prefixes(new)
         self._kind[self.n : end] = kinds
         self._alive[self.n : end] = True
-        self.n, self.live = end, self.live + m
+        self.n, self._live = end, self._live + m
         self._run = KeyRun(self._keys[: self.n], self._prefixes[: self.n])
 
     def _grow(self, need: int) -> None:
@@ -79,48 +99,72 @@ class ColdChunks:
             grown[: self.n] = old[: self.n]
             setattr(self, name, grown)
 
+    def fold(self, key: bytes, entry: ChunkEntry) -> None:
+        """Keep a chunk that only LMDB holds, and that the store has dropped the entry of, as a row:
+        its token ids go (each read checks them against its key), its cost stays."""
+        assert len(key) == KEY_BYTES and set(entry.footprint) == {"lmdb"} and not entry.cold
+        kind = self.kind(entry.namespace, entry.tenant, entry.layout, entry.cost, entry.footprint["lmdb"],
+                         entry.payload_bytes)
+        self._folded.append(key, kind=kind, cost=entry.cost)
+        self._folded.tidy()
+
     # --- reading ------------------------------------------------------------------------------------
 
     def find(self, key: bytes) -> int:
         """The index of `key` if it is cold, else -1."""
-        if not self.live:
-            return -1
-        i = self._run.find(key)
-        return i if i >= 0 and self._alive[i] else -1
+        if self._live:
+            i = self._run.find(key)
+            if i >= 0 and self._alive[i]:
+                return i
+        s = self._folded.find(key)
+        return -1 if s < 0 else _FOLDED + s
 
     def find_many(self, keys: Sequence[bytes]) -> np.ndarray:
         """`find` for each key at once (a lookup's keys: one binary search in C for all of them, not
         one call each): an int64 array of indices, -1 where a key is not cold."""
         m = len(keys)
         out = np.full(m, -1, dtype=np.int64)
-        n = self.n
         if not self.live or not m:
             return out
         joined = b"".join(keys)
         if len(joined) != m * KEY_BYTES:  # not all chunk keys: one at a time
             return np.array([self.find(k) for k in keys], dtype=np.int64)
-        want = np.frombuffer(joined, dtype=np.uint8).reshape(m, KEY_BYTES)
-        pre = key_prefixes(want)
-        at = np.minimum(np.searchsorted(self._prefixes[:n], pre), n - 1)
-        same_prefix = self._prefixes[at] == pre
-        same_key = same_prefix & (self._keys[at] == want).all(axis=1)
-        hit = same_key & self._alive[at]
-        out[hit] = at[hit]
-        for j in np.flatnonzero(same_prefix & ~same_key).tolist():  # 8-byte prefixes shared: rare
-            out[j] = self.find(keys[j])
+        n = self.n
+        if self._live:
+            want = np.frombuffer(joined, dtype=np.uint8).reshape(m, KEY_BYTES)
+            pre = key_prefixes(want)
+            at = np.minimum(np.searchsorted(self._prefixes[:n], pre), n - 1)
+            same_prefix = self._prefixes[at] == pre
+            same_key = same_prefix & (self._keys[at] == want).all(axis=1)
+            hit = same_key & self._alive[at]
+            out[hit] = at[hit]
+            for j in np.flatnonzero(same_prefix & ~same_key).tolist():  # 8-byte prefixes shared: rare
+                out[j] = self.find(keys[j])
+        if self._folded.live:
+            rest = np.flatnonzero(out < 0)
+            got = self._folded.find_many([keys[j] for j in rest.tolist()])
+            found = got >= 0
+            out[rest[found]] = got[found] + _FOLDED
         return out
 
     def peek_many(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
         """`peek` for each key at once."""
         found = self.find_many(keys)
-        kinds = self._kinds
-        return [kinds[k] if i >= 0 else None for i, k in zip(found.tolist(), self._kind[np.maximum(found, 0)].tolist(),
-                                                               strict=True)]
+        kind = np.full(len(found), -1, dtype=np.int64)  # each key's kind, -1 where not cold
+        base = (found >= 0) & (found < _FOLDED)
+        kind[base] = self._kind[found[base]]
+        folded = found >= _FOLDED
+        kind[folded] = self._folded.cols["kind"][found[folded] - _FOLDED]
+        entries: list[ChunkEntry | None] = [*self._kinds, None]  # kind -1 is the last: None
+        return list(map(entries.__getitem__, kind.tolist()))
 
     def peek(self, key: bytes) -> ChunkEntry | None:
         """The shared entry of a cold chunk's kind: read it, never change it."""
         i = self.find(key)
-        return None if i < 0 else self._kinds[self._kind[i]]
+        return None if i < 0 else self._kinds[self._kind_at(i)]
+
+    def _kind_at(self, i: int) -> int:
+        return int(self._kind[i]) if i < _FOLDED else int(self._folded.cols["kind"][i - _FOLDED])
 
     def thaw(self, key: bytes) -> ChunkEntry | None:
         """An ordinary entry of its own for a cold chunk, which stops being cold (the caller
@@ -128,14 +172,20 @@ class ColdChunks:
         i = self.find(key)
         if i < 0:
             return None
-        self._alive[i] = False
-        self.live -= 1
-        shared = self._kinds[self._kind[i]]
+        shared = self._kinds[self._kind_at(i)]
+        cost = shared.cost
+        if i < _FOLDED:
+            self._alive[i] = False
+            self._live -= 1
+        else:
+            cost = float(self._folded.cols["cost"][i - _FOLDED])
+            self._folded.kill(i - _FOLDED)
+            self._folded.tidy()
         return ChunkEntry(shared.namespace, shared.tenant, shared.layout, None, shared.payload_bytes,
-                          shared.cost, dict(shared.footprint), "lmdb")
+                          cost, dict(shared.footprint), "lmdb")
 
     def run(self) -> KeyRun:
-        """Every chunk appended, as a run of keys (dead ones included: check `find`)."""
+        """Every chunk appended (not folded), as a run of keys (dead ones included: check `find`)."""
         return self._run
 
     def footprints(self) -> np.ndarray:
@@ -144,7 +194,7 @@ class ColdChunks:
         return per_kind[self._kind[: self.n]]
 
     def dead(self) -> Iterator[bytes]:
-        """The keys appended that are no longer cold."""
+        """The keys appended (not folded) that are no longer cold."""
         for i in np.flatnonzero(~self._alive[: self.n]):
             yield self._keys[i].tobytes()
 
@@ -152,12 +202,20 @@ class ColdChunks:
         """Every cold chunk's key and shared entry (for checks; slow)."""
         for i in np.flatnonzero(self._alive[: self.n]):
             yield self._keys[i].tobytes(), self._kinds[self._kind[i]]
+        folded = self._folded
+        for s in folded.live_slots().tolist():
+            yield folded.key(s), self._kinds[int(folded.cols["kind"][s])]
+
+    @property
+    def folded(self) -> int:
+        """Chunks cold now that were folded while the store ran."""
+        return self._folded.live
 
     def kind_entry(self, kind: int) -> ChunkEntry:
         return self._kinds[kind]
 
     def charged(self, start: int = 0) -> dict[tuple[str, str], int]:
-        """LMDB bytes of the cold chunks appended from `start` on, by (tenant, tier)."""
+        """LMDB bytes of the cold chunks appended (not folded) from `start` on, by (tenant, tier)."""
         counts = np.bincount(self._kind[start : self.n][self._alive[start : self.n]], minlength=len(self._kinds))
         out: dict[tuple[str, str], int] = {}
         for e, c in zip(self._kinds, counts.tolist(), strict=False):

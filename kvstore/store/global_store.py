@@ -67,6 +67,9 @@ from policies.base import AdmissionPolicy, EvictionPolicy
 # long behind a large Store.
 CHUNKS_PER_LOCK_HOLD = 32
 RECOVER_BATCH = 4096  # chunks found at start, appended to the cold arrays at a time
+# The LMDB tier's eviction policy keeps this many of its newest keys (per queue) as objects and the
+# rest as arrays (policies/key_log.py): it tracks nearly every chunk. The memory tiers' track few.
+LMDB_POLICY_YOUNG_KEYS = 64
 # Keys a lookup hashes past the first held one it did not know, in its first run (then 2x, 4x...).
 WALK_FIRST_RUN = 16
 HOT_TIERS: tuple[TierName, ...] = ("device", "dram")
@@ -132,7 +135,8 @@ class GlobalStore(Placement):
         self._durable: DurableTier = lmdb
         self._tiers: dict[TierName, Tier] = {"device": device, "dram": dram, "lmdb": lmdb}
         self._policies: dict[TierName, EvictionPolicy] = {
-            t: build_eviction(cfg.eviction_policy) for t in TIER_NAMES
+            t: build_eviction(cfg.eviction_policy, young_keys=LMDB_POLICY_YOUNG_KEYS if t == "lmdb" else None)
+            for t in TIER_NAMES
         }
         self._admission: AdmissionPolicy = build_admission(cfg.admission_policy)
         self._hot_room = any(self._tiers[t].capacity_bytes > 0 for t in HOT_TIERS)  # promotion can land
@@ -306,14 +310,16 @@ class GlobalStore(Placement):
             held[i] = entry
 
     def _all_held(self, keys: Sequence[bytes]) -> bool:
-        """Every key is indexed or cold (the cold ones looked up at once)."""
+        """Every key is indexed or cold (the cold ones looked up at once). Called without the lock:
+        takes it for the cold arrays, which a fold may regrow or rewrite meanwhile."""
         index = self._index
         if all(map(index.__contains__, keys)):
             return True
-        if not self._cold.live:
-            return False
-        rest = [k for k in keys if k not in index]
-        return bool((self._cold.find_many(rest) >= 0).all())
+        with self._lock:
+            if not self._cold.live:
+                return False
+            rest = [k for k in keys if k not in index]
+            return bool((self._cold.find_many(rest) >= 0).all())
 
     def _walk_keys(self, digest: bytes, raw: bytes, step: int) -> tuple[list[bytes], Recall]:
         """The keys a lookup of `raw` needs: those the memo knows, then the next one hashed; while
@@ -492,6 +498,9 @@ class GlobalStore(Placement):
                 self._committing[k] = n
             else:
                 del self._committing[k]
+                entry = self._index.get(k)
+                if entry is not None and entry.fastest == "lmdb":
+                    self._fold(k, entry)  # written through and placed in no memory tier
 
     @staticmethod
     def _yield_lock(start: int) -> None:
@@ -686,6 +695,8 @@ class GlobalStore(Placement):
                 entry.tokens = meta.tokens
             if promote and self._place_hot(key, entry, out[: entry.payload_bytes], protect={key}):
                 self._bump_tier("promotions", fastest_tier(entry))
+            elif entry.fastest == "lmdb":
+                self._fold(key, entry)  # no room to promote it after all
         self._delete_doomed()  # making room for the promotion may have evicted from LMDB
         return True
 
@@ -758,7 +769,7 @@ class GlobalStore(Placement):
         self._bump_tier("corrupt", tier)
         self._policies[tier].remove(key)
         self._uncharge(key, entry, tier)
-        if key not in self._index:  # that was its last copy
+        if not self._holds(key):  # that was its last copy
             self._fates.corrupt(key, entry.namespace, tier)
 
     def release_load(self, receipt: PinReceipt, read_keys: Sequence[bytes]) -> None:
@@ -842,6 +853,10 @@ class GlobalStore(Placement):
         self._delete_doomed()
         self._load_seconds = time.perf_counter() - t0
         self._ready.set()
+        with self._lock:  # chunks that came to be held by LMDB only while it loaded
+            for key, entry in list(self._index.items()):
+                if entry.fastest == "lmdb":
+                    self._fold(key, entry)
         if background:
             self._progress(f"index: {cold.n:,} LMDB chunks ready in {self._load_seconds:.2f} s")
 
@@ -952,6 +967,8 @@ class GlobalStore(Placement):
                 assert k in self._policies["lmdb"], k.hex()
             for e in entries:
                 assert e.fastest == fastest_tier(e), (e.fastest, e.footprint)
+            if self._ready.is_set():  # nothing commits now (below): every LMDB-only chunk is a row
+                assert all(e.fastest != "lmdb" for e in self._index.values()), "an LMDB-only chunk not folded"
             for (tenant, tier), used in self._tenant_used.items():
                 quota = self._limit(tenant, tier)
                 assert quota < 0 or used <= quota, (tenant, tier, used, quota)

@@ -164,7 +164,7 @@ class Placement:
             self._bump_tier("evictions", tier)
             self._bump_tier(f"evict_reason:{tier}", reason)
             self._demote(key, entry, tier)
-            if key not in self._index:  # no lower tier took it: dropped from the store
+            if not self._holds(key):  # no lower tier took it: dropped from the store
                 self._fates.dropped(key, entry.namespace, tier, reason)
 
     def _demote(self, key: bytes, entry: ChunkEntry, tier: TierName) -> None:
@@ -254,6 +254,17 @@ class Placement:
             del self._index[key]
         else:
             entry.fastest = fastest_tier(entry)
+            if entry.fastest == "lmdb":
+                self._fold(key, entry)
+
+    def _fold(self, key: bytes, entry: ChunkEntry) -> None:
+        """A chunk that only LMDB holds becomes a row of the cold arrays (store/cold.py), its entry
+        dropped (with its token ids: ~1 KB, against ~60 B a row), once no commit in flight can
+        still change it. Not while the index loads: the cold arrays are being built then."""
+        if (entry.fastest == "lmdb" and key not in self._committing and self._ready.is_set()
+                and self._index.get(key) is entry):
+            del self._index[key]
+            self._cold.fold(key, entry)
 
 
 def _tenant_of(entry: ChunkEntry | None) -> str | None:
@@ -263,13 +274,16 @@ def _tenant_of(entry: ChunkEntry | None) -> str | None:
 class ColdIndex(Protocol):
     """What placement asks of the cold chunks (store/cold.py, which imports this module)."""
 
-    live: int
+    @property
+    def live(self) -> int: ...
 
     def find(self, key: bytes) -> int: ...
 
     def peek(self, key: bytes) -> ChunkEntry | None: ...
 
     def thaw(self, key: bytes) -> ChunkEntry | None: ...
+
+    def fold(self, key: bytes, entry: ChunkEntry) -> None: ...
 
 
 def fastest_tier(entry: ChunkEntry) -> TierName:
