@@ -44,7 +44,7 @@ from collections.abc import Callable, Container, Mapping
 import numpy as np
 import numpy.typing as npt
 
-from policies.key_log import KeyLog
+from policies.key_log import KeyLog, take
 from policies.key_run import KeyRun, first_alive, first_alive_of
 
 MAX_MERGED_LEVEL = 1 << 20  # slots in one level of the log at most, when merging
@@ -320,13 +320,11 @@ class CostAwarePolicy:
     def _from_log(self, key: bytes) -> _Entry | None:
         """Move `key` out of the log into an ordinary entry (with its frequency, priority and
         sequence number), or None if the log lacks it."""
-        log = self._log
-        s = -1 if log is None else log.find(key)
+        s = take(self._log, key)
         if s < 0:
             return None
-        assert log is not None
-        log.kill(s)
-        c = log.cols
+        assert self._log is not None
+        c = self._log.cols
         entry = _Entry(int(c["nbytes"][s]), float(c["cost"][s]))
         entry.freq, entry.priority, entry.seq = int(c["freq"][s]), float(c["priority"][s]), int(c["seq"][s])
         self._entries[key] = entry

@@ -238,3 +238,13 @@ class KeyLog:
         self._tail = {}
         self._merged = live
         return moved
+
+
+def take(log: KeyLog | None, key: bytes) -> int:
+    """Find `key` in `log` (None: no log yet) and mark it dead: its slot, whose columns still
+    hold its values, or -1 when the log does not hold it."""
+    s = -1 if log is None else log.find(key)
+    if s >= 0:
+        assert log is not None
+        log.kill(s)
+    return s

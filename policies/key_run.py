@@ -14,6 +14,8 @@ Pure: no I/O, no clock; numpy only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 _PREFIX_BYTES = 8
@@ -76,25 +78,21 @@ class KeyRun:
 def first_alive(alive: np.ndarray, start: int) -> int:
     """The first index >= `start` whose flag is set, or len(alive): looks at growing windows, so
     finding a live key next to `start` costs no scan of the whole array."""
-    n = len(alive)
-    window = 64
-    while start < n:
-        part = alive[start : start + window]
-        hit = int(np.argmax(part))
-        if part[hit]:
-            return start + hit
-        start += len(part)
-        window *= 4
-    return n
+    return _first_set(len(alive), lambda a, b: alive[a:b], start)
 
 
 def first_alive_of(alive: np.ndarray, order: np.ndarray, start: int) -> int:
     """The first position >= `start` in `order` (indices into `alive`) whose flag is set, or
     len(order): `first_alive` through an order."""
-    n = len(order)
+    return _first_set(len(order), lambda a, b: alive[order[a:b]], start)
+
+
+def _first_set(n: int, flags: Callable[[int, int], np.ndarray], start: int) -> int:
+    """The first position in [start, n) whose flag (`flags(a, b)`: those of [a, b)) is set, else
+    n; windows that grow fourfold, so a set flag near `start` is found without a full scan."""
     window = 64
     while start < n:
-        part = alive[order[start : start + window]]
+        part = flags(start, min(n, start + window))
         hit = int(np.argmax(part))
         if part[hit]:
             return start + hit

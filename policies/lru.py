@@ -28,7 +28,7 @@ from collections.abc import Callable, Container
 
 import numpy as np
 
-from policies.key_log import KeyLog
+from policies.key_log import KeyLog, take
 from policies.key_run import KeyRun, first_alive
 
 
@@ -110,13 +110,11 @@ class LruPolicy:
 
     def _log_take(self, key: bytes) -> int | None:
         """Forget `key` in the log; its size, or None when the log does not hold it."""
-        log = self._log
-        s = -1 if log is None else log.find(key)
+        s = take(self._log, key)
         if s < 0:
             return None
-        assert log is not None
-        log.kill(s)
-        return int(log.cols["size"][s])
+        assert self._log is not None
+        return int(self._log.cols["size"][s])
 
     def _log_keys(self) -> list[bytes]:
         return [] if self._log is None else [self._log.key(int(s)) for s in self._log.live_slots()]

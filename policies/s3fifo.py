@@ -41,7 +41,7 @@ from collections.abc import Callable, Container, Mapping
 import numpy as np
 import numpy.typing as npt
 
-from policies.key_log import KeyLog
+from policies.key_log import KeyLog, take
 from policies.key_run import KeyRun, first_alive
 
 _MAX_FREQ = 3  # two bits, as in the paper: enough to tell "reused" from "reused a lot"
@@ -274,13 +274,11 @@ class S3FifoPolicy:
         log.cols["freq"][i] = freq
 
     def _ghost_log_take(self, key: bytes) -> int | None:
-        log = self._ghost_log
-        s = -1 if log is None else log.find(key)
+        s = take(self._ghost_log, key)
         if s < 0:
             return None
-        assert log is not None
-        log.kill(s)
-        return int(log.cols["size"][s])
+        assert self._ghost_log is not None
+        return int(self._ghost_log.cols["size"][s])
 
     def _settle(self) -> None:
         """Move each queue's keys past its `young_keys` newest from its dict's old end to its log's
