@@ -40,9 +40,9 @@ def test_each_owner_has_its_own_part_by_weight_and_only_its_chunks() -> None:
         a1, b1 = _payload(1), _payload(2)
         arena.put(b"k-a", memoryview(a1), META, owner="a")
         arena.put(b"k-b", memoryview(b1), META, owner="b")
-        at = arena.locate(b"k-a", "a")
-        assert at is not None and _part(arena, "a")[at : at + len(a1)] == a1
-        assert arena.locate(b"k-a", "b") is None  # not b's, wherever it lies
+        [at] = arena.locate_many([b"k-a", b"k-b"], "a")  # the head that is a's
+        assert _part(arena, "a")[at : at + len(a1)] == a1
+        assert arena.locate_many([b"k-a"], "b") == []  # not b's, wherever it lies
         assert a1[:64] not in _part(arena, "b") and b1[:64] not in _part(arena, "a")
         out = bytearray(len(a1))
         assert arena.get_into(b"k-a", memoryview(out)) == META and bytes(out) == a1
@@ -90,7 +90,7 @@ def test_an_arena_that_is_not_split_has_no_parts_to_share() -> None:
     try:
         arena.put(b"k", memoryview(_payload(4)), META, owner="whoever")  # ignored
         assert arena.owner_capacities() is None and arena.owner_memory("whoever") is None
-        assert arena.locate(b"k", "whoever") is None
+        assert arena.locate_many([b"k"], "whoever") == []
     finally:
         arena.close()
 

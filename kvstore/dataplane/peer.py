@@ -40,7 +40,7 @@ log = logging.getLogger("kvstore.client")
 HELLO_TIMEOUT_SECONDS = 5.0
 # Larger copies let go of the GIL (a whole span of the load segment); a chunk read in place is
 # copied holding it, for about 10 us.
-GIL_FREE_COPY_BYTES = 1 << 20
+GIL_FREE_SPAN_BYTES = 1 << 20
 
 
 class ShmUnavailable(Exception):
@@ -149,7 +149,7 @@ class ShmPath:
         at = 0
         for src in sources:
             n = len(src)
-            if n > GIL_FREE_COPY_BYTES:
+            if n > GIL_FREE_SPAN_BYTES:
                 # numpy's copy lets go of the GIL: the channel's threads keep receiving meanwhile.
                 np.copyto(np.frombuffer(dst[at : at + n], np.uint8), np.frombuffer(src, np.uint8))
             else:  # a chunk: a bare memcpy, a third faster than numpy's for its size

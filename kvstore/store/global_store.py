@@ -729,20 +729,15 @@ class GlobalStore(Placement):
         `unpin`) so that a same-host client can read it where it lies; None when the first chunk
         is not so held (read it with `read_chunk` then)."""
         with self._lock:
-            tier: TierName | None = None
-            offsets: list[int] = []
-            for k in keys:
-                entry = self._peek(k)
-                if entry is None or entry.fastest not in self._parts or entry.tenant != tenant:
-                    break
-                if tier is not None and entry.fastest != tier:
-                    break
-                at = self._arenas[entry.fastest].locate(k, tenant)
-                if at is None:
-                    break
-                tier = entry.fastest
-                offsets.append(at)
-            if tier is None:
+            first = self._peek(keys[0]) if keys else None
+            if first is None or first.fastest not in self._parts or first.tenant != tenant:
+                return None
+            tier = first.fastest
+            n = 1
+            while n < len(keys) and (e := self._peek(keys[n])) is not None and e.fastest == tier:
+                n += 1
+            offsets = self._arenas[tier].locate_many(keys[:n], tenant)  # the tenant's own, checked there
+            if not offsets:
                 return None
             self._pins.expire(self._clock())
             pin = self._pins.pin(keys[: len(offsets)], self._clock(), pin_seconds)

@@ -223,14 +223,17 @@ class PagedArena:
             return None
         return part.segment.fd, part.segment.nbytes
 
-    def locate(self, key: bytes, owner: str) -> int | None:
-        """The byte offset of chunk `key` in `owner`'s memory when it lies there in one run (a
-        reader then copies it in one piece); None otherwise."""
+    def locate_many(self, keys: Sequence[bytes], owner: str) -> list[int]:
+        """The byte offsets in `owner`'s memory of the longest head of `keys` that lies there, each
+        chunk in one run (a reader then copies it in one piece)."""
+        out: list[int] = []
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or not self._owners or entry.owner != owner or len(entry.runs) != 1:
-                return None
-            return entry.runs[0][0] * self.page_bytes
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or not self._owners or entry.owner != owner or len(entry.runs) != 1:
+                    break
+                out.append(entry.runs[0][0] * self.page_bytes)
+        return out
 
     def prefault(self, slice_bytes: int = 8 << 20) -> tuple[int, bool]:
         """Back every page of a host pool that no chunk holds (and ask for transparent huge pages
