@@ -4,6 +4,7 @@ chunks, and bounds what the tenant keeps there; a chunk held in place is pinned 
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 from pathlib import Path
@@ -30,6 +31,24 @@ def _part(arena: DramTier, owner: str) -> bytes:
     assert got is not None
     fd, nbytes = got
     return os.pread(fd, nbytes, 0)
+
+
+def test_a_prefix_stored_last_first_lies_back_to_back_in_order() -> None:
+    """The store inserts a prefix's chunks last first; the part then holds them in order, one after
+    the other, so a same-host load hands them out as one run. A batch lands in order too."""
+    arena = DramTier(40 * PAGE, PAGE, pin_memory=False, owners={"a": 1.0})
+    try:
+        keys = [b"k%d" % i for i in range(4)]
+        for k in reversed(keys):
+            arena.put(k, memoryview(_payload(len(k))), META, owner="a")
+        at = arena.locate_many(keys, "a")
+        assert [y - x for x, y in itertools.pairwise(at)] == [3 * PAGE] * 3
+        arena.delete_many(keys)
+        arena.put_many([(k, memoryview(_payload(1)), META) for k in keys], owner="a")
+        at = arena.locate_many(keys, "a")
+        assert [y - x for x, y in itertools.pairwise(at)] == [3 * PAGE] * 3
+    finally:
+        arena.close()
 
 
 def test_each_owner_has_its_own_part_by_weight_and_only_its_chunks() -> None:
@@ -78,7 +97,8 @@ def test_a_part_can_be_read_by_its_clients_but_never_written() -> None:
             os.ftruncate(reopened, 1)
         os.close(reopened)
         ro = mmap.mmap(peer, got[1], prot=mmap.PROT_READ)
-        assert ro[: 3 * PAGE] == _payload(3)
+        [at] = arena.locate_many([b"k"], "a")
+        assert ro[at : at + 3 * PAGE] == _payload(3)
         ro.close()
         os.close(peer)
     finally:

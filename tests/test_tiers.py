@@ -257,11 +257,11 @@ def test_arena_prefers_one_contiguous_run() -> None:
     free = FreeRuns(32)
     a = free.take(4)
     b = free.take(6)
-    assert a == [(0, 4)] and b == [(4, 6)]
+    assert a == [(28, 4)] and b == [(22, 6)]  # off the top: taken last first, they lie in order
     assert a is not None
     free.release(*a[0])
-    assert free.take(3) == [(0, 3)]  # best fit: the 4-page hole, not the 22-page tail
-    assert free.take(5) == [(10, 5)]
+    assert free.take(3) == [(29, 3)]  # best fit: the 4-page hole, not the 22-page run below
+    assert free.take(5) == [(17, 5)]
 
 
 def test_the_device_copy_path_works_without_a_gpu() -> None:

@@ -70,7 +70,9 @@ class FreeRuns:
         return length
 
     def take(self, n: int) -> list[Run] | None:
-        """n pages: one run if any free run is long enough (best fit), else the longest runs."""
+        """n pages: one run if any free run is long enough (best fit), else the longest runs.
+        Pages come off the top of a run: the store inserts a prefix's chunks last first, so its
+        chunks land back to back in order, and an engine can copy them out as one run."""
         if n > self.free_pages:
             return None
         if n == 0:
@@ -81,8 +83,8 @@ class FreeRuns:
             start = next(iter(self._by_len[length]))
             self._remove(start)
             if length > n:
-                self._add(start + n, length - n)
-            return [(start, n)]
+                self._add(start, length - n)
+            return [(start + length - n, n)]
         runs: list[Run] = []
         need = n
         for length in sorted(self._by_len, reverse=True):
@@ -90,8 +92,8 @@ class FreeRuns:
                 take = min(length, need)
                 self._remove(start)
                 if take < length:
-                    self._add(start + take, length - take)
-                runs.append((start, take))
+                    self._add(start, length - take)
+                runs.append((start + length - take, take))
                 need -= take
                 if not need:
                     return sorted(runs)
@@ -332,7 +334,7 @@ class PagedArena:
                 old = self._entries.pop(k, None)
                 if old is not None:
                     self._release(old)
-            for k, (payload, meta) in batch.items():
+            for k, (payload, meta) in reversed(batch.items()):  # last first, as `take` expects
                 runs = free.take(-(-len(payload) // pb))
                 assert runs is not None
                 self._entries[k] = _Entry(tuple(runs), len(payload), meta, self._write(owner, runs, payload), owner)
