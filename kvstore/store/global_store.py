@@ -642,7 +642,8 @@ class GlobalStore(Placement):
                 self._lost(key, entry, tier)
         if "lmdb" not in order:
             return None
-        return "lmdb" if self._after_lmdb_read(key, prev, self._durable.get_into(key, out), out) else None
+        meta = self._durable.get_into(key, out)
+        return "lmdb" if self._after_lmdb_reads([key], prev, [meta], [out]) else None
 
     def read_chunks(self, keys: Sequence[bytes], outs: Sequence[memoryview], prev: bytes) -> list[TierName]:
         """`read_chunk` for consecutive chunks of a prefix (`prev`: the key before the first), stopping
@@ -650,11 +651,14 @@ class GlobalStore(Placement):
         holds is read in one LMDB read transaction."""
         got: list[TierName] = []
         i, n = 0, len(keys)
+        with self._lock:  # where each lies, looked up at once; each read checks its chunk again
+            held: list[ChunkEntry | None] = list(map(self._index.get, keys))
+            self._peek_cold(list(keys), held)
+        lmdb_only = [e is not None and e.fastest == "lmdb" for e in held]
         while i < n:
-            with self._lock:
-                j = i
-                while j < n and (e := self._peek(keys[j])) is not None and e.fastest == "lmdb":
-                    j += 1
+            j = i
+            while j < n and lmdb_only[j]:
+                j += 1
             if j == i:  # in memory (or gone): one at a time
                 tier = self.read_chunk(keys[i], outs[i], keys[i - 1] if i else prev)
                 if tier is None:
@@ -663,41 +667,62 @@ class GlobalStore(Placement):
                 i += 1
                 continue
             metas = self._durable.get_many_into(keys[i:j], outs[i:j])
-            for k, meta in enumerate(metas, start=i):
-                if not self._after_lmdb_read(keys[k], keys[k - 1] if k else prev, meta, outs[k]):
-                    return got
-                got.append("lmdb")
+            ok = self._after_lmdb_reads(keys[i:j], keys[i - 1] if i else prev, metas, outs[i:j])
+            got.extend(["lmdb"] * ok)
+            if ok < j - i:
+                return got
             i = j
         return got
 
-    def _after_lmdb_read(self, key: bytes, prev: bytes, meta: ChunkMeta | None, out: memoryview) -> bool:
-        """Book an LMDB read done outside the lock: check the namespace and token ids stored with
-        the chunk (a mismatch is a loss, like a corrupt value) and promote it if the policy says so.
+    def _after_lmdb_reads(self, keys: Sequence[bytes], prev: bytes, metas: Sequence[ChunkMeta | None],
+                          outs: Sequence[memoryview]) -> int:
+        """Book LMDB reads of consecutive chunks done outside the lock, a group of chunks per hold of
+        it (their entries looked up at once): check the namespace and token ids stored with each
+        chunk (a mismatch is a loss, like a corrupt value) and promote it if the policy says so.
         A chunk recovered from the index is checked against its key the first time, and then
-        knows its token ids."""
-        with self._lock:
-            entry = self._peek(key)
-            ok = meta is not None and entry is not None and meta.namespace == entry.namespace and (
-                meta.tokens == entry.tokens if entry.tokens is not None else next_key(prev, meta.tokens) == key)
-            if not ok:
-                if entry is not None:
-                    self._lost(key, cast("ChunkEntry", self._entry(key)), "lmdb")
-                return False
-            assert entry is not None and meta is not None
-            # Not while the index loads: the LMDB policy takes the cold chunks only at its end.
-            promote = (self.cfg.promote_on_hit and self._hot_room and self._ready.is_set()
-                       and not (entry.footprint.keys() & {"device", "dram"}))
-            if entry.cold:
-                if not promote:
-                    return True  # stays cold: checked against its key again at its next read
-                entry = cast("ChunkEntry", self._entry(key))
-            if entry.tokens is None:
-                entry.tokens = meta.tokens
-            if promote and self._place_hot(key, entry, out[: entry.payload_bytes], protect={key}):
-                self._bump_tier("promotions", fastest_tier(entry))
-            elif entry.fastest == "lmdb":
-                self._fold(key, entry)  # no room to promote it after all
-        self._delete_doomed()  # making room for the promotion may have evicted from LMDB
+        knows its token ids. How many of the chunks, from the first, were good."""
+        good = 0
+        # A promotion copies under the lock: held for a bounded number of chunks at a time. No
+        # sleep(0) between holds, as a commit takes: a reader would give its core to a busy engine.
+        for start in range(0, len(keys), CHUNKS_PER_LOCK_HOLD):
+            end = start + CHUNKS_PER_LOCK_HOLD
+            with self._lock:
+                group = list(keys[start:end])
+                held: list[ChunkEntry | None] = list(map(self._index.get, group))
+                self._peek_cold(group, held)  # the cold ones looked up at once
+                for key, entry, meta, out in zip(group, held, metas[start:end], outs[start:end], strict=True):
+                    if not self._after_lmdb_read(key, prev, entry, meta, out):
+                        break
+                    good += 1
+                    prev = key
+            if good < min(len(keys), end):
+                break
+        self._delete_doomed()  # making room for a promotion may have evicted from LMDB
+        return good
+
+    def _after_lmdb_read(self, key: bytes, prev: bytes, entry: ChunkEntry | None, meta: ChunkMeta | None,
+                         out: memoryview) -> bool:
+        """`_after_lmdb_reads` for one chunk (`entry`: its entry as peeked in this hold of the lock)."""
+        ok = meta is not None and entry is not None and meta.namespace == entry.namespace and (
+            meta.tokens == entry.tokens if entry.tokens is not None else next_key(prev, meta.tokens) == key)
+        if not ok:
+            if entry is not None:
+                self._lost(key, cast("ChunkEntry", self._entry(key)), "lmdb")
+            return False
+        assert entry is not None and meta is not None
+        # Not while the index loads: the LMDB policy takes the cold chunks only at its end.
+        promote = (self.cfg.promote_on_hit and self._hot_room and self._ready.is_set()
+                   and not (entry.footprint.keys() & {"device", "dram"}))
+        if entry.cold:
+            if not promote:
+                return True  # stays cold: checked against its key again at its next read
+            entry = cast("ChunkEntry", self._entry(key))
+        if entry.tokens is None:
+            entry.tokens = meta.tokens
+        if promote and self._place_hot(key, entry, out[: entry.payload_bytes], protect={key}):
+            self._bump_tier("promotions", fastest_tier(entry))
+        elif entry.fastest == "lmdb":
+            self._fold(key, entry)  # no room to promote it after all
         return True
 
     def read_joined(
