@@ -314,6 +314,12 @@ def test_loads_read_in_place_what_memory_holds_and_copy_the_rest(
     assert _same(kv.load(TOY, prompt).chunks, chunks)
     with kv.load_shared(TOY, prompt) as got:
         assert _same(got.chunks, chunks) and got.still_held()
+        # The same bytes as runs: each in-place chunk on its own page, the copied ones one run.
+        assert [len(r) // cb for r in got.runs] == [1, 1, 1, 1, 6]
+        assert b"".join(got.runs) == b"".join(chunks)
+        pieces = got.runs_between(2, 7)
+        assert [(at, len(v) // cb) for at, v in pieces] == [(2, 1), (3, 1), (4, 3)]
+        assert b"".join(v for _, v in pieces) == b"".join(chunks[2:7])
     assert kv.load_into(TOY, prompt, bytearray(10 * cb)).loaded_chunks == 10
 
 
@@ -402,6 +408,14 @@ def test_load_shared_reads_in_place_under_lease_and_lets_go_at_the_end(
     wait_until(lambda: kv.stats().data_plane.sessions[0].leases_active == 0)  # type: ignore[union-attr]
     with tcp.load_shared(TOY, prompt) as streamed:  # without a session: a load's own buffer
         assert streamed.path == "stream" and _same(streamed.chunks, chunks) and streamed.still_held()
+        assert len(streamed.runs) == 1 and bytes(streamed.runs[0]) == b"".join(chunks)
+
+
+def test_chunks_that_lie_back_to_back_are_one_run() -> None:
+    from kvstore.client.sync_client import _back_to_back
+
+    assert _back_to_back([], 10) == []
+    assert _back_to_back([0, 10, 20, 50, 40, 60], 10) == [(0, 3), (50, 1), (40, 1), (60, 1)]
 
 
 def test_kvstore_serve_listens_on_the_unix_socket_it_is_given(sock_dir: Path) -> None:

@@ -24,9 +24,11 @@ What it does not know: anything of the server's internals; it speaks only the pr
 
 from __future__ import annotations
 
+import array
 import contextlib
 import logging
 import random
+import sys
 import threading
 import time
 from collections import deque
@@ -407,7 +409,11 @@ class KvstoreClient:
         this call allocates once the hit is known, written as `load_into` writes."""
         req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
                              cache_salt=cache_salt)
-        buffers: list[memoryview] = []
+        return self._load_buffered(req, timeout_seconds)[0]
+
+    def _load_buffered(self, req: pb.LoadRequest, timeout_seconds: float | None) -> tuple[LoadResult, memoryview]:
+        """`load`, and the one buffer its chunks are views of."""
+        buffers: list[memoryview] = [memoryview(b"")]
 
         def fresh(nbytes: int) -> memoryview:
             buffers[:] = [memoryview(bytearray(nbytes))]
@@ -419,7 +425,8 @@ class KvstoreClient:
             chunks = [buffers[0][i * cb : (i + 1) * cb] for i in range(got.loaded_chunks)]
             return LoadResult(got.hit_tokens, got.chunk_tokens, cb, chunks, got.chunk_tiers)
 
-        return self._idempotent("Load", call, timeout_seconds)
+        result = self._idempotent("Load", call, timeout_seconds)
+        return result, buffers[0]
 
     @contextlib.contextmanager
     def load_shared(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
@@ -440,6 +447,7 @@ class KvstoreClient:
                              cache_salt=cache_salt, shm_session=shm.session_id)
         leases: list[int] = []
         views: list[memoryview] = []
+        runs: list[memoryview] = []
         try:
             try:
                 stream = self._load(req, timeout=timeout_seconds or self.timeout_seconds, metadata=self._metadata)
@@ -453,6 +461,7 @@ class KvstoreClient:
                     if span.first_chunk != len(views) or span.num_chunks == 0:
                         raise ServerError(grpc.StatusCode.UNKNOWN, "shared-memory spans out of order", "Load")
                     for src in _span_sources(shm, span, cb, span.num_chunks):
+                        runs.append(src)
                         views.extend(src[k * cb : (k + 1) * cb] for k in range(len(src) // cb))
                     tiers.extend(PB_TO_TIER.get(t, "") for t in span.tiers[: span.num_chunks])
                     expires.append(span.lease_expires_at)
@@ -464,17 +473,20 @@ class KvstoreClient:
                 return
             n = len(views)
             yield SharedLoad(n * head.chunk_tokens, head.chunk_tokens, head.chunk_bytes, views, tuple(tiers), "shm",
-                             expires, shm.lease_valid)
+                             expires, shm.lease_valid, runs)
         finally:
-            for v in views:
+            for v in views + runs:
                 v.release()  # a view kept past the block would read reused memory
             shm.release(leases)
 
     def _streamed_shared(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str, max_chunks: int,
                          timeout_seconds: float | None, cache_salt: str) -> SharedLoad:
         """`load_shared` without a session: a `load`'s views, which this client owns."""
-        r = self.load(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
-        return SharedLoad(r.hit_tokens, r.chunk_tokens, r.chunk_bytes, r.chunks, r.chunk_tiers, "stream", [])
+        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
+                             cache_salt=cache_salt)
+        r, buffer = self._load_buffered(req, timeout_seconds)
+        return SharedLoad(r.hit_tokens, r.chunk_tokens, r.chunk_bytes, r.chunks, r.chunk_tiers, "stream", [],
+                          runs=[buffer[: len(r.chunks) * r.chunk_bytes]])
 
     def load_into(self, model: str, tokens: Sequence[int] | np.ndarray, buffer: Any, replay_mode: str = "",
                   max_chunks: int = 0, timeout_seconds: float | None = None, cache_salt: str = "") -> LoadIntoResult:
@@ -750,6 +762,12 @@ def _read(path: str | Path | None) -> bytes | None:
 
 
 def _token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    if isinstance(tokens, list) and sys.byteorder == "little" and _U32.itemsize == 4:
+        # A list (what engines hold) packed by the array module: ~4x faster than numpy's
+        # conversion (0.07 against 0.29 ms for 16K ids here). What it refuses, numpy's path below
+        # refuses too, with the message that says why.
+        with contextlib.suppress(OverflowError, TypeError):
+            return np.frombuffer(array.array(_U32.typecode, tokens), dtype="<u4")
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, "token ids must be a flat list", "client")
@@ -759,6 +777,9 @@ def _token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
                                    "token ids must be integers in [0, 2**32)", "client")
     return arr.astype("<u4", copy=False)
+
+
+_U32 = array.array("I")  # C unsigned int: 4 bytes on every platform kvstore runs on (checked above)
 
 
 def _token_u32le(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -852,10 +873,23 @@ def _span_sources(shm: ShmPath, span: pb.ShmSpan, chunk_bytes: int, take: int) -
             if len(span.chunk_offsets) != span.num_chunks:
                 raise InvalidInput(f"a span of {span.num_chunks} chunks has {len(span.chunk_offsets)} chunk offsets")
             tier = PB_TO_TIER.get(span.arena, "")
-            return [shm.in_place(tier, off, chunk_bytes) for off in span.chunk_offsets[:take]]
+            return [shm.in_place(tier, off, n * chunk_bytes)
+                    for off, n in _back_to_back(span.chunk_offsets[:take], chunk_bytes)]
         return [shm.span(span.offset, take * chunk_bytes)]
     except InvalidInput as e:
         raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
+
+
+def _back_to_back(offsets: Sequence[int], chunk_bytes: int) -> list[tuple[int, int]]:
+    """Chunk offsets as runs of chunks that lie back to back in memory: (offset, chunks). One view
+    per run, not per chunk: fewer and larger copies, and an engine can scatter a run as one."""
+    runs: list[tuple[int, int]] = []
+    for off in offsets:
+        if runs and runs[-1][0] + runs[-1][1] * chunk_bytes == off:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((off, 1))
+    return runs
 
 
 def _session_gone(e: grpc.RpcError) -> bool:

@@ -90,10 +90,25 @@ class SharedLoad:
     path: str  # "shm" | "stream"
     _expires_at: list[float]
     _lease_valid: Callable[[float], bool] | None = None  # the session's check, for "shm"
+    # The same bytes as `chunks`, as runs of chunks that lie back to back in memory, in order.
+    runs: list[memoryview] = field(default_factory=list)
 
     def still_held(self) -> bool:
         check = self._lease_valid
         return check is None or all(check(t) for t in self._expires_at)
+
+    def runs_between(self, first: int, end: int) -> list[tuple[int, memoryview]]:
+        """The runs' bytes of chunks [first, end): (index of the piece's first chunk, its bytes),
+        so that a caller can copy a run of chunks at once."""
+        out: list[tuple[int, memoryview]] = []
+        cb, at = self.chunk_bytes, 0
+        for run in self.runs:
+            n = len(run) // cb if cb else 0
+            lo, hi = max(first, at), min(end, at + n)
+            if lo < hi:
+                out.append((lo, run[(lo - at) * cb : (hi - at) * cb]))
+            at += n
+        return out
 
 
 @dataclass(frozen=True)
