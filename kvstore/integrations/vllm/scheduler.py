@@ -8,8 +8,8 @@ prompt token to compute. For a hybrid model it also needs the sliding-window sna
 boundary (local state "hit"); without one the engine could not use the hit exactly (vLLM's V1
 runner cannot replay a window), so it is reported as no hit.
 
-Loads are synchronous by default (`load_mode = "sync"`): the Lookup is waited for within the
-budget instead, and the workers load in the step that computes the request, before its forward
+Loads are synchronous by default (`load_mode = "sync"`): the Lookup is asked on the scheduler's
+thread instead, within the budget, and the workers load in the step that computes the request, before its forward
 pass. With `"async"` (and always for a hybrid model) they fetch and scatter between steps and say
 when they are done: a step never waits for a load, at the price of a step or two of latency.
 """
@@ -92,14 +92,24 @@ class SchedulerSide:
             if name is None or time.monotonic() < self._ask_after:
                 st.usable_chunks = 0
                 return True
-            prefix = st.tokens[: boundary * self.ct]
+            # Every full chunk is asked about, the last one too when the prompt ends on a chunk's
+            # end: it is computed again (one token must be), and a save of it is needed only if the
+            # service lacks it. A hybrid model asks up to the boundary, where its window state is.
+            asked = boundary if self.plan.hybrid else len(st.tokens) // self.ct
+            prefix = st.tokens[: asked * self.ct]
             st.lookup_started = time.monotonic()
-            st.lookup = self._pool.submit(self.link.call, "lookup", lambda c: c.lookup(
-                name, prefix, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds, cache_salt=st.salt))
+
+            def ask() -> LookupResult | None:
+                return self.link.call("lookup", lambda c: c.lookup(
+                    name, prefix, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds, cache_salt=st.salt))
+
             if not self.sync:
+                st.lookup = self._pool.submit(ask)
                 return False
-        if self.sync:
-            cf.wait([st.lookup], timeout=max(0.0, st.lookup_started + self.link.cfg.budget_seconds - time.monotonic()))
+            # Waited for anyway: asked on this thread (the call's deadline is the budget), which
+            # spares a hand-off to the pool and back on the step's critical path.
+            st.lookup = cf.Future()
+            st.lookup.set_result(ask())
         if not st.lookup.done():
             if time.monotonic() - st.lookup_started < self.link.cfg.budget_seconds:
                 return False
@@ -110,12 +120,13 @@ class SchedulerSide:
         r = st.lookup.result()
         if r is None:
             self._ask_after = time.monotonic() + self.link.cfg.retry_after_seconds
-        hit = 0 if r is None else r.hit_chunks
+        held = 0 if r is None else r.hit_chunks
+        hit = min(held, boundary)
         if hit and self.plan.hybrid and r is not None and r.local_state != "hit":
             self.link.count("hybrid_hits_without_window")  # the engine could not use it exactly
             hit = 0
         st.usable_chunks = hit
-        st.saved_chunks = max(st.saved_chunks, hit if r is not None else 0)
+        st.saved_chunks = max(st.saved_chunks, held)
         return True
 
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,20 @@ from kvstore.client import KvstoreClient
 from kvstore.integrations.vllm.cache_layout import EnginePlan, PagedCache
 from kvstore.integrations.vllm.link import REPLAY_MODE, Link
 from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec, WorkerReport
+
+# A load in more pieces than this (chunks scattered in the service's memory) is gathered into one
+# buffer first: each piece costs a copy call per layer and per run of blocks.
+MAX_DIRECT_RUNS = 8
+
+
+# torch warns that a read-only array becomes a writable tensor; the chunks' tensors are only read.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
+                        module=__name__)
+
+
+def _chunk_rows(run: memoryview, chunk_bytes: int) -> torch.Tensor:
+    """A run of chunks as a [chunks, chunk_bytes] uint8 tensor over the same memory, only read."""
+    return torch.from_numpy(np.frombuffer(run, dtype=np.uint8).reshape(-1, chunk_bytes))
 
 
 @dataclass
@@ -102,17 +117,21 @@ class WorkerSide:
         assert self.cache is not None
         with client.load_shared(name, spec.tokens, REPLAY_MODE, max_chunks=spec.end_chunk,
                                 timeout_seconds=self.link.cfg.budget_seconds, cache_salt=spec.cache_salt) as r:
-            chunks = r.chunks[spec.first_chunk : spec.end_chunk]
-            for tier in r.chunk_tiers[spec.first_chunk : spec.end_chunk]:
+            end = min(spec.end_chunk, len(r.chunks))
+            for tier in r.chunk_tiers[spec.first_chunk : end]:
                 self.link.count(f"loaded_chunks_{tier}")
-            if chunks:
-                buf = torch.from_numpy(np.stack([np.frombuffer(c, dtype=np.uint8) for c in chunks]))
-                if not r.still_held():
-                    raise ValueError("a shared-memory lease lapsed while the chunks were copied")
-                k = len(chunks) * self.plan.blocks_per_chunk
-                self.cache.scatter_chunks(buf, {g: ids[:k] for g, ids in spec.chunk_blocks.items()})
+            runs = r.runs_between(spec.first_chunk, end)
+            if len(runs) > MAX_DIRECT_RUNS:  # scattered in many pieces: one gather first costs less
+                runs = [(spec.first_chunk, memoryview(b"".join(r.chunks[spec.first_chunk : end])))]
+            bpc = self.plan.blocks_per_chunk
+            for at, run in runs:
+                k0, k1 = (at - spec.first_chunk) * bpc, (at - spec.first_chunk + len(run) // r.chunk_bytes) * bpc
+                self.cache.scatter_chunks(_chunk_rows(run, r.chunk_bytes),
+                                          {g: ids[k0:k1] for g, ids in spec.chunk_blocks.items()})
+            if not r.still_held():
+                raise ValueError("a shared-memory lease lapsed while the chunks were copied")
             self.link.count(f"load_path_{r.path}")
-            return len(chunks)
+            return max(0, end - spec.first_chunk)
 
     def _load_window(self, name: str | None, spec: LoadSpec) -> bool:
         assert self.cache is not None and name is not None
