@@ -797,8 +797,10 @@ class GlobalStore(Placement):
             self._pins.release(receipt)
             # Touch the chunks that were read tail first, so the head of the prefix ends up the
             # most recently used: eviction then takes a prefix from its tail.
-            for key in reversed(read_keys):
-                entry = self._peek(key)
+            keys = list(reversed(read_keys))
+            held: list[ChunkEntry | None] = list(map(self._index.get, keys))
+            self._peek_cold(keys, held)  # the cold ones looked up at once
+            for key, entry in zip(keys, held, strict=True):
                 if entry is not None:
                     for tier in entry.footprint:
                         self._policies[tier].touch(key)
