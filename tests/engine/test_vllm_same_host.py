@@ -72,3 +72,26 @@ def test_8_an_engine_on_the_services_host_caches_through_shared_memory(
     with KvstoreClient(f"unix://{sock}", token=ALICE) as kv:
         dp = kv.stats().data_plane
         assert dp is not None and dp.calls_by_path["shm"] >= 2 and dp.calls_by_path["stream"] == 0
+
+        # A prompt that ends on a chunk's end: its last chunk is computed again (one token must
+        # be), and the service holds it already, so a warm run loads and stores nothing more.
+        ends_on_chunk = np.random.default_rng(8).integers(0, VOCAB, 4 * CT).tolist()
+        warm_engine.generate({"tokens": ends_on_chunk})
+        _wait_for(kv, 5 + 4)
+        before = dict(kv.stats().data_plane.calls_by_path)  # type: ignore[union-attr]
+        warm_engine.ask({"op": "reset_prefix_cache"})  # so that kvstore, not vLLM, has the hit
+        [again] = warm_engine.generate({"tokens": ends_on_chunk})
+        assert again["kvstore"]["loaded_tokens"] == 3 * CT
+        # The connector stores from one background thread, in order: once a later prompt's chunk
+        # is held, any store the warm run made has been made too.
+        warm_engine.generate({"tokens": np.random.default_rng(9).integers(0, VOCAB, CT + 1).tolist()})
+        _wait_for(kv, 5 + 4 + 1)
+        after = kv.stats().data_plane.calls_by_path  # type: ignore[union-attr]
+        assert (after["shm"] - before["shm"], after["stream"] - before["stream"]) == (2, 0), (before, after)
+
+
+def _wait_for(kv: KvstoreClient, chunks: int) -> None:
+    deadline = time.monotonic() + 60
+    while kv.stats().chunks < chunks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert kv.stats().chunks >= chunks
