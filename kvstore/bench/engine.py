@@ -8,8 +8,10 @@ host as it is deployed there, over its Unix socket with shared memory (`kvstore_
 Needs the engine environment (`scripts/setup.sh engine`; run `.venv-engine/bin/kvstore bench
 engine`). Every engine runs in its own process (kvstore/bench/engine_proc.py) with vLLM's prefix
 cache off, except the one measuring it. TTFT is the wall time of a generate of one token, best of
-`--repeats` (cold: of as many fresh prompts). Targets at the longest prompt: kvstore from LMDB at
-most ExampleConnector's time, and at most half the cold time.
+`--repeats` (cold: of as many fresh prompts). ExampleConnector's engine stays up while kvstore's
+run, and its restores are timed in turn with kvstore's restores from LMDB over the Unix socket,
+so the pair the first target compares shares the machine's moment. Targets at the longest prompt:
+kvstore from LMDB at most ExampleConnector's time, and at most half the cold time.
 """
 
 from __future__ import annotations
@@ -151,9 +153,10 @@ def _wait_stored(port: int, chunks: int) -> None:
 
 def _kvstore_rows(work: Path, model: Path, base: dict[str, Any], transport: str, prefix: str,
                   prompts: dict[int, list[list[int]]], reps: int, warmup: list[int],
-                  rows: dict[int, dict[str, float]]) -> None:
+                  rows: dict[int, dict[str, float]], example: _Engine | None) -> None:
     """One engine through kvstore: a first pass stores, then restores from the memory tiers; then,
-    after a restart of the service, from LMDB (`prefix`_dram_ttft_ms, `prefix`_lmdb_ttft_ms)."""
+    after a restart of the service, from LMDB (`prefix`_dram_ttft_ms, `prefix`_lmdb_ttft_ms), each
+    restore followed by one of `example`'s (example_connector_ttft_ms) when it is given."""
     work.mkdir()
     port = _free_port()
     # Unix socket paths are short (108 bytes): the socket lives in a directory of its own under /tmp.
@@ -175,7 +178,15 @@ def _kvstore_rows(work: Path, model: Path, base: dict[str, Any], transport: str,
             # first request: a warm-up with a prompt of its own, as every engine here has one.
             e.ttft_ms(warmup)
             for n in sorted(rows):
-                rows[n][f"{prefix}_lmdb_ttft_ms"] = min(e.ttft_ms(prompts[n][0]) for _ in range(reps))
+                ours: list[float] = []
+                theirs: list[float] = []
+                for _ in range(reps):
+                    ours.append(e.ttft_ms(prompts[n][0]))
+                    if example is not None:
+                        theirs.append(example.ttft_ms(prompts[n][0]))
+                rows[n][f"{prefix}_lmdb_ttft_ms"] = min(ours)
+                if theirs:
+                    rows[n]["example_connector_ttft_ms"] = min(theirs)
             e.close()
     finally:
         if sock_dir is not None:
@@ -203,17 +214,21 @@ def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
             rows[n]["prefix_cache_ttft_ms"] = min(e.ttft_ms(prompts[n][0]) for _ in range(reps))
         e.close()
 
-        # vLLM's ExampleConnector: a first pass saves files, the next ones load them.
-        e = _Engine(model, {**base, "connector": "example", "path": str(work / "example")}, work / "engine-example.log")
-        e.ttft_ms(warmup)
-        for n in lengths:
-            e.ttft_ms(prompts[n][0])
-            rows[n]["example_connector_ttft_ms"] = min(e.ttft_ms(prompts[n][0]) for _ in range(reps))
-        e.close()
-
-        # kvstore on the engine's host, over its Unix socket (shared memory), then over TCP.
-        for transport, prefix in (("unix", "kvstore"), ("tcp", "kvstore_tcp")):
-            _kvstore_rows(work / transport, model, base, transport, prefix, prompts, reps, warmup, rows)
+        # vLLM's ExampleConnector: a first pass saves files, the next ones load them. It stays up
+        # (idle between requests), so that its restores are timed in turn with kvstore's restores
+        # from LMDB: the machine's speed drifts between phases more than the two differ.
+        example = _Engine(model, {**base, "connector": "example", "path": str(work / "example")},
+                          work / "engine-example.log")
+        try:
+            example.ttft_ms(warmup)
+            for n in lengths:
+                example.ttft_ms(prompts[n][0])
+            # kvstore on the engine's host, over its Unix socket (shared memory), then over TCP.
+            for transport, prefix in (("unix", "kvstore"), ("tcp", "kvstore_tcp")):
+                _kvstore_rows(work / transport, model, base, transport, prefix, prompts, reps, warmup, rows,
+                              example if transport == "unix" else None)
+        finally:
+            example.close()
 
     results = [{"prompt_tokens": n, **rows[n]} for n in lengths]
     top = rows[longest]
