@@ -86,11 +86,7 @@ class LeaseTable:
                         if expired:
                             at = self._take(size)
                     if at is not None:
-                        lease = Lease(self._next_id, at, size, self._clock() + self.lease_seconds)
-                        self._next_id += 1
-                        self._leases[lease.lease_id] = lease
-                        self.granted_total += 1
-                        return lease
+                        return self._record(at, size)
                     left = give_up - self._clock()
                     if left <= 0 or not still_wanted():
                         raise NoRoom(f"no {nbytes}-byte span came free in {wait_seconds:g} s: "
@@ -107,12 +103,17 @@ class LeaseTable:
         with self._cond:
             if self._closed:
                 raise NoRoom("the session is closed")
-            lease = Lease(self._next_id, 0, 0, self._clock() + self.lease_seconds)
-            self._next_id += 1
-            self._leases[lease.lease_id] = lease
+            lease = self._record(0, 0)
             self._on_end[lease.lease_id] = on_end
-            self.granted_total += 1
             return lease
+
+    def _record(self, offset: int, length: int) -> Lease:
+        """A new lease on [offset, offset + length), under the table's lock."""
+        lease = Lease(self._next_id, offset, length, self._clock() + self.lease_seconds)
+        self._next_id += 1
+        self._leases[lease.lease_id] = lease
+        self.granted_total += 1
+        return lease
 
     def release(self, lease_id: int) -> bool:
         """Give a lease's span back; False (and nothing freed) for an unknown or expired lease."""
