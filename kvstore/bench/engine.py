@@ -165,6 +165,7 @@ def _kvstore_rows(work: Path, model: Path, base: dict[str, Any], transport: str,
     address = f"unix://{sock}" if sock is not None else f"127.0.0.1:{port}"
     spec = {**base, "extra": {"address": address, "budget_ms": 30000,
                               "fingerprint_cache": str(work / "fingerprints.json")}}
+    e: _Engine | None = None
     try:
         with _kvstore(work, port, sock):
             e = _Engine(model, spec, work / "engine-kvstore.log")
@@ -187,8 +188,11 @@ def _kvstore_rows(work: Path, model: Path, base: dict[str, Any], transport: str,
                 rows[n][f"{prefix}_lmdb_ttft_ms"] = min(ours)
                 if theirs:
                     rows[n]["example_connector_ttft_ms"] = min(theirs)
-            e.close()
+            e.close()  # while the service still answers: its last saves may be in flight
+            e = None
     finally:
+        if e is not None:  # a failure on the way: the engine goes too
+            e.close()
         if sock_dir is not None:
             shutil.rmtree(sock_dir, ignore_errors=True)
 

@@ -779,7 +779,7 @@ def _token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr.astype("<u4", copy=False)
 
 
-_U32 = array.array("I")  # C unsigned int: 4 bytes on every platform kvstore runs on (checked above)
+_U32 = array.array("I")  # C unsigned int: 4 bytes on the platforms kvstore runs on (`_token_array` checks)
 
 
 def _token_u32le(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
