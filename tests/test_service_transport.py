@@ -56,8 +56,9 @@ def test_a_ping_flood_is_cut_off_and_the_victim_is_served(svc: Service, victim: 
         assert flood.wait_finished(60)
         assert flood.conn is not None and flood.conn.wait_closed(10)
         assert flood.conn.frames_sent < 100_000  # cut off before it was done
-        if read_acks:
-            assert "too_many_pings" in flood.conn.goaway
+        if read_acks:  # the GOAWAY names why, unless a reset dropped it before it was read
+            assert "too_many_pings" in flood.conn.goaway or (flood.conn.reset_by_server and not flood.conn.goaway), (
+                flood.conn.goaway)
         _no_victim_errors(victim)
     finally:
         flood.stop()

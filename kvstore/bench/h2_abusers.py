@@ -51,6 +51,10 @@ class _Connection:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.closed_by_server = threading.Event()
         self.goaway: str = ""
+        # The server reset the connection: a close with the flood's bytes still unread in its
+        # socket sends a TCP RST, and the kernel then drops what this side had not yet read,
+        # a GOAWAY included.
+        self.reset_by_server = False
         self.bytes_sent = 0
         self.frames_sent = 0
         self._read = read
@@ -79,6 +83,8 @@ class _Connection:
                         why = frame.additional_data.decode(errors="replace")
                         self.goaway = f"GOAWAY error {frame.error_code}: {why}"
                     buf = buf[9 + length :]
+        except ConnectionResetError:
+            self.reset_by_server = True
         except OSError:
             pass
         self.closed_by_server.set()
@@ -112,7 +118,12 @@ class _Connection:
             except OSError:
                 pass
             return self.closed_by_server.is_set()
-        return self.closed_by_server.wait(timeout_seconds) or bool(self.goaway)
+        closed = self.closed_by_server.wait(timeout_seconds) or bool(self.goaway)
+        if closed and self._reader is not None:
+            # A failed send may have said so first: what the reader has still to read (a GOAWAY)
+            # is known once it has read to the end.
+            self._reader.join(timeout_seconds)
+        return closed
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
