@@ -378,8 +378,7 @@ class KvstoreClient:
                   max_chunks: int = 0, timeout_seconds: float | None = None,
                   cache_salt: str = "") -> Iterator[tuple[int, str, memoryview]]:
         """Stream (chunk index, tier, payload) as chunks arrive. Not retried (it is a generator)."""
-        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
-                             cache_salt=cache_salt)
+        req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
         shm = self._shm_path()
         if shm is not None:
             req.shm_session = shm.session_id
@@ -407,8 +406,7 @@ class KvstoreClient:
              timeout_seconds: float | None = None, cache_salt: str = "") -> LoadResult:
         """The cached prefix's chunk payloads, pinned on the server while sent: views of one buffer
         this call allocates once the hit is known, written as `load_into` writes."""
-        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
-                             cache_salt=cache_salt)
+        req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
         return self._load_buffered(req, timeout_seconds)[0]
 
     def _load_buffered(self, req: pb.LoadRequest, timeout_seconds: float | None) -> tuple[LoadResult, memoryview]:
@@ -443,8 +441,7 @@ class KvstoreClient:
         if shm is None:
             yield self._streamed_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
             return
-        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
-                             cache_salt=cache_salt, shm_session=shm.session_id)
+        req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt, shm.session_id)
         leases: list[int] = []
         views: list[memoryview] = []
         runs: list[memoryview] = []
@@ -482,8 +479,7 @@ class KvstoreClient:
     def _streamed_shared(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str, max_chunks: int,
                          timeout_seconds: float | None, cache_salt: str) -> SharedLoad:
         """`load_shared` without a session: a `load`'s views, which this client owns."""
-        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
-                             cache_salt=cache_salt)
+        req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
         r, buffer = self._load_buffered(req, timeout_seconds)
         return SharedLoad(r.hit_tokens, r.chunk_tokens, r.chunk_bytes, r.chunks, r.chunk_tiers, "stream", [],
                           runs=[buffer[: len(r.chunks) * r.chunk_bytes]])
@@ -495,8 +491,7 @@ class KvstoreClient:
         C-contiguous buffer), chunk i at byte i * chunk_bytes, each received message copied once
         and let go. The buffer bounds the load: chunks past what it holds are not received."""
         dst = _writable_bytes(buffer)
-        req = pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
-                             cache_salt=cache_salt)
+        req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
         return self._idempotent("Load", lambda t: self._load_into(req, t, lambda nbytes: dst), timeout_seconds)
 
     def _load_into(
@@ -785,6 +780,12 @@ _U32 = array.array("I")  # C unsigned int: 4 bytes on the platforms kvstore runs
 def _token_u32le(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     """The token ids as a contiguous little-endian uint32 array (the caller's, when it is one)."""
     return np.ascontiguousarray(_token_array(tokens), dtype="<u4")
+
+
+def _load_request(model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str, max_chunks: int,
+                  cache_salt: str, shm_session: str = "") -> pb.LoadRequest:
+    return pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
+                          cache_salt=cache_salt, shm_session=shm_session)
 
 
 def _tokens(tokens: Sequence[int] | np.ndarray) -> dict[str, bytes]:

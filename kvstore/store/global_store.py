@@ -262,9 +262,7 @@ class GlobalStore(Placement):
         # In C-level passes, not a Python loop per chunk (256 for 32K tokens): the entries held,
         # up to the first key that is not; then one check of all their token ids and namespaces.
         with self._lock:
-            held = list(map(self._index.get, keys))
-            if self._cold.live and None in held:
-                self._peek_cold(keys, held)
+            held = self._peek_many(keys)
             checked = recall.checked
             # Entries the memo saw checked against these very bytes need no second check. ChunkEntry
             # compares by identity, so these are C-level scans, and the first one usually settles it.
@@ -302,12 +300,15 @@ class GlobalStore(Placement):
             boundary_key=keys[h - 1] if h else b"",
         )
 
-    def _peek_cold(self, keys: list[bytes], held: list[ChunkEntry | None]) -> None:
-        """Fill in the cold chunks among `held` (the entries of `keys`, None where not indexed), all
-        looked up at once."""
-        gaps = [i for i, e in enumerate(held) if e is None]
-        for i, entry in zip(gaps, self._cold.peek_many([keys[i] for i in gaps]), strict=True):
-            held[i] = entry
+    def _peek_many(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
+        """`_peek` for each key, under the lock: the indexed ones by C-level lookups, the cold ones
+        among the rest all looked up at once."""
+        held: list[ChunkEntry | None] = list(map(self._index.get, keys))
+        if self._cold.live and None in held:
+            gaps = [i for i, e in enumerate(held) if e is None]
+            for i, entry in zip(gaps, self._cold.peek_many([keys[i] for i in gaps]), strict=True):
+                held[i] = entry
+        return held
 
     def _all_held(self, keys: Sequence[bytes]) -> bool:
         """Every key is indexed or cold (the cold ones looked up at once). Called without the lock:
@@ -652,9 +653,7 @@ class GlobalStore(Placement):
         got: list[TierName] = []
         i, n = 0, len(keys)
         with self._lock:  # where each lies, looked up at once; each read checks its chunk again
-            held: list[ChunkEntry | None] = list(map(self._index.get, keys))
-            self._peek_cold(list(keys), held)
-        lmdb_only = [e is not None and e.fastest == "lmdb" for e in held]
+            lmdb_only = [e is not None and e.fastest == "lmdb" for e in self._peek_many(keys)]
         while i < n:
             j = i
             while j < n and lmdb_only[j]:
@@ -687,9 +686,8 @@ class GlobalStore(Placement):
         for start in range(0, len(keys), CHUNKS_PER_LOCK_HOLD):
             end = start + CHUNKS_PER_LOCK_HOLD
             with self._lock:
-                group = list(keys[start:end])
-                held: list[ChunkEntry | None] = list(map(self._index.get, group))
-                self._peek_cold(group, held)  # the cold ones looked up at once
+                group = keys[start:end]
+                held = self._peek_many(group)
                 for key, entry, meta, out in zip(group, held, metas[start:end], outs[start:end], strict=True):
                     if not self._after_lmdb_read(key, prev, entry, meta, out):
                         break
@@ -797,10 +795,8 @@ class GlobalStore(Placement):
             self._pins.release(receipt)
             # Touch the chunks that were read tail first, so the head of the prefix ends up the
             # most recently used: eviction then takes a prefix from its tail.
-            keys = list(reversed(read_keys))
-            held: list[ChunkEntry | None] = list(map(self._index.get, keys))
-            self._peek_cold(keys, held)  # the cold ones looked up at once
-            for key, entry in zip(keys, held, strict=True):
+            keys = read_keys[::-1]
+            for key, entry in zip(keys, self._peek_many(keys), strict=True):
                 if entry is not None:
                     for tier in entry.footprint:
                         self._policies[tier].touch(key)
