@@ -39,10 +39,13 @@ def test_calls_overlap_and_answer_as_the_synchronous_client_does(service: Servic
 
 def test_every_call_of_the_synchronous_client_but_the_generator_has_a_coroutine_form() -> None:
     calls = {n for n, f in vars(KvstoreClient).items() if inspect.isfunction(f) and not n.startswith("_")}
-    calls -= {"close", "iter_load", "load_shared"}  # close is a coroutine of its own; a generator has no
-    for name in calls:                                  # coroutine form; load_shared is an async `with`
+    # close is a coroutine of its own; a generator has no coroutine form; load_shared and
+    # read_held are async `with`s
+    calls -= {"close", "iter_load", "load_shared", "read_held"}
+    for name in calls:
         assert inspect.iscoroutinefunction(getattr(AsyncKvstoreClient, name, None)), name
     assert inspect.isasyncgenfunction(inspect.unwrap(AsyncKvstoreClient.load_shared))
+    assert inspect.isasyncgenfunction(inspect.unwrap(AsyncKvstoreClient.read_held))
 
 
 def test_load_shared_as_an_async_context_manager(service: Service) -> None:

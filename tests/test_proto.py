@@ -165,15 +165,19 @@ def test_a_lookup_response_with_hand_packed_tiers_parses_as_the_library_builds_i
 
 @settings(max_examples=60, deadline=None)
 @given(model=st.text(max_size=40), mode=st.sampled_from(["", "bounded", "exact", "off"]),
-       ids=st.lists(st.integers(0, 2**32 - 1), max_size=300))
-def test_a_hand_encoded_lookup_request_parses_as_the_library_builds_it(model: str, mode: str, ids: list[int]) -> None:
+       ids=st.lists(st.integers(0, 2**32 - 1), max_size=300), salt=st.text(max_size=8),
+       session=st.text(max_size=20), hold=st.integers(0, 2**32 - 1))
+def test_a_hand_encoded_lookup_request_parses_as_the_library_builds_it(
+    model: str, mode: str, ids: list[int], salt: str, session: str, hold: int,
+) -> None:
     u32le = np.asarray(ids, dtype="<u4").tobytes()
-    wire = encode_lookup_request(model, mode, u32le)
-    expected = pb.LookupRequest(model=model, replay_mode=mode, tokens={"u32le": u32le})
+    wire = encode_lookup_request(model, mode, u32le, salt, session, hold)
+    expected = pb.LookupRequest(model=model, replay_mode=mode, tokens={"u32le": u32le}, cache_salt=salt,
+                                shm_session=session, hold_chunks=hold)
     parsed = pb.LookupRequest.FromString(wire)
     assert parsed == expected and parsed.HasField("tokens") and wire == expected.SerializeToString()
     view = np.asarray(ids, dtype="<u4").data.cast("B")  # the client passes a view of its token array
-    assert encode_lookup_request(model, mode, view) == wire
+    assert encode_lookup_request(model, mode, view, salt, session, hold) == wire
 
 
 @given(tiers=st.lists(st.sampled_from([0, 1, 2, 3, 7, 300]), max_size=60))

@@ -24,7 +24,7 @@ from kvstore.client import KvstoreClient
 from kvstore.client.sync_client import UnavailableError
 from kvstore.dataplane import data_socket_path
 from kvstore.dataplane.peer import LeaseLapsed, ShmPath
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, InvalidInput
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, TOY, V41, KiB, Service, make_config, payloads, tokens
@@ -409,6 +409,83 @@ def test_load_shared_reads_in_place_under_lease_and_lets_go_at_the_end(
     with tcp.load_shared(TOY, prompt) as streamed:  # without a session: a load's own buffer
         assert streamed.path == "stream" and _same(streamed.chunks, chunks) and streamed.still_held()
         assert len(streamed.runs) == 1 and bytes(streamed.runs[0]) == b"".join(chunks)
+
+
+def test_a_lookup_that_holds_answers_the_hit_and_its_chunks_in_one_call(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # DRAM (split between the two tenants) holds a few toy chunks: a held lookup answers them in
+    # place and the rest, LMDB's, copied into the session's segment.
+    cb = 1272
+    svc = make_service(shm_config(sock_dir / "kv.sock", tenants=True,
+                                  store={"device_capacity_bytes": 0, "dram_capacity_bytes": 4 * 4096}))
+    alice, bob = unix(svc, ALICE), unix(svc, BOB)
+    prompt, chunks = tokens(41, CHUNK * 10), payloads(42, 10, cb)
+    alice.store(TOY, prompt, chunks)
+    plain = alice.lookup(TOY, prompt)
+    held = alice.lookup_held(TOY, prompt, hold_chunks=7)
+    try:
+        assert held.result.hit_chunks == plain.hit_chunks == 10 and held.result.chunk_tiers == plain.chunk_tiers
+        assert held.chunks is not None and held.chunks.path == "shm" and held.chunks.still_held()
+        assert _same(held.chunks.chunks, chunks[:7]) and held.chunks.chunk_tiers == plain.chunk_tiers[:7]
+        assert {"dram", "lmdb"} <= set(held.chunks.chunk_tiers)
+        assert b"".join(v for _, v in held.chunks.runs_between(2, 7)) == b"".join(chunks[2:7])
+        assert all(v.readonly for v in held.chunks.chunks)
+        assert alice.stats().data_plane.sessions[0].leases_active >= 1  # type: ignore[union-attr]
+        kept = held.chunks.chunks[0]
+    finally:
+        held.release()
+    held.release()  # twice is once
+    with pytest.raises(ValueError):
+        bytes(kept)  # released
+    wait_until(lambda: alice.stats().data_plane.sessions[0].leases_active == 0)  # type: ignore[union-attr]
+    # More than the hit holds the hit; Bob's own held lookup of Alice's prompt holds nothing of hers.
+    more = alice.lookup_held(TOY, prompt[: CHUNK * 3], hold_chunks=50)
+    assert more.chunks is not None and _same(more.chunks.chunks, chunks[:3])
+    more.release()
+    theirs = bob.lookup_held(TOY, prompt, hold_chunks=10)
+    assert theirs.result.hit_chunks == 0 and theirs.chunks is None and bob.data_path_in_use == "shm"
+    # Over TCP there is no session: the lookup alone.
+    tcp = svc.client(token=ALICE)
+    alone = tcp.lookup_held(TOY, prompt, hold_chunks=10)
+    assert alone.result.hit_chunks == 10 and alone.chunks is None
+    # Raw calls: a hold without a session (or the reverse), and Bob naming Alice's session, refused.
+    assert alice._shm is not None
+    stub = pb_grpc.KVCacheStub(grpc.insecure_channel(f"unix://{sock_dir / 'kv.sock'}"))
+    for fields, token, message in (({"hold_chunks": 3}, ALICE, "both shm_session and hold_chunks"),
+                                   ({"shm_session": alice._shm.session_id}, ALICE, "both shm_session and hold_chunks"),
+                                   ({"shm_session": alice._shm.session_id, "hold_chunks": 3}, BOB,
+                                    "unknown same-host session")):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Lookup(pb.LookupRequest(model=TOY, tokens={"u32le": prompt.tobytes()}, **fields),
+                        metadata=(("authorization", f"Bearer {token}"),), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
+
+
+def test_a_lookup_may_hold_its_chunks_for_another_client_of_the_tenant(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # An engine's scheduler and its worker in two processes: the scheduler's Lookup holds the
+    # chunks in the worker's session, and the worker reads them from the descriptors alone.
+    svc = make_service(shm_config(sock_dir / "kv.sock", tenants=True))
+    scheduler, worker, bob = unix(svc, ALICE), unix(svc, ALICE), unix(svc, BOB)
+    cb = svc.chunk_bytes(TOY)
+    prompt, chunks = tokens(43, CHUNK * 6), payloads(44, 6, cb)
+    scheduler.store(TOY, prompt, chunks)
+    session = worker.shm_session_id()
+    assert session and session != scheduler.shm_session_id()
+    held = scheduler.lookup_held(TOY, prompt, hold_chunks=5, into_session=session)
+    assert held.result.hit_chunks == 6 and held.chunks is None and len(held.spans) >= 1
+    with worker.read_held(held.spans, held.result.chunk_tokens, cb) as got:
+        assert got.path == "shm" and _same(got.chunks, chunks[:5]) and got.still_held()
+        assert worker.stats().data_plane is not None
+    wait_until(lambda: all(s.leases_active == 0 for s in worker.stats().data_plane.sessions))  # type: ignore[union-attr]
+    # Bob cannot hold into Alice's worker's session: as if it did not exist, so a lookup alone.
+    theirs = bob.lookup_held(TOY, prompt, hold_chunks=5, into_session=session)
+    assert theirs.spans == () and theirs.result.hit_chunks == 0
+    # Descriptors that are not spans are refused with a message.
+    with pytest.raises(InvalidInput, match="not a ShmSpan"), worker.read_held([b"\xff\xff"], CHUNK, cb):
+        pass
 
 
 def test_chunks_that_lie_back_to_back_are_one_run() -> None:

@@ -20,6 +20,7 @@ from kvstore.client.sync_client import (
 )
 from kvstore.client.types import (
     DataPlaneStats,
+    HeldLookup,
     LoadIntoResult,
     LoadLocalResult,
     LoadResult,
@@ -40,6 +41,7 @@ __all__ = [
     "Bills",
     "DataPlaneStats",
     "DeadlineExceededError",
+    "HeldLookup",
     "InvalidArgumentError",
     "KvstoreClient",
     "LoadIntoResult",

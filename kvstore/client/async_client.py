@@ -11,7 +11,7 @@ on one channel (gRPC channels are thread-safe). It is not built on `grpc.aio`: o
 set of behaviours (retries, deadlines, reassembly, errors) to test, at the cost of a thread per
 call in flight. Cancelling an awaiting task does not stop its call; the call's deadline
 (`timeout_seconds`) does. `iter_load` (a generator) has no coroutine form: use `load`.
-`load_shared` is an async context manager (`async with kv.load_shared(...) as got:`).
+`load_shared` and `read_held` are async context managers (`async with kv.load_shared(...) as got:`).
 
 What it does not know: anything the synchronous client does not.
 """
@@ -43,6 +43,15 @@ def _threaded(
     return call
 
 
+@contextlib.asynccontextmanager
+async def _on_threads(cm: contextlib.AbstractContextManager[SharedLoad]) -> AsyncIterator[SharedLoad]:
+    got = await asyncio.to_thread(cm.__enter__)
+    try:
+        yield got
+    finally:
+        await asyncio.to_thread(cm.__exit__, None, None, None)
+
+
 class AsyncKvstoreClient:
     def __init__(self, target: str, **options: Any) -> None:
         """The same options as `KvstoreClient` (token, TLS files, timeouts, retries, ...)."""
@@ -61,15 +70,20 @@ class AsyncKvstoreClient:
     health = _threaded(KvstoreClient.health)
     wait_ready = _threaded(KvstoreClient.wait_ready)
 
+    lookup_held = _threaded(KvstoreClient.lookup_held)
+    shm_session_id = _threaded(KvstoreClient.shm_session_id)
+
     @contextlib.asynccontextmanager
     async def load_shared(self, *args: Any, **kwargs: Any) -> AsyncIterator[SharedLoad]:
         """`KvstoreClient.load_shared`, entered and left on a worker thread."""
-        cm = self.sync.load_shared(*args, **kwargs)
-        got = await asyncio.to_thread(cm.__enter__)
-        try:
+        async with _on_threads(self.sync.load_shared(*args, **kwargs)) as got:
             yield got
-        finally:
-            await asyncio.to_thread(cm.__exit__, None, None, None)
+
+    @contextlib.asynccontextmanager
+    async def read_held(self, *args: Any, **kwargs: Any) -> AsyncIterator[SharedLoad]:
+        """`KvstoreClient.read_held`, entered and left on a worker thread."""
+        async with _on_threads(self.sync.read_held(*args, **kwargs)) as got:
+            yield got
 
     async def close(self) -> None:
         await asyncio.to_thread(self.sync.close)

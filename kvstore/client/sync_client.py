@@ -40,10 +40,12 @@ from typing import Any, TypeVar
 import grpc
 import grpc.experimental
 import numpy as np
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client.chunk_views import PieceView, Streamed, decode_load_response, decode_resume_response
 from kvstore.client.types import (
+    HeldLookup,
     LoadIntoResult,
     LoadLocalResult,
     LoadResult,
@@ -281,13 +283,79 @@ class KvstoreClient:
         req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt)
         rid, metadata = self._request_metadata("Lookup", request_id, session, purpose)
         r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), timeout_seconds)
-        return LookupResult(
-            hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, chunk_tiers=tiers_from_pb(r.chunk_tiers),
-            local_state=PB_TO_LOCAL.get(r.local_state, "absent"), bills=bills_from_pb(r.bills),
-            chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes, full_chunks=r.full_chunks,
-            remainder_tokens=r.remainder_tokens, local_snapshot_bytes=r.local_snapshot_bytes,
-            replay_mode=r.replay_mode, request_id=rid,
-        )
+        return _lookup_result(r, rid)
+
+    def lookup_held(self, model: str, tokens: Sequence[int] | np.ndarray, hold_chunks: int, replay_mode: str = "",
+                    timeout_seconds: float | None = None, cache_salt: str = "",
+                    into_session: str = "") -> HeldLookup:
+        """`lookup`, and on the service's host the first `hold_chunks` chunks of the hit leased in
+        shared memory in the same call: a Lookup and a `load_shared` for the price of one call.
+        `into_session`: hold them in that same-host session instead, another client's of the same
+        tenant (an engine's worker in another process, which reads them with `read_held`).
+        Without a session, or naming one the service no longer knows, only the lookup is answered.
+
+            held = kv.lookup_held(model, prompt, hold_chunks=n)
+            try:
+                if held.chunks is not None:
+                    scatter(held.chunks.runs_between(0, n)); ok = held.chunks.still_held()
+            finally:
+                held.release()
+        """
+        shm = None if into_session or hold_chunks <= 0 else self._shm_path()
+        session = into_session or (shm.session_id if shm is not None else "")
+        if not session or hold_chunks <= 0:
+            return HeldLookup(self.lookup(model, tokens, replay_mode, timeout_seconds, cache_salt=cache_salt))
+        req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt, session,
+                                    hold_chunks)
+        rid, metadata = self._request_metadata("Lookup", None, None, "")
+        try:
+            r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), timeout_seconds)
+        except InvalidArgumentError as e:
+            if UNKNOWN_SESSION not in e.details:
+                raise
+            if shm is not None:
+                self._shm_failed(shm, "the service no longer knows the session")
+            return HeldLookup(self.lookup(model, tokens, replay_mode, timeout_seconds, cache_salt=cache_salt))
+        result = _lookup_result(r, rid)
+        if not r.held:
+            return HeldLookup(result)
+        if shm is None:
+            return HeldLookup(result, spans=tuple(span.SerializeToString() for span in r.held))
+        spans = _SharedSpans(shm, max(1, r.chunk_bytes))
+        try:
+            for span in r.held:
+                spans.add(span, "Lookup")
+        except BaseException:
+            spans.release()
+            raise
+        return HeldLookup(result, spans.shared(r.chunk_tokens, r.chunk_bytes), _release=spans.release)
+
+    def shm_session_id(self) -> str:
+        """This client's same-host session (opened now if need be), for another client of the
+        tenant to name in `lookup_held(into_session=...)`; "" without one."""
+        shm = self._shm_path()
+        return shm.session_id if shm is not None else ""
+
+    @contextlib.contextmanager
+    def read_held(self, spans: Sequence[bytes], chunk_tokens: int, chunk_bytes: int) -> Iterator[SharedLoad]:
+        """The chunks another client's `lookup_held(into_session=...)` held in this client's
+        session, as `load_shared` gives them (views valid inside the block; `still_held()` says
+        whether to trust a copy). Their leases are released at the end of the block."""
+        shm = self._shm_path()
+        if shm is None:
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no same-host session: {self.shm_detail}",
+                                   "read_held")
+        got = _SharedSpans(shm, max(1, chunk_bytes))
+        try:
+            for raw in spans:
+                try:
+                    span = pb.ShmSpan.FromString(raw)
+                except DecodeError:
+                    raise InvalidInput("a held span is not a ShmSpan") from None
+                got.add(span, "Lookup")
+            yield got.shared(chunk_tokens, chunk_bytes)
+        finally:
+            got.release()
 
     def store(self, model: str, tokens: Sequence[int] | np.ndarray,
               payloads: Sequence[bytes | memoryview] | bytes | memoryview, replay_mode: str = "",
@@ -442,39 +510,24 @@ class KvstoreClient:
             yield self._streamed_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
             return
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt, shm.session_id)
-        leases: list[int] = []
-        views: list[memoryview] = []
-        runs: list[memoryview] = []
+        spans: _SharedSpans | None = None
         try:
             try:
                 stream = self._load(req, timeout=timeout_seconds or self.timeout_seconds, metadata=self._metadata)
                 head = _header(stream, "Load")
-                cb = max(1, head.chunk_bytes)
-                expires: list[float] = []
-                tiers: list[str] = []
+                spans = _SharedSpans(shm, max(1, head.chunk_bytes))
                 for msg in stream:
-                    span = _span(msg, "Load")
-                    leases.append(span.lease_id)
-                    if span.first_chunk != len(views) or span.num_chunks == 0:
-                        raise ServerError(grpc.StatusCode.UNKNOWN, "shared-memory spans out of order", "Load")
-                    for src in _span_sources(shm, span, cb, span.num_chunks):
-                        runs.append(src)
-                        views.extend(src[k * cb : (k + 1) * cb] for k in range(len(src) // cb))
-                    tiers.extend(PB_TO_TIER.get(t, "") for t in span.tiers[: span.num_chunks])
-                    expires.append(span.lease_expires_at)
+                    spans.add(_span(msg, "Load"), "Load")
             except grpc.RpcError as e:
                 if not _session_gone(e):
                     raise _failure(e, "Load") from None
                 self._shm_failed(shm, "the service no longer knows the session")
                 yield self._streamed_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
                 return
-            n = len(views)
-            yield SharedLoad(n * head.chunk_tokens, head.chunk_tokens, head.chunk_bytes, views, tuple(tiers), "shm",
-                             expires, shm.lease_valid, runs)
+            yield spans.shared(head.chunk_tokens, head.chunk_bytes)
         finally:
-            for v in views + runs:
-                v.release()  # a view kept past the block would read reused memory
-            shm.release(leases)
+            if spans is not None:
+                spans.release()
 
     def _streamed_shared(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str, max_chunks: int,
                          timeout_seconds: float | None, cache_salt: str) -> SharedLoad:
@@ -863,6 +916,50 @@ def _copy_span(shm: ShmPath, span: pb.ShmSpan, got: int, chunk_bytes: int, limit
         return take
     finally:
         shm.release([span.lease_id])
+
+
+class _SharedSpans:
+    """A load's spans, in order, as read-only views of the session's memory, until `release`."""
+
+    def __init__(self, shm: ShmPath, chunk_bytes: int) -> None:
+        self._shm = shm
+        self._cb = chunk_bytes
+        self._leases: list[int] = []
+        self._views: list[memoryview] = []
+        self._runs: list[memoryview] = []
+        self._tiers: list[str] = []
+        self._expires: list[float] = []
+
+    def add(self, span: pb.ShmSpan, method: str) -> None:
+        self._leases.append(span.lease_id)
+        if span.first_chunk != len(self._views) or span.num_chunks == 0:
+            raise ServerError(grpc.StatusCode.UNKNOWN, "shared-memory spans out of order", method)
+        cb = self._cb
+        for src in _span_sources(self._shm, span, cb, span.num_chunks):
+            self._runs.append(src)
+            self._views.extend(src[k * cb : (k + 1) * cb] for k in range(len(src) // cb))
+        self._tiers.extend(PB_TO_TIER.get(t, "") for t in span.tiers[: span.num_chunks])
+        self._expires.append(span.lease_expires_at)
+
+    def shared(self, chunk_tokens: int, chunk_bytes: int) -> SharedLoad:
+        return SharedLoad(len(self._views) * chunk_tokens, chunk_tokens, chunk_bytes, self._views, tuple(self._tiers),
+                          "shm", self._expires, self._shm.lease_valid, self._runs)
+
+    def release(self) -> None:
+        for v in self._views + self._runs:
+            v.release()  # a view kept past the release would read reused memory
+        self._shm.release(self._leases)
+        self._views, self._runs, self._leases = [], [], []
+
+
+def _lookup_result(r: pb.LookupResponse, request_id: str) -> LookupResult:
+    return LookupResult(
+        hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, chunk_tiers=tiers_from_pb(r.chunk_tiers),
+        local_state=PB_TO_LOCAL.get(r.local_state, "absent"), bills=bills_from_pb(r.bills),
+        chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes, full_chunks=r.full_chunks,
+        remainder_tokens=r.remainder_tokens, local_snapshot_bytes=r.local_snapshot_bytes,
+        replay_mode=r.replay_mode, request_id=request_id,
+    )
 
 
 def _span_sources(shm: ShmPath, span: pb.ShmSpan, chunk_bytes: int, take: int) -> list[memoryview]:

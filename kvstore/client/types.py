@@ -111,6 +111,26 @@ class SharedLoad:
         return out
 
 
+@dataclass
+class HeldLookup:
+    """What `lookup_held` found: the Lookup's answer and, on the service's host, the first chunks
+    of its hit already leased in shared memory. Held in the caller's own session: `chunks`, read-only
+    views as `load_shared` gives, valid until `release()` (from any thread; it must come, or the
+    leases lapse only by their timeout). Held in another session of the tenant (`into_session`):
+    `spans`, opaque descriptors for that session's client to read with `read_held`. Nothing held
+    (no session, no hit): both empty."""
+
+    result: LookupResult
+    chunks: SharedLoad | None = None
+    spans: tuple[bytes, ...] = ()
+    _release: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        done, self._release = self._release, None
+        if done is not None:
+            done()
+
+
 @dataclass(frozen=True)
 class StoreLocalResult:
     stored: bool

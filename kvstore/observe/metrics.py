@@ -76,7 +76,7 @@ POOL_MISS_REASONS = ("absent", "expired", "incomplete", "corrupt", "timeout", "e
 POOL_SKIP_REASONS = ("oom", "no_room", "policy", "timeout", "error", "breaker_open", "closed")
 RPC_METHODS = ("Lookup", "Store", "Load", "StoreLocal", "LoadLocal", "Resume", "Stats", "RegisterModel", "Attach",
                OTHER)
-DATA_PATH_METHODS = ("Load", "Resume", "Store", OTHER)
+DATA_PATH_METHODS = ("Load", "Resume", "Store", "Lookup", OTHER)  # a Lookup: one that holds chunks
 DATA_PATHS = ("shm", "stream", OTHER)
 RPC_CODES = (
     "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
@@ -424,9 +424,9 @@ class Metrics:
         self.side_calls = Counter("kvstore_side_calls_total", "Lookups that are not engine requests (a "
                                   "client's pre-check before a Store, a probe), by purpose; not in "
                                   "kvstore_requests_total.", ["method", "purpose"], registry=r)
-        self.data_path_calls = Counter("kvstore_data_path_calls_total", "Load, Resume and Store calls by how "
-                                       "their chunk bytes moved: shm (same-host shared memory) or stream (gRPC "
-                                       "messages).", ["method", "path"], registry=r)
+        self.data_path_calls = Counter("kvstore_data_path_calls_total", "Load, Resume, Store and holding Lookup "
+                                       "calls by how their chunk bytes moved: shm (same-host shared memory) or "
+                                       "stream (gRPC messages).", ["method", "path"], registry=r)
         self.rpc_seconds = Histogram("kvstore_rpc_seconds", "gRPC call latency, by method and status code.",
                                      ["method", "code"], buckets=RPC_BUCKETS, registry=r)
         self.sources = sources or Sources()

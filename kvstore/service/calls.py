@@ -68,7 +68,7 @@ class CallState:
     # Streaming calls: marks the waits on the client (the stream watch ends a call stalled there).
     stream: Watched | None = None
     staged_bytes: int = 0  # Store payload bytes this call holds in memory (released on exit)
-    data_path: str = ""  # Load, Resume, Store: "shm" (a same-host session) or "stream"
+    data_path: str = ""  # Load, Resume, Store, a holding Lookup: "shm" (a same-host session) or "stream"
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from kvstore.service.pricing import facts_for_lookup, local_status, price
 from kvstore.service.servicer_local import LocalStateCalls
 from kvstore.service.shm_calls import PathCounts, load_spans, store_span_data
 from kvstore.service.shm_listener import ShmSession, ShmSessions
-from kvstore.store import CommitResult, LoadSession
+from kvstore.store import CommitResult, LoadSession, PrefixHit
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.bills import to_pb as bills_to_pb
 from kvstore.wire.framing import ChunkAssembler, plan_pieces
@@ -84,7 +84,13 @@ class KVCacheServicer(LocalStateCalls):
         with self.guard.enter(context, "Lookup") as call:
             req = accept(request, pb.LookupRequest)
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt)
-            r = self.app.store.lookup(res.ns, res.tokens)
+            if bool(req.shm_session) != bool(req.hold_chunks):
+                raise InvalidInput("a Lookup that holds chunks names both shm_session and hold_chunks")
+            held: list[pb.ShmSpan] = []
+            if req.hold_chunks:
+                r, held = self._lookup_held(call, res, req, context)
+            else:
+                r = self.app.store.lookup(res.ns, res.tokens)
             state, got = local_status(self.app, res, r.hit_chunks, context.time_remaining(), r)
             call.facts = facts_for_lookup(self.app, res, r, r.hit_chunks, got)
             snapshot = res.layout.local_snapshot_bytes
@@ -95,9 +101,27 @@ class KVCacheServicer(LocalStateCalls):
                 hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, local_state=LOCAL_TO_PB[state],
                 bills=bills_to_pb(bills), chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes,
                 full_chunks=r.full_chunks, remainder_tokens=r.remainder_tokens,
-                local_snapshot_bytes=snapshot, replay_mode=res.ns.replay_mode,
+                local_snapshot_bytes=snapshot, replay_mode=res.ns.replay_mode, held=held,
             ), r.chunk_tiers)
         return b""  # reached only when the client has gone (an empty LookupResponse)
+
+    def _lookup_held(
+        self, call: CallState, res: Resolved, req: pb.LookupRequest, context: grpc.ServicerContext,
+    ) -> tuple[PrefixHit, list[pb.ShmSpan]]:
+        """The Lookup's hit, and its first `hold_chunks` chunks as leased spans of the caller's
+        same-host session: the Load that would follow, without a second call. One walk of the
+        keys, counted as the lookup."""
+        shm = self.shm_session(call, req.shm_session)
+        assert shm is not None
+        held: list[pb.ShmSpan] = []
+        with self.app.store.load(res.ns, res.tokens, req.hold_chunks) as session:
+            try:
+                held.extend(self.shm_spans(session, shm, res, len(session), context, []))
+            except BaseException:
+                for span in held:  # never answered: nobody else will release them
+                    shm.leases.release(span.lease_id)
+                raise
+        return session.lookup, held
 
     # --- Store ------------------------------------------------------------------------------------
 

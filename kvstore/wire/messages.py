@@ -243,7 +243,8 @@ _LABEL_TIER: Final[dict[int, str]] = {v: k for k, v in _TIER_LABEL.items()}
 
 _LOOKUP_REQ = pb.LookupRequest.DESCRIPTOR.fields_by_name
 assert (_LOOKUP_REQ["model"].number, _LOOKUP_REQ["replay_mode"].number, _LOOKUP_REQ["tokens"].number,
-        _LOOKUP_REQ["cache_salt"].number) == (1, 2, 3, 4)
+        _LOOKUP_REQ["cache_salt"].number, _LOOKUP_REQ["shm_session"].number,
+        _LOOKUP_REQ["hold_chunks"].number) == (1, 2, 3, 4, 5, 6)
 assert pb.Tokens.DESCRIPTOR.fields_by_name["u32le"].number == 1
 
 
@@ -254,13 +255,17 @@ def _string_field(tag: bytes, text: str) -> bytes:
     return tag + _varint(len(raw)) + raw
 
 
-def encode_lookup_request(model: str, replay_mode: str, u32le: bytes | memoryview, cache_salt: str = "") -> bytes:
-    """The serialized `LookupRequest{model, replay_mode, tokens: Tokens{u32le}, cache_salt}`. `u32le`
-    may be a view of the caller's token array: its bytes are copied once, into the request."""
+def encode_lookup_request(model: str, replay_mode: str, u32le: bytes | memoryview, cache_salt: str = "",
+                          shm_session: str = "", hold_chunks: int = 0) -> bytes:
+    """The serialized `LookupRequest{model, replay_mode, tokens: Tokens{u32le}, cache_salt,
+    shm_session, hold_chunks}`. `u32le` may be a view of the caller's token array: its bytes are
+    copied once, into the request."""
     n = memoryview(u32le).nbytes
     inner = b"\x0a" + _varint(n) if n else b""
     head = _string_field(b"\x0a", model) + _string_field(b"\x12", replay_mode)
-    return b"".join((head, b"\x1a", _varint(len(inner) + n), inner, u32le, _string_field(b"\x22", cache_salt)))
+    hold = b"\x30" + _varint(hold_chunks) if hold_chunks else b""
+    return b"".join((head, b"\x1a", _varint(len(inner) + n), inner, u32le, _string_field(b"\x22", cache_salt),
+                     _string_field(b"\x2a", shm_session), hold))
 
 
 def serialize_response(msg: Message | bytes) -> bytes:
