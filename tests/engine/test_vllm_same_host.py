@@ -65,6 +65,7 @@ def test_8_an_engine_on_the_services_host_caches_through_shared_memory(
     engines.append(warm_engine)
     [warm] = warm_engine.generate({"tokens": PROMPT})
     assert warm["kvstore"]["loaded_tokens"] == 5 * CT
+    # The engine's first request: its worker has not reported its session yet, so it loads.
     assert warm["kvstore"]["counters"].get("load_path_shm") == 1
     assert not any(k.endswith("_failures") for k in warm["kvstore"]["counters"]), warm["kvstore"]["counters"]
     assert warm["tokens"] == cold["tokens"]
@@ -76,18 +77,25 @@ def test_8_an_engine_on_the_services_host_caches_through_shared_memory(
         # A prompt that ends on a chunk's end: its last chunk is computed again (one token must
         # be), and the service holds it already, so a warm run loads and stores nothing more.
         ends_on_chunk = np.random.default_rng(8).integers(0, VOCAB, 4 * CT).tolist()
-        warm_engine.generate({"tokens": ends_on_chunk})
+        [computed] = warm_engine.generate({"tokens": ends_on_chunk})
         _wait_for(kv, 5 + 4)
         before = dict(kv.stats().data_plane.calls_by_path)  # type: ignore[union-attr]
         warm_engine.ask({"op": "reset_prefix_cache"})  # so that kvstore, not vLLM, has the hit
         [again] = warm_engine.generate({"tokens": ends_on_chunk})
         assert again["kvstore"]["loaded_tokens"] == 3 * CT
+        # Now in one call: the scheduler's Lookup held the chunks in the worker's session.
+        counters = again["kvstore"]["counters"]
+        assert (counters.get("load_path_held"), counters.get("load_path_shm")) == (1, 1), counters
+        assert again["tokens"] == computed["tokens"]
+        assert again["logprobs"] == pytest.approx(computed["logprobs"], abs=2e-2)
         # The connector stores from one background thread, in order: once a later prompt's chunk
         # is held, any store the warm run made has been made too.
         warm_engine.generate({"tokens": np.random.default_rng(9).integers(0, VOCAB, CT + 1).tolist()})
         _wait_for(kv, 5 + 4 + 1)
         after = kv.stats().data_plane.calls_by_path  # type: ignore[union-attr]
-        assert (after["shm"] - before["shm"], after["stream"] - before["stream"]) == (2, 0), (before, after)
+        # Three shared-memory calls: the warm run's Lookup (holding its chunks), the next prompt's
+        # Lookup and its Store; a Store of the warm run's last chunk would be a fourth.
+        assert (after["shm"] - before["shm"], after["stream"] - before["stream"]) == (3, 0), (before, after)
 
 
 def _wait_for(kv: KvstoreClient, chunks: int) -> None:

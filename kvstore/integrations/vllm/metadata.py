@@ -21,6 +21,11 @@ class LoadSpec:
     end_chunk: int
     chunk_blocks: dict[int, list[int]]  # full-attention group id -> the blocks of the loaded chunks, in order
     window_blocks: dict[int, list[int]]  # sliding-window group id -> its blocks before the boundary
+    # The chunks [0, end_chunk) the scheduler's Lookup already held in the worker's same-host
+    # session (KvstoreClient.read_held reads them); empty: the worker loads them itself.
+    held_spans: list[bytes] = field(default_factory=list)
+    chunk_tokens: int = 0
+    chunk_bytes: int = 0
 
 
 @dataclass
@@ -46,11 +51,13 @@ class KvstoreMeta(KVConnectorMetadata):
 
 @dataclass
 class WorkerReport(KVConnectorWorkerMetadata):
-    """Counters the workers gathered this step (failures, chunks moved), summed over workers."""
+    """Counters the workers gathered this step (failures, chunks moved), summed over workers, and
+    their same-host sessions (where the scheduler's Lookups may hold chunks for them)."""
 
     counters: Counter[str] = field(default_factory=Counter)
+    shm_sessions: tuple[str, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, WorkerReport):
-            return WorkerReport(self.counters + other.counters)
+            return WorkerReport(self.counters + other.counters, self.shm_sessions + other.shm_sessions)
         return self

@@ -9,9 +9,12 @@ boundary (local state "hit"); without one the engine could not use the hit exact
 runner cannot replay a window), so it is reported as no hit.
 
 Loads are synchronous by default (`load_mode = "sync"`): the Lookup is asked on the scheduler's
-thread instead, within the budget, and the workers load in the step that computes the request, before its forward
-pass. With `"async"` (and always for a hybrid model) they fetch and scatter between steps and say
-when they are done: a step never waits for a load, at the price of a step or two of latency.
+thread instead, within the budget, and the workers load in the step that computes the request,
+before its forward pass. On kvstore's host that Lookup also holds the usable chunks in the
+worker's same-host session (named in the worker's reports), and the worker scatters them without
+a Load call; chunks held for a request that is then not loaded stay leased until their lease
+lapses. With `"async"` (and always for a hybrid model) they fetch and scatter between steps and
+say when they are done: a step never waits for a load, at the price of a step or two of latency.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec
 class _Request:
     tokens: np.ndarray  # the prompt as uint32
     salt: str
+    held: LookupResult | None = None  # the Lookup, when it held chunks in the worker's session
+    held_spans: tuple[bytes, ...] = ()
     lookup: cf.Future[LookupResult | None] | None = None
     lookup_started: float = 0.0
     usable_chunks: int | None = None  # decided: chunks a load may restore (None: not yet known)
@@ -62,6 +67,8 @@ class SchedulerSide:
         # a service that is down must not cost every request the budget.
         self._ask_after = 0.0
         self.worker_counters: Counter[str] = Counter()
+        # The one worker's same-host session, where a synchronous Lookup holds the hit for it.
+        self.worker_session = ""
 
     # --- matching ---------------------------------------------------------------------------------
 
@@ -107,9 +114,10 @@ class SchedulerSide:
                 st.lookup = self._pool.submit(ask)
                 return False
             # Waited for anyway: asked on this thread (the call's deadline is the budget), which
-            # spares a hand-off to the pool and back on the step's critical path.
+            # spares a hand-off to the pool and back on the step's critical path. On kvstore's host
+            # the same call holds the usable chunks in the worker's session: it needs no Load.
             st.lookup = cf.Future()
-            st.lookup.set_result(ask())
+            st.lookup.set_result(self._ask_held(name, prefix, boundary, st) if self.worker_session else ask())
         if not st.lookup.done():
             if time.monotonic() - st.lookup_started < self.link.cfg.budget_seconds:
                 return False
@@ -129,6 +137,16 @@ class SchedulerSide:
         st.saved_chunks = max(st.saved_chunks, held)
         return True
 
+    def _ask_held(self, name: str, prefix: np.ndarray, boundary: int, st: _Request) -> LookupResult | None:
+        """The Lookup, holding the first `boundary` chunks of the hit in the worker's session."""
+        got = self.link.call("lookup", lambda c: c.lookup_held(
+            name, prefix, boundary, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds, cache_salt=st.salt,
+            into_session=self.worker_session))
+        if got is None:
+            return None
+        st.held, st.held_spans = got.result, got.spans
+        return got.result
+
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
         st = self._requests.get(request.request_id)
         if st is None or num_external_tokens <= 0 or st.load_planned or not st.usable_chunks:
@@ -138,12 +156,17 @@ class SchedulerSide:
         st.load_planned = True
         st.loaded_tokens = num_external_tokens
         k, plan = self.plan.window_chunks, self.plan
+        # What the Lookup held covers chunks [0, hit): this load's, as it ends at the hit.
+        held, spans = (st.held, st.held_spans) if st.held is not None and st.held.hit_chunks >= end else (None, ())
+        st.held_spans = ()
         self._loads.append(LoadSpec(
             req_id=request.request_id, tokens=st.tokens[: end * self.ct], cache_salt=st.salt, first_chunk=first,
             end_chunk=end, chunk_blocks={g.group_id: plan.chunk_blocks(block_ids[g.group_id], first, end)
                                          for g in plan.full},
             window_blocks={g.group_id: plan.chunk_blocks(block_ids[g.group_id], max(0, end - k), end)
                            for g in plan.sliding},
+            held_spans=list(spans), chunk_tokens=held.chunk_tokens if held else 0,
+            chunk_bytes=held.chunk_bytes if held else 0,
         ))
 
     # --- each step --------------------------------------------------------------------------------
@@ -188,8 +211,10 @@ class SchedulerSide:
             spec.snapshot_chunk, spec.window_blocks = boundary, window
         return spec
 
-    def worker_report(self, counters: Counter[str]) -> None:
+    def worker_report(self, counters: Counter[str], sessions: tuple[str, ...]) -> None:
         self.worker_counters = Counter(counters)  # totals so far, summed over the workers
+        # Held chunks serve one worker only: with several (tensor parallel), each loads its own.
+        self.worker_session = sessions[0] if len(set(sessions)) == 1 and all(sessions) else ""
 
     def finished(self, request: Any) -> dict[str, Any] | None:
         st = self._requests.pop(request.request_id, None)

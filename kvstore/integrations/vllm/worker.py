@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvstore.client import KvstoreClient
+from kvstore.client import KvstoreClient, SharedLoad
 from kvstore.integrations.vllm.cache_layout import EnginePlan, PagedCache
 from kvstore.integrations.vllm.link import REPLAY_MODE, Link
 from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec, WorkerReport
@@ -74,6 +74,7 @@ class WorkerSide:
         self._reported: dict[str, int] = {}
         self._layers = sum(len(g.layer_names) for g in plan.groups)
         self.sync = link.cfg.loads_synchronously(len(plan.groups))
+        self._reported_session: str | None = None
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], platform: str) -> None:
         self.cache = PagedCache(self.plan, kv_caches, platform)
@@ -99,7 +100,10 @@ class WorkerSide:
         wanted = spec.end_chunk - spec.first_chunk
         got = 0
         name = self.link.model_name()
-        if name is not None:
+        if spec.held_spans:  # a failed or short read of them is loaded again
+            r = self.link.call("load_held", lambda c: self._read_held(c, spec))
+            got = r if r is not None else 0
+        if name is not None and got < wanted:
             r = self.link.call("load", lambda c: self._load_chunks(c, name, spec))
             got = r if r is not None else 0
             if r is not None and got < wanted:
@@ -114,24 +118,34 @@ class WorkerSide:
         """Chunks [first_chunk, end_chunk) of the request scattered into its blocks; how many.
         On the service's host they are read in place in shared memory (one copy, into vLLM's
         blocks); a lease that lapsed during the copy counts the load as failed (recompute)."""
-        assert self.cache is not None
         with client.load_shared(name, spec.tokens, REPLAY_MODE, max_chunks=spec.end_chunk,
                                 timeout_seconds=self.link.cfg.budget_seconds, cache_salt=spec.cache_salt) as r:
-            end = min(spec.end_chunk, len(r.chunks))
-            for tier in r.chunk_tiers[spec.first_chunk : end]:
-                self.link.count(f"loaded_chunks_{tier}")
-            runs = r.runs_between(spec.first_chunk, end)
-            if len(runs) > MAX_DIRECT_RUNS:  # scattered in many pieces: one gather first costs less
-                runs = [(spec.first_chunk, memoryview(b"".join(r.chunks[spec.first_chunk : end])))]
-            bpc = self.plan.blocks_per_chunk
-            for at, run in runs:
-                k0, k1 = (at - spec.first_chunk) * bpc, (at - spec.first_chunk + len(run) // r.chunk_bytes) * bpc
-                self.cache.scatter_chunks(_chunk_rows(run, r.chunk_bytes),
-                                          {g: ids[k0:k1] for g, ids in spec.chunk_blocks.items()})
-            if not r.still_held():
-                raise ValueError("a shared-memory lease lapsed while the chunks were copied")
-            self.link.count(f"load_path_{r.path}")
-            return max(0, end - spec.first_chunk)
+            return self._scatter(r, spec, r.path)
+
+    def _read_held(self, client: KvstoreClient, spec: LoadSpec) -> int:
+        """The load from the chunks the scheduler's Lookup held in this worker's session."""
+        with client.read_held(spec.held_spans, spec.chunk_tokens, spec.chunk_bytes) as r:
+            return self._scatter(r, spec, "held")
+
+    def _scatter(self, r: SharedLoad, spec: LoadSpec, path: str) -> int:
+        """Chunks [first_chunk, end_chunk) of `r` into the request's blocks, a run of chunks at a
+        time; how many. A lease that lapsed during the copy fails the load (the caller recomputes)."""
+        assert self.cache is not None
+        end = min(spec.end_chunk, len(r.chunks))
+        runs = r.runs_between(spec.first_chunk, end)
+        if len(runs) > MAX_DIRECT_RUNS:  # scattered in many pieces: one gather first costs less
+            runs = [(spec.first_chunk, memoryview(b"".join(r.chunks[spec.first_chunk : end])))]
+        bpc = self.plan.blocks_per_chunk
+        for at, run in runs:
+            k0, k1 = (at - spec.first_chunk) * bpc, (at - spec.first_chunk + len(run) // r.chunk_bytes) * bpc
+            self.cache.scatter_chunks(_chunk_rows(run, r.chunk_bytes),
+                                      {g: ids[k0:k1] for g, ids in spec.chunk_blocks.items()})
+        if not r.still_held():
+            raise ValueError("a shared-memory lease lapsed while the chunks were copied")
+        for tier in r.chunk_tiers[spec.first_chunk : end]:
+            self.link.count(f"loaded_chunks_{tier}")
+        self.link.count(f"load_path_{path}")
+        return max(0, end - spec.first_chunk)
 
     def _load_window(self, name: str | None, spec: LoadSpec) -> bool:
         assert self.cache is not None and name is not None
@@ -251,12 +265,14 @@ class WorkerSide:
             self._pending_bytes -= need
 
     def report(self) -> WorkerReport | None:
-        """The worker's counters so far, when they changed (the scheduler keeps the latest)."""
+        """The worker's counters so far and its same-host session, when they changed (the
+        scheduler keeps the latest)."""
+        session = (self.link.call("shm_session", lambda c: c.shm_session_id()) or "") if self.sync else ""
         snap = self.link.snapshot()
-        if snap == self._reported:
+        if snap == self._reported and session == self._reported_session:
             return None
-        self._reported = snap
-        return WorkerReport(Counter(snap))
+        self._reported, self._reported_session = snap, session
+        return WorkerReport(Counter(snap), (session,))
 
     def close(self) -> None:
         self._store_pool.shutdown(wait=True)
