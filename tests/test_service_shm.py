@@ -488,6 +488,30 @@ def test_a_lookup_may_hold_its_chunks_for_another_client_of_the_tenant(
         pass
 
 
+def test_after_a_restart_a_client_names_its_new_session_not_the_old_one(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    cfg = shm_config(sock_dir / "kv.sock")
+    svc = make_service(cfg)
+    cb = svc.chunk_bytes(TOY)
+    prompt, chunks = tokens(45, CHUNK * 4), payloads(46, 4, cb)
+    address = f"unix://{sock_dir / 'kv.sock'}"
+    # Not the fixture's clients: those are closed with the service.
+    with KvstoreClient(address, timeout_seconds=10.0) as scheduler, \
+            KvstoreClient(address, timeout_seconds=10.0) as worker:
+        scheduler.store(TOY, prompt, chunks)
+        old = worker.shm_session_id()
+        assert old and worker._shm is not None and not worker._shm.peer_gone()
+        svc.stop(0.5)
+        make_service(cfg, svc.data_dir)
+        assert worker._shm.peer_gone()
+        fresh = worker.shm_session_id()  # the old one would be named in vain: replaced first
+        assert fresh and fresh != old
+        held = scheduler.lookup_held(TOY, prompt, hold_chunks=4, into_session=fresh)
+        with worker.read_held(held.spans, held.result.chunk_tokens, cb) as got:
+            assert _same(got.chunks, chunks) and got.still_held()
+
+
 def test_chunks_that_lie_back_to_back_are_one_run() -> None:
     from kvstore.client.sync_client import _back_to_back
 

@@ -332,8 +332,12 @@ class KvstoreClient:
 
     def shm_session_id(self) -> str:
         """This client's same-host session (opened now if need be), for another client of the
-        tenant to name in `lookup_held(into_session=...)`; "" without one."""
+        tenant to name in `lookup_held(into_session=...)`; "" without one. A session the service
+        has closed (a restart) is replaced first: the other client would name it in vain."""
         shm = self._shm_path()
+        if shm is not None and shm.peer_gone():
+            self._shm_failed(shm, "the service closed the session")
+            shm = self._shm_path()
         return shm.session_id if shm is not None else ""
 
     @contextlib.contextmanager

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -122,6 +123,19 @@ class ShmPath:
             with contextlib.suppress(BufferError):  # a view the caller still holds keeps its map
                 view.release()
                 m.close()
+
+    def peer_gone(self) -> bool:
+        """True once the service has closed this session's socket (it restarted, or dropped the
+        session). The service sends nothing after the hello: any end of the stream means gone."""
+        if self.closed:
+            return True
+        try:
+            # Polled, not a non-blocking recv: a socket with a timeout waits that long in recv.
+            if not select.select([self._sock], [], [], 0)[0]:
+                return False
+            return not self._sock.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return True
 
     # --- loads ------------------------------------------------------------------------------------
 
