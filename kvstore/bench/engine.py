@@ -10,7 +10,8 @@ engine`). Every engine runs in its own process (kvstore/bench/engine_proc.py) wi
 cache off, except the one measuring it. TTFT is the wall time of a generate of one token, best of
 `--repeats` (cold: of as many fresh prompts). ExampleConnector's engine stays up while kvstore's
 run, and its restores are timed in turn with kvstore's restores from LMDB over the Unix socket,
-so the pair the first target compares shares the machine's moment. Targets at the longest prompt:
+so the pair the first target compares shares the machine's moment (each 1.5 s after the other's,
+once the other engine's worker has stopped busy-polling). Targets at the longest prompt:
 kvstore from LMDB at most ExampleConnector's time, and at most half the cold time.
 """
 
@@ -37,6 +38,10 @@ from kvstore.bench.engine_models import TINY_VOCAB, write_llama
 from kvstore.bench.engine_proc import ANSWER
 
 CHUNK = 128
+# vLLM's worker busy-polls its scheduler's queue for 1 s after each request (shm_broadcast's
+# SpinCondition): an engine timed right after the other engine's request would share the two
+# cores with that spinning worker. Each restore timed in turn waits this long after the other's.
+OTHER_ENGINE_IDLE_SECONDS = 1.5
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -184,7 +189,9 @@ def _kvstore_rows(work: Path, model: Path, base: dict[str, Any], transport: str,
                 for _ in range(reps):
                     ours.append(e.ttft_ms(prompts[n][0]))
                     if example is not None:
+                        time.sleep(OTHER_ENGINE_IDLE_SECONDS)
                         theirs.append(example.ttft_ms(prompts[n][0]))
+                        time.sleep(OTHER_ENGINE_IDLE_SECONDS)
                 rows[n][f"{prefix}_lmdb_ttft_ms"] = min(ours)
                 if theirs:
                     rows[n]["example_connector_ttft_ms"] = min(theirs)
