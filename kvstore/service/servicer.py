@@ -108,9 +108,9 @@ class KVCacheServicer(LocalStateCalls):
     def _lookup_held(
         self, call: CallState, res: Resolved, req: pb.LookupRequest, context: grpc.ServicerContext,
     ) -> tuple[PrefixHit, list[pb.ShmSpan]]:
-        """The Lookup's hit, and its first `hold_chunks` chunks as leased spans of the caller's
-        same-host session: the Load that would follow, without a second call. One walk of the
-        keys, counted as the lookup."""
+        """The Lookup's hit, and its first `hold_chunks` chunks as leased spans of the same-host
+        session the request names (the caller's, or another of its tenant's): the Load that would
+        follow, without a second call. One walk of the keys, counted as the lookup."""
         shm = self.shm_session(call, req.shm_session)
         assert shm is not None
         held: list[pb.ShmSpan] = []
