@@ -24,8 +24,6 @@ class LoadSpec:
     # The chunks [0, end_chunk) the scheduler's Lookup already held in the worker's same-host
     # session (KvstoreClient.read_held reads them); empty: the worker loads them itself.
     held_spans: list[bytes] = field(default_factory=list)
-    chunk_tokens: int = 0
-    chunk_bytes: int = 0
 
 
 @dataclass

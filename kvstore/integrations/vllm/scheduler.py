@@ -38,8 +38,7 @@ from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec
 class _Request:
     tokens: np.ndarray  # the prompt as uint32
     salt: str
-    held: LookupResult | None = None  # the Lookup, when it held chunks in the worker's session
-    held_spans: tuple[bytes, ...] = ()
+    held_spans: tuple[bytes, ...] = ()  # the hit's first chunks, held by the Lookup in the worker's session
     lookup: cf.Future[LookupResult | None] | None = None
     lookup_started: float = 0.0
     usable_chunks: int | None = None  # decided: chunks a load may restore (None: not yet known)
@@ -144,7 +143,7 @@ class SchedulerSide:
             into_session=self.worker_session))
         if got is None:
             return None
-        st.held, st.held_spans = got.result, got.spans
+        st.held_spans = got.spans
         return got.result
 
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
@@ -156,17 +155,15 @@ class SchedulerSide:
         st.load_planned = True
         st.loaded_tokens = num_external_tokens
         k, plan = self.plan.window_chunks, self.plan
-        # What the Lookup held covers chunks [0, hit): this load's, as it ends at the hit.
-        held, spans = (st.held, st.held_spans) if st.held is not None and st.held.hit_chunks >= end else (None, ())
-        st.held_spans = ()
+        # What the Lookup held covers chunks [0, usable): this load's (a short read is loaded again).
+        spans, st.held_spans = st.held_spans, ()
         self._loads.append(LoadSpec(
             req_id=request.request_id, tokens=st.tokens[: end * self.ct], cache_salt=st.salt, first_chunk=first,
             end_chunk=end, chunk_blocks={g.group_id: plan.chunk_blocks(block_ids[g.group_id], first, end)
                                          for g in plan.full},
             window_blocks={g.group_id: plan.chunk_blocks(block_ids[g.group_id], max(0, end - k), end)
                            for g in plan.sliding},
-            held_spans=list(spans), chunk_tokens=held.chunk_tokens if held else 0,
-            chunk_bytes=held.chunk_bytes if held else 0,
+            held_spans=list(spans),
         ))
 
     # --- each step --------------------------------------------------------------------------------

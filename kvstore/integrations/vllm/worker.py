@@ -124,7 +124,7 @@ class WorkerSide:
 
     def _read_held(self, client: KvstoreClient, spec: LoadSpec) -> int:
         """The load from the chunks the scheduler's Lookup held in this worker's session."""
-        with client.read_held(spec.held_spans, spec.chunk_tokens, spec.chunk_bytes) as r:
+        with client.read_held(spec.held_spans, self.plan.chunk_tokens, self.plan.chunk_bytes) as r:
             return self._scatter(r, spec, "held")
 
     def _scatter(self, r: SharedLoad, spec: LoadSpec, path: str) -> int:
