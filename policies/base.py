@@ -4,7 +4,7 @@ no metrics; the store and the local pool call them and act on the answers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -29,6 +29,11 @@ class EvictionPolicy(Protocol):
 
     def touch(self, key: bytes) -> None:
         """The chunk was read (a hit)."""
+        ...
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """`touch` each key, in order (a key given twice is touched twice): the chunks one load
+        read, in one call."""
         ...
 
     def remove(self, key: bytes) -> None:

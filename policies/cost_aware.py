@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -139,6 +139,10 @@ class CostAwarePolicy:
             entry.freq = min(entry.freq + 1, self._max_freq)
             self._reprioritise(key, entry)
             self._settle()
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        for key in keys:  # each touch reorders: the order of the keys is the answer
+            self.touch(key)
 
     def remove(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)

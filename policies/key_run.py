@@ -14,7 +14,7 @@ Pure: no I/O, no clock; numpy only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -73,6 +73,28 @@ class KeyRun:
                 return i
             i += 1
         return -1
+
+    def find_many(self, keys: Sequence[bytes]) -> np.ndarray:
+        """`find` for each key at once: an int64 array of indices, -1 where the run lacks a key (a
+        load's hundreds of keys are a few array passes, not a binary search each in Python)."""
+        m = len(keys)
+        out = np.full(m, -1, dtype=np.int64)
+        n = len(self.prefixes)
+        if not m or not n:
+            return out
+        joined = b"".join(keys)
+        if len(joined) != m * self.width:  # not all of the run's width: one at a time
+            out[:] = [self.find(key) for key in keys]
+            return out
+        want = np.frombuffer(joined, dtype=np.uint8).reshape(m, self.width)
+        pre = key_prefixes(want)
+        at = np.minimum(np.searchsorted(self.prefixes, pre), n - 1)
+        same_prefix = self.prefixes[at] == pre
+        hit = same_prefix & (self.keys[at] == want).all(axis=1)
+        out[hit] = at[hit]
+        for j in np.flatnonzero(same_prefix & ~hit).tolist():  # 8-byte prefixes that collide: rare
+            out[j] = self.find(keys[j])
+        return out
 
 
 def first_alive(alive: np.ndarray, start: int) -> int:

@@ -24,7 +24,7 @@ moves to the recent end as an ordinary entry, as a key of the run does.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 
 import numpy as np
 
@@ -82,6 +82,10 @@ class LruPolicy:
         if size is not None:
             self._sizes[key] = size
             self._settle()
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        for key in keys:  # each touch reorders: the order of the keys is the answer
+            self.touch(key)
 
     def remove(self, key: bytes) -> None:
         old = self._sizes.pop(key, None)

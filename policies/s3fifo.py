@@ -36,7 +36,7 @@ of it to the head of a dict, as they take a key out of the run.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -187,6 +187,21 @@ class S3FifoPolicy:
                 freqs = log.cols["freq"]
                 freqs[s] = min(int(freqs[s]) + 1, _MAX_FREQ)
                 return
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        # Touches only raise frequencies, so the keys of the run and the logs are found together.
+        rest = []
+        for key in keys:
+            entry = self._small.get(key) or self._main.get(key)
+            if entry is not None:
+                entry.freq = min(entry.freq + 1, _MAX_FREQ)
+            else:
+                rest.append(key)
+        if rest and self._run_live and self._run is not None:
+            rest = _raise_found(rest, self._run.find_many(rest), self._run_freq, self._run_alive)
+        for log in (self._small_log, self._main_log):
+            if rest and log is not None:
+                rest = _raise_found(rest, log.find_many(rest), log.cols["freq"], None)
 
     def remove(self, key: bytes) -> None:
         # Not remembered in the ghost queue: the chunk left for a reason other than being cold.
@@ -534,3 +549,14 @@ def _spill(queue: OrderedDict[bytes, _Entry], log: KeyLog | None, young: int) ->
     if log is not None:
         log.tidy()
     return log
+
+
+def _raise_found(keys: list[bytes], found: np.ndarray, freqs: np.ndarray, alive: np.ndarray | None) -> list[bytes]:
+    """Raise the frequency of each key `found` (its index into `freqs`, -1 if absent; a key given
+    twice is raised twice) where `alive` (if given) says it is live; the keys not raised."""
+    hit = found >= 0
+    if alive is not None:
+        hit[hit] = alive[found[hit]]
+    slots, times = np.unique(found[hit], return_counts=True)
+    freqs[slots] = np.minimum(freqs[slots].astype(np.int64) + times, _MAX_FREQ)
+    return [key for key, h in zip(keys, hit.tolist(), strict=True) if not h]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from policies.key_log import KeyLog
+from policies.key_run import KeyRun
 
 
 def _keys(rng: np.random.Generator, n: int) -> list[bytes]:
@@ -86,3 +87,18 @@ def test_extend_appends_rows_in_order() -> None:
     assert [int(log.cols["size"][log.find(k)]) for k in keys] == list(range(1, len(keys) + 1))
     with pytest.raises(ValueError):
         KeyLog(4, {})
+
+
+def test_a_run_finds_many_keys_as_it_finds_each() -> None:
+    # Keys whose first 8 bytes collide (the binary search lands on a neighbour), keys absent, a
+    # key given twice and one of another width: the same answers as `find`, one by one.
+    rng = np.random.default_rng(3)
+    keys = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(200)]
+    keys += [keys[7][:8] + bytes(rng.integers(0, 256, 8, dtype=np.uint8)) for _ in range(5)]
+    run = KeyRun.of(keys)
+    absent = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(20)]
+    probe = keys[::3] + absent + [keys[7], keys[7], keys[-1][:8] + b"\xff" * 8]
+    assert run.find_many(probe).tolist() == [run.find(key) for key in probe]
+    assert sorted(run.find_many(keys).tolist()) == list(range(len(keys)))
+    assert run.find_many([*probe, b"short"]).tolist() == [run.find(key) for key in probe] + [-1]
+    assert run.find_many([]).tolist() == []

@@ -390,6 +390,13 @@ class _RunTwins(RuleBasedStateMachine):
         self.one.touch(key)
         self.run.touch(key)
 
+    @rule(keys=st.lists(KEYS, max_size=12))
+    def touch_many(self, keys: list[bytes]) -> None:
+        # One call for what a load read (a key twice, one not tracked): as the touches in turn.
+        for key in keys:
+            self.one.touch(key)
+        self.run.touch_many(keys)
+
     @rule(key=KEYS)
     def remove(self, key: bytes) -> None:
         self.one.remove(key)

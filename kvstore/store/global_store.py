@@ -796,10 +796,13 @@ class GlobalStore(Placement):
             # Touch the chunks that were read tail first, so the head of the prefix ends up the
             # most recently used: eviction then takes a prefix from its tail.
             keys = read_keys[::-1]
+            by_tier: dict[TierName, list[bytes]] = {}
             for key, entry in zip(keys, self._peek_many(keys), strict=True):
                 if entry is not None:
                     for tier in entry.footprint:
-                        self._policies[tier].touch(key)
+                        by_tier.setdefault(tier, []).append(key)
+            for tier, touched in by_tier.items():
+                self._policies[tier].touch_many(touched)
 
     # --- restart ----------------------------------------------------------------------------------
 
