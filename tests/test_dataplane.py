@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 
+import numpy as np
 import pytest
 
 from kvstore.dataplane import (
@@ -24,6 +25,7 @@ from kvstore.dataplane import (
     unix_path_of,
 )
 from kvstore.dataplane.side_socket import MAX_MESSAGE_BYTES
+from kvstore.dataplane.spans import check_chunks, strided_runs
 from kvstore.errors import InvalidInput
 
 MiB = 1 << 20
@@ -213,3 +215,36 @@ def test_the_frame_reader_takes_split_and_joined_frames_and_refuses_garbage() ->
 def test_unix_addresses(address: str, path: str | None) -> None:
     assert unix_path_of(address) == path
     assert data_socket_path("/run/kvstore/kvstore.sock") == "/run/kvstore/kvstore.sock.shm"
+
+
+def test_chunk_offsets_become_runs_at_an_even_stride_that_cover_every_chunk_in_order() -> None:
+    cb = 100
+    cases = {
+        (): [],
+        (0,): [(0, 1, 0, cb)],
+        (0, 128, 256, 384): [(0, 4, 0, 128)],  # one store's chunks, page-rounded apart
+        (0, 100, 200, 1000, 1128, 1256): [(0, 3, 0, 100), (3, 3, 1000, 128)],
+        (500, 400, 300): [(0, 1, 500, cb), (1, 1, 400, cb), (2, 1, 300, cb)],  # descending: one by one
+        (0, 50, 100): [(0, 1, 0, cb), (1, 1, 50, cb), (2, 1, 100, cb)],  # overlapping: one by one
+        (0, 0): [(0, 1, 0, cb), (1, 1, 0, cb)],
+    }
+    for offsets, want in cases.items():
+        assert strided_runs(offsets, cb) == want, offsets
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        offs = np.cumsum(rng.choice([-300, 0, 100, 128, 128, 128, 4096], size=int(rng.integers(1, 40))))
+        runs = strided_runs(offs, cb)
+        rebuilt = [o + k * s for _, n, o, s in runs for k in range(n)]
+        assert rebuilt == offs.tolist() and [r[0] for r in runs] == np.cumsum([0] + [r[1] for r in runs])[:-1].tolist()
+        assert all(s >= cb for *_, s in runs)
+
+
+def test_chunk_offsets_are_checked_against_their_segment_all_at_once() -> None:
+    check_chunks(np.array([0, 900], dtype=np.int64), 100, 1000)
+    check_chunks(np.array([], dtype=np.int64), 100, 1000)
+    for offsets, message in [([0, 901], "runs past the end"), ([-5, 0], "negative offset"),
+                             ([1 << 62], "runs past the end")]:
+        with pytest.raises(InvalidInput, match=message):
+            check_chunks(np.array(offsets, dtype=np.int64), 100, 1000)
+    with pytest.raises(InvalidInput, match="is empty"):
+        check_chunks(np.array([0], dtype=np.int64), 0, 1000)

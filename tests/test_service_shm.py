@@ -191,6 +191,47 @@ def test_a_lease_that_outlives_its_timeout_is_released(make_service: Callable[..
     shm.close()
 
 
+def test_chunks_read_in_place_are_copied_by_their_offsets_and_forged_ones_refused(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock", store={"device_capacity_bytes": 0}))  # all in DRAM
+    kv = unix(svc)
+    prompt = tokens(11, CHUNK * 10)
+    cb = svc.chunk_bytes(TOY)
+    chunks = payloads(12, 10, cb)
+    kv.store(TOY, prompt, chunks)
+    shm = ShmPath.open(str(sock_dir / "kv.sock"), None)
+    stub = pb_grpc.KVCacheStub(grpc.insecure_channel(f"unix://{sock_dir / 'kv.sock'}"))
+    spans = [r.shm for r in stub.Load(pb.LoadRequest(model=TOY, tokens={"u32le": prompt.tobytes()},
+                                                     shm_session=shm.session_id), timeout=10)
+             if r.WhichOneof("kind") == "shm"]
+    offsets = [o for s in spans for o in s.chunk_offsets]
+    expires = min(s.lease_expires_at for s in spans)
+    assert len(offsets) == 10 and all(s.arena == pb.TIER_DRAM for s in spans)
+
+    def copied(offs: list[int]) -> list[bytes]:
+        dst = bytearray(len(offs) * cb)
+        shm.copy_chunks_out("dram", offs, cb, memoryview(dst), expires)
+        return [bytes(dst[i * cb : (i + 1) * cb]) for i in range(len(offs))]
+
+    assert copied(offsets) == chunks
+    order = [9, 0, 1, 2, 5, 5, 3, 8, 7]  # strided runs, a chunk twice, descending ones
+    assert copied([offsets[i] for i in order]) == [chunks[i] for i in order]
+    size = len(shm.arena_views["dram"])
+    for forged, message in [([-1], "negative offset"), ([size - cb + 1], "runs past the end"),
+                            ([offsets[0], 1 << 62], "runs past the end")]:
+        with pytest.raises(InvalidInput, match=message):
+            copied(forged)
+    with pytest.raises(InvalidInput, match="has not mapped"):
+        shm.copy_chunks_out("lmdb", offsets[:1], cb, memoryview(bytearray(cb)), expires)
+    with pytest.raises(ValueError, match="destination"):
+        shm.copy_chunks_out("dram", offsets[:2], cb, memoryview(bytearray(cb)), expires)
+    with pytest.raises(LeaseLapsed):  # a copy is not trusted past its lease
+        shm.copy_chunks_out("dram", offsets[:1], cb, memoryview(bytearray(cb)), 0.0)
+    shm.release([s.lease_id for s in spans])
+    shm.close()
+
+
 def test_a_lapsed_copy_makes_the_client_load_again_over_streams(
     make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -915,8 +915,16 @@ def _copy_span(shm: ShmPath, span: pb.ShmSpan, got: int, chunk_bytes: int, limit
         take = max(0, min(span.num_chunks, limit - got))
         if take:
             at = (got - dst_first_chunk) * chunk_bytes
-            shm.copy_out(_span_sources(shm, span, chunk_bytes, take), dst[at : at + take * chunk_bytes],
-                         span.lease_expires_at)
+            into = dst[at : at + take * chunk_bytes]
+            if span.chunk_offsets:
+                _check_offsets(span)
+                try:
+                    shm.copy_chunks_out(PB_TO_TIER.get(span.arena, ""), span.chunk_offsets[:take], chunk_bytes,
+                                        into, span.lease_expires_at)
+                except InvalidInput as e:
+                    raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
+            else:
+                shm.copy_out(_span_sources(shm, span, chunk_bytes, take), into, span.lease_expires_at)
         return take
     finally:
         shm.release([span.lease_id])
@@ -972,14 +980,19 @@ def _span_sources(shm: ShmPath, span: pb.ShmSpan, chunk_bytes: int, take: int) -
     checked to lie inside the memory it names."""
     try:
         if span.chunk_offsets:
-            if len(span.chunk_offsets) != span.num_chunks:
-                raise InvalidInput(f"a span of {span.num_chunks} chunks has {len(span.chunk_offsets)} chunk offsets")
+            _check_offsets(span)
             tier = PB_TO_TIER.get(span.arena, "")
             return [shm.in_place(tier, off, n * chunk_bytes)
                     for off, n in _back_to_back(span.chunk_offsets[:take], chunk_bytes)]
         return [shm.span(span.offset, take * chunk_bytes)]
     except InvalidInput as e:
         raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
+
+
+def _check_offsets(span: pb.ShmSpan) -> None:
+    if len(span.chunk_offsets) != span.num_chunks:
+        raise ServerError(grpc.StatusCode.UNKNOWN, f"a span of {span.num_chunks} chunks has "
+                          f"{len(span.chunk_offsets)} chunk offsets", "Load")
 
 
 def _back_to_back(offsets: Sequence[int], chunk_bytes: int) -> list[tuple[int, int]]:

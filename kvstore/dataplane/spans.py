@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 from kvstore.errors import InvalidInput
 
 
@@ -14,3 +18,35 @@ def check_span(offset: int, length: int, segment_bytes: int, what: str = "span")
     if offset + length > segment_bytes:
         raise InvalidInput(f"{what} [{offset}, {offset + length}) runs past the end of its "
                            f"{segment_bytes}-byte segment")
+
+
+def check_chunks(offsets: np.ndarray, chunk_bytes: int, segment_bytes: int, what: str = "a chunk") -> None:
+    """`check_span` for a chunk of `chunk_bytes` at each of `offsets` (int64), in a few array passes."""
+    if not len(offsets):
+        return
+    bad = np.flatnonzero((offsets < 0) | (offsets > segment_bytes - chunk_bytes))
+    if chunk_bytes <= 0 or len(bad):
+        check_span(int(offsets[bad[0]]) if len(bad) else int(offsets[0]), chunk_bytes, segment_bytes, what)
+
+
+def strided_runs(offsets: Sequence[int] | np.ndarray, chunk_bytes: int) -> list[tuple[int, int, int, int]]:
+    """Chunk offsets as runs whose chunks lie an equal stride (at least `chunk_bytes`) apart, in
+    order: (first chunk, chunks, offset, stride). The chunks of one store sit so in a tier's
+    memory (a page-rounded stride), so a load of hundreds of chunks is one strided copy or a few,
+    not a copy per chunk."""
+    offs = np.asarray(offsets, dtype=np.int64)
+    n = len(offs)
+    runs: list[tuple[int, int, int, int]] = []
+    steps = np.diff(offs)
+    i = 0
+    while i < n:
+        stride = int(steps[i]) if i < n - 1 else chunk_bytes
+        if stride < chunk_bytes:  # overlapping or descending: a chunk alone
+            runs.append((i, 1, int(offs[i]), chunk_bytes))
+            i += 1
+            continue
+        other = np.flatnonzero(steps[i:] != stride)
+        last = i + int(other[0]) if len(other) else n - 1  # steps[i:last] all equal the stride
+        runs.append((i, last - i + 1, int(offs[i]), stride))
+        i = last + 1
+    return runs
