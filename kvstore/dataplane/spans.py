@@ -45,8 +45,22 @@ def strided_runs(offsets: Sequence[int] | np.ndarray, chunk_bytes: int) -> list[
             runs.append((i, 1, int(offs[i]), chunk_bytes))
             i += 1
             continue
-        other = np.flatnonzero(steps[i:] != stride)
-        last = i + int(other[0]) if len(other) else n - 1  # steps[i:last] all equal the stride
+        last = _run_end(steps, i, stride)
         runs.append((i, last - i + 1, int(offs[i]), stride))
         i = last + 1
     return runs
+
+
+def _run_end(steps: np.ndarray, start: int, stride: int) -> int:
+    """The last chunk of the run that starts at chunk `start`: the first k >= start whose step is
+    not `stride`, else the last chunk. Looks at growing windows, so scattered chunks (many short
+    runs) cost no pass over all the steps per run."""
+    window = 16
+    at = start
+    while at < len(steps):
+        other = np.flatnonzero(steps[at : at + window] != stride)
+        if len(other):
+            return at + int(other[0])
+        at += window
+        window *= 4
+    return len(steps)
