@@ -916,15 +916,15 @@ def _copy_span(shm: ShmPath, span: pb.ShmSpan, got: int, chunk_bytes: int, limit
         if take:
             at = (got - dst_first_chunk) * chunk_bytes
             into = dst[at : at + take * chunk_bytes]
-            if span.chunk_offsets:
-                _check_offsets(span)
-                try:
+            try:
+                if span.chunk_offsets:  # read in place: the chunks where the tier holds them
+                    _check_offsets(span)
                     shm.copy_chunks_out(PB_TO_TIER.get(span.arena, ""), span.chunk_offsets[:take], chunk_bytes,
                                         into, span.lease_expires_at)
-                except InvalidInput as e:
-                    raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
-            else:
-                shm.copy_out(_span_sources(shm, span, chunk_bytes, take), into, span.lease_expires_at)
+                else:  # one run of the session's load segment
+                    shm.copy_out([shm.span(span.offset, take * chunk_bytes)], into, span.lease_expires_at)
+            except InvalidInput as e:
+                raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
         return take
     finally:
         shm.release([span.lease_id])
