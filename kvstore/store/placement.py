@@ -177,18 +177,20 @@ class Placement:
         in_lower_memory = any(t in entry.footprint for t in lower if t != "lmdb")
         targets = tuple(t for t in lower if t not in entry.footprint and self._tiers[t].capacity_bytes > 0)
         if targets and not in_lower_memory:
-            buf = bytearray(entry.payload_bytes)
-            if self._tiers[tier].get_into(key, memoryview(buf)) is not None:
-                self._demote_into(key, entry, targets, memoryview(buf))
+            self._demote_into(key, entry, tier, targets)
         if tier == "lmdb":
             self._doomed.add(key)  # deleted outside the lock, with the other victims
         else:
             self._tiers[tier].delete(key)
         self._uncharge(key, entry, tier)
 
-    def _demote_into(self, key: bytes, entry: ChunkEntry, targets: tuple[TierName, ...], payload: memoryview) -> None:
+    def _demote_into(self, key: bytes, entry: ChunkEntry, source: TierName, targets: tuple[TierName, ...]) -> None:
+        """Put a victim of `source` into the first of `targets` with room: straight from tier to tier
+        where both can (two arenas: a GPU's pages and pinned host memory by DMA), else through a
+        host buffer read once."""
         meta = chunk_meta(entry)
         protect = {key}
+        payload: memoryview | None = None
         for t in targets:
             tier = self._tiers[t]
             if t == "lmdb" and key in self._deleting:
@@ -198,8 +200,13 @@ class Placement:
             if t == "lmdb" and not self._admission.admit(key):
                 self._bump("admissions_refused")
                 return
-            if self._make_room(t, entry.tenant, tier.footprint(len(payload)), protect):
-                tier.put(key, payload, meta, entry.tenant)
+            if self._make_room(t, entry.tenant, tier.footprint(entry.payload_bytes), protect):
+                if not tier.put_from(self._tiers[source], [key], entry.tenant):
+                    if payload is None:
+                        payload = memoryview(bytearray(entry.payload_bytes))
+                        if self._tiers[source].get_into(key, payload) is None:
+                            return
+                    tier.put(key, payload, meta, entry.tenant)
                 self._charge(key, entry, t)
                 self._bump_tier("demotions", t)
                 return

@@ -33,7 +33,8 @@ import torch
 from kvstore.dataplane.segments import Segment
 from kvstore.errors import InvalidInput, StorageError
 from kvstore.layout import CacheLayout
-from kvstore.tiers.base import ChunkMeta, TierName, TierStats
+from kvstore.tiers.base import ChunkMeta, Tier, TierName, TierStats
+from kvstore.tiers.rows import copy_chunks, wait_for
 from kvstore.tiers.value_format import byte_view
 
 Run = tuple[int, int]  # (first page, page count)
@@ -99,6 +100,10 @@ class FreeRuns:
                     return sorted(runs)
         raise AssertionError("free page count and free runs disagree")
 
+    def fits_in_one_run(self, n: int) -> bool:
+        """Some free run has at least n pages."""
+        return n <= self.free_pages and any(length >= n for length in self._by_len)
+
     def release(self, start: int, length: int) -> None:
         prev = self._start_of_end.get(start)
         if prev is not None:
@@ -142,15 +147,17 @@ class _Entry:
 class _OwnerPages:
     """One owner's part of a split host arena: a memory file the owner's clients may map."""
 
-    __slots__ = ("free", "n_pages", "segment", "view")
+    __slots__ = ("free", "n_pages", "segment", "tensor", "view")
 
     def __init__(self, name: str, n_pages: int, page_bytes: int) -> None:
         self.n_pages = n_pages
         self.free = FreeRuns(n_pages)
         self.segment = Segment(name, max(1, n_pages) * page_bytes, client_writable=False)
         self.view = self.segment.view
+        self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)  # the same pages, for tensor copies
 
     def close(self) -> None:
+        self.tensor = torch.empty(0, dtype=torch.uint8)  # lets go of its export of the view first
         with contextlib.suppress(BufferError):
             self.view.release()
         self.segment.close()
@@ -186,6 +193,8 @@ class PagedArena:
         self._host: memoryview | None = None
         if self._pool.device.type == "cpu" and not self._owners:
             self._host = self._pool.numpy().data
+        # Page-locked host memory: backed by the driver at allocation, and moved to and from a GPU by DMA.
+        self.pinned = bool(pin_memory) and not self._owners and self._pool.device.type == "cpu"
         self._free = FreeRuns(0 if self._owners else self.n_pages)
         self._entries: dict[bytes, _Entry] = {}
         self._lock = threading.Lock()
@@ -209,6 +218,11 @@ class PagedArena:
     def host_pool(self) -> bool:
         """The pool is host memory (the DRAM tier, or a device tier without CUDA)."""
         return self._host is not None or bool(self._owners)
+
+    @property
+    def needs_prefault(self) -> bool:
+        """Host memory that the OS backs only on first touch (not a GPU's, nor pinned pages)."""
+        return self.host_pool and not self.pinned and self.capacity_bytes > 0
 
     def owner_capacities(self) -> dict[str, int] | None:
         """Bytes of each owner's part of a split arena; None when the arena is not split."""
@@ -242,8 +256,8 @@ class PagedArena:
         first, where the OS has them): (bytes touched, whether the huge-page advice was taken).
         A slice at a time under the arena's lock, so that it can run beside the service: a store
         waits for one slice at most, and a page a chunk holds is never written. Device pools are
-        allocated by their driver and are left alone."""
-        if not self.host_pool or not self.capacity_bytes:
+        allocated by their driver and are left alone, as are pinned pools (backed at allocation)."""
+        if not self.needs_prefault:
             self.prefaulted.set()
             return 0, False
         with self._lock:
@@ -311,33 +325,119 @@ class PagedArena:
         `owner` chooses the part of a split arena; an arena that is not split ignores it."""
         # A key repeated within one batch: the last payload wins, as with successive puts.
         batch = {k: (byte_view(p), m) for k, p, m in items}
-        pb = self.page_bytes
-        if not self._owners:
-            owner = ""
+        owner = owner if self._owners else ""
         with self._lock:
-            free = self._free_of(owner)
-            if free is None:
-                raise StorageError(f"{self.name} arena: closed" if self._closed else
-                                   f"{self.name} arena: no part for owner '{owner}'")
-            need = sum(-(-len(p) // pb) for p, _ in batch.values())
-            have = free.free_pages
-            for k in batch:
-                old = self._entries.get(k)
-                if old is not None and old.owner == owner:
-                    have += len_pages(old.runs)
-            if need > have:
-                raise StorageError(
-                    f"{self.name} arena: {need} pages asked, {have} free of {self.n_pages} "
-                    "(the store must keep the tier within its budget)"
-                )
-            for k in batch:
-                old = self._entries.pop(k, None)
-                if old is not None:
-                    self._release(old)
-            for k, (payload, meta) in reversed(batch.items()):  # last first, as `take` expects
-                runs = free.take(-(-len(payload) // pb))
-                assert runs is not None
-                self._entries[k] = _Entry(tuple(runs), len(payload), meta, self._write(owner, runs, payload), owner)
+            placed = self._place_locked(owner, [(k, len(p), m) for k, (p, m) in batch.items()])
+            for k, entry in placed.items():
+                self._write(owner, entry, batch[k][0])
+
+    def put_rows(self, keys: Sequence[bytes], rows: torch.Tensor, metas: Sequence[ChunkMeta], owner: str = "") -> None:
+        """`put_many` for chunks that are the rows of a [chunks, payload bytes] uint8 tensor on a GPU
+        or in host memory: copied tensor to tensor (device to device, or by DMA between pinned host
+        memory and a GPU), evenly spaced chunks as one block. All or none, as `put_many`."""
+        if rows.dim() != 2 or rows.dtype != torch.uint8 or len(keys) != rows.shape[0] or len(metas) != len(keys):
+            raise InvalidInput(f"put_rows needs a [chunks, bytes] uint8 tensor of {len(keys)} rows and one meta per "
+                               f"key; got {tuple(rows.shape)} {rows.dtype} and {len(metas)} metas")
+        if len(set(keys)) != len(keys):
+            raise InvalidInput("put_rows: a key is given twice")
+        owner = owner if self._owners else ""
+        width = int(rows.shape[1])
+        with self._lock:
+            items = [(k, width, m) for k, m in zip(keys, metas, strict=True)]
+            runs = self._reserve_locked(owner, items)
+            stride = int(rows.stride(0)) if len(keys) > 1 else width
+            pool, flat = self._pool_of(owner), _flat(rows)
+            copy_chunks(pool, [self._pieces_of(r, width) for r in runs],
+                        flat, [[(i * stride, width)] for i in range(len(keys))], sync=False)
+            self._record_locked(owner, items, runs)  # while the bytes move
+            wait_for(pool, flat)
+
+    def put_from(self, src: Tier, keys: Sequence[bytes], owner: str = "") -> int:
+        """Copy the longest head of `keys` that `src`, another arena, holds into this one (into
+        `owner`'s part where this arena is split), tensor to tensor: between pinned host memory
+        and a GPU by DMA, evenly spaced chunks as one block. How many chunks were copied (0 when
+        `src` is not an arena)."""
+        if not isinstance(src, PagedArena):
+            return 0
+        if src is self:
+            raise InvalidInput("an arena cannot copy chunks from itself")
+        owner = owner if self._owners else ""
+        with _MOVES, self._lock, src._lock:  # one move at a time: no two moves take these locks crosswise
+            found = []
+            for k in keys:
+                entry = src._entries.get(k)
+                if entry is None:
+                    break
+                found.append((k, entry))
+            if not found:
+                return 0
+            items = [(k, e.nbytes, e.meta) for k, e in found]
+            runs = self._reserve_locked(owner, items)
+            pool = self._pool_of(owner)
+            start = 0
+            while start < len(found):  # a split source's chunks may lie in several owners' parts
+                end = start + 1
+                while end < len(found) and found[end][1].owner == found[start][1].owner:
+                    end += 1
+                copy_chunks(pool, [self._pieces_of(r, e.nbytes) for r, (_, e) in zip(runs[start:end], found[start:end],
+                                                                                     strict=True)],
+                            src._pool_of(found[start][1].owner), [src._pieces(e) for _, e in found[start:end]],
+                            sync=False)
+                start = end
+            self._record_locked(owner, items, runs)  # while the bytes move
+            for part_owner in {e.owner for _, e in found}:
+                wait_for(pool, src._pool_of(part_owner))
+            return len(found)
+
+    def _place_locked(self, owner: str, items: Sequence[tuple[bytes, int, ChunkMeta]]) -> dict[bytes, _Entry]:
+        """Pages for each (key, payload bytes, meta), replacing the key's old entry, all or none:
+        the new entries (host pools: with their views), in the order given, their bytes not yet
+        written."""
+        entries = self._record_locked(owner, items, self._reserve_locked(owner, items))
+        return dict(zip((k for k, _, _ in items), entries, strict=True))
+
+    def _reserve_locked(self, owner: str, items: Sequence[tuple[bytes, int, ChunkMeta]]) -> list[tuple[Run, ...]]:
+        """The page runs of each (key, payload bytes, meta), all or none, in the order given; the
+        keys' old entries are gone. A batch that fits in one free run lies back to back in it, in
+        order. `_record_locked` then makes the entries."""
+        pb = self.page_bytes
+        free = self._free_of(owner)
+        if free is None:
+            raise StorageError(f"{self.name} arena: closed" if self._closed else
+                               f"{self.name} arena: no part for owner '{owner}'")
+        pages = [-(-n // pb) for _, n, _ in items]
+        need = sum(pages)
+        have = free.free_pages
+        for k, _, _ in items:
+            old = self._entries.get(k)
+            if old is not None and old.owner == owner:
+                have += len_pages(old.runs)
+        if need > have:
+            raise StorageError(
+                f"{self.name} arena: {need} pages asked, {have} free of {self.n_pages} "
+                "(the store must keep the tier within its budget)"
+            )
+        self._release_many([old for k, _, _ in items if (old := self._entries.pop(k, None)) is not None])
+        whole = free.take(need) if len(items) > 1 and free.fits_in_one_run(need) else None
+        if whole:  # one run for the batch, carved in order: its chunks lie back to back
+            at = whole[0][0]
+            out: list[tuple[Run, ...]] = []
+            for p in pages:
+                out.append(((at, p),))
+                at += p
+            return out
+        taken = [tuple(free.take(p) or ()) for p in reversed(pages)]  # last first, as `take` expects
+        return taken[::-1]
+
+    def _record_locked(self, owner: str, items: Sequence[tuple[bytes, int, ChunkMeta]],
+                       runs: Sequence[tuple[Run, ...]]) -> list[_Entry]:
+        """The entries of chunks placed in `runs` by `_reserve_locked`."""
+        host = self.host_pool
+        out = []
+        for (k, n, meta), r in zip(items, runs, strict=True):
+            entry = self._entries[k] = _Entry(r, n, meta, self._views(owner, r, n) if host else (), owner)
+            out.append(entry)
+        return out
 
     def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         dst = byte_view(out)
@@ -362,6 +462,33 @@ class PagedArena:
             else:
                 self._read_device(entry.runs, n, dst)
             return entry.meta
+
+    def get_rows(self, keys: Sequence[bytes], out: torch.Tensor) -> list[ChunkMeta]:
+        """Copy the longest head of `keys` that the arena holds into the rows of `out` ([chunks,
+        bytes] uint8, each row at least its chunk's size; on a GPU or in host memory), tensor to
+        tensor, evenly spaced chunks as one block: the metas of the chunks copied."""
+        if out.dim() != 2 or out.dtype != torch.uint8 or (out.shape[1] > 1 and out.stride(1) != 1):
+            raise InvalidInput(f"get_rows needs a [chunks, bytes] uint8 tensor with contiguous rows, "
+                               f"not {tuple(out.shape)} {out.dtype}")
+        with self._lock:
+            found: list[_Entry] = []
+            for k in keys[: out.shape[0]]:
+                entry = self._entries.get(k)
+                if entry is None:
+                    break
+                if entry.nbytes > out.shape[1]:
+                    raise InvalidInput(f"rows of {out.shape[1]} bytes are too small for a {entry.nbytes}-byte chunk")
+                found.append(entry)
+            flat, stride = _flat(out), int(out.stride(0)) if out.shape[0] > 1 else int(out.shape[1])
+            start = 0
+            while start < len(found):  # chunks in one owner's part at a time
+                end = start + 1
+                while end < len(found) and found[end].owner == found[start].owner:
+                    end += 1
+                copy_chunks(flat, [[(i * stride, found[i].nbytes)] for i in range(start, end)],
+                            self._pool_of(found[start].owner), [self._pieces(e) for e in found[start:end]])
+                start = end
+            return [e.meta for e in found]
 
     def join_payloads(self, head: bytes, keys: Sequence[bytes]) -> bytes | None:
         if not self.host_pool:
@@ -424,30 +551,76 @@ class PagedArena:
         for start, count in entry.runs:
             free.release(start, count)
 
-    def _write(self, owner: str, runs: list[Run], payload: memoryview) -> tuple[memoryview, ...]:
-        """Copy payload into its runs (one copy per run); the host views of the chunk, if any."""
-        pb = self.page_bytes
-        total = len(payload)
-        pos = 0
+    def _release_many(self, entries: Sequence[_Entry]) -> None:
+        """`_release` for several entries, their runs joined first where they touch (a batch put
+        back to back is given back as one run)."""
+        by_owner: dict[str, list[Run]] = {}
+        for entry in entries:
+            for v in entry.views:
+                v.release()
+            by_owner.setdefault(entry.owner, []).extend(entry.runs)
+        for owner, runs in by_owner.items():
+            free = self._free_of(owner)
+            if free is None:
+                continue
+            runs.sort()
+            start, count = runs[0]
+            for s, c in runs[1:]:
+                if s == start + count:
+                    count += c
+                else:
+                    free.release(start, count)
+                    start, count = s, c
+            free.release(start, count)
+
+    def _views(self, owner: str, runs: Sequence[Run], nbytes: int) -> tuple[memoryview, ...]:
+        """A host pool's byte ranges of a chunk held in `runs` (none for a device pool)."""
         host = self._owners[owner].view if self._owners else self._host
-        if host is not None:
-            views = []
-            for start, count in runs:
-                n = min(count * pb, total - pos)
-                view = host[start * pb : start * pb + n]
-                view[:] = payload[pos : pos + n]
-                views.append(view)
-                pos += n
-            return tuple(views)
+        if host is None:
+            return ()
+        pb, pos, views = self.page_bytes, 0, []
+        for start, count in runs:
+            n = min(count * pb, nbytes - pos)
+            views.append(host[start * pb : start * pb + n])
+            pos += n
+        return tuple(views)
+
+    def _pieces(self, entry: _Entry) -> list[tuple[int, int]]:
+        """(byte offset in its pool, bytes) of each run of a chunk, in order."""
+        return self._pieces_of(entry.runs, entry.nbytes)
+
+    def _pieces_of(self, runs: Sequence[Run], nbytes: int) -> list[tuple[int, int]]:
+        if len(runs) == 1:
+            return [(runs[0][0] * self.page_bytes, nbytes)]
+        pb, pos, out = self.page_bytes, 0, []
+        for start, count in runs:
+            n = min(count * pb, nbytes - pos)
+            out.append((start * pb, n))
+            pos += n
+        return out
+
+    def _pool_of(self, owner: str) -> torch.Tensor:
+        """The 1-D uint8 tensor of pages that holds `owner`'s chunks."""
+        return self._owners[owner].tensor if self._owners else self._pool
+
+    def _write(self, owner: str, entry: _Entry, payload: memoryview) -> None:
+        """Copy a payload into its entry's runs (one copy per run)."""
+        if entry.views:
+            pos = 0
+            for view in entry.views:
+                view[:] = payload[pos : pos + len(view)]
+                pos += len(view)
+            return
+        if not entry.nbytes:
+            return
         with warnings.catch_warnings():
             # torch warns that a read-only buffer is not writable; it is only read from here
             warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(payload, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
-        for start, count in runs:
-            n = min(count * pb, total - pos)
-            self._pool[start * pb : start * pb + n].copy_(src[pos : pos + n])
+            src = torch.frombuffer(payload, dtype=torch.uint8)
+        pos = 0
+        for start, n in self._pieces(entry):
+            self._pool[start : start + n].copy_(src[pos : pos + n])
             pos += n
-        return ()
 
     def _read_device(self, runs: tuple[Run, ...], nbytes: int, dst: memoryview) -> None:
         if not nbytes:
@@ -459,6 +632,17 @@ class PagedArena:
             n = min(count * pb, nbytes - pos)
             out[pos : pos + n].copy_(self._pool[start * pb : start * pb + n])
             pos += n
+
+
+_MOVES = threading.Lock()  # held by a copy between two arenas, which holds both arenas' locks
+
+
+def _flat(rows: torch.Tensor) -> torch.Tensor:
+    """The bytes under a [rows, width] tensor (its rows each `stride(0)` apart) as a 1-D tensor."""
+    if not rows.numel():
+        return rows.new_empty(0)
+    span = (rows.shape[0] - 1) * rows.stride(0) + rows.shape[1]
+    return rows.as_strided((span,), (1,), rows.storage_offset())
 
 
 def len_pages(runs: Iterable[Run]) -> int:

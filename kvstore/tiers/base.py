@@ -70,6 +70,12 @@ class Tier(Protocol):
         """Store several chunks; for LMDB in one transaction (one fsync), all or none."""
         ...
 
+    def put_from(self, src: Tier, keys: Sequence[bytes], owner: str = "") -> int:
+        """Copy the longest head of `keys` that `src` holds straight into this tier, with no host
+        buffer between (an arena from another arena: a GPU's pages and pinned host memory by
+        DMA): how many chunks. 0 where this tier cannot: read from `src` and `put` then."""
+        ...
+
     def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         """Copy the payload into out[:payload_bytes]; None if absent (or corrupt: then removed)."""
         ...

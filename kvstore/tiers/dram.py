@@ -21,8 +21,8 @@ class DramTier(PagedArena):
     def __init__(self, capacity_bytes: int, page_bytes: int, pin_memory: bool | None = None,
                  owners: Mapping[str, float] | None = None) -> None:
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        # Memory files shared with clients (`owners`) are not page-locked: `pinned` says which.
         super().__init__(capacity_bytes, page_bytes, torch.device("cpu"), pin_memory=pin, owners=owners)
-        self.pinned = pin and not owners  # memory files shared with clients are not page-locked
 
     @property
     def backend(self) -> str:

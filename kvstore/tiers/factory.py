@@ -57,8 +57,12 @@ def build_tiers(
 
 def _prefault(arenas: Iterable[PagedArena], progress: Callable[[str], None] | None) -> None:
     """Touch the host arenas' pages on a thread of its own, so that the service listens at once
-    (a restart waits for no memory); a store meanwhile waits one slice at most."""
-    host = [a for a in arenas if a.host_pool and a.capacity_bytes]
+    (a restart waits for no memory); a store meanwhile waits one slice at most. Pinned arenas were
+    backed when they were allocated."""
+    host = [a for a in arenas if a.needs_prefault]
+    for a in arenas:
+        if not a.needs_prefault:
+            a.prefaulted.set()
     total = sum(a.capacity_bytes for a in host)
     if not total:
         return

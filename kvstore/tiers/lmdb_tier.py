@@ -55,7 +55,7 @@ from kvstore.config.store import Durability
 from kvstore.errors import InvalidInput, StorageError
 from kvstore.layout import CacheLayout
 from kvstore.tiers import value_format as vf
-from kvstore.tiers.base import ChunkMeta, ScannedChunk, TierName, TierStats
+from kvstore.tiers.base import ChunkMeta, ScannedChunk, Tier, TierName, TierStats
 from kvstore.tiers.checksum import copy_words_sum64, load_kernel, sum64
 from kvstore.tiers.compression import CODEC_NONE, Codec, Mode
 from kvstore.tiers.value_format import ValueProblem
@@ -307,6 +307,9 @@ class LmdbTier:
             records.delete()  # and on to the next record
 
     # --- writes ------------------------------------------------------------------------------
+    def put_from(self, src: Tier, keys: Sequence[bytes], owner: str = "") -> int:
+        return 0  # a value is written through its own transaction, from bytes: read from `src` and `put`
+
     def put(self, key: bytes, payload: memoryview, meta: ChunkMeta, owner: str = "") -> None:
         self.put_many(((key, payload, meta),))
 

@@ -64,6 +64,9 @@ class QuantizingTier:
         assert len(payload) == plan.payload_bytes, (len(payload), plan.payload_bytes)
         return memoryview(plan.quantize(payload))
 
+    def put_from(self, src: Tier, keys: Sequence[bytes], owner: str = "") -> int:
+        return 0  # chunks are re-encoded on the way in: read from `src` and `put`
+
     def put(self, key: bytes, payload: memoryview, meta: ChunkMeta, owner: str = "") -> None:
         self._inner.put(key, self._encode(payload, meta), meta, owner)
 
