@@ -169,3 +169,23 @@ def test_a_store_demotes_from_the_device_tier_to_dram_tier_to_tier_and_reads_eve
     store.check_invariants()
     store.close()
 
+
+def test_the_benchs_device_section_moves_and_checks_every_byte_on_the_cpu_too() -> None:
+    """`kvstore bench store --sections device` runs on a GPU only; its code runs here on the CPU so
+    that a GPU's short lease is not spent finding its mistakes."""
+    from kvstore.bench.store_device import device_figures
+    from kvstore.layout import DEEPSEEK_V41_FLASH, REFERENCE_TOY8
+    from kvstore.workload.payloads import realistic_chunk
+
+    payload = realistic_chunk(DEEPSEEK_V41_FLASH, seed=1)
+    figures = device_figures(DEEPSEEK_V41_FLASH, payload, 6, repeats=1, device_name="cpu",
+                             large=(REFERENCE_TOY8, 3))
+    targets = figures.pop("device_targets")
+    assert figures["codecs_bit_identical"]
+    checks = [t for t in targets if t["name"].startswith("every device path moved the right bytes")]
+    assert len(checks) == 2 and all(t["ok"] for t in checks)
+    assert figures["large_device_layout"] == REFERENCE_TOY8.name and figures["large_device_chunks"] == 3
+    for key in ("d2d_copy_gbps", "device_put_gbps", "device_get_gbps", "pinned_h2d_gbps", "tier_h2d_gbps",
+                "pinned_d2h_gbps", "tier_d2h_gbps", "device_put_host_gbps", "device_get_host_gbps",
+                "large_device_get_gbps", "codec_fp8_ue8m0_cuda_gbps", "codec_fp4_ue8m0_cpu_gbps"):
+        assert figures[key] > 0, key
