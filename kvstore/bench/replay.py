@@ -11,7 +11,8 @@ Time to first token runs from sending Resume to knowing the first token. Warm an
 repeated and reported as medians; a short warm-up session runs first so that one-off costs
 (kernel selection, model loading) are not charged to any case. Progress goes to stderr.
 
-Target (from the issue): at 32,768 tokens, expired <= 0.1 x cold.
+Targets: at 32,768 tokens, expired <= 0.1 x cold; at 131,072 tokens (a GPU's run, issue #18),
+expired <= 0.02 x cold. Each is checked where its prefix is among `--prefixes`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ import numpy as np
 if TYPE_CHECKING:  # grpc and the demo load only when the benchmark runs
     from kvstore.workload.demo import EmbeddedService, Engine, Turn
 
-TARGET_PREFIX = 32768
-TARGET_RATIO = 0.1
+TARGETS = {32768: 0.1, 131072: 0.02}  # prefix tokens -> most expired / cold time to first token
 
 
 def add_replay_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,11 +128,12 @@ def run_replay_bench(args: argparse.Namespace) -> dict[str, Any]:
             result["prefixes"][str(n)] = row
         result["local_ttl_seconds"] = bench.ttl
     targets = []
-    at = result["prefixes"].get(str(TARGET_PREFIX))
-    if at is not None:
-        ratio = at["expired_over_cold"]
-        targets.append({"name": f"expired / cold time to first token at {TARGET_PREFIX:,} tokens", "value": ratio,
-                        "target": f"<= {TARGET_RATIO}", "ok": ratio <= TARGET_RATIO})
+    for prefix, most in TARGETS.items():
+        at = result["prefixes"].get(str(prefix))
+        if at is not None:
+            ratio = at["expired_over_cold"]
+            targets.append({"name": f"expired / cold time to first token at {prefix:,} tokens", "value": ratio,
+                            "target": f"<= {most}", "ok": ratio <= most})
     result["targets"] = targets
     result["tables"] = _table(result)
     return result
