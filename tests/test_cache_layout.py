@@ -1,8 +1,9 @@
 """The vLLM connector's copies between vLLM's paged blocks and kvstore's canonical chunks and
 snapshots, checked against the definition of the canonical order, block by block: with blocks as
-large as a chunk (vLLM on CPU) and smaller ones grouped into chunks (vLLM on GPU, here with CPU
-tensors of the same layout), for block tables in one run, in several runs and with no two blocks
-adjacent. No engine is started; the connector package itself imports vLLM."""
+large as a chunk (vLLM on CPU) and smaller ones grouped into chunks (vLLM on GPU), for block
+tables in one run, in several runs and with no two blocks adjacent; with the engine's block
+tensors on the GPU where there is one (chunks and snapshots stay in host memory). No engine is
+started: these copies need torch only."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ CHUNK, HEADS, HEAD = 8, 2, 4
 GROUPS = (GroupPlan(0, ("full.0", "full.1"), HEADS, HEAD, torch.bfloat16, 0),
           GroupPlan(1, ("swa.0",), HEADS, HEAD, torch.bfloat16, 20))
 BLOCKS = 64
+PLATFORMS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 TABLES = [list(range(5, 17)), [3, 4, 5, 9, 10, 30, 31, 32, 33, 1, 40, 41], [0, 2, 4, 6, 8, 39, 60, 58], [7, 8]]
 
 
-def _cache(plan: EnginePlan, seed: int) -> tuple[PagedCache, dict[str, torch.Tensor]]:
+def _cache(plan: EnginePlan, seed: int, platform: str = "cpu") -> tuple[PagedCache, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     caches = {name: torch.randn(BLOCKS, HEADS, plan.block_tokens, 2 * HEAD, generator=g).to(torch.bfloat16)
-              for grp in plan.groups for name in grp.layer_names}
-    return PagedCache(plan, caches, "cpu"), caches
+              .to(platform) for grp in plan.groups for name in grp.layer_names}
+    return PagedCache(plan, caches, platform), caches
 
 
 def _canonical(plan: EnginePlan, caches: dict[str, torch.Tensor], layers: tuple[str, ...],
@@ -30,27 +32,29 @@ def _canonical(plan: EnginePlan, caches: dict[str, torch.Tensor], layers: tuple[
     """One chunk's bytes in the canonical order (its blocks' tokens one after another): per
     token, per layer, K then V, [heads, head]."""
     n = plan.block_tokens
-    per_layer = [torch.cat([caches[name][b].view(HEADS, 2, n, HEAD).permute(2, 1, 0, 3) for b in blocks])
+    per_layer = [torch.cat([caches[name][b].cpu().view(HEADS, 2, n, HEAD).permute(2, 1, 0, 3) for b in blocks])
                  for name in layers]
     return torch.stack(per_layer, dim=1).contiguous().view(torch.uint8).reshape(-1)
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("block", [CHUNK, CHUNK // 2, CHUNK // 4], ids=["cpu-blocks", "2-per-chunk", "4-per-chunk"])
 @pytest.mark.parametrize("table", TABLES)
-def test_chunks_and_snapshots_go_and_come_back_in_the_canonical_order(block: int, table: list[int]) -> None:
+def test_chunks_and_snapshots_go_and_come_back_in_the_canonical_order(block: int, table: list[int],
+                                                                      platform: str) -> None:
     plan = EnginePlan(GROUPS, CHUNK, block)
     k = plan.blocks_per_chunk
     blocks = table[: len(table) // k * k]
     chunks = len(blocks) // k
     full = GROUPS[0].layer_names
-    src, src_caches = _cache(plan, 1)
+    src, src_caches = _cache(plan, 1, platform)
     out = torch.zeros(chunks, plan.chunk_bytes, dtype=torch.uint8)
     for name in full:
         src.gather_chunks(name, blocks, out)
     for c in range(chunks):
         assert torch.equal(out[c], _canonical(plan, src_caches, full, blocks[c * k : (c + 1) * k]))
 
-    dst, dst_caches = _cache(plan, 2)
+    dst, dst_caches = _cache(plan, 2, platform)
     before = {n: t.clone() for n, t in dst_caches.items()}
     dst.scatter_chunks(out, {0: blocks})
     others = [b for b in range(BLOCKS) if b not in blocks]
