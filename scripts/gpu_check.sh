@@ -4,26 +4,35 @@
 #
 #   scripts/gpu_check.sh [OUT_DIR]        (default OUT_DIR: ./gpu-check)
 #
-# It runs, with PYTHON (default: python3) and the project importable from this checkout:
-#   1. the tests whose CUDA paths skip or fall back without a GPU: the codecs on CUDA against CPU,
-#      the reference model's replay on CUDA against CPU, the device tier's CUDA pool and pinned
-#      DRAM (tests/test_codecs.py, test_reference_model.py, test_tiers.py);
-#   2. `kvstore bench replay --device cuda` (time to first token: cold, warm, expired);
-#   3. `kvstore replay-quality --device cuda` (bounded against exact replay on CUDA).
-# Each writes its output into OUT_DIR; the exit status is non-zero if any of them failed.
+# It runs, with PYTHON (default: python3) and the project importable from this checkout, each
+# step bounded in time, and writes into OUT_DIR:
+#   device.txt           the GPU, driver, torch, CUDA and cupy it ran with;
+#   tests.txt            the tests whose CUDA paths skip without a GPU: the codecs on CUDA against
+#                        CPU, the reference model's replay on CUDA against CPU, every tier test with
+#                        the device tier's pool on the GPU, chunk rows moved between the GPU, pinned
+#                        and plain host memory, and the vLLM connector's block copies with the
+#                        engine's cache on the GPU;
+#   bench_store.json     `kvstore bench store --sections device`: device-tier put/get against a
+#                        device-to-device copy, pinned DRAM <-> device against torch's pinned copy,
+#                        the codecs on CUDA against CPU;
+#   bench_replay.json    `kvstore bench replay --device cuda` at 4K, 32K and 128K tokens;
+#   replay_quality.json  `kvstore replay-quality --device cuda`;
+#   gpu_check.log        every step's progress and errors.
+# STEPS (default: tests,store,replay,quality) picks some of the steps. The exit status is non-zero
+# if any step failed.
 # On a machine without network, the project's dependencies that its Python lacks must be
-# installed from wheels first (typically lmdb, zstandard, redis, grpcio-health-checking and
-# grpcio-reflection, matching its grpcio and protobuf).
-#
-# Not yet run on a GPU: no session so far had one.
+# installed from wheels first (typically lmdb, zstandard, redis, h2 with hpack and hyperframe,
+# grpcio-health-checking and grpcio-reflection, and a grpcio and protobuf as new as the project's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 out="${1:-gpu-check}"
 mkdir -p "$out"
+log="$out/gpu_check.log"
+: >"$log"
 export PYTHONPATH="${PWD}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-"$PY" - <<'EOF' | tee "$out/device.txt" || exit 2
+"$PY" - <<'EOF' >"$out/device.txt" 2>>"$log" || { cat "$log" >&2; exit 2; }
 import sys
 
 import torch
@@ -31,22 +40,37 @@ import torch
 if not torch.cuda.is_available():
     sys.exit("gpu_check: no CUDA device visible to torch: nothing to check here")
 p = torch.cuda.get_device_properties(0)
-print(f"gpu_check: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}")
+try:
+    import cupy
+    cupy_version = cupy.__version__
+except Exception as e:  # the pitched copies fall back to torch without it
+    cupy_version = f"not importable ({e})"
+print(f"gpu: {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cupy {cupy_version}, python {sys.version.split()[0]}")
 EOF
+cat "$out/device.txt"
 
 status=0
-step() {  # step NAME OUTFILE COMMAND...: run one check, keep its output, note a failure
-  local name=$1 file=$2
-  shift 2
-  echo "gpu_check: $name" >&2
-  if ! "$@" >"$out/$file" 2>"$out/$file.err"; then
-    echo "gpu_check: $name FAILED (see $out/$file.err)" >&2
+STEPS="${STEPS:-tests,store,replay,quality}"
+step() {  # step KEY NAME SECONDS OUTFILE COMMAND...: run one check, keep its output, note a failure
+  local key=$1 name=$2 limit=$3 file=$4
+  shift 4
+  [[ ",$STEPS," == *",$key,"* ]] || return 0
+  echo "gpu_check: $name" | tee -a "$log" >&2
+  local t0=$SECONDS
+  if ! timeout "$limit" "$@" >"$out/$file" 2> >(tee -a "$log" >&2); then
+    echo "gpu_check: $name FAILED after $((SECONDS - t0)) s (see $log)" | tee -a "$log" >&2
     status=1
+  else
+    echo "gpu_check: $name done in $((SECONDS - t0)) s" | tee -a "$log" >&2
   fi
 }
-step "CUDA tests" tests.txt "$PY" -m pytest -q -p no:cacheprovider -rs \
-  tests/test_codecs.py tests/test_reference_model.py tests/test_tiers.py
-step "bench replay on CUDA" bench_replay.json "$PY" -m kvstore bench replay --device cuda --json
-step "replay quality on CUDA" replay_quality.json "$PY" -m kvstore replay-quality --device cuda --json
-grep -h "passed\|failed" "$out/tests.txt" >&2 || true
+step tests "CUDA tests" 150 tests.txt "$PY" -m pytest -q -p no:cacheprovider -rs \
+  tests/test_codecs.py tests/test_reference_model.py tests/test_tiers.py tests/test_tier_rows.py \
+  tests/test_cache_layout.py
+[ -f "$out/tests.txt" ] && tail -n 15 "$out/tests.txt" >&2
+step store "bench store, device section" 120 bench_store.json "$PY" -m kvstore bench store --sections device --json
+step replay "bench replay on CUDA" 210 bench_replay.json \
+  "$PY" -m kvstore bench replay --device cuda --prefixes 4096,32768,131072 --repeats 3 --json
+step quality "replay quality on CUDA" 90 replay_quality.json "$PY" -m kvstore replay-quality --device cuda --json
 exit $status
