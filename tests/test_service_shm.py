@@ -625,6 +625,7 @@ def test_the_side_socket_refuses_bad_hellos_and_drops_silent_connections(
 
     for hello, error in [({"v": 99}, "side-socket version 1"), ({"v": 1, "kind": "thief"}, "kind must be one of"),
                          ({"v": 1, "token": 7}, "token must be a string"), ({"v": 1}, "no credentials"),
+                         ({"v": 1, "token": ALICE, "cuda": "yes"}, "cuda must be true or false"),
                          ({"v": 1, "token": "wrong-token-0123456789"}, "not valid")]:
         s = connect()
         send_message(s, hello)
@@ -639,8 +640,10 @@ def test_the_side_socket_refuses_bad_hellos_and_drops_silent_connections(
     silent = connect()
     assert silent.recv(1) == b""  # closed after HANDSHAKE_SECONDS without a hello
     silent.close()
-    ok = ShmPath.open(str(sock_dir / "kv.sock"), ALICE)  # the listener still serves
+    ok = ShmPath.open(str(sock_dir / "kv.sock"), ALICE, cuda=True)  # the listener still serves
     assert ok.tenant == "alice"
+    assert ok.device_arenas == {}  # asked for GPU memory: this device tier is host memory, mapped as such
+    assert set(ok.arena_views) == {"device", "dram"}
     assert svc.server.shm is not None and [x.tenant for x in svc.server.shm.sessions_of("alice")] == ["alice"]
     ok.close()
 

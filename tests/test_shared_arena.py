@@ -165,8 +165,9 @@ def test_chunks_held_in_place_stay_put_until_let_go(tmp_path: Path) -> None:
         payloads = _store(store, "alice", 1, 2)
         ns = store.namespace("alice", "reference-toy-8", "exact")
         with store.load(ns, _prompt(1, 2)) as session:
-            run = session.hold_in_place(0, 2, pin_seconds=60.0)
-            assert store.hold_in_place(session.keys, "bob", pin_seconds=60.0) is None  # not Bob's to read
+            assert session.hold_in_place(0, 2, pin_seconds=60.0, tiers=("device",)) is None  # DRAM not mapped
+            run = session.hold_in_place(0, 2, pin_seconds=60.0, tiers=("device", "dram"))
+            assert store.hold_in_place(session.keys, "bob", 60.0, ("dram",)) is None  # not Bob's to read
         assert run is not None and run.tier == "dram" and len(run.offsets) == 2
         assert store.stats().pins_active == 1  # the hold outlives the load session
         memory = {tier: (fd, n) for tier, fd, n in store.arena_memory("alice")}

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore.dataplane import rows as rows_mod
+from kvstore.dataplane.rows import copy_chunks, copy_rows
 from kvstore.errors import InvalidInput
-from kvstore.tiers import rows as rows_mod
 from kvstore.tiers.arena import PagedArena
 from kvstore.tiers.base import ChunkMeta
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.dram import DramTier
-from kvstore.tiers.rows import copy_chunks, copy_rows
 from tests.helpers.tier_data import key_of, meta_of, payload_of
 from tests.store_helpers import CHUNK, expected_payloads, open_store, store_prefix, tokens_for
 

@@ -28,11 +28,11 @@ import torch
 from kvstore import codecs
 from kvstore.bench.timing import interleaved_best_rates
 from kvstore.config.store import StoreConfig
+from kvstore.dataplane.rows import pitched_available
 from kvstore.layout import CacheLayout
 from kvstore.tiers.base import ChunkMeta
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.dram import DramTier
-from kvstore.tiers.rows import pitched_available
 
 TARGET = 0.8
 CODECS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {

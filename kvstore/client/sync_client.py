@@ -161,6 +161,7 @@ class KvstoreClient:
         retry: RetryPolicy = RetryPolicy(),
         tls_server_name: str | None = None,
         data_path: str = "auto",
+        gpu_memory: bool | None = None,
     ) -> None:
         """`target` "host:port", or "unix:///path/to/kvstore.sock" on the service's host; `token`
         the bearer token; `tls_ca` turns on TLS (with `tls_cert` and `tls_key`: mTLS).
@@ -169,7 +170,9 @@ class KvstoreClient:
         on growing prefixes. `data_path`: "auto" moves chunk bytes through shared memory when the
         target is a Unix socket with the service's side socket beside it, and through gRPC streams
         otherwise; "shm" insists on shared memory (UnavailableError without it); "stream" never
-        uses it."""
+        uses it. `gpu_memory`: a same-host session asks for the device tier's memory on the GPU
+        (CUDA IPC), so that `load_into` a GPU tensor copies device to device; None: where this
+        process has imported torch, sees a GPU and has cupy."""
         if data_path not in DATA_PATHS:
             raise InvalidInput(f"data_path must be one of {', '.join(DATA_PATHS)}, got {data_path!r}")
         self.target = target
@@ -179,6 +182,7 @@ class KvstoreClient:
         self._shm: ShmPath | None = None
         self._shm_lock = threading.Lock()
         self._shm_retry_at = 0.0
+        self._gpu_memory = gpu_memory
         self.shm_detail = "" if self._unix_path else "the target is not a unix: address"
         self.timeout_seconds = timeout_seconds
         self.message_bytes = message_bytes
@@ -244,7 +248,7 @@ class KvstoreClient:
             if now < self._shm_retry_at and self.data_path != "shm":
                 return None
             try:
-                self._shm = ShmPath.open(self._unix_path, self._token)
+                self._shm = ShmPath.open(self._unix_path, self._token, cuda=self._gpu_memory)
             except ShmUnavailable as e:
                 self._shm, self._shm_retry_at, self.shm_detail = None, now + SHM_RETRY_SECONDS, str(e)
                 if self.data_path == "shm":
@@ -545,17 +549,41 @@ class KvstoreClient:
                   max_chunks: int = 0, timeout_seconds: float | None = None, cache_salt: str = "") -> LoadIntoResult:
         """Write the cached prefix's chunks straight into `buffer`, memory the caller owns (a
         bytearray, a numpy array, a memoryview of pinned or paged engine memory: any writable
-        C-contiguous buffer), chunk i at byte i * chunk_bytes, each received message copied once
-        and let go. The buffer bounds the load: chunks past what it holds are not received."""
-        dst = _writable_bytes(buffer)
+        C-contiguous buffer; or a contiguous torch tensor on a GPU), chunk i at byte i *
+        chunk_bytes, each received message copied once and let go. The buffer bounds the load:
+        chunks past what it holds are not received. Into a GPU tensor, over a same-host session
+        whose service holds chunks in the device tier of the same GPU, those chunks are copied
+        device to device (CUDA IPC); others come through host memory."""
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
-        return self._idempotent("Load", lambda t: self._load_into(req, t, lambda nbytes: dst), timeout_seconds)
+        gpu = _gpu_bytes(buffer)
+        if gpu is None:
+            dst = _writable_bytes(buffer)
+            return self._idempotent("Load", lambda t: self._load_into(req, t, lambda nbytes: dst), timeout_seconds)
+        return self._idempotent("Load", lambda t: self._load_into_gpu(req, t, gpu), timeout_seconds)
+
+    def _load_into_gpu(self, req: pb.LoadRequest, timeout: float, out: Any) -> LoadIntoResult:
+        """`_load_into` a 1-D uint8 GPU tensor: spans copied straight into it; a streamed load
+        into host memory first, then copied up in one piece."""
+        staged: list[memoryview] = []
+
+        def staging(nbytes: int) -> memoryview:
+            staged.append(memoryview(bytearray(min(nbytes, len(out)))))
+            return staged[-1]
+
+        got = self._load_into(req, timeout, lambda nbytes: out, stream_buffer_for=staging)
+        if staged and got.loaded_chunks:
+            from kvstore.dataplane.rows import host_to_tensor
+
+            host_to_tensor([staged[-1][: got.loaded_chunks * got.chunk_bytes]], out)
+        return got
 
     def _load_into(
-        self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview]
+        self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], Any],
+        stream_buffer_for: Callable[[int], memoryview] | None = None,
     ) -> LoadIntoResult:
         """One Load call written into `buffer_for(the hit's bytes)`: through the same-host session
-        when there is one (falling back to a stream if the session fails), else streamed."""
+        when there is one (falling back to a stream if the session fails), else streamed (into
+        `stream_buffer_for(...)` where given: host memory for a GPU destination)."""
         shm = self._shm_path()
         if shm is not None:
             req.shm_session = shm.session_id
@@ -569,7 +597,7 @@ class KvstoreClient:
                 self._shm_failed(shm, "the service no longer knows the session")
             finally:
                 req.shm_session = ""
-        return self._load_into_stream(req, timeout, buffer_for)
+        return self._load_into_stream(req, timeout, stream_buffer_for or buffer_for)
 
     def _load_into_shm(
         self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview], shm: ShmPath
@@ -869,6 +897,16 @@ def _as_blob(payloads: Sequence[bytes | memoryview] | bytes | memoryview, chunk_
                                    f"{len(blob)} payload bytes are not a whole number of {chunk_bytes}-byte chunks",
                                    "Store")
     return blob
+
+
+def _gpu_bytes(buffer: Any) -> Any | None:
+    """A torch tensor on a GPU as a 1-D uint8 tensor over its memory; None for anything else
+    (torch is not imported for it)."""
+    if type(buffer).__module__.split(".")[0] != "torch" or not getattr(buffer, "is_cuda", False):
+        return None
+    if not buffer.is_contiguous():
+        raise InvalidInput("load_into needs a contiguous tensor")
+    return buffer.reshape(-1).view(__import__("torch").uint8)
 
 
 def _writable_bytes(buffer: Any) -> memoryview:

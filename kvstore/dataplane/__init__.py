@@ -11,7 +11,10 @@ This package holds what both sides share, and knows neither the service nor gRPC
 framed messages and descriptor passing of the side socket (`side_socket.py`), the allocation of a
 segment's space under leases (`leases.py`), the checks of a span against its segment (`spans.py`),
 and the connecting end of a session (`peer.py`), which the client and attached replay runners both
-use. The service's listener lives in `kvstore.service.shm_listener`.
+use. On a GPU: memory of the device tier shared by CUDA IPC handles (`cuda_ipc.py`), and copies of
+chunk rows between host memory, pinned host memory and a GPU (`rows.py`, which the tiers use
+too); both import torch, and the client imports them only when a session offers GPU memory. The
+service's listener lives in `kvstore.service.shm_listener`.
 """
 
 from kvstore.dataplane.leases import Lease, LeaseTable, NoRoom

@@ -3,8 +3,10 @@
 `ShmPath.open` connects the side socket next to the gRPC socket, says hello with the client's
 token and maps the segments it gets back: the load segment read-only (the service sealed it: it
 cannot be mapped writable), the store segment read-write, and, where the service reads chunks in
-place, its tenant's part of each in-memory tier (read-only, sealed as the load segment is). The
-client then names the session in its calls; the service answers loads with spans of the load
+place, its tenant's part of each in-memory tier (read-only, sealed as the load segment is), and,
+for a client with a GPU and cupy (one that has imported torch), its tenant's part of the device
+tier on the GPU, opened from CUDA IPC handles. The client then names the session in its calls;
+the service answers loads with spans of the load
 segment or chunk offsets in a tier's memory, and this module copies them out and releases their
 leases.
 
@@ -24,9 +26,11 @@ import mmap
 import os
 import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +39,9 @@ from kvstore.dataplane.segments import map_segment
 from kvstore.dataplane.side_socket import HELLO_VERSION, SideSocketClosed, data_socket_path, recv_message, send_message
 from kvstore.dataplane.spans import check_chunks, check_span, strided_runs
 from kvstore.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from kvstore.dataplane.cuda_ipc import OpenedSegment
 
 log = logging.getLogger("kvstore.client")
 
@@ -77,19 +84,49 @@ class ShmPath:
         self.load_view = memoryview(self._load_map)
         self.store_view = memoryview(self._store_map)
         self.arena_views = {tier: memoryview(m) for tier, m in self._arena_maps.items()}
+        # The device tier's memory on the GPU, where the service offered it (the hello said cuda).
+        self.device_arenas: dict[str, OpenedSegment] = {}
+        try:
+            for arena in reply.get("device_arenas", []):
+                from kvstore.dataplane.cuda_ipc import OpenedSegment
+
+                self.device_arenas[str(arena["tier"])] = OpenedSegment(bytes.fromhex(arena["handle"]),
+                                                                       int(arena["bytes"]))
+        except Exception as e:  # cupy's CUDA errors among them
+            for seg in self.device_arenas.values():
+                with contextlib.suppress(Exception):
+                    seg.close()
+            self._close_maps()
+            raise RuntimeError(f"{type(e).__name__}: {e}") from e
         # Space in the store segment for Stores in flight on this client's threads.
         self._staging = LeaseTable(self.store_bytes, lease_seconds=1e9)
         self.closed = False
 
     @classmethod
-    def open(cls, grpc_socket_path: str, token: str | None, kind: str = "client") -> ShmPath:
+    def open(cls, grpc_socket_path: str, token: str | None, kind: str = "client", cuda: bool | None = None) -> ShmPath:
+        """A session at the side socket beside `grpc_socket_path`. `cuda`: ask for the device
+        tier's GPU memory (None: where this process has imported torch, sees a GPU and has cupy);
+        if it cannot be opened, the session is opened again without it."""
+        if cuda is None:
+            cuda = kind == "client" and gpu_sharing_ready()
+        try:
+            return cls._open(grpc_socket_path, token, kind, cuda)
+        except ShmUnavailable as e:
+            if not cuda or "GPU memory" not in str(e):
+                raise
+            log.warning("same-host session: %s; opening one without GPU memory", e)
+            return cls._open(grpc_socket_path, token, kind, False)
+
+    @classmethod
+    def _open(cls, grpc_socket_path: str, token: str | None, kind: str, cuda: bool) -> ShmPath:
         path = data_socket_path(grpc_socket_path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(HELLO_TIMEOUT_SECONDS)
         try:
             sock.connect(path)
             sent_at = time.monotonic()
-            send_message(sock, {"v": HELLO_VERSION, "kind": kind, **({"token": token} if token else {})})
+            send_message(sock, {"v": HELLO_VERSION, "kind": kind, **({"token": token} if token else {}),
+                                **({"cuda": True} if cuda else {})})
             reply, fds = recv_message(sock)
         except (OSError, SideSocketClosed) as e:
             sock.close()
@@ -111,12 +148,21 @@ class ShmPath:
         except (OSError, KeyError, ValueError, TypeError) as e:
             sock.close()
             raise ShmUnavailable(f"the same-host segments could not be mapped: {e}") from None
+        except RuntimeError as e:  # torch or CUDA refused the device tier's memory
+            sock.close()
+            raise ShmUnavailable(f"the service's GPU memory could not be opened: {e}") from None
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         self._sock.close()  # the service drops the session and its leases on this
+        for seg in self.device_arenas.values():
+            with contextlib.suppress(RuntimeError):
+                seg.close()
+        self._close_maps()
+
+    def _close_maps(self) -> None:
         pairs = [(self.load_view, self._load_map), (self.store_view, self._store_map)]
         pairs += [(self.arena_views[t], m) for t, m in self._arena_maps.items()]
         for view, m in pairs:
@@ -150,16 +196,29 @@ class ShmPath:
 
     def in_place(self, tier: str, offset: int, nbytes: int) -> memoryview:
         """Bytes [offset, offset + nbytes) of the memory of `tier` the hello mapped, checked to lie
-        inside it."""
+        inside it. Of GPU memory, a copy in host memory (a view would need the bytes on the host)."""
+        seg = self.device_arenas.get(tier)
+        if seg is not None:
+            check_span(offset, nbytes, seg.nbytes, f"a chunk in the {tier} tier's GPU memory")
+            out = memoryview(bytearray(nbytes))
+            self._copy_device(seg, np.array([offset], np.int64), nbytes, out)
+            return out.toreadonly()
         view = self.arena_views.get(tier)
         if view is None:
             raise InvalidInput(f"a span names the {tier or 'unnamed'} tier's memory, which this session has not mapped")
         check_span(offset, nbytes, len(view), f"a chunk in the {tier} tier's memory")
         return view[offset : offset + nbytes]
 
-    def copy_out(self, sources: list[memoryview], dst: memoryview, expires_at: float) -> None:
-        """Copy leased bytes (`sources`, one after another) into `dst`; raises LeaseLapsed if the
-        lease ran out before the copy was done."""
+    def copy_out(self, sources: list[memoryview], dst: Any, expires_at: float) -> None:
+        """Copy leased bytes (`sources`, one after another) into `dst` (host bytes, or a 1-D uint8
+        tensor on a GPU); raises LeaseLapsed if the lease ran out before the copy was done."""
+        if not isinstance(dst, memoryview):
+            from kvstore.dataplane.rows import host_to_tensor
+
+            host_to_tensor(sources, dst)
+            if not self.lease_valid(expires_at):
+                raise LeaseLapsed(f"a lease ran out before its {dst.numel()} bytes were copied")
+            return
         at = 0
         for src in sources:
             n = len(src)
@@ -172,25 +231,42 @@ class ShmPath:
         if not self.lease_valid(expires_at):
             raise LeaseLapsed(f"a lease ran out before its {at} bytes were copied")
 
-    def copy_chunks_out(self, tier: str, offsets: Sequence[int], chunk_bytes: int, dst: memoryview,
+    def copy_chunks_out(self, tier: str, offsets: Sequence[int], chunk_bytes: int, dst: Any,
                         expires_at: float) -> None:
         """Copy the leased chunks at `offsets` of `tier`'s memory, one after another, into `dst`
-        (exactly that long), each checked to lie inside the mapping; raises LeaseLapsed if the
-        lease ran out before the copy was done. Chunks an equal stride apart go as one strided
-        copy, which lets go of the GIL: no Python step per chunk."""
+        (exactly that long: host bytes, or a 1-D uint8 tensor on a GPU), each checked to lie inside
+        the mapping; raises LeaseLapsed if the lease ran out before the copy was done. Chunks an
+        equal stride apart go as one strided copy, which lets go of the GIL: no Python step per
+        chunk. From the device tier's GPU memory, device to device (or to host memory)."""
+        seg = self.device_arenas.get(tier)
         view = self.arena_views.get(tier)
-        if view is None:
+        if view is None and seg is None:
             raise InvalidInput(f"a span names the {tier or 'unnamed'} tier's memory, which this session has not mapped")
         offs = np.asarray(offsets, dtype=np.int64)
         if len(dst) != len(offs) * chunk_bytes:
             raise ValueError(f"a destination of {len(dst)} bytes for {len(offs)} chunks of {chunk_bytes}")
-        check_chunks(offs, chunk_bytes, len(view), f"a chunk in the {tier} tier's memory")
-        out = np.frombuffer(dst, np.uint8).reshape(len(offs), chunk_bytes)
-        for first, count, offset, stride in strided_runs(offs, chunk_bytes):
-            src = np.ndarray((count, chunk_bytes), np.uint8, buffer=view, offset=offset, strides=(stride, 1))
-            np.copyto(out[first : first + count], src)
+        check_chunks(offs, chunk_bytes, seg.nbytes if seg is not None else len(view or b""),
+                     f"a chunk in the {tier} tier's memory")
+        if seg is not None:
+            self._copy_device(seg, offs, chunk_bytes, dst)
+        elif not isinstance(dst, memoryview):
+            from kvstore.dataplane.rows import chunks_to_tensor
+
+            chunks_to_tensor(view, offs, chunk_bytes, dst)
+        else:
+            out = np.frombuffer(dst, np.uint8).reshape(len(offs), chunk_bytes)
+            for first, count, offset, stride in strided_runs(offs, chunk_bytes):
+                src = np.ndarray((count, chunk_bytes), np.uint8, buffer=view, offset=offset, strides=(stride, 1))
+                np.copyto(out[first : first + count], src)
         if not self.lease_valid(expires_at):
             raise LeaseLapsed(f"a lease ran out before its {len(dst)} bytes were copied")
+
+    @staticmethod
+    def _copy_device(seg: OpenedSegment, offs: np.ndarray, chunk_bytes: int, dst: Any) -> None:
+        """Chunks at `offs` (checked) of a GPU segment, one after another, into `dst`."""
+        from kvstore.dataplane.rows import chunks_to_tensor
+
+        chunks_to_tensor(seg.tensor, offs, chunk_bytes, dst)
 
     def release(self, lease_ids: list[int]) -> None:
         """Tell the service these spans may be reused. Never raises: a session whose socket is gone
@@ -219,3 +295,14 @@ class ShmPath:
         finally:
             self._staging.release(lease.lease_id)
 
+
+
+def gpu_sharing_ready() -> bool:
+    """This process has imported torch, sees a GPU and can open CUDA IPC handles (cupy): its
+    sessions may ask for the device tier's GPU memory. A process without torch never imports it
+    here."""
+    if "torch" not in sys.modules:
+        return False
+    from kvstore.dataplane.cuda_ipc import cuda_ipc_unavailable
+
+    return not cuda_ipc_unavailable()

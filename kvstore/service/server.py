@@ -134,7 +134,8 @@ class KvstoreServer:
         self.auth = Authenticator(cfg)
         self.health = HealthReporter(app, health_interval_seconds)
         self.unix_socket = svc.unix_socket_path if unix_socket is None else unix_socket
-        self.shm = (ShmSessions(self.unix_socket, svc, self.auth, cfg.share_weights(), app.store.arena_memory)
+        self.shm = (ShmSessions(self.unix_socket, svc, self.auth, cfg.share_weights(), app.store.arena_memory,
+                                app.store.device_memory)
                     if self.unix_socket and svc.shm_enabled else None)
         self.kvcache = KVCacheServicer(app, CallGuard(app, self.auth, self.limiter, self.watch), self.limiter,
                                        self.shm, self.unix_socket)

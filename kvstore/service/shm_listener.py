@@ -90,11 +90,15 @@ class _Conn:
 class ShmSessions:
     def __init__(self, grpc_socket_path: str, svc: ServiceConfig, auth: Authenticator,
                  weights: Mapping[str, float],
-                 arena_memory: Callable[[str], Sequence[tuple[str, int, int]]] = lambda tenant: ()) -> None:
-        """`arena_memory(tenant)`: (tier, descriptor, bytes) of the memory a tenant's clients map
-        to read chunks in place (the store's); the descriptors stay the store's."""
+                 arena_memory: Callable[[str], Sequence[tuple[str, int, int]]] = lambda tenant: (),
+                 device_memory: Callable[[str], Sequence[tuple[str, bytes, int]]] = lambda tenant: ()) -> None:
+        """`arena_memory(tenant)`: (tier, descriptor, bytes) of the host memory a tenant's clients
+        map to read chunks in place (the store's); the descriptors stay the store's.
+        `device_memory(tenant)`: (tier, CUDA IPC handle, bytes) of its GPU memory, offered to the
+        clients that say they can open it."""
         self.path = data_socket_path(grpc_socket_path)
         self._arena_memory = arena_memory
+        self._device_memory = device_memory
         self._svc = svc
         self._auth = auth
         self._slots = FairShare(svc.max_shm_sessions, weights)
@@ -238,8 +242,11 @@ class ShmSessions:
         except (Unauthenticated, InvalidInput) as e:
             self._refuse(conn, str(e))
         # Runners read their jobs' chunks from the load segment: only clients map a tenant's memory.
-        arenas = list(self._arena_memory(session.tenant)) if session.kind == "client" and session.tenant else []
-        session.arenas = tuple(tier for tier, _, _ in arenas)
+        client = session.kind == "client" and bool(session.tenant)
+        arenas = list(self._arena_memory(session.tenant)) if client else []
+        # GPU memory only to a client that said it opens CUDA IPC handles (it has a GPU and cupy).
+        devices = list(self._device_memory(session.tenant)) if client and hello.get("cuda") is True else []
+        session.arenas = tuple(tier for tier, _, _ in arenas) + tuple(tier for tier, _, _ in devices)
         conn.session = session
         # Known before the client hears of it: its first call may come at once.
         with self._lock:
@@ -252,6 +259,8 @@ class ShmSessions:
                 "load_bytes": session.load.nbytes, "store_bytes": session.store.nbytes,
                 "lease_seconds": self._svc.shm_lease_seconds, "monotonic": time.monotonic(),
                 "arenas": [{"tier": tier, "bytes": nbytes} for tier, _, nbytes in arenas],
+                "device_arenas": [{"tier": tier, "bytes": nbytes, "handle": handle.hex()}
+                                  for tier, handle, nbytes in devices],
             }, (session.load.fd, session.store.fd, *(fd for _, fd, _ in arenas)))
         except OSError as e:
             raise SideSocketClosed(f"the hello could not be answered: {e}") from None
@@ -277,6 +286,8 @@ class ShmSessions:
         token = hello.get("token")
         if token is not None and not isinstance(token, str):
             raise InvalidInput("token must be a string")
+        if not isinstance(hello.get("cuda", False), bool):
+            raise InvalidInput("cuda must be true or false")
         caller = self._auth.caller((("authorization", f"Bearer {token}"),) if token else (), None)
         if not caller.tenant and kind != "runner":
             raise Unauthenticated("the admin token authenticates runners only; clients need a tenant's token")

@@ -30,7 +30,7 @@ import json
 import operator
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
@@ -746,14 +746,16 @@ class GlobalStore(Placement):
             out = self._tiers[tier].join_payloads(head(tier), keys)
         return None if out is None else (tier, out)
 
-    def hold_in_place(self, keys: Sequence[bytes], tenant: str, pin_seconds: float) -> InPlaceRun | None:
+    def hold_in_place(self, keys: Sequence[bytes], tenant: str, pin_seconds: float,
+                      tiers: Collection[TierName]) -> InPlaceRun | None:
         """The longest head of `keys` that one in-memory tier, split between tenants, holds in
         `tenant`'s own part with each chunk in one piece, pinned for `pin_seconds` (or until
         `unpin`) so that a same-host client can read it where it lies; None when the first chunk
         is not so held (read it with `read_chunk` then)."""
         with self._lock:
             first = self._peek(keys[0]) if keys else None
-            if first is None or first.fastest not in self._parts or first.tenant != tenant:
+            if (first is None or first.fastest not in self._parts or first.fastest not in tiers
+                    or first.tenant != tenant):
                 return None
             tier = first.fastest
             n = 1
@@ -772,6 +774,16 @@ class GlobalStore(Placement):
         out: list[tuple[TierName, int, int]] = []
         for tier in self._parts:
             got = self._arenas[tier].owner_memory(tenant)
+            if got is not None:
+                out.append((tier, *got))
+        return out
+
+    def device_memory(self, tenant: str) -> list[tuple[TierName, bytes, int]]:
+        """(tier, CUDA IPC handle, bytes) of `tenant`'s part of each tier split between tenants on a
+        GPU: what its same-host clients on that GPU open to read chunks where they lie."""
+        out: list[tuple[TierName, bytes, int]] = []
+        for tier in self._parts:
+            got = self._arenas[tier].owner_device_memory(tenant)
             if got is not None:
                 out.append((tier, *got))
         return out

@@ -6,7 +6,7 @@ every decision; they move no bytes themselves except through the store.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from types import TracebackType
 from typing import Protocol
 
@@ -31,7 +31,8 @@ class Bookkeeper(Protocol):
         self, keys: Sequence[bytes], head: Callable[[TierName], bytes]
     ) -> tuple[TierName, bytes] | None: ...
 
-    def hold_in_place(self, keys: Sequence[bytes], tenant: str, pin_seconds: float) -> InPlaceRun | None: ...
+    def hold_in_place(self, keys: Sequence[bytes], tenant: str, pin_seconds: float,
+                      tiers: Collection[TierName]) -> InPlaceRun | None: ...
 
     def unpin(self, pin: PinReceipt) -> None: ...
 
@@ -124,11 +125,12 @@ class LoadSession:
         self.read_chunks += len(tiers)
         return tiers
 
-    def hold_in_place(self, first: int, count: int, pin_seconds: float) -> InPlaceRun | None:
+    def hold_in_place(self, first: int, count: int, pin_seconds: float,
+                      tiers: Collection[TierName]) -> InPlaceRun | None:
         """Chunks first, first + 1, ... (at most `count`) where a same-host client of this tenant
-        may read them in place, pinned apart from this session (see `GlobalStore.hold_in_place`);
-        None when chunk `first` is not held so."""
-        run = self._store.hold_in_place(self.keys[first : first + count], self.ns.tenant, pin_seconds)
+        may read them in place, in one of `tiers` (the memory it maps), pinned apart from this
+        session (see `GlobalStore.hold_in_place`); None when chunk `first` is not held so."""
+        run = self._store.hold_in_place(self.keys[first : first + count], self.ns.tenant, pin_seconds, tiers)
         if run is not None:
             self.read_chunks += len(run.offsets)
         return run

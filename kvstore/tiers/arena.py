@@ -30,11 +30,12 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from kvstore.dataplane.cuda_ipc import DeviceSegment, cuda_ipc_unavailable
+from kvstore.dataplane.rows import copy_chunks, wait_for
 from kvstore.dataplane.segments import Segment
 from kvstore.errors import InvalidInput, StorageError
 from kvstore.layout import CacheLayout
 from kvstore.tiers.base import ChunkMeta, Tier, TierName, TierStats
-from kvstore.tiers.rows import copy_chunks, wait_for
 from kvstore.tiers.value_format import byte_view
 
 Run = tuple[int, int]  # (first page, page count)
@@ -163,9 +164,27 @@ class _OwnerPages:
         self.segment.close()
 
 
+class _DevicePages:
+    """One owner's part of a split GPU arena: an allocation of its own, whose CUDA IPC handle the
+    owner's same-host clients open."""
+
+    __slots__ = ("free", "n_pages", "segment", "tensor")
+
+    def __init__(self, n_pages: int, page_bytes: int, device: torch.device) -> None:
+        self.n_pages = n_pages
+        self.free = FreeRuns(n_pages)
+        self.segment = DeviceSegment(max(1, n_pages) * page_bytes, device)
+        self.tensor = self.segment.tensor
+
+    def close(self) -> None:
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        self.segment.close()
+
+
 class PagedArena:
-    """The tier surface (see base.Tier) over one preallocated tensor of pages, or (a host arena
-    given `owners`) over one memory file of pages per owner."""
+    """The tier surface (see base.Tier) over one preallocated tensor of pages, or (an arena given
+    `owners`) over one memory file of pages per owner (host memory) or one allocation per owner
+    that CUDA IPC can share (a GPU's, where cupy is installed)."""
 
     name: TierName
 
@@ -175,10 +194,14 @@ class PagedArena:
             raise InvalidInput(f"bad arena geometry: capacity {capacity_bytes}, page {page_bytes}")
         self.page_bytes = page_bytes
         self.n_pages = capacity_bytes // page_bytes
-        self._owners: dict[str, _OwnerPages] = {}
+        self._owners: dict[str, _OwnerPages | _DevicePages] = {}
+        self._split_host = False  # the owners' parts are memory files (host), not GPU allocations
         if owners and device.type == "cpu" and self.n_pages:
-            self._split(owners)
+            self._split(owners, None)
+            self._split_host = True
             device, pin_memory = torch.device("cpu"), False
+        elif owners and device.type == "cuda" and self.n_pages and not cuda_ipc_unavailable():
+            self._split(owners, device)
         try:
             # (n_pages * page_bytes,) uint8: the only payload allocation this arena ever makes
             # (none beyond an empty tensor when it is split between owners).
@@ -201,15 +224,17 @@ class PagedArena:
         self._closed = False
         self.prefaulted = threading.Event()  # set once `prefault` has touched the free pages
 
-    def _split(self, owners: Mapping[str, float]) -> None:
+    def _split(self, owners: Mapping[str, float], device: torch.device | None) -> None:
+        """One part per owner, by weight: memory files (`device` None) or GPU allocations."""
         total = sum(owners.values())
         if total <= 0:
             raise InvalidInput("an arena split between owners needs a positive total weight")
         try:
             for owner, weight in owners.items():
-                self._owners[owner] = _OwnerPages(f"kvstore-{self.name}", int(self.n_pages * weight / total),
-                                                  self.page_bytes)
-        except OSError as e:
+                pages = int(self.n_pages * weight / total)
+                self._owners[owner] = (_OwnerPages(f"kvstore-{self.name}", pages, self.page_bytes) if device is None
+                                       else _DevicePages(pages, self.page_bytes, device))
+        except (OSError, RuntimeError) as e:  # no memory file, or no GPU memory
             self._close_owners()
             raise StorageError(f"cannot create the {self.name} arena's shared memory: {e}") from e
         self.n_pages = sum(o.n_pages for o in self._owners.values())
@@ -217,7 +242,7 @@ class PagedArena:
     @property
     def host_pool(self) -> bool:
         """The pool is host memory (the DRAM tier, or a device tier without CUDA)."""
-        return self._host is not None or bool(self._owners)
+        return self._host is not None or self._split_host
 
     @property
     def needs_prefault(self) -> bool:
@@ -235,9 +260,17 @@ class PagedArena:
         read-only; None when the arena is not split or `owner` has no part. The arena keeps the
         descriptor: whoever sends it does not close it."""
         part = self._owners.get(owner)
-        if part is None or self._closed:
+        if not isinstance(part, _OwnerPages) or self._closed:
             return None
         return part.segment.fd, part.segment.nbytes
+
+    def owner_device_memory(self, owner: str) -> tuple[bytes, int] | None:
+        """(CUDA IPC handle, bytes) of `owner`'s part of a split GPU arena, for its same-host
+        clients to open; None when the arena is not split on a GPU or `owner` has no part."""
+        part = self._owners.get(owner)
+        if not isinstance(part, _DevicePages) or self._closed:
+            return None
+        return part.segment.handle, part.segment.nbytes
 
     def locate_many(self, keys: Sequence[bytes], owner: str) -> list[int]:
         """The byte offsets in `owner`'s memory of the longest head of `keys` that lies there, each
@@ -292,8 +325,10 @@ class PagedArena:
         return touched
 
     def _address_locked(self, owner: str) -> int:
-        if self._owners:
-            probe = ctypes.c_char.from_buffer(self._owners[owner].segment.map)
+        if self._split_host:
+            part = self._owners[owner]
+            assert isinstance(part, _OwnerPages)
+            probe = ctypes.c_char.from_buffer(part.segment.map)
             address = ctypes.addressof(probe)
             del probe  # lets go of the map's export; the address stays valid while it is mapped
             return address
@@ -460,7 +495,7 @@ class PagedArena:
                     dst[pos : pos + len(v)] = v
                     pos += len(v)
             else:
-                self._read_device(entry.runs, n, dst)
+                self._read_device(self._pool_of(entry.owner), entry.runs, n, dst)
             return entry.meta
 
     def get_rows(self, keys: Sequence[bytes], out: torch.Tensor) -> list[ChunkMeta]:
@@ -575,7 +610,8 @@ class PagedArena:
 
     def _views(self, owner: str, runs: Sequence[Run], nbytes: int) -> tuple[memoryview, ...]:
         """A host pool's byte ranges of a chunk held in `runs` (none for a device pool)."""
-        host = self._owners[owner].view if self._owners else self._host
+        part = self._owners.get(owner)
+        host = part.view if isinstance(part, _OwnerPages) else self._host
         if host is None:
             return ()
         pb, pos, views = self.page_bytes, 0, []
@@ -617,12 +653,12 @@ class PagedArena:
             # torch warns that a read-only buffer is not writable; it is only read from here
             warnings.simplefilter("ignore", UserWarning)
             src = torch.frombuffer(payload, dtype=torch.uint8)
-        pos = 0
+        pool, pos = self._pool_of(entry.owner), 0
         for start, n in self._pieces(entry):
-            self._pool[start : start + n].copy_(src[pos : pos + n])
+            pool[start : start + n].copy_(src[pos : pos + n])
             pos += n
 
-    def _read_device(self, runs: tuple[Run, ...], nbytes: int, dst: memoryview) -> None:
+    def _read_device(self, pool: torch.Tensor, runs: tuple[Run, ...], nbytes: int, dst: memoryview) -> None:
         if not nbytes:
             return
         out = torch.frombuffer(dst, dtype=torch.uint8, count=nbytes)
@@ -630,7 +666,7 @@ class PagedArena:
         pos = 0
         for start, count in runs:  # device -> host; copy_ is synchronous for pageable memory
             n = min(count * pb, nbytes - pos)
-            out[pos : pos + n].copy_(self._pool[start * pb : start * pb + n])
+            out[pos : pos + n].copy_(pool[start * pb : start * pb + n])
             pos += n
 
 

@@ -38,7 +38,8 @@ class DeviceTier(PagedArena):
     def __init__(self, capacity_bytes: int, page_bytes: int, device: DeviceChoice = "auto",
                  owners: Mapping[str, float] | None = None) -> None:
         dev = resolve_device(device)
-        # Split between owners only in host memory (a GPU pool would share by CUDA IPC, not built).
+        # Split between owners in host memory (memory files), or on a GPU where cupy can share an
+        # allocation per owner by CUDA IPC (otherwise one pool, which no client maps).
         super().__init__(capacity_bytes, page_bytes, dev, pin_memory=False, owners=owners)
         self._backend = "cuda:0" if dev.type == "cuda" else "cpu"
 

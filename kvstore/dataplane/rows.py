@@ -15,6 +15,7 @@ on the GPU is ordered on torch's current stream, as torch's own copies are.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -182,3 +183,36 @@ def _copy_pieces(dst_pool: torch.Tensor, dst: Sequence[Piece], src_pool: torch.T
             di, dpos = di + 1, 0
         if spos == src[si][1]:
             si, spos = si + 1, 0
+
+
+def _as_flat_tensor(buf: Any) -> torch.Tensor:
+    """Host bytes or a tensor as a 1-D uint8 tensor over the same memory."""
+    if isinstance(buf, torch.Tensor):
+        return buf.reshape(-1).view(torch.uint8)
+    with warnings.catch_warnings():  # a read-only mapping is only read from
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def chunks_to_tensor(src: Any, offsets: Sequence[int] | np.ndarray, chunk_bytes: int, dst: Any) -> None:
+    """The chunks at `offsets` of `src` (host bytes, or a 1-D uint8 tensor on a GPU), one after
+    another, into `dst` (host bytes, or a tensor on a GPU); evenly spaced chunks as one block.
+    The caller checked the offsets against `src`'s size. Done when it returns, on a GPU too: the
+    caller then judges its lease."""
+    pool = _as_flat_tensor(src)
+    out = _as_flat_tensor(dst)
+    copy_chunks(out, [[(i * chunk_bytes, chunk_bytes)] for i in range(len(offsets))],
+                pool, [[(int(o), chunk_bytes)] for o in offsets])
+    if out.device.type == "cuda" and pool.device.type == "cuda":
+        torch.cuda.current_stream(out.device).synchronize()
+
+
+def host_to_tensor(sources: Sequence[Any], dst: torch.Tensor) -> None:
+    """Host byte ranges (`sources`, one after another) into `dst`, a 1-D uint8 tensor."""
+    at = 0
+    for src in sources:
+        n = len(src)
+        with warnings.catch_warnings():  # a read-only mapping: torch warns it is not writable; it is only read
+            warnings.simplefilter("ignore", UserWarning)
+            dst[at : at + n].copy_(torch.frombuffer(src, dtype=torch.uint8))
+        at += n
