@@ -10,15 +10,18 @@
 #   tests.txt            the tests whose CUDA paths skip without a GPU: the codecs on CUDA against
 #                        CPU, the reference model's replay on CUDA against CPU, every tier test with
 #                        the device tier's pool on the GPU, chunk rows moved between the GPU, pinned
-#                        and plain host memory, and the vLLM connector's block copies with the
-#                        engine's cache on the GPU;
+#                        and plain host memory, the vLLM connector's block copies with the engine's
+#                        cache on the GPU, the device tier shared by CUDA IPC with a client process,
+#                        and the same-host suites with a GPU present;
 #   bench_store.json     `kvstore bench store --sections device`: device-tier put/get against a
 #                        device-to-device copy, pinned DRAM <-> device against torch's pinned copy,
 #                        the codecs on CUDA against CPU;
 #   bench_replay.json    `kvstore bench replay --device cuda` at 4K, 32K and 128K tokens;
 #   replay_quality.json  `kvstore replay-quality --device cuda`;
+#   bench_dataplane.json `kvstore bench dataplane --sections gpu`: loads into a GPU tensor through
+#                        CUDA IPC and through host memory, against a device-to-device copy;
 #   gpu_check.log        every step's progress and errors.
-# STEPS (default: tests,store,replay,quality) picks some of the steps. The exit status is non-zero
+# STEPS (default: tests,store,replay,quality,dataplane) picks some of the steps. The exit status is non-zero
 # if any step failed.
 # On a machine without network, the project's dependencies that its Python lacks must be
 # installed from wheels first (typically lmdb, zstandard, redis, h2 with hpack and hyperframe,
@@ -51,7 +54,7 @@ EOF
 cat "$out/device.txt"
 
 status=0
-STEPS="${STEPS:-tests,store,replay,quality}"
+STEPS="${STEPS:-tests,store,replay,quality,dataplane}"
 step() {  # step KEY NAME SECONDS OUTFILE COMMAND...: run one check, keep its output, note a failure
   local key=$1 name=$2 limit=$3 file=$4
   shift 4
@@ -67,10 +70,12 @@ step() {  # step KEY NAME SECONDS OUTFILE COMMAND...: run one check, keep its ou
 }
 step tests "CUDA tests" 150 tests.txt "$PY" -m pytest -q -p no:cacheprovider -rs \
   tests/test_codecs.py tests/test_reference_model.py tests/test_tiers.py tests/test_tier_rows.py \
-  tests/test_cache_layout.py
+  tests/test_cache_layout.py tests/test_cuda_ipc.py tests/test_service_shm.py tests/test_shared_arena.py
 [ -f "$out/tests.txt" ] && tail -n 15 "$out/tests.txt" >&2
 step store "bench store, device section" 120 bench_store.json "$PY" -m kvstore bench store --sections device --json
 step replay "bench replay on CUDA" 210 bench_replay.json \
   "$PY" -m kvstore bench replay --device cuda --prefixes 4096,32768,131072 --repeats 3 --json
 step quality "replay quality on CUDA" 90 replay_quality.json "$PY" -m kvstore replay-quality --device cuda --json
+step dataplane "bench dataplane, gpu section" 120 bench_dataplane.json \
+  "$PY" -m kvstore bench dataplane --sections gpu --json
 exit $status

@@ -17,6 +17,15 @@ passes, the passes of the contenders taking turns:
   copying as many bytes chunk by chunk in process (what the machine's cores and memory allow).
 Targets: `shm_load_gbps` >= 0.5 x `memcpy_gbps` and >= 4 x `grpc_load_gbps`;
 `shm_load_4_clients_gbps` >= 1.5 x `shm_load_gbps`. Benchmarks print; tests never assert on speed.
+
+The gpu section (where CUDA and cupy are present; `--sections`) holds the same prefixes in the
+device tier of a second `kvstore serve`, on the GPU, and loads them into a tensor on that GPU:
+- `gpu_d2d_copy_gbps`: torch copying the same bytes from one GPU tensor into another (the ceiling);
+- `gpu_ipc_load_gbps`: `load_into` the GPU tensor through a session that opened the device tier's
+  memory by CUDA IPC: device to device, no host round trip;
+- `gpu_host_path_load_gbps`: the same load through a session without GPU memory: the service
+  copies the chunks down into the load segment, the client copies them up.
+No target was set for these; they are reported beside each other.
 """
 
 from __future__ import annotations
@@ -37,7 +46,12 @@ from kvstore.bench.serve_proc import start_serve
 MiB = 1 << 20
 
 
+SECTIONS = ("host", "gpu")
+
+
 def add_dataplane_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sections", default=None, metavar="S,S",
+                   help="parts to run, of host,gpu (default: host, and gpu where CUDA and cupy are present)")
     p.add_argument("--model", default="deepseek-v4.1-flash")
     p.add_argument("--prefixes", default="32768,131072", help="prefix lengths in tokens, comma-separated")
     p.add_argument("--repeats", type=int, default=7, help="passes of each contender per figure")
@@ -78,11 +92,14 @@ def _copy_chunks(sources: list[bytes], dst: memoryview, chunk_bytes: int) -> Non
         dst[i * chunk_bytes : (i + 1) * chunk_bytes] = c
 
 
-def _config(tmp: Path, model: str, nbytes: int, sock: Path) -> Path:
-    cfg = tmp / "bench.toml"
+def _config(tmp: Path, model: str, nbytes: int, sock: Path, gpu: bool = False) -> Path:
+    cfg = tmp / ("bench-gpu.toml" if gpu else "bench.toml")
+    tiers = (f"device = \"cuda\"\ndevice_capacity_bytes = {nbytes + 256 * MiB}\ndram_capacity_bytes = {256 * MiB}\n"
+             if gpu else  # every chunk in the GPU's device tier
+             f"device = \"cpu\"\ndevice_capacity_bytes = 0\ndram_capacity_bytes = {nbytes + 256 * MiB}\n")
     cfg.write_text(
-        "[store]\ndevice = \"cpu\"\ndevice_capacity_bytes = 0\n"  # no device tier: every chunk in DRAM
-        f"dram_capacity_bytes = {nbytes + 256 * MiB}\nlmdb_capacity_bytes = {2 * nbytes + 512 * MiB}\n"
+        f"[store]\n{tiers}"  # else no device tier: every chunk in DRAM
+        f"lmdb_capacity_bytes = {2 * nbytes + 512 * MiB}\n"
         "lmdb_durability = \"async\"\ncompression = \"none\"\nprefault_arenas = true\n"
         f"[service]\nunix_socket_path = \"{sock}\"\nmodels = [\"{model}\"]\n"
         f"shm_load_segment_bytes = {256 * MiB}\nshm_store_segment_bytes = {256 * MiB}\n"
@@ -90,10 +107,23 @@ def _config(tmp: Path, model: str, nbytes: int, sock: Path) -> Path:
     return cfg
 
 
+def _sections(text: str | None) -> list[str]:
+    if text is None:
+        from kvstore.dataplane.cuda_ipc import cuda_ipc_unavailable
+
+        return ["host"] + ([] if cuda_ipc_unavailable() else ["gpu"])
+    chosen = [x.strip() for x in text.split(",") if x.strip()]
+    if not chosen or any(x not in SECTIONS for x in chosen):
+        raise SystemExit(f"bench dataplane: --sections takes some of {','.join(SECTIONS)}, not {text!r}")
+    return chosen
+
+
 def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
     from kvstore.bench.timing import interleaved_best_rates
     from kvstore.client.sync_client import KvstoreClient
     from kvstore.layout import get_model
+
+    sections = _sections(args.sections)
 
     spec = get_model(args.model)
     layout = spec.layout
@@ -105,8 +135,14 @@ def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
     held = sum(len(b) for b in blobs.values())
     store_bytes = (prefixes[0] // ct) * cb * 2 * args.store_repeats
     ctx = mp.get_context("spawn")
-    out: dict[str, Any] = {"model": args.model, "chunk_bytes": cb, "cpus": os.cpu_count(), "prefixes": {}}
+    out: dict[str, Any] = {"model": args.model, "chunk_bytes": cb, "cpus": os.cpu_count(), "prefixes": {},
+                           "sections": sections}
     targets: list[dict[str, Any]] = []
+    if "gpu" in sections:
+        out["gpu"] = _gpu_figures(args, prompts, blobs, held, cb, interleaved_best_rates)
+    if "host" not in sections:
+        out["targets"] = targets
+        return out
     with tempfile.TemporaryDirectory(prefix="kvs-bench-", dir="/tmp") as tmpdir:
         tmp = Path(tmpdir)
         sock = tmp / "kv.sock"
@@ -199,3 +235,64 @@ def _store_figures(args: argparse.Namespace, shm: Any, tcp: Any, n_tokens: int, 
             assert r.stored_chunks == n_tokens // ct and r.durable, r
             best[name] = max(best[name], len(blob) / dt / 1e9)
     return {"tokens": n_tokens, "bytes": len(blob), "shm_store_gbps": best["shm"], "grpc_store_gbps": best["grpc"]}
+
+
+def _gpu_figures(args: argparse.Namespace, prompts: dict[int, np.ndarray], blobs: dict[int, bytes], held: int,
+                 cb: int, interleaved_best_rates: Any) -> dict[str, Any]:
+    """The gpu section: the prefixes held in the device tier on the GPU, loaded into a GPU tensor."""
+    import torch
+
+    from kvstore.client.sync_client import KvstoreClient
+    from kvstore.dataplane.cuda_ipc import cuda_ipc_unavailable
+
+    why = cuda_ipc_unavailable()
+    if why:
+        raise SystemExit(f"bench dataplane: the gpu section needs CUDA and cupy: {why}")
+    out: dict[str, Any] = {"gpu": torch.cuda.get_device_properties(0).name, "prefixes": {}}
+    with tempfile.TemporaryDirectory(prefix="kvs-bench-", dir="/tmp") as tmpdir:
+        tmp = Path(tmpdir)
+        sock = tmp / "kv.sock"
+        proc, tcp_address = start_serve(_config(tmp, args.model, held, sock, gpu=True), tmp / "data")
+        try:
+            with KvstoreClient(tcp_address) as tcp, \
+                    KvstoreClient(f"unix://{sock}", data_path="shm", gpu_memory=True) as ipc, \
+                    KvstoreClient(f"unix://{sock}", data_path="shm", gpu_memory=False) as host:
+                for n, prompt in prompts.items():
+                    r = tcp.store(args.model, prompt, blobs[n])
+                    assert r.stored_chunks == len(blobs[n]) // cb, r
+                for n, prompt in prompts.items():
+                    blob = blobs[n]
+                    print(f"dataplane: gpu, {n:,}-token prefix ({len(blob) / 1e6:.0f} MB)", file=sys.stderr)
+                    src = torch.frombuffer(bytearray(blob), dtype=torch.uint8).cuda()
+                    dst = torch.empty_like(src)
+
+                    def d2d(src: Any = src, dst: Any = dst) -> int:
+                        dst.copy_(src)
+                        torch.cuda.synchronize()
+                        return int(src.numel())
+
+                    def load(kv: KvstoreClient, prompt: np.ndarray = prompt, dst: Any = dst) -> int:
+                        got = kv.load_into(args.model, prompt, dst)
+                        torch.cuda.synchronize()
+                        return got.loaded_chunks * cb
+
+                    first = ipc.load_into(args.model, prompt, dst)
+                    assert set(first.chunk_tiers) == {"device"}, set(first.chunk_tiers)
+                    assert ipc._shm is not None and "device" in ipc._shm.device_arenas, "no GPU memory was opened"
+                    assert torch.equal(dst, src), "the GPU load's bytes differ"
+                    dst.zero_()
+                    assert load(host) == len(blob) and torch.equal(dst, src), "the host path's bytes differ"
+                    rates = interleaved_best_rates({"gpu_d2d_copy_gbps": d2d,
+                                                    "gpu_ipc_load_gbps": lambda: load(ipc),
+                                                    "gpu_host_path_load_gbps": lambda: load(host)},
+                                                   repeats=args.repeats)
+                    rates = {k: round(v, 3) for k, v in rates.items()}
+                    out["prefixes"][str(n)] = {
+                        "bytes": len(blob), **rates,
+                        "ipc_over_d2d": round(rates["gpu_ipc_load_gbps"] / rates["gpu_d2d_copy_gbps"], 3),
+                        "ipc_over_host_path": round(rates["gpu_ipc_load_gbps"] / rates["gpu_host_path_load_gbps"], 2),
+                    }
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return out
