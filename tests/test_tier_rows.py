@@ -19,7 +19,7 @@ from kvstore.tiers.arena import PagedArena
 from kvstore.tiers.base import ChunkMeta
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.dram import DramTier
-from tests.helpers.tier_data import key_of, meta_of, payload_of
+from tests.helpers.tier_data import fragment, key_of, meta_of, payload_of
 from tests.store_helpers import CHUNK, expected_payloads, open_store, store_prefix, tokens_for
 
 PAGE = 4096
@@ -93,11 +93,7 @@ def test_a_strided_source_and_an_overwrite_keep_every_byte(arena: PagedArena, pl
 
 def test_chunks_in_several_runs_are_copied_piece_by_piece() -> None:
     a = DramTier(12 * PAGE, PAGE)
-    small = [key_of(7, i) for i in range(12)]
-    for k in small:
-        a.put(k, memoryview(payload_of(k, PAGE)), meta_of(k))
-    for k in small[::2]:
-        a.delete(k)
+    fragment(a, PAGE)
     keys = [key_of(8, i) for i in range(2)]
     metas = [meta_of(k) for k in keys]
     big = np.stack([np.frombuffer(payload_of(k, 3 * PAGE - 5), np.uint8) for k in keys])  # 3 pages from 1-page holes
@@ -189,3 +185,22 @@ def test_the_benchs_device_section_moves_and_checks_every_byte_on_the_cpu_too() 
                 "pinned_d2h_gbps", "tier_d2h_gbps", "device_put_host_gbps", "device_get_host_gbps",
                 "large_device_get_gbps", "codec_fp8_ue8m0_cuda_gbps", "codec_fp4_ue8m0_cpu_gbps"):
         assert figures[key] > 0, key
+
+
+def test_a_copy_that_fails_gives_its_pages_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed copy (injected) leaves no page taken and no entry: the arena is as if nothing came."""
+    a, b = DramTier(40 * PAGE, PAGE), DeviceTier(40 * PAGE, PAGE, "cpu")
+    keys, data, metas = _chunks(9, 4)
+    b.put_rows(keys, torch.from_numpy(data), metas)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected: the copy failed")
+
+    monkeypatch.setattr("kvstore.tiers.arena.copy_chunks", broken)
+    for attempt in (lambda: a.put_rows(keys, torch.from_numpy(data), metas), lambda: a.put_from(b, keys)):
+        with pytest.raises(RuntimeError, match="injected"):
+            attempt()
+        assert a.stats().used_bytes == 0 and a.stats().entries == 0
+    monkeypatch.undo()
+    a.put_rows(keys, torch.from_numpy(data), metas)  # every page is there to take again
+    assert [_read(a, k) for k in keys] == [r.tobytes() for r in data]

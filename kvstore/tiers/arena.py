@@ -382,8 +382,12 @@ class PagedArena:
             runs = self._reserve_locked(owner, items)
             stride = int(rows.stride(0)) if len(keys) > 1 else width
             pool, flat = self._pool_of(owner), _flat(rows)
-            copy_chunks(pool, [self._pieces_of(r, width) for r in runs],
-                        flat, [[(i * stride, width)] for i in range(len(keys))], sync=False)
+            try:
+                copy_chunks(pool, [self._pieces_of(r, width) for r in runs],
+                            flat, [[(i * stride, width)] for i in range(len(keys))], sync=False)
+            except BaseException:
+                self._unreserve_locked(owner, runs)
+                raise
             self._record_locked(owner, items, runs)  # while the bytes move
             wait_for(pool, flat)
 
@@ -410,15 +414,19 @@ class PagedArena:
             runs = self._reserve_locked(owner, items)
             pool = self._pool_of(owner)
             start = 0
-            while start < len(found):  # a split source's chunks may lie in several owners' parts
-                end = start + 1
-                while end < len(found) and found[end][1].owner == found[start][1].owner:
-                    end += 1
-                copy_chunks(pool, [self._pieces_of(r, e.nbytes) for r, (_, e) in zip(runs[start:end], found[start:end],
-                                                                                     strict=True)],
-                            src._pool_of(found[start][1].owner), [src._pieces(e) for _, e in found[start:end]],
-                            sync=False)
-                start = end
+            try:
+                while start < len(found):  # a split source's chunks may lie in several owners' parts
+                    end = start + 1
+                    while end < len(found) and found[end][1].owner == found[start][1].owner:
+                        end += 1
+                    part = found[start:end]
+                    dst_chunks = [self._pieces_of(r, e.nbytes) for r, (_, e) in zip(runs[start:end], part, strict=True)]
+                    copy_chunks(pool, dst_chunks, src._pool_of(part[0][1].owner), [src._pieces(e) for _, e in part],
+                                sync=False)
+                    start = end
+            except BaseException:
+                self._unreserve_locked(owner, runs)
+                raise
             self._record_locked(owner, items, runs)  # while the bytes move
             for part_owner in {e.owner for _, e in found}:
                 wait_for(pool, src._pool_of(part_owner))
@@ -463,6 +471,15 @@ class PagedArena:
             return out
         taken = [tuple(free.take(p) or ()) for p in reversed(pages)]  # last first, as `take` expects
         return taken[::-1]
+
+    def _unreserve_locked(self, owner: str, runs: Sequence[tuple[Run, ...]]) -> None:
+        """Give back pages `_reserve_locked` took for chunks that were never written (a copy
+        failed): the keys are then absent."""
+        free = self._free_of(owner)
+        if free is not None:
+            for r in runs:
+                for start, count in r:
+                    free.release(start, count)
 
     def _record_locked(self, owner: str, items: Sequence[tuple[bytes, int, ChunkMeta]],
                        runs: Sequence[tuple[Run, ...]]) -> list[_Entry]:
