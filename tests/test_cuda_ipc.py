@@ -111,3 +111,21 @@ def test_load_into_a_gpu_tensor_over_tcp_streams_through_host_memory(
             alice.load_into(V41, prompt, torch.zeros(2, V41_CHUNK, dtype=torch.uint8, device="cuda").t())
 
 
+
+
+def test_a_client_whose_handle_does_not_open_gets_a_session_without_gpu_memory(
+        gpu_service: tuple[ServiceProcess, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.dataplane import cuda_ipc
+    from kvstore.dataplane.peer import ShmPath
+
+    _, sock = gpu_service
+
+    def refuse(self: object, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected: cudaIpcOpenMemHandle failed")
+
+    monkeypatch.setattr(cuda_ipc.OpenedSegment, "__init__", refuse)
+    shm = ShmPath.open(str(sock), ALICE)  # asks for GPU memory (this process has torch, a GPU and cupy)
+    try:
+        assert shm.device_arenas == {} and "dram" in shm.arena_views
+    finally:
+        shm.close()

@@ -904,9 +904,11 @@ def _gpu_bytes(buffer: Any) -> Any | None:
     (torch is not imported for it)."""
     if type(buffer).__module__.split(".")[0] != "torch" or not getattr(buffer, "is_cuda", False):
         return None
+    import torch  # already imported: the buffer is one of its tensors
+
     if not buffer.is_contiguous():
         raise InvalidInput("load_into needs a contiguous tensor")
-    return buffer.reshape(-1).view(__import__("torch").uint8)
+    return buffer.reshape(-1).view(torch.uint8)
 
 
 def _writable_bytes(buffer: Any) -> memoryview:

@@ -55,6 +55,10 @@ class ShmUnavailable(Exception):
     """No same-host session could be opened; the message says why."""
 
 
+class GpuMemoryUnavailable(ShmUnavailable):
+    """The service offered GPU memory that this process could not open."""
+
+
 class LeaseLapsed(Exception):
     """A span was copied after its lease ran out: the bytes cannot be trusted."""
 
@@ -111,9 +115,7 @@ class ShmPath:
             cuda = kind == "client" and gpu_sharing_ready()
         try:
             return cls._open(grpc_socket_path, token, kind, cuda)
-        except ShmUnavailable as e:
-            if not cuda or "GPU memory" not in str(e):
-                raise
+        except GpuMemoryUnavailable as e:
             log.warning("same-host session: %s; opening one without GPU memory", e)
             return cls._open(grpc_socket_path, token, kind, False)
 
@@ -150,7 +152,7 @@ class ShmPath:
             raise ShmUnavailable(f"the same-host segments could not be mapped: {e}") from None
         except RuntimeError as e:  # torch or CUDA refused the device tier's memory
             sock.close()
-            raise ShmUnavailable(f"the service's GPU memory could not be opened: {e}") from None
+            raise GpuMemoryUnavailable(f"the service's GPU memory could not be opened: {e}") from None
 
     def close(self) -> None:
         if self.closed:
