@@ -25,7 +25,7 @@ from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.factory import build_tiers
 from kvstore.tiers.lmdb_tier import LmdbTier
-from tests.helpers.tier_data import LAYOUT, key_of, meta_of, payload_of
+from tests.helpers.tier_data import LAYOUT, fragment, key_of, meta_of, payload_of
 
 PAGE = 4096
 CHUNK = LAYOUT.chunk_bytes  # 10,176 B: 3 pages of 4 KiB
@@ -210,11 +210,7 @@ def test_stats_count_entries(tier: Tier) -> None:
 def test_arena_chunks_survive_fragmentation() -> None:
     """Fill, free every other chunk, then put chunks that need pages from several free runs."""
     t = DramTier(12 * PAGE, PAGE)
-    small = [key_of(7, i) for i in range(12)]
-    for k in small:
-        t.put(k, memoryview(payload_of(k, PAGE)), meta_of(k))
-    for k in small[::2]:
-        t.delete(k)
+    held = fragment(t, PAGE)
     big = [key_of(8, i) for i in range(2)]
     for k in big:  # 3 pages each, from 1-page holes
         t.put(k, memoryview(payload_of(k, 3 * PAGE - 5)), meta_of(k))
@@ -222,13 +218,13 @@ def test_arena_chunks_survive_fragmentation() -> None:
         out = bytearray(3 * PAGE)
         assert t.get_into(k, memoryview(out)) == meta_of(k)
         assert bytes(out[: 3 * PAGE - 5]) == payload_of(k, 3 * PAGE - 5)
-    for k in small[1::2]:
+    for k in held:
         out = bytearray(PAGE)
         assert t.get_into(k, memoryview(out)) is not None and bytes(out) == payload_of(k, PAGE)
     assert t.stats().used_bytes == 12 * PAGE
     # a chunk held in several runs joins from all of them, in order
-    assert t.join_payloads(b"h", [big[1], small[1]]) == b"h" + payload_of(big[1], 3 * PAGE - 5) + payload_of(
-        small[1], PAGE)
+    assert t.join_payloads(b"h", [big[1], held[0]]) == b"h" + payload_of(big[1], 3 * PAGE - 5) + payload_of(
+        held[0], PAGE)
 
 
 def test_free_runs_keep_their_invariants_under_random_use() -> None:

@@ -771,22 +771,14 @@ class GlobalStore(Placement):
     def arena_memory(self, tenant: str) -> list[tuple[TierName, int, int]]:
         """(tier, descriptor, bytes) of `tenant`'s part of each in-memory tier split between
         tenants: what its same-host clients map, read-only, to read chunks in place."""
-        out: list[tuple[TierName, int, int]] = []
-        for tier in self._parts:
-            got = self._arenas[tier].owner_memory(tenant)
-            if got is not None:
-                out.append((tier, *got))
-        return out
+        parts = ((tier, self._arenas[tier].owner_memory(tenant)) for tier in self._parts)
+        return [(tier, *got) for tier, got in parts if got is not None]
 
     def device_memory(self, tenant: str) -> list[tuple[TierName, bytes, int]]:
         """(tier, CUDA IPC handle, bytes) of `tenant`'s part of each tier split between tenants on a
         GPU: what its same-host clients on that GPU open to read chunks where they lie."""
-        out: list[tuple[TierName, bytes, int]] = []
-        for tier in self._parts:
-            got = self._arenas[tier].owner_device_memory(tenant)
-            if got is not None:
-                out.append((tier, *got))
-        return out
+        parts = ((tier, self._arenas[tier].owner_device_memory(tenant)) for tier in self._parts)
+        return [(tier, *got) for tier, got in parts if got is not None]
 
     def unpin(self, pin: PinReceipt) -> None:
         """Let chunks held in place go (a second call, or one after the pin expired, does nothing)."""

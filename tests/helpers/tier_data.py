@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.layout import REFERENCE_TOY8, CacheLayout
-from kvstore.tiers.base import ChunkMeta
+from kvstore.tiers.base import ChunkMeta, Tier
 from kvstore.tiers.lmdb_tier import LmdbTier
 
 LAYOUT: CacheLayout = REFERENCE_TOY8  # 128 tokens, 10,176 B per chunk
@@ -33,6 +33,17 @@ def meta_of(key: bytes, layout: CacheLayout = LAYOUT) -> ChunkMeta:
     rng = np.random.default_rng(int.from_bytes(key[8:16], "little"))
     tokens = rng.integers(0, 512, layout.chunk_tokens, dtype="<u4").tobytes()
     return ChunkMeta(NAMESPACE, layout.layout_id, tokens)
+
+
+def fragment(arena: Tier, page: int, seed: int = 7, n: int = 12) -> list[bytes]:
+    """Fill `arena` with `n` one-page chunks, then free every other one: its free pages are then
+    one-page holes, and a larger chunk must take several runs. The keys still held."""
+    keys = [key_of(seed, i) for i in range(n)]
+    for k in keys:
+        arena.put(k, memoryview(payload_of(k, page)), meta_of(k))
+    for k in keys[::2]:
+        arena.delete(k)
+    return keys[1::2]
 
 
 def open_tier(path: Path, **kwargs: object) -> LmdbTier:
