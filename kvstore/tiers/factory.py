@@ -59,6 +59,7 @@ def _prefault(arenas: Iterable[PagedArena], progress: Callable[[str], None] | No
     """Touch the host arenas' pages on a thread of its own, so that the service listens at once
     (a restart waits for no memory); a store meanwhile waits one slice at most. Pinned arenas were
     backed when they were allocated."""
+    arenas = list(arenas)
     host = [a for a in arenas if a.needs_prefault]
     for a in arenas:
         if not a.needs_prefault:
