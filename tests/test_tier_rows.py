@@ -66,7 +66,7 @@ def arena(request: pytest.FixtureRequest) -> Iterator[PagedArena]:
 def test_rows_go_in_and_come_back_through_tensors_anywhere(
         arena: PagedArena, place: str, pitched: bool | None, monkeypatch: pytest.MonkeyPatch) -> None:
     if pitched is False:
-        monkeypatch.setattr(rows_mod, "_cupy_runtime", lambda: None)
+        monkeypatch.setattr(rows_mod, "cupy_runtime", lambda: None)
     keys, data, metas = _chunks(1, 9)
     arena.put_rows(keys, _tensor(data, place), metas, owner="alice")
     for k, row in zip(keys, data, strict=True):  # the plain byte path reads what the tensor path wrote

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.bench.sections import pick_sections
 from kvstore.bench.serve_proc import start_serve
 
 MiB = 1 << 20
@@ -107,23 +108,14 @@ def _config(tmp: Path, model: str, nbytes: int, sock: Path, gpu: bool = False) -
     return cfg
 
 
-def _sections(text: str | None) -> list[str]:
-    if text is None:
-        from kvstore.dataplane.cuda_ipc import cuda_ipc_unavailable
-
-        return ["host"] + ([] if cuda_ipc_unavailable() else ["gpu"])
-    chosen = [x.strip() for x in text.split(",") if x.strip()]
-    if not chosen or any(x not in SECTIONS for x in chosen):
-        raise SystemExit(f"bench dataplane: --sections takes some of {','.join(SECTIONS)}, not {text!r}")
-    return chosen
-
-
 def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
     from kvstore.bench.timing import interleaved_best_rates
     from kvstore.client.sync_client import KvstoreClient
+    from kvstore.dataplane.cuda_ipc import cuda_ipc_unavailable
     from kvstore.layout import get_model
 
-    sections = _sections(args.sections)
+    sections = pick_sections("dataplane", args.sections, SECTIONS,
+                             ["host"] if cuda_ipc_unavailable() else ["host", "gpu"])
 
     spec = get_model(args.model)
     layout = spec.layout

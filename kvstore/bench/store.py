@@ -25,6 +25,7 @@ import lmdb
 import numpy as np
 import torch
 
+from kvstore.bench.sections import pick_sections
 from kvstore.bench.store_device import device_figures
 from kvstore.bench.timing import best_rate, interleaved_best_rates
 from kvstore.config.service import ServiceConfig
@@ -51,18 +52,9 @@ def _log(msg: str) -> None:
     print(f"bench store: {msg}", file=sys.stderr, flush=True)
 
 
-def _sections(text: str | None) -> list[str]:
-    if text is None:
-        return [s for s in SECTIONS if s != "device" or torch.cuda.is_available()]
-    chosen = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in SECTIONS]
-    if unknown or not chosen:
-        raise SystemExit(f"bench store: --sections takes some of {','.join(SECTIONS)}, not {text!r}")
-    return chosen
-
-
 def run_store_bench(args: argparse.Namespace) -> dict[str, Any]:
-    sections = _sections(args.sections)
+    sections = pick_sections("store", args.sections, SECTIONS,
+                             [s for s in SECTIONS if s != "device" or torch.cuda.is_available()])
     spec = get_model("deepseek-v4.1-flash")
     layout = spec.layout
     payload = realistic_chunk(layout, seed=1)

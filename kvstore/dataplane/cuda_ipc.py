@@ -1,7 +1,7 @@
 """GPU memory shared between processes on one host: the CUDA counterpart of `segments.py`.
 
 `DeviceSegment` is an allocation of its own (`cudaMalloc`, through cupy) whose IPC handle another
-process of the same host opens (`open_device_segment`) to read it where it lies, device to
+process of the same host opens (`OpenedSegment`) to read it where it lies, device to
 device, with no host round trip. An allocation of its own, not a slice of torch's caching
 allocator, because a handle opens a whole allocation: a tenant's part of the device tier must
 not share one with anything else. CUDA cannot map such memory read-only: an importer could write
@@ -30,7 +30,8 @@ class _CudaMemory:
 
 @functools.cache
 def _runtime() -> tuple[Any, str]:
-    """(cupy's CUDA runtime, "") or (None, why not)."""
+    """(cupy's CUDA runtime, "") or (None, why not). cupy is imported the first time it is asked
+    for, never at start."""
     if not torch.cuda.is_available():
         return None, "no CUDA device is visible to torch"
     try:
@@ -43,6 +44,11 @@ def _runtime() -> tuple[Any, str]:
 def cuda_ipc_unavailable() -> str:
     """"" where GPU memory can be shared between processes here; else why not."""
     return _runtime()[1]
+
+
+def cupy_runtime() -> Any | None:
+    """cupy's CUDA runtime where there is a GPU and cupy, else None."""
+    return _runtime()[0]
 
 
 class DeviceSegment:

@@ -20,7 +20,6 @@ import numpy as np
 
 from kvstore.dataplane import Lease, NoRoom, check_span
 from kvstore.errors import InvalidInput, ResourceExhausted
-from kvstore.layout import TIER_NAMES, TierName
 from kvstore.service.shm_listener import ShmSession
 from kvstore.store import InPlaceRun, LoadSession
 from kvstore.v1 import kvstore_pb2 as pb
@@ -51,8 +50,7 @@ def load_spans(
     first = 0
     while first < n and still_wanted():
         can_hold = shm.arenas and shm.leases.holds < MAX_IN_PLACE_HOLDS
-        run = (session.hold_in_place(first, min(in_place, n - first), pin_seconds(shm), mapped_tiers(shm))
-               if can_hold else None)
+        run = session.hold_in_place(first, min(in_place, n - first), pin_seconds(shm), shm.arenas) if can_hold else None
         if run is not None:
             yield _in_place_span(session, shm, run, first, chunk_bytes, tiers_out)
             first += len(run.offsets)
@@ -77,11 +75,6 @@ def load_spans(
         if len(tiers) < count:
             return
         first += count
-
-
-def mapped_tiers(shm: ShmSession) -> tuple[TierName, ...]:
-    """The tiers whose memory of its tenant a session maps (a client reads chunks there in place)."""
-    return tuple(t for t in TIER_NAMES if t in shm.arenas)
 
 
 def pin_seconds(shm: ShmSession) -> float:

@@ -46,6 +46,7 @@ from kvstore.dataplane import (
     send_message,
 )
 from kvstore.errors import ConfigError, InvalidInput, Unauthenticated
+from kvstore.layout import TierName
 from kvstore.service.auth import Authenticator
 from kvstore.service.limits import refusal_message
 from policies.fair_share import FairShare
@@ -68,7 +69,7 @@ class ShmSession:
     load: Segment
     store: Segment
     leases: LeaseTable
-    arenas: tuple[str, ...] = ()  # tiers whose memory of this tenant the client maps (in-place loads)
+    arenas: tuple[TierName, ...] = ()  # tiers whose memory of this tenant the client maps (in-place loads)
     in_place_bytes: int = 0
     created_at: float = field(default_factory=time.monotonic)
     loaded_bytes: int = 0
@@ -90,8 +91,8 @@ class _Conn:
 class ShmSessions:
     def __init__(self, grpc_socket_path: str, svc: ServiceConfig, auth: Authenticator,
                  weights: Mapping[str, float],
-                 arena_memory: Callable[[str], Sequence[tuple[str, int, int]]] = lambda tenant: (),
-                 device_memory: Callable[[str], Sequence[tuple[str, bytes, int]]] = lambda tenant: ()) -> None:
+                 arena_memory: Callable[[str], Sequence[tuple[TierName, int, int]]] = lambda tenant: (),
+                 device_memory: Callable[[str], Sequence[tuple[TierName, bytes, int]]] = lambda tenant: ()) -> None:
         """`arena_memory(tenant)`: (tier, descriptor, bytes) of the host memory a tenant's clients
         map to read chunks in place (the store's); the descriptors stay the store's.
         `device_memory(tenant)`: (tier, CUDA IPC handle, bytes) of its GPU memory, offered to the

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import sys
 import threading
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -384,7 +385,7 @@ class PagedArena:
             pool, flat = self._pool_of(owner), _flat(rows)
             try:
                 copy_chunks(pool, [self._pieces_of(r, width) for r in runs],
-                            flat, [[(i * stride, width)] for i in range(len(keys))], sync=False)
+                            flat, [[(i * stride, width)] for i in range(len(keys))])
             except BaseException:
                 self._unreserve_locked(owner, runs)
                 raise
@@ -413,23 +414,17 @@ class PagedArena:
             items = [(k, e.nbytes, e.meta) for k, e in found]
             runs = self._reserve_locked(owner, items)
             pool = self._pool_of(owner)
-            start = 0
+            dst_chunks = [self._pieces_of(r, e.nbytes) for r, (_, e) in zip(runs, found, strict=True)]
             try:
-                while start < len(found):  # a split source's chunks may lie in several owners' parts
-                    end = start + 1
-                    while end < len(found) and found[end][1].owner == found[start][1].owner:
-                        end += 1
-                    part = found[start:end]
-                    dst_chunks = [self._pieces_of(r, e.nbytes) for r, (_, e) in zip(runs[start:end], part, strict=True)]
-                    copy_chunks(pool, dst_chunks, src._pool_of(part[0][1].owner), [src._pieces(e) for _, e in part],
-                                sync=False)
-                    start = end
+                # A split source's chunks may lie in several owners' parts: a copy from each.
+                for part_owner, start, end in _owner_spans([e.owner for _, e in found]):
+                    copy_chunks(pool, dst_chunks[start:end], src._pool_of(part_owner),
+                                [src._pieces(e) for _, e in found[start:end]])
             except BaseException:
                 self._unreserve_locked(owner, runs)
                 raise
             self._record_locked(owner, items, runs)  # while the bytes move
-            for part_owner in {e.owner for _, e in found}:
-                wait_for(pool, src._pool_of(part_owner))
+            wait_for(pool, src._pool_of(found[0][1].owner))  # every part of one arena is on one device
             return len(found)
 
     def _place_locked(self, owner: str, items: Sequence[tuple[bytes, int, ChunkMeta]]) -> dict[bytes, _Entry]:
@@ -532,14 +527,11 @@ class PagedArena:
                     raise InvalidInput(f"rows of {out.shape[1]} bytes are too small for a {entry.nbytes}-byte chunk")
                 found.append(entry)
             flat, stride = _flat(out), int(out.stride(0)) if out.shape[0] > 1 else int(out.shape[1])
-            start = 0
-            while start < len(found):  # chunks in one owner's part at a time
-                end = start + 1
-                while end < len(found) and found[end].owner == found[start].owner:
-                    end += 1
+            for part_owner, start, end in _owner_spans([e.owner for e in found]):  # one owner's part at a time
                 copy_chunks(flat, [[(i * stride, found[i].nbytes)] for i in range(start, end)],
-                            self._pool_of(found[start].owner), [self._pieces(e) for e in found[start:end]])
-                start = end
+                            self._pool_of(part_owner), [self._pieces(e) for e in found[start:end]])
+            if found:
+                wait_for(flat, self._pool_of(found[0].owner))
             return [e.meta for e in found]
 
     def join_payloads(self, head: bytes, keys: Sequence[bytes]) -> bytes | None:
@@ -688,6 +680,15 @@ class PagedArena:
 
 
 _MOVES = threading.Lock()  # held by a copy between two arenas, which holds both arenas' locks
+
+
+def _owner_spans(owners: Sequence[str]) -> Iterator[tuple[str, int, int]]:
+    """(owner, start, end) of each stretch of consecutive chunks held in one owner's part."""
+    start = 0
+    for owner, group in itertools.groupby(owners):
+        end = start + sum(1 for _ in group)
+        yield owner, start, end
+        start = end
 
 
 def _flat(rows: torch.Tensor) -> torch.Tensor:
