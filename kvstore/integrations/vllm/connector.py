@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
@@ -32,7 +33,7 @@ from kvstore.integrations.vllm.cache_layout import plan_from_vllm
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.identity import fingerprint
 from kvstore.integrations.vllm.link import Link
-from kvstore.integrations.vllm.metadata import KvstoreMeta, WorkerReport
+from kvstore.integrations.vllm.metadata import KvstoreMeta, WorkerHandshake, WorkerReport
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.worker import WorkerSide
 
@@ -109,6 +110,11 @@ class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> WorkerReport | None:
         return self._w().report()
 
+    def get_handshake_metadata(self) -> WorkerHandshake | None:
+        # vLLM asks each worker once, after its KV caches are registered, and hands the answers
+        # to the scheduler's connector (set_xfer_handshake_metadata) before the first request.
+        return self._w().handshake()
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -131,6 +137,10 @@ class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
         manager = self._kv_cache_manager
         assert manager is not None, "vLLM binds its KV cache manager before scheduling"
         return self._s().build_meta(scheduler_output, manager.get_block_ids, manager.block_pool.null_block.block_id)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._s().worker_sessions(tuple(m.shm_session if isinstance(m, WorkerHandshake) else ""
+                                        for _, m in sorted(metadata.items())))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

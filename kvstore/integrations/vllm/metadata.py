@@ -6,7 +6,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass
@@ -59,3 +63,11 @@ class WorkerReport(KVConnectorWorkerMetadata):
         if isinstance(other, WorkerReport):
             return WorkerReport(self.counters + other.counters, self.shm_sessions + other.shm_sessions)
         return self
+
+
+@dataclass
+class WorkerHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler once, at engine start (after registering its KV caches):
+    its same-host session, so that even the engine's first request is held in one Lookup."""
+
+    shm_session: str = ""

@@ -210,6 +210,11 @@ class SchedulerSide:
 
     def worker_report(self, counters: Counter[str], sessions: tuple[str, ...]) -> None:
         self.worker_counters = Counter(counters)  # totals so far, summed over the workers
+        self.worker_sessions(sessions)
+
+    def worker_sessions(self, sessions: tuple[str, ...]) -> None:
+        """The workers' same-host sessions, from their handshake at engine start and then from
+        each report (a restarted service means new ones)."""
         # Held chunks serve one worker only: with several (tensor parallel), each loads its own.
         self.worker_session = sessions[0] if len(set(sessions)) == 1 and all(sessions) else ""
 

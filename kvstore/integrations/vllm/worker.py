@@ -26,7 +26,7 @@ import torch
 from kvstore.client import KvstoreClient, SharedLoad
 from kvstore.integrations.vllm.cache_layout import EnginePlan, PagedCache
 from kvstore.integrations.vllm.link import REPLAY_MODE, Link
-from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec, WorkerReport
+from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec, WorkerHandshake, WorkerReport
 
 # A load in more pieces than this (chunks scattered in the service's memory) is gathered into one
 # buffer first: each piece costs a copy call per layer and per run of blocks.
@@ -264,10 +264,18 @@ class WorkerSide:
         with self._lock:
             self._pending_bytes -= need
 
+    def handshake(self) -> WorkerHandshake:
+        """The same-host session the scheduler's Lookups may hold chunks in, told at engine start
+        (none when loads are asynchronous, or the service is not on this host or not reachable)."""
+        return WorkerHandshake(self._session())
+
+    def _session(self) -> str:
+        return (self.link.call("shm_session", lambda c: c.shm_session_id()) or "") if self.sync else ""
+
     def report(self) -> WorkerReport | None:
         """The worker's counters so far and its same-host session, when they changed (the
         scheduler keeps the latest)."""
-        session = (self.link.call("shm_session", lambda c: c.shm_session_id()) or "") if self.sync else ""
+        session = self._session()
         snap = self.link.snapshot()
         if snap == self._reported and session == self._reported_session:
             return None
