@@ -34,3 +34,18 @@ def test_figures_without_tables_print_one_per_line(capsys: pytest.CaptureFixture
     assert "lookup.p50_ms" in out and "lookup.tiers.dram" in out and "runs[0].ms" in out and "1, 2" in out
     assert not [line for line in out.splitlines() if RAW_JSON.match(line)], out
     assert "[ok  ] t: 0.5 (target <= 1)" in out
+
+
+def test_bench_dataplane_reports_each_path_and_what_a_load_costs_besides_its_copy(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A small run of the real bench: its own `kvstore serve` on TCP and a Unix socket, two loading
+    # client processes. It checks the loaded bytes itself; here, that every figure came out.
+    assert main(["bench", "dataplane", "--json", "--sections", "host", "--prefixes", "1024", "--repeats", "2",
+                 "--clients", "2", "--store-repeats", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    f = doc["prefixes"]["1024"]
+    for key in ("memcpy_gbps", "shm_load_gbps", "grpc_load_gbps", "shm_load_4_clients_gbps", "memcpy_4_clients_gbps"):
+        assert f[key] > 0, (key, f)
+    assert f["shm_control_ms"] > 0, f  # a figure, never compared here: tests do not time things
+    assert doc["shm_in_place_share"] == 1.0 and {t["name"].split(": ")[1] for t in doc["targets"]} == {
+        "shm_load_gbps / memcpy_gbps", "shm_load_gbps / grpc_load_gbps", "shm_load_4_clients_gbps / shm_load_gbps"}

@@ -12,6 +12,10 @@ passes, the passes of the contenders taking turns:
 - `grpc_load_gbps`: the same `load_into` over TCP (gRPC messages);
 - `shm_store_gbps` / `grpc_store_gbps`: a Store of a new prompt of the same size each pass,
   through the store segment and through messages (timed from the call to its durable reply);
+- `shm_control_ms` (not a target; it explains the others): a shared-memory load that copies
+  nothing (`load_shared`, its views left unread): the call, the hold and the release, what
+  `shm_load` spends besides its copy. Since a load cannot copy faster than `memcpy_gbps`,
+  `memcpy_gbps / grpc_load_gbps` bounds `shm_load_gbps / grpc_load_gbps` from above;
 - `shm_load_4_clients_gbps`: four client processes loading through shared memory at once,
   bytes over the wall time of all of them; `memcpy_4_clients_gbps` beside it, four processes each
   copying as many bytes chunk by chunk in process (what the machine's cores and memory allow).
@@ -189,11 +193,20 @@ def _prefix_figures(args: argparse.Namespace, ctx: Any, shm: Any, tcp: Any, unix
     def grpc_load() -> int:
         return tcp.load_into(args.model, prompt, tcp_dst).loaded_chunks * cb
 
-    for fn in (memcpy, shm_load, grpc_load):  # warm: pages touched, sessions open
+    def shm_control() -> int:
+        # A shared-memory load that copies nothing: its call, the hold of every chunk and the
+        # release, i.e. what `shm_load` costs besides its copy. Counted as the blob's bytes so
+        # that its time comes out of the same best-rate bookkeeping.
+        with shm.load_shared(args.model, prompt) as r:
+            assert len(r.chunks) == n_chunks, len(r.chunks)
+        return len(blob)
+
+    for fn in (memcpy, shm_load, grpc_load, shm_control):  # warm: pages touched, sessions open
         fn()
     assert shm.data_path_in_use == "shm", shm.shm_detail
     assert bytes(shm_dst) == blob and bytes(tcp_dst) == blob
-    rates = interleaved_best_rates({"memcpy": memcpy, "shm": shm_load, "grpc": grpc_load}, repeats=args.repeats)
+    rates = interleaved_best_rates({"memcpy": memcpy, "shm": shm_load, "grpc": grpc_load, "control": shm_control},
+                                   repeats=args.repeats)
     aggregate = {}
     with ctx.Pool(args.clients) as pool:
         for name, work, task in (
@@ -208,6 +221,7 @@ def _prefix_figures(args: argparse.Namespace, ctx: Any, shm: Any, tcp: Any, unix
     return {
         "bytes": len(blob), "chunks": n_chunks,
         "memcpy_gbps": rates["memcpy"], "shm_load_gbps": rates["shm"], "grpc_load_gbps": rates["grpc"],
+        "shm_control_ms": len(blob) / rates["control"] / 1e6,
         "shm_load_4_clients_gbps": aggregate["shm"], "memcpy_4_clients_gbps": aggregate["memcpy"],
         "clients": args.clients,
     }
