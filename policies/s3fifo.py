@@ -190,13 +190,15 @@ class S3FifoPolicy:
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
         # Touches only raise frequencies, so the keys of the run and the logs are found together.
-        rest = []
-        for key in keys:
-            entry = self._small.get(key) or self._main.get(key)
-            if entry is not None:
-                entry.freq = min(entry.freq + 1, _MAX_FREQ)
-            else:
-                rest.append(key)
+        # The entries are looked up by C-level maps (a load touches hundreds of chunks, most of
+        # them already at the cap).
+        entries = list(map(self._small.get, keys))
+        if self._main and None in entries:
+            entries = [e if e is not None else self._main.get(k) for k, e in zip(keys, entries, strict=True)]
+        for entry in entries:
+            if entry is not None and entry.freq < _MAX_FREQ:
+                entry.freq += 1
+        rest = [k for k, e in zip(keys, entries, strict=True) if e is None] if None in entries else []
         if rest and self._run_live and self._run is not None:
             rest = _raise_found(rest, self._run.find_many(rest), self._run_freq, self._run_alive)
         for log in (self._small_log, self._main_log):

@@ -26,6 +26,7 @@ CHUNKS_PER_LOCK_HOLD chunks at a time.
 
 from __future__ import annotations
 
+import itertools
 import json
 import operator
 import threading
@@ -753,13 +754,17 @@ class GlobalStore(Placement):
         `unpin`) so that a same-host client can read it where it lies; None when the first chunk
         is not so held (read it with `read_chunk` then)."""
         with self._lock:
-            first = self._peek(keys[0]) if keys else None
+            # Indexed entries only: a cold chunk is held by LMDB alone, which ends the run anyway.
+            held = list(map(self._index.get, keys))
+            first = held[0] if held else None
             if (first is None or first.fastest not in self._parts or first.fastest not in tiers
                     or first.tenant != tenant):
                 return None
             tier = first.fastest
             n = 1
-            while n < len(keys) and (e := self._peek(keys[n])) is not None and e.fastest == tier:
+            for e in itertools.islice(held, 1, None):
+                if e is None or e.fastest != tier:
+                    break
                 n += 1
             offsets = self._arenas[tier].locate_many(keys[:n], tenant)  # the tenant's own, checked there
             if not offsets:
@@ -800,13 +805,11 @@ class GlobalStore(Placement):
             # Touch the chunks that were read tail first, so the head of the prefix ends up the
             # most recently used: eviction then takes a prefix from its tail.
             keys = read_keys[::-1]
-            by_tier: dict[TierName, list[bytes]] = {}
-            for key, entry in zip(keys, self._peek_many(keys), strict=True):
-                if entry is not None:
-                    for tier in entry.footprint:
-                        by_tier.setdefault(tier, []).append(key)
-            for tier, touched in by_tier.items():
-                self._policies[tier].touch_many(touched)
+            held = self._peek_many(keys)
+            for tier in TIER_NAMES:  # a pass per tier: a load's chunks are hundreds
+                touched = [k for k, e in zip(keys, held, strict=True) if e is not None and tier in e.footprint]
+                if touched:
+                    self._policies[tier].touch_many(touched)
 
     # --- restart ----------------------------------------------------------------------------------
 

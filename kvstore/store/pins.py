@@ -30,8 +30,10 @@ class PinTable:
 
     def pin(self, keys: Sequence[bytes], now: float, timeout_seconds: float) -> PinReceipt:
         receipt = PinReceipt(next(self._ids), tuple(keys), now + timeout_seconds)
+        counts = self._counts
+        get = counts.get
         for k in receipt.keys:
-            self._counts[k] = self._counts.get(k, 0) + 1
+            counts[k] = get(k, 0) + 1
         self._live[receipt.receipt_id] = receipt
         heapq.heappush(self._deadlines, (receipt.expires_at, receipt.receipt_id))
         return receipt
@@ -40,12 +42,13 @@ class PinTable:
         """Release once; a second release (or one after expiry) is a no-op returning False."""
         if self._live.pop(receipt.receipt_id, None) is None:
             return False
+        counts = self._counts
         for k in receipt.keys:
-            n = self._counts[k] - 1
+            n = counts[k] - 1
             if n:
-                self._counts[k] = n
+                counts[k] = n
             else:
-                del self._counts[k]
+                del counts[k]
         return True
 
     def expire(self, now: float) -> int:

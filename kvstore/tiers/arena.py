@@ -278,11 +278,13 @@ class PagedArena:
         chunk in one run (a reader then copies it in one piece)."""
         out: list[int] = []
         with self._lock:
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is None or not self._owners or entry.owner != owner or len(entry.runs) != 1:
+            if not self._owners:
+                return out
+            page = self.page_bytes
+            for entry in map(self._entries.get, keys):
+                if entry is None or entry.owner != owner or len(entry.runs) != 1:
                     break
-                out.append(entry.runs[0][0] * self.page_bytes)
+                out.append(entry.runs[0][0] * page)
         return out
 
     def prefault(self, slice_bytes: int = 8 << 20) -> tuple[int, bool]:
