@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from kvstore.client import KvstoreClient
@@ -554,10 +555,22 @@ def test_after_a_restart_a_client_names_its_new_session_not_the_old_one(
 
 
 def test_chunks_that_lie_back_to_back_are_one_run() -> None:
-    from kvstore.client.sync_client import _back_to_back
+    from kvstore.dataplane.spans import back_to_back
 
-    assert _back_to_back([], 10) == []
-    assert _back_to_back([0, 10, 20, 50, 40, 60], 10) == [(0, 3), (50, 1), (40, 1), (60, 1)]
+    assert back_to_back([], 10) == []
+    assert back_to_back([30], 10) == [(30, 1)]
+    assert back_to_back([0, 10, 20, 30], 10) == [(0, 4)]
+    assert back_to_back([0, 10, 20, 50, 40, 60], 10) == [(0, 3), (50, 1), (40, 1), (60, 1)]
+    rng = np.random.default_rng(5)  # against the rule spelled out one chunk at a time
+    for _ in range(50):
+        offs = (np.cumsum(rng.choice([10, 10, 10, 14, -30], size=int(rng.integers(1, 40)))) + 1000).tolist()
+        want: list[tuple[int, int]] = []
+        for off in offs:
+            if want and want[-1][0] + want[-1][1] * 10 == off:
+                want[-1] = (want[-1][0], want[-1][1] + 1)
+            else:
+                want.append((off, 1))
+        assert back_to_back(offs, 10) == want, offs
 
 
 def test_kvstore_serve_listens_on_the_unix_socket_it_is_given(sock_dir: Path) -> None:

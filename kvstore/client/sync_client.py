@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import itertools
 import logging
 import random
 import sys
@@ -989,8 +990,11 @@ class _SharedSpans:
         cb = self._cb
         for src in _span_sources(self._shm, span, cb, span.num_chunks):
             self._runs.append(src)
-            self._views.extend(src[k * cb : (k + 1) * cb] for k in range(len(src) // cb))
-        self._tiers.extend(PB_TO_TIER.get(t, "") for t in span.tiers[: span.num_chunks])
+            if len(src) == cb:  # a chunk alone (chunks in pages that leave a gap): its own view
+                self._views.append(src)
+            else:
+                self._views.extend(src[k * cb : (k + 1) * cb] for k in range(len(src) // cb))
+        self._tiers.extend(map(PB_TO_TIER.get, span.tiers[: span.num_chunks], itertools.repeat("")))
         self._expires.append(span.lease_expires_at)
 
     def shared(self, chunk_tokens: int, chunk_bytes: int) -> SharedLoad:
@@ -1021,9 +1025,7 @@ def _span_sources(shm: ShmPath, span: pb.ShmSpan, chunk_bytes: int, take: int) -
     try:
         if span.chunk_offsets:
             _check_offsets(span)
-            tier = PB_TO_TIER.get(span.arena, "")
-            return [shm.in_place(tier, off, n * chunk_bytes)
-                    for off, n in _back_to_back(span.chunk_offsets[:take], chunk_bytes)]
+            return shm.in_place_runs(PB_TO_TIER.get(span.arena, ""), span.chunk_offsets[:take], chunk_bytes)
         return [shm.span(span.offset, take * chunk_bytes)]
     except InvalidInput as e:
         raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
@@ -1033,18 +1035,6 @@ def _check_offsets(span: pb.ShmSpan) -> None:
     if len(span.chunk_offsets) != span.num_chunks:
         raise ServerError(grpc.StatusCode.UNKNOWN, f"a span of {span.num_chunks} chunks has "
                           f"{len(span.chunk_offsets)} chunk offsets", "Load")
-
-
-def _back_to_back(offsets: Sequence[int], chunk_bytes: int) -> list[tuple[int, int]]:
-    """Chunk offsets as runs of chunks that lie back to back in memory: (offset, chunks). One view
-    per run, not per chunk: fewer and larger copies, and an engine can scatter a run as one."""
-    runs: list[tuple[int, int]] = []
-    for off in offsets:
-        if runs and runs[-1][0] + runs[-1][1] * chunk_bytes == off:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((off, 1))
-    return runs
 
 
 def _session_gone(e: grpc.RpcError) -> bool:

@@ -37,7 +37,7 @@ import numpy as np
 from kvstore.dataplane.leases import LeaseTable, NoRoom
 from kvstore.dataplane.segments import map_segment
 from kvstore.dataplane.side_socket import HELLO_VERSION, SideSocketClosed, data_socket_path, recv_message, send_message
-from kvstore.dataplane.spans import check_chunks, check_span, strided_runs
+from kvstore.dataplane.spans import back_to_back, check_chunks, check_span, strided_runs
 from kvstore.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -210,6 +210,18 @@ class ShmPath:
             raise InvalidInput(f"a span names the {tier or 'unnamed'} tier's memory, which this session has not mapped")
         check_span(offset, nbytes, len(view), f"a chunk in the {tier} tier's memory")
         return view[offset : offset + nbytes]
+
+    def in_place_runs(self, tier: str, offsets: Sequence[int], chunk_bytes: int) -> list[memoryview]:
+        """The chunks at `offsets` of `tier`'s memory, in order, as views of runs of chunks that
+        lie back to back (one view per run), every chunk checked to lie inside the mapping in one
+        array pass. Of GPU memory, host copies (see `in_place`)."""
+        offs = np.asarray(offsets, dtype=np.int64)
+        runs = back_to_back(offs, chunk_bytes)
+        view = self.arena_views.get(tier)
+        if tier in self.device_arenas or view is None:
+            return [self.in_place(tier, off, n * chunk_bytes) for off, n in runs]
+        check_chunks(offs, chunk_bytes, len(view), f"a chunk in the {tier} tier's memory")
+        return [view[off : off + n * chunk_bytes] for off, n in runs]
 
     def copy_out(self, sources: list[memoryview], dst: Any, expires_at: float) -> None:
         """Copy leased bytes (`sources`, one after another) into `dst` (host bytes, or a 1-D uint8
