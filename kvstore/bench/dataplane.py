@@ -13,8 +13,9 @@ passes, the passes of the contenders taking turns:
 - `shm_store_gbps` / `grpc_store_gbps`: a Store of a new prompt of the same size each pass,
   through the store segment and through messages (timed from the call to its durable reply);
 - `shm_control_ms` (not a target; it explains the others): a shared-memory load that copies
-  nothing (`load_shared`, its views left unread): the call, the hold and the release, what
-  `shm_load` spends besides its copy. Since a load cannot copy faster than `memcpy_gbps`,
+  nothing (`load_shared`, its views left unread): the call, the hold and the release, about what
+  `shm_load` spends besides its copy (it makes a view per run where `load_into` copies each
+  run). Since a load cannot copy faster than `memcpy_gbps`,
   `memcpy_gbps / grpc_load_gbps` bounds `shm_load_gbps / grpc_load_gbps` from above;
 - `shm_load_4_clients_gbps`: four client processes loading through shared memory at once,
   bytes over the wall time of all of them; `memcpy_4_clients_gbps` beside it, four processes each
@@ -195,7 +196,7 @@ def _prefix_figures(args: argparse.Namespace, ctx: Any, shm: Any, tcp: Any, unix
 
     def shm_control() -> int:
         # A shared-memory load that copies nothing: its call, the hold of every chunk and the
-        # release, i.e. what `shm_load` costs besides its copy. Counted as the blob's bytes so
+        # release, about what `shm_load` costs besides its copy. Counted as the blob's bytes so
         # that its time comes out of the same best-rate bookkeeping.
         with shm.load_shared(args.model, prompt) as r:
             assert len(r.chunks) == n_chunks, len(r.chunks)
