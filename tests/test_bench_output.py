@@ -4,6 +4,7 @@ progress on stderr, JSON with `--json`; so `> file` keeps what was asked for."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -43,6 +44,7 @@ def test_bench_dataplane_reports_each_path_and_what_a_load_costs_besides_its_cop
     assert main(["bench", "dataplane", "--json", "--sections", "host", "--prefixes", "1024", "--repeats", "2",
                  "--clients", "2", "--store-repeats", "1"]) == 0
     doc = json.loads(capsys.readouterr().out)
+    assert doc["machine"]["cpus"] == os.cpu_count() and doc["machine"]["cpu"], doc["machine"]
     f = doc["prefixes"]["1024"]
     for key in ("memcpy_gbps", "shm_load_gbps", "grpc_load_gbps", "shm_load_4_clients_gbps", "memcpy_4_clients_gbps"):
         assert f[key] > 0, (key, f)

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.bench.machine import machine
 from kvstore.bench.sections import pick_sections
 from kvstore.bench.serve_proc import start_serve
 
@@ -132,7 +133,7 @@ def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
     held = sum(len(b) for b in blobs.values())
     store_bytes = (prefixes[0] // ct) * cb * 2 * args.store_repeats
     ctx = mp.get_context("spawn")
-    out: dict[str, Any] = {"model": args.model, "chunk_bytes": cb, "cpus": os.cpu_count(), "prefixes": {},
+    out: dict[str, Any] = {"model": args.model, "chunk_bytes": cb, "machine": machine(), "prefixes": {},
                            "sections": sections}
     targets: list[dict[str, Any]] = []
     if "gpu" in sections:

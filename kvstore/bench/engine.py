@@ -36,6 +36,7 @@ import numpy as np
 
 from kvstore.bench.engine_models import TINY_VOCAB, write_llama
 from kvstore.bench.engine_proc import ANSWER
+from kvstore.bench.machine import machine
 
 CHUNK = 128
 # vLLM's worker busy-polls its scheduler's queue for 1 s after each request (shm_broadcast's
@@ -252,5 +253,5 @@ def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
          "ok": top["kvstore_lmdb_ttft_ms"] <= 0.5 * top["cold_ttft_ms"]},
     ]
     return {"model": "tiny llama (2 layers, 2 KV heads x 32, bf16; 512 B of KV per token)", "device": "cpu",
-            "kvstore_transport": "kvstore_*: Unix socket and shared memory; kvstore_tcp_*: TCP",
+            "machine": machine(), "kvstore_transport": "kvstore_*: Unix socket and shared memory; kvstore_tcp_*: TCP",
             "results": results, "targets": targets}
