@@ -367,7 +367,7 @@ class PagedArena:
         with self._lock:
             placed = self._place_locked(owner, [(k, len(p), m) for k, (p, m) in batch.items()])
             for k, entry in placed.items():
-                self._write(owner, entry, batch[k][0])
+                self._write(entry, batch[k][0])
 
     def put_rows(self, keys: Sequence[bytes], rows: torch.Tensor, metas: Sequence[ChunkMeta], owner: str = "") -> None:
         """`put_many` for chunks that are the rows of a [chunks, payload bytes] uint8 tensor on a GPU
@@ -405,12 +405,7 @@ class PagedArena:
             raise InvalidInput("an arena cannot copy chunks from itself")
         owner = owner if self._owners else ""
         with _MOVES, self._lock, src._lock:  # one move at a time: no two moves take these locks crosswise
-            found = []
-            for k in keys:
-                entry = src._entries.get(k)
-                if entry is None:
-                    break
-                found.append((k, entry))
+            found = list(zip(keys, src._head_locked(keys), strict=False))  # the head only
             if not found:
                 return 0
             items = [(k, e.nbytes, e.meta) for k, e in found]
@@ -428,6 +423,15 @@ class PagedArena:
             self._record_locked(owner, items, runs)  # while the bytes move
             wait_for(pool, src._pool_of(found[0][1].owner))  # every part of one arena is on one device
             return len(found)
+
+    def _head_locked(self, keys: Sequence[bytes]) -> list[_Entry]:
+        """The entries of the longest head of `keys` this arena holds."""
+        found = []
+        for entry in map(self._entries.get, keys):
+            if entry is None:
+                break
+            found.append(entry)
+        return found
 
     def _place_locked(self, owner: str, items: Sequence[tuple[bytes, int, ChunkMeta]]) -> dict[bytes, _Entry]:
         """Pages for each (key, payload bytes, meta), replacing the key's old entry, all or none:
@@ -509,7 +513,7 @@ class PagedArena:
                     dst[pos : pos + len(v)] = v
                     pos += len(v)
             else:
-                self._read_device(self._pool_of(entry.owner), entry.runs, n, dst)
+                self._read_device(entry, dst)
             return entry.meta
 
     def get_rows(self, keys: Sequence[bytes], out: torch.Tensor) -> list[ChunkMeta]:
@@ -520,14 +524,10 @@ class PagedArena:
             raise InvalidInput(f"get_rows needs a [chunks, bytes] uint8 tensor with contiguous rows, "
                                f"not {tuple(out.shape)} {out.dtype}")
         with self._lock:
-            found: list[_Entry] = []
-            for k in keys[: out.shape[0]]:
-                entry = self._entries.get(k)
-                if entry is None:
-                    break
-                if entry.nbytes > out.shape[1]:
-                    raise InvalidInput(f"rows of {out.shape[1]} bytes are too small for a {entry.nbytes}-byte chunk")
-                found.append(entry)
+            found = self._head_locked(keys[: out.shape[0]])
+            if any(e.nbytes > out.shape[1] for e in found):
+                raise InvalidInput(f"rows of {out.shape[1]} bytes are too small for a "
+                                   f"{max(e.nbytes for e in found)}-byte chunk")
             flat, stride = _flat(out), int(out.stride(0)) if out.shape[0] > 1 else int(out.shape[1])
             for part_owner, start, end in _owner_spans([e.owner for e in found]):  # one owner's part at a time
                 copy_chunks(flat, [[(i * stride, found[i].nbytes)] for i in range(start, end)],
@@ -553,7 +553,7 @@ class PagedArena:
         with self._lock:
             entry = self._entries.pop(key, None)
             if entry is not None:
-                self._release(entry)
+                self._release_many((entry,))
 
     def delete_many(self, keys: Iterable[bytes]) -> None:
         for k in keys:
@@ -588,18 +588,9 @@ class PagedArena:
             part.close()
 
     # --- bytes -------------------------------------------------------------------------------
-    def _release(self, entry: _Entry) -> None:
-        free = self._free_of(entry.owner)
-        for v in entry.views:
-            v.release()
-        if free is None:
-            return
-        for start, count in entry.runs:
-            free.release(start, count)
-
     def _release_many(self, entries: Sequence[_Entry]) -> None:
-        """`_release` for several entries, their runs joined first where they touch (a batch put
-        back to back is given back as one run)."""
+        """Let go of entries' views and give their pages back, runs joined first where they touch
+        (a batch put back to back is given back as one run)."""
         by_owner: dict[str, list[Run]] = {}
         for entry in entries:
             for v in entry.views:
@@ -625,12 +616,7 @@ class PagedArena:
         host = part.view if isinstance(part, _OwnerPages) else self._host
         if host is None:
             return ()
-        pb, pos, views = self.page_bytes, 0, []
-        for start, count in runs:
-            n = min(count * pb, nbytes - pos)
-            views.append(host[start * pb : start * pb + n])
-            pos += n
-        return tuple(views)
+        return tuple(host[start : start + n] for start, n in self._pieces_of(runs, nbytes))
 
     def _pieces(self, entry: _Entry) -> list[tuple[int, int]]:
         """(byte offset in its pool, bytes) of each run of a chunk, in order."""
@@ -650,7 +636,7 @@ class PagedArena:
         """The 1-D uint8 tensor of pages that holds `owner`'s chunks."""
         return self._owners[owner].tensor if self._owners else self._pool
 
-    def _write(self, owner: str, entry: _Entry, payload: memoryview) -> None:
+    def _write(self, entry: _Entry, payload: memoryview) -> None:
         """Copy a payload into its entry's runs (one copy per run)."""
         if entry.views:
             pos = 0
@@ -669,15 +655,13 @@ class PagedArena:
             pool[start : start + n].copy_(src[pos : pos + n])
             pos += n
 
-    def _read_device(self, pool: torch.Tensor, runs: tuple[Run, ...], nbytes: int, dst: memoryview) -> None:
-        if not nbytes:
+    def _read_device(self, entry: _Entry, dst: memoryview) -> None:
+        if not entry.nbytes:
             return
-        out = torch.frombuffer(dst, dtype=torch.uint8, count=nbytes)
-        pb = self.page_bytes
-        pos = 0
-        for start, count in runs:  # device -> host; copy_ is synchronous for pageable memory
-            n = min(count * pb, nbytes - pos)
-            out[pos : pos + n].copy_(pool[start * pb : start * pb + n])
+        out = torch.frombuffer(dst, dtype=torch.uint8, count=entry.nbytes)
+        pool, pos = self._pool_of(entry.owner), 0
+        for start, n in self._pieces(entry):  # device -> host; copy_ is synchronous for pageable memory
+            out[pos : pos + n].copy_(pool[start : start + n])
             pos += n
 
 
