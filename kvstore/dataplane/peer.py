@@ -310,7 +310,6 @@ class ShmPath:
             self._staging.release(lease.lease_id)
 
 
-
 def gpu_sharing_ready() -> bool:
     """This process has imported torch, sees a GPU and can open CUDA IPC handles (cupy): its
     sessions may ask for the device tier's GPU memory. A process without torch never imports it

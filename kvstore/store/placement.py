@@ -190,7 +190,6 @@ class Placement:
         host buffer read once."""
         meta = chunk_meta(entry)
         protect = {key}
-        payload: memoryview | None = None
         for t in targets:
             tier = self._tiers[t]
             if t == "lmdb" and key in self._deleting:
@@ -202,10 +201,9 @@ class Placement:
                 return
             if self._make_room(t, entry.tenant, tier.footprint(entry.payload_bytes), protect):
                 if not tier.put_from(self._tiers[source], [key], entry.tenant):
-                    if payload is None:
-                        payload = memoryview(bytearray(entry.payload_bytes))
-                        if self._tiers[source].get_into(key, payload) is None:
-                            return
+                    payload = memoryview(bytearray(entry.payload_bytes))
+                    if self._tiers[source].get_into(key, payload) is None:
+                        return
                     tier.put(key, payload, meta, entry.tenant)
                 self._charge(key, entry, t)
                 self._bump_tier("demotions", t)
