@@ -1,5 +1,5 @@
 """Chunks moved tensor to tensor: the arenas' `put_rows`, `get_rows` and `put_from`, and the copy
-planner under them (kvstore/tiers/rows.py). Every test runs on the CPU; where CUDA is present the
+planner under them (kvstore/dataplane/rows.py). Every test runs on the CPU; where CUDA is present the
 same tests run with the device tier's pool on the GPU, tensors on the GPU and pinned host memory,
 with the pitched copy (cupy) and without it."""
 
