@@ -269,11 +269,12 @@ class EngineLayerGroup:
     head_size: int
     dtype: str
     sliding_window: int = 0  # 0: full attention
+    latent: bool = False  # one latent vector per token and layer (MLA), not a K and a V
 
     @property
     def row_bytes(self) -> int:
-        """K and V of one token of one layer."""
-        return 2 * self.kv_heads * self.head_size * ENGINE_DTYPES[self.dtype][0]
+        """What one token of one layer keeps: K and V, or one latent vector."""
+        return (1 if self.latent else 2) * self.kv_heads * self.head_size * ENGINE_DTYPES[self.dtype][0]
 
 
 @dataclass(frozen=True)
@@ -288,7 +289,11 @@ class EngineModel:
     prefill_flops_per_token: float = 0.0
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        d = asdict(self)
+        for g in d["groups"]:
+            if not g["latent"]:  # absent, as before latent groups existed: names already in use stay
+                del g["latent"]
+        return json.dumps(d, sort_keys=True).encode()
 
     @staticmethod
     def from_json(raw: bytes) -> EngineModel:

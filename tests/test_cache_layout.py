@@ -1,6 +1,7 @@
 """The vLLM connector's copies between vLLM's paged blocks and kvstore's canonical chunks and
 snapshots, checked against the definition of the canonical order, block by block: with blocks as
-large as a chunk (vLLM on CPU) and smaller ones grouped into chunks (vLLM on GPU), for block
+large as a chunk (vLLM on CPU) and smaller ones grouped into chunks (vLLM on GPU, and latent
+attention on CPU), for K/V layers and latent (MLA) layers, for block
 tables in one run, in several runs and with no two blocks adjacent; with the engine's block
 tensors on the GPU where there is one (chunks and snapshots stay in host memory). No engine is
 started: these copies need torch only."""
@@ -79,6 +80,43 @@ def test_a_prompt_shorter_than_the_window_leaves_the_first_snapshot_rows_zero(bl
     src.gather_snapshot("swa.0", window, snap)
     chunk_rows = CHUNK * 2 * HEADS * HEAD * 2  # one chunk's bytes of the one sliding layer
     assert plan.window_chunks == 3 and not snap[: 2 * chunk_rows].any() and snap[2 * chunk_rows :].any()
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("block", [CHUNK, CHUNK // 4], ids=["one-per-chunk", "4-per-chunk"])
+@pytest.mark.parametrize("table", TABLES[:2])
+def test_latent_chunks_hold_one_row_per_token_and_layer(block: int, table: list[int], platform: str) -> None:
+    latent = 12  # DeepSeek-V2/V3: 576 (a compressed KV of 512 and a rotary key of 64)
+    plan = EnginePlan((GroupPlan(0, ("mla.0", "mla.1"), 1, latent, torch.bfloat16, 0, latent=True),), CHUNK, block)
+    assert plan.chunk_bytes == CHUNK * 2 * latent * 2
+    k = plan.blocks_per_chunk
+    blocks = table[: len(table) // k * k]
+    g = torch.Generator().manual_seed(4)
+    # One backend holds a layer as [blocks, block, latent], another as [blocks, 1, block, latent].
+    src_caches = {n: torch.randn(BLOCKS, *shape, generator=g).to(torch.bfloat16).to(platform)
+                  for n, shape in (("mla.0", (block, latent)), ("mla.1", (1, block, latent)))}
+    dst_caches = {n: torch.zeros_like(t) for n, t in src_caches.items()}
+    out = torch.zeros(len(blocks) // k, plan.chunk_bytes, dtype=torch.uint8)
+    for name in src_caches:
+        PagedCache(plan, src_caches, platform).gather_chunks(name, blocks, out)
+    for c in range(len(blocks) // k):  # per token, per layer, the latent row
+        rows = torch.stack([torch.cat([src_caches[n][b].cpu().view(block, latent) for b in blocks[c * k : (c + 1) * k]])
+                            for n in ("mla.0", "mla.1")], dim=1)
+        assert torch.equal(out[c], rows.contiguous().view(torch.uint8).reshape(-1))
+    PagedCache(plan, dst_caches, platform).scatter_chunks(out, {0: blocks})
+    for n in src_caches:
+        assert torch.equal(dst_caches[n][blocks], src_caches[n][blocks])
+        assert not dst_caches[n][[b for b in range(BLOCKS) if b not in blocks]].any()
+
+
+def test_a_cache_tensor_of_another_shape_is_refused() -> None:
+    plan = EnginePlan((GroupPlan(0, ("mla.0",), 1, 12, torch.bfloat16, 0, latent=True),), CHUNK)
+    with pytest.raises(ValueError, match=r"layer mla.0: cache tensor \(4, 2, 8, 12\) is not \[blocks, 8, 12\] or "
+                                         r"\[blocks, 1, 8, 12\]"):
+        PagedCache(plan, {"mla.0": torch.zeros(4, 2, CHUNK, 12, dtype=torch.bfloat16)}, "cpu")
+    plan = EnginePlan(GROUPS[:1], CHUNK)
+    with pytest.raises(ValueError, match=r"is not \[blocks, 2, 8, 8\]"):
+        PagedCache(plan, {n: torch.zeros(4, CHUNK, 12, dtype=torch.bfloat16) for n in GROUPS[0].layer_names}, "cpu")
 
 
 def test_block_runs_and_chunk_blocks() -> None:

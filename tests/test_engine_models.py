@@ -51,6 +51,22 @@ def test_changed_weights_or_layout_are_another_model() -> None:
     assert engine_model_spec(DESC).layout.layout_id != engine_model_spec(other_dtype).layout.layout_id
 
 
+def test_a_latent_group_holds_one_vector_per_token_and_layer(service: Service) -> None:
+    mla = EngineLayerGroup("full", num_layers=2, kv_heads=1, head_size=24, dtype="bfloat16", latent=True)
+    desc = dataclasses.replace(DESC, groups=(mla,))
+    reg = service.client().register_model(desc)  # through the wire: the flag must arrive
+    assert reg.chunk_bytes == CHUNK * 2 * 24 * 2 and reg.model == desc.name
+    assert desc.name != dataclasses.replace(desc, groups=(dataclasses.replace(mla, latent=False),)).name
+    assert EngineModel.from_json(desc.to_json()) == desc
+
+
+def test_names_of_models_without_latent_groups_did_not_change() -> None:
+    # The name is what every key of the model is filed under: a new description field must not
+    # rename the models engines already registered (their chunks would become unreachable).
+    assert DESC.name == "engine-4b3cd7497cf8253963b9f9a7"
+    assert b"latent" not in DESC.to_json()
+
+
 def test_a_sliding_window_group_becomes_the_local_state() -> None:
     swa = EngineLayerGroup("sliding", num_layers=3, kv_heads=1, head_size=8, dtype="float32", sliding_window=20)
     spec = engine_model_spec(dataclasses.replace(DESC, groups=(FULL, swa)))

@@ -41,6 +41,8 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     kw: dict[str, Any] = {}
+    if spec.get("attention_backend"):  # e.g. "CPU_MLA": latent attention in blocks of 16 tokens
+        kw["attention_backend"] = spec["attention_backend"]
     if spec.get("connector") != "none":
         kw["kv_transfer_config"] = _connector_config(spec)
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",

@@ -761,7 +761,8 @@ class KvstoreClient:
             model=model.model, revision=model.revision, chunk_tokens=model.chunk_tokens, vocab_size=model.vocab_size,
             prefill_flops_per_token=model.prefill_flops_per_token,
             groups=[pb.EngineLayerGroup(name=g.name, num_layers=g.num_layers, kv_heads=g.kv_heads,
-                                        head_size=g.head_size, dtype=g.dtype, sliding_window=g.sliding_window)
+                                        head_size=g.head_size, dtype=g.dtype, sliding_window=g.sliding_window,
+                                        latent=g.latent)
                     for g in model.groups])
         r = self._idempotent("RegisterModel", lambda t: self._stub.RegisterModel(req, timeout=t,
                                                                          metadata=self._metadata),

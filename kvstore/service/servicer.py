@@ -345,8 +345,8 @@ class KVCacheServicer(LocalStateCalls):
             desc = EngineModel(
                 model=req.model, revision=req.revision, chunk_tokens=req.chunk_tokens, vocab_size=req.vocab_size,
                 prefill_flops_per_token=req.prefill_flops_per_token,
-                groups=tuple(EngineLayerGroup(g.name, g.num_layers, g.kv_heads, g.head_size, g.dtype, g.sliding_window)
-                             for g in req.groups))
+                groups=tuple(EngineLayerGroup(g.name, g.num_layers, g.kv_heads, g.head_size, g.dtype, g.sliding_window,
+                                              g.latent) for g in req.groups))
             spec, created = self.app.store.register_engine_model(desc, call.tenant)
             self.app.models.setdefault(spec.name, spec)
             call.model = spec.name

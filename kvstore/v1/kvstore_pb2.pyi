@@ -541,20 +541,22 @@ class ShmSessionStats(_message.Message):
     def __init__(self, session: _Optional[str] = ..., pid: _Optional[int] = ..., leases_active: _Optional[int] = ..., load_segment_bytes: _Optional[int] = ..., store_segment_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., kind: _Optional[str] = ..., in_place_bytes: _Optional[int] = ...) -> None: ...
 
 class EngineLayerGroup(_message.Message):
-    __slots__ = ("name", "num_layers", "kv_heads", "head_size", "dtype", "sliding_window")
+    __slots__ = ("name", "num_layers", "kv_heads", "head_size", "dtype", "sliding_window", "latent")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LATENT_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_layers: int
     kv_heads: int
     head_size: int
     dtype: str
     sliding_window: int
-    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+    latent: bool
+    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., sliding_window: _Optional[int] = ..., latent: _Optional[bool] = ...) -> None: ...
 
 class RegisterModelRequest(_message.Message):
     __slots__ = ("model", "revision", "groups", "chunk_tokens", "vocab_size", "prefill_flops_per_token")

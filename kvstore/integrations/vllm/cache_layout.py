@@ -2,14 +2,17 @@
 
 A chunk's payload is, for each full-attention group (vLLM's KV cache groups in order), its
 records token by token: for each layer of the group, K then V, each [kv_heads, head_size]
-(`[tokens, layers, 2, heads, head_size]`). A local snapshot (the sliding-window rows a boundary
-needs) is, for each sliding-window layer, its rows for the window's tokens in the same per-token
-form. Neither depends on how the attention backend lays out its paged blocks: `PagedCache` turns
-each backend's block tensor into K and V views, and only these views are copied.
+(`[tokens, layers, 2, heads, head_size]`); for a latent group (multi-head latent attention, as
+DeepSeek-V2/V3 have), one latent vector per token and layer (`[tokens, layers, 1, 1, head_size]`).
+A local snapshot (the sliding-window rows a boundary needs) is, for each sliding-window layer, its
+rows for the window's tokens in the same per-token form. Neither depends on how the attention
+backend lays out its paged blocks: `PagedCache` turns each backend's block tensor into K and V
+(or latent) views, and only these views are copied.
 
 A chunk is `chunk_tokens` tokens (kvstore's, 128 by default): one of vLLM's blocks on CPU (whose
-block size is 128), several consecutive blocks of a request on GPU (16 or 32 tokens each), which
-are copied block by block; block tensors on the GPU are copied to and from host memory.
+block size is 128), several consecutive blocks of a request on GPU (16 or 32 tokens each) and for
+latent attention on CPU (16), which are copied block by block; block tensors on the GPU are copied
+to and from host memory.
 """
 
 from __future__ import annotations
@@ -33,10 +36,15 @@ class GroupPlan:
     head_size: int
     dtype: torch.dtype
     sliding_window: int  # 0: full attention
+    latent: bool = False  # one latent vector per token (MLA), not a K and a V
+
+    @property
+    def kv_parts(self) -> int:
+        return 1 if self.latent else 2
 
     @property
     def row_bytes(self) -> int:
-        return 2 * self.kv_heads * self.head_size * self.dtype.itemsize
+        return self.kv_parts * self.kv_heads * self.head_size * self.dtype.itemsize
 
     @property
     def dtype_name(self) -> str:
@@ -96,7 +104,7 @@ class EnginePlan:
             prefill_flops_per_token=flops_per_token,
             groups=tuple(EngineLayerGroup(f"{'sliding' if g.sliding_window else 'full'}-{g.group_id}",
                                           len(g.layer_names), g.kv_heads, g.head_size, g.dtype_name,
-                                          g.sliding_window) for g in self.groups))
+                                          g.sliding_window, g.latent) for g in self.groups))
 
 
 def plan_from_vllm(kv_cache_config: Any, block_size: int, chunk_tokens: int) -> EnginePlan:
@@ -105,24 +113,33 @@ def plan_from_vllm(kv_cache_config: Any, block_size: int, chunk_tokens: int) -> 
     if block_size <= 0 or chunk_tokens % block_size:
         raise ValueError(f"vLLM's blocks of {block_size} tokens do not divide kvstore's chunks of {chunk_tokens} "
                          "tokens (the connector's chunk_tokens must be the service's store.chunk_tokens)")
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     groups = []
     for gid, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
-        if isinstance(spec, SlidingWindowSpec):
+        latent = type(spec) is MLAAttentionSpec  # its subclasses (hidden-state caches, ...) hold other things
+        if isinstance(spec, SlidingWindowSpec) and type(spec) is SlidingWindowSpec:
             window = int(spec.sliding_window)
-        elif isinstance(spec, FullAttentionSpec) and not spec.sliding_window:
+        elif (latent or type(spec) is FullAttentionSpec) and not spec.sliding_window:
             window = 0
         else:
-            raise ValueError(f"KV cache group {gid} is {type(spec).__name__}; the kvstore connector holds full and "
-                             "sliding-window attention only")
-        if spec.head_size_v not in (None, spec.head_size):
+            raise ValueError(f"KV cache group {gid} is {type(spec).__name__}; the kvstore connector holds full, "
+                             "sliding-window and latent (MLA) attention only")
+        if latent and getattr(spec, "model_version", None) is not None:
+            raise ValueError(f"KV cache group {gid} is DeepSeek-V4's compressed latent cache, which the kvstore "
+                             "connector does not hold")
+        if not latent and spec.head_size_v not in (None, spec.head_size):
             raise ValueError(f"KV cache group {gid}: K and V head sizes differ ({spec.head_size}, {spec.head_size_v})")
         if spec.block_size != block_size:
             raise ValueError(f"KV cache group {gid} has blocks of {spec.block_size} tokens, not {block_size}")
-        groups.append(GroupPlan(gid, tuple(g.layer_names), int(spec.num_kv_heads), int(spec.head_size), spec.dtype,
-                                window))
+        group = GroupPlan(gid, tuple(g.layer_names), int(spec.num_kv_heads), int(spec.head_size), spec.dtype,
+                         window, latent)
+        if spec.page_size_bytes != block_size * group.row_bytes:
+            # Padding, packed scales or several tokens per stored state: not rows of this shape.
+            raise ValueError(f"KV cache group {gid}: a block is {spec.page_size_bytes} bytes, not {block_size} rows "
+                             f"of {group.row_bytes}; the kvstore connector reads unpadded, unquantized-scale blocks")
+        groups.append(group)
     plan = EnginePlan(tuple(groups), chunk_tokens, block_size)
     if len({(g.sliding_window, g.row_bytes) for g in plan.sliding}) > 1:
         raise ValueError("sliding-window groups with different windows or shapes are not supported")
@@ -133,8 +150,10 @@ class PagedCache:
     """The engine's per-layer block tensors as K/V views, and copies between them and kvstore's
     canonical chunks and snapshots. vLLM's CPU and CUDA (FlashAttention) backends both hold a
     layer as [blocks, heads, block, 2*head], in memory [blocks, heads, 2, block, head] (K rows,
-    then V rows, per head). On CUDA each copy goes through host memory (a chunk's bytes are
-    kvstore's, in host memory); that path is written for GPUs and has not run on one."""
+    then V rows, per head); its latent (MLA) backends as [blocks, block, head] or [blocks, 1,
+    block, head], one latent row per token. On CUDA each copy goes through host memory (a
+    chunk's bytes are kvstore's, in host memory); that path is written for GPUs and has not run
+    on one."""
 
     def __init__(self, plan: EnginePlan, kv_caches: Mapping[str, torch.Tensor], platform: str) -> None:
         if platform not in ("cpu", "cuda"):
@@ -143,12 +162,17 @@ class PagedCache:
         n = plan.block_tokens
         self._views: dict[str, torch.Tensor] = {}
         for g in plan.groups:
+            # The shapes a backend's layer tensor may have (a latent one with one head: with or
+            # without that axis), each the same memory as [blocks, heads, K/V, block, head].
+            shapes: list[tuple[int, ...]] = [(g.kv_heads, n, g.kv_parts * g.head_size)]
+            if g.latent and g.kv_heads == 1:
+                shapes.insert(0, (n, g.head_size))
             for name in g.layer_names:
                 t = kv_caches[name]
-                if t.dim() != 4 or t.shape[1] != g.kv_heads or t.shape[2] != n or t.shape[3] != 2 * g.head_size:
+                if tuple(t.shape[1:]) not in shapes:
                     raise ValueError(f"layer {name}: cache tensor {tuple(t.shape)} is not "
-                                     f"[blocks, {g.kv_heads}, {n}, {2 * g.head_size}]")
-                self._views[name] = t.view(t.shape[0], g.kv_heads, 2, n, g.head_size)
+                                     + " or ".join(f"[blocks, {', '.join(map(str, s))}]" for s in shapes))
+                self._views[name] = t.view(t.shape[0], g.kv_heads, g.kv_parts, n, g.head_size)
         self._group_of = {name: g for g in plan.groups for name in g.layer_names}
         self._layer_index = {name: i for g in plan.groups for i, name in enumerate(g.layer_names)}
         offset = 0
@@ -166,19 +190,20 @@ class PagedCache:
         return self._group_of.get(layer)
 
     def _chunk_view(self, buf: torch.Tensor, g: GroupPlan) -> torch.Tensor:
-        """[blocks, block tokens, layers, 2, heads, head_size] view of group g inside `buf`
+        """[blocks, block tokens, layers, K/V, heads, head_size] view of group g inside `buf`
         ([chunks, chunk_bytes]): each chunk's tokens as its blocks_per_chunk blocks, in order."""
         n, size = self.plan.block_tokens, self.plan.chunk_tokens * len(g.layer_names) * g.row_bytes
         off = self._offsets[g.group_id]
         blocks = buf.shape[0] * self.plan.blocks_per_chunk
-        return buf[:, off : off + size].view(g.dtype).view(blocks, n, len(g.layer_names), 2, g.kv_heads, g.head_size)
+        return buf[:, off : off + size].view(g.dtype).view(blocks, n, len(g.layer_names), g.kv_parts, g.kv_heads,
+                                                            g.head_size)
 
     def _snap_view(self, buf: torch.Tensor, g: GroupPlan) -> torch.Tensor:
-        """[layers, window blocks, block tokens, 2, heads, head_size] view of group g inside a snapshot."""
+        """[layers, window blocks, block tokens, K/V, heads, head_size] view of group g inside a snapshot."""
         n, k = self.plan.block_tokens, self.plan.window_chunks * self.plan.blocks_per_chunk
         size = k * n * len(g.layer_names) * g.row_bytes
         off = self._snap_offsets[g.group_id]
-        return buf[off : off + size].view(g.dtype).view(len(g.layer_names), k, n, 2, g.kv_heads, g.head_size)
+        return buf[off : off + size].view(g.dtype).view(len(g.layer_names), k, n, g.kv_parts, g.kv_heads, g.head_size)
 
     def gather_chunks(self, layer: str, blocks: Sequence[int], out: torch.Tensor) -> None:
         """Copy one full-attention layer's `blocks` (blocks_per_chunk per chunk) into `out`

@@ -221,7 +221,8 @@ class SchedulerSide:
     def finished(self, request: Any) -> dict[str, Any] | None:
         st = self._requests.pop(request.request_id, None)
         counters = dict(Counter(self.link.snapshot()) + self.worker_counters)
-        return {"kvstore": {"loaded_tokens": st.loaded_tokens if st else 0, "counters": counters}}
+        return {"kvstore": {"loaded_tokens": st.loaded_tokens if st else 0, "block_tokens": self.plan.block_tokens,
+                            "counters": counters}}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
