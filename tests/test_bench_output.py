@@ -37,11 +37,11 @@ def test_figures_without_tables_print_one_per_line(capsys: pytest.CaptureFixture
     assert "[ok  ] t: 0.5 (target <= 1)" in out
 
 
-def test_bench_dataplane_reports_each_path_and_what_a_load_costs_besides_its_copy(
+def test_bench_dataplane_reports_each_path_what_a_load_costs_besides_its_copy_and_first_loads(
         capsys: pytest.CaptureFixture[str]) -> None:
     # A small run of the real bench: its own `kvstore serve` on TCP and a Unix socket, two loading
     # client processes. It checks the loaded bytes itself; here, that every figure came out.
-    assert main(["bench", "dataplane", "--json", "--sections", "host", "--prefixes", "1024", "--repeats", "2",
+    assert main(["bench", "dataplane", "--json", "--sections", "host,first", "--prefixes", "1024", "--repeats", "2",
                  "--clients", "2", "--store-repeats", "1"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["machine"]["cpus"] == os.cpu_count() and doc["machine"]["cpu"], doc["machine"]
@@ -49,5 +49,9 @@ def test_bench_dataplane_reports_each_path_and_what_a_load_costs_besides_its_cop
     for key in ("memcpy_gbps", "shm_load_gbps", "grpc_load_gbps", "shm_load_4_clients_gbps", "memcpy_4_clients_gbps"):
         assert f[key] > 0, (key, f)
     assert f["shm_control_ms"] > 0, f  # a figure, never compared here: tests do not time things
+    first = doc["first_load"]  # a new session's first load from LMDB, with and without a prefaulted segment
+    for key in ("prefaulted_first_load_ms", "prefaulted_second_load_ms", "not_prefaulted_first_load_ms",
+                "not_prefaulted_second_load_ms"):
+        assert first[key] > 0, (key, first)
     assert doc["shm_in_place_share"] == 1.0 and {t["name"].split(": ")[1] for t in doc["targets"]} == {
         "shm_load_gbps / memcpy_gbps", "shm_load_gbps / grpc_load_gbps", "shm_load_4_clients_gbps / shm_load_gbps"}

@@ -119,10 +119,33 @@ def test_bytes_are_equal_on_every_path(make_service: Callable[..., Service], soc
     ({"shm_load_segment_bytes": 4096}, "1 MiB..1 TiB"),
     ({"shm_lease_seconds": 0}, "0.1..3600"),
     ({"max_shm_sessions": 0}, ">= 1"),
+    ({"shm_prefault_bytes": -1}, "0..1 TiB"),
 ])
 def test_same_host_config_keys_are_checked_at_start(keys: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         make_config(service=keys)
+
+
+@pytest.mark.parametrize("prefault", [2 << 20, 0])
+def test_a_new_sessions_load_segment_comes_with_its_first_bytes_resident(
+        make_service: Callable[..., Service], sock_dir: Path, prefault: int) -> None:
+    # A restarted service's first restore should not fault its copy into the segment page by
+    # page: a spare segment, made ready beforehand, has its first shm_prefault_bytes in memory.
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_prefault_bytes=prefault))
+    sessions = svc.server.shm
+    assert sessions is not None
+
+    for _ in range(3):  # the first from the spare made at start, the next from its replacements
+        if prefault:
+            wait_until(lambda: sessions._spare is not None)
+        shm = ShmPath.open(str(sock_dir / "kv.sock"), None)
+        try:
+            # What the segment's memory file has allocated (tmpfs counts its pages in st_blocks).
+            got = os.fstat(sessions.session(shm.session_id, shm.tenant).load.fd).st_blocks * 512
+            assert (got >= prefault) if prefault else got == 0, got
+            assert got < 4 << 20  # the rest of the segment is not
+        finally:
+            shm.close()
 
 
 def test_a_forged_or_stale_descriptor_is_refused(make_service: Callable[..., Service], sock_dir: Path) -> None:

@@ -23,6 +23,13 @@ passes, the passes of the contenders taking turns:
 Targets: `shm_load_gbps` >= 0.5 x `memcpy_gbps` and >= 4 x `grpc_load_gbps`;
 `shm_load_4_clients_gbps` >= 1.5 x `shm_load_gbps`. Benchmarks print; tests never assert on speed.
 
+The first section: a new session's first load, which copies into a load segment no one has
+written yet. Two services hold the same 8,192-token prefix in LMDB only (restarted after the
+Store): one as configured by default (a spare load segment with its first `shm_prefault_bytes`
+resident is ready for each new session), one with `shm_prefault_bytes = 0`. Trials alternate
+between them: a new client opens its session, and after a pause (the spare is remade) loads the
+prefix twice: `first_load_ms` and `second_load_ms` (medians), for each service. Not a target.
+
 The gpu section (where CUDA and cupy are present; `--sections`) holds the same prefixes in the
 device tier of a second `kvstore serve`, on the GPU, and loads them into a tensor on that GPU:
 - `gpu_d2d_copy_gbps`: torch copying the same bytes from one GPU tensor into another (the ceiling);
@@ -53,12 +60,15 @@ from kvstore.bench.serve_proc import start_serve
 MiB = 1 << 20
 
 
-SECTIONS = ("host", "gpu")
+SECTIONS = ("host", "first", "gpu")
+FIRST_LOAD_TOKENS = 8192
+FIRST_LOAD_TRIALS = 12
 
 
 def add_dataplane_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sections", default=None, metavar="S,S",
-                   help="parts to run, of host,gpu (default: host, and gpu where CUDA and cupy are present)")
+                   help="parts to run, of host,first,gpu (default: host and first, and gpu where CUDA and cupy "
+                        "are present)")
     p.add_argument("--model", default="deepseek-v4.1-flash")
     p.add_argument("--prefixes", default="32768,131072", help="prefix lengths in tokens, comma-separated")
     p.add_argument("--repeats", type=int, default=7, help="passes of each contender per figure")
@@ -99,7 +109,8 @@ def _copy_chunks(sources: list[bytes], dst: memoryview, chunk_bytes: int) -> Non
         dst[i * chunk_bytes : (i + 1) * chunk_bytes] = c
 
 
-def _config(tmp: Path, model: str, nbytes: int, sock: Path, gpu: bool = False) -> Path:
+def _config(tmp: Path, model: str, nbytes: int, sock: Path, gpu: bool = False, store: str = "",
+            service: str = "") -> Path:
     cfg = tmp / ("bench-gpu.toml" if gpu else "bench.toml")
     tiers = (f"device = \"cuda\"\ndevice_capacity_bytes = {nbytes + 256 * MiB}\ndram_capacity_bytes = {256 * MiB}\n"
              if gpu else  # every chunk in the GPU's device tier
@@ -107,9 +118,9 @@ def _config(tmp: Path, model: str, nbytes: int, sock: Path, gpu: bool = False) -
     cfg.write_text(
         f"[store]\n{tiers}"  # else no device tier: every chunk in DRAM
         f"lmdb_capacity_bytes = {2 * nbytes + 512 * MiB}\n"
-        "lmdb_durability = \"async\"\ncompression = \"none\"\nprefault_arenas = true\n"
+        f"lmdb_durability = \"async\"\ncompression = \"none\"\nprefault_arenas = true\n{store}"
         f"[service]\nunix_socket_path = \"{sock}\"\nmodels = [\"{model}\"]\n"
-        f"shm_load_segment_bytes = {256 * MiB}\nshm_store_segment_bytes = {256 * MiB}\n"
+        f"shm_load_segment_bytes = {256 * MiB}\nshm_store_segment_bytes = {256 * MiB}\n{service}"
         "[replay]\nrunner = \"none\"\n[local_pool]\ncapacity_bytes = 16777216\n")
     return cfg
 
@@ -121,7 +132,7 @@ def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
     from kvstore.layout import get_model
 
     sections = pick_sections("dataplane", args.sections, SECTIONS,
-                             ["host"] if cuda_ipc_unavailable() else ["host", "gpu"])
+                             ["host", "first"] if cuda_ipc_unavailable() else ["host", "first", "gpu"])
 
     spec = get_model(args.model)
     layout = spec.layout
@@ -138,6 +149,9 @@ def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
     targets: list[dict[str, Any]] = []
     if "gpu" in sections:
         out["gpu"] = _gpu_figures(args, prompts, blobs, held, cb, interleaved_best_rates)
+    if "first" in sections:
+        print("dataplane: first loads of new sessions", file=sys.stderr)
+        out["first_load"] = _first_load_figures(args.model, spec.vocab_size, cb, ct)
     if "host" not in sections:
         out["targets"] = targets
         return out
@@ -243,6 +257,56 @@ def _store_figures(args: argparse.Namespace, shm: Any, tcp: Any, n_tokens: int, 
             assert r.stored_chunks == n_tokens // ct and r.durable, r
             best[name] = max(best[name], len(blob) / dt / 1e9)
     return {"tokens": n_tokens, "bytes": len(blob), "shm_store_gbps": best["shm"], "grpc_store_gbps": best["grpc"]}
+
+
+def _first_load_figures(model: str, vocab: int, cb: int, ct: int) -> dict[str, Any]:
+    from kvstore.client.sync_client import KvstoreClient
+
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, vocab, FIRST_LOAD_TOKENS).astype("<u4")
+    blob = rng.integers(0, 256, (FIRST_LOAD_TOKENS // ct) * cb, dtype=np.uint8).tobytes()
+    dst = bytearray(len(blob))
+    variants = {"prefaulted": "", "not_prefaulted": "shm_prefault_bytes = 0\n"}
+    times: dict[str, tuple[list[float], list[float]]] = {v: ([], []) for v in variants}
+    with tempfile.TemporaryDirectory(prefix="kvs-bench-", dir="/tmp") as tmpdir:
+        procs: dict[str, tuple[Any, str]] = {}
+        try:
+            for name, extra in variants.items():
+                tmp = Path(tmpdir) / name
+                tmp.mkdir()
+                cfg = _config(tmp, model, 2 * len(blob), tmp / "kv.sock", store="promote_on_hit = false\n",
+                              service=extra)
+                proc, tcp = start_serve(cfg, tmp / "data")
+                procs[name] = (proc, "")
+                with KvstoreClient(tcp) as kv:
+                    assert kv.store(model, prompt, blob).durable
+                proc.terminate()
+                proc.wait(timeout=30)
+                proc, _ = start_serve(cfg, tmp / "data")  # the chunks now in LMDB only
+                procs[name] = (proc, f"unix://{tmp / 'kv.sock'}")
+            for _ in range(FIRST_LOAD_TRIALS):
+                for name, (_, address) in procs.items():
+                    with KvstoreClient(address) as kv:
+                        assert kv.shm_session_id(), kv.shm_detail
+                        time.sleep(0.3)  # the service makes its next spare segment meanwhile
+                        t0 = time.perf_counter()
+                        first = kv.load_into(model, prompt, dst)
+                        t1 = time.perf_counter()
+                        kv.load_into(model, prompt, dst)
+                        t2 = time.perf_counter()
+                        assert first.loaded_chunks == len(blob) // cb and set(first.chunk_tiers) == {"lmdb"}, first
+                        assert kv.data_path_in_use == "shm" and bytes(dst) == blob
+                    times[name][0].append((t1 - t0) * 1e3)
+                    times[name][1].append((t2 - t1) * 1e3)
+        finally:
+            for proc, _ in procs.values():
+                proc.terminate()
+                proc.wait(timeout=30)
+    out: dict[str, Any] = {"tokens": FIRST_LOAD_TOKENS, "bytes": len(blob), "trials": FIRST_LOAD_TRIALS}
+    for name, (first_ms, second_ms) in times.items():
+        out[f"{name}_first_load_ms"] = float(np.median(first_ms))
+        out[f"{name}_second_load_ms"] = float(np.median(second_ms))
+    return out
 
 
 def _gpu_figures(args: argparse.Namespace, prompts: dict[int, np.ndarray], blobs: dict[int, bytes], held: int,

@@ -65,6 +65,11 @@ class ServiceConfig:
     shm_load_segment_bytes: int = 256 * MiB
     shm_store_segment_bytes: int = 256 * MiB
     shm_lease_seconds: float = 30.0
+    # The first bytes of a session's load segment are made resident before a client takes it (one
+    # spare segment is kept ready): a new segment's first writes otherwise fault a page at a time,
+    # ~5 ms per 8 MB here, which a restarted service's first restore would pay. At most the whole
+    # segment; 0: no spare.
+    shm_prefault_bytes: int = 64 * MiB
     # Loads read chunks where the in-memory tiers hold them (one copy, into the caller's memory,
     # instead of two): the host-memory tiers are then split between tenants by share_weight, each
     # part a memory file only that tenant's sessions map (read-only). Off: one shared pool, and
@@ -109,6 +114,7 @@ class ServiceConfig:
         for name in ("shm_load_segment_bytes", "shm_store_segment_bytes"):
             require(1 * MiB <= getattr(self, name) <= 1 << 40, join(prefix, name), "must be in 1 MiB..1 TiB")
         require(0.1 <= self.shm_lease_seconds <= 3600, join(prefix, "shm_lease_seconds"), "must be in 0.1..3600")
+        require(0 <= self.shm_prefault_bytes <= 1 << 40, join(prefix, "shm_prefault_bytes"), "must be in 0..1 TiB")
         require(self.max_shm_sessions >= 1, join(prefix, "max_shm_sessions"), "must be >= 1")
         require(
             bool(self.tls_cert_file) == bool(self.tls_key_file),

@@ -13,6 +13,9 @@ resource, shared fairly between tenants by weight (`service.max_shm_sessions`).
 
 One thread serves every connection (selectors): accepting, the hello, lease releases, closes and
 the expiry of leases. A connection that has not said hello within `HANDSHAKE_SECONDS` is closed.
+Another keeps one spare load segment ready, its first `shm_prefault_bytes` resident, so that a new
+session's first loads (the first restore after a restart) copy into memory that does not fault; a
+spare has never been mapped by anyone, and each is handed to one session only.
 
 What it does not know: what calls do with a session (the servicers), or gRPC codes.
 """
@@ -110,6 +113,9 @@ class ShmSessions:
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._spare: Segment | None = None
+        self._want_spare = threading.Event()
+        self._spare_thread: threading.Thread | None = None
         self.detail = sealing_available()  # "" when shared memory can be offered
         self.refused_total = 0
 
@@ -128,11 +134,22 @@ class ShmSessions:
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._thread = threading.Thread(target=self._run, name="kvstore-shm", daemon=True)
         self._thread.start()
+        if self._svc.shm_prefault_bytes:
+            self._spare_thread = threading.Thread(target=self._keep_spare, name="kvstore-shm-spare", daemon=True)
+            self._spare_thread.start()
+            self._want_spare.set()
 
     def stop(self) -> None:
         self._stopping = True
+        self._want_spare.set()
         if self._thread is not None:
             self._thread.join(5.0)
+        if self._spare_thread is not None:
+            self._spare_thread.join(5.0)
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
         for key in list(self._sel.get_map().values()):
             conn = key.data
             if isinstance(conn, _Conn):
@@ -298,7 +315,7 @@ class ShmSessions:
         if refusal is not None:
             raise InvalidInput(refusal_message("too many same-host sessions", "sessions", refusal))
         try:
-            load = Segment("kvstore-load", self._svc.shm_load_segment_bytes, client_writable=False)
+            load = self._load_segment()
             try:
                 store = Segment("kvstore-store", self._svc.shm_store_segment_bytes, client_writable=True)
             except BaseException:
@@ -312,6 +329,36 @@ class ShmSessions:
                                                                  _PEERCRED.size))
         return ShmSession(secrets.token_hex(16), caller.tenant, kind, pid, load, store,
                           LeaseTable(load.nbytes, self._svc.shm_lease_seconds))
+
+    def _load_segment(self) -> Segment:
+        """The spare load segment if one is ready (another is then made), else a new one."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if self._spare_thread is not None:
+            self._want_spare.set()
+        return spare or Segment("kvstore-load", self._svc.shm_load_segment_bytes, client_writable=False)
+
+    def _keep_spare(self) -> None:
+        while not self._stopping:
+            self._want_spare.wait()
+            self._want_spare.clear()
+            with self._lock:
+                if self._spare is not None or self._stopping:
+                    continue
+            try:
+                seg = Segment("kvstore-load", self._svc.shm_load_segment_bytes, client_writable=False)
+                seg.prefault(self._svc.shm_prefault_bytes)
+            except OSError as e:  # out of memory for it now: sessions make their own meanwhile
+                log.warning("no spare same-host segment: %s", e)
+                time.sleep(1.0)
+                self._want_spare.set()
+                continue
+            with self._lock:
+                kept = self._spare is None and not self._stopping
+                if kept:
+                    self._spare = seg
+            if not kept:
+                seg.close()
 
     def _drop(self, conn: _Conn, why: str) -> None:
         with contextlib.suppress(KeyError, ValueError):
