@@ -6,6 +6,7 @@ streams whenever shared memory is not there."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -146,6 +147,24 @@ def test_a_new_sessions_load_segment_comes_with_its_first_bytes_resident(
             assert got < 4 << 20  # the rest of the segment is not
         finally:
             shm.close()
+
+
+def test_sessions_open_without_a_spare_when_none_can_be_made(
+        make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from kvstore.dataplane.segments import Segment
+
+    def no_memory(self: Segment, nbytes: int) -> None:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(Segment, "prefault", no_memory)  # a fault injected: the host is out of memory
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    wait_until(lambda: "no spare same-host segment" in caplog.text)
+    assert svc.server.shm is not None and svc.server.shm._spare is None
+    kv = unix(svc)
+    prompt, chunks = tokens(3, CHUNK * 2), payloads(3, 2, svc.chunk_bytes(TOY))
+    assert kv.store(TOY, prompt, chunks).stored_chunks == 2
+    assert _same(kv.load(TOY, prompt).chunks, chunks) and kv.data_path_in_use == "shm"
 
 
 def test_a_forged_or_stale_descriptor_is_refused(make_service: Callable[..., Service], sock_dir: Path) -> None:

@@ -10,6 +10,7 @@ client writes it, and a client that truncated it could make the service fault on
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
@@ -47,7 +48,10 @@ class Segment:
             return
         try:
             self.map.madvise(MADV_POPULATE_WRITE, 0, nbytes)
-        except OSError:  # before Linux 5.14: touch each page (the memory is zero, and stays so)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # out of memory, say: the caller decides
+                raise
+            # Before Linux 5.14: touch each page (the memory is zero, and stays so).
             page = mmap.PAGESIZE
             for at in range(0, nbytes, page):
                 self.view[at] = 0

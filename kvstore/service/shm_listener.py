@@ -115,6 +115,7 @@ class ShmSessions:
         self._stopping = False
         self._spare: Segment | None = None
         self._want_spare = threading.Event()
+        self._halt = threading.Event()  # set at stop: ends the spare thread's waits at once
         self._spare_thread: threading.Thread | None = None
         self.detail = sealing_available()  # "" when shared memory can be offered
         self.refused_total = 0
@@ -141,6 +142,7 @@ class ShmSessions:
 
     def stop(self) -> None:
         self._stopping = True
+        self._halt.set()
         self._want_spare.set()
         if self._thread is not None:
             self._thread.join(5.0)
@@ -339,6 +341,7 @@ class ShmSessions:
         return spare or Segment("kvstore-load", self._svc.shm_load_segment_bytes, client_writable=False)
 
     def _keep_spare(self) -> None:
+        failing = False
         while not self._stopping:
             self._want_spare.wait()
             self._want_spare.clear()
@@ -347,12 +350,19 @@ class ShmSessions:
                     continue
             try:
                 seg = Segment("kvstore-load", self._svc.shm_load_segment_bytes, client_writable=False)
-                seg.prefault(self._svc.shm_prefault_bytes)
+                try:
+                    seg.prefault(self._svc.shm_prefault_bytes)
+                except BaseException:
+                    seg.close()
+                    raise
             except OSError as e:  # out of memory for it now: sessions make their own meanwhile
-                log.warning("no spare same-host segment: %s", e)
-                time.sleep(1.0)
+                if not failing:
+                    log.warning("no spare same-host segment (tried again every 5 s): %s", e)
+                failing = True
+                self._halt.wait(5.0)
                 self._want_spare.set()
                 continue
+            failing = False
             with self._lock:
                 kept = self._spare is None and not self._stopping
                 if kept:
