@@ -67,7 +67,7 @@ class ServiceConfig:
     shm_lease_seconds: float = 30.0
     # The first bytes of a session's load segment are made resident before a client takes it (one
     # spare segment is kept ready): a new segment's first writes otherwise fault a page at a time,
-    # ~5 ms per 8 MB here, which a restarted service's first restore would pay. At most the whole
+    # 4-5 ms per 7.3 MB here, which a restarted service's first restore would pay. At most the whole
     # segment; 0: no spare.
     shm_prefault_bytes: int = 64 * MiB
     # Loads read chunks where the in-memory tiers hold them (one copy, into the caller's memory,
