@@ -3,9 +3,8 @@ cache is one latent vector per token and layer, in blocks of 128 tokens (the bac
 on this CPU) or of 16 (vLLM's reference CPU latent backend, asked for by name), which the
 connector groups into kvstore's chunks of 128, as it does for every model on a GPU.
 
-vLLM's own computation differs between a cold prefill and one over a cached prefix here (the
-latent backend attends to cached tokens by another kernel, and the random model amplifies bf16
-rounding), so a restored prefix is compared with vLLM's own prefix cache hit of the same length:
+vLLM's own computation differs between a cold prefill and one over a cached prefix here (cached
+tokens are attended to in a separate pass, and the random model amplifies bf16 rounding), so a restored prefix is compared with vLLM's own prefix cache hit of the same length:
 the same cached rows, the same path, the same output."""
 
 from __future__ import annotations
