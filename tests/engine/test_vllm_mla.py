@@ -4,8 +4,9 @@ on this CPU) or of 16 (vLLM's reference CPU latent backend, asked for by name), 
 connector groups into kvstore's chunks of 128, as it does for every model on a GPU.
 
 vLLM's own computation differs between a cold prefill and one over a cached prefix here (cached
-tokens are attended to in a separate pass, and the random model amplifies bf16 rounding), so a restored prefix is compared with vLLM's own prefix cache hit of the same length:
-the same cached rows, the same path, the same output."""
+tokens are attended to in a separate pass, and the random model amplifies bf16 rounding), so a
+restored prefix is compared with vLLM's own prefix cache hit of the same length: the same cached
+rows, the same path, the same output."""
 
 from __future__ import annotations
 
