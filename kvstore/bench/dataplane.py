@@ -28,7 +28,8 @@ written yet. Two services hold the same 8,192-token prefix in LMDB only (restart
 Store): one as configured by default (a spare load segment with its first `shm_prefault_bytes`
 resident is ready for each new session), one with `shm_prefault_bytes = 0`. Trials alternate
 between them: a new client opens its session, and after a pause (the spare is remade) loads the
-prefix twice: `first_load_ms` and `second_load_ms` (medians), for each service. Not a target.
+prefix twice: `prefaulted_first_load_ms`, `prefaulted_second_load_ms` and the same two of the
+other service, `not_prefaulted_...` (medians). Not a target.
 
 The gpu section (where CUDA and cupy are present; `--sections`) holds the same prefixes in the
 device tier of a second `kvstore serve`, on the GPU, and loads them into a tensor on that GPU:
