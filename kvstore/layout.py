@@ -272,9 +272,13 @@ class EngineLayerGroup:
     latent: bool = False  # one latent vector per token and layer (MLA), not a K and a V
 
     @property
+    def kv_parts(self) -> int:
+        return 1 if self.latent else 2
+
+    @property
     def row_bytes(self) -> int:
         """What one token of one layer keeps: K and V, or one latent vector."""
-        return (1 if self.latent else 2) * self.kv_heads * self.head_size * ENGINE_DTYPES[self.dtype][0]
+        return self.kv_parts * self.kv_heads * self.head_size * ENGINE_DTYPES[self.dtype][0]
 
 
 @dataclass(frozen=True)

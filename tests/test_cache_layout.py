@@ -97,8 +97,9 @@ def test_latent_chunks_hold_one_row_per_token_and_layer(block: int, table: list[
                   for n, shape in (("mla.0", (block, latent)), ("mla.1", (1, block, latent)))}
     dst_caches = {n: torch.zeros_like(t) for n, t in src_caches.items()}
     out = torch.zeros(len(blocks) // k, plan.chunk_bytes, dtype=torch.uint8)
+    src = PagedCache(plan, src_caches, platform)
     for name in src_caches:
-        PagedCache(plan, src_caches, platform).gather_chunks(name, blocks, out)
+        src.gather_chunks(name, blocks, out)
     for c in range(len(blocks) // k):  # per token, per layer, the latent row
         rows = torch.stack([torch.cat([src_caches[n][b].cpu().view(block, latent) for b in blocks[c * k : (c + 1) * k]])
                             for n in ("mla.0", "mla.1")], dim=1)

@@ -109,10 +109,12 @@ def run(args: argparse.Namespace) -> int:
         _say(f"admin HTTP on http://{cfg.admin.host}:{server.admin.port}/")
     if server.unix_socket:
         shm = server.shm
+        spare = (f"a spare load segment with {min(svc.shm_prefault_bytes, svc.shm_load_segment_bytes) >> 20} MiB "
+                 "prefaulted" if svc.shm_prefault_bytes else "no spare load segment")
         _say(f"gRPC also on unix://{server.unix_socket} (plaintext; the same authentication as TCP); " + (
             f"same-host shared memory on {shm.path}: segments of {svc.shm_load_segment_bytes >> 20} MiB (load) "
             f"and {svc.shm_store_segment_bytes >> 20} MiB (store) per session, leases {svc.shm_lease_seconds:g} s, "
-            f"{min(svc.shm_prefault_bytes, svc.shm_load_segment_bytes) >> 20} MiB of a spare load segment prefaulted"
+            f"{spare}"
             if shm is not None and shm.enabled else
             f"no shared memory ({'service.shm_enabled is off' if shm is None else shm.detail})"))
     _say(f"gRPC listening on {server.address} ({security})")

@@ -112,10 +112,9 @@ class ShmSessions:
         self._sel = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._stopping = threading.Event()  # set at stop: ends both threads' loops and waits
         self._spare: Segment | None = None
         self._want_spare = threading.Event()
-        self._halt = threading.Event()  # set at stop: ends the spare thread's waits at once
         self._spare_thread: threading.Thread | None = None
         self.detail = sealing_available()  # "" when shared memory can be offered
         self.refused_total = 0
@@ -141,8 +140,7 @@ class ShmSessions:
             self._want_spare.set()
 
     def stop(self) -> None:
-        self._stopping = True
-        self._halt.set()
+        self._stopping.set()
         self._want_spare.set()
         if self._thread is not None:
             self._thread.join(5.0)
@@ -191,7 +189,7 @@ class ShmSessions:
     # --- the listener thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopping:
+        while not self._stopping.is_set():
             try:
                 events = self._sel.select(timeout=0.25)
             except OSError:
@@ -338,18 +336,21 @@ class ShmSessions:
             spare, self._spare = self._spare, None
         if self._spare_thread is not None:
             self._want_spare.set()
-        return spare or Segment("kvstore-load", self._svc.shm_load_segment_bytes, client_writable=False)
+        return spare or self._new_load_segment()
+
+    def _new_load_segment(self) -> Segment:
+        return Segment("kvstore-load", self._svc.shm_load_segment_bytes, client_writable=False)
 
     def _keep_spare(self) -> None:
         failing = False
-        while not self._stopping:
+        while not self._stopping.is_set():
             self._want_spare.wait()
             self._want_spare.clear()
             with self._lock:
-                if self._spare is not None or self._stopping:
+                if self._spare is not None or self._stopping.is_set():
                     continue
             try:
-                seg = Segment("kvstore-load", self._svc.shm_load_segment_bytes, client_writable=False)
+                seg = self._new_load_segment()
                 try:
                     seg.prefault(self._svc.shm_prefault_bytes)
                 except BaseException:
@@ -359,12 +360,12 @@ class ShmSessions:
                 if not failing:
                     log.warning("no spare same-host segment (tried again every 5 s): %s", e)
                 failing = True
-                self._halt.wait(5.0)
+                self._stopping.wait(5.0)
                 self._want_spare.set()
                 continue
             failing = False
             with self._lock:
-                kept = self._spare is None and not self._stopping
+                kept = self._spare is None and not self._stopping.is_set()
                 if kept:
                     self._spare = seg
             if not kept:

@@ -119,14 +119,14 @@ def plan_from_vllm(kv_cache_config: Any, block_size: int, chunk_tokens: int) -> 
     for gid, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
         latent = type(spec) is MLAAttentionSpec  # its subclasses (hidden-state caches, ...) hold other things
-        if isinstance(spec, SlidingWindowSpec) and type(spec) is SlidingWindowSpec:
+        if type(spec) is SlidingWindowSpec:
             window = int(spec.sliding_window)
         elif (latent or type(spec) is FullAttentionSpec) and not spec.sliding_window:
             window = 0
         else:
             raise ValueError(f"KV cache group {gid} is {type(spec).__name__}; the kvstore connector holds full, "
                              "sliding-window and latent (MLA) attention only")
-        if latent and getattr(spec, "model_version", None) is not None:
+        if latent and spec.model_version is not None:
             raise ValueError(f"KV cache group {gid} is DeepSeek-V4's compressed latent cache, which the kvstore "
                              "connector does not hold")
         if not latent and spec.head_size_v not in (None, spec.head_size):
