@@ -41,7 +41,8 @@ from kvstore.bench.machine import machine
 CHUNK = 128
 # vLLM's worker busy-polls its scheduler's queue for 1 s after each request (shm_broadcast's
 # SpinCondition): an engine timed right after the other engine's request would share the two
-# cores with that spinning worker. Each restore timed in turn waits this long after the other's.
+# cores with that spinning worker. Every timed restore waits this long after the request before it
+# (its own engine's or the other's), so that all are timed alike.
 OTHER_ENGINE_IDLE_SECONDS = 1.5
 
 
@@ -179,7 +180,13 @@ def _kvstore_rows(work: Path, model: Path, base: dict[str, Any], transport: str,
             for n in sorted(rows):
                 e.ttft_ms(prompts[n][0])
                 _wait_stored(port, 2 + sum(m // CHUNK for m in rows if m <= n))
-                rows[n][f"{prefix}_dram_ttft_ms"] = min(e.ttft_ms(prompts[n][0]) for _ in range(reps))
+                # Each restore after the same pause as the restores from LMDB below, so that both
+                # rows are timed alike (back to back, each followed the last one's spinning worker).
+                dram: list[float] = []
+                for _ in range(reps):
+                    time.sleep(OTHER_ENGINE_IDLE_SECONDS)
+                    dram.append(e.ttft_ms(prompts[n][0]))
+                rows[n][f"{prefix}_dram_ttft_ms"] = min(dram)
         with _kvstore(work, port, sock):
             # The engine finds the service gone and reconnects (a new same-host session too) on its
             # first request: a warm-up with a prompt of its own, as every engine here has one.
@@ -188,11 +195,11 @@ def _kvstore_rows(work: Path, model: Path, base: dict[str, Any], transport: str,
                 ours: list[float] = []
                 theirs: list[float] = []
                 for _ in range(reps):
+                    time.sleep(OTHER_ENGINE_IDLE_SECONDS)
                     ours.append(e.ttft_ms(prompts[n][0]))
                     if example is not None:
                         time.sleep(OTHER_ENGINE_IDLE_SECONDS)
                         theirs.append(example.ttft_ms(prompts[n][0]))
-                        time.sleep(OTHER_ENGINE_IDLE_SECONDS)
                 rows[n][f"{prefix}_lmdb_ttft_ms"] = min(ours)
                 if theirs:
                     rows[n]["example_connector_ttft_ms"] = min(theirs)
