@@ -40,6 +40,23 @@ def test_any_run_of_any_chunk_size_chains_as_the_reference(n: int, step: int, pr
     assert key_chain.chain_from(prev, raw, step) == chain_keys(prev, split_chunks(raw, step))
 
 
+@pytest.mark.parametrize("n", [0, 2, 40])  # hashlib below MIN_KERNEL_CHUNKS, the compiled loop above
+def test_chained_count_is_how_many_chunks_from_the_first_hash_to_their_keys(n: int) -> None:
+    prev = bytes(range(32))
+    parts = split_chunks(chunks(n, 7), STEP)
+    keys = chain_keys(prev, parts)
+    assert key_chain.chained_count(prev, parts, keys) == n
+    assert key_chain.chained_count(prev, parts, keys[: n // 2]) == n // 2  # the keys bound it
+    assert key_chain.chained_count(prev, parts[: n // 2], keys) == n // 2
+    if n:
+        wrong = [*parts[:-1], bytes(STEP)]  # the last chunk's token ids are not its key's
+        assert key_chain.chained_count(prev, wrong, keys) == n - 1
+        assert key_chain.chained_count(b"\0" * 32, parts, keys) == 0  # another chain altogether
+        # A chunk of another size ends the hashed run even where it chains (the caller checks on).
+        odd = [*parts[:-1], parts[-1][:8]]
+        assert key_chain.chained_count(prev, odd, chain_keys(prev, odd)) == n - 1
+
+
 def test_a_partial_chunk_is_refused() -> None:
     with pytest.raises(ValueError, match="whole number of 512-byte chunks"):
         key_chain.chain_from(bytes(32), bytes(STEP * 4 + 3), STEP)

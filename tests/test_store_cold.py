@@ -19,6 +19,7 @@ from kvstore.config.policies import EVICTION_POLICIES
 from kvstore.layout import get_model
 from kvstore.store import GlobalStore, TenantQuota
 from kvstore.store.cold import ColdChunks
+from kvstore.store.placement import ChunkEntry
 from kvstore.tiers.base import ChunkMeta, ScannedChunk
 from kvstore.tiers.lmdb_tier import LmdbTier
 from tests.store_helpers import (
@@ -56,6 +57,23 @@ def test_find_many_agrees_with_find_and_thaw_takes_a_chunk_out() -> None:
     assert [e is not None for e in cold.peek_many(probe)] == [i >= 0 for i in one_by_one]
     assert cold.peek(keys[11]) is cold.kind_entry(kind) and cold.kind_entry(kind).cold
     assert list(cold.dead()) == [keys[10]]
+
+
+def test_peek_many_agrees_with_peek_with_folded_chunks_and_without() -> None:
+    rng = np.random.default_rng(4)
+    keys = sorted({rng.bytes(32) for _ in range(300)})
+    layout = get_model("reference-toy-8").layout
+    cold = ColdChunks()
+    kinds = [cold.kind(bytes([i]) * 32, "t", layout, 1.0, 4096) for i in range(3)]
+    cold.append(b"".join(keys[:200]), [kinds[i % 3] for i in range(200)])
+    probe = [*keys, *(rng.bytes(32) for _ in range(10))]
+    rng.shuffle(probe)
+    assert cold.peek_many(probe) == [cold.peek(k) for k in probe]  # the restart's arrays only
+    for i, key in enumerate(keys[200:]):
+        cold.fold(key, ChunkEntry(bytes([i % 2]) * 32, "t", layout, None, layout.chunk_bytes, 2.0, {"lmdb": 4096}))
+    cold.thaw(keys[5])
+    got = cold.peek_many(probe)
+    assert got == [cold.peek(k) for k in probe] and sum(e is not None for e in got) == len(keys) - 1
 
 
 # --- chunks that come to be held by LMDB only while the store runs are folded into the arrays ----------

@@ -27,7 +27,7 @@ import logging
 import operator
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -147,3 +147,20 @@ def chain_from(prev: bytes, raw: bytes, step: int) -> list[bytes]:
     if _kernel is None:
         return chain_hashlib(prev, raw, step)
     return _run(_kernel, prev, raw, step)
+
+
+def chained_count(prev: bytes, chunks: Sequence[bytes], keys: Sequence[bytes]) -> int:
+    """How many of `chunks`, from the first, hash to `keys` along the chain from `prev`: chunk i
+    counts only if every one before it did, so it was hashed after `keys[i - 1]`, as `next_key`
+    would check it. The run is hashed by `chain_from`, in one compiled pass; it ends at the first
+    chunk of another size than the first one's (a caller checks any past it one by one)."""
+    step = len(chunks[0]) if chunks else 0
+    if not step:
+        return 0
+    size = len(chunks)
+    if set(map(len, chunks)) != {step}:
+        size = next(i for i, c in enumerate(chunks) if len(c) != step)
+    got = chain_from(prev, b"".join(chunks[:size]), step)
+    if got == list(keys[: len(got)]):  # the usual answer, from one comparison in C
+        return len(got)
+    return next((i for i, (a, b) in enumerate(zip(got, keys, strict=False)) if a != b), len(keys))

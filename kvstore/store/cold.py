@@ -34,6 +34,8 @@ KEY_BYTES = 32
 # `find` of a folded chunk: its log slot plus this, above any index of the restart's arrays.
 _FOLDED = 1 << 48
 _FOLDED_TAIL_KEYS = 256  # folded keys appended before they are merged into the log's sorted index
+_KEY = np.dtype((np.void, KEY_BYTES))  # a key as one item, compared whole
+_PREFIX = np.dtype(">u8")  # a key's first 8 bytes, big endian: `key_prefixes`
 
 
 class ColdChunks:
@@ -123,23 +125,12 @@ class ColdChunks:
         """`find` for each key at once (a lookup's keys: one binary search in C for all of them, not
         one call each): an int64 array of indices, -1 where a key is not cold."""
         m = len(keys)
-        out = np.full(m, -1, dtype=np.int64)
         if not self.live or not m:
-            return out
+            return np.full(m, -1, dtype=np.int64)
         joined = b"".join(keys)
         if len(joined) != m * KEY_BYTES:  # not all chunk keys: one at a time
             return np.array([self.find(k) for k in keys], dtype=np.int64)
-        n = self.n
-        if self._live:
-            want = np.frombuffer(joined, dtype=np.uint8).reshape(m, KEY_BYTES)
-            pre = key_prefixes(want)
-            at = np.minimum(np.searchsorted(self._prefixes[:n], pre), n - 1)
-            same_prefix = self._prefixes[at] == pre
-            same_key = same_prefix & (self._keys[at] == want).all(axis=1)
-            hit = same_key & self._alive[at]
-            out[hit] = at[hit]
-            for j in np.flatnonzero(same_prefix & ~same_key).tolist():  # 8-byte prefixes shared: rare
-                out[j] = self.find(keys[j])
+        out = self._find_appended(keys, joined) if self._live else np.full(m, -1, dtype=np.int64)
         if self._folded.live:
             rest = np.flatnonzero(out < 0)
             got = self._folded.find_many([keys[j] for j in rest.tolist()])
@@ -147,14 +138,32 @@ class ColdChunks:
             out[rest[found]] = got[found] + _FOLDED
         return out
 
+    def _find_appended(self, keys: Sequence[bytes], joined: bytes) -> np.ndarray:
+        """`find_many` in the restart's arrays (`joined`: the keys end to end). A load peeks its
+        chunks a lock hold at a time, so this is a few array passes (~1 us each), no more."""
+        n = self.n
+        # Each key's first 8 bytes as `key_prefixes` has them, read straight from the joined keys.
+        pre = np.frombuffer(joined, dtype=_PREFIX)[:: KEY_BYTES // 8].astype(np.uint64)
+        at = np.minimum(self._prefixes[:n].searchsorted(pre), n - 1)
+        # Whole keys compared as one 32-byte item each: one pass, not a byte-wise one and a reduction.
+        same_key = self._keys.view(_KEY)[at, 0] == np.frombuffer(joined, dtype=_KEY)
+        out = np.where(same_key & self._alive[at], at, -1)
+        if not same_key.all():  # absent, or not the first of keys that share their 8-byte prefix (rare)
+            for j in np.flatnonzero((self._prefixes[at] == pre) & ~same_key).tolist():
+                out[j] = self.find(keys[j])
+        return out
+
     def peek_many(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
         """`peek` for each key at once."""
         found = self.find_many(keys)
-        kind = np.full(len(found), -1, dtype=np.int64)  # each key's kind, -1 where not cold
-        base = (found >= 0) & (found < _FOLDED)
-        kind[base] = self._kind[found[base]]
-        folded = found >= _FOLDED
-        kind[folded] = self._folded.cols["kind"][found[folded] - _FOLDED]
+        if self._folded.live:
+            kind = np.full(len(found), -1, dtype=np.int64)  # each key's kind, -1 where not cold
+            base = (found >= 0) & (found < _FOLDED)
+            kind[base] = self._kind[found[base]]
+            folded = found >= _FOLDED
+            kind[folded] = self._folded.cols["kind"][found[folded] - _FOLDED]
+        else:  # the restart's arrays only: one gather (index -1 reads the last row, then masked)
+            kind = np.where(found >= 0, self._kind[found], np.int64(-1))
         entries: list[ChunkEntry | None] = [*self._kinds, None]  # kind -1 is the last: None
         return list(map(entries.__getitem__, kind.tolist()))
 
