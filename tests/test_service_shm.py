@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ def shm_config(sock: Path, tenants: bool = False, store: dict[str, Any] | None =
         service={"max_concurrent_calls": 8, "grace_seconds": 5.0, "stream_message_bytes": 64 * KiB,
                  "max_message_bytes": 256 * KiB, "models": [TOY, V41], "unix_socket_path": str(sock),
                  "shm_load_segment_bytes": 4 << 20, "shm_store_segment_bytes": 4 << 20, **service},
+        local_pool={"capacity_bytes": 8 << 20},  # room for V4.1's 1.35 MB snapshots
         **extra)
 
 
@@ -111,6 +113,81 @@ def test_bytes_are_equal_on_every_path(make_service: Callable[..., Service], soc
     assert kv._shm is not None and kv._shm.load_view.readonly
     for path in (sock_dir / "kv.sock", Path(data_socket_path(str(sock_dir / "kv.sock")))):
         assert stat.S_IMODE(path.stat().st_mode) == 0o660  # service.unix_socket_mode
+
+
+def test_local_snapshots_come_through_shared_memory(make_service: Callable[..., Service], sock_dir: Path) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    kv, tcp = unix(svc, message_bytes=64 * KiB), svc.client(message_bytes=64 * KiB)
+    cb, sb = svc.chunk_bytes(V41), svc.snapshot_bytes(V41)
+    prompt = tokens(41, CHUNK * 6)
+    chunks = payloads(42, 6, cb)
+    (snapshot,) = payloads(43, 1, sb)
+    assert kv.store(V41, prompt, chunks).stored_chunks == 6
+    assert kv.store_local(V41, prompt, snapshot).stored
+
+    def shm_calls() -> int:
+        dp = kv.stats().data_plane
+        assert dp is not None
+        return dp.calls_by_path["shm"]
+
+    def loaded_bytes() -> int:
+        dp = kv.stats().data_plane
+        assert dp is not None
+        return dp.sessions[0].loaded_bytes
+
+    before, bytes_before = shm_calls(), loaded_bytes()
+    got = kv.load_local(V41, prompt)
+    assert (got.local_state, got.snapshot == snapshot) == ("hit", True)
+    assert shm_calls() == before + 1 and loaded_bytes() == bytes_before + sb  # in the segment, not in messages
+    assert tcp.load_local(V41, prompt).snapshot == snapshot  # streams, from another host
+    res = kv.resume(V41, prompt)
+    assert (res.case, res.local_state, res.snapshot == snapshot) == ("warm", "hit", True)
+    assert _same(res.chunks, chunks)
+    assert loaded_bytes() >= bytes_before + 2 * sb + 6 * cb
+    assert kv.load_local(V41, tokens(44, CHUNK * 6)).snapshot is None  # not held: no span at all
+    wait_until(lambda: kv.stats().data_plane.sessions[0].leases_active == 0)  # type: ignore[union-attr]
+
+
+def test_a_snapshot_larger_than_half_the_load_segment_travels_in_messages(
+    make_service: Callable[..., Service], sock_dir: Path,
+) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_load_segment_bytes=2 << 20))
+    kv = unix(svc, message_bytes=64 * KiB)
+    sb = svc.snapshot_bytes(V41)
+    assert sb > (2 << 20) // 2  # V4.1's snapshot: 1.35 MB
+    prompt = tokens(45, CHUNK * 2)
+    kv.store(V41, prompt, payloads(46, 2, svc.chunk_bytes(V41)))
+    (snapshot,) = payloads(47, 1, sb)
+    assert kv.store_local(V41, prompt, snapshot).stored
+    assert kv.load_local(V41, prompt).snapshot == snapshot
+    res = kv.resume(V41, prompt)
+    assert (res.local_state, res.snapshot == snapshot) == ("hit", True)
+    dp = kv.stats().data_plane
+    assert dp is not None and dp.sessions[0].loaded_bytes == 2 * svc.chunk_bytes(V41)  # the chunks only
+
+
+def test_a_forged_snapshot_span_is_refused_and_its_lease_released(
+    make_service: Callable[..., Service], sock_dir: Path,
+) -> None:
+    from kvstore.client.sync_client import ServerError, _copy_snapshot
+
+    make_service(shm_config(sock_dir / "kv.sock"))
+    shm = ShmPath.open(str(sock_dir / "kv.sock"), None)
+    released: list[int] = []
+    shm.release = released.extend  # type: ignore[method-assign]
+    for span, message in [
+        (pb.ShmSpan(offset=shm.load_bytes - 10, nbytes=100, lease_id=1), "runs past the end"),
+        (pb.ShmSpan(offset=1 << 62, nbytes=100, lease_id=2), "runs past the end"),
+        (pb.ShmSpan(offset=0, nbytes=99, lease_id=3), "99 bytes arrived where 100 were announced"),
+        (pb.ShmSpan(offset=0, num_chunks=1, nbytes=100, lease_id=4), "where 100 were announced"),
+    ]:
+        with pytest.raises(ServerError, match=message):
+            _copy_snapshot(shm, span, 100, "LoadLocal")
+    assert released == [1, 2, 3, 4]
+    good = pb.ShmSpan(offset=8, nbytes=4, lease_id=5, lease_expires_at=time.monotonic() + 60)
+    assert _copy_snapshot(shm, good, 4, "LoadLocal") == bytes(shm.load_view[8:12])
+    assert released == [1, 2, 3, 4, 5]
+    shm.close()
 
 
 @pytest.mark.parametrize(("keys", "message"), [

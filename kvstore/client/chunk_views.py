@@ -17,4 +17,4 @@ __all__ = ["PieceView", "Streamed", "decode_load_response", "decode_resume_respo
 decode_load_response = stream_decoder(pb.LoadResponse, {1: ("header", pb.LoadHeader), 3: ("shm", pb.ShmSpan)})
 decode_resume_response = stream_decoder(
     pb.ResumeResponse, {1: ("header", pb.ResumeHeader), 3: ("local", pb.LocalPiece), 4: ("trailer", pb.ResumeTrailer),
-                        5: ("shm", pb.ShmSpan)})
+                        5: ("shm", pb.ShmSpan), 6: ("local_shm", pb.ShmSpan)})

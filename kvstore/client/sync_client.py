@@ -668,20 +668,40 @@ class KvstoreClient:
 
     def load_local(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
                    timeout_seconds: float | None = None, cache_salt: str = "") -> LoadLocalResult:
-        """The local snapshot at the last full-chunk boundary of `tokens`, if held."""
+        """The local snapshot at the last full-chunk boundary of `tokens`, if held. It comes
+        through the same-host session when there is one; if that fails, over a stream."""
         req = pb.LoadLocalRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), cache_salt=cache_salt)
+        shm = self._shm_path()
+        if shm is not None:
+            req.shm_session = shm.session_id
+            try:
+                return self._idempotent("LoadLocal", lambda t: self._load_local(req, t, shm), timeout_seconds)
+            except LeaseLapsed as e:
+                self._shm_failed(shm, str(e))
+            except UnknownSession:
+                self._shm_failed(shm, "the service no longer knows the session")
+            req.shm_session = ""
+        return self._idempotent("LoadLocal", lambda t: self._load_local(req, t, None), timeout_seconds)
 
-        def call(t: float) -> LoadLocalResult:
-            stream = self._stub.LoadLocal(req, timeout=t, metadata=self._metadata)
+    def _load_local(self, req: pb.LoadLocalRequest, timeout: float, shm: ShmPath | None) -> LoadLocalResult:
+        try:
+            stream = self._stub.LoadLocal(req, timeout=timeout, metadata=self._metadata)
             head = next(stream).header
             asm = BlobAssembler(head.snapshot_bytes)
+            snap: bytes | None = None
             for msg in stream:
-                asm.add(msg.local.offset, msg.local.data)
+                if msg.WhichOneof("kind") == "shm" and shm is not None:
+                    snap = _copy_snapshot(shm, msg.shm, head.snapshot_bytes, "LoadLocal")
+                else:
+                    asm.add(msg.local.offset, msg.local.data)
+        except grpc.RpcError as e:
+            if shm is not None and _session_gone(e):
+                raise UnknownSession() from None
+            raise
+        if snap is None:
             snap = asm.finish()
-            state = PB_TO_LOCAL.get(head.local_state, "absent")
-            return LoadLocalResult(state, head.boundary_tokens, snap if state == "hit" else None, head.reason)
-
-        return self._idempotent("LoadLocal", call, timeout_seconds)
+        state = PB_TO_LOCAL.get(head.local_state, "absent")
+        return LoadLocalResult(state, head.boundary_tokens, snap if state == "hit" else None, head.reason)
 
     def resume(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
                skip_chunks: bool = False, timeout_seconds: float | None = None, request_id: str | None = None,
@@ -707,6 +727,7 @@ class KvstoreClient:
 
     def _resume_call(self, req: pb.ResumeRequest, timeout: float, metadata: tuple[tuple[str, str], ...], rid: str,
                      shm: ShmPath | None) -> ResumeResult:
+        local_shm: pb.ShmSpan | None = None
         try:
             stream = self._resume(req, timeout=timeout, metadata=metadata)
             head = _header(stream, "Resume")
@@ -723,6 +744,8 @@ class KvstoreClient:
                     for _, tier, view in asm.add(_piece(msg, "Resume")):
                         chunks.append(view)
                         loaded_tiers.append(tier)
+                elif kind == "local_shm" and isinstance(value, pb.ShmSpan):
+                    local_shm = value  # copied once the trailer says how long the snapshot is
                 elif isinstance(value, pb.ShmSpan) and shm is not None and buf is not None:
                     got = len(chunks)
                     take = _copy_span(shm, value, got, cb, head.hit_chunks, buf)
@@ -735,12 +758,21 @@ class KvstoreClient:
                 elif isinstance(value, pb.ResumeTrailer):
                     trailer = value
         except grpc.RpcError as e:
+            if local_shm is not None and shm is not None:
+                shm.release([local_shm.lease_id])
             if shm is not None and _session_gone(e):
                 raise UnknownSession() from None
             raise _failure(e, "Resume") from None
         if trailer is None:
+            if local_shm is not None and shm is not None:
+                shm.release([local_shm.lease_id])
             raise ServerError(grpc.StatusCode.UNKNOWN, "the Resume stream ended without its trailer", "Resume")
         snapshot = local.finish() if local is not None else None
+        if local_shm is not None:
+            if shm is None:
+                raise ServerError(grpc.StatusCode.UNKNOWN, "a snapshot span came without a same-host session",
+                                  "Resume")
+            snapshot = _copy_snapshot(shm, local_shm, trailer.snapshot_bytes, "Resume")
         final_state = PB_TO_LOCAL.get(trailer.local_state, "absent")
         return ResumeResult(
             case=PB_TO_CASE.get(head.resume_case, "cold"),
@@ -968,6 +1000,23 @@ def _copy_span(shm: ShmPath, span: pb.ShmSpan, got: int, chunk_bytes: int, limit
             except InvalidInput as e:
                 raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
         return take
+    finally:
+        shm.release([span.lease_id])
+
+
+def _copy_snapshot(shm: ShmPath, span: pb.ShmSpan, expected_bytes: int, method: str) -> bytes:
+    """The local snapshot `span` names in the session's load segment, copied out (it must be as
+    long as the call said); its lease is released whatever happens."""
+    try:
+        if span.num_chunks or span.nbytes != expected_bytes or not expected_bytes:
+            raise ServerError(grpc.StatusCode.UNKNOWN, f"a snapshot span of {span.nbytes} bytes arrived where "
+                              f"{expected_bytes} were announced", method)
+        out = bytearray(expected_bytes)
+        try:
+            shm.copy_out([shm.span(span.offset, expected_bytes)], memoryview(out), span.lease_expires_at)
+        except InvalidInput as e:
+            raise ServerError(grpc.StatusCode.UNKNOWN, str(e), method) from None
+        return bytes(out)
     finally:
         shm.release([span.lease_id])
 

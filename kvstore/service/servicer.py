@@ -314,8 +314,8 @@ class KVCacheServicer(LocalStateCalls):
                                          chunk[span.offset : span.offset + span.nbytes])
 
     def shm_session(self, call: CallState, session_id: str) -> ShmSession | None:
-        """The same-host session a Load, Resume or Store names (None: byte streams), counted
-        by path for Stats."""
+        """The same-host session a Load, LoadLocal, Resume or Store names (None: byte streams),
+        counted by path for Stats."""
         if not session_id:
             self.paths.count(call.tenant, "stream")
             call.data_path = "stream"

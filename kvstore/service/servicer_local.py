@@ -3,7 +3,9 @@
 Resume is the engine's one-call path: it pins the hit prefix, decides the case (cold: no global
 hit; warm: global hit and a snapshot held, or a model without local state; expired: global hit,
 no snapshot), answers a `ResumeHeader` with the case and the planned bills at once, streams the
-global chunks, then the local snapshot, then a `ResumeTrailer` saying what happened. When the
+global chunks, then the local snapshot, then a `ResumeTrailer` saying what happened. A caller on
+the service's host that names its same-host session gets the chunks and the snapshot as spans of
+its load segment instead of bytes (LoadLocal's snapshot too). When the
 case is expired and a replay coordinator is installed, the replay is admitted before the header
 is sent (over the tenant's replay bound the call fails with RESOURCE_EXHAUSTED there, having sent
 nothing and holding no pin), starts before the first chunk is sent and runs while the chunks
@@ -30,6 +32,7 @@ from kvstore.observe.records import LocalWriteFacts
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.codes import status_for
 from kvstore.service.pricing import boundary_key, facts_for_lookup, local_status, planned_replay_tokens, price
+from kvstore.service.shm_calls import snapshot_span
 from kvstore.service.shm_listener import ShmSession
 from kvstore.store import LoadSession
 from kvstore.v1 import kvstore_pb2 as pb
@@ -128,23 +131,37 @@ class LocalStateCalls:
         with self.guard.enter(context, "LoadLocal", streaming=True) as call:
             req = accept(request, pb.LoadLocalRequest)
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt)
+            shm = self.shm_session(call, req.shm_session)
             n = res.full_chunks
             state, got = local_status(self.app, res, n, context.time_remaining())
             call.local_state = state
             payload = got.payload if got is not None and got.payload is not None else None
             assert call.stream is not None
-            yield from call.stream.sent(self._local_messages(state, got, payload, n * res.chunk_tokens))
+            yield from call.stream.sent(self._local_messages(state, got, payload, n * res.chunk_tokens, shm, context))
 
     def _local_messages(
-        self, state: str, got: GetResult | None, payload: memoryview | None, boundary: int
+        self, state: str, got: GetResult | None, payload: memoryview | None, boundary: int, shm: ShmSession | None,
+        context: grpc.ServicerContext,
     ) -> Iterator[pb.LoadLocalResponse]:
         yield pb.LoadLocalResponse(header=pb.LoadLocalHeader(
             local_state=LOCAL_TO_PB[state], boundary_tokens=boundary,
             snapshot_bytes=len(payload) if payload is not None else 0,
             reason=(got.miss_reason or "") if got is not None else ""))
-        if payload is not None:
-            for off, end in blob_spans(len(payload), self.message_bytes):
-                yield pb.LoadLocalResponse(local=pb.LocalPiece(offset=off, data=bytes(payload[off:end])))
+        if payload is None:
+            return
+        span = self._snapshot_span(shm, payload, context)
+        if span is not None:
+            yield pb.LoadLocalResponse(shm=span)
+            return
+        for off, end in blob_spans(len(payload), self.message_bytes):
+            yield pb.LoadLocalResponse(local=pb.LocalPiece(offset=off, data=bytes(payload[off:end])))
+
+    def _snapshot_span(self, shm: ShmSession | None, snapshot: bytes | memoryview,
+                       context: grpc.ServicerContext) -> pb.ShmSpan | None:
+        """The snapshot in the caller's load segment (None: no session, or too large for it)."""
+        if shm is None:
+            return None
+        return snapshot_span(shm, snapshot, self.app.config.service.stream_idle_seconds, context.is_active)
 
     # --- Resume -----------------------------------------------------------------------------------
 
@@ -207,8 +224,12 @@ class LocalStateCalls:
         if final == "hit" and len(loaded) < n:
             final = "expired"
         view = memoryview(snapshot) if snapshot is not None else memoryview(b"")
-        for off, end in blob_spans(len(view), self.message_bytes):
-            yield pb.ResumeResponse(local=pb.LocalPiece(offset=off, data=bytes(view[off:end])))
+        local_span = self._snapshot_span(shm, view, context) if len(view) else None
+        if local_span is not None:
+            yield pb.ResumeResponse(local_shm=local_span)
+        else:
+            for off, end in blob_spans(len(view), self.message_bytes):
+                yield pb.ResumeResponse(local=pb.LocalPiece(offset=off, data=bytes(view[off:end])))
         bills = price(res, loaded, outcome.replay_tokens, len(view), moved=session is not None)
         call.local_state, call.bills = final, bills
         # The status only of a replay that was started ("" otherwise: nothing was replayed, nothing failed).

@@ -1,7 +1,8 @@
-"""The shared-memory forms of Load, Resume and Store (README "Same host").
+"""The shared-memory forms of Load, LoadLocal, Resume and Store (README "Same host").
 
 A load copies its chunks from their tiers into spans of the caller's session load segment, one
-lease per span, and answers a `ShmSpan` per span instead of payload bytes. A span is at most
+lease per span, and answers a `ShmSpan` per span instead of payload bytes; a local snapshot
+(LoadLocal, Resume) is one more span of the same kind. A span is at most
 `SPAN_BYTES`, so the client copies one span while the next is being filled; a session whose
 segment is full of unreleased leases makes the load wait for releases, up to the stream idle time.
 A store takes its chunks as views of the session's store segment (no copy until the store's own).
@@ -108,21 +109,39 @@ def copy_spans(
     per = chunks_per_span(shm, chunk_bytes)
     for at in range(0, len(chunks), per):
         part = chunks[at : at + per]
-        lease, view = _leased(shm, len(part) * chunk_bytes, wait_seconds, still_wanted)
-        try:
-            dst = np.frombuffer(view, np.uint8)
-            for k, c in enumerate(part):  # numpy's copy lets go of the GIL
-                np.copyto(dst[k * chunk_bytes : (k + 1) * chunk_bytes], np.frombuffer(c, np.uint8))
-            del dst
-        except BaseException:
-            shm.leases.release(lease.lease_id)
-            raise
-        finally:
-            with contextlib.suppress(BufferError):  # a failed copy's array may still hold it
-                view.release()
-        shm.loaded_bytes += len(part) * chunk_bytes
+        lease = _copied(shm, part, chunk_bytes, wait_seconds, still_wanted)
         yield pb.ShmSpan(first_chunk=first_chunk + at, num_chunks=len(part), offset=lease.offset,
                          lease_id=lease.lease_id, lease_expires_at=lease.expires_at)
+
+
+def snapshot_span(shm: ShmSession, snapshot: bytes | memoryview, wait_seconds: float,
+                  still_wanted: Callable[[], bool]) -> pb.ShmSpan | None:
+    """A local snapshot copied into a leased span of `shm`'s load segment; None when it would take
+    more than half the segment (it then travels in messages, as without a session)."""
+    n = len(snapshot)
+    if n == 0 or n > shm.load.nbytes // 2:
+        return None
+    lease = _copied(shm, [snapshot], n, wait_seconds, still_wanted)
+    return pb.ShmSpan(offset=lease.offset, lease_id=lease.lease_id, lease_expires_at=lease.expires_at, nbytes=n)
+
+
+def _copied(shm: ShmSession, parts: Sequence[bytes | memoryview], part_bytes: int, wait_seconds: float,
+            still_wanted: Callable[[], bool]) -> Lease:
+    """`parts`, each `part_bytes` long, copied end to end into a new lease of `shm`'s load segment."""
+    lease, view = _leased(shm, len(parts) * part_bytes, wait_seconds, still_wanted)
+    try:
+        dst = np.frombuffer(view, np.uint8)
+        for k, part in enumerate(parts):  # numpy's copy lets go of the GIL
+            np.copyto(dst[k * part_bytes : (k + 1) * part_bytes], np.frombuffer(part, np.uint8))
+        del dst
+    except BaseException:
+        shm.leases.release(lease.lease_id)
+        raise
+    finally:
+        with contextlib.suppress(BufferError):  # a failed copy's array may still hold it
+            view.release()
+    shm.loaded_bytes += len(parts) * part_bytes
+    return lease
 
 
 def chunks_per_span(shm: ShmSession, chunk_bytes: int) -> int:

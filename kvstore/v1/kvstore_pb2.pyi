@@ -95,7 +95,7 @@ class ChunkPiece(_message.Message):
     def __init__(self, first_chunk: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class ShmSpan(_message.Message):
-    __slots__ = ("first_chunk", "num_chunks", "offset", "lease_id", "lease_expires_at", "tiers", "arena", "chunk_offsets")
+    __slots__ = ("first_chunk", "num_chunks", "offset", "lease_id", "lease_expires_at", "tiers", "arena", "chunk_offsets", "nbytes")
     FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class ShmSpan(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     CHUNK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
     first_chunk: int
     num_chunks: int
     offset: int
@@ -112,7 +113,8 @@ class ShmSpan(_message.Message):
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     arena: Tier
     chunk_offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, first_chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., offset: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., arena: _Optional[_Union[Tier, str]] = ..., chunk_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    nbytes: int
+    def __init__(self, first_chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ..., offset: _Optional[int] = ..., lease_id: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., arena: _Optional[_Union[Tier, str]] = ..., chunk_offsets: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class LocalPiece(_message.Message):
     __slots__ = ("offset", "data")
@@ -289,16 +291,18 @@ class StoreLocalResponse(_message.Message):
     def __init__(self, stored: _Optional[bool] = ..., reason: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., boundary_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadLocalRequest(_message.Message):
-    __slots__ = ("model", "replay_mode", "tokens", "cache_salt")
+    __slots__ = ("model", "replay_mode", "tokens", "cache_salt", "shm_session")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SHM_SESSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     replay_mode: str
     tokens: Tokens
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    shm_session: str
+    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., cache_salt: _Optional[str] = ..., shm_session: _Optional[str] = ...) -> None: ...
 
 class LoadLocalHeader(_message.Message):
     __slots__ = ("local_state", "boundary_tokens", "snapshot_bytes", "reason")
@@ -313,12 +317,14 @@ class LoadLocalHeader(_message.Message):
     def __init__(self, local_state: _Optional[_Union[LocalState, str]] = ..., boundary_tokens: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class LoadLocalResponse(_message.Message):
-    __slots__ = ("header", "local")
+    __slots__ = ("header", "local", "shm")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     header: LoadLocalHeader
     local: LocalPiece
-    def __init__(self, header: _Optional[_Union[LoadLocalHeader, _Mapping]] = ..., local: _Optional[_Union[LocalPiece, _Mapping]] = ...) -> None: ...
+    shm: ShmSpan
+    def __init__(self, header: _Optional[_Union[LoadLocalHeader, _Mapping]] = ..., local: _Optional[_Union[LocalPiece, _Mapping]] = ..., shm: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("model", "replay_mode", "tokens", "max_chunks", "skip_chunks", "cache_salt", "shm_session")
@@ -377,18 +383,20 @@ class ResumeTrailer(_message.Message):
     def __init__(self, local_state: _Optional[_Union[LocalState, str]] = ..., snapshot_bytes: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., replay_status: _Optional[str] = ..., bills: _Optional[_Union[Bills, _Mapping]] = ...) -> None: ...
 
 class ResumeResponse(_message.Message):
-    __slots__ = ("header", "chunks", "local", "trailer", "shm")
+    __slots__ = ("header", "chunks", "local", "trailer", "shm", "local_shm")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SHM_FIELD_NUMBER: _ClassVar[int]
     header: ResumeHeader
     chunks: ChunkPiece
     local: LocalPiece
     trailer: ResumeTrailer
     shm: ShmSpan
-    def __init__(self, header: _Optional[_Union[ResumeHeader, _Mapping]] = ..., chunks: _Optional[_Union[ChunkPiece, _Mapping]] = ..., local: _Optional[_Union[LocalPiece, _Mapping]] = ..., trailer: _Optional[_Union[ResumeTrailer, _Mapping]] = ..., shm: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
+    local_shm: ShmSpan
+    def __init__(self, header: _Optional[_Union[ResumeHeader, _Mapping]] = ..., chunks: _Optional[_Union[ChunkPiece, _Mapping]] = ..., local: _Optional[_Union[LocalPiece, _Mapping]] = ..., trailer: _Optional[_Union[ResumeTrailer, _Mapping]] = ..., shm: _Optional[_Union[ShmSpan, _Mapping]] = ..., local_shm: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
