@@ -53,5 +53,8 @@ def test_bench_dataplane_reports_each_path_what_a_load_costs_besides_its_copy_an
     for key in ("prefaulted_first_load_ms", "prefaulted_second_load_ms", "not_prefaulted_first_load_ms",
                 "not_prefaulted_second_load_ms"):
         assert first[key] > 0, (key, first)
+    snap = doc["snapshot"]  # the local snapshot through the load segment and through messages
+    assert snap["snapshot_bytes"] > 0 and all(snap[f"{p}_{c}_ms"] > 0 for p in ("shm", "grpc")
+                                              for c in ("load_local", "resume")), snap
     assert doc["shm_in_place_share"] == 1.0 and {t["name"].split(": ")[1] for t in doc["targets"]} == {
         "shm_load_gbps / memcpy_gbps", "shm_load_gbps / grpc_load_gbps", "shm_load_4_clients_gbps / shm_load_gbps"}

@@ -20,6 +20,10 @@ passes, the passes of the contenders taking turns:
 - `shm_load_4_clients_gbps`: four client processes loading through shared memory at once,
   bytes over the wall time of all of them; `memcpy_4_clients_gbps` beside it, four processes each
   copying as many bytes chunk by chunk in process (what the machine's cores and memory allow).
+- `snapshot`: the local snapshot at the first prefix's end (1.35 MB for V4.1), stored once, then
+  `load_local` and a warm `resume` of the whole prefix with it, over the Unix socket (the
+  snapshot one span of the load segment) and over TCP (messages), taking turns: best ms of each
+  (`shm_load_local_ms`, `grpc_load_local_ms`, `shm_resume_ms`, `grpc_resume_ms`). Not a target.
 Targets: `shm_load_gbps` >= 0.5 x `memcpy_gbps` and >= 4 x `grpc_load_gbps`;
 `shm_load_4_clients_gbps` >= 1.5 x `shm_load_gbps`. Benchmarks print; tests never assert on speed.
 
@@ -186,6 +190,8 @@ def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
                 out["shm_in_place_share"] = sum(s.in_place_bytes for s in sessions) / loaded if loaded else 0.0
                 print("dataplane: stores", file=sys.stderr)
                 out["store"] = _store_figures(args, shm, tcp, prefixes[0], cb, ct, spec.vocab_size)
+                print("dataplane: local snapshots", file=sys.stderr)
+                out["snapshot"] = _snapshot_figures(args, shm, tcp, prompts[prefixes[0]], layout.local_snapshot_bytes)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -258,6 +264,29 @@ def _store_figures(args: argparse.Namespace, shm: Any, tcp: Any, n_tokens: int, 
             assert r.stored_chunks == n_tokens // ct and r.durable, r
             best[name] = max(best[name], len(blob) / dt / 1e9)
     return {"tokens": n_tokens, "bytes": len(blob), "shm_store_gbps": best["shm"], "grpc_store_gbps": best["grpc"]}
+
+
+def _snapshot_figures(args: argparse.Namespace, shm: Any, tcp: Any, prompt: np.ndarray,
+                      snapshot_bytes: int) -> dict[str, Any]:
+    if not snapshot_bytes:
+        return {"snapshot_bytes": 0}
+    snapshot = np.random.default_rng(2).integers(0, 256, snapshot_bytes, dtype=np.uint8).tobytes()
+    r = tcp.store_local(args.model, prompt, snapshot)
+    assert r.stored, r
+    best: dict[str, float] = {}
+
+    def timed(name: str, call: Any) -> None:
+        t0 = time.perf_counter()
+        got = call()
+        dt = (time.perf_counter() - t0) * 1e3
+        assert got.snapshot == snapshot, name
+        best[name] = min(best.get(name, dt), dt)
+
+    for _ in range(args.repeats):
+        for path, kv in (("shm", shm), ("grpc", tcp)):
+            timed(f"{path}_load_local_ms", lambda kv=kv: kv.load_local(args.model, prompt))
+            timed(f"{path}_resume_ms", lambda kv=kv: kv.resume(args.model, prompt))
+    return {"tokens": len(prompt), "snapshot_bytes": snapshot_bytes, **best}
 
 
 def _first_load_figures(model: str, vocab: int, cb: int, ct: int) -> dict[str, Any]:

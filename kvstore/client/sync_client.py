@@ -715,14 +715,14 @@ class KvstoreClient:
         timeout = timeout_seconds or self.timeout_seconds
         shm = None if skip_chunks else self._shm_path()
         if shm is not None:
-            req.shm_session = shm.session_id
+            req.shm_session, req.local_shm = shm.session_id, True
             try:
                 return self._resume_call(req, timeout, metadata, rid, shm)
             except LeaseLapsed as e:
                 self._shm_failed(shm, str(e))
             except UnknownSession:
                 self._shm_failed(shm, "the service no longer knows the session")
-            req.shm_session = ""
+            req.shm_session, req.local_shm = "", False
         return self._resume_call(req, timeout, metadata, rid, None)
 
     def _resume_call(self, req: pb.ResumeRequest, timeout: float, metadata: tuple[tuple[str, str], ...], rid: str,

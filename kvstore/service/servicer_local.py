@@ -224,7 +224,8 @@ class LocalStateCalls:
         if final == "hit" and len(loaded) < n:
             final = "expired"
         view = memoryview(snapshot) if snapshot is not None else memoryview(b"")
-        local_span = self._snapshot_span(shm, view, context) if len(view) else None
+        # Only to a client that says it reads `local_shm`: an older one would drop the snapshot.
+        local_span = self._snapshot_span(shm, view, context) if len(view) and req.local_shm else None
         if local_span is not None:
             yield pb.ResumeResponse(local_shm=local_span)
         else:

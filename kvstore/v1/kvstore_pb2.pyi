@@ -327,7 +327,7 @@ class LoadLocalResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[LoadLocalHeader, _Mapping]] = ..., local: _Optional[_Union[LocalPiece, _Mapping]] = ..., shm: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("model", "replay_mode", "tokens", "max_chunks", "skip_chunks", "cache_salt", "shm_session")
+    __slots__ = ("model", "replay_mode", "tokens", "max_chunks", "skip_chunks", "cache_salt", "shm_session", "local_shm")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +335,7 @@ class ResumeRequest(_message.Message):
     SKIP_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     SHM_SESSION_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SHM_FIELD_NUMBER: _ClassVar[int]
     model: str
     replay_mode: str
     tokens: Tokens
@@ -342,7 +343,8 @@ class ResumeRequest(_message.Message):
     skip_chunks: bool
     cache_salt: str
     shm_session: str
-    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., max_chunks: _Optional[int] = ..., skip_chunks: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., shm_session: _Optional[str] = ...) -> None: ...
+    local_shm: bool
+    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., max_chunks: _Optional[int] = ..., skip_chunks: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., shm_session: _Optional[str] = ..., local_shm: _Optional[bool] = ...) -> None: ...
 
 class ResumeHeader(_message.Message):
     __slots__ = ("resume_case", "hit_tokens", "hit_chunks", "chunk_tiers", "local_state", "bills", "chunk_tokens", "chunk_bytes", "local_snapshot_bytes", "replay_planned")
