@@ -148,9 +148,9 @@ def test_local_snapshots_come_through_shared_memory(make_service: Callable[..., 
     # A client that does not ask for `local_shm` (one older than it) gets the snapshot in pieces.
     shm = kv._shm_path()
     assert shm is not None
-    stub = pb_grpc.KVCacheStub(grpc.insecure_channel(f"unix://{sock_dir / 'kv.sock'}"))
-    old = list(stub.Resume(pb.ResumeRequest(model=V41, tokens={"u32le": prompt.tobytes()},
-                                            shm_session=shm.session_id), timeout=10))
+    with grpc.insecure_channel(f"unix://{sock_dir / 'kv.sock'}") as channel:
+        old = list(pb_grpc.KVCacheStub(channel).Resume(pb.ResumeRequest(
+            model=V41, tokens={"u32le": prompt.tobytes()}, shm_session=shm.session_id), timeout=10))
     kinds = [m.WhichOneof("kind") for m in old]
     assert "local_shm" not in kinds and b"".join(m.local.data for m in old if m.local.data) == snapshot
     shm.release([s.lease_id for m in old if m.WhichOneof("kind") == "shm" for s in [m.shm]])
