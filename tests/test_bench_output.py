@@ -55,6 +55,6 @@ def test_bench_dataplane_reports_each_path_what_a_load_costs_besides_its_copy_an
         assert first[key] > 0, (key, first)
     snap = doc["snapshot"]  # the local snapshot through the load segment and through messages
     assert snap["snapshot_bytes"] > 0 and all(snap[f"{p}_{c}_ms"] > 0 for p in ("shm", "grpc")
-                                              for c in ("load_local", "resume")), snap
+                                              for c in ("store_local", "load_local", "resume")), snap
     assert doc["shm_in_place_share"] == 1.0 and {t["name"].split(": ")[1] for t in doc["targets"]} == {
         "shm_load_gbps / memcpy_gbps", "shm_load_gbps / grpc_load_gbps", "shm_load_4_clients_gbps / shm_load_gbps"}

@@ -124,6 +124,8 @@ def test_local_snapshots_come_through_shared_memory(make_service: Callable[..., 
     (snapshot,) = payloads(43, 1, sb)
     assert kv.store(V41, prompt, chunks).stored_chunks == 6
     assert kv.store_local(V41, prompt, snapshot).stored
+    dp = kv.stats().data_plane
+    assert dp is not None and dp.sessions[0].stored_bytes == 6 * cb + sb  # the snapshot through the segment too
 
     def shm_calls() -> int:
         dp = kv.stats().data_plane
@@ -169,19 +171,60 @@ def test_a_snapshot_larger_than_half_the_load_segment_travels_in_messages(
     (snapshot,) = payloads(47, 1, sb)
     assert kv.store_local(V41, prompt, snapshot).stored
     assert kv.load_local(V41, prompt).snapshot == snapshot
+    shm = kv._shm_path()
+    assert shm is not None and shm.snapshot_spans
+    shm.snapshot_spans = False  # a service older than snapshot spans: the client sends pieces
+    (other,) = payloads(50, 1, sb)
+    stored = kv.stats().data_plane.sessions[0].stored_bytes  # type: ignore[union-attr]
+    assert kv.store_local(V41, prompt, other).stored
+    assert kv.stats().data_plane.sessions[0].stored_bytes == stored  # type: ignore[union-attr]
+    assert kv.load_local(V41, prompt).snapshot == other
     res = kv.resume(V41, prompt)
-    assert (res.local_state, res.snapshot == snapshot) == ("hit", True)
+    assert (res.local_state, res.snapshot == other) == ("hit", True)
     dp = kv.stats().data_plane
     assert dp is not None and dp.sessions[0].loaded_bytes == 2 * svc.chunk_bytes(V41)  # the chunks only
 
 
-def test_a_forged_snapshot_span_is_refused_and_its_lease_released(
+def test_forged_snapshot_spans_are_refused_both_ways(
     make_service: Callable[..., Service], sock_dir: Path,
 ) -> None:
     from kvstore.client.sync_client import ServerError, _copy_snapshot
 
-    make_service(shm_config(sock_dir / "kv.sock"))
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
     shm = ShmPath.open(str(sock_dir / "kv.sock"), None)
+    sb = svc.snapshot_bytes(V41)
+    prompt = tokens(48, CHUNK * 2)
+
+    def store_local(session: str, *body: pb.StoreLocalRequest) -> pb.StoreLocalResponse:
+        head = pb.StoreLocalRequest(header=pb.LocalHeader(model=V41, tokens={"u32le": prompt.tobytes()},
+                                                          snapshot_bytes=sb, shm_session=session))
+        with grpc.insecure_channel(f"unix://{sock_dir / 'kv.sock'}") as channel:
+            return pb_grpc.KVCacheStub(channel).StoreLocal(iter([head, *body]), timeout=10)
+
+    def span(**kw: int) -> pb.StoreLocalRequest:
+        return pb.StoreLocalRequest(shm=pb.ShmSpan(**{"offset": 0, "nbytes": sb, **kw}))
+
+    for body, message in [
+        ((span(offset=shm.store_bytes - 10),), "runs past the end"),
+        ((span(offset=1 << 62),), "runs past the end"),
+        ((span(nbytes=sb - 1),), f"a snapshot of this model is {sb} bytes"),
+        ((span(num_chunks=1),), "holds"),
+        ((span(), span()), "carries one ShmSpan of the snapshot and nothing else"),
+        ((pb.StoreLocalRequest(local=pb.LocalPiece(offset=0, data=b"x")),), "carries one ShmSpan"),
+        ((), "carries one ShmSpan"),
+    ]:
+        with pytest.raises(grpc.RpcError) as e:
+            store_local(shm.session_id, *body)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in (e.value.details() or ""), body
+    with pytest.raises(grpc.RpcError) as e:
+        store_local("0" * 32, span())
+    assert "unknown same-host session" in (e.value.details() or "")
+    (snapshot,) = payloads(49, 1, sb)
+    shm.store_view[:sb] = snapshot
+    assert store_local(shm.session_id, span()).stored
+    shm.store_view[:sb] = bytes(sb)  # the service kept a copy, not the client's memory
+    assert svc.client(message_bytes=64 * KiB).load_local(V41, prompt).snapshot == snapshot
+
     released: list[int] = []
     shm.release = released.extend  # type: ignore[method-assign]
     for span, message in [

@@ -649,20 +649,40 @@ class KvstoreClient:
     def store_local(self, model: str, tokens: Sequence[int] | np.ndarray, snapshot: bytes | memoryview,
                     replay_mode: str = "", timeout_seconds: float | None = None,
                     cache_salt: str = "") -> StoreLocalResult:
-        """Keep the local SWA snapshot taken after `tokens` (a whole number of chunks)."""
+        """Keep the local SWA snapshot taken after `tokens` (a whole number of chunks). On the
+        service's host it goes through the session's store segment when the service takes it so."""
         view = memoryview(snapshot).cast("B")
+        header = pb.LocalHeader(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), snapshot_bytes=len(view),
+                                cache_salt=cache_salt)
+        timeout = timeout_seconds or self.timeout_seconds
+        shm = self._shm_path()
+        if shm is not None and shm.snapshot_spans:
+            with shm.staging(len(view)) as slot:
+                if slot is not None:  # else the segment is full of Stores in flight: in messages
+                    offset, dst = slot
+                    dst[:] = view
+                    header.shm_session = shm.session_id
+                    msgs = [pb.StoreLocalRequest(header=header),
+                            pb.StoreLocalRequest(shm=pb.ShmSpan(offset=offset, nbytes=len(view)))]
+                    try:
+                        return self._store_local(iter(msgs), timeout)
+                    except UnknownSession:
+                        self._shm_failed(shm, "the service no longer knows the session")
+                    header.shm_session = ""
 
         def messages() -> Iterator[pb.StoreLocalRequest]:
-            yield pb.StoreLocalRequest(header=pb.LocalHeader(
-                model=model, replay_mode=replay_mode, tokens=_tokens(tokens), snapshot_bytes=len(view),
-                cache_salt=cache_salt))
+            yield pb.StoreLocalRequest(header=header)
             for a, b in blob_spans(len(view), self.message_bytes):
                 yield pb.StoreLocalRequest(local=pb.LocalPiece(offset=a, data=bytes(view[a:b])))
 
+        return self._store_local(messages(), timeout)
+
+    def _store_local(self, messages: Iterator[pb.StoreLocalRequest], timeout: float) -> StoreLocalResult:
         try:
-            r = self._stub.StoreLocal(messages(), timeout=timeout_seconds or self.timeout_seconds,
-                                      metadata=self._metadata)
+            r = self._stub.StoreLocal(messages, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
+            if _session_gone(e):
+                raise UnknownSession() from None
             raise _failure(e, "StoreLocal") from None
         return StoreLocalResult(r.stored, r.reason, r.ttl_seconds, r.boundary_tokens)
 

@@ -69,6 +69,8 @@ class ShmPath:
         self._send_lock = threading.Lock()
         self.session_id: str = reply["session"]
         self.tenant: str = reply.get("tenant", "")
+        # The service takes a StoreLocal's snapshot as a span of the store segment (newer services).
+        self.snapshot_spans = reply.get("snapshot_spans") is True
         self.load_bytes = int(reply["load_bytes"])
         self.store_bytes = int(reply["store_bytes"])
         self.lease_seconds = float(reply["lease_seconds"])

@@ -32,7 +32,7 @@ from kvstore.observe.records import LocalWriteFacts
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.codes import status_for
 from kvstore.service.pricing import boundary_key, facts_for_lookup, local_status, planned_replay_tokens, price
-from kvstore.service.shm_calls import snapshot_span
+from kvstore.service.shm_calls import snapshot_span, store_snapshot_data
 from kvstore.service.shm_listener import ShmSession
 from kvstore.store import LoadSession
 from kvstore.v1 import kvstore_pb2 as pb
@@ -102,13 +102,8 @@ class LocalStateCalls:
         if h.snapshot_bytes != size:
             raise InvalidInput(
                 f"snapshot_bytes is {h.snapshot_bytes}; a local snapshot of '{res.spec.name}' is {size} bytes")
-        asm = BlobAssembler(size)
-        for raw in messages:
-            msg = accept(raw, pb.StoreLocalRequest)
-            if msg.WhichOneof("kind") != "local":
-                raise InvalidInput("after the LocalHeader a StoreLocal stream carries only LocalPieces")
-            asm.add(msg.local.offset, msg.local.data)
-        payload = asm.finish()
+        shm = self.shm_session(call, h.shm_session)
+        payload = self._snapshot_sent(messages, size) if shm is None else self._snapshot_spanned(messages, size, shm)
         boundary = len(res.tokens)
         if not context.is_active():
             return pb.StoreLocalResponse()
@@ -122,6 +117,25 @@ class LocalStateCalls:
             call.facts = LocalWriteFacts(res.ns.digest, key, r.ttl_seconds)
         return pb.StoreLocalResponse(stored=r.written, reason=r.skip_reason or "", ttl_seconds=r.ttl_seconds,
                                      boundary_tokens=boundary)
+
+    @staticmethod
+    def _snapshot_sent(messages: Iterator[pb.StoreLocalRequest | Malformed], size: int) -> bytes:
+        asm = BlobAssembler(size)
+        for raw in messages:
+            msg = accept(raw, pb.StoreLocalRequest)
+            if msg.WhichOneof("kind") != "local":
+                raise InvalidInput("after the LocalHeader a StoreLocal stream carries only LocalPieces")
+            asm.add(msg.local.offset, msg.local.data)
+        return asm.finish()
+
+    @staticmethod
+    def _snapshot_spanned(messages: Iterator[pb.StoreLocalRequest | Malformed], size: int, shm: ShmSession) -> bytes:
+        raw = next(messages, None)
+        msg = accept(raw, pb.StoreLocalRequest) if raw is not None else None
+        if msg is None or msg.WhichOneof("kind") != "shm" or next(messages, None) is not None:
+            raise InvalidInput("after a LocalHeader that names a shm_session, a StoreLocal stream carries one "
+                               "ShmSpan of the snapshot and nothing else")
+        return store_snapshot_data(shm, msg.shm, size)
 
     # --- LoadLocal --------------------------------------------------------------------------------
 

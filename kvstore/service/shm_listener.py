@@ -279,6 +279,8 @@ class ShmSessions:
                 "arenas": [{"tier": tier, "bytes": nbytes} for tier, _, nbytes in arenas],
                 "device_arenas": [{"tier": tier, "bytes": nbytes, "handle": handle.hex()}
                                   for tier, handle, nbytes in devices],
+                # StoreLocal takes a span of the store segment (a client only sends one when told).
+                "snapshot_spans": True,
             }, (session.load.fd, session.store.fd, *(fd for _, fd, _ in arenas)))
         except OSError as e:
             raise SideSocketClosed(f"the hello could not be answered: {e}") from None

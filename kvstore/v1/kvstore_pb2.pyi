@@ -257,26 +257,30 @@ class LoadResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[LoadHeader, _Mapping]] = ..., chunks: _Optional[_Union[ChunkPiece, _Mapping]] = ..., shm: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
 
 class LocalHeader(_message.Message):
-    __slots__ = ("model", "replay_mode", "tokens", "snapshot_bytes", "cache_salt")
+    __slots__ = ("model", "replay_mode", "tokens", "snapshot_bytes", "cache_salt", "shm_session")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLAY_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SHM_SESSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     replay_mode: str
     tokens: Tokens
     snapshot_bytes: int
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., snapshot_bytes: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    shm_session: str
+    def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., snapshot_bytes: _Optional[int] = ..., cache_salt: _Optional[str] = ..., shm_session: _Optional[str] = ...) -> None: ...
 
 class StoreLocalRequest(_message.Message):
-    __slots__ = ("header", "local")
+    __slots__ = ("header", "local", "shm")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     header: LocalHeader
     local: LocalPiece
-    def __init__(self, header: _Optional[_Union[LocalHeader, _Mapping]] = ..., local: _Optional[_Union[LocalPiece, _Mapping]] = ...) -> None: ...
+    shm: ShmSpan
+    def __init__(self, header: _Optional[_Union[LocalHeader, _Mapping]] = ..., local: _Optional[_Union[LocalPiece, _Mapping]] = ..., shm: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
 
 class StoreLocalResponse(_message.Message):
     __slots__ = ("stored", "reason", "ttl_seconds", "boundary_tokens")
