@@ -1,7 +1,7 @@
 """vLLM and kvstore on one host: the connector reaches the service over its Unix socket, and chunk
 bytes move through shared memory both ways (Stores through the session's store segment, loads
 read in place from its load segment and scattered into vLLM's blocks), with the same answers as
-a cold engine."""
+a cold engine. A hybrid model's window state goes the same way (StoreLocal, LoadLocal)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from kvstore.bench.engine_models import TINY_VOCAB as VOCAB
-from kvstore.bench.engine_models import write_llama
+from kvstore.bench.engine_models import write_gemma3, write_llama
 from kvstore.client import KvstoreClient
+from kvstore.integrations.vllm.link import REPLAY_MODE
 from tests.engine.conftest import ALICE, Engine, service_table, start_engine
 from tests.fixtures.service import ServiceProcess, spawn_service
 
@@ -98,6 +99,36 @@ def test_8_an_engine_on_the_services_host_caches_through_shared_memory(
         # Three shared-memory calls: the warm run's Lookup (holding its chunks), the next prompt's
         # Lookup and its Store; a Store of the warm run's last chunk would be a fourth.
         assert (after["shm"] - before["shm"], after["stream"] - before["stream"]) == (3, 0), (before, after)
+
+
+def test_8b_a_hybrid_engine_on_the_services_host_keeps_its_window_through_shared_memory(
+        workdir: Path, sock: Path, service: ServiceProcess, engines: list[Engine]) -> None:
+    model = write_gemma3(workdir / "gemma3-same-host", seed=0, sliding_window=256)
+    engine = start_engine(model, _spec(workdir, sock), workdir / "engine-same-host-hybrid.log")
+    engines.append(engine)
+    prompt = np.random.default_rng(17).integers(0, VOCAB, 7 * CT + 37).tolist()
+    with KvstoreClient(f"unix://{sock}", token=ALICE) as kv:
+        before = dict(kv.stats().data_plane.calls_by_path)  # type: ignore[union-attr]
+        [cold] = engine.generate({"tokens": prompt})
+
+        def window_held() -> bool:  # by the hybrid engine's model (the module's other engine has none)
+            return any(kv.lookup(m, prompt[: 7 * CT], REPLAY_MODE, purpose="probe").local_state == "hit"
+                       for m in kv.stats().models if m.startswith("engine-"))
+
+        deadline = time.monotonic() + 60
+        while not window_held() and time.monotonic() < deadline:  # stored off the forward pass
+            time.sleep(0.2)
+        assert window_held()
+        engine.ask({"op": "reset_prefix_cache"})
+        [warm] = engine.generate({"tokens": prompt})
+        after = kv.stats().data_plane.calls_by_path  # type: ignore[union-attr]
+    # Warm: the full-attention chunks and the sliding-window blocks restored, nothing recomputed.
+    assert (warm["kvstore"]["loaded_tokens"], warm["num_cached_tokens"]) == (7 * CT, 7 * CT), warm["kvstore"]
+    assert warm["tokens"] == cold["tokens"]
+    assert warm["logprobs"] == pytest.approx(cold["logprobs"], abs=2e-2)
+    # Every Store, StoreLocal, Load and LoadLocal of both requests went through the session: a call
+    # that sent bytes in messages would count as "stream".
+    assert after["stream"] == before["stream"] and after["shm"] - before["shm"] >= 4, (before, after)
 
 
 def _wait_for(kv: KvstoreClient, chunks: int) -> None:
