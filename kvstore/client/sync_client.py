@@ -259,6 +259,18 @@ class KvstoreClient:
             self.shm_detail = ""
             return self._shm
 
+    def _shm_or_stream(self, shm: ShmPath | None, via_shm: Callable[[ShmPath], T], via_stream: Callable[[], T]) -> T:
+        """A call through the same-host session when there is one; if the session fails it (a lease
+        lapsed, the service no longer knows it), the session is dropped and the call goes over a stream."""
+        if shm is not None:
+            try:
+                return via_shm(shm)
+            except LeaseLapsed as e:
+                self._shm_failed(shm, str(e))
+            except UnknownSession:
+                self._shm_failed(shm, "the service no longer knows the session")
+        return via_stream()
+
     def _shm_failed(self, shm: ShmPath, why: str) -> None:
         """Stop using a session that failed a call (the service closed it, or a lease lapsed)."""
         log.info("same-host session dropped (%s); the call goes over gRPC streams", why)
@@ -655,27 +667,28 @@ class KvstoreClient:
         header = pb.LocalHeader(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), snapshot_bytes=len(view),
                                 cache_salt=cache_salt)
         timeout = timeout_seconds or self.timeout_seconds
-        shm = self._shm_path()
-        if shm is not None and shm.snapshot_spans:
+
+        def via_shm(shm: ShmPath) -> StoreLocalResult:
             with shm.staging(len(view)) as slot:
-                if slot is not None:  # else the segment is full of Stores in flight: in messages
-                    offset, dst = slot
-                    dst[:] = view
-                    header.shm_session = shm.session_id
-                    msgs = [pb.StoreLocalRequest(header=header),
-                            pb.StoreLocalRequest(shm=pb.ShmSpan(offset=offset, nbytes=len(view)))]
-                    try:
-                        return self._store_local(iter(msgs), timeout)
-                    except UnknownSession:
-                        self._shm_failed(shm, "the service no longer knows the session")
-                    header.shm_session = ""
+                if slot is None:  # the segment is full of Stores in flight: in messages
+                    return via_stream()
+                offset, dst = slot
+                dst[:] = view
+                head = pb.LocalHeader(shm_session=shm.session_id)
+                head.MergeFrom(header)
+                return self._store_local(iter([pb.StoreLocalRequest(header=head), pb.StoreLocalRequest(
+                    shm=pb.ShmSpan(offset=offset, nbytes=len(view)))]), timeout)
 
-        def messages() -> Iterator[pb.StoreLocalRequest]:
-            yield pb.StoreLocalRequest(header=header)
-            for a, b in blob_spans(len(view), self.message_bytes):
-                yield pb.StoreLocalRequest(local=pb.LocalPiece(offset=a, data=bytes(view[a:b])))
+        def via_stream() -> StoreLocalResult:
+            def messages() -> Iterator[pb.StoreLocalRequest]:
+                yield pb.StoreLocalRequest(header=header)
+                for a, b in blob_spans(len(view), self.message_bytes):
+                    yield pb.StoreLocalRequest(local=pb.LocalPiece(offset=a, data=bytes(view[a:b])))
 
-        return self._store_local(messages(), timeout)
+            return self._store_local(messages(), timeout)
+
+        shm = self._shm_path()
+        return self._shm_or_stream(shm if shm is not None and shm.snapshot_spans else None, via_shm, via_stream)
 
     def _store_local(self, messages: Iterator[pb.StoreLocalRequest], timeout: float) -> StoreLocalResult:
         try:
@@ -691,17 +704,13 @@ class KvstoreClient:
         """The local snapshot at the last full-chunk boundary of `tokens`, if held. It comes
         through the same-host session when there is one; if that fails, over a stream."""
         req = pb.LoadLocalRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), cache_salt=cache_salt)
-        shm = self._shm_path()
-        if shm is not None:
-            req.shm_session = shm.session_id
-            try:
-                return self._idempotent("LoadLocal", lambda t: self._load_local(req, t, shm), timeout_seconds)
-            except LeaseLapsed as e:
-                self._shm_failed(shm, str(e))
-            except UnknownSession:
-                self._shm_failed(shm, "the service no longer knows the session")
-            req.shm_session = ""
-        return self._idempotent("LoadLocal", lambda t: self._load_local(req, t, None), timeout_seconds)
+        def via_shm(shm: ShmPath) -> LoadLocalResult:
+            named = pb.LoadLocalRequest(shm_session=shm.session_id)
+            named.MergeFrom(req)
+            return self._idempotent("LoadLocal", lambda t: self._load_local(named, t, shm), timeout_seconds)
+
+        return self._shm_or_stream(self._shm_path(), via_shm, lambda: self._idempotent(
+            "LoadLocal", lambda t: self._load_local(req, t, None), timeout_seconds))
 
     def _load_local(self, req: pb.LoadLocalRequest, timeout: float, shm: ShmPath | None) -> LoadLocalResult:
         try:
@@ -733,21 +742,17 @@ class KvstoreClient:
                                skip_chunks=skip_chunks, cache_salt=cache_salt)
         rid, metadata = self._request_metadata("Resume", request_id, session)
         timeout = timeout_seconds or self.timeout_seconds
-        shm = None if skip_chunks else self._shm_path()
-        if shm is not None:
-            req.shm_session, req.local_shm = shm.session_id, True
-            try:
-                return self._resume_call(req, timeout, metadata, rid, shm)
-            except LeaseLapsed as e:
-                self._shm_failed(shm, str(e))
-            except UnknownSession:
-                self._shm_failed(shm, "the service no longer knows the session")
-            req.shm_session, req.local_shm = "", False
-        return self._resume_call(req, timeout, metadata, rid, None)
+        def via_shm(shm: ShmPath) -> ResumeResult:
+            named = pb.ResumeRequest(shm_session=shm.session_id, local_shm=True)
+            named.MergeFrom(req)
+            return self._resume_call(named, timeout, metadata, rid, shm)
+
+        return self._shm_or_stream(None if skip_chunks else self._shm_path(), via_shm,
+                                   lambda: self._resume_call(req, timeout, metadata, rid, None))
 
     def _resume_call(self, req: pb.ResumeRequest, timeout: float, metadata: tuple[tuple[str, str], ...], rid: str,
                      shm: ShmPath | None) -> ResumeResult:
-        local_shm: pb.ShmSpan | None = None
+        snapshot: bytes | None = None
         try:
             stream = self._resume(req, timeout=timeout, metadata=metadata)
             head = _header(stream, "Resume")
@@ -764,8 +769,9 @@ class KvstoreClient:
                     for _, tier, view in asm.add(_piece(msg, "Resume")):
                         chunks.append(view)
                         loaded_tiers.append(tier)
-                elif kind == "local_shm" and isinstance(value, pb.ShmSpan):
-                    local_shm = value  # copied once the trailer says how long the snapshot is
+                elif kind == "local_shm" and isinstance(value, pb.ShmSpan) and shm is not None:
+                    # Only a whole snapshot is sent: the model's size, as the header says.
+                    snapshot = _copy_snapshot(shm, value, head.local_snapshot_bytes, "Resume")
                 elif isinstance(value, pb.ShmSpan) and shm is not None and buf is not None:
                     got = len(chunks)
                     take = _copy_span(shm, value, got, cb, head.hit_chunks, buf)
@@ -778,21 +784,13 @@ class KvstoreClient:
                 elif isinstance(value, pb.ResumeTrailer):
                     trailer = value
         except grpc.RpcError as e:
-            if local_shm is not None and shm is not None:
-                shm.release([local_shm.lease_id])
             if shm is not None and _session_gone(e):
                 raise UnknownSession() from None
             raise _failure(e, "Resume") from None
         if trailer is None:
-            if local_shm is not None and shm is not None:
-                shm.release([local_shm.lease_id])
             raise ServerError(grpc.StatusCode.UNKNOWN, "the Resume stream ended without its trailer", "Resume")
-        snapshot = local.finish() if local is not None else None
-        if local_shm is not None:
-            if shm is None:
-                raise ServerError(grpc.StatusCode.UNKNOWN, "a snapshot span came without a same-host session",
-                                  "Resume")
-            snapshot = _copy_snapshot(shm, local_shm, trailer.snapshot_bytes, "Resume")
+        if local is not None:
+            snapshot = local.finish()
         final_state = PB_TO_LOCAL.get(trailer.local_state, "absent")
         return ResumeResult(
             case=PB_TO_CASE.get(head.resume_case, "cold"),
