@@ -8,7 +8,10 @@ chunks in `JobChunks` pieces. It answers each job with the rebuilt snapshot in `
 
 On the service's host (a `unix:` target) the runner opens a same-host session first and names it
 in its hello: job chunks then come as spans of the session's load segment, which the runner copies
-out and releases at once, instead of in messages. If no session can be opened it takes messages.
+out and releases at once, instead of in messages; and where the service says it takes them
+(`Attached.result_spans`), each result goes back as one span of the session's store segment, held
+until the service's `ResultTaken` (in messages when the segment has no room). If no session can be
+opened it takes and sends messages.
 
 When the stream breaks (the service restarts, the network drops) the runner reconnects with
 exponential backoff and jitter, and forgets the jobs of the old stream (the service has already
@@ -128,7 +131,7 @@ class AttachedRunner:
         try:
             return ShmPath.open(path, self.opts.token, kind="runner")
         except ShmUnavailable as e:
-            self._say(f"{e}; job chunks come in messages")
+            self._say(f"{e}; jobs and results travel in messages")
             return None
 
     def _session(self, stop: threading.Event) -> SessionEnd:
@@ -168,6 +171,7 @@ class AttachedRunner:
                     attached = True
                     self.sessions += 1
                     session.piece_bytes = max(4096, min(MiB, cmd.attached.max_message_bytes // 2 or MiB))
+                    session.result_spans = shm is not None and cmd.attached.result_spans
                     self._say(f"attached to {self.opts.target} as {cmd.attached.runner_id} "
                               f"(model {ident.model} on {ident.device}, batches of up to {ident.max_batch})")
                 elif kind == "job":
@@ -176,6 +180,8 @@ class AttachedRunner:
                     session.chunks(cmd.chunks)
                 elif kind == "cancel":
                     session.cancel(cmd.cancel.job_id)
+                elif kind == "taken":
+                    session.taken(cmd.taken.job_id)
             if stop.is_set():
                 return "stopped"
             self._say("the service closed the stream")
@@ -211,7 +217,9 @@ class _Session:
         self._running: dict[int, JobHandle] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._lent: dict[int, int] = {}  # job id -> hold of the store segment its result is in
         self.piece_bytes = MiB
+        self.result_spans = False  # send results as spans of the store segment
 
     def job(self, j: pb.ReplayJob) -> None:
         first = j.first_chunk
@@ -285,10 +293,40 @@ class _Session:
             self._send_error(job_id, result.error or "replay failed")
             return
         snap = result.snapshot
+        if self.result_spans and self._send_span(job_id, snap):
+            return
         spans = list(blob_spans(len(snap), self.piece_bytes)) or [(0, 0)]
         for i, (a, b) in enumerate(spans):
             self._out.put(pb.RunnerMessage(result=pb.JobResult(
                 job_id=job_id, offset=a, data=snap[a:b], total_bytes=len(snap), last=i == len(spans) - 1)))
+
+    def _send_span(self, job_id: int, snap: bytes) -> bool:
+        """The result written into the store segment and sent as a span; False when the segment
+        has no room for it now (results the service has not yet taken fill it)."""
+        assert self._shm is not None
+        held = self._shm.hold_staging(len(snap)) if snap else None
+        if held is None:
+            return False
+        hold, offset, view = held
+        try:
+            view[:] = snap
+        except ValueError:  # the stream ended and its session closed meanwhile: nobody to answer
+            self._shm.release_staging(hold)
+            return True
+        finally:
+            view.release()
+        with self._lock:
+            self._lent[job_id] = hold
+        self._out.put(pb.RunnerMessage(result=pb.JobResult(
+            job_id=job_id, total_bytes=len(snap), last=True, shm=pb.ShmSpan(offset=offset, nbytes=len(snap)))))
+        return True
+
+    def taken(self, job_id: int) -> None:
+        """The service copied (or dropped) job `job_id`'s result span: its memory is free again."""
+        with self._lock:
+            hold = self._lent.pop(job_id, None)
+        if hold is not None and self._shm is not None:
+            self._shm.release_staging(hold)
 
     def _send_error(self, job_id: int, error: str) -> None:
         self._out.put(pb.RunnerMessage(result=pb.JobResult(job_id=job_id, error=error[:1000], last=True)))

@@ -66,12 +66,20 @@ class _Pending:
     future: JobFuture
 
 
+@dataclass(frozen=True)
+class ResultTaken:
+    """The service is done with the memory a runner lent for job `job_id`'s result."""
+
+    job_id: int
+
+
 @dataclass(eq=False)
 class RunnerLink:
-    """One attached runner: its outbound queue of jobs (None: close) and its jobs in flight."""
+    """One attached runner: its outbound queue (jobs; an int: cancel that job; ResultTaken;
+    None: close) and its jobs in flight."""
 
     info: RunnerInfo
-    outbox: queue.Queue[_Pending | int | None] = field(default_factory=queue.Queue)  # int: cancel job id
+    outbox: queue.Queue[_Pending | int | ResultTaken | None] = field(default_factory=queue.Queue)
     in_flight: dict[int, _Pending] = field(default_factory=dict)
     cancelled: deque[int] = field(default_factory=lambda: deque(maxlen=RECENTLY_CANCELLED))
     closed: bool = False

@@ -302,10 +302,11 @@ def test_cold_warm_expired_with_an_attached_runner_process(make_rig: Callable[..
         # Same model, same weights: the attached runner rebuilds what the in-process one would.
         assert r.snapshot == MODEL.replay(p3[112:128].astype(np.int64), range(112, 128), one_go(p3).chunk_payloads[:8])
         assert rig.app.runners.jobs_total == 1
-        if path == "shm":  # the job's global chunks went through the runner's same-host session
+        if path == "shm":  # the job's global chunks and its result went through the runner's session
             assert rig.svc.server.shm is not None
             (runner_session,) = rig.svc.server.shm.sessions_of("default")
             assert runner_session.kind == "runner" and runner_session.loaded_bytes >= 8 * rig.svc.chunk_bytes(NAME)
+            assert runner_session.stored_bytes == rig.svc.snapshot_bytes(NAME)
             assert runner_session.leases.active == 0 and runner_session.leases.released_total >= 1
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -301,15 +301,31 @@ class ShmPath:
     def staging(self, nbytes: int) -> Iterator[tuple[int, memoryview] | None]:
         """(offset, view) of `nbytes` of the store segment for one Store call, or None when the
         segment has no such room now (the caller streams the bytes instead)."""
+        held = self.hold_staging(nbytes)
+        if held is None:
+            yield None
+            return
+        lease_id, offset, view = held
+        try:
+            yield offset, view
+        finally:
+            self.release_staging(lease_id)
+
+    def hold_staging(self, nbytes: int) -> tuple[int, int, memoryview] | None:
+        """(hold id, offset, view) of `nbytes` of the store segment, kept until `release_staging`
+        (a runner's result, until the service says it took it); None when there is no such room now."""
         try:
             lease = self._staging.grant(nbytes, wait_seconds=0.0)
         except (NoRoom, ValueError):
-            yield None
-            return
+            return None
         try:
-            yield lease.offset, self.store_view[lease.offset : lease.offset + nbytes]
-        finally:
+            return lease.lease_id, lease.offset, self.store_view[lease.offset : lease.offset + nbytes]
+        except ValueError:  # the session was closed meanwhile (its view released)
             self._staging.release(lease.lease_id)
+            return None
+
+    def release_staging(self, hold_id: int) -> None:
+        self._staging.release(hold_id)
 
 
 def gpu_sharing_ready() -> bool:

@@ -4,8 +4,11 @@ A runner sends `RunnerHello` (model, layout id, device, capacity); the servicer 
 the models this service serves, registers the runner, answers `Attached`, then forwards every job
 the registry queues for it as a `ReplayJob` followed by its global chunks in `JobChunks` pieces of at
 most `message_bytes`. A reader thread takes `JobResult` pieces off the runner's stream, reassembles
-each snapshot and completes the job. When the stream ends for any reason the runner is detached
-and its jobs in flight resolve as failed.
+each snapshot and completes the job. A runner attached with a same-host session gets its job
+chunks as spans of its load segment, and may answer with its snapshot as one span of its store
+segment, which the servicer copies and then acknowledges (`ResultTaken`) so the runner can reuse
+that memory. When the stream ends for any reason the runner is detached and its jobs in flight
+resolve as failed.
 
 Attach calls are not counted against the call limit (they live as long as the runner) but the
 registry bounds how many runners may attach. What it does not know: replay policy or the store.
@@ -24,13 +27,13 @@ from kvstore.errors import InvalidInput, KvstoreError, Unavailable
 from kvstore.layout import CacheLayout
 from kvstore.service.auth import Authenticator
 from kvstore.service.codes import status_for
-from kvstore.service.shm_calls import copy_spans
+from kvstore.service.shm_calls import copy_spans, store_snapshot_data
 from kvstore.service.shm_listener import ShmSession, ShmSessions
 from kvstore.service.stream_watch import StreamWatch
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.framing import BlobAssembler, plan_pieces
 from kvstore.wire.messages import Malformed, accept, tokens_to_proto
-from replay.registry import RunnerInfo, RunnerLink, RunnerRegistry, _Pending
+from replay.registry import ResultTaken, RunnerInfo, RunnerLink, RunnerRegistry, _Pending
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,7 @@ class RunnersServicer:
         done = threading.Event()
         context.add_callback(lambda: self._registry.detach(link, "runner stream closed"))
         reader = threading.Thread(
-            target=self._read_results, args=(request_iterator, link, done), name="kvstore-runner-reader",
+            target=self._read_results, args=(request_iterator, link, done, shm), name="kvstore-runner-reader",
             daemon=True,
         )
         reader.start()
@@ -88,7 +91,7 @@ class RunnersServicer:
         self, link: RunnerLink, context: grpc.ServicerContext, done: threading.Event, shm: ShmSession | None,
     ) -> Iterator[pb.RunnerCommand]:
         yield pb.RunnerCommand(attached=pb.Attached(
-            runner_id=link.info.runner_id, max_message_bytes=self._max_message_bytes))
+            runner_id=link.info.runner_id, max_message_bytes=self._max_message_bytes, result_spans=shm is not None))
         while context.is_active() and not done.is_set():
             try:
                 item = link.outbox.get(timeout=0.25)
@@ -98,6 +101,9 @@ class RunnersServicer:
                 break
             if isinstance(item, int):
                 yield pb.RunnerCommand(cancel=pb.JobCancel(job_id=item))
+                continue
+            if isinstance(item, ResultTaken):
+                yield pb.RunnerCommand(taken=pb.ResultTaken(job_id=item.job_id))
                 continue
             if item.job_id not in link.in_flight:
                 continue  # cancelled while queued
@@ -137,7 +143,8 @@ class RunnersServicer:
             name=h.name[:128], tenant=None if caller.admin and not caller.tenant else caller.tenant,
         )
         link = self._registry.attach(info)
-        log.info("runner %s attached: model %s on %s (%s; job chunks %s)", info.runner_id, info.model, info.device,
+        log.info("runner %s attached: model %s on %s (%s; job chunks and results %s)", info.runner_id, info.model,
+                 info.device,
                  "all tenants" if info.tenant is None else f"tenant {info.tenant}",
                  "through shared memory" if shm is not None else "in messages")
         return link, shm
@@ -167,7 +174,8 @@ class RunnersServicer:
                 first_chunk=span.first_chunk, offset=span.offset, data=data)))
 
     def _read_results(
-        self, request_iterator: Iterator[pb.RunnerMessage | Malformed], link: RunnerLink, done: threading.Event
+        self, request_iterator: Iterator[pb.RunnerMessage | Malformed], link: RunnerLink, done: threading.Event,
+        shm: ShmSession | None,
     ) -> None:
         partial: dict[int, BlobAssembler] = {}
         reason = ""
@@ -176,7 +184,10 @@ class RunnersServicer:
                 msg = accept(raw, pb.RunnerMessage)
                 if msg.WhichOneof("kind") != "result":
                     raise InvalidInput("after the hello a runner sends only JobResult messages")
-                self._take_result(link, msg.result, partial)
+                if msg.result.HasField("shm"):
+                    self._take_result_span(link, msg.result, partial, shm)
+                else:
+                    self._take_result(link, msg.result, partial)
         except InvalidInput as e:
             log.warning("runner %s detached: %s", link.info.runner_id, e)
             self._registry.misbehaved(link, str(e))
@@ -194,15 +205,9 @@ class RunnersServicer:
         is a protocol error (the runner is detached); a late one for a cancelled job is dropped."""
         asm = partial.get(r.job_id)
         if asm is None:
-            job = self._registry.job_of(link, r.job_id)
-            if job is None:
-                if self._registry.was_cancelled(link, r.job_id):
-                    return  # cancelled while the runner worked on it
-                raise InvalidInput(f"a result for job {r.job_id}, which is not one of this runner's jobs")
-            expected = self._layouts[job.model].local_snapshot_bytes
-            if not r.error and r.total_bytes != expected:
-                raise InvalidInput(f"job {r.job_id}'s result declares {r.total_bytes} bytes; a snapshot of "
-                                   f"'{job.model}' is {expected}")
+            expected = self._expected_bytes(link, r)
+            if expected is None:
+                return  # cancelled while the runner worked on it
             if not r.error:
                 asm = partial[r.job_id] = BlobAssembler(expected, "job result")
         if r.error:
@@ -214,6 +219,38 @@ class RunnersServicer:
         if r.last:
             del partial[r.job_id]
             self._registry.complete(link, r.job_id, asm.finish(), "")
+
+    def _take_result_span(self, link: RunnerLink, r: pb.JobResult, partial: dict[int, BlobAssembler],
+                          shm: ShmSession | None) -> None:
+        """A whole result as one span of the runner's store segment, checked as pieces are (its
+        job, its size) and against the segment's bounds before it is copied; then acknowledged,
+        copied or dropped (for a cancelled job), so that the runner may reuse the memory."""
+        if shm is None:
+            raise InvalidInput("a JobResult span from a runner attached without a same-host session")
+        if r.error or r.job_id in partial or not r.last:
+            raise InvalidInput(f"job {r.job_id}'s result span must be the whole result (last, no error, no "
+                               "pieces before it)")
+        expected = self._expected_bytes(link, r)
+        snapshot = None if expected is None else store_snapshot_data(
+            shm, r.shm, expected, f"job {r.job_id}'s result span")
+        link.outbox.put(ResultTaken(r.job_id))
+        if snapshot is not None:
+            self._registry.complete(link, r.job_id, snapshot, "")
+
+    def _expected_bytes(self, link: RunnerLink, r: pb.JobResult) -> int | None:
+        """The snapshot size of the job `r` answers; None for a job cancelled while the runner
+        worked on it (its result is dropped). A job this runner was not given, or a declared size
+        other than the job's (a failed job declares none), is a protocol error."""
+        job = self._registry.job_of(link, r.job_id)
+        if job is None:
+            if self._registry.was_cancelled(link, r.job_id):
+                return None
+            raise InvalidInput(f"a result for job {r.job_id}, which is not one of this runner's jobs")
+        expected = self._layouts[job.model].local_snapshot_bytes
+        if not r.error and r.total_bytes != expected:
+            raise InvalidInput(f"job {r.job_id}'s result declares {r.total_bytes} bytes; a snapshot of "
+                               f"'{job.model}' is {expected}")
+        return expected
 
 
 def _slice_chunks(chunks: Sequence[bytes | memoryview], chunk_bytes: int, start: int, nbytes: int) -> bytes:

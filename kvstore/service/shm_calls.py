@@ -166,18 +166,19 @@ def _leased(shm: ShmSession, nbytes: int, wait_seconds: float,
         raise InvalidInput("the same-host session closed during the call") from None
 
 
-def store_snapshot_data(shm: ShmSession, span: pb.ShmSpan, snapshot_bytes: int) -> bytes:
-    """A copy of the snapshot a StoreLocal's span names in the session's store segment, checked
-    to be a snapshot's size and to lie inside the segment (a copy: the client reuses that memory
-    once the call returns)."""
+def store_snapshot_data(shm: ShmSession, span: pb.ShmSpan, snapshot_bytes: int, what: str = "the StoreLocal span",
+                        ) -> bytes:
+    """A copy of the snapshot a span names in the session's store segment (a StoreLocal's, a
+    runner's result), checked to be a snapshot's size and to lie inside the segment (a copy: the
+    peer reuses that memory once the call returns or the result is taken)."""
     if span.num_chunks or span.nbytes != snapshot_bytes:
-        raise InvalidInput(f"the StoreLocal span holds {span.nbytes} bytes and {span.num_chunks} chunks; a "
+        raise InvalidInput(f"{what} holds {span.nbytes} bytes and {span.num_chunks} chunks; a "
                            f"snapshot of this model is {snapshot_bytes} bytes")
-    check_span(span.offset, span.nbytes, shm.store.nbytes, "the StoreLocal span")
+    check_span(span.offset, span.nbytes, shm.store.nbytes, what)
     try:
         data = bytes(shm.store.view[span.offset : span.offset + span.nbytes])
     except ValueError:
-        raise InvalidInput("the same-host session closed during the store") from None
+        raise InvalidInput("the same-host session closed while its snapshot was read") from None
     shm.stored_bytes += span.nbytes
     return data
 

@@ -625,20 +625,22 @@ class RunnerHello(_message.Message):
     def __init__(self, model: _Optional[str] = ..., layout_id: _Optional[bytes] = ..., device: _Optional[str] = ..., max_concurrent_jobs: _Optional[int] = ..., max_batch: _Optional[int] = ..., name: _Optional[str] = ..., shm_session: _Optional[str] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("job_id", "offset", "data", "total_bytes", "last", "error")
+    __slots__ = ("job_id", "offset", "data", "total_bytes", "last", "error", "shm")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     offset: int
     data: bytes
     total_bytes: int
     last: bool
     error: str
-    def __init__(self, job_id: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., last: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    shm: ShmSpan
+    def __init__(self, job_id: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., last: _Optional[bool] = ..., error: _Optional[str] = ..., shm: _Optional[_Union[ShmSpan, _Mapping]] = ...) -> None: ...
 
 class RunnerMessage(_message.Message):
     __slots__ = ("hello", "result")
@@ -649,12 +651,14 @@ class RunnerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[RunnerHello, _Mapping]] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ...) -> None: ...
 
 class Attached(_message.Message):
-    __slots__ = ("runner_id", "max_message_bytes")
+    __slots__ = ("runner_id", "max_message_bytes", "result_spans")
     RUNNER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESULT_SPANS_FIELD_NUMBER: _ClassVar[int]
     runner_id: str
     max_message_bytes: int
-    def __init__(self, runner_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    result_spans: bool
+    def __init__(self, runner_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., result_spans: _Optional[bool] = ...) -> None: ...
 
 class ReplayJob(_message.Message):
     __slots__ = ("job_id", "model", "replay_mode", "tokens", "position_start", "position_end", "first_chunk", "num_chunks", "chunk_bytes", "deadline_seconds")
@@ -696,14 +700,22 @@ class JobCancel(_message.Message):
     job_id: int
     def __init__(self, job_id: _Optional[int] = ...) -> None: ...
 
+class ResultTaken(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    def __init__(self, job_id: _Optional[int] = ...) -> None: ...
+
 class RunnerCommand(_message.Message):
-    __slots__ = ("attached", "job", "chunks", "cancel")
+    __slots__ = ("attached", "job", "chunks", "cancel", "taken")
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_FIELD_NUMBER: _ClassVar[int]
     attached: Attached
     job: ReplayJob
     chunks: JobChunks
     cancel: JobCancel
-    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., job: _Optional[_Union[ReplayJob, _Mapping]] = ..., chunks: _Optional[_Union[JobChunks, _Mapping]] = ..., cancel: _Optional[_Union[JobCancel, _Mapping]] = ...) -> None: ...
+    taken: ResultTaken
+    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., job: _Optional[_Union[ReplayJob, _Mapping]] = ..., chunks: _Optional[_Union[JobChunks, _Mapping]] = ..., cancel: _Optional[_Union[JobCancel, _Mapping]] = ..., taken: _Optional[_Union[ResultTaken, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,215 @@
+"""Replay runners on the service's host: a job's chunks come through the runner's load segment and
+its result goes back through its store segment, held by the runner until the service says it took
+it. Forged result spans are refused before anything is read, and the runner is detached."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.dataplane.peer import ShmPath
+from kvstore.service.shm_listener import ShmSession
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
+from replay.registry import JobFuture, JobOutcome
+from replay.runner import ReplayJob, ReplayResult
+from tests.fixtures.service import CHUNK, V41, Service, payloads, tokens
+from tests.helpers.waiting import wait_until
+from tests.test_service_shm import shm_config, sock_dir
+
+__all__ = ["sock_dir"]  # a fixture, used by name
+
+
+def _job(svc: Service, seed: int, n: int = 4) -> ReplayJob:
+    cb = svc.chunk_bytes(V41)
+    toks = tokens(seed, 2 * CHUNK)
+    return ReplayJob("default", V41, "bounded", toks, n * CHUNK - len(toks), n * CHUNK, 0, cb,
+                     tuple(payloads(seed, n, cb)), 10.0)
+
+
+def _answer(job: ReplayJob, snapshot_bytes: int) -> bytes:
+    """A made-up snapshot that depends on every input of the job (tokens and chunk bytes)."""
+    seed = int(np.asarray(job.tokens).sum()) + sum(int(np.frombuffer(c, np.uint8)[::97].sum()) for c in job.chunks)
+    return np.random.default_rng(seed).integers(0, 256, snapshot_bytes, dtype=np.uint8).tobytes()
+
+
+def _session(svc: Service) -> ShmSession:
+    assert svc.server.shm is not None
+    (s,) = svc.server.shm.sessions_of("default")
+    return s
+
+
+@pytest.fixture
+def attached(make_service: Callable[..., Service], sock_dir: Path) -> Iterator[tuple[Service, AttachedRunner]]:
+    # A 4 MiB store segment holds three V4.1 snapshots (1.35 MB) at once.
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_store_segment_bytes=4 << 20))
+    sb = svc.snapshot_bytes(V41)
+    layout = svc.app.layouts()[V41]
+
+    def run_batch(jobs: Sequence[ReplayJob]) -> list[ReplayResult]:
+        return [ReplayResult(_answer(j, sb)) for j in jobs]
+
+    runner = AttachedRunner(RunnerIdentity(V41, layout.layout_id, "cpu", 4, 1, "shm-test"), run_batch,
+                            AttachOptions(f"unix://{sock_dir / 'kv.sock'}"), say=lambda _: None)
+    stop = threading.Event()
+    t = threading.Thread(target=runner.run, args=(stop,), daemon=True)
+    t.start()
+    wait_until(lambda: len(svc.app.runners.runners()) == 1)
+    yield svc, runner
+    stop.set()
+    t.join(10)
+
+
+def test_results_go_back_through_the_store_segment_whose_memory_is_reused(
+        attached: tuple[Service, AttachedRunner]) -> None:
+    svc, runner = attached
+    sb = svc.snapshot_bytes(V41)
+    jobs = [_job(svc, seed) for seed in range(10)]
+    for job in jobs:  # ten results through a segment that holds three: each was taken and its memory freed
+        out = svc.app.runners.submit(job).result(timeout=30)
+        assert (out.error, out.snapshot == _answer(job, sb)) == ("", True)
+    s = _session(svc)
+    assert s.kind == "runner" and s.stored_bytes == 10 * sb
+    assert s.loaded_bytes == 10 * 4 * svc.chunk_bytes(V41)
+    # Eight at once: what does not fit the segment goes in messages, and every result is right.
+    futures = [(job, svc.app.runners.submit(job)) for job in (_job(svc, seed) for seed in range(20, 28))]
+    for job, fut in futures:
+        out = fut.result(timeout=30)
+        assert (out.error, out.snapshot == _answer(job, sb)) == ("", True)
+    assert runner.jobs_done == 18
+    # ...and once taken, the whole segment is free again: three more go through it back to back.
+    before = s.stored_bytes
+    for seed in range(40, 43):
+        job = _job(svc, seed)
+        assert svc.app.runners.submit(job).result(timeout=30).snapshot == _answer(job, sb)
+    assert s.stored_bytes == before + 3 * sb
+    assert svc.app.runners.misbehaved_total == 0
+
+
+class RawRunner:
+    """A runner's side of Attach written by hand, with a same-host session, to send what a real
+    runner never would."""
+
+    def __init__(self, svc: Service, sock: Path, session: bool = True) -> None:
+        self.svc = svc
+        self.shm = ShmPath.open(str(sock), None, kind="runner") if session else None
+        self.out: queue.Queue[pb.RunnerMessage | None] = queue.Queue()
+        layout = svc.app.layouts()[V41]
+        self.out.put(pb.RunnerMessage(hello=pb.RunnerHello(
+            model=V41, layout_id=layout.layout_id, device="cpu", max_concurrent_jobs=2, max_batch=1,
+            shm_session=self.shm.session_id if self.shm is not None else "")))
+        self.channel = grpc.insecure_channel(f"unix://{sock}")
+        self.call = pb_grpc.RunnersStub(self.channel).Attach(iter(self.out.get, None))
+        self.attached = next(self.call).attached
+
+    def take_job(self, job: ReplayJob) -> tuple[int, JobFuture]:
+        """Submit `job`, read it and its chunks (not their bytes); (job id, its future)."""
+        fut = self.svc.app.runners.submit(job)
+        cmd = next(self.call)
+        assert cmd.WhichOneof("kind") == "job", cmd
+        got = 0
+        while got < cmd.job.num_chunks:
+            c = next(self.call).chunks
+            if self.shm is None:
+                got += len(c.chunks.data) // cmd.job.chunk_bytes or 1
+                continue
+            got += c.shm.num_chunks
+            self.shm.release([c.shm.lease_id])
+        return cmd.job.job_id, fut
+
+    def send_span(self, job_id: int, offset: int, nbytes: int, total: int | None = None) -> None:
+        self.out.put(pb.RunnerMessage(result=pb.JobResult(
+            job_id=job_id, total_bytes=nbytes if total is None else total, last=True,
+            shm=pb.ShmSpan(offset=offset, nbytes=nbytes))))
+
+    def ended_with(self) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in self.call:
+                pass
+        return e.value
+
+    def close(self) -> None:
+        self.out.put(None)
+        self.call.cancel()
+        self.channel.close()
+        if self.shm is not None:
+            self.shm.close()
+
+
+@pytest.fixture
+def raw(make_service: Callable[..., Service], sock_dir: Path) -> Iterator[Callable[..., RawRunner]]:
+    svc = make_service(shm_config(sock_dir / "kv.sock", max_runners=4))
+    made: list[RawRunner] = []
+
+    def make(session: bool = True) -> RawRunner:
+        made.append(RawRunner(svc, sock_dir / "kv.sock", session))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_a_service_with_sessions_offers_result_spans_only_to_a_runner_that_has_one(
+        raw: Callable[..., RawRunner]) -> None:
+    with_session, without = raw(), raw(session=False)
+    assert with_session.attached.result_spans and not without.attached.result_spans
+
+
+@pytest.mark.parametrize(("forge", "needle"), [
+    ("past_end", "runs past the end of its 4194304-byte segment"),
+    ("wrong_size", "holds 1000 bytes and 0 chunks; a snapshot of this model is"),
+    ("declared_size", "result declares 5 bytes"),
+    ("not_its_job", "which is not one of this runner's jobs"),
+    ("no_session", "a JobResult span from a runner attached without a same-host session"),
+])
+def test_a_forged_result_span_detaches_the_runner_and_fails_its_job(
+        raw: Callable[..., RawRunner], forge: str, needle: str) -> None:
+    r = raw(session=forge != "no_session")
+    svc = r.svc
+    sb = svc.snapshot_bytes(V41)
+    job_id, fut = r.take_job(_job(svc, 1))
+    offset, nbytes, total = 0, sb, None
+    if forge == "past_end":
+        offset = (4 << 20) - sb // 2
+    elif forge == "wrong_size":
+        nbytes, total = 1000, sb  # declared right, spanned wrong
+    elif forge == "declared_size":
+        total = 5
+    elif forge == "not_its_job":
+        job_id += 1000
+    r.send_span(job_id, offset, nbytes, total)
+    err = r.ended_with()
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in (err.details() or ""), err.details()
+    out = fut.result(timeout=10)
+    assert isinstance(out, JobOutcome) and out.snapshot is None and out.error
+    assert svc.app.runners.misbehaved_total == 1 and svc.app.runners.runners() == []
+
+
+def test_a_result_span_for_a_cancelled_job_is_dropped_and_acknowledged(raw: Callable[..., RawRunner]) -> None:
+    r = raw()
+    svc = r.svc
+    sb = svc.snapshot_bytes(V41)
+    job_id, fut = r.take_job(_job(svc, 2))
+    svc.app.runners.cancel_job(job_id, "deadline")
+    assert next(r.call).cancel.job_id == job_id
+    assert fut.result(timeout=10).error == "deadline"
+    r.send_span(job_id, 0, sb)  # it had finished before it read the cancel
+    assert next(r.call).taken.job_id == job_id  # the runner may reuse that memory
+    # Pieces still work beside spans (a runner older than result spans sends them).
+    job = _job(svc, 3)
+    job_id, fut = r.take_job(job)
+    snap = _answer(job, sb)
+    for off in range(0, sb, 64 << 10):
+        r.out.put(pb.RunnerMessage(result=pb.JobResult(
+            job_id=job_id, offset=off, data=snap[off : off + (64 << 10)], total_bytes=sb, last=off + (64 << 10) >= sb)))
+    assert fut.result(timeout=10).snapshot == snap
+    assert svc.app.runners.misbehaved_total == 0
+    assert _session(svc).stored_bytes == 0  # neither the dropped span nor the pieces went through it
