@@ -41,8 +41,8 @@ def test_bench_dataplane_reports_each_path_what_a_load_costs_besides_its_copy_an
         capsys: pytest.CaptureFixture[str]) -> None:
     # A small run of the real bench: its own `kvstore serve` on TCP and a Unix socket, two loading
     # client processes. It checks the loaded bytes itself; here, that every figure came out.
-    assert main(["bench", "dataplane", "--json", "--sections", "host,first", "--prefixes", "1024", "--repeats", "2",
-                 "--clients", "2", "--store-repeats", "1"]) == 0
+    assert main(["bench", "dataplane", "--json", "--sections", "host,first,runner", "--prefixes", "1024",
+                 "--repeats", "2", "--clients", "2", "--store-repeats", "1"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["machine"]["cpus"] == os.cpu_count() and doc["machine"]["cpu"], doc["machine"]
     f = doc["prefixes"]["1024"]
@@ -56,5 +56,8 @@ def test_bench_dataplane_reports_each_path_what_a_load_costs_besides_its_copy_an
     snap = doc["snapshot"]  # the local snapshot through the load segment and through messages
     assert snap["snapshot_bytes"] > 0 and all(snap[f"{p}_{c}_ms"] > 0 for p in ("shm", "grpc")
                                               for c in ("store_local", "load_local", "resume")), snap
+    runner = doc["runner"]  # expired Resumes whose replay jobs went to a runner on each path (checked there)
+    assert runner["passes"] == 2 and all(runner[f"{p}_replay_resume{m}_ms"] > 0 for p in ("shm", "grpc")
+                                         for m in ("", "_median")), runner
     assert doc["shm_in_place_share"] == 1.0 and {t["name"].split(": ")[1] for t in doc["targets"]} == {
         "shm_load_gbps / memcpy_gbps", "shm_load_gbps / grpc_load_gbps", "shm_load_4_clients_gbps / shm_load_gbps"}

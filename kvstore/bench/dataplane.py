@@ -36,6 +36,16 @@ between them: a new client opens its session, and after a pause (the spare is re
 prefix twice: `prefaulted_first_load_ms`, `prefaulted_second_load_ms` and the same two of the
 other service, `not_prefaulted_...` (medians). Not a target.
 
+The runner section: a replay job's data path to an attached runner and back. One `kvstore
+serve` with two tenants holds the first prefix for each; each tenant has a runner of its own in
+this process, one attached over the Unix socket (its job chunks and its result through its
+session's segments) and one over TCP (in messages). Neither runner computes: each answers with
+a fixed snapshot, so what is timed is the data path. A pass is an expired `Resume` of the prefix
+per tenant (`skip_chunks`: the engine holds the chunks; no snapshot is held, so the service
+replays the window), its boundary one chunk shorter each pass so that no replay is shared:
+`shm_replay_resume_ms` and `grpc_replay_resume_ms`, best and median of the passes, taking turns.
+Not a target.
+
 The gpu section (where CUDA and cupy are present; `--sections`) holds the same prefixes in the
 device tier of a second `kvstore serve`, on the GPU, and loads them into a tensor on that GPU:
 - `gpu_d2d_copy_gbps`: torch copying the same bytes from one GPU tensor into another (the ceiling);
@@ -53,6 +63,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -66,15 +77,17 @@ from kvstore.bench.serve_proc import start_serve
 MiB = 1 << 20
 
 
-SECTIONS = ("host", "first", "gpu")
+SECTIONS = ("host", "first", "runner", "gpu")
+# The runner section's two tenants: each has a runner of its own, one per path.
+RUNNER_TOKENS = {"shm": "bench-runner-shm-0123456789", "grpc": "bench-runner-tcp-0123456789"}
 FIRST_LOAD_TOKENS = 8192
 FIRST_LOAD_TRIALS = 12
 
 
 def add_dataplane_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sections", default=None, metavar="S,S",
-                   help="parts to run, of host,first,gpu (default: host and first, and gpu where CUDA and cupy "
-                        "are present)")
+                   help="parts to run, of host,first,runner,gpu (default: host, first and runner, and gpu where "
+                        "CUDA and cupy are present)")
     p.add_argument("--model", default="deepseek-v4.1-flash")
     p.add_argument("--prefixes", default="32768,131072", help="prefix lengths in tokens, comma-separated")
     p.add_argument("--repeats", type=int, default=7, help="passes of each contender per figure")
@@ -116,7 +129,7 @@ def _copy_chunks(sources: list[bytes], dst: memoryview, chunk_bytes: int) -> Non
 
 
 def _config(tmp: Path, model: str, nbytes: int, sock: Path, gpu: bool = False, store: str = "",
-            service: str = "") -> Path:
+            service: str = "", runner: str = "none", more: str = "") -> Path:
     cfg = tmp / ("bench-gpu.toml" if gpu else "bench.toml")
     tiers = (f"device = \"cuda\"\ndevice_capacity_bytes = {nbytes + 256 * MiB}\ndram_capacity_bytes = {256 * MiB}\n"
              if gpu else  # every chunk in the GPU's device tier
@@ -127,7 +140,7 @@ def _config(tmp: Path, model: str, nbytes: int, sock: Path, gpu: bool = False, s
         f"lmdb_durability = \"async\"\ncompression = \"none\"\nprefault_arenas = true\n{store}"
         f"[service]\nunix_socket_path = \"{sock}\"\nmodels = [\"{model}\"]\n"
         f"shm_load_segment_bytes = {256 * MiB}\nshm_store_segment_bytes = {256 * MiB}\n{service}"
-        "[replay]\nrunner = \"none\"\n[local_pool]\ncapacity_bytes = 16777216\n")
+        f"[replay]\nrunner = \"{runner}\"\n[local_pool]\ncapacity_bytes = 16777216\n{more}")
     return cfg
 
 
@@ -138,7 +151,8 @@ def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
     from kvstore.layout import get_model
 
     sections = pick_sections("dataplane", args.sections, SECTIONS,
-                             ["host", "first"] if cuda_ipc_unavailable() else ["host", "first", "gpu"])
+                             ["host", "first", "runner"] if cuda_ipc_unavailable() else
+                             ["host", "first", "runner", "gpu"])
 
     spec = get_model(args.model)
     layout = spec.layout
@@ -158,6 +172,10 @@ def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
     if "first" in sections:
         print("dataplane: first loads of new sessions", file=sys.stderr)
         out["first_load"] = _first_load_figures(args.model, spec.vocab_size, cb, ct)
+    if "runner" in sections and layout.local_snapshot_bytes:
+        print(f"dataplane: replay jobs through attached runners ({prefixes[0]:,}-token prefix)", file=sys.stderr)
+        out["runner"] = _runner_figures(args, prompts[prefixes[0]], blobs[prefixes[0]], cb,
+                                        layout.layout_id, layout.local_snapshot_bytes)
     if "host" not in sections:
         out["targets"] = targets
         return out
@@ -293,6 +311,71 @@ def _snapshot_figures(args: argparse.Namespace, shm: Any, tcp: Any, prompt: np.n
             timed(f"{path}_load_local_ms", lambda kv=kv: kv.load_local(args.model, prompt))
             timed(f"{path}_resume_ms", lambda kv=kv: kv.resume(args.model, prompt))
     return {"tokens": len(prompt), "snapshot_bytes": snapshot_bytes, **best}
+
+
+def _runner_figures(args: argparse.Namespace, prompt: np.ndarray, blob: bytes, cb: int, layout_id: bytes,
+                    snapshot_bytes: int) -> dict[str, Any]:
+    from kvstore.client.sync_client import KvstoreClient
+    from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
+    from replay.runner import ReplayResult
+
+    snapshot = np.random.default_rng(3).integers(0, 256, snapshot_bytes, dtype=np.uint8).tobytes()
+    n_chunks = len(blob) // cb
+    passes = min(args.repeats, n_chunks - 1)
+    if passes < 1:
+        raise SystemExit("bench dataplane: the runner section needs a prefix of at least two chunks")
+
+    def answer(jobs: Any) -> list[ReplayResult]:
+        return [ReplayResult(snapshot) for _ in jobs]
+
+    def runner_for(path: str, target: str) -> AttachedRunner:
+        ident = RunnerIdentity(args.model, layout_id, "cpu", max_concurrent_jobs=1, max_batch=1, name=f"bench-{path}")
+        return AttachedRunner(ident, answer, AttachOptions(target, token=RUNNER_TOKENS[path]), say=lambda _: None)
+
+    tenants = "".join(f"[tenants.{path}]\ntokens = [\"{token}\"]\n" for path, token in RUNNER_TOKENS.items())
+    times: dict[str, list[float]] = {path: [] for path in RUNNER_TOKENS}
+    with tempfile.TemporaryDirectory(prefix="kvs-bench-", dir="/tmp") as tmpdir:
+        tmp = Path(tmpdir)
+        cfg = _config(tmp, args.model, 2 * len(blob), tmp / "kv.sock", runner="attached", more=tenants)
+        proc, tcp_address = start_serve(cfg, tmp / "data")
+        stop = threading.Event()
+        runners = {"shm": runner_for("shm", f"unix://{tmp / 'kv.sock'}"), "grpc": runner_for("grpc", tcp_address)}
+        threads = [threading.Thread(target=r.run, args=(stop,), daemon=True) for r in runners.values()]
+        try:
+            for t in threads:
+                t.start()
+            clients = {path: KvstoreClient(tcp_address, token=token) for path, token in RUNNER_TOKENS.items()}
+            for kv in clients.values():
+                assert kv.store(args.model, prompt, blob).stored_chunks == n_chunks
+            give_up = time.monotonic() + 60
+            while not all(r.sessions for r in runners.values()):
+                if time.monotonic() > give_up:
+                    raise RuntimeError("bench dataplane: the runners did not attach in 60 s")
+                time.sleep(0.05)
+            for i in range(passes + 1):  # the first pass warms up (sessions, pages) and is not timed
+                for path, kv in clients.items():
+                    t0 = time.perf_counter()
+                    r = kv.resume(args.model, prompt, max_chunks=n_chunks - i, skip_chunks=True)
+                    dt = (time.perf_counter() - t0) * 1e3
+                    assert (r.local_state, r.snapshot == snapshot) == ("replayed", True), (path, r.local_state,
+                                                                                             r.replay_status)
+                    if i:
+                        times[path].append(dt)
+            for kv in clients.values():
+                kv.close()
+            assert all(r.jobs_done == passes + 1 for r in runners.values()), [r.jobs_done for r in runners.values()]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(15)
+            proc.terminate()
+            proc.wait(timeout=30)
+    out: dict[str, Any] = {"tokens": len(prompt), "job_bytes": n_chunks * cb, "snapshot_bytes": snapshot_bytes,
+                           "passes": passes}
+    for path, ms in times.items():
+        out[f"{path}_replay_resume_ms"] = min(ms)
+        out[f"{path}_replay_resume_median_ms"] = float(np.median(ms))
+    return out
 
 
 def _first_load_figures(model: str, vocab: int, cb: int, ct: int) -> dict[str, Any]:
