@@ -50,7 +50,7 @@ from kvstore.errors import InvalidInput, ResourceExhausted
 from kvstore.keys.chunk_keys import Namespace
 from kvstore.layout import CacheLayout, exact_replay_tokens
 from kvstore.local_pool.base import LocalPool
-from kvstore.store import GlobalStore
+from kvstore.store import GlobalStore, LoadSession
 from replay.port import (
     DISABLED,
     FAILED,
@@ -145,6 +145,25 @@ class _Counts:
 
     def bump(self, name: str, k: int = 1) -> None:
         self.n[name] = self.n.get(name, 0) + k
+
+
+class _PinnedChunks:
+    """A replay job's chunk source: the prefix the coordinator holds pinned while the job runs.
+    `lost` once a read came up short (a chunk vanished: corrupt in its tier)."""
+
+    def __init__(self, session: LoadSession, n: int) -> None:
+        self._session = session
+        self._n = n
+        self.lost = False
+
+    def __len__(self) -> int:
+        return self._n
+
+    def read_into(self, first: int, outs: Sequence[memoryview]) -> int:
+        got = len(self._session.read_many_into(first, outs[: max(0, self._n - first)]))
+        if got < len(outs):
+            self.lost = True
+        return got
 
 
 class ReplayCoordinator:
@@ -312,22 +331,21 @@ class ReplayCoordinator:
                 self._bump("failures")
                 return ReplayOutcome(None, 0, PREFIX_GONE)
             # Every chunk from 0: the Full layers' indexers score every record before a query.
-            buf = memoryview(bytearray(n * cb))
-            for i in range(n):
-                if session.read_into(i, buf[i * cb : (i + 1) * cb]) is None:
-                    self._bump("failures")
-                    return ReplayOutcome(None, 0, PREFIX_GONE)
+            # They are read when the runner's transport copies them (once, straight to where they
+            # go: a runner's shared memory, a message, the in-process model's buffer).
+            source = _PinnedChunks(session, n)
             job = ReplayJob(
                 tenant=ns.tenant, model=ns.model, mode=mode,
                 tokens=np.ascontiguousarray(tokens[plan.start : hit], dtype="<u4"),
-                position_start=plan.start, position_end=hit, first_chunk=0, chunk_bytes=cb,
-                chunks=tuple(buf[i * cb : (i + 1) * cb] for i in range(n)),
-                deadline_seconds=max(0.0, budget - (self._clock() - start)),
+                position_start=plan.start, position_end=hit, first_chunk=0, chunk_bytes=cb, chunks=(),
+                deadline_seconds=max(0.0, budget - (self._clock() - start)), source=source,
             )
             result = self._run(job, start, budget)
         if result is None:
             return ReplayOutcome(None, 0, TIMEOUT)
         if not result.ok:
+            if source.lost:
+                return ReplayOutcome(None, 0, PREFIX_GONE)
             return ReplayOutcome(None, 0, NO_RUNNER if result.error == NO_RUNNER else FAILED)
         snapshot = result.snapshot
         assert snapshot is not None

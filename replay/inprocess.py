@@ -29,7 +29,7 @@ import numpy as np
 from kvstore.errors import InvalidInput
 from kvstore.layout import ModelSpec
 from replay.reference.config import ModelConfig
-from replay.runner import BatchWorker, JobHandle, ReplayJob, ReplayResult, resolved
+from replay.runner import BatchWorker, ChunksGone, JobHandle, ReplayJob, ReplayResult, resolved
 
 if TYPE_CHECKING:
     from replay.reference.model import ReferenceModel
@@ -104,37 +104,46 @@ class ReferenceReplayer:
         from replay.reference.model import ReplayRequest  # torch loads with the models, not at import
 
         results: dict[int, ReplayResult] = {}
+        chunks: dict[int, list[bytes | memoryview]] = {}
         by_model: dict[str, list[int]] = {}
         for i, job in enumerate(jobs):
-            refused = self._refusal(job)
-            if refused is not None:
-                results[i] = refused
+            got = self._refusal(job) or self._read_chunks(job, chunks, i)
+            if got is not None:
+                results[i] = got
             else:
                 by_model.setdefault(job.model, []).append(i)
         for name, idx in by_model.items():
             model = self.model(name)
             assert model is not None  # _refusal checked
             requests = [ReplayRequest(jobs[i].tokens.astype(np.int64),
-                                      range(jobs[i].position_start, jobs[i].position_end), list(jobs[i].chunks))
+                                      range(jobs[i].position_start, jobs[i].position_end), chunks[i])
                         for i in idx]
             try:
                 snaps = model.replay_batch(requests)
             except InvalidInput:
-                results.update((i, self.run(jobs[i])) for i in idx)
+                results.update((i, self._replay_one(jobs[i], chunks[i])) for i in idx)
                 continue
             results.update((i, ReplayResult(snap, "", self._name())) for i, snap in zip(idx, snaps, strict=True))
         return [results[i] for i in range(len(jobs))]
 
     def run(self, job: ReplayJob) -> ReplayResult:
         """One job on its own (`ReferenceModel.replay`)."""
-        refused = self._refusal(job)
-        if refused is not None:
-            return refused
+        chunks: dict[int, list[bytes | memoryview]] = {}
+        return self._refusal(job) or self._read_chunks(job, chunks, 0) or self._replay_one(job, chunks[0])
+
+    def _read_chunks(self, job: ReplayJob, into: dict[int, list[bytes | memoryview]], i: int) -> ReplayResult | None:
+        """The job's chunk payloads put in `into[i]`; a failed result if they vanished meanwhile."""
+        try:
+            into[i] = list(job.payloads())
+        except ChunksGone as e:
+            return ReplayResult.failed(str(e), self._name())
+        return None
+
+    def _replay_one(self, job: ReplayJob, chunks: list[bytes | memoryview]) -> ReplayResult:
         model = self.model(job.model)
         assert model is not None
         try:
-            snap = model.replay(job.tokens.astype(np.int64), range(job.position_start, job.position_end),
-                                list(job.chunks))
+            snap = model.replay(job.tokens.astype(np.int64), range(job.position_start, job.position_end), chunks)
         except InvalidInput as e:
             return ReplayResult.failed(str(e), self._name())
         return ReplayResult(snap, "", self._name())

@@ -32,12 +32,29 @@ log = logging.getLogger("kvstore.replay")
 ReplayMode = Literal["bounded", "exact"]
 
 
+class ChunksGone(Exception):
+    """A job's chunk source no longer has all its chunks (one vanished from the store)."""
+
+
+class ChunkSource(Protocol):
+    """Chunk payloads read when a consumer copies them (the coordinator's pinned prefix), so that
+    they are copied once, straight to where a runner's transport takes them."""
+
+    def __len__(self) -> int: ...
+
+    def read_into(self, first: int, outs: Sequence[memoryview]) -> int:
+        """Copy chunks first, first + 1, ... into `outs`: how many were read (fewer: the rest
+        vanished)."""
+        ...
+
+
 @dataclass(frozen=True)
 class ReplayJob:
     """Rebuild the encoder local snapshot at the boundary `position_end` (= H, a chunk boundary).
 
     The runner runs `tokens` at positions [position_start, H) and reads (never rewrites) the
-    global rows of chunks [first_chunk, H / chunk_tokens), whose payloads are `chunks`.
+    global rows of chunks [first_chunk, H / chunk_tokens), whose payloads are `chunks`, or are
+    read from `source` by `payloads()` or by the transport that carries them to a runner.
     """
 
     tenant: str
@@ -48,8 +65,9 @@ class ReplayJob:
     position_end: int
     first_chunk: int
     chunk_bytes: int
-    chunks: tuple[bytes | memoryview, ...]  # payloads of chunks first_chunk, first_chunk + 1, ...
+    chunks: tuple[bytes | memoryview, ...]  # payloads of chunks first_chunk, first_chunk + 1, ... (or none:)
     deadline_seconds: float  # time the job had left when it was built
+    source: ChunkSource | None = None  # ...instead of `chunks`, read on demand
 
     def __post_init__(self) -> None:
         if len(self.tokens) != self.position_end - self.position_start or len(self.tokens) == 0:
@@ -58,6 +76,8 @@ class ReplayJob:
                 f"{len(self.tokens)} tokens")
         if self.position_start < 0 or self.first_chunk < 0:
             raise InvalidInput("replay positions and chunk indices are never negative")
+        if self.source is not None and self.chunks:
+            raise InvalidInput("a replay job carries its chunks or a source of them, not both")
         for i, c in enumerate(self.chunks):
             if memoryview(c).nbytes != self.chunk_bytes:
                 raise InvalidInput(
@@ -66,6 +86,30 @@ class ReplayJob:
     @property
     def replay_tokens(self) -> int:
         return self.position_end - self.position_start
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.source) if self.source is not None else len(self.chunks)
+
+    def read_into(self, first: int, outs: Sequence[memoryview]) -> int:
+        """Copy chunks first, first + 1, ... (counted from `first_chunk`) into `outs`; how many."""
+        if self.source is not None:
+            return self.source.read_into(first, outs)
+        for k, out in enumerate(outs):  # numpy's copy lets go of the GIL
+            np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(self.chunks[first + k], np.uint8))
+        return len(outs)
+
+    def payloads(self) -> tuple[bytes | memoryview, ...]:
+        """The chunk payloads: `chunks`, or read from `source` into one new buffer (raises
+        ChunksGone when it no longer has them all)."""
+        if self.source is None:
+            return self.chunks
+        n, cb = len(self.source), self.chunk_bytes
+        buf = np.empty(n * cb, np.uint8).data  # every byte is written: not zeroed first
+        views = [buf[i * cb : (i + 1) * cb] for i in range(n)]
+        if self.source.read_into(0, views) < n:
+            raise ChunksGone("a chunk of the replayed prefix vanished from the store during the replay")
+        return tuple(views)
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,22 @@ def test_mode_off_no_runner_and_missing_prefix(rig: Rig, inproc: InProcessRunner
     assert gone.snapshot is None and gone.status == PREFIX_GONE
 
 
+def test_a_chunk_that_vanishes_while_the_runner_reads_the_prefix_is_prefix_gone(
+        rig: Rig, inproc: InProcessRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The job's chunks are read when the runner takes them, from the prefix the coordinator keeps
+    # pinned. Fault: the store's read of them comes up one chunk short (a corrupt chunk removed).
+    from kvstore.store import LoadSession
+
+    toks = tokens(7, 64)
+    rig.cache(rig.ns(), toks)
+    real = LoadSession.read_many_into
+    monkeypatch.setattr(LoadSession, "read_many_into", lambda self, first, outs: real(self, first, outs)[:-1])
+    out = rig.coordinator([inproc]).resume_local(rig.ns(), toks, 64, 5.0)
+    assert (out.status, out.snapshot) == (PREFIX_GONE, None)
+    monkeypatch.setattr(LoadSession, "read_many_into", real)
+    assert rig.coordinator([inproc]).resume_local(rig.ns(), toks, 64, 5.0).status == REPLAYED
+
+
 # --- coalescing, batching, limits ------------------------------------------------------------------
 
 def test_ten_identical_concurrent_replays_run_once(rig: Rig) -> None:

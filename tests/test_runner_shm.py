@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -213,3 +214,31 @@ def test_a_result_span_for_a_cancelled_job_is_dropped_and_acknowledged(raw: Call
     assert fut.result(timeout=10).snapshot == snap
     assert svc.app.runners.misbehaved_total == 0
     assert _session(svc).stored_bytes == 0  # neither the dropped span nor the pieces went through it
+
+
+class _Vanishing:
+    """A job's chunk source whose chunk 2 has left the store."""
+
+    def __init__(self, job: ReplayJob) -> None:
+        self.job = job
+
+    def __len__(self) -> int:
+        return len(self.job.chunks)
+
+    def read_into(self, first: int, outs: Sequence[memoryview]) -> int:
+        take = max(0, min(len(outs), 2 - first))
+        return self.job.read_into(first, outs[:take])
+
+
+@pytest.mark.parametrize("session", [True, False])
+def test_a_job_whose_chunks_vanish_on_the_way_is_cancelled_and_fails(raw: Callable[..., RawRunner],
+                                                                       session: bool) -> None:
+    r = raw(session=session)
+    job = _job(r.svc, 4)
+    fut = r.svc.app.runners.submit(replace(job, chunks=(), source=_Vanishing(job)))
+    kinds = [next(r.call).WhichOneof("kind") for _ in range(2)]
+    assert kinds == ["job", "cancel"]  # no chunk sent: the first span (or the payloads) came up short
+    out = fut.result(timeout=10)
+    assert out.snapshot is None and "job chunks not sent" in out.error and "vanished" in out.error, out.error
+    if session:
+        wait_until(lambda: _session(r.svc).leases.active == 0)  # the short span's lease went back

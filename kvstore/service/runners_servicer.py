@@ -34,6 +34,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.framing import BlobAssembler, plan_pieces
 from kvstore.wire.messages import Malformed, accept, tokens_to_proto
 from replay.registry import ResultTaken, RunnerInfo, RunnerLink, RunnerRegistry, _Pending
+from replay.runner import ChunksGone
 
 log = logging.getLogger(__name__)
 
@@ -155,21 +156,23 @@ class RunnersServicer:
         yield pb.RunnerCommand(job=pb.ReplayJob(
             job_id=p.job_id, model=job.model, replay_mode=job.mode, tokens=tokens_to_proto(job.tokens),
             position_start=job.position_start, position_end=job.position_end, first_chunk=job.first_chunk,
-            num_chunks=len(job.chunks), chunk_bytes=job.chunk_bytes, deadline_seconds=job.deadline_seconds,
+            num_chunks=job.num_chunks, chunk_bytes=job.chunk_bytes, deadline_seconds=job.deadline_seconds,
         ))
         cb = job.chunk_bytes
-        if shm is not None and job.chunks:
-            try:
-                for leased in copy_spans(shm, job.chunks, job.first_chunk, cb, self._idle_seconds,
+        try:
+            if shm is not None and job.num_chunks:
+                for leased in copy_spans(shm, job.read_into, job.num_chunks, job.first_chunk, cb, self._idle_seconds,
                                          context.is_active):
                     yield pb.RunnerCommand(chunks=pb.JobChunks(job_id=p.job_id, shm=leased))
-            except KvstoreError as e:  # the runner's segment stayed full, or its session closed
-                self._registry.complete(link, p.job_id, None, f"job chunks not sent: {e}")
-                yield pb.RunnerCommand(cancel=pb.JobCancel(job_id=p.job_id))
+                return
+            chunks = job.payloads()
+        except (KvstoreError, ChunksGone) as e:  # the runner's segment stayed full, its session closed, a chunk left
+            self._registry.complete(link, p.job_id, None, f"job chunks not sent: {e}")
+            yield pb.RunnerCommand(cancel=pb.JobCancel(job_id=p.job_id))
             return
-        for span in plan_pieces(job.first_chunk, len(job.chunks), cb, self._message_bytes):
+        for span in plan_pieces(job.first_chunk, len(chunks), cb, self._message_bytes):
             start = (span.first_chunk - job.first_chunk) * cb + span.offset
-            data = _slice_chunks(job.chunks, cb, start, span.nbytes)
+            data = _slice_chunks(chunks, cb, start, span.nbytes)
             yield pb.RunnerCommand(chunks=pb.JobChunks(job_id=p.job_id, chunks=pb.ChunkPiece(
                 first_chunk=span.first_chunk, offset=span.offset, data=data)))
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstore.dataplane import Lease, NoRoom, check_span
-from kvstore.errors import InvalidInput, ResourceExhausted
+from kvstore.errors import InvalidInput, KvstoreError, ResourceExhausted
 from kvstore.service.shm_listener import ShmSession
 from kvstore.store import InPlaceRun, LoadSession
 from kvstore.v1 import kvstore_pb2 as pb
@@ -101,17 +101,33 @@ def _in_place_span(session: LoadSession, shm: ShmSession, run: InPlaceRun, first
 
 
 def copy_spans(
-    shm: ShmSession, chunks: Sequence[bytes | memoryview], first_chunk: int, chunk_bytes: int, wait_seconds: float,
-    still_wanted: Callable[[], bool],
+    shm: ShmSession, read_into: Callable[[int, Sequence[memoryview]], int], n: int, first_chunk: int,
+    chunk_bytes: int, wait_seconds: float, still_wanted: Callable[[], bool],
 ) -> Iterator[pb.ShmSpan]:
-    """Chunk payloads the service already holds (a replay job's) copied into leased spans of a
-    runner's load segment."""
+    """A replay job's `n` chunks read (`read_into(first, outs)`: how many it copied) straight into
+    leased spans of a runner's load segment. Raises ChunksLost when one vanished meanwhile."""
     per = chunks_per_span(shm, chunk_bytes)
-    for at in range(0, len(chunks), per):
-        part = chunks[at : at + per]
-        lease = _copied(shm, part, chunk_bytes, wait_seconds, still_wanted)
-        yield pb.ShmSpan(first_chunk=first_chunk + at, num_chunks=len(part), offset=lease.offset,
+    for at in range(0, n, per):
+        count = min(per, n - at)
+        lease, view = _leased(shm, count * chunk_bytes, wait_seconds, still_wanted)
+        try:
+            got = read_into(at, [view[k * chunk_bytes : (k + 1) * chunk_bytes] for k in range(count)])
+        except BaseException:
+            shm.leases.release(lease.lease_id)  # never sent: nobody else will
+            raise
+        finally:
+            with contextlib.suppress(BufferError):
+                view.release()
+        if got < count:
+            shm.leases.release(lease.lease_id)
+            raise ChunksLost(f"chunk {first_chunk + at + got} of the job vanished from the store")
+        shm.loaded_bytes += count * chunk_bytes
+        yield pb.ShmSpan(first_chunk=first_chunk + at, num_chunks=count, offset=lease.offset,
                          lease_id=lease.lease_id, lease_expires_at=lease.expires_at)
+
+
+class ChunksLost(KvstoreError):
+    """A chunk a replay job needs left the store while its chunks were being sent."""
 
 
 def snapshot_span(shm: ShmSession, snapshot: bytes | memoryview, wait_seconds: float,
