@@ -30,7 +30,7 @@ import queue
 import random
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -83,6 +83,8 @@ class _Incoming:
     msg: pb.ReplayJob
     assembler: ChunkAssembler
     chunks: list[bytes | memoryview]
+    in_place: bool = False  # its chunks are read where they lie in the load segment, not copied
+    held: list[tuple[int, float]] = field(default_factory=list)  # (lease id, expires at) of those spans
 
 
 class AttachedRunner:
@@ -219,12 +221,16 @@ class _Session:
         self._lock = threading.Lock()
         self._closed = False
         self._lent: dict[int, int] = {}  # job id -> hold of the store segment its result is in
+        self._held: dict[int, list[tuple[int, float]]] = {}  # job id -> its chunks' leases, read in place
         self.piece_bytes = MiB
         self.result_spans = False  # send results as spans of the store segment
 
     def job(self, j: pb.ReplayJob) -> None:
         first = j.first_chunk
-        inc = _Incoming(j, ChunkAssembler(max(1, j.chunk_bytes), first + j.num_chunks), [])
+        # A job that fits half the load segment is read where it lies, its spans held until it is
+        # done; a larger one (it may not fit beside another job's) is copied out span by span.
+        in_place = self._shm is not None and 0 < j.num_chunks * j.chunk_bytes <= self._shm.load_bytes // 2
+        inc = _Incoming(j, ChunkAssembler(max(1, j.chunk_bytes), first + j.num_chunks), [], in_place)
         if j.num_chunks == 0:
             self._start(inc)
         else:
@@ -236,7 +242,9 @@ class _Session:
             return  # a job cancelled while its chunks were in flight
         try:
             data: bytes | memoryview
-            if c.HasField("shm"):
+            if c.HasField("shm") and inc.in_place:
+                first, offset, data = c.shm.first_chunk, 0, self._held_span(c.shm, inc)
+            elif c.HasField("shm"):
                 first, offset, data = c.shm.first_chunk, 0, self._copy_span(c.shm, inc.msg.chunk_bytes)
             else:
                 first, offset, data = c.chunks.first_chunk, c.chunks.offset, c.chunks.data
@@ -244,11 +252,23 @@ class _Session:
                 inc.chunks.append(view)
         except (InvalidInput, LeaseLapsed) as e:
             del self._incoming[c.job_id]
+            self._release_leases(inc.held)
             self._send_error(c.job_id, f"bad job chunks: {e}")
             return
         if len(inc.chunks) == inc.msg.num_chunks:
             del self._incoming[c.job_id]
             self._start(inc)
+
+    def _held_span(self, span: pb.ShmSpan, inc: _Incoming) -> memoryview:
+        """A span of job chunks where it lies in the load segment (read-only), its lease kept."""
+        if self._shm is None:
+            raise InvalidInput("the service sent a shared-memory span to a runner without a session")
+        inc.held.append((span.lease_id, span.lease_expires_at))
+        return self._shm.span(span.offset, span.num_chunks * inc.msg.chunk_bytes)
+
+    def _release_leases(self, held: list[tuple[int, float]]) -> None:
+        if held and self._shm is not None:
+            self._shm.release([lease_id for lease_id, _ in held])
 
     def _copy_span(self, span: pb.ShmSpan, chunk_bytes: int) -> memoryview:
         """A span of job chunks copied out of the session's load segment, its lease released."""
@@ -262,11 +282,13 @@ class _Session:
             self._shm.release([span.lease_id])
 
     def cancel(self, job_id: int) -> None:
-        self._incoming.pop(job_id, None)
+        inc = self._incoming.pop(job_id, None)
         with self._lock:
             handle = self._running.pop(job_id, None)
+            held = self._held.pop(job_id, [])
         if handle is not None:
-            handle.cancel()
+            handle.cancel()  # a job already running finishes unheard: what it reads no longer matters
+        self._release_leases(held + (inc.held if inc is not None else []))
 
     def _start(self, inc: _Incoming) -> None:
         j = inc.msg
@@ -278,18 +300,29 @@ class _Session:
                 chunks=tuple(inc.chunks), deadline_seconds=j.deadline_seconds,
             )
         except InvalidInput as e:
+            self._release_leases(inc.held)
             self._send_error(j.job_id, str(e))
             return
         handle = self._runner._worker.submit(job)
         with self._lock:
             self._running[j.job_id] = handle
+            self._held[j.job_id] = inc.held
         handle.future.add_done_callback(lambda f: self._finished(j.job_id, f.result()))
 
     def _finished(self, job_id: int, result: ReplayResult) -> None:
         with self._lock:
             if self._running.pop(job_id, None) is None or self._closed:
                 return  # cancelled, or the stream it came from is gone
+            held = self._held.pop(job_id, [])
         self._runner.jobs_done += 1
+        # Chunks read in place were the service's only while their leases held: a lease that
+        # lapsed during the job may have had its span reused, so the result cannot be trusted.
+        lapsed = self._shm is not None and not all(self._shm.lease_valid(expires) for _, expires in held)
+        self._release_leases(held)
+        if lapsed:
+            self._send_error(job_id, "the job's chunks were read in place past their lease (the job outlived "
+                                     "service.shm_lease_seconds): not trusted")
+            return
         if result.snapshot is None:
             self._send_error(job_id, result.error or "replay failed")
             return
@@ -337,6 +370,7 @@ class _Session:
             self._closed = True
             running = list(self._running.values())
             self._running.clear()
+            self._held.clear()  # the session closes with the stream: the service drops its leases
         for h in running:
             h.cancel()
         self._incoming.clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -48,24 +49,40 @@ def _session(svc: Service) -> ShmSession:
 
 
 @pytest.fixture
-def attached(make_service: Callable[..., Service], sock_dir: Path) -> Iterator[tuple[Service, AttachedRunner]]:
-    # A 4 MiB store segment holds three V4.1 snapshots (1.35 MB) at once.
-    svc = make_service(shm_config(sock_dir / "kv.sock", shm_store_segment_bytes=4 << 20))
-    sb = svc.snapshot_bytes(V41)
-    layout = svc.app.layouts()[V41]
+def make_attached(make_service: Callable[..., Service], sock_dir: Path) -> Iterator[Callable[..., tuple[Service,
+                                                                                                        AttachedRunner]]]:
+    stops: list[tuple[threading.Event, threading.Thread]] = []
 
-    def run_batch(jobs: Sequence[ReplayJob]) -> list[ReplayResult]:
-        return [ReplayResult(_answer(j, sb)) for j in jobs]
+    def make(gate: threading.Event | None = None, **service: object) -> tuple[Service, AttachedRunner]:
+        # A 4 MiB store segment holds three V4.1 snapshots (1.35 MB) at once; a 4 MiB load
+        # segment takes jobs of up to 2 MiB in place.
+        svc = make_service(shm_config(sock_dir / "kv.sock", shm_store_segment_bytes=4 << 20, **service))
+        sb = svc.snapshot_bytes(V41)
+        layout = svc.app.layouts()[V41]
 
-    runner = AttachedRunner(RunnerIdentity(V41, layout.layout_id, "cpu", 4, 1, "shm-test"), run_batch,
-                            AttachOptions(f"unix://{sock_dir / 'kv.sock'}"), say=lambda _: None)
-    stop = threading.Event()
-    t = threading.Thread(target=runner.run, args=(stop,), daemon=True)
-    t.start()
-    wait_until(lambda: len(svc.app.runners.runners()) == 1)
-    yield svc, runner
-    stop.set()
-    t.join(10)
+        def run_batch(jobs: Sequence[ReplayJob]) -> list[ReplayResult]:
+            if gate is not None:
+                gate.wait(30)
+            return [ReplayResult(_answer(j, sb)) for j in jobs]
+
+        runner = AttachedRunner(RunnerIdentity(V41, layout.layout_id, "cpu", 4, 1, "shm-test"), run_batch,
+                                AttachOptions(f"unix://{sock_dir / 'kv.sock'}"), say=lambda _: None)
+        stop = threading.Event()
+        t = threading.Thread(target=runner.run, args=(stop,), daemon=True)
+        t.start()
+        stops.append((stop, t))
+        wait_until(lambda: len(svc.app.runners.runners()) == 1)
+        return svc, runner
+
+    yield make
+    for stop, t in stops:
+        stop.set()
+        t.join(10)
+
+
+@pytest.fixture
+def attached(make_attached: Callable[..., tuple[Service, AttachedRunner]]) -> tuple[Service, AttachedRunner]:
+    return make_attached()
 
 
 def test_results_go_back_through_the_store_segment_whose_memory_is_reused(
@@ -92,6 +109,43 @@ def test_results_go_back_through_the_store_segment_whose_memory_is_reused(
         assert svc.app.runners.submit(job).result(timeout=30).snapshot == _answer(job, sb)
     assert s.stored_bytes == before + 3 * sb
     assert svc.app.runners.misbehaved_total == 0
+    wait_until(lambda: s.leases.active == 0)  # every job's chunk spans went back once it was done
+    assert s.leases.expired_total == 0
+
+
+def test_a_job_that_fits_half_the_segment_is_read_in_place_until_done_and_a_larger_one_is_copied(
+        make_attached: Callable[..., tuple[Service, AttachedRunner]]) -> None:
+    gate = threading.Event()
+    svc, _ = make_attached(gate)
+    sb, cb = svc.snapshot_bytes(V41), svc.chunk_bytes(V41)
+    s = _session(svc)
+    small, large = _job(svc, 5, n=8), _job(svc, 6, n=160)  # half the load segment is 2 MiB
+    assert 8 * cb <= (2 << 20) < 160 * cb
+    fut = svc.app.runners.submit(small)
+    wait_until(lambda: s.loaded_bytes == 8 * cb)
+    time.sleep(0.2)
+    assert s.leases.active == 1  # held while the model runs: it reads the chunks where they lie
+    gate.set()
+    assert fut.result(timeout=30).snapshot == _answer(small, sb)
+    wait_until(lambda: s.leases.active == 0)
+    gate.clear()
+    fut = svc.app.runners.submit(large)
+    wait_until(lambda: s.loaded_bytes == 168 * cb)
+    time.sleep(0.2)
+    assert s.leases.active == 0  # copied out span by span, each released at once
+    gate.set()
+    assert fut.result(timeout=30).snapshot == _answer(large, sb)
+
+
+def test_a_job_that_outlives_the_lease_on_its_chunks_read_in_place_fails(
+        make_attached: Callable[..., tuple[Service, AttachedRunner]]) -> None:
+    gate = threading.Event()
+    svc, _ = make_attached(gate, shm_lease_seconds=0.3)
+    fut = svc.app.runners.submit(_job(svc, 7))
+    wait_until(lambda: _session(svc).leases.expired_total == 1)  # the service took the span back
+    gate.set()
+    out = fut.result(timeout=30)
+    assert out.snapshot is None and "past their lease" in out.error, out.error
 
 
 class RawRunner:
