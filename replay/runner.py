@@ -65,9 +65,9 @@ class ReplayJob:
     position_end: int
     first_chunk: int
     chunk_bytes: int
-    chunks: tuple[bytes | memoryview, ...]  # payloads of chunks first_chunk, first_chunk + 1, ... (or none:)
+    chunks: tuple[bytes | memoryview, ...]  # payloads of chunks first_chunk, first_chunk + 1, ... (or empty)
     deadline_seconds: float  # time the job had left when it was built
-    source: ChunkSource | None = None  # ...instead of `chunks`, read on demand
+    source: ChunkSource | None = None  # where the payloads are read on demand, when `chunks` is empty
 
     def __post_init__(self) -> None:
         if len(self.tokens) != self.position_end - self.position_start or len(self.tokens) == 0:

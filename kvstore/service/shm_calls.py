@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstore.dataplane import Lease, NoRoom, check_span
-from kvstore.errors import InvalidInput, KvstoreError, ResourceExhausted
+from kvstore.errors import InvalidInput, ResourceExhausted
 from kvstore.service.shm_listener import ShmSession
 from kvstore.store import InPlaceRun, LoadSession
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.messages import TIER_TO_PB
+from replay.runner import ChunksGone
 
 # Spans of about 16 MiB: a 32K-token V4.1 load (29 MB) is 2 spans, the client's copy of one
 # overlapping the service's copy of the next. Each span costs a message and a hand-off (~0.3 ms
@@ -105,7 +106,7 @@ def copy_spans(
     chunk_bytes: int, wait_seconds: float, still_wanted: Callable[[], bool],
 ) -> Iterator[pb.ShmSpan]:
     """A replay job's `n` chunks read (`read_into(first, outs)`: how many it copied) straight into
-    leased spans of a runner's load segment. Raises ChunksLost when one vanished meanwhile."""
+    leased spans of a runner's load segment. Raises ChunksGone when one vanished meanwhile."""
     per = chunks_per_span(shm, chunk_bytes)
     for at in range(0, n, per):
         count = min(per, n - at)
@@ -120,14 +121,10 @@ def copy_spans(
                 view.release()
         if got < count:
             shm.leases.release(lease.lease_id)
-            raise ChunksLost(f"chunk {first_chunk + at + got} of the job vanished from the store")
+            raise ChunksGone(f"chunk {first_chunk + at + got} of the job vanished from the store")
         shm.loaded_bytes += count * chunk_bytes
         yield pb.ShmSpan(first_chunk=first_chunk + at, num_chunks=count, offset=lease.offset,
                          lease_id=lease.lease_id, lease_expires_at=lease.expires_at)
-
-
-class ChunksLost(KvstoreError):
-    """A chunk a replay job needs left the store while its chunks were being sent."""
 
 
 def snapshot_span(shm: ShmSession, snapshot: bytes | memoryview, wait_seconds: float,
