@@ -176,6 +176,10 @@ def _warm_up(model: ReferenceModel) -> None:
     model.replay(toks[span.start : span.stop], span, res.chunk_payloads)
 
 
+# How long closing waits for a batch in flight.
+CLOSE_WAIT_SECONDS = 10.0
+
+
 class InProcessRunner:
     """`Runner` over reference models in this process, fed by one `BatchWorker`."""
 
@@ -184,13 +188,16 @@ class InProcessRunner:
         self.replayer = ReferenceReplayer(configs, device)
         self._worker = BatchWorker(self.replayer.run_batch, max_batch, "replay-inprocess")
         if preload:
-            threading.Thread(target=self._preload, name="kvstore-replay-load", daemon=True).start()
+            # Not a daemon: a process that exits while the model loads waits for it (a second or
+            # so) rather than tearing torch down under it, which aborts the process.
+            threading.Thread(target=self._preload, name="kvstore-replay-load").start()
 
     def _preload(self) -> None:
         try:
             self.replayer.load()
         except Exception:  # reported again, per job, when a job needs the model
-            log.exception("loading the reference model failed")
+            if threading.main_thread().is_alive():  # else the process is exiting: the load is moot
+                log.exception("loading the reference model failed")
 
     @property
     def name(self) -> str:
@@ -212,7 +219,10 @@ class InProcessRunner:
         return self._worker.pending()
 
     def close(self) -> None:
+        """Stop taking jobs, and wait (a while) for a batch in flight: a process that exits while
+        torch computes on another thread aborts instead of exiting."""
         self._worker.close()
+        self._worker.join(CLOSE_WAIT_SECONDS)
 
 
 def device_option(device: str) -> str | None:

@@ -4,6 +4,8 @@ dies) are injected by wrapping real parts; nothing else is mocked. No test asser
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -76,6 +78,7 @@ class GatedRunner:
     def close(self) -> None:
         self.gate.open.set()
         self.worker.close()
+        self.worker.join(10)  # as the in-process runner does: torch is not torn down under a batch
 
 
 class DyingRunner:
@@ -438,3 +441,40 @@ def test_replay_threads_are_chosen_deliberately() -> None:
         assert use_threads(1) == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+# A process that closes its in-process runner and exits while the model is at work on the
+# runner's thread (loading, or running a batch): torch must not be torn down under it.
+EXIT_WHILE_BUSY = """
+import sys, time
+import numpy as np
+import torch
+from replay.inprocess import InProcessRunner, ReferenceReplayer
+from replay.runner import ReplayJob, ReplayResult
+
+def busy(*_args):
+    a = torch.randn(256, 256)
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        a = torch.tanh(a @ a)
+    return [ReplayResult(b"x")]
+
+if sys.argv[1] == "load":
+    ReferenceReplayer.load = busy
+    runner = InProcessRunner({}, "cpu")
+else:
+    ReferenceReplayer.run_batch = busy
+    runner = InProcessRunner({}, "cpu", preload=False)
+    runner._worker.submit(ReplayJob("t", "m", "bounded", np.zeros(1, "<u4"), 0, 1, 0, 1, (), 1.0))
+time.sleep(0.3)
+runner.close()
+"""
+
+
+@pytest.mark.parametrize("busy_with", ["load", "batch"])
+def test_a_process_exits_cleanly_when_its_runner_closes_while_the_model_works(busy_with: str) -> None:
+    done = subprocess.run([sys.executable, "-c", EXIT_WHILE_BUSY, busy_with], capture_output=True, text=True,
+                          timeout=120)
+    # Before, the runner's threads were left in torch at exit: "terminate called without an
+    # active exception" and SIGABRT.
+    assert done.returncode == 0 and "terminate" not in done.stderr, (done.returncode, done.stderr[-2000:])
