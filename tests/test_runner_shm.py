@@ -1,6 +1,7 @@
-"""Replay runners on the service's host: a job's chunks come through the runner's load segment and
-its result goes back through its store segment, held by the runner until the service says it took
-it. Forged result spans are refused before anything is read, and the runner is detached."""
+"""Replay runners on the service's host: a job's chunks come through the runner's load segment (read
+there in place while the job runs, when it fits half the segment) and its result goes back through
+its store segment, held by the runner until the service says it took it. Forged result spans are
+refused before anything is read, and the runner is detached."""
 
 from __future__ import annotations
 
@@ -48,9 +49,11 @@ def _session(svc: Service) -> ShmSession:
     return s
 
 
+Attach = Callable[..., tuple[Service, AttachedRunner]]
+
+
 @pytest.fixture
-def make_attached(make_service: Callable[..., Service], sock_dir: Path) -> Iterator[Callable[..., tuple[Service,
-                                                                                                        AttachedRunner]]]:
+def make_attached(make_service: Callable[..., Service], sock_dir: Path) -> Iterator[Attach]:
     stops: list[tuple[threading.Event, threading.Thread]] = []
 
     def make(gate: threading.Event | None = None, **service: object) -> tuple[Service, AttachedRunner]:
@@ -81,7 +84,7 @@ def make_attached(make_service: Callable[..., Service], sock_dir: Path) -> Itera
 
 
 @pytest.fixture
-def attached(make_attached: Callable[..., tuple[Service, AttachedRunner]]) -> tuple[Service, AttachedRunner]:
+def attached(make_attached: Attach) -> tuple[Service, AttachedRunner]:
     return make_attached()
 
 
@@ -114,7 +117,7 @@ def test_results_go_back_through_the_store_segment_whose_memory_is_reused(
 
 
 def test_a_job_that_fits_half_the_segment_is_read_in_place_until_done_and_a_larger_one_is_copied(
-        make_attached: Callable[..., tuple[Service, AttachedRunner]]) -> None:
+        make_attached: Attach) -> None:
     gate = threading.Event()
     svc, _ = make_attached(gate)
     sb, cb = svc.snapshot_bytes(V41), svc.chunk_bytes(V41)
@@ -131,14 +134,13 @@ def test_a_job_that_fits_half_the_segment_is_read_in_place_until_done_and_a_larg
     gate.clear()
     fut = svc.app.runners.submit(large)
     wait_until(lambda: s.loaded_bytes == 168 * cb)
-    time.sleep(0.2)
-    assert s.leases.active == 0  # copied out span by span, each released at once
+    wait_until(lambda: s.leases.active == 0)  # copied out span by span, each released at once (the model waits)
     gate.set()
     assert fut.result(timeout=30).snapshot == _answer(large, sb)
 
 
 def test_a_job_that_outlives_the_lease_on_its_chunks_read_in_place_fails(
-        make_attached: Callable[..., tuple[Service, AttachedRunner]]) -> None:
+        make_attached: Attach) -> None:
     gate = threading.Event()
     svc, _ = make_attached(gate, shm_lease_seconds=0.3)
     fut = svc.app.runners.submit(_job(svc, 7))
