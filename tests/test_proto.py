@@ -24,6 +24,7 @@ from kvstore.wire.messages import (
     encode_chunk_piece,
     encode_lookup_request,
     encode_lookup_response,
+    job_chunks_frame,
     tiers_from_pb,
 )
 
@@ -128,6 +129,19 @@ def test_a_piece_head_and_its_payload_are_the_library_encoding(first: int, tiers
     wire = chunk_piece_head(first, bytes(tiers), len(data)) + data
     expected = pb.LoadResponse(chunks=pb.ChunkPiece(first_chunk=first, data=data, tiers=cast(Any, tiers)))
     assert pb.LoadResponse.FromString(wire) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(job_id=st.integers(0, 2**64 - 1), first=st.integers(0, 2**32 - 1), offset=st.integers(0, 2**40),
+       data=st.binary(max_size=3000), reuse=st.booleans())
+def test_a_hand_laid_job_chunks_command_parses_as_the_library_builds_it(
+        job_id: int, first: int, offset: int, data: bytes, reuse: bool) -> None:
+    into = bytearray(b"\xff" * 4000) if reuse else None  # a buffer a longer message used before
+    frame = job_chunks_frame(job_id, first, offset, len(data), into=into)
+    frame.buf[frame.payload_start : frame.size] = data
+    expected = pb.RunnerCommand(chunks=pb.JobChunks(job_id=job_id, chunks=pb.ChunkPiece(
+        first_chunk=first, offset=offset, data=data)))
+    assert pb.RunnerCommand.FromString(frame.finish()) == expected
 
 
 def test_a_reused_frame_buffer_starts_with_cleared_labels() -> None:

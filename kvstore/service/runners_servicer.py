@@ -19,9 +19,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 
 import grpc
+import numpy as np
 
 from kvstore.errors import InvalidInput, KvstoreError, Unavailable
 from kvstore.layout import CacheLayout
@@ -32,9 +33,9 @@ from kvstore.service.shm_listener import ShmSession, ShmSessions
 from kvstore.service.stream_watch import StreamWatch
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.framing import BlobAssembler, plan_pieces
-from kvstore.wire.messages import Malformed, accept, tokens_to_proto
+from kvstore.wire.messages import Malformed, accept, job_chunks_frame, tokens_to_proto
 from replay.registry import ResultTaken, RunnerInfo, RunnerLink, RunnerRegistry, _Pending
-from replay.runner import ChunksGone
+from replay.runner import ChunksGone, ReplayJob
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class RunnersServicer:
 
     def Attach(
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], context: grpc.ServicerContext
-    ) -> Iterator[pb.RunnerCommand]:
+    ) -> Iterator[pb.RunnerCommand | bytes]:
         try:
             link, shm = self._register(request_iterator, context)
         except KvstoreError as e:
@@ -90,7 +91,7 @@ class RunnersServicer:
 
     def _commands(
         self, link: RunnerLink, context: grpc.ServicerContext, done: threading.Event, shm: ShmSession | None,
-    ) -> Iterator[pb.RunnerCommand]:
+    ) -> Iterator[pb.RunnerCommand | bytes]:
         yield pb.RunnerCommand(attached=pb.Attached(
             runner_id=link.info.runner_id, max_message_bytes=self._max_message_bytes, result_spans=shm is not None))
         while context.is_active() and not done.is_set():
@@ -151,7 +152,7 @@ class RunnersServicer:
         return link, shm
 
     def _job_messages(self, p: _Pending, link: RunnerLink, shm: ShmSession | None,
-                      context: grpc.ServicerContext) -> Iterator[pb.RunnerCommand]:
+                      context: grpc.ServicerContext) -> Iterator[pb.RunnerCommand | bytes]:
         job = p.job
         yield pb.RunnerCommand(job=pb.ReplayJob(
             job_id=p.job_id, model=job.model, replay_mode=job.mode, tokens=tokens_to_proto(job.tokens),
@@ -165,16 +166,34 @@ class RunnersServicer:
                                          context.is_active):
                     yield pb.RunnerCommand(chunks=pb.JobChunks(job_id=p.job_id, shm=leased))
                 return
-            chunks = job.payloads()
+            yield from self._job_pieces(p.job_id, job)
         except (KvstoreError, ChunksGone) as e:  # the runner's segment stayed full, its session closed, a chunk left
             self._registry.complete(link, p.job_id, None, f"job chunks not sent: {e}")
             yield pb.RunnerCommand(cancel=pb.JobCancel(job_id=p.job_id))
-            return
-        for span in plan_pieces(job.first_chunk, len(chunks), cb, self._message_bytes):
-            start = (span.first_chunk - job.first_chunk) * cb + span.offset
-            data = _slice_chunks(chunks, cb, start, span.nbytes)
-            yield pb.RunnerCommand(chunks=pb.JobChunks(job_id=p.job_id, chunks=pb.ChunkPiece(
-                first_chunk=span.first_chunk, offset=span.offset, data=data)))
+
+    def _job_pieces(self, job_id: int, job: ReplayJob) -> Iterator[bytes]:
+        """A job's chunks in `JobChunks` messages laid out by hand, each chunk read straight into
+        its message (a chunk larger than a message is read once, then cut into pieces)."""
+        cb, first = job.chunk_bytes, job.first_chunk
+        whole = cb <= self._message_bytes
+        chunk = None if whole else np.empty(cb, np.uint8).data
+        scratch: bytearray | None = None
+        count = got = 0
+        for span in plan_pieces(first, job.num_chunks, cb, self._message_bytes):
+            frame = job_chunks_frame(job_id, span.first_chunk, span.offset, span.nbytes, into=scratch)
+            scratch = frame.buf
+            payload = memoryview(frame.buf)[frame.payload_start : frame.size]
+            if chunk is None:
+                count = span.nbytes // cb
+                got = job.read_into(span.first_chunk - first, [payload[k * cb : (k + 1) * cb] for k in range(count)])
+            else:
+                if span.offset == 0:
+                    count, got = 1, job.read_into(span.first_chunk - first, [chunk])
+                payload[:] = chunk[span.offset : span.offset + span.nbytes]
+            payload.release()
+            if got < count:
+                raise ChunksGone(f"chunk {span.first_chunk + got} of the job vanished from the store")
+            yield frame.finish()
 
     def _read_results(
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], link: RunnerLink, done: threading.Event,
@@ -255,16 +274,3 @@ class RunnersServicer:
                                f"'{job.model}' is {expected}")
         return expected
 
-
-def _slice_chunks(chunks: Sequence[bytes | memoryview], chunk_bytes: int, start: int, nbytes: int) -> bytes:
-    """Bytes [start, start + nbytes) of the concatenated chunk payloads."""
-    out = bytearray(nbytes)
-    pos = 0
-    i, off = divmod(start, chunk_bytes)
-    while pos < nbytes:
-        c = memoryview(chunks[i]).cast("B")
-        n = min(chunk_bytes - off, nbytes - pos)
-        out[pos : pos + n] = c[off : off + n]
-        pos += n
-        i, off = i + 1, 0
-    return bytes(out)

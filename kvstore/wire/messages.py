@@ -190,6 +190,27 @@ def chunk_piece_frame(
     return PieceFrame(buf, len(head), tiers_start, size)
 
 
+JOB_CHUNKS_FIELD = 3  # RunnerCommand.chunks
+assert pb.RunnerCommand.DESCRIPTOR.fields_by_name["chunks"].number == JOB_CHUNKS_FIELD
+assert pb.JobChunks.DESCRIPTOR.fields_by_name["job_id"].number == 1
+assert pb.JobChunks.DESCRIPTOR.fields_by_name["chunks"].number == CHUNKS_FIELD
+
+
+def job_chunks_frame(job_id: int, first_chunk: int, offset: int, nbytes: int,
+                     into: bytearray | None = None) -> PieceFrame:
+    """Frame a `RunnerCommand{chunks: JobChunks{job_id, chunks: ChunkPiece}}` carrying `nbytes` of
+    a replay job's chunk bytes from `offset` into chunk `first_chunk` (no tier labels), its payload
+    still to be filled in; `into` as for `chunk_piece_frame`. JobChunks keeps its piece in the same
+    field number as a Load response, so the piece's head is the same bytes."""
+    piece, _ = _piece_head(first_chunk, offset, b"", nbytes)
+    job = b"\x08" + _varint(job_id) if job_id else b""
+    head = bytes([JOB_CHUNKS_FIELD << 3 | 2]) + _varint(len(job) + len(piece) + nbytes) + job + piece
+    size = len(head) + nbytes
+    buf = into if into is not None and len(into) >= size else bytearray(size)
+    buf[: len(head)] = head
+    return PieceFrame(buf, len(head), len(head), size)
+
+
 def encode_chunk_piece(first_chunk: int, offset: int, tiers: Sequence[int], data: bytes | memoryview) -> bytes:
     """The serialized `chunks` response carrying `data` (one copy)."""
     frame = chunk_piece_frame(first_chunk, offset, len(tiers), len(data))
