@@ -227,9 +227,11 @@ class _Session:
 
     def job(self, j: pb.ReplayJob) -> None:
         first = j.first_chunk
-        # A job that fits half the load segment is read where it lies, its spans held until it is
-        # done; a larger one (it may not fit beside another job's) is copied out span by span.
-        in_place = self._shm is not None and 0 < j.num_chunks * j.chunk_bytes <= self._shm.load_bytes // 2
+        # A job that fits half the load segment, and cannot outlive the leases on its spans (its
+        # deadline comes first), is read where it lies, its spans held until it is done; another
+        # (it may not fit beside another job's, or outrun its leases) is copied out span by span.
+        in_place = (self._shm is not None and 0 < j.num_chunks * j.chunk_bytes <= self._shm.load_bytes // 2
+                    and j.deadline_seconds <= self._shm.lease_seconds)
         inc = _Incoming(j, ChunkAssembler(max(1, j.chunk_bytes), first + j.num_chunks), [], in_place)
         if j.num_chunks == 0:
             self._start(inc)

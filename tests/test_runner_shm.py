@@ -142,12 +142,27 @@ def test_a_job_that_fits_half_the_segment_is_read_in_place_until_done_and_a_larg
 def test_a_job_that_outlives_the_lease_on_its_chunks_read_in_place_fails(
         make_attached: Attach) -> None:
     gate = threading.Event()
-    svc, _ = make_attached(gate, shm_lease_seconds=0.3)
-    fut = svc.app.runners.submit(_job(svc, 7))
+    svc, _ = make_attached(gate, shm_lease_seconds=0.5)
+    # Its deadline is within the lease, so it is read in place; the model then runs past both.
+    fut = svc.app.runners.submit(replace(_job(svc, 7), deadline_seconds=0.4))
     wait_until(lambda: _session(svc).leases.expired_total == 1)  # the service took the span back
     gate.set()
     out = fut.result(timeout=30)
     assert out.snapshot is None and "past their lease" in out.error, out.error
+
+
+def test_a_job_whose_deadline_is_past_the_lease_on_its_chunks_is_copied(make_attached: Attach) -> None:
+    gate = threading.Event()
+    svc, _ = make_attached(gate, shm_lease_seconds=0.5)
+    s = _session(svc)
+    job = _job(svc, 8)  # a deadline of 10 s
+    fut = svc.app.runners.submit(job)
+    wait_until(lambda: s.loaded_bytes == 4 * svc.chunk_bytes(V41))
+    wait_until(lambda: s.leases.active == 0)  # copied out and released while the model waits
+    time.sleep(0.6)  # past the lease: nothing of the job's depends on it
+    gate.set()
+    assert fut.result(timeout=30).snapshot == _answer(job, svc.snapshot_bytes(V41))
+    assert s.leases.expired_total == 0
 
 
 class RawRunner:
