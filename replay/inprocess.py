@@ -107,10 +107,11 @@ class ReferenceReplayer:
         chunks: dict[int, list[bytes | memoryview]] = {}
         by_model: dict[str, list[int]] = {}
         for i, job in enumerate(jobs):
-            got = self._refusal(job) or self._read_chunks(job, chunks, i)
-            if got is not None:
+            got = self._chunks_of(job)
+            if isinstance(got, ReplayResult):
                 results[i] = got
             else:
+                chunks[i] = got
                 by_model.setdefault(job.model, []).append(i)
         for name, idx in by_model.items():
             model = self.model(name)
@@ -128,16 +129,19 @@ class ReferenceReplayer:
 
     def run(self, job: ReplayJob) -> ReplayResult:
         """One job on its own (`ReferenceModel.replay`)."""
-        chunks: dict[int, list[bytes | memoryview]] = {}
-        return self._refusal(job) or self._read_chunks(job, chunks, 0) or self._replay_one(job, chunks[0])
+        got = self._chunks_of(job)
+        return got if isinstance(got, ReplayResult) else self._replay_one(job, got)
 
-    def _read_chunks(self, job: ReplayJob, into: dict[int, list[bytes | memoryview]], i: int) -> ReplayResult | None:
-        """The job's chunk payloads put in `into[i]`; a failed result if they vanished meanwhile."""
+    def _chunks_of(self, job: ReplayJob) -> list[bytes | memoryview] | ReplayResult:
+        """The job's chunk payloads; or why it cannot run (the model refuses it, or its chunks
+        vanished meanwhile)."""
+        refused = self._refusal(job)
+        if refused is not None:
+            return refused
         try:
-            into[i] = list(job.payloads())
+            return list(job.payloads())
         except ChunksGone as e:
             return ReplayResult.failed(str(e), self._name())
-        return None
 
     def _replay_one(self, job: ReplayJob, chunks: list[bytes | memoryview]) -> ReplayResult:
         model = self.model(job.model)

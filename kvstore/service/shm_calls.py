@@ -13,9 +13,11 @@ What it does not know: gRPC codes (NoRoom becomes ResourceExhausted here), or ho
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -37,6 +39,7 @@ IN_PLACE_SPAN_BYTES = 32 << 20
 # tenant's chunks until they lapse): beyond it, loads are copied into its segment, which bounds them.
 MAX_IN_PLACE_HOLDS = 1024
 PATHS = ("shm", "stream")
+T = TypeVar("T")
 
 
 def load_spans(
@@ -58,15 +61,8 @@ def load_spans(
             first += len(run.offsets)
             continue
         count = min(per, n - first)
-        lease, view = _leased(shm, count * chunk_bytes, wait_seconds, still_wanted)
-        try:
-            tiers = session.read_many_into(first, [view[k * chunk_bytes : (k + 1) * chunk_bytes]
-                                                   for k in range(count)])
-        except BaseException:
-            shm.leases.release(lease.lease_id)  # never sent: nobody else will
-            raise
-        finally:
-            view.release()
+        lease, tiers = _filled(shm, count, chunk_bytes, wait_seconds, still_wanted,
+                               functools.partial(session.read_many_into, first))
         if not tiers:
             shm.leases.release(lease.lease_id)
             return
@@ -110,15 +106,7 @@ def copy_spans(
     per = chunks_per_span(shm, chunk_bytes)
     for at in range(0, n, per):
         count = min(per, n - at)
-        lease, view = _leased(shm, count * chunk_bytes, wait_seconds, still_wanted)
-        try:
-            got = read_into(at, [view[k * chunk_bytes : (k + 1) * chunk_bytes] for k in range(count)])
-        except BaseException:
-            shm.leases.release(lease.lease_id)  # never sent: nobody else will
-            raise
-        finally:
-            with contextlib.suppress(BufferError):
-                view.release()
+        lease, got = _filled(shm, count, chunk_bytes, wait_seconds, still_wanted, functools.partial(read_into, at))
         if got < count:
             shm.leases.release(lease.lease_id)
             raise ChunksGone(f"chunk {first_chunk + at + got} of the job vanished from the store")
@@ -134,27 +122,29 @@ def snapshot_span(shm: ShmSession, snapshot: bytes | memoryview, wait_seconds: f
     n = len(snapshot)
     if n == 0 or n > shm.load.nbytes // 2:
         return None
-    lease = _copied(shm, [snapshot], n, wait_seconds, still_wanted)
+
+    def copy(outs: list[memoryview]) -> None:  # numpy's copy lets go of the GIL
+        np.copyto(np.frombuffer(outs[0], np.uint8), np.frombuffer(snapshot, np.uint8))
+
+    lease, _ = _filled(shm, 1, n, wait_seconds, still_wanted, copy)
+    shm.loaded_bytes += n
     return pb.ShmSpan(offset=lease.offset, lease_id=lease.lease_id, lease_expires_at=lease.expires_at, nbytes=n)
 
 
-def _copied(shm: ShmSession, parts: Sequence[bytes | memoryview], part_bytes: int, wait_seconds: float,
-            still_wanted: Callable[[], bool]) -> Lease:
-    """`parts`, each `part_bytes` long, copied end to end into a new lease of `shm`'s load segment."""
-    lease, view = _leased(shm, len(parts) * part_bytes, wait_seconds, still_wanted)
+def _filled(shm: ShmSession, count: int, part_bytes: int, wait_seconds: float, still_wanted: Callable[[], bool],
+            fill: Callable[[list[memoryview]], T]) -> tuple[Lease, T]:
+    """A new lease of `count` parts of `part_bytes` in `shm`'s load segment, and what `fill` said
+    of writing them (it gets a view of each part); the lease goes back if `fill` raises (it was never
+    sent: nobody else would release it)."""
+    lease, view = _leased(shm, count * part_bytes, wait_seconds, still_wanted)
     try:
-        dst = np.frombuffer(view, np.uint8)
-        for k, part in enumerate(parts):  # numpy's copy lets go of the GIL
-            np.copyto(dst[k * part_bytes : (k + 1) * part_bytes], np.frombuffer(part, np.uint8))
-        del dst
+        return lease, fill([view[k * part_bytes : (k + 1) * part_bytes] for k in range(count)])
     except BaseException:
         shm.leases.release(lease.lease_id)
         raise
     finally:
-        with contextlib.suppress(BufferError):  # a failed copy's array may still hold it
+        with contextlib.suppress(BufferError):  # a failed fill may still hold a part
             view.release()
-    shm.loaded_bytes += len(parts) * part_bytes
-    return lease
 
 
 def chunks_per_span(shm: ShmSession, chunk_bytes: int) -> int:
@@ -187,25 +177,25 @@ def store_snapshot_data(shm: ShmSession, span: pb.ShmSpan, snapshot_bytes: int, 
     if span.num_chunks or span.nbytes != snapshot_bytes:
         raise InvalidInput(f"{what} holds {span.nbytes} bytes and {span.num_chunks} chunks; a "
                            f"snapshot of this model is {snapshot_bytes} bytes")
-    check_span(span.offset, span.nbytes, shm.store.nbytes, what)
-    try:
-        data = bytes(shm.store.view[span.offset : span.offset + span.nbytes])
-    except ValueError:
-        raise InvalidInput("the same-host session closed while its snapshot was read") from None
-    shm.stored_bytes += span.nbytes
-    return data
+    return bytes(_stored(shm, span.offset, span.nbytes, what))
 
 
 def store_span_data(shm: ShmSession, span: pb.ShmSpan, chunk_bytes: int) -> memoryview:
     """The bytes a Store's span names in the session's store segment, checked to lie inside it."""
     if span.num_chunks == 0:
         raise InvalidInput("a Store span holds no chunks")
-    check_span(span.offset, span.num_chunks * chunk_bytes, shm.store.nbytes, "the Store span")
+    return _stored(shm, span.offset, span.num_chunks * chunk_bytes, "the Store span")
+
+
+def _stored(shm: ShmSession, offset: int, nbytes: int, what: str) -> memoryview:
+    """Bytes [offset, offset + nbytes) of the session's store segment, checked to lie inside it,
+    counted as stored through the session."""
+    check_span(offset, nbytes, shm.store.nbytes, what)
     try:
-        data = shm.store.view[span.offset : span.offset + span.num_chunks * chunk_bytes]
+        data = shm.store.view[offset : offset + nbytes]
     except ValueError:
-        raise InvalidInput("the same-host session closed during the store") from None
-    shm.stored_bytes += span.num_chunks * chunk_bytes
+        raise InvalidInput("the same-host session closed while its bytes were read") from None
+    shm.stored_bytes += nbytes
     return data
 
 

@@ -184,6 +184,10 @@ def chunk_piece_frame(
     the returned `buf` on to the next frame), so that a stream allocates and zeroes its ~1 MiB
     message buffer once rather than once per message."""
     head, tiers_start = _piece_head(first_chunk, offset, bytes(num_labels), nbytes)
+    return _framed(head, tiers_start, nbytes, into)
+
+
+def _framed(head: bytes, tiers_start: int, nbytes: int, into: bytearray | None) -> PieceFrame:
     size = len(head) + nbytes
     buf = into if into is not None and len(into) >= size else bytearray(size)
     buf[: len(head)] = head  # clears the labels of a reused buffer too
@@ -205,10 +209,7 @@ def job_chunks_frame(job_id: int, first_chunk: int, offset: int, nbytes: int,
     piece, _ = _piece_head(first_chunk, offset, b"", nbytes)
     job = b"\x08" + _varint(job_id) if job_id else b""
     head = bytes([JOB_CHUNKS_FIELD << 3 | 2]) + _varint(len(job) + len(piece) + nbytes) + job + piece
-    size = len(head) + nbytes
-    buf = into if into is not None and len(into) >= size else bytearray(size)
-    buf[: len(head)] = head
-    return PieceFrame(buf, len(head), len(head), size)
+    return _framed(head, len(head), nbytes, into)  # no labels
 
 
 def encode_chunk_piece(first_chunk: int, offset: int, tiers: Sequence[int], data: bytes | memoryview) -> bytes:
