@@ -46,8 +46,10 @@ def test_bench_dataplane_reports_each_path_what_a_load_costs_besides_its_copy_an
     doc = json.loads(capsys.readouterr().out)
     assert doc["machine"]["cpus"] == os.cpu_count() and doc["machine"]["cpu"], doc["machine"]
     f = doc["prefixes"]["1024"]
-    for key in ("memcpy_gbps", "shm_load_gbps", "grpc_load_gbps", "shm_load_4_clients_gbps", "memcpy_4_clients_gbps"):
+    for key in ("memcpy_gbps", "memcpy_threads_gbps", "shm_load_gbps", "shm_load_1_thread_gbps", "grpc_load_gbps",
+                "shm_load_4_clients_gbps", "memcpy_4_clients_gbps"):
         assert f[key] > 0, (key, f)
+    assert 1 <= f["copy_threads"] <= 4, f
     assert f["shm_control_ms"] > 0, f  # a figure, never compared here: tests do not time things
     first = doc["first_load"]  # a new session's first load from LMDB, with and without a prefaulted segment
     for key in ("prefaulted_first_load_ms", "prefaulted_second_load_ms", "not_prefaulted_first_load_ms",

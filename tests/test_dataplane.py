@@ -248,3 +248,41 @@ def test_chunk_offsets_are_checked_against_their_segment_all_at_once() -> None:
             check_chunks(np.array(offsets, dtype=np.int64), 100, 1000)
     with pytest.raises(InvalidInput, match="is empty"):
         check_chunks(np.array([0], dtype=np.int64), 0, 1000)
+
+
+def test_large_copies_are_split_over_threads_and_small_ones_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.dataplane import host_copy
+
+    seen: list[tuple[str, int]] = []
+    copy_part = host_copy._copy_part
+
+    def recorded(dst: np.ndarray, src: np.ndarray) -> None:  # the real copy, its thread noted
+        seen.append((threading.current_thread().name, dst.nbytes))
+        copy_part(dst, src)
+
+    monkeypatch.setattr(host_copy, "_copy_part", recorded)
+    rng = np.random.default_rng(9)
+    cb = 14_240
+    arena = rng.integers(0, 256, 700 * 16_384, dtype=np.uint8)
+    # Chunks 16 KiB apart in an arena (a strided read in place), 6.5 MB in all: three parts.
+    src = np.ndarray((450, cb), np.uint8, buffer=arena, offset=4096, strides=(16_384, 1))
+    dst = np.zeros((450, cb), np.uint8)
+    host_copy.copy_rows(dst, src, threads=3)
+    assert np.array_equal(dst, src)
+    assert sorted(n for _, n in seen) == [150 * cb] * 3
+    assert sum(name.startswith("kvstore-copy") for name, _ in seen) == 2  # one part on the caller
+    seen.clear()
+    flat = rng.integers(0, 256, 9 << 20, dtype=np.uint8)
+    out = np.empty_like(flat)
+    host_copy.copy_rows(out, flat, threads=64)  # at most one part per MiB
+    assert np.array_equal(out, flat) and len(seen) == 9
+    for threads, nbytes in ((1, 9 << 20), (4, (2 << 20) - 1)):  # one thread asked for, or too small to split
+        seen.clear()
+        host_copy.copy_rows(out[:nbytes], flat[:nbytes], threads=threads)
+        assert seen == [(threading.current_thread().name, nbytes)]
+    with pytest.raises(ValueError, match="shape"):
+        host_copy.copy_rows(out[:10], flat[:11], threads=2)
+    for bad in (0, 65, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="copy_threads must be an integer from 1 to 64"):
+            host_copy.check_copy_threads(bad)  # type: ignore[arg-type]
+    assert 1 <= host_copy.default_copy_threads() <= 4

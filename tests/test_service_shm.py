@@ -536,6 +536,43 @@ def test_loads_read_in_place_what_memory_holds_and_copy_the_rest(
     assert kv.load_into(TOY, prompt, bytearray(10 * cb)).loaded_chunks == 10
 
 
+def test_large_loads_are_copied_over_threads_in_place_and_through_the_segment(
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstore.dataplane import host_copy
+
+    parts: list[int] = []
+    copy_part = host_copy._copy_part
+
+    def recorded(dst: np.ndarray, src: np.ndarray) -> None:  # the real copy, counted
+        parts.append(dst.nbytes)
+        copy_part(dst, src)
+
+    monkeypatch.setattr(host_copy, "_copy_part", recorded)
+    # 400 V4.1 chunks (5.7 MB): read in place from DRAM, then from LMDB only through a 32 MiB
+    # load segment (after a restart the memory tiers hold nothing).
+    cfg = shm_config(sock_dir / "kv.sock", store={"device_capacity_bytes": 0}, shm_load_segment_bytes=32 << 20)
+    svc = make_service(cfg)
+    cb = svc.chunk_bytes(V41)
+    prompt, chunks = tokens(41, CHUNK * 400), payloads(42, 400, cb)
+    kv = unix(svc, copy_threads=3)
+    assert kv.store(V41, prompt, chunks).stored_chunks == 400
+    want = b"".join(chunks)
+    for arena in (True, False):
+        if not arena:
+            svc.stop()
+            svc = make_service(cfg, svc.data_dir)
+            kv = unix(svc, copy_threads=3)
+        parts.clear()
+        buf = bytearray(400 * cb)
+        got = kv.load_into(V41, prompt, buf)
+        assert got.loaded_chunks == 400 and bytes(buf) == want and kv.data_path_in_use == "shm"
+        assert set(got.chunk_tiers) == ({"dram"} if arena else {"lmdb"}), set(got.chunk_tiers)
+        assert len(parts) >= 3 and sum(parts) == len(want), parts  # the big span's copy in 3 parts
+    with pytest.raises(InvalidInput, match="copy_threads must be an integer from 1 to 64"):
+        KvstoreClient(f"unix://{sock_dir / 'kv.sock'}", copy_threads=0)
+
+
 def test_a_session_that_keeps_its_holds_gets_copies_past_its_limit(
     make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

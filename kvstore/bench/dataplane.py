@@ -5,10 +5,14 @@ For a 32,768- and a 131,072-token DeepSeek-V4.1 prefix held in the DRAM tier of 
 serve` (listening on TCP and on a Unix socket, as deployed), each figure is the best of several
 passes, the passes of the contenders taking turns:
 - `memcpy_gbps`: the same chunk bytes copied chunk by chunk into one destination buffer, in
-  process (the physical ceiling of a load into an engine's memory);
+  process, on one thread (the ceiling of a load into an engine's memory on one core);
+- `memcpy_threads_gbps`: the same copies split over `copy_threads` threads, as a load's copy
+  is (the client's default: the cores it may use, at most 4), each copying its share of the chunks;
 - `shm_load_gbps`: `KvstoreClient.load_into` over the Unix socket (shared memory: the client
   copies each chunk into its buffer from where the DRAM tier holds it, in the tenant's part of
-  the tier it maps read-only; `shm_in_place_share` says what share of the loaded bytes went so);
+  the tier it maps read-only; `shm_in_place_share` says what share of the loaded bytes went so),
+  its copies of 2 MiB and more split over `copy_threads` threads; `shm_load_1_thread_gbps`: the
+  same with `copy_threads=1`;
 - `grpc_load_gbps`: the same `load_into` over TCP (gRPC messages);
 - `shm_store_gbps` / `grpc_store_gbps`: a Store of a new prompt of the same size each pass,
   through the store segment and through messages (timed from the call to its durable reply);
@@ -59,12 +63,14 @@ No target was set for these; they are reported beside each other.
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import os
 import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +134,20 @@ def _copy_chunks(sources: list[bytes], dst: memoryview, chunk_bytes: int) -> Non
         dst[i * chunk_bytes : (i + 1) * chunk_bytes] = c
 
 
+def _copy_chunks_threaded(sources: list[np.ndarray], dst: np.ndarray, pool: ThreadPoolExecutor, threads: int) -> None:
+    """The same copies as `_copy_chunks`, each of `threads` threads copying a run of the chunks
+    (numpy's copy lets go of the GIL); `dst` is [chunks, chunk_bytes]."""
+    def run(a: int, b: int) -> None:
+        for i in range(a, b):
+            np.copyto(dst[i], sources[i])
+
+    bounds = [len(sources) * k // threads for k in range(threads + 1)]
+    parts = [pool.submit(run, a, b) for a, b in itertools.pairwise(bounds[1:])]
+    run(bounds[0], bounds[1])
+    for f in parts:
+        f.result()
+
+
 def _config(tmp: Path, model: str, nbytes: int, sock: Path, gpu: bool = False, store: str = "",
             service: str = "", runner: str = "none", more: str = "") -> Path:
     cfg = tmp / ("bench-gpu.toml" if gpu else "bench.toml")
@@ -185,14 +205,15 @@ def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
         proc, tcp_address = start_serve(_config(tmp, args.model, held + store_bytes, sock), tmp / "data")
         unix_address = f"unix://{sock}"
         try:
-            with KvstoreClient(unix_address) as shm, KvstoreClient(tcp_address) as tcp:
+            with KvstoreClient(unix_address) as shm, KvstoreClient(tcp_address) as tcp, \
+                    KvstoreClient(unix_address, copy_threads=1) as shm1:
                 for n in prefixes:
                     r = tcp.store(args.model, prompts[n], blobs[n])
                     assert r.stored_chunks == n // ct, r
                 for n in prefixes:
                     print(f"dataplane: {n:,}-token prefix ({len(blobs[n]) / 1e6:.0f} MB)", file=sys.stderr)
-                    out["prefixes"][str(n)] = _prefix_figures(args, ctx, shm, tcp, unix_address, prompts[n],
-                                                              blobs[n], cb, interleaved_best_rates)
+                    out["prefixes"][str(n)] = _prefix_figures(args, ctx, (shm, shm1, tcp), unix_address,
+                                                              prompts[n], blobs[n], cb, interleaved_best_rates)
                     f = out["prefixes"][str(n)]
                     targets += [
                         {"name": f"{n} tokens: shm_load_gbps / memcpy_gbps", "value": f["shm_load_gbps"] /
@@ -218,19 +239,31 @@ def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _prefix_figures(args: argparse.Namespace, ctx: Any, shm: Any, tcp: Any, unix_address: str, prompt: np.ndarray,
-                    blob: bytes, cb: int, interleaved_best_rates: Any) -> dict[str, Any]:
+def _prefix_figures(args: argparse.Namespace, ctx: Any, clients: tuple[Any, Any, Any], unix_address: str,
+                    prompt: np.ndarray, blob: bytes, cb: int, interleaved_best_rates: Any) -> dict[str, Any]:
+    shm, shm1, tcp = clients  # the Unix socket (default copy threads, then one), TCP
     n_chunks = len(blob) // cb
     sources = [blob[i * cb : (i + 1) * cb] for i in range(n_chunks)]
     memcpy_dst = memoryview(bytearray(len(blob)))
-    shm_dst, tcp_dst = bytearray(len(blob)), bytearray(len(blob))
+    shm_dst, shm1_dst, tcp_dst = bytearray(len(blob)), bytearray(len(blob)), bytearray(len(blob))
+    threads = shm.copy_threads
+    arrays = [np.frombuffer(c, np.uint8) for c in sources]
+    threaded_dst = np.zeros((n_chunks, cb), np.uint8)
+    pool = ThreadPoolExecutor(max_workers=max(1, threads - 1), thread_name_prefix="bench-memcpy")
 
     def memcpy() -> int:
         _copy_chunks(sources, memcpy_dst, cb)
         return len(blob)
 
+    def memcpy_threads() -> int:
+        _copy_chunks_threaded(arrays, threaded_dst, pool, threads)
+        return len(blob)
+
     def shm_load() -> int:
         return shm.load_into(args.model, prompt, shm_dst).loaded_chunks * cb
+
+    def shm_load_1_thread() -> int:
+        return shm1.load_into(args.model, prompt, shm1_dst).loaded_chunks * cb
 
     def grpc_load() -> int:
         return tcp.load_into(args.model, prompt, tcp_dst).loaded_chunks * cb
@@ -243,12 +276,17 @@ def _prefix_figures(args: argparse.Namespace, ctx: Any, shm: Any, tcp: Any, unix
             assert len(r.chunks) == n_chunks, len(r.chunks)
         return len(blob)
 
-    for fn in (memcpy, shm_load, grpc_load, shm_control):  # warm: pages touched, sessions open
+    contenders = {"memcpy": memcpy, "memcpy_threads": memcpy_threads, "shm": shm_load,
+                  "shm_1_thread": shm_load_1_thread, "grpc": grpc_load, "control": shm_control}
+    for fn in contenders.values():  # warm: pages touched, sessions open
         fn()
-    assert shm.data_path_in_use == "shm", shm.shm_detail
-    assert bytes(shm_dst) == blob and bytes(tcp_dst) == blob
-    rates = interleaved_best_rates({"memcpy": memcpy, "shm": shm_load, "grpc": grpc_load, "control": shm_control},
-                                   repeats=args.repeats)
+    assert shm.data_path_in_use == "shm" and shm1.data_path_in_use == "shm", shm.shm_detail
+    assert bytes(shm_dst) == blob and bytes(shm1_dst) == blob and bytes(tcp_dst) == blob
+    assert threaded_dst.tobytes() == blob
+    try:
+        rates = interleaved_best_rates(contenders, repeats=args.repeats)
+    finally:
+        pool.shutdown()
     aggregate = {}
     with ctx.Pool(args.clients) as pool:
         for name, work, task in (
@@ -263,6 +301,8 @@ def _prefix_figures(args: argparse.Namespace, ctx: Any, shm: Any, tcp: Any, unix
     return {
         "bytes": len(blob), "chunks": n_chunks,
         "memcpy_gbps": rates["memcpy"], "shm_load_gbps": rates["shm"], "grpc_load_gbps": rates["grpc"],
+        "copy_threads": threads, "memcpy_threads_gbps": rates["memcpy_threads"],
+        "shm_load_1_thread_gbps": rates["shm_1_thread"],
         "shm_control_ms": len(blob) / rates["control"] / 1e6,
         "shm_load_4_clients_gbps": aggregate["shm"], "memcpy_4_clients_gbps": aggregate["memcpy"],
         "clients": args.clients,

@@ -60,6 +60,7 @@ from kvstore.client.types import (
     stats_from_pb,
 )
 from kvstore.dataplane import unix_path_of
+from kvstore.dataplane.host_copy import check_copy_threads, default_copy_threads
 from kvstore.dataplane.peer import LeaseLapsed, ShmPath, ShmUnavailable
 from kvstore.errors import InvalidInput, KvstoreError
 from kvstore.layout import EngineModel
@@ -163,6 +164,7 @@ class KvstoreClient:
         tls_server_name: str | None = None,
         data_path: str = "auto",
         gpu_memory: bool | None = None,
+        copy_threads: int | None = None,
     ) -> None:
         """`target` "host:port", or "unix:///path/to/kvstore.sock" on the service's host; `token`
         the bearer token; `tls_ca` turns on TLS (with `tls_cert` and `tls_key`: mTLS).
@@ -173,9 +175,15 @@ class KvstoreClient:
         otherwise; "shm" insists on shared memory (UnavailableError without it); "stream" never
         uses it. `gpu_memory`: a same-host session asks for the device tier's memory on the GPU
         (CUDA IPC), so that `load_into` a GPU tensor copies device to device; None: where this
-        process has imported torch, sees a GPU and has cupy."""
+        process has imported torch, sees a GPU and has cupy. `copy_threads`: threads a large copy
+        out of shared memory uses (2 MiB and more; None: the cores this process may use, at most
+        4; 1: the calling thread only)."""
         if data_path not in DATA_PATHS:
             raise InvalidInput(f"data_path must be one of {', '.join(DATA_PATHS)}, got {data_path!r}")
+        try:
+            self.copy_threads = default_copy_threads() if copy_threads is None else check_copy_threads(copy_threads)
+        except ValueError as e:
+            raise InvalidInput(str(e)) from None
         self.target = target
         self.data_path = data_path
         self._token = token
@@ -250,6 +258,7 @@ class KvstoreClient:
                 return None
             try:
                 self._shm = ShmPath.open(self._unix_path, self._token, cuda=self._gpu_memory)
+                self._shm.copy_threads = self.copy_threads
             except ShmUnavailable as e:
                 self._shm, self._shm_retry_at, self.shm_detail = None, now + SHM_RETRY_SECONDS, str(e)
                 if self.data_path == "shm":

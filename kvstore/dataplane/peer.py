@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvstore.dataplane.host_copy import copy_rows, default_copy_threads
 from kvstore.dataplane.leases import LeaseTable, NoRoom
 from kvstore.dataplane.segments import map_segment
 from kvstore.dataplane.side_socket import HELLO_VERSION, SideSocketClosed, data_socket_path, recv_message, send_message
@@ -106,6 +107,8 @@ class ShmPath:
             raise RuntimeError(f"{type(e).__name__}: {e}") from e
         # Space in the store segment for Stores in flight on this client's threads.
         self._staging = LeaseTable(self.store_bytes, lease_seconds=1e9)
+        # Threads a large copy out of the segments uses (the client sets its own choice).
+        self.copy_threads = default_copy_threads()
         self.closed = False
 
     @classmethod
@@ -240,7 +243,7 @@ class ShmPath:
             n = len(src)
             if n > GIL_FREE_SPAN_BYTES:
                 # numpy's copy lets go of the GIL: the channel's threads keep receiving meanwhile.
-                np.copyto(np.frombuffer(dst[at : at + n], np.uint8), np.frombuffer(src, np.uint8))
+                copy_rows(np.frombuffer(dst[at : at + n], np.uint8), np.frombuffer(src, np.uint8), self.copy_threads)
             else:  # a chunk: a bare memcpy, a third faster than numpy's for its size
                 dst[at : at + n] = src
             at += n
@@ -273,7 +276,7 @@ class ShmPath:
             out = np.frombuffer(dst, np.uint8).reshape(len(offs), chunk_bytes)
             for first, count, offset, stride in strided_runs(offs, chunk_bytes):
                 src = np.ndarray((count, chunk_bytes), np.uint8, buffer=view, offset=offset, strides=(stride, 1))
-                np.copyto(out[first : first + count], src)
+                copy_rows(out[first : first + count], src, self.copy_threads)
         if not self.lease_valid(expires_at):
             raise LeaseLapsed(f"a lease ran out before its {len(dst)} bytes were copied")
 
