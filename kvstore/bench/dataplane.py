@@ -249,14 +249,14 @@ def _prefix_figures(args: argparse.Namespace, ctx: Any, clients: tuple[Any, Any,
     threads = shm.copy_threads
     arrays = [np.frombuffer(c, np.uint8) for c in sources]
     threaded_dst = np.zeros((n_chunks, cb), np.uint8)
-    pool = ThreadPoolExecutor(max_workers=max(1, threads - 1), thread_name_prefix="bench-memcpy")
+    copy_pool = ThreadPoolExecutor(max_workers=max(1, threads - 1), thread_name_prefix="bench-memcpy")
 
     def memcpy() -> int:
         _copy_chunks(sources, memcpy_dst, cb)
         return len(blob)
 
     def memcpy_threads() -> int:
-        _copy_chunks_threaded(arrays, threaded_dst, pool, threads)
+        _copy_chunks_threaded(arrays, threaded_dst, copy_pool, threads)
         return len(blob)
 
     def shm_load() -> int:
@@ -286,7 +286,7 @@ def _prefix_figures(args: argparse.Namespace, ctx: Any, clients: tuple[Any, Any,
     try:
         rates = interleaved_best_rates(contenders, repeats=args.repeats)
     finally:
-        pool.shutdown()
+        copy_pool.shutdown()
     aggregate = {}
     with ctx.Pool(args.clients) as pool:
         for name, work, task in (

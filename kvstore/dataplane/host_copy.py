@@ -3,8 +3,8 @@
 One core's memory copy reads about half of what two read on the machines measured (numpy's copy
 lets go of the GIL, so the parts run at once). A copy of at least `PARALLEL_MIN_BYTES` is cut
 along its first axis into parts of at least `PART_MIN_BYTES`, one part on the calling thread and
-the others on a small pool shared by the process; smaller copies stay on the calling thread
-(a hand-off costs ~20-50 us).
+the others on a pool shared by the process; smaller copies stay on the calling thread, where a
+hand-off to another thread would cost about what it saves.
 
 What it does not know: leases, segments or gRPC; it copies arrays.
 """
