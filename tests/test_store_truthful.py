@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from kvstore.keys.chunk_keys import Namespace
-from kvstore.store import GlobalStore, TenantQuota
+from kvstore.store import GlobalStore, TenantQuota, global_store
 from kvstore.store.global_store import CHUNKS_PER_LOCK_HOLD
+from kvstore.store.store_lock import StoreLock
 from policies.base import EvictionPolicy
 from tests.store_helpers import CHUNK, RecordingFates, expected_payloads, open_store, store_prefix, tokens_for
 
@@ -199,7 +200,7 @@ class _HoldCounter:
         self.per_hold: list[int] = []
 
     def __enter__(self) -> None:
-        self._lock.acquire()
+        self._lock.__enter__()
         self._depth += 1
         if self._depth == 1:
             self.current = 0
@@ -208,7 +209,7 @@ class _HoldCounter:
         self._depth -= 1
         if self._depth == 0:
             self.per_hold.append(self.current)
-        self._lock.release()
+        self._lock.__exit__()
 
     def acquire(self, *a: Any, **k: Any) -> bool:
         self.__enter__()
@@ -216,6 +217,10 @@ class _HoldCounter:
 
     def release(self) -> None:
         self.__exit__()
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self._lock.waiting)
 
     def evict(self, nbytes: int, protected: Any, eligible: Any = None) -> list[bytes] | None:
         victims = self._policy.evict(nbytes, protected, eligible)
@@ -250,3 +255,86 @@ def test_a_large_commit_evicts_a_bounded_number_of_chunks_per_lock_hold(tmp_path
     store._policies["lmdb"] = counter._policy
     assert assert_reply_is_what_a_lookup_finds(store, bob, prompt(14, 200), res) >= fit
     store.check_invariants()
+
+
+def test_the_store_lock_knows_when_another_thread_waits_for_it() -> None:
+    lock = StoreLock()
+    with lock, lock:  # reentrant
+        assert not lock.waiting
+        got = threading.Event()
+
+        def take() -> None:
+            with lock:
+                got.set()
+
+        t = threading.Thread(target=take)
+        t.start()
+        for _ in range(int(WAIT_SECONDS / 0.01)):  # until it is blocked on the lock
+            if lock.waiting:
+                break
+            threading.Event().wait(0.01)
+        assert lock.waiting and not got.is_set()
+    t.join(WAIT_SECONDS)
+    assert got.is_set() and not lock.waiting
+
+
+class _TurnCounter:
+    """The store's lock, counting the turns taken under it (outermost holds)."""
+
+    def __init__(self, lock: StoreLock) -> None:
+        self.lock = lock
+        self.turns = 0
+        self._depth = 0
+
+    @property
+    def waiting(self) -> bool:
+        return self.lock.waiting
+
+    def __enter__(self) -> None:
+        self.lock.__enter__()
+        self._depth += 1
+        self.turns += self._depth == 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        self.lock.__exit__()
+
+
+def test_a_commits_turns_under_the_lock_are_bounded_by_items_time_and_waiters(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = open_store(tmp_path, **SMALL)
+    counter = _TurnCounter(store._lock)
+    store._lock = counter  # type: ignore[assignment]
+    done: list[int] = []
+    monkeypatch.setattr(global_store, "TURN_SECONDS", 1e9)
+    store._in_turns(list(range(100)), done.append)  # no one waits: full turns
+    assert done == list(range(100)) and counter.turns == -(-100 // CHUNKS_PER_LOCK_HOLD)
+    counter.turns = 0
+    monkeypatch.setattr(global_store, "TURN_SECONDS", 0.0)
+    store._in_turns(list(range(10)), lambda i: None)  # each item past its turn's time: one turn each
+    assert counter.turns == 10
+    # Another call waits for the lock during a long turn: the turn ends after the item under way.
+    monkeypatch.setattr(global_store, "TURN_SECONDS", 1e9)
+    got_at: list[int] = []
+    seen: list[int] = []
+
+    def wait_for_the_lock() -> None:
+        with store._lock:
+            got_at.append(len(seen))
+
+    waiter = threading.Thread(target=wait_for_the_lock)
+
+    def step(i: int) -> None:
+        seen.append(i)
+        if i == 2:
+            waiter.start()
+            for _ in range(int(WAIT_SECONDS / 0.001)):  # until it is blocked on the lock
+                if store._lock.waiting:
+                    break
+                threading.Event().wait(0.001)
+
+    store._in_turns(list(range(CHUNKS_PER_LOCK_HOLD)), step)
+    waiter.join(WAIT_SECONDS)
+    # Let in after item 2 (or one more, if the commit took the lock back first), not after 32.
+    assert got_at and got_at[0] <= 4, (got_at, seen)
+    assert seen == list(range(CHUNKS_PER_LOCK_HOLD))

@@ -22,6 +22,7 @@ from typing import Protocol
 from kvstore.layout import TIER_NAMES, CacheLayout
 from kvstore.store.fates import ChunkFateSink
 from kvstore.store.pins import PinTable
+from kvstore.store.store_lock import StoreLock
 from kvstore.store.types import TenantQuota
 from kvstore.tiers.base import ChunkMeta, DurableTier, Tier, TierName
 from policies.base import AdmissionPolicy, EvictionPolicy
@@ -72,7 +73,7 @@ class Placement:
     _parts: dict[TierName, dict[str, int]]  # tier split between tenants -> each one's bytes
     _pins: PinTable
     _fates: ChunkFateSink
-    _lock: threading.RLock
+    _lock: StoreLock
     _durable: DurableTier
     _doomed: set[bytes]  # evicted from LMDB in the index; the value may still be on disk
     _deleting: dict[bytes, threading.Event]  # being deleted from LMDB now; set when done
