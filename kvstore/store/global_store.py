@@ -420,12 +420,7 @@ class GlobalStore(Placement):
     def held(self, keys: Sequence[bytes]) -> tuple[bool, ...]:
         """`contains` for each key, read at one moment."""
         with self._lock:
-            held = list(map(self._index.__contains__, keys))
-            if self._cold.live and False in held:
-                gaps = [i for i, h in enumerate(held) if not h]
-                for i, c in zip(gaps, (self._cold.find_many([keys[i] for i in gaps]) >= 0).tolist(), strict=True):
-                    held[i] = c
-            return tuple(held)
+            return tuple(self._holds_many(keys))
 
     # --- store (two-phase) ------------------------------------------------------------------------
 
@@ -436,7 +431,7 @@ class GlobalStore(Placement):
         chunks = split_chunks(raw, step)
         keys = self._keys_of(ns, raw, step)
         with self._lock:
-            needed = [i for i, k in enumerate(keys) if not self._holds(k)]
+            needed = [i for i, h in enumerate(self._holds_many(keys)) if not h]
         remainder = len(tokens) - len(chunks) * layout.chunk_tokens
         return StoreTxn(self, ns, layout, keys, chunks, needed, remainder)
 
@@ -473,10 +468,10 @@ class GlobalStore(Placement):
             self._delete_doomed()
             raise
         with self._lock:
-            held = list(map(self._holds, txn.keys))
+            held = self._holds_many(txn.keys)
             reach = held.index(False) if False in held else len(held)
             durable_now = reach == len(held) and all("lmdb" in _footprint(self._peek(k)) for k in txn.keys)
-            self._leave_commit(txn.keys)
+        self._in_turns(txn.keys, self._leave_commit_of)  # folding written chunks takes a while
         self._delete_doomed()  # values a commit in flight kept from deletion
         return plan.result(reach, durable_now, txn.remainder_tokens)
 
@@ -492,8 +487,8 @@ class GlobalStore(Placement):
                     for k in txn.keys:
                         self._committing[k] = self._committing.get(k, 0) + 1
                     gap = False
-                    for i, key in enumerate(txn.keys):
-                        if self._holds(key):
+                    for i, holds in enumerate(self._holds_many(txn.keys)):
+                        if holds:
                             plan.already_present += 1
                         elif i not in txn.staged:
                             gap = True
@@ -507,14 +502,17 @@ class GlobalStore(Placement):
 
     def _leave_commit(self, keys: Sequence[bytes]) -> None:
         for k in keys:
-            n = self._committing[k] - 1
-            if n:
-                self._committing[k] = n
-            else:
-                del self._committing[k]
-                entry = self._index.get(k)
-                if entry is not None and entry.fastest == "lmdb":
-                    self._fold(k, entry)  # written through and placed in no memory tier
+            self._leave_commit_of(k)
+
+    def _leave_commit_of(self, key: bytes) -> None:
+        n = self._committing[key] - 1
+        if n:
+            self._committing[key] = n
+        else:
+            del self._committing[key]
+            entry = self._index.get(key)
+            if entry is not None and entry.fastest == "lmdb":
+                self._fold(key, entry)  # written through and placed in no memory tier
 
     def _in_turns(self, items: Sequence[T], step: Callable[[T], None]) -> None:
         """`step` each item in order under the store's lock, in turns of at most

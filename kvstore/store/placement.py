@@ -16,8 +16,11 @@ it in LMDB, and a commit or a demotion into LMDB waits for (or skips) a key bein
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
 
 from kvstore.layout import TIER_NAMES, CacheLayout
 from kvstore.store.fates import ChunkFateSink
@@ -101,6 +104,17 @@ class Placement:
 
     def _holds(self, key: bytes) -> bool:
         return key in self._index or self._cold.find(key) >= 0
+
+    def _holds_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """`_holds` for each key, the cold ones found in one array search (a 700-chunk Store's
+        keys one by one took ~3 ms under the lock)."""
+        held = list(map(self._index.__contains__, keys))
+        if self._cold.live and False in held:
+            gaps = [i for i, h in enumerate(held) if not h]
+            found = (self._cold.find_many([keys[i] for i in gaps]) >= 0).tolist()
+            for i, c in zip(gaps, found, strict=True):
+                held[i] = c
+        return held
 
     def _bump_tier(self, name: str, label: str) -> None:
         raise NotImplementedError
@@ -284,6 +298,8 @@ class ColdIndex(Protocol):
     def live(self) -> int: ...
 
     def find(self, key: bytes) -> int: ...
+
+    def find_many(self, keys: Sequence[bytes]) -> np.ndarray: ...
 
     def peek(self, key: bytes) -> ChunkEntry | None: ...
 
