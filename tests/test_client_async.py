@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
+from typing import Any
 
 import pytest
 
 from kvstore.client.async_client import AsyncKvstoreClient
 from kvstore.client.sync_client import InvalidArgumentError, KvstoreClient
 from tests.fixtures.service import CHUNK, TOY, Service, payloads, tokens
+from tests.helpers.waiting import wait_until
+
+WAIT_SECONDS = 30.0  # only a bound on a hang
 
 
 def test_calls_overlap_and_answer_as_the_synchronous_client_does(service: Service) -> None:
@@ -72,3 +77,43 @@ def test_load_into_as_a_coroutine_writes_into_the_callers_buffer(service: Servic
 
     assert asyncio.run(run()) == 2
     assert bytes(buf) == b"".join(payloads(90, 2, cb))
+
+
+def test_cancelling_a_task_cancels_its_call_at_the_service(
+        service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.store.sessions import LoadSession
+
+    cb = service.chunk_bytes(TOY)
+    prompt = tokens(95, 400 * CHUNK)  # 400 toy chunks: 8 messages of 64 KiB
+    service.client(message_bytes=64 * 1024).store(TOY, prompt, payloads(95, 400, cb))
+    # A fault: the service's second message of the Load waits until the test lets it go.
+    reads: list[int] = []
+    reached, gate = threading.Event(), threading.Event()
+    read_many_into = LoadSession.read_many_into
+
+    def slow_read(session: LoadSession, first: int, outs: Any) -> Any:
+        reads.append(first)
+        if len(reads) == 2:
+            reached.set()
+            gate.wait(WAIT_SECONDS)
+        return read_many_into(session, first, outs)
+
+    monkeypatch.setattr(LoadSession, "read_joined", lambda *a, **k: None)  # every message read chunk by chunk
+    monkeypatch.setattr(LoadSession, "read_many_into", slow_read)
+    watcher = service.client()
+
+    async def run() -> None:
+        async with AsyncKvstoreClient(service.address, timeout_seconds=WAIT_SECONDS) as kv:
+            task = asyncio.create_task(kv.load(TOY, prompt))
+            assert await asyncio.to_thread(reached.wait, WAIT_SECONDS)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            gate.set()
+            # The service saw the cancellation: the call ends and its pins go, long before its
+            # deadline, and it read no more of the load than the message under way.
+            wait_until(lambda: watcher.stats().calls_in_flight <= 1 and watcher.stats().pins_active == 0,
+                       timeout=WAIT_SECONDS / 2)
+
+    asyncio.run(run())
+    assert len(reads) <= 3, reads  # of 8: without the cancellation every message is read and sent

@@ -9,9 +9,10 @@ does: it *is* that call, run on a worker thread of the loop's default executor
 (`asyncio.to_thread`), so the loop is never blocked while gRPC works and concurrent calls overlap
 on one channel (gRPC channels are thread-safe). It is not built on `grpc.aio`: one client, one
 set of behaviours (retries, deadlines, reassembly, errors) to test, at the cost of a thread per
-call in flight. Cancelling an awaiting task does not stop its call; the call's deadline
-(`timeout_seconds`) does. `iter_load` (a generator) has no coroutine form: use `load`.
-`load_shared` and `read_held` are async context managers (`async with kv.load_shared(...) as got:`).
+call in flight. Cancelling an awaiting task cancels its gRPC calls (client/cancel.py): the
+service stops working on them at once, and the task gets CancelledError. `iter_load` (a
+generator) has no coroutine form: use `load`. `load_shared` and `read_held` are async context
+managers (`async with kv.load_shared(...) as got:`).
 
 What it does not know: anything the synchronous client does not.
 """
@@ -24,6 +25,7 @@ import functools
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from kvstore.client.cancel import CancelScope
 from kvstore.client.sync_client import KvstoreClient
 from kvstore.client.types import SharedLoad
 
@@ -38,14 +40,29 @@ def _threaded(
 
     @functools.wraps(method)
     async def call(self: AsyncKvstoreClient, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await asyncio.to_thread(method, self.sync, *args, **kwargs)
+        return await _cancellable(lambda: method(self.sync, *args, **kwargs))
 
     return call
 
 
+async def _cancellable(work: Callable[[], T]) -> T:
+    """`work()` on a worker thread; if the awaiting task is cancelled, so are its gRPC calls."""
+    scope = CancelScope()
+
+    def run() -> T:
+        with scope.entered():
+            return work()
+
+    try:
+        return await asyncio.to_thread(run)
+    except asyncio.CancelledError:
+        scope.cancel()  # the thread's call fails at once; its error goes nowhere
+        raise
+
+
 @contextlib.asynccontextmanager
 async def _on_threads(cm: contextlib.AbstractContextManager[SharedLoad]) -> AsyncIterator[SharedLoad]:
-    got = await asyncio.to_thread(cm.__enter__)
+    got = await _cancellable(cm.__enter__)
     try:
         yield got
     finally:

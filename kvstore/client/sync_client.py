@@ -44,6 +44,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.client.cancel import cancellable_stream, cancellable_unary
 from kvstore.client.chunk_views import PieceView, Streamed, decode_load_response, decode_resume_response
 from kvstore.client.types import (
     HeldLookup,
@@ -213,19 +214,24 @@ class KvstoreClient:
             self._channel = grpc.secure_channel(target, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(target, options=options)
+        # Every call can be cancelled by the asyncio client's scope (client/cancel.py).
         self._stub = pb_grpc.KVCacheStub(self._channel)
+        for name in ("Store", "StoreLocal", "RegisterModel", "Stats"):
+            setattr(self._stub, name, cancellable_unary(getattr(self._stub, name)))
+        self._stub.LoadLocal = cancellable_stream(self._stub.LoadLocal)
         # Lookup sends a hand-encoded request (wire.encode_lookup_request: one copy of the tokens).
         service = f"/{pb.DESCRIPTOR.services_by_name['KVCache'].full_name}"
-        self._lookup = self._channel.unary_unary(
-            f"{service}/Lookup", request_serializer=None, response_deserializer=pb.LookupResponse.FromString)
+        self._lookup = cancellable_unary(self._channel.unary_unary(
+            f"{service}/Lookup", request_serializer=None, response_deserializer=pb.LookupResponse.FromString))
         # Load and Resume read chunk payloads as views into the received messages (client_wire).
-        self._load = self._channel.unary_stream(
+        self._load = cancellable_stream(self._channel.unary_stream(
             f"{service}/Load", request_serializer=pb.LoadRequest.SerializeToString,
-            response_deserializer=decode_load_response)
-        self._resume = self._channel.unary_stream(
+            response_deserializer=decode_load_response))
+        self._resume = cancellable_stream(self._channel.unary_stream(
             f"{service}/Resume", request_serializer=pb.ResumeRequest.SerializeToString,
-            response_deserializer=decode_resume_response)
+            response_deserializer=decode_resume_response))
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._health.Check = cancellable_unary(self._health.Check)
 
     def close(self) -> None:
         with self._shm_lock:
