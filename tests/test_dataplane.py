@@ -286,3 +286,26 @@ def test_large_copies_are_split_over_threads_and_small_ones_are_not(monkeypatch:
         with pytest.raises(ValueError, match="copy_threads must be an integer from 1 to 64"):
             host_copy.check_copy_threads(bad)  # type: ignore[arg-type]
     assert 1 <= host_copy.default_copy_threads() <= 4
+
+
+def test_a_failed_part_of_a_copy_is_raised_only_once_every_part_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.dataplane import host_copy
+
+    finished: list[int] = []
+    copy_part = host_copy._copy_part
+
+    def faulty(dst: np.ndarray, src: np.ndarray) -> None:  # a fault in the second part; the third is slow
+        part = int(dst[0, 0])
+        if part == 1:
+            raise OSError("injected")
+        if part == 2:
+            threading.Event().wait(0.3)
+        copy_part(dst, src)
+        finished.append(part)
+
+    monkeypatch.setattr(host_copy, "_copy_part", faulty)
+    dst = np.zeros((3, 1 << 20), np.uint8)
+    dst[:, 0] = [0, 1, 2]  # each part's first byte says which it is
+    with pytest.raises(OSError, match="injected"):
+        host_copy.copy_rows(dst, np.ones_like(dst), threads=3)
+    assert sorted(finished) == [0, 2]  # the slow part was waited for before the error came out

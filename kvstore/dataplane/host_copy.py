@@ -57,8 +57,9 @@ def copy_rows(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
     try:
         _copy_part(dst[: bounds[1]], src[: bounds[1]])
     finally:
-        for f in futures:
-            f.result()  # every part done before the caller may release the source
+        cf.wait(futures)  # every part done, even when one failed, before the caller lets the source go
+    for f in futures:
+        f.result()
 
 
 def _copy_part(dst: np.ndarray, src: np.ndarray) -> None:
