@@ -28,6 +28,7 @@ the segment split) and zstd; it knows nothing about LMDB, keys or checksums.
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -119,13 +120,15 @@ class _AutoSamples:
 
 
 class Codec:
-    """Encodes payloads for storage and decodes them into caller buffers. Not thread-safe: the
-    LMDB tier calls it under its lock (zstd contexts are reused across calls)."""
+    """Encodes payloads for storage and decodes them into caller buffers. Encoding reuses one
+    zstd context and is called under the LMDB tier's write lock; decoding runs on every thread
+    that reads (reads take no lock), each with a zstd context of its own: one context decoding on
+    two threads at once corrupts its state (it crashed the process)."""
 
     def __init__(self, mode: Mode, level: int, layouts: dict[bytes, CacheLayout]) -> None:
         self.mode = mode
         self._cctx = zstd.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
-        self._dctx = zstd.ZstdDecompressor()
+        self._local = threading.local()  # .dctx: this thread's decompressor
         self._layouts = layouts
         self._plans: dict[bytes, SplitPlan] = {}
         self._auto: dict[bytes, _AutoSamples] = {}
@@ -226,7 +229,10 @@ class Codec:
             raise ValueProblem("corrupt", "zstd frame size differs from raw size")
         # Decompress straight into the caller's buffer: no intermediate bytes object.
         n = 0
-        with self._dctx.stream_reader(stored) as reader:
+        dctx = getattr(self._local, "dctx", None)
+        if dctx is None:
+            dctx = self._local.dctx = zstd.ZstdDecompressor()
+        with dctx.stream_reader(stored) as reader:
             while n < len(out):
                 got = reader.readinto(out[n:])
                 if not got:
