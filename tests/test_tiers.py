@@ -6,7 +6,8 @@ only fault injected is an iterable that fails half-way through a batch.
 
 from __future__ import annotations
 
-import gc
+import ctypes
+import os
 import random
 import threading
 import time
@@ -319,9 +320,17 @@ def test_factory_builds_the_three_tiers_from_config(tmp_path: Path) -> None:
             t.close()
 
 
-def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+def _resident_bytes(address: int, nbytes: int) -> int:
+    """How many bytes of [address, address + nbytes) are in memory (mincore, page by page)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = address - address % page
+    pages = (address + nbytes - start + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(b & 1 for b in vec) * page
 
 
 @pytest.mark.parametrize("prefault", [True, False])
@@ -331,10 +340,6 @@ def test_host_arenas_are_backed_at_start_when_asked(tmp_path: Path, prefault: bo
     cfg = StoreConfig(device="cpu", device_capacity_bytes=0, dram_capacity_bytes=64 << 20,
                       lmdb_capacity_bytes=4 << 20, prefault_arenas=prefault)
     lines: list[str] = []
-    # Earlier tests' garbage (arenas among it) is freed now, so that a collection during the
-    # measurement cannot offset the 64 MiB this test backs (a clean-clone run read a growth of 0).
-    gc.collect()
-    before = _rss_anon()
     device, dram, lmdb = build_tiers(cfg, tmp_path, [DEEPSEEK_V41_FLASH], lines.append)
     try:
         if dram.pinned:  # with a GPU: page-locked at allocation, by the driver; nothing to touch
@@ -342,13 +347,15 @@ def test_host_arenas_are_backed_at_start_when_asked(tmp_path: Path, prefault: bo
             assert dram.prefault() == (0, False)
         elif prefault:
             assert dram.prefaulted.wait(30)
-            grown = _rss_anon() - before
-            assert grown >= 60 << 20, grown
+            # The pool's own pages, not the process's memory, which other tests' threads may free
+            # meanwhile (two clean-clone runs read a growth of 0).
+            resident = _resident_bytes(dram._pool.data_ptr(), 64 << 20)
+            assert resident >= 60 << 20, resident
             assert any("backing 64.0 MiB" in line for line in lines)
             assert _wait_for(lambda: any("backed in" in line for line in lines))
         else:
-            grown = _rss_anon() - before
-            assert grown < 16 << 20, grown
+            resident = _resident_bytes(dram._pool.data_ptr(), 64 << 20)
+            assert resident < 16 << 20, resident
             assert not any("arenas" in line for line in lines)
     finally:
         for t in (device, dram, lmdb):
