@@ -584,8 +584,8 @@ def test_values_deleted_to_make_room_are_reusable_by_the_next_write(tmp_path: Pa
 
 
 def test_compressed_values_read_back_right_from_many_threads_at_once(tmp_path: Path) -> None:
-    # Reads take no lock; each thread decodes with a zstd context of its own (one shared context
-    # crashed the process, or returned wrong bytes, under concurrent Loads).
+    # Reads take no lock; each thread decodes with a zstd context of its own (a shared one corrupts
+    # its state under concurrent reads). In a child process: a crash fails this test, not pytest.
     for mode in ("zstd", "zstd-split"):
         out = run_helper("tier_concurrent_reads", str(tmp_path / mode), mode).stdout
         reads, wrong, stored, raw = (int(x) for x in re.findall(r"\d+", out))

@@ -348,7 +348,7 @@ def test_host_arenas_are_backed_at_start_when_asked(tmp_path: Path, prefault: bo
         elif prefault:
             assert dram.prefaulted.wait(30)
             # The pool's own pages, not the process's memory, which other tests' threads may free
-            # meanwhile (two clean-clone runs read a growth of 0).
+            # meanwhile.
             resident = _resident_bytes(dram._pool.data_ptr(), 64 << 20)
             assert resident >= 60 << 20, resident
             assert any("backing 64.0 MiB" in line for line in lines)

@@ -123,7 +123,7 @@ class Codec:
     """Encodes payloads for storage and decodes them into caller buffers. Encoding reuses one
     zstd context and is called under the LMDB tier's write lock; decoding runs on every thread
     that reads (reads take no lock), each with a zstd context of its own: one context decoding on
-    two threads at once corrupts its state (it crashed the process)."""
+    two threads at once corrupts its state."""
 
     def __init__(self, mode: Mode, level: int, layouts: dict[bytes, CacheLayout]) -> None:
         self.mode = mode
