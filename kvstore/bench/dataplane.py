@@ -63,14 +63,12 @@ No target was set for these; they are reported beside each other.
 from __future__ import annotations
 
 import argparse
-import itertools
 import multiprocessing as mp
 import os
 import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +77,7 @@ import numpy as np
 from kvstore.bench.machine import machine
 from kvstore.bench.sections import pick_sections
 from kvstore.bench.serve_proc import start_serve
+from kvstore.dataplane.host_copy import in_parts
 
 MiB = 1 << 20
 
@@ -134,18 +133,14 @@ def _copy_chunks(sources: list[bytes], dst: memoryview, chunk_bytes: int) -> Non
         dst[i * chunk_bytes : (i + 1) * chunk_bytes] = c
 
 
-def _copy_chunks_threaded(sources: list[np.ndarray], dst: np.ndarray, pool: ThreadPoolExecutor, threads: int) -> None:
+def _copy_chunks_threaded(sources: list[np.ndarray], dst: np.ndarray, threads: int) -> None:
     """The same copies as `_copy_chunks`, each of `threads` threads copying a run of the chunks
     (numpy's copy lets go of the GIL); `dst` is [chunks, chunk_bytes]."""
     def run(a: int, b: int) -> None:
         for i in range(a, b):
             np.copyto(dst[i], sources[i])
 
-    bounds = [len(sources) * k // threads for k in range(threads + 1)]
-    parts = [pool.submit(run, a, b) for a, b in itertools.pairwise(bounds[1:])]
-    run(bounds[0], bounds[1])
-    for f in parts:
-        f.result()
+    in_parts(len(sources), threads, run)
 
 
 def _config(tmp: Path, model: str, nbytes: int, sock: Path, gpu: bool = False, store: str = "",
@@ -249,14 +244,13 @@ def _prefix_figures(args: argparse.Namespace, ctx: Any, clients: tuple[Any, Any,
     threads = shm.copy_threads
     arrays = [np.frombuffer(c, np.uint8) for c in sources]
     threaded_dst = np.zeros((n_chunks, cb), np.uint8)
-    copy_pool = ThreadPoolExecutor(max_workers=max(1, threads - 1), thread_name_prefix="bench-memcpy")
 
     def memcpy() -> int:
         _copy_chunks(sources, memcpy_dst, cb)
         return len(blob)
 
     def memcpy_threads() -> int:
-        _copy_chunks_threaded(arrays, threaded_dst, copy_pool, threads)
+        _copy_chunks_threaded(arrays, threaded_dst, threads)
         return len(blob)
 
     def shm_load() -> int:
@@ -283,10 +277,7 @@ def _prefix_figures(args: argparse.Namespace, ctx: Any, clients: tuple[Any, Any,
     assert shm.data_path_in_use == "shm" and shm1.data_path_in_use == "shm", shm.shm_detail
     assert bytes(shm_dst) == blob and bytes(shm1_dst) == blob and bytes(tcp_dst) == blob
     assert threaded_dst.tobytes() == blob
-    try:
-        rates = interleaved_best_rates(contenders, repeats=args.repeats)
-    finally:
-        copy_pool.shutdown()
+    rates = interleaved_best_rates(contenders, repeats=args.repeats)
     aggregate = {}
     with ctx.Pool(args.clients) as pool:
         for name, work, task in (

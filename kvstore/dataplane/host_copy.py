@@ -15,6 +15,7 @@ import concurrent.futures as cf
 import itertools
 import os
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -51,13 +52,19 @@ def copy_rows(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
     if parts <= 1:
         _copy_part(dst, src)
         return
-    bounds = [rows * k // parts for k in range(parts + 1)]
-    pool = _shared_pool()
-    futures = [pool.submit(_copy_part, dst[a:b], src[a:b]) for a, b in itertools.pairwise(bounds[1:])]
+    in_parts(rows, parts, lambda a, b: _copy_part(dst[a:b], src[a:b]))
+
+
+def in_parts(n: int, parts: int, work: Callable[[int, int], None]) -> None:
+    """`work(a, b)` for `parts` consecutive ranges covering [0, n): the first on the calling
+    thread, the others on the process's copy pool. Returns once every part is done, even when one
+    failed (the caller may let the memory go right after), then raises the first failure."""
+    bounds = [n * k // parts for k in range(parts + 1)]
+    futures = [_shared_pool().submit(work, a, b) for a, b in itertools.pairwise(bounds[1:])]
     try:
-        _copy_part(dst[: bounds[1]], src[: bounds[1]])
+        work(bounds[0], bounds[1])
     finally:
-        cf.wait(futures)  # every part done, even when one failed, before the caller lets the source go
+        cf.wait(futures)
     for f in futures:
         f.result()
 
