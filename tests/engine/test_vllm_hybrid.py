@@ -70,6 +70,9 @@ def test_7_warm_restores_the_window_and_expired_is_cold(engine: Engine, kv: Kvst
     _same(warm, cold)
     counters: dict[str, Any] = warm["kvstore"]["counters"]
     assert not any(k.endswith("_failures") for k in counters), counters
+    # The cold request's window state, kept by the service (a skip would be counted with its reason).
+    assert counters.get("window_saves", 0) >= 1 and not any(k.startswith("window_saves_skipped") for k in counters), \
+        counters
 
     time.sleep(max(0.0, stored_at + LOCAL_TTL_SECONDS + 1 - time.monotonic()))
     engine.ask({"op": "reset_prefix_cache"})

@@ -246,9 +246,14 @@ class WorkerSide:
             if st.snapshot is not None:
                 snap = st.snapshot.numpy().data.cast("B")
                 prefix = spec.tokens[: spec.snapshot_chunk * self.plan.chunk_tokens]
-                self.link.call("store_local", lambda c: c.store_local(
+                kept = self.link.call("store_local", lambda c: c.store_local(
                     name, prefix, snap, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds,
                     cache_salt=spec.cache_salt))
+                if kept is not None:
+                    # A window state the service did not keep (its local pool slow, full or down)
+                    # makes the next identical prompt a miss: counted, with the service's reason.
+                    why = (kept.reason or "unknown").replace(" ", "_").replace("-", "_")
+                    self.link.count("window_saves" if kept.stored else f"window_saves_skipped_{why}")
             if spec.end_chunk > spec.first_chunk:
                 view = st.chunks.numpy().data.cast("B")
                 r = self.link.call("store", lambda c: c.store(
