@@ -63,3 +63,21 @@ def test_bench_dataplane_reports_each_path_what_a_load_costs_besides_its_copy_an
                                          for m in ("", "_median")), runner
     assert doc["shm_in_place_share"] == 1.0 and {t["name"].split(": ")[1] for t in doc["targets"]} == {
         "shm_load_gbps / memcpy_gbps", "shm_load_gbps / grpc_load_gbps", "shm_load_4_clients_gbps / shm_load_gbps"}
+
+
+def test_bench_restart_reports_what_a_reopen_and_the_lookups_during_a_background_load_cost(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A small run of the real bench (fresh processes writing and reopening real data dirs). The
+    # bench checks that every reopen found every chunk and that the background-loaded index hits
+    # the whole first prompt; here, that every figure came out.
+    assert main(["bench", "restart", "--json", "--toy-chunks", "256", "512", "--v41-chunks", "256"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    for case in ("toy_10k", "toy_200k", "v41_10k"):
+        f = doc[case]
+        assert f["reopen_cold_seconds"] > 0 and f["reopen_warm_seconds"] > 0 and f["index_bytes_per_chunk"] > 0, f
+        assert f["background_index_seconds"] > 0 and f["lookup_p99_ms_ready"] > 0, f
+        if f["lookups_while_loading"]:  # a small index may load before the first Lookup is done
+            assert f["lookup_max_ms_while_loading"] >= f["lookup_p99_ms_while_loading"] > 0, f
+            assert f["lookup_loading_ratio"] > 0, f
+        else:
+            assert f["lookup_p99_ms_while_loading"] is None and f["lookup_loading_ratio"] is None, f

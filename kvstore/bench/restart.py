@@ -7,7 +7,12 @@ time in a fresh process (so no memory of the writer, or of the other cases, is r
   first, then `reopen_cold_seconds` is the time to build the store, and `reopen_read_bytes`
   the `read_bytes` of `/proc/self/io` during it (bytes the process caused to be read from the
   device, page faults on the map included);
-- warm: right after, with whatever the cold reopen left in the page cache.
+- warm: right after, with whatever the cold reopen left in the page cache;
+- in the background: then reopened as `kvstore serve` does by default (`store.load_index =
+  "background"`: answering at once, the index loaded on a thread), the case's first prompt looked
+  up every millisecond while it loads and as often once it is loaded: `lookup_p99_ms_while_loading`
+  and `lookup_max_ms_while_loading` against `lookup_p99_ms_ready` (`lookup_loading_ratio`), with
+  `background_index_seconds` (null figures when the index loaded before the first Lookup ended).
 `index_bytes_per_chunk` is the growth of the process's RssAnon over the cold reopen, per chunk;
 `written_index_bytes_per_chunk` that of the (fresh) writing process while it stored them, read
 once its tiers are closed: what chunks stored while the store runs cost (they are folded into the
@@ -38,6 +43,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +60,7 @@ CHUNKS_PER_PROMPT = 256
 PAYLOAD_VARIANTS = 16  # distinct payloads cycled through (compression is off: content is irrelevant)
 TENANT = "bench"
 REPLAY_MODE = "bounded"
+LOOKUPS_READY = 200  # Lookups timed once the index is loaded (at least; as many as while it loaded)
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,11 @@ def run_restart_bench(args: argparse.Namespace) -> dict[str, Any]:
                 cold = pool.apply(_reopen, (str(data_dir), case.model, case.chunks, True, args.eviction_policy))
             with ctx.Pool(1) as pool:
                 warm = pool.apply(_reopen, (str(data_dir), case.model, case.chunks, False, args.eviction_policy))
+            with ctx.Pool(1) as pool:
+                figures.update(pool.apply(_lookups_while_loading,
+                                          (str(data_dir), case.model, case.chunks, args.eviction_policy)))
+            during = figures["lookup_p99_ms_while_loading"]
+            figures["lookup_loading_ratio"] = during / figures["lookup_p99_ms_ready"] if during is not None else None
             figures.update(reopen_cold_seconds=cold["seconds"], reopen_warm_seconds=warm["seconds"],
                            reopen_read_bytes=cold["read_bytes"],
                            reopen_read_fraction=cold["read_bytes"] / figures["data_bytes"],
@@ -152,15 +164,11 @@ def _fill(data_dir: str, case: Case, policy: str = "s3fifo") -> tuple[float, flo
 def _write(store: GlobalStore, spec: ModelSpec, chunks: int) -> None:
     """Store `chunks` chunks in prompts of CHUNKS_PER_PROMPT (a function: nothing of the last prompt
     is left alive when the caller reads its memory)."""
-    layout = spec.layout
-    rng = np.random.default_rng(15)
-    payloads = [memoryview(rng.integers(0, 256, layout.chunk_bytes, dtype=np.uint8).tobytes())
-                for _ in range(PAYLOAD_VARIANTS)]
+    payloads, prompts = _written(spec, chunks)
     ns = store.namespace(TENANT, spec.name, REPLAY_MODE)
     written = 0
-    while written < chunks:
-        n = min(CHUNKS_PER_PROMPT, chunks - written)
-        tokens = rng.integers(0, spec.vocab_size, n * layout.chunk_tokens, dtype=np.int64)
+    for tokens in prompts:
+        n = len(tokens) // spec.layout.chunk_tokens
         with store.begin_store(ns, store.tokens(ns, tokens)) as txn:
             for i in txn.chunks_needed:
                 txn.write(i, payloads[(written + i) % PAYLOAD_VARIANTS])
@@ -168,6 +176,21 @@ def _write(store: GlobalStore, spec: ModelSpec, chunks: int) -> None:
         if result.stored_chunks != n:
             raise RuntimeError(f"the store kept {result.stored_chunks} of {n} chunks: {result}")
         written += n
+
+
+def _written(spec: ModelSpec, chunks: int) -> tuple[list[memoryview], Iterator[np.ndarray]]:
+    """The payloads a case cycles through and its prompts (token ids), the same on every call."""
+    layout = spec.layout
+    rng = np.random.default_rng(15)
+    payloads = [memoryview(rng.integers(0, 256, layout.chunk_bytes, dtype=np.uint8).tobytes())
+                for _ in range(PAYLOAD_VARIANTS)]
+
+    def prompts() -> Iterator[np.ndarray]:
+        for first in range(0, chunks, CHUNKS_PER_PROMPT):
+            n = min(CHUNKS_PER_PROMPT, chunks - first)
+            yield rng.integers(0, spec.vocab_size, n * layout.chunk_tokens, dtype=np.int64)
+
+    return payloads, prompts()
 
 
 def _data_bytes(data_dir: Path) -> int:
@@ -230,3 +253,42 @@ def _reopen(data_dir: str, model: str, chunks: int, cold: bool, policy: str = "s
     if found != chunks:
         raise RuntimeError(f"the reopened store found {found} of {chunks} chunks")
     return {"seconds": seconds, "read_bytes": float(read), "rss_anon_growth": float(rss)}
+
+
+def _lookups_while_loading(data_dir: str, model: str, chunks: int, policy: str = "s3fifo") -> dict[str, Any]:
+    """In a fresh process, the page cache warm: reopen with the index loaded in the background
+    (as `kvstore serve` does by default) and look up the case's first prompt every millisecond
+    while it loads, then as many times once it is loaded. What a restart costs the calls that come
+    during it: the loader takes the store's lock a batch of chunks at a time, and its Python shares
+    the interpreter with theirs."""
+    _load_kernels()
+    spec = get_model(model)
+    store = GlobalStore(_config(chunks, spec, policy), Path(data_dir), [spec], load_index_in_background=True)
+    try:
+        ns = store.namespace(TENANT, spec.name, REPLAY_MODE)
+        _, prompts = _written(spec, chunks)
+        prompt = store.tokens(ns, next(prompts))
+        loading: list[float] = []
+        while not store.ready:
+            t0 = time.perf_counter()
+            store.lookup(ns, prompt)
+            loading.append(time.perf_counter() - t0)
+            time.sleep(0.001)
+        ready: list[float] = []
+        hit = 0
+        for _ in range(max(LOOKUPS_READY, len(loading))):
+            t0 = time.perf_counter()
+            hit = store.lookup(ns, prompt).hit_chunks
+            ready.append(time.perf_counter() - t0)
+            time.sleep(0.001)
+        load_seconds = store.stats().index_load_seconds
+    finally:
+        store.close()
+    if hit != len(prompt) // spec.layout.chunk_tokens:
+        raise RuntimeError(f"the loaded index hit {hit} chunks of the first prompt")
+    during = np.array(loading) * 1e3  # empty when the index loaded before the first Lookup ended
+    after = np.array(ready) * 1e3
+    return {"background_index_seconds": load_seconds, "lookups_while_loading": len(loading),
+            "lookup_p99_ms_while_loading": float(np.percentile(during, 99)) if len(during) else None,
+            "lookup_max_ms_while_loading": float(during.max()) if len(during) else None,
+            "lookup_p99_ms_ready": float(np.percentile(after, 99))}

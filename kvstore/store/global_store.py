@@ -73,7 +73,11 @@ CHUNKS_PER_LOCK_HOLD = 32
 # Python, and on a machine with few cores another tenant's call would otherwise wait for the
 # commit's thread to be preempted.
 TURN_SECONDS = 0.0003
-RECOVER_BATCH = 4096  # chunks found at start, appended to the cold arrays at a time
+RECOVER_BATCH = 1024  # chunks found at start, appended to the cold arrays at a time
+# A background index load lets the interpreter go after this many records: its loop is Python,
+# and without it a call's every release of the interpreter lock (hashing its keys, a numpy search)
+# cost it up to a switch interval (5 ms) while the loader ran: Lookups of 30 ms during a restart.
+LOAD_YIELD_RECORDS = 64
 # The LMDB tier's eviction policy keeps this many of its newest keys (per queue) as objects and the
 # rest as arrays (policies/key_log.py): it tracks nearly every chunk. The memory tiers' track few.
 LMDB_POLICY_YOUNG_KEYS = 64
@@ -871,7 +875,9 @@ class GlobalStore(Placement):
         kinds: list[int] = []
         kind_of: dict[bytes, int] = {}
         # Index records only (tiers/lmdb_tier.py): no value is read here, whatever their size.
-        for sc in self._durable.scan():
+        for i, sc in enumerate(self._durable.scan()):
+            if background and not i % LOAD_YIELD_RECORDS:
+                time.sleep(0)
             reason = sc.problem
             if not reason and sc.layout_id not in self._layouts:
                 reason = "layout"

@@ -66,7 +66,7 @@ MAP_OVERHEAD_MIN_BYTES = 64 * MiB  # room for copy-on-write pages and the tree b
 # Replacing the whole budget takes twice it: the old values stay whole until the commit that
 # frees them, and their pages are reusable only after one more commit.
 MAP_OVERHEAD_FRACTION = 1.0
-SCAN_BATCH = 1024  # entries read per read transaction by scan(); short transactions let the map grow
+SCAN_BATCH = 256  # entries read per read transaction by scan(); short transactions let the map grow
 # 1: chunks only (kvstore 0.1); 2: an index record beside every value.
 LMDB_FORMAT_VERSION = 2
 _FORMAT_KEY = b"format_version"
