@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import numpy as np
 import pytest
 
@@ -170,6 +171,27 @@ def test_evictions_are_the_same_whether_chunks_are_folded_or_kept_as_entries(
     assert sum(1 for f in fates[1].seen if f[0].startswith("dropped")) > 20  # LMDB evicted, many times
     entries.close()
     folded.close()
+
+
+def test_a_restart_ignores_and_counts_chunks_of_an_unknown_namespace_or_layout(tmp_path: Path) -> None:
+    store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0)
+    toy = store.namespace("a", "reference-toy-8", "bounded")
+    v41 = store.namespace("b", "deepseek-v4.1-flash", "bounded")
+    assert store_prefix(store, toy, tokens_for(1, 3 * CHUNK)).stored_chunks == 3
+    assert store_prefix(store, v41, tokens_for(2, 2 * CHUNK)).stored_chunks == 2
+    store.close()
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=8)
+    namespaces = env.open_db(b"namespaces")  # before the write transaction: opening one takes its own
+    with env.begin(write=True) as txn:  # the toy namespace's record gone, as from another data dir
+        assert txn.delete(toy.digest, db=namespaces)
+    env.close()
+    again = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0)
+    assert again.stats().ignored_on_open == {"unknown-namespace": 3}
+    assert again.lookup(v41, tokens_for(2, 2 * CHUNK)).hit_chunks == 2
+    again.close()
+    only_toy = GlobalStore(small_config(device_capacity_bytes=0, dram_capacity_bytes=0), tmp_path, MODELS[:1])
+    assert only_toy.stats().ignored_on_open == {"unknown-namespace": 3, "layout": 2}  # V4.1 not served
+    only_toy.close()
 
 
 def test_a_chunk_left_in_lmdb_only_while_the_index_loads_is_folded_when_it_is_ready(

@@ -869,31 +869,25 @@ class GlobalStore(Placement):
             self._progress(f"index: loading {self._index_at_start:,} LMDB chunks in the background "
                            "(answering from what is loaded; Stores stay in memory until it is done)")
         cold = self._cold
-        lmdb = self._tiers["lmdb"]
         cost = float(self.cfg.chunk_tokens)  # what a recovered chunk was always given
         keys = bytearray()
         kinds: list[int] = []
-        kind_of: dict[bytes, int] = {}
+        # (namespace, layout id, payload bytes) -> the cold kind of such chunks, or why they are ignored
+        kind_of: dict[tuple[bytes, bytes, int], int | str] = {}
         # Index records only (tiers/lmdb_tier.py): no value is read here, whatever their size.
         for i, sc in enumerate(self._durable.scan()):
             if background and not i % LOAD_YIELD_RECORDS:
                 time.sleep(0)
-            reason = sc.problem
-            if not reason and sc.layout_id not in self._layouts:
-                reason = "layout"
-            elif not reason and sc.namespace not in self._known_ns:
-                reason = "unknown-namespace"
-            if reason:
-                self._ignored[reason] = self._ignored.get(reason, 0) + 1
+            if sc.problem:
+                self._ignored[sc.problem] = self._ignored.get(sc.problem, 0) + 1
                 continue
-            layout = self._layouts[sc.layout_id]
-            if sc.payload_bytes != layout.chunk_bytes:
-                self._ignored["size-mismatch"] = self._ignored.get("size-mismatch", 0) + 1
-                continue
-            kind = kind_of.get(sc.namespace)
+            what = (sc.namespace, sc.layout_id, sc.payload_bytes)
+            kind = kind_of.get(what)
             if kind is None:
-                kind = kind_of[sc.namespace] = cold.kind(sc.namespace, self._known_ns[sc.namespace], layout, cost,
-                                                        lmdb.footprint(layout.chunk_bytes))
+                kind = kind_of[what] = self._recovered_kind(*what, cost)
+            if isinstance(kind, str):
+                self._ignored[kind] = self._ignored.get(kind, 0) + 1
+                continue
             keys += sc.key
             kinds.append(kind)
             if len(kinds) >= RECOVER_BATCH:
@@ -919,6 +913,18 @@ class GlobalStore(Placement):
                     self._fold(key, entry)
         if background:
             self._progress(f"index: {cold.n:,} LMDB chunks ready in {self._load_seconds:.2f} s")
+
+    def _recovered_kind(self, namespace: bytes, layout_id: bytes, payload_bytes: int, cost: float) -> int | str:
+        """The cold kind of chunks a restart found with these, or why they are ignored."""
+        layout = self._layouts.get(layout_id)
+        if layout is None:
+            return "layout"
+        if namespace not in self._known_ns:
+            return "unknown-namespace"
+        if payload_bytes != layout.chunk_bytes:
+            return "size-mismatch"
+        return self._cold.kind(namespace, self._known_ns[namespace], layout, cost,
+                               self._tiers["lmdb"].footprint(layout.chunk_bytes))
 
     def _index_batch(self, keys: bytes, kinds: list[int]) -> None:
         """Index chunks the scan found (keys joined, ascending), charging their LMDB bytes. A chunk a

@@ -42,8 +42,10 @@ of layouts it was not told about.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -198,6 +200,7 @@ class LmdbTier:
         self._progress = progress or (lambda line: None)
         # Values that have no index record because their header is bad: reported by every scan.
         self._unindexed: list[ScannedChunk] = []
+        self._disk_of: dict[int, int] = {}  # disk_bytes by value length, as a restart's scan meets them
         self._open_format()
         self._used, self._count = self._measure()
 
@@ -221,8 +224,9 @@ class LmdbTier:
     def _measure(self) -> tuple[int, int]:
         used = sum(sc.stored_bytes for sc in self._unindexed)
         with self._env.begin(db=self._index, buffers=True) as txn:
-            for _, record in txn.cursor():
-                used += self.disk_bytes(_record_value_bytes(record))
+            # Values come in few lengths (a layout's chunk, its token ids): counted, then sized once each.
+            lengths = Counter(map(_record_value_bytes, txn.cursor().iternext(keys=False)))
+        used += sum(self.disk_bytes(n) * count for n, count in lengths.items())
         return used, self._entries(self._chunks)
 
     def _entries(self, db: lmdb._Database) -> int:
@@ -546,14 +550,32 @@ class LmdbTier:
         out: list[ScannedChunk] = []
         with self._env.begin(buffers=True) as txn:
             cur = txn.cursor(self._index)
-            ok = cur.first() if after is None else cur.set_range(after)
-            if ok and after is not None and bytes(cur.key()) == after:
-                ok = cur.next()
-            while ok and len(out) < SCAN_BATCH:
-                key = bytes(cur.key())
-                value = txn.get(key, db=self._chunks) if verify else None
-                out.append(self._scan_one(key, cur.value(), value, verify))
-                ok = cur.next()
+            if after is None:
+                ok = cur.first()
+            else:
+                ok = cur.set_range(after)
+                if ok and bytes(cur.key()) == after:
+                    ok = cur.next()
+            if not ok:  # past the end (an unpositioned cursor would iterate from the first key)
+                return out
+            if verify:
+                for key, record in itertools.islice(cur.iternext(), SCAN_BATCH):
+                    out.append(self._scan_one(bytes(key), record, txn.get(key, db=self._chunks), True))
+                return out
+            # The restart's path, ~200,000 records a second per core: the usual record parsed in
+            # place (the checks of vf.parse_index_record, without its object), the rest by it.
+            disk_of = self._disk_of
+            scanned = ScannedChunk
+            for key, record in itertools.islice(cur.iternext(), SCAN_BATCH):
+                fields = vf.index_fields(record)
+                if fields is None or fields[1] not in self._layouts:
+                    out.append(self._scan_one(bytes(key), record, None, False))
+                    continue
+                value_len, layout_id, namespace, raw = fields
+                disk = disk_of.get(value_len)
+                if disk is None:
+                    disk = disk_of[value_len] = self.disk_bytes(value_len)
+                out.append(scanned(bytes(key), namespace, layout_id, raw, disk))
         return out
 
     def _scan_one(self, key: bytes, record: memoryview, value: memoryview | None, verify: bool) -> ScannedChunk:

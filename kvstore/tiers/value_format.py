@@ -187,6 +187,7 @@ INDEX_FORMAT_VERSION = 1
 _INDEX = struct.Struct("<4sHHIIQ8s32sQ")  # 72 bytes, then the crc
 _INDEX_CRC = struct.Struct("<I")
 INDEX_RECORD_BYTES = _INDEX.size + _INDEX_CRC.size
+_INDEX_WITH_CRC = struct.Struct("<4sHHIIQ8s32sQI")
 
 
 class IndexRecord(NamedTuple):
@@ -209,6 +210,18 @@ def index_record_of(value: memoryview) -> bytes:
     """The index record of a stored value; raise ValueProblem if the value's header is bad."""
     codec, n_tok, layout_id, namespace, raw, _, _, _ = check_header(value)
     return index_record(codec, n_tok, len(value), layout_id, namespace, raw)
+
+
+def index_fields(record: memoryview | bytes) -> tuple[int, bytes, bytes, int] | None:
+    """(value bytes, layout id, namespace, raw size) of a good index record, else None (then
+    `parse_index_record` says what is wrong): the restart's path, one record at a time."""
+    if len(record) != INDEX_RECORD_BYTES:
+        return None
+    magic, version, flags, _, _, value_len, layout_id, namespace, raw, crc = _INDEX_WITH_CRC.unpack_from(record, 0)
+    if (magic != INDEX_MAGIC or version != INDEX_FORMAT_VERSION or flags & ~CODEC_MASK
+            or _crc32(record[: _INDEX.size]) != crc):
+        return None
+    return value_len, layout_id, namespace, raw
 
 
 def parse_index_record(record: memoryview | bytes) -> IndexRecord:
