@@ -1,7 +1,7 @@
 """vLLM caches through kvstore, end to end: real vLLM engines (CPU) with the kvstore connector, a
 real `kvstore serve`, tiny Llama models written at test time. Issue tests 1-6: cold, restored
 from LMDB after a restart by a fresh engine, other tenant and other cache_salt, changed weights,
-a corrupt value on disk, kvstore stopped."""
+a corrupt value on disk, kvstore stopped; and kvstore hung (accepting, never answering)."""
 
 from __future__ import annotations
 
@@ -130,6 +130,30 @@ def test_6_with_kvstore_stopped_the_engine_still_answers_as_cold(warm_engine: En
     _same_output(out, cold[2])
     assert out["kvstore"]["loaded_tokens"] == 0
     assert out["kvstore"]["counters"].get("lookup_failures", 0) >= 1
+
+
+def test_6b_with_kvstore_hung_the_engine_answers_as_cold_within_its_budget(warm_engine: Engine, kv: Kvstore,
+                                                                           cold: list[dict[str, Any]]) -> None:
+    """A service that accepts and never answers (the proxy holds every byte): each call ends at the
+    connector's budget (2 s) and the engine computes, as with the service stopped."""
+    time.sleep(6)  # past the pause that test 6's failures began (retry_after_ms, 5 s)
+    warm_engine.ask({"op": "reset_prefix_cache"})
+    [before] = warm_engine.generate({"tokens": PROMPT})  # the service answers again: restored
+    assert before["kvstore"]["loaded_tokens"] == 7 * CT
+    assert kv.proxy is not None
+    kv.proxy.set_mode("hang")
+    try:
+        warm_engine.ask({"op": "reset_prefix_cache"})
+        t0 = time.monotonic()
+        [out] = warm_engine.generate({"tokens": PROMPT})
+        took = time.monotonic() - t0
+    finally:
+        kv.proxy.set_mode("pass")
+    assert took < 30, took  # the Lookup's budget and a cold prefill, not a hang
+    _same_output(out, cold[0])
+    assert out["kvstore"]["loaded_tokens"] == 0
+    failures = {k: v for k, v in out["kvstore"]["counters"].items() if k.endswith("_failures")}
+    assert failures.get("lookup_failures", 0) > before["kvstore"]["counters"].get("lookup_failures", 0), failures
 
 
 def test_3b_another_tenant_sees_nothing(models: dict[str, Path], kv: Kvstore, workdir: Path,
