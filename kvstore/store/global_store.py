@@ -76,7 +76,7 @@ TURN_SECONDS = 0.0003
 RECOVER_BATCH = 1024  # chunks found at start, appended to the cold arrays at a time
 # A background index load lets the interpreter go after this many records: its loop is Python,
 # and without it a call's every release of the interpreter lock (hashing its keys, a numpy search)
-# cost it up to a switch interval (5 ms) while the loader ran: Lookups of 30 ms during a restart.
+# cost it up to a switch interval (5 ms) while the loader ran: Lookups of tens of ms in a restart.
 LOAD_YIELD_RECORDS = 64
 # The LMDB tier's eviction policy keeps this many of its newest keys (per queue) as objects and the
 # rest as arrays (policies/key_log.py): it tracks nearly every chunk. The memory tiers' track few.

@@ -562,8 +562,8 @@ class LmdbTier:
                 for key, record in itertools.islice(cur.iternext(), SCAN_BATCH):
                     out.append(self._scan_one(bytes(key), record, txn.get(key, db=self._chunks), True))
                 return out
-            # The restart's path, ~200,000 records a second per core: the usual record parsed in
-            # place (the checks of vf.parse_index_record, without its object), the rest by it.
+            # The restart's path (a few microseconds a record): a good record read in place (the
+            # checks of vf.parse_index_record, without its object), a damaged one by it.
             disk_of = self._disk_of
             scanned = ScannedChunk
             for key, record in itertools.islice(cur.iternext(), SCAN_BATCH):

@@ -187,7 +187,7 @@ INDEX_FORMAT_VERSION = 1
 _INDEX = struct.Struct("<4sHHIIQ8s32sQ")  # 72 bytes, then the crc
 _INDEX_CRC = struct.Struct("<I")
 INDEX_RECORD_BYTES = _INDEX.size + _INDEX_CRC.size
-_INDEX_WITH_CRC = struct.Struct("<4sHHIIQ8s32sQI")
+_INDEX_WITH_CRC = struct.Struct(_INDEX.format + "I")  # the record whole, crc included
 
 
 class IndexRecord(NamedTuple):
