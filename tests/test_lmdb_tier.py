@@ -314,6 +314,14 @@ def test_a_damaged_index_record_is_reported_by_a_plain_scan_with_its_problem(tmp
         assert found[k].stored_bytes == found[keys[0]].stored_bytes > LAYOUT.chunk_bytes
     if name != "a short record":  # its value length is then unknown: counted as empty until read
         assert sum(sc.stored_bytes for sc in found.values()) == used == tier.stats().used_bytes
+    # The restart's scan, as arrays: the same entries, the damaged one with the same problem.
+    batches = list(tier.scan_batches())
+    rows = {bytes(k): (bytes(ns), bytes(lay), int(p), int(st)) for b in batches
+            for k, ns, lay, p, st in zip(b.keys, b.namespaces, b.layout_ids, b.payload_bytes, b.stored_bytes,
+                                        strict=True)}
+    assert rows == {k: (sc.namespace, sc.layout_id, sc.payload_bytes, sc.stored_bytes) for k, sc in found.items()
+                    if sc.ok}
+    assert [(sc.key, sc.problem) for b in batches for sc in b.damaged] == [(keys[1], problem)]
     tier.close()
 
 
@@ -548,6 +556,9 @@ def test_scan_pages_through_more_entries_than_one_batch(
     tier = open_tier(tmp_path, durability="async")
     keys = put_chunks(tier, 1, 11)
     assert sorted(sc.key for sc in tier.scan()) == sorted(keys)
+    batches = list(tier.scan_batches())
+    assert [len(b.keys) for b in batches] == [4, 4, 3]
+    assert [bytes(k) for b in batches for k in b.keys] == sorted(keys)  # in key order, each once
     tier.close()
 
 

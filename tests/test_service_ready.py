@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 import kvstore.store.global_store as global_store
+import kvstore.tiers.lmdb_tier as lmdb_tier
 from kvstore.client.sync_client import KvstoreClient
-from kvstore.tiers.base import ScannedChunk
+from kvstore.tiers.base import ScanBatch
 from kvstore.tiers.lmdb_tier import LmdbTier
 from tests.fixtures.service import CHUNK, TOY, Service, make_config, payloads, tokens
 
@@ -29,16 +30,20 @@ def _until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-def _stalling_scan(gate: threading.Event) -> Callable[..., Iterator[ScannedChunk]]:
-    real = LmdbTier.scan
+def _stalling_scan(gate: threading.Event) -> Callable[..., Iterator[ScanBatch]]:
+    """The restart's scan, stalled after FIRST_RECORDS entries until `gate` (read one entry a batch:
+    the test sets SCAN_BATCH to 1)."""
+    real = LmdbTier.scan_batches
 
-    def scan(self: LmdbTier, verify: bool = False) -> Iterator[ScannedChunk]:
-        for i, sc in enumerate(real(self, verify)):
-            if i == FIRST_RECORDS:
+    def scan_batches(self: LmdbTier) -> Iterator[ScanBatch]:
+        seen = 0
+        for batch in real(self):
+            if seen == FIRST_RECORDS:
                 assert gate.wait(30), "the test never let the scan on"
-            yield sc
+            seen += batch.entries
+            yield batch
 
-    return scan
+    return scan_batches
 
 
 def _check_answers(kv: KvstoreClient, prompts: list[Any], chunks: list[list[bytes]]) -> list[int]:
@@ -64,7 +69,8 @@ def test_a_restart_answers_while_its_index_loads_and_says_so(
     svc.stop()
 
     gate = threading.Event()
-    monkeypatch.setattr(LmdbTier, "scan", _stalling_scan(gate))
+    monkeypatch.setattr(LmdbTier, "scan_batches", _stalling_scan(gate))
+    monkeypatch.setattr(lmdb_tier, "SCAN_BATCH", 1)
     monkeypatch.setattr(global_store, "RECOVER_BATCH", 2)  # indexed two at a time: some are in early
     cfg = make_config(store={"dram_capacity_bytes": 64 * 1024, "device_capacity_bytes": 0})
     again = make_service(cfg, data_dir=svc.data_dir, wait_ready=False)

@@ -16,12 +16,13 @@ import pytest
 
 import kvstore.store.cold as cold_module
 import kvstore.store.global_store as global_store
+import kvstore.tiers.lmdb_tier as lmdb_tier
 from kvstore.config.policies import EVICTION_POLICIES
 from kvstore.layout import get_model
 from kvstore.store import GlobalStore, TenantQuota
 from kvstore.store.cold import ColdChunks
 from kvstore.store.placement import ChunkEntry
-from kvstore.tiers.base import ChunkMeta, ScannedChunk
+from kvstore.tiers.base import ChunkMeta, ScanBatch
 from kvstore.tiers.lmdb_tier import LmdbTier
 from tests.store_helpers import (
     CHUNK,
@@ -206,17 +207,18 @@ def test_a_chunk_left_in_lmdb_only_while_the_index_loads_is_folded_when_it_is_re
     store.close()
 
     started, scanned_late, go_on = threading.Event(), threading.Event(), threading.Event()
-    real = LmdbTier.scan
+    real = LmdbTier.scan_batches
 
-    def scan(self: LmdbTier, verify: bool = False) -> Iterator[ScannedChunk]:
+    def scan_batches(self: LmdbTier) -> Iterator[ScanBatch]:
         assert started.wait(30)
-        for sc in real(self, verify):
-            yield sc
-            if sc.key == late_key:  # indexed by now (one record a batch): stall here
+        for batch in real(self):
+            yield batch
+            if late_key in {bytes(k) for k in batch.keys}:  # indexed by now (one record a batch): stall here
                 scanned_late.set()
                 assert go_on.wait(30)
 
-    monkeypatch.setattr(LmdbTier, "scan", scan)
+    monkeypatch.setattr(LmdbTier, "scan_batches", scan_batches)
+    monkeypatch.setattr(lmdb_tier, "SCAN_BATCH", 1)
     monkeypatch.setattr(global_store, "RECOVER_BATCH", 1)
     store = GlobalStore(small_config(device_capacity_bytes=0, dram_capacity_bytes=4096), tmp_path, MODELS,
                         load_index_in_background=True)

@@ -60,7 +60,7 @@ from kvstore.store.types import (
     TenantQuota,
     TierUsage,
 )
-from kvstore.tiers.base import ChunkMeta, DurableTier, Tier, TierName
+from kvstore.tiers.base import ChunkMeta, DurableTier, ScanBatch, Tier, TierName
 from kvstore.tiers.factory import build_tiers, quantize_tiers
 from policies.base import AdmissionPolicy, EvictionPolicy
 
@@ -74,10 +74,7 @@ CHUNKS_PER_LOCK_HOLD = 32
 # commit's thread to be preempted.
 TURN_SECONDS = 0.0003
 RECOVER_BATCH = 1024  # chunks found at start, appended to the cold arrays at a time
-# A background index load lets the interpreter go after this many records: its loop is Python,
-# and without it a call's every release of the interpreter lock (hashing its keys, a numpy search)
-# cost it up to a switch interval (5 ms) while the loader ran: Lookups of tens of ms in a restart.
-LOAD_YIELD_RECORDS = 64
+_GROUP = np.dtype((np.void, 48))  # a recovered chunk's namespace, layout id and payload size, joined
 # The LMDB tier's eviction policy keeps this many of its newest keys (per queue) as objects and the
 # rest as arrays (policies/key_log.py): it tracks nearly every chunk. The memory tiers' track few.
 LMDB_POLICY_YOUNG_KEYS = 64
@@ -872,24 +869,23 @@ class GlobalStore(Placement):
         cost = float(self.cfg.chunk_tokens)  # what a recovered chunk was always given
         keys = bytearray()
         kinds: list[int] = []
-        # (namespace, layout id, payload bytes) -> the cold kind of such chunks, or why they are ignored
-        kind_of: dict[tuple[bytes, bytes, int], int | str] = {}
+        # (namespace, layout id, payload bytes) joined -> the cold kind of such chunks, or why they are ignored
+        kind_of: dict[bytes, int | str] = {}
         # Index records only (tiers/lmdb_tier.py): no value is read here, whatever their size.
-        for i, sc in enumerate(self._durable.scan()):
-            if background and not i % LOAD_YIELD_RECORDS:
+        for batch in self._durable.scan_batches():
+            if background:
+                # Let the interpreter go after each batch (a fraction of a millisecond of work):
+                # a call that released it (hashing its keys, a numpy search) would otherwise wait
+                # up to a switch interval (5 ms) at each release: Lookups of tens of ms in a restart.
                 time.sleep(0)
-            if sc.problem:
+            for sc in batch.damaged:
                 self._ignored[sc.problem] = self._ignored.get(sc.problem, 0) + 1
+            if not len(batch.keys):
                 continue
-            what = (sc.namespace, sc.layout_id, sc.payload_bytes)
-            kind = kind_of.get(what)
-            if kind is None:
-                kind = kind_of[what] = self._recovered_kind(*what, cost)
-            if isinstance(kind, str):
-                self._ignored[kind] = self._ignored.get(kind, 0) + 1
-                continue
-            keys += sc.key
-            kinds.append(kind)
+            row_kinds = self._recovered_kinds(batch, kind_of, cost)
+            good = row_kinds >= 0
+            keys += batch.keys[good].tobytes()
+            kinds += row_kinds[good].tolist()
             if len(kinds) >= RECOVER_BATCH:
                 self._index_batch(bytes(keys), kinds)
                 keys, kinds = bytearray(), []
@@ -913,6 +909,25 @@ class GlobalStore(Placement):
                     self._fold(key, entry)
         if background:
             self._progress(f"index: {cold.n:,} LMDB chunks ready in {self._load_seconds:.2f} s")
+
+    def _recovered_kinds(self, batch: ScanBatch, kind_of: dict[bytes, int | str], cost: float) -> np.ndarray:
+        """Each row's cold kind (-1 where its chunks are ignored, counted by reason), decided once
+        per (namespace, layout, size): a batch's rows are grouped first."""
+        what = np.concatenate([batch.namespaces, batch.layout_ids,
+                               batch.payload_bytes.astype("<u8").view(np.uint8).reshape(-1, 8)], axis=1)
+        groups, inverse = np.unique(np.ascontiguousarray(what).view(_GROUP).ravel(), return_inverse=True)
+        kinds = np.empty(len(groups), dtype=np.int64)
+        for g, group in enumerate(groups.tolist()):
+            kind = kind_of.get(group)
+            if kind is None:
+                kind = kind_of[group] = self._recovered_kind(group[:32], group[32:40],
+                                                             int.from_bytes(group[40:], "little"), cost)
+            if isinstance(kind, str):
+                self._ignored[kind] = self._ignored.get(kind, 0) + int(np.count_nonzero(inverse == g))
+                kinds[g] = -1
+            else:
+                kinds[g] = kind
+        return kinds[inverse.ravel()]
 
     def _recovered_kind(self, namespace: bytes, layout_id: bytes, payload_bytes: int, cost: float) -> int | str:
         """The cold kind of chunks a restart found with these, or why they are ignored."""

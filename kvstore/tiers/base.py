@@ -11,6 +11,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+import numpy as np
+
 from kvstore.layout import CacheLayout, TierName
 
 
@@ -39,6 +41,53 @@ class ScannedChunk:
     @property
     def ok(self) -> bool:
         return not self.problem
+
+
+KEY_BYTES = 32  # a chunk key (keys.chain): what every row of a ScanBatch holds
+
+
+@dataclass(frozen=True)
+class ScanBatch:
+    """A run of entries `scan_batches` found, in key order, as arrays: a restart reads millions of
+    index records, and an object each costs more than reading them. Rows passed every check of
+    their record and name a layout the tier knows; `damaged` are the entries that did not, one
+    `ScannedChunk` each with its problem (they are rare)."""
+
+    keys: np.ndarray  # [m, KEY_BYTES] uint8, ascending
+    namespaces: np.ndarray  # [m, 32] uint8
+    layout_ids: np.ndarray  # [m, 8] uint8
+    payload_bytes: np.ndarray  # [m] int64: raw payload size
+    stored_bytes: np.ndarray  # [m] int64: bytes the value takes in the database
+    damaged: tuple[ScannedChunk, ...] = ()
+
+    @staticmethod
+    def of(found: Sequence[ScannedChunk]) -> ScanBatch:
+        """The batch of entries scanned one at a time (those with a problem, or a key of another
+        length than a chunk key's, go to `damaged`)."""
+        good = [sc for sc in found if sc.ok and len(sc.key) == KEY_BYTES]
+        damaged = tuple(sc if not sc.ok else ScannedChunk(sc.key, b"", b"", 0, sc.stored_bytes, "corrupt")
+                        for sc in found if not sc.ok or len(sc.key) != KEY_BYTES)
+
+        def rows(values: list[bytes], width: int) -> np.ndarray:
+            return np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(values), width)
+
+        return ScanBatch(rows([sc.key for sc in good], KEY_BYTES), rows([sc.namespace for sc in good], 32),
+                         rows([sc.layout_id for sc in good], 8),
+                         np.array([sc.payload_bytes for sc in good], dtype=np.int64),
+                         np.array([sc.stored_bytes for sc in good], dtype=np.int64), damaged)
+
+    def select(self, rows: np.ndarray, damaged: Sequence[ScannedChunk] = ()) -> ScanBatch:
+        """The rows `rows` (a mask) keeps, with more damaged entries."""
+        return ScanBatch(self.keys[rows], self.namespaces[rows], self.layout_ids[rows], self.payload_bytes[rows],
+                         self.stored_bytes[rows], (*self.damaged, *damaged))
+
+    @property
+    def entries(self) -> int:
+        return len(self.keys) + len(self.damaged)
+
+    @property
+    def all_stored_bytes(self) -> int:
+        return int(self.stored_bytes.sum()) + sum(sc.stored_bytes for sc in self.damaged)
 
 
 @dataclass(frozen=True)
@@ -109,7 +158,12 @@ class DurableTier(Tier, Protocol):
         ...
 
     def scan(self) -> Iterator[ScannedChunk]:
-        """Every entry in the database, for rebuilding the store's index after a restart."""
+        """Every entry in the database, one at a time."""
+        ...
+
+    def scan_batches(self) -> Iterator[ScanBatch]:
+        """Every entry in the database, as `scan` finds them, in batches: for rebuilding the
+        store's index after a restart."""
         ...
 
     def put_namespace(self, digest: bytes, record: bytes) -> None:

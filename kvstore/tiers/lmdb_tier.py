@@ -52,12 +52,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 import lmdb
+import numpy as np
 
 from kvstore.config.store import Durability
 from kvstore.errors import InvalidInput, StorageError
 from kvstore.layout import CacheLayout
 from kvstore.tiers import value_format as vf
-from kvstore.tiers.base import ChunkMeta, ScannedChunk, Tier, TierName, TierStats
+from kvstore.tiers.base import KEY_BYTES, ChunkMeta, ScanBatch, ScannedChunk, Tier, TierName, TierStats
 from kvstore.tiers.checksum import copy_words_sum64, load_kernel, sum64
 from kvstore.tiers.compression import CODEC_NONE, Codec, Mode
 from kvstore.tiers.value_format import ValueProblem
@@ -69,6 +70,7 @@ MAP_OVERHEAD_MIN_BYTES = 64 * MiB  # room for copy-on-write pages and the tree b
 # frees them, and their pages are reusable only after one more commit.
 MAP_OVERHEAD_FRACTION = 1.0
 SCAN_BATCH = 256  # entries read per read transaction by scan(); short transactions let the map grow
+MEASURE_RUN = 65_536  # index records joined at a time when the used bytes are counted at open
 # 1: chunks only (kvstore 0.1); 2: an index record beside every value.
 LMDB_FORMAT_VERSION = 2
 _FORMAT_KEY = b"format_version"
@@ -200,7 +202,6 @@ class LmdbTier:
         self._progress = progress or (lambda line: None)
         # Values that have no index record because their header is bad: reported by every scan.
         self._unindexed: list[ScannedChunk] = []
-        self._disk_of: dict[int, int] = {}  # disk_bytes by value length, as a restart's scan meets them
         self._open_format()
         self._used, self._count = self._measure()
 
@@ -223,9 +224,19 @@ class LmdbTier:
 
     def _measure(self) -> tuple[int, int]:
         used = sum(sc.stored_bytes for sc in self._unindexed)
-        with self._env.begin(db=self._index, buffers=True) as txn:
-            # Values come in few lengths (a layout's chunk, its token ids): counted, then sized once each.
-            lengths = Counter(map(_record_value_bytes, txn.cursor().iternext(keys=False)))
+        lengths: Counter[int] = Counter()
+        with self._env.begin(db=self._index) as txn:
+            records = txn.cursor().iternext(keys=False)
+            # Values come in few lengths (a layout's chunk, its token ids): counted a run of records
+            # at a time, then sized once each.
+            while run := list(itertools.islice(records, MEASURE_RUN)):
+                joined = b"".join(run)
+                if len(joined) == len(run) * vf.INDEX_RECORD_BYTES and min(map(len, run)) == vf.INDEX_RECORD_BYTES:
+                    found, counts = np.unique(vf.index_rows(joined, len(run), check=False)[0]["value_bytes"],
+                                              return_counts=True)
+                    lengths.update(dict(zip(found.tolist(), counts.tolist(), strict=True)))
+                else:
+                    lengths.update(map(_record_value_bytes, run))
         used += sum(self.disk_bytes(n) * count for n, count in lengths.items())
         return used, self._entries(self._chunks)
 
@@ -550,33 +561,68 @@ class LmdbTier:
         out: list[ScannedChunk] = []
         with self._env.begin(buffers=True) as txn:
             cur = txn.cursor(self._index)
-            if after is None:
-                ok = cur.first()
-            else:
-                ok = cur.set_range(after)
-                if ok and bytes(cur.key()) == after:
-                    ok = cur.next()
-            if not ok:  # past the end (an unpositioned cursor would iterate from the first key)
+            if not self._position(cur, after):
                 return out
-            if verify:
-                for key, record in itertools.islice(cur.iternext(), SCAN_BATCH):
-                    out.append(self._scan_one(bytes(key), record, txn.get(key, db=self._chunks), True))
-                return out
-            # The restart's path (a few microseconds a record): a good record read in place (the
-            # checks of vf.parse_index_record, without its object), a damaged one by it.
-            disk_of = self._disk_of
-            scanned = ScannedChunk
             for key, record in itertools.islice(cur.iternext(), SCAN_BATCH):
-                fields = vf.index_fields(record)
-                if fields is None or fields[1] not in self._layouts:
-                    out.append(self._scan_one(bytes(key), record, None, False))
-                    continue
-                value_len, layout_id, namespace, raw = fields
-                disk = disk_of.get(value_len)
-                if disk is None:
-                    disk = disk_of[value_len] = self.disk_bytes(value_len)
-                out.append(scanned(bytes(key), namespace, layout_id, raw, disk))
+                value = txn.get(key, db=self._chunks) if verify else None
+                out.append(self._scan_one(bytes(key), record, value, verify))
         return out
+
+    @staticmethod
+    def _position(cur: lmdb.Cursor, after: bytes | None) -> bool:
+        """Put the cursor on the first key after `after` (None: the first key); False past the end
+        (an unpositioned cursor would iterate from the first key)."""
+        if after is None:
+            return bool(cur.first())
+        if not cur.set_range(after):
+            return False
+        return bool(cur.next()) if bytes(cur.key()) == after else True
+
+    def scan_batches(self) -> Iterator[ScanBatch]:
+        """`scan()` (no value read) as arrays, a read transaction (SCAN_BATCH entries) at a time:
+        a restart's path, a few array passes per batch instead of an object per entry. Used
+        bytes and the entry count are rebuilt alike."""
+        writes_at_start = self._writes
+        used = count = 0
+        if self._unindexed:
+            first = ScanBatch.of(list(self._unindexed))
+            used, count = first.all_stored_bytes, first.entries
+            yield first
+        after: bytes | None = None
+        while True:
+            with self._lock, self._env.begin() as txn:
+                cur = txn.cursor(self._index)
+                pairs = list(itertools.islice(cur.iternext(), SCAN_BATCH)) if self._position(cur, after) else []
+            if not pairs:
+                break
+            keys, records = zip(*pairs, strict=True)
+            batch = self._batch_of(keys, records)
+            used, count = used + batch.all_stored_bytes, count + batch.entries
+            yield batch
+            after = keys[-1]
+        with self._lock:
+            if self._writes == writes_at_start:
+                self._used, self._count = used, count
+
+    def _batch_of(self, keys: tuple[bytes, ...], records: tuple[bytes, ...]) -> ScanBatch:
+        m = len(keys)
+        joined_keys, joined = b"".join(keys), b"".join(records)
+        if len(joined_keys) != m * KEY_BYTES or len(joined) != m * vf.INDEX_RECORD_BYTES or (
+                min(map(len, records)) != vf.INDEX_RECORD_BYTES):  # a foreign entry: one at a time
+            return ScanBatch.of([self._scan_one(k, memoryview(r), None, False)
+                                 for k, r in zip(keys, records, strict=True)])
+        rows, ok = vf.index_rows(joined, m)
+        layouts = rows["layout_id"]
+        ok &= np.isin(layouts.view("<u8").ravel(), self._layout_words())
+        damaged = [self._scan_one(keys[i], memoryview(records[i]), None, False) for i in np.flatnonzero(~ok).tolist()]
+        lengths, at = np.unique(rows["value_bytes"][ok], return_inverse=True)
+        stored = np.array([self.disk_bytes(int(n)) for n in lengths], dtype=np.int64)[at]
+        return ScanBatch(np.frombuffer(joined_keys, dtype=np.uint8).reshape(m, KEY_BYTES)[ok], rows["namespace"][ok],
+                         layouts[ok], rows["raw_size"][ok].astype(np.int64), stored, tuple(damaged))
+
+    def _layout_words(self) -> np.ndarray:
+        """The known layout ids as little-endian 64-bit words (a batch's are compared at once)."""
+        return np.frombuffer(b"".join(self._layouts), dtype="<u8")
 
     def _scan_one(self, key: bytes, record: memoryview, value: memoryview | None, verify: bool) -> ScannedChunk:
         disk = self.disk_bytes(_record_value_bytes(record))

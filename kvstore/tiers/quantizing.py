@@ -20,8 +20,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from kvstore.layout import CacheLayout
-from kvstore.tiers.base import ChunkMeta, DurableTier, ScannedChunk, Tier, TierName, TierStats
+from kvstore.tiers.base import ChunkMeta, DurableTier, ScanBatch, ScannedChunk, Tier, TierName, TierStats
 from kvstore.tiers.quantize import QuantizeMode, QuantPlan, plan_for
 
 
@@ -111,6 +113,20 @@ class QuantizingDurableTier(QuantizingTier):
 
     def delete_many(self, keys: Iterable[bytes]) -> None:
         self._durable.delete_many(keys)
+
+    def scan_batches(self) -> Iterator[ScanBatch]:
+        for batch in self._durable.scan_batches():
+            words = batch.layout_ids.view("<u8").ravel()
+            keep = np.ones(len(words), dtype=bool)
+            payload = batch.payload_bytes.copy()
+            for layout_id, plan in self._plans.items():
+                rows = words == int.from_bytes(layout_id, "little")
+                payload[rows & (payload == plan.stored_bytes)] = plan.payload_bytes
+                # Written in another mode (or unquantized): not readable as this mode's bytes.
+                keep &= ~(rows & (batch.payload_bytes != plan.stored_bytes))
+            other = [ScannedChunk(bytes(batch.keys[i]), b"", b"", 0, int(batch.stored_bytes[i]), "format-version")
+                     for i in np.flatnonzero(~keep).tolist()]
+            yield replace(batch, payload_bytes=payload).select(keep, other)
 
     def scan(self) -> Iterator[ScannedChunk]:
         for sc in self._durable.scan():
