@@ -189,7 +189,6 @@ INDEX_FORMAT_VERSION = 1
 _INDEX = struct.Struct("<4sHHIIQ8s32sQ")  # 72 bytes, then the crc
 _INDEX_CRC = struct.Struct("<I")
 INDEX_RECORD_BYTES = _INDEX.size + _INDEX_CRC.size
-_INDEX_WITH_CRC = struct.Struct(_INDEX.format + "I")  # the record whole, crc included
 
 
 class IndexRecord(NamedTuple):
@@ -214,7 +213,7 @@ def index_record_of(value: memoryview) -> bytes:
     return index_record(codec, n_tok, len(value), layout_id, namespace, raw)
 
 
-# An index record's fields as a numpy record (the layout of _INDEX_WITH_CRC).
+# An index record's fields as a numpy record: _INDEX's, then the crc.
 _INDEX_ROW = np.dtype({
     "names": ["magic", "version", "flags", "token_count", "zero", "value_bytes", "layout_id", "namespace",
               "raw_size", "crc"],
