@@ -81,6 +81,13 @@ class ScanBatch:
         return ScanBatch(self.keys[rows], self.namespaces[rows], self.layout_ids[rows], self.payload_bytes[rows],
                          self.stored_bytes[rows], (*self.damaged, *damaged))
 
+    def chunks(self) -> list[ScannedChunk]:
+        """The batch as `scan` gives it: an object per entry, in key order."""
+        rows = [ScannedChunk(key, ns, layout, payload, stored) for key, ns, layout, payload, stored in zip(
+            _row_bytes(self.keys), _row_bytes(self.namespaces), _row_bytes(self.layout_ids),
+            self.payload_bytes.tolist(), self.stored_bytes.tolist(), strict=True)]
+        return sorted([*rows, *self.damaged], key=lambda sc: sc.key)
+
     @property
     def entries(self) -> int:
         return len(self.keys) + len(self.damaged)
@@ -88,6 +95,10 @@ class ScanBatch:
     @property
     def all_stored_bytes(self) -> int:
         return int(self.stored_bytes.sum()) + sum(sc.stored_bytes for sc in self.damaged)
+
+
+def _row_bytes(rows: np.ndarray) -> list[bytes]:
+    return [row.tobytes() for row in rows]
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,7 @@ class LmdbTier:
             while run := list(itertools.islice(records, MEASURE_RUN)):
                 joined = b"".join(run)
                 if len(joined) == len(run) * vf.INDEX_RECORD_BYTES and min(map(len, run)) == vf.INDEX_RECORD_BYTES:
-                    found, counts = np.unique(vf.index_rows(joined, len(run), check=False)[0]["value_bytes"],
+                    found, counts = np.unique(np.frombuffer(joined, dtype=vf.INDEX_ROW)["value_bytes"],
                                               return_counts=True)
                     lengths.update(dict(zip(found.tolist(), counts.tolist(), strict=True)))
                 else:
@@ -530,12 +530,17 @@ class LmdbTier:
 
     def scan(self, verify: bool = False) -> Iterator[ScannedChunk]:
         """Every entry, in key order, from the index records: no value is read, so this costs the
-        same whatever the payloads' size. With verify, each value is read and checked too (its
-        header, its payload sum and its agreement with the record), and its token ids returned.
+        same whatever the payloads' size (`scan_batches`, an object per entry). With verify, each
+        value is read and checked too (its header, its payload sum and its agreement with the
+        record), and its token ids returned.
 
         Entries are read in batches of short read transactions, so the store may write between
         batches. Used bytes and the entry count are rebuilt if no write happened meanwhile.
         """
+        if not verify:
+            for batch in self.scan_batches():
+                yield from batch.chunks()
+            return
         writes_at_start = self._writes
         used = count = 0
         for sc in list(self._unindexed):
@@ -545,27 +550,30 @@ class LmdbTier:
         after: bytes | None = None
         while True:
             with self._lock:
-                batch = self._scan_batch(after, verify)
-            if not batch:
+                found = self._verified_batch(after)
+            if not found:
                 break
-            for sc in batch:
+            for sc in found:
                 used += sc.stored_bytes
                 count += 1
                 yield sc
-            after = batch[-1].key
+            after = found[-1].key
+        self._rebuild_totals(writes_at_start, used, count)
+
+    def _rebuild_totals(self, writes_at_start: int, used: int, count: int) -> None:
+        """A whole scan's used bytes and entry count, kept if no write happened while it ran."""
         with self._lock:
             if self._writes == writes_at_start:
                 self._used, self._count = used, count
 
-    def _scan_batch(self, after: bytes | None, verify: bool) -> list[ScannedChunk]:
+    def _verified_batch(self, after: bytes | None) -> list[ScannedChunk]:
         out: list[ScannedChunk] = []
         with self._env.begin(buffers=True) as txn:
             cur = txn.cursor(self._index)
             if not self._position(cur, after):
                 return out
             for key, record in itertools.islice(cur.iternext(), SCAN_BATCH):
-                value = txn.get(key, db=self._chunks) if verify else None
-                out.append(self._scan_one(bytes(key), record, value, verify))
+                out.append(self._scan_one(bytes(key), record, txn.get(key, db=self._chunks), True))
         return out
 
     @staticmethod
@@ -600,9 +608,7 @@ class LmdbTier:
             used, count = used + batch.all_stored_bytes, count + batch.entries
             yield batch
             after = keys[-1]
-        with self._lock:
-            if self._writes == writes_at_start:
-                self._used, self._count = used, count
+        self._rebuild_totals(writes_at_start, used, count)
 
     def _batch_of(self, keys: tuple[bytes, ...], records: tuple[bytes, ...]) -> ScanBatch:
         m = len(keys)

@@ -129,14 +129,8 @@ class QuantizingDurableTier(QuantizingTier):
             yield replace(batch, payload_bytes=payload).select(keep, other)
 
     def scan(self) -> Iterator[ScannedChunk]:
-        for sc in self._durable.scan():
-            plan = None if not sc.ok else self._plans.get(sc.layout_id)
-            if plan is None:
-                yield sc
-            elif sc.payload_bytes == plan.stored_bytes:
-                yield replace(sc, payload_bytes=plan.payload_bytes)
-            else:  # written in another mode (or unquantized): not readable as this mode's bytes
-                yield ScannedChunk(sc.key, b"", b"", 0, sc.stored_bytes, "format-version")
+        for batch in self.scan_batches():
+            yield from batch.chunks()
 
     def put_namespace(self, digest: bytes, record: bytes) -> None:
         self._durable.put_namespace(digest, record)

@@ -214,20 +214,17 @@ def index_record_of(value: memoryview) -> bytes:
 
 
 # An index record's fields as a numpy record: _INDEX's, then the crc.
-_INDEX_ROW = np.dtype({
+INDEX_ROW = np.dtype({
     "names": ["magic", "version", "flags", "token_count", "zero", "value_bytes", "layout_id", "namespace",
               "raw_size", "crc"],
     "formats": ["S4", "<u2", "<u2", "<u4", "<u4", "<u8", ("u1", (8,)), ("u1", (32,)), "<u8", "<u4"],
     "offsets": [0, 4, 6, 8, 12, 16, 24, 32, 64, 72], "itemsize": INDEX_RECORD_BYTES})
 
 
-def index_rows(joined: bytes, m: int, check: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def index_rows(joined: bytes, m: int) -> tuple[np.ndarray, np.ndarray]:
     """`m` index records end to end, as rows of a structured array, and which of them pass every
-    check of `parse_index_record` (the others: read them with it, to learn what is wrong); with
-    `check` off, the rows only (accounting, as `_record_value_bytes` reads a record)."""
-    rows = np.frombuffer(joined, dtype=_INDEX_ROW, count=m)
-    if not check:
-        return rows, np.ones(m, dtype=bool)
+    check of `parse_index_record` (the others: read them with it, to learn what is wrong)."""
+    rows = np.frombuffer(joined, dtype=INDEX_ROW, count=m)
     view = memoryview(joined)
     step, head = INDEX_RECORD_BYTES, _INDEX.size
     crcs = np.fromiter((_crc32(view[i : i + head]) for i in range(0, m * step, step)), dtype=np.uint32, count=m)
