@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -35,6 +36,16 @@ def _connector_config(spec: dict[str, Any]) -> Any:
 
 
 def main() -> int:
+    if os.environ.get("VLLM_RPC_BASE_PATH"):
+        return _serve()
+    # vLLM leaves a ZeroMQ socket file per engine where this points (the system's temporary
+    # directory by default), never removed: a directory of the engine's own instead, removed here.
+    with tempfile.TemporaryDirectory(prefix="kvstore-engine-") as rpc:
+        os.environ["VLLM_RPC_BASE_PATH"] = rpc
+        return _serve()
+
+
+def _serve() -> int:
     model_dir, spec = sys.argv[1], json.loads(sys.argv[2])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams

@@ -131,7 +131,10 @@ class Engine:
 
 
 def start_engine(model: Path, spec: dict[str, Any], log: Path) -> Engine:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="WARNING")
+    rpc = log.parent / "vllm-rpc"  # vLLM's socket files: here, not in the system's temporary directory
+    rpc.mkdir(exist_ok=True)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="WARNING",
+               VLLM_RPC_BASE_PATH=str(rpc))
     err = log.open("w")
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.engine_proc", str(model), json.dumps(spec)],
                             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
