@@ -121,10 +121,15 @@ class CostAwarePolicy:
         self._run, self._run_sizes, self._run_cost = run, nbytes, cost
         self._run_alive = np.ones(n, dtype=bool)
         # Only the sizes vary within a run: one priority per distinct size, and an order only then.
-        sizes, inverse = np.unique(nbytes, return_inverse=True)
+        sizes: np.ndarray
+        inverse: np.ndarray
+        if n and bool((nbytes == nbytes[0]).all()):  # one layout: no sort of millions of sizes
+            sizes, inverse = nbytes[:1].copy(), np.zeros(n, dtype=np.uint16)
+        else:
+            sizes, inverse = np.unique(nbytes, return_inverse=True)
         per_size = self._clock + cost / np.maximum(sizes, 1).astype(np.float64)
         self._run_priority = per_size
-        self._run_size_of = inverse.reshape(-1).astype(np.uint16 if len(sizes) <= 1 << 16 else np.int64)
+        self._run_size_of = inverse.reshape(-1).astype(np.uint16 if len(sizes) <= 1 << 16 else np.int64, copy=False)
         self._run_order = None if len(sizes) <= 1 else np.argsort(per_size[self._run_size_of], kind="stable")
         self._run_live, self._run_next = n, 0
         self._bytes += int(nbytes.sum())

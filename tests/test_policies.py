@@ -364,6 +364,7 @@ class _RunTwins(RuleBasedStateMachine):
     policy_name = "lru"
     young_keys: int | None = None
     with_run = True
+    one_size = False  # every key of the run of one size (one layout), or of a few
     KEYS = st.integers(0, 23).map(k)
     RUN_KEYS = 16  # k(0)..k(15) in the run, k(16).. only ever inserted later
 
@@ -371,7 +372,7 @@ class _RunTwins(RuleBasedStateMachine):
         super().__init__()
         self.one = build_eviction(self.policy_name)
         self.run = build_eviction(self.policy_name, young_keys=self.young_keys)
-        self.sizes = [10 + (i % 3) * 5 for i in range(self.RUN_KEYS)]  # a few sizes, as of several layouts
+        self.sizes = [10 if self.one_size else 10 + (i % 3) * 5 for i in range(self.RUN_KEYS)]
         for i in range(self.RUN_KEYS):
             self.one.insert(k(i), self.sizes[i], 128.0)
             if not self.with_run:
@@ -416,9 +417,10 @@ class _RunTwins(RuleBasedStateMachine):
         assert drain(self.one) == drain(self.run)  # the same order from here on
 
 
-def _twins_for(policy_name: str, young_keys: int | None = None, with_run: bool = True) -> type[RuleBasedStateMachine]:
-    return type(f"Twins_{policy_name}_{young_keys}_{with_run}", (_RunTwins,),
-                {"policy_name": policy_name, "young_keys": young_keys, "with_run": with_run})
+def _twins_for(policy_name: str, young_keys: int | None = None, with_run: bool = True,
+               one_size: bool = False) -> type[RuleBasedStateMachine]:
+    return type(f"Twins_{policy_name}_{young_keys}_{with_run}_{one_size}", (_RunTwins,),
+                {"policy_name": policy_name, "young_keys": young_keys, "with_run": with_run, "one_size": one_size})
 
 
 TestLruRunTwins = _twins_for("lru").TestCase
@@ -427,6 +429,8 @@ TestS3FifoRunTwins = _twins_for("s3fifo").TestCase
 TestS3FifoRunTwins.settings = _SETTINGS
 TestCostAwareRunTwins = _twins_for("cost-aware").TestCase
 TestCostAwareRunTwins.settings = _SETTINGS
+TestCostAwareOneSizeRunTwins = _twins_for("cost-aware", one_size=True).TestCase  # a run's priorities unsorted
+TestCostAwareOneSizeRunTwins.settings = _SETTINGS
 # Keys past the two newest kept in arrays (policies/key_log.py), with and without a run before them:
 # the logs spill, merge their index and drop their dead at every few steps.
 TestLruYoungTwins = _twins_for("lru", young_keys=2).TestCase

@@ -892,8 +892,9 @@ class GlobalStore(Placement):
                 if self._stop_loading.is_set():
                     return
         self._index_batch(bytes(keys), kinds)
+        footprints = cold.footprints()  # an array as long as the run: made before the lock is taken
         with self._lock:
-            self._policies["lmdb"].insert_run(cold.run(), cold.footprints(), cost)
+            self._policies["lmdb"].insert_run(cold.run(), footprints, cost)
             for key in cold.dead():  # lost while loading (a corrupt value read): gone from the run too
                 self._policies["lmdb"].remove(key)
             # More than the capacity: a smaller capacity than the data was written under, or a crash
