@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from kvstore.config.local_pool import LocalPoolConfig
+from kvstore.errors import ConfigError
 from kvstore.local_pool import LocalPool, build_local_pool
 from kvstore.local_pool.redis_process import RedisClusterProcesses, RedisProcess, free_port
 from tests.fixtures.redis_server import RedisFactory, scan_pttls
@@ -256,6 +257,49 @@ def test_acl_user_and_password_in_url(redis_factory: RedisFactory) -> None:
     health = wrong.health()
     assert health.status == "degraded" and "AuthenticationError" in health.reason
     wrong.close()
+
+
+@pytest.mark.parametrize("query", ["socket_timeout=1", "socket_connect_timeout=1", "decode_responses=true",
+                                   "retry_on_timeout=true", "timeout=2", "protocol=3", "no_such_option=1"])
+def test_url_options_kvstore_sets_itself_are_refused_at_start(query: str) -> None:
+    # Each of these once passed the config check and then made every pool call raise (a keyword
+    # given twice, replies decoded to str): INTERNAL to the engine, "ok" in health.
+    name = query.split("=")[0]
+    for url in (f"redis://127.0.0.1:6379/0?{query}", f"redis+cluster://127.0.0.1:7000?{query}"):
+        with pytest.raises(ConfigError, match=name) as e:
+            LocalPoolConfig(url=url).validate("local_pool")
+        assert e.value.key == "local_pool.url" and "[local_pool] keys" in str(e.value)
+    with pytest.raises(ConfigError, match="db"):  # a cluster has one database
+        LocalPoolConfig(url="redis+cluster://127.0.0.1:7000?db=1").validate("local_pool")
+    with pytest.raises(ConfigError, match="ssl_ca_certs"):  # TLS options need a TLS URL
+        LocalPoolConfig(url="redis://127.0.0.1:6379?ssl_ca_certs=/ca.crt").validate("local_pool")
+
+
+def test_url_options_it_takes_work(redis_factory: RedisFactory) -> None:
+    server = redis_factory()
+    cfg = LocalPoolConfig(url=f"redis://127.0.0.1:{server.port}?db=3&client_name=kvs-test&socket_keepalive=true",
+                          socket_timeout_seconds=0.2, connect_timeout_seconds=0.2)
+    cfg.validate("local_pool")
+    pool = build_local_pool(cfg, StaticTtl(TTL_SECONDS))
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"z" * 5000).written
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+    admin = server.client()
+    assert any(c["name"] == "kvs-test" and c["db"] == "3" for c in admin.client_list())
+    assert admin.dbsize() == 0 and redis.Redis(port=server.port, db=3).dbsize() == 1  # in database 3
+    pool.close()
+
+
+def test_a_client_library_failure_is_a_miss_not_an_exception(redis_factory: RedisFactory) -> None:
+    # A URL option the library rejects when it connects (only a pool built without the config
+    # check can have one): every call is a miss or a skipped write, and health names the error.
+    server = redis_factory()
+    pool = _pool(f"redis://127.0.0.1:{server.port}?socket_timeout=1")
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"z" * 5000).skip_reason == "error"
+    for _ in range(3):
+        assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason in ("error", "breaker-open")
+    health = pool.health()
+    assert health.status == "degraded" and "TypeError" in health.reason
+    pool.close()
 
 
 def _make_certs(directory: Path) -> tuple[Path, Path, Path]:

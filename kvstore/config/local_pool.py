@@ -4,10 +4,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import parse_qsl, urlsplit
 
 from kvstore.config.fields import join, require
 
 MiB = 1 << 20
+
+# Query options a Redis URL may carry. The rest are refused: kvstore sets the timeouts and retries
+# itself ([local_pool] keys) and reads replies as bytes, so e.g. `?socket_timeout=` or
+# `?decode_responses=` would clash with it or change what Redis answers.
+_URL_OPTIONS = frozenset({"db", "client_name", "socket_keepalive"})
+_TLS_URL_OPTIONS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile",
+                              "ssl_password", "ssl_check_hostname", "ssl_min_version"})
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why the query options of a Redis URL cannot be used, or None."""
+    scheme, _, rest = url.partition("://")
+    allowed = _URL_OPTIONS | (_TLS_URL_OPTIONS if scheme.startswith("rediss") else frozenset())
+    if scheme.endswith("+cluster"):
+        allowed -= {"db"}  # a cluster has database 0 only
+    bad = sorted({name for name, _ in parse_qsl(urlsplit(f"redis://{rest}").query, keep_blank_values=True)}
+                 - allowed)
+    if bad:
+        return (f"has query options kvstore does not take: {', '.join(bad)} (timeouts and retries are "
+                f"[local_pool] keys; allowed: {', '.join(sorted(allowed))})")
+    return None
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,8 @@ class LocalPoolConfig:
             "redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
         require(ok_scheme, join(prefix, "url"),
                 "must be 'embedded' or a redis://, rediss://, unix:// or redis+cluster:// URL")
+        problem = None if self.url == "embedded" else redis_url_problem(self.url)
+        require(problem is None, join(prefix, "url"), problem or "")
         require(self.capacity_bytes >= 0, join(prefix, "capacity_bytes"), "must be >= 0")
         require(self.socket_timeout_seconds > 0, join(prefix, "socket_timeout_seconds"), "must be > 0")
         require(self.connect_timeout_seconds > 0, join(prefix, "connect_timeout_seconds"), "must be > 0")

@@ -206,6 +206,10 @@ class RedisPool:
                 failure = "timeout" if isinstance(e, RedisTimeoutError | TimeoutError) else "error"
                 error_text = f"{type(e).__name__}: {e}"
                 continue
+            except Exception as e:  # the client library's own failure: still a miss, never the caller's error
+                self._counters.add("errors")
+                failure, error_text = "error", f"{type(e).__name__}: {e}"
+                continue
             self._breaker.record_success()
             return replies
         self._breaker.record_failure(error_text)
