@@ -200,6 +200,43 @@ def test_breaker_opens_on_dead_redis_and_recovers_by_itself(
     pool.close()
 
 
+def test_callers_out_of_time_do_not_open_the_breaker_on_a_healthy_redis(
+    redis_server: RedisProcess, tcp_proxy_factory: Any,
+) -> None:
+    # Redis a few ms away and healthy; callers with 10 ms left time out on their side. Once, five
+    # of them opened the breaker: every other caller then missed for breaker_reset_seconds.
+    proxy: TcpProxy = tcp_proxy_factory(redis_server.port)
+    pool = _pool(proxy.url, breaker_reset_seconds=30.0)  # breaker: 3 failures
+    data = os.urandom(SNAPSHOT)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).written
+    proxy.set_mode("delay", 0.005)
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+    accepted = proxy.accepted
+    for _ in range(5):
+        assert pool.get(_ns(), _bk(), TENANT, LAYOUT, deadline_seconds=0.010).miss_reason == "timeout"
+    assert pool.stats().breaker_state == "closed" and pool.health().status == "ok"
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)  # a caller with its whole budget
+    assert got.payload is not None and bytes(got.payload) == data
+    # Each timed-out connection went (its replies unread); the idle ones stayed.
+    assert proxy.accepted - accepted <= 6
+    pool.close()
+
+
+def test_a_hung_redis_opens_the_breaker_for_callers_with_short_deadlines(
+    redis_server: RedisProcess, tcp_proxy_factory: Any,
+) -> None:
+    # The other side: callers whose deadlines are shorter than the socket timeout still open it
+    # on a Redis that does not answer in 100 ms (it answers in well under 1 ms when healthy).
+    proxy: TcpProxy = tcp_proxy_factory(redis_server.port)
+    pool = _pool(proxy.url, socket_timeout_seconds=1.0, breaker_reset_seconds=30.0)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x" * 1000).written
+    proxy.set_mode("hang")
+    for _ in range(3):
+        assert pool.get(_ns(), _bk(), TENANT, LAYOUT, deadline_seconds=0.1).miss_reason == "timeout"
+    assert pool.stats().breaker_state == "open" and pool.health().status == "degraded"
+    pool.close()
+
+
 # --- memory pressure ---------------------------------------------------------------------------
 def test_noeviction_oom_skips_writes_and_counts(redis_factory: RedisFactory) -> None:
     server = redis_factory({"maxmemory": "6mb", "maxmemory-policy": "noeviction"})

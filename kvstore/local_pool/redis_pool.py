@@ -43,7 +43,7 @@ from kvstore.local_pool.base import (
     SkipReason,
 )
 from kvstore.local_pool.breaker import CircuitBreaker
-from kvstore.local_pool.redis_transport import Command, RedisTransport
+from kvstore.local_pool.redis_transport import Command, RedisTransport, telling_timeout
 from kvstore.local_pool.snapshot_format import SnapshotFormatError, SnapshotHeader, decode_parts, encode_parts
 from policies.base import TtlPolicy
 
@@ -193,8 +193,10 @@ class RedisPool:
             return "breaker-open"
         failure: Failure = "timeout"
         error_text = ""
+        judged = False  # an attempt failed in a way that says something about Redis
         for attempt in range(1 + self._cfg.retries):
-            if attempt and deadline_at - time.monotonic() < MIN_ATTEMPT_SECONDS:
+            started = time.monotonic()
+            if attempt and deadline_at - started < MIN_ATTEMPT_SECONDS:
                 break
             try:
                 replies = self._transport.transaction(cmds, deadline_at)
@@ -203,16 +205,23 @@ class RedisPool:
                 return "oom"
             except (RedisError, RedisClusterException, OSError) as e:  # OSError covers ssl errors
                 self._counters.add("errors")
-                failure = "timeout" if isinstance(e, RedisTimeoutError | TimeoutError) else "error"
+                timed_out = isinstance(e, RedisTimeoutError | TimeoutError)
+                failure = "timeout" if timed_out else "error"
                 error_text = f"{type(e).__name__}: {e}"
+                # A timeout that the caller's deadline cut short says nothing about Redis: counted
+                # against it, a few callers nearly out of time would open the breaker on a healthy
+                # server for everyone else.
+                waited = time.monotonic() - started
+                judged = judged or not timed_out or telling_timeout(waited, self._cfg.socket_timeout_seconds)
                 continue
             except Exception as e:  # the client library's own failure: still a miss, never the caller's error
                 self._counters.add("errors")
-                failure, error_text = "error", f"{type(e).__name__}: {e}"
+                failure, error_text, judged = "error", f"{type(e).__name__}: {e}", True
                 continue
             self._breaker.record_success()
             return replies
-        self._breaker.record_failure(error_text)
+        if judged:
+            self._breaker.record_failure(error_text)
         return failure
 
     def _assemble(

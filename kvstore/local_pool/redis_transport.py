@@ -40,6 +40,11 @@ from kvstore.local_pool.base import BytesLike
 Arg = bytes | str | int | tuple[BytesLike, ...]
 Command = tuple[Arg, ...]
 
+# Redis answers a transaction in milliseconds: an attempt that waited this long (or a whole socket
+# timeout) and timed out says the server is slow or gone, whoever's deadline ended it. One that
+# waited less, cut short by its caller's deadline, says nothing about the server.
+TELLING_TIMEOUT_SECONDS = 0.05
+
 _SEND_DIRECT_BYTES = 16 * 1024  # larger buffers go to sendall() as they are, smaller are coalesced
 _MAX_IDLE = 32
 
@@ -74,8 +79,10 @@ class SingleNodeTransport:
         self._closed = False
 
     def transaction(self, commands: Sequence[Command], deadline_at: float) -> list[Any]:
+        started = time.monotonic()
         conn = self._acquire()
         clean = False  # every reply read: the connection may be reused as it is
+        server_trouble = True  # the failure, if any, may mean the server went away
         try:
             self._cap(conn, deadline_at)
             conn.send_packed_command(_pack_transaction(commands), check_health=False)
@@ -96,8 +103,12 @@ class SingleNodeTransport:
                 raise
             clean = True
             return list(replies)
+        except RedisTimeoutError:
+            # Out of the caller's time, not the server's: only this connection (replies unread) goes.
+            server_trouble = telling_timeout(time.monotonic() - started, self._socket_timeout)
+            raise
         finally:
-            self._release(conn, clean)
+            self._release(conn, clean, server_trouble)
 
     def close(self) -> None:
         with self._lock:
@@ -117,15 +128,16 @@ class SingleNodeTransport:
             retry=Retry(NoBackoff(), 0),  # the pool retries, within the caller's deadline
         )
 
-    def _release(self, conn: AbstractConnection, clean: bool) -> None:
+    def _release(self, conn: AbstractConnection, clean: bool, server_trouble: bool) -> None:
         stale: list[AbstractConnection] = []
         if not clean:
             # Replies may be left unread on it; and a failure usually means the server went
             # away or restarted, so the idle connections are most likely dead too. Reconnecting
             # lazily costs one handshake; finding each dead one by a failed call costs a retry.
             conn.disconnect()
-            with self._lock:
-                stale, self._idle = self._idle, []
+            if server_trouble:
+                with self._lock:
+                    stale, self._idle = self._idle, []
         with self._lock:
             keep = not self._closed and len(self._idle) < _MAX_IDLE
             if keep:
@@ -145,6 +157,11 @@ class SingleNodeTransport:
         sock = getattr(conn, "_sock", None)
         if sock is not None:
             sock.settimeout(conn.socket_timeout)
+
+
+def telling_timeout(waited_seconds: float, socket_timeout_seconds: float) -> bool:
+    """Whether an attempt that waited this long and timed out says something about the server."""
+    return waited_seconds >= min(socket_timeout_seconds, TELLING_TIMEOUT_SECONDS)
 
 
 def _pack_transaction(commands: Sequence[Command]) -> list[BytesLike]:
