@@ -30,7 +30,7 @@ from kvstore.dataplane.peer import LeaseLapsed, ShmPath
 from kvstore.errors import ConfigError, InvalidInput
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.fixtures.service import CHUNK, TOY, V41, KiB, Service, make_config, payloads, tokens
+from tests.fixtures.service import CHUNK, DENSE, TOY, V41, KiB, Service, make_config, payloads, tokens
 from tests.helpers.waiting import wait_until
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
@@ -417,6 +417,158 @@ def test_a_lapsed_copy_makes_the_client_load_again_over_streams(
     assert _same(kv.load(TOY, prompt).chunks, chunks)
     assert kv.data_path_in_use == "stream"
     assert _same(kv.resume(TOY, prompt).chunks, chunks)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_session_closed_under_another_threads_loads_sends_them_over_streams(
+    make_service: Callable[..., Service], sock_dir: Path, in_place: bool
+) -> None:
+    # An engine shares one client across threads; one thread's failed call closes the session
+    # (a lapsed lease) while others load through it. Once, a copy of chunks read in place went on
+    # reading memory the close had unmapped (the process died of SIGSEGV), and loads whose session
+    # closed mid-call raised (a released view, RESOURCE_EXHAUSTED) instead of going over streams.
+    import threading
+
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_in_place=in_place))
+    kv = unix(svc)
+    cb = svc.chunk_bytes(V41)
+    n = 200  # more than DRAM holds: read in place and copied through the segment alike
+    prompt, chunks = tokens(41, CHUNK * n), payloads(42, n, cb)
+    kv.store(V41, prompt, chunks)
+    want = b"".join(chunks)
+    stop = threading.Event()
+
+    def close_sessions() -> None:
+        while not stop.is_set():
+            shm = kv._shm
+            if shm is not None:
+                kv._shm_failed(shm, "the fault: another thread's lease lapsed")
+            time.sleep(0.002)
+
+    closer = threading.Thread(target=close_sessions)
+    closer.start()
+    failures: list[str] = []
+    try:
+        buf = bytearray(len(want))
+        for i in range(300):
+            try:
+                if i % 3 == 2:
+                    with kv.load_shared(V41, prompt) as got:
+                        ok = b"".join(bytes(c) for c in got.chunks) == want or not got.still_held()
+                else:
+                    ok = kv.load_into(V41, prompt, buf).loaded_chunks == n and bytes(buf) == want
+                if not ok:
+                    failures.append(f"load {i}: wrong bytes")
+            except Exception as e:
+                failures.append(f"load {i}: {type(e).__name__}: {e}")
+    finally:
+        stop.set()
+        closer.join()
+    assert not failures, failures[:5]
+    assert kv.load_into(V41, prompt, buf).loaded_chunks == n and kv.data_path_in_use == "shm"
+
+
+def test_a_session_closed_in_the_middle_of_a_copy_stays_mapped_until_the_copy_is_done(
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The race above, made certain: the session is closed from inside the copy of chunks read in
+    # place. An array over the mapping holds no buffer export to refuse the unmapping: before, the
+    # copy went on reading unmapped memory (SIGSEGV, the whole process gone).
+    import kvstore.dataplane.peer as peer
+
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    kv = unix(svc)
+    cb = svc.chunk_bytes(V41)
+    prompt, chunks = tokens(45, CHUNK * 8), payloads(46, 8, cb)  # in DRAM: read in place
+    kv.store(V41, prompt, chunks)
+    real_copy = peer.copy_rows
+    closed: list[ShmPath] = []
+
+    def copy_then_close(dst: Any, src: Any, threads: int = 1) -> None:
+        if not closed and kv._shm is not None:
+            closed.append(kv._shm)
+            kv._shm_failed(kv._shm, "the fault: closed in the middle of a copy")
+        real_copy(dst, src, threads)
+
+    monkeypatch.setattr(peer, "copy_rows", copy_then_close)
+    buf = bytearray(8 * cb)
+    got = kv.load_into(V41, prompt, buf)
+    assert closed and closed[0].closed, "the copy read chunks in place"
+    assert got.loaded_chunks == 8 and bytes(buf) == b"".join(chunks)
+    assert closed[0]._readers == 0 and not closed[0]._unmap_when_read  # unmapped once the copy was done
+    monkeypatch.setattr(peer, "copy_rows", real_copy)
+    assert kv.load_into(V41, prompt, buf).loaded_chunks == 8 and kv.data_path_in_use == "shm"  # a new session
+
+
+def test_chunks_larger_than_half_the_load_segment_go_over_streams_and_the_session_stays(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # Each such load once failed with INVALID_ARGUMENT ("call without shm_session"), which the
+    # client did not take: a model of 2 MiB chunks could not load at all over the Unix socket.
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_load_segment_bytes=2 << 20, models=[TOY, V41, DENSE]))
+    kv = unix(svc)
+    cb = svc.chunk_bytes(DENSE)
+    assert cb > 1 << 20
+    prompt, chunks = tokens(47, CHUNK * 2), payloads(48, 2, cb)
+    assert kv.store(DENSE, prompt, chunks).stored_chunks == 2
+    with kv.load_shared(DENSE, prompt) as got:
+        assert _same(got.chunks, chunks) and got.path == "stream"
+    buf = bytearray(2 * cb)
+    assert kv.load_into(DENSE, prompt, buf).loaded_chunks == 2 and bytes(buf) == b"".join(chunks)
+    assert _same(kv.load(DENSE, prompt).chunks, chunks)
+    assert _same(kv.resume(DENSE, prompt).chunks, chunks)
+    # The session stays, and another model's chunks still come through it.
+    toy_prompt, toy_chunks = tokens(49, CHUNK * 4), payloads(50, 4, svc.chunk_bytes(TOY))
+    kv.store(TOY, toy_prompt, toy_chunks)
+    with kv.load_shared(TOY, toy_prompt) as got:
+        assert _same(got.chunks, toy_chunks) and got.path == "shm"
+    # A raw call is told why, in words a client can act on.
+    shm = ShmPath.open(str(sock_dir / "kv.sock"), None)
+    stub = pb_grpc.KVCacheStub(grpc.insecure_channel(f"unix://{sock_dir / 'kv.sock'}"))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Load(pb.LoadRequest(model=DENSE, tokens={"u32le": prompt.tobytes()}, shm_session=shm.session_id),
+                       timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "shm_load_segment_bytes" in e.value.details()
+    shm.close()
+
+
+def test_a_load_waiting_for_room_when_its_session_closes_is_told_the_session_is_gone(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # It was told RESOURCE_EXHAUSTED ("the load segment stays full: the session is closed"), which
+    # a client does not take as a reason to go over streams.
+    import threading
+
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_in_place=False))
+    kv = unix(svc)
+    cb = svc.chunk_bytes(V41)
+    prompt = tokens(43, CHUNK * 290)  # two spans of ~2 MiB: all the 4 MiB segment holds
+    kv.store(V41, prompt, payloads(44, 290, cb))
+    shm = ShmPath.open(str(sock_dir / "kv.sock"), None)
+    channel = grpc.insecure_channel(f"unix://{sock_dir / 'kv.sock'}")
+    stub = pb_grpc.KVCacheStub(channel)
+    req = pb.LoadRequest(model=V41, tokens={"u32le": prompt.tobytes()}, shm_session=shm.session_id)
+    held = [r.shm for r in stub.Load(req, timeout=60) if r.WhichOneof("kind") == "shm"]  # leases never released
+    assert held
+    answer: dict[str, Any] = {}
+
+    def load_again() -> None:
+        try:
+            list(stub.Load(req, timeout=60))
+            answer["code"] = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            answer["code"], answer["details"] = e.code(), e.details()
+
+    waiting = threading.Thread(target=load_again)
+    waiting.start()
+    full = [s for s in kv.stats().data_plane.sessions if s.session == shm.session_id[:8]]  # type: ignore[union-attr]
+    assert full and full[0].leases_active >= 2  # two spans fill the 4 MiB segment
+    time.sleep(1.0)  # the second load now waits for room
+    shm.close()
+    waiting.join(60)
+    channel.close()
+    assert answer["code"] == grpc.StatusCode.INVALID_ARGUMENT, answer
+    assert "unknown same-host session" in answer["details"]
 
 
 def test_a_killed_client_releases_its_leases_and_its_segments(

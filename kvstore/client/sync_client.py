@@ -63,6 +63,7 @@ from kvstore.client.types import (
 from kvstore.dataplane import unix_path_of
 from kvstore.dataplane.host_copy import check_copy_threads, default_copy_threads
 from kvstore.dataplane.peer import LeaseLapsed, ShmPath, ShmUnavailable
+from kvstore.dataplane.side_socket import TOO_LARGE_FOR_SESSION, UNKNOWN_SESSION
 from kvstore.errors import InvalidInput, KvstoreError
 from kvstore.layout import EngineModel
 from kvstore.v1 import kvstore_pb2 as pb
@@ -79,7 +80,6 @@ log = logging.getLogger("kvstore.client")
 DATA_PATHS = ("auto", "shm", "stream")
 # After a same-host session could not be opened, streams are used for this long before another try.
 SHM_RETRY_SECONDS = 5.0
-UNKNOWN_SESSION = "unknown same-host session"
 
 
 # --- errors -----------------------------------------------------------------------------------------
@@ -192,6 +192,8 @@ class KvstoreClient:
         self._shm: ShmPath | None = None
         self._shm_lock = threading.Lock()
         self._shm_retry_at = 0.0
+        # Models whose chunks the session's load segment cannot hold: loaded over streams.
+        self._stream_models: set[str] = set()
         self._gpu_memory = gpu_memory
         self.shm_detail = "" if self._unix_path else "the target is not a unix: address"
         self.timeout_seconds = timeout_seconds
@@ -284,6 +286,8 @@ class KvstoreClient:
                 self._shm_failed(shm, str(e))
             except UnknownSession:
                 self._shm_failed(shm, "the service no longer knows the session")
+            except StreamThisCall:
+                pass  # the session stays; this call's chunks do not fit it
         return via_stream()
 
     def _shm_failed(self, shm: ShmPath, why: str) -> None:
@@ -357,6 +361,10 @@ class KvstoreClient:
         try:
             for span in r.held:
                 spans.add(span, "Lookup")
+        except LeaseLapsed as e:  # the session closed under the call: the answer holds, the chunks do not
+            spans.release()
+            self._shm_failed(shm, str(e))
+            return HeldLookup(result)
         except BaseException:
             spans.release()
             raise
@@ -388,7 +396,11 @@ class KvstoreClient:
                     span = pb.ShmSpan.FromString(raw)
                 except DecodeError:
                     raise InvalidInput("a held span is not a ShmSpan") from None
-                got.add(span, "Lookup")
+                try:
+                    got.add(span, "Lookup")
+                except LeaseLapsed as e:  # the session closed meanwhile: its held chunks are gone
+                    self._shm_failed(shm, str(e))
+                    raise UnavailableError(grpc.StatusCode.UNAVAILABLE, str(e), "read_held") from None
             yield got.shared(chunk_tokens, chunk_bytes)
         finally:
             got.release()
@@ -541,7 +553,7 @@ class KvstoreClient:
                 scatter(got.chunks)
                 ok = got.still_held()   # False: a lease lapsed meanwhile; do not trust the copy
         """
-        shm = self._shm_path()
+        shm = self._shm_path() if model not in self._stream_models else None
         if shm is None:
             yield self._streamed_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
             return
@@ -555,9 +567,17 @@ class KvstoreClient:
                 for msg in stream:
                     spans.add(_span(msg, "Load"), "Load")
             except grpc.RpcError as e:
-                if not _session_gone(e):
+                if _too_large(e):
+                    self._stream_models.add(model)
+                elif not _session_gone(e):
                     raise _failure(e, "Load") from None
-                self._shm_failed(shm, "the service no longer knows the session")
+                else:
+                    self._shm_failed(shm, "the service no longer knows the session")
+                yield self._streamed_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
+                return
+            except LeaseLapsed as e:  # the session closed under the call (another thread's failure)
+                stream.cancel()
+                self._shm_failed(shm, str(e))
                 yield self._streamed_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
                 return
             yield spans.shared(head.chunk_tokens, head.chunk_bytes)
@@ -612,7 +632,7 @@ class KvstoreClient:
         """One Load call written into `buffer_for(the hit's bytes)`: through the same-host session
         when there is one (falling back to a stream if the session fails), else streamed (into
         `stream_buffer_for(...)` where given: host memory for a GPU destination)."""
-        shm = self._shm_path()
+        shm = self._shm_path() if req.model not in self._stream_models else None
         if shm is not None:
             req.shm_session = shm.session_id
             try:
@@ -620,9 +640,12 @@ class KvstoreClient:
             except LeaseLapsed as e:
                 self._shm_failed(shm, str(e))
             except grpc.RpcError as e:
-                if not _session_gone(e):
+                if _too_large(e):
+                    self._stream_models.add(req.model)
+                elif not _session_gone(e):
                     raise
-                self._shm_failed(shm, "the service no longer knows the session")
+                else:
+                    self._shm_failed(shm, "the service no longer knows the session")
             finally:
                 req.shm_session = ""
         return self._load_into_stream(req, timeout, stream_buffer_for or buffer_for)
@@ -762,8 +785,8 @@ class KvstoreClient:
             named.MergeFrom(req)
             return self._resume_call(named, timeout, metadata, rid, shm)
 
-        return self._shm_or_stream(None if skip_chunks else self._shm_path(), via_shm,
-                                   lambda: self._resume_call(req, timeout, metadata, rid, None))
+        shm = None if skip_chunks or model in self._stream_models else self._shm_path()
+        return self._shm_or_stream(shm, via_shm, lambda: self._resume_call(req, timeout, metadata, rid, None))
 
     def _resume_call(self, req: pb.ResumeRequest, timeout: float, metadata: tuple[tuple[str, str], ...], rid: str,
                      shm: ShmPath | None) -> ResumeResult:
@@ -801,6 +824,9 @@ class KvstoreClient:
         except grpc.RpcError as e:
             if shm is not None and _session_gone(e):
                 raise UnknownSession() from None
+            if shm is not None and _too_large(e):
+                self._stream_models.add(req.model)
+                raise StreamThisCall() from None
             raise _failure(e, "Resume") from None
         if trailer is None:
             raise ServerError(grpc.StatusCode.UNKNOWN, "the Resume stream ended without its trailer", "Resume")
@@ -1003,6 +1029,10 @@ class UnknownSession(Exception):
     """The service does not know the call's same-host session (any more)."""
 
 
+class StreamThisCall(Exception):
+    """The call's chunks do not fit the same-host session: it goes over streams, the session stays."""
+
+
 def _span(msg: Streamed, method: str) -> pb.ShmSpan:
     if not isinstance(msg.value, pb.ShmSpan):
         raise ServerError(grpc.StatusCode.UNKNOWN, f"the {method} stream sent a '{msg.kind}' message where a "
@@ -1118,6 +1148,13 @@ def _check_offsets(span: pb.ShmSpan) -> None:
     if len(span.chunk_offsets) != span.num_chunks:
         raise ServerError(grpc.StatusCode.UNKNOWN, f"a span of {span.num_chunks} chunks has "
                           f"{len(span.chunk_offsets)} chunk offsets", "Load")
+
+
+def _too_large(e: grpc.RpcError) -> bool:
+    """The service answered that the call's chunks do not fit the same-host session's segment."""
+    code = e.code() if hasattr(e, "code") else None
+    return code == grpc.StatusCode.INVALID_ARGUMENT and TOO_LARGE_FOR_SESSION in ((e.details() or "") if hasattr(
+        e, "details") else "")
 
 
 def _session_gone(e: grpc.RpcError) -> bool:

@@ -17,11 +17,13 @@ too); both import torch, and the client imports them only when a session offers 
 service's listener lives in `kvstore.service.shm_listener`.
 """
 
-from kvstore.dataplane.leases import Lease, LeaseTable, NoRoom
-from kvstore.dataplane.peer import LeaseLapsed, ShmPath, ShmUnavailable
+from kvstore.dataplane.leases import Lease, LeaseTable, NoRoom, TableClosed
+from kvstore.dataplane.peer import LeaseLapsed, SessionClosed, ShmPath, ShmUnavailable
 from kvstore.dataplane.segments import Segment, map_segment, sealing_available
 from kvstore.dataplane.side_socket import (
     HELLO_VERSION,
+    TOO_LARGE_FOR_SESSION,
+    UNKNOWN_SESSION,
     FrameReader,
     SideSocketClosed,
     data_socket_path,
@@ -33,15 +35,19 @@ from kvstore.dataplane.spans import check_span
 
 __all__ = [
     "HELLO_VERSION",
+    "TOO_LARGE_FOR_SESSION",
+    "UNKNOWN_SESSION",
     "FrameReader",
     "Lease",
     "LeaseLapsed",
     "LeaseTable",
     "NoRoom",
     "Segment",
+    "SessionClosed",
     "ShmPath",
     "ShmUnavailable",
     "SideSocketClosed",
+    "TableClosed",
     "check_span",
     "data_socket_path",
     "map_segment",

@@ -27,6 +27,10 @@ class NoRoom(Exception):
     """No span of the size asked for came free within the wait."""
 
 
+class TableClosed(NoRoom):
+    """The table's session is closed: no lease will ever be granted."""
+
+
 @dataclass(frozen=True)
 class Lease:
     lease_id: int
@@ -67,7 +71,8 @@ class LeaseTable:
 
     def grant(self, nbytes: int, wait_seconds: float, still_wanted: Callable[[], bool] = lambda: True) -> Lease:
         """A lease on `nbytes` of free space; waits up to `wait_seconds` for room (checking
-        `still_wanted` as it waits). Raises NoRoom, or ValueError for a size the segment can never hold."""
+        `still_wanted` as it waits). Raises NoRoom (TableClosed once closed), or ValueError for a
+        size the segment can never hold."""
         if not 0 < nbytes <= self.segment_bytes:
             raise ValueError(f"a span of {nbytes} bytes does not fit a {self.segment_bytes}-byte segment")
         size = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
@@ -78,7 +83,7 @@ class LeaseTable:
             with self._cond:
                 while True:
                     if self._closed:
-                        raise NoRoom("the session is closed")
+                        raise TableClosed("the session is closed")
                     at = self._take(size)
                     if at is None:
                         expired, ends = self._expire_locked()
@@ -99,10 +104,10 @@ class LeaseTable:
 
     def hold(self, on_end: Callable[[], None]) -> Lease:
         """A lease on no space, for something kept for the client until the lease ends; `on_end`
-        is then called (outside the table's lock). Raises NoRoom once the table is closed."""
+        is then called (outside the table's lock). Raises TableClosed once the table is closed."""
         with self._cond:
             if self._closed:
-                raise NoRoom("the session is closed")
+                raise TableClosed("the session is closed")
             lease = self._record(0, 0)
             self._on_end[lease.lease_id] = on_end
             return lease

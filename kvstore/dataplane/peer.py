@@ -64,6 +64,11 @@ class LeaseLapsed(Exception):
     """A span was copied after its lease ran out: the bytes cannot be trusted."""
 
 
+class SessionClosed(LeaseLapsed):
+    """The session was closed (by another thread of the client, or the service) while a call
+    used it: what it read cannot be trusted, and the call goes over streams as for a lapsed lease."""
+
+
 class ShmPath:
     def __init__(self, sock: socket.socket, reply: dict, fds: list[int], sent_at: float) -> None:
         self._sock = sock
@@ -110,6 +115,11 @@ class ShmPath:
         # Threads a large copy out of the segments uses (the client sets its own choice).
         self.copy_threads = default_copy_threads()
         self.closed = False
+        # Copies reading the mappings now: a close on another thread leaves the unmapping to the
+        # last of them (an array over a mapping holds no buffer export that would refuse it).
+        self._readers = 0
+        self._readers_lock = threading.Lock()
+        self._unmap_when_read = False
 
     @classmethod
     def open(cls, grpc_socket_path: str, token: str | None, kind: str = "client", cuda: bool | None = None) -> ShmPath:
@@ -160,10 +170,35 @@ class ShmPath:
             raise GpuMemoryUnavailable(f"the service's GPU memory could not be opened: {e}") from None
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        with self._readers_lock:
+            if self.closed:
+                return
+            self.closed = True
+            reading = self._readers > 0
+            self._unmap_when_read = reading
         self._sock.close()  # the service drops the session and its leases on this
+        if not reading:
+            self._unmap()
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """While a copy reads the mappings: they stay mapped. Raises SessionClosed once closed."""
+        with self._readers_lock:
+            if self.closed:
+                raise SessionClosed("the same-host session was closed while a call used it")
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._readers_lock:
+                self._readers -= 1
+                unmap = self._readers == 0 and self._unmap_when_read
+                if unmap:
+                    self._unmap_when_read = False
+            if unmap:
+                self._unmap()
+
+    def _unmap(self) -> None:
         for seg in self.device_arenas.values():
             with contextlib.suppress(RuntimeError):
                 seg.close()
@@ -199,7 +234,8 @@ class ShmPath:
     def span(self, offset: int, nbytes: int) -> memoryview:
         """The load segment's bytes [offset, offset + nbytes), checked to lie inside it."""
         check_span(offset, nbytes, self.load_bytes, "a load span")
-        return self.load_view[offset : offset + nbytes]
+        with self._reading():  # the view taken holds the mapping
+            return self.load_view[offset : offset + nbytes]
 
     def in_place(self, tier: str, offset: int, nbytes: int) -> memoryview:
         """Bytes [offset, offset + nbytes) of the memory of `tier` the hello mapped, checked to lie
@@ -208,13 +244,16 @@ class ShmPath:
         if seg is not None:
             check_span(offset, nbytes, seg.nbytes, f"a chunk in the {tier} tier's GPU memory")
             out = memoryview(bytearray(nbytes))
-            self._copy_device(seg, np.array([offset], np.int64), nbytes, out)
+            with self._reading():
+                self._copy_device(seg, np.array([offset], np.int64), nbytes, out)
             return out.toreadonly()
-        view = self.arena_views.get(tier)
-        if view is None:
-            raise InvalidInput(f"a span names the {tier or 'unnamed'} tier's memory, which this session has not mapped")
-        check_span(offset, nbytes, len(view), f"a chunk in the {tier} tier's memory")
-        return view[offset : offset + nbytes]
+        with self._reading():  # the view taken holds the mapping
+            view = self.arena_views.get(tier)
+            if view is None:
+                raise InvalidInput(f"a span names the {tier or 'unnamed'} tier's memory, which this session has "
+                                   "not mapped")
+            check_span(offset, nbytes, len(view), f"a chunk in the {tier} tier's memory")
+            return view[offset : offset + nbytes]
 
     def in_place_runs(self, tier: str, offsets: Sequence[int], chunk_bytes: int) -> list[memoryview]:
         """The chunks at `offsets` of `tier`'s memory, in order, as views of runs of chunks that
@@ -222,15 +261,20 @@ class ShmPath:
         array pass. Of GPU memory, host copies (see `in_place`)."""
         offs = np.asarray(offsets, dtype=np.int64)
         runs = back_to_back(offs, chunk_bytes)
-        view = self.arena_views.get(tier)
-        if tier in self.device_arenas or view is None:
-            return [self.in_place(tier, off, n * chunk_bytes) for off, n in runs]
-        check_chunks(offs, chunk_bytes, len(view), f"a chunk in the {tier} tier's memory")
-        return [view[off : off + n * chunk_bytes] for off, n in runs]
+        with self._reading():  # the views taken hold the mapping
+            view = self.arena_views.get(tier)
+            if tier in self.device_arenas or view is None:
+                return [self.in_place(tier, off, n * chunk_bytes) for off, n in runs]
+            check_chunks(offs, chunk_bytes, len(view), f"a chunk in the {tier} tier's memory")
+            return [view[off : off + n * chunk_bytes] for off, n in runs]
 
     def copy_out(self, sources: list[memoryview], dst: Any, expires_at: float) -> None:
         """Copy leased bytes (`sources`, one after another) into `dst` (host bytes, or a 1-D uint8
         tensor on a GPU); raises LeaseLapsed if the lease ran out before the copy was done."""
+        with self._reading():
+            self._copy_out(sources, dst, expires_at)
+
+    def _copy_out(self, sources: list[memoryview], dst: Any, expires_at: float) -> None:
         if not isinstance(dst, memoryview):
             from kvstore.dataplane.rows import host_to_tensor
 
@@ -257,15 +301,23 @@ class ShmPath:
         the mapping; raises LeaseLapsed if the lease ran out before the copy was done. Chunks an
         equal stride apart go as one strided copy, which lets go of the GIL: no Python step per
         chunk. From the device tier's GPU memory, device to device (or to host memory)."""
-        seg = self.device_arenas.get(tier)
-        view = self.arena_views.get(tier)
-        if view is None and seg is None:
-            raise InvalidInput(f"a span names the {tier or 'unnamed'} tier's memory, which this session has not mapped")
         offs = np.asarray(offsets, dtype=np.int64)
         if len(dst) != len(offs) * chunk_bytes:
             raise ValueError(f"a destination of {len(dst)} bytes for {len(offs)} chunks of {chunk_bytes}")
-        check_chunks(offs, chunk_bytes, seg.nbytes if seg is not None else len(view or b""),
-                     f"a chunk in the {tier} tier's memory")
+        with self._reading():
+            seg = self.device_arenas.get(tier)
+            view = self.arena_views.get(tier)
+            if view is None and seg is None:
+                raise InvalidInput(f"a span names the {tier or 'unnamed'} tier's memory, which this session has "
+                                   "not mapped")
+            check_chunks(offs, chunk_bytes, seg.nbytes if seg is not None else len(view or b""),
+                         f"a chunk in the {tier} tier's memory")
+            self._copy_chunks(seg, view, offs, chunk_bytes, dst)
+        if not self.lease_valid(expires_at):
+            raise LeaseLapsed(f"a lease ran out before its {len(dst)} bytes were copied")
+
+    def _copy_chunks(self, seg: OpenedSegment | None, view: memoryview | None, offs: np.ndarray, chunk_bytes: int,
+                     dst: Any) -> None:
         if seg is not None:
             self._copy_device(seg, offs, chunk_bytes, dst)
         elif not isinstance(dst, memoryview):
@@ -277,8 +329,6 @@ class ShmPath:
             for first, count, offset, stride in strided_runs(offs, chunk_bytes):
                 src = np.ndarray((count, chunk_bytes), np.uint8, buffer=view, offset=offset, strides=(stride, 1))
                 copy_rows(out[first : first + count], src, self.copy_threads)
-        if not self.lease_valid(expires_at):
-            raise LeaseLapsed(f"a lease ran out before its {len(dst)} bytes were copied")
 
     @staticmethod
     def _copy_device(seg: OpenedSegment, offs: np.ndarray, chunk_bytes: int, dst: Any) -> None:

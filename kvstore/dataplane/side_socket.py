@@ -17,6 +17,12 @@ import struct
 from typing import Any
 
 HELLO_VERSION = 1
+# How a call's answer names a session the service does not know (any more): the client, seeing it,
+# drops the session and makes the call again over byte streams.
+UNKNOWN_SESSION = "unknown same-host session"
+# How it names chunks too large for the session's load segment: the client makes that call over
+# byte streams (and that model's later ones), keeping the session.
+TOO_LARGE_FOR_SESSION = "chunks too large for the same-host session"
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_FDS = 4
 SUFFIX = ".shm"

@@ -34,7 +34,7 @@ from kvstore.layout import EngineLayerGroup, EngineModel
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.pricing import facts_for_lookup, local_status, price
 from kvstore.service.servicer_local import LocalStateCalls
-from kvstore.service.shm_calls import PathCounts, load_spans, store_span_data
+from kvstore.service.shm_calls import PathCounts, check_chunks_fit, load_spans, store_span_data
 from kvstore.service.shm_listener import ShmSession, ShmSessions
 from kvstore.store import CommitResult, LoadSession, PrefixHit
 from kvstore.v1 import kvstore_pb2 as pb
@@ -233,7 +233,7 @@ class KVCacheServicer(LocalStateCalls):
         with self.guard.enter(context, "Load", streaming=True) as call:
             req = accept(request, pb.LoadRequest)
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt)
-            shm = self.shm_session(call, req.shm_session)
+            shm = self.shm_session(call, req.shm_session, res.layout.chunk_bytes)
             with self.app.store.load(res.ns, res.tokens, req.max_chunks or None) as session:
                 n = len(session)
                 yield pb.LoadResponse(header=pb.LoadHeader(
@@ -313,9 +313,9 @@ class KVCacheServicer(LocalStateCalls):
                 yield encode_chunk_piece(i, span.offset, [TIER_TO_PB[tier]] if span.offset == 0 else [],
                                          chunk[span.offset : span.offset + span.nbytes])
 
-    def shm_session(self, call: CallState, session_id: str) -> ShmSession | None:
+    def shm_session(self, call: CallState, session_id: str, load_chunk_bytes: int = 0) -> ShmSession | None:
         """The same-host session a Load, LoadLocal, Resume or Store names (None: byte streams),
-        counted by path for Stats."""
+        counted by path for Stats; for a load of chunks of `load_chunk_bytes`, one they fit."""
         if not session_id:
             self.paths.count(call.tenant, "stream")
             call.data_path = "stream"
@@ -324,6 +324,7 @@ class KVCacheServicer(LocalStateCalls):
             raise InvalidInput("this service offers no same-host sessions (service.unix_socket_path is unset, "
                                "or shm_enabled is off): call without shm_session")
         s = self.shm.session(session_id, call.tenant)
+        check_chunks_fit(s, load_chunk_bytes)
         self.paths.count(call.tenant, "shm")
         call.data_path = "shm"
         return s

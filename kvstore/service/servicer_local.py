@@ -59,7 +59,7 @@ class LocalStateCalls:
     ) -> Iterator[bytes]:
         raise NotImplementedError
 
-    def shm_session(self, call: CallState, session_id: str) -> ShmSession | None:
+    def shm_session(self, call: CallState, session_id: str, load_chunk_bytes: int = 0) -> ShmSession | None:
         raise NotImplementedError
 
     def shm_spans(
@@ -192,7 +192,7 @@ class LocalStateCalls:
         self, call: CallState, req: pb.ResumeRequest, res: Resolved, context: grpc.ServicerContext
     ) -> Iterator[pb.ResumeResponse | bytes]:
         store = self.app.store
-        shm = self.shm_session(call, req.shm_session) if not req.skip_chunks else None
+        shm = self.shm_session(call, req.shm_session, res.layout.chunk_bytes) if not req.skip_chunks else None
         # One walk of the prefix: the load session carries the lookup that chose its chunks, so
         # the prefix is hashed (and counted in the store's statistics) once per Resume.
         session = None if req.skip_chunks else store.load(res.ns, res.tokens, req.max_chunks or None)

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvstore.dataplane import Lease, NoRoom, check_span
+from kvstore.dataplane import TOO_LARGE_FOR_SESSION, UNKNOWN_SESSION, Lease, NoRoom, TableClosed, check_span
 from kvstore.errors import InvalidInput, ResourceExhausted
 from kvstore.service.shm_listener import ShmSession
 from kvstore.store import InPlaceRun, LoadSession
@@ -39,6 +39,8 @@ IN_PLACE_SPAN_BYTES = 32 << 20
 # tenant's chunks until they lapse): beyond it, loads are copied into its segment, which bounds them.
 MAX_IN_PLACE_HOLDS = 1024
 PATHS = ("shm", "stream")
+# Named as an unknown session is, so that a client falls back to byte streams.
+_CLOSED_DURING_CALL = f"{UNKNOWN_SESSION} (it closed during the call): call again without shm_session"
 T = TypeVar("T")
 
 
@@ -87,7 +89,7 @@ def _in_place_span(session: LoadSession, shm: ShmSession, run: InPlaceRun, first
         lease = shm.leases.hold(lambda: session.unpin(run.pin))
     except NoRoom:
         session.unpin(run.pin)
-        raise InvalidInput("the same-host session closed during the call") from None
+        raise InvalidInput(_CLOSED_DURING_CALL) from None
     k = len(run.offsets)
     tiers_out.extend([run.tier] * k)
     shm.loaded_bytes += k * chunk_bytes
@@ -147,12 +149,18 @@ def _filled(shm: ShmSession, count: int, part_bytes: int, wait_seconds: float, s
             view.release()
 
 
+def check_chunks_fit(shm: ShmSession, chunk_bytes: int) -> None:
+    """Refuses, before a load starts, chunks larger than half the session's load segment."""
+    if chunk_bytes > shm.load.nbytes // 2:
+        raise InvalidInput(f"{TOO_LARGE_FOR_SESSION}: a {chunk_bytes}-byte chunk does not fit half the session's "
+                           f"{shm.load.nbytes}-byte load segment: call without shm_session (clients do so by "
+                           "themselves), or raise service.shm_load_segment_bytes")
+
+
 def chunks_per_span(shm: ShmSession, chunk_bytes: int) -> int:
     """Whole chunks per span: about SPAN_BYTES, and never more than half the segment, so that
     one span can be filled while the peer reads the other."""
-    if chunk_bytes > shm.load.nbytes // 2:
-        raise InvalidInput(f"a {chunk_bytes}-byte chunk does not fit half the session's {shm.load.nbytes}-byte "
-                           "load segment: call without shm_session (or raise service.shm_load_segment_bytes)")
+    check_chunks_fit(shm, chunk_bytes)
     return max(1, min(SPAN_BYTES, shm.load.nbytes // 2) // chunk_bytes)
 
 
@@ -160,13 +168,15 @@ def _leased(shm: ShmSession, nbytes: int, wait_seconds: float,
             still_wanted: Callable[[], bool]) -> tuple[Lease, memoryview]:
     try:
         lease = shm.leases.grant(nbytes, wait_seconds, still_wanted)
+    except TableClosed:
+        raise InvalidInput(_CLOSED_DURING_CALL) from None
     except NoRoom as e:
         raise ResourceExhausted(f"the same-host session's load segment stays full: {e}; release leases "
                                 "sooner, or raise service.shm_load_segment_bytes") from None
     try:
         return lease, shm.load.view[lease.offset : lease.offset + nbytes]
     except ValueError:  # the segment was unmapped: the peer closed its session meanwhile
-        raise InvalidInput("the same-host session closed during the call") from None
+        raise InvalidInput(_CLOSED_DURING_CALL) from None
 
 
 def store_snapshot_data(shm: ShmSession, span: pb.ShmSpan, snapshot_bytes: int, what: str = "the StoreLocal span",
@@ -194,7 +204,7 @@ def _stored(shm: ShmSession, offset: int, nbytes: int, what: str) -> memoryview:
     try:
         data = shm.store.view[offset : offset + nbytes]
     except ValueError:
-        raise InvalidInput("the same-host session closed while its bytes were read") from None
+        raise InvalidInput(_CLOSED_DURING_CALL) from None
     shm.stored_bytes += nbytes
     return data
 

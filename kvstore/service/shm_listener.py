@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 from kvstore.config import ServiceConfig
 from kvstore.dataplane import (
     HELLO_VERSION,
+    UNKNOWN_SESSION,
     FrameReader,
     LeaseTable,
     Segment,
@@ -168,7 +169,7 @@ class ShmSessions:
         with self._lock:
             s = self._sessions.get(session_id)
         if s is None or s.closed or s.kind != kind or s.tenant != tenant:
-            raise InvalidInput("unknown same-host session (closed, or not this caller's): reconnect, or call "
+            raise InvalidInput(f"{UNKNOWN_SESSION} (closed, or not this caller's): reconnect, or call "
                                "without shm_session to use byte streams")
         return s
 
