@@ -354,6 +354,7 @@ class ReplayCoordinator:
                         len(snapshot), layout.local_snapshot_bytes)
             self._bump("failures")
             return ReplayOutcome(None, 0, FAILED)
+        put = None
         if self.pool is not None:
             left = max(0.001, budget - (self._clock() - start))
             put = self.pool.put(ns.digest, boundary_key, ns.tenant, ns.layout_id, hit, snapshot, left)
@@ -363,7 +364,7 @@ class ReplayCoordinator:
             self._c.bump("replays_ok")
             self._c.bump("replay_tokens", plan.tokens)
             self._c.replay_seconds += max(0.0, self._clock() - start)
-        return ReplayOutcome(snapshot, plan.tokens, REPLAYED)
+        return ReplayOutcome(snapshot, plan.tokens, REPLAYED, put=put)
 
     def _run(self, job: ReplayJob, start: float, budget: float) -> ReplayResult | None:
         """The job's result from the first runner that serves it (None: the deadline passed),

@@ -27,7 +27,7 @@ import numpy as np
 from kvstore.config.replay import ReplayConfig
 from kvstore.keys.chunk_keys import Namespace
 from kvstore.layout import ModelSpec
-from kvstore.local_pool.base import LocalPool
+from kvstore.local_pool.base import LocalPool, PutResult
 from kvstore.store import GlobalStore
 from replay.registry import RunnerRegistry
 
@@ -47,6 +47,14 @@ class ReplayOutcome:
     # True: this caller was handed another caller's replay (coalesced: one in flight, or one that
     # finished moments ago), so no replay ran for it. Metrics count replays run, not callers served.
     shared: bool = False
+    # The pool write of the rebuilt snapshot by this caller's replay (None: none was tried: no
+    # pool, no snapshot, or another caller's replay). Its TTL is what the pool really applied.
+    put: PutResult | None = None
+
+    @property
+    def stored_ttl(self) -> float | None:
+        """The TTL the pool gave the snapshot this replay wrote; None when it wrote none."""
+        return self.put.ttl_seconds if self.put is not None and self.put.written else None
 
 
 @dataclass(frozen=True, eq=False)

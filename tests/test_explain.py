@@ -13,6 +13,7 @@ import pytest
 
 from kvstore.cli import main
 from kvstore.keys.chunk_keys import Namespace, chain_keys, chunk_token_bytes
+from kvstore.local_pool.redis_process import RedisProcess
 from kvstore.observe.explainer import (
     MAX_RUNS,
     Explainer,
@@ -22,6 +23,7 @@ from kvstore.observe.explainer import (
 from kvstore.observe.records import LookupFacts, ReplaySummary, RequestRecord, lookup_facts
 from kvstore.wire.bills import price
 from kvstore.wire.request_ids import REQUEST_ID_RE, new_request_id, request_id_from
+from tests.helpers.waiting import wait_until
 from tests.test_admin_workload import CHUNK, FakeClock, Rig
 
 LAYOUT_ID = b"\x01" * 8
@@ -394,6 +396,85 @@ def test_through_the_real_service(tmp_path: Path) -> None:
         assert r.metric("kvstore_local_misses_total", reason="ttl_expired") == 1
     finally:
         r.stop()
+
+
+def test_a_replayed_snapshot_is_noted_with_the_ttl_the_pool_gave_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_server: RedisProcess) -> None:
+    """The real coordinator stores a replayed snapshot in Redis under the tenant's TTL override
+    (1 s, not the base 300 s): when Redis has dropped it, that is an expiry, not an eviction (Redis
+    only answers "absent"; the explainer judges by the TTL it was told). And a replay whose pool
+    write was skipped stored nothing: its next return finds the state never stored."""
+    import urllib.request
+    from dataclasses import replace
+
+    from kvstore.client.sync_client import KvstoreClient
+    from kvstore.config import LocalPoolConfig, TtlPolicyConfig
+    from kvstore.local_pool.base import PutResult
+    from kvstore.service.app import build_app
+    from kvstore.service.server import KvstoreServer
+    from replay.coordinator import ReplayCoordinator
+    from replay.port import ReplayParts
+    from replay.runner import JobHandle, ReplayJob, ReplayResult, resolved
+    from tests.test_metrics_service import MODEL, Running, config, prompt, store
+
+    class InstantRunner:
+        name = "instant"
+
+        def __init__(self, size: int) -> None:
+            self.size = size
+
+        def serves(self, model: str, tenant: str) -> bool:
+            return True
+
+        def submit(self, job: ReplayJob) -> JobHandle:
+            return resolved(ReplayResult(bytes(self.size), "", self.name))
+
+        def pending(self) -> int:
+            return 0
+
+        def close(self) -> None:
+            pass
+
+    def coordinator(parts: ReplayParts) -> ReplayCoordinator:
+        size = parts.store.layout(parts.store.namespace("default", MODEL, "bounded")).local_snapshot_bytes
+        return ReplayCoordinator(parts.store, parts.local_pool, [InstantRunner(size)], parts.config, parts.clock)
+
+    ttl = TtlPolicyConfig(kind="fixed", ttl_seconds=300.0, tenant_ttl_seconds={"default": 1.0})
+    # The app's own (real) clock: Redis expires keys by it.
+    app = build_app(replace(config(), local_pool=LocalPoolConfig(url=redis_server.url, ttl=ttl)), tmp_path,
+                    coordinator_factory=coordinator)
+    server = KvstoreServer(app, "127.0.0.1", 0, 0).start()
+    r = Running(app, server, KvstoreClient(f"127.0.0.1:{server.port}", timeout_seconds=20), FakeClock())
+    redis = redis_server.client()
+    try:
+        toks = prompt(5, 3, extra=0)
+        store(r, toks, local=False)
+        assert r.client.resume(MODEL, toks).local_state == "replayed"  # stored by the replay, for 1 s
+        wait_until(lambda: not redis.keys("kvs:*"))  # expired
+        assert r.client.resume(MODEL, toks).local_state == "replayed"
+        app.flush_observers()
+        assert r.metric("kvstore_local_misses_total", reason="ttl_expired") == 1
+        assert r.metric("kvstore_local_misses_total", reason="evicted") == 0
+        assert server.admin is not None
+        base = f"http://127.0.0.1:{server.admin.port}"
+        recent = json.load(urllib.request.urlopen(base + "/api/stats", timeout=10))["recent_requests"]
+        rid = next(q["request_id"] for q in recent if q["method"] == "resume")  # the newest first
+        doc = json.load(urllib.request.urlopen(f"{base}/api/explain/{rid}", timeout=10))
+        assert doc["local"]["reason"] == "ttl_expired" and "TTL of 1 s" in doc["local"]["detail"], doc["local"]
+
+        other = prompt(6, 3, extra=0)
+        store(r, other, local=False)
+        assert app.local_pool is not None
+        monkeypatch.setattr(app.local_pool, "put", lambda *a, **k: PutResult.skipped("error"))  # fault
+        assert r.client.resume(MODEL, other).local_state == "replayed"  # the caller still gets the snapshot
+        monkeypatch.undo()
+        assert r.client.resume(MODEL, other).local_state == "replayed"
+        app.flush_observers()
+        assert r.metric("kvstore_local_misses_total", reason="evicted") == 0
+        assert r.metric("kvstore_local_misses_total", reason="never_stored") == 3
+    finally:
+        r.stop()
+        redis.close()
 
 
 def test_request_ids_are_fresh_in_a_forked_process() -> None:

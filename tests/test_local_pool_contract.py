@@ -320,6 +320,43 @@ def test_missing_part_is_an_incomplete_miss(redis_backend: Backend) -> None:
     assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "incomplete"
 
 
+@pytest.mark.parametrize("damage", ["incomplete", "corrupt"])
+def test_a_snapshot_written_after_a_bad_read_is_not_removed(
+        redis_backend: Backend, damage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reader finds the snapshot incomplete (or corrupt) and cleans it up; another instance's
+    # write of a whole new snapshot lands between the read and the clean-up. Fault injected: the
+    # reader's transport runs that write just before the reader's next command after its reads.
+    reader = redis_backend.pool(redis_backend.policy(30))
+    writer = redis_backend.pool(redis_backend.policy(30))
+    new = _payload(V41_SNAPSHOT_BYTES, 2)
+    assert writer.put(_ns(), _bk(), TENANT, LAYOUT, 128, _payload(V41_SNAPSHOT_BYTES, 1)).written
+    key = snapshot_key_base("kvs", _ns(), _bk()) + b"3"
+    c = redis_backend.client_for(key)
+    if damage == "incomplete":
+        c.delete(key)
+    else:
+        c.setrange(key, 100, b"\xff\xfe")
+    transport = reader._transport  # type: ignore[attr-defined]
+    real = transport.transaction
+    raced: list[bool] = []
+
+    def racing(cmds: list[tuple[object, ...]], deadline_at: float) -> list[object]:
+        if cmds[0][0] != "GET" and not raced:
+            raced.append(writer.put(_ns(), _bk(), TENANT, LAYOUT, 128, new).written)
+        return real(cmds, deadline_at)
+
+    monkeypatch.setattr(transport, "transaction", racing)
+    assert reader.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == damage
+    assert raced == [True], "the reader never cleaned up"
+    monkeypatch.undo()
+    got = reader.get(_ns(), _bk(), TENANT, LAYOUT)
+    assert got.hit and got.payload is not None and bytes(got.payload) == new
+    # Without a concurrent write, the bad snapshot is still removed.
+    c.delete(key)
+    assert reader.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "incomplete"
+    assert redis_backend.pttls() == {}
+
+
 def test_part_from_another_write_is_corrupt(redis_backend: Backend) -> None:
     pool = redis_backend.pool(redis_backend.policy(30))
     data = os.urandom(V41_SNAPSHOT_BYTES)

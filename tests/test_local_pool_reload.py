@@ -162,3 +162,54 @@ def test_hot_reload_changes_ttl_of_new_writes_only(
     finally:
         r.stop()
         pool.close()
+
+
+def test_a_restart_only_change_does_not_reach_the_callback(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "kvstore.toml"
+    _write(path, _toml(300))
+    rec = Recorder()
+    r = _reloader(path, rec)
+    _write(path, _toml(300, extra="socket_timeout_seconds = 0.3"))
+    with caplog.at_level(logging.WARNING, logger="kvstore.local_pool.reload"):
+        assert r.reload_now()
+    assert "socket_timeout_seconds" in caplog.text and "restart" in caplog.text
+    assert rec.seen == [], "nothing to apply: the TTL policy must not be rebuilt"
+    assert r.current.socket_timeout_seconds == 0.3  # noted once, not warned about again
+    _write(path, _toml(60, extra="socket_timeout_seconds = 0.3"))
+    assert r.reload_now() and [c.ttl.ttl_seconds for c in rec.seen] == [60]
+
+
+def test_the_service_keeps_what_its_adaptive_policy_learnt_across_a_restart_only_change(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from kvstore.service.app import build_app
+    from tests.fixtures.service import TOY, base_table, to_toml
+
+    ttl = {"kind": "adaptive", "ttl_seconds": 300.0, "min_ttl_seconds": 5.0, "max_ttl_seconds": 3600.0,
+           "hold_cost_per_byte_second": 1e-6, "adaptive_min_samples": 4, "adaptive_window_samples": 64}
+    table = base_table(local_pool={"capacity_bytes": 1 << 20, "ttl": ttl}, service={"models": [TOY]})
+    path = tmp_path / "kvstore.toml"
+    _write(path, to_toml(table))
+    cfg = load_config(path)
+    app = build_app(cfg, tmp_path / "data", coordinator_factory=None)
+    try:
+        policy = app.ttl_policy
+        assert policy is not None
+        for _ in range(40):  # sessions that come back after 20 s
+            policy.ttl_for_write("default", 1000, 0.0)
+            policy.observe_return("default", 20.0)
+        learnt = policy.ttl_for_tenant("default")  # type: ignore[attr-defined]
+        assert learnt < 300
+        r = ConfigReloader(path, app.reload_local_pool, cfg.local_pool, poll_seconds=3600)
+        table["local_pool"]["socket_timeout_seconds"] = 0.3
+        _write(path, to_toml(table))
+        assert r.reload_now()
+        # And called directly, as another caller of the callback would.
+        app.reload_local_pool(replace(cfg.local_pool, socket_timeout_seconds=0.3))
+        assert app.ttl_policy is policy and policy.ttl_for_tenant("default") == learnt  # type: ignore[attr-defined]
+        table["local_pool"]["ttl"]["ttl_seconds"] = 200.0  # a TTL change does put a new policy in force
+        _write(path, to_toml(table))
+        assert r.reload_now() and app.ttl_policy is not policy
+        assert app.config.local_pool.ttl.ttl_seconds == 200.0
+    finally:
+        app.close()

@@ -185,6 +185,8 @@ def test_bounded_replay_rebuilds_layer0_exactly_and_fills_the_pool(rig: Rig, inp
     key = rig.store.chunk_keys(ns, toks[:160])[-1]
     got = rig.pool.get(ns.digest, key, ns.tenant, ns.layout_id)
     assert got.payload is not None and bytes(got.payload) == out.snapshot
+    # The pool's answer to that write travels with the outcome: the TTL it applied, for the explainer.
+    assert out.put is not None and out.put.written and out.stored_ttl == 60.0
     c = co.counters()
     assert (c.replays_started, c.replays_ok, c.replay_tokens, c.in_flight, c.queue_depth) == (1, 1, W, 0, 0)
 
@@ -254,6 +256,8 @@ def test_ten_identical_concurrent_replays_run_once(rig: Rig) -> None:
     snaps = {o.snapshot for o in outs}  # type: ignore[attr-defined]
     assert len(snaps) == 1 and None not in snaps
     assert sorted(o.replay_tokens for o in outs) == [0] * 9 + [W]  # type: ignore[attr-defined]
+    # One write, the leader's: the callers that joined it stored nothing themselves.
+    assert sorted(o.stored_ttl is not None for o in outs) == [False] * 9 + [True]  # type: ignore[attr-defined]
     c = co.counters()
     assert (c.requests, c.replays_started, c.coalesced, runner.gate.batches) == (10, 1, 9, [1])
 
@@ -418,6 +422,7 @@ def test_a_request_just_behind_a_finished_replay_reuses_it(rig: Rig, inproc: InP
     # It checked the pool before the replay finished and arrives after: no second replay.
     second = co.resume_local(ns, toks, 64, 30.0)
     assert (second.status, second.snapshot, second.replay_tokens) == (REPLAYED, first.snapshot, 0)
+    assert (first.stored_ttl, second.put) == (60.0, None)  # the write was the first one's
     c = co.counters()
     assert (c.replays_started, c.coalesced) == (1, 1)
 

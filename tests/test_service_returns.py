@@ -4,17 +4,26 @@ policy learns in the live service; and the tracker's own contract (one return pe
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from kvstore.client.sync_client import KvstoreClient
 from kvstore.config import KvstoreConfig, LocalPoolConfig, TtlPolicyConfig
 from kvstore.layout import get_model
 from kvstore.observe.returns import ReturnTracker
+from kvstore.service.app import build_app
+from kvstore.service.server import KvstoreServer
 from policies.ttl import AdaptiveTtl
+from replay.coordinator import ReplayCoordinator
+from replay.port import ReplayParts
+from replay.runner import JobHandle, ReplayJob, ReplayResult
+from tests.helpers.waiting import wait_until
 from tests.test_admin_workload import FakeClock
-from tests.test_metrics_service import MODEL, config, prompt, start, store
+from tests.test_metrics_service import MODEL, Running, config, prompt, start, store
 
 BREAK_EVEN_SECONDS = 100.0
 
@@ -60,7 +69,8 @@ def test_the_adaptive_policy_learns_from_returns_in_the_live_service(tmp_path: P
                                     bytes(r.app.layouts()[MODEL].local_snapshot_bytes)).ttl_seconds == learned
 
         # A hot reload puts a new policy in force; the returns go to it from then on.
-        r.app.reload_local_pool(r.app.config.local_pool)
+        pool_cfg = r.app.config.local_pool
+        r.app.reload_local_pool(replace(pool_cfg, ttl=replace(pool_cfg.ttl, max_ttl_seconds=3000)))
         fresh = r.app.ttl_policy
         assert isinstance(fresh, AdaptiveTtl) and fresh is not policy
         toks = prompt(300, 3, extra=0)
@@ -94,3 +104,81 @@ def test_the_tracker_counts_one_return_per_write_and_stays_bounded() -> None:
     for k in (b"x", b"y", b"z"):
         t.wrote(ns, k)
     assert len(t) == 2 and t.returned(ns, b"x") is None and t.returned(ns, b"z") == 0.0
+
+
+class _GatedRunner:
+    """A runner whose replays finish when the test opens the gate (so that a second Resume of the
+    boundary joins the first one's replay)."""
+
+    name = "gated"
+
+    def __init__(self, snapshot_bytes: int) -> None:
+        self.size = snapshot_bytes
+        self.submitted = threading.Event()
+        self.gate = threading.Event()
+
+    def serves(self, model: str, tenant: str) -> bool:
+        return True
+
+    def submit(self, job: ReplayJob) -> JobHandle:
+        fut: Future[ReplayResult] = Future()
+
+        def finish() -> None:
+            self.gate.wait(30)
+            fut.set_result(ReplayResult(bytes(self.size), "", self.name))
+
+        threading.Thread(target=finish, daemon=True).start()
+        self.submitted.set()
+        return JobHandle(fut, lambda: None)
+
+    def pending(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.gate.set()
+
+
+def test_a_resume_that_joined_another_ones_replay_is_neither_a_return_nor_a_write(tmp_path: Path) -> None:
+    clock = FakeClock()
+    made: list[tuple[ReplayCoordinator, _GatedRunner]] = []
+
+    def coordinator(parts: ReplayParts) -> ReplayCoordinator:
+        runner = _GatedRunner(parts.store.layout(parts.store.namespace("default", MODEL, "bounded"))
+                              .local_snapshot_bytes)
+        made.append((ReplayCoordinator(parts.store, parts.local_pool, [runner], parts.config, parts.clock), runner))
+        return made[0][0]
+
+    app = build_app(config(), tmp_path, clock=clock, coordinator_factory=coordinator)
+    clock.before_advance = app.flush_observers
+    server = KvstoreServer(app, "127.0.0.1", 0, 0).start()
+    r = Running(app, server, KvstoreClient(f"127.0.0.1:{server.port}", timeout_seconds=20), clock)
+    try:
+        co, runner = made[0]
+        rec = _Recorder()
+        app.ttl_policy = rec  # type: ignore[assignment]  # the policy in force, as the tracker reads it
+        toks = prompt(7, 3, extra=0)
+        store(r, toks)  # the chunks, and the local snapshot the session's return is measured from
+        clock.advance(400)  # past its 300 s TTL: the session's return finds it expired
+        got: dict[str, str] = {}
+
+        def resume(who: str) -> None:
+            got[who] = r.client.resume(MODEL, toks).local_state
+
+        leader = threading.Thread(target=resume, args=("leader",))
+        leader.start()
+        assert runner.submitted.wait(10)
+        follower = threading.Thread(target=resume, args=("follower",))
+        follower.start()
+        wait_until(lambda: co.counters().coalesced == 1)
+        runner.gate.set()
+        for t in (leader, follower):
+            t.join(30)
+        app.flush_observers()
+        assert got == {"leader": "replayed", "follower": "replayed"}
+        assert rec.gaps == [("default", 400.0)]  # one return, not a second one 0 s after the replay
+        clock.advance(50)
+        assert r.client.resume(MODEL, toks).local_state == "hit"
+        app.flush_observers()
+        assert rec.gaps == [("default", 400.0), ("default", 50.0)]  # measured from the replay's write
+    finally:
+        r.stop()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvstore.errors import Unavailable
-from kvstore.layout import get_model
+from kvstore.layout import EngineLayerGroup, EngineModel, get_model
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire.framing import BlobAssembler, ChunkAssembler
@@ -201,6 +201,22 @@ def test_runners_serve_their_own_tenant_or_all_with_the_admin_token(make_service
     assert anonymous.error is not None and anonymous.error.code() == grpc.StatusCode.UNAUTHENTICATED
     bobs = FakeRunner(channel, TOY, lid, _echo_digest, token=BOB).start()
     assert bobs.attached.wait(10)
+def test_a_runner_attaches_for_a_model_registered_after_the_service_started(service: Service) -> None:
+    full = EngineLayerGroup("full", num_layers=2, kv_heads=2, head_size=8, dtype="bfloat16")
+    swa = EngineLayerGroup("sliding", num_layers=2, kv_heads=1, head_size=8, dtype="float32", sliding_window=20)
+    reg = service.client().register_model(
+        EngineModel("late-llama", "weights-abc", (full, swa), chunk_tokens=CHUNK, vocab_size=1000))
+    assert reg.created and reg.local_snapshot_bytes > 0
+    snapshot = bytes(range(256)) * (reg.local_snapshot_bytes // 256) + bytes(reg.local_snapshot_bytes % 256)
+    runner = FakeRunner(service.client().channel, reg.model, reg.layout_id, lambda job, chunks: snapshot).start()
+    assert runner.attached.wait(10)
+    assert runner.error is None and runner.runner_id, runner.error
+    assert [r.model for r in service.app.runners.runners()] == [reg.model]
+    job, _ = _job(service, n=3, model=reg.model)
+    assert service.app.runners.submit(job).result(timeout=10).snapshot == snapshot  # its size checked live too
+    runner.close()
+
+
     with pytest.raises(Unavailable):  # bob's runner never sees alice's tokens
         svc.app.runners.submit(_job(svc, tenant="alice")[0])
     job, _ = _job(svc, tenant="bob")

@@ -7,7 +7,8 @@ Keys: one snapshot per (namespace digest, boundary chunk key), stored as parts
 The braces are a Redis Cluster hash tag, so all parts of a snapshot live in one slot and one
 MULTI/EXEC reaches them all. Every write is `SET key value PX ttl` for every part in one
 transaction, so the value and its TTL arrive together and no key exists without a TTL through
-any path (the only other commands are PEXPIRE on existing keys, GET and UNLINK). A read fetches
+any path (the only other commands are PEXPIRE on existing keys, GET and UNLINK, also inside the
+script that removes a snapshot found bad only if no write replaced it since). A read fetches
 the parts in one transaction and returns the snapshot only when all are present and verify.
 
 Trouble with Redis (slow, hanging, down, restarted empty, out of memory) becomes a miss or a
@@ -53,6 +54,15 @@ MIN_ATTEMPT_SECONDS = 0.002
 
 # Why an attempt loop gave up without replies.
 Failure = Literal["breaker-open", "timeout", "error", "oom"]
+
+# UNLINK a snapshot's parts (KEYS) only if part 0 still holds what was read (ARGV[1]: its SHA-1):
+# checked and removed in one step, so a fresh snapshot written after the read is never deleted.
+# All KEYS share the snapshot's hash tag: one slot, so it runs on a cluster too.
+_UNLINK_IF_PART0 = """
+local v = redis.call('GET', KEYS[1])
+if not v or redis.sha1hex(v) ~= ARGV[1] then return 0 end
+return redis.call('UNLINK', unpack(KEYS))
+"""
 
 
 def snapshot_key_base(prefix: str, ns_digest: bytes, boundary_key: bytes) -> bytes:
@@ -138,7 +148,7 @@ class RedisPool:
             return self._counters.miss("corrupt")  # a part count that keeps changing: not ours
         if isinstance(outcome, str):
             if outcome in ("corrupt", "incomplete"):
-                self._unlink(base, max(want, self._max_parts), deadline_at)
+                self._unlink_if_unchanged(base, max(want, self._max_parts), replies[0], deadline_at)
             return self._counters.miss(outcome)
         header, payload = outcome
         self._refresh(base, header.part_count, tenant, header.payload_bytes, deadline_at)
@@ -262,6 +272,15 @@ class RedisPool:
     def _unlink(self, base: bytes, part_count: int, deadline_at: float) -> list[Any] | None:
         replies = self._run([("UNLINK", base + b"%d" % i) for i in range(part_count)], deadline_at)
         return None if isinstance(replies, str) else replies
+
+    def _unlink_if_unchanged(self, base: bytes, part_count: int, part0: Any, deadline_at: float) -> None:
+        """Remove a snapshot found corrupt or incomplete, unless a write replaced it since it was
+        read: part 0 carries each write's fresh write id, so a changed part 0 is a new snapshot."""
+        if not isinstance(part0, bytes):
+            return
+        keys = [base + b"%d" % i for i in range(part_count)]
+        # A digest, not part 0 itself, goes back: it may be a part_bytes value.
+        self._run([("EVAL", _UNLINK_IF_PART0, len(keys), *keys, hashlib.sha1(part0).hexdigest())], deadline_at)
 
     def _learn_parts(self, layout_id: bytes, count: int) -> None:
         with self._lock:

@@ -4,12 +4,14 @@
 and when the file changes (a polling thread compares mtime, size and inode, so edits in place and
 editors that replace the file are both seen). A new file is validated in full with
 `kvstore.config.load_config`; if it is invalid, one clear log line says why and the old config
-stays in force. If it is valid and its [local_pool] section differs, the callback receives the
+stays in force. If it is valid and its [local_pool.ttl] settings differ, the callback receives the
 new `LocalPoolConfig`; the service rebuilds the TTL policy from it and calls
 `pool.set_ttl_policy`, which applies to new writes only.
 
 Only the TTL policy is applied live. A change to any other [local_pool] key (URL, byte budget,
-timeouts, ...) is logged as needing a restart; the callback still receives the whole section.
+timeouts, ...) is logged as needing a restart; alone, it does not call the callback (a rebuilt
+adaptive policy would forget what it learnt), and with a TTL change the callback still receives
+the whole section.
 
 This module knows nothing about pools, policies or how the service applies a config.
 """
@@ -88,13 +90,16 @@ class ConfigReloader:
             changed = sorted(f.name for f in dataclasses.fields(LocalPoolConfig)
                              if getattr(new, f.name) != getattr(self._current, f.name))
             what = "; ".join(differences(self._current, new, "local_pool"))
-            try:
-                self._on_change(new)
-            except Exception:
-                log.exception("config reload: applying the new [local_pool] failed; keeping the previous")
-                return False
-            self._current = new
             cold = [k for k in changed if k not in HOT_FIELDS]
+            # Nothing to apply when only restart-only keys changed: a rebuilt TTL policy would lose
+            # what an adaptive one has learnt.
+            if len(cold) < len(changed):
+                try:
+                    self._on_change(new)
+                except Exception:
+                    log.exception("config reload: applying the new [local_pool] failed; keeping the previous")
+                    return False
+            self._current = new
             log.info("config reloaded from %s: %s", self._path, what)
             if cold:
                 log.warning("config reload: local_pool %s take effect only after a restart", ", ".join(cold))

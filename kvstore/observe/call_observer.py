@@ -55,13 +55,11 @@ class Observability:
         explainer: Explainer,
         *,
         present: Callable[[bytes], bool] | None = None,
-        local_ttl_seconds: Callable[[], float] | None = None,
     ) -> None:
         self.metrics = metrics
         self.ledger = ledger
         self.explainer = explainer
         self._present = present
-        self._ttl = local_ttl_seconds
 
     def __call__(self, call: CallRecord) -> None:
         self.metrics.rpc(call.method, call.code, call.seconds)
@@ -104,10 +102,11 @@ class Observability:
         )
         self.record(rec, lookup, call.at)
         if replay is not None and replay.failure is None and lookup is not None and lookup.boundary_key \
-                and self._ttl is not None:
-            # The coordinator stored the rebuilt snapshot in the pool under the TTL policy (noted
-            # after the explanation, which must see the state before the replay).
-            self.explainer.local_stored(lookup.namespace, lookup.boundary_key, self._ttl())
+                and lookup.replay_stored_ttl is not None:
+            # The coordinator stored the rebuilt snapshot, with the TTL the pool applied (a tenant's
+            # override or the adaptive one, not the base TTL: an expiry would read as an eviction).
+            # Noted after the explanation, which must see the state before the replay.
+            self.explainer.local_stored(lookup.namespace, lookup.boundary_key, lookup.replay_stored_ttl)
 
     def record(self, rec: RequestRecord, facts: LookupFacts | None = None, at: float | None = None) -> RequestRecord:
         """Explain, then count: the explanation decides the miss reasons the counters use. `at`:

@@ -28,6 +28,9 @@ class LookupFacts:
     replay_status: str = ""  # the coordinator's outcome ("" when no replay was tried)
     replay_seconds: float = 0.0
     replay_shared: bool = False  # served another caller's replay (coalesced): none ran for this one
+    # The TTL the pool applied to the snapshot this call's replay stored (a tenant's override, the
+    # adaptive policy's); None: it stored none (no replay, a shared one, or the pool skipped it).
+    replay_stored_ttl: float | None = None
     replay_mode: str = ""
     window_tokens: int = 0  # the replay window (the layout's SWA window)
     # Whether each of the first missed chunks (miss_keys[j], j < len(miss_held)) was held when the

@@ -12,7 +12,8 @@ A return consumes the write it is measured from: one write, at most one return. 
 policy infers the sessions that never come back from writes against returns, and an engine that
 calls Lookup and then Resume for one request must not count as two returns (the second one after
 a gap of milliseconds). The next write at a boundary (the engine's StoreLocal after the turn, or
-the replay's) starts the next gap.
+the replay's) starts the next gap. A Resume that joined another request's replay of the boundary
+(coalesced) is neither: the request that ran the replay was the return, and its write the write.
 
 Time is the app's monotonic clock, the one the pool measures TTLs with. The policy is read
 through a callable at each return, so a hot reload's new policy is the one told.
@@ -66,6 +67,10 @@ class ReturnTracker:
         if call.method not in _RETURNS or not isinstance(facts, LookupFacts) or not facts.boundary_key:
             return
         if call.purpose:  # a client's pre-check or a probe: the session has not returned
+            return
+        if facts.replay_shared:
+            # Joined another request's replay of this boundary: that request is the return, and
+            # its replay the one write; measuring this one from it would report a ~0 s gap.
             return
         gap = self.returned(facts.namespace, facts.boundary_key, at)
         if gap is not None:

@@ -116,8 +116,7 @@ def build_observability(
     metrics = Metrics(registry if registry is not None else CollectorRegistry(),
                       per_tenant_labels=adm.per_tenant_labels, tenants=tuple(cfg.tenants), sources=sources,
                       start_time=wall_clock())
-    return Observability(metrics, ledger, explainer, present=present,
-                         local_ttl_seconds=lambda: current().local_pool.ttl.ttl_seconds)
+    return Observability(metrics, ledger, explainer, present=present)
 
 
 def serve_admin(

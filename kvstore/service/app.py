@@ -93,6 +93,8 @@ class App:
         """Apply a re-read [local_pool] section (`local_pool.reload.ConfigReloader`'s callback): its
         TTL policy takes effect for new writes; `config` then shows the policy in force. Other keys
         need a restart and are not applied."""
+        if new.ttl == self.config.local_pool.ttl:
+            return  # only restart-only keys changed: a new policy would forget what an adaptive one learnt
         cfg = dataclasses.replace(self.config, local_pool=dataclasses.replace(self.config.local_pool, ttl=new.ttl))
         if self.local_pool is not None:
             self.ttl_policy = build_ttl_policy(cfg, self.models)

@@ -46,7 +46,7 @@ class RunnersServicer:
         self,
         registry: RunnerRegistry,
         auth: Authenticator,
-        layouts: Mapping[str, CacheLayout],
+        layouts: Callable[[], Mapping[str, CacheLayout]],
         message_bytes: int,
         max_message_bytes: int,
         draining: Callable[[], bool],
@@ -56,6 +56,7 @@ class RunnersServicer:
     ) -> None:
         self._registry = registry
         self._auth = auth
+        # Read at each use, not copied: a model registered at runtime (RegisterModel) is served too.
         self._layouts = layouts
         self._message_bytes = message_bytes
         self._max_message_bytes = max_message_bytes
@@ -124,10 +125,11 @@ class RunnersServicer:
         if msg.WhichOneof("kind") != "hello":
             raise InvalidInput("the first message of Attach must be a RunnerHello")
         h = msg.hello
-        layout = self._layouts.get(h.model)
+        layouts = self._layouts()
+        layout = layouts.get(h.model)
         if layout is None:
             raise InvalidInput(
-                f"runner model '{h.model}' is not served here; served: {', '.join(sorted(self._layouts))}")
+                f"runner model '{h.model}' is not served here; served: {', '.join(sorted(layouts))}")
         if h.layout_id != layout.layout_id:
             raise InvalidInput(
                 f"runner layout id {h.layout_id.hex()} does not match the service's layout "
@@ -268,7 +270,7 @@ class RunnersServicer:
             if self._registry.was_cancelled(link, r.job_id):
                 return None
             raise InvalidInput(f"a result for job {r.job_id}, which is not one of this runner's jobs")
-        expected = self._layouts[job.model].local_snapshot_bytes
+        expected = self._layouts()[job.model].local_snapshot_bytes
         if not r.error and r.total_bytes != expected:
             raise InvalidInput(f"job {r.job_id}'s result declares {r.total_bytes} bytes; a snapshot of "
                                f"'{job.model}' is {expected}")

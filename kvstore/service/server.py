@@ -140,7 +140,7 @@ class KvstoreServer:
         self.kvcache = KVCacheServicer(app, CallGuard(app, self.auth, self.limiter, self.watch), self.limiter,
                                        self.shm, self.unix_socket)
         self.runners = RunnersServicer(
-            app.runners, self.auth, app.layouts(),
+            app.runners, self.auth, app.layouts,
             svc.stream_message_bytes, svc.max_message_bytes, lambda: self.limiter.draining, self.watch,
             self.shm, svc.stream_idle_seconds,
         )

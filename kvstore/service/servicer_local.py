@@ -250,7 +250,8 @@ class LocalStateCalls:
         # The status only of a replay that was started ("" otherwise: nothing was replayed, nothing failed).
         call.facts = dataclasses.replace(facts_for_lookup(self.app, res, r, n, got, pinned_key),
                                          replay_status=outcome.status if replay is not None else "",
-                                         replay_seconds=replay_seconds, replay_shared=outcome.shared)
+                                         replay_seconds=replay_seconds, replay_shared=outcome.shared,
+                                         replay_stored_ttl=outcome.stored_ttl)
         yield pb.ResumeResponse(trailer=pb.ResumeTrailer(
             local_state=LOCAL_TO_PB[final], snapshot_bytes=len(view), replay_tokens=outcome.replay_tokens,
             replay_status=outcome.status, bills=bills_to_pb(bills)))
