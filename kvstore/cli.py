@@ -3,17 +3,22 @@ and exposes `add_arguments(parser)` and `run(args) -> int`; this file only dispa
 
 Modules are imported lazily where they are heavy (torch, grpc), so `kvstore --help` is fast.
 Errors a user can fix (bad flags, bad config, a service that is not running) print one clear
-line to stderr and exit 2; they never print a traceback.
+line to stderr and exit 2; they never print a traceback. Output piped to a reader that stops
+early (`| head`) ends the command quietly with status 141, as SIGPIPE would.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
+from kvstore.commands.bench import BENCHES
 from kvstore.errors import KvstoreError
+
+EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE
 
 # (subcommand, module under kvstore.commands, one-line help)
 COMMANDS: tuple[tuple[str, str, str], ...] = (
@@ -22,7 +27,8 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("stats", "stats", "ask a running service for its statistics"),
     ("layout", "layout", "show a model's cache layout and capacity arithmetic"),
     ("check-config", "check_config", "validate a config file and print the effective settings"),
-    ("bench", "bench", "run a benchmark (store, service, pool, replay, workload)"),
+    # The names come from the benches `kvstore bench` registers, so the list cannot go stale.
+    ("bench", "bench", f"run a benchmark ({', '.join(BENCHES)})"),
     ("runner", "runner", "run the reference model as a runner attached to a service"),
     ("replay-quality", "replay_quality", "measure bounded vs exact replay error on the reference model"),
     ("tune", "tune", "evaluate TTL policies offline against a recorded trace"),
@@ -45,6 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:  # here, not at interpreter exit, so that a closed pipe is caught below
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Whoever read stdout stopped (`kvstore stats --json | head -1`): stop quietly with the
+        # status of a command killed by SIGPIPE (128 + 13), as coreutils would, so that a script
+        # can still tell the output was cut short. What is left to flush goes to /dev/null, or the
+        # interpreter fails again on it at exit.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a file (captured, in tests)
+            pass
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,8 @@ import pytest
 from kvstore.config import parse_config
 from kvstore.errors import ConfigError
 from kvstore.observe.admin_http import AdminHttpServer, is_loopback
-from kvstore.service.admin_server import _tenant_of_token, redact_url
+from kvstore.service.admin_server import _tenant_of_token, redact_url, serve_admin
+from tests.fixtures.service import base_table, to_toml
 from tests.test_admin_workload import CHUNK, Rig, small_config, workload
 
 ADMIN = "admin-secret-1234"
@@ -190,10 +194,55 @@ def test_admin_config_validation() -> None:
         ({"timeseries_seconds": 600, "timeseries_step_seconds": 61}, "admin.timeseries_step_seconds"),
         ({"explain_requests": 0}, "admin.explain_requests"),
         ({"metrics_require_token": "yes"}, "admin.metrics_require_token"),
+        ({"host": "not a host!!"}, "admin.host"),
+        ({"host": "127.0.0.1:9400"}, "admin.host"),
+        ({"admin_token": "short"}, "admin.admin_token"),
     ):
         with pytest.raises(ConfigError) as e:
             parse_config({"admin": table})
         assert e.value.key == key
+
+
+@pytest.mark.parametrize(("host", "key", "why"), [
+    # TEST-NET-1 (RFC 5737): a well-formed address that no machine has.
+    ("192.0.2.1", "admin.host", "Cannot assign requested address"),
+    ("127.0.0.1", "admin.port", "Address already in use"),
+])
+def test_serve_names_the_admin_key_at_fault_when_it_cannot_listen(tmp_path: Path, host: str, key: str,
+                                                                  why: str) -> None:
+    path = tmp_path / "kvstore.toml"
+    path.write_text(to_toml(base_table(admin={"host": host})))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--config", str(path), "--grpc-port", "0",
+                              "--admin-port", str(port), "--data-dir", str(tmp_path / "d")],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert f"kvstore serve: config key '{key}': cannot listen on {host}:{port}: {why}\n" in out.stderr
+    assert "Traceback" not in out.stderr and "terminate called" not in out.stderr  # nothing left running
+
+
+def test_an_admin_port_that_cannot_be_bound_leaves_no_sampler_behind(tmp_path: Path) -> None:
+    # The ledger's sampler started before the bind; when the bind failed it went on sampling a
+    # store that was then closed, logging a traceback a second.
+    import threading
+
+    def samplers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "kvstore-ledger-sampler" and t.is_alive()}
+
+    rig = Rig(tmp_path)
+    before = samplers()  # other tests' servers may be running
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            with pytest.raises(OSError):
+                serve_admin(rig.obs, rig.cfg, host="127.0.0.1", port=taken.getsockname()[1], sample_seconds=0.05)
+        assert samplers() <= before
+    finally:
+        rig.close()
 
 
 def test_redact_url() -> None:

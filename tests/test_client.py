@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +25,10 @@ from kvstore.client.sync_client import (
     RetryPolicy,
     UnavailableError,
 )
-from kvstore.errors import InvalidInput
+from kvstore.commands.bench import BENCHES
+from kvstore.config import load_config, parse_config
+from kvstore.errors import ConfigError, InvalidInput
+from kvstore.service.app import build_app
 from kvstore.wire.framing import ChunkAssembler, ChunkWriter, plan_pieces
 from tests.fixtures.service import CHUNK, DENSE, TOY, Service, base_table, payloads, to_toml, tokens
 
@@ -139,6 +145,15 @@ def test_check_config_prints_effective_settings_and_the_ttl_policy(tmp_path: Pat
     ("[service]\nmodels = [\"gpt-17\"]\n", "service.models[0]"),
     ("[service]\ntls_cert_file = \"missing.pem\"\ntls_key_file = \"missing.key\"\n", "service.tls_cert_file"),
     ("[local_pool.ttl]\nkind = \"forever\"\n", "local_pool.ttl.kind"),
+    ("[service]\nmax_lookup_tokens = -1\n", "service.max_lookup_tokens"),  # every Lookup failed
+    ("[service]\nmax_message_bytes = 2147483648\n", "service.max_message_bytes"),  # gRPC's ints overflowed
+    ("[service]\nconnection_age_seconds = 1e7\n", "service.connection_age_seconds"),
+    ("[service]\ngrace_seconds = inf\n", "service.grace_seconds"),  # shutdown's wait overflowed
+    ("[tenants.a]\ntokens = [\"a-token-123\"]\n[service]\ngrpc_host = \"not a host!!\"\n", "service.grpc_host"),
+    ("[admin]\nhost = \"not a host!!\"\n", "admin.host"),
+    ("[admin]\nadmin_token = \"x\"\n", "admin.admin_token"),  # weaker than any tenant's token
+    ("[tenants.a]\ntokens = [\"a-token-123\"]\nlocal_ttl_seconds = 0\n", "tenants.a.local_ttl_seconds"),
+    ("[tenants.a]\ntokens = [\"a-token-123\"]\nlocal_ttl_seconds = -7\n", "tenants.a.local_ttl_seconds"),
 ])
 def test_check_config_names_the_bad_key(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
                                         key: str) -> None:
@@ -146,6 +161,35 @@ def test_check_config_names_the_bad_key(tmp_path: Path, capsys: pytest.CaptureFi
     path.write_text(text)
     assert main(["check-config", str(path)]) == 2
     assert f"'{key}'" in capsys.readouterr().err
+
+
+def test_the_bounds_leave_the_values_that_mean_something() -> None:
+    cfg = parse_config({
+        "service": {"grpc_host": "::", "max_lookup_tokens": 1, "grace_seconds": 0},
+        "admin": {"host": "kvstore_admin.internal.", "admin_token": "12345678"},
+        "tenants": {"a": {"tokens": ["a-token-123"], "local_ttl_seconds": -1},
+                    "b": {"tokens": ["b-token-123"], "local_ttl_seconds": 0.5}},
+    })
+    assert cfg.tenants["a"].local_ttl_seconds == -1 and cfg.tenants["b"].local_ttl_seconds == 0.5
+    for host in ("0.0.0.0", "localhost", "fe80::1%eth0", "kvstore-0.kvstore.svc.cluster.local"):
+        assert parse_config({"admin": {"host": host}}).admin.host == host
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here: 'cuda' is valid")
+@pytest.mark.parametrize(("text", "key"), [
+    ("[store]\ndevice = \"cuda\"\n", "store.device"),
+    ("[replay]\ndevice = \"cuda\"\nrunner = \"reference\"\n", "replay.device"),
+])
+def test_check_config_refuses_a_cuda_device_this_machine_lacks_as_serve_does(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, key: str) -> None:
+    path = tmp_path / "cuda.toml"
+    path.write_text(text)
+    assert main(["check-config", str(path)]) == 2
+    said = capsys.readouterr().err.removeprefix("kvstore check-config: ")
+    assert f"'{key}'" in said and "CUDA is not available" in said
+    with pytest.raises(ConfigError) as e:  # what serve says, before it creates anything
+        build_app(load_config(path), tmp_path / "data")
+    assert str(e.value) == said.strip() and not (tmp_path / "data").exists()
 
 
 def test_check_config_reports_every_error_at_once_with_suggestions(
@@ -198,6 +242,53 @@ def test_stats_command_against_a_running_service(service: Service, capsys: pytes
 def test_stats_command_without_a_service(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["stats", "--target", "127.0.0.1:1", "--timeout", "0.5"]) == 2
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["stats", "--target", "127.0.0.1:1", "--timeout", "-1"], "--timeout"),  # was DEADLINE_EXCEEDED
+    (["stats", "--target", "127.0.0.1:1", "--timeout", "0"], "--timeout"),
+    (["stats", "--target", "127.0.0.1:1", "--timeout", "nan"], "--timeout"),
+    (["explain", "req-1", "--target", "127.0.0.1:1", "--timeout-seconds", "-1"], "--timeout-seconds"),
+    (["explain", "req-1", "--target", "127.0.0.1:1", "--timeout-seconds", "0"], "--timeout-seconds"),
+])
+def test_a_timeout_that_is_not_positive_is_a_flag_error(argv: list[str], flag: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} must be a positive number of seconds" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [["stats", "--json", "--target", "{target}"], ["check-config", "{config}"]])
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path: Path, service: Service,
+                                                            argv: list[str]) -> None:
+    # `kvstore stats --json | head -1`: stdout is a pipe nobody reads any more (closed before the
+    # command writes, so that every write fails).
+    argv = [a.format(config=_small_config(tmp_path), target=service.address) for a in argv]
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvstore", *argv], stdout=w, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert proc.returncode == 141, proc.stderr  # 128 + SIGPIPE, as a command killed by it
+    assert proc.stderr == ""  # no traceback, and nothing "ignored" at exit either
+
+
+def test_the_help_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    def listed(text: str) -> list[str]:
+        m = re.search(r"run a benchmark \(([^)]*)\)", " ".join(text.split()))
+        assert m, text
+        return m.group(1).split(", ")
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert listed(capsys.readouterr().out) == list(BENCHES)
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert listed(out) == list(BENCHES) and all(name in out for name in BENCHES)
+    assert {"abuse", "engine", "restart", "dataplane"} <= set(BENCHES)  # the four the help had left out
 
 
 def test_serve_prints_a_parseable_listening_line(tmp_path: Path, make_service: Callable[..., Service]) -> None:

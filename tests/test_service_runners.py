@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -148,6 +149,15 @@ def test_a_job_goes_to_an_attached_runner_and_its_result_comes_back(service: Ser
         service.app.runners.submit(job)
 
 
+def test_the_service_logs_the_name_a_runner_gives(service: Service, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvstore.service")
+    layout = service.app.layouts()[TOY]
+    runner = FakeRunner(service.client().channel, TOY, layout.layout_id, _echo_digest).start()
+    assert runner.attached.wait(10) and runner.runner_id
+    assert f"runner {runner.runner_id} 'test-runner' attached: model {TOY}" in caplog.text  # `kvstore runner --name`
+    runner.close()
+
+
 def test_jobs_in_flight_fail_when_the_runner_goes_away(service: Service) -> None:
     hold = threading.Event()
 
@@ -191,16 +201,6 @@ def test_a_runner_that_does_not_match_is_refused(service: Service, model: str, l
     assert not service.app.runners.runners()
 
 
-def test_runners_serve_their_own_tenant_or_all_with_the_admin_token(make_service: Callable[..., Service]) -> None:
-    svc = make_service(make_config(tenants={"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}},
-                                   admin={"admin_token": ADMIN}))
-    lid = svc.app.layouts()[TOY].layout_id
-    channel = svc.client().channel
-    anonymous = FakeRunner(channel, TOY, lid, _echo_digest).start()
-    anonymous.thread.join(10)
-    assert anonymous.error is not None and anonymous.error.code() == grpc.StatusCode.UNAUTHENTICATED
-    bobs = FakeRunner(channel, TOY, lid, _echo_digest, token=BOB).start()
-    assert bobs.attached.wait(10)
 def test_a_runner_attaches_for_a_model_registered_after_the_service_started(service: Service) -> None:
     full = EngineLayerGroup("full", num_layers=2, kv_heads=2, head_size=8, dtype="bfloat16")
     swa = EngineLayerGroup("sliding", num_layers=2, kv_heads=1, head_size=8, dtype="float32", sliding_window=20)
@@ -217,6 +217,16 @@ def test_a_runner_attaches_for_a_model_registered_after_the_service_started(serv
     runner.close()
 
 
+def test_runners_serve_their_own_tenant_or_all_with_the_admin_token(make_service: Callable[..., Service]) -> None:
+    svc = make_service(make_config(tenants={"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}},
+                                   admin={"admin_token": ADMIN}))
+    lid = svc.app.layouts()[TOY].layout_id
+    channel = svc.client().channel
+    anonymous = FakeRunner(channel, TOY, lid, _echo_digest).start()
+    anonymous.thread.join(10)
+    assert anonymous.error is not None and anonymous.error.code() == grpc.StatusCode.UNAUTHENTICATED
+    bobs = FakeRunner(channel, TOY, lid, _echo_digest, token=BOB).start()
+    assert bobs.attached.wait(10)
     with pytest.raises(Unavailable):  # bob's runner never sees alice's tokens
         svc.app.runners.submit(_job(svc, tenant="alice")[0])
     job, _ = _job(svc, tenant="bob")

@@ -4,6 +4,8 @@ separate process, driven only through the client, stopped by SIGTERM and restart
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,6 +16,9 @@ import numpy as np
 import pytest
 
 from kvstore.client.sync_client import KvstoreClient, RpcFailure, UnauthenticatedError, UnavailableError
+from kvstore.config import parse_config
+from kvstore.errors import ConfigError
+from kvstore.service.app import build_app
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, TOY, Service, base_table, payloads, spawn_service, to_toml, tokens
@@ -190,6 +195,39 @@ def test_serve_without_a_config_says_what_it_runs(tmp_path: Path) -> None:
          "--data-dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "without authentication" in out.stderr
     assert not (tmp_path / "d").exists()  # refused before opening anything
+
+
+@pytest.mark.parametrize("port", ["70000", "-5"])
+def test_serve_refuses_an_admin_port_out_of_range_before_opening_anything(tmp_path: Path, port: str) -> None:
+    # 70000 ended in an OverflowError traceback once gRPC had started; -5 meant "none" silently.
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--grpc-port", "0", "--admin-port", port,
+         "--data-dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == "kvstore serve: config key '--admin-port': must be -1 (none) or in 0..65535\n"
+    assert not (tmp_path / "d").exists()
+
+
+def test_serve_says_which_data_dir_it_cannot_create(tmp_path: Path) -> None:
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--config", str(_config_file(tmp_path)), "--grpc-port", "0",
+         "--admin-port", "-1", "--data-dir", str(a_file)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines()[-1] == (f"kvstore serve: config key 'data_dir': cannot use {a_file} as the "
+                                           "data directory: it exists and is not a directory")
+    assert "Traceback" not in out.stderr
+    # Under a file, or where the OS refuses: the OS's reason (in-process, same code path).
+    with pytest.raises(ConfigError) as e:
+        build_app(parse_config(base_table()), a_file / "sub")
+    assert e.value.key == "data_dir" and str(a_file / "sub") in str(e.value) and "Not a directory" in str(e.value)
+
+
+def _config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "kvstore.toml"
+    path.write_text(to_toml(base_table()))
+    return path
 
 
 def test_sigterm_with_nothing_in_flight_exits_zero_every_time(tmp_path: Path) -> None:

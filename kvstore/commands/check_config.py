@@ -2,12 +2,12 @@
 
 Everything `kvstore serve` would check before it opens anything is checked here: unknown keys, types
 and ranges (with the dotted key that is wrong), served model names, TLS files, the rule that an
-unauthenticated service binds loopback only, and the TTL policy the local pool would run (built for
-real, so its parameters are checked too). The output is the full effective config, defaults
-included, as TOML, with secrets redacted, followed by the TTL policy in force. Every bad key and
-value is reported at once, an unknown key with the closest known one; settings that are valid but
-contradict each other are warned about (`kvstore/config/warnings.py`). Exit 0 when valid, 2 with
-the bad keys otherwise.
+unauthenticated service binds loopback only, that a 'cuda' store or replay device exists on this
+machine, and the TTL policy the local pool would run (built for real, so its parameters are
+checked too). The output is the full effective config, defaults included, as TOML, with secrets
+redacted, followed by the TTL policy in force. Every bad key and value is reported at once, an
+unknown key with the closest known one; settings that are valid but contradict each other are
+warned about (`kvstore/config/warnings.py`). Exit 0 when valid, 2 with the bad keys otherwise.
 """
 
 from __future__ import annotations
@@ -81,11 +81,12 @@ def _is_section(d: dict[str, Any]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.service.app import build_ttl_policy, served_models
+    from kvstore.service.app import build_ttl_policy, check_devices, served_models
     from kvstore.service.auth import check_bind_allowed, server_credentials
 
     cfg = load_config(args.file)
     models = served_models(cfg)
+    check_devices(cfg)  # a 'cuda' store or replay device on a machine without CUDA
     check_bind_allowed(cfg, cfg.service.grpc_host)
     server_credentials(cfg.service)  # reads the TLS files: a missing one names its key
     policy = build_ttl_policy(cfg, models).describe()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import urllib.error
@@ -65,6 +66,9 @@ def _message(e: urllib.error.HTTPError) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Else urllib takes 0 as non-blocking and refuses a negative one: both said as "cannot reach".
+    if not 0 < args.timeout_seconds < math.inf:
+        raise InvalidInput(f"--timeout-seconds must be a positive number of seconds, got {args.timeout_seconds}")
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     doc = fetch(args.target, args.request_id, token, args.timeout_seconds)
     if doc is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -112,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.recent < 0:
         raise InvalidInput(f"--recent must be >= 0, got {args.recent}")
+    # gRPC would take a past deadline and fail the call with DEADLINE_EXCEEDED, blaming the service.
+    if not 0 < args.timeout < math.inf:
+        raise InvalidInput(f"--timeout must be a positive number of seconds, got {args.timeout}")
 
     token = args.token if args.token is not None else os.environ.get("KVSTORE_TOKEN") or None
     with KvstoreClient(args.target, token=token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,

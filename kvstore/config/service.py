@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass
 
 from kvstore.config.fields import join, require
 
 MiB = 1 << 20
+MAX_GRPC_SECONDS = 2_000_000  # (2**31 - 1) ms, rounded down
+MIN_TOKEN_CHARS = 8
+# A host name's labels (underscores too: container names have them and resolve).
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def is_host(host: str) -> bool:
+    """An IP address or a name that could resolve; no port, no brackets. The config cannot know
+    what resolves where it runs (serve says that with the key), but it can refuse what never will."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    name = host[:-1] if host.endswith(".") else host
+    return 0 < len(name) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in name.split("."))
 
 
 @dataclass(frozen=True)
@@ -25,9 +43,13 @@ class TenantConfig:
 
     def validate(self, prefix: str) -> None:
         for t in self.tokens:
-            require(len(t) >= 8, join(prefix, "tokens"), "each token must be at least 8 characters")
+            require(len(t) >= MIN_TOKEN_CHARS, join(prefix, "tokens"),
+                    f"each token must be at least {MIN_TOKEN_CHARS} characters")
         for name in ("quota_device_bytes", "quota_dram_bytes", "quota_lmdb_bytes"):
             require(getattr(self, name) >= -1, join(prefix, name), "must be -1 (none) or >= 0")
+        # Only -1 means "the pool decides": 0 or another negative is more likely a mistake than that.
+        require(self.local_ttl_seconds == -1 or self.local_ttl_seconds > 0, join(prefix, "local_ttl_seconds"),
+                "must be -1 (the pool's policy decides) or > 0")
         require(0 < self.share_weight <= 1000, join(prefix, "share_weight"), "must be > 0 and <= 1000")
 
 
@@ -86,8 +108,12 @@ class ServiceConfig:
     models: tuple[str, ...] = ("reference-toy-8", "deepseek-v4.1-flash", "dense-gqa-32l")
 
     def validate(self, prefix: str) -> None:
+        require(is_host(self.grpc_host), join(prefix, "grpc_host"),
+                f"{self.grpc_host!r} is not an IP address or a host name")
         require(0 <= self.grpc_port <= 65535, join(prefix, "grpc_port"), "must be in 0..65535")
-        require(self.max_message_bytes >= 64 * 1024, join(prefix, "max_message_bytes"), "must be >= 65536")
+        # gRPC takes its limits as 32-bit ints, and its receive limit is twice this (server.py).
+        require(64 * 1024 <= self.max_message_bytes <= 512 * MiB, join(prefix, "max_message_bytes"),
+                "must be in 65536..536870912 (64 KiB..512 MiB)")
         require(
             0 < self.stream_message_bytes <= self.max_message_bytes // 2,
             join(prefix, "stream_message_bytes"), "must be > 0 and at most half of max_message_bytes",
@@ -100,11 +126,14 @@ class ServiceConfig:
                 "must be in 0.1..3600")
         require(1 <= self.max_streams_per_connection <= 10_000, join(prefix, "max_streams_per_connection"),
                 "must be in 1..10000")
-        require(self.connection_idle_seconds >= 1, join(prefix, "connection_idle_seconds"), "must be >= 1")
-        require(self.connection_age_seconds >= 1, join(prefix, "connection_age_seconds"), "must be >= 1")
-        require(self.connection_age_grace_seconds >= 0, join(prefix, "connection_age_grace_seconds"),
-                "must be >= 0")
-        require(self.grace_seconds >= 0, join(prefix, "grace_seconds"), "must be >= 0")
+        # gRPC takes these in milliseconds as 32-bit ints: at most ~24.8 days.
+        for name, least in (("connection_idle_seconds", 1), ("connection_age_seconds", 1),
+                            ("connection_age_grace_seconds", 0)):
+            require(least <= getattr(self, name) <= MAX_GRPC_SECONDS, join(prefix, name),
+                    f"must be in {least}..{MAX_GRPC_SECONDS}")
+        # Shutdown waits this long for calls in flight; an endless wait is no grace period.
+        require(0 <= self.grace_seconds <= 3600, join(prefix, "grace_seconds"), "must be in 0..3600")
+        require(self.max_lookup_tokens >= 1, join(prefix, "max_lookup_tokens"), "must be >= 1")
         require(not self.unix_socket_path or self.unix_socket_path.startswith("/"), join(prefix, "unix_socket_path"),
                 "must be an absolute path (or empty for none)")
         require(len(self.unix_socket_path.encode()) <= 100, join(prefix, "unix_socket_path"),
@@ -143,7 +172,11 @@ class AdminConfig:
     explain_chunk_fates: int = 50_000  # evicted / corrupt / refused chunks it remembers (~300 B each)
 
     def validate(self, prefix: str) -> None:
+        require(is_host(self.host), join(prefix, "host"), f"{self.host!r} is not an IP address or a host name")
         require(0 <= self.port <= 65535, join(prefix, "port"), "must be in 0..65535")
+        # The admin token sees every tenant's data: no weaker than a tenant's token.
+        require(not self.admin_token or len(self.admin_token) >= MIN_TOKEN_CHARS, join(prefix, "admin_token"),
+                f"must be at least {MIN_TOKEN_CHARS} characters (or empty for none)")
         require(self.timeseries_seconds >= 60, join(prefix, "timeseries_seconds"), "must be >= 60")
         require(1 <= self.timeseries_step_seconds <= self.timeseries_seconds // 10,
                 join(prefix, "timeseries_step_seconds"), "must be >= 1 and at most timeseries_seconds / 10")

@@ -140,12 +140,16 @@ def serve_admin(
         if on_close is not None:
             on_close()
 
-    server = AdminHttpServer(
-        api, obs.metrics.registry, host=host, port=port, admin_token=cfg.admin.admin_token,
-        metrics_require_token=cfg.admin.metrics_require_token, tenant_of_token=tenant_of_token,
-        health=info.health if info is not None else None, max_window_seconds=cfg.admin.timeseries_seconds,
-        on_close=closed, before_read=before_read,
-    )
+    try:
+        server = AdminHttpServer(
+            api, obs.metrics.registry, host=host, port=port, admin_token=cfg.admin.admin_token,
+            metrics_require_token=cfg.admin.metrics_require_token, tenant_of_token=tenant_of_token,
+            health=info.health if info is not None else None, max_window_seconds=cfg.admin.timeseries_seconds,
+            on_close=closed, before_read=before_read,
+        )
+    except BaseException:  # it could not bind: the sampler must not outlive it, sampling a closed store
+        closed()
+        raise
     return server.start()
 
 

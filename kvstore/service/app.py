@@ -33,7 +33,7 @@ from pathlib import Path
 
 from kvstore.config import KvstoreConfig, LocalPoolConfig
 from kvstore.dataplane.segments import sealing_available
-from kvstore.errors import ConfigError, StorageError, UnknownModel
+from kvstore.errors import ConfigError, KvstoreError, StorageError, UnknownModel
 from kvstore.layout import CacheLayout, ModelSpec, exact_replay_tokens, get_model
 from kvstore.local_pool.base import LocalPool
 from kvstore.observe.queue import ObserverQueue
@@ -87,7 +87,8 @@ class App:
 
     def layouts(self) -> dict[str, CacheLayout]:
         """Each served model's layout at the store's chunk size (what chunks and runners must match)."""
-        return {n: m.layout.with_chunk_tokens(self.config.store.chunk_tokens) for n, m in self.models.items()}
+        # A copy of the items: RegisterModel may add a model while a runner attaches.
+        return {n: m.layout.with_chunk_tokens(self.config.store.chunk_tokens) for n, m in list(self.models.items())}
 
     def reload_local_pool(self, new: LocalPoolConfig) -> None:
         """Apply a re-read [local_pool] section (`local_pool.reload.ConfigReloader`'s callback): its
@@ -221,6 +222,37 @@ def install_observers(app: App) -> None:
         app.on_close.append(tracer.close)
 
 
+def make_data_dir(ddir: Path) -> Path:
+    """Create the data directory (and its parents); one that cannot be is a config error naming it."""
+    if ddir.exists() and not ddir.is_dir():
+        raise ConfigError("data_dir", f"cannot use {ddir} as the data directory: it exists and is not a directory")
+    try:
+        ddir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError("data_dir", f"cannot create the data directory {ddir}: {e.strerror or e}") from None
+    return ddir
+
+
+def check_devices(cfg: KvstoreConfig, *, replay: bool = True) -> None:
+    """The device checks the store and the in-process replay runner make when they are built (a
+    'cuda' that this machine lacks), made without building them: for check-config, and by
+    build_app before it creates anything. `replay=False`: the caller supplies its own replay."""
+    if cfg.store.device == "cuda":
+        from kvstore.tiers.device import resolve_device
+
+        try:  # as when the device tier is built
+            resolve_device("cuda")
+        except StorageError as e:
+            raise ConfigError("store.device", str(e)) from None
+    if replay and cfg.replay.device == "cuda" and cfg.replay.runner == "reference" and cfg.replay.mode != "off":
+        from replay.reference.model import usable_device
+
+        try:  # as replay.coordinator.build_coordinator does at start
+            usable_device("cuda")
+        except KvstoreError as e:
+            raise ConfigError("replay.device", str(e)) from None
+
+
 def build_app(
     cfg: KvstoreConfig,
     data_dir: str | Path | None = None,
@@ -233,8 +265,8 @@ def build_app(
     """Build every part from `cfg`. Tests pass `local_pool` / `coordinator_factory` to substitute
     a part (None: leave it out); "config" builds what the config asks for. `progress` is told, a
     line at a time, about slow work at start (building an LMDB index once, pre-faulting arenas)."""
-    ddir = Path(data_dir if data_dir is not None else cfg.data_dir)
-    ddir.mkdir(parents=True, exist_ok=True)
+    check_devices(cfg, replay=coordinator_factory == "config")  # before anything is created
+    ddir = make_data_dir(Path(data_dir if data_dir is not None else cfg.data_dir))
     models = served_models(cfg)
     store = GlobalStore(cfg.store, ddir, list(models.values()), tenant_quotas(cfg), clock=clock, progress=progress,
                         load_index_in_background=cfg.store.load_index == "background",

@@ -147,8 +147,9 @@ class RunnersServicer:
             name=h.name[:128], tenant=None if caller.admin and not caller.tenant else caller.tenant,
         )
         link = self._registry.attach(info)
-        log.info("runner %s attached: model %s on %s (%s; job chunks and results %s)", info.runner_id, info.model,
-                 info.device,
+        # The name the runner gave (`kvstore runner --name`), quoted: it is the caller's text.
+        log.info("runner %s%s attached: model %s on %s (%s; job chunks and results %s)", info.runner_id,
+                 f" {info.name!r}" if info.name else "", info.model, info.device,
                  "all tenants" if info.tenant is None else f"tenant {info.tenant}",
                  "through shared memory" if shm is not None else "in messages")
         return link, shm

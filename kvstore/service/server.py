@@ -18,8 +18,10 @@ What it does not know: what the calls do (servicers), or which parts the app hol
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -185,11 +187,19 @@ class KvstoreServer:
             try:
                 self.admin = start_admin(self.app, self.health, self.app.config.admin.host, self._admin_port,
                                          self.shm.totals if self.shm is not None else None)
-            except OSError as e:
+            except (OSError, OverflowError) as e:
                 self.stop(0)
-                raise ConfigError("admin.port", f"cannot listen on {self.app.config.admin.host}:"
-                                  f"{self._admin_port}: {e.strerror}") from None
+                raise self._admin_bind_error(e) from None
         return self
+
+    def _admin_bind_error(self, e: OSError | OverflowError) -> ConfigError:
+        """The key to blame: the host when it does not resolve or is no address of this machine,
+        else the port (in use, privileged, out of range)."""
+        host = self.app.config.admin.host
+        bad_host = isinstance(e, socket.gaierror) or getattr(e, "errno", None) == errno.EADDRNOTAVAIL
+        why = getattr(e, "strerror", None) or str(e)
+        return ConfigError("admin.host" if bad_host else "admin.port",
+                           f"cannot listen on {host}:{self._admin_port}: {why}")
 
     def _bind(self) -> None:
         addr = f"[{self.host}]:{self._port}" if ":" in self.host else f"{self.host}:{self._port}"
