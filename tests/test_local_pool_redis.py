@@ -119,6 +119,22 @@ def test_down_at_start_is_only_a_degraded_pool(redis_factory: RedisFactory) -> N
     pool.close()
 
 
+def test_a_probe_says_at_once_whether_redis_was_reached(redis_factory: RedisFactory) -> None:
+    # Before, a Redis down from the start read "ok" until the breaker opened on calls.
+    server = redis_factory()
+    server.kill()
+    pool = _pool(server.url)
+    assert pool.health().status == "ok"  # nothing tried yet: nothing known
+    health = pool.probe()
+    assert health.status == "degraded" and "not reached yet" in health.reason and "Error" in health.reason
+    assert pool.stats().breaker_state == "closed"  # one failure: the breaker counts it like any call's
+    server.start()
+    assert pool.probe().status == "ok"
+    server.kill()
+    assert pool.probe().status == "ok"  # reached once: it takes the breaker to say it is gone again
+    pool.close()
+
+
 # --- slow, hanging, resetting (through a proxy) -------------------------------------------------
 def test_slow_redis_within_timeout_still_hits(redis_server: RedisProcess,
                                               tcp_proxy_factory: Any) -> None:

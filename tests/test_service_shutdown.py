@@ -186,6 +186,22 @@ def test_the_service_as_a_separate_process(tmp_path: Path) -> None:
         assert proc.terminate(signal.SIGINT) == 0, proc.output()
 
 
+def test_serve_says_at_start_that_its_redis_cannot_be_reached(tmp_path: Path) -> None:
+    # It used to say nothing until the first pool call; `stats` read "healthy" meanwhile.
+    from kvstore.local_pool.redis_process import free_port
+
+    table = base_table()
+    table["local_pool"] = {"url": f"redis://127.0.0.1:{free_port()}/0"}  # nothing listens there
+    proc = spawn_service(tmp_path, table)
+    try:
+        banner = "".join(proc.banner)
+        assert "local pool degraded: redis not reached yet: ConnectionError" in banner, banner
+        with KvstoreClient(proc.address) as kv:  # health is looked at every 2 s
+            wait_until(lambda: kv.health("kvstore.local_pool") == "NOT_SERVING")
+    finally:
+        assert proc.terminate(signal.SIGTERM) == 0, proc.output()
+
+
 def test_serve_without_a_config_says_what_it_runs(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -82,6 +82,12 @@ def run(args: argparse.Namespace) -> int:
                                       else f"config {args.config}"))
     for line in app.describe():
         _say(line)
+    if app.local_pool is not None:
+        # One round trip now: a Redis that is down at start is said here, not at the first miss.
+        pool = app.local_pool.probe()
+        if pool.status != "ok":
+            _say(f"local pool {pool.status}: {pool.reason}; window state reads as a miss (rebuilt by "
+                 "replay where a runner is attached) until it answers")
     security = "mTLS" if svc.tls_client_ca_file else "TLS" if svc.tls_cert_file else "plaintext"
     split = "shared by share_weight" if len(cfg.share_weights()) > 1 else "one tenant"
     _say(f"limits: {svc.max_concurrent_calls} concurrent calls, {svc.max_staged_bytes >> 20} MiB staged, "

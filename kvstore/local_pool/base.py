@@ -157,6 +157,10 @@ class LocalPool(Protocol):
         """"degraded" (with a reason) while the backend is unreachable; never does I/O."""
         ...
 
+    def probe(self, deadline_seconds: float | None = None) -> PoolHealth:
+        """One round trip to the backend (a service's start says what it found), then `health`."""
+        ...
+
     def close(self) -> None: ...
 
 

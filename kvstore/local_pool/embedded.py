@@ -146,6 +146,9 @@ class EmbeddedPool:
     def health(self) -> PoolHealth:
         return PoolHealth("degraded", "closed") if self._closed else PoolHealth("ok")
 
+    def probe(self, deadline_seconds: float | None = None) -> PoolHealth:
+        return self.health()  # in this process: nothing to reach
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -92,6 +92,7 @@ class RedisPool:
         self._parts_hint: dict[bytes, int] = {}
         self._max_parts = 1
         self._closed = False
+        self._reached = False  # Redis has answered once: until then, a failure means it was never reached
 
     # --- LocalPool ---------------------------------------------------------------------------
     def put(
@@ -181,7 +182,13 @@ class RedisPool:
         state = self._breaker.state
         if state != "closed":
             return PoolHealth("degraded", f"redis unreachable, breaker {state}: {self._breaker.last_error}")
+        if not self._reached and self._breaker.last_error:
+            return PoolHealth("degraded", f"redis not reached yet: {self._breaker.last_error}")
         return PoolHealth("ok")
+
+    def probe(self, deadline_seconds: float | None = None) -> PoolHealth:
+        self._run([("PING",)], self._deadline(deadline_seconds))
+        return self.health()
 
     def close(self) -> None:
         self._closed = True
@@ -212,6 +219,7 @@ class RedisPool:
                 replies = self._transport.transaction(cmds, deadline_at)
             except OutOfMemoryError:
                 self._breaker.record_success()  # Redis is up; it is full
+                self._reached = True
                 return "oom"
             except (RedisError, RedisClusterException, OSError) as e:  # OSError covers ssl errors
                 self._counters.add("errors")
@@ -229,6 +237,7 @@ class RedisPool:
                 failure, error_text, judged = "error", f"{type(e).__name__}: {e}", True
                 continue
             self._breaker.record_success()
+            self._reached = True
             return replies
         if judged:
             self._breaker.record_failure(error_text)
