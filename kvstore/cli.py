@@ -22,7 +22,7 @@ EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE
 
 # (subcommand, module under kvstore.commands, one-line help)
 COMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("demo", "demo", "play one agent session (cold, warm, expired) on the embedded default"),
+    ("demo", "demo", "play one agent session (cold, warm, expired; 3 times by default) on the embedded default"),
     ("serve", "serve", "run the gRPC service and the admin HTTP port"),
     ("stats", "stats", "ask a running service for its statistics"),
     ("layout", "layout", "show a model's cache layout and capacity arithmetic"),

@@ -10,8 +10,9 @@ One method per RPC in snake_case; streaming, message sizing and reassembly happe
 are frozen dataclasses with plain strings for tiers ("device", "dram", "lmdb"), local states
 ("hit", "expired", "absent", "not_applicable", "replayed") and cases ("cold", "warm", "expired").
 Failures raise `RpcFailure` subclasses carrying the gRPC status code and the server's message.
-Only idempotent calls (lookup, load, load_local, stats, health) are retried, and only on
-UNAVAILABLE, within the call's deadline (a retry keeps its request id).
+Only idempotent calls (lookup, lookup_held, load, load_into, load_local, register_model, stats,
+health) are retried, and only on UNAVAILABLE, within the call's deadline (a retry keeps its
+request id).
 
 `lookup` and `resume` send an `x-request-id` (the caller's `request_id=`, else a fresh one) and
 return it in their result, so an engine can ask `kvstore explain REQUEST_ID` why its request
