@@ -81,3 +81,16 @@ def test_bench_restart_reports_what_a_reopen_and_the_lookups_during_a_background
             assert f["lookup_loading_ratio"] > 0, f
         else:
             assert f["lookup_p99_ms_while_loading"] is None and f["lookup_loading_ratio"] is None, f
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["bench", "store", "--sections", "nope"], "store: --sections takes some of memory,lmdb,lookup,device, not 'nope'"),
+    (["bench", "replay", "--prefixes", "100"], "replay: --prefixes must be positive multiples of 128"),
+    (["bench", "restart", "--toy-chunks", "10", "20"], "restart: every case needs at least"),
+])
+def test_a_bad_bench_argument_is_a_one_line_user_error(argv: list[str], said: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # It was a SystemExit: status 1 and no "kvstore bench:" before the message.
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvstore bench: {said}") and err.count("\n") == 1

@@ -78,6 +78,7 @@ from kvstore.bench.machine import machine
 from kvstore.bench.sections import pick_sections
 from kvstore.bench.serve_proc import start_serve
 from kvstore.dataplane.host_copy import in_parts
+from kvstore.errors import InvalidInput
 
 MiB = 1 << 20
 
@@ -354,7 +355,7 @@ def _runner_figures(args: argparse.Namespace, prompt: np.ndarray, blob: bytes, c
     n_chunks = len(blob) // cb
     passes = min(args.repeats, n_chunks - 1)
     if passes < 1:
-        raise SystemExit("bench dataplane: the runner section needs a prefix of at least two chunks")
+        raise InvalidInput("dataplane: the runner section needs a prefix of at least two chunks")
 
     def answer(jobs: Any) -> list[ReplayResult]:
         return [ReplayResult(snapshot) for _ in jobs]
@@ -469,7 +470,7 @@ def _gpu_figures(args: argparse.Namespace, prompts: dict[int, np.ndarray], blobs
 
     why = cuda_ipc_unavailable()
     if why:
-        raise SystemExit(f"bench dataplane: the gpu section needs CUDA and cupy: {why}")
+        raise InvalidInput(f"dataplane: the gpu section needs CUDA and cupy: {why}")
     out: dict[str, Any] = {"gpu": torch.cuda.get_device_properties(0).name, "prefixes": {}}
     with tempfile.TemporaryDirectory(prefix="kvs-bench-", dir="/tmp") as tmpdir:
         tmp = Path(tmpdir)

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvstore.errors import InvalidInput
+
 if TYPE_CHECKING:  # grpc and the demo load only when the benchmark runs
     from kvstore.workload.demo import EmbeddedService, Engine, Turn
 
@@ -100,9 +102,9 @@ class _Bench:
 def run_replay_bench(args: argparse.Namespace) -> dict[str, Any]:
     prefixes = [int(x) for x in str(args.prefixes).split(",") if x.strip()]
     if not prefixes or any(p <= 0 or p % 128 for p in prefixes):
-        raise SystemExit("bench replay: --prefixes must be positive multiples of 128")
+        raise InvalidInput("replay: --prefixes must be positive multiples of 128")
     if args.turn_tokens < 1 or args.repeats < 1:
-        raise SystemExit("bench replay: --turn-tokens and --repeats must be >= 1")
+        raise InvalidInput("replay: --turn-tokens and --repeats must be >= 1")
     from kvstore.client.sync_client import KvstoreClient
     from kvstore.workload.demo import MODEL, Engine, embedded_service, load_engine_model
 

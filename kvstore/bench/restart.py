@@ -52,6 +52,7 @@ import numpy as np
 
 from kvstore.config.policies import EVICTION_POLICIES
 from kvstore.config.store import GiB, StoreConfig
+from kvstore.errors import InvalidInput
 from kvstore.layout import ModelSpec, get_model
 from kvstore.store import GlobalStore
 from kvstore.tiers.factory import LMDB_SUBDIR
@@ -97,7 +98,7 @@ def run_restart_bench(args: argparse.Namespace) -> dict[str, Any]:
     cases = [Case("toy_10k", "reference-toy-8", small), Case("toy_200k", "reference-toy-8", large),
              Case("v41_10k", "deepseek-v4.1-flash", args.v41_chunks)]
     if min(small, large, args.v41_chunks) < CHUNKS_PER_PROMPT:
-        raise SystemExit(f"bench restart: every case needs at least {CHUNKS_PER_PROMPT} chunks")
+        raise InvalidInput(f"restart: every case needs at least {CHUNKS_PER_PROMPT} chunks")
     out: dict[str, Any] = {"read_bytes_source": "/proc/self/io read_bytes", "eviction_policy": args.eviction_policy}
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-restart-", dir=args.dir) as tmp:

@@ -29,6 +29,7 @@ from kvstore import codecs
 from kvstore.bench.timing import interleaved_best_rates
 from kvstore.config.store import StoreConfig
 from kvstore.dataplane.rows import pitched_available
+from kvstore.errors import InvalidInput
 from kvstore.layout import CacheLayout
 from kvstore.tiers.base import ChunkMeta
 from kvstore.tiers.device import DeviceTier
@@ -66,7 +67,7 @@ def device_figures(layout: CacheLayout, payload: bytes, n: int, repeats: int = 3
     SystemExit where CUDA is absent. `device_name="cpu"` runs the same code on the CPU, only to
     test it."""
     if device_name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench store: the device section needs CUDA (a GPU and a torch built for it)")
+        raise InvalidInput("store: the device section needs CUDA (a GPU and a torch built for it)")
     gpu = torch.cuda.get_device_properties(0).name if device_name == "cuda" else "none (cpu)"
     _log(f"device section on {gpu}, pitched copies {'on (cupy)' if pitched_available() else 'off (no cupy)'}")
     figures: dict[str, Any] = {"gpu": gpu, "pitched_copies": pitched_available()}
