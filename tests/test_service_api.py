@@ -89,6 +89,33 @@ def test_store_sends_only_missing_chunks_and_accepts_a_prefix(service: Service) 
         kv.store(V41, prompt, chunks + chunks[:1])  # more chunks than the prompt holds
 
 
+def test_a_store_whose_unsent_chunks_leave_meanwhile_keeps_the_prefix_it_can(
+        make_service: Callable[..., Service], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A Store without chunk 4 keeps chunks 0..3 (its short path). When chunk 0, held at the first
+    # look and so not sent, was evicted before the second (another Store making room), the short
+    # path asked for a chunk that never arrived: KeyError, INTERNAL.
+    from tests.store_helpers import store_prefix
+
+    svc = make_service(make_config(store={"lmdb_capacity_bytes": 1 << 20, "eviction_policy": "lru"},
+                                   service={"max_lookup_tokens": 1 << 16}))
+    store, kv, cb = svc.app.store, svc.client(), svc.chunk_bytes(TOY)
+    prompt, chunks = tokens(1, CHUNK * 8), payloads(1, 8, cb)
+    assert kv.store(TOY, prompt[: CHUNK * 4], b"".join(chunks[:4])).stored_chunks == 4
+    real, calls = store.begin_store, [0]
+
+    def begin_store(ns: Namespace, toks: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:  # between the servicer's two transactions: another namespace fills the tiers
+            store_prefix(store, store.namespace("default", TOY, ns.replay_mode, salt="other"),
+                         tokens(99, CHUNK * 1200))
+            assert not store.contains(store.chunk_keys(ns, prompt)[0])
+        return real(ns, toks)
+
+    monkeypatch.setattr(store, "begin_store", begin_store)
+    r = kv.store(TOY, prompt, b"".join(chunks[5:]), first_chunk=5, skip_present=False)
+    assert (r.stored_chunks, r.skipped_chunks) == (0, 8) and "chunk 0 is not held" in r.skipped_reason
+
+
 def test_store_calls_split_on_growing_prefixes(service: Service) -> None:
     cb = service.chunk_bytes(TOY)
     kv = service.client(max_store_call_bytes=3 * cb)

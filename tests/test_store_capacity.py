@@ -7,7 +7,9 @@ import threading
 import time
 from pathlib import Path
 
-from tests.store_helpers import CHUNK, open_store, store_prefix, tokens_for
+from kvstore.errors import StorageError
+from kvstore.store import GlobalStore, TenantQuota
+from tests.store_helpers import CHUNK, MODELS, open_store, small_config, store_prefix, tokens_for
 
 WRITERS = 4
 STORES_PER_WRITER = 60
@@ -77,3 +79,87 @@ def test_reopening_with_more_data_than_capacity_evicts_down_to_it(tmp_path: Path
     assert again.stats().chunks == kept and again.stats().tiers["lmdb"].evictions == 0
     again.check_invariants()
     again.close()
+
+
+# --- accounting after faults ----------------------------------------------------------------------
+
+
+def test_a_promotion_after_its_pin_lapsed_never_places_a_chunk_the_store_dropped(tmp_path: Path) -> None:
+    # A load outlived its pin, then promoted an LMDB-only chunk into a full DRAM; DRAM's victim
+    # went down into a full LMDB, whose eviction picked the promoted chunk itself. It was then put
+    # in DRAM and charged while no longer indexed: the next eviction naming it failed an assertion
+    # (INTERNAL for whoever was making room) and its bytes stayed charged.
+    now = [0.0]
+    s = GlobalStore(small_config(device_capacity_bytes=0, write_policy="write-back", eviction_policy="lru",
+                                 pin_timeout_seconds=30.0), tmp_path, MODELS, clock=lambda: now[0])
+    try:
+        ns = s.namespace("alice", MODELS[0].name, "off")
+        first = tokens_for(0, 16)
+        store_prefix(s, ns, first)
+        seed = 1
+        while s.stats().tiers["lmdb"].used_bytes + s._tiers["lmdb"].footprint(1272) < \
+                s.stats().tiers["lmdb"].capacity_bytes:
+            store_prefix(s, ns, tokens_for(seed, 16))  # the first chunk goes down to LMDB; LMDB fills
+            seed += 1
+        key = s.chunk_keys(ns, first)[0]
+        assert s._peek(key).fastest == "lmdb"  # type: ignore[union-attr]
+        with s.load(ns, first) as session:
+            now[0] += 31.0  # past the pin
+            assert s.stats().pins_active == 0
+            assert len(list(session)) == 1
+        s.check_invariants()
+        for _ in range(100):
+            store_prefix(s, ns, tokens_for(seed, 16))
+            seed += 1
+        s.check_invariants()
+    finally:
+        s.close()
+
+
+def test_a_demotion_whose_write_fails_drops_the_victim_and_keeps_the_accounts(tmp_path: Path) -> None:
+    # An LMDB write failing while DRAM's victims went down (disk full) left them charged in DRAM
+    # with no policy tracking them: bytes that could never be evicted again.
+    s = open_store(tmp_path, device_capacity_bytes=0, write_policy="write-back", eviction_policy="lru")
+    try:
+        ns = s.namespace("alice", MODELS[0].name, "off")
+        seed = 0
+        while s.stats().tiers["dram"].used_bytes + 4096 <= s.stats().tiers["dram"].capacity_bytes:
+            store_prefix(s, ns, tokens_for(seed, 16))  # write-back: in DRAM only
+            seed += 1
+        lmdb = s._durable
+        real = lmdb.put_many
+
+        def full(items: object) -> None:  # the fault
+            raise StorageError("LMDB write failed: No space left on device")
+
+        lmdb.put_many = full  # type: ignore[method-assign]
+        try:
+            store_prefix(s, ns, tokens_for(seed, 16))
+            seed += 1
+        finally:
+            lmdb.put_many = real  # type: ignore[method-assign]
+        assert s.stats().demotion_failures >= 1
+        s.check_invariants()
+        for _ in range(50):
+            store_prefix(s, ns, tokens_for(seed, 16))
+            seed += 1
+        s.check_invariants()
+        assert not [k for k, e in s._index.items() if "dram" in e.footprint and k not in s._policies["dram"]]
+    finally:
+        s.close()
+
+
+def test_a_restart_holds_each_tenant_to_a_lowered_lmdb_quota(tmp_path: Path) -> None:
+    s = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0)
+    ns = s.namespace("alice", MODELS[0].name, "off")
+    for seed in range(6):
+        store_prefix(s, ns, tokens_for(seed, 16 * 8))
+    used = s.stats().tenant_bytes["alice"]["lmdb"]
+    s.close()
+    s = open_store(tmp_path, quotas={"alice": TenantQuota(lmdb_bytes=used // 2)}, device_capacity_bytes=0,
+                   dram_capacity_bytes=0)
+    try:
+        assert 0 < s.stats().tenant_bytes["alice"]["lmdb"] <= used // 2
+        s.check_invariants()
+    finally:
+        s.close()

@@ -181,6 +181,8 @@ _STORE_SCALARS: tuple[tuple[type[GaugeMetricFamily] | type[CounterMetricFamily],
     (CounterMetricFamily, "kvstore_store_lookups", "Longest-prefix lookups the store ran.", lambda s: s.lookups),
     (CounterMetricFamily, "kvstore_admissions_refused", "Chunks the admission policy kept out.",
      lambda s: s.admissions_refused),
+    (CounterMetricFamily, "kvstore_demotion_failures", "Evicted chunks a lower tier failed to take (dropped).",
+     lambda s: s.demotion_failures),
     (CounterMetricFamily, "kvstore_token_mismatches", "Key hits whose stored token ids differed (treated as "
      "misses).", lambda s: s.token_mismatches),
     (CounterMetricFamily, "kvstore_corrupt_reads", "Chunk reads that found a corrupt value.",

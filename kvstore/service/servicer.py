@@ -213,11 +213,18 @@ class KVCacheServicer(LocalStateCalls):
                 # racing an eviction): keep the prefix before the gap, which is all a lookup can
                 # reach, and report the rest as skipped.
                 txn.abort()
-                cut = missing[0]
-                with store.begin_store(res.ns, res.tokens[: cut * res.chunk_tokens]) as short:
-                    for i in short.chunks_needed:
-                        short.write(i, received[i])
-                    r = short.commit()
+                cut, short_r = missing[0], None
+                while short_r is None:
+                    with store.begin_store(res.ns, res.tokens[: cut * res.chunk_tokens]) as short:
+                        gap = next((i for i in short.chunks_needed if i not in received), None)
+                        if gap is not None:  # another unsent chunk left the store since: cut there
+                            short.abort()
+                            cut = gap
+                            continue
+                        for i in short.chunks_needed:
+                            short.write(i, received[i])
+                        short_r = short.commit()
+                r = short_r
                 return _store_response(r, len(received), remainder, skipped=full - cut,
                                        reason=f"chunk {cut} is not held and was not sent")
             for i in txn.chunks_needed:

@@ -901,6 +901,9 @@ class GlobalStore(Placement):
             # between evicting chunks from the index and deleting their values. Evict down to it.
             if not self._make_room("lmdb", "", 0, protect=set()):
                 raise AssertionError("nothing is pinned or committing here, so every chunk can be evicted")
+            # And each tenant down to its quota (lowered since the data was written).
+            for tenant in sorted({t for (t, tier) in self._tenant_used if tier == "lmdb"}):
+                self._make_room("lmdb", tenant, 0, protect=set())
         self._delete_doomed()
         self._load_seconds = time.perf_counter() - t0
         self._ready.set()
@@ -1025,7 +1028,7 @@ class GlobalStore(Placement):
                 lookup_miss_tokens=c.get("lookup_miss_tokens", 0),
                 token_mismatches=c.get("token_mismatches", 0), corrupt_reads=c.get("corrupt_reads", 0),
                 pins_active=self._pins.active, pins_expired=self._pins.expired_total,
-                admissions_refused=c.get("admissions_refused", 0),
+                admissions_refused=c.get("admissions_refused", 0), demotion_failures=c.get("demotion_failures", 0),
                 ignored_on_open=dict(self._ignored), evictions_by_reason=reasons,
                 key_memo_bytes=self._memo.used_bytes, key_memo_prompts=len(self._memo),
                 key_memo_hits=self._memo.hits, key_memo_reused_keys=self._memo.reused_keys,

@@ -15,6 +15,7 @@ it in LMDB, and a commit or a demotion into LMDB waits for (or skips) a key bein
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvstore.errors import StorageError
 from kvstore.layout import TIER_NAMES, CacheLayout
 from kvstore.store.fates import ChunkFateSink
 from kvstore.store.pins import PinTable
@@ -29,6 +31,8 @@ from kvstore.store.store_lock import StoreLock
 from kvstore.store.types import TenantQuota
 from kvstore.tiers.base import ChunkMeta, DurableTier, Tier, TierName
 from policies.base import AdmissionPolicy, EvictionPolicy
+
+log = logging.getLogger("kvstore.store")
 
 
 # eq=False: entries compare by identity, so a lookup scans for a missing one in C, and the key memo
@@ -126,6 +130,8 @@ class Placement:
             if t.capacity_bytes == 0 or tier in entry.footprint:
                 continue
             if self._make_room(tier, entry.tenant, t.footprint(len(payload)), protect):
+                if self._index.get(key) is not entry:
+                    return False  # evicted meanwhile from every tier (its pin had lapsed): nothing to place
                 t.put(key, payload, chunk_meta(entry), entry.tenant)
                 self._charge(key, entry, tier)
                 return True
@@ -163,26 +169,28 @@ class Placement:
             victims = policy.evict(over_tenant, protected, lambda k: _tenant_of(self._peek(k)) == tenant)
             if victims is None:
                 return False
-            self._evict(tier, victims, "quota")
+            self._evict(tier, victims, "quota", protect)
             over_tier, _ = self._budget_excess(tier, tenant, need)
         if over_tier > 0:
             victims = policy.evict(over_tier, protected)
             if victims is None:
                 return False
-            self._evict(tier, victims, "capacity")
+            self._evict(tier, victims, "capacity", protect)
         return True
 
-    def _evict(self, tier: TierName, victims: list[bytes], reason: str) -> None:
+    def _evict(self, tier: TierName, victims: list[bytes], reason: str, protect: set[bytes]) -> None:
+        """Demote or drop each victim (the policy already let go of them); `protect`: chunks
+        the caller is placing, which making room further down must not evict either."""
         for key in victims:
             entry = self._entry(key)
             assert entry is not None, "an eviction policy named a chunk the store does not hold"
             self._bump_tier("evictions", tier)
             self._bump_tier(f"evict_reason:{tier}", reason)
-            self._demote(key, entry, tier)
+            self._demote(key, entry, tier, protect)
             if not self._holds(key):  # no lower tier took it: dropped from the store
                 self._fates.dropped(key, entry.namespace, tier, reason)
 
-    def _demote(self, key: bytes, entry: ChunkEntry, tier: TierName) -> None:
+    def _demote(self, key: bytes, entry: ChunkEntry, tier: TierName, protect: set[bytes]) -> None:
         """Move a victim down to the next tier that lacks it (if any has room), then drop it here.
 
         A device victim goes to DRAM even when LMDB holds it (write-through): DRAM is the faster
@@ -192,19 +200,26 @@ class Placement:
         in_lower_memory = any(t in entry.footprint for t in lower if t != "lmdb")
         targets = tuple(t for t in lower if t not in entry.footprint and self._tiers[t].capacity_bytes > 0)
         if targets and not in_lower_memory:
-            self._demote_into(key, entry, tier, targets)
+            try:
+                self._demote_into(key, entry, tier, targets, protect)
+            except StorageError as e:
+                # Dropped instead (a cache): the victim must still leave this tier, and the rest
+                # of the victims too, or their bytes stay charged with no policy to evict them.
+                self._bump("demotion_failures")
+                log.warning("a chunk evicted from %s could not be written lower and is dropped: %s", tier, e)
         if tier == "lmdb":
             self._doomed.add(key)  # deleted outside the lock, with the other victims
         else:
             self._tiers[tier].delete(key)
         self._uncharge(key, entry, tier)
 
-    def _demote_into(self, key: bytes, entry: ChunkEntry, source: TierName, targets: tuple[TierName, ...]) -> None:
+    def _demote_into(self, key: bytes, entry: ChunkEntry, source: TierName, targets: tuple[TierName, ...],
+                     protect: set[bytes]) -> None:
         """Put a victim of `source` into the first of `targets` with room: straight from tier to tier
         where both can (two arenas: a GPU's pages and pinned host memory by DMA), else through a
-        host buffer read once."""
+        host buffer read once. Making that room evicts neither it nor the chunks in `protect`."""
         meta = chunk_meta(entry)
-        protect = {key}
+        protect = protect | {key}
         for t in targets:
             tier = self._tiers[t]
             if t == "lmdb" and key in self._deleting:

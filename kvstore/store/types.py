@@ -112,6 +112,8 @@ class StoreStats:
     pins_active: int
     pins_expired: int
     admissions_refused: int
+    # Victims that could not be written to a lower tier (LMDB full or failing) and were dropped.
+    demotion_failures: int = 0
     ignored_on_open: dict[str, int] = field(default_factory=dict)
     evictions_by_reason: dict[str, int] = field(default_factory=dict)
     key_memo_bytes: int = 0  # what the remembered prompts count against store.key_memo_bytes
