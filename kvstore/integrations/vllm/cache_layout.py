@@ -247,13 +247,18 @@ class PagedCache:
                         view[i, skip + at : skip + at + n].permute(0, 3, 2, 1, 4))
 
 
+NO_BLOCK = -1  # in a load's block list: a block vLLM holds already (its own prefix cache), not written
+
+
 def block_runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
-    """`blocks` as runs of consecutive block ids: (first block, its position in `blocks`, length).
-    A run is copied as one slice: an indexed copy (`tensor[ids] = ...`) of the same bytes was 6x
-    slower here with one thread, and 25x with two."""
+    """`blocks` as runs of consecutive block ids: (first block, its position in `blocks`, length);
+    NO_BLOCK entries are left out. A run is copied as one slice: an indexed copy (`tensor[ids] =
+    ...`) of the same bytes was 6x slower here with one thread, and 25x with two."""
     runs: list[tuple[int, int, int]] = []
     for at, b in enumerate(blocks):
-        if runs and runs[-1][0] + runs[-1][2] == b:
+        if b < 0:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == b and runs[-1][1] + runs[-1][2] == at:
             first, start, n = runs[-1]
             runs[-1] = (first, start, n + 1)
         else:

@@ -16,6 +16,7 @@ connector's counters (failures by kind, chunks stored and loaded).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,8 @@ from kvstore.integrations.vllm.worker import WorkerSide
 if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
 
+log = logging.getLogger("kvstore.integrations.vllm")
+
 
 def model_identity(model_config: Any, cfg: ConnectorConfig) -> tuple[str, str]:
     """(name, revision): the configured revision, else the fingerprint of the weight files."""
@@ -57,6 +60,17 @@ def model_identity(model_config: Any, cfg: ConnectorConfig) -> tuple[str, str]:
 class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        pc = vllm_config.parallel_config
+        if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+            # Each rank holds a shard of the heads or of the layers, and the keys name none: ranks
+            # would load one another's shards.
+            raise ValueError(f"the kvstore connector does not yet support tensor or pipeline parallelism "
+                             f"(tensor_parallel_size={pc.tensor_parallel_size}, "
+                             f"pipeline_parallel_size={pc.pipeline_parallel_size}); run one rank per engine")
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning("kvstore: kv_load_failure_policy is %r: a chunk that cannot be loaded (corrupt, evicted, "
+                        "kvstore down) fails its request instead of being computed; set it to 'recompute'",
+                        self._kv_transfer_config.kv_load_failure_policy)
         cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         plan = plan_from_vllm(kv_cache_config, vllm_config.cache_config.block_size, cfg.chunk_tokens)
         mc = vllm_config.model_config
@@ -68,6 +82,10 @@ class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a save that never happens is only a later miss
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # saves copy each layer in Python: a step replayed as one full CUDA graph would skip them
 
     # --- worker side ------------------------------------------------------------------------------
 
@@ -145,7 +163,7 @@ class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, WorkerReport):
-            self._s().worker_report(meta.counters, meta.shm_sessions)
+            self._s().worker_report(meta.counters, meta.shm_sessions, meta.failed_loads)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, self._s().finished(request)

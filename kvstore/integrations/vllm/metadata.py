@@ -23,7 +23,9 @@ class LoadSpec:
     cache_salt: str
     first_chunk: int  # chunks before it are in vLLM's own prefix cache already
     end_chunk: int
-    chunk_blocks: dict[int, list[int]]  # full-attention group id -> the blocks of the loaded chunks, in order
+    # full-attention group id -> the blocks of the loaded chunks, in order; NO_BLOCK for the first
+    # chunk's blocks that vLLM's own prefix cache holds (its hit need not end on a chunk boundary)
+    chunk_blocks: dict[int, list[int]]
     window_blocks: dict[int, list[int]]  # sliding-window group id -> its blocks before the boundary
     # The chunks [0, end_chunk) the scheduler's Lookup already held in the worker's same-host
     # session (KvstoreClient.read_held reads them); empty: the worker loads them itself.
@@ -58,10 +60,14 @@ class WorkerReport(KVConnectorWorkerMetadata):
 
     counters: Counter[str] = field(default_factory=Counter)
     shm_sessions: tuple[str, ...] = ()
+    # Requests whose load failed since the last report: what they computed over the missing
+    # blocks was not saved, and what they compute again must be.
+    failed_loads: tuple[str, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, WorkerReport):
-            return WorkerReport(self.counters + other.counters, self.shm_sessions + other.shm_sessions)
+            return WorkerReport(self.counters + other.counters, self.shm_sessions + other.shm_sessions,
+                                self.failed_loads + other.failed_loads)
         return self
 
 

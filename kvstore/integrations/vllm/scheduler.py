@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.client import LookupResult
-from kvstore.integrations.vllm.cache_layout import EnginePlan
+from kvstore.integrations.vllm.cache_layout import NO_BLOCK, EnginePlan
 from kvstore.integrations.vllm.link import REPLAY_MODE, Link
 from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec
 
@@ -46,11 +46,24 @@ class _Request:
     loaded_tokens: int = 0
     saved_chunks: int = 0  # chunks kvstore holds or that were sent to it
     snapshot_saved: bool = False
+    load_first_chunk: int = 0  # the first chunk the load wrote into the request's blocks
+    # Not cached through kvstore: its KV depends on more than its token ids (images, audio, prompt
+    # embeddings), which the keys do not carry.
+    uncacheable: bool = False
 
 
-def salt_of(cache_salt: str | None) -> str:
-    """vLLM's cache_salt as kvstore's sub-namespace: hashed, so the salt itself never leaves."""
-    return hashlib.sha256(cache_salt.encode()).hexdigest()[:32] if cache_salt else ""
+def salt_of(cache_salt: str | None, lora: Any = None) -> str:
+    """vLLM's cache_salt (and the request's LoRA adapter, which changes its KV as vLLM's own
+    prefix cache knows) as kvstore's sub-namespace: hashed, so the salt itself never leaves."""
+    text = cache_salt or ""
+    if lora is not None:
+        text += f"\0lora\0{lora.lora_name}\0{lora.lora_path}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32] if text else ""
+
+
+def _uncacheable(request: Any) -> bool:
+    """KV that depends on more than the token ids: multimodal inputs, prompt embeddings."""
+    return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
 
 
 class SchedulerSide:
@@ -75,6 +88,8 @@ class SchedulerSide:
         st = self._state(request)
         if st.load_planned:
             return 0, False  # one load per request: a failed one is recomputed, not retried
+        if st.uncacheable:
+            return 0, False
         if st.usable_chunks is None and not self._decide(st):
             return None, False
         external = (st.usable_chunks or 0) * self.ct - num_computed_tokens
@@ -84,7 +99,11 @@ class SchedulerSide:
         st = self._requests.get(request.request_id)
         if st is None:
             tokens = np.asarray(request.prompt_token_ids or [], dtype="<u4")
-            st = self._requests[request.request_id] = _Request(tokens, salt_of(request.cache_salt))
+            st = self._requests[request.request_id] = _Request(
+                tokens, salt_of(request.cache_salt, getattr(request, "lora_request", None)),
+                uncacheable=_uncacheable(request))
+            if st.uncacheable:
+                self.link.count("requests_not_cached_multimodal")
         return st
 
     def _decide(self, st: _Request) -> bool:
@@ -151,16 +170,22 @@ class SchedulerSide:
         if st is None or num_external_tokens <= 0 or st.load_planned or not st.usable_chunks:
             return
         end = st.usable_chunks
-        first = end - num_external_tokens // self.ct
+        k, plan = self.plan.window_chunks, self.plan
+        # vLLM's own prefix cache holds whole blocks, not whole chunks: the load starts at the
+        # chunk its hit ends in, and leaves that chunk's first blocks (vLLM's, maybe shared) alone.
+        computed = end * self.ct - num_external_tokens
+        first, skip = computed // self.ct, (computed % self.ct) // plan.block_tokens
         st.load_planned = True
         st.loaded_tokens = num_external_tokens
-        k, plan = self.plan.window_chunks, self.plan
+        st.load_first_chunk = first
+        chunk_blocks = {g.group_id: plan.chunk_blocks(block_ids[g.group_id], first, end) for g in plan.full}
+        for ids in chunk_blocks.values():
+            ids[:skip] = [NO_BLOCK] * skip
         # What the Lookup held covers chunks [0, usable): this load's (a short read is loaded again).
         spans, st.held_spans = st.held_spans, ()
         self._loads.append(LoadSpec(
             req_id=request.request_id, tokens=st.tokens[: end * self.ct], cache_salt=st.salt, first_chunk=first,
-            end_chunk=end, chunk_blocks={g.group_id: plan.chunk_blocks(block_ids[g.group_id], first, end)
-                                         for g in plan.full},
+            end_chunk=end, chunk_blocks=chunk_blocks,
             window_blocks={g.group_id: plan.chunk_blocks(block_ids[g.group_id], max(0, end - k), end)
                            for g in plan.sliding},
             held_spans=list(spans),
@@ -186,6 +211,8 @@ class SchedulerSide:
 
     def _plan_save(self, req_id: str, st: _Request, after: int, blocks: tuple[list[int], ...],
                    null_block: int) -> SaveSpec | None:
+        if st.uncacheable:
+            return None
         full = len(st.tokens) // self.ct
         done = min(full, after // self.ct)
         spec = None
@@ -208,9 +235,16 @@ class SchedulerSide:
             spec.snapshot_chunk, spec.window_blocks = boundary, window
         return spec
 
-    def worker_report(self, counters: Counter[str], sessions: tuple[str, ...]) -> None:
+    def worker_report(self, counters: Counter[str], sessions: tuple[str, ...], failed_loads: tuple[str, ...] = ()
+                      ) -> None:
         self.worker_counters = Counter(counters)  # totals so far, summed over the workers
         self.worker_sessions(sessions)
+        for req_id in failed_loads:
+            st = self._requests.get(req_id)
+            if st is not None:
+                # vLLM computes it again from the first block that did not arrive; what it computed
+                # over the missing blocks was not saved, so what it computes again must be.
+                st.saved_chunks = min(st.saved_chunks, st.load_first_chunk)
 
     def worker_sessions(self, sessions: tuple[str, ...]) -> None:
         """The workers' same-host sessions, from their handshake at engine start and then from

@@ -75,6 +75,11 @@ class WorkerSide:
         self._layers = sum(len(g.layer_names) for g in plan.groups)
         self.sync = link.cfg.loads_synchronously(len(plan.groups))
         self._reported_session: str | None = None
+        # Requests whose synchronous load failed this step: the forward still runs over their
+        # missing blocks (vLLM then recomputes from the first), so this step's saves of them are not made.
+        self._failed_this_step: set[str] = set()
+        self._failed_loads: list[str] = []  # failed loads not yet reported to the scheduler
+        self._staged_meta: KvstoreMeta | None = None  # the metadata this step's saves were staged from
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], platform: str) -> None:
         self.cache = PagedCache(self.plan, kv_caches, platform)
@@ -84,6 +89,7 @@ class WorkerSide:
     def start_loads(self, meta: KvstoreMeta) -> None:
         """Synchronous loads run here, before the forward pass; a short one reports the blocks it
         did not fill (vLLM recomputes them). Asynchronous ones go to threads."""
+        self._failed_this_step.clear()
         for spec in meta.loads:
             if not self.sync:
                 self._loads[spec.req_id] = self._load_pool.submit(self._load, spec)
@@ -92,7 +98,9 @@ class WorkerSide:
                 out = self._load(spec)
             except Exception as e:  # a bug or a torch error: recompute rather than serve garbage
                 self.link.failed("load", e)
-                out = _LoadOutcome(spec.req_id, False, {b for ids in spec.chunk_blocks.values() for b in ids})
+                out = _LoadOutcome(spec.req_id, False, {b for ids in spec.chunk_blocks.values() for b in ids if b >= 0})
+            if not out.ok:
+                self._failed_this_step.add(spec.req_id)
             self._settle(out)
 
     def _load(self, spec: LoadSpec) -> _LoadOutcome:
@@ -111,7 +119,7 @@ class WorkerSide:
         ok = got == wanted
         if ok and self.plan.hybrid:
             ok = self._load_window(name, spec)
-        failed = {b for ids in spec.chunk_blocks.values() for b in ids[got * self.plan.blocks_per_chunk :]}
+        failed = {b for ids in spec.chunk_blocks.values() for b in ids[got * self.plan.blocks_per_chunk :] if b >= 0}
         return _LoadOutcome(spec.req_id, ok, failed, got)
 
     def _load_chunks(self, client: KvstoreClient, name: str, spec: LoadSpec) -> int:
@@ -185,6 +193,7 @@ class WorkerSide:
         self.link.count("loaded_chunks", out.loaded_chunks)
         if out.ok:
             return True
+        self._failed_loads.append(out.req_id)
         self.link.count("load_failed_requests")
         if len(self.plan.groups) > 1:
             return False
@@ -200,7 +209,8 @@ class WorkerSide:
 
     def save_layer(self, meta: KvstoreMeta, layer: str) -> None:
         assert self.cache is not None
-        if meta.saves and not self._staged:
+        if meta.saves and self._staged_meta is not meta:  # once a step, whatever it staged
+            self._staged_meta = meta
             self._stage(meta)
         group = self.cache.group_of(layer)
         if group is None:
@@ -216,6 +226,9 @@ class WorkerSide:
 
     def _stage(self, meta: KvstoreMeta) -> None:
         for spec in meta.saves:
+            if spec.req_id in self._failed_this_step:  # computed over blocks that did not arrive
+                self.link.count("saves_skipped_failed_load")
+                continue
             n = spec.end_chunk - spec.first_chunk
             need = n * self.plan.chunk_bytes + (self.plan.snapshot_bytes if spec.window_blocks else 0)
             with self._lock:
@@ -229,6 +242,7 @@ class WorkerSide:
 
     def submit_saves(self) -> None:
         staged, self._staged = self._staged, []
+        self._staged_meta = None
         for st in staged:
             if st.layers_left > 0:  # a forward that skipped some layers: the copy is incomplete
                 self.link.count("saves_incomplete")
@@ -282,10 +296,11 @@ class WorkerSide:
         scheduler keeps the latest)."""
         session = self._session()
         snap = self.link.snapshot()
-        if snap == self._reported and session == self._reported_session:
+        failed, self._failed_loads = tuple(self._failed_loads), []
+        if snap == self._reported and session == self._reported_session and not failed:
             return None
         self._reported, self._reported_session = snap, session
-        return WorkerReport(Counter(snap), (session,))
+        return WorkerReport(Counter(snap), (session,), failed)
 
     def close(self) -> None:
         self._store_pool.shutdown(wait=True)
