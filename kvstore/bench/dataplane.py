@@ -211,14 +211,17 @@ def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
                     out["prefixes"][str(n)] = _prefix_figures(args, ctx, (shm, shm1, tcp), unix_address,
                                                               prompts[n], blobs[n], cb, interleaved_best_rates)
                     f = out["prefixes"][str(n)]
+                    # The copy a load makes is split over the client's copy threads: the memcpy it is
+                    # measured against copies the same bytes over as many threads.
                     targets += [
-                        {"name": f"{n} tokens: shm_load_gbps / memcpy_gbps", "value": f["shm_load_gbps"] /
-                         f["memcpy_gbps"], "target": ">= 0.5", "ok": f["shm_load_gbps"] >= 0.5 * f["memcpy_gbps"]},
+                        {"name": f"{n} tokens: shm_load_gbps / memcpy_threads_gbps (both {f['copy_threads']} "
+                         "copy threads)", "value": f["shm_load_gbps"] / f["memcpy_threads_gbps"], "target": ">= 0.5",
+                         "ok": f["shm_load_gbps"] >= 0.5 * f["memcpy_threads_gbps"]},
                         {"name": f"{n} tokens: shm_load_gbps / grpc_load_gbps", "value": f["shm_load_gbps"] /
                          f["grpc_load_gbps"], "target": ">= 4", "ok": f["shm_load_gbps"] >= 4 * f["grpc_load_gbps"]},
-                        {"name": f"{n} tokens: shm_load_4_clients_gbps / shm_load_gbps",
-                         "value": f["shm_load_4_clients_gbps"] / f["shm_load_gbps"], "target": ">= 1.5",
-                         "ok": f["shm_load_4_clients_gbps"] >= 1.5 * f["shm_load_gbps"]},
+                        {"name": f"{n} tokens: shm_load_4_clients_gbps / shm_load_1_client_gbps (both over wall "
+                         "time, one process each)", "value": f["shm_load_4_clients_gbps"] / f["shm_load_1_client_gbps"],
+                         "target": ">= 1.5", "ok": f["shm_load_4_clients_gbps"] >= 1.5 * f["shm_load_1_client_gbps"]},
                     ]
                 plane = shm.stats().data_plane
                 sessions = plane.sessions if plane is not None else ()
@@ -279,17 +282,22 @@ def _prefix_figures(args: argparse.Namespace, ctx: Any, clients: tuple[Any, Any,
     assert bytes(shm_dst) == blob and bytes(shm1_dst) == blob and bytes(tcp_dst) == blob
     assert threaded_dst.tobytes() == blob
     rates = interleaved_best_rates(contenders, repeats=args.repeats)
-    aggregate = {}
+    # Many clients against one, measured alike: client processes loading `repeats` times from a
+    # common start, their bytes over the wall time from the first start to the last end, one
+    # client and then all of them, twice in turn (the better of each kept).
+    aggregate: dict[str, float] = {}
     with ctx.Pool(args.clients) as pool:
-        for name, work, task in (
-            ("shm", _loader, (unix_address, args.model, prompt.tobytes(), len(blob), args.repeats)),
-            ("memcpy", _copier, (len(blob), cb, args.repeats)),
-        ):
-            start_at = time.time() + 3.0
-            results = pool.starmap(work, [(*task, start_at) for _ in range(args.clients)])
-            assert all(r[3] == name for r in results), [r[3] for r in results]
-            wall = max(r[2] for r in results) - min(r[1] for r in results)
-            aggregate[name] = sum(r[0] for r in results) * cb / wall / 1e9
+        for _ in range(2):
+            for name, work, task, n_clients in (
+                ("shm_1", _loader, (unix_address, args.model, prompt.tobytes(), len(blob), args.repeats), 1),
+                ("shm", _loader, (unix_address, args.model, prompt.tobytes(), len(blob), args.repeats), args.clients),
+                ("memcpy", _copier, (len(blob), cb, args.repeats), args.clients),
+            ):
+                start_at = time.time() + 3.0
+                results = pool.starmap(work, [(*task, start_at) for _ in range(n_clients)])
+                assert all(r[3] == name.split("_")[0] for r in results), [r[3] for r in results]
+                wall = max(r[2] for r in results) - min(r[1] for r in results)
+                aggregate[name] = max(aggregate.get(name, 0.0), sum(r[0] for r in results) * cb / wall / 1e9)
     return {
         "bytes": len(blob), "chunks": n_chunks,
         "memcpy_gbps": rates["memcpy"], "shm_load_gbps": rates["shm"], "grpc_load_gbps": rates["grpc"],
@@ -297,6 +305,7 @@ def _prefix_figures(args: argparse.Namespace, ctx: Any, clients: tuple[Any, Any,
         "shm_load_1_thread_gbps": rates["shm_1_thread"],
         "shm_control_ms": len(blob) / rates["control"] / 1e6,
         "shm_load_4_clients_gbps": aggregate["shm"], "memcpy_4_clients_gbps": aggregate["memcpy"],
+        "shm_load_1_client_gbps": aggregate["shm_1"],
         "clients": args.clients,
     }
 

@@ -88,11 +88,19 @@ class _Bench:
             out["warm"].append(t)
         if label:
             _say(f"{label} warm: {statistics.median(t.ttft_ms for t in out['warm']):,.1f} ms (median)")
-        for _ in range(repeats):
+        for i in range(repeats):
             self.svc.clock.advance(self.ttl + 1.0)  # the snapshot (and any replayed one) expires
             t = e.request(np.concatenate([prefix, self._turn()]))
             assert t.resume.local_state == "replayed", (t.resume.local_state, t.resume.replay_status)
             out["expired"].append(t)
+            if i < repeats - 1:
+                # The cold baseline as many times, taking turns with the expired requests: a
+                # prefix as long, never seen (the first cold request alone also paid for the
+                # prompt length's first run).
+                fresh = self.rng.integers(0, e.model.cfg.vocab_size, n).astype("<u4")
+                t = e.request(np.concatenate([fresh, self._turn()]))
+                assert t.resume.case == "cold", t.resume.case
+                out["cold"].append(t)
         if label:
             _say(f"{label} expired: {statistics.median(t.ttft_ms for t in out['expired']):,.1f} ms (median, "
                  f"{out['expired'][0].resume.replay_tokens} tokens replayed)")
