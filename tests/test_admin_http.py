@@ -268,3 +268,112 @@ def test_request_ids_in_urls_are_unquoted(open_srv: AdminHttpServer, rig: Rig) -
     rid = rig.request("acme", rig.tokens(2 * CHUNK))
     status, doc = get_json(open_srv, "/api/explain/" + rid.replace("-", "%2D"))
     assert status == 200 and doc["request_id"] == rid
+
+
+# --- a real service's admin port, two tenants --------------------------------------------------------
+
+ACME, GLOBEX = "acme-token-123456", "globex-token-123456"
+
+
+@pytest.fixture
+def two_tenants(tmp_path: Path) -> Iterator[Any]:
+    from kvstore.service.app import build_app
+    from kvstore.service.server import KvstoreServer
+
+    table = base_table()
+    table["tenants"] = {"acme": {"tokens": [ACME]}, "globex": {"tokens": [GLOBEX], "local_ttl_seconds": 900}}
+    app = build_app(parse_config(table), tmp_path / "data")
+    app.store.wait_ready(60)
+    srv = KvstoreServer(app, "127.0.0.1", 0, admin_port=0, health_interval_seconds=1.0).start()
+    try:
+        yield srv
+    finally:
+        srv.stop(0)
+        app.close()
+
+
+def _raw_get(port: int, path: str, headers: dict[str, str]) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", path, headers=headers)
+    r = conn.getresponse()
+    body = r.read()
+    conn.close()
+    return r.status, json.loads(body)
+
+
+def test_tenant_ttl_overrides_are_shown_to_their_tenant_and_the_admin_only(two_tenants: Any) -> None:
+    # The policy's per-tenant TTLs once went to every viewer: every tenant's name, to anyone.
+    port = two_tenants.admin.port
+    loopback = {"Host": f"127.0.0.1:{port}"}
+    _, admin = _raw_get(port, "/api/stats", loopback)  # loopback, no admin token: the admin
+    assert admin["viewer"]["admin"] and admin["policy"]["ttl"]["tenant_ttl_seconds"] == {"globex": 900}
+    _, acme = _raw_get(port, "/api/stats", {**loopback, "Authorization": f"Bearer {ACME}"})
+    assert acme["viewer"]["tenant"] == "acme" and acme["policy"]["ttl"]["tenant_ttl_seconds"] == {}
+    _, globex = _raw_get(port, "/api/stats", {**loopback, "Authorization": f"Bearer {GLOBEX}"})
+    assert globex["policy"]["ttl"]["tenant_ttl_seconds"] == {"globex": 900}
+
+
+@pytest.mark.parametrize("host", ["attacker.example", "attacker.example:9400", "10.0.0.7", ""])
+def test_a_page_that_rebinds_its_name_to_loopback_is_not_the_admin(two_tenants: Any, host: str) -> None:
+    # On a loopback bind without an admin token, every caller was the admin: so was a web page
+    # whose domain a DNS rebinding pointed at 127.0.0.1 (its own name in Host).
+    port = two_tenants.admin.port
+    status, doc = _raw_get(port, "/api/stats", {"Host": host})
+    assert status == 200 and not doc["viewer"]["admin"] and "tenants" not in doc
+    assert _raw_get(port, "/api/explain/anything", {"Host": host})[0] == 403
+    for name in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"[::1]:{port}"):
+        assert _raw_get(port, "/api/stats", {"Host": name})[1]["viewer"]["admin"], name
+
+
+def test_the_admin_explains_the_request_of_the_tenant_it_names(two_tenants: Any) -> None:
+    # Request ids are the clients': two tenants may send the same one. The dashboard's row of one
+    # once opened the other's explanation.
+    from kvstore.client import KvstoreClient
+    from tests.fixtures.service import TOY, tokens
+
+    with KvstoreClient(two_tenants.address, token=ACME) as a, KvstoreClient(two_tenants.address, token=GLOBEX) as g:
+        a.lookup(TOY, tokens(1, 4 * CHUNK), request_id="shared-id")
+        g.lookup(TOY, tokens(2, 9 * CHUNK), request_id="shared-id")
+    port = two_tenants.admin.port
+    loopback = {"Host": f"127.0.0.1:{port}"}
+    _, acme = _raw_get(port, "/api/explain/shared-id?tenant=acme", loopback)
+    _, globex = _raw_get(port, "/api/explain/shared-id?tenant=globex", loopback)
+    assert (acme["tenant"], acme["prompt_tokens"]) == ("acme", 4 * CHUNK)
+    assert (globex["tenant"], globex["prompt_tokens"]) == ("globex", 9 * CHUNK)
+    # A tenant cannot name another: its own request, whatever it asks.
+    as_acme = {**loopback, "Authorization": f"Bearer {ACME}"}
+    status, own = _raw_get(port, "/api/explain/shared-id?tenant=globex", as_acme)
+    assert status == 200 and own["tenant"] == "acme"
+    assert _raw_get(port, "/api/explain/abc%0A", loopback)[0] == 400  # a newline is no request id
+
+
+def test_slow_or_too_many_connections_do_not_hold_the_admin_port(two_tenants: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A client sending its request a byte every few seconds held a thread for as long as it went
+    # on (each read had its own 10 s timeout), and every connection had a thread of its own.
+    import socket
+    import time
+
+    from kvstore.observe import admin_http
+
+    port = two_tenants.admin.port
+    monkeypatch.setattr(admin_http, "REQUEST_HEAD_SECONDS", 0.5)
+    slow = socket.create_connection(("127.0.0.1", port))
+    slow.settimeout(10)
+    slow.sendall(b"GET /healthz HTTP/1.0\r\n")  # and never the end of its headers
+    t0 = time.monotonic()
+    assert slow.recv(1024) == b"" and time.monotonic() - t0 < 8  # cut at the deadline, not a read's timeout
+    slow.close()
+    monkeypatch.setattr(admin_http, "REQUEST_HEAD_SECONDS", 30.0)  # the idle ones below stay while counted
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(admin_http.MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)
+        extra = socket.create_connection(("127.0.0.1", port))
+        extra.settimeout(10)
+        assert extra.recv(1024).startswith(b"HTTP/1.0 503")  # refused at once, no thread
+        extra.close()
+    finally:
+        for s in idle:
+            s.close()
+    status, _ = _raw_get(port, "/healthz", {"Host": f"127.0.0.1:{port}"})
+    assert status in (200, 503)  # served again once they went

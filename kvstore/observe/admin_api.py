@@ -87,7 +87,7 @@ class AdminApi:
             "pool": self._read(s.pool),
             "pool_health": self._read(s.pool_health),
             "replay": self._read(s.replay),
-            "policy": self._read(s.policy),
+            "policy": _policy_view(self._read(s.policy), viewer),
             "health": self._read(s.health),
             "timeseries": {"step_seconds": self.ledger.step_seconds,
                            "window_seconds": self.ledger.window_seconds},
@@ -118,9 +118,23 @@ class AdminApi:
         # The time series is aggregate only: per-tenant series would multiply its memory.
         return self.ledger.timeseries(window_seconds, step_seconds)
 
-    def explain(self, viewer: Viewer, request_id: str) -> dict[str, Any] | None:
-        """None when the request is unknown, aged out, or another tenant's (all look the same)."""
+    def explain(self, viewer: Viewer, request_id: str, tenant: str | None = None) -> dict[str, Any] | None:
+        """None when the request is unknown, aged out, or another tenant's (all look the same).
+        `tenant`: whose request, for the admin (a tenant sees its own only)."""
         if not viewer.sees_tenants:
             return None
-        exp = self.explainer.get(request_id, None if viewer.admin else viewer.tenant)
+        exp = self.explainer.get(request_id, tenant if viewer.admin else viewer.tenant)
         return None if exp is None else exp.to_json()
+
+
+def _policy_view(policy: Any, viewer: Viewer) -> Any:
+    """The TTL policy as this viewer may see it: per-tenant TTLs name tenants, so a tenant sees its
+    own only and a viewer without a token none."""
+    if viewer.admin or not isinstance(policy, dict):
+        return policy
+    ttl = policy.get("ttl")
+    if not isinstance(ttl, dict) or "tenant_ttl_seconds" not in ttl:
+        return policy
+    overrides = ttl["tenant_ttl_seconds"] if isinstance(ttl["tenant_ttl_seconds"], dict) else {}
+    mine = {t: v for t, v in overrides.items() if t == viewer.tenant}
+    return {**policy, "ttl": {**ttl, "tenant_ttl_seconds": mine}}

@@ -21,12 +21,14 @@ What it does not know: what the figures mean (`admin_api.py` builds them), or gR
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import ipaddress
 import json
 import logging
 import re
+import socket
 import threading
 from collections.abc import Callable, Mapping
 from http import HTTPStatus
@@ -44,6 +46,10 @@ from kvstore.wire.request_ids import REQUEST_ID_RE
 log = logging.getLogger("kvstore.admin")
 
 DEFAULT_WINDOW_SECONDS = 900
+# Connections served at once (a thread each); more are answered 503 at once. And the longest a
+# client may take to send its request line and headers: a slow trickle must not hold a thread.
+MAX_CONNECTIONS = 64
+REQUEST_HEAD_SECONDS = 10.0
 _SCRIPT_RE = re.compile(rb"<script>(.*?)</script>", re.S)
 
 
@@ -139,7 +145,10 @@ class AdminHttpServer:
 
     # --- auth ---
 
-    def viewer(self, authorization: str | None, *, required: bool) -> Viewer:
+    def viewer(self, authorization: str | None, *, required: bool, host: str | None = None) -> Viewer:
+        """Who asks: the admin (its token; or anyone, on a loopback bind without a token, when the
+        request names a loopback host), a tenant (its token), or nobody in particular. A page
+        elsewhere that rebinds its own domain to 127.0.0.1 sends its own name as Host: not the admin."""
         token = ""
         if authorization:
             scheme, _, rest = authorization.partition(" ")
@@ -156,12 +165,12 @@ class AdminHttpServer:
                 raise HttpError(401, "this endpoint needs 'Authorization: Bearer <admin token>'",
                                 {"WWW-Authenticate": 'Bearer realm="kvstore-admin"'})
             return Viewer()
-        return Viewer(admin=self._loopback)
+        return Viewer(admin=self._loopback and _loopback_host(host))
 
     # --- routes ---
 
     def route(self, path: str, query: str, authorization: str | None,
-              accept: str = "") -> tuple[int, str, bytes, dict[str, str]]:
+              accept: str = "", host: str | None = None) -> tuple[int, str, bytes, dict[str, str]]:
         """(status, content type, body, extra headers) for a GET."""
         if path in ("/", ""):
             return 302, "text/plain", b"", {"Location": "/dashboard"}
@@ -169,13 +178,13 @@ class AdminHttpServer:
             return self._healthz()
         if path == "/metrics":
             if self._metrics_auth:
-                self.viewer(authorization, required=True)
+                self.viewer(authorization, required=True, host=host)
             self._read_fresh()
             return self._metrics(query, accept)
         if path == "/dashboard":
             return 200, "text/html; charset=utf-8", self._page, {"Content-Security-Policy": self._page_csp}
         if path.startswith("/api/"):
-            viewer = self.viewer(authorization, required=True)
+            viewer = self.viewer(authorization, required=True, host=host)
             params = _params(query)
             self._read_fresh()
             if path == "/api/stats":
@@ -187,13 +196,16 @@ class AdminHttpServer:
                 step = _int_param(params, "step", 0, 1, self._max_window) if "step" in params else None
                 return _json(200, self.api.timeseries(viewer, window, step))
             if path.startswith("/api/explain/"):
-                _only(params, ())
+                _only(params, ("tenant",))
                 rid = unquote(path[len("/api/explain/"):])
-                if not REQUEST_ID_RE.match(rid):
+                if not REQUEST_ID_RE.fullmatch(rid):
                     raise HttpError(400, "a request id is 1-64 characters of letters, digits and . _ : -")
                 if not viewer.sees_tenants:
                     raise HttpError(403, "explanations name tenants' requests: they need the admin token")
-                doc = self.api.explain(viewer, rid)
+                # Request ids are the clients' own: two tenants may send the same one. The admin
+                # names whose (`?tenant=`); without it, the latest request of that id.
+                tenant = params.get("tenant", [None])[0] if viewer.admin else None
+                doc = self.api.explain(viewer, rid, tenant)
                 if doc is None:
                     raise HttpError(404, f"no recent request '{rid}' (unknown, or aged out of the journal)")
                 return _json(200, doc)
@@ -224,13 +236,51 @@ class _Server(ThreadingHTTPServer):
     admin: AdminHttpServer
     # Quiet restarts: a port just released must be bindable again at once.
     allow_reuse_address = True
+    _slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # replaced per server in server_activate
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
-    timeout = 10  # a client that sends its request slowly must not hold a thread forever
+    timeout = 10  # one read's wait; REQUEST_HEAD_SECONDS bounds the whole request head
     server_version = "kvstore-admin"
     sys_version = ""
+
+    def setup(self) -> None:
+        super().setup()
+        self._head_deadline = threading.Timer(REQUEST_HEAD_SECONDS, self._cut)
+        self._head_deadline.daemon = True
+        self._head_deadline.start()
+
+    def _cut(self) -> None:
+        with contextlib.suppress(OSError):  # its reads then end at once, and the thread with them
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self._head_deadline.cancel()
+        return ok
+
+    def finish(self) -> None:
+        self._head_deadline.cancel()
+        super().finish()
 
     def do_GET(self) -> None:
         self._serve(head=False)
@@ -249,7 +299,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             parts = urlsplit(self.path)
             status, ctype, body, extra = admin.route(
-                parts.path, parts.query, self.headers.get("Authorization"), self.headers.get("Accept", ""))
+                parts.path, parts.query, self.headers.get("Authorization"), self.headers.get("Accept", ""),
+                self.headers.get("Host"))
         except HttpError as e:
             status, ctype, extra = e.status, "application/json", e.headers
             body = _error_body(e.status, e.message)
@@ -312,3 +363,15 @@ def _int_param(params: Mapping[str, list[str]], name: str, default: int, lo: int
     if not lo <= v <= hi:
         raise HttpError(400, f"query parameter '{name}' must be in {lo}..{hi} seconds, got {v}")
     return v
+
+
+def _loopback_host(host: str | None) -> bool:
+    """Whether a Host header names this machine's loopback (a port after it or not)."""
+    if not host:
+        return False
+    name = host.strip().lower()
+    if name.startswith("["):  # [::1] or [::1]:9400
+        name = name[1 : name.find("]")] if "]" in name else name
+    elif name.count(":") == 1:
+        name = name.split(":")[0]
+    return name in ("localhost", "::1") or name.startswith("127.")

@@ -8,7 +8,7 @@ import random
 import re
 from collections.abc import Iterable
 
-REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}\Z")  # \Z, not $: "$" also matches before a final newline
 
 # Request ids correlate a request's logs, trace and explanation; they are not secrets (explanations
 # need the admin token), so a generator seeded once from the OS will do: os.urandom per id was a
