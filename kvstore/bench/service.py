@@ -64,11 +64,10 @@ def _raw_server(port_out: Any, streams: dict[str, list[bytes]], stop: Any) -> No
 
     from kvstore.v1 import kvstore_pb2 as pb
 
-    def streamer(messages: list[bytes]) -> Callable[[bytes, Any], Iterator[pb.LoadResponse]]:
-        parsed = [pb.LoadResponse.FromString(m) for m in messages]
-
-        def stream(request: bytes, context: Any) -> Iterator[pb.LoadResponse]:
-            yield from parsed  # pre-built messages: only serialization and transport remain
+    def streamer(messages: list[bytes]) -> Callable[[bytes, Any], Iterator[bytes]]:
+        def stream(request: bytes, context: Any) -> Iterator[bytes]:
+            # Serialized already, as the service sends its chunk messages: the transport remains.
+            yield from messages
 
         return stream
 
@@ -81,7 +80,7 @@ def _raw_server(port_out: Any, streams: dict[str, list[bytes]], stop: Any) -> No
     handlers = {
         "LookupBytes": grpc.unary_unary_rpc_method_handler(bytes_unary),
         **{name: grpc.unary_stream_rpc_method_handler(
-            streamer(messages), request_deserializer=lambda b: b, response_serializer=pb.LoadResponse.SerializeToString)
+            streamer(messages), request_deserializer=lambda b: b, response_serializer=lambda b: b)
            for name, messages in streams.items()},
         "Lookup": grpc.unary_unary_rpc_method_handler(
             unary, request_deserializer=pb.LookupRequest.FromString,
