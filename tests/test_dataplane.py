@@ -7,6 +7,7 @@ import mmap
 import os
 import socket
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from kvstore.dataplane import (
     LeaseTable,
     NoRoom,
     Segment,
+    ShmPath,
+    ShmUnavailable,
     SideSocketClosed,
     check_span,
     data_socket_path,
@@ -309,3 +312,39 @@ def test_a_failed_part_of_a_copy_is_raised_only_once_every_part_is_done(monkeypa
     with pytest.raises(OSError, match="injected"):
         host_copy.copy_rows(dst, np.ones_like(dst), threads=3)
     assert sorted(finished) == [0, 2]  # the slow part was waited for before the error came out
+
+
+@pytest.mark.parametrize("reply", [
+    {"ok": True},  # no field at all
+    {"ok": True, "session": "s", "load_bytes": "many", "store_bytes": 4096, "lease_seconds": 30, "monotonic": 0},
+])
+def test_a_malformed_hello_answer_is_refused_and_its_descriptors_closed(tmp_path: Any, reply: dict) -> None:
+    # A reply missing a field raised KeyError before the descriptors that came with it were closed:
+    # two memory segments leaked per try, from a service that misbehaves.
+    path = str(tmp_path / "kv.sock")
+    side = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    side.bind(data_socket_path(path))
+    side.listen(1)
+
+    def answer() -> None:
+        conn, _ = side.accept()
+        recv_message(conn)  # the hello
+        fds = (os.memfd_create("kvs-fake-hello"), os.memfd_create("kvs-fake-hello"))
+        for fd in fds:
+            os.ftruncate(fd, 4096)
+        send_message(conn, reply, fds)
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+
+    server = threading.Thread(target=answer)
+    server.start()
+    try:
+        with pytest.raises(ShmUnavailable, match="could not be mapped"):
+            ShmPath.open(path, None)
+    finally:
+        server.join(10)
+        side.close()
+    leaked = [fd for fd in os.listdir("/proc/self/fd")
+              if os.path.exists(f"/proc/self/fd/{fd}") and "kvs-fake-hello" in os.readlink(f"/proc/self/fd/{fd}")]
+    assert not leaked

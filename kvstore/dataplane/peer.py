@@ -73,19 +73,19 @@ class ShmPath:
     def __init__(self, sock: socket.socket, reply: dict, fds: list[int], sent_at: float) -> None:
         self._sock = sock
         self._send_lock = threading.Lock()
-        self.session_id: str = reply["session"]
-        self.tenant: str = reply.get("tenant", "")
-        # The service takes a StoreLocal's snapshot as a span of the store segment (newer services).
-        self.snapshot_spans = reply.get("snapshot_spans") is True
-        self.load_bytes = int(reply["load_bytes"])
-        self.store_bytes = int(reply["store_bytes"])
-        self.lease_seconds = float(reply["lease_seconds"])
-        # The service's clock is at most this far ahead of ours (it stamped the hello's answer
-        # after we sent it).
-        self._clock_ahead = float(reply["monotonic"]) - sent_at
-        arenas = reply.get("arenas", [])
         self._arena_maps: dict[str, mmap.mmap] = {}
-        try:
+        try:  # a reply without a field it needs is refused too, its descriptors closed
+            self.session_id: str = reply["session"]
+            self.tenant: str = reply.get("tenant", "")
+            # The service takes a StoreLocal's snapshot as a span of the store segment (newer services).
+            self.snapshot_spans = reply.get("snapshot_spans") is True
+            self.load_bytes = int(reply["load_bytes"])
+            self.store_bytes = int(reply["store_bytes"])
+            self.lease_seconds = float(reply["lease_seconds"])
+            # The service's clock is at most this far ahead of ours (it stamped the hello's answer
+            # after we sent it).
+            self._clock_ahead = float(reply["monotonic"]) - sent_at
+            arenas = reply.get("arenas", [])
             self._load_map = map_segment(fds[0], self.load_bytes, writable=False)
             self._store_map = map_segment(fds[1], self.store_bytes, writable=True)
             for arena, fd in zip(arenas, fds[2:], strict=True):
