@@ -220,7 +220,7 @@ def test_serve_refuses_an_admin_port_out_of_range_before_opening_anything(tmp_pa
         [sys.executable, "-m", "kvstore", "serve", "--grpc-port", "0", "--admin-port", port,
          "--data-dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
-    assert out.stderr == "kvstore serve: config key '--admin-port': must be -1 (none) or in 0..65535\n"
+    assert out.stderr == "kvstore serve: --admin-port must be -1 (none) or in 0..65535\n"
     assert not (tmp_path / "d").exists()
 
 

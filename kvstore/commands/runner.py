@@ -17,7 +17,7 @@ import threading
 from dataclasses import replace
 from types import FrameType
 
-from kvstore.errors import ConfigError
+from kvstore.errors import InvalidInput
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,11 +50,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_batch < 1:
-        raise ConfigError("--max-batch", "must be >= 1")
+        raise InvalidInput("--max-batch must be >= 1")
     if args.max_concurrent_jobs < 1:
-        raise ConfigError("--max-concurrent-jobs", "must be >= 1")
+        raise InvalidInput("--max-concurrent-jobs must be >= 1")
     if not 0 <= args.threads <= 256:
-        raise ConfigError("--threads", "must be 0 (auto) to 256")
+        raise InvalidInput("--threads must be 0 (auto) to 256")
     from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
     from replay.inprocess import ReferenceReplayer, device_option
     from replay.reference.config import ModelConfig
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = replace(ModelConfig(), window=args.window, chunk_tokens=args.chunk_tokens, seed=args.seed)
     except ValueError as e:
-        raise ConfigError("--window/--chunk-tokens", str(e)) from None
+        raise InvalidInput(f"--window/--chunk-tokens: {e}") from None
     # The service checks the layout id, which hashes the layout's name: announce the layout under
     # the name the service serves the model by.
     name = args.model or ("reference-toy-8" if cfg.window == ModelConfig().window else cfg.layout().name)

@@ -26,7 +26,7 @@ from types import FrameType
 from kvstore import __version__
 from kvstore.config import load_config
 from kvstore.config.warnings import config_warnings
-from kvstore.errors import ConfigError, KvstoreError
+from kvstore.errors import InvalidInput, KvstoreError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,12 +58,12 @@ def run(args: argparse.Namespace) -> int:
     host = args.grpc_host or cfg.service.grpc_host
     check_bind_allowed(cfg, host)  # before opening anything
     if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
-        raise ConfigError("--grpc-port", "must be in 0..65535")
+        raise InvalidInput("--grpc-port must be in 0..65535")
     # Checked before anything opens: the admin port is bound only after gRPC has started.
     if args.admin_port is not None and not -1 <= args.admin_port <= 65535:
-        raise ConfigError("--admin-port", "must be -1 (none) or in 0..65535")
+        raise InvalidInput("--admin-port must be -1 (none) or in 0..65535")
     if args.unix_socket and (not args.unix_socket.startswith("/") or len(args.unix_socket.encode()) > 100):
-        raise ConfigError("--unix-socket", "must be an absolute path of at most 100 bytes")
+        raise InvalidInput("--unix-socket must be an absolute path of at most 100 bytes")
     if args.unix_socket is not None:  # the store splits its arenas for in-place loads only with a socket
         cfg = dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, unix_socket_path=args.unix_socket))
     app = build_app(cfg, args.data_dir, progress=_say)
