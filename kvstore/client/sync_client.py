@@ -1151,19 +1151,21 @@ def _check_offsets(span: pb.ShmSpan) -> None:
                           f"{len(span.chunk_offsets)} chunk offsets", "Load")
 
 
+def _invalid_argument_saying(e: grpc.RpcError, marker: str) -> bool:
+    code = e.code() if hasattr(e, "code") else None
+    return code == grpc.StatusCode.INVALID_ARGUMENT and marker in ((e.details() or "") if hasattr(
+        e, "details") else "")
+
+
 def _too_large(e: grpc.RpcError) -> bool:
     """The service answered that the call's chunks do not fit the same-host session's segment."""
-    code = e.code() if hasattr(e, "code") else None
-    return code == grpc.StatusCode.INVALID_ARGUMENT and TOO_LARGE_FOR_SESSION in ((e.details() or "") if hasattr(
-        e, "details") else "")
+    return _invalid_argument_saying(e, TOO_LARGE_FOR_SESSION)
 
 
 def _session_gone(e: grpc.RpcError) -> bool:
     """The service answered that the call's same-host session is unknown (it restarted, or
     closed the session): the call may go again over streams."""
-    code = e.code() if hasattr(e, "code") else None
-    return code == grpc.StatusCode.INVALID_ARGUMENT and UNKNOWN_SESSION in ((e.details() or "") if hasattr(
-        e, "details") else "")
+    return _invalid_argument_saying(e, UNKNOWN_SESSION)
 
 
 def _store_result(r: pb.StoreResponse) -> StoreResult:

@@ -374,4 +374,4 @@ def _loopback_host(host: str | None) -> bool:
         name = name[1 : name.find("]")] if "]" in name else name
     elif name.count(":") == 1:
         name = name.split(":")[0]
-    return name in ("localhost", "::1") or name.startswith("127.")
+    return is_loopback(name)

@@ -130,8 +130,6 @@ class Placement:
             if t.capacity_bytes == 0 or tier in entry.footprint:
                 continue
             if self._make_room(tier, entry.tenant, t.footprint(len(payload)), protect):
-                if self._index.get(key) is not entry:
-                    return False  # evicted meanwhile from every tier (its pin had lapsed): nothing to place
                 t.put(key, payload, chunk_meta(entry), entry.tenant)
                 self._charge(key, entry, tier)
                 return True
