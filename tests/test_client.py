@@ -175,13 +175,14 @@ def test_the_bounds_leave_the_values_that_mean_something() -> None:
         assert parse_config({"admin": {"host": host}}).admin.host == host
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here: 'cuda' is valid")
 @pytest.mark.parametrize(("text", "key"), [
     ("[store]\ndevice = \"cuda\"\n", "store.device"),
     ("[replay]\ndevice = \"cuda\"\nrunner = \"reference\"\n", "replay.device"),
 ])
 def test_check_config_refuses_a_cuda_device_this_machine_lacks_as_serve_does(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, key: str) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, text: str,
+        key: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the fault: a machine without CUDA
     path = tmp_path / "cuda.toml"
     path.write_text(text)
     assert main(["check-config", str(path)]) == 2
