@@ -15,9 +15,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from kvstore.config import parse_config
+from kvstore.config import is_loopback, parse_config
 from kvstore.errors import ConfigError
-from kvstore.observe.admin_http import AdminHttpServer, is_loopback
+from kvstore.observe.admin_http import AdminHttpServer
 from kvstore.service.admin_server import _tenant_of_token, redact_url, serve_admin
 from tests.fixtures.service import base_table, to_toml
 from tests.test_admin_workload import CHUNK, Rig, small_config, workload
@@ -51,6 +51,15 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     workload(r, minutes=5, sessions=6)
     yield r
     r.close()
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.9.9.9", True), ("::1", True), ("[::1]", True), ("localhost", True),
+     ("0.0.0.0", False), ("::", False), ("10.0.0.1", False), ("example.com", False), ("", False)],
+)
+def test_one_notion_of_loopback_for_the_grpc_and_admin_binds(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
 
 
 @pytest.fixture

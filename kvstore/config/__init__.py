@@ -15,7 +15,7 @@ from typing import Any
 from kvstore.config.fields import join, parse_section, require
 from kvstore.config.local_pool import LocalPoolConfig, TtlPolicyConfig
 from kvstore.config.replay import ReplayConfig
-from kvstore.config.service import AdminConfig, ServiceConfig, TenantConfig, TraceConfig
+from kvstore.config.service import AdminConfig, ServiceConfig, TenantConfig, TraceConfig, is_loopback
 from kvstore.config.store import StoreConfig
 from kvstore.errors import ConfigFileError
 
@@ -32,6 +32,7 @@ __all__ = [
     "TenantConfig",
     "TraceConfig",
     "TtlPolicyConfig",
+    "is_loopback",
     "load_config",
     "parse_config",
 ]

@@ -27,6 +27,16 @@ def is_host(host: str) -> bool:
     return 0 < len(name) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in name.split("."))
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a host (an address, bracketed or not, or `localhost`) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class TenantConfig:
     # Bearer tokens that authenticate as this tenant. An mTLS peer whose certificate common name

@@ -24,7 +24,6 @@ import base64
 import contextlib
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import re
@@ -40,6 +39,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from kvstore.config import is_loopback
 from kvstore.observe.admin_api import AdminApi, Viewer
 from kvstore.wire.request_ids import REQUEST_ID_RE
 
@@ -59,15 +59,6 @@ class HttpError(Exception):
         self.status = status
         self.message = message
         self.headers = dict(headers or {})
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def load_dashboard() -> bytes:

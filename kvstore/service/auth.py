@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from kvstore.config import DEFAULT_TENANT, KvstoreConfig, ServiceConfig
+from kvstore.config import DEFAULT_TENANT, KvstoreConfig, ServiceConfig, is_loopback
 from kvstore.errors import ConfigError, Unauthenticated
 
 BEARER = "bearer "
@@ -114,15 +113,6 @@ def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
             raise Unauthenticated("the authorization metadata must be 'Bearer <token>'")
         return v[len(BEARER) :].strip()
     return None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_bind_allowed(cfg: KvstoreConfig, host: str) -> None:
