@@ -7,6 +7,7 @@ closed, the way a damaged disk or another program would leave them.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -163,6 +164,103 @@ def test_values_and_index_records_out_of_step_are_reconciled_at_open(tmp_path: P
     assert tier.stats().entries == 5
     tier.close()
     assert sorted(index_keys(tmp_path)) == sorted(set(keys) - {keys[2]})
+
+
+def compact_format_1(path: Path) -> None:
+    """Leave `path` as kvstore 0.1 wrote it (no index, no format stamp) with no free page in the
+    file: an open whose map is the file's size has no room for anything it must write."""
+    drop_index(path)
+    env = lmdb.open(str(path), max_dbs=8)
+    copy = path.parent / "compacted"
+    copy.mkdir()
+    env.copy(str(copy), compact=True)
+    env.close()
+    for name in ("data.mdb", "lock.mdb"):
+        (path / name).unlink()
+    (copy / "data.mdb").rename(path / "data.mdb")
+    copy.rmdir()
+
+
+def test_a_full_map_while_the_index_is_built_loses_no_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The map fills on the 40th record of a batch: the aborted transaction wrote nothing, so the
+    # retry must start where that transaction started, not where it had got to.
+    tier = open_tier(tmp_path)
+    keys = put_chunks(tier, 1, 60)
+    tier.close()
+    compact_format_1(tmp_path)
+    real, calls = vf.index_record_of, [0]
+
+    def full_once(value: memoryview) -> bytes:
+        calls[0] += 1
+        if calls[0] == 40:
+            raise lmdb.MapFullError("injected: the map is full")
+        return real(value)
+
+    monkeypatch.setattr(vf, "index_record_of", full_once)
+    tier = open_tier(tmp_path)
+    assert calls[0] > 60  # the batch ran again
+    assert tier.stats().entries == 60 and sorted(sc.key for sc in tier.scan() if sc.ok) == sorted(keys)
+    assert all(check_chunk(tier, k) == "" for k in keys)
+    tier.close()
+    assert sorted(index_keys(tmp_path)) == sorted(keys)
+
+
+def test_an_old_directory_opens_with_a_map_no_larger_than_its_file(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    keys = put_chunks(tier, 1, 30)
+    tier.close()
+    compact_format_1(tmp_path)
+    # The databases 0.1 lacked are created at open, and the index built, with the map at the file's size.
+    tier = open_tier(tmp_path, initial_map_bytes=(tmp_path / "data.mdb").stat().st_size)
+    assert tier.stats().entries == 30 and all(check_chunk(tier, k) == "" for k in keys)
+    tier.close()
+
+
+def test_values_kept_for_another_config_get_map_room_beyond_the_budget(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, max_map_bytes=8 << 20)
+    tier.keep_unserved(5 << 20)
+    assert tier.max_map_bytes == 13 << 20
+    tier.keep_unserved(0)
+    assert tier.max_map_bytes == 8 << 20
+    tier.close()
+
+
+def test_many_concurrent_reads_find_a_reader_slot_and_a_full_table_is_a_storage_error(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    keys = put_chunks(tier, 1, 2)
+    held = [tier._env.begin() for _ in range(200)]  # readers of the service's many threads
+    assert check_chunk(tier, keys[0]) == ""
+    held += [tier._env.begin() for _ in range(tier._env.max_readers() - 200)]
+    with pytest.raises(StorageError, match="LMDB read failed"):
+        tier.get_into(keys[0], memoryview(bytearray(LAYOUT.chunk_bytes)))
+    with pytest.raises(StorageError, match="LMDB read failed"):
+        tier.get_many_into(keys, [memoryview(bytearray(LAYOUT.chunk_bytes)) for _ in keys])
+    for txn in held:
+        txn.abort()
+    held.clear()  # a transaction's slot is free once the object is
+    assert check_chunk(tier, keys[1]) == ""
+    tier.close()
+
+
+def test_a_corrupt_read_frees_its_reader_slot_without_the_cycle_collector(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    keys = put_chunks(tier, 1, 4)
+    tier.close()
+    for k in keys[:3]:
+        tamper(tmp_path, k, flip_payload_bit)
+    tier = open_tier(tmp_path)
+    gc.collect()
+    gc.disable()
+    try:
+        assert tier.get_into(keys[0], memoryview(bytearray(LAYOUT.chunk_bytes))) is None
+        outs = [memoryview(bytearray(LAYOUT.chunk_bytes)) for _ in range(2)]
+        assert tier.get_many_into(keys[1:3], outs) == [None] * 2
+        # What would hold a transaction (and its reader slot) now is a reference cycle.
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+    assert tier.corrupt_total == 3 and check_chunk(tier, keys[3]) == ""
+    tier.close()
 
 
 def test_a_directory_of_a_newer_format_is_refused(tmp_path: Path) -> None:

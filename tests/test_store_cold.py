@@ -195,6 +195,35 @@ def test_a_restart_ignores_and_counts_chunks_of_an_unknown_namespace_or_layout(t
     only_toy.close()
 
 
+def test_chunks_a_config_no_longer_serves_stay_and_leave_the_budget_its_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A full tier of a model then taken out of the config, and a full budget of another model's
+    # chunks after it: the map (here twice the budget) must make room for both.
+    monkeypatch.setattr(lmdb_tier, "MAP_OVERHEAD_MIN_BYTES", 0)
+    cfg = small_config(chunk_tokens=128, lmdb_capacity_bytes=16 << 20, lmdb_durability="async",
+                       device_capacity_bytes=0, dram_capacity_bytes=0)
+    store = GlobalStore(cfg, tmp_path, MODELS)
+    v41 = store.namespace("a", "deepseek-v4.1-flash", "bounded")
+    for seed in range(10):
+        store_prefix(store, v41, tokens_for(seed, 16 * 128))
+    kept = store.stats().tiers["lmdb"].entries
+    store.close()
+    lines: list[str] = []
+    only_toy = GlobalStore(cfg, tmp_path, MODELS[:1], progress=lines.append)
+    assert only_toy.stats().ignored_on_open == {"layout": kept} and kept > 100
+    assert any(f"{kept} LMDB chunks this config does not serve (" in line and "kept on disk outside the budget" in line
+               for line in lines)
+    toy = only_toy.namespace("a", "reference-toy-8", "bounded")
+    for seed in range(100, 130):  # 30 MiB offered to a budget of 16
+        assert store_prefix(only_toy, toy, tokens_for(seed, 100 * 128)).stored_chunks > 0
+    assert only_toy.stats().tiers["lmdb"].used_bytes <= 16 << 20
+    only_toy.close()
+    again = GlobalStore(cfg, tmp_path, MODELS)  # served again: charged again, and evicted down to the budget
+    assert again.stats().ignored_on_open == {} and again.stats().tiers["lmdb"].used_bytes <= 16 << 20
+    again.close()
+
+
 def test_a_chunk_left_in_lmdb_only_while_the_index_loads_is_folded_when_it_is_ready(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

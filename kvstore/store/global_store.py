@@ -167,6 +167,7 @@ class GlobalStore(Placement):
         self._counters: dict[str, int] = {}
         self._by_tier: dict[str, int] = {}
         self._ignored: dict[str, int] = {}
+        self._ignored_bytes = 0  # on disk, of the chunks counted in _ignored
         self._fates: ChunkFateSink = NoFates()  # told when a chunk leaves or is kept out (the explainer)
         self._doomed: set[bytes] = set()
         self._deleting: dict[bytes, threading.Event] = {}
@@ -880,6 +881,7 @@ class GlobalStore(Placement):
                 time.sleep(0)
             for sc in batch.damaged:
                 self._ignored[sc.problem] = self._ignored.get(sc.problem, 0) + 1
+                self._ignored_bytes += sc.stored_bytes
             if not len(batch.keys):
                 continue
             row_kinds = self._recovered_kinds(batch, kind_of, cost)
@@ -892,6 +894,13 @@ class GlobalStore(Placement):
                 if self._stop_loading.is_set():
                     return
         self._index_batch(bytes(keys), kinds)
+        # Left on disk for a config that serves them again, outside the budget: the map must not
+        # fill with them and the budget's own data together.
+        self._durable.keep_unserved(self._ignored_bytes)
+        if self._ignored:
+            why = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self._ignored.items()))
+            self._progress(f"index: {sum(self._ignored.values()):,} LMDB chunks this config does not serve "
+                           f"({why}; {self._ignored_bytes / (1 << 20):,.1f} MiB) kept on disk outside the budget")
         footprints = cold.footprints()  # an array as long as the run: made before the lock is taken
         with self._lock:
             self._policies["lmdb"].insert_run(cold.run(), footprints, cost)
@@ -927,7 +936,9 @@ class GlobalStore(Placement):
                 kind = kind_of[group] = self._recovered_kind(group[:32], group[32:40],
                                                              int.from_bytes(group[40:], "little"), cost)
             if isinstance(kind, str):
-                self._ignored[kind] = self._ignored.get(kind, 0) + int(np.count_nonzero(inverse == g))
+                rows = inverse.ravel() == g
+                self._ignored[kind] = self._ignored.get(kind, 0) + int(np.count_nonzero(rows))
+                self._ignored_bytes += int(batch.stored_bytes[rows].sum())
                 kinds[g] = -1
             else:
                 kinds[g] = kind

@@ -181,6 +181,11 @@ class DurableTier(Tier, Protocol):
         """Remember what a namespace digest stands for (tenant, model...), durably."""
         ...
 
+    def keep_unserved(self, nbytes: int) -> None:
+        """Make room beyond the budget for `nbytes` of values a scan found that the store does not
+        serve (kept on disk, uncharged, for a config that serves them again)."""
+        ...
+
     def namespaces(self) -> dict[bytes, bytes]: ...
 
     def put_model(self, name: bytes, record: bytes) -> None:

@@ -69,6 +69,12 @@ MAP_OVERHEAD_MIN_BYTES = 64 * MiB  # room for copy-on-write pages and the tree b
 # Replacing the whole budget takes twice it: the old values stay whole until the commit that
 # frees them, and their pages are reusable only after one more commit.
 MAP_OVERHEAD_FRACTION = 1.0
+# Beyond the data file at open: creating a missing database, an index batch or a delete needs a few
+# pages, and LMDB cannot grow a map that is exactly full from inside a transaction.
+OPEN_HEADROOM_BYTES = 4 * MiB
+# Read transactions open at once (one per reading thread): the service's call, runner and data-plane
+# threads together, with room. LMDB's default of 126 made reads fail with a full reader table.
+MAX_READERS = 1024
 SCAN_BATCH = 256  # entries read per read transaction by scan(); short transactions let the map grow
 MEASURE_RUN = 65_536  # index records joined at a time when the used bytes are counted at open
 # 1: chunks only (kvstore 0.1); 2: an index record beside every value.
@@ -163,9 +169,10 @@ class LmdbTier:
         self._capacity = capacity_bytes
         self._layouts = {layout.layout_id: layout for layout in layouts}
         self._max_token_bytes = 4 * max((lo.chunk_tokens for lo in self._layouts.values()), default=128)
-        self._max_map = max_map_bytes or capacity_bytes + max(
+        self._budget_map = max_map_bytes or capacity_bytes + max(
             MAP_OVERHEAD_MIN_BYTES, int(capacity_bytes * MAP_OVERHEAD_FRACTION)
         )
+        self._max_map = self._budget_map
         self._codec = Codec(compression, zstd_level, self._layouts)
         self.checksum_kernel = load_kernel()  # compiled (or loaded from cache) now, not on a first hit
         # Writes (and map growth) take the lock; reads only share the map (`_MapGuard`), so that a
@@ -180,12 +187,17 @@ class LmdbTier:
             data = self.path / "data.mdb"
             existing = data.stat().st_size if data.exists() else 0
             initial = initial_map_bytes or min(self._max_map, INITIAL_MAP_BYTES)
+            # A file written under a larger capacity may already be past this one's map limit:
+            # the store evicts down to the budget after the scan, and that needs pages too.
+            self._open_floor = existing + OPEN_HEADROOM_BYTES if existing else 0
+            self._max_map = max(self._budget_map, self._open_floor)
             # readahead off: chunks are read at random, each already a contiguous run of pages;
             # OS readahead would fill the page cache with neighbours nobody asked for once the
             # database outgrows RAM (LMDB's own advice for MDB_NORDAHEAD).
             self._env = lmdb.open(
-                str(self.path), map_size=max(initial, existing), subdir=True, max_dbs=8,
-                writemap=False, map_async=False, readahead=False, **_DURABILITY[durability],
+                str(self.path), map_size=max(initial, self._open_floor), subdir=True, max_dbs=8,
+                max_readers=MAX_READERS, writemap=False, map_async=False, readahead=False,
+                **_DURABILITY[durability],
             )
             # Reader slots of processes that died inside a read transaction pin old pages forever.
             self.stale_readers_cleared = self._env.reader_check()
@@ -209,6 +221,13 @@ class LmdbTier:
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
+
+    def keep_unserved(self, nbytes: int) -> None:
+        """Values the store does not serve under this config (a model no longer served, another
+        quantization) stay on disk outside the budget, for a config that serves them again: the
+        map makes room for them, so that they never leave the budget's own data without pages."""
+        with self._lock:
+            self._max_map = max(self._budget_map + max(nbytes, 0), self._open_floor)
 
     def disk_bytes(self, value_bytes: int) -> int:
         """Bytes of the database one value of this length takes (leaf node + overflow pages)."""
@@ -277,16 +296,19 @@ class LmdbTier:
         bad = len(self._unindexed)
         self._progress(f"LMDB index built: {done - bad} values indexed, {bad} unreadable left out")
 
-    def _index_batch(self, after: bytes | None) -> tuple[int, bytes | None]:
-        """One write transaction of `_build_index`: (values looked at, the last key, None at the end)."""
+    def _index_batch(self, start: bytes | None) -> tuple[int, bytes | None]:
+        """One write transaction of `_build_index`, from the value after `start`: (values looked at,
+        the last key, None at the end). A retry after a full map begins again at `start`: the
+        aborted transaction wrote nothing."""
         while True:
             try:
-                seen, last = 0, None
+                seen, last, after = 0, None, start
+                unindexed: list[ScannedChunk] = []
                 with self._env.begin(write=True, buffers=True) as txn:
                     values = txn.cursor(self._chunks)
                     records = txn.cursor(self._index)
-                    ok = values.first() if after is None else values.set_range(after)
-                    if ok and after is not None and bytes(values.key()) == after:
+                    ok = values.first() if start is None else values.set_range(start)
+                    if ok and start is not None and bytes(values.key()) == start:
                         ok = values.next()
                     while ok and seen < SCAN_BATCH:
                         key = bytes(values.key())
@@ -296,12 +318,12 @@ class LmdbTier:
                             try:
                                 txn.put(key, vf.index_record_of(value), db=self._index)
                             except ValueProblem as p:
-                                self._unindexed.append(ScannedChunk(key, b"", b"", 0, self.disk_bytes(len(value)),
-                                                                    p.problem))
+                                unindexed.append(ScannedChunk(key, b"", b"", 0, self.disk_bytes(len(value)), p.problem))
                         seen, last, after = seen + 1, key, key
                         ok = values.next()
                     if not ok:  # past the last value: records beyond it have no value
-                        self._drop_records_before(records, last, None)
+                        self._drop_records_before(records, after, None)
+                self._unindexed += unindexed
                 return seen, (last if ok else None)
             except lmdb.MapFullError:
                 self._grow(SCAN_BATCH * vf.INDEX_RECORD_BYTES)
@@ -451,14 +473,19 @@ class LmdbTier:
     def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         """Verify and copy (or decompress) the payload into out; corrupt values are removed."""
         dst = _flat(out)
-        with self._map, self._env.begin(db=self._chunks, buffers=True) as txn:
-            value = txn.get(key)
-            if value is None:
-                return None
-            try:
-                return self._read(value, dst)
-            except ValueProblem as p:
-                bad = (key, len(value), zlib.crc32(value), p)
+        try:
+            with self._map, self._env.begin(db=self._chunks, buffers=True) as txn:
+                value = txn.get(key)
+                if value is None:
+                    return None
+                try:
+                    return self._read(value, dst)
+                except ValueProblem as p:
+                    # The problem's name only: the exception's traceback holds this frame, and the
+                    # frame the transaction, whose reader slot would wait for the cycle collector.
+                    bad = (key, len(value), zlib.crc32(value), p.problem)
+        except lmdb.Error as e:
+            raise StorageError(f"LMDB read failed: {e}") from e
         self._remove_bad([bad])
         return None
 
@@ -468,18 +495,21 @@ class LmdbTier:
         if len(keys) != len(outs):
             raise InvalidInput(f"{len(keys)} keys but {len(outs)} buffers")
         metas: list[ChunkMeta | None] = []
-        bad: list[tuple[bytes, int, int, ValueProblem]] = []
-        with self._map, self._env.begin(db=self._chunks, buffers=True) as txn:
-            get, read = txn.get, self._read
-            for key, out in zip(keys, outs, strict=True):
-                value = get(key)
-                meta = None
-                if value is not None:
-                    try:
-                        meta = read(value, _flat(out))
-                    except ValueProblem as p:
-                        bad.append((key, len(value), zlib.crc32(value), p))  # what was read: see _remove_bad
-                metas.append(meta)
+        bad: list[tuple[bytes, int, int, str]] = []
+        try:
+            with self._map, self._env.begin(db=self._chunks, buffers=True) as txn:
+                get, read = txn.get, self._read
+                for key, out in zip(keys, outs, strict=True):
+                    value = get(key)
+                    meta = None
+                    if value is not None:
+                        try:
+                            meta = read(value, _flat(out))
+                        except ValueProblem as p:  # what was read, and the problem's name: see get_into
+                            bad.append((key, len(value), zlib.crc32(value), p.problem))
+                    metas.append(meta)
+        except lmdb.Error as e:
+            raise StorageError(f"LMDB read failed: {e}") from e
         if bad:
             self._remove_bad(bad)
         return metas
@@ -513,7 +543,7 @@ class LmdbTier:
             self._codec.decode_into(codec, stored, target, layout_id)
         return ChunkMeta(namespace, layout_id, bytes(value[vf.TOKENS_AT : vf.TOKENS_AT + 4 * n_tok]))
 
-    def _remove_bad(self, bad: list[tuple[bytes, int, int, ValueProblem]]) -> None:
+    def _remove_bad(self, bad: list[tuple[bytes, int, int, str]]) -> None:
         """Delete values a read found bad (key, length, crc32, problem), each only if it is still
         the value that read saw: a write may have replaced it with a good one since."""
         with self._lock:
@@ -523,7 +553,7 @@ class LmdbTier:
                     value = txn.get(key)
                     if value is not None and len(value) == size and zlib.crc32(value) == crc:
                         self.corrupt_total += 1
-                        self.problems[problem.problem] = self.problems.get(problem.problem, 0) + 1
+                        self.problems[problem] = self.problems.get(problem, 0) + 1
                         gone.append(key)
             if gone:
                 self._delete_locked(gone)

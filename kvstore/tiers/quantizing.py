@@ -135,6 +135,9 @@ class QuantizingDurableTier(QuantizingTier):
     def put_namespace(self, digest: bytes, record: bytes) -> None:
         self._durable.put_namespace(digest, record)
 
+    def keep_unserved(self, nbytes: int) -> None:
+        self._durable.keep_unserved(nbytes)
+
     def namespaces(self) -> dict[bytes, bytes]:
         return self._durable.namespaces()
 
