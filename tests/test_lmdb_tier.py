@@ -263,6 +263,21 @@ def test_a_corrupt_read_frees_its_reader_slot_without_the_cycle_collector(tmp_pa
     tier.close()
 
 
+def test_a_full_map_with_no_page_to_reuse_is_a_storage_error(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    env = tier._env
+
+    class FullEnv:  # the commit that would make freed pages reusable finds the map full too
+        def begin(self, **kwargs: object) -> object:
+            raise lmdb.MapFullError("injected: the map is full")
+
+    tier._env = FullEnv()
+    with pytest.raises(StorageError, match="no page is free to reuse"):
+        tier._advance()
+    tier._env = env
+    tier.close()
+
+
 def test_a_directory_of_a_newer_format_is_refused(tmp_path: Path) -> None:
     open_tier(tmp_path).close()
     env = lmdb.open(str(tmp_path), max_dbs=8)

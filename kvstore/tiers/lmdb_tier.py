@@ -399,9 +399,12 @@ class LmdbTier:
     def _advance(self) -> None:
         """Commit one write transaction that changes nothing the store reads (a counter in the
         meta database)."""
-        with self._env.begin(write=True, db=self._meta) as txn:
-            n = int.from_bytes(txn.get(_ADVANCE_KEY) or b"\0", "little")
-            txn.put(_ADVANCE_KEY, (n + 1 & 0xFFFFFFFF).to_bytes(4, "little"))
+        try:
+            with self._env.begin(write=True, db=self._meta) as txn:
+                n = int.from_bytes(txn.get(_ADVANCE_KEY) or b"\0", "little")
+                txn.put(_ADVANCE_KEY, (n + 1 & 0xFFFFFFFF).to_bytes(4, "little"))
+        except lmdb.Error as e:  # called while handling a full map: not LMDB's error to the store
+            raise StorageError(f"LMDB map is full and no page is free to reuse: {e}") from e
 
     def _grow(self, need_bytes: int) -> None:
         current = int(self._env.info()["map_size"])
