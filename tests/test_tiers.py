@@ -286,6 +286,19 @@ def test_a_zero_capacity_arena_holds_nothing() -> None:
         put(t, 1, 0)
 
 
+def test_an_empty_chunk_holds_no_page_and_can_be_replaced_and_deleted() -> None:
+    t = DramTier(4 * PAGE, PAGE)
+    key = bytes(32)
+    meta = ChunkMeta(bytes(32), DEEPSEEK_V41_FLASH.layout_id, b"")
+    t.put(key, memoryview(b""), meta)
+    assert t.stats().used_bytes == 0
+    t.put(key, memoryview(b"x" * 10), meta)
+    assert t.stats().used_bytes == PAGE
+    t.put(key, memoryview(b""), meta)
+    t.delete(key)
+    assert t.stats().entries == 0 and t.stats().used_bytes == 0
+
+
 def test_device_tier_reports_where_it_lives() -> None:
     t = DeviceTier(4 * PAGE, PAGE, "auto")
     assert t.backend == ("cuda:0" if torch.cuda.is_available() else "cpu")

@@ -598,7 +598,7 @@ class PagedArena:
             by_owner.setdefault(entry.owner, []).extend(entry.runs)
         for owner, runs in by_owner.items():
             free = self._free_of(owner)
-            if free is None:
+            if free is None or not runs:  # an empty chunk holds no page
                 continue
             runs.sort()
             start, count = runs[0]
