@@ -101,6 +101,15 @@ def test_only_whole_group_bf16_segments_change(mode: QuantizeMode) -> None:
         assert_within_bound(sent[o + 12 : o + 204], bytes(out[o + 12 : o + 204]), mode)
 
 
+def test_a_quantized_read_fills_any_writable_buffer_as_a_plain_tier_does() -> None:
+    q = QuantizingTier(DramTier(4 * DENSE.chunk_bytes, 1 << 20, pin_memory=False), "fp8", [DENSE])
+    meta = ChunkMeta(b"n" * 32, DENSE.layout_id, bytes(4 * DENSE.chunk_tokens))
+    q.put(b"k" * 32, memoryview(bytes(DENSE.chunk_bytes)), meta)  # zeros: exact in FP8
+    out = np.full(DENSE.chunk_bytes // 2, 7, np.uint16)
+    assert q.get_into(b"k" * 32, memoryview(out)) == meta
+    assert not out.any()
+
+
 def test_layouts_without_bf16_have_no_plan() -> None:
     assert plan_for(REFERENCE_TOY8, "fp8") is None and plan_for(REFERENCE_TOY8, "fp4") is None
     assert plan_for(DENSE, "off") is None

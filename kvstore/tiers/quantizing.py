@@ -23,6 +23,7 @@ from dataclasses import replace
 import numpy as np
 
 from kvstore.layout import CacheLayout
+from kvstore.tiers import value_format as vf
 from kvstore.tiers.base import ChunkMeta, DurableTier, ScanBatch, ScannedChunk, Tier, TierName, TierStats
 from kvstore.tiers.quantize import QuantizeMode, QuantPlan, plan_for
 
@@ -81,6 +82,7 @@ class QuantizingTier:
         return self._expand(self._inner.get_into(key, out), out)
 
     def _expand(self, meta: ChunkMeta | None, out: memoryview) -> ChunkMeta | None:
+        out = vf.byte_view(out)  # a read's destination may be any writable buffer
         if meta is not None:
             plan = self._plans.get(meta.layout_id)
             if plan is not None:
