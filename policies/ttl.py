@@ -35,6 +35,7 @@ the snapshot expired; reporting only hits would censor the gaps at the TTL and p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -46,9 +47,15 @@ _RECOMPUTE_EVERY_SAMPLES = 16  # a sort of ≤ window samples every 16 returns: 
 _OTHER_TENANTS = "*"  # tenants past the first `max_tenants - 1` share one bucket: bounded memory
 
 
+def _require_finite_positive(name: str, value: float) -> None:
+    # An infinite TTL never expires, and inf or NaN in the cost search makes NaN costs (0 × inf).
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
 class FixedTtl:
     def __init__(self, ttl_seconds: float) -> None:
-        assert ttl_seconds > 0, ttl_seconds
+        _require_finite_positive("ttl_seconds", ttl_seconds)
         self._ttl = float(ttl_seconds)
 
     def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
@@ -79,7 +86,8 @@ class TenantOverrideTtl:
     tenant's reads refresh its TTL exactly when `inner` refreshes on read."""
 
     def __init__(self, inner: TtlPolicy, tenant_ttl_seconds: Mapping[str, float]) -> None:
-        assert all(v > 0 for v in tenant_ttl_seconds.values()), tenant_ttl_seconds
+        for tenant, ttl in tenant_ttl_seconds.items():
+            _require_finite_positive(f"tenant_ttl_seconds[{tenant!r}]", ttl)
         self._inner = inner
         self._overrides = {t: float(v) for t, v in tenant_ttl_seconds.items()}
 
@@ -114,6 +122,8 @@ def best_ttl(
     g = np.asarray(gaps_sorted, dtype=np.float64)  # [k]
     k = g.shape[0]
     assert k > 0 and 0.0 <= never_return_fraction <= 1.0
+    _require_finite_positive("min_ttl_seconds", min_ttl_seconds)
+    _require_finite_positive("max_ttl_seconds", max_ttl_seconds)
     inside = g[(g >= min_ttl_seconds) & (g <= max_ttl_seconds)]
     cand = np.concatenate(([min_ttl_seconds], inside, [max_ttl_seconds]))  # [m], ascending
     n_le = np.searchsorted(g, cand, side="right")  # [m] returns that find the snapshot
@@ -187,9 +197,11 @@ class AdaptiveTtl:
 
     def __init__(self, params: AdaptiveTtlParams) -> None:
         p = params
-        assert 0 < p.min_ttl_seconds <= p.max_ttl_seconds and p.ttl_seconds > 0, p
+        for name in ("ttl_seconds", "min_ttl_seconds", "max_ttl_seconds", "replay_cost_per_token",
+                     "hold_cost_per_byte_second"):
+            _require_finite_positive(name, getattr(p, name))
+        assert p.min_ttl_seconds <= p.max_ttl_seconds, p
         assert p.replay_tokens >= 0 and p.snapshot_bytes >= 0, p
-        assert p.replay_cost_per_token > 0 and p.hold_cost_per_byte_second > 0, p
         assert 1 <= p.min_samples <= p.window_samples and p.max_tenants >= 1, p
         self._p = p
         self._tenants: dict[str, _TenantGaps] = {}

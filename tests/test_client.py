@@ -154,6 +154,7 @@ def test_check_config_prints_effective_settings_and_the_ttl_policy(tmp_path: Pat
     ("[admin]\nadmin_token = \"x\"\n", "admin.admin_token"),  # weaker than any tenant's token
     ("[tenants.a]\ntokens = [\"a-token-123\"]\nlocal_ttl_seconds = 0\n", "tenants.a.local_ttl_seconds"),
     ("[tenants.a]\ntokens = [\"a-token-123\"]\nlocal_ttl_seconds = -7\n", "tenants.a.local_ttl_seconds"),
+    ("[tenants.a]\ntokens = [\"a-token-123\"]\nlocal_ttl_seconds = inf\n", "tenants.a.local_ttl_seconds"),
 ])
 def test_check_config_names_the_bad_key(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
                                         key: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,10 +22,11 @@ from kvstore.observe.explainer import (
     render_text,
 )
 from kvstore.observe.records import LookupFacts, ReplaySummary, RequestRecord, lookup_facts
+from kvstore.service.admin_server import build_observability
 from kvstore.wire.bills import price
 from kvstore.wire.request_ids import REQUEST_ID_RE, new_request_id, request_id_from
 from tests.helpers.waiting import wait_until
-from tests.test_admin_workload import CHUNK, FakeClock, Rig
+from tests.test_admin_workload import CHUNK, FakeClock, Rig, small_config
 
 LAYOUT_ID = b"\x01" * 8
 
@@ -218,6 +220,23 @@ def test_a_sliding_ttl_counts_from_the_last_read(clock: FakeClock) -> None:
     ex.local_read(d, k)
     clock.advance(90)  # 180 s after the write, 90 s after the read: still within its TTL
     assert ex.explain_local(d, k, "absent")[0] == "evicted"
+
+
+def test_the_explainer_follows_a_reload_that_changes_the_ttl_kind(clock: FakeClock) -> None:
+    cfg = small_config()
+    assert cfg.local_pool.ttl.kind == "fixed"
+    in_force = [cfg]
+    obs = build_observability(cfg, config=lambda: in_force[-1], clock=clock, wall_clock=clock.wall)
+    # A reload makes it sliding (App.reload_local_pool swaps the pool's policy and `app.config`).
+    ttl = replace(cfg.local_pool.ttl, kind="sliding", ttl_seconds=100.0)
+    in_force.append(replace(cfg, local_pool=replace(cfg.local_pool, ttl=ttl)))
+    d, k = ns("acme").digest, keys_for("acme", 1)[0]
+    obs.explainer.local_stored(d, k, 100.0)
+    clock.advance(90)
+    obs.explainer.local_read(d, k)  # a hit refreshes a sliding TTL: alive until 190 s
+    clock.advance(60)
+    reason, detail = obs.explainer.explain_local(d, k, "absent")
+    assert reason == "evicted" and detail.startswith("last read 60 s ago")
 
 
 def test_no_replay_tried(ex: Explainer) -> None:

@@ -4,6 +4,7 @@ with an injected clock, the rolling time series, and bounded memory."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 
@@ -184,3 +185,35 @@ def test_evictions_are_diffed_per_step_and_a_counter_reset_is_not_negative() -> 
     led.sample()
     assert led.totals()["evictions"] == {"device:capacity": 14}
     assert [p["evictions"].get("device:capacity", 0) for p in led.timeseries(30)["points"]][-2] == 4
+
+
+def test_concurrent_samples_do_not_count_evictions_twice() -> None:
+    # The store's cumulative eviction counter goes up by 10 at each reading. Sample A reads it, then
+    # stalls before applying its reading while sample B starts (the sampler thread against an
+    # /api/stats request): B must not apply a newer reading before A's older one.
+    reads: list[int] = []
+    reads_lock = threading.Lock()
+    a_read, release_a = threading.Event(), threading.Event()
+
+    def occupancy() -> Occupancy:
+        with reads_lock:
+            reads.append(10 * len(reads))
+            v = reads[-1]
+        if threading.current_thread().name == "A":
+            a_read.set()
+            release_a.wait()
+        return Occupancy({"dram": 0}, {"dram": 1}, evictions={"dram:capacity": v})
+
+    led = Ledger(occupancy=occupancy)
+    led.sample()
+    a = threading.Thread(target=led.sample, name="A")
+    a.start()
+    assert a_read.wait(10)
+    b = threading.Thread(target=led.sample, name="B")
+    b.start()
+    b.join(0.5)  # unserialised, B reads and applies here; serialised, it waits for A
+    release_a.set()
+    a.join()
+    b.join()
+    led.sample()
+    assert led.totals()["evictions"] == {"dram:capacity": reads[-1]}

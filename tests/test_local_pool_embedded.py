@@ -130,6 +130,27 @@ def test_many_refreshes_do_not_grow_bookkeeping_without_bound() -> None:
     assert len(pool._heap) < 200  # stale heap items are compacted away
 
 
+def test_the_policy_hears_only_of_writes_that_happen() -> None:
+    # A learning policy (AdaptiveTtl) counts each write it is asked a TTL for, against the returns
+    # it sees: writes refused for no room, or by a closed pool, would read as sessions never coming back.
+    class Counting(TenantTtl):
+        writes = 0
+
+        def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
+            self.writes += 1
+            return super().ttl_for_write(tenant, nbytes, now)
+
+    policy = Counting()
+    pool = EmbeddedPool(ENTRY + ENTRY_OVERHEAD_BYTES, policy, FakeClock())
+    assert pool.put(_key(0), _key(0), "t5", LAYOUT, 128, b"x" * (ENTRY + 1)).skip_reason == "no-room"
+    assert policy.writes == 0
+    assert pool.put(_key(0), _key(0), "t5", LAYOUT, 128, b"x" * ENTRY).written
+    assert policy.writes == 1
+    pool.close()
+    assert pool.put(_key(1), _key(1), "t5", LAYOUT, 128, b"x").skip_reason == "closed"
+    assert policy.writes == 1
+
+
 @pytest.mark.parametrize("ttl", [0.0, -1.0, float("inf"), float("nan")])
 def test_unusable_policy_answers_skip_the_write(ttl: float) -> None:
     class Odd(TenantTtl):

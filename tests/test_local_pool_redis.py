@@ -184,6 +184,27 @@ def test_caller_deadline_caps_socket_timeouts(redis_server: RedisProcess, tcp_pr
     pool.close()
 
 
+def test_the_policy_hears_only_of_writes_that_are_sent(redis_server: RedisProcess) -> None:
+    # A learning policy (AdaptiveTtl) counts each write it is asked a TTL for: a write refused
+    # before it is sent (the caller out of time, a closed pool) must not count as one.
+    class Counting(StaticTtl):
+        writes = 0
+
+        def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
+            self.writes += 1
+            return super().ttl_for_write(tenant, nbytes, now)
+
+    policy = Counting(TTL_SECONDS)
+    pool = build_local_pool(LocalPoolConfig(url=redis_server.url), policy)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x", deadline_seconds=0.0).skip_reason == "timeout"
+    assert policy.writes == 0
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x").written
+    assert policy.writes == 1
+    pool.close()
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x").skip_reason == "closed"
+    assert policy.writes == 1
+
+
 def test_breaker_opens_on_dead_redis_and_recovers_by_itself(
     redis_server: RedisProcess, tcp_proxy_factory: Any,
 ) -> None:

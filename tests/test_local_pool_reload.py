@@ -78,6 +78,37 @@ def test_invalid_file_is_rejected_with_one_log_line(tmp_path: Path, caplog: pyte
     assert rec.seen == [] and r.current.ttl.ttl_seconds == 300
 
 
+@pytest.mark.parametrize(("body", "key"), [
+    (_toml(float("inf")), "local_pool.ttl.ttl_seconds"),  # TOML reads `inf` as a float
+    (_toml(60) + "max_ttl_seconds = inf\n", "local_pool.ttl.max_ttl_seconds"),
+    (_toml(60) + "[local_pool.ttl.tenant_ttl_seconds]\nacme = inf\n", "local_pool.ttl.tenant_ttl_seconds.acme"),
+])
+def test_an_infinite_ttl_is_rejected_on_reload(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, body: str, key: str,
+) -> None:
+    path = tmp_path / "kvstore.toml"
+    _write(path, _toml(300))
+    rec = Recorder()
+    r = _reloader(path, rec)
+    _write(path, body)
+    with caplog.at_level(logging.ERROR, logger="kvstore.local_pool.reload"):
+        assert r.reload_now() is False
+    assert f"'{key}': must be a finite number of seconds > 0" in caplog.text
+    assert rec.seen == [] and r.current.ttl.ttl_seconds == 300
+
+
+def test_an_unparseable_redis_url_is_rejected_not_raised(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "kvstore.toml"
+    _write(path, _toml(300))
+    rec = Recorder()
+    r = _reloader(path, rec)
+    _write(path, _toml(300, url="redis://[::1:6379/0"))  # an unbalanced '['
+    with caplog.at_level(logging.ERROR, logger="kvstore.local_pool.reload"):
+        assert r.reload_now() is False
+    assert "'local_pool.url': is not a valid URL" in caplog.text
+    assert rec.seen == [] and r.current.url == "embedded"
+
+
 def test_valid_change_reaches_the_callback_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "kvstore.toml"
     _write(path, _toml(300))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -173,3 +174,34 @@ def test_build_ttl_from_config() -> None:
         parse_section(TtlPolicyConfig, {"adaptive_min_samples": 10, "adaptive_window_samples": 5}, "ttl")
     with pytest.raises(ConfigError, match=r"tenant_ttl_seconds\.gold"):
         build_ttl(TtlPolicyConfig(), 128, SNAP, tenant_ttl_seconds={"gold": 0.0})
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+@pytest.mark.parametrize("key", ["ttl_seconds", "max_ttl_seconds", "replay_cost_per_token",
+                                 "hold_cost_per_byte_second", "tenant_ttl_seconds.acme"])
+def test_config_refuses_non_finite_numbers(key: str, value: float) -> None:
+    name, _, tenant = key.partition(".")
+    table: dict[str, object] = {name: {tenant: value} if tenant else value}
+    with pytest.raises(ConfigError, match=rf"'local_pool\.ttl\.{re.escape(key)}': must be a finite number"):
+        parse_section(TtlPolicyConfig, table, "local_pool.ttl")
+
+
+def test_build_ttl_refuses_a_non_finite_override_from_elsewhere() -> None:
+    with pytest.raises(ConfigError, match=r"tenant_ttl_seconds\.gold': must be a finite number of seconds > 0"):
+        build_ttl(TtlPolicyConfig(), 128, SNAP, tenant_ttl_seconds={"gold": math.inf})
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, 0.0])
+def test_policies_refuse_non_finite_or_non_positive_values(bad: float) -> None:
+    with pytest.raises(ValueError, match="ttl_seconds must be a finite number > 0"):
+        FixedTtl(bad)
+    with pytest.raises(ValueError, match="ttl_seconds must be a finite number > 0"):
+        SlidingTtl(bad)
+    with pytest.raises(ValueError, match=r"tenant_ttl_seconds\['vip'\] must be a finite number > 0"):
+        TenantOverrideTtl(FixedTtl(30.0), {"vip": bad})
+    for key in ("ttl_seconds", "max_ttl_seconds", "replay_cost_per_token", "hold_cost_per_byte_second"):
+        with pytest.raises(ValueError, match=f"{key} must be a finite number > 0"):
+            adaptive(**{key: bad})
+    # Learnt gaps with an infinite clamp: 0 × inf would be a NaN cost, and argmin would pick it.
+    with pytest.raises(ValueError, match="max_ttl_seconds must be a finite number > 0"):
+        best_ttl(np.array([5.0, 10.0, 20.0]), 128.0, 1e-3, 10.0, bad)

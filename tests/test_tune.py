@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import threading
@@ -14,6 +15,7 @@ import pytest
 from kvstore.cli import main
 from kvstore.config.local_pool import TtlPolicyConfig
 from kvstore.errors import InvalidInput
+from kvstore.observe import trace_file
 from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace, synthetic_trace
 from kvstore.observe.ttl_tuning import (
     TraceColumns,
@@ -103,6 +105,63 @@ def test_bad_bytes_and_missing_files_are_clear_errors(tmp_path: Path) -> None:
         list(read_trace(path))
     with pytest.raises(InvalidInput, match=r"cannot read trace .*missing\.jsonl"):
         read_trace(tmp_path / "missing.jsonl")  # fails on the call, before iteration
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("time", "1" + "0" * 400), ("time", str(2**53)), ("prefix_tokens", "9" * 30),
+     ("snapshot_bytes", str(2**53)), ("replay_tokens", str(2**64))],
+)
+def test_huge_integers_are_clear_errors_not_tracebacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, value: str,
+) -> None:
+    obj = {"time": "1", "tenant": '"a"', "session": '"s"', "prefix_tokens": "1", "local_outcome": '"hit"',
+           field: value}
+    path = tmp_path / "t.jsonl"
+    path.write_text("{" + ", ".join(f'"{k}": {v}' for k, v in obj.items()) + "}\n")
+    with pytest.raises(InvalidInput, match=rf"t\.jsonl:1: '{field}' must be"):
+        list(read_trace(path))
+    assert main(["tune", "ttl", "--trace", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"t.jsonl:1: '{field}' must be" in err[0] and len(err[0]) < 200
+
+
+def test_a_last_line_cut_off_by_a_crash_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    recs = [TraceRecord(float(t), "acme", "s1", 4096 + t, "hit", 1000, 128) for t in range(4)]
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path) as w:
+        w.write_many(recs[:2])
+    with path.open("a") as f:
+        f.write(recs[2].to_json()[:25])  # the crash: the third line got only part-way to disk
+    with caplog.at_level(logging.WARNING, logger="kvstore.observe.trace_file"):
+        assert list(read_trace(path)) == recs[:2]
+    assert "t.jsonl:3: skipping the last line" in caplog.text
+    # A restart appends after dropping the fragment: the whole file reads again, to its end.
+    with caplog.at_level(logging.WARNING, logger="kvstore.observe.trace_file"), TraceWriter(path) as w:
+        w.write(recs[3])
+    assert "dropping the last 25 bytes, a line cut off mid-write" in caplog.text
+    assert list(read_trace(path)) == [*recs[:2], recs[3]]
+    assert path.read_text().count("\n") == 3
+
+
+@pytest.mark.parametrize("block", [1, 3, 7, 1 << 16])
+def test_the_cut_off_piece_is_found_however_the_file_is_read_back(tmp_path: Path, block: int) -> None:
+    path = tmp_path / "t.jsonl"
+    for text, kept in [('{"a": 1}\n{"b": 2}\n{"c', '{"a": 1}\n{"b": 2}\n'), ('{"c', ""),
+                       ('{"a": 1}\n{"b": 2}', '{"a": 1}\n{"b": 2}\n'), ('{"a": 1}\n', '{"a": 1}\n')]:
+        path.write_text(text)
+        trace_file._drop_cut_off_line(path, block)
+        assert path.read_text() == kept
+
+
+def test_a_complete_last_line_without_a_newline_is_read(tmp_path: Path) -> None:
+    rec = TraceRecord(1.0, "a", "s", 128, "hit")
+    path = tmp_path / "t.jsonl"
+    path.write_text(rec.to_json())
+    assert list(read_trace(path)) == [rec]
+    with TraceWriter(path) as w:
+        w.write(rec)
+    assert list(read_trace(path)) == [rec, rec]
 
 
 def test_synthetic_traces_are_deterministic_and_plausible() -> None:
@@ -269,3 +328,11 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Captu
     with pytest.raises(SystemExit) as e:
         main(["tune", "ttl", "--trace", str(bad), "--ttl", "0,5"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("ttls", ["60,inf", "nan"])
+def test_cli_refuses_non_finite_ttls(capsys: pytest.CaptureFixture[str], ttls: str) -> None:
+    with pytest.raises(SystemExit) as e:  # --json would print Infinity or NaN: not JSON
+        main(["tune", "ttl", "--synthetic", "50", "--ttl", ttls, "--json"])
+    assert e.value.code == 2
+    assert "argument --ttl: TTLs must be finite numbers of seconds > 0" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -35,8 +36,9 @@ def _ttl_list(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated seconds, e.g. 30,60,300; got {text!r}"
         ) from None
-    if not ttls or any(not t > 0 for t in ttls):
-        raise argparse.ArgumentTypeError(f"TTLs must be > 0 seconds, got {text!r}")
+    # float() takes "inf" and "nan": neither is a TTL, and --json cannot print them.
+    if not ttls or any(not (t > 0 and math.isfinite(t)) for t in ttls):
+        raise argparse.ArgumentTypeError(f"TTLs must be finite numbers of seconds > 0, got {text!r}")
     return ttls
 
 

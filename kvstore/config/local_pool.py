@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import parse_qsl, urlsplit
@@ -19,17 +20,29 @@ _TLS_URL_OPTIONS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "s
 
 
 def redis_url_problem(url: str) -> str | None:
-    """Why the query options of a Redis URL cannot be used, or None."""
+    """Why a Redis URL cannot be used (it does not parse, or has query options kvstore does not
+    take), or None."""
     scheme, _, rest = url.partition("://")
     allowed = _URL_OPTIONS | (_TLS_URL_OPTIONS if scheme.startswith("rediss") else frozenset())
     if scheme.endswith("+cluster"):
         allowed -= {"db"}  # a cluster has database 0 only
-    bad = sorted({name for name, _ in parse_qsl(urlsplit(f"redis://{rest}").query, keep_blank_values=True)}
-                 - allowed)
+    try:
+        query = urlsplit(f"redis://{rest}").query
+    except ValueError as e:  # e.g. an unbalanced '[' around an IPv6 host
+        return f"is not a valid URL: {e}"
+    bad = sorted({name for name, _ in parse_qsl(query, keep_blank_values=True)} - allowed)
     if bad:
         return (f"has query options kvstore does not take: {', '.join(bad)} (timeouts and retries are "
                 f"[local_pool] keys; allowed: {', '.join(sorted(allowed))})")
     return None
+
+
+_SECONDS = "must be a finite number of seconds > 0"
+
+
+def finite_positive(v: float) -> bool:
+    """> 0 and neither infinite nor NaN."""
+    return v > 0 and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -45,16 +58,21 @@ class TtlPolicyConfig:
     adaptive_window_samples: int = 1024  # adaptive: most recent return gaps kept per tenant
 
     def validate(self, prefix: str) -> None:
-        require(self.ttl_seconds > 0, join(prefix, "ttl_seconds"), "must be > 0")
+        # TOML reads `inf` and `nan`: an infinite TTL would never expire, and a NaN cost poisons
+        # the adaptive policy's cost search.
+        require(finite_positive(self.ttl_seconds), join(prefix, "ttl_seconds"), _SECONDS)
+        require(finite_positive(self.max_ttl_seconds), join(prefix, "max_ttl_seconds"), _SECONDS)
         require(0 < self.min_ttl_seconds <= self.max_ttl_seconds, join(prefix, "min_ttl_seconds"),
                 "must be > 0 and <= max_ttl_seconds")
-        require(self.replay_cost_per_token > 0, join(prefix, "replay_cost_per_token"), "must be > 0")
-        require(self.hold_cost_per_byte_second > 0, join(prefix, "hold_cost_per_byte_second"), "must be > 0")
+        require(finite_positive(self.replay_cost_per_token), join(prefix, "replay_cost_per_token"),
+                "must be a finite number > 0")
+        require(finite_positive(self.hold_cost_per_byte_second), join(prefix, "hold_cost_per_byte_second"),
+                "must be a finite number > 0")
         require(self.adaptive_min_samples >= 1, join(prefix, "adaptive_min_samples"), "must be >= 1")
         require(self.adaptive_window_samples >= self.adaptive_min_samples,
                 join(prefix, "adaptive_window_samples"), "must be >= adaptive_min_samples")
         for t, v in self.tenant_ttl_seconds.items():
-            require(v > 0, join(prefix, f"tenant_ttl_seconds.{t}"), "must be > 0")
+            require(finite_positive(v), join(prefix, f"tenant_ttl_seconds.{t}"), _SECONDS)
 
 
 @dataclass(frozen=True)

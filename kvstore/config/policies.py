@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvstore.config.local_pool import TtlPolicyConfig
+from kvstore.config.local_pool import TtlPolicyConfig, finite_positive
 from kvstore.errors import ConfigError
 from policies.admission import AlwaysAdmit, SecondSightingAdmit
 from policies.base import AdmissionPolicy, EvictionPolicy, TtlPolicy
@@ -65,8 +65,8 @@ def build_ttl(
         raise ConfigError("local_pool.ttl.kind", f"must be fixed, sliding or adaptive, got {cfg.kind!r}")
     overrides = {**cfg.tenant_ttl_seconds, **(tenant_ttl_seconds or {})}
     for tenant, ttl in overrides.items():
-        if not ttl > 0:
-            raise ConfigError(f"local_pool.ttl.tenant_ttl_seconds.{tenant}", "must be > 0")
+        if not finite_positive(ttl):
+            raise ConfigError(f"local_pool.ttl.tenant_ttl_seconds.{tenant}", "must be a finite number of seconds > 0")
     return TenantOverrideTtl(policy, overrides) if overrides else policy
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from dataclasses import dataclass
 
@@ -58,8 +59,9 @@ class TenantConfig:
         for name in ("quota_device_bytes", "quota_dram_bytes", "quota_lmdb_bytes"):
             require(getattr(self, name) >= -1, join(prefix, name), "must be -1 (none) or >= 0")
         # Only -1 means "the pool decides": 0 or another negative is more likely a mistake than that.
-        require(self.local_ttl_seconds == -1 or self.local_ttl_seconds > 0, join(prefix, "local_ttl_seconds"),
-                "must be -1 (the pool's policy decides) or > 0")
+        ttl = self.local_ttl_seconds
+        require(ttl == -1 or 0 < ttl < math.inf, join(prefix, "local_ttl_seconds"),
+                "must be -1 (the pool's policy decides) or a finite number of seconds > 0")
         require(0 < self.share_weight <= 1000, join(prefix, "share_weight"), "must be > 0 and <= 1000")
 
 

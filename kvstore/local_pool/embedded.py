@@ -72,9 +72,6 @@ class EmbeddedPool:
     ) -> PutResult:
         assert len(layout_id) == LAYOUT_ID_BYTES, "layout ids are 8 bytes"
         now = self._clock()
-        ttl = self._policy.ttl_for_write(tenant, len(payload), now)
-        if not (ttl > 0 and math.isfinite(ttl)):
-            return self._counters.skip("policy")
         data = bytes(payload)  # no copy when the caller passed bytes
         key = ns_digest + boundary_key
         with self._lock:
@@ -84,6 +81,10 @@ class EmbeddedPool:
             need = len(data) + ENTRY_OVERHEAD_BYTES
             if need > self._capacity:
                 return self._counters.skip("no-room")
+            # Asked only now that the write will happen: a learning policy counts each write it is asked about.
+            ttl = self._policy.ttl_for_write(tenant, len(data), now)
+            if not (ttl > 0 and math.isfinite(ttl)):
+                return self._counters.skip("policy")
             self._purge_expired(now)
             while self._used + need > self._capacity:
                 self._evict_soonest()

@@ -105,6 +105,8 @@ class RedisPool:
             # Before the policy hears of a write that will not happen, and before the checksum.
             return self._counters.skip("breaker-open")
         deadline_at = self._deadline(deadline_seconds)
+        if deadline_at - time.monotonic() < MIN_ATTEMPT_SECONDS:
+            return self._counters.skip("timeout")  # as _run would, but before the policy counts a write
         nbytes = memoryview(payload).nbytes
         ttl = self._policy.ttl_for_write(tenant, nbytes, self._clock())
         if not (ttl > 0 and math.isfinite(ttl)):

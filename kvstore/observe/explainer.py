@@ -138,7 +138,7 @@ class Explainer:
         max_local: int = 100_000,
         eviction_policy: str = "",
         admission_policy: str = "",
-        sliding_ttl: bool = False,
+        sliding_ttl: bool | Callable[[], bool] = False,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -153,7 +153,14 @@ class Explainer:
         self.max_requests, self.max_fates, self.max_local = max_requests, max_fates, max_local
         self.eviction_policy = eviction_policy
         self.admission_policy = admission_policy
-        self.sliding_ttl = sliding_ttl
+        self._sliding_ttl = sliding_ttl
+
+    @property
+    def sliding_ttl(self) -> bool:
+        """Whether reads refresh the local pool's TTL now: a callable `sliding_ttl` is asked each
+        time, since a config reload can switch the TTL kind while the service runs."""
+        s = self._sliding_ttl
+        return s() if callable(s) else s
 
     # --- the store's sink ---
 

@@ -218,7 +218,8 @@ class _Bucket:
 
 
 class Ledger:
-    """Thread-safe; every method takes the lock briefly and does no I/O except the occupancy call."""
+    """Thread-safe; every method takes the lock briefly and does no I/O except the occupancy call.
+    Samples (`sample` and the outputs that sample first) are taken one at a time."""
 
     def __init__(
         self,
@@ -239,6 +240,7 @@ class Ledger:
         self._occupancy = occupancy
         self._max_tenants = max_tenants
         self._lock = threading.Lock()
+        self._sample_lock = threading.Lock()
         self._total = _Sums()
         self._tenants: dict[str, _Sums] = {}
         self._buckets: deque[_Bucket] = deque(maxlen=math.ceil(window_seconds / step_seconds) + 1)
@@ -270,6 +272,13 @@ class Ledger:
 
     def sample(self) -> None:
         """Read occupancy now: integrate the previous reading up to now, then keep this one."""
+        # One sample at a time (the sampler thread and admin requests both sample): a reading applied
+        # after a newer one would rewind the eviction counters and count the same evictions twice.
+        # A lock of its own, so that record() never waits on the occupancy call.
+        with self._sample_lock:
+            self._sample()
+
+    def _sample(self) -> None:
         occ = self._occupancy() if self._occupancy is not None else None
         now = self._clock()
         with self._lock:

@@ -2,8 +2,9 @@
 
 Role: defines `TraceRecord` (what one request looked like to the local pool), writes records as
 JSON lines (`TraceWriter`: append-only, flushed per record, safe from many threads), reads them
-back as a stream (`read_trace`: a malformed line fails with its line number), and generates
-deterministic synthetic traces (`synthetic_trace`) for tests and `kvstore tune ttl --synthetic`.
+back as a stream (`read_trace`: a malformed line fails with its line number; a last line cut off
+mid-write is skipped), and generates deterministic synthetic traces (`synthetic_trace`) for tests
+and `kvstore tune ttl --synthetic`.
 
 A line holds no token contents and no keys: only time, tenant, an opaque session id, the prefix
 length and the local-state outcome, optionally the snapshot size and replay length:
@@ -25,6 +26,7 @@ What it does not know: the service, the pool, or how records are evaluated (kvst
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -39,8 +41,12 @@ import numpy as np
 from kvstore.errors import InvalidInput, StorageError
 from kvstore.wire.purposes import PURPOSES
 
+log = logging.getLogger(__name__)
+
 LocalOutcome = Literal["hit", "expired", "absent", "replayed", "cold"]
 LOCAL_OUTCOMES: tuple[str, ...] = get_args(LocalOutcome)
+# JSON integers are unbounded; past this one a float (or numpy's int64 sums) no longer holds them.
+MAX_INT = 2**53
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +77,8 @@ class TraceRecord:
     def from_mapping(obj: Mapping[str, object]) -> TraceRecord:
         """Validate one decoded line; raises InvalidInput naming the bad field."""
         time = obj.get("time")
-        if isinstance(time, bool) or not isinstance(time, int | float) or not math.isfinite(time):
-            raise InvalidInput(f"'time' must be a finite number of seconds, got {time!r}")
+        if isinstance(time, bool) or not isinstance(time, int | float) or not _finite(time):
+            raise InvalidInput(f"'time' must be a finite number of seconds, got {_shown(time)}")
         tenant, session = obj.get("tenant"), obj.get("session")
         if not isinstance(tenant, str):
             raise InvalidInput(f"'tenant' must be a string, got {tenant!r}")
@@ -93,23 +99,38 @@ class TraceRecord:
         )
 
 
+def _finite(x: int | float) -> bool:
+    # math.isfinite() of an int too large for a float raises OverflowError.
+    return abs(x) < MAX_INT if isinstance(x, int) else math.isfinite(x)
+
+
+def _shown(v: object) -> str:
+    """`repr(v)`, cut short: a bad value may be a number thousands of digits long."""
+    r = repr(v)
+    return r if len(r) <= 40 else f"{r[:24]}... ({len(r)} characters)"
+
+
 def _count(obj: Mapping[str, object], name: str, required: bool) -> int | None:
     v = obj.get(name)
     if v is None and not required:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise InvalidInput(f"'{name}' must be an integer >= 0, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < MAX_INT:
+        raise InvalidInput(f"'{name}' must be an integer >= 0 and < 2**53, got {_shown(v)}")
     return v
 
 
 class TraceWriter:
     """Appends records to a JSON-lines file (`truncate`: start it afresh). Each record is one
     `write` of one whole line, under a lock, then flushed: a crash loses at most the line being
-    written, and lines never interleave."""
+    written, and lines never interleave. Appending to a file whose last line was cut off (a crash
+    mid-write) first drops that piece of a line, so the file stays readable to its end; a whole
+    last line that only lacks its newline (written by hand) gets one."""
 
     def __init__(self, path: str | os.PathLike[str], truncate: bool = False) -> None:
         self._path = Path(path)
         try:
+            if not truncate:
+                _drop_cut_off_line(self._path)
             mode = "w" if truncate else "a"
             self._file: IO[str] = self._path.open(mode, encoding="utf-8", newline="\n")
         except OSError as e:
@@ -146,10 +167,39 @@ class TraceWriter:
         self.close()
 
 
+def _drop_cut_off_line(path: Path, block: int = 1 << 16) -> None:
+    """Cut a regular file back to its last newline when what follows it is not JSON: a line a
+    crash cut off (a pipe or a device is never read)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("r+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        at = end
+        while at > 0:
+            start = max(0, at - block)
+            f.seek(start)
+            newline = f.read(at - start).rfind(b"\n")
+            if newline >= 0:
+                at = start + newline + 1
+                break
+            at = start
+        if at == end:
+            return
+        f.seek(at)
+        try:
+            json.loads(f.read())
+        except ValueError:
+            log.warning("%s: dropping the last %d bytes, a line cut off mid-write", path, end - at)
+            f.truncate(at)
+        else:
+            f.write(b"\n")
+
+
 def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRecord]:
     """Stream the records of a trace file. The file is opened now (a missing file fails here);
     a malformed line fails, when reached, with InvalidInput naming the file and line. Blank lines
-    are skipped."""
+    are skipped, and so is (with a logged warning) a last line that has no newline and is not
+    JSON: one cut off by a crash mid-write."""
     p = Path(path)
     try:
         f = p.open("rb")
@@ -166,6 +216,9 @@ def _records(f: IO[bytes], p: Path) -> Iterator[TraceRecord]:
             try:
                 obj = json.loads(raw)  # bytes: decoded as UTF-8; a bad byte is a ValueError too
             except ValueError as e:
+                if not raw.endswith(b"\n"):  # only the last line can lack one: cut off by a crash
+                    log.warning("%s:%d: skipping the last line: cut off mid-write (%s)", p, lineno, _reason(e))
+                    return
                 raise InvalidInput(f"{p}:{lineno}: not a JSON line ({_reason(e)})") from None
             if not isinstance(obj, dict):
                 raise InvalidInput(f"{p}:{lineno}: expected a JSON object, got {type(obj).__name__}")

@@ -102,7 +102,8 @@ def build_observability(
     explainer = Explainer(
         max_requests=adm.explain_requests, max_fates=adm.explain_chunk_fates,
         eviction_policy=cfg.store.eviction_policy,
-        admission_policy=cfg.store.admission_policy, sliding_ttl=cfg.local_pool.ttl.kind != "fixed",
+        admission_policy=cfg.store.admission_policy,
+        sliding_ttl=lambda: current().local_pool.ttl.kind != "fixed",  # follows a reload's TTL kind
         clock=clock, wall_clock=wall_clock,
     )
     sources = Sources(
