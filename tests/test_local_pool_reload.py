@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.config import load_config
-from kvstore.config.local_pool import LocalPoolConfig
+from kvstore.config.local_pool import LocalPoolConfig, redis_url_problem
 from kvstore.config.policies import build_ttl
 from kvstore.local_pool import LocalPool, build_local_pool
 from kvstore.local_pool.redis_process import RedisProcess
@@ -97,16 +97,26 @@ def test_an_infinite_ttl_is_rejected_on_reload(
     assert rec.seen == [] and r.current.ttl.ttl_seconds == 300
 
 
-def test_an_unparseable_redis_url_is_rejected_not_raised(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("url", ["redis://[::1:6379/0", "redis://host:abc/0", "redis://host:70000/0",
+                                 "redis+cluster://h1:7000,h2:x"])
+def test_an_unparseable_redis_url_is_rejected_not_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, url: str,
+) -> None:
     path = tmp_path / "kvstore.toml"
     _write(path, _toml(300))
     rec = Recorder()
     r = _reloader(path, rec)
-    _write(path, _toml(300, url="redis://[::1:6379/0"))  # an unbalanced '['
+    _write(path, _toml(300, url=url))  # an unbalanced '[', a port that is no port
     with caplog.at_level(logging.ERROR, logger="kvstore.local_pool.reload"):
         assert r.reload_now() is False
     assert "'local_pool.url': is not a valid URL" in caplog.text
     assert rec.seen == [] and r.current.url == "embedded"
+
+
+@pytest.mark.parametrize("url", ["redis://h:6379/0", "redis://:pw@[::1]:6379", "rediss://u:p@h/1",
+                                 "redis+cluster://h1:7000,h2:7001", "unix:///run/redis.sock?db=2", "redis://h"])
+def test_good_redis_urls_have_no_problem(url: str) -> None:
+    assert redis_url_problem(url) is None
 
 
 def test_valid_change_reaches_the_callback_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

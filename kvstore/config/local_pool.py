@@ -27,8 +27,12 @@ def redis_url_problem(url: str) -> str | None:
     if scheme.endswith("+cluster"):
         allowed -= {"db"}  # a cluster has database 0 only
     try:
-        query = urlsplit(f"redis://{rest}").query
-    except ValueError as e:  # e.g. an unbalanced '[' around an IPv6 host
+        parts = urlsplit(f"redis://{rest}")
+        query = parts.query
+        if scheme != "unix":  # a cluster's URL may list several host:port, comma-separated
+            for host in parts.netloc.rpartition("@")[2].split(","):
+                _ = urlsplit(f"redis://{host}").port  # ValueError: not a port number in range
+    except ValueError as e:  # e.g. an unbalanced '[' around an IPv6 host, or "host:abc"
         return f"is not a valid URL: {e}"
     bad = sorted({name for name, _ in parse_qsl(query, keep_blank_values=True)} - allowed)
     if bad:
