@@ -238,8 +238,10 @@ def register_model(spec: ModelSpec) -> None:
 
 
 def exact_replay_tokens(layout: CacheLayout) -> int:
-    """Tokens an exact rebuild of the encoder SWA state needs: L(W-1)+1."""
-    return layout.encoder_layers * (layout.local.window_tokens - 1) + 1
+    """Tokens an exact rebuild of the encoder SWA state needs: L(W-1)+1, and never fewer than the
+    window (a layout that keeps local state but declares no encoder depth still needs W tokens to
+    refill its window)."""
+    return max(layout.local.window_tokens, layout.encoder_layers * (layout.local.window_tokens - 1) + 1)
 
 
 # --- Engine layouts: a model an engine describes at run time (RegisterModel) -----------------------
@@ -359,7 +361,10 @@ def engine_model_spec(m: EngineModel) -> ModelSpec:
         blocks = -(-(window - 1) // m.chunk_tokens) if m.chunk_tokens > 0 else 0
         local = LocalSpec(row_bytes=row, window_tokens=max(1, blocks) * m.chunk_tokens,
                           persisted_layers=tuple(x for _, ls in sliding for x in ls))
-    layout = CacheLayout(name=m.name, groups=tuple(full), local=local, chunk_tokens=m.chunk_tokens)
+    # Every sliding-window layer widens what an exact rebuild must replay by W-1 tokens. The encoder
+    # depth is not part of layout_id, so chunks stored before it was set keep their id.
+    layout = CacheLayout(name=m.name, groups=tuple(full), local=local, chunk_tokens=m.chunk_tokens,
+                         encoder_layers=len(local.persisted_layers))
     if layout.chunk_bytes > MAX_ENGINE_CHUNK_BYTES:
         raise InvalidInput(f"one chunk would be {layout.chunk_bytes} bytes; at most {MAX_ENGINE_CHUNK_BYTES}")
     if layout.local_snapshot_bytes > MAX_ENGINE_SNAPSHOT_BYTES:

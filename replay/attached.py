@@ -13,11 +13,12 @@ out and releases at once, instead of in messages; and where the service says it 
 until the service's `ResultTaken` (in messages when the segment has no room). If no session can be
 opened it takes and sends messages.
 
-When the stream breaks (the service restarts, the network drops) the runner reconnects with
-exponential backoff and jitter, and forgets the jobs of the old stream (the service has already
-failed or re-queued them). A refusal that retrying cannot fix (a wrong layout, bad credentials)
-ends the process with an error instead. `stop` (set on SIGTERM by the command) cancels the stream
-and ends `run` cleanly.
+When the stream breaks (the service restarts, the network drops, or the path goes silent and
+keepalive pings go unanswered) the runner reconnects with exponential backoff and jitter, and
+forgets the jobs of the old stream (the service has already failed or re-queued them). A refusal
+that retrying cannot fix (a wrong layout, bad credentials) ends the process with an error
+instead; a same-host session the service no longer knows is not one. `stop` (set on SIGTERM by
+the command) cancels the stream and ends `run` cleanly, once a batch in flight has finished.
 
 What it does not know: replay policy, the store, or the pool; which model it runs (it is given
 a batch function and the identity to announce).
@@ -37,13 +38,13 @@ from typing import Literal
 import grpc
 import numpy as np
 
-from kvstore.dataplane import LeaseLapsed, ShmPath, ShmUnavailable, unix_path_of
+from kvstore.dataplane import UNKNOWN_SESSION, LeaseLapsed, ShmPath, ShmUnavailable, unix_path_of
 from kvstore.errors import InvalidInput
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire.framing import ChunkAssembler, blob_spans
 from kvstore.wire.messages import tokens_from_proto
-from replay.runner import BatchFn, BatchWorker, JobHandle, ReplayJob, ReplayResult
+from replay.runner import CLOSE_WAIT_SECONDS, BatchFn, BatchWorker, JobHandle, ReplayJob, ReplayResult
 
 log = logging.getLogger("kvstore.runner")
 
@@ -74,6 +75,11 @@ class AttachOptions:
     tls_ca: str | None = None  # PEM file: use TLS and trust this CA
     initial_backoff_seconds: float = 0.2
     max_backoff_seconds: float = 10.0
+    # Pings on the Attach stream, unanswered within the timeout, end it: without them a path that
+    # goes silent (host down, partition) is never noticed and the runner never reconnects. At 20 s
+    # they stay well above the service's 5 s minimum between pings (kvstore/service/server.py).
+    keepalive_seconds: float = 20.0
+    keepalive_timeout_seconds: float = 10.0
 
 
 @dataclass(eq=False)
@@ -116,12 +122,30 @@ class AttachedRunner:
                 backoff = min(backoff * 2, self.opts.max_backoff_seconds)
             return 0
         finally:
+            # The command exits when this returns: let a batch in flight finish first, as the
+            # in-process runner does, or the process aborts with torch busy on the worker.
             self._worker.close()
+            self._worker.join(CLOSE_WAIT_SECONDS)
 
     # --- one attached stream --------------------------------------------------------------------
 
+    def channel_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_receive_message_length", 256 * MiB), ("grpc.max_send_message_length", 256 * MiB),
+            ("grpc.keepalive_time_ms", int(self.opts.keepalive_seconds * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.opts.keepalive_timeout_seconds * 1000)),
+            # What gRPC core (1.85) really waits for a ping's ack before closing the transport: its
+            # keepalive timeout alone is not enforced, and this one defaults to 60 s.
+            ("grpc.http2.ping_timeout_ms", int(self.opts.keepalive_timeout_seconds * 1000)),
+            # Keep pinging a stream that sees no jobs for a long time (gRPC stops after 2 otherwise).
+            ("grpc.http2.max_pings_without_data", 0),
+            # No pings without a call: the channel lives only as long as its Attach call, and the
+            # service (which does not permit them) would count them as strikes (too_many_pings).
+            ("grpc.keepalive_permit_without_calls", 0),
+        ]
+
     def _channel(self) -> grpc.Channel:
-        options = [("grpc.max_receive_message_length", 256 * MiB), ("grpc.max_send_message_length", 256 * MiB)]
+        options = self.channel_options()
         if self.opts.tls_ca:
             creds = grpc.ssl_channel_credentials(root_certificates=Path(self.opts.tls_ca).read_bytes())
             return grpc.secure_channel(self.opts.target, creds, options=options)
@@ -194,7 +218,9 @@ class AttachedRunner:
             if stop.is_set():
                 return "stopped"
             details = (e.details() if hasattr(e, "details") else "") or ""
-            if code in _PERMANENT:
+            # The service no longer knows the same-host session named in the hello (it restarted, or
+            # closed the session, between its opening and the Attach): a new stream opens a new one.
+            if code in _PERMANENT and UNKNOWN_SESSION not in details:
                 self._say(f"the service refused this runner: {code.name}: {details}")
                 return "refused"
             self._say(f"stream to {self.opts.target} ended: {code.name}: {details}")

@@ -19,8 +19,10 @@ before its Resume answers, and either hands out a `ReplayTicket` or raises `Reso
 over-limit Resume fails with RESOURCE_EXHAUSTED instead of promising a replay it cannot run.
 Identical concurrent replays (same namespace and boundary key) are coalesced: the first admission
 opens a flight and takes the tenant's slot, later ones join it without taking another; the first
-ticket used runs the job (the leader), the others wait for its outcome. The slot is given back
-when the flight ends, or when every ticket of a flight that never ran has been released.
+ticket used runs the job (the leader), the others wait for its outcome, each within its own
+deadline; the job runs until the last of them gives up (within `timeout_seconds`), not only the
+leader's deadline. The slot is given back when the flight ends, or when every ticket of a flight
+that never ran has been released.
 
 Everything else that goes wrong (no runner, a timeout, a runner that died with no other to take
 over, a prefix evicted meanwhile) is an outcome with no snapshot: the engine recomputes the local
@@ -61,7 +63,7 @@ from replay.port import (
     ReplayParts,
     ReplayTicket,
 )
-from replay.runner import ReplayJob, ReplayMode, ReplayResult, Runner
+from replay.runner import JobHandle, ReplayJob, ReplayMode, ReplayResult, Runner
 
 log = logging.getLogger("kvstore.replay")
 
@@ -125,6 +127,9 @@ class _Flight:
     tickets: int = 0  # admissions joined to it, neither used nor released yet
     led: bool = False  # a request is running it
     done: bool = False  # its outcome is set (or it ended without running)
+    # When the last of its callers gives up (clock time): the replay runs until then, so that a
+    # caller with time to spare is not cut short by a leader whose own deadline is near.
+    until: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -191,11 +196,14 @@ class ReplayCoordinator:
     # --- the port the service calls ------------------------------------------------------------
 
     def admit(
-        self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, boundary_key: bytes | None = None
+        self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, boundary_key: bytes | None = None,
+        deadline_seconds: float | None = None,
     ) -> ReplayTicket:
         """A ticket for a replay at `tokens[:hit_tokens]`, or `ResourceExhausted` when the tenant's
         distinct replays are at the bound. A replay of a boundary already admitted (or just
-        finished) joins it and takes no slot. Quick: hashing the prefix's keys, no I/O."""
+        finished) joins it and takes no slot. `deadline_seconds`, when known, is how long this
+        caller will wait: the replay runs as long as its longest-waiting caller (within
+        `timeout_seconds`). Quick: hashing the prefix's keys, no I/O."""
         ticket = ReplayTicket(ns.tenant, hit_tokens)
         layout = self.store.layout(ns)
         if ns.replay_mode == "off" or layout.local_snapshot_bytes == 0:
@@ -227,8 +235,16 @@ class ReplayCoordinator:
                 flight = self._flights[fkey] = _Flight(cf.Future(), ns.tenant)
                 self._per_tenant[ns.tenant] = self._per_tenant.get(ns.tenant, 0) + 1
             flight.tickets += 1
+            if deadline_seconds is not None:
+                flight.until = max(flight.until, self._clock() + self._budget(deadline_seconds))
             self._tickets[ticket] = _Admission(fkey, flight)
         return ticket
+
+    def _budget(self, deadline_seconds: float) -> float:
+        """How long a caller with `deadline_seconds` left waits (0 or less: no deadline of its own)."""
+        if deadline_seconds > 0:
+            return min(deadline_seconds, self.cfg.timeout_seconds)
+        return self.cfg.timeout_seconds
 
     def release(self, ticket: ReplayTicket) -> None:
         """Give back a ticket `resume_local` did not use (the Resume failed or went away first).
@@ -249,11 +265,16 @@ class ReplayCoordinator:
         ticket: ReplayTicket | None = None,
     ) -> ReplayOutcome:
         """Rebuild the local state at `hit_tokens` under `ticket` (None: admit now, which may
-        raise `ResourceExhausted`). The ticket is used up whatever happens."""
+        raise `ResourceExhausted`). The ticket is used up whatever happens.
+
+        A caller that joins a replay in flight waits for it at most its own `deadline_seconds`.
+        The first caller runs the replay on its own thread, for as long as the longest-waiting
+        caller of it, so its call may return after its own deadline (the service waits on it
+        only until its own)."""
         if ticket is None:
             ticket = self.admit(ns, tokens, hit_tokens)
         start = self._clock()
-        budget = min(deadline_seconds, self.cfg.timeout_seconds) if deadline_seconds > 0 else self.cfg.timeout_seconds
+        budget = self._budget(deadline_seconds)
         with self._lock:
             adm = self._tickets.pop(ticket, None)
             assert adm is not None, "a replay ticket is used once, and never after it was released"
@@ -263,6 +284,7 @@ class ReplayCoordinator:
                 self._c.bump("disabled" if adm.outcome.status == DISABLED else "coalesced")
                 return adm.outcome
             flight.tickets -= 1
+            flight.until = max(flight.until, start + budget)
             leader = not flight.led and not flight.done
             if leader:
                 flight.led = True
@@ -272,7 +294,7 @@ class ReplayCoordinator:
             return self._join(flight, budget)
         outcome = ReplayOutcome(None, 0, FAILED)
         try:
-            outcome = self._lead(ns, self.store.layout(ns), tokens, hit_tokens, adm.fkey[1], start, budget)
+            outcome = self._lead(ns, self.store.layout(ns), tokens, hit_tokens, adm.fkey[1], start, flight)
         except Exception:  # a bug must not leave the followers waiting, nor fail the Resume
             log.exception("replay at boundary %d failed unexpectedly", hit_tokens)
             self._bump("failures")
@@ -319,7 +341,7 @@ class ReplayCoordinator:
 
     def _lead(
         self, ns: Namespace, layout: CacheLayout, tokens: np.ndarray, hit: int, boundary_key: bytes,
-        start: float, budget: float,
+        start: float, flight: _Flight,
     ) -> ReplayOutcome:
         mode: ReplayMode = "exact" if ns.replay_mode == "exact" else "bounded"
         plan = plan_replay(layout, mode, hit)
@@ -338,9 +360,9 @@ class ReplayCoordinator:
                 tenant=ns.tenant, model=ns.model, mode=mode,
                 tokens=np.ascontiguousarray(tokens[plan.start : hit], dtype="<u4"),
                 position_start=plan.start, position_end=hit, first_chunk=0, chunk_bytes=cb, chunks=(),
-                deadline_seconds=max(0.0, budget - (self._clock() - start)), source=source,
+                deadline_seconds=max(0.0, self._left(flight)), source=source,
             )
-            result = self._run(job, start, budget)
+            result = self._run(job, flight)
         if result is None:
             return ReplayOutcome(None, 0, TIMEOUT)
         if not result.ok:
@@ -356,7 +378,7 @@ class ReplayCoordinator:
             return ReplayOutcome(None, 0, FAILED)
         put = None
         if self.pool is not None:
-            left = max(0.001, budget - (self._clock() - start))
+            left = max(0.001, self._left(flight))
             put = self.pool.put(ns.digest, boundary_key, ns.tenant, ns.layout_id, hit, snapshot, left)
             if not put.written:
                 self._bump("pool_writes_skipped")
@@ -366,7 +388,30 @@ class ReplayCoordinator:
             self._c.replay_seconds += max(0.0, self._clock() - start)
         return ReplayOutcome(snapshot, plan.tokens, REPLAYED, put=put)
 
-    def _run(self, job: ReplayJob, start: float, budget: float) -> ReplayResult | None:
+    def _left(self, flight: _Flight) -> float:
+        """Seconds until the flight's last caller gives up."""
+        with self._lock:
+            until = flight.until
+        return until - self._clock()
+
+    def _wait(self, handle: JobHandle, flight: _Flight) -> ReplayResult | None:
+        """The job's result, or None once the flight's last caller has given up. A caller that
+        joins meanwhile may push that moment back, so the wait goes on while it moves."""
+        until = None
+        while True:
+            with self._lock:
+                if flight.until == until:
+                    return None
+                until = flight.until
+            left = until - self._clock()
+            if left <= 0:
+                return None
+            try:
+                return handle.future.result(timeout=left)
+            except cf.TimeoutError:
+                continue
+
+    def _run(self, job: ReplayJob, flight: _Flight) -> ReplayResult | None:
         """The job's result from the first runner that serves it (None: the deadline passed),
         re-queued on another runner when the one that had it went away."""
         last: ReplayResult | None = None
@@ -377,8 +422,7 @@ class ReplayCoordinator:
                     self._bump("no_runner")
                     return ReplayResult.failed(NO_RUNNER)
                 break
-            remaining = budget - (self._clock() - start)
-            if remaining <= 0:
+            if self._left(flight) <= 0:
                 self._bump("timeouts")
                 return None
             self._bump("requeued" if attempt else "replays_started")
@@ -386,14 +430,15 @@ class ReplayCoordinator:
                 self._queued += 1
             handle = runner.submit(job)
             try:
-                last = handle.future.result(timeout=remaining)
-            except cf.TimeoutError:
-                handle.cancel()
-                self._bump("timeouts")
-                return None
+                got = self._wait(handle, flight)
             finally:
                 with self._lock:
                     self._queued -= 1
+            if got is None:
+                handle.cancel()
+                self._bump("timeouts")
+                return None
+            last = got
             if last.ok or not last.lost:
                 break
             log.warning("replay runner %s went away mid-job (%s); re-queueing", last.runner or runner.name,

@@ -29,7 +29,7 @@ import numpy as np
 from kvstore.errors import InvalidInput
 from kvstore.layout import ModelSpec
 from replay.reference.config import ModelConfig
-from replay.runner import BatchWorker, ChunksGone, JobHandle, ReplayJob, ReplayResult, resolved
+from replay.runner import CLOSE_WAIT_SECONDS, BatchWorker, ChunksGone, JobHandle, ReplayJob, ReplayResult, resolved
 
 if TYPE_CHECKING:
     from replay.reference.model import ReferenceModel
@@ -178,10 +178,6 @@ def _warm_up(model: ReferenceModel) -> None:
     res = model.prefill(toks)
     span = model.replay_span(ct, "bounded")
     model.replay(toks[span.start : span.stop], span, res.chunk_payloads)
-
-
-# How long closing waits for a batch in flight.
-CLOSE_WAIT_SECONDS = 10.0
 
 
 class InProcessRunner:

@@ -82,11 +82,14 @@ class ReplayParts:
 
 class ReplayPort(Protocol):
     def admit(
-        self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, boundary_key: bytes | None = None
+        self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, boundary_key: bytes | None = None,
+        deadline_seconds: float | None = None,
     ) -> ReplayTicket:
         """Admit a replay at `tokens[:hit_tokens]` now, or raise `ResourceExhausted` (the tenant's
         bound). Quick: no I/O, no waiting. `boundary_key`, when the caller already has it, is the
-        key of the last chunk before the boundary (saves hashing the prefix again)."""
+        key of the last chunk before the boundary (saves hashing the prefix again).
+        `deadline_seconds`, when known, is how long this caller will wait for the replay: a replay
+        shared by several callers runs as long as the longest-waiting one."""
         ...
 
     def resume_local(

@@ -3,7 +3,8 @@
 A runner process dials in over `Runners.Attach` (see `runners_servicer.py`) and announces what it
 runs. `RunnerRegistry.submit(job)` picks an attached runner for the job's model that may serve the
 job's tenant (a runner attached with a tenant's credentials serves only that tenant; one attached
-with the admin token serves all), queues the job on its link and returns a `Future` that resolves
+with the admin token serves all) and has fewer than its `max_concurrent_jobs` in flight (none:
+`Unavailable`), queues the job on its link and returns a `Future` that resolves
 to a `JobOutcome` when the runner answers, fails, detaches, or the job is cancelled. Futures always
 resolve with an outcome (never an exception): a failed job is an expected result for replay.
 
@@ -168,16 +169,28 @@ class RunnerRegistry:
 
     # --- coordinator side ---------------------------------------------------------------------------
 
-    def submit(self, job: ReplayJob) -> JobFuture:
-        """Queue a job on the least-loaded runner that may serve it; raises Unavailable if none."""
+    def _serving(self, model: str, tenant: str) -> list[RunnerLink]:
+        """The attached runners that may serve `tenant`'s jobs for `model` (called under the lock)."""
+        return [
+            link for link in self._links.values()
+            if not link.closed and link.info.model == model and (link.info.tenant is None or link.info.tenant == tenant)
+        ]
+
+    def has_room(self, model: str, tenant: str) -> bool:
+        """A runner that may serve the job has fewer jobs than its `max_concurrent_jobs`."""
         with self._lock:
-            candidates = [
-                link for link in self._links.values()
-                if not link.closed and link.info.model == job.model
-                and (link.info.tenant is None or link.info.tenant == job.tenant)
-            ]
+            return any(len(lk.in_flight) < lk.info.max_concurrent_jobs for lk in self._serving(model, tenant))
+
+    def submit(self, job: ReplayJob) -> JobFuture:
+        """Queue a job on the least-loaded runner that may serve it and has room for it (a runner
+        takes at most the `max_concurrent_jobs` it announced); raises Unavailable if none."""
+        with self._lock:
+            candidates = self._serving(job.model, job.tenant)
             if not candidates:
                 raise Unavailable(f"no runner for model '{job.model}' is attached")
+            candidates = [lk for lk in candidates if len(lk.in_flight) < lk.info.max_concurrent_jobs]
+            if not candidates:
+                raise Unavailable(f"every runner for model '{job.model}' has its max_concurrent_jobs in flight")
             link = min(candidates, key=lambda lk: len(lk.in_flight) / lk.info.max_concurrent_jobs)
             job_id = next(self._ids)
             fut = JobFuture(job_id)

@@ -2,8 +2,10 @@
 
 Runner processes dial in over `Runners.Attach` (`kvstore runner --connect`, or an engine's own
 GPU process) and the service's `RunnerRegistry` tracks them and queues jobs on the least-loaded
-one. This adapter hands the coordinator's `ReplayJob` to the registry and turns the registry's
-`JobOutcome` back into a `ReplayResult`.
+one with room (below the `max_concurrent_jobs` it announced). This adapter hands the
+coordinator's `ReplayJob` to the registry and turns the registry's `JobOutcome` back into a
+`ReplayResult`; it serves a job only while a runner has room for it, so that a full fleet leaves
+the job to the next runner (the in-process one) instead.
 
 A failed outcome is `lost` (worth re-queueing elsewhere) when the runner that had the job is no
 longer attached: it died, its stream broke, or the service is shutting down. A runner that is
@@ -34,12 +36,14 @@ class AttachedRunners:
         self._lock = threading.Lock()
 
     def serves(self, model: str, tenant: str) -> bool:
-        return any(r.model == model and (r.tenant is None or r.tenant == tenant) for r in self._registry.runners())
+        # Only with room: runners that all have their max_concurrent_jobs in flight leave the job
+        # to the next runner (in-process) rather than being handed more than they asked for.
+        return self._registry.has_room(model, tenant)
 
     def submit(self, job: ReplayJob) -> JobHandle:
         try:
             fut = self._registry.submit(job)
-        except Unavailable as e:  # the last runner left between serves() and here
+        except Unavailable as e:  # the last runner left, or filled up, between serves() and here
             return resolved(ReplayResult.failed(str(e), self.name, lost=True))
         out: Future[ReplayResult] = Future()
         with self._lock:

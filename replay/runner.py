@@ -171,6 +171,9 @@ def resolved(result: ReplayResult) -> JobHandle:
 # --- the worker that feeds one model ---------------------------------------------------------------
 
 BatchFn = Callable[[Sequence[ReplayJob]], list[ReplayResult]]
+# How long a runner that closes waits for a batch in flight: a process that exits while torch
+# computes on the worker's thread aborts ("terminate called without an active exception").
+CLOSE_WAIT_SECONDS = 10.0
 
 
 @dataclass(eq=False)

@@ -11,8 +11,10 @@ import pytest
 
 from kvstore.client.sync_client import InvalidArgumentError
 from kvstore.config import KvstoreConfig
-from kvstore.layout import EngineLayerGroup, EngineModel, engine_model_spec
+from kvstore.layout import EngineLayerGroup, EngineModel, engine_model_spec, exact_replay_tokens
+from replay.coordinator import plan_replay
 from tests.fixtures.service import CHUNK, Service, make_config, payloads, tokens
+from tests.test_service_runners import FakeRunner
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
 FULL = EngineLayerGroup("full", num_layers=2, kv_heads=2, head_size=8, dtype="bfloat16")
@@ -74,6 +76,39 @@ def test_a_sliding_window_group_becomes_the_local_state() -> None:
     # ceil((20 - 1) / 16) = 2 chunks of rows; a row is K and V of one token of one layer.
     assert (local.window_tokens, local.row_bytes, local.persisted_layers) == (2 * CHUNK, 2 * 8 * 4, (2, 3, 4))
     assert spec.layout.chunk_bytes == CHUNK * 2 * 2 * 2 * 8 * 2  # the full group only
+
+
+def test_exact_replay_of_a_sliding_window_model_reaches_back_through_every_sliding_layer() -> None:
+    swa = EngineLayerGroup("sliding", num_layers=3, kv_heads=1, head_size=8, dtype="float32", sliding_window=20)
+    layout = engine_model_spec(dataclasses.replace(DESC, groups=(FULL, swa))).layout
+    # Each of the 3 sliding layers reaches W - 1 tokens further back: L(W - 1) + 1 for the 32-token
+    # window (two chunks of rows). Before, the depth stayed 0 and exact replay ran 1 token.
+    assert (layout.encoder_layers, exact_replay_tokens(layout)) == (3, 3 * (2 * CHUNK - 1) + 1)
+    assert plan_replay(layout, "exact", 8 * CHUNK).tokens == 94
+    # The depth is not part of the layout id: chunks stored before it was set keep theirs.
+    assert layout.layout_id.hex() == "164af809fb6b283a"
+    # A layout with local state but no depth declared still refills its whole window.
+    shallow = dataclasses.replace(layout, encoder_layers=0)
+    assert plan_replay(shallow, "exact", 8 * CHUNK).tokens == plan_replay(shallow, "bounded", 8 * CHUNK).tokens == 32
+
+
+def test_an_expired_exact_resume_of_a_registered_model_replays_and_bills_the_whole_reach(
+        make_service: Callable[..., Service]) -> None:
+    svc = make_service(make_config(replay={"runner": "attached"}))
+    kv = svc.client()
+    swa = EngineLayerGroup("sliding", num_layers=2, kv_heads=1, head_size=8, dtype="float32", sliding_window=20)
+    reg = kv.register_model(dataclasses.replace(DESC, groups=(FULL, swa)))
+    snapshot = bytes(reg.local_snapshot_bytes)
+    runner = FakeRunner(kv.channel, reg.model, reg.layout_id, lambda job, chunks: snapshot).start()
+    assert runner.attached.wait(10)
+    prompt = tokens(3, 4 * CHUNK, vocab=1000)
+    kv.store(reg.model, prompt, payloads(4, 4, reg.chunk_bytes), replay_mode="exact")
+    r = kv.resume(reg.model, prompt, replay_mode="exact")  # no snapshot was stored: expired
+    runner.close()
+    # Two sliding layers, a 32-token window: 2 x 31 + 1 = 63 tokens planned, run and billed.
+    job = runner.jobs[-1]
+    assert (job.position_start, job.position_end) == (4 * CHUNK - 63, 4 * CHUNK)
+    assert (r.local_state, r.replay_tokens, r.planned_bills.replay_tokens) == ("replayed", 63, 63)
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -47,7 +47,7 @@ class StandInCoordinator:
         self.parts = parts
 
     def admit(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int,
-              boundary_key: bytes | None = None) -> ReplayTicket:
+              boundary_key: bytes | None = None, deadline_seconds: float | None = None) -> ReplayTicket:
         return ReplayTicket(ns.tenant, hit_tokens)
 
     def resume_local(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int,

@@ -310,6 +310,37 @@ def test_a_batch_with_jobs_the_model_refuses_answers_each_job() -> None:
     assert replayer.run_batch(jobs) == [replayer.run(j) for j in jobs]  # batched or alone: the same
 
 
+def test_a_shared_replay_runs_for_its_longest_waiting_caller_and_each_waits_its_own_deadline(rig: Rig) -> None:
+    ns, toks = rig.ns(), tokens(24, 64)
+    rig.cache(ns, toks)
+    runner = GatedRunner()
+    co = rig.coordinator([runner])
+    # Admitted with their deadlines, as the service admits them: the first caller (the leader)
+    # will wait 0.3 s, the second 30 s, the third 0.2 s.
+    tickets = [co.admit(ns, toks, 64, deadline_seconds=d) for d in (0.3, 30.0, 0.2)]
+    outs: dict[int, ReplayOutcome] = {}
+
+    def call(i: int, deadline: float) -> None:
+        outs[i] = co.resume_local(ns, toks, 64, deadline, tickets[i])
+
+    leader = threading.Thread(target=call, args=(0, 0.3))
+    leader.start()
+    runner.gate.entered.wait(30)  # the device is busy with the replay
+    follower = threading.Thread(target=call, args=(1, 30.0))
+    follower.start()
+    call(2, 0.2)  # a short deadline gives up on its own while the replay goes on
+    assert (outs[2].status, outs[2].snapshot) == (TIMEOUT, None)
+    time.sleep(0.3)  # the leader's deadline has passed too: the replay still runs for the follower
+    runner.gate.open.set()
+    follower.join(30)
+    leader.join(30)
+    runner.close()
+    assert outs[1].status == REPLAYED and outs[1].snapshot is not None
+    assert outs[0].snapshot == outs[1].snapshot and outs[0].replay_tokens == W  # the leader ran it, once
+    c = co.counters()
+    assert (c.replays_started, c.replays_ok, c.coalesced, runner.gate.batches) == (1, 1, 2, [1])
+
+
 def test_per_tenant_limit_refuses_beyond_the_bound(rig: Rig) -> None:
     ns, other = rig.ns(), rig.ns(tenant="t2")
     a, b = tokens(20, 48), tokens(21, 48)
@@ -449,11 +480,13 @@ def test_replay_threads_are_chosen_deliberately() -> None:
 
 
 # A process that closes its in-process runner and exits while the model is at work on the
-# runner's thread (loading, or running a batch): torch must not be torn down under it.
+# runner's thread (loading, or running a batch): torch must not be torn down under it. Likewise
+# `kvstore runner` (an attached runner) stopped by SIGTERM while its model runs a batch.
 EXIT_WHILE_BUSY = """
-import sys, time
+import sys, threading, time
 import numpy as np
 import torch
+from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
 from replay.inprocess import InProcessRunner, ReferenceReplayer
 from replay.runner import ReplayJob, ReplayResult
 
@@ -464,19 +497,27 @@ def busy(*_args):
         a = torch.tanh(a @ a)
     return [ReplayResult(b"x")]
 
+job = ReplayJob("t", "m", "bounded", np.zeros(1, "<u4"), 0, 1, 0, 1, (), 1.0)
+if sys.argv[1] == "attached":  # nothing listens at the address: it keeps retrying until stopped
+    runner = AttachedRunner(RunnerIdentity("m", b"12345678", "cpu", 1, 1, "x"), busy, AttachOptions("127.0.0.1:1"),
+                            say=lambda line: None)
+    runner._worker.submit(job)
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()  # what the command's SIGTERM handler does
+    sys.exit(runner.run(stop))  # and then the command exits with run's status
 if sys.argv[1] == "load":
     ReferenceReplayer.load = busy
     runner = InProcessRunner({}, "cpu")
 else:
     ReferenceReplayer.run_batch = busy
     runner = InProcessRunner({}, "cpu", preload=False)
-    runner._worker.submit(ReplayJob("t", "m", "bounded", np.zeros(1, "<u4"), 0, 1, 0, 1, (), 1.0))
+    runner._worker.submit(job)
 time.sleep(0.3)
 runner.close()
 """
 
 
-@pytest.mark.parametrize("busy_with", ["load", "batch"])
+@pytest.mark.parametrize("busy_with", ["load", "batch", "attached"])
 def test_a_process_exits_cleanly_when_its_runner_closes_while_the_model_works(busy_with: str) -> None:
     done = subprocess.run([sys.executable, "-c", EXIT_WHILE_BUSY, busy_with], capture_output=True, text=True,
                           timeout=120)

@@ -68,7 +68,8 @@ def make_attached(make_service: Callable[..., Service], sock_dir: Path) -> Itera
                 gate.wait(30)
             return [ReplayResult(_answer(j, sb)) for j in jobs]
 
-        runner = AttachedRunner(RunnerIdentity(V41, layout.layout_id, "cpu", 4, 1, "shm-test"), run_batch,
+        # Up to 8 jobs at once (the service hands a runner no more than it announces).
+        runner = AttachedRunner(RunnerIdentity(V41, layout.layout_id, "cpu", 8, 1, "shm-test"), run_batch,
                                 AttachOptions(f"unix://{sock_dir / 'kv.sock'}"), say=lambda _: None)
         stop = threading.Event()
         t = threading.Thread(target=runner.run, args=(stop,), daemon=True)
@@ -163,6 +164,43 @@ def test_a_job_whose_deadline_is_past_the_lease_on_its_chunks_is_copied(make_att
     gate.set()
     assert fut.result(timeout=30).snapshot == _answer(job, svc.snapshot_bytes(V41))
     assert s.leases.expired_total == 0
+
+
+def test_a_runner_whose_session_the_service_does_not_know_reattaches_with_a_new_one(
+        make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    sessions = svc.server.shm
+    assert sessions is not None
+    real = sessions.session
+    forgotten: list[str] = []
+
+    def forget_the_first(session_id: str, tenant: str, kind: str = "client") -> ShmSession:
+        # Fault: the first session named in a hello is unknown, as when the service restarts
+        # between the runner opening its session and its Attach.
+        if not forgotten:
+            forgotten.append(session_id)
+            return real("not-a-session", tenant, kind)
+        return real(session_id, tenant, kind)
+
+    monkeypatch.setattr(sessions, "session", forget_the_first)
+    layout = svc.app.layouts()[V41]
+    said: list[str] = []
+    runner = AttachedRunner(RunnerIdentity(V41, layout.layout_id, "cpu", 1, 1, "restart-race"),
+                            lambda jobs: [ReplayResult.failed("not asked")] * len(jobs),
+                            AttachOptions(f"unix://{sock_dir / 'kv.sock'}"), say=said.append)
+    stop = threading.Event()
+    rc: list[int] = []
+    t = threading.Thread(target=lambda: rc.append(runner.run(stop)), daemon=True)
+    t.start()
+    try:
+        wait_until(lambda: runner.sessions == 1 or not t.is_alive())
+        assert rc == [] and runner.sessions == 1, said  # not given up as refused (rc 2): retried
+        assert any("unknown same-host session" in line for line in said), said
+        assert _session(svc).session_id != forgotten[0]  # attached with a new session
+    finally:
+        stop.set()
+        t.join(10)
+    assert rc == [0]
 
 
 class RawRunner:

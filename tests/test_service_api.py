@@ -230,7 +230,7 @@ class FakeCoordinator:
         self.held: set[ReplayTicket] = set()
 
     def admit(self, ns: Namespace, toks: np.ndarray, hit_tokens: int,
-              boundary_key: bytes | None = None) -> ReplayTicket:
+              boundary_key: bytes | None = None, deadline_seconds: float | None = None) -> ReplayTicket:
         if self.refuse is not None:
             raise self.refuse
         ticket = ReplayTicket(ns.tenant, hit_tokens)

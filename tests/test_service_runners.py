@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -14,12 +14,16 @@ import pytest
 
 from kvstore.errors import Unavailable
 from kvstore.layout import EngineLayerGroup, EngineModel, get_model
+from kvstore.service.server import transport_options
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire.framing import BlobAssembler, ChunkAssembler
+from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
 from replay.registry import JobOutcome
-from replay.runner import ReplayJob
+from replay.registry_runner import AttachedRunners
+from replay.runner import ReplayJob, ReplayResult
 from tests.fixtures.service import CHUNK, TOY, V41, Service, make_config, payloads, tokens
+from tests.fixtures.tcp_proxy import TcpProxy
 from tests.helpers.waiting import wait_until
 
 ALICE, BOB, ADMIN = "alice-token-0123456789", "bob-token-0123456789", "admin-token-0123456789"
@@ -256,6 +260,69 @@ def test_shutdown_ends_runner_streams(make_service: Callable[..., Service]) -> N
     runner.thread.join(10)
     assert not runner.thread.is_alive()
     svc.app.close()
+
+
+def test_a_runner_is_given_no_more_jobs_at_once_than_its_max_concurrent_jobs(service: Service) -> None:
+    hold = threading.Event()
+
+    def slow(job: pb.ReplayJob, chunks: list[bytes]) -> bytes:
+        hold.wait(10)
+        return _echo_digest(job, chunks)
+
+    # The fake announces max_concurrent_jobs = 2.
+    runner = FakeRunner(service.client().channel, TOY, service.app.layouts()[TOY].layout_id, slow).start()
+    assert runner.attached.wait(10)
+    attached = AttachedRunners(service.app.runners)
+    assert attached.serves(TOY, "default")
+    futures = [service.app.runners.submit(_job(service)[0]) for _ in range(2)]
+    # Full: the coordinator's next runner (in-process) is offered the job instead...
+    assert not attached.serves(TOY, "default")
+    with pytest.raises(Unavailable, match="max_concurrent_jobs"):
+        service.app.runners.submit(_job(service)[0])
+    # ...and a job submitted in the race between serves() and submit() is lost, so it is re-queued.
+    raced = attached.submit(_job(service)[0]).future.result(10)
+    assert (raced.ok, raced.lost) == (False, True)
+    wait_until(lambda: len(runner.jobs) == 2)
+    hold.set()
+    assert all(f.result(10).snapshot is not None for f in futures)
+    assert attached.serves(TOY, "default") and len(runner.jobs) == 2
+    runner.close()
+
+
+def test_kvstore_runner_pings_the_service_and_reattaches_when_the_path_goes_silent(
+        service: Service, tcp_proxy_factory: Callable[[int], TcpProxy]) -> None:
+    lay = service.app.layouts()[TOY]
+    ident = RunnerIdentity(TOY, lay.layout_id, "cpu", 2, 1, "silent-path")
+
+    def fail(jobs: Sequence[ReplayJob]) -> list[ReplayResult]:
+        return [ReplayResult.failed("not asked")] * len(jobs)
+
+    # What `kvstore runner` sends by default: pings no more often than the service allows without
+    # data (more often is a strike, and strikes end in too_many_pings).
+    options = dict(AttachedRunner(ident, fail, AttachOptions("127.0.0.1:1")).channel_options())
+    server = dict(transport_options(service.app.config.service))
+    assert (options["grpc.keepalive_time_ms"], options["grpc.http2.ping_timeout_ms"]) == (20_000, 10_000)
+    assert options["grpc.keepalive_time_ms"] > server["grpc.http2.min_ping_interval_without_data_ms"]
+    assert options["grpc.http2.max_pings_without_data"] == 0  # pings go on while no job comes
+
+    # The same, shortened for the test, through a proxy that stops forwarding (a silent path).
+    proxy = tcp_proxy_factory(int(service.address.rsplit(":", 1)[1]))
+    said: list[str] = []
+    runner = AttachedRunner(ident, fail, AttachOptions(f"127.0.0.1:{proxy.port}", keepalive_seconds=1.0,
+                                                       keepalive_timeout_seconds=1.0), say=said.append)
+    stop = threading.Event()
+    t = threading.Thread(target=runner.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        wait_until(lambda: runner.sessions == 1)
+        proxy.set_mode("hang")  # nothing is closed, nothing gets through
+        wait_until(lambda: any("ended: UNAVAILABLE" in line for line in said))
+        proxy.set_mode("pass")
+        wait_until(lambda: runner.sessions == 2)  # it noticed, and attached again
+    finally:
+        stop.set()
+        t.join(10)
+    assert not t.is_alive()
 
 
 def test_blob_assembler_rejects_gaps() -> None:

@@ -264,7 +264,7 @@ class LocalStateCalls:
             return None
         budget = deadline if deadline is not None else self.app.config.replay.timeout_seconds
         # Admitted here, synchronously: a refusal (ResourceExhausted) fails the call before its header.
-        ticket = coordinator.admit(res.ns, res.tokens, hit_tokens, boundary_key)
+        ticket = coordinator.admit(res.ns, res.tokens, hit_tokens, boundary_key, budget)
         try:
             fut = self.replay_executor.submit(coordinator.resume_local, res.ns, res.tokens, hit_tokens, budget,
                                               ticket)
