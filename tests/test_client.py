@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+import contextlib
 import json
 import os
 import re
@@ -9,9 +11,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -23,13 +28,16 @@ from kvstore.client.sync_client import (
     InvalidArgumentError,
     KvstoreClient,
     RetryPolicy,
+    ServerError,
     UnavailableError,
 )
 from kvstore.commands.bench import BENCHES
 from kvstore.config import load_config, parse_config
 from kvstore.errors import ConfigError, InvalidInput
 from kvstore.service.app import build_app
+from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.framing import ChunkAssembler, ChunkWriter, plan_pieces
+from kvstore.wire.messages import encode_chunk_piece
 from tests.fixtures.service import CHUNK, DENSE, TOY, Service, base_table, payloads, to_toml, tokens
 
 
@@ -391,3 +399,116 @@ def test_a_chunk_writer_refuses_bad_sequences() -> None:
     w.add(1, 0, b"x" * 5)
     with pytest.raises(InvalidInput, match="ended inside chunk 1"):
         w.finish()
+
+
+# --- streams the client cannot use: a fake service answers each call with crafted messages ---------
+
+
+@contextlib.contextmanager
+def _fake_service(handlers: dict[str, grpc.RpcMethodHandler]) -> Iterator[KvstoreClient]:
+    """A KVCache service of `handlers` only, on a real channel, and a client of it."""
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("kvstore.v1.KVCache", handlers)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with KvstoreClient(f"127.0.0.1:{port}", timeout_seconds=10.0) as kv:
+            yield kv
+    finally:
+        server.stop(0)
+
+
+def test_a_stream_the_client_cannot_use_is_a_server_error_never_a_wrong_answer() -> None:
+    # Each once raised InvalidInput (the caller's-fault error) or StopIteration, or answered a
+    # chunk short: a truncated Resume or iter_load as a shorter hit.
+    cb, mode = 8, {"": ""}
+    head = pb.LoadHeader(hit_tokens=2 * CHUNK, hit_chunks=2, chunk_tokens=CHUNK, chunk_bytes=cb)
+    resume_head = pb.ResumeHeader(resume_case=pb.RESUME_CASE_WARM, hit_tokens=2 * CHUNK, hit_chunks=2,
+                                  chunk_tokens=CHUNK, chunk_bytes=cb, local_snapshot_bytes=4)
+
+    def load(req: pb.LoadRequest, ctx: Any) -> Iterator[bytes]:
+        yield pb.LoadResponse(header=head).SerializeToString()
+        if mode[""] == "past-end":
+            yield encode_chunk_piece(0, 0, [pb.TIER_DRAM] * 3, b"x" * (3 * cb))
+        else:  # chunk 1 cut short, and the stream ends OK
+            yield encode_chunk_piece(0, 0, [pb.TIER_DRAM] * 2, b"x" * (cb + 3))
+
+    def resume(req: pb.ResumeRequest, ctx: Any) -> Iterator[bytes]:
+        yield pb.ResumeResponse(header=resume_head).SerializeToString()
+        if mode[""] == "past-end":
+            yield encode_chunk_piece(5, 0, [pb.TIER_DRAM], b"x" * cb)
+        elif mode[""] == "truncated":
+            yield encode_chunk_piece(0, 0, [pb.TIER_DRAM] * 2, b"x" * (cb + 3))
+        else:  # a local snapshot out of order
+            yield encode_chunk_piece(0, 0, [pb.TIER_DRAM] * 2, b"x" * (2 * cb))
+            yield pb.ResumeResponse(local=pb.LocalPiece(offset=2, data=b"ab")).SerializeToString()
+        yield pb.ResumeResponse(trailer=pb.ResumeTrailer(local_state=pb.LOCAL_STATE_HIT)).SerializeToString()
+
+    def load_local(req: pb.LoadLocalRequest, ctx: Any) -> Iterator[pb.LoadLocalResponse]:
+        if mode[""] == "empty":
+            return
+        yield pb.LoadLocalResponse(header=pb.LoadLocalHeader(local_state=pb.LOCAL_STATE_HIT, snapshot_bytes=4))
+        offset, data = (2, b"ab") if mode[""] == "out-of-order" else (0, b"ab")  # else: short
+        yield pb.LoadLocalResponse(local=pb.LocalPiece(offset=offset, data=data))
+
+    raw = lambda b: b  # noqa: E731
+    handlers = {
+        "Load": grpc.unary_stream_rpc_method_handler(load, pb.LoadRequest.FromString, raw),
+        "Resume": grpc.unary_stream_rpc_method_handler(resume, pb.ResumeRequest.FromString, raw),
+        "LoadLocal": grpc.unary_stream_rpc_method_handler(load_local, pb.LoadLocalRequest.FromString,
+                                                          pb.LoadLocalResponse.SerializeToString),
+    }
+    prompt = list(range(2 * CHUNK))
+    with _fake_service(handlers) as kv:
+        calls: list[tuple[str, Callable[[], object]]] = [
+            ("past-end", lambda: kv.load("m", prompt)), ("truncated", lambda: kv.load("m", prompt)),
+            ("past-end", lambda: list(kv.iter_load("m", prompt))),
+            ("truncated", lambda: list(kv.iter_load("m", prompt))),
+            ("past-end", lambda: kv.resume("m", prompt)), ("truncated", lambda: kv.resume("m", prompt)),
+            ("bad-local", lambda: kv.resume("m", prompt)),
+            ("empty", lambda: kv.load_local("m", prompt)), ("out-of-order", lambda: kv.load_local("m", prompt)),
+            ("short", lambda: kv.load_local("m", prompt)),
+        ]
+        for case, call in calls:
+            mode[""] = case
+            with pytest.raises(ServerError):
+                call()
+
+
+def test_resume_without_chunks_names_a_tier_it_does_not_know_as_lookup_does() -> None:
+    # It raised KeyError for a tier value a newer service may send.
+    def resume(req: pb.ResumeRequest, ctx: Any) -> Iterator[pb.ResumeResponse]:
+        yield pb.ResumeResponse(header=pb.ResumeHeader(resume_case=pb.RESUME_CASE_WARM, hit_tokens=2 * CHUNK,
+                                                       chunk_tokens=CHUNK, chunk_bytes=8,
+                                                       chunk_tiers=[pb.TIER_DRAM, 99]))
+        yield pb.ResumeResponse(trailer=pb.ResumeTrailer(local_state=pb.LOCAL_STATE_ABSENT))
+
+    def lookup(req: pb.LookupRequest, ctx: Any) -> pb.LookupResponse:
+        return pb.LookupResponse(hit_tokens=2 * CHUNK, hit_chunks=2, chunk_tiers=[pb.TIER_DRAM, 99],
+                                 chunk_tokens=CHUNK, chunk_bytes=8)
+
+    handlers = {
+        "Resume": grpc.unary_stream_rpc_method_handler(resume, pb.ResumeRequest.FromString,
+                                                       pb.ResumeResponse.SerializeToString),
+        "Lookup": grpc.unary_unary_rpc_method_handler(lookup, pb.LookupRequest.FromString,
+                                                      pb.LookupResponse.SerializeToString),
+    }
+    with _fake_service(handlers) as kv:
+        prompt = list(range(2 * CHUNK))
+        assert kv.lookup("m", prompt).chunk_tiers == ("dram", "")
+        assert kv.resume("m", prompt, skip_chunks=True).chunk_tiers == ("dram", "")
+
+
+def test_store_takes_all_its_payloads_in_any_one_buffer(service: Service) -> None:
+    # A numpy array was taken for a sequence of payloads, each of its bytes a chunk.
+    kv = service.client()
+    cb = service.chunk_bytes(TOY)
+    sent = payloads(150, 4, cb)
+    blob = np.frombuffer(b"".join(sent), np.uint8)
+    for i, whole in enumerate([blob, blob.reshape(4, cb), blob.view("<u4"), array.array("B", blob.tobytes())]):
+        prompt = tokens(151 + i, 4 * CHUNK)
+        assert kv.store(TOY, prompt, whole).stored_chunks == 4, type(whole)
+        assert [bytes(c) for c in kv.load(TOY, prompt).chunks] == sent
+    assert kv.store(TOY, tokens(160, 4 * CHUNK), tuple(sent)).stored_chunks == 4  # a payload per chunk
+    with pytest.raises(InvalidArgumentError, match="C-contiguous"):
+        kv.store(TOY, tokens(161, 4 * CHUNK), blob.reshape(4, cb)[:, ::2])

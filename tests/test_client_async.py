@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import shutil
+import tempfile
 import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvstore.client.async_client import AsyncKvstoreClient
 from kvstore.client.sync_client import InvalidArgumentError, KvstoreClient
-from tests.fixtures.service import CHUNK, TOY, Service, payloads, tokens
+from tests.fixtures.service import CHUNK, TOY, Service, make_config, payloads, tokens
 from tests.helpers.waiting import wait_until
 
 WAIT_SECONDS = 30.0  # only a bound on a hang
@@ -117,3 +121,63 @@ def test_cancelling_a_task_cancels_its_call_at_the_service(
 
     asyncio.run(run())
     assert len(reads) <= 3, reads  # of 8: without the cancellation every message is read and sent
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    # Unix socket paths are limited to ~100 bytes: pytest's tmp_path can be longer.
+    d = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_cancelled_same_host_store_never_lends_its_bytes_to_the_next(
+        sock_dir: Path, make_service: Callable[..., Service], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Cancelling a store() task gave its space of the store segment to the next Store at once,
+    # while the service still committed the cancelled one from it: the first prompt's keys held
+    # the second prompt's bytes. The fault: the first commit's LMDB write waits for the test.
+    sock = sock_dir / "kv.sock"
+    svc = make_service(make_config(service={"unix_socket_path": str(sock), "shm_load_segment_bytes": 4 << 20,
+                                            "shm_store_segment_bytes": 4 << 20}))
+    cb = svc.chunk_bytes(TOY)
+    durable = svc.app.store._durable
+    put_many = durable.put_many
+    committing, gate = threading.Event(), threading.Event()
+
+    def first_waits(*args: Any, **kwargs: Any) -> Any:
+        if not committing.is_set():
+            committing.set()
+            gate.wait(WAIT_SECONDS)
+        return put_many(*args, **kwargs)
+
+    monkeypatch.setattr(durable, "put_many", first_waits)
+    # When the cancelled store's thread is done with it (its task is cancelled before that).
+    stored, store_call = threading.Event(), KvstoreClient._store_call
+
+    def store_call_done(self: KvstoreClient, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return store_call(self, *args, **kwargs)
+        finally:
+            stored.set()
+
+    monkeypatch.setattr(KvstoreClient, "_store_call", store_call_done)
+    first, first_chunks = tokens(96, 4 * CHUNK), payloads(96, 4, cb)
+    second, second_chunks = tokens(97, 4 * CHUNK), payloads(97, 4, cb)
+
+    async def run() -> None:
+        async with AsyncKvstoreClient(f"unix://{sock}", timeout_seconds=WAIT_SECONDS) as kv:
+            task = asyncio.create_task(kv.store(TOY, first, first_chunks))
+            assert await asyncio.to_thread(committing.wait, WAIT_SECONDS)  # the service commits it
+            assert kv.sync.data_path_in_use == "shm"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await asyncio.to_thread(stored.wait, WAIT_SECONDS)
+            assert (await kv.store(TOY, second, second_chunks)).stored_chunks == 4
+
+    asyncio.run(run())
+    gate.set()
+    check = svc.client()
+    wait_until(lambda: check.lookup(TOY, first).hit_chunks == 4, timeout=WAIT_SECONDS / 2)
+    assert [bytes(c) for c in check.load(TOY, first).chunks] == first_chunks
+    assert [bytes(c) for c in check.load(TOY, second).chunks] == second_chunks

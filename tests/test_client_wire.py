@@ -115,6 +115,20 @@ def test_unknown_fields_are_skipped_and_the_last_of_the_oneof_wins() -> None:
     assert decode_load_response(unpacked)[1] == PieceView(3, 0, memoryview(b""), (2, 3))
 
 
+def test_a_chunks_field_repeated_in_one_message_merges_as_the_library_merges_it() -> None:
+    # The second was read in place of the first: its absent fields as zero, the data dropped.
+    a = pb.ChunkPiece(first_chunk=3, offset=1, data=b"abc", tiers=[pb.TIER_LMDB])
+    b = pb.ChunkPiece(offset=2, tiers=[pb.TIER_DRAM])
+    head = pb.LoadResponse(header=pb.LoadHeader(hit_chunks=1)).SerializeToString()
+    for parts in ([a, b], [b, a], [a, a], [a, head, b]):
+        wire = b"".join(p if isinstance(p, bytes) else pb.LoadResponse(chunks=p).SerializeToString() for p in parts)
+        kind, value = decode_load_response(wire)
+        assert kind == "chunks" and same_piece(value, pb.LoadResponse.FromString(wire).chunks), parts
+    store = pb.StoreRequest(chunks=a).SerializeToString() + pb.StoreRequest(chunks=b).SerializeToString()
+    kind, value = decode_store_request(store)
+    assert kind == "chunks" and same_piece(value, pb.StoreRequest.FromString(store).chunks)
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=80))
 def test_any_bytes_the_library_reads_read_the_same_and_others_fail_only_with_decode_error(raw: bytes) -> None:

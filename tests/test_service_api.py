@@ -130,6 +130,36 @@ def test_store_calls_split_on_growing_prefixes(service: Service) -> None:
     assert [bytes(c) for c in kv.load(TOY, prompt).chunks] == chunks
 
 
+def test_the_store_limit_is_on_what_a_call_carries_not_on_the_prefix_it_names(
+        service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The service refused every call of a prompt past the limit, each naming the whole prefix so
+    # far: the client's split into calls on growing prefixes never helped. The limit, made small
+    # (1 GiB in earnest), and the client's own bound on a call, the service's:
+    from kvstore.client import sync_client
+    from kvstore.service import servicer
+
+    cb = service.chunk_bytes(TOY)
+    monkeypatch.setattr(servicer, "MAX_STORE_BYTES", 8 * cb)
+    monkeypatch.setattr(sync_client, "STORE_CALL_LIMIT_BYTES", 8 * cb)
+    prompt, chunks = tokens(8, 20 * CHUNK), payloads(8, 20, cb)
+    r = service.client(max_store_call_bytes=1 << 30).store(TOY, prompt, chunks)  # calls of 8, 8 and 4 chunks
+    assert (r.stored_chunks, r.sent_chunks, r.skipped_chunks) == (20, 20, 0)
+    assert [bytes(c) for c in service.client().load(TOY, prompt).chunks] == chunks
+    # The skipped are counted once, not once per call (each names the gap again).
+    later = tokens(9, 20 * CHUNK)
+    r = service.client(max_store_call_bytes=4 * cb).store(TOY, later, b"".join(chunks[10:]), first_chunk=10,
+                                                          skip_present=False)
+    assert (r.stored_chunks, r.skipped_chunks) == (0, 20) and "chunk 0 is not held" in r.skipped_reason
+    # One call that carries more is refused, saying what to do.
+    stub = _stub(service)
+    one_call = _store_messages(later, [pb.ChunkPiece(first_chunk=0, data=b"".join(chunks[:9]))])
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Store(one_call, timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most" in e.value.details() and "several calls on growing prefixes" in e.value.details()
+    assert service.client().lookup(TOY, later).hit_chunks == 0
+
+
 def _stub(service: Service) -> pb_grpc.KVCacheStub:
     return pb_grpc.KVCacheStub(service.client().channel)
 

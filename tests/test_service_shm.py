@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import KvstoreClient
-from kvstore.client.sync_client import UnavailableError
+from kvstore.client.sync_client import DeadlineExceededError, UnavailableError
 from kvstore.dataplane import data_socket_path
 from kvstore.dataplane.peer import LeaseLapsed, ShmPath
 from kvstore.errors import ConfigError, InvalidInput
@@ -912,6 +912,162 @@ def test_after_a_restart_a_client_names_its_new_session_not_the_old_one(
         held = scheduler.lookup_held(TOY, prompt, hold_chunks=4, into_session=fresh)
         with worker.read_held(held.spans, held.result.chunk_tokens, cb) as got:
             assert _same(got.chunks, chunks) and got.still_held()
+
+
+def test_a_store_that_fails_while_the_service_commits_it_never_lends_its_bytes_to_the_next(
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Store whose deadline ran out here was still committed there, from views of the store
+    # segment: the client gave that space to its next Store, and the first prompt's keys held the
+    # second prompt's bytes. The fault: the first commit's LMDB write waits for the test.
+    import threading
+
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    kv = unix(svc)
+    cb = svc.chunk_bytes(V41)
+    durable = svc.app.store._durable
+    put_many = durable.put_many
+    committing, gate = threading.Event(), threading.Event()
+
+    def first_waits(*args: Any, **kwargs: Any) -> Any:
+        if not committing.is_set():
+            committing.set()
+            gate.wait(30)
+        return put_many(*args, **kwargs)
+
+    monkeypatch.setattr(durable, "put_many", first_waits)
+    first, first_chunks = tokens(61, CHUNK * 4), payloads(62, 4, cb)
+    second, second_chunks = tokens(63, CHUNK * 4), payloads(64, 4, cb)
+    with pytest.raises(DeadlineExceededError):
+        kv.store(V41, first, first_chunks, timeout_seconds=2.0)
+    assert committing.is_set(), "the service was committing the first Store when its deadline ran out"
+    assert kv.store(V41, second, second_chunks).stored_chunks == 4
+    assert kv.data_path_in_use == "shm"  # through a new session
+    gate.set()
+    wait_until(lambda: kv.lookup(V41, first).hit_chunks == 4)
+    assert _same(kv.load(V41, first).chunks, first_chunks)
+    assert _same(kv.load(V41, second).chunks, second_chunks)
+
+
+def test_held_chunks_are_read_only_from_the_session_they_were_held_in(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # read_held once read a replaced session's segment at the offsets of spans held in the old
+    # one: other bytes, and still_held() said True.
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_in_place=False))  # held: copies in the segment
+    scheduler, worker = unix(svc), unix(svc)
+    cb = svc.chunk_bytes(TOY)
+    prompt, chunks = tokens(65, CHUNK * 4), payloads(66, 4, cb)
+    scheduler.store(TOY, prompt, chunks)
+    held = scheduler.lookup_held(TOY, prompt, hold_chunks=4, into_session=worker.shm_session_id())
+    assert held.spans and worker._shm is not None
+    worker._shm_failed(worker._shm, "the fault: a lease of another call lapsed")
+    with pytest.raises(UnavailableError, match="no longer has"), worker.read_held(held.spans, CHUNK, cb):
+        pass
+    # Held in the new session they are read; once that session goes, they are not trusted.
+    held = scheduler.lookup_held(TOY, prompt, hold_chunks=4, into_session=worker.shm_session_id())
+    with worker.read_held(held.spans, CHUNK, cb) as got:
+        assert _same(got.chunks, chunks) and got.still_held()
+        assert worker._shm is not None
+        worker._shm_failed(worker._shm, "the fault: closed while the chunks are read")
+        assert not got.still_held()
+
+
+def test_iter_load_goes_over_streams_where_the_session_cannot_serve_it(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # iter_load once failed where the other loads go over streams: INVALID_ARGUMENT for a model
+    # whose chunks the session cannot hold, and after a restart for every call, for good.
+    cfg = shm_config(sock_dir / "kv.sock", shm_load_segment_bytes=2 << 20, models=[TOY, V41, DENSE])
+    svc = make_service(cfg)
+    # Not a fixture's client: those are closed with the service.
+    with KvstoreClient(f"unix://{sock_dir / 'kv.sock'}", timeout_seconds=10.0) as kv:
+        cb = svc.chunk_bytes(DENSE)
+        prompt, chunks = tokens(67, CHUNK * 2), payloads(68, 2, cb)
+        kv.store(DENSE, prompt, chunks)
+        assert [bytes(v) for _, _, v in kv.iter_load(DENSE, prompt)] == chunks
+        assert kv.data_path_in_use == "shm"  # the session stays for the other models
+        toy_prompt, toy_chunks = tokens(69, CHUNK * 4), payloads(70, 4, svc.chunk_bytes(TOY))
+        kv.store(TOY, toy_prompt, toy_chunks)
+        svc.stop(0.5)
+        make_service(cfg, svc.data_dir)
+        assert kv.lookup(TOY, toy_prompt).hit_chunks == 4  # (retried while the channel reconnects)
+        for _ in range(2):  # the first finds its session unknown and streams; the next opens another
+            assert [bytes(v) for _, _, v in kv.iter_load(TOY, toy_prompt)] == toy_chunks
+        assert kv.data_path_in_use == "shm"
+
+
+def test_load_into_asks_only_for_the_chunks_its_buffer_holds(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # The service loaded (and leased) spans past what the buffer held, which the client cancelled
+    # unread: they stayed leased until they lapsed.
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_in_place=False, shm_lease_seconds=60.0))
+    kv = unix(svc)
+    cb = svc.chunk_bytes(V41)
+    prompt, chunks = tokens(71, CHUNK * 300), payloads(72, 300, cb)  # spans of 147 chunks
+    kv.store(V41, prompt, chunks)
+
+    def mine() -> Any:
+        (session,) = kv.stats().data_plane.sessions  # type: ignore[union-attr]
+        return session
+
+    before = mine().loaded_bytes
+    buf = bytearray(2 * cb + 5)
+    assert kv.load_into(V41, prompt, buf).loaded_chunks == 2 and buf[: 2 * cb] == b"".join(chunks[:2])
+    assert mine().loaded_bytes - before == 2 * cb  # no chunk was loaded to be dropped
+    wait_until(lambda: mine().leases_active == 0)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_cancelled_load_releases_the_spans_it_was_sent_and_their_pins_at_once(
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch, in_place: bool
+) -> None:
+    # A call that does not end OK never hands its spans to the client, which never releases those
+    # it did not read: they stayed leased, their chunks pinned, until the leases lapsed.
+    import threading
+
+    from kvstore.service import shm_calls
+    from kvstore.store.sessions import LoadSession
+
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_in_place=in_place, shm_lease_seconds=60.0))
+    kv = unix(svc)
+    cb = svc.chunk_bytes(V41)
+    prompt = tokens(73, CHUNK * 40)
+    kv.store(V41, prompt, payloads(74, 40, cb))
+    monkeypatch.setattr(shm_calls, "SPAN_BYTES", 4 * cb)  # spans of four chunks
+    monkeypatch.setattr(shm_calls, "IN_PLACE_SPAN_BYTES", 4 * cb)
+    # The fault: the service makes the second span only once the test lets it go.
+    made, gate = [], threading.Event()
+    name = "hold_in_place" if in_place else "read_many_into"
+    real = getattr(LoadSession, name)
+
+    def second_waits(session: LoadSession, *args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        if len(made) == 2:
+            gate.wait(30)
+        return real(session, *args, **kwargs)
+
+    monkeypatch.setattr(LoadSession, name, second_waits)
+    shm = ShmPath.open(str(sock_dir / "kv.sock"), None)
+    channel = grpc.insecure_channel(f"unix://{sock_dir / 'kv.sock'}")
+    call = pb_grpc.KVCacheStub(channel).Load(
+        pb.LoadRequest(model=V41, tokens={"u32le": prompt.tobytes()}, shm_session=shm.session_id), timeout=60)
+    assert next(call).WhichOneof("kind") == "header"
+    first = next(call)
+    assert first.WhichOneof("kind") == "shm" and bool(first.shm.chunk_offsets) == in_place  # read, not released
+
+    def held() -> tuple[int, int]:
+        st = kv.stats()
+        leases = sum(s.leases_active for s in st.data_plane.sessions if s.session == shm.session_id[:8])  # type: ignore[union-attr]
+        return leases, st.pins_active
+
+    assert held()[0] >= 1
+    call.cancel()
+    gate.set()
+    wait_until(lambda: held() == (0, 0))
+    shm.close()
+    channel.close()
 
 
 def test_chunks_that_lie_back_to_back_are_one_run() -> None:

@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import grpc.experimental
@@ -81,6 +81,9 @@ log = logging.getLogger("kvstore.client")
 DATA_PATHS = ("auto", "shm", "stream")
 # After a same-host session could not be opened, streams are used for this long before another try.
 SHM_RETRY_SECONDS = 5.0
+# The service refuses a Store call that sends more payload than this (service/servicer.py
+# MAX_STORE_BYTES): a larger prompt goes in calls on growing prefixes, each at most this.
+STORE_CALL_LIMIT_BYTES = 1 << 30
 
 
 # --- errors -----------------------------------------------------------------------------------------
@@ -171,15 +174,15 @@ class KvstoreClient:
         """`target` "host:port", or "unix:///path/to/kvstore.sock" on the service's host; `token`
         the bearer token; `tls_ca` turns on TLS (with `tls_cert` and `tls_key`: mTLS).
         `message_bytes`: payload bytes per streamed message (keep it at or under the server's
-        `stream_message_bytes`). A Store larger than `max_store_call_bytes` is sent as several calls
-        on growing prefixes. `data_path`: "auto" moves chunk bytes through shared memory when the
-        target is a Unix socket with the service's side socket beside it, and through gRPC streams
-        otherwise; "shm" insists on shared memory (UnavailableError without it); "stream" never
-        uses it. `gpu_memory`: a same-host session asks for the device tier's memory on the GPU
-        (CUDA IPC), so that `load_into` a GPU tensor copies device to device; None: where this
-        process has imported torch, sees a GPU and has cupy. `copy_threads`: threads a large copy
-        out of shared memory uses (2 MiB and more; None: the cores this process may use, at most
-        4; 1: the calling thread only)."""
+        `stream_message_bytes`). A Store larger than `max_store_call_bytes` (at most the service's
+        1 GiB a call) is sent as several calls on growing prefixes. `data_path`: "auto" moves chunk
+        bytes through shared memory when the target is a Unix socket with the service's side
+        socket beside it, and through gRPC streams otherwise; "shm" insists on shared memory
+        (UnavailableError without it); "stream" never uses it. `gpu_memory`: a same-host session
+        asks for the device tier's memory on the GPU (CUDA IPC), so that `load_into` a GPU tensor
+        copies device to device; None: where this process has imported torch, sees a GPU and has
+        cupy. `copy_threads`: threads a large copy out of shared memory uses (2 MiB and more;
+        None: the cores this process may use, at most 4; 1: the calling thread only)."""
         if data_path not in DATA_PATHS:
             raise InvalidInput(f"data_path must be one of {', '.join(DATA_PATHS)}, got {data_path!r}")
         try:
@@ -195,6 +198,8 @@ class KvstoreClient:
         self._shm_retry_at = 0.0
         # Models whose chunks the session's load segment cannot hold: loaded over streams.
         self._stream_models: set[str] = set()
+        # Each model's chunk size as the service last answered it: `load_into` asks for what fits.
+        self._chunk_bytes: dict[str, int] = {}
         self._gpu_memory = gpu_memory
         self.shm_detail = "" if self._unix_path else "the target is not a unix: address"
         self.timeout_seconds = timeout_seconds
@@ -293,7 +298,7 @@ class KvstoreClient:
 
     def _shm_failed(self, shm: ShmPath, why: str) -> None:
         """Stop using a session that failed a call (the service closed it, or a lease lapsed)."""
-        log.info("same-host session dropped (%s); the call goes over gRPC streams", why)
+        log.info("same-host session dropped (%s); the next call opens a new one", why)
         with self._shm_lock:
             shm.close()
             if self._shm is shm:
@@ -320,6 +325,8 @@ class KvstoreClient:
         req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt)
         rid, metadata = self._request_metadata("Lookup", request_id, session, purpose)
         r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), timeout_seconds)
+        if r.chunk_bytes:
+            self._chunk_bytes[model] = r.chunk_bytes
         return _lookup_result(r, rid)
 
     def lookup_held(self, model: str, tokens: Sequence[int] | np.ndarray, hold_chunks: int, replay_mode: str = "",
@@ -357,7 +364,7 @@ class KvstoreClient:
         if not r.held:
             return HeldLookup(result)
         if shm is None:
-            return HeldLookup(result, spans=tuple(span.SerializeToString() for span in r.held))
+            return HeldLookup(result, spans=tuple(_held_span(session, span) for span in r.held))
         spans = _SharedSpans(shm, max(1, r.chunk_bytes))
         try:
             for span in r.held:
@@ -385,7 +392,9 @@ class KvstoreClient:
     def read_held(self, spans: Sequence[bytes], chunk_tokens: int, chunk_bytes: int) -> Iterator[SharedLoad]:
         """The chunks another client's `lookup_held(into_session=...)` held in this client's
         session, as `load_shared` gives them (views valid inside the block; `still_held()` says
-        whether to trust a copy). Their leases are released at the end of the block."""
+        whether to trust a copy). Their leases are released at the end of the block. Spans held in
+        a session this client has since replaced (its offsets there are other bytes) raise
+        UnavailableError: load the chunks instead."""
         shm = self._shm_path()
         if shm is None:
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no same-host session: {self.shm_detail}",
@@ -393,10 +402,10 @@ class KvstoreClient:
         got = _SharedSpans(shm, max(1, chunk_bytes))
         try:
             for raw in spans:
-                try:
-                    span = pb.ShmSpan.FromString(raw)
-                except DecodeError:
-                    raise InvalidInput("a held span is not a ShmSpan") from None
+                session, span = _parse_held_span(raw)
+                if session != shm.session_id:
+                    raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the chunks were held in a same-host "
+                                           "session this client no longer has (it was replaced)", "read_held")
                 try:
                     got.add(span, "Lookup")
                 except LeaseLapsed as e:  # the session closed meanwhile: its held chunks are gone
@@ -407,14 +416,15 @@ class KvstoreClient:
             got.release()
 
     def store(self, model: str, tokens: Sequence[int] | np.ndarray,
-              payloads: Sequence[bytes | memoryview] | bytes | memoryview, replay_mode: str = "",
+              payloads: Sequence[bytes | memoryview] | bytes | memoryview | np.ndarray, replay_mode: str = "",
               skip_present: bool = True, timeout_seconds: float | None = None, cache_salt: str = "",
               first_chunk: int = 0) -> StoreResult:
-        """Store the global KV of `tokens`' first chunks. `payloads`: one payload per chunk, or all of
-        them concatenated; fewer chunks than the prompt holds store that prefix. With `skip_present`,
-        a lookup first finds the chunks already held and they are not sent again. `first_chunk`: the
-        payloads start at that chunk (the service holds those before it; if it no longer does, only
-        the prefix before the gap is stored and the rest is reported skipped)."""
+        """Store the global KV of `tokens`' first chunks. `payloads`: one payload per chunk (a list
+        or tuple), or all of them concatenated in one buffer (bytes, a numpy array...); fewer
+        chunks than the prompt holds store that prefix. With `skip_present`, a lookup first finds
+        the chunks already held and they are not sent again. `first_chunk`: the payloads start at
+        that chunk (the service holds those before it; if it no longer does, only the prefix before
+        the gap is stored and the rest is reported skipped)."""
         arr = _token_array(tokens)
         deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
         info = self.lookup(model, arr, replay_mode, timeout_seconds=deadline.left(), cache_salt=cache_salt,
@@ -429,7 +439,8 @@ class KvstoreClient:
                                        f"{n} chunk payloads for a prompt of {info.full_chunks} full chunks", "Store")
         first = max(first_chunk, min(info.hit_chunks, n) if skip_present else 0)
         shm = self._shm_path()
-        per_call = max(1, min(self.max_store_call_bytes, shm.store_bytes if shm else self.max_store_call_bytes) // cb)
+        call_bytes = min(self.max_store_call_bytes, STORE_CALL_LIMIT_BYTES)
+        per_call = max(1, min(call_bytes, shm.store_bytes if shm else call_bytes) // cb)
         # Calls on growing prefixes, each sending only its new chunks; always at least one call, so
         # that the answer (durable, already present) comes from the server, not from the lookup.
         ranges = [(a, min(n, a + per_call)) for a in range(first, n, per_call)] or [(first, first)]
@@ -443,7 +454,9 @@ class KvstoreClient:
         return StoreResult(
             stored_chunks=sum(r.stored_chunks for r in results),
             already_present=last.already_present - stored_before,
-            skipped_chunks=sum(r.skipped_chunks for r in results),
+            # The last call names the whole prefix: a chunk an earlier call skipped is not held, so
+            # it counts it again (summing would count it once per call).
+            skipped_chunks=last.skipped_chunks,
             skipped_reason="; ".join(dict.fromkeys(r.skipped_reason for r in results if r.skipped_reason)),
             durable=last.durable, remainder_tokens=last.remainder_tokens,
             sent_chunks=sum(r.sent_chunks for r in results),
@@ -469,10 +482,15 @@ class KvstoreClient:
                                 pb.StoreRequest(end=pb.StoreEnd(chunks_sent=end - start))]
                     try:
                         r = self._stub.Store(iter(requests), timeout=deadline.left(), metadata=self._metadata)
-                    except grpc.RpcError as e:
+                    except BaseException as e:
+                        # The call may end here (a deadline, a cancel) while the service still
+                        # commits from views of the staged bytes: the session is dropped, so no later
+                        # Store writes there (staging() keeps the space; the service its mapping).
+                        self._shm_failed(shm, f"a Store through it failed: {type(e).__name__}")
+                        if not isinstance(e, grpc.RpcError):
+                            raise
                         if not _session_gone(e):
                             raise _failure(e, "Store") from None
-                        self._shm_failed(shm, "the service no longer knows the session")
                     else:
                         return _store_result(r)
 
@@ -494,18 +512,36 @@ class KvstoreClient:
     def iter_load(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
                   max_chunks: int = 0, timeout_seconds: float | None = None,
                   cache_salt: str = "") -> Iterator[tuple[int, str, memoryview]]:
-        """Stream (chunk index, tier, payload) as chunks arrive. Not retried (it is a generator)."""
+        """Stream (chunk index, tier, payload) as chunks arrive. Not retried (it is a generator).
+        A same-host session the service no longer knows, or chunks too large for it, send the call
+        over a stream, as for the other loads (both are answered before any chunk)."""
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
-        shm = self._shm_path()
-        if shm is not None:
-            req.shm_session = shm.session_id
+        timeout = timeout_seconds or self.timeout_seconds
+        shm = self._shm_path() if model not in self._stream_models else None
         try:
-            stream = self._load(req, timeout=timeout_seconds or self.timeout_seconds, metadata=self._metadata)
-            head = _header(stream, "Load")
+            if shm is not None:
+                req.shm_session = shm.session_id
+                stream = self._load(req, timeout=timeout, metadata=self._metadata)
+                try:
+                    head = _header(stream, "Load")
+                except grpc.RpcError as e:
+                    if _too_large(e):
+                        self._stream_models.add(model)
+                    elif _session_gone(e):
+                        self._shm_failed(shm, "the service no longer knows the session")
+                    else:
+                        raise
+                    shm, req.shm_session = None, ""
             if shm is None:
+                stream = self._load(req, timeout=timeout, metadata=self._metadata)
+                head = _header(stream, "Load")
                 asm = _Chunks(head.chunk_bytes, head.hit_chunks)
                 for msg in stream:
-                    yield from asm.add(_piece(msg, "Load"))
+                    with _malformed("Load"):
+                        pieces = list(asm.add(_piece(msg, "Load")))
+                    yield from pieces
+                with _malformed("Load"):
+                    asm.finish()
                 return
             cb, got = max(1, head.chunk_bytes), 0
             for msg in stream:
@@ -603,12 +639,22 @@ class KvstoreClient:
         chunks past what it holds are not received. Into a GPU tensor, over a same-host session
         whose service holds chunks in the device tier of the same GPU, those chunks are copied
         device to device (CUDA IPC); others come through host memory."""
-        req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
         gpu = _gpu_bytes(buffer)
+        dst: Any = _writable_bytes(buffer) if gpu is None else gpu
+        # Only the chunks that fit are asked for (the model's chunk size known from an earlier
+        # answer), so that the service sends, and leases, none that would be dropped.
+        cb = self._chunk_bytes.get(model, 0)
+        fits = len(dst) // cb if cb else 0
+        if fits:
+            max_chunks = min(max_chunks, fits) if max_chunks > 0 else fits
+        req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
         if gpu is None:
-            dst = _writable_bytes(buffer)
-            return self._idempotent("Load", lambda t: self._load_into(req, t, lambda nbytes: dst), timeout_seconds)
-        return self._idempotent("Load", lambda t: self._load_into_gpu(req, t, gpu), timeout_seconds)
+            got = self._idempotent("Load", lambda t: self._load_into(req, t, lambda nbytes: dst), timeout_seconds)
+        else:
+            got = self._idempotent("Load", lambda t: self._load_into_gpu(req, t, gpu), timeout_seconds)
+        if got.chunk_bytes:
+            self._chunk_bytes[model] = got.chunk_bytes
+        return got
 
     def _load_into_gpu(self, req: pb.LoadRequest, timeout: float, out: Any) -> LoadIntoResult:
         """`_load_into` a 1-D uint8 GPU tensor: spans copied straight into it; a streamed load
@@ -683,17 +729,15 @@ class KvstoreClient:
         head = _header(stream, "Load")
         writer = ChunkWriter(max(1, head.chunk_bytes), head.hit_chunks, buffer_for(head.hit_chunks * head.chunk_bytes))
         tiers: list[str] = []
-        for msg in stream:
-            piece = _piece(msg, "Load")
-            tiers.extend(PB_TO_TIER.get(t, "") for t in piece.tiers)
-            writer.add(piece.first_chunk, piece.offset, piece.data)
-            if writer.full and writer.chunks < head.hit_chunks:
-                stream.cancel()  # the rest would not fit: stop the server sending it
-                break
-        try:
+        with _malformed("Load"):
+            for msg in stream:
+                piece = _piece(msg, "Load")
+                tiers.extend(PB_TO_TIER.get(t, "") for t in piece.tiers)
+                writer.add(piece.first_chunk, piece.offset, piece.data)
+                if writer.full and writer.chunks < head.hit_chunks:
+                    stream.cancel()  # the rest would not fit: stop the server sending it
+                    break
             writer.finish()
-        except InvalidInput as e:
-            raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
         n = writer.chunks
         return LoadIntoResult(n * head.chunk_tokens, head.chunk_tokens, head.chunk_bytes, n, tuple(tiers[:n]))
 
@@ -715,8 +759,15 @@ class KvstoreClient:
                 dst[:] = view
                 head = pb.LocalHeader(shm_session=shm.session_id)
                 head.MergeFrom(header)
-                return self._store_local(iter([pb.StoreLocalRequest(header=head), pb.StoreLocalRequest(
-                    shm=pb.ShmSpan(offset=offset, nbytes=len(view)))]), timeout)
+                try:
+                    return self._store_local(iter([pb.StoreLocalRequest(header=head), pb.StoreLocalRequest(
+                        shm=pb.ShmSpan(offset=offset, nbytes=len(view)))]), timeout)
+                except UnknownSession:
+                    raise  # the service never took the span; the caller drops the session
+                except BaseException as e:
+                    # As for a Store: the service may still read the span after the call ended here.
+                    self._shm_failed(shm, f"a StoreLocal through it failed: {type(e).__name__}")
+                    raise
 
         def via_stream() -> StoreLocalResult:
             def messages() -> Iterator[pb.StoreLocalRequest]:
@@ -754,20 +805,25 @@ class KvstoreClient:
     def _load_local(self, req: pb.LoadLocalRequest, timeout: float, shm: ShmPath | None) -> LoadLocalResult:
         try:
             stream = self._stub.LoadLocal(req, timeout=timeout, metadata=self._metadata)
-            head = next(stream).header
+            first = next(stream, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise ServerError(grpc.StatusCode.UNKNOWN, "the LoadLocal stream did not start with its header",
+                                  "LoadLocal")
+            head = first.header
             asm = BlobAssembler(head.snapshot_bytes)
             snap: bytes | None = None
-            for msg in stream:
-                if msg.WhichOneof("kind") == "shm" and shm is not None:
-                    snap = _copy_snapshot(shm, msg.shm, head.snapshot_bytes, "LoadLocal")
-                else:
-                    asm.add(msg.local.offset, msg.local.data)
+            with _malformed("LoadLocal"):
+                for msg in stream:
+                    if msg.WhichOneof("kind") == "shm" and shm is not None:
+                        snap = _copy_snapshot(shm, msg.shm, head.snapshot_bytes, "LoadLocal")
+                    else:
+                        asm.add(msg.local.offset, msg.local.data)
+                if snap is None:
+                    snap = asm.finish()
         except grpc.RpcError as e:
             if shm is not None and _session_gone(e):
                 raise UnknownSession() from None
             raise
-        if snap is None:
-            snap = asm.finish()
         state = PB_TO_LOCAL.get(head.local_state, "absent")
         return LoadLocalResult(state, head.boundary_tokens, snap if state == "hit" else None, head.reason)
 
@@ -802,26 +858,30 @@ class KvstoreClient:
             trailer: pb.ResumeTrailer | None = None
             cb = max(1, head.chunk_bytes)
             buf = memoryview(bytearray(head.hit_chunks * head.chunk_bytes)) if shm is not None else None
-            for msg in stream:
-                kind, value = msg
-                if kind == "chunks":
-                    for _, tier, view in asm.add(_piece(msg, "Resume")):
-                        chunks.append(view)
-                        loaded_tiers.append(tier)
-                elif kind == "local_shm" and isinstance(value, pb.ShmSpan) and shm is not None:
-                    # Only a whole snapshot is sent: the model's size, as the header says.
-                    snapshot = _copy_snapshot(shm, value, head.local_snapshot_bytes, "Resume")
-                elif isinstance(value, pb.ShmSpan) and shm is not None and buf is not None:
-                    got = len(chunks)
-                    take = _copy_span(shm, value, got, cb, head.hit_chunks, buf)
-                    chunks.extend(buf[(got + k) * cb : (got + k + 1) * cb] for k in range(take))
-                    loaded_tiers.extend(PB_TO_TIER.get(t, "") for t in value.tiers[:take])
-                elif isinstance(value, pb.LocalPiece):
-                    if local is None:
-                        local = BlobAssembler(head.local_snapshot_bytes)
-                    local.add(value.offset, value.data)
-                elif isinstance(value, pb.ResumeTrailer):
-                    trailer = value
+            with _malformed("Resume"):
+                for msg in stream:
+                    kind, value = msg
+                    if kind == "chunks":
+                        for _, tier, view in asm.add(_piece(msg, "Resume")):
+                            chunks.append(view)
+                            loaded_tiers.append(tier)
+                    elif kind == "local_shm" and isinstance(value, pb.ShmSpan) and shm is not None:
+                        # Only a whole snapshot is sent: the model's size, as the header says.
+                        snapshot = _copy_snapshot(shm, value, head.local_snapshot_bytes, "Resume")
+                    elif isinstance(value, pb.ShmSpan) and shm is not None and buf is not None:
+                        got = len(chunks)
+                        take = _copy_span(shm, value, got, cb, head.hit_chunks, buf)
+                        chunks.extend(buf[(got + k) * cb : (got + k + 1) * cb] for k in range(take))
+                        loaded_tiers.extend(PB_TO_TIER.get(t, "") for t in value.tiers[:take])
+                    elif isinstance(value, pb.LocalPiece):
+                        if local is None:
+                            local = BlobAssembler(head.local_snapshot_bytes)
+                        local.add(value.offset, value.data)
+                    elif isinstance(value, pb.ResumeTrailer):
+                        trailer = value
+                asm.finish()  # a chunk cut short is an error, not a shorter hit
+                if local is not None:
+                    snapshot = local.finish()
         except grpc.RpcError as e:
             if shm is not None and _session_gone(e):
                 raise UnknownSession() from None
@@ -831,14 +891,12 @@ class KvstoreClient:
             raise _failure(e, "Resume") from None
         if trailer is None:
             raise ServerError(grpc.StatusCode.UNKNOWN, "the Resume stream ended without its trailer", "Resume")
-        if local is not None:
-            snapshot = local.finish()
         final_state = PB_TO_LOCAL.get(trailer.local_state, "absent")
         return ResumeResult(
             case=PB_TO_CASE.get(head.resume_case, "cold"),
             hit_tokens=head.hit_tokens if head.hit_chunks == 0 else len(chunks) * head.chunk_tokens,
             chunk_tokens=head.chunk_tokens, chunk_bytes=head.chunk_bytes, chunks=chunks,
-            chunk_tiers=tuple(loaded_tiers) if head.hit_chunks else tuple(PB_TO_TIER[t] for t in head.chunk_tiers),
+            chunk_tiers=tuple(loaded_tiers) if head.hit_chunks else tiers_from_pb(head.chunk_tiers),
             local_state=final_state, initial_local_state=PB_TO_LOCAL.get(head.local_state, "absent"),
             snapshot=snapshot if final_state in ("hit", "replayed") else None,
             replay_planned=head.replay_planned, replay_tokens=trailer.replay_tokens,
@@ -976,16 +1034,28 @@ def _tokens(tokens: Sequence[int] | np.ndarray) -> dict[str, bytes]:
     return {"u32le": _token_u32le(tokens).tobytes()}
 
 
-def _as_blob(payloads: Sequence[bytes | memoryview] | bytes | memoryview, chunk_bytes: int) -> memoryview:
-    if isinstance(payloads, bytes | bytearray | memoryview):
-        blob = memoryview(payloads).cast("B")
+def _as_blob(payloads: Sequence[bytes | memoryview] | bytes | memoryview | np.ndarray,
+             chunk_bytes: int) -> memoryview:
+    """The payloads as one run of bytes: a list or tuple (or another sequence that is not a
+    buffer) holds one payload per chunk; any buffer (bytes, a memoryview, a numpy array) is them
+    all, concatenated, even one whose items are not bytes."""
+    whole: memoryview | None = None
+    if not isinstance(payloads, list | tuple):
+        with contextlib.suppress(TypeError):  # not a buffer: a sequence of payloads
+            whole = memoryview(payloads)  # type: ignore[arg-type]
+    if whole is not None:
+        if not whole.c_contiguous:
+            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       "the payload buffer must be C-contiguous", "Store")
+        blob = whole.cast("B")
     else:
-        for i, p in enumerate(payloads):
+        parts = cast(Sequence[bytes | memoryview], payloads)
+        for i, p in enumerate(parts):
             if memoryview(p).nbytes != chunk_bytes:
                 raise InvalidArgumentError(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"chunk payload {i} is {memoryview(p).nbytes} bytes; the layout needs {chunk_bytes}", "Store")
-        blob = memoryview(b"".join(payloads))
+        blob = memoryview(b"".join(parts))
     if len(blob) % chunk_bytes:
         raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"{len(blob)} payload bytes are not a whole number of {chunk_bytes}-byte chunks",
@@ -1024,6 +1094,16 @@ def _header(stream: Iterator[Streamed], method: str) -> Any:
     if first is None or first.kind != "header":
         raise ServerError(grpc.StatusCode.UNKNOWN, f"the {method} stream did not start with its header", method)
     return first.value
+
+
+@contextlib.contextmanager
+def _malformed(method: str) -> Iterator[None]:
+    """A received stream the client cannot use (pieces out of order or past the end, cut short)
+    raised as the RpcFailure it is: the service's fault, or a proxy's, never the caller's input."""
+    try:
+        yield
+    except InvalidInput as e:
+        raise ServerError(grpc.StatusCode.UNKNOWN, str(e), method) from None
 
 
 class UnknownSession(Exception):
@@ -1083,6 +1163,23 @@ def _copy_snapshot(shm: ShmPath, span: pb.ShmSpan, expected_bytes: int, method: 
         return bytes(out)
     finally:
         shm.release([span.lease_id])
+
+
+def _held_span(session: str, span: pb.ShmSpan) -> bytes:
+    """A span held in another client's `session`, as `lookup_held` hands it out: the session's id,
+    "/", the ShmSpan. `read_held` reads it only in that session: its offsets in another (the
+    client's next, after it replaced one) are other bytes."""
+    return session.encode("ascii") + b"/" + span.SerializeToString()
+
+
+def _parse_held_span(raw: bytes) -> tuple[str, pb.ShmSpan]:
+    session, sep, body = bytes(raw).partition(b"/")
+    try:
+        if not sep or not session.isalnum():
+            raise DecodeError("no session")
+        return session.decode("ascii"), pb.ShmSpan.FromString(body)
+    except DecodeError:
+        raise InvalidInput("a held span is not a ShmSpan that lookup_held gave") from None
 
 
 class _SharedSpans:

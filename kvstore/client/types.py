@@ -117,7 +117,8 @@ class HeldLookup:
     of its hit already leased in shared memory. Held in the caller's own session: `chunks`, read-only
     views as `load_shared` gives, valid until `release()` (from any thread; it must come, or the
     leases lapse only by their timeout). Held in another session of the tenant (`into_session`):
-    `spans`, opaque descriptors for that session's client to read with `read_held`. Nothing held
+    `spans`, opaque descriptors (they name that session) for its client to read with `read_held`,
+    which refuses them once the client has replaced the session. Nothing held
     (no session, no hit): both empty."""
 
     result: LookupResult

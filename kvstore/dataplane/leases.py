@@ -120,12 +120,15 @@ class LeaseTable:
         self.granted_total += 1
         return lease
 
-    def release(self, lease_id: int) -> bool:
-        """Give a lease's span back; False (and nothing freed) for an unknown or expired lease."""
+    def release(self, lease_id: int, quiet: bool = False) -> bool:
+        """Give a lease's span back; False (and nothing freed) for an unknown or expired lease,
+        counted as stale unless `quiet` (the service's own clean-up after a call, whose client
+        may have released it first)."""
         with self._cond:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
-                self.stale_releases += 1
+                if not quiet:
+                    self.stale_releases += 1
                 return False
             self._give_back(lease)
             ended = self._on_end.pop(lease_id, None)

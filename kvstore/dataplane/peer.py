@@ -228,8 +228,9 @@ class ShmPath:
     # --- loads ------------------------------------------------------------------------------------
 
     def lease_valid(self, expires_at: float) -> bool:
-        """True while a lease granted until `expires_at` (the service's clock) is surely held."""
-        return time.monotonic() + self._clock_ahead < expires_at
+        """True while a lease granted until `expires_at` (the service's clock) is surely held.
+        Never once the session is closed: the service dropped its leases with it."""
+        return not self.closed and time.monotonic() + self._clock_ahead < expires_at
 
     def span(self, offset: int, nbytes: int) -> memoryview:
         """The load segment's bytes [offset, offset + nbytes), checked to lie inside it."""
@@ -353,16 +354,17 @@ class ShmPath:
     @contextlib.contextmanager
     def staging(self, nbytes: int) -> Iterator[tuple[int, memoryview] | None]:
         """(offset, view) of `nbytes` of the store segment for one Store call, or None when the
-        segment has no such room now (the caller streams the bytes instead)."""
+        segment has no such room now (the caller streams the bytes instead). The space is given
+        back only when the block ends without an exception: a call that failed here (a deadline,
+        a cancel) may still be committed by the service from views of that memory, so it is never
+        handed out again (the caller drops the session, whose segment goes with it)."""
         held = self.hold_staging(nbytes)
         if held is None:
             yield None
             return
         lease_id, offset, view = held
-        try:
-            yield offset, view
-        finally:
-            self.release_staging(lease_id)
+        yield offset, view
+        self.release_staging(lease_id)
 
     def hold_staging(self, nbytes: int) -> tuple[int, int, memoryview] | None:
         """(hold id, offset, view) of `nbytes` of the store segment, kept until `release_staging`

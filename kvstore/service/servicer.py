@@ -56,8 +56,9 @@ if TYPE_CHECKING:
     from kvstore.service.app import App
     from kvstore.service.limits import CallLimiter
 
-# One Store call stages its payloads in memory until the stream ends; beyond this the client
-# splits the prompt into several calls on growing prefixes (the client does so itself).
+# One Store call stages its payloads in memory until the stream ends: the payload it sends (not
+# the prefix it names) may be at most this; beyond it the prompt goes in several calls on growing
+# prefixes, each sending only its new chunks (the Python client does so itself).
 MAX_STORE_BYTES = 1 << 30
 
 
@@ -148,10 +149,6 @@ class KVCacheServicer(LocalStateCalls):
         res = self.guard.resolve(call, h.model, h.replay_mode, h.tokens, h.cache_salt)
         shm = self.shm_session(call, h.shm_session)
         cb, full = res.layout.chunk_bytes, res.full_chunks
-        if full * cb > MAX_STORE_BYTES:
-            raise InvalidInput(
-                f"one Store call may carry at most {MAX_STORE_BYTES} bytes of payload ({full} chunks of "
-                f"{cb} bytes were declared); store the prompt in several calls on growing prefixes")
         received: dict[int, memoryview] = {}
         try:
             end = self._receive(call, messages, ChunkAssembler(cb, full), received, shm)
@@ -166,8 +163,11 @@ class KVCacheServicer(LocalStateCalls):
     ) -> pb.StoreEnd | None:
         """The payload pieces (views into the received messages) into `received`, each counted
         against the tenant's staging share before it is kept (spans of a same-host store segment
-        stage nothing); the StoreEnd, if one came."""
+        stage nothing); the StoreEnd, if one came. The payload a call carries is limited, not the
+        prefix it declares: a longer prompt comes in calls on growing prefixes, each sending only
+        the chunks after the last call's."""
         end: pb.StoreEnd | None = None
+        carried = 0
         for raw in messages:
             kind, value = accept(raw, Streamed)
             if end is not None or kind not in ("chunks", "end", "shm"):
@@ -178,12 +178,14 @@ class KVCacheServicer(LocalStateCalls):
             if isinstance(value, pb.ShmSpan):
                 if shm is None:
                     raise InvalidInput("a ShmSpan needs a StoreHeader that names its shm_session")
+                carried = _carried(carried, value.num_chunks * asm.chunk_bytes)
                 data = store_span_data(shm, value, asm.chunk_bytes)
                 for index, payload in asm.add(value.first_chunk, 0, data):
                     received[index] = payload
                 continue
             p = value
             assert isinstance(p, PieceView)
+            carried = _carried(carried, len(p.data))
             self.guard.stage(call, len(p.data))
             for index, payload in asm.add(p.first_chunk, p.offset, p.data):
                 received[index] = payload
@@ -420,6 +422,15 @@ class KVCacheServicer(LocalStateCalls):
             shm_enabled=shm is not None and shm.enabled, shm_detail=detail, unix_socket=self._unix_socket,
             sessions=sessions, calls_by_path=self.paths.of(tenant),
             leases_expired=0 if shm is None else shm.leases_expired(tenant))
+
+
+def _carried(before: int, nbytes: int) -> int:
+    """The payload a Store call has carried with `nbytes` more, or the refusal past the limit."""
+    carried = before + nbytes
+    if carried > MAX_STORE_BYTES:
+        raise InvalidInput(f"one Store call may carry at most {MAX_STORE_BYTES} bytes of payload; store the prompt "
+                           "in several calls on growing prefixes, each sending only the chunks after the last's")
+    return carried
 
 
 def _uniform_piece_head(first_chunk: int, count: int, nbytes: int, tier: str) -> bytes:

@@ -51,7 +51,29 @@ def load_spans(
     """The first `n` chunks of a pinned load session as spans: where they lie, for chunks the
     client can read in place (its tenant's part of a memory tier it maps), else copied into leased
     spans of `shm`'s load segment. Stops early at a chunk that turns out corrupt (its span is
-    released)."""
+    released).
+
+    A client uses the spans of a call only once it ended OK, or copies and releases each as it
+    comes: so when the call is cancelled (the generator is closed, or stops as no longer wanted)
+    or fails, every lease granted here is released now, with the pins of the chunks read in place.
+    Otherwise the spans sent that the client never received would stay leased until they lapse."""
+    granted: list[int] = []
+    ended = False
+    try:
+        for span in _load_spans(session, shm, chunk_bytes, n, wait_seconds, still_wanted, tiers_out):
+            granted.append(span.lease_id)
+            yield span
+        ended = still_wanted()
+    finally:
+        if not ended:
+            for lease_id in granted:
+                shm.leases.release(lease_id, quiet=True)  # the client may have released it first
+
+
+def _load_spans(
+    session: LoadSession, shm: ShmSession, chunk_bytes: int, n: int, wait_seconds: float,
+    still_wanted: Callable[[], bool], tiers_out: list[str],
+) -> Iterator[pb.ShmSpan]:
     per = chunks_per_span(shm, chunk_bytes)
     in_place = max(1, IN_PLACE_SPAN_BYTES // chunk_bytes)
     first = 0

@@ -139,10 +139,10 @@ def _packed_varints(buf: bytes, start: int, end: int) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _piece(buf: bytes, view: memoryview, start: int, end: int) -> PieceView:
-    first = offset = 0
-    data = view[0:0]
-    tiers: tuple[int, ...] = ()
+def _piece(buf: bytes, view: memoryview, start: int, end: int, base: PieceView | None = None) -> PieceView:
+    """The ChunkPiece in buf[start:end]; merged onto `base` (the same field seen earlier in the
+    message), as the library merges: the fields present replace, the tiers add on."""
+    first, offset, data, tiers = base if base is not None else (0, 0, view[0:0], ())
     for field, wire, a, b in _fields(buf, start, end):
         if field == 1 and wire == _VARINT:
             first = a & 0xFFFF_FFFF
@@ -170,8 +170,9 @@ def stream_decoder(cls: type[Message], others: dict[int, tuple[str, type[Message
             for field, wire, a, b in _fields(data, 0, len(data)):
                 if wire != _LEN:
                     continue
-                if field == CHUNKS_FIELD:
-                    kind, value = "chunks", _piece(data, view, a, b)
+                if field == CHUNKS_FIELD:  # repeated in place, it merges as the others do
+                    base = value if kind == "chunks" and isinstance(value, PieceView) else None
+                    kind, value = "chunks", _piece(data, view, a, b, base)
                 elif field in others:
                     name_, sub = others[field]
                     if name_ == kind and isinstance(value, Message):  # a repeated sub-message merges
