@@ -313,6 +313,10 @@ class EngineModel:
         return ENGINE_MODEL_PREFIX + hashlib.sha256(self.to_json()).hexdigest()[:24]
 
 
+# Far above any model's (a dense model of 10^13 parameters takes ~2*10^13 FLOPs a token); keeps bills finite.
+MAX_FLOPS_PER_TOKEN = 1e16
+
+
 def _check_name(what: str, value: str) -> None:
     if not value or len(value) > MAX_ENGINE_NAME or not value.isprintable():
         raise InvalidInput(f"{what} must be 1-{MAX_ENGINE_NAME} printable characters")
@@ -324,8 +328,9 @@ def engine_model_spec(m: EngineModel) -> ModelSpec:
     _check_name("revision", m.revision)
     if not 1 <= m.vocab_size < 1 << 32:
         raise InvalidInput(f"vocab_size must be in [1, 2**32), got {m.vocab_size}")
-    if not m.prefill_flops_per_token >= 0:
-        raise InvalidInput("prefill_flops_per_token must be >= 0")
+    if not 0 <= m.prefill_flops_per_token <= MAX_FLOPS_PER_TOKEN:  # NaN too: every bill multiplies by it
+        raise InvalidInput(f"prefill_flops_per_token must be a number in [0, {MAX_FLOPS_PER_TOKEN:.0e}], "
+                           f"got {m.prefill_flops_per_token!r}")
     if not m.groups:
         raise InvalidInput("a model needs at least one layer group")
     layer = 0

@@ -123,6 +123,10 @@ def test_an_expired_exact_resume_of_a_registered_model_replays_and_bills_the_who
     ({"model": ""}, "model must be"),
     ({"revision": "x" * 200}, "revision must be"),
     ({"vocab_size": 0}, "vocab_size"),
+    ({"prefill_flops_per_token": float("inf")}, "prefill_flops_per_token must be a number in"),
+    ({"prefill_flops_per_token": float("nan")}, "prefill_flops_per_token must be a number in"),
+    ({"prefill_flops_per_token": 1e308}, "prefill_flops_per_token must be a number in"),
+    ({"prefill_flops_per_token": -1.0}, "prefill_flops_per_token must be a number in"),
 ])
 def test_bad_descriptions_are_invalid_argument(service: Service, change: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
