@@ -447,3 +447,55 @@ def test_a_reopened_store_keeps_its_chunks_cold_until_it_changes_something_about
     store.check_invariants()
     assert [p for _, p in load_all(store, ns, fresh)] == expected_payloads(store, ns, fresh, 3)
     store.close()
+
+
+@pytest.mark.parametrize("write_policy", ["write-back", "write-through"])
+def test_an_lmdb_read_outlived_by_its_pin_is_a_miss_never_a_loss_of_the_chunk_stored_again(
+    tmp_path: Path, write_policy: str,
+) -> None:
+    # A Load reads LMDB outside the lock. Its client was slow: the pin lapsed, other Stores evicted
+    # the chunk (its value deleted) and the prompt was stored again before the read was booked.
+    now = [0.0]
+    fp = 1466  # a toy chunk's LMDB footprint at this chunk size
+    cfg = small_config(device_capacity_bytes=0, dram_capacity_bytes=2 * 4096,
+                       lmdb_capacity_bytes=(3 if write_policy == "write-back" else 5) * fp,
+                       write_policy=write_policy, pin_timeout_seconds=30.0, eviction_policy="lru")
+    store = GlobalStore(cfg, tmp_path, MODELS, clock=lambda: now[0])
+    ns = store.namespace("alice", "reference-toy-8", "bounded")
+    prompt = tokens_for(1, CHUNK)
+    key = store.chunk_keys(ns, prompt)[0]
+    store_prefix(store, ns, prompt)
+    for seed in (2, 3, 4):  # out of DRAM (into LMDB under write-back)
+        store_prefix(store, ns, tokens_for(seed, CHUNK))
+    session = store.load(ns, prompt)
+    read = store._durable.get_into
+    raced = []
+
+    def slow_read(k: bytes, out: memoryview) -> ChunkMeta | None:
+        if k != key or raced:
+            return read(k, out)
+        raced.append(k)
+        now[0] += 31.0
+        store.expire_pins()
+        for seed in range(5, 11):
+            store_prefix(store, ns, tokens_for(seed, CHUNK))
+        meta = read(k, out)
+        assert meta is None  # evicted: its value deleted
+        store_prefix(store, ns, prompt)
+        return meta
+
+    store._durable.get_into = slow_read  # type: ignore[method-assign]
+    try:
+        assert [c.tier for c in session] == []  # a miss for this Load...
+    finally:
+        store._durable.get_into = read  # type: ignore[method-assign]
+        session.close()
+    assert raced and store.stats().corrupt_reads == 0  # ...not a corrupt chunk
+    with store._lock:
+        entry = store._peek(key)
+        assert entry is not None
+        if write_policy == "write-through":  # the value stored again is still charged to LMDB
+            assert "lmdb" in entry.footprint
+    assert store.lookup(ns, prompt).hit_chunks == 1
+    store.check_invariants()
+    store.close()

@@ -224,6 +224,55 @@ def test_chunks_a_config_no_longer_serves_stay_and_leave_the_budget_its_room(
     again.close()
 
 
+def test_a_chunk_a_store_thaws_while_the_index_loads_stays_evictable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A Store of a prompt began before the loader reached its chunk and inserted after: the chunk
+    # was thawed out of the run. It stays charged to LMDB, so the LMDB policy must keep it.
+    store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0)
+    ns = store.namespace("alice", "reference-toy-8", "bounded")
+    store_prefix(store, ns, tokens_for(400, 6 * CHUNK))
+    late = tokens_for(401, CHUNK)
+    store_prefix(store, ns, late)
+    late_key = store.chunk_keys(ns, late)[0]
+    store.close()
+    started, scanned_late, go_on = threading.Event(), threading.Event(), threading.Event()
+    real_scan = LmdbTier.scan_batches
+
+    def scan_batches(self: LmdbTier) -> Iterator[ScanBatch]:
+        assert started.wait(30)
+        for batch in real_scan(self):
+            yield batch
+            if late_key in {bytes(k) for k in batch.keys}:
+                scanned_late.set()
+                assert go_on.wait(30)
+
+    monkeypatch.setattr(LmdbTier, "scan_batches", scan_batches)
+    monkeypatch.setattr(lmdb_tier, "SCAN_BATCH", 1)
+    monkeypatch.setattr(global_store, "RECOVER_BATCH", 1)
+    store = GlobalStore(small_config(device_capacity_bytes=0, dram_capacity_bytes=4 * 4096), tmp_path, MODELS,
+                        load_index_in_background=True)
+    main, delete_doomed = threading.current_thread(), store._delete_doomed
+
+    def loader_indexes_late_now() -> None:  # the commit has planned; it inserts after this
+        if threading.current_thread() is main and not started.is_set():
+            started.set()
+            assert scanned_late.wait(30)
+        delete_doomed()
+
+    store._delete_doomed = loader_indexes_late_now  # type: ignore[method-assign]
+    assert store_prefix(store, ns, late).already_present == 1
+    go_on.set()
+    assert store.wait_ready(30)
+    assert late_key in store._policies["lmdb"]
+    store.check_invariants()
+    for seed in range(1000, 1400):  # LMDB's budget many times over: every old chunk goes
+        store_prefix(store, ns, tokens_for(seed, 2 * CHUNK))
+    assert not store.contains(late_key)
+    store.check_invariants()
+    store.close()
+
+
 def test_a_chunk_left_in_lmdb_only_while_the_index_loads_is_folded_when_it_is_ready(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -733,7 +733,11 @@ class GlobalStore(Placement):
             meta.tokens == entry.tokens if entry.tokens is not None
             else chained or next_key(prev, meta.tokens) == key)
         if not ok:
-            if entry is not None:
+            # The read ran outside the lock: a pin that lapsed meanwhile let the chunk be evicted
+            # and maybe stored again, so only a value LMDB still charges and does not hold now is lost.
+            if entry is not None and "lmdb" in entry.footprint:
+                if meta is None and self._durable.get_into(key, out) is not None:
+                    return False  # deleted and written again since that read: a miss, not a loss
                 self._lost(key, cast("ChunkEntry", self._entry(key)), "lmdb")
             return False
         assert entry is not None and meta is not None
@@ -904,8 +908,10 @@ class GlobalStore(Placement):
         footprints = cold.footprints()  # an array as long as the run: made before the lock is taken
         with self._lock:
             self._policies["lmdb"].insert_run(cold.run(), footprints, cost)
-            for key in cold.dead():  # lost while loading (a corrupt value read): gone from the run too
-                self._policies["lmdb"].remove(key)
+            for key in cold.dead():  # lost while loading (a corrupt value read), or thawed by a call
+                entry = self._index.get(key)
+                if entry is None or "lmdb" not in entry.footprint:  # a thawed one stays, charged
+                    self._policies["lmdb"].remove(key)
             # More than the capacity: a smaller capacity than the data was written under, or a crash
             # between evicting chunks from the index and deleting their values. Evict down to it.
             if not self._make_room("lmdb", "", 0, protect=set()):
