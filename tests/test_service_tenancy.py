@@ -12,9 +12,10 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore.client.sync_client import KvstoreClient, UnauthenticatedError, UnavailableError
+from kvstore.client.sync_client import KvstoreClient, ServiceStats, UnauthenticatedError, UnavailableError
 from kvstore.config import KvstoreConfig
 from kvstore.errors import ConfigError
+from kvstore.layout import EngineLayerGroup, EngineModel
 from kvstore.service.auth import Authenticator, check_bind_allowed
 from kvstore.service.server import KvstoreServer
 from kvstore.v1 import kvstore_pb2 as pb
@@ -168,6 +169,67 @@ def test_quotas_bound_each_tenants_bytes_per_tier(make_service: Callable[..., Se
     assert b["device"].tenant_used_bytes > 4 * page  # bob has no quota: only the tier bounds him
     assert alice.stats().tiers["lmdb"].tenant_used_bytes <= 64 * page
     svc.app.store.check_invariants()
+
+
+_ENGINE_MODEL = EngineModel(
+    "alices-engine", "weights-1",
+    (EngineLayerGroup("full", num_layers=2, kv_heads=1, head_size=8, dtype="float16"),),
+    chunk_tokens=CHUNK, vocab_size=1000)
+
+
+def _own_figures(s: ServiceStats) -> tuple[int, ...]:
+    return (s.lookups, s.lookup_hit_tokens, s.lookup_miss_tokens, s.token_mismatches, s.corrupt_reads,
+            s.pins_active, s.pins_expired, s.admissions_refused, s.calls_rejected)
+
+
+def test_stats_answers_the_callers_own_figures_never_another_tenants(make_service: Callable[..., Service]) -> None:
+    """Bob's Stats shows nothing of alice's lookups, loads, pins, calls or registered models; hers
+    count what she did. The store keeps the service's totals (the admin API's)."""
+    svc = make_service(tenants_config())
+    alice, bob = svc.client(ALICE), svc.client(BOB)
+    quiet = bob.stats()
+    assert quiet.calls_in_flight == 1  # its own Stats call
+    prompt = tokens(30, 8 * CHUNK + 5)
+    alice.store(TOY, prompt, payloads(30, 8, svc.chunk_bytes(TOY)))
+    before = alice.stats()
+    alice.lookup(TOY, prompt)
+    alice.lookup(TOY, prompt[: 2 * CHUNK])
+    assert len(alice.load(TOY, prompt, max_chunks=3).chunks) == 3
+    reg = alice.register_model(_ENGINE_MODEL)
+    mine = alice.stats()
+    # Three walks; a Load counts the whole cached prefix it found, whatever max_chunks took.
+    assert (mine.lookups - before.lookups, mine.lookup_hit_tokens - before.lookup_hit_tokens,
+            mine.lookup_miss_tokens - before.lookup_miss_tokens) == (3, 18 * CHUNK, 10)
+    assert reg.model in mine.models and TOY in mine.models
+
+    store = svc.app.store
+    ns = store.namespace("alice", TOY, svc.app.config.replay.mode)
+    limiter = svc.server.limiter
+    held = 0
+    with store.load(ns, store.tokens(ns, prompt)):  # a pin of alice's
+        while limiter.try_enter("alice").admitted:  # her calls, up to a refusal
+            held += 1
+        try:
+            theirs = bob.stats()
+            limiter.leave("alice")
+            held -= 1
+            mine = alice.stats()
+            total = store.stats()  # the service's totals, which the admin API reads, stay whole
+        finally:
+            for _ in range(held):
+                limiter.leave("alice")
+    assert (mine.pins_active, mine.calls_in_flight, mine.calls_rejected) == (1, held + 1, 1)
+    assert _own_figures(theirs) == _own_figures(quiet) and theirs.calls_in_flight == 1
+    assert reg.model not in theirs.models and TOY in theirs.models
+    # Nor the tiers' occupancy or traffic that alice's chunks make: bob gets capacities and his bytes.
+    assert theirs.chunks == 0 and theirs.evictions_by_reason == {}
+    assert all((t.used_bytes, t.tenant_used_bytes, t.entries, t.evictions) == (0, 0, 0, 0) and t.capacity_bytes > 0
+               for t in theirs.tiers.values())
+    assert mine.tiers["lmdb"].used_bytes == mine.tiers["lmdb"].tenant_used_bytes > 0
+    assert (total.lookups, total.pins_active, limiter.rejected_total) == (mine.lookups + theirs.lookups, 1, 1)
+    # The same description registered by bob is the same model, and then his too.
+    assert bob.register_model(_ENGINE_MODEL).created is False
+    assert reg.model in bob.stats().models
 
 
 def _openssl(*args: str, cwd: Path) -> None:

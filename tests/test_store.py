@@ -14,6 +14,7 @@ import pytest
 from kvstore.errors import InvalidInput, UnknownModel
 from kvstore.layout import get_model
 from kvstore.store import GlobalStore, TenantQuota
+from kvstore.store.types import TenantStats
 from kvstore.tiers.base import ChunkMeta
 from tests.store_helpers import (
     CHUNK,
@@ -230,6 +231,58 @@ def test_pin_prefix_pins_and_reads_like_a_load_without_counting_a_lookup(tmp_pat
         assert len(counted) == 2
     assert store.stats().lookups == after.lookups + 1  # a load is counted
     store.check_invariants()
+    store.close()
+
+
+def test_each_tenants_counters_are_its_own_and_the_totals_the_services(tmp_path: Path) -> None:
+    """What a tenant's Stats answers (`tenant_stats`) counts its own walks, token mismatches, corrupt
+    reads, pins and refused admissions, never another tenant's; `stats()` keeps the totals."""
+    now = [0.0]
+    # Alice's chunks go to LMDB only (no DRAM for her), bob's to DRAM only (no LMDB for him).
+    quotas = {"alice": TenantQuota(dram_bytes=0), "bob": TenantQuota(lmdb_bytes=0)}
+    store = GlobalStore(small_config(device_capacity_bytes=0, pin_timeout_seconds=5.0), tmp_path, MODELS,
+                        quotas=quotas, clock=lambda: now[0])
+    alice = store.namespace("alice", "reference-toy-8", "bounded")
+    bob = store.namespace("bob", "reference-toy-8", "bounded")
+    a, b = tokens_for(30, 4 * CHUNK + 3), tokens_for(31, 2 * CHUNK)
+    store_prefix(store, alice, a)
+    store_prefix(store, bob, b)
+    assert (store.tenant_stats("alice").admissions_refused, store.tenant_stats("bob").admissions_refused) == (0, 2)
+    quiet = store.tenant_stats("bob")
+
+    store.lookup(alice, a)
+    store.lookup(alice, a[: 2 * CHUNK])
+    with store.load(alice, a, max_chunks=1) as s:  # counted with the whole cached prefix it found
+        assert len(s) == 1
+    with store.pin_prefix(alice, a):  # a replay's read: a pin, not a walk
+        assert (store.tenant_stats("alice").pins_active, store.tenant_stats("bob").pins_active) == (1, 0)
+    stale = store.load(alice, a)
+    now[0] = 10.0
+    assert store.expire_pins() == 1
+    stale.close()
+    # Chunk 2 rewritten with other token ids: alice's next load finds it corrupt.
+    nbytes = store.layout(alice).chunk_bytes
+    key = store.chunk_keys(alice, a)[2]
+    store._durable.put(key, memoryview(b"\x01" * nbytes), ChunkMeta(alice.digest, alice.layout_id,
+                                                                    tokens_for(32, CHUNK).tobytes()))
+    with store.load(alice, a) as s:
+        assert len([c for c in s]) == 2
+    mine = store.tenant_stats("alice")
+    assert (mine.lookups, mine.lookup_hit_tokens, mine.lookup_miss_tokens) == (5, 18 * CHUNK, 12)
+    assert (mine.corrupt_reads, mine.pins_active, mine.pins_expired, mine.token_mismatches) == (1, 0, 1, 0)
+    assert store.tenant_stats("bob") == quiet
+
+    store._index[store.chunk_keys(bob, b)[1]].tokens = tokens_for(33, CHUNK).tobytes()
+    assert store.lookup(bob, b).token_mismatches == 1
+    theirs = store.tenant_stats("bob")
+    assert (theirs.lookups, theirs.lookup_hit_tokens, theirs.lookup_miss_tokens, theirs.token_mismatches) == (
+        1, CHUNK, CHUNK, 1)
+    assert store.tenant_stats("alice") == mine
+    total = store.stats()
+    assert (total.lookups, total.lookup_hit_tokens, total.token_mismatches, total.corrupt_reads) == (
+        6, 19 * CHUNK, 1, 1)
+    assert (total.pins_active, total.pins_expired, total.admissions_refused) == (0, 1, 2)
+    assert store.tenant_stats("carol") == TenantStats()
     store.close()
 
 

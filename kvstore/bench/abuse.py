@@ -182,11 +182,12 @@ def _victim_pass(victim: Victim, calls: int) -> tuple[float, int, list[str]]:
 
 
 def _settle(address: str, settle_seconds: float) -> bool:
-    """Wait until the service has no call in flight but the one asking."""
+    """Wait until the abuser (alice) has no call in flight but the one asking: a tenant's Stats
+    counts only its own calls."""
     from kvstore.client import KvstoreClient
 
     end = time.monotonic() + settle_seconds
-    with KvstoreClient(address, token=BOB) as c:
+    with KvstoreClient(address, token=ALICE) as c:
         while time.monotonic() < end:
             if c.stats().calls_in_flight <= 1:
                 return True

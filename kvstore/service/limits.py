@@ -51,6 +51,7 @@ class CallLimiter:
         self._staged = FairShare(max_staged_bytes, weights)
         self._draining = False
         self.rejected_total = 0
+        self._rejected: dict[str, int] = {}  # tenant -> its calls refused for overload
         self.staging_refused_total = 0
 
     def try_enter(self, tenant: str) -> Admission:
@@ -60,6 +61,7 @@ class CallLimiter:
             refusal = self._calls.try_take(tenant, 1)
             if refusal is not None:
                 self.rejected_total += 1
+                self._rejected[tenant] = self._rejected.get(tenant, 0) + 1
                 return Admission(False, refusal)
             return ADMITTED
 
@@ -92,6 +94,11 @@ class CallLimiter:
     def tenant_in_flight(self, tenant: str) -> int:
         with self._cond:
             return self._calls.used(tenant)
+
+    def tenant_rejected(self, tenant: str) -> int:
+        """`tenant`'s calls refused for overload (`rejected_total`: every tenant's)."""
+        with self._cond:
+            return self._rejected.get(tenant, 0)
 
     @property
     def draining(self) -> bool:

@@ -58,6 +58,7 @@ from kvstore.store.types import (
     SkipReason,
     StoreStats,
     TenantQuota,
+    TenantStats,
     TierUsage,
 )
 from kvstore.tiers.base import ChunkMeta, DurableTier, ScanBatch, Tier, TierName
@@ -165,6 +166,12 @@ class GlobalStore(Placement):
         self._tenant_used: dict[tuple[str, TierName], int] = {}
         self._known_ns: dict[bytes, str] = {}  # namespace digest -> tenant
         self._counters: dict[str, int] = {}
+        # The same counters per tenant: a tenant's Stats answers its own figures, never another's.
+        self._tenant_counters: dict[str, dict[str, int]] = {}
+        # Live pins -> (the tenant whose call or replay holds it, when it expires): each tenant's pins
+        # active and expired, beside the pin table's totals.
+        self._pin_owners: dict[int, tuple[str, float]] = {}
+        self._pins_active_of: dict[str, int] = {}
         self._by_tier: dict[str, int] = {}
         self._ignored: dict[str, int] = {}
         self._ignored_bytes = 0  # on disk, of the chunks counted in _ignored
@@ -173,6 +180,9 @@ class GlobalStore(Placement):
         self._deleting: dict[bytes, threading.Event] = {}
         self._committing: dict[bytes, int] = {}
         self._registered_by: dict[str, str] = {}  # engine model name -> the tenant that registered it
+        # Engine model name -> every tenant that registered it (the same description registered by a
+        # second tenant is the same model): the models each tenant's Stats lists.
+        self._registrants: dict[str, set[str]] = {}
         self._progress = progress or (lambda line: None)
         self._ready = threading.Event()
         self._stop_loading = threading.Event()
@@ -230,6 +240,8 @@ class GlobalStore(Placement):
         with self._lock:
             old = self._models.get(spec.name)
             if old is not None:
+                if spec.name in self._registered_by:
+                    self._registrants.setdefault(spec.name, set()).add(tenant)
                 return old, False
             if len(self._registered_by) >= MAX_ENGINE_MODELS:
                 raise ResourceExhausted(f"this service holds {MAX_ENGINE_MODELS} registered models already")
@@ -245,6 +257,11 @@ class GlobalStore(Placement):
         with self._lock:
             return {name: self._models[name] for name in self._registered_by}
 
+    def hidden_models(self, tenant: str) -> set[str]:
+        """The engine models other tenants registered and `tenant` did not: not named to it."""
+        with self._lock:
+            return {name for name, who in self._registrants.items() if tenant not in who}
+
     def _serve(self, spec: ModelSpec, tenant: str) -> None:
         layout = self._layout_for(spec)
         for tier in self._tiers.values():
@@ -252,6 +269,7 @@ class GlobalStore(Placement):
         self._layouts[layout.layout_id] = layout
         self._models[spec.name] = spec
         self._registered_by[spec.name] = tenant
+        self._registrants.setdefault(spec.name, set()).add(tenant)
 
     def _recover_engine_models(self) -> None:
         for name, record in self._durable.models().items():
@@ -303,11 +321,12 @@ class GlobalStore(Placement):
                 self._memo.checked(recall.remembered, entries[: len(recall.keys)])
             tiers: list[TierName] = list(map(_FASTEST, entries[:h]))
             hit = h * ct
-            if count:
-                self._bump("lookups")
-                self._bump("lookup_hit_tokens", hit)
-                self._bump("lookup_miss_tokens", len(tokens) - hit)
-                self._bump("token_mismatches", mismatches)
+            if count:  # the whole hit found, even where a load then takes fewer chunks
+                tenant = ns.tenant
+                self._bump("lookups", 1, tenant)
+                self._bump("lookup_hit_tokens", hit, tenant)
+                self._bump("lookup_miss_tokens", len(tokens) - hit, tenant)
+                self._bump("token_mismatches", mismatches, tenant)
         if keys_out is not None:
             keys_out.extend(keys[:h])
         return PrefixHit(
@@ -549,7 +568,7 @@ class GlobalStore(Placement):
             if admitted and self._reserve_room("lmdb", tenant, len(payload), plan):
                 tiers.append("lmdb")
             else:
-                self._bump("admissions_refused")
+                self._bump("admissions_refused", 1, tenant)
         for tier in HOT_TIERS:
             if self._reserve_room(tier, tenant, len(payload), plan):
                 tiers.append(tier)
@@ -648,8 +667,8 @@ class GlobalStore(Placement):
         n = result.hit_chunks if max_chunks is None else min(result.hit_chunks, max_chunks)
         keys = hit_keys[:n]
         with self._lock:
-            self._pins.expire(self._clock())
-            receipt = self._pins.pin(keys, self._clock(), self.cfg.pin_timeout_seconds)
+            self._expire_pins()
+            receipt = self._hold_pin(keys, ns.tenant, self.cfg.pin_timeout_seconds)
         return LoadSession(self, ns, self.layout(ns), keys, receipt, result)
 
     def read_chunk(self, key: bytes, out: memoryview, prev: bytes) -> TierName | None:
@@ -801,8 +820,8 @@ class GlobalStore(Placement):
             offsets = self._arenas[tier].locate_many(keys[:n], tenant)  # the tenant's own, checked there
             if not offsets:
                 return None
-            self._pins.expire(self._clock())
-            pin = self._pins.pin(keys[: len(offsets)], self._clock(), pin_seconds)
+            self._expire_pins()
+            pin = self._hold_pin(keys[: len(offsets)], tenant, pin_seconds)
         return InPlaceRun(tier, tuple(offsets), pin)
 
     def arena_memory(self, tenant: str) -> list[tuple[TierName, int, int]]:
@@ -820,11 +839,11 @@ class GlobalStore(Placement):
     def unpin(self, pin: PinReceipt) -> None:
         """Let chunks held in place go (a second call, or one after the pin expired, does nothing)."""
         with self._lock:
-            self._pins.release(pin)
+            self._release_pin(pin)
 
     def _lost(self, key: bytes, entry: ChunkEntry, tier: TierName) -> None:
         """A tier no longer has a chunk it was charged for (corrupt value removed by the tier)."""
-        self._bump("corrupt_reads")
+        self._bump("corrupt_reads", 1, entry.tenant)
         self._bump_tier("corrupt", tier)
         self._policies[tier].remove(key)
         self._uncharge(key, entry, tier)
@@ -833,7 +852,7 @@ class GlobalStore(Placement):
 
     def release_load(self, receipt: PinReceipt, read_keys: Sequence[bytes]) -> None:
         with self._lock:
-            self._pins.release(receipt)
+            self._release_pin(receipt)
             # Touch the chunks that were read tail first, so the head of the prefix ends up the
             # most recently used: eviction then takes a prefix from its tail.
             keys = read_keys[::-1]
@@ -1005,20 +1024,70 @@ class GlobalStore(Placement):
 
     # --- stats and lifecycle ------------------------------------------------------------------------
 
-    def _bump(self, name: str, n: int = 1) -> None:
+    def _bump(self, name: str, n: int = 1, tenant: str | None = None) -> None:
+        """Count `n` in the service's total and, given the tenant it is about, in that tenant's own."""
         self._counters[name] = self._counters.get(name, 0) + n
+        if tenant is not None:
+            self._bump_tenant(tenant, name, n)
+
+    def _bump_tenant(self, tenant: str, name: str, n: int = 1) -> None:
+        mine = self._tenant_counters.get(tenant)
+        if mine is None:
+            mine = self._tenant_counters[tenant] = {}
+        mine[name] = mine.get(name, 0) + n
 
     def _bump_tier(self, name: str, label: str) -> None:
         k = f"{name}:{label}"
         self._by_tier[k] = self._by_tier.get(k, 0) + 1
 
+    def _hold_pin(self, keys: Sequence[bytes], tenant: str, timeout_seconds: float) -> PinReceipt:
+        """Pin `keys` for `tenant` (under the lock)."""
+        receipt = self._pins.pin(keys, self._clock(), timeout_seconds)
+        self._pin_owners[receipt.receipt_id] = (tenant, receipt.expires_at)
+        self._pins_active_of[tenant] = self._pins_active_of.get(tenant, 0) + 1
+        return receipt
+
+    def _pin_gone(self, receipt_id: int) -> str:
+        """Forget a pin the table no longer holds; the tenant that held it."""
+        tenant, _ = self._pin_owners.pop(receipt_id)
+        self._pins_active_of[tenant] -= 1
+        return tenant
+
+    def _release_pin(self, receipt: PinReceipt) -> None:
+        if self._pins.release(receipt):
+            self._pin_gone(receipt.receipt_id)
+
+    def _expire_pins(self) -> int:
+        """Release the pins past their timeout (under the lock), counting each against its tenant.
+        The pin table releases every live pin due by `now`; those released before left
+        `_pin_owners` then, so the ones still there and due are exactly the ones it expired."""
+        now = self._clock()
+        n = self._pins.expire(now)
+        if n:
+            for rid in [rid for rid, (_, due) in self._pin_owners.items() if due <= now]:
+                self._bump_tenant(self._pin_gone(rid), "pins_expired")  # the total: the pin table's
+        return n
+
     def expire_pins(self) -> int:
         with self._lock:
-            return self._pins.expire(self._clock())
+            return self._expire_pins()
+
+    def tenant_stats(self, tenant: str) -> TenantStats:
+        """`tenant`'s own counters: what its Stats call answers (`stats` has the service's totals)."""
+        with self._lock:
+            self._expire_pins()
+            c = self._tenant_counters.get(tenant, {})
+            return TenantStats(
+                lookups=c.get("lookups", 0), lookup_hit_tokens=c.get("lookup_hit_tokens", 0),
+                lookup_miss_tokens=c.get("lookup_miss_tokens", 0), token_mismatches=c.get("token_mismatches", 0),
+                corrupt_reads=c.get("corrupt_reads", 0),
+                pins_active=self._pins_active_of.get(tenant, 0), pins_expired=c.get("pins_expired", 0),
+                admissions_refused=c.get("admissions_refused", 0),
+            )
 
     def stats(self) -> StoreStats:
         with self._lock:
-            self._pins.expire(self._clock())
+            self._expire_pins()
             tiers: dict[str, TierUsage] = {}
             for name in TIER_NAMES:
                 ts = self._tiers[name].stats()

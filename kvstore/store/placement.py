@@ -87,7 +87,7 @@ class Placement:
     _committing: dict[bytes, int]  # keys of commits in flight -> how many: never evicted or deleted
     _ready: threading.Event  # the LMDB tier's index is loaded (GlobalStore._load_index)
 
-    def _bump(self, name: str, n: int = 1) -> None:
+    def _bump(self, name: str, n: int = 1, tenant: str | None = None) -> None:
         raise NotImplementedError
 
     def _peek(self, key: bytes) -> ChunkEntry | None:
@@ -225,7 +225,7 @@ class Placement:
             if t == "lmdb" and not self._ready.is_set():
                 return  # while the index loads, LMDB's used bytes are not all known: no writes
             if t == "lmdb" and not self._admission.admit(key):
-                self._bump("admissions_refused")
+                self._bump("admissions_refused", 1, entry.tenant)
                 return
             if self._make_room(t, entry.tenant, tier.footprint(entry.payload_bytes), protect):
                 if not tier.put_from(self._tiers[source], [key], entry.tenant):

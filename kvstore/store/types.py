@@ -126,3 +126,20 @@ class StoreStats:
     index_loaded_chunks: int = 0
     index_chunks_at_start: int = 0
     index_load_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TenantStats:
+    """One tenant's own part of the store's counters (`GlobalStore.tenant_stats`): what its `Stats`
+    call answers, where `StoreStats` has the service's totals (the admin API, metrics). Lookups are
+    the prefix walks its calls ran (Lookup, Load, LoadLocal, Resume; not a replay's own reads), each
+    counting the whole cached prefix it found as hit tokens, even where the call took fewer chunks."""
+
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    lookup_miss_tokens: int = 0
+    token_mismatches: int = 0
+    corrupt_reads: int = 0  # reads of its chunks that found a corrupt value
+    pins_active: int = 0  # pins its loads, replays and same-host reads hold now
+    pins_expired: int = 0
+    admissions_refused: int = 0  # its chunks a Store kept out of LMDB (not admitted, or no room there)
