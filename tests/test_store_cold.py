@@ -224,6 +224,27 @@ def test_chunks_a_config_no_longer_serves_stay_and_leave_the_budget_its_room(
     again.close()
 
 
+class StalledScan:
+    """The background index load stalled around one key: it starts when `started` is set and,
+    once the batch holding `key` is indexed (one record a batch), waits for `go_on`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, key: bytes) -> None:
+        self.started, self.scanned, self.go_on = threading.Event(), threading.Event(), threading.Event()
+        real = LmdbTier.scan_batches
+
+        def scan_batches(tier: LmdbTier) -> Iterator[ScanBatch]:
+            assert self.started.wait(30)
+            for batch in real(tier):
+                yield batch
+                if key in {bytes(k) for k in batch.keys}:
+                    self.scanned.set()
+                    assert self.go_on.wait(30)
+
+        monkeypatch.setattr(LmdbTier, "scan_batches", scan_batches)
+        monkeypatch.setattr(lmdb_tier, "SCAN_BATCH", 1)
+        monkeypatch.setattr(global_store, "RECOVER_BATCH", 1)
+
+
 def test_a_chunk_a_store_thaws_while_the_index_loads_stays_evictable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -236,33 +257,20 @@ def test_a_chunk_a_store_thaws_while_the_index_loads_stays_evictable(
     store_prefix(store, ns, late)
     late_key = store.chunk_keys(ns, late)[0]
     store.close()
-    started, scanned_late, go_on = threading.Event(), threading.Event(), threading.Event()
-    real_scan = LmdbTier.scan_batches
-
-    def scan_batches(self: LmdbTier) -> Iterator[ScanBatch]:
-        assert started.wait(30)
-        for batch in real_scan(self):
-            yield batch
-            if late_key in {bytes(k) for k in batch.keys}:
-                scanned_late.set()
-                assert go_on.wait(30)
-
-    monkeypatch.setattr(LmdbTier, "scan_batches", scan_batches)
-    monkeypatch.setattr(lmdb_tier, "SCAN_BATCH", 1)
-    monkeypatch.setattr(global_store, "RECOVER_BATCH", 1)
+    scan = StalledScan(monkeypatch, late_key)
     store = GlobalStore(small_config(device_capacity_bytes=0, dram_capacity_bytes=4 * 4096), tmp_path, MODELS,
                         load_index_in_background=True)
     main, delete_doomed = threading.current_thread(), store._delete_doomed
 
     def loader_indexes_late_now() -> None:  # the commit has planned; it inserts after this
-        if threading.current_thread() is main and not started.is_set():
-            started.set()
-            assert scanned_late.wait(30)
+        if threading.current_thread() is main and not scan.started.is_set():
+            scan.started.set()
+            assert scan.scanned.wait(30)
         delete_doomed()
 
     store._delete_doomed = loader_indexes_late_now  # type: ignore[method-assign]
     assert store_prefix(store, ns, late).already_present == 1
-    go_on.set()
+    scan.go_on.set()
     assert store.wait_ready(30)
     assert late_key in store._policies["lmdb"]
     store.check_invariants()
@@ -284,34 +292,21 @@ def test_a_chunk_left_in_lmdb_only_while_the_index_loads_is_folded_when_it_is_re
     late_key = store.chunk_keys(ns, late)[0]
     store.close()
 
-    started, scanned_late, go_on = threading.Event(), threading.Event(), threading.Event()
-    real = LmdbTier.scan_batches
-
-    def scan_batches(self: LmdbTier) -> Iterator[ScanBatch]:
-        assert started.wait(30)
-        for batch in real(self):
-            yield batch
-            if late_key in {bytes(k) for k in batch.keys}:  # indexed by now (one record a batch): stall here
-                scanned_late.set()
-                assert go_on.wait(30)
-
-    monkeypatch.setattr(LmdbTier, "scan_batches", scan_batches)
-    monkeypatch.setattr(lmdb_tier, "SCAN_BATCH", 1)
-    monkeypatch.setattr(global_store, "RECOVER_BATCH", 1)
+    scan = StalledScan(monkeypatch, late_key)
     store = GlobalStore(small_config(device_capacity_bytes=0, dram_capacity_bytes=4096), tmp_path, MODELS,
                         load_index_in_background=True)
     try:
         assert store_prefix(store, ns, late).stored_chunks == 1  # not indexed yet: kept in DRAM only
-        started.set()
-        assert scanned_late.wait(30)  # the scan found it in LMDB too: held by both
+        scan.started.set()
+        assert scan.scanned.wait(30)  # the scan found it in LMDB too: held by both
         assert store_prefix(store, ns, other).stored_chunks == 1  # DRAM's one chunk: `late` leaves it
         assert store._index[late_key].footprint.keys() == {"lmdb"}  # not folded while loading
-        go_on.set()
+        scan.go_on.set()
         assert store.wait_ready(30)
         assert late_key not in store._index and store._cold.folded == 1
         store.check_invariants()
         assert [c for _, c in load_all(store, ns, late)] == expected_payloads(store, ns, late, 1)
     finally:
-        started.set()
-        go_on.set()
+        scan.started.set()
+        scan.go_on.set()
         store.close()
