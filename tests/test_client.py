@@ -512,3 +512,120 @@ def test_store_takes_all_its_payloads_in_any_one_buffer(service: Service) -> Non
     assert kv.store(TOY, tokens(160, 4 * CHUNK), tuple(sent)).stored_chunks == 4  # a payload per chunk
     with pytest.raises(InvalidArgumentError, match="C-contiguous"):
         kv.store(TOY, tokens(161, 4 * CHUNK), blob.reshape(4, cb)[:, ::2])
+
+
+def test_the_bills_price_replay_flops_as_the_service_does() -> None:
+    # The client read every bill with replay_flops 0.0: the wire carries no FLOPs per token, and
+    # the client never derived them from the prefill FLOPs avoided that the bill does carry.
+    flops = 3.5e9  # the model's prefill FLOPs per token
+
+    def wire_bills(hit: int, replay: int) -> pb.Bills:
+        return pb.Bills(prompt_tokens=4 * CHUNK, prefill_tokens_avoided=hit, prefill_tokens=4 * CHUNK - hit,
+                        replay_tokens=replay, prefill_flops_avoided=hit * flops,
+                        tiers=[pb.TierBill(tier=pb.TIER_DRAM, hit_tokens=hit, hit_chunks=hit // CHUNK)])
+
+    def resume(req: pb.ResumeRequest, ctx: Any) -> Iterator[pb.ResumeResponse]:
+        hit = 0 if req.max_chunks == 9 else 3 * CHUNK  # max_chunks=9: a bill without a hit
+        yield pb.ResumeResponse(header=pb.ResumeHeader(
+            resume_case=pb.RESUME_CASE_EXPIRED, hit_tokens=hit, chunk_tokens=CHUNK, chunk_bytes=8,
+            local_state=pb.LOCAL_STATE_EXPIRED, replay_planned=True, bills=wire_bills(hit, 2 * CHUNK)))
+        yield pb.ResumeResponse(trailer=pb.ResumeTrailer(
+            local_state=pb.LOCAL_STATE_REPLAYED, replay_tokens=CHUNK, replay_status="replayed",
+            bills=wire_bills(hit, CHUNK)))
+
+    def lookup(req: pb.LookupRequest, ctx: Any) -> pb.LookupResponse:
+        return pb.LookupResponse(hit_tokens=3 * CHUNK, hit_chunks=3, chunk_tokens=CHUNK, chunk_bytes=8,
+                                 bills=wire_bills(3 * CHUNK, 0))
+
+    handlers = {
+        "Resume": grpc.unary_stream_rpc_method_handler(resume, pb.ResumeRequest.FromString,
+                                                       pb.ResumeResponse.SerializeToString),
+        "Lookup": grpc.unary_unary_rpc_method_handler(lookup, pb.LookupRequest.FromString,
+                                                      pb.LookupResponse.SerializeToString),
+    }
+    with _fake_service(handlers) as kv:
+        prompt = list(range(4 * CHUNK))
+        got = kv.resume("m", prompt, skip_chunks=True)
+        assert got.bills.replay_tokens == CHUNK and got.bills.replay_flops == pytest.approx(CHUNK * flops, rel=1e-12)
+        assert got.planned_bills.replay_flops == pytest.approx(2 * CHUNK * flops, rel=1e-12)
+        assert got.bills.prefill_flops_avoided == 3 * CHUNK * flops
+        assert kv.lookup("m", prompt).bills.replay_flops == 0.0  # a Lookup replays nothing
+        # Without a hit the rate is unknown (and the service never replays there): 0.0, never a guess.
+        assert kv.resume("m", prompt, skip_chunks=True, max_chunks=9).bills.replay_flops == 0.0
+
+
+class _FakeShm:
+    """Enough of a same-host session for a Load's spans to be copied out of its load segment."""
+
+    session_id = "fake"
+
+    def __init__(self, nbytes: int) -> None:
+        self.segment = memoryview(bytes(range(256)) * (nbytes // 256 + 1))[:nbytes]
+        self.released: list[int] = []
+
+    def span(self, offset: int, nbytes: int) -> memoryview:
+        return self.segment[offset : offset + nbytes]
+
+    def copy_out(self, sources: list[memoryview], dst: memoryview, expires_at: float) -> None:
+        dst[:] = b"".join(sources)
+
+    def release(self, lease_ids: list[int]) -> None:
+        self.released.extend(lease_ids)
+
+
+class _FakeLoadStream:
+    """A Load call's answer: a header, then spans; says whether it was read to its end or cancelled."""
+
+    def __init__(self, messages: list[Any]) -> None:
+        self._messages = iter(messages)
+        self.ended = self.cancelled = False
+
+    def __iter__(self) -> _FakeLoadStream:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._messages)
+        except StopIteration:
+            self.ended = True
+            raise
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("room", [4, 2])
+def test_a_same_host_load_of_the_whole_hit_reads_its_call_to_the_end(
+    monkeypatch: pytest.MonkeyPatch, room: int
+) -> None:
+    # A load that copied every chunk left the call open, and dropping it cancelled it: the service
+    # recorded the Load CANCELLED, unpriced, and counted none of its bytes moved. A buffer that
+    # holds fewer chunks than the hit still cancels the rest.
+    from kvstore.client.chunk_views import Streamed
+
+    cb, hit = 8, 4
+    shm = _FakeShm(hit * cb)
+    head = pb.LoadHeader(hit_tokens=hit * CHUNK, hit_chunks=hit, chunk_tokens=CHUNK, chunk_bytes=cb)
+    spans = [pb.ShmSpan(first_chunk=first, num_chunks=2, offset=first * cb, lease_id=first + 1,
+                        lease_expires_at=1e18, tiers=[pb.TIER_DRAM] * 2) for first in (0, 2)]
+    streams: list[_FakeLoadStream] = []
+
+    def load(req: pb.LoadRequest, timeout: float, metadata: Any) -> _FakeLoadStream:
+        assert req.shm_session == "fake"
+        streams.append(_FakeLoadStream([Streamed("header", head), *(Streamed("shm", s) for s in spans)]))
+        return streams[-1]
+
+    kv = KvstoreClient("127.0.0.1:1")
+    try:
+        monkeypatch.setattr(kv, "_shm_path", lambda: shm)
+        monkeypatch.setattr(kv, "_load", load)
+        buf = bytearray(room * cb)
+        got = kv.load_into("m", list(range(hit * CHUNK)), buf)
+        assert got.loaded_chunks == room and bytes(buf) == bytes(shm.segment[: room * cb])
+        assert len(streams) == 1
+        if room == hit:
+            assert streams[0].ended and not streams[0].cancelled
+        else:
+            assert streams[0].cancelled
+    finally:
+        kv.close()

@@ -8,9 +8,12 @@ import threading
 
 import pytest
 
+from kvstore.config import KvstoreConfig
 from kvstore.layout import get_model
+from kvstore.observe.call_observer import RETRY_WINDOW_SECONDS
 from kvstore.observe.ledger import LatencyHistogram, Ledger, Occupancy, occupancy_from_stats
-from kvstore.observe.records import OTHER_TENANT, ReplaySummary, RequestRecord
+from kvstore.observe.records import OTHER_TENANT, CallRecord, ReplaySummary, RequestRecord
+from kvstore.service.admin_server import build_observability
 from kvstore.wire.bills import Bills, from_pb, price, to_pb
 from tests.test_admin_workload import FakeClock
 
@@ -217,3 +220,39 @@ def test_concurrent_samples_do_not_count_evictions_twice() -> None:
     b.join()
     led.sample()
     assert led.totals()["evictions"] == {"dram:capacity": reads[-1]}
+
+
+def test_a_request_priced_again_under_its_id_is_counted_once_whichever_try_comes_first() -> None:
+    # A client sent a Resume again (a same-host copy found its lease lapsed) after the service had
+    # priced the first try: the observers counted two requests, and their bills twice.
+    clock = FakeClock()
+    obs = build_observability(KvstoreConfig(), clock=clock, wall_clock=clock.wall)
+    b = bills(["dram", "dram"], prompt=300)
+
+    def call(rid: str, method: str = "Resume", tenant: str = "acme", at: float | None = None) -> CallRecord:
+        return CallRecord(method=method, tenant=tenant, code="OK", seconds=0.01, model="deepseek-v4.1-flash",
+                          case="expired", local_state="expired", bills=b, request_id=rid,
+                          at=clock() if at is None else at, data_path="stream")
+
+    obs(call("r1"))
+    obs(call("r1"))  # the retry
+    obs(call("r1", method="Lookup"))  # another method under the id: a request of its own
+    obs(call("r1", tenant="globex"))  # another tenant's id: its own request
+    clock.advance(RETRY_WINDOW_SECONDS + 1)
+    obs(call("r1"))  # long after: another request
+    # The retry's record may come first (the first try finished later): still one request.
+    obs(call("r2", at=clock() + 0.5))
+    obs(call("r2", at=clock()))
+    obs(call(""))  # no id: never a retry (the service gives every call one anyway)
+    obs(call(""))
+    totals = obs.ledger.totals()
+    assert totals["requests"] == 7 and totals["retries"] == 2
+    assert totals["prefill_tokens_avoided"] == 7 * 256
+    assert totals["bytes_moved"]["dram"] == 6 * 2 * CHUNK_BYTES  # a Lookup's bill moves nothing
+    assert obs.ledger.tenants()["acme"]["retries"] == 2 and obs.ledger.tenants()["globex"]["retries"] == 0
+    sample = obs.metrics.registry.get_sample_value
+    assert sample("kvstore_requests_total", {"method": "resume", "case": "expired"}) == 6
+    assert sample("kvstore_side_calls_total", {"method": "Resume", "purpose": "retry"}) == 2
+    # The retries' bytes did move: counted as moved (as a Load's), not billed to a request again.
+    assert sample("kvstore_bytes_moved_total", {"tier": "dram"}) == 8 * 2 * CHUNK_BYTES
+    assert sample("kvstore_local_bytes_moved_total") == 8 * b.local_bytes

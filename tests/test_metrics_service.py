@@ -149,6 +149,24 @@ def test_cold_warm_and_expired_move_their_counters(svc: Running) -> None:
     assert_valid_exposition(svc.text)
 
 
+def test_the_clients_bills_price_a_replay_as_the_services_ledger_does(svc: Running) -> None:
+    # The client's bills read replay_flops 0.0 for a replayed Resume; the service's had them.
+    toks = prompt(7, 4)
+    store(svc, toks)
+    svc.clock.advance(svc.app.config.local_pool.ttl.ttl_seconds + 1)
+    exp = svc.client.resume(MODEL, toks)
+    assert exp.local_state == "replayed" and exp.bills.replay_tokens > 0
+    per_token = svc.app.store.model(MODEL).prefill_flops_per_token
+    assert per_token > 0
+    assert exp.bills.replay_flops == pytest.approx(exp.bills.replay_tokens * per_token, rel=1e-12)
+    assert exp.planned_bills.replay_flops == pytest.approx(exp.planned_bills.replay_tokens * per_token, rel=1e-12)
+    assert svc.server.admin is not None
+    import json
+
+    st = json.load(urllib.request.urlopen(f"http://127.0.0.1:{svc.server.admin.port}/api/stats", timeout=10))
+    assert st["totals"]["replay"]["flops"] == pytest.approx(exp.bills.replay_flops, rel=1e-12)
+
+
 def test_a_lookup_counts_without_moving_bytes_and_bad_input_counts_its_code(svc: Running) -> None:
     toks = prompt(2, 3)
     store(svc, toks, local=False)

@@ -28,6 +28,9 @@ from kvstore.client.sync_client import DeadlineExceededError, UnavailableError
 from kvstore.dataplane import data_socket_path
 from kvstore.dataplane.peer import LeaseLapsed, ShmPath
 from kvstore.errors import ConfigError, InvalidInput
+from kvstore.observe.call_observer import Observability
+from kvstore.observe.records import CallRecord
+from kvstore.service.admin_server import build_observability
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, DENSE, TOY, V41, KiB, Service, make_config, payloads, tokens
@@ -417,6 +420,90 @@ def test_a_lapsed_copy_makes_the_client_load_again_over_streams(
     assert _same(kv.load(TOY, prompt).chunks, chunks)
     assert kv.data_path_in_use == "stream"
     assert _same(kv.resume(TOY, prompt).chunks, chunks)
+
+
+def _observed(svc: Service) -> tuple[Observability, list[CallRecord]]:
+    """The metrics, ledger and explainer of `svc`'s calls (as its admin port has them), and the records."""
+    obs = build_observability(svc.app.config, clock=svc.app.clock)
+    records: list[CallRecord] = []
+    svc.app.observers.extend([obs, records.append])
+    return obs, records
+
+
+def _moved(obs: Observability, svc: Service) -> float:
+    svc.app.flush_observers()
+    return sum(obs.metrics.registry.get_sample_value("kvstore_bytes_moved_total", {"tier": t}) or 0.0
+               for t in ("device", "dram", "lmdb"))
+
+
+def test_a_resume_sent_again_over_a_stream_after_a_lapsed_copy_is_billed_once(
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The service answered and priced the same-host Resume; the client's copy then found its lease
+    # lapsed and sent the Resume again over a stream, with the same request id. Both were counted
+    # as requests: two requests and twice the prefill avoided for one engine request.
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    obs, records = _observed(svc)
+    kv = unix(svc)
+    cb = svc.chunk_bytes(TOY)
+    prompt, chunks = tokens(11, CHUNK * 8), payloads(12, 8, cb)
+    kv.store(TOY, prompt, chunks)
+    real = ShmPath.lease_valid
+    lapsed: list[bool] = []
+
+    def lapse_once(self: ShmPath, expires_at: float) -> bool:  # the fault: the first copy is too slow
+        if lapsed:
+            return real(self, expires_at)
+        lapsed.append(True)
+        # Meanwhile the service has answered the call, and priced it.
+        wait_until(lambda: svc.app.flush_observers() and any(r.method == "Resume" for r in records))
+        return False
+
+    monkeypatch.setattr(ShmPath, "lease_valid", lapse_once)
+    got = kv.resume(TOY, prompt)
+    assert _same(got.chunks, chunks) and kv.data_path_in_use == "stream"
+    svc.app.flush_observers()
+    tries = [(r.code, r.data_path, r.request_id) for r in records if r.method == "Resume"]
+    assert tries == [("OK", "shm", got.request_id), ("OK", "stream", got.request_id)]
+    totals = obs.ledger.totals()
+    assert totals["requests"] == 1 and totals["retries"] == 1
+    assert totals["prefill_tokens_avoided"] == 8 * CHUNK and totals["cases"][got.case] == 1
+    assert sum(totals["bytes_moved"].values()) == 8 * cb  # the bill: once
+    sample = obs.metrics.registry.get_sample_value
+    assert sample("kvstore_requests_total", {"method": "resume", "case": got.case}) == 1
+    assert sample("kvstore_prefill_tokens_avoided_total") == 8 * CHUNK
+    assert sample("kvstore_side_calls_total", {"method": "Resume", "purpose": "retry"}) == 1
+    assert _moved(obs, svc) == 2 * 8 * cb  # the bytes did move twice
+    assert obs.explainer.get(got.request_id) is not None
+
+
+def test_a_lookup_that_holds_chunks_counts_their_bytes_moved_as_a_load_does(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # A holding Lookup copies (or leases) chunks into the session: a Load's work, but its bytes
+    # were never counted as moved. A same-host Load that took the whole hit went uncounted too
+    # (the client dropped the call open: cancelled, unpriced).
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    obs, _ = _observed(svc)
+    kv = unix(svc)
+    cb = svc.chunk_bytes(TOY)
+    prompt, chunks = tokens(13, CHUNK * 8), payloads(14, 8, cb)
+    kv.store(TOY, prompt, chunks)
+    before = _moved(obs, svc)
+    for _ in range(5):
+        assert _same(kv.load(TOY, prompt).chunks, chunks)
+    assert _moved(obs, svc) - before == 5 * 8 * cb
+    before = _moved(obs, svc)
+    held = kv.lookup_held(TOY, prompt, hold_chunks=5)
+    try:
+        assert held.chunks is not None and held.chunks.path == "shm" and _same(held.chunks.chunks, chunks[:5])
+    finally:
+        held.release()
+    assert _moved(obs, svc) - before == 5 * cb
+    sample = obs.metrics.registry.get_sample_value
+    assert sample("kvstore_data_path_calls_total", {"method": "Lookup", "path": "shm"}) == 1
+    assert sample("kvstore_requests_total", {"method": "lookup", "case": "expired"}) == 1
+    assert sum(obs.ledger.totals()["bytes_moved"].values()) == 0  # the ledger bills a Resume's bytes only
 
 
 @pytest.mark.parametrize("in_place", [True, False])

@@ -69,6 +69,7 @@ from kvstore.errors import InvalidInput, KvstoreError
 from kvstore.layout import EngineModel
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire.bills import Bills
 from kvstore.wire.bills import from_pb as bills_from_pb
 from kvstore.wire.framing import BlobAssembler, ChunkAssembler, ChunkWriter, blob_spans, plan_pieces
 from kvstore.wire.messages import PB_TO_CASE, PB_TO_LOCAL, PB_TO_TIER, encode_lookup_request, tiers_from_pb
@@ -714,10 +715,11 @@ class KvstoreClient:
             take = _copy_span(shm, span, got, cb, limit, dst)
             tiers.extend(PB_TO_TIER.get(t, "") for t in span.tiers[:take])
             got += take
-            if got >= limit:
-                if got < head.hit_chunks:
-                    stream.cancel()  # the rest would not fit
+            if limit <= got < head.hit_chunks:
+                stream.cancel()  # the rest would not fit
                 break
+        # With every chunk copied the loop reads on to the end of the call: one left open here is
+        # cancelled when the stream is dropped, and the service counts no bytes moved for it.
         return LoadIntoResult(got * head.chunk_tokens, head.chunk_tokens, head.chunk_bytes, got, tuple(tiers))
 
     def _load_into_stream(
@@ -900,8 +902,8 @@ class KvstoreClient:
             local_state=final_state, initial_local_state=PB_TO_LOCAL.get(head.local_state, "absent"),
             snapshot=snapshot if final_state in ("hit", "replayed") else None,
             replay_planned=head.replay_planned, replay_tokens=trailer.replay_tokens,
-            replay_status=trailer.replay_status, planned_bills=bills_from_pb(head.bills),
-            bills=bills_from_pb(trailer.bills), request_id=rid,
+            replay_status=trailer.replay_status, planned_bills=_bills(head.bills),
+            bills=_bills(trailer.bills), request_id=rid,
         )
 
     def register_model(self, model: EngineModel, timeout_seconds: float | None = None) -> RegisteredModel:
@@ -1219,10 +1221,19 @@ class _SharedSpans:
         self._views, self._runs, self._leases = [], [], []
 
 
+def _bills(m: pb.Bills) -> Bills:
+    """The bills a reply carried, with the replay FLOPs priced as the service prices them: at the
+    model's prefill FLOPs per token, which the wire does not carry but the prefill FLOPs avoided
+    imply (FLOPs avoided / tokens avoided). A replay runs only at a hit boundary, so they are known
+    wherever there are replay tokens; without a hit they are unknown and `replay_flops` reads 0.0."""
+    per_token = m.prefill_flops_avoided / m.prefill_tokens_avoided if m.prefill_tokens_avoided else 0.0
+    return bills_from_pb(m, per_token)
+
+
 def _lookup_result(r: pb.LookupResponse, request_id: str) -> LookupResult:
     return LookupResult(
         hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, chunk_tiers=tiers_from_pb(r.chunk_tiers),
-        local_state=PB_TO_LOCAL.get(r.local_state, "absent"), bills=bills_from_pb(r.bills),
+        local_state=PB_TO_LOCAL.get(r.local_state, "absent"), bills=_bills(r.bills),
         chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes, full_chunks=r.full_chunks,
         remainder_tokens=r.remainder_tokens, local_snapshot_bytes=r.local_snapshot_bytes,
         replay_mode=r.replay_mode, request_id=request_id,

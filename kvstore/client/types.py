@@ -162,6 +162,10 @@ class ResumeResult:
     replay_planned: bool
     replay_tokens: int
     replay_status: str
+    # The bills' replay_flops: replay tokens at the model's prefill FLOPs per token, which the wire
+    # does not carry and the client reads off the bill's prefill FLOPs avoided / tokens avoided; a
+    # replay only runs at a hit boundary, so they are priced wherever there are replay tokens. A bill
+    # without a hit leaves the rate unknown: replay_flops reads 0.0 (as it must with no replay).
     planned_bills: Bills  # announced in the first message
     bills: Bills  # as it happened
     request_id: str = ""  # the x-request-id it was sent with: `kvstore explain REQUEST_ID`

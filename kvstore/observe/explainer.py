@@ -12,7 +12,8 @@ Two bounded in-memory journals, fed from outside:
 At each Lookup/Resume the service hands over a `LookupFacts` (the keys of the chunks that missed,
 the pool's miss reason, the replay's outcome). `explain_request` turns it into an `Explanation`
 right away (a later eviction must not rewrite history) and keeps it by request id, in a bounded
-journal.
+journal. A request priced again (a client's retry, `call_observer`) is not explained again: the
+explanation is its first try's.
 
 Tenancy: chunk keys are chained from a namespace digest that binds the tenant, so a tenant's keys
 never name another tenant's chunks; fates are still checked against the asker's namespace, and an

@@ -31,7 +31,7 @@ from typing import Any
 from kvstore.layout import TIER_NAMES
 from kvstore.observe.records import CASES, LOCAL_OUTCOMES, OTHER_TENANT, PERSISTENT_TIERS, RequestRecord
 from kvstore.store.types import StoreStats
-from kvstore.wire.purposes import PURPOSES
+from kvstore.wire.purposes import PURPOSES, RETRY
 
 # --- occupancy, as shown to the ledger ---------------------------------------------------------------
 
@@ -111,7 +111,9 @@ class _Sums:
     """What is added up per tenant, per time bucket and in total."""
 
     requests: int = 0
-    # Lookups that were not requests (a client's pre-check, a probe), by purpose: shown, not priced.
+    # Calls that were not requests, by purpose: shown, not priced. Lookups marked as a client's
+    # pre-check or a probe; and "retry", a request priced again (kvstore/wire/purposes.py), shown as
+    # "retries" (not among "side_calls", which name only what clients send).
     side_calls: Counter[str] = field(default_factory=Counter)
     cases: Counter[str] = field(default_factory=Counter)
     local: Counter[str] = field(default_factory=Counter)
@@ -182,6 +184,7 @@ class _Sums:
         return {
             "requests": self.requests,
             "side_calls": {p: self.side_calls[p] for p in PURPOSES},
+            "retries": self.side_calls[RETRY],
             "cases": {c: self.cases[c] for c in CASES},
             "local": {o: self.local[o] for o in LOCAL_OUTCOMES},
             "hit_tokens": {t: self.hit_tokens[t] for t in TIER_NAMES},
@@ -263,7 +266,8 @@ class Ledger:
             self._recent.append((now, rec))
 
     def side_call(self, tenant: str, purpose: str) -> None:
-        """A Lookup that was not a request (`purpose`: "precheck" | "probe"): counted apart."""
+        """A call that was not a request, counted apart: a Lookup marked "precheck" or "probe", or a
+        request priced again ("retry"), whose bills are not summed a second time."""
         now = self._clock()
         with self._lock:
             self._advance(now)

@@ -2,8 +2,9 @@
 
 Two ways in:
 - `Metrics` is the recorder the core calls for events: one priced request (`request`), a replay
-  (inside `request`), a finished RPC (`rpc`), a Lookup that is not a request (`side_call`), bytes
-  a Load moved (`load`). Its counters and
+  (inside `request`), a finished RPC (`rpc`), a call that is not a request (`side_call`: a
+  pre-check, a probe, a retry), bytes moved outside a request (`load`: a Load's, a holding
+  Lookup's, a retry's). Its counters and
   histograms live in the registry it was given.
 - `SourceCollector` (registered by `Metrics`) reads gauges and the counters that other parts
   already keep (the store's tier bytes, evictions, corrupt reads; the local pool's hits, misses,
@@ -83,8 +84,9 @@ RPC_CODES = (
     "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
     "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
 )
-# Lookups that are not engine requests (kvstore/wire/purposes.py).
-SIDE_CALL_PURPOSES = ("precheck", "probe", OTHER)
+# Calls that are not engine requests (kvstore/wire/purposes.py): Lookups marked as a client's
+# pre-check or a probe; a Lookup or Resume that repeated a request already counted (a retry).
+SIDE_CALL_PURPOSES = ("precheck", "probe", "retry", OTHER)
 TTL_KINDS = ("fixed", "sliding", "adaptive", OTHER)
 EVICTION_POLICIES = ("lru", "s3fifo", "cost_aware", OTHER)
 REPLAY_MODES = ("bounded", "exact", "off", OTHER)
@@ -423,9 +425,11 @@ class Metrics:
                                    "tier they came from.", ["tier", *t], registry=r)
         self.local_bytes_moved = Counter("kvstore_local_bytes_moved_total", "Local snapshot bytes moved to "
                                          "the engine.", registry=r)
-        self.side_calls = Counter("kvstore_side_calls_total", "Lookups that are not engine requests (a "
-                                  "client's pre-check before a Store, a probe), by purpose; not in "
-                                  "kvstore_requests_total.", ["method", "purpose"], registry=r)
+        self.side_calls = Counter("kvstore_side_calls_total", "Calls that are not engine requests, by "
+                                  "purpose: Lookups that are a client's pre-check before a Store or a probe; "
+                                  "retry: a Lookup or Resume that repeated the tenant, request id and method "
+                                  "of a request already counted (bills not counted again, bytes moved are). "
+                                  "Not in kvstore_requests_total.", ["method", "purpose"], registry=r)
         self.data_path_calls = Counter("kvstore_data_path_calls_total", "Load, Resume, Store and holding Lookup "
                                        "calls by how their chunk bytes moved: shm (same-host shared memory) or "
                                        "stream (gRPC messages).", ["method", "path"], registry=r)
@@ -487,6 +491,7 @@ class Metrics:
             self.misses.labels(reason)
         for purpose in SIDE_CALL_PURPOSES:
             self.side_calls.labels("Lookup", purpose)
+        self.side_calls.labels("Resume", "retry")
         for reason in LOCAL_MISS_REASONS:
             self.local_misses.labels(reason)
         for m in DATA_PATH_METHODS:
@@ -536,19 +541,22 @@ class Metrics:
         if failure is not None:
             self._child(self.replay_failures, replay_failure(failure)).inc()
 
-    def load(self, tier_bytes: Mapping[str, int], tenant: str = "default") -> None:
-        """Bytes a Load call moved, by the tier each chunk came from."""
+    def load(self, tier_bytes: Mapping[str, int], tenant: str = "default", local_bytes: int = 0) -> None:
+        """Bytes moved outside a request: a Load's, a holding Lookup's, a retried Resume's (with its
+        local snapshot's `local_bytes`), by the tier each chunk came from."""
         t = self._t(tenant)
         for tier, n in tier_bytes.items():
             if n:
                 self._child(self.bytes_moved, _label(tier, TIER_NAMES), *t).inc(n)
+        if local_bytes:
+            self.local_bytes_moved.inc(local_bytes)
 
     def side_call(self, method: str, purpose: str) -> None:
-        """A call that is not an engine request (a pre-check or a probe)."""
+        """A call that is not an engine request (a pre-check, a probe, a retry)."""
         self._child(self.side_calls, _label(method, RPC_METHODS), _label(purpose, SIDE_CALL_PURPOSES)).inc()
 
     def data_path(self, method: str, path: str) -> None:
-        """A Load, Resume or Store call and the path its bytes took."""
+        """A Load, Resume, Store or holding Lookup call and the path its bytes took."""
         self._child(self.data_path_calls, _label(method, DATA_PATH_METHODS), _label(path, DATA_PATHS)).inc()
 
     def rpc(self, method: str, code: str, seconds: float) -> None:

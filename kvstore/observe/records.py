@@ -4,7 +4,7 @@ that the metrics, the ledger and the explainer all see of a priced request (a Lo
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from kvstore.layout import TierName
@@ -42,6 +42,16 @@ class LookupFacts:
     # the first of them, or none): hashing the missed part of a prompt costs as much as the lookup
     # itself, so the service defers it until someone reads the keys, and then hashes what is read.
     miss_keys_fn: Callable[[int | None], Sequence[bytes]] | None = field(default=None, compare=False, repr=False)
+    # A Lookup that held chunks (`hold_chunks`): the bytes of the chunks it copied or leased into a
+    # same-host session, by tier. A Load's work done in the Lookup: counted as bytes moved, as a Load's are.
+    held_bytes: tuple[tuple[str, int], ...] = ()
+
+    def holding(self, tiers: Sequence[str], chunk_bytes: int) -> LookupFacts:
+        """These facts for a Lookup that held chunks from `tiers` (one per chunk) of `chunk_bytes` each."""
+        by_tier: dict[str, int] = {}
+        for t in tiers:
+            by_tier[t] = by_tier.get(t, 0) + chunk_bytes
+        return replace(self, held_bytes=tuple(by_tier.items()))
 
     def missed_keys(self, limit: int | None = None) -> Sequence[bytes]:
         """The missed keys (the first `limit` of them), computed now if they were deferred."""
@@ -110,7 +120,8 @@ class CallRecord:
     purpose: str = ""
     facts: LookupFacts | LocalWriteFacts | None = None  # what the miss explainer needs
     at: float | None = None  # the app's clock when the call finished (observers see it later)
-    data_path: str = ""  # Load, Resume, Store: "shm" (same-host shared memory) or "stream"
+    # Load, Resume, Store, LoadLocal, StoreLocal, a holding Lookup: "shm" (same-host shared memory) or "stream"
+    data_path: str = ""
 
 
 CallObserver = Callable[[CallRecord], None]

@@ -94,6 +94,9 @@ class KVCacheServicer(LocalStateCalls):
                 r = self.app.store.lookup(res.ns, res.tokens)
             state, got = local_status(self.app, res, r.hit_chunks, context.time_remaining(), r)
             call.facts = facts_for_lookup(self.app, res, r, r.hit_chunks, got)
+            if held:  # chunks copied or leased into a same-host session: the observers count their bytes moved
+                call.facts = call.facts.holding(r.chunk_tiers[: sum(s.num_chunks for s in held)],
+                                                res.layout.chunk_bytes)
             snapshot = res.layout.local_snapshot_bytes
             bills = price(res, r.chunk_tiers, replay_tokens=0,
                           local_bytes=snapshot if state == "hit" else 0)

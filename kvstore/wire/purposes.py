@@ -6,6 +6,16 @@ layout a model has). They carry `x-kvstore-purpose: precheck|probe`, so that the
 them apart from requests (the dashboard, the ledger, the request trace, `kvstore tune ttl`); they
 still count as calls in `/metrics` by method. Metadata, not a proto field: the proto stays as it is,
 and an old client that sends none is counted as it always was.
+
+One more kind of side call is never sent: "retry" (`RETRY`). The observers
+(`kvstore/observe/call_observer.py`) give it to a priced Lookup or Resume that repeats the tenant,
+request id and method of one they counted a moment before (`call_observer.RETRY_WINDOW_SECONDS`): the
+same request sent again, e.g. by the Python client going over a stream after its same-host copy
+found a lease lapsed, once the service had already answered and priced the first try. It is
+counted apart as a retry, not as a request, and its bills are not summed again; the bytes it moved
+are counted as moved (in `/metrics`, as a Load's are). Told apart by what the service priced, not
+by a mark from the client: a client cannot know whether its first try was priced (the service may
+have finished it, or seen it cancelled), and a request must be counted exactly once either way.
 """
 
 from __future__ import annotations
@@ -16,6 +26,9 @@ from typing import Literal
 PURPOSE_KEY = "x-kvstore-purpose"
 Purpose = Literal["precheck", "probe"]
 PURPOSES: tuple[Purpose, ...] = ("precheck", "probe")
+# Not a purpose a caller sends (`purpose_from` ignores it): the observers' name for a request priced
+# again (see above).
+RETRY = "retry"
 
 
 def purpose_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
