@@ -22,7 +22,9 @@ opens a flight and takes the tenant's slot, later ones join it without taking an
 ticket used runs the job (the leader), the others wait for its outcome, each within its own
 deadline; the job runs until the last of them gives up (within `timeout_seconds`), not only the
 leader's deadline. The slot is given back when the flight ends, or when every ticket of a flight
-that never ran has been released.
+that never ran has been released. A flight's replay is billed once (`replay.port.ReplayBill`, on
+each of its tickets): to the leader's call when it takes the outcome, else to the first other
+caller that takes the snapshot (one that joined, or one that came just after and got it).
 
 Everything else that goes wrong (no runner, a timeout, a runner that died with no other to take
 over, a prefix evicted meanwhile) is an outcome with no snapshot: the engine recomputes the local
@@ -43,7 +45,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -59,6 +61,7 @@ from replay.port import (
     NO_RUNNER,
     REPLAYED,
     TIMEOUT,
+    ReplayBill,
     ReplayOutcome,
     ReplayParts,
     ReplayTicket,
@@ -130,6 +133,8 @@ class _Flight:
     # When the last of its callers gives up (clock time): the replay runs until then, so that a
     # caller with time to spare is not cut short by a leader whose own deadline is near.
     until: float = 0.0
+    # Which caller carries the replay's compute bill: the leader's call, unless it gave up first.
+    bill: ReplayBill = field(default_factory=ReplayBill)
 
 
 @dataclass(frozen=True)
@@ -188,7 +193,7 @@ class ReplayCoordinator:
         self._lock = threading.Lock()
         self._flights: dict[tuple[bytes, bytes], _Flight] = {}
         self._tickets: dict[ReplayTicket, _Admission] = {}
-        self._recent: dict[tuple[bytes, bytes], tuple[float, ReplayOutcome]] = {}
+        self._recent: dict[tuple[bytes, bytes], tuple[float, ReplayOutcome, ReplayBill]] = {}
         self._per_tenant: dict[str, int] = {}
         self._queued = 0
         self._c = _Counts()
@@ -204,9 +209,9 @@ class ReplayCoordinator:
         finished) joins it and takes no slot. `deadline_seconds`, when known, is how long this
         caller will wait: the replay runs as long as its longest-waiting caller (within
         `timeout_seconds`). Quick: hashing the prefix's keys, no I/O."""
-        ticket = ReplayTicket(ns.tenant, hit_tokens)
         layout = self.store.layout(ns)
         if ns.replay_mode == "off" or layout.local_snapshot_bytes == 0:
+            ticket = ReplayTicket(ns.tenant, hit_tokens)
             with self._lock:
                 self._c.bump("requests")
                 self._tickets[ticket] = _Admission((ns.digest, b""), None, ReplayOutcome(None, 0, DISABLED))
@@ -222,7 +227,10 @@ class ReplayCoordinator:
             self._c.bump("requests")
             recent = self._recent_outcome(fkey, self._clock())
             if recent is not None:
-                self._tickets[ticket] = _Admission(fkey, None, ReplayOutcome(recent.snapshot, 0, recent.status,
+                done, bill = recent
+                # Its bill too: when that replay's leader gave up first, this caller may carry it.
+                ticket = ReplayTicket(ns.tenant, hit_tokens, bill)
+                self._tickets[ticket] = _Admission(fkey, None, ReplayOutcome(done.snapshot, 0, done.status,
                                                                              shared=True))
                 return ticket
             flight = self._flights.get(fkey)
@@ -237,6 +245,7 @@ class ReplayCoordinator:
             flight.tickets += 1
             if deadline_seconds is not None:
                 flight.until = max(flight.until, self._clock() + self._budget(deadline_seconds))
+            ticket = ReplayTicket(ns.tenant, hit_tokens, flight.bill)
             self._tickets[ticket] = _Admission(fkey, flight)
         return ticket
 
@@ -288,6 +297,7 @@ class ReplayCoordinator:
             leader = not flight.led and not flight.done
             if leader:
                 flight.led = True
+                flight.bill.lead(ticket)
             else:
                 self._c.bump("coalesced")
         if not leader:
@@ -299,11 +309,13 @@ class ReplayCoordinator:
             log.exception("replay at boundary %d failed unexpectedly", hit_tokens)
             self._bump("failures")
         finally:
+            # Before any other caller is handed the outcome: the bill knows what there is to bill.
+            flight.bill.finish(outcome)
             # Only after the snapshot is in the pool: a request arriving now finds it there.
             with self._lock:
                 self._end_flight(adm.fkey, flight)
                 if outcome.snapshot is not None:
-                    self._recent[adm.fkey] = (self._clock(), outcome)
+                    self._recent[adm.fkey] = (self._clock(), outcome, flight.bill)
                     if len(self._recent) > RECENT_MAX:
                         del self._recent[next(iter(self._recent))]  # the oldest
             flight.future.set_result(outcome)
@@ -320,13 +332,13 @@ class ReplayCoordinator:
         else:
             del self._per_tenant[flight.tenant]
 
-    def _recent_outcome(self, fkey: tuple[bytes, bytes], now: float) -> ReplayOutcome | None:
-        """A replay of this boundary that finished moments ago (called under the lock)."""
-        stale = [k for k, (t, _) in self._recent.items() if now - t > RECENT_SECONDS]
+    def _recent_outcome(self, fkey: tuple[bytes, bytes], now: float) -> tuple[ReplayOutcome, ReplayBill] | None:
+        """A replay of this boundary that finished moments ago, and its bill (called under the lock)."""
+        stale = [k for k, (t, _, _) in self._recent.items() if now - t > RECENT_SECONDS]
         for k in stale:
             del self._recent[k]
         got = self._recent.get(fkey)
-        return got[1] if got is not None else None
+        return (got[1], got[2]) if got is not None else None
 
     def _join(self, flight: _Flight, budget: float) -> ReplayOutcome:
         try:
@@ -334,7 +346,9 @@ class ReplayCoordinator:
         except cf.TimeoutError:
             self._bump("timeouts")
             return ReplayOutcome(None, 0, TIMEOUT, shared=True)
-        # The leader's request carries the replay's compute bill; this one spent nothing.
+        # The leader's request carries the replay's compute bill, unless its call gave up before
+        # taking the outcome: then the first caller that takes the snapshot does (the flight's
+        # `ReplayBill`, which the service consults through this caller's ticket).
         return ReplayOutcome(got.snapshot, 0, got.status, shared=True)
 
     # --- one replay -----------------------------------------------------------------------------

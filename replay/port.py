@@ -14,12 +14,19 @@ already admitted for the same boundary (coalesced) does not count against the bo
 The coordinator must never raise for expected outcomes (no runner, timeout, runner died): those
 are `ReplayOutcome`s with a status and no snapshot. It may raise `InvalidInput` or `Unavailable`;
 the servicer maps them.
+
+A coalesced replay is billed once, to one caller that took its snapshot: the ticket of an
+admission that joined a flight carries the flight's `ReplayBill`, and the service tells it what
+its call did with the outcome (`ReplayTicket.take`, `give_up`, `abandon`). A ticket without one (a
+coordinator that does not coalesce) bills each outcome as it comes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -57,13 +64,100 @@ class ReplayOutcome:
         return self.put.ttl_seconds if self.put is not None and self.put.written else None
 
 
+class ReplayBill:
+    """Which caller carries the compute bill of one replay that several callers share (coalesced):
+    exactly one that took its snapshot. The leader's call (its ticket ran the replay) when it takes
+    its outcome; when it gave up first (its own deadline came while the replay ran on for a caller
+    with more time, or its call went away), the first other caller that takes the snapshot, billed
+    the replay's tokens as if it had run it (not shared). Thread-safe.
+
+    The service reports each call through its ticket: `take` when it got its outcome in time,
+    `give_up` when its wait ended without one, `abandon` when the call ends without taking it.
+    A caller of `resume_local` that reports nothing (a test, a tool) keeps the outcome as the
+    coordinator returned it: the leader's with the replay's tokens, the others' with none."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._leader: ReplayTicket | None = None
+        self._leader_gone = False  # the leader's call gave up before taking the outcome
+        self._done: ReplayOutcome | None = None  # the leader's outcome, once the replay ended
+        self._billed = False
+
+    def lead(self, ticket: ReplayTicket) -> None:
+        """`ticket` runs the replay (the coordinator says so when it is used)."""
+        with self._lock:
+            self._leader = ticket
+
+    def finish(self, outcome: ReplayOutcome) -> None:
+        """The replay ended with the leader's `outcome` (before any other caller is handed it)."""
+        with self._lock:
+            self._done = outcome
+
+    def take(self, ticket: ReplayTicket, outcome: ReplayOutcome) -> ReplayOutcome:
+        """`outcome` (what `resume_local` returned under `ticket`) as this call is billed for it."""
+        if outcome.snapshot is None:
+            return outcome  # nothing rebuilt for this caller: nothing to bill
+        with self._lock:
+            leader = ticket is self._leader
+            done = self._done
+            mine = (not self._billed and done is not None and done.snapshot is not None
+                    and (leader or self._leader_gone))
+            if mine:
+                self._billed = True
+        if mine:
+            assert done is not None
+            if leader:
+                return outcome
+            # The replay ran for this caller after all: its tokens, and its pool write, are its own.
+            return dataclasses.replace(outcome, replay_tokens=done.replay_tokens, shared=False, put=done.put)
+        if leader:  # not reached (a leader that gave up takes nothing); never bill twice
+            return dataclasses.replace(outcome, replay_tokens=0, put=None)
+        return outcome
+
+    def give_up(self, ticket: ReplayTicket) -> ReplayOutcome | None:
+        """The caller's wait ended without an outcome. If the replay has rebuilt the snapshot
+        meanwhile, it is returned (take it: it came in time after all); otherwise None, and a
+        leader's bill passes to the next caller that takes the snapshot."""
+        with self._lock:
+            done = self._done
+            if done is not None and done.snapshot is not None:
+                if ticket is self._leader:
+                    return done
+                return ReplayOutcome(done.snapshot, 0, done.status, shared=True)
+            if ticket is self._leader:
+                self._leader_gone = True
+            return None
+
+    def abandon(self, ticket: ReplayTicket) -> None:
+        """The caller's call ends without taking an outcome (it failed, went away, or did not
+        need it): a leader's bill passes to the next caller that takes the snapshot."""
+        with self._lock:
+            if ticket is self._leader and not self._billed:
+                self._leader_gone = True
+
+
 @dataclass(frozen=True, eq=False)
 class ReplayTicket:
     """One admitted replay request. Its identity is the admission (equality and hash are by
-    identity); what it holds inside the coordinator is the coordinator's business."""
+    identity); what it holds inside the coordinator is the coordinator's business, but for the
+    `bill` of the replay it joined (None: each outcome is billed as it comes)."""
 
     tenant: str
     hit_tokens: int
+    bill: ReplayBill | None = field(default=None, repr=False)
+
+    def take(self, outcome: ReplayOutcome) -> ReplayOutcome:
+        """`outcome`, got in time from `resume_local` under this ticket, as this call is billed."""
+        return outcome if self.bill is None else self.bill.take(self, outcome)
+
+    def give_up(self) -> ReplayOutcome | None:
+        """This call waited as long as it can: the outcome if it is there after all (take it), else None."""
+        return None if self.bill is None else self.bill.give_up(self)
+
+    def abandon(self) -> None:
+        """This call ends without taking its outcome."""
+        if self.bill is not None:
+            self.bill.abandon(self)
 
 
 @dataclass(frozen=True)

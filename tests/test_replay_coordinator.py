@@ -24,7 +24,7 @@ from kvstore.store import GlobalStore
 from policies.ttl import FixedTtl
 from replay.coordinator import PREFIX_GONE, ReplayCoordinator, plan_replay
 from replay.inprocess import InProcessRunner, ReferenceReplayer, reference_config_for
-from replay.port import DISABLED, FAILED, NO_RUNNER, REPLAYED, TIMEOUT, ReplayOutcome
+from replay.port import DISABLED, FAILED, NO_RUNNER, REPLAYED, TIMEOUT, ReplayOutcome, ReplayTicket
 from replay.reference.model import ModelConfig, ReferenceModel
 from replay.runner import BatchWorker, JobHandle, ReplayJob, ReplayResult, Runner, resolved
 
@@ -339,6 +339,85 @@ def test_a_shared_replay_runs_for_its_longest_waiting_caller_and_each_waits_its_
     assert outs[0].snapshot == outs[1].snapshot and outs[0].replay_tokens == W  # the leader ran it, once
     c = co.counters()
     assert (c.replays_started, c.replays_ok, c.coalesced, runner.gate.batches) == (1, 1, 2, [1])
+
+
+def _shared_replay(rig: Rig, seed: int, callers: int, before_end: Callable[[list[ReplayTicket]], None] = lambda _: None,
+                   ) -> tuple[list[ReplayTicket], list[ReplayOutcome]]:
+    """`callers` Resumes of one boundary as the service runs them (admitted, then resume_local on
+    threads), the first leading; `before_end` runs while the replay is stalled with all joined."""
+    ns, toks = rig.ns(), tokens(seed, 64)
+    rig.cache(ns, toks)
+    runner = GatedRunner()
+    co = rig.coordinator([runner])
+    tickets = [co.admit(ns, toks, 64, deadline_seconds=30.0) for _ in range(callers)]
+    outs: list[ReplayOutcome | None] = [None] * callers
+
+    def call(i: int) -> None:
+        outs[i] = co.resume_local(ns, toks, 64, 30.0, tickets[i])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
+    threads[0].start()
+    runner.gate.entered.wait(30)
+    for t in threads[1:]:
+        t.start()
+    wait_for(lambda: co.counters().coalesced == callers - 1)
+    before_end(tickets)
+    runner.gate.open.set()
+    for t in threads:
+        t.join(30)
+    runner.close()
+    assert all(o is not None and o.status == REPLAYED for o in outs)
+    return tickets, outs  # type: ignore[return-value]
+
+
+def test_a_shared_replay_is_billed_to_its_leader_when_it_takes_it(rig: Rig) -> None:
+    tickets, outs = _shared_replay(rig, 25, 3)
+    # The followers' calls answer first: they are billed nothing, the leader's call is waited for.
+    billed = [tickets[i].take(outs[i]) for i in (2, 1, 0)]
+    assert [b.replay_tokens for b in billed] == [0, 0, W]
+    assert [b.shared for b in billed] == [True, True, False]
+    assert billed[2].stored_ttl == 60.0 and billed[0].put is None
+
+
+def test_a_shared_replay_its_leader_gave_up_on_is_billed_once_to_the_first_caller_that_takes_it(rig: Rig) -> None:
+    def leader_gives_up(tickets: list[ReplayTicket]) -> None:
+        # The leader's call waited as long as it could before the replay ended (its deadline came
+        # first, the replay running on for callers with more time): it takes nothing.
+        assert tickets[0].give_up() is None
+
+    tickets, outs = _shared_replay(rig, 26, 3, leader_gives_up)
+    billed = [tickets[i].take(outs[i]) for i in (2, 1)]
+    assert [b.replay_tokens for b in billed] == [W, 0]  # the first to take it, not both
+    # It ran for that caller after all: its own replay (not shared), and its pool write.
+    assert (billed[0].shared, billed[0].stored_ttl, billed[1].shared) == (False, 60.0, True)
+    assert billed[0].snapshot == billed[1].snapshot == outs[0].snapshot
+
+
+def test_a_leader_whose_wait_ends_as_the_replay_ends_takes_it_after_all(rig: Rig) -> None:
+    tickets, outs = _shared_replay(rig, 27, 2)
+    late = tickets[0].give_up()  # its wait timed out just as the replay finished: the outcome is there
+    assert late is not None and late.snapshot == outs[0].snapshot
+    assert (tickets[0].take(late).replay_tokens, tickets[1].take(outs[1]).replay_tokens) == (W, 0)
+
+
+def test_a_replay_whose_leader_went_away_is_billed_to_a_request_just_behind_it(rig: Rig) -> None:
+    ns, toks = rig.ns(), tokens(28, 64)
+    rig.cache(ns, toks)
+    runner = GatedRunner()
+    co = rig.coordinator([runner])
+    lead = co.admit(ns, toks, 64, deadline_seconds=30.0)
+    t = threading.Thread(target=co.resume_local, args=(ns, toks, 64, 30.0, lead))
+    t.start()
+    runner.gate.entered.wait(30)
+    lead.abandon()  # its call failed while the chunks streamed
+    runner.gate.open.set()
+    t.join(30)
+    runner.close()
+    behind = co.admit(ns, toks, 64, deadline_seconds=30.0)  # the replay finished moments ago
+    out = behind.take(co.resume_local(ns, toks, 64, 30.0, behind))
+    assert (out.status, out.replay_tokens, out.shared) == (REPLAYED, W, False)
+    again = co.admit(ns, toks, 64, deadline_seconds=30.0)
+    assert again.take(co.resume_local(ns, toks, 64, 30.0, again)).replay_tokens == 0  # billed once
 
 
 def test_per_tenant_limit_refuses_beyond_the_bound(rig: Rig) -> None:

@@ -29,8 +29,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.client.sync_client import KvstoreClient, ResourceExhaustedError
 from kvstore.config import KvstoreConfig
 from kvstore.layout import register_model
+from kvstore.observe.records import CallRecord
 from kvstore.service.admin_server import start_admin
 from kvstore.service.app import App
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pbg
 from kvstore.workload.demo import Engine, OffsetClock
 from replay.coordinator import ReplayCoordinator
 from replay.port import ReplayParts
@@ -253,6 +256,95 @@ def test_replay_timeout_degrades_and_the_engine_recomputes(make_rig: Callable[..
     assert turn.prefill_tokens == len(prompt)  # no local state: the engine prefilled everything
     assert torch.equal(turn.result.logits, one_go(prompt).logits)
     assert rig.coordinator().counters().timeouts == 1
+    # The bill says so: planned with the replay (the prompt past the hit), as it happened the whole
+    # prompt; the hit is still the hit.
+    assert (r.planned_bills.prefill_tokens, r.planned_bills.replay_tokens) == (len(prompt) - 96, W)
+    b = r.bills
+    assert (b.prompt_tokens, b.prefill_tokens_avoided, b.prefill_tokens, b.replay_tokens) == (
+        len(prompt), 96, turn.prefill_tokens, 0)
+
+
+def test_an_expired_resume_with_no_replay_is_billed_the_whole_prefill(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig()
+    eng = rig.engine("off")  # replay off: an expired request is then cold
+    p1, p2, _ = session(45)
+    eng.store(p1, eng.request(p1))
+    rig.expire_local()
+    turn = eng.request(p2)
+    r = turn.resume
+    assert (r.case, r.local_state, r.replay_planned, r.hit_tokens) == ("expired", "expired", False, 96)
+    assert turn.prefill_tokens == len(p2)
+    for b in (r.planned_bills, r.bills):  # planned and as it happened: no local state, all prefilled
+        assert (b.prefill_tokens_avoided, b.prefill_tokens, b.replay_tokens) == (96, len(p2), 0)
+    # The warm request next to it is billed the prompt past the hit.
+    eng.store(p2, turn)
+    warm = eng.request(p2).resume
+    assert (warm.local_state, warm.bills.prefill_tokens) == ("hit", len(p2) - 128)
+
+
+def _raw_resume(rig: Rig, prompt: np.ndarray, timeout: float) -> list[pb.ResumeResponse]:
+    """Every message of a Resume read to the end of the stream (its status must be OK)."""
+    stub = pbg.KVCacheStub(rig.client.channel)
+    req = pb.ResumeRequest(model=NAME, tokens=pb.Tokens(u32le=prompt.tobytes()))
+    return list(stub.Resume(req, timeout=timeout))
+
+
+def test_a_stalled_replay_ends_in_the_trailer_before_the_callers_deadline(make_rig: Callable[..., Rig]) -> None:
+    gated: list[GatedRunner] = []
+    # The replay timeout (30 s) is far beyond the caller's deadline: the deadline is what ends the wait.
+    rig = make_rig(runner_factory=gated_factory(gated))
+    prompt = _expired_boundary(rig, 42)
+    records: list[CallRecord] = []
+    rig.app.flush_observers()
+    rig.app.observers.append(records.append)
+    try:
+        msgs = _raw_resume(rig, prompt, timeout=2.0)  # the device never answers
+    finally:
+        gated[0].gate.open.set()
+    kinds = [m.WhichOneof("kind") for m in msgs]
+    assert kinds[0] == "header" and kinds[-1] == "trailer" and "chunks" in kinds
+    t = msgs[-1].trailer
+    assert (t.local_state, t.replay_status, t.snapshot_bytes) == (pb.LOCAL_STATE_EXPIRED, "timeout", 0)
+    assert b"".join(m.chunks.data for m in msgs if m.HasField("chunks"))  # the chunks it has, kept
+    rig.app.flush_observers()
+    assert [(c.method, c.code) for c in records] == [("Resume", "OK")]
+
+
+def test_a_shared_replay_its_leader_gave_up_on_is_billed_to_the_caller_that_got_it(
+        make_rig: Callable[..., Rig]) -> None:
+    gated: list[GatedRunner] = []
+    rig = make_rig(runner_factory=gated_factory(gated))
+    prompt = _expired_boundary(rig, 44)
+    records: list[CallRecord] = []
+    rig.app.flush_observers()
+    rig.app.observers.append(records.append)
+    co = rig.coordinator()
+    got: dict[str, pb.ResumeTrailer] = {}
+
+    def call(who: str, timeout: float) -> None:
+        got[who] = _raw_resume(rig, prompt, timeout)[-1].trailer
+
+    leader = threading.Thread(target=call, args=("leader", 2.0))
+    leader.start()
+    assert gated[0].gate.entered.wait(30)  # the leader's replay runs (stalled)
+    follower = threading.Thread(target=call, args=("follower", 60.0))
+    follower.start()
+    wait_for(lambda: co.counters().coalesced == 1)
+    leader.join(30)  # its deadline came first: it gave up; the replay runs on for the follower
+    gated[0].gate.open.set()
+    follower.join(30)
+    lead, follow = got["leader"], got["follower"]
+    assert (lead.local_state, lead.replay_status, lead.replay_tokens, lead.bills.replay_tokens) == (
+        pb.LOCAL_STATE_EXPIRED, "timeout", 0, 0)
+    # The follower got the snapshot: it carries the replay's compute, which nobody else paid.
+    assert (follow.local_state, follow.replay_status) == (pb.LOCAL_STATE_REPLAYED, "replayed")
+    assert follow.replay_tokens == follow.bills.replay_tokens == W
+    c = co.counters()
+    assert (c.replays_started, c.replays_ok, c.replay_tokens) == (1, 1, W)
+    rig.app.flush_observers()
+    resumes = [r for r in records if r.method == "Resume"]
+    assert [r.code for r in resumes] == ["OK", "OK"]
+    assert sum(r.bills.replay_tokens for r in resumes if r.bills is not None) == W  # billed exactly once
 
 
 # --- attached runner processes ------------------------------------------------------------------------

@@ -182,3 +182,53 @@ def test_a_resume_that_joined_another_ones_replay_is_neither_a_return_nor_a_writ
         assert rec.gaps == [("default", 400.0), ("default", 50.0)]  # measured from the replay's write
     finally:
         r.stop()
+
+
+def test_a_replay_whose_leader_gave_up_is_the_write_of_the_resume_that_got_it(tmp_path: Path) -> None:
+    clock = FakeClock()
+    made: list[tuple[ReplayCoordinator, _GatedRunner]] = []
+
+    def coordinator(parts: ReplayParts) -> ReplayCoordinator:
+        runner = _GatedRunner(parts.store.layout(parts.store.namespace("default", MODEL, "bounded"))
+                              .local_snapshot_bytes)
+        made.append((ReplayCoordinator(parts.store, parts.local_pool, [runner], parts.config, parts.clock), runner))
+        return made[0][0]
+
+    app = build_app(config(), tmp_path, clock=clock, coordinator_factory=coordinator)
+    clock.before_advance = app.flush_observers
+    server = KvstoreServer(app, "127.0.0.1", 0, 0).start()
+    r = Running(app, server, KvstoreClient(f"127.0.0.1:{server.port}", timeout_seconds=20), clock)
+    try:
+        co, runner = made[0]
+        rec = _Recorder()
+        app.ttl_policy = rec  # type: ignore[assignment]
+        toks = prompt(8, 3, extra=0)
+        store(r, toks)
+        clock.advance(400)
+        got: dict[str, tuple[str, str, int]] = {}
+
+        def resume(who: str, timeout: float) -> None:
+            res = r.client.resume(MODEL, toks, timeout_seconds=timeout)
+            got[who] = (res.local_state, res.replay_status, res.bills.replay_tokens)
+
+        # The leader's call gives up at its deadline while the replay runs on for the follower's.
+        leader = threading.Thread(target=resume, args=("leader", 1.0))
+        leader.start()
+        assert runner.submitted.wait(10)
+        follower = threading.Thread(target=resume, args=("follower", 20.0))
+        follower.start()
+        wait_until(lambda: co.counters().coalesced == 1)
+        leader.join(30)
+        runner.gate.set()
+        follower.join(30)
+        app.flush_observers()
+        replayed = co.counters().replay_tokens  # the one replay's tokens, billed to the follower
+        assert replayed > 0
+        assert got == {"leader": ("expired", "timeout", 0), "follower": ("replayed", "replayed", replayed)}
+        assert rec.gaps == [("default", 400.0)]  # the leader's return; the follower's replay is the write
+        clock.advance(50)
+        assert r.client.resume(MODEL, toks).local_state == "hit"
+        app.flush_observers()
+        assert rec.gaps == [("default", 400.0), ("default", 50.0)]  # measured from that write
+    finally:
+        r.stop()

@@ -1293,3 +1293,22 @@ def test_a_failing_hello_is_refused_and_the_listener_keeps_serving(
     ok = ShmPath.open(path, None)  # neither ended the listener
     assert svc.server.shm is not None and svc.server.shm.totals() == (1, 0)
     ok.close()
+
+
+def test_a_resume_that_skips_its_chunks_is_counted_on_the_stream_path(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # It was counted on no path: calls_by_path and kvstore_data_path_calls_total both missed it.
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    obs, _ = _observed(svc)
+    kv = unix(svc)
+    prompt = tokens(15, CHUNK * 4)
+    kv.store(TOY, prompt, payloads(16, 4, svc.chunk_bytes(TOY)))
+    before = dict(kv.stats().data_plane.calls_by_path)
+    got = kv.resume(TOY, prompt, skip_chunks=True)
+    assert got.hit_tokens == 4 * CHUNK and not got.chunks
+    after = kv.stats().data_plane.calls_by_path
+    assert after["stream"] == before.get("stream", 0) + 1 and after["shm"] == before["shm"]
+    svc.app.flush_observers()
+    sample = obs.metrics.registry.get_sample_value
+    assert sample("kvstore_data_path_calls_total", {"method": "Resume", "path": "stream"}) == 1

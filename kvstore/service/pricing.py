@@ -1,7 +1,8 @@
 """A request's bills and the local-state status at its hit boundary.
 
 The bills (docs/architecture.md §7) priced per request: prefill tokens avoided (the global hit) and
-still to prefill, replay tokens, and per tier the tokens hit and the bytes a load moves. The
+still to prefill (the whole prompt when the engine is left with no local state at the boundary of a
+model that keeps it), replay tokens, and per tier the tokens hit and the bytes a load moves. The
 local-state status asks the pool for the snapshot at the boundary chunk key. `facts_for_lookup` is what the
 miss explainer is told about a lookup.
 
@@ -27,14 +28,18 @@ if TYPE_CHECKING:
 
 
 def price(
-    res: Resolved, chunk_tiers: Sequence[str], replay_tokens: int, local_bytes: int, moved: bool = True
+    res: Resolved, chunk_tiers: Sequence[str], replay_tokens: int, local_bytes: int, moved: bool = True,
+    local_state: str = "",
 ) -> Bills:
     """The bills of a resolved request whose hit chunks sit in `chunk_tiers`. `moved`: their bytes
-    are (or would be) loaded; False when the engine kept the chunks and only the boundary was resumed."""
+    are (or would be) loaded; False when the engine kept the chunks and only the boundary was resumed.
+    `local_state`: the local state the engine is left with at the boundary ("" when not known: a
+    Lookup's); "expired" means it has none, so it prefills the whole prompt (`bills.price`)."""
     return bills.price(
         prompt_tokens=len(res.tokens), chunk_tokens=res.layout.chunk_tokens, chunk_bytes=res.layout.chunk_bytes,
         chunk_tiers=chunk_tiers, flops_per_token=res.spec.prefill_flops_per_token,
         replay_tokens=replay_tokens, local_bytes=local_bytes, moved=moved,
+        local_lost=local_state == "expired",
     )
 
 

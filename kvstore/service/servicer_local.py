@@ -11,7 +11,11 @@ is sent (over the tenant's replay bound the call fails with RESOURCE_EXHAUSTED t
 nothing and holding no pin), starts before the first chunk is sent and runs while the chunks
 stream, so its latency hides behind the transfer. Once chunks have been sent, a replay that fails
 or times out is reported in the trailer (`replay_status`, local state EXPIRED) instead of failing
-the call: the engine keeps the chunks it already has and recomputes the local state itself.
+the call: the engine keeps the chunks it already has, and with no local state at the boundary it
+prefills the whole prompt, as the trailer's bill says. The call waits for its replay only until a
+margin before its own deadline (`replay_wait`), so that the trailer still reaches the engine.
+A replay several Resumes share is billed to one of them (`ReplayTicket.take`): the one that ran
+it, unless that call gave up first; then the first other one that gets the snapshot.
 
 What it does not know: how the pool stores snapshots or how a replay is run.
 """
@@ -22,7 +26,7 @@ import concurrent.futures as cf
 import dataclasses
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 
@@ -39,10 +43,33 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.bills import to_pb as bills_to_pb
 from kvstore.wire.framing import BlobAssembler, blob_spans
 from kvstore.wire.messages import CASE_TO_PB, LOCAL_TO_PB, TIER_TO_PB, Malformed, accept
-from replay.port import ReplayOutcome
+from replay.port import ReplayOutcome, ReplayTicket
 
 if TYPE_CHECKING:
     from kvstore.service.app import App
+
+# A Resume stops waiting for its replay this long before its own deadline: a tenth of the time
+# left, at least 50 ms, for the trailer (local state EXPIRED, `replay_status` "timeout", the
+# bills) to reach the engine, which keeps the chunks already streamed. Waiting to the deadline
+# itself ended the call DEADLINE_EXCEEDED instead, its chunks lost.
+TRAILER_MARGIN_SECONDS = 0.05
+TRAILER_MARGIN_SHARE = 0.1
+
+
+def replay_wait(remaining: float | None) -> float | None:
+    """How long a Resume with `remaining` seconds to its deadline (None: none) may wait for its
+    replay: the time left less the trailer's margin; never 0, which the coordinator reads as no
+    deadline of the caller's own."""
+    if remaining is None:
+        return None
+    return max(0.001, remaining - max(TRAILER_MARGIN_SECONDS, TRAILER_MARGIN_SHARE * remaining))
+
+
+class _Replay(NamedTuple):
+    """A replay started for a Resume: its job, and the admission its bill is settled through."""
+
+    future: cf.Future[ReplayOutcome]
+    ticket: ReplayTicket
 
 
 class LocalStateCalls:
@@ -191,8 +218,23 @@ class LocalStateCalls:
     def _resume(
         self, call: CallState, req: pb.ResumeRequest, res: Resolved, context: grpc.ServicerContext
     ) -> Iterator[pb.ResumeResponse | bytes]:
+        started: list[_Replay] = []
+        try:
+            yield from self._resume_call(call, req, res, context, started)
+        finally:
+            # A call that ends without taking its replay's outcome (it failed or went away while
+            # the chunks streamed): the replay's bill passes to a caller that takes the snapshot.
+            # A no-op once the outcome was taken or given up.
+            for replay in started:
+                replay.ticket.abandon()
+
+    def _resume_call(
+        self, call: CallState, req: pb.ResumeRequest, res: Resolved, context: grpc.ServicerContext,
+        started: list[_Replay],
+    ) -> Iterator[pb.ResumeResponse | bytes]:
         store = self.app.store
-        shm = self.shm_session(call, req.shm_session, res.layout.chunk_bytes) if not req.skip_chunks else None
+        # A Resume that skips its chunks sends its snapshot in messages: a "stream" call.
+        shm = self.shm_session(call, "" if req.skip_chunks else req.shm_session, res.layout.chunk_bytes)
         # One walk of the prefix: the load session carries the lookup that chose its chunks, so
         # the prefix is hashed (and counted in the store's statistics) once per Resume.
         session = None if req.skip_chunks else store.load(res.ns, res.tokens, req.max_chunks or None)
@@ -208,14 +250,20 @@ class LocalStateCalls:
             case = "cold" if n == 0 else ("expired" if state == "expired" else "warm")
             replay_t0 = time.perf_counter()
             replay = self._start_replay(res, case, n * res.chunk_tokens, deadline, pinned_key)
+            if replay is not None:
+                started.append(replay)
             plan = planned_replay_tokens(res, n * res.chunk_tokens) if replay is not None else 0
             size = res.layout.local_snapshot_bytes
             call.case, call.local_state = case, state
+            # As planned: a replay is planned to succeed; expired with none planned, the engine
+            # will prefill the whole prompt.
+            planned = price(res, tiers, plan, size if state == "hit" else 0, moved=session is not None,
+                            local_state=state if replay is None else "replayed")
             yield pb.ResumeResponse(header=pb.ResumeHeader(
                 resume_case=CASE_TO_PB[case], hit_tokens=n * res.chunk_tokens,
                 hit_chunks=0 if session is None else n, chunk_tiers=[TIER_TO_PB[t] for t in tiers],
                 local_state=LOCAL_TO_PB[state],
-                bills=bills_to_pb(price(res, tiers, plan, size if state == "hit" else 0, moved=session is not None)),
+                bills=bills_to_pb(planned),
                 chunk_tokens=res.chunk_tokens, chunk_bytes=res.layout.chunk_bytes, local_snapshot_bytes=size,
                 replay_planned=replay is not None))
             loaded: list[str] = []
@@ -245,7 +293,9 @@ class LocalStateCalls:
         else:
             for off, end in blob_spans(len(view), self.message_bytes):
                 yield pb.ResumeResponse(local=pb.LocalPiece(offset=off, data=bytes(view[off:end])))
-        bills = price(res, loaded, outcome.replay_tokens, len(view), moved=session is not None)
+        # Left EXPIRED (no replay, or one that failed or timed out, or a prefix that shrank), the
+        # engine cannot resume at the boundary: it prefills the whole prompt, and is billed so.
+        bills = price(res, loaded, outcome.replay_tokens, len(view), moved=session is not None, local_state=final)
         call.local_state, call.bills = final, bills
         # The status only of a replay that was started ("" otherwise: nothing was replayed, nothing failed).
         call.facts = dataclasses.replace(facts_for_lookup(self.app, res, r, n, got, pinned_key),
@@ -258,11 +308,13 @@ class LocalStateCalls:
 
     def _start_replay(
         self, res: Resolved, case: str, hit_tokens: int, deadline: float | None, boundary_key: bytes | None
-    ) -> cf.Future[ReplayOutcome] | None:
+    ) -> _Replay | None:
         coordinator = self.app.coordinator
         if case != "expired" or coordinator is None or planned_replay_tokens(res, hit_tokens) == 0:
             return None
-        budget = deadline if deadline is not None else self.app.config.replay.timeout_seconds
+        # The replay may take what this call can wait for it, the trailer's margin kept.
+        wait = replay_wait(deadline)
+        budget = wait if wait is not None else self.app.config.replay.timeout_seconds
         # Admitted here, synchronously: a refusal (ResourceExhausted) fails the call before its header.
         ticket = coordinator.admit(res.ns, res.tokens, hit_tokens, boundary_key, budget)
         try:
@@ -273,27 +325,39 @@ class LocalStateCalls:
             raise
         # resume_local uses the ticket up; this gives it back if the job never ran (shut down).
         fut.add_done_callback(lambda _: coordinator.release(ticket))
-        return fut
+        return _Replay(fut, ticket)
 
     def _local_outcome(
-        self, state: str, got: GetResult | None, replay: cf.Future[ReplayOutcome] | None, shrank: bool,
+        self, state: str, got: GetResult | None, replay: _Replay | None, shrank: bool,
         context: grpc.ServicerContext,
     ) -> ReplayOutcome:
-        """The snapshot to send (or None) and what happened to get it."""
+        """The snapshot to send (or None) and what happened to get it, billed to this call."""
         if shrank:
             # A chunk turned out corrupt while streaming: the boundary moved, so neither the held
             # snapshot nor a replay at the old boundary fits the chunks the engine received.
+            if replay is not None:
+                replay.ticket.abandon()
             return ReplayOutcome(None, 0, "prefix shrank while loading")
         if state == "hit":
             payload = got.payload if got is not None else None
             return ReplayOutcome(bytes(payload) if payload is not None else None, 0, "")
         if replay is None:
             return ReplayOutcome(None, 0, "")
-        remaining = context.time_remaining()
         try:
-            return replay.result(timeout=remaining)
+            outcome = replay.future.result(timeout=replay_wait(context.time_remaining()))
         except cf.TimeoutError:
-            return ReplayOutcome(None, 0, "timeout")
+            # The replay may have finished just now: then it is this call's after all.
+            late = replay.ticket.give_up()
+            if late is None:
+                return ReplayOutcome(None, 0, "timeout")
+            outcome = late
         except Exception as e:  # the coordinator failed (Unavailable, a bug); the chunks are already sent
+            replay.ticket.abandon()
             code, message = status_for(e)
             return ReplayOutcome(None, 0, f"{code.name.lower()}: {message}")
+        if not context.is_active():
+            # The call ended while it waited (its deadline, the client gone): no trailer will carry
+            # a bill, so it takes nothing and the replay is billed to a caller that takes it.
+            replay.ticket.abandon()
+            return ReplayOutcome(None, 0, "call ended")
+        return replay.ticket.take(outcome)

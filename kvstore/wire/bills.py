@@ -30,11 +30,15 @@ class TierBill:
 class Bills:
     prompt_tokens: int
     prefill_tokens_avoided: int  # the global hit
-    prefill_tokens: int  # prompt tokens the engine still prefills
+    # Prompt tokens the engine still prefills: the prompt past the hit, or all of it when the
+    # model keeps local state and the engine is left without it at the boundary.
+    prefill_tokens: int
     replay_tokens: int  # tokens replayed to rebuild local state
     tiers: Mapping[str, TierBill]  # every tier of TIER_NAMES, fastest first
     local_bytes: int = 0  # local snapshot bytes at the boundary (held / moved)
     prefill_flops_avoided: float = 0.0
+    # At the model's prefill FLOPs per token; a client derives that from prefill_flops_avoided /
+    # prefill_tokens_avoided (0.0 on a bill with no hit, where no replay runs).
     replay_flops: float = 0.0
 
     @property
@@ -69,10 +73,14 @@ def price(
     replay_tokens: int = 0,
     local_bytes: int = 0,
     moved: bool = True,
+    local_lost: bool = False,
 ) -> Bills:
     """The bills of a request whose hit chunks sit in `chunk_tiers` (the tier of each, in order).
     `moved`: their bytes are (or would be) loaded; False when the engine kept the chunks and only
-    the boundary was resumed."""
+    the boundary was resumed. `local_lost`: the model keeps local state and the engine is left
+    without it at the boundary (expired, not rebuilt): it cannot resume at the hit, so it prefills
+    the whole prompt (`prefill_tokens` is the prompt); `prefill_tokens_avoided` stays the global
+    hit, what the store held (the chunks' tiers and bytes are billed as they were moved)."""
     n_hit = len(chunk_tiers)
     hit = n_hit * chunk_tokens
     if hit > prompt_tokens:
@@ -93,7 +101,7 @@ def price(
     return Bills(
         prompt_tokens=prompt_tokens,
         prefill_tokens_avoided=hit,
-        prefill_tokens=prompt_tokens - hit,
+        prefill_tokens=prompt_tokens if local_lost else prompt_tokens - hit,
         replay_tokens=replay_tokens,
         tiers=tiers,
         local_bytes=local_bytes,
