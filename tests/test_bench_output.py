@@ -86,6 +86,13 @@ def test_bench_restart_reports_what_a_reopen_and_the_lookups_during_a_background
 
 @pytest.mark.parametrize(("argv", "said"), [
     (["bench", "store", "--sections", "nope"], "store: --sections takes some of memory,lmdb,lookup,device, not 'nope'"),
+    # NaN passed the `< 0` checks: an AssertionError, an OverflowError or NaN figures followed.
+    ([*SMALL, "--cost", "lookup_seconds=nan"], "cost model 'lookup_seconds' must be a finite number"),
+    ([*SMALL, "--cost", "gpu_flops=inf"], "cost model 'gpu_flops' must be a finite number"),
+    ([*SMALL, "--ramp-seconds", "nan"], "ramp_seconds must be a finite number"),
+    ([*SMALL, "--tenant-skew", "nan"], "tenant_skew must be a finite number"),
+    ([*SMALL, "--seed", "4294967296"], "seed must be in [0, 2**32)"),
+    ([*SMALL, "--mode", "live", "--time-scale", "nan"], "--time-scale must be a finite number > 0"),
     (["bench", "replay", "--prefixes", "100"], "replay: --prefixes must be positive multiples of 128"),
     (["bench", "restart", "--toy-chunks", "10", "20"], "restart: every case needs at least"),
 ])

@@ -155,3 +155,153 @@ def test_flag_errors_name_the_flag_and_come_before_the_intro(
     assert out.out == "" and out.err.startswith("kvstore demo: --device cuda: ") and "replay.device" not in out.err
     assert main(["demo", "--repeats", "0"]) == 2
     assert "--repeats must be at least 1" in capsys.readouterr().err
+    # --threads had no upper bound: 10,000 torch threads hung the demo. Bounded as replay.threads.
+    assert main(["demo", "--threads", "257", *SMALL]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "kvstore demo: --threads must be 0 (auto) to 256, got 257\n"
+    for seed in ("-1", str(2**32)):
+        assert main(["demo", "--seed", seed, *SMALL]) == 2
+        assert "--seed must be in [0, 2**32)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tokens", ["1", "100", "127"])
+def test_a_first_prompt_shorter_than_a_chunk_is_refused(tokens: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # It stored no chunk: "warm" and "expired" then hit nothing, and the demo printed them as such.
+    assert main(["demo", "--prompt-tokens", tokens, "--turn-tokens", "1", "--reply-tokens", "1", "--repeats", "1",
+                 "--device", "cpu"]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""  # before the intro
+    assert out.err.startswith(f"kvstore demo: --prompt-tokens must be at least 128 (one 128-token chunk), got "
+                              f"{tokens}") and out.err.count("\n") == 1
+
+
+def test_a_reused_data_dir_still_plays_a_cold_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same seed on the same data dir sent the same prompts again: the second run's "cold" case
+    hit the first run's chunks and was printed as cold. Now the prompts are salted, and said so."""
+    data = tmp_path / "data"
+    assert main(["demo", "--json", "--data-dir", str(data), "--repeats", "1", *SMALL]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first.get("token_salt") is None and first["cases"]["cold"]["hit_tokens"] == 0
+    assert main(["demo", "--json", "--data-dir", str(data), "--repeats", "2", *SMALL]) == 0
+    out = capsys.readouterr()
+    second = json.loads(out.out)
+    cold = second["cases"]["cold"]
+    assert (cold["local_state"], cold["hit_tokens"], cold["prefill_tokens"]) == ("absent", 0, 300), cold
+    assert second["cases"]["expired"]["local_state"] == "replayed"
+    assert f"LMDB in {data}" in out.err and "LMDB in a temp dir" not in out.err
+    assert "already holds an earlier run's data" in out.err and "salted" in out.err
+    assert second["token_salt"] is not None
+
+
+def test_a_cold_case_that_hits_fails_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    """The same --seed twice against one service: the second cold request finds its prompt cached.
+    Reported as a failure (exit 1), not as a cold case."""
+    with embedded_service(None, "bounded", "cpu") as svc:
+        assert main(["demo", "--target", svc.address, "--seed", "11", "--repeats", "1", *SMALL]) == 0
+        capsys.readouterr()
+        assert main(["demo", "--target", svc.address, "--seed", "11", "--repeats", "1", *SMALL]) == 1
+    out = capsys.readouterr()
+    assert "summary" not in out.out and "── cold" in out.out  # the failed case's table, no summary
+    err = out.err.splitlines()[-1]
+    assert err.startswith("kvstore demo: the cold case failed in session 1 of 1: a cold request must find "
+                          "nothing cached, but 256 of its 300 tokens hit"), err
+    assert "use another --seed" in err
+
+
+def test_a_service_whose_pool_is_down_fails_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    """The warm request did not get its snapshot back (the pool is down): the demo used to print
+    the tables and the ratios and exit 0. Now it says which case failed, why, and how the pool is."""
+    with embedded_service(None, "bounded", "cpu") as svc:
+        svc.app.local_pool.close()  # every read misses, every write is skipped; health "degraded"
+        assert main(["demo", "--target", svc.address, "--seed", "12", *SMALL]) == 1
+    out = capsys.readouterr()
+    assert "summary" not in out.out and "── warm" in out.out and "expired vs cold" not in out.out
+    err = out.err.splitlines()[-1]
+    assert err.startswith("kvstore demo: the warm case failed in session 1 of 3: expected a local hit"), err
+    assert "got local state expired→replayed" in err and "local pool embedded DEGRADED: closed" in err
+
+
+def test_without_replay_in_the_service_the_expired_case_is_recomputed(capsys: pytest.CaptureFixture[str]) -> None:
+    # A service with replay off: the expired request stays expired and the engine recomputes; that
+    # is the expired case of such a service, not a failure. Its label fits the summary's column.
+    with embedded_service(None, "off", "cpu") as svc:
+        assert main(["demo", "--target", svc.address, "--seed", "13", "--repeats", "1", *SMALL]) == 0
+    out = capsys.readouterr().out
+    summary = out[out.index("\nsummary ("):]
+    row = next(line for line in summary.splitlines() if line.startswith("  local state  "))
+    assert row.split() == ["local", "state", "absent", "hit", "expired→recomputed"], row
+    assert "hit  expired→recomputed" in row  # columns apart (width 18 ran them together)
+
+
+def test_sessions_are_merged_from_the_median_session_and_must_agree() -> None:
+    from kvstore.workload.demo import CaseReport, _median_case
+
+    def session(ttft: float, resume: float, top1: float, delta: float, hit: int = 256) -> CaseReport:
+        return CaseReport(
+            case="expired", prompt_tokens=532, hit_tokens=hit, prefill_tokens=532 - hit, replay_tokens=128,
+            local_state="replayed", initial_local_state="expired", replay_status="replayed", ttft_ms=ttft,
+            resume_ms=resume, prefill_ms=ttft - resume, store_ms=1.0, bytes_loaded={"device": hit},
+            top1_agreement=top1, max_abs_logit_delta=delta, compared_tokens=16, request_ids=(f"r{ttft:g}",))
+
+    runs = [session(10.0, 1.0, 0.9375, 0.10), session(30.0, 25.0, 0.875, 0.05), session(20.0, 2.0, 1.0, 0.30)]
+    c = _median_case(runs)
+    # The lowest top-1 and the largest |Δlogit|, each over every session (it was one "worst"
+    # session's pair: 0.875 and 0.05, under-reporting the 0.30 of another session).
+    assert (c.top1_agreement, c.max_abs_logit_delta) == (0.875, 0.30)
+    # The median session (20 ms) whole: its resume and prefill add up to its time to first token
+    # (the medians of each, 2 + 9, did not).
+    assert (c.ttft_ms, c.resume_ms, c.prefill_ms) == (20.0, 2.0, 18.0)
+    assert c.ttft_ms_runs == (10.0, 30.0, 20.0) and c.request_ids == ("r10", "r30", "r20")
+    assert c.median_session == 3
+    assert c.top1_agreement_runs == (0.9375, 0.875, 1.0) and c.max_abs_logit_delta_runs == (0.10, 0.05, 0.30)
+    # A session that reached another state is not merged into the first one's counts.
+    from kvstore.workload.demo import DemoFailed
+
+    with pytest.raises(DemoFailed, match=r"the expired case differed between sessions.*session 2 hit_tokens 384 "
+                                         r"\(session 1: 256\)"):
+        _median_case([runs[0], session(30.0, 25.0, 0.875, 0.05, hit=384), runs[2]])
+
+
+def test_long_cold_reference_runs_are_announced(capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # With a large --prompt-tokens the cold reference prefill of each later case ran silently for
+    # about as long as the cold request. Said when the cold request was slow (here: always).
+    import kvstore.workload.demo as demo
+
+    monkeypatch.setattr(demo, "SLOW_COLD_MS", 0.0)
+    assert main(["demo", "--repeats", "1", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "warm: first token after" in out and "expired: first token after" in out
+    assert "now a cold run of the same 416 tokens to compare with" in out
+
+
+def test_a_data_dir_it_cannot_write_in_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An existing directory it cannot write in ended in a traceback from LMDB's mkdir. As root, a
+    read-only mount still passes os.access: the OS's refusal is injected where the probe writes."""
+    import errno
+    import tempfile
+
+    from kvstore.errors import ConfigError
+    from kvstore.service.app import make_data_dir
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = tempfile.mkstemp
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        if Path(str(kwargs.get("dir", ""))) == ro:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.raises(ConfigError) as e:
+        make_data_dir(ro)
+    assert e.value.key == "data_dir"
+    assert f"cannot write in the data directory {ro}: Read-only file system" in str(e.value)
+    assert main(["demo", "--data-dir", str(ro), "--repeats", "1", *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (f"kvstore demo: config key 'data_dir': cannot write in the data directory {ro}: "
+                                    "Read-only file system"), err
+    assert "Traceback" not in err
+    assert list(ro.iterdir()) == []  # nothing was left behind

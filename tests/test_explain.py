@@ -357,6 +357,30 @@ def test_the_cli_explains_a_request_from_a_live_admin_port(rig: Rig, capsys: pyt
     assert "cannot reach the admin port" in capsys.readouterr().err
 
 
+def test_explain_and_stats_at_a_grpc_port_say_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """The gRPC port answers an HTTP/1 request with HTTP/2 frames: http.client's BadStatusLine was
+    a traceback. Now one line, and the exit status of a service that cannot be asked (2)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from kvstore.commands.stats import recent_requests
+    from kvstore.errors import InvalidInput
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        for target in (f"http://127.0.0.1:{port}", f"127.0.0.1:{port}"):
+            assert main(["explain", "abc", "--target", target, "--timeout-seconds", "5"]) == 2
+            err = capsys.readouterr().err
+            assert err == f"kvstore explain: http://127.0.0.1:{port}: not an HTTP admin port (is this the gRPC port?)\n"
+        with pytest.raises(InvalidInput, match=r"not an HTTP admin port \(is this the gRPC port\?\)"):
+            recent_requests(f"http://127.0.0.1:{port}", None, 4, 5.0)
+    finally:
+        server.stop(0)
+
+
 def test_the_cli_sends_the_admin_token(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tests.test_admin_workload import small_config
 

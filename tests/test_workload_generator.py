@@ -84,6 +84,23 @@ def test_bad_specs_fail_fast() -> None:
         WorkloadSpec(sessions=2, tenants=3)
 
 
+@pytest.mark.parametrize("field", ["ramp_seconds", "tenant_skew", "length_jitter_sigma"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_float_that_is_not_finite_is_refused(field: str, value: float) -> None:
+    # NaN passed the `< 0` checks and ended in an OverflowError (ramp) or NaN tenant sizes later.
+    with pytest.raises(InvalidInput, match=f"{field} must be a finite number"):
+        WorkloadSpec(sessions=4, turns=2, context_tokens=4_096, system_tokens=256, output_tokens=16, tenants=2,
+                     **{field: value})
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**32 + 7])
+def test_a_seed_outside_32_bits_is_refused_not_wrapped(seed: int) -> None:
+    # 2**32 + 7 was the workload of seed 7, silently.
+    with pytest.raises(InvalidInput, match=r"seed must be in \[0, 2\*\*32\)"):
+        WorkloadSpec(sessions=4, seed=seed)
+    WorkloadSpec(sessions=4, seed=2**32 - 1)
+
+
 def test_plan_writes_the_trace_format(tmp_path: Path) -> None:
     w = generate(SPEC)
     records = planned_trace(w, ttl_seconds=300.0, chunk_tokens=128, snapshot_bytes=1_351_680, replay_tokens=128)

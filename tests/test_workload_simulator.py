@@ -133,6 +133,59 @@ def test_replay_modes(mode: str, replay: int, usable: int) -> None:
     assert int(r.log.prefill[2]) == 1664 - usable
 
 
+@pytest.mark.parametrize("mode", ["bounded", "off"])
+def test_the_hits_table_counts_only_what_the_engine_could_use(mode: str) -> None:
+    # Prompts 640 + 1152 + 1664 = 3,456 tokens; warm hits 768 (6 chunks), expired 1,280 (10). With
+    # replay off the expired hit is loaded and then thrown away: the engine prefills all 1,664
+    # tokens, so those 10 chunks are recomputed, not served (they were counted served once).
+    from kvstore.workload.report import hits_table
+
+    r = simulate(hand_workload(session(0, 0, 0.0, [0.0, 10.0, 1000.0])), config(replay_mode=mode))
+    h = r.summary()["hit_rate_by_tier"]
+    served = 768 + (1280 if mode == "bounded" else 0)
+    assert h["device"] == pytest.approx(served / 3456, rel=1e-12)
+    assert h["miss"] == pytest.approx(float(r.log.prefill.sum()) / 3456, rel=1e-12)
+    assert h["miss"] == pytest.approx(1 - served / 3456, rel=1e-12)
+    assert h["device"] + h["dram"] + h["lmdb"] + h["miss"] == pytest.approx(1.0, rel=1e-12)
+    assert h["loaded_unused"] == pytest.approx(0.0 if mode == "bounded" else 1280 / 3456, rel=1e-12)
+    assert h["global_hit_found"] == pytest.approx((768 + 1280) / 3456, rel=1e-12)  # found, used or not
+    table = hits_table(r.summary())
+    assert f"| share | {served / 3456:.1%} | 0.0% | 0.0% | {1 - served / 3456:.1%} |" in table, table
+    assert ("Loaded but not usable" in table) == (mode == "off")
+
+
+def test_the_sweep_hit_rate_is_what_was_served() -> None:
+    from kvstore.workload.sweep import Capacity, _point
+
+    r = simulate(hand_workload(session(0, 0, 0.0, [0.0, 10.0, 1000.0])), config(replay_mode="off"))
+    p = _point(Capacity(GiB, GiB, GiB), 1, r)
+    assert p.global_hit_rate == pytest.approx(768 / 3456, rel=1e-12)  # not (768 + 1280) / 3456
+    assert p.device_hit_rate == pytest.approx(768 / 3456, rel=1e-12)
+
+
+def test_percentiles_of_few_requests_and_live_ttft_are_labelled() -> None:
+    # Three requests: a p99 of them is their largest, not a 99th percentile; printed as such.
+    from kvstore.workload.report import cases_table, throughput_line
+
+    s = simulate(hand_workload(session(0, 0, 0.0, [0.0, 10.0, 1000.0])), config()).summary()
+    table = cases_table(s)
+    assert "| TTFT p50 (ms) | TTFT p99 (ms) |" in table and "modelled" not in table
+    assert table.count("| n<100 |") == 3 and "fewer than 100 requests" in table
+    assert "p99 n<100." in throughput_line(s)
+    # Live mode: the TTFT is the cost model's, said in the header; the Resume calls' measured wall
+    # times are their own table.
+    walls = {"cold": {"p50": 1.5, "p99": 2.0, "n": 1}, "warm": {"p50": 0.5, "p99": 0.7, "n": 1},
+             "expired": {"p50": 40.3, "p99": 41.0, "n": 1}}
+    live = {**s, "mode": "live", "counters": {"live": {"resume_wall_ms": walls}}}
+    table = cases_table(live)
+    assert "| case | requests | share | modelled TTFT p50 (ms) | modelled TTFT p99 (ms) |" in table, table
+    assert "| case | Resume calls | measured Resume p50 (ms) | measured Resume p99 (ms) |" in table, table
+    assert "| expired | 1 | 40.3 | n<100 |" in table, table
+    # Enough requests: the value itself.
+    many = {**s, "requests": 500, "cases": {k: {**v, "count": 200} for k, v in s["cases"].items()}}
+    assert "n<100" not in cases_table(many) and "n<100" not in throughput_line(many)
+
+
 def test_a_store_never_evicts_its_own_chain_from_the_device_tier() -> None:
     # Device tier of exactly 8 chunks, no DRAM. Turn 0 stores chunks 0..5. Turn 1 stores 6..9: 6
     # and 7 fill the device; 8 and 9 would need it to evict chunks of the chain being stored

@@ -186,9 +186,10 @@ def run_workload_bench(args: argparse.Namespace) -> dict[str, Any]:
         result = run_live(workload, _live_options(args, model), progress, baseline)
     else:
         model = args.model or "deepseek-v4.1-flash"
+        cfg = _sim_config(args, model)  # a bad --cost or TTL is said before any progress
         progress(f"simulating {workload.requests:,} requests of {spec.sessions:,} sessions "
                  f"({spec.context_tokens:,}-token contexts, {model})")
-        result = simulate(workload, _sim_config(args, model), progress, baseline)
+        result = simulate(workload, cfg, progress, baseline)
     out = result.summary()
     tables = [f"## {out['mode']} run: {spec.sessions:,} sessions x {spec.turns} turns, "
               f"{spec.context_tokens:,}-token contexts, {model}", report.run_tables(out)]

@@ -3,6 +3,12 @@ what the cold, warm and expired requests cost (see `kvstore/workload/demo.py` fo
 
 Human output: what the three cases mean, progress, a table per case as it finishes, and a side
 by side summary. `--json`: the report as JSON on stdout, progress on stderr.
+
+Exit status: 0 when every case happened as it should; 1 when one did not (a cold request that
+found the prompt cached, a warm one without its local snapshot, an expired one the service did not
+replay: a failed service, a pool down, no runner) or the sessions of a case disagreed: the failed
+case's table, then one line on stderr saying which case, in which session, why, and how the
+service's pool and replay looked; 2 for a flag or config that cannot work (one line on stderr).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from kvstore.errors import InvalidInput, KvstoreError
 from kvstore.layout import TIER_NAMES
 
 if TYPE_CHECKING:  # the demo module loads grpc; `kvstore --help` should not
-    from kvstore.workload.demo import CaseReport, DemoReport
+    from kvstore.workload.demo import CaseReport, DemoOptions, DemoReport
 
 INTRO = """\
 kvstore demo: one agent session, three requests, through the real gRPC service and client.
@@ -29,26 +35,33 @@ kvstore demo: one agent session, three requests, through the real gRPC service a
            so the service replays the last W cached tokens to rebuild it (a bounded replay),
            instead of the engine prefilling the whole prefix again.
 Each resumed request is checked against a cold run of the same tokens (greedy next tokens).
-The session is played a few times (--repeats) and each case's times are medians."""
+The session is played a few times (--repeats); each case is shown from its median session."""
+
+EXIT_CASE_FAILED = 1  # a case did not happen as it should (see the module's docstring)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = ("exit status: 0 when every case happened as it should; 1 when a case did not (the service "
+                "failed, or already held the prompt) or the sessions disagreed; 2 for a bad flag or config")
     p.add_argument("--json", action="store_true", help="print the report as JSON (progress goes to stderr)")
     p.add_argument("--target", metavar="ADDR", help="use a running service at host:port instead of starting one")
     p.add_argument("--token", metavar="TOKEN", help="bearer token for --target")
     p.add_argument("--data-dir", metavar="DIR", help="embedded service: keep LMDB here (default: a temp dir)")
-    p.add_argument("--prompt-tokens", type=int, default=6000, metavar="N", help="first prompt length (6000)")
+    p.add_argument("--prompt-tokens", type=int, default=6000, metavar="N",
+                   help="first prompt length (6000; at least one chunk, 128 tokens)")
     p.add_argument("--turn-tokens", type=int, default=368, metavar="N",
                    help="tokens each later turn adds besides the reply (368)")
     p.add_argument("--reply-tokens", type=int, default=16, metavar="N",
                    help="tokens decoded after each request and compared with a cold run (16)")
     p.add_argument("--replay-mode", default="bounded", choices=("bounded", "exact"))
-    p.add_argument("--seed", type=int, help="token seed (default: 0 embedded, random with --target)")
+    p.add_argument("--seed", type=int, help="token seed in [0, 2**32) (default: 0 embedded, random with --target; "
+                   "salted when --data-dir holds an earlier run's data)")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--threads", type=int, default=0, metavar="N",
-                   help="CPU threads for the model (0: 1 per 4 CPUs, 1 to 4; more mostly waits on a small model)")
+                   help="CPU threads for the model, 0 to 256 (0: 1 per 4 CPUs, 1 to 4; more mostly waits on a "
+                        "small model)")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
-                   help="sessions to play; each case's times are the median over them (3)")
+                   help="sessions to play; each case is shown from its median session (3)")
 
 
 def _bytes(n: int) -> str:
@@ -65,18 +78,21 @@ def _loaded(c: CaseReport) -> str:
 
 def _agreement(c: CaseReport) -> str:
     if c.compared_tokens == 0:
-        return "(this is the cold run)"
+        return "(this is the cold run)" if c.case == "cold" else "(not compared)"
     hits = round(c.top1_agreement * c.compared_tokens)
-    return (f"top-1 {hits}/{c.compared_tokens} ({c.top1_agreement:.0%}), "
+    text = (f"top-1 {hits}/{c.compared_tokens} ({c.top1_agreement:.0%}), "
             f"max |Δlogit| {c.max_abs_logit_delta:.3g}")
+    n = len(c.top1_agreement_runs)
+    return text + (f"  (lowest top-1, largest |Δlogit| of {n} sessions)" if n > 1 else "")
 
 
 def case_table(c: CaseReport) -> str:
+    n = len(c.ttft_ms_runs)
     rows = [
         ("time to first token",
-         f"{c.ttft_ms:,.1f} ms  (resume {c.resume_ms:,.1f} ms + prefill {c.prefill_ms:,.1f} ms)"),
-        *([("  median of", " / ".join(f"{t:,.1f}" for t in c.ttft_ms_runs) + " ms")] if len(c.ttft_ms_runs) > 1
-          else []),
+         f"{c.ttft_ms:,.1f} ms  (resume {c.resume_ms:,.1f} ms + prefill {c.prefill_ms:,.1f} ms"
+         + (f"; session {c.median_session}, the median)" if n > 1 else ")")),
+        *([("  median of", " / ".join(f"{t:,.1f}" for t in c.ttft_ms_runs) + " ms")] if n > 1 else []),
         ("tokens hit in cache", f"{c.hit_tokens:,}"),
         ("tokens prefilled", f"{c.prefill_tokens:,}"),
         ("tokens replayed", f"{c.replay_tokens:,}" + (f"  ({c.replay_status})" if c.replay_status else "")),
@@ -99,10 +115,11 @@ def summary_table(r: DemoReport) -> str:
         ("loaded from tiers", lambda c: _bytes(sum(c.bytes_loaded.get(t, 0) for t in TIER_NAMES))),
         ("local snapshot", lambda c: _bytes(c.bytes_loaded.get("local", 0))),
         ("local state", lambda c: c.label),
-        ("top-1 vs cold run", lambda c: "—" if c.compared_tokens == 0 else f"{c.top1_agreement:.0%}"),
+        ("lowest top-1 vs cold", lambda c: "—" if c.compared_tokens == 0 else f"{c.top1_agreement:.0%}"),
         ("max |Δlogit|", lambda c: "—" if c.compared_tokens == 0 else f"{c.max_abs_logit_delta:.3g}"),
     ]
-    width = 18
+    # Wide enough that the widest cell ("expired→recomputed") keeps two spaces before it.
+    width = max([18] + [len(fmt(c)) + 2 for _, fmt in rows for c in cases])
     lines = [f"  {'':<21}" + "".join(f"{c.case:>{width}}" for c in cases)]
     for name, fmt in rows:
         lines.append(f"  {name:<21}" + "".join(f"{fmt(c):>{width}}" for c in cases))
@@ -114,14 +131,28 @@ def summary_table(r: DemoReport) -> str:
     return "\n".join(lines)
 
 
+def _options(args: argparse.Namespace) -> DemoOptions:
+    from kvstore.workload.demo import DemoOptions
+
+    return DemoOptions(
+        target=args.target, token=args.token, data_dir=args.data_dir, prompt_tokens=args.prompt_tokens,
+        turn_tokens=args.turn_tokens, reply_tokens=args.reply_tokens, replay_mode=args.replay_mode,
+        seed=args.seed, device=args.device, threads=args.threads, repeats=args.repeats,
+    )
+
+
 def check_flags(args: argparse.Namespace) -> None:
-    """Refuse what cannot work, naming the flag: bad counts, a CUDA device that is not there, a
-    target that does not answer (within 2 s, not a silent wait)."""
-    for flag in ("prompt_tokens", "turn_tokens", "reply_tokens", "repeats"):
-        if getattr(args, flag) < 1:
-            raise InvalidInput(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    if args.threads < 0:
-        raise InvalidInput(f"--threads must be 0 (auto) or more, got {args.threads}")
+    """Refuse what cannot work, naming the flag: bad counts, seeds and thread counts, a first prompt
+    shorter than a chunk (the embedded service's; a running service's is checked once it says
+    it), a CUDA device that is not there, a target that does not answer (within 2 s, not a silent
+    wait)."""
+    from kvstore.config.store import StoreConfig
+    from kvstore.workload.demo import check_options, check_prompt
+
+    opts = _options(args)
+    check_options(opts)
+    if not args.target:
+        check_prompt(opts, StoreConfig().chunk_tokens, running_service=False)  # the embedded service's chunks
     if args.device == "cuda":
         from replay.reference.model import usable_device
 
@@ -140,7 +171,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.workload.demo import DemoOptions, run_demo
+    from kvstore.workload.demo import DemoFailed, run_demo
 
     out = sys.stderr if args.json else sys.stdout
 
@@ -151,13 +182,16 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + case_table(c) + "\n", file=out, flush=True)
 
     check_flags(args)  # before the intro: a wrong flag is the first and only thing said
-    opts = DemoOptions(
-        target=args.target, token=args.token, data_dir=args.data_dir, prompt_tokens=args.prompt_tokens,
-        turn_tokens=args.turn_tokens, reply_tokens=args.reply_tokens, replay_mode=args.replay_mode,
-        seed=args.seed, device=args.device, threads=args.threads, repeats=args.repeats,
-    )
+    opts = _options(args)
     print(INTRO + "\n", file=out, flush=True)
-    report = run_demo(opts, say, on_case)
+    try:
+        report = run_demo(opts, say, on_case)
+    except DemoFailed as e:
+        if e.report is not None:
+            print("\n" + case_table(e.report) + "\n", file=out, flush=True)
+        out.flush()
+        print(f"kvstore demo: {e}", file=sys.stderr, flush=True)
+        return EXIT_CASE_FAILED
     if args.json:
         json.dump(report.as_dict(), sys.stdout, indent=2, ensure_ascii=False)
         print()

@@ -12,6 +12,7 @@ What it does not know: the service's internals; it speaks HTTP to the admin port
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import math
 import os
@@ -56,6 +57,8 @@ def fetch(target: str, request_id: str, token: str | None, timeout_seconds: floa
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
         raise Unavailable(f"cannot reach the admin port at {base}: {reason}") from None
+    except http.client.HTTPException:  # something answered, not in HTTP/1 (a gRPC port answers HTTP/2)
+        raise Unavailable(f"{base}: not an HTTP admin port (is this the gRPC port?)") from None
 
 
 def _message(e: urllib.error.HTTPError) -> str:

@@ -9,6 +9,7 @@ the three bills), read from its admin port (`--admin`), which keeps them.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import math
 import os
@@ -75,7 +76,8 @@ def render(s: ServiceStats) -> str:
 def recent_requests(admin_url: str, token: str | None, limit: int, timeout: float) -> list[dict[str, Any]]:
     """The newest `limit` requests the admin port's `/api/stats` lists (an admin's or a tenant's
     token sees them; without one only a loopback admin port shows them)."""
-    req = urllib.request.Request(admin_url.rstrip("/") + "/api/stats",
+    base = admin_url if "://" in admin_url else f"http://{admin_url}"
+    req = urllib.request.Request(base.rstrip("/") + "/api/stats",
                                  headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -84,6 +86,8 @@ def recent_requests(admin_url: str, token: str | None, limit: int, timeout: floa
         raise InvalidInput(f"--admin {admin_url}: HTTP {e.code} {e.reason}") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise InvalidInput(f"--admin {admin_url}: no admin port answered ({getattr(e, 'reason', e)})") from None
+    except http.client.HTTPException:  # something answered, not in HTTP/1 (a gRPC port answers HTTP/2)
+        raise InvalidInput(f"--admin {admin_url}: not an HTTP admin port (is this the gRPC port?)") from None
     rows = doc.get("recent_requests")
     if rows is None:
         raise InvalidInput(f"--admin {admin_url}: recent requests name tenants: pass the admin token or a "

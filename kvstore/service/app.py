@@ -223,13 +223,24 @@ def install_observers(app: App) -> None:
 
 
 def make_data_dir(ddir: Path) -> Path:
-    """Create the data directory (and its parents); one that cannot be is a config error naming it."""
+    """Create the data directory (and its parents); one that cannot be, or that this process cannot
+    write in, is a config error naming it. Writing is tried with a probe file, created and removed:
+    `os.access` says yes to root on a read-only mount."""
+    import os
+    import tempfile
+
     if ddir.exists() and not ddir.is_dir():
         raise ConfigError("data_dir", f"cannot use {ddir} as the data directory: it exists and is not a directory")
     try:
         ddir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError("data_dir", f"cannot create the data directory {ddir}: {e.strerror or e}") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvstore-write-probe-", dir=ddir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError("data_dir", f"cannot write in the data directory {ddir}: {e.strerror or e}") from None
     return ddir
 
 

@@ -29,6 +29,7 @@ What it does not know: which tier held a chunk (it is given byte counts), TTLs, 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidInput
@@ -53,8 +54,9 @@ class CostModel:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if v < 0 or (f.name.endswith("_per_second") and v <= 0):
-                raise InvalidInput(f"cost model '{f.name}' must be positive, got {v}")
+            # NaN passes every comparison, and inf prices a request at forever: both are refused.
+            if not math.isfinite(v) or v < 0 or (f.name.endswith("_per_second") and v <= 0):
+                raise InvalidInput(f"cost model '{f.name}' must be a finite number >= 0 (> 0 for a rate), got {v}")
         if self.gpu_flops <= 0 or not 0 < self.mfu <= 1:
             raise InvalidInput(f"cost model needs gpu_flops > 0 and mfu in (0, 1], got {self.gpu_flops}, {self.mfu}")
 

@@ -20,6 +20,20 @@ Each resumed request is compared with a cold run of the same tokens: the next to
 decoded from the resumed state, and the top-1 agreement and max |Δlogit| against the cold run fed
 the same tokens. `Engine` and `EmbeddedService` are reused by the replay benchmark.
 
+Each case is checked as soon as it is answered: cold must find nothing cached, warm must get the
+local snapshot back (a local hit), expired must find the snapshot gone and have it replayed (or
+stay expired when the service has no replay). A case that did not happen raises `DemoFailed`,
+saying which case, in which session, what the service answered (local state, replay status) and
+how its local pool and replay looked: figures of a case that did not happen would be figures of
+another system. A `--data-dir` that already holds an earlier run's chunks would make the cold
+case a hit: the prompts of such a run are salted (`token_salt`, said in the progress). Sessions
+are played with new tokens each time; before they are merged every session of a case must have
+reached the same state with the same token counts (else `DemoFailed` names the one that
+differed). A case's report is then its median session's (the session whose time to first token
+is the median; the lower of the two middle ones for an even count), so its resume and prefill
+times add up to its time to first token; the agreement is the lowest top-1 and the largest
+|Δlogit| over every session.
+
 What it does not know: the service's internals (it talks to it only through the client), or how
 the results are printed (`kvstore/commands/demo.py`).
 """
@@ -39,7 +53,7 @@ import numpy as np
 
 from kvstore.client.sync_client import KvstoreClient
 from kvstore.client.types import ResumeResult
-from kvstore.errors import InvalidInput
+from kvstore.errors import InvalidInput, KvstoreError
 from kvstore.layout import TIER_NAMES
 from kvstore.wire.request_ids import new_request_id
 from replay.threads import resolve_threads, usable_cpus
@@ -50,6 +64,22 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 MODEL = "reference-toy-8"
 Say = Callable[[str], None]
+MAX_THREADS = 256  # as the config's replay.threads
+SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT)
+# A cold request slower than this makes the cold reference runs of the later cases long too: say so.
+SLOW_COLD_MS = 2000.0
+# The token counts and states every session of a case must share before they are merged.
+STATE_FIELDS = ("prompt_tokens", "hit_tokens", "prefill_tokens", "replay_tokens", "local_state",
+                "initial_local_state", "replay_status")
+
+
+class DemoFailed(KvstoreError):
+    """A case did not happen as the demo plays it (the service failed, or already held the prompt),
+    or the sessions of a case did not agree: `kvstore demo` says which and why and exits 1."""
+
+    def __init__(self, message: str, report: CaseReport | None = None) -> None:
+        super().__init__(message)
+        self.report = report  # the failed case as that session saw it (None: sessions disagreed)
 
 
 @dataclass(frozen=True)
@@ -79,16 +109,21 @@ class CaseReport:
     local_state: str  # final: "absent" | "hit" | "replayed" | "expired" (the engine recomputed it)
     initial_local_state: str  # at the boundary, before any replay
     replay_status: str
-    ttft_ms: float  # request sent -> first token known (the median over the sessions played)
-    resume_ms: float  # the Resume call (includes the replay); median
-    prefill_ms: float  # median
-    store_ms: float  # storing new chunks and the snapshot afterwards (not in the TTFT); median
+    # The times and bytes are the median session's (`median_session`): its time to first token is
+    # the median over the sessions played, and its resume and prefill times add up to it.
+    ttft_ms: float  # request sent -> first token known
+    resume_ms: float  # the Resume call (includes the replay)
+    prefill_ms: float
+    store_ms: float  # storing new chunks and the snapshot afterwards (not in the TTFT)
     bytes_loaded: dict[str, int]  # device, dram, lmdb, local
-    top1_agreement: float  # vs a cold run of the same tokens, over the next `compared_tokens`
-    max_abs_logit_delta: float
+    top1_agreement: float  # vs a cold run of the same tokens, over the next `compared_tokens`; the lowest
+    max_abs_logit_delta: float  # the largest over every session
     compared_tokens: int  # 0 for the cold case: it is the cold run
     ttft_ms_runs: tuple[float, ...] = ()  # each session's time to first token, in order
     request_ids: tuple[str, ...] = ()  # each session's Resume, for `kvstore explain ID`
+    top1_agreement_runs: tuple[float, ...] = ()  # each session's, in order
+    max_abs_logit_delta_runs: tuple[float, ...] = ()  # each session's, in order
+    median_session: int = 1  # which session (1-based) the times and bytes are from
 
     @property
     def label(self) -> str:
@@ -112,6 +147,8 @@ class DemoReport:
     cases: dict[str, CaseReport]
     wall_seconds: float
     machine: MachineReport | None = None
+    seed: int = 0  # the token seed
+    token_salt: int | None = None  # set when the data dir held an earlier run's chunks (the prompts were salted)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -144,7 +181,7 @@ def machine_report(threads: int, repeats: int, load_before: float, cases: dict[s
     if noisy:
         notes.append("runs of a case differed by " + ", ".join(noisy) + " (other work competes for the CPUs)")
     if notes:
-        notes.append(f"times are medians of {repeats} sessions; --repeats raises it")
+        notes.append(f"times are the median session's of {repeats}; --repeats raises it")
     return MachineReport(cpus, threads, round(load, 2), repeats, bool(notes), "; ".join(notes))
 
 
@@ -338,29 +375,79 @@ def warm_up(model: ReferenceModel) -> None:
     model.decode_step(again.state, 1)
 
 
+def check_options(opts: DemoOptions) -> None:
+    """The counts the demo cannot play with, named by their flags (the chunk size is checked once
+    the service says it: `check_prompt`)."""
+    for flag in ("prompt_tokens", "turn_tokens", "reply_tokens", "repeats"):
+        if getattr(opts, flag) < 1:
+            raise InvalidInput(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(opts, flag)}")
+    if not 0 <= opts.threads <= MAX_THREADS:
+        raise InvalidInput(f"--threads must be 0 (auto) to {MAX_THREADS}, got {opts.threads}")
+    if opts.seed is not None and not 0 <= opts.seed < SEED_LIMIT:
+        raise InvalidInput(f"--seed must be in [0, 2**32), got {opts.seed}")
+
+
+def check_prompt(opts: DemoOptions, chunk_tokens: int, running_service: bool) -> None:
+    """Prompts with which the three cases can happen: the cold request must store at least one
+    chunk (and the snapshot at its end), or warm and expired have nothing to hit; against a running
+    service, whose clock cannot be moved, the warm turn must also reach past the cold request's last
+    chunk, so that the expired request resumes at a boundary that holds no snapshot."""
+    if opts.prompt_tokens < chunk_tokens:
+        raise InvalidInput(
+            f"--prompt-tokens must be at least {chunk_tokens:,} (one {chunk_tokens}-token chunk), got "
+            f"{opts.prompt_tokens:,}: a shorter first prompt stores no chunk, so the warm and expired "
+            "requests would find nothing cached")
+    turn = opts.reply_tokens + opts.turn_tokens
+    if running_service and (opts.prompt_tokens + turn) // chunk_tokens == opts.prompt_tokens // chunk_tokens:
+        raise InvalidInput(
+            f"against a running service the warm turn must end past the cold request's last chunk: "
+            f"--prompt-tokens {opts.prompt_tokens:,} + --reply-tokens {opts.reply_tokens:,} + --turn-tokens "
+            f"{opts.turn_tokens:,} stays within the same {chunk_tokens}-token chunk, so the expired request "
+            "would find the cold request's snapshot; add turn tokens")
+
+
+def holds_data(data_dir: str | None) -> bool:
+    """Whether `data_dir` exists with something in it (an earlier run's LMDB)."""
+    if data_dir is None:
+        return False
+    d = Path(data_dir)
+    try:
+        return d.is_dir() and any(d.iterdir())
+    except OSError:  # unreadable: make_data_dir says what is wrong with it
+        return False
+
+
 def run_demo(opts: DemoOptions, say: Say, on_case: Callable[[CaseReport], None] | None = None) -> DemoReport:
-    if opts.prompt_tokens < 1 or opts.turn_tokens < 1 or opts.reply_tokens < 1:
-        raise InvalidInput("prompt, turn and reply token counts must be positive")
-    if opts.repeats < 1 or opts.threads < 0:
-        raise InvalidInput("--repeats must be at least 1 and --threads at least 0")
+    check_options(opts)
     t_start = time.perf_counter()
     if opts.target is None:
-        say("starting the service in this process (embedded default: LMDB in a temp dir, embedded "
+        reused = holds_data(opts.data_dir)
+        where = f"LMDB in {opts.data_dir}" if opts.data_dir else "LMDB in a temp dir"
+        say(f"starting the service in this process (embedded default: {where}, embedded "
             "local pool, in-process reference runner)")
         with embedded_service(opts.data_dir, opts.replay_mode, opts.device, opts.threads) as svc:
             say(f"service listening on {svc.address}")
-            return _session(svc.address, opts, say, on_case, svc.clock, t_start)
-    return _session(opts.target, opts, say, on_case, None, t_start)
+            return _session(svc.address, opts, say, on_case, svc.clock, t_start, reused)
+    return _session(opts.target, opts, say, on_case, None, t_start, False)
 
 
 def _session(address: str, opts: DemoOptions, say: Say, on_case: Callable[[CaseReport], None] | None,
-             clock: OffsetClock | None, t_start: float) -> DemoReport:
+             clock: OffsetClock | None, t_start: float, reused: bool) -> DemoReport:
     seed = opts.seed if opts.seed is not None else (0 if clock is not None else int(time.time_ns() % 2**31))
-    rng = np.random.default_rng(seed)
     load_before = _load_average()
     with KvstoreClient(address, token=opts.token, timeout_seconds=120.0) as client:
         client.wait_ready()
         probe = client.lookup(MODEL, np.zeros(0, dtype="<u4"), opts.replay_mode, purpose="probe")
+        check_prompt(opts, probe.chunk_tokens, running_service=clock is None)
+        stats = client.stats()
+        salt: int | None = None
+        if clock is not None and (reused or stats.chunks > 0):
+            # The same seed would send an earlier run's prompts again, and its cold case would hit.
+            salt = int.from_bytes(os.urandom(4), "little")
+            say(f"the data dir {opts.data_dir} already holds an earlier run's data: this run's prompts are "
+                f"salted ({salt:#010x}) so that its cold case finds nothing cached")
+        rng = np.random.default_rng(seed if salt is None else [seed, salt])
+        replay_on = bool(stats.replay_coordinator)
         say(f"loading the reference model '{MODEL}' (the engine side of the demo)")
         model = load_engine_model(probe.chunk_tokens, opts.device, opts.threads)
         lay = model.layout
@@ -372,9 +459,22 @@ def _session(address: str, opts: DemoOptions, say: Say, on_case: Callable[[CaseR
         ttl, expiry = 0.0, ""
         for rep in range(opts.repeats):
             if opts.repeats > 1:
-                say(f"session {rep + 1} of {opts.repeats} (new tokens each time; times are medians over them)")
+                say(f"session {rep + 1} of {opts.repeats} (new tokens each time; each case is reported from "
+                    "its median session)")
             engine = Engine(model, client, MODEL, opts.replay_mode, session=f"demo-{new_request_id()}")
-            cases, ttl, expiry = _play(engine, opts, rng, say, clock, ttl)
+
+            def check(report: CaseReport, session: int = rep + 1) -> None:
+                why = case_problem(report, replay_on)
+                if why is None:
+                    return
+                hint = ""
+                if report.case == "cold" and clock is None and opts.seed is not None:
+                    hint = (f"; the service already holds this prompt (an earlier run with --seed {opts.seed}?): "
+                            "use another --seed")
+                raise DemoFailed(f"the {report.case} case failed in session {session} of {opts.repeats}: {why}"
+                                 f"{hint}{service_health(client)}", report)
+
+            cases, ttl, expiry = _play(engine, opts, rng, say, clock, ttl, check)
             runs.append(cases)
         merged = {case: _median_case([r[case] for r in runs]) for case in runs[0]}
         if on_case is not None:
@@ -386,19 +486,64 @@ def _session(address: str, opts: DemoOptions, say: Say, on_case: Callable[[CaseR
             local_ttl_seconds=ttl, expiry=expiry, cases=merged,
             wall_seconds=round(time.perf_counter() - t_start, 3),
             machine=machine_report(resolve_threads(opts.threads), opts.repeats, load_before, merged),
+            seed=seed, token_salt=salt,
         )
 
 
+def case_problem(c: CaseReport, replay_on: bool) -> str | None:
+    """Why `c` is not the case it is named for (None: it is). Cold finds nothing cached; warm gets
+    the global chunks and the local snapshot back; expired gets the chunks, finds the snapshot gone
+    and has it replayed (with no replay in the service: stays expired, and the engine recomputes)."""
+    status = f", replay status '{c.replay_status}'" if c.replay_status else ""
+    if c.case == "cold":
+        if c.hit_tokens or c.local_state != "absent":
+            return (f"a cold request must find nothing cached, but {c.hit_tokens:,} of its {c.prompt_tokens:,} "
+                    f"tokens hit (local state {c.label}{status})")
+        return None
+    if c.hit_tokens == 0:
+        return (f"the earlier requests' chunks should have hit, but none did (local state {c.label}{status}): "
+                "the service did not keep what was stored")
+    if c.case == "warm":
+        if c.local_state != "hit":
+            return (f"expected a local hit (the snapshot stored by the previous request, within the local TTL), "
+                    f"got local state {c.label}{status}")
+        return None
+    if c.initial_local_state != "expired":
+        return (f"expected the local snapshot to have expired, got local state {c.initial_local_state} at the "
+                "boundary")
+    if replay_on and c.local_state != "replayed":
+        return f"expected the service to replay the local state, got {c.label}{status}"
+    if not replay_on and c.local_state != "expired":
+        return f"the service has no replay, so the local state should have stayed expired; got {c.label}{status}"
+    return None
+
+
+def service_health(client: KvstoreClient) -> str:
+    """The service's local pool and replay, as its statistics say (for a failed case's message)."""
+    try:
+        s = client.stats()
+    except Exception:  # the service may be what failed; the case's own message stands alone
+        return ""
+    pool = s.local_pool or {}
+    health = "healthy" if pool.get("healthy") else "DEGRADED"
+    detail = f": {pool['detail']}" if pool.get("detail") else ""
+    return (f" [the service: local pool {pool.get('backend', '?')} {health}{detail}; replay coordinator "
+            f"{'on' if s.replay_coordinator else 'off'}, {s.runners_attached} runner(s) attached]")
+
+
 def _play(engine: Engine, opts: DemoOptions, rng: np.random.Generator, say: Say, clock: OffsetClock | None,
-          ttl: float) -> tuple[dict[str, CaseReport], float, str]:
+          ttl: float, check: Callable[[CaseReport], None] | None = None,
+          ) -> tuple[dict[str, CaseReport], float, str]:
     """One session of three requests: cold, warm, expired. Returns its reports, the local TTL the
-    service gave and how the expired case was produced."""
+    service gave and how the expired case was produced. `check` sees each case as it is answered
+    (before its cold reference run) and raises when it did not happen."""
     model = engine.model
     cases: dict[str, CaseReport] = {}
     vocab = model.cfg.vocab_size
     prompt = rng.integers(0, vocab, opts.prompt_tokens).astype("<u4")
     expiry = ""
     reply: list[int] = []
+    cold_ms = 0.0
     for case in ("cold", "warm", "expired"):
         if case != "cold":
             # The next turn: the previous prompt, the reply the model gave, and a tool result.
@@ -410,9 +555,15 @@ def _play(engine: Engine, opts: DemoOptions, rng: np.random.Generator, say: Say,
             say(f"… {ttl + 1.0:g} s later on the service's clock: the local TTL ({ttl:g} s) has passed")
         say(f"{case}: sending a {len(prompt):,}-token prompt")
         turn = engine.request(prompt)
+        if check is not None:
+            check(case_report(case, prompt, turn, Agreement(1.0, 0.0, 0)))
         if case == "cold":
+            cold_ms = turn.ttft_ms
             agreement = Agreement(1.0, 0.0, 0, model.generate(turn.result.state, opts.reply_tokens))
         else:
+            if cold_ms > SLOW_COLD_MS:  # the reference run is a cold prefill: as slow as the cold request
+                say(f"{case}: first token after {turn.ttft_ms / 1e3:,.1f} s; now a cold run of the same "
+                    f"{len(prompt):,} tokens to compare with (about {cold_ms / 1e3:,.0f} s, like the cold request)")
             agreement = compare_with_cold(model, turn.result.state, prompt, opts.reply_tokens)
         reply = agreement.reply
         # Against a running service the TTL cannot be fast-forwarded: leave the warm turn's
@@ -427,15 +578,23 @@ def _play(engine: Engine, opts: DemoOptions, rng: np.random.Generator, say: Say,
 
 
 def _median_case(runs: list[CaseReport]) -> CaseReport:
-    """The first session's report, its times replaced by the medians over every session (the
-    token counts are the same in each; agreement is the worst seen)."""
-    def med(name: str) -> float:
-        return round(float(np.median([getattr(r, name) for r in runs])), 3)
-
-    worst = min(runs, key=lambda r: (r.top1_agreement, -r.max_abs_logit_delta))
+    """One case over every session: the median session's report (its time to first token is the
+    median; the lower of the two middle ones for an even count), with every session's times and
+    request ids, the lowest top-1 agreement and the largest |Δlogit| of any session. The sessions
+    must have reached the same state with the same token counts; else DemoFailed names which
+    session differed, and in what."""
+    first = runs[0]
+    diffs = [f"session {i + 1} {f} {getattr(r, f)!r} (session 1: {getattr(first, f)!r})"
+             for i, r in enumerate(runs[1:], start=1) for f in STATE_FIELDS if getattr(r, f) != getattr(first, f)]
+    if diffs:
+        raise DemoFailed(f"the {first.case} case differed between sessions, so they cannot be merged: "
+                         + "; ".join(diffs))
+    order = sorted(range(len(runs)), key=lambda i: runs[i].ttft_ms)
+    mid = order[(len(runs) - 1) // 2]
     return replace(
-        runs[0], ttft_ms=med("ttft_ms"), resume_ms=med("resume_ms"), prefill_ms=med("prefill_ms"),
-        store_ms=med("store_ms"), top1_agreement=worst.top1_agreement,
-        max_abs_logit_delta=worst.max_abs_logit_delta, ttft_ms_runs=tuple(r.ttft_ms for r in runs),
+        runs[mid], top1_agreement=min(r.top1_agreement for r in runs),
+        max_abs_logit_delta=max(r.max_abs_logit_delta for r in runs), ttft_ms_runs=tuple(r.ttft_ms for r in runs),
         request_ids=tuple(i for r in runs for i in r.request_ids),
+        top1_agreement_runs=tuple(r.top1_agreement for r in runs),
+        max_abs_logit_delta_runs=tuple(r.max_abs_logit_delta for r in runs), median_session=mid + 1,
     )

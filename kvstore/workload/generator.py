@@ -38,6 +38,7 @@ _SEED_GAPS = 3
 _SEED_STARTS = 4
 _SEED_SYSTEM_TOKENS = 5
 _SEED_TURN_TOKENS = 6
+SEED_LIMIT = 2**32  # seeds are in [0, 2**32): refused outside it, never wrapped
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,12 @@ class WorkloadSpec:
             )
         if not 0.0 <= self.tool_fraction <= 1.0:
             raise InvalidInput("tool_fraction must be in [0, 1]")
-        if self.length_jitter_sigma < 0 or self.tenant_skew < 0 or self.ramp_seconds < 0:
-            raise InvalidInput("length_jitter_sigma, tenant_skew and ramp_seconds must be >= 0")
+        for name in ("length_jitter_sigma", "tenant_skew", "ramp_seconds"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):  # NaN passes `v < 0`
+                raise InvalidInput(f"{name} must be a finite number >= 0, got {v}")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise InvalidInput(f"seed must be in [0, 2**32), got {self.seed}")
         if self.concurrency < 0:
             raise InvalidInput("concurrency must be >= 0 (0: all sessions at once)")
         ThinkTime.parse(self.think_time)  # fail fast on a bad mixture
@@ -267,7 +272,7 @@ def _split_inputs(spec: WorkloadSpec) -> np.ndarray:
 
 
 def _rng(seed: int, *purpose: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, *purpose]))
+    return np.random.default_rng(np.random.SeedSequence([seed, *purpose]))  # WorkloadSpec checked the range
 
 
 def expected_expired_share(workload: Workload, ttl_seconds: float) -> float:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import tempfile
 import time
 from collections import Counter
@@ -207,8 +208,8 @@ def run_live(
     workload: Workload, opts: LiveOptions, progress: Callable[[str], None] | None = None,
     baseline: Baseline | None = None,
 ) -> RunResult:
-    if opts.time_scale <= 0:
-        raise InvalidInput("--time-scale must be > 0")
+    if not (math.isfinite(opts.time_scale) and opts.time_scale > 0):  # NaN passes `<= 0`
+        raise InvalidInput(f"--time-scale must be a finite number > 0, got {opts.time_scale}")
     cfg = None if opts.target else service_config(opts)
     timeline = simulate(workload, timeline_config(opts, cfg))
     if progress is not None:
@@ -395,7 +396,8 @@ class _Driver:
         for name, k in _CASES.items():
             w = wall[cases == k]
             out["resume_wall_ms"][name] = None if w.size == 0 else {
-                "p50": float(np.percentile(w, 50) * 1e3), "p99": float(np.percentile(w, 99) * 1e3)}
+                "p50": float(np.percentile(w, 50) * 1e3), "p99": float(np.percentile(w, 99) * 1e3),
+                "n": int(w.size)}  # a p99 over fewer than ~100 calls is about the largest one
         return {"live": out, "timeline": self.timeline.counters}
 
 

@@ -17,6 +17,8 @@ from typing import Any
 from kvstore.errors import InvalidInput
 from kvstore.workload.sweep import SweepResult, format_bytes
 
+SMALL_SAMPLE = 100  # fewer samples than this: a p99 is printed as "n<100", not as a precise value
+
 
 def _ms(v: float | None) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.0f}"
@@ -26,26 +28,56 @@ def _num(v: float | None, fmt: str = ",.0f") -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
 
+def _p99(v: float | None, n: int) -> str:
+    """A 99th percentile, or "n<100" where fewer samples than that make it the largest one or two."""
+    return "n<100" if v is not None and n < SMALL_SAMPLE else _ms(v)
+
+
 def cases_table(s: dict[str, Any]) -> str:
-    rows = ["| case | requests | share | TTFT p50 (ms) | TTFT p99 (ms) |", "|---|---:|---:|---:|---:|"]
+    """Per case: requests, share and TTFT. In live mode the TTFT is the cost model's (modelled, on
+    what the live service answered) and says so; the measured Resume wall times follow, apart."""
+    live = s.get("mode") == "live"
+    ttft = "modelled TTFT" if live else "TTFT"
+    rows = [f"| case | requests | share | {ttft} p50 (ms) | {ttft} p99 (ms) |", "|---|---:|---:|---:|---:|"]
     for name in ("cold", "warm", "expired"):
         c = s["cases"][name]
         rows.append(f"| {name} | {c['count']:,} | {c['share']:.1%} | {_ms(c['ttft_p50_ms'])} | "
-                    f"{_ms(c['ttft_p99_ms'])} |")
+                    f"{_p99(c['ttft_p99_ms'], c['count'])} |")
+    if live:
+        rows += ["", "TTFT (live) is modelled: the timeline's queue wait + the cost model's time for the prefill, "
+                     "replay and bytes the live service's answers called for. Measured on this machine (CPU "
+                     "replay included), the Resume calls' wall time:", "",
+                 "| case | Resume calls | measured Resume p50 (ms) | measured Resume p99 (ms) |",
+                 "|---|---:|---:|---:|"]
+        walls = s.get("counters", {}).get("live", {}).get("resume_wall_ms", {})
+        for name in ("cold", "warm", "expired"):
+            w = walls.get(name) or {}
+            n = int(w.get("n", s["cases"][name]["count"]))
+            rows.append(f"| {name} | {n:,} | {_num(w.get('p50'), ',.1f')} | "
+                        f"{'n<100' if w and n < SMALL_SAMPLE else _num(w.get('p99'), ',.1f')} |")
     reasons = s.get("local_miss_reasons", {})
     if reasons:
         rows.append("")
         rows.append("Local misses by reason: " + ", ".join(f"{k} {v:,}" for k, v in reasons.items()))
+    if any(0 < s["cases"][n]["count"] < SMALL_SAMPLE for n in ("cold", "warm", "expired")):
+        rows += ["", "p99 over fewer than 100 requests is shown as n<100 (the JSON keeps the value)."]
     return "\n".join(rows)
 
 
 def hits_table(s: dict[str, Any]) -> str:
+    """Where prompt tokens came from: a tier counts only hits the engine used; recomputed is what it
+    prefilled, hits loaded and thrown away (expired with replay off) included."""
     h = s["hit_rate_by_tier"]
-    return "\n".join([
+    rows = [
         "| prompt tokens from | device | DRAM | SSD (LMDB) | recomputed |",
         "|---|---:|---:|---:|---:|",
         f"| share | {h['device']:.1%} | {h['dram']:.1%} | {h['lmdb']:.1%} | {h['miss']:.1%} |",
-    ])
+    ]
+    unused = h.get("loaded_unused", 0.0)
+    if unused > 0:
+        rows += ["", f"Loaded but not usable (expired hits without a replay, then recomputed): {unused:.1%} of "
+                     f"prompt tokens, counted as recomputed."]
+    return "\n".join(rows)
 
 
 def bills_table(s: dict[str, Any]) -> str:
@@ -85,10 +117,11 @@ def bytes_table(s: dict[str, Any]) -> str:
 
 def throughput_line(s: dict[str, Any]) -> str:
     t = s["throughput"]
+    p99 = _p99(t["queue_wait_p99_ms"], int(s.get("requests", SMALL_SAMPLE)))
     return (f"Throughput (middle 80 % of starts): {_num(t['requests_per_second'], '.3f')} req/s, "
             f"{_num(t['prompt_tokens_per_second'])} prompt tokens/s, GPU busy "
             f"{_num(t['gpu_busy_fraction'], '.0%')}; queue wait p50 {_ms(t['queue_wait_p50_ms'])} ms, "
-            f"p99 {_ms(t['queue_wait_p99_ms'])} ms.")
+            f"p99 {p99}{'' if p99 in ('n<100', '–') else ' ms'}.")
 
 
 def run_tables(s: dict[str, Any]) -> str:
@@ -137,7 +170,7 @@ def sweep_table(sweep: SweepResult) -> str:
         rows.append(
             f"| {format_bytes(cap.device_bytes)} / {format_bytes(cap.dram_bytes)} | {p.concurrency:,} | "
             f"{p.requests_per_second:.3f} | {p.global_hit_rate:.1%} | {p.warm_share:.1%} | "
-            f"{p.expired_share:.1%} | {p.cold_share:.1%} | {_ms(p.ttft_p50_ms)} | {_ms(p.ttft_p99_ms)} |")
+            f"{p.expired_share:.1%} | {p.cold_share:.1%} | {_ms(p.ttft_p50_ms)} | {_p99(p.ttft_p99_ms, p.requests)} |")
     return "\n".join(rows)
 
 

@@ -198,11 +198,17 @@ class RunResult:
         return out
 
     def hit_rate_by_tier(self) -> dict[str, float]:
+        """Shares of prompt tokens by where they came from: each tier counts only the hits the engine
+        could use (`usable`); `miss` is what it prefilled. A hit loaded and then thrown away (an
+        expired hit with replay off, or a replay that failed) is a miss, and is also counted apart in
+        `loaded_unused`; `global_hit_found` counts every hit found, used or not."""
         log, ct = self.log, self.spec.layout.chunk_tokens
         prompt = float(log.prompt.sum()) or 1.0
-        per = log.by_tier.sum(axis=0) * ct
+        used = log.usable > 0
+        per = log.by_tier[used].sum(axis=0) * ct
         out: dict[str, float] = {t: float(per[k] / prompt) for k, t in enumerate(TIER_NAMES)}
-        out["miss"] = float(1.0 - per.sum() / prompt)
+        out["miss"] = float(log.prefill.sum() / prompt) if log.n else 1.0
+        out["loaded_unused"] = float(log.by_tier[~used].sum() * ct / prompt)
         found = float(log.hit.sum() / prompt)
         out["global_hit_found"] = found  # includes hits left unused (expired with replay off)
         return out
