@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.errors import InvalidInput, StorageError
+from kvstore.errors import ConfigError, InvalidInput, StorageError
 from kvstore.layout import DEEPSEEK_V41_FLASH, DENSE_GQA_32L
 from kvstore.tiers import value_format as vf
 from kvstore.tiers.base import ChunkMeta, ScannedChunk
@@ -634,22 +634,45 @@ def test_the_map_grows_while_other_threads_read(tmp_path: Path) -> None:
 
 
 def test_stale_readers_of_dead_processes_are_cleared_at_open(tmp_path: Path) -> None:
-    # While this process keeps the environment open, LMDB cannot reset its reader table on the
-    # next open, so a slot left by a killed reader stays until someone runs reader_check().
+    # While another process keeps the environment open (a backup, `mdb_stat`), LMDB cannot reset
+    # its reader table on the next open, so a slot left by a killed reader stays until someone
+    # runs reader_check().
     tier = open_tier(tmp_path)
     put_chunks(tier, 1, 2)
+    tier.close()
+    other = lmdb.open(str(tmp_path), max_dbs=8)
     child = subprocess.Popen([sys.executable, "-m", "tests.helpers.tier_reader", str(tmp_path)],
                              cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "reading"
-        assert tier.stats().readers >= 1
+        assert other.info()["num_readers"] >= 1
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
     report = json.loads(run_helper("tier_reopen", str(tmp_path)).stdout)
     assert report["stale_readers_cleared"] == 1
     assert len(report["keys"]) == 2
+    other.close()
+
+
+def test_one_kvstore_per_lmdb_directory_and_a_dead_holder_frees_it(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    with pytest.raises(ConfigError, match=rf"in use by another kvstore \(pid {os.getpid()}\); one data directory"):
+        open_tier(tmp_path)  # in this process too
     tier.close()
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                              "from tests.helpers.tier_data import open_tier; open_tier(Path(sys.argv[1])); "
+                              "print('open', flush=True); time.sleep(60)", str(tmp_path)],
+                             cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "open"
+        with pytest.raises(ConfigError, match=rf"\(pid {child.pid}\)"):
+            open_tier(tmp_path)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)  # died holding it: the kernel lets go
+        child.wait()
+    put_chunks(again := open_tier(tmp_path), 1, 1)
+    again.close()
 
 
 def test_namespaces_are_kept_apart_from_chunks(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvstore.client.sync_client import InvalidArgumentError, ResourceExhaustedError
+from kvstore.client.sync_client import InvalidArgumentError, ResourceExhaustedError, RpcFailure
 from kvstore.errors import ResourceExhausted, Unavailable
 from kvstore.keys.chunk_keys import Namespace
 from kvstore.v1 import kvstore_pb2 as pb
@@ -351,6 +351,31 @@ def test_too_many_tokens_and_oversized_messages(make_service: Callable[..., Serv
     with pytest.raises(grpc.RpcError) as e:  # 300 KiB > max_message_bytes (256 KiB)
         stub.Lookup(pb.LookupRequest(model=TOY, tokens=pb.Tokens(u32le=bytes(300 * 1024))), timeout=5)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds" in (e.value.details() or "")
+
+
+def test_health_says_when_lmdb_writes_fail_and_when_they_work_again(
+    service: Service, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A full, read-only or failing disk read SERVING: health looked only at the tier being there.
+    from kvstore.errors import StorageError
+    from kvstore.tiers.lmdb_tier import LmdbTier
+
+    kv = service.client()
+    cb = service.chunk_bytes(TOY)
+    commit = LmdbTier._commit
+
+    def failing(self: LmdbTier, planned: list) -> None:
+        raise StorageError("LMDB write failed: injected: Input/output error")  # as _commit says it
+
+    monkeypatch.setattr(LmdbTier, "_commit", failing)
+    with pytest.raises(RpcFailure):
+        kv.store(TOY, tokens(61, 2 * CHUNK), payloads(61, 2, cb))
+    service.server.health.refresh()
+    assert kv.health("kvstore.lmdb") == "NOT_SERVING" and kv.health() == "SERVING"  # memory still answers
+    monkeypatch.setattr(LmdbTier, "_commit", commit)
+    assert kv.store(TOY, tokens(62, 2 * CHUNK), payloads(62, 2, cb)).durable
+    service.server.health.refresh()
+    assert kv.health("kvstore.lmdb") == "SERVING"
 
 
 def test_stats_health_and_reflection(service: Service) -> None:

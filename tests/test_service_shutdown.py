@@ -83,6 +83,29 @@ def _restart(make_service: Callable[..., Service], svc: Service) -> Service:
     return make_service(svc.app.config, data_dir=svc.data_dir)
 
 
+def test_an_open_health_watch_does_not_hold_the_exit_once_the_calls_are_done(
+    make_service: Callable[..., Service], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A Watch never ends by itself: it held the exit for the whole grace (10 s by default).
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstore.service import server as server_module
+
+    svc = make_service()
+    watch = health_pb2_grpc.HealthStub(svc.client().channel).Watch(health_pb2.HealthCheckRequest(service=""))
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    graces: list[float] = []
+    stop = svc.server._server.stop
+    monkeypatch.setattr(svc.server._server, "stop", lambda grace: graces.append(grace) or stop(grace))
+    assert svc.server.stop(30.0) is True
+    assert graces and graces[0] <= server_module.STREAMS_LEFT_SECONDS
+    seen = []
+    with pytest.raises(grpc.RpcError):
+        for m in watch:
+            seen.append(m.status)
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in seen  # told before it was cut
+
+
 def test_calls_past_the_grace_period_are_cancelled_and_store_nothing(make_service: Callable[..., Service]) -> None:
     svc = make_service()
     cb = svc.chunk_bytes(TOY)
@@ -186,6 +209,49 @@ def test_the_service_as_a_separate_process(tmp_path: Path) -> None:
         assert proc.terminate(signal.SIGINT) == 0, proc.output()
 
 
+def test_a_sighup_while_the_service_drains_neither_ends_it_nor_cuts_the_call_in_flight(tmp_path: Path) -> None:
+    # The reloader, stopped at the start of the drain, put back SIGHUP's default action: a reload
+    # then killed the process, cutting the call in flight and leaving LMDB unclosed.
+    proc = spawn_service(tmp_path)
+    prompt = tokens(54, 2 * CHUNK)
+    data = b"".join(payloads(54, 2, 1272))
+    release = threading.Event()
+    with KvstoreClient(proc.address) as kv:
+        in_flight = _slow_store(pb_grpc.KVCacheStub(kv.channel), prompt, data, 1272, release)
+        wait_until(lambda: kv.stats().calls_in_flight == 2)  # the Store and this Stats
+        proc.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: "shutting down" in proc.output())
+        proc.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.3)
+        release.set()
+        assert in_flight.result(timeout=20).stored_chunks == 2
+    assert proc.proc.wait(30) == 0, proc.output()
+    assert "stopped cleanly" in proc.output()
+
+
+def test_a_sighup_to_the_embedded_default_is_said_and_ignored(tmp_path: Path) -> None:
+    # With no config file no handler was installed, and SIGHUP's default action ended the service.
+    cmd = [sys.executable, "-m", "kvstore", "serve", "--grpc-port", "0", "--admin-port", "-1",
+           "--data-dir", str(tmp_path / "data"), "--log-level", "warning"]
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert child.stdout is not None
+    try:
+        address = ""
+        for line in child.stdout:
+            if "gRPC listening on " in line:
+                address = line.split("gRPC listening on ")[1].split()[0]
+                break
+        assert address, "kvstore serve exited before listening"
+        child.send_signal(signal.SIGHUP)
+        assert "SIGHUP: no config file to reload" in child.stdout.readline()
+        assert _health(address) == "SERVING"
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(30) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_serve_says_at_start_that_its_redis_cannot_be_reached(tmp_path: Path) -> None:
     # It used to say nothing until the first pool call; `stats` read "healthy" meanwhile.
     from kvstore.local_pool.redis_process import free_port
@@ -196,8 +262,8 @@ def test_serve_says_at_start_that_its_redis_cannot_be_reached(tmp_path: Path) ->
     try:
         banner = "".join(proc.banner)
         assert "local pool degraded: redis not reached yet: ConnectionError" in banner, banner
-        with KvstoreClient(proc.address) as kv:  # health is looked at every 2 s
-            wait_until(lambda: kv.health("kvstore.local_pool") == "NOT_SERVING")
+        with KvstoreClient(proc.address) as kv:  # at once: health is read again after the probe
+            assert kv.health("kvstore.local_pool") == "NOT_SERVING"
     finally:
         assert proc.terminate(signal.SIGTERM) == 0, proc.output()
 

@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         if pool.status != "ok":
             _say(f"local pool {pool.status}: {pool.reason}; window state reads as a miss (rebuilt by "
                  "replay where a runner is attached) until it answers")
+            server.health.refresh()  # health was first read before this probe: say so now, not in 2 s
     security = "mTLS" if svc.tls_client_ca_file else "TLS" if svc.tls_cert_file else "plaintext"
     split = "shared by share_weight" if len(cfg.share_weights()) > 1 else "one tenant"
     _say(f"limits: {svc.max_concurrent_calls} concurrent calls, {svc.max_staged_bytes >> 20} MiB staged, "
@@ -102,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     # Before the line that says it listens: whoever waits for that line may signal at once.
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
+    # SIGHUP's default action ends the process: an operator's reload must never do that, also
+    # while the service drains (the reloader, stopped then, puts back the handler it found).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     reloader = None
     if args.config is not None:
         from kvstore.local_pool.reload import ConfigReloader
@@ -110,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
         reloader = ConfigReloader(args.config, app.reload_local_pool, cfg.local_pool)
         reloader.start()
         reloader.install_sighup()
+    else:
+        signal.signal(signal.SIGHUP, lambda signum, frame: _say("SIGHUP: no config file to reload "
+                                                                "(the embedded default is running)"))
     # What start-up built (modules, torch, the recovered index: ~260,000 objects) is kept out of the
     # cycle collector's scans (reference counting still frees it): a full collection, which Store
     # traffic triggers every few seconds, then stalls every call for a few ms, not 130-180 ms.

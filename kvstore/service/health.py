@@ -53,7 +53,8 @@ class HealthReporter:
         try:
             st = app.store.stats()
             ok["kvstore.store"] = True
-            ok["kvstore.lmdb"] = "lmdb" in st.tiers
+            # A disk that is full, read-only or failing: the service still answers from memory.
+            ok["kvstore.lmdb"] = "lmdb" in st.tiers and not st.tiers["lmdb"].failing
             ok["kvstore.index"] = st.index_state == "ready"
         except Exception:  # a failing store must turn into NOT_SERVING, whatever it raised
             log.exception("store health check failed")

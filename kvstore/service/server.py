@@ -52,6 +52,8 @@ log = logging.getLogger("kvstore.service")
 # Threads beyond the call limit: refused calls, health checks, reflection and attached runners
 # (each holds a thread for as long as it is attached) must still find one.
 SPARE_THREADS = 8
+# The grace left to other streams (a health Watch) once every KVCache call has finished.
+STREAMS_LEFT_SECONDS = 0.5
 
 
 def generic_handler(service: str, servicer: object, max_message_bytes: int) -> grpc.GenericRpcHandler:
@@ -249,7 +251,10 @@ class KvstoreServer:
             log.warning("%d call(s) still running after the %.1f s grace period; cancelling them",
                         self.limiter.in_flight, grace)
         self.app.runners.close()
-        self._server.stop(max(0.0, deadline - time.monotonic())).wait()
+        # Once the KVCache calls are done, what is left are streams that never end by themselves (a
+        # health Watch, already told NOT_SERVING): they would hold the exit for the whole grace.
+        left = max(0.0, deadline - time.monotonic())
+        self._server.stop(min(left, STREAMS_LEFT_SECONDS) if finished else left).wait()
         self.kvcache.close()
         if self.shm is not None:
             self.shm.stop()

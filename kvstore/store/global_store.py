@@ -1102,6 +1102,7 @@ class GlobalStore(Placement):
                     backend=str(getattr(self._tiers[name], "backend", "")),
                     map_size_bytes=ts.map_size_bytes,
                     readers=ts.readers,
+                    failing=ts.failing,
                 )
             tenant_bytes: dict[str, dict[str, int]] = {}
             for (tenant, tier), b in self._tenant_used.items():

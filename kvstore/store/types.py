@@ -97,6 +97,7 @@ class TierUsage:
     backend: str = ""
     map_size_bytes: int = 0
     readers: int = 0
+    failing: str = ""  # why the tier's last write failed; "" once one succeeded
 
 
 @dataclass(frozen=True)

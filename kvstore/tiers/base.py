@@ -109,6 +109,7 @@ class TierStats:
     corrupt_total: int = 0  # values that failed verification on read and were removed
     map_size_bytes: int = 0  # lmdb only
     readers: int = 0  # lmdb only
+    failing: str = ""  # why its last write failed; "" once one succeeds (lmdb only)
 
 
 class Tier(Protocol):

@@ -61,6 +61,7 @@ from kvstore.tiers import value_format as vf
 from kvstore.tiers.base import KEY_BYTES, ChunkMeta, ScanBatch, ScannedChunk, Tier, TierName, TierStats
 from kvstore.tiers.checksum import copy_words_sum64, load_kernel, sum64
 from kvstore.tiers.compression import CODEC_NONE, Codec, Mode
+from kvstore.tiers.dir_lock import DirLock
 from kvstore.tiers.value_format import ValueProblem
 
 MiB = 1 << 20
@@ -182,8 +183,25 @@ class LmdbTier:
         self.corrupt_total = 0
         self.problems: dict[str, int] = {}  # removed-on-read values by problem ("corrupt", ...)
         self._writes = 0  # bumped by every write; scan() rebuilds totals only if none happened
+        self._failing = ""  # why the last write failed, "" once one succeeds
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot open LMDB at {self.path}: {e}") from e
+        self._dir_lock = DirLock(self.path)  # before LMDB opens: one kvstore per directory
+        try:
+            self._open_env(initial_map_bytes, durability, progress)
+        except BaseException:
+            if hasattr(self, "_env"):
+                self._env.close()
+            self._dir_lock.release()
+            raise
+
+    def _open_env(self, initial_map_bytes: int | None, durability: Durability,
+                  progress: Callable[[str], None] | None) -> None:
+        """Open the environment and its databases, build the index if the data lacks one, and
+        count what it holds."""
+        try:
             data = self.path / "data.mdb"
             existing = data.stat().st_size if data.exists() else 0
             initial = initial_map_bytes or min(self._max_map, INITIAL_MAP_BYTES)
@@ -366,7 +384,12 @@ class LmdbTier:
                 record = vf.index_record(codec, len(meta.tokens) // 4, size, meta.layout_id, meta.namespace, len(raw))
                 planned.append(_PlannedValue(key, meta, codec, len(raw), stored, size, record))
             if planned:
-                self._commit(planned)
+                try:
+                    self._commit(planned)
+                except StorageError as e:
+                    self._failing = str(e)  # health says so until a write succeeds again
+                    raise
+                self._failing = ""
 
     def _commit(self, planned: list[_PlannedValue]) -> None:
         # Each value is built just before its put, into one scratch buffer that LMDB copies from:
@@ -728,7 +751,7 @@ class LmdbTier:
         return TierStats(
             used_bytes=self._used, capacity_bytes=self._capacity, entries=self._count,
             corrupt_total=self.corrupt_total, map_size_bytes=int(info["map_size"]),
-            readers=int(info["num_readers"]),
+            readers=int(info["num_readers"]), failing=self._failing,
         )
 
     @property
@@ -754,6 +777,7 @@ class LmdbTier:
             if self.durability != "sync":
                 self._env.sync(True)
             self._env.close()
+            self._dir_lock.release()
 
 
 def _record_value_bytes(record: memoryview | bytes) -> int:
