@@ -386,16 +386,12 @@ class KVCacheServicer(LocalStateCalls):
         own = app.store.tenant_stats(tenant)
         hidden = app.store.hidden_models(tenant)
         mine = st.tenant_bytes.get(tenant, {})
-        # Beside other tenants, the tiers' occupancy and traffic would show theirs: the caller gets
-        # the capacities and its own bytes (the admin API has the rest).
-        alone = len(app.config.tenants) <= 1
         tiers = [
             pb.TierStats(
-                tier=TIER_TO_PB[name], backend=t.backend, capacity_bytes=t.capacity_bytes,
-                tenant_used_bytes=mine.get(name, 0), used_bytes=t.used_bytes if alone else mine.get(name, 0),
-                **({"entries": t.entries, "evictions": t.evictions, "demotions": t.demotions,
-                    "promotions": t.promotions, "corrupt_total": t.corrupt_total,
-                    "map_size_bytes": t.map_size_bytes, "readers": t.readers} if alone else {}),
+                tier=TIER_TO_PB[name], backend=t.backend, used_bytes=t.used_bytes,
+                capacity_bytes=t.capacity_bytes, entries=t.entries, evictions=t.evictions,
+                demotions=t.demotions, promotions=t.promotions, corrupt_total=t.corrupt_total,
+                map_size_bytes=t.map_size_bytes, readers=t.readers, tenant_used_bytes=mine.get(name, 0),
             )
             for name, t in st.tiers.items()
         ]
@@ -406,11 +402,10 @@ class KVCacheServicer(LocalStateCalls):
                                      detail=h.reason)
         return pb.StatsResponse(
             version=__version__, uptime_seconds=time.time() - app.started_at, tenant=tenant, tiers=tiers,
-            chunks=st.chunks if alone else 0, lookups=own.lookups, lookup_hit_tokens=own.lookup_hit_tokens,
+            chunks=st.chunks, lookups=own.lookups, lookup_hit_tokens=own.lookup_hit_tokens,
             lookup_miss_tokens=own.lookup_miss_tokens, token_mismatches=own.token_mismatches,
             corrupt_reads=own.corrupt_reads, pins_active=own.pins_active, pins_expired=own.pins_expired,
-            admissions_refused=own.admissions_refused,
-            evictions_by_reason=st.evictions_by_reason if alone else {},
+            admissions_refused=own.admissions_refused, evictions_by_reason=st.evictions_by_reason,
             local_pool=pool, models=[m for m in list(app.models) if m not in hidden],
             runners_attached=sum(1 for r in app.runners.runners() if r.tenant in (None, tenant)),
             calls_in_flight=self._limiter.tenant_in_flight(tenant),
