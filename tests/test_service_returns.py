@@ -138,7 +138,8 @@ class _GatedRunner:
         self.gate.set()
 
 
-def test_a_resume_that_joined_another_ones_replay_is_neither_a_return_nor_a_write(tmp_path: Path) -> None:
+def _gated_service(tmp_path: Path) -> tuple[Running, ReplayCoordinator, _GatedRunner]:
+    """A service on a fake clock whose replays wait for their runner's gate."""
     clock = FakeClock()
     made: list[tuple[ReplayCoordinator, _GatedRunner]] = []
 
@@ -151,14 +152,18 @@ def test_a_resume_that_joined_another_ones_replay_is_neither_a_return_nor_a_writ
     app = build_app(config(), tmp_path, clock=clock, coordinator_factory=coordinator)
     clock.before_advance = app.flush_observers
     server = KvstoreServer(app, "127.0.0.1", 0, 0).start()
-    r = Running(app, server, KvstoreClient(f"127.0.0.1:{server.port}", timeout_seconds=20), clock)
+    co, runner = made[0]
+    return Running(app, server, KvstoreClient(f"127.0.0.1:{server.port}", timeout_seconds=20), clock), co, runner
+
+
+def test_a_resume_that_joined_another_ones_replay_is_neither_a_return_nor_a_write(tmp_path: Path) -> None:
+    r, co, runner = _gated_service(tmp_path)
     try:
-        co, runner = made[0]
         rec = _Recorder()
-        app.ttl_policy = rec  # type: ignore[assignment]  # the policy in force, as the tracker reads it
+        r.app.ttl_policy = rec  # type: ignore[assignment]  # the policy in force, as the tracker reads it
         toks = prompt(7, 3, extra=0)
         store(r, toks)  # the chunks, and the local snapshot the session's return is measured from
-        clock.advance(400)  # past its 300 s TTL: the session's return finds it expired
+        r.clock.advance(400)  # past its 300 s TTL: the session's return finds it expired
         got: dict[str, str] = {}
 
         def resume(who: str) -> None:
@@ -173,38 +178,25 @@ def test_a_resume_that_joined_another_ones_replay_is_neither_a_return_nor_a_writ
         runner.gate.set()
         for t in (leader, follower):
             t.join(30)
-        app.flush_observers()
+        r.app.flush_observers()
         assert got == {"leader": "replayed", "follower": "replayed"}
         assert rec.gaps == [("default", 400.0)]  # one return, not a second one 0 s after the replay
-        clock.advance(50)
+        r.clock.advance(50)
         assert r.client.resume(MODEL, toks).local_state == "hit"
-        app.flush_observers()
+        r.app.flush_observers()
         assert rec.gaps == [("default", 400.0), ("default", 50.0)]  # measured from the replay's write
     finally:
         r.stop()
 
 
 def test_a_replay_whose_leader_gave_up_is_the_write_of_the_resume_that_got_it(tmp_path: Path) -> None:
-    clock = FakeClock()
-    made: list[tuple[ReplayCoordinator, _GatedRunner]] = []
-
-    def coordinator(parts: ReplayParts) -> ReplayCoordinator:
-        runner = _GatedRunner(parts.store.layout(parts.store.namespace("default", MODEL, "bounded"))
-                              .local_snapshot_bytes)
-        made.append((ReplayCoordinator(parts.store, parts.local_pool, [runner], parts.config, parts.clock), runner))
-        return made[0][0]
-
-    app = build_app(config(), tmp_path, clock=clock, coordinator_factory=coordinator)
-    clock.before_advance = app.flush_observers
-    server = KvstoreServer(app, "127.0.0.1", 0, 0).start()
-    r = Running(app, server, KvstoreClient(f"127.0.0.1:{server.port}", timeout_seconds=20), clock)
+    r, co, runner = _gated_service(tmp_path)
     try:
-        co, runner = made[0]
         rec = _Recorder()
-        app.ttl_policy = rec  # type: ignore[assignment]
+        r.app.ttl_policy = rec  # type: ignore[assignment]
         toks = prompt(8, 3, extra=0)
         store(r, toks)
-        clock.advance(400)
+        r.clock.advance(400)
         got: dict[str, tuple[str, str, int]] = {}
 
         def resume(who: str, timeout: float) -> None:
@@ -221,14 +213,14 @@ def test_a_replay_whose_leader_gave_up_is_the_write_of_the_resume_that_got_it(tm
         leader.join(30)
         runner.gate.set()
         follower.join(30)
-        app.flush_observers()
+        r.app.flush_observers()
         replayed = co.counters().replay_tokens  # the one replay's tokens, billed to the follower
         assert replayed > 0
         assert got == {"leader": ("expired", "timeout", 0), "follower": ("replayed", "replayed", replayed)}
         assert rec.gaps == [("default", 400.0)]  # the leader's return; the follower's replay is the write
-        clock.advance(50)
+        r.clock.advance(50)
         assert r.client.resume(MODEL, toks).local_state == "hit"
-        app.flush_observers()
+        r.app.flush_observers()
         assert rec.gaps == [("default", 400.0), ("default", 50.0)]  # measured from that write
     finally:
         r.stop()
