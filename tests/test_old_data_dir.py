@@ -97,7 +97,11 @@ def test_the_old_data_dir_is_migrated_once_and_then_opens_from_its_index(tmp_pat
     for opening in ("first", "second"):
         lines: list[str] = []
         store = GlobalStore(cfg.store, data_dir, models, progress=lines.append)
-        lines = [line for line in lines if "LMDB" in line]  # not the arenas' lines (another thread)
+        loading = [line for line in lines if line.startswith("index: ")]  # the index load, said at every start
+        assert loading[0] == f"index: loading {MANIFEST['lmdb_entries']:,} LMDB chunks before listening"
+        assert loading[-1].startswith(f"index: {MANIFEST['lmdb_entries']:,} LMDB chunks ready in ")
+        # The migration's lines, not the arenas' (another thread's) or the load's.
+        lines = [line for line in lines if "LMDB" in line and not line.startswith("index: ")]
         if opening == "first":
             assert lines[0].startswith(f"migrating LMDB data to format 2: indexing {MANIFEST['lmdb_entries']}")
             assert lines[-1] == f"LMDB index built: {MANIFEST['lmdb_entries']} values indexed, 0 unreadable left out"

@@ -252,6 +252,34 @@ def test_a_sighup_to_the_embedded_default_is_said_and_ignored(tmp_path: Path) ->
         child.wait()
 
 
+def test_a_sigterm_while_the_service_starts_ends_it_at_once_saying_so(tmp_path: Path) -> None:
+    # Before, the default action ended it with no word (and as a container's PID 1 not at all).
+    script = (
+        "import sys, time\n"
+        "from kvstore.store import global_store\n"
+        "def slow_load(self):\n"
+        "    print('loading the index', flush=True)\n"
+        "    time.sleep(60)\n"
+        "global_store.GlobalStore._load_index = slow_load\n"
+        "from kvstore.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    cmd = [sys.executable, "-c", script, "serve", "--grpc-port", "0", "--admin-port", "-1",
+           "--data-dir", str(tmp_path / "data")]
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stderr is not None
+    try:
+        for line in child.stdout:
+            if line.strip() == "loading the index":
+                break
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(30) == 128 + signal.SIGTERM
+        assert "kvstore serve: stopped while starting (SIGTERM)" in child.stderr.read()
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_serve_says_at_start_that_its_redis_cannot_be_reached(tmp_path: Path) -> None:
     # It used to say nothing until the first pool call; `stats` read "healthy" meanwhile.
     from kvstore.local_pool.redis_process import free_port

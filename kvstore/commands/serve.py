@@ -45,7 +45,17 @@ def _say(line: str) -> None:
     print(f"kvstore: {line}", flush=True)
 
 
+def _stopped_while_starting(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM or SIGINT before the service listens: nothing acknowledged is in flight and LMDB
+    survives any stop, so end now, saying so (as PID 1 in a container, a signal's default action
+    would be dropped, and a start-up that loads a large index would ignore `docker stop`)."""
+    print(f"kvstore serve: stopped while starting ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _stopped_while_starting)
+    signal.signal(signal.SIGINT, _stopped_while_starting)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvstore.service.app import build_app

@@ -889,6 +889,8 @@ class GlobalStore(Placement):
         if background:
             self._progress(f"index: loading {self._index_at_start:,} LMDB chunks in the background "
                            "(answering from what is loaded; Stores stay in memory until it is done)")
+        elif self._index_at_start:
+            self._progress(f"index: loading {self._index_at_start:,} LMDB chunks before listening")
         cold = self._cold
         cost = float(self.cfg.chunk_tokens)  # what a recovered chunk was always given
         keys = bytearray()
@@ -945,7 +947,7 @@ class GlobalStore(Placement):
             for key, entry in list(self._index.items()):
                 if entry.fastest == "lmdb":
                     self._fold(key, entry)
-        if background:
+        if self._index_at_start:
             self._progress(f"index: {cold.n:,} LMDB chunks ready in {self._load_seconds:.2f} s")
 
     def _recovered_kinds(self, batch: ScanBatch, kind_of: dict[bytes, int | str], cost: float) -> np.ndarray:
