@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import math
 import threading
+from pathlib import Path
 
 import pytest
 
 from kvstore.config import KvstoreConfig
 from kvstore.layout import get_model
-from kvstore.observe.call_observer import RETRY_WINDOW_SECONDS
 from kvstore.observe.ledger import LatencyHistogram, Ledger, Occupancy, occupancy_from_stats
 from kvstore.observe.records import OTHER_TENANT, CallRecord, ReplaySummary, RequestRecord
+from kvstore.observe.retries import RETRY_WINDOW_SECONDS
 from kvstore.service.admin_server import build_observability
 from kvstore.wire.bills import Bills, from_pb, price, to_pb
 from tests.test_admin_workload import FakeClock
@@ -256,3 +257,42 @@ def test_a_request_priced_again_under_its_id_is_counted_once_whichever_try_comes
     # The retries' bytes did move: counted as moved (as a Load's), not billed to a request again.
     assert sample("kvstore_bytes_moved_total", {"tier": "dram"}) == 8 * 2 * CHUNK_BYTES
     assert sample("kvstore_local_bytes_moved_total") == 8 * b.local_bytes
+
+
+def test_the_return_tracker_and_the_trace_see_a_retried_request_once(tmp_path: Path) -> None:
+    # The metrics, ledger and explainer counted a retry once; the TTL policy's return tracker took
+    # a second return (0 s after the first) and the trace wrote a second line.
+    from kvstore.observe.records import CallRecord, LookupFacts
+    from kvstore.observe.returns import ReturnTracker
+    from kvstore.observe.trace_file import TraceWriter, read_trace
+    from kvstore.observe.trace_recorder import TraceRecorder
+
+    class Gaps:
+        def __init__(self) -> None:
+            self.gaps: list[float] = []
+
+        def observe_return(self, tenant: str, gap: float) -> None:
+            self.gaps.append(gap)
+
+    policy = Gaps()
+    tracker = ReturnTracker(lambda: policy, lambda: 0.0)  # type: ignore[arg-type, return-value]
+    ns, key = b"n" * 32, b"k" * 32
+    tracker.wrote(ns, key, 0.0)
+    tracer = TraceRecorder(TraceWriter(tmp_path / "t.jsonl"), {}, wall_clock=lambda: 1.0)
+    replayed = LookupFacts(namespace=ns, chunk_tokens=128, full_chunks=2, hit_chunks=2, boundary_key=key,
+                           replay_status="replayed")
+    hit = LookupFacts(namespace=ns, chunk_tokens=128, full_chunks=2, hit_chunks=2, boundary_key=key)
+
+    def resume(request_id: str, at: float, facts: LookupFacts) -> CallRecord:
+        return CallRecord("Resume", "acme", "OK", 0.01, "m", "expired", "replayed",
+                          bills(["dram", "dram"], prompt=256), request_id=request_id, facts=facts, at=at)
+
+    # r1 (its window replayed) sent again over a stream half a second later, then the next turn.
+    for call in (resume("r1", 40.0, replayed), resume("r1", 40.5, replayed), resume("r2", 90.0, hit)):
+        tracker(call)
+        tracer(call)
+    tracer.close()
+    # One return, not a second 0.5 s after the replay's write; the retry's own replay wrote the
+    # snapshot again, so the next turn's gap runs from it.
+    assert policy.gaps == [40.0, 49.5]
+    assert len(list(read_trace(tmp_path / "t.jsonl"))) == 2

@@ -7,7 +7,7 @@ it receives each `CallRecord` (`records.py`): method, tenant, status code, secon
 local state, the typed bills the call priced, its request id and the facts a Lookup or Resume
 learnt (`records.LookupFacts`). A Lookup marked as a client's pre-check or a probe
 (`kvstore.wire.purposes`) is counted apart, never as a request. So is a retry: a priced Lookup or
-Resume whose (tenant, request id, method) was counted within `RETRY_WINDOW_SECONDS` before (the
+Resume whose (tenant, request id, method) was counted within `retries.RETRY_WINDOW_SECONDS` before (the
 client sent the request again after the service had answered it, e.g. over a stream once its
 same-host copy found a lease lapsed). The first one priced is the request; a retry's bills are not
 summed again, and the bytes it moved are counted as moved, as a Load's are. A request id names one
@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable
 
 from kvstore.observe.explainer import Explainer
@@ -45,50 +44,17 @@ from kvstore.observe.records import (
     ReplaySummary,
     RequestRecord,
 )
+from kvstore.observe.retries import RecentRequests
 from kvstore.wire.bills import Bills
 from kvstore.wire.purposes import RETRY
 
 log = logging.getLogger("kvstore.admin")
 
 _PRICED = {"Lookup": "lookup", "Resume": "resume"}
-# How long after a request was counted the same (tenant, request id, method) is its retry, by the
-# service's clock; a call after that is another request. A client retries within its call's timeout
-# (30 s by default; the Python client's stream fallback gives the retry a timeout of its own).
-RETRY_WINDOW_SECONDS = 120.0
-# Requests remembered for that, at most (~200 B each): past it the oldest are forgotten first, so
-# the window is shorter under a heavy load (16K requests: 1.6 s at 10K requests a second).
-RETRY_MEMORY = 16384
-
-_Key = tuple[str, str, str]
 
 
 def _known(value: str, allowed: tuple[str, ...], default: str) -> str:
     return value if value in allowed else default
-
-
-class _Counted:
-    """The (tenant, request id, method) of the requests counted lately, and when each finished."""
-
-    def __init__(self, window_seconds: float = RETRY_WINDOW_SECONDS, max_entries: int = RETRY_MEMORY) -> None:
-        self._window = window_seconds
-        self._max = max_entries
-        self._at: dict[_Key, float | None] = {}
-        self._order: deque[_Key] = deque()
-        self._lock = threading.Lock()  # the observer thread, or a caller delivering its own record
-
-    def repeated(self, key: _Key, at: float | None) -> bool:
-        """Whether `key` was counted within the window before `at` (a retry); if not, it is now."""
-        with self._lock:
-            if key in self._at:
-                before = self._at[key]
-                if at is None or before is None or at - before <= self._window:
-                    return True
-            else:
-                self._order.append(key)
-                while len(self._order) > self._max:
-                    self._at.pop(self._order.popleft(), None)
-            self._at[key] = at
-            return False
 
 
 class Observability:
@@ -106,7 +72,7 @@ class Observability:
         self.ledger = ledger
         self.explainer = explainer
         self._present = present
-        self._counted = _Counted()
+        self._counted = RecentRequests()
 
     def __call__(self, call: CallRecord) -> None:
         self.metrics.rpc(call.method, call.code, call.seconds)
@@ -133,7 +99,7 @@ class Observability:
             if call.method == "Load":  # a Load prices the bytes it moved
                 self.metrics.load({name: t.bytes for name, t in bills.tiers.items()}, call.tenant)
             return
-        if call.request_id and self._counted.repeated((call.tenant, call.request_id, call.method), call.at):
+        if self._counted.retry(call):
             self._retry(call, method, bills, lookup)
             return
         local = _known(call.local_state, LOCAL_OUTCOMES, "absent")

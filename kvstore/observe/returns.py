@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvstore.observe.records import LocalWriteFacts, LookupFacts
+from kvstore.observe.retries import RecentRequests
 from policies.base import TtlPolicy
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ class ReturnTracker:
         self._policy = policy
         self._clock = clock
         self._max = max_boundaries
+        self._seen = RecentRequests()
         self._lock = threading.Lock()
         self._written: OrderedDict[tuple[bytes, bytes], float] = OrderedDict()
         self.returns_observed = 0
@@ -67,6 +69,10 @@ class ReturnTracker:
         if call.method not in _RETURNS or not isinstance(facts, LookupFacts) or not facts.boundary_key:
             return
         if call.purpose:  # a client's pre-check or a probe: the session has not returned
+            return
+        if self._seen.retry(call):  # the same request again: the session returned once
+            if facts.replay_status == "replayed":
+                self.wrote(facts.namespace, facts.boundary_key, at)
             return
         if facts.replay_shared:
             # Joined another request's replay of this boundary: that request is the return, and

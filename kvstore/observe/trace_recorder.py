@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.layout import CacheLayout, exact_replay_tokens
 from kvstore.observe.records import LookupFacts
+from kvstore.observe.retries import RecentRequests
 from kvstore.observe.trace_file import LocalOutcome, TraceRecord, TraceWriter
 
 if TYPE_CHECKING:
@@ -67,10 +68,13 @@ class TraceRecorder:
         self._writer = writer
         self._layouts = dict(layouts)
         self._wall = wall_clock
+        self._seen = RecentRequests()
         self._failed = False
 
     def __call__(self, call: CallRecord) -> None:
         if call.code != "OK" or call.method not in _TRACED or call.bills is None:
+            return
+        if self._seen.retry(call):  # the same request again (a client's retry): one line
             return
         trace = call.facts if isinstance(call.facts, LookupFacts) else None
         layout = self._layouts.get(call.model)
