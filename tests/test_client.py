@@ -418,6 +418,16 @@ def _fake_service(handlers: dict[str, grpc.RpcMethodHandler]) -> Iterator[Kvstor
         server.stop(0)
 
 
+def _resume_and_lookup(resume: Callable[..., Iterator[pb.ResumeResponse]],
+                       lookup: Callable[..., pb.LookupResponse]) -> dict[str, grpc.RpcMethodHandler]:
+    return {
+        "Resume": grpc.unary_stream_rpc_method_handler(resume, pb.ResumeRequest.FromString,
+                                                       pb.ResumeResponse.SerializeToString),
+        "Lookup": grpc.unary_unary_rpc_method_handler(lookup, pb.LookupRequest.FromString,
+                                                      pb.LookupResponse.SerializeToString),
+    }
+
+
 def test_a_stream_the_client_cannot_use_is_a_server_error_never_a_wrong_answer() -> None:
     # Each once raised InvalidInput (the caller's-fault error) or StopIteration, or answered a
     # chunk short: a truncated Resume or iter_load as a shorter hit.
@@ -487,13 +497,7 @@ def test_resume_without_chunks_names_a_tier_it_does_not_know_as_lookup_does() ->
         return pb.LookupResponse(hit_tokens=2 * CHUNK, hit_chunks=2, chunk_tiers=[pb.TIER_DRAM, 99],
                                  chunk_tokens=CHUNK, chunk_bytes=8)
 
-    handlers = {
-        "Resume": grpc.unary_stream_rpc_method_handler(resume, pb.ResumeRequest.FromString,
-                                                       pb.ResumeResponse.SerializeToString),
-        "Lookup": grpc.unary_unary_rpc_method_handler(lookup, pb.LookupRequest.FromString,
-                                                      pb.LookupResponse.SerializeToString),
-    }
-    with _fake_service(handlers) as kv:
+    with _fake_service(_resume_and_lookup(resume, lookup)) as kv:
         prompt = list(range(2 * CHUNK))
         assert kv.lookup("m", prompt).chunk_tiers == ("dram", "")
         assert kv.resume("m", prompt, skip_chunks=True).chunk_tiers == ("dram", "")
@@ -537,13 +541,7 @@ def test_the_bills_price_replay_flops_as_the_service_does() -> None:
         return pb.LookupResponse(hit_tokens=3 * CHUNK, hit_chunks=3, chunk_tokens=CHUNK, chunk_bytes=8,
                                  bills=wire_bills(3 * CHUNK, 0))
 
-    handlers = {
-        "Resume": grpc.unary_stream_rpc_method_handler(resume, pb.ResumeRequest.FromString,
-                                                       pb.ResumeResponse.SerializeToString),
-        "Lookup": grpc.unary_unary_rpc_method_handler(lookup, pb.LookupRequest.FromString,
-                                                      pb.LookupResponse.SerializeToString),
-    }
-    with _fake_service(handlers) as kv:
+    with _fake_service(_resume_and_lookup(resume, lookup)) as kv:
         prompt = list(range(4 * CHUNK))
         got = kv.resume("m", prompt, skip_chunks=True)
         assert got.bills.replay_tokens == CHUNK and got.bills.replay_flops == pytest.approx(CHUNK * flops, rel=1e-12)
