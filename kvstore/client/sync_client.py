@@ -297,6 +297,18 @@ class KvstoreClient:
                 pass  # the session stays; this call's chunks do not fit it
         return via_stream()
 
+    def _load_refused(self, shm: ShmPath, model: str, e: grpc.RpcError) -> bool:
+        """Whether a load through the session was refused for a reason a stream does not have (its
+        chunks do not fit the session: the model goes over streams from now on; the service no
+        longer knows the session: it is dropped). False: the error is the call's own."""
+        if _too_large(e):
+            self._stream_models.add(model)
+        elif _session_gone(e):
+            self._shm_failed(shm, "the service no longer knows the session")
+        else:
+            return False
+        return True
+
     def _shm_failed(self, shm: ShmPath, why: str) -> None:
         """Stop using a session that failed a call (the service closed it, or a lease lapsed)."""
         log.info("same-host session dropped (%s); the next call opens a new one", why)
@@ -526,11 +538,7 @@ class KvstoreClient:
                 try:
                     head = _header(stream, "Load")
                 except grpc.RpcError as e:
-                    if _too_large(e):
-                        self._stream_models.add(model)
-                    elif _session_gone(e):
-                        self._shm_failed(shm, "the service no longer knows the session")
-                    else:
+                    if not self._load_refused(shm, model, e):
                         raise
                     shm, req.shm_session = None, ""
             if shm is None:
@@ -605,12 +613,8 @@ class KvstoreClient:
                 for msg in stream:
                     spans.add(_span(msg, "Load"), "Load")
             except grpc.RpcError as e:
-                if _too_large(e):
-                    self._stream_models.add(model)
-                elif not _session_gone(e):
+                if not self._load_refused(shm, model, e):
                     raise _failure(e, "Load") from None
-                else:
-                    self._shm_failed(shm, "the service no longer knows the session")
                 yield self._streamed_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
                 return
             except LeaseLapsed as e:  # the session closed under the call (another thread's failure)
@@ -688,12 +692,8 @@ class KvstoreClient:
             except LeaseLapsed as e:
                 self._shm_failed(shm, str(e))
             except grpc.RpcError as e:
-                if _too_large(e):
-                    self._stream_models.add(req.model)
-                elif not _session_gone(e):
+                if not self._load_refused(shm, req.model, e):
                     raise
-                else:
-                    self._shm_failed(shm, "the service no longer knows the session")
             finally:
                 req.shm_session = ""
         return self._load_into_stream(req, timeout, stream_buffer_for or buffer_for)
