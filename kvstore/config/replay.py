@@ -7,6 +7,7 @@ from typing import Literal
 
 from kvstore.config.fields import join, require
 
+MAX_THREADS = 256  # CPU threads the in-process model may be given
 
 @dataclass(frozen=True)
 class ReplayConfig:
@@ -21,7 +22,7 @@ class ReplayConfig:
     threads: int = 0
 
     def validate(self, prefix: str) -> None:
-        require(0 <= self.threads <= 256, join(prefix, "threads"), "must be 0 (auto) to 256")
+        require(0 <= self.threads <= MAX_THREADS, join(prefix, "threads"), f"must be 0 (auto) to {MAX_THREADS}")
         require(self.timeout_seconds > 0, join(prefix, "timeout_seconds"), "must be > 0")
         require(self.per_tenant_concurrency >= 1, join(prefix, "per_tenant_concurrency"), "must be >= 1")
         require(self.max_batch >= 1, join(prefix, "max_batch"), "must be >= 1")

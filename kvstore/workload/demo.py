@@ -53,9 +53,11 @@ import numpy as np
 
 from kvstore.client.sync_client import KvstoreClient
 from kvstore.client.types import ResumeResult
+from kvstore.config.replay import MAX_THREADS
 from kvstore.errors import InvalidInput, KvstoreError
 from kvstore.layout import TIER_NAMES
 from kvstore.wire.request_ids import new_request_id
+from kvstore.workload.generator import SEED_LIMIT
 from replay.threads import resolve_threads, usable_cpus
 
 if TYPE_CHECKING:
@@ -64,8 +66,6 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 MODEL = "reference-toy-8"
 Say = Callable[[str], None]
-MAX_THREADS = 256  # as the config's replay.threads
-SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT)
 # A cold request slower than this makes the cold reference runs of the later cases long too: say so.
 SLOW_COLD_MS = 2000.0
 # The token counts and states every session of a case must share before they are merged.
