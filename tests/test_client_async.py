@@ -17,6 +17,7 @@ import pytest
 from kvstore.client.async_client import AsyncKvstoreClient
 from kvstore.client.sync_client import InvalidArgumentError, KvstoreClient
 from tests.fixtures.service import CHUNK, TOY, Service, make_config, payloads, tokens
+from tests.helpers.faults import hold_first_lmdb_commit
 from tests.helpers.waiting import wait_until
 
 WAIT_SECONDS = 30.0  # only a bound on a hang
@@ -140,17 +141,7 @@ def test_a_cancelled_same_host_store_never_lends_its_bytes_to_the_next(
     svc = make_service(make_config(service={"unix_socket_path": str(sock), "shm_load_segment_bytes": 4 << 20,
                                             "shm_store_segment_bytes": 4 << 20}))
     cb = svc.chunk_bytes(TOY)
-    durable = svc.app.store._durable
-    put_many = durable.put_many
-    committing, gate = threading.Event(), threading.Event()
-
-    def first_waits(*args: Any, **kwargs: Any) -> Any:
-        if not committing.is_set():
-            committing.set()
-            gate.wait(WAIT_SECONDS)
-        return put_many(*args, **kwargs)
-
-    monkeypatch.setattr(durable, "put_many", first_waits)
+    committing, gate = hold_first_lmdb_commit(svc.app.store, monkeypatch, WAIT_SECONDS)
     # When the cancelled store's thread is done with it (its task is cancelled before that).
     stored, store_call = threading.Event(), KvstoreClient._store_call
 

@@ -34,6 +34,7 @@ from kvstore.service.admin_server import build_observability
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, DENSE, TOY, V41, KiB, Service, make_config, payloads, tokens
+from tests.helpers.faults import hold_first_lmdb_commit
 from tests.helpers.waiting import wait_until
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
@@ -1007,22 +1008,10 @@ def test_a_store_that_fails_while_the_service_commits_it_never_lends_its_bytes_t
     # A Store whose deadline ran out here was still committed there, from views of the store
     # segment: the client gave that space to its next Store, and the first prompt's keys held the
     # second prompt's bytes. The fault: the first commit's LMDB write waits for the test.
-    import threading
-
     svc = make_service(shm_config(sock_dir / "kv.sock"))
     kv = unix(svc)
     cb = svc.chunk_bytes(V41)
-    durable = svc.app.store._durable
-    put_many = durable.put_many
-    committing, gate = threading.Event(), threading.Event()
-
-    def first_waits(*args: Any, **kwargs: Any) -> Any:
-        if not committing.is_set():
-            committing.set()
-            gate.wait(30)
-        return put_many(*args, **kwargs)
-
-    monkeypatch.setattr(durable, "put_many", first_waits)
+    committing, gate = hold_first_lmdb_commit(svc.app.store, monkeypatch, 30)
     first, first_chunks = tokens(61, CHUNK * 4), payloads(62, 4, cb)
     second, second_chunks = tokens(63, CHUNK * 4), payloads(64, 4, cb)
     with pytest.raises(DeadlineExceededError):

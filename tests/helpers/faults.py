@@ -1,0 +1,26 @@
+"""Faults the tests inject into real components (and nothing else is mocked)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+
+def hold_first_lmdb_commit(store: Any, monkeypatch: pytest.MonkeyPatch,
+                           wait_seconds: float) -> tuple[threading.Event, threading.Event]:
+    """Make the store's first LMDB write wait: (committing, set when it began; gate, which the test
+    sets to let it go on). Later writes go through at once."""
+    durable = store._durable
+    put_many = durable.put_many
+    committing, gate = threading.Event(), threading.Event()
+
+    def first_waits(*args: Any, **kwargs: Any) -> Any:
+        if not committing.is_set():
+            committing.set()
+            gate.wait(wait_seconds)
+        return put_many(*args, **kwargs)
+
+    monkeypatch.setattr(durable, "put_many", first_waits)
+    return committing, gate
