@@ -3,12 +3,16 @@ progress on stderr, JSON with `--json`; so `> file` keeps what was asked for."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 
 import pytest
 
+from kvstore.bench.abuse import _summary as abuse_summary
+from kvstore.bench.names import names_note
+from kvstore.bench.restart import _loading_figures
 from kvstore.cli import main
 from kvstore.commands.bench import _print_human
 
@@ -61,6 +65,7 @@ def test_bench_dataplane_reports_each_path_what_a_load_costs_besides_its_copy_an
     runner = doc["runner"]  # expired Resumes whose replay jobs went to a runner on each path (checked there)
     assert runner["passes"] == 2 and all(runner[f"{p}_replay_resume{m}_ms"] > 0 for p in ("shm", "grpc")
                                          for m in ("", "_median")), runner
+    assert "`4_clients` stands for 4 (--clients 2 in this run)" in doc["names_note"], doc.get("names_note")
     assert doc["shm_in_place_share"] == 1.0 and {t["name"].split(": ")[1].split(" (")[0] for t in doc["targets"]} == {
         "shm_load_gbps / memcpy_threads_gbps", "shm_load_gbps / grpc_load_gbps",
         "shm_load_4_clients_gbps / shm_load_1_client_gbps"}
@@ -84,6 +89,37 @@ def test_bench_restart_reports_what_a_reopen_and_the_lookups_during_a_background
             assert f["lookup_p99_ms_while_loading"] is None and f["lookup_loading_ratio"] is None, f
 
 
+def test_a_p99_of_fewer_than_100_lookups_while_the_index_loads_is_marked_n_lt_100() -> None:
+    # One Lookup while loading gave a "p99" that was that Lookup, unmarked.
+    one = _loading_figures([0.002], [0.001] * 200, 0.5)
+    assert one["lookup_p99_ms_while_loading"] == pytest.approx(2.0) and one["lookups_while_loading"] == 1
+    assert one["lookup_p99_while_loading_note"].startswith("n<100: 1 Lookups")
+    assert "lookup_p99_while_loading_note" not in _loading_figures([0.002] * 100, [0.001] * 200, 0.5)
+    assert "lookup_p99_while_loading_note" not in _loading_figures([], [0.001] * 200, 0.5)  # nulls say it
+
+
+def test_an_abuse_run_whose_victim_calls_all_failed_writes_valid_json(capsys: pytest.CaptureFixture[str]) -> None:
+    # The p99 of a pass with no successful call is NaN; `--json` wrote NaN, which JSON does not have.
+    nan = float("nan")
+    failed = {"victim_p99_ms_alone": nan, "victim_p99_ms": nan, "victim_errors": 800,
+              "victim_error_codes": ["UNAVAILABLE"], "p99_ratio": nan, "rss_before_bytes": 1,
+              "rss_during_bytes": 1, "rss_growth_bytes": 0, "rss_settle_seconds": 0.0, "threads_before": 1,
+              "threads_during": 1, "settled": True, "abuser": {}}
+    doc = json.loads(json.dumps(abuse_summary({"store_flood": failed}, [nan]), allow_nan=False))
+    assert doc["victim_p99_ms_alone"] is None and doc["abuses"]["store_flood"]["p99_ratio"] is None
+    assert [(t["name"], t["ok"]) for t in doc["targets"]] == [("store_flood: victim errors", False),
+                                                             ("store_flood: RSS growth MiB", True)]
+    _print_human(doc)  # and the checklist still prints
+    assert "[MISS] store_flood: victim errors: 800" in capsys.readouterr().out
+
+
+def test_names_that_carry_a_default_size_say_so_when_the_flag_differs() -> None:
+    sizes = {"tokens": ("32k", 32_768), "long_tokens": ("1m", 1_000_000)}
+    assert names_note(argparse.Namespace(tokens=32_768, long_tokens=1_000_000), sizes) == {}
+    note = names_note(argparse.Namespace(tokens=1024, long_tokens=1_000_000), sizes)["names_note"]
+    assert note.endswith("`32k` stands for 32,768 (--tokens 1,024 in this run)"), note
+
+
 @pytest.mark.parametrize(("argv", "said"), [
     (["bench", "store", "--sections", "nope"], "store: --sections takes some of memory,lmdb,lookup,device, not 'nope'"),
     # NaN passed the `< 0` checks: an AssertionError, an OverflowError or NaN figures followed.
@@ -95,6 +131,10 @@ def test_bench_restart_reports_what_a_reopen_and_the_lookups_during_a_background
     ([*SMALL, "--mode", "live", "--time-scale", "nan"], "--time-scale must be a finite number > 0"),
     (["bench", "replay", "--prefixes", "100"], "replay: --prefixes must be positive multiples of 128"),
     (["bench", "restart", "--toy-chunks", "10", "20"], "restart: every case needs at least"),
+    # A ValueError from numpy (a negative tail) and an AssertionError from the part encoder.
+    (["bench", "store", "--sections", "lookup", "--lookup-tokens", "4096"],
+     "store: --lookup-tokens must be at least 8192"),
+    (["bench", "pool", "--part-bytes", "0"], "pool: --part-bytes must be >= 4096, not 0"),
 ])
 def test_a_bad_bench_argument_is_a_one_line_user_error(argv: list[str], said: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,5 +25,7 @@ def test_the_service_bench_runs_and_reports_every_figure_and_target() -> None:
     assert doc["prefix_tokens"] == 1024 and doc["key_chain_kernel"] in ("openssl", "hashlib")
     names = [t["name"] for t in doc["targets"]]
     assert doc["long_lookup_tokens"] == 20000
+    # The names are the defaults' (the keys above), and the run says so.
+    assert all(f"`{word}` stands for" in doc["names_note"] for word in ("32k", "128k", "1m")), doc["names_note"]
     assert len(names) == 6 and "lookup_1m_first_sight_ratio" in names[5]
     assert all(isinstance(t["ok"], bool) for t in doc["targets"])

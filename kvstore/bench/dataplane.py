@@ -75,6 +75,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.bench.machine import machine
+from kvstore.bench.names import names_note
 from kvstore.bench.sections import pick_sections
 from kvstore.bench.serve_proc import start_serve
 from kvstore.dataplane.host_copy import in_parts
@@ -88,6 +89,7 @@ SECTIONS = ("host", "first", "runner", "gpu")
 RUNNER_TOKENS = {"shm": "bench-runner-shm-0123456789", "grpc": "bench-runner-tcp-0123456789"}
 FIRST_LOAD_TOKENS = 8192
 FIRST_LOAD_TRIALS = 12
+NAMED_CLIENTS = {"clients": ("4_clients", 4)}  # the client count the figures' names carry (`shm_load_4_clients_gbps`)
 
 
 def add_dataplane_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,7 +99,7 @@ def add_dataplane_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="deepseek-v4.1-flash")
     p.add_argument("--prefixes", default="32768,131072", help="prefix lengths in tokens, comma-separated")
     p.add_argument("--repeats", type=int, default=7, help="passes of each contender per figure")
-    p.add_argument("--clients", type=int, default=4, help="concurrent client processes")
+    p.add_argument("--clients", type=int, default=NAMED_CLIENTS["clients"][1], help="concurrent client processes")
     p.add_argument("--store-repeats", type=int, default=3, help="timed Stores per path")
 
 
@@ -234,6 +236,7 @@ def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+    out.update(names_note(args, NAMED_CLIENTS))
     out["targets"] = targets
     return out
 

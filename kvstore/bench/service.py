@@ -40,20 +40,25 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.bench.names import names_note
 from kvstore.bench.serve_proc import start_serve
 
 MiB = 1 << 20
+# The sizes the figures' names carry (`lookup_32k_...`, `load_128k_...`, `lookup_1m_...`).
+NAMED_SIZES = {"tokens": ("32k", 32_768), "large_tokens": ("128k", 131_072), "long_tokens": ("1m", 1_000_000)}
 
 
 def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="deepseek-v4.1-flash")
-    p.add_argument("--tokens", type=int, default=32_768, help="prefix length")
+    p.add_argument("--tokens", type=int, default=NAMED_SIZES["tokens"][1], help="prefix length")
     p.add_argument("--repeats", type=int, default=8, help="timed loads per figure")
     p.add_argument("--lookups", type=int, default=200, help="timed lookups per figure")
     p.add_argument("--clients", type=int, default=4, help="concurrent client processes")
     p.add_argument("--message-bytes", type=int, default=MiB, help="payload bytes per streamed message")
-    p.add_argument("--large-tokens", type=int, default=131_072, help="prefix length of the large load")
-    p.add_argument("--long-tokens", type=int, default=1_000_000, help="prompt length of the first-sight Lookup")
+    p.add_argument("--large-tokens", type=int, default=NAMED_SIZES["large_tokens"][1],
+                   help="prefix length of the large load")
+    p.add_argument("--long-tokens", type=int, default=NAMED_SIZES["long_tokens"][1],
+                   help="prompt length of the first-sight Lookup")
     p.add_argument("--long-lookups", type=int, default=30, help="timed first-sight and miss Lookups per figure")
 
 
@@ -411,6 +416,7 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
         "load_128k_gbps": large["load"],
         "raw_stream_128k_gbps": large["raw"],
         "load_128k_ratio": large["into"] / large["raw"],
+        **names_note(args, NAMED_SIZES),
         "targets": [
             {"name": "load_128k_ratio: load_into_128k_gbps / raw_stream_128k_gbps",
              "value": large["into"] / large["raw"], "target": ">= 0.8", "ok": large["into"] >= 0.8 * large["raw"]},

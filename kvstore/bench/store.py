@@ -25,11 +25,13 @@ import lmdb
 import numpy as np
 import torch
 
+from kvstore.bench.names import names_note
 from kvstore.bench.sections import pick_sections
 from kvstore.bench.store_device import device_figures
 from kvstore.bench.timing import interleaved_best_rates
 from kvstore.config.service import ServiceConfig
 from kvstore.config.store import GiB, MiB, StoreConfig
+from kvstore.errors import InvalidInput
 from kvstore.layout import get_model
 from kvstore.store import GlobalStore
 from kvstore.tiers import value_format as vf
@@ -40,12 +42,15 @@ from kvstore.tiers.factory import LMDB_SUBDIR, build_tiers
 from kvstore.workload.payloads import realistic_chunk
 
 SECTIONS = ("memory", "lmdb", "lookup", "device")
+FIRST_SIGHT_HELD_TOKENS = 8192  # the first-sight prompt's held head
+NAMED_SIZES = {"lookup_tokens": ("1m", 1_000_000)}  # the size the lookup figures' names carry
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=400, help="chunks per put/get pass (default 400)")
     p.add_argument("--lmdb-puts", type=int, default=150, help="synced LMDB puts per pass (default 150)")
-    p.add_argument("--lookup-tokens", type=int, default=1_000_000, help="prompt length for the lookup")
+    p.add_argument("--lookup-tokens", type=int, default=NAMED_SIZES["lookup_tokens"][1],
+                   help="prompt length for the lookup")
     p.add_argument("--dir", default=None, help="directory for the LMDB files (default: a temp dir)")
     p.add_argument("--sections", default=None, metavar="S,S",
                    help=f"parts to run, of {','.join(SECTIONS)} (default: all; device only where CUDA is present)")
@@ -58,6 +63,9 @@ def _log(msg: str) -> None:
 def run_store_bench(args: argparse.Namespace) -> dict[str, Any]:
     sections = pick_sections("store", args.sections, SECTIONS,
                              [s for s in SECTIONS if s != "device" or torch.cuda.is_available()])
+    if "lookup" in sections and args.lookup_tokens < FIRST_SIGHT_HELD_TOKENS:
+        raise InvalidInput(f"store: --lookup-tokens must be at least {FIRST_SIGHT_HELD_TOKENS} (the first-sight "
+                           f"lookup holds that many tokens of its prompt), not {args.lookup_tokens}")
     spec = get_model("deepseek-v4.1-flash")
     layout = spec.layout
     payload = realistic_chunk(layout, seed=1)
@@ -80,6 +88,7 @@ def run_store_bench(args: argparse.Namespace) -> dict[str, Any]:
             ]
         if "lookup" in sections:
             out.update(_lookup_figure(root, spec, payload, args.lookup_tokens))
+            out.update(names_note(args, NAMED_SIZES))
             targets.append({"name": "lookup 1M tokens <= 25 ms", "value": out["lookup_1m_tokens_ms"],
                             "target": "<= 25", "ok": out["lookup_1m_tokens_ms"] <= 25.0})
     if "device" in sections:
@@ -96,6 +105,12 @@ def _target(name: str, ratio: float, text: str, floor: float) -> dict[str, Any]:
 
 def _keys(n: int, salt: bytes) -> list[bytes]:
     return [hashlib.sha256(salt + i.to_bytes(8, "little")).digest() for i in range(n)]
+
+
+def _message_batches(keys: list[bytes], slots: list[memoryview]) -> list[tuple[list[bytes], list[memoryview]]]:
+    """`keys` in stream messages of `len(slots)` chunks, each with the slots its chunks go to."""
+    step = len(slots)
+    return [(keys[i : i + step], slots[: len(keys[i : i + step])]) for i in range(0, len(keys), step)]
 
 
 def _memory_figures(root: Path, layout: Any, payload: bytes, n: int) -> dict[str, float]:
@@ -161,15 +176,23 @@ def _lmdb_figures(root: Path, layout: Any, payload: bytes, n: int) -> dict[str, 
                 txn.put(k, vf.index_record_of(value), db=raw_index)
         return n * len(payload)
 
-    raw_out = [memoryview(bytearray(len(payload))) for _ in range(n)]
+    # Both gets read as a Load does (kvstore/service/servicer.py, `_stream_whole`): a stream
+    # message's chunks (9 V4.1 chunks in 1 MiB) in one read transaction, into the slots of one
+    # message buffer reused for the whole stream. Raw and tier read into the very same slots:
+    # with a buffer per chunk (17 MB at n=150, out of cache) the raw side wrote more memory.
+    per_message = max(1, ServiceConfig().stream_message_bytes // len(payload))
+    message = memoryview(bytearray(per_message * len(payload)))
+    slots = [message[i * len(payload) : (i + 1) * len(payload)] for i in range(per_message)]
+    raw_batches = _message_batches(keys, slots)
 
     def raw_get() -> int:
-        with raw_env.begin(buffers=True) as txn:
-            for k, out in zip(keys, raw_out, strict=True):
-                value = txn.get(k)
-                assert value is not None
-                _codec, _n, _layout, _ns, raw_size, _stored, psum, po = vf.check_header(value)
-                assert copy_words_sum64(value, po, raw_size >> 3, out) == psum
+        for ks, outs in raw_batches:
+            with raw_env.begin(buffers=True) as txn:
+                for k, out in zip(ks, outs, strict=True):
+                    value = txn.get(k)
+                    assert value is not None
+                    _codec, _n, _layout, _ns, raw_size, _stored, psum, po = vf.check_header(value)
+                    assert copy_words_sum64(value, po, raw_size >> 3, out) == psum
         return n * len(payload)
 
     cfg = StoreConfig(device="cpu", device_capacity_bytes=0, dram_capacity_bytes=0,
@@ -186,17 +209,13 @@ def _lmdb_figures(root: Path, layout: Any, payload: bytes, n: int) -> dict[str, 
             tier.put(k, view, m)
         return n * len(payload)
 
-    # The raw baseline reads every key in one read transaction; so does this, through the call a
-    # Load makes for the chunks of a stream message that only LMDB holds (`get_many_into`), into
-    # one buffer per chunk as a message's slots are. `get_into` (a transaction per chunk) is
-    # reported beside it.
-    per_message = max(1, ServiceConfig().stream_message_bytes // len(payload))  # 9 V4.1 chunks in 1 MiB
-    slots = [memoryview(bytearray(len(payload))) for _ in range(per_message)]
-    batches = [(tkeys[i : i + len(slots)], slots[: len(tkeys[i : i + len(slots)])])
-               for i in range(0, n, len(slots))]
+    # A message's chunks through the call a Load makes for those only LMDB holds (`get_many_into`:
+    # one read transaction), into the slots the raw get fills. `get_into` (a transaction per
+    # chunk) is reported beside it.
+    tier_batches = _message_batches(tkeys, slots)
 
     def tier_get() -> int:
-        for ks, outs in batches:
+        for ks, outs in tier_batches:
             assert None not in tier.get_many_into(ks, outs)
         return n * len(payload)
 
@@ -275,7 +294,7 @@ def _first_sight_figures(root: Path, spec: Any, payload: bytes, n_tokens: int) -
     """A prompt of `n_tokens` seen for the first time (the key memo on, as served) of which only the
     first 8,192 tokens are held, each sample a new tail; and one that misses from its first chunk."""
     layout = spec.layout
-    head = 8192 // layout.chunk_tokens
+    head = FIRST_SIGHT_HELD_TOKENS // layout.chunk_tokens
     cfg = StoreConfig(device="cpu", device_capacity_bytes=0, dram_capacity_bytes=(head + 16) * 114_688,
                       lmdb_capacity_bytes=64 * MiB, write_policy="write-back")
     store = GlobalStore(cfg, root / "first-sight", [spec])
