@@ -69,3 +69,19 @@ def test_probe_that_never_reports_is_given_up() -> None:
     assert b.allow()  # the probe's thread dies without reporting
     clock.now += 5
     assert b.allow()  # another probe, rather than half-open forever
+
+
+def test_a_released_probe_lets_the_next_caller_probe_at_once() -> None:
+    # A probe let through that sent nothing (out of time, or the policy gave no TTL) must not
+    # hold the breaker half-open for another reset period.
+    b, clock = _breaker()
+    _trip(b)
+    clock.now += 5
+    assert b.allow()
+    assert not b.allow()  # one probe at a time
+    b.release()
+    assert b.state == "half-open" and b.allow()
+    b.record_success()
+    assert b.state == "closed"
+    b.release()  # closed: nothing to give back
+    assert b.state == "closed" and b.allow()

@@ -21,6 +21,7 @@ from kvstore.config.local_pool import LocalPoolConfig
 from kvstore.local_pool import LocalPool, build_local_pool
 from kvstore.local_pool.redis_pool import snapshot_key_base
 from kvstore.local_pool.redis_process import RedisClusterProcesses
+from kvstore.local_pool.snapshot_format import PART_HEADER, PART_MAGIC, SnapshotHeader
 from tests.fixtures.redis_server import RedisFactory, scan_pttls
 from tests.helpers.static_ttl import StaticTtl
 
@@ -262,6 +263,17 @@ def test_stats_count_outcomes(backend: Backend) -> None:
     assert pool.health().status == "ok"
 
 
+def test_a_probe_of_a_healthy_backend_is_ok(backend: Backend) -> None:
+    # On a cluster the probe was a bare PING, which a cluster pipeline sends nowhere ("Missing
+    # key"): every start said "degraded", and each probe counted against the breaker.
+    pool = backend.pool(backend.policy(30), breaker_failures=2)
+    for _ in range(3):
+        assert pool.probe().status == "ok"
+    s = pool.stats()
+    assert s.errors == 0 and s.breaker_state == "closed"
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x" * 100).written
+
+
 def test_closed_pool_misses_and_skips(backend: Backend) -> None:
     pool = backend.pool(backend.policy(30))
     pool.close()
@@ -355,6 +367,19 @@ def test_a_snapshot_written_after_a_bad_read_is_not_removed(
     c.delete(key)
     assert reader.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "incomplete"
     assert redis_backend.pttls() == {}
+
+
+def test_a_header_claiming_a_huge_payload_is_a_corrupt_miss(redis_backend: Backend) -> None:
+    # Its CRC is right (anyone can compute one); the parts hold 20 bytes. The reader once
+    # allocated the 2**62 bytes claimed first, and get() raised MemoryError.
+    pool = redis_backend.pool(redis_backend.policy(30))
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(2 * PART_BYTES)).written  # 3 parts
+    base = snapshot_key_base("kvs", _ns(), _bk())
+    c = redis_backend.client_for(base + b"0")
+    c.set(base + b"0", SnapshotHeader(LAYOUT, 128, 1 << 62, 2, 7, (0, 0)).pack() + b"x" * 10, keepttl=True)
+    c.set(base + b"1", PART_HEADER.pack(PART_MAGIC, 1, 7) + b"y" * 10, keepttl=True)
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
+    assert redis_backend.pttls() == {}, "a corrupt snapshot is removed"
 
 
 def test_part_from_another_write_is_corrupt(redis_backend: Backend) -> None:

@@ -10,7 +10,9 @@ import pytest
 
 from kvstore.local_pool.snapshot_format import (
     HEADER,
+    MAX_PARTS,
     PART_HEADER,
+    PART_MAGIC,
     SnapshotFormatError,
     SnapshotHeader,
     decode_parts,
@@ -117,3 +119,16 @@ def test_checksum_matches_a_plain_reference() -> None:
     ref = (sum(words) & mask, sum((i + 1) * w for i, w in enumerate(words)) & mask)
     assert payload_checksum(data) == ref
     assert PART_HEADER.size == 16
+
+
+def test_sizes_in_a_header_are_checked_before_they_are_used() -> None:
+    # A header is only as trustworthy as its CRC, which anyone can compute: one that claimed
+    # 2**62 payload bytes made the reader allocate them (MemoryError) before it looked at the parts.
+    head = SnapshotHeader(LAYOUT, 128, 1 << 62, 2, 7, (0, 0))
+    parts = [head.pack() + b"x" * 10, PART_HEADER.pack(PART_MAGIC, 1, 7) + b"y" * 10]
+    with pytest.raises(SnapshotFormatError, match="parts hold 20 B"):
+        decode_parts(SnapshotHeader.unpack(parts[0]), parts)
+    # A part count no snapshot has would make a reader ask Redis for that many keys.
+    with pytest.raises(SnapshotFormatError, match="part count"):
+        SnapshotHeader.unpack(SnapshotHeader(LAYOUT, 128, 100, MAX_PARTS + 1, 7, (0, 0)).pack())
+    assert SnapshotHeader.unpack(SnapshotHeader(LAYOUT, 128, 100, MAX_PARTS, 7, (0, 0)).pack()).part_count == MAX_PARTS

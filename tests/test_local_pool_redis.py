@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,9 @@ import redis
 from kvstore.config.local_pool import LocalPoolConfig
 from kvstore.errors import ConfigError
 from kvstore.local_pool import LocalPool, build_local_pool
+from kvstore.local_pool.redis_pool import snapshot_key_base
 from kvstore.local_pool.redis_process import RedisClusterProcesses, RedisProcess, free_port
+from kvstore.local_pool.redis_transport import ClusterTransport
 from tests.fixtures.redis_server import RedisFactory, scan_pttls
 from tests.fixtures.tcp_proxy import TcpProxy
 from tests.helpers.static_ttl import StaticTtl
@@ -54,6 +57,15 @@ def _bk(i: int = 0) -> bytes:
 def _assert_ttl_invariant(client: redis.Redis, ttl_seconds: float = TTL_SECONDS) -> None:
     for key, pttl in scan_pttls(client).items():
         assert pttl == -2 or 0 < pttl <= ttl_seconds * 1000, (key, pttl)
+
+
+def _wait_until(cond: Any, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return False
 
 
 def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
@@ -203,6 +215,37 @@ def test_the_policy_hears_only_of_writes_that_are_sent(redis_server: RedisProces
     pool.close()
     assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x").skip_reason == "closed"
     assert policy.writes == 1
+
+
+def test_in_half_open_the_policy_hears_only_of_the_probe(redis_server: RedisProcess, tcp_proxy_factory: Any) -> None:
+    # Writes refused while the half-open breaker's one probe is in flight were once counted by
+    # the policy first (put looked only for "open" before asking it for a TTL).
+    class Counting(StaticTtl):
+        writes = 0
+
+        def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
+            self.writes += 1
+            return super().ttl_for_write(tenant, nbytes, now)
+
+    proxy: TcpProxy = tcp_proxy_factory(redis_server.port)
+    policy = Counting(TTL_SECONDS)
+    pool = build_local_pool(LocalPoolConfig(url=proxy.url, socket_timeout_seconds=0.2, connect_timeout_seconds=0.2,
+                                            call_budget_seconds=0.5, breaker_failures=1,
+                                            breaker_reset_seconds=0.3), policy)
+    proxy.set_mode("hang")
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x" * 1000).skip_reason == "timeout"
+    assert pool.stats().breaker_state == "open"
+    time.sleep(0.35)
+    policy.writes = 0
+    probe: list[Any] = []
+    t = threading.Thread(target=lambda: probe.append(pool.put(_ns(1), _bk(), TENANT, LAYOUT, 128, b"x" * 1000)))
+    t.start()
+    assert _wait_until(lambda: policy.writes == 1)
+    refused = [pool.put(_ns(2 + i), _bk(), TENANT, LAYOUT, 128, b"x" * 1000).skip_reason for i in range(20)]
+    t.join()
+    assert set(refused) == {"breaker-open"} and probe[0].skip_reason == "timeout"
+    assert policy.writes == 1, "only the probe's write was sent"
+    pool.close()
 
 
 def test_breaker_opens_on_dead_redis_and_recovers_by_itself(
@@ -434,3 +477,79 @@ def test_cluster_node_down_is_misses_not_errors(redis_binary: str) -> None:
         pool.close()
     finally:
         cluster.close()
+
+
+def test_a_dead_cluster_master_does_not_refuse_the_keys_of_the_live_ones(redis_binary: str) -> None:
+    # One breaker for the whole cluster opened on the dead master's keys and then refused the
+    # live masters' keys too, a quarter of their reads at the default breaker settings.
+    cluster = RedisClusterProcesses(3, redis_binary, {"cluster-require-full-coverage": "no"}).start()
+    try:
+        pool = build_local_pool(LocalPoolConfig(url=cluster.url), StaticTtl(TTL_SECONDS))  # default breaker
+        data = os.urandom(10_000)
+        n = 30
+        for i in range(n):
+            assert pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, data).written
+        on_node0 = set(cluster.nodes[0].client().scan_iter(match="kvs:*"))
+        dead = {i for i in range(n) if snapshot_key_base("kvs", _ns(i), _bk()) + b"0" in on_node0}
+        assert 0 < len(dead) < n
+        cluster.nodes[0].kill()
+        for _ in range(3):
+            for i in range(n):
+                got = pool.get(_ns(i), _bk(), TENANT, LAYOUT)
+                if i in dead:
+                    assert got.miss_reason in ("error", "timeout", "breaker-open")
+                else:
+                    assert got.payload is not None and bytes(got.payload) == data, (i, got.miss_reason)
+        s = pool.stats()
+        assert s.breaker_state == "open" and s.misses["breaker-open"] > 0  # the dead node's breaker
+        assert pool.health().status == "degraded" and f":{cluster.nodes[0].port}" in pool.health().reason
+        pool.close()
+    finally:
+        cluster.close()
+
+
+def test_a_hung_cluster_at_first_use_costs_each_caller_only_its_deadline(redis_binary: str) -> None:
+    # The first calls build the cluster client (a slot map from each startup node in turn, a
+    # socket timeout each when they hang). It was built under a lock that callers queued on:
+    # 8 gets with 0.2 s left took 0.75 to 6 s, and answered "error".
+    cluster = RedisClusterProcesses(3, redis_binary).start()
+    try:
+        for node in cluster.nodes:
+            node.freeze()
+        pool = _pool(cluster.url, socket_timeout_seconds=0.25, connect_timeout_seconds=0.25,
+                     call_budget_seconds=0.5, breaker_failures=1000)
+        got, took = _timed(pool.get, _ns(), _bk(), TENANT, LAYOUT)
+        assert got.miss_reason == "timeout" and took < 0.5 + SLACK_SECONDS
+        outcomes: list[tuple[str | None, float]] = []
+
+        def one(i: int) -> None:
+            g, dt = _timed(pool.get, _ns(i), _bk(), TENANT, LAYOUT, deadline_seconds=0.2)
+            outcomes.append((g.miss_reason, dt))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(outcomes) == 8
+        for reason, dt in outcomes:
+            assert reason == "timeout" and dt < 0.2 + SLACK_SECONDS, outcomes
+        for node in cluster.nodes:
+            node.thaw()
+        assert _wait_until(lambda: pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x" * 100).written)
+        pool.close()
+    finally:
+        for node in cluster.nodes:
+            node.thaw()
+        cluster.close()
+
+
+def test_a_closed_cluster_transport_builds_no_client(redis_cluster: RedisClusterProcesses) -> None:
+    # A call that passed the pool's closed check as close() ran once built a fresh client (with
+    # its connections) that nothing would close.
+    transport = ClusterTransport(redis_cluster.url, 0.5, 0.5)
+    assert transport.transaction([("EXISTS", "kvs:{t}:p0")], time.monotonic() + 2.0) == [0]
+    transport.close()
+    with pytest.raises(redis.exceptions.ConnectionError, match="closed"):
+        transport.transaction([("EXISTS", "kvs:{t}:p0")], time.monotonic() + 2.0)
+    assert transport._client is None

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import load_config
-from kvstore.config.local_pool import LocalPoolConfig, redis_url_problem
+from kvstore.config import KvstoreConfig, load_config
+from kvstore.config.local_pool import redis_url_problem
 from kvstore.config.policies import build_ttl
 from kvstore.local_pool import LocalPool, build_local_pool
 from kvstore.local_pool.redis_process import RedisProcess
@@ -36,9 +36,9 @@ def _toml(ttl_seconds: float, url: str = "embedded", extra: str = "") -> str:
 
 class Recorder:
     def __init__(self) -> None:
-        self.seen: list[LocalPoolConfig] = []
+        self.seen: list[KvstoreConfig] = []
 
-    def __call__(self, cfg: LocalPoolConfig) -> None:
+    def __call__(self, cfg: KvstoreConfig) -> None:
         self.seen.append(cfg)
 
 
@@ -52,7 +52,7 @@ def _wait_for(cond: object, timeout: float = 5.0) -> bool:
 
 
 def _reloader(path: Path, rec: Recorder, poll: float = 0.05) -> ConfigReloader:
-    return ConfigReloader(path, rec, current=load_config(path).local_pool, poll_seconds=poll)
+    return ConfigReloader(path, rec, current=load_config(path), poll_seconds=poll)
 
 
 def test_invalid_file_is_rejected_with_one_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -75,7 +75,7 @@ def test_invalid_file_is_rejected_with_one_log_line(tmp_path: Path, caplog: pyte
         lines = [rec_.getMessage() for rec_ in caplog.records]
         assert len(lines) == 1 and "rejected" in lines[0] and "keeping the previous" in lines[0]
         assert names in lines[0]
-    assert rec.seen == [] and r.current.ttl.ttl_seconds == 300
+    assert rec.seen == [] and r.current.local_pool.ttl.ttl_seconds == 300
 
 
 @pytest.mark.parametrize(("body", "key"), [
@@ -94,7 +94,7 @@ def test_an_infinite_ttl_is_rejected_on_reload(
     with caplog.at_level(logging.ERROR, logger="kvstore.local_pool.reload"):
         assert r.reload_now() is False
     assert f"'{key}': must be a finite number of seconds > 0" in caplog.text
-    assert rec.seen == [] and r.current.ttl.ttl_seconds == 300
+    assert rec.seen == [] and r.current.local_pool.ttl.ttl_seconds == 300
 
 
 @pytest.mark.parametrize("url", ["redis://[::1:6379/0", "redis://host:abc/0", "redis://host:70000/0",
@@ -110,7 +110,7 @@ def test_an_unparseable_redis_url_is_rejected_not_raised(
     with caplog.at_level(logging.ERROR, logger="kvstore.local_pool.reload"):
         assert r.reload_now() is False
     assert "'local_pool.url': is not a valid URL" in caplog.text
-    assert rec.seen == [] and r.current.url == "embedded"
+    assert rec.seen == [] and r.current.local_pool.url == "embedded"
 
 
 @pytest.mark.parametrize("url", ["redis://h:6379/0", "redis://:pw@[::1]:6379", "rediss://u:p@h/1",
@@ -128,7 +128,7 @@ def test_valid_change_reaches_the_callback_once(tmp_path: Path, caplog: pytest.L
     _write(path, _toml(42))
     with caplog.at_level(logging.INFO, logger="kvstore.local_pool.reload"):
         assert r.reload_now()
-    assert [c.ttl.ttl_seconds for c in rec.seen] == [42]
+    assert [c.local_pool.ttl.ttl_seconds for c in rec.seen] == [42]
     assert "local_pool.ttl.ttl_seconds: 300.0 -> 42.0" in caplog.text  # from what to what
     caplog.clear()
     _write(path, _toml(42, extra="capacity_bytes = 1048576"))
@@ -152,14 +152,14 @@ def test_polling_sees_the_file_change(tmp_path: Path) -> None:
         assert _wait_for(lambda: len(rec.seen) == 2)
     finally:
         r.stop()
-    assert [c.ttl.ttl_seconds for c in rec.seen] == [7, 9]
+    assert [c.local_pool.ttl.ttl_seconds for c in rec.seen] == [7, 9]
 
 
 def test_sighup_triggers_a_reload(tmp_path: Path) -> None:
     path = tmp_path / "kvstore.toml"
     _write(path, _toml(300))
     rec = Recorder()
-    r = ConfigReloader(path, rec, current=load_config(path).local_pool, poll_seconds=3600)
+    r = ConfigReloader(path, rec, current=load_config(path), poll_seconds=3600)
     r.install_sighup()
     r.start()
     try:
@@ -168,7 +168,7 @@ def test_sighup_triggers_a_reload(tmp_path: Path) -> None:
         assert _wait_for(lambda: len(rec.seen) == 1)
     finally:
         r.stop()
-    assert rec.seen[0].ttl.ttl_seconds == 11
+    assert rec.seen[0].local_pool.ttl.ttl_seconds == 11
     assert signal.getsignal(signal.SIGHUP) is not r._on_sighup  # stop() put the old handler back
 
 
@@ -183,15 +183,15 @@ def test_hot_reload_changes_ttl_of_new_writes_only(
     cfg = load_config(path).local_pool
     pool: LocalPool = build_local_pool(cfg, build_ttl(cfg.ttl, 128, SNAPSHOT))
 
-    def apply(new: LocalPoolConfig) -> None:  # what the service does with a reloaded section
-        pool.set_ttl_policy(build_ttl(new.ttl, 128, SNAPSHOT))
+    def apply(new: KvstoreConfig) -> None:  # what the service does with a reloaded config
+        pool.set_ttl_policy(build_ttl(new.local_pool.ttl, 128, SNAPSHOT))
 
-    r = ConfigReloader(path, apply, current=cfg, poll_seconds=0.05)
+    r = ConfigReloader(path, apply, current=load_config(path), poll_seconds=0.05)
     r.start()
     try:
         assert pool.put(b"a" * 32, b"k" * 32, "t", LAYOUT, 128, os.urandom(SNAPSHOT)).written
         _write(path, _toml(0.3, url))
-        assert _wait_for(lambda: r.current.ttl.ttl_seconds == 0.3)
+        assert _wait_for(lambda: r.current.local_pool.ttl.ttl_seconds == 0.3)
         put = pool.put(b"b" * 32, b"k" * 32, "t", LAYOUT, 128, os.urandom(SNAPSHOT))
         assert put.written and put.ttl_seconds == pytest.approx(0.3)
         time.sleep(0.45)
@@ -215,9 +215,9 @@ def test_a_restart_only_change_does_not_reach_the_callback(tmp_path: Path, caplo
         assert r.reload_now()
     assert "socket_timeout_seconds" in caplog.text and "restart" in caplog.text
     assert rec.seen == [], "nothing to apply: the TTL policy must not be rebuilt"
-    assert r.current.socket_timeout_seconds == 0.3  # noted once, not warned about again
+    assert r.current.local_pool.socket_timeout_seconds == 0.3  # noted once, not warned about again
     _write(path, _toml(60, extra="socket_timeout_seconds = 0.3"))
-    assert r.reload_now() and [c.ttl.ttl_seconds for c in rec.seen] == [60]
+    assert r.reload_now() and [c.local_pool.ttl.ttl_seconds for c in rec.seen] == [60]
 
 
 def test_the_service_keeps_what_its_adaptive_policy_learnt_across_a_restart_only_change(tmp_path: Path) -> None:
@@ -254,3 +254,75 @@ def test_the_service_keeps_what_its_adaptive_policy_learnt_across_a_restart_only
         assert app.config.local_pool.ttl.ttl_seconds == 200.0
     finally:
         app.close()
+
+
+def test_a_tenants_local_ttl_is_applied_and_every_other_change_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # [tenants.X] local_ttl_seconds is a TTL policy input, but a reload once compared [local_pool]
+    # only: the change was ignored, and a later [local_pool.ttl] change rebuilt the policy with
+    # the tenant's old value. Every other section was ignored without a word.
+    from kvstore.service.app import build_app
+    from tests.fixtures.service import TOY, base_table, to_toml
+
+    leaked, fresh = "leaked-" + "t" * 40, "fresh-" + "u" * 40
+    table = base_table(local_pool={"capacity_bytes": 1 << 20, "ttl": {"kind": "fixed", "ttl_seconds": 300.0}},
+                       service={"models": [TOY]},
+                       tenants={"acme": {"tokens": [leaked], "local_ttl_seconds": 600.0}})
+    path = tmp_path / "kvstore.toml"
+    _write(path, to_toml(table))
+    cfg = load_config(path)
+    app = build_app(cfg, tmp_path / "data", coordinator_factory=None)
+    try:
+        assert app.ttl_policy is not None and app.ttl_policy.ttl_for_write("acme", 1000, 0.0) == 600
+        # As `kvstore serve` wires it: the callback, and the [local_pool] section in force.
+        r = ConfigReloader(path, app.reload_local_pool, cfg.local_pool, poll_seconds=3600)
+        table["tenants"]["acme"]["local_ttl_seconds"] = 20.0
+        _write(path, to_toml(table))
+        assert r.reload_now()
+        assert app.ttl_policy.ttl_for_write("acme", 1000, 0.0) == 20
+        assert app.config.tenants["acme"].local_ttl_seconds == 20
+        table["local_pool"]["ttl"]["ttl_seconds"] = 200.0
+        _write(path, to_toml(table))
+        assert r.reload_now()
+        assert app.ttl_policy.ttl_for_write("acme", 1000, 0.0) == 20, "the tenant's new TTL stays"
+        assert app.ttl_policy.ttl_for_write("other", 1000, 0.0) == 200
+
+        policy = app.ttl_policy
+        table["tenants"]["acme"]["tokens"] = [fresh]  # revoking a leaked token needs a restart: say so
+        table["service"]["max_concurrent_calls"] = 16
+        _write(path, to_toml(table))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvstore.local_pool.reload"):
+            assert r.reload_now()
+        warnings = [x.getMessage() for x in caplog.records if x.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "restart" in warnings[0]
+        assert "tenants.acme.tokens" in warnings[0] and "service.max_concurrent_calls" in warnings[0]
+        assert leaked not in caplog.text and fresh not in caplog.text, "names only: tokens are secrets"
+        assert app.ttl_policy is policy and app.config.tenants["acme"].tokens == (leaked,)
+    finally:
+        app.close()
+
+
+def test_a_change_reload_does_not_apply_is_named_as_needing_a_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A reload compared [local_pool] only: an operator revoking a leaked token got no word that
+    # it was not in force, while a local_pool.retries change got "restart needed".
+    leaked, fresh = "leaked-" + "t" * 40, "fresh-" + "u" * 40
+    path = tmp_path / "kvstore.toml"
+    _write(path, f'[tenants.acme]\ntokens = ["{leaked}"]\n')
+    rec = Recorder()
+    r = ConfigReloader(path, rec, load_config(path).local_pool)  # as `kvstore serve` builds it
+    _write(path, f'[tenants.acme]\ntokens = ["{fresh}"]\n[tenants.bob]\ntokens = ["{"b" * 40}"]\n'
+                 '[service]\nmax_concurrent_calls = 8\n')
+    with caplog.at_level(logging.INFO, logger="kvstore.local_pool.reload"):
+        assert r.reload_now()
+    assert rec.seen == [], "nothing the reload applies changed"
+    [line] = [x.getMessage() for x in caplog.records]
+    assert caplog.records[0].levelno == logging.WARNING and "restart" in line
+    for key in ("tenants.acme.tokens", "tenants.bob", "service.max_concurrent_calls"):
+        assert key in line
+    assert leaked not in line and fresh not in line, "names only: tokens are secrets"
+    caplog.clear()
+    assert r.reload_now() and caplog.records == []  # said once

@@ -19,6 +19,25 @@ _TLS_URL_OPTIONS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "s
                               "ssl_password", "ssl_check_hostname", "ssl_min_version"})
 
 
+DEFAULT_REDIS_PORT = 6379
+
+
+def url_hosts(url: str) -> list[tuple[str | None, int]]:
+    """The (host, port) pairs a redis[s]:// or redis[s]+cluster:// URL names, in order: a cluster's
+    URL may list several, comma-separated; a missing port is 6379, a missing host None. The one
+    parser of them, for validation and for the cluster transport. ValueError says which host is bad
+    (an unbalanced '[' around an IPv6 address, a port that is not a number in range)."""
+    rest = url.partition("://")[2]
+    out: list[tuple[str | None, int]] = []
+    for host in urlsplit(f"redis://{rest}").netloc.rpartition("@")[2].split(","):
+        try:
+            parts = urlsplit(f"redis://{host}")
+            out.append((parts.hostname, parts.port or DEFAULT_REDIS_PORT))
+        except ValueError as e:
+            raise ValueError(f"host {host!r}: {e}") from None
+    return out
+
+
 def redis_url_problem(url: str) -> str | None:
     """Why a Redis URL cannot be used (it does not parse, or has query options kvstore does not
     take), or None."""
@@ -27,13 +46,14 @@ def redis_url_problem(url: str) -> str | None:
     if scheme.endswith("+cluster"):
         allowed -= {"db"}  # a cluster has database 0 only
     try:
-        parts = urlsplit(f"redis://{rest}")
-        query = parts.query
-        if scheme != "unix":  # a cluster's URL may list several host:port, comma-separated
-            for host in parts.netloc.rpartition("@")[2].split(","):
-                _ = urlsplit(f"redis://{host}").port  # ValueError: not a port number in range
+        query = urlsplit(f"redis://{rest}").query
+        hosts = [] if scheme == "unix" else url_hosts(url)
     except ValueError as e:  # e.g. an unbalanced '[' around an IPv6 host, or "host:abc"
         return f"is not a valid URL: {e}"
+    if scheme.endswith("+cluster") and any(h is None for h, _ in hosts):
+        return "is not a valid URL: every node of a cluster's URL needs a host (host[:port], comma-separated)"
+    if not scheme.endswith("+cluster") and len(hosts) > 1:
+        return f"names {len(hosts)} hosts: a Redis Cluster's URL is {scheme}+cluster://host[:port],host[:port]"
     bad = sorted({name for name, _ in parse_qsl(query, keep_blank_values=True)} - allowed)
     if bad:
         return (f"has query options kvstore does not take: {', '.join(bad)} (timeouts and retries are "
@@ -41,12 +61,24 @@ def redis_url_problem(url: str) -> str | None:
     return None
 
 
-_SECONDS = "must be a finite number of seconds > 0"
+# Upper bounds on the *_seconds keys. TOML reads `inf` and 1e300 as numbers: as a socket timeout
+# or a deadline they overflow the OS's time types (every pool call then fails), and as a TTL Redis
+# refuses the PX (every write fails). An hour is far past any call's deadline; a year, any TTL.
+MAX_CALL_SECONDS = 3600.0
+MAX_TTL_SECONDS = 365 * 86400.0
+
+_SECONDS = f"must be a finite number of seconds > 0 and <= {MAX_TTL_SECONDS:.0f}"
+_CALL_SECONDS = f"must be a finite number of seconds > 0 and <= {MAX_CALL_SECONDS:.0f}"
 
 
 def finite_positive(v: float) -> bool:
     """> 0 and neither infinite nor NaN."""
     return v > 0 and math.isfinite(v)
+
+
+def seconds_within(v: float, most: float) -> bool:
+    """0 < v <= most (so neither infinite nor NaN)."""
+    return 0 < v <= most
 
 
 @dataclass(frozen=True)
@@ -64,8 +96,8 @@ class TtlPolicyConfig:
     def validate(self, prefix: str) -> None:
         # TOML reads `inf` and `nan`: an infinite TTL would never expire, and a NaN cost poisons
         # the adaptive policy's cost search.
-        require(finite_positive(self.ttl_seconds), join(prefix, "ttl_seconds"), _SECONDS)
-        require(finite_positive(self.max_ttl_seconds), join(prefix, "max_ttl_seconds"), _SECONDS)
+        require(seconds_within(self.ttl_seconds, MAX_TTL_SECONDS), join(prefix, "ttl_seconds"), _SECONDS)
+        require(seconds_within(self.max_ttl_seconds, MAX_TTL_SECONDS), join(prefix, "max_ttl_seconds"), _SECONDS)
         require(0 < self.min_ttl_seconds <= self.max_ttl_seconds, join(prefix, "min_ttl_seconds"),
                 "must be > 0 and <= max_ttl_seconds")
         require(finite_positive(self.replay_cost_per_token), join(prefix, "replay_cost_per_token"),
@@ -76,7 +108,7 @@ class TtlPolicyConfig:
         require(self.adaptive_window_samples >= self.adaptive_min_samples,
                 join(prefix, "adaptive_window_samples"), "must be >= adaptive_min_samples")
         for t, v in self.tenant_ttl_seconds.items():
-            require(finite_positive(v), join(prefix, f"tenant_ttl_seconds.{t}"), _SECONDS)
+            require(seconds_within(v, MAX_TTL_SECONDS), join(prefix, f"tenant_ttl_seconds.{t}"), _SECONDS)
 
 
 @dataclass(frozen=True)
@@ -103,12 +135,11 @@ class LocalPoolConfig:
         problem = None if self.url == "embedded" else redis_url_problem(self.url)
         require(problem is None, join(prefix, "url"), problem or "")
         require(self.capacity_bytes >= 0, join(prefix, "capacity_bytes"), "must be >= 0")
-        require(self.socket_timeout_seconds > 0, join(prefix, "socket_timeout_seconds"), "must be > 0")
-        require(self.connect_timeout_seconds > 0, join(prefix, "connect_timeout_seconds"), "must be > 0")
+        for key in ("socket_timeout_seconds", "connect_timeout_seconds", "breaker_reset_seconds",
+                    "call_budget_seconds"):
+            require(seconds_within(getattr(self, key), MAX_CALL_SECONDS), join(prefix, key), _CALL_SECONDS)
         require(self.retries >= 0, join(prefix, "retries"), "must be >= 0")
         require(self.breaker_failures >= 1, join(prefix, "breaker_failures"), "must be >= 1")
-        require(self.breaker_reset_seconds > 0, join(prefix, "breaker_reset_seconds"), "must be > 0")
         require(self.part_bytes >= 4096, join(prefix, "part_bytes"), "must be >= 4096")
-        require(self.call_budget_seconds > 0, join(prefix, "call_budget_seconds"), "must be > 0")
         require(bool(self.key_prefix) and not any(c in self.key_prefix for c in "{}: \t\r\n"),
                 join(prefix, "key_prefix"), "must be non-empty, without braces, colons or spaces")

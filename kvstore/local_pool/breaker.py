@@ -57,6 +57,15 @@ class CircuitBreaker:
             self._since = now
             return True
 
+    def release(self) -> None:
+        """A caller let through made no call that says anything about the backend (it ran out of
+        time, or had nothing to send after all): in half-open, the next caller probes at once
+        instead of waiting for this probe to be given up."""
+        with self._lock:
+            if self._state == "half-open":
+                self._state = "open"
+                self._since = self._clock() - self._reset
+
     def record_success(self) -> None:
         with self._lock:
             self._state = "closed"

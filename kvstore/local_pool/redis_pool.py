@@ -14,7 +14,9 @@ the parts in one transaction and returns the snapshot only when all are present 
 Trouble with Redis (slow, hanging, down, restarted empty, out of memory) becomes a miss or a
 skipped write with a counter, never an exception. Each call has a budget: the caller's deadline,
 at most `call_budget_seconds`; attempts (1 + `retries`) run only while budget is left and their
-socket timeouts are cut to it. A circuit breaker stops calls to a Redis that keeps failing.
+socket timeouts are cut to it. A circuit breaker stops calls to a Redis that keeps failing: one
+per node on a cluster (the node that owns the snapshot's slot), so a dead master does not refuse
+the keys of the live ones.
 
 This module knows the key scheme and the call discipline; the byte format is in
 `snapshot_format`, the wire in `redis_transport`, TTL choices in the policy.
@@ -85,7 +87,9 @@ class RedisPool:
         self._transport = transport
         self._policy = ttl_policy
         self._clock = clock  # policy time and the breaker; socket deadlines use time.monotonic()
-        self._breaker = CircuitBreaker(cfg.breaker_failures, cfg.breaker_reset_seconds, clock)
+        # One breaker per node the transport names ("" for a single node, or a cluster not yet reached).
+        self._breakers: dict[str, CircuitBreaker] = {}
+        self._last_error = ""  # of the last failed call that said something about Redis
         self._counters = PoolCounters()
         self._lock = threading.Lock()
         # Part counts learned per layout, so a read fetches all parts in its first round trip.
@@ -101,25 +105,29 @@ class RedisPool:
     ) -> PutResult:
         if self._closed:
             return self._counters.skip("closed")
-        if self._breaker.state == "open":
-            # Before the policy hears of a write that will not happen, and before the checksum.
-            return self._counters.skip("breaker-open")
         deadline_at = self._deadline(deadline_seconds)
         if deadline_at - time.monotonic() < MIN_ATTEMPT_SECONDS:
             return self._counters.skip("timeout")  # as _run would, but before the policy counts a write
+        base = snapshot_key_base(self._cfg.key_prefix, ns_digest, boundary_key)
+        breaker = self._breaker_for(base)
+        # The breaker's permission (in half-open, the one probe's) before the policy hears of a
+        # write that would not be sent (a learning policy counts every write it is asked about),
+        # and before the checksum.
+        if not breaker.allow():
+            return self._counters.skip("breaker-open")
         nbytes = memoryview(payload).nbytes
         ttl = self._policy.ttl_for_write(tenant, nbytes, self._clock())
         if not (ttl > 0 and math.isfinite(ttl)):
+            breaker.release()
             return self._counters.skip("policy")
         # Whole milliseconds, rounded down, so the key never outlives the TTL it was given.
         ttl_ms = max(1, int(ttl * 1000))
         parts = encode_parts(layout_id, boundary_tokens, payload, self._cfg.part_bytes)
-        base = snapshot_key_base(self._cfg.key_prefix, ns_digest, boundary_key)
         cmds: list[Command] = [("SET", base + b"%d" % i, part, "PX", ttl_ms) for i, part in enumerate(parts)]
         # Parts beyond this write's count, left by an earlier write of the same key with more
         # parts, would never be read again but would hold memory until their TTL.
         cmds += [("UNLINK", base + b"%d" % i) for i in range(len(parts), self._max_parts)]
-        replies = self._run(cmds, deadline_at)
+        replies = self._attempts(cmds, deadline_at, breaker)
         if isinstance(replies, str):
             return self._counters.skip(_skip_reason(replies))
         for r in replies:
@@ -139,7 +147,7 @@ class RedisPool:
         base = snapshot_key_base(self._cfg.key_prefix, ns_digest, boundary_key)
         want = self._parts_hint.get(layout_id, 1)
         for _ in range(2):  # a second round only when the snapshot has more parts than hinted
-            replies = self._run([("GET", base + b"%d" % i) for i in range(want)], deadline_at)
+            replies = self._run([("GET", base + b"%d" % i) for i in range(want)], deadline_at, base)
             if isinstance(replies, str):
                 return self._counters.miss(_miss_reason(replies))
             outcome = self._assemble(replies, layout_id)
@@ -173,23 +181,31 @@ class RedisPool:
 
     def stats(self) -> PoolStats:
         plain, misses, skipped = self._counters.snapshot()
+        breakers = list(self._breakers.values())
+        states = {b.state for b in breakers}
+        # The worst node's state: "open" while any node's breaker refuses calls.
+        state = next((s for s in ("open", "half-open") if s in states), "closed")
         return PoolStats(
             backend=self._transport.kind, misses=misses, skipped_writes=skipped, entries=-1, used_bytes=-1,
-            capacity_bytes=-1, breaker_state=self._breaker.state, breaker_opens=self._breaker.opens, **plain,
+            capacity_bytes=-1, breaker_state=state, breaker_opens=sum(b.opens for b in breakers), **plain,
         )
 
     def health(self) -> PoolHealth:
         if self._closed:
             return PoolHealth("degraded", "closed")
-        state = self._breaker.state
-        if state != "closed":
-            return PoolHealth("degraded", f"redis unreachable, breaker {state}: {self._breaker.last_error}")
-        if not self._reached and self._breaker.last_error:
-            return PoolHealth("degraded", f"redis not reached yet: {self._breaker.last_error}")
+        for node, breaker in list(self._breakers.items()):
+            state = breaker.state
+            if state != "closed":
+                where = f"redis node {node}" if node else "redis"
+                return PoolHealth("degraded", f"{where} unreachable, breaker {state}: {breaker.last_error}")
+        if not self._reached and self._last_error:
+            return PoolHealth("degraded", f"redis not reached yet: {self._last_error}")
         return PoolHealth("ok")
 
     def probe(self, deadline_seconds: float | None = None) -> PoolHealth:
-        self._run([("PING",)], self._deadline(deadline_seconds))
+        # A keyed no-op, not PING: a cluster sends a command without a key nowhere.
+        key = f"{self._cfg.key_prefix}:{{probe}}".encode()
+        self._run([("EXISTS", key)], self._deadline(deadline_seconds), key)
         return self.health()
 
     def close(self) -> None:
@@ -203,24 +219,43 @@ class RedisPool:
             budget = min(budget, max(0.0, deadline_seconds))
         return time.monotonic() + budget
 
-    def _run(self, cmds: Sequence[Command], deadline_at: float) -> list[Any] | Failure:
-        """Replies of one transaction, or why there are none: "breaker-open", "timeout",
-        "error" or "oom". Retries transport failures while the deadline allows."""
+    def _breaker_for(self, key: bytes) -> CircuitBreaker:
+        """The breaker of the node `key` lives on."""
+        node = self._transport.node_for(key)
+        breaker = self._breakers.get(node)
+        if breaker is None:
+            with self._lock:
+                breaker = self._breakers.get(node)
+                if breaker is None:
+                    breaker = CircuitBreaker(self._cfg.breaker_failures, self._cfg.breaker_reset_seconds,
+                                             self._clock)
+                    self._breakers[node] = breaker
+        return breaker
+
+    def _run(self, cmds: Sequence[Command], deadline_at: float, key: bytes) -> list[Any] | Failure:
+        """Replies of one transaction on the node of `key` (every key of `cmds` shares its slot),
+        or why there are none: "breaker-open", "timeout", "error" or "oom"."""
         if deadline_at - time.monotonic() < MIN_ATTEMPT_SECONDS:
             return "timeout"  # the caller is out of time; says nothing about Redis
-        if not self._breaker.allow():
+        breaker = self._breaker_for(key)
+        if not breaker.allow():
             return "breaker-open"
+        return self._attempts(cmds, deadline_at, breaker)
+
+    def _attempts(self, cmds: Sequence[Command], deadline_at: float, breaker: CircuitBreaker) -> list[Any] | Failure:
+        """`_run` once `breaker` has let the call through: retries transport failures while the
+        deadline allows, and tells the breaker what they said about Redis."""
         failure: Failure = "timeout"
         error_text = ""
         judged = False  # an attempt failed in a way that says something about Redis
-        for attempt in range(1 + self._cfg.retries):
+        for _ in range(1 + self._cfg.retries):
             started = time.monotonic()
-            if attempt and deadline_at - started < MIN_ATTEMPT_SECONDS:
+            if deadline_at - started < MIN_ATTEMPT_SECONDS:
                 break
             try:
                 replies = self._transport.transaction(cmds, deadline_at)
             except OutOfMemoryError:
-                self._breaker.record_success()  # Redis is up; it is full
+                breaker.record_success()  # Redis is up; it is full
                 self._reached = True
                 return "oom"
             except (RedisError, RedisClusterException, OSError) as e:  # OSError covers ssl errors
@@ -238,11 +273,14 @@ class RedisPool:
                 self._counters.add("errors")
                 failure, error_text, judged = "error", f"{type(e).__name__}: {e}", True
                 continue
-            self._breaker.record_success()
+            breaker.record_success()
             self._reached = True
             return replies
         if judged:
-            self._breaker.record_failure(error_text)
+            self._last_error = error_text
+            breaker.record_failure(error_text)
+        else:
+            breaker.release()  # nothing learnt: in half-open, the next caller probes
         return failure
 
     def _assemble(
@@ -276,12 +314,12 @@ class RedisPool:
             return
         ttl_ms = max(1, int(ttl * 1000))
         # PEXPIRE only touches keys that exist and always leaves a TTL on them.
-        replies = self._run([("PEXPIRE", base + b"%d" % i, ttl_ms) for i in range(part_count)], deadline_at)
+        replies = self._run([("PEXPIRE", base + b"%d" % i, ttl_ms) for i in range(part_count)], deadline_at, base)
         if not isinstance(replies, str):
             self._counters.add("refreshes")
 
     def _unlink(self, base: bytes, part_count: int, deadline_at: float) -> list[Any] | None:
-        replies = self._run([("UNLINK", base + b"%d" % i) for i in range(part_count)], deadline_at)
+        replies = self._run([("UNLINK", base + b"%d" % i) for i in range(part_count)], deadline_at, base)
         return None if isinstance(replies, str) else replies
 
     def _unlink_if_unchanged(self, base: bytes, part_count: int, part0: Any, deadline_at: float) -> None:
@@ -291,7 +329,8 @@ class RedisPool:
             return
         keys = [base + b"%d" % i for i in range(part_count)]
         # A digest, not part 0 itself, goes back: it may be a part_bytes value.
-        self._run([("EVAL", _UNLINK_IF_PART0, len(keys), *keys, hashlib.sha1(part0).hexdigest())], deadline_at)
+        self._run([("EVAL", _UNLINK_IF_PART0, len(keys), *keys, hashlib.sha1(part0).hexdigest())], deadline_at,
+                  base)
 
     def _learn_parts(self, layout_id: bytes, count: int) -> None:
         with self._lock:

@@ -178,6 +178,15 @@ class RedisProcess:
     def stop(self) -> None:
         self._terminate(signal.SIGTERM)
 
+    def freeze(self) -> None:
+        """SIGSTOP: a hung server. The kernel still completes connects; nothing is answered."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGCONT)
+
     def restart(self) -> RedisProcess:
         """Kill and start again on the same port, empty (nothing is persisted)."""
         self.kill()

@@ -10,7 +10,9 @@ Two implementations of one small contract, `transaction(commands, deadline_at) -
   the caller's payload, never joined into one new buffer.
 - `ClusterTransport` (redis+cluster://, rediss+cluster://) uses redis-py's `RedisCluster` and a
   transactional cluster pipeline; a snapshot's parts share a hash tag, so one slot and one node.
-  Its socket timeouts are the configured ones; the deadline only decides whether to start.
+  Its socket timeouts are the configured ones; the deadline only decides whether to start. The
+  client (which asks the cluster for its slot map) is built on a thread of its own: callers wait
+  for it only as long as their deadline allows.
 
 Both raise redis-py's exceptions (`TimeoutError`, `ConnectionError`, `ResponseError`, ...) and
 never retry: the pool owns retries, the deadline and the circuit breaker. Replies are as Redis
@@ -29,10 +31,13 @@ from urllib.parse import urlsplit
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import AbstractConnection, Connection, parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ExecAbortError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from kvstore.config.local_pool import redis_url_problem, url_hosts
+from kvstore.errors import ConfigError
 from kvstore.local_pool.base import BytesLike
 
 # One argument of a command. A tuple is one argument sent as several buffers back to back
@@ -56,6 +61,11 @@ class RedisTransport(Protocol):
         """Run `commands` in one MULTI/EXEC; `deadline_at` is on the time.monotonic() clock."""
         ...
 
+    def node_for(self, key: bytes) -> str:
+        """The node that `key` lives on, as far as known without I/O ("" when there is one node,
+        or it is not known yet): what the pool keeps one circuit breaker per."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -77,6 +87,9 @@ class SingleNodeTransport:
         self._lock = threading.Lock()
         self._idle: list[AbstractConnection] = []
         self._closed = False
+
+    def node_for(self, key: bytes) -> str:
+        return ""
 
     def transaction(self, commands: Sequence[Command], deadline_at: float) -> list[Any]:
         started = time.monotonic()
@@ -203,29 +216,78 @@ class ClusterTransport:
                             socket_connect_timeout=connect_timeout_seconds)
         self._lock = threading.Lock()
         self._client: RedisCluster | None = None
+        self._building: _Build | None = None
+        self._closed = False
 
     def transaction(self, commands: Sequence[Command], deadline_at: float) -> list[Any]:
         _remaining(deadline_at)
-        pipe = self._connect().pipeline(transaction=True)
+        pipe = self._connect(deadline_at).pipeline(transaction=True)
         for cmd in commands:
             pipe.execute_command(*(_join(a) for a in cmd))
         return list(pipe.execute(raise_on_error=False))
 
+    def node_for(self, key: bytes) -> str:
+        client = self._client
+        if client is None:
+            return ""
+        try:
+            return str(client.get_node_from_key(key).name)
+        except Exception:  # the slot is not covered: no node owns the key now
+            return ""
+
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             client, self._client = self._client, None
         if client is not None:
             client.close()
 
-    def _connect(self) -> RedisCluster:
-        # Built on first use, not in __init__: RedisCluster asks the cluster for its slot map
-        # when it is constructed, and a cluster that is down at start-up must read as misses,
-        # not as a service that cannot start.
+    def _connect(self, deadline_at: float) -> RedisCluster:
+        """The client, built on first use, not in __init__: RedisCluster asks the cluster for its
+        slot map when it is constructed, and a cluster that is down at start-up must read as
+        misses, not as a service that cannot start. The build asks each startup node in turn, a
+        socket timeout each where nodes hang: it runs on its own thread, one at a time, and
+        callers wait for it until their deadline, never in turn behind each other."""
         with self._lock:
-            if self._client is None:
-                self._client = RedisCluster(
-                    startup_nodes=self._nodes, retry=Retry(NoBackoff(), 0), **self._kwargs)
-            return self._client
+            if self._closed:
+                raise RedisConnectionError("the pool is closed")
+            if self._client is not None:
+                return self._client
+            build = self._building
+            if build is None:
+                build = self._building = _Build()
+                threading.Thread(target=self._build, args=(build,), name="kvstore-cluster-connect",
+                                 daemon=True).start()
+        if not build.done.wait(max(0.0, deadline_at - time.monotonic())):
+            raise RedisTimeoutError("the cluster's slot map did not come within the call's deadline")
+        if build.client is None:
+            raise RedisConnectionError(f"cannot reach the cluster: {build.error}")
+        return build.client
+
+    def _build(self, build: _Build) -> None:
+        try:
+            client = RedisCluster(startup_nodes=self._nodes, retry=Retry(NoBackoff(), 0), **self._kwargs)
+        except Exception as e:  # any failure is the callers' to report; the next call builds anew
+            build.error = f"{type(e).__name__}: {e}"
+            client = None
+        with self._lock:
+            self._building = None
+            if client is not None and not self._closed:
+                self._client = build.client = client
+                client = None
+        if client is not None:  # closed while it was being built: nobody will use it
+            client.close()
+            build.error = "the pool is closed"
+        build.done.set()
+
+
+class _Build:
+    """One attempt at building the cluster client, shared by the callers waiting for it."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.client: RedisCluster | None = None
+        self.error = ""
 
 
 def _join(arg: Arg) -> bytes | str | int:
@@ -234,7 +296,11 @@ def _join(arg: Arg) -> bytes | str | int:
 
 def parse_cluster_url(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
     """redis+cluster://[user:pass@]host:port[,host:port...][?opts] (rediss+cluster:// for TLS)
-    -> (startup nodes, RedisCluster keyword arguments)."""
+    -> (startup nodes, RedisCluster keyword arguments); a node without a port is on 6379.
+    ConfigError for a URL the config would refuse (validation refuses it first)."""
+    problem = redis_url_problem(url)
+    if problem:
+        raise ConfigError("local_pool.url", problem)
     scheme, rest = url.split("://", 1)
     assert scheme in ("redis+cluster", "rediss+cluster"), scheme
     base = scheme.removesuffix("+cluster")
@@ -248,8 +314,5 @@ def parse_cluster_url(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
     kwargs.pop("port", None)
     if base == "rediss":
         kwargs["ssl"] = True
-    nodes = []
-    for h in hosts:
-        host, _, port = h.rpartition(":")
-        nodes.append(ClusterNode(host.strip("[]") or "127.0.0.1", int(port or 6379)))
+    nodes = [ClusterNode(host, port) for host, port in url_hosts(url) if host is not None]
     return nodes, kwargs

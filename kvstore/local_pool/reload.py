@@ -4,14 +4,15 @@
 and when the file changes (a polling thread compares mtime, size and inode, so edits in place and
 editors that replace the file are both seen). A new file is validated in full with
 `kvstore.config.load_config`; if it is invalid, one clear log line says why and the old config
-stays in force. If it is valid and its [local_pool.ttl] settings differ, the callback receives the
-new `LocalPoolConfig`; the service rebuilds the TTL policy from it and calls
-`pool.set_ttl_policy`, which applies to new writes only.
+stays in force. If it is valid and the TTL policy's inputs differ ([local_pool.ttl], or a served
+tenant's `local_ttl_seconds`), the callback receives the new `KvstoreConfig`; the service rebuilds
+the TTL policy from it and calls `pool.set_ttl_policy`, which applies to new writes only.
 
-Only the TTL policy is applied live. A change to any other [local_pool] key (URL, byte budget,
-timeouts, ...) is logged as needing a restart; alone, it does not call the callback (a rebuilt
-adaptive policy would forget what it learnt), and with a TTL change the callback still receives
-the whole section.
+Only the TTL policy is applied live. The whole file is compared: a change to any other key (the
+pool's URL, a tenant's tokens, a new tenant, a [service] limit, ...) is logged as a warning that
+names each such key and says it needs a restart (names only: values may be secrets). Alone, it
+does not call the callback (a rebuilt adaptive policy would forget what it learnt); with a TTL
+change the callback still receives the whole config, and applies only the TTL inputs.
 
 This module knows nothing about pools, policies or how the service applies a config.
 """
@@ -28,38 +29,62 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from kvstore.config import load_config
+from kvstore.config import KvstoreConfig, load_config
+from kvstore.config.fields import join
 from kvstore.config.local_pool import LocalPoolConfig
 from kvstore.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-HOT_FIELDS = frozenset({"ttl"})  # [local_pool] keys that take effect without a restart
-
 _FileSig = tuple[int, int, int] | None  # (mtime_ns, size, inode), None while the file is missing
 
+class _Absent:
+    def __repr__(self) -> str:
+        return "absent"
 
-def differences(old: object, new: object, prefix: str) -> list[str]:
-    """`key: old -> new` for every leaf setting that differs between two config sections."""
-    if not (dataclasses.is_dataclass(old) and dataclasses.is_dataclass(new)):
-        return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
-    out: list[str] = []
-    for f in dataclasses.fields(old):
-        out += differences(getattr(old, f.name), getattr(new, f.name), f"{prefix}.{f.name}")
-    return out
+
+_ABSENT = _Absent()  # a table key (a tenant, a TTL override) on one side only
+
+
+def differences(old: object, new: object, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, old, new) for every leaf setting that differs between two configs or
+    sections; a table entry on one side only (a tenant added or removed) is one difference, its
+    missing side `_ABSENT`."""
+    if dataclasses.is_dataclass(old) and dataclasses.is_dataclass(new) and type(old) is type(new):
+        out: list[tuple[str, object, object]] = []
+        for f in dataclasses.fields(old):
+            out += differences(getattr(old, f.name), getattr(new, f.name), join(prefix, f.name))
+        return out
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(old.keys() | new.keys(), key=str):
+            out += differences(old.get(k, _ABSENT), new.get(k, _ABSENT), join(prefix, str(k)))
+        return out
+    return [] if old == new else [(prefix, old, new)]
+
+
+def applied_live(key: str) -> bool:
+    """Whether a changed setting takes effect without a restart: the TTL policy's inputs. A
+    tenant's `local_ttl_seconds` differs key by key only for a tenant in both files (a new tenant
+    is one difference, `tenants.<name>`, and needs a restart)."""
+    parts = key.split(".")
+    return key.startswith("local_pool.ttl.") or (len(parts) == 3 and parts[0] == "tenants"
+                                                  and parts[2] == "local_ttl_seconds")
 
 
 class ConfigReloader:
     def __init__(
         self,
         path: str | Path,
-        on_change: Callable[[LocalPoolConfig], None],
-        current: LocalPoolConfig,
+        on_change: Callable[[KvstoreConfig], None],
+        current: KvstoreConfig | LocalPoolConfig,
         poll_seconds: float = 1.0,
     ) -> None:
+        """`current`: the config in force. A caller that passes its [local_pool] only gets the
+        other sections from the file as it is now (the service read it moments before)."""
         self._path = Path(path)
         self._on_change = on_change
-        self._current = current
+        self._current = current if isinstance(current, KvstoreConfig) else self._with_file(current)
         self._poll = poll_seconds
         # One reload at a time (signal, poller, direct calls); re-entrant because a SIGHUP handler
         # may run on the main thread while it is inside reload_now().
@@ -72,38 +97,46 @@ class ConfigReloader:
         self._handler_installed = False
 
     @property
-    def current(self) -> LocalPoolConfig:
+    def current(self) -> KvstoreConfig:
+        """The config last read (restart-only changes included: each is warned about once)."""
         return self._current
 
     def reload_now(self) -> bool:
-        """Read and validate the file; on success apply a changed [local_pool]. False when the
-        new file was rejected (the old config stays)."""
+        """Read and validate the file; on success apply changed TTL policy inputs and warn about
+        every other change. False when the new file was rejected (the old config stays)."""
         with self._lock:
             self._sig = self._signature()
             try:
-                new = load_config(self._path).local_pool
+                new = load_config(self._path)
             except ConfigError as e:
-                log.error("config reload rejected, keeping the previous [local_pool]: %s", e)
+                log.error("config reload rejected, keeping the previous config: %s", e)
                 return False
             if new == self._current:
                 return True
-            changed = sorted(f.name for f in dataclasses.fields(LocalPoolConfig)
-                             if getattr(new, f.name) != getattr(self._current, f.name))
-            what = "; ".join(differences(self._current, new, "local_pool"))
-            cold = [k for k in changed if k not in HOT_FIELDS]
+            changed = differences(self._current, new)
+            live = [(k, a, b) for k, a, b in changed if applied_live(k)]
+            cold = [k for k, _, _ in changed if not applied_live(k)]
             # Nothing to apply when only restart-only keys changed: a rebuilt TTL policy would lose
             # what an adaptive one has learnt.
-            if len(cold) < len(changed):
+            if live:
                 try:
                     self._on_change(new)
                 except Exception:
-                    log.exception("config reload: applying the new [local_pool] failed; keeping the previous")
+                    log.exception("config reload: applying the new TTL settings failed; keeping the previous")
                     return False
+                log.info("config reloaded from %s: %s", self._path,
+                         "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in live))
             self._current = new
-            log.info("config reloaded from %s: %s", self._path, what)
             if cold:
-                log.warning("config reload: local_pool %s take effect only after a restart", ", ".join(cold))
+                log.warning("config reload: %s changed in %s but take effect only after a restart (not applied)",
+                            ", ".join(cold), self._path)
             return True
+
+    def _with_file(self, pool: LocalPoolConfig) -> KvstoreConfig:
+        try:
+            return dataclasses.replace(load_config(self._path), local_pool=pool)
+        except ConfigError:  # changed since the service read it: compare with the defaults instead
+            return KvstoreConfig(local_pool=pool)
 
     # --- watching ----------------------------------------------------------------------------
     def start(self) -> None:

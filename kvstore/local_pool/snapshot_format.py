@@ -13,9 +13,13 @@ bytes in order and checks that they add up to the payload size, so a reader whos
 differs from the writer's still reads the snapshot.
 
 The payload checksum is a Fletcher-style pair of sums over little-endian 64-bit words, mod 2**64:
-the plain sum and the position-weighted sum (sum of (i+1) * w_i). It catches any changed word,
-truncation, and moved or swapped words and parts, which is what a torn, stray or mixed write looks
-like; it is not a cryptographic hash (tenants are kept apart by keys, not by checksums). Rejected:
+the plain sum and the position-weighted sum (sum of (i+1) * w_i). It catches any one changed word
+and any run of changes whose word deltas do not sum to 0 mod 2**64; truncation and extension are
+caught by the sizes (the header's payload size against what the parts hold), parts of another
+write by the write ids. Changes that cancel in both sums go through: two words changed by d and -d
+at distance k apart when k * d = 0 mod 2**64, e.g. bit 63 flipped in two words an even distance
+apart, or two words that differ only in their top bits swapped. It is not a cryptographic hash
+(tenants are kept apart by keys, not by checksums), nor a CRC's guarantee on burst errors. Rejected:
 zlib.crc32 runs at ~4 GB/s, about as long as the Redis SET of the snapshot itself, while these two
 numpy reductions run at ~20 GB/s. The checksum is computed once on write and once on read.
 
@@ -38,6 +42,9 @@ MAGIC = b"KVSW"
 PART_MAGIC = b"KVSp"
 FORMAT_VERSION = 1
 LAYOUT_ID_BYTES = 8
+# More parts than any snapshot has (1 GiB at the smallest part size): a header claiming more is
+# not one of ours, and a reader must not ask Redis for billions of keys on its word.
+MAX_PARTS = 1 << 18
 
 # magic, version, flags, layout id, boundary tokens, payload bytes, part count, header crc32,
 # write id, checksum sum, checksum weighted sum
@@ -86,8 +93,8 @@ class SnapshotHeader:
         header = SnapshotHeader(layout_id, boundary, nbytes, count, write_id, (s1, s2))
         if zlib.crc32(HEADER.pack(*header._fields(0))) != crc:
             raise SnapshotFormatError("header checksum mismatch")
-        if count < 1:
-            raise SnapshotFormatError("part count 0")
+        if not 1 <= count <= MAX_PARTS:
+            raise SnapshotFormatError(f"part count {count} (1..{MAX_PARTS})")
         return header
 
 
@@ -159,6 +166,11 @@ def decode_parts(header: SnapshotHeader, parts: Sequence[BytesLike], *, verify: 
             raise SnapshotFormatError(f"payload is {len(first)} B, header says {header.payload_bytes}")
         out = first
     else:
+        # What the parts hold, before allocating what the header says: a header is only as
+        # trustworthy as its CRC, and a buffer of a claimed 2**62 bytes is a MemoryError.
+        held = len(first) + sum(max(0, memoryview(p).nbytes - PART_HEADER.size) for p in parts[1:])
+        if held != header.payload_bytes:
+            raise SnapshotFormatError(f"parts hold {held} B, header says {header.payload_bytes}")
         buf = bytearray(header.payload_bytes)
         pos = _place(buf, 0, first, header.payload_bytes)
         for i, part in enumerate(parts[1:], start=1):

@@ -90,13 +90,21 @@ class App:
         # A copy of the items: RegisterModel may add a model while a runner attaches.
         return {n: m.layout.with_chunk_tokens(self.config.store.chunk_tokens) for n, m in list(self.models.items())}
 
-    def reload_local_pool(self, new: LocalPoolConfig) -> None:
-        """Apply a re-read [local_pool] section (`local_pool.reload.ConfigReloader`'s callback): its
-        TTL policy takes effect for new writes; `config` then shows the policy in force. Other keys
-        need a restart and are not applied."""
-        if new.ttl == self.config.local_pool.ttl:
+    def reload_local_pool(self, new: KvstoreConfig | LocalPoolConfig) -> None:
+        """Apply a re-read config (`local_pool.reload.ConfigReloader`'s callback): the TTL policy's
+        inputs, [local_pool.ttl] and each served tenant's `local_ttl_seconds`, take effect for new
+        writes; `config` then shows the policy in force. A bare [local_pool] section brings its
+        [local_pool.ttl] only. Other keys need a restart and are not applied."""
+        ttl = new.ttl if isinstance(new, LocalPoolConfig) else new.local_pool.ttl
+        tenants = self.config.tenants
+        if isinstance(new, KvstoreConfig):
+            # Only the local TTL of the tenants served now: tokens, quotas and new tenants need a restart.
+            tenants = {name: dataclasses.replace(t, local_ttl_seconds=new.tenants[name].local_ttl_seconds)
+                       if name in new.tenants else t for name, t in tenants.items()}
+        if ttl == self.config.local_pool.ttl and tenants == self.config.tenants:
             return  # only restart-only keys changed: a new policy would forget what an adaptive one learnt
-        cfg = dataclasses.replace(self.config, local_pool=dataclasses.replace(self.config.local_pool, ttl=new.ttl))
+        cfg = dataclasses.replace(self.config, local_pool=dataclasses.replace(self.config.local_pool, ttl=ttl),
+                                  tenants=tenants)
         if self.local_pool is not None:
             self.ttl_policy = build_ttl_policy(cfg, self.models)
             self.local_pool.set_ttl_policy(self.ttl_policy)
