@@ -131,6 +131,58 @@ def test_timeseries_points_steps_and_merging() -> None:
     assert led.timeseries(10_000)["window_seconds"] == 600  # clamped to what is kept
 
 
+def test_a_long_history_is_answered_in_at_most_max_points() -> None:
+    clock = FakeClock(start=1000.0)
+    led = Ledger(clock=clock, wall_clock=clock.wall, step_seconds=10, window_seconds=100_000)
+    for _ in range(3000):  # a request every 10 s for ~8 hours
+        led.record(rec("acme", "warm", bills(["dram"], prompt=200)))
+        clock.advance(10)
+    ts = led.timeseries(100_000, step_seconds=10)
+    # 10,000 steps of history: coarsened to fit ledger.MAX_ANSWER_POINTS (1440), 100,000 s / 1440 = 7 steps.
+    assert len(ts["points"]) <= 1440 and ts["step_seconds"] == 70
+    assert sum(p["requests"] for p in ts["points"]) == 3000  # merged, none lost
+    assert len(led.timeseries(600)["points"]) == 60  # a short window keeps its steps
+
+
+def test_record_does_not_wait_while_a_timeseries_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The points were built under the ledger's lock: at the largest history, one answer held it for
+    # seconds, and every request's record() (the observer thread) waited behind it. The build is
+    # paused here on an event; a record() made meanwhile must finish before it is released.
+    from kvstore.observe import ledger as ledger_mod
+
+    clock = FakeClock(start=1000.0)
+    led = Ledger(clock=clock, wall_clock=clock.wall, step_seconds=10, window_seconds=3600)
+    for _ in range(50):
+        led.record(rec("acme", "warm", bills(["dram"], prompt=200)))
+        clock.advance(10)
+    building, release = threading.Event(), threading.Event()
+    real = ledger_mod._Sums.to_json
+
+    def paused(self: ledger_mod._Sums) -> dict[str, object]:
+        if threading.current_thread().name == "timeseries":
+            building.set()
+            release.wait(60)
+        return real(self)
+
+    monkeypatch.setattr(ledger_mod._Sums, "to_json", paused)
+    out: list[dict[str, object]] = []
+    builder = threading.Thread(target=lambda: out.append(led.timeseries(3600)), name="timeseries")
+    builder.start()
+    try:
+        assert building.wait(30)
+        writer = threading.Thread(target=lambda: (led.record(rec("acme", "cold", bills([], prompt=100))),
+                                                  led.side_call("acme", "precheck")))
+        writer.start()
+        writer.join(15)  # generous: it waited for the whole build before, here forever
+        finished_meanwhile = not writer.is_alive()
+    finally:
+        release.set()
+        builder.join(60)
+    writer.join(60)
+    assert finished_meanwhile
+    assert led.totals()["requests"] == 51 and len(out) == 1
+
+
 def test_memory_is_bounded() -> None:
     clock = FakeClock()
     led = Ledger(clock=clock, wall_clock=clock.wall, step_seconds=1, window_seconds=60, max_tenants=5,

@@ -336,3 +336,34 @@ def test_cli_refuses_non_finite_ttls(capsys: pytest.CaptureFixture[str], ttls: s
         main(["tune", "ttl", "--synthetic", "50", "--ttl", ttls, "--json"])
     assert e.value.code == 2
     assert "argument --ttl: TTLs must be finite numbers of seconds > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sizes", [["--snapshot-bytes", "0"], ["--snapshot-bytes", "0", "--replay-tokens", "0"]])
+def test_snapshots_that_cost_nothing_to_hold_have_no_break_even(capsys: pytest.CaptureFixture[str],
+                                                                sizes: list[str]) -> None:
+    # 0 B x an infinite hold printed numpy's RuntimeWarning (NaN), and the break-even hold read
+    # 128,000,000,000 s: a 1-byte floor, not the trace. Holding for free never costs a replay.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["tune", "ttl", "--synthetic", "200", *sizes, "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["break_even_seconds"] is None and "Warning" not in captured.err
+    assert all(r["hold_cost"] == 0 for r in doc["rows"])
+    assert doc["recommended"]["total_cost"] == min(r["total_cost"] for r in doc["rows"] if r["semantics"] == "sliding")
+
+
+def test_break_even_is_infinite_when_holding_is_free() -> None:
+    import math
+    import warnings
+
+    recs = [TraceRecord(100.0 * i, "acme", "s", 256 * (i + 1), "hit", 0, 128) for i in range(5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rep = tune_ttl(columns_from_records(recs, 128, 1000, 128), (10.0, 100.0), COST, TtlPolicyConfig())
+    assert math.isinf(rep.break_even_seconds) and rep.recommended.local_hits == 4
+    json.dumps(rep.as_dict(), allow_nan=False)
+    _cols, rep = hand_report()
+    assert math.isfinite(rep.break_even_seconds) and rep.as_dict()["break_even_seconds"] == rep.break_even_seconds

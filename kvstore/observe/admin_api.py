@@ -105,7 +105,7 @@ class AdminApi:
 
     @staticmethod
     def _store_view(st: Any, viewer: Viewer) -> Any:
-        if not isinstance(st, dict):
+        if not isinstance(st, dict) or set(st) == {"error"}:  # absent, or its read failed
             return st
         tb = st.pop("tenant_bytes", None)
         if viewer.admin:

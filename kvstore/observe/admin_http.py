@@ -3,17 +3,23 @@
 Routes (GET and HEAD only):
     /metrics                   Prometheus exposition of the injected registry
     /api/stats                 current totals (JSON)
-    /api/timeseries?window=S[&step=T]  rolling history over the last S seconds, a point per T (JSON)
+    /api/timeseries?window=S[&step=T]  rolling history over the last S seconds, a point per T (JSON);
+                               S and T past the history kept are clamped to it, and T is coarsened
+                               to give at most ledger.MAX_ANSWER_POINTS points
     /api/explain/<request_id>  why a recent request missed (JSON)
     /dashboard                 the built-in page (static: it fetches /api itself)
     /healthz                   component health (200 serving, 503 not)
 
 Access: it binds loopback by default. With `admin_token` set, /api/* needs
 `Authorization: Bearer <admin token>` (or a tenant's token, which sees only that tenant's data);
-/metrics needs it too when `metrics_require_token`. Without an admin token, a loopback bind
-treats every caller as the admin (the operator on the box) and any other bind gives aggregates
-only. The dashboard page itself carries no data, so it is served to anyone; it asks for the token
-and sends it with its API calls. Errors are JSON: {"error": {"status": N, "message": "..."}}.
+/metrics needs the admin's when `metrics_require_token` (a tenant's token gets 403: the registry holds
+every tenant's series; without an admin token only a loopback caller on a loopback bind passes).
+Without an admin token, a loopback bind treats every caller as the admin (the operator on the box)
+and any other bind gives aggregates only. The dashboard page itself carries no data, so it is
+served to anyone; it asks for the token and sends it with its API calls. Errors are JSON,
+{"error": {"status": N, "reason": "...", "message": "..."}}, the stdlib's own (a garbled request
+line, an unknown method) too. Connections are capped; past the cap, /healthz has a small reserve
+and everything else gets 429 with Retry-After (MAX_CONNECTIONS, HEALTH_RESERVE below).
 
 What it does not know: what the figures mean (`admin_api.py` builds them), or gRPC.
 """
@@ -24,12 +30,14 @@ import base64
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import re
 import socket
+import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -37,6 +45,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder
 
 from kvstore.config import is_loopback
@@ -46,10 +55,15 @@ from kvstore.wire.request_ids import REQUEST_ID_RE
 log = logging.getLogger("kvstore.admin")
 
 DEFAULT_WINDOW_SECONDS = 900
-# Connections served at once (a thread each); more are answered 503 at once. And the longest a
-# client may take to send its request line and headers: a slow trickle must not hold a thread.
+# Connections served at once (a thread each). And the longest a client may take to send its request
+# line and headers: a slow trickle must not hold a thread.
 MAX_CONNECTIONS = 64
 REQUEST_HEAD_SECONDS = 10.0
+# Past MAX_CONNECTIONS, a few more for /healthz only, with a shorter deadline (idle connections
+# must not make a probe read the service as down); anything else there, and any connection past
+# these, is answered 429 with Retry-After. A 503 from /healthz means not serving, nothing else.
+HEALTH_RESERVE = 4
+RESERVE_HEAD_SECONDS = 2.0
 _SCRIPT_RE = re.compile(rb"<script>(.*?)</script>", re.S)
 
 
@@ -98,7 +112,13 @@ class AdminHttpServer:
         self.registry = registry
         self.host = host
         self._token = admin_token
-        self._metrics_auth = metrics_require_token and bool(admin_token)
+        # /metrics holds every tenant's series (with per_tenant_labels): gated, it is the admin's
+        # only. Without an admin token that is a loopback caller on a loopback bind, and nobody on
+        # any other bind: closed, never silently open.
+        self._metrics_auth = metrics_require_token
+        if metrics_require_token and not admin_token:
+            log.warning("admin.metrics_require_token is set without admin.admin_token: /metrics answers %s",
+                        "loopback callers only" if is_loopback(host) else "nobody (403)")
         self._tenant_of = tenant_of_token
         self._health = health
         self._max_window = max_window_seconds
@@ -107,7 +127,9 @@ class AdminHttpServer:
         self._loopback = is_loopback(host)
         self._page = load_dashboard()
         self._page_csp = _csp(self._page)
-        self._httpd = _Server((host, port), _Handler)
+        # The stdlib server is IPv4 only: an IPv6 address (admin.host = "::1") needs its family.
+        server_class = _Server6 if _is_ipv6(host) else _Server
+        self._httpd = server_class((host, port), _Handler)
         self._httpd.admin = self
         self._httpd.daemon_threads = True
         self.port = int(self._httpd.server_address[1])
@@ -168,8 +190,9 @@ class AdminHttpServer:
         if path == "/healthz":
             return self._healthz()
         if path == "/metrics":
-            if self._metrics_auth:
-                self.viewer(authorization, required=True, host=host)
+            if self._metrics_auth and not self.viewer(authorization, required=True, host=host).admin:
+                raise HttpError(403, "/metrics shows every tenant's series: it needs the admin token"
+                                + ("" if self._token else " (admin.admin_token is not set)"))
             self._read_fresh()
             return self._metrics(query, accept)
         if path == "/dashboard":
@@ -183,8 +206,10 @@ class AdminHttpServer:
                 return _json(200, self.api.stats(viewer))
             if path == "/api/timeseries":
                 _only(params, ("window", "step"))
-                window = _int_param(params, "window", DEFAULT_WINDOW_SECONDS, 1, self._max_window)
-                step = _int_param(params, "step", 0, 1, self._max_window) if "step" in params else None
+                # Longer than the history kept: clamped to it (the answer's window_seconds says so),
+                # not refused; the dashboard's fixed choices (15 min by default) outrun a short history.
+                window = min(_int_param(params, "window", DEFAULT_WINDOW_SECONDS, 1), self._max_window)
+                step = min(_int_param(params, "step", 0, 1), self._max_window) if "step" in params else None
                 return _json(200, self.api.timeseries(viewer, window, step))
             if path.startswith("/api/explain/"):
                 _only(params, ("tenant",))
@@ -216,36 +241,97 @@ class AdminHttpServer:
         encoder, ctype = choose_encoder(accept)
         params = _params(query)
         _only(params, ("name[]",))
-        registry = self.registry
         names = params.get("name[]")
-        if names:
-            registry = registry.restricted_registry(names)  # type: ignore[assignment]
-        return 200, ctype, encoder(registry), {}
+        source = _Only(self.registry, frozenset(names)) if names else self.registry
+        return 200, ctype, encoder(source), {}  # it only calls collect()
+
+
+class _Only:
+    """The registry's samples named in `?name[]=` (a sample's name, or its family's). Not
+    `restricted_registry`: that picks collectors by the names their describe() lists, and a
+    scrape-time collector cannot list families it only finds on reading its sources."""
+
+    def __init__(self, registry: CollectorRegistry, names: frozenset[str]) -> None:
+        self._registry = registry
+        self._names = names
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            whole = metric.name in self._names
+            samples = [s for s in metric.samples if whole or s.name in self._names]
+            if samples:
+                m = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+                m.samples = samples
+                yield m
 
 
 class _Server(ThreadingHTTPServer):
     admin: AdminHttpServer
     # Quiet restarts: a port just released must be bindable again at once.
     allow_reuse_address = True
+    # The listen backlog (the stdlib's is 5): a burst past it waits on the kernel's handshake
+    # retries (a second or more) and reaches the slots out of order.
+    request_queue_size = MAX_CONNECTIONS + HEALTH_RESERVE
     _slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # replaced per server in server_activate
 
     def server_activate(self) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._reserve = threading.BoundedSemaphore(HEALTH_RESERVE)
+        self._on_reserve: set[Any] = set()  # the sockets holding a reserve slot
+        self._reserve_lock = threading.Lock()
         super().server_activate()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            with contextlib.suppress(OSError):
-                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
+            if not self._reserve.acquire(blocking=False):
+                with contextlib.suppress(OSError):
+                    request.sendall(_TOO_MANY)
+                self.shutdown_request(request)
+                return
+            with self._reserve_lock:
+                self._on_reserve.add(request)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: its slot is free again
+            self._release(request)
+            raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._release(request)
+
+    def on_reserve(self, request: Any) -> bool:
+        with self._reserve_lock:
+            return request in self._on_reserve
+
+    def _release(self, request: Any) -> None:
+        with self._reserve_lock:
+            reserve = request in self._on_reserve
+            self._on_reserve.discard(request)
+        (self._reserve if reserve else self._slots).release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # The stdlib prints a traceback to stderr, outside logging, for every client that hangs up
+        # before its answer is read: that is routine, not an error.
+        err = sys.exc_info()[1]
+        peer = client_address[0] if isinstance(client_address, tuple) and client_address else client_address
+        if isinstance(err, ConnectionError | TimeoutError):
+            log.debug("admin client %s went away: %s", peer, err)
+        else:
+            log.exception("admin connection from %s failed", peer)
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).version == 6
+    except ValueError:
+        return False  # a name: resolved as IPv4, as the stdlib server always did
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -256,7 +342,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self._head_deadline = threading.Timer(REQUEST_HEAD_SECONDS, self._cut)
+        self._reserve = self.server.on_reserve(self.request)
+        head_seconds = RESERVE_HEAD_SECONDS if self._reserve else REQUEST_HEAD_SECONDS
+        self._head_deadline = threading.Timer(head_seconds, self._cut)
         self._head_deadline.daemon = True
         self._head_deadline.start()
 
@@ -283,10 +371,25 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(405, "application/json", _error_body(405, f"{self.command} is not allowed here"),
                    {"Allow": "GET, HEAD"}, head=False)
 
-    do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The stdlib's own errors (a garbled request line, an unknown method, headers too long) as
+        JSON like every other error here, not its HTML page."""
+        message = message or _phrase(code)
+        self.log_error("code %d, message %s", code, message)
+        if self.request_version == "HTTP/0.9":  # what a garbled request line leaves: no status line then
+            self.request_version = "HTTP/1.0"
+        self.close_connection = True
+        self._send(code, "application/json", _error_body(code, message), {"Connection": "close"},
+                   head=self.command == "HEAD")
 
     def _serve(self, head: bool) -> None:
         admin = self.server.admin
+        if self._reserve and self.path.partition("?")[0] != "/healthz":
+            # A connection past MAX_CONNECTIONS: kept for health probes, an overload is not "down".
+            self._send(429, "application/json", _TOO_MANY_BODY, {"Retry-After": "1", "Connection": "close"}, head)
+            return
         try:
             parts = urlsplit(self.path)
             status, ctype, body, extra = admin.route(
@@ -317,8 +420,20 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _error_body(status: int, message: str) -> bytes:
-    return json.dumps({"error": {"status": status, "reason": HTTPStatus(status).phrase,
-                                 "message": message}}).encode()
+    return json.dumps({"error": {"status": status, "reason": _phrase(status), "message": message}}).encode()
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+_TOO_MANY_BODY = _error_body(429, "too many connections to the admin port: retry shortly")
+_TOO_MANY = (b"HTTP/1.0 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+             b"Connection: close\r\nContent-Length: " + str(len(_TOO_MANY_BODY)).encode() + b"\r\n\r\n"
+             + _TOO_MANY_BODY)
 
 
 def _json(status: int, doc: Any) -> tuple[int, str, bytes, dict[str, str]]:
@@ -339,7 +454,7 @@ def _only(params: Mapping[str, list[str]], allowed: tuple[str, ...]) -> None:
         raise HttpError(400, f"unknown query parameter '{unknown[0][:40]}' (known: {known})")
 
 
-def _int_param(params: Mapping[str, list[str]], name: str, default: int, lo: int, hi: int) -> int:
+def _int_param(params: Mapping[str, list[str]], name: str, default: int, lo: int) -> int:
     values = params.get(name)
     if not values:
         return default
@@ -349,10 +464,10 @@ def _int_param(params: Mapping[str, list[str]], name: str, default: int, lo: int
     try:
         v = int(raw)
     except ValueError:
-        raise HttpError(400, f"query parameter '{name}' must be an integer number of seconds in {lo}..{hi}, "
+        raise HttpError(400, f"query parameter '{name}' must be an integer number of seconds >= {lo}, "
                         f"got '{raw[:40]}'") from None
-    if not lo <= v <= hi:
-        raise HttpError(400, f"query parameter '{name}' must be in {lo}..{hi} seconds, got {v}")
+    if v < lo:
+        raise HttpError(400, f"query parameter '{name}' must be >= {lo} seconds, got {v}")
     return v
 
 

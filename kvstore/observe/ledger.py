@@ -19,6 +19,7 @@ between samples (left Riemann sum), so they are as fine as the sampling.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import threading
@@ -32,6 +33,10 @@ from kvstore.layout import TIER_NAMES
 from kvstore.observe.records import CASES, LOCAL_OUTCOMES, OTHER_TENANT, PERSISTENT_TIERS, RequestRecord
 from kvstore.store.types import StoreStats
 from kvstore.wire.purposes import PURPOSES, RETRY
+
+# Points in one /api/timeseries answer (a day at one-minute steps): each is ~1 kB of JSON, and
+# the dashboard draws ~45. A longer window is answered in coarser steps.
+MAX_ANSWER_POINTS = 1440
 
 # --- occupancy, as shown to the ledger ---------------------------------------------------------------
 
@@ -257,8 +262,8 @@ class Ledger:
     # --- input ---
 
     def record(self, rec: RequestRecord) -> None:
-        now = self._clock()
         with self._lock:
+            now = self._clock()  # under the lock: writes only ever touch buckets from the last advance on
             self._advance(now)
             self._total.add(rec)
             self._tenant(rec.tenant).add(rec)
@@ -268,8 +273,8 @@ class Ledger:
     def side_call(self, tenant: str, purpose: str) -> None:
         """A call that was not a request, counted apart: a Lookup marked "precheck" or "probe", or a
         request priced again ("retry"), whose bills are not summed a second time."""
-        now = self._clock()
         with self._lock:
+            now = self._clock()
             self._advance(now)
             for sums in (self._total, self._tenant(tenant), self._bucket(now).sums):
                 sums.side_calls[purpose] += 1
@@ -284,8 +289,8 @@ class Ledger:
 
     def _sample(self) -> None:
         occ = self._occupancy() if self._occupancy is not None else None
-        now = self._clock()
         with self._lock:
+            now = self._clock()
             self._advance(now)
             if occ is None:
                 return
@@ -302,6 +307,15 @@ class Ledger:
             else:
                 self._evictions_total.update(occ.evictions)
             self._evictions_seen = dict(occ.evictions)
+
+    def _sample_for_output(self) -> None:
+        """A fresh reading before an output. A failing occupancy source (the store's stats) must not
+        fail the output (/api/stats, /api/timeseries): it goes on from the last reading; the
+        sampler thread logs the failure every interval."""
+        try:
+            self.sample()
+        except Exception:
+            self._advance_now()
 
     def _advance(self, now: float) -> None:
         """Integrate the last occupancy over [last, now], split across the buckets it spans."""
@@ -362,7 +376,7 @@ class Ledger:
 
     def totals(self) -> dict[str, Any]:
         """All-time sums, current occupancy and cumulative evictions (no per-tenant data)."""
-        self.sample()
+        self._sample_for_output()
         with self._lock:
             out = self._total.to_json()
             occ = self._occ
@@ -384,13 +398,12 @@ class Ledger:
             return {t: self._total.byte_seconds.get(t, 0.0) for t in TIER_NAMES}
 
     def _advance_now(self) -> None:
-        now = self._clock()
         with self._lock:
-            self._advance(now)
+            self._advance(self._clock())
 
     def tenants(self) -> dict[str, dict[str, Any]]:
         """Per-tenant sums and bytes held now (for an admin only: it names tenants)."""
-        self.sample()
+        self._sample_for_output()
         with self._lock:
             occ = self._occ
             out: dict[str, dict[str, Any]] = {}
@@ -411,43 +424,52 @@ class Ledger:
     def timeseries(self, window_seconds: float, step_seconds: float | None = None) -> dict[str, Any]:
         """Points over the last `window_seconds` (at most the ledger's window), one per
         `step_seconds` (rounded to a whole number of the ledger's steps; default: the ledger's
-        step). A coarser step merges buckets: sums add, latency histograms merge (so percentiles
-        stay true percentiles), occupancy is the last seen."""
-        self.sample()
+        step), and at most `MAX_ANSWER_POINTS`: a finer step is coarsened to fit (the answer's
+        `step_seconds` says so). A coarser step merges buckets: sums add, latency histograms merge
+        (so percentiles stay true percentiles), occupancy is the last seen.
+
+        Built outside the lock (a long history takes seconds, and `record` must not wait on it):
+        under it, references to the buckets no write can reach any more, and copies of the rest."""
+        self._sample_for_output()
         now, wall = self._clock(), self._wall()
-        k = max(1, round((step_seconds or self.step_seconds) / self.step_seconds))
-        step = self.step_seconds * k
         window = min(float(window_seconds), self.window_seconds)
+        k = max(1, round((step_seconds or self.step_seconds) / self.step_seconds),
+                math.ceil(window / (self.step_seconds * MAX_ANSWER_POINTS)))
+        step = self.step_seconds * k
         last = math.floor(now / step)
         first = last - max(1, math.ceil(window / step)) + 1
         with self._lock:
-            groups: dict[int, list[_Bucket]] = {}
-            older: _Bucket | None = None
-            for b in self._buckets:
-                g = b.index // k
-                if first <= g <= last:
-                    groups.setdefault(g, []).append(b)
-                elif g < first and b.used:
-                    older = b  # the last occupancy seen before the window carries into it
-            used = dict(older.used) if older is not None else {}
-            capacity = dict(older.capacity) if older is not None else {}
-            points: list[dict[str, Any]] = []
-            for g in range(first, last + 1):
-                sums = _Sums()
-                evictions: Counter[str] = Counter()
-                for b in groups.get(g, ()):
-                    sums.merge(b.sums)
-                    evictions.update(b.evictions)
-                    if b.used:
-                        used, capacity = dict(b.used), dict(b.capacity)
-                p = sums.to_json()
-                span = min(step, now - g * step) if g == last else step
-                p["t"] = self._wall_of(g * step, now, wall)
-                p["seconds"] = max(span, 0.0)
-                p["tiers"] = {t: {"used_bytes": used.get(t, 0), "capacity_bytes": capacity.get(t, 0)}
-                              for t in TIER_NAMES if t in used}
-                p["evictions"] = dict(evictions)
-                points.append(p)
+            # Writes read the clock under this lock, so they only reach buckets from the last advance
+            # on (one earlier, for a bucket boundary): those are copied, the older ones are final.
+            hot = math.floor(self._last_t / self.step_seconds) - 1
+            buckets = [copy.deepcopy(b) if b.index >= hot else b for b in self._buckets]
+        groups: dict[int, list[_Bucket]] = {}
+        older: _Bucket | None = None
+        for b in buckets:
+            g = b.index // k
+            if first <= g <= last:
+                groups.setdefault(g, []).append(b)
+            elif g < first and b.used:
+                older = b  # the last occupancy seen before the window carries into it
+        used = dict(older.used) if older is not None else {}
+        capacity = dict(older.capacity) if older is not None else {}
+        points: list[dict[str, Any]] = []
+        for g in range(first, last + 1):
+            sums = _Sums()
+            evictions: Counter[str] = Counter()
+            for b in groups.get(g, ()):
+                sums.merge(b.sums)
+                evictions.update(b.evictions)
+                if b.used:
+                    used, capacity = dict(b.used), dict(b.capacity)
+            p = sums.to_json()
+            span = min(step, now - g * step) if g == last else step
+            p["t"] = self._wall_of(g * step, now, wall)
+            p["seconds"] = max(span, 0.0)
+            p["tiers"] = {t: {"used_bytes": used.get(t, 0), "capacity_bytes": capacity.get(t, 0)}
+                          for t in TIER_NAMES if t in used}
+            p["evictions"] = dict(evictions)
+            points.append(p)
         return {"step_seconds": step, "window_seconds": window, "now": wall, "points": points}
 
 

@@ -213,7 +213,9 @@ class SourceCollector(Collector):
         self._errors: dict[str, int] = {}
 
     def describe(self) -> list[Metric]:
-        # Names only, so registering does not call the sources (they may not exist yet).
+        # Names only, so registering does not call the sources (they may not exist yet). Not every
+        # family it yields: so `restricted_registry` misses most; /metrics?name[]= filters samples
+        # itself (admin_http._Only).
         return [
             GaugeMetricFamily("kvstore_tier_bytes", "Bytes used in each tier.", labels=["tier"]),
             GaugeMetricFamily("kvstore_build_info", "Always 1; labels say what is running.",

@@ -23,6 +23,7 @@ Cost = replay tokens × replay_cost_per_token + byte-seconds × hold_cost_per_by
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -231,7 +232,8 @@ def best_sliding_ttl(c: TraceColumns, d: _Derived, cost: TtlCostModel) -> float:
     ng = d.next_gap[h_order]  # [n], inf last
     b = c.snapshot_bytes[h_order] * cost.hold_cost_per_byte_second
     finite = np.isfinite(ng)
-    bg_cum = np.concatenate(([0.0], np.cumsum(np.where(finite, b * ng, 0.0))))
+    # Never replaced (inf) counts no hold here: zeroed before the product, as 0 B × inf is NaN.
+    bg_cum = np.concatenate(([0.0], np.cumsum(b * np.where(finite, ng, 0.0))))
     b_cum = np.concatenate(([0.0], np.cumsum(b)))
     j = np.searchsorted(ng, cand, side="right")  # snapshots replaced before expiring
     hold = bg_cum[j] + cand * (b_cum[-1] - b_cum[j])
@@ -250,7 +252,9 @@ class TuneReport:
     recommended_fixed: TtlEvaluation  # fixed, at the same TTL
     adaptive: TtlEvaluation  # the adaptive policy run over the trace
     adaptive_final_ttl_seconds: dict[str, float]  # per tenant, at the end of the trace
-    break_even_seconds: float  # holding one mean snapshot this long costs one mean replay
+    # Holding one mean snapshot this long costs one mean replay; inf when holding costs nothing
+    # (zero-byte snapshots, or no hold cost): no hold is ever worse than a replay.
+    break_even_seconds: float
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -260,7 +264,8 @@ class TuneReport:
                            "hold_cost_per_byte_second": self.cost.hold_cost_per_byte_second,
                            "min_ttl_seconds": self.cost.min_ttl_seconds,
                            "max_ttl_seconds": self.cost.max_ttl_seconds},
-            "break_even_seconds": self.break_even_seconds,
+            # null for inf: JSON has no infinity.
+            "break_even_seconds": self.break_even_seconds if math.isfinite(self.break_even_seconds) else None,
             "rows": [r.as_dict() for r in self.rows],
             "recommended": self.recommended.as_dict(),
             "recommended_fixed": self.recommended_fixed.as_dict(),
@@ -314,11 +319,11 @@ def tune_ttl(
     adaptive = _evaluation(c, d, "adaptive", None, hits, bs, cost)
     mean_replay = float(c.replay_tokens.mean()) if c.n else 0.0
     mean_bytes = float(c.snapshot_bytes.mean()) if c.n else 0.0
-    hold_per_s = max(mean_bytes, 1.0) * cost.hold_cost_per_byte_second
+    hold_per_s = mean_bytes * cost.hold_cost_per_byte_second
     return TuneReport(
         requests=c.n, sessions=int(d.first.sum()), tenants=c.tenants,
         same_boundary_requests=int((~d.structural).sum()), cost=cost, rows=tuple(rows),
         recommended=recommended, recommended_fixed=recommended_fixed, adaptive=adaptive,
         adaptive_final_ttl_seconds=final,
-        break_even_seconds=mean_replay * cost.replay_cost_per_token / hold_per_s,
+        break_even_seconds=mean_replay * cost.replay_cost_per_token / hold_per_s if hold_per_s > 0 else math.inf,
     )

@@ -18,7 +18,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from prometheus_client import CollectorRegistry
 
@@ -37,16 +37,29 @@ if TYPE_CHECKING:
 
 
 def redact_url(url: str) -> str:
-    """A backend URL without its credentials (a Redis password must never reach a page)."""
+    """A backend URL without its credentials (a Redis password must never reach a page): the
+    userinfo, and the value of every query key naming a secret (`rediss://...?ssl_password=` carries
+    the TLS key's passphrase). Hosts are kept as written: a cluster URL lists several
+    (`h1:7000,h2:7001`), which `SplitResult.port` cannot parse."""
     try:
         parts = urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            netloc = "***@" + netloc.rpartition("@")[2]
+        query = "&".join(_redact_param(p) for p in parts.query.split("&")) if parts.query else ""
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
     except ValueError:
         return "(unparseable)"
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+_SECRET_KEYS = ("password", "passwd", "secret", "token")
+
+
+def _redact_param(param: str) -> str:
+    key, eq, _ = param.partition("=")
+    if eq and any(word in unquote(key).lower() for word in _SECRET_KEYS):
+        return f"{key}=***"
+    return param
 
 
 def policy_doc(cfg: KvstoreConfig) -> dict[str, Any]:
