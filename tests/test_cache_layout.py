@@ -2,9 +2,10 @@
 snapshots, checked against the definition of the canonical order, block by block: with blocks as
 large as a chunk (vLLM on CPU) and smaller ones grouped into chunks (vLLM on GPU, and latent
 attention on CPU), for K/V layers and latent (MLA) layers, for block
-tables in one run, in several runs and with no two blocks adjacent; with the engine's block
-tensors on the GPU where there is one (chunks and snapshots stay in host memory). No engine is
-started: these copies need torch only."""
+tables in one run, in several runs and with no two blocks adjacent; for the CPU backend's block
+interior (per head, K rows then V rows) and the CUDA backends' (per token, K then V, in any
+strides), which give the same chunks; with the engine's block tensors on the GPU where there is
+one (chunks and snapshots stay in host memory). No engine is started: these copies need torch only."""
 
 from __future__ import annotations
 
@@ -21,41 +22,51 @@ PLATFORMS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda
 TABLES = [list(range(5, 17)), [3, 4, 5, 9, 10, 30, 31, 32, 33, 1, 40, 41], [0, 2, 4, 6, 8, 39, 60, 58], [7, 8]]
 
 
-def _cache(plan: EnginePlan, seed: int, platform: str = "cpu") -> tuple[PagedCache, dict[str, torch.Tensor]]:
+def _cache(plan: EnginePlan, seed: int, platform: str = "cpu",
+           backend: str = "CPU_ATTN") -> tuple[PagedCache, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     caches = {name: torch.randn(BLOCKS, HEADS, plan.block_tokens, 2 * HEAD, generator=g).to(torch.bfloat16)
               .to(platform) for grp in plan.groups for name in grp.layer_names}
-    return PagedCache(plan, caches, platform), caches
+    return PagedCache(plan, caches, platform, dict.fromkeys(caches, backend)), caches
+
+
+def _k_and_v(block: torch.Tensor, backend: str) -> torch.Tensor:
+    """One block of a layer ([heads, block, 2*head]) as [heads, K/V, block, head], as the backend
+    reads it: CPU_ATTN a head's K rows then its V rows, FLASH_ATTN each token's K then V."""
+    n = block.shape[1]
+    if backend == "FLASH_ATTN":
+        return block.cpu().view(HEADS, n, 2, HEAD).permute(0, 2, 1, 3)
+    return block.cpu().view(HEADS, 2, n, HEAD)
 
 
 def _canonical(plan: EnginePlan, caches: dict[str, torch.Tensor], layers: tuple[str, ...],
-               blocks: list[int]) -> torch.Tensor:
+               blocks: list[int], backend: str = "CPU_ATTN") -> torch.Tensor:
     """One chunk's bytes in the canonical order (its blocks' tokens one after another): per
     token, per layer, K then V, [heads, head]."""
-    n = plan.block_tokens
-    per_layer = [torch.cat([caches[name][b].cpu().view(HEADS, 2, n, HEAD).permute(2, 1, 0, 3) for b in blocks])
+    per_layer = [torch.cat([_k_and_v(caches[name][b], backend).permute(2, 1, 0, 3) for b in blocks])
                  for name in layers]
     return torch.stack(per_layer, dim=1).contiguous().view(torch.uint8).reshape(-1)
 
 
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASH_ATTN"])
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("block", [CHUNK, CHUNK // 2, CHUNK // 4], ids=["cpu-blocks", "2-per-chunk", "4-per-chunk"])
 @pytest.mark.parametrize("table", TABLES)
 def test_chunks_and_snapshots_go_and_come_back_in_the_canonical_order(block: int, table: list[int],
-                                                                      platform: str) -> None:
+                                                                      platform: str, backend: str) -> None:
     plan = EnginePlan(GROUPS, CHUNK, block)
     k = plan.blocks_per_chunk
     blocks = table[: len(table) // k * k]
     chunks = len(blocks) // k
     full = GROUPS[0].layer_names
-    src, src_caches = _cache(plan, 1, platform)
+    src, src_caches = _cache(plan, 1, platform, backend)
     out = torch.zeros(chunks, plan.chunk_bytes, dtype=torch.uint8)
     for name in full:
         src.gather_chunks(name, blocks, out)
     for c in range(chunks):
-        assert torch.equal(out[c], _canonical(plan, src_caches, full, blocks[c * k : (c + 1) * k]))
+        assert torch.equal(out[c], _canonical(plan, src_caches, full, blocks[c * k : (c + 1) * k], backend))
 
-    dst, dst_caches = _cache(plan, 2, platform)
+    dst, dst_caches = _cache(plan, 2, platform, backend)
     before = {n: t.clone() for n, t in dst_caches.items()}
     dst.scatter_chunks(out, {0: blocks})
     others = [b for b in range(BLOCKS) if b not in blocks]
@@ -97,14 +108,15 @@ def test_latent_chunks_hold_one_row_per_token_and_layer(block: int, table: list[
                   for n, shape in (("mla.0", (block, latent)), ("mla.1", (1, block, latent)))}
     dst_caches = {n: torch.zeros_like(t) for n, t in src_caches.items()}
     out = torch.zeros(len(blocks) // k, plan.chunk_bytes, dtype=torch.uint8)
-    src = PagedCache(plan, src_caches, platform)
+    backends = dict.fromkeys(src_caches, "TRITON_MLA" if platform == "cuda" else "CPU_MLA")
+    src = PagedCache(plan, src_caches, platform, backends)
     for name in src_caches:
         src.gather_chunks(name, blocks, out)
     for c in range(len(blocks) // k):  # per token, per layer, the latent row
         rows = torch.stack([torch.cat([src_caches[n][b].cpu().view(block, latent) for b in blocks[c * k : (c + 1) * k]])
                             for n in ("mla.0", "mla.1")], dim=1)
         assert torch.equal(out[c], rows.contiguous().view(torch.uint8).reshape(-1))
-    PagedCache(plan, dst_caches, platform).scatter_chunks(out, {0: blocks})
+    PagedCache(plan, dst_caches, platform, backends).scatter_chunks(out, {0: blocks})
     for n in src_caches:
         assert torch.equal(dst_caches[n][blocks], src_caches[n][blocks])
         assert not dst_caches[n][[b for b in range(BLOCKS) if b not in blocks]].any()
@@ -118,6 +130,67 @@ def test_a_cache_tensor_of_another_shape_is_refused() -> None:
     plan = EnginePlan(GROUPS[:1], CHUNK)
     with pytest.raises(ValueError, match=r"is not \[blocks, 2, 8, 8\]"):
         PagedCache(plan, {n: torch.zeros(4, CHUNK, 12, dtype=torch.bfloat16) for n in GROUPS[0].layer_names}, "cpu")
+
+
+def test_a_flash_attention_block_is_read_as_each_tokens_k_then_v() -> None:
+    # vLLM's CUDA FlashAttention backend reads a layer's [blocks, heads, block, 2*head] as
+    # K = [..., :head] and V = [..., head:] for each token (flash_attn.py: kv_cache.transpose(1,
+    # 2).split(head_size, dim=-1)); its CPU backend as each head's K rows then V rows. The
+    # connector once read both the CPU's way: on a GPU half of every K was V.
+    plan = EnginePlan(GROUPS[:1], CHUNK, CHUNK // 2)
+    flash = torch.empty(BLOCKS, HEADS, plan.block_tokens, 2 * HEAD, dtype=torch.bfloat16)
+    flash[..., :HEAD], flash[..., HEAD:] = 1.0, 2.0
+    cpu = torch.empty_like(flash)
+    cpu.view(BLOCKS, HEADS, 2, plan.block_tokens, HEAD)[:, :, 0], cpu.view(
+        BLOCKS, HEADS, 2, plan.block_tokens, HEAD)[:, :, 1] = 1.0, 2.0
+    names = GROUPS[0].layer_names
+    chunks = {}
+    for backend, t in (("FLASH_ATTN", flash), ("CPU_ATTN", cpu)):
+        out = torch.zeros(1, plan.chunk_bytes, dtype=torch.uint8)
+        cache = PagedCache(plan, dict.fromkeys(names, t), "cpu", dict.fromkeys(names, backend))
+        for name in names:
+            cache.gather_chunks(name, [4, 5], out)
+        rows = out.view(torch.bfloat16).view(CHUNK, len(names), 2, HEADS, HEAD)  # the canonical order
+        assert bool(rows[:, :, 0].eq(1).all()) and bool(rows[:, :, 1].eq(2).all()), backend
+        chunks[backend] = out
+    assert torch.equal(chunks["FLASH_ATTN"], chunks["CPU_ATTN"])  # a CPU engine and a GPU one share chunks
+
+
+def test_a_flash_attention_cache_in_token_major_strides_is_read_and_written_in_place() -> None:
+    # vLLM may hold a layer's blocks token-major in memory ([blocks, block, heads, 2*head],
+    # seen as [blocks, heads, block, 2*head]): the view follows the strides, and a scatter
+    # writes the engine's own memory.
+    plan = EnginePlan(GROUPS[:1], CHUNK, CHUNK // 4)
+    names = GROUPS[0].layer_names
+    g = torch.Generator().manual_seed(7)
+    memory = {n: torch.randn(BLOCKS, plan.block_tokens, HEADS, 2 * HEAD, generator=g).to(torch.bfloat16)
+              for n in names}
+    caches = {n: t.transpose(1, 2) for n, t in memory.items()}
+    assert not caches[names[0]].is_contiguous()
+    src = PagedCache(plan, caches, "cpu", dict.fromkeys(names, "FLASH_ATTN"))
+    blocks = [9, 10, 11, 12, 30, 31, 32, 33]
+    out = torch.zeros(2, plan.chunk_bytes, dtype=torch.uint8)
+    for name in names:
+        src.gather_chunks(name, blocks, out)
+    for c in range(2):
+        assert torch.equal(out[c], _canonical(plan, caches, names, blocks[c * 4 : (c + 1) * 4], "FLASH_ATTN"))
+    dst_memory = {n: torch.zeros_like(t) for n, t in memory.items()}
+    PagedCache(plan, {n: t.transpose(1, 2) for n, t in dst_memory.items()}, "cpu",
+               dict.fromkeys(names, "FLASH_ATTN")).scatter_chunks(out, {0: blocks})
+    for n in names:
+        assert torch.equal(dst_memory[n][blocks], memory[n][blocks])
+
+
+def test_a_backend_the_connector_does_not_know_is_refused() -> None:
+    plan = EnginePlan(GROUPS[:1], CHUNK)
+    caches = {n: torch.zeros(4, HEADS, CHUNK, 2 * HEAD, dtype=torch.bfloat16) for n in GROUPS[0].layer_names}
+    with pytest.raises(ValueError, match="does not know how vLLM's ROCM_ATTN backend lays out its K/V cache"):
+        PagedCache(plan, caches, "cpu", dict.fromkeys(caches, "ROCM_ATTN"))
+    with pytest.raises(ValueError, match="its attention backend is not known, and on cuda"):
+        PagedCache(plan, caches, "cuda")  # never guessed on a GPU
+    latent = EnginePlan((GroupPlan(0, ("mla.0",), 1, 12, torch.bfloat16, 0, latent=True),), CHUNK)
+    with pytest.raises(ValueError, match="FLASH_ATTN backend lays out its latent cache"):
+        PagedCache(latent, {"mla.0": torch.zeros(4, CHUNK, 12, dtype=torch.bfloat16)}, "cpu", {"mla.0": "FLASH_ATTN"})
 
 
 def test_block_runs_and_chunk_blocks() -> None:

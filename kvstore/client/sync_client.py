@@ -63,7 +63,7 @@ from kvstore.client.types import (
 )
 from kvstore.dataplane import unix_path_of
 from kvstore.dataplane.host_copy import check_copy_threads, default_copy_threads
-from kvstore.dataplane.peer import LeaseLapsed, ShmPath, ShmUnavailable
+from kvstore.dataplane.peer import HELLO_TIMEOUT_SECONDS, LeaseLapsed, ShmPath, ShmUnavailable
 from kvstore.dataplane.side_socket import TOO_LARGE_FOR_SESSION, UNKNOWN_SESSION
 from kvstore.errors import InvalidInput, KvstoreError
 from kvstore.layout import EngineModel
@@ -255,8 +255,11 @@ class KvstoreClient:
         shm = self._shm
         return "shm" if shm is not None and not shm.closed else "stream"
 
-    def _shm_path(self) -> ShmPath | None:
-        """The same-host session for the next call, opened on first use; None: use streams."""
+    def _shm_path(self, timeout_seconds: float | None = None) -> ShmPath | None:
+        """The same-host session for the next call, opened on first use; None: use streams.
+        Opening it (and waiting for another thread's opening) takes at most `timeout_seconds`,
+        the call's own bound (None: the hello's): a side socket that accepts and never answers
+        costs the call that much, and then streams for SHM_RETRY_SECONDS."""
         if self.data_path == "stream" or self._unix_path is None:
             if self.data_path == "shm":
                 raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"data_path='shm' needs a unix: target, not "
@@ -265,23 +268,34 @@ class KvstoreClient:
         shm = self._shm
         if shm is not None and not shm.closed:
             return shm
-        with self._shm_lock:
+        wait = HELLO_TIMEOUT_SECONDS if timeout_seconds is None else min(timeout_seconds, HELLO_TIMEOUT_SECONDS)
+        deadline = time.monotonic() + wait
+        if not self._shm_lock.acquire(timeout=max(0.0, wait)):  # another thread's hello is still waiting
+            if self.data_path == "shm":
+                raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "a same-host session is being opened",
+                                       "connect")
+            return None
+        try:
             if self._shm is not None and not self._shm.closed:
                 return self._shm
-            now = time.monotonic()
-            if now < self._shm_retry_at and self.data_path != "shm":
+            if time.monotonic() < self._shm_retry_at and self.data_path != "shm":
                 return None
             try:
-                self._shm = ShmPath.open(self._unix_path, self._token, cuda=self._gpu_memory)
+                self._shm = ShmPath.open(self._unix_path, self._token, cuda=self._gpu_memory,
+                                         timeout_seconds=max(0.001, deadline - time.monotonic()))
                 self._shm.copy_threads = self.copy_threads
             except ShmUnavailable as e:
-                self._shm, self._shm_retry_at, self.shm_detail = None, now + SHM_RETRY_SECONDS, str(e)
+                # Counted from the failure, not from before the hello: a hung service's hello
+                # takes the whole wait, and the next call must not wait again at once.
+                self._shm, self._shm_retry_at, self.shm_detail = None, time.monotonic() + SHM_RETRY_SECONDS, str(e)
                 if self.data_path == "shm":
                     raise UnavailableError(grpc.StatusCode.UNAVAILABLE, str(e), "connect") from None
                 log.info("%s; moving chunk bytes over gRPC streams", e)
                 return None
             self.shm_detail = ""
             return self._shm
+        finally:
+            self._shm_lock.release()
 
     def _shm_or_stream(self, shm: ShmPath | None, via_shm: Callable[[ShmPath], T], via_stream: Callable[[], T]) -> T:
         """A call through the same-host session when there is one; if the session fails it (a lease
@@ -391,14 +405,20 @@ class KvstoreClient:
             raise
         return HeldLookup(result, spans.shared(r.chunk_tokens, r.chunk_bytes), _release=spans.release)
 
-    def shm_session_id(self) -> str:
-        """This client's same-host session (opened now if need be), for another client of the
-        tenant to name in `lookup_held(into_session=...)`; "" without one. A session the service
-        has closed (a restart) is replaced first: the other client would name it in vain."""
-        shm = self._shm_path()
+    def shm_session_id(self, timeout_seconds: float | None = None, open_session: bool = True) -> str:
+        """This client's same-host session (opened now if need be, within `timeout_seconds`), for
+        another client of the tenant to name in `lookup_held(into_session=...)`; "" without one.
+        A session the service has closed (a restart) is replaced first: the other client would
+        name it in vain. `open_session=False`: the open session's id, or "" at once (never waits)."""
+        if not open_session:
+            shm = self._shm
+            if shm is None or shm.closed or shm.peer_gone():
+                return ""
+            return shm.session_id
+        shm = self._shm_path(timeout_seconds)
         if shm is not None and shm.peer_gone():
             self._shm_failed(shm, "the service closed the session")
-            shm = self._shm_path()
+            shm = self._shm_path(timeout_seconds)
         return shm.session_id if shm is not None else ""
 
     @contextlib.contextmanager
@@ -408,10 +428,10 @@ class KvstoreClient:
         whether to trust a copy). Their leases are released at the end of the block. Spans held in
         a session this client has since replaced (its offsets there are other bytes) raise
         UnavailableError: load the chunks instead."""
-        shm = self._shm_path()
-        if shm is None:
-            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no same-host session: {self.shm_detail}",
-                                   "read_held")
+        shm = self._shm  # never opened here (a hello may wait): a new session would hold none of them
+        if shm is None or shm.closed:
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the chunks were held in a same-host session this "
+                                   "client no longer has (it was closed)", "read_held")
         got = _SharedSpans(shm, max(1, chunk_bytes))
         try:
             for raw in spans:
@@ -451,7 +471,7 @@ class KvstoreClient:
             raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
                                        f"{n} chunk payloads for a prompt of {info.full_chunks} full chunks", "Store")
         first = max(first_chunk, min(info.hit_chunks, n) if skip_present else 0)
-        shm = self._shm_path()
+        shm = self._shm_path(deadline.left())
         call_bytes = min(self.max_store_call_bytes, STORE_CALL_LIMIT_BYTES)
         per_call = max(1, min(call_bytes, shm.store_bytes if shm else call_bytes) // cb)
         # Calls on growing prefixes, each sending only its new chunks; always at least one call, so
@@ -599,7 +619,7 @@ class KvstoreClient:
                 scatter(got.chunks)
                 ok = got.still_held()   # False: a lease lapsed meanwhile; do not trust the copy
         """
-        shm = self._shm_path() if model not in self._stream_models else None
+        shm = self._shm_path(timeout_seconds) if model not in self._stream_models else None
         if shm is None:
             yield self._streamed_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
             return
@@ -779,7 +799,7 @@ class KvstoreClient:
 
             return self._store_local(messages(), timeout)
 
-        shm = self._shm_path()
+        shm = self._shm_path(timeout)
         return self._shm_or_stream(shm if shm is not None and shm.snapshot_spans else None, via_shm, via_stream)
 
     def _store_local(self, messages: Iterator[pb.StoreLocalRequest], timeout: float) -> StoreLocalResult:
@@ -801,7 +821,8 @@ class KvstoreClient:
             named.MergeFrom(req)
             return self._idempotent("LoadLocal", lambda t: self._load_local(named, t, shm), timeout_seconds)
 
-        return self._shm_or_stream(self._shm_path(), via_shm, lambda: self._idempotent(
+        shm = self._shm_path(timeout_seconds or self.timeout_seconds)
+        return self._shm_or_stream(shm, via_shm, lambda: self._idempotent(
             "LoadLocal", lambda t: self._load_local(req, t, None), timeout_seconds))
 
     def _load_local(self, req: pb.LoadLocalRequest, timeout: float, shm: ShmPath | None) -> LoadLocalResult:

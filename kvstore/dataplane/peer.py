@@ -122,29 +122,35 @@ class ShmPath:
         self._unmap_when_read = False
 
     @classmethod
-    def open(cls, grpc_socket_path: str, token: str | None, kind: str = "client", cuda: bool | None = None) -> ShmPath:
-        """A session at the side socket beside `grpc_socket_path`. `cuda`: ask for the device
-        tier's GPU memory (None: where this process has imported torch, sees a GPU and has cupy);
-        if it cannot be opened, the session is opened again without it."""
+    def open(cls, grpc_socket_path: str, token: str | None, kind: str = "client", cuda: bool | None = None,
+             timeout_seconds: float | None = None) -> ShmPath:
+        """A session at the side socket beside `grpc_socket_path`, its hello answered within
+        `timeout_seconds` (at most HELLO_TIMEOUT_SECONDS; a caller with a budget passes it: a
+        service that accepts and never answers must not hold it longer). `cuda`: ask for the
+        device tier's GPU memory (None: where this process has imported torch, sees a GPU and has
+        cupy); if it cannot be opened, the session is opened again without it."""
         if cuda is None:
             cuda = kind == "client" and gpu_sharing_ready()
+        wait = HELLO_TIMEOUT_SECONDS if timeout_seconds is None else min(timeout_seconds, HELLO_TIMEOUT_SECONDS)
+        deadline = time.monotonic() + wait
         try:
-            return cls._open(grpc_socket_path, token, kind, cuda)
+            return cls._open(grpc_socket_path, token, kind, cuda, wait)
         except GpuMemoryUnavailable as e:
             log.warning("same-host session: %s; opening one without GPU memory", e)
-            return cls._open(grpc_socket_path, token, kind, False)
+            return cls._open(grpc_socket_path, token, kind, False, max(0.001, deadline - time.monotonic()))
 
     @classmethod
-    def _open(cls, grpc_socket_path: str, token: str | None, kind: str, cuda: bool) -> ShmPath:
+    def _open(cls, grpc_socket_path: str, token: str | None, kind: str, cuda: bool, timeout_seconds: float) -> ShmPath:
         path = data_socket_path(grpc_socket_path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(HELLO_TIMEOUT_SECONDS)
+        sock.settimeout(max(0.001, timeout_seconds))
         try:
             sock.connect(path)
             sent_at = time.monotonic()
             send_message(sock, {"v": HELLO_VERSION, "kind": kind, **({"token": token} if token else {}),
                                 **({"cuda": True} if cuda else {})})
             reply, fds = recv_message(sock)
+            sock.settimeout(HELLO_TIMEOUT_SECONDS)  # the session's later sends (releases) wait as before
         except (OSError, SideSocketClosed) as e:
             sock.close()
             raise ShmUnavailable(f"no same-host session at {path}: {e}") from None

@@ -6,19 +6,25 @@ inside a chunk, and a synchronous load that comes back short."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from kvstore.integrations.vllm.cache_layout import NO_BLOCK, EnginePlan, GroupPlan
+from kvstore.integrations.vllm.cache_layout import NO_BLOCK, EnginePlan, GroupPlan, PagedCache
 from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.link import Link
 from kvstore.integrations.vllm.scheduler import SchedulerSide, salt_of
 from kvstore.integrations.vllm.worker import WorkerSide
+from tests import test_client_session_open as session_open
 
 CT, BT = 128, 16
+hung = session_open.hung  # a fixture: a side socket that accepts and never answers
 PLAN = EnginePlan((GroupPlan(0, ("l0",), 2, 8, torch.float16, 0),), chunk_tokens=CT, block_size=BT)
 
 
@@ -124,17 +130,52 @@ def test_a_short_synchronous_load_saves_nothing_computed_over_it_and_saves_the_r
     w.close()
 
 
-def test_requests_whose_kv_is_more_than_their_tokens_are_kept_apart_or_not_cached() -> None:
+def _adapter(root: Path, weights: bytes) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    (root / "adapter_model.safetensors").write_bytes(weights)
+    return root
+
+
+def test_requests_whose_kv_is_more_than_their_tokens_are_kept_apart_or_not_cached(tmp_path: Path) -> None:
     link = FakeLink(hit_chunks=3, loaded=3)
+    link.cfg = ConnectorConfig(address="127.0.0.1:1", fingerprint_cache=tmp_path / "fp.json")
     s = SchedulerSide(link, PLAN)  # type: ignore[arg-type]
-    lora = SimpleNamespace(lora_name="sql-adapter", lora_path="/adapters/sql")
+    lora = SimpleNamespace(lora_name="sql-adapter", lora_path=str(_adapter(tmp_path / "sql", b"\x01" * 64)))
     assert salt_of(None, lora) != salt_of(None) and salt_of("x", lora) != salt_of("x")
     assert s.matched(_request(400, "lora", lora_request=lora), 0)[0] == 3 * CT  # cached, in its own namespace
-    assert s._requests["lora"].salt == salt_of(None, lora)
+    assert s._requests["lora"].salt not in ("", salt_of(None, lora))  # the adapter's files name it too
+    # An adapter whose files are not on this host (a Hub id not yet downloaded) cannot be
+    # fingerprinted: its requests are neither looked up nor stored.
+    missing = SimpleNamespace(lora_name="gone", lora_path=str(tmp_path / "no-such-adapter"))
+    assert s.matched(_request(400, "missing", lora_request=missing), 0) == (0, False)
+    assert link.counters["requests_not_cached_lora_unknown"] == 1
     for rid, kw in (("image", {"mm_features": [object()]}), ("embeds", {"prompt_embeds": torch.zeros(4, 8)})):
         assert s.matched(_request(400, rid, **kw), 0) == (0, False)
         assert s._plan_save(rid, s._requests[rid], 400, ([0] * 25,), -1) is None
     assert link.counters["requests_not_cached_multimodal"] == 2
+
+
+def test_a_retrained_adapter_under_the_same_name_and_path_is_another_namespace(tmp_path: Path) -> None:
+    link = FakeLink(hit_chunks=0, loaded=0)
+    link.cfg = ConnectorConfig(address="127.0.0.1:1", fingerprint_cache=tmp_path / "fp.json")
+    s = SchedulerSide(link, PLAN)  # type: ignore[arg-type]
+    path = _adapter(tmp_path / "sql", b"\x01" * 64)
+    lora = SimpleNamespace(lora_name="sql", lora_path=str(path))
+    s.matched(_request(400, "before", lora_request=lora), 0)
+    st = (path / "adapter_model.safetensors").stat()
+    _adapter(path, b"\x02" * 64)  # new weights, same size, and the old mtime given back (cp -p)
+    os.utime(path / "adapter_model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    s.matched(_request(400, "after", lora_request=lora), 0)
+    assert s._requests["before"].salt != s._requests["after"].salt
+
+
+def test_a_salt_that_spells_an_adapters_fields_is_not_that_adapters_namespace() -> None:
+    # The fields were once joined with NULs before hashing: this salt named the adapter's namespace.
+    lora = SimpleNamespace(lora_name="sql", lora_path="/adapters/sql")
+    assert salt_of("\0lora\0sql\0/adapters/sql") != salt_of(None, lora)
+    assert salt_of("t1\0lora\0sql\0/adapters/sql") != salt_of("t1", lora)
+    assert salt_of("t1", lora, "ab") != salt_of("t1", lora, "cd") and salt_of(None) == ""
 
 
 @pytest.mark.parametrize("blocks", [[4, 5, 6, 9, 10, 2], [NO_BLOCK, NO_BLOCK, 7, 8, 9]])
@@ -144,3 +185,125 @@ def test_block_runs_skip_the_blocks_not_to_write(blocks: list[int]) -> None:
     runs = block_runs(blocks)
     assert [b for first, _, n in runs for b in range(first, first + n)] == [b for b in blocks if b != NO_BLOCK]
     assert all(blocks[at : at + n] == list(range(first, first + n)) for first, at, n in runs)
+
+
+def test_the_recompute_after_a_failed_synchronous_load_is_stored() -> None:
+    # The recompute's step has no synchronous load, so vLLM 0.32 calls start_load_kv after the
+    # forward (kv_connector_model_runner_mixin: start_after_forward): its saves are staged first.
+    # The failed load's mark was once cleared only there, so the recompute was never stored.
+    link = FakeLink(hit_chunks=3, loaded=1)
+    s, w = SchedulerSide(link, PLAN), WorkerSide(link, PLAN)  # type: ignore[arg-type]
+    w.register({"l0": torch.zeros(80, 2, BT, 2 * 8, dtype=torch.float16)}, "cpu")
+    req = _request(1000)
+    external, _ = s.matched(req, 0)
+    table = list(range(1, 64))
+    s.after_alloc(req, (table,), external)
+    meta = s.build_meta(_output("r", external, 1000 - external, new=True), lambda r: (table,), 0)
+    w.start_loads(meta)  # a synchronous load: before the forward
+    w.save_layer(meta, "l0")
+    w.submit_saves()
+    report = w.report()
+    assert report is not None
+    s.worker_report(report.counters, report.shm_sessions, report.failed_loads)
+    rewound = min(table.index(b) for b in w.take_load_errors() | {table[CT // BT]}) * BT
+    meta2 = s.build_meta(_output("r", rewound, 1000 - rewound, new=False), lambda r: (table,), 0)
+    assert not meta2.loads and [(sv.first_chunk, sv.end_chunk) for sv in meta2.saves] == [(0, 7)]
+    w.save_layer(meta2, "l0")  # the forward
+    w.start_loads(meta2)  # after it: this step has no synchronous load
+    staged = list(w._staged)
+    w.submit_saves()
+    w.close()  # waits for the store thread
+    assert [(st.spec.first_chunk, st.spec.end_chunk) for st in staged] == [(0, 7)]
+    assert link.counters["saves_skipped_failed_load"] == 1  # the failed step's only
+
+
+def test_a_window_block_that_is_vllms_null_block_is_not_written() -> None:
+    # With blocks smaller than a chunk and a window that is not a whole number of chunks, the
+    # window's first blocks lie wholly before it: vLLM gives the request its null block there.
+    hybrid = EnginePlan((GroupPlan(0, ("full",), 2, 8, torch.float16, 0), GroupPlan(1, ("swa",), 2, 8, torch.float16,
+                                                                                    200)), chunk_tokens=CT,
+                        block_size=BT)
+    link = FakeLink(hit_chunks=3, loaded=3)
+    link.cfg = ConnectorConfig(address="127.0.0.1:1", load_mode="async")
+
+    def lookup(kind: str, fn: Any) -> Any:
+        return SimpleNamespace(hit_chunks=3, local_state="hit") if kind == "lookup" else None
+
+    link.call = lookup  # type: ignore[method-assign]
+    s = SchedulerSide(link, hybrid)  # type: ignore[arg-type]
+    req = _request(500)
+    while (m := s.matched(req, 0))[0] is None:
+        pass
+    # The boundary is token 384; the window of 200 needs tokens 185.. (vLLM: 185 // 16 = 11 blocks
+    # skipped); the connector restores 2 chunks' worth, tokens 128.. (blocks 8..23).
+    null = 0
+    full, window = list(range(100, 132)), [null] * 11 + list(range(211, 232))
+    s.after_alloc(req, (full, window), m[0])
+    meta = s.build_meta(_output("r", m[0], 500 - m[0], new=True), lambda r: (full, window), null)
+    (spec,) = meta.loads
+    assert spec.window_blocks[1] == [NO_BLOCK] * 3 + list(range(211, 224))
+    assert spec.chunk_blocks[0] == full[:24]
+    caches = {n: torch.zeros(240, 2, BT, 2 * 8, dtype=torch.float16) for n in ("full", "swa")}
+    PagedCache(hybrid, caches, "cpu").scatter_snapshot(torch.full((hybrid.snapshot_bytes,), 60, dtype=torch.uint8),
+                                                       spec.window_blocks)
+    assert not caches["swa"][null].any() and bool(caches["swa"][211:224].ne(0).all())
+
+
+def test_a_hung_service_on_the_unix_socket_holds_no_step_up(hung: tuple[str, Any]) -> None:
+    # A service that accepts on its side socket and never answers once held every step's report
+    # (build_connector_worker_meta) and the engine's start (the handshake) 5 s each, whatever
+    # budget_ms said.
+    address, side = hung
+    cfg = ConnectorConfig.from_extra({"address": address, "budget_ms": 100, "chunk_tokens": CT})
+    w = WorkerSide(Link(cfg, PLAN.engine_model("tiny", "rev", 1000, 0.0)), PLAN)
+    w.register({"l0": torch.zeros(8, 2, BT, 2 * 8, dtype=torch.float16)}, "cpu")
+    try:
+        t = time.monotonic()
+        assert w.handshake().shm_session == ""
+        assert time.monotonic() - t < 1.0  # its bound is the budget (generous: the defect is 50x)
+        for _ in range(5):
+            t = time.monotonic()
+            w.report()
+            assert time.monotonic() - t < 0.5  # a step never waits for a hello
+            time.sleep(0.05)
+        assert len(side.accepted) <= 2  # the handshake's, and at most one opening on a thread
+    finally:
+        w.close()
+
+
+def _model_dir(root: Path) -> Path:
+    root.mkdir()
+    (root / "config.json").write_text('{"hidden_size": 64}')
+    (root / "model.safetensors").write_bytes(b"\x01" * 4096)
+    return root
+
+
+def test_what_vllm_does_to_the_weights_at_load_is_in_the_models_identity(tmp_path: Path) -> None:
+    from kvstore.integrations.vllm.connector import model_identity
+
+    cfg = ConnectorConfig(address="127.0.0.1:1", fingerprint_cache=tmp_path / "fp.json")
+    m = _model_dir(tmp_path / "model")
+    plain = {"model": str(m), "revision": None, "quantization": None, "hf_overrides": {}, "dtype": torch.bfloat16}
+    name, revision = model_identity(SimpleNamespace(**plain), cfg)
+    assert name == "model" and model_identity(SimpleNamespace(**plain), cfg) == (name, revision)
+    for change in ({"quantization": "fp8"}, {"hf_overrides": {"rope_theta": 1e6}}, {"dtype": torch.float16}):
+        assert model_identity(SimpleNamespace(**{**plain, **change}), cfg)[1] != revision, change
+    # A configured revision stands for the files, not for how they are loaded.
+    pinned = ConnectorConfig(address="127.0.0.1:1", revision="v7")
+    fp8 = SimpleNamespace(**{**plain, "quantization": "fp8"})
+    assert model_identity(SimpleNamespace(**plain), pinned)[1].startswith("v7+")
+    assert model_identity(SimpleNamespace(**plain), pinned) != model_identity(fp8, pinned)
+
+
+def test_a_single_gguf_file_is_fingerprinted_itself(tmp_path: Path) -> None:
+    # It was taken for a Hugging Face repo id: HFValidationError at engine start.
+    from kvstore.integrations.vllm.connector import model_identity
+
+    f = tmp_path / "tiny-q4.gguf"
+    f.write_bytes(b"GGUF" + b"\0" * 64)
+    cfg = ConnectorConfig(address="127.0.0.1:1", fingerprint_cache=tmp_path / "fp.json")
+    name, revision = model_identity(SimpleNamespace(model=str(f), revision=None), cfg)
+    f.write_bytes(b"GGUF" + b"\1" * 64)
+    assert name == "tiny-q4.gguf" and model_identity(SimpleNamespace(model=str(f), revision=None), cfg)[1] != revision
+    with pytest.raises(ValueError, match="neither a path nor in the local Hugging Face cache"):
+        model_identity(SimpleNamespace(model=str(tmp_path / "gone.gguf"), revision=None), cfg)

@@ -7,7 +7,8 @@ DeepSeek-V2/V3 have), one latent vector per token and layer (`[tokens, layers, 1
 A local snapshot (the sliding-window rows a boundary needs) is, for each sliding-window layer, its
 rows for the window's tokens in the same per-token form. Neither depends on how the attention
 backend lays out its paged blocks: `PagedCache` turns each backend's block tensor into K and V
-(or latent) views, and only these views are copied.
+(or latent) views, by what that backend is known to hold, and only these views are copied; a
+backend it does not know is refused, so an engine on CPU and one on GPU share chunks byte for byte.
 
 A chunk is `chunk_tokens` tokens (kvstore's, 128 by default): one of vLLM's blocks on CPU (whose
 block size is 128), several consecutive blocks of a request on GPU (16 or 32 tokens each) and for
@@ -146,16 +147,33 @@ def plan_from_vllm(kv_cache_config: Any, block_size: int, chunk_tokens: int) -> 
     return plan
 
 
+# How vLLM 0.32's attention backends (by name) hold a layer's [blocks, heads, block, 2*head]
+# tensor. CPU_ATTN: per head, the block's K rows then its V rows (it views the block as
+# [heads, 2*block, head] and halves it); the CUDA ones: per token, K then V in the last axis
+# (`kv_cache.transpose(1, 2).split(head_size, dim=-1)`), whatever the tensor's strides.
+HEAD_ROWS_BACKENDS = frozenset({"CPU_ATTN"})
+TOKEN_KV_BACKENDS = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER"})
+# Latent (MLA) backends whose block is [blocks, block, latent] (or with a head axis of 1), each
+# token's row the compressed KV then the rotary key (vLLM's common concat_and_cache_mla order).
+LATENT_BACKENDS = frozenset({"CPU_MLA", "AMX_MLA", "TRITON_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "FLASHINFER_MLA",
+                             "CUTLASS_MLA"})
+# What a layer whose backend is not named is taken to be: vLLM's CPU backends (tests name none).
+DEFAULT_BACKENDS = {"cpu": ("CPU_ATTN", "CPU_MLA")}
+
+
 class PagedCache:
     """The engine's per-layer block tensors as K/V views, and copies between them and kvstore's
-    canonical chunks and snapshots. vLLM's CPU and CUDA (FlashAttention) backends both hold a
-    layer as [blocks, heads, block, 2*head], in memory [blocks, heads, 2, block, head] (K rows,
-    then V rows, per head); its latent (MLA) backends as [blocks, block, head] or [blocks, 1,
-    block, head], one latent row per token. On CUDA each copy goes through host memory (a
-    chunk's bytes are kvstore's, in host memory); that path is written for GPUs and has not run
-    on one."""
+    canonical chunks and snapshots. vLLM's backends hold a K/V layer as [blocks, heads, block,
+    2*head]: the CPU backend with each head's K rows then V rows, the CUDA ones (FlashAttention,
+    Triton, FlexAttention, FlashInfer) with each token's K then V; its latent (MLA) backends as
+    [blocks, block, head] or [blocks, 1, block, head], one latent row per token. `backends` names
+    each layer's attention backend (vLLM's name; a layer not named: the platform's default, on
+    CPU only), which decides the view; one it does not know is refused. On CUDA each copy goes
+    through host memory (a chunk's bytes are kvstore's, in host memory); that path is written
+    for GPUs and has not run in an engine on one."""
 
-    def __init__(self, plan: EnginePlan, kv_caches: Mapping[str, torch.Tensor], platform: str) -> None:
+    def __init__(self, plan: EnginePlan, kv_caches: Mapping[str, torch.Tensor], platform: str,
+                 backends: Mapping[str, str] | None = None) -> None:
         if platform not in ("cpu", "cuda"):
             raise ValueError(f"the kvstore connector reads vLLM's CPU and CUDA cache layouts only (this is {platform})")
         self.plan = plan
@@ -163,7 +181,7 @@ class PagedCache:
         self._views: dict[str, torch.Tensor] = {}
         for g in plan.groups:
             # The shapes a backend's layer tensor may have (a latent one with one head: with or
-            # without that axis), each the same memory as [blocks, heads, K/V, block, head].
+            # without that axis).
             shapes: list[tuple[int, ...]] = [(g.kv_heads, n, g.kv_parts * g.head_size)]
             if g.latent and g.kv_heads == 1:
                 shapes.insert(0, (n, g.head_size))
@@ -172,7 +190,7 @@ class PagedCache:
                 if tuple(t.shape[1:]) not in shapes:
                     raise ValueError(f"layer {name}: cache tensor {tuple(t.shape)} is not "
                                      + " or ".join(f"[blocks, {', '.join(map(str, s))}]" for s in shapes))
-                self._views[name] = t.view(t.shape[0], g.kv_heads, g.kv_parts, n, g.head_size)
+                self._views[name] = _kv_view(name, t, g, n, _backend_of(name, g, platform, backends))
         self._group_of = {name: g for g in plan.groups for name in g.layer_names}
         self._layer_index = {name: i for g in plan.groups for i, name in enumerate(g.layer_names)}
         offset = 0
@@ -245,6 +263,34 @@ class PagedCache:
                 for first, at, n in runs:
                     self._views[name][first : first + n].copy_(
                         view[i, skip + at : skip + at + n].permute(0, 3, 2, 1, 4))
+
+
+def _backend_of(layer: str, g: GroupPlan, platform: str, backends: Mapping[str, str] | None) -> str:
+    named = (backends or {}).get(layer)
+    if named is not None:
+        return named
+    default = DEFAULT_BACKENDS.get(platform)
+    if default is None:
+        raise ValueError(f"layer {layer}: its attention backend is not known, and on {platform} the kvstore "
+                         "connector does not guess one")
+    return default[1] if g.latent else default[0]
+
+
+def _kv_view(layer: str, t: torch.Tensor, g: GroupPlan, n: int, backend: str) -> torch.Tensor:
+    """The layer's block tensor as [blocks, heads, K/V, block tokens, head_size], the same memory
+    (copies into the view write the engine's cache)."""
+    known = LATENT_BACKENDS if g.latent else HEAD_ROWS_BACKENDS | TOKEN_KV_BACKENDS
+    if backend not in known:
+        raise ValueError(f"layer {layer}: the kvstore connector does not know how vLLM's {backend} backend lays out "
+                         f"its {'latent' if g.latent else 'K/V'} cache (it reads {', '.join(sorted(known))})")
+    try:
+        if backend in TOKEN_KV_BACKENDS:  # [blocks, heads, block, (K|V) head]: any strides
+            return t.unflatten(-1, (2, g.head_size)).permute(0, 1, 3, 2, 4)
+        # CPU_ATTN's [blocks, heads, (K rows|V rows), head], or a latent row per token.
+        return t.view(t.shape[0], g.kv_heads, g.kv_parts, n, g.head_size)
+    except RuntimeError as e:  # strides a view cannot follow
+        raise ValueError(f"layer {layer}: the {backend} cache tensor's strides {t.stride()} are not its "
+                         f"backend's layout: {e}") from None
 
 
 NO_BLOCK = -1  # in a load's block list: a block vLLM holds already (its own prefix cache), not written

@@ -12,6 +12,9 @@ from kvstore.errors import ConfigError
 KEYS = ("address", "token", "revision", "model_name", "budget_ms", "fingerprint_cache", "max_pending_store_mib",
         "retry_after_ms", "load_mode", "chunk_tokens")
 LOAD_MODES = ("sync", "async")
+# (key, default, largest value taken): an hour's budget or retry wait, a TiB of staged saves.
+NUMBERS = (("budget_ms", 2000.0, 3_600_000.0), ("max_pending_store_mib", 256.0, float(1 << 20)),
+           ("retry_after_ms", 5000.0, 3_600_000.0))
 
 
 @dataclass(frozen=True)
@@ -51,10 +54,12 @@ class ConnectorConfig:
             if key in d and not isinstance(d[key], str):
                 raise ConfigError(f"kv_connector_extra_config.{key}", "must be a string")
         numbers = {}
-        for key, default in (("budget_ms", 2000.0), ("max_pending_store_mib", 256.0), ("retry_after_ms", 5000.0)):
+        for key, default, most in NUMBERS:
             v = d.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-                raise ConfigError(f"kv_connector_extra_config.{key}", f"must be a positive number, got {v!r}")
+            # JSON's 1e999 is inf: an infinite budget would make every call fail at once.
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= most:
+                raise ConfigError(f"kv_connector_extra_config.{key}",
+                                  f"must be a positive number, at most {int(most)}, got {v!r}")
             numbers[key] = float(v)
         load_mode = d.get("load_mode", "sync")
         if load_mode not in LOAD_MODES:

@@ -16,7 +16,10 @@ connector's counters (failures by kind, chunks stored and loaded).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +35,7 @@ from vllm.platforms import current_platform
 
 from kvstore.integrations.vllm.cache_layout import plan_from_vllm
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.identity import fingerprint
+from kvstore.integrations.vllm.identity import fingerprint, local_files
 from kvstore.integrations.vllm.link import Link
 from kvstore.integrations.vllm.metadata import KvstoreMeta, WorkerHandshake, WorkerReport
 from kvstore.integrations.vllm.scheduler import SchedulerSide
@@ -45,16 +48,39 @@ log = logging.getLogger("kvstore.integrations.vllm")
 
 
 def model_identity(model_config: Any, cfg: ConnectorConfig) -> tuple[str, str]:
-    """(name, revision): the configured revision, else the fingerprint of the weight files."""
+    """(name, revision): the configured revision, else the fingerprint of the weight files (a
+    model directory's, or a single GGUF file's), with what vLLM changes at load mixed in."""
     path = Path(str(model_config.model))
     name = cfg.model_name or path.name or str(model_config.model)
-    if cfg.revision:
-        return name, cfg.revision
-    if not path.is_dir():
-        from huggingface_hub import snapshot_download
+    revision = cfg.revision
+    if not revision:
+        local = local_files(str(model_config.model), getattr(model_config, "revision", None))
+        if local is None:
+            raise ValueError(f"the model {model_config.model} is neither a path nor in the local Hugging Face cache: "
+                             "the kvstore connector cannot fingerprint its weights (set its 'revision')")
+        revision = fingerprint(local, cfg.fingerprint_cache)
+    return name, f"{revision}+{load_options(model_config)}"
 
-        path = Path(snapshot_download(str(model_config.model), revision=model_config.revision, local_files_only=True))
-    return name, fingerprint(path, cfg.fingerprint_cache)
+
+def load_options(model_config: Any) -> str:
+    """What vLLM does to the weights as it loads them (quantization, dtype, config overrides such
+    as rope_theta), hashed: the same files loaded otherwise compute other KV."""
+    overrides = getattr(model_config, "hf_overrides", None) or {}
+    if callable(overrides):  # a function that edits the config: named, its body cannot be compared
+        overrides = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', repr(overrides))}"
+    options = {"quantization": str(getattr(model_config, "quantization", None) or ""),
+               "dtype": str(getattr(model_config, "dtype", "")).removeprefix("torch."),
+               "hf_overrides": overrides}
+    return hashlib.sha256(json.dumps(options, sort_keys=True, default=repr).encode()).hexdigest()[:12]
+
+
+def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> dict[str, str]:
+    """Each layer's attention backend by vLLM's name: it decides how a block tensor holds K and V."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, list(layer_names))
+    return {name: layer.get_attn_backend().get_name() for name, layer in layers.items()}
 
 
 class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -99,7 +125,7 @@ class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._w().register(kv_caches, current_platform.device_type)
+        self._w().register(kv_caches, current_platform.device_type, attention_backends(self._vllm_config, kv_caches))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._w().start_loads(self._meta())

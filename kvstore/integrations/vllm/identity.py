@@ -1,8 +1,11 @@
 """Model identity: a fingerprint of the weight files, so changed weights never reuse old KV.
 
-The fingerprint is a SHA-256 over every weight file's name and contents. Hashing gigabytes at
-every start would cost minutes, so each file's digest is remembered in a small JSON cache keyed
-by (path, size, mtime): an unchanged file is not read again; a rewritten one is.
+The fingerprint is a SHA-256 over every weight file's name and contents (a model directory's,
+or a single weight file's, as a GGUF model is). Hashing gigabytes at every start would cost
+minutes, so each file's digest is remembered in a small JSON cache keyed by (path, size, mtime,
+inode, ctime): an unchanged file is not read again; a rewritten one is, even one given back its
+old size and mtime (cp -p, rsync -a, tar), since its ctime moved (only the kernel sets it). A
+LoRA adapter's files are fingerprinted the same way (`adapter_fingerprint`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,11 @@ from pathlib import Path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 CONFIG_FILES = ("config.json",)  # the architecture is identity too (same weights, other config)
+ADAPTER_FILES = ("adapter_config.json",)  # a LoRA adapter's rank, alpha and target modules
 READ_BYTES = 8 << 20
+# Digests this process already read or computed, by the cache's key: a LoRA adapter is
+# fingerprinted at each request, which then costs a stat per file, not a read of the JSON cache.
+_KNOWN: dict[str, str] = {}
 
 
 def default_cache_path() -> Path:
@@ -22,32 +29,64 @@ def default_cache_path() -> Path:
     return Path(base) / "kvstore" / "weight-fingerprints.json"
 
 
-def weight_files(model_dir: Path) -> list[Path]:
-    files = [p for p in model_dir.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in CONFIG_FILES)]
+def weight_files(model_dir: Path, config_files: tuple[str, ...] = CONFIG_FILES) -> list[Path]:
+    """A directory's weight and config files by name; a single weight file (GGUF) is itself."""
+    if model_dir.is_file():
+        return [model_dir]
+    files = [p for p in model_dir.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in config_files)]
     return sorted(files, key=lambda p: p.name)
 
 
-def fingerprint(model_dir: Path, cache_path: Path | None = None) -> str:
-    """The weights' fingerprint (hex, 32 chars); raises ValueError when there are no weight files."""
-    files = weight_files(model_dir)
+def fingerprint(model_dir: Path, cache_path: Path | None = None, config_files: tuple[str, ...] = CONFIG_FILES) -> str:
+    """The weights' fingerprint (hex, 32 chars) of a model directory or a single weight file;
+    raises ValueError when there are no weight files."""
+    files = weight_files(model_dir, config_files)
     if not any(p.suffix in WEIGHT_SUFFIXES for p in files):
         raise ValueError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {model_dir}")
-    cache_path = cache_path or default_cache_path()
-    cache = _read_cache(cache_path)
+    keys = [_cache_key(p) for p in files]
+    cache: dict[str, str] | None = None
     changed = False
     total = hashlib.sha256(b"kvstore.weights\x00")
-    for p in files:
-        st = p.stat()
-        key = f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-        digest = cache.get(key)
+    for p, key in zip(files, keys, strict=True):
+        digest = _KNOWN.get(key)
         if digest is None:
-            digest = _file_digest(p)
-            cache[key] = digest
-            changed = True
+            if cache is None:
+                cache = _read_cache(cache_path or default_cache_path())
+            digest = cache.get(key)
+            if digest is None:
+                digest = cache[key] = _file_digest(p)
+                changed = True
+            _KNOWN[key] = digest
         total.update(p.name.encode() + b"\x00" + bytes.fromhex(digest))
-    if changed:
-        _write_cache(cache_path, cache)
+    if changed and cache is not None:
+        _write_cache(cache_path or default_cache_path(), cache)
     return total.hexdigest()[:32]
+
+
+def adapter_fingerprint(adapter_dir: Path, cache_path: Path | None = None) -> str:
+    """A LoRA adapter's fingerprint: its weights and its adapter_config.json, as `fingerprint`."""
+    return fingerprint(adapter_dir, cache_path, CONFIG_FILES + ADAPTER_FILES)
+
+
+def local_files(name: str, revision: str | None = None) -> Path | None:
+    """Where `name` (a path, or a Hugging Face repo already in the local cache) lies on this host;
+    None where it is neither (never downloaded: vLLM fetches it later)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, revision=revision, local_files_only=True))
+    except Exception:  # not a repo id, or not in the cache: huggingface_hub raises several kinds
+        return None
+
+
+def _cache_key(p: Path) -> str:
+    # A file rewritten in place keeps its inode and may be given back its size and mtime; its
+    # ctime (set by the kernel on every write or utime) moves all the same.
+    st = p.stat()
+    return f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
 
 
 def _file_digest(path: Path) -> str:

@@ -30,6 +30,7 @@ import numpy as np
 
 from kvstore.client import LookupResult
 from kvstore.integrations.vllm.cache_layout import NO_BLOCK, EnginePlan
+from kvstore.integrations.vllm.identity import adapter_fingerprint, local_files
 from kvstore.integrations.vllm.link import REPLAY_MODE, Link
 from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec
 
@@ -52,13 +53,22 @@ class _Request:
     uncacheable: bool = False
 
 
-def salt_of(cache_salt: str | None, lora: Any = None) -> str:
+def salt_of(cache_salt: str | None, lora: Any = None, adapter: str = "") -> str:
     """vLLM's cache_salt (and the request's LoRA adapter, which changes its KV as vLLM's own
-    prefix cache knows) as kvstore's sub-namespace: hashed, so the salt itself never leaves."""
-    text = cache_salt or ""
+    prefix cache knows) as kvstore's sub-namespace: hashed, so the salt itself never leaves. Each
+    field is length-prefixed: a salt that spells an adapter's fields never names its namespace.
+    `adapter`: the fingerprint of the adapter's files, so that one retrained under the same name
+    and path is another namespace."""
+    if not cache_salt and lora is None:
+        return ""
+    fields = [cache_salt or ""]
     if lora is not None:
-        text += f"\0lora\0{lora.lora_name}\0{lora.lora_path}"
-    return hashlib.sha256(text.encode()).hexdigest()[:32] if text else ""
+        fields += ["lora", str(lora.lora_name), str(lora.lora_path), adapter]
+    h = hashlib.sha256(b"kvstore.salt\x00")
+    for f in fields:
+        b = f.encode()
+        h.update(len(b).to_bytes(8, "little") + b)
+    return h.hexdigest()[:32]
 
 
 def _uncacheable(request: Any) -> bool:
@@ -99,12 +109,28 @@ class SchedulerSide:
         st = self._requests.get(request.request_id)
         if st is None:
             tokens = np.asarray(request.prompt_token_ids or [], dtype="<u4")
+            lora = getattr(request, "lora_request", None)
+            adapter = self._adapter(lora) if lora is not None else ""
             st = self._requests[request.request_id] = _Request(
-                tokens, salt_of(request.cache_salt, getattr(request, "lora_request", None)),
-                uncacheable=_uncacheable(request))
+                tokens, salt_of(request.cache_salt, lora, adapter or ""), uncacheable=_uncacheable(request))
             if st.uncacheable:
                 self.link.count("requests_not_cached_multimodal")
+            elif adapter is None:
+                st.uncacheable = True
+                self.link.count("requests_not_cached_lora_unknown")
         return st
+
+    def _adapter(self, lora: Any) -> str | None:
+        """The fingerprint of a LoRA adapter's files; None where they cannot be read here (not
+        yet downloaded, or no weights): its requests are not cached."""
+        path = local_files(str(lora.lora_path))
+        if path is None:
+            return None
+        try:
+            return adapter_fingerprint(path, self.link.cfg.fingerprint_cache)
+        except (OSError, ValueError) as e:
+            self.link.failed("lora_fingerprint", e)
+            return None
 
     def _decide(self, st: _Request) -> bool:
         """Start or finish the Lookup; True once `usable_chunks` is known."""
@@ -196,6 +222,11 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any, block_ids_of: Any, null_block: int) -> KvstoreMeta:
         meta = KvstoreMeta(loads=self._loads)
         self._loads = []
+        for load in meta.loads:
+            # With blocks smaller than a chunk, a window's first blocks can lie wholly before it:
+            # vLLM gave the request its null block there (shared, and kept zero), never written.
+            for ids in load.window_blocks.values():
+                ids[:] = [NO_BLOCK if b == null_block else b for b in ids]
         computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))

@@ -76,20 +76,27 @@ class WorkerSide:
         self.sync = link.cfg.loads_synchronously(len(plan.groups))
         self._reported_session: str | None = None
         # Requests whose synchronous load failed this step: the forward still runs over their
-        # missing blocks (vLLM then recomputes from the first), so this step's saves of them are not made.
+        # missing blocks (vLLM then recomputes from the first), so this step's saves of them are not
+        # made. Cleared at the step's end (`submit_saves`), not by the next `start_loads`: in a step
+        # without synchronous loads vLLM calls that after the forward, once the saves are staged.
         self._failed_this_step: set[str] = set()
         self._failed_loads: list[str] = []  # failed loads not yet reported to the scheduler
         self._staged_meta: KvstoreMeta | None = None  # the metadata this step's saves were staged from
+        # Same-host sessions are opened off the step's thread (`_session`).
+        self._same_host = self.sync and link.cfg.address.startswith("unix:")
+        self._session_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-session")
+        self._opening: cf.Future[str | None] | None = None
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor], platform: str) -> None:
-        self.cache = PagedCache(self.plan, kv_caches, platform)
+    def register(self, kv_caches: Mapping[str, torch.Tensor], platform: str,
+                 backends: Mapping[str, str] | None = None) -> None:
+        """The engine's cache tensors; `backends`: each layer's attention backend (vLLM's name)."""
+        self.cache = PagedCache(self.plan, kv_caches, platform, backends)
 
     # --- loads ------------------------------------------------------------------------------------
 
     def start_loads(self, meta: KvstoreMeta) -> None:
         """Synchronous loads run here, before the forward pass; a short one reports the blocks it
         did not fill (vLLM recomputes them). Asynchronous ones go to threads."""
-        self._failed_this_step.clear()
         for spec in meta.loads:
             if not self.sync:
                 self._loads[spec.req_id] = self._load_pool.submit(self._load, spec)
@@ -243,6 +250,7 @@ class WorkerSide:
     def submit_saves(self) -> None:
         staged, self._staged = self._staged, []
         self._staged_meta = None
+        self._failed_this_step.clear()  # the step is over: its saves were staged without them
         for st in staged:
             if st.layers_left > 0:  # a forward that skipped some layers: the copy is incomplete
                 self.link.count("saves_incomplete")
@@ -285,11 +293,25 @@ class WorkerSide:
 
     def handshake(self) -> WorkerHandshake:
         """The same-host session the scheduler's Lookups may hold chunks in, told at engine start
-        (none when loads are asynchronous, or the service is not on this host or not reachable)."""
-        return WorkerHandshake(self._session())
+        (none when loads are asynchronous, or the service is not on this host or not reachable);
+        opening it waits at most the budget."""
+        if not self._same_host:
+            return WorkerHandshake("")
+        budget = self.link.cfg.budget_seconds
+        return WorkerHandshake(self.link.call("shm_session", lambda c: c.shm_session_id(budget)) or "")
 
     def _session(self) -> str:
-        return (self.link.call("shm_session", lambda c: c.shm_session_id()) or "") if self.sync else ""
+        """The open same-host session's id, never waiting: the step's thread must not wait for a
+        hello (a service that accepts and never answers). Without one, it is opened on a thread
+        and named in a later report."""
+        if not self._same_host:
+            return ""
+        session = self.link.call("shm_session", lambda c: c.shm_session_id(open_session=False)) or ""
+        if not session and (self._opening is None or self._opening.done()):
+            budget = self.link.cfg.budget_seconds
+            self._opening = self._session_pool.submit(
+                self.link.call, "shm_session", lambda c: c.shm_session_id(budget))
+        return session
 
     def report(self) -> WorkerReport | None:
         """The worker's counters so far and its same-host session, when they changed (the
@@ -305,4 +327,5 @@ class WorkerSide:
     def close(self) -> None:
         self._store_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
+        self._session_pool.shutdown(wait=False, cancel_futures=True)
         self.link.close()

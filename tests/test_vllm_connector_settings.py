@@ -1,0 +1,69 @@
+"""The vLLM connector's settings and model identity, which need neither vLLM nor a service: its
+`kv_connector_extra_config` is checked at start (every bad value a one-line ConfigError naming
+its key), and the weight fingerprint changes whenever the weights do, its cache notwithstanding."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.errors import ConfigError
+from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.identity import adapter_fingerprint, fingerprint
+
+
+@pytest.mark.parametrize("key", ["budget_ms", "max_pending_store_mib", "retry_after_ms"])
+@pytest.mark.parametrize("value", [math.inf, 1e999, -math.inf, math.nan, 1e300, 0, -1, True, "100", None])
+def test_a_number_that_is_not_finite_positive_and_bounded_is_refused_naming_its_key(key: str, value: Any) -> None:
+    # JSON's 1e999 is inf: an infinite budget once made every kvstore call fail at once, an
+    # infinite store bound raised a bare OverflowError.
+    with pytest.raises(ConfigError, match=rf"kv_connector_extra_config\.{key}.*a positive number, at most") as e:
+        ConnectorConfig.from_extra({"address": "127.0.0.1:1", key: value})
+    assert "\n" not in str(e.value)
+
+
+def test_numbers_within_their_bounds_are_taken() -> None:
+    c = ConnectorConfig.from_extra({"address": "127.0.0.1:1", "budget_ms": 100, "max_pending_store_mib": 1.5,
+                                    "retry_after_ms": 3_600_000})
+    assert (c.budget_seconds, c.max_pending_store_bytes, c.retry_after_seconds) == (0.1, 3 << 19, 3600.0)
+
+
+def _model(root: Path) -> Path:
+    root.mkdir()
+    (root / "config.json").write_text('{"hidden_size": 64}')
+    (root / "model.safetensors").write_bytes(b"\x01" * 4096)
+    return root
+
+
+def test_weights_rewritten_with_their_old_size_and_mtime_are_another_fingerprint(tmp_path: Path) -> None:
+    # cp -p, rsync -a and tar give a file back its mtime: the digest cache once keyed on (path,
+    # size, mtime) kept the old weights' fingerprint, and the new weights reused the old KV.
+    cache = tmp_path / "fp.json"
+    m = _model(tmp_path / "model")
+    w = m / "model.safetensors"
+    os.utime(w, ns=(1_000_000_000, 1_000_000_000))
+    before = fingerprint(m, cache)
+    assert fingerprint(m, cache) == before  # unchanged: the cache answers
+    w.write_bytes(b"\x02" * 4096)
+    os.utime(w, ns=(1_000_000_000, 1_000_000_000))
+    after = fingerprint(m, cache)
+    assert after != before and after == fingerprint(m, tmp_path / "fresh.json")
+
+
+def test_a_single_weight_file_and_an_adapter_are_fingerprinted(tmp_path: Path) -> None:
+    gguf = tmp_path / "tiny-q4.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 64)
+    assert len(fingerprint(gguf, tmp_path / "fp.json")) == 32
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x01" * 64)
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    before = adapter_fingerprint(adapter, tmp_path / "fp.json")
+    (adapter / "adapter_config.json").write_text('{"r": 16}')  # another rank: other KV
+    assert adapter_fingerprint(adapter, tmp_path / "fp.json") != before
+    with pytest.raises(ValueError, match="no weight files"):
+        fingerprint(tmp_path / "adapter" / "adapter_config.json", tmp_path / "fp.json")
