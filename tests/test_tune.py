@@ -367,3 +367,9 @@ def test_break_even_is_infinite_when_holding_is_free() -> None:
     json.dumps(rep.as_dict(), allow_nan=False)
     _cols, rep = hand_report()
     assert math.isfinite(rep.break_even_seconds) and rep.as_dict()["break_even_seconds"] == rep.break_even_seconds
+
+
+def test_the_text_report_says_a_free_hold_has_no_break_even(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", "ttl", "--synthetic", "200", "--snapshot-bytes", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "no break-even hold: holding a snapshot costs nothing" in out and "inf s" not in out

@@ -76,7 +76,7 @@ import numpy as np
 
 from kvstore.bench.machine import machine
 from kvstore.bench.names import names_note
-from kvstore.bench.sections import pick_sections
+from kvstore.bench.sections import pick_sections, positive_ints
 from kvstore.bench.serve_proc import start_serve
 from kvstore.dataplane.host_copy import in_parts
 from kvstore.errors import InvalidInput
@@ -175,7 +175,7 @@ def run_dataplane_bench(args: argparse.Namespace) -> dict[str, Any]:
     spec = get_model(args.model)
     layout = spec.layout
     cb, ct = layout.chunk_bytes, layout.chunk_tokens
-    prefixes = [int(x) for x in args.prefixes.split(",") if x.strip()]
+    prefixes = positive_ints("dataplane", "--prefixes", args.prefixes)
     rng = np.random.default_rng(0)
     prompts = {n: rng.integers(0, spec.vocab_size, n).astype("<u4") for n in prefixes}
     blobs = {n: rng.integers(0, 256, (n // ct) * cb, dtype=np.uint8).tobytes() for n in prefixes}

@@ -39,6 +39,7 @@ import numpy as np
 from kvstore.bench.engine_models import TINY_VOCAB, write_llama
 from kvstore.bench.engine_proc import ANSWER
 from kvstore.bench.machine import machine
+from kvstore.bench.sections import positive_ints
 
 CHUNK = 128
 # vLLM's worker busy-polls its scheduler's queue for 1 s after each request (shm_broadcast's
@@ -222,7 +223,7 @@ def _kvstore_rows(work: Path, model: Path, base: dict[str, Any], transport: str,
 
 
 def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
-    lengths = [int(x) for x in str(args.lengths).split(",")]
+    lengths = positive_ints("engine", "--lengths", args.lengths)
     reps = max(1, int(args.repeats))
     longest = max(lengths)
     prompts = {n: [np.random.default_rng(n * 100 + r).integers(0, TINY_VOCAB, n).tolist() for r in range(reps + 1)]

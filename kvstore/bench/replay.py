@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvstore.bench.sections import positive_ints
+from kvstore.config.replay import MAX_THREADS
 from kvstore.errors import InvalidInput
 
 if TYPE_CHECKING:  # grpc and the demo load only when the benchmark runs
@@ -110,8 +112,10 @@ class _Bench:
 
 
 def run_replay_bench(args: argparse.Namespace) -> dict[str, Any]:
-    prefixes = [int(x) for x in str(args.prefixes).split(",") if x.strip()]
-    if not prefixes or any(p <= 0 or p % 128 for p in prefixes):
+    prefixes = positive_ints("replay", "--prefixes", args.prefixes)
+    if not 0 <= args.threads <= MAX_THREADS:  # the model's thread pool crashed the process beyond it
+        raise InvalidInput(f"replay: --threads must be 0 (auto) to {MAX_THREADS}, not {args.threads}")
+    if any(p % 128 for p in prefixes):
         raise InvalidInput("replay: --prefixes must be positive multiples of 128")
     if args.turn_tokens < 1 or args.repeats < 1:
         raise InvalidInput("replay: --turn-tokens and --repeats must be >= 1")

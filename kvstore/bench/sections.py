@@ -16,3 +16,15 @@ def pick_sections(bench: str, text: str | None, known: Sequence[str], default: S
     if not chosen or any(s not in known for s in chosen):
         raise InvalidInput(f"{bench}: --sections takes some of {','.join(known)}, not {text!r}")
     return chosen
+
+
+def positive_ints(bench: str, flag: str, text: str) -> list[int]:
+    """A comma-separated list of positive integers ("4096,32768"); a bad one stops the bench
+    naming its flag."""
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise InvalidInput(f"{bench}: {flag} takes positive integers, comma-separated (e.g. 4096,32768), not {text!r}")
+    return values

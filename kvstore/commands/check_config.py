@@ -3,11 +3,15 @@
 Everything `kvstore serve` would check before it opens anything is checked here: unknown keys, types
 and ranges (with the dotted key that is wrong), served model names, TLS files, the rule that an
 unauthenticated service binds loopback only, that a 'cuda' store or replay device exists on this
-machine, and the TTL policy the local pool would run (built for real, so its parameters are
-checked too). The output is the full effective config, defaults included, as TOML, with secrets
-redacted, followed by the TTL policy in force. Every bad key and value is reported at once, an
-unknown key with the closest known one; settings that are valid but contradict each other are
-warned about (`kvstore/config/warnings.py`). Exit 0 when valid, 2 with the bad keys otherwise.
+machine, the TTL policy the local pool would run (built for real, so its parameters are
+checked too), and that the data directory and an enabled trace file could be created and written
+(without creating either). The output is the full effective config, defaults included, as TOML
+that parses back, with secrets redacted, followed by the TTL policy in force. Unknown keys (each
+with the closest known one) and values of the wrong type are all reported at once, and with them
+the first broken range or cross-key rule of each section (a section's rules are checked once its
+values have the right types, in order, so a later rule may name what an earlier fix reveals);
+settings that are valid but contradict each other are warned about (`kvstore/config/warnings.py`).
+Exit 0 when valid, 2 with the bad keys otherwise.
 """
 
 from __future__ import annotations
@@ -15,11 +19,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
+import re
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvstore.config import KvstoreConfig, load_config
 from kvstore.config.warnings import config_warnings
+from kvstore.errors import ConfigError
 
 SECRET_KEYS = frozenset({"tokens", "admin_token"})
 
@@ -51,33 +60,66 @@ def effective(cfg: KvstoreConfig) -> dict[str, Any]:
     return out
 
 
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_key(k: str) -> str:
+    """A key as TOML reads it back: bare where it may be, else quoted (a tenant named 'ünï')."""
+    return k if _BARE_KEY.fullmatch(k) else json.dumps(k)
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
+    if isinstance(v, float) and not math.isfinite(v):  # JSON's Infinity and NaN are not TOML
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
     return json.dumps(v)
 
 
-def to_toml(table: dict[str, Any], prefix: str = "") -> list[str]:
+def to_toml(table: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[str]:
     lines: list[str] = []
     scalars = {k: v for k, v in table.items() if not (isinstance(v, dict) and _is_section(v))}
     sections = {k: v for k, v in table.items() if k not in scalars}
     if prefix and (scalars or not sections):
-        lines.append(f"[{prefix}]")
-    lines += [f"{k} = {_toml_value(v)}" for k, v in scalars.items()]
+        lines.append("[" + ".".join(_toml_key(p) for p in prefix) + "]")
+    lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items()]
     for k, v in sections.items():
         if lines:
             lines.append("")
-        lines += to_toml(v, f"{prefix}.{k}" if prefix else k)
+        lines += to_toml(v, (*prefix, k))
     return lines
 
 
 def _is_section(d: dict[str, Any]) -> bool:
     return all(isinstance(k, str) for k in d) and bool(d) and any(
         isinstance(v, dict) or not isinstance(v, int | float) for v in d.values())
+
+
+def _writable(path: Path, key: str, what: str) -> None:
+    """What `serve` would find creating and writing `path` (a directory, made with its parents, or a
+    file in an existing directory), said without creating anything."""
+    try:
+        if path.exists():
+            if (what == "directory") != path.is_dir():
+                raise ConfigError(key, f"{path} exists and is not a {what}")
+            target = path
+        else:
+            target = path.parent
+            while what == "directory" and not target.exists() and target != target.parent:
+                target = target.parent
+            if not target.is_dir():
+                raise ConfigError(key, f"cannot create {path}: {target} is not an existing directory")
+        bits = os.W_OK | (os.X_OK if target.is_dir() else 0)
+        # os.access says yes to root on a read-only mount: ask the file system too.
+        if not os.access(target, bits) or os.statvfs(target).f_flag & os.ST_RDONLY:
+            raise ConfigError(key, f"cannot {'write' if target == path else 'create'} {path}: "
+                                   f"{target} is not writable here")
+    except OSError as e:
+        raise ConfigError(key, f"cannot use {path}: {e.strerror or e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,6 +131,10 @@ def run(args: argparse.Namespace) -> int:
     check_devices(cfg)  # a 'cuda' store or replay device on a machine without CUDA
     check_bind_allowed(cfg, cfg.service.grpc_host)
     server_credentials(cfg.service)  # reads the TLS files: a missing one names its key
+    # Relative paths are from where serve starts: here, as far as check-config can know.
+    _writable(Path(cfg.data_dir), "data_dir", "directory")
+    if cfg.trace.enabled:
+        _writable(Path(cfg.trace.path), "trace.path", "file")
     policy = build_ttl_policy(cfg, models).describe()
     settings = effective(cfg)
     warnings = config_warnings(cfg)

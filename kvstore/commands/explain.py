@@ -22,6 +22,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from kvstore.commands.checks import check_token
 from kvstore.errors import InvalidInput, Unavailable
 from kvstore.observe.explainer import render_text
 from kvstore.wire.request_ids import REQUEST_ID_RE
@@ -45,7 +46,10 @@ def fetch(target: str, request_id: str, token: str | None, timeout_seconds: floa
         raise InvalidInput("a request id is 1-64 characters of letters, digits and . _ : -")
     base = target if "://" in target else f"http://{target}"
     url = base.rstrip("/") + "/api/explain/" + urllib.parse.quote(request_id, safe="")
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:  # parsing the URL: 'http://[::1' is no URL at all, said as the flag's
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    except ValueError as e:
+        raise InvalidInput(f"--target {target!r} is not a URL: {e}") from None
     try:
         with urllib.request.urlopen(req, timeout=timeout_seconds) as resp:
             doc: dict[str, Any] = json.load(resp)
@@ -73,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.timeout_seconds < math.inf:
         raise InvalidInput(f"--timeout-seconds must be a positive number of seconds, got {args.timeout_seconds}")
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    check_token(token, "--token" if args.token is not None else TOKEN_ENV)
     doc = fetch(args.target, args.request_id, token, args.timeout_seconds)
     if doc is None:
         print(f"kvstore explain: no recent request '{args.request_id}' at {args.target} "

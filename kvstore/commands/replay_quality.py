@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from kvstore.config.replay import MAX_THREADS
 from kvstore.errors import InvalidInput
 
 
@@ -48,8 +49,10 @@ def run(args: argparse.Namespace) -> int:
     from replay.reference.quality import QualityConfig, run_quality
     from replay.threads import use_threads
 
-    if args.suffix_tokens < 1 or args.generate_tokens < 1 or args.threads < 0:
-        raise InvalidInput("--suffix-tokens and --generate-tokens must be at least 1, --threads at least 0")
+    if args.suffix_tokens < 1 or args.generate_tokens < 1:
+        raise InvalidInput("--suffix-tokens and --generate-tokens must be at least 1")
+    if not 0 <= args.threads <= MAX_THREADS:  # torch's thread pool crashed the process beyond it
+        raise InvalidInput(f"--threads must be 0 (auto) to {MAX_THREADS}, got {args.threads}")
     use_threads(args.threads)
     qc = QualityConfig(
         sizes=args.sizes, suffix_tokens=args.suffix_tokens, generate_tokens=args.generate_tokens,

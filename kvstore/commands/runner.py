@@ -17,6 +17,8 @@ import threading
 from dataclasses import replace
 from types import FrameType
 
+from kvstore.commands.checks import check_readable, check_target, check_token
+from kvstore.config.replay import MAX_THREADS
 from kvstore.errors import InvalidInput
 
 
@@ -53,8 +55,13 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInput("--max-batch must be >= 1")
     if args.max_concurrent_jobs < 1:
         raise InvalidInput("--max-concurrent-jobs must be >= 1")
-    if not 0 <= args.threads <= 256:
-        raise InvalidInput("--threads must be 0 (auto) to 256")
+    if not 0 <= args.threads <= MAX_THREADS:
+        raise InvalidInput(f"--threads must be 0 (auto) to {MAX_THREADS}")
+    # Before the model loads: a token gRPC cannot send, a bad port or an unreadable CA would
+    # otherwise fail each reconnect for ever.
+    check_token(args.token, "--token")
+    check_target(args.connect, "--connect")
+    check_readable(args.tls_ca, "--tls-ca")
     from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
     from replay.inprocess import ReferenceReplayer, device_option
     from replay.reference.config import ModelConfig

@@ -25,8 +25,9 @@ from types import FrameType
 
 from kvstore import __version__
 from kvstore.config import load_config
+from kvstore.config.service import is_host
 from kvstore.config.warnings import config_warnings
-from kvstore.errors import InvalidInput, KvstoreError
+from kvstore.errors import ConfigError, InvalidInput, KvstoreError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,16 +67,29 @@ def run(args: argparse.Namespace) -> int:
     for w in config_warnings(cfg):
         logging.getLogger("kvstore.config").warning("%s", w)
     host = args.grpc_host or cfg.service.grpc_host
-    check_bind_allowed(cfg, host)  # before opening anything
+    # Else a bad flag is blamed, at bind time, on the config's grpc_port or on missing auth.
+    if args.grpc_host is not None and not is_host(args.grpc_host):
+        raise InvalidInput(f"--grpc-host {args.grpc_host!r} is not an IP address or a host name (no port, "
+                           "no brackets: the port is --grpc-port)")
+    try:
+        check_bind_allowed(cfg, host)  # before opening anything
+    except ConfigError as e:
+        if args.grpc_host is None:
+            raise
+        raise InvalidInput(f"--grpc-host {host}: {e.problem}") from None
     if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
         raise InvalidInput("--grpc-port must be in 0..65535")
     # Checked before anything opens: the admin port is bound only after gRPC has started.
     if args.admin_port is not None and not -1 <= args.admin_port <= 65535:
         raise InvalidInput("--admin-port must be -1 (none) or in 0..65535")
-    if args.unix_socket and (not args.unix_socket.startswith("/") or len(args.unix_socket.encode()) > 100):
-        raise InvalidInput("--unix-socket must be an absolute path of at most 100 bytes")
+    if args.unix_socket and (not args.unix_socket.startswith("/") or len(args.unix_socket.encode()) > 100
+                             or "\0" in args.unix_socket):
+        raise InvalidInput("--unix-socket must be an absolute path of at most 100 bytes, without a NUL")
+    if args.data_dir is not None and "\0" in args.data_dir:
+        raise InvalidInput("--data-dir must not contain a NUL character (no path can)")
     if args.unix_socket is not None:  # the store splits its arenas for in-place loads only with a socket
         cfg = dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, unix_socket_path=args.unix_socket))
+        cfg.validate("")  # the rules across sections that a socket brings in (same-host session shares)
     app = build_app(cfg, args.data_dir, progress=_say)
     try:
         server = KvstoreServer(app, host, args.grpc_port, args.admin_port, unix_socket=args.unix_socket).start()

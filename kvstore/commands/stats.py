@@ -20,6 +20,7 @@ import urllib.request
 from typing import Any
 
 from kvstore.client.types import ServiceStats
+from kvstore.commands.checks import check_readable, check_target, check_token
 from kvstore.errors import InvalidInput
 
 
@@ -77,8 +78,11 @@ def recent_requests(admin_url: str, token: str | None, limit: int, timeout: floa
     """The newest `limit` requests the admin port's `/api/stats` lists (an admin's or a tenant's
     token sees them; without one only a loopback admin port shows them)."""
     base = admin_url if "://" in admin_url else f"http://{admin_url}"
-    req = urllib.request.Request(base.rstrip("/") + "/api/stats",
-                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:  # parsing the URL: 'http://[::1' is no URL at all
+        req = urllib.request.Request(base.rstrip("/") + "/api/stats",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    except ValueError as e:
+        raise InvalidInput(f"--admin {admin_url!r} is not a URL: {e}") from None
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             doc = json.loads(r.read())
@@ -122,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInput(f"--timeout must be a positive number of seconds, got {args.timeout}")
 
     token = args.token if args.token is not None else os.environ.get("KVSTORE_TOKEN") or None
+    check_token(token, "--token" if args.token is not None else "KVSTORE_TOKEN")
+    check_target(args.target, "--target")
+    for flag in ("tls_ca", "tls_cert", "tls_key"):
+        check_readable(getattr(args, flag), "--" + flag.replace("_", "-"))
     with KvstoreClient(args.target, token=token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                        tls_key=args.tls_key, timeout_seconds=args.timeout) as client:
         try:

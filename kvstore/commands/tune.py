@@ -28,6 +28,9 @@ from kvstore.observe.ttl_tuning import (
     tune_ttl,
 )
 
+# A synthetic trace is held in memory whole: 5M requests take ~1.7 GB (a larger N ran out of memory).
+MAX_SYNTHETIC_REQUESTS = 5_000_000
+
 
 def _ttl_list(text: str) -> tuple[float, ...]:
     try:
@@ -52,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", metavar="FILE", help="a JSON-lines trace recorded by the service")
     src.add_argument("--synthetic", metavar="N", type=int,
-                     help="generate an N-request synthetic trace instead")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace (default 0)")
+                     help=f"generate an N-request synthetic trace instead (at most {MAX_SYNTHETIC_REQUESTS:,})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace, >= 0 (default 0)")
     p.add_argument("--save-trace", metavar="FILE", help="with --synthetic: also write the trace to FILE")
     p.add_argument("--ttl", type=_ttl_list, default=DEFAULT_TTLS_SECONDS, metavar="S,S,...",
                    help="candidate TTLs in seconds (default "
@@ -93,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidInput(f"--{flag.replace('_', '-')} must be >= 0, got {v}")
     if args.chunk_tokens <= 0:
         raise InvalidInput(f"--chunk-tokens must be > 0, got {args.chunk_tokens}")
+    if args.synthetic is not None and args.synthetic > MAX_SYNTHETIC_REQUESTS:
+        raise InvalidInput(f"--synthetic must be at most {MAX_SYNTHETIC_REQUESTS:,} (it is held in memory whole, "
+                           f"~350 bytes a request), got {args.synthetic:,}")
+    if args.synthetic is not None and args.seed < 0:  # numpy takes no negative seed
+        raise InvalidInput(f"--seed must be >= 0, got {args.seed}")
     if args.save_trace and args.synthetic is None:
         raise InvalidInput("--save-trace needs --synthetic")
     layout = get_model(args.model).layout
@@ -158,6 +166,12 @@ def _labelled(rep: TuneReport) -> list[str]:
     return out
 
 
+def _break_even(seconds: float) -> str:
+    if math.isfinite(seconds):
+        return f"break-even hold {seconds:,.0f} s (holding one snapshot that long costs one replay)"
+    return "no break-even hold: holding a snapshot costs nothing (zero-byte snapshots)"
+
+
 def format_report(rep: TuneReport, side_calls: int = 0) -> str:
     """The report as text; `side_calls`: pre-check and probe lookups left out of the trace."""
     c = rep.cost
@@ -168,8 +182,7 @@ def format_report(rep: TuneReport, side_calls: int = 0) -> str:
         f"{eligible:,} could hit locally (global hit, session seen before); "
         f"{rep.same_boundary_requests:,} at an unchanged boundary",
         f"cost: {c.replay_cost_per_token:g} per replayed token, "
-        f"{c.hold_cost_per_byte_second:g} per byte-second held; break-even hold "
-        f"{rep.break_even_seconds:,.0f} s (holding one snapshot that long costs one replay)",
+        f"{c.hold_cost_per_byte_second:g} per byte-second held; " + _break_even(rep.break_even_seconds),
         "",
         f"{'ttl_s':>9} {'semantics':<9} {'hit_rate':>8} {'replays':>9} {'replay_tokens':>14} "
         f"{'byte_seconds':>14} {'replay_cost':>12} {'hold_cost':>12} {'total_cost':>12}",

@@ -7,17 +7,19 @@ one tenant, no auth, loopback only, the embedded local pool and the in-process r
 
 from __future__ import annotations
 
+import ipaddress
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.config.fields import join, parse_section, require
+from kvstore.config.fields import NUL_PROBLEM, join, parse_section, require
 from kvstore.config.local_pool import LocalPoolConfig, TtlPolicyConfig
 from kvstore.config.replay import ReplayConfig
 from kvstore.config.service import AdminConfig, ServiceConfig, TenantConfig, TraceConfig, is_loopback
 from kvstore.config.store import StoreConfig
-from kvstore.errors import ConfigFileError
+from kvstore.errors import ConfigError, ConfigFileError
 
 DEFAULT_TENANT = "default"
 
@@ -55,32 +57,83 @@ class KvstoreConfig:
         return bool(self.tenants)
 
     def validate(self, prefix: str) -> None:
+        require("\0" not in self.data_dir, "data_dir", NUL_PROBLEM)
         seen: dict[str, str] = {}
         for name, t in self.tenants.items():
             require(name.replace("-", "").replace("_", "").isalnum(), join("tenants", name),
                     "tenant names use letters, digits, '-' and '_' only")
             require(bool(t.tokens) or bool(t.mtls_common_name), join("tenants", name),
                     "a tenant needs at least one token or an mtls_common_name")
+            # Without a client CA the service asks no peer for a certificate: the name never matches.
+            require(not t.mtls_common_name or bool(self.service.tls_client_ca_file),
+                    join("tenants", name) + ".mtls_common_name",
+                    "needs service.tls_client_ca_file (mTLS): without it no client presents a certificate")
             for tok in t.tokens:
                 require(tok not in seen, join("tenants", name) + ".tokens",
                         f"token is already used by tenant '{seen.get(tok)}'")
                 seen[tok] = name
+        # The admin token is tried beside the tenants' on every call: shared, that tenant is the admin.
+        require(self.admin.admin_token not in seen, "admin.admin_token",
+                f"is also a token of tenant '{seen.get(self.admin.admin_token)}': the admin token must be its own")
+        require(not (self.service.grpc_port and self.service.grpc_port == self.admin.port
+                     and _binds_collide(self.service.grpc_host, self.admin.host)),
+                "admin.port", f"is service.grpc_port too ({self.admin.port}): the two ports must differ")
         weights = self.share_weights()
         whole = sum(weights.values())
+        _require_shares(self.service.max_concurrent_calls, weights, 0.0, "service.max_concurrent_calls", "call slots")
         for name, w in weights.items():
-            require(int(self.service.max_concurrent_calls * w / whole) >= 1, "service.max_concurrent_calls",
-                    f"{self.service.max_concurrent_calls} call slots split by share_weight leave tenant "
-                    f"'{name}' none: raise max_concurrent_calls or that tenant's share_weight")
             require(int(self.service.max_staged_bytes * w / whole) >= self.service.max_message_bytes,
                     "service.max_staged_bytes",
                     f"split by share_weight, tenant '{name}' could not stage even one message "
                     f"({self.service.max_message_bytes} bytes): raise max_staged_bytes")
+        # Runner slots and same-host sessions are split the same way (a share of 0 lets the tenants
+        # that come first take every slot for good). Checked only where they are shared: runners
+        # with auth on and replay on (runners attached with the admin token count as one more
+        # member of weight 1, replay/registry.py); sessions with several tenants and a Unix socket.
+        if self.auth_enabled and self.replay.runner != "none" and self.replay.mode != "off":
+            _require_shares(self.service.max_runners, weights, 1.0, "service.max_runners", "runner slots")
+        if len(weights) > 1 and self.service.shm_enabled and self.service.unix_socket_path:
+            _require_shares(self.service.max_shm_sessions, weights, 0.0, "service.max_shm_sessions",
+                            "same-host sessions")
 
     def share_weights(self) -> dict[str, float]:
         """Each tenant's weight in the split of the service's call slots, staged bytes and runners."""
         if not self.tenants:
             return {DEFAULT_TENANT: 1.0}
         return {name: t.share_weight for name, t in self.tenants.items()}
+
+
+def _least_total(weights: dict[str, float], extra_weight: float) -> int:
+    """The smallest total whose split by weight (plus a member of `extra_weight`) gives every member
+    at least one unit, as policies/fair_share.py splits it."""
+    whole = sum(weights.values()) + extra_weight
+    n = max(1, math.ceil(whole / min(weights.values())))
+    while any(int(n * w / whole) < 1 for w in weights.values()):  # float rounding: a step or two at most
+        n += 1
+    return n
+
+
+def _require_shares(total: int, weights: dict[str, float], extra_weight: float, key: str, what: str) -> None:
+    """Every tenant's share of `total` (split by weight, plus a member of `extra_weight`) is >= 1."""
+    whole = sum(weights.values()) + extra_weight
+    for name, w in weights.items():
+        if int(total * w / whole) < 1:
+            raise ConfigError(key, f"{total} {what} split by share_weight leave tenant '{name}' none: raise "
+                                   f"{key.split('.')[-1]} to at least {_least_total(weights, extra_weight)} "
+                                   "or that tenant's share_weight")
+
+
+def _binds_collide(a: str, b: str) -> bool:
+    """Whether one port can be bound on both hosts only once: the same host, or a wildcard address."""
+    if a == b:
+        return True
+    for host in (a, b):
+        try:
+            if ipaddress.ip_address(host).is_unspecified:
+                return True
+        except ValueError:
+            pass
+    return {a, b} in ({"localhost", "127.0.0.1"}, {"localhost", "::1"})
 
 
 def parse_config(table: dict[str, Any]) -> KvstoreConfig:
@@ -95,6 +148,8 @@ def load_config(path: str | Path | None) -> KvstoreConfig:
         raw = p.read_bytes()
     except OSError as e:
         raise ConfigFileError(f"cannot read config file {p}: {e.strerror}") from None
+    except ValueError:  # a NUL in the name: no such file can exist
+        raise ConfigFileError(f"cannot read config file {str(p)!r}: a file name cannot contain a NUL") from None
     try:
         table = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

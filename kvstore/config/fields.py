@@ -93,8 +93,9 @@ def parse_section(cls: type[T], table: Mapping[str, Any], prefix: str) -> T:
     assert dataclasses.is_dataclass(cls)
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    # Every bad key and value of the file at once (a fix-one-rerun loop per typo is no way to
-    # learn a config); cross-field rules (`validate`) run once the values themselves are right.
+    # Every unknown key and wrong type of the file at once (a fix-one-rerun loop per typo is no way
+    # to learn a config); a section's range and cross-field rules (`validate`) run once its values
+    # have the right types, and stop at its first problem (a later rule may assume an earlier one).
     errors: list[ConfigError] = []
     for name in sorted(set(table) - set(fields)):
         close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
@@ -117,6 +118,12 @@ def parse_section(cls: type[T], table: Mapping[str, Any], prefix: str) -> T:
     if callable(validate):
         validate(prefix)
     return obj
+
+
+# Upper bounds of durations: a finite number of seconds that a clock, a timer and a deadline can
+# all take (an endless or 300-year timeout overflowed them, or read as "never" where none was meant).
+DAY_SECONDS = 86_400
+NUL_PROBLEM = "must not contain a NUL character (no path can)"
 
 
 def require(cond: bool, key: str, problem: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvstore.config.fields import join, require
+from kvstore.config.fields import DAY_SECONDS, join, require
 
 MAX_THREADS = 256  # CPU threads the in-process model may be given
 
@@ -23,6 +23,9 @@ class ReplayConfig:
 
     def validate(self, prefix: str) -> None:
         require(0 <= self.threads <= MAX_THREADS, join(prefix, "threads"), f"must be 0 (auto) to {MAX_THREADS}")
-        require(self.timeout_seconds > 0, join(prefix, "timeout_seconds"), "must be > 0")
+        # Finite: with no caller deadline this is the replay's budget, and an endless one overflowed
+        # the coordinator's deadline arithmetic (no replay ran at all).
+        require(0 < self.timeout_seconds <= DAY_SECONDS, join(prefix, "timeout_seconds"),
+                f"must be > 0 and at most {DAY_SECONDS} (a day)")
         require(self.per_tenant_concurrency >= 1, join(prefix, "per_tenant_concurrency"), "must be >= 1")
         require(self.max_batch >= 1, join(prefix, "max_batch"), "must be >= 1")

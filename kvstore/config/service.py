@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import ipaddress
-import math
 import re
 from dataclasses import dataclass
 
-from kvstore.config.fields import join, require
+from kvstore.config.fields import DAY_SECONDS, NUL_PROBLEM, join, require
 
 MiB = 1 << 20
 MAX_GRPC_SECONDS = 2_000_000  # (2**31 - 1) ms, rounded down
 MIN_TOKEN_CHARS = 8
+MAX_LOCAL_TTL_SECONDS = 30 * DAY_SECONDS  # a snapshot held longer is memory spent on a session long gone
+# Points of /api/timeseries history kept in memory: 100,000 cost ~236 MB and seconds per read.
+MAX_TIMESERIES_POINTS = 20_000
+MAX_TIMESERIES_SECONDS = 30 * DAY_SECONDS
 # A host name's labels (underscores too: container names have them and resolve).
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
@@ -26,6 +29,17 @@ def is_host(host: str) -> bool:
         pass
     name = host[:-1] if host.endswith(".") else host
     return 0 < len(name) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in name.split("."))
+
+
+def token_problem(token: str) -> str | None:
+    """Why a bearer token could never authenticate (None when it can): a header value carries
+    printable ASCII only (gRPC refuses to send anything else), and the service strips the token it is
+    shown, so one that begins or ends with a space never matches. Length is the config's rule."""
+    if not all(" " <= c <= "~" for c in token):
+        return "must be printable ASCII (a gRPC header cannot carry other characters)"
+    if token != token.strip():
+        return "must not begin or end with a space (the presented token is stripped, so it would never match)"
+    return None
 
 
 def is_loopback(host: str) -> bool:
@@ -56,12 +70,14 @@ class TenantConfig:
         for t in self.tokens:
             require(len(t) >= MIN_TOKEN_CHARS, join(prefix, "tokens"),
                     f"each token must be at least {MIN_TOKEN_CHARS} characters")
+            problem = token_problem(t)
+            require(problem is None, join(prefix, "tokens"), f"each token {problem}")
         for name in ("quota_device_bytes", "quota_dram_bytes", "quota_lmdb_bytes"):
             require(getattr(self, name) >= -1, join(prefix, name), "must be -1 (none) or >= 0")
         # Only -1 means "the pool decides": 0 or another negative is more likely a mistake than that.
         ttl = self.local_ttl_seconds
-        require(ttl == -1 or 0 < ttl < math.inf, join(prefix, "local_ttl_seconds"),
-                "must be -1 (the pool's policy decides) or a finite number of seconds > 0")
+        require(ttl == -1 or 0 < ttl <= MAX_LOCAL_TTL_SECONDS, join(prefix, "local_ttl_seconds"),
+                f"must be -1 (the pool's policy decides) or seconds > 0, at most {MAX_LOCAL_TTL_SECONDS} (30 days)")
         require(0 < self.share_weight <= 1000, join(prefix, "share_weight"), "must be > 0 and <= 1000")
 
 
@@ -148,6 +164,8 @@ class ServiceConfig:
         require(self.max_lookup_tokens >= 1, join(prefix, "max_lookup_tokens"), "must be >= 1")
         require(not self.unix_socket_path or self.unix_socket_path.startswith("/"), join(prefix, "unix_socket_path"),
                 "must be an absolute path (or empty for none)")
+        for name in ("unix_socket_path", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            require("\0" not in getattr(self, name), join(prefix, name), NUL_PROBLEM)
         require(len(self.unix_socket_path.encode()) <= 100, join(prefix, "unix_socket_path"),
                 "must be at most 100 bytes (a Unix socket path, with room for the '.shm' beside it)")
         require(0 <= self.unix_socket_mode <= 0o777, join(prefix, "unix_socket_mode"),
@@ -189,11 +207,18 @@ class AdminConfig:
         # The admin token sees every tenant's data: no weaker than a tenant's token.
         require(not self.admin_token or len(self.admin_token) >= MIN_TOKEN_CHARS, join(prefix, "admin_token"),
                 f"must be at least {MIN_TOKEN_CHARS} characters (or empty for none)")
-        require(self.timeseries_seconds >= 60, join(prefix, "timeseries_seconds"), "must be >= 60")
+        problem = token_problem(self.admin_token)
+        require(problem is None, join(prefix, "admin_token"), problem or "")
+        # Else /metrics would stay open while the file says it is closed.
+        require(not self.metrics_require_token or bool(self.admin_token), join(prefix, "metrics_require_token"),
+                "needs admin.admin_token: without one there is no token to require")
+        require(60 <= self.timeseries_seconds <= MAX_TIMESERIES_SECONDS, join(prefix, "timeseries_seconds"),
+                f"must be in 60..{MAX_TIMESERIES_SECONDS} (30 days)")
         require(1 <= self.timeseries_step_seconds <= self.timeseries_seconds // 10,
                 join(prefix, "timeseries_step_seconds"), "must be >= 1 and at most timeseries_seconds / 10")
-        require(self.timeseries_seconds // self.timeseries_step_seconds <= 100_000,
-                join(prefix, "timeseries_step_seconds"), "keeps at most 100000 points: use a longer step")
+        require(self.timeseries_seconds // self.timeseries_step_seconds <= MAX_TIMESERIES_POINTS,
+                join(prefix, "timeseries_step_seconds"),
+                f"keeps at most {MAX_TIMESERIES_POINTS} points (timeseries_seconds / this): use a longer step")
         require(self.explain_requests >= 1, join(prefix, "explain_requests"), "must be >= 1")
         require(self.explain_chunk_fates >= 1, join(prefix, "explain_chunk_fates"), "must be >= 1")
 
@@ -202,5 +227,9 @@ class AdminConfig:
 class TraceConfig:
     enabled: bool = False
     path: str = "kvstore-trace.jsonl"
+
+    def validate(self, prefix: str) -> None:
+        require(not self.enabled or bool(self.path), join(prefix, "path"), "must name a file when the trace is enabled")
+        require("\0" not in self.path, join(prefix, "path"), NUL_PROBLEM)
 
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvstore.config.fields import join, require
+from kvstore.config.fields import DAY_SECONDS, join, require
 
 MiB = 1 << 20
 GiB = 1 << 30
+# The wire carries token counts as uint32 (a chunk of 2**33 tokens failed every Lookup). Chunks in
+# use are 8..128 tokens (an engine's block size must divide one); 65,536 leaves room for any block.
+MAX_CHUNK_TOKENS = 65_536
 
 # What each LMDB durability mode loses on a power cut (also in the README):
 # - "sync":   nothing acknowledged; every commit is fsynced before the store acknowledges it.
@@ -67,8 +70,9 @@ class StoreConfig:
         )
         require(1 <= self.zstd_level <= 19, join(prefix, "zstd_level"), "must be in 1..19")
         require(self.key_memo_bytes >= 0, join(prefix, "key_memo_bytes"), "must be >= 0")
-        require(self.pin_timeout_seconds > 0, join(prefix, "pin_timeout_seconds"), "must be > 0")
+        require(0 < self.pin_timeout_seconds <= DAY_SECONDS, join(prefix, "pin_timeout_seconds"),
+                f"must be > 0 and at most {DAY_SECONDS} (a day)")
         require(
-            self.chunk_tokens > 0 and self.chunk_tokens % 8 == 0,
-            join(prefix, "chunk_tokens"), "must be a positive multiple of 8",
+            0 < self.chunk_tokens <= MAX_CHUNK_TOKENS and self.chunk_tokens % 8 == 0,
+            join(prefix, "chunk_tokens"), f"must be a positive multiple of 8, at most {MAX_CHUNK_TOKENS}",
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvstore.config.service import is_loopback
+
 if TYPE_CHECKING:
     from kvstore.config import KvstoreConfig
 
@@ -29,4 +31,9 @@ def config_warnings(cfg: KvstoreConfig) -> list[str]:
     if cfg.replay.timeout_seconds > ttl.ttl_seconds:
         out.append(f"replay.timeout_seconds = {cfg.replay.timeout_seconds:g} is longer than "
                    f"local_pool.ttl.ttl_seconds = {ttl.ttl_seconds:g}: a replay may outlive the snapshot it rebuilds")
+    adm = cfg.admin
+    if adm.per_tenant_labels and not adm.metrics_require_token and not is_loopback(adm.host):
+        out.append(f"admin.per_tenant_labels = true with admin.metrics_require_token = false on admin.host = "
+                   f"'{adm.host}' (not loopback): /metrics shows every tenant's name and traffic to anyone "
+                   "who can reach the port")
     return out

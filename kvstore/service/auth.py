@@ -142,3 +142,5 @@ def _read(path: str, key: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as e:
         raise ConfigError(key, f"cannot read {path}: {e.strerror}") from None
+    except ValueError:  # a NUL in the name (the config refuses one; a config built in code may not)
+        raise ConfigError(key, f"cannot read {path!r}: a file name cannot contain a NUL") from None

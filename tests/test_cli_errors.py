@@ -1,0 +1,119 @@
+"""Bad flags and config paths are one line naming the flag or key and exit 2: no traceback, no gRPC
+core log lines, no runner reconnecting for ever, no crash in a thread pool, no silent wrap of a port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ('[store]\nprefault_arenas = false\ndevice = "cpu"\ndevice_capacity_bytes = 1048576\n'
+         'dram_capacity_bytes = 1048576\n[replay]\nrunner = "none"\n')
+
+# (argv, what the one line must name). {tmp}: the test's directory, holding small.toml and, for
+# the check-config cases, c.toml with the text after "check-config".
+IN_PROCESS: list[tuple[list[str], str]] = [
+    (["stats", "--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem: No such file"),
+    (["stats", "--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"], "--tls-cert"),
+    (["stats", "--target", "127.0.0.1:99999", "--timeout", "0.5"], "--target 127.0.0.1:99999"),
+    (["stats", "--target", "[::1]:70000", "--timeout", "0.5"], "--target [::1]:70000"),
+    (["stats", "--token", "tök-ën-0123", "--target", "127.0.0.1:1", "--timeout", "0.5"], "--token"),
+    (["stats", "--token", "bad\x01token", "--target", "127.0.0.1:1", "--timeout", "0.5"], "--token"),
+    (["explain", "abc", "--target", "http://[::1"], "--target 'http://[::1' is not a URL"),
+    (["explain", "abc", "--token", "a\nb-token-123", "--target", "127.0.0.1:1"], "--token"),
+    (["tune", "ttl", "--synthetic", "10", "--seed", "-1"], "--seed must be >= 0"),
+    (["bench", "replay", "--prefixes", "abc"], "--prefixes"),
+    (["bench", "dataplane", "--prefixes", "abc"], "--prefixes"),
+    (["bench", "engine", "--lengths", "abc"], "--lengths"),
+    (["check-config", "{tmp}/no\x00such.toml"], "cannot read config file"),
+    (["check-config", '[service]\ntls_cert_file = "/a\\u0000b"\ntls_key_file = "/a"\n'], "service.tls_cert_file"),
+    (["check-config", '[service]\ntls_cert_file = "/a"\ntls_key_file = "/a\\u0000b"\n'], "service.tls_key_file"),
+    (["check-config", '[trace]\nenabled = true\npath = "t\\u0000x"\n'], "trace.path"),
+    (["check-config", 'data_dir = "kv\\u0000s"\n'], "data_dir"),
+    (["check-config", '[service]\nunix_socket_path = "/tmp/s\\u0000x"\n'], "service.unix_socket_path"),
+    (["serve", "--config", "{tmp}/small.toml", "--data-dir", "{tmp}/da\x00ta"], "--data-dir must not contain a NUL"),
+    (["serve", "--config", "{tmp}/small.toml", "--data-dir", "{tmp}/data", "--unix-socket", "{tmp}/s\x00ck"],
+     "--unix-socket must be an absolute path"),
+]
+# Run as their own process: before the fix these crashed the interpreter (a thread pool of 100,000),
+# ran out of memory, reconnected for ever, or bound ports and installed signal handlers.
+SUBPROCESS: list[tuple[list[str], str]] = [
+    (["replay-quality", "--threads", "100000"], "--threads must be 0 (auto) to 256"),
+    (["bench", "replay", "--threads", "100000"], "--threads"),
+    (["tune", "ttl", "--synthetic", "99999999999"], "--synthetic must be at most"),
+    (["runner", "--connect", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"], "--tls-ca /nonexistent/ca.pem"),
+    (["runner", "--connect", "127.0.0.1:1", "--token", "bad\x01token"], "--token"),
+    (["runner", "--connect", "127.0.0.1:99999"], "--connect 127.0.0.1:99999"),
+    (["serve", "--config", "{tmp}/small.toml", "--data-dir", "{tmp}/data", "--admin-port", "-1", "--grpc-port", "0",
+      "--grpc-host", "bad_host!"], "--grpc-host 'bad_host!' is not an IP address or a host name"),
+    (["serve", "--config", "{tmp}/small.toml", "--data-dir", "{tmp}/data", "--admin-port", "-1", "--grpc-port", "0",
+      "--grpc-host", "127.0.0.1:5"], "--grpc-host '127.0.0.1:5' is not an IP address or a host name"),
+    (["serve", "--config", "{tmp}/small.toml", "--data-dir", "{tmp}/data", "--admin-port", "-1", "--grpc-port", "0",
+      "--grpc-host", "0.0.0.0"], "--grpc-host 0.0.0.0: refusing to bind"),
+    # A socket from the flag brings in the same-host session shares the config file did not need.
+    (["serve", "--config", "{tmp}/many.toml", "--data-dir", "{tmp}/data", "--admin-port", "-1", "--grpc-port", "0",
+      "--unix-socket", "{tmp}/kv.sock"], "'service.max_shm_sessions': 32 same-host sessions split by share_weight"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _signals_kept() -> Iterator[None]:
+    """Commands install signal handlers; the test process keeps its own."""
+    kept = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    yield
+    for s, h in kept.items():
+        signal.signal(s, h)
+
+
+def _argv(argv: list[str], tmp: Path) -> list[str]:
+    (tmp / "small.toml").write_text(SMALL)
+    (tmp / "many.toml").write_text(SMALL + "[service]\nmax_concurrent_calls = 64\n" + "".join(
+        f'[tenants.t{i}]\ntokens = ["token-of-tenant-{i:03d}"]\n' for i in range(33)))
+    if argv[0] == "check-config" and "\n" in argv[1]:
+        (tmp / "c.toml").write_text(argv[1])
+        return ["check-config", str(tmp / "c.toml")]
+    return [a.format(tmp=tmp) for a in argv]
+
+
+def _one_line(rc: int, err: str, said: str) -> None:
+    assert "Traceback" not in err, err
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert said in lines[-1], err
+    # argparse's usage lines come before its one error line; nothing else is said.
+    assert len(lines) == 1 or lines[0].startswith("usage:"), err
+
+
+@pytest.mark.parametrize(("argv", "said"), IN_PROCESS, ids=[" ".join(a)[:60] for a, _ in IN_PROCESS])
+def test_a_bad_flag_or_path_is_one_line_and_exit_2(argv: list[str], said: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        rc = main(_argv(argv, tmp_path))
+    except SystemExit as e:  # argparse's usage errors
+        rc = int(e.code or 0)
+    _one_line(rc, capsys.readouterr().err, said)
+
+
+@pytest.mark.parametrize(("argv", "said"), SUBPROCESS, ids=[" ".join(a)[:60] for a, _ in SUBPROCESS])
+def test_a_bad_flag_is_one_line_and_exit_2_before_anything_starts(argv: list[str], said: str,
+                                                                  tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSTORE_TOKEN", "KVSTORE_ADMIN_TOKEN")}
+    proc = subprocess.run([sys.executable, "-m", "kvstore", *_argv(argv, tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=90)
+    _one_line(proc.returncode, proc.stderr, said)
+    assert not (tmp_path / "data").exists()  # serve stopped before it created anything
+
+
+def test_the_token_from_the_environment_is_checked_as_such(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVSTORE_TOKEN", " padded-token-0123")
+    _one_line(main(["stats", "--target", "127.0.0.1:1", "--timeout", "0.5"]), capsys.readouterr().err,
+              "KVSTORE_TOKEN: the token must not begin or end with a space")

@@ -1,0 +1,208 @@
+"""Config values that pass validation must work: unbounded durations and chunk sizes, tokens that can
+never authenticate, a tenant's token reused as the admin's, fair shares that round to nothing, and
+settings `serve` refuses are all refused at validation, naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.cli import main
+from kvstore.commands.check_config import effective, to_toml
+from kvstore.config import AdminConfig, ReplayConfig, ServiceConfig, StoreConfig, TenantConfig, parse_config
+from kvstore.config.warnings import config_warnings
+from kvstore.errors import ConfigError
+from policies.fair_share import FairShare
+from replay.registry import ADMIN_MEMBER
+
+TOKEN = "tenant-token-0123"
+# Every *_seconds key of these sections, found from the dataclasses so that a new one is covered too
+# (the local pool's keys are its own section's tests').
+SECTIONS: dict[str, type] = {"store": StoreConfig, "replay": ReplayConfig, "service": ServiceConfig,
+                             "admin": AdminConfig, "tenants.a": TenantConfig}
+SECONDS_KEYS = [(section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+                if f.name.endswith("_seconds")]
+
+
+def _table(section: str, keys: dict[str, Any]) -> dict[str, Any]:
+    if section == "tenants.a":
+        return {"tenants": {"a": {"tokens": [TOKEN], **keys}}}
+    return {section: keys}
+
+
+def _refused(table: dict[str, Any], key: str) -> ConfigError:
+    with pytest.raises(ConfigError) as e:
+        parse_config(table)
+    assert e.value.key == key or f"'{key}'" in str(e.value), str(e.value)
+    return e.value
+
+
+def test_the_seconds_keys_are_found() -> None:
+    assert {("replay", "timeout_seconds"), ("store", "pin_timeout_seconds"), ("tenants.a", "local_ttl_seconds"),
+            ("service", "stream_idle_seconds"), ("admin", "timeseries_seconds")} <= set(SECONDS_KEYS)
+
+
+@pytest.mark.parametrize("value", [math.inf, 1e10, 10**10], ids=["inf", "1e10", "int-1e10"])
+@pytest.mark.parametrize(("section", "name"), SECONDS_KEYS, ids=[f"{s}.{n}" for s, n in SECONDS_KEYS])
+def test_every_duration_is_finite_and_bounded(section: str, name: str, value: float) -> None:
+    # replay.timeout_seconds = inf: every replay without a caller deadline failed with OverflowError.
+    _refused(_table(section, {name: value}), f"{section}.{name}")
+
+
+def test_the_bounds_keep_the_defaults_and_long_values_that_mean_something() -> None:
+    cfg = parse_config({"replay": {"timeout_seconds": 86_400}, "store": {"pin_timeout_seconds": 3600},
+                        "tenants": {"a": {"tokens": [TOKEN], "local_ttl_seconds": 7 * 86_400}},
+                        "admin": {"timeseries_seconds": 7 * 86_400, "timeseries_step_seconds": 60}})
+    assert cfg.replay.timeout_seconds == 86_400 and cfg.tenants["a"].local_ttl_seconds == 7 * 86_400
+
+
+def test_a_chunk_size_the_wire_cannot_carry_is_refused() -> None:
+    _refused({"store": {"chunk_tokens": 2**33}}, "store.chunk_tokens")  # every Lookup was INTERNAL
+    _refused({"store": {"chunk_tokens": 65_544}}, "store.chunk_tokens")
+    assert parse_config({"store": {"chunk_tokens": 65_536}}).store.chunk_tokens == 65_536
+
+
+def test_the_admin_token_may_not_be_a_tenants_token() -> None:
+    e = _refused({"admin": {"admin_token": TOKEN}, "tenants": {"a": {"tokens": [TOKEN]},
+                                                                "b": {"tokens": ["token-of-tenant-b"]}}},
+                 "admin.admin_token")
+    assert "tenant 'a'" in str(e)
+
+
+@pytest.mark.parametrize("token", [" leading-space", "trailing-space ", "with-newline\n", "tab\tinside-it",
+                                   "tönänt-tökän-ünïcödé", "nul\x00inside-it"])
+def test_a_token_that_can_never_authenticate_is_refused(token: str) -> None:
+    # gRPC refuses to send a header with non-printable or non-ASCII bytes; the service strips the
+    # token it is shown, so one with surrounding spaces never matches.
+    _refused({"tenants": {"a": {"tokens": [token]}}}, "tenants.a.tokens")
+    _refused({"admin": {"admin_token": token}}, "admin.admin_token")
+
+
+def test_a_token_with_a_space_inside_is_accepted() -> None:
+    assert parse_config({"tenants": {"a": {"tokens": ["has space inside"]}}}).tenants["a"].tokens
+
+
+def test_an_mtls_name_needs_a_client_ca() -> None:
+    e = _refused({"tenants": {"acme": {"mtls_common_name": "acme-client"}}}, "tenants.acme.mtls_common_name")
+    assert "service.tls_client_ca_file" in str(e)
+    _refused({"tenants": {"acme": {"tokens": [TOKEN], "mtls_common_name": "acme-client"}}},
+             "tenants.acme.mtls_common_name")
+
+
+def _tenants(n: int) -> dict[str, Any]:
+    return {f"t{i}": {"tokens": [f"token-of-tenant-{i:03d}"]} for i in range(n)}
+
+
+def test_runner_slots_that_leave_a_tenant_none_are_refused() -> None:
+    # 20 tenants and 16 runner slots: every share was 0, and the first 16 runners locked out the rest.
+    e = _refused({"tenants": _tenants(20), "replay": {"runner": "attached"}}, "service.max_runners")
+    assert "at least 21" in str(e)
+    cfg = parse_config({"tenants": _tenants(20), "replay": {"runner": "attached"}, "service": {"max_runners": 21}})
+    slots = FairShare(cfg.service.max_runners, {**cfg.share_weights(), ADMIN_MEMBER: 1.0})  # as replay/registry.py
+    assert all(slots.share(name) >= 1 for name in cfg.tenants)
+    # Without replay there is nothing to attach for, and without auth one tenant takes them all.
+    parse_config({"tenants": _tenants(20), "replay": {"runner": "none"}})
+    parse_config({"service": {"max_runners": 1}})
+
+
+def test_same_host_sessions_that_leave_a_tenant_none_are_refused() -> None:
+    svc = {"unix_socket_path": "/tmp/kvstore-test.sock", "max_concurrent_calls": 64}
+    e = _refused({"tenants": _tenants(33), "replay": {"runner": "none"}, "service": svc}, "service.max_shm_sessions")
+    assert "at least 33" in str(e)
+    parse_config({"tenants": _tenants(33), "replay": {"runner": "none"}, "service": {**svc, "max_shm_sessions": 33}})
+    parse_config({"tenants": _tenants(33), "replay": {"runner": "none"}, "service": {**svc, "shm_enabled": False}})
+
+
+def test_metrics_behind_a_token_need_one() -> None:
+    e = _refused({"admin": {"metrics_require_token": True}}, "admin.metrics_require_token")
+    assert "admin.admin_token" in str(e)
+    parse_config({"admin": {"metrics_require_token": True, "admin_token": "admin-token-0123"}})
+
+
+def test_per_tenant_labels_on_an_open_metrics_port_beyond_loopback_are_warned_about() -> None:
+    tenants = {"a": {"tokens": [TOKEN]}}
+    open_port = parse_config({"tenants": tenants, "admin": {"host": "0.0.0.0", "per_tenant_labels": True}})
+    assert any("admin.per_tenant_labels" in w and "admin.metrics_require_token" in w
+               for w in config_warnings(open_port))
+    for admin in ({"host": "127.0.0.1", "per_tenant_labels": True},
+                  {"host": "0.0.0.0", "per_tenant_labels": True, "metrics_require_token": True,
+                   "admin_token": "admin-token-0123"},
+                  {"host": "0.0.0.0"}):
+        assert not any("per_tenant_labels" in w for w in config_warnings(parse_config({"tenants": tenants,
+                                                                                     "admin": admin})))
+
+
+def test_the_time_series_keeps_at_most_20000_points() -> None:
+    _refused({"admin": {"timeseries_seconds": 100_000, "timeseries_step_seconds": 1}}, "admin.timeseries_step_seconds")
+    cfg = parse_config({"admin": {"timeseries_seconds": 200_000, "timeseries_step_seconds": 10}})
+    assert cfg.admin.timeseries_seconds // cfg.admin.timeseries_step_seconds == 20_000
+
+
+@pytest.mark.parametrize(("table", "key"), [
+    ({"trace": {"enabled": True, "path": ""}}, "trace.path"),
+    ({"trace": {"path": "t\x00x"}}, "trace.path"),
+    ({"data_dir": "kv\x00s"}, "data_dir"),
+    ({"service": {"unix_socket_path": "/tmp/s\x00x"}}, "service.unix_socket_path"),
+    ({"service": {"tls_cert_file": "/a\x00b", "tls_key_file": "/a"}}, "service.tls_cert_file"),
+    ({"service": {"grpc_port": 45999}, "admin": {"port": 45999}}, "admin.port"),
+    ({"service": {"grpc_port": 45999, "grpc_host": "::1"}, "admin": {"port": 45999, "host": "0.0.0.0"}},
+     "admin.port"),
+])
+def test_what_serve_refuses_is_refused_at_validation(table: dict[str, Any], key: str) -> None:
+    _refused(table, key)
+
+
+def test_one_port_on_two_addresses_is_fine() -> None:
+    parse_config({"service": {"grpc_port": 45999, "grpc_host": "127.0.0.1"},
+                  "admin": {"port": 45999, "host": "127.0.0.2"}})
+    parse_config({"service": {"grpc_port": 0}, "admin": {"port": 0}})
+
+
+def _check_config(tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    rc = main(["check-config", str(path)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ('[trace]\nenabled = true\npath = "{tmp}/no/such/dir/t.jsonl"\n', "trace.path"),
+    ('[trace]\nenabled = true\npath = "{tmp}"\n', "trace.path"),  # a directory
+    ('data_dir = "{tmp}/file/data"\n', "data_dir"),  # below a file: cannot be created
+    ('data_dir = "{tmp}/file"\n', "data_dir"),
+])
+def test_check_config_finds_paths_serve_cannot_create(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      text: str, key: str) -> None:
+    (tmp_path / "file").write_text("")
+    rc, _, err = _check_config(tmp_path, text.format(tmp=tmp_path), capsys)
+    assert rc == 2 and f"'{key}'" in err, err
+    assert not (tmp_path / "no").exists()  # nothing was created
+
+
+def test_check_config_accepts_paths_serve_would_create_without_creating_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = f'data_dir = "{tmp_path}/new/data"\n[trace]\nenabled = true\npath = "{tmp_path}/t.jsonl"\n'
+    rc, _, err = _check_config(tmp_path, text, capsys)
+    assert rc == 0, err
+    assert not (tmp_path / "new").exists() and not (tmp_path / "t.jsonl").exists()
+
+
+def test_the_effective_settings_are_toml_that_parses_back(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = ('[tenants."ünï"]\ntokens = ["abcdefghij"]\n[tenants.b-2]\ntokens = ["klmnopqrst"]\n'
+            '[local_pool.ttl]\ntenant_ttl_seconds = { "ünï" = 600 }\n')
+    rc, out, err = _check_config(tmp_path, text, capsys)
+    assert rc == 0, err
+    doc = tomllib.loads(out)
+    assert set(doc["tenants"]) == {"ünï", "b-2"} and doc["local_pool"]["ttl"]["tenant_ttl_seconds"] == {"ünï": 600}
+    assert doc["replay"] == effective(parse_config(tomllib.loads(text)))["replay"]
+
+
+def test_non_finite_numbers_are_written_as_toml_reads_them() -> None:
+    doc = tomllib.loads("\n".join(to_toml({"s": {"a": math.inf, "b": -math.inf, "c": "x", "d": {"e f": 1.5}}})))
+    assert doc["s"]["a"] == math.inf and doc["s"]["b"] == -math.inf and doc["s"]["d"] == {"e f": 1.5}
