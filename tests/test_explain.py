@@ -222,6 +222,22 @@ def test_a_sliding_ttl_counts_from_the_last_read(clock: FakeClock) -> None:
     assert ex.explain_local(d, k, "absent")[0] == "evicted"
 
 
+def test_times_are_the_calls_own_and_a_snapshot_gone_at_its_ttl_expired(clock: FakeClock) -> None:
+    # The observer thread sees calls a few ms after they answered, and a write is timed when its
+    # call answered, after the pool took it: a 1 s snapshot Redis dropped on time once read as
+    # "gone 0 s early: evicted" in about half the runs.
+    ex = Explainer(clock=clock, wall_clock=clock.wall)
+    d = ns("acme").digest
+    k = keys_for("acme", 1)[0]
+    stored_at = clock()
+    clock.advance(0.2)  # the observer notes the write late
+    ex.local_stored(d, k, 1.0, at=stored_at)
+    assert ex.explain_local(d, k, "absent", at=stored_at + 0.98)[0] == "ttl_expired"
+    assert ex.explain_local(d, k, "absent", at=stored_at + 0.5)[0] == "evicted"
+    clock.advance(5.0)  # explained late too: by the call's time, not the observer's
+    assert ex.explain_local(d, k, "absent", at=stored_at + 0.5)[0] == "evicted"
+
+
 def test_the_explainer_follows_a_reload_that_changes_the_ttl_kind(clock: FakeClock) -> None:
     cfg = small_config()
     assert cfg.local_pool.ttl.kind == "fixed"

@@ -47,6 +47,10 @@ _NEVER_STORED = "not stored in this namespace since the service started (or its 
 _MIXED = "several reasons (too many runs to list)"
 
 
+def _expiry_margin(ttl_seconds: float) -> float:
+    return min(0.05, 0.05 * ttl_seconds)
+
+
 @dataclass(frozen=True, slots=True)  # slots: ~300 B per remembered fate, key and index included
 class _Fate:
     kind: FateKind
@@ -184,26 +188,31 @@ class Explainer:
 
     # --- local state ---
 
-    def local_stored(self, namespace: bytes, boundary_key: bytes, ttl_seconds: float) -> None:
-        """The service stored (or a replay rebuilt) a local snapshot at this boundary."""
-        w = _LocalWrite(namespace, self._clock(), self._wall(), ttl_seconds)
+    def local_stored(self, namespace: bytes, boundary_key: bytes, ttl_seconds: float,
+                     at: float | None = None) -> None:
+        """The service stored (or a replay rebuilt) a local snapshot at this boundary; `at`: when
+        the call that stored it answered, on this explainer's clock (None: now)."""
+        w = _LocalWrite(namespace, self._clock() if at is None else at, self._wall(), ttl_seconds)
         with self._lock:
             self._local[boundary_key] = w
             self._local.move_to_end(boundary_key)
             while len(self._local) > self.max_local:
                 self._local.popitem(last=False)
 
-    def local_read(self, namespace: bytes, boundary_key: bytes) -> None:
+    def local_read(self, namespace: bytes, boundary_key: bytes, at: float | None = None) -> None:
         """A hit on local state: under a sliding TTL its lifetime now counts from here."""
         if not self.sliding_ttl:
             return
         with self._lock:
             w = self._local.get(boundary_key)
             if w is not None and w.namespace == namespace:
-                self._local[boundary_key] = _LocalWrite(namespace, self._clock(), self._wall(), w.ttl_seconds)
+                self._local[boundary_key] = _LocalWrite(namespace, self._clock() if at is None else at,
+                                                        self._wall(), w.ttl_seconds)
 
-    def explain_local(self, namespace: bytes, boundary_key: bytes, pool_reason: str) -> tuple[str, str]:
-        """(reason, detail) for local state that was not found at a hit boundary."""
+    def explain_local(self, namespace: bytes, boundary_key: bytes, pool_reason: str,
+                      at: float | None = None) -> tuple[str, str]:
+        """(reason, detail) for local state that was not found at a hit boundary by a call that
+        answered `at` (None: now)."""
         if pool_reason in ("timeout", "error", "breaker-open", "closed"):
             words = {"timeout": "did not answer in time", "error": "failed",
                      "breaker-open": "is down (its circuit breaker is open, so it was not asked)",
@@ -215,7 +224,7 @@ class Explainer:
                                  else "parts of the snapshot were gone (pushed out under memory pressure)")
         if pool_reason == "no_pool":
             return "no_pool", "no local pool is configured, so local state is never held"
-        now = self._clock()
+        now = self._clock() if at is None else at
         with self._lock:
             w = self._local.get(boundary_key)
         if w is None or w.namespace != namespace:
@@ -223,7 +232,9 @@ class Explainer:
                                     "the service started (or its record aged out of the journal)")
         held = now - w.at
         since = "last read" if self.sliding_ttl else "stored"
-        if held >= w.ttl_seconds or pool_reason == "expired":
+        # A write is timed when its call answered, after the pool took it (and the pool rounds a
+        # TTL down to its unit): a snapshot gone within that margin of its TTL expired.
+        if held >= w.ttl_seconds - _expiry_margin(w.ttl_seconds) or pool_reason == "expired":
             over = held - w.ttl_seconds
             return "ttl_expired", (f"{since} {_ago(held)}, with a TTL of {w.ttl_seconds:g} s: it expired "
                                    f"{_ago(max(over, 0.0))}")
@@ -350,9 +361,9 @@ class Explainer:
                                              missed=max(len(miss_keys), full - hit_chunks))
             if hit_chunks and facts.has_local_state and rec.local_outcome in ("expired", "replayed"):
                 local_reason, local_detail = self.explain_local(facts.namespace, facts.boundary_key,
-                                                                facts.pool_miss_reason)
+                                                                facts.pool_miss_reason, at)
             elif rec.local_outcome == "hit" and facts.boundary_key:
-                self.local_read(facts.namespace, facts.boundary_key)
+                self.local_read(facts.namespace, facts.boundary_key, at)
             replay = _replay_words(rec, facts)
         exp = Explanation(
             request_id=rec.request_id, tenant=rec.tenant, model=rec.model, method=rec.method,
