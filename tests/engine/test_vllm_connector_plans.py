@@ -102,10 +102,8 @@ def test_a_load_after_vllms_own_hit_inside_a_chunk_fills_every_block_vllm_counts
     assert torch.equal(back[0, vllms:], chunks[0, vllms:]) and torch.equal(back[1:], chunks[1:])
 
 
-def test_a_short_synchronous_load_saves_nothing_computed_over_it_and_saves_the_recompute() -> None:
-    # 1 of 3 chunks arrives; the step's forward still runs over the missing blocks (vLLM then
-    # recomputes from the first of them). Those chunks were once stored: garbage for every later
-    # request with the prefix (stores skip chunks already held), and the recompute never was.
+def _short_load_step() -> tuple[FakeLink, SchedulerSide, WorkerSide, list[int], Any]:
+    """A request of 1,000 tokens whose load of 3 chunks brings only 1: its first step planned."""
     link = FakeLink(hit_chunks=3, loaded=1)
     s, w = SchedulerSide(link, PLAN), WorkerSide(link, PLAN)  # type: ignore[arg-type]
     w.register({"l0": torch.zeros(80, 2, BT, 2 * 8, dtype=torch.float16)}, "cpu")
@@ -113,7 +111,14 @@ def test_a_short_synchronous_load_saves_nothing_computed_over_it_and_saves_the_r
     external, _ = s.matched(req, 0)
     table = list(range(1, 64))
     s.after_alloc(req, (table,), external)
-    meta = s.build_meta(_output("r", external, 1000 - external, new=True), lambda r: (table,), 0)
+    return link, s, w, table, s.build_meta(_output("r", external, 1000 - external, new=True), lambda r: (table,), 0)
+
+
+def test_a_short_synchronous_load_saves_nothing_computed_over_it_and_saves_the_recompute() -> None:
+    # 1 of 3 chunks arrives; the step's forward still runs over the missing blocks (vLLM then
+    # recomputes from the first of them). Those chunks were once stored: garbage for every later
+    # request with the prefix (stores skip chunks already held), and the recompute never was.
+    link, s, w, table, meta = _short_load_step()
     assert [(sv.first_chunk, sv.end_chunk) for sv in meta.saves] == [(3, 7)]  # planned before the load ran
     w.start_loads(meta)
     w.save_layer(meta, "l0")
@@ -191,14 +196,7 @@ def test_the_recompute_after_a_failed_synchronous_load_is_stored() -> None:
     # The recompute's step has no synchronous load, so vLLM 0.32 calls start_load_kv after the
     # forward (kv_connector_model_runner_mixin: start_after_forward): its saves are staged first.
     # The failed load's mark was once cleared only there, so the recompute was never stored.
-    link = FakeLink(hit_chunks=3, loaded=1)
-    s, w = SchedulerSide(link, PLAN), WorkerSide(link, PLAN)  # type: ignore[arg-type]
-    w.register({"l0": torch.zeros(80, 2, BT, 2 * 8, dtype=torch.float16)}, "cpu")
-    req = _request(1000)
-    external, _ = s.matched(req, 0)
-    table = list(range(1, 64))
-    s.after_alloc(req, (table,), external)
-    meta = s.build_meta(_output("r", external, 1000 - external, new=True), lambda r: (table,), 0)
+    link, s, w, table, meta = _short_load_step()
     w.start_loads(meta)  # a synchronous load: before the forward
     w.save_layer(meta, "l0")
     w.submit_saves()
