@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,9 +59,6 @@ SUBPROCESS: list[tuple[list[str], str]] = [
       "--grpc-host", "127.0.0.1:5"], "--grpc-host '127.0.0.1:5' is not an IP address or a host name"),
     (["serve", "--config", "{tmp}/small.toml", "--data-dir", "{tmp}/data", "--admin-port", "-1", "--grpc-port", "0",
       "--grpc-host", "0.0.0.0"], "--grpc-host 0.0.0.0: refusing to bind"),
-    # A socket from the flag brings in the same-host session shares the config file did not need.
-    (["serve", "--config", "{tmp}/many.toml", "--data-dir", "{tmp}/data", "--admin-port", "-1", "--grpc-port", "0",
-      "--unix-socket", "{tmp}/kv.sock"], "'service.max_shm_sessions': 32 same-host sessions split by share_weight"),
 ]
 
 
@@ -117,3 +115,26 @@ def test_the_token_from_the_environment_is_checked_as_such(monkeypatch: pytest.M
     monkeypatch.setenv("KVSTORE_TOKEN", " padded-token-0123")
     _one_line(main(["stats", "--target", "127.0.0.1:1", "--timeout", "0.5"]), capsys.readouterr().err,
               "KVSTORE_TOKEN: the token must not begin or end with a space")
+
+
+def test_a_socket_from_the_flag_brings_in_the_same_host_session_warning(tmp_path: Path) -> None:
+    # The config file has no socket, so its session shares were not in question until the flag.
+    argv = _argv(["serve", "--config", "{tmp}/many.toml", "--data-dir", "{tmp}/data", "--admin-port", "-1",
+                  "--grpc-port", "0", "--unix-socket", "{tmp}/kv.sock"], tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSTORE_TOKEN", "KVSTORE_ADMIN_TOKEN")}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore", *argv], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(90, proc.kill)  # ends the read below whatever serve says
+    watchdog.start()
+    said: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # serve logs its warnings before it says it is running
+            said.append(line)
+            if "service.max_shm_sessions" in line or " running " in line:
+                break
+    finally:
+        watchdog.cancel()
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert any("service.max_shm_sessions = 32" in x and "33 would give each one" in x for x in said), said

@@ -110,12 +110,24 @@ def test_runner_slots_that_leave_a_tenant_none_are_refused() -> None:
     parse_config({"service": {"max_runners": 1}})
 
 
-def test_same_host_sessions_that_leave_a_tenant_none_are_refused() -> None:
+def test_shares_of_zero_where_runners_are_not_replays_only_path_are_warned_about_not_refused() -> None:
+    # 16 tenants with every default (the reference runner) ran before the shares were checked: an
+    # upgrade must not refuse to start them. Runners may still attach (engine-registered models),
+    # so the first tenants could hold every slot: said, with the total that would give each one.
+    cfg = parse_config({"tenants": _tenants(16)})
+    said = [w for w in config_warnings(cfg) if "service.max_runners" in w]
+    assert len(said) == 1 and "16 tenant(s) no share" in said[0] and "17 would give each one" in said[0]
+    assert not any("max_runners" in w for w in config_warnings(parse_config({"tenants": _tenants(15)})))
+
+
+def test_same_host_sessions_that_leave_a_tenant_none_are_warned_about() -> None:
+    # A tenant without a session share falls back to streams once the others hold every session.
     svc = {"unix_socket_path": "/tmp/kvstore-test.sock", "max_concurrent_calls": 64}
-    e = _refused({"tenants": _tenants(33), "replay": {"runner": "none"}, "service": svc}, "service.max_shm_sessions")
-    assert "at least 33" in str(e)
-    parse_config({"tenants": _tenants(33), "replay": {"runner": "none"}, "service": {**svc, "max_shm_sessions": 33}})
-    parse_config({"tenants": _tenants(33), "replay": {"runner": "none"}, "service": {**svc, "shm_enabled": False}})
+    cfg = parse_config({"tenants": _tenants(33), "replay": {"runner": "none"}, "service": svc})
+    assert any("service.max_shm_sessions" in w and "33 would give each one" in w for w in config_warnings(cfg))
+    for fixed in ({**svc, "max_shm_sessions": 33}, {**svc, "shm_enabled": False}):
+        cfg = parse_config({"tenants": _tenants(33), "replay": {"runner": "none"}, "service": fixed})
+        assert not any("max_shm_sessions" in w for w in config_warnings(cfg))
 
 
 def test_metrics_behind_a_token_need_one() -> None:

@@ -64,8 +64,6 @@ def run(args: argparse.Namespace) -> int:
     from kvstore.service.server import KvstoreServer
 
     cfg = load_config(args.config)
-    for w in config_warnings(cfg):
-        logging.getLogger("kvstore.config").warning("%s", w)
     host = args.grpc_host or cfg.service.grpc_host
     # Else a bad flag is blamed, at bind time, on the config's grpc_port or on missing auth.
     if args.grpc_host is not None and not is_host(args.grpc_host):
@@ -89,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInput("--data-dir must not contain a NUL character (no path can)")
     if args.unix_socket is not None:  # the store splits its arenas for in-place loads only with a socket
         cfg = dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, unix_socket_path=args.unix_socket))
-        cfg.validate("")  # the rules across sections that a socket brings in (same-host session shares)
+        cfg.validate("")  # the rules across sections that a socket brings in
+    for w in config_warnings(cfg):  # with the socket's own (same-host session shares)
+        logging.getLogger("kvstore.config").warning("%s", w)
     app = build_app(cfg, args.data_dir, progress=_say)
     try:
         server = KvstoreServer(app, host, args.grpc_port, args.admin_port, unix_socket=args.unix_socket).start()

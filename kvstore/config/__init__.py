@@ -86,15 +86,20 @@ class KvstoreConfig:
                     "service.max_staged_bytes",
                     f"split by share_weight, tenant '{name}' could not stage even one message "
                     f"({self.service.max_message_bytes} bytes): raise max_staged_bytes")
-        # Runner slots and same-host sessions are split the same way (a share of 0 lets the tenants
-        # that come first take every slot for good). Checked only where they are shared: runners
-        # with auth on and replay on (runners attached with the admin token count as one more
-        # member of weight 1, replay/registry.py); sessions with several tenants and a Unix socket.
-        if self.auth_enabled and self.replay.runner != "none" and self.replay.mode != "off":
-            _require_shares(self.service.max_runners, weights, 1.0, "service.max_runners", "runner slots")
-        if len(weights) > 1 and self.service.shm_enabled and self.service.unix_socket_path:
-            _require_shares(self.service.max_shm_sessions, weights, 0.0, "service.max_shm_sessions",
-                            "same-host sessions")
+        # Runner slots are split the same way (a share of 0 lets the tenants that come first take
+        # every slot for good). Refused where attached runners are replay's only path; elsewhere
+        # (the reference runner, same-host sessions) a share of 0 is a warning (config/warnings.py).
+        if self.replay.runner == "attached" and self.runner_slots_shared():
+            _require_shares(self.service.max_runners, weights, RUNNER_ADMIN_WEIGHT, "service.max_runners",
+                            "runner slots")
+
+    def runner_slots_shared(self) -> bool:
+        """Whether tenants share the runner slots: auth and replay on."""
+        return self.auth_enabled and self.replay.runner != "none" and self.replay.mode != "off"
+
+    def shm_sessions_shared(self) -> bool:
+        """Whether tenants share the same-host sessions: several tenants and a Unix socket."""
+        return len(self.share_weights()) > 1 and self.service.shm_enabled and bool(self.service.unix_socket_path)
 
     def share_weights(self) -> dict[str, float]:
         """Each tenant's weight in the split of the service's call slots, staged bytes and runners."""
@@ -103,7 +108,17 @@ class KvstoreConfig:
         return {name: t.share_weight for name, t in self.tenants.items()}
 
 
-def _least_total(weights: dict[str, float], extra_weight: float) -> int:
+# Runners attached with the admin token count as one more member of weight 1 (replay/registry.py).
+RUNNER_ADMIN_WEIGHT = 1.0
+
+
+def tenants_without_a_share(total: int, weights: dict[str, float], extra_weight: float) -> list[str]:
+    """The tenants whose share of `total` (split by weight, plus a member of `extra_weight`) is 0."""
+    whole = sum(weights.values()) + extra_weight
+    return [name for name, w in weights.items() if int(total * w / whole) < 1]
+
+
+def least_total(weights: dict[str, float], extra_weight: float) -> int:
     """The smallest total whose split by weight (plus a member of `extra_weight`) gives every member
     at least one unit, as policies/fair_share.py splits it."""
     whole = sum(weights.values()) + extra_weight
@@ -115,12 +130,10 @@ def _least_total(weights: dict[str, float], extra_weight: float) -> int:
 
 def _require_shares(total: int, weights: dict[str, float], extra_weight: float, key: str, what: str) -> None:
     """Every tenant's share of `total` (split by weight, plus a member of `extra_weight`) is >= 1."""
-    whole = sum(weights.values()) + extra_weight
-    for name, w in weights.items():
-        if int(total * w / whole) < 1:
-            raise ConfigError(key, f"{total} {what} split by share_weight leave tenant '{name}' none: raise "
-                                   f"{key.split('.')[-1]} to at least {_least_total(weights, extra_weight)} "
-                                   "or that tenant's share_weight")
+    for name in tenants_without_a_share(total, weights, extra_weight)[:1]:
+        raise ConfigError(key, f"{total} {what} split by share_weight leave tenant '{name}' none: raise "
+                               f"{key.split('.')[-1]} to at least {least_total(weights, extra_weight)} "
+                               "or that tenant's share_weight")
 
 
 def _binds_collide(a: str, b: str) -> bool:

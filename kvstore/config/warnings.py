@@ -3,12 +3,8 @@ logged by `kvstore serve`), never refused, since the service can run with them."
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from kvstore.config import RUNNER_ADMIN_WEIGHT, KvstoreConfig, least_total, tenants_without_a_share
 from kvstore.config.service import is_loopback
-
-if TYPE_CHECKING:
-    from kvstore.config import KvstoreConfig
 
 
 def config_warnings(cfg: KvstoreConfig) -> list[str]:
@@ -36,4 +32,25 @@ def config_warnings(cfg: KvstoreConfig) -> list[str]:
         out.append(f"admin.per_tenant_labels = true with admin.metrics_require_token = false on admin.host = "
                    f"'{adm.host}' (not loopback): /metrics shows every tenant's name and traffic to anyone "
                    "who can reach the port")
+    out += _zero_shares(cfg)
+    return out
+
+
+def _zero_shares(cfg: KvstoreConfig) -> list[str]:
+    """Runner slots or same-host sessions that some tenant has no share of: the tenants that come
+    first may take them all (refused outright where attached runners are replay's only path)."""
+    weights = cfg.share_weights()
+    checks = []
+    if cfg.runner_slots_shared() and cfg.replay.runner != "attached":
+        checks.append(("service.max_runners", cfg.service.max_runners, RUNNER_ADMIN_WEIGHT, "runners attached"))
+    if cfg.shm_sessions_shared():
+        checks.append(("service.max_shm_sessions", cfg.service.max_shm_sessions, 0.0,
+                       "same-host sessions (the others' calls then go over streams)"))
+    out = []
+    for key, total, extra, what in checks:
+        none = tenants_without_a_share(total, weights, extra)
+        if none:
+            out.append(f"{key} = {total} split by share_weight leaves {len(none)} tenant(s) no share (e.g. "
+                       f"'{none[0]}'): the tenants that come first may hold every slot of {what}; "
+                       f"{least_total(weights, extra)} would give each one")
     return out
