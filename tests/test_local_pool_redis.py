@@ -248,6 +248,43 @@ def test_in_half_open_the_policy_hears_only_of_the_probe(redis_server: RedisProc
     pool.close()
 
 
+def test_a_put_that_raises_before_sending_gives_the_half_open_probe_back(
+    redis_server: RedisProcess, tcp_proxy_factory: Any,
+) -> None:
+    # The probe's permission, taken by put before asking the policy, was kept when the policy (or
+    # the encoding) raised: every caller was refused for another breaker_reset_seconds.
+    class FailingOnce(StaticTtl):
+        fail = False
+
+        def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("policy bug")
+            return super().ttl_for_write(tenant, nbytes, now)
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    proxy: TcpProxy = tcp_proxy_factory(redis_server.port)
+    policy, clock = FailingOnce(TTL_SECONDS), Clock()
+    pool = build_local_pool(LocalPoolConfig(url=proxy.url, breaker_failures=1, breaker_reset_seconds=5.0),
+                            policy, clock)
+    proxy.set_mode("reset")
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x" * 1000).skip_reason == "error"
+    assert pool.stats().breaker_state == "open"
+    proxy.set_mode("pass")
+    clock.now += 5.0  # the breaker's clock only: half-open, the next caller probes
+    policy.fail = True
+    with pytest.raises(RuntimeError, match="policy bug"):
+        pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x" * 1000)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x" * 1000).written  # the probe, at once
+    assert pool.stats().breaker_state == "closed" and pool.health().status == "ok"
+    pool.close()
+
+
 def test_breaker_opens_on_dead_redis_and_recovers_by_itself(
     redis_server: RedisProcess, tcp_proxy_factory: Any,
 ) -> None:
@@ -541,6 +578,98 @@ def test_a_hung_cluster_at_first_use_costs_each_caller_only_its_deadline(redis_b
     finally:
         for node in cluster.nodes:
             node.thaw()
+        cluster.close()
+
+
+def test_the_breaker_of_a_cluster_not_reached_yet_does_not_stay_open_once_it_is(redis_binary: str) -> None:
+    # Callers that timed out waiting for the first slot map opened the breaker used while there is
+    # no cluster client (""). Once the client was built no call went to "" again, so nothing
+    # closed it: health degraded and breaker_state open for the life of the process, every call
+    # succeeding. Default breaker settings: it opens after 5 failures, probes after 5 s.
+    cluster = RedisClusterProcesses(3, redis_binary).start()
+    try:
+        for node in cluster.nodes:
+            node.freeze()
+        # Socket timeouts long enough that the client's build is still waiting on a node at the thaw.
+        pool = build_local_pool(LocalPoolConfig(url=cluster.url, socket_timeout_seconds=3.0,
+                                                connect_timeout_seconds=3.0), StaticTtl(TTL_SECONDS))
+        for i in range(20):
+            if pool.stats().breaker_state == "open":
+                break
+            assert pool.get(_ns(i), _bk(), TENANT, LAYOUT, deadline_seconds=0.1).miss_reason == "timeout"
+        assert pool.stats().breaker_state == "open"
+        for node in cluster.nodes:
+            node.thaw()
+        # The build in flight completes; the keys' nodes have breakers of their own.
+        assert _wait_until(lambda: pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x" * 100).written, timeout=15.0)
+        assert pool.health().status == "ok", pool.health()
+        assert pool.stats().breaker_state == "closed" and pool.stats().breaker_opens >= 1
+        pool.close()
+    finally:
+        for node in cluster.nodes:
+            node.thaw()
+        cluster.close()
+
+
+def _cluster_info(c: redis.Redis) -> dict[str, str]:
+    raw = c.execute_command("CLUSTER", "INFO")
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return dict(line.split(":", 1) for line in text.split() if ":" in line)
+
+
+def test_a_failed_over_master_leaves_the_pool_healthy_once_its_replica_serves(redis_binary: str) -> None:
+    # Two faults: the cluster client never asked for the slot map again (redis-py does only after
+    # several errors on one pipeline, and each call has its own), so the dead master's keys
+    # missed for good after its replica took over; and its open breaker, out of the map, would
+    # never have been probed again: health degraded for good.
+    config = {"repl-diskless-sync-delay": "0", "cluster-require-full-coverage": "no"}
+    cluster = RedisClusterProcesses(3, redis_binary, config).start()
+    replica = RedisProcess(redis_binary, config, cluster=True)
+    try:
+        replica.start()
+        master, rc = cluster.nodes[0].client(), replica.client()
+        master_id = master.execute_command("CLUSTER", "MYID")
+        rc.execute_command("CLUSTER", "MEET", "127.0.0.1", cluster.nodes[0].port)
+
+        def replicating() -> bool:
+            try:
+                rc.execute_command("CLUSTER", "REPLICATE", master_id)
+            except redis.ResponseError:
+                return False  # the master is not known to it yet
+            return True
+
+        assert _wait_until(replicating, timeout=30.0)
+        clients = [n.client() for n in cluster.nodes] + [rc]
+        # Every master must know the replica, or none would accept its takeover.
+        assert _wait_until(lambda: rc.info("replication").get("master_link_status") == "up"
+                           and all(_cluster_info(c).get("cluster_known_nodes") == "4" for c in clients),
+                           timeout=30.0)
+        pool = build_local_pool(LocalPoolConfig(url=cluster.url, breaker_reset_seconds=0.5), StaticTtl(TTL_SECONDS))
+        data = os.urandom(10_000)
+        n = 30
+        for i in range(n):
+            assert pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, data).written
+        assert master.execute_command("WAIT", 1, 10_000) == 1  # the replica has every key
+        cluster.nodes[0].kill()
+        for _ in range(3):
+            for i in range(n):
+                pool.get(_ns(i), _bk(), TENANT, LAYOUT)
+        assert pool.stats().breaker_state == "open" and pool.health().status == "degraded"
+        rc.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+
+        def all_hit() -> bool:
+            return all(pool.get(_ns(i), _bk(), TENANT, LAYOUT).hit for i in range(n))
+
+        assert _wait_until(all_hit, timeout=30.0), "the replica's keys were never read"
+        assert pool.put(_ns(n), _bk(), TENANT, LAYOUT, 128, data).written
+        assert pool.health().status == "ok", pool.health()
+        s = pool.stats()
+        assert s.breaker_state == "closed" and s.breaker_opens >= 1  # the dead node's open still counted
+        for c in clients:
+            c.close()
+        pool.close()
+    finally:
+        replica.close()
         cluster.close()
 
 

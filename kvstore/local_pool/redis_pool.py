@@ -16,7 +16,9 @@ skipped write with a counter, never an exception. Each call has a budget: the ca
 at most `call_budget_seconds`; attempts (1 + `retries`) run only while budget is left and their
 socket timeouts are cut to it. A circuit breaker stops calls to a Redis that keeps failing: one
 per node on a cluster (the node that owns the snapshot's slot), so a dead master does not refuse
-the keys of the live ones.
+the keys of the live ones. Health and the breaker state are judged over the nodes that own slots
+now: a node out of the map (failed over, or the "" of a cluster not reached yet) gets no calls, so
+nothing would ever probe its breaker and close it.
 
 This module knows the key scheme and the call discipline; the byte format is in
 `snapshot_format`, the wire in `redis_transport`, TTL choices in the policy.
@@ -89,6 +91,7 @@ class RedisPool:
         self._clock = clock  # policy time and the breaker; socket deadlines use time.monotonic()
         # One breaker per node the transport names ("" for a single node, or a cluster not yet reached).
         self._breakers: dict[str, CircuitBreaker] = {}
+        self._dropped_opens = 0  # of breakers dropped with their node: breaker_opens never goes back
         self._last_error = ""  # of the last failed call that said something about Redis
         self._counters = PoolCounters()
         self._lock = threading.Lock()
@@ -115,18 +118,24 @@ class RedisPool:
         # and before the checksum.
         if not breaker.allow():
             return self._counters.skip("breaker-open")
-        nbytes = memoryview(payload).nbytes
-        ttl = self._policy.ttl_for_write(tenant, nbytes, self._clock())
-        if not (ttl > 0 and math.isfinite(ttl)):
+        try:
+            nbytes = memoryview(payload).nbytes
+            ttl = self._policy.ttl_for_write(tenant, nbytes, self._clock())
+            if not (ttl > 0 and math.isfinite(ttl)):
+                breaker.release()
+                return self._counters.skip("policy")
+            # Whole milliseconds, rounded down, so the key never outlives the TTL it was given.
+            ttl_ms = max(1, int(ttl * 1000))
+            parts = encode_parts(layout_id, boundary_tokens, payload, self._cfg.part_bytes)
+            cmds: list[Command] = [("SET", base + b"%d" % i, part, "PX", ttl_ms) for i, part in enumerate(parts)]
+            # Parts beyond this write's count, left by an earlier write of the same key with more
+            # parts, would never be read again but would hold memory until their TTL.
+            cmds += [("UNLINK", base + b"%d" % i) for i in range(len(parts), self._max_parts)]
+        except BaseException:
+            # Nothing was sent: in half-open, kept, the probe's permission would refuse every
+            # caller until the probe is given up, another breaker_reset_seconds.
             breaker.release()
-            return self._counters.skip("policy")
-        # Whole milliseconds, rounded down, so the key never outlives the TTL it was given.
-        ttl_ms = max(1, int(ttl * 1000))
-        parts = encode_parts(layout_id, boundary_tokens, payload, self._cfg.part_bytes)
-        cmds: list[Command] = [("SET", base + b"%d" % i, part, "PX", ttl_ms) for i, part in enumerate(parts)]
-        # Parts beyond this write's count, left by an earlier write of the same key with more
-        # parts, would never be read again but would hold memory until their TTL.
-        cmds += [("UNLINK", base + b"%d" % i) for i in range(len(parts), self._max_parts)]
+            raise
         replies = self._attempts(cmds, deadline_at, breaker)
         if isinstance(replies, str):
             return self._counters.skip(_skip_reason(replies))
@@ -181,19 +190,20 @@ class RedisPool:
 
     def stats(self) -> PoolStats:
         plain, misses, skipped = self._counters.snapshot()
-        breakers = list(self._breakers.values())
-        states = {b.state for b in breakers}
+        breakers, dropped_opens = self._current_breakers()
+        states = {b.state for _, b in breakers}
         # The worst node's state: "open" while any node's breaker refuses calls.
         state = next((s for s in ("open", "half-open") if s in states), "closed")
         return PoolStats(
             backend=self._transport.kind, misses=misses, skipped_writes=skipped, entries=-1, used_bytes=-1,
-            capacity_bytes=-1, breaker_state=state, breaker_opens=sum(b.opens for b in breakers), **plain,
+            capacity_bytes=-1, breaker_state=state,
+            breaker_opens=dropped_opens + sum(b.opens for _, b in breakers), **plain,
         )
 
     def health(self) -> PoolHealth:
         if self._closed:
             return PoolHealth("degraded", "closed")
-        for node, breaker in list(self._breakers.items()):
+        for node, breaker in self._current_breakers()[0]:
             state = breaker.state
             if state != "closed":
                 where = f"redis node {node}" if node else "redis"
@@ -231,6 +241,17 @@ class RedisPool:
                                              self._clock)
                     self._breakers[node] = breaker
         return breaker
+
+    def _current_breakers(self) -> tuple[list[tuple[str, CircuitBreaker]], int]:
+        """The breakers of the nodes that own slots now, and the opens of those dropped so far.
+        The others are dropped: no call reaches their node, so nothing would probe them, and an
+        open one would read as an outage for good. A call still holding a dropped breaker only
+        reports to it; a node that comes back gets a new one."""
+        nodes = self._transport.nodes()
+        with self._lock:
+            for node in [n for n in self._breakers if n not in nodes]:
+                self._dropped_opens += self._breakers.pop(node).opens
+            return list(self._breakers.items()), self._dropped_opens
 
     def _run(self, cmds: Sequence[Command], deadline_at: float, key: bytes) -> list[Any] | Failure:
         """Replies of one transaction on the node of `key` (every key of `cmds` shares its slot),

@@ -12,7 +12,8 @@ Two implementations of one small contract, `transaction(commands, deadline_at) -
   transactional cluster pipeline; a snapshot's parts share a hash tag, so one slot and one node.
   Its socket timeouts are the configured ones; the deadline only decides whether to start. The
   client (which asks the cluster for its slot map) is built on a thread of its own: callers wait
-  for it only as long as their deadline allows.
+  for it only as long as their deadline allows. A call that fails on the connection has the
+  slot map asked for again, on a thread of its own too, so keys follow a failover.
 
 Both raise redis-py's exceptions (`TimeoutError`, `ConnectionError`, `ResponseError`, ...) and
 never retry: the pool owns retries, the deadline and the circuit breaker. Replies are as Redis
@@ -22,6 +23,7 @@ a `ResponseError` in the reply list. This module knows nothing about snapshots, 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -31,6 +33,7 @@ from urllib.parse import urlsplit
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import AbstractConnection, Connection, parse_url
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ExecAbortError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -50,8 +53,14 @@ Command = tuple[Arg, ...]
 # waited less, cut short by its caller's deadline, says nothing about the server.
 TELLING_TIMEOUT_SECONDS = 0.05
 
+# A cluster's slot map is asked for again after a call failed on the connection, at most this
+# often: a dead master's replica that takes its slots is found within about this (or, while the
+# pool's breaker for the dead node is open, within its next probe).
+CLUSTER_REFRESH_MIN_INTERVAL_SECONDS = 1.0
+
 _SEND_DIRECT_BYTES = 16 * 1024  # larger buffers go to sendall() as they are, smaller are coalesced
 _MAX_IDLE = 32
+_NO_NODE = frozenset({""})
 
 
 class RedisTransport(Protocol):
@@ -64,6 +73,11 @@ class RedisTransport(Protocol):
     def node_for(self, key: bytes) -> str:
         """The node that `key` lives on, as far as known without I/O ("" when there is one node,
         or it is not known yet): what the pool keeps one circuit breaker per."""
+        ...
+
+    def nodes(self) -> frozenset[str]:
+        """Every name `node_for` may give now, without I/O: the nodes that own slots in the map
+        in use. A node outside it gets no calls, so its breaker would never be probed again."""
         ...
 
     def close(self) -> None: ...
@@ -90,6 +104,9 @@ class SingleNodeTransport:
 
     def node_for(self, key: bytes) -> str:
         return ""
+
+    def nodes(self) -> frozenset[str]:
+        return _NO_NODE
 
     def transaction(self, commands: Sequence[Command], deadline_at: float) -> list[Any]:
         started = time.monotonic()
@@ -217,14 +234,24 @@ class ClusterTransport:
         self._lock = threading.Lock()
         self._client: RedisCluster | None = None
         self._building: _Build | None = None
+        self._refreshing = False
+        self._refreshed_at = -math.inf  # when the last slot map refresh started (time.monotonic())
         self._closed = False
 
     def transaction(self, commands: Sequence[Command], deadline_at: float) -> list[Any]:
         _remaining(deadline_at)
-        pipe = self._connect(deadline_at).pipeline(transaction=True)
+        client = self._connect(deadline_at)
+        pipe = client.pipeline(transaction=True)
         for cmd in commands:
             pipe.execute_command(*(_join(a) for a in cmd))
-        return list(pipe.execute(raise_on_error=False))
+        try:
+            return list(pipe.execute(raise_on_error=False))
+        except (RedisConnectionError, RedisTimeoutError):
+            # The node may be gone for good (its replica took its slots). redis-py asks for the
+            # map again only after several errors on one pipeline: with one pipeline per call
+            # never, and the dead node's keys missed for the life of the process.
+            self._refresh_soon(client)
+            raise
 
     def node_for(self, key: bytes) -> str:
         client = self._client
@@ -234,6 +261,17 @@ class ClusterTransport:
             return str(client.get_node_from_key(key).name)
         except Exception:  # the slot is not covered: no node owns the key now
             return ""
+
+    def nodes(self) -> frozenset[str]:
+        client = self._client
+        if client is None:
+            return _NO_NODE
+        # A copy in one step: a refresh replaces the dict whole; a MOVED replaces values in place.
+        owners = list(client.nodes_manager.slots_cache.values())
+        names = {str(o[0].name) for o in owners if o}
+        if len(owners) < REDIS_CLUSTER_HASH_SLOTS or not all(owners):
+            names.add("")  # node_for's answer for a slot no node owns
+        return frozenset(names)
 
     def close(self) -> None:
         with self._lock:
@@ -279,6 +317,30 @@ class ClusterTransport:
             client.close()
             build.error = "the pool is closed"
         build.done.set()
+
+    def _refresh_soon(self, client: RedisCluster) -> None:
+        """Ask the cluster for its slot map again, off the caller's thread (a hung node costs the
+        refresh a socket timeout), one at a time and at most every
+        CLUSTER_REFRESH_MIN_INTERVAL_SECONDS."""
+        now = time.monotonic()
+        with self._lock:
+            if self._closed or self._refreshing or now - self._refreshed_at < CLUSTER_REFRESH_MIN_INTERVAL_SECONDS:
+                return
+            self._refreshing = True
+            self._refreshed_at = now
+        threading.Thread(target=self._refresh, args=(client,), name="kvstore-cluster-refresh", daemon=True).start()
+
+    def _refresh(self, client: RedisCluster) -> None:
+        try:
+            client.nodes_manager.initialize()
+        except Exception:  # no node answered, or they disagree: the map in use stays, the next failure asks again
+            pass
+        finally:
+            with self._lock:
+                self._refreshing = False
+                closed = self._closed
+            if closed:
+                client.close()  # closed during the refresh: the connections it opened go too
 
 
 class _Build:
