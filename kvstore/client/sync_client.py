@@ -255,11 +255,12 @@ class KvstoreClient:
         shm = self._shm
         return "shm" if shm is not None and not shm.closed else "stream"
 
-    def _shm_path(self, timeout_seconds: float | None = None) -> ShmPath | None:
+    def _shm_path(self, timeout_seconds: float | None = None, open_session: bool = True) -> ShmPath | None:
         """The same-host session for the next call, opened on first use; None: use streams.
         Opening it (and waiting for another thread's opening) takes at most `timeout_seconds`,
-        the call's own bound (None: the hello's): a side socket that accepts and never answers
-        costs the call that much, and then streams for SHM_RETRY_SECONDS."""
+        the call's own bound (None: the client's), and at most the hello's: a side socket that
+        accepts and never answers costs the call that much, and then streams for SHM_RETRY_SECONDS.
+        `open_session=False`: the open session or None at once (no hello, no wait for another's)."""
         if self.data_path == "stream" or self._unix_path is None:
             if self.data_path == "shm":
                 raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"data_path='shm' needs a unix: target, not "
@@ -268,7 +269,11 @@ class KvstoreClient:
         shm = self._shm
         if shm is not None and not shm.closed:
             return shm
-        wait = HELLO_TIMEOUT_SECONDS if timeout_seconds is None else min(timeout_seconds, HELLO_TIMEOUT_SECONDS)
+        if not open_session:
+            if self.data_path == "shm":
+                raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "no same-host session is open", "connect")
+            return None
+        wait = min(self.timeout_seconds if timeout_seconds is None else timeout_seconds, HELLO_TIMEOUT_SECONDS)
         deadline = time.monotonic() + wait
         if not self._shm_lock.acquire(timeout=max(0.0, wait)):  # another thread's hello is still waiting
             if self.data_path == "shm":
@@ -296,6 +301,11 @@ class KvstoreClient:
             return self._shm
         finally:
             self._shm_lock.release()
+
+    def _open_shm(self) -> ShmPath | None:
+        """The session already open, or None at once: no hello, no wait for another thread's."""
+        shm = self._shm
+        return shm if shm is not None and not shm.closed else None
 
     def _shm_or_stream(self, shm: ShmPath | None, via_shm: Callable[[ShmPath], T], via_stream: Callable[[], T]) -> T:
         """A call through the same-host session when there is one; if the session fails it (a lease
@@ -372,21 +382,22 @@ class KvstoreClient:
             finally:
                 held.release()
         """
-        shm = None if into_session or hold_chunks <= 0 else self._shm_path()
+        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        shm = None if into_session or hold_chunks <= 0 else self._shm_path(deadline.left())
         session = into_session or (shm.session_id if shm is not None else "")
         if not session or hold_chunks <= 0:
-            return HeldLookup(self.lookup(model, tokens, replay_mode, timeout_seconds, cache_salt=cache_salt))
+            return HeldLookup(self.lookup(model, tokens, replay_mode, deadline.left(), cache_salt=cache_salt))
         req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt, session,
                                     hold_chunks)
         rid, metadata = self._request_metadata("Lookup", None, None, "")
         try:
-            r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), timeout_seconds)
+            r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), deadline.left())
         except InvalidArgumentError as e:
             if UNKNOWN_SESSION not in e.details:
                 raise
             if shm is not None:
                 self._shm_failed(shm, "the service no longer knows the session")
-            return HeldLookup(self.lookup(model, tokens, replay_mode, timeout_seconds, cache_salt=cache_salt))
+            return HeldLookup(self.lookup(model, tokens, replay_mode, deadline.left(), cache_salt=cache_salt))
         result = _lookup_result(r, rid)
         if not r.held:
             return HeldLookup(result)
@@ -415,10 +426,11 @@ class KvstoreClient:
             if shm is None or shm.closed or shm.peer_gone():
                 return ""
             return shm.session_id
-        shm = self._shm_path(timeout_seconds)
+        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        shm = self._shm_path(deadline.left())
         if shm is not None and shm.peer_gone():
             self._shm_failed(shm, "the service closed the session")
-            shm = self._shm_path(timeout_seconds)
+            shm = self._shm_path(deadline.left())
         return shm.session_id if shm is not None else ""
 
     @contextlib.contextmanager
@@ -549,12 +561,12 @@ class KvstoreClient:
         A same-host session the service no longer knows, or chunks too large for it, send the call
         over a stream, as for the other loads (both are answered before any chunk)."""
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
-        timeout = timeout_seconds or self.timeout_seconds
-        shm = self._shm_path() if model not in self._stream_models else None
+        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        shm = self._shm_path(deadline.left()) if model not in self._stream_models else None
         try:
             if shm is not None:
                 req.shm_session = shm.session_id
-                stream = self._load(req, timeout=timeout, metadata=self._metadata)
+                stream = self._load(req, timeout=deadline.left(), metadata=self._metadata)
                 try:
                     head = _header(stream, "Load")
                 except grpc.RpcError as e:
@@ -562,7 +574,7 @@ class KvstoreClient:
                         raise
                     shm, req.shm_session = None, ""
             if shm is None:
-                stream = self._load(req, timeout=timeout, metadata=self._metadata)
+                stream = self._load(req, timeout=deadline.left(), metadata=self._metadata)
                 head = _header(stream, "Load")
                 asm = _Chunks(head.chunk_bytes, head.hit_chunks)
                 for msg in stream:
@@ -591,7 +603,8 @@ class KvstoreClient:
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
         return self._load_buffered(req, timeout_seconds)[0]
 
-    def _load_buffered(self, req: pb.LoadRequest, timeout_seconds: float | None) -> tuple[LoadResult, memoryview]:
+    def _load_buffered(self, req: pb.LoadRequest, timeout_seconds: float | None,
+                       open_session: bool = True) -> tuple[LoadResult, memoryview]:
         """`load`, and the one buffer its chunks are views of."""
         buffers: list[memoryview] = [memoryview(b"")]
 
@@ -600,7 +613,7 @@ class KvstoreClient:
             return buffers[0]
 
         def call(t: float) -> LoadResult:
-            got = self._load_into(req, t, fresh)
+            got = self._load_into(req, t, fresh, open_session=open_session)
             cb = got.chunk_bytes
             chunks = [buffers[0][i * cb : (i + 1) * cb] for i in range(got.loaded_chunks)]
             return LoadResult(got.hit_tokens, got.chunk_tokens, cb, chunks, got.chunk_tiers)
@@ -610,24 +623,28 @@ class KvstoreClient:
 
     @contextlib.contextmanager
     def load_shared(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
-                    timeout_seconds: float | None = None, cache_salt: str = "") -> Iterator[SharedLoad]:
+                    timeout_seconds: float | None = None, cache_salt: str = "",
+                    open_session: bool = True) -> Iterator[SharedLoad]:
         """The cached prefix's chunks read in place: read-only views of the same-host session's
         load segment, leased until the block exits (one copy fewer than `load_into`: an engine
         scatters from them straight into its own blocks). Without a session, a `load`'s views.
+        `timeout_seconds` bounds the whole call, opening the session included.
+        `open_session=False`: never open one here (its hello may wait): without one, streams.
 
             with kv.load_shared(model, prompt) as got:
                 scatter(got.chunks)
                 ok = got.still_held()   # False: a lease lapsed meanwhile; do not trust the copy
         """
-        shm = self._shm_path(timeout_seconds) if model not in self._stream_models else None
+        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        shm = self._shm_path(deadline.left(), open_session) if model not in self._stream_models else None
         if shm is None:
-            yield self._streamed_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
+            yield self._streamed_shared(model, tokens, replay_mode, max_chunks, deadline.left(), cache_salt)
             return
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt, shm.session_id)
         spans: _SharedSpans | None = None
         try:
             try:
-                stream = self._load(req, timeout=timeout_seconds or self.timeout_seconds, metadata=self._metadata)
+                stream = self._load(req, timeout=deadline.left(), metadata=self._metadata)
                 head = _header(stream, "Load")
                 spans = _SharedSpans(shm, max(1, head.chunk_bytes))
                 for msg in stream:
@@ -635,12 +652,12 @@ class KvstoreClient:
             except grpc.RpcError as e:
                 if not self._load_refused(shm, model, e):
                     raise _failure(e, "Load") from None
-                yield self._streamed_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
+                yield self._streamed_shared(model, tokens, replay_mode, max_chunks, deadline.left(), cache_salt)
                 return
             except LeaseLapsed as e:  # the session closed under the call (another thread's failure)
                 stream.cancel()
                 self._shm_failed(shm, str(e))
-                yield self._streamed_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
+                yield self._streamed_shared(model, tokens, replay_mode, max_chunks, deadline.left(), cache_salt)
                 return
             yield spans.shared(head.chunk_tokens, head.chunk_bytes)
         finally:
@@ -649,9 +666,10 @@ class KvstoreClient:
 
     def _streamed_shared(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str, max_chunks: int,
                          timeout_seconds: float | None, cache_salt: str) -> SharedLoad:
-        """`load_shared` without a session: a `load`'s views, which this client owns."""
+        """`load_shared` without a session: a `load`'s views, which this client owns. No session is
+        opened for it: `load_shared` found none to use, and the call's time may be spent."""
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
-        r, buffer = self._load_buffered(req, timeout_seconds)
+        r, buffer = self._load_buffered(req, timeout_seconds, open_session=False)
         return SharedLoad(r.hit_tokens, r.chunk_tokens, r.chunk_bytes, r.chunks, r.chunk_tiers, "stream", [],
                           runs=[buffer[: len(r.chunks) * r.chunk_bytes]])
 
@@ -699,12 +717,15 @@ class KvstoreClient:
 
     def _load_into(
         self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], Any],
-        stream_buffer_for: Callable[[int], memoryview] | None = None,
+        stream_buffer_for: Callable[[int], memoryview] | None = None, open_session: bool = True,
     ) -> LoadIntoResult:
         """One Load call written into `buffer_for(the hit's bytes)`: through the same-host session
         when there is one (falling back to a stream if the session fails), else streamed (into
-        `stream_buffer_for(...)` where given: host memory for a GPU destination)."""
-        shm = self._shm_path() if req.model not in self._stream_models else None
+        `stream_buffer_for(...)` where given: host memory for a GPU destination).
+        `open_session=False`: only a session already open is used."""
+        shm = None
+        if req.model not in self._stream_models:
+            shm = self._shm_path() if open_session else self._open_shm()
         if shm is not None:
             req.shm_session = shm.session_id
             try:
@@ -771,7 +792,7 @@ class KvstoreClient:
         view = memoryview(snapshot).cast("B")
         header = pb.LocalHeader(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), snapshot_bytes=len(view),
                                 cache_salt=cache_salt)
-        timeout = timeout_seconds or self.timeout_seconds
+        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
 
         def via_shm(shm: ShmPath) -> StoreLocalResult:
             with shm.staging(len(view)) as slot:
@@ -783,7 +804,7 @@ class KvstoreClient:
                 head.MergeFrom(header)
                 try:
                     return self._store_local(iter([pb.StoreLocalRequest(header=head), pb.StoreLocalRequest(
-                        shm=pb.ShmSpan(offset=offset, nbytes=len(view)))]), timeout)
+                        shm=pb.ShmSpan(offset=offset, nbytes=len(view)))]), deadline.left())
                 except UnknownSession:
                     raise  # the service never took the span; the caller drops the session
                 except BaseException as e:
@@ -797,9 +818,9 @@ class KvstoreClient:
                 for a, b in blob_spans(len(view), self.message_bytes):
                     yield pb.StoreLocalRequest(local=pb.LocalPiece(offset=a, data=bytes(view[a:b])))
 
-            return self._store_local(messages(), timeout)
+            return self._store_local(messages(), deadline.left())
 
-        shm = self._shm_path(timeout)
+        shm = self._shm_path(deadline.left())
         return self._shm_or_stream(shm if shm is not None and shm.snapshot_spans else None, via_shm, via_stream)
 
     def _store_local(self, messages: Iterator[pb.StoreLocalRequest], timeout: float) -> StoreLocalResult:
@@ -812,18 +833,21 @@ class KvstoreClient:
         return StoreLocalResult(r.stored, r.reason, r.ttl_seconds, r.boundary_tokens)
 
     def load_local(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
-                   timeout_seconds: float | None = None, cache_salt: str = "") -> LoadLocalResult:
+                   timeout_seconds: float | None = None, cache_salt: str = "",
+                   open_session: bool = True) -> LoadLocalResult:
         """The local snapshot at the last full-chunk boundary of `tokens`, if held. It comes
-        through the same-host session when there is one; if that fails, over a stream."""
+        through the same-host session when there is one; if that fails, over a stream.
+        `timeout_seconds` bounds the whole call; `open_session=False`: as for `load_shared`."""
         req = pb.LoadLocalRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), cache_salt=cache_salt)
+        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
         def via_shm(shm: ShmPath) -> LoadLocalResult:
             named = pb.LoadLocalRequest(shm_session=shm.session_id)
             named.MergeFrom(req)
-            return self._idempotent("LoadLocal", lambda t: self._load_local(named, t, shm), timeout_seconds)
+            return self._idempotent("LoadLocal", lambda t: self._load_local(named, t, shm), deadline.left())
 
-        shm = self._shm_path(timeout_seconds or self.timeout_seconds)
+        shm = self._shm_path(deadline.left(), open_session)
         return self._shm_or_stream(shm, via_shm, lambda: self._idempotent(
-            "LoadLocal", lambda t: self._load_local(req, t, None), timeout_seconds))
+            "LoadLocal", lambda t: self._load_local(req, t, None), deadline.left()))
 
     def _load_local(self, req: pb.LoadLocalRequest, timeout: float, shm: ShmPath | None) -> LoadLocalResult:
         try:
@@ -859,14 +883,14 @@ class KvstoreClient:
         req = pb.ResumeRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
                                skip_chunks=skip_chunks, cache_salt=cache_salt)
         rid, metadata = self._request_metadata("Resume", request_id, session)
-        timeout = timeout_seconds or self.timeout_seconds
+        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
         def via_shm(shm: ShmPath) -> ResumeResult:
             named = pb.ResumeRequest(shm_session=shm.session_id, local_shm=True)
             named.MergeFrom(req)
-            return self._resume_call(named, timeout, metadata, rid, shm)
+            return self._resume_call(named, deadline.left(), metadata, rid, shm)
 
-        shm = None if skip_chunks or model in self._stream_models else self._shm_path()
-        return self._shm_or_stream(shm, via_shm, lambda: self._resume_call(req, timeout, metadata, rid, None))
+        shm = None if skip_chunks or model in self._stream_models else self._shm_path(deadline.left())
+        return self._shm_or_stream(shm, via_shm, lambda: self._resume_call(req, deadline.left(), metadata, rid, None))
 
     def _resume_call(self, req: pb.ResumeRequest, timeout: float, metadata: tuple[tuple[str, str], ...], rid: str,
                      shm: ShmPath | None) -> ResumeResult:

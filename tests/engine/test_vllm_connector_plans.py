@@ -7,24 +7,28 @@ inside a chunk, and a synchronous load that comes back short."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from kvstore.integrations.vllm.cache_layout import NO_BLOCK, EnginePlan, GroupPlan, PagedCache
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.link import Link
+from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec
 from kvstore.integrations.vllm.scheduler import SchedulerSide, salt_of
 from kvstore.integrations.vllm.worker import WorkerSide
 from tests import test_client_session_open as session_open
 
 CT, BT = 128, 16
 hung = session_open.hung  # a fixture: a side socket that accepts and never answers
+hung_service = session_open.hung_service  # a fixture: its gRPC socket too accepts and never answers
 PLAN = EnginePlan((GroupPlan(0, ("l0",), 2, 8, torch.float16, 0),), chunk_tokens=CT, block_size=BT)
 
 
@@ -267,6 +271,71 @@ def test_a_hung_service_on_the_unix_socket_holds_no_step_up(hung: tuple[str, Any
         assert len(side.accepted) <= 2  # the handshake's, and at most one opening on a thread
     finally:
         w.close()
+
+
+class _Registered(Link):
+    """The real line to kvstore, its model taken as registered (the service under test answers
+    nothing, so a load is tried at all)."""
+
+    def model_name(self) -> str | None:
+        return "m"
+
+
+def test_a_synchronous_load_on_a_hung_service_waits_one_budget_and_says_no_hello(
+        hung_service: tuple[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A synchronous load runs on the step's thread: it said the session's hello itself, then
+    # streamed with the whole budget again (two budgets a step); while the hello was said on a
+    # thread, it waited for that hello first.
+    from kvstore.dataplane.peer import ShmPath
+
+    address, side = hung_service
+    said_by: list[str] = []
+    opened = ShmPath.open
+
+    def open_(*args: Any, **kwargs: Any) -> ShmPath:
+        said_by.append(threading.current_thread().name)
+        return opened(*args, **kwargs)
+
+    monkeypatch.setattr(ShmPath, "open", open_)
+    cfg = ConnectorConfig.from_extra({"address": address, "budget_ms": 500, "chunk_tokens": CT})
+    w = WorkerSide(_Registered(cfg, PLAN.engine_model("tiny", "rev", 1000, 0.0)), PLAN)
+    w.register({"l0": torch.zeros(16, 2, BT, 2 * 8, dtype=torch.float16)}, "cpu")
+    blocks = list(range(2 * CT // BT))
+    spec = LoadSpec("r", np.arange(2 * CT, dtype=np.uint32), "", 0, 2, {0: blocks}, {})
+    try:
+        assert w.sync
+        for step in (1, 2):  # before a session was asked for; while one is opened off the step
+            t = time.monotonic()
+            w.start_loads(KvstoreMeta(loads=[spec]))
+            took = time.monotonic() - t
+            assert took < 0.9, f"step {step}: {took:.2f} s for a budget of 0.5 s"  # generous: the defect is 1 s
+            assert w.link.counters["load_failures"] == step and w.take_load_errors() == set(blocks)
+            assert threading.current_thread().name not in said_by
+            w.report()  # asks for the session on a thread
+            assert session_open._hellos(side, 1) == 1
+        assert said_by == ["kvstore-session_0"]
+    finally:
+        w.close()
+
+
+def test_a_long_configured_revision_still_fits_the_services_bound(tmp_path: Path) -> None:
+    # A revision of 116-128 characters, valid alone, no longer fit the service's 128 once the
+    # load options' hash was added to it: every registration failed, every request was cold.
+    from kvstore.integrations.vllm.connector import model_identity
+    from kvstore.layout import engine_model_spec
+
+    mc = SimpleNamespace(model=str(tmp_path / "model"), revision=None, quantization=None, hf_overrides={},
+                         dtype=torch.bfloat16)
+
+    def identity(revision: str) -> str:
+        return model_identity(mc, ConnectorConfig(address="127.0.0.1:1", revision=revision))[1]
+
+    given = ["v7", "r" * 115, "r" * 116, "r" * 128, "r" * 500, "r" * 499 + "s"]
+    for revision in given:
+        engine_model_spec(PLAN.engine_model("model", identity(revision), 1000, 0.0))  # what registration checks
+        assert identity(revision) == identity(revision)
+    assert len({identity(r) for r in given}) == len(given)  # a revision hashed down is still itself
+    assert identity("r" * 115).startswith("r" * 115 + "+")  # one that fits stays as given
 
 
 def _model_dir(root: Path) -> Path:

@@ -40,11 +40,14 @@ from kvstore.integrations.vllm.link import Link
 from kvstore.integrations.vllm.metadata import KvstoreMeta, WorkerHandshake, WorkerReport
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.worker import WorkerSide
+from kvstore.layout import MAX_ENGINE_NAME
 
 if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
 
 log = logging.getLogger("kvstore.integrations.vllm")
+# Of a configured revision hashed down to fit the service's bound, the characters kept as given.
+REVISION_KEPT_CHARS = 48
 
 
 def model_identity(model_config: Any, cfg: ConnectorConfig) -> tuple[str, str]:
@@ -59,7 +62,12 @@ def model_identity(model_config: Any, cfg: ConnectorConfig) -> tuple[str, str]:
             raise ValueError(f"the model {model_config.model} is neither a path nor in the local Hugging Face cache: "
                              "the kvstore connector cannot fingerprint its weights (set its 'revision')")
         revision = fingerprint(local, cfg.fingerprint_cache)
-    return name, f"{revision}+{load_options(model_config)}"
+    suffix = f"+{load_options(model_config)}"
+    if len(revision) + len(suffix) > MAX_ENGINE_NAME:
+        # A configured revision too long to fit beside the suffix in the service's bound: its
+        # start kept for people, the whole of it hashed (else every registration would fail).
+        revision = f"{revision[:REVISION_KEPT_CHARS]}~{hashlib.sha256(revision.encode()).hexdigest()[:32]}"
+    return name, revision + suffix
 
 
 def load_options(model_config: Any) -> str:

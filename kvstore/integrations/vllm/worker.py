@@ -82,7 +82,8 @@ class WorkerSide:
         self._failed_this_step: set[str] = set()
         self._failed_loads: list[str] = []  # failed loads not yet reported to the scheduler
         self._staged_meta: KvstoreMeta | None = None  # the metadata this step's saves were staged from
-        # Same-host sessions are opened off the step's thread (`_session`).
+        # Same-host sessions are opened off the step's thread (`_session`): a synchronous load,
+        # which runs on it, uses streams until one is open (`open_session=not self.sync`).
         self._same_host = self.sync and link.cfg.address.startswith("unix:")
         self._session_pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-session")
         self._opening: cf.Future[str | None] | None = None
@@ -134,7 +135,8 @@ class WorkerSide:
         On the service's host they are read in place in shared memory (one copy, into vLLM's
         blocks); a lease that lapsed during the copy counts the load as failed (recompute)."""
         with client.load_shared(name, spec.tokens, REPLAY_MODE, max_chunks=spec.end_chunk,
-                                timeout_seconds=self.link.cfg.budget_seconds, cache_salt=spec.cache_salt) as r:
+                                timeout_seconds=self.link.cfg.budget_seconds, cache_salt=spec.cache_salt,
+                                open_session=not self.sync) as r:
             return self._scatter(r, spec, r.path)
 
     def _read_held(self, client: KvstoreClient, spec: LoadSpec) -> int:
@@ -166,7 +168,8 @@ class WorkerSide:
         assert self.cache is not None and name is not None
         r = self.link.call("load_local", lambda c: c.load_local(name, spec.tokens, REPLAY_MODE,
                                                                 timeout_seconds=self.link.cfg.budget_seconds,
-                                                                cache_salt=spec.cache_salt))
+                                                                cache_salt=spec.cache_salt,
+                                                                open_session=not self.sync))
         if r is None or r.snapshot is None or len(r.snapshot) != self.plan.snapshot_bytes:
             if r is not None:
                 self.link.failed("load_local", ValueError(f"the window state is {r.local_state}"))
