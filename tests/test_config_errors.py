@@ -189,11 +189,13 @@ def _check_config(tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str])
     ('data_dir = "{tmp}/file/data"\n', "data_dir"),  # below a file: cannot be created
     ('data_dir = "{tmp}/file"\n', "data_dir"),
 ])
-def test_check_config_finds_paths_serve_cannot_create(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                      text: str, key: str) -> None:
+def test_check_config_warns_of_paths_serve_cannot_create(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         text: str, key: str) -> None:
+    # A warning, not a refusal: a config checked on a laptop or in CI may be meant for another
+    # host or user (the shipped deploy/kvstore.toml names data_dir = "/data").
     (tmp_path / "file").write_text("")
     rc, _, err = _check_config(tmp_path, text.format(tmp=tmp_path), capsys)
-    assert rc == 2 and f"'{key}'" in err, err
+    assert rc == 0 and f"warning: config key '{key}'" in err and "on this machine, as this user" in err, err
     assert not (tmp_path / "no").exists()  # nothing was created
 
 

@@ -4,12 +4,14 @@ Everything `kvstore serve` would check before it opens anything is checked here:
 and ranges (with the dotted key that is wrong), served model names, TLS files, the rule that an
 unauthenticated service binds loopback only, that a 'cuda' store or replay device exists on this
 machine, the TTL policy the local pool would run (built for real, so its parameters are
-checked too), and that the data directory and an enabled trace file could be created and written
-(without creating either). The output is the full effective config, defaults included, as TOML
+checked too); that the data directory and an enabled trace file could be created and written
+here (without creating either) is a warning, since a config may be meant for another host or user.
+The output is the full effective config, defaults included, as TOML
 that parses back, with secrets redacted, followed by the TTL policy in force. Unknown keys (each
 with the closest known one) and values of the wrong type are all reported at once, and with them
-the first broken range or cross-key rule of each section (a section's rules are checked once its
-values have the right types, in order, so a later rule may name what an earlier fix reveals);
+the first broken range of each section that has neither (a section's rules are checked once its
+values have the right types, in order, so a later rule may name what an earlier fix reveals; the
+rules across sections once every section passes its own);
 settings that are valid but contradict each other are warned about (`kvstore/config/warnings.py`).
 Exit 0 when valid, 2 with the bad keys otherwise.
 """
@@ -99,9 +101,18 @@ def _is_section(d: dict[str, Any]) -> bool:
         isinstance(v, dict) or not isinstance(v, int | float) for v in d.values())
 
 
-def _writable(path: Path, key: str, what: str) -> None:
+def _writable(path: Path, key: str, what: str) -> str | None:
     """What `serve` would find creating and writing `path` (a directory, made with its parents, or a
-    file in an existing directory), said without creating anything."""
+    file in an existing directory) on this machine as this user, said without creating anything: a
+    warning (None: fine), since the config may be meant for another host or user."""
+    try:
+        _check_writable(path, key, what)
+    except ConfigError as e:
+        return f"{e} (on this machine, as this user: serve, where it runs, refuses to start if so there)"
+    return None
+
+
+def _check_writable(path: Path, key: str, what: str) -> None:
     try:
         if path.exists():
             if (what == "directory") != path.is_dir():
@@ -131,13 +142,14 @@ def run(args: argparse.Namespace) -> int:
     check_devices(cfg)  # a 'cuda' store or replay device on a machine without CUDA
     check_bind_allowed(cfg, cfg.service.grpc_host)
     server_credentials(cfg.service)  # reads the TLS files: a missing one names its key
-    # Relative paths are from where serve starts: here, as far as check-config can know.
-    _writable(Path(cfg.data_dir), "data_dir", "directory")
-    if cfg.trace.enabled:
-        _writable(Path(cfg.trace.path), "trace.path", "file")
     policy = build_ttl_policy(cfg, models).describe()
     settings = effective(cfg)
     warnings = config_warnings(cfg)
+    # Relative paths are from where serve starts: here, as far as check-config can know.
+    paths = [(Path(cfg.data_dir), "data_dir", "directory")]
+    if cfg.trace.enabled:
+        paths.append((Path(cfg.trace.path), "trace.path", "file"))
+    warnings += [w for p, key, what in paths if (w := _writable(p, key, what)) is not None]
     if args.json:
         json.dump({"valid": True, "warnings": warnings, "settings": settings, "ttl_policy": policy}, sys.stdout,
                   indent=2, default=str)
