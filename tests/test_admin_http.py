@@ -20,6 +20,7 @@ from kvstore.errors import ConfigError
 from kvstore.observe.admin_http import AdminHttpServer
 from kvstore.service.admin_server import _tenant_of_token, redact_url, serve_admin
 from tests.fixtures.service import base_table, to_toml
+from tests.helpers.waiting import wait_until
 from tests.test_admin_workload import CHUNK, Rig, small_config, workload
 
 ADMIN = "admin-secret-1234"
@@ -509,9 +510,14 @@ def test_slow_or_too_many_connections_do_not_hold_the_admin_port(two_tenants: An
     monkeypatch.setattr(admin_http, "REQUEST_HEAD_SECONDS", 30.0)
     monkeypatch.setattr(admin_http, "RESERVE_HEAD_SECONDS", 30.0)
     loopback = {"Host": f"127.0.0.1:{port}"}
+    httpd = two_tenants.admin._httpd  # its free slots, read instead of sleeping a guessed while
+
+    def free(pool: str) -> int:
+        return int(getattr(httpd, pool)._value)
+
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(admin_http.MAX_CONNECTIONS)]
     try:
-        time.sleep(0.5)
+        wait_until(lambda: free("_slots") == 0, timeout=60)
         # Every slot taken: /healthz still answers (the service is up; a 503 there meant "down"),
         # anything else is told to come back, in JSON.
         status, health = _raw_get(port, "/healthz", loopback)
@@ -522,9 +528,9 @@ def test_slow_or_too_many_connections_do_not_hold_the_admin_port(two_tenants: An
         assert r.status == 429 and r.getheader("Retry-After") == "1"
         assert json.loads(r.read())["error"]["status"] == 429
         conn.close()
-        time.sleep(0.2)  # their reserve slots freed
+        wait_until(lambda: free("_reserve") == admin_http.HEALTH_RESERVE, timeout=60)  # theirs freed
         idle += [socket.create_connection(("127.0.0.1", port)) for _ in range(admin_http.HEALTH_RESERVE)]
-        time.sleep(0.2)
+        wait_until(lambda: free("_reserve") == 0, timeout=60)
         extra = socket.create_connection(("127.0.0.1", port))
         extra.settimeout(10)
         refused = extra.recv(4096)  # refused at once, no thread
@@ -534,7 +540,7 @@ def test_slow_or_too_many_connections_do_not_hold_the_admin_port(two_tenants: An
     finally:
         for s in idle:
             s.close()
-    time.sleep(0.2)
+    wait_until(lambda: free("_slots") == admin_http.MAX_CONNECTIONS, timeout=60)
     status, _ = _raw_get(port, "/healthz", loopback)
     assert status == 200  # served again once they went
 
