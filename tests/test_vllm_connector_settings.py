@@ -67,3 +67,11 @@ def test_a_single_weight_file_and_an_adapter_are_fingerprinted(tmp_path: Path) -
     assert adapter_fingerprint(adapter, tmp_path / "fp.json") != before
     with pytest.raises(ValueError, match="no weight files"):
         fingerprint(tmp_path / "adapter" / "adapter_config.json", tmp_path / "fp.json")
+
+
+@pytest.mark.parametrize(("key", "value"), [("revision", "v1\x00"), ("model_name", "llama\n"),
+                                            ("model_name", "m" * 129)])
+def test_a_name_the_service_would_refuse_at_every_registration_is_refused_at_start(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"kv_connector_extra_config\.{key}"):
+        ConnectorConfig.from_extra({"address": "127.0.0.1:1", key: value})
+    ConnectorConfig.from_extra({"address": "127.0.0.1:1", key: "ok-name"})

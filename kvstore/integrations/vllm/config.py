@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.layout import MAX_ENGINE_NAME
 
 KEYS = ("address", "token", "revision", "model_name", "budget_ms", "fingerprint_cache", "max_pending_store_mib",
         "retry_after_ms", "load_mode", "chunk_tokens")
@@ -53,6 +54,12 @@ class ConnectorConfig:
         for key in ("token", "revision", "model_name", "fingerprint_cache"):
             if key in d and not isinstance(d[key], str):
                 raise ConfigError(f"kv_connector_extra_config.{key}", "must be a string")
+        # The service refuses these at every registration otherwise: said once, at start.
+        for key in ("revision", "model_name"):
+            if not str(d.get(key, "")).isprintable():
+                raise ConfigError(f"kv_connector_extra_config.{key}", "must be printable characters")
+        if len(d.get("model_name", "")) > MAX_ENGINE_NAME:
+            raise ConfigError("kv_connector_extra_config.model_name", f"must be at most {MAX_ENGINE_NAME} characters")
         numbers = {}
         for key, default, most in NUMBERS:
             v = d.get(key, default)
