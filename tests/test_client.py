@@ -615,7 +615,7 @@ def test_a_same_host_load_of_the_whole_hit_reads_its_call_to_the_end(
 
     kv = KvstoreClient("127.0.0.1:1")
     try:
-        monkeypatch.setattr(kv, "_shm_path", lambda: shm)
+        monkeypatch.setattr(kv, "_shm_path", lambda *_a, **_k: shm)
         monkeypatch.setattr(kv, "_load", load)
         buf = bytearray(room * cb)
         got = kv.load_into("m", list(range(hit * CHUNK)), buf)

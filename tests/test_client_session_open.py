@@ -166,12 +166,21 @@ def _load_local(kv: KvstoreClient, timeout_seconds: float | None, **kw: bool) ->
     kv.load_local("m", PROMPT, timeout_seconds=timeout_seconds, **kw)
 
 
+def _load(kv: KvstoreClient, timeout_seconds: float | None) -> None:
+    kv.load("m", PROMPT, timeout_seconds=timeout_seconds)
+
+
+def _load_into(kv: KvstoreClient, timeout_seconds: float | None) -> None:
+    kv.load_into("m", PROMPT, bytearray(1 << 20), timeout_seconds=timeout_seconds)
+
+
 LOADS = {"load_shared": (_load_shared, lambda kv: (kv, "_load")),
          "load_local": (_load_local, lambda kv: (kv._stub, "LoadLocal"))}
+BOUNDED = {**LOADS, "load": (_load, lambda kv: (kv, "_load")), "load_into": (_load_into, lambda kv: (kv, "_load"))}
 
 
 @pytest.mark.parametrize("given", [0.5, None], ids=["bound", "client_timeout"])
-@pytest.mark.parametrize("call", sorted(LOADS))
+@pytest.mark.parametrize("call", sorted(BOUNDED))
 def test_a_load_against_a_hung_service_ends_within_its_bound_hello_included(
         hung_service: tuple[str, HungSideSocket], monkeypatch: pytest.MonkeyPatch, call: str,
         given: float | None) -> None:
@@ -179,7 +188,7 @@ def test_a_load_against_a_hung_service_ends_within_its_bound_hello_included(
     # loaded synchronously waited two budgets. Without a bound the hello waited its own 5 s, not
     # the client's timeout.
     address, side = hung_service
-    load, target = LOADS[call]
+    load, target = BOUNDED[call]
     with KvstoreClient(address, timeout_seconds=0.5 if given is None else 30) as kv:
         calls = _Deadlines(getattr(*target(kv)))
         monkeypatch.setattr(*target(kv), calls)

@@ -722,14 +722,16 @@ class KvstoreClient:
         """One Load call written into `buffer_for(the hit's bytes)`: through the same-host session
         when there is one (falling back to a stream if the session fails), else streamed (into
         `stream_buffer_for(...)` where given: host memory for a GPU destination).
-        `open_session=False`: only a session already open is used."""
+        `open_session=False`: only a session already open is used. One deadline covers the call,
+        a session's hello included."""
+        deadline = _Deadline(time.monotonic() + timeout)
         shm = None
         if req.model not in self._stream_models:
-            shm = self._shm_path() if open_session else self._open_shm()
+            shm = self._shm_path(deadline.left()) if open_session else self._open_shm()
         if shm is not None:
             req.shm_session = shm.session_id
             try:
-                return self._load_into_shm(req, timeout, buffer_for, shm)
+                return self._load_into_shm(req, deadline.left(), buffer_for, shm)
             except LeaseLapsed as e:
                 self._shm_failed(shm, str(e))
             except grpc.RpcError as e:
@@ -737,7 +739,7 @@ class KvstoreClient:
                     raise
             finally:
                 req.shm_session = ""
-        return self._load_into_stream(req, timeout, stream_buffer_for or buffer_for)
+        return self._load_into_stream(req, deadline.left(), stream_buffer_for or buffer_for)
 
     def _load_into_shm(
         self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview], shm: ShmPath
