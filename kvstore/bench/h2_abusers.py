@@ -38,6 +38,8 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 CANCEL = 0x8
 
 
+GOAWAY_TYPE = GoAwayFrame.type  # the frame type byte, read without parsing every frame
+
 def _host_port(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
@@ -73,16 +75,23 @@ class _Connection:
                 if not data:
                     break
                 buf += data
-                while len(buf) >= 9:
-                    length = int.from_bytes(buf[:3], "big")
-                    if len(buf) < 9 + length:
+                # Frames are stepped over by offset, the rest kept once per read: cutting the buffer
+                # after every frame copied it thousands of times a read (a PING flood's 17-byte
+                # acks), so a busy machine's reader fell behind, the server's acks filled the
+                # socket, it stopped reading the flood, and the flood's send blocked for good.
+                at = 0
+                while len(buf) - at >= 9:
+                    length = int.from_bytes(buf[at : at + 3], "big")
+                    if len(buf) - at < 9 + length:
                         break
-                    frame, _ = Frame.parse_frame_header(memoryview(buf[:9]))
-                    if isinstance(frame, GoAwayFrame):
-                        frame.parse_body(memoryview(buf[9 : 9 + length]))
+                    if buf[at + 3] == GOAWAY_TYPE:
+                        frame, _ = Frame.parse_frame_header(memoryview(buf[at : at + 9]))
+                        assert isinstance(frame, GoAwayFrame)
+                        frame.parse_body(memoryview(buf[at + 9 : at + 9 + length]))
                         why = frame.additional_data.decode(errors="replace")
                         self.goaway = f"GOAWAY error {frame.error_code}: {why}"
-                    buf = buf[9 + length :]
+                    at += 9 + length
+                buf = buf[at:]
         except ConnectionResetError:
             self.reset_by_server = True
         except OSError:
