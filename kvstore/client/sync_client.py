@@ -302,11 +302,6 @@ class KvstoreClient:
         finally:
             self._shm_lock.release()
 
-    def _open_shm(self) -> ShmPath | None:
-        """The session already open, or None at once: no hello, no wait for another thread's."""
-        shm = self._shm
-        return shm if shm is not None and not shm.closed else None
-
     def _shm_or_stream(self, shm: ShmPath | None, via_shm: Callable[[ShmPath], T], via_stream: Callable[[], T]) -> T:
         """A call through the same-host session when there is one; if the session fails it (a lease
         lapsed, the service no longer knows it), the session is dropped and the call goes over a stream."""
@@ -727,7 +722,7 @@ class KvstoreClient:
         deadline = _Deadline(time.monotonic() + timeout)
         shm = None
         if req.model not in self._stream_models:
-            shm = self._shm_path(deadline.left()) if open_session else self._open_shm()
+            shm = self._shm_path(deadline.left(), open_session)
         if shm is not None:
             req.shm_session = shm.session_id
             try:
