@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvstore.config import parse_config
+from kvstore.config.fields import MAX_LOCAL_TTL_SECONDS
 from kvstore.config.local_pool import MAX_CALL_SECONDS, MAX_TTL_SECONDS, LocalPoolConfig, redis_url_problem
 from kvstore.errors import ConfigError
 from kvstore.local_pool.redis_transport import parse_cluster_url
@@ -46,6 +47,18 @@ def test_the_upper_bound_itself_is_accepted(key: str) -> None:
     if key == "ttl.ttl_seconds":
         table["local_pool"]["ttl"]["max_ttl_seconds"] = most
     parse_config(table)
+
+
+def test_a_tenant_ttl_has_one_bound_whichever_key_sets_it() -> None:
+    # The pool's per-tenant TTL once took up to a year where [tenants.NAME] took 30 days.
+    just_over = MAX_LOCAL_TTL_SECONDS + 1
+    with pytest.raises(ConfigError) as e:
+        parse_config(_table("ttl.tenant_ttl_seconds.acme", just_over))
+    assert e.value.key == "local_pool.ttl.tenant_ttl_seconds.acme"
+    with pytest.raises(ConfigError) as e:
+        parse_config({"tenants": {"acme": {"tokens": ["acme-token-1"], "local_ttl_seconds": just_over}}})
+    assert e.value.key == "tenants.acme.local_ttl_seconds"
+    parse_config(_table("ttl.tenant_ttl_seconds.acme", MAX_LOCAL_TTL_SECONDS))
 
 
 def test_cluster_nodes_without_a_port_are_on_6379() -> None:

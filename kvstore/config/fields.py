@@ -124,6 +124,9 @@ def parse_section(cls: type[T], table: Mapping[str, Any], prefix: str) -> T:
 # all take (an endless or 300-year timeout overflowed them, or read as "never" where none was meant).
 DAY_SECONDS = 86_400
 NUL_PROBLEM = "must not contain a NUL character (no path can)"
+# Every TTL of local (sliding-window) state, the pool's and a tenant's alike: a snapshot held
+# longer is memory spent on a session long gone.
+MAX_LOCAL_TTL_SECONDS = 30 * DAY_SECONDS
 
 
 def require(cond: bool, key: str, problem: str) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import parse_qsl, urlsplit
 
-from kvstore.config.fields import join, require
+from kvstore.config.fields import MAX_LOCAL_TTL_SECONDS, join, require
 
 MiB = 1 << 20
 
@@ -63,9 +63,9 @@ def redis_url_problem(url: str) -> str | None:
 
 # Upper bounds on the *_seconds keys. TOML reads `inf` and 1e300 as numbers: as a socket timeout
 # or a deadline they overflow the OS's time types (every pool call then fails), and as a TTL Redis
-# refuses the PX (every write fails). An hour is far past any call's deadline; a year, any TTL.
+# refuses the PX (every write fails). An hour is far past any call's deadline.
 MAX_CALL_SECONDS = 3600.0
-MAX_TTL_SECONDS = 365 * 86400.0
+MAX_TTL_SECONDS = float(MAX_LOCAL_TTL_SECONDS)
 
 _SECONDS = f"must be a finite number of seconds > 0 and <= {MAX_TTL_SECONDS:.0f}"
 _CALL_SECONDS = f"must be a finite number of seconds > 0 and <= {MAX_CALL_SECONDS:.0f}"

@@ -6,12 +6,11 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-from kvstore.config.fields import DAY_SECONDS, NUL_PROBLEM, join, require
+from kvstore.config.fields import DAY_SECONDS, MAX_LOCAL_TTL_SECONDS, NUL_PROBLEM, join, require
 
 MiB = 1 << 20
 MAX_GRPC_SECONDS = 2_000_000  # (2**31 - 1) ms, rounded down
 MIN_TOKEN_CHARS = 8
-MAX_LOCAL_TTL_SECONDS = 30 * DAY_SECONDS  # a snapshot held longer is memory spent on a session long gone
 # Points of /api/timeseries history kept in memory: 100,000 cost ~236 MB and seconds per read.
 MAX_TIMESERIES_POINTS = 20_000
 MAX_TIMESERIES_SECONDS = 30 * DAY_SECONDS
