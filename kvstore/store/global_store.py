@@ -177,6 +177,7 @@ class GlobalStore(Placement):
         self._ignored_bytes = 0  # on disk, of the chunks counted in _ignored
         self._fates: ChunkFateSink = NoFates()  # told when a chunk leaves or is kept out (the explainer)
         self._doomed: set[bytes] = set()
+        self._overage: dict[tuple[str | None, TierName], int] = {}
         self._deleting: dict[bytes, threading.Event] = {}
         self._committing: dict[bytes, int] = {}
         self._registered_by: dict[str, str] = {}  # engine model name -> the tenant that registered it
@@ -758,6 +759,12 @@ class GlobalStore(Placement):
                 if meta is None and self._durable.get_into(key, out) is not None:
                     return False  # deleted and written again since that read: a miss, not a loss
                 self._lost(key, cast("ChunkEntry", self._entry(key)), "lmdb")
+                if meta is not None:
+                    # A value that verifies but is another key's: the tier removes only values that
+                    # fail its checks, so this one is deleted as an eviction's is (`_delete_doomed`,
+                    # called after every read), or each restart would index it again.
+                    self._doomed.add(key)
+                    self._bump_tier("unmatched", "lmdb")
             return False
         assert entry is not None and meta is not None
         # Not while the index loads: the LMDB policy takes the cold chunks only at its end.
@@ -934,12 +941,15 @@ class GlobalStore(Placement):
                 if entry is None or "lmdb" not in entry.footprint:  # a thawed one stays, charged
                     self._policies["lmdb"].remove(key)
             # More than the capacity: a smaller capacity than the data was written under, or a crash
-            # between evicting chunks from the index and deleting their values. Evict down to it.
-            if not self._make_room("lmdb", "", 0, protect=set()):
-                raise AssertionError("nothing is pinned or committing here, so every chunk can be evicted")
-            # And each tenant down to its quota (lowered since the data was written).
+            # between evicting chunks from the index and deleting their values. Evict down to it,
+            # and each tenant down to its quota (lowered since the data was written). Loading in the
+            # background, calls may hold more than that pinned: the store gets ready anyway, and
+            # evicts the rest as it makes room once they are let go (`_evict_unprotected`).
+            self._evict_unprotected("lmdb", None)
             for tenant in sorted({t for (t, tier) in self._tenant_used if tier == "lmdb"}):
-                self._make_room("lmdb", tenant, 0, protect=set())
+                self._evict_unprotected("lmdb", tenant)
+            if self._overage and not background:
+                raise AssertionError("nothing is pinned or committing here, so every chunk can be evicted")
         self._delete_doomed()
         self._load_seconds = time.perf_counter() - t0
         self._ready.set()
@@ -1100,7 +1110,8 @@ class GlobalStore(Placement):
                     evictions=self._by_tier.get(f"evictions:{name}", 0),
                     demotions=self._by_tier.get(f"demotions:{name}", 0),
                     promotions=self._by_tier.get(f"promotions:{name}", 0),
-                    corrupt_total=ts.corrupt_total,
+                    # The tier's own removals, and the values it verified that were not their key's.
+                    corrupt_total=ts.corrupt_total + self._by_tier.get(f"unmatched:{name}", 0),
                     backend=str(getattr(self._tiers[name], "backend", "")),
                     map_size_bytes=ts.map_size_bytes,
                     readers=ts.readers,
@@ -1135,7 +1146,9 @@ class GlobalStore(Placement):
             for tier in TIER_NAMES:
                 total = sum(e.footprint.get(tier, 0) for e in entries)
                 assert total == self._used[tier], (tier, total, self._used[tier])
-                assert self._used[tier] <= self._tiers[tier].capacity_bytes, tier
+                # Beyond capacity only by what a background index load could not evict (pinned),
+                # until the tier next makes room.
+                assert self._used[tier] <= self._tiers[tier].capacity_bytes + self._overage.get((None, tier), 0), tier
                 assert len(self._policies[tier]) == sum(1 for e in entries if tier in e.footprint)
             for k, _ in cold:
                 assert k in self._policies["lmdb"], k.hex()
@@ -1145,7 +1158,7 @@ class GlobalStore(Placement):
                 assert all(e.fastest != "lmdb" for e in self._index.values()), "an LMDB-only chunk not folded"
             for (tenant, tier), used in self._tenant_used.items():
                 quota = self._limit(tenant, tier)
-                assert quota < 0 or used <= quota, (tenant, tier, used, quota)
+                assert quota < 0 or used <= quota + self._overage.get((tenant, tier), 0), (tenant, tier, used, quota)
             assert not self._committing and not self._deleting, "a commit or a delete left its mark"
             for key in self._doomed:  # a value to delete is held in LMDB by no indexed chunk
                 entry = self._index.get(key)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import KeysView, Sequence
 from dataclasses import dataclass
 
 
@@ -63,6 +63,10 @@ class PinTable:
 
     def __contains__(self, key: object) -> bool:
         return key in self._counts
+
+    def keys(self) -> KeysView[bytes]:
+        """Every key pinned now (a view: copy it before pinning or releasing)."""
+        return self._counts.keys()
 
     @property
     def active(self) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -86,6 +86,9 @@ class Placement:
     _deleting: dict[bytes, threading.Event]  # being deleted from LMDB now; set when done
     _committing: dict[bytes, int]  # keys of commits in flight -> how many: never evicted or deleted
     _ready: threading.Event  # the LMDB tier's index is loaded (GlobalStore._load_index)
+    # Bytes above a limit that pinned or committing chunks kept a background index load from
+    # evicting (`_evict_unprotected`), by (tenant, tier); tenant None: the tier's capacity.
+    _overage: dict[tuple[str | None, TierName], int]
 
     def _bump(self, name: str, n: int = 1, tenant: str | None = None) -> None:
         raise NotImplementedError
@@ -174,7 +177,40 @@ class Placement:
             if victims is None:
                 return False
             self._evict(tier, victims, "capacity", protect)
+        if self._overage:  # within both limits now: what an index load left above them is gone
+            self._overage.pop((None, tier), None)
+            self._overage.pop((tenant, tier), None)
         return True
+
+    def _evict_unprotected(self, tier: TierName, tenant: str | None) -> None:
+        """Evict down to `tier`'s capacity (given `tenant`: that tenant down to its limit there); where
+        the chunks pinned or committing hold more than that, evict all the others and record what is
+        left above the limit in `_overage`. An index loaded in the background under a smaller budget
+        than the data was written with ends so while calls hold chunks; the next `_make_room` in the
+        tier evicts the rest once they are let go. Called while nothing reserves room in `tier` (a
+        reservation is in its used bytes, not in its policy)."""
+        if tenant is None:
+            used, limit = self._used[tier], self._tiers[tier].capacity_bytes
+        else:
+            used, limit = self._tenant_used.get((tenant, tier), 0), self._limit(tenant, tier)
+        if limit < 0 or used <= limit:
+            return
+        policy = self._policies[tier]
+        protected = _Protected(self._pins, set(), self._committing)
+        eligible: Callable[[bytes], bool] | None = (
+            None if tenant is None else lambda k: _tenant_of(self._peek(k)) == tenant)
+        victims = policy.evict(used - limit, protected, eligible)
+        if victims is None:  # the protected chunks alone hold more than the limit
+            held = 0
+            for key in {*self._pins.keys(), *self._committing}:
+                entry = self._peek(key)
+                if entry is not None and tenant in (None, entry.tenant):
+                    held += entry.footprint.get(tier, 0)
+            victims = policy.evict(used - held, protected, eligible) or []
+        self._evict(tier, victims, "capacity" if tenant is None else "quota", set())
+        left = (self._used[tier] if tenant is None else self._tenant_used.get((tenant, tier), 0)) - limit
+        if left > 0:
+            self._overage[(tenant, tier)] = left
 
     def _evict(self, tier: TierName, victims: list[bytes], reason: str, protect: set[bytes]) -> None:
         """Demote or drop each victim (the policy already let go of them); `protect`: chunks
