@@ -9,8 +9,9 @@ The coordinator then
    was counted by its own) and reads its chunks (a replay reads the cached global rows below H;
    it never rewrites them);
 3. sends one `ReplayJob` to the first runner that serves the model (attached runners first, the
-   in-process reference runner after them), waits within the deadline, and re-queues a job whose
-   runner died on another runner while time is left;
+   in-process reference runner after them; when the only ones are attached runners with no room,
+   to the first that has room before the deadline), waits within the deadline, and re-queues a job
+   whose runner died on another runner while time is left;
 4. stores the rebuilt snapshot in the local pool under its TTL policy and returns it.
 
 Admission comes first and apart from the replay: `admit` is called synchronously by the service
@@ -26,10 +27,11 @@ that never ran has been released. A flight's replay is billed once (`replay.port
 each of its tickets): to the leader's call when it takes the outcome, else to the first other
 caller that takes the snapshot (one that joined, or one that came just after and got it).
 
-Everything else that goes wrong (no runner, a timeout, a runner that died with no other to take
-over, a prefix evicted meanwhile) is an outcome with no snapshot: the engine recomputes the local
-state itself. Batching happens in the runners, which run whatever is queued together (see
-`replay/runner.py`; the in-process one runs a batch in one forward).
+Everything else that goes wrong (no runner, runners all busy until the deadline, a timeout, a
+runner that died with no other to take over, a prefix evicted meanwhile) is an outcome with no
+snapshot: the engine recomputes the local state itself. Batching happens in the runners, which
+run whatever is queued together (see `replay/runner.py`; the in-process one runs a batch in one
+forward).
 
 The replay mode is part of the key namespace (`Namespace.replay_mode`), so a boundary replayed
 approximately never serves a request that asked for exact state, and vice versa.
@@ -41,11 +43,13 @@ or how the pool keeps snapshots. Time comes from the injected clock.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -77,6 +81,11 @@ MAX_REQUEUES = 2  # a job whose runner died is offered to another runner at most
 # it spares a second pool read per replay, which would count every expiry twice as a pool miss.
 # The prefix lost a chunk (evicted, corrupt) between the lookup and the pin: nothing to replay from.
 PREFIX_GONE = "prefix-gone"
+# Runners for the model are attached but none had room for the job before its deadline (none
+# attached is NO_RUNNER). A job waits for room in slices of at most this, to see a caller that
+# joined meanwhile push its deadline back.
+RUNNERS_BUSY = "runners-busy"
+ROOM_WAIT_SLICE_SECONDS = 0.5
 RECENT_SECONDS = 2.0
 RECENT_MAX = 64  # and at most this many (each holds a snapshot: 1.29 MiB for V4.1)
 
@@ -93,6 +102,7 @@ class ReplayCounters:
     timeouts: int
     failures: int  # runner errors, runners lost with no other to take over, prefixes gone
     no_runner: int
+    runners_busy: int  # replays no runner had room for before their deadline (runners attached, all busy)
     rejected: int  # admissions refused: over the per-tenant bound (ResourceExhausted)
     disabled: int  # replay mode "off" or a model without local state
     replay_tokens: int  # tokens run by replays that rebuilt a snapshot
@@ -101,6 +111,16 @@ class ReplayCounters:
     in_flight: int  # distinct replays admitted or running now
     queue_depth: int  # jobs submitted to runners and not answered yet
     tickets_held: int  # admissions neither used by resume_local nor released
+
+
+@runtime_checkable
+class WaitsForRoom(Protocol):
+    """A runner that may be attached but full (the attached runners): a job then waits for room
+    instead of being refused as having no runner."""
+
+    def attached(self, model: str, tenant: str) -> bool: ...
+
+    def wait_for_room(self, model: str, tenant: str, timeout_seconds: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -144,6 +164,9 @@ class _Admission:
     fkey: tuple[bytes, bytes]
     flight: _Flight | None
     outcome: ReplayOutcome | None = None
+    # When its caller gives up (clock time), from admission: a replay that waited for a thread
+    # must not count its budget from when it got one, its caller maybe gone by then.
+    until: float | None = None
 
 
 class _Counts:
@@ -243,10 +266,12 @@ class ReplayCoordinator:
                 flight = self._flights[fkey] = _Flight(cf.Future(), ns.tenant)
                 self._per_tenant[ns.tenant] = self._per_tenant.get(ns.tenant, 0) + 1
             flight.tickets += 1
+            until = None
             if deadline_seconds is not None:
-                flight.until = max(flight.until, self._clock() + self._budget(deadline_seconds))
+                until = self._clock() + self._budget(deadline_seconds)
+                flight.until = max(flight.until, until)
             ticket = ReplayTicket(ns.tenant, hit_tokens, flight.bill)
-            self._tickets[ticket] = _Admission(fkey, flight)
+            self._tickets[ticket] = _Admission(fkey, flight, until=until)
         return ticket
 
     def _budget(self, deadline_seconds: float) -> float:
@@ -276,14 +301,15 @@ class ReplayCoordinator:
         """Rebuild the local state at `hit_tokens` under `ticket` (None: admit now, which may
         raise `ResourceExhausted`). The ticket is used up whatever happens.
 
-        A caller that joins a replay in flight waits for it at most its own `deadline_seconds`.
-        The first caller runs the replay on its own thread, for as long as the longest-waiting
-        caller of it, so its call may return after its own deadline (the service waits on it
-        only until its own)."""
+        A caller that joins a replay in flight waits for it at most its own `deadline_seconds`,
+        counted from its admission when `admit` was given one (the job may have waited for a
+        thread meanwhile; a caller already gone starts nothing). The first caller runs the replay
+        on its own thread, for as long as the longest-waiting caller of it, so its call may return
+        after its own deadline (the service waits on it only until its own)."""
         if ticket is None:
             ticket = self.admit(ns, tokens, hit_tokens)
         start = self._clock()
-        budget = self._budget(deadline_seconds)
+        until = start + self._budget(deadline_seconds)
         with self._lock:
             adm = self._tickets.pop(ticket, None)
             assert adm is not None, "a replay ticket is used once, and never after it was released"
@@ -292,8 +318,10 @@ class ReplayCoordinator:
                 assert adm.outcome is not None
                 self._c.bump("disabled" if adm.outcome.status == DISABLED else "coalesced")
                 return adm.outcome
+            if adm.until is not None:
+                until = min(until, adm.until)  # the budget runs from admission
             flight.tickets -= 1
-            flight.until = max(flight.until, start + budget)
+            flight.until = max(flight.until, until)
             leader = not flight.led and not flight.done
             if leader:
                 flight.led = True
@@ -301,7 +329,7 @@ class ReplayCoordinator:
             else:
                 self._c.bump("coalesced")
         if not leader:
-            return self._join(flight, budget)
+            return self._join(flight, until)
         outcome = ReplayOutcome(None, 0, FAILED)
         try:
             outcome = self._lead(ns, self.store.layout(ns), tokens, hit_tokens, adm.fkey[1], start, flight)
@@ -340,9 +368,9 @@ class ReplayCoordinator:
         got = self._recent.get(fkey)
         return (got[1], got[2]) if got is not None else None
 
-    def _join(self, flight: _Flight, budget: float) -> ReplayOutcome:
+    def _join(self, flight: _Flight, until: float) -> ReplayOutcome:
         try:
-            got = flight.future.result(timeout=max(0.0, budget))
+            got = flight.future.result(timeout=max(0.0, until - self._clock()))
         except cf.TimeoutError:
             self._bump("timeouts")
             return ReplayOutcome(None, 0, TIMEOUT, shared=True)
@@ -382,7 +410,7 @@ class ReplayCoordinator:
         if not result.ok:
             if source.lost:
                 return ReplayOutcome(None, 0, PREFIX_GONE)
-            return ReplayOutcome(None, 0, NO_RUNNER if result.error == NO_RUNNER else FAILED)
+            return ReplayOutcome(None, 0, result.error if result.error in (NO_RUNNER, RUNNERS_BUSY) else FAILED)
         snapshot = result.snapshot
         assert snapshot is not None
         if len(snapshot) != layout.local_snapshot_bytes:
@@ -430,19 +458,21 @@ class ReplayCoordinator:
         re-queued on another runner when the one that had it went away."""
         last: ReplayResult | None = None
         for attempt in range(1 + MAX_REQUEUES):
-            runner = next((r for r in self.runners if r.serves(job.model, job.tenant)), None)
-            if runner is None:
+            runner = self._runner_for(job, flight)
+            if isinstance(runner, str):  # NO_RUNNER, RUNNERS_BUSY
                 if last is None:
-                    self._bump("no_runner")
-                    return ReplayResult.failed(NO_RUNNER)
+                    self._bump("no_runner" if runner == NO_RUNNER else "runners_busy")
+                    return ReplayResult.failed(runner)
                 break
-            if self._left(flight) <= 0:
+            left = self._left(flight)
+            if left <= 0:
                 self._bump("timeouts")
                 return None
             self._bump("requeued" if attempt else "replays_started")
             with self._lock:
                 self._queued += 1
-            handle = runner.submit(job)
+            # The time left now: a re-queued job, or one that waited for room, has less than when built.
+            handle = runner.submit(dataclasses.replace(job, deadline_seconds=left))
             try:
                 got = self._wait(handle, flight)
             finally:
@@ -463,6 +493,24 @@ class ReplayCoordinator:
             self._bump("failures")
         return last
 
+    def _runner_for(self, job: ReplayJob, flight: _Flight) -> Runner | str:
+        """The first runner that serves the job now; while runners that could are attached but
+        all busy, the first that frees up within the flight's time. Else why none: NO_RUNNER, or
+        RUNNERS_BUSY once that time is up."""
+        while True:
+            runner = next((r for r in self.runners if r.serves(job.model, job.tenant)), None)
+            if runner is not None:
+                return runner
+            # Attached, not just busy: one that had room by now returns at once and is taken above.
+            full = next((r for r in self.runners
+                         if isinstance(r, WaitsForRoom) and r.attached(job.model, job.tenant)), None)
+            if full is None:
+                return NO_RUNNER
+            left = self._left(flight)
+            if left <= 0:
+                return RUNNERS_BUSY
+            full.wait_for_room(job.model, job.tenant, min(left, ROOM_WAIT_SLICE_SECONDS))
+
     # --- observability and lifecycle -------------------------------------------------------------
 
     def _bump(self, name: str, k: int = 1) -> None:
@@ -480,7 +528,8 @@ class ReplayCoordinator:
             return ReplayCounters(
                 requests=n("requests", 0), replays_started=n("replays_started", 0), replays_ok=n("replays_ok", 0),
                 coalesced=n("coalesced", 0), requeued=n("requeued", 0), timeouts=n("timeouts", 0),
-                failures=n("failures", 0), no_runner=n("no_runner", 0), rejected=n("rejected", 0),
+                failures=n("failures", 0), no_runner=n("no_runner", 0), runners_busy=n("runners_busy", 0),
+                rejected=n("rejected", 0),
                 disabled=n("disabled", 0), replay_tokens=n("replay_tokens", 0),
                 replay_seconds=self._c.replay_seconds, pool_writes_skipped=n("pool_writes_skipped", 0),
                 in_flight=len(self._flights), queue_depth=self._queued, tickets_held=len(self._tickets),

@@ -6,7 +6,8 @@ job's tenant (a runner attached with a tenant's credentials serves only that ten
 with the admin token serves all) and has fewer than its `max_concurrent_jobs` in flight (none:
 `Unavailable`), queues the job on its link and returns a `Future` that resolves
 to a `JobOutcome` when the runner answers, fails, detaches, or the job is cancelled. Futures always
-resolve with an outcome (never an exception): a failed job is an expected result for replay.
+resolve with an outcome (never an exception): a failed job is an expected result for replay. A job
+for whose model every runner is busy may wait for one to have room (`wait_for_room`).
 
 What it does not know: gRPC messages (the servicer frames jobs), the store, or replay policy
 (which tokens to replay, timeouts, coalescing: the coordinator decides those).
@@ -88,12 +89,17 @@ class RunnerLink:
 
 
 class RunnerRegistry:
-    def __init__(self, max_runners: int = 16, weights: Mapping[str, float] | None = None) -> None:
-        """`weights`: each tenant's share_weight; runner slots are split by them (admin runners
-        count as one more member of weight 1)."""
+    def __init__(self, max_runners: int = 16, weights: Mapping[str, float] | None = None,
+                 admin_runners: bool = True) -> None:
+        """`weights`: each tenant's share_weight; runner slots are split by them, and when
+        `admin_runners` (an admin token is configured) admin runners count as one more member of
+        weight 1. Without one no runner can attach as the admin: a member for it would only take
+        the tenants' slots (with auth off, half of the one tenant's)."""
         self.max_runners = max_runners
-        self._slots = FairShare(max_runners, {**(weights or {}), ADMIN_MEMBER: 1.0})
+        self._slots = FairShare(max_runners, {**(weights or {}), **({ADMIN_MEMBER: 1.0} if admin_runners else {})})
         self._lock = threading.Lock()
+        # Notified when a runner attaches, detaches or has a job fewer: jobs waiting for room.
+        self._room = threading.Condition(self._lock)
         self._links: dict[str, RunnerLink] = {}
         self._jobs: dict[int, RunnerLink] = {}
         self._ids = itertools.count(1)
@@ -117,6 +123,7 @@ class RunnerRegistry:
                     f"share_weight)" if r.limit == "share" else f"all {r.total} runner slots are taken")
             link = RunnerLink(info)
             self._links[info.runner_id] = link
+            self._room.notify_all()
             return link
 
     def new_runner_id(self) -> str:
@@ -133,6 +140,7 @@ class RunnerRegistry:
             link.in_flight.clear()
             for p in pending:
                 self._jobs.pop(p.job_id, None)
+            self._room.notify_all()
         link.outbox.put(None)
         for p in pending:
             self._resolve(p, JobOutcome(p.job_id, link.info.runner_id, None, reason))
@@ -163,6 +171,7 @@ class RunnerRegistry:
             if p is None:
                 return False
             self._jobs.pop(job_id, None)
+            self._room.notify_all()
         outcome = JobOutcome(job_id, link.info.runner_id, snapshot if not error else None, error)
         self._resolve(p, outcome)
         return True
@@ -176,10 +185,26 @@ class RunnerRegistry:
             if not link.closed and link.info.model == model and (link.info.tenant is None or link.info.tenant == tenant)
         ]
 
+    def _has_room(self, model: str, tenant: str) -> bool:
+        """Called under the lock."""
+        return any(len(lk.in_flight) < lk.info.max_concurrent_jobs for lk in self._serving(model, tenant))
+
     def has_room(self, model: str, tenant: str) -> bool:
         """A runner that may serve the job has fewer jobs than its `max_concurrent_jobs`."""
         with self._lock:
-            return any(len(lk.in_flight) < lk.info.max_concurrent_jobs for lk in self._serving(model, tenant))
+            return self._has_room(model, tenant)
+
+    def attached(self, model: str, tenant: str) -> bool:
+        """A runner that may serve the job is attached (with room for it or not)."""
+        with self._lock:
+            return bool(self._serving(model, tenant))
+
+    def wait_for_room(self, model: str, tenant: str, timeout_seconds: float) -> None:
+        """Wait until the job would not wait (a runner has room, or none is attached), at most
+        `timeout_seconds`."""
+        with self._room:
+            self._room.wait_for(lambda: not self._serving(model, tenant) or self._has_room(model, tenant),
+                                max(0.0, timeout_seconds))
 
     def submit(self, job: ReplayJob) -> JobFuture:
         """Queue a job on the least-loaded runner that may serve it and has room for it (a runner
@@ -201,16 +226,22 @@ class RunnerRegistry:
         link.outbox.put(pending)
         return fut
 
-    def cancel_job(self, job_id: int, reason: str = "cancelled") -> None:
-        """Give up on a job (e.g. its deadline passed); its future resolves with `reason`."""
+    def cancel_job(self, job_id: int, reason: str = "cancelled", tell_runner: bool = True) -> bool:
+        """Give up on a job (e.g. its deadline passed); its future resolves with `reason`, and a
+        result the runner still sends for it is dropped. The runner is told by a `JobCancel` queued
+        on its link unless `tell_runner` is False (the caller sends it). False: not in flight."""
         with self._lock:
             link = self._jobs.pop(job_id, None)
             p = link.in_flight.pop(job_id, None) if link is not None else None
             if link is not None and p is not None:
                 link.cancelled.append(job_id)
-        if link is not None and p is not None:
+                self._room.notify_all()
+        if link is None or p is None:
+            return False
+        if tell_runner:
             link.outbox.put(job_id)
-            self._resolve(p, JobOutcome(job_id, link.info.runner_id, None, reason))
+        self._resolve(p, JobOutcome(job_id, link.info.runner_id, None, reason))
+        return True
 
     def runners(self) -> list[RunnerInfo]:
         with self._lock:

@@ -5,7 +5,8 @@ GPU process) and the service's `RunnerRegistry` tracks them and queues jobs on t
 one with room (below the `max_concurrent_jobs` it announced). This adapter hands the
 coordinator's `ReplayJob` to the registry and turns the registry's `JobOutcome` back into a
 `ReplayResult`; it serves a job only while a runner has room for it, so that a full fleet leaves
-the job to the next runner (the in-process one) instead.
+the job to the next runner (the in-process one) instead. With no next runner the coordinator waits
+for room (`attached`, `wait_for_room`) within the job's deadline rather than report no runner.
 
 A failed outcome is `lost` (worth re-queueing elsewhere) when the runner that had the job is no
 longer attached: it died, its stream broke, or the service is shutting down. A runner that is
@@ -39,6 +40,14 @@ class AttachedRunners:
         # Only with room: runners that all have their max_concurrent_jobs in flight leave the job
         # to the next runner (in-process) rather than being handed more than they asked for.
         return self._registry.has_room(model, tenant)
+
+    def attached(self, model: str, tenant: str) -> bool:
+        """A runner for the job is attached, with room for it now or not."""
+        return self._registry.attached(model, tenant)
+
+    def wait_for_room(self, model: str, tenant: str, timeout_seconds: float) -> None:
+        """Until one of them has room, or none is attached, at most `timeout_seconds`."""
+        self._registry.wait_for_room(model, tenant, timeout_seconds)
 
     def submit(self, job: ReplayJob) -> JobHandle:
         try:

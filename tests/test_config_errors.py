@@ -98,26 +98,36 @@ def _tenants(n: int) -> dict[str, Any]:
     return {f"t{i}": {"tokens": [f"token-of-tenant-{i:03d}"]} for i in range(n)}
 
 
-def test_runner_slots_that_leave_a_tenant_none_are_refused() -> None:
+@pytest.mark.parametrize("admin_token", ["", "admin-token-0123"])
+def test_runner_slots_that_leave_a_tenant_none_are_refused(admin_token: str) -> None:
     # 20 tenants and 16 runner slots: every share was 0, and the first 16 runners locked out the rest.
-    e = _refused({"tenants": _tenants(20), "replay": {"runner": "attached"}}, "service.max_runners")
-    assert "at least 21" in str(e)
-    cfg = parse_config({"tenants": _tenants(20), "replay": {"runner": "attached"}, "service": {"max_runners": 21}})
-    slots = FairShare(cfg.service.max_runners, {**cfg.share_weights(), ADMIN_MEMBER: 1.0})  # as replay/registry.py
+    # Runners attached with the admin token are one more member, where there is one.
+    admin = {"admin_token": admin_token}
+    members = 21 if admin_token else 20
+    e = _refused({"tenants": _tenants(20), "replay": {"runner": "attached"}, "admin": admin}, "service.max_runners")
+    assert f"at least {members}" in str(e)
+    cfg = parse_config({"tenants": _tenants(20), "replay": {"runner": "attached"}, "admin": admin,
+                        "service": {"max_runners": members}})
+    slots = FairShare(cfg.service.max_runners,  # as replay/registry.py
+                      {**cfg.share_weights(), **({ADMIN_MEMBER: 1.0} if admin_token else {})})
     assert all(slots.share(name) >= 1 for name in cfg.tenants)
     # Without replay there is nothing to attach for, and without auth one tenant takes them all.
     parse_config({"tenants": _tenants(20), "replay": {"runner": "none"}})
     parse_config({"service": {"max_runners": 1}})
 
 
-def test_shares_of_zero_where_runners_are_not_replays_only_path_are_warned_about_not_refused() -> None:
-    # 16 tenants with every default (the reference runner) ran before the shares were checked: an
+@pytest.mark.parametrize("admin_token", ["", "admin-token-0123"])
+def test_shares_of_zero_where_runners_are_not_replays_only_path_are_warned_about_not_refused(admin_token: str) -> None:
+    # 17 tenants with every default (the reference runner) ran before the shares were checked: an
     # upgrade must not refuse to start them. Runners may still attach (engine-registered models),
     # so the first tenants could hold every slot: said, with the total that would give each one.
-    cfg = parse_config({"tenants": _tenants(16)})
+    admin = {"admin_token": admin_token}
+    many = 16 if admin_token else 17  # 16 slots, and the admin's runners one more member
+    cfg = parse_config({"tenants": _tenants(many), "admin": admin})
     said = [w for w in config_warnings(cfg) if "service.max_runners" in w]
-    assert len(said) == 1 and "16 tenant(s) no share" in said[0] and "17 would give each one" in said[0]
-    assert not any("max_runners" in w for w in config_warnings(parse_config({"tenants": _tenants(15)})))
+    assert len(said) == 1 and f"{many} tenant(s) no share" in said[0] and "17 would give each one" in said[0]
+    fewer = parse_config({"tenants": _tenants(many - 1), "admin": admin})
+    assert not any("max_runners" in w for w in config_warnings(fewer))
 
 
 def test_same_host_sessions_that_leave_a_tenant_none_are_warned_about() -> None:

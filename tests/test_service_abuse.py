@@ -210,20 +210,22 @@ def test_a_runner_sending_results_for_jobs_it_was_not_given_is_detached_before_a
         gc.enable()
 
 
-def test_one_tenant_cannot_take_every_runner_slot(make_service: Callable[..., Service]) -> None:
+@pytest.mark.parametrize("admin_token", ["", "admin-token-0123"])
+def test_one_tenant_cannot_take_every_runner_slot(make_service: Callable[..., Service], admin_token: str) -> None:
     cfg = make_config(tenants={"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}},
-                      service={"max_concurrent_calls": 8, "max_runners": 6})
+                      service={"max_concurrent_calls": 8, "max_runners": 6}, admin={"admin_token": admin_token})
     svc = make_service(cfg)
     layout_id = svc.app.layouts()[TOY].layout_id
     alice = RunnerFlood(svc.address, ALICE, TOY, layout_id, runners=6)
-    bob = RunnerFlood(svc.address, BOB, TOY, layout_id, runners=2)
+    bob = RunnerFlood(svc.address, BOB, TOY, layout_id, runners=3)
+    # Six slots split two ways, or three with an admin token (whose runners are one more member).
+    share = 2 if admin_token else 3
     try:
         alice.start()
-        # Six slots split three ways (alice, bob, the admin's runners): two each.
-        assert alice.attached == 2 and len(alice.refused) == 4
-        assert "tenant 'alice' holds 2 of their 2 runner slots" in alice.refused[0]
+        assert alice.attached == share and len(alice.refused) == 6 - share
+        assert f"tenant 'alice' holds {share} of their {share} runner slots" in alice.refused[0]
         bob.start()
-        assert bob.attached == 2 and bob.refused == []
+        assert bob.attached == min(share, 3) and len(bob.refused) == 3 - share
     finally:
         alice.stop()
         bob.stop()

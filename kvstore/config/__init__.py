@@ -90,8 +90,13 @@ class KvstoreConfig:
         # every slot for good). Refused where attached runners are replay's only path; elsewhere
         # (the reference runner, same-host sessions) a share of 0 is a warning (config/warnings.py).
         if self.replay.runner == "attached" and self.runner_slots_shared():
-            _require_shares(self.service.max_runners, weights, RUNNER_ADMIN_WEIGHT, "service.max_runners",
+            _require_shares(self.service.max_runners, weights, self.runner_admin_weight(), "service.max_runners",
                             "runner slots")
+
+    def runner_admin_weight(self) -> float:
+        """The weight admin-attached runners count with in the runner slots' split: none without an
+        admin token (no runner can attach as the admin then)."""
+        return RUNNER_ADMIN_WEIGHT if self.auth_enabled and self.admin.admin_token else 0.0
 
     def runner_slots_shared(self) -> bool:
         """Whether tenants share the runner slots: auth and replay on."""
@@ -108,7 +113,8 @@ class KvstoreConfig:
         return {name: t.share_weight for name, t in self.tenants.items()}
 
 
-# Runners attached with the admin token count as one more member of weight 1 (replay/registry.py).
+# Runners attached with the admin token count as one more member of weight 1 (replay/registry.py),
+# where an admin token is configured.
 RUNNER_ADMIN_WEIGHT = 1.0
 
 

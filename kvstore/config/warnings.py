@@ -3,7 +3,7 @@ logged by `kvstore serve`), never refused, since the service can run with them."
 
 from __future__ import annotations
 
-from kvstore.config import RUNNER_ADMIN_WEIGHT, KvstoreConfig, least_total, tenants_without_a_share
+from kvstore.config import KvstoreConfig, least_total, tenants_without_a_share
 from kvstore.config.service import is_loopback
 
 
@@ -42,7 +42,7 @@ def _zero_shares(cfg: KvstoreConfig) -> list[str]:
     weights = cfg.share_weights()
     checks = []
     if cfg.runner_slots_shared() and cfg.replay.runner != "attached":
-        checks.append(("service.max_runners", cfg.service.max_runners, RUNNER_ADMIN_WEIGHT, "runners attached"))
+        checks.append(("service.max_runners", cfg.service.max_runners, cfg.runner_admin_weight(), "runners attached"))
     if cfg.shm_sessions_shared():
         checks.append(("service.max_shm_sessions", cfg.service.max_shm_sessions, 0.0,
                        "same-host sessions (the others' calls then go over streams)"))

@@ -294,7 +294,8 @@ def build_app(
         policy = build_ttl_policy(cfg, models) if local_pool == "config" else None
         pool = build_pool(cfg, models, clock, policy) if local_pool == "config" else local_pool
         assert not isinstance(pool, str)
-        runners = RunnerRegistry(cfg.service.max_runners, cfg.share_weights())
+        runners = RunnerRegistry(cfg.service.max_runners, cfg.share_weights(),
+                                 admin_runners=cfg.runner_admin_weight() > 0)
         # Models engines registered before a restart are served again (the store recovered them).
         app = App(cfg, ddir, {**models, **store.engine_models()}, store, pool, runners, clock, ttl_policy=policy)
         parts = ReplayParts(store, pool, app.runners, models, cfg.replay, cfg.store.chunk_tokens, clock)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 
 import grpc
 import numpy as np
@@ -53,7 +53,10 @@ class RunnersServicer:
         watch: StreamWatch,
         shm: ShmSessions | None = None,
         stream_idle_seconds: float = 30.0,
+        hidden_models: Callable[[str], Collection[str]] | None = None,
     ) -> None:
+        """`hidden_models(tenant)`: the engine models other tenants registered, which a runner
+        attached with `tenant`'s credentials is neither told of nor given (`GlobalStore.hidden_models`)."""
         self._registry = registry
         self._auth = auth
         # Read at each use, not copied: a model registered at runtime (RegisterModel) is served too.
@@ -64,6 +67,7 @@ class RunnersServicer:
         self._watch = watch
         self._shm = shm
         self._idle_seconds = stream_idle_seconds
+        self._hidden_models = hidden_models
 
     def Attach(
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], context: grpc.ServicerContext
@@ -75,16 +79,19 @@ class RunnersServicer:
             context.abort(code, msg)
         done = threading.Event()
         context.add_callback(lambda: self._registry.detach(link, "runner stream closed"))
+        # Results being reassembled, by job id: the reader adds to them; a job's is dropped when the
+        # job is cancelled (else a runner told to stop mid-result left one, snapshot-sized, per job).
+        partial: dict[int, BlobAssembler] = {}
         reader = threading.Thread(
-            target=self._read_results, args=(request_iterator, link, done, shm), name="kvstore-runner-reader",
-            daemon=True,
+            target=self._read_results, args=(request_iterator, link, done, shm, partial),
+            name="kvstore-runner-reader", daemon=True,
         )
         reader.start()
         try:
             # A runner that stops reading its jobs is ended like any stalled stream; one that is
             # merely idle (no jobs) is not: only sends are watched.
             with self._watch.watch(context, "Attach", link.info.tenant or "(admin)") as w:
-                yield from w.sent(self._commands(link, context, done, shm))
+                yield from w.sent(self._commands(link, context, done, shm, partial))
             if link.protocol_error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"runner detached: {link.protocol_error}")
         finally:
@@ -92,6 +99,7 @@ class RunnersServicer:
 
     def _commands(
         self, link: RunnerLink, context: grpc.ServicerContext, done: threading.Event, shm: ShmSession | None,
+        partial: dict[int, BlobAssembler],
     ) -> Iterator[pb.RunnerCommand | bytes]:
         yield pb.RunnerCommand(attached=pb.Attached(
             runner_id=link.info.runner_id, max_message_bytes=self._max_message_bytes, result_spans=shm is not None))
@@ -103,6 +111,7 @@ class RunnersServicer:
             if item is None:
                 break
             if isinstance(item, int):
+                partial.pop(item, None)
                 yield pb.RunnerCommand(cancel=pb.JobCancel(job_id=item))
                 continue
             if isinstance(item, ResultTaken):
@@ -110,7 +119,7 @@ class RunnersServicer:
                 continue
             if item.job_id not in link.in_flight:
                 continue  # cancelled while queued
-            yield from self._job_messages(item, link, shm, context)
+            yield from self._job_messages(item, link, shm, context, partial)
 
     def _register(
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], context: grpc.ServicerContext
@@ -126,10 +135,13 @@ class RunnersServicer:
             raise InvalidInput("the first message of Attach must be a RunnerHello")
         h = msg.hello
         layouts = self._layouts()
-        layout = layouts.get(h.model)
+        # As Stats does: a model another tenant registered is not named to this one. An admin
+        # runner (no tenant) serves every tenant and may run any model.
+        hidden = set(self._hidden_models(caller.tenant)) if self._hidden_models is not None and caller.tenant else set()
+        layout = layouts.get(h.model) if h.model not in hidden else None
         if layout is None:
             raise InvalidInput(
-                f"runner model '{h.model}' is not served here; served: {', '.join(sorted(layouts))}")
+                f"runner model '{h.model}' is not served here; served: {', '.join(sorted(set(layouts) - hidden))}")
         if h.layout_id != layout.layout_id:
             raise InvalidInput(
                 f"runner layout id {h.layout_id.hex()} does not match the service's layout "
@@ -155,7 +167,8 @@ class RunnersServicer:
         return link, shm
 
     def _job_messages(self, p: _Pending, link: RunnerLink, shm: ShmSession | None,
-                      context: grpc.ServicerContext) -> Iterator[pb.RunnerCommand | bytes]:
+                      context: grpc.ServicerContext, partial: dict[int, BlobAssembler],
+                      ) -> Iterator[pb.RunnerCommand | bytes]:
         job = p.job
         yield pb.RunnerCommand(job=pb.ReplayJob(
             job_id=p.job_id, model=job.model, replay_mode=job.mode, tokens=tokens_to_proto(job.tokens),
@@ -163,16 +176,27 @@ class RunnersServicer:
             num_chunks=job.num_chunks, chunk_bytes=job.chunk_bytes, deadline_seconds=job.deadline_seconds,
         ))
         cb = job.chunk_bytes
+        pieces: Iterator[pb.RunnerCommand | bytes]
+        if shm is not None and job.num_chunks:
+            spans = copy_spans(shm, job.read_into, job.num_chunks, job.first_chunk, cb, self._idle_seconds,
+                               context.is_active)
+            pieces = (pb.RunnerCommand(chunks=pb.JobChunks(job_id=p.job_id, shm=s)) for s in spans)
+        else:
+            pieces = self._job_pieces(p.job_id, job)
         try:
-            if shm is not None and job.num_chunks:
-                for leased in copy_spans(shm, job.read_into, job.num_chunks, job.first_chunk, cb, self._idle_seconds,
-                                         context.is_active):
-                    yield pb.RunnerCommand(chunks=pb.JobChunks(job_id=p.job_id, shm=leased))
-                return
-            yield from self._job_pieces(p.job_id, job)
+            # Each piece is read only while the job is in flight: one cancelled meanwhile (its
+            # deadline passed) gets no more chunks; its JobCancel is queued next.
+            while self._registry.job_of(link, p.job_id) is not None:
+                piece = next(pieces, None)
+                if piece is None:
+                    return
+                yield piece
         except (KvstoreError, ChunksGone) as e:  # the runner's segment stayed full, its session closed, a chunk left
-            self._registry.complete(link, p.job_id, None, f"job chunks not sent: {e}")
-            yield pb.RunnerCommand(cancel=pb.JobCancel(job_id=p.job_id))
+            # Cancelled, not completed: a result the runner sends before it reads the JobCancel is
+            # then dropped, not taken for a job it was never given (which detached it).
+            if self._registry.cancel_job(p.job_id, f"job chunks not sent: {e}", tell_runner=False):
+                partial.pop(p.job_id, None)
+                yield pb.RunnerCommand(cancel=pb.JobCancel(job_id=p.job_id))
 
     def _job_pieces(self, job_id: int, job: ReplayJob) -> Iterator[bytes]:
         """A job's chunks in `JobChunks` messages laid out by hand, each chunk read straight into
@@ -200,9 +224,8 @@ class RunnersServicer:
 
     def _read_results(
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], link: RunnerLink, done: threading.Event,
-        shm: ShmSession | None,
+        shm: ShmSession | None, partial: dict[int, BlobAssembler],
     ) -> None:
-        partial: dict[int, BlobAssembler] = {}
         reason = ""
         try:
             for raw in request_iterator:
@@ -235,6 +258,11 @@ class RunnersServicer:
                 return  # cancelled while the runner worked on it
             if not r.error:
                 asm = partial[r.job_id] = BlobAssembler(expected, "job result")
+                if self._registry.job_of(link, r.job_id) is None:
+                    # Cancelled between the check and now: the sender may have dropped the
+                    # job's buffer before this one was added, so it goes here.
+                    partial.pop(r.job_id, None)
+                    return
         if r.error:
             partial.pop(r.job_id, None)
             self._registry.complete(link, r.job_id, None, r.error)
@@ -242,7 +270,7 @@ class RunnersServicer:
         assert asm is not None
         asm.add(r.offset, r.data)
         if r.last:
-            del partial[r.job_id]
+            partial.pop(r.job_id, None)
             self._registry.complete(link, r.job_id, asm.finish(), "")
 
     def _take_result_span(self, link: RunnerLink, r: pb.JobResult, partial: dict[int, BlobAssembler],

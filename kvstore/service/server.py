@@ -146,7 +146,7 @@ class KvstoreServer:
         self.runners = RunnersServicer(
             app.runners, self.auth, app.layouts,
             svc.stream_message_bytes, svc.max_message_bytes, lambda: self.limiter.draining, self.watch,
-            self.shm, svc.stream_idle_seconds,
+            self.shm, svc.stream_idle_seconds, hidden_models=app.store.hidden_models,
         )
         threads = svc.max_concurrent_calls + app.runners.max_runners + SPARE_THREADS
         self._server = grpc.server(

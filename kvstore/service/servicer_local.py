@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
@@ -34,7 +36,7 @@ from kvstore.errors import InvalidInput
 from kvstore.local_pool.base import GetResult
 from kvstore.observe.records import LocalWriteFacts
 from kvstore.service.calls import CallGuard, CallState, Resolved
-from kvstore.service.codes import status_for
+from kvstore.service.codes import is_expected, status_for
 from kvstore.service.pricing import boundary_key, facts_for_lookup, local_status, planned_replay_tokens, price
 from kvstore.service.shm_calls import snapshot_span, store_snapshot_data
 from kvstore.service.shm_listener import ShmSession
@@ -48,19 +50,24 @@ from replay.port import ReplayOutcome, ReplayTicket
 if TYPE_CHECKING:
     from kvstore.service.app import App
 
+log = logging.getLogger("kvstore.service")
+
 # A Resume stops waiting for its replay this long before its own deadline: a tenth of the time
 # left, at least 50 ms, for the trailer (local state EXPIRED, `replay_status` "timeout", the
 # bills) to reach the engine, which keeps the chunks already streamed. Waiting to the deadline
 # itself ended the call DEADLINE_EXCEEDED instead, its chunks lost.
 TRAILER_MARGIN_SECONDS = 0.05
 TRAILER_MARGIN_SHARE = 0.1
+# gRPC reports a call sent with no deadline as ~9.2e18 s left: more than this is no deadline.
+# (Waited on as such, that time overflowed the replay's wait, failing every such trailer.)
+NO_DEADLINE_SECONDS = 1e6
 
 
 def replay_wait(remaining: float | None) -> float | None:
-    """How long a Resume with `remaining` seconds to its deadline (None: none) may wait for its
-    replay: the time left less the trailer's margin; never 0, which the coordinator reads as no
-    deadline of the caller's own."""
-    if remaining is None:
+    """How long a Resume with `remaining` seconds to its deadline (None, or more than
+    `NO_DEADLINE_SECONDS`: none) may wait for its replay: the time left less the trailer's margin;
+    never 0, which the coordinator reads as no deadline of the caller's own. None: no deadline."""
+    if remaining is None or remaining > NO_DEADLINE_SECONDS:
         return None
     return max(0.001, remaining - max(TRAILER_MARGIN_SECONDS, TRAILER_MARGIN_SHARE * remaining))
 
@@ -343,9 +350,20 @@ class LocalStateCalls:
             return ReplayOutcome(bytes(payload) if payload is not None else None, 0, "")
         if replay is None:
             return ReplayOutcome(None, 0, "")
+        wait = replay_wait(context.time_remaining())
+        # Woken by the replay's end or the call's (the client cancelled, its deadline passed): a
+        # call that ended gives its slot and thread back now, not when its wait would have run out.
+        woken = threading.Event()
+        if not context.add_callback(woken.set):
+            woken.set()  # already ended
+        replay.future.add_done_callback(lambda _: woken.set())
+        woken.wait(wait if wait is not None else self.app.config.replay.timeout_seconds)
         try:
-            outcome = replay.future.result(timeout=replay_wait(context.time_remaining()))
+            outcome = replay.future.result(timeout=0)
         except cf.TimeoutError:
+            if not context.is_active():
+                replay.ticket.abandon()
+                return ReplayOutcome(None, 0, "call ended")
             # The replay may have finished just now: then it is this call's after all.
             late = replay.ticket.give_up()
             if late is None:
@@ -353,6 +371,8 @@ class LocalStateCalls:
             outcome = late
         except Exception as e:  # the coordinator failed (Unavailable, a bug); the chunks are already sent
             replay.ticket.abandon()
+            if not is_expected(e):  # a bug: the trailer says only "see the service log"
+                log.error("replay for a Resume failed unexpectedly", exc_info=e)
             code, message = status_for(e)
             return ReplayOutcome(None, 0, f"{code.name.lower()}: {message}")
         if not context.is_active():

@@ -209,19 +209,22 @@ class GlobalStore(Placement):
     def _layout_for(self, model: ModelSpec) -> CacheLayout:
         return model.layout.with_chunk_tokens(self.cfg.chunk_tokens)
 
-    def model(self, name: str) -> ModelSpec:
+    def model(self, name: str, tenant: str | None = None) -> ModelSpec:
+        """The model `name`; unknown, an error naming the models served (to `tenant`, when given:
+        not the engine models only other tenants registered, which Stats hides from it too)."""
         try:
             return self._models[name]
         except KeyError:
+            served = set(self._models) - (self.hidden_models(tenant) if tenant is not None else set())
             raise UnknownModel(
-                f"model '{name}' is not served here; served: {', '.join(sorted(self._models))}"
+                f"model '{name}' is not served here; served: {', '.join(sorted(served))}"
             ) from None
 
     def layout(self, ns: Namespace) -> CacheLayout:
         return self._layouts[ns.layout_id]
 
     def namespace(self, tenant: str, model: str, replay_mode: str, salt: str = "") -> Namespace:
-        spec = self.model(model)
+        spec = self.model(model, tenant)
         return Namespace(tenant, spec.name, spec.revision, self._layout_for(spec).layout_id, replay_mode,
                          salt=salt)
 
