@@ -177,8 +177,8 @@ def test_cancelled_store_streams_leave_no_reference_cycle_holding_their_messages
             abuser = IdleStoreStreams(svc.address, ALICE, V41, tokens(1, 1200 * CHUNK, vocab=129_280),
                                       streams=4, chunk_bytes=cb, pieces=16, piece_bytes=1 * MiB)
             abuser.start()
-            assert _wait(lambda: svc.server.limiter.staged_bytes == 4 * 16 * MiB, timeout=60)
-            abuser.stop()  # cancels the four streams: 64 MiB staged
+            assert _wait(lambda: svc.server.limiter.staged_bytes == 4 * 16 * (MiB + cb), timeout=60)
+            abuser.stop()  # cancels the four streams: 64 MiB staged, and the chunk each piece left begun
             assert _wait(lambda: svc.server.limiter.staged_bytes == 0 and svc.server.limiter.in_flight == 0)
         # The received messages were freed by reference counting: no frame of the Store handler
         # (which held them) waits for the collector. Before, the handler's frames sat in a cycle

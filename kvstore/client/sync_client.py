@@ -479,7 +479,10 @@ class KvstoreClient:
                                        f"{n} chunk payloads for a prompt of {info.full_chunks} full chunks", "Store")
         first = max(first_chunk, min(info.hit_chunks, n) if skip_present else 0)
         shm = self._shm_path(deadline.left())
-        call_bytes = min(self.max_store_call_bytes, STORE_CALL_LIMIT_BYTES)
+        # Within what the service can stage for one call of this tenant (the lookup says it), also
+        # through a same-host session: a call that finds no room there goes as a stream.
+        call_bytes = min(self.max_store_call_bytes, info.store_call_bytes or STORE_CALL_LIMIT_BYTES,
+                         STORE_CALL_LIMIT_BYTES)
         per_call = max(1, min(call_bytes, shm.store_bytes if shm else call_bytes) // cb)
         # Calls on growing prefixes, each sending only its new chunks; always at least one call, so
         # that the answer (durable, already present) comes from the server, not from the lookup.
@@ -1278,7 +1281,7 @@ def _lookup_result(r: pb.LookupResponse, request_id: str) -> LookupResult:
         local_state=PB_TO_LOCAL.get(r.local_state, "absent"), bills=_bills(r.bills),
         chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes, full_chunks=r.full_chunks,
         remainder_tokens=r.remainder_tokens, local_snapshot_bytes=r.local_snapshot_bytes,
-        replay_mode=r.replay_mode, request_id=request_id,
+        replay_mode=r.replay_mode, request_id=request_id, store_call_bytes=r.store_call_bytes,
     )
 
 

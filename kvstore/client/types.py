@@ -29,6 +29,9 @@ class LookupResult:
     local_snapshot_bytes: int
     replay_mode: str
     request_id: str = ""  # the x-request-id it was sent with: `kvstore explain REQUEST_ID`
+    # The most chunk payload one streamed Store call may send (the tenant's staging share, at most
+    # 1 GiB); `store` splits larger prompts into calls of at most this. 0: the service did not say.
+    store_call_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ are the ceilings over all tenants.
 Excess calls are refused at once (the servicer turns a refusal into RESOURCE_EXHAUSTED) rather
 than queued: a sidecar whose engine has a deadline is better served by a fast "no" than by a slow
 "yes". The gRPC thread pool is sized above the call ceiling so that refused calls still reach a
-thread and get their answer quickly.
+thread and get their answer quickly. One call that would stage more than its tenant's share
+(`call_stage_limit`) could never be admitted: the servicer refuses it for good instead.
 
 What it does not know: gRPC, credentials, or what a call does.
 """
@@ -78,6 +79,14 @@ class CallLimiter:
             if refusal is not None:
                 self.staging_refused_total += 1
             return refusal
+
+    def call_stage_limit(self, tenant: str) -> int:
+        """The most bytes one call of `tenant` may stage: its guaranteed share, which a call gets
+        however the others behave once the tenant's other calls let go. One call past it would
+        wait for ever for room (at most the rounding remainder more could ever come free), so it is
+        refused for good, not asked to retry."""
+        with self._cond:
+            return self._staged.share(tenant)
 
     def unstage(self, tenant: str, nbytes: int) -> None:
         with self._cond:

@@ -4,7 +4,10 @@ Handlers are registered from the proto descriptors with `wire.safe_deserializer`
 zero-copy reader of `wire.pieces`), so a request that does not parse (or exceeds
 `max_message_bytes`) reaches the servicer as a `Malformed` marker and is answered INVALID_ARGUMENT,
 instead of gRPC's own INTERNAL for a failed parse. gRPC's hard receive limit is set above the
-configured one so that the friendlier check sees oversize messages.
+configured one so that the friendlier check sees oversize messages up to twice that size; past
+it gRPC's core refuses the message itself (RESOURCE_EXHAUSTED, no request id) before a handler
+runs. It stays a small multiple on purpose: core buffers a whole message before handing it over,
+so that limit is what bounds one message's memory.
 
 Shutdown (`stop`), in this order so that no caller is dropped silently:
 1. health goes NOT_SERVING (balancers stop routing here);
@@ -82,7 +85,8 @@ def generic_handler(service: str, servicer: object, max_message_bytes: int) -> g
 def transport_options(svc: ServiceConfig) -> list[tuple[str, int]]:
     """The gRPC server's HTTP/2 limits. What each defends against (README "Limits"):
     - message sizes: the receive limit sits above `max_message_bytes` so that the servicer's own
-      check answers oversize messages with a readable INVALID_ARGUMENT;
+      check answers oversize messages with a readable INVALID_ARGUMENT, up to twice the size
+      (beyond, gRPC's own RESOURCE_EXHAUSTED: the bound on what core buffers for one message);
     - streams per connection: a connection that opens and resets streams as fast as it can
       ("rapid reset") holds at most this many of the server's call slots while gRPC's core counts
       reset streams the application has not finished;

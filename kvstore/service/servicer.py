@@ -57,8 +57,9 @@ if TYPE_CHECKING:
     from kvstore.service.limits import CallLimiter
 
 # One Store call stages its payloads in memory until the stream ends: the payload it sends (not
-# the prefix it names) may be at most this; beyond it the prompt goes in several calls on growing
-# prefixes, each sending only its new chunks (the Python client does so itself).
+# the prefix it names) may be at most this, and at most its tenant's staging share (`stage`);
+# beyond it the prompt goes in several calls on growing prefixes, each sending only its new chunks
+# (the Python client does so itself, at the size `LookupResponse.store_call_bytes` names).
 MAX_STORE_BYTES = 1 << 30
 
 
@@ -106,6 +107,7 @@ class KVCacheServicer(LocalStateCalls):
                 bills=bills_to_pb(bills), chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes,
                 full_chunks=r.full_chunks, remainder_tokens=r.remainder_tokens,
                 local_snapshot_bytes=snapshot, replay_mode=res.ns.replay_mode, held=held,
+                store_call_bytes=self.store_call_bytes(call.tenant),
             ), r.chunk_tiers)
         return b""  # reached only when the client has gone (an empty LookupResponse)
 
@@ -165,10 +167,10 @@ class KVCacheServicer(LocalStateCalls):
         received: dict[int, memoryview], shm: ShmSession | None,
     ) -> pb.StoreEnd | None:
         """The payload pieces (views into the received messages) into `received`, each counted
-        against the tenant's staging share before it is kept (spans of a same-host store segment
-        stage nothing); the StoreEnd, if one came. The payload a call carries is limited, not the
-        prefix it declares: a longer prompt comes in calls on growing prefixes, each sending only
-        the chunks after the last call's."""
+        against the tenant's staging share before it is kept (`stage`; spans of a same-host store
+        segment stage nothing); the StoreEnd, if one came. The payload a call carries is limited,
+        not the prefix it declares: a longer prompt comes in calls on growing prefixes, each
+        sending only the chunks after the last call's."""
         end: pb.StoreEnd | None = None
         carried = 0
         for raw in messages:
@@ -189,11 +191,37 @@ class KVCacheServicer(LocalStateCalls):
             p = value
             assert isinstance(p, PieceView)
             carried = _carried(carried, len(p.data))
-            self.guard.stage(call, len(p.data))
+            # Counted before the assembler allocates: a chunk larger than a message is held whole
+            # from its first piece on.
+            self.stage(call, asm.holds(len(p.data)), asm.chunk_bytes)
             for index, payload in asm.add(p.first_chunk, p.offset, p.data):
                 received[index] = payload
         asm.finish()
         return end
+
+    def stage(self, call: CallState, nbytes: int, unit_bytes: int, unit: str = "chunk") -> None:
+        """Count `nbytes` more of the payload `call` holds in memory against its tenant's staging
+        share (`CallGuard.stage`: RESOURCE_EXHAUSTED while other calls hold the room). A call that
+        would hold more than the share by itself could never be admitted, however idle the
+        service: it is refused for good (INVALID_ARGUMENT), naming the largest call that fits in
+        whole `unit_bytes` (a chunk, a local snapshot)."""
+        if not nbytes:
+            return
+        limit = self._limiter.call_stage_limit(call.tenant)
+        if call.staged_bytes + nbytes > limit:
+            head = (f"one {call.method} call of tenant '{call.tenant}' can never stage more than {limit} bytes "
+                    "of payload in memory here (its share of service.max_staged_bytes)")
+            fit = min(limit, MAX_STORE_BYTES) // unit_bytes
+            if fit:
+                raise InvalidInput(f"{head}: send at most {fit * unit_bytes} bytes ({fit} {unit}s) a call, "
+                                   "storing the prompt in several calls on growing prefixes")
+            raise InvalidInput(f"{head}; one {unit} of this model is {unit_bytes} bytes: send it through a "
+                               "same-host session (shm_session), or raise service.max_staged_bytes")
+        self.guard.stage(call, nbytes)
+
+    def store_call_bytes(self, tenant: str) -> int:
+        """The most payload one Store call of `tenant` may send in pieces (LookupResponse says it)."""
+        return min(MAX_STORE_BYTES, self._limiter.call_stage_limit(tenant))
 
     def _commit(
         self, call: CallState, res: Resolved, context: grpc.ServicerContext, end: pb.StoreEnd | None,
@@ -270,6 +298,8 @@ class KVCacheServicer(LocalStateCalls):
         early at a chunk that turns out corrupt. `loaded` collects the tier each chunk came from."""
         cb = res.layout.chunk_bytes
         tiers_out = loaded if loaded is not None else []
+        if n == 0:  # a miss, a cold Resume: nothing to read, and no buffer to allocate for it
+            return
         # Rejected: producing the next message in a helper thread while gRPC sends the current one.
         # On a two-core machine the extra thread fought the client for CPU: 0.4-0.5x of the plain
         # stream instead of 0.75-0.9x.
@@ -313,10 +343,12 @@ class KVCacheServicer(LocalStateCalls):
     def _stream_split(
         self, session: LoadSession, cb: int, n: int, context: grpc.ServicerContext, tiers_out: list[str]
     ) -> Iterator[bytes]:
-        chunk = memoryview(bytearray(cb))
+        chunk: memoryview | None = None  # one chunk's buffer, allocated (zero-filled) once a chunk is read
         for i in range(n):
             if not context.is_active():
                 return
+            if chunk is None:
+                chunk = memoryview(bytearray(cb))
             tier = session.read_into(i, chunk)
             if tier is None:
                 return

@@ -104,6 +104,9 @@ class LocalStateCalls:
 
     # --- StoreLocal -------------------------------------------------------------------------------
 
+    def stage(self, call: CallState, nbytes: int, unit_bytes: int, unit: str = "chunk") -> None:
+        raise NotImplementedError
+
     def StoreLocal(
         self, request_iterator: Iterator[pb.StoreLocalRequest | Malformed], context: grpc.ServicerContext
     ) -> pb.StoreLocalResponse:
@@ -137,7 +140,13 @@ class LocalStateCalls:
             raise InvalidInput(
                 f"snapshot_bytes is {h.snapshot_bytes}; a local snapshot of '{res.spec.name}' is {size} bytes")
         shm = self.shm_session(call, h.shm_session)
-        payload = self._snapshot_sent(messages, size) if shm is None else self._snapshot_spanned(messages, size, shm)
+        if shm is None:
+            # Counted against the tenant's staging share before the snapshot's buffer is allocated
+            # (the guard releases it when the call ends, however it ends).
+            self.stage(call, size, size, "local snapshot")
+            payload = self._snapshot_sent(messages, size)
+        else:
+            payload = self._snapshot_spanned(messages, size, shm)
         boundary = len(res.tokens)
         if not context.is_active():
             return pb.StoreLocalResponse()

@@ -103,7 +103,7 @@ class LoadSession:
         self.layout = layout
         self.keys = keys
         self.receipt = receipt
-        self._buf = memoryview(bytearray(layout.chunk_bytes))
+        self._buf: memoryview | None = None  # for iterating (a chunk's worth, made at the first chunk)
         self.read_chunks = 0
         self._closed = False
 
@@ -157,6 +157,8 @@ class LoadSession:
 
     def __iter__(self) -> Iterator[LoadedChunk]:
         for i in range(len(self.keys)):
+            if self._buf is None:
+                self._buf = memoryview(bytearray(self.layout.chunk_bytes))
             tier = self.read_into(i, self._buf)
             if tier is None:
                 return

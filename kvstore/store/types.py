@@ -133,8 +133,9 @@ class StoreStats:
 class TenantStats:
     """One tenant's own part of the store's counters (`GlobalStore.tenant_stats`): what its `Stats`
     call answers, where `StoreStats` has the service's totals (the admin API, metrics). Lookups are
-    the prefix walks its calls ran (Lookup, Load, LoadLocal, Resume; not a replay's own reads), each
-    counting the whole cached prefix it found as hit tokens, even where the call took fewer chunks."""
+    the prefix walks its calls ran (Lookup, Load, Resume; not LoadLocal, which walks no prefix, nor
+    a replay's own reads), each counting the whole cached prefix it found as hit tokens, even where
+    the call took fewer chunks."""
 
     lookups: int = 0
     lookup_hit_tokens: int = 0

@@ -141,7 +141,7 @@ class LookupRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., cache_salt: _Optional[str] = ..., shm_session: _Optional[str] = ..., hold_chunks: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_tokens", "hit_chunks", "chunk_tiers", "local_state", "bills", "chunk_tokens", "chunk_bytes", "full_chunks", "remainder_tokens", "local_snapshot_bytes", "replay_mode", "held")
+    __slots__ = ("hit_tokens", "hit_chunks", "chunk_tiers", "local_state", "bills", "chunk_tokens", "chunk_bytes", "full_chunks", "remainder_tokens", "local_snapshot_bytes", "replay_mode", "held", "store_call_bytes")
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class LookupResponse(_message.Message):
     LOCAL_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPLAY_MODE_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    STORE_CALL_BYTES_FIELD_NUMBER: _ClassVar[int]
     hit_tokens: int
     hit_chunks: int
     chunk_tiers: _containers.RepeatedScalarFieldContainer[Tier]
@@ -166,7 +167,8 @@ class LookupResponse(_message.Message):
     local_snapshot_bytes: int
     replay_mode: str
     held: _containers.RepeatedCompositeFieldContainer[ShmSpan]
-    def __init__(self, hit_tokens: _Optional[int] = ..., hit_chunks: _Optional[int] = ..., chunk_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., local_state: _Optional[_Union[LocalState, str]] = ..., bills: _Optional[_Union[Bills, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., full_chunks: _Optional[int] = ..., remainder_tokens: _Optional[int] = ..., local_snapshot_bytes: _Optional[int] = ..., replay_mode: _Optional[str] = ..., held: _Optional[_Iterable[_Union[ShmSpan, _Mapping]]] = ...) -> None: ...
+    store_call_bytes: int
+    def __init__(self, hit_tokens: _Optional[int] = ..., hit_chunks: _Optional[int] = ..., chunk_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., local_state: _Optional[_Union[LocalState, str]] = ..., bills: _Optional[_Union[Bills, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., full_chunks: _Optional[int] = ..., remainder_tokens: _Optional[int] = ..., local_snapshot_bytes: _Optional[int] = ..., replay_mode: _Optional[str] = ..., held: _Optional[_Iterable[_Union[ShmSpan, _Mapping]]] = ..., store_call_bytes: _Optional[int] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
     __slots__ = ("model", "replay_mode", "tokens", "cache_salt", "shm_session")

@@ -68,6 +68,15 @@ class ChunkAssembler:
         self._partial_fill = 0
         self.received = 0  # whole chunks handed out
 
+    def holds(self, nbytes: int) -> int:
+        """The bytes a piece of `nbytes` will make its receiver hold anew, to be counted before
+        `add`: the whole piece when a chunk is handed out as a view into it (the view keeps the
+        piece), and a whole chunk's buffer when it starts a chunk it does not finish (allocated at
+        that chunk's first piece: its later pieces fill it and add nothing)."""
+        cb = self.chunk_bytes
+        rest = nbytes - (min(cb - self._partial_fill, nbytes) if self._partial is not None else 0)
+        return (nbytes if rest >= cb else 0) + (cb if rest % cb else 0)
+
     def add(self, first_chunk: int, offset: int, data: bytes | memoryview) -> Iterator[tuple[int, memoryview]]:
         """Feed one piece; yields (chunk index, payload) for every chunk it completes."""
         cb = self.chunk_bytes
