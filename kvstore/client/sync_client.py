@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import array
 import contextlib
+import functools
 import itertools
 import logging
+import math
 import random
 import sys
 import threading
@@ -37,7 +39,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import grpc
 import grpc.experimental
@@ -77,6 +79,7 @@ from kvstore.wire.purposes import PURPOSE_KEY, PURPOSES
 from kvstore.wire.request_ids import REQUEST_ID_RE, new_request_id
 
 T = TypeVar("T")
+P = ParamSpec("P")
 MiB = 1 << 20
 log = logging.getLogger("kvstore.client")
 DATA_PATHS = ("auto", "shm", "stream")
@@ -85,6 +88,16 @@ SHM_RETRY_SECONDS = 5.0
 # The service refuses a Store call that sends more payload than this (service/servicer.py
 # MAX_STORE_BYTES): a larger prompt goes in calls on growing prefixes, each at most this.
 STORE_CALL_LIMIT_BYTES = 1 << 30
+# gRPC's own reconnect backoff (1 s, x1.6, up to 120 s) kept a long-lived client failing every call
+# for up to two minutes after a service restart: a channel waiting out its backoff fails calls at
+# once. Retried within 2 s instead, a restarted service is reached ~2 s after it is back; against a
+# service that stays down that costs a refused connect every 2 s. (`grpc.min_reconnect_backoff_ms`
+# is left alone: gRPC takes it as the shortest time a connect attempt may take, 20 s.)
+INITIAL_RECONNECT_BACKOFF_MS = 100
+MAX_RECONNECT_BACKOFF_MS = 2000
+# The largest `message_bytes`: half the channel's 256 MiB message limit, as the service keeps its
+# `stream_message_bytes` to half of its `max_message_bytes` (a piece carries a header too).
+MAX_MESSAGE_BYTES = 128 * MiB
 
 
 # --- errors -----------------------------------------------------------------------------------------
@@ -144,6 +157,48 @@ class RetryPolicy:
     initial_backoff_seconds: float = 0.05
     max_backoff_seconds: float = 1.0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise InvalidInput(f"RetryPolicy.attempts must be an integer >= 1 (1: no retry), got {self.attempts!r}")
+        for name in ("initial_backoff_seconds", "max_backoff_seconds"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 <= value < math.inf:
+                raise InvalidInput(f"RetryPolicy.{name} must be a number of seconds >= 0, got {value!r}")
+        if self.max_backoff_seconds < self.initial_backoff_seconds:
+            raise InvalidInput(f"RetryPolicy.max_backoff_seconds ({self.max_backoff_seconds!r}) must be at least "
+                               f"initial_backoff_seconds ({self.initial_backoff_seconds!r})")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _positive_seconds(name: str, value: object) -> float:
+    """`value` as a timeout: a finite number of seconds > 0 (0 once meant "the default" per call,
+    and was taken by the constructor, where every call then failed at once)."""
+    if not _is_number(value) or not 0 < value < math.inf:  # type: ignore[operator]
+        raise InvalidInput(f"{name} must be a number of seconds > 0, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _open_only(method: Callable[Concatenate[KvstoreClient, P], T]) -> Callable[Concatenate[KvstoreClient, P], T]:
+    """`method` refused on a closed client with the client's own error (gRPC raised a ValueError
+    about its channel, and `wait_ready` blamed the service); a call that fails because the client
+    was closed meanwhile (another thread, the asyncio client's close) says that instead of the
+    CANCELLED the channel's close gave it."""
+
+    @functools.wraps(method)
+    def call(self: KvstoreClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        self._check_open()
+        try:
+            return method(self, *args, **kwargs)
+        except (RpcFailure, grpc.RpcError, grpc.FutureCancelledError, ValueError):
+            if self._closed:
+                raise InvalidInput(f"the client was closed while the call was in flight ({self.target})") from None
+            raise
+
+    return call
+
 
 @dataclass
 class _Deadline:
@@ -175,21 +230,36 @@ class KvstoreClient:
         """`target` "host:port", or "unix:///path/to/kvstore.sock" on the service's host; `token`
         the bearer token; `tls_ca` turns on TLS (with `tls_cert` and `tls_key`: mTLS).
         `message_bytes`: payload bytes per streamed message (keep it at or under the server's
-        `stream_message_bytes`). A Store larger than `max_store_call_bytes` (at most the service's
-        1 GiB a call) is sent as several calls on growing prefixes. `data_path`: "auto" moves chunk
-        bytes through shared memory when the target is a Unix socket with the service's side
+        `stream_message_bytes`). A Store larger than `max_store_call_bytes`, or than the service
+        can stage for one call (its lookup says: the tenant's share of `service.max_staged_bytes`,
+        at most 1 GiB), is sent as several calls on growing prefixes. `data_path`: "auto" moves
+        chunk bytes through shared memory when the target is a Unix socket with the service's side
         socket beside it, and through gRPC streams otherwise; "shm" insists on shared memory
         (UnavailableError without it); "stream" never uses it. `gpu_memory`: a same-host session
         asks for the device tier's memory on the GPU (CUDA IPC), so that `load_into` a GPU tensor
         copies device to device; None: where this process has imported torch, sees a GPU and has
         cupy. `copy_threads`: threads a large copy out of shared memory uses (2 MiB and more;
-        None: the cores this process may use, at most 4; 1: the calling thread only)."""
+        None: the cores this process may use, at most 4; 1: the calling thread only).
+        `timeout_seconds`: a call's timeout where the call names none (> 0). The channel
+        reconnects by itself after an outage, trying again at most every
+        MAX_RECONNECT_BACKOFF_MS."""
+        self._closed = False
         if data_path not in DATA_PATHS:
             raise InvalidInput(f"data_path must be one of {', '.join(DATA_PATHS)}, got {data_path!r}")
         try:
             self.copy_threads = default_copy_threads() if copy_threads is None else check_copy_threads(copy_threads)
         except ValueError as e:
             raise InvalidInput(str(e)) from None
+        timeout_seconds = _positive_seconds("timeout_seconds", timeout_seconds)
+        # 0 or less made every streamed Store fail at the service as an UNKNOWN error.
+        if isinstance(message_bytes, bool) or not isinstance(message_bytes, int) or not (
+                1 <= message_bytes <= MAX_MESSAGE_BYTES):
+            raise InvalidInput(f"message_bytes must be an integer from 1 to {MAX_MESSAGE_BYTES}, got {message_bytes!r}")
+        if isinstance(max_store_call_bytes, bool) or not isinstance(max_store_call_bytes, int) or (
+                max_store_call_bytes < 1):  # more than the service's 1 GiB a call means that much
+            raise InvalidInput(f"max_store_call_bytes must be an integer >= 1, got {max_store_call_bytes!r}")
+        if not isinstance(retry, RetryPolicy):
+            raise InvalidInput(f"retry must be a RetryPolicy, got {type(retry).__name__}")
         self.target = target
         self.data_path = data_path
         self._token = token
@@ -214,6 +284,8 @@ class KvstoreClient:
             # Load and Resume streams are read on the calling thread: otherwise each call that
             # finds no other stream in flight starts a thread to poll the channel (~0.3 ms a Load).
             (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
+            ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
+            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
         ]
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
@@ -243,11 +315,29 @@ class KvstoreClient:
         self._health.Check = cancellable_unary(self._health.Check)
 
     def close(self) -> None:
+        """Close the channel (calls in flight on other threads end at once) and the same-host
+        session; every later call raises InvalidInput. Closing twice is harmless."""
+        self._closed = True  # first: the calls the channel's close cuts short read it
         with self._shm_lock:
             if self._shm is not None:
                 self._shm.close()
                 self._shm = None
         self._channel.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidInput(f"the client is closed (close() was called): make a new KvstoreClient to call "
+                               f"{self.target}")
+
+    def _timeout(self, timeout_seconds: float | None) -> float:
+        """A call's timeout: the client's for None; anything else must be > 0 (0 was taken as
+        "the default", silently)."""
+        return self.timeout_seconds if timeout_seconds is None else _positive_seconds("timeout_seconds",
+                                                                                       timeout_seconds)
 
     @property
     def data_path_in_use(self) -> str:
@@ -281,6 +371,7 @@ class KvstoreClient:
                                        "connect")
             return None
         try:
+            self._check_open()  # under the lock close() takes after marking: no session outlives it
             if self._shm is not None and not self._shm.closed:
                 return self._shm
             if time.monotonic() < self._shm_retry_at and self.data_path != "shm":
@@ -348,6 +439,7 @@ class KvstoreClient:
 
     # --- calls ------------------------------------------------------------------------------------
 
+    @_open_only
     def lookup(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
                timeout_seconds: float | None = None, request_id: str | None = None,
                session: str | None = None, cache_salt: str = "", purpose: str = "") -> LookupResult:
@@ -361,6 +453,7 @@ class KvstoreClient:
             self._chunk_bytes[model] = r.chunk_bytes
         return _lookup_result(r, rid)
 
+    @_open_only
     def lookup_held(self, model: str, tokens: Sequence[int] | np.ndarray, hold_chunks: int, replay_mode: str = "",
                     timeout_seconds: float | None = None, cache_salt: str = "",
                     into_session: str = "") -> HeldLookup:
@@ -377,7 +470,7 @@ class KvstoreClient:
             finally:
                 held.release()
         """
-        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
         shm = None if into_session or hold_chunks <= 0 else self._shm_path(deadline.left())
         session = into_session or (shm.session_id if shm is not None else "")
         if not session or hold_chunks <= 0:
@@ -411,6 +504,7 @@ class KvstoreClient:
             raise
         return HeldLookup(result, spans.shared(r.chunk_tokens, r.chunk_bytes), _release=spans.release)
 
+    @_open_only
     def shm_session_id(self, timeout_seconds: float | None = None, open_session: bool = True) -> str:
         """This client's same-host session (opened now if need be, within `timeout_seconds`), for
         another client of the tenant to name in `lookup_held(into_session=...)`; "" without one.
@@ -421,7 +515,7 @@ class KvstoreClient:
             if shm is None or shm.closed or shm.peer_gone():
                 return ""
             return shm.session_id
-        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
         shm = self._shm_path(deadline.left())
         if shm is not None and shm.peer_gone():
             self._shm_failed(shm, "the service closed the session")
@@ -435,6 +529,7 @@ class KvstoreClient:
         whether to trust a copy). Their leases are released at the end of the block. Spans held in
         a session this client has since replaced (its offsets there are other bytes) raise
         UnavailableError: load the chunks instead."""
+        self._check_open()  # a generator: `_open_only` would not see its body
         shm = self._shm  # never opened here (a hello may wait): a new session would hold none of them
         if shm is None or shm.closed:
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the chunks were held in a same-host session this "
@@ -455,6 +550,7 @@ class KvstoreClient:
         finally:
             got.release()
 
+    @_open_only
     def store(self, model: str, tokens: Sequence[int] | np.ndarray,
               payloads: Sequence[bytes | memoryview] | bytes | memoryview | np.ndarray, replay_mode: str = "",
               skip_present: bool = True, timeout_seconds: float | None = None, cache_salt: str = "",
@@ -466,7 +562,7 @@ class KvstoreClient:
         that chunk (the service holds those before it; if it no longer does, only the prefix before
         the gap is stored and the rest is reported skipped)."""
         arr = _token_array(tokens)
-        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
         info = self.lookup(model, arr, replay_mode, timeout_seconds=deadline.left(), cache_salt=cache_salt,
                            purpose="precheck")
         cb, ct = info.chunk_bytes, info.chunk_tokens
@@ -558,8 +654,9 @@ class KvstoreClient:
         """Stream (chunk index, tier, payload) as chunks arrive. Not retried (it is a generator).
         A same-host session the service no longer knows, or chunks too large for it, send the call
         over a stream, as for the other loads (both are answered before any chunk)."""
+        self._check_open()
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
-        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
         shm = self._shm_path(deadline.left()) if model not in self._stream_models else None
         try:
             if shm is not None:
@@ -594,6 +691,7 @@ class KvstoreClient:
         except LeaseLapsed as e:
             raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
 
+    @_open_only
     def load(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
              timeout_seconds: float | None = None, cache_salt: str = "") -> LoadResult:
         """The cached prefix's chunk payloads, pinned on the server while sent: views of one buffer
@@ -633,7 +731,8 @@ class KvstoreClient:
                 scatter(got.chunks)
                 ok = got.still_held()   # False: a lease lapsed meanwhile; do not trust the copy
         """
-        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        self._check_open()
+        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
         shm = self._shm_path(deadline.left(), open_session) if model not in self._stream_models else None
         if shm is None:
             yield self._streamed_shared(model, tokens, replay_mode, max_chunks, deadline.left(), cache_salt)
@@ -671,6 +770,7 @@ class KvstoreClient:
         return SharedLoad(r.hit_tokens, r.chunk_tokens, r.chunk_bytes, r.chunks, r.chunk_tiers, "stream", [],
                           runs=[buffer[: len(r.chunks) * r.chunk_bytes]])
 
+    @_open_only
     def load_into(self, model: str, tokens: Sequence[int] | np.ndarray, buffer: Any, replay_mode: str = "",
                   max_chunks: int = 0, timeout_seconds: float | None = None, cache_salt: str = "") -> LoadIntoResult:
         """Write the cached prefix's chunks straight into `buffer`, memory the caller owns (a
@@ -784,6 +884,7 @@ class KvstoreClient:
         n = writer.chunks
         return LoadIntoResult(n * head.chunk_tokens, head.chunk_tokens, head.chunk_bytes, n, tuple(tiers[:n]))
 
+    @_open_only
     def store_local(self, model: str, tokens: Sequence[int] | np.ndarray, snapshot: bytes | memoryview,
                     replay_mode: str = "", timeout_seconds: float | None = None,
                     cache_salt: str = "") -> StoreLocalResult:
@@ -792,7 +893,7 @@ class KvstoreClient:
         view = memoryview(snapshot).cast("B")
         header = pb.LocalHeader(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), snapshot_bytes=len(view),
                                 cache_salt=cache_salt)
-        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
 
         def via_shm(shm: ShmPath) -> StoreLocalResult:
             with shm.staging(len(view)) as slot:
@@ -832,6 +933,7 @@ class KvstoreClient:
             raise _failure(e, "StoreLocal") from None
         return StoreLocalResult(r.stored, r.reason, r.ttl_seconds, r.boundary_tokens)
 
+    @_open_only
     def load_local(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
                    timeout_seconds: float | None = None, cache_salt: str = "",
                    open_session: bool = True) -> LoadLocalResult:
@@ -839,7 +941,7 @@ class KvstoreClient:
         through the same-host session when there is one; if that fails, over a stream.
         `timeout_seconds` bounds the whole call; `open_session=False`: as for `load_shared`."""
         req = pb.LoadLocalRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), cache_salt=cache_salt)
-        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
         def via_shm(shm: ShmPath) -> LoadLocalResult:
             named = pb.LoadLocalRequest(shm_session=shm.session_id)
             named.MergeFrom(req)
@@ -874,6 +976,7 @@ class KvstoreClient:
         state = PB_TO_LOCAL.get(head.local_state, "absent")
         return LoadLocalResult(state, head.boundary_tokens, snap if state == "hit" else None, head.reason)
 
+    @_open_only
     def resume(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
                skip_chunks: bool = False, timeout_seconds: float | None = None, request_id: str | None = None,
                session: str | None = None, cache_salt: str = "") -> ResumeResult:
@@ -883,7 +986,7 @@ class KvstoreClient:
         req = pb.ResumeRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
                                skip_chunks=skip_chunks, cache_salt=cache_salt)
         rid, metadata = self._request_metadata("Resume", request_id, session)
-        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
         def via_shm(shm: ShmPath) -> ResumeResult:
             named = pb.ResumeRequest(shm_session=shm.session_id, local_shm=True)
             named.MergeFrom(req)
@@ -951,6 +1054,7 @@ class KvstoreClient:
             bills=_bills(trailer.bills), request_id=rid,
         )
 
+    @_open_only
     def register_model(self, model: EngineModel, timeout_seconds: float | None = None) -> RegisteredModel:
         """Describe an engine's cache; the answer names the model to send in every other call.
         Idempotent, so it is retried like a lookup."""
@@ -967,11 +1071,13 @@ class KvstoreClient:
         return RegisteredModel(r.model, bytes(r.layout_id), r.chunk_tokens, r.chunk_bytes, r.local_snapshot_bytes,
                                r.local_window_tokens, r.created)
 
+    @_open_only
     def stats(self, timeout_seconds: float | None = None) -> ServiceStats:
         r = self._idempotent("Stats", lambda t: self._stub.Stats(pb.StatsRequest(), timeout=t,
                                                                   metadata=self._metadata), timeout_seconds)
         return stats_from_pb(r)
 
+    @_open_only
     def health(self, service: str = "", timeout_seconds: float | None = None) -> str:
         """"SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN" for `service` ("" = overall)."""
         try:
@@ -983,9 +1089,11 @@ class KvstoreClient:
             raise
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
 
+    @_open_only
     def wait_ready(self, timeout_seconds: float = 2.0) -> None:
         """Block until the channel connects, or raise UnavailableError naming the address. A local
         or LAN service connects in milliseconds: failing within 2 s beats a silent wait."""
+        timeout_seconds = _positive_seconds("timeout_seconds", timeout_seconds)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_seconds)
         except grpc.FutureTimeoutError:
@@ -1019,7 +1127,7 @@ class KvstoreClient:
     # --- retries ----------------------------------------------------------------------------------
 
     def _idempotent(self, method: str, call: Callable[[float], T], timeout_seconds: float | None) -> T:
-        deadline = _Deadline(time.monotonic() + (timeout_seconds or self.timeout_seconds))
+        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
         backoff = self.retry.initial_backoff_seconds
         for attempt in range(self.retry.attempts):
             try:
