@@ -46,6 +46,18 @@ class ConfigFileError(ConfigError):
         self.args = (problem,)
 
 
+# Names an error lists at most (the models served, ...): engines register models at run time, and
+# an error's message travels in gRPC's trailing metadata, which a client refuses past 8 KiB.
+NAMES_LISTED_MAX = 20
+
+
+def listed(names: set[str] | list[str]) -> str:
+    """`names` sorted and comma-separated for an error message, at most `NAMES_LISTED_MAX` of them."""
+    ordered = sorted(names)
+    more = len(ordered) - NAMES_LISTED_MAX
+    return ", ".join(ordered[:NAMES_LISTED_MAX]) + (f" and {more} more" if more > 0 else "")
+
+
 class UnknownModel(InvalidInput):
     """A model or layout name that is not registered."""
 

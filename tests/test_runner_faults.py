@@ -21,7 +21,7 @@ import pytest
 
 from kvstore.config.replay import ReplayConfig
 from kvstore.config.store import StoreConfig
-from kvstore.errors import ResourceExhausted
+from kvstore.errors import ResourceExhausted, listed
 from kvstore.layout import EngineLayerGroup, EngineModel
 from kvstore.local_pool.embedded import EmbeddedPool
 from kvstore.service.runners_servicer import RunnersServicer
@@ -364,6 +364,16 @@ def test_an_unknown_model_error_names_no_other_tenants_model(make_service: Calla
     with pytest.raises(grpc.RpcError) as e:  # alice is told of her own
         stub.Lookup(req, metadata=[("authorization", f"Bearer {ALICE}")], timeout=10)
     assert secret in str(e.value.details())
+
+
+def test_an_error_names_at_most_twenty_models() -> None:
+    # 387 registered models once made an unknown model's message 12 KB: past the 8 KiB of trailing
+    # metadata a gRPC client takes, the caller got RESOURCE_EXHAUSTED instead of the error.
+    names = {f"engine-{i:03d}" for i in range(387)}
+    said = listed(names)
+    assert said.startswith("engine-000, engine-001") and said.endswith("engine-019 and 367 more")
+    assert len(said) < 300
+    assert listed({"b", "a"}) == "a, b"
 
 
 def test_no_runner_at_all_is_still_no_runner(rig: Rig) -> None:

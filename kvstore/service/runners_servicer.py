@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 import grpc
 import numpy as np
 
-from kvstore.errors import InvalidInput, KvstoreError, Unavailable
+from kvstore.errors import InvalidInput, KvstoreError, Unavailable, listed
 from kvstore.layout import CacheLayout
 from kvstore.service.auth import Authenticator
 from kvstore.service.codes import status_for
@@ -141,7 +141,7 @@ class RunnersServicer:
         layout = layouts.get(h.model) if h.model not in hidden else None
         if layout is None:
             raise InvalidInput(
-                f"runner model '{h.model}' is not served here; served: {', '.join(sorted(set(layouts) - hidden))}")
+                f"runner model '{h.model}' is not served here; served: {listed(set(layouts) - hidden)}")
         if h.layout_id != layout.layout_id:
             raise InvalidInput(
                 f"runner layout id {h.layout_id.hex()} does not match the service's layout "

@@ -39,7 +39,7 @@ import numpy as np
 
 from kvstore.config.policies import build_admission, build_eviction
 from kvstore.config.store import StoreConfig
-from kvstore.errors import InvalidInput, ResourceExhausted, UnknownModel
+from kvstore.errors import InvalidInput, ResourceExhausted, UnknownModel, listed
 from kvstore.keys.chain import chain_from, chained_count
 from kvstore.keys.chunk_keys import Namespace, as_token_array, full_chunk_bytes, next_key, split_chunks
 from kvstore.keys.memo import KeyMemo, Recall
@@ -217,7 +217,7 @@ class GlobalStore(Placement):
         except KeyError:
             served = set(self._models) - (self.hidden_models(tenant) if tenant is not None else set())
             raise UnknownModel(
-                f"model '{name}' is not served here; served: {', '.join(sorted(served))}"
+                f"model '{name}' is not served here; served: {listed(served)}"
             ) from None
 
     def layout(self, ns: Namespace) -> CacheLayout:
