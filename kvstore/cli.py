@@ -1,7 +1,9 @@
 """The `kvstore` command line. Each subcommand lives in its own module under `kvstore/commands/`
 and exposes `add_arguments(parser)` and `run(args) -> int`; this file only dispatches.
 
-Modules are imported lazily where they are heavy (torch, grpc), so `kvstore --help` is fast.
+Command modules import torch and grpc inside `run` only, and a bench's module (which imports what
+it measures) only once that bench is chosen, so building the parser and `kvstore --help` load
+neither (tests/test_cli_imports.py checks).
 Errors a user can fix (bad flags, bad config, a service that is not running) print one clear
 line to stderr and exit 2; they never print a traceback. Output piped to a reader that stops
 early (`| head`) ends the command quietly with status 141, as SIGPIPE would.

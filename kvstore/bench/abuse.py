@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.bench.abusers import Abuser, IdleStoreStreams, RunnerFlood, UnreadLoadStreams, Victim
+from kvstore.bench.flags import count, seconds
 from kvstore.bench.serve_proc import start_serve
 
 MiB = 1 << 20
@@ -54,9 +55,9 @@ ELSEWHERE = "_elsewhere"
 
 
 def add_abuse_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--calls", type=int, default=400, help="victim Lookups per measurement")
+    p.add_argument("--calls", type=count(1, 100_000), default=400, help="victim Lookups per measurement")
     p.add_argument("--only", choices=ABUSES, action="append", help="run only this abuse (repeatable)")
-    p.add_argument("--settle-seconds", type=float, default=20.0,
+    p.add_argument("--settle-seconds", type=seconds(0.0, 3600.0), default=20.0,
                    help="longest wait for the service to drop an ended abuse's calls")
 
 

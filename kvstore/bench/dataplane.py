@@ -74,6 +74,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.bench.flags import count
 from kvstore.bench.machine import machine
 from kvstore.bench.names import names_note
 from kvstore.bench.sections import pick_sections, positive_ints
@@ -98,9 +99,10 @@ def add_dataplane_arguments(p: argparse.ArgumentParser) -> None:
                         "CUDA and cupy are present)")
     p.add_argument("--model", default="deepseek-v4.1-flash")
     p.add_argument("--prefixes", default="32768,131072", help="prefix lengths in tokens, comma-separated")
-    p.add_argument("--repeats", type=int, default=7, help="passes of each contender per figure")
-    p.add_argument("--clients", type=int, default=NAMED_CLIENTS["clients"][1], help="concurrent client processes")
-    p.add_argument("--store-repeats", type=int, default=3, help="timed Stores per path")
+    p.add_argument("--repeats", type=count(1, 1000), default=7, help="passes of each contender per figure")
+    p.add_argument("--clients", type=count(1, 256), default=NAMED_CLIENTS["clients"][1],
+                   help="concurrent client processes")
+    p.add_argument("--store-repeats", type=count(1, 1000), default=3, help="timed Stores per path")
 
 
 def _loader(address: str, model: str, tokens: bytes, nbytes: int, loads: int, start_at: float) -> tuple[int, float,

@@ -20,6 +20,7 @@ and at most half kvstore's engine's cold time.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -38,10 +39,14 @@ import numpy as np
 
 from kvstore.bench.engine_models import TINY_VOCAB, write_llama
 from kvstore.bench.engine_proc import ANSWER
+from kvstore.bench.flags import count
 from kvstore.bench.machine import machine
 from kvstore.bench.sections import positive_ints
+from kvstore.errors import InvalidInput
 
 CHUNK = 128
+MODEL_POSITIONS = 32_768  # write_llama's max_positions
+MAX_PROMPT_TOKENS = MODEL_POSITIONS - 256  # each engine's max_model_len is the longest prompt + 256
 # vLLM's worker busy-polls its scheduler's queue for 1 s after each request (shm_broadcast's
 # SpinCondition): an engine timed right after the other engine's request would share the two
 # cores with that spinning worker. Every timed restore waits this long after the request before it
@@ -51,7 +56,7 @@ OTHER_ENGINE_IDLE_SECONDS = 1.5
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="1024,4096,16384", help="prompt lengths in tokens, comma-separated")
-    p.add_argument("--repeats", type=int, default=3, help="timed generates per figure (best of)")
+    p.add_argument("--repeats", type=count(1, 1000), default=3, help="timed generates per figure (best of)")
 
 
 class _Engine:
@@ -224,7 +229,14 @@ def _kvstore_rows(work: Path, model: Path, base: dict[str, Any], transport: str,
 
 def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
     lengths = positive_ints("engine", "--lengths", args.lengths)
-    reps = max(1, int(args.repeats))
+    if max(lengths) > MAX_PROMPT_TOKENS:
+        raise InvalidInput(f"engine: --lengths must be at most {MAX_PROMPT_TOKENS:,} (the tiny model's "
+                           f"{MODEL_POSITIONS:,} positions, less room for the reply), not {max(lengths):,}")
+    missing = [m for m in ("vllm", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise InvalidInput(f"engine: needs {' and '.join(missing)}, which only the engine environment has: "
+                           "`scripts/setup.sh engine`, then `.venv-engine/bin/kvstore bench engine`")
+    reps = args.repeats
     longest = max(lengths)
     prompts = {n: [np.random.default_rng(n * 100 + r).integers(0, TINY_VOCAB, n).tolist() for r in range(reps + 1)]
                for n in lengths}

@@ -27,8 +27,10 @@ from typing import Any
 import numpy as np
 import redis
 
+from kvstore.bench.flags import count
 from kvstore.config.local_pool import LocalPoolConfig
 from kvstore.errors import ConfigError, InvalidInput
+from kvstore.layout import MAX_ENGINE_SNAPSHOT_BYTES
 from kvstore.local_pool.embedded import EmbeddedPool
 from kvstore.local_pool.factory import build_local_pool
 from kvstore.local_pool.redis_process import RedisProcess
@@ -58,13 +60,13 @@ class _Ttl:
 def add_pool_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None,
                    help="a running Redis (redis:// or unix://); default: start one on loopback")
-    p.add_argument("--snapshot-bytes", type=int, default=V41_SNAPSHOT_BYTES,
+    p.add_argument("--snapshot-bytes", type=count(1, MAX_ENGINE_SNAPSHOT_BYTES), default=V41_SNAPSHOT_BYTES,
                    help="bytes per snapshot (default: one DeepSeek-V4.1-Flash local snapshot)")
     p.add_argument("--part-bytes", type=int, default=LocalPoolConfig().part_bytes,
                    help="pool part size (default: the config default)")
-    p.add_argument("--snapshots", type=int, default=16, help="distinct snapshots cycled through")
-    p.add_argument("--ops", type=int, default=16, help="operations per contender per round")
-    p.add_argument("--rounds", type=int, default=10, help="rounds of --ops operations per contender")
+    p.add_argument("--snapshots", type=count(1, 4096), default=16, help="distinct snapshots cycled through")
+    p.add_argument("--ops", type=count(1, 1_000_000), default=16, help="operations per contender per round")
+    p.add_argument("--rounds", type=count(1, 10_000), default=10, help="rounds of --ops operations per contender")
 
 
 def run_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,7 +76,7 @@ def run_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
         LocalPoolConfig(part_bytes=args.part_bytes).validate("local_pool")
     except ConfigError as e:
         raise InvalidInput(f"pool: --part-bytes {e.problem}, not {args.part_bytes}") from None
-    n, k = args.snapshot_bytes, max(1, args.snapshots)
+    n, k = args.snapshot_bytes, args.snapshots
     payloads = [os.urandom(n) for _ in range(k)]
     server = None if args.redis_url else RedisProcess().start()
     url = args.redis_url or (server.url if server else "")

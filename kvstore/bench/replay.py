@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvstore.bench.flags import count
 from kvstore.bench.sections import positive_ints
 from kvstore.config.replay import MAX_THREADS
 from kvstore.errors import InvalidInput
@@ -39,8 +40,10 @@ TARGETS = {32768: 0.1, 131072: 0.02}  # prefix tokens -> most expired / cold tim
 def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefixes", default="4096,32768", metavar="N,N",
                    help="prefix lengths in tokens, multiples of 128 (4096,32768)")
-    p.add_argument("--turn-tokens", type=int, default=64, metavar="N", help="new tokens after the prefix (64)")
-    p.add_argument("--repeats", type=int, default=5, metavar="N", help="warm and expired requests per prefix (5)")
+    p.add_argument("--turn-tokens", type=count(1, 4096), default=64, metavar="N",
+                   help="new tokens after the prefix, 1 to 4,096 (64)")
+    p.add_argument("--repeats", type=count(1, 1000), default=5, metavar="N",
+                   help="warm and expired requests per prefix (5)")
     p.add_argument("--replay-mode", default="bounded", choices=("bounded", "exact"))
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--threads", type=int, default=0, metavar="N",
@@ -117,8 +120,6 @@ def run_replay_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidInput(f"replay: --threads must be 0 (auto) to {MAX_THREADS}, not {args.threads}")
     if any(p % 128 for p in prefixes):
         raise InvalidInput("replay: --prefixes must be positive multiples of 128")
-    if args.turn_tokens < 1 or args.repeats < 1:
-        raise InvalidInput("replay: --turn-tokens and --repeats must be >= 1")
     from kvstore.client.sync_client import KvstoreClient
     from kvstore.workload.demo import MODEL, Engine, embedded_service, load_engine_model
 

@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.bench.flags import writable_dir
 from kvstore.config.policies import EVICTION_POLICIES
 from kvstore.config.store import GiB, StoreConfig
 from kvstore.errors import InvalidInput
@@ -80,7 +81,8 @@ def add_restart_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--toy-chunks", type=int, nargs=2, default=(10_000, 200_000), metavar=("SMALL", "LARGE"),
                    help="chunks of the two toy-layout cases (default 10000 200000)")
     p.add_argument("--v41-chunks", type=int, default=10_000, help="chunks of the V4.1 case (default 10000)")
-    p.add_argument("--dir", default=None, help="directory for the data dirs (default: a temp dir)")
+    p.add_argument("--dir", type=writable_dir, default=None,
+                   help="an existing directory to hold the data dirs (default: the system's temp dir)")
     p.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="s3fifo",
                    help="the store's eviction policy (its LMDB state is part of the index; default s3fifo)")
 
@@ -108,7 +110,11 @@ def run_restart_bench(args: argparse.Namespace) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     paired = ("toy_10k", "v41_10k")  # the two sides of the cold-reopen ratio
     kept: dict[str, tuple[Case, Path]] = {}
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-restart-", dir=args.dir) as tmp:
+    try:  # --dir was an existing writable directory when parsed; one that still refuses is said so
+        tmpdir = tempfile.TemporaryDirectory(prefix="kvstore-bench-restart-", dir=args.dir)
+    except OSError as e:
+        raise InvalidInput(f"restart: --dir {args.dir}: cannot make a directory there ({e.strerror or e})") from None
+    with tmpdir as tmp:
         for case in cases:
             data_dir = Path(tmp) / case.name
             _log(f"{case.name}: writing {case.chunks} {case.model} chunks")

@@ -40,26 +40,33 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.bench.flags import count
 from kvstore.bench.names import names_note
 from kvstore.bench.serve_proc import start_serve
+from kvstore.errors import InvalidInput
 
 MiB = 1 << 20
+MAX_TOKENS = 1 << 24  # of a prefix or prompt: 64 MiB of token ids, and a V4.1 prefix of ~15 GB
 # The sizes the figures' names carry (`lookup_32k_...`, `load_128k_...`, `lookup_1m_...`).
 NAMED_SIZES = {"tokens": ("32k", 32_768), "large_tokens": ("128k", 131_072), "long_tokens": ("1m", 1_000_000)}
 
 
 def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="deepseek-v4.1-flash")
-    p.add_argument("--tokens", type=int, default=NAMED_SIZES["tokens"][1], help="prefix length")
-    p.add_argument("--repeats", type=int, default=8, help="timed loads per figure")
-    p.add_argument("--lookups", type=int, default=200, help="timed lookups per figure")
-    p.add_argument("--clients", type=int, default=4, help="concurrent client processes")
-    p.add_argument("--message-bytes", type=int, default=MiB, help="payload bytes per streamed message")
-    p.add_argument("--large-tokens", type=int, default=NAMED_SIZES["large_tokens"][1],
-                   help="prefix length of the large load")
-    p.add_argument("--long-tokens", type=int, default=NAMED_SIZES["long_tokens"][1],
+    p.add_argument("--tokens", type=count(1, MAX_TOKENS), default=NAMED_SIZES["tokens"][1],
+                   help="prefix length (at least one chunk)")
+    p.add_argument("--repeats", type=count(1, 1000), default=8, help="timed loads per figure")
+    p.add_argument("--lookups", type=count(1, 1_000_000), default=200, help="timed lookups per figure")
+    p.add_argument("--clients", type=count(1, 256), default=4, help="concurrent client processes")
+    # The service's stream_message_bytes: at most half its max_message_bytes, which is at most 512 MiB.
+    p.add_argument("--message-bytes", type=count(4096, 256 * MiB), default=MiB,
+                   help="payload bytes per streamed message")
+    p.add_argument("--large-tokens", type=count(1, MAX_TOKENS), default=NAMED_SIZES["large_tokens"][1],
+                   help="prefix length of the large load (at least one chunk)")
+    p.add_argument("--long-tokens", type=count(1, MAX_TOKENS), default=NAMED_SIZES["long_tokens"][1],
                    help="prompt length of the first-sight Lookup")
-    p.add_argument("--long-lookups", type=int, default=30, help="timed first-sight and miss Lookups per figure")
+    p.add_argument("--long-lookups", type=count(1, 100_000), default=30,
+                   help="timed first-sight and miss Lookups per figure")
 
 
 # --- the plain server (the ceiling) -----------------------------------------------------------------
@@ -272,6 +279,10 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     spec = get_model(args.model)
     layout = spec.layout
+    for flag, n in (("--tokens", args.tokens), ("--large-tokens", args.large_tokens)):
+        if n < layout.chunk_tokens:  # else nothing is stored, and a check of the loaded bytes fails
+            raise InvalidInput(f"service: {flag} must hold at least one chunk of {args.model} "
+                               f"({layout.chunk_tokens} tokens), not {n}")
     n_chunks = args.tokens // layout.chunk_tokens
     cb = layout.chunk_bytes
     rng = np.random.default_rng(0)

@@ -25,6 +25,7 @@ import lmdb
 import numpy as np
 import torch
 
+from kvstore.bench.flags import count, writable_dir
 from kvstore.bench.names import names_note
 from kvstore.bench.sections import pick_sections
 from kvstore.bench.store_device import device_figures
@@ -47,11 +48,13 @@ NAMED_SIZES = {"lookup_tokens": ("1m", 1_000_000)}  # the size the lookup figure
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--chunks", type=int, default=400, help="chunks per put/get pass (default 400)")
-    p.add_argument("--lmdb-puts", type=int, default=150, help="synced LMDB puts per pass (default 150)")
+    p.add_argument("--chunks", type=count(1, 100_000), default=400, help="chunks per put/get pass (default 400)")
+    p.add_argument("--lmdb-puts", type=count(1, 100_000), default=150,
+                   help="synced LMDB puts per pass (default 150)")
     p.add_argument("--lookup-tokens", type=int, default=NAMED_SIZES["lookup_tokens"][1],
                    help="prompt length for the lookup")
-    p.add_argument("--dir", default=None, help="directory for the LMDB files (default: a temp dir)")
+    p.add_argument("--dir", type=writable_dir, default=None,
+                   help="an existing directory to hold the LMDB files (default: the system's temp dir)")
     p.add_argument("--sections", default=None, metavar="S,S",
                    help=f"parts to run, of {','.join(SECTIONS)} (default: all; device only where CUDA is present)")
 
@@ -72,7 +75,11 @@ def run_store_bench(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = len(payload)
     targets: list[dict[str, Any]] = []
     out: dict[str, Any] = {"chunk_bytes": nbytes, "sections": sections}
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=args.dir) as tmp:
+    try:  # --dir was an existing writable directory when parsed; one that still refuses is said so
+        tmpdir = tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=args.dir)
+    except OSError as e:
+        raise InvalidInput(f"store: --dir {args.dir}: cannot make a directory there ({e.strerror or e})") from None
+    with tmpdir as tmp:
         root = Path(tmp)
         if "memory" in sections:
             out.update(_memory_figures(root, layout, payload, args.chunks))

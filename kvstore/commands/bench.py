@@ -6,16 +6,17 @@ Each benchmark module in `kvstore/bench/` exposes `add_<name>_arguments(parser)`
 string: its readable tables. Every bench prints the same way: without `--json`, readable text on
 stdout (the tables, else the figures one per line with dotted names) and the checklist; progress
 always on stderr; with `--json`, the figures as JSON on stdout (without `tables`), so `> file`
-keeps what was asked for.
+keeps what was asked for; a figure that is not a finite number is null there (JSON has no NaN).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from typing import Any
+
+from kvstore.commands.json_out import dump_json
 
 BENCHES = {
     "store": "tiers, LMDB and longest-prefix lookup against memcpy and raw LMDB",
@@ -30,14 +31,40 @@ BENCHES = {
 }
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
-    for name, help_text in BENCHES.items():
+class _BenchParser(argparse.ArgumentParser):
+    """One bench's parser, its flags added when it is first used (parsing, help, usage): a bench
+    module imports what it measures (torch, grpc, LMDB), so importing them all to build the
+    parser made `kvstore --help` and every other command pay for all of them."""
+
+    bench_name: str | None = None  # set when registered; None once its flags are in
+
+    def _add_flags(self) -> None:
+        name, self.bench_name = self.bench_name, None
+        if name is None:
+            return
         mod = importlib.import_module(f"kvstore.bench.{name}")
+        getattr(mod, f"add_{name}_arguments")(self)
+        self.set_defaults(_bench=getattr(mod, f"run_{name}_bench"))
+
+    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:
+        self._add_flags()
+        return super().parse_known_args(*args, **kwargs)
+
+    def format_usage(self) -> str:
+        self._add_flags()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._add_flags()
+        return super().format_help()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="NAME", required=True, parser_class=_BenchParser)
+    for name, help_text in BENCHES.items():
         bp = sub.add_parser(name, help=help_text, description=help_text)
         bp.add_argument("--json", action="store_true", help="print the figures as JSON")
-        getattr(mod, f"add_{name}_arguments")(bp)
-        bp.set_defaults(_bench=getattr(mod, f"run_{name}_bench"))
+        bp.bench_name = name
 
 
 def _lines(value: Any, name: str) -> list[tuple[str, str]]:
@@ -78,8 +105,7 @@ def _print_human(result: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     result = args._bench(args)
     if args.json:
-        json.dump({k: v for k, v in result.items() if k != "tables"}, sys.stdout, indent=2)
-        print()
+        dump_json({k: v for k, v in result.items() if k != "tables"}, sys.stdout)
     else:
         print(f"kvstore bench {args.bench}")
         _print_human(result)

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvstore.commands.checks import check_server_tls
 from kvstore.config import KvstoreConfig, load_config
 from kvstore.config.warnings import config_warnings
 from kvstore.errors import ConfigError
@@ -142,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     check_devices(cfg)  # a 'cuda' store or replay device on a machine without CUDA
     check_bind_allowed(cfg, cfg.service.grpc_host)
     server_credentials(cfg.service)  # reads the TLS files: a missing one names its key
+    svc = cfg.service
+    check_server_tls(svc.tls_cert_file, svc.tls_key_file, svc.tls_client_ca_file)  # and are they PEM
     policy = build_ttl_policy(cfg, models).describe()
     settings = effective(cfg)
     warnings = config_warnings(cfg)

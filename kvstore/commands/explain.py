@@ -24,7 +24,6 @@ from typing import Any
 
 from kvstore.commands.checks import check_token
 from kvstore.errors import InvalidInput, Unavailable
-from kvstore.observe.explainer import render_text
 from kvstore.wire.request_ids import REQUEST_ID_RE
 
 DEFAULT_TARGET = "http://127.0.0.1:9400"  # the admin port's default bind (config: [admin])
@@ -35,7 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("request_id", metavar="REQUEST_ID", help="the request id (x-request-id) to explain")
     p.add_argument("--target", default=DEFAULT_TARGET, metavar="ADMIN_URL",
                    help=f"the service's admin HTTP address (default: {DEFAULT_TARGET})")
-    p.add_argument("--token", default=None, help=f"the admin token (default: ${TOKEN_ENV}, if set)")
+    p.add_argument("--token", default=None,
+                   help=f"the admin token, or a tenant's token, which explains only that tenant's requests "
+                        f"(default: ${TOKEN_ENV}, if set)")
     p.add_argument("--json", action="store_true", help="print the explanation as JSON")
     p.add_argument("--timeout-seconds", type=float, default=5.0, help="HTTP timeout (default 5)")
 
@@ -83,5 +84,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvstore explain: no recent request '{args.request_id}' at {args.target} "
               "(unknown, or aged out of the journal)", file=sys.stderr)
         return 1
+    # Here, not at the top: the explainer imports the store (torch), which `kvstore --help` need not load.
+    from kvstore.observe.explainer import render_text
+
     print(json.dumps(doc, indent=2) if args.json else render_text(doc))
     return 0

@@ -8,12 +8,23 @@ the next greedy tokens, and whether cached global rows stayed byte-identical; se
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
 from typing import Any
 
+from kvstore.bench.flags import count
+from kvstore.commands.json_out import dump_json
 from kvstore.config.replay import MAX_THREADS
 from kvstore.errors import InvalidInput
+
+# Bounds checked as the flags are parsed, before torch loads: the model runs the whole prefix at once
+# (32,768 tokens and 4,096 more took ~0.9 GB and 30 s on a 2-core machine); much larger ones ran
+# out of memory with a traceback.
+MAX_PREFIX_TOKENS = 32_768
+MAX_NEW_TOKENS = 4_096
+# Beyond this the sharpened attention is one-hot already; from ~1e37 the query weights overflow
+# float32, and every figure was NaN (written as NaN, which JSON does not have).
+MAX_SHARPNESS = 1e6
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -23,19 +34,35 @@ def _sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"sizes must be integers, got '{text}'") from None
     if not sizes:
         raise argparse.ArgumentTypeError("give at least one prefix size")
+    if any(not 0 < s <= MAX_PREFIX_TOKENS for s in sizes):
+        raise argparse.ArgumentTypeError(f"sizes must be 1 to {MAX_PREFIX_TOKENS:,} tokens, got '{text}'")
     return sizes
+
+
+def _sharpness(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value <= MAX_SHARPNESS):  # NaN would skip the variant without a word
+        raise argparse.ArgumentTypeError(f"must be a finite number at most {MAX_SHARPNESS:g}, got {text}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
         "--sizes", type=_sizes, default=(128, 1024, 4096), metavar="N[,N...]",
-        help="prefix lengths in tokens, multiples of the chunk size (default: 128,1024,4096)",
+        help=f"prefix lengths in tokens, multiples of the chunk size, at most {MAX_PREFIX_TOKENS:,} "
+             "(default: 128,1024,4096)",
     )
-    parser.add_argument("--sharpness", type=float, default=4.0,
-                        help="query-weight multiplier of the sharpened variant; <= 1 skips it (default: 4)")
-    parser.add_argument("--suffix-tokens", type=int, default=32, help="new tokens after the hit (default: 32)")
-    parser.add_argument("--generate-tokens", type=int, default=16, help="greedy tokens compared (default: 16)")
+    parser.add_argument("--sharpness", type=_sharpness, default=4.0,
+                        help=f"query-weight multiplier of the sharpened variant, at most {MAX_SHARPNESS:g}; <= 1 "
+                             "skips it (default: 4)")
+    parser.add_argument("--suffix-tokens", type=count(1, MAX_NEW_TOKENS), default=32,
+                        help=f"new tokens after the hit, 1 to {MAX_NEW_TOKENS:,} (default: 32)")
+    parser.add_argument("--generate-tokens", type=count(1, MAX_NEW_TOKENS), default=16,
+                        help=f"greedy tokens compared, 1 to {MAX_NEW_TOKENS:,} (default: 16)")
     parser.add_argument("--seed", type=int, default=0, help="weights and token seed (default: 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when present, else cpu)")
     parser.add_argument(
@@ -49,8 +76,6 @@ def run(args: argparse.Namespace) -> int:
     from replay.reference.quality import QualityConfig, run_quality
     from replay.threads import use_threads
 
-    if args.suffix_tokens < 1 or args.generate_tokens < 1:
-        raise InvalidInput("--suffix-tokens and --generate-tokens must be at least 1")
     if not 0 <= args.threads <= MAX_THREADS:  # torch's thread pool crashed the process beyond it
         raise InvalidInput(f"--threads must be 0 (auto) to {MAX_THREADS}, got {args.threads}")
     use_threads(args.threads)
@@ -63,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise InvalidInput(str(e)) from None
     if args.json:
-        print(json.dumps(report, indent=2))
+        dump_json(report, sys.stdout)
     else:
         _print_table(report)
     return 0

@@ -17,7 +17,7 @@ import threading
 from dataclasses import replace
 from types import FrameType
 
-from kvstore.commands.checks import check_readable, check_target, check_token
+from kvstore.commands.checks import check_target, check_tls_ca, check_token
 from kvstore.config.replay import MAX_THREADS
 from kvstore.errors import InvalidInput
 
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     # otherwise fail each reconnect for ever.
     check_token(args.token, "--token")
     check_target(args.connect, "--connect")
-    check_readable(args.tls_ca, "--tls-ca")
+    check_tls_ca(args.tls_ca, "--tls-ca")
     from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
     from replay.inprocess import ReferenceReplayer, device_option
     from replay.reference.config import ModelConfig

@@ -24,6 +24,7 @@ import threading
 from types import FrameType
 
 from kvstore import __version__
+from kvstore.commands.checks import check_server_tls
 from kvstore.config import load_config
 from kvstore.config.service import is_host
 from kvstore.config.warnings import config_warnings
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from kvstore.service.server import KvstoreServer
 
     cfg = load_config(args.config)
+    check_server_tls(cfg.service.tls_cert_file, cfg.service.tls_key_file, cfg.service.tls_client_ca_file)
     host = args.grpc_host or cfg.service.grpc_host
     # Else a bad flag is blamed, at bind time, on the config's grpc_port or on missing auth.
     if args.grpc_host is not None and not is_host(args.grpc_host):

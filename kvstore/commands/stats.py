@@ -17,11 +17,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvstore.client.types import ServiceStats
-from kvstore.commands.checks import check_readable, check_target, check_token
+from kvstore.commands.checks import check_target, check_tls_ca, check_tls_client, check_token
 from kvstore.errors import InvalidInput
+
+if TYPE_CHECKING:  # kvstore.client imports grpc: only `run` needs it, not the parser `kvstore --help` builds
+    from kvstore.client.types import ServiceStats
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
     token = args.token if args.token is not None else os.environ.get("KVSTORE_TOKEN") or None
     check_token(token, "--token" if args.token is not None else "KVSTORE_TOKEN")
     check_target(args.target, "--target")
-    for flag in ("tls_ca", "tls_cert", "tls_key"):
-        check_readable(getattr(args, flag), "--" + flag.replace("_", "-"))
+    check_tls_ca(args.tls_ca, "--tls-ca")
+    check_tls_client(args.tls_cert, args.tls_key, "--tls-cert", "--tls-key")
     with KvstoreClient(args.target, token=token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                        tls_key=args.tls_key, timeout_seconds=args.timeout) as client:
         try:

@@ -16,8 +16,9 @@ import time
 from dataclasses import replace
 
 from kvstore.config import load_config
+from kvstore.config.store import MAX_CHUNK_TOKENS
 from kvstore.errors import InvalidInput
-from kvstore.layout import get_model
+from kvstore.layout import MAX_ENGINE_SNAPSHOT_BYTES, get_model
 from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace, synthetic_trace
 from kvstore.observe.ttl_tuning import (
     DEFAULT_TTLS_SECONDS,
@@ -30,6 +31,9 @@ from kvstore.observe.ttl_tuning import (
 
 # A synthetic trace is held in memory whole: 5M requests take ~1.7 GB (a larger N ran out of memory).
 MAX_SYNTHETIC_REQUESTS = 5_000_000
+# One replay's tokens: an exact replay is L(W-1)+1 (kvstore.layout.exact_replay_tokens), a few
+# thousand for the models here; this leaves room for any registered model's.
+MAX_REPLAY_TOKENS = 1 << 24
 
 
 def _ttl_list(text: str) -> tuple[float, ...]:
@@ -90,12 +94,18 @@ def run(args: argparse.Namespace) -> int:
     if args.hold_cost_per_byte_second is not None:
         ttl_cfg = replace(ttl_cfg, hold_cost_per_byte_second=args.hold_cost_per_byte_second)
     ttl_cfg.validate("local_pool.ttl")
-    for flag in ("snapshot_bytes", "replay_tokens", "synthetic"):
+    # Upper bounds too: numpy's int64 columns overflow on a larger chunk size (an OverflowError), and
+    # a snapshot or replay past what any model registers gives costs of no meaning.
+    for flag, most in (("snapshot_bytes", MAX_ENGINE_SNAPSHOT_BYTES), ("replay_tokens", MAX_REPLAY_TOKENS),
+                       ("synthetic", None)):
         v = getattr(args, flag)
         if v is not None and v < 0:
             raise InvalidInput(f"--{flag.replace('_', '-')} must be >= 0, got {v}")
-    if args.chunk_tokens <= 0:
-        raise InvalidInput(f"--chunk-tokens must be > 0, got {args.chunk_tokens}")
+        if v is not None and most is not None and v > most:
+            raise InvalidInput(f"--{flag.replace('_', '-')} must be at most {most:,}, got {v:,}")
+    if not 0 < args.chunk_tokens <= MAX_CHUNK_TOKENS:
+        raise InvalidInput(f"--chunk-tokens must be 1 to {MAX_CHUNK_TOKENS:,} (store.chunk_tokens' bound), "
+                           f"got {args.chunk_tokens:,}")
     if args.synthetic is not None and args.synthetic > MAX_SYNTHETIC_REQUESTS:
         raise InvalidInput(f"--synthetic must be at most {MAX_SYNTHETIC_REQUESTS:,} (it is held in memory whole, "
                            f"~350 bytes a request), got {args.synthetic:,}")

@@ -1,0 +1,54 @@
+"""argparse types for counts, sizes, seconds and directories of the benchmarks' (and a few other
+commands') flags: a value out of range is refused while the command line is parsed, as argparse's
+one line and exit 2, before a service starts or a file is written; not a ZeroDivisionError, a
+misleading error or a traceback from deep inside, minutes later."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+
+
+def count(least: int = 1, most: int = 1_000_000) -> Callable[[str], int]:
+    """An integer in [least, most]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"must be {least:,} to {most:,}, got {value:,}")
+        return value
+
+    return parse
+
+
+def seconds(least: float = 0.0, most: float = 86_400.0) -> Callable[[str], float]:
+    """A finite number of seconds in [least, most] (float() takes "nan" and "inf")."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        if not (math.isfinite(value) and least <= value <= most):
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds from {least:g} to {most:g}, "
+                                             f"got {text}")
+        return value
+
+    return parse
+
+
+def writable_dir(text: str) -> str:
+    """An existing directory this user may create files in (a temp dir is made inside it)."""
+    if "\0" in text:
+        raise argparse.ArgumentTypeError("a path cannot contain a NUL")
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text}: not an existing directory")
+    # os.access says yes to root on a read-only mount: ask the file system too.
+    if not os.access(text, os.W_OK | os.X_OK) or os.statvfs(text).f_flag & os.ST_RDONLY:
+        raise argparse.ArgumentTypeError(f"{text}: not writable here")
+    return text
