@@ -193,6 +193,7 @@ def test_replay_failure_reasons_come_from_a_fixed_set() -> None:
     from kvstore.observe.metrics import replay_failure
 
     assert replay_failure("timeout") == "timeout" and replay_failure("no-runner") == "no_runner"
+    assert replay_failure("runners-busy") == "runners_busy"
     assert replay_failure("resource_exhausted: 4 replays in flight for tenant acme") == "overload"
     assert replay_failure("prefix no longer cached") == replay_failure("prefix shrank while loading") == "prefix_lost"
     assert replay_failure("wrong snapshot size") == "other"

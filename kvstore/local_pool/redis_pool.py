@@ -11,6 +11,13 @@ any path (the only other commands are PEXPIRE on existing keys, GET and UNLINK, 
 script that removes a snapshot found bad only if no write replaced it since). A read fetches
 the parts in one transaction and returns the snapshot only when all are present and verify.
 
+Occupancy (`stats().used_bytes`, `capacity_bytes`) is the server's own, INFO memory's
+`used_memory` and `maxmemory` (summed over a cluster's masters): every key on the server counts, not
+only ours, and an unbounded server has no capacity (-1). `stats()` is polled (each /metrics scrape),
+so it never waits on Redis: it shows the figures last asked for, and asks again, on a thread of its
+own, once they are MEMORY_REFRESH_SECONDS old; a server that does not answer, or any node while its
+breaker is not closed, shows -1 (unknown).
+
 Trouble with Redis (slow, hanging, down, restarted empty, out of memory) becomes a miss or a
 skipped write with a counter, never an exception. Each call has a budget: the caller's deadline,
 at most `call_budget_seconds`; attempts (1 + `retries`) run only while budget is left and their
@@ -48,13 +55,18 @@ from kvstore.local_pool.base import (
     SkipReason,
 )
 from kvstore.local_pool.breaker import CircuitBreaker
-from kvstore.local_pool.redis_transport import Command, RedisTransport, telling_timeout
+from kvstore.local_pool.redis_transport import Command, RedisTransport, ServerMemory, telling_timeout
 from kvstore.local_pool.snapshot_format import SnapshotFormatError, SnapshotHeader, decode_parts, encode_parts
 from policies.base import TtlPolicy
 
 # No attempt is started with less time than this left: it could not finish, and a socket
 # timeout of a few microseconds only turns a slow answer into a wasted one.
 MIN_ATTEMPT_SECONDS = 0.002
+
+# The server's memory figures are asked for at most this often (INFO memory, one round trip per
+# node), and only while someone reads `stats()`.
+MEMORY_REFRESH_SECONDS = 5.0
+_UNKNOWN_MEMORY = ServerMemory(-1, -1)
 
 # Why an attempt loop gave up without replies.
 Failure = Literal["breaker-open", "timeout", "error", "oom"]
@@ -100,6 +112,9 @@ class RedisPool:
         self._max_parts = 1
         self._closed = False
         self._reached = False  # Redis has answered once: until then, a failure means it was never reached
+        self._memory = _UNKNOWN_MEMORY  # the server's, as last asked (under _lock)
+        self._memory_asked_at = -math.inf  # time.monotonic() of the last ask started
+        self._memory_asking = False
 
     # --- LocalPool ---------------------------------------------------------------------------
     def put(
@@ -194,9 +209,10 @@ class RedisPool:
         states = {b.state for _, b in breakers}
         # The worst node's state: "open" while any node's breaker refuses calls.
         state = next((s for s in ("open", "half-open") if s in states), "closed")
+        memory = self._server_memory(ask=state == "closed")
         return PoolStats(
-            backend=self._transport.kind, misses=misses, skipped_writes=skipped, entries=-1, used_bytes=-1,
-            capacity_bytes=-1, breaker_state=state,
+            backend=self._transport.kind, misses=misses, skipped_writes=skipped, entries=-1,
+            used_bytes=memory.used_bytes, capacity_bytes=memory.max_bytes, breaker_state=state,
             breaker_opens=dropped_opens + sum(b.opens for _, b in breakers), **plain,
         )
 
@@ -216,13 +232,44 @@ class RedisPool:
         # A keyed no-op, not PING: a cluster sends a command without a key nowhere.
         key = f"{self._cfg.key_prefix}:{{probe}}".encode()
         self._run([("EXISTS", key)], self._deadline(deadline_seconds), key)
-        return self.health()
+        health = self.health()
+        self._server_memory(ask=health.status == "ok")  # now: the first scrape after a start has the figures
+        return health
 
     def close(self) -> None:
         self._closed = True
         self._transport.close()
 
     # --- helpers -----------------------------------------------------------------------------
+    def _server_memory(self, ask: bool) -> ServerMemory:
+        """The figures last asked for; asks again, off this thread, when they are old. Not while
+        a node's breaker is not closed (`ask` False): a cluster's sum is not known with a master
+        down, and nothing is sent to a Redis the calls themselves leave alone."""
+        now = time.monotonic()
+        with self._lock:
+            if not ask:
+                self._memory, self._memory_asked_at = _UNKNOWN_MEMORY, -math.inf  # asked as soon as it is back
+                return self._memory
+            memory = self._memory
+            ask = (not self._closed and not self._memory_asking
+                   and now - self._memory_asked_at >= MEMORY_REFRESH_SECONDS)
+            if ask:
+                self._memory_asking, self._memory_asked_at = True, now
+        if ask:
+            threading.Thread(target=self._ask_memory, name="kvstore-pool-memory", daemon=True).start()
+        return memory
+
+    def _ask_memory(self) -> None:
+        # The socket timeouts bound the wait (per node on a cluster); nobody waits on this thread.
+        deadline_at = time.monotonic() + self._cfg.connect_timeout_seconds + self._cfg.socket_timeout_seconds
+        try:
+            memory = self._transport.memory(deadline_at)
+        except Exception:  # down, hung, INFO refused (an ACL): not known, rather than stale
+            memory = _UNKNOWN_MEMORY
+        with self._lock:
+            self._memory = memory
+            self._memory_asking = False
+
     def _deadline(self, deadline_seconds: float | None) -> float:
         budget = self._cfg.call_budget_seconds
         if deadline_seconds is not None:

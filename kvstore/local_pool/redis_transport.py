@@ -15,6 +15,9 @@ Two implementations of one small contract, `transaction(commands, deadline_at) -
   for it only as long as their deadline allows. A call that fails on the connection has the
   slot map asked for again, on a thread of its own too, so keys follow a failover.
 
+Both also answer `memory(deadline_at)`: the server's used and maximum memory (INFO memory), for
+the pool's occupancy figures; a cluster's is the sum over the masters that own slots.
+
 Both raise redis-py's exceptions (`TimeoutError`, `ConnectionError`, `ResponseError`, ...) and
 never retry: the pool owns retries, the deadline and the circuit breaker. Replies are as Redis
 sent them (SET: b"OK" or True, GET: bytes or None, PEXPIRE/UNLINK: int); an error inside EXEC is
@@ -26,7 +29,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -80,7 +84,41 @@ class RedisTransport(Protocol):
         in use. A node outside it gets no calls, so its breaker would never be probed again."""
         ...
 
+    def memory(self, deadline_at: float) -> ServerMemory:
+        """The server's memory (a cluster's: summed over its masters), asked now: one round trip
+        per node. Not for a caller's path: the pool asks on a thread of its own."""
+        ...
+
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ServerMemory:
+    """INFO memory's figures: `used_memory` (what `maxmemory` is held against; every key on the
+    server, ours or not, and its overhead), and `maxmemory`, or -1 where unbounded (0 in INFO) on
+    any node: no budget to compare with."""
+
+    used_bytes: int
+    max_bytes: int
+
+
+def memory_of(infos: Sequence[Mapping[str, Any]]) -> ServerMemory:
+    """The sum of INFO memory sections (one per node), parsed: {"used_memory": 123, ...}."""
+    used = sum(int(i["used_memory"]) for i in infos)
+    limits = [int(i.get("maxmemory", 0)) for i in infos]
+    return ServerMemory(used, sum(limits) if limits and all(m > 0 for m in limits) else -1)
+
+
+def parse_info(text: bytes | str) -> dict[str, str]:
+    """An INFO reply's `key:value` lines (section headers and blank lines skipped)."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and not key.startswith("#"):
+            out[key.strip()] = value.strip()
+    return out
 
 
 def _remaining(deadline_at: float) -> float:
@@ -139,6 +177,22 @@ class SingleNodeTransport:
             raise
         finally:
             self._release(conn, clean, server_trouble)
+
+    def memory(self, deadline_at: float) -> ServerMemory:
+        conn = self._acquire()
+        clean = False
+        try:
+            self._cap(conn, deadline_at)
+            conn.send_command("INFO", "memory", check_health=False)
+            self._cap(conn, deadline_at)
+            reply = conn.read_response()
+            clean = True
+        finally:
+            # A failure here drops this connection only: the calls' own failures judge the server.
+            self._release(conn, clean, server_trouble=False)
+        if not isinstance(reply, bytes | str):
+            raise ResponseError(f"INFO memory answered {type(reply).__name__}")
+        return memory_of([parse_info(reply)])
 
     def close(self) -> None:
         with self._lock:
@@ -272,6 +326,23 @@ class ClusterTransport:
         if len(owners) < REDIS_CLUSTER_HASH_SLOTS or not all(owners):
             names.add("")  # node_for's answer for a slot no node owns
         return frozenset(names)
+
+    def memory(self, deadline_at: float) -> ServerMemory:
+        _remaining(deadline_at)
+        client = self._connect(deadline_at)
+        infos = []
+        for node in client.get_primaries():  # the masters of the slot map in use
+            _remaining(deadline_at)
+            # Each master asked on its own connection pool, not through the cluster client: a
+            # failure there has redis-py drop the node's client and re-read the slot map itself,
+            # beside the pool's own refresh and under the calls' feet, for a figure nobody waits on.
+            conn = node.redis_connection
+            if conn is None:
+                raise RedisConnectionError(f"no connection to {node.name}")
+            infos.append(conn.info("memory"))
+        if not infos:
+            raise RedisConnectionError("the cluster's slot map names no master")
+        return memory_of(infos)
 
     def close(self) -> None:
         with self._lock:

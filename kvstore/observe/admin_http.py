@@ -158,7 +158,8 @@ class AdminHttpServer:
 
     # --- auth ---
 
-    def viewer(self, authorization: str | None, *, required: bool, host: str | None = None) -> Viewer:
+    def viewer(self, authorization: str | None, *, required: bool, host: str | None = None,
+               admin_only: bool = False) -> Viewer:
         """Who asks: the admin (its token; or anyone, on a loopback bind without a token, when the
         request names a loopback host), a tenant (its token), or nobody in particular. A page
         elsewhere that rebinds its own domain to 127.0.0.1 sends its own name as Host: not the admin."""
@@ -175,7 +176,11 @@ class AdminHttpServer:
                 return Viewer(tenant=tenant)
         if self._token:
             if required or token:
-                raise HttpError(401, "this endpoint needs 'Authorization: Bearer <admin token>'",
+                # What passes here: a tenant's token too, except where only the admin passes (/metrics).
+                needs = ("'Authorization: Bearer <admin token>'" if admin_only else
+                         "'Authorization: Bearer <token>': the admin token, or a tenant's (which sees only that "
+                         "tenant's data)")
+                raise HttpError(401, f"this endpoint needs {needs}",
                                 {"WWW-Authenticate": 'Bearer realm="kvstore-admin"'})
             return Viewer()
         return Viewer(admin=self._loopback and _loopback_host(host))
@@ -190,7 +195,7 @@ class AdminHttpServer:
         if path == "/healthz":
             return self._healthz()
         if path == "/metrics":
-            if self._metrics_auth and not self.viewer(authorization, required=True, host=host).admin:
+            if self._metrics_auth and not self.viewer(authorization, required=True, host=host, admin_only=True).admin:
                 raise HttpError(403, "/metrics shows every tenant's series: it needs the admin token"
                                 + ("" if self._token else " (admin.admin_token is not set)"))
             self._read_fresh()
@@ -217,7 +222,8 @@ class AdminHttpServer:
                 if not REQUEST_ID_RE.fullmatch(rid):
                     raise HttpError(400, "a request id is 1-64 characters of letters, digits and . _ : -")
                 if not viewer.sees_tenants:
-                    raise HttpError(403, "explanations name tenants' requests: they need the admin token")
+                    raise HttpError(403, "explanations name tenants' requests: they need the admin token "
+                                          "or a tenant's token")
                 # Request ids are the clients' own: two tenants may send the same one. The admin
                 # names whose (`?tenant=`); without it, the latest request of that id.
                 tenant = params.get("tenant", [None])[0] if viewer.admin else None

@@ -52,10 +52,12 @@ REPLAY_RESULTS = ("ok", "failed")
 # Label values are snake_case, whatever spelling the part that produced them uses ("breaker-open",
 # "no-runner" become breaker_open, no_runner): `_label` converts.
 # Why a replay did not rebuild local state: the coordinator's outcomes (replay/port.py): no_runner,
+# runners_busy (runners attached, none with room before the deadline),
 # timeout, failed, disabled; prefix_gone (the prefix lost a chunk between the lookup and the
 # replay's pin, so there was nothing to replay from); overload (the per-tenant bound refused it);
 # prefix_lost (the cached prefix went away while the Resume streamed it).
-REPLAY_FAILURES = ("no_runner", "timeout", "failed", "disabled", "overload", "prefix_gone", "prefix_lost", OTHER)
+REPLAY_FAILURES = ("no_runner", "runners_busy", "timeout", "failed", "disabled", "overload", "prefix_gone",
+                   "prefix_lost", OTHER)
 # Why the first uncached full chunk of a request missed (explainer.py decides): never_stored (not
 # stored in this namespace since the start; on a request that hit, the new tail it adds),
 # unreachable (held, but an earlier chunk missed), evicted, corrupt, over_quota, not_admitted,
@@ -336,11 +338,15 @@ class SourceCollector(Collector):
                                   value=p.expirations)
         if p.entries >= 0:
             yield GaugeMetricFamily("kvstore_pool_entries", "Snapshots held in the pool.", value=p.entries)
+        # Left out where the backend cannot say (Redis unbounded, or not answering): no made-up figure.
         if p.used_bytes >= 0:
-            yield GaugeMetricFamily("kvstore_pool_bytes", "Bytes the pool holds.", value=p.used_bytes)
+            yield GaugeMetricFamily("kvstore_pool_bytes",
+                                    "Bytes the pool holds (Redis: the server's used_memory, every key and its "
+                                    "overhead; a cluster's summed over its masters).", value=p.used_bytes)
         if p.capacity_bytes >= 0:
-            yield GaugeMetricFamily("kvstore_pool_capacity_bytes", "The pool's byte budget.",
-                                    value=p.capacity_bytes)
+            yield GaugeMetricFamily("kvstore_pool_capacity_bytes",
+                                    "The pool's byte budget (Redis: the server's maxmemory, summed over a "
+                                    "cluster's masters; absent when unbounded).", value=p.capacity_bytes)
         br = GaugeMetricFamily("kvstore_pool_breaker_state",
                                "1 for the circuit breaker's current state, 0 for the others.",
                                labels=["state"])
