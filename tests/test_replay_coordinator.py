@@ -125,8 +125,8 @@ class Rig:
         return ReplayCoordinator(self.store, self.pool, runners, replace(ReplayConfig(), **cfg))  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
+def make_rig(tmp_path: Path) -> Iterator[Rig]:
+    """A small store (LMDB on `tmp_path`) and an embedded pool, closed after use."""
     scfg = StoreConfig(device="cpu", chunk_tokens=16, device_capacity_bytes=1 << 20, dram_capacity_bytes=1 << 20,
                        lmdb_capacity_bytes=64 << 20, page_bytes=4096, compression="none", lmdb_durability="async")
     store = GlobalStore(scfg, tmp_path, [SPEC])
@@ -134,6 +134,11 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     yield Rig(store, pool)
     pool.close()
     store.close()
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    yield from make_rig(tmp_path)
 
 
 @pytest.fixture

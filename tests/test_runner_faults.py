@@ -20,24 +20,20 @@ import numpy as np
 import pytest
 
 from kvstore.config.replay import ReplayConfig
-from kvstore.config.store import StoreConfig
 from kvstore.errors import ResourceExhausted, listed
 from kvstore.layout import EngineLayerGroup, EngineModel
-from kvstore.local_pool.embedded import EmbeddedPool
 from kvstore.service.runners_servicer import RunnersServicer
 from kvstore.service.server import generic_handler
-from kvstore.store import GlobalStore
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pbg
 from kvstore.wire.framing import BlobAssembler
-from policies.ttl import FixedTtl
 from replay.coordinator import RUNNERS_BUSY, ReplayCoordinator
 from replay.port import FAILED, NO_RUNNER, ReplayOutcome
 from replay.registry import RunnerInfo, RunnerLink, RunnerRegistry
 from replay.registry_runner import AttachedRunners
 from replay.runner import JobHandle, ReplayJob, ReplayResult, resolved
 from tests.fixtures.service import CHUNK, V41, Service, make_config, payloads, tokens
-from tests.test_replay_coordinator import NAME, SPEC, Rig, wait_for
+from tests.test_replay_coordinator import NAME, Rig, make_rig, wait_for
 from tests.test_replay_coordinator import tokens as model_tokens
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
@@ -213,13 +209,7 @@ def test_with_no_admin_runners_the_tenants_have_every_runner_slot() -> None:
 
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
-    scfg = StoreConfig(device="cpu", chunk_tokens=16, device_capacity_bytes=1 << 20, dram_capacity_bytes=1 << 20,
-                       lmdb_capacity_bytes=64 << 20, page_bytes=4096, compression="none", lmdb_durability="async")
-    store = GlobalStore(scfg, tmp_path, [SPEC])
-    pool = EmbeddedPool(8 << 20, FixedTtl(60.0))
-    yield Rig(store, pool)
-    pool.close()
-    store.close()
+    yield from make_rig(tmp_path)
 
 
 def _busy_rig(rig: Rig) -> tuple[RunnerRegistry, RunnerLink, ReplayCoordinator, threading.Thread]:

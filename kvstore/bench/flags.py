@@ -26,20 +26,26 @@ def count(least: int = 1, most: int = 1_000_000) -> Callable[[str], int]:
     return parse
 
 
-def seconds(least: float = 0.0, most: float = 86_400.0) -> Callable[[str], float]:
-    """A finite number of seconds in [least, most] (float() takes "nan" and "inf")."""
+def finite(least: float, most: float, unit: str = "") -> Callable[[str], float]:
+    """A finite number in [least, most] (float() takes "nan" and "inf"); `unit` names it in errors."""
+    what = f"a number of {unit}" if unit else "a number"
+    bounds = (f"from {least:g} to {most:g}" if math.isfinite(least) else f"at most {most:g}")
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if not (math.isfinite(value) and least <= value <= most):
-            raise argparse.ArgumentTypeError(f"must be a finite number of seconds from {least:g} to {most:g}, "
-                                             f"got {text}")
+            raise argparse.ArgumentTypeError(f"must be a finite{what[1:]} {bounds}, got {text}")
         return value
 
     return parse
+
+
+def seconds(least: float = 0.0, most: float = 86_400.0) -> Callable[[str], float]:
+    """A finite number of seconds in [least, most]."""
+    return finite(least, most, "seconds")
 
 
 def writable_dir(text: str) -> str:

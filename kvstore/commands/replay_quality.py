@@ -12,7 +12,7 @@ import math
 import sys
 from typing import Any
 
-from kvstore.bench.flags import count
+from kvstore.bench.flags import count, finite
 from kvstore.commands.json_out import dump_json
 from kvstore.config.replay import MAX_THREADS
 from kvstore.errors import InvalidInput
@@ -39,16 +39,6 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def _sharpness(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value <= MAX_SHARPNESS):  # NaN would skip the variant without a word
-        raise argparse.ArgumentTypeError(f"must be a finite number at most {MAX_SHARPNESS:g}, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
@@ -56,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"prefix lengths in tokens, multiples of the chunk size, at most {MAX_PREFIX_TOKENS:,} "
              "(default: 128,1024,4096)",
     )
-    parser.add_argument("--sharpness", type=_sharpness, default=4.0,
+    parser.add_argument("--sharpness", type=finite(-math.inf, MAX_SHARPNESS), default=4.0,
                         help=f"query-weight multiplier of the sharpened variant, at most {MAX_SHARPNESS:g}; <= 1 "
                              "skips it (default: 4)")
     parser.add_argument("--suffix-tokens", type=count(1, MAX_NEW_TOKENS), default=32,
