@@ -18,9 +18,8 @@ from typing import Any
 
 import pytest
 
-from kvstore.client import AsyncKvstoreClient, KvstoreClient, RetryPolicy
+from kvstore.client import AsyncKvstoreClient, InvalidInput, KvstoreClient, RetryPolicy
 from kvstore.client.sync_client import DeadlineExceededError, RpcFailure
-from kvstore.errors import InvalidInput
 from tests.fixtures.service import CHUNK, TOY, Service, make_config, payloads, tokens
 
 WAIT_SECONDS = 30.0  # only a bound on a hang

@@ -34,6 +34,7 @@ from kvstore.client.types import (
     StoreResult,
     TierStats,
 )
+from kvstore.errors import InvalidInput
 from kvstore.wire.bills import Bills, TierBill
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "DeadlineExceededError",
     "HeldLookup",
     "InvalidArgumentError",
+    "InvalidInput",
     "KvstoreClient",
     "LoadIntoResult",
     "LoadLocalResult",

@@ -23,7 +23,9 @@ from kvstore.errors import InvalidInput
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--connect", required=True, metavar="ADDR", help="the service's gRPC address, host:port")
+    p.add_argument("--connect", required=True, metavar="ADDR",
+                   help="the service's gRPC address: host:port, or unix:///PATH for its Unix socket "
+                        "(same host: jobs then go through shared memory)")
     p.add_argument("--token", metavar="TOKEN",
                    help="bearer token: a tenant's (serves that tenant) or the admin token (serves all)")
     p.add_argument("--tls-ca", metavar="FILE", help="connect with TLS, trusting this CA certificate (PEM)")
