@@ -75,3 +75,20 @@ def test_a_name_the_service_would_refuse_at_every_registration_is_refused_at_sta
     with pytest.raises(ConfigError, match=rf"kv_connector_extra_config\.{key}"):
         ConnectorConfig.from_extra({"address": "127.0.0.1:1", key: value})
     ConnectorConfig.from_extra({"address": "127.0.0.1:1", key: "ok-name"})
+
+
+@pytest.mark.parametrize("address", [":", "host:", ":50051", "127.0.0.1:0", "127.0.0.1:99999", "unix://", "[]:1", 7])
+def test_an_address_the_client_could_not_dial_is_refused_at_start(address: Any) -> None:
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.address"):
+        ConnectorConfig.from_extra({"address": address})
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:50051", "kvstore:50051", "[::1]:50051", "unix:///run/kvstore.sock"])
+def test_addresses_gRPC_dials_are_taken(address: str) -> None:
+    assert ConnectorConfig.from_extra({"address": address}).address == address
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 12, 130, 65_544, True, 128.0])
+def test_a_chunk_size_the_service_cannot_have_is_refused_at_start(chunk_tokens: Any) -> None:
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.chunk_tokens"):
+        ConnectorConfig.from_extra({"address": "127.0.0.1:1", "chunk_tokens": chunk_tokens})

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstore.config.store import MAX_CHUNK_TOKENS
 from kvstore.errors import ConfigError
 from kvstore.layout import MAX_ENGINE_NAME
 
@@ -48,9 +49,10 @@ class ConnectorConfig:
         if unknown:
             raise ConfigError("kv_connector_extra_config", f"unknown keys {unknown}; known: {', '.join(KEYS)}")
         address = d.get("address")
-        if not isinstance(address, str) or ":" not in address:
-            raise ConfigError("kv_connector_extra_config.address", "must be the kvstore service as 'host:port', or "
-                              "'unix:///path/to/kvstore.sock' on the service's host")
+        if not isinstance(address, str) or not _is_address(address):
+            raise ConfigError("kv_connector_extra_config.address", "must be the kvstore service as 'host:port' (a "
+                              "port in 1..65535), or 'unix:///path/to/kvstore.sock' on the service's host, got "
+                              f"{address!r}")
         for key in ("token", "revision", "model_name", "fingerprint_cache"):
             if key in d and not isinstance(d[key], str):
                 raise ConfigError(f"kv_connector_extra_config.{key}", "must be a string")
@@ -73,9 +75,10 @@ class ConnectorConfig:
             raise ConfigError("kv_connector_extra_config.load_mode", f"must be one of {', '.join(LOAD_MODES)}, "
                               f"got {load_mode!r}")
         chunk_tokens = d.get("chunk_tokens", 128)
-        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
-            raise ConfigError("kv_connector_extra_config.chunk_tokens", f"must be a positive integer (the service's "
-                              f"store.chunk_tokens), got {chunk_tokens!r}")
+        if (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                or not 0 < chunk_tokens <= MAX_CHUNK_TOKENS or chunk_tokens % 8):
+            raise ConfigError("kv_connector_extra_config.chunk_tokens", f"must be a positive multiple of 8, at most "
+                              f"{MAX_CHUNK_TOKENS} (the service's store.chunk_tokens), got {chunk_tokens!r}")
         cache = d.get("fingerprint_cache")
         return ConnectorConfig(
             address=address, token=d.get("token", ""), revision=d.get("revision", ""),
@@ -84,3 +87,11 @@ class ConnectorConfig:
             max_pending_store_bytes=int(numbers["max_pending_store_mib"] * (1 << 20)),
             retry_after_seconds=numbers["retry_after_ms"] / 1000, load_mode=load_mode, chunk_tokens=chunk_tokens,
         )
+
+
+def _is_address(address: str) -> bool:
+    """'host:port' with a port gRPC dials as written, or a Unix socket's path."""
+    if address.startswith("unix://"):
+        return len(address) > len("unix://")
+    host, _, port = address.rpartition(":")
+    return bool(host.strip("[]")) and port.isdigit() and 1 <= int(port) <= 65535
