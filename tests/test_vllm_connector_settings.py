@@ -4,6 +4,7 @@ its key), and the weight fingerprint changes whenever the weights do, its cache 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from kvstore.errors import ConfigError
+from kvstore.integrations.vllm import identity
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.identity import adapter_fingerprint, fingerprint
 
@@ -52,6 +54,35 @@ def test_weights_rewritten_with_their_old_size_and_mtime_are_another_fingerprint
     os.utime(w, ns=(1_000_000_000, 1_000_000_000))
     after = fingerprint(m, cache)
     assert after != before and after == fingerprint(m, tmp_path / "fresh.json")
+
+
+def test_a_damaged_digest_in_the_cache_is_computed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A digest of 64 characters that are not all hex once stopped the engine at start.
+    cache = tmp_path / "fp.json"
+    m = _model(tmp_path / "model")
+    want = fingerprint(m, cache)
+    damaged = {k: v[:-1] + "\x7f" for k, v in json.loads(cache.read_text()).items()}
+    cache.write_text(json.dumps(damaged))
+    monkeypatch.setattr(identity, "_KNOWN", {})  # as a new engine process
+    assert fingerprint(m, cache) == want
+
+
+def test_the_cache_keeps_one_digest_a_file_and_leaves_no_temporary_file_on_a_full_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "fp.json"
+    m = _model(tmp_path / "model")
+    for b in range(3, 6):  # rewritten three times: the older digests can never be asked for again
+        (m / "model.safetensors").write_bytes(bytes([b]) * 4096)
+        fingerprint(m, cache)
+    assert len(json.loads(cache.read_text())) == 2  # config.json and the weights
+
+    def full(self: Path, target: Path) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "replace", full)
+    (m / "model.safetensors").write_bytes(b"\x09" * 4096)
+    assert len(fingerprint(m, cache)) == 32  # still right, only not remembered
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp.json", "model"]
 
 
 def test_a_single_weight_file_and_an_adapter_are_fingerprinted(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -22,6 +23,7 @@ READ_BYTES = 8 << 20
 # Digests this process already read or computed, by the cache's key: a LoRA adapter is
 # fingerprinted at each request, which then costs a stat per file, not a read of the JSON cache.
 _KNOWN: dict[str, str] = {}
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 def default_cache_path() -> Path:
@@ -56,6 +58,7 @@ def fingerprint(model_dir: Path, cache_path: Path | None = None, config_files: t
             if digest is None:
                 digest = cache[key] = _file_digest(p)
                 changed = True
+                _forget_older(cache, key)
             _KNOWN[key] = digest
         total.update(p.name.encode() + b"\x00" + bytes.fromhex(digest))
     if changed and cache is not None:
@@ -104,14 +107,25 @@ def _read_cache(path: Path) -> dict[str, str]:
         return {}  # absent or damaged: rehash (it is only a cache)
     if not isinstance(data, dict):
         return {}
-    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str) and len(v) == 64}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str) and _DIGEST.fullmatch(v)}
+
+
+def _forget_older(cache: dict[str, str], key: str) -> None:
+    """Drop the digests of the same path's earlier contents: the file is rewritten, they can
+    never be asked for again, and a cache kept for years would grow at every rewrite."""
+    path = key.split("|", 1)[0] + "|"
+    for old in [k for k in cache if k.startswith(path) and k != key]:
+        del cache[old]
 
 
 def _write_cache(path: Path, cache: dict[str, str]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    except OSError:
+        return  # read-only home: the fingerprint is still right, only computed again next time
+    try:
         tmp.write_text(json.dumps(cache, sort_keys=True))
         tmp.replace(path)  # atomic: two engines starting together never leave half a file
     except OSError:
-        pass  # read-only home: the fingerprint is still right, only computed again next time
+        tmp.unlink(missing_ok=True)  # a full disk: no half-written file left per engine pid
