@@ -224,6 +224,9 @@ def test_check_config_says_file_and_syntax_errors_as_such(tmp_path: Path, capsys
     assert main(["check-config", str(tmp_path / "missing.toml")]) == 2
     err = capsys.readouterr().err
     assert "cannot read config file" in err and "No such file" in err and "config key" not in err
+    path.write_text("a = " + "[" * 100_000)  # tomllib recurses into nested arrays
+    assert main(["check-config", str(path)]) == 2
+    assert "nested too deeply" in capsys.readouterr().err
 
 
 def test_check_config_warns_about_contradictory_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -207,6 +207,9 @@ def test_the_frame_reader_takes_split_and_joined_frames_and_refuses_garbage() ->
         FrameReader().feed((MAX_MESSAGE_BYTES + 1).to_bytes(4, "little"))
     with pytest.raises(SideSocketClosed, match="object"):
         FrameReader().feed(b"\x02\x00\x00\x00[]")
+    deep = b"[" * MAX_MESSAGE_BYTES  # json's decoder recurses: a RecursionError, not a ValueError
+    with pytest.raises(SideSocketClosed, match="nested too deeply"):
+        FrameReader().feed(len(deep).to_bytes(4, "little") + deep)
     a.close()
     b.close()
 

@@ -71,6 +71,7 @@ def test_writer_is_safe_from_many_threads(tmp_path: Path) -> None:
     ("line", "problem"),
     [
         ("{not json", "not a JSON line"),
+        ("[" * 200_000, "nested too deeply"),
         ("[1, 2]", "expected a JSON object"),
         ('{"tenant": "a", "session": "s", "prefix_tokens": 1, "local_outcome": "hit"}', "'time'"),
         ('{"time": "now", "tenant": "a", "session": "s", "prefix_tokens": 1, "local_outcome": "hit"}',

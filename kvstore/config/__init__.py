@@ -173,4 +173,6 @@ def load_config(path: str | Path | None) -> KvstoreConfig:
         table = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigFileError(f"config file {p} is not valid TOML: {e}") from None
+    except RecursionError:  # tomllib parses nested arrays and tables by recursion
+        raise ConfigFileError(f"config file {p} is not a config: nested too deeply") from None
     return parse_config(table)

@@ -82,8 +82,8 @@ def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
 def _decode(body: bytes) -> dict[str, Any]:
     try:
         message = json.loads(body)
-    except ValueError:
-        raise SideSocketClosed("a side-socket message is not JSON") from None
+    except (ValueError, RecursionError):  # json's decoder recurses into nested arrays
+        raise SideSocketClosed("a side-socket message is not JSON (or nested too deeply)") from None
     if not isinstance(message, dict):
         raise SideSocketClosed("a side-socket message is not a JSON object")
     return message

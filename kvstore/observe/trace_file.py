@@ -215,6 +215,8 @@ def _records(f: IO[bytes], p: Path) -> Iterator[TraceRecord]:
                 continue
             try:
                 obj = json.loads(raw)  # bytes: decoded as UTF-8; a bad byte is a ValueError too
+            except RecursionError:
+                raise InvalidInput(f"{p}:{lineno}: not a trace record (nested too deeply)") from None
             except ValueError as e:
                 if not raw.endswith(b"\n"):  # only the last line can lack one: cut off by a crash
                     log.warning("%s:%d: skipping the last line: cut off mid-write (%s)", p, lineno, _reason(e))
