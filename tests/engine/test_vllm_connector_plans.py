@@ -374,3 +374,50 @@ def test_a_single_gguf_file_is_fingerprinted_itself(tmp_path: Path) -> None:
     assert name == "tiny-q4.gguf" and model_identity(SimpleNamespace(model=str(f), revision=None), cfg)[1] != revision
     with pytest.raises(ValueError, match="neither a path nor in the local Hugging Face cache"):
         model_identity(SimpleNamespace(model=str(tmp_path / "gone.gguf"), revision=None), cfg)
+
+
+def test_a_window_restored_by_a_load_is_not_stored_again_unless_the_load_failed() -> None:
+    # Storing it again rewrote the pool's entry at every hit: a fixed TTL slid, and the hybrid
+    # engine test's expired request could find the state the warm one had just rewritten.
+    hybrid = EnginePlan((GroupPlan(0, ("swa",), 2, 8, torch.float16, 256), GroupPlan(1, ("full",), 2, 8, torch.float16,
+                                                                                      0)), chunk_tokens=CT,
+                        block_size=CT)
+    link = FakeLink(hit_chunks=7, loaded=7)
+    link.cfg = ConnectorConfig(address="127.0.0.1:1", load_mode="async")
+    link.call = lambda kind, fn: (SimpleNamespace(hit_chunks=7, local_state="hit")  # type: ignore[method-assign]
+                                  if kind == "lookup" else None)
+    s = SchedulerSide(link, hybrid)  # type: ignore[arg-type]
+    req = _request(7 * CT + 37)
+    while (m := s.matched(req, 0))[0] is None:
+        pass
+    assert m[0] == 7 * CT
+    swa, full = [0, 0, 0, 0, 0, 16, 8, 19], [5, 4, 3, 2, 1, 17, 18, 20]
+    s.after_alloc(req, (swa, full), m[0])
+    (load,) = s.build_meta(_output("r", 0, 0, new=True), lambda r: (swa, full), 0).loads
+    assert load.window_blocks == {0: [16, 8]}
+    meta = s.build_meta(_output("r", 7 * CT, 37, new=False), lambda r: (swa, full), 0)
+    assert not any(sv.window_blocks for sv in meta.saves)
+    s.worker_report(Counter(), ("",), ("r",))  # the load failed: vLLM computes the window again
+    meta = s.build_meta(_output("r", 0, 7 * CT + 37, new=False), lambda r: (swa, full), 0)
+    assert [(sv.snapshot_chunk, sv.window_blocks) for sv in meta.saves] == [(7, {0: [16, 8]})]
+
+
+def test_an_unexpected_error_while_storing_is_counted_and_releases_what_was_staged() -> None:
+    # It was raised inside the store thread's future, which nobody reads: the save vanished unsaid.
+    link = FakeLink(hit_chunks=0, loaded=0)
+    s, w = SchedulerSide(link, PLAN), WorkerSide(link, PLAN)  # type: ignore[arg-type]
+    w.register({"l0": torch.zeros(80, 2, BT, 2 * 8, dtype=torch.float16)}, "cpu")
+    req = _request(300)
+    external, _ = s.matched(req, 0)
+    table = list(range(1, 64))
+    s.after_alloc(req, (table,), external)
+    meta = s.build_meta(_output("r", 0, 300, new=True), lambda r: (table,), 0)
+
+    def broken(kind: str, fn: Any) -> Any:
+        raise TypeError("a bug")  # not one of the failures the link counts by kind
+
+    link.call = broken  # type: ignore[method-assign]
+    w.save_layer(meta, "l0")
+    w.submit_saves()
+    w.close()  # waits for the store thread
+    assert link.counters["store_unexpected_failures"] == 1 and w._pending_bytes == 0

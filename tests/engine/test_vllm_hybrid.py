@@ -37,10 +37,14 @@ def engine(workdir: Path, kv: Kvstore, engines: list[Engine]) -> Engine:
     model = write_gemma3(workdir / "gemma3", seed=0, sliding_window=256)
     e = start_engine(model, connector_spec(kv), workdir / "engine-hybrid.log")
     engines.append(e)
+    # The first sampled token compiles vLLM's logprobs kernel (3 s with torch's compile cache warm,
+    # 14 s with it empty, as on a fresh machine): paid here, not between the cold request's window
+    # save and the lookup that must find it within its TTL. Shorter than a chunk: nothing is stored.
+    e.generate({"tokens": PROMPT[:16]})
     return e
 
 
-def _stored(kv: Kvstore, chunks: int, timeout: float = 30) -> str:
+def _stored(kv: Kvstore, chunks: int, started: float, timeout: float = 30) -> str:
     """Wait until the service holds the prompt's chunks and the window state at its boundary
     (the engine stores both off the forward pass); what a lookup then says of the window state."""
     with kv.client() as c:
@@ -50,28 +54,31 @@ def _stored(kv: Kvstore, chunks: int, timeout: float = 30) -> str:
         name = next(m for m in c.stats().models if m.startswith("engine-"))  # as the connector registered it
         while (state := c.lookup(name, PROMPT[: chunks * CT], REPLAY_MODE, purpose="probe").local_state) != "hit":
             if time.monotonic() > deadline:
-                return f"{state} (chunks held: {c.stats().chunks})"
+                return f"{state} {time.monotonic() - started:.1f} s after the cold request started " \
+                       f"(chunks held: {c.stats().chunks})"
             time.sleep(0.1)
         return state
 
 
 def test_7_warm_restores_the_window_and_expired_is_cold(engine: Engine, kv: Kvstore) -> None:
+    started = time.monotonic()  # the window state is written after this
     [cold] = engine.generate({"tokens": PROMPT})
-    stored_at = time.monotonic()
+    stored_at = time.monotonic()  # and before this
     assert cold["kvstore"]["loaded_tokens"] == 0
-    window = _stored(kv, 7)
+    window = _stored(kv, 7, started)
     engine.ask({"op": "reset_prefix_cache"})
     [warm] = engine.generate({"tokens": PROMPT})
-    # When it fails (now and then, cause not found: README), say what the connector counted.
+    # When it fails, say what the connector counted.
     why = f"window state {window}; connector counters after the warm request: {warm['kvstore']['counters']}"
     assert window == "hit", why
-    assert time.monotonic() - stored_at < LOCAL_TTL_SECONDS, "too slow to see the window state before its TTL"
+    assert time.monotonic() - started < LOCAL_TTL_SECONDS, "too slow to see the window state before its TTL"
     assert (warm["kvstore"]["loaded_tokens"], warm["num_cached_tokens"]) == (7 * CT, 7 * CT), why
     _same(warm, cold)
     counters: dict[str, Any] = warm["kvstore"]["counters"]
     assert not any(k.endswith("_failures") for k in counters), counters
-    # The cold request's window state, kept by the service (a skip would be counted with its reason).
-    assert counters.get("window_saves", 0) >= 1 and not any(k.startswith("window_saves_skipped") for k in counters), \
+    # The cold request's window state, kept by the service (a skip would be counted with its reason),
+    # and not stored again by the warm request that loaded it.
+    assert counters.get("window_saves", 0) == 1 and not any(k.startswith("window_saves_skipped") for k in counters), \
         counters
 
     time.sleep(max(0.0, stored_at + LOCAL_TTL_SECONDS + 1 - time.monotonic()))

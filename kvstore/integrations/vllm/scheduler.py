@@ -204,6 +204,9 @@ class SchedulerSide:
         st.load_planned = True
         st.loaded_tokens = num_external_tokens
         st.load_first_chunk = first
+        # The load restores the window at the prompt's boundary: storing it again would only
+        # rewrite what the pool holds, renewing a fixed TTL at every hit.
+        st.snapshot_saved = plan.hybrid and end == (len(st.tokens) - 1) // self.ct
         chunk_blocks = {g.group_id: plan.chunk_blocks(block_ids[g.group_id], first, end) for g in plan.full}
         for ids in chunk_blocks.values():
             ids[:skip] = [NO_BLOCK] * skip
@@ -276,6 +279,7 @@ class SchedulerSide:
                 # vLLM computes it again from the first block that did not arrive; what it computed
                 # over the missing blocks was not saved, so what it computes again must be.
                 st.saved_chunks = min(st.saved_chunks, st.load_first_chunk)
+                st.snapshot_saved = False  # the window it computes again too
 
     def worker_sessions(self, sessions: tuple[str, ...]) -> None:
         """The workers' same-host sessions, from their handshake at engine start and then from

@@ -14,6 +14,7 @@ bounded; beyond the bound a save is dropped and counted, never waited for.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import threading
 import warnings
 from collections import Counter
@@ -27,6 +28,8 @@ from kvstore.client import KvstoreClient, SharedLoad
 from kvstore.integrations.vllm.cache_layout import EnginePlan, PagedCache
 from kvstore.integrations.vllm.link import REPLAY_MODE, Link
 from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec, WorkerHandshake, WorkerReport
+
+log = logging.getLogger("kvstore.integrations.vllm")
 
 # A load in more pieces than this (chunks scattered in the service's memory) is gathered into one
 # buffer first: each piece costs a copy call per layer and per run of blocks.
@@ -286,6 +289,9 @@ class WorkerSide:
                     timeout_seconds=self.link.cfg.budget_seconds, cache_salt=spec.cache_salt))
                 if r is not None:
                     self.link.count("stored_chunks", r.stored_chunks)
+        except Exception:  # else lost in the thread pool's future, never read: said and counted
+            log.exception("kvstore: storing request %s failed unexpectedly", st.spec.req_id)
+            self.link.count("store_unexpected_failures")
         finally:
             self._release(st)
 
