@@ -11,6 +11,7 @@ import pytest
 from kvstore.local_pool.snapshot_format import (
     HEADER,
     MAX_PARTS,
+    MIN_PART_BYTES,
     PART_HEADER,
     PART_MAGIC,
     SnapshotFormatError,
@@ -131,4 +132,21 @@ def test_sizes_in_a_header_are_checked_before_they_are_used() -> None:
     # A part count no snapshot has would make a reader ask Redis for that many keys.
     with pytest.raises(SnapshotFormatError, match="part count"):
         SnapshotHeader.unpack(SnapshotHeader(LAYOUT, 128, 100, MAX_PARTS + 1, 7, (0, 0)).pack())
-    assert SnapshotHeader.unpack(SnapshotHeader(LAYOUT, 128, 100, MAX_PARTS, 7, (0, 0)).pack()).part_count == MAX_PARTS
+    largest = (MIN_PART_BYTES - HEADER.size) + (MAX_PARTS - 1) * (MIN_PART_BYTES - PART_HEADER.size)
+    header = SnapshotHeader(LAYOUT, 128, largest, MAX_PARTS, 7, (0, 0))
+    assert SnapshotHeader.unpack(header.pack()).part_count == MAX_PARTS
+
+
+def test_a_part_count_beyond_what_the_payload_needs_is_refused() -> None:
+    # CRC and all, a 10-byte snapshot claiming MAX_PARTS parts had readers fetch 262,144 keys.
+    with pytest.raises(SnapshotFormatError, match="part count 262144: a 10 B payload has at most 1"):
+        SnapshotHeader.unpack(SnapshotHeader(LAYOUT, 128, 10, MAX_PARTS, 7, (0, 0)).pack())
+    # Every writer's count passes, whatever its part_bytes: the smallest makes the most parts.
+    for nbytes in (0, 4032, 4033, 8112, 8113, 1_351_680):
+        counts = []
+        for part_bytes in (MIN_PART_BYTES, 65536):
+            stored = _stored(encode_parts(LAYOUT, 1, bytes(nbytes), part_bytes))
+            assert SnapshotHeader.unpack(stored[0]).part_count == len(stored)
+            counts.append(len(stored))
+        with pytest.raises(SnapshotFormatError, match="part count"):
+            SnapshotHeader.unpack(SnapshotHeader(LAYOUT, 1, nbytes, max(counts) + 1, 7, (0, 0)).pack())

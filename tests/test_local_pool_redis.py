@@ -27,6 +27,7 @@ from kvstore.local_pool import LocalPool, build_local_pool
 from kvstore.local_pool.redis_pool import snapshot_key_base
 from kvstore.local_pool.redis_process import RedisClusterProcesses, RedisProcess, free_port
 from kvstore.local_pool.redis_transport import ClusterTransport
+from kvstore.local_pool.snapshot_format import HEADER, MAX_PARTS, MIN_PART_BYTES, PART_HEADER, SnapshotHeader
 from tests.fixtures.redis_server import RedisFactory, scan_pttls
 from tests.fixtures.tcp_proxy import TcpProxy
 from tests.helpers.static_ttl import StaticTtl
@@ -393,6 +394,61 @@ def test_volatile_ttl_eviction_becomes_misses(redis_factory: RedisFactory) -> No
     assert not all(got.hit for got in outcomes[:4]) and outcomes[7].hit  # the shortest-lived went
     _assert_ttl_invariant(c, ttl_seconds=18)
     pool.close()
+
+
+# --- part counts -------------------------------------------------------------------------------
+def _calls(client: redis.Redis, command: str) -> int:
+    """How many times the server ran `command` (inside MULTI/EXEC too) since CONFIG RESETSTAT."""
+    return int(client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_a_forged_part_count_is_a_corrupt_miss_that_changes_no_later_call(redis_server: RedisProcess) -> None:
+    # A part 0 with a valid CRC (anyone can compute one) claiming MAX_PARTS parts set the layout's
+    # part hint and the pool's part maximum before it was verified: every later get asked for
+    # 262,144 keys and every put sent as many UNLINKs; all timed out and the breaker opened for good.
+    pool = _pool(redis_server.url)
+    c = redis_server.client()
+    data = os.urandom(SNAPSHOT)  # 6 parts of 256 KiB
+    for i in range(2):
+        assert pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, data).written
+    base = snapshot_key_base("kvs", _ns(1), _bk())
+    # 10 bytes in MAX_PARTS parts: more parts than any writer makes of 10 bytes.
+    c.set(base + b"0", SnapshotHeader(LAYOUT, 128, 10, MAX_PARTS, 7, (0, 0)).pack(), px=30_000)
+    assert pool.get(_ns(1), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
+    # As many parts as its size needs at the smallest part_bytes, but not the layout's size.
+    count = 5000
+    size = (MIN_PART_BYTES - HEADER.size) + (count - 1) * (MIN_PART_BYTES - PART_HEADER.size)
+    c.set(base + b"0", SnapshotHeader(LAYOUT, 128, size, count, 7, (0, 0)).pack(), px=30_000)
+    c.config_resetstat()
+    assert pool.get(_ns(1), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
+    assert _calls(c, "get") == 6 + 1, "the header's 5000 parts were fetched"  # +1: the cleanup script's
+    c.config_resetstat()
+    assert pool.get(_ns(0), _bk(), TENANT, LAYOUT).hit
+    assert pool.put(_ns(2), _bk(), TENANT, LAYOUT, 128, data).written
+    assert _calls(c, "get") == 6 and _calls(c, "set") == 6 and _calls(c, "unlink") == 0
+    s = pool.stats()
+    assert s.errors == 0 and s.breaker_state == "closed" and s.misses["corrupt"] == 2
+    pool.close()
+
+
+def test_reading_another_instances_smaller_parts_does_not_grow_every_put(redis_server: RedisProcess) -> None:
+    # Two kvstores on one Redis with different part_bytes (a rolling change of the setting): once B
+    # had read one of A's 332-part snapshots, every put of B sent 326 UNLINKs, for good.
+    a = _pool(redis_server.url, part_bytes=4096)
+    b = _pool(redis_server.url)
+    c = redis_server.client()
+    data = os.urandom(SNAPSHOT)
+    assert a.put(_ns(0), _bk(), TENANT, LAYOUT, 128, data).written
+    got = b.get(_ns(0), _bk(), TENANT, LAYOUT)
+    assert got.payload is not None and bytes(got.payload) == data
+    c.config_resetstat()
+    assert b.put(_ns(1), _bk(), TENANT, LAYOUT, 128, data).written
+    assert _calls(c, "set") == 6 and _calls(c, "unlink") == 0
+    # B's own leftovers are still removed: a write with fewer parts over its own with more.
+    assert b.put(_ns(1), _bk(), TENANT, LAYOUT, 128, data[:1000]).written
+    assert c.exists(*[snapshot_key_base("kvs", _ns(1), _bk()) + b"%d" % i for i in range(6)]) == 1
+    a.close()
+    b.close()
 
 
 # --- authentication and TLS --------------------------------------------------------------------

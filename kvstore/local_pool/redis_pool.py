@@ -25,7 +25,8 @@ socket timeouts are cut to it. A circuit breaker stops calls to a Redis that kee
 per node on a cluster (the node that owns the snapshot's slot), so a dead master does not refuse
 the keys of the live ones. Health and the breaker state are judged over the nodes that own slots
 now: a node out of the map (failed over, or the "" of a cluster not reached yet) gets no calls, so
-nothing would ever probe its breaker and close it.
+nothing would ever probe its breaker and close it. A slot on the move (MOVED, ASK) is followed by
+the transport; one redirected twice is an error, but not against the node's breaker: it answered.
 
 This module knows the key scheme and the call discipline; the byte format is in
 `snapshot_format`, the wire in `redis_transport`, TTL choices in the policy.
@@ -40,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import AskError, OutOfMemoryError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.config.local_pool import LocalPoolConfig
@@ -107,9 +108,15 @@ class RedisPool:
         self._last_error = ""  # of the last failed call that said something about Redis
         self._counters = PoolCounters()
         self._lock = threading.Lock()
-        # Part counts learned per layout, so a read fetches all parts in its first round trip.
+        # Learned from verified reads and successful writes only, never from a header not yet
+        # verified: one bad part 0 would otherwise set what every later call sends, for good.
+        # Part counts per layout, so a read fetches all parts in its first round trip; the payload
+        # size per layout (fixed: the layout id covers it), the only one a header may claim to
+        # have a read fetch more parts than hinted.
         self._parts_hint: dict[bytes, int] = {}
-        self._max_parts = 1
+        self._layout_bytes: dict[bytes, int] = {}
+        self._max_parts = 1  # the most parts of any snapshot seen: what delete() removes
+        self._max_written_parts = 1  # the most this instance wrote: what a put removes beyond its own
         self._closed = False
         self._reached = False  # Redis has answered once: until then, a failure means it was never reached
         self._memory = _UNKNOWN_MEMORY  # the server's, as last asked (under _lock)
@@ -144,8 +151,10 @@ class RedisPool:
             parts = encode_parts(layout_id, boundary_tokens, payload, self._cfg.part_bytes)
             cmds: list[Command] = [("SET", base + b"%d" % i, part, "PX", ttl_ms) for i, part in enumerate(parts)]
             # Parts beyond this write's count, left by an earlier write of the same key with more
-            # parts, would never be read again but would hold memory until their TTL.
-            cmds += [("UNLINK", base + b"%d" % i) for i in range(len(parts), self._max_parts)]
+            # parts, would never be read again but would hold memory until their TTL. Only as many
+            # as this instance ever wrote: another's (a smaller part_bytes) expire with their TTL,
+            # rather than every put sending hundreds of UNLINKs once one such snapshot was read.
+            cmds += [("UNLINK", base + b"%d" % i) for i in range(len(parts), self._max_written_parts)]
         except BaseException:
             # Nothing was sent: in half-open, kept, the probe's permission would refuse every
             # caller until the probe is given up, another breaker_reset_seconds.
@@ -157,7 +166,7 @@ class RedisPool:
         for r in replies:
             if isinstance(r, ResponseError):
                 return self._counters.skip("oom" if isinstance(r, OutOfMemoryError) else "error")
-        self._learn_parts(layout_id, len(parts))
+        self._learn_parts(layout_id, len(parts), nbytes, written=True)
         self._counters.wrote(nbytes)
         return PutResult.ok(ttl_ms / 1000)
 
@@ -177,8 +186,7 @@ class RedisPool:
             outcome = self._assemble(replies, layout_id)
             if not isinstance(outcome, int):
                 break
-            want = outcome
-            self._learn_parts(layout_id, want)
+            want = outcome  # for this read only: the header is not verified yet
         else:
             return self._counters.miss("corrupt")  # a part count that keeps changing: not ours
         if isinstance(outcome, str):
@@ -186,6 +194,7 @@ class RedisPool:
                 self._unlink_if_unchanged(base, max(want, self._max_parts), replies[0], deadline_at)
             return self._counters.miss(outcome)
         header, payload = outcome
+        self._learn_parts(layout_id, header.part_count, header.payload_bytes, written=False)
         self._refresh(base, header.part_count, tenant, header.payload_bytes, deadline_at)
         self._counters.hit(header.payload_bytes)
         return GetResult.found(payload, header.boundary_tokens)
@@ -326,6 +335,12 @@ class RedisPool:
                 breaker.record_success()  # Redis is up; it is full
                 self._reached = True
                 return "oom"
+            except AskError as e:  # MOVED too: redirected again after the transport followed one
+                # The slot is moving between nodes that answer: nothing against the node's breaker.
+                self._counters.add("errors")
+                failure, error_text = "error", f"{type(e).__name__}: {e}"
+                self._reached = True
+                continue
             except (RedisError, RedisClusterException, OSError) as e:  # OSError covers ssl errors
                 self._counters.add("errors")
                 timed_out = isinstance(e, RedisTimeoutError | TimeoutError)
@@ -367,6 +382,11 @@ class RedisPool:
         if header.layout_id != layout_id:
             return "corrupt"  # the namespace digest binds the layout: not a snapshot of ours
         if header.part_count > len(replies):
+            # Another round trip on the word of a header not verified yet: only for a snapshot of
+            # the layout's size (the format bounds its part count by its payload size).
+            known = self._layout_bytes.get(layout_id)
+            if known is not None and header.payload_bytes != known:
+                return "corrupt"
             return header.part_count
         parts = replies[: header.part_count]
         if any(p is None for p in parts):
@@ -400,10 +420,14 @@ class RedisPool:
         self._run([("EVAL", _UNLINK_IF_PART0, len(keys), *keys, hashlib.sha1(part0).hexdigest())], deadline_at,
                   base)
 
-    def _learn_parts(self, layout_id: bytes, count: int) -> None:
+    def _learn_parts(self, layout_id: bytes, count: int, payload_bytes: int, written: bool) -> None:
+        """From a verified read or a successful write only."""
         with self._lock:
             self._parts_hint[layout_id] = count
+            self._layout_bytes[layout_id] = payload_bytes
             self._max_parts = max(self._max_parts, count)
+            if written:
+                self._max_written_parts = max(self._max_written_parts, count)
 
 
 def _miss_reason(failure: Failure) -> MissReason:

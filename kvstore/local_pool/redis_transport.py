@@ -8,20 +8,26 @@ Two implementations of one small contract, `transaction(commands, deadline_at) -
   to what is left of its deadline; here every blocking step gets min(configured timeout, time
   left). And it packs commands itself, so a snapshot part goes out as its header and a view of
   the caller's payload, never joined into one new buffer.
-- `ClusterTransport` (redis+cluster://, rediss+cluster://) uses redis-py's `RedisCluster` and a
-  transactional cluster pipeline; a snapshot's parts share a hash tag, so one slot and one node.
-  Its socket timeouts are the configured ones; the deadline only decides whether to start. The
-  client (which asks the cluster for its slot map) is built on a thread of its own: callers wait
-  for it only as long as their deadline allows. A call that fails on the connection has the
-  slot map asked for again, on a thread of its own too, so keys follow a failover.
+- `ClusterTransport` (redis+cluster://, rediss+cluster://) uses redis-py's `RedisCluster` for the
+  slot map only; a snapshot's parts share a hash tag, so one slot and one node, and the
+  transaction goes to that node over a `SingleNodeTransport` of its own (redis-py's cluster
+  pipeline keeps the configured socket timeouts however little time a caller has left, and
+  treats an ASK as a move). The client (which asks the cluster for its slot map) is built on a
+  thread of its own: callers wait for it only as long as their deadline allows. A call that
+  fails on the connection, or is told MOVED, has the slot map asked for again, on a thread of its
+  own too, so keys follow a failover or a resharding. A redirect is followed once, within the
+  call: MOVED to the slot's new owner (patched into the map at once), ASK (a slot being
+  migrated) to the target with ASKING first, for that call only.
 
 Both also answer `memory(deadline_at)`: the server's used and maximum memory (INFO memory), for
 the pool's occupancy figures; a cluster's is the sum over the masters that own slots.
 
 Both raise redis-py's exceptions (`TimeoutError`, `ConnectionError`, `ResponseError`, ...) and
-never retry: the pool owns retries, the deadline and the circuit breaker. Replies are as Redis
-sent them (SET: b"OK" or True, GET: bytes or None, PEXPIRE/UNLINK: int); an error inside EXEC is
-a `ResponseError` in the reply list. This module knows nothing about snapshots, TTL policy or keys.
+never retry: the pool owns retries, the deadline and the circuit breaker (a redirect followed is
+not a retry: nothing failed; one redirected again raises `MovedError` or `AskError`). Replies are
+as Redis sent them (SET: b"OK" or True, GET: bytes or None, PEXPIRE/UNLINK: int); an error inside
+EXEC is a `ResponseError` in the reply list. This module knows nothing about snapshots, TTL
+policy or key schemes (only where a command carries its key, to route it).
 """
 
 from __future__ import annotations
@@ -36,10 +42,10 @@ from urllib.parse import urlsplit
 
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import AbstractConnection, Connection, parse_url
+from redis.connection import AbstractConnection, Connection, SSLConnection, parse_url
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
+from redis.exceptions import AskError, ExecAbortError, MovedError, RedisClusterException, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ExecAbortError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -131,8 +137,10 @@ def _remaining(deadline_at: float) -> float:
 class SingleNodeTransport:
     kind = "redis"
 
-    def __init__(self, url: str, socket_timeout_seconds: float, connect_timeout_seconds: float) -> None:
-        self._kwargs: dict[str, Any] = parse_url(url)
+    def __init__(self, url: str | Mapping[str, Any], socket_timeout_seconds: float,
+                 connect_timeout_seconds: float) -> None:
+        # A URL, or (one node of a cluster) its connections' keyword arguments, connection_class too.
+        self._kwargs: dict[str, Any] = parse_url(url) if isinstance(url, str) else dict(url)
         self._cls: type[AbstractConnection] = self._kwargs.pop("connection_class", Connection)
         self._socket_timeout = socket_timeout_seconds
         self._connect_timeout = connect_timeout_seconds
@@ -146,16 +154,18 @@ class SingleNodeTransport:
     def nodes(self) -> frozenset[str]:
         return _NO_NODE
 
-    def transaction(self, commands: Sequence[Command], deadline_at: float) -> list[Any]:
+    def transaction(self, commands: Sequence[Command], deadline_at: float, asking: bool = False) -> list[Any]:
+        """`asking`: ASKING before MULTI, for a cluster node importing the slot (an ASK redirect)."""
         started = time.monotonic()
         conn = self._acquire()
         clean = False  # every reply read: the connection may be reused as it is
         server_trouble = True  # the failure, if any, may mean the server went away
         try:
             self._cap(conn, deadline_at)
-            conn.send_packed_command(_pack_transaction(commands), check_health=False)
+            conn.send_packed_command(_pack_transaction(commands, asking), check_health=False)
             queued_errors: list[ResponseError] = []
-            for _ in range(len(commands) + 1):  # +OK for MULTI, +QUEUED per command
+            # +OK for ASKING and MULTI, +QUEUED per command (or an error: -OOM, -MOVED, -ASK)
+            for _ in range(len(commands) + 1 + asking):
                 self._cap(conn, deadline_at)
                 try:
                     conn.read_response()
@@ -248,10 +258,12 @@ def telling_timeout(waited_seconds: float, socket_timeout_seconds: float) -> boo
     return waited_seconds >= min(socket_timeout_seconds, TELLING_TIMEOUT_SECONDS)
 
 
-def _pack_transaction(commands: Sequence[Command]) -> list[BytesLike]:
-    """RESP-encode MULTI, the commands and EXEC as a list of buffers for sendall()."""
+def _pack_transaction(commands: Sequence[Command], asking: bool = False) -> list[BytesLike]:
+    """RESP-encode [ASKING,] MULTI, the commands and EXEC as a list of buffers for sendall()."""
     out: list[BytesLike] = []
-    small = bytearray(b"*1\r\n$5\r\nMULTI\r\n")
+    # ASKING holds for a whole MULTI...EXEC: a node clears it only after a command outside one.
+    small = bytearray(b"*1\r\n$6\r\nASKING\r\n" if asking else b"")
+    small += b"*1\r\n$5\r\nMULTI\r\n"
     for cmd in commands:
         small += b"*%d\r\n" % len(cmd)
         for arg in cmd:
@@ -283,9 +295,14 @@ class ClusterTransport:
 
     def __init__(self, url: str, socket_timeout_seconds: float, connect_timeout_seconds: float) -> None:
         self._nodes, self._kwargs = parse_cluster_url(url)
+        self._socket_timeout, self._connect_timeout = socket_timeout_seconds, connect_timeout_seconds
+        node_kwargs = {k: v for k, v in self._kwargs.items() if k != "ssl"}
+        node_kwargs["connection_class"] = SSLConnection if self._kwargs.get("ssl") else Connection
+        self._node_kwargs = node_kwargs
         self._kwargs.update(socket_timeout=socket_timeout_seconds,
                             socket_connect_timeout=connect_timeout_seconds)
         self._lock = threading.Lock()
+        self._node_transports: dict[str, SingleNodeTransport] = {}  # by node name, host:port
         self._client: RedisCluster | None = None
         self._building: _Build | None = None
         self._refreshing = False
@@ -295,15 +312,29 @@ class ClusterTransport:
     def transaction(self, commands: Sequence[Command], deadline_at: float) -> list[Any]:
         _remaining(deadline_at)
         client = self._connect(deadline_at)
-        pipe = client.pipeline(transaction=True)
-        for cmd in commands:
-            pipe.execute_command(*(_join(a) for a in cmd))
         try:
-            return list(pipe.execute(raise_on_error=False))
+            node = client.get_node_from_key(_key_of(commands[0]))  # every key shares the first's slot
+        except RedisClusterException:  # no node owns the slot in this map: a newer one may say who does
+            self._refresh_soon(client)
+            raise
+        try:
+            try:
+                return self._node(node.host, node.port).transaction(commands, deadline_at)
+            except AskError as e:  # MovedError is one too
+                host, port = e.host or node.host, e.port  # a node may leave its own host out
+                moved = isinstance(e, MovedError)
+                if moved:
+                    # Resharded or failed over: this slot is patched now, the rest of the map
+                    # (other slots most likely moved with it) comes off the caller's thread.
+                    e.host, e.node_addr = host, (host, port)
+                    client.nodes_manager.move_slot(e)
+                    self._refresh_soon(client)
+            # Followed once. Redirected again (the slot moved on meanwhile), the error reaches the
+            # pool, whose next attempt starts over from the map.
+            return self._node(host, port).transaction(commands, deadline_at, asking=not moved)
         except (RedisConnectionError, RedisTimeoutError):
-            # The node may be gone for good (its replica took its slots). redis-py asks for the
-            # map again only after several errors on one pipeline: with one pipeline per call
-            # never, and the dead node's keys missed for the life of the process.
+            # The node may be gone for good (its replica took its slots): redis-py would ask for
+            # the map again only after several errors on one pipeline of its own.
             self._refresh_soon(client)
             raise
 
@@ -348,8 +379,23 @@ class ClusterTransport:
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
+            nodes, self._node_transports = self._node_transports, {}
+        for node in nodes.values():
+            node.close()
         if client is not None:
             client.close()
+
+    def _node(self, host: str, port: int) -> SingleNodeTransport:
+        """The connections to one node, made on first use."""
+        name = f"{host}:{port}"
+        with self._lock:
+            if self._closed:
+                raise RedisConnectionError("the pool is closed")
+            node = self._node_transports.get(name)
+            if node is None:
+                node = self._node_transports[name] = SingleNodeTransport(
+                    {**self._node_kwargs, "host": host, "port": port}, self._socket_timeout, self._connect_timeout)
+        return node
 
     def _connect(self, deadline_at: float) -> RedisCluster:
         """The client, built on first use, not in __init__: RedisCluster asks the cluster for its
@@ -402,14 +448,21 @@ class ClusterTransport:
         threading.Thread(target=self._refresh, args=(client,), name="kvstore-cluster-refresh", daemon=True).start()
 
     def _refresh(self, client: RedisCluster) -> None:
+        gone: list[SingleNodeTransport] = []
         try:
             client.nodes_manager.initialize()
         except Exception:  # no node answered, or they disagree: the map in use stays, the next failure asks again
             pass
         finally:
+            known = set(client.nodes_manager.nodes_cache)
             with self._lock:
                 self._refreshing = False
                 closed = self._closed
+                # The idle connections of nodes out of the cluster would otherwise stay open for good.
+                for name in [n for n in self._node_transports if n not in known]:
+                    gone.append(self._node_transports.pop(name))
+            for node in gone:
+                node.close()
             if closed:
                 client.close()  # closed during the refresh: the connections it opened go too
 
@@ -423,8 +476,11 @@ class _Build:
         self.error = ""
 
 
-def _join(arg: Arg) -> bytes | str | int:
-    return b"".join(arg) if isinstance(arg, tuple) else arg
+def _key_of(command: Command) -> bytes | str:
+    """The first key of a command: after EVAL's script and key count, else its first argument."""
+    arg = command[3] if str(command[0]).upper() == "EVAL" else command[1]
+    assert isinstance(arg, bytes | str), "a key is one buffer"
+    return arg
 
 
 def parse_cluster_url(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:

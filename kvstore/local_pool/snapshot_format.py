@@ -45,6 +45,10 @@ LAYOUT_ID_BYTES = 8
 # More parts than any snapshot has (1 GiB at the smallest part size): a header claiming more is
 # not one of ours, and a reader must not ask Redis for billions of keys on its word.
 MAX_PARTS = 1 << 18
+# The smallest part a writer makes (the config refuses a smaller part_bytes). A reader may use
+# another part_bytes than the writer, so a header's part count is checked against what its
+# payload size needs at this size: the most parts any writer of that payload could have made.
+MIN_PART_BYTES = 4096
 
 # magic, version, flags, layout id, boundary tokens, payload bytes, part count, header crc32,
 # write id, checksum sum, checksum weighted sum
@@ -95,7 +99,19 @@ class SnapshotHeader:
             raise SnapshotFormatError("header checksum mismatch")
         if not 1 <= count <= MAX_PARTS:
             raise SnapshotFormatError(f"part count {count} (1..{MAX_PARTS})")
+        # A valid CRC proves nothing (anyone can compute one): a header claiming more parts than
+        # its payload needs would have a reader ask Redis for keys no writer made.
+        most = part_count_for(nbytes, MIN_PART_BYTES)
+        if count > most:
+            raise SnapshotFormatError(f"part count {count}: a {nbytes} B payload has at most {most}")
         return header
+
+
+def part_count_for(payload_bytes: int, part_bytes: int) -> int:
+    """How many parts a payload of this size is written as, at this part size."""
+    first = part_bytes - HEADER.size
+    later = part_bytes - PART_HEADER.size
+    return 1 + max(0, -(-(payload_bytes - first) // later))
 
 
 def payload_checksum(payload: BytesLike) -> tuple[int, int]:
@@ -139,12 +155,12 @@ def encode_parts(
     they are the stored value. Slices are views of `payload`, so nothing is copied here; a
     backend that can send a value as two buffers never joins them."""
     assert len(layout_id) == LAYOUT_ID_BYTES, "layout ids are 8 bytes"
-    assert part_bytes > HEADER.size, "a part must hold more than the header"
+    assert part_bytes >= MIN_PART_BYTES, "a reader refuses a header with more parts than MIN_PART_BYTES makes"
     view = memoryview(payload).cast("B")
     n = len(view)
     first = part_bytes - HEADER.size
     later = part_bytes - PART_HEADER.size
-    count = 1 + max(0, -(-(n - first) // later))
+    count = part_count_for(n, part_bytes)
     wid = new_write_id() if write_id is None else write_id
     header = SnapshotHeader(layout_id, boundary_tokens, n, count, wid, payload_checksum(view))
     parts = [(header.pack(), view[:first])]
