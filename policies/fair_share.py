@@ -10,11 +10,15 @@ admitted however long the first one holds its units. Members not named at constr
 Refusing instead of queueing is the caller's choice (the service answers "no" at once); this
 class only says whether a request fits and keeps the count. It is not thread-safe: callers hold
 their own lock.
+
+A byte budget whose holders are evicted rather than refused (the embedded local pool) uses the two
+functions below instead: `weighted_split` for the shares, `most_over_share` for whom to evict.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -88,3 +92,30 @@ class FairShare:
             raise ValueError(f"{member} gives back {amount} units but holds {used}")
         self._used[member] = used - amount
         self._in_use -= amount
+
+
+def weighted_split(
+    total: float, weights: Mapping[str, float], members: Iterable[str], default_weight: float = 1.0,
+) -> dict[str, float]:
+    """`total` split between `members` by weight (`default_weight` for one not in `weights`),
+    unrounded. Only `members` take part, so one left out (holding nothing) reserves nothing."""
+    w = {m: weights.get(m, default_weight) for m in members}
+    whole = sum(w.values())
+    return {m: total * x / whole for m, x in w.items()}
+
+
+def most_over_share(
+    holdings: Mapping[str, tuple[int, float]], shares: Mapping[str, float], writer: str, need: int,
+) -> str | None:
+    """The tenant to evict from so that `writer` can add `need` bytes. `holdings`: each tenant
+    holding entries, with its bytes and its soonest expiry. The one most over its share (the writer
+    counted with `need`); on a tie, the one whose next entry expires soonest, then the first listed.
+    The writer may always give up its own entries; another tenant only while over its share. None:
+    no one may be evicted."""
+    best, best_rank = None, (-math.inf, -math.inf)
+    for tenant, (nbytes, soonest) in holdings.items():
+        over = nbytes + (need if tenant == writer else 0) - shares[tenant]
+        rank = (over, -soonest)
+        if (tenant == writer or over > 0) and rank > best_rank:
+            best, best_rank = tenant, rank
+    return best

@@ -1,11 +1,16 @@
 """The embedded pool on an injected clock: exact expiry, the byte budget and its eviction order
-(expired first, then the entries that expire soonest), and the bookkeeping behind stats."""
+(expired first, then the tenant most over its weighted share, soonest-expiring first), what an
+entry is counted against the budget, and the bookkeeping behind stats."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 
+from kvstore.config.local_pool import LocalPoolConfig
 from kvstore.local_pool.embedded import ENTRY_OVERHEAD_BYTES, EmbeddedPool
+from kvstore.local_pool.factory import build_local_pool
 
 LAYOUT = b"layout01"
 
@@ -127,7 +132,7 @@ def test_many_refreshes_do_not_grow_bookkeeping_without_bound() -> None:
     for _ in range(10_000):
         clock.now += 0.001
         assert pool.get(_key(0), _key(0), "t10", LAYOUT).hit
-    assert len(pool._heap) < 200  # stale heap items are compacted away
+    assert sum(len(b.heap) for b in pool._books.values()) < 200  # stale heap items are compacted away
 
 
 def test_the_policy_hears_only_of_writes_that_happen() -> None:
@@ -159,3 +164,109 @@ def test_unusable_policy_answers_skip_the_write(ttl: float) -> None:
 
     pool = EmbeddedPool(1 << 20, Odd(), FakeClock())
     assert pool.put(_key(0), _key(0), "t", LAYOUT, 128, b"x").skip_reason == "policy"
+
+
+# --- tenants share the budget by weight --------------------------------------------------------
+UNIT = ENTRY + ENTRY_OVERHEAD_BYTES  # what one test entry counts against the budget
+
+
+class ByTenant(TenantTtl):
+    """A TTL per tenant name."""
+
+    def __init__(self, ttls: dict[str, float]) -> None:
+        super().__init__()
+        self.ttls = ttls
+        self.writes = 0
+
+    def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
+        self.writes += 1
+        return self.ttls[tenant]
+
+
+def _tput(pool: EmbeddedPool, tenant: str, i: int, units: int = 1) -> str | None:
+    """Write entry `i` of `tenant` counting `units` test entries; the skip reason, None if written."""
+    key = tenant.encode().ljust(32, b"\0")
+    return pool.put(key, _key(i), tenant, LAYOUT, 128, b"x" * (units * UNIT - ENTRY_OVERHEAD_BYTES)).skip_reason
+
+
+def _held(pool: EmbeddedPool, tenant: str, ids: range | list[int]) -> list[int]:
+    key = tenant.encode().ljust(32, b"\0")
+    return [i for i in ids if pool.get(key, _key(i), tenant, LAYOUT).hit]
+
+
+def test_a_tenant_with_longer_ttls_cannot_push_another_out() -> None:
+    # mallory's entries outlive bob's (600 s against 300 s): by expiry alone every eviction took
+    # bob's, down to his own newest write being evicted by his next one.
+    clock = FakeClock()
+    pool = EmbeddedPool(10 * UNIT, ByTenant({"bob": 300, "mallory": 600}), clock)
+    for i in range(5):
+        assert _tput(pool, "bob", i) is None
+    clock.now += 1
+    for i in range(10):
+        assert _tput(pool, "mallory", i) is None  # past her half, she evicts her own oldest
+    assert _held(pool, "bob", range(5)) == [0, 1, 2, 3, 4]
+    assert _held(pool, "mallory", range(10)) == [5, 6, 7, 8, 9]
+    clock.now += 1
+    assert _tput(pool, "bob", 99) is None  # at his share: his own soonest-expiring entry goes
+    assert _held(pool, "bob", [0, 1, 2, 3, 4, 99]) == [1, 2, 3, 4, 99]
+    assert _held(pool, "mallory", range(10)) == [5, 6, 7, 8, 9]
+    assert pool.stats().evictions == 6
+
+
+def test_share_weights_split_the_budget_and_an_idle_budget_is_lent() -> None:
+    pool = EmbeddedPool(8 * UNIT, ByTenant({"a": 60, "b": 60}), FakeClock(), share_weights={"a": 3.0})
+    for i in range(10):
+        assert _tput(pool, "a", i) is None
+    assert len(_held(pool, "a", range(10))) == 8  # alone, a may use it all
+    for i in range(4):
+        assert _tput(pool, "b", i) is None  # weight 1 (not named) against 3: 2 of the 8
+    assert len(_held(pool, "a", range(10))) == 6
+    assert _held(pool, "b", range(4)) == [2, 3]
+
+
+def test_the_factory_passes_the_share_weights_on() -> None:
+    cfg = LocalPoolConfig(capacity_bytes=4 * UNIT)
+    pool = build_local_pool(cfg, ByTenant({"a": 60, "b": 60}), FakeClock(), share_weights={"a": 3.0, "b": 1.0})
+    for i in range(4):
+        assert _tput(pool, "a", i) is None
+        assert _tput(pool, "b", i) is None
+    assert (len(_held(pool, "a", range(4))), len(_held(pool, "b", range(4)))) == (3, 1)
+
+
+def test_a_write_that_fits_only_by_evicting_a_tenant_within_its_share_is_skipped() -> None:
+    policy = ByTenant({"a": 10, "b": 20, "c": 30})
+    pool = EmbeddedPool(4 * UNIT, policy, FakeClock())
+    assert _tput(pool, "a", 0) is None and _tput(pool, "a", 1) is None
+    assert _tput(pool, "b", 0) is None
+    # c's 3 units against a share of 4/3: one of a's entries could go (a is over its share), then
+    # no one's: nothing is evicted after all, and the policy never hears of the write.
+    assert _tput(pool, "c", 0, units=3) == "no-room"
+    assert _held(pool, "a", range(2)) == [0, 1] and _held(pool, "b", range(1)) == [0]
+    s = pool.stats()
+    assert (s.entries, s.used_bytes, s.evictions, s.skipped_writes["no-room"]) == (3, 3 * UNIT, 0, 1)
+    assert policy.writes == 3
+
+
+def test_a_write_the_policy_refuses_evicts_nothing() -> None:
+    pool = EmbeddedPool(UNIT, ByTenant({"a": 10, "z": 0}), FakeClock())
+    assert _tput(pool, "a", 0) is None
+    assert _tput(pool, "z", 0) == "policy"
+    assert _held(pool, "a", range(1)) == [0]
+    assert pool.stats().evictions == 0
+
+
+# --- what an entry is counted --------------------------------------------------------------------
+def test_small_entries_are_counted_about_what_they_cost_in_memory() -> None:
+    # Counting payload + 64 B let a budget of 32-byte snapshots hold ~4x its size in Python objects.
+    n, size = 5000, 32
+    pool = EmbeddedPool(1 << 40, ByTenant({"t": 300}), FakeClock())
+    keys = [i.to_bytes(32, "big") for i in range(n)]
+    tracemalloc.start()
+    try:
+        for i in range(n):  # as the service writes: a fresh payload, layout id and position each time
+            pool.put(keys[i], keys[i], "t", b"layout0" + bytes([i % 2]), 4096 + i, bytes([i % 251]) * size)
+        real, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    counted = pool.stats().used_bytes
+    assert 0.67 <= real / counted <= 1.5, (real / n, counted / n)

@@ -1,7 +1,8 @@
 """The simulated mode's byte accounting, checked by hand against the layout arithmetic.
 
 DeepSeek-V4.1-Flash: a chunk is 128 tokens x 890 B = 113,920 B; a local snapshot is
-20 layers x 128 rows x 528 B = 1,351,680 B, plus the embedded pool's 64-byte entry header.
+20 layers x 128 rows x 528 B = 1,351,680 B, plus the embedded pool's per-entry overhead
+(`ENTRY_OVERHEAD_BYTES`, what an entry's bookkeeping costs in memory).
 Every expected number below is written out from those figures.
 """
 
@@ -13,6 +14,7 @@ import pytest
 
 from kvstore.config.local_pool import TtlPolicyConfig
 from kvstore.layout import get_model
+from kvstore.local_pool.embedded import ENTRY_OVERHEAD_BYTES
 from kvstore.workload.costmodel import CostModel
 from kvstore.workload.generator import SessionPlan, TurnPlan, Workload, WorkloadSpec, generate
 from kvstore.workload.results import RunResult
@@ -21,7 +23,7 @@ from kvstore.workload.thinktime import ThinkTime
 
 CHUNK = 113_920
 SNAP = 1_351_680
-SNAP_ENTRY = SNAP + 64
+SNAP_ENTRY = SNAP + ENTRY_OVERHEAD_BYTES
 GiB = 1 << 30
 COST = CostModel(prefill_seconds_per_token=1e-4, lookup_seconds=0.0005, replay_fixed_seconds=0.002,
                  device_bandwidth_bytes_per_second=2e12, pool_bandwidth_bytes_per_second=5e9,

@@ -107,7 +107,8 @@ class KvstoreConfig:
         return len(self.share_weights()) > 1 and self.service.shm_enabled and bool(self.service.unix_socket_path)
 
     def share_weights(self) -> dict[str, float]:
-        """Each tenant's weight in the split of the service's call slots, staged bytes and runners."""
+        """Each tenant's weight in the split of the service's call slots, staged bytes, runners and
+        the embedded local pool's budget."""
         if not self.tenants:
             return {DEFAULT_TENANT: 1.0}
         return {name: t.share_weight for name, t in self.tenants.items()}

@@ -36,7 +36,8 @@ MISS_REASONS: tuple[MissReason, ...] = ("absent", "expired", "incomplete", "corr
 
 # Why a put wrote nothing.
 # - oom: Redis refused the write (maxmemory under noeviction)
-# - no-room: the embedded pool's byte budget cannot hold the snapshot even when empty
+# - no-room: the embedded pool's byte budget cannot hold the snapshot, even when empty or by
+#   evicting only the writer's entries and other tenants' entries beyond their shares
 # - policy: the TTL policy gave a lifetime <= 0
 SkipReason = Literal["oom", "no-room", "policy", "timeout", "error", "breaker-open", "closed"]
 SKIP_REASONS: tuple[SkipReason, ...] = ("oom", "no-room", "policy", "timeout", "error", "breaker-open",

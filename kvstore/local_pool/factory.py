@@ -8,7 +8,7 @@ down when the service starts reads as misses (and a degraded health), not as a f
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvstore.config.local_pool import LocalPoolConfig
 from kvstore.local_pool.base import LocalPool
@@ -20,12 +20,15 @@ from policies.base import TtlPolicy
 
 def build_local_pool(
     cfg: LocalPoolConfig, ttl_policy: TtlPolicy, clock: Callable[[], float] = time.monotonic,
+    share_weights: Mapping[str, float] | None = None,
 ) -> LocalPool:
     """`cfg.url`: "embedded", redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://.
     `clock` is the monotonic time the TTL policy and the breaker see (the embedded pool's expiry
-    clock too); Redis keeps its own time for TTLs."""
+    clock too); Redis keeps its own time for TTLs. `share_weights` (`KvstoreConfig.share_weights()`)
+    split the embedded pool's budget between tenants (equal when not given); Redis evicts by its own
+    `maxmemory` policy, so it does not use them."""
     if cfg.url == "embedded":
-        return EmbeddedPool(cfg.capacity_bytes, ttl_policy, clock)
+        return EmbeddedPool(cfg.capacity_bytes, ttl_policy, clock, share_weights)
     scheme = cfg.url.split("://", 1)[0]
     transport: RedisTransport
     if scheme.endswith("+cluster"):

@@ -2,8 +2,9 @@
 coordinator from one `KvstoreConfig`, and holds them for the servers that serve them.
 
 Where other parts plug in (each is optional; the service runs without it):
-- local pool: `kvstore.local_pool.build_local_pool(cfg.local_pool, ttl_policy, clock)`, with the TTL
-  policy from `kvstore.config.policies.build_ttl` (`App.reload_local_pool` swaps it on a config reload).
+- local pool: `kvstore.local_pool.build_local_pool(cfg.local_pool, ttl_policy, clock,
+  cfg.share_weights())`, with the TTL policy from `kvstore.config.policies.build_ttl`
+  (`App.reload_local_pool` swaps it on a config reload).
 - replay: `replay.coordinator.build_coordinator(parts)`, given the parts it needs
   (`replay.port.ReplayParts`: the store, the local pool, the runner registry, the served models,
   `[replay]`, the chunk size, the clock), never the app. Absent: `app.coordinator` is None and an expired `Resume`
@@ -212,7 +213,8 @@ def build_pool(cfg: KvstoreConfig, models: dict[str, ModelSpec], clock: Callable
                policy: TtlPolicy | None = None) -> LocalPool:
     from kvstore.local_pool import build_local_pool
 
-    return build_local_pool(cfg.local_pool, policy or build_ttl_policy(cfg, models), clock)
+    # The embedded pool splits its budget by the tenants' weights, as the call slots are split.
+    return build_local_pool(cfg.local_pool, policy or build_ttl_policy(cfg, models), clock, cfg.share_weights())
 
 
 def install_observers(app: App) -> None:

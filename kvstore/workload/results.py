@@ -15,7 +15,8 @@ Definitions (per request unless said otherwise):
   snapshot, and the snapshot a replay rebuilt (the coordinator keeps it in the pool);
 - `persistent_bytes_loaded`: bytes it moved back to the GPU from DRAM, SSD and the local pool;
 - persistent bytes held: time-averaged distinct global chunks in DRAM ∪ LMDB (payload bytes) plus
-  the local pool's entries (payload + entry header); per token: over the tokens those chunks hold.
+  the local pool's entries (payload + the embedded pool's per-entry overhead); per token: over the
+  tokens those chunks hold.
 - `global_bytes_per_token`: the device tier's bytes over the tokens it holds, time-averaged (the
   HBM figure to set against the layout's 890 B/token; page rounding shows up here).
 
