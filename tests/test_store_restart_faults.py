@@ -186,3 +186,25 @@ def test_a_value_that_verifies_but_is_another_keys_is_deleted_not_found_again(tm
         store.check_invariants()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("record", [b"[1]", b'"t"', b"3", b"null"])
+def test_a_namespace_record_that_is_json_but_no_object_is_counted_and_ignored(tmp_path: Path, record: bytes) -> None:
+    # Before: json.loads gave a list or a string, ["tenant"] raised TypeError, and the store's
+    # constructor (`kvstore serve`) stopped with a traceback.
+    store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0)
+    ns = store.namespace("alice", "reference-toy-8", "bounded")
+    store_prefix(store, ns, tokens_for(1, 2 * CHUNK))
+    store.close()
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"namespaces")) as txn:
+        txn.put(ns.digest, record)
+    env.close()
+    store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0)
+    try:
+        # Its chunks are then of a namespace nobody knows: kept on disk, not served.
+        assert store.stats().ignored_on_open == {"bad-namespace-record": 1, "unknown-namespace": 2}
+        assert store.lookup(ns, tokens_for(1, 2 * CHUNK)).hit_chunks == 0
+        store.check_invariants()
+    finally:
+        store.close()

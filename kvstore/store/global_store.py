@@ -877,7 +877,10 @@ class GlobalStore(Placement):
     def _recover_namespaces(self) -> None:
         for digest, record in self._durable.namespaces().items():
             try:
-                self._known_ns[digest] = str(json.loads(record)["tenant"])
+                d = json.loads(record)
+                if not isinstance(d, dict):  # valid JSON, but a list or a string has no "tenant"
+                    raise ValueError("not an object")
+                self._known_ns[digest] = str(d["tenant"])
             except (ValueError, KeyError):
                 self._ignored["bad-namespace-record"] = self._ignored.get("bad-namespace-record", 0) + 1
 

@@ -12,7 +12,11 @@ A restart reads the index records only (`scan`), ~110 bytes of database per chun
 value's pages: its cost does not depend on payload bytes. Values are verified when first read.
 A directory of format 1 (no `index`; kvstore 0.1) gets its index built once at open, from the
 value headers (one page per value), and so does any value found without a record: the two
-databases' entry counts are compared at every open, which costs two page reads.
+databases' entry counts are compared at every open, which costs two page reads. Otherwise opening
+reads no index record: the used bytes are summed by the first whole scan (the store's index load,
+on a thread when it loads in the background), so a restart listens before it has read the index.
+A data file shorter than the pages its newest transaction uses (a copy cut short) is refused at
+open, before LMDB reads a page through the map: past the file's end that read is a SIGBUS.
 
 Durability (StoreConfig.lmdb_durability) and what each mode loses on a power cut or kernel crash
 (a crash of the process alone loses nothing in any mode: committed pages are in the OS cache):
@@ -43,6 +47,8 @@ of layouts it was not told about.
 from __future__ import annotations
 
 import itertools
+import os
+import struct
 import threading
 import zlib
 from collections import Counter
@@ -77,10 +83,13 @@ OPEN_HEADROOM_BYTES = 4 * MiB
 # threads together, with room. LMDB's default of 126 made reads fail with a full reader table.
 MAX_READERS = 1024
 SCAN_BATCH = 256  # entries read per read transaction by scan(); short transactions let the map grow
-MEASURE_RUN = 65_536  # index records joined at a time when the used bytes are counted at open
+MEASURE_RUN = 65_536  # index records joined at a time when the used bytes are counted in one pass
 # 1: chunks only (kvstore 0.1); 2: an index record beside every value.
 LMDB_FORMAT_VERSION = 2
 _FORMAT_KEY = b"format_version"
+# Free space under which a failed write is put down to a full disk: a transaction writes its
+# values and a few pages of each tree it changes, and the file system keeps a margin of its own.
+DISK_NEARLY_FULL_BYTES = 4 * MiB
 PROGRESS_EVERY = 10_000  # values between two progress lines while an index is built
 
 _DURABILITY: dict[str, dict[str, bool]] = {
@@ -217,6 +226,7 @@ class LmdbTier:
                 max_readers=MAX_READERS, writemap=False, map_async=False, readahead=False,
                 **_DURABILITY[durability],
             )
+            self._check_length(data)  # before anything reads a page through the map
             # Reader slots of processes that died inside a read transaction pin old pages forever.
             self.stale_readers_cleared = self._env.reader_check()
             self._chunks = self._env.open_db(b"chunks")
@@ -232,8 +242,37 @@ class LmdbTier:
         self._progress = progress or (lambda line: None)
         # Values that have no index record because their header is bad: reported by every scan.
         self._unindexed: list[ScannedChunk] = []
-        self._open_format()
-        self._used, self._count = self._measure()
+        # The entry count is in the database's header; the used bytes are a sum over every index
+        # record, counted by the first whole scan (the store's index load reads them all anyway, on a
+        # thread when it loads in the background): a restart does not read the index twice, nor once
+        # before the service listens. Until then `stats()` reports what that scan has counted so far.
+        self._count = self._entries(self._chunks)
+        self._used = 0
+        self._counted = self._count == 0
+        self._counting = False  # a scan's running sum is `_used` (`scan_batches`)
+        if self._open_format():  # the index was just built from every value: one more pass is cheap
+            self._used, self._counted = self._measure_used(), True
+
+    def _check_length(self, data: Path) -> None:
+        """Refuse a data file cut short (a copy or a restore that stopped early): LMDB maps the file,
+        and reading a page past its end kills the process with SIGBUS, without a word. LMDB may leave
+        the file short of its last page number itself, by pages freed in the transaction that took
+        them and so never written: those are on its free list, never read, and not refused."""
+        psize = int(self._env.stat()["psize"])
+        info = self._env.info()  # from the newest meta page: the one LMDB reads the trees from
+        last = int(info["last_pgno"])
+        size = data.stat().st_size
+        if size >= (last + 1) * psize:
+            return
+        first = size // psize  # the first page not wholly in the file
+        try:
+            free = _free_pages(data, psize, int(info["last_txnid"]), first, last)
+        except (OSError, ValueError, struct.error):  # the free list itself is cut, or unreadable
+            free = set()
+        if len(free) < last + 1 - first:
+            raise StorageError(
+                f"the LMDB data file {data} is {size} bytes but its last committed page ends at byte "
+                f"{(last + 1) * psize}: the file was cut short; restore it or move it away")
 
     # --- sizes -------------------------------------------------------------------------------
     @property
@@ -259,7 +298,8 @@ class LmdbTier:
         """An upper bound: header, the longest chunk's token ids, the payload uncompressed."""
         return self.disk_bytes(vf.value_bytes(self._max_token_bytes, payload_bytes))
 
-    def _measure(self) -> tuple[int, int]:
+    def _measure_used(self) -> int:
+        """The used bytes, from every index record in one read transaction (a consistent sum)."""
         used = sum(sc.stored_bytes for sc in self._unindexed)
         lengths: Counter[int] = Counter()
         with self._env.begin(db=self._index) as txn:
@@ -274,26 +314,31 @@ class LmdbTier:
                     lengths.update(dict(zip(found.tolist(), counts.tolist(), strict=True)))
                 else:
                     lengths.update(map(_record_value_bytes, run))
-        used += sum(self.disk_bytes(n) * count for n, count in lengths.items())
-        return used, self._entries(self._chunks)
+        return used + sum(self.disk_bytes(n) * count for n, count in lengths.items())
 
     def _entries(self, db: lmdb._Database) -> int:
         with self._env.begin() as txn:
             return int(txn.stat(db)["entries"])
 
     # --- the index database and the format version ---------------------------------------------
-    def _open_format(self) -> None:
+    def _open_format(self) -> bool:
+        """Check the format version, and build the index where values lack records: whether it did."""
         with self._env.begin(db=self._meta) as txn:
             raw = txn.get(_FORMAT_KEY)
-        version = int(raw) if raw is not None and raw.isdigit() else 1
-        if version > LMDB_FORMAT_VERSION:
-            raise StorageError(f"the LMDB data at {self.path} is of format {version}, written by a newer "
+        digits = raw.lstrip(b"0") if raw is not None and raw.isdigit() else None
+        # More digits than any version this code could know is a newer version (and int() refuses
+        # more than 4,300 digits).
+        if digits is not None and (len(digits) > 9 or int(digits or b"0") > LMDB_FORMAT_VERSION):
+            shown = digits.decode() if len(digits) <= 20 else f"{digits[:20].decode()}... ({len(digits)} digits)"
+            raise StorageError(f"the LMDB data at {self.path} is of format {shown}, written by a newer "
                                f"kvstore; this one reads formats up to {LMDB_FORMAT_VERSION}")
+        version = int(digits or b"0") if digits is not None else 1
         values, records = self._entries(self._chunks), self._entries(self._index)
         if values != records:
             self._build_index(values, migrating=version < LMDB_FORMAT_VERSION)
         if version < LMDB_FORMAT_VERSION:
             self._put_record(self._meta, _FORMAT_KEY, str(LMDB_FORMAT_VERSION).encode())
+        return values != records
 
     def _build_index(self, values: int, migrating: bool) -> None:
         """Give every value lacking an index record one, from its header (a page read each), and drop
@@ -414,10 +459,24 @@ class LmdbTier:
                 advanced = self._make_writable(advanced, sum(p.size for p in planned))
                 continue
             except lmdb.Error as e:
-                raise StorageError(f"LMDB write failed: {e}") from e
-            self._used, self._count = used, count
+                raise self._write_failed("LMDB write failed", e, sum(p.size for p in planned)) from e
+            self._count = count
+            if self._counted:  # else `_used` is a scan's running sum: see `_rebuild_totals`
+                self._used = used
             self._writes += 1
             return
+
+    def _write_failed(self, what: str, e: lmdb.Error, need_bytes: int) -> StorageError:
+        """The error of a failed write transaction. LMDB reports the short write of a full disk as
+        an I/O error (EIO), which reads like a failing device: the free space says which it is."""
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return StorageError(f"{what}: {e}")
+        free = st.f_bavail * st.f_frsize
+        if free < max(need_bytes, DISK_NEARLY_FULL_BYTES):
+            return StorageError(f"{what}: the disk holding {self.path} is full ({free} bytes free): {e}")
+        return StorageError(f"{what}: {e}")
 
     def _advance(self) -> None:
         """Commit one write transaction that changes nothing the store reads (a counter in the
@@ -478,8 +537,10 @@ class LmdbTier:
                 advanced = self._make_writable(advanced, 0)
                 continue
             except lmdb.Error as e:
-                raise StorageError(f"LMDB delete failed: {e}") from e
-            self._used, self._count = used, count
+                raise self._write_failed("LMDB delete failed", e, 0) from e
+            self._count = count
+            if self._counted:  # else `_used` is a scan's running sum: see `_rebuild_totals`
+                self._used = used
             self._writes += 1
             return
 
@@ -617,10 +678,14 @@ class LmdbTier:
         self._rebuild_totals(writes_at_start, used, count)
 
     def _rebuild_totals(self, writes_at_start: int, used: int, count: int) -> None:
-        """A whole scan's used bytes and entry count, kept if no write happened while it ran."""
+        """A whole scan's used bytes and entry count, kept if no write happened while it ran. Else,
+        used bytes never counted yet are counted now, in one read transaction while writes wait
+        (rare: while the store loads its index, only the removal of a bad value writes)."""
         with self._lock:
             if self._writes == writes_at_start:
-                self._used, self._count = used, count
+                self._used, self._count, self._counted = used, count, True
+            elif not self._counted:
+                self._used, self._counted = self._measure_used(), True
 
     def _verified_batch(self, after: bytes | None) -> list[ScannedChunk]:
         out: list[ScannedChunk] = []
@@ -645,26 +710,36 @@ class LmdbTier:
     def scan_batches(self) -> Iterator[ScanBatch]:
         """`scan()` (no value read) as arrays, a read transaction (SCAN_BATCH entries) at a time:
         a restart's path, a few array passes per batch instead of an object per entry. Used
-        bytes and the entry count are rebuilt alike."""
+        bytes and the entry count are rebuilt alike; while the used bytes were never counted, the
+        first such scan's running sum is what `stats()` reports."""
         writes_at_start = self._writes
-        used = count = 0
-        if self._unindexed:
-            first = ScanBatch.of(list(self._unindexed))
-            used, count = first.all_stored_bytes, first.entries
-            yield first
-        after: bytes | None = None
-        while True:
-            with self._lock, self._env.begin() as txn:
-                cur = txn.cursor(self._index)
-                pairs = list(itertools.islice(cur.iternext(), SCAN_BATCH)) if self._position(cur, after) else []
-            if not pairs:
-                break
-            keys, records = zip(*pairs, strict=True)
-            batch = self._batch_of(keys, records)
-            used, count = used + batch.all_stored_bytes, count + batch.entries
-            yield batch
-            after = keys[-1]
-        self._rebuild_totals(writes_at_start, used, count)
+        with self._lock:
+            counting = not self._counted and not self._counting
+            self._counting |= counting
+        try:
+            used = count = 0
+            if self._unindexed:
+                first = ScanBatch.of(list(self._unindexed))
+                used, count = first.all_stored_bytes, first.entries
+                yield first
+            after: bytes | None = None
+            while True:
+                with self._lock, self._env.begin() as txn:
+                    if counting and not self._counted:
+                        self._used = used
+                    cur = txn.cursor(self._index)
+                    pairs = list(itertools.islice(cur.iternext(), SCAN_BATCH)) if self._position(cur, after) else []
+                if not pairs:
+                    break
+                keys, records = zip(*pairs, strict=True)
+                batch = self._batch_of(keys, records)
+                used, count = used + batch.all_stored_bytes, count + batch.entries
+                yield batch
+                after = keys[-1]
+            self._rebuild_totals(writes_at_start, used, count)
+        finally:
+            if counting:
+                self._counting = False
 
     def _batch_of(self, keys: tuple[bytes, ...], records: tuple[bytes, ...]) -> ScanBatch:
         m = len(keys)
@@ -739,14 +814,21 @@ class LmdbTier:
                 except lmdb.MapFullError:
                     self._grow(len(record))
                 except lmdb.Error as e:
-                    raise StorageError(f"LMDB write failed: {e}") from e
+                    raise self._write_failed("LMDB write failed", e, len(record)) from e
 
     def _records(self, db: lmdb._Database) -> dict[bytes, bytes]:
         with self._lock, self._env.begin(db=db) as txn:
             return {bytes(k): bytes(v) for k, v in txn.cursor()}
 
     # --- housekeeping ------------------------------------------------------------------------
+    @property
+    def used_counted(self) -> bool:
+        """Whether `stats().used_bytes` is the whole sum (a scan has counted every record since open),
+        not yet a running one."""
+        return self._counted
+
     def stats(self) -> TierStats:
+        """Cheap: never reads the index (the store asks at every Stats call, loading or not)."""
         info = self._env.info()
         return TierStats(
             used_bytes=self._used, capacity_bytes=self._capacity, entries=self._count,
@@ -784,6 +866,57 @@ def _record_value_bytes(record: memoryview | bytes) -> int:
     """An index record's value length, read without checking it (accounting only; a record that is
     not the right size counts the value as empty until a read finds it bad)."""
     return int.from_bytes(record[16:24], "little") if len(record) == vf.INDEX_RECORD_BYTES else 0
+
+
+# LMDB's file format (mdb.c, 64-bit builds), enough to read its free list without the map: a page
+# header is pgno (8), pad (2), flags (2), lower (2), upper (2), then the node offsets; a node is
+# lo (2), hi (2), flags (2), key size (2), key, data. A meta page holds, after the page header,
+# magic (4), version (4), address (8), map size (8), the free list's MDB_db (48; its root at 40),
+# the main one's, the last page number (8) and the transaction id (8).
+_META_MAGIC = 0xBEEFC0DE
+_META_FREE_ROOT_AT, _META_TXNID_AT = 16 + 24 + 40, 16 + 24 + 2 * 48 + 8
+_P_BRANCH, _F_BIGDATA, _NO_PAGE = 0x01, 0x01, (1 << 64) - 1
+
+
+def _free_pages(data: Path, psize: int, txnid: int, first: int, last: int) -> set[int]:
+    """The pages in [first, last] that the free list of transaction `txnid`'s meta page holds, read
+    with pread (a page missing from the file is an error here, not a SIGBUS). Each list is a count
+    and that many page numbers (an MDB_IDL), inline or on overflow pages."""
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        def page(pgno: int, n: int = 1) -> bytes:
+            got = os.pread(fd, n * psize, pgno * psize)
+            if len(got) != n * psize:
+                raise ValueError(f"page {pgno} is past the end of the file")
+            return got
+
+        roots = [struct.unpack_from("<Q", meta, _META_FREE_ROOT_AT)[0] for meta in (page(0), page(1))
+                 if struct.unpack_from("<I", meta, 16)[0] == _META_MAGIC
+                 and struct.unpack_from("<Q", meta, _META_TXNID_AT)[0] == txnid]
+        if not roots:
+            raise ValueError(f"no meta page of transaction {txnid}")
+        free: set[int] = set()
+        stack = [] if roots[0] == _NO_PAGE else [roots[0]]
+        while stack:
+            p = page(stack.pop())
+            flags, lower = struct.unpack_from("<HH", p, 10)
+            for at in struct.unpack_from(f"<{(lower - _PAGE_HEADER) >> 1}H", p, _PAGE_HEADER):
+                lo, hi, nflags, ksize = struct.unpack_from("<HHHH", p, at)
+                if flags & _P_BRANCH:  # a child's page number, in lo, hi and flags
+                    stack.append(lo | hi << 16 | nflags << 32)
+                    continue
+                start, size = at + _NODE_HEADER + ksize, lo | hi << 16
+                if nflags & _F_BIGDATA:
+                    ov = struct.unpack_from("<Q", p, start)[0]
+                    pages = struct.unpack_from("<I", page(ov), 12)[0]
+                    ids = page(ov, pages)[_PAGE_HEADER : _PAGE_HEADER + size]
+                else:
+                    ids = p[start : start + size]
+                n = struct.unpack_from("<Q", ids)[0]
+                free.update(i for i in struct.unpack_from(f"<{n}Q", ids, 8) if first <= i <= last)
+        return free
+    finally:
+        os.close(fd)
 
 
 def _flat(out: memoryview) -> memoryview:
