@@ -1253,6 +1253,75 @@ def test_the_side_socket_refuses_bad_hellos_and_drops_silent_connections(
     ok.close()
 
 
+# Holds 64 connections to the side socket that never say hello, opening again each one closed.
+_FLOODER = """
+import socket, sys, time
+held = []
+def fill():
+    while len(held) < 64:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.connect(sys.argv[1]); s.setblocking(False)
+        held.append(s)
+fill(); print("ready", flush=True)
+while True:
+    for s in list(held):
+        try:
+            if s.recv(1) == b"":
+                held.remove(s); s.close()
+        except BlockingIOError:
+            pass
+        except OSError:
+            held.remove(s); s.close()
+    fill(); time.sleep(0.05)
+"""
+
+
+def test_a_process_holding_silent_connections_keeps_no_tenant_from_a_session(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # They were one pool of 64 taken before any token is read: a process holding them all had
+    # every tenant's hello closed at accept, and its clients fell back to streams.
+    from kvstore.service import shm_listener
+
+    svc = make_service(shm_config(sock_dir / "kv.sock", tenants=True))
+    shm = svc.server.shm
+    assert shm is not None
+    flooder = subprocess.Popen([sys.executable, "-c", _FLOODER, data_socket_path(str(sock_dir / "kv.sock"))],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert flooder.stdout is not None and flooder.stdout.readline() == "ready\n"
+        for token, tenant in [(ALICE, "alice"), (BOB, "bob"), (ALICE, "alice")]:
+            s = ShmPath.open(str(sock_dir / "kv.sock"), token, timeout_seconds=5.0)
+            assert s.tenant == tenant
+            s.close()
+        kv = unix(svc, BOB)  # and a client opens its own, not falling back to streams
+        assert kv.shm_session_id() and kv.data_path_in_use == "shm"
+        assert shm.pending_dropped_total >= 64 - shm_listener.MAX_PENDING_PER_PID  # the flooder's own, dropped
+        assert flooder.poll() is None  # it kept flooding all along
+    finally:
+        flooder.kill()
+        flooder.wait()
+
+
+def test_the_connection_dropped_for_a_newcomer_is_the_oldest_of_the_biggest_holder() -> None:
+    from kvstore.service.shm_listener import MAX_PENDING, MAX_PENDING_PER_PID, _Conn, pending_victim
+
+    def conn(at: float, uid: int, pid: int) -> _Conn:
+        return _Conn(None, at, uid=uid, pid=pid)  # type: ignore[arg-type]  # the policy reads no socket
+
+    new = conn(1000.0, 1000, 7)
+    assert pending_victim([], new) is None
+    own = [conn(float(i), 1000, 7) for i in range(MAX_PENDING_PER_PID)]
+    assert pending_victim(own[1:], new) is None
+    assert pending_victim(own[::-1], new) is own[0]  # its own process is over its part: its own oldest goes
+    # The pool full with many processes of one user, and a few of others: that user's
+    # biggest holder gives up its oldest, never the others'.
+    crowd = [conn(100.0 + i, 0, 100 + i // 4) for i in range(MAX_PENDING - 3)]
+    others = [conn(1.0, 1000, 8), conn(2.0, 1001, 9), conn(3.0, 1001, 9)]
+    assert pending_victim(crowd + others, new) is crowd[0]
+    crowd[1].pid = 112  # now process 112 holds five: its oldest goes, not the oldest of all
+    assert pending_victim(others + crowd, new) is crowd[1]
+
+
 def test_a_failing_hello_is_refused_and_the_listener_keeps_serving(
     make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

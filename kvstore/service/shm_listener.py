@@ -13,6 +13,9 @@ resource, shared fairly between tenants by weight (`service.max_shm_sessions`).
 
 One thread serves every connection (selectors): accepting, the hello, lease releases, closes and
 the expiry of leases. A connection that has not said hello within `HANDSHAKE_SECONDS` is closed.
+Connections waiting for their hello are bounded per process and in all, and a new one is always
+taken: the one dropped to make room is the oldest of the process (of the user) holding the most,
+so a process that opens connections and stays silent cannot keep other tenants from a session.
 Another keeps one spare load segment ready, its first `shm_prefault_bytes` resident, so that a new
 session's first loads (the first restore after a restart) copy into memory that does not fault; a
 spare has never been mapped by anyone, and each is handed to one session only.
@@ -32,6 +35,7 @@ import stat
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +63,11 @@ from replay.registry import ADMIN_MEMBER
 log = logging.getLogger("kvstore.service")
 
 HANDSHAKE_SECONDS = 5.0
-MAX_PENDING = 64  # connections that have not said hello yet
+MAX_PENDING = 64  # connections that have not said hello yet, from every peer
+# Per process (SO_PEERCRED): a client sends its hello as soon as it connects, so even a process
+# opening sessions from many threads has one or two waiting at once.
+MAX_PENDING_PER_PID = 8
+_DROP_LOG_SECONDS = 60.0  # a flood is logged once a minute, not once per connection
 _PEERCRED = struct.Struct("3i")
 KINDS = ("client", "runner")
 
@@ -88,6 +96,8 @@ class ShmSession:
 class _Conn:
     sock: socket.socket
     accepted_at: float
+    uid: int = -1
+    pid: int = -1
     reader: FrameReader = field(default_factory=FrameReader)
     session: ShmSession | None = None
 
@@ -119,6 +129,8 @@ class ShmSessions:
         self._spare_thread: threading.Thread | None = None
         self.detail = sealing_available()  # "" when shared memory can be offered
         self.refused_total = 0
+        self.pending_dropped_total = 0  # connections closed before their hello to make room for a newer one
+        self._drop_logged_at = -_DROP_LOG_SECONDS
 
     @property
     def enabled(self) -> bool:
@@ -216,14 +228,27 @@ class ShmSessions:
         except OSError as e:
             log.warning("same-host socket: accept failed: %s", e)
             return
-        pending = sum(1 for k in self._sel.get_map().values()
-                      if isinstance(k.data, _Conn) and k.data.session is None)
-        if pending >= MAX_PENDING:
-            sock.close()
+        try:
+            pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        except OSError:
+            pid = uid = -1
+        conn = _Conn(sock, time.monotonic(), uid, pid)
+        pending = [k.data for k in self._sel.get_map().values() if isinstance(k.data, _Conn) and k.data.session is None]
+        # The newcomer is always taken (refusing it would let whoever holds the slots refuse every
+        # tenant): room is made by dropping another that has not said hello yet.
+        victim = pending_victim(pending, conn)
+        if victim is not None:
+            self._drop(victim, "too many connections waiting for their hello")
             self.refused_total += 1
-            return
+            self.pending_dropped_total += 1
+            now = time.monotonic()
+            if now - self._drop_logged_at >= _DROP_LOG_SECONDS:
+                self._drop_logged_at = now
+                log.warning("same-host socket: connections that send no hello crowd the listener (uid %d, pid %d "
+                            "holds the most); their oldest are closed (%d so far)", victim.uid, victim.pid,
+                            self.pending_dropped_total)
         sock.setblocking(False)
-        self._sel.register(sock, selectors.EVENT_READ, _Conn(sock, time.monotonic()))
+        self._sel.register(sock, selectors.EVENT_READ, conn)
 
     def _readable(self, conn: _Conn) -> None:
         try:
@@ -401,6 +426,23 @@ class ShmSessions:
                     self._drop(conn, "no hello in time")
             else:
                 conn.session.leases.expire()
+
+
+def pending_victim(pending: Sequence[_Conn], new: _Conn) -> _Conn | None:
+    """Which of the connections `pending` (none has said hello) to close so that `new` is taken:
+    None while there is room. Over MAX_PENDING_PER_PID for `new`'s process, its own oldest; the
+    pool full, the oldest of the process holding the most within the user holding the most. A
+    client's hello follows its connect at once, so the oldest of the biggest holder is the one
+    least likely to be a client about to speak."""
+    peer = (new.uid, new.pid)
+    own = [c for c in pending if (c.uid, c.pid) == peer]
+    if len(own) >= MAX_PENDING_PER_PID:
+        return min(own, key=lambda c: c.accepted_at)
+    if len(pending) < MAX_PENDING:
+        return None
+    by_uid = Counter(c.uid for c in pending)
+    by_pid = Counter((c.uid, c.pid) for c in pending)
+    return max(pending, key=lambda c: (by_uid[c.uid], by_pid[(c.uid, c.pid)], -c.accepted_at))
 
 
 def check_socket_free(path: str) -> None:
