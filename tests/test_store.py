@@ -199,7 +199,7 @@ def test_pinned_chunks_are_not_evicted_and_stale_pins_expire(tmp_path: Path) -> 
     a = tokens_for(6, 2 * CHUNK)
     store_prefix(store, ns, a)
     assert store.lookup(ns, a).chunk_tiers == ("device", "device")
-    session = store.load(ns, a)  # pins both device chunks
+    session = store.pin_prefix(ns, a)  # a replay's read pins both device chunks (a load's, only while read)
     store_prefix(store, ns, tokens_for(7, 2 * CHUNK))
     # The pinned chunks stayed on the device; the new ones went to LMDB only.
     assert store.lookup(ns, a).chunk_tiers == ("device", "device")

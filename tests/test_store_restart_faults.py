@@ -38,8 +38,9 @@ def _reopen_with_a_load_pinning_at_the_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pinned_tokens: Any, quotas: dict[str, TenantQuota] | None,
     **cfg: Any,
 ) -> tuple[GlobalStore, Any]:
-    """Reopen with the index loading in the background and, just before the load's end, a Load that
-    pins `pinned_tokens`' prefix (the load is held there only to make that order certain)."""
+    """Reopen with the index loading in the background and, just before the load's end, a replay's
+    read that pins `pinned_tokens`' prefix (`pin_prefix`: a Load pins a chunk only while it reads it;
+    the load is held there only to make that order certain)."""
     reached, gate = threading.Event(), threading.Event()
     footprints = ColdChunks.footprints
 
@@ -54,7 +55,7 @@ def _reopen_with_a_load_pinning_at_the_end(
     try:
         assert reached.wait(30)
         ns = store.namespace("alice", "reference-toy-8", "bounded")
-        session = store.load(ns, store.tokens(ns, pinned_tokens))
+        session = store.pin_prefix(ns, store.tokens(ns, pinned_tokens))
     finally:
         gate.set()
     assert store.wait_ready(30), store.index_state()

@@ -292,10 +292,12 @@ class KVCacheServicer(LocalStateCalls):
         self, session: LoadSession, res: Resolved, n: int, context: grpc.ServicerContext,
         loaded: list[str] | None = None,
     ) -> Iterator[bytes]:
-        """The first `n` chunks of a pinned session as serialized `chunks` responses (see
+        """The first `n` chunks of a load session as serialized `chunks` responses (see
         `wire.chunk_piece_head`): a message whose chunks one in-memory tier holds is joined from
-        the tier's pages in one copy; others are read chunk by chunk into a message buffer. Stops
-        early at a chunk that turns out corrupt. `loaded` collects the tier each chunk came from."""
+        the tier's pages in one copy; others are read chunk by chunk into a message buffer, pinned
+        only while read (a client that stops reading holds no pin). Stops early at a chunk that
+        turns out corrupt or was evicted meanwhile: a shorter hit, every chunk sent correct.
+        `loaded` collects the tier each chunk came from."""
         cb = res.layout.chunk_bytes
         tiers_out = loaded if loaded is not None else []
         if n == 0:  # a miss, a cold Resume: nothing to read, and no buffer to allocate for it
@@ -334,7 +336,7 @@ class KVCacheServicer(LocalStateCalls):
             if good == count:
                 yield frame.finish()
                 continue
-            if good:  # a chunk vanished (corrupt): send the chunks before it, and end the hit there
+            if good:  # a chunk vanished (corrupt, evicted): send the chunks before it, and end the hit there
                 labels = frame.buf[frame.tiers_start : frame.tiers_start + good]
                 yield encode_chunk_piece(span.first_chunk, 0, labels,
                                          view[frame.payload_start : frame.payload_start + good * cb])

@@ -9,9 +9,11 @@ budgets per tier and per tenant, the pins, and the policies. It asks tiers to mo
   LMDB transaction (write-through), then places them in the hot tier and makes them visible; its
   result counts what a lookup then reaches; `abort` (or an exception, or a cancelled stream)
   leaves nothing;
-- a load pins the hit prefix with a receipt, reads each chunk from the fastest tier holding it,
-  promotes it to the device tier when the policy says so, and releases the pin (`pin_prefix`
-  does the same for a replay, without counting a lookup);
+- a load reads each chunk of the hit prefix from the fastest tier holding it, pinned only while
+  it is read (a message's or a span's chunks at a time: a client that stops reading pins nothing),
+  promotes it to the device tier when the policy says so, and touches what it read; a chunk
+  evicted meanwhile ends the hit there (`pin_prefix`, a replay's read, pins the whole prefix with
+  a receipt until it is done, and counts no lookup);
 - pressure demotes device -> DRAM -> LMDB -> dropped, choosing victims with the tier's eviction
   policy, never a pinned chunk, and never exceeding a tier's capacity or a tenant's quota.
 
@@ -31,7 +33,7 @@ import json
 import operator
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar, cast
 
@@ -48,7 +50,7 @@ from kvstore.store.cold import ColdChunks
 from kvstore.store.commit_plan import CommitPlan, PlannedChunk
 from kvstore.store.fates import ChunkFateSink, NoFates, RefusalReason
 from kvstore.store.pins import PinReceipt, PinTable
-from kvstore.store.placement import ChunkEntry, Placement, fastest_tier
+from kvstore.store.placement import ChunkEntry, Placement, Plus, fastest_tier
 from kvstore.store.sessions import LoadSession, StoreTxn
 from kvstore.store.store_lock import StoreLock
 from kvstore.store.types import (
@@ -591,7 +593,7 @@ class GlobalStore(Placement):
         if t.capacity_bytes == 0 or tier in plan.full:
             return False
         need = t.footprint(payload_bytes)
-        if not self._make_room(tier, tenant, need, protect=set()):
+        if not self._make_room(tier, tenant, need, protect=()):
             plan.full.add(tier)
             return False
         self._reserve(tier, tenant, need)
@@ -656,28 +658,44 @@ class GlobalStore(Placement):
     # --- load -------------------------------------------------------------------------------------
 
     def load(self, ns: Namespace, tokens: np.ndarray, max_chunks: int | None = None) -> LoadSession:
-        return self._pin(ns, tokens, max_chunks, count=True)
+        """The hit prefix, to read; each chunk is pinned only while it is read (`pin_window`), not
+        for the session's life: a Load stream its client does not read would otherwise keep its
+        whole prefix from eviction, and another tenant's writes out of a full shared tier. A chunk
+        evicted before it is read ends the load there, a shorter hit."""
+        return self._pin(ns, tokens, max_chunks, count=True, whole=False)
 
     def pin_prefix(self, ns: Namespace, tokens: np.ndarray, max_chunks: int | None = None) -> LoadSession:
         """A load for the service's own use (a replay reading the prefix it rebuilds state for):
         pins and reads like `load`, but is not counted as a lookup. The request that led here
         was counted by its own lookup; counting the pin too would add a lookup and its hit tokens
-        per replay to the hit-rate statistics."""
-        return self._pin(ns, tokens, max_chunks, count=False)
+        per replay to the hit-rate statistics. The whole prefix stays pinned until the session
+        closes: the service's own read, bounded by the replays admitted and their deadlines."""
+        return self._pin(ns, tokens, max_chunks, count=False, whole=True)
 
-    def _pin(self, ns: Namespace, tokens: np.ndarray, max_chunks: int | None, count: bool) -> LoadSession:
+    def _pin(self, ns: Namespace, tokens: np.ndarray, max_chunks: int | None, count: bool,
+             whole: bool) -> LoadSession:
         hit_keys: list[bytes] = []
         result = self._walk(ns, tokens, count, hit_keys)
         n = result.hit_chunks if max_chunks is None else min(result.hit_chunks, max_chunks)
         keys = hit_keys[:n]
         with self._lock:
             self._expire_pins()
-            receipt = self._hold_pin(keys, ns.tenant, self.cfg.pin_timeout_seconds)
-        return LoadSession(self, ns, self.layout(ns), keys, receipt, result)
+            # A load's receipt pins no chunk: it counts the open session among its tenant's pins.
+            receipt = self._hold_pin(keys if whole else (), ns.tenant, self.cfg.pin_timeout_seconds)
+        return LoadSession(self, ns, self.layout(ns), keys, receipt, result, whole=whole)
 
-    def read_chunk(self, key: bytes, out: memoryview, prev: bytes) -> TierName | None:
+    def pin_window(self, keys: Sequence[bytes], tenant: str) -> PinReceipt:
+        """Pin the chunks a load is about to read, for `tenant`, until `unpin` (right after the
+        read) or the pin timeout."""
+        with self._lock:
+            self._expire_pins()
+            return self._hold_pin(keys, tenant, self.cfg.pin_timeout_seconds)
+
+    def read_chunk(self, key: bytes, out: memoryview, prev: bytes,
+                   protect: Container[bytes] = ()) -> TierName | None:
         """Copy one chunk into `out` from the fastest tier that holds it intact; `prev` is the key
-        before it in its chain (the namespace digest for chunk 0)."""
+        before it in its chain (the namespace digest for chunk 0). Promoting it evicts none of
+        `protect` (the reader's own prefix: a load does not push its next chunks down)."""
         with self._lock:
             entry = self._peek(key)
             if entry is None:
@@ -692,9 +710,10 @@ class GlobalStore(Placement):
         if "lmdb" not in order:
             return None
         meta = self._durable.get_into(key, out)
-        return "lmdb" if self._after_lmdb_reads([key], prev, [meta], [out]) else None
+        return "lmdb" if self._after_lmdb_reads([key], prev, [meta], [out], protect) else None
 
-    def read_chunks(self, keys: Sequence[bytes], outs: Sequence[memoryview], prev: bytes) -> list[TierName]:
+    def read_chunks(self, keys: Sequence[bytes], outs: Sequence[memoryview], prev: bytes,
+                    protect: Container[bytes] = ()) -> list[TierName]:
         """`read_chunk` for consecutive chunks of a prefix (`prev`: the key before the first), stopping
         at the first one that is gone: the tiers of the chunks read. A run of chunks that only LMDB
         holds is read in one LMDB read transaction."""
@@ -707,14 +726,14 @@ class GlobalStore(Placement):
             while j < n and lmdb_only[j]:
                 j += 1
             if j == i:  # in memory (or gone): one at a time
-                tier = self.read_chunk(keys[i], outs[i], keys[i - 1] if i else prev)
+                tier = self.read_chunk(keys[i], outs[i], keys[i - 1] if i else prev, protect)
                 if tier is None:
                     return got
                 got.append(tier)
                 i += 1
                 continue
             metas = self._durable.get_many_into(keys[i:j], outs[i:j])
-            ok = self._after_lmdb_reads(keys[i:j], keys[i - 1] if i else prev, metas, outs[i:j])
+            ok = self._after_lmdb_reads(keys[i:j], keys[i - 1] if i else prev, metas, outs[i:j], protect)
             got.extend(["lmdb"] * ok)
             if ok < j - i:
                 return got
@@ -722,7 +741,7 @@ class GlobalStore(Placement):
         return got
 
     def _after_lmdb_reads(self, keys: Sequence[bytes], prev: bytes, metas: Sequence[ChunkMeta | None],
-                          outs: Sequence[memoryview]) -> int:
+                          outs: Sequence[memoryview], protect: Container[bytes] = ()) -> int:
         """Book LMDB reads of consecutive chunks done outside the lock, a group of chunks per hold of
         it (their entries looked up at once): check the namespace and token ids stored with each
         chunk (a mismatch is a loss, like a corrupt value) and promote it if the policy says so.
@@ -739,7 +758,7 @@ class GlobalStore(Placement):
                 held = self._peek_many(group)
                 for i, (key, entry, meta, out) in enumerate(
                         zip(group, held, metas[start:end], outs[start:end], strict=True), start):
-                    if not self._after_lmdb_read(key, prev, entry, meta, out, i < chained):
+                    if not self._after_lmdb_read(key, prev, entry, meta, out, i < chained, protect):
                         break
                     good += 1
                     prev = key
@@ -749,7 +768,7 @@ class GlobalStore(Placement):
         return good
 
     def _after_lmdb_read(self, key: bytes, prev: bytes, entry: ChunkEntry | None, meta: ChunkMeta | None,
-                         out: memoryview, chained: bool = False) -> bool:
+                         out: memoryview, chained: bool = False, protect: Container[bytes] = ()) -> bool:
         """`_after_lmdb_reads` for one chunk (`entry`: its entry as peeked in this hold of the lock;
         `chained`: its stored token ids are known to hash to `key` after `prev`)."""
         ok = meta is not None and entry is not None and meta.namespace == entry.namespace and (
@@ -779,7 +798,7 @@ class GlobalStore(Placement):
             entry = cast("ChunkEntry", self._entry(key))
         if entry.tokens is None:
             entry.tokens = meta.tokens
-        if promote and self._place_hot(key, entry, out[: entry.payload_bytes], protect={key}):
+        if promote and self._place_hot(key, entry, out[: entry.payload_bytes], protect=Plus(protect, key)):
             self._bump_tier("promotions", fastest_tier(entry))
         elif entry.fastest == "lmdb":
             self._fold(key, entry)  # no room to promote it after all

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -126,7 +126,7 @@ class Placement:
     def _bump_tier(self, name: str, label: str) -> None:
         raise NotImplementedError
 
-    def _place_hot(self, key: bytes, entry: ChunkEntry, payload: memoryview, protect: set[bytes]) -> bool:
+    def _place_hot(self, key: bytes, entry: ChunkEntry, payload: memoryview, protect: Container[bytes]) -> bool:
         """Put a chunk in the fastest in-memory tier with room; True if it landed somewhere."""
         for tier in ("device", "dram"):
             t = self._tiers[tier]
@@ -159,7 +159,7 @@ class Placement:
         part = parts.get(tenant, 0)
         return part if quota < 0 else min(quota, part)
 
-    def _make_room(self, tier: TierName, tenant: str, need: int, protect: set[bytes]) -> bool:
+    def _make_room(self, tier: TierName, tenant: str, need: int, protect: Container[bytes]) -> bool:
         """Evict (demoting where a lower tier has room) until `need` bytes fit; False if they can't."""
         over_tier, over_tenant = self._budget_excess(tier, tenant, need)
         if need > self._tiers[tier].capacity_bytes:
@@ -196,7 +196,7 @@ class Placement:
         if limit < 0 or used <= limit:
             return
         policy = self._policies[tier]
-        protected = _Protected(self._pins, set(), self._committing)
+        protected = _Protected(self._pins, (), self._committing)
         eligible: Callable[[bytes], bool] | None = (
             None if tenant is None else lambda k: _tenant_of(self._peek(k)) == tenant)
         victims = policy.evict(used - limit, protected, eligible)
@@ -207,12 +207,12 @@ class Placement:
                 if entry is not None and tenant in (None, entry.tenant):
                     held += entry.footprint.get(tier, 0)
             victims = policy.evict(used - held, protected, eligible) or []
-        self._evict(tier, victims, "capacity" if tenant is None else "quota", set())
+        self._evict(tier, victims, "capacity" if tenant is None else "quota", ())
         left = (self._used[tier] if tenant is None else self._tenant_used.get((tenant, tier), 0)) - limit
         if left > 0:
             self._overage[(tenant, tier)] = left
 
-    def _evict(self, tier: TierName, victims: list[bytes], reason: str, protect: set[bytes]) -> None:
+    def _evict(self, tier: TierName, victims: list[bytes], reason: str, protect: Container[bytes]) -> None:
         """Demote or drop each victim (the policy already let go of them); `protect`: chunks
         the caller is placing, which making room further down must not evict either."""
         for key in victims:
@@ -224,7 +224,7 @@ class Placement:
             if not self._holds(key):  # no lower tier took it: dropped from the store
                 self._fates.dropped(key, entry.namespace, tier, reason)
 
-    def _demote(self, key: bytes, entry: ChunkEntry, tier: TierName, protect: set[bytes]) -> None:
+    def _demote(self, key: bytes, entry: ChunkEntry, tier: TierName, protect: Container[bytes]) -> None:
         """Move a victim down to the next tier that lacks it (if any has room), then drop it here.
 
         A device victim goes to DRAM even when LMDB holds it (write-through): DRAM is the faster
@@ -248,12 +248,12 @@ class Placement:
         self._uncharge(key, entry, tier)
 
     def _demote_into(self, key: bytes, entry: ChunkEntry, source: TierName, targets: tuple[TierName, ...],
-                     protect: set[bytes]) -> None:
+                     protect: Container[bytes]) -> None:
         """Put a victim of `source` into the first of `targets` with room: straight from tier to tier
         where both can (two arenas: a GPU's pages and pinned host memory by DMA), else through a
         host buffer read once. Making that room evicts neither it nor the chunks in `protect`."""
         meta = chunk_meta(entry)
-        protect = protect | {key}
+        protect = Plus(protect, key)
         for t in targets:
             tier = self._tiers[t]
             if t == "lmdb" and key in self._deleting:
@@ -369,10 +369,24 @@ class _Protected:
     those of every commit in flight (a commit never pushes out its own prefix, nor does another
     call while the commit runs)."""
 
-    def __init__(self, pins: PinTable, extra: set[bytes], committing: dict[bytes, int]) -> None:
+    def __init__(self, pins: PinTable, extra: Container[bytes], committing: dict[bytes, int]) -> None:
         self._pins = pins
         self._extra = extra
         self._committing = committing
 
     def __contains__(self, key: object) -> bool:
         return key in self._extra or key in self._committing or key in self._pins
+
+
+class Plus:
+    """`base` and one key more, without copying `base`: it may be a load's whole prefix (see
+    `GlobalStore.read_chunks`), and a copy per chunk placed would cost its length each time."""
+
+    __slots__ = ("_base", "_key")
+
+    def __init__(self, base: Container[bytes], key: bytes) -> None:
+        self._base = base
+        self._key = key
+
+    def __contains__(self, key: object) -> bool:
+        return key == self._key or key in self._base

@@ -6,7 +6,7 @@ every decision; they move no bytes themselves except through the store.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Container, Iterator, Sequence
 from types import TracebackType
 from typing import Protocol
 
@@ -23,9 +23,11 @@ class Bookkeeper(Protocol):
 
     def commit_txn(self, txn: StoreTxn) -> CommitResult: ...
 
-    def read_chunk(self, key: bytes, out: memoryview, prev: bytes) -> TierName | None: ...
+    def read_chunk(self, key: bytes, out: memoryview, prev: bytes,
+                   protect: Container[bytes] = ()) -> TierName | None: ...
 
-    def read_chunks(self, keys: Sequence[bytes], outs: Sequence[memoryview], prev: bytes) -> list[TierName]: ...
+    def read_chunks(self, keys: Sequence[bytes], outs: Sequence[memoryview], prev: bytes,
+                    protect: Container[bytes] = ()) -> list[TierName]: ...
 
     def read_joined(
         self, keys: Sequence[bytes], head: Callable[[TierName], bytes]
@@ -35,6 +37,8 @@ class Bookkeeper(Protocol):
                       tiers: Collection[TierName]) -> InPlaceRun | None: ...
 
     def unpin(self, pin: PinReceipt) -> None: ...
+
+    def pin_window(self, keys: Sequence[bytes], tenant: str) -> PinReceipt: ...
 
     def release_load(self, receipt: PinReceipt, read_keys: Sequence[bytes]) -> None: ...
 
@@ -93,16 +97,23 @@ class StoreTxn:
 
 
 class LoadSession:
-    """The chunks of a hit prefix, pinned until the session closes (or the pin times out)."""
+    """The chunks of a hit prefix, read in order. A replay's session (`whole`) pins them all until
+    it closes (or the pin times out); a load's pins each chunk only while it is being read (a
+    window: the chunks of one message or span), so that a client that reads slowly, or not at
+    all, holds nothing another tenant's write could need. A chunk evicted before its window is
+    read ends the hit there, as a corrupt one does. `receipt`: the session's own pin (of no chunk
+    for a load), counted while the session is open."""
 
     def __init__(self, store: Bookkeeper, ns: Namespace, layout: CacheLayout, keys: list[bytes],
-                 receipt: PinReceipt, lookup: PrefixHit) -> None:
+                 receipt: PinReceipt, lookup: PrefixHit, whole: bool = True) -> None:
         self._store = store
         self.lookup = lookup  # the lookup that chose these chunks (hit length may exceed len(keys))
         self.ns = ns
         self.layout = layout
         self.keys = keys
         self.receipt = receipt
+        self.whole = whole
+        self._own: frozenset[bytes] | None = None  # self.keys, made at the first read
         self._buf: memoryview | None = None  # for iterating (a chunk's worth, made at the first chunk)
         self.read_chunks = 0
         self._closed = False
@@ -111,19 +122,46 @@ class LoadSession:
         return len(self.keys)
 
     def read_into(self, index: int, out: memoryview) -> TierName | None:
-        """Copy chunk `index` into `out`; None when it vanished (corrupt), which ends the hit."""
-        tier = self._store.read_chunk(self.keys[index], out, self._prev(index))
+        """Copy chunk `index` into `out`; None when it vanished (corrupt or evicted), which ends
+        the hit."""
+        pin = self._pin_window(self.keys[index : index + 1])
+        try:
+            tier = self._store.read_chunk(self.keys[index], out, self._prev(index), self._protect())
+        finally:
+            self._unpin_window(pin)
         if tier is not None:
             self.read_chunks += 1
         return tier
 
     def read_many_into(self, first: int, outs: Sequence[memoryview]) -> list[TierName]:
         """Copy chunks first, first + 1, ... into outs; the tiers they came from, stopping at the
-        first chunk that vanished (corrupt), which ends the hit. Chunks only LMDB holds are read
-        in one read transaction."""
-        tiers = self._store.read_chunks(self.keys[first : first + len(outs)], outs, self._prev(first))
+        first chunk that vanished (corrupt or evicted), which ends the hit. Chunks only LMDB
+        holds are read in one read transaction."""
+        keys = self.keys[first : first + len(outs)]
+        pin = self._pin_window(keys)
+        try:
+            tiers = self._store.read_chunks(keys, outs, self._prev(first), self._protect())
+        finally:
+            self._unpin_window(pin)
         self.read_chunks += len(tiers)
         return tiers
+
+    def _pin_window(self, keys: Sequence[bytes]) -> PinReceipt | None:
+        """A load's chunks being read now, pinned for the read: an LMDB read runs outside the
+        store's lock, and its value must be neither evicted nor overwritten under it."""
+        return None if self.whole else self._store.pin_window(keys, self.ns.tenant)
+
+    def _unpin_window(self, pin: PinReceipt | None) -> None:
+        if pin is not None:
+            self._store.unpin(pin)
+
+    def _protect(self) -> frozenset[bytes]:
+        """The session's chunks, which promoting one of them must not push out of the faster
+        tiers: without it, a load of a prefix larger than those tiers promoted its own tail over its
+        head, and the next load of it the head again, over the tail."""
+        if self._own is None:
+            self._own = frozenset(self.keys)
+        return self._own
 
     def hold_in_place(self, first: int, count: int, pin_seconds: float,
                       tiers: Collection[TierName]) -> InPlaceRun | None:
