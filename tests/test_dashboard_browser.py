@@ -171,6 +171,13 @@ def test_with_an_admin_token_the_page_asks_for_it_and_then_shows_data(browser: A
         assert errors == []
         names = page.eval_on_selector_all("#tenants-table tbody tr", "els => els.map(e => e.dataset.tenant)")
         assert names == ["acme"] and "tenant acme" in page.inner_text("#foot")
+        # No series summed over every tenant: the charts say so, the cards show acme's own totals.
+        assert "the time series needs the admin token" in (page.text_content("#chart-hit") or "")
+        own = rig.obs.ledger.totals(tenant="acme")
+        assert 0 < own["requests"] < 1000 and page.inner_text("#k-req") == str(own["requests"])
+        assert page.eval_on_selector_all("#chart-cases path.slice", "els => els.length") >= 1
+        assert page.eval_on_selector_all("#occupancy .row", "els => els.length") == 4  # the service's state
+        assert errors == []
         page.close()
     finally:
         rig.close()

@@ -329,7 +329,7 @@ def test_the_return_tracker_and_the_trace_see_a_retried_request_once(tmp_path: P
     policy = Gaps()
     tracker = ReturnTracker(lambda: policy, lambda: 0.0)  # type: ignore[arg-type, return-value]
     ns, key = b"n" * 32, b"k" * 32
-    tracker.wrote(ns, key, 0.0)
+    tracker.wrote(ns, key, 0.0, "acme")  # the tenant of the calls below: each keeps its own writes
     tracer = TraceRecorder(TraceWriter(tmp_path / "t.jsonl"), {}, wall_clock=lambda: 1.0)
     replayed = LookupFacts(namespace=ns, chunk_tokens=128, full_chunks=2, hit_chunks=2, boundary_key=key,
                            replay_status="replayed")

@@ -2,8 +2,12 @@
 return, as plain JSON-ready dicts, for a given viewer.
 
 Viewers: an admin sees everything, including per-tenant sums, tenant names and every recent
-request; a tenant (a tenant's bearer token) sees the aggregates plus its own tenant's figures and
-requests; an anonymous viewer (no admin token configured, non-loopback bind) sees aggregates only.
+request; a tenant (a tenant's bearer token) sees its own figures and requests, and of the service
+only its state (tier and pool capacity and occupancy, evictions by reason, health, policy), as the
+gRPC `Stats` shows it: never a figure summed over tenants' traffic, from which subtracting its own
+would give the others' (its `totals` are its own, the store's and pool's traffic counters and the
+time series are withheld); an anonymous viewer (no admin token configured, non-loopback bind) sees
+aggregates only.
 
 What it does not know: HTTP (status codes, headers, auth parsing: `admin_http.py`), Prometheus, or how
 the figures are produced (it reads the ledger, the explainer and `InfoSources` callables).
@@ -20,6 +24,18 @@ from typing import Any
 from kvstore import __version__
 from kvstore.observe.explainer import Explainer
 from kvstore.observe.ledger import Ledger
+
+# What a tenant viewer is shown of the store's and the pool's stats: the service's state, which the
+# gRPC Stats shows a tenant too. The rest are counters summed over every tenant's calls (lookups,
+# hit tokens, key memo hits; pool hits, misses, writes, bytes): withheld. A list of what is shown,
+# so that a counter added later is withheld until someone decides otherwise.
+_TENANT_STORE_KEYS = frozenset({
+    "chunks", "tiers", "evictions_by_reason", "ignored_on_open", "demotion_failures", "index_state",
+    "index_loaded_chunks", "index_chunks_at_start", "index_load_seconds",
+})
+_TENANT_POOL_KEYS = frozenset({"backend", "capacity_bytes", "used_bytes", "entries", "breaker_state", "breaker_opens"})
+WITHHELD_FROM_TENANTS = ("summed over every tenant's traffic, so it needs the admin token: a tenant's "
+                         "token sees its own figures (totals, tenants, recent_requests)")
 
 
 @dataclass(frozen=True)
@@ -82,9 +98,9 @@ class AdminApi:
             "version": __version__,
             "generated_at": self._wall(),
             "viewer": {"admin": viewer.admin, "tenant": viewer.tenant},
-            "totals": self.ledger.totals(),
+            "totals": self.ledger.totals(tenant=viewer.tenant if not viewer.admin else None),
             "store": self._store_view(self._read(s.store), viewer),
-            "pool": self._read(s.pool),
+            "pool": _pool_view(self._read(s.pool), viewer),
             "pool_health": self._read(s.pool_health),
             "replay": self._read(s.replay),
             "policy": _policy_view(self._read(s.policy), viewer),
@@ -101,6 +117,9 @@ class AdminApi:
             mine = self.ledger.tenants().get(viewer.tenant)
             out["tenants"] = {viewer.tenant: mine} if mine is not None else {}
             out["recent_requests"] = self.ledger.recent(self._recent, tenant=viewer.tenant)
+            out["withheld"] = {"store": "its lookup, pin and key-memo counters are " + WITHHELD_FROM_TENANTS,
+                               "pool": "its hit, miss and write counters are " + WITHHELD_FROM_TENANTS,
+                               "timeseries": "it is " + WITHHELD_FROM_TENANTS}
         return out
 
     @staticmethod
@@ -110,12 +129,18 @@ class AdminApi:
         tb = st.pop("tenant_bytes", None)
         if viewer.admin:
             st["tenant_bytes"] = tb
-        elif viewer.tenant is not None and isinstance(tb, dict):
-            st["tenant_bytes"] = {viewer.tenant: tb.get(viewer.tenant, {})}
+        elif viewer.tenant is not None:
+            st = {k: v for k, v in st.items() if k in _TENANT_STORE_KEYS}
+            st["tenant_bytes"] = {viewer.tenant: tb.get(viewer.tenant, {}) if isinstance(tb, dict) else {}}
         return st
 
     def timeseries(self, viewer: Viewer, window_seconds: float, step_seconds: float | None = None) -> dict[str, Any]:
-        # The time series is aggregate only: per-tenant series would multiply its memory.
+        # The time series is aggregate only: per-tenant series would multiply its memory. So a
+        # tenant gets no points (its own sums are in /api/stats' totals), and a note why.
+        if viewer.tenant is not None and not viewer.admin:
+            return {"step_seconds": self.ledger.step_seconds,
+                    "window_seconds": min(float(window_seconds), self.ledger.window_seconds),
+                    "now": self._wall(), "points": [], "withheld": "the time series is " + WITHHELD_FROM_TENANTS}
         return self.ledger.timeseries(window_seconds, step_seconds)
 
     def explain(self, viewer: Viewer, request_id: str, tenant: str | None = None) -> dict[str, Any] | None:
@@ -125,6 +150,13 @@ class AdminApi:
             return None
         exp = self.explainer.get(request_id, tenant if viewer.admin else viewer.tenant)
         return None if exp is None else exp.to_json()
+
+
+def _pool_view(pool: Any, viewer: Viewer) -> Any:
+    """The pool's stats as this viewer may see them: a tenant sees its state, not its counters."""
+    if viewer.admin or viewer.tenant is None or not isinstance(pool, dict) or set(pool) == {"error"}:
+        return pool
+    return {k: v for k, v in pool.items() if k in _TENANT_POOL_KEYS}
 
 
 def _policy_view(policy: Any, viewer: Viewer) -> Any:

@@ -5,7 +5,8 @@ Routes (GET and HEAD only):
     /api/stats                 current totals (JSON)
     /api/timeseries?window=S[&step=T]  rolling history over the last S seconds, a point per T (JSON);
                                S and T past the history kept are clamped to it, and T is coarsened
-                               to give at most ledger.MAX_ANSWER_POINTS points
+                               to give at most ledger.MAX_ANSWER_POINTS points; a tenant's token
+                               gets none (the series sums every tenant's traffic)
     /api/explain/<request_id>  why a recent request missed (JSON)
     /dashboard                 the built-in page (static: it fetches /api itself)
     /healthz                   component health (200 serving, 503 not)

@@ -19,6 +19,11 @@ Tenancy: chunk keys are chained from a namespace digest that binds the tenant, s
 never name another tenant's chunks; fates are still checked against the asker's namespace, and an
 explanation only ever says "not stored in this namespace": it never reveals that another tenant
 holds the same tokens. `get` hides other tenants' requests from a tenant viewer (as not found).
+Each journal is kept per tenant (`tenant_lru.TenantLru`: its bound split by `share_weight`, else
+equally among the tenants seen), so a busy tenant's traffic never ages out another tenant's
+explanations, fates or snapshot writes. The store reports a fate by namespace only: its tenant is
+the one whose request named that namespace (learnt at each explained request; a namespace not
+seen yet files its fates in a part of their own, "(unattributed)").
 
 What it does not know: the store's index, tiers or policies (it is told names), the pool, gRPC,
 HTTP. Time comes from injected clocks (monotonic for ages, wall time for people).
@@ -28,20 +33,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from kvstore.observe.records import LookupFacts, RequestRecord
+from kvstore.observe.tenant_lru import TenantLru
 from kvstore.store.fates import RefusalReason
 from kvstore.wire.bills import Bills
 
 FateKind = Literal["evicted", "corrupt", "over_quota", "no_room", "not_admitted"]
 MAX_RUNS = 64  # chunk runs kept per explanation; the rest are summed into the last one
 MAX_EXPLAINED_CHUNKS = 4096  # missed chunks examined per request (a 512K-token miss at 128/chunk)
+MAX_NAMESPACES = 16_384  # namespace -> tenant, learnt from requests (~150 B each)
+# Where the fates and snapshot writes of a namespace no explained request has named yet are kept
+# (parentheses: no configured tenant name has them).
+UNATTRIBUTED = "(unattributed)"
 _UNREACHABLE = "cached, but an earlier chunk missed: keys are chained, so a hit needs every chunk before it"
 _NEVER_STORED = "not stored in this namespace since the service started (or its record aged out of the journal)"
 _MIXED = "several reasons (too many runs to list)"
@@ -133,7 +142,8 @@ class Explanation:
 
 
 class Explainer:
-    """Thread-safe. Memory is bounded by the three `max_*` sizes (LRU on insertion)."""
+    """Thread-safe. Memory is bounded by the three `max_*` sizes, each split between tenants by
+    `share_weights` (None: equally among the tenants seen), LRU on insertion within a tenant's part."""
 
     def __init__(
         self,
@@ -141,6 +151,7 @@ class Explainer:
         max_requests: int = 4096,
         max_fates: int = 50_000,
         max_local: int = 100_000,
+        share_weights: Mapping[str, float] | None = None,
         eviction_policy: str = "",
         admission_policy: str = "",
         sliding_ttl: bool | Callable[[], bool] = False,
@@ -150,11 +161,13 @@ class Explainer:
         self._clock = clock
         self._wall = wall_clock
         self._lock = threading.Lock()
-        self._fates: OrderedDict[bytes, _Fate] = OrderedDict()
-        self._local: OrderedDict[bytes, _LocalWrite] = OrderedDict()
-        # Keyed by (tenant, id): ids may come from clients, and one tenant's id must never
-        # overwrite (or reveal) another tenant's explanation.
-        self._requests: OrderedDict[tuple[str, str], Explanation] = OrderedDict()
+        self._fates: TenantLru[bytes, _Fate] = TenantLru(max_fates, share_weights)
+        self._local: TenantLru[bytes, _LocalWrite] = TenantLru(max_local, share_weights)
+        # Kept per tenant by id: ids may come from clients, and one tenant's id must never
+        # overwrite (or reveal) another tenant's explanation. The number orders them for the admin.
+        self._requests: TenantLru[str, tuple[int, Explanation]] = TenantLru(max_requests, share_weights)
+        self._explained = 0
+        self._owners: TenantLru[bytes, None] = TenantLru(MAX_NAMESPACES, share_weights, index=True)
         self.max_requests, self.max_fates, self.max_local = max_requests, max_fates, max_local
         self.eviction_policy = eviction_policy
         self.admission_policy = admission_policy
@@ -167,47 +180,64 @@ class Explainer:
         s = self._sliding_ttl
         return s() if callable(s) else s
 
+    # --- whose namespace ---
+
+    def _owner(self, namespace: bytes, tenant: str | None = None) -> str:
+        """The part a namespace's records go to (under the lock): `tenant` when the caller knows
+        it, else the tenant whose request named the namespace, else UNATTRIBUTED."""
+        return tenant or self._owners.owner(namespace) or UNATTRIBUTED
+
+    def _put(self, journal: TenantLru[bytes, Any], tenant: str, key: bytes, value: Any) -> None:
+        journal.put(tenant, key, value)
+        if tenant != UNATTRIBUTED:  # an older record filed before the namespace's tenant was known
+            journal.pop(UNATTRIBUTED, key)
+
+    @staticmethod
+    def _find(journal: TenantLru[bytes, Any], tenant: str, key: bytes) -> tuple[str, Any]:
+        """(part, record) for `key`: the tenant's own part first, then the unattributed one."""
+        v = journal.get(tenant, key)
+        if v is not None or tenant == UNATTRIBUTED:
+            return tenant, v
+        return UNATTRIBUTED, journal.get(UNATTRIBUTED, key)
+
     # --- the store's sink ---
 
-    def _fate(self, key: bytes, kind: FateKind, namespace: bytes, tier: str, reason: str) -> None:
+    def _fate(self, key: bytes, kind: FateKind, namespace: bytes, tier: str, reason: str,
+              tenant: str | None) -> None:
         f = _Fate(kind, namespace, tier, reason, self._clock(), self._wall())
         with self._lock:
-            self._fates[key] = f
-            self._fates.move_to_end(key)
-            while len(self._fates) > self.max_fates:
-                self._fates.popitem(last=False)
+            self._put(self._fates, self._owner(namespace, tenant), key, f)
 
-    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str) -> None:
-        self._fate(key, "evicted", namespace, tier, reason)
+    # `tenant`: whose chunk, when the store can say (it reports the namespace only today).
+    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str, tenant: str | None = None) -> None:
+        self._fate(key, "evicted", namespace, tier, reason, tenant)
 
-    def corrupt(self, key: bytes, namespace: bytes, tier: str) -> None:
-        self._fate(key, "corrupt", namespace, tier, "")
+    def corrupt(self, key: bytes, namespace: bytes, tier: str, tenant: str | None = None) -> None:
+        self._fate(key, "corrupt", namespace, tier, "", tenant)
 
-    def refused(self, key: bytes, namespace: bytes, reason: RefusalReason) -> None:
-        self._fate(key, reason, namespace, "", "")
+    def refused(self, key: bytes, namespace: bytes, reason: RefusalReason, tenant: str | None = None) -> None:
+        self._fate(key, reason, namespace, "", "", tenant)
 
     # --- local state ---
 
     def local_stored(self, namespace: bytes, boundary_key: bytes, ttl_seconds: float,
-                     at: float | None = None) -> None:
+                     at: float | None = None, tenant: str | None = None) -> None:
         """The service stored (or a replay rebuilt) a local snapshot at this boundary; `at`: when
-        the call that stored it answered, on this explainer's clock (None: now)."""
+        the call that stored it answered, on this explainer's clock (None: now); `tenant`: whose
+        (None: the namespace's, as learnt from its requests)."""
         w = _LocalWrite(namespace, self._clock() if at is None else at, self._wall(), ttl_seconds)
         with self._lock:
-            self._local[boundary_key] = w
-            self._local.move_to_end(boundary_key)
-            while len(self._local) > self.max_local:
-                self._local.popitem(last=False)
+            self._put(self._local, self._owner(namespace, tenant), boundary_key, w)
 
     def local_read(self, namespace: bytes, boundary_key: bytes, at: float | None = None) -> None:
         """A hit on local state: under a sliding TTL its lifetime now counts from here."""
         if not self.sliding_ttl:
             return
         with self._lock:
-            w = self._local.get(boundary_key)
+            part, w = self._find(self._local, self._owner(namespace), boundary_key)
             if w is not None and w.namespace == namespace:
-                self._local[boundary_key] = _LocalWrite(namespace, self._clock() if at is None else at,
-                                                        self._wall(), w.ttl_seconds)
+                self._local.replace(part, boundary_key, _LocalWrite(
+                    namespace, self._clock() if at is None else at, self._wall(), w.ttl_seconds))
 
     def explain_local(self, namespace: bytes, boundary_key: bytes, pool_reason: str,
                       at: float | None = None) -> tuple[str, str]:
@@ -226,7 +256,7 @@ class Explainer:
             return "no_pool", "no local pool is configured, so local state is never held"
         now = self._clock() if at is None else at
         with self._lock:
-            w = self._local.get(boundary_key)
+            _, w = self._find(self._local, self._owner(namespace), boundary_key)
         if w is None or w.namespace != namespace:
             return "never_stored", ("no local snapshot was stored at this boundary in this namespace since "
                                     "the service started (or its record aged out of the journal)")
@@ -262,7 +292,9 @@ class Explainer:
         many chunks missed in all, when `miss_keys` holds only the first of them."""
         keys = miss_keys[:MAX_EXPLAINED_CHUNKS]
         with self._lock:
-            fates = list(map(self._fates.get, keys))
+            # Its tenant's part, then the unattributed one (as `_find`, without a call per key).
+            mine, loose = self._fates.view(self._owner(namespace)), self._fates.view(UNATTRIBUTED)
+            fates: list[_Fate | None] = [mine.get(k) or loose.get(k) for k in keys]
         if before is not None and any(fates):
             fates = [f if f is not None and f.at <= before else None for f in fates]
         total = len(miss_keys) if missed is None else missed
@@ -343,6 +375,9 @@ class Explainer:
                         present: Callable[[bytes], bool] | None = None, at: float | None = None) -> Explanation:
         """Build the request's explanation now and keep it by request id; `at`: when it was
         answered, on this explainer's clock (None: now)."""
+        if facts is not None and rec.tenant:
+            with self._lock:  # the namespace is this tenant's: the store's fates in it are filed with its own
+                self._owners.put(rec.tenant, facts.namespace, None)
         chunks: tuple[ChunkRun, ...] = ()
         local_reason = rec.local_reason
         local_detail = ""
@@ -375,29 +410,26 @@ class Explainer:
         )
         exp = _with_summary(exp)
         if rec.request_id:
-            key = (rec.tenant, rec.request_id)
             with self._lock:
-                self._requests[key] = exp
-                self._requests.move_to_end(key)
-                while len(self._requests) > self.max_requests:
-                    self._requests.popitem(last=False)
+                self._explained += 1
+                self._requests.put(rec.tenant, rec.request_id, (self._explained, exp))
         return exp
 
     def get(self, request_id: str, tenant: str | None = None) -> Explanation | None:
         """The explanation of a recent request; with `tenant`, only that tenant's (others: None)."""
         with self._lock:
             if tenant is not None:
-                return self._requests.get((tenant, request_id))
+                got = self._requests.get(tenant, request_id)
+                return None if got is None else got[1]
             # The admin: the most recent request with this id, whoever sent it.
-            for (_, rid), exp in reversed(self._requests.items()):
-                if rid == request_id:
-                    return exp
-        return None
+            found = [f for t in self._requests.tenants() if (f := self._requests.get(t, request_id)) is not None]
+        return max(found, key=lambda f: f[0])[1] if found else None
 
     def recent_ids(self, limit: int = 50, tenant: str | None = None) -> list[str]:
         with self._lock:
-            ids = [rid for (t, rid) in self._requests if tenant is None or t == tenant]
-        return list(reversed(ids[-limit:]))
+            names = [tenant] if tenant is not None else list(self._requests.tenants())
+            kept = [(n, rid) for t in names for rid, (n, _) in self._requests.items(t)]
+        return [rid for _, rid in sorted(kept, reverse=True)[:limit]]
 
 
 def _replay_words(rec: RequestRecord, facts: LookupFacts) -> str:

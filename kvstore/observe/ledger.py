@@ -374,8 +374,12 @@ class Ledger:
     def _wall_of(self, t: float, now: float, wall_now: float) -> float:
         return wall_now - (now - t)
 
-    def totals(self) -> dict[str, Any]:
-        """All-time sums, current occupancy and cumulative evictions (no per-tenant data)."""
+    def totals(self, tenant: str | None = None) -> dict[str, Any]:
+        """All-time sums, current occupancy and cumulative evictions (no per-tenant data). With
+        `tenant`: that tenant's own sums and bytes held, and no evictions (they are counted for
+        all tenants together): subtracting its figures from the service's must reveal no other's."""
+        if tenant is not None:
+            return self._tenant_totals(tenant)
         self._sample_for_output()
         with self._lock:
             out = self._total.to_json()
@@ -388,6 +392,23 @@ class Ledger:
                 t: (occ.used_bytes.get(t, 0) if occ else 0) for t in PERSISTENT_TIERS}
             out["hbm_bytes"] = occ.used_bytes.get("device", 0) if occ else 0
             out["evictions"] = dict(self._evictions_total)
+            out["uptime_seconds"] = self._clock() - self.started_at
+            return out
+
+    def _tenant_totals(self, tenant: str) -> dict[str, Any]:
+        self._sample_for_output()
+        with self._lock:
+            # Not `_tenant()`: a viewer must not add a tenant, nor read "(other)"'s sums as its own.
+            sums = self._tenants.get(tenant) if tenant != OTHER_TENANT else None
+            out = (sums or _Sums()).to_json()
+            occ = self._occ
+            held = occ.tenant_bytes.get(tenant, {}) if occ is not None else {}
+            out["tiers"] = {} if occ is None else {
+                t: {"used_bytes": int(held.get(t, 0)), "capacity_bytes": occ.capacity_bytes.get(t, 0)}
+                for t in TIER_NAMES if t in occ.used_bytes
+            }
+            out["persistent_bytes_held"] = {t: int(held.get(t, 0)) for t in PERSISTENT_TIERS}
+            out["hbm_bytes"] = int(held.get("device", 0))
             out["uptime_seconds"] = self._clock() - self.started_at
             return out
 

@@ -221,7 +221,9 @@ def install_observers(app: App) -> None:
     """The observers every service has: session returns for the TTL policy (with a pool), and the
     request trace when the config turns it on."""
     if app.local_pool is not None:
-        app.observers.append(ReturnTracker(lambda: app.ttl_policy, app.clock))
+        # Each tenant's written boundaries are kept apart, split as the call slots are.
+        app.observers.append(ReturnTracker(lambda: app.ttl_policy, app.clock,
+                                           share_weights=app.config.share_weights()))
     if app.config.trace.enabled:
         try:
             writer = TraceWriter(app.config.trace.path)

@@ -1,0 +1,83 @@
+"""A tenant's token on the admin API sees its own figures and the service's state, never a figure
+summed over every tenant's traffic (subtracting its own from such a sum gives the others'): its
+/api/stats and /api/timeseries stay the same while another tenant sends traffic. The admin still
+sees everything."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from pathlib import Path
+from typing import Any
+
+from kvstore.client.sync_client import KvstoreClient
+from kvstore.config import parse_config
+from kvstore.service.app import build_app
+from kvstore.service.server import KvstoreServer
+from tests.fixtures.service import CHUNK, TOY, base_table, payloads, tokens
+
+ALICE, BOB, ADMIN = "alice-token-0123456789", "bob-token-0123456789", "admin-token-0123456789"
+
+
+def _get(port: int, path: str, token: str) -> Any:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
+        r = conn.getresponse()
+        body = r.read()
+        assert r.status == 200, body
+        return json.loads(body)
+    finally:
+        conn.close()
+
+
+def _bobs_view(port: int) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    st = _get(port, "/api/stats", BOB)
+    totals = {k: v for k, v in st["totals"].items() if k != "uptime_seconds"}
+    return totals, st, _get(port, "/api/timeseries?window=600", BOB)["points"]
+
+
+def test_bobs_stats_and_timeseries_do_not_move_with_alices_traffic(tmp_path: Path) -> None:
+    t = base_table(admin={"admin_token": ADMIN})
+    t["tenants"] = {"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}}
+    app = build_app(parse_config(t), tmp_path / "data")
+    app.store.wait_ready(60)
+    srv = KvstoreServer(app, "127.0.0.1", 0, admin_port=0).start()
+    alice, bob = KvstoreClient(srv.address, token=ALICE), KvstoreClient(srv.address, token=BOB)
+    try:
+        assert srv.admin is not None
+        port = srv.admin.port
+        bob.lookup(TOY, tokens(2, 3 * CHUNK))
+        app.flush_observers()
+        before, st, series = _bobs_view(port)
+        assert before["requests"] == 1 and before["prompt_tokens"] == 3 * CHUNK, before
+        pa = tokens(1, 40 * CHUNK)
+        alice.store(TOY, pa, payloads(1, 40, app.layouts()[TOY].chunk_bytes))
+        for _ in range(7):
+            alice.lookup(TOY, pa)
+            alice.load(TOY, pa)
+        app.flush_observers()
+        after, st, series_after = _bobs_view(port)
+        assert after == before
+        assert series == series_after == []
+        assert "admin token" in _get(port, "/api/timeseries?window=600", BOB)["withheld"]
+        # The store's and the pool's traffic counters (every tenant's calls) are withheld; the
+        # service's state is not (as the gRPC Stats shows it).
+        assert "lookups" not in st["store"] and "lookup_hit_tokens" not in st["store"]
+        assert "tiers" in st["store"] and st["store"]["tenant_bytes"] == {"bob": {}}
+        assert "hits" not in st["pool"] and "writes" not in st["pool"] and "capacity_bytes" in st["pool"]
+        assert set(st["withheld"]) == {"store", "pool", "timeseries"}
+        # The admin sees every tenant's traffic, summed and step by step.
+        adm = _get(port, "/api/stats", ADMIN)
+        assert adm["totals"]["requests"] == 8 and adm["store"]["lookups"] > 0 and "withheld" not in adm
+        points = _get(port, "/api/timeseries?window=600", ADMIN)["points"]
+        assert sum(p["requests"] for p in points) == 8
+        # Bob's own traffic still moves his figures.
+        bob.lookup(TOY, tokens(3, 2 * CHUNK))
+        app.flush_observers()
+        assert _bobs_view(port)[0]["requests"] == 2
+    finally:
+        alice.close()
+        bob.close()
+        srv.stop(0)
+        app.close()
