@@ -81,3 +81,32 @@ def test_bobs_stats_and_timeseries_do_not_move_with_alices_traffic(tmp_path: Pat
         bob.close()
         srv.stop(0)
         app.close()
+
+
+def test_with_tenants_a_viewer_without_a_token_sees_no_sum_either(tmp_path: Path) -> None:
+    # No admin token, a bind beyond loopback: a caller without a token may be a tenant that left
+    # it off, and the service-wide totals less its own would give the other tenant's.
+    t = base_table(admin={"host": "0.0.0.0"})
+    t["tenants"] = {"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}}
+    app = build_app(parse_config(t), tmp_path / "data")
+    app.store.wait_ready(60)
+    srv = KvstoreServer(app, "127.0.0.1", 0, admin_port=0).start()
+    alice = KvstoreClient(srv.address, token=ALICE)
+    try:
+        assert srv.admin is not None
+        port = srv.admin.port
+        pa = tokens(1, 4 * CHUNK)
+        alice.store(TOY, pa, payloads(1, 4, app.layouts()[TOY].chunk_bytes))
+        alice.lookup(TOY, pa)
+        app.flush_observers()
+        st = _get(port, "/api/stats", "")
+        assert st["viewer"] == {"admin": False, "tenant": None}
+        assert st["totals"]["requests"] == 0 and "totals" in st["withheld"], st["totals"]
+        assert "lookups" not in st["store"] and "tenant_bytes" not in st["store"] and "tiers" in st["store"]
+        assert "tenants" not in st and "recent_requests" not in st
+        assert _get(port, "/api/timeseries?window=600", "")["points"] == []
+        assert _get(port, "/api/stats", ALICE)["totals"]["requests"] == 1  # her own, with her token
+    finally:
+        alice.close()
+        srv.stop(0)
+        app.close()

@@ -7,7 +7,8 @@ only its state (tier and pool capacity and occupancy, evictions by reason, healt
 gRPC `Stats` shows it: never a figure summed over tenants' traffic, from which subtracting its own
 would give the others' (its `totals` are its own, the store's and pool's traffic counters and the
 time series are withheld); an anonymous viewer (no admin token configured, non-loopback bind) sees
-aggregates only.
+aggregates only, and where there are tenants not even those (it could be a tenant that left its
+token off): the service's state, as a tenant sees it, without a tenant's own figures.
 
 What it does not know: HTTP (status codes, headers, auth parsing: `admin_http.py`), Prometheus, or how
 the figures are produced (it reads the ledger, the explainer and `InfoSources` callables).
@@ -42,10 +43,17 @@ WITHHELD_FROM_TENANTS = ("summed over every tenant's traffic, so it needs the ad
 class Viewer:
     admin: bool = False
     tenant: str | None = None  # set for a tenant's token
+    tenants_configured: bool = False  # the service tells tenants apart (an anonymous viewer may be one)
 
     @property
     def sees_tenants(self) -> bool:
         return self.admin or self.tenant is not None
+
+    @property
+    def sees_sums(self) -> bool:
+        """Figures summed over every tenant's traffic: the admin's, and an anonymous viewer's only
+        where there is one tenant (else one that left its token off would subtract its own)."""
+        return self.admin or (self.tenant is None and not self.tenants_configured)
 
 
 @dataclass
@@ -98,7 +106,9 @@ class AdminApi:
             "version": __version__,
             "generated_at": self._wall(),
             "viewer": {"admin": viewer.admin, "tenant": viewer.tenant},
-            "totals": self.ledger.totals(tenant=viewer.tenant if not viewer.admin else None),
+            # An anonymous viewer that may not see sums gets nobody's ("" names no tenant): the
+            # document's shape, every figure zero.
+            "totals": self.ledger.totals() if viewer.sees_sums else self.ledger.totals(tenant=viewer.tenant or ""),
             "store": self._store_view(self._read(s.store), viewer),
             "pool": _pool_view(self._read(s.pool), viewer),
             "pool_health": self._read(s.pool_health),
@@ -113,13 +123,16 @@ class AdminApi:
         if viewer.admin:
             out["tenants"] = self.ledger.tenants()
             out["recent_requests"] = self.ledger.recent(self._recent)
-        elif viewer.tenant is not None:
-            mine = self.ledger.tenants().get(viewer.tenant)
-            out["tenants"] = {viewer.tenant: mine} if mine is not None else {}
-            out["recent_requests"] = self.ledger.recent(self._recent, tenant=viewer.tenant)
+        elif not viewer.sees_sums:
+            if viewer.tenant is not None:
+                mine = self.ledger.tenants().get(viewer.tenant)
+                out["tenants"] = {viewer.tenant: mine} if mine is not None else {}
+                out["recent_requests"] = self.ledger.recent(self._recent, tenant=viewer.tenant)
             out["withheld"] = {"store": "its lookup, pin and key-memo counters are " + WITHHELD_FROM_TENANTS,
                                "pool": "its hit, miss and write counters are " + WITHHELD_FROM_TENANTS,
                                "timeseries": "it is " + WITHHELD_FROM_TENANTS}
+            if viewer.tenant is None:
+                out["withheld"]["totals"] = "they are " + WITHHELD_FROM_TENANTS
         return out
 
     @staticmethod
@@ -129,15 +142,16 @@ class AdminApi:
         tb = st.pop("tenant_bytes", None)
         if viewer.admin:
             st["tenant_bytes"] = tb
-        elif viewer.tenant is not None:
+        elif not viewer.sees_sums:
             st = {k: v for k, v in st.items() if k in _TENANT_STORE_KEYS}
-            st["tenant_bytes"] = {viewer.tenant: tb.get(viewer.tenant, {}) if isinstance(tb, dict) else {}}
+            if viewer.tenant is not None:
+                st["tenant_bytes"] = {viewer.tenant: tb.get(viewer.tenant, {}) if isinstance(tb, dict) else {}}
         return st
 
     def timeseries(self, viewer: Viewer, window_seconds: float, step_seconds: float | None = None) -> dict[str, Any]:
         # The time series is aggregate only: per-tenant series would multiply its memory. So a
         # tenant gets no points (its own sums are in /api/stats' totals), and a note why.
-        if viewer.tenant is not None and not viewer.admin:
+        if not viewer.sees_sums:
             return {"step_seconds": self.ledger.step_seconds,
                     "window_seconds": min(float(window_seconds), self.ledger.window_seconds),
                     "now": self._wall(), "points": [], "withheld": "the time series is " + WITHHELD_FROM_TENANTS}
@@ -154,7 +168,7 @@ class AdminApi:
 
 def _pool_view(pool: Any, viewer: Viewer) -> Any:
     """The pool's stats as this viewer may see them: a tenant sees its state, not its counters."""
-    if viewer.admin or viewer.tenant is None or not isinstance(pool, dict) or set(pool) == {"error"}:
+    if viewer.sees_sums or not isinstance(pool, dict) or set(pool) == {"error"}:
         return pool
     return {k: v for k, v in pool.items() if k in _TENANT_POOL_KEYS}
 

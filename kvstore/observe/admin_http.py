@@ -16,8 +16,9 @@ Access: it binds loopback by default. With `admin_token` set, /api/* needs
 /metrics needs the admin's when `metrics_require_token` (a tenant's token gets 403: the registry holds
 every tenant's series; without an admin token only a loopback caller on a loopback bind passes).
 Without an admin token, a loopback bind treats every caller as the admin (the operator on the box)
-and any other bind gives aggregates only. The dashboard page itself carries no data, so it is
-served to anyone; it asks for the token and sends it with its API calls. Errors are JSON,
+and any other bind gives aggregates only (with tenants, not even those: `admin_api.Viewer.sees_sums`).
+The dashboard page itself carries no data, so it is served to anyone; it asks for the token and
+sends it with its API calls. Errors are JSON,
 {"error": {"status": N, "reason": "...", "message": "..."}}, the stdlib's own (a garbled request
 line, an unknown method) too. Connections are capped; past the cap, /healthz has a small reserve
 and everything else gets 429 with Retry-After (MAX_CONNECTIONS, HEALTH_RESERVE below).
@@ -183,8 +184,8 @@ class AdminHttpServer:
                          "tenant's data)")
                 raise HttpError(401, f"this endpoint needs {needs}",
                                 {"WWW-Authenticate": 'Bearer realm="kvstore-admin"'})
-            return Viewer()
-        return Viewer(admin=self._loopback and _loopback_host(host))
+            return Viewer(tenants_configured=self._tenant_of is not None)
+        return Viewer(admin=self._loopback and _loopback_host(host), tenants_configured=self._tenant_of is not None)
 
     # --- routes ---
 

@@ -82,7 +82,7 @@ class Observability:
             return
         facts = call.facts
         if isinstance(facts, LocalWriteFacts):  # a StoreLocal that wrote a snapshot
-            self.explainer.local_stored(facts.namespace, facts.boundary_key, facts.ttl_seconds, call.at)
+            self.explainer.local_stored(facts.namespace, facts.boundary_key, facts.ttl_seconds, call.at, call.tenant)
             return
         if call.bills is None:
             return
@@ -124,7 +124,8 @@ class Observability:
             # The coordinator stored the rebuilt snapshot, with the TTL the pool applied (a tenant's
             # override or the adaptive one, not the base TTL: an expiry would read as an eviction).
             # Noted after the explanation, which must see the state before the replay.
-            self.explainer.local_stored(lookup.namespace, lookup.boundary_key, lookup.replay_stored_ttl, call.at)
+            self.explainer.local_stored(lookup.namespace, lookup.boundary_key, lookup.replay_stored_ttl, call.at,
+                                        call.tenant)
 
     def _retry(self, call: CallRecord, method: str, bills: Bills, lookup: LookupFacts | None) -> None:
         """A request counted already, priced again: a side call ("retry"), not a second request.
@@ -135,7 +136,8 @@ class Observability:
             self.metrics.load({name: t.bytes for name, t in bills.tiers.items()}, call.tenant, bills.local_bytes)
         if lookup is not None and lookup.boundary_key and lookup.replay_stored_ttl is not None \
                 and lookup.replay_status == "replayed":
-            self.explainer.local_stored(lookup.namespace, lookup.boundary_key, lookup.replay_stored_ttl, call.at)
+            self.explainer.local_stored(lookup.namespace, lookup.boundary_key, lookup.replay_stored_ttl, call.at,
+                                        call.tenant)
 
     def record(self, rec: RequestRecord, facts: LookupFacts | None = None, at: float | None = None) -> RequestRecord:
         """Explain, then count: the explanation decides the miss reasons the counters use. `at`:

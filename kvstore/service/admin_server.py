@@ -113,7 +113,7 @@ def build_observability(
     ledger = Ledger(window_seconds=adm.timeseries_seconds, step_seconds=adm.timeseries_step_seconds,
                     clock=clock, wall_clock=wall_clock, occupancy=occupancy)
     explainer = Explainer(
-        max_requests=adm.explain_requests, max_fates=adm.explain_chunk_fates,
+        max_requests=adm.explain_requests, max_fates=adm.explain_chunk_fates, share_weights=cfg.share_weights(),
         eviction_policy=cfg.store.eviction_policy,
         admission_policy=cfg.store.admission_policy,
         sliding_ttl=lambda: current().local_pool.ttl.kind != "fixed",  # follows a reload's TTL kind

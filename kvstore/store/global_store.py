@@ -633,7 +633,7 @@ class GlobalStore(Placement):
         plan.skipped[reason] += 1
         fate = _FATE_OF_SKIP.get(reason)
         if fate is not None:
-            self._fates.refused(txn.keys[i], txn.ns.digest, fate)
+            self._fates.refused(txn.keys[i], txn.ns.digest, fate, txn.ns.tenant)
 
     def _refusal(self, tenant: str, payload_bytes: int) -> SkipReason:
         """Why a chunk found no place: the tenant's quota in some tier, else the tiers' room."""
@@ -877,7 +877,7 @@ class GlobalStore(Placement):
         self._policies[tier].remove(key)
         self._uncharge(key, entry, tier)
         if not self._holds(key):  # that was its last copy
-            self._fates.corrupt(key, entry.namespace, tier)
+            self._fates.corrupt(key, entry.namespace, tier, entry.tenant)
 
     def release_load(self, receipt: PinReceipt, read_keys: Sequence[bytes]) -> None:
         with self._lock:

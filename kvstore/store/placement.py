@@ -222,7 +222,7 @@ class Placement:
             self._bump_tier(f"evict_reason:{tier}", reason)
             self._demote(key, entry, tier, protect)
             if not self._holds(key):  # no lower tier took it: dropped from the store
-                self._fates.dropped(key, entry.namespace, tier, reason)
+                self._fates.dropped(key, entry.namespace, tier, reason, entry.tenant)
 
     def _demote(self, key: bytes, entry: ChunkEntry, tier: TierName, protect: Container[bytes]) -> None:
         """Move a victim down to the next tier that lacks it (if any has room), then drop it here.
