@@ -70,12 +70,16 @@ class RecordingFates:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, bytes, bytes, str]] = []
+        self.owners: list[tuple[str, str | None]] = []  # (what, whose chunk the store said it was)
 
-    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str) -> None:
+    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str, tenant: str | None = None) -> None:
         self.seen.append(("dropped:" + reason, key, namespace, tier))
+        self.owners.append(("dropped", tenant))
 
-    def corrupt(self, key: bytes, namespace: bytes, tier: str) -> None:
+    def corrupt(self, key: bytes, namespace: bytes, tier: str, tenant: str | None = None) -> None:
         self.seen.append(("corrupt", key, namespace, tier))
+        self.owners.append(("corrupt", tenant))
 
-    def refused(self, key: bytes, namespace: bytes, reason: str) -> None:
+    def refused(self, key: bytes, namespace: bytes, reason: str, tenant: str | None = None) -> None:
         self.seen.append((reason, key, namespace, ""))
+        self.owners.append(("refused", tenant))

@@ -7,31 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstore.observe.explainer import Explainer
-from kvstore.store.fates import RefusalReason
-from tests.store_helpers import MODELS, open_store, store_prefix, tokens_for
+from tests.store_helpers import MODELS, RecordingFates, open_store, store_prefix, tokens_for
 from tests.test_admin_workload import FakeClock
 from tests.test_explain import explain, keys_for, ns
 
 
-class Recorded:
-    """A fate sink that notes whose chunk each call names."""
-
-    def __init__(self) -> None:
-        self.owners: list[tuple[str, str | None]] = []
-
-    def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str, tenant: str | None = None) -> None:
-        self.owners.append(("dropped", tenant))
-
-    def corrupt(self, key: bytes, namespace: bytes, tier: str, tenant: str | None = None) -> None:
-        self.owners.append(("corrupt", tenant))
-
-    def refused(self, key: bytes, namespace: bytes, reason: RefusalReason, tenant: str | None = None) -> None:
-        self.owners.append(("refused", tenant))
-
-
 def test_the_store_names_the_tenant_of_every_chunk_it_drops_or_refuses(tmp_path: Path) -> None:
     store = open_store(tmp_path, lmdb_capacity_bytes=0, dram_capacity_bytes=64 * 1024)
-    sink = Recorded()
+    sink = RecordingFates()
     store.set_fate_sink(sink)
     try:
         for i, tenant in enumerate(["bob", "alice", "alice", "alice", "alice"]):
