@@ -230,3 +230,25 @@ def test_the_effective_settings_are_toml_that_parses_back(tmp_path: Path, capsys
 def test_non_finite_numbers_are_written_as_toml_reads_them() -> None:
     doc = tomllib.loads("\n".join(to_toml({"s": {"a": math.inf, "b": -math.inf, "c": "x", "d": {"e f": 1.5}}})))
     assert doc["s"]["a"] == math.inf and doc["s"]["b"] == -math.inf and doc["s"]["d"] == {"e f": 1.5}
+
+
+def test_one_token_in_two_tenants_is_refused() -> None:
+    # Accepted, the token authenticated as whichever tenant came last: the other read its cache.
+    e = _refused({"tenants": {"a": {"tokens": [TOKEN]}, "b": {"tokens": [TOKEN]}}}, "tenants.b.tokens")
+    assert "tenant 'a'" in str(e)
+
+
+@pytest.mark.parametrize(("table", "key", "problem"), [
+    ({"service": {"max_concurrent_calls": True}}, "service.max_concurrent_calls", "must be an integer"),
+    ({"service": {"stream_idle_seconds": True}}, "service.stream_idle_seconds", "must be a number"),
+], ids=["integer", "number"])
+def test_true_is_no_integer_and_no_number(table: dict[str, Any], key: str, problem: str) -> None:
+    # Python's bool is an int: without its own check `true` read as 1.
+    assert problem in str(_refused(table, key))
+
+
+def test_an_adaptive_ttl_whose_least_is_over_its_most_is_refused() -> None:
+    table = {"local_pool": {"ttl": {"kind": "adaptive", "min_ttl_seconds": 900.0, "max_ttl_seconds": 60.0}}}
+    assert "<= max_ttl_seconds" in str(_refused(table, "local_pool.ttl.min_ttl_seconds"))
+    table["local_pool"]["ttl"]["min_ttl_seconds"] = 60.0
+    assert parse_config(table).local_pool.ttl.min_ttl_seconds == 60.0

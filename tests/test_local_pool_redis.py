@@ -11,7 +11,6 @@ several times longer), never speed.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -28,6 +27,7 @@ from kvstore.local_pool.redis_pool import snapshot_key_base
 from kvstore.local_pool.redis_process import RedisClusterProcesses, RedisProcess, free_port
 from kvstore.local_pool.redis_transport import ClusterTransport
 from kvstore.local_pool.snapshot_format import HEADER, MAX_PARTS, MIN_PART_BYTES, PART_HEADER, SnapshotHeader
+from tests.fixtures.openssl import openssl_or_skip
 from tests.fixtures.redis_server import RedisFactory, scan_pttls
 from tests.fixtures.tcp_proxy import TcpProxy
 from tests.helpers.static_ttl import StaticTtl
@@ -513,9 +513,7 @@ def test_a_client_library_failure_is_a_miss_not_an_exception(redis_factory: Redi
 
 
 def _make_certs(directory: Path) -> tuple[Path, Path, Path]:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl is needed to make a test certificate")
+    openssl = openssl_or_skip()
     ca_key, ca, key, csr, crt = (directory / n for n in ("ca.key", "ca.crt", "s.key", "s.csr", "s.crt"))
     ext = directory / "san.cnf"
     ext.write_text("subjectAltName=IP:127.0.0.1\n")

@@ -353,6 +353,20 @@ def test_second_sighting_memory_is_bounded_and_forgets_old_keys() -> None:
     assert a.admit(b"old")  # within the window it is remembered
 
 
+@pytest.mark.parametrize("others", [50, 60, 99])
+def test_second_sighting_remembers_a_key_in_the_older_generation(others: int) -> None:
+    # window_keys=100 is two generations of 50: after 50 or more other keys the first sighting is
+    # only in the older one, and still counts.
+    a = SecondSightingAdmit(window_keys=100)
+    assert not a.admit(b"x")
+    for i in range(others):
+        assert not a.admit(k(i))
+    assert a.admit(b"x")
+    for i in range(others, others + 60):
+        a.admit(k(i))
+    assert a.admit(b"x")  # the second sighting moved it to the newer generation
+
+
 # --- a run of keys (a restart's chunks) behaves as the same keys inserted one by one ------------------------
 
 

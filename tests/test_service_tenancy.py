@@ -3,7 +3,6 @@ tenant misses, at every tier, after a restart, and whatever the other tenant for
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from kvstore.service.auth import Authenticator, check_bind_allowed
 from kvstore.service.server import KvstoreServer
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.fixtures.openssl import openssl_or_skip
 from tests.fixtures.service import CHUNK, TOY, Service, make_config, payloads, tokens
 
 ALICE, BOB, ADMIN = "alice-token-0123456789", "bob-token-0123456789", "admin-token-0123456789"
@@ -244,8 +244,8 @@ def _make_certs(d: Path) -> None:
                  "-out", f"{name}.pem", "-days", "2", *ext, cwd=d)
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
 def test_mtls_peer_names_the_tenant(make_service: Callable[..., Service], tmp_path: Path) -> None:
+    openssl_or_skip()
     certs = tmp_path / "certs"
     certs.mkdir()
     _make_certs(certs)
