@@ -82,6 +82,7 @@ def test_bench_restart_reports_what_a_reopen_and_the_lookups_during_a_background
         f = doc[case]
         assert f["reopen_cold_seconds"] > 0 and f["reopen_warm_seconds"] > 0 and f["index_bytes_per_chunk"] > 0, f
         assert f["background_index_seconds"] > 0 and f["lookup_p99_ms_ready"] > 0, f
+        assert f["background_open_seconds"] > 0, f
         if f["lookups_while_loading"]:  # a small index may load before the first Lookup is done
             assert f["lookup_max_ms_while_loading"] >= f["lookup_p99_ms_while_loading"] > 0, f
             assert f["lookup_loading_ratio"] > 0, f
