@@ -6,9 +6,10 @@ the victim). Each abuser runs in a process of its own, so that neither it nor th
 slowed by the other's interpreter. For each abuse, in turn:
 1. the victim's Lookups alone (the baseline next to this abuse);
 2. the abuse starts and holds: idle Store streams, unread Load streams, maximal staging, a
-   runner flood with bogus results, Stores larger than the tiers, HTTP/2 rapid reset, a PING
-   flood (a staging abuser is measured once it has sent what it will, holding it); and, as a
-   control, the same large Stores sent to a second service on the machine (`_elsewhere`);
+   runner flood with bogus results, Stores larger than the tiers, Lookups of 900K-token prompts
+   from two threads, HTTP/2 rapid reset, a PING flood (a staging abuser is measured once it has
+   sent what it will, holding it); and, as controls, the same large Stores and huge Lookups sent
+   to a second service on the machine (`_elsewhere`);
 3. the victim's Lookups again, while the abuse holds;
 4. the abuse stops; once the service has no call in flight, the server's RSS is read again, and
    the victim runs alone once more (the baseline is the mean of the passes before and after).
@@ -48,7 +49,9 @@ V41 = "deepseek-v4.1-flash"
 V41_VOCAB = 129_280
 RSS_SLACK_BYTES = 64 * MiB  # the target: back within this of the RSS before the abuse
 ABUSES = ("idle_store_streams", "unread_load_streams", "maximal_staging", "runner_flood",
-          "store_larger_than_tiers", "store_larger_than_tiers_elsewhere", "rapid_reset", "ping_flood")
+          "store_larger_than_tiers", "store_larger_than_tiers_elsewhere", "huge_lookups", "huge_lookups_elsewhere",
+          "rapid_reset", "ping_flood")
+HUGE_LOOKUP_TOKENS = 900_000  # 3.6 MB of token ids: within max_message_bytes (4 MiB) below
 # The control: the same Stores sent to a second service on the same machine. What the victim
 # loses then is the machine's CPU, which no admission inside the service can give back.
 ELSEWHERE = "_elsewhere"
@@ -133,6 +136,40 @@ class _StoresLargerThanTiers(Abuser):
         return {"stores": self.stores}
 
 
+class _HugeLookups(Abuser):
+    """Lookups of 900K-token prompts never stored, from two threads: what admission by call slots
+    lets one tenant send (two of its calls), each a few MB to parse, hash and search."""
+
+    THREADS = 2
+
+    def __init__(self, address: str) -> None:
+        from kvstore.client import KvstoreClient
+
+        self._client = KvstoreClient(address, token=ALICE, timeout_seconds=60)
+        self._stop = threading.Event()
+        self.lookups = 0
+
+    def start(self) -> None:
+        def loop(seed: int) -> None:
+            prompt = _tokens(seed, HUGE_LOOKUP_TOKENS, V41_VOCAB)
+            while not self._stop.is_set():
+                self._client.lookup(V41, prompt)
+                self.lookups += 1
+
+        self._threads = [threading.Thread(target=loop, args=(200 + i,), daemon=True) for i in range(self.THREADS)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+        self._client.close()
+
+    def outcome(self) -> dict[str, object]:
+        return {"lookups": self.lookups}
+
+
 def _make_abuser(name: str, address: str, layout_id: bytes) -> Abuser:
     from kvstore.bench import h2_abusers as h2
     from kvstore.v1 import kvstore_pb2 as pb
@@ -149,6 +186,8 @@ def _make_abuser(name: str, address: str, layout_id: bytes) -> Abuser:
         return RunnerFlood(address, ALICE, TOY, layout_id, runners=32, bogus_results=0)
     if name.startswith("store_larger_than_tiers"):
         return _StoresLargerThanTiers(address)
+    if name.startswith("huge_lookups"):
+        return _HugeLookups(address)
     request = pb.LookupRequest(model=TOY, tokens=pb.Tokens(u32le=_tokens(2, 4 * 128, 512).tobytes()))
     if name == "rapid_reset":
         return h2.RapidReset(address, ALICE, request.SerializeToString(), streams=50_000)
