@@ -5,30 +5,17 @@ sees everything."""
 
 from __future__ import annotations
 
-import http.client
-import json
 from pathlib import Path
 from typing import Any
 
-from kvstore.client.sync_client import KvstoreClient
-from kvstore.config import parse_config
-from kvstore.service.app import build_app
-from kvstore.service.server import KvstoreServer
-from tests.fixtures.service import CHUNK, TOY, base_table, payloads, tokens
-
-ALICE, BOB, ADMIN = "alice-token-0123456789", "bob-token-0123456789", "admin-token-0123456789"
+from tests.fixtures.service import CHUNK, TOY, payloads, tokens
+from tests.fixtures.two_tenants import ADMIN, ALICE, BOB, admin_get, two_tenants
 
 
 def _get(port: int, path: str, token: str) -> Any:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
-        r = conn.getresponse()
-        body = r.read()
-        assert r.status == 200, body
-        return json.loads(body)
-    finally:
-        conn.close()
+    status, doc = admin_get(port, path, token)
+    assert status == 200, doc
+    return doc
 
 
 def _bobs_view(port: int) -> tuple[dict[str, Any], dict[str, Any], Any]:
@@ -38,15 +25,8 @@ def _bobs_view(port: int) -> tuple[dict[str, Any], dict[str, Any], Any]:
 
 
 def test_bobs_stats_and_timeseries_do_not_move_with_alices_traffic(tmp_path: Path) -> None:
-    t = base_table(admin={"admin_token": ADMIN})
-    t["tenants"] = {"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}}
-    app = build_app(parse_config(t), tmp_path / "data")
-    app.store.wait_ready(60)
-    srv = KvstoreServer(app, "127.0.0.1", 0, admin_port=0).start()
-    alice, bob = KvstoreClient(srv.address, token=ALICE), KvstoreClient(srv.address, token=BOB)
-    try:
-        assert srv.admin is not None
-        port = srv.admin.port
+    with two_tenants(tmp_path / "data", admin_token=ADMIN) as s:
+        port, app, alice, bob = s.admin_port, s.app, s.alice, s.bob
         bob.lookup(TOY, tokens(2, 3 * CHUNK))
         app.flush_observers()
         before, st, series = _bobs_view(port)
@@ -76,25 +56,13 @@ def test_bobs_stats_and_timeseries_do_not_move_with_alices_traffic(tmp_path: Pat
         bob.lookup(TOY, tokens(3, 2 * CHUNK))
         app.flush_observers()
         assert _bobs_view(port)[0]["requests"] == 2
-    finally:
-        alice.close()
-        bob.close()
-        srv.stop(0)
-        app.close()
 
 
 def test_with_tenants_a_viewer_without_a_token_sees_no_sum_either(tmp_path: Path) -> None:
     # No admin token, a bind beyond loopback: a caller without a token may be a tenant that left
     # it off, and the service-wide totals less its own would give the other tenant's.
-    t = base_table(admin={"host": "0.0.0.0"})
-    t["tenants"] = {"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}}
-    app = build_app(parse_config(t), tmp_path / "data")
-    app.store.wait_ready(60)
-    srv = KvstoreServer(app, "127.0.0.1", 0, admin_port=0).start()
-    alice = KvstoreClient(srv.address, token=ALICE)
-    try:
-        assert srv.admin is not None
-        port = srv.admin.port
+    with two_tenants(tmp_path / "data", host="0.0.0.0") as s:
+        port, app, alice = s.admin_port, s.app, s.alice
         pa = tokens(1, 4 * CHUNK)
         alice.store(TOY, pa, payloads(1, 4, app.layouts()[TOY].chunk_bytes))
         alice.lookup(TOY, pa)
@@ -106,7 +74,3 @@ def test_with_tenants_a_viewer_without_a_token_sees_no_sum_either(tmp_path: Path
         assert "tenants" not in st and "recent_requests" not in st
         assert _get(port, "/api/timeseries?window=600", "")["points"] == []
         assert _get(port, "/api/stats", ALICE)["totals"]["requests"] == 1  # her own, with her token
-    finally:
-        alice.close()
-        srv.stop(0)
-        app.close()

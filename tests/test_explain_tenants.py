@@ -4,59 +4,30 @@ configured bound."""
 
 from __future__ import annotations
 
-import http.client
-import json
 from pathlib import Path
-from typing import Any
 
-from kvstore.client.sync_client import KvstoreClient
-from kvstore.config import parse_config
 from kvstore.observe.explainer import Explainer
-from kvstore.service.app import build_app
-from kvstore.service.server import KvstoreServer
-from tests.fixtures.service import CHUNK, TOY, base_table, tokens
+from tests.fixtures.service import CHUNK, TOY, tokens
+from tests.fixtures.two_tenants import ADMIN, ALICE, BOB, admin_get, two_tenants
 from tests.test_admin_workload import FakeClock
 from tests.test_explain import explain, keys_for, ns
 
-ALICE, BOB, ADMIN = "alice-token-0123456789", "bob-token-0123456789", "admin-token-0123456789"
-
-
-def _get(port: int, path: str, token: str) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
-        r = conn.getresponse()
-        return r.status, json.loads(r.read())
-    finally:
-        conn.close()
-
 
 def test_bobs_explanation_outlives_alices_lookups_in_the_real_service(tmp_path: Path) -> None:
-    t = base_table(admin={"admin_token": ADMIN, "explain_requests": 50})
-    t["tenants"] = {"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}}
-    app = build_app(parse_config(t), tmp_path / "data")
-    app.store.wait_ready(60)
-    srv = KvstoreServer(app, "127.0.0.1", 0, admin_port=0).start()
-    alice, bob = KvstoreClient(srv.address, token=ALICE), KvstoreClient(srv.address, token=BOB)
-    try:
-        assert srv.admin is not None
-        bob.lookup(TOY, tokens(5, 4 * CHUNK), request_id="bob-req-1")
-        app.flush_observers()
-        assert _get(srv.admin.port, "/api/explain/bob-req-1", BOB)[0] == 200
+    with two_tenants(tmp_path / "data", admin_token=ADMIN, explain_requests=50) as s:
+        port = s.admin_port
+        s.bob.lookup(TOY, tokens(5, 4 * CHUNK), request_id="bob-req-1")
+        s.app.flush_observers()
+        assert admin_get(port, "/api/explain/bob-req-1", BOB)[0] == 200
         for i in range(60):  # more than the whole journal holds
-            alice.lookup(TOY, tokens(100 + i, 2 * CHUNK), request_id=f"a-{i}")
-        app.flush_observers()
-        status, doc = _get(srv.admin.port, "/api/explain/bob-req-1", BOB)
+            s.alice.lookup(TOY, tokens(100 + i, 2 * CHUNK), request_id=f"a-{i}")
+        s.app.flush_observers()
+        status, doc = admin_get(port, "/api/explain/bob-req-1", BOB)
         assert status == 200 and doc["tenant"] == "bob", doc
         # Alice's own journal is bounded by her part: her oldest requests aged out, her newest not.
-        assert _get(srv.admin.port, "/api/explain/a-0", ALICE)[0] == 404
-        assert _get(srv.admin.port, "/api/explain/a-59", ALICE)[0] == 200
-        assert _get(srv.admin.port, "/api/explain/bob-req-1", ADMIN)[0] == 200
-    finally:
-        alice.close()
-        bob.close()
-        srv.stop(0)
-        app.close()
+        assert admin_get(port, "/api/explain/a-0", ALICE)[0] == 404
+        assert admin_get(port, "/api/explain/a-59", ALICE)[0] == 200
+        assert admin_get(port, "/api/explain/bob-req-1", ADMIN)[0] == 200
 
 
 def test_bobs_fates_and_snapshot_writes_outlive_alices() -> None:
