@@ -219,20 +219,25 @@ def test_the_recompute_after_a_failed_synchronous_load_is_stored() -> None:
     assert link.counters["saves_skipped_failed_load"] == 1  # the failed step's only
 
 
+def _hybrid_side(plan: EnginePlan, hit_chunks: int) -> SchedulerSide:
+    """A scheduler side whose Lookups hit `hit_chunks` with the window state (asynchronous loads)."""
+    link = FakeLink(hit_chunks=hit_chunks, loaded=hit_chunks)
+    link.cfg = ConnectorConfig(address="127.0.0.1:1", load_mode="async")
+
+    def lookup(kind: str, fn: Any) -> Any:
+        return SimpleNamespace(hit_chunks=hit_chunks, local_state="hit") if kind == "lookup" else None
+
+    link.call = lookup  # type: ignore[method-assign]
+    return SchedulerSide(link, plan)  # type: ignore[arg-type]
+
+
 def test_a_window_block_that_is_vllms_null_block_is_not_written() -> None:
     # With blocks smaller than a chunk and a window that is not a whole number of chunks, the
     # window's first blocks lie wholly before it: vLLM gives the request its null block there.
     hybrid = EnginePlan((GroupPlan(0, ("full",), 2, 8, torch.float16, 0), GroupPlan(1, ("swa",), 2, 8, torch.float16,
                                                                                     200)), chunk_tokens=CT,
                         block_size=BT)
-    link = FakeLink(hit_chunks=3, loaded=3)
-    link.cfg = ConnectorConfig(address="127.0.0.1:1", load_mode="async")
-
-    def lookup(kind: str, fn: Any) -> Any:
-        return SimpleNamespace(hit_chunks=3, local_state="hit") if kind == "lookup" else None
-
-    link.call = lookup  # type: ignore[method-assign]
-    s = SchedulerSide(link, hybrid)  # type: ignore[arg-type]
+    s = _hybrid_side(hybrid, 3)
     req = _request(500)
     while (m := s.matched(req, 0))[0] is None:
         pass
@@ -382,11 +387,7 @@ def test_a_window_restored_by_a_load_is_not_stored_again_unless_the_load_failed(
     hybrid = EnginePlan((GroupPlan(0, ("swa",), 2, 8, torch.float16, 256), GroupPlan(1, ("full",), 2, 8, torch.float16,
                                                                                       0)), chunk_tokens=CT,
                         block_size=CT)
-    link = FakeLink(hit_chunks=7, loaded=7)
-    link.cfg = ConnectorConfig(address="127.0.0.1:1", load_mode="async")
-    link.call = lambda kind, fn: (SimpleNamespace(hit_chunks=7, local_state="hit")  # type: ignore[method-assign]
-                                  if kind == "lookup" else None)
-    s = SchedulerSide(link, hybrid)  # type: ignore[arg-type]
+    s = _hybrid_side(hybrid, 7)
     req = _request(7 * CT + 37)
     while (m := s.matched(req, 0))[0] is None:
         pass
