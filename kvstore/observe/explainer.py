@@ -21,9 +21,9 @@ explanation only ever says "not stored in this namespace": it never reveals that
 holds the same tokens. `get` hides other tenants' requests from a tenant viewer (as not found).
 Each journal is kept per tenant (`tenant_lru.TenantLru`: its bound split by `share_weight`, else
 equally among the tenants seen), so a busy tenant's traffic never ages out another tenant's
-explanations, fates or snapshot writes. The store reports a fate by namespace only: its tenant is
-the one whose request named that namespace (learnt at each explained request; a namespace not
-seen yet files its fates in a part of their own, "(unattributed)").
+explanations, fates or snapshot writes. The store names the tenant of each fate, and the service
+that of each snapshot write; a record without one goes to the tenant whose request named its
+namespace (learnt at each explained request), else to a part of its own, "(unattributed)".
 
 What it does not know: the store's index, tiers or policies (it is told names), the pool, gRPC,
 HTTP. Time comes from injected clocks (monotonic for ages, wall time for people).
@@ -208,7 +208,7 @@ class Explainer:
         with self._lock:
             self._put(self._fates, self._owner(namespace, tenant), key, f)
 
-    # `tenant`: whose chunk, when the store can say (it reports the namespace only today).
+    # `tenant`: whose chunk (None: the namespace's, as learnt from its requests).
     def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str, tenant: str | None = None) -> None:
         self._fate(key, "evicted", namespace, tier, reason, tenant)
 
