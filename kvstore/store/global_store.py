@@ -43,7 +43,14 @@ from kvstore.config.policies import build_admission, build_eviction
 from kvstore.config.store import StoreConfig
 from kvstore.errors import InvalidInput, ResourceExhausted, UnknownModel, listed
 from kvstore.keys.chain import chain_from, chained_count
-from kvstore.keys.chunk_keys import Namespace, as_token_array, full_chunk_bytes, next_key, split_chunks
+from kvstore.keys.chunk_keys import (
+    Namespace,
+    as_token_array,
+    full_chunk_bytes,
+    next_key,
+    prompt_bytes,
+    split_chunks,
+)
 from kvstore.keys.memo import KeyMemo, Recall
 from kvstore.layout import TIER_NAMES, CacheLayout, EngineModel, ModelSpec, engine_model_spec
 from kvstore.store.cold import ColdChunks
@@ -301,7 +308,7 @@ class GlobalStore(Placement):
         layout = self.layout(ns)
         ct = layout.chunk_tokens
         step = 4 * ct
-        raw = full_chunk_bytes(tokens, ct)
+        raw = prompt_bytes(tokens)  # read in whole chunks by offset below: a partial tail is never read
         n = len(raw) // step
         digest = ns.digest
         keys, recall = self._walk_keys(digest, raw, step)
