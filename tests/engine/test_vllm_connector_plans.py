@@ -106,16 +106,21 @@ def test_a_load_after_vllms_own_hit_inside_a_chunk_fills_every_block_vllm_counts
     assert torch.equal(back[0, vllms:], chunks[0, vllms:]) and torch.equal(back[1:], chunks[1:])
 
 
-def _short_load_step() -> tuple[FakeLink, SchedulerSide, WorkerSide, list[int], Any]:
-    """A request of 1,000 tokens whose load of 3 chunks brings only 1: its first step planned."""
-    link = FakeLink(hit_chunks=3, loaded=1)
+def _first_step(link: FakeLink, tokens: int) -> tuple[SchedulerSide, WorkerSide, list[int], Any]:
+    """Both sides over one layer, and the first step of a request of `tokens` tokens planned."""
     s, w = SchedulerSide(link, PLAN), WorkerSide(link, PLAN)  # type: ignore[arg-type]
     w.register({"l0": torch.zeros(80, 2, BT, 2 * 8, dtype=torch.float16)}, "cpu")
-    req = _request(1000)
+    req = _request(tokens)
     external, _ = s.matched(req, 0)
     table = list(range(1, 64))
     s.after_alloc(req, (table,), external)
-    return link, s, w, table, s.build_meta(_output("r", external, 1000 - external, new=True), lambda r: (table,), 0)
+    return s, w, table, s.build_meta(_output("r", external, tokens - external, new=True), lambda r: (table,), 0)
+
+
+def _short_load_step() -> tuple[FakeLink, SchedulerSide, WorkerSide, list[int], Any]:
+    """A request of 1,000 tokens whose load of 3 chunks brings only 1: its first step planned."""
+    link = FakeLink(hit_chunks=3, loaded=1)
+    return (link, *_first_step(link, 1000))
 
 
 def test_a_short_synchronous_load_saves_nothing_computed_over_it_and_saves_the_recompute() -> None:
@@ -406,13 +411,7 @@ def test_a_window_restored_by_a_load_is_not_stored_again_unless_the_load_failed(
 def test_an_unexpected_error_while_storing_is_counted_and_releases_what_was_staged() -> None:
     # It was raised inside the store thread's future, which nobody reads: the save vanished unsaid.
     link = FakeLink(hit_chunks=0, loaded=0)
-    s, w = SchedulerSide(link, PLAN), WorkerSide(link, PLAN)  # type: ignore[arg-type]
-    w.register({"l0": torch.zeros(80, 2, BT, 2 * 8, dtype=torch.float16)}, "cpu")
-    req = _request(300)
-    external, _ = s.matched(req, 0)
-    table = list(range(1, 64))
-    s.after_alloc(req, (table,), external)
-    meta = s.build_meta(_output("r", 0, 300, new=True), lambda r: (table,), 0)
+    _, w, _, meta = _first_step(link, 300)
 
     def broken(kind: str, fn: Any) -> Any:
         raise TypeError("a bug")  # not one of the failures the link counts by kind
