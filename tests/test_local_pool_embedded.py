@@ -11,16 +11,9 @@ import pytest
 from kvstore.config.local_pool import LocalPoolConfig
 from kvstore.local_pool.embedded import ENTRY_OVERHEAD_BYTES, EmbeddedPool
 from kvstore.local_pool.factory import build_local_pool
+from tests.fixtures.clock import ManualClock
 
 LAYOUT = b"layout01"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class TenantTtl:
@@ -45,8 +38,8 @@ class TenantTtl:
 ENTRY = 1000  # payload bytes per test entry
 
 
-def _pool(entries_room: int, read_seconds: float | None = None) -> tuple[EmbeddedPool, FakeClock]:
-    clock = FakeClock()
+def _pool(entries_room: int, read_seconds: float | None = None) -> tuple[EmbeddedPool, ManualClock]:
+    clock = ManualClock()
     return EmbeddedPool(entries_room * (ENTRY + ENTRY_OVERHEAD_BYTES), TenantTtl(read_seconds), clock), clock
 
 
@@ -146,7 +139,7 @@ def test_the_policy_hears_only_of_writes_that_happen() -> None:
             return super().ttl_for_write(tenant, nbytes, now)
 
     policy = Counting()
-    pool = EmbeddedPool(ENTRY + ENTRY_OVERHEAD_BYTES, policy, FakeClock())
+    pool = EmbeddedPool(ENTRY + ENTRY_OVERHEAD_BYTES, policy, ManualClock())
     assert pool.put(_key(0), _key(0), "t5", LAYOUT, 128, b"x" * (ENTRY + 1)).skip_reason == "no-room"
     assert policy.writes == 0
     assert pool.put(_key(0), _key(0), "t5", LAYOUT, 128, b"x" * ENTRY).written
@@ -162,7 +155,7 @@ def test_unusable_policy_answers_skip_the_write(ttl: float) -> None:
         def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
             return ttl
 
-    pool = EmbeddedPool(1 << 20, Odd(), FakeClock())
+    pool = EmbeddedPool(1 << 20, Odd(), ManualClock())
     assert pool.put(_key(0), _key(0), "t", LAYOUT, 128, b"x").skip_reason == "policy"
 
 
@@ -197,7 +190,7 @@ def _held(pool: EmbeddedPool, tenant: str, ids: range | list[int]) -> list[int]:
 def test_a_tenant_with_longer_ttls_cannot_push_another_out() -> None:
     # mallory's entries outlive bob's (600 s against 300 s): by expiry alone every eviction took
     # bob's, down to his own newest write being evicted by his next one.
-    clock = FakeClock()
+    clock = ManualClock()
     pool = EmbeddedPool(10 * UNIT, ByTenant({"bob": 300, "mallory": 600}), clock)
     for i in range(5):
         assert _tput(pool, "bob", i) is None
@@ -214,7 +207,7 @@ def test_a_tenant_with_longer_ttls_cannot_push_another_out() -> None:
 
 
 def test_share_weights_split_the_budget_and_an_idle_budget_is_lent() -> None:
-    pool = EmbeddedPool(8 * UNIT, ByTenant({"a": 60, "b": 60}), FakeClock(), share_weights={"a": 3.0})
+    pool = EmbeddedPool(8 * UNIT, ByTenant({"a": 60, "b": 60}), ManualClock(), share_weights={"a": 3.0})
     for i in range(10):
         assert _tput(pool, "a", i) is None
     assert len(_held(pool, "a", range(10))) == 8  # alone, a may use it all
@@ -226,7 +219,7 @@ def test_share_weights_split_the_budget_and_an_idle_budget_is_lent() -> None:
 
 def test_the_factory_passes_the_share_weights_on() -> None:
     cfg = LocalPoolConfig(capacity_bytes=4 * UNIT)
-    pool = build_local_pool(cfg, ByTenant({"a": 60, "b": 60}), FakeClock(), share_weights={"a": 3.0, "b": 1.0})
+    pool = build_local_pool(cfg, ByTenant({"a": 60, "b": 60}), ManualClock(), share_weights={"a": 3.0, "b": 1.0})
     for i in range(4):
         assert _tput(pool, "a", i) is None
         assert _tput(pool, "b", i) is None
@@ -235,7 +228,7 @@ def test_the_factory_passes_the_share_weights_on() -> None:
 
 def test_a_write_that_fits_only_by_evicting_a_tenant_within_its_share_is_skipped() -> None:
     policy = ByTenant({"a": 10, "b": 20, "c": 30})
-    pool = EmbeddedPool(4 * UNIT, policy, FakeClock())
+    pool = EmbeddedPool(4 * UNIT, policy, ManualClock())
     assert _tput(pool, "a", 0) is None and _tput(pool, "a", 1) is None
     assert _tput(pool, "b", 0) is None
     # c's 3 units against a share of 4/3: one of a's entries could go (a is over its share), then
@@ -248,7 +241,7 @@ def test_a_write_that_fits_only_by_evicting_a_tenant_within_its_share_is_skipped
 
 
 def test_a_write_the_policy_refuses_evicts_nothing() -> None:
-    pool = EmbeddedPool(UNIT, ByTenant({"a": 10, "z": 0}), FakeClock())
+    pool = EmbeddedPool(UNIT, ByTenant({"a": 10, "z": 0}), ManualClock())
     assert _tput(pool, "a", 0) is None
     assert _tput(pool, "z", 0) == "policy"
     assert _held(pool, "a", range(1)) == [0]
@@ -259,7 +252,7 @@ def test_a_write_the_policy_refuses_evicts_nothing() -> None:
 def test_small_entries_are_counted_about_what_they_cost_in_memory() -> None:
     # Counting payload + 64 B let a budget of 32-byte snapshots hold ~4x its size in Python objects.
     n, size = 5000, 32
-    pool = EmbeddedPool(1 << 40, ByTenant({"t": 300}), FakeClock())
+    pool = EmbeddedPool(1 << 40, ByTenant({"t": 300}), ManualClock())
     keys = [i.to_bytes(32, "big") for i in range(n)]
     tracemalloc.start()
     try:

@@ -9,16 +9,9 @@ from typing import Any
 import grpc
 
 from kvstore.service.stream_watch import StreamWatch
+from tests.fixtures.clock import ManualClock
 
 IDLE = 10.0
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class _Context:
@@ -34,7 +27,7 @@ class _Context:
 
 
 def test_a_send_the_client_does_not_take_is_ended_once_just_past_idle_seconds() -> None:
-    clock, ctx = _Clock(), _Context()
+    clock, ctx = ManualClock(), _Context()
     watch = StreamWatch(IDLE, clock=clock)
     with watch.watch(ctx, "Load", "alice") as w:
         replies = w.sent(iter([b"first", b"second"]))
@@ -51,7 +44,7 @@ def test_a_send_the_client_does_not_take_is_ended_once_just_past_idle_seconds() 
 
 
 def test_a_client_that_sends_nothing_is_ended_and_time_between_waits_is_not_counted() -> None:
-    clock, ctx = _Clock(), _Context()
+    clock, ctx = ManualClock(), _Context()
     watch = StreamWatch(IDLE, clock=clock)
     checks: list[int] = []
 

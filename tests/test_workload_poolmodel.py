@@ -11,17 +11,10 @@ import pytest
 
 from kvstore.local_pool.embedded import ENTRY_OVERHEAD_BYTES, EmbeddedPool
 from kvstore.workload.poolmodel import PoolModel
+from tests.fixtures.clock import ManualClock
 
 LAYOUT = b"layout01"
 UNIT = 1000 + ENTRY_OVERHEAD_BYTES  # what a 1,000-byte snapshot counts against the budget
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class ByTenant:
@@ -65,7 +58,7 @@ def _policy() -> ByTenant:
 @pytest.mark.parametrize("weights", [None, {"heavy": 3.0, "long": 0.5}])
 def test_the_model_and_the_embedded_pool_make_the_same_decisions(weights: dict[str, float] | None) -> None:
     rng = random.Random(7)
-    clock = Clock()
+    clock = ManualClock()
     pool_policy, model_policy = _policy(), _policy()
     capacity = 9 * UNIT
     pool = EmbeddedPool(capacity, pool_policy, clock, share_weights=weights)
