@@ -93,15 +93,21 @@ def as_token_array(tokens: Sequence[int] | np.ndarray, vocab_size: int) -> np.nd
 _U32LE = np.dtype("<u4")
 
 
+def _request_bytes(tokens: np.ndarray) -> bytes | None:
+    """The bytes the token ids arrived as (a request's u32le field, wrapped by np.frombuffer
+    without a copy), else None: they are the canonical encoding already, to slice, not copy again."""
+    base = tokens.base
+    if type(base) is bytes and tokens.dtype == _U32LE and len(base) == 4 * len(tokens):
+        return base
+    return None
+
+
 def full_chunk_bytes(tokens: np.ndarray, chunk_tokens: int) -> bytes:
     """The canonical bytes of the *full* chunks, end to end; a trailing partial chunk is dropped."""
     n = len(tokens) // chunk_tokens
-    base = tokens.base
-    # Token ids that arrived as bytes (a request's u32le field, wrapped by np.frombuffer without a
-    # copy) are those bytes already: slice them (no copy at all when the prompt is whole chunks)
-    # instead of copying 128 KiB per 32K tokens out of the array again.
-    if type(base) is bytes and tokens.dtype == _U32LE and len(base) == 4 * len(tokens):
-        return base if n * chunk_tokens == len(tokens) else base[: 4 * n * chunk_tokens]
+    raw = _request_bytes(tokens)
+    if raw is not None:  # no copy at all when the prompt is whole chunks
+        return raw if n * chunk_tokens == len(tokens) else raw[: 4 * n * chunk_tokens]
     return tokens[: n * chunk_tokens].astype("<u4", copy=False).tobytes()
 
 
@@ -110,10 +116,8 @@ def prompt_bytes(tokens: np.ndarray) -> bytes:
     whole chunks of it by offset. Token ids that arrived as bytes are those bytes, not a copy: a
     900K-token request's 3.6 MB copied to drop its last partial chunk held the interpreter lock
     for a millisecond or more, page faults included, while every other call waited for it."""
-    base = tokens.base
-    if type(base) is bytes and tokens.dtype == _U32LE and len(base) == 4 * len(tokens):
-        return base
-    return tokens.astype("<u4", copy=False).tobytes()
+    raw = _request_bytes(tokens)
+    return raw if raw is not None else tokens.astype("<u4", copy=False).tobytes()
 
 
 def chunk_token_bytes(tokens: np.ndarray, chunk_tokens: int) -> list[bytes]:
