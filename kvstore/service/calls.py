@@ -187,7 +187,9 @@ class CallGuard:
         ))
 
     def resolve(self, state: CallState, model: str, replay_mode: str, tokens: pb.Tokens,
-                cache_salt: str = "") -> Resolved:
+                cache_salt: str = "", in_place: memoryview | None = None) -> Resolved:
+        """The call's namespace, model, layout and token ids; `in_place`: the token bytes of a
+        request read by `wire.tokens_in_place`."""
         if not model:
             raise InvalidInput("model is required")
         if len(model) > MAX_MODEL_NAME or not model.isprintable():
@@ -207,5 +209,5 @@ class CallGuard:
             self._namespaces[key] = found
         ns, spec, layout = found
         state.model = model
-        raw = tokens_from_proto(tokens, self._max_tokens)
+        raw = tokens_from_proto(tokens, self._max_tokens, in_place)
         return Resolved(ns, spec, layout, self._app.store.tokens(ns, raw))

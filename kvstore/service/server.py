@@ -1,13 +1,14 @@
 """The gRPC server: binds, registers the servicers, health and reflection, and shuts down gracefully.
 
 Handlers are registered from the proto descriptors with `wire.safe_deserializer` (Store's with the
-zero-copy reader of `wire.pieces`), so a request that does not parse (or exceeds
-`max_message_bytes`) reaches the servicer as a `Malformed` marker and is answered INVALID_ARGUMENT,
-instead of gRPC's own INTERNAL for a failed parse. gRPC's hard receive limit is set above the
-configured one so that the friendlier check sees oversize messages up to twice that size; past
-it gRPC's core refuses the message itself (RESOURCE_EXHAUSTED, no request id) before a handler
-runs. It stays a small multiple on purpose: core buffers a whole message before handing it over,
-so that limit is what bounds one message's memory.
+zero-copy reader of `wire.pieces`, those of requests carrying token ids with `wire.tokens_in_place`),
+so a request that does not parse (or exceeds `max_message_bytes`) reaches the servicer as a
+`Malformed` marker and is answered INVALID_ARGUMENT, instead of gRPC's own INTERNAL for a failed
+parse. gRPC's hard receive limit is set above the configured one so that the friendlier check sees
+oversize messages up to twice that size; past it gRPC's core refuses the message itself
+(RESOURCE_EXHAUSTED, no request id) before a handler runs. It stays a small multiple on purpose:
+core buffers a whole message before handing it over, so that limit is what bounds one message's
+memory.
 
 Shutdown (`stop`), in this order so that no caller is dropped silently:
 1. health goes NOT_SERVING (balancers stop routing here);
@@ -49,6 +50,7 @@ from kvstore.service.stream_watch import StreamWatch
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.messages import safe_decoder, safe_deserializer, serialize_response
 from kvstore.wire.pieces import decode_store_request
+from kvstore.wire.tokens_in_place import tokens_field, tokens_in_place
 
 log = logging.getLogger("kvstore.service")
 
@@ -73,6 +75,9 @@ def generic_handler(service: str, servicer: object, max_message_bytes: int) -> g
         req_cls = getattr(pb, m.input_type.name)
         make: Any = makers[(m.client_streaming, m.server_streaming)]
         deserializer: Any = safe_deserializer(req_cls, max_message_bytes)
+        if tokens_field(req_cls) is not None:
+            # Token ids are read where they arrived: see wire.tokens_in_place.
+            deserializer = safe_decoder(tokens_in_place(req_cls), req_cls.DESCRIPTOR.full_name, max_message_bytes)
         if req_cls is pb.StoreRequest:
             # Store payloads are read as views into the messages gRPC delivered: the library's two
             # copies of every byte would hold the interpreter lock that every other call needs.

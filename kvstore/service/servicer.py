@@ -45,12 +45,14 @@ from kvstore.wire.messages import (
     TIER_TO_PB,
     Malformed,
     accept,
+    accept_tokens,
     chunk_piece_frame,
     chunk_piece_head,
     encode_chunk_piece,
     encode_lookup_response,
 )
 from kvstore.wire.pieces import PieceView, Streamed
+from kvstore.wire.tokens_in_place import WithTokens
 
 if TYPE_CHECKING:
     from kvstore.service.app import App
@@ -82,10 +84,11 @@ class KVCacheServicer(LocalStateCalls):
 
     # --- Lookup -----------------------------------------------------------------------------------
 
-    def Lookup(self, request: pb.LookupRequest | Malformed, context: grpc.ServicerContext) -> bytes:
+    def Lookup(self, request: WithTokens[pb.LookupRequest] | Malformed, context: grpc.ServicerContext) -> bytes:
         with self.guard.enter(context, "Lookup") as call:
-            req = accept(request, pb.LookupRequest)
-            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt)
+            parsed = accept_tokens(request, pb.LookupRequest)
+            req = parsed.message
+            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt, parsed.u32le)
             if bool(req.shm_session) != bool(req.hold_chunks):
                 raise InvalidInput("a Lookup that holds chunks names both shm_session and hold_chunks")
             held: list[pb.ShmSpan] = []
@@ -268,11 +271,12 @@ class KVCacheServicer(LocalStateCalls):
     # --- Load -------------------------------------------------------------------------------------
 
     def Load(
-        self, request: pb.LoadRequest | Malformed, context: grpc.ServicerContext
+        self, request: WithTokens[pb.LoadRequest] | Malformed, context: grpc.ServicerContext
     ) -> Iterator[pb.LoadResponse | bytes]:
         with self.guard.enter(context, "Load", streaming=True) as call:
-            req = accept(request, pb.LoadRequest)
-            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt)
+            parsed = accept_tokens(request, pb.LoadRequest)
+            req = parsed.message
+            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt, parsed.u32le)
             shm = self.shm_session(call, req.shm_session, res.layout.chunk_bytes)
             with self.app.store.load(res.ns, res.tokens, req.max_chunks or None) as session:
                 n = len(session)

@@ -44,7 +44,8 @@ from kvstore.store import LoadSession
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.bills import to_pb as bills_to_pb
 from kvstore.wire.framing import BlobAssembler, blob_spans
-from kvstore.wire.messages import CASE_TO_PB, LOCAL_TO_PB, TIER_TO_PB, Malformed, accept
+from kvstore.wire.messages import CASE_TO_PB, LOCAL_TO_PB, TIER_TO_PB, Malformed, accept, accept_tokens
+from kvstore.wire.tokens_in_place import WithTokens
 from replay.port import ReplayOutcome, ReplayTicket
 
 if TYPE_CHECKING:
@@ -183,11 +184,12 @@ class LocalStateCalls:
     # --- LoadLocal --------------------------------------------------------------------------------
 
     def LoadLocal(
-        self, request: pb.LoadLocalRequest | Malformed, context: grpc.ServicerContext
+        self, request: WithTokens[pb.LoadLocalRequest] | Malformed, context: grpc.ServicerContext
     ) -> Iterator[pb.LoadLocalResponse]:
         with self.guard.enter(context, "LoadLocal", streaming=True) as call:
-            req = accept(request, pb.LoadLocalRequest)
-            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt)
+            parsed = accept_tokens(request, pb.LoadLocalRequest)
+            req = parsed.message
+            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt, parsed.u32le)
             shm = self.shm_session(call, req.shm_session)
             n = res.full_chunks
             state, got = local_status(self.app, res, n, context.time_remaining())
@@ -223,11 +225,12 @@ class LocalStateCalls:
     # --- Resume -----------------------------------------------------------------------------------
 
     def Resume(
-        self, request: pb.ResumeRequest | Malformed, context: grpc.ServicerContext
+        self, request: WithTokens[pb.ResumeRequest] | Malformed, context: grpc.ServicerContext
     ) -> Iterator[pb.ResumeResponse | bytes]:
         with self.guard.enter(context, "Resume", streaming=True) as call:
-            req = accept(request, pb.ResumeRequest)
-            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt)
+            parsed = accept_tokens(request, pb.ResumeRequest)
+            req = parsed.message
+            res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt, parsed.u32le)
             assert call.stream is not None
             yield from call.stream.sent(self._resume(call, req, res, context))
 

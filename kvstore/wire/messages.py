@@ -25,6 +25,8 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore.errors import InvalidInput
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.tokens_in_place import WithTokens
+from kvstore.wire.wire_format import encode_varint
 
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
@@ -66,10 +68,18 @@ def accept(msg: object, cls: type[T]) -> T:
     return msg
 
 
-def tokens_from_proto(t: pb.Tokens, max_tokens: int) -> np.ndarray:
-    """The token ids of a request as a uint32 array (vocab checks are the store's)."""
+def accept_tokens(msg: object, cls: type[M]) -> WithTokens[M]:
+    """The request read by `tokens_in_place`, or InvalidInput if it was marked malformed."""
+    got = accept(msg, WithTokens)
+    assert isinstance(got.message, cls), type(got.message)
+    return got
+
+
+def tokens_from_proto(t: pb.Tokens, max_tokens: int, in_place: memoryview | None = None) -> np.ndarray:
+    """The token ids of a request as a uint32 array (vocab checks are the store's); `in_place`:
+    the u32le bytes where `tokens_in_place` left them, if it read the request."""
     # Each read of a bytes field makes a new copy of it (128 KiB for 32K tokens): read it once.
-    u32le = t.u32le
+    u32le = in_place or t.u32le
     if u32le and len(t.ids):
         raise InvalidInput("set either tokens.u32le or tokens.ids, not both")
     if u32le:
@@ -128,18 +138,6 @@ assert (_PIECE["first_chunk"].number, _PIECE["offset"].number, _PIECE["data"].nu
     1, 2, 3, 4)
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
 @dataclass
 class PieceFrame:
     """A serialized `chunks` response with its payload (and tier labels) still to be filled in:
@@ -158,12 +156,12 @@ class PieceFrame:
 
 def _piece_head(first_chunk: int, offset: int, labels: bytes, nbytes: int) -> tuple[bytes, int]:
     """(the wire bytes of a `chunks` response up to its payload, where its tier labels start)."""
-    first = b"\x08" + _varint(first_chunk) if first_chunk else b""
-    off = b"\x10" + _varint(offset) if offset else b""
-    packed = b"\x22" + _varint(len(labels)) if labels else b""
-    data = b"\x1a" + _varint(nbytes)
+    first = b"\x08" + encode_varint(first_chunk) if first_chunk else b""
+    off = b"\x10" + encode_varint(offset) if offset else b""
+    packed = b"\x22" + encode_varint(len(labels)) if labels else b""
+    data = b"\x1a" + encode_varint(nbytes)
     inner_len = len(first) + len(off) + len(packed) + len(labels) + len(data) + nbytes
-    head = bytes([CHUNKS_FIELD << 3 | 2]) + _varint(inner_len) + first + off + packed
+    head = bytes([CHUNKS_FIELD << 3 | 2]) + encode_varint(inner_len) + first + off + packed
     return head + labels + data, len(head)
 
 
@@ -207,8 +205,8 @@ def job_chunks_frame(job_id: int, first_chunk: int, offset: int, nbytes: int,
     still to be filled in; `into` as for `chunk_piece_frame`. JobChunks keeps its piece in the same
     field number as a Load response, so the piece's head is the same bytes."""
     piece, _ = _piece_head(first_chunk, offset, b"", nbytes)
-    job = b"\x08" + _varint(job_id) if job_id else b""
-    head = bytes([JOB_CHUNKS_FIELD << 3 | 2]) + _varint(len(job) + len(piece) + nbytes) + job + piece
+    job = b"\x08" + encode_varint(job_id) if job_id else b""
+    head = bytes([JOB_CHUNKS_FIELD << 3 | 2]) + encode_varint(len(job) + len(piece) + nbytes) + job + piece
     return _framed(head, len(head), nbytes, into)  # no labels
 
 
@@ -244,7 +242,7 @@ def encode_lookup_response(msg: pb.LookupResponse, chunk_tiers: Sequence[str]) -
         labels = bytes((_TIER_LABEL[first],)) * n
     else:
         labels = bytes(map(_TIER_LABEL.__getitem__, chunk_tiers))
-    return head + _CHUNK_TIERS_TAG + _varint(n) + labels
+    return head + _CHUNK_TIERS_TAG + encode_varint(n) + labels
 
 
 def tiers_from_pb(labels: Sequence[int]) -> tuple[str, ...]:
@@ -274,7 +272,7 @@ def _string_field(tag: bytes, text: str) -> bytes:
     if not text:
         return b""
     raw = text.encode()
-    return tag + _varint(len(raw)) + raw
+    return tag + encode_varint(len(raw)) + raw
 
 
 def encode_lookup_request(model: str, replay_mode: str, u32le: bytes | memoryview, cache_salt: str = "",
@@ -283,10 +281,10 @@ def encode_lookup_request(model: str, replay_mode: str, u32le: bytes | memoryvie
     shm_session, hold_chunks}`. `u32le` may be a view of the caller's token array: its bytes are
     copied once, into the request."""
     n = memoryview(u32le).nbytes
-    inner = b"\x0a" + _varint(n) if n else b""
+    inner = b"\x0a" + encode_varint(n) if n else b""
     head = _string_field(b"\x0a", model) + _string_field(b"\x12", replay_mode)
-    hold = b"\x30" + _varint(hold_chunks) if hold_chunks else b""
-    return b"".join((head, b"\x1a", _varint(len(inner) + n), inner, u32le, _string_field(b"\x22", cache_salt),
+    hold = b"\x30" + encode_varint(hold_chunks) if hold_chunks else b""
+    return b"".join((head, b"\x1a", encode_varint(len(inner) + n), inner, u32le, _string_field(b"\x22", cache_salt),
                      _string_field(b"\x2a", shm_session), hold))
 
 
