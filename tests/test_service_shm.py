@@ -696,7 +696,7 @@ time.sleep(600)
         proc.wait(10)
         wait_until(lambda: not kv.stats().data_plane.sessions)  # type: ignore[union-attr]
         wait_until(lambda: _memfds("kvstore-load") == loads_before and _memfds("kvstore-store") == stores_before)
-        assert svc.server.shm is not None and svc.server.shm.totals() == (0, 0)
+        assert svc.server.shm is not None and svc.server.shm.totals().sessions == svc.server.shm.totals().leases == 0
         assert kv.stats().pins_active == 0  # and the chunks it held are let go
     finally:
         proc.kill()
@@ -1250,6 +1250,10 @@ def test_the_side_socket_refuses_bad_hellos_and_drops_silent_connections(
     silent = connect()
     assert silent.recv(1) == b""  # closed after HANDSHAKE_SECONDS without a hello
     silent.close()
+    assert svc.server.shm is not None
+    obs = build_observability(svc.app.config, shm_totals=svc.server.shm.totals)
+    assert obs.metrics.registry.get_sample_value("kvstore_shm_refused_total") == 8  # each of them, once
+    assert obs.metrics.registry.get_sample_value("kvstore_shm_pending_dropped_total") == 0
     ok = ShmPath.open(str(sock_dir / "kv.sock"), ALICE, cuda=True)  # the listener still serves
     assert ok.tenant == "alice"
     assert ok.device_arenas == {}  # asked for GPU memory: this device tier is host memory, mapped as such
@@ -1301,6 +1305,10 @@ def test_a_process_holding_silent_connections_keeps_no_tenant_from_a_session(
         kv = unix(svc, BOB)  # and a client opens its own, not falling back to streams
         assert kv.shm_session_id() and kv.data_path_in_use == "shm"
         assert shm.pending_dropped_total >= 64 - shm_listener.MAX_PENDING_PER_PID  # the flooder's own, dropped
+        sample = build_observability(svc.app.config, shm_totals=shm.totals).metrics.registry.get_sample_value
+        assert sample("kvstore_shm_pending_dropped_total") >= 64 - shm_listener.MAX_PENDING_PER_PID
+        assert sample("kvstore_shm_refused_total") >= sample("kvstore_shm_pending_dropped_total")
+        assert sample("kvstore_shm_sessions") == 1  # kv's
         assert flooder.poll() is None  # it kept flooding all along
     finally:
         flooder.kill()
@@ -1354,7 +1362,9 @@ def test_a_failing_hello_is_refused_and_the_listener_keeps_serving(
         with pytest.raises(ShmUnavailable):
             ShmPath.open(path, None)
     ok = ShmPath.open(path, None)  # neither ended the listener
-    assert svc.server.shm is not None and svc.server.shm.totals() == (1, 0)
+    assert svc.server.shm is not None
+    totals = svc.server.shm.totals()
+    assert (totals.sessions, totals.leases, totals.refused) == (1, 0, 2)  # the two that failed, refused
     ok.close()
 
 

@@ -162,6 +162,16 @@ class PolicyInfo:
     replay_mode: str
 
 
+@dataclass(frozen=True)
+class ShmTotals:
+    """The same-host socket's figures over every tenant."""
+
+    sessions: int         # open now
+    leases: int           # Load spans leased now
+    refused: int          # connections refused or closed before a session: bad hellos, no slot, a crowd
+    pending_dropped: int  # of those, closed before their hello to make room for a newer one
+
+
 @dataclass
 class Sources:
     """Callables the collector reads at scrape time; any may be None (that part is absent).
@@ -172,8 +182,7 @@ class Sources:
     pool_up: Callable[[], bool] | None = None
     replay_queue_depth: Callable[[], int] | None = None
     runners_attached: Callable[[], int] | None = None
-    shm_sessions: Callable[[], int] | None = None
-    shm_leases: Callable[[], int] | None = None
+    shm: Callable[[], ShmTotals] | None = None
     byte_seconds: Callable[[], ByteSeconds] | None = None
     policy: Callable[[], PolicyInfo] | None = None
 
@@ -234,7 +243,7 @@ class SourceCollector(Collector):
         yield GaugeMetricFamily("kvstore_start_time_seconds", "Unix time the service started.",
                                 value=self._start_time)
         s = self.sources
-        store, pool, byte_seconds, policy = s.store, s.pool, s.byte_seconds, s.policy
+        store, pool, byte_seconds, policy, shm = s.store, s.pool, s.byte_seconds, s.policy, s.shm
         if store is not None:
             yield from self._guarded("store", lambda: self._store(store()))
         if pool is not None:
@@ -243,13 +252,13 @@ class SourceCollector(Collector):
             yield from self._guarded("byte_seconds", lambda: self._byte_seconds(byte_seconds()))
         if policy is not None:
             yield from self._guarded("policy", lambda: self._policy(policy()))
+        if shm is not None:
+            yield from self._guarded("shm", lambda: self._shm(shm()))
         for name, gfn, metric, help_text in (
             ("pool_up", s.pool_up, "kvstore_pool_up", "1 while the local pool's backend answers, else 0."),
             ("replay_queue", s.replay_queue_depth, "kvstore_replay_queue_depth",
              "Replay jobs waiting for a runner."),
             ("runners", s.runners_attached, "kvstore_runners_attached", "Model runners attached now."),
-            ("shm_sessions", s.shm_sessions, "kvstore_shm_sessions", "Same-host shared-memory sessions open now."),
-            ("shm_leases", s.shm_leases, "kvstore_shm_leases_active", "Load spans leased to same-host clients now."),
         ):
             if gfn is None:
                 continue
@@ -273,6 +282,18 @@ class SourceCollector(Collector):
             log.exception("metrics source %s failed", name)
             self._errors[name] = self._errors.get(name, 0) + 1
             return []
+
+    @staticmethod
+    def _shm(t: ShmTotals) -> Iterator[Metric]:
+        yield GaugeMetricFamily("kvstore_shm_sessions", "Same-host shared-memory sessions open now.",
+                                value=t.sessions)
+        yield GaugeMetricFamily("kvstore_shm_leases_active", "Load spans leased to same-host clients now.",
+                                value=t.leases)
+        yield CounterMetricFamily("kvstore_shm_refused", "Same-host socket connections refused or closed "
+                                  "before a session (bad hello, no session slot, or dropped unheard).",
+                                  value=t.refused)
+        yield CounterMetricFamily("kvstore_shm_pending_dropped", "Same-host socket connections closed before "
+                                  "their hello to make room for a newer one.", value=t.pending_dropped)
 
     def _store(self, st: StoreStats) -> Iterator[Metric]:
         used = GaugeMetricFamily("kvstore_tier_bytes", "Bytes used in each tier.", labels=["tier"])

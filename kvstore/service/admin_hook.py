@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from kvstore.observe.metrics import ShmTotals
 from kvstore.service.admin_server import start_admin as start_admin_server
 from kvstore.service.app import App
 from kvstore.service.health import HealthReporter
@@ -21,7 +22,7 @@ class AdminServer(Protocol):
 
 
 def start_admin(app: App, health: HealthReporter, host: str, port: int,
-                shm_totals: Callable[[], tuple[int, int]] | None = None) -> AdminServer:
+                shm_totals: Callable[[], ShmTotals] | None = None) -> AdminServer:
     server: AdminServer = start_admin_server(app, host, port, health=lambda: health.last or health.refresh(),
                                              shm_totals=shm_totals)
     return server

@@ -29,7 +29,7 @@ from kvstore.observe.admin_http import AdminHttpServer
 from kvstore.observe.call_observer import Observability, Sampler
 from kvstore.observe.explainer import Explainer
 from kvstore.observe.ledger import Ledger, Occupancy, occupancy_from_stats
-from kvstore.observe.metrics import ByteSeconds, Metrics, PolicyInfo, Sources
+from kvstore.observe.metrics import ByteSeconds, Metrics, PolicyInfo, ShmTotals, Sources
 from kvstore.store.types import StoreStats
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ def build_observability(
     pool_up: Callable[[], bool] | None = None,
     replay_queue_depth: Callable[[], int] | None = None,
     runners_attached: Callable[[], int] | None = None,
-    shm_totals: Callable[[], tuple[int, int]] | None = None,
+    shm_totals: Callable[[], ShmTotals] | None = None,
     present: Callable[[bytes], bool] | None = None,
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
@@ -122,8 +122,7 @@ def build_observability(
     sources = Sources(
         store=store_stats, pool=pool_stats, pool_up=pool_up, replay_queue_depth=replay_queue_depth,
         runners_attached=runners_attached,
-        shm_sessions=(lambda: shm_totals()[0]) if shm_totals is not None else None,
-        shm_leases=(lambda: shm_totals()[1]) if shm_totals is not None else None,
+        shm=shm_totals,
         byte_seconds=lambda: ByteSeconds(ledger.byte_seconds()),
         policy=lambda: policy_info(current()),
     )
@@ -169,7 +168,7 @@ def serve_admin(
 
 def start_admin(app: App, host: str, port: int, *,
                 health: Callable[[], Mapping[str, str]] | None = None,
-                shm_totals: Callable[[], tuple[int, int]] | None = None) -> AdminHttpServer:
+                shm_totals: Callable[[], ShmTotals] | None = None) -> AdminHttpServer:
     """Observability for a service `App`, served on host:port (0: any free port)."""
     cfg = app.config
     pool = app.local_pool

@@ -55,6 +55,7 @@ from kvstore.dataplane import (
 )
 from kvstore.errors import ConfigError, InvalidInput, Unauthenticated
 from kvstore.layout import TierName
+from kvstore.observe.metrics import ShmTotals
 from kvstore.service.auth import Authenticator
 from kvstore.service.limits import refusal_message
 from policies.fair_share import FairShare
@@ -128,7 +129,7 @@ class ShmSessions:
         self._want_spare = threading.Event()
         self._spare_thread: threading.Thread | None = None
         self.detail = sealing_available()  # "" when shared memory can be offered
-        self.refused_total = 0
+        self.refused_total = 0  # connections closed before a session: a refused hello, none in time, a crowd
         self.pending_dropped_total = 0  # connections closed before their hello to make room for a newer one
         self._drop_logged_at = -_DROP_LOG_SECONDS
 
@@ -194,10 +195,10 @@ class ShmSessions:
             return self._expired_by_tenant.get(tenant, 0) + sum(
                 s.leases.expired_total for s in self._sessions.values() if s.tenant == tenant)
 
-    def totals(self) -> tuple[int, int]:
-        """(sessions open, leases active) over every tenant."""
+    def totals(self) -> ShmTotals:
         with self._lock:
-            return len(self._sessions), sum(s.leases.active for s in self._sessions.values())
+            return ShmTotals(len(self._sessions), sum(s.leases.active for s in self._sessions.values()),
+                             self.refused_total, self.pending_dropped_total)
 
     # --- the listener thread ----------------------------------------------------------------------
 
@@ -216,7 +217,7 @@ class ShmSessions:
                 except Exception:  # one connection's fault must not end the listener for all
                     log.exception("same-host socket: a connection failed unexpectedly")
                     if isinstance(key.data, _Conn):
-                        self._drop(key.data, "an unexpected error")
+                        self._drop(key.data, "an unexpected error", refused=key.data.session is None)
             self._sweep()
 
     def _accept(self) -> None:
@@ -238,8 +239,7 @@ class ShmSessions:
         # tenant): room is made by dropping another that has not said hello yet.
         victim = pending_victim(pending, conn)
         if victim is not None:
-            self._drop(victim, "too many connections waiting for their hello")
-            self.refused_total += 1
+            self._drop(victim, "too many connections waiting for their hello", refused=True)
             self.pending_dropped_total += 1
             now = time.monotonic()
             if now - self._drop_logged_at >= _DROP_LOG_SECONDS:
@@ -265,7 +265,7 @@ class ShmSessions:
             for message in conn.reader.feed(data):
                 self._handle(conn, message)
         except SideSocketClosed as e:
-            self._drop(conn, str(e))
+            self._drop(conn, str(e), refused=conn.session is None)
 
     def _handle(self, conn: _Conn, message: dict[str, Any]) -> None:
         if conn.session is None:
@@ -316,7 +316,6 @@ class ShmSessions:
                  session.tenant or ADMIN_MEMBER, session.kind, session.pid)
 
     def _refuse(self, conn: _Conn, why: str) -> NoReturn:
-        self.refused_total += 1
         with contextlib.suppress(OSError):
             conn.sock.setblocking(True)
             conn.sock.settimeout(1.0)
@@ -399,7 +398,10 @@ class ShmSessions:
             if not kept:
                 seg.close()
 
-    def _drop(self, conn: _Conn, why: str) -> None:
+    def _drop(self, conn: _Conn, why: str, *, refused: bool = False) -> None:
+        """Close `conn` (and its session); `refused`: it is closed before it got one, by the service."""
+        if refused:
+            self.refused_total += 1
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
         conn.sock.close()
@@ -423,7 +425,7 @@ class ShmSessions:
                 continue
             if conn.session is None:
                 if now - conn.accepted_at > HANDSHAKE_SECONDS:
-                    self._drop(conn, "no hello in time")
+                    self._drop(conn, "no hello in time", refused=True)
             else:
                 conn.session.leases.expire()
 
