@@ -7,7 +7,8 @@ again: two copies, each one C call that holds the interpreter lock for as long a
 in fresh pages, while every other tenant's call waits for the lock (`kvstore bench abuse --only
 huge_lookups`). Here the request's bytes are walked by hand: the u32le field becomes a memoryview,
 and the rest of the message (small: names, the ids field if that form was used) is joined and
-given to the library, which validates it as it always does.
+given to the library, which validates it as it always does. The key path still makes one copy of
+the ids (it reads them as `bytes`): one where there were two.
 
 The wire format is followed as the library reads it: fields in any order, unknown fields skipped,
 a `tokens` sub-message repeated in place merging (its last u32le wins, its ids add up). A message
