@@ -136,3 +136,37 @@ def test_a_miss_is_explained_as_it_was_when_answered_even_if_a_store_fills_it_fi
     finally:
         gate.set()
         r.stop()
+
+
+def test_a_model_registered_after_start_is_traced_with_its_own_sizes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The vLLM connector's path: the engine registers its model (RegisterModel) once the service
+    # runs. The trace must price its requests by that model's snapshot and replay, not write 0s
+    # (which `tune` reads as free snapshots and then recommends nonsense).
+    from kvstore.layout import EngineLayerGroup, EngineModel, exact_replay_tokens
+
+    path = tmp_path / "trace.jsonl"
+    r = start(tmp_path / "data", replace(config(), trace=TraceConfig(enabled=True, path=str(path))))
+    try:
+        full = EngineLayerGroup("full", num_layers=2, kv_heads=2, head_size=8, dtype="bfloat16")
+        swa = EngineLayerGroup("sliding", num_layers=2, kv_heads=1, head_size=8, dtype="float32", sliding_window=20)
+        reg = r.client.register_model(EngineModel("late-llama", "w", (full, swa), chunk_tokens=CHUNK,
+                                                  vocab_size=1000))
+        assert reg.local_snapshot_bytes > 0
+        toks = np.random.default_rng(0).integers(0, 1000, 4 * CHUNK).astype("<u4")
+        r.client.store(reg.model, toks, [b"\1" * reg.chunk_bytes] * 4)
+        for _ in range(2):
+            r.client.resume(reg.model, toks, session="late")
+        layout = r.app.models[reg.model].layout
+        replay = exact_replay_tokens(layout) if r.app.config.replay.mode == "exact" else layout.local.window_tokens
+    finally:
+        r.stop()
+
+    records = list(read_trace(path))
+    assert len(records) == 3  # the store's pre-check Lookup and two Resumes
+    assert {(x.snapshot_bytes, x.replay_tokens) for x in records} == {(reg.local_snapshot_bytes, replay)}
+    # `tune` then has real sizes: a finite break-even hold, not "zero-byte snapshots".
+    assert main(["tune", "ttl", "--trace", str(path), "--chunk-tokens", str(CHUNK), "--ttl", "60,300"]) == 0
+    out = capsys.readouterr().out
+    assert "break-even hold" in out and "no break-even" not in out

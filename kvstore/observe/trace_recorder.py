@@ -62,11 +62,13 @@ class TraceRecorder:
     def __init__(
         self,
         writer: TraceWriter,
-        layouts: Mapping[str, CacheLayout],
+        layouts: Mapping[str, CacheLayout] | Callable[[str], CacheLayout | None],
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """`layouts`: a fixed table, or a lookup asked at each call (`App.model_layout`), which finds
+        a model an engine registers after start (RegisterModel)."""
         self._writer = writer
-        self._layouts = dict(layouts)
+        self._layout_of = dict(layouts).get if isinstance(layouts, Mapping) else layouts
         self._wall = wall_clock
         self._seen = RecentRequests()
         self._failed = False
@@ -77,7 +79,7 @@ class TraceRecorder:
         if self._seen.retry(call):  # the same request again (a client's retry): one line
             return
         trace = call.facts if isinstance(call.facts, LookupFacts) else None
-        layout = self._layouts.get(call.model)
+        layout = self._layout_of(call.model)
         snapshot = replay = 0
         if layout is not None and layout.local_snapshot_bytes > 0:
             snapshot = layout.local_snapshot_bytes

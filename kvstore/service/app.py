@@ -91,6 +91,13 @@ class App:
         # A copy of the items: RegisterModel may add a model while a runner attaches.
         return {n: m.layout.with_chunk_tokens(self.config.store.chunk_tokens) for n, m in list(self.models.items())}
 
+    def model_layout(self, name: str) -> CacheLayout | None:
+        """A served model's layout, None for one not served. Asked per call, unlike a copy of
+        `layouts()`, so it finds a model an engine registered after start. At the model's own chunk
+        size: its snapshot and replay sizes (what the request trace reads) do not depend on it."""
+        spec = self.models.get(name)
+        return spec.layout if spec is not None else None
+
     def reload_local_pool(self, new: KvstoreConfig | LocalPoolConfig) -> None:
         """Apply a re-read config (`local_pool.reload.ConfigReloader`'s callback): the TTL policy's
         inputs, [local_pool.ttl] and each served tenant's `local_ttl_seconds`, take effect for new
@@ -229,7 +236,7 @@ def install_observers(app: App) -> None:
             writer = TraceWriter(app.config.trace.path)
         except StorageError as e:
             raise ConfigError("trace.path", str(e)) from None
-        tracer = TraceRecorder(writer, app.layouts())
+        tracer = TraceRecorder(writer, app.model_layout)
         app.observers.append(tracer)
         app.on_close.append(tracer.close)
 
