@@ -374,3 +374,57 @@ def test_the_text_report_says_a_free_hold_has_no_break_even(capsys: pytest.Captu
     assert main(["tune", "ttl", "--synthetic", "200", "--snapshot-bytes", "0"]) == 0
     out = capsys.readouterr().out
     assert "no break-even hold: holding a snapshot costs nothing" in out and "inf s" not in out
+
+
+def _strict_json(text: str) -> dict[str, object]:
+    def refuse(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    doc: dict[str, object] = json.loads(text, parse_constant=refuse)
+    return doc
+
+
+@pytest.mark.parametrize("flag", ["--replay-cost-per-token", "--hold-cost-per-byte-second"])
+def test_costs_past_the_bound_are_one_line_errors_and_at_the_bound_json_stays_json(
+    capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    # 1e306 passed validation, the totals overflowed to Infinity (printed: not JSON), and with every
+    # total inf the "least-cost" TTL was the first candidate.
+    from kvstore.commands.tune import MAX_COST
+
+    assert main(["tune", "ttl", "--synthetic", "300", flag, "1e306", "--json"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert captured.out == "" and len(err) == 1
+    assert f"{flag} must be at most {MAX_COST:g}" in err[-1] and "got 1e+306" in err[-1]
+    assert main(["tune", "ttl", "--synthetic", "300", flag, f"{MAX_COST:g}", "--json"]) == 0
+    doc = _strict_json(capsys.readouterr().out)
+    rows = doc["rows"]
+    assert isinstance(rows, list) and all(isinstance(r["total_cost"], float) for r in rows)
+    rec = doc["recommended"]
+    assert isinstance(rec, dict)
+    # The exact least-cost TTL is no dearer than any candidate's sliding row.
+    assert rec["total_cost"] <= min(r["total_cost"] for r in rows if r["semantics"] == "sliding") * (1 + 1e-9)
+
+
+def test_a_configs_cost_past_the_bound_is_refused_at_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The service's adaptive policy sums the same costs: a config past the bound is refused
+    # wherever it is read, naming the key.
+    cfg = tmp_path / "kvstore.toml"
+    for key in ("replay_cost_per_token", "hold_cost_per_byte_second"):
+        cfg.write_text(f"[local_pool.ttl]\n{key} = 1e300\n")
+        for cmd in (["tune", "ttl", "--synthetic", "50", "--json", "--config", str(cfg)], ["check-config", str(cfg)]):
+            assert main(cmd) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and f"local_pool.ttl.{key}': must be a finite number > 0 and <= 1e+12" in err[0]
+    cfg.write_text("[local_pool.ttl]\nreplay_cost_per_token = 1e12\n")  # the bound itself is taken
+    assert main(["tune", "ttl", "--synthetic", "50", "--config", str(cfg), "--json"]) == 0
+    assert _strict_json(capsys.readouterr().out)["cost_model"]["replay_cost_per_token"] == 1e12  # type: ignore[index]
+
+
+def test_a_ttl_past_the_configs_bound_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # 1e306 s of holding overflowed the byte-seconds to Infinity; no service takes such a TTL.
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "ttl", "--synthetic", "50", "--ttl", "60,1e306", "--json"])
+    assert e.value.code == 2
+    assert "argument --ttl: TTLs must be finite numbers of seconds > 0 and <= 2592000" in capsys.readouterr().err

@@ -9,13 +9,14 @@ overridden by flags. Progress goes to stderr so `--json` output stays clean.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 from dataclasses import replace
 
+from kvstore.commands.json_out import dump_json
 from kvstore.config import load_config
+from kvstore.config.local_pool import MAX_COST, MAX_TTL_SECONDS
 from kvstore.config.store import MAX_CHUNK_TOKENS
 from kvstore.errors import InvalidInput
 from kvstore.layout import MAX_ENGINE_SNAPSHOT_BYTES, get_model
@@ -43,9 +44,12 @@ def _ttl_list(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated seconds, e.g. 30,60,300; got {text!r}"
         ) from None
-    # float() takes "inf" and "nan": neither is a TTL, and --json cannot print them.
-    if not ttls or any(not (t > 0 and math.isfinite(t)) for t in ttls):
-        raise argparse.ArgumentTypeError(f"TTLs must be finite numbers of seconds > 0, got {text!r}")
+    # float() takes "inf" and "nan": neither is a TTL, and --json cannot print them. Past the
+    # config's bound a TTL is none the service takes, and its byte-seconds can overflow.
+    if not ttls or any(not (0 < t <= MAX_TTL_SECONDS) for t in ttls):
+        raise argparse.ArgumentTypeError(
+            f"TTLs must be finite numbers of seconds > 0 and <= {MAX_TTL_SECONDS:.0f}, got {text!r}"
+        )
     return ttls
 
 
@@ -93,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
         ttl_cfg = replace(ttl_cfg, replay_cost_per_token=args.replay_cost_per_token)
     if args.hold_cost_per_byte_second is not None:
         ttl_cfg = replace(ttl_cfg, hold_cost_per_byte_second=args.hold_cost_per_byte_second)
+    for key in ("replay_cost_per_token", "hold_cost_per_byte_second"):  # a flag named as such
+        v = getattr(args, key)
+        if v is not None and v > MAX_COST:
+            raise InvalidInput(f"--{key.replace('_', '-')} must be at most {MAX_COST:g} (larger costs overflow "
+                               f"the totals), got {v:g}")
     ttl_cfg.validate("local_pool.ttl")
     # Upper bounds too: numpy's int64 columns overflow on a larger chunk size (an OverflowError), and
     # a snapshot or replay past what any model registers gives costs of no meaning.
@@ -149,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         doc = report.as_dict()
         doc["side_calls_left_out"] = side
-        print(json.dumps(doc, indent=2))
+        dump_json(doc, sys.stdout)
     else:
         print(format_report(report, side))
     return 0

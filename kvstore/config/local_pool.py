@@ -71,6 +71,12 @@ _SECONDS = f"must be a finite number of seconds > 0 and <= {MAX_TTL_SECONDS:.0f}
 _CALL_SECONDS = f"must be a finite number of seconds > 0 and <= {MAX_CALL_SECONDS:.0f}"
 
 
+# Either TTL cost, per token or per byte-second: past ~1e269 a trace's or the adaptive policy's
+# sums overflow to inf and every candidate TTL costs the same; 1e12 leaves room for any unit of money.
+MAX_COST = 1e12
+_COST = f"must be a finite number > 0 and <= {MAX_COST:g}"
+
+
 def finite_positive(v: float) -> bool:
     """> 0 and neither infinite nor NaN."""
     return v > 0 and math.isfinite(v)
@@ -100,10 +106,8 @@ class TtlPolicyConfig:
         require(seconds_within(self.max_ttl_seconds, MAX_TTL_SECONDS), join(prefix, "max_ttl_seconds"), _SECONDS)
         require(0 < self.min_ttl_seconds <= self.max_ttl_seconds, join(prefix, "min_ttl_seconds"),
                 "must be > 0 and <= max_ttl_seconds")
-        require(finite_positive(self.replay_cost_per_token), join(prefix, "replay_cost_per_token"),
-                "must be a finite number > 0")
-        require(finite_positive(self.hold_cost_per_byte_second), join(prefix, "hold_cost_per_byte_second"),
-                "must be a finite number > 0")
+        require(0 < self.replay_cost_per_token <= MAX_COST, join(prefix, "replay_cost_per_token"), _COST)
+        require(0 < self.hold_cost_per_byte_second <= MAX_COST, join(prefix, "hold_cost_per_byte_second"), _COST)
         require(self.adaptive_min_samples >= 1, join(prefix, "adaptive_min_samples"), "must be >= 1")
         require(self.adaptive_window_samples >= self.adaptive_min_samples,
                 join(prefix, "adaptive_window_samples"), "must be >= adaptive_min_samples")
