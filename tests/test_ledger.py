@@ -348,3 +348,50 @@ def test_the_return_tracker_and_the_trace_see_a_retried_request_once(tmp_path: P
     # snapshot again, so the next turn's gap runs from it.
     assert policy.gaps == [40.0, 49.5]
     assert len(list(read_trace(tmp_path / "t.jsonl"))) == 2
+
+
+def test_bytes_moved_outside_a_request_reach_the_ledger_as_they_reach_the_metrics() -> None:
+    # The ledger (/api/stats, the dashboard's "KV moved") summed only a Resume's bytes; a Load's and
+    # a holding Lookup's went to the metrics alone, and a LoadLocal's snapshot nowhere.
+    from kvstore.observe.records import LookupFacts
+
+    clock = FakeClock()
+    obs = build_observability(KvstoreConfig(), clock=clock, wall_clock=clock.wall)
+    load_bills = bills(["dram", "lmdb"], prompt=300)
+    local_bills = price(prompt_tokens=0, chunk_tokens=128, chunk_bytes=CHUNK_BYTES, chunk_tiers=(),
+                        flops_per_token=FLOPS, local_bytes=1_351_680)
+    held = LookupFacts(namespace=b"n" * 32, chunk_tokens=128, full_chunks=2, hit_chunks=2,
+                       held_bytes=(("device", 2 * CHUNK_BYTES),))
+
+    def call(method: str, b: Bills, rid: str, facts: LookupFacts | None = None) -> CallRecord:
+        return CallRecord(method=method, tenant="acme", code="OK", seconds=0.01, model="deepseek-v4.1-flash",
+                          bills=b, request_id=rid, facts=facts, at=clock(), data_path="stream")
+
+    obs(call("Lookup", bills(["device", "device"], prompt=300), "r1", held))  # held 2 chunks
+    obs(call("Load", load_bills, "r2"))
+    obs(call("LoadLocal", local_bills, "r3"))
+    obs(call("Resume", load_bills, "r4"))
+    totals, acme = obs.ledger.totals(), obs.ledger.tenants()["acme"]
+    assert totals["requests"] == 2  # the Lookup and the Resume: a Load or a LoadLocal is not a request
+    assert totals["bytes_moved"] == {"device": 2 * CHUNK_BYTES, "dram": 2 * CHUNK_BYTES, "lmdb": 2 * CHUNK_BYTES}
+    assert totals["local_bytes_moved"] == 1_351_680 + load_bills.local_bytes
+    assert acme["bytes_moved"] == totals["bytes_moved"]
+    assert acme["local_bytes_moved"] == totals["local_bytes_moved"]
+    sample = obs.metrics.registry.get_sample_value
+    for tier, n in totals["bytes_moved"].items():
+        assert sample("kvstore_bytes_moved_total", {"tier": tier}) == n
+    assert sample("kvstore_local_bytes_moved_total") == totals["local_bytes_moved"]
+    points = obs.ledger.timeseries(60)["points"]
+    assert sum(p["bytes_moved"]["dram"] for p in points) == 2 * CHUNK_BYTES
+
+    # A retry (the Resume again, and the Lookup that held chunks again): not a second request, nor
+    # billed again; its bytes did move again, which the metrics (traffic) count.
+    obs(call("Resume", load_bills, "r4"))
+    obs(call("Lookup", bills(["device", "device"], prompt=300), "r1", held))
+    again = obs.ledger.totals()
+    assert again["requests"] == 2 and again["retries"] == 2
+    assert again["bytes_moved"] == totals["bytes_moved"]
+    assert again["local_bytes_moved"] == totals["local_bytes_moved"]
+    assert sample("kvstore_bytes_moved_total", {"tier": "dram"}) == 3 * CHUNK_BYTES
+    assert sample("kvstore_bytes_moved_total", {"tier": "device"}) == 4 * CHUNK_BYTES
+    assert sample("kvstore_local_bytes_moved_total") == totals["local_bytes_moved"] + load_bills.local_bytes

@@ -341,3 +341,50 @@ def test_data_path_calls_are_counted_by_method_and_path(reg: CollectorRegistry) 
     assert value(reg, "kvstore_data_path_calls_total", method="Load", path="shm") == 2
     assert value(reg, "kvstore_data_path_calls_total", method="Store", path="stream") == 1
     assert value(reg, "kvstore_data_path_calls_total", method="other", path="other") == 1
+
+
+def test_local_snapshot_calls_are_counted_under_their_own_method(reg: CollectorRegistry) -> None:
+    # StoreLocal and LoadLocal set a data path too: they were all counted as method="other".
+    m = Metrics(reg)
+    assert reg.get_sample_value("kvstore_data_path_calls_total", {"method": "LoadLocal", "path": "shm"}) == 0
+    m.data_path("StoreLocal", "shm")
+    m.data_path("LoadLocal", "stream")
+    m.data_path("LoadLocal", "stream")
+    assert value(reg, "kvstore_data_path_calls_total", method="StoreLocal", path="shm") == 1
+    assert value(reg, "kvstore_data_path_calls_total", method="LoadLocal", path="stream") == 2
+    assert value(reg, "kvstore_data_path_calls_total", method="other", path="stream") == 0
+
+
+def test_a_tenant_name_with_a_hyphen_keeps_its_own_label() -> None:
+    # Tenant names were snake-cased before being matched: "team-a" was counted as "other", or, with
+    # "team_a" configured too, as team_a (another tenant's series).
+    from kvstore.store.types import StoreStats
+
+    reg = CollectorRegistry()
+    held = {"team-a": {"dram": 10}, "team_a": {"dram": 20}, "team-b": {"dram": 40}}
+    stats = StoreStats(chunks=0, tiers={}, tenant_bytes=held, lookups=0, lookup_hit_tokens=0,
+                       lookup_miss_tokens=0, token_mismatches=0, corrupt_reads=0, pins_active=0, pins_expired=0,
+                       admissions_refused=0)
+    m = Metrics(reg, per_tenant_labels=True, tenants=("team-a", "team_a"), sources=Sources(store=lambda: stats))
+    m.load({"dram": 100}, tenant="team-a")
+    m.request(record("resume", "cold", "absent", [], tenant="team-a"))
+    assert value(reg, "kvstore_bytes_moved_total", tier="dram", tenant="team-a") == 100
+    assert value(reg, "kvstore_bytes_moved_total", tier="dram", tenant="team_a") == 0
+    assert value(reg, "kvstore_requests_total", method="resume", case="cold", tenant="team-a") == 1
+    assert value(reg, "kvstore_requests_total", method="resume", case="cold", tenant="other") == 0
+    assert value(reg, "kvstore_tenant_bytes", tenant="team-a", tier="dram") == 10
+    assert value(reg, "kvstore_tenant_bytes", tenant="team_a", tier="dram") == 20
+    assert value(reg, "kvstore_tenant_bytes", tenant="other", tier="dram") == 40  # not configured
+    assert_valid_exposition(generate_latest(reg).decode())
+
+
+def test_the_prefill_avoided_help_says_what_it_counts(reg: CollectorRegistry) -> None:
+    # Where the local state expired unrebuilt the engine prefills the hit too, and the counter
+    # still counts it: its HELP must not say the engine did not prefill those tokens.
+    Metrics(reg)
+    text = generate_latest(reg).decode()
+    help_line = next(line for line in text.splitlines()
+                     if line.startswith("# HELP kvstore_prefill_tokens_avoided_total "))
+    assert "global KV was served from the cache" in help_line
+    assert "did not prefill" not in help_line
+    assert "expired and was not rebuilt" in help_line

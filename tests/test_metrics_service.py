@@ -6,7 +6,7 @@ eviction, a corrupt entry, the pool down) is driven through the client and read 
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -86,9 +86,10 @@ class Running:
         self.app.close()
 
 
-def start(tmp: Path, cfg: KvstoreConfig, clock: FakeClock | None = None, replay: bool = True) -> Running:
+def start(tmp: Path, cfg: KvstoreConfig, clock: FakeClock | None = None, replay: bool = True,
+          coordinator: Callable[[ReplayParts], Any] = StandInCoordinator) -> Running:
     clock = clock or FakeClock()
-    app = build_app(cfg, tmp, clock=clock, coordinator_factory=StandInCoordinator if replay else None)
+    app = build_app(cfg, tmp, clock=clock, coordinator_factory=coordinator if replay else None)
     clock.before_advance = app.flush_observers
     server = KvstoreServer(app, "127.0.0.1", 0, 0).start()
     client = KvstoreClient(f"127.0.0.1:{server.port}", timeout_seconds=20)
@@ -268,3 +269,106 @@ def test_admin_endpoints_of_the_real_service(svc: Running) -> None:
     assert health["status"] == "SERVING"
     page = urllib.request.urlopen(base + "/dashboard", timeout=10).read()
     assert b"cache-hit analytics" in page
+
+
+TIERS = ("device", "dram", "lmdb")
+
+
+def _api_stats(r: Running) -> dict[str, Any]:
+    import json
+
+    assert r.server.admin is not None
+    return dict(json.load(urllib.request.urlopen(f"http://127.0.0.1:{r.server.admin.port}/api/stats", timeout=10)))
+
+
+def test_kv_moved_by_a_load_and_a_load_local_is_the_same_in_the_ledger_and_the_metrics(svc: Running) -> None:
+    # The vLLM connector's pattern (Lookup, Load, LoadLocal; no Resume): the ledger counted no
+    # byte of it, the metrics the Load's only (the snapshot nowhere), and both local calls were
+    # labelled method="other" in kvstore_data_path_calls_total.
+    toks = prompt(9, 3)
+    store(svc, toks)  # a Store and a StoreLocal
+    assert svc.client.lookup(MODEL, toks).hit_tokens == 3 * CHUNK  # prices a load: moves nothing
+    loaded = svc.client.load(MODEL, toks)
+    got = svc.client.load_local(MODEL, toks[: 3 * CHUNK])
+    assert got.local_state == "hit" and got.snapshot
+    svc.app.flush_observers()
+    moved = {t: svc.metric("kvstore_bytes_moved_total", tier=t) for t in TIERS}
+    assert sum(moved.values()) == 3 * loaded.chunk_bytes
+    assert svc.metric("kvstore_local_bytes_moved_total") == len(got.snapshot)
+    st = _api_stats(svc)
+    assert st["totals"]["requests"] == 1  # the Lookup: a Load or a LoadLocal is not a request
+    assert st["totals"]["bytes_moved"] == moved
+    assert st["totals"]["local_bytes_moved"] == len(got.snapshot)
+    assert st["tenants"]["default"]["bytes_moved"] == moved
+    assert svc.metric("kvstore_data_path_calls_total", method="StoreLocal", path="stream") == 1
+    assert svc.metric("kvstore_data_path_calls_total", method="LoadLocal", path="stream") == 1
+    assert svc.metric("kvstore_data_path_calls_total", method="other", path="stream") == 0
+
+
+def test_a_tenant_name_with_a_hyphen_is_its_own_label_through_the_service(tmp_path: Path) -> None:
+    # "team-a" was snake-cased to "team_a", not a configured name, so its traffic went to "other".
+    from kvstore.config.service import TenantConfig
+
+    cfg = config()
+    cfg = replace(cfg, tenants={"team-a": TenantConfig(tokens=("tok-team-a-0123456789abcdef",)),
+                                "team_a": TenantConfig(tokens=("tok-team_a-0123456789abcdef",))},
+                  admin=replace(cfg.admin, per_tenant_labels=True))
+    r = start(tmp_path, cfg)
+    client = KvstoreClient(f"127.0.0.1:{r.server.port}", token="tok-team-a-0123456789abcdef", timeout_seconds=20)
+    try:
+        toks = prompt(10, 2)
+        assert client.resume(MODEL, toks).case == "cold"
+        lay = r.app.store.layout(r.app.store.namespace("team-a", MODEL, "bounded"))
+        client.store(MODEL, toks, [bytes([i]) * lay.chunk_bytes for i in range(2)])
+        r.app.flush_observers()
+        assert r.metric("kvstore_requests_total", method="resume", case="cold", tenant="team-a") == 1
+        assert r.metric("kvstore_requests_total", method="resume", case="cold", tenant="team_a") == 0
+        assert r.metric("kvstore_requests_total", method="resume", case="cold", tenant="other") == 0
+        assert sum(r.metric("kvstore_tenant_bytes", tenant="team-a", tier=t) for t in TIERS) > 0
+        assert sum(r.metric("kvstore_tenant_bytes", tenant=n, tier=t) for t in TIERS for n in ("team_a", "other")) == 0
+        assert_valid_exposition(r.text)
+    finally:
+        client.close()
+        r.stop()
+
+
+def test_replay_seconds_time_the_replay_not_the_chunks_streamed_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The clock ran from the replay's start until every chunk had been streamed: a slow reader
+    # made an instant replay look slow (kvstore_replay_seconds, the ledger's p50/p99).
+    import threading
+    import time
+
+    from kvstore.service.servicer import KVCacheServicer
+
+    ended = threading.Event()
+
+    class Instant(StandInCoordinator):
+        def resume_local(self, ns: Namespace, tokens: np.ndarray, hit_tokens: int,
+                         deadline_seconds: float, ticket: ReplayTicket) -> ReplayOutcome:
+            out = super().resume_local(ns, tokens, hit_tokens, deadline_seconds, ticket)
+            ended.set()
+            return out
+
+    streaming_seconds = 1.0
+    real = KVCacheServicer.stream_chunks
+
+    def slow_stream(self: KVCacheServicer, *args: Any, **kwargs: Any) -> Iterator[bytes]:
+        assert ended.wait(10)  # the replay is over before the first chunk goes out
+        time.sleep(streaming_seconds)  # a slow reader, injected
+        yield from real(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVCacheServicer, "stream_chunks", slow_stream)
+    r = start(tmp_path, config(), coordinator=Instant)
+    try:
+        toks = prompt(11, 4)
+        store(r, toks)
+        r.clock.advance(r.app.config.local_pool.ttl.ttl_seconds + 1)
+        assert r.client.resume(MODEL, toks).local_state == "replayed"
+        r.app.flush_observers()
+        assert r.metric("kvstore_replay_seconds_count") == 1
+        assert r.metric("kvstore_replay_seconds_sum") < streaming_seconds / 2
+        assert _api_stats(r)["totals"]["replay"]["p99"] < streaming_seconds / 2
+    finally:
+        r.stop()

@@ -10,12 +10,15 @@ learnt (`records.LookupFacts`). A Lookup marked as a client's pre-check or a pro
 Resume whose (tenant, request id, method) was counted within `retries.RETRY_WINDOW_SECONDS` before (the
 client sent the request again after the service had answered it, e.g. over a stream once its
 same-host copy found a lease lapsed). The first one priced is the request; a retry's bills are not
-summed again, and the bytes it moved are counted as moved, as a Load's are. A request id names one
+summed again, and the bytes it moved are counted as moved in the metrics (traffic), not in the
+ledger (billed once). A request id names one
 request of each method: an engine that sent two requests under one id within the window would have
 the second counted as a retry.
 
-Bytes moved: a Resume's (with its request) and a Load's; a Lookup that held chunks in a same-host
-session (`hold_chunks`) counts theirs as a Load does.
+Bytes moved: a Resume's (with its request), a Load's and a LoadLocal's snapshot; a Lookup that held
+chunks in a same-host session (`hold_chunks`) counts theirs as a Load does. Those outside a
+request's bills go through `moved`, one place telling the metrics and the ledger alike; a retry's
+bytes are traffic again (the metrics) but not billed again (the ledger).
 
 `Sampler` is a daemon thread that shows the ledger the store's occupancy once per interval, so
 byte-seconds integrate between requests too.
@@ -28,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvstore.observe.explainer import Explainer
 from kvstore.observe.ledger import Ledger
@@ -87,9 +90,10 @@ class Observability:
         if call.bills is None:
             return
         lookup = facts if isinstance(facts, LookupFacts) else None
-        if lookup is not None and lookup.held_bytes:  # a Lookup that held chunks: a Load's bytes moved
-            self.metrics.load(dict(lookup.held_bytes), call.tenant)
+        # A Lookup that held chunks: a Load's bytes moved (billed once: not again for a retry).
+        held = dict(lookup.held_bytes) if lookup is not None else {}
         if call.purpose:  # a pre-check or a probe: a call, not a request (kvstore/wire/purposes.py)
+            self.moved(call.tenant, held)
             self.metrics.side_call(call.method, call.purpose)
             self.ledger.side_call(call.tenant, call.purpose)
             return
@@ -97,9 +101,13 @@ class Observability:
         method = _PRICED.get(call.method)
         if method is None:
             if call.method == "Load":  # a Load prices the bytes it moved
-                self.metrics.load({name: t.bytes for name, t in bills.tiers.items()}, call.tenant)
+                self.moved(call.tenant, {name: t.bytes for name, t in bills.tiers.items()})
+            elif call.method == "LoadLocal":  # the snapshot it sent the engine
+                self.moved(call.tenant, {}, bills.local_bytes)
             return
-        if self._counted.retry(call):
+        retry = self._counted.retry(call)
+        self.moved(call.tenant, held, billed=not retry)
+        if retry:
             self._retry(call, method, bills, lookup)
             return
         local = _known(call.local_state, LOCAL_OUTCOMES, "absent")
@@ -133,11 +141,20 @@ class Observability:
         self.metrics.side_call(call.method, RETRY)
         self.ledger.side_call(call.tenant, RETRY)
         if method == "resume":
-            self.metrics.load({name: t.bytes for name, t in bills.tiers.items()}, call.tenant, bills.local_bytes)
+            self.moved(call.tenant, {name: t.bytes for name, t in bills.tiers.items()}, bills.local_bytes,
+                       billed=False)
         if lookup is not None and lookup.boundary_key and lookup.replay_stored_ttl is not None \
                 and lookup.replay_status == "replayed":
             self.explainer.local_stored(lookup.namespace, lookup.boundary_key, lookup.replay_stored_ttl, call.at,
                                         call.tenant)
+
+    def moved(self, tenant: str, tier_bytes: Mapping[str, int], local_bytes: int = 0, *, billed: bool = True) -> None:
+        """Bytes moved outside a request's bills (a Load's, a holding Lookup's, a LoadLocal's, a
+        retry's): the one place that tells the metrics and the ledger, so their "KV moved" sums agree.
+        `billed` False (a retry's): the metrics count the traffic, the ledger's bill took them once already."""
+        self.metrics.load(tier_bytes, tenant, local_bytes)
+        if billed:
+            self.ledger.moved(tenant, tier_bytes, local_bytes)
 
     def record(self, rec: RequestRecord, facts: LookupFacts | None = None, at: float | None = None) -> RequestRecord:
         """Explain, then count: the explanation decides the miss reasons the counters use. `at`:

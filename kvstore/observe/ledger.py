@@ -133,8 +133,9 @@ class _Sums:
     replay_failures: Counter[str] = field(default_factory=Counter)
     replay_tokens: int = 0
     replay_flops: float = 0.0
-    bytes_moved: Counter[str] = field(default_factory=Counter)  # by tier (resumes only)
-    local_bytes_moved: int = 0
+    # By tier: a Resume's, and (through `moved`) a Load's and a holding Lookup's; a retry's once.
+    bytes_moved: Counter[str] = field(default_factory=Counter)
+    local_bytes_moved: int = 0  # a Resume's snapshot, a LoadLocal's
     miss_reasons: Counter[str] = field(default_factory=Counter)
     local_reasons: Counter[str] = field(default_factory=Counter)
     byte_seconds: dict[str, float] = field(default_factory=dict)  # by tier
@@ -170,6 +171,12 @@ class _Sums:
             self.miss_reasons[rec.miss_reason] += 1
         if rec.local_reason:
             self.local_reasons[rec.local_reason] += 1
+
+    def moved(self, tier_bytes: Mapping[str, int], local_bytes: int) -> None:
+        for name, n in tier_bytes.items():
+            if n:
+                self.bytes_moved[name] += n
+        self.local_bytes_moved += local_bytes
 
     def merge(self, other: _Sums) -> None:
         for f in dataclasses.fields(self):
@@ -278,6 +285,19 @@ class Ledger:
             self._advance(now)
             for sums in (self._total, self._tenant(tenant), self._bucket(now).sums):
                 sums.side_calls[purpose] += 1
+
+    def moved(self, tenant: str, tier_bytes: Mapping[str, int], local_bytes: int = 0) -> None:
+        """Bytes moved to the engine outside a request's bills: a Load's, a holding Lookup's, a
+        LoadLocal's snapshot (`local_bytes`). The metrics are told the same
+        (`call_observer.Observability.moved`), so the two "KV moved" sums agree; a retry's bytes
+        only the metrics count again (traffic), the bill took them once."""
+        if not local_bytes and not any(tier_bytes.values()):
+            return
+        with self._lock:
+            now = self._clock()
+            self._advance(now)
+            for sums in (self._total, self._tenant(tenant), self._bucket(now).sums):
+                sums.moved(tier_bytes, local_bytes)
 
     def sample(self) -> None:
         """Read occupancy now: integrate the previous reading up to now, then keep this one."""

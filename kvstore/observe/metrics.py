@@ -13,7 +13,8 @@ Two ways in:
 
 Cardinality is bounded by construction: every label value passes through `_label()` against a
 small fixed set (an unknown value becomes "other"); tenant labels exist only when the config
-turns them on, and then only for configured tenant names. No hashes, session ids or token data
+turns them on, and then only for configured tenant names, matched exactly (`_tenant`: a name is
+never respelled, so "team-a" and "team_a" stay two tenants). No hashes, session ids or token data
 ever become label values. Label combinations are created up front so a dashboard query finds a
 zero rather than nothing.
 
@@ -79,7 +80,8 @@ POOL_MISS_REASONS = ("absent", "expired", "incomplete", "corrupt", "timeout", "e
 POOL_SKIP_REASONS = ("oom", "no_room", "policy", "timeout", "error", "breaker_open", "closed")
 RPC_METHODS = ("Lookup", "Store", "Load", "StoreLocal", "LoadLocal", "Resume", "Stats", "RegisterModel", "Attach",
                OTHER)
-DATA_PATH_METHODS = ("Load", "Resume", "Store", "Lookup", OTHER)  # a Lookup: one that holds chunks
+# Every call that sets a data path (records.CallRecord.data_path); a Lookup: one that holds chunks.
+DATA_PATH_METHODS = ("Load", "Resume", "Store", "LoadLocal", "StoreLocal", "Lookup", OTHER)
 DATA_PATHS = ("shm", "stream", OTHER)
 RPC_CODES = (
     "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
@@ -441,10 +443,14 @@ class Metrics:
                                        "local state, by reason.", ["reason"], registry=r)
         self.replay_tokens = Counter("kvstore_replay_tokens_total", "Tokens replayed to rebuild local "
                                      "state (the replay compute bill).", t, registry=r)
-        self.replay_seconds = Histogram("kvstore_replay_seconds", "Time to rebuild local state by a replay run.",
+        self.replay_seconds = Histogram("kvstore_replay_seconds", "Time to rebuild local state by a replay run, "
+                                        "from its admission to its end (not the chunks streamed meanwhile).",
                                         buckets=REPLAY_BUCKETS, registry=r)
-        self.prefill_avoided = Counter("kvstore_prefill_tokens_avoided_total", "Prompt tokens the engine "
-                                       "did not prefill because their global KV hit.", t, registry=r)
+        self.prefill_avoided = Counter("kvstore_prefill_tokens_avoided_total", "Prompt tokens whose global "
+                                       "KV was served from the cache (the global hit). Where the local state "
+                                       "expired and was not rebuilt, the engine still prefills them to rebuild "
+                                       "the window (counted in kvstore_prefill_tokens_total too).", t,
+                                       registry=r)
         self.prefill_flops_avoided = Counter("kvstore_prefill_flops_avoided_total", "Prefill FLOPs avoided "
                                              "(tokens avoided x the model's prefill FLOPs per token).",
                                              t, registry=r)
@@ -459,9 +465,10 @@ class Metrics:
                                   "retry: a Lookup or Resume that repeated the tenant, request id and method "
                                   "of a request already counted (bills not counted again, bytes moved are). "
                                   "Not in kvstore_requests_total.", ["method", "purpose"], registry=r)
-        self.data_path_calls = Counter("kvstore_data_path_calls_total", "Load, Resume, Store and holding Lookup "
-                                       "calls by how their chunk bytes moved: shm (same-host shared memory) or "
-                                       "stream (gRPC messages).", ["method", "path"], registry=r)
+        self.data_path_calls = Counter("kvstore_data_path_calls_total", "Load, Resume, Store, LoadLocal, "
+                                       "StoreLocal and holding Lookup calls by how their chunk or snapshot "
+                                       "bytes moved: shm (same-host shared memory) or stream (gRPC messages).",
+                                       ["method", "path"], registry=r)
         self.rpc_seconds = Histogram("kvstore_rpc_seconds", "gRPC call latency, by method and status code.",
                                      ["method", "code"], buckets=RPC_BUCKETS, registry=r)
         self.sources = sources or Sources()
@@ -472,7 +479,9 @@ class Metrics:
         self._initialise()
 
     def _tenant(self, tenant: str) -> str:
-        return _label(tenant, self._tenants)
+        # Exactly, not through `_label`: its snake-casing is for the fixed vocabularies, and a tenant
+        # name may hold '-' (a label value is free text), so "team-a" must not become "team_a".
+        return tenant if tenant in self._tenants else OTHER
 
     def _t(self, tenant: str) -> tuple[str, ...]:
         return (self._tenant(tenant),) if self._per_tenant else ()
@@ -585,7 +594,7 @@ class Metrics:
         self._child(self.side_calls, _label(method, RPC_METHODS), _label(purpose, SIDE_CALL_PURPOSES)).inc()
 
     def data_path(self, method: str, path: str) -> None:
-        """A Load, Resume, Store or holding Lookup call and the path its bytes took."""
+        """A Load, Resume, Store, LoadLocal, StoreLocal or holding Lookup call and the path its bytes took."""
         self._child(self.data_path_calls, _label(method, DATA_PATH_METHODS), _label(path, DATA_PATHS)).inc()
 
     def rpc(self, method: str, code: str, seconds: float) -> None:

@@ -103,7 +103,7 @@ class LocalWriteFacts:
 @dataclass(frozen=True)
 class CallRecord:
     """One finished KVCache call, for metrics and the ledger. `bills`: what the call priced (Lookup,
-    Resume, Load), else None."""
+    Resume, Load; a LoadLocal: only the snapshot bytes it sent, `local_bytes`), else None."""
 
     method: str
     tenant: str

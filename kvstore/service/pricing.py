@@ -43,6 +43,15 @@ def price(
     )
 
 
+def price_local_load(res: Resolved, snapshot_bytes: int) -> Bills:
+    """A LoadLocal's bill, for the call record only: the snapshot bytes it sent (KV moved, local).
+    No tokens: the prompt's are billed to the Lookup or Load that went with it."""
+    return bills.price(
+        prompt_tokens=0, chunk_tokens=res.layout.chunk_tokens, chunk_bytes=res.layout.chunk_bytes, chunk_tiers=(),
+        flops_per_token=res.spec.prefill_flops_per_token, local_bytes=snapshot_bytes,
+    )
+
+
 def planned_replay_tokens(res: Resolved, hit_tokens: int) -> int:
     """Tokens a replay at this boundary runs under the namespace's replay mode."""
     mode = res.ns.replay_mode

@@ -37,7 +37,14 @@ from kvstore.local_pool.base import GetResult
 from kvstore.observe.records import LocalWriteFacts
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.codes import is_expected, status_for
-from kvstore.service.pricing import boundary_key, facts_for_lookup, local_status, planned_replay_tokens, price
+from kvstore.service.pricing import (
+    boundary_key,
+    facts_for_lookup,
+    local_status,
+    planned_replay_tokens,
+    price,
+    price_local_load,
+)
 from kvstore.service.shm_calls import snapshot_span, store_snapshot_data
 from kvstore.service.shm_listener import ShmSession
 from kvstore.store import LoadSession
@@ -74,10 +81,19 @@ def replay_wait(remaining: float | None) -> float | None:
 
 
 class _Replay(NamedTuple):
-    """A replay started for a Resume: its job, and the admission its bill is settled through."""
+    """A replay started for a Resume: its job, the admission its bill is settled through, and when
+    it started and ended (`time.perf_counter`)."""
 
     future: cf.Future[ReplayOutcome]
     ticket: ReplayTicket
+    started_at: float
+    ended_at: list[float]  # filled by the job as it returns, before its future completes
+
+    def seconds(self) -> float:
+        """The replay's own time: to its end, or to now when it has not ended (the call stopped
+        waiting for it). Not the chunks streamed meanwhile, which a slow reader makes last longer."""
+        end = self.ended_at[0] if self.ended_at else time.perf_counter()
+        return max(0.0, end - self.started_at)
 
 
 class LocalStateCalls:
@@ -197,6 +213,8 @@ class LocalStateCalls:
             payload = got.payload if got is not None and got.payload is not None else None
             assert call.stream is not None
             yield from call.stream.sent(self._local_messages(state, got, payload, n * res.chunk_tokens, shm, context))
+            # Once every message went out: the snapshot's bytes are KV moved (local), as a Resume's are.
+            call.bills = price_local_load(res, len(payload) if payload is not None else 0)
 
     def _local_messages(
         self, state: str, got: GetResult | None, payload: memoryview | None, boundary: int, shm: ShmSession | None,
@@ -267,7 +285,6 @@ class LocalStateCalls:
             pinned_key = session.keys[n - 1] if session is not None and n else None  # saves re-hashing
             state, got = local_status(self.app, res, n, deadline, r, pinned_key)
             case = "cold" if n == 0 else ("expired" if state == "expired" else "warm")
-            replay_t0 = time.perf_counter()
             replay = self._start_replay(res, case, n * res.chunk_tokens, deadline, pinned_key)
             if replay is not None:
                 started.append(replay)
@@ -297,7 +314,7 @@ class LocalStateCalls:
         if session is None:
             loaded = list(tiers)
         outcome = self._local_outcome(state, got, replay, len(loaded) < n, context)
-        replay_seconds = time.perf_counter() - replay_t0 if replay is not None else 0.0
+        replay_seconds = replay.seconds() if replay is not None else 0.0
         snapshot = outcome.snapshot
         if snapshot is not None and len(snapshot) != size:
             snapshot, outcome = None, ReplayOutcome(None, outcome.replay_tokens, "wrong snapshot size")
@@ -334,17 +351,27 @@ class LocalStateCalls:
         # The replay may take what this call can wait for it, the trailer's margin kept.
         wait = replay_wait(deadline)
         budget = wait if wait is not None else self.app.config.replay.timeout_seconds
+        started_at = time.perf_counter()
         # Admitted here, synchronously: a refusal (ResourceExhausted) fails the call before its header.
         ticket = coordinator.admit(res.ns, res.tokens, hit_tokens, boundary_key, budget)
+        ended_at: list[float] = []
+
+        def run() -> ReplayOutcome:
+            try:
+                return coordinator.resume_local(res.ns, res.tokens, hit_tokens, budget, ticket)
+            finally:
+                # Noted by the job itself, not a done-callback: those run after the future's result
+                # is visible, so the call could read its outcome before the end was noted.
+                ended_at.append(time.perf_counter())
+
         try:
-            fut = self.replay_executor.submit(coordinator.resume_local, res.ns, res.tokens, hit_tokens, budget,
-                                              ticket)
+            fut = self.replay_executor.submit(run)
         except BaseException:
             coordinator.release(ticket)
             raise
         # resume_local uses the ticket up; this gives it back if the job never ran (shut down).
         fut.add_done_callback(lambda _: coordinator.release(ticket))
-        return _Replay(fut, ticket)
+        return _Replay(fut, ticket, started_at, ended_at)
 
     def _local_outcome(
         self, state: str, got: GetResult | None, replay: _Replay | None, shrank: bool,
