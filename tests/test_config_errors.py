@@ -252,3 +252,10 @@ def test_an_adaptive_ttl_whose_least_is_over_its_most_is_refused() -> None:
     assert "<= max_ttl_seconds" in str(_refused(table, "local_pool.ttl.min_ttl_seconds"))
     table["local_pool"]["ttl"]["min_ttl_seconds"] = 60.0
     assert parse_config(table).local_pool.ttl.min_ttl_seconds == 60.0
+
+
+def test_a_tenant_may_not_be_named_as_the_metrics_label_of_everyone_else() -> None:
+    # Its series would have summed its traffic with every unconfigured caller's.
+    e = _refused({"tenants": {"other": {"tokens": [TOKEN]}}}, "tenants.other")
+    assert "reserved" in str(e)
+    assert parse_config({"tenants": {"others": {"tokens": [TOKEN]}}}).tenants["others"].tokens == (TOKEN,)

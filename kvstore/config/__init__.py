@@ -62,6 +62,8 @@ class KvstoreConfig:
         for name, t in self.tenants.items():
             require(name.replace("-", "").replace("_", "").isalnum(), join("tenants", name),
                     "tenant names use letters, digits, '-' and '_' only")
+            require(name != "other", join("tenants", name),
+                    "'other' is reserved: the metrics' tenant label names every caller outside [tenants] so")
             require(bool(t.tokens) or bool(t.mtls_common_name), join("tenants", name),
                     "a tenant needs at least one token or an mtls_common_name")
             # Without a client CA the service asks no peer for a certificate: the name never matches.
