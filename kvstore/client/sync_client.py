@@ -461,7 +461,8 @@ class KvstoreClient:
         shared memory in the same call: a Lookup and a `load_shared` for the price of one call.
         `into_session`: hold them in that same-host session instead, another client's of the same
         tenant (an engine's worker in another process, which reads them with `read_held`).
-        Without a session, or naming one the service no longer knows, only the lookup is answered.
+        Without a session, naming one the service no longer knows, or for chunks larger than half
+        the session's load segment (they load over streams), only the lookup is answered.
 
             held = kv.lookup_held(model, prompt, hold_chunks=n)
             try:

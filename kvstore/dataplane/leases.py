@@ -6,7 +6,9 @@ never reused, so what the client reads under a lease is what the service wrote t
 also hold no space (`hold`): it then stands for something else kept for the client (chunks it
 reads in place), and its `on_end` is called once, when it is released, expires or the table closes. Space is
 allocated first-fit from a free list that coalesces on release; a writer that finds no room waits
-for releases or expiries, up to its own time limit.
+for releases or expiries, up to its own time limit. A lease granted `filling` has no expiry until
+the service has written its span (`filled`): its clock starts then, so a fill that stalls (slow
+I/O, a paused VM) never has its space handed to another load while it still writes there.
 
 Lease ids are never reused within a table, so a release of a lease that already expired (or a
 forged id) is recognised as stale and frees nothing.
@@ -15,6 +17,7 @@ forged id) is recognised as stale and frees nothing.
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +52,7 @@ class LeaseTable:
         self._free: list[tuple[int, int]] = [(0, segment_bytes)]  # (offset, length), sorted, coalesced
         self._leases: dict[int, Lease] = {}
         self._on_end: dict[int, Callable[[], None]] = {}
+        self._filling: set[int] = set()  # granted `filling`, not yet `filled`: they never expire
         self._next_id = 1
         self._closed = False
         self.granted_total = 0
@@ -69,10 +73,12 @@ class LeaseTable:
     def leased_bytes(self) -> int:
         return sum(lease.length for lease in self._leases.values())
 
-    def grant(self, nbytes: int, wait_seconds: float, still_wanted: Callable[[], bool] = lambda: True) -> Lease:
+    def grant(self, nbytes: int, wait_seconds: float, still_wanted: Callable[[], bool] = lambda: True,
+              filling: bool = False) -> Lease:
         """A lease on `nbytes` of free space; waits up to `wait_seconds` for room (checking
         `still_wanted` as it waits). Raises NoRoom (TableClosed once closed), or ValueError for a
-        size the segment can never hold."""
+        size the segment can never hold. `filling`: the lease does not expire (its `expires_at` is
+        infinite) until `filled`, and only `abandon` gives it back meanwhile."""
         if not 0 < nbytes <= self.segment_bytes:
             raise ValueError(f"a span of {nbytes} bytes does not fit a {self.segment_bytes}-byte segment")
         size = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
@@ -91,7 +97,10 @@ class LeaseTable:
                         if expired:
                             at = self._take(size)
                     if at is not None:
-                        return self._record(at, size)
+                        lease = self._record(at, size, math.inf if filling else None)
+                        if filling:
+                            self._filling.add(lease.lease_id)
+                        return lease
                     left = give_up - self._clock()
                     if left <= 0 or not still_wanted():
                         raise NoRoom(f"no {nbytes}-byte span came free in {wait_seconds:g} s: "
@@ -112,9 +121,33 @@ class LeaseTable:
             self._on_end[lease.lease_id] = on_end
             return lease
 
-    def _record(self, offset: int, length: int) -> Lease:
+    def filled(self, lease_id: int) -> Lease:
+        """A lease granted `filling`, now written: it expires `lease_seconds` from now. Raises
+        TableClosed when the table closed meanwhile (the lease went with it)."""
+        with self._cond:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease_id not in self._filling:
+                raise TableClosed("the session is closed")
+            self._filling.discard(lease_id)
+            lease = Lease(lease.lease_id, lease.offset, lease.length, self._clock() + self.lease_seconds)
+            self._leases[lease_id] = lease
+            return lease
+
+    def abandon(self, lease_id: int) -> None:
+        """Give back a lease granted `filling` whose fill failed (it was never sent)."""
+        with self._cond:
+            if lease_id not in self._filling:
+                return  # the table closed meanwhile: it went with it
+            self._filling.discard(lease_id)
+            self._give_back(self._leases.pop(lease_id))
+            self.released_total += 1
+            self._cond.notify_all()
+
+    def _record(self, offset: int, length: int, expires_at: float | None = None) -> Lease:
         """A new lease on [offset, offset + length), under the table's lock."""
-        lease = Lease(self._next_id, offset, length, self._clock() + self.lease_seconds)
+        if expires_at is None:
+            expires_at = self._clock() + self.lease_seconds
+        lease = Lease(self._next_id, offset, length, expires_at)
         self._next_id += 1
         self._leases[lease.lease_id] = lease
         self.granted_total += 1
@@ -123,9 +156,10 @@ class LeaseTable:
     def release(self, lease_id: int, quiet: bool = False) -> bool:
         """Give a lease's span back; False (and nothing freed) for an unknown or expired lease,
         counted as stale unless `quiet` (the service's own clean-up after a call, whose client
-        may have released it first)."""
+        may have released it first). A lease still being filled was never sent: its id is forged,
+        and releasing it would hand out space the fill still writes."""
         with self._cond:
-            lease = self._leases.pop(lease_id, None)
+            lease = None if lease_id in self._filling else self._leases.pop(lease_id, None)
             if lease is None:
                 if not quiet:
                     self.stale_releases += 1
@@ -151,6 +185,7 @@ class LeaseTable:
         with self._cond:
             n = len(self._leases)
             self._leases.clear()
+            self._filling.clear()
             ended = list(self._on_end.values())
             self._on_end.clear()
             self._free = [(0, self.segment_bytes)]

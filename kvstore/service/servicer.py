@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvstore import __version__
+from kvstore.dataplane import UNKNOWN_SESSION
 from kvstore.errors import InvalidInput
 from kvstore.layout import EngineLayerGroup, EngineModel
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.pricing import facts_for_lookup, local_status, price
 from kvstore.service.servicer_local import LocalStateCalls
-from kvstore.service.shm_calls import PathCounts, check_chunks_fit, load_spans, store_span_data
+from kvstore.service.shm_calls import PathCounts, check_chunks_fit, chunks_fit, load_spans, store_span_data
 from kvstore.service.shm_listener import ShmSession, ShmSessions
 from kvstore.store import CommitResult, LoadSession, PrefixHit
 from kvstore.v1 import kvstore_pb2 as pb
@@ -92,9 +93,12 @@ class KVCacheServicer(LocalStateCalls):
             if bool(req.shm_session) != bool(req.hold_chunks):
                 raise InvalidInput("a Lookup that holds chunks names both shm_session and hold_chunks")
             held: list[pb.ShmSpan] = []
-            if req.hold_chunks:
-                r, held = self._lookup_held(call, res, req, context)
+            shm = self.shm_session(call, req.shm_session) if req.hold_chunks else None
+            if shm is not None and chunks_fit(shm, res.layout.chunk_bytes):
+                r, held = self._lookup_held(res, req, shm, context)
             else:
+                # Chunks too large for the session are not held (a Load of them goes over streams):
+                # the hit is answered all the same, as a Lookup that holds none.
                 r = self.app.store.lookup(res.ns, res.tokens)
             state, got = local_status(self.app, res, r.hit_chunks, context.time_remaining(), r)
             call.facts = facts_for_lookup(self.app, res, r, r.hit_chunks, got)
@@ -115,13 +119,11 @@ class KVCacheServicer(LocalStateCalls):
         return b""  # reached only when the client has gone (an empty LookupResponse)
 
     def _lookup_held(
-        self, call: CallState, res: Resolved, req: pb.LookupRequest, context: grpc.ServicerContext,
+        self, res: Resolved, req: pb.LookupRequest, shm: ShmSession, context: grpc.ServicerContext,
     ) -> tuple[PrefixHit, list[pb.ShmSpan]]:
         """The Lookup's hit, and its first `hold_chunks` chunks as leased spans of the same-host
         session the request names (the caller's, or another of its tenant's): the Load that would
         follow, without a second call. One walk of the keys, counted as the lookup."""
-        shm = self.shm_session(call, req.shm_session)
-        assert shm is not None
         held: list[pb.ShmSpan] = []
         with self.app.store.load(res.ns, res.tokens, req.hold_chunks) as session:
             try:
@@ -159,8 +161,11 @@ class KVCacheServicer(LocalStateCalls):
         cb, full = res.layout.chunk_bytes, res.full_chunks
         received: dict[int, memoryview] = {}
         try:
-            end = self._receive(call, messages, ChunkAssembler(cb, full), received, shm)
-            return self._commit(call, res, context, end, received)
+            end, spanned = self._receive(call, messages, ChunkAssembler(cb, full), received, shm)
+            r = self._commit(call, res, context, end, received)
+            if shm is not None and r.received_chunks:  # committed: a refused Store stored nothing
+                shm.stored_bytes += spanned
+            return r
         finally:
             # Dropped here, not when the frames go: a failed call's traceback keeps its frames.
             received.clear()
@@ -168,14 +173,14 @@ class KVCacheServicer(LocalStateCalls):
     def _receive(
         self, call: CallState, messages: Iterator[Streamed | Malformed], asm: ChunkAssembler,
         received: dict[int, memoryview], shm: ShmSession | None,
-    ) -> pb.StoreEnd | None:
+    ) -> tuple[pb.StoreEnd | None, int]:
         """The payload pieces (views into the received messages) into `received`, each counted
         against the tenant's staging share before it is kept (`stage`; spans of a same-host store
-        segment stage nothing); the StoreEnd, if one came. The payload a call carries is limited,
-        not the prefix it declares: a longer prompt comes in calls on growing prefixes, each
-        sending only the chunks after the last call's."""
+        segment stage nothing); the StoreEnd, if one came, and the bytes that came in spans. The
+        payload a call carries is limited, not the prefix it declares: a longer prompt comes in
+        calls on growing prefixes, each sending only the chunks after the last call's."""
         end: pb.StoreEnd | None = None
-        carried = 0
+        carried = spanned = 0
         for raw in messages:
             kind, value = accept(raw, Streamed)
             if end is not None or kind not in ("chunks", "end", "shm"):
@@ -190,6 +195,7 @@ class KVCacheServicer(LocalStateCalls):
                 data = store_span_data(shm, value, asm.chunk_bytes)
                 for index, payload in asm.add(value.first_chunk, 0, data):
                     received[index] = payload
+                spanned += data.nbytes
                 continue
             p = value
             assert isinstance(p, PieceView)
@@ -200,7 +206,7 @@ class KVCacheServicer(LocalStateCalls):
             for index, payload in asm.add(p.first_chunk, p.offset, p.data):
                 received[index] = payload
         asm.finish()
-        return end
+        return end, spanned
 
     def stage(self, call: CallState, nbytes: int, unit_bytes: int, unit: str = "chunk") -> None:
         """Count `nbytes` more of the payload `call` holds in memory against its tenant's staging
@@ -371,8 +377,10 @@ class KVCacheServicer(LocalStateCalls):
             call.data_path = "stream"
             return None
         if self.shm is None:
-            raise InvalidInput("this service offers no same-host sessions (service.unix_socket_path is unset, "
-                               "or shm_enabled is off): call without shm_session")
+            # Named as an unknown session: a client that opened its session before a restart that
+            # turned them off drops it and goes over streams.
+            raise InvalidInput(f"{UNKNOWN_SESSION}: this service offers no same-host sessions (service."
+                               "unix_socket_path is unset, or shm_enabled is off): call without shm_session")
         s = self.shm.session(session_id, call.tenant)
         check_chunks_fit(s, load_chunk_bytes)
         self.paths.count(call.tenant, "shm")

@@ -45,7 +45,7 @@ from kvstore.service.pricing import (
     price,
     price_local_load,
 )
-from kvstore.service.shm_calls import snapshot_span, store_snapshot_data
+from kvstore.service.shm_calls import released_unless_sent, snapshot_span, store_snapshot_data
 from kvstore.service.shm_listener import ShmSession
 from kvstore.store import LoadSession
 from kvstore.v1 import kvstore_pb2 as pb
@@ -228,7 +228,9 @@ class LocalStateCalls:
             return
         span = self._snapshot_span(shm, payload, context)
         if span is not None:
-            yield pb.LoadLocalResponse(shm=span)
+            assert shm is not None
+            with released_unless_sent(shm, span, context.is_active):
+                yield pb.LoadLocalResponse(shm=span)
             return
         for off, end in blob_spans(len(payload), self.message_bytes):
             yield pb.LoadLocalResponse(local=pb.LocalPiece(offset=off, data=bytes(payload[off:end])))
@@ -325,7 +327,9 @@ class LocalStateCalls:
         # Only to a client that says it reads `local_shm`: an older one would drop the snapshot.
         local_span = self._snapshot_span(shm, view, context) if len(view) and req.local_shm else None
         if local_span is not None:
-            yield pb.ResumeResponse(local_shm=local_span)
+            assert shm is not None
+            with released_unless_sent(shm, local_span, context.is_active):
+                yield pb.ResumeResponse(local_shm=local_span)
         else:
             for off, end in blob_spans(len(view), self.message_bytes):
                 yield pb.ResumeResponse(local=pb.LocalPiece(offset=off, data=bytes(view[off:end])))

@@ -155,25 +155,49 @@ def snapshot_span(shm: ShmSession, snapshot: bytes | memoryview, wait_seconds: f
     return pb.ShmSpan(offset=lease.offset, lease_id=lease.lease_id, lease_expires_at=lease.expires_at, nbytes=n)
 
 
+@contextlib.contextmanager
+def released_unless_sent(shm: ShmSession, span: pb.ShmSpan, still_wanted: Callable[[], bool]) -> Iterator[None]:
+    """Around the send of a `snapshot_span`: when the call is cancelled there (its generator is
+    closed, or it is no longer wanted once the send returns), its lease is released at once, as
+    `load_spans` does for chunks; else it would stay leased until it lapsed."""
+    sent = False
+    try:
+        yield
+        sent = still_wanted()
+    finally:
+        if not sent:
+            shm.leases.release(span.lease_id, quiet=True)  # the client may have released it first
+
+
 def _filled(shm: ShmSession, count: int, part_bytes: int, wait_seconds: float, still_wanted: Callable[[], bool],
             fill: Callable[[list[memoryview]], T]) -> tuple[Lease, T]:
     """A new lease of `count` parts of `part_bytes` in `shm`'s load segment, and what `fill` said
     of writing them (it gets a view of each part); the lease goes back if `fill` raises (it was never
-    sent: nobody else would release it)."""
+    sent: nobody else would release it). Its clock starts once filled: a fill that outlasts a lease
+    must not have its space handed to another load, which it would then write over."""
     lease, view = _leased(shm, count * part_bytes, wait_seconds, still_wanted)
     try:
-        return lease, fill([view[k * part_bytes : (k + 1) * part_bytes] for k in range(count)])
+        got = fill([view[k * part_bytes : (k + 1) * part_bytes] for k in range(count)])
     except BaseException:
-        shm.leases.release(lease.lease_id)
+        shm.leases.abandon(lease.lease_id)
         raise
     finally:
         with contextlib.suppress(BufferError):  # a failed fill may still hold a part
             view.release()
+    try:
+        return shm.leases.filled(lease.lease_id), got
+    except TableClosed:
+        raise InvalidInput(_CLOSED_DURING_CALL) from None
+
+
+def chunks_fit(shm: ShmSession, chunk_bytes: int) -> bool:
+    """Whether chunks of `chunk_bytes` can be copied into the session's load segment (half of it at most)."""
+    return chunk_bytes <= shm.load.nbytes // 2
 
 
 def check_chunks_fit(shm: ShmSession, chunk_bytes: int) -> None:
     """Refuses, before a load starts, chunks larger than half the session's load segment."""
-    if chunk_bytes > shm.load.nbytes // 2:
+    if not chunks_fit(shm, chunk_bytes):
         raise InvalidInput(f"{TOO_LARGE_FOR_SESSION}: a {chunk_bytes}-byte chunk does not fit half the session's "
                            f"{shm.load.nbytes}-byte load segment: call without shm_session (clients do so by "
                            "themselves), or raise service.shm_load_segment_bytes")
@@ -189,7 +213,7 @@ def chunks_per_span(shm: ShmSession, chunk_bytes: int) -> int:
 def _leased(shm: ShmSession, nbytes: int, wait_seconds: float,
             still_wanted: Callable[[], bool]) -> tuple[Lease, memoryview]:
     try:
-        lease = shm.leases.grant(nbytes, wait_seconds, still_wanted)
+        lease = shm.leases.grant(nbytes, wait_seconds, still_wanted, filling=True)
     except TableClosed:
         raise InvalidInput(_CLOSED_DURING_CALL) from None
     except NoRoom as e:
@@ -198,6 +222,7 @@ def _leased(shm: ShmSession, nbytes: int, wait_seconds: float,
     try:
         return lease, shm.load.view[lease.offset : lease.offset + nbytes]
     except ValueError:  # the segment was unmapped: the peer closed its session meanwhile
+        shm.leases.abandon(lease.lease_id)
         raise InvalidInput(_CLOSED_DURING_CALL) from None
 
 
@@ -205,30 +230,32 @@ def store_snapshot_data(shm: ShmSession, span: pb.ShmSpan, snapshot_bytes: int, 
                         ) -> bytes:
     """A copy of the snapshot a span names in the session's store segment (a StoreLocal's, a
     runner's result), checked to be a snapshot's size and to lie inside the segment (a copy: the
-    peer reuses that memory once the call returns or the result is taken)."""
+    peer reuses that memory once the call returns or the result is taken), counted as stored
+    through the session."""
     if span.num_chunks or span.nbytes != snapshot_bytes:
         raise InvalidInput(f"{what} holds {span.nbytes} bytes and {span.num_chunks} chunks; a "
                            f"snapshot of this model is {snapshot_bytes} bytes")
-    return bytes(_stored(shm, span.offset, span.nbytes, what))
+    data = bytes(_stored(shm, span.offset, span.nbytes, what))
+    shm.stored_bytes += len(data)
+    return data
 
 
 def store_span_data(shm: ShmSession, span: pb.ShmSpan, chunk_bytes: int) -> memoryview:
-    """The bytes a Store's span names in the session's store segment, checked to lie inside it."""
+    """The bytes a Store's span names in the session's store segment, checked to lie inside it
+    (not yet counted as stored: the Store may still be refused; its servicer counts them once it
+    committed)."""
     if span.num_chunks == 0:
         raise InvalidInput("a Store span holds no chunks")
     return _stored(shm, span.offset, span.num_chunks * chunk_bytes, "the Store span")
 
 
 def _stored(shm: ShmSession, offset: int, nbytes: int, what: str) -> memoryview:
-    """Bytes [offset, offset + nbytes) of the session's store segment, checked to lie inside it,
-    counted as stored through the session."""
+    """Bytes [offset, offset + nbytes) of the session's store segment, checked to lie inside it."""
     check_span(offset, nbytes, shm.store.nbytes, what)
     try:
-        data = shm.store.view[offset : offset + nbytes]
+        return shm.store.view[offset : offset + nbytes]
     except ValueError:
         raise InvalidInput(_CLOSED_DURING_CALL) from None
-    shm.stored_bytes += nbytes
-    return data
 
 
 @dataclass
