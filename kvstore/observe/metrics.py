@@ -172,6 +172,7 @@ class ShmTotals:
     leases: int           # Load spans leased now
     refused: int          # connections refused or closed before a session: bad hellos, no slot, a crowd
     pending_dropped: int  # of those, closed before their hello to make room for a newer one
+    release_flood_closed: int  # sessions closed for naming far more leases to release than they were granted
 
 
 @dataclass
@@ -296,6 +297,8 @@ class SourceCollector(Collector):
                                   value=t.refused)
         yield CounterMetricFamily("kvstore_shm_pending_dropped", "Same-host socket connections closed before "
                                   "their hello to make room for a newer one.", value=t.pending_dropped)
+        yield CounterMetricFamily("kvstore_shm_release_flood_closed", "Same-host sessions closed for naming far "
+                                  "more leases to release than they were granted.", value=t.release_flood_closed)
 
     def _store(self, st: StoreStats) -> Iterator[Metric]:
         used = GaugeMetricFamily("kvstore_tier_bytes", "Bytes used in each tier.", labels=["tier"])

@@ -12,10 +12,15 @@ session's own calls loaded, so no tenant can map another's chunks. Sessions are 
 resource, shared fairly between tenants by weight (`service.max_shm_sessions`).
 
 One thread serves every connection (selectors): accepting, the hello, lease releases, closes and
-the expiry of leases. A connection that has not said hello within `HANDSHAKE_SECONDS` is closed.
+the expiry of leases. Each turn reads at most one message's worth (64 KiB) from a connection, and
+a session that names more lease ids in its releases than it was ever granted (`RELEASE_SLACK` to
+spare) is closed: a client releases each lease once, so no tenant can keep that thread busy
+releasing ids it does not hold. A connection that has not said hello within `HANDSHAKE_SECONDS` is closed.
 Connections waiting for their hello are bounded per process and in all, and a new one is always
 taken: the one dropped to make room is the oldest of the process (of the user) holding the most,
 so a process that opens connections and stays silent cannot keep other tenants from a session.
+A client in another pid namespace (another container) has no pid (0: unknown): its user's such
+processes are then counted as one, with a larger part of the pool.
 Another keeps one spare load segment ready, its first `shm_prefault_bytes` resident, so that a new
 session's first loads (the first restore after a restart) copy into memory that does not fault; a
 spare has never been mapped by anyone, and each is handed to one session only.
@@ -68,6 +73,13 @@ MAX_PENDING = 64  # connections that have not said hello yet, from every peer
 # Per process (SO_PEERCRED): a client sends its hello as soon as it connects, so even a process
 # opening sessions from many threads has one or two waiting at once.
 MAX_PENDING_PER_PID = 8
+# Processes in another pid namespace (the engine's container beside the service's, as docker
+# compose runs them) all read pid 0: unknown, so their part is their user's, and larger (an
+# engine's workers share it), while half the pool stays for every other peer.
+MAX_PENDING_PER_UID_PID_UNKNOWN = MAX_PENDING // 2
+# A client releases each lease it was granted once: a session that names more lease ids than it
+# was ever granted, this many to spare, floods the one thread that serves every tenant, and is closed.
+RELEASE_SLACK = 1024
 _DROP_LOG_SECONDS = 60.0  # a flood is logged once a minute, not once per connection
 _PEERCRED = struct.Struct("3i")
 KINDS = ("client", "runner")
@@ -78,7 +90,7 @@ class ShmSession:
     session_id: str
     tenant: str  # "" for a runner attached with the admin token (it serves every tenant)
     kind: str  # "client" | "runner"
-    pid: int
+    pid: int  # 0: unknown (the client is in another pid namespace)
     load: Segment
     store: Segment
     leases: LeaseTable
@@ -87,6 +99,7 @@ class ShmSession:
     created_at: float = field(default_factory=time.monotonic)
     loaded_bytes: int = 0
     stored_bytes: int = 0
+    release_ids: int = 0  # lease ids the client named in its releases (an empty release counts one)
 
     @property
     def closed(self) -> bool:
@@ -98,7 +111,7 @@ class _Conn:
     sock: socket.socket
     accepted_at: float
     uid: int = -1
-    pid: int = -1
+    pid: int = 0  # 0: unknown (another pid namespace, or no peer credentials)
     reader: FrameReader = field(default_factory=FrameReader)
     session: ShmSession | None = None
 
@@ -131,7 +144,9 @@ class ShmSessions:
         self.detail = sealing_available()  # "" when shared memory can be offered
         self.refused_total = 0  # connections closed before a session: a refused hello, none in time, a crowd
         self.pending_dropped_total = 0  # connections closed before their hello to make room for a newer one
+        self.release_flood_closed_total = 0  # sessions closed for releasing more leases than they were granted
         self._drop_logged_at = -_DROP_LOG_SECONDS
+        self._flood_logged_at = -_DROP_LOG_SECONDS
 
     @property
     def enabled(self) -> bool:
@@ -198,7 +213,7 @@ class ShmSessions:
     def totals(self) -> ShmTotals:
         with self._lock:
             return ShmTotals(len(self._sessions), sum(s.leases.active for s in self._sessions.values()),
-                             self.refused_total, self.pending_dropped_total)
+                             self.refused_total, self.pending_dropped_total, self.release_flood_closed_total)
 
     # --- the listener thread ----------------------------------------------------------------------
 
@@ -232,8 +247,8 @@ class ShmSessions:
         try:
             pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         except OSError:
-            pid = uid = -1
-        conn = _Conn(sock, time.monotonic(), uid, pid)
+            pid, uid = 0, -1
+        conn = _Conn(sock, time.monotonic(), uid, max(pid, 0))
         pending = [k.data for k in self._sel.get_map().values() if isinstance(k.data, _Conn) and k.data.session is None]
         # The newcomer is always taken (refusing it would let whoever holds the slots refuse every
         # tenant): room is made by dropping another that has not said hello yet.
@@ -244,8 +259,8 @@ class ShmSessions:
             now = time.monotonic()
             if now - self._drop_logged_at >= _DROP_LOG_SECONDS:
                 self._drop_logged_at = now
-                log.warning("same-host socket: connections that send no hello crowd the listener (uid %d, pid %d "
-                            "holds the most); their oldest are closed (%d so far)", victim.uid, victim.pid,
+                log.warning("same-host socket: connections that send no hello crowd the listener (uid %d, %s "
+                            "holds the most); their oldest are closed (%d so far)", victim.uid, pid_text(victim.pid),
                             self.pending_dropped_total)
         sock.setblocking(False)
         self._sel.register(sock, selectors.EVENT_READ, conn)
@@ -274,9 +289,26 @@ class ShmSessions:
         release = message.get("release")
         if not isinstance(release, list) or len(message) != 1:
             raise SideSocketClosed("after the hello, a client sends only {\"release\": [lease ids]}")
+        s = conn.session
+        s.release_ids += max(1, len(release))
+        if s.release_ids > s.leases.granted_total + RELEASE_SLACK:  # checked before any of its work is done
+            self._release_flood(s)
         for lease_id in release:
             if isinstance(lease_id, int):
-                conn.session.leases.release(lease_id)
+                s.leases.release(lease_id)
+
+    def _release_flood(self, s: ShmSession) -> NoReturn:
+        stale = s.leases.stale_releases  # of the ids released before this message
+        why = (f"its releases named {s.release_ids} lease ids, but it was granted {s.leases.granted_total}"
+               + (f" ({stale} of those it released before were held by no lease)" if stale else ""))
+        self.release_flood_closed_total += 1
+        now = time.monotonic()
+        if now - self._flood_logged_at >= _DROP_LOG_SECONDS:  # once a minute: a flooder may reconnect again and again
+            self._flood_logged_at = now
+            log.warning("same-host session %s of tenant '%s' (%s) closed: %s; a client releases each lease once "
+                        "(%d session(s) closed so far)", s.session_id[:8], s.tenant or ADMIN_MEMBER, pid_text(s.pid),
+                        why, self.release_flood_closed_total)
+        raise SideSocketClosed(f"release flood: {why}")
 
     def _hello(self, conn: _Conn, hello: dict[str, Any]) -> None:
         try:
@@ -312,8 +344,8 @@ class ShmSessions:
             raise SideSocketClosed(f"the hello could not be answered: {e}") from None
         finally:
             conn.sock.setblocking(False)
-        log.info("same-host session %s opened: tenant '%s', %s, pid %d", session.session_id[:8],
-                 session.tenant or ADMIN_MEMBER, session.kind, session.pid)
+        log.info("same-host session %s opened: tenant '%s', %s, %s", session.session_id[:8],
+                 session.tenant or ADMIN_MEMBER, session.kind, pid_text(session.pid))
 
     def _refuse(self, conn: _Conn, why: str) -> NoReturn:
         with contextlib.suppress(OSError):
@@ -352,9 +384,7 @@ class ShmSessions:
             with self._lock:
                 self._slots.give_back(member, 1)
             raise
-        pid, _uid, _gid = _PEERCRED.unpack(conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                 _PEERCRED.size))
-        return ShmSession(secrets.token_hex(16), caller.tenant, kind, pid, load, store,
+        return ShmSession(secrets.token_hex(16), caller.tenant, kind, conn.pid, load, store,
                           LeaseTable(load.nbytes, self._svc.shm_lease_seconds))
 
     def _load_segment(self) -> Segment:
@@ -432,19 +462,26 @@ class ShmSessions:
 
 def pending_victim(pending: Sequence[_Conn], new: _Conn) -> _Conn | None:
     """Which of the connections `pending` (none has said hello) to close so that `new` is taken:
-    None while there is room. Over MAX_PENDING_PER_PID for `new`'s process, its own oldest; the
+    None while there is room. Over MAX_PENDING_PER_PID for `new`'s process, its own oldest (over
+    MAX_PENDING_PER_UID_PID_UNKNOWN for its user's processes whose pid is unknown, pid 0); the
     pool full, the oldest of the process holding the most within the user holding the most. A
     client's hello follows its connect at once, so the oldest of the biggest holder is the one
     least likely to be a client about to speak."""
-    peer = (new.uid, new.pid)
+    peer = (new.uid, new.pid)  # pid 0 (unknown): every such process of the user is one peer
     own = [c for c in pending if (c.uid, c.pid) == peer]
-    if len(own) >= MAX_PENDING_PER_PID:
+    if len(own) >= (MAX_PENDING_PER_PID if new.pid else MAX_PENDING_PER_UID_PID_UNKNOWN):
         return min(own, key=lambda c: c.accepted_at)
     if len(pending) < MAX_PENDING:
         return None
     by_uid = Counter(c.uid for c in pending)
     by_pid = Counter((c.uid, c.pid) for c in pending)
     return max(pending, key=lambda c: (by_uid[c.uid], by_pid[(c.uid, c.pid)], -c.accepted_at))
+
+
+def pid_text(pid: int) -> str:
+    """How a log line names a client process: its pid, or that it is unknown (pid 0: the client
+    is in another pid namespace, such as another container, where the kernel gives no pid)."""
+    return f"pid {pid}" if pid else "pid unknown (another pid namespace)"
 
 
 def check_socket_free(path: str) -> None:
