@@ -630,3 +630,32 @@ def test_a_same_host_load_of_the_whole_hit_reads_its_call_to_the_end(
             assert streams[0].cancelled
     finally:
         kv.close()
+
+
+def test_a_loaded_stream_that_skips_a_chunk_is_a_server_error_never_a_wrong_answer() -> None:
+    # Resume put the chunks in a list by arrival: a stream that skipped chunk 0 answered chunk 1's
+    # bytes as chunk 0, and iter_load handed out chunk 1 alone. Load refused the same stream.
+    cb = 8
+    head = {"hit_tokens": 2 * CHUNK, "hit_chunks": 2, "chunk_tokens": CHUNK, "chunk_bytes": cb}
+    skipping = encode_chunk_piece(1, 0, [pb.TIER_DRAM], b"B" * cb)  # chunk 1 only: chunk 0 never sent
+
+    def load(req: pb.LoadRequest, ctx: Any) -> Iterator[bytes]:
+        yield pb.LoadResponse(header=pb.LoadHeader(**head)).SerializeToString()
+        yield skipping
+
+    def resume(req: pb.ResumeRequest, ctx: Any) -> Iterator[bytes]:
+        yield pb.ResumeResponse(header=pb.ResumeHeader(resume_case=pb.RESUME_CASE_WARM, **head)).SerializeToString()
+        yield skipping
+        yield pb.ResumeResponse(trailer=pb.ResumeTrailer(local_state=pb.LOCAL_STATE_ABSENT)).SerializeToString()
+
+    raw = lambda b: b  # noqa: E731
+    handlers = {
+        "Load": grpc.unary_stream_rpc_method_handler(load, pb.LoadRequest.FromString, raw),
+        "Resume": grpc.unary_stream_rpc_method_handler(resume, pb.ResumeRequest.FromString, raw),
+    }
+    prompt = list(range(2 * CHUNK))
+    with _fake_service(handlers) as kv:
+        for call in (lambda: kv.resume("m", prompt), lambda: list(kv.iter_load("m", prompt)),
+                     lambda: kv.load("m", prompt)):
+            with pytest.raises(ServerError, match="none skipped"):
+                call()

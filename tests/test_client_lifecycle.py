@@ -304,3 +304,54 @@ def test_a_per_call_timeout_must_be_positive(service: Service) -> None:
             assert (await akv.lookup(TOY, prompt)).hit_chunks == 0
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(("token", "named"), [
+    ("alice-token-0123456789\n", "printable ASCII"),  # a trailing newline, as read from a file
+    ("tökén-0123456789", "printable ASCII"),
+    (" alice-token-0123456789", "begin or end with a space"),
+    (b"alice-token-0123456789", "must be a string"),
+])
+def test_a_token_grpc_cannot_send_is_refused_at_construction(token: Any, named: str) -> None:
+    # gRPC refused to send it: every call failed as a server-side INTERNAL "Invalid metadata".
+    with pytest.raises(InvalidInput, match=named):
+        KvstoreClient("127.0.0.1:1", token=token)
+    with pytest.raises(InvalidInput, match=named):
+        AsyncKvstoreClient("127.0.0.1:1", token=token)
+
+
+@pytest.mark.parametrize(("target", "named"), [
+    ("", "target must be"),  # every call failed UNKNOWN "Failed to create channel"
+    ("   ", "target must be"),
+    (None, "target must be"),
+    ("127.0.0.1:99999", "port 99999"),  # dialled port 34463
+    ("dns:///127.0.0.1:70000", "port 70000"),
+])
+def test_a_target_that_names_no_service_is_refused_at_construction(target: Any, named: str) -> None:
+    with pytest.raises(InvalidInput, match=named):
+        KvstoreClient(target)
+    with pytest.raises(InvalidInput, match=named):
+        AsyncKvstoreClient(target)
+
+
+def test_chunk_counts_out_of_range_are_refused_before_dialling() -> None:
+    # A negative count raised protobuf's bare ValueError ("Value out of range"), or for load_into
+    # meant the whole buffer; one past 2**32 was cut short on the wire.
+    from kvstore.client.sync_client import InvalidArgumentError
+
+    prompt = tokens(127, 2 * CHUNK)
+    # Nothing listens there: a call that dialled would fail UNAVAILABLE instead.
+    with KvstoreClient("127.0.0.1:1", retry=RetryPolicy(attempts=1), timeout_seconds=5.0) as kv:
+        calls: list[tuple[str, Callable[[Any], Any]]] = [
+            ("max_chunks", lambda n: kv.load(TOY, prompt, max_chunks=n)),
+            ("max_chunks", lambda n: kv.load_into(TOY, prompt, bytearray(64), max_chunks=n)),
+            ("max_chunks", lambda n: list(kv.iter_load(TOY, prompt, max_chunks=n))),
+            ("max_chunks", lambda n: kv.resume(TOY, prompt, max_chunks=n)),
+            ("max_chunks", lambda n: kv.load_shared(TOY, prompt, max_chunks=n).__enter__()),
+            ("hold_chunks", lambda n: kv.lookup_held(TOY, prompt, hold_chunks=n)),
+            ("first_chunk", lambda n: kv.store(TOY, prompt, b"", first_chunk=n)),
+        ]
+        for bad in (-1, 1 << 32, 2**33, 1.5, True, "3"):
+            for named, call in calls:
+                with pytest.raises(InvalidArgumentError, match=f"{named} must be an integer from 0 to 4294967295"):
+                    call(bad)

@@ -32,6 +32,7 @@ import itertools
 import logging
 import math
 import random
+import re
 import sys
 import threading
 import time
@@ -63,6 +64,7 @@ from kvstore.client.types import (
     StoreResult,
     stats_from_pb,
 )
+from kvstore.config.service import token_problem
 from kvstore.dataplane import unix_path_of
 from kvstore.dataplane.host_copy import check_copy_threads, default_copy_threads
 from kvstore.dataplane.peer import HELLO_TIMEOUT_SECONDS, LeaseLapsed, ShmPath, ShmUnavailable
@@ -98,6 +100,9 @@ MAX_RECONNECT_BACKOFF_MS = 2000
 # The largest `message_bytes`: half the channel's 256 MiB message limit, as the service keeps its
 # `stream_message_bytes` to half of its `max_message_bytes` (a piece carries a header too).
 MAX_MESSAGE_BYTES = 128 * MiB
+# How long leaving `iter_load` early reads on, releasing the spans already on their way, before it
+# cancels the call (`_give_back_unread`): spans a finished call sent arrive in well under this.
+UNREAD_SPANS_SECONDS = 0.5
 
 
 # --- errors -----------------------------------------------------------------------------------------
@@ -173,6 +178,29 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+U32_MAX = (1 << 32) - 1
+
+
+def _chunk_count(name: str, value: object, method: str) -> int:
+    """A request's chunk count or index: an integer in [0, 2**32), as its uint32 field holds (a
+    negative one raised protobuf's bare ValueError, a larger one was cut short on the wire)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value <= U32_MAX:
+        raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be an integer from 0 to "
+                                   f"{U32_MAX}, got {value!r}", method)
+    return int(value)
+
+
+def _check_target(target: object) -> str:
+    """`target` as gRPC dials it, refused here where it never names a service: gRPC failed every
+    call as UNKNOWN for "", and dialled a port past 65535 modulo 65536 (99999: 34463)."""
+    if not isinstance(target, str) or not target.strip():
+        raise InvalidInput(f"target must be 'host:port' or 'unix:///path/to/kvstore.sock', got {target!r}")
+    port = re.search(r":(\d+)$", target)
+    if not target.startswith("unix") and port and not 1 <= int(port.group(1)) <= 65535:
+        raise InvalidInput(f"target {target!r} names port {port.group(1)}; a TCP port is 1 to 65535")
+    return target
+
+
 def _positive_seconds(name: str, value: object) -> float:
     """`value` as a timeout: a finite number of seconds > 0 (0 once meant "the default" per call,
     and was taken by the constructor, where every call then failed at once)."""
@@ -244,8 +272,15 @@ class KvstoreClient:
         reconnects by itself after an outage, trying again at most every
         MAX_RECONNECT_BACKOFF_MS."""
         self._closed = False
+        target = _check_target(target)
         if data_path not in DATA_PATHS:
             raise InvalidInput(f"data_path must be one of {', '.join(DATA_PATHS)}, got {data_path!r}")
+        # Checked as `kvstore serve` checks its tokens: a token gRPC cannot send failed every call as a
+        # server-side INTERNAL error ("Invalid metadata"), and told the caller nothing of the token.
+        if token is not None and not isinstance(token, str):
+            raise InvalidInput(f"token must be a string, got {type(token).__name__}")
+        if token and (problem := token_problem(token)):
+            raise InvalidInput(f"token {problem}")
         try:
             self.copy_threads = default_copy_threads() if copy_threads is None else check_copy_threads(copy_threads)
         except ValueError as e:
@@ -393,28 +428,53 @@ class KvstoreClient:
         finally:
             self._shm_lock.release()
 
-    def _shm_or_stream(self, shm: ShmPath | None, via_shm: Callable[[ShmPath], T], via_stream: Callable[[], T]) -> T:
+    def _insist_on_shm(self, why: str, method: str) -> None:
+        """Under data_path="shm", a call that would go over a stream instead fails, saying why (a
+        benchmark pins the path it measures so); under "auto" the caller falls back."""
+        if self.data_path == "shm":
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"data_path='shm', but {why}", method)
+
+    def _load_shm_path(self, model: str, deadline: _Deadline, method: str,
+                       open_session: bool = True) -> ShmPath | None:
+        """`_shm_path` for a load of `model`: None for a model whose chunks the session cannot hold."""
+        if model in self._stream_models:
+            self._insist_on_shm(f"the chunks of {model} are too large for the same-host session", method)
+            return None
+        return self._shm_path(deadline.left(), open_session)
+
+    def _shm_or_stream(self, shm: ShmPath | None, via_shm: Callable[[ShmPath], T], via_stream: Callable[[], T],
+                       method: str) -> T:
         """A call through the same-host session when there is one; if the session fails it (a lease
-        lapsed, the service no longer knows it), the session is dropped and the call goes over a stream."""
+        lapsed, the service no longer knows it), the session is dropped and the call goes over a stream
+        (under data_path="shm" it raises UnavailableError instead)."""
         if shm is not None:
             try:
                 return via_shm(shm)
             except LeaseLapsed as e:
                 self._shm_failed(shm, str(e))
+                self._insist_on_shm(f"the same-host session failed the call ({e}); the next call opens another",
+                                    method)
             except UnknownSession:
                 self._shm_failed(shm, "the service no longer knows the session")
+                self._insist_on_shm("the service no longer knows the same-host session; the next call opens "
+                                    "another", method)
             except StreamThisCall:
-                pass  # the session stays; this call's chunks do not fit it
+                # The session stays; this call's chunks do not fit it.
+                self._insist_on_shm("the call's chunks are too large for the same-host session", method)
         return via_stream()
 
     def _load_refused(self, shm: ShmPath, model: str, e: grpc.RpcError) -> bool:
         """Whether a load through the session was refused for a reason a stream does not have (its
         chunks do not fit the session: the model goes over streams from now on; the service no
-        longer knows the session: it is dropped). False: the error is the call's own."""
+        longer knows the session: it is dropped). False: the error is the call's own. Under
+        data_path="shm" either raises UnavailableError instead."""
         if _too_large(e):
             self._stream_models.add(model)
+            self._insist_on_shm(f"the chunks of {model} are too large for the same-host session", "Load")
         elif _session_gone(e):
             self._shm_failed(shm, "the service no longer knows the session")
+            self._insist_on_shm("the service no longer knows the same-host session; the next call opens another",
+                                "Load")
         else:
             return False
         return True
@@ -471,6 +531,7 @@ class KvstoreClient:
             finally:
                 held.release()
         """
+        hold_chunks = _chunk_count("hold_chunks", hold_chunks, "Lookup")
         deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
         shm = None if into_session or hold_chunks <= 0 else self._shm_path(deadline.left())
         session = into_session or (shm.session_id if shm is not None else "")
@@ -562,14 +623,13 @@ class KvstoreClient:
         the chunks already held and they are not sent again. `first_chunk`: the payloads start at
         that chunk (the service holds those before it; if it no longer does, only the prefix before
         the gap is stored and the rest is reported skipped)."""
+        first_chunk = _chunk_count("first_chunk", first_chunk, "Store")
         arr = _token_array(tokens)
         deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
         info = self.lookup(model, arr, replay_mode, timeout_seconds=deadline.left(), cache_salt=cache_salt,
                            purpose="precheck")
         cb, ct = info.chunk_bytes, info.chunk_tokens
         blob = _as_blob(payloads, cb)
-        if first_chunk < 0:
-            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, "first_chunk must be >= 0", "Store")
         n = first_chunk + len(blob) // cb
         if n > info.full_chunks:
             raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -631,8 +691,15 @@ class KvstoreClient:
                             raise
                         if not _session_gone(e):
                             raise _failure(e, "Store") from None
+                        self._insist_on_shm("the service no longer knows the same-host session; the next call "
+                                            "opens another", "Store")
                     else:
                         return _store_result(r)
+                else:
+                    self._insist_on_shm(f"the same-host session's store segment has no room for {end - start} "
+                                        "chunks now (other Stores hold it)", "Store")
+        elif shm is not None and end > start:
+            self._insist_on_shm("the same-host session was closed during the Store", "Store")
 
         def messages() -> Iterator[pb.StoreRequest]:
             yield pb.StoreRequest(header=pb.StoreHeader(model=model, replay_mode=replay_mode,
@@ -654,11 +721,13 @@ class KvstoreClient:
                   cache_salt: str = "") -> Iterator[tuple[int, str, memoryview]]:
         """Stream (chunk index, tier, payload) as chunks arrive. Not retried (it is a generator).
         A same-host session the service no longer knows, or chunks too large for it, send the call
-        over a stream, as for the other loads (both are answered before any chunk)."""
+        over a stream, as for the other loads (both are answered before any chunk). Each payload
+        is a copy this call owns; leaving the loop early gives the call's shared-memory spans back
+        at once (those on their way read and released, up to UNREAD_SPANS_SECONDS, then a cancel)."""
         self._check_open()
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
         deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
-        shm = self._shm_path(deadline.left()) if model not in self._stream_models else None
+        shm = self._load_shm_path(model, deadline, "Load")
         try:
             if shm is not None:
                 req.shm_session = shm.session_id
@@ -680,13 +749,18 @@ class KvstoreClient:
                 with _malformed("Load"):
                     asm.finish()
                 return
-            cb, got = max(1, head.chunk_bytes), 0
-            for msg in stream:
-                span = _span(msg, "Load")
-                buf = memoryview(bytearray(span.num_chunks * cb))
-                got += _copy_span(shm, span, got, cb, got + span.num_chunks, buf, dst_first_chunk=got)
-                for k, t in enumerate(span.tiers[: span.num_chunks]):
-                    yield span.first_chunk + k, PB_TO_TIER.get(t, ""), buf[k * cb : (k + 1) * cb]
+            cb, got, done = max(1, head.chunk_bytes), 0, False
+            try:
+                for msg in stream:
+                    span = _span(msg, "Load")
+                    buf = memoryview(bytearray(span.num_chunks * cb))
+                    got += _copy_span(shm, span, got, cb, got + span.num_chunks, buf, dst_first_chunk=got)
+                    for k, t in enumerate(span.tiers[: span.num_chunks]):
+                        yield span.first_chunk + k, PB_TO_TIER.get(t, ""), buf[k * cb : (k + 1) * cb]
+                done = True
+            finally:
+                if not done:  # left early (or a span failed): the rest of the call's spans go back
+                    _give_back_unread(shm, stream, min(UNREAD_SPANS_SECONDS, deadline.left()))
         except grpc.RpcError as e:
             raise _failure(e, "Load") from None
         except LeaseLapsed as e:
@@ -733,8 +807,9 @@ class KvstoreClient:
                 ok = got.still_held()   # False: a lease lapsed meanwhile; do not trust the copy
         """
         self._check_open()
+        _chunk_count("max_chunks", max_chunks, "Load")  # before a session's hello
         deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
-        shm = self._shm_path(deadline.left(), open_session) if model not in self._stream_models else None
+        shm = self._load_shm_path(model, deadline, "Load", open_session)
         if shm is None:
             yield self._streamed_shared(model, tokens, replay_mode, max_chunks, deadline.left(), cache_salt)
             return
@@ -755,6 +830,7 @@ class KvstoreClient:
             except LeaseLapsed as e:  # the session closed under the call (another thread's failure)
                 stream.cancel()
                 self._shm_failed(shm, str(e))
+                self._insist_on_shm(f"the same-host session failed the call ({e})", "Load")
                 yield self._streamed_shared(model, tokens, replay_mode, max_chunks, deadline.left(), cache_salt)
                 return
             yield spans.shared(head.chunk_tokens, head.chunk_bytes)
@@ -781,6 +857,7 @@ class KvstoreClient:
         chunks past what it holds are not received. Into a GPU tensor, over a same-host session
         whose service holds chunks in the device tier of the same GPU, those chunks are copied
         device to device (CUDA IPC); others come through host memory."""
+        max_chunks = _chunk_count("max_chunks", max_chunks, "Load")
         gpu = _gpu_bytes(buffer)
         dst: Any = _writable_bytes(buffer) if gpu is None else gpu
         # Only the chunks that fit are asked for (the model's chunk size known from an earlier
@@ -824,15 +901,14 @@ class KvstoreClient:
         `open_session=False`: only a session already open is used. One deadline covers the call,
         a session's hello included."""
         deadline = _Deadline(time.monotonic() + timeout)
-        shm = None
-        if req.model not in self._stream_models:
-            shm = self._shm_path(deadline.left(), open_session)
+        shm = self._load_shm_path(req.model, deadline, "Load", open_session)
         if shm is not None:
             req.shm_session = shm.session_id
             try:
                 return self._load_into_shm(req, deadline.left(), buffer_for, shm)
             except LeaseLapsed as e:
                 self._shm_failed(shm, str(e))
+                self._insist_on_shm(f"the same-host session failed the call ({e})", "Load")
             except grpc.RpcError as e:
                 if not self._load_refused(shm, req.model, e):
                     raise
@@ -899,6 +975,8 @@ class KvstoreClient:
         def via_shm(shm: ShmPath) -> StoreLocalResult:
             with shm.staging(len(view)) as slot:
                 if slot is None:  # the segment is full of Stores in flight: in messages
+                    self._insist_on_shm("the same-host session's store segment has no room for the snapshot now",
+                                        "StoreLocal")
                     return via_stream()
                 offset, dst = slot
                 dst[:] = view
@@ -923,7 +1001,8 @@ class KvstoreClient:
             return self._store_local(messages(), deadline.left())
 
         shm = self._shm_path(deadline.left())
-        return self._shm_or_stream(shm if shm is not None and shm.snapshot_spans else None, via_shm, via_stream)
+        return self._shm_or_stream(shm if shm is not None and shm.snapshot_spans else None, via_shm, via_stream,
+                                   "StoreLocal")
 
     def _store_local(self, messages: Iterator[pb.StoreLocalRequest], timeout: float) -> StoreLocalResult:
         try:
@@ -950,7 +1029,7 @@ class KvstoreClient:
 
         shm = self._shm_path(deadline.left(), open_session)
         return self._shm_or_stream(shm, via_shm, lambda: self._idempotent(
-            "LoadLocal", lambda t: self._load_local(req, t, None), deadline.left()))
+            "LoadLocal", lambda t: self._load_local(req, t, None), deadline.left()), "LoadLocal")
 
     def _load_local(self, req: pb.LoadLocalRequest, timeout: float, shm: ShmPath | None) -> LoadLocalResult:
         try:
@@ -984,6 +1063,7 @@ class KvstoreClient:
         """Lookup + load + local state (replayed if expired and a runner is available) in one call.
         The chunks come through the same-host session when there is one; if it fails, the call
         goes again over a stream (a Resume only reads, and a repeated replay is shared)."""
+        max_chunks = _chunk_count("max_chunks", max_chunks, "Resume")
         req = pb.ResumeRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
                                skip_chunks=skip_chunks, cache_salt=cache_salt)
         rid, metadata = self._request_metadata("Resume", request_id, session)
@@ -993,8 +1073,9 @@ class KvstoreClient:
             named.MergeFrom(req)
             return self._resume_call(named, deadline.left(), metadata, rid, shm)
 
-        shm = None if skip_chunks or model in self._stream_models else self._shm_path(deadline.left())
-        return self._shm_or_stream(shm, via_shm, lambda: self._resume_call(req, deadline.left(), metadata, rid, None))
+        shm = None if skip_chunks else self._load_shm_path(model, deadline, "Resume")
+        return self._shm_or_stream(shm, via_shm, lambda: self._resume_call(req, deadline.left(), metadata, rid, None),
+                                   "Resume")
 
     def _resume_call(self, req: pb.ResumeRequest, timeout: float, metadata: tuple[tuple[str, str], ...], rid: str,
                      shm: ShmPath | None) -> ResumeResult:
@@ -1177,6 +1258,7 @@ def _token_u32le(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 
 def _load_request(model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str, max_chunks: int,
                   cache_salt: str, shm_session: str = "") -> pb.LoadRequest:
+    max_chunks = _chunk_count("max_chunks", max_chunks, "Load")
     return pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
                           cache_salt=cache_salt, shm_session=shm_session)
 
@@ -1302,6 +1384,26 @@ def _copy_span(shm: ShmPath, span: pb.ShmSpan, got: int, chunk_bytes: int, limit
         return take
     finally:
         shm.release([span.lease_id])
+
+
+def _give_back_unread(shm: ShmPath, stream: Any, seconds: float) -> None:
+    """Give back the leases of the spans a Load sends that its caller will not read (it left
+    `iter_load` early). Once the call is cancelled the service releases every span it granted,
+    unless it had sent its last one already: those are on their way, so the spans that come are
+    read (no copy) and released, for `seconds` at most; then the call is cancelled (a long load
+    still being sent). A cancel alone left a whole segment's spans leased for shm_lease_seconds."""
+    timer = threading.Timer(seconds, stream.cancel)
+    timer.daemon = True
+    timer.start()
+    try:
+        for msg in stream:
+            if isinstance(msg.value, pb.ShmSpan):
+                shm.release([msg.value.lease_id])
+    except grpc.RpcError:
+        pass  # cancelled (the service releases what it granted), or failed: nothing more comes
+    finally:
+        timer.cancel()
+        stream.cancel()
 
 
 def _copy_snapshot(shm: ShmPath, span: pb.ShmSpan, expected_bytes: int, method: str) -> bytes:
@@ -1444,15 +1546,22 @@ def _piece(msg: Streamed, method: str) -> PieceView:
 
 class _Chunks:
     """Reassembles a chunk stream; a chunk's tier label comes in the piece where the chunk starts,
-    and chunks complete in order, so labels queue until their chunk is whole."""
+    and chunks complete in order, so labels queue until their chunk is whole. Unlike a Store's
+    (ChunkAssembler lets a client skip chunks the service holds), a loaded stream skips none:
+    `resume` numbers its chunks by arrival, so a skipped chunk 0 came back as chunk 1's bytes."""
 
     def __init__(self, chunk_bytes: int, num_chunks: int) -> None:
         self._asm = ChunkAssembler(max(1, chunk_bytes), num_chunks)
         self._tiers: deque[str] = deque()
+        self._next = 0
 
     def add(self, piece: PieceView) -> Iterator[tuple[int, str, memoryview]]:
         self._tiers.extend(PB_TO_TIER.get(t, "") for t in piece.tiers)
         for index, view in self._asm.add(piece.first_chunk, piece.offset, piece.data):
+            if index != self._next:
+                raise InvalidInput(f"chunk {index} arrived where chunk {self._next} was next (chunks in order, "
+                                   "none skipped)")
+            self._next += 1
             yield index, self._tiers.popleft() if self._tiers else "", view
 
     def finish(self) -> None:
