@@ -194,7 +194,7 @@ class ShmSessionStats:
     """One of the calling tenant's same-host sessions."""
 
     session: str  # the first 8 characters of its id
-    pid: int
+    pid: int  # 0: unknown (the client is in another pid namespace than the service)
     kind: str  # "client" | "runner"
     leases_active: int
     load_segment_bytes: int
