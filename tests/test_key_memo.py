@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvstore.keys.chunk_keys import chain_keys, chunk_token_bytes, full_chunk_bytes, prompt_bytes
 from kvstore.keys.memo import KeyMemo, footprint_bytes
-from kvstore.store import GlobalStore
+from kvstore.store import GlobalStore, global_store
 from tests.store_helpers import CHUNK, open_store, store_prefix, tokens_for
 
 STEP = 4 * CHUNK
@@ -153,6 +153,46 @@ def test_a_lookup_reads_a_requests_bytes_in_place_whatever_its_partial_tail(tmp_
     finally:
         tracemalloc.stop()
     assert peak < big.nbytes // 4, peak
+    store.close()
+
+
+def _in_place(ids: np.ndarray) -> np.ndarray:
+    """Token ids as the service reads them in place: a view into the request's bytes, at an odd
+    offset as a protobuf field lies."""
+    wire = b"\x1a" + ids.astype("<u4").tobytes() + b"\x00"
+    return np.frombuffer(memoryview(wire)[1:-1], dtype="<u4")
+
+
+def test_a_lookup_of_ids_read_in_place_copies_only_what_its_walk_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It copied all of them to bytes first: 3.6 MB for a 900K-token prompt never seen, under the
+    # interpreter lock. Hits shorter, as long as and longer than the first part copied, a prompt
+    # that parts from the stored one past it, and the counters: as for ids that are bytes.
+    monkeypatch.setattr(global_store, "WALK_PROBE_CHUNKS", 2)
+    store = open_store(tmp_path)
+    ns = store.namespace("default", "reference-toy-8", "bounded")
+    stored = tokens_for(70, 5 * CHUNK)
+    store_prefix(store, ns, stored)
+    other = tokens_for(71, 5 * CHUNK)
+    for prompt, hit in ((stored[: 3 * CHUNK + 2], 3), (stored, 5), (np.concatenate([stored, other]), 5),
+                        (stored[:CHUNK], 1), (np.concatenate([stored[: 3 * CHUNK], other]), 3), (other, 0),
+                        (stored[: 2 * CHUNK + 1], 2)):
+        before = store.stats().lookups
+        got = store.lookup(ns, _in_place(prompt))
+        as_bytes = np.frombuffer(prompt.astype("<u4").tobytes(), dtype="<u4")  # read whole, no copy
+        assert got.hit_chunks == hit and got == store.lookup(ns, as_bytes), len(prompt)
+        assert store.lookup(ns, prompt.copy()) == got  # an array of its own: copied in part too
+        assert store.stats().lookups == before + 3  # one each
+    big = _in_place(tokens_for(72, 50_000 * CHUNK + 7))  # 3.2 MB never stored
+    store.lookup(ns, big)
+    tracemalloc.start()
+    try:
+        store.lookup(ns, big)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < big.nbytes // 50, peak
     store.close()
 
 

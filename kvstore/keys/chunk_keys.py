@@ -111,13 +111,19 @@ def full_chunk_bytes(tokens: np.ndarray, chunk_tokens: int) -> bytes:
     return tokens[: n * chunk_tokens].astype("<u4", copy=False).tobytes()
 
 
-def prompt_bytes(tokens: np.ndarray) -> bytes:
+def prompt_bytes(tokens: np.ndarray, most_bytes: int | None = None) -> bytes:
     """The canonical bytes of every token, a trailing partial chunk's too: for readers that take
     whole chunks of it by offset. Token ids that arrived as bytes are those bytes, not a copy: a
     900K-token request's 3.6 MB copied to drop its last partial chunk held the interpreter lock
-    for a millisecond or more, page faults included, while every other call waited for it."""
+    for a millisecond or more, page faults included, while every other call waited for it.
+    `most_bytes`: where the ids must be copied, only that many leading bytes (a multiple of 4)
+    are, for a reader that may need no more."""
     raw = _request_bytes(tokens)
-    return raw if raw is not None else tokens.astype("<u4", copy=False).tobytes()
+    if raw is not None:
+        return raw
+    if most_bytes is not None and 4 * len(tokens) > most_bytes:
+        tokens = tokens[: most_bytes // 4]
+    return tokens.astype("<u4", copy=False).tobytes()
 
 
 def chunk_token_bytes(tokens: np.ndarray, chunk_tokens: int) -> list[bytes]:

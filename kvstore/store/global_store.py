@@ -90,6 +90,10 @@ _GROUP = np.dtype((np.void, 48))  # a recovered chunk's namespace, layout id and
 LMDB_POLICY_YOUNG_KEYS = 64
 # Keys a lookup hashes past the first held one it did not know, in its first run (then 2x, 4x...).
 WALK_FIRST_RUN = 16
+# Chunks of a prompt whose token ids must be copied to bytes that a lookup copies first (32K tokens
+# at 128 a chunk: 128 KiB); the rest only if all of those are held. A 900K-token prompt never seen
+# then copies 128 KiB under the interpreter lock, not 3.6 MB.
+WALK_PROBE_CHUNKS = 256
 HOT_TIERS: tuple[TierName, ...] = ("device", "dram")
 # A skipped chunk the explainer is told about, under its fate name (a chunk skipped after a gap is
 # not: the first missing chunk already explains the miss).
@@ -308,9 +312,40 @@ class GlobalStore(Placement):
         layout = self.layout(ns)
         ct = layout.chunk_tokens
         step = 4 * ct
-        raw = prompt_bytes(tokens)  # read in whole chunks by offset below: a partial tail is never read
-        n = len(raw) // step
-        digest = ns.digest
+        n = len(tokens) // ct
+        # Read in whole chunks by offset below: a partial tail is never read. Token ids that must
+        # be copied to bytes (they arrived as a view into a request) are copied as far as a walk
+        # that stops early reads; only a walk that hits all of that reads the rest.
+        raw = prompt_bytes(tokens, WALK_PROBE_CHUNKS * step)
+        found = self._walk_hit(ns.digest, raw, step)
+        if len(raw) // step < n and found[0] == len(raw) // step:
+            found = self._walk_hit(ns.digest, prompt_bytes(tokens), step)
+        h, keys, tiers, mismatches = found
+        hit = h * ct
+        if count:  # the whole hit found, even where a load then takes fewer chunks
+            tenant = ns.tenant
+            with self._lock:
+                self._bump("lookups", 1, tenant)
+                self._bump("lookup_hit_tokens", hit, tenant)
+                self._bump("lookup_miss_tokens", len(tokens) - hit, tenant)
+                self._bump("token_mismatches", mismatches, tenant)
+        if keys_out is not None:
+            keys_out.extend(keys[:h])
+        return PrefixHit(
+            hit_tokens=hit,
+            hit_chunks=h,
+            chunk_tiers=tuple(tiers),
+            full_chunks=n,
+            remainder_tokens=len(tokens) - n * ct,
+            chunk_tokens=ct,
+            chunk_bytes=layout.chunk_bytes,
+            token_mismatches=mismatches,
+            boundary_key=keys[h - 1] if h else b"",
+        )
+
+    def _walk_hit(self, digest: bytes, raw: bytes, step: int) -> tuple[int, list[bytes], list[TierName], int]:
+        """The chunks of `raw` held, as (how many, the keys hashed, each hit chunk's fastest tier,
+        token mismatches found)."""
         keys, recall = self._walk_keys(digest, raw, step)
         # In C-level passes, not a Python loop per chunk (256 for 32K tokens): the entries held,
         # up to the first key that is not; then one check of all their token ids and namespaces.
@@ -333,26 +368,7 @@ class GlobalStore(Placement):
             elif recall.remembered is not None and h > same:
                 self._memo.checked(recall.remembered, entries[: len(recall.keys)])
             tiers: list[TierName] = list(map(_FASTEST, entries[:h]))
-            hit = h * ct
-            if count:  # the whole hit found, even where a load then takes fewer chunks
-                tenant = ns.tenant
-                self._bump("lookups", 1, tenant)
-                self._bump("lookup_hit_tokens", hit, tenant)
-                self._bump("lookup_miss_tokens", len(tokens) - hit, tenant)
-                self._bump("token_mismatches", mismatches, tenant)
-        if keys_out is not None:
-            keys_out.extend(keys[:h])
-        return PrefixHit(
-            hit_tokens=hit,
-            hit_chunks=h,
-            chunk_tiers=tuple(tiers),
-            full_chunks=n,
-            remainder_tokens=len(tokens) - n * ct,
-            chunk_tokens=ct,
-            chunk_bytes=layout.chunk_bytes,
-            token_mismatches=mismatches,
-            boundary_key=keys[h - 1] if h else b"",
-        )
+        return h, keys, tiers, mismatches
 
     def _peek_many(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
         """`_peek` for each key, under the lock: the indexed ones by C-level lookups, the cold ones

@@ -7,8 +7,9 @@ again: two copies, each one C call that holds the interpreter lock for as long a
 in fresh pages, while every other tenant's call waits for the lock (`kvstore bench abuse --only
 huge_lookups`). Here the request's bytes are walked by hand: the u32le field becomes a memoryview,
 and the rest of the message (small: names, the ids field if that form was used) is joined and
-given to the library, which validates it as it always does. The key path still makes one copy of
-the ids (it reads them as `bytes`): one where there were two.
+given to the library, which validates it as it always does. The store's key walk, which reads
+ids as `bytes`, copies them only as far as it reads (the first 256 chunks, the rest only when all
+of those are held): a prompt never seen costs a few hundred KiB of copies, not two of its size.
 
 The wire format is followed as the library reads it: fields in any order, unknown fields skipped,
 a `tokens` sub-message repeated in place merging (its last u32le wins, its ids add up). A message
