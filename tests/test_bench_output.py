@@ -7,14 +7,19 @@ import argparse
 import json
 import os
 import re
+import time
+from pathlib import Path
 
 import pytest
 
+from kvstore.bench import restart
 from kvstore.bench.abuse import _summary as abuse_summary
 from kvstore.bench.names import names_note
 from kvstore.bench.restart import _loading_figures
 from kvstore.cli import main
 from kvstore.commands.bench import _print_human
+from kvstore.layout import get_model
+from kvstore.store import GlobalStore
 
 SMALL = ["bench", "workload", "--sessions", "6", "--turns", "3"]
 RAW_JSON = re.compile(r"^\s*\S+\s+[\[{]\"?")  # a `key {json}` line
@@ -143,3 +148,53 @@ def test_a_bad_bench_argument_is_a_one_line_user_error(argv: list[str], said: st
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kvstore bench: {said}") and err.count("\n") == 1
+
+
+def test_the_lookups_timed_while_the_index_loads_do_the_work_of_those_timed_once_loaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The case's first prompt was timed on both sides: while the index loaded (in key order, about
+    # random) its walk stopped at chunk 0-5, once loaded it hit all 256 chunks, and the ratio
+    # divided one by the other. In process here, over a real data dir.
+    case = restart.Case("toy", "reference-toy-8", 2 * restart.CHUNKS_PER_PROMPT)
+    restart._fill(str(tmp_path), case)
+    index_batch = GlobalStore._index_batch
+
+    def slow(self: GlobalStore, keys: bytes, kinds: list[int]) -> None:
+        time.sleep(0.1)  # the fault: a slow loader, so that Lookups come while it loads
+        index_batch(self, keys, kinds)
+
+    monkeypatch.setattr(GlobalStore, "_index_batch", slow)
+    f = restart._lookups_while_loading(str(tmp_path), case.model, case.chunks)
+    assert f["lookups_while_loading"] > 0 and f["lookup_p99_ms_while_loading"] is not None, f
+    assert f["lookup_hit_chunks_while_loading"] == f["lookup_hit_chunks_ready"] == [0], f
+    assert f["full_hit_chunks"] == [restart.CHUNKS_PER_PROMPT] and f["full_hit_lookup_p99_ms_ready"] > 0, f
+
+
+def test_restart_refuses_a_v41_case_of_another_size_than_the_small_toy_case(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # "cold reopen 10K V4.1 <= 1.5 x 10K toy" divided a reopen of --v41-chunks chunks by one of the
+    # small --toy-chunks, whatever both were: 256 V4.1 chunks against 2,000 toy ones read [ok].
+    assert main(["bench", "restart", "--toy-chunks", "256", "512", "--v41-chunks", "512"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvstore bench: restart: --v41-chunks (512) must equal the small --toy-chunks (256)"), err
+    assert err.count("\n") == 1
+
+
+def test_restart_names_carry_the_default_sizes_and_say_so_in_a_run_of_others() -> None:
+    # toy_10k, toy_200k and v41_10k were kept whatever the flags, with no note.
+    assert names_note(argparse.Namespace(toy_chunks=(10_000, 200_000)), restart.NAMED_SIZES) == {}
+    note = names_note(argparse.Namespace(toy_chunks=[256, 200_000]), restart.NAMED_SIZES)["names_note"]
+    assert note.endswith("`10k` stands for 10,000 (--toy-chunks 256 200,000 in this run)"), note
+    note = names_note(argparse.Namespace(toy_chunks=[256, 512]), restart.NAMED_SIZES)["names_note"]
+    assert "`200k` stands for 200,000 (--toy-chunks 256 512 in this run)" in note, note
+
+
+def test_bench_dataplane_reports_the_bytes_of_the_timed_replay_jobs(capsys: pytest.CaptureFixture[str]) -> None:
+    # `job_bytes` read n_chunks x chunk_bytes: the untimed warm-up pass's job, while timed pass i
+    # (its boundary i chunks short, so that no replay is shared) carries n_chunks - i chunks.
+    assert main(["bench", "dataplane", "--json", "--sections", "runner", "--prefixes", "1024", "--repeats", "3"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    cb, ct = doc["chunk_bytes"], get_model(doc["model"]).layout.chunk_tokens
+    runner = doc["runner"]
+    assert runner["passes"] == 3 and runner["tokens"] == 1024, runner
+    assert runner["job_bytes"] == [(1024 // ct - i) * cb for i in (1, 2, 3)], (runner["job_bytes"], cb)

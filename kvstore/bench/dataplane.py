@@ -19,8 +19,9 @@ passes, the passes of the contenders taking turns:
 - `shm_control_ms` (not a target; it explains the others): a shared-memory load that copies
   nothing (`load_shared`, its views left unread): the call, the hold and the release, about what
   `shm_load` spends besides its copy (it makes a view per run where `load_into` copies each
-  run). Since a load cannot copy faster than `memcpy_gbps`,
-  `memcpy_gbps / grpc_load_gbps` bounds `shm_load_gbps / grpc_load_gbps` from above;
+  run). Since a load's copy runs on `copy_threads` threads and cannot go faster than the same
+  copies over as many threads, `memcpy_threads_gbps / grpc_load_gbps` bounds
+  `shm_load_gbps / grpc_load_gbps` from above (`memcpy_gbps`, one thread, does not);
 - `shm_load_4_clients_gbps`: four client processes loading through shared memory at once,
   bytes over the wall time of all of them; `memcpy_4_clients_gbps` beside it, four processes each
   copying as many bytes chunk by chunk in process (what the machine's cores and memory allow).
@@ -47,7 +48,8 @@ session's segments) and one over TCP (in messages). Neither runner computes: eac
 a fixed snapshot, so what is timed is the data path. A pass is an expired `Resume` of the prefix
 per tenant (`skip_chunks`: the engine holds the chunks; no snapshot is held, so the service
 replays the window), its boundary one chunk shorter each pass so that no replay is shared:
-`shm_replay_resume_ms` and `grpc_replay_resume_ms`, best and median of the passes, taking turns.
+`shm_replay_resume_ms` and `grpc_replay_resume_ms`, best and median of the passes, taking turns;
+`job_bytes`, the chunk bytes each timed pass's job carried (as its runner received them).
 Not a target.
 
 The gpu section (where CUDA and cupy are present; `--sections`) holds the same prefixes in the
@@ -371,10 +373,15 @@ def _runner_figures(args: argparse.Namespace, prompt: np.ndarray, blob: bytes, c
     if passes < 1:
         raise InvalidInput("dataplane: the runner section needs a prefix of at least two chunks")
 
-    def answer(jobs: Any) -> list[ReplayResult]:
-        return [ReplayResult(snapshot) for _ in jobs]
+    # The chunk bytes each job brought its runner, in order (the first pass's too): what a pass
+    # carried, read where it arrived (pass i's boundary is i chunks short of the prefix's end).
+    carried: dict[str, list[int]] = {path: [] for path in RUNNER_TOKENS}
 
     def runner_for(path: str, target: str) -> AttachedRunner:
+        def answer(jobs: Any) -> list[ReplayResult]:
+            carried[path].extend(sum(memoryview(c).nbytes for c in job.chunks) for job in jobs)
+            return [ReplayResult(snapshot) for _ in jobs]
+
         ident = RunnerIdentity(args.model, layout_id, "cpu", max_concurrent_jobs=1, max_batch=1, name=f"bench-{path}")
         return AttachedRunner(ident, answer, AttachOptions(target, token=RUNNER_TOKENS[path]), say=lambda _: None)
 
@@ -416,7 +423,10 @@ def _runner_figures(args: argparse.Namespace, prompt: np.ndarray, blob: bytes, c
                 t.join(15)
             proc.terminate()
             proc.wait(timeout=30)
-    out: dict[str, Any] = {"tokens": len(prompt), "job_bytes": n_chunks * cb, "snapshot_bytes": snapshot_bytes,
+    if carried["shm"] != carried["grpc"]:
+        raise RuntimeError(f"bench dataplane: the runners' jobs carried {carried} chunk bytes: not the same work")
+    # The timed passes' jobs: the first pass warms up and is not timed.
+    out: dict[str, Any] = {"tokens": len(prompt), "job_bytes": carried["shm"][1:], "snapshot_bytes": snapshot_bytes,
                            "passes": passes}
     for path, ms in times.items():
         out[f"{path}_replay_resume_ms"] = min(ms)

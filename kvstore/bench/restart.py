@@ -9,13 +9,18 @@ time in a fresh process (so no memory of the writer, or of the other cases, is r
   device, page faults on the map included);
 - warm: right after, with whatever the cold reopen left in the page cache;
 - in the background: then reopened as `kvstore serve` does by default (`store.load_index =
-  "background"`: answering at once, the index loaded on a thread), the case's first prompt looked
-  up every millisecond while it loads and as often once it is loaded: `background_open_seconds`
+  "background"`: answering at once, the index loaded on a thread), a prompt of 256 chunks never
+  written looked up every millisecond while it loads and as often once it is loaded, a miss at its
+  first chunk on both sides (the same work: `lookup_hit_chunks_while_loading` and
+  `lookup_hit_chunks_ready` list the hit counts behind them): `background_open_seconds`
   (until the store answers, when `kvstore serve` listens; page cache warm, as for the warm
   reopen, which loads the whole index first), `lookup_p99_ms_while_loading`
-  and `lookup_max_ms_while_loading` against `lookup_p99_ms_ready` (`lookup_loading_ratio`), with
-  `background_index_seconds` (null figures when the index loaded before the first Lookup ended;
-  `lookup_p99_while_loading_note` says `n<100` where fewer Lookups came while it loaded).
+  and `lookup_max_ms_while_loading` against `lookup_p99_ms_ready` (`lookup_loading_ratio`: what
+  the loader costs a call), with `background_index_seconds` (null figures when the index loaded
+  before the first Lookup ended; `lookup_p99_while_loading_note` says `n<100` where fewer Lookups
+  came while it loaded); and once loaded, the case's first prompt, a 256-chunk hit
+  (`full_hit_lookup_p99_ms_ready`, `full_hit_chunks`). Not that prompt while loading: its chunks
+  are indexed in key order, about random, so its walk stopped at chunk 0-5 there.
 `index_bytes_per_chunk` is the growth of the process's RssAnon over the cold reopen, per chunk;
 `written_index_bytes_per_chunk` that of the (fresh) writing process while it stored them, read
 once its tiers are closed: what chunks stored while the store runs cost (they are folded into the
@@ -31,7 +36,9 @@ the data.
 
 Targets (issue #15): `reopen_read_bytes` <= 2% of `data_bytes`; the cold reopen of 10K V4.1
 chunks <= 1.5 x that of 10K toy chunks (the restart does not depend on payload size; medians of
-three cold reopens of each, taking turns: `cold_reopen_pair_seconds`);
+three cold reopens of each, taking turns: `cold_reopen_pair_seconds`; so `--v41-chunks` must equal
+the small `--toy-chunks`, and the names, those of the default sizes, come with a `names_note` in a
+run of other sizes);
 `index_bytes_per_chunk` and `written_index_bytes_per_chunk` <= 200. Benchmarks print; tests never
 assert on speed.
 """
@@ -56,9 +63,11 @@ from typing import Any
 import numpy as np
 
 from kvstore.bench.flags import writable_dir
+from kvstore.bench.names import names_note
 from kvstore.config.policies import EVICTION_POLICIES
 from kvstore.config.store import GiB, StoreConfig
 from kvstore.errors import InvalidInput
+from kvstore.keys.chunk_keys import Namespace
 from kvstore.layout import ModelSpec, get_model
 from kvstore.store import GlobalStore
 from kvstore.tiers.factory import LMDB_SUBDIR
@@ -70,6 +79,9 @@ PAYLOAD_VARIANTS = 16  # distinct payloads cycled through (compression is off: c
 TENANT = "bench"
 REPLAY_MODE = "bounded"
 LOOKUPS_READY = 200  # Lookups timed once the index is loaded (at least; as many as while it loaded)
+# The sizes the case and target names carry (`toy_200k`); V4.1's is the small toy count's (checked).
+NAMED_SIZES = {"toy_chunks[0]": ("10k", 10_000), "toy_chunks[1]": ("200k", 200_000)}
+MISS_SEED = 16  # the timed prompt's token ids: a prompt never written (the written ones come from seed 15)
 
 
 @dataclass(frozen=True)
@@ -82,7 +94,8 @@ class Case:
 def add_restart_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--toy-chunks", type=int, nargs=2, default=(10_000, 200_000), metavar=("SMALL", "LARGE"),
                    help="chunks of the two toy-layout cases (default 10000 200000)")
-    p.add_argument("--v41-chunks", type=int, default=10_000, help="chunks of the V4.1 case (default 10000)")
+    p.add_argument("--v41-chunks", type=int, default=10_000,
+                   help="chunks of the V4.1 case: the small toy count (default 10000)")
     p.add_argument("--dir", type=writable_dir, default=None,
                    help="an existing directory to hold the data dirs (default: the system's temp dir)")
     p.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="s3fifo",
@@ -108,6 +121,9 @@ def run_restart_bench(args: argparse.Namespace) -> dict[str, Any]:
              Case("v41_10k", "deepseek-v4.1-flash", args.v41_chunks)]
     if min(small, large, args.v41_chunks) < CHUNKS_PER_PROMPT:
         raise InvalidInput(f"restart: every case needs at least {CHUNKS_PER_PROMPT} chunks")
+    if args.v41_chunks != small:  # the cold-reopen target divides one case's reopen by the other's
+        raise InvalidInput(f"restart: --v41-chunks ({args.v41_chunks:,}) must equal the small --toy-chunks "
+                           f"({small:,}): the V4.1 / toy reopen target compares as many chunks")
     out: dict[str, Any] = {"read_bytes_source": "/proc/self/io read_bytes", "eviction_policy": args.eviction_policy}
     ctx = multiprocessing.get_context("spawn")
     paired = ("toy_10k", "v41_10k")  # the two sides of the cold-reopen ratio
@@ -168,6 +184,7 @@ def run_restart_bench(args: argparse.Namespace) -> dict[str, Any]:
     targets += [{"name": f"{c.name} index of chunks written while running <= 200 B/chunk",
                  "value": out[c.name]["written_index_bytes_per_chunk"], "target": "<= 200",
                  "ok": out[c.name]["written_index_bytes_per_chunk"] <= 200} for c in cases]
+    out.update(names_note(args, NAMED_SIZES))
     out["targets"] = targets
     return out
 
@@ -286,10 +303,13 @@ def _reopen(data_dir: str, model: str, chunks: int, cold: bool, policy: str = "s
 
 def _lookups_while_loading(data_dir: str, model: str, chunks: int, policy: str = "s3fifo") -> dict[str, Any]:
     """In a fresh process, the page cache warm: reopen with the index loaded in the background
-    (as `kvstore serve` does by default) and look up the case's first prompt every millisecond
-    while it loads, then as many times once it is loaded. What a restart costs the calls that come
-    during it: the loader takes the store's lock a batch of chunks at a time, and its Python shares
-    the interpreter with theirs."""
+    (as `kvstore serve` does by default) and look up a prompt never written every millisecond while
+    it loads, then as many times once it is loaded. What a restart costs the calls that come during
+    it: the loader takes the store's lock a batch of chunks at a time, and its Python shares the
+    interpreter with theirs. The timed prompt misses at its first chunk on both sides (one key
+    hashed), so the two p99s time the same work: the case's first prompt did not, as its chunks are
+    indexed in key order (about random), its walk stopping at chunk 0-5 while loading against a
+    256-chunk hit once loaded. That prompt is timed once loaded only (`full_hit_*`), and checked."""
     _load_kernels()
     spec = get_model(model)
     t0 = time.perf_counter()
@@ -298,26 +318,42 @@ def _lookups_while_loading(data_dir: str, model: str, chunks: int, policy: str =
     try:
         ns = store.namespace(TENANT, spec.name, REPLAY_MODE)
         _, prompts = _written(spec, chunks)
-        prompt = store.tokens(ns, next(prompts))
+        written = store.tokens(ns, next(prompts))
+        unwritten = store.tokens(ns, np.random.default_rng(MISS_SEED).integers(
+            0, spec.vocab_size, len(written), dtype=np.int64))
         loading: list[float] = []
+        loading_hits: set[int] = set()
         while not store.ready:
             t0 = time.perf_counter()
-            store.lookup(ns, prompt)
+            loading_hits.add(store.lookup(ns, unwritten).hit_chunks)
             loading.append(time.perf_counter() - t0)
             time.sleep(0.001)
-        ready: list[float] = []
-        hit = 0
-        for _ in range(max(LOOKUPS_READY, len(loading))):
-            t0 = time.perf_counter()
-            hit = store.lookup(ns, prompt).hit_chunks
-            ready.append(time.perf_counter() - t0)
-            time.sleep(0.001)
+        ready, ready_hits = _timed_lookups(store, ns, unwritten, max(LOOKUPS_READY, len(loading)))
+        full, full_hits = _timed_lookups(store, ns, written, LOOKUPS_READY)
         load_seconds = store.stats().index_load_seconds
     finally:
         store.close()
-    if hit != len(prompt) // spec.layout.chunk_tokens:
-        raise RuntimeError(f"the loaded index hit {hit} chunks of the first prompt")
-    return {"background_open_seconds": open_seconds, **_loading_figures(loading, ready, load_seconds)}
+    if full_hits != {len(written) // spec.layout.chunk_tokens}:
+        raise RuntimeError(f"the loaded index hit {sorted(full_hits)} chunks of the first prompt")
+    if loading_hits and loading_hits != ready_hits:  # a ratio of unlike work is no ratio
+        raise RuntimeError(f"the timed Lookups hit {sorted(loading_hits)} chunks while the index loaded, "
+                           f"{sorted(ready_hits)} once loaded")
+    return {"background_open_seconds": open_seconds, **_loading_figures(loading, ready, load_seconds),
+            "lookup_hit_chunks_while_loading": sorted(loading_hits), "lookup_hit_chunks_ready": sorted(ready_hits),
+            "full_hit_lookup_p99_ms_ready": float(np.percentile(np.array(full) * 1e3, 99)),
+            "full_hit_chunks": sorted(full_hits)}
+
+
+def _timed_lookups(store: GlobalStore, ns: Namespace, prompt: np.ndarray, n: int) -> tuple[list[float], set[int]]:
+    """`n` Lookups of `prompt` a millisecond apart: their seconds, and the chunk counts they hit."""
+    seconds: list[float] = []
+    hits: set[int] = set()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        hits.add(store.lookup(ns, prompt).hit_chunks)
+        seconds.append(time.perf_counter() - t0)
+        time.sleep(0.001)
+    return seconds, hits
 
 
 def _loading_figures(loading: list[float], ready: list[float], load_seconds: float) -> dict[str, Any]:

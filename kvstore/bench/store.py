@@ -2,8 +2,10 @@
 
 Baselines measured here, beside the figures they judge:
 - memcpy: numpy copy of one chunk into a preallocated buffer (the DRAM tier's ceiling);
-- raw LMDB: py-lmdb `txn.put` one transaction per put, in the durability mode kvstore ships
-  (sync), and `txn.get` returning bytes, on the same disk.
+- raw LMDB: the tier's work in plain py-lmdb calls, on the same disk: a put reads the old value,
+  builds the value and writes it and its index record in one transaction, in the durability mode
+  kvstore ships (sync); a get reads a Load's message of chunks in one read transaction
+  (`buffers=True`), checks each header and copy-sums the payload into the message's slots.
 Targets (issue #2): DRAM get >= 0.5 x memcpy; LMDB tier put >= 0.7 x raw put and get >= 0.7 x
 raw get; lookup of a 1,000,000-token prompt <= 25 ms; on disk <= 917 B/token. `--sections` picks
 parts; the device section (store_device.py) runs where CUDA is present. Beside the lookup:
