@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
@@ -78,7 +78,7 @@ class CacheLayout:
         validate_chunk_tokens(self, self.chunk_tokens)
 
     # chunk_bytes and layout_id are cached: a layout is immutable, and both are read per request
-    # and per stored chunk (layout_id hashes a JSON description: ~0.1 ms a time).
+    # and per stored chunk (layout_id hashes a JSON description).
     @cached_property
     def chunk_bytes(self) -> int:
         return sum((self.chunk_tokens // g.ratio) * g.record_bytes for g in self.groups)
@@ -96,9 +96,15 @@ class CacheLayout:
         """A stable 8-byte identity of the byte format, written into every stored value."""
         # The local spec is part of the identity too: a runner built with another window would
         # produce snapshots of another size, and must be refused when it attaches.
+        # Dicts built by hand, the same JSON `dataclasses.asdict` gave (ids already written must
+        # not change) at a tenth of its cost: an engine's layout may have hundreds of groups.
+        loc = self.local
+        groups = [{"name": g.name, "layers": g.layers, "ratio": g.ratio,
+                   "segments": [{"kind": s.kind, "nbytes": s.nbytes} for s in g.segments]} for g in self.groups]
         desc = json.dumps(
-            {"name": self.name, "groups": [asdict(g) for g in self.groups], "chunk": self.chunk_tokens,
-             "local": asdict(self.local)},
+            {"name": self.name, "groups": groups, "chunk": self.chunk_tokens,
+             "local": {"row_bytes": loc.row_bytes, "window_tokens": loc.window_tokens,
+                       "persisted_layers": loc.persisted_layers, "tail_bytes": loc.tail_bytes}},
             sort_keys=True,
         ).encode()
         return hashlib.sha256(desc).digest()[:8]
@@ -256,6 +262,9 @@ ENGINE_DTYPES: dict[str, tuple[int, SegmentKind]] = {
     "float8_e4m3fn": (1, "raw"), "float8_e5m2": (1, "raw"),
 }
 MAX_ENGINE_LAYERS = 1024
+# vLLM makes one KV cache group per attention type, or splits an n:1 hybrid into groups of the
+# "1" (Gemma 3: 7, Llama 4: 4, gpt-oss: 2); 256 is far above that and keeps validating cheap.
+MAX_ENGINE_GROUPS = 256
 MAX_ENGINE_HEAD_VALUES = 1 << 20  # kv_heads x head_size of one layer
 MAX_ENGINE_CHUNK_BYTES = 256 << 20
 MAX_ENGINE_SNAPSHOT_BYTES = 256 << 20
@@ -295,11 +304,22 @@ class EngineModel:
     prefill_flops_per_token: float = 0.0
 
     def to_json(self) -> bytes:
-        d = asdict(self)
-        for g in d["groups"]:
-            if not g["latent"]:  # absent, as before latent groups existed: names already in use stay
-                del g["latent"]
-        return json.dumps(d, sort_keys=True).encode()
+        return self._json
+
+    # Cached (the description is immutable) and built by hand: the same JSON `dataclasses.asdict`
+    # gave, whose deep copies cost ~15 ms for 1,024 groups, and the name hashes it.
+    @cached_property
+    def _json(self) -> bytes:
+        groups: list[dict[str, object]] = []
+        for g in self.groups:
+            d: dict[str, object] = {"name": g.name, "num_layers": g.num_layers, "kv_heads": g.kv_heads,
+                                    "head_size": g.head_size, "dtype": g.dtype, "sliding_window": g.sliding_window}
+            if g.latent:  # absent, as before latent groups existed: names already in use stay
+                d["latent"] = True
+            groups.append(d)
+        return json.dumps({"model": self.model, "revision": self.revision, "groups": groups,
+                           "chunk_tokens": self.chunk_tokens, "vocab_size": self.vocab_size,
+                           "prefill_flops_per_token": self.prefill_flops_per_token}, sort_keys=True).encode()
 
     @staticmethod
     def from_json(raw: bytes) -> EngineModel:
@@ -307,7 +327,7 @@ class EngineModel:
         groups = tuple(EngineLayerGroup(**g) for g in d.pop("groups"))
         return EngineModel(groups=groups, **d)
 
-    @property
+    @cached_property
     def name(self) -> str:
         """The model name the engine sends in every call: a content hash of the whole description."""
         return ENGINE_MODEL_PREFIX + hashlib.sha256(self.to_json()).hexdigest()[:24]
@@ -322,8 +342,29 @@ def _check_name(what: str, value: str) -> None:
         raise InvalidInput(f"{what} must be 1-{MAX_ENGINE_NAME} printable characters")
 
 
+def check_engine_group_count(n: int) -> None:
+    if n > MAX_ENGINE_GROUPS:
+        raise InvalidInput(f"a model may have at most {MAX_ENGINE_GROUPS} layer groups, got {n}")
+
+
+def check_engine_counts(m: EngineModel) -> None:
+    """Every count of a description against its limit, before anything is built from one: a count
+    of 2**32-1 layers must cost a comparison, not a tuple of 2**32-1 ints."""
+    check_engine_group_count(len(m.groups))
+    total = 0
+    for i, g in enumerate(m.groups):
+        if g.num_layers < 1 or g.kv_heads < 1 or g.head_size < 1 or g.sliding_window < 0:
+            raise InvalidInput(f"groups[{i}]: num_layers, kv_heads and head_size must be >= 1")
+        total += g.num_layers
+        if total > MAX_ENGINE_LAYERS:
+            raise InvalidInput(f"a model may have at most {MAX_ENGINE_LAYERS} layers")
+        if g.kv_heads * g.head_size > MAX_ENGINE_HEAD_VALUES:
+            raise InvalidInput(f"groups[{i}]: kv_heads x head_size is over {MAX_ENGINE_HEAD_VALUES}")
+
+
 def engine_model_spec(m: EngineModel) -> ModelSpec:
     """The ModelSpec of an engine's description, validated and bounded; raises InvalidInput."""
+    check_engine_counts(m)
     _check_name("model", m.model)
     _check_name("revision", m.revision)
     if not 1 <= m.vocab_size < 1 << 32:
@@ -340,14 +381,8 @@ def engine_model_spec(m: EngineModel) -> ModelSpec:
         _check_name(f"groups[{i}].name", g.name)
         if g.dtype not in ENGINE_DTYPES:
             raise InvalidInput(f"groups[{i}].dtype must be one of {', '.join(ENGINE_DTYPES)}, got '{g.dtype[:32]}'")
-        if g.num_layers < 1 or g.kv_heads < 1 or g.head_size < 1 or g.sliding_window < 0:
-            raise InvalidInput(f"groups[{i}]: num_layers, kv_heads and head_size must be >= 1")
-        if g.kv_heads * g.head_size > MAX_ENGINE_HEAD_VALUES:
-            raise InvalidInput(f"groups[{i}]: kv_heads x head_size is over {MAX_ENGINE_HEAD_VALUES}")
-        layers = tuple(range(layer, layer + g.num_layers))
+        layers = tuple(range(layer, layer + g.num_layers))  # bounded: check_engine_counts
         layer += g.num_layers
-        if layer > MAX_ENGINE_LAYERS:
-            raise InvalidInput(f"a model may have at most {MAX_ENGINE_LAYERS} layers")
         if g.sliding_window:
             sliding.append((g, layers))
         else:

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import hashlib
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -31,7 +34,7 @@ import grpc
 from kvstore import __version__
 from kvstore.dataplane import UNKNOWN_SESSION
 from kvstore.errors import InvalidInput
-from kvstore.layout import EngineLayerGroup, EngineModel
+from kvstore.layout import EngineLayerGroup, EngineModel, ModelSpec, check_engine_group_count
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.pricing import facts_for_lookup, local_status, price
 from kvstore.service.servicer_local import LocalStateCalls
@@ -75,6 +78,7 @@ class KVCacheServicer(LocalStateCalls):
         self.shm = shm
         self._unix_socket = unix_socket
         self.paths = PathCounts()
+        self.recent_models = RecentModels()
         self.message_bytes = app.config.service.stream_message_bytes
         # Replays run beside the chunk stream of their Resume; one slot per admissible call.
         self.replay_executor = cf.ThreadPoolExecutor(
@@ -401,6 +405,14 @@ class KVCacheServicer(LocalStateCalls):
     ) -> pb.RegisterModelResponse:
         with self.guard.enter(context, "RegisterModel") as call:
             req = accept(request, pb.RegisterModelRequest)
+            check_engine_group_count(len(req.groups))  # before hashing or building an object per group
+            # An engine registers its model at every start, from every worker: a repeat is a dict
+            # lookup. Keyed by the request's own bytes, re-serialized (~20 us for 256 groups).
+            key = (call.tenant, hashlib.sha256(req.SerializeToString(deterministic=True)).digest())
+            known = self.recent_models.get(key)
+            if known is not None:
+                call.model = known.name
+                return _registered(known, created=False)
             desc = EngineModel(
                 model=req.model, revision=req.revision, chunk_tokens=req.chunk_tokens, vocab_size=req.vocab_size,
                 prefill_flops_per_token=req.prefill_flops_per_token,
@@ -408,12 +420,9 @@ class KVCacheServicer(LocalStateCalls):
                                               g.latent) for g in req.groups))
             spec, created = self.app.store.register_engine_model(desc, call.tenant)
             self.app.models.setdefault(spec.name, spec)
+            self.recent_models.put(key, spec)
             call.model = spec.name
-            layout = spec.layout
-            return pb.RegisterModelResponse(
-                model=spec.name, layout_id=layout.layout_id, chunk_tokens=layout.chunk_tokens,
-                chunk_bytes=layout.chunk_bytes, local_snapshot_bytes=layout.local_snapshot_bytes,
-                local_window_tokens=layout.local.window_tokens, created=created)
+            return _registered(spec, created)
         return pb.RegisterModelResponse()
 
     # --- Stats ------------------------------------------------------------------------------------
@@ -477,6 +486,46 @@ class KVCacheServicer(LocalStateCalls):
             shm_enabled=shm is not None and shm.enabled, shm_detail=detail, unix_socket=self._unix_socket,
             sessions=sessions, calls_by_path=self.paths.of(tenant),
             leases_expired=0 if shm is None else shm.leases_expired(tenant))
+
+
+def _registered(spec: ModelSpec, created: bool) -> pb.RegisterModelResponse:
+    layout = spec.layout
+    return pb.RegisterModelResponse(
+        model=spec.name, layout_id=layout.layout_id, chunk_tokens=layout.chunk_tokens,
+        chunk_bytes=layout.chunk_bytes, local_snapshot_bytes=layout.local_snapshot_bytes,
+        local_window_tokens=layout.local.window_tokens, created=created)
+
+
+class RecentModels:
+    """The models tenants registered lately, by (tenant, digest of the request's bytes), least
+    recently used out first. Only successes are kept, and a registered model is never dropped by
+    the store, so a remembered answer stays true; the tenant is in the key because registering
+    is what names the model to that tenant."""
+
+    MAX_ENTRIES = 1024  # ~100 B each beside the specs the store holds anyway
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._specs: OrderedDict[tuple[str, bytes], ModelSpec] = OrderedDict()
+        self.hits = 0
+
+    def get(self, key: tuple[str, bytes]) -> ModelSpec | None:
+        with self._lock:
+            spec = self._specs.get(key)
+            if spec is not None:
+                self._specs.move_to_end(key)
+                self.hits += 1
+            return spec
+
+    def put(self, key: tuple[str, bytes], spec: ModelSpec) -> None:
+        with self._lock:
+            self._specs[key] = spec
+            self._specs.move_to_end(key)
+            while len(self._specs) > self.MAX_ENTRIES:
+                self._specs.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._specs)
 
 
 def _carried(before: int, nbytes: int) -> int:
