@@ -8,6 +8,11 @@ streaming call for stalls on its client (`stream_watch`), releases the Store byt
 staged, and on the way out maps any exception to a status code through `codes.status_for` (the
 only mapping there is) and reports a `CallRecord` to the app's observers (`App.notify`: they see
 it once the call has answered).
+`CallGuard.one_request` runs a method that takes one request message (all but Store and
+StoreLocal) as gRPC runs a request stream: at once, before the message arrives. So admission comes
+first and the wait for the message is watched: neither a caller without credentials nor a tenant
+past its share can hold one of gRPC's call slots by never sending a body. `side_stream` puts a
+stream outside KVCache (reflection) behind the same admission and watch.
 Each call has a request id: the caller's `x-request-id` (if it is a safe id) or a fresh one,
 echoed in the trailing metadata so that `kvstore explain` can find the request.
 A call whose client has gone (cancelled, deadline passed) ends quietly: nobody is listening, and
@@ -22,9 +27,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -108,11 +114,19 @@ class CallGuard:
         # Namespaces of (tenant, model, mode) seen recently. Building one hashes the layout's JSON
         # description (~0.1 ms), a third of a 32K-token lookup; its digest is cached inside it.
         self._namespaces: dict[tuple[str, str, str, str], tuple[Namespace, ModelSpec, CacheLayout]] = {}
+        # Calls `one_request` admitted before their message came, by id(context): the servicer
+        # method's own `enter` is then a pass-through (one slot, one record per call).
+        self._early: dict[int, CallState] = {}
 
     @contextmanager
-    def enter(self, context: grpc.ServicerContext, method: str, streaming: bool = False) -> Iterator[CallState]:
+    def enter(self, context: grpc.ServicerContext, method: str, streaming: bool = False,
+              record: bool = True) -> Iterator[CallState]:
         """The call's state, inside admission and the status mapping; `streaming` calls are
-        watched for stalls on their client."""
+        watched for stalls on their client; `record`: report a `CallRecord` (KVCache calls)."""
+        early = self._early.get(id(context))
+        if early is not None:
+            yield early  # admitted, watched and answered by `one_request` around this method
+            return
         metadata = context.invocation_metadata()
         # Only a Lookup can be something other than a request: a Resume always is one.
         state = CallState(method, request_id=request_id_from(metadata), session=session_from(metadata),
@@ -165,9 +179,59 @@ class CallGuard:
                 state.staged_bytes = 0
             if admitted:
                 self._limiter.leave(state.tenant)
-            self._record(state, code, time.perf_counter() - t0)
+            if record:
+                self._record(state, code, time.perf_counter() - t0)
         if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
             context.abort(code, message)
+
+    def one_request(self, method: str, behavior: Callable[[Any, grpc.ServicerContext], Any],
+                    deserializer: Callable[[bytes], Any], server_streaming: bool) -> Callable[..., Any]:
+        """`behavior` (a servicer method of one request message) as a request-streaming behavior:
+        admitted (`enter`) before its message is read, the message read under the stream watch
+        (a call whose body does not come in `stream_idle_seconds` is ended), then deserialized and
+        handed to `behavior`. A call with no message, or more than one, is INVALID_ARGUMENT."""
+        def read(call: CallState, requests: Iterator[bytes]) -> Any:
+            assert call.stream is not None
+            messages = call.stream.received(requests)
+            first = next(messages, None)
+            if first is None:
+                raise InvalidInput(f"{method} takes exactly one request message; the client sent none")
+            # Read on to the client's half-close: a unary client sends it with the message.
+            if next(messages, None) is not None:
+                raise InvalidInput(f"{method} takes exactly one request message; the client sent more")
+            return deserializer(first)
+
+        def streamed(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+            with self.enter(context, method, streaming=True) as call:
+                request = read(call, requests)
+                self._early[id(context)] = call
+                try:
+                    yield from behavior(request, context)
+                finally:
+                    self._early.pop(id(context), None)
+
+        def unary(requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+            with self.enter(context, method, streaming=True) as call:
+                request = read(call, requests)
+                self._early[id(context)] = call
+                try:
+                    return behavior(request, context)
+                finally:
+                    self._early.pop(id(context), None)
+            return b""  # reached only when the client has gone
+
+        return streamed if server_streaming else unary
+
+    def side_stream(self, method: str, behavior: Callable[[Iterator[Any], grpc.ServicerContext], Iterator[Any]]
+                    ) -> Callable[[Iterator[Any], grpc.ServicerContext], Iterator[Any]]:
+        """A bidirectional stream outside KVCache (reflection) behind the same door as a KVCache
+        call: authenticated, counted against its tenant's call slots, ended when it stalls on its
+        client; not recorded (it is no KVCache call)."""
+        def streamed(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            with self.enter(context, method, streaming=True, record=False) as call:
+                assert call.stream is not None
+                yield from call.stream.sent(behavior(call.stream.received(requests), context))
+        return streamed
 
     def stage(self, state: CallState, nbytes: int) -> None:
         """Count `nbytes` more of a Store's payload held in memory by this call, or refuse them."""

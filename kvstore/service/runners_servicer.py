@@ -11,7 +11,10 @@ that memory. When the stream ends for any reason the runner is detached and its 
 resolve as failed.
 
 Attach calls are not counted against the call limit (they live as long as the runner) but the
-registry bounds how many runners may attach. What it does not know: replay policy or the store.
+registry bounds how many runners may attach. A stream waiting for its hello is not attached yet:
+it holds one of its tenant's greeting slots (split like the runner slots), and the wait is watched
+(`stream_idle_seconds`), so that streams which never say hello cannot pile up on gRPC's call slots.
+What it does not know: replay policy or the store.
 """
 
 from __future__ import annotations
@@ -24,17 +27,19 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 import grpc
 import numpy as np
 
-from kvstore.errors import InvalidInput, KvstoreError, Unavailable, listed
+from kvstore.errors import InvalidInput, KvstoreError, ResourceExhausted, Unavailable, listed
 from kvstore.layout import CacheLayout
-from kvstore.service.auth import Authenticator
+from kvstore.service.auth import Authenticator, Caller
 from kvstore.service.codes import status_for
+from kvstore.service.limits import refusal_message
 from kvstore.service.shm_calls import copy_spans, store_snapshot_data
 from kvstore.service.shm_listener import ShmSession, ShmSessions
 from kvstore.service.stream_watch import StreamWatch
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.framing import BlobAssembler, plan_pieces
 from kvstore.wire.messages import Malformed, accept, job_chunks_frame, tokens_to_proto
-from replay.registry import ResultTaken, RunnerInfo, RunnerLink, RunnerRegistry, _Pending
+from policies.fair_share import FairShare
+from replay.registry import ADMIN_MEMBER, ResultTaken, RunnerInfo, RunnerLink, RunnerRegistry, _Pending
 from replay.runner import ChunksGone, ReplayJob
 
 log = logging.getLogger(__name__)
@@ -54,9 +59,12 @@ class RunnersServicer:
         shm: ShmSessions | None = None,
         stream_idle_seconds: float = 30.0,
         hidden_models: Callable[[str], Collection[str]] | None = None,
+        weights: Mapping[str, float] | None = None,
+        admin_runners: bool = True,
     ) -> None:
         """`hidden_models(tenant)`: the engine models other tenants registered, which a runner
-        attached with `tenant`'s credentials is neither told of nor given (`GlobalStore.hidden_models`)."""
+        attached with `tenant`'s credentials is neither told of nor given (`GlobalStore.hidden_models`).
+        `weights`, `admin_runners`: as the registry's, for the split of the greeting slots."""
         self._registry = registry
         self._auth = auth
         # Read at each use, not copied: a model registered at runtime (RegisterModel) is served too.
@@ -68,6 +76,11 @@ class RunnersServicer:
         self._shm = shm
         self._idle_seconds = stream_idle_seconds
         self._hidden_models = hidden_models
+        # Streams waiting for their hello, split as the runner slots are: at most `max_runners` in
+        # all, and a tenant's share of them whatever the others hold.
+        self._greeting = FairShare(registry.max_runners, {
+            **(weights or {}), **({ADMIN_MEMBER: 1.0} if admin_runners else {})})
+        self._greeting_lock = threading.Lock()
 
     def Attach(
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], context: grpc.ServicerContext
@@ -77,6 +90,9 @@ class RunnersServicer:
         except KvstoreError as e:
             code, msg = status_for(e)
             context.abort(code, msg)
+        except grpc.RpcError as e:  # gone, or ended by the watch before its hello
+            e.__traceback__ = None  # see CallGuard.enter: gRPC's call state keeps the error
+            return
         done = threading.Event()
         context.add_callback(lambda: self._registry.detach(link, "runner stream closed"))
         # Results being reassembled, by job id: the reader adds to them; a job's is dropped when the
@@ -127,7 +143,23 @@ class RunnersServicer:
         if self._draining():
             raise Unavailable("the service is shutting down")
         caller = self._auth.caller_of(context)
-        first = next(request_iterator, None)
+        member = ADMIN_MEMBER if caller.admin and not caller.tenant else caller.tenant
+        with self._greeting_lock:
+            r = self._greeting.try_take(member, 1)
+        if r is not None:
+            raise ResourceExhausted(refusal_message("too many runner streams waiting for their hello",
+                                                    "greeting slots", r))
+        try:
+            with self._watch.watch(context, "Attach", member) as w:
+                first = next(w.received(request_iterator), None)
+            return self._registered(first, caller)
+        finally:
+            with self._greeting_lock:
+                self._greeting.give_back(member, 1)
+
+    def _registered(self, first: pb.RunnerMessage | Malformed | None, caller: Caller,
+                    ) -> tuple[RunnerLink, ShmSession | None]:
+        """The runner registered from its hello `first`."""
         if first is None:
             raise InvalidInput("the runner stream ended before its hello")
         msg = accept(first, pb.RunnerMessage)

@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kvstore.config import ServiceConfig
 from kvstore.errors import ConfigError
@@ -54,15 +54,21 @@ from kvstore.wire.tokens_in_place import tokens_field, tokens_in_place
 
 log = logging.getLogger("kvstore.service")
 
-# Threads beyond the call limit: refused calls, health checks, reflection and attached runners
-# (each holds a thread for as long as it is attached) must still find one.
+# Threads beyond the call limit: refused calls and health checks must still find one. gRPC's own
+# limit (`maximum_concurrent_rpcs`, the same figure) is only a backstop above every share: a call
+# is admitted against its tenant's share before its request is read (`CallGuard.one_request`),
+# reflection counts as a call, and runners (attached, or waiting for their hello) have their own.
 SPARE_THREADS = 8
 # The grace left to other streams (a health Watch) once every KVCache call has finished.
 STREAMS_LEFT_SECONDS = 0.5
 
 
-def generic_handler(service: str, servicer: object, max_message_bytes: int) -> grpc.GenericRpcHandler:
-    """Method handlers for every RPC of `service` (a name in kvstore.v1), bound to `servicer`."""
+def generic_handler(service: str, servicer: object, max_message_bytes: int,
+                    guard: CallGuard | None = None) -> grpc.GenericRpcHandler:
+    """Method handlers for every RPC of `service` (a name in kvstore.v1), bound to `servicer`.
+    With `guard`, a method of one request message is registered as a request stream around
+    `CallGuard.one_request`: gRPC's unary handler waits for the message before anything runs, so a
+    caller (without credentials, or past its share) that never sent it held a gRPC call slot."""
     desc = pb.DESCRIPTOR.services_by_name[service]
     makers = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -82,9 +88,25 @@ def generic_handler(service: str, servicer: object, max_message_bytes: int) -> g
             # Store payloads are read as views into the messages gRPC delivered: the library's two
             # copies of every byte would hold the interpreter lock that every other call needs.
             deserializer = safe_decoder(decode_store_request, req_cls.DESCRIPTOR.full_name, max_message_bytes)
-        handlers[m.name] = make(
-            getattr(servicer, m.name), request_deserializer=deserializer, response_serializer=serialize_response)
+        behavior = getattr(servicer, m.name)
+        if guard is not None and not m.client_streaming:
+            make = makers[(True, m.server_streaming)]
+            behavior = guard.one_request(m.name, behavior, deserializer, m.server_streaming)
+            deserializer = None  # read as bytes, deserialized by `one_request` once admitted
+        handlers[m.name] = make(behavior, request_deserializer=deserializer, response_serializer=serialize_response)
     return grpc.method_handlers_generic_handler(desc.full_name, handlers)
+
+
+def reflection_handler(names: tuple[str, ...], guard: CallGuard) -> grpc.GenericRpcHandler:
+    """gRPC reflection behind the KVCache calls' door (`CallGuard.side_stream`): a caller must
+    authenticate, its streams count against its tenant's call slots and are ended when they stall.
+    Open, an idle reflection stream per call slot let anyone hold every one of gRPC's."""
+    servicer = reflection.ReflectionServicer(names)
+    behavior = guard.side_stream("ServerReflectionInfo", servicer.ServerReflectionInfo)
+    handler = grpc.stream_stream_rpc_method_handler(
+        behavior, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    return grpc.method_handlers_generic_handler(reflection.SERVICE_NAME, {"ServerReflectionInfo": handler})
 
 
 def transport_options(svc: ServiceConfig) -> list[tuple[str, int]]:
@@ -150,21 +172,22 @@ class KvstoreServer:
         self.shm = (ShmSessions(self.unix_socket, svc, self.auth, cfg.share_weights(), app.store.arena_memory,
                                 app.store.device_memory)
                     if self.unix_socket and svc.shm_enabled else None)
-        self.kvcache = KVCacheServicer(app, CallGuard(app, self.auth, self.limiter, self.watch), self.limiter,
-                                       self.shm, self.unix_socket)
+        self.guard = CallGuard(app, self.auth, self.limiter, self.watch)
+        self.kvcache = KVCacheServicer(app, self.guard, self.limiter, self.shm, self.unix_socket)
         self.runners = RunnersServicer(
             app.runners, self.auth, app.layouts,
             svc.stream_message_bytes, svc.max_message_bytes, lambda: self.limiter.draining, self.watch,
             self.shm, svc.stream_idle_seconds, hidden_models=app.store.hidden_models,
+            weights=cfg.share_weights(), admin_runners=cfg.runner_admin_weight() > 0,
         )
-        threads = svc.max_concurrent_calls + app.runners.max_runners + SPARE_THREADS
+        threads = svc.max_concurrent_calls + 2 * app.runners.max_runners + SPARE_THREADS
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-grpc"),
             maximum_concurrent_rpcs=threads,
             options=transport_options(svc),
         )
         self._server.add_generic_rpc_handlers((
-            generic_handler("KVCache", self.kvcache, svc.max_message_bytes),
+            generic_handler("KVCache", self.kvcache, svc.max_message_bytes, self.guard),
             generic_handler("Runners", self.runners, svc.max_message_bytes),
         ))
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self._server)
@@ -175,7 +198,7 @@ class KvstoreServer:
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             )
-            reflection.enable_server_reflection(names, self._server)
+            self._server.add_generic_rpc_handlers((reflection_handler(names, self.guard),))
         self.port = 0
         self.admin: AdminServer | None = None
         self._stopped = False

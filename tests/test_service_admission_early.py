@@ -1,0 +1,189 @@
+"""Admission before the request body: a caller without credentials, or a tenant past its share,
+cannot hold gRPC's call slots with calls whose request never comes (unary KVCache calls,
+reflection streams, runner streams that never say hello). Real server, real channels; the
+abusers are raw multi-callables that send nothing and never half-close."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvstore.config import KvstoreConfig
+from kvstore.v1 import kvstore_pb2 as pb
+from tests.fixtures.service import CHUNK, TOY, Service, make_config, tokens
+
+ALICE = "alice-token-0001"
+BOB = "bob-token-00002"
+LOOKUP = "/kvstore.v1.KVCache/Lookup"
+STATS = "/kvstore.v1.KVCache/Stats"
+ATTACH = "/kvstore.v1.Runners/Attach"
+
+
+def two_tenants(**service: object) -> KvstoreConfig:
+    return make_config(tenants={"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}},
+                       service={"max_concurrent_calls": 8, **service})
+
+
+def _bearer(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _wait(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+class Held:
+    """Calls that send nothing and never half-close until `release`, each over one of `channels`
+    connections of its own."""
+
+    def __init__(self, address: str, channels: int = 4) -> None:
+        self._release = threading.Event()
+        self.channels = [grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                         for _ in range(channels)]
+        self.calls: list[Any] = []
+
+    def _nothing(self) -> Iterator[bytes]:
+        self._release.wait()
+        return
+        yield  # a generator
+
+    def open(self, n: int, method: str, token: str = "", kind: str = "stream_unary") -> None:
+        for i in range(n):
+            ch = self.channels[i % len(self.channels)]
+            if kind == "reflection":
+                self.calls.append(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                    self._nothing(), metadata=_bearer(token)))
+            elif kind == "stream_stream":
+                self.calls.append(ch.stream_stream(method)(self._nothing(), metadata=_bearer(token)))
+            else:
+                self.calls.append(ch.stream_unary(method).future(self._nothing(), metadata=_bearer(token)))
+
+    def codes(self) -> list[str]:
+        """The codes of the calls that have ended, in order."""
+        return [c.code().name for c in self.calls if c.done()]
+
+    def ended(self) -> int:
+        return sum(1 for c in self.calls if c.done())
+
+    def close(self) -> None:
+        self._release.set()
+        for c in self.calls:
+            c.cancel()
+        for ch in self.channels:
+            ch.close()
+
+
+@pytest.fixture
+def held() -> Iterator[Callable[[str], Held]]:
+    made: list[Held] = []
+
+    def make(address: str) -> Held:
+        h = Held(address)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def _bob_is_served(svc: Service, n: int = 10) -> None:
+    bob = svc.client(BOB, timeout_seconds=5.0)
+    prompt = tokens(2, 4 * CHUNK)
+    for _ in range(n):
+        assert bob.lookup(TOY, prompt).hit_tokens == 0
+    for _ in range(3):
+        bob.stats()
+
+
+def test_calls_without_credentials_and_without_a_body_hold_no_call_slot(
+        make_service: Callable[..., Service], held: Callable[[str], Held]) -> None:
+    svc = make_service(two_tenants(stream_idle_seconds=60))
+    h = held(svc.address)
+    h.open(100, LOOKUP)
+    h.open(100, "", kind="reflection")
+    # Refused at once, before any body: not one of them waits for the idle watch.
+    assert _wait(lambda: h.ended() == 200), f"{200 - h.ended()} calls without credentials still held"
+    assert set(h.codes()) == {"UNAUTHENTICATED"}
+    assert svc.server.limiter.in_flight == 0
+    _bob_is_served(svc)
+
+
+def test_a_tenant_past_its_share_of_body_less_calls_is_refused_and_the_other_is_served(
+        make_service: Callable[..., Service], held: Callable[[str], Held]) -> None:
+    svc = make_service(two_tenants(stream_idle_seconds=60))
+    h = held(svc.address)
+    h.open(100, LOOKUP, ALICE)
+    # Alice holds her share (4 of 8 call slots) waiting for bodies; the rest are refused, saying whose.
+    assert _wait(lambda: h.ended() == 96), h.ended()
+    assert h.codes() == ["RESOURCE_EXHAUSTED"] * 96
+    refused = next(c.details() for c in h.calls if c.done())
+    assert "tenant 'alice'" in refused and "share of 4 call slots" in refused
+    assert svc.server.limiter.tenant_in_flight("alice") == 4
+    _bob_is_served(svc)
+
+
+def test_a_body_less_call_is_ended_after_stream_idle_seconds_and_its_slot_released(
+        make_service: Callable[..., Service], held: Callable[[str], Held]) -> None:
+    svc = make_service(two_tenants(stream_idle_seconds=0.5))
+    h = held(svc.address)
+    h.open(2, LOOKUP, ALICE)
+    h.open(2, STATS, ALICE)
+    assert _wait(lambda: h.ended() == 4)
+    assert h.codes() == ["DEADLINE_EXCEEDED"] * 4
+    assert all("sent nothing for 0.5 s" in c.details() and "stream_idle_seconds" in c.details() for c in h.calls)
+    assert _wait(lambda: svc.server.limiter.in_flight == 0)
+    assert svc.server.watch.ended_total == 4
+
+
+def test_a_unary_call_takes_exactly_one_request_message(make_service: Callable[..., Service]) -> None:
+    svc = make_service(two_tenants())
+    req = pb.StatsRequest().SerializeToString()
+    with grpc.insecure_channel(svc.address) as ch:
+        stats = ch.stream_unary(STATS)
+        for sent, what in (([], "sent none"), ([req, req], "sent more")):
+            with pytest.raises(grpc.RpcError) as e:
+                stats(iter(sent), metadata=_bearer(BOB), timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"Stats takes exactly one request message; the client {what}" in e.value.details()
+        # One message, sent as a unary client sends it, is answered.
+        assert pb.StatsResponse.FromString(stats(iter([req]), metadata=_bearer(BOB), timeout=5)) is not None
+    assert svc.server.limiter.in_flight == 0
+
+
+def test_reflection_needs_credentials_when_tenants_are_configured(make_service: Callable[..., Service]) -> None:
+    svc = make_service(two_tenants())
+    ask = [reflection_pb2.ServerReflectionRequest(list_services="")]
+    with grpc.insecure_channel(svc.address) as ch:
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        answer = next(iter(refl.ServerReflectionInfo(iter(ask), metadata=_bearer(BOB))))
+        assert "kvstore.v1.KVCache" in {s.name for s in answer.list_services_response.service}
+        with pytest.raises(grpc.RpcError) as e:
+            next(iter(refl.ServerReflectionInfo(iter(ask))))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert svc.server.limiter.in_flight == 0
+
+
+def test_runner_streams_that_never_say_hello_are_bounded_by_the_share_and_ended(
+        make_service: Callable[..., Service], held: Callable[[str], Held]) -> None:
+    svc = make_service(two_tenants(stream_idle_seconds=1.0))
+    h = held(svc.address)
+    h.open(20, ATTACH, ALICE, kind="stream_stream")
+    # Alice's share of the 16 runner slots is 8: the other 12 are refused at once, the 8 ended.
+    assert _wait(lambda: h.ended() == 20)
+    codes = h.codes()
+    assert codes.count("RESOURCE_EXHAUSTED") == 12 and codes.count("DEADLINE_EXCEEDED") == 8, codes
+    assert all("hello" in c.details() or "sent nothing for 1 s" in c.details() for c in h.calls)
+    assert svc.server.watch.ended_total == 8
+    _bob_is_served(svc)
