@@ -43,7 +43,11 @@ def test_a_registered_model_stores_and_hits_and_survives_a_restart(make_service:
     hit = kv2.lookup(reg.model, prompt)  # served again without registering first
     assert (hit.hit_tokens, set(hit.chunk_tiers)) == (3 * CHUNK, {"lmdb"})
     assert [bytes(c) for c in kv2.load(reg.model, prompt).chunks] == chunks
-    assert again.client(BOB).lookup(reg.model, prompt).hit_tokens == 0
+    with pytest.raises(InvalidArgumentError, match="is not served here"):  # only alice registered it
+        again.client(BOB).lookup(reg.model, prompt)
+    bob = again.client(BOB)
+    assert bob.register_model(DESC).created  # his own now, and none of alice's chunks
+    assert bob.lookup(reg.model, prompt).hit_tokens == 0
 
 
 def test_changed_weights_or_layout_are_another_model() -> None:
@@ -142,6 +146,8 @@ def test_a_cache_salt_is_a_sub_namespace_inside_the_tenant(make_service: Callabl
     assert kv.lookup(model, prompt, cache_salt="user-1").hit_tokens == 2 * CHUNK
     assert kv.lookup(model, prompt, cache_salt="user-2").hit_tokens == 0
     assert kv.lookup(model, prompt).hit_tokens == 0
-    assert svc.client(BOB).lookup(model, prompt, cache_salt="user-1").hit_tokens == 0
+    bob = svc.client(BOB)
+    assert bob.register_model(DESC).model == model  # the same model, a namespace of his own
+    assert bob.lookup(model, prompt, cache_salt="user-1").hit_tokens == 0
     with pytest.raises(InvalidArgumentError, match="cache_salt"):
         kv.lookup(model, prompt, cache_salt="x" * 200)

@@ -223,7 +223,9 @@ def test_stats_answers_the_callers_own_figures_never_another_tenants(make_servic
     assert reg.model not in theirs.models and TOY in theirs.models
     assert all(t.tenant_used_bytes == 0 for t in theirs.tiers.values()) and mine.tiers["lmdb"].tenant_used_bytes > 0
     assert (total.lookups, total.pins_active, limiter.rejected_total) == (mine.lookups + theirs.lookups, 1, 1)
-    # The same description registered by bob is the same model, and then his too.
+    # The same description registered by bob is the same model, and then his too: created for him
+    # (False would tell him another tenant registered it).
+    assert bob.register_model(_ENGINE_MODEL).created is True
     assert bob.register_model(_ENGINE_MODEL).created is False
     assert reg.model in bob.stats().models
 
@@ -279,3 +281,21 @@ def test_mtls_peer_names_the_tenant(make_service: Callable[..., Service], tmp_pa
     assert bob.stats().tenant == "bob" and bob.lookup(TOY, prompt).hit_tokens == 0
     with pytest.raises(UnavailableError):  # no client certificate: the TLS handshake fails
         client(None, BOB).stats(timeout_seconds=3)
+
+
+def test_another_tenants_engine_model_is_not_served_to_this_one(make_service: Callable[..., Service]) -> None:
+    """Its name is a hash of its description: alice must not learn from a Lookup or a RegisterModel
+    that bob registered it."""
+    from kvstore.client.sync_client import InvalidArgumentError
+
+    svc = make_service(tenants_config())
+    alice, bob = svc.client(ALICE), svc.client(BOB)
+    name = bob.register_model(_ENGINE_MODEL).model
+    prompt = tokens(31, 2 * CHUNK)
+    with pytest.raises(InvalidArgumentError, match="is not served here") as hidden:
+        alice.lookup(name, prompt)
+    with pytest.raises(InvalidArgumentError) as missing:
+        alice.lookup("engine-000000000000000000000000", prompt)
+    assert str(hidden.value) == str(missing.value).replace("engine-000000000000000000000000", name)
+    assert alice.register_model(_ENGINE_MODEL).created is True
+    assert alice.lookup(name, prompt).hit_tokens == 0

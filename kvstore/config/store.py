@@ -13,6 +13,9 @@ GiB = 1 << 30
 # The wire carries token counts as uint32 (a chunk of 2**33 tokens failed every Lookup). Chunks in
 # use are 8..128 tokens (an engine's block size must divide one); 65,536 leaves room for any block.
 MAX_CHUNK_TOKENS = 65_536
+# Namespace records take room in the LMDB map beyond the byte budget (~2 KB each at most): a
+# million is ~2 GB of it.
+MAX_NAMESPACES = 1_000_000
 
 # What each LMDB durability mode loses on a power cut (also in the README):
 # - "sync":   nothing acknowledged; every commit is fsynced before the store acknowledges it.
@@ -59,6 +62,11 @@ class StoreConfig:
     # (misses at worst; Stores are kept in memory only, not durable, until it is done); "at-start"
     # loads it before the service listens. Health component "kvstore.index" and Stats say which.
     load_index: Literal["background", "at-start"] = "background"
+    # Namespaces (model, replay mode, cache_salt... within a tenant) whose chunks the LMDB tier may
+    # hold, all tenants together; each configured tenant may hold an equal share. Each has a record
+    # in LMDB (up to ~2 KB, outside the byte budget) until its last chunk goes: this bounds them.
+    # Generous by default: engines often salt per end user, and a record only exists beside a chunk.
+    max_namespaces: int = 262_144
 
     def validate(self, prefix: str) -> None:
         for name in ("device_capacity_bytes", "dram_capacity_bytes", "lmdb_capacity_bytes"):
@@ -70,6 +78,8 @@ class StoreConfig:
         )
         require(1 <= self.zstd_level <= 19, join(prefix, "zstd_level"), "must be in 1..19")
         require(self.key_memo_bytes >= 0, join(prefix, "key_memo_bytes"), "must be >= 0")
+        require(1 <= self.max_namespaces <= MAX_NAMESPACES, join(prefix, "max_namespaces"),
+                f"must be in 1..{MAX_NAMESPACES}")
         require(0 < self.pin_timeout_seconds <= DAY_SECONDS, join(prefix, "pin_timeout_seconds"),
                 f"must be > 0 and at most {DAY_SECONDS} (a day)")
         require(

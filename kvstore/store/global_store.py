@@ -177,7 +177,18 @@ class GlobalStore(Placement):
         self._hot_room = any(self._tiers[t].capacity_bytes > 0 for t in HOT_TIERS)  # promotion can land
         self._used: dict[TierName, int] = dict.fromkeys(TIER_NAMES, 0)
         self._tenant_used: dict[tuple[str, TierName], int] = {}
-        self._known_ns: dict[bytes, str] = {}  # namespace digest -> tenant
+        self._known_ns: dict[bytes, str] = {}  # namespace digest -> tenant, of the records in LMDB
+        # A namespace's record is written with its first chunk that goes to LMDB and deleted once it
+        # holds no chunk (a new cache_salt per call must not fill the map with records); the records
+        # each tenant has, or is writing, are bounded by its share of cfg.max_namespaces.
+        self._ns_chunks: dict[bytes, int] = {}  # namespace digest -> its chunks held, any tier
+        self._ns_records: dict[bytes, bytes] = {}  # the record of each namespace stored in this process
+        self._ns_of_tenant: dict[str, int] = {}  # records held or being written, per tenant
+        self._ns_committing: dict[bytes, int] = {}  # commits in flight per namespace: record kept
+        self._ns_writing: dict[bytes, threading.Event] = {}  # records being written; set when done
+        self._ns_doomed: set[bytes] = set()  # records of namespaces that lost their last chunk
+        self._ns_deleting: dict[bytes, threading.Event] = {}  # records being deleted; set when done
+        self._ns_kept: set[bytes] = set()  # namespaces of chunks kept on disk unserved: records stay
         self._counters: dict[str, int] = {}
         # The same counters per tenant: a tenant's Stats answers its own figures, never another's.
         self._tenant_counters: dict[str, dict[str, int]] = {}
@@ -224,14 +235,15 @@ class GlobalStore(Placement):
 
     def model(self, name: str, tenant: str | None = None) -> ModelSpec:
         """The model `name`; unknown, an error naming the models served (to `tenant`, when given:
-        not the engine models only other tenants registered, which Stats hides from it too)."""
-        try:
-            return self._models[name]
-        except KeyError:
-            served = set(self._models) - (self.hidden_models(tenant) if tenant is not None else set())
-            raise UnknownModel(
-                f"model '{name}' is not served here; served: {listed(served)}"
-            ) from None
+        not the engine models only other tenants registered, which Stats hides from it too). An
+        engine model that only other tenants registered is unknown to `tenant` in the same words:
+        its name is a hash of its description, which `tenant` could otherwise probe for."""
+        spec = self._models.get(name)
+        who = self._registrants.get(name)
+        if spec is not None and (tenant is None or who is None or tenant in who):
+            return spec
+        served = set(self._models) - (self.hidden_models(tenant) if tenant is not None else set())
+        raise UnknownModel(f"model '{name}' is not served here; served: {listed(served)}")
 
     def layout(self, ns: Namespace) -> CacheLayout:
         return self._layouts[ns.layout_id]
@@ -249,24 +261,30 @@ class GlobalStore(Placement):
     def register_engine_model(self, desc: EngineModel, tenant: str) -> tuple[ModelSpec, bool]:
         """Serve a model an engine described (validated and bounded), durably: its record is in the
         LMDB tier, so its chunks are recovered after a restart. (spec, created); the same
-        description registered again is the same model."""
+        description registered again is the same model. `created` is per tenant: True the first
+        time `tenant` registers it, even where another tenant did before (which it must not learn);
+        the record names every tenant that registered it, so each still sees it after a restart."""
         spec = engine_model_spec(desc)
         if spec.layout.chunk_tokens != self.cfg.chunk_tokens:
             raise InvalidInput(f"chunk_tokens is {spec.layout.chunk_tokens}; this service stores chunks of "
                                f"{self.cfg.chunk_tokens} tokens")
         with self._lock:
             old = self._models.get(spec.name)
-            if old is not None:
-                if spec.name in self._registered_by:
-                    self._registrants.setdefault(spec.name, set()).add(tenant)
+            who = self._registrants.get(spec.name)
+            if old is not None and (who is None or tenant in who):  # served by config, or registered by it
                 return old, False
-            if len(self._registered_by) >= MAX_ENGINE_MODELS:
+            if old is None and len(self._registered_by) >= MAX_ENGINE_MODELS:
                 raise ResourceExhausted(f"this service holds {MAX_ENGINE_MODELS} registered models already")
-            mine = sum(1 for t in self._registered_by.values() if t == tenant)
+            mine = sum(1 for w in self._registrants.values() if tenant in w)
             if mine >= MAX_ENGINE_MODELS_PER_TENANT:
                 raise ResourceExhausted(f"a tenant may register at most {MAX_ENGINE_MODELS_PER_TENANT} models")
-            record = json.dumps({"tenant": tenant, "model": json.loads(desc.to_json())}, sort_keys=True).encode()
+            tenants = sorted({*(who or ()), tenant})
+            record = json.dumps({"tenant": self._registered_by.get(spec.name, tenant), "tenants": tenants,
+                                 "model": json.loads(desc.to_json())}, sort_keys=True).encode()
             self._durable.put_model(spec.name.encode(), record)
+            if old is not None:
+                self._registrants[spec.name].add(tenant)
+                return old, True
             self._serve(spec, tenant)
         return spec, True
 
@@ -296,7 +314,9 @@ class GlobalStore(Placement):
                 if spec.name != name.decode() or spec.layout.chunk_tokens != self.cfg.chunk_tokens:
                     raise InvalidInput("the record does not match its name or this chunk size")
                 self._serve(spec, str(d["tenant"]))
-            except (ValueError, KeyError, TypeError):
+                # Older records name the first registrant only.
+                self._registrants[spec.name].update(str(t) for t in d.get("tenants", ()))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 self._ignored["bad-model-record"] = self._ignored.get("bad-model-record", 0) + 1
 
     # --- lookup -----------------------------------------------------------------------------------
@@ -506,6 +526,7 @@ class GlobalStore(Placement):
             durable = [(txn.keys[c.index], c.payload, ChunkMeta(ns.digest, layout.layout_id, txn.chunks[c.index]))
                        for c in plan.planned if "lmdb" in c.tiers]
             if durable:  # may fsync: outside the lock, and nothing is visible yet
+                self._record_namespace(ns)  # before its chunks: no chunk on disk lacks its record
                 self._durable.put_many(durable)
             # Last chunk first: the head of a prefix is then the most recently inserted, so
             # LRU-like policies evict a prefix from its tail (a lost head strands the rest).
@@ -515,6 +536,7 @@ class GlobalStore(Placement):
                 for c in plan.planned:
                     self._release_reservations(txn.ns.tenant, c)
                 self._leave_commit(txn.keys)
+                self._leave_namespace(txn.ns.digest)
             self._delete_doomed()
             raise
         with self._lock:
@@ -522,6 +544,8 @@ class GlobalStore(Placement):
             reach = held.index(False) if False in held else len(held)
             durable_now = reach == len(held) and all("lmdb" in _footprint(self._peek(k)) for k in txn.keys)
         self._in_turns(txn.keys, self._leave_commit_of)  # folding written chunks takes a while
+        with self._lock:
+            self._leave_namespace(txn.ns.digest)
         self._delete_doomed()  # values a commit in flight kept from deletion
         return plan.result(reach, durable_now, txn.remainder_tokens)
 
@@ -531,9 +555,11 @@ class GlobalStore(Placement):
         already, to store (the head up to the first chunk neither held nor sent), or skipped."""
         while True:
             with self._lock:
-                pending = next((self._deleting[k] for k in txn.keys if k in self._deleting), None)
+                pending = next((self._deleting[k] for k in txn.keys if k in self._deleting),
+                               self._ns_deleting.get(txn.ns.digest))
                 if pending is None:
-                    self._remember_namespace(txn.ns)
+                    d = txn.ns.digest  # its record is kept while the commit runs
+                    self._ns_committing[d] = self._ns_committing.get(d, 0) + 1
                     for k in txn.keys:
                         self._committing[k] = self._committing.get(k, 0) + 1
                     gap = False
@@ -548,7 +574,7 @@ class GlobalStore(Placement):
                         else:
                             plan.new.append((i, txn.staged[i]))
                     return
-            pending.wait()  # one LMDB transaction: a put now could land before that delete
+            pending.wait()  # one LMDB transaction: a put now could land before that delete (or a record's)
 
     def _leave_commit(self, keys: Sequence[bytes]) -> None:
         for k in keys:
@@ -648,6 +674,9 @@ class GlobalStore(Placement):
         cost = float((len(txn.keys) - c.index) * layout.chunk_tokens)
         entry = ChunkEntry(ns.digest, ns.tenant, layout, txn.chunks[c.index], len(c.payload), cost)
         self._index[key] = entry
+        self._chunks_added(ns.digest, 1)
+        if ns.digest not in self._ns_records:  # for a demotion into LMDB that must write it
+            self._ns_records[ns.digest] = self._namespace_record(ns)
         for t in tiers:
             self._charge(key, entry, t)
         plan.inserted.add(c.index)
@@ -666,17 +695,140 @@ class GlobalStore(Placement):
                 return "over-quota"
         return "no-room"
 
-    def _remember_namespace(self, ns: Namespace) -> None:
-        if ns.digest in self._known_ns:
-            return
-        record = json.dumps(
+    @staticmethod
+    def _namespace_record(ns: Namespace) -> bytes:
+        # ensure_ascii=False: a salt of 128 emoji is 512 bytes of UTF-8, not 1,536 of escapes.
+        return json.dumps(
             {"tenant": ns.tenant, "model": ns.model, "revision": ns.revision,
              "layout_id": ns.layout_id.hex(), "replay_mode": ns.replay_mode,
              "format_version": ns.format_version, "salt": ns.salt},
-            sort_keys=True,
+            sort_keys=True, ensure_ascii=False,
         ).encode()
-        self._durable.put_namespace(ns.digest, record)
-        self._known_ns[ns.digest] = ns.tenant
+
+    def namespace_share(self) -> int:
+        """The namespaces one tenant may have records of: an equal share of the configured total."""
+        return max(1, self.cfg.max_namespaces // max(1, len(self._quotas)))
+
+    def _namespace_room(self, tenant: str) -> str:
+        """Why `tenant` may not have one more namespace record ("" if it may). Under the lock."""
+        share, total = self.namespace_share(), self.cfg.max_namespaces
+        mine = self._ns_of_tenant.get(tenant, 0)
+        if mine >= share:
+            return (f"tenant '{tenant}' holds chunks in {mine} namespaces (model, replay mode, cache_salt), "
+                    f"its share of store.max_namespaces = {total}; a new one needs chunks of another to go first")
+        if sum(self._ns_of_tenant.values()) >= total:
+            return (f"the store holds chunks in store.max_namespaces = {total} namespaces (model, replay mode, "
+                    f"cache_salt) already; tenant '{tenant}' must wait for chunks of one to go")
+        return ""
+
+    def _claim_namespace(self, digest: bytes, tenant: str) -> None:
+        self._ns_of_tenant[tenant] = self._ns_of_tenant.get(tenant, 0) + 1
+        self._known_ns[digest] = tenant
+
+    def _release_namespace(self, digest: bytes) -> None:
+        tenant = self._known_ns.pop(digest)
+        self._ns_of_tenant[tenant] -= 1
+
+    def _record_namespace(self, ns: Namespace) -> None:
+        """Write the namespace's record (once) before its first chunk goes to LMDB: a restart serves
+        only the chunks of namespaces it has records of. ResourceExhausted past the tenant's share."""
+        digest = ns.digest
+        while True:
+            with self._lock:
+                if digest in self._known_ns:
+                    return
+                pending = self._ns_writing.get(digest)
+                if pending is None:
+                    why = self._namespace_room(ns.tenant)
+                    if why:
+                        raise ResourceExhausted(why)
+                    done = self._ns_writing[digest] = threading.Event()
+                    self._ns_of_tenant[ns.tenant] = self._ns_of_tenant.get(ns.tenant, 0) + 1
+                    break
+            pending.wait()  # another commit writes it: this one's chunks go after it
+        written = False
+        try:
+            self._durable.put_namespace(digest, self._namespace_record(ns))
+            written = True
+        finally:
+            with self._lock:
+                self._ns_of_tenant[ns.tenant] -= 1
+                if written:
+                    self._claim_namespace(digest, ns.tenant)
+                del self._ns_writing[digest]
+            done.set()
+
+    def _namespace_recorded(self, entry: ChunkEntry) -> bool:
+        """Whether a chunk may be demoted into LMDB: its namespace has a record, written here (under
+        the lock: a small transaction, once per namespace) where it can be."""
+        digest = entry.namespace
+        if digest in self._known_ns:
+            return True
+        record = self._ns_records.get(digest)
+        if record is None or digest in self._ns_writing or digest in self._ns_deleting:
+            return False
+        if self._namespace_room(entry.tenant):
+            self._bump("admissions_refused", 1, entry.tenant)
+            return False
+        self._durable.put_namespace(digest, record)
+        self._claim_namespace(digest, entry.tenant)
+        return True
+
+    def _chunks_added(self, digest: bytes, n: int) -> None:
+        self._ns_chunks[digest] = self._ns_chunks.get(digest, 0) + n
+
+    def _chunk_gone(self, entry: ChunkEntry) -> None:
+        digest = entry.namespace
+        n = self._ns_chunks[digest] - 1
+        if n:
+            self._ns_chunks[digest] = n
+            return
+        del self._ns_chunks[digest]
+        self._ns_records.pop(digest, None)
+        self._doom_namespace(digest)
+
+    def _leave_namespace(self, digest: bytes) -> None:
+        n = self._ns_committing[digest] - 1
+        if n:
+            self._ns_committing[digest] = n
+        else:
+            del self._ns_committing[digest]
+            self._doom_namespace(digest)  # a commit that stored nothing there
+
+    def _doom_namespace(self, digest: bytes) -> None:
+        if digest in self._known_ns and digest not in self._ns_chunks and digest not in self._ns_kept:
+            self._ns_doomed.add(digest)
+
+    def _delete_doomed(self) -> None:
+        """The evicted values, then the records of namespaces left with no chunk and no commit."""
+        super()._delete_doomed()
+        if not self._ns_doomed:  # read without the lock: whoever doomed one calls this after
+            return
+        done = threading.Event()
+        with self._lock:
+            gone = [d for d in self._ns_doomed if d in self._known_ns and d not in self._ns_chunks
+                    and d not in self._ns_committing and d not in self._ns_deleting]
+            # The others hold chunks again, or are doomed again when their last commit leaves.
+            self._ns_doomed.clear()
+            owners = {d: self._known_ns[d] for d in gone}
+            for d in gone:
+                self._release_namespace(d)
+                self._ns_deleting[d] = done
+        if not gone:
+            return
+        try:
+            self._durable.delete_namespaces(gone)
+        except BaseException:
+            with self._lock:
+                for d in gone:
+                    self._claim_namespace(d, owners[d])
+                self._ns_doomed.update(gone)  # tried again by the next call
+            raise
+        finally:
+            with self._lock:
+                for d in gone:
+                    del self._ns_deleting[d]
+            done.set()
 
     # --- load -------------------------------------------------------------------------------------
 
@@ -922,7 +1074,10 @@ class GlobalStore(Placement):
                 d = json.loads(record)
                 if not isinstance(d, dict):  # valid JSON, but a list or a string has no "tenant"
                     raise ValueError("not an object")
-                self._known_ns[digest] = str(d["tenant"])
+                served = bytes.fromhex(str(d.get("layout_id", ""))) in self._layouts
+                self._claim_namespace(digest, str(d["tenant"]))
+                if not served:  # its chunks stay on disk for a config that serves them: so does it
+                    self._ns_kept.add(digest)
             except (ValueError, KeyError):
                 self._ignored["bad-namespace-record"] = self._ignored.get("bad-namespace-record", 0) + 1
 
@@ -998,6 +1153,8 @@ class GlobalStore(Placement):
                 self._evict_unprotected("lmdb", tenant)
             if self._overage and not background:
                 raise AssertionError("nothing is pinned or committing here, so every chunk can be evicted")
+            for digest in self._known_ns:  # records no chunk found needs (written before they were deleted)
+                self._doom_namespace(digest)
         self._delete_doomed()
         self._load_seconds = time.perf_counter() - t0
         self._ready.set()
@@ -1021,6 +1178,8 @@ class GlobalStore(Placement):
                 kind = kind_of[group] = self._recovered_kind(group[:32], group[32:40],
                                                              int.from_bytes(group[40:], "little"), cost)
             if isinstance(kind, str):
+                if kind != "unknown-namespace":  # kept on disk for a config that serves them: so is the record
+                    self._ns_kept.add(group[:32])
                 rows = inverse.ravel() == g
                 self._ignored[kind] = self._ignored.get(kind, 0) + int(np.count_nonzero(rows))
                 self._ignored_bytes += int(batch.stored_bytes[rows].sum())
@@ -1061,6 +1220,9 @@ class GlobalStore(Placement):
                 keys, kinds = bytes(kept), kept_kinds
             first = self._cold.n
             self._cold.append(keys, kinds)
+            for kind, n in enumerate(np.bincount(np.asarray(kinds, dtype=np.int64)).tolist() if kinds else ()):
+                if n:
+                    self._chunks_added(self._cold.kind_entry(kind).namespace, n)
             for (tenant, tier), nbytes in self._cold.charged(first).items():
                 self._reserve(cast("TierName", tier), tenant, nbytes)
             self._index_loaded += found

@@ -126,6 +126,14 @@ class Placement:
     def _bump_tier(self, name: str, label: str) -> None:
         raise NotImplementedError
 
+    def _namespace_recorded(self, entry: ChunkEntry) -> bool:
+        """Whether the chunk's namespace has its record in LMDB (written now where it can be)."""
+        raise NotImplementedError
+
+    def _chunk_gone(self, entry: ChunkEntry) -> None:
+        """The store no longer holds the chunk in any tier."""
+        raise NotImplementedError
+
     def _place_hot(self, key: bytes, entry: ChunkEntry, payload: memoryview, protect: Container[bytes]) -> bool:
         """Put a chunk in the fastest in-memory tier with room; True if it landed somewhere."""
         for tier in ("device", "dram"):
@@ -263,6 +271,8 @@ class Placement:
             if t == "lmdb" and not self._admission.admit(key):
                 self._bump("admissions_refused", 1, entry.tenant)
                 return
+            if t == "lmdb" and not self._namespace_recorded(entry):
+                return  # a restart would not serve it: dropped instead
             if self._make_room(t, entry.tenant, tier.footprint(entry.payload_bytes), protect):
                 if not tier.put_from(self._tiers[source], [key], entry.tenant):
                     payload = memoryview(bytearray(entry.payload_bytes))
@@ -321,6 +331,7 @@ class Placement:
         self._tenant_used[(entry.tenant, tier)] -= fp
         if not entry.footprint:
             del self._index[key]
+            self._chunk_gone(entry)
         else:
             entry.fastest = fastest_tier(entry)
             if entry.fastest == "lmdb":

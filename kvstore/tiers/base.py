@@ -189,6 +189,10 @@ class DurableTier(Tier, Protocol):
 
     def namespaces(self) -> dict[bytes, bytes]: ...
 
+    def delete_namespaces(self, digests: Iterable[bytes]) -> None:
+        """Forget namespace records (those of namespaces no chunk of which is held any longer)."""
+        ...
+
     def put_model(self, name: bytes, record: bytes) -> None:
         """Remember a model registered at run time (its description), durably."""
         ...

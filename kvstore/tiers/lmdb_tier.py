@@ -793,6 +793,20 @@ class LmdbTier:
     def namespaces(self) -> dict[bytes, bytes]:
         return self._records(self._ns)
 
+    def delete_namespaces(self, digests: Iterable[bytes]) -> None:
+        """Forget namespaces no chunk of which is held any longer, in one transaction."""
+        with self._lock:
+            while True:
+                try:
+                    with self._env.begin(write=True, db=self._ns) as txn:
+                        for digest in digests:
+                            txn.delete(digest)
+                    return
+                except lmdb.MapFullError:  # a delete needs pages too
+                    self._grow(0)
+                except lmdb.Error as e:
+                    raise self._write_failed("LMDB delete failed", e, 0) from e
+
     def put_model(self, name: bytes, record: bytes) -> None:
         self._put_record(self._models, name, record)
 

@@ -143,6 +143,9 @@ class QuantizingDurableTier(QuantizingTier):
     def namespaces(self) -> dict[bytes, bytes]:
         return self._durable.namespaces()
 
+    def delete_namespaces(self, digests: Iterable[bytes]) -> None:
+        self._durable.delete_namespaces(digests)
+
     def put_model(self, name: bytes, record: bytes) -> None:
         self._durable.put_model(name, record)
 

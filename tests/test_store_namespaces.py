@@ -1,0 +1,152 @@
+"""Namespace records (one per model, replay mode and cache_salt within a tenant) are bounded: written
+with a namespace's first chunk in LMDB, deleted with its last, each tenant held to its share of
+store.max_namespaces; and an engine model registered by another tenant only is unknown."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvstore.errors import ResourceExhausted, UnknownModel
+from kvstore.layout import EngineLayerGroup, EngineModel
+from kvstore.store import GlobalStore, TenantQuota
+from tests.store_helpers import CHUNK, MODELS, small_config, store_prefix, tokens_for
+
+TOY = "reference-toy-8"
+QUOTAS = {"alice": TenantQuota(), "bob": TenantQuota()}
+
+
+def _open(path: Path, **over: object) -> GlobalStore:
+    return GlobalStore(small_config(**over), path, MODELS, quotas=QUOTAS)
+
+
+def test_chunkless_stores_in_new_salts_write_no_records_and_other_tenants_stay_durable(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    bob = store.namespace("bob", TOY, "bounded")
+    before = len(store._durable.namespaces())
+    for i in range(300):  # shorter than a chunk: nothing to store, so nothing to remember
+        salted = store.namespace("alice", TOY, "bounded", salt="\U0001f600" * 100 + str(i))
+        assert store_prefix(store, salted, tokens_for(i, CHUNK - 1)).stored_chunks == 0
+    assert len(store._durable.namespaces()) == before == 0
+    prompt = tokens_for(1000, 4 * CHUNK)
+    r = store_prefix(store, bob, prompt)
+    assert (r.stored_chunks, r.durable) == (4, True)
+    store.check_invariants()
+    store.close()
+    again = _open(tmp_path)
+    assert again.lookup(bob, prompt).hit_tokens == 4 * CHUNK
+    assert len(again._durable.namespaces()) == 1
+    again.close()
+
+
+def test_a_tenant_past_its_share_of_namespaces_is_refused_and_the_other_is_not(tmp_path: Path) -> None:
+    store = _open(tmp_path, max_namespaces=4)  # two tenants: two namespaces each
+    assert store.namespace_share() == 2
+    prompts = {}
+    for salt in ("a", "b"):
+        ns = store.namespace("alice", TOY, "bounded", salt=salt)
+        prompts[ns] = tokens_for(ord(salt), 2 * CHUNK)
+        assert store_prefix(store, ns, prompts[ns]).stored_chunks == 2
+    third = store.namespace("alice", TOY, "bounded", salt="c")
+    with pytest.raises(ResourceExhausted, match=r"tenant 'alice' .* store.max_namespaces = 4"):
+        store_prefix(store, third, tokens_for(7, 2 * CHUNK))
+    assert store.lookup(third, tokens_for(7, 2 * CHUNK)).hit_tokens == 0  # the refused Store left nothing
+    for salt in ("x", "y"):  # bob's share is his own
+        ns = store.namespace("bob", TOY, "bounded", salt=salt)
+        prompts[ns] = tokens_for(ord(salt), 2 * CHUNK)
+        assert store_prefix(store, ns, prompts[ns]).durable
+    store.check_invariants()
+    store.close()
+    again = _open(tmp_path, max_namespaces=4)
+    for ns, prompt in prompts.items():
+        assert again.lookup(ns, prompt).hit_tokens == 2 * CHUNK
+    again.close()
+
+
+def test_a_namespace_record_goes_with_its_last_chunk(tmp_path: Path) -> None:
+    # Alice's LMDB quota holds about one prefix: each Store in a new salt evicts the one before, and
+    # its record goes with it, so a tenant that rotates salts never runs out of its share.
+    probe = _open(tmp_path / "probe")
+    toy = probe.layout(probe.namespace("alice", TOY, "bounded"))
+    footprint = probe._tiers["lmdb"].footprint(toy.chunk_bytes)  # a toy chunk's, on disk
+    probe.close()
+    quotas = {"alice": TenantQuota(lmdb_bytes=5 * footprint), "bob": TenantQuota()}
+    store = GlobalStore(small_config(max_namespaces=4, device_capacity_bytes=0, dram_capacity_bytes=0),
+                        tmp_path, MODELS, quotas=quotas)
+    bob = store.namespace("bob", TOY, "bounded")
+    bob_prompt = tokens_for(999, 2 * CHUNK)
+    assert store_prefix(store, bob, bob_prompt).durable
+    last = None
+    for i in range(20):
+        ns = store.namespace("alice", TOY, "bounded", salt=f"user-{i}")
+        last = (ns, tokens_for(i, 4 * CHUNK))
+        assert store_prefix(store, ns, last[1]).stored_chunks == 4
+        assert len(store._durable.namespaces()) <= 3  # bob's, and at most alice's share
+    store.check_invariants()
+    store.close()
+    again = GlobalStore(small_config(max_namespaces=4, device_capacity_bytes=0, dram_capacity_bytes=0),
+                        tmp_path, MODELS, quotas=quotas)
+    assert last is not None and again.lookup(last[0], last[1]).hit_tokens == 4 * CHUNK
+    assert again.lookup(bob, bob_prompt).hit_tokens == 2 * CHUNK
+    assert again.stats().ignored_on_open == {}
+    again.close()
+
+
+def test_chunks_demoted_into_lmdb_bring_their_record_and_survive_a_restart(tmp_path: Path) -> None:
+    cfg = dict(write_policy="write-back", device_capacity_bytes=0, dram_capacity_bytes=4 * 4096)
+    store = _open(tmp_path, **cfg)
+    ns = store.namespace("alice", TOY, "bounded", salt="s")
+    first = tokens_for(1, 4 * CHUNK)
+    assert store_prefix(store, ns, first).stored_chunks == 4
+    assert store._durable.namespaces() == {}  # in memory only: no record yet
+    assert store_prefix(store, ns, tokens_for(2, 4 * CHUNK)).stored_chunks == 4  # demotes the first
+    assert set(store._durable.namespaces()) == {ns.digest}
+    store.check_invariants()
+    store.close()
+    again = _open(tmp_path, **cfg)
+    assert again.lookup(ns, first).hit_tokens == 4 * CHUNK
+    again.close()
+
+
+def test_records_no_chunk_needs_are_deleted_at_start(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    for i in range(5):  # as an older version left them: a record per Store, chunks or not
+        ns = store.namespace("alice", TOY, "bounded", salt=str(i))
+        store._durable.put_namespace(ns.digest, json.dumps({"tenant": "alice", "layout_id": ns.layout_id.hex(),
+                                                           "salt": ns.salt}).encode())
+    kept = store.namespace("bob", TOY, "bounded")
+    prompt = tokens_for(5, 2 * CHUNK)
+    store_prefix(store, kept, prompt)
+    store.close()
+    again = _open(tmp_path)
+    assert set(again._durable.namespaces()) == {kept.digest}
+    assert again.lookup(kept, prompt).hit_tokens == 2 * CHUNK
+    again.close()
+
+
+FULL = EngineLayerGroup("full", num_layers=2, kv_heads=2, head_size=8, dtype="bfloat16")
+DESC = EngineModel("tiny-llama", "weights-abc", (FULL,), chunk_tokens=CHUNK, vocab_size=1000)
+
+
+def test_another_tenants_engine_model_is_unknown_and_created_is_per_tenant(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    spec, created = store.register_engine_model(DESC, "bob")
+    assert created
+    with pytest.raises(UnknownModel) as hidden:
+        store.namespace("alice", spec.name, "bounded")
+    with pytest.raises(UnknownModel) as missing:
+        store.model("engine-000000000000000000000000", "alice")
+    assert str(hidden.value) == str(missing.value).replace("engine-000000000000000000000000", spec.name)
+    assert store.register_engine_model(DESC, "bob")[1] is False
+    assert store.register_engine_model(DESC, "alice")[1] is True  # alice's first registration of it
+    assert store.register_engine_model(DESC, "alice")[1] is False
+    store.namespace("alice", spec.name, "bounded")  # now hers too
+    store.close()
+    again = _open(tmp_path)  # both still see it after a restart, a third tenant does not
+    for tenant in ("alice", "bob"):
+        again.namespace(tenant, spec.name, "bounded")
+    with pytest.raises(UnknownModel):
+        again.namespace("carol", spec.name, "bounded")
+    again.close()
