@@ -506,16 +506,31 @@ def test_slow_or_too_many_connections_do_not_hold_the_admin_port(two_tenants: An
     t0 = time.monotonic()
     assert slow.recv(1024) == b"" and time.monotonic() - t0 < 8  # cut at the deadline, not a read's timeout
     slow.close()
-    # The idle ones below stay while counted.
-    monkeypatch.setattr(admin_http, "REQUEST_HEAD_SECONDS", 30.0)
-    monkeypatch.setattr(admin_http, "RESERVE_HEAD_SECONDS", 30.0)
+    # Requests being answered hold the slots (a thread each): held here by an answer that waits.
+    import threading
+
     loopback = {"Host": f"127.0.0.1:{port}"}
     httpd = two_tenants.admin._httpd  # its free slots, read instead of sleeping a guessed while
+    admin = two_tenants.admin
+    gate = threading.Event()
+    route = admin.route
+
+    def held(path: str, query: str, *rest: Any) -> Any:  # fault injection: a slow answer
+        if query == "hold":
+            assert gate.wait(60)
+        return route(path, query, *rest)
+
+    monkeypatch.setattr(admin, "route", held)
 
     def free(pool: str) -> int:
         return int(getattr(httpd, pool)._value)
 
-    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(admin_http.MAX_CONNECTIONS)]
+    def hold(path: str) -> threading.Thread:
+        t = threading.Thread(target=_raw_get, args=(port, path + "?hold", loopback), daemon=True)
+        t.start()
+        return t
+
+    waiting = [hold("/api/stats") for _ in range(admin_http.MAX_CONNECTIONS)]
     try:
         wait_until(lambda: free("_slots") == 0, timeout=60)
         # Every slot taken: /healthz still answers (the service is up; a 503 there meant "down"),
@@ -529,17 +544,19 @@ def test_slow_or_too_many_connections_do_not_hold_the_admin_port(two_tenants: An
         assert json.loads(r.read())["error"]["status"] == 429
         conn.close()
         wait_until(lambda: free("_reserve") == admin_http.HEALTH_RESERVE, timeout=60)  # theirs freed
-        idle += [socket.create_connection(("127.0.0.1", port)) for _ in range(admin_http.HEALTH_RESERVE)]
+        waiting += [hold("/healthz") for _ in range(admin_http.HEALTH_RESERVE)]
         wait_until(lambda: free("_reserve") == 0, timeout=60)
         extra = socket.create_connection(("127.0.0.1", port))
         extra.settimeout(10)
+        extra.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
         refused = extra.recv(4096)  # refused at once, no thread
         assert refused.startswith(b"HTTP/1.0 429") and b"Retry-After: 1" in refused
         assert json.loads(refused.partition(b"\r\n\r\n")[2])["error"]["status"] == 429
         extra.close()
     finally:
-        for s in idle:
-            s.close()
+        gate.set()
+        for t in waiting:
+            t.join(30)
     wait_until(lambda: free("_slots") == admin_http.MAX_CONNECTIONS, timeout=60)
     status, _ = _raw_get(port, "/healthz", loopback)
     assert status == 200  # served again once they went
@@ -591,3 +608,70 @@ def test_a_client_that_hangs_up_leaves_no_traceback(shared_srv: AdminHttpServer,
     assert any("went away" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
     assert "Traceback" not in capfd.readouterr().err
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_connections_that_never_finish_their_head_hold_no_slot(two_tenants: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # 80 connections that sent part of a head, reopened when cut, held the 64 slots and the 4 kept
+    # for /healthz (taken at connect, before the path was known), each for 10 s: /healthz and every
+    # tenant's /api/stats were 429 for as long as they went on.
+    import contextlib
+    import threading
+    import time
+
+    from kvstore.observe import admin_http
+
+    monkeypatch.setattr(admin_http, "REQUEST_HEAD_SECONDS", 0.5)  # cut and reopened during the test
+    port = two_tenants.admin.port
+    stop = threading.Event()
+    opened = [0]
+
+    def holder() -> None:
+        while not stop.is_set():
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=10)
+                opened[0] += 1
+                s.sendall(b"GET /api/stats HTTP/1.1\r\nHost: x\r\n")  # and never the end of it
+                s.settimeout(0.2)
+                while not stop.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        if s.recv(1) == b"":
+                            break  # cut: reopen
+                s.close()
+            except OSError:
+                time.sleep(0.01)
+
+    holders = [threading.Thread(target=holder, daemon=True) for _ in range(80)]
+    for t in holders:
+        t.start()
+    try:
+        wait_until(lambda: opened[0] >= 160, timeout=60)  # all held, and cut and reopened at least once
+        loopback = {"Host": f"127.0.0.1:{port}"}
+        for _ in range(10):
+            assert _raw_get(port, "/healthz", loopback)[0] == 200
+            assert _raw_get(port, "/api/stats", {**loopback, "Authorization": f"Bearer {GLOBEX}"})[0] == 200
+        # The held ones take none (the last answer's thread may still be giving its slot back).
+        wait_until(lambda: two_tenants.admin._httpd._slots._value == admin_http.MAX_CONNECTIONS, timeout=10)
+    finally:
+        stop.set()
+        for t in holders:
+            t.join(10)
+
+
+def test_a_peer_past_its_unfinished_heads_loses_its_oldest(shared_srv: AdminHttpServer,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.observe import admin_http
+
+    monkeypatch.setattr(admin_http, "MAX_HEADS_PER_PEER", 3)
+    held = [socket.create_connection(("127.0.0.1", shared_srv.port), timeout=10) for _ in range(3)]
+    try:
+        for s in held:
+            s.sendall(b"GET /healthz HTTP/1.0\r\n")
+        status, _, _ = get(shared_srv, "/healthz")  # the fourth: its own oldest is closed, not it
+        assert status == 200
+        assert held[0].recv(1024) == b""
+        held[1].sendall(b"\r\n")  # the others are still read
+        assert held[1].recv(1024).startswith(b"HTTP/1.0 200")
+    finally:
+        for s in held:
+            s.close()

@@ -119,3 +119,56 @@ def test_closing_while_the_first_call_starts_the_thread_loses_nothing(monkeypatc
     for i in range(2, 5):
         q.submit(i)  # after close: delivered by the caller
     assert sorted(seen) == [1, 2, 3, 4]
+
+
+def _thread_cpu_seconds(native_id: int) -> float:
+    """A thread's CPU time (user + system), from /proc: `time.thread_time` reads only the caller's."""
+    import os
+
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads a thread's CPU time from /proc")
+def test_flushing_readers_do_not_make_the_observer_thread_spin() -> None:
+    # Every admin read flushes. While any flush was in progress the thread's poll, a wait on the
+    # flushers' `_hurry` event, returned at once: the thread spun, taking the interpreter from calls.
+    seen: list[int] = []
+    q: ObserverQueue[int] = ObserverQueue(lambda: [seen.append])
+    q.submit(0)
+    assert q.flush(10.0)
+    thread = q._thread
+    assert thread is not None and thread.native_id is not None
+    stop = threading.Event()
+    stale: list[int] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            n = len(seen)
+            assert q.flush(10.0)
+            if len(seen) < n:
+                stale.append(n)
+
+    def caller() -> None:  # calls still arrive now and then: some flushes have a record to wait for
+        i = 1
+        while not stop.is_set():
+            q.submit(i)
+            assert q.flush(10.0)
+            if seen[-1] != i:  # flush returned before its record was delivered
+                stale.append(i)
+            i += 1
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=reader) for _ in range(4)] + [threading.Thread(target=caller)]
+    before = _thread_cpu_seconds(thread.native_id)
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(10.0)
+    used = _thread_cpu_seconds(thread.native_id) - before
+    assert not stale and len(seen) > 10
+    # Spinning, it took 0.3-0.6 s of the second; delivering a record every 20 ms takes a few ms.
+    assert used < 0.1, f"the observer thread used {used:.2f} s of CPU in 1 s of flushing"
+    q.close()

@@ -20,8 +20,15 @@ and any other bind gives aggregates only (with tenants, not even those: `admin_a
 The dashboard page itself carries no data, so it is served to anyone; it asks for the token and
 sends it with its API calls. Errors are JSON,
 {"error": {"status": N, "reason": "...", "message": "..."}}, the stdlib's own (a garbled request
-line, an unknown method) too. Connections are capped; past the cap, /healthz has a small reserve
-and everything else gets 429 with Retry-After (MAX_CONNECTIONS, HEALTH_RESERVE below).
+line, an unknown method) too.
+
+Connections: one thread (`_Heads`) reads every connection's request head, without a thread or a
+slot each, within REQUEST_HEAD_SECONDS; a peer address keeps at most MAX_HEADS_PER_PEER of them
+unfinished, and all peers MAX_HEADS (past either, the oldest unfinished one of that peer, or of
+all, is closed: a client that sends its head at once is read before it is the oldest). Only a
+finished head takes a slot and a thread: MAX_CONNECTIONS, plus HEALTH_RESERVE that only a request
+for /healthz may take (decided by its path); anything else past them gets 429 with Retry-After.
+Idle or trickling connections, authenticated or not, cannot hold the slots or the reserve.
 
 What it does not know: what the figures mean (`admin_api.py` builds them), or gRPC.
 """
@@ -32,13 +39,17 @@ import base64
 import contextlib
 import hashlib
 import hmac
+import io
 import ipaddress
 import json
 import logging
 import re
+import selectors
 import socket
 import sys
 import threading
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -57,15 +68,20 @@ from kvstore.wire.request_ids import REQUEST_ID_RE
 log = logging.getLogger("kvstore.admin")
 
 DEFAULT_WINDOW_SECONDS = 900
-# Connections served at once (a thread each). And the longest a client may take to send its request
-# line and headers: a slow trickle must not hold a thread.
+# Requests served at once (a thread each), once their head is read.
 MAX_CONNECTIONS = 64
-REQUEST_HEAD_SECONDS = 10.0
-# Past MAX_CONNECTIONS, a few more for /healthz only, with a shorter deadline (idle connections
-# must not make a probe read the service as down); anything else there, and any connection past
-# these, is answered 429 with Retry-After. A 503 from /healthz means not serving, nothing else.
+# Past MAX_CONNECTIONS, a few more for requests of /healthz only (a flood must not make a probe
+# read the service as down); anything else there, and any request past these, is answered 429
+# with Retry-After. A 503 from /healthz means not serving, nothing else.
 HEALTH_RESERVE = 4
-RESERVE_HEAD_SECONDS = 2.0
+# The longest a client may take to send its request line and headers (a real client sends them at
+# once; a trickle is cut), and how many unfinished heads are read at once: per peer address (all
+# of loopback's callers are one), and in all (a file descriptor and a buffer each, no thread).
+REQUEST_HEAD_SECONDS = 2.5
+MAX_HEADS_PER_PEER = 64
+MAX_HEADS = 256
+MAX_HEAD_BYTES = 131072  # twice the stdlib's limit for a request line: it judges what is under this
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
 _SCRIPT_RE = re.compile(rb"<script>(.*?)</script>", re.S)
 
 
@@ -286,23 +302,40 @@ class _Server(ThreadingHTTPServer):
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._reserve = threading.BoundedSemaphore(HEALTH_RESERVE)
         self._on_reserve: set[Any] = set()  # the sockets holding a reserve slot
+        self._read: dict[Any, bytes] = {}  # each admitted socket's request head, until its handler takes it
         self._reserve_lock = threading.Lock()
         super().server_activate()
+        self._heads = _Heads(self)
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        """Accepted: its head is read by `_Heads`, which calls `admit` once it is whole."""
+        self._heads.add(request, client_address)
+
+    def admit(self, request: Any, client_address: Any, head: bytes) -> None:
+        """A whole request head: a slot and a thread to answer it, or 429. Only a request for
+        /healthz may take a reserve slot (its path decides, not when it connected)."""
+        words = head.split(b"\n", 1)[0].split()
+        health = len(words) >= 2 and words[1].partition(b"?")[0] == b"/healthz"
         if not self._slots.acquire(blocking=False):
-            if not self._reserve.acquire(blocking=False):
-                with contextlib.suppress(OSError):
-                    request.sendall(_TOO_MANY)
+            if not health or not self._reserve.acquire(blocking=False):
+                _refuse(request, _TOO_MANY)
                 self.shutdown_request(request)
                 return
             with self._reserve_lock:
                 self._on_reserve.add(request)
+        with self._reserve_lock:
+            self._read[request] = head
         try:
+            request.setblocking(True)
             super().process_request(request, client_address)
         except BaseException:  # no thread started: its slot is free again
             self._release(request)
+            self.shutdown_request(request)
             raise
+
+    def take_head(self, request: Any) -> bytes:
+        with self._reserve_lock:
+            return self._read.pop(request, b"")
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
@@ -310,15 +343,18 @@ class _Server(ThreadingHTTPServer):
         finally:
             self._release(request)
 
-    def on_reserve(self, request: Any) -> bool:
-        with self._reserve_lock:
-            return request in self._on_reserve
-
     def _release(self, request: Any) -> None:
         with self._reserve_lock:
             reserve = request in self._on_reserve
             self._on_reserve.discard(request)
+            self._read.pop(request, None)
         (self._reserve if reserve else self._slots).release()
+
+    def server_close(self) -> None:
+        super().server_close()
+        heads = getattr(self, "_heads", None)  # None: the bind failed, before server_activate
+        if heads is not None:
+            heads.close()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # The stdlib prints a traceback to stderr, outside logging, for every client that hangs up
@@ -329,6 +365,134 @@ class _Server(ThreadingHTTPServer):
             log.debug("admin client %s went away: %s", peer, err)
         else:
             log.exception("admin connection from %s failed", peer)
+
+
+class _Heads:
+    """Reads the request heads of the server's new connections on one thread (a selector), and
+    hands each whole one to `_Server.admit`: a connection that never finishes its head holds a
+    socket and a buffer here, for REQUEST_HEAD_SECONDS at most, never a thread or a slot."""
+
+    def __init__(self, server: _Server) -> None:
+        self._server = server
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()  # `add` and `close` wake the thread with a byte
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._new: deque[tuple[Any, Any]] = deque()  # accepted, not yet taken by the thread
+        # Unfinished heads, oldest first: socket -> [peer, accepted at, bytes so far, client address].
+        self._open: OrderedDict[Any, list[Any]] = OrderedDict()
+        self._per_peer: dict[str, int] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvstore-admin-heads", daemon=True)
+        self._thread.start()
+
+    def add(self, request: Any, client_address: Any) -> None:
+        self._new.append((request, client_address))
+        self._wake()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake()
+        self._thread.join(5.0)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
+            self._wake_w.send(b"\0")
+
+    def _run(self) -> None:
+        try:
+            while not self._closed:
+                timeout = None
+                if self._open:
+                    first = next(iter(self._open.values()))
+                    timeout = max(0.0, first[1] + REQUEST_HEAD_SECONDS - time.monotonic())
+                for key, _ in self._sel.select(timeout):
+                    if key.fileobj is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                    elif key.fileobj in self._open:
+                        self._read(key.fileobj)
+                while self._new:
+                    self._take(*self._new.popleft())
+                now = time.monotonic()
+                while self._open:  # past the deadline: cut (the oldest come first)
+                    sock, entry = next(iter(self._open.items()))
+                    if now - entry[1] < REQUEST_HEAD_SECONDS:
+                        break
+                    self._drop(sock)
+        finally:
+            for sock in list(self._open):
+                self._drop(sock)
+            while self._new:
+                self._server.shutdown_request(self._new.popleft()[0])
+            self._sel.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _take(self, sock: Any, client_address: Any) -> None:
+        peer = str(client_address[0]) if isinstance(client_address, tuple) and client_address else ""
+        if self._per_peer.get(peer, 0) >= MAX_HEADS_PER_PEER:  # this peer's slowest goes, not another's
+            self._drop(next(s for s, entry in self._open.items() if entry[0] == peer))
+        elif len(self._open) >= MAX_HEADS:
+            self._drop(next(iter(self._open)))
+        try:
+            sock.setblocking(False)
+            self._sel.register(sock, selectors.EVENT_READ)
+        except (OSError, ValueError):  # gone already
+            self._server.shutdown_request(sock)
+            return
+        self._open[sock] = [peer, time.monotonic(), b"", client_address]
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+        self._read(sock)  # a real client's head is usually there already
+
+    def _read(self, sock: Any) -> None:
+        entry = self._open[sock]
+        try:
+            data = sock.recv(MAX_HEAD_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client went away
+            self._drop(sock)
+            return
+        entry[2] += data
+        head = entry[2]
+        end = _HEAD_END.search(head)
+        if end is None and len(head) < MAX_HEAD_BYTES:
+            return
+        self._forget(sock)
+        if end is None:
+            _refuse(sock, _HEAD_TOO_LARGE if b"\n" in head else _LINE_TOO_LONG)
+            self._server.shutdown_request(sock)
+            return
+        try:
+            self._server.admit(sock, entry[3], head[: end.end()])
+        except Exception:
+            log.exception("admin connection from %s failed", entry[0])
+
+    def _forget(self, sock: Any) -> None:
+        peer = self._open.pop(sock)[0]
+        left = self._per_peer[peer] - 1
+        if left:
+            self._per_peer[peer] = left
+        else:
+            del self._per_peer[peer]
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.unregister(sock)
+
+    def _drop(self, sock: Any) -> None:
+        self._forget(sock)
+        self._server.shutdown_request(sock)
+
+
+def _refuse(sock: Any, response: bytes) -> None:
+    """Answer a connection with no thread of its own: one send that does not wait (a small answer
+    fits the socket's buffer; a client that does not read loses it)."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(response)
 
 
 class _Server6(_Server):
@@ -344,30 +508,15 @@ def _is_ipv6(host: str) -> bool:
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
-    timeout = 10  # one read's wait; REQUEST_HEAD_SECONDS bounds the whole request head
+    timeout = 10  # a send's wait (the request head was read before, by `_Heads`)
     server_version = "kvstore-admin"
     sys_version = ""
 
     def setup(self) -> None:
         super().setup()
-        self._reserve = self.server.on_reserve(self.request)
-        head_seconds = RESERVE_HEAD_SECONDS if self._reserve else REQUEST_HEAD_SECONDS
-        self._head_deadline = threading.Timer(head_seconds, self._cut)
-        self._head_deadline.daemon = True
-        self._head_deadline.start()
-
-    def _cut(self) -> None:
-        with contextlib.suppress(OSError):  # its reads then end at once, and the thread with them
-            self.connection.shutdown(socket.SHUT_RDWR)
-
-    def parse_request(self) -> bool:
-        ok = super().parse_request()
-        self._head_deadline.cancel()
-        return ok
-
-    def finish(self) -> None:
-        self._head_deadline.cancel()
-        super().finish()
+        # The head `_Heads` read, whole. HTTP/1.0: one request a connection, and GET and HEAD
+        # read no body, so the socket is not read again.
+        self.rfile = io.BytesIO(self.server.take_head(self.request))
 
     def do_GET(self) -> None:
         self._serve(head=False)
@@ -394,10 +543,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, head: bool) -> None:
         admin = self.server.admin
-        if self._reserve and self.path.partition("?")[0] != "/healthz":
-            # A connection past MAX_CONNECTIONS: kept for health probes, an overload is not "down".
-            self._send(429, "application/json", _TOO_MANY_BODY, {"Retry-After": "1", "Connection": "close"}, head)
-            return
         try:
             parts = urlsplit(self.path)
             status, ctype, body, extra = admin.route(
@@ -438,10 +583,16 @@ def _phrase(status: int) -> str:
         return "Error"
 
 
-_TOO_MANY_BODY = _error_body(429, "too many connections to the admin port: retry shortly")
-_TOO_MANY = (b"HTTP/1.0 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-             b"Connection: close\r\nContent-Length: " + str(len(_TOO_MANY_BODY)).encode() + b"\r\n\r\n"
-             + _TOO_MANY_BODY)
+def _raw_error(status: int, message: str, extra: bytes = b"") -> bytes:
+    """A whole JSON error answer, for a connection refused without a handler."""
+    body = _error_body(status, message)
+    return (f"HTTP/1.0 {status} {_phrase(status)}\r\nContent-Type: application/json\r\n".encode() + extra
+            + b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+_TOO_MANY = _raw_error(429, "too many connections to the admin port: retry shortly", b"Retry-After: 1\r\n")
+_HEAD_TOO_LARGE = _raw_error(431, f"the request line and headers exceed {MAX_HEAD_BYTES} bytes")
+_LINE_TOO_LONG = _raw_error(414, f"the request line exceeds {MAX_HEAD_BYTES} bytes")
 
 
 def _json(status: int, doc: Any) -> tuple[int, str, bytes, dict[str, str]]:

@@ -77,6 +77,8 @@ class ObserverQueue(Generic[R]):
     def flush(self, timeout_seconds: float = 5.0) -> bool:
         """Wait until every record submitted so far has been delivered; False on timeout."""
         with self._done:
+            if not self._pending and not self._busy:  # nothing to wait for: the thread is left alone
+                return True
             self._flushers += 1
             self._hurry.set()
         self._wake.set()
@@ -138,7 +140,10 @@ class ObserverQueue(Generic[R]):
             elif time.monotonic() - last_batch < ACTIVE_SECONDS:
                 # Calls are arriving: look again after one batch delay, so that they need not wake
                 # this thread (a wake-up per call cost each call as much as the delivery saved).
-                self._hurry.wait(self._delay)
+                # Not on `_hurry`: set while anyone flushes (every admin read), it would make this
+                # a busy loop; a flush or close sets `_wake`, cleared before the queue is looked at.
+                self._wake.wait(self._delay)
+                self._wake.clear()
             else:  # quiet: sleep until a call finds the thread idle and wakes it
                 self._idle = True
                 if not self._pending and not self._closed:  # a call that saw `_idle` False appended first

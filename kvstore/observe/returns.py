@@ -57,7 +57,7 @@ class ReturnTracker:
         assert max_boundaries >= 1
         self._policy = policy
         self._clock = clock
-        self._seen = RecentRequests()
+        self._seen = RecentRequests(share_weights=share_weights)
         self._lock = threading.Lock()
         self._written: TenantLru[tuple[bytes, bytes], float] = TenantLru(max_boundaries, share_weights)
         self.returns_observed = 0
