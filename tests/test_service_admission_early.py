@@ -187,3 +187,32 @@ def test_runner_streams_that_never_say_hello_are_bounded_by_the_share_and_ended(
     assert all("hello" in c.details() or "sent nothing for 1 s" in c.details() for c in h.calls)
     assert svc.server.watch.ended_total == 8
     _bob_is_served(svc)
+
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+def test_health_calls_without_a_body_are_bounded_and_ended(
+        make_service: Callable[..., Service], held: Callable[[str], Held]) -> None:
+    # Health takes no credentials: a hundred Checks whose request never came held a hundred of
+    # gRPC's call slots, its own limit, and every tenant's call was refused.
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstore.service.health_door import MAX_HEALTH_CALLS
+
+    svc = make_service(two_tenants(stream_idle_seconds=1.0))
+    h = held(svc.address)
+    h.open(100, HEALTH_CHECK)
+    assert _wait(lambda: h.ended() >= 100 - MAX_HEALTH_CALLS)
+    refused = [c for c in h.calls if c.done()]
+    assert {c.code().name for c in refused} == {"RESOURCE_EXHAUSTED"}
+    assert "health calls are in flight" in refused[0].details()
+    _bob_is_served(svc)
+    assert _wait(lambda: h.ended() == 100)  # the held ones, ended by the idle watch
+    assert h.codes().count("DEADLINE_EXCEEDED") == MAX_HEALTH_CALLS
+    with grpc.insecure_channel(svc.address) as ch:  # and a probe is answered again
+        got = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert got.status == health_pb2.HealthCheckResponse.SERVING
+        stream = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert next(iter(stream)).status == health_pb2.HealthCheckResponse.SERVING
+        stream.cancel()

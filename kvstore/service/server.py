@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kvstore.config import ServiceConfig
@@ -42,6 +42,7 @@ from kvstore.service.app import App
 from kvstore.service.auth import Authenticator, check_bind_allowed, server_credentials
 from kvstore.service.calls import CallGuard
 from kvstore.service.health import HealthReporter
+from kvstore.service.health_door import MAX_HEALTH_CALLS, health_handler
 from kvstore.service.limits import CallLimiter
 from kvstore.service.runners_servicer import RunnersServicer
 from kvstore.service.servicer import KVCacheServicer
@@ -54,11 +55,13 @@ from kvstore.wire.tokens_in_place import tokens_field, tokens_in_place
 
 log = logging.getLogger("kvstore.service")
 
-# Threads beyond the call limit: refused calls and health checks must still find one. gRPC's own
-# limit (`maximum_concurrent_rpcs`, the same figure) is only a backstop above every share: a call
-# is admitted against its tenant's share before its request is read (`CallGuard.one_request`),
-# reflection counts as a call, and runners (attached, or waiting for their hello) have their own.
+# Threads beyond the call limit: refused calls and health checks (at most MAX_HEALTH_CALLS) must
+# still find one. gRPC's own limit (`maximum_concurrent_rpcs`, the same figure) is only a backstop
+# above every share: a call is admitted against its tenant's share before its request is read
+# (`CallGuard.one_request`), reflection counts as a call, runners (attached, or waiting for their
+# hello) have their own, and so do health calls (`health_door`).
 SPARE_THREADS = 8
+assert SPARE_THREADS > MAX_HEALTH_CALLS
 # The grace left to other streams (a health Watch) once every KVCache call has finished.
 STREAMS_LEFT_SECONDS = 0.5
 
@@ -190,7 +193,7 @@ class KvstoreServer:
             generic_handler("KVCache", self.kvcache, svc.max_message_bytes, self.guard),
             generic_handler("Runners", self.runners, svc.max_message_bytes),
         ))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self._server)
+        self._server.add_generic_rpc_handlers((health_handler(self.health.servicer, self.watch),))
         if svc.reflection:
             names = (
                 pb.DESCRIPTOR.services_by_name["KVCache"].full_name,
