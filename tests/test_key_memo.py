@@ -126,6 +126,17 @@ def test_token_bytes_from_a_request_are_reused_and_equal_the_copied_encoding() -
     assert full_chunk_bytes(arr[1:], CHUNK) == ids[1:].tobytes()[: 3 * STEP]  # a view: copied, right
 
 
+def _lookup_peak_bytes(store: GlobalStore, ns: Any, tokens: np.ndarray) -> int:
+    """The most memory a second lookup of `tokens` allocates at once (the first fills the memo)."""
+    store.lookup(ns, tokens)
+    tracemalloc.start()
+    try:
+        store.lookup(ns, tokens)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_a_lookup_reads_a_requests_bytes_in_place_whatever_its_partial_tail(tmp_path: Path) -> None:
     # A lookup once copied a request's bytes to drop the partial chunk at its end (3.6 MB for 900K
     # tokens, under the interpreter lock): it now reads whole chunks of them by offset. Whatever
@@ -145,14 +156,7 @@ def test_a_lookup_reads_a_requests_bytes_in_place_whatever_its_partial_tail(tmp_
     assert (store.lookup(ns, longer).hit_chunks, store.lookup(ns, longer).full_chunks) == (3, 4)
     # A long prompt never seen: the lookup allocates nothing near its size.
     big = np.frombuffer(tokens_for(64, 50_000 * CHUNK + 7).astype("<u4").tobytes(), "<u4")  # 3.2 MB
-    store.lookup(ns, big)
-    tracemalloc.start()
-    try:
-        store.lookup(ns, big)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < big.nbytes // 4, peak
+    assert _lookup_peak_bytes(store, ns, big) < big.nbytes // 4
     store.close()
 
 
@@ -185,14 +189,7 @@ def test_a_lookup_of_ids_read_in_place_copies_only_what_its_walk_reads(
         assert store.lookup(ns, prompt.copy()) == got  # an array of its own: copied in part too
         assert store.stats().lookups == before + 3  # one each
     big = _in_place(tokens_for(72, 50_000 * CHUNK + 7))  # 3.2 MB never stored
-    store.lookup(ns, big)
-    tracemalloc.start()
-    try:
-        store.lookup(ns, big)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < big.nbytes // 50, peak
+    assert _lookup_peak_bytes(store, ns, big) < big.nbytes // 50
     store.close()
 
 

@@ -6,7 +6,6 @@ abusers are raw multi-callables that send nothing and never half-close."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvstore.config import KvstoreConfig
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.fixtures.service import CHUNK, TOY, Service, make_config, tokens
+from tests.helpers.waiting import wait_until
 
 ALICE = "alice-token-0001"
 BOB = "bob-token-00002"
@@ -32,15 +32,6 @@ def two_tenants(**service: object) -> KvstoreConfig:
 
 def _bearer(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-def _wait(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 class Held:
@@ -114,7 +105,7 @@ def test_calls_without_credentials_and_without_a_body_hold_no_call_slot(
     h.open(100, LOOKUP)
     h.open(100, "", kind="reflection")
     # Refused at once, before any body: not one of them waits for the idle watch.
-    assert _wait(lambda: h.ended() == 200), f"{200 - h.ended()} calls without credentials still held"
+    wait_until(lambda: h.ended() == 200, timeout=15)  # else calls without credentials are still held
     assert set(h.codes()) == {"UNAUTHENTICATED"}
     assert svc.server.limiter.in_flight == 0
     _bob_is_served(svc)
@@ -126,7 +117,7 @@ def test_a_tenant_past_its_share_of_body_less_calls_is_refused_and_the_other_is_
     h = held(svc.address)
     h.open(100, LOOKUP, ALICE)
     # Alice holds her share (4 of 8 call slots) waiting for bodies; the rest are refused, saying whose.
-    assert _wait(lambda: h.ended() == 96), h.ended()
+    wait_until(lambda: h.ended() == 96, timeout=15)
     assert h.codes() == ["RESOURCE_EXHAUSTED"] * 96
     refused = next(c.details() for c in h.calls if c.done())
     assert "tenant 'alice'" in refused and "share of 4 call slots" in refused
@@ -140,10 +131,10 @@ def test_a_body_less_call_is_ended_after_stream_idle_seconds_and_its_slot_releas
     h = held(svc.address)
     h.open(2, LOOKUP, ALICE)
     h.open(2, STATS, ALICE)
-    assert _wait(lambda: h.ended() == 4)
+    wait_until(lambda: h.ended() == 4, timeout=15)
     assert h.codes() == ["DEADLINE_EXCEEDED"] * 4
     assert all("sent nothing for 0.5 s" in c.details() and "stream_idle_seconds" in c.details() for c in h.calls)
-    assert _wait(lambda: svc.server.limiter.in_flight == 0)
+    wait_until(lambda: svc.server.limiter.in_flight == 0, timeout=15)
     assert svc.server.watch.ended_total == 4
 
 
@@ -181,7 +172,7 @@ def test_runner_streams_that_never_say_hello_are_bounded_by_the_share_and_ended(
     h = held(svc.address)
     h.open(20, ATTACH, ALICE, kind="stream_stream")
     # Alice's share of the 16 runner slots is 8: the other 12 are refused at once, the 8 ended.
-    assert _wait(lambda: h.ended() == 20)
+    wait_until(lambda: h.ended() == 20, timeout=15)
     codes = h.codes()
     assert codes.count("RESOURCE_EXHAUSTED") == 12 and codes.count("DEADLINE_EXCEEDED") == 8, codes
     assert all("hello" in c.details() or "sent nothing for 1 s" in c.details() for c in h.calls)
@@ -203,12 +194,12 @@ def test_health_calls_without_a_body_are_bounded_and_ended(
     svc = make_service(two_tenants(stream_idle_seconds=1.0))
     h = held(svc.address)
     h.open(100, HEALTH_CHECK)
-    assert _wait(lambda: h.ended() >= 100 - MAX_HEALTH_CALLS)
+    wait_until(lambda: h.ended() >= 100 - MAX_HEALTH_CALLS, timeout=15)
     refused = [c for c in h.calls if c.done()]
     assert {c.code().name for c in refused} == {"RESOURCE_EXHAUSTED"}
     assert "health calls are in flight" in refused[0].details()
     _bob_is_served(svc)
-    assert _wait(lambda: h.ended() == 100)  # the held ones, ended by the idle watch
+    wait_until(lambda: h.ended() == 100, timeout=15)  # the held ones, ended by the idle watch
     assert h.codes().count("DEADLINE_EXCEEDED") == MAX_HEALTH_CALLS
     with grpc.insecure_channel(svc.address) as ch:  # and a probe is answered again
         got = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
