@@ -207,3 +207,18 @@ def test_health_calls_without_a_body_are_bounded_and_ended(
         stream = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
         assert next(iter(stream)).status == health_pb2.HealthCheckResponse.SERVING
         stream.cancel()
+
+
+def test_the_benchs_body_less_caller_is_refused_and_bob_is_served(make_service: Callable[..., Service]) -> None:
+    from kvstore.bench.abusers import BodyLessCalls
+
+    svc = make_service(two_tenants(stream_idle_seconds=60))
+    abuser = BodyLessCalls(svc.address, per_method=20)
+    abuser.start()
+    try:
+        # Lookups and reflection refused at once (no credentials), health past its 4 at once.
+        wait_until(lambda: abuser.ended_with("UNAUTHENTICATED") >= 40 and abuser.ended_with("RESOURCE_EXHAUSTED") >= 16,
+                   timeout=15)
+        _bob_is_served(svc)
+    finally:
+        abuser.stop()

@@ -7,9 +7,10 @@ slowed by the other's interpreter. For each abuse, in turn:
 1. the victim's Lookups alone (the baseline next to this abuse);
 2. the abuse starts and holds: idle Store streams, unread Load streams, maximal staging, a
    runner flood with bogus results, Stores larger than the tiers, Lookups of 900K-token prompts
-   from two threads, HTTP/2 rapid reset, a PING flood (a staging abuser is measured once it has
-   sent what it will, holding it); and, as controls, the same large Stores and huge Lookups sent
-   to a second service on the machine (`_elsewhere`);
+   from two threads, HTTP/2 rapid reset, a PING flood, 300 calls without credentials that never
+   send their request (Lookups, health checks, reflection streams; a staging abuser is measured
+   once it has sent what it will, holding it); and, as controls, the same large Stores and huge
+   Lookups sent to a second service on the machine (`_elsewhere`);
 3. the victim's Lookups again, while the abuse holds;
 4. the abuse stops; once the service has no call in flight, the server's RSS is read again, and
    the victim runs alone once more (the baseline is the mean of the passes before and after).
@@ -37,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.bench.abusers import Abuser, IdleStoreStreams, RunnerFlood, UnreadLoadStreams, Victim
+from kvstore.bench.abusers import Abuser, BodyLessCalls, IdleStoreStreams, RunnerFlood, UnreadLoadStreams, Victim
 from kvstore.bench.flags import count, seconds
 from kvstore.bench.serve_proc import start_serve
 
@@ -50,7 +51,7 @@ V41_VOCAB = 129_280
 RSS_SLACK_BYTES = 64 * MiB  # the target: back within this of the RSS before the abuse
 ABUSES = ("idle_store_streams", "unread_load_streams", "maximal_staging", "runner_flood",
           "store_larger_than_tiers", "store_larger_than_tiers_elsewhere", "huge_lookups", "huge_lookups_elsewhere",
-          "rapid_reset", "ping_flood")
+          "rapid_reset", "ping_flood", "body_less_calls")
 HUGE_LOOKUP_TOKENS = 900_000  # 3.6 MB of token ids: within max_message_bytes (4 MiB) below
 # The control: the same Stores sent to a second service on the same machine. What the victim
 # loses then is the machine's CPU, which no admission inside the service can give back.
@@ -188,6 +189,8 @@ def _make_abuser(name: str, address: str, layout_id: bytes) -> Abuser:
         return _StoresLargerThanTiers(address)
     if name.startswith("huge_lookups"):
         return _HugeLookups(address)
+    if name == "body_less_calls":
+        return BodyLessCalls(address)
     request = pb.LookupRequest(model=TOY, tokens=pb.Tokens(u32le=_tokens(2, 4 * 128, 512).tobytes()))
     if name == "rapid_reset":
         return h2.RapidReset(address, ALICE, request.SerializeToString(), streams=50_000)

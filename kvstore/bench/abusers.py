@@ -8,6 +8,7 @@ retry or time out what these hold open on purpose); the HTTP/2-level ones live i
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -327,3 +328,78 @@ class Victim:
     def close(self) -> None:
         self._channel.close()
 
+
+class BodyLessCalls(Abuser):
+    """Calls without credentials that never send their request message: Lookups, health checks and
+    reflection streams, `per_method` of each over `channels` connections, each opened again a
+    second after it ends (refused or cut), as an attacker would. gRPC held a call slot for every
+    one of them before any code of kvstore's ran, until its own limit refused every tenant."""
+
+    name = "body_less_calls"
+    METHODS = ("/kvstore.v1.KVCache/Lookup", "/grpc.health.v1.Health/Check",
+               "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+    REOPEN_SECONDS = 1.0
+
+    def __init__(self, address: str, per_method: int = 100, channels: int = 4) -> None:
+        self._channels = [grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                          for _ in range(channels)]
+        self._per_method = per_method
+        self._release = threading.Event()
+        self._lock = threading.Lock()
+        self._calls: list[grpc.Future] = []
+        self.codes: dict[str, int] = {}
+        self.opened = 0
+
+    def _nothing(self) -> Iterator[bytes]:
+        self._release.wait()
+        return
+        yield  # a generator
+
+    def _open(self, method: str, i: int) -> None:
+        ch = self._channels[i % len(self._channels)]
+        call: grpc.Future
+        if method.endswith("ServerReflectionInfo"):
+            call = ch.stream_stream(method)(self._nothing())
+        else:
+            call = ch.stream_unary(method).future(self._nothing())
+        with self._lock:
+            self._calls.append(call)
+            self.opened += 1
+        call.add_done_callback(lambda c: self._ended(c, method, i))
+
+    def _ended(self, call: grpc.Future, method: str, i: int) -> None:
+        code = call.code().name
+        with self._lock:
+            self.codes[code] = self.codes.get(code, 0) + 1
+        if not self._release.is_set():  # not on gRPC's callback thread, which must not wait
+            again = threading.Timer(self.REOPEN_SECONDS, self._open_unless_stopped, (method, i))
+            again.daemon = True
+            again.start()
+
+    def _open_unless_stopped(self, method: str, i: int) -> None:
+        if not self._release.is_set():
+            with contextlib.suppress(ValueError):  # its channel closed meanwhile: stopped
+                self._open(method, i)
+
+    def start(self) -> None:
+        for method in self.METHODS:
+            for i in range(self._per_method):
+                self._open(method, i)
+
+    def stop(self) -> None:
+        self._release.set()
+        with self._lock:
+            calls = list(self._calls)
+        for c in calls:
+            c.cancel()
+        for ch in self._channels:
+            ch.close()
+
+    def ended_with(self, code: str) -> int:
+        """How many of its calls ended with status `code` (a name: "UNAUTHENTICATED")."""
+        with self._lock:
+            return self.codes.get(code, 0)
+
+    def outcome(self) -> dict[str, object]:
+        with self._lock:
+            return {"opened": self.opened, "ended_codes": dict(self.codes)}
