@@ -150,3 +150,72 @@ def test_another_tenants_engine_model_is_unknown_and_created_is_per_tenant(tmp_p
     with pytest.raises(UnknownModel):
         again.namespace("carol", spec.name, "bounded")
     again.close()
+
+
+def test_a_store_while_the_index_loads_never_deletes_a_record_whose_chunks_are_not_scanned_yet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The namespace looked empty until the scan reached its chunks: a Store in it that stored
+    # nothing deleted its record, and its durable chunks were ignored at every start after.
+    import threading
+
+    from kvstore.tiers import lmdb_tier
+
+    store = GlobalStore(small_config(), tmp_path, MODELS)
+    ns = store.namespace("default", TOY, "bounded", salt="x")
+    prompt = tokens_for(1, 4 * CHUNK)
+    assert store_prefix(store, ns, prompt).durable
+    store.close()
+    gate = threading.Event()
+    scan = lmdb_tier.LmdbTier.scan_batches
+
+    def late(self: lmdb_tier.LmdbTier) -> object:
+        gate.wait(10)  # a large data dir: the scan reaches this namespace's chunks later
+        yield from scan(self)
+
+    monkeypatch.setattr(lmdb_tier.LmdbTier, "scan_batches", late)
+    store = GlobalStore(small_config(), tmp_path, MODELS, load_index_in_background=True)
+    assert store_prefix(store, ns, tokens_for(2, CHUNK - 1)).stored_chunks == 0
+    assert len(store._durable.namespaces()) == 1
+    gate.set()
+    assert store.wait_ready(10)
+    assert store.lookup(ns, prompt).hit_tokens == 4 * CHUNK and not store._ignored
+    store.close()
+    monkeypatch.setattr(lmdb_tier.LmdbTier, "scan_batches", scan)
+    again = GlobalStore(small_config(), tmp_path, MODELS)
+    assert again.lookup(ns, prompt).hit_tokens == 4 * CHUNK and not again._ignored
+    again.close()
+
+
+def test_a_record_outlives_the_deletion_of_its_last_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another call's clean-up deleted the record while the values were still being deleted: a
+    # crash between left them on disk with no record, ignored (and kept) at every start after.
+    import threading
+
+    from kvstore.tiers import lmdb_tier
+
+    store = GlobalStore(small_config(device_capacity_bytes=0, dram_capacity_bytes=0, lmdb_capacity_bytes=64 * 1024),
+                        tmp_path, MODELS)
+    x = store.namespace("default", TOY, "bounded", salt="x")
+    y = store.namespace("default", TOY, "bounded", salt="y")
+    store_prefix(store, x, tokens_for(1, 2 * CHUNK))
+    footprint = store._tiers["lmdb"].footprint(store.layout(x).chunk_bytes)
+    gate, inside = threading.Event(), threading.Event()
+    delete_many = lmdb_tier.LmdbTier.delete_many
+
+    def slow(self: lmdb_tier.LmdbTier, keys: list[bytes]) -> None:
+        inside.set()
+        gate.wait(10)
+        delete_many(self, keys)
+
+    monkeypatch.setattr(lmdb_tier.LmdbTier, "delete_many", slow)
+    filler = threading.Thread(target=store_prefix, args=(store, y, tokens_for(2, (64 * 1024 // footprint) * CHUNK)))
+    filler.start()  # evicts x's chunks; their values' deletion waits at the gate
+    assert inside.wait(10)
+    monkeypatch.setattr(lmdb_tier.LmdbTier, "delete_many", delete_many)
+    store._delete_doomed()  # another call cleaning up meanwhile
+    assert x.digest in store._durable.namespaces()  # kept while its values are on disk
+    gate.set()
+    filler.join(10)
+    assert x.digest not in store._durable.namespaces()  # and gone with them
+    store.close()

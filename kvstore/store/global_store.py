@@ -189,6 +189,9 @@ class GlobalStore(Placement):
         self._ns_doomed: set[bytes] = set()  # records of namespaces that lost their last chunk
         self._ns_deleting: dict[bytes, threading.Event] = {}  # records being deleted; set when done
         self._ns_kept: set[bytes] = set()  # namespaces of chunks kept on disk unserved: records stay
+        # Until the index is loaded, a namespace whose chunks the scan has not reached looks empty:
+        # no record is doomed before then (the load's end dooms those no chunk needs).
+        self._ns_all_counted = False
         self._counters: dict[str, int] = {}
         # The same counters per tenant: a tenant's Stats answers its own figures, never another's.
         self._tenant_counters: dict[str, dict[str, int]] = {}
@@ -796,7 +799,8 @@ class GlobalStore(Placement):
             self._doom_namespace(digest)  # a commit that stored nothing there
 
     def _doom_namespace(self, digest: bytes) -> None:
-        if digest in self._known_ns and digest not in self._ns_chunks and digest not in self._ns_kept:
+        if (self._ns_all_counted and digest in self._known_ns and digest not in self._ns_chunks
+                and digest not in self._ns_kept):
             self._ns_doomed.add(digest)
 
     def _delete_doomed(self) -> None:
@@ -806,6 +810,11 @@ class GlobalStore(Placement):
             return
         done = threading.Event()
         with self._lock:
+            if self._doomed or self._deleting:
+                # Evicted values still on disk, maybe a doomed namespace's last: its record goes
+                # after them (a crash between would strand them), when the call deleting them
+                # comes back here.
+                return
             gone = [d for d in self._ns_doomed if d in self._known_ns and d not in self._ns_chunks
                     and d not in self._ns_committing and d not in self._ns_deleting]
             # The others hold chunks again, or are doomed again when their last commit leaves.
@@ -1153,6 +1162,7 @@ class GlobalStore(Placement):
                 self._evict_unprotected("lmdb", tenant)
             if self._overage and not background:
                 raise AssertionError("nothing is pinned or committing here, so every chunk can be evicted")
+            self._ns_all_counted = True
             for digest in self._known_ns:  # records no chunk found needs (written before they were deleted)
                 self._doom_namespace(digest)
         self._delete_doomed()
