@@ -189,18 +189,18 @@ def test_health_calls_without_a_body_are_bounded_and_ended(
     # gRPC's call slots, its own limit, and every tenant's call was refused.
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvstore.service.health_door import MAX_HEALTH_CALLS
+    from kvstore.service.health_door import MAX_HEALTH_CHECKS
 
     svc = make_service(two_tenants(stream_idle_seconds=1.0))
     h = held(svc.address)
     h.open(100, HEALTH_CHECK)
-    wait_until(lambda: h.ended() >= 100 - MAX_HEALTH_CALLS, timeout=15)
+    wait_until(lambda: h.ended() >= 100 - MAX_HEALTH_CHECKS, timeout=15)
     refused = [c for c in h.calls if c.done()]
     assert {c.code().name for c in refused} == {"RESOURCE_EXHAUSTED"}
-    assert "health calls are in flight" in refused[0].details()
+    assert "health Check calls are in flight" in refused[0].details()
     _bob_is_served(svc)
     wait_until(lambda: h.ended() == 100, timeout=15)  # the held ones, ended by the idle watch
-    assert h.codes().count("DEADLINE_EXCEEDED") == MAX_HEALTH_CALLS
+    assert h.codes().count("DEADLINE_EXCEEDED") == MAX_HEALTH_CHECKS
     with grpc.insecure_channel(svc.address) as ch:  # and a probe is answered again
         got = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         assert got.status == health_pb2.HealthCheckResponse.SERVING
@@ -222,3 +222,63 @@ def test_the_benchs_body_less_caller_is_refused_and_bob_is_served(make_service: 
         _bob_is_served(svc)
     finally:
         abuser.stop()
+
+
+def test_health_watchers_never_starve_a_probes_check(make_service: Callable[..., Service]) -> None:
+    # Checks and Watch streams shared 4 places: four watchers (a client checking health itself
+    # keeps one per channel) made every probe's Check RESOURCE_EXHAUSTED.
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstore.service.health_door import MAX_HEALTH_WATCHES
+
+    svc = make_service(two_tenants())
+    with grpc.insecure_channel(svc.address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        watchers = [stub.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(MAX_HEALTH_WATCHES)]
+        try:
+            for w in watchers:
+                assert next(iter(w)).status == health_pb2.HealthCheckResponse.SERVING
+            for _ in range(3):
+                got = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                assert got.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as e:  # one watcher past the bound
+                next(iter(stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            for w in watchers:
+                w.cancel()
+
+
+def test_a_shutdown_ends_calls_still_waiting_for_their_body_at_once(
+        make_service: Callable[..., Service], held: Callable[[str], Held]) -> None:
+    # Admitted before their body, they held the drain for its whole grace.
+    svc = make_service(two_tenants(stream_idle_seconds=60))
+    h = held(svc.address)
+    h.open(2, LOOKUP, ALICE)
+    wait_until(lambda: svc.server.limiter.in_flight == 2)
+    assert svc.server.stop(10.0)  # every call ended within the grace (they waited for their bodies past it)
+    wait_until(lambda: h.ended() == 2)
+    assert h.codes() == ["UNAVAILABLE"] * 2 and "shutting down" in h.calls[0].details()
+
+
+def test_a_call_that_ends_before_its_body_came_is_not_recorded(
+        make_service: Callable[..., Service], held: Callable[[str], Held]) -> None:
+    # Cancelled, or past its deadline, while its body was awaited: it was recorded as a CANCELLED
+    # call of its tenant's, which the client never made.
+    svc = make_service(two_tenants(stream_idle_seconds=60))
+    records: list[Any] = []
+    svc.app.observers.append(records.append)
+    h = held(svc.address)
+    h.open(1, LOOKUP, ALICE)
+    with grpc.insecure_channel(svc.address) as ch:
+        late = ch.stream_unary(LOOKUP).future(h._nothing(), metadata=_bearer(ALICE), timeout=0.5)
+        wait_until(lambda: late.done(), timeout=10)
+        assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: svc.server.limiter.in_flight == 1)
+    h.calls[0].cancel()
+    wait_until(lambda: svc.server.limiter.in_flight == 0)
+    svc.app.flush_observers()
+    assert [r for r in records if r.method == "Lookup"] == []
+    _bob_is_served(svc, n=2)
+    svc.app.flush_observers()
+    assert {(r.method, r.tenant, r.code) for r in records} >= {("Lookup", "bob", "OK")}

@@ -43,7 +43,7 @@ from kvstore.service.app import App
 from kvstore.service.auth import Authenticator
 from kvstore.service.codes import is_expected, status_for
 from kvstore.service.limits import CallLimiter, refusal_message
-from kvstore.service.stream_watch import StreamWatch, Watched
+from kvstore.service.stream_watch import StreamWatch, Watched, cancel_with_status
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.bills import Bills
 from kvstore.wire.messages import tokens_from_proto
@@ -75,6 +75,9 @@ class CallState:
     stream: Watched | None = None
     staged_bytes: int = 0  # Store payload bytes this call holds in memory (released on exit)
     data_path: str = ""  # Load, Resume, Store, a holding Lookup: "shm" (a same-host session) or "stream"
+    # Admitted, its request message not yet come: a call that ends so (cancelled, past its
+    # deadline, refused by gRPC's core) was never a call of its tenant's, and is not recorded.
+    awaiting_body: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,9 @@ class CallGuard:
         # Calls `one_request` admitted before their message came, by id(context): the servicer
         # method's own `enter` is then a pass-through (one slot, one record per call).
         self._early: dict[int, CallState] = {}
+        # Calls admitted by `one_request` whose message has not come, by id(context): a shutdown
+        # ends them at once (`end_awaiting`) rather than waiting its grace for bodies that may never come.
+        self._awaiting: dict[int, grpc.ServicerContext] = {}
 
     @contextmanager
     def enter(self, context: grpc.ServicerContext, method: str, streaming: bool = False,
@@ -179,7 +185,7 @@ class CallGuard:
                 state.staged_bytes = 0
             if admitted:
                 self._limiter.leave(state.tenant)
-            if record:
+            if record and not state.awaiting_body:
                 self._record(state, code, time.perf_counter() - t0)
         if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
             context.abort(code, message)
@@ -190,10 +196,18 @@ class CallGuard:
         admitted (`enter`) before its message is read, the message read under the stream watch
         (a call whose body does not come in `stream_idle_seconds` is ended), then deserialized and
         handed to `behavior`. A call with no message, or more than one, is INVALID_ARGUMENT."""
-        def read(call: CallState, requests: Iterator[bytes]) -> Any:
+        def read(call: CallState, requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
             assert call.stream is not None
-            messages = call.stream.received(requests)
-            first = next(messages, None)
+            call.awaiting_body = True
+            self._awaiting[id(context)] = context
+            try:
+                messages = call.stream.received(requests)
+                first = next(messages, None)
+                # Recorded only with a message: a stream that ends without one is a cancelled
+                # call as often as a client that sent none.
+                call.awaiting_body = first is None
+            finally:
+                self._awaiting.pop(id(context), None)
             if first is None:
                 raise InvalidInput(f"{method} takes exactly one request message; the client sent none")
             # Read on to the client's half-close: a unary client sends it with the message.
@@ -203,7 +217,7 @@ class CallGuard:
 
         def streamed(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
             with self.enter(context, method, streaming=True) as call:
-                request = read(call, requests)
+                request = read(call, requests, context)
                 self._early[id(context)] = call
                 try:
                     yield from behavior(request, context)
@@ -212,7 +226,7 @@ class CallGuard:
 
         def unary(requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
             with self.enter(context, method, streaming=True) as call:
-                request = read(call, requests)
+                request = read(call, requests, context)
                 self._early[id(context)] = call
                 try:
                     return behavior(request, context)
@@ -221,6 +235,14 @@ class CallGuard:
             return b""  # reached only when the client has gone
 
         return streamed if server_streaming else unary
+
+    def end_awaiting(self, message: str) -> int:
+        """End, UNAVAILABLE, every admitted call still waiting for its request message; how many.
+        At shutdown: a body that never comes must not hold the drain for its whole grace."""
+        waiting = list(self._awaiting.values())
+        for context in waiting:
+            cancel_with_status(context, grpc.StatusCode.UNAVAILABLE, message)
+        return len(waiting)
 
     def side_stream(self, method: str, behavior: Callable[[Iterator[Any], grpc.ServicerContext], Iterator[Any]]
                     ) -> Callable[[Iterator[Any], grpc.ServicerContext], Iterator[Any]]:

@@ -42,7 +42,7 @@ from kvstore.service.app import App
 from kvstore.service.auth import Authenticator, check_bind_allowed, server_credentials
 from kvstore.service.calls import CallGuard
 from kvstore.service.health import HealthReporter
-from kvstore.service.health_door import MAX_HEALTH_CALLS, health_handler
+from kvstore.service.health_door import MAX_HEALTH_CHECKS, MAX_HEALTH_WATCHES, health_handler
 from kvstore.service.limits import CallLimiter
 from kvstore.service.runners_servicer import RunnersServicer
 from kvstore.service.servicer import KVCacheServicer
@@ -55,13 +55,14 @@ from kvstore.wire.tokens_in_place import tokens_field, tokens_in_place
 
 log = logging.getLogger("kvstore.service")
 
-# Threads beyond the call limit: refused calls and health checks (at most MAX_HEALTH_CALLS) must
-# still find one. gRPC's own limit (`maximum_concurrent_rpcs`, the same figure) is only a backstop
-# above every share: a call is admitted against its tenant's share before its request is read
+# Threads beyond the call limit: refused calls and health Checks (at most MAX_HEALTH_CHECKS) must
+# still find one; health Watch streams (at most MAX_HEALTH_WATCHES) have threads of their own.
+# gRPC's own limit (`maximum_concurrent_rpcs`, the same figure) is only a backstop above every
+# share: a call is admitted against its tenant's share before its request is read
 # (`CallGuard.one_request`), reflection counts as a call, runners (attached, or waiting for their
 # hello) have their own, and so do health calls (`health_door`).
 SPARE_THREADS = 8
-assert SPARE_THREADS > MAX_HEALTH_CALLS
+assert SPARE_THREADS > MAX_HEALTH_CHECKS
 # The grace left to other streams (a health Watch) once every KVCache call has finished.
 STREAMS_LEFT_SECONDS = 0.5
 
@@ -183,7 +184,7 @@ class KvstoreServer:
             self.shm, svc.stream_idle_seconds, hidden_models=app.store.hidden_models,
             weights=cfg.share_weights(), admin_runners=cfg.runner_admin_weight() > 0,
         )
-        threads = svc.max_concurrent_calls + 2 * app.runners.max_runners + SPARE_THREADS
+        threads = svc.max_concurrent_calls + 2 * app.runners.max_runners + SPARE_THREADS + MAX_HEALTH_WATCHES
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-grpc"),
             maximum_concurrent_rpcs=threads,
@@ -281,6 +282,7 @@ class KvstoreServer:
         deadline = time.monotonic() + grace
         self.health.shutting_down()
         self.limiter.start_draining()
+        self.guard.end_awaiting("the service is shutting down; retry on another instance")
         finished = self.limiter.wait_idle(grace)
         if not finished:
             log.warning("%d call(s) still running after the %.1f s grace period; cancelling them",
