@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from dataclasses import replace
-from types import FrameType
 
 from kvstore.commands.checks import check_target, check_tls_ca, check_token
+from kvstore.commands.stop_signals import stop_on_signals
 from kvstore.config.replay import MAX_THREADS
 from kvstore.errors import InvalidInput
 
@@ -88,13 +86,7 @@ def run(args: argparse.Namespace) -> int:
     )
     runner = AttachedRunner(identity, replayer.run_batch, AttachOptions(args.connect, args.token, args.tls_ca),
                             say=_say)
-    stop = threading.Event()
-
-    def on_stop(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_stop)
-    signal.signal(signal.SIGINT, on_stop)
+    stop = stop_on_signals()
     _say(f"model {layout.name} (window {cfg.window}, chunks of {cfg.chunk_tokens} tokens) on "
          f"{replayer.device_name}; connecting to {args.connect}")
     rc = runner.run(stop)

@@ -20,11 +20,11 @@ import logging
 import os
 import signal
 import sys
-import threading
 from types import FrameType
 
 from kvstore import __version__
 from kvstore.commands.checks import check_server_tls
+from kvstore.commands.stop_signals import stop_on_signals
 from kvstore.config import load_config
 from kvstore.config.service import is_host
 from kvstore.config.warnings import config_warnings
@@ -121,14 +121,8 @@ def run(args: argparse.Namespace) -> int:
          f"{svc.max_runners} runners ({split}); messages <= {svc.max_message_bytes} B; streams idle "
          f"{svc.stream_idle_seconds:g} s; grace {svc.grace_seconds:g} s; reflection "
          f"{'on' if svc.reflection else 'off'}")
-    stop = threading.Event()
-
-    def on_stop(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
     # Before the line that says it listens: whoever waits for that line may signal at once.
-    signal.signal(signal.SIGTERM, on_stop)
-    signal.signal(signal.SIGINT, on_stop)
+    stop = stop_on_signals()
     # SIGHUP's default action ends the process: an operator's reload must never do that, also
     # while the service drains (the reloader, stopped then, puts back the handler it found).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
