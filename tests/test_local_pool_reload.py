@@ -326,3 +326,23 @@ def test_a_change_reload_does_not_apply_is_named_as_needing_a_restart(
     assert leaked not in line and fresh not in line, "names only: tokens are secrets"
     caplog.clear()
     assert r.reload_now() and caplog.records == []  # said once
+
+
+def test_stop_puts_the_old_sighup_handler_back_before_it_wakes_the_poller(tmp_path: Path) -> None:
+    # The handler sets `_wake` on the main thread: a SIGHUP that came while stop() held `_wake`'s
+    # lock (it sets it too) would have waited on that lock for ever.
+    path = tmp_path / "kvstore.toml"
+    _write(path, _toml(300))
+    r = ConfigReloader(path, Recorder(), current=load_config(path), poll_seconds=3600)
+    r.install_sighup()
+    r.start()
+    handlers_at_wake: list[object] = []
+    wake = r._wake.set
+
+    def set_and_note() -> None:
+        handlers_at_wake.append(signal.getsignal(signal.SIGHUP))
+        wake()
+
+    r._wake.set = set_and_note  # type: ignore[method-assign]
+    r.stop()
+    assert handlers_at_wake and all(h != r._on_sighup for h in handlers_at_wake)

@@ -148,12 +148,14 @@ class ConfigReloader:
         self._thread.start()
 
     def stop(self) -> None:
+        # The handler first: it sets `_wake` on this (the main) thread, and a SIGHUP that came
+        # while this thread held `_wake`'s lock below would wait on it for ever.
+        self.uninstall_sighup()
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.uninstall_sighup()
 
     def install_sighup(self) -> None:
         """Reload on SIGHUP. Main thread only (Python delivers signals there)."""
