@@ -129,7 +129,6 @@ def _thread_cpu_seconds(native_id: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads a thread's CPU time from /proc")
 def test_flushing_readers_do_not_make_the_observer_thread_spin() -> None:
     # Every admin read flushes. While any flush was in progress the thread's poll, a wait on the
     # flushers' `_hurry` event, returned at once: the thread spun, taking the interpreter from calls.
