@@ -49,7 +49,8 @@ def sock_dir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def shm_config(sock: Path, tenants: bool = False, store: dict[str, Any] | None = None, **service: Any) -> Any:
+def shm_config(sock: Path, tenants: bool = False, store: dict[str, Any] | None = None,
+               local_pool_bytes: int = 8 << 20, **service: Any) -> Any:
     extra: dict[str, Any] = {}
     if tenants:
         extra["tenants"] = {"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}}
@@ -60,7 +61,7 @@ def shm_config(sock: Path, tenants: bool = False, store: dict[str, Any] | None =
         service={"max_concurrent_calls": 8, "grace_seconds": 5.0, "stream_message_bytes": 64 * KiB,
                  "max_message_bytes": 256 * KiB, "models": [TOY, V41], "unix_socket_path": str(sock),
                  "shm_load_segment_bytes": 4 << 20, "shm_store_segment_bytes": 4 << 20, **service},
-        local_pool={"capacity_bytes": 8 << 20},  # room for V4.1's 1.35 MB snapshots
+        local_pool={"capacity_bytes": local_pool_bytes},  # 8 MiB: room for V4.1's 1.35 MB snapshots
         **extra)
 
 
@@ -187,6 +188,19 @@ def test_a_snapshot_larger_than_half_the_load_segment_travels_in_messages(
     assert (res.local_state, res.snapshot == other) == ("hit", True)
     dp = kv.stats().data_plane
     assert dp is not None and dp.sessions[0].loaded_bytes == 2 * svc.chunk_bytes(V41)  # the chunks only
+
+
+def test_a_snapshot_the_pool_refused_is_not_counted_as_stored(
+    make_service: Callable[..., Service], sock_dir: Path,
+) -> None:
+    svc = make_service(shm_config(sock_dir / "kv.sock", local_pool_bytes=1 << 20))  # under a 1.35 MB snapshot
+    kv = unix(svc, message_bytes=64 * KiB)
+    prompt = tokens(51, CHUNK * 2)
+    (snapshot,) = payloads(52, 1, svc.snapshot_bytes(V41))
+    r = kv.store_local(V41, prompt, snapshot)
+    assert (r.stored, r.reason) == (False, "no-room")
+    dp = kv.stats().data_plane
+    assert dp is not None and dp.calls_by_path["shm"] >= 1 and dp.sessions[0].stored_bytes == 0
 
 
 def test_forged_snapshot_spans_are_refused_both_ways(

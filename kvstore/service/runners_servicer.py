@@ -320,6 +320,7 @@ class RunnersServicer:
             shm, r.shm, expected, f"job {r.job_id}'s result span")
         link.outbox.put(ResultTaken(r.job_id))
         if snapshot is not None:
+            shm.stored_bytes += len(snapshot)
             self._registry.complete(link, r.job_id, snapshot, "")
 
     def _expected_bytes(self, link: RunnerLink, r: pb.JobResult) -> int | None:

@@ -175,6 +175,8 @@ class LocalStateCalls:
                      context.time_remaining())
         if r.written:
             call.facts = LocalWriteFacts(res.ns.digest, key, r.ttl_seconds)
+            if shm is not None:
+                shm.stored_bytes += len(payload)
         return pb.StoreLocalResponse(stored=r.written, reason=r.skip_reason or "", ttl_seconds=r.ttl_seconds,
                                      boundary_tokens=boundary)
 

@@ -230,14 +230,12 @@ def store_snapshot_data(shm: ShmSession, span: pb.ShmSpan, snapshot_bytes: int, 
                         ) -> bytes:
     """A copy of the snapshot a span names in the session's store segment (a StoreLocal's, a
     runner's result), checked to be a snapshot's size and to lie inside the segment (a copy: the
-    peer reuses that memory once the call returns or the result is taken), counted as stored
-    through the session."""
+    peer reuses that memory once the call returns or the result is taken); not yet counted as
+    stored: its caller counts it once it was kept."""
     if span.num_chunks or span.nbytes != snapshot_bytes:
         raise InvalidInput(f"{what} holds {span.nbytes} bytes and {span.num_chunks} chunks; a "
                            f"snapshot of this model is {snapshot_bytes} bytes")
-    data = bytes(_stored(shm, span.offset, span.nbytes, what))
-    shm.stored_bytes += len(data)
-    return data
+    return bytes(_stored(shm, span.offset, span.nbytes, what))
 
 
 def store_span_data(shm: ShmSession, span: pb.ShmSpan, chunk_bytes: int) -> memoryview:
