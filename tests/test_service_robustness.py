@@ -177,6 +177,8 @@ def test_a_load_stopped_mid_stream_releases_its_pins(service: Service, how: str)
     kv = service.client(message_bytes=64 * 1024)
     prompt = tokens(41, 3 * CHUNK, vocab=128_256)
     kv.store(DENSE, prompt, payloads(41, 3, service.chunk_bytes(DENSE)))  # 6 MiB: ~96 messages
+    records: list[Any] = []
+    service.app.observers.append(records.append)
     stub = pb_grpc.KVCacheStub(kv.channel)
     req = pb.LoadRequest(model=DENSE, tokens=pb.Tokens(u32le=prompt.tobytes()))
     stream = stub.Load(req, timeout=0.5 if how == "deadline" else 30)
@@ -190,6 +192,10 @@ def test_a_load_stopped_mid_stream_releases_its_pins(service: Service, how: str)
     assert e.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
     wait_until(lambda: service.app.store.stats().pins_active == 0)
     wait_until(lambda: service.server.limiter.in_flight == 0)
+    service.app.flush_observers()
+    # Recorded as what ended it: an operator tells a client's budget from a client that left.
+    assert [r.code for r in records if r.method == "Load"] == [
+        "CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED"]
     assert len(kv.load(DENSE, prompt).chunks) == 3
 
 

@@ -96,6 +96,13 @@ class Resolved:
         return len(self.tokens) // self.layout.chunk_tokens
 
 
+def _ended(context: grpc.ServicerContext) -> grpc.StatusCode:
+    """How a call the client no longer waits for ended, for the record: its deadline passed, or
+    it was cancelled (a client that went away, a stream the watch ended)."""
+    left = context.time_remaining()
+    return grpc.StatusCode.DEADLINE_EXCEEDED if left is not None and left <= 0 else grpc.StatusCode.CANCELLED
+
+
 def session_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
     """The caller's `x-session-id` if it is a safe id (as for request ids), else "". It is written
     to the request trace, so nothing else is accepted."""
@@ -142,7 +149,7 @@ class CallGuard:
         t0 = time.perf_counter()
         code = grpc.StatusCode.OK
         message = ""
-        admitted = False
+        admitted = gone = False
         try:
             if self._limiter.draining:
                 raise Unavailable("the service is shutting down; retry on another instance")
@@ -164,12 +171,12 @@ class CallGuard:
             else:
                 yield state
         except GeneratorExit:
-            code = grpc.StatusCode.CANCELLED  # a streaming call whose client went away
+            code, gone = _ended(context), True  # a streaming call whose client went away
             raise
         except Exception as e:
             try:
                 if not context.is_active():
-                    code = grpc.StatusCode.CANCELLED
+                    code, gone = _ended(context), True
                     return
                 code, message = status_for(e)
                 if not is_expected(e):
@@ -187,7 +194,7 @@ class CallGuard:
                 self._limiter.leave(state.tenant)
             if record and not state.awaiting_body:
                 self._record(state, code, time.perf_counter() - t0)
-        if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+        if code != grpc.StatusCode.OK and not gone:
             context.abort(code, message)
 
     def one_request(self, method: str, behavior: Callable[[Any, grpc.ServicerContext], Any],
