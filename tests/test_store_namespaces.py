@@ -126,6 +126,51 @@ def test_records_no_chunk_needs_are_deleted_at_start(tmp_path: Path) -> None:
     again.close()
 
 
+def test_a_failed_deletion_of_left_over_records_at_start_does_not_keep_the_index_from_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvstore.errors import StorageError
+    from kvstore.tiers import lmdb_tier
+
+    store = _open(tmp_path)
+    kept = store.namespace("bob", TOY, "bounded")
+    prompt = tokens_for(6, 2 * CHUNK)
+    store_prefix(store, kept, prompt)
+    store.close()
+
+    def leave_a_record() -> None:  # as an older version did: a record with no chunk
+        store = _open(tmp_path)
+        ns = store.namespace("alice", TOY, "bounded", salt="old")
+        store._durable.put_namespace(ns.digest, json.dumps({"tenant": "alice", "layout_id": ns.layout_id.hex(),
+                                                           "salt": ns.salt}).encode())
+        store.close()
+
+    delete = lmdb_tier.LmdbTier.delete_namespaces
+    failures: list[int] = []
+
+    def fails_once(self: lmdb_tier.LmdbTier, digests: object) -> None:
+        if not failures:
+            failures.append(1)
+            raise StorageError("LMDB delete failed: No space left on device")
+        delete(self, digests)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lmdb_tier.LmdbTier, "delete_namespaces", fails_once)
+    for background in (False, True):
+        monkeypatch.setattr(lmdb_tier.LmdbTier, "delete_namespaces", delete)
+        leave_a_record()
+        monkeypatch.setattr(lmdb_tier.LmdbTier, "delete_namespaces", fails_once)
+        failures.clear()
+        again = GlobalStore(small_config(), tmp_path, MODELS, quotas=QUOTAS, load_index_in_background=background)
+        assert again.wait_ready(10) and failures
+        assert again.lookup(kept, prompt).hit_tokens == 2 * CHUNK
+        assert len(again._durable.namespaces()) == 2
+        again.close()  # tried again by the next deletion: here the one at close
+        assert len(failures) == 1
+        last = _open(tmp_path)
+        assert set(last._durable.namespaces()) == {kept.digest}
+        last.close()
+
+
 FULL = EngineLayerGroup("full", num_layers=2, kv_heads=2, head_size=8, dtype="bfloat16")
 DESC = EngineModel("tiny-llama", "weights-abc", (FULL,), chunk_tokens=CHUNK, vocab_size=1000)
 

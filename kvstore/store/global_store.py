@@ -41,7 +41,7 @@ import numpy as np
 
 from kvstore.config.policies import build_admission, build_eviction
 from kvstore.config.store import StoreConfig
-from kvstore.errors import InvalidInput, ResourceExhausted, UnknownModel, listed
+from kvstore.errors import InvalidInput, ResourceExhausted, StorageError, UnknownModel, listed
 from kvstore.keys.chain import chain_from, chained_count
 from kvstore.keys.chunk_keys import (
     Namespace,
@@ -1165,7 +1165,11 @@ class GlobalStore(Placement):
             self._ns_all_counted = True
             for digest in self._known_ns:  # records no chunk found needs (written before they were deleted)
                 self._doom_namespace(digest)
-        self._delete_doomed()
+        try:
+            self._delete_doomed()
+        except StorageError as e:  # what was not deleted stays doomed: the next call's deletion retries it
+            self._progress(f"index: deleting evicted values and empty namespace records failed ({e}); "
+                           "retried by the next deletion")
         self._load_seconds = time.perf_counter() - t0
         self._ready.set()
         with self._lock:  # chunks that came to be held by LMDB only while it loaded
