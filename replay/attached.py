@@ -2,9 +2,9 @@
 
 The service never dials into an engine: a runner process (`kvstore runner --connect ADDR`, or an
 engine's own GPU worker speaking the same stream) connects, announces its model, layout id,
-device and capacity in a `RunnerHello`, and then receives `ReplayJob`s, each followed by its global
-chunks in `JobChunks` pieces. It answers each job with the rebuilt snapshot in `JobResult` pieces
-(or an error). Jobs run through a `BatchWorker`, so jobs that arrive together run as one batch.
+weights, device and capacity in a `RunnerHello`, and then receives `ReplayJob`s, each followed by
+its global chunks in `JobChunks` pieces. It answers each job with the rebuilt snapshot in
+`JobResult` pieces (or an error). Jobs run through a `BatchWorker`, so jobs that arrive together run as one batch.
 
 On the service's host (a `unix:` target) the runner opens a same-host session first and names it
 in its hello: job chunks then come as spans of the session's load segment, which the runner copies
@@ -16,8 +16,8 @@ opened it takes and sends messages.
 When the stream breaks (the service restarts, the network drops, or the path goes silent and
 keepalive pings go unanswered) the runner reconnects with exponential backoff and jitter, and
 forgets the jobs of the old stream (the service has already failed or re-queued them). A refusal
-that retrying cannot fix (a wrong layout, bad credentials) ends the process with an error
-instead; a same-host session the service no longer knows is not one. `stop` (set on SIGTERM by
+that retrying cannot fix (a wrong layout or weights, bad credentials) ends the process with an
+error instead; a same-host session the service no longer knows is not one. `stop` (set on SIGTERM by
 the command) cancels the stream and ends `run` cleanly, once a batch in flight has finished.
 
 What it does not know: replay policy, the store, or the pool; which model it runs (it is given
@@ -66,6 +66,8 @@ class RunnerIdentity:
     max_concurrent_jobs: int
     max_batch: int
     name: str
+    # The weights it replays with (`RunnerHello.weights`); "" declares none (attached unverified).
+    weights: str = ""
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ class AttachedRunner:
         out.put(pb.RunnerMessage(hello=pb.RunnerHello(
             model=ident.model, layout_id=ident.layout_id, device=ident.device,
             max_concurrent_jobs=ident.max_concurrent_jobs, max_batch=ident.max_batch, name=ident.name,
-            shm_session=shm.session_id if shm is not None else "")))
+            weights=ident.weights, shm_session=shm.session_id if shm is not None else "")))
 
         def requests() -> Iterator[pb.RunnerMessage]:
             while True:

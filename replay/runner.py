@@ -32,6 +32,12 @@ log = logging.getLogger("kvstore.replay")
 ReplayMode = Literal["bounded", "exact"]
 
 
+def seeded_weights(revision: str, seed: int) -> str:
+    """The weights identity (`RunnerHello.weights`) of a model whose weights come from a seed (the
+    reference CED model): its revision alone would not tell seed 0's weights from seed 1's."""
+    return f"{revision}+seed={seed}"
+
+
 class ChunksGone(Exception):
     """A job's chunk source no longer has all its chunks (one vanished from the store)."""
 

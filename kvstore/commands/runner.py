@@ -3,7 +3,9 @@
 The process dials the service, announces the model (CUDA when present, else CPU), and rebuilds
 local state for the replay jobs it receives until SIGTERM or SIGINT, reconnecting with backoff
 when the stream breaks. The service must serve a model whose layout is the reference model's at
-the given window and chunk size (the defaults match `reference-toy-8` at 128-token chunks).
+the given window and chunk size (the defaults match `reference-toy-8` at 128-token chunks), and
+its weights: the runner declares the reference model's revision and `--seed` ("1+seed=0"), which
+must be the service's `replay.reference_seed` (it refuses other weights at attach).
 Exit status: 0 when stopped by a signal, 2 when the service refused the runner.
 """
 
@@ -33,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=128, metavar="W", help="sliding window of the model (128)")
     p.add_argument("--chunk-tokens", type=int, default=128, metavar="N",
                    help="the service's chunk size in tokens (store.chunk_tokens, 128)")
-    p.add_argument("--seed", type=int, default=0, help="weight seed; must match the engine's (0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="weight seed; must be the service's replay.reference_seed and the engine's (0)")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="CPU threads for the model (0: 1 per 4 CPUs, 1 to 4)")
@@ -65,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
     from replay.inprocess import ReferenceReplayer, device_option
     from replay.reference.config import ModelConfig
+    from replay.runner import seeded_weights
 
     try:
         cfg = replace(ModelConfig(), window=args.window, chunk_tokens=args.chunk_tokens, seed=args.seed)
@@ -79,16 +83,21 @@ def run(args: argparse.Namespace) -> int:
     use_threads(args.threads)
     replayer = ReferenceReplayer({layout.name: cfg}, device_option(args.device))
     replayer.load()
+    model = replayer.model(layout.name)
+    assert model is not None  # loaded just now under this name
     identity = RunnerIdentity(
         model=layout.name, layout_id=layout.layout_id, device=replayer.device_name,
         max_concurrent_jobs=args.max_concurrent_jobs, max_batch=args.max_batch,
         name=args.name or f"reference runner ({replayer.device_name})",
+        # Declared so that the service refuses a runner whose seed gives other weights than its
+        # own: their snapshots have the right size and would be pooled as the model's.
+        weights=seeded_weights(model.spec.revision, cfg.seed),
     )
     runner = AttachedRunner(identity, replayer.run_batch, AttachOptions(args.connect, args.token, args.tls_ca),
                             say=_say)
     stop = stop_on_signals()
-    _say(f"model {layout.name} (window {cfg.window}, chunks of {cfg.chunk_tokens} tokens) on "
-         f"{replayer.device_name}; connecting to {args.connect}")
+    _say(f"model {layout.name} (window {cfg.window}, chunks of {cfg.chunk_tokens} tokens, weights "
+         f"{identity.weights}) on {replayer.device_name}; connecting to {args.connect}")
     rc = runner.run(stop)
     _say(f"stopped after {runner.jobs_done} job(s)" if rc == 0 else "giving up: the service refused this runner")
     return rc

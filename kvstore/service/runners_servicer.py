@@ -1,14 +1,19 @@
 """The `Runners.Attach` servicer: a thin shell between a runner's stream and the `RunnerRegistry`.
 
-A runner sends `RunnerHello` (model, layout id, device, capacity); the servicer checks it against
-the models this service serves, registers the runner, answers `Attached`, then forwards every job
-the registry queues for it as a `ReplayJob` followed by its global chunks in `JobChunks` pieces of at
-most `message_bytes`. A reader thread takes `JobResult` pieces off the runner's stream, reassembles
+A runner sends `RunnerHello` (model, layout id, weights, device, capacity); the servicer checks it
+against the models this service serves, registers the runner, answers `Attached`, then forwards
+every job the registry queues for it as a `ReplayJob` followed by its global chunks in `JobChunks`
+pieces of at most `message_bytes`. A reader thread takes `JobResult` pieces off the runner's stream, reassembles
 each snapshot and completes the job. A runner attached with a same-host session gets its job
 chunks as spans of its load segment, and may answer with its snapshot as one span of its store
 segment, which the servicer copies and then acknowledges (`ResultTaken`) so the runner can reuse
 that memory. When the stream ends for any reason the runner is detached and its jobs in flight
 resolve as failed.
+
+A result is checked for its size only, so a runner with other weights than the service's would
+have its snapshots pooled and served as the model's: the hello's weights identity must be the one
+the service expects for the model (`expected_weights`), else the attach is refused. A runner that
+declares none (older than the field) is attached, unverified, and logged as such.
 
 Attach calls are not counted against the call limit (they live as long as the runner) but the
 registry bounds how many runners may attach. A stream waiting for its hello is not attached yet:
@@ -23,12 +28,13 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
 from kvstore.errors import InvalidInput, KvstoreError, ResourceExhausted, Unavailable, listed
-from kvstore.layout import CacheLayout
+from kvstore.layout import CacheLayout, ModelSpec
 from kvstore.service.auth import Authenticator, Caller
 from kvstore.service.codes import status_for
 from kvstore.service.limits import refusal_message
@@ -39,10 +45,48 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.framing import BlobAssembler, plan_pieces
 from kvstore.wire.messages import Malformed, accept, job_chunks_frame, tokens_to_proto
 from policies.fair_share import FairShare
+from replay.inprocess import reference_config_for
 from replay.registry import ADMIN_MEMBER, ResultTaken, RunnerInfo, RunnerLink, RunnerRegistry, _Pending
-from replay.runner import ChunksGone, ReplayJob
+from replay.runner import ChunksGone, ReplayJob, seeded_weights
 
 log = logging.getLogger(__name__)
+
+# Of a runner's declared weights identity, the characters an error quotes (it is the caller's text).
+QUOTED_WEIGHTS_CHARS = 160
+
+
+@dataclass(frozen=True)
+class ExpectedWeights:
+    """The weights identity a runner of a model must declare, and what a refused one should change."""
+
+    identity: str
+    fix: str
+
+
+def expected_weights(models: Mapping[str, ModelSpec], chunk_tokens: int, reference_seed: int,
+                     ) -> Callable[[str], ExpectedWeights | None]:
+    """Served model name -> the weights identity its runners must declare (None: not served).
+    `models` is read at each call, so a model an engine registers later (RegisterModel, with its
+    own revision) is checked too. A model the reference CED model runs (decided by structure, as
+    the in-process runner decides it) has weights drawn from `replay.reference_seed`: its identity
+    is the revision and that seed, since the revision alone is the same for every seed."""
+
+    def of(model: str) -> ExpectedWeights | None:
+        spec = models.get(model)
+        if spec is None:
+            return None
+        if reference_config_for(spec, chunk_tokens, reference_seed) is not None:
+            return ExpectedWeights(seeded_weights(spec.revision, reference_seed),
+                                   f"start the runner with --seed {reference_seed} (the service's "
+                                   "replay.reference_seed)")
+        return ExpectedWeights(spec.revision, f"attach a runner with the weights of revision '{spec.revision}'")
+
+    return of
+
+
+def _quoted(text: str) -> str:
+    """`text`, the caller's, quoted and cut to `QUOTED_WEIGHTS_CHARS`."""
+    return repr(text) if len(text) <= QUOTED_WEIGHTS_CHARS else repr(text[:QUOTED_WEIGHTS_CHARS]) + "..."
 
 
 
@@ -61,10 +105,13 @@ class RunnersServicer:
         hidden_models: Callable[[str], Collection[str]] | None = None,
         weights: Mapping[str, float] | None = None,
         admin_runners: bool = True,
+        expected_weights: Callable[[str], ExpectedWeights | None] | None = None,
     ) -> None:
         """`hidden_models(tenant)`: the engine models other tenants registered, which a runner
         attached with `tenant`'s credentials is neither told of nor given (`GlobalStore.hidden_models`).
-        `weights`, `admin_runners`: as the registry's, for the split of the greeting slots."""
+        `weights`, `admin_runners`: as the registry's, for the split of the greeting slots.
+        `expected_weights(model)`: the weights identity a runner of `model` must declare (see
+        `expected_weights`); without it no declared identity is checked."""
         self._registry = registry
         self._auth = auth
         # Read at each use, not copied: a model registered at runtime (RegisterModel) is served too.
@@ -81,6 +128,9 @@ class RunnersServicer:
         self._greeting = FairShare(registry.max_runners, {
             **(weights or {}), **({ADMIN_MEMBER: 1.0} if admin_runners else {})})
         self._greeting_lock = threading.Lock()
+        self._expected_weights = expected_weights
+        self.refused_total = 0  # hellos refused (unknown model, other layout or weights, ...)
+        self.unverified_total = 0  # runners attached without declaring their weights
 
     def Attach(
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], context: grpc.ServicerContext
@@ -152,7 +202,12 @@ class RunnersServicer:
         try:
             with self._watch.watch(context, "Attach", member) as w:
                 first = next(w.received(request_iterator), None)
-            return self._registered(first, caller)
+            try:
+                return self._registered(first, caller)
+            except InvalidInput:
+                with self._greeting_lock:
+                    self.refused_total += 1
+                raise
         finally:
             with self._greeting_lock:
                 self._greeting.give_back(member, 1)
@@ -178,6 +233,11 @@ class RunnersServicer:
             raise InvalidInput(
                 f"runner layout id {h.layout_id.hex()} does not match the service's layout "
                 f"{layout.layout_id.hex()} of '{h.model}' (different chunk size or record format)")
+        want = self._expected_weights(h.model) if self._expected_weights is not None else None
+        if want is not None and h.weights and h.weights != want.identity:
+            raise InvalidInput(
+                f"runner weights {_quoted(h.weights)} are not the weights {want.identity!r} this service "
+                f"has for '{h.model}' (its results would be pooled as that model's): {want.fix}")
         if h.max_concurrent_jobs < 1:
             raise InvalidInput("runner max_concurrent_jobs must be >= 1")
         shm = None
@@ -192,10 +252,18 @@ class RunnersServicer:
         )
         link = self._registry.attach(info)
         # The name the runner gave (`kvstore runner --name`), quoted: it is the caller's text.
-        log.info("runner %s%s attached: model %s on %s (%s; job chunks and results %s)", info.runner_id,
-                 f" {info.name!r}" if info.name else "", info.model, info.device,
+        log.info("runner %s%s attached: model %s on %s, weights %s (%s; job chunks and results %s)",
+                 info.runner_id, f" {info.name!r}" if info.name else "", info.model, info.device,
+                 _quoted(h.weights) if h.weights else "unverified",
                  "all tenants" if info.tenant is None else f"tenant {info.tenant}",
                  "through shared memory" if shm is not None else "in messages")
+        if not h.weights and want is not None:
+            with self._greeting_lock:
+                self.unverified_total += 1
+            # Accepted, as before the field existed: the runner may be older than it.
+            log.warning("runner %s declares no weights identity: its results for '%s' are not checked "
+                        "against the service's weights %r (a runner older than RunnerHello.weights?)",
+                        info.runner_id, info.model, want.identity)
         return link, shm
 
     def _job_messages(self, p: _Pending, link: RunnerLink, shm: ShmSession | None,

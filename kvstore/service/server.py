@@ -44,7 +44,7 @@ from kvstore.service.calls import CallGuard
 from kvstore.service.health import HealthReporter
 from kvstore.service.health_door import MAX_HEALTH_CHECKS, MAX_HEALTH_WATCHES, health_handler
 from kvstore.service.limits import CallLimiter
-from kvstore.service.runners_servicer import RunnersServicer
+from kvstore.service.runners_servicer import RunnersServicer, expected_weights
 from kvstore.service.servicer import KVCacheServicer
 from kvstore.service.shm_listener import ShmSessions, check_socket_free
 from kvstore.service.stream_watch import StreamWatch
@@ -183,6 +183,7 @@ class KvstoreServer:
             svc.stream_message_bytes, svc.max_message_bytes, lambda: self.limiter.draining, self.watch,
             self.shm, svc.stream_idle_seconds, hidden_models=app.store.hidden_models,
             weights=cfg.share_weights(), admin_runners=cfg.runner_admin_weight() > 0,
+            expected_weights=expected_weights(app.models, cfg.store.chunk_tokens, cfg.replay.reference_seed),
         )
         threads = svc.max_concurrent_calls + 2 * app.runners.max_runners + SPARE_THREADS + MAX_HEALTH_WATCHES
         self._server = grpc.server(

@@ -609,7 +609,7 @@ class RegisterModelResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., layout_id: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., local_snapshot_bytes: _Optional[int] = ..., local_window_tokens: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class RunnerHello(_message.Message):
-    __slots__ = ("model", "layout_id", "device", "max_concurrent_jobs", "max_batch", "name", "shm_session")
+    __slots__ = ("model", "layout_id", "device", "max_concurrent_jobs", "max_batch", "name", "shm_session", "weights")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -617,6 +617,7 @@ class RunnerHello(_message.Message):
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_SESSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     layout_id: bytes
     device: str
@@ -624,7 +625,8 @@ class RunnerHello(_message.Message):
     max_batch: int
     name: str
     shm_session: str
-    def __init__(self, model: _Optional[str] = ..., layout_id: _Optional[bytes] = ..., device: _Optional[str] = ..., max_concurrent_jobs: _Optional[int] = ..., max_batch: _Optional[int] = ..., name: _Optional[str] = ..., shm_session: _Optional[str] = ...) -> None: ...
+    weights: str
+    def __init__(self, model: _Optional[str] = ..., layout_id: _Optional[bytes] = ..., device: _Optional[str] = ..., max_concurrent_jobs: _Optional[int] = ..., max_batch: _Optional[int] = ..., name: _Optional[str] = ..., shm_session: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class JobResult(_message.Message):
     __slots__ = ("job_id", "offset", "data", "total_bytes", "last", "error", "shm")
