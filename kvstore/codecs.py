@@ -1,7 +1,10 @@
 """Low-precision codecs for KV records: FP4 E2M1, FP8 E4M3, and the E4M3 / UE8M0 block scales.
 
 These are the byte formats of docs/architecture.md §5.1, implemented as vectorised torch operations that run
-on CPU and CUDA tensors alike (numpy arrays are accepted as input and converted):
+on CPU and CUDA tensors alike (numpy arrays are accepted as input and converted). Values to encode
+are float32, float16 or bfloat16 (numpy: float32 or float16, either byte order), each exact in
+float32; float64 and other dtypes are refused with InvalidInput, since a float64 would be rounded
+twice (to float32, then to the format):
 
 - FP4 E2M1 codes: magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} as codes 0..7, sign in bit 3; round to
   nearest with ties to the even code; saturate at 6. Two codes per byte, the even channel in the
@@ -24,6 +27,10 @@ Special values (documented because the references disagree on them):
 - UE8M0: amax = 0 (an all-zero group) is floored to the smallest scale 2⁻¹²⁷ (byte 0) so that it
   decodes to zeros; exponents are clamped to [-127, 127]; a NaN amax gives byte 0xFF, which decodes
   to NaN; +inf saturates at 2¹²⁷.
+- Block-scaled UE8M0 groups (FP8 values, FP4 values) of finite values decode finite: at the largest
+  scale a finite amax gets (2¹²⁰ for FP8, 2¹²⁶ for FP4), a value that would round up to 2¹²⁸
+  (|x| >= 1.9375·2¹²⁷ in FP8, 1.75·2¹²⁷ in FP4) saturates at 240·2¹²⁰ or 3·2¹²⁶ instead. In a
+  group holding an infinity (scale 2¹²⁷) such values decode infinite too.
 
 This module knows nothing about layouts, records or models: callers choose the group sizes and
 lay the returned arrays out into bytes themselves.
@@ -38,6 +45,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvstore.errors import InvalidInput
+
 FP4_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_MAX = 6.0
 E4M3_MAX = 448.0
@@ -48,6 +57,9 @@ MAIN_KV_AMAX_FLOOR = 6.0 * 2.0**-9
 UE8M0_NAN = 255
 
 ArrayLike = Tensor | np.ndarray
+_VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_NUMPY_VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+_VALUE_DTYPE_NAMES = "float32, float16 or bfloat16"
 
 # Decision thresholds between adjacent FP4 magnitudes, with the comparison that sends an exact
 # tie to the even code: at 0.25 the lower code (0) is even so a tie stays down (strict >), at 0.75
@@ -58,10 +70,31 @@ _FP4_THRESHOLDS: tuple[tuple[float, bool], ...] = (
 # Elements per block when working through a large CPU tensor: small enough that the dozen passes
 # of an encode stay in cache (measured ~4x faster than whole-tensor passes on 512 M values).
 _CPU_BLOCK_ELEMENTS = 1 << 18
+# The largest UE8M0 scale a finite amax gets (amax < 2^128): 2^120 over E4M3's 448, 2^126 over
+# FP4's 6. At it a value that rounds up to its binade's top (|x| >= 1.9375·2^127 in E4M3, 1.75·2^127
+# in FP4) would decode to 2^128, past float32's largest, so it saturates instead at the largest grid
+# value that decodes finite (240·2^120, 3·2^126); every other value encodes as it rounds.
+_E4M3_TOP_SCALE_BYTE, _E4M3_TOP_SCALE_MAX = 127 + 120, 240.0
+_FP4_TOP_SCALE_BYTE, _FP4_TOP_SCALE_MAX = 127 + 126, 3.0
 
 
 def _as_tensor(x: ArrayLike) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+
+
+def _values(x: ArrayLike) -> Tensor:
+    """Values to encode as float32: float32, float16 or bfloat16, each exact in float32. float64
+    (and anything else) is refused: rounding it to float32 first would round some values twice,
+    and the result would differ from the format's single rounding."""
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind == "f" and not x.dtype.isnative:  # byte order only: converted exactly
+            x = x.astype(x.dtype.newbyteorder("="))
+        if x.dtype not in _NUMPY_VALUE_DTYPES:
+            raise InvalidInput(f"codec input must be {_VALUE_DTYPE_NAMES} values, not numpy {x.dtype}")
+    t = _as_tensor(x)
+    if t.dtype not in _VALUE_DTYPES:
+        raise InvalidInput(f"codec input must be {_VALUE_DTYPE_NAMES} values, not {t.dtype}")
+    return t.float()
 
 
 def _fp4_codes(mag: Tensor, signed: Tensor) -> Tensor:
@@ -82,7 +115,7 @@ def _fp4_codes(mag: Tensor, signed: Tensor) -> Tensor:
 
 def fp4_encode(x: ArrayLike) -> Tensor:
     """float tensor [...] -> uint8 FP4 codes [...] (one code per byte; see `pack_fp4`)."""
-    x = _as_tensor(x).float()
+    x = _values(x)
     return _fp4_codes(x.abs(), x)
 
 
@@ -133,7 +166,7 @@ def _lookup(table: Tensor, idx: Tensor) -> Tensor:
 
 def e4m3_encode(x: ArrayLike, saturate: bool = True) -> Tensor:
     """float tensor -> uint8 E4M3 bytes (float8_e4m3fn bit patterns). See the module docstring."""
-    x = _as_tensor(x).float()
+    x = _values(x)
     # Clamp before the cast: torch versions differ on overflow (older ones produce NaN, newer ones
     # saturate), so the cast never sees a value it could disagree about. clamp keeps NaN.
     out = x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -152,7 +185,7 @@ def e4m3_decode(b: ArrayLike) -> Tensor:
 
 def ue8m0_encode(amax: ArrayLike, qmax: float) -> Tensor:
     """Per-group amax -> UE8M0 byte of the scale `2^ceil(log2(amax / qmax))` (exponent + 127)."""
-    amax = _as_tensor(amax).float()
+    amax = _values(amax)
     v = (amax / qmax).clamp(min=2.0**-127)
     mant, exp = torch.frexp(v)  # v = mant * 2^exp, mant in [0.5, 1): exact, unlike log2
     exp = exp - (mant == 0.5).to(exp.dtype)  # an exact power of two needs no rounding up
@@ -197,7 +230,7 @@ def _blockwise(
 
 def quantize_main_kv(x: ArrayLike, group: int = MAIN_KV_GROUP) -> tuple[Tensor, Tensor]:
     """x [..., D] -> (packed FP4 [..., D/2] uint8, E4M3 scales [..., D/group] uint8)."""
-    x = _as_tensor(x).float()
+    x = _values(x)
 
     def rows(r: Tensor) -> tuple[Tensor, Tensor]:
         g = _grouped(r, group)  # [n, D/group, group]
@@ -219,13 +252,16 @@ def dequantize_main_kv(packed: ArrayLike, scales: ArrayLike, group: int = MAIN_K
 
 def quantize_fp4_ue8m0(x: ArrayLike, group: int = UE8M0_GROUP) -> tuple[Tensor, Tensor]:
     """x [..., D] -> (packed FP4 [..., D/2] uint8, UE8M0 scales [..., D/group] uint8)."""
-    x = _as_tensor(x).float()
+    x = _values(x)
 
     def rows(r: Tensor) -> tuple[Tensor, Tensor]:
         g = _grouped(r, group)
         a = g.abs()
         s_byte = ue8m0_encode(a.amax(dim=-1), FP4_MAX)
         mag = a.div_(ue8m0_decode(s_byte).unsqueeze(-1))
+        top = _finite_max(s_byte, FP4_MAX, _FP4_TOP_SCALE_BYTE, _FP4_TOP_SCALE_MAX)
+        if top is not None:  # FP4 codes saturate at FP4_MAX by themselves
+            mag.clamp_(max=top)
         return _pack_codes(_fp4_codes(mag, g).flatten(-2)), s_byte
 
     return _blockwise(rows, x, (x.shape[-1] // 2, x.shape[-1] // group))
@@ -239,17 +275,30 @@ def dequantize_fp4_ue8m0(packed: ArrayLike, scales: ArrayLike, group: int = UE8M
 
 def quantize_fp8_ue8m0(x: ArrayLike, group: int = UE8M0_GROUP) -> tuple[Tensor, Tensor]:
     """x [..., D] -> (E4M3 values [..., D] uint8, UE8M0 scales [..., D/group] uint8)."""
-    x = _as_tensor(x).float()
+    x = _values(x)
 
     def rows(r: Tensor) -> tuple[Tensor, Tensor]:
         g = _grouped(r, group)
         s_byte = ue8m0_encode(g.abs().amax(dim=-1), E4M3_MAX)
         y = (g / ue8m0_decode(s_byte).unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX)
+        top = _finite_max(s_byte, E4M3_MAX, _E4M3_TOP_SCALE_BYTE, _E4M3_TOP_SCALE_MAX)
+        if top is not None:
+            y.clamp_(-top, top)
         # |y| <= 448 by construction, and a NaN here means the group's scale byte is already the
         # NaN byte, so the cast needs none of e4m3_encode's special-value handling.
         return y.to(torch.float8_e4m3fn).view(torch.uint8).flatten(-2), s_byte
 
     return _blockwise(rows, x, (x.shape[-1], x.shape[-1] // group))
+
+
+def _finite_max(s_byte: Tensor, qmax: float, top_byte: int, top_max: float) -> Tensor | None:
+    """Per group ([..., groups, 1]), the largest magnitude to encode: qmax, or at the largest
+    scale of a finite amax the largest grid value that decodes finite (see _E4M3_TOP_SCALE_BYTE).
+    None (no clamp needed) where no group has that scale, checked on CPU only (on a GPU the check
+    would wait for the device): the per-group clamp made fp8's encode ~1.5x slower on CPU."""
+    if s_byte.device.type == "cpu" and not bool((s_byte == top_byte).any()):
+        return None
+    return torch.where(s_byte == top_byte, top_max, qmax).unsqueeze(-1)
 
 
 def dequantize_fp8_ue8m0(values: ArrayLike, scales: ArrayLike, group: int = UE8M0_GROUP) -> Tensor:

@@ -17,6 +17,11 @@ from kvstore.integrations.vllm.cache_layout import EnginePlan, GroupPlan, PagedC
 CHUNK, HEADS, HEAD = 8, 2, 4
 GROUPS = (GroupPlan(0, ("full.0", "full.1"), HEADS, HEAD, torch.bfloat16, 0),
           GroupPlan(1, ("swa.0",), HEADS, HEAD, torch.bfloat16, 20))
+# Two full-attention groups (as vLLM's hybrid allocator splits a model's full-attention layers):
+# each group's bytes are only part of a chunk.
+TWO_FULL = (GroupPlan(0, ("full.0", "full.1"), HEADS, HEAD, torch.bfloat16, 0),
+            GroupPlan(1, ("full.2",), HEADS, HEAD, torch.bfloat16, 0),
+            GroupPlan(2, ("swa.0",), HEADS, HEAD, torch.bfloat16, 20))
 BLOCKS = 64
 PLATFORMS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 TABLES = [list(range(5, 17)), [3, 4, 5, 9, 10, 30, 31, 32, 33, 1, 40, 41], [0, 2, 4, 6, 8, 39, 60, 58], [7, 8]]
@@ -52,23 +57,26 @@ def _canonical(plan: EnginePlan, caches: dict[str, torch.Tensor], layers: tuple[
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("block", [CHUNK, CHUNK // 2, CHUNK // 4], ids=["cpu-blocks", "2-per-chunk", "4-per-chunk"])
 @pytest.mark.parametrize("table", TABLES)
-def test_chunks_and_snapshots_go_and_come_back_in_the_canonical_order(block: int, table: list[int],
-                                                                      platform: str, backend: str) -> None:
-    plan = EnginePlan(GROUPS, CHUNK, block)
+@pytest.mark.parametrize("groups", [GROUPS, TWO_FULL], ids=["one-full-group", "two-full-groups"])
+def test_chunks_and_snapshots_go_and_come_back_in_the_canonical_order(block: int, table: list[int], platform: str,
+                                                                      backend: str,
+                                                                      groups: tuple[GroupPlan, ...]) -> None:
+    plan = EnginePlan(groups, CHUNK, block)
     k = plan.blocks_per_chunk
     blocks = table[: len(table) // k * k]
     chunks = len(blocks) // k
-    full = GROUPS[0].layer_names
+    full = tuple(name for g in plan.full for name in g.layer_names)
     src, src_caches = _cache(plan, 1, platform, backend)
     out = torch.zeros(chunks, plan.chunk_bytes, dtype=torch.uint8)
     for name in full:
         src.gather_chunks(name, blocks, out)
-    for c in range(chunks):
-        assert torch.equal(out[c], _canonical(plan, src_caches, full, blocks[c * k : (c + 1) * k], backend))
+    for c in range(chunks):  # each full group's records in turn
+        assert torch.equal(out[c], torch.cat([_canonical(plan, src_caches, g.layer_names, blocks[c * k : (c + 1) * k],
+                                                         backend) for g in plan.full]))
 
     dst, dst_caches = _cache(plan, 2, platform, backend)
     before = {n: t.clone() for n, t in dst_caches.items()}
-    dst.scatter_chunks(out, {0: blocks})
+    dst.scatter_chunks(out, {g.group_id: blocks for g in plan.full})
     others = [b for b in range(BLOCKS) if b not in blocks]
     for n in full:
         assert torch.equal(dst_caches[n][blocks], src_caches[n][blocks])
@@ -78,7 +86,7 @@ def test_chunks_and_snapshots_go_and_come_back_in_the_canonical_order(block: int
     window = plan.chunk_blocks(blocks, max(0, chunks - plan.window_chunks), chunks)
     snap = torch.zeros(plan.snapshot_bytes, dtype=torch.uint8)
     src.gather_snapshot("swa.0", window, snap)
-    dst.scatter_snapshot(snap, {1: window})
+    dst.scatter_snapshot(snap, {plan.sliding[0].group_id: window})
     assert torch.equal(dst_caches["swa.0"][window], src_caches["swa.0"][window])
 
 

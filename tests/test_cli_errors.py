@@ -74,6 +74,10 @@ IN_PROCESS: list[tuple[list[str], str]] = [
      "--snapshot-bytes must be at most"),
     (["tune", "ttl", "--synthetic", "200", "--replay-tokens", "100000000000000000000"],
      "--replay-tokens must be at most"),
+    # A chunk no store can have (store.chunk_tokens' bound), shown as if it could.
+    (["layout", "show", "dense-gqa-32l", "--chunk-tokens", "1048576"],
+     "--chunk-tokens must be at most 65,536 (store.chunk_tokens' bound), got 1,048,576"),
+    (["layout", "show", "dense-gqa-32l", "--chunk-tokens", "100000000000000000000"], "--chunk-tokens must be at most"),
     # NaN figures, written as NaN (not JSON), or a traceback from torch's allocator.
     (["replay-quality", "--sizes", "128", "--sharpness", "inf", "--json"], "argument --sharpness: must be a finite"),
     (["replay-quality", "--sizes", "128", "--sharpness", "nan"], "argument --sharpness: must be a finite"),

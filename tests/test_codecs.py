@@ -7,6 +7,8 @@ values (overflow, NaN) the codec documents its choice and the tests pin it down.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -209,6 +211,47 @@ def test_nan_poisons_its_group_only() -> None:
         group = 16 if q is C.quantize_main_kv else 32
         assert torch.isnan(y[0, :group]).all()
         assert torch.equal(y[0, group:], clean[0, group:]) and torch.equal(y[1], clean[1])
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "fp4"])
+def test_finite_groups_at_the_largest_scale_decode_finite(fp4: bool) -> None:
+    """Groups whose amax is near float32's largest get the largest finite-amax scale (2^120 for
+    FP8, 2^126 for FP4): a value that would round up to 2^128 saturates at the largest grid value
+    that decodes finite, and every other value decodes as the format rounds it."""
+    q, dq, scale, top = ((C.quantize_fp4_ue8m0, C.dequantize_fp4_ue8m0, 2.0**126, 3.0) if fp4 else
+                         (C.quantize_fp8_ue8m0, C.dequantize_fp8_ue8m0, 2.0**120, 240.0))
+    f32max = float(np.finfo(np.float32).max)
+    mags = np.concatenate([np.linspace(1.5 * 2.0**127, f32max, 60),
+                           [f32max, float(torch.finfo(torch.bfloat16).max), 1.9375 * 2.0**127, 1.75 * 2.0**127]])
+    x = np.concatenate([mags, -mags]).astype(np.float32).reshape(-1, 32)
+    x[:, 0] = f32max  # every group at the largest scale
+    values, scales = q(x)
+    assert (scales.numpy() == 127 + round(math.log2(scale))).all()
+    got = dq(values, scales).numpy().astype(np.float64)
+    assert np.isfinite(got).all()
+    # The format's own rounding, in float64 (where 2^128 is finite), saturated where it overflows.
+    ref = (x / np.float32(scale)).astype(F4 if fp4 else F8).astype(np.float64) * scale
+    expected = np.where(np.abs(ref) >= 2.0**128, np.sign(x) * top * scale, ref)
+    assert np.array_equal(got, expected)
+    assert (np.abs(ref) >= 2.0**128).any() and (np.abs(ref) < 2.0**128).any()  # both kinds of value
+
+
+@pytest.mark.parametrize("encode", [C.fp4_encode, C.e4m3_encode, lambda x: C.ue8m0_encode(x, 6.0),
+                                    C.quantize_main_kv, C.quantize_fp4_ue8m0, C.quantize_fp8_ue8m0],
+                         ids=["fp4", "e4m3", "ue8m0", "main_kv", "fp4_ue8m0", "fp8_ue8m0"])
+def test_float64_and_other_dtypes_are_refused_and_byte_order_is_converted(encode: Callable[[Any], Any]) -> None:
+    """float64 would be rounded twice (to float32, then to the format), so it is refused; a
+    big-endian float32 array is the same values, so it encodes as the native one does."""
+    from kvstore.errors import InvalidInput
+
+    x = np.linspace(-7.0, 7.0, 64).reshape(2, 32)
+    for bad in (x, torch.from_numpy(x), x.astype(np.int32), torch.from_numpy(x).to(torch.int64)):
+        with pytest.raises(InvalidInput, match="must be float32, float16 or bfloat16 values, not"):
+            encode(bad)
+    native, big = x.astype(np.float32), x.astype(">f4")
+    a, b = encode(native), encode(big)
+    for u, v in zip(a, b, strict=True) if isinstance(a, tuple) else ((a, b),):
+        assert torch.equal(u, v)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

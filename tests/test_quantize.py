@@ -79,6 +79,26 @@ def test_round_trip_error_is_within_the_documented_bound(mode: QuantizeMode) -> 
 
 
 @pytest.mark.parametrize("mode", ["fp8", "fp4"])
+def test_values_near_the_largest_bf16_stay_finite_and_within_the_bound(mode: QuantizeMode) -> None:
+    """In fp8 such a group gets the largest scale, 2^120, at which E4M3's rounding up to 256 would
+    decode to 2^128: past float32's (and bf16's) largest, an infinity."""
+    plan = plan_for(DENSE, mode)
+    assert plan is not None
+    x = torch.from_numpy(bf16_values(random_bf16(DENSE.chunk_bytes // 2, seed=4)).astype(np.float32))
+    top = float(torch.finfo(torch.bfloat16).max)
+    for i, big in enumerate([top, 1.9375 * 2.0**127, 1.75 * 2.0**127, 2.0**127]):
+        group = x[i * 32 : (i + 1) * 32]  # a group in either mode (fp4's groups are 16)
+        group[::3] = big
+        group[1::7] = -big
+        group[5] = -top
+    sent = x.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    out = bytearray(DENSE.chunk_bytes)
+    plan.dequantize_into(memoryview(plan.quantize(memoryview(sent))), memoryview(out))
+    assert np.isfinite(bf16_values(bytes(out))).all()
+    assert_within_bound(sent, bytes(out), mode)
+
+
+@pytest.mark.parametrize("mode", ["fp8", "fp4"])
 def test_only_whole_group_bf16_segments_change(mode: QuantizeMode) -> None:
     layout = CacheLayout(
         "mixed", (GlobalGroup("g", (0,), 1, (

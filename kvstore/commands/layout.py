@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvstore.config.store import MAX_CHUNK_TOKENS
+from kvstore.errors import InvalidInput
 from kvstore.layout import CacheLayout, get_model, model_names
 
 # The baseline for "persisted bytes per token": a policy that also persists the local SWA state
@@ -55,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     layout = get_model(args.name).layout
     if args.chunk_tokens is not None:
+        if args.chunk_tokens > MAX_CHUNK_TOKENS:  # the layout checks the rest (positive, a multiple of 8)
+            raise InvalidInput(f"--chunk-tokens must be at most {MAX_CHUNK_TOKENS:,} (store.chunk_tokens' bound), "
+                               f"got {args.chunk_tokens:,}")
         layout = layout.with_chunk_tokens(args.chunk_tokens)
     d = describe(layout)
     if args.json:

@@ -14,8 +14,11 @@ keeps each bf16 segment in a block-scaled format of docs/architecture.md §5.1 (
   largest E4M3 scale, 448) saturate at ±2,688.
 
 A NaN poisons its whole group (the group decodes as NaN). An infinity stays infinite in fp8 and
-becomes ±2,688 in fp4, and the rest of its group decodes as zeros. The dequantized values
-are exactly representable in bf16, so converting back adds no error of its own.
+becomes ±2,688 in fp4, and the rest of its group decodes as zeros, bar values above 2^117 in fp8
+(kept coarsely; infinite from 1.9375·2^127 up) and above 112 in fp4. A group of finite values
+decodes finite: near bf16's largest, fp8 saturates at 1.875·2^127 (see kvstore.codecs), within the
+bound above. The dequantized values are exactly representable in bf16, so converting back adds no
+error of its own.
 
 The quantized payload keeps the layout's segment order: every other segment is copied verbatim,
 and each run of adjacent bf16 segments becomes its values followed by its scales. A segment is

@@ -208,13 +208,14 @@ class PagedCache:
         return self._group_of.get(layer)
 
     def _chunk_view(self, buf: torch.Tensor, g: GroupPlan) -> torch.Tensor:
-        """[blocks, block tokens, layers, K/V, heads, head_size] view of group g inside `buf`
-        ([chunks, chunk_bytes]): each chunk's tokens as its blocks_per_chunk blocks, in order."""
+        """[chunks, blocks per chunk, block tokens, layers, K/V, heads, head_size] view of group g
+        inside `buf` ([chunks, chunk_bytes]): each chunk's tokens as its blocks_per_chunk blocks, in
+        order. The chunk axis stays apart: with several full-attention groups a group's bytes are
+        only part of each chunk, so chunks and their blocks are not one strided axis."""
         n, size = self.plan.block_tokens, self.plan.chunk_tokens * len(g.layer_names) * g.row_bytes
         off = self._offsets[g.group_id]
-        blocks = buf.shape[0] * self.plan.blocks_per_chunk
-        return buf[:, off : off + size].view(g.dtype).view(blocks, n, len(g.layer_names), g.kv_parts, g.kv_heads,
-                                                            g.head_size)
+        return buf[:, off : off + size].view(g.dtype).view(buf.shape[0], self.plan.blocks_per_chunk, n,
+                                                            len(g.layer_names), g.kv_parts, g.kv_heads, g.head_size)
 
     def _snap_view(self, buf: torch.Tensor, g: GroupPlan) -> torch.Tensor:
         """[layers, window blocks, block tokens, K/V, heads, head_size] view of group g inside a snapshot."""
@@ -227,20 +228,19 @@ class PagedCache:
         """Copy one full-attention layer's `blocks` (blocks_per_chunk per chunk) into `out`
         ([chunks, chunk_bytes], uint8)."""
         g = self._group_of[layer]
-        dst = self._chunk_view(out, g)[:, :, self._layer_index[layer]]
+        dst = self._chunk_view(out, g)[:, :, :, self._layer_index[layer]]
         blocks_view = self._views[layer]
-        for first, at, n in block_runs(blocks):
-            dst[at : at + n].copy_(blocks_view[first : first + n].permute(0, 3, 2, 1, 4))  # device to host on GPU
+        for first, n, rows in _run_rows(dst, blocks):
+            rows.copy_(blocks_view[first : first + n].permute(0, 3, 2, 1, 4))  # device to host on GPU
 
     def scatter_chunks(self, src: torch.Tensor, blocks: Mapping[int, Sequence[int]]) -> None:
         """Write canonical chunks (`src`, [chunks, chunk_bytes] uint8) into every full-attention
         layer, at each group's `blocks` (group id -> blocks_per_chunk blocks per chunk)."""
         for g in self.plan.full:
-            runs = block_runs(blocks[g.group_id])
-            view = self._chunk_view(src, g)
+            runs = _run_rows(self._chunk_view(src, g), blocks[g.group_id])
             for i, name in enumerate(g.layer_names):
-                for first, at, n in runs:
-                    self._views[name][first : first + n].copy_(view[at : at + n, :, i].permute(0, 3, 2, 1, 4))
+                for first, n, rows in runs:
+                    self._views[name][first : first + n].copy_(rows[:, :, i].permute(0, 3, 2, 1, 4))
 
     def gather_snapshot(self, layer: str, blocks: Sequence[int], out: torch.Tensor) -> None:
         """Copy one sliding-window layer's last `blocks` before a boundary into the snapshot `out`
@@ -291,6 +291,25 @@ def _kv_view(layer: str, t: torch.Tensor, g: GroupPlan, n: int, backend: str) ->
     except RuntimeError as e:  # strides a view cannot follow
         raise ValueError(f"layer {layer}: the {backend} cache tensor's strides {t.stride()} are not its "
                          f"backend's layout: {e}") from None
+
+
+def _run_rows(view: torch.Tensor, blocks: Sequence[int]) -> list[tuple[int, int, torch.Tensor]]:
+    """Each run of `blocks` (see `block_runs`) as (first block, length, its rows of `view`,
+    [chunks, blocks per chunk, ...]). A run is one slice where the chunks' blocks are one strided
+    axis (one full-attention group, one block per chunk, or one chunk); otherwise it is split at
+    chunk boundaries, a slice per chunk."""
+    chunks, per = view.shape[:2]
+    if chunks == 1 or per == 1 or view.stride(0) == per * view.stride(1):
+        flat = view.view(chunks * per, *view.shape[2:])
+        return [(first, n, flat[at : at + n]) for first, at, n in block_runs(blocks)]
+    rows: list[tuple[int, int, torch.Tensor]] = []
+    for first, at, n in block_runs(blocks):
+        while n:
+            c, j = divmod(at, per)
+            m = min(n, per - j)
+            rows.append((first, m, view[c, j : j + m]))
+            first, at, n = first + m, at + m, n - m
+    return rows
 
 
 NO_BLOCK = -1  # in a load's block list: a block vLLM holds already (its own prefix cache), not written
