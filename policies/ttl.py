@@ -28,7 +28,10 @@ costs as much as one replay); it is a guide, not a bound: returns clustered a li
 still make a longer TTL cheaper.
 
 Sessions that never return are not observed as gaps; the policy infers them from the count of
-writes (`ttl_for_write` is called once per snapshot written) against the count of returns.
+writes (`ttl_for_write` is called once per snapshot written) against the count of returns. A pool
+whose write may still fail after its TTL is chosen (Redis: out of memory, a timeout) asks
+`write_ttl`, which counts nothing, and reports the write with `observe_write` once it happened
+(`WriteCountingTtl`): `ttl_for_write` is the two in one.
 The caller must report every return it sees through `observe_return`, including those that found
 the snapshot expired; reporting only hits would censor the gaps at the TTL and pull it down.
 """
@@ -38,6 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -53,6 +57,20 @@ def _require_finite_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
+@runtime_checkable
+class WriteCountingTtl(TtlPolicy, Protocol):
+    """A policy that tells "which TTL" apart from "a write happened": `ttl_for_write` is
+    `observe_write` then `write_ttl`."""
+
+    def write_ttl(self, tenant: str, nbytes: int, now: float) -> float:
+        """Seconds a snapshot written now should live; counts no write."""
+        ...
+
+    def observe_write(self, tenant: str, nbytes: int, now: float) -> None:
+        """A snapshot was written (learning policies count it)."""
+        ...
+
+
 class FixedTtl:
     def __init__(self, ttl_seconds: float) -> None:
         _require_finite_positive("ttl_seconds", ttl_seconds)
@@ -60,6 +78,12 @@ class FixedTtl:
 
     def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
         return self._ttl
+
+    def write_ttl(self, tenant: str, nbytes: int, now: float) -> float:
+        return self._ttl
+
+    def observe_write(self, tenant: str, nbytes: int, now: float) -> None:
+        pass
 
     def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
         return None
@@ -94,6 +118,20 @@ class TenantOverrideTtl:
     def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
         ttl = self._overrides.get(tenant)
         return self._inner.ttl_for_write(tenant, nbytes, now) if ttl is None else ttl
+
+    def write_ttl(self, tenant: str, nbytes: int, now: float) -> float:
+        ttl = self._overrides.get(tenant)
+        if ttl is not None:
+            return ttl
+        inner = self._inner
+        if isinstance(inner, WriteCountingTtl):
+            return inner.write_ttl(tenant, nbytes, now)
+        return inner.ttl_for_write(tenant, nbytes, now)  # without the split, it hears of the write now
+
+    def observe_write(self, tenant: str, nbytes: int, now: float) -> None:
+        # A listed tenant's writes never reach the inner policy (as with ttl_for_write).
+        if tenant not in self._overrides and isinstance(self._inner, WriteCountingTtl):
+            self._inner.observe_write(tenant, nbytes, now)
 
     def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
         refreshed = self._inner.ttl_on_read(tenant, nbytes, now)
@@ -207,9 +245,14 @@ class AdaptiveTtl:
         self._tenants: dict[str, _TenantGaps] = {}
 
     def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
-        state = self._state(tenant)
-        state.wrote()
-        return self._ttl(state, nbytes)
+        self.observe_write(tenant, nbytes, now)
+        return self.write_ttl(tenant, nbytes, now)
+
+    def write_ttl(self, tenant: str, nbytes: int, now: float) -> float:
+        return self._ttl(self._state(tenant), nbytes)
+
+    def observe_write(self, tenant: str, nbytes: int, now: float) -> None:
+        self._state(tenant).wrote()
 
     def ttl_on_read(self, tenant: str, nbytes: int, now: float) -> float | None:
         return self._ttl(self._state(tenant), nbytes)

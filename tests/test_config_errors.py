@@ -15,8 +15,10 @@ import pytest
 from kvstore.cli import main
 from kvstore.commands.check_config import effective, to_toml
 from kvstore.config import AdminConfig, ReplayConfig, ServiceConfig, StoreConfig, TenantConfig, parse_config
+from kvstore.config.local_pool import ENTRY_OVERHEAD_BYTES
 from kvstore.config.warnings import config_warnings
 from kvstore.errors import ConfigError
+from kvstore.layout import get_model
 from policies.fair_share import FairShare
 from replay.registry import ADMIN_MEMBER
 
@@ -138,6 +140,25 @@ def test_same_host_sessions_that_leave_a_tenant_none_are_warned_about() -> None:
     for fixed in ({**svc, "max_shm_sessions": 33}, {**svc, "shm_enabled": False}):
         cfg = parse_config({"tenants": _tenants(33), "replay": {"runner": "none"}, "service": fixed})
         assert not any("max_shm_sessions" in w for w in config_warnings(cfg))
+
+
+def test_an_embedded_pool_or_a_tenants_share_below_one_snapshot_is_warned_about() -> None:
+    # Accepted silently, a 1 MB pool skipped every StoreLocal of V4.1 (1.35 MB) as "no-room".
+    v41, toy = "deepseek-v4.1-flash", "reference-toy-8"
+    entry = get_model(v41).layout.local_snapshot_bytes + ENTRY_OVERHEAD_BYTES
+    served = {"models": [toy, v41]}
+    said = [w for w in config_warnings(parse_config({"service": served, "local_pool": {"capacity_bytes": 1_000_000}}))
+            if "local_pool.capacity_bytes" in w]
+    assert len(said) == 1 and f"'{v41}' ({entry} bytes" in said[0] and "no-room" in said[0]
+    for fine in ({"service": served, "local_pool": {"capacity_bytes": entry}},
+                 {"service": served, "local_pool": {"capacity_bytes": 1_000_000, "url": "redis://127.0.0.1:6379"}},
+                 {"service": {"models": [toy]}, "local_pool": {"capacity_bytes": 1_000_000}}):
+        assert not any("local_pool.capacity_bytes" in w for w in config_warnings(parse_config(fine)))
+    # Split 3:1, room for two snapshots leaves the lighter tenant half of one.
+    tenants = {"a": {"tokens": [TOKEN], "share_weight": 3}, "b": {"tokens": ["tenant-token-4567"]}}
+    split = parse_config({"service": served, "tenants": tenants, "local_pool": {"capacity_bytes": 2 * entry}})
+    said = [w for w in config_warnings(split) if "local_pool.capacity_bytes" in w]
+    assert len(said) == 1 and "1 tenant(s)" in said[0] and "'b'" in said[0] and f"{4 * entry} would give" in said[0]
 
 
 def test_metrics_behind_a_token_need_one() -> None:

@@ -248,6 +248,29 @@ def test_a_write_the_policy_refuses_evicts_nothing() -> None:
     assert pool.stats().evictions == 0
 
 
+def test_a_refused_overwrite_keeps_the_snapshot_it_would_have_replaced() -> None:
+    # put dropped the old entry before deciding: a rewrite of the same boundary that was then
+    # refused (no room, the policy) lost a valid snapshot.
+    clock = ManualClock()
+    policy = ByTenant({"a": 10, "b": 20})
+    pool = EmbeddedPool(4 * UNIT, policy, clock)
+    assert _tput(pool, "a", 0) is None and _tput(pool, "a", 1) is None
+    assert _tput(pool, "b", 0) is None
+    assert _tput(pool, "b", 0, units=5) == "no-room"  # larger than the whole budget
+    assert _tput(pool, "b", 0, units=3) == "no-room"  # fits only by evicting a, within its share
+    policy.ttls["b"] = 0
+    assert _tput(pool, "b", 0) == "policy"
+    key = b"b".ljust(32, b"\0")
+    got = pool.get(key, _key(0), "b", LAYOUT)
+    assert got.payload is not None and len(got.payload) == UNIT - ENTRY_OVERHEAD_BYTES
+    s = pool.stats()
+    assert (s.entries, s.used_bytes, s.evictions, s.writes) == (3, 3 * UNIT, 0, 3)
+    clock.now += 19
+    assert _held(pool, "b", range(1)) == [0]  # with the expiry it was written with
+    clock.now += 1
+    assert _held(pool, "b", range(1)) == []
+
+
 # --- what an entry is counted --------------------------------------------------------------------
 def test_small_entries_are_counted_about_what_they_cost_in_memory() -> None:
     # Counting payload + 64 B let a budget of 32-byte snapshots hold ~4x its size in Python objects.

@@ -27,6 +27,7 @@ from kvstore.local_pool.redis_pool import snapshot_key_base
 from kvstore.local_pool.redis_process import RedisClusterProcesses, RedisProcess, free_port
 from kvstore.local_pool.redis_transport import ClusterTransport
 from kvstore.local_pool.snapshot_format import HEADER, MAX_PARTS, MIN_PART_BYTES, PART_HEADER, SnapshotHeader
+from policies.ttl import AdaptiveTtl, AdaptiveTtlParams
 from tests.fixtures.openssl import openssl_or_skip
 from tests.fixtures.redis_server import RedisFactory, scan_pttls
 from tests.fixtures.tcp_proxy import TcpProxy
@@ -194,6 +195,28 @@ def test_caller_deadline_caps_socket_timeouts(redis_server: RedisProcess, tcp_pr
     assert put.skip_reason == "timeout" and took < 0.2 + SLACK_SECONDS
     got = pool.get(_ns(), _bk(), TENANT, LAYOUT, deadline_seconds=0.0)
     assert got.miss_reason == "timeout"  # no time at all: not even an attempt
+    pool.close()
+
+
+def test_a_reply_that_trickles_in_is_a_timeout_at_the_deadline(
+    redis_server: RedisProcess, tcp_proxy_factory: Any,
+) -> None:
+    # redis-py reads a reply in 64 KiB pieces, each given the whole socket timeout: a snapshot that
+    # came 64 KiB per 0.1 s (under the 0.25 s socket timeout) was a hit after 2.2 s against 0.5 s.
+    proxy: TcpProxy = tcp_proxy_factory(redis_server.port)
+    pool = build_local_pool(LocalPoolConfig(url=proxy.url, breaker_failures=1, breaker_reset_seconds=0.3),
+                            StaticTtl(TTL_SECONDS))
+    data = os.urandom(SNAPSHOT)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).written
+    proxy.set_mode("delay", 0.1)
+    got, took = _timed(pool.get, _ns(), _bk(), TENANT, LAYOUT, deadline_seconds=0.5)
+    assert got.miss_reason == "timeout" and took < 0.5 + SLACK_SECONDS
+    s = pool.stats()
+    assert s.errors >= 1 and s.breaker_state == "open", "a timeout like any other: against the server"
+    proxy.set_mode("pass")
+    time.sleep(0.35)  # the breaker's reset; the connection cut at the deadline is not reused
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)
+    assert got.payload is not None and bytes(got.payload) == data
     pool.close()
 
 
@@ -375,6 +398,22 @@ def test_noeviction_oom_skips_writes_and_counts(redis_factory: RedisFactory) -> 
     c = server.client()
     assert c.dbsize() == 6 * len(written), "a refused snapshot leaves no parts behind"
     _assert_ttl_invariant(c)
+    pool.close()
+
+
+def test_a_learning_policy_counts_only_the_writes_redis_took(redis_factory: RedisFactory) -> None:
+    # Asked for a TTL before the write was sent, AdaptiveTtl counted each refused write as a
+    # snapshot whose session never came back, pulling its learned TTL down.
+    server = redis_factory({"maxmemory": "2mb", "maxmemory-policy": "noeviction"})
+    policy = AdaptiveTtl(AdaptiveTtlParams(
+        ttl_seconds=300, min_ttl_seconds=10, max_ttl_seconds=3600, replay_tokens=128, replay_cost_per_token=1.0,
+        snapshot_bytes=SNAPSHOT, hold_cost_per_byte_second=1e-9, min_samples=4, window_samples=64))
+    pool = build_local_pool(LocalPoolConfig(url=server.url), policy)
+    results = [pool.put(_ns(i), _bk(), TENANT, LAYOUT, 16, b"x" * SNAPSHOT) for i in range(5)]
+    assert [r.skip_reason for r in results] == ["oom"] * 5
+    assert policy._tenants[TENANT].writes == 0
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 16, b"x" * 1000).written
+    assert policy._tenants[TENANT].writes == 1
     pool.close()
 
 

@@ -1,5 +1,5 @@
-"""Config hot reload: SIGHUP and file changes reach the pool's TTL policy for new writes only;
-an invalid file is rejected with one log line and the old config stays."""
+"""Config hot reload: SIGHUP and file changes reach the pool's TTL policy for new writes (and the
+refreshes of later hits); an invalid file is rejected with one log line and the old config stays."""
 
 from __future__ import annotations
 
@@ -300,6 +300,62 @@ def test_a_tenants_local_ttl_is_applied_and_every_other_change_is_named(
         assert "tenants.acme.tokens" in warnings[0] and "service.max_concurrent_calls" in warnings[0]
         assert leaked not in caplog.text and fresh not in caplog.text, "names only: tokens are secrets"
         assert app.ttl_policy is policy and app.config.tenants["acme"].tokens == (leaked,)
+    finally:
+        app.close()
+
+
+def test_after_a_new_policy_a_stored_snapshot_keeps_its_expiry_until_a_hit_refreshes_it() -> None:
+    # As the README says: a snapshot not read keeps the TTL it was written with; a hit under a
+    # sliding policy refreshes it to the TTL in force (the new one), not to the one it was given.
+    from kvstore.local_pool.embedded import EmbeddedPool
+    from policies.ttl import SlidingTtl
+    from tests.fixtures.clock import ManualClock
+
+    clock = ManualClock()
+    pool = EmbeddedPool(1 << 20, SlidingTtl(300.0), clock)
+    ns, read, unread = b"n" * 32, b"r" * 32, b"u" * 32
+    for key in (read, unread):
+        assert pool.put(ns, key, "t", LAYOUT, 16, b"s" * 100).ttl_seconds == 300
+    pool.set_ttl_policy(SlidingTtl(20.0))
+    assert pool.put(ns, b"w" * 32, "t", LAYOUT, 16, b"s" * 100).ttl_seconds == 20  # a new write
+    clock.now += 10
+    assert pool.get(ns, read, "t", LAYOUT).hit  # refreshed: now + 20
+    clock.now += 21
+    assert pool.get(ns, read, "t", LAYOUT).miss_reason == "expired"
+    assert pool.get(ns, unread, "t", LAYOUT).hit  # 31 s in, of the 300 it was written with
+
+
+def test_a_local_ttl_of_a_tenant_not_served_yet_is_named_as_needing_a_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A tenant added to the file (restart-only) and then given another local_ttl_seconds: the
+    # change was logged as "config reloaded" while the service, which does not serve the tenant
+    # yet, applied nothing.
+    from kvstore.service.app import build_app
+    from tests.fixtures.service import TOY, base_table, to_toml
+
+    table = base_table(service={"models": [TOY]}, tenants={"acme": {"tokens": ["a" * 40]}})
+    path = tmp_path / "kvstore.toml"
+    _write(path, to_toml(table))
+    cfg = load_config(path)
+    app = build_app(cfg, tmp_path / "data", coordinator_factory=None)
+    try:
+        r = ConfigReloader(path, app.reload_local_pool, cfg.local_pool, poll_seconds=3600)
+        table["tenants"]["carol"] = {"tokens": ["c" * 40], "local_ttl_seconds": 60.0}
+        _write(path, to_toml(table))
+        assert r.reload_now()
+        table["tenants"]["carol"]["local_ttl_seconds"] = 30.0
+        table["tenants"]["acme"]["local_ttl_seconds"] = 45.0  # served: applied
+        _write(path, to_toml(table))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvstore.local_pool.reload"):
+            assert r.reload_now()
+        [info] = [x.getMessage() for x in caplog.records if x.levelno == logging.INFO]
+        [warning] = [x.getMessage() for x in caplog.records if x.levelno == logging.WARNING]
+        assert "config reloaded" in info and "tenants.acme.local_ttl_seconds" in info and "carol" not in info
+        assert "tenants.carol.local_ttl_seconds" in warning and "restart" in warning and "acme" not in warning
+        assert app.ttl_policy is not None and app.ttl_policy.ttl_for_write("acme", 1000, 0.0) == 45
+        assert "carol" not in app.config.tenants
     finally:
         app.close()
 

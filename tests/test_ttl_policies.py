@@ -13,7 +13,15 @@ from kvstore.config.fields import parse_section
 from kvstore.config.local_pool import TtlPolicyConfig
 from kvstore.config.policies import build_ttl
 from kvstore.errors import ConfigError
-from policies.ttl import AdaptiveTtl, AdaptiveTtlParams, FixedTtl, SlidingTtl, TenantOverrideTtl, best_ttl
+from policies.ttl import (
+    AdaptiveTtl,
+    AdaptiveTtlParams,
+    FixedTtl,
+    SlidingTtl,
+    TenantOverrideTtl,
+    WriteCountingTtl,
+    best_ttl,
+)
 
 SNAP = 1_000_000  # bytes; with hold 1e-6 per byte-second a snapshot costs 1 per second held
 
@@ -143,6 +151,24 @@ def test_adaptive_learns_per_tenant_and_bounds_its_memory() -> None:
     assert len(p._tenants) == 3  # the rest share one bucket
     assert all(st.gaps.shape[0] == 64 for st in p._tenants.values())
     json.dumps(p.describe())
+
+
+def test_asking_a_writes_ttl_counts_no_write_until_it_is_reported() -> None:
+    # A Redis write may fail after its TTL is chosen: only writes reported as done count.
+    p = adaptive()
+    assert isinstance(p, WriteCountingTtl)
+    assert p.write_ttl("a", SNAP, 0.0) == 300.0 and p._tenants["a"].writes == 0
+    p.observe_write("a", SNAP, 0.0)
+    assert p._tenants["a"].writes == 1
+    assert p.ttl_for_write("a", SNAP, 0.0) == 300.0 and p._tenants["a"].writes == 2  # both in one
+    wrapped = TenantOverrideTtl(p, {"vip": 60.0})
+    assert isinstance(wrapped, WriteCountingTtl) and isinstance(FixedTtl(5.0), WriteCountingTtl)
+    assert wrapped.write_ttl("b", SNAP, 0.0) == 300.0 and p._tenants["b"].writes == 0
+    wrapped.observe_write("b", SNAP, 0.0)
+    assert p._tenants["b"].writes == 1
+    assert wrapped.write_ttl("vip", SNAP, 0.0) == 60.0
+    wrapped.observe_write("vip", SNAP, 0.0)  # never reaches the inner policy, as with ttl_for_write
+    assert "vip" not in p._tenants
 
 
 def test_adaptive_ignores_bad_gaps() -> None:

@@ -3,8 +3,14 @@ logged by `kvstore serve`), never refused, since the service can run with them."
 
 from __future__ import annotations
 
+import math
+
 from kvstore.config import KvstoreConfig, least_total, tenants_without_a_share
+from kvstore.config.local_pool import ENTRY_OVERHEAD_BYTES
 from kvstore.config.service import is_loopback
+from kvstore.errors import UnknownModel
+from kvstore.layout import get_model
+from policies.fair_share import weighted_split
 
 
 def config_warnings(cfg: KvstoreConfig) -> list[str]:
@@ -33,7 +39,39 @@ def config_warnings(cfg: KvstoreConfig) -> list[str]:
                    f"'{adm.host}' (not loopback): /metrics shows every tenant's name and traffic to anyone "
                    "who can reach the port")
     out += _zero_shares(cfg)
+    out += _pool_below_a_snapshot(cfg)
     return out
+
+
+def _pool_below_a_snapshot(cfg: KvstoreConfig) -> list[str]:
+    """An embedded pool, or a tenant's weighted share of it, that cannot hold one local snapshot of
+    the largest served model: each StoreLocal of it is skipped (no-room), every time."""
+    pool = cfg.local_pool
+    if pool.url != "embedded":
+        return []  # Redis's memory is its own maxmemory
+    sizes = {}
+    for name in cfg.service.models:
+        try:
+            sizes[name] = get_model(name).layout.local_snapshot_bytes
+        except UnknownModel:  # refused when the service starts
+            continue
+    if not sizes:
+        return []
+    model = max(sizes, key=lambda m: sizes[m])
+    entry = sizes[model] + ENTRY_OVERHEAD_BYTES
+    what = f"one local snapshot of '{model}' ({entry} bytes with the pool's {ENTRY_OVERHEAD_BYTES} B per entry)"
+    if pool.capacity_bytes < entry:
+        return [f"local_pool.capacity_bytes = {pool.capacity_bytes} is less than {what}: every StoreLocal of it "
+                "is skipped (no-room)"]
+    weights = cfg.share_weights()
+    # The smallest shares are those with every tenant holding snapshots (an idle one reserves nothing).
+    short = [t for t, share in weighted_split(pool.capacity_bytes, weights, weights).items() if share < entry]
+    if not short:
+        return []
+    enough = math.ceil(entry * sum(weights.values()) / min(weights.values()))
+    return [f"local_pool.capacity_bytes = {pool.capacity_bytes} split by share_weight gives {len(short)} tenant(s) "
+            f"less than {what} (e.g. '{short[0]}'): while the other tenants hold theirs, its StoreLocals are "
+            f"skipped (no-room); {enough} would give each one"]
 
 
 def _zero_shares(cfg: KvstoreConfig) -> list[str]:

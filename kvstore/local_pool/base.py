@@ -149,7 +149,8 @@ class LocalPool(Protocol):
         ...
 
     def set_ttl_policy(self, policy: TtlPolicy) -> None:
-        """Use `policy` for writes (and refreshes) from now on; stored entries keep their TTL."""
+        """Use `policy` for writes and refreshes from now on: a stored entry keeps its expiry until
+        a hit refreshes it, to the TTL `policy` gives."""
         ...
 
     def stats(self) -> PoolStats: ...

@@ -27,19 +27,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+# ENTRY_OVERHEAD_BYTES: what one entry costs against the budget beyond its payload (defined with
+# the budget's setting, where the config's warnings read it too).
+from kvstore.config.local_pool import ENTRY_OVERHEAD_BYTES
 from kvstore.local_pool.base import BytesLike, GetResult, PoolCounters, PoolHealth, PoolStats, PutResult
 from kvstore.local_pool.snapshot_format import LAYOUT_ID_BYTES
 from policies.base import TtlPolicy
 from policies.fair_share import most_over_share, weighted_split
-
-# What one entry costs against the budget beyond its payload: the Python objects around it, so
-# that a budget of small snapshots is not several times over in real memory. Measured with
-# tracemalloc (CPython 3.11, 20k entries of 32 B and 4 KiB, a fresh payload, layout id and boundary
-# position per write): 434-441 B beyond the payload's bytes, i.e. the 64-byte key's bytes object
-# (~112), this slotted entry (~80), the heap item (~72 with its list slot), the dict slot (~40,
-# amortised over resizes), the expiry float, sequence and boundary ints (~96), the layout id (~48)
-# and the payload's bytes-object header (33). Heap items left stale by refreshes add a little.
-ENTRY_OVERHEAD_BYTES = 448
 
 
 @dataclass(slots=True)
@@ -103,15 +97,18 @@ class EmbeddedPool:
         with self._lock:
             if self._closed:
                 return self._counters.skip("closed")
-            self._drop(key)
             need = len(data) + ENTRY_OVERHEAD_BYTES
             if need > self._capacity:
                 return self._counters.skip("no-room")
             self._purge_expired(now)
+            # The entry this write replaces goes tentatively too (its room counts as free), and comes
+            # back if the write is refused: a valid snapshot is not lost to a write that never happens.
+            old = self._entries.get(key)
+            evicted: list[tuple[bytes, _Entry]] = [] if old is None else [(key, old)]
+            self._drop(key)
             # Evicted tentatively: whether room can be made without pushing a tenant that is within
             # its share out depends on the sizes of the entries that would go, in their order.
             shares = self._shares(tenant)
-            evicted: list[tuple[bytes, _Entry]] = []
             while self._used + need > self._capacity:
                 victim = most_over_share(self._holdings(), shares, tenant, need)
                 if victim is None:
@@ -123,6 +120,8 @@ class EmbeddedPool:
             if not (ttl > 0 and math.isfinite(ttl)):
                 self._restore(evicted)
                 return self._counters.skip("policy")
+            if old is not None:
+                evicted.pop(0)  # replaced, not evicted
             if evicted:
                 self._counters.add("evictions", len(evicted))
             self._seq += 1
@@ -167,7 +166,7 @@ class EmbeddedPool:
         return found
 
     def set_ttl_policy(self, policy: TtlPolicy) -> None:
-        self._policy = policy  # entries keep the expiry they were given
+        self._policy = policy  # entries keep the expiry they were given until a hit refreshes it
 
     def stats(self) -> PoolStats:
         with self._lock:

@@ -59,6 +59,7 @@ from kvstore.local_pool.breaker import CircuitBreaker
 from kvstore.local_pool.redis_transport import Command, RedisTransport, ServerMemory, telling_timeout
 from kvstore.local_pool.snapshot_format import SnapshotFormatError, SnapshotHeader, decode_parts, encode_parts
 from policies.base import TtlPolicy
+from policies.ttl import WriteCountingTtl
 
 # No attempt is started with less time than this left: it could not finish, and a socket
 # timeout of a few microseconds only turns a slow answer into a wasted one.
@@ -136,13 +137,18 @@ class RedisPool:
         base = snapshot_key_base(self._cfg.key_prefix, ns_digest, boundary_key)
         breaker = self._breaker_for(base)
         # The breaker's permission (in half-open, the one probe's) before the policy hears of a
-        # write that would not be sent (a learning policy counts every write it is asked about),
-        # and before the checksum.
+        # write that would not be sent (a policy without the split of `WriteCountingTtl` counts
+        # every write it is asked about), and before the checksum.
         if not breaker.allow():
             return self._counters.skip("breaker-open")
+        # The policy in force now hears of the write, once Redis took it: one that fails (out of
+        # memory, a timeout) would count as a snapshot whose session never came back.
+        policy, now = self._policy, self._clock()
+        counting = policy if isinstance(policy, WriteCountingTtl) else None
         try:
             nbytes = memoryview(payload).nbytes
-            ttl = self._policy.ttl_for_write(tenant, nbytes, self._clock())
+            ttl = (counting.write_ttl(tenant, nbytes, now) if counting is not None
+                   else policy.ttl_for_write(tenant, nbytes, now))
             if not (ttl > 0 and math.isfinite(ttl)):
                 breaker.release()
                 return self._counters.skip("policy")
@@ -166,6 +172,8 @@ class RedisPool:
         for r in replies:
             if isinstance(r, ResponseError):
                 return self._counters.skip("oom" if isinstance(r, OutOfMemoryError) else "error")
+        if counting is not None:
+            counting.observe_write(tenant, nbytes, now)
         self._learn_parts(layout_id, len(parts), nbytes, written=True)
         self._counters.wrote(nbytes)
         return PutResult.ok(ttl_ms / 1000)
@@ -210,7 +218,7 @@ class RedisPool:
         return found
 
     def set_ttl_policy(self, policy: TtlPolicy) -> None:
-        self._policy = policy  # stored keys keep the TTL Redis holds for them
+        self._policy = policy  # stored keys keep the TTL Redis holds for them until a hit refreshes it
 
     def stats(self) -> PoolStats:
         plain, misses, skipped = self._counters.snapshot()

@@ -6,8 +6,9 @@ Two implementations of one small contract, `transaction(commands, deadline_at) -
   `Connection`s instead of a redis-py `ConnectionPool`, for two reasons. The pool connects (and
   handshakes) inside `get_connection()` with pool-wide timeouts, before a caller can cut them down
   to what is left of its deadline; here every blocking step gets min(configured timeout, time
-  left). And it packs commands itself, so a snapshot part goes out as its header and a view of
-  the caller's payload, never joined into one new buffer.
+  left), and a watchdog shuts down the socket of a transaction still reading at its deadline (a
+  reply that trickles in takes many reads). And it packs commands itself, so a snapshot part goes
+  out as its header and a view of the caller's payload, never joined into one new buffer.
 - `ClusterTransport` (redis+cluster://, rediss+cluster://) uses redis-py's `RedisCluster` for the
   slot map only; a snapshot's parts share a hash tag, so one slot and one node, and the
   transaction goes to that node over a `SingleNodeTransport` of its own (redis-py's cluster
@@ -32,7 +33,10 @@ policy or key schemes (only where a command carries its key, to route it).
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import math
+import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -67,6 +71,9 @@ TELLING_TIMEOUT_SECONDS = 0.05
 # often: a dead master's replica that takes its slots is found within about this (or, while the
 # pool's breaker for the dead node is open, within its next probe).
 CLUSTER_REFRESH_MIN_INTERVAL_SECONDS = 1.0
+
+# How late past a deadline the watchdog may end a transaction still reading its reply.
+WATCHDOG_SLACK_SECONDS = 0.005
 
 _SEND_DIRECT_BYTES = 16 * 1024  # larger buffers go to sendall() as they are, smaller are coalesced
 _MAX_IDLE = 32
@@ -160,6 +167,9 @@ class SingleNodeTransport:
         conn = self._acquire()
         clean = False  # every reply read: the connection may be reused as it is
         server_trouble = True  # the failure, if any, may mean the server went away
+        # Socket timeouts bound each recv(), not a reply read in many of them: the watchdog ends
+        # the transaction at its deadline however its bytes come.
+        armed = _WATCHDOG.arm(conn, deadline_at)
         try:
             self._cap(conn, deadline_at)
             conn.send_packed_command(_pack_transaction(commands, asking), check_health=False)
@@ -181,11 +191,18 @@ class SingleNodeTransport:
                 raise
             clean = True
             return list(replies)
-        except RedisTimeoutError:
+        except (RedisTimeoutError, RedisConnectionError, OSError) as e:
+            timed_out = isinstance(e, RedisTimeoutError)
+            if not (timed_out or armed.fired):
+                raise
             # Out of the caller's time, not the server's: only this connection (replies unread) goes.
             server_trouble = telling_timeout(time.monotonic() - started, self._socket_timeout)
-            raise
+            if timed_out:
+                raise
+            raise RedisTimeoutError("pool call deadline passed while Redis was still answering") from e
         finally:
+            if _WATCHDOG.disarm(armed):
+                clean = False  # its socket was shut down, even if the last reply was in by then
             self._release(conn, clean, server_trouble)
 
     def memory(self, deadline_at: float) -> ServerMemory:
@@ -251,6 +268,80 @@ class SingleNodeTransport:
         sock = getattr(conn, "_sock", None)
         if sock is not None:
             sock.settimeout(conn.socket_timeout)
+
+
+class _Armed:
+    """One transaction the watchdog is watching."""
+
+    __slots__ = ("conn", "fired")
+
+    def __init__(self, conn: AbstractConnection) -> None:
+        self.conn: AbstractConnection | None = conn  # None once disarmed or fired
+        self.fired = False
+
+
+class _Watchdog:
+    """Shuts down the socket of a transaction still running at its deadline, so that the read
+    blocked on it fails at once. Each blocking step's socket timeout is cut to the time left, but
+    redis-py reads a large reply in many recv()s (64 KiB each), each given that timeout anew: a
+    reply that trickles in would otherwise outlast any deadline, holding the caller's thread.
+    One thread for every transport, started on first use; arming costs a heap push under a lock."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Armed]] = []  # (deadline_at, seq, armed); disarmed ones left in
+        self._armed = 0  # items in the heap still armed
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+
+    def arm(self, conn: AbstractConnection, deadline_at: float) -> _Armed:
+        armed = _Armed(conn)
+        with self._cond:
+            self._seq += 1
+            self._armed += 1
+            if len(self._heap) > 2 * self._armed + 64:
+                # Disarmed items wait for their deadline to reach the top, which a long call
+                # budget puts far off: dropped here (amortised over the arms) before they pile up.
+                self._heap = [item for item in self._heap if item[2].conn is not None]
+                heapq.heapify(self._heap)
+            heapq.heappush(self._heap, (deadline_at, self._seq, armed))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvstore-redis-watchdog", daemon=True)
+                self._thread.start()
+            elif self._heap[0][2] is armed:
+                self._cond.notify()  # sooner than what the thread waits for
+        return armed
+
+    def disarm(self, armed: _Armed) -> bool:
+        """Stop watching; whether the deadline shut the socket down (the connection must go)."""
+        with self._cond:
+            if armed.conn is not None:
+                armed.conn = None
+                self._armed -= 1
+            return armed.fired
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                while self._heap and (self._heap[0][2].conn is None or self._heap[0][0] <= now):
+                    armed = heapq.heappop(self._heap)[2]
+                    if armed.conn is not None:
+                        # Under the lock: once disarm() returns, this socket is never touched again.
+                        armed.fired = True
+                        sock = getattr(armed.conn, "_sock", None)  # None while (re)connecting
+                        armed.conn = None
+                        self._armed -= 1
+                        if sock is not None:
+                            with contextlib.suppress(OSError):  # closed meanwhile by a failed read
+                                sock.shutdown(socket.SHUT_RDWR)
+                # Disarmed items are dropped when they reach the top: waking at most every
+                # WATCHDOG_SLACK_SECONDS bounds the wakeups under load, and the lateness.
+                wait = max(self._heap[0][0] - now, WATCHDOG_SLACK_SECONDS) if self._heap else None
+                self._cond.wait(wait)
+
+
+_WATCHDOG = _Watchdog()
 
 
 def telling_timeout(waited_seconds: float, socket_timeout_seconds: float) -> bool:

@@ -4,15 +4,18 @@
 and when the file changes (a polling thread compares mtime, size and inode, so edits in place and
 editors that replace the file are both seen). A new file is validated in full with
 `kvstore.config.load_config`; if it is invalid, one clear log line says why and the old config
-stays in force. If it is valid and the TTL policy's inputs differ ([local_pool.ttl], or a served
-tenant's `local_ttl_seconds`), the callback receives the new `KvstoreConfig`; the service rebuilds
-the TTL policy from it and calls `pool.set_ttl_policy`, which applies to new writes only.
+stays in force. If it is valid and the TTL policy's inputs differ ([local_pool.ttl], or a
+tenant's `local_ttl_seconds`), the callback receives the new `KvstoreConfig` and answers which of
+those keys it applied (a tenant the service does not serve yet has no TTL to change); the service
+rebuilds the TTL policy from it and calls `pool.set_ttl_policy`: new writes get the new TTL, stored
+snapshots keep theirs until a hit refreshes them.
 
 Only the TTL policy is applied live. The whole file is compared: a change to any other key (the
 pool's URL, a tenant's tokens, a new tenant, a [service] limit, ...) is logged as a warning that
-names each such key and says it needs a restart (names only: values may be secrets). Alone, it
-does not call the callback (a rebuilt adaptive policy would forget what it learnt); with a TTL
-change the callback still receives the whole config, and applies only the TTL inputs.
+names each such key and says it needs a restart (names only: values may be secrets), as it does
+each TTL input the callback did not apply. Alone, a restart-only change does not call the callback
+(a rebuilt adaptive policy would forget what it learnt); with a TTL change the callback still
+receives the whole config, and applies only the TTL inputs.
 
 This module knows nothing about pools, policies or how the service applies a config.
 """
@@ -24,7 +27,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -37,6 +40,9 @@ from kvstore.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _FileSig = tuple[int, int, int] | None  # (mtime_ns, size, inode), None while the file is missing
+
+# Applies a re-read config; answers the dotted keys it applied (None: every changed TTL input).
+OnChange = Callable[[KvstoreConfig], Collection[str] | None]
 
 class _Absent:
     def __repr__(self) -> str:
@@ -76,7 +82,7 @@ class ConfigReloader:
     def __init__(
         self,
         path: str | Path,
-        on_change: Callable[[KvstoreConfig], None],
+        on_change: OnChange,
         current: KvstoreConfig | LocalPoolConfig,
         poll_seconds: float = 1.0,
     ) -> None:
@@ -115,17 +121,21 @@ class ConfigReloader:
                 return True
             changed = differences(self._current, new)
             live = [(k, a, b) for k, a, b in changed if applied_live(k)]
-            cold = [k for k, _, _ in changed if not applied_live(k)]
             # Nothing to apply when only restart-only keys changed: a rebuilt TTL policy would lose
             # what an adaptive one has learnt.
+            done: Collection[str] = ()
             if live:
                 try:
-                    self._on_change(new)
+                    applied = self._on_change(new)
                 except Exception:
                     log.exception("config reload: applying the new TTL settings failed; keeping the previous")
                     return False
-                log.info("config reloaded from %s: %s", self._path,
-                         "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in live))
+                done = {k for k, _, _ in live} if applied is None else set(applied)
+                said = [f"{k}: {a!r} -> {b!r}" for k, a, b in live if k in done]
+                if said:
+                    log.info("config reloaded from %s: %s", self._path, "; ".join(said))
+            # A TTL input the callback did not apply (a tenant not served yet) waits for a restart too.
+            cold = [k for k, _, _ in changed if k not in done]
             self._current = new
             if cold:
                 log.warning("config reload: %s changed in %s but take effect only after a restart (not applied)",

@@ -37,6 +37,7 @@ from kvstore.dataplane.segments import sealing_available
 from kvstore.errors import ConfigError, KvstoreError, StorageError, UnknownModel
 from kvstore.layout import CacheLayout, ModelSpec, exact_replay_tokens, get_model
 from kvstore.local_pool.base import LocalPool
+from kvstore.local_pool.reload import differences
 from kvstore.observe.queue import ObserverQueue
 from kvstore.observe.records import CallObserver, CallRecord
 from kvstore.observe.returns import ReturnTracker
@@ -98,25 +99,30 @@ class App:
         spec = self.models.get(name)
         return spec.layout if spec is not None else None
 
-    def reload_local_pool(self, new: KvstoreConfig | LocalPoolConfig) -> None:
+    def reload_local_pool(self, new: KvstoreConfig | LocalPoolConfig) -> list[str]:
         """Apply a re-read config (`local_pool.reload.ConfigReloader`'s callback): the TTL policy's
         inputs, [local_pool.ttl] and each served tenant's `local_ttl_seconds`, take effect for new
-        writes; `config` then shows the policy in force. A bare [local_pool] section brings its
-        [local_pool.ttl] only. Other keys need a restart and are not applied."""
+        writes (and for stored snapshots when a hit refreshes them); `config` then shows the policy
+        in force. A bare [local_pool] section brings its [local_pool.ttl] only. Other keys need a
+        restart and are not applied. Returns the dotted keys it applied, as the reloader names them."""
         ttl = new.ttl if isinstance(new, LocalPoolConfig) else new.local_pool.ttl
+        applied = [key for key, _, _ in differences(self.config.local_pool.ttl, ttl, "local_pool.ttl")]
         tenants = self.config.tenants
         if isinstance(new, KvstoreConfig):
             # Only the local TTL of the tenants served now: tokens, quotas and new tenants need a restart.
             tenants = {name: dataclasses.replace(t, local_ttl_seconds=new.tenants[name].local_ttl_seconds)
                        if name in new.tenants else t for name, t in tenants.items()}
-        if ttl == self.config.local_pool.ttl and tenants == self.config.tenants:
-            return  # only restart-only keys changed: a new policy would forget what an adaptive one learnt
+            applied += [f"tenants.{name}.local_ttl_seconds" for name, t in tenants.items()
+                        if t.local_ttl_seconds != self.config.tenants[name].local_ttl_seconds]
+        if not applied:
+            return []  # only restart-only keys changed: a new policy would forget what an adaptive one learnt
         cfg = dataclasses.replace(self.config, local_pool=dataclasses.replace(self.config.local_pool, ttl=ttl),
                                   tenants=tenants)
         if self.local_pool is not None:
             self.ttl_policy = build_ttl_policy(cfg, self.models)
             self.local_pool.set_ttl_policy(self.ttl_policy)
         self.config = cfg
+        return applied
 
     def describe(self) -> list[str]:
         """What this instance runs and where, for the start-up banner."""

@@ -135,12 +135,13 @@ class PoolModel:
         """Write a snapshot; False when it was skipped (`skipped` says why). `EmbeddedPool.put`'s
         steps, in its order."""
         self.advance(now)  # the pool's purge of expired entries, here at their own instants
-        self._drop(key, "never")  # the write replaces the key's entry, whether it happens or not
         need = self.footprint(payload_bytes)
         if need > self.capacity_bytes:
             return self._skip("no-room")
+        # The key's entry goes tentatively too (its room counts as free): put back if the write does not happen.
+        old = self._remove(key)
+        evicted: list[tuple[Hashable, _Snap]] = [] if old is None else [(key, old)]
         shares = weighted_split(self.capacity_bytes, self._weights, [*self._books, tenant])
-        evicted: list[tuple[Hashable, _Snap]] = []  # tentatively: put back if the write does not happen
         while self.used_bytes + need > self.capacity_bytes:
             victim = most_over_share(self._holdings(), shares, tenant, need)
             if victim is None:
@@ -151,6 +152,8 @@ class PoolModel:
         if not (ttl > 0 and math.isfinite(ttl)):
             self._restore(evicted)
             return self._skip("policy")
+        if old is not None:
+            evicted.pop(0)  # replaced, not evicted
         for gone, _ in evicted:
             self._gone[gone] = "capacity"
         self.evictions += len(evicted)
