@@ -47,6 +47,7 @@ import numpy as np
 
 from policies.base import TtlPolicy
 
+GAP_MARGIN_SECONDS = 0.001  # a learned TTL is this much past the return gap it is to cover
 _RECOMPUTE_EVERY_SAMPLES = 16  # a sort of ≤ window samples every 16 returns: cheap on the write path
 _OTHER_TENANTS = "*"  # tenants past the first `max_tenants - 1` share one bucket: bounded memory
 
@@ -162,12 +163,14 @@ def best_ttl(
     assert k > 0 and 0.0 <= never_return_fraction <= 1.0
     _require_finite_positive("min_ttl_seconds", min_ttl_seconds)
     _require_finite_positive("max_ttl_seconds", max_ttl_seconds)
-    inside = g[(g >= min_ttl_seconds) & (g <= max_ttl_seconds)]
+    # A snapshot whose TTL equals the gap has expired when its session returns (a pool treats
+    # expiry at `now` as gone): each gap's candidate is a margin past it.
+    inside = np.minimum(g[(g >= min_ttl_seconds) & (g < max_ttl_seconds)] + GAP_MARGIN_SECONDS, max_ttl_seconds)
     cand = np.concatenate(([min_ttl_seconds], inside, [max_ttl_seconds]))  # [m], ascending
-    n_le = np.searchsorted(g, cand, side="right")  # [m] returns that find the snapshot
+    n_hit = np.searchsorted(g, cand, side="left")  # [m] returns that find the snapshot: gap < TTL
     csum = np.concatenate(([0.0], np.cumsum(g)))  # [k + 1]
-    n_gt = k - n_le
-    per_return = (n_gt * replay_cost + (csum[n_le] + n_gt * cand) * hold_cost_per_second) / k
+    n_gt = k - n_hit
+    per_return = (n_gt * replay_cost + (csum[n_hit] + n_gt * cand) * hold_cost_per_second) / k
     q = never_return_fraction
     cost = (1.0 - q) * per_return + q * cand * hold_cost_per_second  # [m]
     i = int(np.argmin(cost))  # first minimum: the shortest of equally cheap TTLs

@@ -73,12 +73,17 @@ def test_tenant_overrides_keep_the_inner_read_semantics() -> None:
 
 def test_best_ttl_hand_computed() -> None:
     # Returns at 10, 20, 100 s; replay 50; hold 1/s. Expected cost per snapshot:
-    # T=10: (2*50 + 10 + 20) / 3 = 43.3;  T=20: (50 + 10 + 20 + 20) / 3 = 33.3;  T=100: 130 / 3.
+    # A TTL covers a gap when it is longer (a pool has expired a snapshot at exactly its TTL), so
+    # each gap's candidate is 1 ms past it. T=10.001: (2*50 + 10 + 20) / 3 = 43.3;
+    # T=20.001: (50 + 10 + 20 + 20.001) / 3 = 33.3;  T=100.001: 130 / 3.
     ttl, cost = best_ttl(np.array([10.0, 20.0, 100.0]), 50.0, 1.0, 1.0, 1000.0)
-    assert ttl == 20.0 and cost == pytest.approx(100 / 3)
+    assert ttl == pytest.approx(20.001) and cost == pytest.approx(100.001 / 3)
     # A fifth never come back: 0.8 * cost + 0.2 * T.  T=1: 41.0, T=10: 36.7, T=20: 30.7, T=100: 54.7.
     ttl, cost = best_ttl(np.array([10.0, 20.0, 100.0]), 50.0, 1.0, 1.0, 1000.0, never_return_fraction=0.2)
-    assert ttl == 20.0 and cost == pytest.approx(0.8 * 100 / 3 + 4)
+    assert ttl == pytest.approx(20.001) and cost == pytest.approx(0.8 * 100.001 / 3 + 0.2 * 20.001)
+    # A TTL of exactly a gap misses it: the maximum, at the largest gap, is no hit.
+    ttl, cost = best_ttl(np.array([10.0, 20.0]), 50.0, 0.0, 1.0, 20.0)
+    assert ttl == pytest.approx(10.001) and cost == pytest.approx(25.0)
     # Half never come back: holding to 20 s (26.7) now loses to not holding at all (26.0).
     ttl, _ = best_ttl(np.array([10.0, 20.0, 100.0]), 50.0, 1.0, 1.0, 1000.0, never_return_fraction=0.5)
     assert ttl == 1.0

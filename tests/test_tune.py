@@ -216,40 +216,53 @@ def test_hand_checked_fixed_and_sliding_at_100_s() -> None:
     # 845 miss. B: 30 is cold (cannot hit), 10 hit.
     assert sliding.semantics == "sliding" and sliding.ttl_seconds == 100.0
     assert (sliding.eligible, sliding.local_hits, sliding.replays, sliding.replay_tokens) == (5, 4, 1, 100)
-    # Held after each request until the next one or 100 s: A 50+10+95+100+100, B 30+10+100.
-    assert sliding.byte_seconds == 495 * 1000
-    assert sliding.total_cost == pytest.approx(100 + 495)
+    # The pool keys a snapshot by its boundary: a new boundary's snapshot does not replace the last
+    # one, which stays until 100 s after its last touch (write, or a read that hit). A: 256 written
+    # at 0, read at 50: held 150; 512 written at 50, read at 60 and 155: held 205; 1024: 100.
+    # B: 128 (the cold request at 30 reads nothing): 100; 256 written at 30, read at 40: 110; 384: 100.
+    assert sliding.byte_seconds == (150 + 205 + 100 + 100 + 110 + 100) * 1000
+    assert sliding.total_cost == pytest.approx(100 + 765)
     # Fixed: A's retries do not renew the snapshot written at t=50, so the retry at 155 (105 s
     # after that write) misses and writes again; t=1000 misses. A: hits at 50 and 60. B: 40 hits.
     assert fixed.semantics == "fixed"
     assert (fixed.eligible, fixed.local_hits, fixed.replays, fixed.replay_tokens) == (5, 3, 2, 200)
-    # Writes A: 0, 50, 155, 1000 -> held 50, 100, 100, 100; B: 0, 30, 40 -> held 30, 10, 100.
-    assert fixed.byte_seconds == 490 * 1000
-    assert fixed.total_cost == pytest.approx(200 + 490)
+    # Writes A: 0, 50, 155, 1000; B: 0, 30, 40: each held its full 100 s (the rewrite at 155 comes
+    # after the snapshot at 512 expired at 150).
+    assert fixed.byte_seconds == 700 * 1000
+    assert fixed.total_cost == pytest.approx(200 + 700)
 
 
 def test_hand_checked_recommendation() -> None:
-    # Sliding cost(T) = 100 x (eligible gaps > T) + sum of min(next gap, T), next gaps
-    # A: 50, 10, 95, 845, inf; B: 30, 10, inf.  T=1: 508;  T=10: 300 + 80 = 380;  T=50: 500.
+    # Sliding, 1 000 B at 1e-3 per byte-second: 1 per second held. Eligible gaps A: 50, 10, 95, 845;
+    # B: 10. T=1: 5 replays + 8 snapshots x 1 s = 508. Just past 10 s (10.001): the gaps of 10 hit,
+    # 3 replays; held A 256: T, 512: 10+T, 512 rewritten at 155: T, 1024: T; B 128: T, 256: 10+T,
+    # 384: T, so 7T + 20: 390.007. Past 50 s: 200 + 420.007; past 95 s: 100 + 735.005.
     cols, rep = hand_report()
-    assert rep.recommended.ttl_seconds == 10.0
-    assert rep.recommended.total_cost == pytest.approx(380.0)
-    assert rep.recommended_fixed.ttl_seconds == 10.0
+    assert rep.recommended.ttl_seconds == 10.001  # a hit at 10 s, not a miss exactly at the gap
+    assert rep.recommended.local_hits == 2
+    assert rep.recommended.total_cost == pytest.approx(390.007)
+    assert rep.recommended_fixed.ttl_seconds == 10.001
     # Nothing on a fine grid beats it.
     d = _Derived(cols)
     for ttl in np.geomspace(1.0, 10_000.0, 400):
         hits, bs = evaluate_sliding(cols, d, float(ttl))
         replays = int((d.eligible & ~hits).sum())
-        assert replays * 100 + bs * 1e-3 >= 380.0 - 1e-9
-    assert best_sliding_ttl(cols, d, COST) == 10.0
+        assert replays * 100 + bs * 1e-3 >= 390.007 - 1e-9
+    assert best_sliding_ttl(cols, d, COST) == 10.001
+    # Exactly at a gap the pool has expired the snapshot (expiry <= now): a listed TTL of 10 s
+    # misses those two and is priced so.
+    hits, _ = evaluate_sliding(cols, d, 10.0)
+    assert int(hits.sum()) == 0
 
 
-def test_without_retries_fixed_and_sliding_agree() -> None:
+def test_without_retries_fixed_and_sliding_hit_alike() -> None:
     recs = [r for r in HAND if not (r.session == "A" and r.time in (60.0, 155.0))]
     cols = columns_from_records(recs, 128, 1000, 100)
     rep = tune_ttl(cols, (20.0, 100.0, 1000.0), COST, TtlPolicyConfig())
     for fixed, sliding in zip(rep.rows[::2], rep.rows[1::2], strict=True):
-        assert (fixed.local_hits, fixed.byte_seconds) == (sliding.local_hits, sliding.byte_seconds)
+        assert fixed.local_hits == sliding.local_hits
+        # A hit reads the last boundary's snapshot: sliding keeps it T past that read, fixed does not.
+        assert fixed.byte_seconds <= sliding.byte_seconds
 
 
 def test_record_sizes_are_used_unless_forced() -> None:
@@ -292,7 +305,7 @@ def test_cli_on_a_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
                  "--replay-tokens", "100", "--hold-cost-per-byte-second", "1e-3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["local_hits"] for r in out["rows"]] == [3, 4]
-    assert out["rows"][1]["byte_seconds"] == 495_000
+    assert out["rows"][1]["byte_seconds"] == 765_000
     assert main(["tune", "ttl", "--trace", str(path)]) == 0
     table = capsys.readouterr().out
     assert "recommended TTL" in table and "adaptive" in table and "sliding" in table

@@ -3,7 +3,9 @@
 Prints, per candidate TTL and semantics (fixed, sliding): the local hit rate, replay tokens spent,
 byte-seconds held in the pool and the total cost; then the least-cost TTL and what the adaptive
 policy would do. Costs and clamps come from `[local_pool.ttl]` of `--config` (or the defaults),
-overridden by flags. Progress goes to stderr so `--json` output stays clean.
+overridden by flags. Progress goes to stderr so `--json` output stays clean. A trace file is read as
+a stream into numpy columns (~50 B a request), never held as records. Per-tenant TTL overrides
+in the config are not applied (every tenant is priced at each row's TTL); the report says so.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 
 from kvstore.commands.json_out import dump_json
@@ -30,6 +33,8 @@ from kvstore.observe.ttl_tuning import (
     tune_ttl,
 )
 
+# A trace file this long reports its progress to stderr every this many requests read.
+PROGRESS_EVERY_REQUESTS = 1_000_000
 # A synthetic trace is held in memory whole: 5M requests take ~1.7 GB (a larger N ran out of memory).
 MAX_SYNTHETIC_REQUESTS = 5_000_000
 # One replay's tokens: an exact replay is L(W-1)+1 (kvstore.layout.exact_replay_tokens), a few
@@ -92,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "tune_what", None) != "ttl":
         print("kvstore tune: say what to tune: `kvstore tune ttl --trace FILE`", file=sys.stderr)
         return 2
-    ttl_cfg = load_config(args.config).local_pool.ttl
+    cfg = load_config(args.config)
+    ttl_cfg = cfg.local_pool.ttl
+    # The service gives these tenants their own TTL; the evaluation prices every tenant alike.
+    overridden = set(ttl_cfg.tenant_ttl_seconds) | {n for n, t in cfg.tenants.items() if t.local_ttl_seconds > 0}
     if args.replay_cost_per_token is not None:
         ttl_cfg = replace(ttl_cfg, replay_cost_per_token=args.replay_cost_per_token)
     if args.hold_cost_per_byte_second is not None:
@@ -125,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     layout = get_model(args.model).layout
 
     started = time.perf_counter()
-    records: list[TraceRecord]
+    records: Iterable[TraceRecord]
+    on_progress: Callable[[int], None] | None = None
     if args.synthetic is not None:
         records = synthetic_trace(args.synthetic, seed=args.seed)
         source = f"synthetic trace (seed {args.seed})"
@@ -133,21 +142,22 @@ def run(args: argparse.Namespace) -> int:
             with TraceWriter(args.save_trace, truncate=True) as w:
                 w.write_many(records)
     else:
-        records = list(read_trace(args.trace))
+        records = read_trace(args.trace)
         source = args.trace
+        on_progress = _progress(source, started)
     # A client's pre-check Lookup or a probe is a call, not a request: evaluating it would count a
     # return that never happened (kvstore/wire/purposes.py).
-    side = sum(1 for r in records if r.purpose)
-    if side:
-        records = [r for r in records if not r.purpose]
+    side = [0]
     force = args.snapshot_bytes is not None or args.replay_tokens is not None
     cols = columns_from_records(
-        records, args.chunk_tokens,
+        _requests_only(records, side), args.chunk_tokens,
         layout.local_snapshot_bytes if args.snapshot_bytes is None else args.snapshot_bytes,
         layout.local.window_tokens if args.replay_tokens is None else args.replay_tokens,
-        force_sizes=force,
+        force_sizes=force, on_progress=on_progress,
     )
-    left_out = f" ({side:,} pre-check or probe lookups left out: not requests)" if side else ""
+    del records
+    side_calls = side[0]
+    left_out = f" ({side_calls:,} pre-check or probe lookups left out: not requests)" if side_calls else ""
     print(f"kvstore tune: {cols.n} requests from {source}{left_out} in {time.perf_counter() - started:.2f} s",
           file=sys.stderr)
     if cols.n == 0:
@@ -155,17 +165,46 @@ def run(args: argparse.Namespace) -> int:
     cost = TtlCostModel(ttl_cfg.replay_cost_per_token, ttl_cfg.hold_cost_per_byte_second,
                      ttl_cfg.min_ttl_seconds, ttl_cfg.max_ttl_seconds)
     report = tune_ttl(cols, args.ttl, cost, ttl_cfg)
+    not_applied = sorted(overridden & set(report.tenants))
     if args.json:
         doc = report.as_dict()
-        doc["side_calls_left_out"] = side
+        doc["side_calls_left_out"] = side_calls
+        doc["tenant_ttl_overrides_not_applied"] = not_applied
         dump_json(doc, sys.stdout)
     else:
-        print(format_report(report, side))
+        print(format_report(report, side_calls, not_applied))
     return 0
 
 
+def _requests_only(records: Iterable[TraceRecord], side: list[int]) -> Iterator[TraceRecord]:
+    """The records that are requests, streamed; counts the others into `side[0]`."""
+    for r in records:
+        if r.purpose:
+            side[0] += 1
+        else:
+            yield r
+
+
+def _progress(source: str, started: float) -> Callable[[int], None]:
+    """A line on stderr each time another `PROGRESS_EVERY_REQUESTS` requests have been read."""
+    shown = [0]
+
+    def report(n: int) -> None:
+        if n // PROGRESS_EVERY_REQUESTS > shown[0]:
+            shown[0] = n // PROGRESS_EVERY_REQUESTS
+            print(f"kvstore tune: {n:,} requests read from {source} ({time.perf_counter() - started:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+    return report
+
+
+def _seconds(x: float) -> str:
+    """A TTL as set in a config: to the millisecond (the least-cost one sits just past a gap)."""
+    return f"{x:.3f}".rstrip("0").rstrip(".")
+
+
 def _row(r: TtlEvaluation) -> str:
-    ttl = "adaptive" if r.ttl_seconds is None else f"{r.ttl_seconds:g}"
+    ttl = "adaptive" if r.ttl_seconds is None else _seconds(r.ttl_seconds)
     return (f"{ttl:>9} {r.semantics:<9} {r.local_hit_rate:>8.1%} {r.replays:>9,} {r.replay_tokens:>14,} "
             f"{r.byte_seconds:>14.4g} {r.replay_cost:>12.4g} {r.hold_cost:>12.4g} {r.total_cost:>12.4g}")
 
@@ -175,8 +214,9 @@ def _labelled(rep: TuneReport) -> list[str]:
     items = [
         ("sliding at the least-cost TTL", "the TTL that minimises total cost under sliding semantics (every "
          "access restarts it): set ttl_seconds to it with kind = \"sliding\"", rep.recommended),
-        ("fixed at the same TTL", "the same TTL from each write only, for kind = \"fixed\"; it differs only "
-         "on retries at an unchanged boundary", rep.recommended_fixed),
+        ("fixed at the same TTL", "the same TTL from each write only, for kind = \"fixed\"; its hits differ "
+         "only on retries at an unchanged boundary, and a read does not keep a snapshot longer",
+         rep.recommended_fixed),
     ]
     items.sort(key=lambda x: x[2].total_cost)
     out = []
@@ -191,8 +231,9 @@ def _break_even(seconds: float) -> str:
     return "no break-even hold: holding a snapshot costs nothing (zero-byte snapshots)"
 
 
-def format_report(rep: TuneReport, side_calls: int = 0) -> str:
-    """The report as text; `side_calls`: pre-check and probe lookups left out of the trace."""
+def format_report(rep: TuneReport, side_calls: int = 0, overrides_not_applied: Sequence[str] = ()) -> str:
+    """The report as text; `side_calls`: pre-check and probe lookups left out of the trace;
+    `overrides_not_applied`: tenants of the trace that the config gives their own TTL."""
     c = rep.cost
     eligible = rep.rows[0].eligible if rep.rows else rep.recommended.eligible
     left_out = f" ({side_calls:,} pre-check/probe lookups left out)" if side_calls else ""
@@ -202,6 +243,11 @@ def format_report(rep: TuneReport, side_calls: int = 0) -> str:
         f"{rep.same_boundary_requests:,} at an unchanged boundary",
         f"cost: {c.replay_cost_per_token:g} per replayed token, "
         f"{c.hold_cost_per_byte_second:g} per byte-second held; " + _break_even(rep.break_even_seconds),
+    ]
+    if overrides_not_applied:
+        lines.append("note: the config's per-tenant TTLs (tenant_ttl_seconds, [tenants.X] local_ttl_seconds) are not "
+                     f"applied here: {', '.join(overrides_not_applied)} priced at each row's TTL like every tenant")
+    lines += [
         "",
         f"{'ttl_s':>9} {'semantics':<9} {'hit_rate':>8} {'replays':>9} {'replay_tokens':>14} "
         f"{'byte_seconds':>14} {'replay_cost':>12} {'hold_cost':>12} {'total_cost':>12}",
@@ -209,7 +255,7 @@ def format_report(rep: TuneReport, side_calls: int = 0) -> str:
     lines += [_row(r) for r in rep.rows]
     lines += [
         "",
-        f"recommended TTLs (within [{c.min_ttl_seconds:g}, {c.max_ttl_seconds:g}] s), cheapest first:",
+        f"recommended TTLs (within [{_seconds(c.min_ttl_seconds)}, {_seconds(c.max_ttl_seconds)}] s), cheapest first:",
         *_labelled(rep),
         "adaptive policy over this trace (sliding, TTL learned per tenant):",
         _row(rep.adaptive),

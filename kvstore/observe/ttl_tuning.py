@@ -7,24 +7,31 @@ backend, the service, files (the caller reads the trace), or output formats (kvs
 
 The model, per session (sessions are (tenant, session) pairs):
 - Each request resumes from the session's latest snapshot and leaves a snapshot behind: a request
-  whose boundary (prefix rounded down to a chunk) moved writes a new snapshot that replaces the
-  old one; a request at the same boundary (a retry) reads the same snapshot and writes only if it
-  had to replay it. A cold request (global miss, recorded "cold") writes but cannot hit: without
-  global KV there is nothing for a local snapshot to extend.
+  whose boundary (prefix rounded down to a chunk) moved writes a new snapshot at that boundary; a
+  request at the same boundary (a retry) reads the same snapshot and writes only if it had to replay
+  it. A cold request (global miss, recorded "cold") writes but cannot hit (and reads nothing):
+  without global KV there is nothing for a local snapshot to extend.
 - A request eligible for a local hit (not the session's first, not cold) hits if its snapshot is
   still alive; otherwise it replays `replay_tokens` tokens.
-- fixed: a snapshot lives TTL from its write. sliding: every access (read or write) restarts the
-  TTL, so a request hits iff the gap since the session's previous request is <= TTL.
-  The two differ only on same-boundary requests; with no retries they give identical numbers.
-- A snapshot is held (bytes × seconds) from its write until it expires or is replaced.
+- fixed: a snapshot lives TTL from its write. sliding: every access (a write, or a read that hits)
+  restarts the TTL, so a request hits iff the session's previous request was less than TTL ago.
+  As in the pool, a snapshot whose expiry is <= now is gone: a gap of exactly the TTL misses.
+  Their hits differ only on same-boundary requests; their holds differ wherever a hit reads a
+  snapshot (sliding keeps it TTL past that read).
+- The pool keys a snapshot by its boundary (kvstore.service.pricing.boundary_key): a new boundary's
+  snapshot does not replace the last one, which stays until it expires (a turn that hits reads it
+  first: sliding, that restarts its TTL). So a snapshot is held (bytes x seconds) from its write
+  until it expires or a later write at the same (session, boundary) replaces it, as the workload
+  simulator's pool model counts it (less its per-entry overhead).
 
 Cost = replay tokens × replay_cost_per_token + byte-seconds × hold_cost_per_byte_second.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -65,41 +72,62 @@ class TtlCostModel:
     max_ttl_seconds: float
 
 
+# Records are turned into arrays this many at a time: a trace of any length then costs its arrays
+# (~50 B a request) plus one chunk of Python objects, not ~650 B a request held as records.
+COLUMN_CHUNK_RECORDS = 1 << 16
+
+
 def columns_from_records(
     records: Iterable[TraceRecord],
     chunk_tokens: int,
     default_snapshot_bytes: int,
     default_replay_tokens: int,
     force_sizes: bool = False,
+    on_progress: Callable[[int], None] | None = None,
 ) -> TraceColumns:
-    """Columns from records. A record's own snapshot_bytes / replay_tokens are used when present,
-    unless `force_sizes` (the operator asked "what if") puts the defaults everywhere."""
+    """Columns from records, read as a stream (nothing holds on to a record once its chunk is
+    converted). A record's own snapshot_bytes / replay_tokens are used when present, unless
+    `force_sizes` (the operator asked "what if") puts the defaults everywhere. `on_progress`, if
+    given, is called with the count of records read so far after every chunk."""
     assert chunk_tokens > 0
     tenant_ids: dict[str, int] = {}
     session_ids: dict[tuple[str, str], int] = {}
-    tenant, session, time, prefix, cold, sbytes, rtoks = [], [], [], [], [], [], []
-    for r in records:
-        tenant.append(tenant_ids.setdefault(r.tenant, len(tenant_ids)))
-        session.append(session_ids.setdefault((r.tenant, r.session), len(session_ids)))
-        time.append(r.time)
-        prefix.append(r.prefix_tokens)
-        cold.append(r.local_outcome == "cold")
-        use_default_bytes = force_sizes or r.snapshot_bytes is None
-        sbytes.append(default_snapshot_bytes if use_default_bytes else r.snapshot_bytes)
-        use_default_tokens = force_sizes or r.replay_tokens is None
-        rtoks.append(default_replay_tokens if use_default_tokens else r.replay_tokens)
-    sess = np.asarray(session, dtype=np.int64)
-    t = np.asarray(time, dtype=np.float64)
+    parts: list[tuple[np.ndarray, ...]] = []
+    count = 0
+    it = iter(records)
+    while True:
+        tenant, session, time, prefix, cold, sbytes, rtoks = [], [], [], [], [], [], []
+        for r in itertools.islice(it, COLUMN_CHUNK_RECORDS):
+            tenant.append(tenant_ids.setdefault(r.tenant, len(tenant_ids)))
+            session.append(session_ids.setdefault((r.tenant, r.session), len(session_ids)))
+            time.append(r.time)
+            prefix.append(r.prefix_tokens)
+            cold.append(r.local_outcome == "cold")
+            use_default_bytes = force_sizes or r.snapshot_bytes is None
+            sbytes.append(default_snapshot_bytes if use_default_bytes else r.snapshot_bytes)
+            use_default_tokens = force_sizes or r.replay_tokens is None
+            rtoks.append(default_replay_tokens if use_default_tokens else r.replay_tokens)
+        if not time:
+            break
+        parts.append((
+            np.asarray(tenant, dtype=np.int64), np.asarray(session, dtype=np.int64),
+            np.asarray(time, dtype=np.float64),
+            np.asarray(prefix, dtype=np.int64) // chunk_tokens * chunk_tokens,
+            np.asarray(cold, dtype=bool), np.asarray(sbytes, dtype=np.float64),
+            np.asarray(rtoks, dtype=np.float64),
+        ))
+        count += len(time)
+        if on_progress is not None:
+            on_progress(count)
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64),
+             np.zeros(0, bool), np.zeros(0), np.zeros(0))
+    cols = [np.concatenate(col) for col in zip(*parts, strict=True)] if parts else list(empty)
+    del parts
+    ten, sess, t, boundary, is_cold, snap, replay = cols
     order = np.lexsort((t, sess))  # stable: equal times keep file order
     return TraceColumns(
-        tenants=tuple(tenant_ids),
-        tenant=np.asarray(tenant, dtype=np.int64)[order],
-        session=sess[order],
-        time=t[order],
-        boundary=(np.asarray(prefix, dtype=np.int64) // chunk_tokens * chunk_tokens)[order],
-        cold=np.asarray(cold, dtype=bool)[order],
-        snapshot_bytes=np.asarray(sbytes, dtype=np.float64)[order],
-        replay_tokens=np.asarray(rtoks, dtype=np.float64)[order],
+        tenants=tuple(tenant_ids), tenant=ten[order], session=sess[order], time=t[order],
+        boundary=boundary[order], cold=is_cold[order], snapshot_bytes=snap[order], replay_tokens=replay[order],
     )
 
 
@@ -140,12 +168,8 @@ class _Derived:
         n = c.n
         self.first = np.ones(n, dtype=bool)  # [n] first request of its session
         self.first[1:] = c.session[1:] != c.session[:-1]
-        self.last = np.ones(n, dtype=bool)  # [n] last request of its session
-        self.last[:-1] = self.first[1:]
         self.gap = np.zeros(n)  # [n] seconds since the session's previous request
         self.gap[1:] = np.where(self.first[1:], 0.0, np.diff(c.time))
-        self.next_gap = np.full(n, np.inf)  # [n] seconds to the session's next request
-        self.next_gap[:-1] = np.where(self.last[:-1], np.inf, self.gap[1:])
         self.eligible = ~self.first & ~c.cold
         same = np.zeros(n, dtype=bool)
         same[1:] = c.boundary[1:] == c.boundary[:-1]
@@ -156,6 +180,13 @@ class _Derived:
         edges = np.diff(np.concatenate(([0], flex, [0])))
         self.run_starts = np.flatnonzero(edges == 1)
         self.run_ends = np.flatnonzero(edges == -1)
+        # Requests grouped by the pool's key, (session, boundary), in time order within a key (stable).
+        self.by_key = np.lexsort((c.boundary, c.session))  # [n]
+        s, b = c.session[self.by_key], c.boundary[self.by_key]
+        first_of_key = np.ones(n, dtype=bool)
+        first_of_key[1:] = (s[1:] != s[:-1]) | (b[1:] != b[:-1])
+        self.key = np.empty(n, dtype=np.int64)  # [n] a number per (session, boundary)
+        self.key[self.by_key] = np.cumsum(first_of_key)
 
 
 def _evaluation(
@@ -172,72 +203,146 @@ def _evaluation(
     )
 
 
+def _latest_write_before(write: np.ndarray) -> np.ndarray:
+    """[n] the latest write strictly before each request (-1: none). A session's first request
+    always writes, so for any other request it is in the same session: the snapshot it resumes from."""
+    idx = np.arange(write.shape[0])
+    latest = np.maximum.accumulate(np.where(write, idx, -1))
+    out = np.full(write.shape[0], -1, dtype=np.int64)
+    out[1:] = latest[:-1]
+    return out
+
+
+def _replaced_at(c: TraceColumns, d: _Derived, write: np.ndarray) -> np.ndarray:
+    """[n] when the session's next write at the same boundary (the pool's same key) replaces the
+    write at i; inf where none does (and where i writes nothing)."""
+    ws = d.by_key[write[d.by_key]]  # the writes, grouped by key, in time order within one
+    out = np.full(c.n, np.inf)
+    out[ws[:-1]] = np.where(d.key[ws[1:]] == d.key[ws[:-1]], c.time[ws[1:]], np.inf)
+    return out
+
+
+def _byte_seconds(c: TraceColumns, d: _Derived, write: np.ndarray, expires_at: np.ndarray) -> float:
+    """The writes held from their write until `expires_at` ([writes]) or until replaced, whichever is first."""
+    w = np.flatnonzero(write)
+    end = np.minimum(expires_at, _replaced_at(c, d, write)[w])
+    return float(np.dot(c.snapshot_bytes[w], end - c.time[w]))
+
+
 def evaluate_sliding(c: TraceColumns, d: _Derived, ttl_after: np.ndarray | float) -> tuple[np.ndarray, float]:
-    """Hits and byte-seconds when the TTL in force after request i is `ttl_after[i]`."""
+    """Hits and byte-seconds when the TTL in force after request i is `ttl_after[i]`: its write,
+    or its read when it hits, restarts the snapshot's TTL with it."""
+    t = c.time
     ttl = np.broadcast_to(np.asarray(ttl_after, dtype=np.float64), (c.n,))  # [n]
-    prev_ttl = np.empty(c.n)
-    prev_ttl[0] = 0.0
-    prev_ttl[1:] = ttl[:-1]
-    hits = d.eligible & (d.gap <= prev_ttl)
-    byte_seconds = float(np.dot(c.snapshot_bytes, np.minimum(d.next_gap, ttl)))
-    return hits, byte_seconds
+    # A request's snapshot was last touched by the session's previous request (its write, or a read
+    # that hit): alive while that touch's expiry is > now, the pool's own test in its own arithmetic.
+    expiry_prev = np.full(c.n, -np.inf)
+    expiry_prev[1:] = t[:-1] + ttl[:-1]
+    hits = d.eligible & (expiry_prev > t)
+    write = d.structural | (d.eligible & ~hits)
+    w = np.flatnonzero(write)
+    # Each snapshot's last touch: its write, or the last hit that read it (a hit reads the latest
+    # write before it; those are in order, so each snapshot's last reader ends its run).
+    touch = w.copy()
+    reads = np.flatnonzero(hits)
+    if reads.size:
+        src = _latest_write_before(write)[reads]
+        last = np.ones(reads.size, dtype=bool)
+        last[:-1] = src[1:] != src[:-1]
+        touch[np.searchsorted(w, src[last])] = reads[last]
+    return hits, _byte_seconds(c, d, write, t[touch] + ttl[touch])
 
 
 def evaluate_fixed(c: TraceColumns, d: _Derived, ttl: float) -> tuple[np.ndarray, float]:
     """Hits and byte-seconds when a snapshot lives `ttl` from its write."""
-    n, t = c.n, c.time
+    t = c.time
     write = d.structural.copy()
     # Same-boundary runs: walk the writes a run forces (one search per replay, not per request).
     for s, e in zip(d.run_starts.tolist(), d.run_ends.tolist(), strict=True):
         times = t[s:e]
         anchor = t[s - 1]  # the structural request before the run wrote
         while True:
-            k = int(np.searchsorted(times, anchor + ttl, side="right"))
+            # The first retry at or past the expiry misses (the pool's test: expiry <= now is gone).
+            k = int(np.searchsorted(times, anchor + ttl, side="left"))
             if k >= e - s:
                 break
             write[s + k] = True  # expired: replayed and written again
             anchor = times[k]
-    idx = np.arange(n)
-    last_write = np.maximum.accumulate(np.where(write, idx, -1))  # [n] latest write at or before i
-    anchor_idx = np.empty(n, dtype=np.int64)
-    anchor_idx[0] = 0
-    anchor_idx[1:] = last_write[:-1]  # within the session: its first request is always a write
-    hits = d.eligible & (t - t[anchor_idx] <= ttl)
-    # A snapshot is held until it expires or the session's next write replaces it.
-    next_write = np.minimum.accumulate(np.where(write, idx, n)[::-1])[::-1]  # [n] first write at or after i
-    after = np.full(n, n)
-    after[:-1] = next_write[1:]
-    w = np.flatnonzero(write)
-    nxt = after[w]
-    same_session = nxt < n
-    same_session[same_session] = c.session[nxt[same_session]] == c.session[w[same_session]]
-    held = np.full(w.shape[0], float(ttl))
-    held[same_session] = np.minimum(ttl, t[nxt[same_session]] - t[w[same_session]])
-    return hits, float(np.dot(c.snapshot_bytes[w], held))
+    src = _latest_write_before(write)
+    hits = d.eligible & (t[np.maximum(src, 0)] + ttl > t)
+    return hits, _byte_seconds(c, d, write, t[write] + ttl)
 
 
-def best_sliding_ttl(c: TraceColumns, d: _Derived, cost: TtlCostModel) -> float:
-    """The TTL in [min, max] with the least total cost under sliding semantics, found exactly:
-    total cost only drops at an eligible request's gap, so those gaps and the clamps are the
-    only candidates; prefix sums price them all in O(n log n)."""
-    g_el = d.gap[d.eligible]
-    order = np.argsort(g_el)
-    g_sorted = g_el[order]  # [e]
-    r_sorted = c.replay_tokens[d.eligible][order] * cost.replay_cost_per_token  # [e]
-    cand = g_sorted[(g_sorted >= cost.min_ttl_seconds) & (g_sorted <= cost.max_ttl_seconds)]
-    cand = np.unique(np.concatenate(([cost.min_ttl_seconds], cand, [cost.max_ttl_seconds])))  # [m]
-    r_cum = np.concatenate(([0.0], np.cumsum(r_sorted)))
-    replay = r_cum[-1] - r_cum[np.searchsorted(g_sorted, cand, side="right")]  # [m]
-    h_order = np.argsort(d.next_gap)
-    ng = d.next_gap[h_order]  # [n], inf last
-    b = c.snapshot_bytes[h_order] * cost.hold_cost_per_byte_second
-    finite = np.isfinite(ng)
-    # Never replaced (inf) counts no hold here: zeroed before the product, as 0 B × inf is NaN.
-    bg_cum = np.concatenate(([0.0], np.cumsum(b * np.where(finite, ng, 0.0))))
-    b_cum = np.concatenate(([0.0], np.cumsum(b)))
-    j = np.searchsorted(ng, cand, side="right")  # snapshots replaced before expiring
-    hold = bg_cum[j] + cand * (b_cum[-1] - b_cum[j])
-    return float(cand[int(np.argmin(replay + hold))])
+def _below(
+    keys: np.ndarray, weights: np.ndarray, values: np.ndarray, at: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """For each of `at`: over the items whose key is < it, the sum of weight x value and the sum
+    of weight; and the total weight. An infinite value counts 0 (its key is infinite too: never
+    below), as 0 B x inf would be NaN."""
+    order = np.argsort(keys, kind="stable")
+    w = weights[order]
+    v = values[order]
+    wv = np.concatenate(([0.0], np.cumsum(w * np.where(np.isfinite(v), v, 0.0))))
+    cw = np.concatenate(([0.0], np.cumsum(w)))
+    j = np.searchsorted(keys[order], at, side="left")
+    return wv[j], cw[j], float(cw[-1])
+
+
+def sliding_costs(
+    c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = ()
+) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate TTLs in [min, max] and the total cost of each under sliding semantics, all in
+    O(n log n). Total cost falls only where a TTL passes an eligible request's gap (that request
+    then hits); between two such gaps it never falls. So the candidates are the lower clamp, just
+    past each gap (the first millisecond at least half a millisecond past it: that request hits in
+    the pool's arithmetic too, and the TTL prints as it is), the upper clamp and `also_seconds`.
+
+    The hold, per request i of a session: the snapshot i leaves as the latest is held through the
+    next request's gap if that one hits, else for T (it expired; or, with no eligible request next,
+    T or until a write at its boundary replaces it). A hit that moved the boundary read the snapshot
+    before it, whose TTL restarts there: T more, or until replaced. Exact where a retry's rewrite
+    has the size of the write before it (one model per session: one snapshot size)."""
+    n, t = c.n, c.time
+    past = (np.floor(d.gap[d.eligible] * 1000.0 + 0.5) + 1.0) / 1000.0
+    listed = np.asarray(also_seconds, dtype=np.float64)
+    cand = np.concatenate(([cost.min_ttl_seconds], past, listed, [cost.max_ttl_seconds]))
+    cand = np.unique(cand[(cand >= cost.min_ttl_seconds) & (cost.max_ttl_seconds >= cand)])  # [m]
+    # The session's latest snapshot after request i was written by its latest structural request
+    # (or rewritten at that boundary since); a later structural write at that boundary replaces it.
+    latest = np.maximum.accumulate(np.where(d.structural, np.arange(n), -1))  # [n]
+    per_second = c.snapshot_bytes[latest] * cost.hold_cost_per_byte_second  # [n] of that snapshot
+    replaced_at = _replaced_at(c, d, d.structural)[latest]  # [n]
+    el = np.flatnonzero(d.eligible)
+    g = d.gap[el]
+    zeros = np.zeros(el.size)
+    # Replays: each eligible request whose gap is not below the TTL.
+    _, r_below, r_total = _below(g, c.replay_tokens[el] * cost.replay_cost_per_token, zeros, cand)
+    total = r_total - r_below
+    # The snapshot an eligible request resumes from: held its gap on a hit, else T.
+    a_v, a_w, a_total = _below(g, per_second[el - 1], g, cand)
+    total += a_v + cand * (a_total - a_w)
+    # A latest snapshot with no eligible request next (its session ends, or a cold request follows).
+    ends = np.flatnonzero(~np.concatenate((d.eligible[1:], [False])))
+    held = replaced_at[ends] - t[ends]
+    b_v, b_w, b_total = _below(held, per_second[ends], held, cand)
+    total += b_v + cand * (b_total - b_w)
+    # A hit that moved the boundary restarts the TTL of the snapshot it read: where its gap is below
+    # T, held min(T, until replaced) more (both below T is the larger of the two below T).
+    mv = np.flatnonzero(d.eligible & d.structural)
+    gm, wm = d.gap[mv], per_second[mv - 1]
+    more = replaced_at[mv - 1] - t[mv]
+    _, hit_w, _ = _below(gm, wm, np.zeros(mv.size), cand)
+    m_v, m_w, _ = _below(np.maximum(gm, more), wm, more, cand)
+    total += m_v + cand * (hit_w - m_w)
+    return cand, total
+
+
+def best_sliding_ttl(
+    c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = ()
+) -> float:
+    """The least-cost TTL of `sliding_costs`' candidates (the shorter one on a tie)."""
+    cand, total = sliding_costs(c, d, cost, also_seconds)
+    return float(cand[int(np.argmin(total))])
 
 
 @dataclass(frozen=True)
@@ -283,15 +388,21 @@ def run_adaptive(
     policy = AdaptiveTtl(adaptive_params(ttl_cfg, mean_replay, mean_bytes))
     ttl_after = np.empty(c.n)
     order = np.argsort(c.time, kind="stable")
-    # Python lists: indexing them is several times faster than indexing numpy arrays one by one.
-    tenant, first = c.tenant.tolist(), d.first.tolist()
-    gap, sbytes, t = d.gap.tolist(), c.snapshot_bytes.astype(np.int64).tolist(), c.time.tolist()
     names = c.tenants
-    for i in order.tolist():
-        name = names[tenant[i]]
-        if not first[i]:
-            policy.observe_return(name, gap[i])
-        ttl_after[i] = policy.ttl_for_write(name, sbytes[i], t[i])
+    # Python lists, a chunk at a time: iterating them is several times faster than indexing numpy
+    # arrays one by one, and a chunk's lists cost little memory where the whole trace's would not.
+    for start in range(0, c.n, COLUMN_CHUNK_RECORDS):
+        idx = order[start:start + COLUMN_CHUNK_RECORDS]
+        out = []
+        for tenant, first, gap, nbytes, t in zip(
+            c.tenant[idx].tolist(), d.first[idx].tolist(), d.gap[idx].tolist(),
+            c.snapshot_bytes[idx].astype(np.int64).tolist(), c.time[idx].tolist(), strict=True,
+        ):
+            name = names[tenant]
+            if not first:
+                policy.observe_return(name, gap)
+            out.append(policy.ttl_for_write(name, nbytes, t))
+        ttl_after[idx] = out
     return ttl_after, {name: policy.ttl_for_tenant(name) for name in names}
 
 
@@ -309,7 +420,7 @@ def tune_ttl(
         for semantics in ("fixed", "sliding"):
             hits, bs = evaluate_fixed(c, d, ttl) if semantics == "fixed" else evaluate_sliding(c, d, ttl)
             rows.append(_evaluation(c, d, semantics, float(ttl), hits, bs, cost))
-    best = best_sliding_ttl(c, d, cost) if c.n else cost.min_ttl_seconds
+    best = best_sliding_ttl(c, d, cost, ttls_seconds) if c.n else cost.min_ttl_seconds
     hits, bs = evaluate_sliding(c, d, best)
     recommended = _evaluation(c, d, "sliding", best, hits, bs, cost)
     hits, bs = evaluate_fixed(c, d, best)
