@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from kvstore.cli import main
+from kvstore.commands.demo import summary_table
 from kvstore.observe.trace_file import TraceWriter
 from kvstore.observe.trace_recorder import TraceRecorder
 from kvstore.service.admin_server import start_admin
-from kvstore.workload.demo import embedded_service
+from kvstore.workload.demo import CaseReport, DemoReport, embedded_service
 
 REPEATS = 3  # the demo's default
 SMALL = ["--prompt-tokens", "300", "--turn-tokens", "112", "--reply-tokens", "4", "--device", "cpu"]
@@ -305,3 +306,20 @@ def test_a_data_dir_it_cannot_write_in_is_a_config_error(tmp_path: Path, capsys:
                                     "Read-only file system"), err
     assert "Traceback" not in err
     assert list(ro.iterdir()) == []  # nothing was left behind
+
+
+def test_the_summary_says_the_expired_and_cold_prompts_differ_in_length() -> None:
+    # "expired vs cold: 0.14x the time to first token" divided the TTFT of the 6,768-token expired
+    # prompt by that of the 6,000-token cold one, as if they were the same prompt.
+    def case(name: str, prompt: int, prefill: int, replay: int, ttft_ms: float) -> CaseReport:
+        return CaseReport(name, prompt, prompt - prefill, prefill, replay, "absent", "absent", "", ttft_ms, 0.0,
+                          ttft_ms, 0.0, {}, 1.0, 0.0, 0)
+
+    report = DemoReport("embedded", "reference-toy-8", "cpu", "bounded", 128, 128, 300.0, "clock moved", {
+        "cold": case("cold", 6_000, 6_000, 0, 1_091.5), "warm": case("warm", 6_384, 496, 0, 91.7),
+        "expired": case("expired", 6_768, 496, 128, 148.5)}, 1.0)
+    tail = summary_table(report).split("\n\n")[-1].splitlines()
+    assert tail == [
+        "  expired vs cold: 148.5 ms to the first token of the 6,768-token prompt, 0.14x the 1,091.5 ms of the "
+        "cold 6,000-token one;",
+        "  the expired request computed 624 of its 6,768 tokens (496 prefilled + 128 replayed)"], tail

@@ -77,6 +77,45 @@ def test_think_time_mixture_straddles_the_ttl() -> None:
             ThinkTime.parse(bad)
 
 
+@pytest.mark.parametrize(("spec", "said"), [
+    # A NaN passed `nan < 0` and met an assertion in the pool model; inf gaps never ended; weights whose
+    # sum overflowed ended in numpy's "probabilities do not sum to 1"; lognormal(1,1000) drew inf gaps,
+    # and a gap of 1e300 s overflowed simulated time to inf after a few turns.
+    ("fixed(nan)", "has a value that is not a finite number"),
+    ("fixed(inf)", "has a value that is not a finite number"),
+    ("1e400*fixed(1)", "has a value that is not a finite number"),
+    ("uniform(1,inf)", "has a value that is not a finite number"),
+    ("1e308*fixed(1)+1e308*fixed(2)", "weights sum to inf; the sum must be a finite number"),
+    ("lognormal(1,1000)", "lognormal needs sigma in (0, 10]"),
+    ("fixed(1e300)", "has a time above 1e+09 s"),
+    ("exp(2e9)", "has a time above 1e+09 s"),
+])
+def test_a_think_time_that_is_not_finite_or_overflows_is_refused(spec: str, said: str) -> None:
+    with pytest.raises(InvalidInput) as e:
+        ThinkTime.parse(spec)
+    assert said in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_a_uniform_think_time_of_no_width_is_a_fixed_one() -> None:
+    # fraction_above divided by b - a: a ZeroDivisionError from `kvstore bench workload`.
+    think = ThinkTime.parse("uniform(5,5)")
+    assert [think.fraction_above(t) for t in (0.0, 4.9, 5.0, 300.0)] == [1.0, 1.0, 0.0, 0.0]
+    assert [think.fraction_above(t) for t in (0.0, 4.9, 5.0, 300.0)] == [
+        ThinkTime.parse("fixed(5)").fraction_above(t) for t in (0.0, 4.9, 5.0, 300.0)]
+    w = generate(WorkloadSpec(sessions=4, turns=3, context_tokens=4_096, system_tokens=256, output_tokens=16,
+                              tenants=1, think_time="uniform(5,5)"))
+    assert {t.think_seconds for s in w.sessions for t in s.turns[1:]} == {5.0}
+
+
+def test_a_steep_tenant_skew_gives_the_first_tenant_the_spare_sessions() -> None:
+    # (i+1)**2000 overflowed (OverflowError); a negative power underflows to 0 instead.
+    spec = WorkloadSpec(sessions=10, turns=2, context_tokens=4_096, system_tokens=256, output_tokens=16, tenants=3,
+                        tenant_skew=2000.0)
+    assert tenant_sizes(spec) == [8, 1, 1]
+    assert tenant_sizes(WorkloadSpec(sessions=10, turns=2, context_tokens=4_096, system_tokens=256,
+                                     output_tokens=16, tenants=2, tenant_skew=0.0)) == [5, 5]
+
+
 def test_bad_specs_fail_fast() -> None:
     with pytest.raises(InvalidInput, match="no room"):
         WorkloadSpec(sessions=1, turns=10, context_tokens=1000, system_tokens=900, tenants=1)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.cli import main
 from kvstore.errors import Unavailable
 from kvstore.service.app import build_app
 from kvstore.service.server import KvstoreServer
@@ -84,3 +85,24 @@ def test_live_against_a_running_service(tmp_path: Path) -> None:
     assert live.log.hit.tolist() == sim.log.hit.tolist()
     assert live.summary()["cases"]["warm"]["count"] >= 6  # every return within the TTL is warm
     assert live.settings["live"]["clock"] == "wall"
+
+
+def test_live_with_a_model_that_keeps_no_local_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # dense-gqa-32l keeps no local state: the driver sent StoreLocal anyway, the service refused it
+    # (INVALID_ARGUMENT "keeps no local state") and the run exited 2; with replay on it was also refused
+    # for want of a replayer, though there is nothing to replay. Every global hit is warm.
+    spec = WorkloadSpec(sessions=2, concurrency=2, turns=3, context_tokens=2_048, system_tokens=256,
+                        output_tokens=32, tenants=1, think_time="fixed(1000)")
+    opts = LiveOptions(model="dense-gqa-32l", sim=SimConfig(replay_mode="off"), data_dir=str(tmp_path))
+    w = generate(spec)
+    live = run_live(w, opts)
+    sim = simulate(w, timeline_config(opts, service_config(opts)))
+    assert live.log.case.tolist() == sim.log.case.tolist()
+    # One cold request; the other session's first turn hits the tenant's shared system prompt.
+    assert sorted(live.log.case.tolist()) == [0, 1, 1, 1, 1, 1]  # none expired, all returned after the TTL
+    assert live.log.snapshot_written.tolist() == [0] * 6 and live.pool_byte_seconds == 0.0
+    assert sim.counters["pool"]["writes"] == 0
+    # And from the command line, with replay on (the default): no replayer is asked for.
+    argv = ["bench", "workload", "--mode", "live", "--model", "dense-gqa-32l", "--sessions", "2", "--turns", "2",
+            "--context-tokens", "2048", "--system-tokens", "256", "--output-tokens", "32", "--tenants", "1", "--json"]
+    assert main(argv) == 0, capsys.readouterr().err

@@ -255,3 +255,18 @@ def test_summary_has_the_output_contract() -> None:
                                            "persistent_bytes"}
     assert get_model("deepseek-v4.1-flash").layout.chunk_bytes == CHUNK
     assert get_model("deepseek-v4.1-flash").layout.local_snapshot_bytes == SNAP
+
+
+def test_a_model_without_local_state_has_no_expired_case_and_writes_no_snapshots() -> None:
+    # dense-gqa-32l keeps no local state: the service answers its local state "not_applicable" and
+    # counts the request warm. The simulator wrote 0-byte snapshots (with the pool's per-entry
+    # overhead, and byte-seconds) and reported the returns after the TTL as expired.
+    assert get_model("dense-gqa-32l").layout.local_snapshot_bytes == 0
+    r = simulate(hand_workload(session(0, 0, 0.0, [0.0, 10.0, 1000.0])), config(model="dense-gqa-32l"))
+    assert r.log.case.tolist() == [0, 1, 1]  # cold, then warm even after the 300 s TTL
+    assert r.log.replay.tolist() == [0, 0, 0] and r.log.snapshot_written.tolist() == [0, 0, 0]
+    assert r.counters["pool"]["writes"] == 0 and r.pool_byte_seconds == 0.0
+    s = r.summary()
+    assert s["cases"]["expired"]["count"] == 0
+    assert s["local_miss_reasons"] == {"ttl": 0, "capacity": 0, "never": 0}
+    assert r.settings["expected_expired_share_of_returns"] == 0.0

@@ -15,7 +15,15 @@ from kvstore.errors import InvalidInput
 from kvstore.observe.trace_file import read_trace
 from kvstore.workload.generator import WorkloadSpec
 from kvstore.workload.simulator import SimConfig
-from kvstore.workload.sweep import Capacity, SweepPoint, find_cliff, parse_capacities, parse_size, run_sweep
+from kvstore.workload.sweep import (
+    Capacity,
+    SweepPoint,
+    find_cliff,
+    parse_capacities,
+    parse_concurrencies,
+    parse_size,
+    run_sweep,
+)
 
 MiB = 1 << 20
 # Sessions that reuse a lot of context per turn, quick returns (all inside the TTL): a miss costs a
@@ -62,6 +70,24 @@ def test_sizes_and_capacities_parse() -> None:
     for bad in ("4GiB", "x:y", "1:2:3:4"):
         with pytest.raises(InvalidInput):
             parse_capacities(bad, 0)
+
+
+def test_a_size_too_large_for_int64_is_refused() -> None:
+    # '1e400' is inf as a float: int(inf) raised OverflowError out of `kvstore bench workload`.
+    for bad in ("1e400", "1e400GiB", "1e19", "9e6TiB"):
+        with pytest.raises(InvalidInput, match="too large a size"):
+            parse_size(bad)
+    with pytest.raises(InvalidInput, match="'1e400' is too large a size"):
+        parse_capacities("1e400:1GiB", 0)
+    assert parse_size("8EB".replace("EB", "e18")) == 8 * 10**18  # below 2**63 - 1: still taken
+
+
+def test_sweep_concurrencies_have_the_bound_of_the_scale_flags() -> None:
+    # 1,000,000 ran out of memory after 36 s; --sessions and --concurrency stop at 100,000.
+    assert parse_concurrencies("8,100000") == [8, 100_000]
+    for bad, said in (("8,1000000", "got 1,000,000"), ("0", "got 0"), ("", "integers >= 1")):
+        with pytest.raises(InvalidInput, match=said):
+            parse_concurrencies(bad)
 
 
 def _args(*argv: str) -> argparse.Namespace:

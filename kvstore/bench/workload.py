@@ -32,6 +32,7 @@ from kvstore.workload.simulator import SimConfig, simulate, stderr_progress
 from kvstore.workload.sweep import (
     DEFAULT_SWEEP_CAPACITIES,
     DEFAULT_SWEEP_CONCURRENCY,
+    MAX_SWEEP_CONCURRENCY,
     Capacity,
     parse_capacities,
     parse_concurrencies,
@@ -64,7 +65,7 @@ _SCALE_DEFAULTS: dict[str, dict[str, int]] = {
 # Bounds on the scale flags, checked as parsed: the run is held in memory whole (100,000 sessions of
 # 12 turns took ~1.9 GB; ten times that ran out of memory with a traceback). Zero, where the
 # workload cannot take it, is said by the workload itself.
-_SCALE_MOST = {"sessions": 100_000, "concurrency": 100_000, "turns": 10_000, "context-tokens": 1 << 24,
+_SCALE_MOST = {"sessions": 100_000, "concurrency": MAX_SWEEP_CONCURRENCY, "turns": 10_000, "context-tokens": 1 << 24,
                "system-tokens": 1 << 24, "output-tokens": 1 << 20}
 
 
@@ -194,6 +195,9 @@ def run_workload_bench(args: argparse.Namespace) -> dict[str, Any]:
     if not (args.baseline_global_factor > 0 and 0 <= args.baseline_swa_share < 1):
         raise InvalidInput("--baseline-global-factor must be > 0 and --baseline-swa-share in [0, 1)")
     spec = _workload_spec(args)
+    # The sweep's flags are checked before the main run, not after it (a bad one cost its whole time).
+    capacities = parse_capacities(args.sweep_capacities, args.sweep_lmdb_capacity_bytes) if args.sweep else []
+    concurrencies = parse_concurrencies(args.sweep_concurrency) if args.sweep else []
     workload = generate(spec)
     if args.mode == "live":
         from kvstore.workload.live import run_live
@@ -215,8 +219,7 @@ def run_workload_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.sweep:
         sweep = run_sweep(
             spec, dataclasses.replace(_sim_config(args, model), block_chunks=args.block_chunks),
-            parse_capacities(args.sweep_capacities, args.sweep_lmdb_capacity_bytes),
-            parse_concurrencies(args.sweep_concurrency), progress, stop_after_cliff=not args.sweep_full,
+            capacities, concurrencies, progress, stop_after_cliff=not args.sweep_full,
         )
         out.update(report.sweep_json(sweep))
         tables += ["## cliff", report.cliff_table(sweep), report.sweep_table(sweep)]

@@ -232,7 +232,8 @@ def generate(spec: WorkloadSpec) -> Workload:
 
 def tenant_sizes(spec: WorkloadSpec) -> list[int]:
     """Sessions per tenant: Zipf weights 1/(i+1)^skew, largest remainder, at least one each."""
-    w = np.array([1.0 / (i + 1) ** spec.tenant_skew for i in range(spec.tenants)])
+    # A negative power, not 1/x**skew: (i+1)**2000 overflowed; 2**-2000 is 0, and tenant 0 weighs 1.
+    w = np.power(np.arange(1, spec.tenants + 1, dtype=np.float64), -spec.tenant_skew)
     spare = spec.sessions - spec.tenants
     share = w / w.sum() * spare
     counts = np.floor(share).astype(np.int64)

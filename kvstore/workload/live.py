@@ -3,8 +3,8 @@
 Role: act as the inference engine of every session. Per request it calls `Resume` (lookup + load
 + the local snapshot, replayed by the service's runner when it expired), then, when the turn's
 decode would end, `Store` (the context's full chunks; only the missing ones are sent) and
-`StoreLocal` (the snapshot at the new boundary). Every cache decision, byte and replay is the
-service's own; only the engine is modelled.
+`StoreLocal` (the snapshot at the new boundary; not for a model that keeps no local state). Every
+cache decision, byte and replay is the service's own; only the engine is modelled.
 
 Timeline. The order and times of those calls come from the simulated mode run on the same
 workload with the service's deployment (the GPU queue and decode durations of `costmodel`), so
@@ -162,8 +162,8 @@ def _self_started(opts: LiveOptions, cfg: KvstoreConfig) -> Iterator[_Target]:
 
 
 def _check_embedded(app: Any, opts: LiveOptions) -> None:
-    if opts.sim.replay_mode == "off":
-        return
+    if opts.sim.replay_mode == "off" or not _keeps_local_state(opts.model):
+        return  # nothing to replay: no replayer needed
     if app.coordinator is None:
         raise Unavailable(
             "live mode needs the replay coordinator to rebuild expired local state, and this build has "
@@ -178,6 +178,11 @@ def _check_embedded(app: Any, opts: LiveOptions) -> None:
             "or --replay-mode off")
 
 
+def _keeps_local_state(model: str) -> bool:
+    """A model without local state has nothing to snapshot, expire or replay: every global hit is warm."""
+    return get_model(model).layout.local_snapshot_bytes > 0
+
+
 @contextlib.contextmanager
 def _remote(opts: LiveOptions) -> Iterator[_Target]:
     assert opts.target is not None
@@ -188,7 +193,7 @@ def _remote(opts: LiveOptions) -> Iterator[_Target]:
         if opts.model not in stats.models:
             raise InvalidInput(f"the service at {opts.target} does not serve '{opts.model}' "
                                f"(it serves {', '.join(stats.models)})")
-        if opts.sim.replay_mode != "off" and not stats.replay_coordinator:
+        if opts.sim.replay_mode != "off" and _keeps_local_state(opts.model) and not stats.replay_coordinator:
             raise Unavailable(f"the service at {opts.target} has no replay coordinator; live mode with replay "
                               "needs one (or run with --replay-mode off)")
 
@@ -336,7 +341,7 @@ class _Driver:
         client, model, mode = self.target.client, self.opts.model, self.opts.sim.replay_mode
         stored = client.store(model, tokens, self._chunk * full, replay_mode=mode) if full else None
         snap = 0
-        if full:
+        if full and self.snap_bytes:  # the service refuses StoreLocal for a model that keeps no local state
             loc = client.store_local(model, tokens[: full * self.ct], self._snapshot, replay_mode=mode)
             if loc.stored:
                 snap = self.snap_bytes + ENTRY_OVERHEAD_BYTES

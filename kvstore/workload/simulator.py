@@ -13,7 +13,8 @@ snapshot is kept in the pool at the hit boundary. Every return is reported to th
 (`observe_return`, the gap since the session's last store), so learning policies learn.
 
 Per request: lookup of the chained prefix, the local-state check at the hit boundary, the case
-(cold: no global hit; warm: global and local hit; expired: global hit, local miss), replay tokens
+(cold: no global hit; warm: global and local hit, or any global hit of a model that keeps no local
+state, as the service answers it; expired: global hit, local miss), replay tokens
 (bounded: min(W, H); exact: min(L(W-1)+1, H); off: the hit is useless and everything is prefilled),
 bytes loaded per tier, TTFT, and the bills. Occupancy of every tier and of the pool is integrated
 over time (byte-seconds) for the HBM and persistent bills.
@@ -236,7 +237,8 @@ class Simulator:
                        "global_bytes_per_token": self.layout.global_bytes_per_token,
                        "local_snapshot_bytes": self.snapshot_bytes},
             "cost_model": self.cost.describe(),
-            "expected_expired_share_of_returns": expected_expired_share(self.workload, cfg.ttl.ttl_seconds),
+            "expected_expired_share_of_returns": (expected_expired_share(self.workload, cfg.ttl.ttl_seconds)
+                                                  if self.snapshot_bytes else 0.0),
         }
 
     def _counters(self) -> dict[str, Any]:
@@ -300,7 +302,9 @@ class Simulator:
         if req.turn > 0:
             self.pool.observe_return(s.tenant, now - self._last_store[s.index])
         case, reason, replay = 0, "", 0
-        if hit_tokens:
+        if hit_tokens and not self.snapshot_bytes:
+            case = 1  # a model without local state: the service answers "not_applicable", warm
+        elif hit_tokens:
             read = self.pool.get(self._boundary_key(s, chain, hit.hit_chunks), s.tenant, self.snapshot_bytes, now)
             case = 1 if read.hit else 2
             reason = "" if read.hit else (read.reason or "never")
@@ -347,7 +351,9 @@ class Simulator:
         keys, sizes = chain.upto(full)
         written = self.store.write(keys, sizes)
         snap_written = 0
-        if full and self.pool.put(self._boundary_key(s, chain, full), s.tenant, self.snapshot_bytes, now):
+        # A model that keeps no local state writes no snapshot (the service refuses StoreLocal for it).
+        if full and self.snapshot_bytes and self.pool.put(
+                self._boundary_key(s, chain, full), s.tenant, self.snapshot_bytes, now):
             snap_written = self.pool.footprint(self.snapshot_bytes)
         self.log.stored(req.log_index, written.written_chunks, written.durable_chunks, written.skipped_chunks,
                         snap_written, now)

@@ -40,9 +40,14 @@ DEFAULT_SWEEP_CAPACITIES: tuple[tuple[int, int, int], ...] = (
     (8 * GiB, 32 * GiB, 0),
     (16 * GiB, 64 * GiB, 0),
 )
+# A point simulates `concurrency` sessions, held in memory whole: the bound of `--sessions` (1,000,000
+# ran out of memory after 36 s).
+MAX_SWEEP_CONCURRENCY = 100_000
 # Fewer policy operations per run than a single run allows: a sweep is many runs.
 SWEEP_BLOCK_OP_BUDGET = 500_000
 
+# Capacities end up as int64 (numpy, torch, LMDB): a larger size would overflow there, not here.
+MAX_SIZE_BYTES = (1 << 63) - 1
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1 << 10, "KI": 1 << 10, "M": 10**6, "MB": 10**6,
           "MIB": 1 << 20, "MI": 1 << 20, "G": 10**9, "GB": 10**9, "GIB": 1 << 30, "GI": 1 << 30,
@@ -175,7 +180,10 @@ def parse_size(text: str) -> int:
     if m is None or (m.group(2) is not None and m.group(2).upper() not in _UNITS):
         raise InvalidInput(f"'{text}' is not a size (e.g. 32GiB, 256GB, 0)")
     unit = (m.group(2) or "").upper()
-    return int(float(m.group(1)) * _UNITS[unit])
+    n = float(m.group(1)) * _UNITS[unit]  # '1e400' is inf here, and int(inf) raised OverflowError
+    if not n <= MAX_SIZE_BYTES:
+        raise InvalidInput(f"'{text}' is too large a size (at most 2**63 - 1 bytes)")
+    return int(n)
 
 
 def parse_capacities(text: str, default_lmdb_bytes: int) -> list[Capacity]:
@@ -195,8 +203,11 @@ def parse_concurrencies(text: str) -> list[int]:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise InvalidInput(f"'{text}' is not a comma-separated list of concurrencies") from None
-    if not out or min(out) < 1:
+    if not out:
         raise InvalidInput("concurrencies must be integers >= 1")
+    bad = [c for c in out if not 1 <= c <= MAX_SWEEP_CONCURRENCY]
+    if bad:
+        raise InvalidInput(f"concurrencies must be integers from 1 to {MAX_SWEEP_CONCURRENCY:,}, got {bad[0]:,}")
     return out
 
 

@@ -9,7 +9,8 @@ Components (seconds):
 - `exp(mean)`              exponential with that mean;
 - `lognormal(median, sigma)` exp(N(ln median, sigma));
 - `uniform(lo, hi)`        uniform on [lo, hi].
-Weights are normalised; a component without `w*` has weight 1.
+Weights are normalised; a component without `w*` has weight 1. Every number must be finite; times
+are at most 1e9 s and a lognormal's sigma at most 10.
 
 Why a mixture: agentic returns are bimodal. Tool calls come back in seconds, humans come back in
 minutes, and the local TTL (minutes) sits between the two modes, which is what makes the
@@ -34,6 +35,10 @@ _ARITY: dict[str, int] = {"fixed": 1, "exp": 1, "lognormal": 2, "uniform": 2}
 _COMPONENT = re.compile(r"^\s*(?:([0-9.eE+-]+)\s*\*\s*)?([a-z]+)\s*\(([^)]*)\)\s*$")
 
 DEFAULT_THINK_TIME = "0.6*lognormal(4,0.8)+0.4*lognormal(200,1.0)"
+# Bounds that keep every drawn gap, and simulated time summed over turns, finite: a gap of 1e308 s
+# overflowed to inf after two turns, and lognormal(1,1000) drew inf. 1e9 s is about 32 years.
+MOST_THINK_SECONDS = 1e9
+MOST_LOGNORMAL_SIGMA = 10.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,8 @@ class ThinkComponent:
         if self.kind == "exp":
             return math.exp(-seconds / self.a)
         if self.kind == "uniform":
+            if self.b == self.a:  # uniform(a, a) is fixed(a): no width to divide by
+                return 1.0 if self.a > seconds else 0.0
             if seconds <= self.a:
                 return 1.0
             return max(0.0, (self.b - seconds) / (self.b - self.a))
@@ -73,6 +80,8 @@ class ThinkTime:
         for part in parts:
             raw.append(_parse_component(part))
         total = sum(c.weight for c in raw)
+        if not math.isfinite(total):  # each weight is finite, their sum may not be
+            raise InvalidInput(f"think-time weights sum to {total}; the sum must be a finite number")
         return cls(tuple(ThinkComponent(c.weight / total, c.kind, c.a, c.b) for c in raw))
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -116,14 +125,19 @@ def _parse_component(part: str) -> ThinkComponent:
         raise InvalidInput(f"think-time component '{part.strip()}' has a non-numeric value") from None
     if len(args) != _ARITY[kind]:
         raise InvalidInput(f"think-time '{kind}' takes {_ARITY[kind]} argument(s), got {len(args)}")
+    # NaN passes `< 0` and inf gaps never end a think: both are refused here, not met downstream.
+    if not all(math.isfinite(x) for x in (weight, *args)):
+        raise InvalidInput(f"think-time component '{part.strip()}' has a value that is not a finite number")
     if weight <= 0 or any(x < 0 for x in args):
         raise InvalidInput(f"think-time component '{part.strip()}' needs a positive weight and values >= 0")
     a = args[0]
     b = args[1] if len(args) > 1 else 0.0
     if kind in ("exp", "lognormal") and a <= 0:
         raise InvalidInput(f"think-time '{kind}' needs a positive first argument")
-    if kind == "lognormal" and b <= 0:
-        raise InvalidInput("think-time lognormal needs sigma > 0")
+    if kind == "lognormal" and not 0 < b <= MOST_LOGNORMAL_SIGMA:
+        raise InvalidInput(f"think-time lognormal needs sigma in (0, {MOST_LOGNORMAL_SIGMA:g}]")
+    if any(x > MOST_THINK_SECONDS for x in (args if kind != "lognormal" else args[:1])):
+        raise InvalidInput(f"think-time component '{part.strip()}' has a time above {MOST_THINK_SECONDS:g} s")
     if kind == "uniform" and b < a:
         raise InvalidInput("think-time uniform needs low <= high")
     return ThinkComponent(weight, cast(ThinkKind, kind), a, b)
