@@ -101,6 +101,15 @@ class Hello:
         self.channel.close()
 
 
+def _refused(address: str, model: str, layout_id: bytes, weights: str) -> grpc.RpcError:
+    """The service's answer to a hello declaring `weights`, expected to be a refusal."""
+    hello = Hello(address, model, layout_id, weights)
+    try:
+        return hello.refusal()
+    finally:
+        hello.close()
+
+
 def test_a_runner_with_another_seed_is_refused_and_the_command_exits_2(
         make_runners: Callable[..., Runners]) -> None:
     r = make_runners(reference_seed=0)
@@ -143,11 +152,7 @@ def test_a_hello_is_checked_against_the_configured_reference_seed(
         make_runners: Callable[..., Runners], caplog: pytest.LogCaptureFixture) -> None:
     r = make_runners(reference_seed=3)
     lid = r.svc.app.layouts()[NAME].layout_id
-    wrong = Hello(r.address, NAME, lid, "1+seed=0")
-    try:
-        e = wrong.refusal()
-    finally:
-        wrong.close()
+    e = _refused(r.address, NAME, lid, "1+seed=0")
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     said = str(e.details())
     assert "'1+seed=0'" in said and "'1+seed=3'" in said and "--seed 3" in said and "\n" not in said, said
@@ -174,11 +179,7 @@ def test_an_engine_models_runner_must_declare_the_revision_the_engine_registered
     model = r.svc.client().register_model(
         EngineModel("llama", "weights-abc", (full, swa), chunk_tokens=CHUNK, vocab_size=1000)).model
     lid = r.svc.app.layouts()[model].layout_id
-    wrong = Hello(r.address, model, lid, "weights-xyz")
-    try:
-        e = wrong.refusal()
-    finally:
-        wrong.close()
+    e = _refused(r.address, model, lid, "weights-xyz")
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "'weights-xyz'" in str(e.details()) and "'weights-abc'" in str(e.details())
     right = Hello(r.address, model, lid, "weights-abc")
