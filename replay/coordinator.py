@@ -22,10 +22,13 @@ Identical concurrent replays (same namespace and boundary key) are coalesced: th
 opens a flight and takes the tenant's slot, later ones join it without taking another; the first
 ticket used runs the job (the leader), the others wait for its outcome, each within its own
 deadline; the job runs until the last of them gives up (within `timeout_seconds`), not only the
-leader's deadline. The slot is given back when the flight ends, or when every ticket of a flight
-that never ran has been released. A flight's replay is billed once (`replay.port.ReplayBill`, on
-each of its tickets): to the leader's call when it takes the outcome, else to the first other
-caller that takes the snapshot (one that joined, or one that came just after and got it).
+leader's deadline. A caller whose call ended (the service `release`s its ticket then, used or not)
+stops waiting at once and no longer keeps the replay going: one that joined does not hold its
+thread until its own deadline, and a replay every caller has left is cancelled. The slot is
+given back when the flight ends, or when every ticket of a flight that never ran has been
+released. A flight's replay is billed once (`replay.port.ReplayBill`, on each of its tickets): to
+the leader's call when it takes the outcome, else to the first other caller that takes the
+snapshot (one that joined, or one that came just after and got it).
 
 Everything else that goes wrong (no runner, runners all busy until the deadline, a timeout, a
 runner that died with no other to take over, a prefix evicted meanwhile) is an outcome with no
@@ -45,8 +48,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
+import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -88,6 +93,8 @@ RUNNERS_BUSY = "runners-busy"
 ROOM_WAIT_SLICE_SECONDS = 0.5
 RECENT_SECONDS = 2.0
 RECENT_MAX = 64  # and at most this many (each holds a snapshot: 1.29 MiB for V4.1)
+# The outcome of a caller whose call ended while it waited (nobody reads it: the call is gone).
+CALL_ENDED = "call ended"
 
 
 @dataclass(frozen=True)
@@ -150,11 +157,19 @@ class _Flight:
     tickets: int = 0  # admissions joined to it, neither used nor released yet
     led: bool = False  # a request is running it
     done: bool = False  # its outcome is set (or it ended without running)
-    # When the last of its callers gives up (clock time): the replay runs until then, so that a
-    # caller with time to spare is not cut short by a leader whose own deadline is near.
-    until: float = 0.0
+    # When each of its callers gives up (clock time), while its call lasts: the replay runs until
+    # the last of them, so that a caller with time to spare is not cut short by a leader whose own
+    # deadline is near, and no longer once every call has ended.
+    untils: dict[ReplayTicket, float] = field(default_factory=dict)
+    # Set when a caller leaves or the job answers: the replay's wait looks again.
+    wake: threading.Event = field(default_factory=threading.Event)
     # Which caller carries the replay's compute bill: the leader's call, unless it gave up first.
     bill: ReplayBill = field(default_factory=ReplayBill)
+
+    @property
+    def until(self) -> float:
+        """When its last caller gives up (-inf: none is left). Read under the coordinator's lock."""
+        return max(self.untils.values(), default=-math.inf)
 
 
 @dataclass(frozen=True)
@@ -217,6 +232,11 @@ class ReplayCoordinator:
         self._flights: dict[tuple[bytes, bytes], _Flight] = {}
         self._tickets: dict[ReplayTicket, _Admission] = {}
         self._recent: dict[tuple[bytes, bytes], tuple[float, ReplayOutcome, ReplayBill]] = {}
+        # Used tickets whose callers wait (a leader's replay, a joiner's wait) and the flight, with
+        # what wakes a joiner: `release` of one of them means its call ended.
+        self._waiting: dict[ReplayTicket, tuple[_Flight, threading.Event | None]] = {}
+        # Tickets released before their job used them (the call ended while the job waited for a thread).
+        self._released: weakref.WeakSet[ReplayTicket] = weakref.WeakSet()
         self._per_tenant: dict[str, int] = {}
         self._queued = 0
         self._c = _Counts()
@@ -267,10 +287,10 @@ class ReplayCoordinator:
                 self._per_tenant[ns.tenant] = self._per_tenant.get(ns.tenant, 0) + 1
             flight.tickets += 1
             until = None
+            ticket = ReplayTicket(ns.tenant, hit_tokens, flight.bill)
             if deadline_seconds is not None:
                 until = self._clock() + self._budget(deadline_seconds)
-                flight.until = max(flight.until, until)
-            ticket = ReplayTicket(ns.tenant, hit_tokens, flight.bill)
+                flight.untils[ticket] = until
             self._tickets[ticket] = _Admission(fkey, flight, until=until)
         return ticket
 
@@ -281,18 +301,36 @@ class ReplayCoordinator:
         return self.cfg.timeout_seconds
 
     def release(self, ticket: ReplayTicket) -> None:
-        """Give back a ticket `resume_local` did not use (the Resume failed or went away first).
-        Idempotent; a used ticket is already given back."""
+        """The ticket's call has ended (or failed, or went away): give back a ticket `resume_local`
+        did not use; one it is using stops waiting now (a joiner's `resume_local` returns, and the
+        replay no longer runs on for this caller). Idempotent; a no-op once `resume_local` returned."""
         with self._lock:
             adm = self._tickets.pop(ticket, None)
-            if adm is None or adm.flight is None:
+            if adm is None:
+                self._leave(ticket)
                 return
+            self._released.add(ticket)  # its job may still come to use it: it returns at once
             flight = adm.flight
+            if flight is None:
+                return
             flight.tickets -= 1
+            flight.untils.pop(ticket, None)
+            flight.wake.set()
             if flight.tickets or flight.led or flight.done:
                 return
             self._end_flight(adm.fkey, flight)  # admitted, never run, and nobody else holds it
         flight.future.set_result(ReplayOutcome(None, 0, "not run"))
+
+    def _leave(self, ticket: ReplayTicket) -> None:
+        """A caller using `ticket` has gone: wake its wait, and the replay's (called under the lock)."""
+        waiting = self._waiting.pop(ticket, None)
+        if waiting is None:
+            return
+        flight, woken = waiting
+        flight.untils.pop(ticket, None)
+        flight.wake.set()
+        if woken is not None:
+            woken.set()
 
     def resume_local(
         self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, deadline_seconds: float,
@@ -312,7 +350,9 @@ class ReplayCoordinator:
         until = start + self._budget(deadline_seconds)
         with self._lock:
             adm = self._tickets.pop(ticket, None)
-            assert adm is not None, "a replay ticket is used once, and never after it was released"
+            if adm is None and ticket in self._released:
+                return ReplayOutcome(None, 0, CALL_ENDED)  # its call ended before it got a thread
+            assert adm is not None, "a replay ticket is used once"
             flight = adm.flight
             if flight is None:
                 assert adm.outcome is not None
@@ -321,15 +361,18 @@ class ReplayCoordinator:
             if adm.until is not None:
                 until = min(until, adm.until)  # the budget runs from admission
             flight.tickets -= 1
-            flight.until = max(flight.until, until)
+            flight.untils[ticket] = until
             leader = not flight.led and not flight.done
             if leader:
                 flight.led = True
                 flight.bill.lead(ticket)
             else:
                 self._c.bump("coalesced")
-        if not leader:
-            return self._join(flight, until)
+            # Registered with the ticket's use, in one step: a `release` from now on finds it.
+            woken = None if leader else threading.Event()
+            self._waiting[ticket] = (flight, woken)
+        if woken is not None:
+            return self._join(ticket, flight, until, woken)
         outcome = ReplayOutcome(None, 0, FAILED)
         try:
             outcome = self._lead(ns, self.store.layout(ns), tokens, hit_tokens, adm.fkey[1], start, flight)
@@ -341,6 +384,7 @@ class ReplayCoordinator:
             flight.bill.finish(outcome)
             # Only after the snapshot is in the pool: a request arriving now finds it there.
             with self._lock:
+                self._waiting.pop(ticket, None)
                 self._end_flight(adm.fkey, flight)
                 if outcome.snapshot is not None:
                     self._recent[adm.fkey] = (self._clock(), outcome, flight.bill)
@@ -368,12 +412,19 @@ class ReplayCoordinator:
         got = self._recent.get(fkey)
         return (got[1], got[2]) if got is not None else None
 
-    def _join(self, flight: _Flight, until: float) -> ReplayOutcome:
-        try:
-            got = flight.future.result(timeout=max(0.0, until - self._clock()))
-        except cf.TimeoutError:
+    def _join(self, ticket: ReplayTicket, flight: _Flight, until: float, woken: threading.Event) -> ReplayOutcome:
+        """Wait for the flight's outcome until `until`, or until the caller's call ends (`release`)."""
+        flight.future.add_done_callback(lambda _: woken.set())
+        woken.wait(max(0.0, until - self._clock()))
+        with self._lock:
+            gone = self._waiting.pop(ticket, None) is None  # `release` took it: the call ended
+            flight.untils.pop(ticket, None)
+        if not flight.future.done():
+            if gone:
+                return ReplayOutcome(None, 0, CALL_ENDED, shared=True)
             self._bump("timeouts")
             return ReplayOutcome(None, 0, TIMEOUT, shared=True)
+        got = flight.future.result()
         # The leader's request carries the replay's compute bill, unless its call gave up before
         # taking the outcome: then the first caller that takes the snapshot does (the flight's
         # `ReplayBill`, which the service consults through this caller's ticket).
@@ -437,21 +488,18 @@ class ReplayCoordinator:
         return until - self._clock()
 
     def _wait(self, handle: JobHandle, flight: _Flight) -> ReplayResult | None:
-        """The job's result, or None once the flight's last caller has given up. A caller that
-        joins meanwhile may push that moment back, so the wait goes on while it moves."""
-        until = None
+        """The job's result, or None once the flight's last caller has given up or gone. A caller
+        that joins meanwhile may push that moment back, one that leaves bring it forward, so the
+        wait looks again whenever it would end or a caller leaves."""
+        handle.future.add_done_callback(lambda _: flight.wake.set())
         while True:
-            with self._lock:
-                if flight.until == until:
-                    return None
-                until = flight.until
-            left = until - self._clock()
+            flight.wake.clear()  # before looking: a change after this wakes the wait below
+            if handle.future.done():
+                return handle.future.result()
+            left = self._left(flight)
             if left <= 0:
                 return None
-            try:
-                return handle.future.result(timeout=left)
-            except cf.TimeoutError:
-                continue
+            flight.wake.wait(left)
 
     def _run(self, job: ReplayJob, flight: _Flight) -> ReplayResult | None:
         """The job's result from the first runner that serves it (None: the deadline passed),

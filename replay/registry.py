@@ -4,10 +4,18 @@ A runner process dials in over `Runners.Attach` (see `runners_servicer.py`) and 
 runs. `RunnerRegistry.submit(job)` picks an attached runner for the job's model that may serve the
 job's tenant (a runner attached with a tenant's credentials serves only that tenant; one attached
 with the admin token serves all) and has fewer than its `max_concurrent_jobs` in flight (none:
-`Unavailable`), queues the job on its link and returns a `Future` that resolves
+`Unavailable`): a healthy one before one with strikes, then the least loaded, then the one given
+a job least recently (so that equal runners take turns, not the first attached every time). It
+queues the job on its link and returns a `Future` that resolves
 to a `JobOutcome` when the runner answers, fails, detaches, or the job is cancelled. Futures always
 resolve with an outcome (never an exception): a failed job is an expected result for replay. A job
 for whose model every runner is busy may wait for one to have room (`wait_for_room`).
+
+A strike is counted against a runner that answers a job with an error, or still has a job when it
+is cancelled at its deadline (`cancel_job(..., timed_out=True)`); a snapshot clears its strikes. A
+runner with strikes gets jobs only while no healthy runner has room, and one with `MAX_STRIKES` in
+a row is detached (counted in `misbehaved_total`; its stream ends cleanly, so it may reconnect).
+A hung device otherwise took every job: cancelled at their deadlines, they left it looking idle.
 
 What it does not know: gRPC messages (the servicer frames jobs), the store, or replay policy
 (which tokens to replay, timeouts, coalescing: the coordinator decides those).
@@ -16,6 +24,7 @@ What it does not know: gRPC messages (the servicer frames jobs), the store, or r
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 from collections import deque
@@ -27,10 +36,15 @@ from kvstore.errors import ResourceExhausted, Unavailable
 from policies.fair_share import FairShare
 from replay.runner import ReplayJob
 
+log = logging.getLogger("kvstore.replay")
+
 # Runners attached with the admin token (serving every tenant) share the slots as this member.
 ADMIN_MEMBER = "(admin)"
 # Job ids a link remembers after they were cancelled: a runner may still be sending their results.
 RECENTLY_CANCELLED = 256
+# Jobs in a row a runner may fail (an error answered, or no answer by the job's deadline) before it
+# is detached: one bad job is not a bad runner, three in a row most likely are.
+MAX_STRIKES = 3
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,8 @@ class RunnerLink:
     cancelled: deque[int] = field(default_factory=lambda: deque(maxlen=RECENTLY_CANCELLED))
     closed: bool = False
     protocol_error: str = ""  # set when the registry detached the runner for breaking the protocol
+    strikes: int = 0  # jobs in a row it failed or let time out
+    last_given: int = 0  # when it was last given a job (a sequence number; 0: never)
 
 
 class RunnerRegistry:
@@ -103,10 +119,12 @@ class RunnerRegistry:
         self._links: dict[str, RunnerLink] = {}
         self._jobs: dict[int, RunnerLink] = {}
         self._ids = itertools.count(1)
+        self._given = itertools.count(1)
         self._closed = False
         self.jobs_total = 0
         self.jobs_failed = 0
-        self.misbehaved_total = 0  # runners detached for breaking the protocol
+        # Runners detached for breaking the protocol, or for failing MAX_STRIKES jobs in a row.
+        self.misbehaved_total = 0
 
     # --- runner side (called by the Attach servicer) ------------------------------------------------
 
@@ -165,16 +183,39 @@ class RunnerRegistry:
         self.detach(link, f"runner protocol error: {reason}")
 
     def complete(self, link: RunnerLink, job_id: int, snapshot: bytes | None, error: str) -> bool:
-        """The runner answered job `job_id`; False if the job is unknown (cancelled, or not its job)."""
+        """The runner answered job `job_id`; False if the job is unknown (cancelled, or not its job).
+        An error is a strike against the runner, a snapshot clears its strikes."""
         with self._lock:
             p = link.in_flight.pop(job_id, None)
             if p is None:
                 return False
             self._jobs.pop(job_id, None)
+            out = False
+            if error or snapshot is None:
+                out = self._strike(link)
+            else:
+                link.strikes = 0
             self._room.notify_all()
         outcome = JobOutcome(job_id, link.info.runner_id, snapshot if not error else None, error)
         self._resolve(p, outcome)
+        if out:
+            self._detach_unhealthy(link, error or "no snapshot")
         return True
+
+    def _strike(self, link: RunnerLink) -> bool:
+        """Count a failed job against `link`; True: that is MAX_STRIKES in a row (called under the lock)."""
+        link.strikes += 1
+        return link.strikes >= MAX_STRIKES and not link.closed
+
+    def _detach_unhealthy(self, link: RunnerLink, last: str) -> None:
+        reason = f"{MAX_STRIKES} jobs in a row failed or timed out (the last: {last})"
+        with self._lock:
+            if link.closed:  # two failures at once: detached (and counted) once
+                return
+            link.closed = True  # no more jobs for it from now
+            self.misbehaved_total += 1
+        log.warning("runner %s detached: %s", link.info.runner_id, reason)
+        self.detach(link, f"runner detached: {reason}")
 
     # --- coordinator side ---------------------------------------------------------------------------
 
@@ -206,17 +247,23 @@ class RunnerRegistry:
             self._room.wait_for(lambda: not self._serving(model, tenant) or self._has_room(model, tenant),
                                 max(0.0, timeout_seconds))
 
-    def submit(self, job: ReplayJob) -> JobFuture:
-        """Queue a job on the least-loaded runner that may serve it and has room for it (a runner
-        takes at most the `max_concurrent_jobs` it announced); raises Unavailable if none."""
+    def submit(self, job: ReplayJob, avoid: str = "") -> JobFuture:
+        """Queue a job on a runner that may serve it and has room for it (a runner takes at most
+        the `max_concurrent_jobs` it announced): one without strikes if any has room, the least
+        loaded of those, and of equals the one given a job least recently. `avoid`: a runner id
+        not to give it to (the one it just failed on). Raises Unavailable if none."""
         with self._lock:
-            candidates = self._serving(job.model, job.tenant)
+            candidates = [lk for lk in self._serving(job.model, job.tenant) if lk.info.runner_id != avoid]
             if not candidates:
-                raise Unavailable(f"no runner for model '{job.model}' is attached")
+                other = "other " if avoid else ""
+                raise Unavailable(f"no {other}runner for model '{job.model}' is attached")
             candidates = [lk for lk in candidates if len(lk.in_flight) < lk.info.max_concurrent_jobs]
             if not candidates:
                 raise Unavailable(f"every runner for model '{job.model}' has its max_concurrent_jobs in flight")
-            link = min(candidates, key=lambda lk: len(lk.in_flight) / lk.info.max_concurrent_jobs)
+            healthy = [lk for lk in candidates if not lk.strikes]
+            link = min(healthy or candidates,
+                       key=lambda lk: (len(lk.in_flight) / lk.info.max_concurrent_jobs, lk.strikes, lk.last_given))
+            link.last_given = next(self._given)
             job_id = next(self._ids)
             fut = JobFuture(job_id)
             pending = _Pending(job_id, job, fut)
@@ -226,21 +273,29 @@ class RunnerRegistry:
         link.outbox.put(pending)
         return fut
 
-    def cancel_job(self, job_id: int, reason: str = "cancelled", tell_runner: bool = True) -> bool:
+    def cancel_job(self, job_id: int, reason: str = "cancelled", tell_runner: bool = True,
+                   timed_out: bool = False) -> bool:
         """Give up on a job (e.g. its deadline passed); its future resolves with `reason`, and a
         result the runner still sends for it is dropped. The runner is told by a `JobCancel` queued
-        on its link unless `tell_runner` is False (the caller sends it). False: not in flight."""
+        on its link unless `tell_runner` is False (the caller sends it). `timed_out`: the runner
+        had the job until its deadline without answering, a strike against it (its slot is free
+        again at once, so without one a hung runner would look idle and get the next job too).
+        False: not in flight."""
+        out = False
         with self._lock:
             link = self._jobs.pop(job_id, None)
             p = link.in_flight.pop(job_id, None) if link is not None else None
             if link is not None and p is not None:
                 link.cancelled.append(job_id)
+                out = timed_out and self._strike(link)
                 self._room.notify_all()
         if link is None or p is None:
             return False
         if tell_runner:
             link.outbox.put(job_id)
         self._resolve(p, JobOutcome(job_id, link.info.runner_id, None, reason))
+        if out:
+            self._detach_unhealthy(link, "no answer by the job's deadline")
         return True
 
     def runners(self) -> list[RunnerInfo]:

@@ -1,29 +1,50 @@
 """The service side of attached runners: the `RunnerRegistry` seen as one `Runner`.
 
 Runner processes dial in over `Runners.Attach` (`kvstore runner --connect`, or an engine's own
-GPU process) and the service's `RunnerRegistry` tracks them and queues jobs on the least-loaded
-one with room (below the `max_concurrent_jobs` it announced). This adapter hands the
+GPU process) and the service's `RunnerRegistry` tracks them and queues each job on one with room
+(below the `max_concurrent_jobs` it announced): a healthy one first, the least loaded, in turns. This adapter hands the
 coordinator's `ReplayJob` to the registry and turns the registry's `JobOutcome` back into a
 `ReplayResult`; it serves a job only while a runner has room for it, so that a full fleet leaves
 the job to the next runner (the in-process one) instead. With no next runner the coordinator waits
 for room (`attached`, `wait_for_room`) within the job's deadline rather than report no runner.
 
 A failed outcome is `lost` (worth re-queueing elsewhere) when the runner that had the job is no
-longer attached: it died, its stream broke, or the service is shutting down. A runner that is
-still attached and answered with an error is not lost: another runner would most likely fail the
-same way.
+longer attached: it died, its stream broke, or the service is shutting down. A job that a runner
+still attached answered with an error is offered once to another attached runner (not that one)
+while its deadline allows: the error may be the runner's (a device lost) rather than the job's.
+The error is a strike against the runner, as is a job cancelled at its deadline that the runner
+never answered (see `RunnerRegistry`), so later jobs go to a healthy runner first.
 
 What it does not know: gRPC messages (the Attach servicer frames jobs), or replay policy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from concurrent.futures import Future
 
 from kvstore.errors import Unavailable
 from replay.registry import JobFuture, JobOutcome, RunnerRegistry
 from replay.runner import JobHandle, ReplayJob, ReplayResult, resolved
+
+# A job cancelled this close to its deadline, or later, timed out on its runner (a strike): the
+# coordinator's deadline is counted from just before the job reaches the registry.
+TIMED_OUT_SLACK_SECONDS = 0.05
+
+
+class _Attempt:
+    """The job of one `submit` as it is now: on which runner (its registry future), since when,
+    and whether it was retried or cancelled."""
+
+    def __init__(self, job: ReplayJob, fut: JobFuture) -> None:
+        self.lock = threading.Lock()
+        self.job = job
+        self.fut = fut
+        self.given_at = time.monotonic()
+        self.retried = False
+        self.cancelled = False
 
 
 class AttachedRunners:
@@ -57,24 +78,56 @@ class AttachedRunners:
         out: Future[ReplayResult] = Future()
         with self._lock:
             self._pending += 1
+        attempt = _Attempt(job, fut)
 
         def done(f: Future[JobOutcome]) -> None:
+            o = f.result()
+            retry = self._retry(attempt, o)
+            if retry is not None:
+                retry.add_done_callback(done)
+                return
             with self._lock:
                 self._pending -= 1
-            out.set_result(self._result(f.result()))
+            out.set_result(self._result(o))
 
         fut.add_done_callback(done)
-        return JobHandle(out, lambda: self._cancel(fut))
+        return JobHandle(out, lambda: self._cancel(attempt))
 
-    def _cancel(self, fut: JobFuture) -> None:
-        self._registry.cancel_job(fut.job_id, "cancelled by the coordinator")
+    def _retry(self, attempt: _Attempt, o: JobOutcome) -> JobFuture | None:
+        """The job again on another runner, once, if it failed with an error on one still attached
+        and time is left; None: its outcome stands."""
+        if not o.error or not self._attached(o.runner_id):
+            return None  # a snapshot, or a runner gone (lost: the coordinator re-queues it)
+        with attempt.lock:
+            left = attempt.job.deadline_seconds - (time.monotonic() - attempt.given_at)
+            if attempt.retried or attempt.cancelled or left <= 0:
+                return None
+            try:
+                fut = self._registry.submit(dataclasses.replace(attempt.job, deadline_seconds=left),
+                                            avoid=o.runner_id)
+            except Unavailable:  # no other runner, or none with room
+                return None
+            attempt.retried = True
+            attempt.fut, attempt.given_at = fut, time.monotonic()
+            attempt.job = dataclasses.replace(attempt.job, deadline_seconds=left)
+            return fut
+
+    def _cancel(self, attempt: _Attempt) -> None:
+        with attempt.lock:
+            attempt.cancelled = True
+            fut = attempt.fut
+            overdue = time.monotonic() - attempt.given_at >= attempt.job.deadline_seconds - TIMED_OUT_SLACK_SECONDS
+        self._registry.cancel_job(fut.job_id, "cancelled by the coordinator", timed_out=overdue)
+
+    def _attached(self, runner_id: str) -> bool:
+        return any(r.runner_id == runner_id for r in self._registry.runners())
 
     def _result(self, o: JobOutcome) -> ReplayResult:
         runner = f"attached {o.runner_id}"
         if o.snapshot is not None and not o.error:
             return ReplayResult(o.snapshot, "", runner)
-        still_there = any(r.runner_id == o.runner_id for r in self._registry.runners())
-        return ReplayResult.failed(o.error or "the runner returned no snapshot", runner, lost=not still_there)
+        return ReplayResult.failed(o.error or "the runner returned no snapshot", runner,
+                                   lost=not self._attached(o.runner_id))
 
     def pending(self) -> int:
         with self._lock:

@@ -327,7 +327,7 @@ def test_serve_prints_a_parseable_listening_line(tmp_path: Path, make_service: C
 
 def _small_config(tmp_path: Path) -> Path:
     p = tmp_path / "small.toml"
-    p.write_text(to_toml(base_table()))
+    p.write_text(to_toml(base_table(local_pool={"capacity_bytes": 4 << 20})))  # no warning: room for a V4.1 snapshot
     return p
 
 

@@ -276,10 +276,27 @@ def test_an_expired_resume_with_no_replay_is_billed_the_whole_prefill(make_rig: 
     assert turn.prefill_tokens == len(p2)
     for b in (r.planned_bills, r.bills):  # planned and as it happened: no local state, all prefilled
         assert (b.prefill_tokens_avoided, b.prefill_tokens, b.replay_tokens) == (96, len(p2), 0)
+        assert b.prefill_flops_avoided == 0  # the engine skips no prefill, whatever the store held
     # The warm request next to it is billed the prompt past the hit.
     eng.store(p2, turn)
     warm = eng.request(p2).resume
     assert (warm.local_state, warm.bills.prefill_tokens) == ("hit", len(p2) - 128)
+
+
+def test_an_expired_resume_no_runner_rebuilt_avoids_no_prefill_flops(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig(config(replay={"runner": "attached"}))  # and none attaches
+    admin = start_admin(rig.app, "127.0.0.1", 0)
+    prompt = _expired_boundary(rig, 47)
+    turn = rig.engine().request(prompt)
+    r = turn.resume
+    assert (r.local_state, r.replay_status, turn.prefill_tokens) == ("expired", "no-runner", len(prompt))
+    b = r.bills
+    assert (b.prefill_tokens_avoided, b.prefill_tokens, b.prefill_flops_avoided) == (96, len(prompt), 0.0)
+    # Planned with its replay, the hit's prefill was to be skipped: then its FLOPs were to be avoided.
+    assert r.planned_bills.prefill_flops_avoided == 96 * SPEC.prefill_flops_per_token
+    rig.app.flush_observers()
+    # The metric sums what the bills say: the first request (cold: nothing hit) and this one avoided none.
+    assert _metrics(admin)[("kvstore_prefill_flops_avoided_total", ())] == 0
 
 
 def _raw_resume(rig: Rig, prompt: np.ndarray, timeout: float) -> list[pb.ResumeResponse]:
@@ -314,6 +331,7 @@ def test_a_shared_replay_its_leader_gave_up_on_is_billed_to_the_caller_that_got_
         make_rig: Callable[..., Rig]) -> None:
     gated: list[GatedRunner] = []
     rig = make_rig(runner_factory=gated_factory(gated))
+    admin = start_admin(rig.app, "127.0.0.1", 0)
     prompt = _expired_boundary(rig, 44)
     records: list[CallRecord] = []
     rig.app.flush_observers()
@@ -345,6 +363,25 @@ def test_a_shared_replay_its_leader_gave_up_on_is_billed_to_the_caller_that_got_
     resumes = [r for r in records if r.method == "Resume"]
     assert [r.code for r in resumes] == ["OK", "OK"]
     assert sum(r.bills.replay_tokens for r in resumes if r.bills is not None) == W  # billed exactly once
+    # And counted once, as the replay it was (it rebuilt the state): the leader's giving up is its
+    # own outcome, not a second replay that failed.
+    got = _metrics(admin)
+    assert got[("kvstore_replays_total", (("result", "ok"),))] == 1
+    assert got[("kvstore_replays_total", (("result", "failed"),))] == 0
+    assert got[("kvstore_replay_failures_total", (("reason", "timeout"),))] == 0
+    assert got[("kvstore_replay_seconds_count", ())] == 1
+    assert got[("kvstore_replay_gave_up_total", (("reason", "deadline"),))] == 1
+
+
+def _metrics(admin: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample the admin server's /metrics shows, by name and labels; closes the server."""
+    try:
+        with urllib.request.urlopen(admin.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        admin.close()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 # --- attached runner processes ------------------------------------------------------------------------

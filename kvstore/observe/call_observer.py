@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 
 from kvstore.observe.explainer import Explainer
 from kvstore.observe.ledger import Ledger
-from kvstore.observe.metrics import LOCAL_MISS_REASONS, MISS_REASONS, Metrics, replay_failure
+from kvstore.observe.metrics import LOCAL_MISS_REASONS, MISS_REASONS, Metrics, replay_failure, replay_gave_up
 from kvstore.observe.records import (
     CASES,
     LOCAL_OUTCOMES,
@@ -116,7 +116,12 @@ class Observability:
         replay: ReplaySummary | None = None
         if lookup is None and local == "replayed":  # no facts: the replay worked, untimed
             replay = ReplaySummary(None, bills.replay_tokens, None)
-        if lookup is not None and lookup.replay_status:
+        gave_up = replay_gave_up(lookup.replay_status) if lookup is not None else None
+        if gave_up is not None:
+            # The caller stopped waiting: its outcome, not the replay's, which is counted when it
+            # ends (by a caller that gets it), not also as failed here.
+            self.metrics.gave_up_on_replay(gave_up)
+        elif lookup is not None and lookup.replay_status:
             ok = lookup.replay_status == "replayed"
             # The raw status stays in the explanation; counters get a fixed set of reasons.
             failure = None if ok else replay_failure(lookup.replay_status)

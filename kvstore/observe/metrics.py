@@ -59,6 +59,13 @@ REPLAY_RESULTS = ("ok", "failed")
 # prefix_lost (the cached prefix went away while the Resume streamed it).
 REPLAY_FAILURES = ("no_runner", "runners_busy", "timeout", "failed", "disabled", "overload", "prefix_gone",
                    "prefix_lost", OTHER)
+# A caller's own outcome when it stopped waiting for its replay before the replay ended (the
+# service reports it in the call's facts as the replay status): its deadline came first ("wait
+# timeout"; the trailer says "timeout"), or its call ended. Not the replay's result: the replay is
+# counted in kvstore_replays_total once, when it ends, by the caller that gets its outcome.
+WAIT_TIMEOUT = "wait timeout"
+CALL_ENDED = "call ended"
+REPLAY_GAVE_UP = ("deadline", "call_ended")
 # Why the first uncached full chunk of a request missed (explainer.py decides): never_stored (not
 # stored in this namespace since the start; on a request that hit, the new tail it adds),
 # unreachable (held, but an earlier chunk missed), evicted, corrupt, over_quota, not_admitted,
@@ -114,6 +121,11 @@ def replay_failure(status: str) -> str:
     if s.startswith("unavailable"):
         return "no_runner"
     return OTHER
+
+
+def replay_gave_up(status: str) -> str | None:
+    """The REPLAY_GAVE_UP reason when `status` is a caller's that stopped waiting; None: a replay's result."""
+    return {WAIT_TIMEOUT: "deadline", CALL_ENDED: "call_ended"}.get(status)
 
 
 def _snake(value: str) -> str:
@@ -444,6 +456,10 @@ class Metrics:
                                       "in kvstore_replays_total.", ["result"], registry=r)
         self.replay_failures = Counter("kvstore_replay_failures_total", "Replays run that did not rebuild "
                                        "local state, by reason.", ["reason"], registry=r)
+        self.replay_gave_up = Counter("kvstore_replay_gave_up_total", "Callers that stopped waiting for their "
+                                      "replay before it ended (their deadline came first, or the call "
+                                      "ended); the replay is counted in kvstore_replays_total when it ends.",
+                                      ["reason"], registry=r)
         self.replay_tokens = Counter("kvstore_replay_tokens_total", "Tokens replayed to rebuild local "
                                      "state (the replay compute bill).", t, registry=r)
         self.replay_seconds = Histogram("kvstore_replay_seconds", "Time to rebuild local state by a replay run, "
@@ -455,8 +471,9 @@ class Metrics:
                                        "the window (counted in kvstore_prefill_tokens_total too).", t,
                                        registry=r)
         self.prefill_flops_avoided = Counter("kvstore_prefill_flops_avoided_total", "Prefill FLOPs avoided "
-                                             "(tokens avoided x the model's prefill FLOPs per token).",
-                                             t, registry=r)
+                                             "(prompt tokens the engine did not prefill x the model's "
+                                             "prefill FLOPs per token; none where the local state expired "
+                                             "and was not rebuilt).", t, registry=r)
         self.prefill_tokens = Counter("kvstore_prefill_tokens_total", "Prompt tokens the engine still had "
                                       "to prefill.", t, registry=r)
         self.bytes_moved = Counter("kvstore_bytes_moved_total", "Global KV bytes moved to the engine, by the "
@@ -528,6 +545,8 @@ class Metrics:
             self.replays_shared.labels(res)
         for reason in REPLAY_FAILURES:
             self.replay_failures.labels(reason)
+        for reason in REPLAY_GAVE_UP:
+            self.replay_gave_up.labels(reason)
         for reason in MISS_REASONS:
             self.misses.labels(reason)
         for purpose in SIDE_CALL_PURPOSES:
@@ -581,6 +600,10 @@ class Metrics:
         self._child(self.replays, "ok" if failure is None else "failed").inc()
         if failure is not None:
             self._child(self.replay_failures, replay_failure(failure)).inc()
+
+    def gave_up_on_replay(self, reason: str) -> None:
+        """A caller stopped waiting for its replay before it ended (a REPLAY_GAVE_UP reason)."""
+        self._child(self.replay_gave_up, _label(reason, REPLAY_GAVE_UP)).inc()
 
     def load(self, tier_bytes: Mapping[str, int], tenant: str = "default", local_bytes: int = 0) -> None:
         """Bytes moved outside a request: a Load's, a holding Lookup's, a retried Resume's (with its

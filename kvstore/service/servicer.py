@@ -20,7 +20,6 @@ What it does not know: how tiers hold bytes, credentials, or replay policy.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import functools
 import hashlib
 import threading
@@ -37,7 +36,7 @@ from kvstore.errors import InvalidInput
 from kvstore.layout import EngineLayerGroup, EngineModel, ModelSpec, check_engine_group_count
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.pricing import facts_for_lookup, local_status, price
-from kvstore.service.servicer_local import LocalStateCalls
+from kvstore.service.servicer_local import LocalStateCalls, ReplayThreads
 from kvstore.service.shm_calls import PathCounts, check_chunks_fit, chunks_fit, load_spans, store_span_data
 from kvstore.service.shm_listener import ShmSession, ShmSessions
 from kvstore.store import CommitResult, LoadSession, PrefixHit
@@ -80,12 +79,12 @@ class KVCacheServicer(LocalStateCalls):
         self.paths = PathCounts()
         self.recent_models = RecentModels()
         self.message_bytes = app.config.service.stream_message_bytes
-        # Replays run beside the chunk stream of their Resume; one slot per admissible call.
-        self.replay_executor = cf.ThreadPoolExecutor(
-            max_workers=app.config.service.max_concurrent_calls, thread_name_prefix="kvstore-replay")
+        # Replays run beside the chunk stream of their Resume; one thread per admissible call, split
+        # between tenants as the call slots are.
+        self.replay_threads = ReplayThreads(app.config.service.max_concurrent_calls, app.config.share_weights())
 
     def close(self) -> None:
-        self.replay_executor.shutdown(wait=False, cancel_futures=True)
+        self.replay_threads.close()
 
     # --- Lookup -----------------------------------------------------------------------------------
 

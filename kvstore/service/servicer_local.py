@@ -15,7 +15,13 @@ the call: the engine keeps the chunks it already has, and with no local state at
 prefills the whole prompt, as the trailer's bill says. The call waits for its replay only until a
 margin before its own deadline (`replay_wait`), so that the trailer still reaches the engine.
 A replay several Resumes share is billed to one of them (`ReplayTicket.take`): the one that ran
-it, unless that call gave up first; then the first other one that gets the snapshot.
+it, unless that call gave up first; then the first other one that gets the snapshot. A call that
+stopped waiting before its replay ended reports that as its own outcome (`WAIT_TIMEOUT` in its
+facts, "timeout" in the trailer), not as the replay's: the replay is counted once, when it ends.
+
+Replays run on `ReplayThreads`, split between tenants as the call slots are. When a call ends its
+ticket is released at once (`ReplayPort.release`): a replay it only joined stops waiting then, so
+its thread is free again, and a replay all of whose calls have ended is stopped.
 
 What it does not know: how the pool stores snapshots or how a replay is run.
 """
@@ -27,13 +33,15 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 
 from kvstore.errors import InvalidInput
 from kvstore.local_pool.base import GetResult
+from kvstore.observe.metrics import CALL_ENDED, WAIT_TIMEOUT
 from kvstore.observe.records import LocalWriteFacts
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.codes import is_expected, status_for
@@ -53,6 +61,7 @@ from kvstore.wire.bills import to_pb as bills_to_pb
 from kvstore.wire.framing import BlobAssembler, blob_spans
 from kvstore.wire.messages import CASE_TO_PB, LOCAL_TO_PB, TIER_TO_PB, Malformed, accept, accept_tokens
 from kvstore.wire.tokens_in_place import WithTokens
+from policies.fair_share import FairShare
 from replay.port import ReplayOutcome, ReplayTicket
 
 if TYPE_CHECKING:
@@ -80,6 +89,74 @@ def replay_wait(remaining: float | None) -> float | None:
     return max(0.001, remaining - max(TRAILER_MARGIN_SECONDS, TRAILER_MARGIN_SHARE * remaining))
 
 
+class ReplayThreads:
+    """The threads replays run on (one per call slot), split between tenants by share_weight as
+    the call slots are: a tenant's replays beyond its share wait for one of its own to end, not for
+    another tenant's. A replay can outlive its call (it runs on for another caller of it, or until
+    it sees its callers gone), so a tenant's stalled replays could otherwise hold every thread, and
+    another tenant's replay time out waiting for one. Jobs wait in order of submission."""
+
+    def __init__(self, threads: int, weights: Mapping[str, float]) -> None:
+        self._executor = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-replay")
+        self._shares = FairShare(threads, weights)
+        self._lock = threading.Lock()  # guards _shares (not thread-safe) and _queued
+        self._queued: deque[tuple[str, Callable[[], ReplayOutcome], cf.Future[ReplayOutcome]]] = deque()
+        self._closed = False
+
+    def submit(self, tenant: str, fn: Callable[[], ReplayOutcome]) -> cf.Future[ReplayOutcome]:
+        """Run `fn` on a thread of `tenant`'s share, now or when one is free. Cancelled (not run)
+        if the service shuts down first. Raises RuntimeError once closed, as an executor does."""
+        out: cf.Future[ReplayOutcome] = cf.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the replay threads are shut down")
+            if self._shares.try_take(tenant, 1) is not None:
+                self._queued.append((tenant, fn, out))
+                return out
+        self._start(tenant, fn, out)
+        return out
+
+    def _start(self, tenant: str, fn: Callable[[], ReplayOutcome], out: cf.Future[ReplayOutcome]) -> None:
+        def job() -> None:
+            try:
+                if out.set_running_or_notify_cancel():
+                    try:
+                        out.set_result(fn())
+                    except BaseException as e:  # as an executor does: the caller reads it
+                        out.set_exception(e)
+            finally:
+                self._done(tenant)
+
+        try:
+            inner = self._executor.submit(job)
+        except RuntimeError:  # shut down meanwhile
+            out.cancel()
+            return
+        inner.add_done_callback(lambda f: out.cancel() if f.cancelled() else None)
+
+    def _done(self, tenant: str) -> None:
+        """A job of `tenant` ended: its thread goes to the first queued job that fits a share now."""
+        with self._lock:
+            self._shares.give_back(tenant, 1)
+            nxt = None
+            for i, (t, _, _) in enumerate(self._queued):
+                if self._shares.try_take(t, 1) is None:
+                    nxt = self._queued[i]
+                    del self._queued[i]
+                    break
+        if nxt is not None:
+            self._start(*nxt)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            queued = list(self._queued)
+            self._queued.clear()
+        for _, _, out in queued:
+            out.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
 class _Replay(NamedTuple):
     """A replay started for a Resume: its job, the admission its bill is settled through, and when
     it started and ended (`time.perf_counter`)."""
@@ -102,7 +179,7 @@ class LocalStateCalls:
     app: App
     guard: CallGuard
     message_bytes: int
-    replay_executor: cf.ThreadPoolExecutor
+    replay_threads: ReplayThreads
 
     def stream_chunks(
         self, session: LoadSession, res: Resolved, n: int, context: grpc.ServicerContext,
@@ -289,7 +366,7 @@ class LocalStateCalls:
             pinned_key = session.keys[n - 1] if session is not None and n else None  # saves re-hashing
             state, got = local_status(self.app, res, n, deadline, r, pinned_key)
             case = "cold" if n == 0 else ("expired" if state == "expired" else "warm")
-            replay = self._start_replay(res, case, n * res.chunk_tokens, deadline, pinned_key)
+            replay = self._start_replay(res, case, n * res.chunk_tokens, deadline, pinned_key, context)
             if replay is not None:
                 started.append(replay)
             plan = planned_replay_tokens(res, n * res.chunk_tokens) if replay is not None else 0
@@ -346,10 +423,13 @@ class LocalStateCalls:
                                          replay_stored_ttl=outcome.stored_ttl)
         yield pb.ResumeResponse(trailer=pb.ResumeTrailer(
             local_state=LOCAL_TO_PB[final], snapshot_bytes=len(view), replay_tokens=outcome.replay_tokens,
-            replay_status=outcome.status, bills=bills_to_pb(bills)))
+            # "timeout" to the engine whichever timed out: the replay, or this call's wait for it.
+            replay_status="timeout" if outcome.status == WAIT_TIMEOUT else outcome.status,
+            bills=bills_to_pb(bills)))
 
     def _start_replay(
-        self, res: Resolved, case: str, hit_tokens: int, deadline: float | None, boundary_key: bytes | None
+        self, res: Resolved, case: str, hit_tokens: int, deadline: float | None, boundary_key: bytes | None,
+        context: grpc.ServicerContext,
     ) -> _Replay | None:
         coordinator = self.app.coordinator
         if case != "expired" or coordinator is None or planned_replay_tokens(res, hit_tokens) == 0:
@@ -371,12 +451,17 @@ class LocalStateCalls:
                 ended_at.append(time.perf_counter())
 
         try:
-            fut = self.replay_executor.submit(run)
+            fut = self.replay_threads.submit(res.ns.tenant, run)
         except BaseException:
             coordinator.release(ticket)
             raise
         # resume_local uses the ticket up; this gives it back if the job never ran (shut down).
         fut.add_done_callback(lambda _: coordinator.release(ticket))
+        # And when the call ends (its client cancelled, its deadline passed, or it answered): a
+        # replay it joined stops waiting for it then, freeing its thread, rather than at its own
+        # deadline; a replay it leads runs on only for callers still waiting. A no-op once used up.
+        if not context.add_callback(lambda: coordinator.release(ticket)):
+            coordinator.release(ticket)  # the call has ended already
         return _Replay(fut, ticket, started_at, ended_at)
 
     def _local_outcome(
@@ -408,11 +493,13 @@ class LocalStateCalls:
         except cf.TimeoutError:
             if not context.is_active():
                 replay.ticket.abandon()
-                return ReplayOutcome(None, 0, "call ended")
+                return ReplayOutcome(None, 0, CALL_ENDED)
             # The replay may have finished just now: then it is this call's after all.
             late = replay.ticket.give_up()
             if late is None:
-                return ReplayOutcome(None, 0, "timeout")
+                # This caller's outcome, not the replay's: it runs on (for a caller with more
+                # time, or to its own end) and is counted when it ends.
+                return ReplayOutcome(None, 0, WAIT_TIMEOUT)
             outcome = late
         except Exception as e:  # the coordinator failed (Unavailable, a bug); the chunks are already sent
             replay.ticket.abandon()
@@ -424,5 +511,5 @@ class LocalStateCalls:
             # The call ended while it waited (its deadline, the client gone): no trailer will carry
             # a bill, so it takes nothing and the replay is billed to a caller that takes it.
             replay.ticket.abandon()
-            return ReplayOutcome(None, 0, "call ended")
+            return ReplayOutcome(None, 0, CALL_ENDED)
         return replay.ticket.take(outcome)

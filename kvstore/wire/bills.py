@@ -36,9 +36,13 @@ class Bills:
     replay_tokens: int  # tokens replayed to rebuild local state
     tiers: Mapping[str, TierBill]  # every tier of TIER_NAMES, fastest first
     local_bytes: int = 0  # local snapshot bytes at the boundary (held / moved)
+    # The prefill compute the engine skips: the prompt tokens it does not prefill (prompt_tokens -
+    # prefill_tokens) at the model's prefill FLOPs per token. The global hit, unless the engine is
+    # left without local state at the boundary: then it prefills everything and skips nothing (0).
     prefill_flops_avoided: float = 0.0
     # At the model's prefill FLOPs per token; a client derives that from prefill_flops_avoided /
-    # prefill_tokens_avoided (0.0 on a bill with no hit, where no replay runs).
+    # prefill_tokens_avoided (0.0 on a bill with no hit, where no replay runs, or one whose local
+    # state was lost, where no replay rebuilt it).
     replay_flops: float = 0.0
 
     @property
@@ -79,8 +83,9 @@ def price(
     `moved`: their bytes are (or would be) loaded; False when the engine kept the chunks and only
     the boundary was resumed. `local_lost`: the model keeps local state and the engine is left
     without it at the boundary (expired, not rebuilt): it cannot resume at the hit, so it prefills
-    the whole prompt (`prefill_tokens` is the prompt); `prefill_tokens_avoided` stays the global
-    hit, what the store held (the chunks' tiers and bytes are billed as they were moved)."""
+    the whole prompt (`prefill_tokens` is the prompt, `prefill_flops_avoided` 0);
+    `prefill_tokens_avoided` stays the global hit, what the store held (the chunks' tiers and bytes
+    are billed as they were moved)."""
     n_hit = len(chunk_tiers)
     hit = n_hit * chunk_tokens
     if hit > prompt_tokens:
@@ -98,14 +103,16 @@ def price(
     for name, n in counts.items():
         if n:
             tiers[name] = TierBill(n * chunk_tokens, n, n * per_chunk)
+    prefill = prompt_tokens if local_lost else prompt_tokens - hit
     return Bills(
         prompt_tokens=prompt_tokens,
         prefill_tokens_avoided=hit,
-        prefill_tokens=prompt_tokens if local_lost else prompt_tokens - hit,
+        prefill_tokens=prefill,
         replay_tokens=replay_tokens,
         tiers=tiers,
         local_bytes=local_bytes,
-        prefill_flops_avoided=hit * flops_per_token,
+        # What the engine skips, not what the store held: 0 when it prefills the whole prompt.
+        prefill_flops_avoided=(prompt_tokens - prefill) * flops_per_token,
         replay_flops=replay_tokens * flops_per_token,
     )
 
