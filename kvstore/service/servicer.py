@@ -36,7 +36,8 @@ from kvstore.errors import InvalidInput
 from kvstore.layout import EngineLayerGroup, EngineModel, ModelSpec, check_engine_group_count
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.pricing import facts_for_lookup, local_status, price
-from kvstore.service.servicer_local import LocalStateCalls, ReplayThreads
+from kvstore.service.replay_threads import ReplayThreads
+from kvstore.service.servicer_local import LocalStateCalls
 from kvstore.service.shm_calls import PathCounts, check_chunks_fit, chunks_fit, load_spans, store_span_data
 from kvstore.service.shm_listener import ShmSession, ShmSessions
 from kvstore.store import CommitResult, LoadSession, PrefixHit
