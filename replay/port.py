@@ -197,6 +197,7 @@ class ReplayPort(Protocol):
         ...
 
     def release(self, ticket: ReplayTicket) -> None:
-        """Give back an admission that `resume_local` did not use up. Idempotent."""
+        """Give back an admission that `resume_local` did not use up. Idempotent. Also called
+        when the ticket's call ends: a `resume_local` using it stops waiting for this caller."""
         ...
 
