@@ -21,7 +21,7 @@ import torch
 from kvstore.integrations.vllm.cache_layout import NO_BLOCK, EnginePlan, GroupPlan, PagedCache
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.link import Link
-from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec
+from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, WorkerReport
 from kvstore.integrations.vllm.scheduler import SchedulerSide, salt_of
 from kvstore.integrations.vllm.worker import WorkerSide
 from tests import test_client_session_open as session_open
@@ -44,12 +44,18 @@ class FakeLink:
     def model_name(self) -> str:
         return "m"
 
+    def registered(self) -> str:
+        return "m"
+
     def call(self, kind: str, fn: Any) -> Any:
         if kind == "lookup":
             return SimpleNamespace(hit_chunks=self.hit_chunks, local_state="not_applicable")
         if kind == "load":
             return self.loaded
         return None
+
+    def attempt(self, kind: str, fn: Any) -> tuple[Any, bool]:
+        return self.call(kind, fn), False
 
     def failed(self, kind: str, e: BaseException) -> None:
         self.counters[f"{kind}_failures"] += 1
@@ -62,6 +68,13 @@ class FakeLink:
 
     def close(self) -> None:
         pass
+
+
+def _deliver(s: SchedulerSide, report: WorkerReport | None) -> None:
+    """A worker's report to the scheduler side, as the connector's update_connector_output does."""
+    assert report is not None
+    s.worker_report(report.counters, report.shm_sessions, report.failed_loads, report.dropped_saves,
+                    report.not_cached, report.failed_steps)
 
 
 def _request(n: int, rid: str = "r", **kw: Any) -> Any:
@@ -137,7 +150,7 @@ def test_a_short_synchronous_load_saves_nothing_computed_over_it_and_saves_the_r
     assert w._staged == [] and link.counters["saves_skipped_failed_load"] == 1
     report = w.report()
     assert report is not None and report.failed_loads == ("r",)
-    s.worker_report(report.counters, report.shm_sessions, report.failed_loads)
+    _deliver(s, report)
     rewound = min(table.index(b) for b in errors) * BT  # what vLLM does with the errors
     meta2 = s.build_meta(_output("r", rewound, 1000 - rewound, new=False), lambda r: (table,), 0)
     assert [(sv.first_chunk, sv.end_chunk) for sv in meta2.saves] == [(0, 7)]  # kvstore skips what it holds
@@ -211,7 +224,7 @@ def test_the_recompute_after_a_failed_synchronous_load_is_stored() -> None:
     w.submit_saves()
     report = w.report()
     assert report is not None
-    s.worker_report(report.counters, report.shm_sessions, report.failed_loads)
+    _deliver(s, report)
     rewound = min(table.index(b) for b in w.take_load_errors() | {table[CT // BT]}) * BT
     meta2 = s.build_meta(_output("r", rewound, 1000 - rewound, new=False), lambda r: (table,), 0)
     assert not meta2.loads and [(sv.first_chunk, sv.end_chunk) for sv in meta2.saves] == [(0, 7)]

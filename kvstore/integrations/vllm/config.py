@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstore.config.service import token_problem
 from kvstore.config.store import MAX_CHUNK_TOKENS
 from kvstore.errors import ConfigError
 from kvstore.layout import MAX_ENGINE_NAME
@@ -51,11 +52,14 @@ class ConnectorConfig:
         address = d.get("address")
         if not isinstance(address, str) or not _is_address(address):
             raise ConfigError("kv_connector_extra_config.address", "must be the kvstore service as 'host:port' (a "
-                              "port in 1..65535), or 'unix:///path/to/kvstore.sock' on the service's host, got "
-                              f"{address!r}")
+                              "port in 1..65535), or 'unix:///path/to/kvstore.sock' (an absolute path) on the "
+                              f"service's host, got {address!r}")
         for key in ("token", "revision", "model_name", "fingerprint_cache"):
             if key in d and not isinstance(d[key], str):
                 raise ConfigError(f"kv_connector_extra_config.{key}", "must be a string")
+        # The client refuses such a token at its first call (the engine's first request): said at start.
+        if (token := d.get("token", "")) and (problem := token_problem(token)):
+            raise ConfigError("kv_connector_extra_config.token", problem)
         # The service refuses these at every registration otherwise: said once, at start.
         for key in ("revision", "model_name"):
             if not str(d.get(key, "")).isprintable():
@@ -90,8 +94,13 @@ class ConnectorConfig:
 
 
 def _is_address(address: str) -> bool:
-    """'host:port' with a port gRPC dials as written, or a Unix socket's path."""
-    if address.startswith("unix://"):
-        return len(address) > len("unix://")
+    """'host:port' with a port gRPC dials as written, or a Unix socket's absolute path. gRPC takes
+    "unix://run/kvstore.sock" for no address at all, and a relative path would depend on the
+    engine's working directory; a host with spaces never resolves."""
+    if address.startswith("unix:"):
+        path = address.removeprefix("unix:").removeprefix("//")
+        return path.startswith("/") and len(path) > 1 and path.isprintable()
     host, _, port = address.rpartition(":")
-    return bool(host.strip("[]")) and port.isdigit() and 1 <= int(port) <= 65535
+    host = host.removeprefix("[").removesuffix("]") if host.startswith("[") else host
+    return bool(host) and host.isprintable() and not any(c.isspace() or c in "[]" for c in host) and (
+        port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)

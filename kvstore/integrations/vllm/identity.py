@@ -1,7 +1,8 @@
 """Model identity: a fingerprint of the weight files, so changed weights never reuse old KV.
 
 The fingerprint is a SHA-256 over every weight file's name and contents (a model directory's,
-or a single weight file's, as a GGUF model is). Hashing gigabytes at every start would cost
+or a single weight file's, as a GGUF model is), its config (config.json, params.json) and its
+modeling code (*.py, run with trust_remote_code). Hashing gigabytes at every start would cost
 minutes, so each file's digest is remembered in a small JSON cache keyed by (path, size, mtime,
 inode, ctime): an unchanged file is not read again; a rewritten one is, even one given back its
 old size and mtime (cp -p, rsync -a, tar), since its ctime moved (only the kernel sets it). A
@@ -17,7 +18,10 @@ import re
 from pathlib import Path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-CONFIG_FILES = ("config.json",)  # the architecture is identity too (same weights, other config)
+# The architecture is identity too (same weights, other config): a Mistral-format model's is
+# params.json, and a model run with trust_remote_code computes with its own *.py modeling files.
+CONFIG_FILES = ("config.json", "params.json")
+CODE_SUFFIX = ".py"
 ADAPTER_FILES = ("adapter_config.json",)  # a LoRA adapter's rank, alpha and target modules
 READ_BYTES = 8 << 20
 # Digests this process already read or computed, by the cache's key: a LoRA adapter is
@@ -35,7 +39,8 @@ def weight_files(model_dir: Path, config_files: tuple[str, ...] = CONFIG_FILES) 
     """A directory's weight and config files by name; a single weight file (GGUF) is itself."""
     if model_dir.is_file():
         return [model_dir]
-    files = [p for p in model_dir.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in config_files)]
+    files = [p for p in model_dir.iterdir()
+             if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.suffix == CODE_SUFFIX or p.name in config_files)]
     return sorted(files, key=lambda p: p.name)
 
 

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvstore.client import KvstoreClient, RpcFailure
+from kvstore.client import DeadlineExceededError, KvstoreClient, RpcFailure, UnavailableError
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.layout import EngineModel
 
@@ -23,6 +23,9 @@ log = logging.getLogger("kvstore.integrations.vllm")
 T = TypeVar("T")
 WARN_EVERY = 100
 REPLAY_MODE = "off"  # vLLM's V1 model runner cannot replay a window: the namespace says so
+# Failures that say the service is out of reach (down, or no answer within the deadline), not
+# that one call was refused: the calls queued behind one of them would fail the same way.
+OUTAGES = (DeadlineExceededError, UnavailableError)
 
 
 class Link:
@@ -43,16 +46,18 @@ class Link:
             return self._client
 
     def model_name(self) -> str | None:
-        """The registered model's name, registering it first if needed; None: serve cold for now."""
+        """The registered model's name, registering it first if needed (a call that waits up to the
+        budget); None: serve cold for now."""
         if self._name:
             return self._name
-        now = time.monotonic()
-        if now < self._retry_at:
+        if not self.may_register():
             return None
         try:
             reg = self.client().register_model(self.model, timeout_seconds=self.cfg.budget_seconds)
-        except (RpcFailure, OSError) as e:
-            self._retry_at = now + self.cfg.retry_after_seconds
+        except (RpcFailure, OSError, ValueError) as e:  # ValueError: the client refused its input
+            # Counted from the failure, not from the call's start: else a call that waited out the
+            # budget shortened the pause by as much.
+            self._retry_at = time.monotonic() + self.cfg.retry_after_seconds
             self.failed("register", e)
             return None
         if reg.chunk_bytes != self._expected_chunk_bytes():
@@ -63,17 +68,30 @@ class Link:
         log.info("kvstore: model %s registered as %s", self.model.model, reg.model)
         return self._name
 
+    def registered(self) -> str | None:
+        """The registered model's name, never calling."""
+        return self._name or None
+
+    def may_register(self) -> bool:
+        """Whether a registration may be tried now (not within the pause after a failed one)."""
+        return time.monotonic() >= self._retry_at
+
     def _expected_chunk_bytes(self) -> int:
         return sum(self.model.chunk_tokens * g.row_bytes * g.num_layers for g in self.model.groups
                    if not g.sliding_window)
 
     def call(self, kind: str, fn: Callable[[KvstoreClient], T]) -> T | None:
         """`fn(client)`, or None after counting and logging a failure."""
+        return self.attempt(kind, fn)[0]
+
+    def attempt(self, kind: str, fn: Callable[[KvstoreClient], T]) -> tuple[T | None, bool]:
+        """(`fn(client)`, False), or (None, whether the failure was an outage) after counting and
+        logging it."""
         try:
-            return fn(self.client())
+            return fn(self.client()), False
         except (RpcFailure, OSError, ValueError) as e:
             self.failed(kind, e)
-            return None
+            return None, isinstance(e, OUTAGES)
 
     def failed(self, kind: str, e: BaseException) -> None:
         with self._lock:

@@ -51,6 +51,9 @@ class SaveSpec:
 class KvstoreMeta(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # The workers' failed-load steps the scheduler had heard of when it planned this step (see
+    # WorkerReport.failed_steps): a plan made before it heard of one may read unfilled blocks.
+    failures_seen: int = 0
 
 
 @dataclass
@@ -63,11 +66,23 @@ class WorkerReport(KVConnectorWorkerMetadata):
     # Requests whose load failed since the last report: what they computed over the missing
     # blocks was not saved, and what they compute again must be.
     failed_loads: tuple[str, ...] = ()
+    # (request, first chunk) of the saves not made in a step whose synchronous load failed: any
+    # of that step's requests may have read the unfilled blocks (vLLM's own prefix cache shares
+    # them); what vLLM computes again is saved.
+    dropped_saves: tuple[tuple[str, int], ...] = ()
+    # Requests whose save was not made in a later step planned before the scheduler knew of the
+    # failure (async scheduling): vLLM may never compute what they read again, so they are no
+    # longer stored at all.
+    not_cached: tuple[str, ...] = ()
+    # Steps whose synchronous load failed, so far: until a step's metadata says the scheduler
+    # heard of them all, its saves are not made.
+    failed_steps: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, WorkerReport):
             return WorkerReport(self.counters + other.counters, self.shm_sessions + other.shm_sessions,
-                                self.failed_loads + other.failed_loads)
+                                self.failed_loads + other.failed_loads, self.dropped_saves + other.dropped_saves,
+                                self.not_cached + other.not_cached, max(self.failed_steps, other.failed_steps))
         return self
 
 

@@ -1,9 +1,10 @@
 """The scheduler side: asks kvstore what is cached without stalling the scheduler, and plans each
 step's loads and stores for the workers.
 
-A request's first `get_num_new_matched_tokens` starts a Lookup on a thread and answers None
-("ask again next step", as vLLM allows); once the Lookup is back (or the budget is spent, then
-cold) it answers the usable hit. A usable hit ends on a chunk boundary and leaves at least one
+A request's first `get_num_new_matched_tokens` starts a Lookup on a thread (the model's
+registration first, on a thread too) and answers None ("ask again next step", as vLLM allows);
+once the Lookup is back (or the budget, counted from the call's start, is spent: then cold) it
+answers the usable hit. A usable hit ends on a chunk boundary and leaves at least one
 prompt token to compute. For a hybrid model it also needs the sliding-window snapshot at that
 boundary (local state "hit"); without one the engine could not use the hit exactly (vLLM's V1
 runner cannot replay a window), so it is reported as no hit.
@@ -41,7 +42,7 @@ class _Request:
     salt: str
     held_spans: tuple[bytes, ...] = ()  # the hit's first chunks, held by the Lookup in the worker's session
     lookup: cf.Future[LookupResult | None] | None = None
-    lookup_started: float = 0.0
+    lookup_started: float = 0.0  # when the Lookup's call began (0: still queued for a thread)
     usable_chunks: int | None = None  # decided: chunks a load may restore (None: not yet known)
     load_planned: bool = False
     loaded_tokens: int = 0
@@ -91,6 +92,11 @@ class SchedulerSide:
         self.worker_counters: Counter[str] = Counter()
         # The one worker's same-host session, where a synchronous Lookup holds the hit for it.
         self.worker_session = ""
+        # Asynchronous loads: the model's registration, made on the pool (it may wait the budget).
+        self._registering: cf.Future[str | None] | None = None
+        # The workers' failed synchronous loads this side has heard of (and rewound the requests
+        # of): told in each step's metadata, so a worker knows which plans predate a failure.
+        self._failures_seen = 0
 
     # --- matching ---------------------------------------------------------------------------------
 
@@ -139,6 +145,8 @@ class SchedulerSide:
             st.usable_chunks = 0
             return True
         if st.lookup is None:
+            if not self.sync and self.link.registered() is None:
+                return self._register(st)
             name = self.link.model_name()
             if name is None or time.monotonic() < self._ask_after:
                 st.usable_chunks = 0
@@ -148,9 +156,11 @@ class SchedulerSide:
             # service lacks it. A hybrid model asks up to the boundary, where its window state is.
             asked = boundary if self.plan.hybrid else len(st.tokens) // self.ct
             prefix = st.tokens[: asked * self.ct]
-            st.lookup_started = time.monotonic()
 
             def ask() -> LookupResult | None:
+                # The budget counts from here: a Lookup queued behind others (a burst of requests,
+                # two threads) has not yet spent any of it.
+                st.lookup_started = time.monotonic()
                 return self.link.call("lookup", lambda c: c.lookup(
                     name, prefix, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds, cache_salt=st.salt))
 
@@ -163,8 +173,15 @@ class SchedulerSide:
             st.lookup = cf.Future()
             st.lookup.set_result(self._ask_held(name, prefix, boundary, st) if self.worker_session else ask())
         if not st.lookup.done():
-            if time.monotonic() - st.lookup_started < self.link.cfg.budget_seconds:
+            started = st.lookup_started
+            if not started:  # queued: cold without asking once another Lookup found the service failing
+                if time.monotonic() < self._ask_after and st.lookup.cancel():
+                    st.usable_chunks = 0
+                    return True
                 return False
+            if time.monotonic() - started < self.link.cfg.budget_seconds:
+                return False
+            st.lookup.cancel()
             self.link.failed("lookup", TimeoutError("no answer within the budget"))
             self._ask_after = time.monotonic() + self.link.cfg.retry_after_seconds
             st.usable_chunks = 0
@@ -180,6 +197,19 @@ class SchedulerSide:
         st.usable_chunks = hit
         st.saved_chunks = max(st.saved_chunks, held)
         return True
+
+    def _register(self, st: _Request) -> bool:
+        """Asynchronous loads promise a step that never waits on kvstore: the registration is made on
+        the pool, the request told "not yet" meanwhile (False), or cold (True) within the pause
+        after a failed one."""
+        if self._registering is not None and not self._registering.done():
+            return False
+        self._registering = None
+        if not self.link.may_register():
+            st.usable_chunks = 0
+            return True
+        self._registering = self._pool.submit(self.link.model_name)
+        return False
 
     def _ask_held(self, name: str, prefix: np.ndarray, boundary: int, st: _Request) -> LookupResult | None:
         """The Lookup, holding the first `boundary` chunks of the hit in the worker's session."""
@@ -223,7 +253,7 @@ class SchedulerSide:
     # --- each step --------------------------------------------------------------------------------
 
     def build_meta(self, scheduler_output: Any, block_ids_of: Any, null_block: int) -> KvstoreMeta:
-        meta = KvstoreMeta(loads=self._loads)
+        meta = KvstoreMeta(loads=self._loads, failures_seen=self._failures_seen)
         self._loads = []
         for load in meta.loads:
             # With blocks smaller than a chunk, a window's first blocks can lie wholly before it:
@@ -269,8 +299,9 @@ class SchedulerSide:
             spec.snapshot_chunk, spec.window_blocks = boundary, window
         return spec
 
-    def worker_report(self, counters: Counter[str], sessions: tuple[str, ...], failed_loads: tuple[str, ...] = ()
-                      ) -> None:
+    def worker_report(self, counters: Counter[str], sessions: tuple[str, ...], failed_loads: tuple[str, ...] = (),
+                      dropped_saves: tuple[tuple[str, int], ...] = (), not_cached: tuple[str, ...] = (),
+                      failed_steps: int = 0) -> None:
         self.worker_counters = Counter(counters)  # totals so far, summed over the workers
         self.worker_sessions(sessions)
         for req_id in failed_loads:
@@ -280,6 +311,21 @@ class SchedulerSide:
                 # over the missing blocks was not saved, so what it computes again must be.
                 st.saved_chunks = min(st.saved_chunks, st.load_first_chunk)
                 st.snapshot_saved = False  # the window it computes again too
+        for req_id, first_chunk in dropped_saves:
+            st = self._requests.get(req_id)
+            if st is not None:
+                # Its save in the failed load's step was not made (it may have read the unfilled
+                # blocks: vLLM computes that step again for it): what it computes again is saved.
+                st.saved_chunks = min(st.saved_chunks, first_chunk)
+        for req_id in not_cached:
+            st = self._requests.get(req_id)
+            if st is not None and not st.uncacheable:
+                # It computed, in a step planned before the failure was known, over blocks vLLM may
+                # not make it compute again: nothing of it is stored from now on.
+                st.uncacheable = True
+                self.link.count("requests_not_cached_failed_load")
+        # Plans from now on are made knowing of those failures (and with the requests rewound).
+        self._failures_seen = max(self._failures_seen, failed_steps)
 
     def worker_sessions(self, sessions: tuple[str, ...]) -> None:
         """The workers' same-host sessions, from their handshake at engine start and then from
@@ -289,6 +335,8 @@ class SchedulerSide:
 
     def finished(self, request: Any) -> dict[str, Any] | None:
         st = self._requests.pop(request.request_id, None)
+        if st is not None and st.lookup is not None:
+            st.lookup.cancel()  # one still queued is not asked: nobody would read its answer
         counters = dict(Counter(self.link.snapshot()) + self.worker_counters)
         return {"kvstore": {"loaded_tokens": st.loaded_tokens if st else 0, "block_tokens": self.plan.block_tokens,
                             "counters": counters}}

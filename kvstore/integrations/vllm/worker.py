@@ -8,7 +8,8 @@ than one KV cache group (a hybrid model) block ids are not unique across groups,
 is reported for the whole request instead (`failed_recving`), which vLLM then recomputes in full.
 Saves copy each layer's new chunks into a staging buffer as the layer finishes (`save_kv_layer`);
 `wait_for_save` hands the buffer to one background thread that stores it. Staged bytes are
-bounded; beyond the bound a save is dropped and counted, never waited for.
+bounded; beyond the bound a save is dropped and counted, never waited for; so are saves for
+`retry_after_seconds` after a Store found the service out of reach (down, or silent for the budget).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
+import time
 import warnings
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +28,7 @@ import torch
 
 from kvstore.client import KvstoreClient, SharedLoad
 from kvstore.integrations.vllm.cache_layout import EnginePlan, PagedCache
-from kvstore.integrations.vllm.link import REPLAY_MODE, Link
+from kvstore.integrations.vllm.link import REPLAY_MODE, Link, T
 from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec, WorkerHandshake, WorkerReport
 
 log = logging.getLogger("kvstore.integrations.vllm")
@@ -55,6 +57,18 @@ class _LoadOutcome:
 
 
 @dataclass
+class _StepLoads:
+    """A step's synchronous loads: one budget for all of them (each holds the forward up), and
+    once the service is out of reach the rest fail at once instead of each waiting it out."""
+
+    deadline: float
+    out_of_reach: bool = False
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+@dataclass
 class _Staged:
     spec: SaveSpec
     chunks: torch.Tensor  # [chunks, chunk_bytes] uint8
@@ -78,12 +92,21 @@ class WorkerSide:
         self._layers = sum(len(g.layer_names) for g in plan.groups)
         self.sync = link.cfg.loads_synchronously(len(plan.groups))
         self._reported_session: str | None = None
-        # Requests whose synchronous load failed this step: the forward still runs over their
-        # missing blocks (vLLM then recomputes from the first), so this step's saves of them are not
-        # made. Cleared at the step's end (`submit_saves`), not by the next `start_loads`: in a step
-        # without synchronous loads vLLM calls that after the forward, once the saves are staged.
-        self._failed_this_step: set[str] = set()
+        # A synchronous load that fails leaves blocks unfilled that the step's forward still reads:
+        # its request's, and any other request's that shares them through vLLM's own prefix cache.
+        # So no save is made from that step, nor from any step planned before the scheduler heard
+        # of the failure (async scheduling plans one ahead): `KvstoreMeta.failures_seen` tells.
+        self._failed_steps = 0  # steps whose synchronous load failed, so far
+        self._step_failed = False  # this step's did: set in `start_loads`, cleared in `submit_saves`
+        self._failed_unheard: set[str] = set()  # requests whose load failed, until the scheduler heard
         self._failed_loads: list[str] = []  # failed loads not yet reported to the scheduler
+        self._dropped: list[tuple[str, int]] = []  # saves not made in a failed load's step (rewound)
+        self._not_cached: list[str] = []  # requests whose save was not made in a later stale step
+        self._reported_failed_steps = 0
+        # After a Store found the service out of reach, the stores queued behind it are dropped
+        # until then (each would wait out the budget, and close() would wait for them all).
+        self._stores_paused_until = 0.0
+        self._store_futures: set[cf.Future[None]] = set()
         self._staged_meta: KvstoreMeta | None = None  # the metadata this step's saves were staged from
         # Same-host sessions are opened off the step's thread (`_session`): a synchronous load,
         # which runs on it, uses streams until one is open (`open_session=not self.sync`).
@@ -99,31 +122,51 @@ class WorkerSide:
     # --- loads ------------------------------------------------------------------------------------
 
     def start_loads(self, meta: KvstoreMeta) -> None:
-        """Synchronous loads run here, before the forward pass; a short one reports the blocks it
-        did not fill (vLLM recomputes them). Asynchronous ones go to threads."""
+        """Synchronous loads run here, before the forward pass, all within one budget; a short one
+        reports the blocks it did not fill (vLLM recomputes them). Asynchronous ones go to threads."""
+        self._stale(meta)
+        step = _StepLoads(time.monotonic() + self.link.cfg.budget_seconds) if self.sync else None
         for spec in meta.loads:
-            if not self.sync:
+            if step is None:
                 self._loads[spec.req_id] = self._load_pool.submit(self._load, spec)
                 continue
-            try:
-                out = self._load(spec)
-            except Exception as e:  # a bug or a torch error: recompute rather than serve garbage
-                self.link.failed("load", e)
-                out = _LoadOutcome(spec.req_id, False, {b for ids in spec.chunk_blocks.values() for b in ids if b >= 0})
+            every = {b for ids in spec.chunk_blocks.values() for b in ids if b >= 0}
+            if step.out_of_reach or step.left() <= 0:
+                self.link.count("loads_skipped_out_of_reach")  # failed at once: recomputed
+                out = _LoadOutcome(spec.req_id, False, every)
+            else:
+                try:
+                    out = self._load(spec, step)
+                except Exception as e:  # a bug or a torch error: recompute rather than serve garbage
+                    self.link.failed("load", e)
+                    out = _LoadOutcome(spec.req_id, False, every)
             if not out.ok:
-                self._failed_this_step.add(spec.req_id)
+                if not self._step_failed:
+                    self._step_failed = True
+                    self._failed_steps += 1
+                self._failed_unheard.add(spec.req_id)
             self._settle(out)
 
-    def _load(self, spec: LoadSpec) -> _LoadOutcome:
+    def _call(self, kind: str, fn: Callable[[KvstoreClient], T], step: _StepLoads | None) -> T | None:
+        r, outage = self.link.attempt(kind, fn)
+        if outage and step is not None:
+            step.out_of_reach = True
+        return r
+
+    def _budget(self, step: _StepLoads | None) -> float:
+        """A call's timeout: what the step's loads have left of the budget, else the budget."""
+        return self.link.cfg.budget_seconds if step is None else max(0.001, step.left())
+
+    def _load(self, spec: LoadSpec, step: _StepLoads | None = None) -> _LoadOutcome:
         assert self.cache is not None
         wanted = spec.end_chunk - spec.first_chunk
         got = 0
         name = self.link.model_name()
         if spec.held_spans:  # a failed or short read of them is loaded again
-            r = self.link.call("load_held", lambda c: self._read_held(c, spec))
+            r = self._call("load_held", lambda c: self._read_held(c, spec), step)
             got = r if r is not None else 0
-        if name is not None and got < wanted:
-            r = self.link.call("load", lambda c: self._load_chunks(c, name, spec))
+        if name is not None and got < wanted and not (step is not None and step.out_of_reach):
+            r = self._call("load", lambda c: self._load_chunks(c, name, spec, self._budget(step)), step)
             got = r if r is not None else 0
             if r is not None and got < wanted:
                 self.link.failed("load", ValueError(f"{wanted - got} of {wanted} chunks did not arrive"))
@@ -133,12 +176,12 @@ class WorkerSide:
         failed = {b for ids in spec.chunk_blocks.values() for b in ids[got * self.plan.blocks_per_chunk :] if b >= 0}
         return _LoadOutcome(spec.req_id, ok, failed, got)
 
-    def _load_chunks(self, client: KvstoreClient, name: str, spec: LoadSpec) -> int:
+    def _load_chunks(self, client: KvstoreClient, name: str, spec: LoadSpec, timeout_seconds: float) -> int:
         """Chunks [first_chunk, end_chunk) of the request scattered into its blocks; how many.
         On the service's host they are read in place in shared memory (one copy, into vLLM's
         blocks); a lease that lapsed during the copy counts the load as failed (recompute)."""
         with client.load_shared(name, spec.tokens, REPLAY_MODE, max_chunks=spec.end_chunk,
-                                timeout_seconds=self.link.cfg.budget_seconds, cache_salt=spec.cache_salt,
+                                timeout_seconds=timeout_seconds, cache_salt=spec.cache_salt,
                                 open_session=not self.sync) as r:
             return self._scatter(r, spec, r.path)
 
@@ -214,6 +257,15 @@ class WorkerSide:
         self.link.count("load_failed_blocks", len(out.failed_blocks))
         return True
 
+    def _stale(self, meta: KvstoreMeta) -> bool:
+        """Whether `meta` was planned before the scheduler heard of every failed load: its step may
+        read blocks a load did not fill (vLLM computes them again once told), so none of its saves
+        is made."""
+        if meta.failures_seen < self._failed_steps:
+            return True
+        self._failed_unheard.clear()
+        return False
+
     def take_load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
         return out
@@ -238,9 +290,18 @@ class WorkerSide:
             st.layers_left -= 1
 
     def _stage(self, meta: KvstoreMeta) -> None:
+        stale = self._stale(meta)
+        paused = time.monotonic() < self._stores_paused_until
         for spec in meta.saves:
-            if spec.req_id in self._failed_this_step:  # computed over blocks that did not arrive
+            if stale:
                 self.link.count("saves_skipped_failed_load")
+                if self._step_failed:  # the failed load's own step: vLLM computes it again
+                    self._dropped.append((spec.req_id, spec.first_chunk))
+                elif spec.req_id not in self._failed_unheard:  # vLLM may not compute it again
+                    self._not_cached.append(spec.req_id)
+                continue
+            if paused:  # the service is out of reach: this one would only wait out the budget too
+                self.link.count("saves_dropped_out_of_reach")
                 continue
             n = spec.end_chunk - spec.first_chunk
             need = n * self.plan.chunk_bytes + (self.plan.snapshot_bytes if spec.window_blocks else 0)
@@ -256,16 +317,28 @@ class WorkerSide:
     def submit_saves(self) -> None:
         staged, self._staged = self._staged, []
         self._staged_meta = None
-        self._failed_this_step.clear()  # the step is over: its saves were staged without them
+        # The step is over: its saves were staged knowing of its failed load. (Not cleared by the
+        # next `start_loads`: in a step without synchronous loads vLLM calls it after the forward.)
+        self._step_failed = False
         for st in staged:
             if st.layers_left > 0:  # a forward that skipped some layers: the copy is incomplete
                 self.link.count("saves_incomplete")
                 self._release(st)
                 continue
-            self._store_pool.submit(self._store, st)
+            fut = self._store_pool.submit(self._store, st)
+            with self._lock:
+                self._store_futures.add(fut)
+            fut.add_done_callback(self._store_done)
+
+    def _store_done(self, fut: cf.Future[None]) -> None:
+        with self._lock:
+            self._store_futures.discard(fut)
 
     def _store(self, st: _Staged) -> None:
         try:
+            if time.monotonic() < self._stores_paused_until:
+                self.link.count("saves_dropped_out_of_reach")
+                return
             name = self.link.model_name()
             spec = st.spec
             if name is None:
@@ -274,7 +347,7 @@ class WorkerSide:
             if st.snapshot is not None:
                 snap = st.snapshot.numpy().data.cast("B")
                 prefix = spec.tokens[: spec.snapshot_chunk * self.plan.chunk_tokens]
-                kept = self.link.call("store_local", lambda c: c.store_local(
+                kept = self._store_call("store_local", lambda c: c.store_local(
                     name, prefix, snap, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds,
                     cache_salt=spec.cache_salt))
                 if kept is not None:
@@ -284,7 +357,7 @@ class WorkerSide:
                     self.link.count("window_saves" if kept.stored else f"window_saves_skipped_{why}")
             if spec.end_chunk > spec.first_chunk:
                 view = st.chunks.numpy().data.cast("B")
-                r = self.link.call("store", lambda c: c.store(
+                r = self._store_call("store", lambda c: c.store(
                     name, spec.tokens, view, REPLAY_MODE, first_chunk=spec.first_chunk,
                     timeout_seconds=self.link.cfg.budget_seconds, cache_salt=spec.cache_salt))
                 if r is not None:
@@ -294,6 +367,12 @@ class WorkerSide:
             self.link.count("store_unexpected_failures")
         finally:
             self._release(st)
+
+    def _store_call(self, kind: str, fn: Callable[[KvstoreClient], T]) -> T | None:
+        r, outage = self.link.attempt(kind, fn)
+        if outage:
+            self._stores_paused_until = time.monotonic() + self.link.cfg.retry_after_seconds
+        return r
 
     def _release(self, st: _Staged) -> None:
         need = st.chunks.numel() + (st.snapshot.numel() if st.snapshot is not None else 0)
@@ -328,13 +407,25 @@ class WorkerSide:
         session = self._session()
         snap = self.link.snapshot()
         failed, self._failed_loads = tuple(self._failed_loads), []
-        if snap == self._reported and session == self._reported_session and not failed:
+        dropped, self._dropped = tuple(self._dropped), []
+        not_cached, self._not_cached = tuple(self._not_cached), []
+        if (snap == self._reported and session == self._reported_session and not failed and not dropped
+                and not not_cached and self._failed_steps == self._reported_failed_steps):
             return None
         self._reported, self._reported_session = snap, session
-        return WorkerReport(Counter(snap), (session,), failed)
+        self._reported_failed_steps = self._failed_steps
+        return WorkerReport(Counter(snap), (session,), failed, dropped, not_cached, self._failed_steps)
 
     def close(self) -> None:
-        self._store_pool.shutdown(wait=True)
+        # Stores still queued are waited for at most one budget (a hung service would hold the
+        # engine's shutdown a budget per store), then dropped, counted.
+        with self._lock:
+            pending = set(self._store_futures)
+        _, late = cf.wait(pending, timeout=self.link.cfg.budget_seconds)
+        self._store_pool.shutdown(wait=False, cancel_futures=True)
+        dropped = sum(1 for f in late if f.cancelled())
+        if dropped:
+            self.link.count("saves_dropped_at_close", dropped)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
         self._session_pool.shutdown(wait=False, cancel_futures=True)
         self.link.close()
