@@ -374,3 +374,23 @@ def test_the_failures_the_scheduler_heard_of_are_in_each_steps_metadata() -> Non
     s = SchedulerSide(link, PLAN)  # type: ignore[arg-type]
     s.worker_report(Counter({"x": 1}), ("",), failed_steps=2)
     assert s.build_meta(_outputs(), lambda r: ([],), 0).failures_seen == 2
+
+
+def test_a_save_whose_copy_fails_is_dropped_and_the_forward_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `save_kv_layer` runs inside vLLM's forward: an exception from a copy there ended the step.
+    link = StoringLink(hit_chunks=0, loaded=0)
+    s, w = _both(link)
+    a = _request(1000, "A")
+    ta = [1, 2, 3, 4, 5, 6, 7, 8]
+    s.after_alloc(a, (ta,), s.matched(a, 0)[0])
+    meta = s.build_meta(_outputs(("A", 0, 1000, True)), {"A": (ta,)}.__getitem__, 0)
+    assert [(sv.req_id, sv.first_chunk, sv.end_chunk) for sv in meta.saves] == [("A", 0, 7)]
+    assert w.cache is not None
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(w.cache, "gather_chunks", broken)
+    _step(w, meta)
+    w.close()
+    assert link.stored == [] and link.counters["saves_failed_copy"] == 1 and w._pending_bytes == 0

@@ -74,6 +74,7 @@ class _Staged:
     chunks: torch.Tensor  # [chunks, chunk_bytes] uint8
     snapshot: torch.Tensor | None
     layers_left: int
+    failed: bool = False  # a layer's copy raised: not stored
 
 
 class WorkerSide:
@@ -282,11 +283,20 @@ class WorkerSide:
             return
         for st in self._staged:
             spec = st.spec
-            if group.sliding_window:
-                if st.snapshot is not None:
-                    self.cache.gather_snapshot(layer, spec.window_blocks[group.group_id], st.snapshot)
-            elif spec.end_chunk > spec.first_chunk:
-                self.cache.gather_chunks(layer, spec.chunk_blocks[group.group_id], st.chunks)
+            if st.failed:
+                continue
+            try:
+                if group.sliding_window:
+                    if st.snapshot is not None:
+                        self.cache.gather_snapshot(layer, spec.window_blocks[group.group_id], st.snapshot)
+                elif spec.end_chunk > spec.first_chunk:
+                    self.cache.gather_chunks(layer, spec.chunk_blocks[group.group_id], st.chunks)
+            except Exception:  # called from vLLM's forward: a save that cannot be copied is dropped, never the step
+                log.exception("kvstore: copying layer %s of request %s for a store failed; not storing it",
+                              layer, spec.req_id)
+                self.link.count("saves_failed_copy")
+                st.failed = True
+                continue
             st.layers_left -= 1
 
     def _stage(self, meta: KvstoreMeta) -> None:
@@ -321,6 +331,9 @@ class WorkerSide:
         # next `start_loads`: in a step without synchronous loads vLLM calls it after the forward.)
         self._step_failed = False
         for st in staged:
+            if st.failed:
+                self._release(st)
+                continue
             if st.layers_left > 0:  # a forward that skipped some layers: the copy is incomplete
                 self.link.count("saves_incomplete")
                 self._release(st)
