@@ -19,8 +19,11 @@ from kvstore.config.local_pool import ENTRY_OVERHEAD_BYTES
 from kvstore.config.warnings import config_warnings
 from kvstore.errors import ConfigError
 from kvstore.layout import get_model
+from kvstore.local_pool.embedded import EmbeddedPool
 from policies.fair_share import FairShare
+from policies.ttl import FixedTtl
 from replay.registry import ADMIN_MEMBER
+from tests.fixtures.clock import ManualClock
 
 TOKEN = "tenant-token-0123"
 # Every *_seconds key of these sections, found from the dataclasses so that a new one is covered too
@@ -154,11 +157,52 @@ def test_an_embedded_pool_or_a_tenants_share_below_one_snapshot_is_warned_about(
                  {"service": served, "local_pool": {"capacity_bytes": 1_000_000, "url": "redis://127.0.0.1:6379"}},
                  {"service": {"models": [toy]}, "local_pool": {"capacity_bytes": 1_000_000}}):
         assert not any("local_pool.capacity_bytes" in w for w in config_warnings(parse_config(fine)))
-    # Split 3:1, room for two snapshots leaves the lighter tenant half of one.
+    # Split 3:1, room for two snapshots leaves the lighter tenant half of one: with toy snapshots
+    # filling the rest of the heavier one's share, none of V4.1's fits.
     tenants = {"a": {"tokens": [TOKEN], "share_weight": 3}, "b": {"tokens": ["tenant-token-4567"]}}
     split = parse_config({"service": served, "tenants": tenants, "local_pool": {"capacity_bytes": 2 * entry}})
     said = [w for w in config_warnings(split) if "local_pool.capacity_bytes" in w]
     assert len(said) == 1 and "1 tenant(s)" in said[0] and "'b'" in said[0] and f"{4 * entry} would give" in said[0]
+    assert "may be skipped (no-room)" in said[0]
+
+
+def _pool_warnings(models: list[str], capacity: int, weights: dict[str, float] | None = None) -> list[str]:
+    doc: dict[str, Any] = {"service": {"models": models}, "local_pool": {"capacity_bytes": capacity}}
+    if weights:
+        doc["tenants"] = {n: {"tokens": [f"tenant-token-{n}-0123"], "share_weight": w} for n, w in weights.items()}
+    return [w for w in config_warnings(parse_config(doc)) if "local_pool.capacity_bytes" in w]
+
+
+def test_a_pool_no_write_needs_more_room_in_is_not_warned_about() -> None:
+    # dense-gqa-32l keeps no local state: nothing of it is ever stored, whatever the pool's size.
+    assert _pool_warnings(["dense-gqa-32l"], 0) == []
+    assert _pool_warnings(["dense-gqa-32l"], 8192, {f"t{i}": 1.0 for i in range(20)}) == []
+    # One size, weights 3:1, room for two: 'a' keeps one whole snapshot within its 1.5, the other
+    # one is 'b's. The warning said b's StoreLocals were skipped; the pool skips none of them.
+    v41 = "deepseek-v4.1-flash"
+    entry = get_model(v41).layout.local_snapshot_bytes + ENTRY_OVERHEAD_BYTES
+    assert _pool_warnings([v41], 2 * entry, {"a": 3.0, "b": 1.0}) == []
+    assert _pool_warnings(["dense-gqa-32l", v41], 2 * entry, {"a": 3.0, "b": 1.0}) == []
+    said = _pool_warnings([v41], entry - 1)
+    assert len(said) == 1 and "every StoreLocal of it is skipped" in said[0]
+
+
+def test_a_tenant_left_short_by_whole_snapshots_is_warned_about_with_the_least_capacity() -> None:
+    # Weights 5:1, room for 2.5: 'a' keeps two whole snapshots within its share of 2.08 and 'b'
+    # has half of one left. 3 entries is the least that leaves 'b' one (a's 2.5 keeps two), not the
+    # 6 that would give every share a whole entry.
+    v41 = "deepseek-v4.1-flash"
+    snap = get_model(v41).layout.local_snapshot_bytes
+    entry = snap + ENTRY_OVERHEAD_BYTES
+    said = _pool_warnings([v41], 5 * entry // 2, {"a": 5.0, "b": 1.0})
+    assert len(said) == 1 and "'b'" in said[0] and "are skipped (no-room)" in said[0]
+    assert f"; {3 * entry} would give each one" in said[0]
+    assert _pool_warnings([v41], 3 * entry, {"a": 5.0, "b": 1.0}) == []
+    # As the pool does: once 'a' holds its two, every write of 'b' is skipped.
+    pool = EmbeddedPool(5 * entry // 2, FixedTtl(300.0), ManualClock(), share_weights={"a": 5.0, "b": 1.0})
+    for k in range(2):
+        assert pool.put(b"a" * 32, bytes([k]) * 32, "a", b"layout01", 128, b"s" * snap).skip_reason is None
+    assert pool.put(b"b" * 32, b"\0" * 32, "b", b"layout01", 128, b"s" * snap).skip_reason == "no-room"
 
 
 def test_metrics_behind_a_token_need_one() -> None:

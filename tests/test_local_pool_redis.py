@@ -22,7 +22,7 @@ import redis
 
 from kvstore.config.local_pool import LocalPoolConfig
 from kvstore.errors import ConfigError
-from kvstore.local_pool import LocalPool, build_local_pool
+from kvstore.local_pool import LocalPool, build_local_pool, redis_transport
 from kvstore.local_pool.redis_pool import snapshot_key_base
 from kvstore.local_pool.redis_process import RedisClusterProcesses, RedisProcess, free_port
 from kvstore.local_pool.redis_transport import ClusterTransport
@@ -217,6 +217,47 @@ def test_a_reply_that_trickles_in_is_a_timeout_at_the_deadline(
     time.sleep(0.35)  # the breaker's reset; the connection cut at the deadline is not reused
     got = pool.get(_ns(), _bk(), TENANT, LAYOUT)
     assert got.payload is not None and bytes(got.payload) == data
+    pool.close()
+
+
+def test_a_transaction_done_when_the_watchdog_fires_keeps_the_idle_connections(
+    redis_server: RedisProcess, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The deadline passes between the last reply and disarming (a preempted thread): the call
+    # succeeds and its own connection, shut down, goes; the idle ones were all disconnected too, as
+    # if the server had failed, each costing the next calls a reconnect.
+    transport = redis_transport.SingleNodeTransport(redis_server.url, 0.25, 0.25)
+    conns = [transport._acquire() for _ in range(8)]
+    for c in conns:
+        c.connect()
+    for c in conns:
+        transport._release(c, True, False)
+    disarm = redis_transport._WATCHDOG.disarm
+
+    def late_disarm(armed: Any) -> bool:
+        _wait_until(lambda: armed.fired)
+        return disarm(armed)
+
+    monkeypatch.setattr(redis_transport._WATCHDOG, "disarm", late_disarm)
+    assert transport.transaction([("SET", b"k", b"v"), ("GET", b"k")], time.monotonic() + 0.3) == [b"OK", b"v"]
+    monkeypatch.undo()
+    idle = list(transport._idle)
+    assert len(idle) == 8 and sum(c._sock is not None for c in idle) == 7  # all but the one shut down
+    transport.close()
+
+
+def test_a_ttl_is_sent_to_the_nearest_millisecond(redis_factory: RedisFactory) -> None:
+    # int(1.001 * 1000) is 1000: a TTL tune set 1 ms past a gap came back to exactly the gap, and
+    # the session returning after it missed. The slow log (every command logged) shows the PX sent.
+    server = redis_factory({"slowlog-log-slower-than": "0"})
+    client = redis.Redis.from_url(server.url)
+    pool = _pool(server.url, ttl=1.001)
+    pool.set_ttl_policy(StaticTtl(1.001, 4.35))  # a refresh: 4349.999999999999 ms
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x" * 1000).ttl_seconds == 1.001
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).payload is not None
+    sent = [e["command"] for e in client.slowlog_get(100)]
+    assert any(c.startswith(b"SET ") and c.endswith(b" PX 1001") for c in sent), sent
+    assert any(c.startswith(b"PEXPIRE ") and c.endswith(b" 4350") for c in sent), sent
     pool.close()
 
 

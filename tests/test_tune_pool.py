@@ -155,6 +155,47 @@ def test_every_candidate_is_priced_as_its_evaluation(seed: int) -> None:
         assert priced == pytest.approx(expected, rel=1e-9), ttl
 
 
+@pytest.mark.parametrize("seed", [29, *range(8)])
+def test_the_recommendation_is_never_dearer_than_a_row_with_mixed_sizes(seed: int) -> None:
+    # A retry at an unchanged boundary may rewrite a snapshot of another size: the search priced
+    # every hold at the size of the session's latest structural write, and seed 29 recommended
+    # 100.001 s (3566) over the listed 250.001 s (3540). The recommendation is evaluated as the pool
+    # holds it, and no printed row is cheaper.
+    cols = columns_from_records(random_trace(seed), CHUNK, 1, 1)
+    d = _Derived(cols)
+    cost = TtlCostModel(1.0, 1e-5, 10.0, 3600.0)
+    rep = tune_ttl(cols, (30.0, 100.001, 250.001, 700.0), cost, TtlPolicyConfig())
+    rec = rep.recommended
+    assert rec.ttl_seconds is not None
+    hits, byte_seconds = evaluate_sliding(cols, d, rec.ttl_seconds)
+    miss = d.eligible & ~hits
+    assert rec.total_cost == pytest.approx(float(cols.replay_tokens[miss].sum()) + byte_seconds * 1e-5, rel=1e-12)
+    assert all(rec.total_cost <= r.total_cost for r in rep.rows if r.semantics == "sliding")
+
+
+def test_a_gap_at_a_clamp_or_listed_ttl_is_priced_with_the_pools_test() -> None:
+    # 4.1 - 1.1 < 3.0 in floats, yet 1.1 + 3.0 > 4.1 is false: the pool has expired the snapshot.
+    # 11.524 - 1.524 == 10.0, yet 1.524 + 10.0 > 11.524: the pool still holds it. The search
+    # compared gaps and priced a hit where the pool missed, and a miss where it hit.
+    recs = [
+        TraceRecord(1.1, "t", "a", CHUNK, "cold", 1000, 100), TraceRecord(4.1, "t", "a", 2 * CHUNK, "hit", 1000, 100),
+        TraceRecord(1.524, "t", "b", CHUNK, "cold", 1000, 100),
+        TraceRecord(11.524, "t", "b", CHUNK, "hit", 1000, 100),  # a retry
+    ]
+    cols = columns_from_records(recs, CHUNK, 1, 1)
+    d = _Derived(cols)
+    cost = TtlCostModel(1.0, 1e-3, 3.0, 50.0)
+    cand, total = sliding_costs(cols, d, cost, (10.0,))
+    assert {3.0, 10.0} <= set(cand.tolist())
+    for ttl, priced in zip(cand.tolist(), total.tolist(), strict=True):
+        hits, byte_seconds = evaluate_sliding(cols, d, ttl)
+        assert int(hits.sum()) == pool_priced(recs, ttl, "sliding")[0], ttl
+        miss = d.eligible & ~hits
+        assert priced == pytest.approx(float(cols.replay_tokens[miss].sum()) + byte_seconds * 1e-3, rel=1e-9), ttl
+    assert int(evaluate_sliding(cols, d, 3.0)[0].sum()) == 0  # a misses at 3 s
+    assert int(evaluate_sliding(cols, d, 10.0)[0].sum()) == 2  # b hits at 10 s
+
+
 def test_a_trace_file_is_read_as_a_stream(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -82,6 +82,16 @@ def test_a_size_too_large_for_int64_is_refused() -> None:
     assert parse_size("8EB".replace("EB", "e18")) == 8 * 10**18  # below 2**63 - 1: still taken
 
 
+def test_the_largest_size_is_taken_and_whole_numbers_are_exact() -> None:
+    # Through a float, 2**63 - 1 became 2**63 and was refused as too large; 2**53 + 1 became 2**53.
+    assert parse_size("9223372036854775807") == (1 << 63) - 1
+    assert parse_size("9007199254740993") == (1 << 53) + 1
+    assert parse_size("8388607TiB") == 8388607 << 40 and parse_size("0009B") == 9
+    for bad in ("9223372036854775808", "8388608TiB", "9" * 5000):
+        with pytest.raises(InvalidInput, match="too large a size"):
+            parse_size(bad)
+
+
 def test_sweep_concurrencies_have_the_bound_of_the_scale_flags() -> None:
     # 1,000,000 ran out of memory after 36 s; --sessions and --concurrency stop at 100,000.
     assert parse_concurrencies("8,100000") == [8, 100_000]

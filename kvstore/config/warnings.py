@@ -52,9 +52,11 @@ def _pool_below_a_snapshot(cfg: KvstoreConfig) -> list[str]:
     sizes = {}
     for name in cfg.service.models:
         try:
-            sizes[name] = get_model(name).layout.local_snapshot_bytes
+            nbytes = get_model(name).layout.local_snapshot_bytes
         except UnknownModel:  # refused when the service starts
             continue
+        if nbytes > 0:  # a model with no local state stores nothing in the pool
+            sizes[name] = nbytes
     if not sizes:
         return []
     model = max(sizes, key=lambda m: sizes[m])
@@ -64,14 +66,47 @@ def _pool_below_a_snapshot(cfg: KvstoreConfig) -> list[str]:
         return [f"local_pool.capacity_bytes = {pool.capacity_bytes} is less than {what}: every StoreLocal of it "
                 "is skipped (no-room)"]
     weights = cfg.share_weights()
-    # The smallest shares are those with every tenant holding snapshots (an idle one reserves nothing).
-    short = [t for t, share in weighted_split(pool.capacity_bytes, weights, weights).items() if share < entry]
+    one_size = len(set(sizes.values())) == 1
+    short = _short_tenants(pool.capacity_bytes, weights, entry, one_size)
     if not short:
         return []
-    enough = math.ceil(entry * sum(weights.values()) / min(weights.values()))
-    return [f"local_pool.capacity_bytes = {pool.capacity_bytes} split by share_weight gives {len(short)} tenant(s) "
-            f"less than {what} (e.g. '{short[0]}'): while the other tenants hold theirs, its StoreLocals are "
-            f"skipped (no-room); {enough} would give each one"]
+    if one_size:
+        enough, skipped = _least_capacity(pool.capacity_bytes, weights, entry), "are skipped"
+    else:
+        enough, skipped = math.ceil(entry * sum(weights.values()) / min(weights.values())), "may be skipped"
+    return [f"local_pool.capacity_bytes = {pool.capacity_bytes} split by share_weight leaves {len(short)} tenant(s) "
+            f"less room than {what} (e.g. '{short[0]}'): while the other tenants hold their shares, its "
+            f"StoreLocals {skipped} (no-room); {enough} would give each one"]
+
+
+def _short_tenants(capacity: int, weights: dict[str, float], entry: int, one_size: bool) -> list[str]:
+    """The tenants that may find no room for an `entry` while every other tenant holds all it may
+    keep within its weighted share (the smallest shares: every tenant holding snapshots; an idle
+    one reserves nothing). Of one size, a tenant keeps whole entries: the rest of its share is room
+    for the others. Of several, smaller entries may fill a share: only a share of one entry is sure."""
+    shares = weighted_split(capacity, weights, weights)
+    if not one_size:
+        return [t for t, share in shares.items() if share < entry]
+    kept = {t: share // entry * entry for t, share in shares.items()}
+    held = sum(kept.values())
+    return [t for t in shares if capacity - (held - kept[t]) < entry]
+
+
+# The least capacity is looked for among this many whole numbers of entries above the one set; past
+# them (shares of wildly different weights) the one that gives every share a whole entry is said.
+LEAST_CAPACITY_TRIES = 10_000
+
+
+def _least_capacity(capacity: int, weights: dict[str, float], entry: int) -> int:
+    """The least capacity above `capacity` that leaves no tenant short of room for an entry of
+    one size. Room only falls as a capacity grows where a share passes a whole entry, and rises one
+    for one in between: the least is a whole number of entries."""
+    every = math.ceil(entry * sum(weights.values()) / min(weights.values()))  # each share an entry
+    first = capacity // entry + 1
+    for k in range(first, min(first + LEAST_CAPACITY_TRIES, every // entry + 1)):
+        if not _short_tenants(k * entry, weights, entry, True):
+            return k * entry
+    return every
 
 
 def _zero_shares(cfg: KvstoreConfig) -> list[str]:

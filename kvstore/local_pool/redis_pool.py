@@ -83,6 +83,13 @@ return redis.call('UNLINK', unpack(KEYS))
 """
 
 
+def ttl_milliseconds(ttl_seconds: float) -> int:
+    """A TTL as Redis's PX: the nearest whole millisecond, at least one. Truncated, a TTL set 1 ms
+    past a gap (as `kvstore tune ttl` recommends: 1.001 s is 1000.9999999999999 ms) lost that
+    millisecond, and the session returning after exactly the gap missed."""
+    return max(1, round(ttl_seconds * 1000))
+
+
 def snapshot_key_base(prefix: str, ns_digest: bytes, boundary_key: bytes) -> bytes:
     """`<prefix>:{<hash>}:p`; part i is this plus str(i)."""
     tag = hashlib.sha256(ns_digest + boundary_key).digest()[:16].hex()
@@ -152,8 +159,7 @@ class RedisPool:
             if not (ttl > 0 and math.isfinite(ttl)):
                 breaker.release()
                 return self._counters.skip("policy")
-            # Whole milliseconds, rounded down, so the key never outlives the TTL it was given.
-            ttl_ms = max(1, int(ttl * 1000))
+            ttl_ms = ttl_milliseconds(ttl)
             parts = encode_parts(layout_id, boundary_tokens, payload, self._cfg.part_bytes)
             cmds: list[Command] = [("SET", base + b"%d" % i, part, "PX", ttl_ms) for i, part in enumerate(parts)]
             # Parts beyond this write's count, left by an earlier write of the same key with more
@@ -408,7 +414,7 @@ class RedisPool:
         ttl = self._policy.ttl_on_read(tenant, nbytes, self._clock())
         if ttl is None or not (ttl > 0 and math.isfinite(ttl)):
             return
-        ttl_ms = max(1, int(ttl * 1000))
+        ttl_ms = ttl_milliseconds(ttl)
         # PEXPIRE only touches keys that exist and always leaves a TTL on them.
         replies = self._run([("PEXPIRE", base + b"%d" % i, ttl_ms) for i in range(part_count)], deadline_at, base)
         if not isinstance(replies, str):

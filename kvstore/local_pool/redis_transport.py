@@ -202,7 +202,10 @@ class SingleNodeTransport:
             raise RedisTimeoutError("pool call deadline passed while Redis was still answering") from e
         finally:
             if _WATCHDOG.disarm(armed):
-                clean = False  # its socket was shut down, even if the last reply was in by then
+                # Its socket was shut down, even if the last reply was in by then; if it was, the
+                # server answered in time: only this connection goes, not the idle ones.
+                server_trouble = server_trouble and not clean
+                clean = False
             self._release(conn, clean, server_trouble)
 
     def memory(self, deadline_at: float) -> ServerMemory:

@@ -288,6 +288,22 @@ def _below(
     return wv[j], cw[j], float(cw[-1])
 
 
+def _first_hit(t_prev: np.ndarray, t: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """[k] for each request, the index of the first of the sorted `cand` under which it hits:
+    `t_prev + T > t`, the pool's test in its own arithmetic (`len(cand)`: none). Found from the gap,
+    then moved where rounding makes `t - t_prev < T` disagree (the test is monotone in T)."""
+    m = cand.shape[0]
+    key = np.searchsorted(cand, t - t_prev, side="right")
+    while True:
+        down = key > 0
+        down[down] = t_prev[down] + cand[key[down] - 1] > t[down]
+        up = key < m
+        up[up] = ~(t_prev[up] + cand[key[up]] > t[up])
+        if not (down.any() or up.any()):
+            return key
+        key = key - down + up
+
+
 def sliding_costs(
     c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = ()
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -300,13 +316,16 @@ def sliding_costs(
     The hold, per request i of a session: the snapshot i leaves as the latest is held through the
     next request's gap if that one hits, else for T (it expired; or, with no eligible request next,
     T or until a write at its boundary replaces it). A hit that moved the boundary read the snapshot
-    before it, whose TTL restarts there: T more, or until replaced. Exact where a retry's rewrite
-    has the size of the write before it (one model per session: one snapshot size)."""
+    before it, whose TTL restarts there: T more, or until replaced. Each hold is priced at the size
+    of the latest structural write: exact where a retry's rewrite has that size (`_search_is_exact`),
+    else an estimate that `best_sliding` corrects by evaluating its best candidates."""
     n, t = c.n, c.time
     past = (np.floor(d.gap[d.eligible] * 1000.0 + 0.5) + 1.0) / 1000.0
     listed = np.asarray(also_seconds, dtype=np.float64)
     cand = np.concatenate(([cost.min_ttl_seconds], past, listed, [cost.max_ttl_seconds]))
     cand = np.unique(cand[(cand >= cost.min_ttl_seconds) & (cost.max_ttl_seconds >= cand)])  # [m]
+    # Items are keyed by the first candidate index at which they count: counted at cand[j] iff key <= j.
+    at = np.arange(1, cand.shape[0] + 1)
     # The session's latest snapshot after request i was written by its latest structural request
     # (or rewritten at that boundary since); a later structural write at that boundary replaces it.
     latest = np.maximum.accumulate(np.where(d.structural, np.arange(n), -1))  # [n]
@@ -314,35 +333,76 @@ def sliding_costs(
     replaced_at = _replaced_at(c, d, d.structural)[latest]  # [n]
     el = np.flatnonzero(d.eligible)
     g = d.gap[el]
+    hit_from = _first_hit(t[el - 1], t[el], cand)  # [k] hits from this candidate on, as the pool tests
     zeros = np.zeros(el.size)
-    # Replays: each eligible request whose gap is not below the TTL.
-    _, r_below, r_total = _below(g, c.replay_tokens[el] * cost.replay_cost_per_token, zeros, cand)
+    # Replays: each eligible request that does not hit.
+    _, r_below, r_total = _below(hit_from, c.replay_tokens[el] * cost.replay_cost_per_token, zeros, at)
     total = r_total - r_below
     # The snapshot an eligible request resumes from: held its gap on a hit, else T.
-    a_v, a_w, a_total = _below(g, per_second[el - 1], g, cand)
+    a_v, a_w, a_total = _below(hit_from, per_second[el - 1], g, at)
     total += a_v + cand * (a_total - a_w)
     # A latest snapshot with no eligible request next (its session ends, or a cold request follows).
     ends = np.flatnonzero(~np.concatenate((d.eligible[1:], [False])))
     held = replaced_at[ends] - t[ends]
     b_v, b_w, b_total = _below(held, per_second[ends], held, cand)
     total += b_v + cand * (b_total - b_w)
-    # A hit that moved the boundary restarts the TTL of the snapshot it read: where its gap is below
-    # T, held min(T, until replaced) more (both below T is the larger of the two below T).
+    # A hit that moved the boundary restarts the TTL of the snapshot it read: where it hits, held
+    # min(T, until replaced) more (both counted: a hit, and replaced before T).
     mv = np.flatnonzero(d.eligible & d.structural)
-    gm, wm = d.gap[mv], per_second[mv - 1]
+    wm = per_second[mv - 1]
     more = replaced_at[mv - 1] - t[mv]
-    _, hit_w, _ = _below(gm, wm, np.zeros(mv.size), cand)
-    m_v, m_w, _ = _below(np.maximum(gm, more), wm, more, cand)
+    hit_mv = _first_hit(t[mv - 1], t[mv], cand)
+    _, hit_w, _ = _below(hit_mv, wm, np.zeros(mv.size), at)
+    m_v, m_w, _ = _below(np.maximum(hit_mv, np.searchsorted(cand, more, side="right")), wm, more, at)
     total += m_v + cand * (hit_w - m_w)
     return cand, total
+
+
+def _search_is_exact(c: TraceColumns, d: _Derived) -> bool:
+    """Whether every retry would rewrite its boundary's snapshot at the size of the structural
+    write before it, so that `sliding_costs` prices every hold at its snapshot's own size."""
+    retry = np.flatnonzero(~d.structural)
+    latest = np.maximum.accumulate(np.where(d.structural, np.arange(c.n), -1))
+    return bool(np.array_equal(c.snapshot_bytes[retry], c.snapshot_bytes[latest[retry]]))
+
+
+# Candidates evaluated one by one when the search's prices are estimates (snapshot sizes vary at a
+# boundary): each is an O(n) pass, and the search's order is near the exact one.
+REPRICED_CANDIDATES = 16
+
+
+def best_sliding(
+    c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = (),
+    evaluated: Sequence[TtlEvaluation] = (),
+) -> TtlEvaluation:
+    """The least-cost sliding TTL (the shorter one on a tie), evaluated as the pool holds it: the
+    search's best candidate, or where its prices are estimates the cheapest of its best few and of
+    every TTL of `also_seconds` within the clamp, so that none of those is cheaper. `evaluated`:
+    sliding evaluations already made, reused by TTL."""
+    done = {r.ttl_seconds: r for r in evaluated if r.semantics == "sliding"}
+
+    def priced(ttl: float) -> TtlEvaluation:
+        if ttl not in done:
+            done[ttl] = _evaluation(c, d, "sliding", ttl, *evaluate_sliding(c, d, ttl), cost)
+        return done[ttl]
+
+    if c.n == 0:
+        return priced(float(cost.min_ttl_seconds))
+    cand, total = sliding_costs(c, d, cost, also_seconds)
+    order = np.argsort(total, kind="stable")  # candidates ascend: the shorter first on a tie
+    few = 1 if _search_is_exact(c, d) else REPRICED_CANDIDATES
+    ttls = {float(x) for x in cand[order[:few]]}
+    ttls |= {float(x) for x in also_seconds if cost.min_ttl_seconds <= x <= cost.max_ttl_seconds}
+    return min((priced(x) for x in ttls), key=lambda r: (r.total_cost, r.ttl_seconds))
 
 
 def best_sliding_ttl(
     c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = ()
 ) -> float:
-    """The least-cost TTL of `sliding_costs`' candidates (the shorter one on a tie)."""
-    cand, total = sliding_costs(c, d, cost, also_seconds)
-    return float(cand[int(np.argmin(total))])
+    """The TTL of `best_sliding`."""
+    ttl = best_sliding(c, d, cost, also_seconds).ttl_seconds
+    assert ttl is not None
+    return ttl
 
 
 @dataclass(frozen=True)
@@ -353,7 +413,7 @@ class TuneReport:
     same_boundary_requests: int
     cost: TtlCostModel
     rows: tuple[TtlEvaluation, ...]
-    recommended: TtlEvaluation  # sliding, at the exact least-cost TTL
+    recommended: TtlEvaluation  # sliding, at the least-cost TTL, evaluated as the pool holds it
     recommended_fixed: TtlEvaluation  # fixed, at the same TTL
     adaptive: TtlEvaluation  # the adaptive policy run over the trace
     adaptive_final_ttl_seconds: dict[str, float]  # per tenant, at the end of the trace
@@ -420,9 +480,9 @@ def tune_ttl(
         for semantics in ("fixed", "sliding"):
             hits, bs = evaluate_fixed(c, d, ttl) if semantics == "fixed" else evaluate_sliding(c, d, ttl)
             rows.append(_evaluation(c, d, semantics, float(ttl), hits, bs, cost))
-    best = best_sliding_ttl(c, d, cost, ttls_seconds) if c.n else cost.min_ttl_seconds
-    hits, bs = evaluate_sliding(c, d, best)
-    recommended = _evaluation(c, d, "sliding", best, hits, bs, cost)
+    recommended = best_sliding(c, d, cost, ttls_seconds, rows)
+    best = recommended.ttl_seconds
+    assert best is not None
     hits, bs = evaluate_fixed(c, d, best)
     recommended_fixed = _evaluation(c, d, "fixed", best, hits, bs, cost)
     ttl_after, final = run_adaptive(c, d, ttl_cfg)

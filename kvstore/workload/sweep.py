@@ -19,6 +19,7 @@ What it does not know: how a single run works (`simulator`), or how results are 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -180,7 +181,14 @@ def parse_size(text: str) -> int:
     if m is None or (m.group(2) is not None and m.group(2).upper() not in _UNITS):
         raise InvalidInput(f"'{text}' is not a size (e.g. 32GiB, 256GB, 0)")
     unit = (m.group(2) or "").upper()
-    n = float(m.group(1)) * _UNITS[unit]  # '1e400' is inf here, and int(inf) raised OverflowError
+    number = m.group(1)
+    n: float | int
+    if number.isdigit():
+        # Whole numbers exactly: through a float, 2**63 - 1 became 2**63, refused as too large.
+        # Over 19 digits it is too large anyway (and int() of thousands of digits is refused).
+        n = int(number) * _UNITS[unit] if len(number.lstrip("0")) <= 19 else math.inf
+    else:
+        n = float(number) * _UNITS[unit]  # '1e400' is inf here, and int(inf) raised OverflowError
     if not n <= MAX_SIZE_BYTES:
         raise InvalidInput(f"'{text}' is too large a size (at most 2**63 - 1 bytes)")
     return int(n)
