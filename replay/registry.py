@@ -12,10 +12,18 @@ resolve with an outcome (never an exception): a failed job is an expected result
 for whose model every runner is busy may wait for one to have room (`wait_for_room`).
 
 A strike is counted against a runner that answers a job with an error, or still has a job when it
-is cancelled at its deadline (`cancel_job(..., timed_out=True)`); a snapshot clears its strikes. A
-runner with strikes gets jobs only while no healthy runner has room, and one with `MAX_STRIKES` in
-a row is detached (counted in `misbehaved_total`; its stream ends cleanly, so it may reconnect).
-A hung device otherwise took every job: cancelled at their deadlines, they left it looking idle.
+is cancelled at its deadline (`cancel_job(..., timed_out=True)`) having finished nothing (no
+result, no error) since it was given that job: a runner that answers, even late, is slow, not
+hung, and the deadline is the callers' budget, not a fault of the runner. Failures of jobs it was
+given before its last strike (a batch failing at once, jobs hung together) are the same fault: one
+strike. Any snapshot, even a late one for a cancelled job, clears its strikes. A runner with
+strikes gets jobs only while no healthy runner has room, and one with `MAX_STRIKES` in a row is
+detached (counted in `misbehaved_total`; its stream ends cleanly, so it may reconnect), except
+that timeouts never detach the last runner that serves its model and tenants: with none, every
+replay would fail rather than some time out. A hung device otherwise took every job: cancelled at
+their deadlines, they left it looking idle. The jobs a detached runner still had count as
+cancelled, so that results it sends for them before its stream ends are dropped, not taken for a
+protocol error.
 
 What it does not know: gRPC messages (the servicer frames jobs), the store, or replay policy
 (which tokens to replay, timeouts, coalescing: the coordinator decides those).
@@ -80,6 +88,8 @@ class _Pending:
     job_id: int
     job: ReplayJob
     future: JobFuture
+    given: int = 0  # its sequence number among jobs given (`RunnerLink.last_given`)
+    finished_before: int = 0  # its runner's `finished` when it was given the job
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,10 @@ class RunnerLink:
     protocol_error: str = ""  # set when the registry detached the runner for breaking the protocol
     strikes: int = 0  # jobs in a row it failed or let time out
     last_given: int = 0  # when it was last given a job (a sequence number; 0: never)
+    # The last job given (anyone's) when it was last struck: a failure of a job given no later is
+    # part of the same fault (one batch, one hang), not another strike.
+    struck_at: int = 0
+    finished: int = 0  # results and errors it sent (late ones too): a timeout after one is not a hang
 
 
 class RunnerRegistry:
@@ -119,7 +133,7 @@ class RunnerRegistry:
         self._links: dict[str, RunnerLink] = {}
         self._jobs: dict[int, RunnerLink] = {}
         self._ids = itertools.count(1)
-        self._given = itertools.count(1)
+        self._given = 0  # jobs given so far: the last one's sequence number
         self._closed = False
         self.jobs_total = 0
         self.jobs_failed = 0
@@ -156,6 +170,8 @@ class RunnerRegistry:
             link.closed = True
             pending = list(link.in_flight.values())
             link.in_flight.clear()
+            # Results it sends for them before its stream ends are dropped, not a protocol error.
+            link.cancelled.extend(p.job_id for p in pending)
             for p in pending:
                 self._jobs.pop(p.job_id, None)
             self._room.notify_all()
@@ -175,26 +191,31 @@ class RunnerRegistry:
         with self._lock:
             return job_id in link.cancelled
 
-    def misbehaved(self, link: RunnerLink, reason: str) -> None:
-        """Detach a runner that broke the protocol, and count it."""
+    def misbehaved(self, link: RunnerLink, reason: str) -> bool:
+        """Detach a runner that broke the protocol, and count it. False, doing nothing, when it is
+        detached already: what it sends meanwhile answers jobs it no longer has (detached for
+        strikes, its stream must still end cleanly so that it reconnects)."""
         with self._lock:
+            if link.closed:
+                return False
             self.misbehaved_total += 1
             link.protocol_error = reason
         self.detach(link, f"runner protocol error: {reason}")
+        return True
 
     def complete(self, link: RunnerLink, job_id: int, snapshot: bytes | None, error: str) -> bool:
         """The runner answered job `job_id`; False if the job is unknown (cancelled, or not its job).
         An error is a strike against the runner, a snapshot clears its strikes."""
+        ok = snapshot is not None and not error
         with self._lock:
             p = link.in_flight.pop(job_id, None)
             if p is None:
+                if job_id in link.cancelled:
+                    self._answered(link, ok)
                 return False
             self._jobs.pop(job_id, None)
-            out = False
-            if error or snapshot is None:
-                out = self._strike(link)
-            else:
-                link.strikes = 0
+            self._answered(link, ok)
+            out = False if ok else self._strike(link, p)
             self._room.notify_all()
         outcome = JobOutcome(job_id, link.info.runner_id, snapshot if not error else None, error)
         self._resolve(p, outcome)
@@ -202,18 +223,48 @@ class RunnerRegistry:
             self._detach_unhealthy(link, error or "no snapshot")
         return True
 
-    def _strike(self, link: RunnerLink) -> bool:
-        """Count a failed job against `link`; True: that is MAX_STRIKES in a row (called under the lock)."""
+    def late(self, link: RunnerLink, job_id: int, ok: bool) -> None:
+        """The runner answered job `job_id` after it was cancelled (the answer is dropped): it is
+        alive, and with a snapshot (`ok`) healthy, so that clears its strikes."""
+        with self._lock:
+            if job_id in link.cancelled:
+                self._answered(link, ok)
+
+    def _answered(self, link: RunnerLink, ok: bool) -> None:
+        """Called under the lock."""
+        link.finished += 1
+        if ok:
+            link.strikes = 0
+
+    def _strike(self, link: RunnerLink, p: _Pending, timed_out: bool = False) -> bool:
+        """Count failed job `p` against `link`, unless it was given before the last strike (the
+        same fault) or, `timed_out`, the runner finished something since (slow, not hung). True:
+        that is MAX_STRIKES in a row: it is closed (no more jobs) and counted here, in the same
+        step as the check for another runner, and the caller detaches it (called under the lock)."""
+        if link.closed or p.given <= link.struck_at:
+            return False
+        if timed_out and link.finished != p.finished_before:
+            return False
         link.strikes += 1
-        return link.strikes >= MAX_STRIKES and not link.closed
+        link.struck_at = self._given
+        # Timeouts never leave a model's tenants without a runner: a slow one is better than none.
+        if link.strikes < MAX_STRIKES or (timed_out and not self._stands_in(link)):
+            return False
+        link.closed = True
+        self.misbehaved_total += 1
+        return True
+
+    def _stands_in(self, link: RunnerLink) -> bool:
+        """Another attached runner serves `link`'s model for every tenant it serves (called under the lock)."""
+        return any(
+            other is not link and not other.closed and other.info.model == link.info.model
+            and other.info.tenant in (None, link.info.tenant)
+            for other in self._links.values()
+        )
 
     def _detach_unhealthy(self, link: RunnerLink, last: str) -> None:
+        """Detach `link`, which `_strike` closed and counted."""
         reason = f"{MAX_STRIKES} jobs in a row failed or timed out (the last: {last})"
-        with self._lock:
-            if link.closed:  # two failures at once: detached (and counted) once
-                return
-            link.closed = True  # no more jobs for it from now
-            self.misbehaved_total += 1
         log.warning("runner %s detached: %s", link.info.runner_id, reason)
         self.detach(link, f"runner detached: {reason}")
 
@@ -263,10 +314,11 @@ class RunnerRegistry:
             healthy = [lk for lk in candidates if not lk.strikes]
             link = min(healthy or candidates,
                        key=lambda lk: (len(lk.in_flight) / lk.info.max_concurrent_jobs, lk.strikes, lk.last_given))
-            link.last_given = next(self._given)
+            self._given += 1
+            link.last_given = self._given
             job_id = next(self._ids)
             fut = JobFuture(job_id)
-            pending = _Pending(job_id, job, fut)
+            pending = _Pending(job_id, job, fut, self._given, link.finished)
             link.in_flight[job_id] = pending
             self._jobs[job_id] = link
             self.jobs_total += 1
@@ -278,16 +330,16 @@ class RunnerRegistry:
         """Give up on a job (e.g. its deadline passed); its future resolves with `reason`, and a
         result the runner still sends for it is dropped. The runner is told by a `JobCancel` queued
         on its link unless `tell_runner` is False (the caller sends it). `timed_out`: the runner
-        had the job until its deadline without answering, a strike against it (its slot is free
-        again at once, so without one a hung runner would look idle and get the next job too).
-        False: not in flight."""
+        had the job until its deadline without answering, a strike against it if it finished
+        nothing meanwhile (its slot is free again at once, so without one a hung runner would look
+        idle and get the next job too). False: not in flight."""
         out = False
         with self._lock:
             link = self._jobs.pop(job_id, None)
             p = link.in_flight.pop(job_id, None) if link is not None else None
             if link is not None and p is not None:
                 link.cancelled.append(job_id)
-                out = timed_out and self._strike(link)
+                out = timed_out and self._strike(link, p, timed_out=True)
                 self._room.notify_all()
         if link is None or p is None:
             return False

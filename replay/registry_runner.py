@@ -12,6 +12,8 @@ A failed outcome is `lost` (worth re-queueing elsewhere) when the runner that ha
 longer attached: it died, its stream broke, or the service is shutting down. A job that a runner
 still attached answered with an error is offered once to another attached runner (not that one)
 while its deadline allows: the error may be the runner's (a device lost) rather than the job's.
+If that other runner goes away before answering, the job is offered again to a runner other than
+the one that failed it, if one has room (else it is `lost`, and the coordinator re-queues it).
 The error is a strike against the runner, as is a job cancelled at its deadline that the runner
 never answered (see `RunnerRegistry`), so later jobs go to a healthy runner first.
 
@@ -32,18 +34,22 @@ from replay.runner import JobHandle, ReplayJob, ReplayResult, resolved
 # A job cancelled this close to its deadline, or later, timed out on its runner (a strike): the
 # coordinator's deadline is counted from just before the job reaches the registry.
 TIMED_OUT_SLACK_SECONDS = 0.05
+# Times a job whose retry runner went away is offered again (as the coordinator re-queues a job at
+# most twice): runners that keep leaving do not bounce it forever.
+MAX_REOFFERS = 2
 
 
 class _Attempt:
     """The job of one `submit` as it is now: on which runner (its registry future), since when,
-    and whether it was retried or cancelled."""
+    which runner failed it (it was retried elsewhere), and whether it was cancelled."""
 
     def __init__(self, job: ReplayJob, fut: JobFuture) -> None:
         self.lock = threading.Lock()
         self.job = job
         self.fut = fut
         self.given_at = time.monotonic()
-        self.retried = False
+        self.failed_on = ""  # the runner that answered it with an error: "" until then
+        self.reoffers = 0  # times it was offered again after its retry runner went away
         self.cancelled = False
 
 
@@ -95,19 +101,26 @@ class AttachedRunners:
 
     def _retry(self, attempt: _Attempt, o: JobOutcome) -> JobFuture | None:
         """The job again on another runner, once, if it failed with an error on one still attached
-        and time is left; None: its outcome stands."""
-        if not o.error or not self._attached(o.runner_id):
-            return None  # a snapshot, or a runner gone (lost: the coordinator re-queues it)
+        and time is left; or again on a runner other than the one that failed it, if the runner
+        it was retried on went away. None: its outcome stands."""
+        if not o.error:
+            return None
+        gone = not self._attached(o.runner_id)
         with attempt.lock:
+            if gone and not attempt.failed_on:
+                return None  # lost: the coordinator re-queues it
+            if not gone and attempt.failed_on:
+                return None  # its retry failed too
             left = attempt.job.deadline_seconds - (time.monotonic() - attempt.given_at)
-            if attempt.retried or attempt.cancelled or left <= 0:
+            if attempt.cancelled or left <= 0 or (gone and attempt.reoffers >= MAX_REOFFERS):
                 return None
+            avoid = attempt.failed_on or o.runner_id
             try:
-                fut = self._registry.submit(dataclasses.replace(attempt.job, deadline_seconds=left),
-                                            avoid=o.runner_id)
+                fut = self._registry.submit(dataclasses.replace(attempt.job, deadline_seconds=left), avoid=avoid)
             except Unavailable:  # no other runner, or none with room
                 return None
-            attempt.retried = True
+            attempt.failed_on = avoid
+            attempt.reoffers += gone
             attempt.fut, attempt.given_at = fut, time.monotonic()
             attempt.job = dataclasses.replace(attempt.job, deadline_seconds=left)
             return fut

@@ -2,19 +2,31 @@
 `Runners.Attach` (the test's fakes) answer expired Resumes' jobs, one of them hung (it never
 answers) or failing (it answers every job with an error). Equal runners take turns; a runner whose
 job timed out or failed is passed over while a healthy one is attached, a failed job is tried once
-on another runner, and a runner that fails `MAX_STRIKES` jobs in a row is detached. No test asserts
-on speed: the hung runner costs one Resume its deadline, which is what the test counts."""
+on another runner, and a runner that fails `MAX_STRIKES` jobs in a row is detached. But a slow
+runner is not a hung one (callers' short deadlines never detach the model's only runner, and its
+late snapshots clear its strikes), a batch failing at once is one strike, and a runner detached
+for strikes gets a clean end of stream and reconnects (the real `AttachedRunner`). No test asserts
+on speed: the hung runner costs one Resume its deadline, which is what the test counts; slow
+runners answer when the test opens their gate."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
+from kvstore.service.runners_servicer import RunnersServicer
 from kvstore.v1 import kvstore_pb2 as pb
-from replay.registry import MAX_STRIKES
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
+from replay.registry import MAX_STRIKES, RunnerInfo, RunnerLink, RunnerRegistry
+from replay.registry_runner import AttachedRunners
+from replay.runner import ReplayJob, ReplayResult
 from tests.test_replay_coordinator import NAME, wait_for
 from tests.test_replay_service import Rig, _expired_boundary, config, make_rig  # noqa: F401 (a fixture)
 from tests.test_service_runners import FakeRunner
@@ -92,3 +104,227 @@ def test_a_runner_failing_jobs_in_a_row_is_detached_and_one_that_recovers_is_not
     assert runner.error is None
     assert rig.client.resume(NAME, prompts[-1]).replay_status == "no-runner"
     assert len(runner.jobs) == 2 * MAX_STRIKES
+
+
+# --- a slow runner is not a hung one; a batch that fails at once is one fault ------------------------
+
+def test_a_slow_runner_is_not_detached_by_callers_shorter_deadlines(make_rig: Callable[..., Rig]) -> None:  # noqa: F811
+    rig = make_rig(config(replay={"runner": "attached"}))
+    prompts = [_expired_boundary(rig, 170 + 3 * i) for i in range(MAX_STRIKES + 2)]
+    size = rig.svc.snapshot_bytes(NAME)
+    first, later = threading.Event(), threading.Event()
+
+    def slow(job: pb.ReplayJob, chunks: list[bytes]) -> bytes:
+        # Healthy, but slower than its callers: each snapshot comes when the test says.
+        (first if job.job_id == runner.jobs[0].job_id else later).wait(60)
+        return bytes(size)
+
+    runner = _runner(rig, slow)
+    # A caller with time to spare, its job on the runner while short-deadline callers time out beside it.
+    long: list[pb.ResumeTrailer] = []
+    t = threading.Thread(target=lambda: long.append(rig.client.resume(NAME, prompts[0], timeout_seconds=30.0)))
+    t.start()
+    try:
+        wait_for(lambda: len(runner.jobs) == 1)
+        short = [rig.client.resume(NAME, p, timeout_seconds=2.0).replay_status for p in prompts[1 : MAX_STRIKES + 1]]
+        assert short == ["timeout"] * MAX_STRIKES
+        # Each timed out on the runner without its answering anything meanwhile: struck, but it is
+        # the model's only runner, so it stays (a slow runner is better than none).
+        assert len(rig.app.runners.runners()) == 1 and rig.app.runners.misbehaved_total == 0
+        assert _strikes(rig) == [MAX_STRIKES]
+        # The late snapshots of the cancelled jobs are dropped quietly (no protocol error), but show
+        # it alive and well: its strikes are cleared.
+        later.set()
+        wait_for(lambda: _strikes(rig) == [0])
+    finally:
+        first.set()
+        later.set()
+    t.join(30)
+    assert [r.replay_status for r in long] == ["replayed"]  # its replay was not failed by a detach
+    # Still attached, its stream open, and the next caller's replay is its.
+    assert rig.client.resume(NAME, prompts[-1], timeout_seconds=30.0).replay_status == "replayed"
+    assert len(rig.app.runners.runners()) == 1 and rig.app.runners.misbehaved_total == 0
+    assert runner.error is None
+    runner.close()
+
+
+def _strikes(rig: Rig) -> list[int]:
+    return [lk.strikes for lk in rig.app.runners._links.values()]
+
+
+def test_a_batch_failing_at_once_is_one_strike(
+        make_rig: Callable[..., Rig], caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    rig = make_rig(config(replay={"runner": "attached", "per_tenant_concurrency": 8}))
+    n = MAX_STRIKES + 1
+    prompts = [_expired_boundary(rig, 130 + 3 * i) for i in range(n)]
+    batch = threading.Barrier(n)
+
+    def bad_batch(job: pb.ReplayJob, chunks: list[bytes]) -> str:
+        batch.wait(20)  # every job is the runner's before any fails: they fail as one batch does
+        return "CUDA error: an illegal memory access was encountered"
+
+    runner = _WideRunner(grpc.insecure_channel(rig.svc.address), NAME, rig.app.layouts()[NAME].layout_id,
+                         bad_batch).start()
+    assert runner.attached.wait(10) and runner.runner_id
+    out: list[str] = []
+    ts = [threading.Thread(target=lambda p=p: out.append(rig.client.resume(NAME, p, timeout_seconds=30).replay_status))
+          for p in prompts]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert out == ["failed"] * n and len(runner.jobs) == n
+    # One fault, one strike: not detached, and none of its answers taken for a protocol error.
+    assert len(rig.app.runners.runners()) == 1 and rig.app.runners.misbehaved_total == 0
+    assert not [r for r in caplog.records if "detached" in r.getMessage()]
+    runner.close()
+    assert runner.error is None
+
+
+class _WideRunner(FakeRunner):
+    """A FakeRunner that takes 8 jobs at a time, in batches of 4."""
+
+    def start(self) -> FakeRunner:
+        self.outbox.put(pb.RunnerMessage(hello=pb.RunnerHello(
+            model=self.model, layout_id=self.layout_id, device="cpu", max_concurrent_jobs=8, max_batch=4,
+            name="batching")))
+        self.call = pb_grpc.RunnersStub(self.channel).Attach(iter(self.outbox.get, None))
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+
+def test_a_runner_detached_for_strikes_reconnects(
+        make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The real `AttachedRunner` (what `kvstore runner` runs), failing every job: its MAX_STRIKES-th
+    failure in a row detaches it while the rest of that batch is still on its way. Those answers
+    are dropped, not taken for a protocol error (which ended the stream INVALID_ARGUMENT, and the
+    runner, refused, exited): its stream ends cleanly and it attaches again."""
+    orig = RunnersServicer._commands
+
+    def late_end(self: RunnersServicer, *a: Any, **k: Any) -> Iterator[Any]:
+        yield from orig(self, *a, **k)
+        time.sleep(0.3)  # the handler scheduled late after its runner was detached (a loaded host)
+
+    monkeypatch.setattr(RunnersServicer, "_commands", late_end)
+    rig = make_rig(config(replay={"runner": "attached", "per_tenant_concurrency": 8}))
+    n = 4
+    prompts = [_expired_boundary(rig, 150 + 3 * i) for i in range(MAX_STRIKES - 1 + n)]
+    lay = rig.app.layouts()[NAME]
+    batches: list[int] = []
+    said: list[str] = []
+
+    def run_batch(jobs: Sequence[ReplayJob]) -> list[ReplayResult]:
+        if len(batches) == MAX_STRIKES - 1:  # the burst: wait until all n are the runner's
+            wait_for(lambda: sum(len(lk.in_flight) for lk in rig.app.runners._links.values()) == n)
+        batches.append(len(jobs))
+        return [ReplayResult.failed("CUDA error: an illegal memory access was encountered", "dev")] * len(jobs)
+
+    runner = AttachedRunner(RunnerIdentity(lay.name, lay.layout_id, "cpu", 8, n, "batching"), run_batch,
+                            AttachOptions(rig.svc.address, initial_backoff_seconds=0.05), say=said.append)
+    stop = threading.Event()
+    rc: list[int] = []
+    t = threading.Thread(target=lambda: rc.append(runner.run(stop)), daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: len(rig.app.runners.runners()) == 1)
+        # MAX_STRIKES - 1 failures one after the other: a strike each.
+        for p in prompts[: MAX_STRIKES - 1]:
+            assert rig.client.resume(NAME, p, timeout_seconds=30).replay_status == "failed"
+        assert rig.app.runners.misbehaved_total == 0
+        ts = [threading.Thread(target=lambda p=p: rig.client.resume(NAME, p, timeout_seconds=30))
+              for p in prompts[MAX_STRIKES - 1 :]]
+        for x in ts:
+            x.start()
+        for x in ts:
+            x.join(30)
+        wait_for(lambda: runner.sessions == 2 and len(rig.app.runners.runners()) == 1)
+        assert t.is_alive() and not rc
+        assert rig.app.runners.misbehaved_total == 1  # detached once, for its strikes
+        assert not [line for line in said if "refused" in line], said
+    finally:
+        stop.set()
+        t.join(10)
+    assert rc == [0]
+
+
+# --- the registry's rules, one by one ------------------------------------------------------------
+
+def _job() -> ReplayJob:
+    toks = np.arange(16, dtype=np.uint32)
+    return ReplayJob("default", NAME, "bounded", toks, 0, len(toks), 0, 0, (), 5.0)
+
+
+def _registry(*names: str, jobs: int = 8) -> tuple[RunnerRegistry, list[RunnerLink]]:
+    reg = RunnerRegistry(16, {"default": 1.0})
+    return reg, [reg.attach(RunnerInfo(n, NAME, b"", "cpu", jobs, 1, "", "default")) for n in names]
+
+
+def test_a_timeout_strikes_only_a_runner_that_finished_nothing_since_and_a_late_snapshot_clears_it() -> None:
+    reg, (a, _) = _registry("a", "b")
+    slow, quick = reg.submit(_job(), avoid="b"), reg.submit(_job(), avoid="b")
+    assert reg.complete(a, quick.job_id, b"snapshot", "")
+    reg.cancel_job(slow.job_id, timed_out=True)
+    assert a.strikes == 0  # it answered a job meanwhile: slow, not hung
+    hung = reg.submit(_job(), avoid="b")
+    reg.cancel_job(hung.job_id, timed_out=True)
+    assert a.strikes == 1  # nothing since: a strike
+    # Its late snapshot (dropped) shows it alive and well after all.
+    reg.late(a, hung.job_id, ok=True)
+    assert a.strikes == 0 and reg.misbehaved_total == 0
+
+
+def test_timeouts_detach_a_runner_only_while_another_stands_in() -> None:
+    reg, (a,) = _registry("a")
+    for _ in range(MAX_STRIKES + 1):
+        reg.cancel_job(reg.submit(_job()).job_id, timed_out=True)
+    # The model's only runner: struck (passed over when another has room), never detached.
+    assert a.strikes == MAX_STRIKES + 1 and [r.runner_id for r in reg.runners()] == ["a"]
+    assert reg.misbehaved_total == 0
+    reg.attach(RunnerInfo("b", NAME, b"", "cpu", 8, 1, "", "default"))
+    reg.cancel_job(reg.submit(_job(), avoid="b").job_id, timed_out=True)
+    assert [r.runner_id for r in reg.runners()] == ["b"] and reg.misbehaved_total == 1
+    # Errors are the runner's own answer: they detach even the last one.
+    reg2, (c,) = _registry("c")
+    for _ in range(MAX_STRIKES):
+        reg2.complete(c, reg2.submit(_job()).job_id, None, "out of memory")
+    assert not reg2.runners() and reg2.misbehaved_total == 1
+
+
+def test_jobs_failing_together_are_one_strike_and_a_detached_runners_answers_are_dropped() -> None:
+    reg, (a,) = _registry("a")
+    burst = [reg.submit(_job()) for _ in range(MAX_STRIKES + 1)]
+    for f in burst:  # one batch, failing at once
+        reg.complete(a, f.job_id, None, "CUDA error")
+    assert a.strikes == 1
+    for _ in range(MAX_STRIKES - 2):  # failures one after the other: a strike each
+        reg.complete(a, reg.submit(_job()).job_id, None, "CUDA error")
+    assert a.strikes == MAX_STRIKES - 1
+    last = [reg.submit(_job()) for _ in range(3)]
+    reg.complete(a, last[0].job_id, None, "CUDA error")  # the MAX_STRIKES-th: detached
+    assert not reg.runners() and reg.misbehaved_total == 1 and not a.protocol_error
+    # The rest of its batch, still on its way, answers jobs it no longer has: dropped, no protocol
+    # error (which ended its stream INVALID_ARGUMENT), not counted again.
+    assert all(f.done() for f in last)
+    assert all(reg.was_cancelled(a, f.job_id) for f in last[1:])
+    assert not reg.misbehaved(a, "a result for a job it was not given")
+    assert reg.misbehaved_total == 1 and not a.protocol_error
+
+
+def test_a_job_whose_retry_runner_went_away_avoids_the_runner_that_failed_it() -> None:
+    reg, (a,) = _registry("a")
+    runners = AttachedRunners(reg)
+    handle = runners.submit(_job())
+    other = reg.submit(_job())
+    b, c = (reg.attach(RunnerInfo(n, NAME, b"", "cpu", 8, 1, "", "default")) for n in "bc")
+    busy = reg.submit(_job(), avoid="b")  # to c (a has two jobs): c is now busier than b
+    failed = next(iter(a.in_flight))
+    reg.complete(a, failed, None, "CUDA error")
+    assert list(b.in_flight)  # tried once on another runner, the least loaded
+    reg.complete(a, other.job_id, b"snapshot", "")  # a is well again, and now the least loaded
+    reg.detach(b)  # the retry's runner goes away before answering
+    # Offered again, not to the runner that failed it (nor left to a re-queue that would choose it).
+    assert not handle.future.done() and not a.in_flight and len(c.in_flight) == 2
+    reg.complete(c, next(j for j in c.in_flight if j != busy.job_id), b"snapshot", "")
+    got = handle.future.result(5)
+    assert got.ok and got.runner == "attached c"

@@ -337,8 +337,9 @@ class RunnersServicer:
                 else:
                     self._take_result(link, msg.result, partial)
         except InvalidInput as e:
-            log.warning("runner %s detached: %s", link.info.runner_id, e)
-            self._registry.misbehaved(link, str(e))
+            # Not when it was detached already (for strikes, say): its stream then ends cleanly.
+            if self._registry.misbehaved(link, str(e)):
+                log.warning("runner %s detached: %s", link.info.runner_id, e)
         except grpc.RpcError as e:
             reason = "runner stream cancelled"
             e.__traceback__ = None  # see CallGuard.enter: gRPC's call state keeps the error
@@ -350,18 +351,23 @@ class RunnersServicer:
     def _take_result(self, link: RunnerLink, r: pb.JobResult, partial: dict[int, BlobAssembler]) -> None:
         """One JobResult piece. Checked against the job it answers before anything is allocated:
         a result for a job this runner was not given, or of another size than the job's snapshot,
-        is a protocol error (the runner is detached); a late one for a cancelled job is dropped."""
+        is a protocol error (the runner is detached); a late one for a cancelled job is dropped
+        (its end still tells the registry that the runner is alive)."""
         asm = partial.get(r.job_id)
         if asm is None:
             expected = self._expected_bytes(link, r)
-            if expected is None:
-                return  # cancelled while the runner worked on it
+            if expected is None:  # cancelled while the runner worked on it
+                if r.last or r.error:
+                    self._registry.late(link, r.job_id, ok=not r.error)
+                return
             if not r.error:
                 asm = partial[r.job_id] = BlobAssembler(expected, "job result")
                 if self._registry.job_of(link, r.job_id) is None:
                     # Cancelled between the check and now: the sender may have dropped the
                     # job's buffer before this one was added, so it goes here.
                     partial.pop(r.job_id, None)
+                    if r.last:
+                        self._registry.late(link, r.job_id, ok=True)
                     return
         if r.error:
             partial.pop(r.job_id, None)
@@ -387,7 +393,9 @@ class RunnersServicer:
         snapshot = None if expected is None else store_snapshot_data(
             shm, r.shm, expected, f"job {r.job_id}'s result span")
         link.outbox.put(ResultTaken(r.job_id))
-        if snapshot is not None:
+        if snapshot is None:
+            self._registry.late(link, r.job_id, ok=True)
+        else:
             shm.stored_bytes += len(snapshot)
             self._registry.complete(link, r.job_id, snapshot, "")
 
