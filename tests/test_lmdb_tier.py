@@ -780,6 +780,108 @@ def test_values_deleted_to_make_room_are_reusable_by_the_next_write(tmp_path: Pa
     tier.close()
 
 
+def live_page_bytes(tier: LmdbTier) -> int:
+    with tier._env.begin() as txn:
+        stats = [txn.stat(db) for db in (tier._chunks, tier._index)]
+    return sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats) * 4096
+
+
+@pytest.mark.parametrize("tokens", [8, 16])
+def test_small_chunks_churned_within_the_budget_never_fill_the_map(tmp_path: Path, tokens: int) -> None:
+    # Values this small sit inside leaf pages. Charged their node alone, 8-token chunks of the toy
+    # model took ~1.8x their footprint (half-empty leaves, the index records): the map (capacity x 2)
+    # filled while the store was within its budget, and every later put and delete failed.
+    layout = LAYOUT.with_chunk_tokens(tokens)
+    capacity = 64 << 20
+    tier = LmdbTier(tmp_path, capacity, [layout], durability="async", compression="none")
+    fp = tier.footprint(layout.chunk_bytes)
+    payload = memoryview(payload_of(key_of(0, 0), layout.chunk_bytes))
+    meta = ChunkMeta(NAMESPACE, layout.layout_id, bytes(4 * tokens))
+    rng = np.random.default_rng(1)
+    held: list[bytes] = []
+    for step in range(120):  # 120,000 chunks through the budget, as the store would evict them
+        batch = [key_of(tokens, step * 1000 + i) for i in range(1000)]
+        victims = max(0, (len(held) + len(batch)) * fp - capacity + fp - 1) // fp
+        order = rng.permutation(len(held))
+        tier.delete_many([held[i] for i in order[:victims]])
+        held = [held[i] for i in order[victims:]]
+        tier.put_many((k, payload, meta) for k in batch)
+        held += batch
+        assert len(held) * fp <= capacity
+    assert tier.stats().failing == "" and tier.stats().entries == len(held)
+    assert live_page_bytes(tier) <= 1.2 * len(held) * fp  # the charge is about what the pages take
+    tier.close()
+
+
+@pytest.mark.parametrize("reserve", ["default", 0])
+def test_a_delete_goes_ahead_when_the_map_is_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  reserve: str | int) -> None:
+    # Deleting needs fresh pages too: at the map's limit eviction failed with the puts, so the store
+    # could never make room again. A delete may grow the map by a reserve, and with none (or where
+    # the reserve is short) it deletes its keys in smaller transactions.
+    if reserve != "default":
+        monkeypatch.setattr("kvstore.tiers.lmdb_tier.DELETE_RESERVE_BYTES", reserve, raising=False)
+    layout = LAYOUT.with_chunk_tokens(8)
+    tier = LmdbTier(tmp_path, 1 << 20, [layout], durability="async", compression="none",
+                    initial_map_bytes=2 << 20, max_map_bytes=2 << 20)
+    payload = memoryview(payload_of(key_of(0, 0), layout.chunk_bytes))
+    meta = ChunkMeta(NAMESPACE, layout.layout_id, bytes(32))
+    held: list[bytes] = []
+    with pytest.raises(StorageError) as refused:
+        for step in range(1000):
+            batch = [key_of(8, step * 50 + i) for i in range(50)]
+            tier.put_many((k, payload, meta) for k in batch)
+            held += batch
+    tier.delete_many(held[::2])
+    tier.delete_namespaces([NAMESPACE])
+    assert tier.stats().entries == len(held) - len(held[::2])
+    # The map's room, not the store's budget: before, "the store must keep the tier within its budget".
+    assert re.match(r"LMDB map is full: \d+ of its 2097152 bytes hold live pages", str(refused.value))
+    assert "budget" not in str(refused.value)
+    assert tier.stats().failing == str(refused.value)
+    tier.put(key_of(9, 0), payload, meta)
+    assert tier.stats().failing == ""  # a write that succeeds clears it, as before
+    tier.close()
+
+
+class _FailingWrites:
+    """An environment whose write transactions fail to begin (an I/O error); reads go through."""
+
+    def __init__(self, env: lmdb.Environment) -> None:
+        self._env = env
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._env, name)
+
+    def begin(self, **kwargs: object) -> object:
+        if kwargs.get("write"):
+            raise lmdb.Error("injected: Input/output error")
+        return self._env.begin(**kwargs)
+
+
+@pytest.mark.parametrize("write", ["delete_many", "delete_namespaces", "put_namespace"])
+def test_a_failed_delete_or_record_write_is_the_tiers_health(tmp_path: Path, write: str) -> None:
+    # Before, only a failed put said so in `failing` (health's kvstore.lmdb): a tier whose deletes
+    # all failed stayed SERVING.
+    tier = open_tier(tmp_path, durability="async")
+    keys = put_chunks(tier, 1, 3)
+    env = tier._env
+    tier._env = _FailingWrites(env)  # type: ignore[assignment]
+    attempts: dict[str, Callable[[], None]] = {
+        "delete_many": lambda: tier.delete_many(keys[:2]),
+        "delete_namespaces": lambda: tier.delete_namespaces([NAMESPACE]),
+        "put_namespace": lambda: tier.put_namespace(NAMESPACE, b"record"),
+    }
+    with pytest.raises(StorageError, match="Input/output error") as e:
+        attempts[write]()
+    assert tier.stats().failing == str(e.value)
+    tier._env = env
+    put_chunks(tier, 2, 1)
+    assert tier.stats().failing == ""
+    assert all(check_chunk(tier, k) == "" for k in keys)  # the failed transaction changed nothing
+    tier.close()
+
+
 def test_compressed_values_read_back_right_from_many_threads_at_once(tmp_path: Path) -> None:
     # Reads take no lock; each thread decodes with a zstd context of its own (a shared one corrupts
     # its state under concurrent reads). In a child process: a crash fails this test, not pytest.

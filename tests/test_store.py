@@ -509,7 +509,7 @@ def test_an_lmdb_read_outlived_by_its_pin_is_a_miss_never_a_loss_of_the_chunk_st
     # A Load reads LMDB outside the lock. Its client was slow: the pin lapsed, other Stores evicted
     # the chunk (its value deleted) and the prompt was stored again before the read was booked.
     now = [0.0]
-    fp = 1466  # a toy chunk's LMDB footprint at this chunk size
+    fp = 4337  # a toy chunk's LMDB footprint at this chunk size (a leaf's half-full share + its index record)
     cfg = small_config(device_capacity_bytes=0, dram_capacity_bytes=2 * 4096,
                        lmdb_capacity_bytes=(3 if write_policy == "write-back" else 5) * fp,
                        write_policy=write_policy, pin_timeout_seconds=30.0, eviction_policy="lru")

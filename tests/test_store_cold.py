@@ -136,7 +136,7 @@ def test_evictions_are_the_same_whether_chunks_are_folded_or_kept_as_entries(
     """Two stores take the same calls: one keeps every chunk as an entry and its LMDB policy's keys
     as objects (as before chunks were folded), the other folds them, with tiny young and tail
     sizes so that its policy's logs spill, merge and compact. Same victims, same order, same hits."""
-    fp = 1466  # a toy chunk's LMDB footprint
+    fp = 4337  # a toy chunk's LMDB footprint (inside a leaf: a half-full leaf's share + its index record)
     cfg: dict[str, Any] = dict(device_capacity_bytes=2 * 4096, dram_capacity_bytes=5 * 4096,
                                lmdb_capacity_bytes=30 * fp, eviction_policy=policy)
     quotas = {"bob": TenantQuota(lmdb_bytes=10 * fp)}  # bob's evictions are his own (eligible)

@@ -129,6 +129,20 @@ def test_put_from_into_a_split_arena_lands_in_the_owners_part() -> None:
     assert [_read(dst, k) for k in keys] == [r.tobytes() for r in data]
 
 
+def test_put_from_refuses_a_key_given_twice_and_leaks_no_page() -> None:
+    # Before, each occurrence took pages of its own and one entry kept them: deleting the key left
+    # the other occurrence's pages used for good.
+    src, dst = DramTier(40 * PAGE, PAGE), DeviceTier(40 * PAGE, PAGE, "auto")
+    keys, data, metas = _chunks(6, 2)
+    src.put_rows(keys, torch.from_numpy(data), metas)
+    with pytest.raises(InvalidInput, match="given twice"):
+        dst.put_from(src, [keys[0], keys[1], keys[0]])
+    assert dst.stats().used_bytes == 0 and dst.stats().entries == 0
+    assert dst.put_from(src, keys) == 2
+    dst.delete_many(keys)
+    assert dst.stats().used_bytes == 0
+
+
 def test_bad_rows_are_refused_with_the_reason() -> None:
     a = DramTier(40 * PAGE, PAGE)
     keys, data, metas = _chunks(5, 2)

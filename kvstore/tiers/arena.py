@@ -403,6 +403,8 @@ class PagedArena:
             return 0
         if src is self:
             raise InvalidInput("an arena cannot copy chunks from itself")
+        if len(set(keys)) != len(keys):  # each occurrence would take pages of its own, one entry keeping them
+            raise InvalidInput("put_from: a key is given twice")
         owner = owner if self._owners else ""
         with _MOVES, self._lock, src._lock:  # one move at a time: no two moves take these locks crosswise
             found = list(zip(keys, src._head_locked(keys), strict=False))  # the head only

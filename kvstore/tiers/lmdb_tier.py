@@ -32,8 +32,10 @@ Durability (StoreConfig.lmdb_durability) and what each mode loses on a power cut
   would let a stray write through the map damage committed pages. `close()` and `sync()` flush.
 
 The map starts small and grows (env.set_mapsize) on MapFullError, up to the tier's capacity plus
-an overhead for LMDB's copy-on-write pages; past that a write raises StorageError. Stale reader
-slots left by dead processes are cleared at open (env.reader_check()).
+an overhead for LMDB's copy-on-write pages; past that a write raises StorageError. A delete may
+grow it a little further (DELETE_RESERVE_BYTES), and splits itself into smaller transactions
+where even that is short, so that eviction can always make room. Stale reader slots left by dead
+processes are cleared at open (env.reader_check()).
 
 Locking: writes (and map growth, and close) take the tier's lock; reads do not, since LMDB lets
 readers run beside the one writer: they only hold the map at its size (`_MapGuard`), so a Load is
@@ -76,6 +78,9 @@ MAP_OVERHEAD_MIN_BYTES = 64 * MiB  # room for copy-on-write pages and the tree b
 # Replacing the whole budget takes twice it: the old values stay whole until the commit that
 # frees them, and their pages are reusable only after one more commit.
 MAP_OVERHEAD_FRACTION = 1.0
+# How far past its limit a delete may grow the map: deleting needs pages too (a copy of every leaf
+# it touches, the free list), and a delete refused for want of them could never make room.
+DELETE_RESERVE_BYTES = 16 * MiB
 # Beyond the data file at open: creating a missing database, an index batch or a delete needs a few
 # pages, and LMDB cannot grow a map that is exactly full from inside a transaction.
 OPEN_HEADROOM_BYTES = 4 * MiB
@@ -100,7 +105,10 @@ _DURABILITY: dict[str, dict[str, bool]] = {
 
 # LMDB page arithmetic (mdb.c): a leaf node is an 8-byte header + key + data, plus a 2-byte slot;
 # a node larger than nodemax keeps its data on dedicated overflow pages, each run of which starts
-# with a 16-byte page header.
+# with a 16-byte page header. Leaves of random keys are far from full: a split leaves two half-full
+# pages, and deletes empty them further (LMDB merges a leaf only under a quarter full). Measured
+# under churn: 45-65 % of the nodes a page could hold, so a node inside a leaf is charged as if its
+# leaves were half full (in whole nodes).
 _PAGE_HEADER = 16
 _NODE_HEADER = 8
 _KEY_BYTES = 32
@@ -192,7 +200,7 @@ class LmdbTier:
         self.corrupt_total = 0
         self.problems: dict[str, int] = {}  # removed-on-read values by problem ("corrupt", ...)
         self._writes = 0  # bumped by every write; scan() rebuilds totals only if none happened
-        self._failing = ""  # why the last write failed, "" once one succeeds
+        self._failing = ""  # why the last write (put or delete) failed, "" once a put succeeds
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -239,6 +247,8 @@ class LmdbTier:
             raise StorageError(f"cannot open LMDB at {self.path}: {e}") from e
         # Largest leaf node LMDB keeps inline (mdb.c: me_nodemax).
         self._nodemax = (((self._psize - _PAGE_HEADER) // 2) & ~1) - 2
+        # What a value inside a leaf also costs: its index record, a leaf node of its own.
+        self._index_share = self._leaf_share(_NODE_HEADER + _KEY_BYTES + vf.INDEX_RECORD_BYTES)
         self._progress = progress or (lambda line: None)
         # Values that have no index record because their header is bad: reported by every scan.
         self._unindexed: list[ScannedChunk] = []
@@ -287,15 +297,25 @@ class LmdbTier:
             self._max_map = max(self._budget_map + max(nbytes, 0), self._open_floor)
 
     def disk_bytes(self, value_bytes: int) -> int:
-        """Bytes of the database one value of this length takes (leaf node + overflow pages)."""
+        """Bytes of the database one value of this length is charged: a large one its overflow pages
+        and leaf node; one small enough to sit inside a leaf, its share of half-full leaves and its
+        index record's share likewise (charged its node alone, 8-token chunks took ~1.8x that, and
+        the map filled while the store was within its budget)."""
         node = _NODE_HEADER + _KEY_BYTES + value_bytes
         if node <= self._nodemax:
-            return node + 2
+            return self._leaf_share(node) + self._index_share
         pages = -(-(value_bytes + _PAGE_HEADER) // self._psize)
         return pages * self._psize + _NODE_HEADER + _KEY_BYTES + 8 + 2
 
+    def _leaf_share(self, node: int) -> int:
+        """A leaf node's share of pages half full, in whole nodes (see the page arithmetic above)."""
+        per_page = (self._psize - _PAGE_HEADER) // (node + 2)
+        return -(-2 * self._psize // per_page)
+
     def footprint(self, payload_bytes: int) -> int:
-        """An upper bound: header, the longest chunk's token ids, the payload uncompressed."""
+        """An upper bound: header, the longest chunk's token ids, the payload uncompressed. The store
+        charges this, so compression saves disk, not budget (`stats().used_bytes` counts what is
+        stored); charging stored sizes would need the store to learn each value's."""
         return self.disk_bytes(vf.value_bytes(self._max_token_bytes, payload_bytes))
 
     def _measure_used(self) -> int:
@@ -429,12 +449,18 @@ class LmdbTier:
                 record = vf.index_record(codec, len(meta.tokens) // 4, size, meta.layout_id, meta.namespace, len(raw))
                 planned.append(_PlannedValue(key, meta, codec, len(raw), stored, size, record))
             if planned:
-                try:
+                with self._failures():
                     self._commit(planned)
-                except StorageError as e:
-                    self._failing = str(e)  # health says so until a write succeeds again
-                    raise
                 self._failing = ""
+
+    @contextmanager
+    def _failures(self) -> Iterator[None]:
+        """A write (put or delete) that fails is the tier's health until a put succeeds again."""
+        try:
+            yield
+        except StorageError as e:
+            self._failing = str(e)
+            raise
 
     def _commit(self, planned: list[_PlannedValue]) -> None:
         # Each value is built just before its put, into one scratch buffer that LMDB copies from:
@@ -478,29 +504,48 @@ class LmdbTier:
             return StorageError(f"{what}: the disk holding {self.path} is full ({free} bytes free): {e}")
         return StorageError(f"{what}: {e}")
 
-    def _advance(self) -> None:
+    def _advance(self, reserve: int = 0) -> None:
         """Commit one write transaction that changes nothing the store reads (a counter in the
-        meta database)."""
-        try:
-            with self._env.begin(write=True, db=self._meta) as txn:
-                n = int.from_bytes(txn.get(_ADVANCE_KEY) or b"\0", "little")
-                txn.put(_ADVANCE_KEY, (n + 1 & 0xFFFFFFFF).to_bytes(4, "little"))
-        except lmdb.Error as e:  # called while handling a full map: not LMDB's error to the store
-            raise StorageError(f"LMDB map is full and no page is free to reuse: {e}") from e
+        meta database). With a reserve (a delete's), the map may grow into it for this commit."""
+        while True:
+            try:
+                with self._env.begin(write=True, db=self._meta) as txn:
+                    n = int.from_bytes(txn.get(_ADVANCE_KEY) or b"\0", "little")
+                    txn.put(_ADVANCE_KEY, (n + 1 & 0xFFFFFFFF).to_bytes(4, "little"))
+                return
+            except lmdb.MapFullError as e:
+                if not reserve:
+                    raise StorageError(f"LMDB map is full and no page is free to reuse: {e}") from e
+                self._grow(0, reserve)
+            except lmdb.Error as e:  # called while handling a full map: not LMDB's error to the store
+                raise StorageError(f"LMDB map is full and no page is free to reuse: {e}") from e
 
-    def _grow(self, need_bytes: int) -> None:
+    def _grow(self, need_bytes: int, reserve: int = 0) -> None:
+        """Grow the map toward its limit (plus `reserve`, a delete's); StorageError at the limit."""
         current = int(self._env.info()["map_size"])
-        if current >= self._max_map:
+        limit = self._max_map + reserve
+        if current >= limit:
             raise StorageError(
-                f"LMDB map is full at {current} bytes (capacity {self._capacity} + overhead); "
-                "the store must keep the tier within its budget"
-            )
-        new = min(self._max_map, max(2 * current, current + 2 * need_bytes + MiB))
+                f"LMDB map is full: {self._live_page_bytes()} of its {current} bytes hold live pages, "
+                "and the rest (pages freed too recently to reuse, or too few) cannot take this write; the map "
+                f"grows to at most capacity {self._capacity} + overhead{' + a reserve for deletes' if reserve else ''}")
+        new = min(limit, max(2 * current, current + 2 * need_bytes + MiB))
         try:
             with self._map.exclusive():  # no write is open (we hold the lock), and now no read
                 self._env.set_mapsize(new)
         except lmdb.Error as e:
             raise StorageError(f"cannot grow the LMDB map to {new} bytes: {e}") from e
+
+    def _live_page_bytes(self) -> str:
+        """The bytes of the pages the databases hold now (not free ones), for a full map's error."""
+        try:
+            with self._env.begin() as txn:
+                stats = [txn.stat(db) for db in (self._chunks, self._index, self._ns, self._models, self._meta)]
+            stats.append(self._env.stat())
+        except lmdb.Error:
+            return "an unknown number"
+        pages = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats)
+        return str(pages * self._psize)
 
     def delete(self, key: bytes) -> None:
         self.delete_many((key,))
@@ -520,6 +565,10 @@ class LmdbTier:
         return None if value is None else len(value)
 
     def _delete_locked(self, keys: list[bytes]) -> None:
+        with self._failures():
+            self._delete_in_parts(keys)
+
+    def _delete_in_parts(self, keys: list[bytes]) -> None:
         advanced = False
         while True:
             used, count = self._used, self._count
@@ -533,8 +582,17 @@ class LmdbTier:
                             txn.delete(key)
                             txn.delete(key, db=self._index)
             except lmdb.MapFullError:
-                # A delete needs pages too (the tree's copies, the free list): as for a write.
-                advanced = self._make_writable(advanced, 0)
+                # A delete needs pages too (the tree's copies, the free list): as for a write, with
+                # a reserve beyond the map's limit; where even that is short, fewer keys at a time
+                # copy fewer leaves, and each part's commit frees pages for the next.
+                try:
+                    advanced = self._make_writable(advanced, 0, DELETE_RESERVE_BYTES)
+                except StorageError:
+                    if len(keys) < 2:
+                        raise
+                    self._delete_in_parts(keys[: len(keys) // 2])
+                    self._delete_in_parts(keys[len(keys) // 2 :])
+                    return
                 continue
             except lmdb.Error as e:
                 raise self._write_failed("LMDB delete failed", e, 0) from e
@@ -544,16 +602,17 @@ class LmdbTier:
             self._writes += 1
             return
 
-    def _make_writable(self, advanced: bool, need_bytes: int) -> bool:
+    def _make_writable(self, advanced: bool, need_bytes: int, reserve: int = 0) -> bool:
         """After MDB_MAP_FULL: make the pages the last transaction freed reusable (once), else
-        grow the map (StorageError at its limit). Returns whether the advance was spent."""
+        grow the map (StorageError at its limit, plus `reserve` for a delete). Returns whether
+        the advance was spent."""
         if not advanced and int(self._env.info()["map_size"]) >= self._max_map:
             # LMDB reuses the pages a transaction freed only two transactions later (the previous
             # snapshot must stay whole until the next commit): the values the store just deleted
             # to make room are not reusable yet. One commit in between makes them so.
-            self._advance()
+            self._advance(reserve)
             return True
-        self._grow(need_bytes)
+        self._grow(need_bytes, reserve)
         return advanced
 
     # --- reads -------------------------------------------------------------------------------
@@ -795,15 +854,17 @@ class LmdbTier:
 
     def delete_namespaces(self, digests: Iterable[bytes]) -> None:
         """Forget namespaces no chunk of which is held any longer, in one transaction."""
-        with self._lock:
+        digests = list(digests)  # a retry after a full map deletes them all again
+        with self._lock, self._failures():
+            advanced = False
             while True:
                 try:
                     with self._env.begin(write=True, db=self._ns) as txn:
                         for digest in digests:
                             txn.delete(digest)
                     return
-                except lmdb.MapFullError:  # a delete needs pages too
-                    self._grow(0)
+                except lmdb.MapFullError:  # a delete needs pages too: as for the chunks'
+                    advanced = self._make_writable(advanced, 0, DELETE_RESERVE_BYTES)
                 except lmdb.Error as e:
                     raise self._write_failed("LMDB delete failed", e, 0) from e
 
@@ -819,7 +880,7 @@ class LmdbTier:
             self._max_token_bytes = max(self._max_token_bytes, 4 * layout.chunk_tokens)
 
     def _put_record(self, db: lmdb._Database, key: bytes, record: bytes) -> None:
-        with self._lock:
+        with self._lock, self._failures():
             while True:
                 try:
                     with self._env.begin(write=True, db=db) as txn:
