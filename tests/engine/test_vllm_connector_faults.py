@@ -210,12 +210,18 @@ def test_a_failed_registration_pauses_retry_after_from_its_failure(hung_grpc: st
         link.close()
 
 
+def _hung_worker(address: str, **extra: int) -> WorkerSide:
+    """A registered worker on a CPU cache of 16 blocks, its service at `address`."""
+    cfg = ConnectorConfig.from_extra({"address": address, "chunk_tokens": CT, **extra})
+    w = WorkerSide(_Registered(cfg, PLAN.engine_model("tiny", "rev", 1000, 0.0)), PLAN)
+    w.register({"l0": torch.zeros(16, 2, CT, 16, dtype=torch.float16)}, "cpu")
+    return w
+
+
 def test_a_steps_synchronous_loads_share_one_budget_against_a_hung_service(hung_service: tuple[str, Any]) -> None:
     # Each of a step's loads waited a whole budget, one after another: six held the forward 3 s.
     address, _ = hung_service
-    cfg = ConnectorConfig.from_extra({"address": address, "budget_ms": 500, "chunk_tokens": CT})
-    w = WorkerSide(_Registered(cfg, PLAN.engine_model("tiny", "rev", 1000, 0.0)), PLAN)
-    w.register({"l0": torch.zeros(16, 2, CT, 16, dtype=torch.float16)}, "cpu")
+    w = _hung_worker(address, budget_ms=500)
     specs = [LoadSpec(f"r{i}", np.arange(2 * CT, dtype=np.uint32) + 1000 * i, "", 0, 2, {0: [2 * i, 2 * i + 1]}, {})
              for i in range(6)]
     try:
@@ -240,9 +246,7 @@ def _saves(w: WorkerSide, n: int) -> None:
 def test_stores_queued_behind_one_the_service_did_not_answer_are_dropped(hung_service: tuple[str, Any]) -> None:
     # Each queued Store waited out the budget, and the engine's shutdown waited for them all (8: 4 s).
     address, _ = hung_service
-    cfg = ConnectorConfig.from_extra({"address": address, "budget_ms": 500, "chunk_tokens": CT})
-    w = WorkerSide(_Registered(cfg, PLAN.engine_model("tiny", "rev", 1000, 0.0)), PLAN)
-    w.register({"l0": torch.zeros(16, 2, CT, 16, dtype=torch.float16)}, "cpu")
+    w = _hung_worker(address, budget_ms=500)
     _saves(w, 8)
     _drained(w)
     assert w.link.counters["store_failures"] == 1 and w.link.counters["saves_dropped_out_of_reach"] == 7
@@ -253,9 +257,7 @@ def test_stores_queued_behind_one_the_service_did_not_answer_are_dropped(hung_se
 
 def test_shutdown_waits_for_queued_stores_at_most_one_budget(hung_service: tuple[str, Any]) -> None:
     address, _ = hung_service
-    cfg = ConnectorConfig.from_extra({"address": address, "budget_ms": 500, "retry_after_ms": 1, "chunk_tokens": CT})
-    w = WorkerSide(_Registered(cfg, PLAN.engine_model("tiny", "rev", 1000, 0.0)), PLAN)
-    w.register({"l0": torch.zeros(16, 2, CT, 16, dtype=torch.float16)}, "cpu")
+    w = _hung_worker(address, budget_ms=500, retry_after_ms=1)
     _saves(w, 8)  # a pause of 1 ms: each would wait out the budget
     t = time.monotonic()
     w.close()
