@@ -622,6 +622,8 @@ def build_coordinator(parts: ReplayParts) -> BuiltReplay | None:
             use_threads(cfg.threads)  # before the model loads: deliberately, not torch's one per core
             runners.append(InProcessRunner(configs, device_option(cfg.device), cfg.max_batch))
             inprocess = frozenset(configs)
+            # Tried after the attached runners: timeouts may detach the last of those, hung.
+            parts.runners.set_fallback_models(inprocess)
         else:
             log.warning("replay.runner is 'reference' but no served model is the reference model; "
                         "expired local state is rebuilt only by attached runners")

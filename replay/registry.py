@@ -16,11 +16,15 @@ is cancelled at its deadline (`cancel_job(..., timed_out=True)`) having finished
 result, no error) since it was given that job: a runner that answers, even late, is slow, not
 hung, and the deadline is the callers' budget, not a fault of the runner. Failures of jobs it was
 given before its last strike (a batch failing at once, jobs hung together) are the same fault: one
-strike. Any snapshot, even a late one for a cancelled job, clears its strikes. A runner with
-strikes gets jobs only while no healthy runner has room, and one with `MAX_STRIKES` in a row is
-detached (counted in `misbehaved_total`; its stream ends cleanly, so it may reconnect), except
-that timeouts never detach the last runner that serves its model and tenants: with none, every
-replay would fail rather than some time out. A hung device otherwise took every job: cancelled at
+strike. Only a snapshot in time clears its strikes: a late one (for a job cancelled at its
+deadline) shows it alive, so jobs it had meanwhile are not struck when they time out, but not fit
+for callers' deadlines (one that always answers late would otherwise look healthy and, given a job
+least recently, take every other job, each timing out). A runner with strikes gets jobs only while
+no healthy runner has room, and one with `MAX_STRIKES` in a row is detached (counted in
+`misbehaved_total`; its stream ends cleanly, so it may reconnect), except that timeouts never
+detach the last runner that serves its model and tenants, when no in-process runner does either
+(`set_fallback_models`): with none, every replay would fail rather than some time out. A hung
+device otherwise took every job: cancelled at
 their deadlines, they left it looking idle. The jobs a detached runner still had count as
 cancelled, so that results it sends for them before its stream ends are dropped, not taken for a
 protocol error.
@@ -36,7 +40,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -135,6 +139,9 @@ class RunnerRegistry:
         self._ids = itertools.count(1)
         self._given = 0  # jobs given so far: the last one's sequence number
         self._closed = False
+        # Models the in-process runner replays (for every tenant): the coordinator tries it after
+        # the attached runners, so it stands in for the last attached one (`set_fallback_models`).
+        self._fallback_models: frozenset[str] = frozenset()
         self.jobs_total = 0
         self.jobs_failed = 0
         # Runners detached for breaking the protocol, or for failing MAX_STRIKES jobs in a row.
@@ -157,6 +164,12 @@ class RunnerRegistry:
             self._links[info.runner_id] = link
             self._room.notify_all()
             return link
+
+    def set_fallback_models(self, models: Iterable[str]) -> None:
+        """The models an in-process runner replays when no attached runner takes the job: timeouts
+        may then detach a model's last attached runner (a hung one would otherwise take every job)."""
+        with self._lock:
+            self._fallback_models = frozenset(models)
 
     def new_runner_id(self) -> str:
         return f"runner-{next(self._ids)}"
@@ -205,13 +218,14 @@ class RunnerRegistry:
 
     def complete(self, link: RunnerLink, job_id: int, snapshot: bytes | None, error: str) -> bool:
         """The runner answered job `job_id`; False if the job is unknown (cancelled, or not its job).
-        An error is a strike against the runner, a snapshot clears its strikes."""
+        An error is a strike against the runner, a snapshot clears its strikes (a late one does not:
+        see `late`)."""
         ok = snapshot is not None and not error
         with self._lock:
             p = link.in_flight.pop(job_id, None)
             if p is None:
                 if job_id in link.cancelled:
-                    self._answered(link, ok)
+                    link.finished += 1  # late: alive, not healthy
                 return False
             self._jobs.pop(job_id, None)
             self._answered(link, ok)
@@ -225,13 +239,15 @@ class RunnerRegistry:
 
     def late(self, link: RunnerLink, job_id: int, ok: bool) -> None:
         """The runner answered job `job_id` after it was cancelled (the answer is dropped): it is
-        alive, and with a snapshot (`ok`) healthy, so that clears its strikes."""
+        alive, so jobs it has now are not struck when they time out, but, snapshot (`ok`) or not,
+        its strikes stay: a runner that always answers late is no use to its callers, and cleared
+        it would be given a job least recently and so take every other one."""
         with self._lock:
             if job_id in link.cancelled:
-                self._answered(link, ok)
+                link.finished += 1
 
     def _answered(self, link: RunnerLink, ok: bool) -> None:
-        """Called under the lock."""
+        """A job it had answered in time (called under the lock)."""
         link.finished += 1
         if ok:
             link.strikes = 0
@@ -248,6 +264,7 @@ class RunnerRegistry:
         link.strikes += 1
         link.struck_at = self._given
         # Timeouts never leave a model's tenants without a runner: a slow one is better than none.
+        # The in-process runner is one (tried after the attached ones): a hung runner gives way to it.
         if link.strikes < MAX_STRIKES or (timed_out and not self._stands_in(link)):
             return False
         link.closed = True
@@ -255,7 +272,10 @@ class RunnerRegistry:
         return True
 
     def _stands_in(self, link: RunnerLink) -> bool:
-        """Another attached runner serves `link`'s model for every tenant it serves (called under the lock)."""
+        """The in-process runner, or another attached one, serves `link`'s model for every tenant it
+        serves (called under the lock)."""
+        if link.info.model in self._fallback_models:
+            return True
         return any(
             other is not link and not other.closed and other.info.model == link.info.model
             and other.info.tenant in (None, link.info.tenant)

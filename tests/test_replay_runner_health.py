@@ -4,7 +4,9 @@ answers) or failing (it answers every job with an error). Equal runners take tur
 job timed out or failed is passed over while a healthy one is attached, a failed job is tried once
 on another runner, and a runner that fails `MAX_STRIKES` jobs in a row is detached. But a slow
 runner is not a hung one (callers' short deadlines never detach the model's only runner, and its
-late snapshots clear its strikes), a batch failing at once is one strike, and a runner detached
+late snapshots show it alive, though only a snapshot in time clears its strikes: one always late is
+passed over), a hung runner gives way to the in-process runner, a batch failing at once is one
+strike, and a runner detached
 for strikes gets a clean end of stream and reconnects (the real `AttachedRunner`). No test asserts
 on speed: the hung runner costs one Resume its deadline, which is what the test counts; slow
 runners answer when the test opens their gate."""
@@ -132,15 +134,17 @@ def test_a_slow_runner_is_not_detached_by_callers_shorter_deadlines(make_rig: Ca
         # the model's only runner, so it stays (a slow runner is better than none).
         assert len(rig.app.runners.runners()) == 1 and rig.app.runners.misbehaved_total == 0
         assert _strikes(rig) == [MAX_STRIKES]
-        # The late snapshots of the cancelled jobs are dropped quietly (no protocol error), but show
-        # it alive and well: its strikes are cleared.
+        # The late snapshots of the cancelled jobs are dropped quietly (no protocol error): they
+        # show it alive, not in time for their callers, so its strikes stay.
         later.set()
-        wait_for(lambda: _strikes(rig) == [0])
+        wait_for(lambda: _finished(rig) == [MAX_STRIKES])
+        assert _strikes(rig) == [MAX_STRIKES]
     finally:
         first.set()
         later.set()
     t.join(30)
     assert [r.replay_status for r in long] == ["replayed"]  # its replay was not failed by a detach
+    assert _strikes(rig) == [0]  # a snapshot in time clears them
     # Still attached, its stream open, and the next caller's replay is its.
     assert rig.client.resume(NAME, prompts[-1], timeout_seconds=30.0).replay_status == "replayed"
     assert len(rig.app.runners.runners()) == 1 and rig.app.runners.misbehaved_total == 0
@@ -150,6 +154,57 @@ def test_a_slow_runner_is_not_detached_by_callers_shorter_deadlines(make_rig: Ca
 
 def _strikes(rig: Rig) -> list[int]:
     return [lk.strikes for lk in rig.app.runners._links.values()]
+
+
+def _finished(rig: Rig) -> list[int]:
+    return [lk.finished for lk in rig.app.runners._links.values()]
+
+
+def test_a_runner_that_always_answers_late_is_passed_over_for_a_healthy_one(
+        make_rig: Callable[..., Rig]) -> None:  # noqa: F811
+    rig = make_rig(config(replay={"runner": "attached"}))
+    prompts = [_expired_boundary(rig, 190 + 3 * i) for i in range(6)]
+    size = rig.svc.snapshot_bytes(NAME)
+
+    def late(job: pb.ReplayJob, chunks: list[bytes]) -> bytes:
+        wait_for(lambda: job.job_id in slow.cancelled)  # a good snapshot, just after the deadline
+        return bytes(size)
+
+    slow = _runner(rig, late)  # attached first: it gets the first job
+    well = _runner(rig, _snapshot(rig))
+    got = []
+    for i, p in enumerate(prompts):
+        got.append(rig.client.resume(NAME, p, timeout_seconds=1.5).replay_status)
+        if i == 0:  # its late answer is in before the next job is given
+            wait_for(lambda: _finished(rig) == [1, 0])
+    # Alive, but no use to callers' deadlines: its late snapshot does not make it healthy again
+    # (given a job least recently, it took every other job, each timing out).
+    assert got == ["timeout"] + ["replayed"] * 5
+    assert (len(slow.jobs), len(well.jobs)) == (1, 5)
+    slow.close()
+    well.close()
+
+
+def test_a_hung_runner_gives_way_to_the_in_process_runner(make_rig: Callable[..., Rig]) -> None:  # noqa: F811
+    rig = make_rig(config())  # replay.runner = "reference": attached runners first, then in-process
+    prompts = [_expired_boundary(rig, 210 + 3 * i) for i in range(MAX_STRIKES + 3)]
+    hold = threading.Event()
+
+    def hung(job: pb.ReplayJob, chunks: list[bytes]) -> str:
+        hold.wait(60)
+        return "never"
+
+    sick = _runner(rig, hung)
+    try:
+        got = [rig.client.resume(NAME, p, timeout_seconds=1.5).replay_status for p in prompts]
+    finally:
+        hold.set()
+    # The model's last attached runner, but not its last runner: detached after MAX_STRIKES
+    # timeouts, and the in-process runner replays the rest.
+    assert got == ["timeout"] * MAX_STRIKES + ["replayed"] * 3
+    assert len(sick.jobs) == MAX_STRIKES
+    assert not rig.app.runners.runners() and rig.app.runners.misbehaved_total == 1
+    sick.close()
 
 
 def test_a_batch_failing_at_once_is_one_strike(
@@ -260,8 +315,8 @@ def _registry(*names: str, jobs: int = 8) -> tuple[RunnerRegistry, list[RunnerLi
     return reg, [reg.attach(RunnerInfo(n, NAME, b"", "cpu", jobs, 1, "", "default")) for n in names]
 
 
-def test_a_timeout_strikes_only_a_runner_that_finished_nothing_since_and_a_late_snapshot_clears_it() -> None:
-    reg, (a, _) = _registry("a", "b")
+def test_a_timeout_strikes_only_a_runner_that_finished_nothing_since_and_a_late_snapshot_does_not_clear_it() -> None:
+    reg, (a, b) = _registry("a", "b")
     slow, quick = reg.submit(_job(), avoid="b"), reg.submit(_job(), avoid="b")
     assert reg.complete(a, quick.job_id, b"snapshot", "")
     reg.cancel_job(slow.job_id, timed_out=True)
@@ -269,9 +324,16 @@ def test_a_timeout_strikes_only_a_runner_that_finished_nothing_since_and_a_late_
     hung = reg.submit(_job(), avoid="b")
     reg.cancel_job(hung.job_id, timed_out=True)
     assert a.strikes == 1  # nothing since: a strike
-    # Its late snapshot (dropped) shows it alive and well after all.
+    # Its late snapshot (dropped) shows it alive, not in time: it stays struck, passed over for b.
+    also = reg.submit(_job(), avoid="b")
     reg.late(a, hung.job_id, ok=True)
-    assert a.strikes == 0 and reg.misbehaved_total == 0
+    assert a.strikes == 1 and reg.misbehaved_total == 0
+    assert reg.submit(_job()).job_id in b.in_flight
+    reg.cancel_job(also.job_id, timed_out=True)
+    assert a.strikes == 1  # it answered something while it had that job: not struck again
+    # Only a snapshot in time clears them.
+    reg.complete(a, reg.submit(_job(), avoid="b").job_id, b"snapshot", "")
+    assert a.strikes == 0
 
 
 def test_timeouts_detach_a_runner_only_while_another_stands_in() -> None:
@@ -289,6 +351,12 @@ def test_timeouts_detach_a_runner_only_while_another_stands_in() -> None:
     for _ in range(MAX_STRIKES):
         reg2.complete(c, reg2.submit(_job()).job_id, None, "out of memory")
     assert not reg2.runners() and reg2.misbehaved_total == 1
+    # With an in-process runner for the model (tried after attached ones), it stands in.
+    reg3, (d,) = _registry("d")
+    reg3.set_fallback_models([NAME])
+    for _ in range(MAX_STRIKES):
+        reg3.cancel_job(reg3.submit(_job()).job_id, timed_out=True)
+    assert d.closed and not reg3.runners() and reg3.misbehaved_total == 1
 
 
 def test_jobs_failing_together_are_one_strike_and_a_detached_runners_answers_are_dropped() -> None:
