@@ -8,6 +8,7 @@ closed, the way a damaged disk or another program would leave them.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvstore.tiers.lmdb_tier as lmdb_tier
 from kvstore.errors import ConfigError, InvalidInput, StorageError
 from kvstore.layout import DEEPSEEK_V41_FLASH, DENSE_GQA_32L
 from kvstore.tiers import value_format as vf
@@ -876,9 +878,74 @@ def test_a_failed_delete_or_record_write_is_the_tiers_health(tmp_path: Path, wri
         attempts[write]()
     assert tier.stats().failing == str(e.value)
     tier._env = env
-    put_chunks(tier, 2, 1)
-    assert tier.stats().failing == ""
     assert all(check_chunk(tier, k) == "" for k in keys)  # the failed transaction changed nothing
+    attempts[write]()  # the retry (the store re-dooms what it could not delete) succeeds
+    assert tier.stats().failing == ""  # before, only a put cleared it: NOT_SERVING for good
+    tier.close()
+
+
+def test_a_write_of_one_kind_does_not_clear_another_kinds_failure(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, durability="async")
+    keys = put_chunks(tier, 1, 3)
+    env = tier._env
+    tier._env = _FailingWrites(env)  # type: ignore[assignment]
+    with pytest.raises(StorageError, match="Input/output error") as put_failed:
+        put_chunks(tier, 2, 1)
+    with pytest.raises(StorageError, match="Input/output error") as delete_failed:
+        tier.delete_many(keys[:1])
+    tier._env = env
+    put_chunks(tier, 2, 1)
+    assert tier.stats().failing == str(delete_failed.value)  # a put says nothing of the deletes owed
+    tier._env = _FailingWrites(env)  # type: ignore[assignment]
+    with pytest.raises(StorageError, match="Input/output error"):
+        put_chunks(tier, 3, 1)
+    tier._env = env
+    tier.delete_many(keys[:1])
+    assert tier.stats().failing == str(put_failed.value)  # nor a delete of the puts
+    put_chunks(tier, 3, 1)
+    assert tier.stats().failing == ""
+    tier.close()
+
+
+def test_puts_never_use_the_room_a_delete_grew_the_map_by(tmp_path: Path) -> None:
+    # A delete at the map's limit grows it by a reserve, and the map never shrank back: the puts
+    # after it filled that room, the next delete grew it again, and a 2 MiB map ended at 18 MiB.
+    layout = LAYOUT.with_chunk_tokens(8)
+    max_map = 2 << 20
+    tier = LmdbTier(tmp_path, 1 << 20, [layout], durability="async", compression="none",
+                    initial_map_bytes=max_map, max_map_bytes=max_map)
+    payload = memoryview(payload_of(key_of(0, 0), layout.chunk_bytes))
+    meta = ChunkMeta(NAMESPACE, layout.layout_id, bytes(32))
+    held: list[bytes] = []
+    n = 0
+    for _ in range(6):  # fill to full, delete half (into the reserve), and again
+        with pytest.raises(StorageError, match=r"^LMDB map is full: \d+ of its"):
+            while True:
+                batch = [key_of(8, n + i) for i in range(50)]
+                tier.put_many((k, payload, meta) for k in batch)
+                held += batch
+                n += 50
+        assert tier._live_page_bytes() <= max_map  # type: ignore[operator]
+        tier.delete_many(held[::2])
+        del held[::2]
+        assert tier.stats().entries == len(held)
+    assert tier.stats().map_size_bytes <= max_map + lmdb_tier.DELETE_RESERVE_BYTES
+    tier.close()
+
+
+def test_the_footprint_grows_with_the_payload_and_bounds_what_any_stored_size_costs(tmp_path: Path) -> None:
+    # A 24-token toy chunk (just past the inline limit: one overflow page) was charged less than a
+    # 16-token one (inline, in half-full leaves), and a value compressed into a leaf cost more disk
+    # than the footprint the store charged for it.
+    tier = LmdbTier(tmp_path, 1 << 20, [LAYOUT.with_chunk_tokens(8)], durability="async", compression="zstd")
+    payloads = range(1, 12_000)
+    prints = [tier.footprint(p) for p in payloads]
+    assert all(a <= b for a, b in itertools.pairwise(prints))
+    # What a value of any length up to the uncompressed one costs (compressed, fewer tokens).
+    costliest = list(itertools.accumulate((tier.disk_bytes(n) for n in range(vf.value_bytes(32, 12_000))), max))
+    assert all(costliest[vf.value_bytes(32, p)] <= fp for p, fp in zip(payloads, prints, strict=True))
+    big = DEEPSEEK_V41_FLASH.chunk_bytes  # overflow pages: charged as before
+    assert tier.footprint(big) == tier.disk_bytes(vf.value_bytes(32, big))
     tier.close()
 
 

@@ -81,6 +81,32 @@ def test_reopening_with_more_data_than_capacity_evicts_down_to_it(tmp_path: Path
     again.close()
 
 
+def test_evicting_at_the_index_load_says_so_and_the_ready_line_counts_the_chunks_kept(tmp_path: Path) -> None:
+    # Data charged less when it was written (small chunks, before 2026-12-06) or a lowered budget:
+    # the load evicted two thirds of it without a word, and then said all of it was ready.
+    big = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0, lmdb_capacity_bytes=2 << 20)
+    ns = big.namespace("default", "deepseek-v4.1-flash", "bounded")
+    for seed in range(4):
+        assert store_prefix(big, ns, tokens_for(seed, 30 * CHUNK, vocab=129_280)).durable
+    written = big.stats().chunks
+    big.close()
+    lines: list[str] = []
+    store = GlobalStore(small_config(device_capacity_bytes=0, dram_capacity_bytes=0, lmdb_capacity_bytes=1 << 20),
+                        tmp_path, MODELS, progress=lines.append)
+    stats = store.stats()
+    evicted, kept = stats.tiers["lmdb"].evictions, stats.chunks
+    assert evicted > 0 and kept + evicted == written
+    said = [line for line in lines if "over the LMDB budget or a tenant's quota evicted" in line]
+    assert len(said) == 1 and said[0].startswith(f"index: {evicted:,} chunks (") and " MiB) " in said[0]
+    assert any(line.startswith(f"index: {kept:,} LMDB chunks ready in ") for line in lines), lines
+    store.close()
+    lines.clear()
+    again = GlobalStore(small_config(device_capacity_bytes=0, dram_capacity_bytes=0, lmdb_capacity_bytes=1 << 20),
+                        tmp_path, MODELS, progress=lines.append)
+    assert not any("evicted" in line for line in lines)  # nothing over: no line
+    again.close()
+
+
 # --- accounting after faults ----------------------------------------------------------------------
 
 

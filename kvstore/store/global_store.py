@@ -1157,9 +1157,13 @@ class GlobalStore(Placement):
             # and each tenant down to its quota (lowered since the data was written). Loading in the
             # background, calls may hold more than that pinned: the store gets ready anyway, and
             # evicts the rest as it makes room once they are let go (`_evict_unprotected`).
+            evictions, used = self._by_tier.get("evictions:lmdb", 0), self._used["lmdb"]
             self._evict_unprotected("lmdb", None)
             for tenant in sorted({t for (t, tier) in self._tenant_used if tier == "lmdb"}):
                 self._evict_unprotected("lmdb", tenant)
+            # Said, not silent: data written under a larger budget, or charged less by an older
+            # version (small chunks, before 2026-12-06), loses chunks here.
+            evicted = self._by_tier.get("evictions:lmdb", 0) - evictions
             if self._overage and not background:
                 raise AssertionError("nothing is pinned or committing here, so every chunk can be evicted")
             self._ns_all_counted = True
@@ -1170,6 +1174,9 @@ class GlobalStore(Placement):
         except StorageError as e:  # what was not deleted stays doomed: the next call's deletion retries it
             self._progress(f"index: deleting evicted values and empty namespace records failed ({e}); "
                            "retried by the next deletion")
+        if evicted:
+            self._progress(f"index: {evicted:,} chunks ({(used - self._used['lmdb']) / (1 << 20):,.1f} MiB) over "
+                           "the LMDB budget or a tenant's quota evicted")
         self._load_seconds = time.perf_counter() - t0
         self._ready.set()
         with self._lock:  # chunks that came to be held by LMDB only while it loaded
@@ -1177,7 +1184,7 @@ class GlobalStore(Placement):
                 if entry.fastest == "lmdb":
                     self._fold(key, entry)
         if self._index_at_start:
-            self._progress(f"index: {cold.n:,} LMDB chunks ready in {self._load_seconds:.2f} s")
+            self._progress(f"index: {cold.n - evicted:,} LMDB chunks ready in {self._load_seconds:.2f} s")
 
     def _recovered_kinds(self, batch: ScanBatch, kind_of: dict[bytes, int | str], cost: float) -> np.ndarray:
         """Each row's cold kind (-1 where its chunks are ignored, counted by reason), decided once

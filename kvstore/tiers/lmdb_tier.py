@@ -33,7 +33,7 @@ Durability (StoreConfig.lmdb_durability) and what each mode loses on a power cut
 
 The map starts small and grows (env.set_mapsize) on MapFullError, up to the tier's capacity plus
 an overhead for LMDB's copy-on-write pages; past that a write raises StorageError. A delete may
-grow it a little further (DELETE_RESERVE_BYTES), and splits itself into smaller transactions
+grow it a little further (DELETE_RESERVE_BYTES; a put never uses that room), and splits itself into smaller transactions
 where even that is short, so that eviction can always make room. Stale reader slots left by dead
 processes are cleared at open (env.reader_check()).
 
@@ -200,7 +200,9 @@ class LmdbTier:
         self.corrupt_total = 0
         self.problems: dict[str, int] = {}  # removed-on-read values by problem ("corrupt", ...)
         self._writes = 0  # bumped by every write; scan() rebuilds totals only if none happened
-        self._failing = ""  # why the last write (put or delete) failed, "" once a put succeeds
+        # Why the last write of each kind ("put", "delete", "record") failed, until one of that kind
+        # succeeds: a delete that succeeds says nothing of puts, nor a put of the deletes still owed.
+        self._failing: dict[str, str] = {}
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -315,8 +317,11 @@ class LmdbTier:
     def footprint(self, payload_bytes: int) -> int:
         """An upper bound: header, the longest chunk's token ids, the payload uncompressed. The store
         charges this, so compression saves disk, not budget (`stats().used_bytes` counts what is
-        stored); charging stored sizes would need the store to learn each value's."""
-        return self.disk_bytes(vf.value_bytes(self._max_token_bytes, payload_bytes))
+        stored); charging stored sizes would need the store to learn each value's. A value just past
+        the inline limit costs less on its overflow page than the largest inline one does in half-full
+        leaves, and compression may bring it inline: charged the larger (and so, monotonic)."""
+        size = vf.value_bytes(self._max_token_bytes, payload_bytes)
+        return max(self.disk_bytes(size), self.disk_bytes(min(size, self._nodemax - _NODE_HEADER - _KEY_BYTES)))
 
     def _measure_used(self) -> int:
         """The used bytes, from every index record in one read transaction (a consistent sum)."""
@@ -449,24 +454,26 @@ class LmdbTier:
                 record = vf.index_record(codec, len(meta.tokens) // 4, size, meta.layout_id, meta.namespace, len(raw))
                 planned.append(_PlannedValue(key, meta, codec, len(raw), stored, size, record))
             if planned:
-                with self._failures():
+                with self._failures("put"):
                     self._commit(planned)
-                self._failing = ""
 
     @contextmanager
-    def _failures(self) -> Iterator[None]:
-        """A write (put or delete) that fails is the tier's health until a put succeeds again."""
+    def _failures(self, kind: str) -> Iterator[None]:
+        """A write that fails is the tier's health until a write of its kind succeeds again."""
         try:
             yield
         except StorageError as e:
-            self._failing = str(e)
+            self._failing.pop(kind, None)  # re-inserted last: `failing` shows the newest failure
+            self._failing[kind] = str(e)
             raise
+        self._failing.pop(kind, None)
 
     def _commit(self, planned: list[_PlannedValue]) -> None:
         # Each value is built just before its put, into one scratch buffer that LMDB copies from:
         # a Store's worth of values (80 MB for 700 V4.1 chunks) is never allocated, faulted in and
         # freed beside the transaction's own pages.
         scratch = memoryview(bytearray(max(p.size for p in planned)))
+        self._within_limit(planned)
         advanced = False
         while True:
             used, count = self._used, self._count
@@ -525,10 +532,7 @@ class LmdbTier:
         current = int(self._env.info()["map_size"])
         limit = self._max_map + reserve
         if current >= limit:
-            raise StorageError(
-                f"LMDB map is full: {self._live_page_bytes()} of its {current} bytes hold live pages, "
-                "and the rest (pages freed too recently to reuse, or too few) cannot take this write; the map "
-                f"grows to at most capacity {self._capacity} + overhead{' + a reserve for deletes' if reserve else ''}")
+            raise self._map_full(current, self._live_page_bytes(), reserve)
         new = min(limit, max(2 * current, current + 2 * need_bytes + MiB))
         try:
             with self._map.exclusive():  # no write is open (we hold the lock), and now no read
@@ -536,16 +540,43 @@ class LmdbTier:
         except lmdb.Error as e:
             raise StorageError(f"cannot grow the LMDB map to {new} bytes: {e}") from e
 
-    def _live_page_bytes(self) -> str:
-        """The bytes of the pages the databases hold now (not free ones), for a full map's error."""
+    def _map_full(self, current: int, live: int | None, reserve: int = 0) -> StorageError:
+        extra = " + a reserve for deletes" if reserve else ""
+        return StorageError(
+            f"LMDB map is full: {'an unknown number' if live is None else live} of its {current} bytes hold "
+            "live pages, and the rest (pages freed too recently to reuse, or too few) cannot take this write; "
+            f"the map grows to at most capacity {self._capacity} + overhead{extra}")
+
+    def _within_limit(self, planned: list[_PlannedValue]) -> None:
+        """Before a put: the room a delete grew the map by past its limit (DELETE_RESERVE_BYTES) is for
+        deletes only, or each delete at the limit would raise it by the reserve for good. The map goes
+        back to its limit (LMDB keeps it no smaller than the pages its file holds); where those pages
+        still pass it, the put goes ahead only while the live ones leave it room (a map-full error
+        else). One `info()` where the map is within its limit: the put path's usual cost."""
+        current = int(self._env.info()["map_size"])
+        if current <= self._max_map:
+            return
+        try:
+            with self._map.exclusive():  # no write is open (we hold the lock), and now no read
+                self._env.set_mapsize(self._max_map)
+            current = int(self._env.info()["map_size"])
+        except lmdb.Error as e:
+            raise StorageError(f"cannot shrink the LMDB map to {self._max_map} bytes: {e}") from e
+        if current > self._max_map:
+            live = self._live_page_bytes()
+            if live is None or live + sum(self.disk_bytes(p.size) for p in planned) > self._max_map:
+                raise self._map_full(current, live)
+
+    def _live_page_bytes(self) -> int | None:
+        """The bytes of the pages the databases hold now (not free ones); None if unknown."""
         try:
             with self._env.begin() as txn:
                 stats = [txn.stat(db) for db in (self._chunks, self._index, self._ns, self._models, self._meta)]
             stats.append(self._env.stat())
         except lmdb.Error:
-            return "an unknown number"
+            return None
         pages = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats)
-        return str(pages * self._psize)
+        return pages * self._psize
 
     def delete(self, key: bytes) -> None:
         self.delete_many((key,))
@@ -565,7 +596,7 @@ class LmdbTier:
         return None if value is None else len(value)
 
     def _delete_locked(self, keys: list[bytes]) -> None:
-        with self._failures():
+        with self._failures("delete"):
             self._delete_in_parts(keys)
 
     def _delete_in_parts(self, keys: list[bytes]) -> None:
@@ -855,7 +886,7 @@ class LmdbTier:
     def delete_namespaces(self, digests: Iterable[bytes]) -> None:
         """Forget namespaces no chunk of which is held any longer, in one transaction."""
         digests = list(digests)  # a retry after a full map deletes them all again
-        with self._lock, self._failures():
+        with self._lock, self._failures("delete"):
             advanced = False
             while True:
                 try:
@@ -880,7 +911,7 @@ class LmdbTier:
             self._max_token_bytes = max(self._max_token_bytes, 4 * layout.chunk_tokens)
 
     def _put_record(self, db: lmdb._Database, key: bytes, record: bytes) -> None:
-        with self._lock, self._failures():
+        with self._lock, self._failures("record"):
             while True:
                 try:
                     with self._env.begin(write=True, db=db) as txn:
@@ -905,10 +936,11 @@ class LmdbTier:
     def stats(self) -> TierStats:
         """Cheap: never reads the index (the store asks at every Stats call, loading or not)."""
         info = self._env.info()
+        failing = list(self._failing.values())  # one step under the GIL: a write may change the dict
         return TierStats(
             used_bytes=self._used, capacity_bytes=self._capacity, entries=self._count,
             corrupt_total=self.corrupt_total, map_size_bytes=int(info["map_size"]),
-            readers=int(info["num_readers"]), failing=self._failing,
+            readers=int(info["num_readers"]), failing=failing[-1] if failing else "",
         )
 
     @property
