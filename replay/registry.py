@@ -237,10 +237,10 @@ class RunnerRegistry:
             self._detach_unhealthy(link, error or "no snapshot")
         return True
 
-    def late(self, link: RunnerLink, job_id: int, ok: bool) -> None:
+    def late(self, link: RunnerLink, job_id: int) -> None:
         """The runner answered job `job_id` after it was cancelled (the answer is dropped): it is
-        alive, so jobs it has now are not struck when they time out, but, snapshot (`ok`) or not,
-        its strikes stay: a runner that always answers late is no use to its callers, and cleared
+        alive, so jobs it has now are not struck when they time out, but, snapshot or not, its
+        strikes stay: a runner that always answers late is no use to its callers, and cleared
         it would be given a job least recently and so take every other one."""
         with self._lock:
             if job_id in link.cancelled:

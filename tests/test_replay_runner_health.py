@@ -326,7 +326,7 @@ def test_a_timeout_strikes_only_a_runner_that_finished_nothing_since_and_a_late_
     assert a.strikes == 1  # nothing since: a strike
     # Its late snapshot (dropped) shows it alive, not in time: it stays struck, passed over for b.
     also = reg.submit(_job(), avoid="b")
-    reg.late(a, hung.job_id, ok=True)
+    reg.late(a, hung.job_id)
     assert a.strikes == 1 and reg.misbehaved_total == 0
     assert reg.submit(_job()).job_id in b.in_flight
     reg.cancel_job(also.job_id, timed_out=True)

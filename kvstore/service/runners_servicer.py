@@ -358,7 +358,7 @@ class RunnersServicer:
             expected = self._expected_bytes(link, r)
             if expected is None:  # cancelled while the runner worked on it
                 if r.last or r.error:
-                    self._registry.late(link, r.job_id, ok=not r.error)
+                    self._registry.late(link, r.job_id)
                 return
             if not r.error:
                 asm = partial[r.job_id] = BlobAssembler(expected, "job result")
@@ -367,7 +367,7 @@ class RunnersServicer:
                     # job's buffer before this one was added, so it goes here.
                     partial.pop(r.job_id, None)
                     if r.last:
-                        self._registry.late(link, r.job_id, ok=True)
+                        self._registry.late(link, r.job_id)
                     return
         if r.error:
             partial.pop(r.job_id, None)
@@ -394,7 +394,7 @@ class RunnersServicer:
             shm, r.shm, expected, f"job {r.job_id}'s result span")
         link.outbox.put(ResultTaken(r.job_id))
         if snapshot is None:
-            self._registry.late(link, r.job_id, ok=True)
+            self._registry.late(link, r.job_id)
         else:
             shm.stored_bytes += len(snapshot)
             self._registry.complete(link, r.job_id, snapshot, "")
