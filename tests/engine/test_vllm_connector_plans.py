@@ -54,8 +54,8 @@ class FakeLink:
             return self.loaded
         return None
 
-    def attempt(self, kind: str, fn: Any) -> tuple[Any, bool]:
-        return self.call(kind, fn), False
+    def attempt(self, kind: str, fn: Any) -> tuple[Any, Exception | None]:
+        return self.call(kind, fn), None
 
     def failed(self, kind: str, e: BaseException) -> None:
         self.counters[f"{kind}_failures"] += 1

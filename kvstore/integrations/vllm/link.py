@@ -84,14 +84,13 @@ class Link:
         """`fn(client)`, or None after counting and logging a failure."""
         return self.attempt(kind, fn)[0]
 
-    def attempt(self, kind: str, fn: Callable[[KvstoreClient], T]) -> tuple[T | None, bool]:
-        """(`fn(client)`, False), or (None, whether the failure was an outage) after counting and
-        logging it."""
+    def attempt(self, kind: str, fn: Callable[[KvstoreClient], T]) -> tuple[T | None, Exception | None]:
+        """(`fn(client)`, None), or (None, the failure) after counting and logging it."""
         try:
-            return fn(self.client()), False
+            return fn(self.client()), None
         except (RpcFailure, OSError, ValueError) as e:
             self.failed(kind, e)
-            return None, isinstance(e, OUTAGES)
+            return None, e
 
     def failed(self, kind: str, e: BaseException) -> None:
         with self._lock:

@@ -45,6 +45,9 @@ class SaveSpec:
     chunk_blocks: dict[int, list[int]]
     snapshot_chunk: int = 0
     window_blocks: dict[int, list[int]] = field(default_factory=dict)
+    # The request was scheduled new (or resumed) in this step: its blocks were just allocated, so
+    # vLLM's own prefix cache may have given it another request's, still being loaded.
+    new: bool = False
 
 
 @dataclass
@@ -68,11 +71,13 @@ class WorkerReport(KVConnectorWorkerMetadata):
     failed_loads: tuple[str, ...] = ()
     # (request, first chunk) of the saves not made in a step whose synchronous load failed: any
     # of that step's requests may have read the unfilled blocks (vLLM's own prefix cache shares
-    # them); what vLLM computes again is saved.
+    # them); what vLLM computes again is saved. Also those of a later step planned before the
+    # scheduler knew of the failure (async scheduling) by requests running since before it: their
+    # blocks are their own, saved when planned again.
     dropped_saves: tuple[tuple[str, int], ...] = ()
-    # Requests whose save was not made in a later step planned before the scheduler knew of the
-    # failure (async scheduling): vLLM may never compute what they read again, so they are no
-    # longer stored at all.
+    # Requests new in such a later step, whose save was not made: vLLM may never compute what they
+    # read again (its prefix cache may have given them the unfilled blocks), so they are no longer
+    # stored at all.
     not_cached: tuple[str, ...] = ()
     # Steps whose synchronous load failed, so far: until a step's metadata says the scheduler
     # heard of them all, its saves are not made.

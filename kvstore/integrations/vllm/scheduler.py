@@ -262,6 +262,8 @@ class SchedulerSide:
                 ids[:] = [NO_BLOCK if b == null_block else b for b in ids]
         computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
+        # A resumed request is allocated its blocks again, like a new one.
+        new = set(computed) | set(getattr(cached, "resumed_req_ids", ()))
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         for req_id, before in computed.items():
             st = self._requests.get(req_id)
@@ -270,6 +272,7 @@ class SchedulerSide:
             after = before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             save = self._plan_save(req_id, st, after, block_ids_of(req_id), null_block)
             if save is not None:
+                save.new = req_id in new
                 meta.saves.append(save)
         return meta
 
@@ -315,7 +318,8 @@ class SchedulerSide:
             st = self._requests.get(req_id)
             if st is not None:
                 # Its save in the failed load's step was not made (it may have read the unfilled
-                # blocks: vLLM computes that step again for it): what it computes again is saved.
+                # blocks: vLLM computes that step again for it), or in a later step planned before
+                # that was known: what it computes again, or its next plan, saves.
                 st.saved_chunks = min(st.saved_chunks, first_chunk)
         for req_id in not_cached:
             st = self._requests.get(req_id)

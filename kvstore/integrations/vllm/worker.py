@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvstore.client import KvstoreClient, SharedLoad
+from kvstore.client import DeadlineExceededError, KvstoreClient, SharedLoad, UnavailableError
 from kvstore.integrations.vllm.cache_layout import EnginePlan, PagedCache
-from kvstore.integrations.vllm.link import REPLAY_MODE, Link, T
+from kvstore.integrations.vllm.link import OUTAGES, REPLAY_MODE, Link, T
 from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec, WorkerHandshake, WorkerReport
 
 log = logging.getLogger("kvstore.integrations.vllm")
@@ -36,6 +36,9 @@ log = logging.getLogger("kvstore.integrations.vllm")
 # A load in more pieces than this (chunks scattered in the service's memory) is gathered into one
 # buffer first: each piece costs a copy call per layer and per run of blocks.
 MAX_DIRECT_RUNS = 8
+# A step's synchronous load is not sent with less than this left of the step's budget (nor a tenth
+# of the budget, if less): it could not arrive in time, and would only cost a call.
+MIN_LOAD_SECONDS = 0.02
 
 
 # torch warns that a read-only array becomes a writable tensor; the chunks' tensors are only read.
@@ -58,14 +61,25 @@ class _LoadOutcome:
 
 @dataclass
 class _StepLoads:
-    """A step's synchronous loads: one budget for all of them (each holds the forward up), and
-    once the service is out of reach the rest fail at once instead of each waiting it out."""
+    """A step's synchronous loads: one budget for all of them (each holds the forward up), counted
+    from its first call, which is given the whole budget. Once the service is out of reach (it
+    cannot be reached, or did not answer that whole budget) the rest fail at once instead of each
+    waiting it out; a later call that ran out of what the step had left says only that the step's
+    loads needed more than the budget."""
 
-    deadline: float
+    budget: float
+    deadline: float | None = None
     out_of_reach: bool = False
 
     def left(self) -> float:
-        return self.deadline - time.monotonic()
+        return self.budget if self.deadline is None else self.deadline - time.monotonic()
+
+    def timeout(self) -> float:
+        """The next call's timeout: the whole budget for the first, else what is left."""
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.budget
+            return self.budget
+        return max(0.001, self.left())
 
 
 @dataclass
@@ -101,8 +115,8 @@ class WorkerSide:
         self._step_failed = False  # this step's did: set in `start_loads`, cleared in `submit_saves`
         self._failed_unheard: set[str] = set()  # requests whose load failed, until the scheduler heard
         self._failed_loads: list[str] = []  # failed loads not yet reported to the scheduler
-        self._dropped: list[tuple[str, int]] = []  # saves not made in a failed load's step (rewound)
-        self._not_cached: list[str] = []  # requests whose save was not made in a later stale step
+        self._dropped: list[tuple[str, int]] = []  # saves not made from a stale step (rewound)
+        self._not_cached: list[str] = []  # requests new in a later stale step: not stored at all
         self._reported_failed_steps = 0
         # After a Store found the service out of reach, the stores queued behind it are dropped
         # until then (each would wait out the budget, and close() would wait for them all).
@@ -126,14 +140,14 @@ class WorkerSide:
         """Synchronous loads run here, before the forward pass, all within one budget; a short one
         reports the blocks it did not fill (vLLM recomputes them). Asynchronous ones go to threads."""
         self._stale(meta)
-        step = _StepLoads(time.monotonic() + self.link.cfg.budget_seconds) if self.sync else None
+        step = _StepLoads(self.link.cfg.budget_seconds) if self.sync else None
         for spec in meta.loads:
             if step is None:
                 self._loads[spec.req_id] = self._load_pool.submit(self._load, spec)
                 continue
             every = {b for ids in spec.chunk_blocks.values() for b in ids if b >= 0}
-            if step.out_of_reach or step.left() <= 0:
-                self.link.count("loads_skipped_out_of_reach")  # failed at once: recomputed
+            if skipped := self._skipped(step):
+                self.link.count(skipped)  # failed at once: recomputed
                 out = _LoadOutcome(spec.req_id, False, every)
             else:
                 try:
@@ -148,15 +162,24 @@ class WorkerSide:
                 self._failed_unheard.add(spec.req_id)
             self._settle(out)
 
-    def _call(self, kind: str, fn: Callable[[KvstoreClient], T], step: _StepLoads | None) -> T | None:
-        r, outage = self.link.attempt(kind, fn)
-        if outage and step is not None:
-            step.out_of_reach = True
-        return r
+    def _skipped(self, step: _StepLoads | None) -> str:
+        """Why a load of `step` is not sent (the counter), or "" when it is."""
+        if step is None:
+            return ""
+        if step.out_of_reach:
+            return "loads_skipped_out_of_reach"
+        if step.left() < min(MIN_LOAD_SECONDS, step.budget / 10):
+            return "loads_skipped_step_budget"
+        return ""
 
-    def _budget(self, step: _StepLoads | None) -> float:
-        """A call's timeout: what the step's loads have left of the budget, else the budget."""
-        return self.link.cfg.budget_seconds if step is None else max(0.001, step.left())
+    def _call(self, kind: str, fn: Callable[[KvstoreClient], T], step: _StepLoads | None, timeout: float) -> T | None:
+        r, e = self.link.attempt(kind, fn)
+        if step is not None:
+            if isinstance(e, UnavailableError) or (isinstance(e, DeadlineExceededError) and timeout >= step.budget):
+                step.out_of_reach = True
+            elif isinstance(e, DeadlineExceededError):  # the service answers, just not within what was left
+                self.link.count("loads_skipped_step_budget")
+        return r
 
     def _load(self, spec: LoadSpec, step: _StepLoads | None = None) -> _LoadOutcome:
         assert self.cache is not None
@@ -164,13 +187,18 @@ class WorkerSide:
         got = 0
         name = self.link.model_name()
         if spec.held_spans:  # a failed or short read of them is loaded again
-            r = self._call("load_held", lambda c: self._read_held(c, spec), step)
+            # Read in shared memory, not asked of the service: its failure says nothing of its reach.
+            r = self.link.call("load_held", lambda c: self._read_held(c, spec))
             got = r if r is not None else 0
-        if name is not None and got < wanted and not (step is not None and step.out_of_reach):
-            r = self._call("load", lambda c: self._load_chunks(c, name, spec, self._budget(step)), step)
-            got = r if r is not None else 0
-            if r is not None and got < wanted:
-                self.link.failed("load", ValueError(f"{wanted - got} of {wanted} chunks did not arrive"))
+        if name is not None and got < wanted:
+            if skipped := self._skipped(step):
+                self.link.count(skipped)
+            else:
+                timeout = self.link.cfg.budget_seconds if step is None else step.timeout()
+                r = self._call("load", lambda c: self._load_chunks(c, name, spec, timeout), step, timeout)
+                got = r if r is not None else 0
+                if r is not None and got < wanted:
+                    self.link.failed("load", ValueError(f"{wanted - got} of {wanted} chunks did not arrive"))
         ok = got == wanted
         if ok and self.plan.hybrid:
             ok = self._load_window(name, spec)
@@ -307,8 +335,13 @@ class WorkerSide:
                 self.link.count("saves_skipped_failed_load")
                 if self._step_failed:  # the failed load's own step: vLLM computes it again
                     self._dropped.append((spec.req_id, spec.first_chunk))
-                elif spec.req_id not in self._failed_unheard:  # vLLM may not compute it again
+                elif spec.new and spec.req_id not in self._failed_unheard:
+                    # New in this later step, it may have been given the unfilled blocks through
+                    # vLLM's prefix cache, which may not compute them again.
                     self._not_cached.append(spec.req_id)
+                elif spec.req_id not in self._failed_unheard:
+                    # Running since before the failure, its blocks are its own: saved when planned again.
+                    self._dropped.append((spec.req_id, spec.first_chunk))
                 continue
             if paused:  # the service is out of reach: this one would only wait out the budget too
                 self.link.count("saves_dropped_out_of_reach")
@@ -382,8 +415,8 @@ class WorkerSide:
             self._release(st)
 
     def _store_call(self, kind: str, fn: Callable[[KvstoreClient], T]) -> T | None:
-        r, outage = self.link.attempt(kind, fn)
-        if outage:
+        r, e = self.link.attempt(kind, fn)
+        if isinstance(e, OUTAGES):
             self._stores_paused_until = time.monotonic() + self.link.cfg.retry_after_seconds
         return r
 
@@ -439,6 +472,9 @@ class WorkerSide:
         dropped = sum(1 for f in late if f.cancelled())
         if dropped:
             self.link.count("saves_dropped_at_close", dropped)
+        if late:  # after the engine's last report: the log is the only place this is seen
+            log.warning("kvstore: at shutdown, %d queued store(s) dropped and %d left in flight, not made "
+                        "within the budget (%g s)", dropped, len(late) - dropped, self.link.cfg.budget_seconds)
         self._load_pool.shutdown(wait=False, cancel_futures=True)
         self._session_pool.shutdown(wait=False, cancel_futures=True)
         self.link.close()
