@@ -65,6 +65,7 @@ from kvstore.layout import CacheLayout, exact_replay_tokens
 from kvstore.local_pool.base import LocalPool
 from kvstore.store import GlobalStore, LoadSession
 from replay.port import (
+    CALL_ENDED,
     DISABLED,
     FAILED,
     NO_RUNNER,
@@ -93,8 +94,6 @@ RUNNERS_BUSY = "runners-busy"
 ROOM_WAIT_SLICE_SECONDS = 0.5
 RECENT_SECONDS = 2.0
 RECENT_MAX = 64  # and at most this many (each holds a snapshot: 1.29 MiB for V4.1)
-# The outcome of a caller whose call ended while it waited (nobody reads it: the call is gone).
-CALL_ENDED = "call ended"
 
 
 @dataclass(frozen=True)

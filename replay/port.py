@@ -44,6 +44,10 @@ NO_RUNNER = "no-runner"
 TIMEOUT = "timeout"
 FAILED = "failed"
 DISABLED = "disabled"
+# A caller's own outcome, not the replay's: its call ended while it waited, or its deadline came
+# before the replay ended (the replay runs on and is counted when it ends).
+CALL_ENDED = "call ended"
+WAIT_TIMEOUT = "wait timeout"
 
 
 @dataclass(frozen=True)

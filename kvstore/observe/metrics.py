@@ -62,7 +62,8 @@ REPLAY_FAILURES = ("no_runner", "runners_busy", "timeout", "failed", "disabled",
 # A caller's own outcome when it stopped waiting for its replay before the replay ended (the
 # service reports it in the call's facts as the replay status): its deadline came first ("wait
 # timeout"; the trailer says "timeout"), or its call ended. Not the replay's result: the replay is
-# counted in kvstore_replays_total once, when it ends, by the caller that gets its outcome.
+# counted in kvstore_replays_total once, when it ends, by the caller that gets its outcome. The
+# strings replay/port.py gives them (observe does not import replay).
 WAIT_TIMEOUT = "wait timeout"
 CALL_ENDED = "call ended"
 REPLAY_GAVE_UP = ("deadline", "call_ended")

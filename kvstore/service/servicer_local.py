@@ -40,7 +40,6 @@ import grpc
 
 from kvstore.errors import InvalidInput
 from kvstore.local_pool.base import GetResult
-from kvstore.observe.metrics import CALL_ENDED, WAIT_TIMEOUT
 from kvstore.observe.records import LocalWriteFacts
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.codes import is_expected, status_for
@@ -61,7 +60,7 @@ from kvstore.wire.bills import to_pb as bills_to_pb
 from kvstore.wire.framing import BlobAssembler, blob_spans
 from kvstore.wire.messages import CASE_TO_PB, LOCAL_TO_PB, TIER_TO_PB, Malformed, accept, accept_tokens
 from kvstore.wire.tokens_in_place import WithTokens
-from replay.port import ReplayOutcome, ReplayTicket
+from replay.port import CALL_ENDED, WAIT_TIMEOUT, ReplayOutcome, ReplayTicket
 
 if TYPE_CHECKING:
     from kvstore.service.app import App
