@@ -191,6 +191,7 @@ class LmdbTier:
             MAP_OVERHEAD_MIN_BYTES, int(capacity_bytes * MAP_OVERHEAD_FRACTION)
         )
         self._max_map = self._budget_map
+        self._past_limit = False  # the map is larger than _max_map (a delete's reserve): see _within_limit
         self._codec = Codec(compression, zstd_level, self._layouts)
         self.checksum_kernel = load_kernel()  # compiled (or loaded from cache) now, not on a first hit
         # Writes (and map growth) take the lock; reads only share the map (`_MapGuard`), so that a
@@ -297,6 +298,7 @@ class LmdbTier:
         map makes room for them, so that they never leave the budget's own data without pages."""
         with self._lock:
             self._max_map = max(self._budget_map + max(nbytes, 0), self._open_floor)
+            self._past_limit = int(self._env.info()["map_size"]) > self._max_map
 
     def disk_bytes(self, value_bytes: int) -> int:
         """Bytes of the database one value of this length is charged: a large one its overflow pages
@@ -539,6 +541,7 @@ class LmdbTier:
                 self._env.set_mapsize(new)
         except lmdb.Error as e:
             raise StorageError(f"cannot grow the LMDB map to {new} bytes: {e}") from e
+        self._past_limit = self._past_limit or new > self._max_map
 
     def _map_full(self, current: int, live: int | None, reserve: int = 0) -> StorageError:
         extra = " + a reserve for deletes" if reserve else ""
@@ -552,9 +555,9 @@ class LmdbTier:
         deletes only, or each delete at the limit would raise it by the reserve for good. The map goes
         back to its limit (LMDB keeps it no smaller than the pages its file holds); where those pages
         still pass it, the put goes ahead only while the live ones leave it room (a map-full error
-        else). One `info()` where the map is within its limit: the put path's usual cost."""
-        current = int(self._env.info()["map_size"])
-        if current <= self._max_map:
+        else). Nothing to do, and nothing asked of LMDB, while the map is within its limit: the put
+        path's usual case."""
+        if not self._past_limit:
             return
         try:
             with self._map.exclusive():  # no write is open (we hold the lock), and now no read
@@ -562,7 +565,8 @@ class LmdbTier:
             current = int(self._env.info()["map_size"])
         except lmdb.Error as e:
             raise StorageError(f"cannot shrink the LMDB map to {self._max_map} bytes: {e}") from e
-        if current > self._max_map:
+        self._past_limit = current > self._max_map
+        if self._past_limit:
             live = self._live_page_bytes()
             if live is None or live + sum(self.disk_bytes(p.size) for p in planned) > self._max_map:
                 raise self._map_full(current, live)
