@@ -99,6 +99,16 @@ def test_recent_models_are_bounded() -> None:
     assert recent.get(("alice", (RecentModels.MAX_ENTRIES + 9).to_bytes(32, "big"))) is spec
 
 
+def test_one_tenants_registrations_do_not_push_out_anothers() -> None:
+    recent = RecentModels()
+    spec = engine_model_spec(DESC)
+    recent.put(("bob", b"b" * 32), spec)
+    for i in range(RecentModels.MAX_ENTRIES + 10):
+        recent.put(("alice", i.to_bytes(32, "big")), spec)
+    assert recent.get(("bob", b"b" * 32)) is spec  # alice's flood evicted only her own
+    assert len(recent) == RecentModels.MAX_ENTRIES + 1
+
+
 def test_ids_and_names_are_those_written_before() -> None:
     # layout_id is in every stored value and the name in every key: the hand-built JSON they hash
     # must stay byte for byte what dataclasses.asdict gave.

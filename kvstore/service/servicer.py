@@ -498,34 +498,41 @@ def _registered(spec: ModelSpec, created: bool) -> pb.RegisterModelResponse:
 
 class RecentModels:
     """The models tenants registered lately, by (tenant, digest of the request's bytes), least
-    recently used out first. Only successes are kept, and a registered model is never dropped by
-    the store, so a remembered answer stays true; the tenant is in the key because registering
-    is what names the model to that tenant."""
+    recently used out first within each tenant: one tenant registering many descriptions pushes
+    out only its own. Only successes are kept, and a registered model is never dropped by the
+    store, so a remembered answer stays true; the tenant is in the key because registering is
+    what names the model to that tenant."""
 
-    MAX_ENTRIES = 1024  # ~100 B each beside the specs the store holds anyway
+    MAX_ENTRIES = 1024  # per tenant; ~100 B each beside the specs the store holds anyway
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._specs: OrderedDict[tuple[str, bytes], ModelSpec] = OrderedDict()
+        # Tenants are the configured ones (or "" with auth off): the outer dict stays small.
+        self._specs: dict[str, OrderedDict[bytes, ModelSpec]] = {}
         self.hits = 0
 
     def get(self, key: tuple[str, bytes]) -> ModelSpec | None:
+        tenant, digest = key
         with self._lock:
-            spec = self._specs.get(key)
-            if spec is not None:
-                self._specs.move_to_end(key)
-                self.hits += 1
-            return spec
+            mine = self._specs.get(tenant)
+            if mine is None or digest not in mine:
+                return None
+            mine.move_to_end(digest)
+            self.hits += 1
+            return mine[digest]
 
     def put(self, key: tuple[str, bytes], spec: ModelSpec) -> None:
+        tenant, digest = key
         with self._lock:
-            self._specs[key] = spec
-            self._specs.move_to_end(key)
-            while len(self._specs) > self.MAX_ENTRIES:
-                self._specs.popitem(last=False)
+            mine = self._specs.setdefault(tenant, OrderedDict())
+            mine[digest] = spec
+            mine.move_to_end(digest)
+            while len(mine) > self.MAX_ENTRIES:
+                mine.popitem(last=False)
 
     def __len__(self) -> int:
-        return len(self._specs)
+        with self._lock:
+            return sum(len(mine) for mine in self._specs.values())
 
 
 def _carried(before: int, nbytes: int) -> int:
