@@ -507,7 +507,7 @@ class RecentModels:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # Tenants are the configured ones (or "" with auth off): the outer dict stays small.
+        # Tenants are the configured ones ("default" with auth off): the outer dict stays small.
         self._specs: dict[str, OrderedDict[bytes, ModelSpec]] = {}
         self.hits = 0
 
