@@ -18,7 +18,7 @@ from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.identity import adapter_fingerprint, fingerprint
 
 
-@pytest.mark.parametrize("key", ["budget_ms", "max_pending_store_mib", "retry_after_ms"])
+@pytest.mark.parametrize("key", ["budget_ms", "max_pending_store_mib", "retry_after_ms", "max_lookup_queue_ms"])
 @pytest.mark.parametrize("value", [math.inf, 1e999, -math.inf, math.nan, 1e300, 0, -1, True, "100", None])
 def test_a_number_that_is_not_finite_positive_and_bounded_is_refused_naming_its_key(key: str, value: Any) -> None:
     # JSON's 1e999 is inf: an infinite budget once made every kvstore call fail at once, an
@@ -30,8 +30,10 @@ def test_a_number_that_is_not_finite_positive_and_bounded_is_refused_naming_its_
 
 def test_numbers_within_their_bounds_are_taken() -> None:
     c = ConnectorConfig.from_extra({"address": "127.0.0.1:1", "budget_ms": 100, "max_pending_store_mib": 1.5,
-                                    "retry_after_ms": 3_600_000})
+                                    "retry_after_ms": 3_600_000, "max_lookup_queue_ms": 250})
     assert (c.budget_seconds, c.max_pending_store_bytes, c.retry_after_seconds) == (0.1, 3 << 19, 3600.0)
+    assert c.max_lookup_queue_seconds == 0.25
+    assert ConnectorConfig.from_extra({"address": "127.0.0.1:1"}).max_lookup_queue_seconds == 1.0
 
 
 def _model(root: Path) -> Path:

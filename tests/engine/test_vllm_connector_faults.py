@@ -360,7 +360,9 @@ class SlowLookups(FakeLink):
 
     def __init__(self, seconds: float) -> None:
         super().__init__(hit_chunks=3, loaded=3)
-        self.cfg = ConnectorConfig.from_extra({"address": "127.0.0.1:1", "budget_ms": 500, "load_mode": "async"})
+        # Queued Lookups are never given up here (tests/engine/test_vllm_connector_lookup_queue.py does).
+        self.cfg = ConnectorConfig.from_extra({"address": "127.0.0.1:1", "budget_ms": 500, "load_mode": "async",
+                                               "max_lookup_queue_ms": 60_000})
         self.seconds, self.calls = seconds, 0
         self._lock = threading.Lock()
 

@@ -13,11 +13,11 @@ from kvstore.errors import ConfigError
 from kvstore.layout import MAX_ENGINE_NAME
 
 KEYS = ("address", "token", "revision", "model_name", "budget_ms", "fingerprint_cache", "max_pending_store_mib",
-        "retry_after_ms", "load_mode", "chunk_tokens")
+        "retry_after_ms", "load_mode", "chunk_tokens", "max_lookup_queue_ms")
 LOAD_MODES = ("sync", "async")
-# (key, default, largest value taken): an hour's budget or retry wait, a TiB of staged saves.
+# (key, default, largest value taken): an hour's budget, retry or queue wait, a TiB of staged saves.
 NUMBERS = (("budget_ms", 2000.0, 3_600_000.0), ("max_pending_store_mib", 256.0, float(1 << 20)),
-           ("retry_after_ms", 5000.0, 3_600_000.0))
+           ("retry_after_ms", 5000.0, 3_600_000.0), ("max_lookup_queue_ms", 1000.0, 3_600_000.0))
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,10 @@ class ConnectorConfig:
     fingerprint_cache: Path | None = None  # where weight fingerprints are remembered across restarts
     max_pending_store_bytes: int = 256 << 20  # copied-out KV waiting to be stored; beyond: dropped
     retry_after_seconds: float = 5.0  # after a failed registration, how long to serve cold first
+    # Asynchronous Lookups: how long one may wait for a lookup thread before its request is computed
+    # (cold) without asking. The budget bounds the call; this bounds the queue before it on a
+    # healthy but slow service, so a request waits at most this plus the budget.
+    max_lookup_queue_seconds: float = 1.0
     # "sync": a request's Lookup is waited for (within the budget) and its chunks are loaded in the
     # step that computes it, before the forward pass, as vLLM's own connectors do; "async": the
     # Lookup answers "not yet" and loads finish between steps, so a step is never held up by a
@@ -90,6 +94,7 @@ class ConnectorConfig:
             fingerprint_cache=Path(cache) if cache else None,
             max_pending_store_bytes=int(numbers["max_pending_store_mib"] * (1 << 20)),
             retry_after_seconds=numbers["retry_after_ms"] / 1000, load_mode=load_mode, chunk_tokens=chunk_tokens,
+            max_lookup_queue_seconds=numbers["max_lookup_queue_ms"] / 1000,
         )
 
 

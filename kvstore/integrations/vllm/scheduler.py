@@ -4,10 +4,12 @@ step's loads and stores for the workers.
 A request's first `get_num_new_matched_tokens` starts a Lookup on a thread (the model's
 registration first, on a thread too) and answers None ("ask again next step", as vLLM allows);
 once the Lookup is back (or the budget, counted from the call's start, is spent: then cold) it
-answers the usable hit. A usable hit ends on a chunk boundary and leaves at least one
-prompt token to compute. For a hybrid model it also needs the sliding-window snapshot at that
-boundary (local state "hit"); without one the engine could not use the hit exactly (vLLM's V1
-runner cannot replay a window), so it is reported as no hit.
+answers the usable hit. A Lookup that waits for a thread longer than `max_lookup_queue_ms` (a
+burst on a slow service) is never asked, and its request is computed cold. A usable hit ends on
+a chunk boundary and leaves at least one prompt token to compute. For a hybrid model it also
+needs the sliding-window snapshot at that boundary (local state "hit"); without one the engine
+could not use the hit exactly (vLLM's V1 runner cannot replay a window), so it is reported as no
+hit.
 
 Loads are synchronous by default (`load_mode = "sync"`): the Lookup is asked on the scheduler's
 thread instead, within the budget, and the workers load in the step that computes the request,
@@ -22,8 +24,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
+import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +39,9 @@ from kvstore.integrations.vllm.identity import adapter_fingerprint, local_files
 from kvstore.integrations.vllm.link import REPLAY_MODE, Link
 from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec
 
+log = logging.getLogger("kvstore.integrations.vllm")
+QUEUE_LOG_INTERVAL_SECONDS = 60.0
+
 
 @dataclass
 class _Request:
@@ -43,6 +50,8 @@ class _Request:
     held_spans: tuple[bytes, ...] = ()  # the hit's first chunks, held by the Lookup in the worker's session
     lookup: cf.Future[LookupResult | None] | None = None
     lookup_started: float = 0.0  # when the Lookup's call began (0: still queued for a thread)
+    lookup_queued: float = 0.0  # when the Lookup was queued for a thread (asynchronous Lookups)
+    queue_expired: bool = False  # its thread found it queued too long, and did not ask
     usable_chunks: int | None = None  # decided: chunks a load may restore (None: not yet known)
     load_planned: bool = False
     loaded_tokens: int = 0
@@ -97,6 +106,10 @@ class SchedulerSide:
         # The workers' failed synchronous loads this side has heard of (and rewound the requests
         # of): told in each step's metadata, so a worker knows which plans predate a failure.
         self._failures_seen = 0
+        # Requests computed cold because their Lookup waited too long for a thread, and when that
+        # may next be logged.
+        self._queue_skips = 0
+        self._queue_log_at = 0.0
 
     # --- matching ---------------------------------------------------------------------------------
 
@@ -165,7 +178,8 @@ class SchedulerSide:
                     name, prefix, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds, cache_salt=st.salt))
 
             if not self.sync:
-                st.lookup = self._pool.submit(ask)
+                st.lookup_queued = time.monotonic()
+                st.lookup = self._pool.submit(self._after_queue, st, ask)
                 return False
             # Waited for anyway: asked on this thread (the call's deadline is the budget), which
             # spares a hand-off to the pool and back on the step's critical path. On kvstore's host
@@ -178,6 +192,8 @@ class SchedulerSide:
                 if time.monotonic() < self._ask_after and st.lookup.cancel():
                     st.usable_chunks = 0
                     return True
+                if self._queued_too_long(st) and st.lookup.cancel():
+                    return self._cold_after_queue(st)
                 return False
             if time.monotonic() - started < self.link.cfg.budget_seconds:
                 return False
@@ -186,6 +202,8 @@ class SchedulerSide:
             self._ask_after = time.monotonic() + self.link.cfg.retry_after_seconds
             st.usable_chunks = 0
             return True
+        if st.queue_expired:
+            return self._cold_after_queue(st)
         r = st.lookup.result()
         if r is None:
             self._ask_after = time.monotonic() + self.link.cfg.retry_after_seconds
@@ -196,6 +214,33 @@ class SchedulerSide:
             hit = 0
         st.usable_chunks = hit
         st.saved_chunks = max(st.saved_chunks, held)
+        return True
+
+    def _queued_too_long(self, st: _Request) -> bool:
+        return time.monotonic() - st.lookup_queued >= self.link.cfg.max_lookup_queue_seconds
+
+    def _after_queue(self, st: _Request, ask: Callable[[], LookupResult | None]) -> LookupResult | None:
+        """`ask()` on a lookup thread, unless the Lookup waited for it past its bound: its request
+        is computed cold then (the scheduler decides so by the same clock), and the call would only
+        keep the Lookups queued behind it waiting longer."""
+        if self._queued_too_long(st):
+            st.queue_expired = True
+            return None
+        return ask()
+
+    def _cold_after_queue(self, st: _Request) -> bool:
+        """The request is computed cold, for good: it is decided once, so an answer that comes
+        later is never read."""
+        st.usable_chunks = 0
+        self.link.count("lookups_skipped_queue_wait")
+        self._queue_skips += 1
+        # Not a failure (the service answers, only not fast enough for this engine's load), and
+        # one a burst repeats per request: said at most once a minute.
+        if (now := time.monotonic()) >= self._queue_log_at:
+            self._queue_log_at = now + QUEUE_LOG_INTERVAL_SECONDS
+            log.warning("kvstore: %d request(s) so far computed without their Lookup, which waited over "
+                        "max_lookup_queue_ms (%.0f ms) for a lookup thread: the service answers slower than "
+                        "requests arrive", self._queue_skips, self.link.cfg.max_lookup_queue_seconds * 1000)
         return True
 
     def _register(self, st: _Request) -> bool:

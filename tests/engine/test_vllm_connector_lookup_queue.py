@@ -1,0 +1,132 @@
+"""The vLLM connector's asynchronous Lookups against a healthy but slow service: the scheduler's
+side with the real client and an in-process service on port 0, each Lookup made slow on its way
+out (the fault). A burst of requests once queued behind one another without bound, each waiting
+for its answer behind all earlier ones; now a Lookup that waits for a thread past
+`max_lookup_queue_ms` is never asked and its request is computed cold, for good."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.integrations.vllm.cache_layout import EnginePlan, GroupPlan
+from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.link import Link
+from kvstore.integrations.vllm.scheduler import SchedulerSide
+from tests.fixtures.service import CHUNK, Service
+
+PLAN = EnginePlan((GroupPlan(0, ("l0",), 2, 8, torch.float16, 0),), chunk_tokens=CHUNK)
+PROMPT = list(range(1000, 1000 + 4 * CHUNK + 1))  # 4 chunks and a token: a hit of 4 chunks is usable
+STEP_SECONDS = 0.05
+
+
+class SlowLookups:
+    """Counts the Lookups made, each answered `seconds` late (a service busy but well)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.lookups = seconds, 0
+        self._lock = threading.Lock()
+
+    def wrap(self, lookup: Callable[..., Any]) -> Callable[..., Any]:
+        def slow(*args: Any, **kw: Any) -> Any:
+            with self._lock:
+                self.lookups += 1
+            time.sleep(self.seconds)
+            return lookup(*args, **kw)
+
+        return slow
+
+
+@pytest.fixture
+def slow_side(service: Service, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[SchedulerSide,
+                                                                                                  SlowLookups]]]:
+    """A registered scheduler side, its prompt's 4 chunks stored, each Lookup `seconds` late."""
+    made: list[SchedulerSide] = []
+
+    def make(seconds: float, **extra: Any) -> tuple[SchedulerSide, SlowLookups]:
+        cfg = ConnectorConfig.from_extra({"address": service.address, "load_mode": "async", "chunk_tokens": CHUNK,
+                                          "budget_ms": 2000, **extra})
+        link = Link(cfg, PLAN.engine_model("tiny", "rev", 4096, 0.0))
+        side = SchedulerSide(link, PLAN)
+        made.append(side)
+        name = link.model_name()
+        assert name is not None
+        client = link.client()
+        client.store(name, np.asarray(PROMPT, dtype="<u4"), bytes(4 * service.chunk_bytes(name)), "off")
+        slow = SlowLookups(seconds)
+        monkeypatch.setattr(client, "lookup", slow.wrap(client.lookup))  # the fault
+        return side, slow
+
+    yield make
+    for side in made:
+        side.close()
+        side.link.close()
+
+
+def _request(rid: str) -> Any:
+    return SimpleNamespace(request_id=rid, prompt_token_ids=PROMPT, cache_salt=None)
+
+
+def _burst(side: SchedulerSide, n: int, until: float) -> tuple[dict[str, int], dict[str, float]]:
+    """`n` requests arriving together, asked every scheduler step until each is answered or
+    `until` seconds passed: {request: external tokens}, {request: seconds it waited}."""
+    reqs = [_request(f"r{i}") for i in range(n)]
+    answers: dict[str, int] = {}
+    waited: dict[str, float] = {}
+    t0 = time.monotonic()
+    while len(answers) < n and time.monotonic() - t0 < until:
+        for r in reqs:
+            if r.request_id not in answers and (m := side.matched(r, 0))[0] is not None:
+                answers[r.request_id] = m[0]
+                waited[r.request_id] = time.monotonic() - t0
+        time.sleep(STEP_SECONDS)
+    return answers, waited
+
+
+def test_a_burst_on_a_slow_service_waits_for_a_lookup_thread_at_most_max_lookup_queue_ms(
+        slow_side: Callable[..., tuple[SchedulerSide, SlowLookups]], caplog: pytest.LogCaptureFixture) -> None:
+    # Each Lookup answers in 0.3 s, well within its budget; 16 requests arrive together and two
+    # threads ask. Every request waited behind all earlier Lookups: the last one 2.4 s, and a
+    # larger burst without bound.
+    side, slow = slow_side(0.3, max_lookup_queue_ms=500)
+    with caplog.at_level("WARNING", logger="kvstore.integrations.vllm"):
+        answers, waited = _burst(side, 16, until=10.0)
+    assert len(answers) == 16
+    counters = side.link.counters
+    hits = sum(1 for a in answers.values() if a == 4 * CHUNK)
+    # The Lookups that started within 0.5 s (2 threads, 0.3 s each: 4, a fifth on a slow machine)
+    # found the hit; every other request was computed cold without asking.
+    assert 2 <= hits <= 6 and set(answers.values()) == {0, 4 * CHUNK}
+    assert counters["lookups_skipped_queue_wait"] == 16 - hits and slow.lookups == hits
+    # Not an outage: the service answered every call it was asked, and the next request is asked.
+    assert counters["lookup_failures"] == 0
+    assert side.matched(_request("next"), 0) == (None, False)
+    assert max(waited.values()) < 2.0  # generous: 0.5 s queued + 0.3 s asked (the defect is 2.4 s)
+    said = [r for r in caplog.records if "max_lookup_queue_ms" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0].getMessage()  # once a minute, not once a request
+
+
+def test_a_request_computed_cold_after_its_queue_wait_never_takes_an_answer_later(
+        slow_side: Callable[..., tuple[SchedulerSide, SlowLookups]]) -> None:
+    # Two threads, each busy 0.5 s: the third request's Lookup is given up by the scheduler while
+    # still queued, the fourth's by the thread that found it queued too long. Neither is asked,
+    # and neither request takes an answer later.
+    side, slow = slow_side(0.5, max_lookup_queue_ms=200)
+    a, b, c, d = (_request(r) for r in "abcd")
+    for r in (a, b, c, d):
+        assert side.matched(r, 0) == (None, False)
+    time.sleep(0.3)
+    assert side.matched(c, 0) == (0, False)  # queued 0.3 s: computed cold now
+    time.sleep(0.9)  # the threads are free at 0.5 s; d's found it queued 0.5 s
+    assert side.matched(d, 0) == (0, False)
+    assert side.matched(a, 0) == side.matched(b, 0) == (4 * CHUNK, True)
+    time.sleep(0.6)  # what a Lookup for c or d would have taken
+    assert side.matched(c, 0) == side.matched(d, 0) == (0, False)  # decided once
+    assert slow.lookups == 2 and side.link.counters["lookups_skipped_queue_wait"] == 2
