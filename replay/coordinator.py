@@ -10,8 +10,12 @@ The coordinator then
    it never rewrites them);
 3. sends one `ReplayJob` to the first runner that serves the model (attached runners first, the
    in-process reference runner after them; when the only ones are attached runners with no room,
-   to the first that has room before the deadline), waits within the deadline, and re-queues a job
-   whose runner died on another runner while time is left;
+   to the first that has room before the deadline) and waits within the deadline. This is the one
+   place a job is tried again, while time is left: a job whose runner went away (`lost`) is
+   re-queued on the first runner that serves it, at most MAX_REQUEUES times; a job an attached
+   runner answered with an error (which may be the runner's: a device lost) is tried once more
+   on another runner (another attached one, or the next in the list), and from then on never
+   goes back to that one, re-queued or not;
 4. stores the rebuilt snapshot in the local pool under its TTL policy and returns it.
 
 Admission comes first and apart from the replay: `admit` is called synchronously by the service
@@ -101,10 +105,11 @@ class ReplayCounters:
     """What the coordinator has done since it started (for metrics and the dashboard)."""
 
     requests: int  # admissions asked for (resume_local without a ticket asks for one itself)
-    replays_started: int  # jobs sent to a runner by a leader (re-queues not counted)
+    replays_started: int  # jobs sent to a runner by a leader (re-queues and retries not counted)
     replays_ok: int  # snapshots rebuilt
     coalesced: int  # requests served by another request's replay
     requeued: int  # jobs re-sent after their runner died
+    retried: int  # jobs re-sent to another runner after an attached runner answered them with an error
     timeouts: int
     failures: int  # runner errors, runners lost with no other to take over, prefixes gone
     no_runner: int
@@ -120,13 +125,18 @@ class ReplayCounters:
 
 
 @runtime_checkable
-class WaitsForRoom(Protocol):
-    """A runner that may be attached but full (the attached runners): a job then waits for room
-    instead of being refused as having no runner."""
+class RunnerPool(Protocol):
+    """Runners behind one `Runner` (the attached runners). They may be attached but full: a job
+    then waits for room instead of being refused as having no runner. And a job may be kept off
+    one of them (`avoid`: the `ReplayResult.runner_id` that answered it with an error)."""
 
-    def attached(self, model: str, tenant: str) -> bool: ...
+    def serves(self, model: str, tenant: str, avoid: str = "") -> bool: ...
 
-    def wait_for_room(self, model: str, tenant: str, timeout_seconds: float) -> None: ...
+    def attached(self, model: str, tenant: str, avoid: str = "") -> bool: ...
+
+    def wait_for_room(self, model: str, tenant: str, timeout_seconds: float, avoid: str = "") -> None: ...
+
+    def submit(self, job: ReplayJob, avoid: str = "") -> JobHandle: ...
 
 
 @dataclass(frozen=True)
@@ -502,24 +512,30 @@ class ReplayCoordinator:
 
     def _run(self, job: ReplayJob, flight: _Flight) -> ReplayResult | None:
         """The job's result from the first runner that serves it (None: the deadline passed),
-        re-queued on another runner when the one that had it went away."""
+        re-queued on another runner when the one that had it went away (at most MAX_REQUEUES
+        times), and tried once more on another runner when an attached one answered it with an
+        error: never on that one again (`avoid`)."""
         last: ReplayResult | None = None
-        for attempt in range(1 + MAX_REQUEUES):
-            runner = self._runner_for(job, flight)
+        requeues = 0
+        avoid = ""  # the attached runner that answered the job with an error
+        while True:
+            runner = self._runner_for(job, flight, avoid)
             if isinstance(runner, str):  # NO_RUNNER, RUNNERS_BUSY
                 if last is None:
                     self._bump("no_runner" if runner == NO_RUNNER else "runners_busy")
                     return ReplayResult.failed(runner)
-                break
+                break  # nowhere else to go: the last answer stands
             left = self._left(flight)
             if left <= 0:
                 self._bump("timeouts")
                 return None
-            self._bump("requeued" if attempt else "replays_started")
+            # A replay is started once: sending it again elsewhere is counted apart.
+            self._bump("replays_started" if last is None else "requeued" if last.lost else "retried")
             with self._lock:
                 self._queued += 1
             # The time left now: a re-queued job, or one that waited for room, has less than when built.
-            handle = runner.submit(dataclasses.replace(job, deadline_seconds=left))
+            sent = dataclasses.replace(job, deadline_seconds=left)
+            handle = runner.submit(sent, avoid) if isinstance(runner, RunnerPool) else runner.submit(sent)
             try:
                 got = self._wait(handle, flight)
             finally:
@@ -530,33 +546,43 @@ class ReplayCoordinator:
                 self._bump("timeouts")
                 return None
             last = got
-            if last.ok or not last.lost:
+            if last.ok:
                 break
-            log.warning("replay runner %s went away mid-job (%s); re-queueing", last.runner or runner.name,
-                        last.error)
+            if last.lost:
+                if requeues == MAX_REQUEUES:
+                    break
+                requeues += 1
+                log.warning("replay runner %s went away mid-job (%s); re-queueing", last.runner or runner.name,
+                            last.error)
+            elif avoid or not last.runner_id:
+                break  # its one retry failed too, or a runner with none beside it answered
+            else:
+                avoid = last.runner_id
+                log.warning("replay runner %s failed the job (%s); trying another", last.runner, last.error)
         assert last is not None
         if not last.ok:
             log.warning("replay failed on %s: %s", last.runner, last.error)
             self._bump("failures")
         return last
 
-    def _runner_for(self, job: ReplayJob, flight: _Flight) -> Runner | str:
-        """The first runner that serves the job now; while runners that could are attached but
-        all busy, the first that frees up within the flight's time. Else why none: NO_RUNNER, or
-        RUNNERS_BUSY once that time is up."""
+    def _runner_for(self, job: ReplayJob, flight: _Flight, avoid: str = "") -> Runner | str:
+        """The first runner that serves the job now (a pool's runners but `avoid`); while runners
+        that could are attached but all busy, the first that frees up within the flight's time.
+        Else why none: NO_RUNNER, or RUNNERS_BUSY once that time is up."""
+        m, t = job.model, job.tenant
         while True:
-            runner = next((r for r in self.runners if r.serves(job.model, job.tenant)), None)
+            runner = next((r for r in self.runners
+                           if (r.serves(m, t, avoid) if isinstance(r, RunnerPool) else r.serves(m, t))), None)
             if runner is not None:
                 return runner
             # Attached, not just busy: one that had room by now returns at once and is taken above.
-            full = next((r for r in self.runners
-                         if isinstance(r, WaitsForRoom) and r.attached(job.model, job.tenant)), None)
+            full = next((r for r in self.runners if isinstance(r, RunnerPool) and r.attached(m, t, avoid)), None)
             if full is None:
                 return NO_RUNNER
             left = self._left(flight)
             if left <= 0:
                 return RUNNERS_BUSY
-            full.wait_for_room(job.model, job.tenant, min(left, ROOM_WAIT_SLICE_SECONDS))
+            full.wait_for_room(m, t, min(left, ROOM_WAIT_SLICE_SECONDS), avoid)
 
     # --- observability and lifecycle -------------------------------------------------------------
 
@@ -574,7 +600,8 @@ class ReplayCoordinator:
             n = self._c.n.get
             return ReplayCounters(
                 requests=n("requests", 0), replays_started=n("replays_started", 0), replays_ok=n("replays_ok", 0),
-                coalesced=n("coalesced", 0), requeued=n("requeued", 0), timeouts=n("timeouts", 0),
+                coalesced=n("coalesced", 0), requeued=n("requeued", 0), retried=n("retried", 0),
+                timeouts=n("timeouts", 0),
                 failures=n("failures", 0), no_runner=n("no_runner", 0), runners_busy=n("runners_busy", 0),
                 rejected=n("rejected", 0),
                 disabled=n("disabled", 0), replay_tokens=n("replay_tokens", 0),

@@ -290,41 +290,45 @@ class RunnerRegistry:
 
     # --- coordinator side ---------------------------------------------------------------------------
 
-    def _serving(self, model: str, tenant: str) -> list[RunnerLink]:
-        """The attached runners that may serve `tenant`'s jobs for `model` (called under the lock)."""
+    def _serving(self, model: str, tenant: str, avoid: str = "") -> list[RunnerLink]:
+        """The attached runners that may serve `tenant`'s jobs for `model`, but for the one whose
+        id is `avoid` (called under the lock)."""
         return [
             link for link in self._links.values()
             if not link.closed and link.info.model == model and (link.info.tenant is None or link.info.tenant == tenant)
+            and link.info.runner_id != avoid
         ]
 
-    def _has_room(self, model: str, tenant: str) -> bool:
+    def _has_room(self, model: str, tenant: str, avoid: str = "") -> bool:
         """Called under the lock."""
-        return any(len(lk.in_flight) < lk.info.max_concurrent_jobs for lk in self._serving(model, tenant))
+        return any(len(lk.in_flight) < lk.info.max_concurrent_jobs for lk in self._serving(model, tenant, avoid))
 
-    def has_room(self, model: str, tenant: str) -> bool:
-        """A runner that may serve the job has fewer jobs than its `max_concurrent_jobs`."""
+    def has_room(self, model: str, tenant: str, avoid: str = "") -> bool:
+        """A runner that may serve the job (other than `avoid`) has fewer jobs than its
+        `max_concurrent_jobs`."""
         with self._lock:
-            return self._has_room(model, tenant)
+            return self._has_room(model, tenant, avoid)
 
-    def attached(self, model: str, tenant: str) -> bool:
-        """A runner that may serve the job is attached (with room for it or not)."""
+    def attached(self, model: str, tenant: str, avoid: str = "") -> bool:
+        """A runner that may serve the job (other than `avoid`) is attached, with room or not."""
         with self._lock:
-            return bool(self._serving(model, tenant))
+            return bool(self._serving(model, tenant, avoid))
 
-    def wait_for_room(self, model: str, tenant: str, timeout_seconds: float) -> None:
-        """Wait until the job would not wait (a runner has room, or none is attached), at most
-        `timeout_seconds`."""
+    def wait_for_room(self, model: str, tenant: str, timeout_seconds: float, avoid: str = "") -> None:
+        """Wait until the job would not wait (a runner other than `avoid` has room, or none is
+        attached), at most `timeout_seconds`."""
         with self._room:
-            self._room.wait_for(lambda: not self._serving(model, tenant) or self._has_room(model, tenant),
-                                max(0.0, timeout_seconds))
+            self._room.wait_for(
+                lambda: not self._serving(model, tenant, avoid) or self._has_room(model, tenant, avoid),
+                max(0.0, timeout_seconds))
 
     def submit(self, job: ReplayJob, avoid: str = "") -> JobFuture:
         """Queue a job on a runner that may serve it and has room for it (a runner takes at most
         the `max_concurrent_jobs` it announced): one without strikes if any has room, the least
         loaded of those, and of equals the one given a job least recently. `avoid`: a runner id
-        not to give it to (the one it just failed on). Raises Unavailable if none."""
+        not to give it to (the one that answered it with an error). Raises Unavailable if none."""
         with self._lock:
-            candidates = [lk for lk in self._serving(job.model, job.tenant) if lk.info.runner_id != avoid]
+            candidates = self._serving(job.model, job.tenant, avoid)
             if not candidates:
                 other = "other " if avoid else ""
                 raise Unavailable(f"no {other}runner for model '{job.model}' is attached")

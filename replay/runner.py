@@ -121,20 +121,23 @@ class ReplayJob:
 @dataclass(frozen=True)
 class ReplayResult:
     """A rebuilt snapshot, or why not. `lost`: the runner went away before answering (died,
-    detached, shut down), so the job may be worth re-queueing on another runner."""
+    detached, shut down), so the job may be worth re-queueing on another runner. `runner_id`: which
+    of the runners behind one `Runner` answered (an attached runner's id; "" from a runner that is
+    one): the coordinator tries a job one of them failed once more elsewhere, never on it."""
 
     snapshot: bytes | None
     error: str = ""
     runner: str = ""
     lost: bool = False
+    runner_id: str = ""
 
     @property
     def ok(self) -> bool:
         return self.snapshot is not None
 
     @staticmethod
-    def failed(error: str, runner: str = "", lost: bool = False) -> ReplayResult:
-        return ReplayResult(None, error, runner, lost)
+    def failed(error: str, runner: str = "", lost: bool = False, runner_id: str = "") -> ReplayResult:
+        return ReplayResult(None, error, runner, lost, runner_id)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
 from replay.registry import MAX_STRIKES, RunnerInfo, RunnerLink, RunnerRegistry
-from replay.registry_runner import AttachedRunners
 from replay.runner import ReplayJob, ReplayResult
 from tests.test_replay_coordinator import NAME, wait_for
 from tests.test_replay_service import Rig, _expired_boundary, config, make_rig  # noqa: F401 (a fixture)
@@ -378,21 +377,3 @@ def test_jobs_failing_together_are_one_strike_and_a_detached_runners_answers_are
     assert not reg.misbehaved(a, "a result for a job it was not given")
     assert reg.misbehaved_total == 1 and not a.protocol_error
 
-
-def test_a_job_whose_retry_runner_went_away_avoids_the_runner_that_failed_it() -> None:
-    reg, (a,) = _registry("a")
-    runners = AttachedRunners(reg)
-    handle = runners.submit(_job())
-    other = reg.submit(_job())
-    b, c = (reg.attach(RunnerInfo(n, NAME, b"", "cpu", 8, 1, "", "default")) for n in "bc")
-    busy = reg.submit(_job(), avoid="b")  # to c (a has two jobs): c is now busier than b
-    failed = next(iter(a.in_flight))
-    reg.complete(a, failed, None, "CUDA error")
-    assert list(b.in_flight)  # tried once on another runner, the least loaded
-    reg.complete(a, other.job_id, b"snapshot", "")  # a is well again, and now the least loaded
-    reg.detach(b)  # the retry's runner goes away before answering
-    # Offered again, not to the runner that failed it (nor left to a re-queue that would choose it).
-    assert not handle.future.done() and not a.in_flight and len(c.in_flight) == 2
-    reg.complete(c, next(j for j in c.in_flight if j != busy.job_id), b"snapshot", "")
-    got = handle.future.result(5)
-    assert got.ok and got.runner == "attached c"

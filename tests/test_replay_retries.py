@@ -1,0 +1,207 @@
+"""The coordinator is the one place a replay job is tried again, through the real registry and the
+`AttachedRunners` adapter: a job an attached runner answers with an error goes once to another
+runner (another attached one, or the in-process runner next in the list), never back to the one
+that failed it, not even when a runner it goes to next goes away and it is re-queued (at most
+MAX_REQUEUES times, within its deadline). Attached runners here are registry links answered by a
+thread (no gRPC: `test_replay_runner_health.py` has the same rules over real streams); the store,
+pool and in-process runner are real. No test asserts on speed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.config.replay import ReplayConfig
+from replay.coordinator import MAX_REQUEUES, ReplayCoordinator
+from replay.inprocess import InProcessRunner
+from replay.port import FAILED, REPLAYED, TIMEOUT, ReplayOutcome
+from replay.registry import ResultTaken, RunnerInfo, RunnerRegistry
+from replay.registry_runner import AttachedRunners
+from replay.runner import ReplayJob, Runner
+from tests.test_replay_coordinator import CFG, NAME, Rig, W, make_rig, tokens, wait_for
+
+GONE = "gone"  # an answer: the runner goes away with the job (its process died)
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    yield from make_rig(tmp_path)
+
+
+class LinkRunner:
+    """An attached runner without a stream: a thread answers each job the registry queues on its
+    link with `answer(job)`: a snapshot, an error, or GONE (it detaches, the job still its)."""
+
+    def __init__(self, reg: RunnerRegistry, runner_id: str, answer: Callable[[ReplayJob], bytes | str],
+                 max_concurrent_jobs: int = 2) -> None:
+        self.reg, self.answer = reg, answer
+        self.link = reg.attach(RunnerInfo(runner_id, NAME, b"", "cpu", max_concurrent_jobs, 1, runner_id, "t1"))
+        self.jobs: list[ReplayJob] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.link.outbox.get()) is not None:
+            if isinstance(item, int | ResultTaken):  # a cancel, a result taken: nothing to answer
+                continue
+            self.jobs.append(item.job)
+            # Beside the reader, as a runner's replays run: a job held does not hold up the next.
+            threading.Thread(target=self._answer, args=(item.job_id, item.job), daemon=True).start()
+
+    def _answer(self, job_id: int, job: ReplayJob) -> None:
+        out = self.answer(job)
+        if out == GONE:
+            self.reg.detach(self.link)
+        elif isinstance(out, bytes):
+            self.reg.complete(self.link, job_id, out, "")
+        else:
+            self.reg.complete(self.link, job_id, None, out)
+
+    def close(self) -> None:
+        self.reg.detach(self.link)
+        self.thread.join(10)
+
+
+def _setup(rig: Rig, seed: int, *answers: Callable[[ReplayJob], bytes | str], inproc: Runner | None = None,
+           clock: Callable[[], float] = time.monotonic) -> tuple[RunnerRegistry, list[LinkRunner], ReplayCoordinator,
+                                                               np.ndarray, bytes]:
+    """Attached runners a, b, ... answering with `answers` (attached in that order: equals take the
+    first), a coordinator over them (then `inproc`), and a cached prompt whose local state expired."""
+    reg = RunnerRegistry(16, {"t1": 1.0})
+    runners = [LinkRunner(reg, chr(ord("a") + i), f) for i, f in enumerate(answers)]
+    chain: list[Runner] = [AttachedRunners(reg)] + ([inproc] if inproc is not None else [])
+    co = ReplayCoordinator(rig.store, rig.pool, chain, replace(ReplayConfig(), timeout_seconds=30.0),
+                           clock=clock)
+    toks = tokens(seed, 64)
+    truth = rig.cache(rig.ns(), toks)
+    return reg, runners, co, toks, truth
+
+
+def _snapshot(rig: Rig, fill: int) -> Callable[[ReplayJob], bytes]:
+    """A healthy runner's answer: a snapshot of the layout's size (all the coordinator checks)."""
+    size = rig.store.layout(rig.ns()).local_snapshot_bytes
+    return lambda job: bytes([fill]) * size
+
+
+def _error(job: ReplayJob) -> str:
+    return "CUDA error: device lost"
+
+
+def _gone(job: ReplayJob) -> str:
+    return GONE
+
+
+def test_an_error_on_one_attached_runner_is_retried_on_another_and_its_answer_returned(rig: Rig) -> None:
+    _, (a, b), co, toks, _ = _setup(rig, 1, _error, _snapshot(rig, 7))
+    out = co.resume_local(rig.ns(), toks, 64, 10.0)
+    assert out.status == REPLAYED and out.snapshot is not None and set(out.snapshot) == {7}  # b's
+    assert (len(a.jobs), len(b.jobs)) == (1, 1)
+    assert a.link.strikes == 1 and b.link.strikes == 0  # the error struck the runner that answered it
+    c = co.counters()
+    # One replay, tried twice: started once, neither a re-queue nor a failure.
+    assert (c.replays_started, c.retried, c.requeued, c.replays_ok, c.failures) == (1, 1, 0, 1, 0)
+    assert b.jobs[0].deadline_seconds <= a.jobs[0].deadline_seconds  # the time left, not a new budget
+    for r in (a, b):
+        r.close()
+
+
+def test_an_error_is_retried_on_the_in_process_runner_next_in_the_list(rig: Rig) -> None:
+    inproc = InProcessRunner({NAME: CFG}, "cpu", max_batch=4)
+    try:
+        _, (a,), co, toks, truth = _setup(rig, 2, _error, inproc=inproc)
+        out = co.resume_local(rig.ns(), toks, 64, 30.0)
+        assert out.status == REPLAYED and out.snapshot is not None
+        assert out.snapshot[: W * CFG.swa_row_bytes] == truth[: W * CFG.swa_row_bytes]
+        assert len(a.jobs) == 1
+        c = co.counters()
+        assert (c.replays_started, c.retried, c.failures) == (1, 1, 0)
+        a.close()
+    finally:
+        inproc.close()
+
+
+def test_an_error_with_no_other_runner_is_returned_not_retried_on_the_same_one(rig: Rig) -> None:
+    _, (a,), co, toks, _ = _setup(rig, 3, _error)
+    out = co.resume_local(rig.ns(), toks, 64, 10.0)
+    assert (out.status, out.snapshot) == (FAILED, None)
+    assert len(a.jobs) == 1  # it had room for a second try: it was not asked
+    c = co.counters()
+    assert (c.replays_started, c.retried, c.requeued, c.failures) == (1, 0, 0, 1)
+    a.close()
+
+
+def test_a_retry_runner_that_goes_away_is_requeued_never_on_the_runner_that_failed_it(rig: Rig) -> None:
+    # a fails the job, b (its retry) goes away with it: the only runner left is a, struck but with
+    # room, which a re-queue would otherwise choose.
+    _, (a, b), co, toks, _ = _setup(rig, 4, _error, _gone)
+    out = co.resume_local(rig.ns(), toks, 64, 10.0)
+    assert (out.status, out.snapshot) == (FAILED, None)
+    assert (len(a.jobs), len(b.jobs)) == (1, 1)
+    assert [r.runner_id for r in a.reg.runners()] == ["a"]
+    c = co.counters()
+    assert (c.replays_started, c.retried, c.requeued, c.failures) == (1, 1, 0, 1)
+    a.close()
+
+
+def test_a_retry_is_requeued_at_most_max_requeues_times_and_then_the_answer_stands(rig: Rig) -> None:
+    # a fails the job; b (its retry), then each runner it is re-queued on, goes away with it. The
+    # last runner would answer, but the job has been re-queued MAX_REQUEUES times by then.
+    answers = [_error] + [_gone] * (1 + MAX_REQUEUES) + [_snapshot(rig, 9)]
+    _, runners, co, toks, _ = _setup(rig, 5, *answers)
+    out = co.resume_local(rig.ns(), toks, 64, 10.0)
+    assert (out.status, out.snapshot) == (FAILED, None)
+    assert [len(r.jobs) for r in runners] == [1] * (2 + MAX_REQUEUES) + [0]
+    c = co.counters()
+    assert (c.replays_started, c.retried, c.requeued, c.failures) == (1, 1, MAX_REQUEUES, 1)
+    runners[0].close()
+    runners[-1].close()
+
+
+def test_a_retry_runner_that_goes_away_after_the_deadline_is_not_requeued(rig: Rig) -> None:
+    now = [100.0]
+
+    def late_and_gone(job: ReplayJob) -> str:
+        now[0] += 20.0  # the caller's 10 s are over by the time it dies
+        return GONE
+
+    _, (a, b, c), co, toks, _ = _setup(rig, 6, _error, late_and_gone, _snapshot(rig, 3), clock=lambda: now[0])
+    out = co.resume_local(rig.ns(), toks, 64, 10.0)
+    assert (out.status, out.snapshot) == (TIMEOUT, None)
+    assert [len(r.jobs) for r in (a, b, c)] == [1, 1, 0]
+    counts = co.counters()
+    assert (counts.retried, counts.requeued, counts.timeouts) == (1, 0, 1)
+    a.close()
+    c.close()
+
+
+def test_a_retry_waits_for_another_runner_to_have_room_not_for_the_one_that_failed_it(rig: Rig) -> None:
+    hold = threading.Event()
+    snapshot = _snapshot(rig, 5)
+
+    def held_first(job: ReplayJob) -> bytes:
+        if len(b.jobs) == 1:
+            assert hold.wait(30)  # busy with another caller's job until the test says
+        return snapshot(job)
+
+    reg, (a,), co, toks, _ = _setup(rig, 7, _error)
+    b = LinkRunner(reg, "b", held_first, max_concurrent_jobs=1)
+    other = reg.submit(ReplayJob("t1", NAME, "bounded", toks[:16], 0, 16, 0, 0, (), 10.0), avoid="a")
+    got: list[ReplayOutcome] = []
+    t = threading.Thread(target=lambda: got.append(co.resume_local(rig.ns(), toks, 64, 20.0)))
+    t.start()
+    wait_for(lambda: len(a.jobs) == 1 and co.queue_depth() == 0)  # a failed it: a retry waits for b
+    assert not got and len(b.jobs) == 1  # a has room, but it is not asked again
+    hold.set()
+    t.join(20)
+    assert [o.status for o in got] == [REPLAYED] and other.result(10).snapshot is not None
+    assert (len(a.jobs), len(b.jobs)) == (1, 2)
+    c = co.counters()
+    assert (c.replays_started, c.retried, c.failures) == (1, 1, 0)
+    a.close()
+    b.close()
