@@ -54,10 +54,10 @@ def ex(clock: FakeClock) -> Explainer:
 def explain(ex: Explainer, tenant: str, keys: list[bytes], hit: int, *, local: str = "absent",
             case: str = "cold", pool_reason: str = "", replay: ReplaySummary | None = None,
             status: str = "", rid: str = "r1", mismatch: int = 0, present: set[bytes] | None = None,
-            remainder: int = 0) -> Explanation:
+            remainder: int = 0, method: str = "resume") -> Explanation:
     bills = price(prompt_tokens=len(keys) * CHUNK + remainder, chunk_tokens=CHUNK, chunk_bytes=100,
                   chunk_tiers=["dram"] * hit, flops_per_token=1.0, replay_tokens=replay.tokens if replay else 0)
-    rec = RequestRecord(rid, "resume", tenant, "reference-toy-8", case, local, bills, replay)  # type: ignore[arg-type]
+    rec = RequestRecord(rid, method, tenant, "reference-toy-8", case, local, bills, replay)  # type: ignore[arg-type]
     trace = lookup_facts(namespace=ns(tenant).digest, full_chunks=len(keys), hit_chunks=hit, chunk_tokens=CHUNK,
                          miss_keys=keys[hit:], boundary_key=keys[hit - 1] if hit else b"",
                          remainder_tokens=remainder, token_mismatches=mismatch, pool_miss_reason=pool_reason,
@@ -220,6 +220,21 @@ def test_a_sliding_ttl_counts_from_the_last_read(clock: FakeClock) -> None:
     ex.local_read(d, k)
     clock.advance(90)  # 180 s after the write, 90 s after the read: still within its TTL
     assert ex.explain_local(d, k, "absent")[0] == "evicted"
+
+
+def test_a_lookups_hit_does_not_restart_a_sliding_ttl(clock: FakeClock) -> None:
+    # A Lookup only peeks at the pool (no refresh); a Resume's hit reads the snapshot and does.
+    ex = Explainer(sliding_ttl=True, clock=clock, wall_clock=clock.wall)
+    keys = keys_for("acme", 2)
+    d = ns("acme").digest
+    ex.local_stored(d, keys[1], 100.0)
+    clock.advance(90)
+    explain(ex, "acme", keys, 2, local="hit", case="warm", method="lookup")
+    clock.advance(20)  # 110 s after the write: gone at its TTL, the Lookup notwithstanding
+    assert ex.explain_local(d, keys[1], "absent")[0] == "ttl_expired"
+    explain(ex, "acme", keys, 2, local="hit", case="warm", rid="r2")  # a Resume's hit: from here
+    clock.advance(20)
+    assert ex.explain_local(d, keys[1], "absent")[0] == "evicted"
 
 
 def test_times_are_the_calls_own_and_a_snapshot_gone_at_its_ttl_expired(clock: FakeClock) -> None:

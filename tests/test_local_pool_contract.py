@@ -11,6 +11,7 @@ import os
 import random
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from kvstore.config.local_pool import LocalPoolConfig
 from kvstore.local_pool import LocalPool, build_local_pool
 from kvstore.local_pool.redis_pool import snapshot_key_base
 from kvstore.local_pool.redis_process import RedisClusterProcesses
-from kvstore.local_pool.snapshot_format import PART_HEADER, PART_MAGIC, SnapshotHeader
+from kvstore.local_pool.snapshot_format import HEADER, PART_HEADER, PART_MAGIC, SnapshotHeader
 from tests.fixtures.redis_server import RedisFactory, scan_pttls
 from tests.helpers.static_ttl import StaticTtl
 
@@ -407,3 +408,115 @@ def test_parts_share_one_cluster_slot(redis_backend: Backend) -> None:
         assert {base + b"%d" % p for p in range(4)} <= by_node[holders[0]]
     if redis_backend.name == "redis-cluster":
         assert sum(1 for keys in by_node if keys) >= 2, "12 snapshots all landed on one node"
+
+
+# --- peek: a Lookup's question, whether get would find the snapshot --------------------------------
+def test_a_peek_finds_a_snapshot_without_a_hit_a_refresh_or_its_payload(backend: Backend) -> None:
+    # A Lookup asked with get: the snapshot moved twice (Lookup, then the Resume that uses it),
+    # its TTL was refreshed by a call that did not use it, and one request counted two pool hits.
+    pool = backend.pool(backend.policy(30, read_seconds=60))  # a hit would raise the TTL to 60 s
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 256, os.urandom(V41_SNAPSHOT_BYTES)).written
+    ttls = backend.pttls()
+    before = pool.stats()
+    readers = [pool]
+    if backend.is_redis:  # and one that never saw its part count (two round trips)
+        readers.append(backend.pool(backend.policy(30, read_seconds=60)))
+    for reader in readers:
+        seen = reader.peek(_ns(), _bk(), TENANT, LAYOUT)
+        assert (seen.hit, seen.boundary_tokens, seen.miss_reason) == (True, 256, None)
+    s = pool.stats()
+    assert (s.hits, s.bytes_read, s.refreshes, sum(s.misses.values())) == (0, 0, 0, 0)
+    assert s.peeks == before.peeks + 1
+    after = backend.pttls()
+    assert after.keys() == ttls.keys() and all(after[k] <= ttls[k] for k in ttls), "a peek refreshed a TTL"
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)  # the call that uses it counts the hit
+    assert got.hit and pool.stats().hits == 1 and pool.stats().refreshes == 1
+
+
+def test_a_peek_does_not_keep_a_snapshot_alive(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(0.6, read_seconds=0.6))
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
+    time.sleep(0.35)
+    assert pool.peek(_ns(), _bk(), TENANT, LAYOUT).hit
+    time.sleep(0.45)  # 0.8 s after the write: a get at 0.35 s would have kept it
+    seen = pool.peek(_ns(), _bk(), TENANT, LAYOUT)
+    assert not seen.hit and seen.miss_reason == pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason
+    assert seen.miss_reason in ("expired", "absent")  # Redis cannot tell expired from never written
+
+
+def _peek_then_get(pool: LocalPool, ns: bytes, layout: bytes = LAYOUT) -> tuple[str | None, str | None]:
+    """The miss reasons of a peek and of the get after it; the peek counts no miss."""
+    misses = sum(pool.stats().misses.values())
+    seen = pool.peek(ns, _bk(), TENANT, layout)
+    assert sum(pool.stats().misses.values()) == misses, "a peek counted a miss"
+    assert not seen.hit and seen.boundary_tokens == 0
+    return seen.miss_reason, pool.get(ns, _bk(), TENANT, layout).miss_reason
+
+
+def test_a_peek_misses_for_the_reason_get_gives(backend: Backend) -> None:
+    pool = backend.pool(backend.policy(30))
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
+    assert _peek_then_get(pool, _ns(1)) == ("absent", "absent")  # another namespace: another tenant's, say
+    assert _peek_then_get(pool, _ns(), b"layout02") == ("corrupt", "corrupt")
+    short = backend.pool(backend.policy(0.2))
+    assert short.put(_ns(2), _bk(), TENANT, LAYOUT, 128, os.urandom(1000)).written
+    time.sleep(0.3)
+    reason = "absent" if backend.is_redis else "expired"
+    assert _peek_then_get(short, _ns(2)) == (reason, reason)
+    pool.close()
+    assert _peek_then_get(pool, _ns()) == ("closed", "closed")
+
+
+def _with_version(part0: bytes, version: int) -> bytes:
+    fields = list(HEADER.unpack_from(part0, 0))
+    fields[1], fields[7] = version, 0
+    fields[7] = zlib.crc32(HEADER.pack(*fields))
+    return HEADER.pack(*fields) + part0[HEADER.size:]
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    ("part 0 gone", "absent"), ("a later part gone", "incomplete"), ("format version", "corrupt"),
+    ("header bit", "corrupt"), ("part of another write", "corrupt"), ("part truncated", "corrupt"),
+    ("part extended", "corrupt"), ("part shorter than its header", "corrupt"),
+])
+def test_a_peek_refuses_what_get_refuses_without_reading_the_payload(
+        redis_backend: Backend, damage: str, reason: str) -> None:
+    pool = redis_backend.pool(redis_backend.policy(30))
+    data = os.urandom(V41_SNAPSHOT_BYTES)  # 6 parts
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).written
+    base = snapshot_key_base("kvs", _ns(), _bk())
+    key = base + (b"0" if damage in ("part 0 gone", "format version", "header bit") else b"3")
+    c = redis_backend.client_for(key)
+    value = c.get(key)
+    assert isinstance(value, bytes)
+    if damage in ("part 0 gone", "a later part gone"):
+        c.delete(key)
+    elif damage == "format version":
+        c.set(key, _with_version(value, 2), keepttl=True)
+    elif damage == "header bit":
+        c.setrange(key, 30, bytes([value[30] ^ 0x01]))
+    elif damage == "part of another write":
+        assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).written  # same bytes, new write id
+        c.set(key, value, keepttl=True)
+    elif damage == "part truncated":
+        c.set(key, value[:-8], keepttl=True)
+    elif damage == "part extended":
+        c.append(key, b"12345678")
+    else:
+        c.set(key, value[: PART_HEADER.size - 1], keepttl=True)
+    assert _peek_then_get(pool, _ns()) == (reason, reason)
+
+
+def test_a_payload_that_fails_its_checksum_is_seen_only_by_get(redis_backend: Backend) -> None:
+    # The price of not moving the payload: a Lookup says "hit", the Resume's get finds it corrupt
+    # (and the service replays, as for any miss).
+    pool = redis_backend.pool(redis_backend.policy(30))
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
+    key = snapshot_key_base("kvs", _ns(), _bk()) + b"2"
+    c = redis_backend.client_for(key)
+    old = c.getrange(key, 5000, 5000)
+    assert isinstance(old, bytes)
+    c.setrange(key, 5000, bytes([old[0] ^ 0x01]))
+    assert pool.peek(_ns(), _bk(), TENANT, LAYOUT).hit
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
+    assert pool.peek(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "absent", "get removed it"

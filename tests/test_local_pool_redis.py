@@ -511,6 +511,56 @@ def test_a_forged_part_count_is_a_corrupt_miss_that_changes_no_later_call(redis_
     pool.close()
 
 
+def _output_bytes(client: redis.Redis) -> int:
+    return int(client.info("stats")["total_net_output_bytes"])
+
+
+def test_a_peek_moves_none_of_the_payload(redis_server: RedisProcess) -> None:
+    # A Lookup asked the pool with get: all 1.35 MB of a V4.1 snapshot came over, and were
+    # checksummed, to answer whether it was there.
+    pool = _pool(redis_server.url)
+    c = redis_server.client()
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(SNAPSHOT)).written  # 6 parts
+    c.config_resetstat()
+    sent = _output_bytes(c)
+    assert pool.peek(_ns(), _bk(), TENANT, LAYOUT).hit
+    peeked = _output_bytes(c) - sent  # the INFO reply the first reading sent is counted in it too
+    assert _calls(c, "get") == 0 and _calls(c, "pexpire") == 0
+    assert _calls(c, "getrange") == 6 and _calls(c, "strlen") == 6, "not one transaction of the 6 parts"
+    assert peeked < 64 * 1024, peeked
+    sent = _output_bytes(c)
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+    assert _output_bytes(c) - sent > SNAPSHOT  # what a Lookup used to move
+    pool.close()
+
+
+def test_a_peek_at_a_misbehaving_redis_is_a_miss_like_a_get(
+    redis_server: RedisProcess, tcp_proxy_factory: Any,
+) -> None:
+    proxy: TcpProxy = tcp_proxy_factory(redis_server.port)
+    pool = _pool(proxy.url, breaker_failures=4)  # the hang's timeout is the first
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(SNAPSHOT)).written
+    proxy.set_mode("hang")
+    got, took = _timed(pool.peek, _ns(), _bk(), TENANT, LAYOUT, deadline_seconds=0.2)
+    assert got.miss_reason == "timeout" and took < 0.2 + SLACK_SECONDS
+    assert pool.peek(_ns(), _bk(), TENANT, LAYOUT, deadline_seconds=0.0).miss_reason == "timeout"
+    proxy.set_mode("reset")
+    for _ in range(3):
+        got, took = _timed(pool.peek, _ns(), _bk(), TENANT, LAYOUT)
+        assert got.miss_reason == "error" and took < 0.6 + SLACK_SECONDS
+    assert pool.stats().breaker_state == "open"
+    accepted = proxy.accepted
+    assert pool.peek(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "breaker-open"
+    assert proxy.accepted == accepted, "an open breaker must not touch the network"
+    proxy.set_mode("pass")
+    time.sleep(0.35)
+    assert pool.peek(_ns(), _bk(), TENANT, LAYOUT).hit  # the probe, and it closes the breaker
+    s = pool.stats()
+    assert s.breaker_state == "closed" and s.errors >= 3 and s.peeks == 7
+    assert (s.hits, sum(s.misses.values())) == (0, 0)
+    pool.close()
+
+
 def test_reading_another_instances_smaller_parts_does_not_grow_every_put(redis_server: RedisProcess) -> None:
     # Two kvstores on one Redis with different part_bytes (a rolling change of the setting): once B
     # had read one of A's 332-part snapshots, every put of B sent 326 UNLINKs, for good.

@@ -177,7 +177,7 @@ def test_every_label_value_is_snake_case_and_reasons_do_not_overlap(reg: Collect
     stats = PoolStats(backend="redis", hits=1, misses={"breaker-open": 2, "expired": 1}, writes=1,
                       skipped_writes={"no-room": 1, "breaker-open": 1}, errors=0, refreshes=0, deletes=0,
                       bytes_written=1, bytes_read=1, evictions=0, expirations=0, entries=1, used_bytes=1,
-                      capacity_bytes=2, breaker_state="half-open", breaker_opens=1)
+                      capacity_bytes=2, breaker_state="half-open", breaker_opens=1, peeks=5)
     Metrics(reg, sources=Sources(pool=lambda: stats))
     values = {v for fam in reg.collect() for smp in fam.samples for k, v in smp.labels.items()
               if k not in ("version", "le", "tenant")}
@@ -185,6 +185,7 @@ def test_every_label_value_is_snake_case_and_reasons_do_not_overlap(reg: Collect
     assert not bad, bad
     assert {"breaker_open", "no_room", "half_open", "no_runner", "prefix_gone"} <= values
     assert value(reg, "kvstore_pool_misses_total", reason="breaker_open") == 2
+    assert value(reg, "kvstore_pool_peeks_total") == 5  # a Lookup's presence check: no hit, no miss
     assert value(reg, "kvstore_pool_breaker_state", state="half_open") == 1
     assert not {"expired", "absent"} & set(LOCAL_MISS_REASONS)
 

@@ -44,7 +44,7 @@ SKIP_REASONS: tuple[SkipReason, ...] = ("oom", "no-room", "policy", "timeout", "
                                         "closed")
 
 HealthStatus = Literal["ok", "degraded"]
-PlainCounter = Literal["errors", "refreshes", "deletes", "evictions", "expirations"]
+PlainCounter = Literal["errors", "refreshes", "deletes", "evictions", "expirations", "peeks"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,24 @@ class GetResult:
     @staticmethod
     def missed(reason: MissReason) -> GetResult:
         return GetResult(None, 0, reason)
+
+
+@dataclass(frozen=True)
+class PeekResult:
+    """A peek's answer, without the payload: `hit` with the boundary position the snapshot was
+    taken at, or the miss reason `get` would give for what a peek can see."""
+
+    hit: bool
+    boundary_tokens: int = 0
+    miss_reason: MissReason | None = None
+
+    @staticmethod
+    def found(boundary_tokens: int) -> PeekResult:
+        return PeekResult(True, boundary_tokens, None)
+
+    @staticmethod
+    def missed(reason: MissReason) -> PeekResult:
+        return PeekResult(False, 0, reason)
 
 
 @dataclass(frozen=True)
@@ -114,6 +132,7 @@ class PoolStats:
     capacity_bytes: int
     breaker_state: str  # "closed", "open", "half-open" ("closed" for the embedded pool)
     breaker_opens: int
+    peeks: int = 0  # presence checks (`LocalPool.peek`), found or not: neither hits nor misses
 
 
 class LocalPool(Protocol):
@@ -142,6 +161,22 @@ class LocalPool(Protocol):
         deadline_seconds: float | None = None,
     ) -> GetResult:
         """The whole, verified snapshot, or a miss. A hit may refresh the TTL (sliding policy)."""
+        ...
+
+    def peek(
+        self,
+        ns_digest: bytes,
+        boundary_key: bytes,
+        tenant: str,
+        layout_id: bytes,
+        deadline_seconds: float | None = None,
+    ) -> PeekResult:
+        """Whether `get` would find the snapshot, judged without moving its payload: for a caller
+        that only reports the local state (a Lookup). Same deadline and failure handling as `get`,
+        and the same miss reason for what it can see (gone, incomplete, another layout or format
+        version, parts of the wrong sizes or of another write); a payload whose checksum fails is
+        seen only by the `get` that reads it. Refreshes no TTL, and counts a peek, not a hit or a
+        miss: the `get` that uses the snapshot counts it."""
         ...
 
     def delete(self, ns_digest: bytes, boundary_key: bytes, deadline_seconds: float | None = None) -> bool:
@@ -179,6 +214,7 @@ class PoolCounters:
     bytes_read: int = 0
     evictions: int = 0
     expirations: int = 0
+    peeks: int = 0
     misses: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -215,7 +251,7 @@ class PoolCounters:
                 "hits": self.hits, "writes": self.writes, "errors": self.errors,
                 "refreshes": self.refreshes, "deletes": self.deletes,
                 "bytes_written": self.bytes_written, "bytes_read": self.bytes_read,
-                "evictions": self.evictions, "expirations": self.expirations,
+                "evictions": self.evictions, "expirations": self.expirations, "peeks": self.peeks,
             }
             misses: dict[str, int] = {r: self.misses.get(r, 0) for r in MISS_REASONS}
             skipped: dict[str, int] = {r: self.skipped.get(r, 0) for r in SKIP_REASONS}

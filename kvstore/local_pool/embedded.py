@@ -30,7 +30,15 @@ from dataclasses import dataclass, field
 # ENTRY_OVERHEAD_BYTES: what one entry costs against the budget beyond its payload (defined with
 # the budget's setting, where the config's warnings read it too).
 from kvstore.config.local_pool import ENTRY_OVERHEAD_BYTES
-from kvstore.local_pool.base import BytesLike, GetResult, PoolCounters, PoolHealth, PoolStats, PutResult
+from kvstore.local_pool.base import (
+    BytesLike,
+    GetResult,
+    PeekResult,
+    PoolCounters,
+    PoolHealth,
+    PoolStats,
+    PutResult,
+)
 from kvstore.local_pool.snapshot_format import LAYOUT_ID_BYTES
 from policies.base import TtlPolicy
 from policies.fair_share import most_over_share, weighted_split
@@ -157,6 +165,26 @@ class EmbeddedPool:
                 self._counters.add("refreshes")
         self._counters.hit(len(entry.payload))
         return GetResult.found(memoryview(entry.payload), entry.boundary_tokens)
+
+    def peek(
+        self, ns_digest: bytes, boundary_key: bytes, tenant: str, layout_id: bytes,
+        deadline_seconds: float | None = None,
+    ) -> PeekResult:
+        # Looks only: an expired or broken entry is left for the get (or the purge) that drops
+        # and counts it, and a TTL is refreshed only by the get that uses the snapshot.
+        self._counters.add("peeks")
+        now = self._clock()
+        with self._lock:
+            if self._closed:
+                return PeekResult.missed("closed")
+            entry = self._entries.get(ns_digest + boundary_key)
+            if entry is None:
+                return PeekResult.missed("absent")
+            if entry.expires_at <= now:
+                return PeekResult.missed("expired")
+            if entry.layout_id != layout_id:
+                return PeekResult.missed("corrupt")
+            return PeekResult.found(entry.boundary_tokens)
 
     def delete(self, ns_digest: bytes, boundary_key: bytes, deadline_seconds: float | None = None) -> bool:
         with self._lock:

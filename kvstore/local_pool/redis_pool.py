@@ -8,8 +8,10 @@ The braces are a Redis Cluster hash tag, so all parts of a snapshot live in one 
 MULTI/EXEC reaches them all. Every write is `SET key value PX ttl` for every part in one
 transaction, so the value and its TTL arrive together and no key exists without a TTL through
 any path (the only other commands are PEXPIRE on existing keys, GET and UNLINK, also inside the
-script that removes a snapshot found bad only if no write replaced it since). A read fetches
-the parts in one transaction and returns the snapshot only when all are present and verify.
+script that removes a snapshot found bad only if no write replaced it since, and a peek's
+GETRANGE and STRLEN). A read fetches the parts in one transaction and returns the snapshot only
+when all are present and verify; a peek (a Lookup's question) reads, in one transaction, only each
+part's header and length.
 
 Occupancy (`stats().used_bytes`, `capacity_bytes`) is the server's own, INFO memory's
 `used_memory` and `maxmemory` (summed over a cluster's masters): every key on the server counts, not
@@ -49,6 +51,7 @@ from kvstore.local_pool.base import (
     BytesLike,
     GetResult,
     MissReason,
+    PeekResult,
     PoolCounters,
     PoolHealth,
     PoolStats,
@@ -57,7 +60,15 @@ from kvstore.local_pool.base import (
 )
 from kvstore.local_pool.breaker import CircuitBreaker
 from kvstore.local_pool.redis_transport import Command, RedisTransport, ServerMemory, telling_timeout
-from kvstore.local_pool.snapshot_format import SnapshotFormatError, SnapshotHeader, decode_parts, encode_parts
+from kvstore.local_pool.snapshot_format import (
+    HEADER,
+    PART_HEADER,
+    SnapshotFormatError,
+    SnapshotHeader,
+    check_parts,
+    decode_parts,
+    encode_parts,
+)
 from policies.base import TtlPolicy
 from policies.ttl import WriteCountingTtl
 
@@ -212,6 +223,33 @@ class RedisPool:
         self._refresh(base, header.part_count, tenant, header.payload_bytes, deadline_at)
         self._counters.hit(header.payload_bytes)
         return GetResult.found(payload, header.boundary_tokens)
+
+    def peek(
+        self, ns_digest: bytes, boundary_key: bytes, tenant: str, layout_id: bytes,
+        deadline_seconds: float | None = None,
+    ) -> PeekResult:
+        # One transaction of small reads: part 0's header, each later part's, every part's length.
+        # No GET (a V4.1 snapshot is 1.35 MB), no PEXPIRE; nothing bad is removed either: that
+        # needs part 0 itself (`_unlink_if_unchanged`), and the get that follows does it.
+        self._counters.add("peeks")
+        if self._closed:
+            return PeekResult.missed("closed")
+        deadline_at = self._deadline(deadline_seconds)
+        base = snapshot_key_base(self._cfg.key_prefix, ns_digest, boundary_key)
+        want = self._parts_hint.get(layout_id, 1)
+        for _ in range(2):  # a second round only when the snapshot has more parts than hinted, as get's
+            replies = self._run(_peek_commands(base, want), deadline_at, base)
+            if isinstance(replies, str):
+                return PeekResult.missed(_miss_reason(replies))
+            outcome = self._judge(replies, layout_id)
+            if not isinstance(outcome, int):
+                break
+            want = outcome
+        else:
+            return PeekResult.missed("corrupt")
+        if isinstance(outcome, str):
+            return PeekResult.missed(outcome)
+        return PeekResult.found(outcome.boundary_tokens)
 
     def delete(self, ns_digest: bytes, boundary_key: bytes, deadline_seconds: float | None = None) -> bool:
         if self._closed:
@@ -410,6 +448,37 @@ class RedisPool:
         except SnapshotFormatError:
             return "corrupt"
 
+    def _judge(self, replies: list[Any], layout_id: bytes) -> SnapshotHeader | MissReason | int:
+        """`_assemble` for the replies of `_peek_commands`: the header of a snapshot that `get`
+        would take short of its payload checksum, the miss reason it would give, or the part
+        count to ask about when it exceeds what was asked."""
+        if any(isinstance(r, ResponseError) for r in replies):
+            return "error"
+        heads, lengths = replies[0::2], replies[1::2]
+        # GETRANGE and STRLEN read a missing key as empty: an empty value, which no writer makes,
+        # reads as missing here and as corrupt to get; either way not a snapshot.
+        if lengths[0] == 0:
+            return "absent"
+        try:
+            header = SnapshotHeader.unpack(heads[0])
+        except SnapshotFormatError:
+            return "corrupt"
+        if header.layout_id != layout_id:
+            return "corrupt"
+        if header.part_count > len(lengths):
+            known = self._layout_bytes.get(layout_id)  # as in _assemble: only for the layout's size
+            if known is not None and header.payload_bytes != known:
+                return "corrupt"
+            return header.part_count
+        lengths = lengths[: header.part_count]
+        if any(n == 0 for n in lengths):
+            return "incomplete"
+        try:
+            check_parts(header, heads[1: header.part_count], lengths)
+        except SnapshotFormatError:
+            return "corrupt"
+        return header
+
     def _refresh(self, base: bytes, part_count: int, tenant: str, nbytes: int, deadline_at: float) -> None:
         ttl = self._policy.ttl_on_read(tenant, nbytes, self._clock())
         if ttl is None or not (ttl > 0 and math.isfinite(ttl)):
@@ -442,6 +511,15 @@ class RedisPool:
             self._max_parts = max(self._max_parts, count)
             if written:
                 self._max_written_parts = max(self._max_written_parts, count)
+
+
+def _peek_commands(base: bytes, part_count: int) -> list[Command]:
+    """Per part, its header's bytes (GETRANGE: inclusive end) and its length."""
+    cmds: list[Command] = []
+    for i in range(part_count):
+        key = base + b"%d" % i
+        cmds += [("GETRANGE", key, 0, (HEADER.size if i == 0 else PART_HEADER.size) - 1), ("STRLEN", key)]
+    return cmds
 
 
 def _miss_reason(failure: Failure) -> MissReason:

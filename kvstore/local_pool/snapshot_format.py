@@ -176,26 +176,17 @@ def decode_parts(header: SnapshotHeader, parts: Sequence[BytesLike], *, verify: 
     buffer. Raises SnapshotFormatError unless every part belongs to this write and the payload
     checksums (when `verify`)."""
     assert len(parts) == header.part_count
-    first = memoryview(parts[0]).cast("B")[HEADER.size:]
+    views = [memoryview(p).cast("B") for p in parts]
+    # What the parts hold, before allocating what the header says: a header is only as
+    # trustworthy as its CRC, and a buffer of a claimed 2**62 bytes is a MemoryError.
+    check_parts(header, views[1:], [len(v) for v in views])
+    first = views[0][HEADER.size:]
     if header.part_count == 1:
-        if len(first) != header.payload_bytes:
-            raise SnapshotFormatError(f"payload is {len(first)} B, header says {header.payload_bytes}")
         out = first
     else:
-        # What the parts hold, before allocating what the header says: a header is only as
-        # trustworthy as its CRC, and a buffer of a claimed 2**62 bytes is a MemoryError.
-        held = len(first) + sum(max(0, memoryview(p).nbytes - PART_HEADER.size) for p in parts[1:])
-        if held != header.payload_bytes:
-            raise SnapshotFormatError(f"parts hold {held} B, header says {header.payload_bytes}")
         buf = bytearray(header.payload_bytes)
         pos = _place(buf, 0, first, header.payload_bytes)
-        for i, part in enumerate(parts[1:], start=1):
-            view = memoryview(part).cast("B")
-            if len(view) < PART_HEADER.size:
-                raise SnapshotFormatError(f"part {i} is shorter than its header")
-            magic, index, wid = PART_HEADER.unpack_from(view, 0)
-            if magic != PART_MAGIC or index != i or wid != header.write_id:
-                raise SnapshotFormatError(f"part {i} belongs to another write")
+        for view in views[1:]:
             pos = _place(buf, pos, view[PART_HEADER.size:], header.payload_bytes)
         if pos != header.payload_bytes:
             raise SnapshotFormatError(f"parts hold {pos} B, header says {header.payload_bytes}")
@@ -203,6 +194,27 @@ def decode_parts(header: SnapshotHeader, parts: Sequence[BytesLike], *, verify: 
     if verify and payload_checksum(out) != header.checksum:
         raise SnapshotFormatError("payload checksum mismatch")
     return out.toreadonly()
+
+
+def check_parts(header: SnapshotHeader, later_heads: Sequence[BytesLike], lengths: Sequence[int]) -> None:
+    """The checks of `decode_parts` short of the payload checksum, from each part's length (part 0
+    first) and the first PART_HEADER.size bytes of each later part (`later_heads`): the parts hold
+    exactly the header's payload size and belong to its write. What a reader can judge without
+    moving the payload (`RedisPool.peek`). Raises SnapshotFormatError."""
+    assert len(lengths) == header.part_count and len(later_heads) == header.part_count - 1
+    if header.part_count == 1:
+        if lengths[0] - HEADER.size != header.payload_bytes:
+            raise SnapshotFormatError(f"payload is {lengths[0] - HEADER.size} B, header says {header.payload_bytes}")
+        return
+    held = lengths[0] - HEADER.size + sum(max(0, n - PART_HEADER.size) for n in lengths[1:])
+    if held != header.payload_bytes:
+        raise SnapshotFormatError(f"parts hold {held} B, header says {header.payload_bytes}")
+    for i, (head, n) in enumerate(zip(later_heads, lengths[1:], strict=True), start=1):
+        if n < PART_HEADER.size or memoryview(head).nbytes < PART_HEADER.size:
+            raise SnapshotFormatError(f"part {i} is shorter than its header")
+        magic, index, wid = PART_HEADER.unpack_from(head, 0)
+        if magic != PART_MAGIC or index != i or wid != header.write_id:
+            raise SnapshotFormatError(f"part {i} belongs to another write")
 
 
 def _place(buf: bytearray, pos: int, piece: memoryview, total: int) -> int:

@@ -397,7 +397,9 @@ class Explainer:
             if hit_chunks and facts.has_local_state and rec.local_outcome in ("expired", "replayed"):
                 local_reason, local_detail = self.explain_local(facts.namespace, facts.boundary_key,
                                                                 facts.pool_miss_reason, at)
-            elif rec.local_outcome == "hit" and facts.boundary_key:
+            elif rec.local_outcome == "hit" and facts.boundary_key and rec.method != "lookup":
+                # A Lookup only asks whether the snapshot is there: the read that restarts a
+                # sliding TTL is the Resume's (or LoadLocal's).
                 self.local_read(facts.namespace, facts.boundary_key, at)
             replay = _replay_words(rec, facts)
         exp = Explanation(

@@ -365,6 +365,8 @@ class SourceCollector(Collector):
 
     def _pool(self, p: PoolStats) -> Iterator[Metric]:
         yield CounterMetricFamily("kvstore_pool_hits", "Local snapshots found in the pool.", value=p.hits)
+        yield CounterMetricFamily("kvstore_pool_peeks", "Local snapshot presence checks (a Lookup's): neither "
+                                  "hits nor misses, no TTL refreshed.", value=p.peeks)
         yield _by_reason("kvstore_pool_misses", "Local snapshot gets that found nothing usable.",
                          p.misses, POOL_MISS_REASONS)
         yield CounterMetricFamily("kvstore_pool_writes", "Local snapshots written.", value=p.writes)

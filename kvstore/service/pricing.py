@@ -3,8 +3,8 @@
 The bills (docs/architecture.md §7) priced per request: prefill tokens avoided (the global hit) and
 still to prefill (the whole prompt when the engine is left with no local state at the boundary of a
 model that keeps it), replay tokens, and per tier the tokens hit and the bytes a load moves. The
-local-state status asks the pool for the snapshot at the boundary chunk key. `facts_for_lookup` is what the
-miss explainer is told about a lookup.
+local-state status asks the pool for the snapshot at the boundary chunk key (a Lookup only whether it
+is there). `facts_for_lookup` is what the miss explainer is told about a lookup.
 
 What it does not know: gRPC status codes, or how the pool or the store keep their bytes.
 """
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvstore.layout import exact_replay_tokens
-from kvstore.local_pool.base import GetResult
+from kvstore.local_pool.base import GetResult, LocalPool, PeekResult
 from kvstore.observe.records import LookupFacts, lookup_facts
 from kvstore.service.calls import Resolved
 from kvstore.store import PrefixHit
@@ -65,19 +65,44 @@ def local_status(
     app: App, res: Resolved, hit_chunks: int, deadline_seconds: float | None = None,
     lookup: PrefixHit | None = None, key: bytes | None = None,
 ) -> tuple[str, GetResult | None]:
-    """("hit" | "expired" | "absent" | "not_applicable", the pool's answer when it was asked).
-    `key`, when the caller has it, is the boundary chunk's key (else it is computed)."""
-    if res.layout.local_snapshot_bytes == 0:
-        return "not_applicable", None
-    if hit_chunks == 0:
-        return "absent", None
-    pool = app.local_pool
-    if pool is None:
-        return "expired", None
-    if key is None:
-        key = boundary_key(app, res, hit_chunks, lookup)
+    """("hit" | "expired" | "absent" | "not_applicable", the pool's answer when it was asked), for
+    a call that sends the snapshot (Resume, LoadLocal): the pool's `get`, which moves and verifies
+    it. `key`, when the caller has it, is the boundary chunk's key (else it is computed)."""
+    asked = _pool_at_boundary(app, res, hit_chunks, lookup, key)
+    if isinstance(asked, str):
+        return asked, None
+    pool, key = asked
     got = pool.get(res.ns.digest, key, res.ns.tenant, res.ns.layout_id, deadline_seconds)
     return ("hit" if got.hit else "expired"), got
+
+
+def peek_local_status(
+    app: App, res: Resolved, hit_chunks: int, deadline_seconds: float | None = None,
+    lookup: PrefixHit | None = None,
+) -> tuple[str, PeekResult | None]:
+    """`local_status` for a Lookup, which only reports it: the pool is asked whether the snapshot is
+    there (`LocalPool.peek`), not for it, so a Lookup moves no snapshot bytes, refreshes no TTL and
+    counts no pool hit (the Resume that takes the snapshot does). A snapshot whose payload fails its
+    checksum reads "hit" here; the Resume's get finds it corrupt and replays, as for any miss."""
+    asked = _pool_at_boundary(app, res, hit_chunks, lookup, None)
+    if isinstance(asked, str):
+        return asked, None
+    pool, key = asked
+    got = pool.peek(res.ns.digest, key, res.ns.tenant, res.ns.layout_id, deadline_seconds)
+    return ("hit" if got.hit else "expired"), got
+
+
+def _pool_at_boundary(
+    app: App, res: Resolved, hit_chunks: int, lookup: PrefixHit | None, key: bytes | None,
+) -> str | tuple[LocalPool, bytes]:
+    """The pool and the boundary key to ask it under, or the status when there is nothing to ask."""
+    if res.layout.local_snapshot_bytes == 0:
+        return "not_applicable"
+    if hit_chunks == 0:
+        return "absent"
+    if app.local_pool is None:
+        return "expired"
+    return app.local_pool, key if key is not None else boundary_key(app, res, hit_chunks, lookup)
 
 
 def boundary_key(app: App, res: Resolved, chunks: int, lookup: PrefixHit | None = None) -> bytes:
@@ -95,10 +120,12 @@ HELD_AT_ANSWER_CHUNKS = 256
 
 
 def facts_for_lookup(
-    app: App, res: Resolved, r: PrefixHit, hit_chunks: int, got: GetResult | None, key: bytes | None = None,
+    app: App, res: Resolved, r: PrefixHit, hit_chunks: int, got: GetResult | PeekResult | None,
+    key: bytes | None = None,
 ) -> LookupFacts:
     """The miss explainer's view of a lookup that reached `hit_chunks` (at most `r.hit_chunks`);
-    `got`: the pool's answer at that boundary, `key`: the boundary key when the caller has it.
+    `got`: the pool's answer at that boundary (a get's or a peek's: its miss reason is what is
+    read), `key`: the boundary key when the caller has it.
 
     The keys of the missed chunks are computed only when first read (the explainer, or the request
     trace for a cold request), and then only for the missed part: they chain on from the boundary

@@ -35,7 +35,7 @@ from kvstore.dataplane import UNKNOWN_SESSION
 from kvstore.errors import InvalidInput
 from kvstore.layout import EngineLayerGroup, EngineModel, ModelSpec, check_engine_group_count
 from kvstore.service.calls import CallGuard, CallState, Resolved
-from kvstore.service.pricing import facts_for_lookup, local_status, price
+from kvstore.service.pricing import facts_for_lookup, peek_local_status, price
 from kvstore.service.replay_threads import ReplayThreads
 from kvstore.service.servicer_local import LocalStateCalls
 from kvstore.service.shm_calls import PathCounts, check_chunks_fit, chunks_fit, load_spans, store_span_data
@@ -104,7 +104,7 @@ class KVCacheServicer(LocalStateCalls):
                 # Chunks too large for the session are not held (a Load of them goes over streams):
                 # the hit is answered all the same, as a Lookup that holds none.
                 r = self.app.store.lookup(res.ns, res.tokens)
-            state, got = local_status(self.app, res, r.hit_chunks, context.time_remaining(), r)
+            state, got = peek_local_status(self.app, res, r.hit_chunks, context.time_remaining(), r)
             call.facts = facts_for_lookup(self.app, res, r, r.hit_chunks, got)
             if held:  # chunks copied or leased into a same-host session: the observers count their bytes moved
                 call.facts = call.facts.holding(r.chunk_tiers[: sum(s.num_chunks for s in held)],
