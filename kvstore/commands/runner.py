@@ -4,8 +4,10 @@ The process dials the service, announces the model (CUDA when present, else CPU)
 local state for the replay jobs it receives until SIGTERM or SIGINT, reconnecting with backoff
 when the stream breaks. The service must serve a model whose layout is the reference model's at
 the given window and chunk size (the defaults match `reference-toy-8` at 128-token chunks), and
-its weights: the runner declares the reference model's revision and `--seed` ("1+seed=0"), which
-must be the service's `replay.reference_seed` (it refuses other weights at attach).
+its weights: the runner declares the model's revision (`--revision`, the reference model's "1" by
+default) and `--seed` ("1+seed=0"), which must be the revision the service serves the model as (a
+model of the reference's layout registered under another revision needs `--revision`) and its
+`replay.reference_seed` (it refuses other weights at attach, saying which part differs).
 Exit status: 0 when stopped by a signal, 2 when the service refused the runner.
 """
 
@@ -20,6 +22,7 @@ from kvstore.commands.checks import check_target, check_tls_ca, check_token
 from kvstore.commands.stop_signals import stop_on_signals
 from kvstore.config.replay import MAX_THREADS
 from kvstore.errors import InvalidInput
+from kvstore.layout import MAX_ENGINE_NAME
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the service's chunk size in tokens (store.chunk_tokens, 128)")
     p.add_argument("--seed", type=int, default=0,
                    help="weight seed; must be the service's replay.reference_seed and the engine's (0)")
+    p.add_argument("--revision", metavar="REV",
+                   help="the model revision to declare; must be the one the service serves the model as "
+                        "(default: the reference model's, 1)")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="CPU threads for the model (0: 1 per 4 CPUs, 1 to 4)")
@@ -51,6 +57,15 @@ def _say(line: str) -> None:
     print(f"kvstore runner: {line}", file=sys.stderr, flush=True)
 
 
+def check_revision(revision: str | None) -> None:
+    """A revision the service could hold (as RegisterModel checks one): else every attach is refused."""
+    if revision is None:
+        return
+    if not revision or len(revision) > MAX_ENGINE_NAME or not revision.isprintable():
+        shown = repr(revision[:40]) + ("..." if len(revision) > 40 else "")
+        raise InvalidInput(f"--revision must be 1 to {MAX_ENGINE_NAME} printable characters, got {shown}")
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -60,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInput("--max-concurrent-jobs must be >= 1")
     if not 0 <= args.threads <= MAX_THREADS:
         raise InvalidInput(f"--threads must be 0 (auto) to {MAX_THREADS}")
+    check_revision(args.revision)
     # Before the model loads: a token gRPC cannot send, a bad port or an unreadable CA would
     # otherwise fail each reconnect for ever.
     check_token(args.token, "--token")
@@ -91,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         name=args.name or f"reference runner ({replayer.device_name})",
         # Declared so that the service refuses a runner whose seed gives other weights than its
         # own: their snapshots have the right size and would be pooled as the model's.
-        weights=seeded_weights(model.spec.revision, cfg.seed),
+        weights=seeded_weights(args.revision if args.revision is not None else model.spec.revision, cfg.seed),
     )
     runner = AttachedRunner(identity, replayer.run_batch, AttachOptions(args.connect, args.token, args.tls_ca),
                             say=_say)

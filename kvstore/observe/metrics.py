@@ -8,8 +8,9 @@ Two ways in:
   histograms live in the registry it was given.
 - `SourceCollector` (registered by `Metrics`) reads gauges and the counters that other parts
   already keep (the store's tier bytes, evictions, corrupt reads; the local pool's hits, misses,
-  errors and breaker state; the replay queue; the ledger's byte-seconds) from callables at scrape
-  time, so those parts never hold a metrics object and nothing is counted twice.
+  errors and breaker state; the replay queue; runners' hellos by outcome; the ledger's
+  byte-seconds) from callables at scrape time, so those parts never hold a metrics object and
+  nothing is counted twice.
 
 Cardinality is bounded by construction: every label value passes through `_label()` against a
 small fixed set (an unknown value becomes "other"); tenant labels exist only when the config
@@ -102,6 +103,16 @@ SIDE_CALL_PURPOSES = ("precheck", "probe", "retry", OTHER)
 TTL_KINDS = ("fixed", "sliding", "adaptive", OTHER)
 EVICTION_POLICIES = ("lru", "s3fifo", "cost_aware", OTHER)
 REPLAY_MODES = ("bounded", "exact", "off", OTHER)
+# What a runner's hello came to (kvstore_runner_attaches_total), and why: the strings the Runners
+# servicer gives them (service/runners_servicer.py; observe does not import the service). attached:
+# it declared the weights the service expects (verified), or the service had none to check
+# (unchecked); unverified: attached without declaring any; refused: a model not served, another
+# layout, other weights, no valid hello, a same-host session it cannot have.
+RUNNER_ATTACH_REASONS: dict[str, tuple[str, ...]] = {
+    "attached": ("verified", "unchecked"),
+    "unverified": ("no_weights",),
+    "refused": ("unknown_model", "layout", "weights", "bad_hello", "shm", OTHER),
+}
 
 # Replays run a few hundred tokens: milliseconds on a GPU, up to the 30 s default timeout on a CPU.
 REPLAY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -198,6 +209,8 @@ class Sources:
     pool_up: Callable[[], bool] | None = None
     replay_queue_depth: Callable[[], int] | None = None
     runners_attached: Callable[[], int] | None = None
+    # Runners' hellos since start by (outcome, reason) (`RunnersServicer.attach_counts`).
+    runner_attaches: Callable[[], Mapping[tuple[str, str], int]] | None = None
     shm: Callable[[], ShmTotals] | None = None
     byte_seconds: Callable[[], ByteSeconds] | None = None
     policy: Callable[[], PolicyInfo] | None = None
@@ -270,6 +283,9 @@ class SourceCollector(Collector):
             yield from self._guarded("policy", lambda: self._policy(policy()))
         if shm is not None:
             yield from self._guarded("shm", lambda: self._shm(shm()))
+        attaches = s.runner_attaches
+        if attaches is not None:
+            yield from self._guarded("runner_attaches", lambda: self._runner_attaches(attaches()))
         for name, gfn, metric, help_text in (
             ("pool_up", s.pool_up, "kvstore_pool_up", "1 while the local pool's backend answers, else 0."),
             ("replay_queue", s.replay_queue_depth, "kvstore_replay_queue_depth",
@@ -312,6 +328,21 @@ class SourceCollector(Collector):
                                   "their hello to make room for a newer one.", value=t.pending_dropped)
         yield CounterMetricFamily("kvstore_shm_release_flood_closed", "Same-host sessions closed for naming far "
                                   "more leases to release than they were granted.", value=t.release_flood_closed)
+
+    @staticmethod
+    def _runner_attaches(counts: Mapping[tuple[str, str], int]) -> Iterator[Metric]:
+        fam = CounterMetricFamily("kvstore_runner_attaches", "Runners' hellos by outcome: attached (reason "
+                                  "verified: declared the weights the service expects), unverified (attached, "
+                                  "declared no weights), refused (by reason).", labels=["outcome", "reason"])
+        # Every known pair, zero when absent; a refused "other" only once it counted.
+        by = {(o, r): 0 for o, reasons in RUNNER_ATTACH_REASONS.items() for r in reasons if r != OTHER}
+        for (outcome, reason), n in counts.items():
+            o = _label(outcome, tuple(RUNNER_ATTACH_REASONS))
+            k = (o, _label(reason, RUNNER_ATTACH_REASONS.get(o, ())))
+            by[k] = by.get(k, 0) + n
+        for (o, r), n in sorted(by.items()):
+            fam.add_metric([o, r], n)
+        yield fam
 
     def _store(self, st: StoreStats) -> Iterator[Metric]:
         used = GaugeMetricFamily("kvstore_tier_bytes", "Bytes used in each tier.", labels=["tier"])
@@ -492,8 +523,9 @@ class Metrics:
                                        "StoreLocal and holding Lookup calls by how their chunk or snapshot "
                                        "bytes moved: shm (same-host shared memory) or stream (gRPC messages).",
                                        ["method", "path"], registry=r)
-        self.rpc_seconds = Histogram("kvstore_rpc_seconds", "gRPC call latency, by method and status code.",
-                                     ["method", "code"], buckets=RPC_BUCKETS, registry=r)
+        self.rpc_seconds = Histogram("kvstore_rpc_seconds", "gRPC call latency, by method and status code "
+                                     "(Attach: a runner's handshake, to its Attached or refusal, not its "
+                                     "stream).", ["method", "code"], buckets=RPC_BUCKETS, registry=r)
         self.sources = sources or Sources()
         self.collector = SourceCollector(
             self.sources, self._tenant if per_tenant_labels else None,

@@ -6,7 +6,7 @@ What it does not know: gRPC, metrics, or the store.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from kvstore.observe.metrics import ShmTotals
@@ -22,7 +22,8 @@ class AdminServer(Protocol):
 
 
 def start_admin(app: App, health: HealthReporter, host: str, port: int,
-                shm_totals: Callable[[], ShmTotals] | None = None) -> AdminServer:
+                shm_totals: Callable[[], ShmTotals] | None = None, *,
+                runner_attaches: Callable[[], Mapping[tuple[str, str], int]] | None = None) -> AdminServer:
     server: AdminServer = start_admin_server(app, host, port, health=lambda: health.last or health.refresh(),
-                                             shm_totals=shm_totals)
+                                             shm_totals=shm_totals, runner_attaches=runner_attaches)
     return server

@@ -97,6 +97,7 @@ def build_observability(
     pool_up: Callable[[], bool] | None = None,
     replay_queue_depth: Callable[[], int] | None = None,
     runners_attached: Callable[[], int] | None = None,
+    runner_attaches: Callable[[], Mapping[tuple[str, str], int]] | None = None,
     shm_totals: Callable[[], ShmTotals] | None = None,
     present: Callable[[bytes], bool] | None = None,
     clock: Callable[[], float] = time.monotonic,
@@ -121,7 +122,7 @@ def build_observability(
     )
     sources = Sources(
         store=store_stats, pool=pool_stats, pool_up=pool_up, replay_queue_depth=replay_queue_depth,
-        runners_attached=runners_attached,
+        runners_attached=runners_attached, runner_attaches=runner_attaches,
         shm=shm_totals,
         byte_seconds=lambda: ByteSeconds(ledger.byte_seconds()),
         policy=lambda: policy_info(current()),
@@ -168,7 +169,8 @@ def serve_admin(
 
 def start_admin(app: App, host: str, port: int, *,
                 health: Callable[[], Mapping[str, str]] | None = None,
-                shm_totals: Callable[[], ShmTotals] | None = None) -> AdminHttpServer:
+                shm_totals: Callable[[], ShmTotals] | None = None,
+                runner_attaches: Callable[[], Mapping[tuple[str, str], int]] | None = None) -> AdminHttpServer:
     """Observability for a service `App`, served on host:port (0: any free port)."""
     cfg = app.config
     pool = app.local_pool
@@ -183,6 +185,7 @@ def start_admin(app: App, host: str, port: int, *,
         pool_up=(lambda: pool.health().status == "ok") if pool is not None else None,
         replay_queue_depth=depth if callable(depth) else None,
         runners_attached=lambda: len(app.runners.runners()),
+        runner_attaches=runner_attaches,
         shm_totals=shm_totals,
         present=store_contains if callable(store_contains) else None,
         clock=app.clock,

@@ -13,12 +13,20 @@ resolve as failed.
 A result is checked for its size only, so a runner with other weights than the service's would
 have its snapshots pooled and served as the model's: the hello's weights identity must be the one
 the service expects for the model (`expected_weights`), else the attach is refused. A runner that
-declares none (older than the field) is attached, unverified, and logged as such.
+declares none (older than the field) is attached, unverified, and logged as such. Each hello's
+outcome (attached, unverified, refused and why) is counted (`attach_counts`, exported as
+`kvstore_runner_attaches_total`).
 
 Attach calls are not counted against the call limit (they live as long as the runner) but the
 registry bounds how many runners may attach. A stream waiting for its hello is not attached yet:
 it holds one of its tenant's greeting slots (split like the runner slots), and the wait is watched
 (`stream_idle_seconds`), so that streams which never say hello cannot pile up on gRPC's call slots.
+An Attach is reported to `notify` (the app's observers: `kvstore_rpc_seconds{method="Attach"}`)
+once, for its handshake: from the call's start to its `Attached` or its refusal, with that answer's
+code. Not the whole stream: it lives as long as the runner (hours), which is no latency, would sit
+past the histogram's last bucket and read as 30 s in every percentile; how runners leave is in
+the log and `kvstore_runners_attached`. A stream that ends before its hello is not reported (as a
+KVCache call without its request message is not).
 What it does not know: replay policy or the store.
 """
 
@@ -26,7 +34,9 @@ from __future__ import annotations
 
 import logging
 import queue
+import shlex
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -35,6 +45,7 @@ import numpy as np
 
 from kvstore.errors import InvalidInput, KvstoreError, ResourceExhausted, Unavailable, listed
 from kvstore.layout import CacheLayout, ModelSpec
+from kvstore.observe.records import CallRecord
 from kvstore.service.auth import Authenticator, Caller
 from kvstore.service.codes import status_for
 from kvstore.service.limits import refusal_message
@@ -53,14 +64,57 @@ log = logging.getLogger(__name__)
 
 # Of a runner's declared weights identity, the characters an error quotes (it is the caller's text).
 QUOTED_WEIGHTS_CHARS = 160
+# Between the revision and the seed in a seeded identity (`seeded_weights`: "1+seed=0").
+SEED_SEP = "+seed="
+
+# What a hello came to (`attach_counts`), and why: observe/metrics.py's RUNNER_ATTACH_REASONS list
+# the same strings (the label values it lets through).
+ATTACHED, UNVERIFIED, REFUSED = "attached", "unverified", "refused"
+VERIFIED = "verified"  # attached: it declared the weights the service expects
+UNCHECKED = "unchecked"  # attached: the service has no weights to check it against
+NO_WEIGHTS = "no_weights"  # unverified: it declared none
+# Refused: a model not served here, another layout id, other weights, a hello that is no valid
+# hello (none, malformed, not first, no job capacity), a same-host session it cannot have.
+UNKNOWN_MODEL, LAYOUT, WEIGHTS, BAD_HELLO, SHM = "unknown_model", "layout", "weights", "bad_hello", "shm"
+
+
+class HelloRefused(InvalidInput):
+    """A refused hello (INVALID_ARGUMENT), with the reason it is counted under."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
 class ExpectedWeights:
-    """The weights identity a runner of a model must declare, and what a refused one should change."""
+    """The weights identity a runner of a model must declare, and what a refused one should change.
+    For the reference model (weights from a seed) `revision` and `seed` are the identity's parts,
+    so that a refusal can say which of them differs."""
 
     identity: str
     fix: str
+    revision: str = ""
+    seed: int | None = None
+
+    def mismatch(self, declared: str) -> str:
+        """Why `declared` (another identity) is refused and what to change, in one line."""
+        if self.seed is None:
+            return self.fix
+        rev, sep, seed = declared.rpartition(SEED_SEP)
+        if not sep:
+            return (f"start the runner with --revision {shlex.quote(self.revision)} --seed {self.seed} (the "
+                    "model's revision and the service's replay.reference_seed)")
+        why, flags = [], []
+        if rev != self.revision:
+            why.append(f"its revision {_quoted(rev)} is not the model's revision {self.revision!r}")
+            flags.append(f"--revision {shlex.quote(self.revision)}")
+        if seed != str(self.seed):
+            why.append(f"its seed {_quoted(seed)} is not the service's replay.reference_seed {self.seed}")
+            flags.append(f"--seed {self.seed}")
+        if not flags:  # the same parts spelt otherwise
+            return self.fix
+        return f"{' and '.join(why)}: start the runner with {' '.join(flags)}"
 
 
 def expected_weights(models: Mapping[str, ModelSpec], chunk_tokens: int, reference_seed: int,
@@ -78,7 +132,7 @@ def expected_weights(models: Mapping[str, ModelSpec], chunk_tokens: int, referen
         if reference_config_for(spec, chunk_tokens, reference_seed) is not None:
             return ExpectedWeights(seeded_weights(spec.revision, reference_seed),
                                    f"start the runner with --seed {reference_seed} (the service's "
-                                   "replay.reference_seed)")
+                                   "replay.reference_seed)", spec.revision, reference_seed)
         return ExpectedWeights(spec.revision, f"attach a runner with the weights of revision '{spec.revision}'")
 
     return of
@@ -106,12 +160,14 @@ class RunnersServicer:
         weights: Mapping[str, float] | None = None,
         admin_runners: bool = True,
         expected_weights: Callable[[str], ExpectedWeights | None] | None = None,
+        notify: Callable[[CallRecord], None] | None = None,
     ) -> None:
         """`hidden_models(tenant)`: the engine models other tenants registered, which a runner
         attached with `tenant`'s credentials is neither told of nor given (`GlobalStore.hidden_models`).
         `weights`, `admin_runners`: as the registry's, for the split of the greeting slots.
         `expected_weights(model)`: the weights identity a runner of `model` must declare (see
-        `expected_weights`); without it no declared identity is checked."""
+        `expected_weights`); without it no declared identity is checked. `notify`: where each
+        Attach's handshake is reported (`App.notify`), None: nowhere."""
         self._registry = registry
         self._auth = auth
         # Read at each use, not copied: a model registered at runtime (RegisterModel) is served too.
@@ -129,20 +185,50 @@ class RunnersServicer:
             **(weights or {}), **({ADMIN_MEMBER: 1.0} if admin_runners else {})})
         self._greeting_lock = threading.Lock()
         self._expected_weights = expected_weights
-        self.refused_total = 0  # hellos refused (unknown model, other layout or weights, ...)
-        self.unverified_total = 0  # runners attached without declaring their weights
+        self._notify = notify
+        # Hellos by (outcome, reason), under the greeting lock: see `attach_counts`.
+        self._attaches: dict[tuple[str, str], int] = {}
+
+    def attach_counts(self) -> dict[tuple[str, str], int]:
+        """Hellos answered since start, by (outcome, reason): ATTACHED (VERIFIED, UNCHECKED),
+        UNVERIFIED (NO_WEIGHTS) or REFUSED (UNKNOWN_MODEL, LAYOUT, WEIGHTS, BAD_HELLO, SHM)."""
+        with self._greeting_lock:
+            return dict(self._attaches)
+
+    @property
+    def refused_total(self) -> int:
+        """Hellos refused (unknown model, other layout or weights, ...)."""
+        return sum(n for (outcome, _), n in self.attach_counts().items() if outcome == REFUSED)
+
+    @property
+    def unverified_total(self) -> int:
+        """Runners attached without declaring their weights."""
+        return sum(n for (outcome, _), n in self.attach_counts().items() if outcome == UNVERIFIED)
+
+    def _count(self, outcome: str, reason: str) -> None:
+        with self._greeting_lock:
+            self._attaches[(outcome, reason)] = self._attaches.get((outcome, reason), 0) + 1
+
+    def _report(self, tenant: str, code: grpc.StatusCode, started: float) -> None:
+        """The handshake of an Attach, to the observers (see the module's doc)."""
+        if self._notify is not None:
+            self._notify(CallRecord(method="Attach", tenant=tenant, code=code.name,
+                                    seconds=time.perf_counter() - started))
 
     def Attach(
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], context: grpc.ServicerContext
     ) -> Iterator[pb.RunnerCommand | bytes]:
+        started = time.perf_counter()
         try:
             link, shm = self._register(request_iterator, context)
         except KvstoreError as e:
             code, msg = status_for(e)
+            self._report("", code, started)
             context.abort(code, msg)
         except grpc.RpcError as e:  # gone, or ended by the watch before its hello
             e.__traceback__ = None  # see CallGuard.enter: gRPC's call state keeps the error
             return
+        self._report(link.info.tenant or "", grpc.StatusCode.OK, started)
         done = threading.Event()
         context.add_callback(lambda: self._registry.detach(link, "runner stream closed"))
         # Results being reassembled, by job id: the reader adds to them; a job's is dropped when the
@@ -204,9 +290,8 @@ class RunnersServicer:
                 first = next(w.received(request_iterator), None)
             try:
                 return self._registered(first, caller)
-            except InvalidInput:
-                with self._greeting_lock:
-                    self.refused_total += 1
+            except InvalidInput as e:
+                self._count(REFUSED, e.reason if isinstance(e, HelloRefused) else BAD_HELLO)
                 raise
         finally:
             with self._greeting_lock:
@@ -216,10 +301,10 @@ class RunnersServicer:
                     ) -> tuple[RunnerLink, ShmSession | None]:
         """The runner registered from its hello `first`."""
         if first is None:
-            raise InvalidInput("the runner stream ended before its hello")
-        msg = accept(first, pb.RunnerMessage)
+            raise HelloRefused(BAD_HELLO, "the runner stream ended before its hello")
+        msg = accept(first, pb.RunnerMessage)  # a malformed one: BAD_HELLO
         if msg.WhichOneof("kind") != "hello":
-            raise InvalidInput("the first message of Attach must be a RunnerHello")
+            raise HelloRefused(BAD_HELLO, "the first message of Attach must be a RunnerHello")
         h = msg.hello
         layouts = self._layouts()
         # As Stats does: a model another tenant registered is not named to this one. An admin
@@ -227,24 +312,28 @@ class RunnersServicer:
         hidden = set(self._hidden_models(caller.tenant)) if self._hidden_models is not None and caller.tenant else set()
         layout = layouts.get(h.model) if h.model not in hidden else None
         if layout is None:
-            raise InvalidInput(
-                f"runner model '{h.model}' is not served here; served: {listed(set(layouts) - hidden)}")
+            raise HelloRefused(UNKNOWN_MODEL,
+                               f"runner model '{h.model}' is not served here; served: {listed(set(layouts) - hidden)}")
         if h.layout_id != layout.layout_id:
-            raise InvalidInput(
-                f"runner layout id {h.layout_id.hex()} does not match the service's layout "
-                f"{layout.layout_id.hex()} of '{h.model}' (different chunk size or record format)")
+            raise HelloRefused(LAYOUT,
+                               f"runner layout id {h.layout_id.hex()} does not match the service's layout "
+                               f"{layout.layout_id.hex()} of '{h.model}' (different chunk size or record format)")
         want = self._expected_weights(h.model) if self._expected_weights is not None else None
         if want is not None and h.weights and h.weights != want.identity:
-            raise InvalidInput(
-                f"runner weights {_quoted(h.weights)} are not the weights {want.identity!r} this service "
-                f"has for '{h.model}' (its results would be pooled as that model's): {want.fix}")
+            raise HelloRefused(WEIGHTS,
+                               f"runner weights {_quoted(h.weights)} are not the weights {want.identity!r} this "
+                               f"service has for '{h.model}' (its results would be pooled as that model's): "
+                               f"{want.mismatch(h.weights)}")
         if h.max_concurrent_jobs < 1:
-            raise InvalidInput("runner max_concurrent_jobs must be >= 1")
+            raise HelloRefused(BAD_HELLO, "runner max_concurrent_jobs must be >= 1")
         shm = None
         if h.shm_session:
             if self._shm is None:
-                raise InvalidInput("this service offers no same-host sessions: attach without shm_session")
-            shm = self._shm.session(h.shm_session, caller.tenant, kind="runner")
+                raise HelloRefused(SHM, "this service offers no same-host sessions: attach without shm_session")
+            try:
+                shm = self._shm.session(h.shm_session, caller.tenant, kind="runner")
+            except InvalidInput as e:
+                raise HelloRefused(SHM, str(e)) from None
         info = RunnerInfo(
             runner_id=self._registry.new_runner_id(), model=h.model, layout_id=bytes(h.layout_id),
             device=h.device[:64], max_concurrent_jobs=h.max_concurrent_jobs, max_batch=max(1, h.max_batch),
@@ -257,9 +346,12 @@ class RunnersServicer:
                  _quoted(h.weights) if h.weights else "unverified",
                  "all tenants" if info.tenant is None else f"tenant {info.tenant}",
                  "through shared memory" if shm is not None else "in messages")
-        if not h.weights and want is not None:
-            with self._greeting_lock:
-                self.unverified_total += 1
+        if want is None:
+            self._count(ATTACHED, UNCHECKED)
+        elif h.weights:
+            self._count(ATTACHED, VERIFIED)
+        else:
+            self._count(UNVERIFIED, NO_WEIGHTS)
             # Accepted, as before the field existed: the runner may be older than it.
             log.warning("runner %s declares no weights identity: its results for '%s' are not checked "
                         "against the service's weights %r (a runner older than RunnerHello.weights?)",

@@ -184,6 +184,7 @@ class KvstoreServer:
             self.shm, svc.stream_idle_seconds, hidden_models=app.store.hidden_models,
             weights=cfg.share_weights(), admin_runners=cfg.runner_admin_weight() > 0,
             expected_weights=expected_weights(app.models, cfg.store.chunk_tokens, cfg.replay.reference_seed),
+            notify=app.notify,
         )
         threads = svc.max_concurrent_calls + 2 * app.runners.max_runners + SPARE_THREADS + MAX_HEALTH_WATCHES
         self._server = grpc.server(
@@ -225,7 +226,8 @@ class KvstoreServer:
         if self._admin_port >= 0:
             try:
                 self.admin = start_admin(self.app, self.health, self.app.config.admin.host, self._admin_port,
-                                         self.shm.totals if self.shm is not None else None)
+                                         self.shm.totals if self.shm is not None else None,
+                                         runner_attaches=self.runners.attach_counts)
             except (OSError, OverflowError) as e:
                 self.stop(0)
                 raise self._admin_bind_error(e) from None
