@@ -62,6 +62,32 @@ def test_idempotent_calls_retry_on_unavailable(service: Service) -> None:
         assert ("UNAVAILABLE" in {c for _, c in methods}) and methods[-1][1] == "OK", methods
 
 
+def test_retries_end_within_the_calls_deadline_and_say_why(
+        service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The jittered pause (up to 1.5x the backoff) was checked against the backoff alone: with
+    # 1.05 s left and a 1 s backoff the client slept up to 1.5 s, then failed ~0.45 s past its
+    # deadline with the bare UNAVAILABLE. The fault: the jitter at its largest, the service draining.
+    from kvstore.client import sync_client
+
+    monkeypatch.setattr(sync_client, "random", type("MaxJitter", (), {"random": staticmethod(lambda: 0.99)}))
+    kv = service.client(retry=RetryPolicy(attempts=10, initial_backoff_seconds=1.0, max_backoff_seconds=1.0))
+    assert kv.stats().chunks == 0
+    service.app.flush_observers()  # that call seen before the counting starts
+    codes: list[str] = []
+    service.app.observers.append(lambda rec: codes.append(rec.code))
+    service.server.limiter._draining = True
+    t0 = time.monotonic()
+    with pytest.raises(UnavailableError) as e:
+        kv.stats(timeout_seconds=1.05)
+    took = time.monotonic() - t0
+    service.server.limiter._draining = False
+    service.app.flush_observers()
+    # The pause is cut to leave the second attempt its time; none is made past the deadline.
+    assert codes == ["UNAVAILABLE", "UNAVAILABLE"], codes
+    assert "gave up after 2 attempts: the call's 1.05 s deadline was reached" in str(e.value)
+    assert took < 1.05 + 0.3, took  # a generous slack: the overshoot was ~0.45 s
+
+
 def test_non_idempotent_calls_are_not_retried(service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvstore.errors import Unavailable
 
@@ -619,7 +645,7 @@ def test_a_same_host_load_of_the_whole_hit_reads_its_call_to_the_end(
     kv = KvstoreClient("127.0.0.1:1")
     try:
         monkeypatch.setattr(kv, "_shm_path", lambda *_a, **_k: shm)
-        monkeypatch.setattr(kv, "_load", load)
+        monkeypatch.setattr(kv, "_load_rpc", load)  # a same-host Load is made on the bare method
         buf = bytearray(room * cb)
         got = kv.load_into("m", list(range(hit * CHUNK)), buf)
         assert got.loaded_chunks == room and bytes(buf) == bytes(shm.segment[: room * cb])

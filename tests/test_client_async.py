@@ -16,9 +16,10 @@ import pytest
 
 from kvstore.client.async_client import AsyncKvstoreClient
 from kvstore.client.sync_client import InvalidArgumentError, KvstoreClient
-from tests.fixtures.service import CHUNK, TOY, Service, make_config, payloads, tokens
+from tests.fixtures.service import CHUNK, TOY, V41, Service, make_config, payloads, tokens
 from tests.helpers.faults import hold_first_lmdb_commit
 from tests.helpers.waiting import wait_until
+from tests.test_service_shm import shm_config
 
 WAIT_SECONDS = 30.0  # only a bound on a hang
 
@@ -172,3 +173,76 @@ def test_a_cancelled_same_host_store_never_lends_its_bytes_to_the_next(
     wait_until(lambda: check.lookup(TOY, first).hit_chunks == 4, timeout=WAIT_SECONDS / 2)
     assert [bytes(c) for c in check.load(TOY, first).chunks] == first_chunks
     assert [bytes(c) for c in check.load(TOY, second).chunks] == second_chunks
+
+
+def _leased(watcher: KvstoreClient) -> int:
+    dp = watcher.stats().data_plane
+    assert dp is not None
+    return sum(s.leases_active for s in dp.sessions)
+
+
+def _load_shared_chunks(kv: AsyncKvstoreClient, prompt: Any) -> Any:
+    async def read() -> int:
+        async with kv.load_shared(V41, prompt) as got:
+            return len(got.chunks)
+
+    return read()
+
+
+# Each a same-host read of 200 V4.1 chunks: two spans of the 4 MiB load segment.
+SPAN_READS: dict[str, Callable[[AsyncKvstoreClient, Any, int], Any]] = {
+    "load": lambda kv, p, cb: kv.load(V41, p),
+    "load_into": lambda kv, p, cb: kv.load_into(V41, p, bytearray(200 * cb)),
+    "resume": lambda kv, p, cb: kv.resume(V41, p),
+    "load_shared": lambda kv, p, cb: _load_shared_chunks(kv, p),
+    "lookup_held": lambda kv, p, cb: kv.lookup_held(V41, p, hold_chunks=200),
+}
+
+
+@pytest.mark.parametrize("read", sorted(SPAN_READS))
+def test_a_task_cancelled_after_the_service_sent_its_spans_leaves_none_leased(
+        read: str, sock_dir: Path, make_service: Callable[..., Service], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The service releases a cancelled load's spans only while it is still sending them. Cancelled
+    # once it had sent them all (the client still reading the first), the spans on their way were
+    # lost to the cancel, and a lookup_held's answer to the cancelled task: they stayed leased for
+    # shm_lease_seconds (30 s), the session's load segment filling. The fault: the client's thread
+    # waits at the first span it handles until the task is cancelled.
+    from kvstore.client import sync_client
+
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_in_place=False))
+    cb = svc.chunk_bytes(V41)
+    prompt = tokens(98, 200 * CHUNK)
+    reached, gate = threading.Event(), threading.Event()
+
+    def paused(first: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not reached.is_set():
+                reached.set()
+                gate.wait(WAIT_SECONDS)
+            return first(*args, **kwargs)
+
+        return call
+
+    watcher = svc.client()
+
+    async def run() -> None:
+        async with AsyncKvstoreClient(f"unix://{sock_dir / 'kv.sock'}", timeout_seconds=WAIT_SECONDS) as kv:
+            await kv.store(V41, prompt, payloads(98, 200, cb))
+            assert kv.sync.data_path_in_use == "shm"
+            monkeypatch.setattr(sync_client, "_copy_span", paused(sync_client._copy_span))
+            monkeypatch.setattr(sync_client._SharedSpans, "add", paused(sync_client._SharedSpans.add))
+            task = asyncio.create_task(SPAN_READS[read](kv, prompt, cb))
+            try:
+                assert await asyncio.to_thread(reached.wait, WAIT_SECONDS)
+                # The service has sent every span (the call is done there) before the cancel.
+                await asyncio.to_thread(wait_until, lambda: watcher.stats().calls_in_flight <= 1, WAIT_SECONDS / 2)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            finally:
+                gate.set()
+            # Releases travel on the side socket, beside the calls: the last may land after the cancel.
+            await asyncio.to_thread(wait_until, lambda: _leased(watcher) == 0, 5.0)
+            assert len((await kv.load(V41, prompt)).chunks) == 200
+
+    asyncio.run(run())

@@ -249,6 +249,32 @@ def test_a_call_cut_short_by_close_says_so(black_hole: str) -> None:
     assert "closed while the call was in flight" in str(got[0])
 
 
+@pytest.mark.parametrize("path", ["stream", "shm"])
+def test_closing_the_client_during_iter_load_says_so(
+        path: str, sock_dir: Path, make_service: Callable[..., Service]) -> None:
+    # The generator, outside `_open_only`, raised the close's CANCELLED (and, over shared memory,
+    # the closed session's failed copy) as a ServerError: a service failure, to the caller.
+    from tests.test_service_shm import shm_config
+
+    sock = sock_dir / "kv.sock"
+    svc = make_service(shm_config(sock))
+    model, n = (TOY, 400) if path == "stream" else ("deepseek-v4.1-flash", 200)  # several messages, or spans
+    prompt = tokens(126, n * CHUNK)
+    target = svc.address if path == "stream" else f"unix://{sock}"
+    kv = KvstoreClient(target, timeout_seconds=WAIT_SECONDS, message_bytes=64 * 1024)
+    kv.store(model, prompt, payloads(126, n, svc.chunk_bytes(model)))
+    assert kv.data_path_in_use == path
+    got = 0
+    with pytest.raises(InvalidInput, match="closed while the call was in flight"):
+        for _ in kv.iter_load(model, prompt):
+            if got == 0:  # another thread closes the client while the caller reads the load
+                closer = threading.Thread(target=kv.close)
+                closer.start()
+                closer.join(WAIT_SECONDS)
+            got += 1
+    assert 0 < got < n
+
+
 @pytest.mark.parametrize(("options", "named"), [
     ({"message_bytes": 0}, "message_bytes"),  # every streamed Store failed at the service: UNKNOWN
     ({"message_bytes": -1}, "message_bytes"),

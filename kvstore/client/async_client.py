@@ -11,7 +11,8 @@ concurrent calls overlap on one channel (gRPC channels are thread-safe). A call'
 from the moment the coroutine is called, a wait for a free thread included. It is not built on
 `grpc.aio`: one client, one set of behaviours (retries, deadlines, reassembly, errors) to test, at
 the cost of a thread per call in flight. Cancelling an awaiting task cancels its gRPC calls
-(client/cancel.py): the service stops working on them at once, and the task gets CancelledError. `iter_load` (a
+(client/cancel.py): the service stops working on them at once (a same-host load within
+UNREAD_SPANS_SECONDS, its spans given back), and the task gets CancelledError. `iter_load` (a
 generator) has no coroutine form: use `load`. `load_shared` and `read_held` are async context
 managers (`async with kv.load_shared(...) as got:`).
 
@@ -35,7 +36,7 @@ import grpc
 
 from kvstore.client.cancel import CancelScope
 from kvstore.client.sync_client import DeadlineExceededError, KvstoreClient
-from kvstore.client.types import SharedLoad
+from kvstore.client.types import HeldLookup, SharedLoad
 from kvstore.errors import InvalidInput
 
 P = ParamSpec("P")
@@ -49,16 +50,24 @@ MAX_THREADS = 4096
 
 
 def _threaded(
-    method: Callable[Concatenate[KvstoreClient, P], T],
+    method: Callable[Concatenate[KvstoreClient, P], T], discard: Callable[[T], object] | None = None,
 ) -> Callable[Concatenate[AsyncKvstoreClient, P], Coroutine[Any, Any, T]]:
-    """The coroutine form of a `KvstoreClient` method: the same call, on a thread of the client's."""
+    """The coroutine form of a `KvstoreClient` method: the same call, on a thread of the client's.
+    `discard(result)`: what a result holds, given back when the task was cancelled too late to stop
+    the call (its result goes to nobody)."""
     signature = inspect.signature(method)
 
     @functools.wraps(method)
     async def call(self: AsyncKvstoreClient, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self._cancellable(self._timed(method, signature.bind(self.sync, *args, **kwargs)))
+        return await self._cancellable(self._timed(method, signature.bind(self.sync, *args, **kwargs)), discard)
 
     return call
+
+
+def _discard_result(discard: Callable[[T], object], done: cf.Future[T]) -> None:
+    """A done call's result given to `discard`: its task was cancelled and will never take it."""
+    if not done.cancelled() and done.exception() is None:
+        discard(done.result())
 
 
 def _on_own_thread(work: Callable[[], T]) -> cf.Future[T]:
@@ -110,9 +119,10 @@ class AsyncKvstoreClient:
 
         return work
 
-    async def _cancellable(self, work: Callable[[], T]) -> T:
+    async def _cancellable(self, work: Callable[[], T], discard: Callable[[T], object] | None = None) -> T:
         """`work()` on a thread of the client's; if the awaiting task is cancelled, so are its
-        gRPC calls (or, still queued, it never runs)."""
+        gRPC calls (or, still queued, it never runs). A result the call makes all the same (it had
+        its answer already) goes to `discard`: leases it holds would stay held until they lapse."""
         scope = CancelScope()
 
         def run() -> T:
@@ -122,14 +132,16 @@ class AsyncKvstoreClient:
         self.sync._check_open()
         context = contextvars.copy_context()  # as asyncio.to_thread does
         try:
-            future = asyncio.get_running_loop().run_in_executor(self._executor, context.run, run)
+            done = self._executor.submit(context.run, run)  # what run_in_executor does, the future kept
         except RuntimeError:  # the pool was shut down: close() ran meanwhile
             self.sync._check_open()
             raise
         try:
-            return await future
+            return await asyncio.wrap_future(done)
         except asyncio.CancelledError:
             scope.cancel()  # the thread's call fails at once; its error goes nowhere
+            if discard is not None:  # now, if it is done, else once it is
+                done.add_done_callback(functools.partial(_discard_result, discard))
             raise
 
     @contextlib.asynccontextmanager
@@ -168,7 +180,7 @@ class AsyncKvstoreClient:
     health = _threaded(KvstoreClient.health)
     wait_ready = _threaded(KvstoreClient.wait_ready)
 
-    lookup_held = _threaded(KvstoreClient.lookup_held)
+    lookup_held = _threaded(KvstoreClient.lookup_held, HeldLookup.release)
     shm_session_id = _threaded(KvstoreClient.shm_session_id)
 
     @contextlib.asynccontextmanager

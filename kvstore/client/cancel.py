@@ -15,8 +15,9 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 _SCOPE: ContextVar[CancelScope | None] = ContextVar("kvstore_cancel_scope", default=None)
 
 
@@ -25,7 +26,7 @@ class CancelScope:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._calls: list[Any] = []
+        self._cancels: list[Callable[[], object]] = []
         self.cancelled = False
 
     @contextlib.contextmanager
@@ -36,20 +37,22 @@ class CancelScope:
         finally:
             _SCOPE.reset(token)
 
-    def add(self, call: Any) -> None:
-        """Track a call (a grpc.Future or a streaming call); one made after `cancel` is cancelled now."""
+    def add(self, call: Any, cancel: Callable[[], object] | None = None) -> None:
+        """Track a call (a grpc.Future or a streaming call), ended by `cancel` (its own `cancel()`
+        by default); one made after `cancel` is cancelled now."""
+        stop = cancel or call.cancel
         with self._lock:
-            self._calls.append(call)
+            self._cancels.append(stop)
             cancelled = self.cancelled
         if cancelled:
-            call.cancel()
+            stop()
 
     def cancel(self) -> None:
         with self._lock:
             self.cancelled = True
-            calls, self._calls = self._calls, []
-        for call in calls:
-            call.cancel()
+            cancels, self._cancels = self._cancels, []
+        for stop in cancels:
+            stop()
 
 
 def cancellable_unary(multicallable: Any) -> Callable[..., Any]:
@@ -64,6 +67,15 @@ def cancellable_unary(multicallable: Any) -> Callable[..., Any]:
         scope.add(future)
         return future.result()
 
+    return call
+
+
+def track(call: T, cancel: Callable[[], object]) -> T:
+    """`call`, tracked by the calling thread's scope (if any), which ends it with `cancel`: for a
+    call that a bare gRPC cancel would leave holding something at the service."""
+    scope = _SCOPE.get()
+    if scope is not None:
+        scope.add(call, cancel)
     return call
 
 

@@ -48,7 +48,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.client.cancel import cancellable_stream, cancellable_unary
+from kvstore.client.cancel import cancellable_stream, cancellable_unary, track
 from kvstore.client.chunk_views import PieceView, Streamed, decode_load_response, decode_resume_response
 from kvstore.client.types import (
     HeldLookup,
@@ -103,6 +103,9 @@ MAX_MESSAGE_BYTES = 128 * MiB
 # How long leaving `iter_load` early reads on, releasing the spans already on their way, before it
 # cancels the call (`_give_back_unread`): spans a finished call sent arrive in well under this.
 UNREAD_SPANS_SECONDS = 0.5
+# A retry is made only with at least this much of its call's deadline left after its pause (the
+# pause is cut to leave it): less is too little for an answer; the call then fails at once, saying so.
+RETRY_MIN_ATTEMPT_SECONDS = 0.05
 
 
 # --- errors -----------------------------------------------------------------------------------------
@@ -154,6 +157,11 @@ def _failure(e: grpc.RpcError, method: str) -> RpcFailure:
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else "") or ""
     return _ERRORS.get(code, ServerError)(code, details, method)
+
+
+def _after_attempts(failure: RpcFailure, note: str) -> RpcFailure:
+    """`failure`, the last of a retried call, with `note` (how many attempts, why no more) added."""
+    return type(failure)(failure.code, f"{failure.details} ({note})", failure.method)
 
 
 @dataclass(frozen=True)
@@ -222,7 +230,7 @@ def _open_only(method: Callable[Concatenate[KvstoreClient, P], T]) -> Callable[C
             return method(self, *args, **kwargs)
         except (RpcFailure, grpc.RpcError, grpc.FutureCancelledError, ValueError):
             if self._closed:
-                raise InvalidInput(f"the client was closed while the call was in flight ({self.target})") from None
+                raise self._closed_meanwhile() from None
             raise
 
     return call
@@ -340,12 +348,15 @@ class KvstoreClient:
         self._lookup = cancellable_unary(self._channel.unary_unary(
             f"{service}/Lookup", request_serializer=None, response_deserializer=pb.LookupResponse.FromString))
         # Load and Resume read chunk payloads as views into the received messages (client_wire).
-        self._load = cancellable_stream(self._channel.unary_stream(
+        # Through a same-host session they are made bare, and tracked as `_SpanStream`s.
+        self._load_rpc = self._channel.unary_stream(
             f"{service}/Load", request_serializer=pb.LoadRequest.SerializeToString,
-            response_deserializer=decode_load_response))
-        self._resume = cancellable_stream(self._channel.unary_stream(
+            response_deserializer=decode_load_response)
+        self._resume_rpc = self._channel.unary_stream(
             f"{service}/Resume", request_serializer=pb.ResumeRequest.SerializeToString,
-            response_deserializer=decode_resume_response))
+            response_deserializer=decode_resume_response)
+        self._load = cancellable_stream(self._load_rpc)
+        self._resume = cancellable_stream(self._resume_rpc)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._health.Check = cancellable_unary(self._health.Check)
 
@@ -367,6 +378,10 @@ class KvstoreClient:
         if self._closed:
             raise InvalidInput(f"the client is closed (close() was called): make a new KvstoreClient to call "
                                f"{self.target}")
+
+    def _closed_meanwhile(self) -> InvalidInput:
+        """The error of a call that failed because the client was closed while it was in flight."""
+        return InvalidInput(f"the client was closed while the call was in flight ({self.target})")
 
     def _timeout(self, timeout_seconds: float | None) -> float:
         """A call's timeout: the client's for None; anything else must be > 0 (0 was taken as
@@ -478,6 +493,14 @@ class KvstoreClient:
         else:
             return False
         return True
+
+    def _span_call(self, rpc: Callable[..., Any], req: Any, timeout: float, shm: ShmPath,
+                   metadata: tuple[tuple[str, str], ...] | None = None) -> _SpanStream:
+        """`rpc(req)`, a Load or Resume answered in spans of `shm`: what the asyncio client's cancel
+        stops with `_SpanStream.stop_soon`, so that no span it was sent stays leased."""
+        stream = _SpanStream(rpc(req, timeout=timeout, metadata=self._metadata if metadata is None else metadata),
+                             shm)
+        return track(stream, stream.stop_soon)
 
     def _shm_failed(self, shm: ShmPath, why: str) -> None:
         """Stop using a session that failed a call (the service closed it, or a lease lapsed)."""
@@ -723,15 +746,27 @@ class KvstoreClient:
         A same-host session the service no longer knows, or chunks too large for it, send the call
         over a stream, as for the other loads (both are answered before any chunk). Each payload
         is a copy this call owns; leaving the loop early gives the call's shared-memory spans back
-        at once (those on their way read and released, up to UNREAD_SPANS_SECONDS, then a cancel)."""
-        self._check_open()
+        at once (those on their way read and released, up to UNREAD_SPANS_SECONDS, then a cancel).
+        Closing the client meanwhile (another thread) ends it with InvalidInput, as for other calls."""
+        self._check_open()  # a generator: `_open_only` would not see its body
+        try:
+            yield from self._iter_load(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
+        except (RpcFailure, grpc.RpcError, LeaseLapsed, ValueError):
+            # The close cancelled the stream (CANCELLED) or closed the session under a copy: the
+            # caller's doing, not the ServerError those read as.
+            if self._closed:
+                raise self._closed_meanwhile() from None
+            raise
+
+    def _iter_load(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str, max_chunks: int,
+                   timeout_seconds: float | None, cache_salt: str) -> Iterator[tuple[int, str, memoryview]]:
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
         deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
         shm = self._load_shm_path(model, deadline, "Load")
         try:
             if shm is not None:
                 req.shm_session = shm.session_id
-                stream = self._load(req, timeout=deadline.left(), metadata=self._metadata)
+                stream = self._span_call(self._load_rpc, req, deadline.left(), shm)
                 try:
                     head = _header(stream, "Load")
                 except grpc.RpcError as e:
@@ -817,7 +852,7 @@ class KvstoreClient:
         spans: _SharedSpans | None = None
         try:
             try:
-                stream = self._load(req, timeout=deadline.left(), metadata=self._metadata)
+                stream = self._span_call(self._load_rpc, req, deadline.left(), shm)
                 head = _header(stream, "Load")
                 spans = _SharedSpans(shm, max(1, head.chunk_bytes))
                 for msg in stream:
@@ -921,7 +956,7 @@ class KvstoreClient:
     ) -> LoadIntoResult:
         """One Load answered with spans of the session's load segment, each copied into the
         buffer and its lease released at once."""
-        stream = self._load(req, timeout=timeout, metadata=self._metadata)
+        stream = self._span_call(self._load_rpc, req, timeout, shm)
         head = _header(stream, "Load")
         cb = max(1, head.chunk_bytes)
         dst = buffer_for(head.hit_chunks * head.chunk_bytes)
@@ -1081,7 +1116,8 @@ class KvstoreClient:
                      shm: ShmPath | None) -> ResumeResult:
         snapshot: bytes | None = None
         try:
-            stream = self._resume(req, timeout=timeout, metadata=metadata)
+            stream = (self._resume(req, timeout=timeout, metadata=metadata) if shm is None else
+                      self._span_call(self._resume_rpc, req, timeout, shm, metadata))
             head = _header(stream, "Resume")
             asm = _Chunks(head.chunk_bytes, head.hit_chunks)
             local: BlobAssembler | None = None
@@ -1209,17 +1245,31 @@ class KvstoreClient:
     # --- retries ----------------------------------------------------------------------------------
 
     def _idempotent(self, method: str, call: Callable[[float], T], timeout_seconds: float | None) -> T:
-        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
+        """`call(seconds left)`, tried again on UNAVAILABLE while the policy's attempts and the call's
+        deadline last. The jittered pause (0.5x to 1.5x the backoff) is cut to leave the attempt
+        RETRY_MIN_ATTEMPT_SECONDS; where even its shortest does not fit, none is made: checked
+        against the backoff alone, the pause overshot a 1 s deadline by up to half a second. A
+        failure after retries says how many attempts were made, and why no more were."""
+        seconds = self._timeout(timeout_seconds)
+        deadline = _Deadline(time.monotonic() + seconds)
         backoff = self.retry.initial_backoff_seconds
-        for attempt in range(self.retry.attempts):
+        for attempt in range(1, self.retry.attempts + 1):
             try:
                 return call(deadline.left())
             except grpc.RpcError as e:
                 failure = _failure(e, method)
-                last = attempt == self.retry.attempts - 1
-                if failure.code != grpc.StatusCode.UNAVAILABLE or last or deadline.left() <= backoff:
-                    raise failure from None
-            time.sleep(backoff * (0.5 + random.random()))  # jitter: clients retrying in step overload again
+                if failure.code != grpc.StatusCode.UNAVAILABLE:
+                    raise (_after_attempts(failure, f"attempt {attempt}; the earlier ones were UNAVAILABLE")
+                           if attempt > 1 else failure) from None
+                if attempt == self.retry.attempts:
+                    raise (_after_attempts(failure, f"gave up after {attempt} attempts: RetryPolicy.attempts")
+                           if attempt > 1 else failure) from None
+            pause = backoff * (0.5 + random.random())  # jitter: clients retrying in step overload again
+            room = deadline.at - time.monotonic() - RETRY_MIN_ATTEMPT_SECONDS
+            if room <= 0 or room < backoff * 0.5:  # not even the shortest pause fits: none is cut below it
+                raise _after_attempts(failure, f"gave up after {attempt} attempt{'s' if attempt > 1 else ''}: "
+                                      f"the call's {seconds:g} s deadline was reached") from None
+            time.sleep(min(pause, room))
             backoff = min(backoff * 2, self.retry.max_backoff_seconds)
         raise AssertionError("unreachable")
 
@@ -1404,6 +1454,52 @@ def _give_back_unread(shm: ShmPath, stream: Any, seconds: float) -> None:
     finally:
         timer.cancel()
         stream.cancel()
+
+
+class _Stopped(grpc.RpcError):
+    """What reading a `_SpanStream` raises once stopped: a cancelled call's CANCELLED."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def details(self) -> str:
+        return "the call was cancelled (the spans it was sent given back)"
+
+
+class _SpanStream:
+    """A Load or Resume answered in spans of a same-host session, which another thread (the asyncio
+    client's scope, when its task is cancelled) stops without leaving spans leased. A bare cancel
+    has the service release the spans it granted only while it is still sending them: those of a
+    call it has finished are on their way, only this client can release them, and the cancel made
+    them unreadable (they stayed leased for shm_lease_seconds). So `stop_soon` has the reader give
+    back every span it reads from then on (`_give_back_unread`, no copy) and fail as a cancelled
+    call; the call is cancelled outright after UNREAD_SPANS_SECONDS (a load still being sent, a
+    reader busy elsewhere). `cancel` is a bare cancel, for the reader itself."""
+
+    def __init__(self, stream: Any, shm: ShmPath) -> None:
+        self._stream = stream
+        self._shm = shm
+        self._stopping = False
+
+    def __iter__(self) -> _SpanStream:
+        return self
+
+    def __next__(self) -> Streamed:
+        if self._stopping:
+            _give_back_unread(self._shm, self._stream, UNREAD_SPANS_SECONDS)
+            raise _Stopped()
+        return cast(Streamed, next(self._stream))
+
+    def cancel(self) -> bool:
+        return bool(self._stream.cancel())
+
+    def stop_soon(self) -> None:
+        """From another thread: the reader's next read gives the rest back."""
+        if not self._stopping:
+            self._stopping = True
+            timer = threading.Timer(UNREAD_SPANS_SECONDS, self._stream.cancel)
+            timer.daemon = True
+            timer.start()
 
 
 def _copy_snapshot(shm: ShmPath, span: pb.ShmSpan, expected_bytes: int, method: str) -> bytes:
