@@ -46,3 +46,33 @@ def test_the_raw_set_allocates_what_the_pools_put_does(redis_server: RedisProces
     pool_bench._bench_redis(redis_server.url, payloads, args)
     raw, pool = peaks["raw_redis_set_gbps"], peaks["redis_put_gbps"]
     assert raw < SNAPSHOT_BYTES // 8 and abs(raw - pool) < 64 * 1024, peaks
+
+
+def test_the_raw_peek_sends_what_the_pools_peek_does(redis_server: RedisProcess,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # The peek's baseline must ask Redis for the same bytes (each part's header and length, in one
+    # transaction), else the ratio compares unlike work.
+    import redis
+
+    r = redis.Redis.from_url(redis_server.url)
+    sent: dict[str, dict[str, int]] = {}
+
+    def commands() -> dict[str, int]:
+        return {name.removeprefix("cmdstat_"): v["calls"] for name, v in r.info("commandstats").items()}
+
+    def each_once(contenders: dict[str, Callable[[int], None]], ops: int, rounds: int) -> dict[str, float]:
+        for name, fn in contenders.items():
+            fn(0)  # first use: a pool learns its part count here
+            before = commands()
+            fn(1)
+            after = commands()
+            sent[name] = {c: n - before.get(c, 0) for c, n in after.items() if n != before.get(c, 0)}
+        return dict.fromkeys(contenders, 1.0)
+
+    monkeypatch.setattr(pool_bench, "_median_seconds", each_once)
+    args = argparse.Namespace(part_bytes=LocalPoolConfig().part_bytes, ops=2, rounds=1)
+    pool_bench._bench_redis(redis_server.url, [os.urandom(SNAPSHOT_BYTES) for _ in range(2)], args)
+    r.close()
+    info = {"info": 1}  # this test's own INFO, between the two reads
+    assert sent["redis_peek"] == sent["raw_redis_peek"] == {"multi": 1, "getrange": 3, "strlen": 3, "exec": 1,
+                                                            **info}, sent

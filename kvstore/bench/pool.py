@@ -4,6 +4,9 @@
   `GET` of the same bytes on the same server, over the same kind of connection. The server is
   started by the benchmark (as the test harness does: loopback, free port, nothing persisted)
   unless `--redis-url` names one.
+- Redis backend peek (a Lookup's presence check: each part's header and length, no payload)
+  against the same GETRANGE/STRLEN transaction in raw redis-py, checked alike; the get of the
+  same snapshot timed beside them (`redis_get_us`) for what a Lookup no longer moves.
 - Embedded pool get against memcpy (a numpy copy into a preallocated buffer). A hit of the
   embedded pool is a zero-copy view, so `embedded_get_gbps` times the get *plus* copying the view
   into the caller's preallocated buffer, the copy any consumer makes; the bare get is reported as
@@ -11,8 +14,8 @@
 
 Contenders take turns operation by operation and each figure comes from the median time of one
 operation: on a shared machine load from other processes then falls on every contender alike,
-and the median ignores the operations it stretched. Targets: Redis backend >= 0.8 x raw for put
-and get; embedded get >= 0.5 x memcpy. This module knows nothing about how figures are printed.
+and the median ignores the operations it stretched. Targets: Redis backend >= 0.8 x raw for put,
+get and peek; embedded get >= 0.5 x memcpy. This module knows nothing about how figures are printed.
 """
 
 from __future__ import annotations
@@ -34,7 +37,14 @@ from kvstore.layout import MAX_ENGINE_SNAPSHOT_BYTES
 from kvstore.local_pool.embedded import EmbeddedPool
 from kvstore.local_pool.factory import build_local_pool
 from kvstore.local_pool.redis_process import RedisProcess
-from kvstore.local_pool.snapshot_format import SnapshotHeader, decode_parts, encode_parts
+from kvstore.local_pool.snapshot_format import (
+    HEADER,
+    PART_HEADER,
+    SnapshotHeader,
+    check_parts,
+    decode_parts,
+    encode_parts,
+)
 
 V41_SNAPSHOT_BYTES = 1_351_680
 LAYOUT = b"benchlay"
@@ -90,9 +100,12 @@ def run_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
     result["redis_put_vs_raw"] = result["redis_put_gbps"] / result["raw_redis_set_gbps"]
     result["redis_get_vs_raw"] = result["redis_get_gbps"] / result["raw_redis_get_gbps"]
     result["embedded_get_vs_memcpy"] = result["embedded_get_gbps"] / result["memcpy_gbps"]
+    result["redis_peek_vs_raw"] = result["raw_redis_peek_us"] / result["redis_peek_us"]
     result["targets"] = [
         _target("redis put / raw redis-py SET PX of the same parts", result["redis_put_vs_raw"], 0.8),
         _target("redis get / raw redis-py GET of the same parts, checked and joined", result["redis_get_vs_raw"], 0.8),
+        _target("redis peek (a Lookup's) / raw redis-py GETRANGE+STRLEN of the same parts, checked",
+                result["redis_peek_vs_raw"], 0.8),
         _target("embedded get / memcpy", result["embedded_get_vs_memcpy"], 0.5),
     ]
     return result
@@ -105,9 +118,14 @@ def _target(name: str, value: float, target: float) -> dict[str, Any]:
 def _median_gbps(
     contenders: dict[str, Callable[[int], None]], nbytes: int, ops: int, rounds: int,
 ) -> dict[str, float]:
-    """GB/s of each contender from the median time of one operation; `fn(i)` moves one snapshot.
-    Contenders take turns op by op, so load from other processes falls on all of them alike,
-    and the median ignores the ops that such load stretched."""
+    """GB/s of each contender from the median time of one operation; `fn(i)` moves one snapshot."""
+    return {name: nbytes / t / 1e9 for name, t in _median_seconds(contenders, ops, rounds).items()}
+
+
+def _median_seconds(contenders: dict[str, Callable[[int], None]], ops: int, rounds: int) -> dict[str, float]:
+    """The median time of one operation of each contender. Contenders take turns op by op, so
+    load from other processes falls on all of them alike, and the median ignores the ops that
+    such load stretched."""
     for fn in contenders.values():  # warm-up: connections, allocator, caches
         for i in range(min(ops, 4)):
             fn(i)
@@ -117,7 +135,7 @@ def _median_gbps(
             t0 = time.perf_counter()
             fn(i)
             times[name].append(time.perf_counter() - t0)
-    return {name: nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _bench_redis(url: str, payloads: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
@@ -164,11 +182,29 @@ def _bench_redis(url: str, payloads: list[bytes], args: argparse.Namespace) -> d
         value = decode_parts(SnapshotHeader.unpack(parts[0]), parts)
         assert len(value) == n
 
+    def pool_peek(i: int) -> None:
+        got = pool.peek(ns[i % k], boundary, "bench", LAYOUT)
+        assert got.hit, got.miss_reason
+
+    def raw_peek(i: int) -> None:
+        # What a Lookup asks of the pool, in plain redis-py: each part's header and its length in
+        # one MULTI/EXEC, the header parsed and the parts checked against it.
+        pipe = raw.pipeline(transaction=True)
+        for j, key in enumerate(raw_keys[i % k]):
+            pipe.getrange(key, 0, (HEADER.size if j == 0 else PART_HEADER.size) - 1)
+            pipe.strlen(key)
+        replies = pipe.execute()
+        header = SnapshotHeader.unpack(replies[0])
+        check_parts(header, replies[2::2], replies[1::2])
+
     try:
         puts = _median_gbps({"raw_redis_set_gbps": raw_set, "redis_put_gbps": pool_put}, n, args.ops,
                           args.rounds)
         gets = _median_gbps({"raw_redis_get_gbps": raw_get, "redis_get_gbps": pool_get}, n, args.ops,
                           args.rounds)
+        peeks = {f"{name}_us": t * 1e6 for name, t in _median_seconds(
+            {"raw_redis_peek": raw_peek, "redis_peek": pool_peek, "redis_get": pool_get}, args.ops,
+            args.rounds).items()}
         stats = pool.stats()
         assert stats.skipped_writes == dict.fromkeys(stats.skipped_writes, 0), stats
     finally:
@@ -178,7 +214,7 @@ def _bench_redis(url: str, payloads: list[bytes], args: argparse.Namespace) -> d
         pool.close()
         raw.close()
     parts = len(encode_parts(LAYOUT, 128, payloads[0], args.part_bytes))
-    return {**puts, **gets, "redis_parts_per_snapshot": parts}
+    return {**puts, **gets, **peeks, "redis_parts_per_snapshot": parts}
 
 
 def _bench_embedded(payloads: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
