@@ -179,7 +179,10 @@ def test_a_load_stopped_mid_stream_releases_its_pins(service: Service, how: str)
     kv.store(DENSE, prompt, payloads(41, 3, service.chunk_bytes(DENSE)))  # 6 MiB: ~96 messages
     records: list[Any] = []
     service.app.observers.append(records.append)
-    stub = pb_grpc.KVCacheStub(kv.channel)
+    # A channel whose receive window stays at HTTP/2's 64 KiB: with gRPC's window growth (BDP
+    # probing) the unread 6 MiB could all be sent before the deadline, the call then done, "OK".
+    channel = grpc.insecure_channel(service.address, options=[("grpc.http2.bdp_probe", 0)])
+    stub = pb_grpc.KVCacheStub(channel)
     req = pb.LoadRequest(model=DENSE, tokens=pb.Tokens(u32le=prompt.tobytes()))
     stream = stub.Load(req, timeout=0.5 if how == "deadline" else 30)
     next(stream)  # the header: the session is open and pinned
@@ -197,6 +200,7 @@ def test_a_load_stopped_mid_stream_releases_its_pins(service: Service, how: str)
     assert [r.code for r in records if r.method == "Load"] == [
         "CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED"]
     assert len(kv.load(DENSE, prompt).chunks) == 3
+    channel.close()
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
