@@ -1,7 +1,9 @@
 """The global-KV store: the bookkeeper. It decides; it never touches bytes itself.
 
 It owns the index (chunk key -> which tiers hold the chunk, its tenant, its token ids), the byte
-budgets per tier and per tenant, the pins, and the policies. It asks tiers to move bytes:
+budgets per tier and per tenant, the pins, and the policies. It asks tiers to move bytes. This
+module builds it (`GlobalStore`, the one object the service holds) and does its lookups, its writes,
+its models and its counters:
 - lookup walks the chained keys and stops at the first key it does not hold (or whose stored
   token ids differ from the request's: a miss, counted);
 - a store is two-phase: `begin_store` -> `write` (payloads staged in the transaction) -> `commit`
@@ -9,13 +11,18 @@ budgets per tier and per tenant, the pins, and the policies. It asks tiers to mo
   LMDB transaction (write-through), then places them in the hot tier and makes them visible; its
   result counts what a lookup then reaches; `abort` (or an exception, or a cancelled stream)
   leaves nothing;
-- a load reads each chunk of the hit prefix from the fastest tier holding it, pinned only while
-  it is read (a message's or a span's chunks at a time: a client that stops reading pins nothing),
-  promotes it to the device tier when the policy says so, and touches what it read; a chunk
-  evicted meanwhile ends the hit there (`pin_prefix`, a replay's read, pins the whole prefix with
-  a receipt until it is done, and counts no lookup);
-- pressure demotes device -> DRAM -> LMDB -> dropped, choosing victims with the tier's eviction
-  policy, never a pinned chunk, and never exceeding a tier's capacity or a tenant's quota.
+- the models served: the config's, and those engines register at run time (recorded in LMDB and
+  recovered at start);
+- the counters, the service's and each tenant's (`stats`, `tenant_stats`), and `check_invariants`.
+
+The rest of the bookkeeping is mixed in, one part a module, each working on the state set up here:
+- reads.py: a load reads the hit prefix from the fastest tier holding each chunk, pinned only
+  while it is read, and promotes and touches what it read;
+- placement.py: pressure demotes device -> DRAM -> LMDB -> dropped, choosing victims with the
+  tier's eviction policy, never a pinned chunk, and never exceeding a tier's capacity or a
+  tenant's quota;
+- namespaces.py: the record in LMDB of each namespace holding chunks, and each tenant's share;
+- index_load.py: the index rebuilt from LMDB at start, before listening or in the background.
 
 What it does not know: how bytes are laid out in memory or on disk (tiers), how victims are
 ranked (policies), gRPC, tenants' credentials, or local SWA state (the local pool).
@@ -28,12 +35,11 @@ CHUNKS_PER_LOCK_HOLD chunks at a time.
 
 from __future__ import annotations
 
-import itertools
 import json
 import operator
 import threading
 import time
-from collections.abc import Callable, Collection, Container, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar, cast
 
@@ -41,8 +47,8 @@ import numpy as np
 
 from kvstore.config.policies import build_admission, build_eviction
 from kvstore.config.store import StoreConfig
-from kvstore.errors import InvalidInput, ResourceExhausted, StorageError, UnknownModel, listed
-from kvstore.keys.chain import chain_from, chained_count
+from kvstore.errors import InvalidInput, ResourceExhausted, UnknownModel, listed
+from kvstore.keys.chain import chain_from
 from kvstore.keys.chunk_keys import (
     Namespace,
     as_token_array,
@@ -56,13 +62,14 @@ from kvstore.layout import TIER_NAMES, CacheLayout, EngineModel, ModelSpec, engi
 from kvstore.store.cold import ColdChunks
 from kvstore.store.commit_plan import CommitPlan, PlannedChunk
 from kvstore.store.fates import ChunkFateSink, NoFates, RefusalReason
-from kvstore.store.pins import PinReceipt, PinTable
-from kvstore.store.placement import ChunkEntry, Placement, Plus, fastest_tier
-from kvstore.store.sessions import LoadSession, StoreTxn
-from kvstore.store.store_lock import StoreLock
+from kvstore.store.index_load import IndexLoad
+from kvstore.store.pins import PinTable
+from kvstore.store.placement import ChunkEntry, fastest_tier
+from kvstore.store.reads import Reads
+from kvstore.store.sessions import StoreTxn
+from kvstore.store.store_lock import CHUNKS_PER_LOCK_HOLD, StoreLock
 from kvstore.store.types import (
     CommitResult,
-    InPlaceRun,
     PrefixHit,
     SkipReason,
     StoreStats,
@@ -70,21 +77,18 @@ from kvstore.store.types import (
     TenantStats,
     TierUsage,
 )
-from kvstore.tiers.base import ChunkMeta, DurableTier, ScanBatch, Tier, TierName
+from kvstore.tiers.arena import PagedArena
+from kvstore.tiers.base import ChunkMeta, DurableTier, Tier, TierName
 from kvstore.tiers.factory import build_tiers, quantize_tiers
 from policies.base import AdmissionPolicy, EvictionPolicy
 
 T = TypeVar("T")
-# Chunks one commit plans, or inserts, per hold of the store's lock at most (each may evict a few
-# chunks to make room): it lets go sooner when another call waits for the lock, so that no call is
-# held up behind a large Store for more than a chunk's bookkeeping.
-CHUNKS_PER_LOCK_HOLD = 32
-# And it lets the interpreter and the CPU go this often at least: the commit's bookkeeping is
-# Python, and on a machine with few cores another tenant's call would otherwise wait for the
-# commit's thread to be preempted.
+# A commit lets the interpreter and the CPU go this often at least, besides every
+# CHUNKS_PER_LOCK_HOLD chunks (store_lock.py): its bookkeeping is Python, and on a machine with
+# few cores another tenant's call would otherwise wait for the commit's thread to be preempted.
 TURN_SECONDS = 0.0003
-RECOVER_BATCH = 1024  # chunks found at start, appended to the cold arrays at a time
-_GROUP = np.dtype((np.void, 48))  # a recovered chunk's namespace, layout id and payload size, joined
+# Chunks found at start, appended to the cold arrays at a time (index_load.py: read as the store opens).
+RECOVER_BATCH = 1024
 # The LMDB tier's eviction policy keeps this many of its newest keys (per queue) as objects and the
 # rest as arrays (policies/key_log.py): it tracks nearly every chunk. The memory tiers' track few.
 LMDB_POLICY_YOUNG_KEYS = 64
@@ -111,25 +115,11 @@ MAX_ENGINE_MODELS = 1024
 MAX_ENGINE_MODELS_PER_TENANT = 64
 
 
-def _chained_count(keys: Sequence[bytes], prev: bytes, metas: Sequence[ChunkMeta | None]) -> int:
-    """How many chunks read from LMDB, from the first, have stored token ids that hash to their keys
-    after `prev`: one compiled pass over the run, where a hashlib call each cost ~0.6 us under the
-    store's lock."""
-    tokens: list[bytes] = []
-    for meta in metas:
-        if meta is None:
-            break
-        tokens.append(meta.tokens)
-    return chained_count(prev, tokens, keys)
-
-
 def _footprint(entry: ChunkEntry | None) -> Mapping[TierName, int]:
     return {} if entry is None else entry.footprint
 
 
-class GlobalStore(Placement):
-    _cold: ColdChunks
-
+class GlobalStore(Reads, IndexLoad):
     def __init__(
         self,
         cfg: StoreConfig,
@@ -145,7 +135,7 @@ class GlobalStore(Placement):
         of a data directory of an older format, loading the index in the background).
         `load_index_in_background`: return before the LMDB tier's chunks are indexed and index them
         on a thread; until then (`ready`), the store answers from what it has indexed so far and
-        keeps what it is given in memory only (see `_loading`). `arena_owners` (tenant -> weight)
+        keeps what it is given in memory only (see index_load.py). `arena_owners` (tenant -> weight)
         splits the in-memory tiers between those tenants, so that their same-host clients can read
         chunks in place (`hold_in_place`); each tenant is then kept within its part."""
         self.cfg = cfg
@@ -165,7 +155,7 @@ class GlobalStore(Placement):
         self._parts: dict[TierName, dict[str, int]] = {
             t: caps for t, arena in zip(HOT_TIERS, built[:2], strict=True)
             if (caps := arena.owner_capacities()) is not None}
-        self._arenas = dict(zip(HOT_TIERS, built[:2], strict=True))
+        self._arenas: dict[TierName, PagedArena] = dict(zip(HOT_TIERS, built[:2], strict=True))
         device, dram, lmdb = quantize_tiers(cfg, layouts, *built)
         self._durable: DurableTier = lmdb
         self._tiers: dict[TierName, Tier] = {"device": device, "dram": dram, "lmdb": lmdb}
@@ -177,26 +167,21 @@ class GlobalStore(Placement):
         self._hot_room = any(self._tiers[t].capacity_bytes > 0 for t in HOT_TIERS)  # promotion can land
         self._used: dict[TierName, int] = dict.fromkeys(TIER_NAMES, 0)
         self._tenant_used: dict[tuple[str, TierName], int] = {}
-        self._known_ns: dict[bytes, str] = {}  # namespace digest -> tenant, of the records in LMDB
-        # A namespace's record is written with its first chunk that goes to LMDB and deleted once it
-        # holds no chunk (a new cache_salt per call must not fill the map with records); the records
-        # each tenant has, or is writing, are bounded by its share of cfg.max_namespaces.
-        self._ns_chunks: dict[bytes, int] = {}  # namespace digest -> its chunks held, any tier
-        self._ns_records: dict[bytes, bytes] = {}  # the record of each namespace stored in this process
-        self._ns_of_tenant: dict[str, int] = {}  # records held or being written, per tenant
-        self._ns_committing: dict[bytes, int] = {}  # commits in flight per namespace: record kept
-        self._ns_writing: dict[bytes, threading.Event] = {}  # records being written; set when done
-        self._ns_doomed: set[bytes] = set()  # records of namespaces that lost their last chunk
-        self._ns_deleting: dict[bytes, threading.Event] = {}  # records being deleted; set when done
-        self._ns_kept: set[bytes] = set()  # namespaces of chunks kept on disk unserved: records stay
-        # Until the index is loaded, a namespace whose chunks the scan has not reached looks empty:
-        # no record is doomed before then (the load's end dooms those no chunk needs).
+        # The namespace records and their shares (namespaces.py says what each of these holds).
+        self._known_ns: dict[bytes, str] = {}
+        self._ns_chunks: dict[bytes, int] = {}
+        self._ns_records: dict[bytes, bytes] = {}
+        self._ns_of_tenant: dict[str, int] = {}
+        self._ns_committing: dict[bytes, int] = {}
+        self._ns_writing: dict[bytes, threading.Event] = {}
+        self._ns_doomed: set[bytes] = set()
+        self._ns_deleting: dict[bytes, threading.Event] = {}
+        self._ns_kept: set[bytes] = set()
         self._ns_all_counted = False
         self._counters: dict[str, int] = {}
         # The same counters per tenant: a tenant's Stats answers its own figures, never another's.
         self._tenant_counters: dict[str, dict[str, int]] = {}
-        # Live pins -> (the tenant whose call or replay holds it, when it expires): each tenant's pins
-        # active and expired, beside the pin table's totals.
+        # Each tenant's pins, beside the pin table's totals (reads.py).
         self._pin_owners: dict[int, tuple[str, float]] = {}
         self._pins_active_of: dict[str, int] = {}
         self._by_tier: dict[str, int] = {}
@@ -212,7 +197,9 @@ class GlobalStore(Placement):
         # second tenant is the same model): the models each tenant's Stats lists.
         self._registrants: dict[str, set[str]] = {}
         self._progress = progress or (lambda line: None)
+        # The startup index load (index_load.py).
         self._ready = threading.Event()
+        self._recover_batch = RECOVER_BATCH
         self._stop_loading = threading.Event()
         self._load_error = ""
         self._index_at_start = self._durable.stats().entries
@@ -392,18 +379,6 @@ class GlobalStore(Placement):
                 self._memo.checked(recall.remembered, entries[: len(recall.keys)])
             tiers: list[TierName] = list(map(_FASTEST, entries[:h]))
         return h, keys, tiers, mismatches
-
-    def _peek_many(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
-        """`_peek` for each key, under the lock: the indexed ones by C-level lookups, the cold ones
-        among the rest all looked up at once."""
-        held: list[ChunkEntry | None] = list(map(self._index.get, keys))
-        if self._cold.live and None in held:
-            if held.count(None) == len(held):  # none indexed (a restart's chunks): no gaps to gather
-                return self._cold.peek_many(keys)
-            gaps = [i for i, e in enumerate(held) if e is None]
-            for i, entry in zip(gaps, self._cold.peek_many([keys[i] for i in gaps]), strict=True):
-                held[i] = entry
-        return held
 
     def _all_held(self, keys: Sequence[bytes]) -> bool:
         """Every key is indexed or cold (the cold ones looked up at once). Called without the lock:
@@ -698,573 +673,6 @@ class GlobalStore(Placement):
                 return "over-quota"
         return "no-room"
 
-    @staticmethod
-    def _namespace_record(ns: Namespace) -> bytes:
-        # ensure_ascii=False: a salt of 128 emoji is 512 bytes of UTF-8, not 1,536 of escapes.
-        return json.dumps(
-            {"tenant": ns.tenant, "model": ns.model, "revision": ns.revision,
-             "layout_id": ns.layout_id.hex(), "replay_mode": ns.replay_mode,
-             "format_version": ns.format_version, "salt": ns.salt},
-            sort_keys=True, ensure_ascii=False,
-        ).encode()
-
-    def namespace_share(self) -> int:
-        """The namespaces one tenant may have records of: an equal share of the configured total."""
-        return max(1, self.cfg.max_namespaces // max(1, len(self._quotas)))
-
-    def _namespace_room(self, tenant: str) -> str:
-        """Why `tenant` may not have one more namespace record ("" if it may). Under the lock."""
-        share, total = self.namespace_share(), self.cfg.max_namespaces
-        mine = self._ns_of_tenant.get(tenant, 0)
-        if mine >= share:
-            return (f"tenant '{tenant}' holds chunks in {mine} namespaces (model, replay mode, cache_salt), "
-                    f"its share of store.max_namespaces = {total}; a new one needs chunks of another to go first")
-        if sum(self._ns_of_tenant.values()) >= total:
-            return (f"the store holds chunks in store.max_namespaces = {total} namespaces (model, replay mode, "
-                    f"cache_salt) already; tenant '{tenant}' must wait for chunks of one to go")
-        return ""
-
-    def _claim_namespace(self, digest: bytes, tenant: str) -> None:
-        self._ns_of_tenant[tenant] = self._ns_of_tenant.get(tenant, 0) + 1
-        self._known_ns[digest] = tenant
-
-    def _release_namespace(self, digest: bytes) -> None:
-        tenant = self._known_ns.pop(digest)
-        self._ns_of_tenant[tenant] -= 1
-
-    def _record_namespace(self, ns: Namespace) -> None:
-        """Write the namespace's record (once) before its first chunk goes to LMDB: a restart serves
-        only the chunks of namespaces it has records of. ResourceExhausted past the tenant's share."""
-        digest = ns.digest
-        while True:
-            with self._lock:
-                if digest in self._known_ns:
-                    return
-                pending = self._ns_writing.get(digest)
-                if pending is None:
-                    why = self._namespace_room(ns.tenant)
-                    if why:
-                        raise ResourceExhausted(why)
-                    done = self._ns_writing[digest] = threading.Event()
-                    self._ns_of_tenant[ns.tenant] = self._ns_of_tenant.get(ns.tenant, 0) + 1
-                    break
-            pending.wait()  # another commit writes it: this one's chunks go after it
-        written = False
-        try:
-            self._durable.put_namespace(digest, self._namespace_record(ns))
-            written = True
-        finally:
-            with self._lock:
-                self._ns_of_tenant[ns.tenant] -= 1
-                if written:
-                    self._claim_namespace(digest, ns.tenant)
-                del self._ns_writing[digest]
-            done.set()
-
-    def _namespace_recorded(self, entry: ChunkEntry) -> bool:
-        """Whether a chunk may be demoted into LMDB: its namespace has a record, written here (under
-        the lock: a small transaction, once per namespace) where it can be."""
-        digest = entry.namespace
-        if digest in self._known_ns:
-            return True
-        record = self._ns_records.get(digest)
-        if record is None or digest in self._ns_writing or digest in self._ns_deleting:
-            return False
-        if self._namespace_room(entry.tenant):
-            self._bump("admissions_refused", 1, entry.tenant)
-            return False
-        self._durable.put_namespace(digest, record)
-        self._claim_namespace(digest, entry.tenant)
-        return True
-
-    def _chunks_added(self, digest: bytes, n: int) -> None:
-        self._ns_chunks[digest] = self._ns_chunks.get(digest, 0) + n
-
-    def _chunk_gone(self, entry: ChunkEntry) -> None:
-        digest = entry.namespace
-        n = self._ns_chunks[digest] - 1
-        if n:
-            self._ns_chunks[digest] = n
-            return
-        del self._ns_chunks[digest]
-        self._ns_records.pop(digest, None)
-        self._doom_namespace(digest)
-
-    def _leave_namespace(self, digest: bytes) -> None:
-        n = self._ns_committing[digest] - 1
-        if n:
-            self._ns_committing[digest] = n
-        else:
-            del self._ns_committing[digest]
-            self._doom_namespace(digest)  # a commit that stored nothing there
-
-    def _doom_namespace(self, digest: bytes) -> None:
-        if (self._ns_all_counted and digest in self._known_ns and digest not in self._ns_chunks
-                and digest not in self._ns_kept):
-            self._ns_doomed.add(digest)
-
-    def _delete_doomed(self) -> None:
-        """The evicted values, then the records of namespaces left with no chunk and no commit."""
-        super()._delete_doomed()
-        if not self._ns_doomed:  # read without the lock: whoever doomed one calls this after
-            return
-        done = threading.Event()
-        with self._lock:
-            if self._doomed or self._deleting:
-                # Evicted values still on disk, maybe a doomed namespace's last: its record goes
-                # after them (a crash between would strand them), when the call deleting them
-                # comes back here.
-                return
-            gone = [d for d in self._ns_doomed if d in self._known_ns and d not in self._ns_chunks
-                    and d not in self._ns_committing and d not in self._ns_deleting]
-            # The others hold chunks again, or are doomed again when their last commit leaves.
-            self._ns_doomed.clear()
-            owners = {d: self._known_ns[d] for d in gone}
-            for d in gone:
-                self._release_namespace(d)
-                self._ns_deleting[d] = done
-        if not gone:
-            return
-        try:
-            self._durable.delete_namespaces(gone)
-        except BaseException:
-            with self._lock:
-                for d in gone:
-                    self._claim_namespace(d, owners[d])
-                self._ns_doomed.update(gone)  # tried again by the next call
-            raise
-        finally:
-            with self._lock:
-                for d in gone:
-                    del self._ns_deleting[d]
-            done.set()
-
-    # --- load -------------------------------------------------------------------------------------
-
-    def load(self, ns: Namespace, tokens: np.ndarray, max_chunks: int | None = None) -> LoadSession:
-        """The hit prefix, to read; each chunk is pinned only while it is read (`pin_window`), not
-        for the session's life: a Load stream its client does not read would otherwise keep its
-        whole prefix from eviction, and another tenant's writes out of a full shared tier. A chunk
-        evicted before it is read ends the load there, a shorter hit."""
-        return self._pin(ns, tokens, max_chunks, count=True, whole=False)
-
-    def pin_prefix(self, ns: Namespace, tokens: np.ndarray, max_chunks: int | None = None) -> LoadSession:
-        """A load for the service's own use (a replay reading the prefix it rebuilds state for):
-        pins and reads like `load`, but is not counted as a lookup. The request that led here
-        was counted by its own lookup; counting the pin too would add a lookup and its hit tokens
-        per replay to the hit-rate statistics. The whole prefix stays pinned until the session
-        closes: the service's own read, bounded by the replays admitted and their deadlines."""
-        return self._pin(ns, tokens, max_chunks, count=False, whole=True)
-
-    def _pin(self, ns: Namespace, tokens: np.ndarray, max_chunks: int | None, count: bool,
-             whole: bool) -> LoadSession:
-        hit_keys: list[bytes] = []
-        result = self._walk(ns, tokens, count, hit_keys)
-        n = result.hit_chunks if max_chunks is None else min(result.hit_chunks, max_chunks)
-        keys = hit_keys[:n]
-        with self._lock:
-            self._expire_pins()
-            # A load's receipt pins no chunk: it counts the open session among its tenant's pins.
-            receipt = self._hold_pin(keys if whole else (), ns.tenant, self.cfg.pin_timeout_seconds)
-        return LoadSession(self, ns, self.layout(ns), keys, receipt, result, whole=whole)
-
-    def pin_window(self, keys: Sequence[bytes], tenant: str) -> PinReceipt:
-        """Pin the chunks a load is about to read, for `tenant`, until `unpin` (right after the
-        read) or the pin timeout."""
-        with self._lock:
-            self._expire_pins()
-            return self._hold_pin(keys, tenant, self.cfg.pin_timeout_seconds)
-
-    def read_chunk(self, key: bytes, out: memoryview, prev: bytes,
-                   protect: Container[bytes] = ()) -> TierName | None:
-        """Copy one chunk into `out` from the fastest tier that holds it intact; `prev` is the key
-        before it in its chain (the namespace digest for chunk 0). Promoting it evicts none of
-        `protect` (the reader's own prefix: a load does not push its next chunks down)."""
-        with self._lock:
-            entry = self._peek(key)
-            if entry is None:
-                return None
-            order = [t for t in TIER_NAMES if t in entry.footprint]
-            for tier in order:
-                if tier == "lmdb":
-                    break  # read outside the lock below
-                if self._tiers[tier].get_into(key, out) is not None:
-                    return tier
-                self._lost(key, entry, tier)
-        if "lmdb" not in order:
-            return None
-        meta = self._durable.get_into(key, out)
-        return "lmdb" if self._after_lmdb_reads([key], prev, [meta], [out], protect) else None
-
-    def read_chunks(self, keys: Sequence[bytes], outs: Sequence[memoryview], prev: bytes,
-                    protect: Container[bytes] = ()) -> list[TierName]:
-        """`read_chunk` for consecutive chunks of a prefix (`prev`: the key before the first), stopping
-        at the first one that is gone: the tiers of the chunks read. A run of chunks that only LMDB
-        holds is read in one LMDB read transaction."""
-        got: list[TierName] = []
-        i, n = 0, len(keys)
-        with self._lock:  # where each lies, looked up at once; each read checks its chunk again
-            lmdb_only = [e is not None and e.fastest == "lmdb" for e in self._peek_many(keys)]
-        while i < n:
-            j = i
-            while j < n and lmdb_only[j]:
-                j += 1
-            if j == i:  # in memory (or gone): one at a time
-                tier = self.read_chunk(keys[i], outs[i], keys[i - 1] if i else prev, protect)
-                if tier is None:
-                    return got
-                got.append(tier)
-                i += 1
-                continue
-            metas = self._durable.get_many_into(keys[i:j], outs[i:j])
-            ok = self._after_lmdb_reads(keys[i:j], keys[i - 1] if i else prev, metas, outs[i:j], protect)
-            got.extend(["lmdb"] * ok)
-            if ok < j - i:
-                return got
-            i = j
-        return got
-
-    def _after_lmdb_reads(self, keys: Sequence[bytes], prev: bytes, metas: Sequence[ChunkMeta | None],
-                          outs: Sequence[memoryview], protect: Container[bytes] = ()) -> int:
-        """Book LMDB reads of consecutive chunks done outside the lock, a group of chunks per hold of
-        it (their entries looked up at once): check the namespace and token ids stored with each
-        chunk (a mismatch is a loss, like a corrupt value) and promote it if the policy says so.
-        A chunk recovered from the index is checked against its key the first time, and then
-        knows its token ids. How many of the chunks, from the first, were good."""
-        good = 0
-        chained = _chained_count(keys, prev, metas)  # hashed here, before the lock is taken
-        # A promotion copies under the lock: held for a bounded number of chunks at a time. No
-        # sleep(0) between holds, as a commit takes: a reader would give its core to a busy engine.
-        for start in range(0, len(keys), CHUNKS_PER_LOCK_HOLD):
-            end = start + CHUNKS_PER_LOCK_HOLD
-            with self._lock:
-                group = keys[start:end]
-                held = self._peek_many(group)
-                for i, (key, entry, meta, out) in enumerate(
-                        zip(group, held, metas[start:end], outs[start:end], strict=True), start):
-                    if not self._after_lmdb_read(key, prev, entry, meta, out, i < chained, protect):
-                        break
-                    good += 1
-                    prev = key
-            if good < min(len(keys), end):
-                break
-        self._delete_doomed()  # making room for a promotion may have evicted from LMDB
-        return good
-
-    def _after_lmdb_read(self, key: bytes, prev: bytes, entry: ChunkEntry | None, meta: ChunkMeta | None,
-                         out: memoryview, chained: bool = False, protect: Container[bytes] = ()) -> bool:
-        """`_after_lmdb_reads` for one chunk (`entry`: its entry as peeked in this hold of the lock;
-        `chained`: its stored token ids are known to hash to `key` after `prev`)."""
-        ok = meta is not None and entry is not None and meta.namespace == entry.namespace and (
-            meta.tokens == entry.tokens if entry.tokens is not None
-            else chained or next_key(prev, meta.tokens) == key)
-        if not ok:
-            # The read ran outside the lock: a pin that lapsed meanwhile let the chunk be evicted
-            # and maybe stored again, so only a value LMDB still charges and does not hold now is lost.
-            if entry is not None and "lmdb" in entry.footprint:
-                if meta is None and self._durable.get_into(key, out) is not None:
-                    return False  # deleted and written again since that read: a miss, not a loss
-                self._lost(key, cast("ChunkEntry", self._entry(key)), "lmdb")
-                if meta is not None:
-                    # A value that verifies but is another key's: the tier removes only values that
-                    # fail its checks, so this one is deleted as an eviction's is (`_delete_doomed`,
-                    # called after every read), or each restart would index it again.
-                    self._doomed.add(key)
-                    self._bump_tier("unmatched", "lmdb")
-            return False
-        assert entry is not None and meta is not None
-        # Not while the index loads: the LMDB policy takes the cold chunks only at its end.
-        promote = (self.cfg.promote_on_hit and self._hot_room and self._ready.is_set()
-                   and not (entry.footprint.keys() & {"device", "dram"}))
-        if entry.cold:
-            if not promote:
-                return True  # stays cold: checked against its key again at its next read
-            entry = cast("ChunkEntry", self._entry(key))
-        if entry.tokens is None:
-            entry.tokens = meta.tokens
-        if promote and self._place_hot(key, entry, out[: entry.payload_bytes], protect=Plus(protect, key)):
-            self._bump_tier("promotions", fastest_tier(entry))
-        elif entry.fastest == "lmdb":
-            self._fold(key, entry)  # no room to promote it after all
-        return True
-
-    def read_joined(
-        self, keys: Sequence[bytes], head: Callable[[TierName], bytes]
-    ) -> tuple[TierName, bytes] | None:
-        """`head(tier)` followed by the payloads of `keys`, as one new bytes object copied once
-        from `tier`, the in-memory tier that is the fastest holder of every one of them; None when
-        they are spread over tiers, one is held by LMDB only, or the tier cannot read in place
-        (read them one by one with `read_chunk` then).
-
-        A Load's stream message is built this way: reading each chunk into a message buffer and
-        then copying the buffer into the `bytes` gRPC sends cost one more pass over every byte
-        than a plain server serializing a prebuilt message (~10% of a Load's CPU)."""
-        with self._lock:  # held through the copy, as `read_chunk` does: nothing is evicted meanwhile
-            tier: TierName | None = None
-            for k in keys:
-                entry = self._peek(k)
-                if entry is None or entry.fastest == "lmdb" or (tier is not None and entry.fastest != tier):
-                    return None
-                tier = entry.fastest
-            if tier is None:
-                return None
-            out = self._tiers[tier].join_payloads(head(tier), keys)
-        return None if out is None else (tier, out)
-
-    def hold_in_place(self, keys: Sequence[bytes], tenant: str, pin_seconds: float,
-                      tiers: Collection[TierName]) -> InPlaceRun | None:
-        """The longest head of `keys` that one in-memory tier, split between tenants, holds in
-        `tenant`'s own part with each chunk in one piece, pinned for `pin_seconds` (or until
-        `unpin`) so that a same-host client can read it where it lies; None when the first chunk
-        is not so held (read it with `read_chunk` then)."""
-        with self._lock:
-            # Indexed entries only: a cold chunk is held by LMDB alone, which ends the run anyway.
-            held = list(map(self._index.get, keys))
-            first = held[0] if held else None
-            if (first is None or first.fastest not in self._parts or first.fastest not in tiers
-                    or first.tenant != tenant):
-                return None
-            tier = first.fastest
-            n = 1
-            for e in itertools.islice(held, 1, None):
-                if e is None or e.fastest != tier:
-                    break
-                n += 1
-            offsets = self._arenas[tier].locate_many(keys[:n], tenant)  # the tenant's own, checked there
-            if not offsets:
-                return None
-            self._expire_pins()
-            pin = self._hold_pin(keys[: len(offsets)], tenant, pin_seconds)
-        return InPlaceRun(tier, tuple(offsets), pin)
-
-    def arena_memory(self, tenant: str) -> list[tuple[TierName, int, int]]:
-        """(tier, descriptor, bytes) of `tenant`'s part of each in-memory tier split between
-        tenants: what its same-host clients map, read-only, to read chunks in place."""
-        parts = ((tier, self._arenas[tier].owner_memory(tenant)) for tier in self._parts)
-        return [(tier, *got) for tier, got in parts if got is not None]
-
-    def device_memory(self, tenant: str) -> list[tuple[TierName, bytes, int]]:
-        """(tier, CUDA IPC handle, bytes) of `tenant`'s part of each tier split between tenants on a
-        GPU: what its same-host clients on that GPU open to read chunks where they lie."""
-        parts = ((tier, self._arenas[tier].owner_device_memory(tenant)) for tier in self._parts)
-        return [(tier, *got) for tier, got in parts if got is not None]
-
-    def unpin(self, pin: PinReceipt) -> None:
-        """Let chunks held in place go (a second call, or one after the pin expired, does nothing)."""
-        with self._lock:
-            self._release_pin(pin)
-
-    def _lost(self, key: bytes, entry: ChunkEntry, tier: TierName) -> None:
-        """A tier no longer has a chunk it was charged for (corrupt value removed by the tier)."""
-        self._bump("corrupt_reads", 1, entry.tenant)
-        self._bump_tier("corrupt", tier)
-        self._policies[tier].remove(key)
-        self._uncharge(key, entry, tier)
-        if not self._holds(key):  # that was its last copy
-            self._fates.corrupt(key, entry.namespace, tier, entry.tenant)
-
-    def release_load(self, receipt: PinReceipt, read_keys: Sequence[bytes]) -> None:
-        with self._lock:
-            self._release_pin(receipt)
-            # Touch the chunks that were read tail first, so the head of the prefix ends up the
-            # most recently used: eviction then takes a prefix from its tail.
-            keys = read_keys[::-1]
-            held = self._peek_many(keys)
-            for tier in TIER_NAMES:  # a pass per tier: a load's chunks are hundreds
-                touched = [k for k, e in zip(keys, held, strict=True) if e is not None and tier in e.footprint]
-                if touched:
-                    self._policies[tier].touch_many(touched)
-
-    # --- restart ----------------------------------------------------------------------------------
-
-    def _recover_namespaces(self) -> None:
-        for digest, record in self._durable.namespaces().items():
-            try:
-                d = json.loads(record)
-                if not isinstance(d, dict):  # valid JSON, but a list or a string has no "tenant"
-                    raise ValueError("not an object")
-                served = bytes.fromhex(str(d.get("layout_id", ""))) in self._layouts
-                self._claim_namespace(digest, str(d["tenant"]))
-                if not served:  # its chunks stay on disk for a config that serves them: so does it
-                    self._ns_kept.add(digest)
-            except (ValueError, KeyError):
-                self._ignored["bad-namespace-record"] = self._ignored.get("bad-namespace-record", 0) + 1
-
-    def _load_index_thread(self) -> None:
-        try:
-            self._load_index()
-        except BaseException as e:  # the store keeps answering (misses); health and Stats say why
-            self._load_error = f"{type(e).__name__}: {e}"
-            self._progress(f"loading the LMDB index failed: {self._load_error}")
-
-    def _load_index(self) -> None:
-        """Rebuild the index from the durable tier's index records: the index *is* the database.
-        Every chunk found goes into the cold arrays (store/cold.py), not an entry object each, and
-        into the LMDB tier's eviction policy as one run, in key order, as if inserted one by one.
-        Batches are indexed under the lock, so that calls go on between them (loading in the
-        background) and see the chunks indexed so far."""
-        t0 = time.perf_counter()
-        background = self._loader is not None
-        if background:
-            self._progress(f"index: loading {self._index_at_start:,} LMDB chunks in the background "
-                           "(answering from what is loaded; Stores stay in memory until it is done)")
-        elif self._index_at_start:
-            self._progress(f"index: loading {self._index_at_start:,} LMDB chunks before listening")
-        cold = self._cold
-        cost = float(self.cfg.chunk_tokens)  # what a recovered chunk was always given
-        keys = bytearray()
-        kinds: list[int] = []
-        # (namespace, layout id, payload bytes) joined -> the cold kind of such chunks, or why they are ignored
-        kind_of: dict[bytes, int | str] = {}
-        # Index records only (tiers/lmdb_tier.py): no value is read here, whatever their size.
-        for batch in self._durable.scan_batches():
-            if background:
-                # Let the interpreter go after each batch (a fraction of a millisecond of work):
-                # a call that released it (hashing its keys, a numpy search) would otherwise wait
-                # up to a switch interval (5 ms) at each release: Lookups of tens of ms in a restart.
-                time.sleep(0)
-            for sc in batch.damaged:
-                self._ignored[sc.problem] = self._ignored.get(sc.problem, 0) + 1
-                self._ignored_bytes += sc.stored_bytes
-            if not len(batch.keys):
-                continue
-            row_kinds = self._recovered_kinds(batch, kind_of, cost)
-            good = row_kinds >= 0
-            keys += batch.keys[good].tobytes()
-            kinds += row_kinds[good].tolist()
-            if len(kinds) >= RECOVER_BATCH:
-                self._index_batch(bytes(keys), kinds)
-                keys, kinds = bytearray(), []
-                if self._stop_loading.is_set():
-                    return
-        self._index_batch(bytes(keys), kinds)
-        # Left on disk for a config that serves them again, outside the budget: the map must not
-        # fill with them and the budget's own data together.
-        self._durable.keep_unserved(self._ignored_bytes)
-        if self._ignored:
-            why = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self._ignored.items()))
-            self._progress(f"index: {sum(self._ignored.values()):,} LMDB chunks this config does not serve "
-                           f"({why}; {self._ignored_bytes / (1 << 20):,.1f} MiB) kept on disk outside the budget")
-        footprints = cold.footprints()  # an array as long as the run: made before the lock is taken
-        with self._lock:
-            self._policies["lmdb"].insert_run(cold.run(), footprints, cost)
-            for key in cold.dead():  # lost while loading (a corrupt value read), or thawed by a call
-                entry = self._index.get(key)
-                if entry is None or "lmdb" not in entry.footprint:  # a thawed one stays, charged
-                    self._policies["lmdb"].remove(key)
-            # More than the capacity: a smaller capacity than the data was written under, or a crash
-            # between evicting chunks from the index and deleting their values. Evict down to it,
-            # and each tenant down to its quota (lowered since the data was written). Loading in the
-            # background, calls may hold more than that pinned: the store gets ready anyway, and
-            # evicts the rest as it makes room once they are let go (`_evict_unprotected`).
-            evictions, used = self._by_tier.get("evictions:lmdb", 0), self._used["lmdb"]
-            self._evict_unprotected("lmdb", None)
-            for tenant in sorted({t for (t, tier) in self._tenant_used if tier == "lmdb"}):
-                self._evict_unprotected("lmdb", tenant)
-            # Said, not silent: data written under a larger budget, or charged less by an older
-            # version (small chunks, before 2026-12-06), loses chunks here.
-            evicted = self._by_tier.get("evictions:lmdb", 0) - evictions
-            if self._overage and not background:
-                raise AssertionError("nothing is pinned or committing here, so every chunk can be evicted")
-            self._ns_all_counted = True
-            for digest in self._known_ns:  # records no chunk found needs (written before they were deleted)
-                self._doom_namespace(digest)
-        try:
-            self._delete_doomed()
-        except StorageError as e:  # what was not deleted stays doomed: the next call's deletion retries it
-            self._progress(f"index: deleting evicted values and empty namespace records failed ({e}); "
-                           "retried by the next deletion")
-        if evicted:
-            self._progress(f"index: {evicted:,} chunks ({(used - self._used['lmdb']) / (1 << 20):,.1f} MiB) over "
-                           "the LMDB budget or a tenant's quota evicted")
-        self._load_seconds = time.perf_counter() - t0
-        self._ready.set()
-        with self._lock:  # chunks that came to be held by LMDB only while it loaded
-            for key, entry in list(self._index.items()):
-                if entry.fastest == "lmdb":
-                    self._fold(key, entry)
-        if self._index_at_start:
-            self._progress(f"index: {cold.n - evicted:,} LMDB chunks ready in {self._load_seconds:.2f} s")
-
-    def _recovered_kinds(self, batch: ScanBatch, kind_of: dict[bytes, int | str], cost: float) -> np.ndarray:
-        """Each row's cold kind (-1 where its chunks are ignored, counted by reason), decided once
-        per (namespace, layout, size): a batch's rows are grouped first."""
-        what = np.concatenate([batch.namespaces, batch.layout_ids,
-                               batch.payload_bytes.astype("<u8").view(np.uint8).reshape(-1, 8)], axis=1)
-        groups, inverse = np.unique(np.ascontiguousarray(what).view(_GROUP).ravel(), return_inverse=True)
-        kinds = np.empty(len(groups), dtype=np.int64)
-        for g, group in enumerate(groups.tolist()):
-            kind = kind_of.get(group)
-            if kind is None:
-                kind = kind_of[group] = self._recovered_kind(group[:32], group[32:40],
-                                                             int.from_bytes(group[40:], "little"), cost)
-            if isinstance(kind, str):
-                if kind != "unknown-namespace":  # kept on disk for a config that serves them: so is the record
-                    self._ns_kept.add(group[:32])
-                rows = inverse.ravel() == g
-                self._ignored[kind] = self._ignored.get(kind, 0) + int(np.count_nonzero(rows))
-                self._ignored_bytes += int(batch.stored_bytes[rows].sum())
-                kinds[g] = -1
-            else:
-                kinds[g] = kind
-        return kinds[inverse.ravel()]
-
-    def _recovered_kind(self, namespace: bytes, layout_id: bytes, payload_bytes: int, cost: float) -> int | str:
-        """The cold kind of chunks a restart found with these, or why they are ignored."""
-        layout = self._layouts.get(layout_id)
-        if layout is None:
-            return "layout"
-        if namespace not in self._known_ns:
-            return "unknown-namespace"
-        if payload_bytes != layout.chunk_bytes:
-            return "size-mismatch"
-        return self._cold.kind(namespace, self._known_ns[namespace], layout, cost,
-                               self._tiers["lmdb"].footprint(layout.chunk_bytes))
-
-    def _index_batch(self, keys: bytes, kinds: list[int]) -> None:
-        """Index chunks the scan found (keys joined, ascending), charging their LMDB bytes. A chunk a
-        call indexed meanwhile (a Store while loading: in memory only) is held by LMDB too."""
-        width = len(keys) // max(len(kinds), 1)
-        found = len(kinds)
-        with self._lock:
-            if self._index:
-                kept = bytearray()
-                kept_kinds: list[int] = []
-                for j, kind in enumerate(kinds):
-                    key = keys[j * width : (j + 1) * width]
-                    entry = self._index.get(key)
-                    if entry is None:
-                        kept += key
-                        kept_kinds.append(kind)
-                    elif "lmdb" not in entry.footprint and entry.namespace == self._cold.kind_entry(kind).namespace:
-                        self._charge(key, entry, "lmdb")
-                keys, kinds = bytes(kept), kept_kinds
-            first = self._cold.n
-            self._cold.append(keys, kinds)
-            for kind, n in enumerate(np.bincount(np.asarray(kinds, dtype=np.int64)).tolist() if kinds else ()):
-                if n:
-                    self._chunks_added(self._cold.kind_entry(kind).namespace, n)
-            for (tenant, tier), nbytes in self._cold.charged(first).items():
-                self._reserve(cast("TierName", tier), tenant, nbytes)
-            self._index_loaded += found
-
-    # --- readiness ----------------------------------------------------------------------------------
-
-    @property
-    def ready(self) -> bool:
-        """Every chunk the LMDB tier held at start is indexed."""
-        return self._ready.is_set()
-
-    def wait_ready(self, timeout_seconds: float | None = None) -> bool:
-        return self._ready.wait(timeout_seconds)
-
-    def index_state(self) -> str:
-        """"ready", "loading", or "failed: <why>" (the index could not be loaded; the store answers
-        from what it loaded)."""
-        if self._ready.is_set():
-            return "ready"
-        return f"failed: {self._load_error}" if self._load_error else "loading"
-
     # --- stats and lifecycle ------------------------------------------------------------------------
 
     def _bump(self, name: str, n: int = 1, tenant: str | None = None) -> None:
@@ -1282,38 +690,6 @@ class GlobalStore(Placement):
     def _bump_tier(self, name: str, label: str) -> None:
         k = f"{name}:{label}"
         self._by_tier[k] = self._by_tier.get(k, 0) + 1
-
-    def _hold_pin(self, keys: Sequence[bytes], tenant: str, timeout_seconds: float) -> PinReceipt:
-        """Pin `keys` for `tenant` (under the lock)."""
-        receipt = self._pins.pin(keys, self._clock(), timeout_seconds)
-        self._pin_owners[receipt.receipt_id] = (tenant, receipt.expires_at)
-        self._pins_active_of[tenant] = self._pins_active_of.get(tenant, 0) + 1
-        return receipt
-
-    def _pin_gone(self, receipt_id: int) -> str:
-        """Forget a pin the table no longer holds; the tenant that held it."""
-        tenant, _ = self._pin_owners.pop(receipt_id)
-        self._pins_active_of[tenant] -= 1
-        return tenant
-
-    def _release_pin(self, receipt: PinReceipt) -> None:
-        if self._pins.release(receipt):
-            self._pin_gone(receipt.receipt_id)
-
-    def _expire_pins(self) -> int:
-        """Release the pins past their timeout (under the lock), counting each against its tenant.
-        The pin table releases every live pin due by `now`; those released before left
-        `_pin_owners` then, so the ones still there and due are exactly the ones it expired."""
-        now = self._clock()
-        n = self._pins.expire(now)
-        if n:
-            for rid in [rid for rid, (_, due) in self._pin_owners.items() if due <= now]:
-                self._bump_tenant(self._pin_gone(rid), "pins_expired")  # the total: the pin table's
-        return n
-
-    def expire_pins(self) -> int:
-        with self._lock:
-            return self._expire_pins()
 
     def tenant_stats(self, tenant: str) -> TenantStats:
         """`tenant`'s own counters: what its Stats call answers (`stats` has the service's totals)."""

@@ -4,7 +4,9 @@ chunk lives when a tier fills.
 `Placement` is mixed into `GlobalStore` and works on its index, its tiers and its counters under
 the store's lock. Pressure demotes device -> DRAM -> LMDB -> dropped, choosing victims with each
 tier's eviction policy, never a pinned chunk, and never exceeding a tier's capacity or a tenant's
-quota. It decides; the tiers move the bytes.
+quota. It decides; the tiers move the bytes. It is the base of the store's other parts too
+(namespaces.py, index_load.py, reads.py), which find and change entries through it (`_peek`,
+`_peek_many`, `_entry`, `_holds`, `_charge`, `_uncharge`).
 
 An LMDB victim leaves the index at once but its value is deleted later, outside the store's lock,
 in one transaction with its fellow victims (`_delete_doomed`): one fsync per delete under the lock
@@ -85,7 +87,7 @@ class Placement:
     _doomed: set[bytes]  # evicted from LMDB in the index; the value may still be on disk
     _deleting: dict[bytes, threading.Event]  # being deleted from LMDB now; set when done
     _committing: dict[bytes, int]  # keys of commits in flight -> how many: never evicted or deleted
-    _ready: threading.Event  # the LMDB tier's index is loaded (GlobalStore._load_index)
+    _ready: threading.Event  # the LMDB tier's index is loaded (index_load.py)
     # Bytes above a limit that pinned or committing chunks kept a background index load from
     # evicting (`_evict_unprotected`), by (tenant, tier); tenant None: the tier's capacity.
     _overage: dict[tuple[str | None, TierName], int]
@@ -109,6 +111,18 @@ class Placement:
                 self._index[key] = entry
         return entry
 
+    def _peek_many(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
+        """`_peek` for each key, under the lock: the indexed ones by C-level lookups, the cold ones
+        among the rest all looked up at once."""
+        held: list[ChunkEntry | None] = list(map(self._index.get, keys))
+        if self._cold.live and None in held:
+            if held.count(None) == len(held):  # none indexed (a restart's chunks): no gaps to gather
+                return self._cold.peek_many(keys)
+            gaps = [i for i, e in enumerate(held) if e is None]
+            for i, entry in zip(gaps, self._cold.peek_many([keys[i] for i in gaps]), strict=True):
+                held[i] = entry
+        return held
+
     def _holds(self, key: bytes) -> bool:
         return key in self._index or self._cold.find(key) >= 0
 
@@ -127,11 +141,12 @@ class Placement:
         raise NotImplementedError
 
     def _namespace_recorded(self, entry: ChunkEntry) -> bool:
-        """Whether the chunk's namespace has its record in LMDB (written now where it can be)."""
+        """Whether the chunk's namespace has its record in LMDB (written now where it can be;
+        namespaces.py)."""
         raise NotImplementedError
 
     def _chunk_gone(self, entry: ChunkEntry) -> None:
-        """The store no longer holds the chunk in any tier."""
+        """The store no longer holds the chunk in any tier (namespaces.py counts it)."""
         raise NotImplementedError
 
     def _place_hot(self, key: bytes, entry: ChunkEntry, payload: memoryview, protect: Container[bytes]) -> bool:
@@ -362,6 +377,8 @@ class ColdIndex(Protocol):
     def find_many(self, keys: Sequence[bytes]) -> np.ndarray: ...
 
     def peek(self, key: bytes) -> ChunkEntry | None: ...
+
+    def peek_many(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]: ...
 
     def thaw(self, key: bytes) -> ChunkEntry | None: ...
 

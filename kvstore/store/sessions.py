@@ -18,10 +18,8 @@ from kvstore.store.types import CommitResult, InPlaceRun, LoadedChunk, PrefixHit
 from kvstore.tiers.base import TierName
 
 
-class Bookkeeper(Protocol):
-    """What a session asks of the store that handed it out (`GlobalStore`): every decision."""
-
-    def commit_txn(self, txn: StoreTxn) -> CommitResult: ...
+class Reader(Protocol):
+    """What a load session asks of the store that handed it out (`GlobalStore`, its read path)."""
 
     def read_chunk(self, key: bytes, out: memoryview, prev: bytes,
                    protect: Container[bytes] = ()) -> TierName | None: ...
@@ -41,6 +39,12 @@ class Bookkeeper(Protocol):
     def pin_window(self, keys: Sequence[bytes], tenant: str) -> PinReceipt: ...
 
     def release_load(self, receipt: PinReceipt, read_keys: Sequence[bytes]) -> None: ...
+
+
+class Bookkeeper(Reader, Protocol):
+    """What a session asks of the store that handed it out (`GlobalStore`): every decision."""
+
+    def commit_txn(self, txn: StoreTxn) -> CommitResult: ...
 
 
 class StoreTxn:
@@ -104,7 +108,7 @@ class LoadSession:
     read ends the hit there, as a corrupt one does. `receipt`: the session's own pin (of no chunk
     for a load), counted while the session is open."""
 
-    def __init__(self, store: Bookkeeper, ns: Namespace, layout: CacheLayout, keys: list[bytes],
+    def __init__(self, store: Reader, ns: Namespace, layout: CacheLayout, keys: list[bytes],
                  receipt: PinReceipt, lookup: PrefixHit, whole: bool = True) -> None:
         self._store = store
         self.lookup = lookup  # the lookup that chose these chunks (hit length may exceed len(keys))

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import threading
 
+# Chunks one commit plans or inserts, or one read books, per hold of the store's lock at most (each
+# may evict a few chunks to make room): a commit lets go sooner when another call waits for the
+# lock, so that no call is held up behind a large Store for more than a chunk's bookkeeping.
+CHUNKS_PER_LOCK_HOLD = 32
+
 
 class StoreLock:
     def __init__(self) -> None:

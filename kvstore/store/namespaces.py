@@ -1,0 +1,203 @@
+"""Namespace records and each tenant's share of them: the part of the store's bookkeeping that
+decides which namespaces LMDB keeps a record of, and when one is written or deleted.
+
+A restart serves only the chunks of namespaces it finds a record of (`_recover_namespaces`), so a
+namespace's record is written, once, before its first chunk goes to LMDB: by a commit outside the
+store's lock (`_record_namespace`), or by a demotion into LMDB under it (`_namespace_recorded`). It
+is deleted once the namespace holds no chunk in any tier and no commit is writing to it: a new
+cache_salt per call must not fill the map with records. The records each tenant holds, or is
+writing, are bounded by an equal share of `store.max_namespaces` (`namespace_share`): a commit
+past it is refused (ResourceExhausted), a demotion past it drops the chunk instead.
+
+`Namespaces` is mixed into `GlobalStore` like `Placement`, and works on the store's state under its
+lock. It counts the chunks each namespace holds; it does not choose which chunks go (placement.py)
+or where they are read from, nor know how a record is laid out on disk (the LMDB tier).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from kvstore.config.store import StoreConfig
+from kvstore.errors import ResourceExhausted
+from kvstore.keys.chunk_keys import Namespace
+from kvstore.layout import CacheLayout
+from kvstore.store.placement import ChunkEntry, Placement
+
+
+class Namespaces(Placement):
+    # State owned by GlobalStore.__init__; declared here for the type checker.
+    cfg: StoreConfig
+    _layouts: dict[bytes, CacheLayout]  # layout id -> the layouts served
+    _ignored: dict[str, int]  # what was found on disk and not served, by reason
+    _known_ns: dict[bytes, str]  # namespace digest -> tenant, of the records in LMDB
+    # A namespace's record is written with its first chunk that goes to LMDB and deleted once it
+    # holds no chunk (a new cache_salt per call must not fill the map with records); the records
+    # each tenant has, or is writing, are bounded by its share of cfg.max_namespaces.
+    _ns_chunks: dict[bytes, int]  # namespace digest -> its chunks held, any tier
+    _ns_records: dict[bytes, bytes]  # the record of each namespace stored in this process
+    _ns_of_tenant: dict[str, int]  # records held or being written, per tenant
+    _ns_committing: dict[bytes, int]  # commits in flight per namespace: record kept
+    _ns_writing: dict[bytes, threading.Event]  # records being written; set when done
+    _ns_doomed: set[bytes]  # records of namespaces that lost their last chunk
+    _ns_deleting: dict[bytes, threading.Event]  # records being deleted; set when done
+    _ns_kept: set[bytes]  # namespaces of chunks kept on disk unserved: records stay
+    # Until the index is loaded, a namespace whose chunks the scan has not reached looks empty:
+    # no record is doomed before then (the load's end dooms those no chunk needs).
+    _ns_all_counted: bool
+
+    @staticmethod
+    def _namespace_record(ns: Namespace) -> bytes:
+        # ensure_ascii=False: a salt of 128 emoji is 512 bytes of UTF-8, not 1,536 of escapes.
+        return json.dumps(
+            {"tenant": ns.tenant, "model": ns.model, "revision": ns.revision,
+             "layout_id": ns.layout_id.hex(), "replay_mode": ns.replay_mode,
+             "format_version": ns.format_version, "salt": ns.salt},
+            sort_keys=True, ensure_ascii=False,
+        ).encode()
+
+    def namespace_share(self) -> int:
+        """The namespaces one tenant may have records of: an equal share of the configured total."""
+        return max(1, self.cfg.max_namespaces // max(1, len(self._quotas)))
+
+    def _namespace_room(self, tenant: str) -> str:
+        """Why `tenant` may not have one more namespace record ("" if it may). Under the lock."""
+        share, total = self.namespace_share(), self.cfg.max_namespaces
+        mine = self._ns_of_tenant.get(tenant, 0)
+        if mine >= share:
+            return (f"tenant '{tenant}' holds chunks in {mine} namespaces (model, replay mode, cache_salt), "
+                    f"its share of store.max_namespaces = {total}; a new one needs chunks of another to go first")
+        if sum(self._ns_of_tenant.values()) >= total:
+            return (f"the store holds chunks in store.max_namespaces = {total} namespaces (model, replay mode, "
+                    f"cache_salt) already; tenant '{tenant}' must wait for chunks of one to go")
+        return ""
+
+    def _claim_namespace(self, digest: bytes, tenant: str) -> None:
+        self._ns_of_tenant[tenant] = self._ns_of_tenant.get(tenant, 0) + 1
+        self._known_ns[digest] = tenant
+
+    def _release_namespace(self, digest: bytes) -> None:
+        tenant = self._known_ns.pop(digest)
+        self._ns_of_tenant[tenant] -= 1
+
+    def _record_namespace(self, ns: Namespace) -> None:
+        """Write the namespace's record (once) before its first chunk goes to LMDB: a restart serves
+        only the chunks of namespaces it has records of. ResourceExhausted past the tenant's share."""
+        digest = ns.digest
+        while True:
+            with self._lock:
+                if digest in self._known_ns:
+                    return
+                pending = self._ns_writing.get(digest)
+                if pending is None:
+                    why = self._namespace_room(ns.tenant)
+                    if why:
+                        raise ResourceExhausted(why)
+                    done = self._ns_writing[digest] = threading.Event()
+                    self._ns_of_tenant[ns.tenant] = self._ns_of_tenant.get(ns.tenant, 0) + 1
+                    break
+            pending.wait()  # another commit writes it: this one's chunks go after it
+        written = False
+        try:
+            self._durable.put_namespace(digest, self._namespace_record(ns))
+            written = True
+        finally:
+            with self._lock:
+                self._ns_of_tenant[ns.tenant] -= 1
+                if written:
+                    self._claim_namespace(digest, ns.tenant)
+                del self._ns_writing[digest]
+            done.set()
+
+    def _namespace_recorded(self, entry: ChunkEntry) -> bool:
+        """Whether a chunk may be demoted into LMDB: its namespace has a record, written here (under
+        the lock: a small transaction, once per namespace) where it can be."""
+        digest = entry.namespace
+        if digest in self._known_ns:
+            return True
+        record = self._ns_records.get(digest)
+        if record is None or digest in self._ns_writing or digest in self._ns_deleting:
+            return False
+        if self._namespace_room(entry.tenant):
+            self._bump("admissions_refused", 1, entry.tenant)
+            return False
+        self._durable.put_namespace(digest, record)
+        self._claim_namespace(digest, entry.tenant)
+        return True
+
+    def _chunks_added(self, digest: bytes, n: int) -> None:
+        self._ns_chunks[digest] = self._ns_chunks.get(digest, 0) + n
+
+    def _chunk_gone(self, entry: ChunkEntry) -> None:
+        digest = entry.namespace
+        n = self._ns_chunks[digest] - 1
+        if n:
+            self._ns_chunks[digest] = n
+            return
+        del self._ns_chunks[digest]
+        self._ns_records.pop(digest, None)
+        self._doom_namespace(digest)
+
+    def _leave_namespace(self, digest: bytes) -> None:
+        n = self._ns_committing[digest] - 1
+        if n:
+            self._ns_committing[digest] = n
+        else:
+            del self._ns_committing[digest]
+            self._doom_namespace(digest)  # a commit that stored nothing there
+
+    def _doom_namespace(self, digest: bytes) -> None:
+        if (self._ns_all_counted and digest in self._known_ns and digest not in self._ns_chunks
+                and digest not in self._ns_kept):
+            self._ns_doomed.add(digest)
+
+    def _delete_doomed(self) -> None:
+        """The evicted values, then the records of namespaces left with no chunk and no commit."""
+        super()._delete_doomed()
+        if not self._ns_doomed:  # read without the lock: whoever doomed one calls this after
+            return
+        done = threading.Event()
+        with self._lock:
+            if self._doomed or self._deleting:
+                # Evicted values still on disk, maybe a doomed namespace's last: its record goes
+                # after them (a crash between would strand them), when the call deleting them
+                # comes back here.
+                return
+            gone = [d for d in self._ns_doomed if d in self._known_ns and d not in self._ns_chunks
+                    and d not in self._ns_committing and d not in self._ns_deleting]
+            # The others hold chunks again, or are doomed again when their last commit leaves.
+            self._ns_doomed.clear()
+            owners = {d: self._known_ns[d] for d in gone}
+            for d in gone:
+                self._release_namespace(d)
+                self._ns_deleting[d] = done
+        if not gone:
+            return
+        try:
+            self._durable.delete_namespaces(gone)
+        except BaseException:
+            with self._lock:
+                for d in gone:
+                    self._claim_namespace(d, owners[d])
+                self._ns_doomed.update(gone)  # tried again by the next call
+            raise
+        finally:
+            with self._lock:
+                for d in gone:
+                    del self._ns_deleting[d]
+            done.set()
+
+    def _recover_namespaces(self) -> None:
+        """Claim, at start, the records LMDB holds: each counts against its tenant's share."""
+        for digest, record in self._durable.namespaces().items():
+            try:
+                d = json.loads(record)
+                if not isinstance(d, dict):  # valid JSON, but a list or a string has no "tenant"
+                    raise ValueError("not an object")
+                served = bytes.fromhex(str(d.get("layout_id", ""))) in self._layouts
+                self._claim_namespace(digest, str(d["tenant"]))
+                if not served:  # its chunks stay on disk for a config that serves them: so does it
+                    self._ns_kept.add(digest)
+            except (ValueError, KeyError):
+                self._ignored["bad-namespace-record"] = self._ignored.get("bad-namespace-record", 0) + 1
