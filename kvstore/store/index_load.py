@@ -72,7 +72,7 @@ class IndexLoad(Namespaces):
         kinds: list[int] = []
         # (namespace, layout id, payload bytes) joined -> the cold kind of such chunks, or why they are ignored
         kind_of: dict[bytes, int | str] = {}
-        # Index records only (tiers/lmdb_tier.py): no value is read here, whatever their size.
+        # Index records only (tiers/lmdb_scan.py): no value is read here, whatever their size.
         for batch in self._durable.scan_batches():
             if background:
                 # Let the interpreter go after each batch (a fraction of a millisecond of work):
