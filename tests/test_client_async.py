@@ -189,13 +189,15 @@ def _load_shared_chunks(kv: AsyncKvstoreClient, prompt: Any) -> Any:
     return read()
 
 
-# Each a same-host read of 200 V4.1 chunks: two spans of the 4 MiB load segment.
+# Each a same-host read of 200 V4.1 chunks: two spans of the 4 MiB load segment; or, for
+# load_local, of the prompt's local snapshot: one span.
 SPAN_READS: dict[str, Callable[[AsyncKvstoreClient, Any, int], Any]] = {
     "load": lambda kv, p, cb: kv.load(V41, p),
     "load_into": lambda kv, p, cb: kv.load_into(V41, p, bytearray(200 * cb)),
     "resume": lambda kv, p, cb: kv.resume(V41, p),
     "load_shared": lambda kv, p, cb: _load_shared_chunks(kv, p),
     "lookup_held": lambda kv, p, cb: kv.lookup_held(V41, p, hold_chunks=200),
+    "load_local": lambda kv, p, cb: kv.load_local(V41, p),
 }
 
 
@@ -204,9 +206,10 @@ def test_a_task_cancelled_after_the_service_sent_its_spans_leaves_none_leased(
         read: str, sock_dir: Path, make_service: Callable[..., Service], monkeypatch: pytest.MonkeyPatch) -> None:
     # The service releases a cancelled load's spans only while it is still sending them. Cancelled
     # once it had sent them all (the client still reading the first), the spans on their way were
-    # lost to the cancel, and a lookup_held's answer to the cancelled task: they stayed leased for
-    # shm_lease_seconds (30 s), the session's load segment filling. The fault: the client's thread
-    # waits at the first span it handles until the task is cancelled.
+    # lost to the cancel (a LoadLocal's snapshot span too), and a lookup_held's answer to the
+    # cancelled task: they stayed leased for shm_lease_seconds (30 s), the session's load segment
+    # filling. The fault: the client's thread waits at the first span it handles until the task is
+    # cancelled.
     from kvstore.client import sync_client
 
     svc = make_service(shm_config(sock_dir / "kv.sock", shm_in_place=False))
@@ -228,9 +231,13 @@ def test_a_task_cancelled_after_the_service_sent_its_spans_leaves_none_leased(
     async def run() -> None:
         async with AsyncKvstoreClient(f"unix://{sock_dir / 'kv.sock'}", timeout_seconds=WAIT_SECONDS) as kv:
             await kv.store(V41, prompt, payloads(98, 200, cb))
+            if read == "load_local":
+                assert (await kv.store_local(V41, prompt, payloads(99, 1, svc.snapshot_bytes(V41))[0])).stored
             assert kv.sync.data_path_in_use == "shm"
             monkeypatch.setattr(sync_client, "_copy_span", paused(sync_client._copy_span))
             monkeypatch.setattr(sync_client._SharedSpans, "add", paused(sync_client._SharedSpans.add))
+            # A LoadLocal waits once it has read its header (the snapshot's span sent behind it).
+            monkeypatch.setattr(sync_client, "BlobAssembler", paused(sync_client.BlobAssembler))
             task = asyncio.create_task(SPAN_READS[read](kv, prompt, cb))
             try:
                 assert await asyncio.to_thread(reached.wait, WAIT_SECONDS)

@@ -35,7 +35,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import grpc
 
 from kvstore.client.cancel import CancelScope
-from kvstore.client.sync_client import DeadlineExceededError, KvstoreClient
+from kvstore.client.errors import DeadlineExceededError
+from kvstore.client.sync_client import KvstoreClient
 from kvstore.client.types import HeldLookup, SharedLoad
 from kvstore.errors import InvalidInput
 

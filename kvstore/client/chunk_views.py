@@ -4,7 +4,7 @@ the `chunks` field of `LoadResponse` / `ResumeResponse` is read off the wire byt
 copies of every byte fewer than the protobuf library makes); every other field is parsed by the
 library. tests/test_client_wire.py checks it against the library on generated messages.
 
-What it does not know: what the chunks hold, or how a stream is reassembled (sync_client.py).
+What it does not know: what the chunks hold, or how a stream is reassembled (replies.py).
 """
 
 from __future__ import annotations

@@ -20,36 +20,76 @@ missed; `session=` sends an `x-session-id`, which names the session in the servi
 trace (for `kvstore tune ttl`). Loaded chunks are zero-copy `memoryview`s into the
 received messages; `bytes(view)` makes an owned copy.
 
+This module holds the calls: the channel, the same-host session (opened, dropped, fallen back
+from), deadlines and retries. What a call sends and the checks on its arguments are in
+requests.py, what comes back in replies.py, the spans of shared memory a same-host call is
+answered with in shm_spans.py, and the errors in errors.py (importable from here as before).
+
 What it does not know: anything of the server's internals; it speaks only the proto.
 """
 
 from __future__ import annotations
 
-import array
 import contextlib
 import functools
-import itertools
 import logging
 import math
 import random
-import re
-import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 import grpc.experimental
 import numpy as np
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client.cancel import cancellable_stream, cancellable_unary, track
-from kvstore.client.chunk_views import PieceView, Streamed, decode_load_response, decode_resume_response
+from kvstore.client.chunk_views import decode_load_response, decode_resume_response
+from kvstore.client.errors import DeadlineExceededError as DeadlineExceededError
+from kvstore.client.errors import (
+    InvalidArgumentError,
+    RpcFailure,
+    ServerError,
+    StreamThisCall,
+    UnavailableError,
+    UnknownSession,
+    _after_attempts,
+    _failure,
+    _session_gone,
+    _too_large,
+)
+from kvstore.client.errors import ResourceExhaustedError as ResourceExhaustedError
+from kvstore.client.errors import UnauthenticatedError as UnauthenticatedError
+from kvstore.client.replies import _bills, _Chunks, _header, _lookup_result, _malformed, _piece, _store_result
+from kvstore.client.requests import U32_MAX as U32_MAX
+from kvstore.client.requests import (
+    _as_blob,
+    _check_target,
+    _chunk_count,
+    _gpu_bytes,
+    _is_number,
+    _load_request,
+    _positive_seconds,
+    _token_array,
+    _token_u32le,
+    _tokens,
+    _writable_bytes,
+)
+from kvstore.client.shm_spans import (
+    UNREAD_SPANS_SECONDS,
+    _copy_snapshot,
+    _copy_span,
+    _give_back_unread,
+    _held_span,
+    _parse_held_span,
+    _SharedSpans,
+    _span,
+    _SpanStream,
+)
 from kvstore.client.types import (
     HeldLookup,
     LoadIntoResult,
@@ -68,14 +108,12 @@ from kvstore.config.service import token_problem
 from kvstore.dataplane import unix_path_of
 from kvstore.dataplane.host_copy import check_copy_threads, default_copy_threads
 from kvstore.dataplane.peer import HELLO_TIMEOUT_SECONDS, LeaseLapsed, ShmPath, ShmUnavailable
-from kvstore.dataplane.side_socket import TOO_LARGE_FOR_SESSION, UNKNOWN_SESSION
-from kvstore.errors import InvalidInput, KvstoreError
+from kvstore.dataplane.side_socket import UNKNOWN_SESSION
+from kvstore.errors import InvalidInput
 from kvstore.layout import EngineModel
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire.bills import Bills
-from kvstore.wire.bills import from_pb as bills_from_pb
-from kvstore.wire.framing import BlobAssembler, ChunkAssembler, ChunkWriter, blob_spans, plan_pieces
+from kvstore.wire.framing import BlobAssembler, ChunkWriter, blob_spans, plan_pieces
 from kvstore.wire.messages import PB_TO_CASE, PB_TO_LOCAL, PB_TO_TIER, encode_lookup_request, tiers_from_pb
 from kvstore.wire.purposes import PURPOSE_KEY, PURPOSES
 from kvstore.wire.request_ids import REQUEST_ID_RE, new_request_id
@@ -100,68 +138,9 @@ MAX_RECONNECT_BACKOFF_MS = 2000
 # The largest `message_bytes`: half the channel's 256 MiB message limit, as the service keeps its
 # `stream_message_bytes` to half of its `max_message_bytes` (a piece carries a header too).
 MAX_MESSAGE_BYTES = 128 * MiB
-# How long leaving `iter_load` early reads on, releasing the spans already on their way, before it
-# cancels the call (`_give_back_unread`): spans a finished call sent arrive in well under this.
-UNREAD_SPANS_SECONDS = 0.5
 # A retry is made only with at least this much of its call's deadline left after its pause (the
 # pause is cut to leave it): less is too little for an answer; the call then fails at once, saying so.
 RETRY_MIN_ATTEMPT_SECONDS = 0.05
-
-
-# --- errors -----------------------------------------------------------------------------------------
-
-class RpcFailure(KvstoreError):
-    """A call failed; `code` is the gRPC status code, `details` the server's message."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, method: str) -> None:
-        super().__init__(f"{method}: {code.name}: {details}")
-        self.code = code
-        self.details = details
-        self.method = method
-
-
-class InvalidArgumentError(RpcFailure):
-    """The request was malformed (bad token ids, sizes, model name...)."""
-
-
-class UnauthenticatedError(RpcFailure):
-    """Missing or wrong credentials."""
-
-
-class ResourceExhaustedError(RpcFailure):
-    """Overload or a limit; retry later with backoff."""
-
-
-class UnavailableError(RpcFailure):
-    """The service is unreachable or shutting down."""
-
-
-class DeadlineExceededError(RpcFailure):
-    """The call did not finish within its timeout."""
-
-
-class ServerError(RpcFailure):
-    """Any other status (INTERNAL, UNKNOWN...): a server-side bug or failure."""
-
-
-_ERRORS: dict[grpc.StatusCode, type[RpcFailure]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
-    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
-    grpc.StatusCode.UNAVAILABLE: UnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-}
-
-
-def _failure(e: grpc.RpcError, method: str) -> RpcFailure:
-    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-    details = (e.details() if hasattr(e, "details") else "") or ""
-    return _ERRORS.get(code, ServerError)(code, details, method)
-
-
-def _after_attempts(failure: RpcFailure, note: str) -> RpcFailure:
-    """`failure`, the last of a retried call, with `note` (how many attempts, why no more) added."""
-    return type(failure)(failure.code, f"{failure.details} ({note})", failure.method)
 
 
 @dataclass(frozen=True)
@@ -180,41 +159,6 @@ class RetryPolicy:
         if self.max_backoff_seconds < self.initial_backoff_seconds:
             raise InvalidInput(f"RetryPolicy.max_backoff_seconds ({self.max_backoff_seconds!r}) must be at least "
                                f"initial_backoff_seconds ({self.initial_backoff_seconds!r})")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-U32_MAX = (1 << 32) - 1
-
-
-def _chunk_count(name: str, value: object, method: str) -> int:
-    """A request's chunk count or index: an integer in [0, 2**32), as its uint32 field holds (a
-    negative one raised protobuf's bare ValueError, a larger one was cut short on the wire)."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value <= U32_MAX:
-        raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be an integer from 0 to "
-                                   f"{U32_MAX}, got {value!r}", method)
-    return int(value)
-
-
-def _check_target(target: object) -> str:
-    """`target` as gRPC dials it, refused here where it never names a service: gRPC failed every
-    call as UNKNOWN for "", and dialled a port past 65535 modulo 65536 (99999: 34463)."""
-    if not isinstance(target, str) or not target.strip():
-        raise InvalidInput(f"target must be 'host:port' or 'unix:///path/to/kvstore.sock', got {target!r}")
-    port = re.search(r":(\d+)$", target)
-    if not target.startswith("unix") and port and not 1 <= int(port.group(1)) <= 65535:
-        raise InvalidInput(f"target {target!r} names port {port.group(1)}; a TCP port is 1 to 65535")
-    return target
-
-
-def _positive_seconds(name: str, value: object) -> float:
-    """`value` as a timeout: a finite number of seconds > 0 (0 once meant "the default" per call,
-    and was taken by the constructor, where every call then failed at once)."""
-    if not _is_number(value) or not 0 < value < math.inf:  # type: ignore[operator]
-        raise InvalidInput(f"{name} must be a number of seconds > 0, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
 
 
 def _open_only(method: Callable[Concatenate[KvstoreClient, P], T]) -> Callable[Concatenate[KvstoreClient, P], T]:
@@ -342,7 +286,10 @@ class KvstoreClient:
         self._stub = pb_grpc.KVCacheStub(self._channel)
         for name in ("Store", "StoreLocal", "RegisterModel", "Stats"):
             setattr(self._stub, name, cancellable_unary(getattr(self._stub, name)))
-        self._stub.LoadLocal = cancellable_stream(self._stub.LoadLocal)
+        # Through a same-host session a LoadLocal is made bare, and tracked as a `_SpanStream` (its
+        # snapshot's span leased to this client), as Load and Resume are below.
+        self._load_local_rpc = self._stub.LoadLocal
+        self._stub.LoadLocal = cancellable_stream(self._load_local_rpc)
         # Lookup sends a hand-encoded request (wire.encode_lookup_request: one copy of the tokens).
         service = f"/{pb.DESCRIPTOR.services_by_name['KVCache'].full_name}"
         self._lookup = cancellable_unary(self._channel.unary_unary(
@@ -496,8 +443,8 @@ class KvstoreClient:
 
     def _span_call(self, rpc: Callable[..., Any], req: Any, timeout: float, shm: ShmPath,
                    metadata: tuple[tuple[str, str], ...] | None = None) -> _SpanStream:
-        """`rpc(req)`, a Load or Resume answered in spans of `shm`: what the asyncio client's cancel
-        stops with `_SpanStream.stop_soon`, so that no span it was sent stays leased."""
+        """`rpc(req)`, a Load, Resume or LoadLocal answered in spans of `shm`: what the asyncio
+        client's cancel stops with `_SpanStream.stop_soon`, so that no span it was sent stays leased."""
         stream = _SpanStream(rpc(req, timeout=timeout, metadata=self._metadata if metadata is None else metadata),
                              shm)
         return track(stream, stream.stop_soon)
@@ -1068,7 +1015,8 @@ class KvstoreClient:
 
     def _load_local(self, req: pb.LoadLocalRequest, timeout: float, shm: ShmPath | None) -> LoadLocalResult:
         try:
-            stream = self._stub.LoadLocal(req, timeout=timeout, metadata=self._metadata)
+            stream = (self._stub.LoadLocal(req, timeout=timeout, metadata=self._metadata) if shm is None else
+                      self._span_call(self._load_local_rpc, req, timeout, shm))
             first = next(stream, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise ServerError(grpc.StatusCode.UNKNOWN, "the LoadLocal stream did not start with its header",
@@ -1278,387 +1226,3 @@ class KvstoreClient:
 
 def _read(path: str | Path | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
-
-
-def _token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    if isinstance(tokens, list) and sys.byteorder == "little" and _U32.itemsize == 4:
-        # A list (what engines hold) packed by the array module: ~4x faster than numpy's
-        # conversion (0.07 against 0.29 ms for 16K ids here). What it refuses, numpy's path below
-        # refuses too, with the message that says why.
-        with contextlib.suppress(OverflowError, TypeError):
-            return np.frombuffer(array.array(_U32.typecode, tokens), dtype="<u4")
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, "token ids must be a flat list", "client")
-    if arr.dtype.kind == "u" and arr.dtype.itemsize <= 4:
-        return arr.astype("<u4", copy=False)  # in range by its type: no pass over the ids
-    if arr.size and (not np.issubdtype(arr.dtype, np.integer) or int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
-        raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   "token ids must be integers in [0, 2**32)", "client")
-    return arr.astype("<u4", copy=False)
-
-
-_U32 = array.array("I")  # C unsigned int: 4 bytes on the platforms kvstore runs on (`_token_array` checks)
-
-
-def _token_u32le(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """The token ids as a contiguous little-endian uint32 array (the caller's, when it is one)."""
-    return np.ascontiguousarray(_token_array(tokens), dtype="<u4")
-
-
-def _load_request(model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str, max_chunks: int,
-                  cache_salt: str, shm_session: str = "") -> pb.LoadRequest:
-    max_chunks = _chunk_count("max_chunks", max_chunks, "Load")
-    return pb.LoadRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
-                          cache_salt=cache_salt, shm_session=shm_session)
-
-
-def _tokens(tokens: Sequence[int] | np.ndarray) -> dict[str, bytes]:
-    """The `tokens` field of a request, as the mapping its constructor fills the field from.
-
-    Rejected: passing a built `pb.Tokens`. The constructor copies a message argument into the
-    request again (serialized and parsed), which for a 32K-token prompt cost 10-100+ us per call
-    against ~5 us for filling the field from a mapping."""
-    return {"u32le": _token_u32le(tokens).tobytes()}
-
-
-def _as_blob(payloads: Sequence[bytes | memoryview] | bytes | memoryview | np.ndarray,
-             chunk_bytes: int) -> memoryview:
-    """The payloads as one run of bytes: a list or tuple (or another sequence that is not a
-    buffer) holds one payload per chunk; any buffer (bytes, a memoryview, a numpy array) is them
-    all, concatenated, even one whose items are not bytes."""
-    whole: memoryview | None = None
-    if not isinstance(payloads, list | tuple):
-        with contextlib.suppress(TypeError):  # not a buffer: a sequence of payloads
-            whole = memoryview(payloads)  # type: ignore[arg-type]
-    if whole is not None:
-        if not whole.c_contiguous:
-            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
-                                       "the payload buffer must be C-contiguous", "Store")
-        blob = whole.cast("B")
-    else:
-        parts = cast(Sequence[bytes | memoryview], payloads)
-        for i, p in enumerate(parts):
-            if memoryview(p).nbytes != chunk_bytes:
-                raise InvalidArgumentError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"chunk payload {i} is {memoryview(p).nbytes} bytes; the layout needs {chunk_bytes}", "Store")
-        blob = memoryview(b"".join(parts))
-    if len(blob) % chunk_bytes:
-        raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"{len(blob)} payload bytes are not a whole number of {chunk_bytes}-byte chunks",
-                                   "Store")
-    return blob
-
-
-def _gpu_bytes(buffer: Any) -> Any | None:
-    """A torch tensor on a GPU as a 1-D uint8 tensor over its memory; None for anything else
-    (torch is not imported for it)."""
-    if type(buffer).__module__.split(".")[0] != "torch" or not getattr(buffer, "is_cuda", False):
-        return None
-    import torch  # already imported: the buffer is one of its tensors
-
-    if not buffer.is_contiguous():
-        raise InvalidInput("load_into needs a contiguous tensor")
-    return buffer.reshape(-1).view(torch.uint8)
-
-
-def _writable_bytes(buffer: Any) -> memoryview:
-    """`buffer` as a flat writable byte view, or a clear error."""
-    try:
-        mv = memoryview(buffer)
-    except TypeError:
-        raise InvalidInput(f"load_into needs a writable buffer, not {type(buffer).__name__}") from None
-    if mv.readonly:
-        raise InvalidInput("load_into needs a writable buffer; this one is read-only")
-    if not mv.c_contiguous:
-        raise InvalidInput("load_into needs a C-contiguous buffer")
-    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-
-
-def _header(stream: Iterator[Streamed], method: str) -> Any:
-    """The header that opens a Load or Resume stream."""
-    first = next(stream, None)
-    if first is None or first.kind != "header":
-        raise ServerError(grpc.StatusCode.UNKNOWN, f"the {method} stream did not start with its header", method)
-    return first.value
-
-
-@contextlib.contextmanager
-def _malformed(method: str) -> Iterator[None]:
-    """A received stream the client cannot use (pieces out of order or past the end, cut short)
-    raised as the RpcFailure it is: the service's fault, or a proxy's, never the caller's input."""
-    try:
-        yield
-    except InvalidInput as e:
-        raise ServerError(grpc.StatusCode.UNKNOWN, str(e), method) from None
-
-
-class UnknownSession(Exception):
-    """The service does not know the call's same-host session (any more)."""
-
-
-class StreamThisCall(Exception):
-    """The call's chunks do not fit the same-host session: it goes over streams, the session stays."""
-
-
-def _span(msg: Streamed, method: str) -> pb.ShmSpan:
-    if not isinstance(msg.value, pb.ShmSpan):
-        raise ServerError(grpc.StatusCode.UNKNOWN, f"the {method} stream sent a '{msg.kind}' message where a "
-                          "shared-memory span belongs", method)
-    return msg.value
-
-
-def _copy_span(shm: ShmPath, span: pb.ShmSpan, got: int, chunk_bytes: int, limit: int, dst: memoryview,
-               dst_first_chunk: int = 0) -> int:
-    """Copy the chunks of `span` (which must start at chunk `got`) that lie below chunk `limit`
-    into `dst`, whose byte 0 holds chunk `dst_first_chunk`; release its lease whatever happens.
-    How many chunks were copied."""
-    try:
-        if span.first_chunk != got or span.num_chunks == 0:
-            raise ServerError(grpc.StatusCode.UNKNOWN, f"a span of chunks {span.first_chunk}+{span.num_chunks} "
-                              f"arrived where chunk {got} was next", "Load")
-        take = max(0, min(span.num_chunks, limit - got))
-        if take:
-            at = (got - dst_first_chunk) * chunk_bytes
-            into = dst[at : at + take * chunk_bytes]
-            try:
-                if span.chunk_offsets:  # read in place: the chunks where the tier holds them
-                    _check_offsets(span)
-                    shm.copy_chunks_out(PB_TO_TIER.get(span.arena, ""), span.chunk_offsets[:take], chunk_bytes,
-                                        into, span.lease_expires_at)
-                else:  # one run of the session's load segment
-                    shm.copy_out([shm.span(span.offset, take * chunk_bytes)], into, span.lease_expires_at)
-            except InvalidInput as e:
-                raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
-        return take
-    finally:
-        shm.release([span.lease_id])
-
-
-def _give_back_unread(shm: ShmPath, stream: Any, seconds: float) -> None:
-    """Give back the leases of the spans a Load sends that its caller will not read (it left
-    `iter_load` early). Once the call is cancelled the service releases every span it granted,
-    unless it had sent its last one already: those are on their way, so the spans that come are
-    read (no copy) and released, for `seconds` at most; then the call is cancelled (a long load
-    still being sent). A cancel alone left a whole segment's spans leased for shm_lease_seconds."""
-    timer = threading.Timer(seconds, stream.cancel)
-    timer.daemon = True
-    timer.start()
-    try:
-        for msg in stream:
-            if isinstance(msg.value, pb.ShmSpan):
-                shm.release([msg.value.lease_id])
-    except grpc.RpcError:
-        pass  # cancelled (the service releases what it granted), or failed: nothing more comes
-    finally:
-        timer.cancel()
-        stream.cancel()
-
-
-class _Stopped(grpc.RpcError):
-    """What reading a `_SpanStream` raises once stopped: a cancelled call's CANCELLED."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.CANCELLED
-
-    def details(self) -> str:
-        return "the call was cancelled (the spans it was sent given back)"
-
-
-class _SpanStream:
-    """A Load or Resume answered in spans of a same-host session, which another thread (the asyncio
-    client's scope, when its task is cancelled) stops without leaving spans leased. A bare cancel
-    has the service release the spans it granted only while it is still sending them: those of a
-    call it has finished are on their way, only this client can release them, and the cancel made
-    them unreadable (they stayed leased for shm_lease_seconds). So `stop_soon` has the reader give
-    back every span it reads from then on (`_give_back_unread`, no copy) and fail as a cancelled
-    call; the call is cancelled outright after UNREAD_SPANS_SECONDS (a load still being sent, a
-    reader busy elsewhere). `cancel` is a bare cancel, for the reader itself."""
-
-    def __init__(self, stream: Any, shm: ShmPath) -> None:
-        self._stream = stream
-        self._shm = shm
-        self._stopping = False
-
-    def __iter__(self) -> _SpanStream:
-        return self
-
-    def __next__(self) -> Streamed:
-        if self._stopping:
-            _give_back_unread(self._shm, self._stream, UNREAD_SPANS_SECONDS)
-            raise _Stopped()
-        return cast(Streamed, next(self._stream))
-
-    def cancel(self) -> bool:
-        return bool(self._stream.cancel())
-
-    def stop_soon(self) -> None:
-        """From another thread: the reader's next read gives the rest back."""
-        if not self._stopping:
-            self._stopping = True
-            timer = threading.Timer(UNREAD_SPANS_SECONDS, self._stream.cancel)
-            timer.daemon = True
-            timer.start()
-
-
-def _copy_snapshot(shm: ShmPath, span: pb.ShmSpan, expected_bytes: int, method: str) -> bytes:
-    """The local snapshot `span` names in the session's load segment, copied out (it must be as
-    long as the call said); its lease is released whatever happens."""
-    try:
-        if span.num_chunks or span.nbytes != expected_bytes or not expected_bytes:
-            raise ServerError(grpc.StatusCode.UNKNOWN, f"a snapshot span of {span.nbytes} bytes arrived where "
-                              f"{expected_bytes} were announced", method)
-        out = bytearray(expected_bytes)
-        try:
-            shm.copy_out([shm.span(span.offset, expected_bytes)], memoryview(out), span.lease_expires_at)
-        except InvalidInput as e:
-            raise ServerError(grpc.StatusCode.UNKNOWN, str(e), method) from None
-        return bytes(out)
-    finally:
-        shm.release([span.lease_id])
-
-
-def _held_span(session: str, span: pb.ShmSpan) -> bytes:
-    """A span held in another client's `session`, as `lookup_held` hands it out: the session's id,
-    "/", the ShmSpan. `read_held` reads it only in that session: its offsets in another (the
-    client's next, after it replaced one) are other bytes."""
-    return session.encode("ascii") + b"/" + span.SerializeToString()
-
-
-def _parse_held_span(raw: bytes) -> tuple[str, pb.ShmSpan]:
-    session, sep, body = bytes(raw).partition(b"/")
-    try:
-        if not sep or not session.isalnum():
-            raise DecodeError("no session")
-        return session.decode("ascii"), pb.ShmSpan.FromString(body)
-    except DecodeError:
-        raise InvalidInput("a held span is not a ShmSpan that lookup_held gave") from None
-
-
-class _SharedSpans:
-    """A load's spans, in order, as read-only views of the session's memory, until `release`."""
-
-    def __init__(self, shm: ShmPath, chunk_bytes: int) -> None:
-        self._shm = shm
-        self._cb = chunk_bytes
-        self._leases: list[int] = []
-        self._views: list[memoryview] = []
-        self._runs: list[memoryview] = []
-        self._tiers: list[str] = []
-        self._expires: list[float] = []
-
-    def add(self, span: pb.ShmSpan, method: str) -> None:
-        self._leases.append(span.lease_id)
-        if span.first_chunk != len(self._views) or span.num_chunks == 0:
-            raise ServerError(grpc.StatusCode.UNKNOWN, "shared-memory spans out of order", method)
-        cb = self._cb
-        for src in _span_sources(self._shm, span, cb, span.num_chunks):
-            self._runs.append(src)
-            if len(src) == cb:  # a chunk alone (chunks in pages that leave a gap): its own view
-                self._views.append(src)
-            else:
-                self._views.extend(src[k * cb : (k + 1) * cb] for k in range(len(src) // cb))
-        self._tiers.extend(map(PB_TO_TIER.get, span.tiers[: span.num_chunks], itertools.repeat("")))
-        self._expires.append(span.lease_expires_at)
-
-    def shared(self, chunk_tokens: int, chunk_bytes: int) -> SharedLoad:
-        return SharedLoad(len(self._views) * chunk_tokens, chunk_tokens, chunk_bytes, self._views, tuple(self._tiers),
-                          "shm", self._expires, self._shm.lease_valid, self._runs)
-
-    def release(self) -> None:
-        for v in self._views + self._runs:
-            v.release()  # a view kept past the release would read reused memory
-        self._shm.release(self._leases)
-        self._views, self._runs, self._leases = [], [], []
-
-
-def _bills(m: pb.Bills) -> Bills:
-    """The bills a reply carried, with the replay FLOPs priced as the service prices them: at the
-    model's prefill FLOPs per token, which the wire does not carry but the prefill FLOPs avoided
-    imply (FLOPs avoided / tokens avoided). A replay runs only at a hit boundary, so they are known
-    wherever there are replay tokens; without a hit they are unknown and `replay_flops` reads 0.0."""
-    per_token = m.prefill_flops_avoided / m.prefill_tokens_avoided if m.prefill_tokens_avoided else 0.0
-    return bills_from_pb(m, per_token)
-
-
-def _lookup_result(r: pb.LookupResponse, request_id: str) -> LookupResult:
-    return LookupResult(
-        hit_tokens=r.hit_tokens, hit_chunks=r.hit_chunks, chunk_tiers=tiers_from_pb(r.chunk_tiers),
-        local_state=PB_TO_LOCAL.get(r.local_state, "absent"), bills=_bills(r.bills),
-        chunk_tokens=r.chunk_tokens, chunk_bytes=r.chunk_bytes, full_chunks=r.full_chunks,
-        remainder_tokens=r.remainder_tokens, local_snapshot_bytes=r.local_snapshot_bytes,
-        replay_mode=r.replay_mode, request_id=request_id, store_call_bytes=r.store_call_bytes,
-    )
-
-
-def _span_sources(shm: ShmPath, span: pb.ShmSpan, chunk_bytes: int, take: int) -> list[memoryview]:
-    """The bytes of a load span's first `take` chunks: a chunk each where the service's tiers
-    hold them (the span's chunk offsets), else one run of the session's load segment; each
-    checked to lie inside the memory it names."""
-    try:
-        if span.chunk_offsets:
-            _check_offsets(span)
-            return shm.in_place_runs(PB_TO_TIER.get(span.arena, ""), span.chunk_offsets[:take], chunk_bytes)
-        return [shm.span(span.offset, take * chunk_bytes)]
-    except InvalidInput as e:
-        raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
-
-
-def _check_offsets(span: pb.ShmSpan) -> None:
-    if len(span.chunk_offsets) != span.num_chunks:
-        raise ServerError(grpc.StatusCode.UNKNOWN, f"a span of {span.num_chunks} chunks has "
-                          f"{len(span.chunk_offsets)} chunk offsets", "Load")
-
-
-def _invalid_argument_saying(e: grpc.RpcError, marker: str) -> bool:
-    code = e.code() if hasattr(e, "code") else None
-    return code == grpc.StatusCode.INVALID_ARGUMENT and marker in ((e.details() or "") if hasattr(
-        e, "details") else "")
-
-
-def _too_large(e: grpc.RpcError) -> bool:
-    """The service answered that the call's chunks do not fit the same-host session's segment."""
-    return _invalid_argument_saying(e, TOO_LARGE_FOR_SESSION)
-
-
-def _session_gone(e: grpc.RpcError) -> bool:
-    """The service answered that the call's same-host session is unknown (it restarted, or
-    closed the session): the call may go again over streams."""
-    return _invalid_argument_saying(e, UNKNOWN_SESSION)
-
-
-def _store_result(r: pb.StoreResponse) -> StoreResult:
-    return StoreResult(r.stored_chunks, r.already_present, r.skipped_chunks, r.skipped_reason, r.durable,
-                       r.remainder_tokens, r.received_chunks)
-
-
-def _piece(msg: Streamed, method: str) -> PieceView:
-    if not isinstance(msg.value, PieceView):
-        raise ServerError(grpc.StatusCode.UNKNOWN, f"the {method} stream sent a '{msg.kind}' message among its "
-                          "chunks", method)
-    return msg.value
-
-
-class _Chunks:
-    """Reassembles a chunk stream; a chunk's tier label comes in the piece where the chunk starts,
-    and chunks complete in order, so labels queue until their chunk is whole. Unlike a Store's
-    (ChunkAssembler lets a client skip chunks the service holds), a loaded stream skips none:
-    `resume` numbers its chunks by arrival, so a skipped chunk 0 came back as chunk 1's bytes."""
-
-    def __init__(self, chunk_bytes: int, num_chunks: int) -> None:
-        self._asm = ChunkAssembler(max(1, chunk_bytes), num_chunks)
-        self._tiers: deque[str] = deque()
-        self._next = 0
-
-    def add(self, piece: PieceView) -> Iterator[tuple[int, str, memoryview]]:
-        self._tiers.extend(PB_TO_TIER.get(t, "") for t in piece.tiers)
-        for index, view in self._asm.add(piece.first_chunk, piece.offset, piece.data):
-            if index != self._next:
-                raise InvalidInput(f"chunk {index} arrived where chunk {self._next} was next (chunks in order, "
-                                   "none skipped)")
-            self._next += 1
-            yield index, self._tiers.popleft() if self._tiers else "", view
-
-    def finish(self) -> None:
-        self._asm.finish()
