@@ -43,7 +43,8 @@ def test_the_trace_records_each_lookup_and_resume_and_feeds_tune(
 
     text = path.read_text()
     lines = [json.loads(line) for line in text.splitlines()]
-    fields = {"time", "tenant", "session", "prefix_tokens", "local_outcome", "snapshot_bytes", "replay_tokens"}
+    fields = {"time", "tenant", "session", "prefix_tokens", "local_outcome", "snapshot_bytes", "replay_tokens",
+              "model"}
     assert len(lines) == 5 and all(set(d) == fields | ({"purpose"} if i == 1 else set())
                                    for i, d in enumerate(lines)), lines
     assert lines[1]["purpose"] == "precheck"
@@ -56,6 +57,7 @@ def test_the_trace_records_each_lookup_and_resume_and_feeds_tune(
     assert records[0].session == records[1].session and records[0].session.startswith("k")
     assert len(records[0].session) == 17 and records[0].session != records[2].session
     assert all(x.tenant == "default" and abs(x.time - time.time()) < 600 for x in records)
+    assert {x.model for x in records} == {MODEL}  # tune ttl keeps two models' snapshots apart
     layout = r.app.layouts()[MODEL]
     assert records[0].snapshot_bytes == layout.local_snapshot_bytes
     assert records[0].replay_tokens == layout.local.window_tokens

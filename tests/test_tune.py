@@ -87,6 +87,8 @@ def test_writer_is_safe_from_many_threads(tmp_path: Path) -> None:
          '"snapshot_bytes": 1.5}', "'snapshot_bytes'"),
         ('{"time": 1, "tenant": "a", "session": "s", "prefix_tokens": 1, "local_outcome": "hit", '
          '"purpose": "warmup"}', "'purpose'"),
+        ('{"time": 1, "tenant": "a", "session": "s", "prefix_tokens": 1, "local_outcome": "hit", '
+         '"model": 7}', "'model'"),
     ],
 )
 def test_a_malformed_line_is_reported_with_its_number(tmp_path: Path, line: str, problem: str) -> None:
@@ -241,7 +243,11 @@ def test_hand_checked_recommendation() -> None:
     assert rep.recommended.ttl_seconds == 10.001  # a hit at 10 s, not a miss exactly at the gap
     assert rep.recommended.local_hits == 2
     assert rep.recommended.total_cost == pytest.approx(390.007)
+    # Fixed, by its own search: at 10.001 s A's retry at 155 replays (105 s after the write at 50)
+    # and so does 1000; 7 writes held T each: 300 + 70.007. Past 50 s: 200 + 7T; past 105 s: 100 + 6T.
     assert rep.recommended_fixed.ttl_seconds == 10.001
+    assert rep.recommended_fixed.total_cost == pytest.approx(370.007)
+    assert rep.cheapest is rep.recommended_fixed
     # Nothing on a fine grid beats it.
     d = _Derived(cols)
     for ttl in np.geomspace(1.0, 10_000.0, 400):
@@ -311,11 +317,12 @@ def test_cli_on_a_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "recommended TTL" in table and "adaptive" in table and "sliding" in table
     # Each recommendation says what it is and why it is listed, the cheaper one first.
     lines = table.splitlines()
-    labels = [i for i, line in enumerate(lines) if line.startswith(("  sliding at the least-cost TTL:",
-                                                                     "  fixed at the same TTL:"))]
+    labels = [i for i, line in enumerate(lines) if line.startswith(("  sliding at its least-cost TTL:",
+                                                                     "  fixed at its least-cost TTL:"))]
     assert len(labels) == 2
     costs = [float(lines[i + 1].split()[-1]) for i in labels]
     assert costs == sorted(costs)
+    assert sum(line.startswith("recommended: kind = ") for line in lines) == 1
 
 
 def test_cli_synthetic_and_save(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

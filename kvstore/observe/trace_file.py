@@ -18,7 +18,9 @@ snapshot was ever written for it), "cold" (global miss: a full prefill; local st
 A Lookup that was not an engine's request (a client's pre-check before a Store, a probe) is
 written with `"purpose": "precheck"` or `"probe"`, so a reader can count it apart; `kvstore tune
 ttl` leaves such lines out of the evaluation. Unknown keys are ignored so that later versions can
-add fields.
+add fields. An optional `"model"` names the model the request was for: `kvstore tune ttl` then
+keys snapshots by model too (the pool keeps each model's apart), where a line without it counts as
+one shared model.
 
 What it does not know: the service, the pool, or how records are evaluated (kvstore.observe.ttl_tuning).
 """
@@ -59,6 +61,7 @@ class TraceRecord:
     snapshot_bytes: int | None = None  # bytes of the local snapshot this request would write
     replay_tokens: int | None = None  # tokens a replay of this request's boundary runs
     purpose: str = ""  # "precheck" | "probe": not an engine request (kvstore/wire/purposes.py)
+    model: str = ""  # the model the request was for ("": not recorded)
 
     def to_json(self) -> str:
         obj: dict[str, object] = {
@@ -71,6 +74,8 @@ class TraceRecord:
             obj["replay_tokens"] = self.replay_tokens
         if self.purpose:
             obj["purpose"] = self.purpose
+        if self.model:
+            obj["model"] = self.model
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
     @staticmethod
@@ -92,10 +97,13 @@ class TraceRecord:
         purpose = obj.get("purpose", "")
         if purpose not in ("", *PURPOSES):
             raise InvalidInput(f"'purpose' must be one of {', '.join(PURPOSES)} when present, got {purpose!r}")
+        model = obj.get("model", "")
+        if not isinstance(model, str):
+            raise InvalidInput(f"'model' must be a string when present, got {_shown(model)}")
         return TraceRecord(
             float(time), tenant, session, prefix, outcome,  # type: ignore[arg-type]
             _count(obj, "snapshot_bytes", required=False), _count(obj, "replay_tokens", required=False),
-            str(purpose),
+            str(purpose), model,
         )
 
 

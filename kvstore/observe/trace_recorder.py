@@ -89,7 +89,7 @@ class TraceRecorder:
             time=round(self._wall(), 6), tenant=call.tenant, session=call.session or _session_of(trace),
             prefix_tokens=int(call.bills.prompt_tokens),
             local_outcome=trace_outcome(call.local_state, int(call.bills.prefill_tokens_avoided)),
-            snapshot_bytes=snapshot, replay_tokens=replay, purpose=call.purpose,
+            snapshot_bytes=snapshot, replay_tokens=replay, purpose=call.purpose, model=call.model,
         )
         try:
             self._writer.write(record)

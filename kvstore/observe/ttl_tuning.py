@@ -2,10 +2,12 @@
 
 Role: turns trace records into columns (numpy arrays sorted by session, then time), simulates the
 local pool under fixed and sliding TTL semantics for many TTLs at once, runs the adaptive policy
-over the trace, and finds the TTL that minimises total cost. What it does not know: the pool's
+over the trace as the service would, and finds, for each of fixed and sliding, the TTL that
+minimises total cost by its own search (`best_fixed`, `best_sliding`). What it does not know: the pool's
 backend, the service, files (the caller reads the trace), or output formats (kvstore.commands.tune).
 
-The model, per session (sessions are (tenant, session) pairs):
+The model, per session (sessions are (tenant, model, session): the pool keeps each model's snapshots
+apart, so two models' requests under one session id are two sessions; a trace without models is one):
 - Each request resumes from the session's latest snapshot and leaves a snapshot behind: a request
   whose boundary (prefix rounded down to a chunk) moved writes a new snapshot at that boundary; a
   request at the same boundary (a retry) reads the same snapshot and writes only if it had to replay
@@ -17,7 +19,10 @@ The model, per session (sessions are (tenant, session) pairs):
   restarts the TTL, so a request hits iff the session's previous request was less than TTL ago.
   As in the pool, a snapshot whose expiry is <= now is gone: a gap of exactly the TTL misses.
   Their hits differ only on same-boundary requests; their holds differ wherever a hit reads a
-  snapshot (sliding keeps it TTL past that read).
+  snapshot (sliding keeps it TTL past that read). A line's hit counts as that read whether the line
+  was a Resume's or a Lookup's (a Lookup only peeks in the pool): the trace does not say which, and
+  an engine's Lookup that hits is followed at once by the read that takes the snapshot: a Resume
+  (its own line, which then refreshes it again) or a LoadLocal (not traced).
 - The pool keys a snapshot by its boundary (kvstore.service.pricing.boundary_key): a new boundary's
   snapshot does not replace the last one, which stays until it expires (a turn that hits reads it
   first: sliding, that restarts its TTL). So a snapshot is held (bytes x seconds) from its write
@@ -29,6 +34,8 @@ Cost = replay tokens × replay_cost_per_token + byte-seconds × hold_cost_per_by
 
 from __future__ import annotations
 
+import array
+import bisect
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -91,7 +98,7 @@ def columns_from_records(
     given, is called with the count of records read so far after every chunk."""
     assert chunk_tokens > 0
     tenant_ids: dict[str, int] = {}
-    session_ids: dict[tuple[str, str], int] = {}
+    session_ids: dict[tuple[str, str, str], int] = {}
     parts: list[tuple[np.ndarray, ...]] = []
     count = 0
     it = iter(records)
@@ -99,7 +106,7 @@ def columns_from_records(
         tenant, session, time, prefix, cold, sbytes, rtoks = [], [], [], [], [], [], []
         for r in itertools.islice(it, COLUMN_CHUNK_RECORDS):
             tenant.append(tenant_ids.setdefault(r.tenant, len(tenant_ids)))
-            session.append(session_ids.setdefault((r.tenant, r.session), len(session_ids)))
+            session.append(session_ids.setdefault((r.tenant, r.model, r.session), len(session_ids)))
             time.append(r.time)
             prefix.append(r.prefix_tokens)
             cold.append(r.local_outcome == "cold")
@@ -229,11 +236,16 @@ def _byte_seconds(c: TraceColumns, d: _Derived, write: np.ndarray, expires_at: n
     return float(np.dot(c.snapshot_bytes[w], end - c.time[w]))
 
 
-def evaluate_sliding(c: TraceColumns, d: _Derived, ttl_after: np.ndarray | float) -> tuple[np.ndarray, float]:
+def evaluate_sliding(
+    c: TraceColumns, d: _Derived, ttl_after: np.ndarray | float, ttl_read: np.ndarray | None = None,
+) -> tuple[np.ndarray, float]:
     """Hits and byte-seconds when the TTL in force after request i is `ttl_after[i]`: its write,
-    or its read when it hits, restarts the snapshot's TTL with it."""
+    or its read when it hits, restarts the snapshot's TTL with it. `ttl_read[i]`, where given, is
+    the TTL a hit at i restarts the snapshot it read with, where i also writes one of its own (a
+    moved boundary) whose TTL is `ttl_after[i]`: the adaptive policy is asked for each apart."""
     t = c.time
     ttl = np.broadcast_to(np.asarray(ttl_after, dtype=np.float64), (c.n,))  # [n]
+    read_ttl = ttl if ttl_read is None else ttl_read
     # A request's snapshot was last touched by the session's previous request (its write, or a read
     # that hit): alive while that touch's expiry is > now, the pool's own test in its own arithmetic.
     expiry_prev = np.full(c.n, -np.inf)
@@ -243,14 +255,14 @@ def evaluate_sliding(c: TraceColumns, d: _Derived, ttl_after: np.ndarray | float
     w = np.flatnonzero(write)
     # Each snapshot's last touch: its write, or the last hit that read it (a hit reads the latest
     # write before it; those are in order, so each snapshot's last reader ends its run).
-    touch = w.copy()
+    expires_at = t[w] + ttl[w]
     reads = np.flatnonzero(hits)
     if reads.size:
         src = _latest_write_before(write)[reads]
         last = np.ones(reads.size, dtype=bool)
         last[:-1] = src[1:] != src[:-1]
-        touch[np.searchsorted(w, src[last])] = reads[last]
-    return hits, _byte_seconds(c, d, write, t[touch] + ttl[touch])
+        expires_at[np.searchsorted(w, src[last])] = t[reads[last]] + read_ttl[reads[last]]
+    return hits, _byte_seconds(c, d, write, expires_at)
 
 
 def evaluate_fixed(c: TraceColumns, d: _Derived, ttl: float) -> tuple[np.ndarray, float]:
@@ -405,6 +417,248 @@ def best_sliding_ttl(
     return ttl
 
 
+# A same-boundary run this long (its structural write and its retries) is priced by the fixed search
+# at a sample of TTLs, not exactly: exact pricing walks it once per pair of its requests, O(L^3).
+MAX_EXACT_RUN_REQUESTS = 16
+_SAMPLED_RUN_TTLS = 64
+# Segments with retries are priced this many at a time (the arrays of their pairs of requests), and
+# the ranges walked in them (~200 B each, as Python lists) summed into the totals and let go once
+# there are this many: memory bounded by these, not by the trace.
+_RUNS_AT_ONCE = 4096
+_RANGES_AT_ONCE = 1 << 16
+
+
+def _ms_past(gaps: np.ndarray) -> np.ndarray:
+    """The first millisecond at least half a millisecond past each gap (`sliding_costs`' candidates)."""
+    return (np.floor(gaps * 1000.0 + 0.5) + 1.0) / 1000.0
+
+
+@dataclass
+class _RangeCosts:
+    """Costs that hold over ranges [lo, hi) of candidate indices, gathered then summed at once
+    (`_summed`): `flat` each, `per_t` times the candidate's TTL, and a last write of `last_per_t`
+    per second, held min(T, `gone`) (inf: until it expires)."""
+
+    lo: list[int]
+    hi: list[int]
+    flat: list[float]
+    per_t: list[float]
+    last_per_t: list[float]
+    gone: list[float]
+
+    def add(self, lo: int, hi: int, flat: float, per_t: float, last_per_t: float, gone: float) -> None:
+        self.lo.append(lo)
+        self.hi.append(hi)
+        self.flat.append(flat)
+        self.per_t.append(per_t)
+        self.last_per_t.append(last_per_t)
+        self.gone.append(gone)
+
+    def drain(self, cand: np.ndarray) -> np.ndarray:
+        """[m] the costs gathered so far at each candidate; forgets them (they cost ~200 B a range)."""
+        out = _summed(cand, np.asarray(self.lo, dtype=np.int64), np.asarray(self.hi, dtype=np.int64),
+                      np.asarray(self.flat), np.asarray(self.per_t), np.asarray(self.last_per_t),
+                      np.asarray(self.gone))
+        for part in (self.lo, self.hi, self.flat, self.per_t, self.last_per_t, self.gone):
+            part.clear()
+        return out
+
+
+def fixed_costs(
+    c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = ()
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Candidate TTLs in [min, max], the total cost of each under fixed semantics, and whether
+    those costs are exact (each as `evaluate_fixed` prices it).
+
+    A segment is a structural request (it writes whatever the TTL) and the same-boundary retries
+    after it. A retry misses (replays, writes again) once the segment's last write is >= TTL old;
+    the next request of the session, if eligible, reads the segment's last write. So which requests
+    hit changes only where a TTL passes the gap between two requests of a segment (or from one to
+    the next request); between two such gaps nothing hits that did not, and the holds only grow.
+    The candidates are the clamps, just past each such gap (as in `sliding_costs`) and `also_seconds`.
+
+    Each write but a segment's last is held exactly T (the retry that replaces it came after it
+    expired); the last min(T, until the next structural write at its boundary). A segment with no
+    retry, or any with a TTL past its retries' gaps, writes once: priced for all candidates at once.
+    Below that, each of its ranges of candidates between two of its gaps is walked once, at each
+    write's own size: exact, for runs up to `MAX_EXACT_RUN_REQUESTS` (longer ones are walked at a
+    sample of TTLs, an estimate that `best_fixed` corrects by evaluating its best candidates)."""
+    n, t = c.n, c.time
+    h, rc = cost.hold_cost_per_byte_second, cost.replay_cost_per_token
+    starts = np.flatnonzero(d.structural)  # [k] each segment's structural request
+    ends = np.append(starts[1:], n)  # [k] one past its last retry
+    nxt = np.where(ends < n, ends, 0)
+    reads_next = (ends < n) & d.eligible[nxt]  # the next request reads the segment's last write
+    size = ends - starts
+    retried = np.flatnonzero(size > 1)
+    long_runs = retried[size[retried] > MAX_EXACT_RUN_REQUESTS]
+    exact_runs = retried[size[retried] <= MAX_EXACT_RUN_REQUESTS]
+    # The pairs of requests of each segment with retries (and its next request when that reads),
+    # by how many requests that is and a chunk of segments at a time: arrays of a few at once.
+    points = size + reads_next
+    groups = []
+    for p in np.unique(points[exact_runs]).tolist():
+        ks = exact_runs[points[exact_runs] == p]
+        jj, ii = np.triu_indices(p, 1)
+        for at in range(0, ks.shape[0], _RUNS_AT_ONCE):
+            base = starts[ks[at:at + _RUNS_AT_ONCE]][:, None]
+            groups.append((p, ks[at:at + _RUNS_AT_ONCE], base + jj, base + ii))
+    gaps = [np.unique(_ms_past(d.gap[d.eligible]))]
+    gaps += [np.unique(_ms_past(t[gi] - t[gj])) for _, _, gj, gi in groups]
+    for k in long_runs.tolist():  # each retry's gap from the one before it and from the segment's write
+        pts = t[starts[k]:ends[k] + int(reads_next[k])]
+        gaps += [_ms_past(pts[1:] - pts[:-1]), _ms_past(pts[1:] - pts[0])]
+    listed = np.asarray(also_seconds, dtype=np.float64)
+    cand = np.concatenate(([cost.min_ttl_seconds], *gaps, listed, [cost.max_ttl_seconds]))
+    cand = np.unique(cand[(cand >= cost.min_ttl_seconds) & (cost.max_ttl_seconds >= cand)])  # [m]
+    m = cand.shape[0]
+
+    replaced = _replaced_at(c, d, d.structural)  # [n] the next structural write at each one's boundary
+    # Past its retries' gaps from its write (every segment without retries: all of them), a segment
+    # writes once, held min(T, until replaced), and its next request replays until T passes its gap.
+    span = np.zeros(starts.shape[0], dtype=np.int64)
+    span[retried] = _first_hit(t[starts[retried]], t[ends[retried] - 1], cand)
+    r = np.flatnonzero(reads_next)
+    hit_from = np.zeros(starts.shape[0], dtype=np.int64)
+    hit_from[r] = _first_hit(t[starts[r]], t[ends[r]], cand)
+    total = _summed(
+        cand, span, np.full(starts.shape[0], m), np.where(reads_next, c.replay_tokens[nxt] * rc, 0.0),
+        np.zeros(starts.shape[0]), c.snapshot_bytes[starts] * h, replaced[starts] - t[starts],
+        flat_until=np.maximum(span, hit_from),
+    )
+    # Below that, each segment with retries walked once per range of candidates where no hit changes.
+    walked = _RangeCosts([], [], [], [], [], [])
+    for p, ks, gj, gi in groups:
+        first = _first_hit(t[gj].ravel(), t[gi].ravel(), cand).reshape(gj.shape).tolist()
+        rows = starts[ks][:, None] + np.arange(p)
+        reps, held = (c.replay_tokens[rows] * rc).tolist(), (c.snapshot_bytes[rows] * h).tolist()
+        gone = (replaced[starts[ks]][:, None] - t[rows]).tolist()
+        for row, k, rep, b, g in zip(first, ks.tolist(), reps, held, gone, strict=True):
+            _walk_run(walked, row, p, int(size[k]), int(span[k]), rep, b, g)
+        if len(walked.lo) >= _RANGES_AT_ONCE:
+            total += walked.drain(cand)
+    for k in long_runs.tolist():
+        _sample_run(walked, c, cand, int(starts[k]), int(ends[k]), bool(reads_next[k]), int(span[k]),
+                    float(replaced[starts[k]]), h, rc)
+        if len(walked.lo) >= _RANGES_AT_ONCE:
+            total += walked.drain(cand)
+    return cand, total + walked.drain(cand), long_runs.size == 0
+
+
+def _summed(
+    cand: np.ndarray, lo: np.ndarray, hi: np.ndarray, flat_v: np.ndarray, per_t_v: np.ndarray,
+    last_per_t: np.ndarray, gone: np.ndarray, flat_until: np.ndarray | None = None,
+) -> np.ndarray:
+    """[m] at each candidate, the sum over ranges [lo, hi) of candidate indices that hold it of: `flat_v`
+    (only up to `flat_until` where given), `per_t_v` times its TTL, and a last write of `last_per_t`
+    per second held min(T, `gone`)."""
+    m = cand.shape[0]
+    flat, per_t = np.zeros(m + 1), np.zeros(m + 1)  # +v at lo, -v at hi: summed, v over [lo, hi)
+
+    def add(into: np.ndarray, start: np.ndarray, stop: np.ndarray, v: np.ndarray) -> None:
+        keep = stop > start
+        np.add.at(into, start[keep], v[keep])
+        np.add.at(into, stop[keep], -v[keep])
+
+    add(flat, lo, hi if flat_until is None else flat_until, flat_v)
+    add(per_t, lo, hi, per_t_v)
+    k_gone = np.clip(np.searchsorted(cand, gone, side="right"), lo, hi)  # held T up to here, then `gone`
+    add(per_t, lo, k_gone, last_per_t)
+    add(flat, k_gone, hi, last_per_t * np.where(np.isfinite(gone), gone, 0.0))
+    return np.cumsum(flat)[:m] + np.cumsum(per_t)[:m] * cand
+
+
+def _walk_run(
+    out: _RangeCosts, first: list[int], points: int, size: int, k_span: int,
+    replay: list[float], held: list[float], gone: list[float],
+) -> None:
+    """One segment of `size` requests with retries, over the candidates below `k_span`, exactly:
+    cut wherever a pair of its requests changes from a miss to a hit, each range walked once.
+    `first`: per pair (j, i) of its `points` requests (then its next one, if that reads), in
+    `np.triu_indices` order, the first candidate under which i hits when j wrote last (the pool's
+    test); for one j, it does not fall as i grows. `replay`, `held`, `gone`: per request, its
+    replay's cost, its write's hold cost per second, the seconds from it until its boundary is next
+    written."""
+    reads_next = points > size
+    # Row j of the pairs: (j, j+1), ..., (j, points-1).
+    row_at = [j * points - j * (j + 1) // 2 for j in range(points)]
+    rows = [first[row_at[j]:row_at[j] + size - 1 - j] for j in range(size)]  # its retries after it
+    cuts = sorted({0, *(f for f in first if f < k_span)})
+    for lo, hi in itertools.pairwise([*cuts, k_span]):
+        chain = [0]
+        while True:  # the first retry that misses the last write (expired): replayed, written again
+            j = chain[-1]
+            i = j + 1 + bisect.bisect_right(rows[j], lo)
+            if i >= size:
+                break
+            chain.append(i)
+        j = chain[-1]
+        replays = sum(replay[i] for i in chain[1:])
+        if reads_next and first[row_at[j] + size - 1 - j] > lo:
+            replays += replay[size]
+        out.add(lo, hi, replays, sum(held[i] for i in chain[:-1]), held[j], gone[j])
+
+
+def _sample_run(
+    out: _RangeCosts, c: TraceColumns, cand: np.ndarray, s: int, e: int, reads_next: bool, k_span: int,
+    replaced_at: float, h: float, rc: float,
+) -> None:
+    """`_walk_run` for a long segment [s, e): cut at up to `_SAMPLED_RUN_TTLS` of its gaps (each
+    retry's from the one before it and from the segment's write), each range walked at its start."""
+    t = c.time
+    pts = t[s:e + 1] if reads_next else t[s:e]
+    size = e - s
+    jj = np.concatenate((np.arange(pts.shape[0] - 1), np.zeros(pts.shape[0] - 1, dtype=np.int64)))
+    ii = np.concatenate((np.arange(1, pts.shape[0]), np.arange(1, pts.shape[0])))
+    first = _first_hit(pts[jj], pts[ii], cand)
+    cuts = np.unique(np.concatenate(([0], first[first < k_span])))
+    if cuts.shape[0] > _SAMPLED_RUN_TTLS:
+        cuts = np.unique(cuts[np.linspace(0, cuts.shape[0] - 1, _SAMPLED_RUN_TTLS).astype(np.int64)])
+    times = pts[:size].tolist()
+    for lo, hi in itertools.pairwise([*cuts.tolist(), k_span]):
+        ttl = float(cand[lo])
+        chain = [0]
+        while True:  # as `evaluate_fixed` walks it
+            k = bisect.bisect_left(times, times[chain[-1]] + ttl)
+            if k >= size:
+                break
+            chain.append(k)
+        at = s + np.asarray(chain)
+        replays = float(c.replay_tokens[at[1:]].sum())
+        if reads_next and not pts[chain[-1]] + ttl > pts[size]:
+            replays += float(c.replay_tokens[e])
+        out.add(lo, hi, replays * rc, float(c.snapshot_bytes[at[:-1]].sum()) * h, float(c.snapshot_bytes[at[-1]]) * h,
+                replaced_at - float(t[at[-1]]))
+
+
+def best_fixed(
+    c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = (),
+    evaluated: Sequence[TtlEvaluation] = (),
+) -> TtlEvaluation:
+    """The least-cost fixed TTL (the shorter one on a tie), found by its own search (`fixed_costs`)
+    and evaluated as the pool holds it: the search's best candidates (where its prices are
+    estimates, its best few) and every TTL of `also_seconds` within the clamp, so that none of those
+    is cheaper. `evaluated`: fixed evaluations already made, reused by TTL."""
+    done = {r.ttl_seconds: r for r in evaluated if r.semantics == "fixed"}
+
+    def priced(ttl: float) -> TtlEvaluation:
+        if ttl not in done:
+            done[ttl] = _evaluation(c, d, "fixed", ttl, *evaluate_fixed(c, d, ttl), cost)
+        return done[ttl]
+
+    if c.n == 0:
+        return priced(float(cost.min_ttl_seconds))
+    cand, total, exact = fixed_costs(c, d, cost, also_seconds)
+    order = np.argsort(total, kind="stable")  # candidates ascend: the shorter first on a tie
+    if exact:  # the best, and any the sums' rounding may have put behind it
+        few = int(np.searchsorted(total[order], total[order[0]] * (1 + 1e-12) + 1e-12, side="right"))
+    else:
+        few = REPRICED_CANDIDATES
+    ttls = {float(x) for x in cand[order[:max(1, min(few, REPRICED_CANDIDATES))]]}
+    ttls |= {float(x) for x in also_seconds if cost.min_ttl_seconds <= x <= cost.max_ttl_seconds}
+    return min((priced(x) for x in ttls), key=lambda r: (r.total_cost, r.ttl_seconds))
+
+
 @dataclass(frozen=True)
 class TuneReport:
     requests: int
@@ -413,13 +667,25 @@ class TuneReport:
     same_boundary_requests: int
     cost: TtlCostModel
     rows: tuple[TtlEvaluation, ...]
-    recommended: TtlEvaluation  # sliding, at the least-cost TTL, evaluated as the pool holds it
-    recommended_fixed: TtlEvaluation  # fixed, at the same TTL
+    recommended: TtlEvaluation  # sliding, at its least-cost TTL, evaluated as the pool holds it
+    recommended_fixed: TtlEvaluation  # fixed, at its own least-cost TTL (`best_fixed`)
     adaptive: TtlEvaluation  # the adaptive policy run over the trace
     adaptive_final_ttl_seconds: dict[str, float]  # per tenant, at the end of the trace
     # Holding one mean snapshot this long costs one mean replay; inf when holding costs nothing
     # (zero-byte snapshots, or no hold cost): no hold is ever worse than a replay.
     break_even_seconds: float
+
+    @property
+    def cheapest(self) -> TtlEvaluation:
+        """The cheaper of `recommended` and `recommended_fixed`; fixed on a tie (a read then
+        refreshes nothing, and it is the config's default kind)."""
+        fixed, sliding = self.recommended_fixed, self.recommended
+        return sliding if sliding.total_cost < fixed.total_cost else fixed
+
+    @property
+    def runner_up(self) -> TtlEvaluation:
+        """The other of the two."""
+        return self.recommended if self.cheapest is self.recommended_fixed else self.recommended_fixed
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -434,36 +700,75 @@ class TuneReport:
             "rows": [r.as_dict() for r in self.rows],
             "recommended": self.recommended.as_dict(),
             "recommended_fixed": self.recommended_fixed.as_dict(),
+            "cheapest": {"semantics": self.cheapest.semantics, "ttl_seconds": self.cheapest.ttl_seconds,
+                         "total_cost": self.cheapest.total_cost,
+                         "saves": self.runner_up.total_cost - self.cheapest.total_cost,
+                         "than": {"semantics": self.runner_up.semantics, "ttl_seconds": self.runner_up.ttl_seconds,
+                                  "total_cost": self.runner_up.total_cost}},
             "adaptive": {**self.adaptive.as_dict(), "final_ttl_seconds": self.adaptive_final_ttl_seconds},
         }
 
 
 def run_adaptive(
     c: TraceColumns, d: _Derived, ttl_cfg: TtlPolicyConfig
-) -> tuple[np.ndarray, dict[str, float]]:
-    """Drive `AdaptiveTtl` through the trace in time order: every later request of a session is a
-    return, every request leaves a snapshot. Returns the TTL in force after each request."""
+) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+    """Drive `AdaptiveTtl` through the trace in time order as the service does, under sliding
+    semantics with the TTLs it gives. The policy hears of a write only where one happens (a
+    session's first request, a cold or moved-boundary one, a miss: not a retry that hit), as the
+    pool tells it only of the writes it took; a hit asks it for the TTL to refresh to (`ttl_on_read`,
+    at the size of the snapshot read). Returns are reported as `kvstore.observe.returns` reports
+    them: from the write at the boundary the request resumes from, each write at most once, none
+    for a cold request; in this model, a request whose session's previous request wrote, after the
+    gap since it. A miss's replay writes before its return is seen (in the call), a hit's new
+    boundary after it (the engine's StoreLocal). The service's bound on remembered writes is not
+    modelled. Returns `ttl_after` and `ttl_read` for `evaluate_sliding`, and each tenant's TTL at
+    the end."""
     mean_bytes = int(c.snapshot_bytes.mean()) if c.n else 0
     mean_replay = round(float(c.replay_tokens.mean())) if c.n else 0
     policy = AdaptiveTtl(adaptive_params(ttl_cfg, mean_replay, mean_bytes))
     ttl_after = np.empty(c.n)
+    ttl_read = np.empty(c.n)
     order = np.argsort(c.time, kind="stable")
     names = c.tenants
+    # Per session, its latest snapshot (left by its previous request): expiry, size, and whether
+    # that request wrote it (else the write's return was reported already). Compact arrays: a
+    # trace of single-request sessions has as many sessions as requests.
+    sessions = int(c.session.max()) + 1 if c.n else 0
+    expiry = array.array("d", bytes(8 * sessions))
+    held = array.array("q", bytes(8 * sessions))
+    wrote = array.array("b", bytes(sessions))
     # Python lists, a chunk at a time: iterating them is several times faster than indexing numpy
     # arrays one by one, and a chunk's lists cost little memory where the whole trace's would not.
     for start in range(0, c.n, COLUMN_CHUNK_RECORDS):
         idx = order[start:start + COLUMN_CHUNK_RECORDS]
-        out = []
-        for tenant, first, gap, nbytes, t in zip(
-            c.tenant[idx].tolist(), d.first[idx].tolist(), d.gap[idx].tolist(),
-            c.snapshot_bytes[idx].astype(np.int64).tolist(), c.time[idx].tolist(), strict=True,
+        after: list[float] = []
+        read: list[float] = []
+        for tenant, sess, eligible, structural, gap, nbytes, t in zip(
+            c.tenant[idx].tolist(), c.session[idx].tolist(), d.eligible[idx].tolist(),
+            d.structural[idx].tolist(), d.gap[idx].tolist(), c.snapshot_bytes[idx].astype(np.int64).tolist(),
+            c.time[idx].tolist(), strict=True,
         ):
             name = names[tenant]
-            if not first:
+            hit = eligible and expiry[sess] > t  # the pool's test, in evaluate_sliding's arithmetic
+            refreshed = policy.ttl_on_read(name, held[sess], t) if hit else math.nan
+            assert refreshed is not None  # an adaptive TTL always refreshes
+            ttl = refreshed
+            if not hit:  # every request that misses writes (a replay, or a first or cold request)
+                ttl = policy.ttl_for_write(name, nbytes, t)
+            if eligible and wrote[sess]:
                 policy.observe_return(name, gap)
-            out.append(policy.ttl_for_write(name, nbytes, t))
-        ttl_after[idx] = out
-    return ttl_after, {name: policy.ttl_for_tenant(name) for name in names}
+            if hit and structural:  # read the last boundary's snapshot, then wrote its own
+                ttl = policy.ttl_for_write(name, nbytes, t)
+            writes = structural or not hit
+            expiry[sess] = t + ttl
+            wrote[sess] = writes
+            if writes:
+                held[sess] = nbytes
+            after.append(ttl)
+            read.append(refreshed if hit else ttl)
+        ttl_after[idx] = after
+        ttl_read[idx] = read
+    return ttl_after, ttl_read, {name: policy.ttl_for_tenant(name) for name in names}
 
 
 def tune_ttl(
@@ -472,8 +777,9 @@ def tune_ttl(
     cost: TtlCostModel,
     ttl_cfg: TtlPolicyConfig,
 ) -> TuneReport:
-    """Evaluate every TTL under fixed and sliding semantics, the exact best TTL, and the adaptive
-    policy (configured from `ttl_cfg`, with the trace's mean snapshot and replay sizes)."""
+    """Evaluate every TTL under fixed and sliding semantics, the best TTL of each (each by its own
+    search), and the adaptive policy (configured from `ttl_cfg`, with the trace's mean snapshot and
+    replay sizes)."""
     d = _Derived(c)
     rows: list[TtlEvaluation] = []
     for ttl in ttls_seconds:
@@ -481,12 +787,9 @@ def tune_ttl(
             hits, bs = evaluate_fixed(c, d, ttl) if semantics == "fixed" else evaluate_sliding(c, d, ttl)
             rows.append(_evaluation(c, d, semantics, float(ttl), hits, bs, cost))
     recommended = best_sliding(c, d, cost, ttls_seconds, rows)
-    best = recommended.ttl_seconds
-    assert best is not None
-    hits, bs = evaluate_fixed(c, d, best)
-    recommended_fixed = _evaluation(c, d, "fixed", best, hits, bs, cost)
-    ttl_after, final = run_adaptive(c, d, ttl_cfg)
-    hits, bs = evaluate_sliding(c, d, ttl_after)
+    recommended_fixed = best_fixed(c, d, cost, ttls_seconds, rows)
+    ttl_after, ttl_read, final = run_adaptive(c, d, ttl_cfg)
+    hits, bs = evaluate_sliding(c, d, ttl_after, ttl_read)
     adaptive = _evaluation(c, d, "adaptive", None, hits, bs, cost)
     mean_replay = float(c.replay_tokens.mean()) if c.n else 0.0
     mean_bytes = float(c.snapshot_bytes.mean()) if c.n else 0.0
