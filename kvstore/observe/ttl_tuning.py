@@ -391,20 +391,34 @@ def best_sliding(
     search's best candidate, or where its prices are estimates the cheapest of its best few and of
     every TTL of `also_seconds` within the clamp, so that none of those is cheaper. `evaluated`:
     sliding evaluations already made, reused by TTL."""
-    done = {r.ttl_seconds: r for r in evaluated if r.semantics == "sliding"}
-
-    def priced(ttl: float) -> TtlEvaluation:
-        if ttl not in done:
-            done[ttl] = _evaluation(c, d, "sliding", ttl, *evaluate_sliding(c, d, ttl), cost)
-        return done[ttl]
-
     if c.n == 0:
-        return priced(float(cost.min_ttl_seconds))
+        return _least_of(c, d, cost, "sliding", [float(cost.min_ttl_seconds)], evaluated)
     cand, total = sliding_costs(c, d, cost, also_seconds)
     order = np.argsort(total, kind="stable")  # candidates ascend: the shorter first on a tie
     few = 1 if _search_is_exact(c, d) else REPRICED_CANDIDATES
-    ttls = {float(x) for x in cand[order[:few]]}
-    ttls |= {float(x) for x in also_seconds if cost.min_ttl_seconds <= x <= cost.max_ttl_seconds}
+    return _least_of(c, d, cost, "sliding", _with_also(cand[order[:few]], also_seconds, cost), evaluated)
+
+
+def _with_also(best: np.ndarray, also_seconds: Sequence[float], cost: TtlCostModel) -> set[float]:
+    """A search's best candidates and every TTL of `also_seconds` within the clamp."""
+    ttls = {float(x) for x in best}
+    return ttls | {float(x) for x in also_seconds if cost.min_ttl_seconds <= x <= cost.max_ttl_seconds}
+
+
+def _least_of(
+    c: TraceColumns, d: _Derived, cost: TtlCostModel, semantics: Semantics, ttls: Iterable[float],
+    evaluated: Sequence[TtlEvaluation],
+) -> TtlEvaluation:
+    """The cheapest of `ttls` under `semantics` ("fixed" or "sliding"), each evaluated as the pool
+    holds it (the shorter one on a tie); evaluations in `evaluated` are reused by TTL."""
+    done = {r.ttl_seconds: r for r in evaluated if r.semantics == semantics}
+    evaluate = evaluate_sliding if semantics == "sliding" else evaluate_fixed
+
+    def priced(ttl: float) -> TtlEvaluation:
+        if ttl not in done:
+            done[ttl] = _evaluation(c, d, semantics, ttl, *evaluate(c, d, ttl), cost)
+        return done[ttl]
+
     return min((priced(x) for x in ttls), key=lambda r: (r.total_cost, r.ttl_seconds))
 
 
@@ -639,24 +653,16 @@ def best_fixed(
     and evaluated as the pool holds it: the search's best candidates (where its prices are
     estimates, its best few) and every TTL of `also_seconds` within the clamp, so that none of those
     is cheaper. `evaluated`: fixed evaluations already made, reused by TTL."""
-    done = {r.ttl_seconds: r for r in evaluated if r.semantics == "fixed"}
-
-    def priced(ttl: float) -> TtlEvaluation:
-        if ttl not in done:
-            done[ttl] = _evaluation(c, d, "fixed", ttl, *evaluate_fixed(c, d, ttl), cost)
-        return done[ttl]
-
     if c.n == 0:
-        return priced(float(cost.min_ttl_seconds))
+        return _least_of(c, d, cost, "fixed", [float(cost.min_ttl_seconds)], evaluated)
     cand, total, exact = fixed_costs(c, d, cost, also_seconds)
     order = np.argsort(total, kind="stable")  # candidates ascend: the shorter first on a tie
     if exact:  # the best, and any the sums' rounding may have put behind it
         few = int(np.searchsorted(total[order], total[order[0]] * (1 + 1e-12) + 1e-12, side="right"))
     else:
         few = REPRICED_CANDIDATES
-    ttls = {float(x) for x in cand[order[:max(1, min(few, REPRICED_CANDIDATES))]]}
-    ttls |= {float(x) for x in also_seconds if cost.min_ttl_seconds <= x <= cost.max_ttl_seconds}
-    return min((priced(x) for x in ttls), key=lambda r: (r.total_cost, r.ttl_seconds))
+    best = cand[order[:max(1, min(few, REPRICED_CANDIDATES))]]
+    return _least_of(c, d, cost, "fixed", _with_also(best, also_seconds, cost), evaluated)
 
 
 @dataclass(frozen=True)
