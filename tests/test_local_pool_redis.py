@@ -182,6 +182,26 @@ def test_misbehaving_redis_is_a_miss_within_the_deadline(
     pool.close()
 
 
+def test_a_redis_that_answers_peeks_but_sends_no_snapshot_opens_its_breaker(
+    redis_server: RedisProcess, tcp_proxy_factory: Any,
+) -> None:
+    # A slow link: a Lookup's peek (a few hundred bytes) comes back in time, a Resume's 1.35 MB get
+    # does not. Each request peeks then gets: the peeks' successes must not reset the count of the
+    # gets' timeouts, or the breaker never opens and every request waits out the whole budget.
+    proxy: TcpProxy = tcp_proxy_factory(redis_server.port)
+    pool = _pool(proxy.url, call_budget_seconds=0.5, breaker_failures=3, breaker_reset_seconds=60.0)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(1_351_680)).written
+    proxy.set_mode("delay", 0.05)  # each forwarded piece waits 50 ms
+    reasons = []
+    for _ in range(5):
+        pool.peek(_ns(), _bk(), TENANT, LAYOUT)
+        reasons.append(pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason)
+    # Opened by the third timeout at the latest (sooner if a peek timed out too on a busy machine).
+    assert reasons.count("timeout") <= 3 and reasons[-2:] == ["breaker-open"] * 2, reasons
+    assert pool.stats().breaker_state == "open"
+    pool.close()
+
+
 def test_caller_deadline_caps_socket_timeouts(redis_server: RedisProcess, tcp_proxy_factory: Any) -> None:
     proxy: TcpProxy = tcp_proxy_factory(redis_server.port)
     # Configured timeouts alone would let one call hang for 2 x 3 s.
@@ -554,10 +574,12 @@ def test_a_peek_at_a_misbehaving_redis_is_a_miss_like_a_get(
     assert proxy.accepted == accepted, "an open breaker must not touch the network"
     proxy.set_mode("pass")
     time.sleep(0.35)
-    assert pool.peek(_ns(), _bk(), TENANT, LAYOUT).hit  # the probe, and it closes the breaker
+    assert pool.peek(_ns(), _bk(), TENANT, LAYOUT).hit  # let through as the probe, it vouches for nothing
+    assert pool.stats().breaker_state == "half-open"  # a few header bytes are not a snapshot
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit  # the get is the probe that closes it
     s = pool.stats()
     assert s.breaker_state == "closed" and s.errors >= 3 and s.peeks == 7
-    assert (s.hits, sum(s.misses.values())) == (0, 0)
+    assert (s.hits, sum(s.misses.values())) == (1, 0)
     pool.close()
 
 

@@ -238,7 +238,7 @@ class RedisPool:
         base = snapshot_key_base(self._cfg.key_prefix, ns_digest, boundary_key)
         want = self._parts_hint.get(layout_id, 1)
         for _ in range(2):  # a second round only when the snapshot has more parts than hinted, as get's
-            replies = self._run(_peek_commands(base, want), deadline_at, base)
+            replies = self._run(_peek_commands(base, want), deadline_at, base, vouches=False)
             if isinstance(replies, str):
                 return PeekResult.missed(_miss_reason(replies))
             outcome = self._judge(replies, layout_id)
@@ -361,17 +361,21 @@ class RedisPool:
                 self._dropped_opens += self._breakers.pop(node).opens
             return list(self._breakers.items()), self._dropped_opens
 
-    def _run(self, cmds: Sequence[Command], deadline_at: float, key: bytes) -> list[Any] | Failure:
+    def _run(self, cmds: Sequence[Command], deadline_at: float, key: bytes,
+             vouches: bool = True) -> list[Any] | Failure:
         """Replies of one transaction on the node of `key` (every key of `cmds` shares its slot),
-        or why there are none: "breaker-open", "timeout", "error" or "oom"."""
+        or why there are none: "breaker-open", "timeout", "error" or "oom". `vouches`: whether its
+        success tells the breaker Redis is well (not a peek's: a Redis that answers a few header
+        bytes in time but no snapshot would otherwise keep its breaker closed for good)."""
         if deadline_at - time.monotonic() < MIN_ATTEMPT_SECONDS:
             return "timeout"  # the caller is out of time; says nothing about Redis
         breaker = self._breaker_for(key)
         if not breaker.allow():
             return "breaker-open"
-        return self._attempts(cmds, deadline_at, breaker)
+        return self._attempts(cmds, deadline_at, breaker, vouches)
 
-    def _attempts(self, cmds: Sequence[Command], deadline_at: float, breaker: CircuitBreaker) -> list[Any] | Failure:
+    def _attempts(self, cmds: Sequence[Command], deadline_at: float, breaker: CircuitBreaker,
+                  vouches: bool = True) -> list[Any] | Failure:
         """`_run` once `breaker` has let the call through: retries transport failures while the
         deadline allows, and tells the breaker what they said about Redis."""
         failure: Failure = "timeout"
@@ -408,7 +412,10 @@ class RedisPool:
                 self._counters.add("errors")
                 failure, error_text, judged = "error", f"{type(e).__name__}: {e}", True
                 continue
-            breaker.record_success()
+            if vouches:
+                breaker.record_success()
+            else:
+                breaker.release()  # in half-open, the next payload call probes
             self._reached = True
             return replies
         if judged:
