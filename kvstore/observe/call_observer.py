@@ -15,6 +15,10 @@ ledger (billed once). A request id names one
 request of each method: an engine that sent two requests under one id within the window would have
 the second counted as a retry.
 
+A LoadLocal that got the snapshot (its facts name the boundary) is no request either, but the
+explainer hears of its read: the pool's get restarted a sliding TTL (a Lookup only peeks), and an
+engine's hybrid path (Lookup, Load, LoadLocal) sends no Resume to tell it.
+
 Bytes moved: a Resume's (with its request), a Load's and a LoadLocal's snapshot; a Lookup that held
 chunks in a same-host session (`hold_chunks`) counts theirs as a Load does. Those outside a
 request's bills go through `moved`, one place telling the metrics and the ledger alike; a retry's
@@ -42,6 +46,7 @@ from kvstore.observe.records import (
     CallRecord,
     Case,
     LocalOutcome,
+    LocalReadFacts,
     LocalWriteFacts,
     LookupFacts,
     ReplaySummary,
@@ -81,9 +86,13 @@ class Observability:
         self.metrics.rpc(call.method, call.code, call.seconds)
         if call.data_path:
             self.metrics.data_path(call.method, call.data_path)
+        facts = call.facts
+        if isinstance(facts, LocalReadFacts):  # a LoadLocal that got the snapshot
+            # Its hit: the pool's get restarted a sliding TTL, whether or not the call then ended
+            # OK. Told to the explainer only: a LoadLocal is no request (nothing counted here).
+            self.explainer.local_read(facts.namespace, facts.boundary_key, call.at, call.tenant)
         if call.code != "OK":
             return
-        facts = call.facts
         if isinstance(facts, LocalWriteFacts):  # a StoreLocal that wrote a snapshot
             self.explainer.local_stored(facts.namespace, facts.boundary_key, facts.ttl_seconds, call.at, call.tenant)
             return

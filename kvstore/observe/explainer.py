@@ -229,12 +229,14 @@ class Explainer:
         with self._lock:
             self._put(self._local, self._owner(namespace, tenant), boundary_key, w)
 
-    def local_read(self, namespace: bytes, boundary_key: bytes, at: float | None = None) -> None:
-        """A hit on local state: under a sliding TTL its lifetime now counts from here."""
+    def local_read(self, namespace: bytes, boundary_key: bytes, at: float | None = None,
+                   tenant: str | None = None) -> None:
+        """A read of local state (a Resume's or LoadLocal's hit): under a sliding TTL its lifetime
+        now counts from `at` (None: now); `tenant`: whose (None: the namespace's, as learnt)."""
         if not self.sliding_ttl:
             return
         with self._lock:
-            part, w = self._find(self._local, self._owner(namespace), boundary_key)
+            part, w = self._find(self._local, self._owner(namespace, tenant), boundary_key)
             if w is not None and w.namespace == namespace:
                 self._local.replace(part, boundary_key, _LocalWrite(
                     namespace, self._clock() if at is None else at, self._wall(), w.ttl_seconds))
@@ -399,7 +401,7 @@ class Explainer:
                                                                 facts.pool_miss_reason, at)
             elif rec.local_outcome == "hit" and facts.boundary_key and rec.method != "lookup":
                 # A Lookup only asks whether the snapshot is there: the read that restarts a
-                # sliding TTL is the Resume's (or LoadLocal's).
+                # sliding TTL is the Resume's (a LoadLocal's is noted by `call_observer`).
                 self.local_read(facts.namespace, facts.boundary_key, at)
             replay = _replay_words(rec, facts)
         exp = Explanation(

@@ -99,6 +99,14 @@ class LocalWriteFacts:
     ttl_seconds: float
 
 
+@dataclass(frozen=True)
+class LocalReadFacts:
+    """A LoadLocal that got the snapshot at a boundary: the pool's read restarted a sliding TTL."""
+
+    namespace: bytes
+    boundary_key: bytes
+
+
 
 @dataclass(frozen=True)
 class CallRecord:
@@ -118,7 +126,7 @@ class CallRecord:
     # "precheck" | "probe": a Lookup that is not an engine's request (kvstore/wire/purposes.py); the
     # observers count it apart from requests. "": an engine request.
     purpose: str = ""
-    facts: LookupFacts | LocalWriteFacts | None = None  # what the miss explainer needs
+    facts: LookupFacts | LocalWriteFacts | LocalReadFacts | None = None  # what the miss explainer needs
     at: float | None = None  # the app's clock when the call finished (observers see it later)
     # Load, Resume, Store, LoadLocal, StoreLocal, a holding Lookup: "shm" (same-host shared memory) or "stream"
     data_path: str = ""

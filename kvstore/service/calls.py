@@ -38,7 +38,7 @@ import numpy as np
 from kvstore.errors import InvalidInput, ResourceExhausted, Unauthenticated, Unavailable
 from kvstore.keys.chunk_keys import REPLAY_MODES, Namespace
 from kvstore.layout import CacheLayout, ModelSpec
-from kvstore.observe.records import CallRecord, LocalWriteFacts, LookupFacts
+from kvstore.observe.records import CallRecord, LocalReadFacts, LocalWriteFacts, LookupFacts
 from kvstore.service.app import App
 from kvstore.service.auth import Authenticator
 from kvstore.service.codes import is_expected, status_for
@@ -69,7 +69,7 @@ class CallState:
     request_id: str = ""
     session: str = ""
     purpose: str = ""  # the caller's x-kvstore-purpose: "" for an engine request (wire/purposes.py)
-    facts: LookupFacts | LocalWriteFacts | None = None
+    facts: LookupFacts | LocalWriteFacts | LocalReadFacts | None = None
     extra: dict[str, float] = field(default_factory=dict)
     # Streaming calls: marks the waits on the client (the stream watch ends a call stalled there).
     stream: Watched | None = None

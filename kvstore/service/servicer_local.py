@@ -40,7 +40,7 @@ import grpc
 
 from kvstore.errors import InvalidInput
 from kvstore.local_pool.base import GetResult
-from kvstore.observe.records import LocalWriteFacts
+from kvstore.observe.records import LocalReadFacts, LocalWriteFacts
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.codes import is_expected, status_for
 from kvstore.service.pricing import (
@@ -217,8 +217,16 @@ class LocalStateCalls:
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt, parsed.u32le)
             shm = self.shm_session(call, req.shm_session)
             n = res.full_chunks
-            state, got = local_status(self.app, res, n, context.time_remaining())
+            # The boundary's key, hashed once: the pool's get and, on a hit, the call's facts use it.
+            key = boundary_key(self.app, res, n) if n and res.layout.local_snapshot_bytes and \
+                self.app.local_pool is not None else None
+            state, got = local_status(self.app, res, n, context.time_remaining(), key=key)
             call.local_state = state
+            if state == "hit" and key is not None:
+                # The pool's get restarted a sliding TTL: the miss explainer must know of this read
+                # (the engine's hybrid path, Lookup, Load, LoadLocal, sends no Resume to tell it).
+                # Set now: the get refreshed the TTL even if the snapshot then fails to reach the engine.
+                call.facts = LocalReadFacts(res.ns.digest, key)
             payload = got.payload if got is not None and got.payload is not None else None
             assert call.stream is not None
             yield from call.stream.sent(self._local_messages(state, got, payload, n * res.chunk_tokens, shm, context))
