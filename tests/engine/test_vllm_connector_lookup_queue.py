@@ -2,7 +2,8 @@
 side with the real client and an in-process service on port 0, each Lookup made slow on its way
 out (the fault). A burst of requests once queued behind one another without bound, each waiting
 for its answer behind all earlier ones; now a Lookup that waits for a thread past
-`max_lookup_queue_ms` is never asked and its request is computed cold, for good."""
+`max_lookup_queue_ms` is never asked and its request is computed cold, for good. A request computed
+cold without a Lookup's answer stores nothing of its prompt (the service likely holds it)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
+from kvstore.client import UnavailableError
 from kvstore.integrations.vllm.cache_layout import EnginePlan, GroupPlan
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.link import Link
@@ -130,3 +133,105 @@ def test_a_request_computed_cold_after_its_queue_wait_never_takes_an_answer_late
     time.sleep(0.6)  # what a Lookup for c or d would have taken
     assert side.matched(c, 0) == side.matched(d, 0) == (0, False)  # decided once
     assert slow.lookups == 2 and side.link.counters["lookups_skipped_queue_wait"] == 2
+
+
+# --- what a request computed cold without a Lookup's answer stores --------------------------------
+
+OTHER = list(range(3000, 3000 + 4 * CHUNK + 1))  # a prompt the service lacks
+LONGER = PROMPT[: 4 * CHUNK] + list(range(2000, 2000 + 2 * CHUNK + 1))  # PROMPT's 4 chunks, then 2 new
+
+
+def _asked(rid: str, prompt: list[int]) -> Any:
+    return SimpleNamespace(request_id=rid, prompt_token_ids=prompt, cache_salt=None)
+
+
+def _answer(side: SchedulerSide, r: Any, until: float = 10.0) -> int:
+    t0 = time.monotonic()
+    while (m := side.matched(r, 0))[0] is None:
+        assert time.monotonic() - t0 < until, "no answer"
+        time.sleep(STEP_SECONDS)
+    return m[0]
+
+
+def _prefill(side: SchedulerSide, answered: dict[str, tuple[Any, int]]) -> dict[str, tuple[int, int]]:
+    """One step computing each request's whole prompt past its hit (loaded first): the stores it
+    plans, {request: (first chunk, end chunk)}."""
+    for r, external in answered.values():
+        if external:
+            side.after_alloc(r, (list(range(64)),), external)
+    out = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=rid, num_computed_tokens=ext) for rid, (_, ext) in answered.items()],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={rid: len(r.prompt_token_ids) - ext for rid, (r, ext) in answered.items()})
+    meta = side.build_meta(out, lambda rid: (list(range(64)),), -1)
+    return {sv.req_id: (sv.first_chunk, sv.end_chunk) for sv in meta.saves}
+
+
+def _decode(side: SchedulerSide, reqs: list[Any]) -> dict[str, tuple[int, int]]:
+    """The next step: each request's first generated token."""
+    out = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r in reqs],
+                                              num_computed_tokens=[len(r.prompt_token_ids) for r in reqs]),
+        num_scheduled_tokens={r.request_id: 1 for r in reqs})
+    meta = side.build_meta(out, lambda rid: (list(range(64)),), -1)
+    return {sv.req_id: (sv.first_chunk, sv.end_chunk) for sv in meta.saves}
+
+
+def test_requests_computed_cold_after_their_queue_wait_store_nothing(
+        slow_side: Callable[..., tuple[SchedulerSide, SlowLookups]]) -> None:
+    # A burst on a slow service: two Lookups asked, the rest given up queued. Those were computed
+    # cold and stored every chunk of their prompts from 0 (a Lookup the service was spared, swapped
+    # for its Store's own check of what it holds, and the chunks it lacks); now they store nothing.
+    side, slow = slow_side(0.3, max_lookup_queue_ms=100)
+    burst = [_asked(f"r{i}", PROMPT) for i in range(3)] + [_asked("new", OTHER)]
+    for r in burst:
+        assert side.matched(r, 0) == (None, False)
+    answered = {r.request_id: (r, _answer(side, r)) for r in burst}
+    cold = sorted(rid for rid, (_, ext) in answered.items() if ext == 0)
+    skipped = side.link.counters["lookups_skipped_queue_wait"]
+    assert "new" in cold and len(cold) == skipped >= 1 and slow.lookups == len(burst) - skipped
+    assert _prefill(side, answered) == {}  # the hits: the service holds all 4 chunks
+    assert side.link.counters["stores_skipped_unknown_prefix"] == skipped
+    assert _decode(side, burst) == {} and side.link.counters["stores_skipped_unknown_prefix"] == skipped  # once
+    # The service keeps up again: asked, the prompt it lacks is stored, and of a longer one only
+    # the chunks past what it holds.
+    time.sleep(0.4)  # the burst's Lookups are done
+    again, longer = _asked("new-again", OTHER), _asked("longer", LONGER)
+    assert _answer(side, again) == 0 and _answer(side, longer) == 4 * CHUNK
+    assert _prefill(side, {"new-again": (again, 0), "longer": (longer, 4 * CHUNK)}) == {
+        "new-again": (0, 4), "longer": (4, 6)}
+
+
+def test_requests_computed_cold_after_a_lookup_past_the_budget_store_nothing(
+        slow_side: Callable[..., tuple[SchedulerSide, SlowLookups]]) -> None:
+    # A Lookup not answered within budget_ms: cold, a failure, and the pause after it (requests
+    # served cold without asking). Neither stores its prompt; once the pause is over and the
+    # service answers, the prompt it lacks is stored.
+    side, slow = slow_side(1.5, budget_ms=400, retry_after_ms=1000)
+    late, paused = _asked("late", OTHER), _asked("paused", PROMPT)
+    assert _answer(side, late) == 0 and side.link.counters["lookup_failures"] == 1
+    assert side.matched(paused, 0) == (0, False)  # within the pause: not asked
+    assert _prefill(side, {"late": (late, 0), "paused": (paused, 0)}) == {}
+    assert side.link.counters["stores_skipped_unknown_prefix"] == 2 and slow.lookups == 1
+    slow.seconds = 0.0  # the service recovers
+    time.sleep(1.0)
+    again = _asked("again", OTHER)
+    assert _answer(side, again) == 0 and slow.lookups == 2
+    assert _prefill(side, {"again": (again, 0)}) == {"again": (0, 4)}
+
+
+def test_a_failed_synchronous_lookup_stores_nothing(slow_side: Callable[..., tuple[SchedulerSide, SlowLookups]],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # In sync mode a Lookup not answered within the budget is a failed call (its deadline).
+    side, _ = slow_side(0.0, load_mode="sync")
+    client = side.link.client()
+
+    def unavailable(*args: Any, **kw: Any) -> Any:
+        raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "injected", "Lookup")
+
+    monkeypatch.setattr(client, "lookup", unavailable)  # the fault
+    failed = _asked("failed", OTHER)
+    assert side.matched(failed, 0) == (0, False) and side.link.counters["lookup_failures"] == 1
+    assert _prefill(side, {"failed": (failed, 0)}) == {}
+    assert side.link.counters["stores_skipped_unknown_prefix"] == 1

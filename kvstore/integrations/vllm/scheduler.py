@@ -5,8 +5,10 @@ A request's first `get_num_new_matched_tokens` starts a Lookup on a thread (the 
 registration first, on a thread too) and answers None ("ask again next step", as vLLM allows);
 once the Lookup is back (or the budget, counted from the call's start, is spent: then cold) it
 answers the usable hit. A Lookup that waits for a thread longer than `max_lookup_queue_ms` (a
-burst on a slow service) is never asked, and its request is computed cold. A usable hit ends on
-a chunk boundary and leaves at least one prompt token to compute. For a hybrid model it also
+burst on a slow service) is never asked, and its request is computed cold. A request computed
+cold without a Lookup's answer (not asked: queued too long, or within the pause after a failure;
+or not answered) stores nothing, since what the service holds of it is unknown. A usable hit ends
+on a chunk boundary and leaves at least one prompt token to compute. For a hybrid model it also
 needs the sliding-window snapshot at that boundary (local state "hit"); without one the engine
 could not use the hit exactly (vLLM's V1 runner cannot replay a window), so it is reported as no
 hit.
@@ -56,6 +58,9 @@ class _Request:
     load_planned: bool = False
     loaded_tokens: int = 0
     saved_chunks: int = 0  # chunks kvstore holds or that were sent to it
+    # Computed cold without a Lookup's answer (not asked, or not answered): what the service holds
+    # of its prompt is unknown, so nothing of it is stored.
+    unknown_prefix: bool = False
     snapshot_saved: bool = False
     load_first_chunk: int = 0  # the first chunk the load wrote into the request's blocks
     # Not cached through kvstore: its KV depends on more than its token ids (images, audio, prompt
@@ -162,8 +167,7 @@ class SchedulerSide:
                 return self._register(st)
             name = self.link.model_name()
             if name is None or time.monotonic() < self._ask_after:
-                st.usable_chunks = 0
-                return True
+                return self._cold_unknown(st)
             # Every full chunk is asked about, the last one too when the prompt ends on a chunk's
             # end: it is computed again (one token must be), and a save of it is needed only if the
             # service lacks it. A hybrid model asks up to the boundary, where its window state is.
@@ -190,8 +194,7 @@ class SchedulerSide:
             started = st.lookup_started
             if not started:  # queued: cold without asking once another Lookup found the service failing
                 if time.monotonic() < self._ask_after and st.lookup.cancel():
-                    st.usable_chunks = 0
-                    return True
+                    return self._cold_unknown(st)
                 if self._queued_too_long(st) and st.lookup.cancel():
                     return self._cold_after_queue(st)
                 return False
@@ -200,16 +203,16 @@ class SchedulerSide:
             st.lookup.cancel()
             self.link.failed("lookup", TimeoutError("no answer within the budget"))
             self._ask_after = time.monotonic() + self.link.cfg.retry_after_seconds
-            st.usable_chunks = 0
-            return True
+            return self._cold_unknown(st)
         if st.queue_expired:
             return self._cold_after_queue(st)
         r = st.lookup.result()
-        if r is None:
+        if r is None:  # failed (in sync mode, also one not answered within the budget)
             self._ask_after = time.monotonic() + self.link.cfg.retry_after_seconds
-        held = 0 if r is None else r.hit_chunks
+            return self._cold_unknown(st)
+        held = r.hit_chunks
         hit = min(held, boundary)
-        if hit and self.plan.hybrid and r is not None and r.local_state != "hit":
+        if hit and self.plan.hybrid and r.local_state != "hit":
             self.link.count("hybrid_hits_without_window")  # the engine could not use it exactly
             hit = 0
         st.usable_chunks = hit
@@ -228,10 +231,19 @@ class SchedulerSide:
             return None
         return ask()
 
+    def _cold_unknown(self, st: _Request) -> bool:
+        """Computed cold without a Lookup's answer: nothing of the prompt is stored. Its chunks are
+        likely held (the service was only slow, or a burst repeats a prompt), and a Store would ask
+        the service first (the client's check of what it holds) at the moment it is struggling; a
+        prompt it lacks is stored by its next request that is asked."""
+        st.usable_chunks = 0
+        st.unknown_prefix = True
+        return True
+
     def _cold_after_queue(self, st: _Request) -> bool:
         """The request is computed cold, for good: it is decided once, so an answer that comes
         later is never read."""
-        st.usable_chunks = 0
+        self._cold_unknown(st)
         self.link.count("lookups_skipped_queue_wait")
         self._queue_skips += 1
         # Not a failure (the service answers, only not fast enough for this engine's load), and
@@ -251,8 +263,7 @@ class SchedulerSide:
             return False
         self._registering = None
         if not self.link.may_register():
-            st.usable_chunks = 0
-            return True
+            return self._cold_unknown(st)
         self._registering = self._pool.submit(self.link.model_name)
         return False
 
@@ -327,6 +338,11 @@ class SchedulerSide:
             return None
         full = len(st.tokens) // self.ct
         done = min(full, after // self.ct)
+        if st.unknown_prefix:
+            if done > st.saved_chunks:  # counted once a request, when it would first have stored
+                self.link.count("stores_skipped_unknown_prefix")
+                st.saved_chunks = full
+            return None
         spec = None
         if done > st.saved_chunks:
             spec = SaveSpec(req_id, st.tokens[: done * self.ct], st.salt, st.saved_chunks, done,
