@@ -15,7 +15,8 @@ The coordinator then
    re-queued on the first runner that serves it, at most MAX_REQUEUES times; a job an attached
    runner answered with an error (which may be the runner's: a device lost) is tried once more
    on another runner (another attached one, or the next in the list), and from then on never
-   goes back to that one, re-queued or not;
+   goes back to that one, re-queued or not; a job whose prefix lost a chunk meanwhile is tried
+   nowhere else (no runner could replay it);
 4. stores the rebuilt snapshot in the local pool under its TTL policy and returns it.
 
 Admission comes first and apart from the replay: `admit` is called synchronously by the service
@@ -514,7 +515,9 @@ class ReplayCoordinator:
         """The job's result from the first runner that serves it (None: the deadline passed),
         re-queued on another runner when the one that had it went away (at most MAX_REQUEUES
         times), and tried once more on another runner when an attached one answered it with an
-        error: never on that one again (`avoid`)."""
+        error: never on that one again (`avoid`). Neither once a chunk of its prefix vanished (the
+        source is `lost`), nor once no time is left: then the last answer stands (a timeout only
+        when none came, or its runner went away)."""
         last: ReplayResult | None = None
         requeues = 0
         avoid = ""  # the attached runner that answered the job with an error
@@ -527,6 +530,8 @@ class ReplayCoordinator:
                 break  # nowhere else to go: the last answer stands
             left = self._left(flight)
             if left <= 0:
+                if last is not None and not last.lost:
+                    break  # a runner answered in time, with an error: that answer stands, not a timeout
                 self._bump("timeouts")
                 return None
             # A replay is started once: sending it again elsewhere is counted apart.
@@ -548,6 +553,8 @@ class ReplayCoordinator:
             last = got
             if last.ok:
                 break
+            if isinstance(job.source, _PinnedChunks) and job.source.lost:
+                break  # a chunk of the prefix vanished while it was read: no runner can replay it
             if last.lost:
                 if requeues == MAX_REQUEUES:
                     break

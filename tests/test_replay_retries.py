@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvstore.config.replay import ReplayConfig
-from replay.coordinator import MAX_REQUEUES, ReplayCoordinator
+from replay.coordinator import MAX_REQUEUES, PREFIX_GONE, ReplayCoordinator
 from replay.inprocess import InProcessRunner
 from replay.port import FAILED, REPLAYED, TIMEOUT, ReplayOutcome
 from replay.registry import ResultTaken, RunnerInfo, RunnerRegistry
@@ -203,5 +203,50 @@ def test_a_retry_waits_for_another_runner_to_have_room_not_for_the_one_that_fail
     assert (len(a.jobs), len(b.jobs)) == (1, 2)
     c = co.counters()
     assert (c.replays_started, c.retried, c.failures) == (1, 1, 0)
+    a.close()
+    b.close()
+
+
+def test_an_error_answered_in_time_stands_when_no_time_is_left_to_retry_it(rig: Rig) -> None:
+    now = [100.0]
+
+    def error_at_the_deadline(job: ReplayJob) -> str:
+        now[0] += 20.0  # answered; by the time the coordinator would retry, the caller's 10 s are over
+        return "CUDA error: device lost"
+
+    _, (a, b), co, toks, _ = _setup(rig, 8, error_at_the_deadline, _snapshot(rig, 4), clock=lambda: now[0])
+    out = co.resume_local(rig.ns(), toks, 64, 10.0)
+    assert (out.status, out.snapshot) == (FAILED, None)  # the runner's error, not a timeout
+    assert [len(r.jobs) for r in (a, b)] == [1, 0]
+    c = co.counters()
+    assert (c.failures, c.timeouts, c.retried) == (1, 0, 0)
+    a.close()
+    b.close()
+
+
+def test_an_error_from_a_chunk_that_vanished_is_prefix_gone_not_retried(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As the Attach servicer does: the runner's transport reads the job's chunks from the pinned
+    # prefix, and one that comes up short fails the job (ChunksGone), its runner still attached.
+    # Fault: the store's read comes up one chunk short (a corrupt chunk removed).
+    from kvstore.store import LoadSession
+
+    snapshot = _snapshot(rig, 6)
+
+    def reads_chunks(job: ReplayJob) -> bytes | str:
+        bufs = [memoryview(bytearray(job.chunk_bytes)) for _ in range(job.num_chunks)]
+        got = job.read_into(0, bufs)
+        if got < len(bufs):
+            return f"job chunks not sent: chunk {got} of the job vanished from the store"
+        return snapshot(job)
+
+    _, (a, b), co, toks, _ = _setup(rig, 9, reads_chunks, snapshot)
+    real = LoadSession.read_many_into
+    monkeypatch.setattr(LoadSession, "read_many_into", lambda self, first, outs: real(self, first, outs)[:-1])
+    out = co.resume_local(rig.ns(), toks, 64, 10.0)
+    assert (out.status, out.snapshot) == (PREFIX_GONE, None)
+    assert [len(r.jobs) for r in (a, b)] == [1, 0]  # b would have answered: it was not asked
+    c = co.counters()
+    assert (c.failures, c.retried, c.requeued) == (1, 0, 0)
     a.close()
     b.close()

@@ -6,6 +6,7 @@ servicer (tests/helpers/attach_service.py)."""
 
 from __future__ import annotations
 
+import shlex
 import signal
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def test_a_runner_of_the_reference_revision_is_told_the_revision_differs_not_the
     assert "Traceback" not in out
     (line,) = [ln for ln in out.splitlines() if "refused this runner: INVALID_ARGUMENT" in ln]
     assert "'1+seed=0'" in line and "'r2+seed=0'" in line, line
-    assert "its revision '1' is not the model's revision 'r2'" in line and "--revision r2" in line, line
+    assert "its revision '1' is not the model's revision 'r2'" in line and "--revision=r2" in line, line
     assert "--seed" not in line.split("start the runner with", 1)[1], line  # the seed is right
     assert r.svc.app.runners.runners() == [] and r.servicer.refused_total == 1
 
@@ -69,10 +70,10 @@ def test_both_parts_wrong_names_both_flags() -> None:
     want = expected_weights({R2: SPEC_R2}, 16, 3)(R2)
     assert want is not None and want.identity == "r2+seed=3"
     said = want.mismatch("1+seed=0")
-    assert "revision '1'" in said and "seed '0'" in said and said.endswith("--revision r2 --seed 3"), said
+    assert "revision '1'" in said and "seed '0'" in said and said.endswith("--revision=r2 --seed 3"), said
     assert want.mismatch("r2+seed=0").endswith("start the runner with --seed 3")
     # No seed in it at all (another kind of runner): both parts to set.
-    assert want.mismatch("weights-abc").startswith("start the runner with --revision r2 --seed 3")
+    assert want.mismatch("weights-abc").startswith("start the runner with --revision=r2 --seed 3")
 
 
 @pytest.mark.parametrize("bad", ["", "a\nb", "x" * (MAX_ENGINE_NAME + 1)])
@@ -84,3 +85,22 @@ def test_a_bad_revision_is_one_line_before_anything_is_dialled(bad: str) -> None
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvstore runner: --revision must be 1 to 128 printable"), lines
     assert "Traceback" not in done.stderr and len(lines[0]) < 200
+
+
+@pytest.mark.parametrize("declared", ["1+seed=0", "weights-abc"])
+def test_the_hint_for_a_revision_starting_with_a_dash_parses_as_that_revision(declared: str) -> None:
+    # RegisterModel accepts a revision "-r2"; the hint said `--revision -r2`, which argparse reads
+    # as a flag without its value ("expected one argument").
+    from kvstore.cli import build_parser
+    from kvstore.commands.runner import check_revision
+    from kvstore.layout import _check_name
+    from kvstore.service.runners_servicer import expected_weights
+
+    _check_name("revision", "-r2")
+    spec = replace(SPEC, name="toy-dash", revision="-r2", layout=replace(SPEC.layout, name="toy-dash"))
+    want = expected_weights({"toy-dash": spec}, 16, 0)("toy-dash")
+    assert want is not None
+    flags = shlex.split(want.mismatch(declared).split("start the runner with ", 1)[1].split(" (", 1)[0])
+    args = build_parser().parse_args(["runner", "--connect", "127.0.0.1:1", *flags])
+    assert (args.revision, args.seed) == ("-r2", 0), flags
+    check_revision(args.revision)

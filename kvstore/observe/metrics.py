@@ -107,11 +107,12 @@ REPLAY_MODES = ("bounded", "exact", "off", OTHER)
 # servicer gives them (service/runners_servicer.py; observe does not import the service). attached:
 # it declared the weights the service expects (verified), or the service had none to check
 # (unchecked); unverified: attached without declaring any; refused: a model not served, another
-# layout, other weights, no valid hello, a same-host session it cannot have.
+# layout, other weights, no valid hello, a same-host session it cannot have, a valid hello with no
+# runner slot left (runner_slots) or while the service shuts down (shutting_down).
 RUNNER_ATTACH_REASONS: dict[str, tuple[str, ...]] = {
     "attached": ("verified", "unchecked"),
     "unverified": ("no_weights",),
-    "refused": ("unknown_model", "layout", "weights", "bad_hello", "shm", OTHER),
+    "refused": ("unknown_model", "layout", "weights", "bad_hello", "shm", "runner_slots", "shutting_down", OTHER),
 }
 
 # Replays run a few hundred tokens: milliseconds on a GPU, up to the 30 s default timeout on a CPU.
@@ -333,7 +334,8 @@ class SourceCollector(Collector):
     def _runner_attaches(counts: Mapping[tuple[str, str], int]) -> Iterator[Metric]:
         fam = CounterMetricFamily("kvstore_runner_attaches", "Runners' hellos by outcome: attached (reason "
                                   "verified: declared the weights the service expects), unverified (attached, "
-                                  "declared no weights), refused (by reason).", labels=["outcome", "reason"])
+                                  "declared no weights), refused (by reason; runner_slots: a valid hello with "
+                                  "no runner slot left).", labels=["outcome", "reason"])
         # Every known pair, zero when absent; a refused "other" only once it counted.
         by = {(o, r): 0 for o, reasons in RUNNER_ATTACH_REASONS.items() for r in reasons if r != OTHER}
         for (outcome, reason), n in counts.items():

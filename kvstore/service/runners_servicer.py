@@ -14,8 +14,8 @@ A result is checked for its size only, so a runner with other weights than the s
 have its snapshots pooled and served as the model's: the hello's weights identity must be the one
 the service expects for the model (`expected_weights`), else the attach is refused. A runner that
 declares none (older than the field) is attached, unverified, and logged as such. Each hello's
-outcome (attached, unverified, refused and why) is counted (`attach_counts`, exported as
-`kvstore_runner_attaches_total`).
+outcome (attached, unverified, refused and why: a valid hello refused for want of a runner slot
+too) is counted (`attach_counts`, exported as `kvstore_runner_attaches_total`).
 
 Attach calls are not counted against the call limit (they live as long as the runner) but the
 registry bounds how many runners may attach. A stream waiting for its hello is not attached yet:
@@ -25,8 +25,9 @@ An Attach is reported to `notify` (the app's observers: `kvstore_rpc_seconds{met
 once, for its handshake: from the call's start to its `Attached` or its refusal, with that answer's
 code. Not the whole stream: it lives as long as the runner (hours), which is no latency, would sit
 past the histogram's last bucket and read as 30 s in every percentile; how runners leave is in
-the log and `kvstore_runners_attached`. A stream that ends before its hello is not reported (as a
-KVCache call without its request message is not).
+the log and `kvstore_runners_attached`. A stream cancelled (or ended by the idle watch) before its
+hello is not reported (as a KVCache call without its request message is not); one the runner
+half-closes before it is a hello refused as BAD_HELLO (INVALID_ARGUMENT): the runner's protocol error.
 What it does not know: replay policy or the store.
 """
 
@@ -74,8 +75,10 @@ VERIFIED = "verified"  # attached: it declared the weights the service expects
 UNCHECKED = "unchecked"  # attached: the service has no weights to check it against
 NO_WEIGHTS = "no_weights"  # unverified: it declared none
 # Refused: a model not served here, another layout id, other weights, a hello that is no valid
-# hello (none, malformed, not first, no job capacity), a same-host session it cannot have.
+# hello (none, malformed, not first, no job capacity), a same-host session it cannot have; a valid
+# hello with no runner slot left (all taken, or the tenant's share), or while shutting down.
 UNKNOWN_MODEL, LAYOUT, WEIGHTS, BAD_HELLO, SHM = "unknown_model", "layout", "weights", "bad_hello", "shm"
+RUNNER_SLOTS, SHUTTING_DOWN = "runner_slots", "shutting_down"
 
 
 class HelloRefused(InvalidInput):
@@ -103,12 +106,12 @@ class ExpectedWeights:
             return self.fix
         rev, sep, seed = declared.rpartition(SEED_SEP)
         if not sep:
-            return (f"start the runner with --revision {shlex.quote(self.revision)} --seed {self.seed} (the "
+            return (f"start the runner with {_revision_flag(self.revision)} --seed {self.seed} (the "
                     "model's revision and the service's replay.reference_seed)")
         why, flags = [], []
         if rev != self.revision:
             why.append(f"its revision {_quoted(rev)} is not the model's revision {self.revision!r}")
-            flags.append(f"--revision {shlex.quote(self.revision)}")
+            flags.append(_revision_flag(self.revision))
         if seed != str(self.seed):
             why.append(f"its seed {_quoted(seed)} is not the service's replay.reference_seed {self.seed}")
             flags.append(f"--seed {self.seed}")
@@ -136,6 +139,12 @@ def expected_weights(models: Mapping[str, ModelSpec], chunk_tokens: int, referen
         return ExpectedWeights(spec.revision, f"attach a runner with the weights of revision '{spec.revision}'")
 
     return of
+
+
+def _revision_flag(revision: str) -> str:
+    """`kvstore runner`'s flag for `revision`, joined with '=': a revision starting with '-' would
+    otherwise be read by argparse as another flag (`--revision -r2`: "expected one argument")."""
+    return f"--revision={shlex.quote(revision)}"
 
 
 def _quoted(text: str) -> str:
@@ -191,7 +200,8 @@ class RunnersServicer:
 
     def attach_counts(self) -> dict[tuple[str, str], int]:
         """Hellos answered since start, by (outcome, reason): ATTACHED (VERIFIED, UNCHECKED),
-        UNVERIFIED (NO_WEIGHTS) or REFUSED (UNKNOWN_MODEL, LAYOUT, WEIGHTS, BAD_HELLO, SHM)."""
+        UNVERIFIED (NO_WEIGHTS) or REFUSED (UNKNOWN_MODEL, LAYOUT, WEIGHTS, BAD_HELLO, SHM,
+        RUNNER_SLOTS, SHUTTING_DOWN)."""
         with self._greeting_lock:
             return dict(self._attaches)
 
@@ -339,7 +349,15 @@ class RunnersServicer:
             device=h.device[:64], max_concurrent_jobs=h.max_concurrent_jobs, max_batch=max(1, h.max_batch),
             name=h.name[:128], tenant=None if caller.admin and not caller.tenant else caller.tenant,
         )
-        link = self._registry.attach(info)
+        try:
+            link = self._registry.attach(info)
+        except ResourceExhausted:
+            # A valid hello all the same: a fleet reconnecting for ever shows here, not only in the log.
+            self._count(REFUSED, RUNNER_SLOTS)
+            raise
+        except Unavailable:
+            self._count(REFUSED, SHUTTING_DOWN)
+            raise
         # The name the runner gave (`kvstore runner --name`), quoted: it is the caller's text.
         log.info("runner %s%s attached: model %s on %s, weights %s (%s; job chunks and results %s)",
                  info.runner_id, f" {info.name!r}" if info.name else "", info.model, info.device,
