@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -84,8 +85,37 @@ def test_retries_end_within_the_calls_deadline_and_say_why(
     service.app.flush_observers()
     # The pause is cut to leave the second attempt its time; none is made past the deadline.
     assert codes == ["UNAVAILABLE", "UNAVAILABLE"], codes
-    assert "gave up after 2 attempts: the call's 1.05 s deadline was reached" in str(e.value)
+    assert "gave up after 2 attempts: too little of the call's 1.05 s was left for another attempt" in str(e.value)
     assert took < 1.05 + 0.3, took  # a generous slack: the overshoot was ~0.45 s
+
+
+def test_a_retry_that_does_not_fit_says_so_with_the_calls_own_timeout(
+        make_service: Callable[..., Service]) -> None:
+    # Giving up because not even the shortest pause fit (1 ms into a 0.1 s call) was told as "the
+    # call's 0.1 s deadline was reached"; and lookup_held named what was left of its time as the
+    # call's ("the call's 0.249929 s deadline"). The fault: the service refuses calls, as while draining.
+    import tempfile
+
+    from tests.test_service_shm import shm_config
+
+    d = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))  # a Unix socket path must be short
+    svc = make_service(shm_config(d / "kv.sock"))
+    kv = KvstoreClient(f"unix://{d / 'kv.sock'}",
+                       retry=RetryPolicy(initial_backoff_seconds=0.2, max_backoff_seconds=1.0))
+    assert kv.shm_session_id()  # lookup_held holds its chunks in the session: the call's own retries
+    svc.server.limiter._draining = True
+    try:
+        with pytest.raises(UnavailableError) as e:
+            kv.stats(timeout_seconds=0.1)  # the shortest pause, 0.1 s, leaves no 0.05 s attempt
+        assert "(gave up after 1 attempt: too little of the call's 0.1 s was left for another attempt)" in str(e.value)
+        with pytest.raises(UnavailableError) as e:
+            kv.lookup_held(TOY, tokens(73, 2 * CHUNK), hold_chunks=2, timeout_seconds=0.25)
+        assert re.search(r"\(gave up after \d attempts?: too little of the call's 0\.25 s was left for another "
+                         r"attempt\)", str(e.value)), str(e.value)
+    finally:
+        svc.server.limiter._draining = False
+        kv.close()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_non_idempotent_calls_are_not_retried(service: Service, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from kvstore.client.async_client import AsyncKvstoreClient
-from kvstore.client.sync_client import InvalidArgumentError, KvstoreClient
+from kvstore.client.shm_spans import UNREAD_SPANS_SECONDS
+from kvstore.client.sync_client import InvalidArgumentError, KvstoreClient, RetryPolicy
 from tests.fixtures.service import CHUNK, TOY, V41, Service, make_config, payloads, tokens
 from tests.helpers.faults import hold_first_lmdb_commit
 from tests.helpers.waiting import wait_until
@@ -208,8 +209,8 @@ def test_a_task_cancelled_after_the_service_sent_its_spans_leaves_none_leased(
     # once it had sent them all (the client still reading the first), the spans on their way were
     # lost to the cancel (a LoadLocal's snapshot span too), and a lookup_held's answer to the
     # cancelled task: they stayed leased for shm_lease_seconds (30 s), the session's load segment
-    # filling. The fault: the client's thread waits at the first span it handles until the task is
-    # cancelled.
+    # filling. The fault: the client's thread waits at the first span it handles until a second
+    # after the task is cancelled.
     from kvstore.client import sync_client
 
     svc = make_service(shm_config(sock_dir / "kv.sock", shm_in_place=False))
@@ -246,6 +247,9 @@ def test_a_task_cancelled_after_the_service_sent_its_spans_leaves_none_leased(
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
+                # The thread stays busy past UNREAD_SPANS_SECONDS (a large or GPU copy): a cancel
+                # then, not waiting for it, made the spans already sent unreadable.
+                await asyncio.sleep(2 * UNREAD_SPANS_SECONDS)
             finally:
                 gate.set()
             # Releases travel on the side socket, beside the calls: the last may land after the cancel.
@@ -253,3 +257,51 @@ def test_a_task_cancelled_after_the_service_sent_its_spans_leaves_none_leased(
             assert len((await kv.load(V41, prompt)).chunks) == 200
 
     asyncio.run(run())
+
+
+def test_a_same_host_load_cancelled_in_its_retry_pause_makes_no_more_calls(
+        sock_dir: Path, make_service: Callable[..., Service], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Cancelled while its thread slept before a retry, the load woke and made its next Load all
+    # the same; its cancelled scope then had the whole answer read to give its spans back: the
+    # service ran a full Load for a task that was gone. The fault: the service refuses calls (as
+    # while draining) until the first attempt has failed.
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_in_place=False))
+    cb = svc.chunk_bytes(V41)
+    prompt = tokens(100, 8 * CHUNK)
+    done, load_buffered = threading.Event(), KvstoreClient._load_buffered
+
+    def load_done(self: KvstoreClient, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return load_buffered(self, *args, **kwargs)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(KvstoreClient, "_load_buffered", load_done)
+    seen: list[tuple[str, str]] = []
+
+    def saw(call: tuple[str, str]) -> bool:
+        svc.app.flush_observers()  # observers see a call once it has answered
+        return call in seen
+
+    async def run() -> None:
+        retry = RetryPolicy(attempts=4, initial_backoff_seconds=1.0, max_backoff_seconds=1.0)
+        async with AsyncKvstoreClient(f"unix://{sock_dir / 'kv.sock'}", timeout_seconds=WAIT_SECONDS,
+                                      retry=retry) as kv:
+            await kv.store(V41, prompt, payloads(100, 8, cb))
+            assert await kv.shm_session_id()
+            svc.app.flush_observers()
+            svc.app.observers.append(lambda rec: seen.append((rec.method, rec.code)))
+            svc.server.limiter._draining = True
+            task = asyncio.create_task(kv.load(V41, prompt))
+            try:
+                await asyncio.to_thread(wait_until, lambda: saw(("Load", "UNAVAILABLE")), WAIT_SECONDS / 2)
+            finally:
+                svc.server.limiter._draining = False
+            task.cancel()  # the thread sleeps in its 0.5-1.5 s pause
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await asyncio.to_thread(done.wait, WAIT_SECONDS)
+
+    asyncio.run(run())
+    svc.app.flush_observers()
+    assert seen == [("Load", "UNAVAILABLE")], seen

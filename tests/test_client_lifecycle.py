@@ -249,11 +249,23 @@ def test_a_call_cut_short_by_close_says_so(black_hole: str) -> None:
     assert "closed while the call was in flight" in str(got[0])
 
 
-@pytest.mark.parametrize("path", ["stream", "shm"])
-def test_closing_the_client_during_iter_load_says_so(
-        path: str, sock_dir: Path, make_service: Callable[..., Service]) -> None:
-    # The generator, outside `_open_only`, raised the close's CANCELLED (and, over shared memory,
-    # the closed session's failed copy) as a ServerError: a service failure, to the caller.
+def _close(kv: KvstoreClient) -> None:
+    """Close `kv` from another thread, as an engine's shutdown does while a call reads."""
+    closer = threading.Thread(target=kv.close)
+    closer.start()
+    closer.join(WAIT_SECONDS)
+
+
+@pytest.mark.parametrize(("call", "path"), [("iter_load", "stream"), ("iter_load", "shm"), ("load_shared", "stream"),
+                                            ("load_shared", "shm"), ("read_held", "shm")])
+def test_closing_the_client_during_a_generator_call_says_so(
+        call: str, path: str, sock_dir: Path, make_service: Callable[..., Service],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The generators, outside `_open_only`, raised the close's CANCELLED as a ServerError (a
+    # service failure, to the caller); over shared memory iter_load raised the closed session's
+    # failed copy so, read_held an UnavailableError, and load_shared fell back to a stream on the
+    # closed channel: gRPC's bare ValueError.
+    from kvstore.client import sync_client
     from tests.test_service_shm import shm_config
 
     sock = sock_dir / "kv.sock"
@@ -264,15 +276,63 @@ def test_closing_the_client_during_iter_load_says_so(
     kv = KvstoreClient(target, timeout_seconds=WAIT_SECONDS, message_bytes=64 * 1024)
     kv.store(model, prompt, payloads(126, n, svc.chunk_bytes(model)))
     assert kv.data_path_in_use == path
+    streamed: list[object] = []  # a call whose session close() closed goes over no stream
+    load_into_stream = KvstoreClient._load_into_stream
+    monkeypatch.setattr(KvstoreClient, "_load_into_stream",
+                        lambda self, *a, **k: streamed.append(a) or load_into_stream(self, *a, **k))
+
+    def closing_first(first: Callable[..., Any]) -> Callable[..., Any]:
+        """A fault: the client is closed while its call reads, before the first piece or span."""
+        def read(*args: Any, **kwargs: Any) -> Any:
+            if not kv.closed:
+                _close(kv)
+            return first(*args, **kwargs)
+
+        return read
+
     got = 0
     with pytest.raises(InvalidInput, match="closed while the call was in flight"):
-        for _ in kv.iter_load(model, prompt):
-            if got == 0:  # another thread closes the client while the caller reads the load
-                closer = threading.Thread(target=kv.close)
-                closer.start()
-                closer.join(WAIT_SECONDS)
-            got += 1
-    assert 0 < got < n
+        if call == "iter_load":
+            for _ in kv.iter_load(model, prompt):
+                if got == 0:  # the client closed while the caller reads the load
+                    _close(kv)
+                got += 1
+        elif call == "load_shared":
+            if path == "stream":
+                monkeypatch.setattr(sync_client, "_piece", closing_first(sync_client._piece))
+            else:
+                monkeypatch.setattr(sync_client._SharedSpans, "add", closing_first(sync_client._SharedSpans.add))
+            with kv.load_shared(model, prompt):
+                pass
+        else:
+            held = svc.client().lookup_held(model, prompt, hold_chunks=n, into_session=kv.shm_session_id())
+            monkeypatch.setattr(sync_client._SharedSpans, "add", closing_first(sync_client._SharedSpans.add))
+            with kv.read_held(held.spans, held.result.chunk_tokens, held.result.chunk_bytes):
+                pass
+    assert kv.closed
+    assert call != "iter_load" or 0 < got < n
+    assert path == "stream" or not streamed, streamed
+
+
+@pytest.mark.parametrize("call", ["load_shared", "read_held"])
+def test_an_error_raised_in_the_callers_block_stays_its_own_after_close(
+        call: str, sock_dir: Path, make_service: Callable[..., Service]) -> None:
+    # What close() cut short says so; what the caller's own `with` block raised is not rewritten.
+    from tests.test_service_shm import shm_config
+
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    model, prompt = "deepseek-v4.1-flash", tokens(127, 2 * CHUNK)
+    kv = KvstoreClient(f"unix://{sock_dir / 'kv.sock'}", timeout_seconds=WAIT_SECONDS)
+    kv.store(model, prompt, payloads(127, 2, svc.chunk_bytes(model)))
+    if call == "load_shared":
+        block = kv.load_shared(model, prompt)
+    else:
+        held = svc.client().lookup_held(model, prompt, hold_chunks=2, into_session=kv.shm_session_id())
+        block = kv.read_held(held.spans, held.result.chunk_tokens, held.result.chunk_bytes)
+    with pytest.raises(ValueError, match="the caller's own"), block as got:
+        assert len(got.chunks) == 2 and got.path == "shm"
+        kv.close()
+        raise ValueError("the caller's own")
 
 
 @pytest.mark.parametrize(("options", "named"), [

@@ -70,6 +70,13 @@ def cancellable_unary(multicallable: Any) -> Callable[..., Any]:
     return call
 
 
+def scope_cancelled() -> bool:
+    """Whether the calling thread's scope was cancelled already (its task was, while the thread
+    slept or opened a session): a call `track`ed is then not to be made at all."""
+    scope = _SCOPE.get()
+    return scope is not None and scope.cancelled
+
+
 def track(call: T, cancel: Callable[[], object]) -> T:
     """`call`, tracked by the calling thread's scope (if any), which ends it with `cancel`: for a
     call that a bare gRPC cancel would leave holding something at the service."""

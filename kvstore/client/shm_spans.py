@@ -111,13 +111,16 @@ class _SpanStream:
     those of a call it has finished are on their way, only this client can release them, and the
     cancel made them unreadable (they stayed leased for shm_lease_seconds). So `stop_soon` has the
     reader give back every span it reads from then on (`_give_back_unread`, no copy) and fail as a
-    cancelled call; the call is cancelled outright after UNREAD_SPANS_SECONDS (a load still being
-    sent, a reader busy elsewhere). `cancel` is a bare cancel, for the reader itself."""
+    cancelled call; a reader still waiting for a message UNREAD_SPANS_SECONDS later (a load still
+    being sent) has the call cancelled outright. A reader busy elsewhere (a long copy) is not: the
+    cancel would make the spans already sent unreadable; it gives them back when it reads on.
+    `cancel` is a bare cancel, for the reader itself."""
 
     def __init__(self, stream: Any, shm: ShmPath) -> None:
         self._stream = stream
         self._shm = shm
         self._stopping = False
+        self._waiting = False  # the reader is inside `next(self._stream)`
 
     def __iter__(self) -> _SpanStream:
         return self
@@ -127,7 +130,11 @@ class _SpanStream:
         if self._stopping:
             _give_back_unread(self._shm, self._stream, UNREAD_SPANS_SECONDS)
             raise _Stopped()
-        return next(self._stream)
+        self._waiting = True
+        try:
+            return next(self._stream)
+        finally:
+            self._waiting = False
 
     def cancel(self) -> bool:
         return bool(self._stream.cancel())
@@ -136,9 +143,13 @@ class _SpanStream:
         """From another thread: the reader's next read gives the rest back."""
         if not self._stopping:
             self._stopping = True
-            timer = threading.Timer(UNREAD_SPANS_SECONDS, self._stream.cancel)
+            timer = threading.Timer(UNREAD_SPANS_SECONDS, self._cancel_if_waiting)
             timer.daemon = True
             timer.start()
+
+    def _cancel_if_waiting(self) -> None:
+        if self._waiting:
+            self._stream.cancel()
 
 
 def _copy_snapshot(shm: ShmPath, span: pb.ShmSpan, expected_bytes: int, method: str) -> bytes:

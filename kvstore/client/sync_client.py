@@ -47,7 +47,7 @@ import grpc.experimental
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.client.cancel import cancellable_stream, cancellable_unary, track
+from kvstore.client.cancel import cancellable_stream, cancellable_unary, scope_cancelled, track
 from kvstore.client.chunk_views import decode_load_response, decode_resume_response
 from kvstore.client.errors import DeadlineExceededError as DeadlineExceededError
 from kvstore.client.errors import (
@@ -89,6 +89,7 @@ from kvstore.client.shm_spans import (
     _SharedSpans,
     _span,
     _SpanStream,
+    _Stopped,
 )
 from kvstore.client.types import (
     HeldLookup,
@@ -330,6 +331,25 @@ class KvstoreClient:
         """The error of a call that failed because the client was closed while it was in flight."""
         return InvalidInput(f"the client was closed while the call was in flight ({self.target})")
 
+    @contextlib.contextmanager
+    def _cut_short_by_close(self) -> Iterator[None]:
+        """`_open_only` for the client's own work in a generator (`iter_load`, `load_shared`,
+        `read_held`): a failure because close() ran meanwhile (the channel's CANCELLED, the closed
+        session's failed copy) raises `_closed_meanwhile()`. Never around the caller's `with` block:
+        its errors are its own."""
+        try:
+            yield
+        except (RpcFailure, grpc.RpcError, LeaseLapsed, ValueError):
+            if self._closed:
+                raise self._closed_meanwhile() from None
+            raise
+
+    def _no_stream_after_close(self) -> None:
+        """Before a same-host call falls back to a stream: if close() closed the session, the call
+        ends here (the channel is closed too: the stream would fail with gRPC's own ValueError)."""
+        if self._closed:
+            raise self._closed_meanwhile()
+
     def _timeout(self, timeout_seconds: float | None) -> float:
         """A call's timeout: the client's for None; anything else must be > 0 (0 was taken as
         "the default", silently)."""
@@ -423,6 +443,7 @@ class KvstoreClient:
             except StreamThisCall:
                 # The session stays; this call's chunks do not fit it.
                 self._insist_on_shm("the call's chunks are too large for the same-host session", method)
+            self._no_stream_after_close()
         return via_stream()
 
     def _load_refused(self, shm: ShmPath, model: str, e: grpc.RpcError) -> bool:
@@ -444,7 +465,11 @@ class KvstoreClient:
     def _span_call(self, rpc: Callable[..., Any], req: Any, timeout: float, shm: ShmPath,
                    metadata: tuple[tuple[str, str], ...] | None = None) -> _SpanStream:
         """`rpc(req)`, a Load, Resume or LoadLocal answered in spans of `shm`: what the asyncio
-        client's cancel stops with `_SpanStream.stop_soon`, so that no span it was sent stays leased."""
+        client's cancel stops with `_SpanStream.stop_soon`, so that no span it was sent stays leased.
+        Not made for a task cancelled already: `stop_soon` would have the whole answer read (the
+        service making the Load of a task that is gone) to give its spans back."""
+        if scope_cancelled():
+            raise _Stopped()
         stream = _SpanStream(rpc(req, timeout=timeout, metadata=self._metadata if metadata is None else metadata),
                              shm)
         return track(stream, stream.stop_soon)
@@ -476,9 +501,17 @@ class KvstoreClient:
         """How much of `tokens` is cached, where, and the local state at the boundary. `purpose`:
         "probe" for a lookup that is not an engine's request (e.g. zero tokens, to learn a model's
         layout), so the service counts it apart (`kvstore.wire.purposes`)."""
+        return self._plain_lookup(model, tokens, replay_mode, timeout_seconds, cache_salt, request_id, session,
+                                  purpose)
+
+    def _plain_lookup(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str,
+                      timeout_seconds: float | None, cache_salt: str, request_id: str | None = None,
+                      session: str | None = None, purpose: str = "", call_seconds: float | None = None) -> LookupResult:
+        """`lookup`; `call_seconds`: as for `_idempotent`, where the lookup is part of a longer call."""
         req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt)
         rid, metadata = self._request_metadata("Lookup", request_id, session, purpose)
-        r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), timeout_seconds)
+        r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), timeout_seconds,
+                             call_seconds)
         if r.chunk_bytes:
             self._chunk_bytes[model] = r.chunk_bytes
         return _lookup_result(r, rid)
@@ -502,22 +535,26 @@ class KvstoreClient:
                 held.release()
         """
         hold_chunks = _chunk_count("hold_chunks", hold_chunks, "Lookup")
-        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
+        seconds = self._timeout(timeout_seconds)
+        deadline = _Deadline(time.monotonic() + seconds)
         shm = None if into_session or hold_chunks <= 0 else self._shm_path(deadline.left())
         session = into_session or (shm.session_id if shm is not None else "")
         if not session or hold_chunks <= 0:
-            return HeldLookup(self.lookup(model, tokens, replay_mode, deadline.left(), cache_salt=cache_salt))
+            return HeldLookup(self._plain_lookup(model, tokens, replay_mode, deadline.left(), cache_salt,
+                                                 call_seconds=seconds))
         req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt, session,
                                     hold_chunks)
         rid, metadata = self._request_metadata("Lookup", None, None, "")
         try:
-            r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), deadline.left())
+            r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), deadline.left(),
+                                 seconds)
         except InvalidArgumentError as e:
             if UNKNOWN_SESSION not in e.details:
                 raise
             if shm is not None:
                 self._shm_failed(shm, "the service no longer knows the session")
-            return HeldLookup(self.lookup(model, tokens, replay_mode, deadline.left(), cache_salt=cache_salt))
+            return HeldLookup(self._plain_lookup(model, tokens, replay_mode, deadline.left(), cache_salt,
+                                                 call_seconds=seconds))
         result = _lookup_result(r, rid)
         if not r.held:
             return HeldLookup(result)
@@ -562,6 +599,14 @@ class KvstoreClient:
         a session this client has since replaced (its offsets there are other bytes) raise
         UnavailableError: load the chunks instead."""
         self._check_open()  # a generator: `_open_only` would not see its body
+        with self._cut_short_by_close():
+            got = self._read_held(spans, chunk_bytes)
+        try:
+            yield got.shared(chunk_tokens, chunk_bytes)
+        finally:
+            got.release()
+
+    def _read_held(self, spans: Sequence[bytes], chunk_bytes: int) -> _SharedSpans:
         shm = self._shm  # never opened here (a hello may wait): a new session would hold none of them
         if shm is None or shm.closed:
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the chunks were held in a same-host session this "
@@ -578,9 +623,10 @@ class KvstoreClient:
                 except LeaseLapsed as e:  # the session closed meanwhile: its held chunks are gone
                     self._shm_failed(shm, str(e))
                     raise UnavailableError(grpc.StatusCode.UNAVAILABLE, str(e), "read_held") from None
-            yield got.shared(chunk_tokens, chunk_bytes)
-        finally:
+        except BaseException:
             got.release()
+            raise
+        return got
 
     @_open_only
     def store(self, model: str, tokens: Sequence[int] | np.ndarray,
@@ -595,9 +641,10 @@ class KvstoreClient:
         the gap is stored and the rest is reported skipped)."""
         first_chunk = _chunk_count("first_chunk", first_chunk, "Store")
         arr = _token_array(tokens)
-        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
-        info = self.lookup(model, arr, replay_mode, timeout_seconds=deadline.left(), cache_salt=cache_salt,
-                           purpose="precheck")
+        seconds = self._timeout(timeout_seconds)
+        deadline = _Deadline(time.monotonic() + seconds)
+        info = self._plain_lookup(model, arr, replay_mode, deadline.left(), cache_salt, purpose="precheck",
+                                  call_seconds=seconds)
         cb, ct = info.chunk_bytes, info.chunk_tokens
         blob = _as_blob(payloads, cb)
         n = first_chunk + len(blob) // cb
@@ -696,14 +743,10 @@ class KvstoreClient:
         at once (those on their way read and released, up to UNREAD_SPANS_SECONDS, then a cancel).
         Closing the client meanwhile (another thread) ends it with InvalidInput, as for other calls."""
         self._check_open()  # a generator: `_open_only` would not see its body
-        try:
+        # The close cancels the stream (CANCELLED) or closes the session under a copy: the caller's
+        # doing, not the ServerError those read as.
+        with self._cut_short_by_close():
             yield from self._iter_load(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt)
-        except (RpcFailure, grpc.RpcError, LeaseLapsed, ValueError):
-            # The close cancelled the stream (CANCELLED) or closed the session under a copy: the
-            # caller's doing, not the ServerError those read as.
-            if self._closed:
-                raise self._closed_meanwhile() from None
-            raise
 
     def _iter_load(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str, max_chunks: int,
                    timeout_seconds: float | None, cache_salt: str) -> Iterator[tuple[int, str, memoryview]]:
@@ -719,6 +762,7 @@ class KvstoreClient:
                 except grpc.RpcError as e:
                     if not self._load_refused(shm, model, e):
                         raise
+                    self._no_stream_after_close()
                     shm, req.shm_session = None, ""
             if shm is None:
                 stream = self._load(req, timeout=deadline.left(), metadata=self._metadata)
@@ -756,9 +800,9 @@ class KvstoreClient:
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
         return self._load_buffered(req, timeout_seconds)[0]
 
-    def _load_buffered(self, req: pb.LoadRequest, timeout_seconds: float | None,
-                       open_session: bool = True) -> tuple[LoadResult, memoryview]:
-        """`load`, and the one buffer its chunks are views of."""
+    def _load_buffered(self, req: pb.LoadRequest, timeout_seconds: float | None, open_session: bool = True,
+                       call_seconds: float | None = None) -> tuple[LoadResult, memoryview]:
+        """`load`, and the one buffer its chunks are views of (`call_seconds`: as for `_idempotent`)."""
         buffers: list[memoryview] = [memoryview(b"")]
 
         def fresh(nbytes: int) -> memoryview:
@@ -771,7 +815,7 @@ class KvstoreClient:
             chunks = [buffers[0][i * cb : (i + 1) * cb] for i in range(got.loaded_chunks)]
             return LoadResult(got.hit_tokens, got.chunk_tokens, cb, chunks, got.chunk_tiers)
 
-        result = self._idempotent("Load", call, timeout_seconds)
+        result = self._idempotent("Load", call, timeout_seconds, call_seconds)
         return result, buffers[0]
 
     @contextlib.contextmanager
@@ -790,11 +834,26 @@ class KvstoreClient:
         """
         self._check_open()
         _chunk_count("max_chunks", max_chunks, "Load")  # before a session's hello
-        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
+        with self._cut_short_by_close():
+            got, spans = self._load_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt,
+                                           open_session)
+        try:
+            yield got
+        finally:
+            if spans is not None:
+                spans.release()
+
+    def _load_shared(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str, max_chunks: int,
+                     timeout_seconds: float | None, cache_salt: str,
+                     open_session: bool) -> tuple[SharedLoad, _SharedSpans | None]:
+        """`load_shared`'s load: the chunks, and the spans to release when its block exits (None:
+        streamed, nothing leased)."""
+        seconds = self._timeout(timeout_seconds)
+        deadline = _Deadline(time.monotonic() + seconds)
         shm = self._load_shm_path(model, deadline, "Load", open_session)
         if shm is None:
-            yield self._streamed_shared(model, tokens, replay_mode, max_chunks, deadline.left(), cache_salt)
-            return
+            return self._streamed_shared(model, tokens, replay_mode, max_chunks, deadline.left(), cache_salt,
+                                         seconds), None
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt, shm.session_id)
         spans: _SharedSpans | None = None
         try:
@@ -804,28 +863,28 @@ class KvstoreClient:
                 spans = _SharedSpans(shm, max(1, head.chunk_bytes))
                 for msg in stream:
                     spans.add(_span(msg, "Load"), "Load")
-            except grpc.RpcError as e:
-                if not self._load_refused(shm, model, e):
-                    raise _failure(e, "Load") from None
-                yield self._streamed_shared(model, tokens, replay_mode, max_chunks, deadline.left(), cache_salt)
-                return
-            except LeaseLapsed as e:  # the session closed under the call (another thread's failure)
-                stream.cancel()
-                self._shm_failed(shm, str(e))
-                self._insist_on_shm(f"the same-host session failed the call ({e})", "Load")
-                yield self._streamed_shared(model, tokens, replay_mode, max_chunks, deadline.left(), cache_salt)
-                return
-            yield spans.shared(head.chunk_tokens, head.chunk_bytes)
-        finally:
-            if spans is not None:
-                spans.release()
+                return spans.shared(head.chunk_tokens, head.chunk_bytes), spans
+            except BaseException:
+                if spans is not None:  # the spans read before the failure go back
+                    spans.release()
+                raise
+        except grpc.RpcError as e:
+            if not self._load_refused(shm, model, e):
+                raise _failure(e, "Load") from None
+        except LeaseLapsed as e:  # the session closed under the call (another thread's failure, or close())
+            stream.cancel()
+            self._shm_failed(shm, str(e))
+            self._insist_on_shm(f"the same-host session failed the call ({e})", "Load")
+        self._no_stream_after_close()
+        return self._streamed_shared(model, tokens, replay_mode, max_chunks, deadline.left(), cache_salt,
+                                     seconds), None
 
     def _streamed_shared(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str, max_chunks: int,
-                         timeout_seconds: float | None, cache_salt: str) -> SharedLoad:
+                         timeout_seconds: float, cache_salt: str, call_seconds: float) -> SharedLoad:
         """`load_shared` without a session: a `load`'s views, which this client owns. No session is
         opened for it: `load_shared` found none to use, and the call's time may be spent."""
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
-        r, buffer = self._load_buffered(req, timeout_seconds, open_session=False)
+        r, buffer = self._load_buffered(req, timeout_seconds, open_session=False, call_seconds=call_seconds)
         return SharedLoad(r.hit_tokens, r.chunk_tokens, r.chunk_bytes, r.chunks, r.chunk_tiers, "stream", [],
                           runs=[buffer[: len(r.chunks) * r.chunk_bytes]])
 
@@ -896,6 +955,7 @@ class KvstoreClient:
                     raise
             finally:
                 req.shm_session = ""
+            self._no_stream_after_close()
         return self._load_into_stream(req, deadline.left(), stream_buffer_for or buffer_for)
 
     def _load_into_shm(
@@ -1003,15 +1063,16 @@ class KvstoreClient:
         through the same-host session when there is one; if that fails, over a stream.
         `timeout_seconds` bounds the whole call; `open_session=False`: as for `load_shared`."""
         req = pb.LoadLocalRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), cache_salt=cache_salt)
-        deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
+        seconds = self._timeout(timeout_seconds)
+        deadline = _Deadline(time.monotonic() + seconds)
         def via_shm(shm: ShmPath) -> LoadLocalResult:
             named = pb.LoadLocalRequest(shm_session=shm.session_id)
             named.MergeFrom(req)
-            return self._idempotent("LoadLocal", lambda t: self._load_local(named, t, shm), deadline.left())
+            return self._idempotent("LoadLocal", lambda t: self._load_local(named, t, shm), deadline.left(), seconds)
 
         shm = self._shm_path(deadline.left(), open_session)
         return self._shm_or_stream(shm, via_shm, lambda: self._idempotent(
-            "LoadLocal", lambda t: self._load_local(req, t, None), deadline.left()), "LoadLocal")
+            "LoadLocal", lambda t: self._load_local(req, t, None), deadline.left(), seconds), "LoadLocal")
 
     def _load_local(self, req: pb.LoadLocalRequest, timeout: float, shm: ShmPath | None) -> LoadLocalResult:
         try:
@@ -1192,12 +1253,15 @@ class KvstoreClient:
 
     # --- retries ----------------------------------------------------------------------------------
 
-    def _idempotent(self, method: str, call: Callable[[float], T], timeout_seconds: float | None) -> T:
+    def _idempotent(self, method: str, call: Callable[[float], T], timeout_seconds: float | None,
+                    call_seconds: float | None = None) -> T:
         """`call(seconds left)`, tried again on UNAVAILABLE while the policy's attempts and the call's
         deadline last. The jittered pause (0.5x to 1.5x the backoff) is cut to leave the attempt
         RETRY_MIN_ATTEMPT_SECONDS; where even its shortest does not fit, none is made: checked
         against the backoff alone, the pause overshot a 1 s deadline by up to half a second. A
-        failure after retries says how many attempts were made, and why no more were."""
+        failure after retries says how many attempts were made, and why no more were.
+        `call_seconds`: the whole call's timeout, for that message, where `timeout_seconds` is what
+        is left of it (the message named the time left as the call's)."""
         seconds = self._timeout(timeout_seconds)
         deadline = _Deadline(time.monotonic() + seconds)
         backoff = self.retry.initial_backoff_seconds
@@ -1216,7 +1280,8 @@ class KvstoreClient:
             room = deadline.at - time.monotonic() - RETRY_MIN_ATTEMPT_SECONDS
             if room <= 0 or room < backoff * 0.5:  # not even the shortest pause fits: none is cut below it
                 raise _after_attempts(failure, f"gave up after {attempt} attempt{'s' if attempt > 1 else ''}: "
-                                      f"the call's {seconds:g} s deadline was reached") from None
+                                      f"too little of the call's {call_seconds or seconds:g} s was left for "
+                                      "another attempt") from None
             time.sleep(min(pause, room))
             backoff = min(backoff * 2, self.retry.max_backoff_seconds)
         raise AssertionError("unreachable")
