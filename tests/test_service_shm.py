@@ -709,7 +709,8 @@ time.sleep(600)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         wait_until(lambda: not kv.stats().data_plane.sessions)  # type: ignore[union-attr]
-        wait_until(lambda: _memfds("kvstore-load") == loads_before and _memfds("kvstore-store") == stores_before)
+        # At most as many as before: a segment of an earlier test's service may close meanwhile.
+        wait_until(lambda: _memfds("kvstore-load") <= loads_before and _memfds("kvstore-store") <= stores_before)
         assert svc.server.shm is not None and svc.server.shm.totals().sessions == svc.server.shm.totals().leases == 0
         assert kv.stats().pins_active == 0  # and the chunks it held are let go
     finally:
