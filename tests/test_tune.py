@@ -240,14 +240,14 @@ def test_hand_checked_recommendation() -> None:
     # 3 replays; held A 256: T, 512: 10+T, 512 rewritten at 155: T, 1024: T; B 128: T, 256: 10+T,
     # 384: T, so 7T + 20: 390.007. Past 50 s: 200 + 420.007; past 95 s: 100 + 735.005.
     cols, rep = hand_report()
-    assert rep.recommended.ttl_seconds == 10.001  # a hit at 10 s, not a miss exactly at the gap
-    assert rep.recommended.local_hits == 2
-    assert rep.recommended.total_cost == pytest.approx(390.007)
+    assert rep.best_sliding.ttl_seconds == 10.001  # a hit at 10 s, not a miss exactly at the gap
+    assert rep.best_sliding.local_hits == 2
+    assert rep.best_sliding.total_cost == pytest.approx(390.007)
     # Fixed, by its own search: at 10.001 s A's retry at 155 replays (105 s after the write at 50)
     # and so does 1000; 7 writes held T each: 300 + 70.007. Past 50 s: 200 + 7T; past 105 s: 100 + 6T.
-    assert rep.recommended_fixed.ttl_seconds == 10.001
-    assert rep.recommended_fixed.total_cost == pytest.approx(370.007)
-    assert rep.cheapest is rep.recommended_fixed
+    assert rep.best_fixed.ttl_seconds == 10.001
+    assert rep.best_fixed.total_cost == pytest.approx(370.007)
+    assert rep.recommended is rep.best_fixed
     # Nothing on a fine grid beats it.
     d = _Derived(cols)
     for ttl in np.geomspace(1.0, 10_000.0, 400):
@@ -293,8 +293,8 @@ def test_a_100k_request_trace() -> None:
     assert [r.local_hits for r in sliding] == sorted(r.local_hits for r in sliding)
     for f, s in zip(fixed, sliding, strict=True):
         assert f.eligible == s.eligible and f.local_hits <= s.local_hits  # refresh only helps hits
-    assert all(rep.recommended.total_cost <= r.total_cost + 1e-6 for r in sliding)
-    assert 10.0 <= rep.recommended.ttl_seconds <= 3600.0  # type: ignore[operator]
+    assert all(rep.best_sliding.total_cost <= r.total_cost + 1e-6 for r in sliding)
+    assert 10.0 <= rep.best_sliding.ttl_seconds <= 3600.0  # type: ignore[operator]
     assert all(10.0 <= v <= 3600.0 for v in rep.adaptive_final_ttl_seconds.values())
     assert set(rep.adaptive_final_ttl_seconds) == set(rep.tenants)
     json.dumps(rep.as_dict())
@@ -373,7 +373,7 @@ def test_snapshots_that_cost_nothing_to_hold_have_no_break_even(capsys: pytest.C
     doc = json.loads(captured.out)
     assert doc["break_even_seconds"] is None and "Warning" not in captured.err
     assert all(r["hold_cost"] == 0 for r in doc["rows"])
-    assert doc["recommended"]["total_cost"] == min(r["total_cost"] for r in doc["rows"] if r["semantics"] == "sliding")
+    assert doc["best_sliding"]["total_cost"] == min(r["total_cost"] for r in doc["rows"] if r["semantics"] == "sliding")
 
 
 def test_break_even_is_infinite_when_holding_is_free() -> None:
@@ -384,7 +384,7 @@ def test_break_even_is_infinite_when_holding_is_free() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rep = tune_ttl(columns_from_records(recs, 128, 1000, 128), (10.0, 100.0), COST, TtlPolicyConfig())
-    assert math.isinf(rep.break_even_seconds) and rep.recommended.local_hits == 4
+    assert math.isinf(rep.break_even_seconds) and rep.best_sliding.local_hits == 4
     json.dumps(rep.as_dict(), allow_nan=False)
     _cols, rep = hand_report()
     assert math.isfinite(rep.break_even_seconds) and rep.as_dict()["break_even_seconds"] == rep.break_even_seconds
@@ -421,7 +421,7 @@ def test_costs_past_the_bound_are_one_line_errors_and_at_the_bound_json_stays_js
     doc = _strict_json(capsys.readouterr().out)
     rows = doc["rows"]
     assert isinstance(rows, list) and all(isinstance(r["total_cost"], float) for r in rows)
-    rec = doc["recommended"]
+    rec = doc["best_sliding"]
     assert isinstance(rec, dict)
     # The exact least-cost TTL is no dearer than any candidate's sliding row.
     assert rec["total_cost"] <= min(r["total_cost"] for r in rows if r["semantics"] == "sliding") * (1 + 1e-9)

@@ -127,7 +127,7 @@ def test_the_recommended_ttl_is_the_cheapest_priced_as_the_pool_holds() -> None:
             for k, t in enumerate(times)]
     cost = TtlCostModel(1.0, 1e-9, 10.0, 3600.0)
     rep = tune_ttl(columns_from_records(recs, CHUNK, 1, 1), (20.0, 300.0, 3000.0, 3600.0), cost, TtlPolicyConfig())
-    rec = rep.recommended
+    rec = rep.best_sliding
     # Just past the 20 s gaps: they hit (at exactly 20 s the pool has expired the snapshot).
     assert rec.ttl_seconds == 20.001 and rec.local_hits == 49
     rows = {r.ttl_seconds: r for r in rep.rows if r.semantics == "sliding"}
@@ -165,7 +165,7 @@ def test_the_recommendation_is_never_dearer_than_a_row_with_mixed_sizes(seed: in
     d = _Derived(cols)
     cost = TtlCostModel(1.0, 1e-5, 10.0, 3600.0)
     rep = tune_ttl(cols, (30.0, 100.001, 250.001, 700.0), cost, TtlPolicyConfig())
-    rec = rep.recommended
+    rec = rep.best_sliding
     assert rec.ttl_seconds is not None
     hits, byte_seconds = evaluate_sliding(cols, d, rec.ttl_seconds)
     miss = d.eligible & ~hits

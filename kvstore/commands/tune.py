@@ -2,8 +2,9 @@
 
 Prints, per candidate TTL and semantics (fixed, sliding): the local hit rate, replay tokens spent,
 byte-seconds held in the pool and the total cost; then the least-cost TTL of each semantics (each
-found by its own search), which of the two to set and by how much it is the cheaper, and what the
-adaptive policy would do. Costs and clamps come from `[local_pool.ttl]` of `--config` (or the defaults),
+found by its own search, said to be an estimate where that search was one), which of the two to set
+and by how much it is the cheaper (`--json`: `recommended`, its `kind` and `ttl_seconds`), and what
+the adaptive policy would do. Costs and clamps come from `[local_pool.ttl]` of `--config` (or the defaults),
 overridden by flags. Progress goes to stderr so `--json` output stays clean. A trace file is read as
 a stream into numpy columns (~50 B a request), never held as records. Per-tenant TTL overrides
 in the config are not applied (every tenant is priced at each row's TTL); the report says so.
@@ -27,6 +28,7 @@ from kvstore.layout import MAX_ENGINE_SNAPSHOT_BYTES, get_model
 from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace, synthetic_trace
 from kvstore.observe.ttl_tuning import (
     DEFAULT_TTLS_SECONDS,
+    MAX_EXACT_RUN_REQUESTS,
     TtlCostModel,
     TtlEvaluation,
     TuneReport,
@@ -210,27 +212,39 @@ def _row(r: TtlEvaluation) -> str:
             f"{r.byte_seconds:>14.4g} {r.replay_cost:>12.4g} {r.hold_cost:>12.4g} {r.total_cost:>12.4g}")
 
 
+# What each search's "estimate" means, where it was one.
+_ESTIMATED = {
+    "fixed": f"same-boundary runs of more than {MAX_EXACT_RUN_REQUESTS:,} requests, or past the search's budget, "
+             "were priced at a sample of TTLs",
+    "sliding": "retries rewrote snapshots of other sizes than their boundary's write, priced at that write's size",
+}
+
+
 def _labelled(rep: TuneReport) -> list[str]:
     """The recommendations, each with what it is and why it is listed, cheapest first, then which
-    one to set and by how much it is the cheaper."""
+    one to set and by how much it is the cheaper; an estimate said to be one."""
     items = [
-        ("sliding at its least-cost TTL", "the TTL that minimises total cost under sliding semantics (a write, "
-         "or a read that takes the snapshot, restarts it): kind = \"sliding\"", rep.recommended),
-        ("fixed at its least-cost TTL", "the TTL that minimises total cost when a snapshot lives it from its "
-         "write only (a read does not keep it longer), found by its own search: kind = \"fixed\"",
-         rep.recommended_fixed),
+        ("sliding", "the TTL that minimises total cost under sliding semantics (a write, or a read that takes "
+         "the snapshot, restarts it): kind = \"sliding\"", rep.best_sliding),
+        ("fixed", "the TTL that minimises total cost when a snapshot lives it from its write only (a read does "
+         "not keep it longer), found by its own search: kind = \"fixed\"", rep.best_fixed),
     ]
-    items.sort(key=lambda x: x[2] is not rep.cheapest)
+    items.sort(key=lambda x: x[2] is not rep.recommended)
     out = []
-    for label, why, r in items:
-        out += [f"  {label}: {why}", _row(r)]
-    best, other = rep.cheapest, rep.runner_up
+    for kind, why, r in items:
+        if rep.exact(r):
+            out += [f"  {kind} at its least-cost TTL: {why}", _row(r)]
+        else:
+            out += [f"  {kind} at the least-cost TTL its search found (an estimate: {_ESTIMATED[kind]}; a cheaper "
+                    f"{kind} TTL may exist): {why}", _row(r)]
+    best, other = rep.recommended, rep.runner_up
     assert best.ttl_seconds is not None and other.ttl_seconds is not None
     saves = other.total_cost - best.total_cost
     share = f" ({saves / other.total_cost:.1%})" if other.total_cost > 0 else ""
+    estimate = "" if rep.fixed_exact and rep.sliding_exact else " (an estimate: see above)"
     out.append(f"recommended: kind = \"{best.semantics}\", ttl_seconds = {_seconds(best.ttl_seconds)}: total cost "
                f"{best.total_cost:.6g}, {saves:.6g} less{share} than {other.semantics} at its best "
-               f"({_seconds(other.ttl_seconds)} s)")
+               f"({_seconds(other.ttl_seconds)} s){estimate}")
     return out
 
 
@@ -244,7 +258,7 @@ def format_report(rep: TuneReport, side_calls: int = 0, overrides_not_applied: S
     """The report as text; `side_calls`: pre-check and probe lookups left out of the trace;
     `overrides_not_applied`: tenants of the trace that the config gives their own TTL."""
     c = rep.cost
-    eligible = rep.rows[0].eligible if rep.rows else rep.recommended.eligible
+    eligible = rep.rows[0].eligible if rep.rows else rep.best_sliding.eligible
     left_out = f" ({side_calls:,} pre-check/probe lookups left out)" if side_calls else ""
     lines = [
         f"trace: {rep.requests:,} requests{left_out}, {rep.sessions:,} sessions, {len(rep.tenants)} tenant(s); "

@@ -3,7 +3,8 @@
 Role: turns trace records into columns (numpy arrays sorted by session, then time), simulates the
 local pool under fixed and sliding TTL semantics for many TTLs at once, runs the adaptive policy
 over the trace as the service would, and finds, for each of fixed and sliding, the TTL that
-minimises total cost by its own search (`best_fixed`, `best_sliding`). What it does not know: the pool's
+minimises total cost by its own search (`best_fixed`, `best_sliding`; exact within their bounds, else
+the best of their estimates, and the report says which). What it does not know: the pool's
 backend, the service, files (the caller reads the trace), or output formats (kvstore.commands.tune).
 
 The model, per session (sessions are (tenant, model, session): the pool keeps each model's snapshots
@@ -431,14 +432,26 @@ def best_sliding_ttl(
     return ttl
 
 
-# A same-boundary run this long (its structural write and its retries) is priced by the fixed search
-# at a sample of TTLs, not exactly: exact pricing walks it once per pair of its requests, O(L^3).
-MAX_EXACT_RUN_REQUESTS = 16
+# A segment (a structural write, the same-boundary retries after it, and the next request where that
+# reads) is searched exactly, over every pair of its requests, if it holds at most this many requests
+# and the trace's budget below has room for it; else it is priced at a sample of TTLs, an estimate
+# that the report says is one. A segment's pairs are built at once: ~120 B each, ~60 MB at this bound.
+MAX_EXACT_RUN_REQUESTS = 1024
 _SAMPLED_RUN_TTLS = 64
-# Segments with retries are priced this many at a time (the arrays of their pairs of requests), and
-# the ranges walked in them (~200 B each, as Python lists) summed into the totals and let go once
-# there are this many: memory bounded by these, not by the trace.
-_RUNS_AT_ONCE = 4096
+# The exact search's budget for a trace: pairs of requests (each a candidate TTL, ~40 B held to the
+# end) and walk steps (one per range per write its walk meets). Per request, what segments of up to 17
+# points need everywhere (136 pairs over 16 requests, 137 ranges each walked at most 17 steps), so
+# those, walked first and in batches of their own, are always exact; and at least enough for a few
+# segments of hundreds of requests in a short trace.
+_ALWAYS_EXACT_PAIRS = 17 * 16 // 2
+_EXACT_PAIRS_PER_REQUEST = 9
+_EXACT_PAIRS_AT_LEAST = 1 << 21
+_EXACT_STEPS_PER_REQUEST = 160
+_EXACT_STEPS_AT_LEAST = 1 << 27
+# Segments' pairs are built this many at a time (or one segment's, if more), and sampled segments'
+# ranges (~200 B each, as Python lists) summed into the totals once there are this many: memory
+# bounded by these, not by the trace.
+_PAIRS_AT_ONCE = 1 << 16
 _RANGES_AT_ONCE = 1 << 16
 
 
@@ -447,11 +460,65 @@ def _ms_past(gaps: np.ndarray) -> np.ndarray:
     return (np.floor(gaps * 1000.0 + 0.5) + 1.0) / 1000.0
 
 
+class _Candidates:
+    """Sorted distinct TTLs within [low, high], gathered a part at a time; the parts are merged once
+    they outgrow what is merged, so each TTL is merged O(log) times, not once per part."""
+
+    def __init__(self, low: float, high: float) -> None:
+        self.low, self.high = low, high
+        self.merged = np.zeros(0)
+        self.parts: list[np.ndarray] = []
+        self.pending = 0
+
+    def add(self, ttls: np.ndarray) -> None:
+        part = np.unique(ttls[(ttls >= self.low) & (self.high >= ttls)])
+        self.parts.append(part)
+        self.pending += part.shape[0]
+        if self.pending > max(self.merged.shape[0], _PAIRS_AT_ONCE):
+            self.result()
+
+    def result(self) -> np.ndarray:
+        self.merged = np.unique(np.concatenate((self.merged, *self.parts)))
+        self.parts, self.pending = [], 0
+        return self.merged
+
+
+class _Totals:
+    """Costs that hold over ranges [lo, hi) of candidate indices, added as they come into two arrays
+    (+v at lo, -v at hi) and summed at the end: `flat` each, `per_t` times the candidate's TTL, and a
+    last write of `last_per_t` per second held min(T, `gone`) (inf: until it expires)."""
+
+    def __init__(self, cand: np.ndarray) -> None:
+        self.cand = cand
+        self.flat = np.zeros(cand.shape[0] + 1)
+        self.per_t = np.zeros(cand.shape[0] + 1)
+
+    def add(
+        self, lo: np.ndarray, hi: np.ndarray, flat_v: np.ndarray, per_t_v: np.ndarray, last_per_t: np.ndarray,
+        gone: np.ndarray, flat_until: np.ndarray | None = None,
+    ) -> None:
+        """`flat_v` only up to `flat_until` where given."""
+        self._over(self.flat, lo, hi if flat_until is None else flat_until, flat_v)
+        self._over(self.per_t, lo, hi, per_t_v)
+        k_gone = np.clip(np.searchsorted(self.cand, gone, side="right"), lo, hi)  # held T up to here, then `gone`
+        self._over(self.per_t, lo, k_gone, last_per_t)
+        self._over(self.flat, k_gone, hi, last_per_t * np.where(np.isfinite(gone), gone, 0.0))
+
+    @staticmethod
+    def _over(into: np.ndarray, start: np.ndarray, stop: np.ndarray, v: np.ndarray) -> None:
+        keep = stop > start
+        np.add.at(into, start[keep], v[keep])
+        np.add.at(into, stop[keep], -v[keep])
+
+    def total(self) -> np.ndarray:
+        """[m] at each candidate, the sum of the costs added."""
+        m = self.cand.shape[0]
+        return np.cumsum(self.flat)[:m] + np.cumsum(self.per_t)[:m] * self.cand
+
+
 @dataclass
 class _RangeCosts:
-    """Costs that hold over ranges [lo, hi) of candidate indices, gathered then summed at once
-    (`_summed`): `flat` each, `per_t` times the candidate's TTL, and a last write of `last_per_t`
-    per second, held min(T, `gone`) (inf: until it expires)."""
+    """`_Totals.add`'s arguments, one range at a time (a sampled segment's), as Python lists."""
 
     lo: list[int]
     hi: list[int]
@@ -468,14 +535,53 @@ class _RangeCosts:
         self.last_per_t.append(last_per_t)
         self.gone.append(gone)
 
-    def drain(self, cand: np.ndarray) -> np.ndarray:
-        """[m] the costs gathered so far at each candidate; forgets them (they cost ~200 B a range)."""
-        out = _summed(cand, np.asarray(self.lo, dtype=np.int64), np.asarray(self.hi, dtype=np.int64),
-                      np.asarray(self.flat), np.asarray(self.per_t), np.asarray(self.last_per_t),
-                      np.asarray(self.gone))
+    def drain(self, into: _Totals) -> None:
+        """Adds the ranges gathered so far to `into` and forgets them (they cost ~200 B a range)."""
+        into.add(np.asarray(self.lo, dtype=np.int64), np.asarray(self.hi, dtype=np.int64), np.asarray(self.flat),
+                 np.asarray(self.per_t), np.asarray(self.last_per_t), np.asarray(self.gone))
         for part in (self.lo, self.hi, self.flat, self.per_t, self.last_per_t, self.gone):
             part.clear()
-        return out
+
+
+def _batches(weights: np.ndarray, most: int) -> list[slice]:
+    """Consecutive slices of `weights`' items, each weighing at most `most` (or one item, if more)."""
+    cum = np.cumsum(weights)
+    out, at = [], 0
+    while at < weights.shape[0]:
+        before = int(cum[at - 1]) if at else 0
+        stop = max(at + 1, int(np.searchsorted(cum, before + most, side="right")))
+        out.append(slice(at, stop))
+        at = stop
+    return out
+
+
+@dataclass(frozen=True)
+class _Pairs:
+    """Every pair (j, i), j < i, of the points of segments of `p` points each (p >= 2), row by row:
+    row (segment, j) for each j < p - 1, in order; in a row, i ascending."""
+
+    pair_row: np.ndarray  # [pairs]
+    pair_i: np.ndarray  # [pairs] its i
+    row_seg: np.ndarray  # [rows] its segment
+    row_j: np.ndarray  # [rows] its j
+    seg_row: np.ndarray  # [segments] its first row
+    row_pair: np.ndarray  # [rows] its first pair
+
+    @staticmethod
+    def of(p: np.ndarray) -> _Pairs:
+        row_seg = np.repeat(np.arange(p.shape[0]), p - 1)
+        seg_row = np.cumsum(p - 1) - (p - 1)
+        row_j = np.arange(row_seg.shape[0]) - seg_row[row_seg]
+        row_len = p[row_seg] - 1 - row_j
+        pair_row = np.repeat(np.arange(row_seg.shape[0]), row_len)
+        row_pair = np.cumsum(row_len) - row_len
+        pair_i = row_j[pair_row] + 1 + (np.arange(pair_row.shape[0]) - row_pair[pair_row])
+        return _Pairs(pair_row, pair_i, row_seg, row_j, seg_row, row_pair)
+
+    def times(self, t: np.ndarray, s0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[pairs] the times of j and of i, for segments whose first points are at `s0`."""
+        base = s0[self.row_seg][self.pair_row]
+        return t[base + self.row_j[self.pair_row]], t[base + self.pair_i]
 
 
 def fixed_costs(
@@ -485,18 +591,21 @@ def fixed_costs(
     those costs are exact (each as `evaluate_fixed` prices it).
 
     A segment is a structural request (it writes whatever the TTL) and the same-boundary retries
-    after it. A retry misses (replays, writes again) once the segment's last write is >= TTL old;
-    the next request of the session, if eligible, reads the segment's last write. So which requests
-    hit changes only where a TTL passes the gap between two requests of a segment (or from one to
-    the next request); between two such gaps nothing hits that did not, and the holds only grow.
-    The candidates are the clamps, just past each such gap (as in `sliding_costs`) and `also_seconds`.
+    after it. A retry misses (replays, writes again) once the segment's last write, its own or any
+    earlier retry's, is >= TTL old; the next request of the session, if eligible, reads the segment's
+    last write. So which requests hit changes only where a TTL passes the gap between two requests of
+    a segment, any two (or from one to the next request); between two such gaps nothing hits that did
+    not, and the holds only grow. The candidates are the clamps, just past each such gap (as in
+    `sliding_costs`) and `also_seconds`.
 
     Each write but a segment's last is held exactly T (the retry that replaces it came after it
     expired); the last min(T, until the next structural write at its boundary). A segment with no
     retry, or any with a TTL past its retries' gaps, writes once: priced for all candidates at once.
     Below that, each of its ranges of candidates between two of its gaps is walked once, at each
-    write's own size: exact, for runs up to `MAX_EXACT_RUN_REQUESTS` (longer ones are walked at a
-    sample of TTLs, an estimate that `best_fixed` corrects by evaluating its best candidates)."""
+    write's own size: exact. A segment past `MAX_EXACT_RUN_REQUESTS` or the trace's budget
+    (`_EXACT_PAIRS_*`, `_EXACT_STEPS_*`; the segments with the fewest pairs are searched first) is
+    cut only at its gaps from one request to the next and from its write, and walked at a sample of
+    those: the costs are then estimates, which `best_fixed` corrects by evaluating its best few."""
     n, t = c.n, c.time
     h, rc = cost.hold_cost_per_byte_second, cost.replay_cost_per_token
     starts = np.flatnonzero(d.structural)  # [k] each segment's structural request
@@ -504,27 +613,35 @@ def fixed_costs(
     nxt = np.where(ends < n, ends, 0)
     reads_next = (ends < n) & d.eligible[nxt]  # the next request reads the segment's last write
     size = ends - starts
+    points = size + reads_next  # its requests, and the next one where that reads
     retried = np.flatnonzero(size > 1)
-    long_runs = retried[size[retried] > MAX_EXACT_RUN_REQUESTS]
-    exact_runs = retried[size[retried] <= MAX_EXACT_RUN_REQUESTS]
-    # The pairs of requests of each segment with retries (and its next request when that reads),
-    # by how many requests that is and a chunk of segments at a time: arrays of a few at once.
-    points = size + reads_next
-    groups = []
-    for p in np.unique(points[exact_runs]).tolist():
-        ks = exact_runs[points[exact_runs] == p]
-        jj, ii = np.triu_indices(p, 1)
-        for at in range(0, ks.shape[0], _RUNS_AT_ONCE):
-            base = starts[ks[at:at + _RUNS_AT_ONCE]][:, None]
-            groups.append((p, ks[at:at + _RUNS_AT_ONCE], base + jj, base + ii))
-    gaps = [np.unique(_ms_past(d.gap[d.eligible]))]
-    gaps += [np.unique(_ms_past(t[gi] - t[gj])) for _, _, gj, gi in groups]
-    for k in long_runs.tolist():  # each retry's gap from the one before it and from the segment's write
-        pts = t[starts[k]:ends[k] + int(reads_next[k])]
-        gaps += [_ms_past(pts[1:] - pts[:-1]), _ms_past(pts[1:] - pts[0])]
-    listed = np.asarray(also_seconds, dtype=np.float64)
-    cand = np.concatenate(([cost.min_ttl_seconds], *gaps, listed, [cost.max_ttl_seconds]))
-    cand = np.unique(cand[(cand >= cost.min_ttl_seconds) & (cost.max_ttl_seconds >= cand)])  # [m]
+    pairs = points[retried] * (points[retried] - 1) // 2
+    order = np.argsort(pairs, kind="stable")
+    fits = size[retried[order]] <= MAX_EXACT_RUN_REQUESTS
+    budget = max(_EXACT_PAIRS_AT_LEAST, _EXACT_PAIRS_PER_REQUEST * n)
+    searched = fits & (np.cumsum(np.where(fits, pairs[order], 0)) <= budget)
+    exact = retried[order[searched]]  # the fewest pairs first
+    few = pairs[order[searched]]
+    short = int(np.searchsorted(few, _ALWAYS_EXACT_PAIRS, side="right"))
+    batches = _batches(few[:short], _PAIRS_AT_ONCE)
+    batches += [slice(b.start + short, b.stop + short) for b in _batches(few[short:], _PAIRS_AT_ONCE)]
+    sampled = [retried[order[~searched]]]
+
+    found = _Candidates(cost.min_ttl_seconds, cost.max_ttl_seconds)
+    found.add(np.asarray([cost.min_ttl_seconds, *also_seconds, cost.max_ttl_seconds], dtype=np.float64))
+    found.add(_ms_past(d.gap[d.eligible]))
+    for part in batches:  # every pair's gap, a batch at a time
+        ks = exact[part]
+        tj, ti = _Pairs.of(points[ks]).times(t, starts[ks])
+        found.add(_ms_past(ti - tj))
+    # The others: each point's gap from the one before it and from the segment's write.
+    for part in _batches(points[sampled[0]], _PAIRS_AT_ONCE):
+        ks = sampled[0][part]
+        after = points[ks] - 1  # the points after each one's write
+        write = np.repeat(starts[ks], after)
+        at = write + 1 + np.arange(write.shape[0]) - np.repeat(np.cumsum(after) - after, after)
+        found.add(_ms_past(np.concatenate((t[at] - t[at - 1], t[at] - t[write]))))
+    cand = found.result()  # [m]
     m = cand.shape[0]
 
     replaced = _replaced_at(c, d, d.structural)  # [n] the next structural write at each one's boundary
@@ -535,90 +652,98 @@ def fixed_costs(
     r = np.flatnonzero(reads_next)
     hit_from = np.zeros(starts.shape[0], dtype=np.int64)
     hit_from[r] = _first_hit(t[starts[r]], t[ends[r]], cand)
-    total = _summed(
-        cand, span, np.full(starts.shape[0], m), np.where(reads_next, c.replay_tokens[nxt] * rc, 0.0),
-        np.zeros(starts.shape[0]), c.snapshot_bytes[starts] * h, replaced[starts] - t[starts],
-        flat_until=np.maximum(span, hit_from),
-    )
+    totals = _Totals(cand)
+    totals.add(span, np.full(starts.shape[0], m), np.where(reads_next, c.replay_tokens[nxt] * rc, 0.0),
+               np.zeros(starts.shape[0]), c.snapshot_bytes[starts] * h, replaced[starts] - t[starts],
+               flat_until=np.maximum(span, hit_from))
     # Below that, each segment with retries walked once per range of candidates where no hit changes.
-    walked = _RangeCosts([], [], [], [], [], [])
-    for p, ks, gj, gi in groups:
-        first = _first_hit(t[gj].ravel(), t[gi].ravel(), cand).reshape(gj.shape).tolist()
-        rows = starts[ks][:, None] + np.arange(p)
-        reps, held = (c.replay_tokens[rows] * rc).tolist(), (c.snapshot_bytes[rows] * h).tolist()
-        gone = (replaced[starts[ks]][:, None] - t[rows]).tolist()
-        for row, k, rep, b, g in zip(first, ks.tolist(), reps, held, gone, strict=True):
-            _walk_run(walked, row, p, int(size[k]), int(span[k]), rep, b, g)
-        if len(walked.lo) >= _RANGES_AT_ONCE:
-            total += walked.drain(cand)
-    for k in long_runs.tolist():
-        _sample_run(walked, c, cand, int(starts[k]), int(ends[k]), bool(reads_next[k]), int(span[k]),
+    steps_left = max(_EXACT_STEPS_AT_LEAST, _EXACT_STEPS_PER_REQUEST * n)
+    for part in batches:
+        ks = exact[part]
+        walked = None
+        if steps_left > 0:
+            walked = _walk_segments(c, cand, starts[ks], size[ks], points[ks], span[ks],
+                                    replaced[starts[ks]], h, rc, steps_left)
+        if walked is None:  # past the budget: these segments, and those after them, sampled
+            steps_left = 0
+            sampled.append(ks)
+            continue
+        ranges, steps = walked
+        steps_left -= steps
+        totals.add(*ranges)
+    rest = np.concatenate(sampled)
+    walked_sampled = _RangeCosts([], [], [], [], [], [])
+    for k in rest.tolist():
+        _sample_run(walked_sampled, c, cand, int(starts[k]), int(ends[k]), bool(reads_next[k]), int(span[k]),
                     float(replaced[starts[k]]), h, rc)
-        if len(walked.lo) >= _RANGES_AT_ONCE:
-            total += walked.drain(cand)
-    return cand, total + walked.drain(cand), long_runs.size == 0
+        if len(walked_sampled.lo) >= _RANGES_AT_ONCE:
+            walked_sampled.drain(totals)
+    walked_sampled.drain(totals)
+    return cand, totals.total(), rest.size == 0
 
 
-def _summed(
-    cand: np.ndarray, lo: np.ndarray, hi: np.ndarray, flat_v: np.ndarray, per_t_v: np.ndarray,
-    last_per_t: np.ndarray, gone: np.ndarray, flat_until: np.ndarray | None = None,
-) -> np.ndarray:
-    """[m] at each candidate, the sum over ranges [lo, hi) of candidate indices that hold it of: `flat_v`
-    (only up to `flat_until` where given), `per_t_v` times its TTL, and a last write of `last_per_t`
-    per second held min(T, `gone`)."""
-    m = cand.shape[0]
-    flat, per_t = np.zeros(m + 1), np.zeros(m + 1)  # +v at lo, -v at hi: summed, v over [lo, hi)
-
-    def add(into: np.ndarray, start: np.ndarray, stop: np.ndarray, v: np.ndarray) -> None:
-        keep = stop > start
-        np.add.at(into, start[keep], v[keep])
-        np.add.at(into, stop[keep], -v[keep])
-
-    add(flat, lo, hi if flat_until is None else flat_until, flat_v)
-    add(per_t, lo, hi, per_t_v)
-    k_gone = np.clip(np.searchsorted(cand, gone, side="right"), lo, hi)  # held T up to here, then `gone`
-    add(per_t, lo, k_gone, last_per_t)
-    add(flat, k_gone, hi, last_per_t * np.where(np.isfinite(gone), gone, 0.0))
-    return np.cumsum(flat)[:m] + np.cumsum(per_t)[:m] * cand
-
-
-def _walk_run(
-    out: _RangeCosts, first: list[int], points: int, size: int, k_span: int,
-    replay: list[float], held: list[float], gone: list[float],
-) -> None:
-    """One segment of `size` requests with retries, over the candidates below `k_span`, exactly:
-    cut wherever a pair of its requests changes from a miss to a hit, each range walked once.
-    `first`: per pair (j, i) of its `points` requests (then its next one, if that reads), in
-    `np.triu_indices` order, the first candidate under which i hits when j wrote last (the pool's
-    test); for one j, it does not fall as i grows. `replay`, `held`, `gone`: per request, its
-    replay's cost, its write's hold cost per second, the seconds from it until its boundary is next
-    written."""
-    reads_next = points > size
-    # Row j of the pairs: (j, j+1), ..., (j, points-1).
-    row_at = [j * points - j * (j + 1) // 2 for j in range(points)]
-    rows = [first[row_at[j]:row_at[j] + size - 1 - j] for j in range(size)]  # its retries after it
-    cuts = sorted({0, *(f for f in first if f < k_span)})
-    for lo, hi in itertools.pairwise([*cuts, k_span]):
-        chain = [0]
-        while True:  # the first retry that misses the last write (expired): replayed, written again
-            j = chain[-1]
-            i = j + 1 + bisect.bisect_right(rows[j], lo)
-            if i >= size:
-                break
-            chain.append(i)
-        j = chain[-1]
-        replays = sum(replay[i] for i in chain[1:])
-        if reads_next and first[row_at[j] + size - 1 - j] > lo:
-            replays += replay[size]
-        out.add(lo, hi, replays, sum(held[i] for i in chain[:-1]), held[j], gone[j])
+def _walk_segments(
+    c: TraceColumns, cand: np.ndarray, s0: np.ndarray, size: np.ndarray, p: np.ndarray, span: np.ndarray,
+    replaced: np.ndarray, h: float, rc: float, max_steps: int,
+) -> tuple[tuple[np.ndarray, ...], int] | None:
+    """Segments with retries (at `s0`, of `size` requests and `p` points: the next request too where
+    it reads), each over its candidates below `span`, exactly: cut wherever a pair of its points
+    changes from a miss to a hit, each range walked once at its lowest candidate, all of them at
+    once. `replaced`: when each one's boundary is next written. Returns the ranges' costs
+    (`_Totals.add`'s arguments) and the steps walked, or None once past `max_steps`."""
+    t = c.time
+    m1 = cand.shape[0] + 1
+    pr = _Pairs.of(p)
+    tj, ti = pr.times(t, s0)
+    # The first candidate under which i hits when j wrote last (the pool's test): in a row it does
+    # not fall as i grows, so these keys ascend and a search finds a row's first miss.
+    first = _first_hit(tj, ti, cand)
+    del tj, ti
+    keys = pr.pair_row * m1 + first
+    seg = pr.row_seg[pr.pair_row]
+    cuts = np.unique(np.concatenate(((seg * m1 + first)[first < span[seg]], np.flatnonzero(span > 0) * m1)))
+    del first, seg
+    cut_seg, lo = cuts // m1, cuts % m1
+    k = cuts.shape[0]
+    hi = span[cut_seg]  # a segment's last range ends at its span, the others where the next begins
+    more = np.flatnonzero(cut_seg[1:] == cut_seg[:-1])
+    hi[more] = lo[more + 1]
+    cur = np.zeros(k, dtype=np.int64)  # each range's walk: its last write, a point of its segment
+    replays = np.zeros(k)
+    held = np.zeros(k)
+    next_missed = np.zeros(k, dtype=bool)
+    active = np.arange(k)
+    steps = 0
+    while active.shape[0]:
+        steps += active.shape[0]
+        if steps > max_steps:
+            return None
+        g, j = cut_seg[active], cur[active]
+        miss = p[g]  # the first point after j that misses j's write (p: none)
+        has = j < p[g] - 1
+        row = pr.seg_row[g[has]] + j[has]
+        miss[has] = j[has] + 1 + np.searchsorted(keys, row * m1 + lo[active[has]], side="right") - pr.row_pair[row]
+        retry = miss < size[g]  # a retry that misses: replayed, written again
+        done = ~retry
+        next_missed[active[done]] = miss[done] < p[g[done]]  # the next request, where it reads
+        w = active[retry]
+        replays[w] += c.replay_tokens[s0[g[retry]] + miss[retry]]
+        held[w] += c.snapshot_bytes[s0[g[retry]] + j[retry]]
+        cur[w] = miss[retry]
+        active = w
+    after = np.where(next_missed, s0[cut_seg] + size[cut_seg], 0)
+    replays += np.where(next_missed, c.replay_tokens[after], 0.0)
+    last = s0[cut_seg] + cur
+    return (lo, hi, replays * rc, held * h, c.snapshot_bytes[last] * h, replaced[cut_seg] - t[last]), steps
 
 
 def _sample_run(
     out: _RangeCosts, c: TraceColumns, cand: np.ndarray, s: int, e: int, reads_next: bool, k_span: int,
     replaced_at: float, h: float, rc: float,
 ) -> None:
-    """`_walk_run` for a long segment [s, e): cut at up to `_SAMPLED_RUN_TTLS` of its gaps (each
-    retry's from the one before it and from the segment's write), each range walked at its start."""
+    """`_walk_segments` for one segment [s, e) past the exact search's bounds: cut at up to
+    `_SAMPLED_RUN_TTLS` of its gaps (each point's from the one before it and from the segment's
+    write), each range walked at its start."""
     t = c.time
     pts = t[s:e + 1] if reads_next else t[s:e]
     size = e - s
@@ -653,8 +778,16 @@ def best_fixed(
     and evaluated as the pool holds it: the search's best candidates (where its prices are
     estimates, its best few) and every TTL of `also_seconds` within the clamp, so that none of those
     is cheaper. `evaluated`: fixed evaluations already made, reused by TTL."""
+    return best_fixed_searched(c, d, cost, also_seconds, evaluated)[0]
+
+
+def best_fixed_searched(
+    c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = (),
+    evaluated: Sequence[TtlEvaluation] = (),
+) -> tuple[TtlEvaluation, bool]:
+    """`best_fixed`, and whether its search was exact (else a cheaper fixed TTL may exist)."""
     if c.n == 0:
-        return _least_of(c, d, cost, "fixed", [float(cost.min_ttl_seconds)], evaluated)
+        return _least_of(c, d, cost, "fixed", [float(cost.min_ttl_seconds)], evaluated), True
     cand, total, exact = fixed_costs(c, d, cost, also_seconds)
     order = np.argsort(total, kind="stable")  # candidates ascend: the shorter first on a tie
     if exact:  # the best, and any the sums' rounding may have put behind it
@@ -662,7 +795,7 @@ def best_fixed(
     else:
         few = REPRICED_CANDIDATES
     best = cand[order[:max(1, min(few, REPRICED_CANDIDATES))]]
-    return _least_of(c, d, cost, "fixed", _with_also(best, also_seconds, cost), evaluated)
+    return _least_of(c, d, cost, "fixed", _with_also(best, also_seconds, cost), evaluated), exact
 
 
 @dataclass(frozen=True)
@@ -673,8 +806,11 @@ class TuneReport:
     same_boundary_requests: int
     cost: TtlCostModel
     rows: tuple[TtlEvaluation, ...]
-    recommended: TtlEvaluation  # sliding, at its least-cost TTL, evaluated as the pool holds it
-    recommended_fixed: TtlEvaluation  # fixed, at its own least-cost TTL (`best_fixed`)
+    best_sliding: TtlEvaluation  # sliding, at its least-cost TTL, evaluated as the pool holds it
+    best_fixed: TtlEvaluation  # fixed, at its own least-cost TTL (`best_fixed`)
+    # Whether each search was exact; else its TTL is the best of its estimates, and a cheaper one may exist.
+    sliding_exact: bool
+    fixed_exact: bool
     adaptive: TtlEvaluation  # the adaptive policy run over the trace
     adaptive_final_ttl_seconds: dict[str, float]  # per tenant, at the end of the trace
     # Holding one mean snapshot this long costs one mean replay; inf when holding costs nothing
@@ -682,18 +818,26 @@ class TuneReport:
     break_even_seconds: float
 
     @property
-    def cheapest(self) -> TtlEvaluation:
-        """The cheaper of `recommended` and `recommended_fixed`; fixed on a tie (a read then
-        refreshes nothing, and it is the config's default kind)."""
-        fixed, sliding = self.recommended_fixed, self.recommended
+    def recommended(self) -> TtlEvaluation:
+        """The one to set: the cheaper of `best_sliding` and `best_fixed`; fixed on a tie (a read
+        then refreshes nothing, and it is the config's default kind)."""
+        fixed, sliding = self.best_fixed, self.best_sliding
         return sliding if sliding.total_cost < fixed.total_cost else fixed
 
     @property
     def runner_up(self) -> TtlEvaluation:
         """The other of the two."""
-        return self.recommended if self.cheapest is self.recommended_fixed else self.recommended_fixed
+        return self.best_sliding if self.recommended is self.best_fixed else self.best_fixed
+
+    def exact(self, r: TtlEvaluation) -> bool:
+        """Whether `r` (`best_sliding` or `best_fixed`) came of an exact search."""
+        return self.fixed_exact if r.semantics == "fixed" else self.sliding_exact
 
     def as_dict(self) -> dict[str, object]:
+        def search(exact: bool) -> str:
+            return "exact" if exact else "estimate"
+
+        rec, other = self.recommended, self.runner_up
         return {
             "trace": {"requests": self.requests, "sessions": self.sessions, "tenants": list(self.tenants),
                       "same_boundary_requests": self.same_boundary_requests},
@@ -704,13 +848,15 @@ class TuneReport:
             # null for inf: JSON has no infinity.
             "break_even_seconds": self.break_even_seconds if math.isfinite(self.break_even_seconds) else None,
             "rows": [r.as_dict() for r in self.rows],
-            "recommended": self.recommended.as_dict(),
-            "recommended_fixed": self.recommended_fixed.as_dict(),
-            "cheapest": {"semantics": self.cheapest.semantics, "ttl_seconds": self.cheapest.ttl_seconds,
-                         "total_cost": self.cheapest.total_cost,
-                         "saves": self.runner_up.total_cost - self.cheapest.total_cost,
-                         "than": {"semantics": self.runner_up.semantics, "ttl_seconds": self.runner_up.ttl_seconds,
-                                  "total_cost": self.runner_up.total_cost}},
+            # What to set: `kind` and `ttl_seconds` of [local_pool.ttl]. Chosen between the two
+            # searches' bests, so an estimate if either search was.
+            "recommended": {"kind": rec.semantics, **rec.as_dict(),
+                            "search": search(self.fixed_exact and self.sliding_exact),
+                            "saves": other.total_cost - rec.total_cost,
+                            "than": {"kind": other.semantics, "ttl_seconds": other.ttl_seconds,
+                                     "total_cost": other.total_cost}},
+            "best_sliding": {**self.best_sliding.as_dict(), "search": search(self.sliding_exact)},
+            "best_fixed": {**self.best_fixed.as_dict(), "search": search(self.fixed_exact)},
             "adaptive": {**self.adaptive.as_dict(), "final_ttl_seconds": self.adaptive_final_ttl_seconds},
         }
 
@@ -792,8 +938,8 @@ def tune_ttl(
         for semantics in ("fixed", "sliding"):
             hits, bs = evaluate_fixed(c, d, ttl) if semantics == "fixed" else evaluate_sliding(c, d, ttl)
             rows.append(_evaluation(c, d, semantics, float(ttl), hits, bs, cost))
-    recommended = best_sliding(c, d, cost, ttls_seconds, rows)
-    recommended_fixed = best_fixed(c, d, cost, ttls_seconds, rows)
+    sliding = best_sliding(c, d, cost, ttls_seconds, rows)
+    fixed, fixed_exact = best_fixed_searched(c, d, cost, ttls_seconds, rows)
     ttl_after, ttl_read, final = run_adaptive(c, d, ttl_cfg)
     hits, bs = evaluate_sliding(c, d, ttl_after, ttl_read)
     adaptive = _evaluation(c, d, "adaptive", None, hits, bs, cost)
@@ -803,7 +949,8 @@ def tune_ttl(
     return TuneReport(
         requests=c.n, sessions=int(d.first.sum()), tenants=c.tenants,
         same_boundary_requests=int((~d.structural).sum()), cost=cost, rows=tuple(rows),
-        recommended=recommended, recommended_fixed=recommended_fixed, adaptive=adaptive,
+        best_sliding=sliding, best_fixed=fixed, sliding_exact=_search_is_exact(c, d), fixed_exact=fixed_exact,
+        adaptive=adaptive,
         adaptive_final_ttl_seconds=final,
         break_even_seconds=mean_replay * cost.replay_cost_per_token / hold_per_s if hold_per_s > 0 else math.inf,
     )
