@@ -44,10 +44,12 @@ def test_the_trace_records_each_lookup_and_resume_and_feeds_tune(
     text = path.read_text()
     lines = [json.loads(line) for line in text.splitlines()]
     fields = {"time", "tenant", "session", "prefix_tokens", "local_outcome", "snapshot_bytes", "replay_tokens",
-              "model"}
+              "model", "method"}
     assert len(lines) == 5 and all(set(d) == fields | ({"purpose"} if i == 1 else set())
                                    for i, d in enumerate(lines)), lines
     assert lines[1]["purpose"] == "precheck"
+    # Which call: the pool only peeks on a Lookup, so `tune` restarts a sliding TTL on a Resume's hit only.
+    assert [d["method"] for d in lines] == ["resume", "lookup", "resume", "resume", "lookup"]
     assert str(int(toks[1])) not in {str(v) for d in lines for v in d.values()}  # no token contents
     records = list(read_trace(path))
     assert [x.local_outcome for x in records] == ["cold", "cold", "hit", "replayed", "cold"]

@@ -17,11 +17,11 @@ from kvstore.config.local_pool import TtlPolicyConfig
 from kvstore.errors import InvalidInput
 from kvstore.observe import trace_file
 from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace, synthetic_trace
+from kvstore.observe.ttl_model import _Derived
 from kvstore.observe.ttl_tuning import (
     TraceColumns,
     TtlCostModel,
     TuneReport,
-    _Derived,
     best_sliding_ttl,
     columns_from_records,
     evaluate_sliding,

@@ -14,11 +14,11 @@ import pytest
 
 from kvstore.cli import main
 from kvstore.config.local_pool import TtlPolicyConfig
-from kvstore.observe import ttl_tuning
+from kvstore.observe import ttl_model  # where the columns are read, patched below
 from kvstore.observe.trace_file import TraceRecord, TraceWriter, synthetic_trace
+from kvstore.observe.ttl_model import _Derived
 from kvstore.observe.ttl_tuning import (
     TtlCostModel,
-    _Derived,
     columns_from_records,
     evaluate_fixed,
     evaluate_sliding,
@@ -202,7 +202,7 @@ def test_a_trace_file_is_read_as_a_stream(
     # The command held every record of the file (~650 B a request: 300 MB for 400k) before building
     # its columns; streamed, what is left per request is the columns (~50 B) and the evaluation's
     # arrays (~250 B a request at the peak, in all).
-    monkeypatch.setattr(ttl_tuning, "COLUMN_CHUNK_RECORDS", 4096)  # many chunks in a trace this short
+    monkeypatch.setattr(ttl_model, "COLUMN_CHUNK_RECORDS", 4096)  # many chunks in a trace this short
     n = 60_000
     path = tmp_path / "t.jsonl"
     with TraceWriter(path) as w:

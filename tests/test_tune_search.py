@@ -15,13 +15,13 @@ from kvstore.cli import main
 from kvstore.commands.tune import format_report
 from kvstore.config.local_pool import TtlPolicyConfig
 from kvstore.config.policies import adaptive_params
-from kvstore.observe import ttl_tuning
+from kvstore.observe import ttl_fixed_search  # the fixed search's bounds, patched below
 from kvstore.observe.returns import ReturnTracker
 from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace
+from kvstore.observe.ttl_model import _Derived
 from kvstore.observe.ttl_tuning import (
     TraceColumns,
     TtlCostModel,
-    _Derived,
     best_fixed,
     columns_from_records,
     evaluate_fixed,
@@ -132,8 +132,8 @@ def test_the_fixed_search_prices_every_candidate_as_its_evaluation_and_none_is_c
     # that TTL costs, and no TTL to the millisecond (as a config sets it, and as the search's are), on
     # a grid through every gap between two requests of a session, is cheaper than the one found.
     recs = trace
-    monkeypatch.setattr(ttl_tuning, "_PAIRS_AT_ONCE", 7)  # batches this short: many of them
-    monkeypatch.setattr(ttl_tuning, "_RANGES_AT_ONCE", 5)
+    monkeypatch.setattr(ttl_fixed_search, "_PAIRS_AT_ONCE", 7)  # batches this short: many of them
+    monkeypatch.setattr(ttl_fixed_search, "_RANGES_AT_ONCE", 5)
     cols = columns_from_records(recs, CHUNK, 1, 1)
     d = _Derived(cols)
     cost = TtlCostModel(1.0, 1e-5, 3.0, 800.0)
@@ -184,7 +184,7 @@ def test_a_long_run_of_retries_is_searched_exactly(
     # run's write, though a retry that misses writes again and anchors the next at any two: seed
     # 88's least-cost fixed TTL (19.073 s, 4098) was no candidate, and the report said 49.851 s
     # (4690) and recommended sliding (4419). Every pair's gap is a candidate now, each priced exactly.
-    monkeypatch.setattr(ttl_tuning, "_PAIRS_AT_ONCE", 50)  # the run's pairs are built whole all the same
+    monkeypatch.setattr(ttl_fixed_search, "_PAIRS_AT_ONCE", 50)  # the run's pairs are built whole all the same
     cols = columns_from_records(recs, CHUNK, 1, 1)
     d = _Derived(cols)
     listed = (1.5, 2.2, 5.0, 30.0, 400.0)
@@ -209,12 +209,12 @@ def test_past_the_exact_searchs_bounds_a_run_is_sampled_and_the_report_says_it_i
     # A run longer than MAX_EXACT_RUN_REQUESTS, or past the trace's budget of pairs or walk steps,
     # is priced at a sample of TTLs: the best few estimates are evaluated as the pool holds them, no
     # listed TTL is cheaper, and the text and the JSON say the fixed figure is an estimate.
-    monkeypatch.setattr(ttl_tuning, "_RANGES_AT_ONCE", 5)
+    monkeypatch.setattr(ttl_fixed_search, "_RANGES_AT_ONCE", 5)
     if bound == "run":
-        monkeypatch.setattr(ttl_tuning, "MAX_EXACT_RUN_REQUESTS", 16)
+        monkeypatch.setattr(ttl_fixed_search, "MAX_EXACT_RUN_REQUESTS", 16)
     else:
-        monkeypatch.setattr(ttl_tuning, f"_EXACT_{bound.upper()}_AT_LEAST", 100)
-        monkeypatch.setattr(ttl_tuning, f"_EXACT_{bound.upper()}_PER_REQUEST", 0)
+        monkeypatch.setattr(ttl_fixed_search, f"_EXACT_{bound.upper()}_AT_LEAST", 100)
+        monkeypatch.setattr(ttl_fixed_search, f"_EXACT_{bound.upper()}_PER_REQUEST", 0)
     recs = sixty_retries()
     cols = columns_from_records(recs, CHUNK, 1, 1)
     d = _Derived(cols)
@@ -414,7 +414,7 @@ def test_the_fixed_search_holds_a_batch_of_pairs_not_the_traces(monkeypatch: pyt
     # (~30 B a request) and a batch's.
     import tracemalloc
 
-    monkeypatch.setattr(ttl_tuning, "_PAIRS_AT_ONCE", 4096)
+    monkeypatch.setattr(ttl_fixed_search, "_PAIRS_AT_ONCE", 4096)
     cost = TtlCostModel(1.0, 1e-3, 0.1, 3600.0)
     peaks = []
     for n in (1 << 12, 1 << 15, 1 << 16):  # the first warms up (numpy's one-time allocations)

@@ -161,8 +161,10 @@ def run(args: argparse.Namespace) -> int:
     del records
     side_calls = side[0]
     left_out = f" ({side_calls:,} pre-check or probe lookups left out: not requests)" if side_calls else ""
-    print(f"kvstore tune: {cols.n} requests from {source}{left_out} in {time.perf_counter() - started:.2f} s",
-          file=sys.stderr)
+    reads = cols.read_time.shape[0]
+    read_lines = f", {reads:,} LoadLocal reads" if reads else ""
+    print(f"kvstore tune: {cols.n} requests{read_lines} from {source}{left_out} in "
+          f"{time.perf_counter() - started:.2f} s", file=sys.stderr)
     if cols.n == 0:
         raise InvalidInput(f"{source} holds no requests")
     cost = TtlCostModel(ttl_cfg.replay_cost_per_token, ttl_cfg.hold_cost_per_byte_second,
@@ -216,7 +218,9 @@ def _row(r: TtlEvaluation) -> str:
 _ESTIMATED = {
     "fixed": f"same-boundary runs of more than {MAX_EXACT_RUN_REQUESTS:,} requests, or past the search's budget, "
              "were priced at a sample of TTLs",
-    "sliding": "retries rewrote snapshots of other sizes than their boundary's write, priced at that write's size",
+    "sliding": "retries rewrote snapshots of other sizes than their boundary's write, priced at that write's size, "
+               "or some hits were Lookups' (which restart no TTL) or LoadLocals read snapshots, priced as if every "
+               "hit restarted one",
 }
 
 
@@ -263,7 +267,9 @@ def format_report(rep: TuneReport, side_calls: int = 0, overrides_not_applied: S
     lines = [
         f"trace: {rep.requests:,} requests{left_out}, {rep.sessions:,} sessions, {len(rep.tenants)} tenant(s); "
         f"{eligible:,} could hit locally (global hit, session seen before); "
-        f"{rep.same_boundary_requests:,} at an unchanged boundary",
+        f"{rep.same_boundary_requests:,} at an unchanged boundary"
+        + (f"; {rep.load_local_reads:,} LoadLocal reads (no requests: under sliding semantics each restarts the TTL "
+           "of the snapshot its request found, as a Lookup's hit does not)" if rep.load_local_reads else ""),
         f"cost: {c.replay_cost_per_token:g} per replayed token, "
         f"{c.hold_cost_per_byte_second:g} per byte-second held; " + _break_even(rep.break_even_seconds),
     ]

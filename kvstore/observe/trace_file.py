@@ -1,4 +1,5 @@
-"""The request trace: one JSON line per request, for evaluating TTL policies offline.
+"""The request trace: one JSON line per request (and per read of a snapshot), for evaluating TTL
+policies offline.
 
 Role: defines `TraceRecord` (what one request looked like to the local pool), writes records as
 JSON lines (`TraceWriter`: append-only, flushed per record, safe from many threads), reads them
@@ -21,6 +22,14 @@ ttl` leaves such lines out of the evaluation. Unknown keys are ignored so that l
 add fields. An optional `"model"` names the model the request was for: `kvstore tune ttl` then
 keys snapshots by model too (the pool keeps each model's apart), where a line without it counts as
 one shared model.
+
+An optional `"method"` says which call wrote the line: "lookup" or "resume" (a request; the pool
+only peeks on a Lookup, so a Lookup's hit restarts no sliding TTL, a Resume's does), or
+"load_local": no request, but a LoadLocal that got the snapshot its session's request had just
+found (the engine's hybrid path: Lookup, Load, LoadLocal), a read that restarts a sliding TTL. Such
+a line has `"local_outcome": "hit"` and `"prefix_tokens": 0` (the read sends no prompt: the snapshot
+it read is the one its session's request before it resumed from). A line without `method` (an
+older trace) is a request whose hit counts as a read.
 
 What it does not know: the service, the pool, or how records are evaluated (kvstore.observe.ttl_tuning).
 """
@@ -47,6 +56,8 @@ log = logging.getLogger(__name__)
 
 LocalOutcome = Literal["hit", "expired", "absent", "replayed", "cold"]
 LOCAL_OUTCOMES: tuple[str, ...] = get_args(LocalOutcome)
+TraceMethod = Literal["lookup", "resume", "load_local"]
+TRACE_METHODS: tuple[str, ...] = get_args(TraceMethod)
 # JSON integers are unbounded; past this one a float (or numpy's int64 sums) no longer holds them.
 MAX_INT = 2**53
 
@@ -62,6 +73,14 @@ class TraceRecord:
     replay_tokens: int | None = None  # tokens a replay of this request's boundary runs
     purpose: str = ""  # "precheck" | "probe": not an engine request (kvstore/wire/purposes.py)
     model: str = ""  # the model the request was for ("": not recorded)
+    # "lookup" | "resume": the request's call; "load_local": a read of a snapshot, not a request;
+    # "": not recorded (an older trace: a request whose hit counts as a read)
+    method: str = ""
+
+    @property
+    def is_read(self) -> bool:
+        """A LoadLocal's read of a snapshot: no request."""
+        return self.method == "load_local"
 
     def to_json(self) -> str:
         obj: dict[str, object] = {
@@ -76,6 +95,8 @@ class TraceRecord:
             obj["purpose"] = self.purpose
         if self.model:
             obj["model"] = self.model
+        if self.method:
+            obj["method"] = self.method
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
     @staticmethod
@@ -100,10 +121,13 @@ class TraceRecord:
         model = obj.get("model", "")
         if not isinstance(model, str):
             raise InvalidInput(f"'model' must be a string when present, got {_shown(model)}")
+        method = obj.get("method", "")
+        if method not in ("", *TRACE_METHODS):
+            raise InvalidInput(f"'method' must be one of {', '.join(TRACE_METHODS)} when present, got {_shown(method)}")
         return TraceRecord(
             float(time), tenant, session, prefix, outcome,  # type: ignore[arg-type]
             _count(obj, "snapshot_bytes", required=False), _count(obj, "replay_tokens", required=False),
-            str(purpose), model,
+            str(purpose), model, str(method),
         )
 
 

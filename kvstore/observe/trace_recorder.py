@@ -1,10 +1,16 @@
-"""The service's request trace (`[trace] enabled`): one JSON line per Lookup/Resume, for
-`kvstore tune ttl --trace FILE`.
+"""The service's request trace (`[trace] enabled`): one JSON line per Lookup/Resume, and one per
+LoadLocal that got the snapshot, for `kvstore tune ttl --trace FILE`.
 
 `TraceRecorder` is an `App` observer. For each successful Lookup or Resume it appends a
 `kvstore.observe.trace_file.TraceRecord`: wall-clock time, tenant, session, prompt tokens, the local-state
-outcome, and the model's snapshot size and replay length (so `tune` prices each request by its
-own model). Never token ids, keys or payloads.
+outcome, the model's snapshot size and replay length (so `tune` prices each request by its
+own model), and the call ("lookup" | "resume": the pool only peeks on a Lookup, so only a Resume's
+hit restarts a sliding TTL). A LoadLocal that got the snapshot (its facts name the boundary) is no
+request, but its read restarted a sliding TTL (the engine's hybrid path, Lookup, Load, LoadLocal,
+sends no Resume): it gets a line of method "load_local", outcome "hit" and no prompt, in the session
+of the Lookup that found the snapshot (the same id, named or derived from the same boundary), and
+written whether or not the call then ended OK, as the pool's read happened. Never token ids, keys or
+payloads.
 
 The session: the caller's `x-session-id` when it sent one (the client's `session=` option), else
 an opaque id derived from the namespace digest and the boundary chunk key (a hash prefix, which
@@ -31,7 +37,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from kvstore.layout import CacheLayout, exact_replay_tokens
-from kvstore.observe.records import LookupFacts
+from kvstore.observe.records import LocalReadFacts, LookupFacts
 from kvstore.observe.retries import RecentRequests
 from kvstore.observe.trace_file import LocalOutcome, TraceRecord, TraceWriter
 
@@ -40,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.service")
 
-_TRACED = ("Lookup", "Resume")
+_TRACED = {"Lookup": "lookup", "Resume": "resume"}
 
 
 def derived_session(namespace: bytes, boundary_key: bytes) -> str:
@@ -57,7 +63,8 @@ def trace_outcome(local_state: str, hit_tokens: int) -> LocalOutcome:
 
 
 class TraceRecorder:
-    """Writes one `TraceRecord` per successful Lookup/Resume; `close()` closes the file."""
+    """Writes one `TraceRecord` per successful Lookup/Resume and per LoadLocal that got the
+    snapshot; `close()` closes the file."""
 
     def __init__(
         self,
@@ -74,6 +81,13 @@ class TraceRecorder:
         self._failed = False
 
     def __call__(self, call: CallRecord) -> None:
+        if isinstance(call.facts, LocalReadFacts):
+            self._write(TraceRecord(
+                time=round(self._wall(), 6), tenant=call.tenant,
+                session=call.session or derived_session(call.facts.namespace, call.facts.boundary_key),
+                prefix_tokens=0, local_outcome="hit", model=call.model, method="load_local",
+            ))
+            return
         if call.code != "OK" or call.method not in _TRACED or call.bills is None:
             return
         if self._seen.retry(call):  # the same request again (a client's retry): one line
@@ -90,7 +104,11 @@ class TraceRecorder:
             prefix_tokens=int(call.bills.prompt_tokens),
             local_outcome=trace_outcome(call.local_state, int(call.bills.prefill_tokens_avoided)),
             snapshot_bytes=snapshot, replay_tokens=replay, purpose=call.purpose, model=call.model,
+            method=_TRACED[call.method],
         )
+        self._write(record)
+
+    def _write(self, record: TraceRecord) -> None:
         try:
             self._writer.write(record)
         except (OSError, ValueError):  # a full disk or a closed file: never fail the call over it

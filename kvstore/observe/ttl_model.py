@@ -1,0 +1,436 @@
+"""The pool's model for offline TTL evaluation: a request trace as columns, and one TTL evaluated as
+the pool holds it.
+
+Role: turns trace records into columns (numpy arrays sorted by session, then time), derives the
+per-request facts that do not depend on the TTL (`_Derived`), and evaluates one TTL under fixed or
+sliding semantics (`evaluate_fixed`, `evaluate_sliding`: hits and byte-seconds, priced by
+`_evaluation`), with the helpers both searches share (`_first_hit`, `_least_of`). What it does not
+know: how the least-cost TTL is searched for (kvstore.observe.ttl_fixed_search,
+kvstore.observe.ttl_sliding_search), the adaptive policy or the report (kvstore.observe.ttl_tuning),
+the pool's backend, the service, files (the caller reads the trace), or output formats.
+
+The model, per session (sessions are (tenant, model, session): the pool keeps each model's snapshots
+apart, so two models' requests under one session id are two sessions; a trace without models is one):
+- Each request resumes from the session's latest snapshot and leaves a snapshot behind: a request
+  whose boundary (prefix rounded down to a chunk) moved writes a new snapshot at that boundary; a
+  request at the same boundary (a retry) reads the same snapshot and writes only if it had to replay
+  it. A cold request (global miss, recorded "cold") writes but cannot hit (and reads nothing):
+  without global KV there is nothing for a local snapshot to extend.
+- A request eligible for a local hit (not the session's first, not cold) hits if its snapshot is
+  still alive; otherwise it replays `replay_tokens` tokens.
+- fixed: a snapshot lives TTL from its write. sliding: every access (a write, or a read that hits)
+  restarts the TTL. As in the pool, a snapshot whose expiry is <= now is gone: a gap of exactly the
+  TTL misses. Their hits differ only on same-boundary requests; their holds differ wherever a hit
+  reads a snapshot (sliding keeps it TTL past that read).
+- A read is a Resume's hit (the pool's get), or a LoadLocal that got the snapshot ("load_local"
+  lines: no requests, neither priced nor counted in hit rates), which reads the snapshot the
+  session's request before it found (the engine's hybrid path: Lookup, Load, LoadLocal) if it is
+  still alive then. A Lookup's hit is no read: the pool only peeks. A line that does not say which
+  call it was (an older trace) counts its hit as a read. Where every hit is a read and no LoadLocal
+  reads, a request hits under sliding semantics iff the session's previous request was less than
+  TTL ago (`evaluate_sliding` then works on whole arrays; else it walks each session in order).
+- The pool keys a snapshot by its boundary (kvstore.service.pricing.boundary_key): a new boundary's
+  snapshot does not replace the last one, which stays until it expires (a turn that hits reads it
+  first: sliding, that restarts its TTL). So a snapshot is held (bytes x seconds) from its write
+  until it expires or a later write at the same (session, boundary) replaces it, as the workload
+  simulator's pool model counts it (less its per-entry overhead).
+
+Cost = replay tokens × replay_cost_per_token + byte-seconds × hold_cost_per_byte_second.
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from kvstore.observe.trace_file import TraceRecord
+
+Semantics = Literal["fixed", "sliding", "adaptive"]
+
+
+@dataclass(frozen=True)
+class TraceColumns:
+    """A trace as arrays of length n, sorted by session then time."""
+
+    tenants: tuple[str, ...]
+    tenant: np.ndarray  # [n] int, index into `tenants`
+    session: np.ndarray  # [n] int, dense session number
+    time: np.ndarray  # [n] float seconds
+    boundary: np.ndarray  # [n] int tokens: prefix rounded down to a chunk
+    cold: np.ndarray  # [n] bool: recorded as a global miss
+    snapshot_bytes: np.ndarray  # [n] float
+    replay_tokens: np.ndarray  # [n] float
+    # [n] bool: a hit restarts the TTL of the snapshot it read (a Resume's line, or one that does not
+    # say which call it was); False for a Lookup's, which only peeks in the pool.
+    refreshes: np.ndarray
+    # LoadLocal reads ("load_local" lines), each after the request it follows in its session, sorted
+    # by that request then time: [r] int, that request's index; [r] float seconds, the read's time.
+    read_after: np.ndarray
+    read_time: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return int(self.time.shape[0])
+
+
+@dataclass(frozen=True)
+class TtlCostModel:
+    replay_cost_per_token: float
+    hold_cost_per_byte_second: float
+    min_ttl_seconds: float  # the recommendation is clamped to [min, max]
+    max_ttl_seconds: float
+
+
+# Records are turned into arrays this many at a time: a trace of any length then costs its arrays
+# (~50 B a request) plus one chunk of Python objects, not ~650 B a request held as records.
+COLUMN_CHUNK_RECORDS = 1 << 16
+
+
+def columns_from_records(
+    records: Iterable[TraceRecord],
+    chunk_tokens: int,
+    default_snapshot_bytes: int,
+    default_replay_tokens: int,
+    force_sizes: bool = False,
+    on_progress: Callable[[int], None] | None = None,
+) -> TraceColumns:
+    """Columns from records, read as a stream (nothing holds on to a record once its chunk is
+    converted). A record's own snapshot_bytes / replay_tokens are used when present, unless
+    `force_sizes` (the operator asked "what if") puts the defaults everywhere. `on_progress`, if
+    given, is called with the count of records read so far after every chunk. A LoadLocal's read
+    (`TraceRecord.is_read`) is no request: it follows the request before it in its session (none:
+    it is dropped)."""
+    assert chunk_tokens > 0
+    tenant_ids: dict[str, int] = {}
+    session_ids: dict[tuple[str, str, str], int] = {}
+    parts: list[tuple[np.ndarray, ...]] = []
+    read_parts: list[tuple[np.ndarray, np.ndarray]] = []
+    count = 0
+    it = iter(records)
+    while True:
+        tenant, session, time, prefix, cold, sbytes, rtoks, refresh = [], [], [], [], [], [], [], []
+        read_session, read_times = [], []
+        chunk = 0
+        for r in itertools.islice(it, COLUMN_CHUNK_RECORDS):
+            chunk += 1
+            if r.is_read:
+                read_session.append(session_ids.setdefault((r.tenant, r.model, r.session), len(session_ids)))
+                read_times.append(r.time)
+                continue
+            refresh.append(r.method != "lookup")
+            tenant.append(tenant_ids.setdefault(r.tenant, len(tenant_ids)))
+            session.append(session_ids.setdefault((r.tenant, r.model, r.session), len(session_ids)))
+            time.append(r.time)
+            prefix.append(r.prefix_tokens)
+            cold.append(r.local_outcome == "cold")
+            use_default_bytes = force_sizes or r.snapshot_bytes is None
+            sbytes.append(default_snapshot_bytes if use_default_bytes else r.snapshot_bytes)
+            use_default_tokens = force_sizes or r.replay_tokens is None
+            rtoks.append(default_replay_tokens if use_default_tokens else r.replay_tokens)
+        if not chunk:
+            break
+        parts.append((
+            np.asarray(tenant, dtype=np.int64), np.asarray(session, dtype=np.int64),
+            np.asarray(time, dtype=np.float64),
+            np.asarray(prefix, dtype=np.int64) // chunk_tokens * chunk_tokens,
+            np.asarray(cold, dtype=bool), np.asarray(sbytes, dtype=np.float64),
+            np.asarray(rtoks, dtype=np.float64), np.asarray(refresh, dtype=bool),
+        ))
+        if read_times:
+            read_parts.append((np.asarray(read_session, dtype=np.int64), np.asarray(read_times, dtype=np.float64)))
+        count += chunk
+        if on_progress is not None:
+            on_progress(count)
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64),
+             np.zeros(0, bool), np.zeros(0), np.zeros(0), np.zeros(0, bool))
+    cols = [np.concatenate(col) for col in zip(*parts, strict=True)] if parts else list(empty)
+    del parts
+    ten, sess, t, boundary, is_cold, snap, replay, refreshes = cols
+    order = np.lexsort((t, sess))  # stable: equal times keep file order
+    sess, t = sess[order], t[order]
+    read_after, read_time = _reads_after(sess, t, *(np.concatenate(col) for col in zip(*read_parts, strict=True))) \
+        if read_parts else (np.zeros(0, np.int64), np.zeros(0))
+    return TraceColumns(
+        tenants=tuple(tenant_ids), tenant=ten[order], session=sess, time=t,
+        boundary=boundary[order], cold=is_cold[order], snapshot_bytes=snap[order], replay_tokens=replay[order],
+        refreshes=refreshes[order], read_after=read_after, read_time=read_time,
+    )
+
+
+def _reads_after(
+    sess: np.ndarray, t: np.ndarray, read_sess: np.ndarray, read_t: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For reads at (`read_sess`, `read_t`), of requests sorted by (`sess`, `t`): the request each
+    follows (the session's last at or before it: a read at a request's time follows it) and its
+    time, sorted by that request then time; reads before their session's first request dropped."""
+    n = t.shape[0]
+    is_read = np.concatenate((np.zeros(n, dtype=bool), np.ones(read_t.shape[0], dtype=bool)))
+    both = np.lexsort((is_read, np.concatenate((t, read_t)), np.concatenate((sess, read_sess))))
+    # Requests keep their order in `both` (already sorted, and lexsort is stable).
+    last = np.maximum.accumulate(np.where(both < n, both, -1))
+    at = np.flatnonzero(both >= n)
+    after = last[at]
+    reads = both[at] - n
+    keep = after >= 0
+    keep[keep] = sess[after[keep]] == read_sess[reads[keep]]
+    return after[keep], read_t[reads[keep]]
+
+
+@dataclass(frozen=True)
+class TtlEvaluation:
+    semantics: Semantics
+    ttl_seconds: float | None  # None for the adaptive policy (its TTL moves)
+    eligible: int  # requests that could hit locally (global hit, session seen before)
+    local_hits: int
+    replays: int
+    replay_tokens: int
+    byte_seconds: float
+    replay_cost: float
+    hold_cost: float
+
+    @property
+    def local_hit_rate(self) -> float:
+        return self.local_hits / self.eligible if self.eligible else 0.0
+
+    @property
+    def total_cost(self) -> float:
+        return self.replay_cost + self.hold_cost
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "semantics": self.semantics, "ttl_seconds": self.ttl_seconds, "eligible": self.eligible,
+            "local_hits": self.local_hits, "local_hit_rate": self.local_hit_rate,
+            "replays": self.replays, "replay_tokens": self.replay_tokens,
+            "byte_seconds": self.byte_seconds, "replay_cost": self.replay_cost,
+            "hold_cost": self.hold_cost, "total_cost": self.total_cost,
+        }
+
+
+class _Derived:
+    """Per-request facts that do not depend on the TTL, computed once per trace."""
+
+    def __init__(self, c: TraceColumns) -> None:
+        n = c.n
+        self.first = np.ones(n, dtype=bool)  # [n] first request of its session
+        self.first[1:] = c.session[1:] != c.session[:-1]
+        self.gap = np.zeros(n)  # [n] seconds since the session's previous request
+        self.gap[1:] = np.where(self.first[1:], 0.0, np.diff(c.time))
+        self.eligible = ~self.first & ~c.cold
+        same = np.zeros(n, dtype=bool)
+        same[1:] = c.boundary[1:] == c.boundary[:-1]
+        # Requests that write whatever the TTL: a session's first, cold ones, moved boundaries.
+        self.structural = self.first | c.cold | ~same
+        # Runs of same-boundary requests (each follows a structural one in the same session).
+        flex = (~self.structural).astype(np.int8)
+        edges = np.diff(np.concatenate(([0], flex, [0])))
+        self.run_starts = np.flatnonzero(edges == 1)
+        self.run_ends = np.flatnonzero(edges == -1)
+        # Requests grouped by the pool's key, (session, boundary), in time order within a key (stable).
+        self.by_key = np.lexsort((c.boundary, c.session))  # [n]
+        s, b = c.session[self.by_key], c.boundary[self.by_key]
+        first_of_key = np.ones(n, dtype=bool)
+        first_of_key[1:] = (s[1:] != s[:-1]) | (b[1:] != b[:-1])
+        self.key = np.empty(n, dtype=np.int64)  # [n] a number per (session, boundary)
+        self.key[self.by_key] = np.cumsum(first_of_key)
+        # Whether every read of a snapshot is a request's hit (no Lookup's hit, which restarts no TTL,
+        # and no LoadLocal's read): sliding semantics are then a request's gap from the one before it.
+        self.every_hit_reads = bool(c.refreshes[self.eligible].all()) and c.read_time.shape[0] == 0
+
+
+def _evaluation(
+    c: TraceColumns, d: _Derived, semantics: Semantics, ttl: float | None, hits: np.ndarray,
+    byte_seconds: float, cost: TtlCostModel,
+) -> TtlEvaluation:
+    miss = d.eligible & ~hits
+    replay_tokens = int(c.replay_tokens[miss].sum())
+    return TtlEvaluation(
+        semantics=semantics, ttl_seconds=ttl, eligible=int(d.eligible.sum()),
+        local_hits=int((d.eligible & hits).sum()), replays=int(miss.sum()), replay_tokens=replay_tokens,
+        byte_seconds=byte_seconds, replay_cost=replay_tokens * cost.replay_cost_per_token,
+        hold_cost=byte_seconds * cost.hold_cost_per_byte_second,
+    )
+
+
+def _latest_write_before(write: np.ndarray) -> np.ndarray:
+    """[n] the latest write strictly before each request (-1: none). A session's first request
+    always writes, so for any other request it is in the same session: the snapshot it resumes from."""
+    idx = np.arange(write.shape[0])
+    latest = np.maximum.accumulate(np.where(write, idx, -1))
+    out = np.full(write.shape[0], -1, dtype=np.int64)
+    out[1:] = latest[:-1]
+    return out
+
+
+def _replaced_at(c: TraceColumns, d: _Derived, write: np.ndarray) -> np.ndarray:
+    """[n] when the session's next write at the same boundary (the pool's same key) replaces the
+    write at i; inf where none does (and where i writes nothing)."""
+    ws = d.by_key[write[d.by_key]]  # the writes, grouped by key, in time order within one
+    out = np.full(c.n, np.inf)
+    out[ws[:-1]] = np.where(d.key[ws[1:]] == d.key[ws[:-1]], c.time[ws[1:]], np.inf)
+    return out
+
+
+def _byte_seconds(c: TraceColumns, d: _Derived, write: np.ndarray, expires_at: np.ndarray) -> float:
+    """The writes held from their write until `expires_at` ([writes]) or until replaced, whichever is first."""
+    w = np.flatnonzero(write)
+    end = np.minimum(expires_at, _replaced_at(c, d, write)[w])
+    return float(np.dot(c.snapshot_bytes[w], end - c.time[w]))
+
+
+def evaluate_sliding(
+    c: TraceColumns, d: _Derived, ttl_after: np.ndarray | float, ttl_read: np.ndarray | None = None,
+    ttl_load: np.ndarray | None = None,
+) -> tuple[np.ndarray, float]:
+    """Hits and byte-seconds when the TTL in force after request i is `ttl_after[i]`: its write,
+    or its read when it hits, restarts the snapshot's TTL with it. `ttl_read[i]`, where given, is
+    the TTL a hit at i restarts the snapshot it read with, where i also writes one of its own (a
+    moved boundary) whose TTL is `ttl_after[i]`: the adaptive policy is asked for each apart.
+    `ttl_load[r]`, where given, is the TTL LoadLocal read r restarts its snapshot with (else
+    `ttl_after` of the request it follows). A Lookup's hit restarts nothing (`c.refreshes`)."""
+    if not d.every_hit_reads:
+        return _sliding_walk(c, d, ttl_after, ttl_read, ttl_load)
+    t = c.time
+    ttl = np.broadcast_to(np.asarray(ttl_after, dtype=np.float64), (c.n,))  # [n]
+    read_ttl = ttl if ttl_read is None else ttl_read
+    # A request's snapshot was last touched by the session's previous request (its write, or a read
+    # that hit): alive while that touch's expiry is > now, the pool's own test in its own arithmetic.
+    expiry_prev = np.full(c.n, -np.inf)
+    expiry_prev[1:] = t[:-1] + ttl[:-1]
+    hits = d.eligible & (expiry_prev > t)
+    write = d.structural | (d.eligible & ~hits)
+    w = np.flatnonzero(write)
+    # Each snapshot's last touch: its write, or the last hit that read it (a hit reads the latest
+    # write before it; those are in order, so each snapshot's last reader ends its run).
+    expires_at = t[w] + ttl[w]
+    reads = np.flatnonzero(hits)
+    if reads.size:
+        src = _latest_write_before(write)[reads]
+        last = np.ones(reads.size, dtype=bool)
+        last[:-1] = src[1:] != src[:-1]
+        expires_at[np.searchsorted(w, src[last])] = t[reads[last]] + read_ttl[reads[last]]
+    return hits, _byte_seconds(c, d, write, expires_at)
+
+
+def _sliding_walk(
+    c: TraceColumns, d: _Derived, ttl_after: np.ndarray | float, ttl_read: np.ndarray | None,
+    ttl_load: np.ndarray | None,
+) -> tuple[np.ndarray, float]:
+    """`evaluate_sliding` where some hit reads nothing (a Lookup's) or a LoadLocal reads: a snapshot's
+    last touch is then no longer the request before the next one, and which reads find it alive
+    depends on the TTL, so each session is walked in order (a Python loop: O(n), ~1 µs a request)."""
+    n = c.n
+    ttl = np.broadcast_to(np.asarray(ttl_after, dtype=np.float64), (n,))
+    read_ttl = ttl if ttl_read is None else ttl_read
+    load_ttl = ttl[c.read_after] if ttl_load is None else ttl_load
+    # Each write's expiry (its last touch + its TTL), by the request that wrote it.
+    expiry = array.array("d", bytes(8 * n))
+    hits = np.zeros(n, dtype=bool)
+    write = np.zeros(n, dtype=bool)
+    reads_from = np.searchsorted(c.read_after, np.arange(n + 1), side="left")  # [n + 1]
+    cur = -1  # the write holding the session's latest snapshot
+    # Python lists, a chunk at a time (as `run_adaptive` walks): fast to iterate, and little memory.
+    for i, t, first, eligible, structural, refreshes, after, read, r0, r1 in _chunked(
+        np.arange(n), c.time, d.first, d.eligible, d.structural, c.refreshes, ttl, read_ttl, reads_from[:-1],
+        reads_from[1:],
+    ):
+        if first:
+            cur = -1
+        src = cur  # the snapshot i resumes from
+        hit = eligible and expiry[src] > t  # the pool's test
+        if hit:
+            hits[i] = True
+            if refreshes:  # a Resume's get restarts its TTL; a Lookup's peek does not
+                expiry[src] = t + read
+        if structural or not hit:
+            write[i] = True
+            expiry[i] = t + after
+            cur = i
+        if hit:  # the LoadLocals after it read the snapshot it found, where still alive
+            for r in range(r0, r1):
+                at = float(c.read_time[r])
+                if expiry[src] > at:
+                    expiry[src] = at + float(load_ttl[r])
+    w = np.flatnonzero(write)
+    expires_at = np.frombuffer(expiry, dtype=np.float64)[w]
+    return hits, _byte_seconds(c, d, write, expires_at)
+
+
+def _chunked(*columns: np.ndarray) -> Iterator[tuple[Any, ...]]:
+    """The columns' rows in order, as Python values, converted `COLUMN_CHUNK_RECORDS` rows at a time."""
+    n = columns[0].shape[0]
+    for start in range(0, n, COLUMN_CHUNK_RECORDS):
+        yield from zip(*(col[start:start + COLUMN_CHUNK_RECORDS].tolist() for col in columns), strict=True)
+
+
+def evaluate_fixed(c: TraceColumns, d: _Derived, ttl: float) -> tuple[np.ndarray, float]:
+    """Hits and byte-seconds when a snapshot lives `ttl` from its write."""
+    t = c.time
+    write = d.structural.copy()
+    # Same-boundary runs: walk the writes a run forces (one search per replay, not per request).
+    for s, e in zip(d.run_starts.tolist(), d.run_ends.tolist(), strict=True):
+        times = t[s:e]
+        anchor = t[s - 1]  # the structural request before the run wrote
+        while True:
+            # The first retry at or past the expiry misses (the pool's test: expiry <= now is gone).
+            k = int(np.searchsorted(times, anchor + ttl, side="left"))
+            if k >= e - s:
+                break
+            write[s + k] = True  # expired: replayed and written again
+            anchor = times[k]
+    src = _latest_write_before(write)
+    hits = d.eligible & (t[np.maximum(src, 0)] + ttl > t)
+    return hits, _byte_seconds(c, d, write, t[write] + ttl)
+
+
+def _first_hit(t_prev: np.ndarray, t: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """[k] for each request, the index of the first of the sorted `cand` under which it hits:
+    `t_prev + T > t`, the pool's test in its own arithmetic (`len(cand)`: none). Found from the gap,
+    then moved where rounding makes `t - t_prev < T` disagree (the test is monotone in T)."""
+    m = cand.shape[0]
+    key = np.searchsorted(cand, t - t_prev, side="right")
+    while True:
+        down = key > 0
+        down[down] = t_prev[down] + cand[key[down] - 1] > t[down]
+        up = key < m
+        up[up] = ~(t_prev[up] + cand[key[up]] > t[up])
+        if not (down.any() or up.any()):
+            return key
+        key = key - down + up
+
+
+# Candidates evaluated one by one when the search's prices are estimates (snapshot sizes vary at a
+# boundary): each is an O(n) pass, and the search's order is near the exact one.
+REPRICED_CANDIDATES = 16
+
+
+def _with_also(best: np.ndarray, also_seconds: Sequence[float], cost: TtlCostModel) -> set[float]:
+    """A search's best candidates and every TTL of `also_seconds` within the clamp."""
+    ttls = {float(x) for x in best}
+    return ttls | {float(x) for x in also_seconds if cost.min_ttl_seconds <= x <= cost.max_ttl_seconds}
+
+
+def _least_of(
+    c: TraceColumns, d: _Derived, cost: TtlCostModel, semantics: Semantics, ttls: Iterable[float],
+    evaluated: Sequence[TtlEvaluation],
+) -> TtlEvaluation:
+    """The cheapest of `ttls` under `semantics` ("fixed" or "sliding"), each evaluated as the pool
+    holds it (the shorter one on a tie); evaluations in `evaluated` are reused by TTL."""
+    done = {r.ttl_seconds: r for r in evaluated if r.semantics == semantics}
+    evaluate = evaluate_sliding if semantics == "sliding" else evaluate_fixed
+
+    def priced(ttl: float) -> TtlEvaluation:
+        if ttl not in done:
+            done[ttl] = _evaluation(c, d, semantics, ttl, *evaluate(c, d, ttl), cost)
+        return done[ttl]
+
+    return min((priced(x) for x in ttls), key=lambda r: (r.total_cost, r.ttl_seconds))
+
+
+def _ms_past(gaps: np.ndarray) -> np.ndarray:
+    """The first millisecond at least half a millisecond past each gap (`sliding_costs`' candidates)."""
+    return (np.floor(gaps * 1000.0 + 0.5) + 1.0) / 1000.0
