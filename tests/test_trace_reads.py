@@ -46,10 +46,15 @@ def test_a_load_local_that_got_the_snapshot_writes_a_read_line_in_its_lookups_se
         assert r.client.lookup(MODEL, toks).local_state == "hit"  # the hybrid path: Lookup, (Load,) LoadLocal
         assert r.client.load_local(MODEL, toks[: 5 * CHUNK]).snapshot is not None
         assert r.client.load_local(MODEL, prompt(22, 2)).snapshot is None  # nothing held there: no read, no line
+        # An engine that names its sessions names the read's too.
+        assert r.client.lookup(MODEL, toks, session="chat-7").local_state == "hit"
+        assert r.client.load_local(MODEL, toks[: 5 * CHUNK], session="chat-7").snapshot is not None
     finally:
         r.stop()
 
     lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [d["session"] for d in lines[3:]] == ["chat-7", "chat-7"], lines
+    lines = lines[:3]
     assert [d["method"] for d in lines] == ["lookup", "lookup", "load_local"], lines
     read = lines[2]
     # No prompt (it names none) and no sizes: a read of the snapshot its session's request found.
@@ -58,14 +63,14 @@ def test_a_load_local_that_got_the_snapshot_writes_a_read_line_in_its_lookups_se
     assert read["session"] == lines[1]["session"]  # derived from the same boundary: the Lookup's session
     assert read["time"] >= lines[1]["time"]
     records = list(read_trace(path))
-    assert [x.is_read for x in records] == [False, False, True]
+    assert [x.is_read for x in records] == [False, False, True, False, True]
 
     assert main(["tune", "ttl", "--trace", str(path), "--model", MODEL, "--chunk-tokens", str(CHUNK),
                  "--ttl", "60", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     # The read is no request: not priced, not in the hit rates; the pre-check is a side call.
-    assert report["trace"]["requests"] == 1 and report["trace"]["load_local_reads"] == 1
-    assert report["side_calls_left_out"] == 1 and report["recommended"]["eligible"] == 0
+    assert report["trace"]["requests"] == 2 and report["trace"]["load_local_reads"] == 2
+    assert report["side_calls_left_out"] == 1
 
 
 def line(t: float, method: str = "", prefix: int = 1000) -> TraceRecord:

@@ -1058,26 +1058,30 @@ class KvstoreClient:
     @_open_only
     def load_local(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "",
                    timeout_seconds: float | None = None, cache_salt: str = "",
-                   open_session: bool = True) -> LoadLocalResult:
+                   open_session: bool = True, session: str | None = None) -> LoadLocalResult:
         """The local snapshot at the last full-chunk boundary of `tokens`, if held. It comes
         through the same-host session when there is one; if that fails, over a stream.
-        `timeout_seconds` bounds the whole call; `open_session=False`: as for `load_shared`."""
+        `timeout_seconds` bounds the whole call; `open_session=False`: as for `load_shared`;
+        `session`: the one the request's Lookup named (the trace files the read under it)."""
         req = pb.LoadLocalRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), cache_salt=cache_salt)
+        metadata = self._metadata if session is None else self._request_metadata("LoadLocal", None, session)[1]
         seconds = self._timeout(timeout_seconds)
         deadline = _Deadline(time.monotonic() + seconds)
         def via_shm(shm: ShmPath) -> LoadLocalResult:
             named = pb.LoadLocalRequest(shm_session=shm.session_id)
             named.MergeFrom(req)
-            return self._idempotent("LoadLocal", lambda t: self._load_local(named, t, shm), deadline.left(), seconds)
+            return self._idempotent("LoadLocal", lambda t: self._load_local(named, t, shm, metadata), deadline.left(),
+                                    seconds)
 
         shm = self._shm_path(deadline.left(), open_session)
         return self._shm_or_stream(shm, via_shm, lambda: self._idempotent(
-            "LoadLocal", lambda t: self._load_local(req, t, None), deadline.left(), seconds), "LoadLocal")
+            "LoadLocal", lambda t: self._load_local(req, t, None, metadata), deadline.left(), seconds), "LoadLocal")
 
-    def _load_local(self, req: pb.LoadLocalRequest, timeout: float, shm: ShmPath | None) -> LoadLocalResult:
+    def _load_local(self, req: pb.LoadLocalRequest, timeout: float, shm: ShmPath | None,
+                    metadata: tuple[tuple[str, str], ...]) -> LoadLocalResult:
         try:
-            stream = (self._stub.LoadLocal(req, timeout=timeout, metadata=self._metadata) if shm is None else
-                      self._span_call(self._load_local_rpc, req, timeout, shm))
+            stream = (self._stub.LoadLocal(req, timeout=timeout, metadata=metadata) if shm is None else
+                      self._span_call(self._load_local_rpc, req, timeout, shm, metadata))
             first = next(stream, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise ServerError(grpc.StatusCode.UNKNOWN, "the LoadLocal stream did not start with its header",
