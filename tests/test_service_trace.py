@@ -174,3 +174,32 @@ def test_a_model_registered_after_start_is_traced_with_its_own_sizes(
     assert main(["tune", "ttl", "--trace", str(path), "--chunk-tokens", str(CHUNK), "--ttl", "60,300"]) == 0
     out = capsys.readouterr().out
     assert "break-even hold" in out and "no break-even" not in out
+
+
+def test_a_line_is_timed_when_its_call_answered_not_when_its_record_arrived(tmp_path: Path) -> None:
+    # Under an observer backlog a new call's record is delivered before older ones: timed on
+    # arrival, a LoadLocal's read line preceded the Lookup it followed, and tune ttl filed the read
+    # after the session's previous turn.
+    from kvstore.observe.records import CallRecord, LocalReadFacts, LookupFacts
+    from kvstore.observe.trace_file import TraceWriter
+    from kvstore.observe.trace_recorder import TraceRecorder
+    from kvstore.wire.bills import price
+
+    app_clock = [100.0]
+    path = tmp_path / "t.jsonl"
+    tracer = TraceRecorder(TraceWriter(path), {}, wall_clock=lambda: 5000.0 + app_clock[0],
+                           clock=lambda: app_clock[0])
+    bills = price(prompt_tokens=256, chunk_tokens=128, chunk_bytes=10, chunk_tiers=["dram", "dram"],
+                  flops_per_token=1.0, replay_tokens=0)
+    facts = LookupFacts(namespace=b"n" * 32, chunk_tokens=128, full_chunks=2, hit_chunks=2, boundary_key=b"k" * 32)
+    lookup = CallRecord("Lookup", "acme", "OK", 0.01, MODEL, "hit", "warm", bills, request_id="r1", facts=facts,
+                        at=90.0)
+    read = CallRecord("LoadLocal", "acme", "OK", 0.01, MODEL, "hit", facts=LocalReadFacts(b"n" * 32, b"k" * 32),
+                      at=91.0)
+    app_clock[0] = 95.0
+    tracer(read)  # delivered first, as a backlog can
+    app_clock[0] = 99.0
+    tracer(lookup)
+    tracer.close()
+    records = list(read_trace(path))
+    assert [(r.method, r.time) for r in records] == [("load_local", 5091.0), ("lookup", 5090.0)]

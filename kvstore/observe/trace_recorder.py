@@ -71,19 +71,24 @@ class TraceRecorder:
         writer: TraceWriter,
         layouts: Mapping[str, CacheLayout] | Callable[[str], CacheLayout | None],
         wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         """`layouts`: a fixed table, or a lookup asked at each call (`App.model_layout`), which finds
-        a model an engine registers after start (RegisterModel)."""
+        a model an engine registers after start (RegisterModel). `clock`: the app's, which stamps
+        `CallRecord.at`: a line's time is its call's, not when the record reached this observer (a
+        backlog delivers a new call's record before older ones, and a LoadLocal's read line would
+        then precede the Lookup it followed)."""
         self._writer = writer
         self._layout_of = dict(layouts).get if isinstance(layouts, Mapping) else layouts
         self._wall = wall_clock
+        self._clock = clock
         self._seen = RecentRequests()
         self._failed = False
 
     def __call__(self, call: CallRecord) -> None:
         if isinstance(call.facts, LocalReadFacts):
             self._write(TraceRecord(
-                time=round(self._wall(), 6), tenant=call.tenant,
+                time=self._time_of(call), tenant=call.tenant,
                 session=call.session or derived_session(call.facts.namespace, call.facts.boundary_key),
                 prefix_tokens=0, local_outcome="hit", model=call.model, method="load_local",
             ))
@@ -100,13 +105,20 @@ class TraceRecorder:
             mode = trace.replay_mode if trace is not None else ""
             replay = exact_replay_tokens(layout) if mode == "exact" else layout.local.window_tokens
         record = TraceRecord(
-            time=round(self._wall(), 6), tenant=call.tenant, session=call.session or _session_of(trace),
+            time=self._time_of(call), tenant=call.tenant, session=call.session or _session_of(trace),
             prefix_tokens=int(call.bills.prompt_tokens),
             local_outcome=trace_outcome(call.local_state, int(call.bills.prefill_tokens_avoided)),
             snapshot_bytes=snapshot, replay_tokens=replay, purpose=call.purpose, model=call.model,
             method=_TRACED[call.method],
         )
         self._write(record)
+
+    def _time_of(self, call: CallRecord) -> float:
+        """The wall-clock time the call answered (now, for a record without `at` or no clock)."""
+        now = self._wall()
+        if call.at is not None and self._clock is not None:
+            now -= max(0.0, self._clock() - call.at)
+        return round(now, 6)
 
     def _write(self, record: TraceRecord) -> None:
         try:

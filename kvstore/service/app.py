@@ -242,7 +242,7 @@ def install_observers(app: App) -> None:
             writer = TraceWriter(app.config.trace.path)
         except StorageError as e:
             raise ConfigError("trace.path", str(e)) from None
-        tracer = TraceRecorder(writer, app.model_layout)
+        tracer = TraceRecorder(writer, app.model_layout, clock=app.clock)
         app.observers.append(tracer)
         app.on_close.append(tracer.close)
 
