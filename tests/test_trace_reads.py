@@ -159,6 +159,63 @@ def test_a_read_follows_the_request_before_it_in_its_own_session() -> None:
     assert cols.n == 9 and not cols.refreshes.any()
     pairs = {(float(cols.time[i]), t) for i, t in zip(cols.read_after.tolist(), cols.read_time.tolist(), strict=True)}
     assert pairs == {(20.0, 25.0), (110.0, 110.0)} and cols.read_after.shape[0] == 2
+    assert cols.reads_unmatched == 2  # the two left out are counted
+
+
+def test_reads_that_follow_no_request_of_their_session_are_counted_and_the_report_says_how_to_fix_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The engine named its session on Lookup but not on LoadLocal: the read's session is derived
+    # from its prompt and matches none of the requests, so it is left out, and the operator is told.
+    path = tmp_path / "t.jsonl"
+    recs = [TraceRecord(0, "acme", "chat-1", 1000, "hit", 1000, 100, model="ced-small", method="resume"),
+            TraceRecord(6, "acme", "chat-1", 1000, "hit", 1000, 100, model="ced-small", method="lookup"),
+            TraceRecord(6.5, "acme", "k0123456789abcdef", 0, "hit", model="ced-small", method="load_local"),
+            TraceRecord(8, "acme", "chat-1", 1000, "hit", 1000, 100, model="ced-small", method="lookup"),
+            TraceRecord(8.5, "acme", "chat-1", 0, "hit", model="ced-small", method="load_local"),
+            TraceRecord(12, "acme", "chat-1", 1000, "hit", 1000, 100, model="ced-small", method="lookup")]
+    with TraceWriter(path) as w:
+        w.write_many(recs)
+    assert main(["tune", "ttl", "--trace", str(path), "--ttl", "10", "--json"]) == 0
+    out, err = capsys.readouterr()
+    trace = json.loads(out)["trace"]
+    assert (trace["load_local_reads"], trace["load_local_reads_unmatched"]) == (1, 1)
+    assert "4 requests, 1 LoadLocal reads (1 more left out: no request of their session" in err, err
+    assert main(["tune", "ttl", "--trace", str(path), "--ttl", "10"]) == 0
+    text = capsys.readouterr().out
+    assert "note: 1 LoadLocal reads left out: no request of their (tenant, model, session)" in text, text
+    assert "`x-session-id`, the client's `load_local(session=)`" in text
+    assert "each that follows a hit restarts the TTL" in text  # a read after a miss restarts nothing
+    # A trace whose reads all match says nothing of it.
+    with TraceWriter(path, truncate=True) as w:
+        w.write_many(recs[:2] + recs[3:])
+    assert main(["tune", "ttl", "--trace", str(path), "--ttl", "10"]) == 0
+    out, err = capsys.readouterr()
+    assert "left out" not in err and "note:" not in out
+
+
+def test_reads_after_requests_that_cannot_hit_leave_the_sliding_search_exact() -> None:
+    # Resumes only; each session's LoadLocal follows its first request, which writes and cannot hit
+    # under any TTL, so the read restarts nothing: the search is as exact as without the reads.
+    reqs = [TraceRecord(t, "a", f"s{k}", 1000, "hit", 1000, 100, method="resume") for k in range(3)
+            for t in (100 * k, 100 * k + 6, 100 * k + 30)]
+    first_reads = [TraceRecord(100 * k + 1, "a", f"s{k}", 0, "hit", method="load_local") for k in range(3)]
+    bare = tune_ttl(columns_from_records(reqs, 128, 1000, 100), [10.0], COST, TtlPolicyConfig())
+    cols = columns_from_records(reqs + first_reads, 128, 1000, 100)
+    with_reads = tune_ttl(cols, [10.0], COST, TtlPolicyConfig())
+    assert bare.sliding_exact and with_reads.load_local_reads == 3
+    assert with_reads.sliding_exact and with_reads.as_dict()["best_sliding"]["search"] == "exact"
+    assert with_reads.best_sliding.as_dict() == bare.best_sliding.as_dict()
+    d = _Derived(cols)
+    for ttl in (5.0, 10.0, 24.001, 100.0):  # the whole-array model it now takes agrees with the walk
+        a_hits, a_bs = evaluate_sliding(cols, d, ttl)
+        w_hits, w_bs = _sliding_walk(cols, d, ttl, None, None)
+        assert np.array_equal(a_hits, w_hits) and w_bs == pytest.approx(a_bs, rel=1e-12)
+    # A read after a request that could hit may restart its snapshot's TTL: an estimate again.
+    later = TraceRecord(107, "a", "s1", 0, "hit", method="load_local")
+    rep = tune_ttl(columns_from_records(reqs + first_reads + [later], 128, 1000, 100), [10.0], COST,
+                   TtlPolicyConfig())
+    assert not rep.sliding_exact and rep.as_dict()["best_sliding"]["search"] == "estimate"
     assert np.all(np.diff(cols.read_after) >= 0)  # sorted by the request they follow
 
 

@@ -161,8 +161,10 @@ def run(args: argparse.Namespace) -> int:
     del records
     side_calls = side[0]
     left_out = f" ({side_calls:,} pre-check or probe lookups left out: not requests)" if side_calls else ""
-    reads = cols.read_time.shape[0]
-    read_lines = f", {reads:,} LoadLocal reads" if reads else ""
+    reads, unmatched = cols.read_time.shape[0], cols.reads_unmatched
+    read_lines = f", {reads:,} LoadLocal reads" if reads or unmatched else ""
+    if unmatched:
+        read_lines += f" ({unmatched:,} more left out: no request of their session at or before them)"
     print(f"kvstore tune: {cols.n} requests{read_lines} from {source}{left_out} in "
           f"{time.perf_counter() - started:.2f} s", file=sys.stderr)
     if cols.n == 0:
@@ -219,8 +221,8 @@ _ESTIMATED = {
     "fixed": f"same-boundary runs of more than {MAX_EXACT_RUN_REQUESTS:,} requests, or past the search's budget, "
              "were priced at a sample of TTLs",
     "sliding": "retries rewrote snapshots of other sizes than their boundary's write, priced at that write's size, "
-               "or some hits were Lookups' (which restart no TTL) or LoadLocals read snapshots, priced as if every "
-               "hit restarted one",
+               "or some hits were Lookups' (which restart no TTL) or LoadLocals read after requests that could hit, "
+               "priced as if every hit restarted one",
 }
 
 
@@ -268,11 +270,18 @@ def format_report(rep: TuneReport, side_calls: int = 0, overrides_not_applied: S
         f"trace: {rep.requests:,} requests{left_out}, {rep.sessions:,} sessions, {len(rep.tenants)} tenant(s); "
         f"{eligible:,} could hit locally (global hit, session seen before); "
         f"{rep.same_boundary_requests:,} at an unchanged boundary"
-        + (f"; {rep.load_local_reads:,} LoadLocal reads (no requests: under sliding semantics each restarts the TTL "
-           "of the snapshot its request found, as a Lookup's hit does not)" if rep.load_local_reads else ""),
+        + (f"; {rep.load_local_reads:,} LoadLocal reads (no requests: under sliding semantics each that follows a "
+           "hit restarts the TTL of the snapshot that hit found, if still alive; a Lookup's hit itself restarts none)"
+           if rep.load_local_reads else ""),
         f"cost: {c.replay_cost_per_token:g} per replayed token, "
         f"{c.hold_cost_per_byte_second:g} per byte-second held; " + _break_even(rep.break_even_seconds),
     ]
+    if rep.load_local_reads_unmatched:
+        # Most often an engine that names its session on Lookup but not on LoadLocal: the read's session
+        # is then derived from its prompt and matches none of the requests.
+        lines.append(f"note: {rep.load_local_reads_unmatched:,} LoadLocal reads left out: no request of their "
+                     "(tenant, model, session) at or before them; pass the Lookup's session to LoadLocal "
+                     "(`x-session-id`, the client's `load_local(session=)`)")
     if overrides_not_applied:
         lines.append("note: the config's per-tenant TTLs (tenant_ttl_seconds, [tenants.X] local_ttl_seconds) are not "
                      f"applied here: {', '.join(overrides_not_applied)} priced at each row's TTL like every tenant")

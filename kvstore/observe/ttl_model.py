@@ -27,8 +27,9 @@ apart, so two models' requests under one session id are two sessions; a trace wi
   session's request before it found (the engine's hybrid path: Lookup, Load, LoadLocal) if it is
   still alive then. A Lookup's hit is no read: the pool only peeks. A line that does not say which
   call it was (an older trace) counts its hit as a read. Where every hit is a read and no LoadLocal
-  reads, a request hits under sliding semantics iff the session's previous request was less than
-  TTL ago (`evaluate_sliding` then works on whole arrays; else it walks each session in order).
+  reads after a request that could hit, a request hits under sliding semantics iff the session's
+  previous request was less than TTL ago (`evaluate_sliding` then works on whole arrays; else it
+  walks each session in order).
 - The pool keys a snapshot by its boundary (kvstore.service.pricing.boundary_key): a new boundary's
   snapshot does not replace the last one, which stays until it expires (a turn that hits reads it
   first: sliding, that restarts its TTL). So a snapshot is held (bytes x seconds) from its write
@@ -72,6 +73,9 @@ class TraceColumns:
     # by that request then time: [r] int, that request's index; [r] float seconds, the read's time.
     read_after: np.ndarray
     read_time: np.ndarray
+    # LoadLocal reads left out: no request of their session at or before them (often an engine that
+    # names its session on Lookup but not on LoadLocal, whose read then has a derived session).
+    reads_unmatched: int = 0
 
     @property
     def n(self) -> int:
@@ -104,7 +108,7 @@ def columns_from_records(
     `force_sizes` (the operator asked "what if") puts the defaults everywhere. `on_progress`, if
     given, is called with the count of records read so far after every chunk. A LoadLocal's read
     (`TraceRecord.is_read`) is no request: it follows the request before it in its session (none:
-    it is dropped)."""
+    it is left out, counted in `reads_unmatched`)."""
     assert chunk_tokens > 0
     tenant_ids: dict[str, int] = {}
     session_ids: dict[tuple[str, str, str], int] = {}
@@ -155,10 +159,11 @@ def columns_from_records(
     sess, t = sess[order], t[order]
     read_after, read_time = _reads_after(sess, t, *(np.concatenate(col) for col in zip(*read_parts, strict=True))) \
         if read_parts else (np.zeros(0, np.int64), np.zeros(0))
+    reads_unmatched = sum(int(rt.shape[0]) for _, rt in read_parts) - int(read_time.shape[0])
     return TraceColumns(
         tenants=tuple(tenant_ids), tenant=ten[order], session=sess, time=t,
         boundary=boundary[order], cold=is_cold[order], snapshot_bytes=snap[order], replay_tokens=replay[order],
-        refreshes=refreshes[order], read_after=read_after, read_time=read_time,
+        refreshes=refreshes[order], read_after=read_after, read_time=read_time, reads_unmatched=reads_unmatched,
     )
 
 
@@ -238,8 +243,11 @@ class _Derived:
         self.key = np.empty(n, dtype=np.int64)  # [n] a number per (session, boundary)
         self.key[self.by_key] = np.cumsum(first_of_key)
         # Whether every read of a snapshot is a request's hit (no Lookup's hit, which restarts no TTL,
-        # and no LoadLocal's read): sliding semantics are then a request's gap from the one before it.
-        self.every_hit_reads = bool(c.refreshes[self.eligible].all()) and c.read_time.shape[0] == 0
+        # and no LoadLocal's read that may restart one): sliding semantics are then a request's gap
+        # from the one before it. A LoadLocal after a request that cannot hit (a session's first, a
+        # cold one) reads nothing under any TTL (it reads what that request found), so only reads
+        # after eligible requests count.
+        self.every_hit_reads = bool(c.refreshes[self.eligible].all()) and not self.eligible[c.read_after].any()
 
 
 def _evaluation(

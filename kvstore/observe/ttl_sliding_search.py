@@ -60,8 +60,8 @@ def sliding_costs(
     else an estimate that `best_sliding` corrects by evaluating its best candidates.
 
     Every hit is priced as a read that restarts the TTL: where some does not (a Lookup's) or a
-    LoadLocal reads (not `d.every_hit_reads`), the prices are estimates too, and `more` adds
-    candidates (priced alike) where the walk's hits may change."""
+    LoadLocal reads after a request that could hit (not `d.every_hit_reads`), the prices are
+    estimates too, and `more` adds candidates (priced alike) where the walk's hits may change."""
     n, t = c.n, c.time
     past = (np.floor(d.gap[d.eligible] * 1000.0 + 0.5) + 1.0) / 1000.0
     listed = np.asarray(also_seconds, dtype=np.float64)
@@ -105,7 +105,7 @@ def sliding_costs(
 def _search_is_exact(c: TraceColumns, d: _Derived) -> bool:
     """Whether every retry would rewrite its boundary's snapshot at the size of the structural
     write before it, so that `sliding_costs` prices every hold at its snapshot's own size, and
-    every hit is a read that restarts the TTL (no Lookup's, no LoadLocal's read)."""
+    every hit is a read that restarts the TTL (no Lookup's, no LoadLocal's read after one that could hit)."""
     if not d.every_hit_reads:
         return False
     retry = np.flatnonzero(~d.structural)

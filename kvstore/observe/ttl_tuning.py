@@ -74,6 +74,8 @@ class TuneReport:
     break_even_seconds: float
     # LoadLocal reads ("load_local" lines): no requests, but under sliding semantics they restart the TTL
     load_local_reads: int = 0
+    # LoadLocal reads left out: none of their session's requests at or before them (`reads_unmatched`)
+    load_local_reads_unmatched: int = 0
 
     @property
     def recommended(self) -> TtlEvaluation:
@@ -99,7 +101,8 @@ class TuneReport:
         return {
             "trace": {"requests": self.requests, "sessions": self.sessions, "tenants": list(self.tenants),
                       "same_boundary_requests": self.same_boundary_requests,
-                      "load_local_reads": self.load_local_reads},
+                      "load_local_reads": self.load_local_reads,
+                      "load_local_reads_unmatched": self.load_local_reads_unmatched},
             "cost_model": {"replay_cost_per_token": self.cost.replay_cost_per_token,
                            "hold_cost_per_byte_second": self.cost.hold_cost_per_byte_second,
                            "min_ttl_seconds": self.cost.min_ttl_seconds,
@@ -254,5 +257,5 @@ def tune_ttl(
         adaptive=adaptive,
         adaptive_final_ttl_seconds=final,
         break_even_seconds=mean_replay * cost.replay_cost_per_token / hold_per_s if hold_per_s > 0 else math.inf,
-        load_local_reads=int(c.read_time.shape[0]),
+        load_local_reads=int(c.read_time.shape[0]), load_local_reads_unmatched=c.reads_unmatched,
     )
