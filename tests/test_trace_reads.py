@@ -19,7 +19,7 @@ from kvstore.config.local_pool import TtlPolicyConfig
 from kvstore.errors import InvalidInput
 from kvstore.observe import ttl_model
 from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace
-from kvstore.observe.ttl_model import _Derived, _sliding_walk
+from kvstore.observe.ttl_model import Derived, _sliding_walk
 from kvstore.observe.ttl_tuning import (
     TtlCostModel,
     TtlEvaluation,
@@ -121,7 +121,7 @@ def test_the_sliding_search_of_a_lookup_trace_is_an_estimate_that_is_repriced() 
     cols = columns_from_records(recs, 128, 1000, 100)
     rep = tune_ttl(cols, [10.0], COST, TtlPolicyConfig())
     assert not rep.sliding_exact and rep.as_dict()["best_sliding"]["search"] == "estimate"
-    d = _Derived(cols)
+    d = Derived(cols)
     hits, bs = evaluate_sliding(cols, d, rep.best_sliding.ttl_seconds or 0.0)
     assert (int(hits.sum()), bs) == (rep.best_sliding.local_hits, pytest.approx(rep.best_sliding.byte_seconds))
 
@@ -131,7 +131,7 @@ def test_walking_sessions_matches_the_array_model_where_every_hit_reads(seed: in
     # Traces without methods or LoadLocal reads keep their whole-array evaluation; the walk that
     # the others take agrees with it there, TTL by TTL and for per-request (adaptive) TTLs.
     cols = columns_from_records(random_trace(seed), 128, 1000, 100)
-    d = _Derived(cols)
+    d = Derived(cols)
     assert d.every_hit_reads
     for ttl in (5.0, 10.0, 30.0, 100.0, 700.0):
         a_hits, a_bs = evaluate_sliding(cols, d, ttl)
@@ -206,7 +206,7 @@ def test_reads_after_requests_that_cannot_hit_leave_the_sliding_search_exact() -
     assert bare.sliding_exact and with_reads.load_local_reads == 3
     assert with_reads.sliding_exact and with_reads.as_dict()["best_sliding"]["search"] == "exact"
     assert with_reads.best_sliding.as_dict() == bare.best_sliding.as_dict()
-    d = _Derived(cols)
+    d = Derived(cols)
     for ttl in (5.0, 10.0, 24.001, 100.0):  # the whole-array model it now takes agrees with the walk
         a_hits, a_bs = evaluate_sliding(cols, d, ttl)
         w_hits, w_bs = _sliding_walk(cols, d, ttl, None, None)
@@ -243,7 +243,7 @@ def test_the_adaptive_run_takes_reads_in_time_order_across_its_chunks(monkeypatc
         if method == "lookup" and r.local_outcome == "hit":
             recs.append(TraceRecord(r.time + 0.5, r.tenant, r.session, 0, "hit", method="load_local"))
     cols = columns_from_records(recs, 128, 1000, 100)
-    d = _Derived(cols)
+    d = Derived(cols)
     assert cols.read_time.shape[0] > 5 and not d.every_hit_reads
     whole = run_adaptive(cols, d, TtlPolicyConfig(kind="adaptive"))
     assert np.isfinite(whole[2]).any()  # some reads restarted a TTL

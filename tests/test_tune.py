@@ -17,7 +17,7 @@ from kvstore.config.local_pool import TtlPolicyConfig
 from kvstore.errors import InvalidInput
 from kvstore.observe import trace_file
 from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace, synthetic_trace
-from kvstore.observe.ttl_model import _Derived
+from kvstore.observe.ttl_model import Derived
 from kvstore.observe.ttl_tuning import (
     TraceColumns,
     TtlCostModel,
@@ -249,7 +249,7 @@ def test_hand_checked_recommendation() -> None:
     assert rep.best_fixed.total_cost == pytest.approx(370.007)
     assert rep.recommended is rep.best_fixed
     # Nothing on a fine grid beats it.
-    d = _Derived(cols)
+    d = Derived(cols)
     for ttl in np.geomspace(1.0, 10_000.0, 400):
         hits, bs = evaluate_sliding(cols, d, float(ttl))
         replays = int((d.eligible & ~hits).sum())

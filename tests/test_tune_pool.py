@@ -16,7 +16,7 @@ from kvstore.cli import main
 from kvstore.config.local_pool import TtlPolicyConfig
 from kvstore.observe import ttl_model  # where the columns are read, patched below
 from kvstore.observe.trace_file import TraceRecord, TraceWriter, synthetic_trace
-from kvstore.observe.ttl_model import _Derived
+from kvstore.observe.ttl_model import Derived
 from kvstore.observe.ttl_tuning import (
     TtlCostModel,
     columns_from_records,
@@ -97,7 +97,7 @@ def test_hits_and_byte_seconds_are_the_pool_models(seed: int, kind: str) -> None
     # at the same boundary replaces it; the next turn's snapshot at a new boundary does not.
     recs = random_trace(seed)
     cols = columns_from_records(recs, CHUNK, 1, 1)
-    d = _Derived(cols)
+    d = Derived(cols)
     for ttl in (5.0, 30.0, 60.0, 100.0, 1000.0):
         hits, byte_seconds = evaluate_fixed(cols, d, ttl) if kind == "fixed" else evaluate_sliding(cols, d, ttl)
         pool_hits, pool_byte_seconds = pool_priced(recs, ttl, kind)
@@ -142,7 +142,7 @@ def test_the_recommended_ttl_is_the_cheapest_priced_as_the_pool_holds() -> None:
 def test_every_candidate_is_priced_as_its_evaluation(seed: int) -> None:
     # The search prices all candidates at once; each must cost what evaluating that TTL costs.
     cols = columns_from_records(random_trace(seed, one_size_per_session=True), CHUNK, 1, 1)
-    d = _Derived(cols)
+    d = Derived(cols)
     cost = TtlCostModel(0.5, 1e-4, 3.0, 800.0)
     cand, total = sliding_costs(cols, d, cost, (30.0, 60.0))
     assert cand[0] == 3.0 and cand[-1] == 800.0 and {30.0, 60.0} <= set(cand.tolist())
@@ -162,7 +162,7 @@ def test_the_recommendation_is_never_dearer_than_a_row_with_mixed_sizes(seed: in
     # 100.001 s (3566) over the listed 250.001 s (3540). The recommendation is evaluated as the pool
     # holds it, and no printed row is cheaper.
     cols = columns_from_records(random_trace(seed), CHUNK, 1, 1)
-    d = _Derived(cols)
+    d = Derived(cols)
     cost = TtlCostModel(1.0, 1e-5, 10.0, 3600.0)
     rep = tune_ttl(cols, (30.0, 100.001, 250.001, 700.0), cost, TtlPolicyConfig())
     rec = rep.best_sliding
@@ -183,7 +183,7 @@ def test_a_gap_at_a_clamp_or_listed_ttl_is_priced_with_the_pools_test() -> None:
         TraceRecord(11.524, "t", "b", CHUNK, "hit", 1000, 100),  # a retry
     ]
     cols = columns_from_records(recs, CHUNK, 1, 1)
-    d = _Derived(cols)
+    d = Derived(cols)
     cost = TtlCostModel(1.0, 1e-3, 3.0, 50.0)
     cand, total = sliding_costs(cols, d, cost, (10.0,))
     assert {3.0, 10.0} <= set(cand.tolist())

@@ -18,7 +18,7 @@ from kvstore.config.policies import adaptive_params
 from kvstore.observe import ttl_fixed_search  # the fixed search's bounds, patched below
 from kvstore.observe.returns import ReturnTracker
 from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace
-from kvstore.observe.ttl_model import _Derived
+from kvstore.observe.ttl_model import Derived
 from kvstore.observe.ttl_tuning import (
     TraceColumns,
     TtlCostModel,
@@ -36,7 +36,7 @@ COST = TtlCostModel(replay_cost_per_token=1.0, hold_cost_per_byte_second=1e-3, m
                     max_ttl_seconds=10_000.0)
 
 
-def priced_fixed(cols: TraceColumns, d: _Derived, ttl: float | None, cost: TtlCostModel) -> float:
+def priced_fixed(cols: TraceColumns, d: Derived, ttl: float | None, cost: TtlCostModel) -> float:
     """The total cost of a fixed TTL, evaluated as the pool holds it (`evaluate_fixed`)."""
     assert ttl is not None
     hits, byte_seconds = evaluate_fixed(cols, d, ttl)
@@ -135,7 +135,7 @@ def test_the_fixed_search_prices_every_candidate_as_its_evaluation_and_none_is_c
     monkeypatch.setattr(ttl_fixed_search, "_PAIRS_AT_ONCE", 7)  # batches this short: many of them
     monkeypatch.setattr(ttl_fixed_search, "_RANGES_AT_ONCE", 5)
     cols = columns_from_records(recs, CHUNK, 1, 1)
-    d = _Derived(cols)
+    d = Derived(cols)
     cost = TtlCostModel(1.0, 1e-5, 3.0, 800.0)
     cand, total, exact = fixed_costs(cols, d, cost, (30.0, 60.0))
     assert exact and cand[0] == 3.0 and cand[-1] == 800.0 and {30.0, 60.0} <= set(cand.tolist())
@@ -186,7 +186,7 @@ def test_a_long_run_of_retries_is_searched_exactly(
     # (4690) and recommended sliding (4419). Every pair's gap is a candidate now, each priced exactly.
     monkeypatch.setattr(ttl_fixed_search, "_PAIRS_AT_ONCE", 50)  # the run's pairs are built whole all the same
     cols = columns_from_records(recs, CHUNK, 1, 1)
-    d = _Derived(cols)
+    d = Derived(cols)
     listed = (1.5, 2.2, 5.0, 30.0, 400.0)
     cand, total, exact = fixed_costs(cols, d, cost, listed)
     assert exact
@@ -217,7 +217,7 @@ def test_past_the_exact_searchs_bounds_a_run_is_sampled_and_the_report_says_it_i
         monkeypatch.setattr(ttl_fixed_search, f"_EXACT_{bound.upper()}_PER_REQUEST", 0)
     recs = sixty_retries()
     cols = columns_from_records(recs, CHUNK, 1, 1)
-    d = _Derived(cols)
+    d = Derived(cols)
     listed = (1.5, 2.2, 5.0, 30.0, 400.0)
     _, _, exact = fixed_costs(cols, d, COST, listed)
     assert not exact
@@ -419,7 +419,7 @@ def test_the_fixed_search_holds_a_batch_of_pairs_not_the_traces(monkeypatch: pyt
     peaks = []
     for n in (1 << 12, 1 << 15, 1 << 16):  # the first warms up (numpy's one-time allocations)
         cols = columns_from_records(retried_sessions(n), CHUNK, 1, 1)
-        d = _Derived(cols)
+        d = Derived(cols)
         tracemalloc.start()
         try:
             cand, _, exact = fixed_costs(cols, d, cost)

@@ -20,15 +20,15 @@ import numpy as np
 
 from kvstore.observe.ttl_model import (
     REPRICED_CANDIDATES,
+    Derived,
     TraceColumns,
     TtlCostModel,
     TtlEvaluation,
-    _Derived,
-    _first_hit,
-    _least_of,
-    _ms_past,
-    _replaced_at,
-    _with_also,
+    first_hit,
+    least_of,
+    ms_past,
+    replaced_times,
+    with_also,
 )
 
 # A segment (a structural write, the same-boundary retries after it, and the next request where that
@@ -179,7 +179,7 @@ class _Pairs:
 
 
 def fixed_costs(
-    c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = ()
+    c: TraceColumns, d: Derived, cost: TtlCostModel, also_seconds: Sequence[float] = ()
 ) -> tuple[np.ndarray, np.ndarray, bool]:
     """Candidate TTLs in [min, max], the total cost of each under fixed semantics, and whether
     those costs are exact (each as `evaluate_fixed` prices it).
@@ -223,29 +223,29 @@ def fixed_costs(
 
     found = _Candidates(cost.min_ttl_seconds, cost.max_ttl_seconds)
     found.add(np.asarray([cost.min_ttl_seconds, *also_seconds, cost.max_ttl_seconds], dtype=np.float64))
-    found.add(_ms_past(d.gap[d.eligible]))
+    found.add(ms_past(d.gap[d.eligible]))
     for part in batches:  # every pair's gap, a batch at a time
         ks = exact[part]
         tj, ti = _Pairs.of(points[ks]).times(t, starts[ks])
-        found.add(_ms_past(ti - tj))
+        found.add(ms_past(ti - tj))
     # The others: each point's gap from the one before it and from the segment's write.
     for part in _batches(points[sampled[0]], _PAIRS_AT_ONCE):
         ks = sampled[0][part]
         after = points[ks] - 1  # the points after each one's write
         write = np.repeat(starts[ks], after)
         at = write + 1 + np.arange(write.shape[0]) - np.repeat(np.cumsum(after) - after, after)
-        found.add(_ms_past(np.concatenate((t[at] - t[at - 1], t[at] - t[write]))))
+        found.add(ms_past(np.concatenate((t[at] - t[at - 1], t[at] - t[write]))))
     cand = found.result()  # [m]
     m = cand.shape[0]
 
-    replaced = _replaced_at(c, d, d.structural)  # [n] the next structural write at each one's boundary
+    replaced = replaced_times(c, d, d.structural)  # [n] the next structural write at each one's boundary
     # Past its retries' gaps from its write (every segment without retries: all of them), a segment
     # writes once, held min(T, until replaced), and its next request replays until T passes its gap.
     span = np.zeros(starts.shape[0], dtype=np.int64)
-    span[retried] = _first_hit(t[starts[retried]], t[ends[retried] - 1], cand)
+    span[retried] = first_hit(t[starts[retried]], t[ends[retried] - 1], cand)
     r = np.flatnonzero(reads_next)
     hit_from = np.zeros(starts.shape[0], dtype=np.int64)
-    hit_from[r] = _first_hit(t[starts[r]], t[ends[r]], cand)
+    hit_from[r] = first_hit(t[starts[r]], t[ends[r]], cand)
     totals = _Totals(cand)
     totals.add(span, np.full(starts.shape[0], m), np.where(reads_next, c.replay_tokens[nxt] * rc, 0.0),
                np.zeros(starts.shape[0]), c.snapshot_bytes[starts] * h, replaced[starts] - t[starts],
@@ -291,7 +291,7 @@ def _walk_segments(
     tj, ti = pr.times(t, s0)
     # The first candidate under which i hits when j wrote last (the pool's test): in a row it does
     # not fall as i grows, so these keys ascend and a search finds a row's first miss.
-    first = _first_hit(tj, ti, cand)
+    first = first_hit(tj, ti, cand)
     del tj, ti
     keys = pr.pair_row * m1 + first
     seg = pr.row_seg[pr.pair_row]
@@ -343,7 +343,7 @@ def _sample_run(
     size = e - s
     jj = np.concatenate((np.arange(pts.shape[0] - 1), np.zeros(pts.shape[0] - 1, dtype=np.int64)))
     ii = np.concatenate((np.arange(1, pts.shape[0]), np.arange(1, pts.shape[0])))
-    first = _first_hit(pts[jj], pts[ii], cand)
+    first = first_hit(pts[jj], pts[ii], cand)
     cuts = np.unique(np.concatenate(([0], first[first < k_span])))
     if cuts.shape[0] > _SAMPLED_RUN_TTLS:
         cuts = np.unique(cuts[np.linspace(0, cuts.shape[0] - 1, _SAMPLED_RUN_TTLS).astype(np.int64)])
@@ -365,7 +365,7 @@ def _sample_run(
 
 
 def best_fixed(
-    c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = (),
+    c: TraceColumns, d: Derived, cost: TtlCostModel, also_seconds: Sequence[float] = (),
     evaluated: Sequence[TtlEvaluation] = (),
 ) -> TtlEvaluation:
     """The least-cost fixed TTL (the shorter one on a tie), found by its own search (`fixed_costs`)
@@ -376,12 +376,12 @@ def best_fixed(
 
 
 def best_fixed_searched(
-    c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = (),
+    c: TraceColumns, d: Derived, cost: TtlCostModel, also_seconds: Sequence[float] = (),
     evaluated: Sequence[TtlEvaluation] = (),
 ) -> tuple[TtlEvaluation, bool]:
     """`best_fixed`, and whether its search was exact (else a cheaper fixed TTL may exist)."""
     if c.n == 0:
-        return _least_of(c, d, cost, "fixed", [float(cost.min_ttl_seconds)], evaluated), True
+        return least_of(c, d, cost, "fixed", [float(cost.min_ttl_seconds)], evaluated), True
     cand, total, exact = fixed_costs(c, d, cost, also_seconds)
     order = np.argsort(total, kind="stable")  # candidates ascend: the shorter first on a tie
     if exact:  # the best, and any the sums' rounding may have put behind it
@@ -389,4 +389,4 @@ def best_fixed_searched(
     else:
         few = REPRICED_CANDIDATES
     best = cand[order[:max(1, min(few, REPRICED_CANDIDATES))]]
-    return _least_of(c, d, cost, "fixed", _with_also(best, also_seconds, cost), evaluated), exact
+    return least_of(c, d, cost, "fixed", with_also(best, also_seconds, cost), evaluated), exact

@@ -2,9 +2,9 @@
 the pool holds it.
 
 Role: turns trace records into columns (numpy arrays sorted by session, then time), derives the
-per-request facts that do not depend on the TTL (`_Derived`), and evaluates one TTL under fixed or
+per-request facts that do not depend on the TTL (`Derived`), and evaluates one TTL under fixed or
 sliding semantics (`evaluate_fixed`, `evaluate_sliding`: hits and byte-seconds, priced by
-`_evaluation`), with the helpers both searches share (`_first_hit`, `_least_of`). What it does not
+`make_evaluation`), with the helpers both searches share (`first_hit`, `least_of`). What it does not
 know: how the least-cost TTL is searched for (kvstore.observe.ttl_fixed_search,
 kvstore.observe.ttl_sliding_search), the adaptive policy or the report (kvstore.observe.ttl_tuning),
 the pool's backend, the service, files (the caller reads the trace), or output formats.
@@ -216,7 +216,7 @@ class TtlEvaluation:
         }
 
 
-class _Derived:
+class Derived:
     """Per-request facts that do not depend on the TTL, computed once per trace."""
 
     def __init__(self, c: TraceColumns) -> None:
@@ -250,8 +250,8 @@ class _Derived:
         self.every_hit_reads = bool(c.refreshes[self.eligible].all()) and not self.eligible[c.read_after].any()
 
 
-def _evaluation(
-    c: TraceColumns, d: _Derived, semantics: Semantics, ttl: float | None, hits: np.ndarray,
+def make_evaluation(
+    c: TraceColumns, d: Derived, semantics: Semantics, ttl: float | None, hits: np.ndarray,
     byte_seconds: float, cost: TtlCostModel,
 ) -> TtlEvaluation:
     miss = d.eligible & ~hits
@@ -274,7 +274,7 @@ def _latest_write_before(write: np.ndarray) -> np.ndarray:
     return out
 
 
-def _replaced_at(c: TraceColumns, d: _Derived, write: np.ndarray) -> np.ndarray:
+def replaced_times(c: TraceColumns, d: Derived, write: np.ndarray) -> np.ndarray:
     """[n] when the session's next write at the same boundary (the pool's same key) replaces the
     write at i; inf where none does (and where i writes nothing)."""
     ws = d.by_key[write[d.by_key]]  # the writes, grouped by key, in time order within one
@@ -283,15 +283,15 @@ def _replaced_at(c: TraceColumns, d: _Derived, write: np.ndarray) -> np.ndarray:
     return out
 
 
-def _byte_seconds(c: TraceColumns, d: _Derived, write: np.ndarray, expires_at: np.ndarray) -> float:
+def _byte_seconds(c: TraceColumns, d: Derived, write: np.ndarray, expires_at: np.ndarray) -> float:
     """The writes held from their write until `expires_at` ([writes]) or until replaced, whichever is first."""
     w = np.flatnonzero(write)
-    end = np.minimum(expires_at, _replaced_at(c, d, write)[w])
+    end = np.minimum(expires_at, replaced_times(c, d, write)[w])
     return float(np.dot(c.snapshot_bytes[w], end - c.time[w]))
 
 
 def evaluate_sliding(
-    c: TraceColumns, d: _Derived, ttl_after: np.ndarray | float, ttl_read: np.ndarray | None = None,
+    c: TraceColumns, d: Derived, ttl_after: np.ndarray | float, ttl_read: np.ndarray | None = None,
     ttl_load: np.ndarray | None = None,
 ) -> tuple[np.ndarray, float]:
     """Hits and byte-seconds when the TTL in force after request i is `ttl_after[i]`: its write,
@@ -325,7 +325,7 @@ def evaluate_sliding(
 
 
 def _sliding_walk(
-    c: TraceColumns, d: _Derived, ttl_after: np.ndarray | float, ttl_read: np.ndarray | None,
+    c: TraceColumns, d: Derived, ttl_after: np.ndarray | float, ttl_read: np.ndarray | None,
     ttl_load: np.ndarray | None,
 ) -> tuple[np.ndarray, float]:
     """`evaluate_sliding` where some hit reads nothing (a Lookup's) or a LoadLocal reads: a snapshot's
@@ -375,7 +375,7 @@ def _chunked(*columns: np.ndarray) -> Iterator[tuple[Any, ...]]:
         yield from zip(*(col[start:start + COLUMN_CHUNK_RECORDS].tolist() for col in columns), strict=True)
 
 
-def evaluate_fixed(c: TraceColumns, d: _Derived, ttl: float) -> tuple[np.ndarray, float]:
+def evaluate_fixed(c: TraceColumns, d: Derived, ttl: float) -> tuple[np.ndarray, float]:
     """Hits and byte-seconds when a snapshot lives `ttl` from its write."""
     t = c.time
     write = d.structural.copy()
@@ -395,7 +395,7 @@ def evaluate_fixed(c: TraceColumns, d: _Derived, ttl: float) -> tuple[np.ndarray
     return hits, _byte_seconds(c, d, write, t[write] + ttl)
 
 
-def _first_hit(t_prev: np.ndarray, t: np.ndarray, cand: np.ndarray) -> np.ndarray:
+def first_hit(t_prev: np.ndarray, t: np.ndarray, cand: np.ndarray) -> np.ndarray:
     """[k] for each request, the index of the first of the sorted `cand` under which it hits:
     `t_prev + T > t`, the pool's test in its own arithmetic (`len(cand)`: none). Found from the gap,
     then moved where rounding makes `t - t_prev < T` disagree (the test is monotone in T)."""
@@ -416,14 +416,14 @@ def _first_hit(t_prev: np.ndarray, t: np.ndarray, cand: np.ndarray) -> np.ndarra
 REPRICED_CANDIDATES = 16
 
 
-def _with_also(best: np.ndarray, also_seconds: Sequence[float], cost: TtlCostModel) -> set[float]:
+def with_also(best: np.ndarray, also_seconds: Sequence[float], cost: TtlCostModel) -> set[float]:
     """A search's best candidates and every TTL of `also_seconds` within the clamp."""
     ttls = {float(x) for x in best}
     return ttls | {float(x) for x in also_seconds if cost.min_ttl_seconds <= x <= cost.max_ttl_seconds}
 
 
-def _least_of(
-    c: TraceColumns, d: _Derived, cost: TtlCostModel, semantics: Semantics, ttls: Iterable[float],
+def least_of(
+    c: TraceColumns, d: Derived, cost: TtlCostModel, semantics: Semantics, ttls: Iterable[float],
     evaluated: Sequence[TtlEvaluation],
 ) -> TtlEvaluation:
     """The cheapest of `ttls` under `semantics` ("fixed" or "sliding"), each evaluated as the pool
@@ -433,12 +433,12 @@ def _least_of(
 
     def priced(ttl: float) -> TtlEvaluation:
         if ttl not in done:
-            done[ttl] = _evaluation(c, d, semantics, ttl, *evaluate(c, d, ttl), cost)
+            done[ttl] = make_evaluation(c, d, semantics, ttl, *evaluate(c, d, ttl), cost)
         return done[ttl]
 
     return min((priced(x) for x in ttls), key=lambda r: (r.total_cost, r.ttl_seconds))
 
 
-def _ms_past(gaps: np.ndarray) -> np.ndarray:
+def ms_past(gaps: np.ndarray) -> np.ndarray:
     """The first millisecond at least half a millisecond past each gap (`sliding_costs`' candidates)."""
     return (np.floor(gaps * 1000.0 + 0.5) + 1.0) / 1000.0

@@ -15,15 +15,15 @@ import numpy as np
 
 from kvstore.observe.ttl_model import (
     REPRICED_CANDIDATES,
+    Derived,
     TraceColumns,
     TtlCostModel,
     TtlEvaluation,
-    _Derived,
-    _first_hit,
-    _least_of,
-    _ms_past,
-    _replaced_at,
-    _with_also,
+    first_hit,
+    least_of,
+    ms_past,
+    replaced_times,
+    with_also,
 )
 
 
@@ -43,7 +43,7 @@ def _below(
 
 
 def sliding_costs(
-    c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = (),
+    c: TraceColumns, d: Derived, cost: TtlCostModel, also_seconds: Sequence[float] = (),
     more: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Candidate TTLs in [min, max] and the total cost of each under sliding semantics, all in
@@ -74,10 +74,10 @@ def sliding_costs(
     # (or rewritten at that boundary since); a later structural write at that boundary replaces it.
     latest = np.maximum.accumulate(np.where(d.structural, np.arange(n), -1))  # [n]
     per_second = c.snapshot_bytes[latest] * cost.hold_cost_per_byte_second  # [n] of that snapshot
-    replaced_at = _replaced_at(c, d, d.structural)[latest]  # [n]
+    replaced_at = replaced_times(c, d, d.structural)[latest]  # [n]
     el = np.flatnonzero(d.eligible)
     g = d.gap[el]
-    hit_from = _first_hit(t[el - 1], t[el], cand)  # [k] hits from this candidate on, as the pool tests
+    hit_from = first_hit(t[el - 1], t[el], cand)  # [k] hits from this candidate on, as the pool tests
     zeros = np.zeros(el.size)
     # Replays: each eligible request that does not hit.
     _, r_below, r_total = _below(hit_from, c.replay_tokens[el] * cost.replay_cost_per_token, zeros, at)
@@ -95,14 +95,14 @@ def sliding_costs(
     mv = np.flatnonzero(d.eligible & d.structural)
     wm = per_second[mv - 1]
     more = replaced_at[mv - 1] - t[mv]
-    hit_mv = _first_hit(t[mv - 1], t[mv], cand)
+    hit_mv = first_hit(t[mv - 1], t[mv], cand)
     _, hit_w, _ = _below(hit_mv, wm, np.zeros(mv.size), at)
     m_v, m_w, _ = _below(np.maximum(hit_mv, np.searchsorted(cand, more, side="right")), wm, more, at)
     total += m_v + cand * (hit_w - m_w)
     return cand, total
 
 
-def _search_is_exact(c: TraceColumns, d: _Derived) -> bool:
+def _search_is_exact(c: TraceColumns, d: Derived) -> bool:
     """Whether every retry would rewrite its boundary's snapshot at the size of the structural
     write before it, so that `sliding_costs` prices every hold at its snapshot's own size, and
     every hit is a read that restarts the TTL (no Lookup's, no LoadLocal's read after one that could hit)."""
@@ -114,7 +114,7 @@ def _search_is_exact(c: TraceColumns, d: _Derived) -> bool:
 
 
 def best_sliding(
-    c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = (),
+    c: TraceColumns, d: Derived, cost: TtlCostModel, also_seconds: Sequence[float] = (),
     evaluated: Sequence[TtlEvaluation] = (),
 ) -> TtlEvaluation:
     """The least-cost sliding TTL (the shorter one on a tie), evaluated as the pool holds it: the
@@ -122,15 +122,15 @@ def best_sliding(
     every TTL of `also_seconds` within the clamp, so that none of those is cheaper. `evaluated`:
     sliding evaluations already made, reused by TTL."""
     if c.n == 0:
-        return _least_of(c, d, cost, "sliding", [float(cost.min_ttl_seconds)], evaluated)
-    more = None if d.every_hit_reads else _ms_past(_touch_gaps(c, d))
+        return least_of(c, d, cost, "sliding", [float(cost.min_ttl_seconds)], evaluated)
+    more = None if d.every_hit_reads else ms_past(_touch_gaps(c, d))
     cand, total = sliding_costs(c, d, cost, also_seconds, more)
     order = np.argsort(total, kind="stable")  # candidates ascend: the shorter first on a tie
     few = 1 if _search_is_exact(c, d) else REPRICED_CANDIDATES
-    return _least_of(c, d, cost, "sliding", _with_also(cand[order[:few]], also_seconds, cost), evaluated)
+    return least_of(c, d, cost, "sliding", with_also(cand[order[:few]], also_seconds, cost), evaluated)
 
 
-def _touch_gaps(c: TraceColumns, d: _Derived) -> np.ndarray:
+def _touch_gaps(c: TraceColumns, d: Derived) -> np.ndarray:
     """[eligible] each eligible request's gap from the last touch of the snapshot it resumes from,
     were every read alive and every Lookup a hit: a write (a structural request), a Resume's hit, or
     a LoadLocal's read after the request before it. Where a Lookup's hit restarts nothing, these are
@@ -146,7 +146,7 @@ def _touch_gaps(c: TraceColumns, d: _Derived) -> np.ndarray:
 
 
 def best_sliding_ttl(
-    c: TraceColumns, d: _Derived, cost: TtlCostModel, also_seconds: Sequence[float] = ()
+    c: TraceColumns, d: Derived, cost: TtlCostModel, also_seconds: Sequence[float] = ()
 ) -> float:
     """The TTL of `best_sliding`."""
     ttl = best_sliding(c, d, cost, also_seconds).ttl_seconds

@@ -30,15 +30,15 @@ from kvstore.observe.ttl_fixed_search import (
 )
 from kvstore.observe.ttl_model import (
     COLUMN_CHUNK_RECORDS,
+    Derived,
     Semantics,
     TraceColumns,
     TtlCostModel,
     TtlEvaluation,
-    _Derived,
-    _evaluation,
     columns_from_records,
     evaluate_fixed,
     evaluate_sliding,
+    make_evaluation,
 )
 from kvstore.observe.ttl_sliding_search import _search_is_exact, best_sliding, best_sliding_ttl, sliding_costs
 from policies.ttl import AdaptiveTtl
@@ -124,7 +124,7 @@ class TuneReport:
 
 
 def run_adaptive(
-    c: TraceColumns, d: _Derived, ttl_cfg: TtlPolicyConfig
+    c: TraceColumns, d: Derived, ttl_cfg: TtlPolicyConfig
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, float]]:
     """Drive `AdaptiveTtl` through the trace in time order as the service does, under sliding
     semantics with the TTLs it gives. The policy hears of a write only where one happens (a
@@ -236,17 +236,17 @@ def tune_ttl(
     """Evaluate every TTL under fixed and sliding semantics, the best TTL of each (each by its own
     search), and the adaptive policy (configured from `ttl_cfg`, with the trace's mean snapshot and
     replay sizes)."""
-    d = _Derived(c)
+    d = Derived(c)
     rows: list[TtlEvaluation] = []
     for ttl in ttls_seconds:
         for semantics in ("fixed", "sliding"):
             hits, bs = evaluate_fixed(c, d, ttl) if semantics == "fixed" else evaluate_sliding(c, d, ttl)
-            rows.append(_evaluation(c, d, semantics, float(ttl), hits, bs, cost))
+            rows.append(make_evaluation(c, d, semantics, float(ttl), hits, bs, cost))
     sliding = best_sliding(c, d, cost, ttls_seconds, rows)
     fixed, fixed_exact = best_fixed_searched(c, d, cost, ttls_seconds, rows)
     ttl_after, ttl_read, ttl_load, final = run_adaptive(c, d, ttl_cfg)
     hits, bs = evaluate_sliding(c, d, ttl_after, ttl_read, ttl_load)
-    adaptive = _evaluation(c, d, "adaptive", None, hits, bs, cost)
+    adaptive = make_evaluation(c, d, "adaptive", None, hits, bs, cost)
     mean_replay = float(c.replay_tokens.mean()) if c.n else 0.0
     mean_bytes = float(c.snapshot_bytes.mean()) if c.n else 0.0
     hold_per_s = mean_bytes * cost.hold_cost_per_byte_second
