@@ -434,19 +434,9 @@ class RedisPool:
             return "error"
         if replies[0] is None:
             return "absent"
-        try:
-            header = SnapshotHeader.unpack(replies[0])
-        except SnapshotFormatError:
-            return "corrupt"
-        if header.layout_id != layout_id:
-            return "corrupt"  # the namespace digest binds the layout: not a snapshot of ours
-        if header.part_count > len(replies):
-            # Another round trip on the word of a header not verified yet: only for a snapshot of
-            # the layout's size (the format bounds its part count by its payload size).
-            known = self._layout_bytes.get(layout_id)
-            if known is not None and header.payload_bytes != known:
-                return "corrupt"
-            return header.part_count
+        header = self._header_of(replies[0], len(replies), layout_id)
+        if not isinstance(header, SnapshotHeader):
+            return header
         parts = replies[: header.part_count]
         if any(p is None for p in parts):
             return "incomplete"  # parts evicted (volatile-ttl) or expired one by one
@@ -454,6 +444,24 @@ class RedisPool:
             return header, decode_parts(header, parts)
         except SnapshotFormatError:
             return "corrupt"
+
+    def _header_of(self, first: Any, parts_read: int, layout_id: bytes) -> SnapshotHeader | MissReason | int:
+        """Part 0's header, for a get and a peek alike: the header, the miss reason, or the part
+        count to ask about when it exceeds the `parts_read`."""
+        try:
+            header = SnapshotHeader.unpack(first)
+        except SnapshotFormatError:
+            return "corrupt"
+        if header.layout_id != layout_id:
+            return "corrupt"  # the namespace digest binds the layout: not a snapshot of ours
+        if header.part_count > parts_read:
+            # Another round trip on the word of a header not verified yet: only for a snapshot of
+            # the layout's size (the format bounds its part count by its payload size).
+            known = self._layout_bytes.get(layout_id)
+            if known is not None and header.payload_bytes != known:
+                return "corrupt"
+            return header.part_count
+        return header
 
     def _judge(self, replies: list[Any], layout_id: bytes) -> SnapshotHeader | MissReason | int:
         """`_assemble` for the replies of `_peek_commands`: the header of a snapshot that `get`
@@ -466,17 +474,9 @@ class RedisPool:
         # reads as missing here and as corrupt to get; either way not a snapshot.
         if lengths[0] == 0:
             return "absent"
-        try:
-            header = SnapshotHeader.unpack(heads[0])
-        except SnapshotFormatError:
-            return "corrupt"
-        if header.layout_id != layout_id:
-            return "corrupt"
-        if header.part_count > len(lengths):
-            known = self._layout_bytes.get(layout_id)  # as in _assemble: only for the layout's size
-            if known is not None and header.payload_bytes != known:
-                return "corrupt"
-            return header.part_count
+        header = self._header_of(heads[0], len(lengths), layout_id)
+        if not isinstance(header, SnapshotHeader):
+            return header
         lengths = lengths[: header.part_count]
         if any(n == 0 for n in lengths):
             return "incomplete"
