@@ -218,8 +218,7 @@ class LocalStateCalls:
             shm = self.shm_session(call, req.shm_session)
             n = res.full_chunks
             # The boundary's key, hashed once: the pool's get and, on a hit, the call's facts use it.
-            key = boundary_key(self.app, res, n) if n and res.layout.local_snapshot_bytes and \
-                self.app.local_pool is not None else None
+            key = boundary_key(self.app, res, n) if n else None
             state, got = local_status(self.app, res, n, context.time_remaining(), key=key)
             call.local_state = state
             if state == "hit" and key is not None:
