@@ -855,7 +855,11 @@ def test_a_failed_over_master_leaves_the_pool_healthy_once_its_replica_serves(re
         n = 30
         for i in range(n):
             assert pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, data).written
-        assert master.execute_command("WAIT", 1, 10_000) == 1  # the replica has every key
+        # The replica has every key: its offset reached the master's. (WAIT would not do: it waits
+        # for the writes of its own connection, and the pool wrote on others.)
+        written = int(master.info("replication")["master_repl_offset"])
+        assert _wait_until(lambda: int(rc.info("replication")["slave_repl_offset"]) >= written, timeout=30.0)
+        assert rc.dbsize() == master.dbsize() > 0
         cluster.nodes[0].kill()
         for _ in range(3):
             for i in range(n):
