@@ -23,9 +23,18 @@ from kvstore.integrations.vllm.identity import adapter_fingerprint, fingerprint
 def test_a_number_that_is_not_finite_positive_and_bounded_is_refused_naming_its_key(key: str, value: Any) -> None:
     # JSON's 1e999 is inf: an infinite budget once made every kvstore call fail at once, an
     # infinite store bound raised a bare OverflowError.
-    with pytest.raises(ConfigError, match=rf"kv_connector_extra_config\.{key}.*a positive number, at most") as e:
+    with pytest.raises(ConfigError, match=rf"kv_connector_extra_config\.{key}.*a positive number, .*at most") as e:
         ConnectorConfig.from_extra({"address": "127.0.0.1:1", key: value})
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["budget_ms", "max_lookup_queue_ms"])
+@pytest.mark.parametrize("value", [1e-9, 0.5])
+def test_a_budget_or_queue_wait_under_a_millisecond_is_refused(key: str, value: float) -> None:
+    # It would fail (budget) or skip (queue wait) every call: 1e-9 was taken.
+    with pytest.raises(ConfigError, match=rf"kv_connector_extra_config\.{key}': must be a positive number, at least 1"):
+        ConnectorConfig.from_extra({"address": "127.0.0.1:1", key: value})
+    assert ConnectorConfig.from_extra({"address": "127.0.0.1:1", key: 1}) is not None
 
 
 def test_numbers_within_their_bounds_are_taken() -> None:

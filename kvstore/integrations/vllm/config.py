@@ -15,9 +15,10 @@ from kvstore.layout import MAX_ENGINE_NAME
 KEYS = ("address", "token", "revision", "model_name", "budget_ms", "fingerprint_cache", "max_pending_store_mib",
         "retry_after_ms", "load_mode", "chunk_tokens", "max_lookup_queue_ms")
 LOAD_MODES = ("sync", "async")
-# (key, default, largest value taken): an hour's budget, retry or queue wait, a TiB of staged saves.
-NUMBERS = (("budget_ms", 2000.0, 3_600_000.0), ("max_pending_store_mib", 256.0, float(1 << 20)),
-           ("retry_after_ms", 5000.0, 3_600_000.0), ("max_lookup_queue_ms", 1000.0, 3_600_000.0))
+# (key, default, least, largest value taken): an hour's budget, retry or queue wait, a TiB of staged
+# saves. A budget or queue wait under a millisecond would fail or skip every call: taken as a typo.
+NUMBERS = (("budget_ms", 2000.0, 1.0, 3_600_000.0), ("max_pending_store_mib", 256.0, 0.0, float(1 << 20)),
+           ("retry_after_ms", 5000.0, 0.0, 3_600_000.0), ("max_lookup_queue_ms", 1000.0, 1.0, 3_600_000.0))
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,13 @@ class ConnectorConfig:
         if len(d.get("model_name", "")) > MAX_ENGINE_NAME:
             raise ConfigError("kv_connector_extra_config.model_name", f"must be at most {MAX_ENGINE_NAME} characters")
         numbers = {}
-        for key, default, most in NUMBERS:
+        for key, default, least, most in NUMBERS:
             v = d.get(key, default)
             # JSON's 1e999 is inf: an infinite budget would make every call fail at once.
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= most:
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (0 < v <= most and v >= least):
+                at_least = f"at least {least:g}, " if least else ""
                 raise ConfigError(f"kv_connector_extra_config.{key}",
-                                  f"must be a positive number, at most {int(most)}, got {v!r}")
+                                  f"must be a positive number, {at_least}at most {int(most)}, got {v!r}")
             numbers[key] = float(v)
         load_mode = d.get("load_mode", "sync")
         if load_mode not in LOAD_MODES:
