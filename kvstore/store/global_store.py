@@ -30,7 +30,9 @@ ranked (policies), gRPC, tenants' credentials, or local SWA state (the local poo
 Locking: one re-entrant lock guards the index and the in-memory tiers. The slow LMDB work of a
 commit happens outside it: the durable write, before the new chunks become visible, and the
 deletes of the chunks evicted to make room (placement.py). A commit takes the lock for at most
-CHUNKS_PER_LOCK_HOLD chunks at a time.
+CHUNKS_PER_LOCK_HOLD chunks at a time. A model registration writes its record (and the tiers
+learn its layout) outside it too, between a reservation that counts in the limits and the model
+being served.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import operator
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar, cast
 
@@ -113,6 +116,15 @@ _NAMESPACE = operator.attrgetter("namespace")
 # too, so one tenant cannot use up the room of the others.
 MAX_ENGINE_MODELS = 1024
 MAX_ENGINE_MODELS_PER_TENANT = 64
+
+
+@dataclass(frozen=True)
+class _ModelWrite:
+    """A registration writing its model's record, outside the store's lock: counted in the limits."""
+
+    done: threading.Event  # set when it is written, or failed
+    tenant: str
+    new: bool  # a model not served yet (else a tenant added to one)
 
 
 def _footprint(entry: ChunkEntry | None) -> Mapping[TierName, int]:
@@ -196,6 +208,8 @@ class GlobalStore(Reads, IndexLoad):
         # Engine model name -> every tenant that registered it (the same description registered by a
         # second tenant is the same model): the models each tenant's Stats lists.
         self._registrants: dict[str, set[str]] = {}
+        # Engine model name -> the registration writing its record now (another waits for it).
+        self._models_writing: dict[str, _ModelWrite] = {}
         self._progress = progress or (lambda line: None)
         # The startup index load (index_load.py).
         self._ready = threading.Event()
@@ -258,25 +272,47 @@ class GlobalStore(Reads, IndexLoad):
         if spec.layout.chunk_tokens != self.cfg.chunk_tokens:
             raise InvalidInput(f"chunk_tokens is {spec.layout.chunk_tokens}; this service stores chunks of "
                                f"{self.cfg.chunk_tokens} tokens")
-        with self._lock:
-            old = self._models.get(spec.name)
-            who = self._registrants.get(spec.name)
-            if old is not None and (who is None or tenant in who):  # served by config, or registered by it
-                return old, False
-            if old is None and len(self._registered_by) >= MAX_ENGINE_MODELS:
-                raise ResourceExhausted(f"this service holds {MAX_ENGINE_MODELS} registered models already")
-            mine = sum(1 for w in self._registrants.values() if tenant in w)
-            if mine >= MAX_ENGINE_MODELS_PER_TENANT:
-                raise ResourceExhausted(f"a tenant may register at most {MAX_ENGINE_MODELS_PER_TENANT} models")
-            tenants = sorted({*(who or ()), tenant})
-            record = json.dumps({"tenant": self._registered_by.get(spec.name, tenant), "tenants": tenants,
-                                 "model": json.loads(desc.to_json())}, sort_keys=True).encode()
+        model = json.loads(desc.to_json())
+        while True:
+            with self._lock:
+                pending = self._models_writing.get(spec.name)
+                if pending is None:
+                    old = self._models.get(spec.name)
+                    who = self._registrants.get(spec.name)
+                    if old is not None and (who is None or tenant in who):  # served by config, or registered by it
+                        return old, False
+                    # Registrations writing their records count: each limit holds however many run at once.
+                    writing = self._models_writing.values()
+                    if old is None and len(self._registered_by) + sum(w.new for w in writing) >= MAX_ENGINE_MODELS:
+                        raise ResourceExhausted(f"this service holds {MAX_ENGINE_MODELS} registered models already")
+                    mine = sum(1 for w in self._registrants.values() if tenant in w)
+                    if mine + sum(w.tenant == tenant for w in writing) >= MAX_ENGINE_MODELS_PER_TENANT:
+                        raise ResourceExhausted(f"a tenant may register at most {MAX_ENGINE_MODELS_PER_TENANT} models")
+                    tenants = sorted({*(who or ()), tenant})
+                    record = json.dumps({"tenant": self._registered_by.get(spec.name, tenant), "tenants": tenants,
+                                         "model": model}, sort_keys=True).encode()
+                    writing_this = _ModelWrite(threading.Event(), tenant, new=old is None)
+                    self._models_writing[spec.name] = writing_this
+                    break
+            pending.done.wait()  # the same description's record is being written: then look again
+        # The tiers learning the layout (which waits for the LMDB tier's writes) and the durable
+        # record (an fsync) happen outside the lock; the model is served only once both are done, so
+        # no chunk of it is stored before its record is on disk.
+        written = False
+        try:
+            if old is None:
+                self._learn_layout(spec)
             self._durable.put_model(spec.name.encode(), record)
-            if old is not None:
-                self._registrants[spec.name].add(tenant)
-                return old, True
-            self._serve(spec, tenant)
-        return spec, True
+            written = True
+        finally:
+            with self._lock:
+                del self._models_writing[spec.name]
+                if written and old is not None:
+                    self._registrants[spec.name].add(tenant)
+                elif written:
+                    self._serve(spec, tenant)
+            writing_this.done.set()
+        return (spec if old is None else old), True
 
     def engine_models(self) -> dict[str, ModelSpec]:
         with self._lock:
@@ -287,14 +323,19 @@ class GlobalStore(Reads, IndexLoad):
         with self._lock:
             return {name for name, who in self._registrants.items() if tenant not in who}
 
-    def _serve(self, spec: ModelSpec, tenant: str) -> None:
+    def _learn_layout(self, spec: ModelSpec) -> None:
         layout = self._layout_for(spec)
         for tier in self._tiers.values():
             tier.add_layout(layout)
+
+    def _serve(self, spec: ModelSpec, tenant: str) -> None:
+        """Serve a model whose layout the tiers know. `model()` reads without the lock: the model is
+        named last, so it is never seen without its registrants (as if served by the config)."""
+        layout = self._layout_for(spec)
         self._layouts[layout.layout_id] = layout
-        self._models[spec.name] = spec
         self._registered_by[spec.name] = tenant
         self._registrants.setdefault(spec.name, set()).add(tenant)
+        self._models[spec.name] = spec
 
     def _recover_engine_models(self) -> None:
         for name, record in self._durable.models().items():
@@ -303,6 +344,7 @@ class GlobalStore(Reads, IndexLoad):
                 spec = engine_model_spec(EngineModel.from_json(json.dumps(d["model"]).encode()))
                 if spec.name != name.decode() or spec.layout.chunk_tokens != self.cfg.chunk_tokens:
                     raise InvalidInput("the record does not match its name or this chunk size")
+                self._learn_layout(spec)
                 self._serve(spec, str(d["tenant"]))
                 # Older records name the first registrant only.
                 self._registrants[spec.name].update(str(t) for t in d.get("tenants", ()))
