@@ -35,6 +35,7 @@ import functools
 import logging
 import math
 import random
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -108,7 +109,14 @@ from kvstore.client.types import (
 from kvstore.config.service import token_problem
 from kvstore.dataplane import unix_path_of
 from kvstore.dataplane.host_copy import check_copy_threads, default_copy_threads
-from kvstore.dataplane.peer import HELLO_TIMEOUT_SECONDS, LeaseLapsed, ShmPath, ShmUnavailable
+from kvstore.dataplane.peer import (
+    HELLO_TIMEOUT_SECONDS,
+    HoldNotReleased,
+    LeaseLapsed,
+    ShmPath,
+    ShmUnavailable,
+    release_held,
+)
 from kvstore.dataplane.side_socket import UNKNOWN_SESSION
 from kvstore.errors import InvalidInput
 from kvstore.layout import EngineModel
@@ -526,6 +534,10 @@ class KvstoreClient:
         tenant (an engine's worker in another process, which reads them with `read_held`).
         Without a session, naming one the service no longer knows, or for chunks larger than half
         the session's load segment (they load over streams), only the lookup is answered.
+        A call into another session that fails or is cancelled (its answer lost, or come to a task
+        that is gone) has what it held there released at once, through the side socket, under a
+        hold id it sends with the call (only that session's client releases leases by id); over a
+        TCP target, or without an answer from the side socket, they lapse by shm_lease_seconds.
 
             held = kv.lookup_held(model, prompt, hold_chunks=n)
             try:
@@ -542,23 +554,34 @@ class KvstoreClient:
         if not session or hold_chunks <= 0:
             return HeldLookup(self._plain_lookup(model, tokens, replay_mode, deadline.left(), cache_salt,
                                                  call_seconds=seconds))
-        req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt, session,
-                                    hold_chunks)
+        # Into another session: the service tags the leases with this id, which only this call knows,
+        # so that this client can release them when the answer (their ids) never reaches its caller.
+        hold = secrets.token_hex(16) if into_session and self._unix_path else ""
+        req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt,
+                                    f"{session}/{hold}" if hold else session, hold_chunks)
         rid, metadata = self._request_metadata("Lookup", None, None, "")
         try:
             r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), deadline.left(),
                                  seconds)
         except InvalidArgumentError as e:
             if UNKNOWN_SESSION not in e.details:
+                self._give_back_hold(session, hold)
                 raise
             if shm is not None:
                 self._shm_failed(shm, "the service no longer knows the session")
             return HeldLookup(self._plain_lookup(model, tokens, replay_mode, deadline.left(), cache_salt,
                                                  call_seconds=seconds))
+        except BaseException:  # cancelled, or past its deadline: the service may have held them all the same
+            self._give_back_hold(session, hold)
+            raise
         result = _lookup_result(r, rid)
         if not r.held:
             return HeldLookup(result)
         if shm is None:
+            # The asyncio client's task cancelled once the answer was here never takes it: its scope
+            # gives the hold back (on a thread of its own: the scope is cancelled on the event loop).
+            if hold:
+                track(r, functools.partial(_in_background, functools.partial(self._give_back_hold, session, hold)))
             return HeldLookup(result, spans=tuple(_held_span(session, span) for span in r.held))
         spans = _SharedSpans(shm, max(1, r.chunk_bytes))
         try:
@@ -572,6 +595,21 @@ class KvstoreClient:
             spans.release()
             raise
         return HeldLookup(result, spans.shared(r.chunk_tokens, r.chunk_bytes), _release=spans.release)
+
+    def _give_back_hold(self, session: str, hold: str) -> None:
+        """Release what a failed or cancelled `lookup_held` into another client's `session` held
+        there under `hold` (nothing for ""). Never raises: without an answer from the side socket
+        the leases lapse by the service's shm_lease_seconds, as they did before holds."""
+        if not hold or self._unix_path is None:
+            return
+        try:
+            n = release_held(self._unix_path, self._token, session, hold)
+        except ShmUnavailable as e:
+            log.info("%s; what a cancelled lookup_held held in another session stays leased until it lapses", e)
+        except HoldNotReleased as e:  # the call held nothing, or the service released it on the cancel
+            log.debug("%s", e)
+        else:
+            log.debug("a cancelled lookup_held's %d lease(s) in session %s released", n, session[:8])
 
     @_open_only
     def shm_session_id(self, timeout_seconds: float | None = None, open_session: bool = True) -> str:
@@ -1292,6 +1330,10 @@ class KvstoreClient:
 
 
 # --- helpers ----------------------------------------------------------------------------------------
+
+def _in_background(work: Callable[[], object]) -> None:
+    threading.Thread(target=work, name="kvstore-client-release", daemon=True).start()
+
 
 def _read(path: str | Path | None) -> bytes | None:
     return Path(path).read_bytes() if path else None

@@ -12,6 +12,12 @@ I/O, a paused VM) never has its space handed to another load while it still writ
 
 Lease ids are never reused within a table, so a release of a lease that already expired (or a
 forged id) is recognised as stale and frees nothing.
+
+A lease may carry a tag: the hold id of the call that placed it in a session other than its
+caller's (`lookup_held(into_session=...)`). Only the session's owner releases leases by id; the
+placing call's client releases its tag's instead, when it was cancelled and its answer (the ids)
+never reached it (`release_tagged`). A released tag is withdrawn: a call still placing leases
+under it stops (`withdrawn`).
 """
 
 from __future__ import annotations
@@ -20,10 +26,14 @@ import bisect
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 ALIGN_BYTES = 64  # spans start on cache lines
+# Tags released lately, remembered so that a call still placing leases under one stops: a bound
+# the listener's one thread keeps small (a call's release follows its cancel within a second).
+WITHDRAWN_TAGS_KEPT = 256
 
 
 class NoRoom(Exception):
@@ -53,6 +63,9 @@ class LeaseTable:
         self._leases: dict[int, Lease] = {}
         self._on_end: dict[int, Callable[[], None]] = {}
         self._filling: set[int] = set()  # granted `filling`, not yet `filled`: they never expire
+        self._tagged: dict[str, set[int]] = {}  # tag -> its leases held now
+        self._tag_of: dict[int, str] = {}
+        self._withdrawn: OrderedDict[str, None] = OrderedDict()
         self._next_id = 1
         self._closed = False
         self.granted_total = 0
@@ -74,11 +87,12 @@ class LeaseTable:
         return sum(lease.length for lease in self._leases.values())
 
     def grant(self, nbytes: int, wait_seconds: float, still_wanted: Callable[[], bool] = lambda: True,
-              filling: bool = False) -> Lease:
+              filling: bool = False, tag: str = "") -> Lease:
         """A lease on `nbytes` of free space; waits up to `wait_seconds` for room (checking
         `still_wanted` as it waits). Raises NoRoom (TableClosed once closed), or ValueError for a
         size the segment can never hold. `filling`: the lease does not expire (its `expires_at` is
-        infinite) until `filled`, and only `abandon` gives it back meanwhile."""
+        infinite) until `filled`, and only `abandon` gives it back meanwhile. `tag`: see
+        `release_tagged`."""
         if not 0 < nbytes <= self.segment_bytes:
             raise ValueError(f"a span of {nbytes} bytes does not fit a {self.segment_bytes}-byte segment")
         size = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
@@ -97,7 +111,7 @@ class LeaseTable:
                         if expired:
                             at = self._take(size)
                     if at is not None:
-                        lease = self._record(at, size, math.inf if filling else None)
+                        lease = self._record(at, size, math.inf if filling else None, tag)
                         if filling:
                             self._filling.add(lease.lease_id)
                         return lease
@@ -111,13 +125,13 @@ class LeaseTable:
             for f in ended:
                 f()
 
-    def hold(self, on_end: Callable[[], None]) -> Lease:
+    def hold(self, on_end: Callable[[], None], tag: str = "") -> Lease:
         """A lease on no space, for something kept for the client until the lease ends; `on_end`
         is then called (outside the table's lock). Raises TableClosed once the table is closed."""
         with self._cond:
             if self._closed:
                 raise TableClosed("the session is closed")
-            lease = self._record(0, 0)
+            lease = self._record(0, 0, None, tag)
             self._on_end[lease.lease_id] = on_end
             return lease
 
@@ -140,18 +154,66 @@ class LeaseTable:
                 return  # the table closed meanwhile: it went with it
             self._filling.discard(lease_id)
             self._give_back(self._leases.pop(lease_id))
+            self._untag(lease_id)
             self.released_total += 1
             self._cond.notify_all()
 
-    def _record(self, offset: int, length: int, expires_at: float | None = None) -> Lease:
+    def _record(self, offset: int, length: int, expires_at: float | None = None, tag: str = "") -> Lease:
         """A new lease on [offset, offset + length), under the table's lock."""
         if expires_at is None:
             expires_at = self._clock() + self.lease_seconds
         lease = Lease(self._next_id, offset, length, expires_at)
         self._next_id += 1
         self._leases[lease.lease_id] = lease
+        if tag:
+            self._tagged.setdefault(tag, set()).add(lease.lease_id)
+            self._tag_of[lease.lease_id] = tag
         self.granted_total += 1
         return lease
+
+    def _untag(self, lease_id: int) -> None:
+        """Forget a lease that ended, under the table's lock."""
+        tag = self._tag_of.pop(lease_id, None)
+        if tag is not None:
+            ids = self._tagged[tag]
+            ids.discard(lease_id)
+            if not ids:
+                del self._tagged[tag]
+
+    def release_tagged(self, tag: str) -> int:
+        """Give back every lease held under `tag` (what a call placed for another client, released
+        by its own client once the call was cancelled), and withdraw the tag: a call still placing
+        leases under it stops there (`withdrawn`). How many were held; those still being filled
+        are not (their fill writes there; the call that fills them sees the tag withdrawn and
+        releases them itself)."""
+        with self._cond:
+            self._withdrawn[tag] = None
+            self._withdrawn.move_to_end(tag)
+            while len(self._withdrawn) > WITHDRAWN_TAGS_KEPT:
+                self._withdrawn.popitem(last=False)
+            ids = [i for i in self._tagged.get(tag, ()) if i not in self._filling]
+            ended: list[Callable[[], None]] = []
+            for lease_id in ids:
+                self._give_back(self._leases.pop(lease_id))
+                self._untag(lease_id)
+                f = self._on_end.pop(lease_id, None)
+                if f is not None:
+                    ended.append(f)
+            self.released_total += len(ids)
+            if ids:
+                self._cond.notify_all()
+        for f in ended:
+            f()
+        return len(ids)
+
+    def withdrawn(self, tag: str) -> bool:
+        """Whether `tag`'s leases were released by `release_tagged` lately: its call is to stop."""
+        return tag in self._withdrawn
+
+    def tagged(self, tag: str) -> int:
+        """How many leases are held under `tag` now."""
+        with self._cond:
+            return len(self._tagged.get(tag, ()))
 
     def release(self, lease_id: int, quiet: bool = False) -> bool:
         """Give a lease's span back; False (and nothing freed) for an unknown or expired lease,
@@ -165,6 +227,7 @@ class LeaseTable:
                     self.stale_releases += 1
                 return False
             self._give_back(lease)
+            self._untag(lease_id)
             ended = self._on_end.pop(lease_id, None)
             self.released_total += 1
             self._cond.notify_all()
@@ -186,6 +249,8 @@ class LeaseTable:
             n = len(self._leases)
             self._leases.clear()
             self._filling.clear()
+            self._tagged.clear()
+            self._tag_of.clear()
             ended = list(self._on_end.values())
             self._on_end.clear()
             self._free = [(0, self.segment_bytes)]
@@ -203,6 +268,7 @@ class LeaseTable:
         for lease in gone:
             del self._leases[lease.lease_id]
             self._give_back(lease)
+            self._untag(lease.lease_id)
             f = self._on_end.pop(lease.lease_id, None)
             if f is not None:
                 ended.append(f)

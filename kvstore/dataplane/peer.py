@@ -8,7 +8,8 @@ for a client with a GPU and cupy (one that has imported torch), its tenant's par
 tier on the GPU, opened from CUDA IPC handles. The client then names the session in its calls;
 the service answers loads with spans of the load
 segment or chunk offsets in a tier's memory, and this module copies them out and releases their
-leases.
+leases. `release_held` gives back, without a session, what a cancelled call of the client held
+in another client's session.
 
 A lease runs out `lease_seconds` after the service granted it, after which the span may be
 reused. The copy is checked against that on the service's own clock (the hello carries it; the
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.client")
 
 HELLO_TIMEOUT_SECONDS = 5.0
+# A cancelled call's release of what it held in another session waits at most this for the answer
+# (the listener answers at once): past it the leases lapse by shm_lease_seconds instead.
+RELEASE_HELD_TIMEOUT_SECONDS = 1.0
 # Larger copies let go of the GIL (a whole span of the load segment); a chunk read in place is
 # copied holding it, for about 10 us.
 GIL_FREE_SPAN_BYTES = 1 << 20
@@ -387,6 +391,38 @@ class ShmPath:
 
     def release_staging(self, hold_id: int) -> None:
         self._staging.release(hold_id)
+
+
+class HoldNotReleased(InvalidInput):
+    """The service released nothing under a hold: the message says why."""
+
+
+def release_held(grpc_socket_path: str, token: str | None, session: str, hold: str,
+                 timeout_seconds: float = RELEASE_HELD_TIMEOUT_SECONDS) -> int:
+    """Release the leases a call of this client placed in another client's `session` under the
+    hold id `hold` (`lookup_held(into_session=...)`, cancelled: only the session's owner can
+    release leases by id, and the ids were in the answer the cancel lost). One connection to the
+    side socket beside `grpc_socket_path`, no session opened; how many leases were released.
+    Raises ShmUnavailable when the side socket does not answer within `timeout_seconds`, and
+    HoldNotReleased when the service released nothing (with its reason)."""
+    path = data_socket_path(grpc_socket_path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(max(0.001, timeout_seconds))
+    try:
+        sock.connect(path)
+        send_message(sock, {"v": HELLO_VERSION, "release_held": hold, "session": session,
+                            **({"token": token} if token else {})})
+        reply, fds = recv_message(sock)
+    except (OSError, SideSocketClosed) as e:
+        raise ShmUnavailable(f"no same-host side socket at {path} to release the hold: {e}") from None
+    finally:
+        sock.close()
+    for fd in fds:  # none is sent with this answer
+        os.close(fd)
+    released = reply.get("released")
+    if reply.get("ok") is not True or isinstance(released, bool) or not isinstance(released, int):
+        raise HoldNotReleased(f"the service released no leases of the hold: {reply.get('error', 'no reason given')}")
+    return released
 
 
 def gpu_sharing_ready() -> bool:

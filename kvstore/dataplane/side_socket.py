@@ -2,8 +2,8 @@
 
 A message is a 4-byte little-endian length and that many bytes of a JSON object; descriptors travel
 as SCM_RIGHTS ancillary data of the message's first bytes. Messages are small (a hello, a list of
-leases to release): anything larger than `MAX_MESSAGE_BYTES` is refused, so a peer cannot make
-the other side buffer without bound.
+leases to release, a hold to release): anything larger than `MAX_MESSAGE_BYTES` is refused, so a
+peer cannot make the other side buffer without bound.
 """
 
 from __future__ import annotations

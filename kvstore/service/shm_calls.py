@@ -56,9 +56,13 @@ def load_spans(
     A client uses the spans of a call only once it ended OK, or copies and releases each as it
     comes: so when the call is cancelled (the generator is closed, or stops as no longer wanted)
     or fails, every lease granted here is released now, with the pins of the chunks read in place.
-    Otherwise the spans sent that the client never received would stay leased until they lapse."""
+    Otherwise the spans sent that the client never received would stay leased until they lapse.
+    Held for another client (`shm.hold`): each lease carries the hold id, and once the caller's
+    client releases it (its call was cancelled) the load stops as if cancelled."""
     granted: list[int] = []
     ended = False
+    if shm.hold:
+        still_wanted = functools.partial(_not_withdrawn, shm, still_wanted)
     try:
         for span in _load_spans(session, shm, chunk_bytes, n, wait_seconds, still_wanted, tiers_out):
             granted.append(span.lease_id)
@@ -68,6 +72,10 @@ def load_spans(
         if not ended:
             for lease_id in granted:
                 shm.leases.release(lease_id, quiet=True)  # the client may have released it first
+
+
+def _not_withdrawn(shm: ShmSession, still_wanted: Callable[[], bool]) -> bool:
+    return still_wanted() and not shm.leases.withdrawn(shm.hold)
 
 
 def _load_spans(
@@ -108,7 +116,7 @@ def pin_seconds(shm: ShmSession) -> float:
 def _in_place_span(session: LoadSession, shm: ShmSession, run: InPlaceRun, first: int, chunk_bytes: int,
                    tiers_out: list[str]) -> pb.ShmSpan:
     try:
-        lease = shm.leases.hold(lambda: session.unpin(run.pin))
+        lease = shm.leases.hold(lambda: session.unpin(run.pin), shm.hold)
     except NoRoom:
         session.unpin(run.pin)
         raise InvalidInput(_CLOSED_DURING_CALL) from None
@@ -213,7 +221,7 @@ def chunks_per_span(shm: ShmSession, chunk_bytes: int) -> int:
 def _leased(shm: ShmSession, nbytes: int, wait_seconds: float,
             still_wanted: Callable[[], bool]) -> tuple[Lease, memoryview]:
     try:
-        lease = shm.leases.grant(nbytes, wait_seconds, still_wanted, filling=True)
+        lease = shm.leases.grant(nbytes, wait_seconds, still_wanted, filling=True, tag=shm.hold)
     except TableClosed:
         raise InvalidInput(_CLOSED_DURING_CALL) from None
     except NoRoom as e:

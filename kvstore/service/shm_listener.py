@@ -21,6 +21,14 @@ taken: the one dropped to make room is the oldest of the process (of the user) h
 so a process that opens connections and stays silent cannot keep other tenants from a session.
 A client in another pid namespace (another container) has no pid (0: unknown): its user's such
 processes are then counted as one, with a larger part of the pool.
+
+Holds: a `lookup_held(into_session=...)` names the other session as "SESSION/HOLD", HOLD a random
+id its client chose, and the leases it places there carry HOLD as their tag. Only a session's owner
+releases leases by id, so when that call is cancelled (its answer, with the ids, lost) its client
+connects once and sends {"v": 1, "release_held": HOLD, "session": SESSION, "token": ...}: the leases
+under HOLD in that session, if it is a session of the caller's tenant, are released at once, and
+the answer says how many (or why none) before the connection is closed. Without it (the side socket
+unreachable) they lapse by shm_lease_seconds as before.
 Another keeps one spare load segment ready, its first `shm_prefault_bytes` resident, so that a new
 session's first loads (the first restore after a restart) copy into memory that does not fault; a
 spare has never been mapped by anyone, and each is handed to one session only.
@@ -31,8 +39,10 @@ What it does not know: what calls do with a session (the servicers), or gRPC cod
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import re
 import secrets
 import selectors
 import socket
@@ -83,6 +93,17 @@ RELEASE_SLACK = 1024
 _DROP_LOG_SECONDS = 60.0  # a flood is logged once a minute, not once per connection
 _PEERCRED = struct.Struct("3i")
 KINDS = ("client", "runner")
+# A hold id: 32 hex digits (128 random bits), so a client of the tenant cannot guess another's.
+HOLD_RE = re.compile(r"[0-9a-f]{32}\Z")
+
+
+@dataclass
+class ShmCounts:
+    """Bytes a session moved, shared by the handles a call gets of it (`ShmSession.holding`)."""
+
+    loaded: int = 0
+    stored: int = 0
+    in_place: int = 0
 
 
 @dataclass
@@ -95,15 +116,44 @@ class ShmSession:
     store: Segment
     leases: LeaseTable
     arenas: tuple[TierName, ...] = ()  # tiers whose memory of this tenant the client maps (in-place loads)
-    in_place_bytes: int = 0
     created_at: float = field(default_factory=time.monotonic)
-    loaded_bytes: int = 0
-    stored_bytes: int = 0
+    counts: ShmCounts = field(default_factory=ShmCounts)
     release_ids: int = 0  # lease ids the client named in its releases (an empty release counts one)
+    # The hold id of the call this handle was made for (`holding`): its leases are tagged with it.
+    hold: str = ""
 
     @property
     def closed(self) -> bool:
         return self.load.fd < 0
+
+    def holding(self, hold: str) -> ShmSession:
+        """This session for one call that holds chunks in it under `hold`: the same segments,
+        leases and counts (a copy of the handle, not of the session)."""
+        return dataclasses.replace(self, hold=hold)
+
+    @property
+    def loaded_bytes(self) -> int:
+        return self.counts.loaded
+
+    @loaded_bytes.setter
+    def loaded_bytes(self, n: int) -> None:
+        self.counts.loaded = n
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.counts.stored
+
+    @stored_bytes.setter
+    def stored_bytes(self, n: int) -> None:
+        self.counts.stored = n
+
+    @property
+    def in_place_bytes(self) -> int:
+        return self.counts.in_place
+
+    @in_place_bytes.setter
+    def in_place_bytes(self, n: int) -> None:
+        self.counts.in_place = n
 
 
 @dataclass
@@ -145,6 +195,8 @@ class ShmSessions:
         self.refused_total = 0  # connections closed before a session: a refused hello, none in time, a crowd
         self.pending_dropped_total = 0  # connections closed before their hello to make room for a newer one
         self.release_flood_closed_total = 0  # sessions closed for releasing more leases than they were granted
+        self.holds_released_total = 0  # cancelled calls' holds released by their client (`release_held`)
+        self.hold_releases_refused_total = 0  # of those asked for, refused: nothing of the tenant's held under it
         self._drop_logged_at = -_DROP_LOG_SECONDS
         self._flood_logged_at = -_DROP_LOG_SECONDS
 
@@ -193,13 +245,17 @@ class ShmSessions:
 
     def session(self, session_id: str, tenant: str, kind: str = "client") -> ShmSession:
         """The open session `session_id` of `tenant` ("" for an admin runner's). Raises InvalidInput
-        for any other: an unknown, closed or foreign session reads the same, so ids cannot be probed."""
+        for any other: an unknown, closed or foreign session reads the same, so ids cannot be probed.
+        "SESSION/HOLD": a handle of it for one call whose leases carry HOLD (see the module's doc)."""
+        session_id, sep, hold = session_id.partition("/")
+        if sep and not HOLD_RE.match(hold):
+            raise InvalidInput("the hold id after '/' in shm_session must be 32 lowercase hex digits")
         with self._lock:
             s = self._sessions.get(session_id)
         if s is None or s.closed or s.kind != kind or s.tenant != tenant:
             raise InvalidInput(f"{UNKNOWN_SESSION} (closed, or not this caller's): reconnect, or call "
                                "without shm_session to use byte streams")
-        return s
+        return s.holding(hold) if sep else s
 
     def sessions_of(self, tenant: str) -> list[ShmSession]:
         with self._lock:
@@ -278,13 +334,18 @@ class ShmSessions:
             return
         try:
             for message in conn.reader.feed(data):
+                if conn.sock.fileno() < 0:  # answered and closed (a release of a hold): nothing more is read
+                    return
                 self._handle(conn, message)
         except SideSocketClosed as e:
             self._drop(conn, str(e), refused=conn.session is None)
 
     def _handle(self, conn: _Conn, message: dict[str, Any]) -> None:
         if conn.session is None:
-            self._hello(conn, message)
+            if "release_held" in message:
+                self._answer_release_held(conn, message)
+            else:
+                self._hello(conn, message)
             return
         release = message.get("release")
         if not isinstance(release, list) or len(message) != 1:
@@ -346,6 +407,52 @@ class ShmSessions:
             conn.sock.setblocking(False)
         log.info("same-host session %s opened: tenant '%s', %s, %s", session.session_id[:8],
                  session.tenant or ADMIN_MEMBER, session.kind, pid_text(session.pid))
+
+    def _answer_release_held(self, conn: _Conn, message: dict[str, Any]) -> None:
+        """A connection that releases a cancelled call's hold instead of saying hello: answered
+        {"ok": true, "released": n} or {"ok": false, "error": why}, then closed."""
+        try:
+            released = self._release_held(message)
+        except (Unauthenticated, InvalidInput) as e:
+            self.hold_releases_refused_total += 1
+            answer: dict[str, Any] = {"ok": False, "error": str(e)}
+        else:
+            self.holds_released_total += 1
+            answer = {"ok": True, "released": released}
+        with contextlib.suppress(OSError):
+            conn.sock.setblocking(True)
+            conn.sock.settimeout(1.0)
+            send_message(conn.sock, answer)
+        self._drop(conn, "a hold's release answered")
+
+    def _release_held(self, message: dict[str, Any]) -> int:
+        """The leases held under a hold id in a session of the caller's tenant, released: how many.
+        Raises InvalidInput when none is: an unknown session, another tenant's, and a hold id under
+        which nothing is held (forged, released already, lapsed) read alike, and free nothing."""
+        if message.get("v") != HELLO_VERSION or set(message) - {"v", "release_held", "session", "token"}:
+            raise InvalidInput(f"a release of a hold is {{\"v\": {HELLO_VERSION}, \"release_held\": id, "
+                               "\"session\": id, \"token\": token}")
+        hold, session_id, token = message["release_held"], message.get("session"), message.get("token")
+        if not isinstance(hold, str) or not HOLD_RE.match(hold):
+            raise InvalidInput("release_held must be a hold id: 32 lowercase hex digits")
+        if not isinstance(session_id, str) or not session_id:
+            raise InvalidInput("session must name the same-host session the chunks were held in")
+        if token is not None and not isinstance(token, str):
+            raise InvalidInput("token must be a string")
+        caller = self._auth.caller((("authorization", f"Bearer {token}"),) if token else (), None)
+        if not caller.tenant:
+            raise Unauthenticated("holds are released with the token of the tenant whose call placed them")
+        with self._lock:
+            s = self._sessions.get(session_id)
+        theirs = s is not None and not s.closed and s.kind == "client" and s.tenant == caller.tenant
+        released = s.leases.release_tagged(hold) if s is not None and theirs else 0
+        if not released:
+            raise InvalidInput(f"nothing is held under hold {hold} in that same-host session of this tenant: "
+                               "its call's leases were released or lapsed already, or no lookup_held of this "
+                               "tenant placed any under that id")
+        log.debug("same-host session %s: %d lease(s) of a cancelled call's hold released by its client",
+                  session_id[:8], released)
+        return released
 
     def _refuse(self, conn: _Conn, why: str) -> NoReturn:
         with contextlib.suppress(OSError):
