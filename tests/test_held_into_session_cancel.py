@@ -23,6 +23,7 @@ from kvstore.client.async_client import AsyncKvstoreClient
 from kvstore.client.sync_client import DeadlineExceededError, KvstoreClient
 from kvstore.dataplane.leases import LeaseTable
 from kvstore.dataplane.peer import HoldNotReleased, ShmUnavailable, release_held
+from kvstore.service.admin_server import build_observability
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, TOY, Service, payloads, tokens
@@ -194,6 +195,9 @@ def test_a_hold_is_released_only_by_its_tenant_under_its_own_id_and_only_its_own
             release_held(path, ALICE, session, hold)  # once
     assert svc.server.shm.holds_released_total == 1
     assert svc.server.shm.hold_releases_refused_total == len(refusals) + 1
+    sample = build_observability(svc.app.config, shm_totals=svc.server.shm.totals).metrics.registry.get_sample_value
+    assert sample("kvstore_shm_holds_released_total") == 1
+    assert sample("kvstore_shm_hold_releases_refused_total") == len(refusals) + 1
     # A malformed hold in a Lookup is refused, saying why.
     with pytest.raises(grpc.RpcError) as e:
         _hold_raw(svc, session, "XYZ", prompt, 4)

@@ -269,7 +269,8 @@ class ShmSessions:
     def totals(self) -> ShmTotals:
         with self._lock:
             return ShmTotals(len(self._sessions), sum(s.leases.active for s in self._sessions.values()),
-                             self.refused_total, self.pending_dropped_total, self.release_flood_closed_total)
+                             self.refused_total, self.pending_dropped_total, self.release_flood_closed_total,
+                             self.holds_released_total, self.hold_releases_refused_total)
 
     # --- the listener thread ----------------------------------------------------------------------
 
