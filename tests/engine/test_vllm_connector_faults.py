@@ -263,7 +263,7 @@ def test_a_steps_synchronous_loads_share_one_budget_against_a_hung_service(hung_
         t = time.monotonic()
         w.start_loads(KvstoreMeta(loads=specs))
         took = time.monotonic() - t
-        assert took < 1.0, f"{took:.2f} s for a budget of 0.5 s"  # generous: the defect is 3 s
+        assert took < 2.0, f"{took:.2f} s for a budget of 0.5 s"  # generous: the defect is 3 s
         assert w.link.counters["load_failures"] == 1 and w.link.counters["loads_skipped_out_of_reach"] == 5
         assert w.take_load_errors() == set(range(12))  # every load is recomputed
     finally:
@@ -346,7 +346,7 @@ def test_shutdown_waits_for_queued_stores_at_most_one_budget(hung_service: tuple
     with caplog.at_level("WARNING", logger="kvstore.integrations.vllm"):
         w.close()
     took = time.monotonic() - t
-    assert took < 1.5, f"{took:.2f} s"  # generous: the defect is 4 s
+    assert took < 2.5, f"{took:.2f} s"  # generous: the defect is 4 s
     dropped = w.link.counters["saves_dropped_at_close"]
     assert dropped >= 5 and w.link.counters["saves_dropped_out_of_reach"] == 0
     assert f"at shutdown, {dropped} queued store(s) dropped" in caplog.text
