@@ -12,8 +12,8 @@ from the moment the coroutine is called, a wait for a free thread included. It i
 `grpc.aio`: one client, one set of behaviours (retries, deadlines, reassembly, errors) to test, at
 the cost of a thread per call in flight. Cancelling an awaiting task cancels its gRPC calls
 (client/cancel.py): the service stops working on them at once (a same-host load within
-UNREAD_SPANS_SECONDS, its spans given back; a `lookup_held` into another client's session, what it
-held there), and the task gets CancelledError. `iter_load` (a generator) has no coroutine form:
+UNREAD_SPANS_SECONDS, its spans given back; a `lookup_held`, what it held in its session or another
+client's, the answer lost or not), and the task gets CancelledError. `iter_load` (a generator) has no coroutine form:
 use `load`. `load_shared` and `read_held` are async context managers (`async with
 kv.load_shared(...) as got:`).
 

@@ -534,10 +534,11 @@ class KvstoreClient:
         tenant (an engine's worker in another process, which reads them with `read_held`).
         Without a session, naming one the service no longer knows, or for chunks larger than half
         the session's load segment (they load over streams), only the lookup is answered.
-        A call into another session that fails or is cancelled (its answer lost, or come to a task
-        that is gone) has what it held there released at once, through the side socket, under a
-        hold id it sends with the call (only that session's client releases leases by id); over a
-        TCP target, or without an answer from the side socket, they lapse by shm_lease_seconds.
+        A call that fails or is cancelled (its answer lost, or come to a task that is gone) has
+        what it held released at once, through the side socket, under a hold id it sends with the
+        call (the lease ids were in the answer; into another session, only that session's client
+        releases leases by id); over a TCP target, or without an answer from the side socket, they
+        lapse by shm_lease_seconds. An answer that reached the caller is released by its ids only.
 
             held = kv.lookup_held(model, prompt, hold_chunks=n)
             try:
@@ -554,9 +555,10 @@ class KvstoreClient:
         if not session or hold_chunks <= 0:
             return HeldLookup(self._plain_lookup(model, tokens, replay_mode, deadline.left(), cache_salt,
                                                  call_seconds=seconds))
-        # Into another session: the service tags the leases with this id, which only this call knows,
-        # so that this client can release them when the answer (their ids) never reaches its caller.
-        hold = secrets.token_hex(16) if into_session and self._unix_path else ""
+        # The service tags the leases with this id, which only this call knows, so that this client
+        # can release them when the answer (their ids) never reaches its caller: into another
+        # session, and into its own (a cancel or a deadline that lost the answer).
+        hold = secrets.token_hex(16) if self._unix_path else ""
         req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt,
                                     f"{session}/{hold}" if hold else session, hold_chunks)
         rid, metadata = self._request_metadata("Lookup", None, None, "")
@@ -597,15 +599,15 @@ class KvstoreClient:
         return HeldLookup(result, spans.shared(r.chunk_tokens, r.chunk_bytes), _release=spans.release)
 
     def _give_back_hold(self, session: str, hold: str) -> None:
-        """Release what a failed or cancelled `lookup_held` into another client's `session` held
-        there under `hold` (nothing for ""). Never raises: without an answer from the side socket
-        the leases lapse by the service's shm_lease_seconds, as they did before holds."""
+        """Release what a failed or cancelled `lookup_held` held in `session` (another client's, or
+        this one's) under `hold` (nothing for ""). Never raises: without an answer from the side
+        socket the leases lapse by the service's shm_lease_seconds, as they did before holds."""
         if not hold or self._unix_path is None:
             return
         try:
             n = release_held(self._unix_path, self._token, session, hold)
         except ShmUnavailable as e:
-            log.info("%s; what a cancelled lookup_held held in another session stays leased until it lapses", e)
+            log.info("%s; what a cancelled lookup_held held stays leased until it lapses", e)
         except HoldNotReleased as e:  # the call held nothing, or the service released it on the cancel
             log.debug("%s", e)
         else:

@@ -13,10 +13,10 @@ I/O, a paused VM) never has its space handed to another load while it still writ
 Lease ids are never reused within a table, so a release of a lease that already expired (or a
 forged id) is recognised as stale and frees nothing.
 
-A lease may carry a tag: the hold id of the call that placed it in a session other than its
-caller's (`lookup_held(into_session=...)`). Only the session's owner releases leases by id; the
-placing call's client releases its tag's instead, when it was cancelled and its answer (the ids)
-never reached it (`release_tagged`). A released tag is withdrawn: a call still placing leases
+A lease may carry a tag: the hold id of the `lookup_held` that placed it (in its caller's
+session, or another's: `into_session=...`). The placing call's client releases its tag's leases
+when it was cancelled and its answer (the ids) never reached it (`release_tagged`); once the
+answer did, they are released by id as any other. A released tag is withdrawn: a call still placing leases
 under it stops (`withdrawn`).
 """
 
@@ -181,8 +181,8 @@ class LeaseTable:
                 del self._tagged[tag]
 
     def release_tagged(self, tag: str) -> int:
-        """Give back every lease held under `tag` (what a call placed for another client, released
-        by its own client once the call was cancelled), and withdraw the tag: a call still placing
+        """Give back every lease held under `tag` (what a call placed, released by its client once
+        the call was cancelled before its answer arrived), and withdraw the tag: a call still placing
         leases under it stops there (`withdrawn`). How many were held; those still being filled
         are not (their fill writes there; the call that fills them sees the tag withdrawn and
         releases them itself)."""

@@ -9,7 +9,7 @@ tier on the GPU, opened from CUDA IPC handles. The client then names the session
 the service answers loads with spans of the load
 segment or chunk offsets in a tier's memory, and this module copies them out and releases their
 leases. `release_held` gives back, without a session, what a cancelled call of the client held
-in another client's session.
+in a session (another client's, or its own) whose answer, with the lease ids, it never got.
 
 A lease runs out `lease_seconds` after the service granted it, after which the span may be
 reused. The copy is checked against that on the service's own clock (the hello carries it; the
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.client")
 
 HELLO_TIMEOUT_SECONDS = 5.0
-# A cancelled call's release of what it held in another session waits at most this for the answer
+# A cancelled call's release of what it held in a session waits at most this for the answer
 # (the listener answers at once): past it the leases lapse by shm_lease_seconds instead.
 RELEASE_HELD_TIMEOUT_SECONDS = 1.0
 # Larger copies let go of the GIL (a whole span of the load segment); a chunk read in place is
@@ -399,9 +399,9 @@ class HoldNotReleased(InvalidInput):
 
 def release_held(grpc_socket_path: str, token: str | None, session: str, hold: str,
                  timeout_seconds: float = RELEASE_HELD_TIMEOUT_SECONDS) -> int:
-    """Release the leases a call of this client placed in another client's `session` under the
-    hold id `hold` (`lookup_held(into_session=...)`, cancelled: only the session's owner can
-    release leases by id, and the ids were in the answer the cancel lost). One connection to the
+    """Release the leases a call of this client placed in `session` under the hold id `hold`
+    (`lookup_held`, cancelled: the ids were in the answer the cancel lost, and into another
+    client's session only that session's owner can release leases by id). One connection to the
     side socket beside `grpc_socket_path`, no session opened; how many leases were released.
     Raises ShmUnavailable when the side socket does not answer within `timeout_seconds`, and
     HoldNotReleased when the service released nothing (with its reason)."""

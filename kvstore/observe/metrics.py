@@ -334,7 +334,8 @@ class SourceCollector(Collector):
         yield CounterMetricFamily("kvstore_shm_holds_released", "Holds of cancelled lookup_held calls into another "
                                   "client's session, released by their own client.", value=t.holds_released)
         yield CounterMetricFamily("kvstore_shm_hold_releases_refused", "Releases of such holds refused: nothing of "
-                                  "the tenant's was held under the id (released or lapsed already, or forged).",
+                                  "the tenant's was held under the id (the failed call held none, they were "
+                                  "released or lapsed already, or the id is forged).",
                                   value=t.hold_releases_refused)
 
     @staticmethod

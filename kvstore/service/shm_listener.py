@@ -22,9 +22,10 @@ so a process that opens connections and stays silent cannot keep other tenants f
 A client in another pid namespace (another container) has no pid (0: unknown): its user's such
 processes are then counted as one, with a larger part of the pool.
 
-Holds: a `lookup_held(into_session=...)` names the other session as "SESSION/HOLD", HOLD a random
-id its client chose, and the leases it places there carry HOLD as their tag. Only a session's owner
-releases leases by id, so when that call is cancelled (its answer, with the ids, lost) its client
+Holds: a `lookup_held` names its session (the caller's, or another's: `into_session=...`) as
+"SESSION/HOLD", HOLD a random id its client chose, and the leases it places there carry HOLD as
+their tag. When that call is cancelled (its answer, with the ids, lost; into another session only
+that session's owner could release them by id anyway) its client
 connects once and sends {"v": 1, "release_held": HOLD, "session": SESSION, "token": ...}: the leases
 under HOLD in that session, if it is a session of the caller's tenant, are released at once, and
 the answer says how many (or why none) before the connection is closed. Without it (the side socket
