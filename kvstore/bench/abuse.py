@@ -63,13 +63,20 @@ def add_abuse_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", choices=ABUSES, action="append", help="run only this abuse (repeatable)")
     p.add_argument("--settle-seconds", type=seconds(0.0, 3600.0), default=20.0,
                    help="longest wait for the service to drop an ended abuse's calls")
+    # The service's LMDB write path under the Stores: write-through commits write LMDB outside the
+    # store's lock; write-back writes it as chunks are demoted out of DRAM.
+    p.add_argument("--write-policy", choices=("write-through", "write-back"), default="write-through",
+                   help="the services' store.write_policy")
+    p.add_argument("--lmdb-durability", choices=("sync", "nometasync", "async"), default="async",
+                   help="the services' store.lmdb_durability (async: no fsync, the default here)")
 
 
-def _config(tmp: Path) -> Path:
+def _config(tmp: Path, write_policy: str, lmdb_durability: str) -> Path:
     cfg = tmp / "abuse.toml"
     cfg.write_text(
         "[store]\ndevice = \"cpu\"\ndevice_capacity_bytes = 1048576\ndram_capacity_bytes = 16777216\n"
-        "lmdb_capacity_bytes = 67108864\nlmdb_durability = \"async\"\ncompression = \"none\"\n"
+        f"lmdb_capacity_bytes = 67108864\nlmdb_durability = \"{lmdb_durability}\"\ncompression = \"none\"\n"
+        f"write_policy = \"{write_policy}\"\n"
         "[service]\nmax_concurrent_calls = 64\nstream_idle_seconds = 5\nmax_staged_bytes = 536870912\n"
         f"max_message_bytes = 4194304\nmodels = [\"{TOY}\", \"{V41}\"]\n"
         "[replay]\nrunner = \"none\"\n[local_pool]\ncapacity_bytes = 16777216\n"
@@ -77,8 +84,8 @@ def _config(tmp: Path) -> Path:
     return cfg
 
 
-def _start_service(tmp: Path) -> tuple[subprocess.Popen[str], str]:
-    return start_serve(_config(tmp), tmp / "data")
+def _start_service(tmp: Path, args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+    return start_serve(_config(tmp, args.write_policy, args.lmdb_durability), tmp / "data")
 
 
 def _status(pid: int, field: str) -> int:
@@ -246,11 +253,11 @@ def run_abuse_bench(args: argparse.Namespace) -> dict[str, Any]:
     names = args.only or list(ABUSES)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-abuse-") as d:
-        proc, address = _start_service(Path(d))
+        proc, address = _start_service(Path(d), args)
         other: tuple[subprocess.Popen[str], str] | None = None
         if any(n.endswith(ELSEWHERE) for n in names):
             (Path(d) / "other").mkdir()
-            other = _start_service(Path(d) / "other")
+            other = _start_service(Path(d) / "other", args)
         try:
             with KvstoreClient(address, token=ALICE, timeout_seconds=60) as alice:
                 cb = alice.lookup(V41, _tokens(0, 128, V41_VOCAB)).chunk_bytes
