@@ -29,7 +29,8 @@ ranked (policies), gRPC, tenants' credentials, or local SWA state (the local poo
 
 Locking: one re-entrant lock guards the index and the in-memory tiers. The slow LMDB work of a
 commit happens outside it: the durable write, before the new chunks become visible, and the
-deletes of the chunks evicted to make room (placement.py). A commit takes the lock for at most
+deletes of the chunks evicted to make room and the writes of those demoted into LMDB, in one
+transaction per commit (placement.py). A commit takes the lock for at most
 CHUNKS_PER_LOCK_HOLD chunks at a time. A model registration writes its record (and the tiers
 learn its layout) outside it too, between a reservation that counts in the limits and the model
 being served.
@@ -67,7 +68,7 @@ from kvstore.store.commit_plan import CommitPlan, PlannedChunk
 from kvstore.store.fates import ChunkFateSink, NoFates, RefusalReason
 from kvstore.store.index_load import IndexLoad
 from kvstore.store.pins import PinTable
-from kvstore.store.placement import ChunkEntry, fastest_tier
+from kvstore.store.placement import DEMOTION_BATCH_BYTES, ChunkEntry, Demotion, fastest_tier
 from kvstore.store.reads import Reads
 from kvstore.store.sessions import StoreTxn
 from kvstore.store.store_lock import CHUNKS_PER_LOCK_HOLD, StoreLock
@@ -186,6 +187,7 @@ class GlobalStore(Reads, IndexLoad):
         self._ns_of_tenant: dict[str, int] = {}
         self._ns_committing: dict[bytes, int] = {}
         self._ns_writing: dict[bytes, threading.Event] = {}
+        self._ns_demoting: dict[bytes, tuple[threading.Event, str, bytes]] = {}
         self._ns_doomed: set[bytes] = set()
         self._ns_deleting: dict[bytes, threading.Event] = {}
         self._ns_kept: set[bytes] = set()
@@ -204,6 +206,8 @@ class GlobalStore(Reads, IndexLoad):
         self._overage: dict[tuple[str | None, TierName], int] = {}
         self._deleting: dict[bytes, threading.Event] = {}
         self._committing: dict[bytes, int] = {}
+        self._demoting: dict[bytes, Demotion] = {}  # victims on their way into LMDB (placement.py)
+        self._demoting_bytes = 0
         self._registered_by: dict[str, str] = {}  # engine model name -> the tenant that registered it
         # Engine model name -> every tenant that registered it (the same description registered by a
         # second tenant is the same model): the models each tenant's Stats lists.
@@ -539,7 +543,8 @@ class GlobalStore(Reads, IndexLoad):
         plan = CommitPlan()
         self._enter_commit(txn, plan)
         try:
-            self._in_turns(plan.new, lambda new: self._plan_chunk(txn, plan, *new))
+            self._in_turns(plan.new, lambda new: self._plan_chunk(txn, plan, *new),
+                           between=self._write_many_demotions)
             # The victims' values go first, so LMDB never holds them and the new chunks at once.
             self._delete_doomed()
             ns, layout = txn.ns, txn.layout
@@ -610,13 +615,17 @@ class GlobalStore(Reads, IndexLoad):
             if entry is not None and entry.fastest == "lmdb":
                 self._fold(key, entry)  # written through and placed in no memory tier
 
-    def _in_turns(self, items: Sequence[T], step: Callable[[T], None]) -> None:
+    def _in_turns(self, items: Sequence[T], step: Callable[[T], None],
+                  between: Callable[[], None] | None = None) -> None:
         """`step` each item in order under the store's lock, in turns of at most
         CHUNKS_PER_LOCK_HOLD items and TURN_SECONDS, a turn ending at once when another call
-        waits for the lock; between turns the thread lets go of the interpreter and the CPU."""
+        waits for the lock; between turns the thread lets go of the interpreter and the CPU, and
+        calls `between` (without the lock)."""
         i, n = 0, len(items)
         while i < n:
             if i:  # a thread that lets a lock go and retakes it at once usually wins it
+                if between is not None:
+                    between()
                 time.sleep(0)
             with self._lock:
                 end = min(n, i + CHUNKS_PER_LOCK_HOLD)
@@ -626,6 +635,12 @@ class GlobalStore(Reads, IndexLoad):
                     i += 1
                     if self._lock.waiting or time.perf_counter() > until:
                         break
+
+    def _write_many_demotions(self) -> None:
+        """Write the victims queued for LMDB now if their payloads' copies take much memory (a large
+        commit's planning evicts as many bytes as it stores); else after the planning."""
+        if self._demoting_bytes >= DEMOTION_BATCH_BYTES:  # read without the lock: a hint
+            self._write_demotions()
 
     def _plan_chunk(self, txn: StoreTxn, plan: CommitPlan, i: int, payload: memoryview) -> None:
         """Reserve room for chunk `i` in LMDB (write-through, if admitted) and in the fastest memory
@@ -809,6 +824,7 @@ class GlobalStore(Reads, IndexLoad):
                 quota = self._limit(tenant, tier)
                 assert quota < 0 or used <= quota + self._overage.get((tenant, tier), 0), (tenant, tier, used, quota)
             assert not self._committing and not self._deleting, "a commit or a delete left its mark"
+            assert not self._demoting and not self._ns_demoting, "a demotion was queued and never written"
             for key in self._doomed:  # a value to delete is held in LMDB by no indexed chunk
                 entry = self._index.get(key)
                 assert entry is None or "lmdb" not in entry.footprint, key.hex()

@@ -2,8 +2,9 @@
 decides which namespaces LMDB keeps a record of, and when one is written or deleted.
 
 A restart serves only the chunks of namespaces it finds a record of (`_recover_namespaces`), so a
-namespace's record is written, once, before its first chunk goes to LMDB: by a commit outside the
-store's lock (`_record_namespace`), or by a demotion into LMDB under it (`_namespace_recorded`). It
+namespace's record is written, once, before its first chunk goes to LMDB, outside the store's
+lock: by a commit (`_record_namespace`), or by the write of the demotions into LMDB
+(`_record_demoted_namespaces`), which a demotion claims under the lock (`_claim_for_demotion`). It
 is deleted once the namespace holds no chunk in any tier and no commit is writing to it: a new
 cache_salt per call must not fill the map with records. The records each tenant holds, or is
 writing, are bounded by an equal share of `store.max_namespaces` (`namespace_share`): a commit
@@ -17,13 +18,17 @@ or where they are read from, nor know how a record is laid out on disk (the LMDB
 from __future__ import annotations
 
 import json
+import logging
 import threading
+from collections.abc import Collection
 
 from kvstore.config.store import StoreConfig
-from kvstore.errors import ResourceExhausted
+from kvstore.errors import ResourceExhausted, StorageError
 from kvstore.keys.chunk_keys import Namespace
 from kvstore.layout import CacheLayout
 from kvstore.store.placement import ChunkEntry, Placement
+
+log = logging.getLogger("kvstore.store")
 
 
 class Namespaces(Placement):
@@ -40,6 +45,8 @@ class Namespaces(Placement):
     _ns_of_tenant: dict[str, int]  # records held or being written, per tenant
     _ns_committing: dict[bytes, int]  # commits in flight per namespace: record kept
     _ns_writing: dict[bytes, threading.Event]  # records being written; set when done
+    # Records demotions claimed and no one writes yet: (its _ns_writing event, tenant, record).
+    _ns_demoting: dict[bytes, tuple[threading.Event, str, bytes]]
     _ns_doomed: set[bytes]  # records of namespaces that lost their last chunk
     _ns_deleting: dict[bytes, threading.Event]  # records being deleted; set when done
     _ns_kept: set[bytes]  # namespaces of chunks kept on disk unserved: records stay
@@ -89,6 +96,10 @@ class Namespaces(Placement):
             with self._lock:
                 if digest in self._known_ns:
                     return
+                claim = self._ns_demoting.pop(digest, None)
+                if claim is not None:  # claimed by demotions not written yet: written here, counted
+                    done = claim[0]
+                    break
                 pending = self._ns_writing.get(digest)
                 if pending is None:
                     why = self._namespace_room(ns.tenant)
@@ -98,33 +109,89 @@ class Namespaces(Placement):
                     self._ns_of_tenant[ns.tenant] = self._ns_of_tenant.get(ns.tenant, 0) + 1
                     break
             pending.wait()  # another commit writes it: this one's chunks go after it
+        self._write_record(digest, ns.tenant, self._namespace_record(ns), done)
+
+    def _write_record(self, digest: bytes, tenant: str, record: bytes, done: threading.Event) -> None:
+        """Write a record whose writing was claimed (`_ns_writing`, counted in the tenant's share),
+        outside the lock."""
         written = False
         try:
-            self._durable.put_namespace(digest, self._namespace_record(ns))
+            self._durable.put_namespace(digest, record)
             written = True
         finally:
             with self._lock:
-                self._ns_of_tenant[ns.tenant] -= 1
+                self._ns_of_tenant[tenant] -= 1
                 if written:
-                    self._claim_namespace(digest, ns.tenant)
+                    self._claim_namespace(digest, tenant)
                 del self._ns_writing[digest]
             done.set()
 
-    def _namespace_recorded(self, entry: ChunkEntry) -> bool:
-        """Whether a chunk may be demoted into LMDB: its namespace has a record, written here (under
-        the lock: a small transaction, once per namespace) where it can be."""
+    def _namespace_demotable(self, entry: ChunkEntry) -> bool:
+        """Whether a chunk may be demoted into LMDB: its namespace has a record, or one is being
+        written, or it can be claimed (this process knows the record; within the tenant's share)."""
         digest = entry.namespace
-        if digest in self._known_ns:
-            return True
-        record = self._ns_records.get(digest)
-        if record is None or digest in self._ns_writing or digest in self._ns_deleting:
+        if digest in self._known_ns or digest in self._ns_writing:
+            return True  # a record written now is waited for, and checked, before the chunk is
+        if self._ns_records.get(digest) is None or digest in self._ns_deleting:
             return False
         if self._namespace_room(entry.tenant):
             self._bump("admissions_refused", 1, entry.tenant)
             return False
-        self._durable.put_namespace(digest, record)
-        self._claim_namespace(digest, entry.tenant)
         return True
+
+    def _claim_for_demotion(self, entry: ChunkEntry) -> bytes | None:
+        """Keep the namespace's record until the chunk's demotion is done, as a commit does, and
+        claim its writing where it has none (written with the demotions, or by the next commit)."""
+        digest = entry.namespace
+        self._ns_committing[digest] = self._ns_committing.get(digest, 0) + 1
+        record = self._ns_records.get(digest)
+        if digest not in self._known_ns and digest not in self._ns_writing:
+            assert record is not None, "checked by _namespace_demotable in this hold of the lock"
+            done = self._ns_writing[digest] = threading.Event()
+            self._ns_of_tenant[entry.tenant] = self._ns_of_tenant.get(entry.tenant, 0) + 1
+            self._ns_demoting[digest] = (done, entry.tenant, record)
+        return record
+
+    def _record_demoted_namespaces(self, digests: Collection[bytes]) -> set[bytes]:
+        """Those of `digests` whose records are in LMDB: the ones demotions claimed are written now
+        (outside the lock), those another call writes are waited for. A record that cannot be
+        written keeps its chunks out of LMDB (a restart would not serve them)."""
+        recorded: set[bytes] = set()
+        for digest in digests:
+            while True:
+                with self._lock:
+                    if digest in self._known_ns:
+                        recorded.add(digest)
+                        break
+                    claim = self._ns_demoting.pop(digest, None)
+                    pending = self._ns_writing.get(digest)
+                if claim is not None:
+                    try:
+                        self._write_record(digest, *claim[1:], claim[0])
+                    except StorageError as e:
+                        log.warning("a namespace record could not be written; its chunks are not demoted: %s", e)
+                        break
+                elif pending is not None:
+                    pending.wait()
+                else:
+                    break  # its writer failed
+        return recorded
+
+    def _release_demotion_claims(self, digests: Collection[bytes]) -> None:
+        """Give back the claims on `digests` that no one took up (a write of demotions that failed
+        before their records)."""
+        for digest in digests:
+            claim = self._ns_demoting.pop(digest, None)
+            if claim is not None:
+                done, tenant, _ = claim
+                self._ns_of_tenant[tenant] -= 1
+                del self._ns_writing[digest]
+                done.set()
+
+    def _demoted_chunk_back(self, digest: bytes, record: bytes | None) -> None:
+        self._chunks_added(digest, 1)
+        if record is not None:  # for its next demotion, should it go to memory again and down
+            self._ns_records.setdefault(digest, record)
 
     def _chunks_added(self, digest: bytes, n: int) -> None:
         self._ns_chunks[digest] = self._ns_chunks.get(digest, 0) + n

@@ -13,15 +13,22 @@ in one transaction with its fellow victims (`_delete_doomed`): one fsync per del
 stalled every other call for as long as a large commit made room. The index never points at a
 value that is gone: a key is deleted only while no commit may write it and nothing indexed holds
 it in LMDB, and a commit or a demotion into LMDB waits for (or skips) a key being deleted.
+
+A victim demoted into LMDB is written outside the lock too, in one transaction with the others
+queued since the last write (`_write_demotions`, run where `_delete_doomed` is): under the lock
+its payload is copied to a host buffer, its room in LMDB reserved and its key marked as a
+commit's is (`_committing`: never deleted meanwhile); it reads as a miss until the write is done
+and the chunk charged to LMDB, or dropped if the write fails. One fsync per demotion under the
+lock stalled every other tenant's call under write-back.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Collection, Container, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -35,6 +42,7 @@ from kvstore.tiers.base import ChunkMeta, DurableTier, Tier, TierName
 from policies.base import AdmissionPolicy, EvictionPolicy
 
 log = logging.getLogger("kvstore.store")
+T = TypeVar("T")
 
 
 # eq=False: entries compare by identity, so a lookup scans for a missing one in C, and the key memo
@@ -69,6 +77,24 @@ def chunk_meta(entry: ChunkEntry) -> ChunkMeta:
     return ChunkMeta(entry.namespace, entry.layout.layout_id, entry.tokens)
 
 
+# Bytes of victims' payloads a commit's planning queues for LMDB before it writes them (between two
+# holds of the lock), beside those of its own chunks: a bound on the host memory they take.
+DEMOTION_BATCH_BYTES = 64 << 20
+
+
+@dataclass(eq=False, slots=True)
+class Demotion:
+    """A victim on its way into LMDB, outside the lock: its room there reserved, its key committing."""
+
+    entry: ChunkEntry  # its entry when evicted (left the index if no other tier holds it)
+    payload: memoryview  # a copy, read from the tier it left
+    meta: ChunkMeta
+    footprint: int  # LMDB bytes reserved
+    source: TierName
+    record: bytes | None  # its namespace's record, where this process stored it
+    reason: str = "capacity"  # why it was evicted: its fate, if it is dropped after all
+
+
 class Placement:
     # State owned by GlobalStore.__init__; declared here for the type checker.
     _index: dict[bytes, ChunkEntry]  # every chunk but the cold ones
@@ -88,6 +114,8 @@ class Placement:
     _deleting: dict[bytes, threading.Event]  # being deleted from LMDB now; set when done
     _committing: dict[bytes, int]  # keys of commits in flight -> how many: never evicted or deleted
     _ready: threading.Event  # the LMDB tier's index is loaded (index_load.py)
+    _demoting: dict[bytes, Demotion]  # victims queued for LMDB (`_write_demotions`)
+    _demoting_bytes: int  # their payloads' bytes
     # Bytes above a limit that pinned or committing chunks kept a background index load from
     # evicting (`_evict_unprotected`), by (tenant, tier); tenant None: the tier's capacity.
     _overage: dict[tuple[str | None, TierName], int]
@@ -140,10 +168,32 @@ class Placement:
     def _bump_tier(self, name: str, label: str) -> None:
         raise NotImplementedError
 
-    def _namespace_recorded(self, entry: ChunkEntry) -> bool:
-        """Whether the chunk's namespace has its record in LMDB (written now where it can be;
-        namespaces.py)."""
+    def _namespace_demotable(self, entry: ChunkEntry) -> bool:
+        """Whether the chunk's namespace has its record in LMDB, or can have it before the chunk is
+        written there (namespaces.py)."""
         raise NotImplementedError
+
+    def _claim_for_demotion(self, entry: ChunkEntry) -> bytes | None:
+        """Keep the namespace's record until the chunk's demotion is done (its writing claimed where
+        it has none yet); the record, where this process stored it (namespaces.py)."""
+        raise NotImplementedError
+
+    def _record_demoted_namespaces(self, digests: Collection[bytes]) -> set[bytes]:
+        """Those of `digests` whose records are in LMDB, the claimed ones written now (namespaces.py)."""
+        raise NotImplementedError
+
+    def _release_demotion_claims(self, digests: Collection[bytes]) -> None:
+        raise NotImplementedError
+
+    def _demoted_chunk_back(self, digest: bytes, record: bytes | None) -> None:
+        """A demoted chunk that had left the index is back in it (namespaces.py counts it)."""
+        raise NotImplementedError
+
+    def _leave_namespace(self, digest: bytes) -> None:
+        raise NotImplementedError
+
+    def _in_turns(self, items: Sequence[T], step: Callable[[T], None]) -> None:
+        raise NotImplementedError  # GlobalStore's
 
     def _chunk_gone(self, entry: ChunkEntry) -> None:
         """The store no longer holds the chunk in any tier (namespaces.py counts it)."""
@@ -244,7 +294,10 @@ class Placement:
             self._bump_tier("evictions", tier)
             self._bump_tier(f"evict_reason:{tier}", reason)
             self._demote(key, entry, tier, protect)
-            if not self._holds(key):  # no lower tier took it: dropped from the store
+            demotion = self._demoting.get(key)
+            if demotion is not None:  # on its way into LMDB: dropped only if that write fails
+                demotion.reason = reason
+            elif not self._holds(key):  # no lower tier took it: dropped from the store
                 self._fates.dropped(key, entry.namespace, tier, reason, entry.tenant)
 
     def _demote(self, key: bytes, entry: ChunkEntry, tier: TierName, protect: Container[bytes]) -> None:
@@ -274,20 +327,15 @@ class Placement:
                      protect: Container[bytes]) -> None:
         """Put a victim of `source` into the first of `targets` with room: straight from tier to tier
         where both can (two arenas: a GPU's pages and pinned host memory by DMA), else through a
-        host buffer read once. Making that room evicts neither it nor the chunks in `protect`."""
+        host buffer read once; into LMDB, queued for a write outside the lock (`_queue_demotion`).
+        Making that room evicts neither it nor the chunks in `protect`."""
         meta = chunk_meta(entry)
         protect = Plus(protect, key)
         for t in targets:
             tier = self._tiers[t]
-            if t == "lmdb" and key in self._deleting:
-                return  # a put now could land before that delete and be lost to it
-            if t == "lmdb" and not self._ready.is_set():
-                return  # while the index loads, LMDB's used bytes are not all known: no writes
-            if t == "lmdb" and not self._admission.admit(key):
-                self._bump("admissions_refused", 1, entry.tenant)
+            if t == "lmdb":
+                self._queue_demotion(key, entry, source, meta, protect)
                 return
-            if t == "lmdb" and not self._namespace_recorded(entry):
-                return  # a restart would not serve it: dropped instead
             if self._make_room(t, entry.tenant, tier.footprint(entry.payload_bytes), protect):
                 if not tier.put_from(self._tiers[source], [key], entry.tenant):
                     payload = memoryview(bytearray(entry.payload_bytes))
@@ -298,9 +346,96 @@ class Placement:
                 self._bump_tier("demotions", t)
                 return
 
+    def _queue_demotion(self, key: bytes, entry: ChunkEntry, source: TierName, meta: ChunkMeta,
+                        protect: Container[bytes]) -> None:
+        """Queue a victim of `source` for LMDB, if it may go there and LMDB has room: its payload
+        copied, its room reserved and its key kept from deletion until `_write_demotions` writes it
+        (outside the lock) and charges it. `protect` includes the key."""
+        if key in self._deleting or key in self._demoting:
+            return  # a put now could land before that delete and be lost to it; or it is on its way
+        if not self._ready.is_set():
+            return  # while the index loads, LMDB's used bytes are not all known: no writes
+        if not self._admission.admit(key):
+            self._bump("admissions_refused", 1, entry.tenant)
+            return
+        if not self._namespace_demotable(entry):
+            return  # a restart would not serve it: dropped instead
+        need = self._tiers["lmdb"].footprint(entry.payload_bytes)
+        if not self._make_room("lmdb", entry.tenant, need, protect):
+            return
+        payload = memoryview(bytearray(entry.payload_bytes))  # a memcpy under the lock, not a write
+        if self._tiers[source].get_into(key, payload) is None:
+            return
+        record = self._claim_for_demotion(entry)
+        self._reserve("lmdb", entry.tenant, need)
+        self._committing[key] = self._committing.get(key, 0) + 1
+        self._demoting[key] = Demotion(entry, payload, meta, need, source, record)
+        self._demoting_bytes += entry.payload_bytes
+
+    def _write_demotions(self) -> None:
+        """Write the victims queued for LMDB, in one transaction outside the lock (their namespaces'
+        records first, where not written yet), then charge them to LMDB, or drop them where the write
+        failed, giving their room back. Call it with the lock not held."""
+        if not self._demoting:  # read without the lock: whoever queued one calls this after
+            return
+        with self._lock:
+            batch = list(self._demoting.items())
+            self._demoting.clear()
+            self._demoting_bytes = 0
+        digests = {d.entry.namespace for _, d in batch}
+        written: set[bytes] = set()
+        recorded: set[bytes] | None = None
+        try:
+            recorded = self._record_demoted_namespaces(digests)
+            ready = [(k, d) for k, d in batch if d.entry.namespace in recorded]
+            if ready:
+                self._durable.put_many([(k, d.payload, d.meta) for k, d in ready])
+            written = {k for k, _ in ready}
+        except StorageError as e:
+            # Dropped instead (a cache), as a victim no lower tier has room for.
+            with self._lock:
+                self._bump("demotion_failures", len(batch))
+            log.warning("%d chunks evicted from memory could not be written to LMDB and are dropped: %s",
+                        len(batch), e)
+        finally:
+            if recorded is None:  # failed before its records: the claims it did not write go back
+                with self._lock:
+                    self._release_demotion_claims(digests)
+            self._in_turns(batch, lambda kd: self._publish_demotion(kd[0], kd[1], kd[0] in written))
+
+    def _publish_demotion(self, key: bytes, d: Demotion, written: bool) -> None:
+        """Under the lock: turn a demotion's reservation into its charge in LMDB (written), or give
+        it back (not); either way the key stops committing."""
+        old = d.entry
+        self._reserve("lmdb", old.tenant, -d.footprint)
+        entry = self._entry(key)
+        if written:
+            if entry is None:  # the usual case: it left memory, so the index
+                entry = ChunkEntry(old.namespace, old.tenant, old.layout, old.tokens, old.payload_bytes, old.cost)
+                self._index[key] = entry
+                self._demoted_chunk_back(old.namespace, d.record)
+            if "lmdb" not in entry.footprint:  # else stored there again meanwhile, and charged once
+                self._charge(key, entry, "lmdb")
+            self._bump_tier("demotions", "lmdb")
+        elif entry is None:
+            self._fates.dropped(key, old.namespace, d.source, d.reason, old.tenant)
+        self._leave_commit_of(key)
+        self._leave_namespace(old.namespace)
+
+    def _leave_commit_of(self, key: bytes) -> None:
+        raise NotImplementedError  # GlobalStore's
+
     def _delete_doomed(self) -> None:
+        """Delete from LMDB the evicted values no one can still need, then write the victims queued
+        for it. Call it with the lock not held, after any eviction that may have reached LMDB."""
+        try:
+            self._delete_doomed_values()
+        finally:
+            self._write_demotions()
+
+    def _delete_doomed_values(self) -> None:
         """Delete from LMDB, in one transaction outside the lock, the evicted values no one can
-        still need. Call it with the lock not held, after any eviction that may have reached LMDB."""
+        still need."""
         if not self._doomed:  # read without the lock: whoever doomed a key calls this after
             return
         done = threading.Event()
