@@ -52,6 +52,8 @@ def writable_dir(text: str) -> str:
     """An existing directory this user may create files in (a temp dir is made inside it)."""
     if "\0" in text:
         raise argparse.ArgumentTypeError("a path cannot contain a NUL")
+    if not text:  # said as ": not an existing directory"
+        raise argparse.ArgumentTypeError("must not be empty (it names a directory)")
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text}: not an existing directory")
     # os.access says yes to root on a read-only mount: ask the file system too.

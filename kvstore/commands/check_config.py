@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvstore.commands.checks import check_server_tls
+from kvstore.commands.checks import check_not_empty, check_server_tls
 from kvstore.config import KvstoreConfig, load_config
 from kvstore.config.warnings import config_warnings
 from kvstore.errors import ConfigError
@@ -135,6 +135,7 @@ def _check_writable(path: Path, key: str, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_not_empty(args.file, "FILE", "file")  # else "cannot read config file .: Is a directory"
     from kvstore.service.app import build_ttl_policy, check_devices, served_models
     from kvstore.service.auth import check_bind_allowed, server_credentials
 

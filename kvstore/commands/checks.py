@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import re
 import ssl
+import urllib.parse
 
+from kvstore.config.fields import DAY_SECONDS
 from kvstore.config.service import token_problem
 from kvstore.errors import InvalidInput
 
@@ -20,6 +22,13 @@ def check_token(token: str | None, flag: str) -> None:
     problem = token_problem(token) if token is not None else None
     if problem is not None:
         raise InvalidInput(f"{flag}: the token {problem}")
+
+
+def check_not_empty(path: str | None, flag: str, what: str) -> None:
+    """A path flag given as '': Path('') is '.', so it was read as the current directory ("cannot read
+    config file .: Is a directory"), LMDB went into it, or it was taken for the flag left out."""
+    if path == "":
+        raise InvalidInput(f"{flag} must not be empty (it names a {what})")
 
 
 def check_readable(path: str | None, flag: str) -> None:
@@ -87,10 +96,47 @@ def _pem_certificates(path: str) -> bool:
 
 
 def check_target(target: str, flag: str) -> None:
-    """A gRPC target's port, where it has one: gRPC dials 127.0.0.1:99999 as port 34463 (the port
-    modulo 65536) without a word."""
-    if target.startswith(("unix:", "unix-abstract:", "vsock:")):
+    """A gRPC target that names a service: HOST:PORT ([v6]:PORT), alone or after `dns:`, or a socket
+    scheme's. gRPC dials a host without a port on 443 (TLS's, never kvstore's), fails '' and
+    'host:abc' at each (re)connect (a runner retried for ever), and dials 127.0.0.1:99999 as port
+    34463 (the port modulo 65536) without a word."""
+    if target.startswith(("unix:", "unix-abstract:", "vsock:", "ipv4:", "ipv6:")):
         return
-    m = _HOST_PORT.fullmatch(target.rsplit("/", 1)[-1] if "//" in target else target)
-    if m is not None and not 1 <= int(m.group(2)) <= 65535:
+    rest = target.removeprefix("dns:")
+    m = _HOST_PORT.fullmatch(rest.rsplit("/", 1)[-1] if "//" in rest else rest)
+    if m is None or not m.group(1).strip("[]"):
+        raise InvalidInput(f"{flag} {target!r}: expected HOST:PORT (or unix:///PATH for the service's Unix socket)")
+    if not 1 <= int(m.group(2)) <= 65535:
         raise InvalidInput(f"{flag} {target}: the port must be in 1..65535")
+
+
+def check_timeout(seconds: float, flag: str) -> None:
+    """A finite timeout of at most a day: gRPC takes a past (or overflowed, 1e300) deadline and fails
+    the call blaming the service; urllib takes 0 as non-blocking and 1e300 with an OverflowError."""
+    if not 0 < seconds <= DAY_SECONDS:
+        raise InvalidInput(f"{flag} must be a positive number of seconds, at most {DAY_SECONDS:,} (a day), "
+                           f"got {seconds:g}")
+
+
+def check_admin_url(url: str, flag: str) -> str:
+    """An admin port's address (a URL, or HOST:PORT for http://) as the base URL to ask. urllib
+    dials port 99999 as 34463, tries FTP for ftp://, and takes a port that is no number or a space
+    in the URL for an answer that is not HTTP ("is this the gRPC port?")."""
+    base = url if "://" in url else f"http://{url}"
+    if any(c <= " " or c == "\x7f" for c in base):
+        raise InvalidInput(f"{flag} {url!r} is not a URL: it holds a space or a control character")
+    try:
+        parts = urllib.parse.urlsplit(base)
+    except ValueError as e:  # 'http://[::1'
+        raise InvalidInput(f"{flag} {url!r} is not a URL: {e}") from None
+    if parts.scheme not in ("http", "https"):
+        raise InvalidInput(f"{flag} {url}: the admin port speaks http:// or https://, not {parts.scheme}://")
+    if not parts.hostname:
+        raise InvalidInput(f"{flag} {url!r} names no host")
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or past 65535
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise InvalidInput(f"{flag} {url}: the port must be a number in 1..65535")
+    return base

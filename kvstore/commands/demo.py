@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvstore.commands.checks import check_not_empty, check_target, check_token
 from kvstore.errors import InvalidInput, KvstoreError
 from kvstore.layout import TIER_NAMES
 
@@ -38,6 +39,10 @@ Each resumed request is checked against a cold run of the same tokens (greedy ne
 The session is played a few times (--repeats); each case is shown from its median session."""
 
 EXIT_CASE_FAILED = 1  # a case did not happen as it should (see the module's docstring)
+# Upper bounds of the counts: the model runs a whole prompt at once (replay-quality's bounds: 32,768
+# tokens and 4,096 more took ~0.9 GB), and a larger one ran out of memory with a traceback, or
+# decoded and repeated for days.
+MOST = {"prompt_tokens": 32_768, "turn_tokens": 4_096, "reply_tokens": 4_096, "repeats": 1_000}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,11 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", metavar="TOKEN", help="bearer token for --target")
     p.add_argument("--data-dir", metavar="DIR", help="embedded service: keep LMDB here (default: a temp dir)")
     p.add_argument("--prompt-tokens", type=int, default=6000, metavar="N",
-                   help="first prompt length (6000; at least one chunk, 128 tokens)")
+                   help="first prompt length (6000; at least one chunk, 128 tokens; at most 32,768)")
     p.add_argument("--turn-tokens", type=int, default=368, metavar="N",
-                   help="tokens each later turn adds besides the reply (368)")
+                   help="tokens each later turn adds besides the reply (368; at most 4,096)")
     p.add_argument("--reply-tokens", type=int, default=16, metavar="N",
-                   help="tokens decoded after each request and compared with a cold run (16)")
+                   help="tokens decoded after each request and compared with a cold run (16; at most 4,096)")
     p.add_argument("--replay-mode", default="bounded", choices=("bounded", "exact"))
     p.add_argument("--seed", type=int, help="token seed in [0, 2**32) (default: 0 embedded, random with --target; "
                    "salted when --data-dir holds an earlier run's data)")
@@ -61,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for the model, 0 to 256 (0: 1 per 4 CPUs, 1 to 4; more mostly waits on a "
                         "small model)")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
-                   help="sessions to play; each case is shown from its median session (3)")
+                   help="sessions to play, at most 1,000; each case is shown from its median session (3)")
 
 
 def _bytes(n: int) -> str:
@@ -156,6 +161,18 @@ def check_flags(args: argparse.Namespace) -> None:
 
     opts = _options(args)
     check_options(opts)
+    for key, most in MOST.items():
+        if getattr(args, key) > most:
+            raise InvalidInput(f"--{key.replace('_', '-')} must be at most {most:,}, got {getattr(args, key):,}")
+    # Flags of one mode given in the other were ignored without a word.
+    if args.target is not None and args.data_dir is not None:
+        raise InvalidInput("--data-dir is for the embedded service: a service at --target keeps its own data")
+    if args.target is None and args.token is not None:
+        raise InvalidInput("--token is for --target: the embedded service needs none")
+    check_not_empty(args.data_dir, "--data-dir", "directory")
+    check_token(args.token, "--token")
+    if args.target is not None:
+        check_target(args.target, "--target")
     if not args.target:
         check_prompt(opts, StoreConfig().chunk_tokens, running_service=False)  # the embedded service's chunks
     if args.device == "cuda":

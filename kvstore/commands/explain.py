@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import math
 import os
 import sys
 import urllib.error
@@ -22,7 +21,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from kvstore.commands.checks import check_token
+from kvstore.commands.checks import check_admin_url, check_timeout, check_token
 from kvstore.errors import InvalidInput, Unavailable
 from kvstore.wire.request_ids import REQUEST_ID_RE
 
@@ -45,7 +44,7 @@ def fetch(target: str, request_id: str, token: str | None, timeout_seconds: floa
     """The explanation document, or None when the service does not know the request."""
     if not REQUEST_ID_RE.match(request_id):
         raise InvalidInput("a request id is 1-64 characters of letters, digits and . _ : -")
-    base = target if "://" in target else f"http://{target}"
+    base = check_admin_url(target, "--target")
     url = base.rstrip("/") + "/api/explain/" + urllib.parse.quote(request_id, safe="")
     try:  # parsing the URL: 'http://[::1' is no URL at all, said as the flag's
         req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
@@ -74,9 +73,9 @@ def _message(e: urllib.error.HTTPError) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Else urllib takes 0 as non-blocking and refuses a negative one: both said as "cannot reach".
-    if not 0 < args.timeout_seconds < math.inf:
-        raise InvalidInput(f"--timeout-seconds must be a positive number of seconds, got {args.timeout_seconds}")
+    # Else urllib takes 0 as non-blocking and refuses a negative one (both said as "cannot reach"),
+    # and fails 1e300 with an OverflowError.
+    check_timeout(args.timeout_seconds, "--timeout-seconds")
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     check_token(token, "--token" if args.token is not None else TOKEN_ENV)
     doc = fetch(args.target, args.request_id, token, args.timeout_seconds)

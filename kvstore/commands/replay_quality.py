@@ -25,6 +25,8 @@ MAX_NEW_TOKENS = 4_096
 # Beyond this the sharpened attention is one-hot already; from ~1e37 the query weights overflow
 # float32, and every figure was NaN (written as NaN, which JSON does not have).
 MAX_SHARPNESS = 1e6
+# torch's seeds are 64-bit: a larger one failed as "Overflow when unpacking long long", naming no flag.
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -53,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"new tokens after the hit, 1 to {MAX_NEW_TOKENS:,} (default: 32)")
     parser.add_argument("--generate-tokens", type=count(1, MAX_NEW_TOKENS), default=16,
                         help=f"greedy tokens compared, 1 to {MAX_NEW_TOKENS:,} (default: 16)")
-    parser.add_argument("--seed", type=int, default=0, help="weights and token seed (default: 0)")
+    parser.add_argument("--seed", type=count(*SEED_RANGE), default=0,
+                        help="weights and token seed, a 64-bit integer (default: 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when present, else cpu)")
     parser.add_argument(
         "--threads", type=int, default=0,

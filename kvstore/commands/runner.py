@@ -21,8 +21,16 @@ from dataclasses import replace
 from kvstore.commands.checks import check_target, check_tls_ca, check_token
 from kvstore.commands.stop_signals import stop_on_signals
 from kvstore.config.replay import MAX_THREADS
+from kvstore.config.store import MAX_CHUNK_TOKENS
 from kvstore.errors import InvalidInput
 from kvstore.layout import MAX_ENGINE_NAME
+
+# A longer window asked torch for terabytes at warm-up (a traceback); 65,536 loads in ~0.8 GB.
+MAX_WINDOW_TOKENS = 65_536
+# What the hello's uint32 fields carry (a larger value was protobuf's ValueError, a traceback).
+MAX_U32 = (1 << 32) - 1
+# The seed must be the service's replay.reference_seed, a TOML (64-bit) integer; torch refuses more.
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,10 +77,18 @@ def check_revision(revision: str | None) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.max_batch < 1:
-        raise InvalidInput("--max-batch must be >= 1")
-    if args.max_concurrent_jobs < 1:
-        raise InvalidInput("--max-concurrent-jobs must be >= 1")
+    for key in ("max_batch", "max_concurrent_jobs"):
+        if not 1 <= getattr(args, key) <= MAX_U32:
+            raise InvalidInput(f"--{key.replace('_', '-')} must be 1 to {MAX_U32:,}, got {getattr(args, key):,}")
+    # Before the model loads: a huge window or chunk asked torch or numpy for terabytes (a
+    # traceback), or warmed up for minutes.
+    if not 1 <= args.window <= MAX_WINDOW_TOKENS:
+        raise InvalidInput(f"--window must be 1 to {MAX_WINDOW_TOKENS:,} tokens, got {args.window:,}")
+    if not (0 < args.chunk_tokens <= MAX_CHUNK_TOKENS and args.chunk_tokens % 8 == 0):
+        raise InvalidInput(f"--chunk-tokens must be a positive multiple of 8, at most {MAX_CHUNK_TOKENS:,} "
+                           f"(store.chunk_tokens' bound), got {args.chunk_tokens:,}")
+    if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
+        raise InvalidInput(f"--seed must be a 64-bit integer (as replay.reference_seed), got {args.seed:,}")
     if not 0 <= args.threads <= MAX_THREADS:
         raise InvalidInput(f"--threads must be 0 (auto) to {MAX_THREADS}")
     check_revision(args.revision)

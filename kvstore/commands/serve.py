@@ -23,7 +23,7 @@ import sys
 from types import FrameType
 
 from kvstore import __version__
-from kvstore.commands.checks import check_server_tls
+from kvstore.commands.checks import check_not_empty, check_server_tls
 from kvstore.commands.stop_signals import stop_on_signals
 from kvstore.config import load_config
 from kvstore.config.service import is_host
@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stopped_while_starting)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # '' read as the current directory: "cannot read config file .", or LMDB made in it.
+    check_not_empty(args.config, "--config", "file")
+    check_not_empty(args.data_dir, "--data-dir", "directory")
     from kvstore.service.app import build_app
     from kvstore.service.auth import check_bind_allowed
     from kvstore.service.server import KvstoreServer

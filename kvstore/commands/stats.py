@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import math
 import os
 import sys
 import time
@@ -19,7 +18,14 @@ import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
-from kvstore.commands.checks import check_target, check_tls_ca, check_tls_client, check_token
+from kvstore.commands.checks import (
+    check_admin_url,
+    check_target,
+    check_timeout,
+    check_tls_ca,
+    check_tls_client,
+    check_token,
+)
 from kvstore.errors import InvalidInput
 
 if TYPE_CHECKING:  # kvstore.client imports grpc: only `run` needs it, not the parser `kvstore --help` builds
@@ -79,7 +85,7 @@ def render(s: ServiceStats) -> str:
 def recent_requests(admin_url: str, token: str | None, limit: int, timeout: float) -> list[dict[str, Any]]:
     """The newest `limit` requests the admin port's `/api/stats` lists (an admin's or a tenant's
     token sees them; without one only a loopback admin port shows them)."""
-    base = admin_url if "://" in admin_url else f"http://{admin_url}"
+    base = check_admin_url(admin_url, "--admin")
     try:  # parsing the URL: 'http://[::1' is no URL at all
         req = urllib.request.Request(base.rstrip("/") + "/api/stats",
                                      headers={"Authorization": f"Bearer {token}"} if token else {})
@@ -123,9 +129,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.recent < 0:
         raise InvalidInput(f"--recent must be >= 0, got {args.recent}")
-    # gRPC would take a past deadline and fail the call with DEADLINE_EXCEEDED, blaming the service.
-    if not 0 < args.timeout < math.inf:
-        raise InvalidInput(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    # gRPC would take a past (or overflowed) deadline and fail the call with DEADLINE_EXCEEDED,
+    # blaming the service.
+    check_timeout(args.timeout, "--timeout")
+    if args.recent:  # before the service is asked: its answer would be thrown away
+        check_admin_url(args.admin, "--admin")
 
     token = args.token if args.token is not None else os.environ.get("KVSTORE_TOKEN") or None
     check_token(token, "--token" if args.token is not None else "KVSTORE_TOKEN")

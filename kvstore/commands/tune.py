@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 
+from kvstore.commands.checks import check_not_empty
 from kvstore.commands.json_out import dump_json
 from kvstore.config import load_config
 from kvstore.config.local_pool import MAX_COST, MAX_TTL_SECONDS
@@ -100,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "tune_what", None) != "ttl":
         print("kvstore tune: say what to tune: `kvstore tune ttl --trace FILE`", file=sys.stderr)
         return 2
+    # '' was read as the current directory, or (--save-trace) as the flag left out: exit 0, no file.
+    for flag, path in (("--trace", args.trace), ("--config", args.config), ("--save-trace", args.save_trace)):
+        check_not_empty(path, flag, "file")
     cfg = load_config(args.config)
     ttl_cfg = cfg.local_pool.ttl
     # The service gives these tenants their own TTL; the evaluation prices every tenant alike.
@@ -126,12 +130,14 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.chunk_tokens <= MAX_CHUNK_TOKENS:
         raise InvalidInput(f"--chunk-tokens must be 1 to {MAX_CHUNK_TOKENS:,} (store.chunk_tokens' bound), "
                            f"got {args.chunk_tokens:,}")
+    if args.synthetic == 0:  # else "synthetic trace (seed 0) holds no requests", naming no flag
+        raise InvalidInput("--synthetic must be at least 1 (requests to generate), got 0")
     if args.synthetic is not None and args.synthetic > MAX_SYNTHETIC_REQUESTS:
         raise InvalidInput(f"--synthetic must be at most {MAX_SYNTHETIC_REQUESTS:,} (it is held in memory whole, "
                            f"~350 bytes a request), got {args.synthetic:,}")
     if args.synthetic is not None and args.seed < 0:  # numpy takes no negative seed
         raise InvalidInput(f"--seed must be >= 0, got {args.seed}")
-    if args.save_trace and args.synthetic is None:
+    if args.save_trace is not None and args.synthetic is None:
         raise InvalidInput("--save-trace needs --synthetic")
     layout = get_model(args.model).layout
 
@@ -141,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     if args.synthetic is not None:
         records = synthetic_trace(args.synthetic, seed=args.seed)
         source = f"synthetic trace (seed {args.seed})"
-        if args.save_trace:
+        if args.save_trace is not None:
             with TraceWriter(args.save_trace, truncate=True) as w:
                 w.write_many(records)
     else:
