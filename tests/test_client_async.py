@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import shutil
-import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,14 +122,6 @@ def test_cancelling_a_task_cancels_its_call_at_the_service(
 
     asyncio.run(run())
     assert len(reads) <= 3, reads  # of 8: without the cancellation every message is read and sent
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    # Unix socket paths are limited to ~100 bytes: pytest's tmp_path can be longer.
-    d = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_a_cancelled_same_host_store_never_lends_its_bytes_to_the_next(

@@ -3,9 +3,7 @@ shared memory off sends every read over streams, and a load left early gives its
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +14,6 @@ from kvstore.client.sync_client import UnavailableError
 from tests.fixtures.service import CHUNK, DENSE, TOY, V41, Service, payloads, tokens
 from tests.helpers.waiting import wait_until
 from tests.test_service_shm import shm_config
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    # Unix socket paths are limited to ~100 bytes: pytest's tmp_path can be longer.
-    d = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _chunks(got: Any) -> list[bytes]:

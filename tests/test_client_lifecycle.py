@@ -7,9 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import math
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,14 +21,6 @@ from kvstore.client.sync_client import DeadlineExceededError, RpcFailure
 from tests.fixtures.service import CHUNK, TOY, Service, make_config, payloads, tokens
 
 WAIT_SECONDS = 30.0  # only a bound on a hang
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    # Unix socket paths are limited to ~100 bytes: pytest's tmp_path can be longer.
-    d = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import shutil
-import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +31,6 @@ from tests.test_service_shm import ALICE, BOB, _same, shm_config, unix
 WAIT_SECONDS = 10.0
 # Far below shm_lease_seconds (30 s): a release within it is the client's, not the lapse's.
 RELEASED_WITHIN_SECONDS = 5.0
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    # Unix socket paths are limited to ~100 bytes: pytest's tmp_path can be longer.
-    d = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _leases(svc: Service, session: str) -> LeaseTable:

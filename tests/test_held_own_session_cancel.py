@@ -9,9 +9,7 @@ socket, real clients; the faults only pause a call where the race lies."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,14 +28,6 @@ from tests.test_held_into_session_cancel import (
     _pause_service_after_holding,
 )
 from tests.test_service_shm import ALICE, _same, shm_config, unix
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    # Unix socket paths are limited to ~100 bytes: pytest's tmp_path can be longer.
-    d = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _no_flood_nor_stale(svc: Service, session: str) -> bool:

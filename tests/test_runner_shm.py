@@ -25,9 +25,7 @@ from replay.registry import JobFuture, JobOutcome
 from replay.runner import ReplayJob, ReplayResult
 from tests.fixtures.service import CHUNK, V41, Service, payloads, tokens
 from tests.helpers.waiting import wait_until
-from tests.test_service_shm import shm_config, sock_dir
-
-__all__ = ["sock_dir"]  # a fixture, used by name
+from tests.test_service_shm import shm_config
 
 
 def _job(svc: Service, seed: int, n: int = 4) -> ReplayJob:

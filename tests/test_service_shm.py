@@ -8,14 +8,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +37,6 @@ from tests.helpers.waiting import wait_until
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    # Unix socket paths are limited to ~100 bytes: pytest's tmp_path can be longer.
-    d = Path(tempfile.mkdtemp(prefix="kvs", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def shm_config(sock: Path, tenants: bool = False, store: dict[str, Any] | None = None,

@@ -21,7 +21,7 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, DENSE, TOY, V41, Service, payloads, tokens
 from tests.helpers.waiting import wait_until
 from tests.test_dataplane import Clock
-from tests.test_service_shm import shm_config, sock_dir, unix  # noqa: F401 (sock_dir: a fixture)
+from tests.test_service_shm import shm_config, unix
 
 
 def test_a_lease_being_filled_never_lapses_and_its_clock_starts_once_filled() -> None:
@@ -43,7 +43,7 @@ def test_a_lease_being_filled_never_lapses_and_its_clock_starts_once_filled() ->
 
 
 def test_a_fill_that_outlasts_its_lease_never_writes_over_another_loads_span(
-    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The lease's clock started at its grant: a fill that stalled past it had its space handed to
     # the next load of the session, then wrote its chunks over that load's (still leased) bytes.
@@ -94,7 +94,7 @@ def test_a_fill_that_outlasts_its_lease_never_writes_over_another_loads_span(
 
 
 def test_a_lookup_that_holds_chunks_too_large_for_the_session_answers_the_hit_holding_none(
-    make_service: Callable[..., Service], sock_dir: Path  # noqa: F811
+    make_service: Callable[..., Service], sock_dir: Path
 ) -> None:
     # It failed with INVALID_ARGUMENT, which lookup_held passed on: an engine that holds its hits
     # saw no hit at all for such a model.
@@ -119,7 +119,7 @@ def test_a_lookup_that_holds_chunks_too_large_for_the_session_answers_the_hit_ho
 
 
 def test_only_stores_that_were_kept_count_as_stored_through_the_session(
-    make_service: Callable[..., Service], sock_dir: Path  # noqa: F811
+    make_service: Callable[..., Service], sock_dir: Path
 ) -> None:
     svc = make_service(shm_config(sock_dir / "kv.sock"))
     kv = unix(svc)
@@ -152,7 +152,7 @@ def test_only_stores_that_were_kept_count_as_stored_through_the_session(
 
 @pytest.mark.parametrize("method", ["LoadLocal", "Resume"])
 def test_a_cancelled_call_releases_its_snapshot_span_at_once(
-    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch,
     method: str,
 ) -> None:
     # Chunk spans of a cancelled call were released at once; its snapshot's span stayed leased

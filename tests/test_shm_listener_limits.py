@@ -26,9 +26,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.fixtures.service import CHUNK, V41, Service, payloads, tokens
 from tests.helpers.waiting import wait_until
-from tests.test_service_shm import ALICE, BOB, REPO, shm_config, sock_dir
-
-__all__ = ["sock_dir"]  # the fixture, shared with test_service_shm
+from tests.test_service_shm import ALICE, BOB, REPO, shm_config
 
 
 def _flood(s: ShmPath, messages: list[dict[str, list[int]]]) -> int:

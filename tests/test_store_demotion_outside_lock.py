@@ -16,6 +16,7 @@ import numpy as np
 from kvstore.keys.chunk_keys import Namespace
 from kvstore.store import GlobalStore, TenantQuota
 from kvstore.tiers.base import ChunkMeta
+from tests.helpers.calls import Call
 from tests.store_helpers import CHUNK, MODELS, expected_payloads, small_config, store_prefix, tokens_for
 
 TOY = "reference-toy-8"
@@ -37,24 +38,8 @@ def load_all(store: GlobalStore, ns: Namespace, tokens: np.ndarray) -> list[tupl
         return [(c.tier, bytes(c.payload)) for c in session]
 
 
-class _Call(threading.Thread):
-    """`fn()` on a thread of its own, keeping what it returned or raised."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        super().__init__(daemon=True)
-        self._fn = fn
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self._fn()
-        except BaseException as e:
-            self.error = e
-
-    def done(self, timeout: float = WAIT_SECONDS) -> bool:
-        self.join(timeout)
-        return not self.is_alive()
+def _call(fn: Callable[[], Any]) -> Call:
+    return Call(fn, WAIT_SECONDS)
 
 
 class _BlockedWrites:
@@ -88,11 +73,11 @@ def test_another_tenants_calls_finish_while_a_demotion_is_written_and_it_survive
     assert store_prefix(store, bob, bob_prompt).stored_chunks == 2  # DRAM full
     blocked = _BlockedWrites(store)
     store._durable.put_many = blocked  # type: ignore[method-assign]
-    writer = _Call(lambda: store_prefix(store, alice, second))  # demotes all of first into LMDB
+    writer = _call(lambda: store_prefix(store, alice, second))  # demotes all of first into LMDB
     try:
         writer.start()
         assert blocked.entered.wait(WAIT_SECONDS)
-        others = _Call(lambda: (store.lookup(bob, bob_prompt).hit_chunks, store.stats()))
+        others = _call(lambda: (store.lookup(bob, bob_prompt).hit_chunks, store.stats()))
         others.start()
         assert others.done(), "another tenant's Lookup and Stats waited for a demotion's LMDB write"
         assert others.error is None and others.result[0] == 2
@@ -153,7 +138,7 @@ def test_a_chunk_stored_again_while_its_demotion_is_written_is_charged_once(tmp_
         store_prefix(store, ns, tokens_for(3, 4 * CHUNK))  # DRAM full
         blocked = _BlockedWrites(store, first_only=True)
         store._durable.put_many = blocked  # type: ignore[method-assign]
-        demoting = _Call(lambda: store_prefix(store, ns, second))  # first's chunks go down to LMDB
+        demoting = _call(lambda: store_prefix(store, ns, second))  # first's chunks go down to LMDB
         try:
             demoting.start()
             assert blocked.entered.wait(WAIT_SECONDS)

@@ -18,6 +18,7 @@ import pytest
 from kvstore.errors import ResourceExhausted, StorageError, UnknownModel
 from kvstore.layout import EngineLayerGroup, EngineModel, engine_model_spec
 from kvstore.store import GlobalStore, TenantQuota, global_store
+from tests.helpers.calls import Call
 from tests.store_helpers import CHUNK, MODELS, small_config, store_prefix, tokens_for
 
 TOY = "reference-toy-8"
@@ -35,24 +36,8 @@ def _desc(i: int) -> EngineModel:
     return EngineModel("tiny-llama", f"weights-{i}", (FULL,), chunk_tokens=CHUNK, vocab_size=1000)
 
 
-class _Call(threading.Thread):
-    """`fn()` on a thread of its own, keeping what it returned or raised."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        super().__init__(daemon=True)
-        self._fn = fn
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self._fn()
-        except BaseException as e:
-            self.error = e
-
-    def done(self, timeout: float = WAIT_SECONDS) -> bool:
-        self.join(timeout)
-        return not self.is_alive()
+def _call(fn: Callable[[], Any]) -> Call:
+    return Call(fn, WAIT_SECONDS)
 
 
 @pytest.mark.parametrize("slow_part", ["put_model", "add_layout"])
@@ -75,8 +60,8 @@ def test_another_tenants_calls_finish_while_a_registration_does_its_slow_part(
 
     monkeypatch.setattr(target, slow_part, slow)
     name = engine_model_spec(DESC).name
-    first = _Call(lambda: store.register_engine_model(DESC, "bob"))
-    second = _Call(lambda: store.register_engine_model(DESC, "bob"))
+    first = _call(lambda: store.register_engine_model(DESC, "bob"))
+    second = _call(lambda: store.register_engine_model(DESC, "bob"))
     try:
         first.start()
         assert inside.wait(WAIT_SECONDS)
@@ -87,7 +72,7 @@ def test_another_tenants_calls_finish_while_a_registration_does_its_slow_part(
             store.tenant_stats("alice")
             assert store_prefix(store, alice, tokens_for(2, 2 * CHUNK)).stored_chunks == 2
 
-        other = _Call(alices_calls)
+        other = _call(alices_calls)
         other.start()
         assert other.done(), "another tenant's calls waited for the registration's slow part"
         assert other.error is None, other.error
@@ -126,7 +111,7 @@ def _slow_records(store: GlobalStore, monkeypatch: pytest.MonkeyPatch) -> list[b
     return written
 
 
-def _all_at_once(calls: list[Callable[[], Any]]) -> list[_Call]:
+def _all_at_once(calls: list[Callable[[], Any]]) -> list[Call]:
     start = threading.Barrier(len(calls))
 
     def after_barrier(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -135,7 +120,7 @@ def _all_at_once(calls: list[Callable[[], Any]]) -> list[_Call]:
             return fn()
         return run
 
-    threads = [_Call(after_barrier(fn)) for fn in calls]
+    threads = [_call(after_barrier(fn)) for fn in calls]
     for t in threads:
         t.start()
     for t in threads:
@@ -214,11 +199,11 @@ def test_a_failed_record_write_gives_its_place_back(tmp_path: Path, monkeypatch:
 
     monkeypatch.setattr(store._durable, "put_model", fails_once)
     name = engine_model_spec(DESC).name
-    first = _Call(lambda: store.register_engine_model(DESC, "bob"))
+    first = _call(lambda: store.register_engine_model(DESC, "bob"))
     first.start()
     try:
         assert inside.wait(WAIT_SECONDS)
-        second = _Call(lambda: store.register_engine_model(DESC, "bob"))
+        second = _call(lambda: store.register_engine_model(DESC, "bob"))
         second.start()  # waits for the first, which fails: then it registers the model itself
     finally:
         gate.set()
