@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import main
+from tests.test_cli_errors import _one_line
 
 HUGE = str(2**70)
 
@@ -71,15 +72,6 @@ SUBPROCESS: list[tuple[list[str], str]] = [
     (["serve", "--data-dir", "", "--admin-port", "-1", "--grpc-port", "0"], "--data-dir must not be empty"),
     (["serve", "--config", "", "--admin-port", "-1", "--grpc-port", "0"], "--config must not be empty"),
 ]
-
-
-def _one_line(rc: int, err: str, said: str) -> None:
-    assert "Traceback" not in err, err
-    assert rc == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert lines and said in lines[-1], err
-    # argparse's usage lines come before its one error line; nothing else is said.
-    assert len(lines) == 1 or lines[0].startswith("usage:"), err
 
 
 @pytest.mark.parametrize(("argv", "said"), IN_PROCESS, ids=[" ".join(a)[:60] for a, _ in IN_PROCESS])
