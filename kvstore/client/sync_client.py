@@ -35,6 +35,7 @@ import functools
 import logging
 import math
 import random
+import re
 import secrets
 import threading
 import time
@@ -132,6 +133,7 @@ P = ParamSpec("P")
 MiB = 1 << 20
 log = logging.getLogger("kvstore.client")
 DATA_PATHS = ("auto", "shm", "stream")
+_SESSION_ID = re.compile(r"[0-9a-f]{32}")  # a same-host session's id, as the service draws it
 # After a same-host session could not be opened, streams are used for this long before another try.
 SHM_RETRY_SECONDS = 5.0
 # The service refuses a Store call that sends more payload than this (service/servicer.py
@@ -260,6 +262,9 @@ class KvstoreClient:
         self.data_path = data_path
         self._token = token
         self._unix_path = unix_path_of(target)
+        # Whether a held lookup names its hold id with the session: a service older than holds
+        # reads "SESSION/HOLD" as a session it does not know (found out once, then sent bare).
+        self._send_holds = True
         self._shm: ShmPath | None = None
         self._shm_lock = threading.Lock()
         self._shm_retry_at = 0.0
@@ -548,6 +553,9 @@ class KvstoreClient:
                 held.release()
         """
         hold_chunks = _chunk_count("hold_chunks", hold_chunks, "Lookup")
+        if into_session and not _SESSION_ID.fullmatch(into_session):
+            raise InvalidInput(f"lookup_held: into_session must be a same-host session id (32 lowercase hex "
+                               f"digits, as shm_session_id() returns), got {into_session[:80]!r}")
         seconds = self._timeout(timeout_seconds)
         deadline = _Deadline(time.monotonic() + seconds)
         shm = None if into_session or hold_chunks <= 0 else self._shm_path(deadline.left())
@@ -558,13 +566,23 @@ class KvstoreClient:
         # The service tags the leases with this id, which only this call knows, so that this client
         # can release them when the answer (their ids) never reaches its caller: into another
         # session, and into its own (a cancel or a deadline that lost the answer).
-        hold = secrets.token_hex(16) if self._unix_path else ""
-        req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt,
-                                    f"{session}/{hold}" if hold else session, hold_chunks)
+        hold = secrets.token_hex(16) if self._unix_path and self._send_holds else ""
+        token_bytes = _token_u32le(tokens).data.cast("B")
         rid, metadata = self._request_metadata("Lookup", None, None, "")
+
+        def ask(named: str) -> pb.LookupResponse:
+            req = encode_lookup_request(model, replay_mode, token_bytes, cache_salt, named, hold_chunks)
+            return self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata),
+                                    deadline.left(), seconds)
+
         try:
-            r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), deadline.left(),
-                                 seconds)
+            try:
+                r = ask(f"{session}/{hold}" if hold else session)
+            except InvalidArgumentError as e:
+                if not hold or UNKNOWN_SESSION not in e.details:
+                    raise
+                r = ask(session)  # known by its bare id: a service older than holds
+                self._send_holds, hold = False, ""
         except InvalidArgumentError as e:
             if UNKNOWN_SESSION not in e.details:
                 self._give_back_hold(session, hold)

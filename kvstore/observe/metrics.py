@@ -198,7 +198,7 @@ class ShmTotals:
     refused: int          # connections refused or closed before a session: bad hellos, no slot, a crowd
     pending_dropped: int  # of those, closed before their hello to make room for a newer one
     release_flood_closed: int  # sessions closed for naming far more leases to release than they were granted
-    holds_released: int = 0  # cancelled `lookup_held(into_session=...)` calls' holds released by their client
+    holds_released: int = 0  # failed or cancelled `lookup_held` calls' holds released by their client
     hold_releases_refused: int = 0  # of those asked for, refused: nothing of the tenant's held under the id
 
 
@@ -331,8 +331,9 @@ class SourceCollector(Collector):
                                   "their hello to make room for a newer one.", value=t.pending_dropped)
         yield CounterMetricFamily("kvstore_shm_release_flood_closed", "Same-host sessions closed for naming far "
                                   "more leases to release than they were granted.", value=t.release_flood_closed)
-        yield CounterMetricFamily("kvstore_shm_holds_released", "Holds of cancelled lookup_held calls into another "
-                                  "client's session, released by their own client.", value=t.holds_released)
+        yield CounterMetricFamily("kvstore_shm_holds_released", "Holds of failed or cancelled lookup_held calls "
+                                  "(in their own session or another client's), released by their own client.",
+                                  value=t.holds_released)
         yield CounterMetricFamily("kvstore_shm_hold_releases_refused", "Releases of such holds refused: nothing of "
                                   "the tenant's was held under the id (the failed call held none, they were "
                                   "released or lapsed already, or the id is forged).",
