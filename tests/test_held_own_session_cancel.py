@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from kvstore.client.async_client import AsyncKvstoreClient
-from kvstore.client.sync_client import DeadlineExceededError, KvstoreClient
+from kvstore.client.sync_client import DeadlineExceededError, KvstoreClient, ResourceExhaustedError
+from kvstore.errors import ResourceExhausted
 from tests.fixtures.service import CHUNK, TOY, Service, payloads, tokens
 from tests.helpers.waiting import wait_until
 from tests.test_held_into_session_cancel import (
@@ -174,3 +175,24 @@ def test_an_uncancelled_lookup_held_into_its_own_session_is_the_callers_until_it
     assert svc.server.shm is not None
     assert svc.server.shm.holds_released_total == 0 and svc.server.shm.hold_releases_refused_total == 0
     assert _no_flood_nor_stale(svc, session)
+
+
+def test_a_held_lookup_refused_at_the_door_sends_no_release(
+        sock_dir: Path, make_service: Callable[..., Service], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A refusal (the tenant throttled) held nothing: giving a hold back cost every throttled call a
+    # side-socket round trip, and counted a refused release for each.
+    svc = make_service(shm_config(sock_dir / "kv.sock", tenants=True))
+    kv = unix(svc, ALICE)
+    prompt = tokens(501, CHUNK * 2)
+    kv.store(TOY, prompt, payloads(502, 2, svc.chunk_bytes(TOY)))
+    kv.shm_session_id()
+
+    def throttled(*args: object, **kwargs: object) -> None:
+        raise ResourceExhausted("tenant alice is at its share of call slots")
+
+    monkeypatch.setattr(svc.server.kvcache, "_lookup_held", throttled)
+    for _ in range(3):
+        with pytest.raises(ResourceExhaustedError):
+            kv.lookup_held(TOY, prompt, hold_chunks=2)
+    assert svc.server.shm is not None
+    assert svc.server.shm.hold_releases_refused_total == 0 and svc.server.shm.holds_released_total == 0

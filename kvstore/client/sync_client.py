@@ -591,6 +591,8 @@ class KvstoreClient:
                 self._shm_failed(shm, "the service no longer knows the session")
             return HeldLookup(self._plain_lookup(model, tokens, replay_mode, deadline.left(), cache_salt,
                                                  call_seconds=seconds))
+        except (ResourceExhaustedError, UnauthenticatedError):
+            raise  # refused at the door, holding nothing: no round trip to give back (a throttled storm)
         except BaseException:  # cancelled, or past its deadline: the service may have held them all the same
             self._give_back_hold(session, hold)
             raise
