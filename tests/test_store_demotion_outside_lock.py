@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.errors import StorageError
 from kvstore.keys.chunk_keys import Namespace
+from kvstore.layout import EngineLayerGroup, EngineModel
 from kvstore.store import GlobalStore, TenantQuota
 from kvstore.tiers.base import ChunkMeta
 from tests.helpers.calls import Call
@@ -209,3 +211,135 @@ def test_concurrent_write_back_stores_keep_lmdb_within_capacity_and_read_back_ri
     finally:
         stop.set()
         store.close()
+
+
+def test_another_tenants_call_never_writes_the_demotions_a_commit_queued(tmp_path: Path) -> None:
+    # The queue was the store's: bob's Load of an LMDB chunk (or a Store that added nothing) took
+    # alice's queued victims and paid their LMDB write, the stall moved from the lock to his call.
+    store = _open(tmp_path / "d", dram_capacity_bytes=4 * PAGE, lmdb_capacity_bytes=8 * LMDB_FP,
+                  promote_on_hit=False)
+    alice, bob = store.namespace("alice", TOY, "bounded"), store.namespace("bob", TOY, "bounded")
+    bob_prompt = tokens_for(50, 2 * CHUNK)
+    store_prefix(store, bob, bob_prompt)
+    for seed in (1, 2):
+        store_prefix(store, alice, tokens_for(seed, 4 * CHUNK))  # bob's chunks go down to LMDB
+    assert [t for t, _ in load_all(store, bob, bob_prompt)] == ["lmdb", "lmdb"]
+    writers: list[str] = []
+    real_put, real_delete = store._durable.put_many, store._durable.delete_many
+    inside, gate = threading.Event(), threading.Event()
+
+    def put_many(items: Iterable[tuple[bytes, memoryview, ChunkMeta]]) -> None:
+        writers.append(threading.current_thread().name)
+        real_put(items)
+
+    def held_delete(keys: Iterable[bytes]) -> None:  # alice's commit, between its planning and its writes
+        inside.set()
+        gate.wait(WAIT_SECONDS)
+        real_delete(keys)
+
+    store._durable.put_many, store._durable.delete_many = put_many, held_delete  # type: ignore[method-assign]
+    alices = threading.Thread(target=lambda: store_prefix(store, alice, tokens_for(3, 4 * CHUNK)), name="alice")
+    alices.start()
+    try:
+        assert inside.wait(WAIT_SECONDS) and store._demoting  # her victims queued, not written yet
+        assert [t for t, _ in load_all(store, bob, bob_prompt)] == ["lmdb", "lmdb"]
+        store_prefix(store, bob, bob_prompt)  # nothing new
+        assert writers == []
+    finally:
+        gate.set()
+        alices.join(WAIT_SECONDS)
+    assert writers == ["alice"] and not store._demoting
+    store.check_invariants()
+    store.close()
+
+
+def test_a_layout_registered_while_a_demotion_is_in_flight_never_takes_lmdb_over_capacity(tmp_path: Path) -> None:
+    # Quantized LMDB: a second model of the same chunk size raises the footprint charged for that
+    # size. The demotion reserved the old one and was charged the new: used over capacity.
+    bf16 = EngineModel("m", "a", (EngineLayerGroup("full", 8, 4, 32, "bfloat16"),), chunk_tokens=CHUNK, vocab_size=1000)
+    fp16 = EngineModel("m", "b", (EngineLayerGroup("full", 8, 4, 32, "float16"),), chunk_tokens=CHUNK, vocab_size=1000)
+    store = _open(tmp_path / "d", dram_capacity_bytes=2 * 65536, quantize_lmdb="fp8", lmdb_capacity_bytes=6 * 36914)
+    spec, _ = store.register_engine_model(bf16, "alice")
+    ns = store.namespace("alice", spec.name, "bounded")
+    before = store._tiers["lmdb"].footprint(65536)
+    for seed in range(1, 5):
+        store_prefix(store, ns, tokens_for(seed, 2 * CHUNK))  # LMDB full
+    blocked = _BlockedWrites(store, first_only=True)
+    store._durable.put_many = blocked  # type: ignore[method-assign]
+    writer = _call(lambda: store_prefix(store, ns, tokens_for(9, 2 * CHUNK)))  # demotes two chunks
+    writer.start()
+    try:
+        assert blocked.entered.wait(WAIT_SECONDS)
+        store.register_engine_model(fp16, "bob")
+        assert store._tiers["lmdb"].footprint(65536) > before  # the race is on
+    finally:
+        blocked.release.set()
+    assert writer.done() and writer.error is None
+    assert store.stats().tiers["lmdb"].used_bytes <= store._tiers["lmdb"].capacity_bytes
+    store.check_invariants()
+    store.close()
+
+
+def test_demoted_chunks_whose_namespace_record_cannot_be_written_are_counted_as_failures(tmp_path: Path) -> None:
+    store = _open(tmp_path / "d", dram_capacity_bytes=4 * PAGE, lmdb_capacity_bytes=64 * LMDB_FP)
+    ns = store.namespace("alice", TOY, "bounded")
+    store_prefix(store, ns, tokens_for(1, 4 * CHUNK))
+
+    def refused(*args: object) -> None:
+        raise StorageError("injected: the namespace record's write failed")
+
+    store._durable.put_namespace = refused  # type: ignore[method-assign]
+    store_prefix(store, ns, tokens_for(2, 4 * CHUNK))  # the first prompt's 4 chunks go down, and are dropped
+    assert store.stats().demotion_failures == 4
+    store.check_invariants()
+    store.close()
+
+
+def test_demotions_written_between_planning_turns_follow_the_deletes_of_the_victims(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    # Written at once past DEMOTION_BATCH_BYTES (here: every turn), they went to LMDB before the
+    # same planning's LMDB victims were deleted: LMDB held both.
+    import kvstore.store.global_store as global_store
+
+    monkeypatch.setattr(global_store, "DEMOTION_BATCH_BYTES", 0)
+    monkeypatch.setattr(global_store, "CHUNKS_PER_LOCK_HOLD", 1)
+    capacity = 12 * LMDB_FP
+    store = _open(tmp_path / "d", lmdb_capacity_bytes=capacity)
+    ns = store.namespace("alice", TOY, "bounded")
+    for seed in range(1, 6):  # DRAM and LMDB full
+        store_prefix(store, ns, tokens_for(seed, 4 * CHUNK))
+    held: list[int] = []
+    real = store._durable.put_many
+
+    def put_many(items: Iterable[tuple[bytes, memoryview, ChunkMeta]]) -> None:
+        real(items)
+        held.append(store._durable.stats().used_bytes)
+
+    store._durable.put_many = put_many  # type: ignore[method-assign]
+    store_prefix(store, ns, tokens_for(99, 8 * CHUNK))
+    assert len(held) > 1 and max(held) <= capacity
+    store.check_invariants()
+    store.close()
+
+
+
+def test_a_layout_registered_while_a_commit_holds_reservations_leaves_the_accounting_right(tmp_path: Path) -> None:
+    # The commit's reservations were given back at the footprint computed anew (raised meanwhile
+    # by a float16 model of the same chunk size), not at what was reserved: DRAM undercounted.
+    bf16 = EngineModel("m", "a", (EngineLayerGroup("full", 8, 4, 32, "bfloat16"),), chunk_tokens=CHUNK, vocab_size=1000)
+    fp16 = EngineModel("m", "b", (EngineLayerGroup("full", 8, 4, 32, "float16"),), chunk_tokens=CHUNK, vocab_size=1000)
+    store = _open(tmp_path / "d", write_policy="write-through", quantize_dram="fp8", dram_capacity_bytes=1 << 20)
+    spec, _ = store.register_engine_model(bf16, "alice")
+    ns = store.namespace("alice", spec.name, "bounded")
+    blocked = _BlockedWrites(store, first_only=True)
+    store._durable.put_many = blocked  # type: ignore[method-assign]
+    writer = _call(lambda: store_prefix(store, ns, tokens_for(1, 2 * CHUNK)))
+    writer.start()
+    try:
+        assert blocked.entered.wait(WAIT_SECONDS)  # its DRAM room reserved
+        store.register_engine_model(fp16, "bob")
+    finally:
+        blocked.release.set()
+    assert writer.done() and writer.error is None and writer.result.stored_chunks == 2
+    store.check_invariants()
+    store.close()

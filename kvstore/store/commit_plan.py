@@ -21,6 +21,9 @@ class PlannedChunk:
     index: int
     payload: memoryview
     tiers: list[TierName]  # tiers holding a reservation for it (lmdb: written durably); [] once charged
+    # The bytes reserved in each of them: given back and charged as reserved, though a layout
+    # registered meanwhile may have raised a quantizing tier's footprint for this size.
+    reserved: dict[TierName, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -207,7 +207,7 @@ class GlobalStore(Reads, IndexLoad):
         self._deleting: dict[bytes, threading.Event] = {}
         self._committing: dict[bytes, int] = {}
         self._demoting: dict[bytes, Demotion] = {}  # victims on their way into LMDB (placement.py)
-        self._demoting_bytes = 0
+        self._demoting_bytes: dict[int, int] = {}
         self._registered_by: dict[str, str] = {}  # engine model name -> the tenant that registered it
         # Engine model name -> every tenant that registered it (the same description registered by a
         # second tenant is the same model): the models each tenant's Stats lists.
@@ -637,9 +637,11 @@ class GlobalStore(Reads, IndexLoad):
                         break
 
     def _write_many_demotions(self) -> None:
-        """Write the victims queued for LMDB now if their payloads' copies take much memory (a large
-        commit's planning evicts as many bytes as it stores); else after the planning."""
-        if self._demoting_bytes >= DEMOTION_BATCH_BYTES:  # read without the lock: a hint
+        """Write the victims this commit queued for LMDB now if their payloads' copies take much
+        memory (a large commit's planning evicts as many bytes as it stores); else after the
+        planning. The evicted values go first, as after the planning: LMDB never holds both."""
+        if self._demoting_bytes.get(threading.get_ident(), 0) >= DEMOTION_BATCH_BYTES:  # a hint, without the lock
+            self._delete_doomed_values()
             self._write_demotions()
 
     def _plan_chunk(self, txn: StoreTxn, plan: CommitPlan, i: int, payload: memoryview) -> None:
@@ -653,39 +655,40 @@ class GlobalStore(Reads, IndexLoad):
         if plan.cut is not None:
             self._skip(txn, plan, i, plan.after_cut())
             return
-        tiers: list[TierName] = []
+        reserved: dict[TierName, int] = {}
         if write_through:
-            if admitted and self._reserve_room("lmdb", tenant, len(payload), plan):
-                tiers.append("lmdb")
+            if admitted and (fp := self._reserve_room("lmdb", tenant, len(payload), plan)):
+                reserved["lmdb"] = fp
             else:
                 self._bump("admissions_refused", 1, tenant)
         for tier in HOT_TIERS:
-            if self._reserve_room(tier, tenant, len(payload), plan):
-                tiers.append(tier)
+            if fp := self._reserve_room(tier, tenant, len(payload), plan):
+                reserved[tier] = fp
                 break
-        if tiers:
-            plan.planned.append(PlannedChunk(i, payload, tiers))
+        if reserved:
+            plan.planned.append(PlannedChunk(i, payload, list(reserved), reserved))
             return
         not_admitted = write_through and not admitted and "lmdb" not in plan.full
         plan.cut = "not-admitted" if not_admitted else self._refusal(tenant, len(payload))
         self._skip(txn, plan, i, plan.cut)
 
-    def _reserve_room(self, tier: TierName, tenant: str, payload_bytes: int, plan: CommitPlan) -> bool:
-        """Make room for one chunk in `tier` and reserve it; a tier that refuses one chunk of a
-        commit is not asked again for the next (it would need as much room, and evict in vain)."""
+    def _reserve_room(self, tier: TierName, tenant: str, payload_bytes: int, plan: CommitPlan) -> int:
+        """Make room for one chunk in `tier` and reserve it: the bytes reserved (0: no room); a tier
+        that refuses one chunk of a commit is not asked again for the next (it would need as much
+        room, and evict in vain)."""
         t = self._tiers[tier]
         if t.capacity_bytes == 0 or tier in plan.full:
-            return False
+            return 0
         need = t.footprint(payload_bytes)
         if not self._make_room(tier, tenant, need, protect=()):
             plan.full.add(tier)
-            return False
+            return 0
         self._reserve(tier, tenant, need)
-        return True
+        return need
 
     def _release_reservations(self, tenant: str, c: PlannedChunk) -> None:
         for t in c.tiers:
-            self._reserve(t, tenant, -self._tiers[t].footprint(len(c.payload)))
+            self._reserve(t, tenant, -c.reserved[t])
         c.tiers = []
 
     def _insert_planned(self, txn: StoreTxn, plan: CommitPlan, c: PlannedChunk) -> None:
@@ -699,12 +702,12 @@ class GlobalStore(Reads, IndexLoad):
             for t in c.tiers:
                 if t != "lmdb":
                     self._tiers[t].put(key, c.payload, meta, ns.tenant)
-        tiers = c.tiers
+        tiers, reserved = c.tiers, c.reserved
         self._release_reservations(ns.tenant, c)
         if entry is not None:  # a concurrent store of the same prefix won the race
             plan.already_present += 1
             if "lmdb" in tiers and "lmdb" not in entry.footprint:
-                self._charge(key, entry, "lmdb")  # this commit's write holds it in LMDB
+                self._charge(key, entry, "lmdb", reserved["lmdb"])  # this commit's write holds it in LMDB
             return
         cost = float((len(txn.keys) - c.index) * layout.chunk_tokens)
         entry = ChunkEntry(ns.digest, ns.tenant, layout, txn.chunks[c.index], len(c.payload), cost)
@@ -713,7 +716,7 @@ class GlobalStore(Reads, IndexLoad):
         if ns.digest not in self._ns_records:  # for a demotion into LMDB that must write it
             self._ns_records[ns.digest] = self._namespace_record(ns)
         for t in tiers:
-            self._charge(key, entry, t)
+            self._charge(key, entry, t, reserved[t])
         plan.inserted.add(c.index)
 
     def _skip(self, txn: StoreTxn, plan: CommitPlan, i: int, reason: SkipReason) -> None:
@@ -834,6 +837,7 @@ class GlobalStore(Reads, IndexLoad):
             self._stop_loading.set()
             self._loader.join()
         self._delete_doomed()  # else evicted chunks would be found again at the next start
+        self._write_demotions(everyone=True)
         with self._lock:
             for t in self._tiers.values():
                 t.close()

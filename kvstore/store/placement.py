@@ -92,6 +92,7 @@ class Demotion:
     footprint: int  # LMDB bytes reserved
     source: TierName
     record: bytes | None  # its namespace's record, where this process stored it
+    owner: int  # the thread whose call evicted it, and writes it: no other call pays for its fsync
     reason: str = "capacity"  # why it was evicted: its fate, if it is dropped after all
 
 
@@ -115,7 +116,7 @@ class Placement:
     _committing: dict[bytes, int]  # keys of commits in flight -> how many: never evicted or deleted
     _ready: threading.Event  # the LMDB tier's index is loaded (index_load.py)
     _demoting: dict[bytes, Demotion]  # victims queued for LMDB (`_write_demotions`)
-    _demoting_bytes: int  # their payloads' bytes
+    _demoting_bytes: dict[int, int]  # their payloads' bytes, by the thread that queued them
     # Bytes above a limit that pinned or committing chunks kept a background index load from
     # evicting (`_evict_unprotected`), by (tenant, tier); tenant None: the tier's capacity.
     _overage: dict[tuple[str | None, TierName], int]
@@ -369,34 +370,48 @@ class Placement:
         record = self._claim_for_demotion(entry)
         self._reserve("lmdb", entry.tenant, need)
         self._committing[key] = self._committing.get(key, 0) + 1
-        self._demoting[key] = Demotion(entry, payload, meta, need, source, record)
-        self._demoting_bytes += entry.payload_bytes
+        owner = threading.get_ident()
+        self._demoting[key] = Demotion(entry, payload, meta, need, source, record, owner)
+        self._demoting_bytes[owner] = self._demoting_bytes.get(owner, 0) + entry.payload_bytes
 
-    def _write_demotions(self) -> None:
-        """Write the victims queued for LMDB, in one transaction outside the lock (their namespaces'
-        records first, where not written yet), then charge them to LMDB, or drop them where the write
-        failed, giving their room back. Call it with the lock not held."""
+    def _write_demotions(self, everyone: bool = False) -> None:
+        """Write the victims this thread's call queued for LMDB (every thread's: `everyone`, at
+        close), in one transaction outside the lock (their namespaces' records first, where not
+        written yet), then charge them to LMDB, or drop them where the write failed, giving their
+        room back. Call it with the lock not held. Another tenant's call never writes them: it
+        would wait for their fsync."""
         if not self._demoting:  # read without the lock: whoever queued one calls this after
             return
+        me = threading.get_ident()
         with self._lock:
-            batch = list(self._demoting.items())
-            self._demoting.clear()
-            self._demoting_bytes = 0
+            batch = [(k, d) for k, d in self._demoting.items() if everyone or d.owner == me]
+            for k, d in batch:
+                del self._demoting[k]
+                left = self._demoting_bytes.pop(d.owner, 0) - d.entry.payload_bytes
+                if left > 0:
+                    self._demoting_bytes[d.owner] = left
+        if not batch:
+            return
         digests = {d.entry.namespace for _, d in batch}
         written: set[bytes] = set()
         recorded: set[bytes] | None = None
+        ready: list[tuple[bytes, Demotion]] = []
         try:
             recorded = self._record_demoted_namespaces(digests)
             ready = [(k, d) for k, d in batch if d.entry.namespace in recorded]
+            if len(ready) < len(batch):  # a record that could not be written: its chunks are dropped
+                with self._lock:
+                    self._bump("demotion_failures", len(batch) - len(ready))
             if ready:
                 self._durable.put_many([(k, d.payload, d.meta) for k, d in ready])
             written = {k for k, _ in ready}
         except StorageError as e:
             # Dropped instead (a cache), as a victim no lower tier has room for.
+            failed = len(batch) if recorded is None else len(ready)
             with self._lock:
-                self._bump("demotion_failures", len(batch))
+                self._bump("demotion_failures", failed)
             log.warning("%d chunks evicted from memory could not be written to LMDB and are dropped: %s",
-                        len(batch), e)
+                        failed, e)
         finally:
             if recorded is None:  # failed before its records: the claims it did not write go back
                 with self._lock:
@@ -415,7 +430,7 @@ class Placement:
                 self._index[key] = entry
                 self._demoted_chunk_back(old.namespace, d.record)
             if "lmdb" not in entry.footprint:  # else stored there again meanwhile, and charged once
-                self._charge(key, entry, "lmdb")
+                self._charge(key, entry, "lmdb", d.footprint)  # what was reserved, whatever it costs now
             self._bump_tier("demotions", "lmdb")
         elif entry is None:
             self._fates.dropped(key, old.namespace, d.source, d.reason, old.tenant)
@@ -464,9 +479,12 @@ class Placement:
                     del self._deleting[key]
             done.set()
 
-    def _charge(self, key: bytes, entry: ChunkEntry, tier: TierName) -> None:
+    def _charge(self, key: bytes, entry: ChunkEntry, tier: TierName, fp: int | None = None) -> None:
+        """`fp`: the bytes reserved for it, where a reservation came first (a layout registered
+        meanwhile may have raised the tier's footprint for its size); else the footprint now."""
         assert not entry.cold, "a cold chunk is thawed before it is charged"
-        fp = self._tiers[tier].footprint(entry.payload_bytes)
+        if fp is None:
+            fp = self._tiers[tier].footprint(entry.payload_bytes)
         entry.footprint[tier] = fp
         entry.fastest = fastest_tier(entry)
         self._used[tier] += fp
