@@ -283,8 +283,8 @@ class ReplayCoordinator:
                 done, bill = recent
                 # Its bill too: when that replay's leader gave up first, this caller may carry it.
                 ticket = ReplayTicket(ns.tenant, hit_tokens, bill)
-                self._tickets[ticket] = _Admission(fkey, None, ReplayOutcome(done.snapshot, 0, done.status,
-                                                                             shared=True))
+                self._tickets[ticket] = _Admission(fkey, None, ReplayOutcome(
+                    done.snapshot, 0, done.status, shared=True, local_ttl_seconds=done.local_ttl_seconds))
                 return ticket
             flight = self._flights.get(fkey)
             if flight is None:
@@ -438,7 +438,7 @@ class ReplayCoordinator:
         # The leader's request carries the replay's compute bill, unless its call gave up before
         # taking the outcome: then the first caller that takes the snapshot does (the flight's
         # `ReplayBill`, which the service consults through this caller's ticket).
-        return ReplayOutcome(got.snapshot, 0, got.status, shared=True)
+        return ReplayOutcome(got.snapshot, 0, got.status, shared=True, local_ttl_seconds=got.local_ttl_seconds)
 
     # --- one replay -----------------------------------------------------------------------------
 
@@ -489,7 +489,8 @@ class ReplayCoordinator:
             self._c.bump("replays_ok")
             self._c.bump("replay_tokens", plan.tokens)
             self._c.replay_seconds += max(0.0, self._clock() - start)
-        return ReplayOutcome(snapshot, plan.tokens, REPLAYED, put=put)
+        return ReplayOutcome(snapshot, plan.tokens, REPLAYED, put=put,
+                             local_ttl_seconds=put.ttl_seconds if put is not None and put.written else 0.0)
 
     def _left(self, flight: _Flight) -> float:
         """Seconds until the flight's last caller gives up."""

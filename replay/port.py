@@ -61,6 +61,11 @@ class ReplayOutcome:
     # The pool write of the rebuilt snapshot by this caller's replay (None: none was tried: no
     # pool, no snapshot, or another caller's replay). Its TTL is what the pool really applied.
     put: PutResult | None = None
+    # The TTL the pool gave the rebuilt snapshot, whichever caller's replay wrote it (a shared
+    # outcome's too, as that write set it: a replay that ended moments ago has used a little of
+    # it); 0.0 when none was written. What a Resume tells its engine, unlike `put`'s bookkeeping
+    # (for a held snapshot the service fills it with the TTL its hit refreshed).
+    local_ttl_seconds: float = 0.0
 
     @property
     def stored_ttl(self) -> float | None:
@@ -127,7 +132,8 @@ class ReplayBill:
             if done is not None and done.snapshot is not None:
                 if ticket is self._leader:
                     return done
-                return ReplayOutcome(done.snapshot, 0, done.status, shared=True)
+                return ReplayOutcome(done.snapshot, 0, done.status, shared=True,
+                                     local_ttl_seconds=done.local_ttl_seconds)
             if ticket is self._leader:
                 self._leader_gone = True
             return None

@@ -1162,7 +1162,8 @@ class KvstoreClient:
                 raise UnknownSession() from None
             raise
         state = PB_TO_LOCAL.get(head.local_state, "absent")
-        return LoadLocalResult(state, head.boundary_tokens, snap if state == "hit" else None, head.reason)
+        return LoadLocalResult(state, head.boundary_tokens, snap if state == "hit" else None, head.reason,
+                               head.ttl_seconds if state == "hit" else 0.0)
 
     @_open_only
     def resume(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str = "", max_chunks: int = 0,
@@ -1243,6 +1244,7 @@ class KvstoreClient:
             replay_planned=head.replay_planned, replay_tokens=trailer.replay_tokens,
             replay_status=trailer.replay_status, planned_bills=_bills(head.bills),
             bills=_bills(trailer.bills), request_id=rid,
+            local_ttl_seconds=trailer.local_ttl_seconds if final_state in ("hit", "replayed") else 0.0,
         )
 
     @_open_only

@@ -149,6 +149,9 @@ class LoadLocalResult:
     boundary_tokens: int
     snapshot: bytes | None
     reason: str  # the pool's reason for a miss
+    # A hit's TTL as the read refreshed it (sliding policies), in seconds from now; 0.0: not
+    # refreshed (a fixed TTL), not known, or no hit.
+    ttl_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,10 @@ class ResumeResult:
     planned_bills: Bills  # announced in the first message
     bills: Bills  # as it happened
     request_id: str = ""  # the x-request-id it was sent with: `kvstore explain REQUEST_ID`
+    # How long `snapshot` lives in the service's local pool, in seconds from the reply: a hit's
+    # refreshed TTL (sliding policies), a replayed snapshot's as it was put; 0.0 when there is no
+    # local state, the pool did not keep it, or it is not known (a fixed TTL is not refreshed).
+    local_ttl_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

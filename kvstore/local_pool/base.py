@@ -49,20 +49,22 @@ PlainCounter = Literal["errors", "refreshes", "deletes", "evictions", "expiratio
 
 @dataclass(frozen=True)
 class GetResult:
-    """A hit carries the payload (a read-only view, zero-copy where the backend allows) and the
-    boundary position it was taken at; a miss carries the reason."""
+    """A hit carries the payload (a read-only view, zero-copy where the backend allows), the
+    boundary position it was taken at and the TTL the hit refreshed the snapshot to (a sliding
+    policy's; 0.0 when it was not refreshed, or not known to be); a miss carries the reason."""
 
     payload: memoryview | None
     boundary_tokens: int = 0
     miss_reason: MissReason | None = None
+    ttl_seconds: float = 0.0
 
     @property
     def hit(self) -> bool:
         return self.payload is not None
 
     @staticmethod
-    def found(payload: memoryview, boundary_tokens: int) -> GetResult:
-        return GetResult(payload, boundary_tokens, None)
+    def found(payload: memoryview, boundary_tokens: int, ttl_seconds: float = 0.0) -> GetResult:
+        return GetResult(payload, boundary_tokens, None, ttl_seconds)
 
     @staticmethod
     def missed(reason: MissReason) -> GetResult:

@@ -220,9 +220,9 @@ class RedisPool:
             return self._counters.miss(outcome)
         header, payload = outcome
         self._learn_parts(layout_id, header.part_count, header.payload_bytes, written=False)
-        self._refresh(base, header.part_count, tenant, header.payload_bytes, deadline_at)
+        ttl = self._refresh(base, header.part_count, tenant, header.payload_bytes, deadline_at)
         self._counters.hit(header.payload_bytes)
-        return GetResult.found(payload, header.boundary_tokens)
+        return GetResult.found(payload, header.boundary_tokens, ttl)
 
     def peek(
         self, ns_digest: bytes, boundary_key: bytes, tenant: str, layout_id: bytes,
@@ -486,15 +486,20 @@ class RedisPool:
             return "corrupt"
         return header
 
-    def _refresh(self, base: bytes, part_count: int, tenant: str, nbytes: int, deadline_at: float) -> None:
+    def _refresh(self, base: bytes, part_count: int, tenant: str, nbytes: int, deadline_at: float) -> float:
+        """The TTL the snapshot's parts now have (as Redis holds it, in whole milliseconds), or 0.0:
+        the policy refreshes nothing on a read, or the refresh failed (the TTL left is not known)."""
         ttl = self._policy.ttl_on_read(tenant, nbytes, self._clock())
         if ttl is None or not (ttl > 0 and math.isfinite(ttl)):
-            return
+            return 0.0
         ttl_ms = ttl_milliseconds(ttl)
         # PEXPIRE only touches keys that exist and always leaves a TTL on them.
         replies = self._run([("PEXPIRE", base + b"%d" % i, ttl_ms) for i in range(part_count)], deadline_at, base)
-        if not isinstance(replies, str):
-            self._counters.add("refreshes")
+        if isinstance(replies, str):
+            return 0.0
+        self._counters.add("refreshes")
+        # A part gone since the read (0: no such key) leaves a snapshot the next get finds incomplete.
+        return ttl_ms / 1000 if all(r == 1 for r in replies) else 0.0
 
     def _unlink(self, base: bytes, part_count: int, deadline_at: float) -> list[Any] | None:
         replies = self._run([("UNLINK", base + b"%d" % i) for i in range(part_count)], deadline_at, base)

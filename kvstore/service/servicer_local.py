@@ -239,7 +239,8 @@ class LocalStateCalls:
         yield pb.LoadLocalResponse(header=pb.LoadLocalHeader(
             local_state=LOCAL_TO_PB[state], boundary_tokens=boundary,
             snapshot_bytes=len(payload) if payload is not None else 0,
-            reason=(got.miss_reason or "") if got is not None else ""))
+            reason=(got.miss_reason or "") if got is not None else "",
+            ttl_seconds=got.ttl_seconds if got is not None and payload is not None else 0.0))
         if payload is None:
             return
         span = self._snapshot_span(shm, payload, context)
@@ -362,7 +363,8 @@ class LocalStateCalls:
             local_state=LOCAL_TO_PB[final], snapshot_bytes=len(view), replay_tokens=outcome.replay_tokens,
             # "timeout" to the engine whichever timed out: the replay, or this call's wait for it.
             replay_status="timeout" if outcome.status == WAIT_TIMEOUT else outcome.status,
-            bills=bills_to_pb(bills)))
+            bills=bills_to_pb(bills),
+            local_ttl_seconds=outcome.local_ttl_seconds if final in ("hit", "replayed") else 0.0))
 
     def _start_replay(
         self, res: Resolved, case: str, hit_tokens: int, deadline: float | None, boundary_key: bytes | None,
@@ -414,7 +416,9 @@ class LocalStateCalls:
             return ReplayOutcome(None, 0, "prefix shrank while loading")
         if state == "hit":
             payload = got.payload if got is not None else None
-            return ReplayOutcome(bytes(payload) if payload is not None else None, 0, "")
+            # The TTL the get refreshed it to: how long the engine's local state lives in the pool.
+            return ReplayOutcome(bytes(payload) if payload is not None else None, 0, "",
+                                 local_ttl_seconds=got.ttl_seconds if got is not None else 0.0)
         if replay is None:
             return ReplayOutcome(None, 0, "")
         wait = replay_wait(context.time_remaining())

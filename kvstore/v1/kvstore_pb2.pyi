@@ -311,16 +311,18 @@ class LoadLocalRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., replay_mode: _Optional[str] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., cache_salt: _Optional[str] = ..., shm_session: _Optional[str] = ...) -> None: ...
 
 class LoadLocalHeader(_message.Message):
-    __slots__ = ("local_state", "boundary_tokens", "snapshot_bytes", "reason")
+    __slots__ = ("local_state", "boundary_tokens", "snapshot_bytes", "reason", "ttl_seconds")
     LOCAL_STATE_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     local_state: LocalState
     boundary_tokens: int
     snapshot_bytes: int
     reason: str
-    def __init__(self, local_state: _Optional[_Union[LocalState, str]] = ..., boundary_tokens: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    ttl_seconds: float
+    def __init__(self, local_state: _Optional[_Union[LocalState, str]] = ..., boundary_tokens: _Optional[int] = ..., snapshot_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class LoadLocalResponse(_message.Message):
     __slots__ = ("header", "local", "shm")
@@ -377,18 +379,20 @@ class ResumeHeader(_message.Message):
     def __init__(self, resume_case: _Optional[_Union[ResumeCase, str]] = ..., hit_tokens: _Optional[int] = ..., hit_chunks: _Optional[int] = ..., chunk_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., local_state: _Optional[_Union[LocalState, str]] = ..., bills: _Optional[_Union[Bills, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., local_snapshot_bytes: _Optional[int] = ..., replay_planned: _Optional[bool] = ...) -> None: ...
 
 class ResumeTrailer(_message.Message):
-    __slots__ = ("local_state", "snapshot_bytes", "replay_tokens", "replay_status", "bills")
+    __slots__ = ("local_state", "snapshot_bytes", "replay_tokens", "replay_status", "bills", "local_ttl_seconds")
     LOCAL_STATE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPLAY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_STATUS_FIELD_NUMBER: _ClassVar[int]
     BILLS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     local_state: LocalState
     snapshot_bytes: int
     replay_tokens: int
     replay_status: str
     bills: Bills
-    def __init__(self, local_state: _Optional[_Union[LocalState, str]] = ..., snapshot_bytes: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., replay_status: _Optional[str] = ..., bills: _Optional[_Union[Bills, _Mapping]] = ...) -> None: ...
+    local_ttl_seconds: float
+    def __init__(self, local_state: _Optional[_Union[LocalState, str]] = ..., snapshot_bytes: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., replay_status: _Optional[str] = ..., bills: _Optional[_Union[Bills, _Mapping]] = ..., local_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ResumeResponse(_message.Message):
     __slots__ = ("header", "chunks", "local", "trailer", "shm", "local_shm")
