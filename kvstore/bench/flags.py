@@ -60,3 +60,29 @@ def writable_dir(text: str) -> str:
     if not os.access(text, os.W_OK | os.X_OK) or os.statvfs(text).f_flag & os.ST_RDONLY:
         raise argparse.ArgumentTypeError(f"{text}: not writable here")
     return text
+
+
+def writable_file(make_parents: bool = False) -> Callable[[str], str]:
+    """A file the command writes once its run is done (tables, a plot, a trace): no directory, in
+    one that exists (or, with `make_parents`, under the nearest one that does, for a writer that
+    makes the rest) and takes files. Said after the run, a bad one cost its whole time."""
+
+    def parse(text: str) -> str:
+        if "\0" in text:
+            raise argparse.ArgumentTypeError("a path cannot contain a NUL")
+        if not text:  # Path('') is '.', a directory
+            raise argparse.ArgumentTypeError("must not be empty (it names a file to write)")
+        if os.path.isdir(text) or text.endswith(os.sep):
+            raise argparse.ArgumentTypeError(f"{text}: is a directory (name a file in it)")
+        parent = os.path.dirname(os.path.abspath(text))
+        while make_parents and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise argparse.ArgumentTypeError(f"{text}: {os.path.dirname(text) or '.'} is not an existing directory")
+        writable = os.access(text, os.W_OK) if os.path.exists(text) else os.access(parent, os.W_OK | os.X_OK)
+        # os.access says yes to root on a read-only mount: ask the file system too.
+        if not writable or os.statvfs(parent).f_flag & os.ST_RDONLY:
+            raise argparse.ArgumentTypeError(f"{text}: not writable here")
+        return text
+
+    return parse

@@ -32,7 +32,7 @@ import numpy as np
 import redis
 
 from kvstore.bench.flags import count
-from kvstore.config.local_pool import LocalPoolConfig
+from kvstore.config.local_pool import LocalPoolConfig, redis_url_problem
 from kvstore.errors import ConfigError, InvalidInput
 from kvstore.layout import MAX_ENGINE_SNAPSHOT_BYTES
 from kvstore.local_pool.embedded import EmbeddedPool
@@ -68,8 +68,21 @@ class _Ttl:
         return {"kind": "fixed", "ttl_seconds": TTL_SECONDS}
 
 
+def _redis_url(text: str) -> str:
+    """A single Redis node's URL, checked as parsed: redis-py raised a bare ValueError for a port past
+    65535 once the payloads were made, and '' was taken for the flag left out (a Redis started)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (leave the flag out to start a Redis on loopback)")
+    if not text.startswith(("redis://", "unix://")):
+        raise argparse.ArgumentTypeError(f"{text}: the raw baseline needs a single node (redis:// or unix://)")
+    problem = redis_url_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text} {problem}")
+    return text
+
+
 def add_pool_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=None,
+    p.add_argument("--redis-url", type=_redis_url, default=None,
                    help="a running Redis (redis:// or unix://); default: start one on loopback")
     p.add_argument("--snapshot-bytes", type=count(1, MAX_ENGINE_SNAPSHOT_BYTES), default=V41_SNAPSHOT_BYTES,
                    help="bytes per snapshot (default: one DeepSeek-V4.1-Flash local snapshot)")
@@ -81,8 +94,6 @@ def add_pool_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
-    if args.redis_url and not args.redis_url.startswith(("redis://", "unix://")):
-        raise InvalidInput("--redis-url: the raw baseline needs a single node (redis:// or unix://)")
     try:  # the floor the pool's own config sets, checked before a server starts
         LocalPoolConfig(part_bytes=args.part_bytes).validate("local_pool")
     except ConfigError as e:

@@ -48,7 +48,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--threads", type=int, default=0, metavar="N",
                    help="CPU threads for the model, engine side and replay (0: 1 per 4 CPUs, 1 to 4)")
-    p.add_argument("--seed", type=int, default=0)
+    # numpy's generator takes no negative seed: it raised a ValueError once the model had loaded.
+    p.add_argument("--seed", type=count(0, 2**63 - 1), default=0, help="seed of the prompts' token ids (0)")
 
 
 def _say(line: str) -> None:

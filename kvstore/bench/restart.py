@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.bench.flags import writable_dir
+from kvstore.bench.flags import count, writable_dir
 from kvstore.bench.names import names_note
 from kvstore.config.policies import EVICTION_POLICIES
 from kvstore.config.store import GiB, StoreConfig
@@ -81,6 +81,9 @@ REPLAY_MODE = "bounded"
 LOOKUPS_READY = 200  # Lookups timed once the index is loaded (at least; as many as while it loaded)
 # The sizes the case and target names carry (`toy_200k`); V4.1's is the small toy count's (checked).
 NAMED_SIZES = {"toy_chunks[0]": ("10k", 10_000), "toy_chunks[1]": ("200k", 200_000)}
+# Ten times the largest run written up (BENCHMARKS.md: a million toy chunks, 12.5 GB; 10M V4.1 chunks
+# are 1.1 TB), checked as parsed: 1e11 chunks, unbounded, started being written.
+MAX_CHUNKS = 10_000_000
 MISS_SEED = 16  # the timed prompt's token ids: a prompt never written (the written ones come from seed 15)
 
 
@@ -92,9 +95,10 @@ class Case:
 
 
 def add_restart_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--toy-chunks", type=int, nargs=2, default=(10_000, 200_000), metavar=("SMALL", "LARGE"),
+    p.add_argument("--toy-chunks", type=count(1, MAX_CHUNKS), nargs=2, default=(10_000, 200_000),
+                   metavar=("SMALL", "LARGE"),
                    help="chunks of the two toy-layout cases (default 10000 200000)")
-    p.add_argument("--v41-chunks", type=int, default=10_000,
+    p.add_argument("--v41-chunks", type=count(1, MAX_CHUNKS), default=10_000,
                    help="chunks of the V4.1 case: the small toy count (default 10000)")
     p.add_argument("--dir", type=writable_dir, default=None,
                    help="an existing directory to hold the data dirs (default: the system's temp dir)")

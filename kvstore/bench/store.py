@@ -47,14 +47,17 @@ from kvstore.workload.payloads import realistic_chunk
 SECTIONS = ("memory", "lmdb", "lookup", "device")
 FIRST_SIGHT_HELD_TOKENS = 8192  # the first-sight prompt's held head
 NAMED_SIZES = {"lookup_tokens": ("1m", 1_000_000)}  # the size the lookup figures' names carry
+MAX_LOOKUP_TOKENS = ServiceConfig().max_lookup_tokens
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=count(1, 100_000), default=400, help="chunks per put/get pass (default 400)")
     p.add_argument("--lmdb-puts", type=count(1, 100_000), default=150,
                    help="synced LMDB puts per pass (default 150)")
-    p.add_argument("--lookup-tokens", type=int, default=NAMED_SIZES["lookup_tokens"][1],
-                   help="prompt length for the lookup")
+    # At most what one Lookup may carry (service.max_lookup_tokens' default): its chunks are held in
+    # DRAM, ~0.9 GB a million tokens, and 1e8 tokens asked for an 89 GB arena late, naming no flag.
+    p.add_argument("--lookup-tokens", type=count(1, MAX_LOOKUP_TOKENS), default=NAMED_SIZES["lookup_tokens"][1],
+                   help=f"prompt length for the lookup, {FIRST_SIGHT_HELD_TOKENS:,} to {MAX_LOOKUP_TOKENS:,}")
     p.add_argument("--dir", type=writable_dir, default=None,
                    help="an existing directory to hold the LMDB files (default: the system's temp dir)")
     p.add_argument("--sections", default=None, metavar="S,S",

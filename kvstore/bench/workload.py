@@ -21,12 +21,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from kvstore.bench.flags import count
+from kvstore.bench.flags import count, finite, seconds, writable_file
 from kvstore.config.local_pool import TtlPolicyConfig
 from kvstore.errors import InvalidInput
 from kvstore.workload import report
 from kvstore.workload.costmodel import CostModel, parse_cost_overrides
-from kvstore.workload.generator import WorkloadSpec, generate
+from kvstore.workload.generator import SEED_LIMIT, WorkloadSpec, generate
 from kvstore.workload.results import Baseline
 from kvstore.workload.simulator import SimConfig, simulate, stderr_progress
 from kvstore.workload.sweep import (
@@ -86,15 +86,18 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
         sim, live = _SCALE_DEFAULTS["simulated"][flag], _SCALE_DEFAULTS["live"][flag]
         w.add_argument(f"--{flag}", type=count(0, _SCALE_MOST[flag]), default=None,
                        help=f"{help_text} (default {sim:,} / {live:,})")
-    w.add_argument("--tenants", type=int, default=_W.tenants, help=f"tenants (default {_W.tenants})")
-    w.add_argument("--tenant-skew", type=float, default=_W.tenant_skew,
+    # The workload's own checks name its fields (tenant_skew); these name the flags, as parsed.
+    w.add_argument("--tenants", type=count(1, _SCALE_MOST["sessions"]), default=_W.tenants,
+                   help=f"tenants, at most --sessions (default {_W.tenants})")
+    # Past ~100 every session is the largest tenant's already (the next one weighs 2**-100).
+    w.add_argument("--tenant-skew", type=finite(0.0, 100.0), default=_W.tenant_skew,
                    help="Zipf exponent of tenant sizes (default 1; 0: equal)")
     w.add_argument("--think-time", default=DEFAULT_THINK_TIME,
                    help=f"think-time mixture, e.g. '{DEFAULT_THINK_TIME}' (seconds; kinds: fixed(s), "
                         "exp(mean), lognormal(median,sigma), uniform(lo,hi))")
-    w.add_argument("--ramp-seconds", type=float, default=_W.ramp_seconds,
+    w.add_argument("--ramp-seconds", type=seconds(), default=_W.ramp_seconds,
                    help="the first sessions start uniformly over this many seconds (default 60)")
-    w.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    w.add_argument("--seed", type=count(0, SEED_LIMIT - 1), default=0, help="workload seed (default 0)")
     d = p.add_argument_group("deployment (simulated; live self-started service)")
     d.add_argument("--device-capacity-bytes", type=_size, default=None,
                    help="HBM for KV: runtime KV of requests in flight + device tier (default 32GiB; live 256MiB)")
@@ -111,7 +114,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--write-policy", choices=("write-through", "write-back"), default=_SIM.write_policy)
     d.add_argument("--page-bytes", type=_size, default=0,
                    help="model the arenas' page rounding (e.g. 16KiB; default 0: exact payload bytes)")
-    d.add_argument("--block-chunks", type=int, default=0,
+    # At most the chunks of the longest context (--context-tokens' bound, 1-token chunks).
+    d.add_argument("--block-chunks", type=count(0, _SCALE_MOST["context-tokens"]), default=0,
                    help="chunks per eviction key in the simulation (default 0: 1 where affordable)")
     d.add_argument("--no-hbm-sharing", action="store_true",
                    help="do not shrink the device tier by the runtime KV of requests in flight")
@@ -132,9 +136,12 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                    help="SSD tier for sweep points that name none (default 0: the in-memory tiers' cliff)")
     s.add_argument("--sweep-full", action="store_true", help="keep sweeping past a capacity's cliff")
     o = p.add_argument_group("output")
-    o.add_argument("--plot", default=None, metavar="FILE", help="save the cliff plot as PNG (needs --sweep)")
-    o.add_argument("--markdown", default=None, metavar="FILE", help="write the tables as Markdown")
-    o.add_argument("--trace", default=None, metavar="FILE",
+    # Checked as parsed: written after the run (or the whole sweep), a bad path cost all its time.
+    o.add_argument("--plot", type=writable_file(make_parents=True), default=None, metavar="FILE",
+                   help="save the cliff plot as PNG (needs --sweep)")
+    o.add_argument("--markdown", type=writable_file(), default=None, metavar="FILE",
+                   help="write the tables as Markdown")
+    o.add_argument("--trace", type=writable_file(), default=None, metavar="FILE",
                    help="write the run's requests in the trace format (kvstore tune)")
     # Refused without --mode live rather than taken to mean it: the scale defaults differ by mode,
     # so `--target` alone would quietly run another workload than the simulated one asked for.
@@ -172,6 +179,8 @@ def _workload_spec(args: argparse.Namespace) -> WorkloadSpec:
         v = getattr(args, flag.replace("-", "_"))
         return scale[flag] if v is None else int(v)
 
+    if 1 <= get("sessions") < args.tenants:  # the workload's own check names its field, `tenants`
+        raise InvalidInput(f"--tenants ({args.tenants:,}) must be at most --sessions ({get('sessions'):,})")
     return WorkloadSpec(
         sessions=get("sessions"), turns=get("turns"), context_tokens=get("context-tokens"),
         system_tokens=get("system-tokens"), output_tokens=get("output-tokens"), tenants=args.tenants,
@@ -186,6 +195,9 @@ def run_workload_bench(args: argparse.Namespace) -> dict[str, Any]:
     if live_only and args.mode != "live":  # else ignored: a simulated run, exit 0, nothing dialled
         raise InvalidInput(f"{', '.join(live_only)} {'is' if len(live_only) == 1 else 'are'} for --mode live "
                            "(the default, simulated mode runs no service): add --mode live")
+    if args.time_scale is not None and args.target is None:  # else ignored, exit 0
+        raise InvalidInput("--time-scale is for --target (a self-started service runs on a simulated clock, "
+                           "no wall time to scale): add --target HOST:PORT or leave it out")
     if args.plot and not args.sweep:
         raise InvalidInput("--plot draws the cliff: add --sweep")
     if args.sweep and args.mode == "live":

@@ -16,6 +16,7 @@ import importlib
 import sys
 from typing import Any
 
+from kvstore.commands.checks import check_target, check_token
 from kvstore.commands.json_out import dump_json
 
 BENCHES = {
@@ -103,6 +104,13 @@ def _print_human(result: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # A bench that dials a running service (`bench workload --target`) gets the checks every command's
+    # target and token get (kvstore.bench may not import them), before it starts: gRPC dialled a
+    # target without a port on 443, and the run waited 10 s to say "no service".
+    if getattr(args, "target", None) is not None:
+        check_target(args.target, "--target")
+    if getattr(args, "token", None) is not None:
+        check_token(args.token, "--token")
     result = args._bench(args)
     if args.json:
         dump_json({k: v for k, v in result.items() if k != "tables"}, sys.stdout)
