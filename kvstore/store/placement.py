@@ -15,7 +15,7 @@ value that is gone: a key is deleted only while no commit may write it and nothi
 it in LMDB, and a commit or a demotion into LMDB waits for (or skips) a key being deleted.
 
 A victim demoted into LMDB is written outside the lock too, in one transaction with the others
-queued since the last write (`_write_demotions`, run where `_delete_doomed` is): under the lock
+its call queued, by that call (`_write_demotions`, run where `_delete_doomed` is): under the lock
 its payload is copied to a host buffer, its room in LMDB reserved and its key marked as a
 commit's is (`_committing`: never deleted meanwhile); it reads as a miss until the write is done
 and the chunk charged to LMDB, or dropped if the write fails. One fsync per demotion under the
