@@ -280,11 +280,13 @@ class ReplayCoordinator:
             self._c.bump("requests")
             recent = self._recent_outcome(fkey, self._clock())
             if recent is not None:
-                done, bill = recent
+                done, bill, age = recent
                 # Its bill too: when that replay's leader gave up first, this caller may carry it.
                 ticket = ReplayTicket(ns.tenant, hit_tokens, bill)
+                # The snapshot's TTL ran from its put: what is left of it (0: spent, not known to live).
+                left = done.local_ttl_seconds - age
                 self._tickets[ticket] = _Admission(fkey, None, ReplayOutcome(
-                    done.snapshot, 0, done.status, shared=True, local_ttl_seconds=done.local_ttl_seconds))
+                    done.snapshot, 0, done.status, shared=True, local_ttl_seconds=left if left > 0 else 0.0))
                 return ticket
             flight = self._flights.get(fkey)
             if flight is None:
@@ -414,13 +416,15 @@ class ReplayCoordinator:
         else:
             del self._per_tenant[flight.tenant]
 
-    def _recent_outcome(self, fkey: tuple[bytes, bytes], now: float) -> tuple[ReplayOutcome, ReplayBill] | None:
-        """A replay of this boundary that finished moments ago, and its bill (called under the lock)."""
+    def _recent_outcome(self, fkey: tuple[bytes, bytes],
+                        now: float) -> tuple[ReplayOutcome, ReplayBill, float] | None:
+        """A replay of this boundary that finished moments ago, its bill, and how many seconds ago
+        (called under the lock)."""
         stale = [k for k, (t, _, _) in self._recent.items() if now - t > RECENT_SECONDS]
         for k in stale:
             del self._recent[k]
         got = self._recent.get(fkey)
-        return (got[1], got[2]) if got is not None else None
+        return (got[1], got[2], max(0.0, now - got[0])) if got is not None else None
 
     def _join(self, ticket: ReplayTicket, flight: _Flight, until: float, woken: threading.Event) -> ReplayOutcome:
         """Wait for the flight's outcome until `until`, or until the caller's call ends (`release`)."""

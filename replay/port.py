@@ -62,8 +62,8 @@ class ReplayOutcome:
     # pool, no snapshot, or another caller's replay). Its TTL is what the pool really applied.
     put: PutResult | None = None
     # The TTL the pool gave the rebuilt snapshot, whichever caller's replay wrote it (a shared
-    # outcome's too, as that write set it: a replay that ended moments ago has used a little of
-    # it); 0.0 when none was written. What a Resume tells its engine, unlike `put`'s bookkeeping
+    # outcome's too; for one that ended moments ago, what is left of it, 0.0 once spent); 0.0
+    # when none was written. What a Resume tells its engine, unlike `put`'s bookkeeping
     # (for a held snapshot the service fills it with the TTL its hit refreshed).
     local_ttl_seconds: float = 0.0
 

@@ -166,4 +166,23 @@ def test_a_caller_that_shares_a_replay_gets_its_ttl(make_service: Callable[..., 
     lead = co.resume_local(ns, toks, hit, 10.0, co.admit(ns, toks, hit, None, 10.0))
     shared = co.resume_local(ns, toks, hit, 10.0, co.admit(ns, toks, hit, None, 10.0))
     assert not lead.shared and shared.shared and shared.snapshot is not None
-    assert lead.local_ttl_seconds == shared.local_ttl_seconds == pytest.approx(30.0, abs=0.001)
+    # What is left of it: the replay ended a moment ago.
+    assert lead.local_ttl_seconds == pytest.approx(30.0, abs=0.001)
+    assert shared.local_ttl_seconds == pytest.approx(30.0, abs=0.5) and shared.local_ttl_seconds <= 30.0
+
+
+def test_a_caller_handed_a_replay_that_ended_earlier_gets_what_is_left_of_its_ttl(
+        make_service: Callable[..., Service]) -> None:
+    # A replay that ended up to 2 s ago is handed to the next caller at its boundary: it reported
+    # the put's whole TTL, though 1.5 s of a 1 s TTL had passed and the snapshot was gone.
+    clock = ManualClock()
+    svc = start(make_service, {"kind": "fixed", "ttl_seconds": 1.0}, clock)
+    toks = stored(svc, 11, local=False)
+    kv = svc.client()
+    first = kv.resume(TOY, toks)
+    assert first.local_state == "replayed" and first.local_ttl_seconds == pytest.approx(1.0, abs=0.001)
+    clock.now += 1.5  # the snapshot's TTL spent; within the coordinator's 2 s for handing a replay on
+    second = kv.resume(TOY, toks)
+    assert second.local_state == "replayed" and second.replay_tokens == 0  # handed on, not replayed
+    assert second.local_ttl_seconds == 0.0
+    assert kv.load_local(TOY, toks).local_state != "hit"
