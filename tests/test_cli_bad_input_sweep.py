@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import main
+from kvstore.commands.checks import check_target
 from tests.test_cli_errors import _one_line
 
 HUGE = str(2**70)
@@ -52,6 +53,9 @@ IN_PROCESS: list[tuple[list[str], str]] = [
 SUBPROCESS: list[tuple[list[str], str]] = [
     (["runner", "--connect", "127.0.0.1"], "--connect '127.0.0.1': expected HOST:PORT"),
     (["runner", "--connect", ""], "--connect '': expected HOST:PORT"),
+    # Both reconnected for ever: an empty socket address, and a URL's scheme taken for a host.
+    (["runner", "--connect", "unix:"], "--connect 'unix:': names no address after unix:"),
+    (["runner", "--connect", "http://127.0.0.1:1"], "not a http:// URL"),
     (["runner", "--connect", "127.0.0.1:1", "--window", "99999999999"], "--window must be 1 to 65,536 tokens"),
     (["runner", "--connect", "127.0.0.1:1", "--chunk-tokens", "99999999992"],
      "--chunk-tokens must be a positive multiple of 8, at most 65,536"),
@@ -98,3 +102,11 @@ def test_a_bad_flag_is_one_line_before_anything_starts(argv: list[str], said: st
         pytest.fail(f"still running after {e.timeout} s (reconnecting, loading or serving): {e.stderr!r}")
     _one_line(proc.returncode, proc.stderr, said)
     assert list(tmp_path.iterdir()) == []  # no LMDB, no data dir
+
+
+@pytest.mark.parametrize("target", ["localhost:50051", "[::1]:50051", "dns:///kv.example:50051",
+                                    "dns://8.8.8.8:53/kv.example:50051", "ipv4:127.0.0.1:1,127.0.0.2:1",
+                                    "unix:relative.sock", "unix:///run/kvstore.sock", "unix-abstract:kv",
+                                    "passthrough:///kv:1", "[fe80::1%eth0]:50051", "xds:///kvstore"])
+def test_targets_grpc_dials_as_meant_are_taken(target: str) -> None:
+    check_target(target, "--target")

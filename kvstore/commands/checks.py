@@ -100,10 +100,19 @@ def check_target(target: str, flag: str) -> None:
     scheme's. gRPC dials a host without a port on 443 (TLS's, never kvstore's), fails '' and
     'host:abc' at each (re)connect (a runner retried for ever), and dials 127.0.0.1:99999 as port
     34463 (the port modulo 65536) without a word."""
-    if target.startswith(("unix:", "unix-abstract:", "vsock:", "ipv4:", "ipv6:")):
-        return
-    rest = target.removeprefix("dns:")
-    m = _HOST_PORT.fullmatch(rest.rsplit("/", 1)[-1] if "//" in rest else rest)
+    if target.startswith("xds:"):
+        return  # resolved by gRPC's xDS client from its bootstrap file
+    for scheme in ("unix:", "unix-abstract:", "vsock:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            if not target.removeprefix(scheme).strip("/"):
+                raise InvalidInput(f"{flag} {target!r}: names no address after {scheme}")
+            return
+    scheme, sep, after = target.partition("://")
+    if sep and scheme not in ("dns", "passthrough"):
+        # http://host:port would be resolved as a host named "http" for ever.
+        raise InvalidInput(f"{flag} {target!r}: a gRPC target is HOST:PORT (or unix:///PATH), not a {scheme}:// URL")
+    rest = after.rsplit("/", 1)[-1] if sep else target.removeprefix("dns:")
+    m = _HOST_PORT.fullmatch(rest)
     if m is None or not m.group(1).strip("[]"):
         raise InvalidInput(f"{flag} {target!r}: expected HOST:PORT (or unix:///PATH for the service's Unix socket)")
     if not 1 <= int(m.group(2)) <= 65535:
