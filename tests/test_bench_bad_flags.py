@@ -16,6 +16,7 @@ import pytest
 
 from kvstore.bench.flags import writable_file
 from kvstore.cli import build_parser, main
+from tests.test_cli_errors import _one_line
 
 HUGE = "99999999999"
 
@@ -55,15 +56,6 @@ SUBPROCESS: list[tuple[list[str], str]] = [
     (["bench", "workload", "--mode", "live", "--target", "127.0.0.1:1", "--token", "bad\x01token"],
      "--token: the token must be printable ASCII"),
 ]
-
-
-def _one_line(rc: int, err: str, said: str) -> None:
-    assert "Traceback" not in err, err
-    assert rc == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert lines and said in lines[-1], err
-    # argparse's usage lines come before its one error line; nothing else is said.
-    assert len(lines) == 1 or lines[0].startswith("usage:"), err
 
 
 def _argv(argv: list[str], tmp: Path) -> list[str]:

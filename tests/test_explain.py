@@ -488,26 +488,8 @@ def test_a_replayed_snapshot_is_noted_with_the_ttl_the_pool_gave_it(
     from kvstore.service.server import KvstoreServer
     from replay.coordinator import ReplayCoordinator
     from replay.port import ReplayParts
-    from replay.runner import JobHandle, ReplayJob, ReplayResult, resolved
+    from tests.helpers.instant_runner import InstantRunner
     from tests.test_metrics_service import MODEL, Running, config, prompt, store
-
-    class InstantRunner:
-        name = "instant"
-
-        def __init__(self, size: int) -> None:
-            self.size = size
-
-        def serves(self, model: str, tenant: str) -> bool:
-            return True
-
-        def submit(self, job: ReplayJob) -> JobHandle:
-            return resolved(ReplayResult(bytes(self.size), "", self.name))
-
-        def pending(self) -> int:
-            return 0
-
-        def close(self) -> None:
-            pass
 
     def coordinator(parts: ReplayParts) -> ReplayCoordinator:
         size = parts.store.layout(parts.store.namespace("default", MODEL, "bounded")).local_snapshot_bytes

@@ -18,31 +18,9 @@ from kvstore.local_pool.base import PutResult
 from kvstore.local_pool.redis_process import RedisProcess
 from replay.coordinator import ReplayCoordinator
 from replay.port import ReplayParts
-from replay.runner import JobHandle, ReplayJob, ReplayResult, resolved
 from tests.fixtures.clock import ManualClock
 from tests.fixtures.service import CHUNK, TOY, Service, make_config, payloads, tokens
-
-
-class InstantRunner:
-    """A runner that rebuilds a snapshot of the right size at once (what the model computes does
-    not matter here; the coordinator's pool write does)."""
-
-    name = "instant"
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def serves(self, model: str, tenant: str) -> bool:
-        return True
-
-    def submit(self, job: ReplayJob) -> JobHandle:
-        return resolved(ReplayResult(bytes(self.size), "", self.name))
-
-    def pending(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
+from tests.helpers.instant_runner import InstantRunner
 
 
 def coordinator(parts: ReplayParts) -> ReplayCoordinator:
