@@ -78,6 +78,8 @@ NO_WEIGHTS = "no_weights"  # unverified: it declared none
 # hello (none, malformed, not first, no job capacity), a same-host session it cannot have; a valid
 # hello with no runner slot left (all taken, or the tenant's share), or while shutting down.
 UNKNOWN_MODEL, LAYOUT, WEIGHTS, BAD_HELLO, SHM = "unknown_model", "layout", "weights", "bad_hello", "shm"
+# How long a request stream that ended before its hello is given to show itself cancelled.
+CANCEL_SETTLE_SECONDS = 0.1
 RUNNER_SLOTS, SHUTTING_DOWN = "runner_slots", "shutting_down"
 
 
@@ -298,6 +300,8 @@ class RunnersServicer:
         try:
             with self._watch.watch(context, "Attach", member) as w:
                 first = next(w.received(request_iterator), None)
+            if first is None and _cancelled(context):
+                raise grpc.RpcError("the runner's stream was cancelled before its hello")
             try:
                 return self._registered(first, caller)
             except InvalidInput as e:
@@ -524,3 +528,12 @@ class RunnersServicer:
                                f"'{job.model}' is {expected}")
         return expected
 
+
+def _cancelled(context: grpc.ServicerContext) -> bool:
+    """Whether a request stream that ended was cancelled rather than half-closed: gRPC may end the
+    stream before it marks the call cancelled, so its end is given a moment to become one (a
+    half-closed call stays active until it is answered; only a refusal waits for this)."""
+    ended = threading.Event()
+    if not context.add_callback(ended.set):
+        return True  # already over
+    return ended.wait(CANCEL_SETTLE_SECONDS) or not context.is_active()
