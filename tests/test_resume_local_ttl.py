@@ -62,14 +62,17 @@ def test_a_hit_reports_the_ttl_its_read_refreshed(make_service: Callable[..., Se
     assert got.local_state == "hit" and got.ttl_seconds == pytest.approx(45.0, abs=0.001)
 
 
-def test_a_fixed_ttl_is_not_refreshed_by_a_hit_so_its_figure_is_not_known(
-        make_service: Callable[..., Service]) -> None:
-    svc = start(make_service, {"kind": "fixed", "ttl_seconds": 45.0})
+def test_a_fixed_ttl_hit_reports_what_is_left_of_it(make_service: Callable[..., Service]) -> None:
+    # No read refreshes a fixed TTL (the default policy): the figure was 0, "not known".
+    clock = ManualClock()
+    svc = start(make_service, {"kind": "fixed", "ttl_seconds": 45.0}, clock)
     toks = stored(svc, 2)
     kv = svc.client()
+    clock.now += 10.0
     r = kv.resume(TOY, toks)
-    assert r.local_state == "hit" and r.local_ttl_seconds == 0.0
-    assert kv.load_local(TOY, toks).ttl_seconds == 0.0
+    assert r.local_state == "hit" and r.local_ttl_seconds == pytest.approx(35.0, abs=0.001)
+    clock.now += 5.0
+    assert kv.load_local(TOY, toks).ttl_seconds == pytest.approx(30.0, abs=0.001)
 
 
 def test_a_replayed_snapshot_reports_the_ttl_it_was_put_with(
@@ -130,6 +133,17 @@ def test_a_redis_hit_reports_the_ttl_its_pexpire_set(
     redis = redis_server.client()
     ttls = [redis.pttl(k) for k in redis.keys("*")]
     assert ttls and all(40_000 < t <= 45_000 for t in ttls), ttls
+
+
+def test_a_redis_hit_under_a_fixed_ttl_reports_what_redis_has_left(
+        make_service: Callable[..., Service], redis_server: RedisProcess) -> None:
+    svc = start(make_service, {"kind": "fixed", "ttl_seconds": 45.0}, url=redis_server.url)
+    toks = stored(svc, 12)
+    redis = redis_server.client()
+    for k in redis.keys("*"):
+        redis.pexpire(k, 20_000)  # as if 25 s had passed
+    r = svc.client().resume(TOY, toks)
+    assert r.local_state == "hit" and 15.0 < r.local_ttl_seconds <= 20.0
 
 
 def test_a_caller_that_shares_a_replay_gets_its_ttl(make_service: Callable[..., Service]) -> None:

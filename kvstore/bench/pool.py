@@ -1,7 +1,8 @@
 """`kvstore bench pool`: the local-state pool against its raw baselines, in one run.
 
 - Redis backend put/get of V4.1 local snapshots (1,351,680 B) against raw redis-py `SET PX` /
-  `GET` of the same bytes on the same server, over the same kind of connection. The server is
+  `GET` (and the first part's `PTTL`, as the pool's get asks) of the same bytes on the same
+  server, over the same kind of connection. The server is
   started by the benchmark (as the test harness does: loopback, free port, nothing persisted)
   unless `--redis-url` names one.
 - Redis backend peek (a Lookup's presence check: each part's header and length, no payload)
@@ -161,7 +162,7 @@ def _bench_redis(url: str, payloads: list[bytes], args: argparse.Namespace) -> d
     ttl_ms = int(TTL_SECONDS * 1000)
     # The raw baselines do the pool's work with plain redis-py calls, so that the ratios measure
     # what the pool adds: the snapshot cut into the same checksummed parts, all SET with their TTL
-    # in one MULTI/EXEC; read back in one MULTI/EXEC, checked and joined.
+    # in one MULTI/EXEC; read back in one MULTI/EXEC with the first part's PTTL, checked and joined.
     raw_parts = [encode_parts(LAYOUT, 128, p, args.part_bytes) for p in payloads]
     raw_keys = [[f"kvsbench:raw:{i}:p{j}" for j in range(len(raw_parts[i]))] for i in range(k)]
     # redis-py takes one buffer a value, where the pool's transport sends a part's header and
@@ -190,9 +191,10 @@ def _bench_redis(url: str, payloads: list[bytes], args: argparse.Namespace) -> d
         pipe = raw.pipeline(transaction=True)
         for key in raw_keys[i % k]:
             pipe.get(key)
-        parts = pipe.execute()
+        pipe.pttl(raw_keys[i % k][0])  # the pool's get asks what is left of the TTL too
+        *parts, pttl = pipe.execute()
         value = decode_parts(SnapshotHeader.unpack(parts[0]), parts)
-        assert len(value) == n
+        assert len(value) == n and pttl > 0
 
     def pool_peek(i: int) -> None:
         got = pool.peek(ns[i % k], boundary, "bench", LAYOUT)

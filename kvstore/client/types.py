@@ -149,8 +149,8 @@ class LoadLocalResult:
     boundary_tokens: int
     snapshot: bytes | None
     reason: str  # the pool's reason for a miss
-    # A hit's TTL as the read refreshed it (sliding policies), in seconds from now; 0.0: not
-    # refreshed (a fixed TTL), not known, or no hit.
+    # How long a hit's snapshot lives, in seconds from the reply: its TTL as the read refreshed it
+    # (sliding policies) or what was left of it (a fixed TTL); 0.0: not known, or no hit.
     ttl_seconds: float = 0.0
 
 
@@ -176,8 +176,8 @@ class ResumeResult:
     bills: Bills  # as it happened
     request_id: str = ""  # the x-request-id it was sent with: `kvstore explain REQUEST_ID`
     # How long `snapshot` lives in the service's local pool, in seconds from the reply: a hit's
-    # refreshed TTL (sliding policies), a replayed snapshot's as it was put; 0.0 when there is no
-    # local state, the pool did not keep it, or it is not known (a fixed TTL is not refreshed).
+    # TTL as refreshed (sliding policies) or what was left of it (a fixed TTL), a replayed
+    # snapshot's as it was put; 0.0 when there is no local state or the pool did not keep it.
     local_ttl_seconds: float = 0.0
 
 

@@ -50,8 +50,9 @@ PlainCounter = Literal["errors", "refreshes", "deletes", "evictions", "expiratio
 @dataclass(frozen=True)
 class GetResult:
     """A hit carries the payload (a read-only view, zero-copy where the backend allows), the
-    boundary position it was taken at and the TTL the hit refreshed the snapshot to (a sliding
-    policy's; 0.0 when it was not refreshed, or not known to be); a miss carries the reason."""
+    boundary position it was taken at and how long the snapshot lives from the read (the TTL the
+    hit refreshed it to, a sliding policy's, or what was left of it; 0.0 when not known); a miss
+    carries the reason."""
 
     payload: memoryview | None
     boundary_tokens: int = 0

@@ -157,16 +157,16 @@ class EmbeddedPool:
                 self._drop(key)  # the namespace binds the layout, so this is a broken entry
                 return self._counters.miss("corrupt")
             ttl = self._policy.ttl_on_read(tenant, len(entry.payload), now)
-            refreshed = 0.0  # not refreshed: reported as not known, as the Redis pool must
             if ttl is not None and ttl > 0 and math.isfinite(ttl):
                 self._seq += 1
                 entry.expires_at = now + ttl
                 entry.seq = self._seq
                 self._push(key, entry)
                 self._counters.add("refreshes")
-                refreshed = ttl
+            left = entry.expires_at - now  # refreshed, or what is left of a fixed TTL
         self._counters.hit(len(entry.payload))
-        return GetResult.found(memoryview(entry.payload), entry.boundary_tokens, refreshed)
+        return GetResult.found(memoryview(entry.payload), entry.boundary_tokens,
+                               left if 0 < left < math.inf else 0.0)
 
     def peek(
         self, ns_digest: bytes, boundary_key: bytes, tenant: str, layout_id: bytes,

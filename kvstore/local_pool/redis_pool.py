@@ -205,9 +205,12 @@ class RedisPool:
         base = snapshot_key_base(self._cfg.key_prefix, ns_digest, boundary_key)
         want = self._parts_hint.get(layout_id, 1)
         for _ in range(2):  # a second round only when the snapshot has more parts than hinted
-            replies = self._run([("GET", base + b"%d" % i) for i in range(want)], deadline_at, base)
-            if isinstance(replies, str):
-                return self._counters.miss(_miss_reason(replies))
+            # Part 0's PTTL in the same transaction: what is left of a TTL no read refreshes.
+            got = self._run([*(("GET", base + b"%d" % i) for i in range(want)), ("PTTL", base + b"0")],
+                            deadline_at, base)
+            if isinstance(got, str):
+                return self._counters.miss(_miss_reason(got))
+            replies, pttl = got[:-1], got[-1]
             outcome = self._assemble(replies, layout_id)
             if not isinstance(outcome, int):
                 break
@@ -221,6 +224,8 @@ class RedisPool:
         header, payload = outcome
         self._learn_parts(layout_id, header.part_count, header.payload_bytes, written=False)
         ttl = self._refresh(base, header.part_count, tenant, header.payload_bytes, deadline_at)
+        if not ttl and isinstance(pttl, int) and pttl > 0:  # not refreshed: what was left at the read
+            ttl = pttl / 1000
         self._counters.hit(header.payload_bytes)
         return GetResult.found(payload, header.boundary_tokens, ttl)
 
