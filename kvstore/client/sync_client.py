@@ -35,8 +35,6 @@ import functools
 import logging
 import math
 import random
-import re
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -108,7 +106,7 @@ from kvstore.client.types import (
     stats_from_pb,
 )
 from kvstore.config.service import token_problem
-from kvstore.dataplane import unix_path_of
+from kvstore.dataplane import ID_RE, new_id, unix_path_of
 from kvstore.dataplane.host_copy import check_copy_threads, default_copy_threads
 from kvstore.dataplane.peer import (
     HELLO_TIMEOUT_SECONDS,
@@ -133,7 +131,6 @@ P = ParamSpec("P")
 MiB = 1 << 20
 log = logging.getLogger("kvstore.client")
 DATA_PATHS = ("auto", "shm", "stream")
-_SESSION_ID = re.compile(r"[0-9a-f]{32}")  # a same-host session's id, as the service draws it
 # After a same-host session could not be opened, streams are used for this long before another try.
 SHM_RETRY_SECONDS = 5.0
 # The service refuses a Store call that sends more payload than this (service/servicer.py
@@ -553,7 +550,7 @@ class KvstoreClient:
                 held.release()
         """
         hold_chunks = _chunk_count("hold_chunks", hold_chunks, "Lookup")
-        if into_session and not _SESSION_ID.fullmatch(into_session):
+        if into_session and not ID_RE.fullmatch(into_session):
             raise InvalidInput(f"lookup_held: into_session must be a same-host session id (32 lowercase hex "
                                f"digits, as shm_session_id() returns), got {into_session[:80]!r}")
         seconds = self._timeout(timeout_seconds)
@@ -566,7 +563,7 @@ class KvstoreClient:
         # The service tags the leases with this id, which only this call knows, so that this client
         # can release them when the answer (their ids) never reaches its caller: into another
         # session, and into its own (a cancel or a deadline that lost the answer).
-        hold = secrets.token_hex(16) if self._unix_path and self._send_holds else ""
+        hold = new_id() if self._unix_path and self._send_holds else ""
         token_bytes = _token_u32le(tokens).data.cast("B")
         rid, metadata = self._request_metadata("Lookup", None, None, "")
 

@@ -22,11 +22,13 @@ from kvstore.dataplane.peer import LeaseLapsed, SessionClosed, ShmPath, ShmUnava
 from kvstore.dataplane.segments import Segment, map_segment, sealing_available
 from kvstore.dataplane.side_socket import (
     HELLO_VERSION,
+    ID_RE,
     TOO_LARGE_FOR_SESSION,
     UNKNOWN_SESSION,
     FrameReader,
     SideSocketClosed,
     data_socket_path,
+    new_id,
     recv_message,
     send_message,
     unix_path_of,
@@ -35,6 +37,7 @@ from kvstore.dataplane.spans import check_span
 
 __all__ = [
     "HELLO_VERSION",
+    "ID_RE",
     "TOO_LARGE_FOR_SESSION",
     "UNKNOWN_SESSION",
     "FrameReader",
@@ -51,6 +54,7 @@ __all__ = [
     "check_span",
     "data_socket_path",
     "map_segment",
+    "new_id",
     "recv_message",
     "sealing_available",
     "send_message",

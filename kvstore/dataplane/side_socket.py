@@ -12,6 +12,8 @@ import array
 import contextlib
 import json
 import os
+import re
+import secrets
 import socket
 import struct
 from typing import Any
@@ -24,6 +26,13 @@ UNKNOWN_SESSION = "unknown same-host session"
 # byte streams (and that model's later ones), keeping the session.
 TOO_LARGE_FOR_SESSION = "chunks too large for the same-host session"
 MAX_MESSAGE_BYTES = 64 * 1024
+# The ids of a same-host session (the service draws them) and of a hold (a client draws them): 128
+# random bits, so that no other client of the tenant can guess one.
+ID_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def new_id() -> str:
+    return secrets.token_hex(16)
 MAX_FDS = 4
 SUFFIX = ".shm"
 _LEN = struct.Struct("<I")

@@ -43,8 +43,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
-import secrets
 import selectors
 import socket
 import stat
@@ -60,12 +58,14 @@ from typing import Any, NoReturn
 from kvstore.config import ServiceConfig
 from kvstore.dataplane import (
     HELLO_VERSION,
+    ID_RE,
     UNKNOWN_SESSION,
     FrameReader,
     LeaseTable,
     Segment,
     SideSocketClosed,
     data_socket_path,
+    new_id,
     sealing_available,
     send_message,
 )
@@ -94,8 +94,6 @@ RELEASE_SLACK = 1024
 _DROP_LOG_SECONDS = 60.0  # a flood is logged once a minute, not once per connection
 _PEERCRED = struct.Struct("3i")
 KINDS = ("client", "runner")
-# A hold id: 32 hex digits (128 random bits), so a client of the tenant cannot guess another's.
-HOLD_RE = re.compile(r"[0-9a-f]{32}\Z")
 
 
 @dataclass
@@ -249,7 +247,7 @@ class ShmSessions:
         for any other: an unknown, closed or foreign session reads the same, so ids cannot be probed.
         "SESSION/HOLD": a handle of it for one call whose leases carry HOLD (see the module's doc)."""
         session_id, sep, hold = session_id.partition("/")
-        if sep and not HOLD_RE.match(hold):
+        if sep and not ID_RE.fullmatch(hold):
             raise InvalidInput("the hold id after '/' in shm_session must be 32 lowercase hex digits")
         with self._lock:
             s = self._sessions.get(session_id)
@@ -435,7 +433,7 @@ class ShmSessions:
             raise InvalidInput(f"a release of a hold is {{\"v\": {HELLO_VERSION}, \"release_held\": id, "
                                "\"session\": id, \"token\": token}")
         hold, session_id, token = message["release_held"], message.get("session"), message.get("token")
-        if not isinstance(hold, str) or not HOLD_RE.match(hold):
+        if not isinstance(hold, str) or not ID_RE.fullmatch(hold):
             raise InvalidInput("release_held must be a hold id: 32 lowercase hex digits")
         if not isinstance(session_id, str) or not session_id:
             raise InvalidInput("session must name the same-host session the chunks were held in")
@@ -493,7 +491,7 @@ class ShmSessions:
             with self._lock:
                 self._slots.give_back(member, 1)
             raise
-        return ShmSession(secrets.token_hex(16), caller.tenant, kind, conn.pid, load, store,
+        return ShmSession(new_id(), caller.tenant, kind, conn.pid, load, store,
                           LeaseTable(load.nbytes, self._svc.shm_lease_seconds))
 
     def _load_segment(self) -> Segment:
