@@ -21,7 +21,6 @@ from kvstore.observe import ttl_model
 from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace
 from kvstore.observe.ttl_model import Derived, _sliding_walk
 from kvstore.observe.ttl_tuning import (
-    TtlCostModel,
     TtlEvaluation,
     columns_from_records,
     evaluate_sliding,
@@ -29,10 +28,8 @@ from kvstore.observe.ttl_tuning import (
     tune_ttl,
 )
 from tests.test_metrics_service import CHUNK, MODEL, config, prompt, start, store
+from tests.test_tune import COST
 from tests.test_tune_pool import random_trace
-
-COST = TtlCostModel(replay_cost_per_token=1.0, hold_cost_per_byte_second=1e-3, min_ttl_seconds=1.0,
-                    max_ttl_seconds=10_000.0)
 
 
 def test_a_load_local_that_got_the_snapshot_writes_a_read_line_in_its_lookups_session(

@@ -29,11 +29,11 @@ from kvstore.observe.ttl_tuning import (
     tune_ttl,
 )
 from policies.ttl import AdaptiveTtl
+from tests.test_tune import COST
 from tests.test_tune_pool import CHUNK, random_trace
 
-# 1 000 B snapshots at 1e-3 per byte-second: 1 per second held; a replay of 125 tokens at 1 per token.
-COST = TtlCostModel(replay_cost_per_token=1.0, hold_cost_per_byte_second=1e-3, min_ttl_seconds=1.0,
-                    max_ttl_seconds=10_000.0)
+# COST (test_tune's): 1 000 B snapshots at 1e-3 per byte-second are 1 per second held; a replay of
+# 125 tokens at 1 per token.
 
 
 def priced_fixed(cols: TraceColumns, d: Derived, ttl: float | None, cost: TtlCostModel) -> float:
