@@ -35,6 +35,11 @@ def _one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int,
     (["--sweep", "--sweep-capacities", "1e400:1GiB"], "'1e400' is too large a size"),
     # A MemoryError after 36 s.
     (["--sweep", "--sweep-concurrency", "8,1000000"], "concurrencies must be integers from 1 to 100,000"),
+    # Checked only after the flags were read, and nan got past the TTL's own check as a comparison.
+    (["--local-ttl-seconds", "0"], "argument --local-ttl-seconds: must be a finite number of seconds > 0 and <="),
+    (["--local-ttl-seconds", "nan"], "argument --local-ttl-seconds: must be a finite number of seconds"),
+    (["--baseline-global-factor", "0"], "argument --baseline-global-factor: must be a finite number > 0"),
+    (["--baseline-swa-share", "1"], "argument --baseline-swa-share: must be a finite number >= 0 and < 1, got 1"),
 ])
 def test_a_bad_workload_flag_is_one_line_and_exit_2(flags: list[str], said: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:

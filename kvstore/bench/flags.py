@@ -26,17 +26,23 @@ def count(least: int = 1, most: int = 1_000_000) -> Callable[[str], int]:
     return parse
 
 
-def finite(least: float, most: float, unit: str = "") -> Callable[[str], float]:
-    """A finite number in [least, most] (float() takes "nan" and "inf"); `unit` names it in errors."""
+def finite(least: float, most: float, unit: str = "", *, above: bool = False,
+           below: bool = False) -> Callable[[str], float]:
+    """A finite number in [least, most] (float() takes "nan" and "inf"); `unit` names it in errors.
+    `above` / `below` leave `least` / `most` out of the range."""
     what = f"a number of {unit}" if unit else "a number"
-    bounds = (f"from {least:g} to {most:g}" if math.isfinite(least) else f"at most {most:g}")
+    low = f"> {least:g}" if above else f">= {least:g}"
+    high = f"< {most:g}" if below else f"<= {most:g}"
+    bounds = (f"from {least:g} to {most:g}" if not (above or below) and math.isfinite(least)
+              else f"{low} and {high}" if math.isfinite(least) else f"at most {most:g}")
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not (math.isfinite(value) and least <= value <= most):
+        in_range = (value > least if above else value >= least) and (value < most if below else value <= most)
+        if not (math.isfinite(value) and in_range):
             raise argparse.ArgumentTypeError(f"must be a finite{what[1:]} {bounds}, got {text}")
         return value
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.bench.flags import count, finite, seconds, writable_file
-from kvstore.config.local_pool import TtlPolicyConfig
+from kvstore.config.local_pool import MAX_TTL_SECONDS, TtlPolicyConfig
 from kvstore.errors import InvalidInput
 from kvstore.workload import report
 from kvstore.workload.costmodel import CostModel, parse_cost_overrides
@@ -105,7 +105,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--dram-capacity-bytes", type=_size, default=None, help="DRAM tier (default 256GiB; live 1GiB)")
     d.add_argument("--lmdb-capacity-bytes", type=_size, default=None, help="SSD tier (default 4TiB; live 16GiB)")
     d.add_argument("--pool-capacity-bytes", type=_size, default=None, help="local pool (default 8GiB; live 512MiB)")
-    d.add_argument("--local-ttl-seconds", type=float, default=300.0, help="local snapshot TTL (default 300)")
+    d.add_argument("--local-ttl-seconds", type=finite(0.0, MAX_TTL_SECONDS, "seconds", above=True), default=300.0,
+                   help="local snapshot TTL (default 300)")
     d.add_argument("--ttl-policy", choices=("fixed", "sliding", "adaptive"), default="fixed",
                    help="local TTL policy (default fixed)")
     d.add_argument("--replay-mode", choices=("bounded", "exact", "off"), default="bounded",
@@ -122,9 +123,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not shrink the device tier by the runtime KV of requests in flight")
     d.add_argument("--cost", action="append", default=[], metavar="KEY=VALUE",
                    help="override a TTFT cost-model parameter, e.g. dram_bandwidth_bytes_per_second=25e9")
-    d.add_argument("--baseline-global-factor", type=float, default=Baseline.global_factor,
+    d.add_argument("--baseline-global-factor", type=finite(0.0, 1e6, above=True), default=Baseline.global_factor,
                    help="baseline global KV bytes/token over kvstore's (default 4)")
-    d.add_argument("--baseline-swa-share", type=float, default=Baseline.swa_share,
+    d.add_argument("--baseline-swa-share", type=finite(0.0, 1.0, below=True), default=Baseline.swa_share,
                    help="SWA share of the baseline's persistent bytes (default 0.5)")
     s = p.add_argument_group("cliff sweep (simulated)")
     s.add_argument("--sweep", action="store_true", help="also sweep concurrency x capacity for the cliff")
@@ -205,8 +206,6 @@ def run_workload_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidInput("the cliff sweep is simulated; run it with --mode simulated")
     progress = stderr_progress("bench workload")
     baseline = Baseline(args.baseline_global_factor, args.baseline_swa_share)
-    if not (args.baseline_global_factor > 0 and 0 <= args.baseline_swa_share < 1):
-        raise InvalidInput("--baseline-global-factor must be > 0 and --baseline-swa-share in [0, 1)")
     spec = _workload_spec(args)
     # The sweep's flags are checked before the main run, not after it (a bad one cost its whole time).
     capacities = parse_capacities(args.sweep_capacities, args.sweep_lmdb_capacity_bytes) if args.sweep else []
