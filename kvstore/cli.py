@@ -77,6 +77,12 @@ def _main(argv: Sequence[str] | None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    if sys.byteorder != "little":
+        # Chunks, token ids and checksums are little-endian on disk and on the wire, and numpy reads
+        # them in the host's order in places: refused rather than read wrong.
+        print(f"kvstore {args.command}: runs on little-endian hosts only (x86-64, aarch64); this one is "
+              f"{sys.byteorder}-endian", file=sys.stderr)
+        return 2
     try:
         return int(args._run(args))
     except KvstoreError as e:

@@ -178,6 +178,15 @@ def test_the_token_from_the_environment_is_checked_as_such(monkeypatch: pytest.M
               "KVSTORE_TOKEN: the token must not begin or end with a space")
 
 
+def test_a_big_endian_host_is_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # The formats are little-endian and parts of the code read them in the host's order.
+    monkeypatch.setattr(sys, "byteorder", "big")
+    _one_line(main(["serve", "--data-dir", str(tmp_path / "data")]), capsys.readouterr().err,
+              "kvstore serve: runs on little-endian hosts only (x86-64, aarch64); this one is big-endian")
+    assert not (tmp_path / "data").exists()
+
+
 def test_a_socket_from_the_flag_brings_in_the_same_host_session_warning(tmp_path: Path) -> None:
     # The config file has no socket, so its session shares were not in question until the flag.
     argv = _argv(["serve", "--config", "{tmp}/many.toml", "--data-dir", "{tmp}/data", "--admin-port", "-1",
