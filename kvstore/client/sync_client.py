@@ -539,8 +539,10 @@ class KvstoreClient:
         A call that fails or is cancelled (its answer lost, or come to a task that is gone) has
         what it held released at once, through the side socket, under a hold id it sends with the
         call (the lease ids were in the answer; into another session, only that session's client
-        releases leases by id); over a TCP target, or without an answer from the side socket, they
-        lapse by shm_lease_seconds. An answer that reached the caller is released by its ids only.
+        releases leases by id), as has an attempt whose answer was lost (UNAVAILABLE) before a retry
+        (each attempt sends an id of its own); over a TCP target, or without an answer from the side
+        socket, they lapse by shm_lease_seconds. An answer that reached the caller is released by its
+        ids only.
 
             held = kv.lookup_held(model, prompt, hold_chunks=n)
             try:
@@ -560,26 +562,36 @@ class KvstoreClient:
         if not session or hold_chunks <= 0:
             return HeldLookup(self._plain_lookup(model, tokens, replay_mode, deadline.left(), cache_salt,
                                                  call_seconds=seconds))
-        # The service tags the leases with this id, which only this call knows, so that this client
-        # can release them when the answer (their ids) never reaches its caller: into another
-        # session, and into its own (a cancel or a deadline that lost the answer).
-        hold = new_id() if self._unix_path and self._send_holds else ""
+        # The service tags the leases with a hold id, which only this attempt knows, so that this
+        # client can release them when the answer (their ids) never reaches its caller: into another
+        # session, and into its own (a cancel or a deadline that lost the answer). `hold`: the id of
+        # the attempt made last ("" where none was sent, or once it is given back).
+        hold = ""
         token_bytes = _token_u32le(tokens).data.cast("B")
         rid, metadata = self._request_metadata("Lookup", None, None, "")
 
-        def ask(named: str) -> pb.LookupResponse:
-            req = encode_lookup_request(model, replay_mode, token_bytes, cache_salt, named, hold_chunks)
-            return self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata),
-                                    deadline.left(), seconds)
+        def attempt(with_hold: bool, seconds_left: float) -> pb.LookupResponse:
+            nonlocal hold
+            if hold:  # the attempt before this one lost its answer (UNAVAILABLE): what it held goes back,
+                # off this attempt's path; an id per attempt keeps the release off this one's leases
+                _in_background(functools.partial(self._give_back_hold, session, hold))
+            hold = new_id() if with_hold and self._unix_path and self._send_holds else ""
+            req = encode_lookup_request(model, replay_mode, token_bytes, cache_salt,
+                                        f"{session}/{hold}" if hold else session, hold_chunks)
+            return self._lookup(req, timeout=seconds_left, metadata=metadata)
+
+        def ask(with_hold: bool) -> pb.LookupResponse:
+            return self._idempotent("Lookup", functools.partial(attempt, with_hold), deadline.left(), seconds)
 
         try:
             try:
-                r = ask(f"{session}/{hold}" if hold else session)
+                r = ask(True)
             except InvalidArgumentError as e:
                 if not hold or UNKNOWN_SESSION not in e.details:
                     raise
-                r = ask(session)  # known by its bare id: a service older than holds
-                self._send_holds, hold = False, ""
+                hold = ""  # refused as a session it does not know: nothing was held under it
+                r = ask(False)  # known by its bare id: a service older than holds
+                self._send_holds = False
         except InvalidArgumentError as e:
             if UNKNOWN_SESSION not in e.details:
                 self._give_back_hold(session, hold)

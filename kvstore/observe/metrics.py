@@ -331,8 +331,9 @@ class SourceCollector(Collector):
                                   "their hello to make room for a newer one.", value=t.pending_dropped)
         yield CounterMetricFamily("kvstore_shm_release_flood_closed", "Same-host sessions closed for naming far "
                                   "more leases to release than they were granted.", value=t.release_flood_closed)
-        yield CounterMetricFamily("kvstore_shm_holds_released", "Holds of failed or cancelled lookup_held calls "
-                                  "(in their own session or another client's), released by their own client.",
+        yield CounterMetricFamily("kvstore_shm_holds_released", "Holds of failed or cancelled lookup_held calls, "
+                                  "or of attempts retried (in their own session or another client's), released by "
+                                  "their own client.",
                                   value=t.holds_released)
         yield CounterMetricFamily("kvstore_shm_hold_releases_refused", "Releases of such holds refused: nothing of "
                                   "the tenant's was held under the id (the failed call held none, they were "
