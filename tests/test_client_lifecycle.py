@@ -397,11 +397,15 @@ def test_a_token_grpc_cannot_send_is_refused_at_construction(token: Any, named: 
 
 
 @pytest.mark.parametrize(("target", "named"), [
-    ("", "target must be"),  # every call failed UNKNOWN "Failed to create channel"
-    ("   ", "target must be"),
-    (None, "target must be"),
-    ("127.0.0.1:99999", "port 99999"),  # dialled port 34463
-    ("dns:///127.0.0.1:70000", "port 70000"),
+    ("", "target '': expected HOST:PORT"),  # every call failed UNKNOWN "Failed to create channel"
+    ("   ", "expected HOST:PORT"),
+    (None, "expected HOST:PORT .* as a string, got None"),
+    ("127.0.0.1:99999", "127.0.0.1:99999: the port must be in 1..65535"),  # dialled port 34463
+    ("dns:///127.0.0.1:70000", "the port must be in 1..65535"),
+    # Taken before: gRPC dialled port 443 (TLS's), and resolved a host named "http" for ever.
+    ("127.0.0.1", "'127.0.0.1': expected HOST:PORT"),
+    ("http://127.0.0.1:50051", "not a http:// URL"),
+    ("unix://run/kvstore.sock", "an absolute path takes three slashes"),
 ])
 def test_a_target_that_names_no_service_is_refused_at_construction(target: Any, named: str) -> None:
     with pytest.raises(InvalidInput, match=named):

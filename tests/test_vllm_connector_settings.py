@@ -119,13 +119,16 @@ def test_a_name_the_service_would_refuse_at_every_registration_is_refused_at_sta
     ConnectorConfig.from_extra({"address": "127.0.0.1:1", key: "ok-name"})
 
 
-@pytest.mark.parametrize("address", [":", "host:", ":50051", "127.0.0.1:0", "127.0.0.1:99999", "unix://", "[]:1", 7])
+# http://...: taken before, and resolved by gRPC as a host named "http" for ever.
+@pytest.mark.parametrize("address", [":", "host:", ":50051", "127.0.0.1:0", "127.0.0.1:99999", "unix://", "[]:1", 7,
+                                     "http://127.0.0.1:50051", "kvstore", "unix:kv.sock"])
 def test_an_address_the_client_could_not_dial_is_refused_at_start(address: Any) -> None:
     with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.address"):
         ConnectorConfig.from_extra({"address": address})
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1:50051", "kvstore:50051", "[::1]:50051", "unix:///run/kvstore.sock"])
+@pytest.mark.parametrize("address", ["127.0.0.1:50051", "kvstore:50051", "[::1]:50051", "unix:///run/kvstore.sock",
+                                     "dns:///kvstore.internal:50051"])
 def test_addresses_gRPC_dials_are_taken(address: str) -> None:
     assert ConnectorConfig.from_extra({"address": address}).address == address
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import array
 import contextlib
 import math
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any, cast
@@ -23,6 +22,7 @@ import numpy as np
 from kvstore.client.errors import InvalidArgumentError
 from kvstore.errors import InvalidInput
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.targets import target_problem
 
 U32_MAX = (1 << 32) - 1
 
@@ -41,14 +41,12 @@ def _chunk_count(name: str, value: object, method: str) -> int:
 
 
 def _check_target(target: object) -> str:
-    """`target` as gRPC dials it, refused here where it never names a service: gRPC failed every
-    call as UNKNOWN for "", and dialled a port past 65535 modulo 65536 (99999: 34463)."""
-    if not isinstance(target, str) or not target.strip():
-        raise InvalidInput(f"target must be 'host:port' or 'unix:///path/to/kvstore.sock', got {target!r}")
-    port = re.search(r":(\d+)$", target)
-    if not target.startswith("unix") and port and not 1 <= int(port.group(1)) <= 65535:
-        raise InvalidInput(f"target {target!r} names port {port.group(1)}; a TCP port is 1 to 65535")
-    return target
+    """`target` as gRPC dials it, refused here where it never names a service
+    (`kvstore.wire.targets`): gRPC failed every call as UNKNOWN for "", and dialled a port past
+    65535 modulo 65536 (99999: 34463)."""
+    if (problem := target_problem(target)) is not None:
+        raise InvalidInput(f"target {problem}")
+    return str(target)
 
 
 def _positive_seconds(name: str, value: object) -> float:

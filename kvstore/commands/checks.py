@@ -4,16 +4,13 @@ runner that reconnects for ever."""
 
 from __future__ import annotations
 
-import re
 import ssl
 import urllib.parse
 
 from kvstore.config.fields import DAY_SECONDS
 from kvstore.config.service import token_problem
 from kvstore.errors import InvalidInput
-
-# host:port or [v6]:port, alone or after a scheme's "//" (dns:///host:port).
-_HOST_PORT = re.compile(r"(\[[^\]]*\]|[^:\[\]/]*):([0-9]+)")
+from kvstore.wire.targets import target_problem
 
 
 def check_token(token: str | None, flag: str) -> None:
@@ -96,27 +93,9 @@ def _pem_certificates(path: str) -> bool:
 
 
 def check_target(target: str, flag: str) -> None:
-    """A gRPC target that names a service: HOST:PORT ([v6]:PORT), alone or after `dns:`, or a socket
-    scheme's. gRPC dials a host without a port on 443 (TLS's, never kvstore's), fails '' and
-    'host:abc' at each (re)connect (a runner retried for ever), and dials 127.0.0.1:99999 as port
-    34463 (the port modulo 65536) without a word."""
-    if target.startswith("xds:"):
-        return  # resolved by gRPC's xDS client from its bootstrap file
-    for scheme in ("unix:", "unix-abstract:", "vsock:", "ipv4:", "ipv6:"):
-        if target.startswith(scheme):
-            if not target.removeprefix(scheme).strip("/"):
-                raise InvalidInput(f"{flag} {target!r}: names no address after {scheme}")
-            return
-    scheme, sep, after = target.partition("://")
-    if sep and scheme not in ("dns", "passthrough"):
-        # http://host:port would be resolved as a host named "http" for ever.
-        raise InvalidInput(f"{flag} {target!r}: a gRPC target is HOST:PORT (or unix:///PATH), not a {scheme}:// URL")
-    rest = after.rsplit("/", 1)[-1] if sep else target.removeprefix("dns:")
-    m = _HOST_PORT.fullmatch(rest)
-    if m is None or not m.group(1).strip("[]"):
-        raise InvalidInput(f"{flag} {target!r}: expected HOST:PORT (or unix:///PATH for the service's Unix socket)")
-    if not 1 <= int(m.group(2)) <= 65535:
-        raise InvalidInput(f"{flag} {target}: the port must be in 1..65535")
+    """A gRPC target that names a service (`kvstore.wire.targets`), or one line naming `flag`."""
+    if (problem := target_problem(target)) is not None:
+        raise InvalidInput(f"{flag} {problem}")
 
 
 def check_timeout(seconds: float, flag: str) -> None:

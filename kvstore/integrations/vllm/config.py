@@ -11,6 +11,7 @@ from kvstore.config.service import token_problem
 from kvstore.config.store import MAX_CHUNK_TOKENS
 from kvstore.errors import ConfigError
 from kvstore.layout import MAX_ENGINE_NAME
+from kvstore.wire.targets import target_problem
 
 KEYS = ("address", "token", "revision", "model_name", "budget_ms", "fingerprint_cache", "max_pending_store_mib",
         "retry_after_ms", "load_mode", "chunk_tokens", "max_lookup_queue_ms")
@@ -55,10 +56,14 @@ class ConnectorConfig:
         if unknown:
             raise ConfigError("kv_connector_extra_config", f"unknown keys {unknown}; known: {', '.join(KEYS)}")
         address = d.get("address")
-        if not isinstance(address, str) or not _is_address(address):
-            raise ConfigError("kv_connector_extra_config.address", "must be the kvstore service as 'host:port' (a "
+        problem = target_problem(address)
+        if problem is None and str(address).startswith("unix:") and not str(address).startswith("unix:/"):
+            # A relative socket path would depend on the engine's working directory.
+            problem = f"{address!r}: a Unix socket's path must be absolute, unix:///PATH"
+        if problem is not None:
+            raise ConfigError("kv_connector_extra_config.address", f"must be the kvstore service as 'host:port' (a "
                               "port in 1..65535), or 'unix:///path/to/kvstore.sock' (an absolute path) on the "
-                              f"service's host, got {address!r}")
+                              f"service's host: {problem}")
         for key in ("token", "revision", "model_name", "fingerprint_cache"):
             if key in d and not isinstance(d[key], str):
                 raise ConfigError(f"kv_connector_extra_config.{key}", "must be a string")
@@ -91,23 +96,10 @@ class ConnectorConfig:
                               f"{MAX_CHUNK_TOKENS} (the service's store.chunk_tokens), got {chunk_tokens!r}")
         cache = d.get("fingerprint_cache")
         return ConnectorConfig(
-            address=address, token=d.get("token", ""), revision=d.get("revision", ""),
+            address=str(address), token=d.get("token", ""), revision=d.get("revision", ""),
             model_name=d.get("model_name", ""), budget_seconds=numbers["budget_ms"] / 1000,
             fingerprint_cache=Path(cache) if cache else None,
             max_pending_store_bytes=int(numbers["max_pending_store_mib"] * (1 << 20)),
             retry_after_seconds=numbers["retry_after_ms"] / 1000, load_mode=load_mode, chunk_tokens=chunk_tokens,
             max_lookup_queue_seconds=numbers["max_lookup_queue_ms"] / 1000,
         )
-
-
-def _is_address(address: str) -> bool:
-    """'host:port' with a port gRPC dials as written, or a Unix socket's absolute path. gRPC takes
-    "unix://run/kvstore.sock" for no address at all, and a relative path would depend on the
-    engine's working directory; a host with spaces never resolves."""
-    if address.startswith("unix:"):
-        path = address.removeprefix("unix:").removeprefix("//")
-        return path.startswith("/") and len(path) > 1 and path.isprintable()
-    host, _, port = address.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]") if host.startswith("[") else host
-    return bool(host) and host.isprintable() and not any(c.isspace() or c in "[]" for c in host) and (
-        port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)
