@@ -12,22 +12,28 @@ resolve with an outcome (never an exception): a failed job is an expected result
 for whose model every runner is busy may wait for one to have room (`wait_for_room`).
 
 A strike is counted against a runner that answers a job with an error, or still has a job when it
-is cancelled at its deadline (`cancel_job(..., timed_out=True)`) having finished nothing (no
-result, no error) since it was given that job: a runner that answers, even late, is slow, not
-hung, and the deadline is the callers' budget, not a fault of the runner. Failures of jobs it was
-given before its last strike (a batch failing at once, jobs hung together) are the same fault: one
+is cancelled at its deadline (`cancel_job(..., timed_out=True)`) having sent no snapshot since it
+was given that job: a runner that answers, even late, is slow, not hung, and the deadline is the
+callers' budget, not a fault of the runner. Only a snapshot shows its worker alive: an error may
+come from the thread that reads its stream while the worker hangs (one answering each JobCancel
+with an error would otherwise never be struck for a timeout). Failures of jobs it was given
+before its last strike (a batch failing at once, jobs hung together) are the same fault: one
 strike. Only a snapshot in time clears its strikes: a late one (for a job cancelled at its
 deadline) shows it alive, so jobs it had meanwhile are not struck when they time out, but not fit
 for callers' deadlines (one that always answers late would otherwise look healthy and, given a job
 least recently, take every other job, each timing out). A runner with strikes gets jobs only while
 no healthy runner has room, and one with `MAX_STRIKES` in a row is detached (counted in
-`misbehaved_total`; its stream ends cleanly, so it may reconnect), except that timeouts never
-detach the last runner that serves its model and tenants, when no in-process runner does either
-(`set_fallback_models`): with none, every replay would fail rather than some time out. A hung
-device otherwise took every job: cancelled at
-their deadlines, they left it looking idle. The jobs a detached runner still had count as
-cancelled, so that results it sends for them before its stream ends are dropped, not taken for a
-protocol error.
+`misbehaved_total`; its stream ends cleanly, so it may reconnect). Timeouts never detach the last
+runner that serves its model and tenants, when no in-process runner does either
+(`set_fallback_models`): with none, every replay would fail rather than some time out. Nor do they
+detach at once a runner that another stands in for: at its `MAX_STRIKES`-th it is benched (given
+no jobs, its stream and jobs kept) and detached only if it sends no snapshot within
+`hung_grace_seconds`; a snapshot, even late, shows it slow, not hung, and takes it off the bench,
+its strikes kept. Three callers' short deadlines would otherwise detach a runner still working on
+their jobs (and on longer callers' jobs, failed with it), to reconnect with no strikes and take the
+next job. A hung device otherwise took every job: cancelled at their deadlines, they left it
+looking idle. The jobs a detached runner still had count as cancelled, so that results it sends
+for them before its stream ends are dropped, not taken for a protocol error.
 
 What it does not know: gRPC messages (the servicer frames jobs), the store, or replay policy
 (which tokens to replay, timeouts, coalescing: the coordinator decides those).
@@ -57,6 +63,9 @@ RECENTLY_CANCELLED = 256
 # Jobs in a row a runner may fail (an error answered, or no answer by the job's deadline) before it
 # is detached: one bad job is not a bad runner, three in a row most likely are.
 MAX_STRIKES = 3
+# How long a runner benched for timeouts has to send a snapshot (even late) before it is taken
+# for hung and detached: longer than a slow device's batch, and it gets no jobs meanwhile.
+HUNG_GRACE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -119,17 +128,26 @@ class RunnerLink:
     # The last job given (anyone's) when it was last struck: a failure of a job given no later is
     # part of the same fault (one batch, one hang), not another strike.
     struck_at: int = 0
-    finished: int = 0  # results and errors it sent (late ones too): a timeout after one is not a hang
+    # Snapshots it sent (late ones too): a timeout after one is not a hang. Not errors: its stream
+    # thread may send those while its worker hangs.
+    finished: int = 0
+    # Benched: MAX_STRIKES timeouts while another runner stands in; no jobs until it sends a
+    # snapshot, detached if none comes within the grace. `benches` tells a stale judgement apart.
+    benched: bool = False
+    benches: int = 0
+    bench_timer: threading.Timer | None = None
 
 
 class RunnerRegistry:
     def __init__(self, max_runners: int = 16, weights: Mapping[str, float] | None = None,
-                 admin_runners: bool = True) -> None:
+                 admin_runners: bool = True, hung_grace_seconds: float | None = None) -> None:
         """`weights`: each tenant's share_weight; runner slots are split by them, and when
         `admin_runners` (an admin token is configured) admin runners count as one more member of
         weight 1. Without one no runner can attach as the admin: a member for it would only take
-        the tenants' slots (with auth off, half of the one tenant's)."""
+        the tenants' slots (with auth off, half of the one tenant's). `hung_grace_seconds`: how
+        long a benched runner has to show itself alive (None: HUNG_GRACE_SECONDS)."""
         self.max_runners = max_runners
+        self.hung_grace_seconds = HUNG_GRACE_SECONDS if hung_grace_seconds is None else hung_grace_seconds
         self._slots = FairShare(max_runners, {**(weights or {}), **({ADMIN_MEMBER: 1.0} if admin_runners else {})})
         self._lock = threading.Lock()
         # Notified when a runner attaches, detaches or has a job fewer: jobs waiting for room.
@@ -181,6 +199,9 @@ class RunnerRegistry:
                 del self._links[link.info.runner_id]
                 self._slots.give_back(ADMIN_MEMBER if link.info.tenant is None else link.info.tenant, 1)
             link.closed = True
+            if link.bench_timer is not None:
+                link.bench_timer.cancel()
+                link.bench_timer = None
             pending = list(link.in_flight.values())
             link.in_flight.clear()
             # Results it sends for them before its stream ends are dropped, not a protocol error.
@@ -224,8 +245,8 @@ class RunnerRegistry:
         with self._lock:
             p = link.in_flight.pop(job_id, None)
             if p is None:
-                if job_id in link.cancelled:
-                    link.finished += 1  # late: alive, not healthy
+                if job_id in link.cancelled and ok:
+                    self._alive(link)  # late: alive, not healthy
                 return False
             self._jobs.pop(job_id, None)
             self._answered(link, ok)
@@ -237,24 +258,35 @@ class RunnerRegistry:
             self._detach_unhealthy(link, error or "no snapshot")
         return True
 
-    def late(self, link: RunnerLink, job_id: int) -> None:
-        """The runner answered job `job_id` after it was cancelled (the answer is dropped): it is
-        alive, so jobs it has now are not struck when they time out, but, snapshot or not, its
-        strikes stay: a runner that always answers late is no use to its callers, and cleared
-        it would be given a job least recently and so take every other one."""
+    def late(self, link: RunnerLink, job_id: int, snapshot: bool) -> None:
+        """The runner answered job `job_id` after it was cancelled (the answer is dropped). With a
+        `snapshot` it is alive, so jobs it has now are not struck when they time out and it leaves
+        the bench, but its strikes stay: a runner that always answers late is no use to its
+        callers, and cleared it would be given a job least recently and so take every other one.
+        An error shows only its stream alive, not its worker: nothing changes."""
         with self._lock:
-            if job_id in link.cancelled:
-                link.finished += 1
+            if snapshot and job_id in link.cancelled:
+                self._alive(link)
 
     def _answered(self, link: RunnerLink, ok: bool) -> None:
         """A job it had answered in time (called under the lock)."""
-        link.finished += 1
         if ok:
             link.strikes = 0
+            self._alive(link)
+
+    def _alive(self, link: RunnerLink) -> None:
+        """It sent a snapshot, in time or late: slow maybe, not hung (called under the lock)."""
+        link.finished += 1
+        if link.benched:
+            link.benched = False
+            if link.bench_timer is not None:
+                link.bench_timer.cancel()
+                link.bench_timer = None
+            self._room.notify_all()
 
     def _strike(self, link: RunnerLink, p: _Pending, timed_out: bool = False) -> bool:
         """Count failed job `p` against `link`, unless it was given before the last strike (the
-        same fault) or, `timed_out`, the runner finished something since (slow, not hung). True:
+        same fault) or, `timed_out`, the runner sent a snapshot since (slow, not hung). True:
         that is MAX_STRIKES in a row: it is closed (no more jobs) and counted here, in the same
         step as the check for another runner, and the caller detaches it (called under the lock)."""
         if link.closed or p.given <= link.struck_at:
@@ -267,17 +299,49 @@ class RunnerRegistry:
         # The in-process runner is one (tried after the attached ones): a hung runner gives way to it.
         if link.strikes < MAX_STRIKES or (timed_out and not self._stands_in(link)):
             return False
+        if timed_out:
+            # Slow or hung, it cannot yet tell: benched, it gives way now and is judged later.
+            if not link.benched:
+                self._bench(link)
+            return False
         link.closed = True
         self.misbehaved_total += 1
         return True
 
+    def _bench(self, link: RunnerLink) -> None:
+        """No jobs for `link` until it sends a snapshot; detached if none comes within the grace
+        (called under the lock)."""
+        link.benched = True
+        link.benches += 1
+        t = threading.Timer(self.hung_grace_seconds, self._judge, (link, link.benches))
+        t.daemon = True
+        t.name = f"kvstore-bench-{link.info.runner_id}"
+        link.bench_timer = t
+        t.start()
+
+    def _judge(self, link: RunnerLink, bench: int) -> None:
+        """The grace of bench `bench` is over and `link` sent no snapshot: hung, detached, unless
+        nobody stands in for it any more (then it is only taken off the bench, its strikes kept)."""
+        with self._lock:
+            if link.closed or not link.benched or link.benches != bench:
+                return  # it sent a snapshot, or was detached, meanwhile
+            link.benched = False
+            link.bench_timer = None
+            if not self._stands_in(link):
+                self._room.notify_all()
+                return
+            link.closed = True
+            self.misbehaved_total += 1
+        self._detach_unhealthy(link, f"no answer by the job's deadline, nor any snapshot in the "
+                                     f"{self.hung_grace_seconds:g} s after it")
+
     def _stands_in(self, link: RunnerLink) -> bool:
-        """The in-process runner, or another attached one, serves `link`'s model for every tenant it
-        serves (called under the lock)."""
+        """The in-process runner, or another attached one (not benched), serves `link`'s model for
+        every tenant it serves (called under the lock)."""
         if link.info.model in self._fallback_models:
             return True
         return any(
-            other is not link and not other.closed and other.info.model == link.info.model
+            other is not link and not other.closed and not other.benched and other.info.model == link.info.model
             and other.info.tenant in (None, link.info.tenant)
             for other in self._links.values()
         )
@@ -292,11 +356,11 @@ class RunnerRegistry:
 
     def _serving(self, model: str, tenant: str, avoid: str = "") -> list[RunnerLink]:
         """The attached runners that may serve `tenant`'s jobs for `model`, but for the one whose
-        id is `avoid` (called under the lock)."""
+        id is `avoid`, and for benched ones while another runner stands in (called under the lock)."""
         return [
             link for link in self._links.values()
             if not link.closed and link.info.model == model and (link.info.tenant is None or link.info.tenant == tenant)
-            and link.info.runner_id != avoid
+            and link.info.runner_id != avoid and not (link.benched and self._stands_in(link))
         ]
 
     def _has_room(self, model: str, tenant: str, avoid: str = "") -> bool:

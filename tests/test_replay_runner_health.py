@@ -3,9 +3,10 @@
 answers) or failing (it answers every job with an error). Equal runners take turns; a runner whose
 job timed out or failed is passed over while a healthy one is attached, a failed job is tried once
 on another runner, and a runner that fails `MAX_STRIKES` jobs in a row is detached. But a slow
-runner is not a hung one (callers' short deadlines never detach the model's only runner, and its
-late snapshots show it alive, though only a snapshot in time clears its strikes: one always late is
-passed over), a hung runner gives way to the in-process runner, a batch failing at once is one
+runner is not a hung one (callers' short deadlines never detach the model's only runner, one
+another stands in for is only benched until its late snapshots show it alive, though only a
+snapshot in time clears its strikes: one always late is passed over), a hung runner gives way to
+the in-process runner (errors it sends do not make it look alive), a batch failing at once is one
 strike, and a runner detached
 for strikes gets a clean end of stream and reconnects (the real `AttachedRunner`). No test asserts
 on speed: the hung runner costs one Resume its deadline, which is what the test counts; slow
@@ -25,6 +26,7 @@ import pytest
 from kvstore.service.runners_servicer import RunnersServicer
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from replay import registry as registry_module
 from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
 from replay.registry import MAX_STRIKES, RunnerInfo, RunnerLink, RunnerRegistry
 from replay.runner import ReplayJob, ReplayResult
@@ -151,6 +153,51 @@ def test_a_slow_runner_is_not_detached_by_callers_shorter_deadlines(make_rig: Ca
     runner.close()
 
 
+def test_a_slow_runner_another_stands_in_for_is_benched_not_detached(
+        make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """As above, but the in-process runner stands in: the slow runner's MAX_STRIKES-th timeout
+    benches it (the next job is the in-process runner's) instead of detaching it, which failed the
+    long caller's job it was still working on; its late snapshots take it off the bench."""
+    monkeypatch.setattr(registry_module, "HUNG_GRACE_SECONDS", 120.0)  # longer than the test
+    rig = make_rig(config())  # replay.runner = "reference": attached runners first, then in-process
+    prompts = [_expired_boundary(rig, 250 + 3 * i) for i in range(MAX_STRIKES + 3)]
+    size = rig.svc.snapshot_bytes(NAME)
+    first, later = threading.Event(), threading.Event()
+
+    def slow(job: pb.ReplayJob, chunks: list[bytes]) -> bytes:
+        (first if job.job_id == runner.jobs[0].job_id else later).wait(60)
+        return bytes(size)
+
+    runner = _runner(rig, slow)
+    long: list[pb.ResumeTrailer] = []
+    t = threading.Thread(target=lambda: long.append(rig.client.resume(NAME, prompts[0], timeout_seconds=30.0)))
+    t.start()
+    try:
+        wait_for(lambda: len(runner.jobs) == 1)
+        short = [rig.client.resume(NAME, p, timeout_seconds=2.0).replay_status for p in prompts[1 : MAX_STRIKES + 1]]
+        assert short == ["timeout"] * MAX_STRIKES
+        # Benched, not detached: still attached, the long caller's job still its, none counted.
+        assert len(rig.app.runners.runners()) == 1 and rig.app.runners.misbehaved_total == 0
+        assert _strikes(rig) == [MAX_STRIKES]
+        # Meanwhile the in-process runner takes the jobs.
+        assert rig.client.resume(NAME, prompts[MAX_STRIKES + 1], timeout_seconds=30.0).replay_status == "replayed"
+        assert len(runner.jobs) == MAX_STRIKES + 1
+        later.set()  # late snapshots: slow, not hung
+        wait_for(lambda: _finished(rig) == [MAX_STRIKES])
+        assert not any(lk.benched for lk in rig.app.runners._links.values())
+    finally:
+        first.set()
+        later.set()
+    t.join(30)
+    assert [r.replay_status for r in long] == ["replayed"]
+    assert _strikes(rig) == [0]  # its snapshot in time for the long caller
+    assert rig.client.resume(NAME, prompts[-1], timeout_seconds=30.0).replay_status == "replayed"
+    assert len(runner.jobs) == MAX_STRIKES + 2  # off the bench: the next job was its
+    assert len(rig.app.runners.runners()) == 1 and rig.app.runners.misbehaved_total == 0
+    assert runner.error is None
+    runner.close()
+
+
 def _strikes(rig: Rig) -> list[int]:
     return [lk.strikes for lk in rig.app.runners._links.values()]
 
@@ -184,7 +231,9 @@ def test_a_runner_that_always_answers_late_is_passed_over_for_a_healthy_one(
     well.close()
 
 
-def test_a_hung_runner_gives_way_to_the_in_process_runner(make_rig: Callable[..., Rig]) -> None:  # noqa: F811
+def test_a_hung_runner_gives_way_to_the_in_process_runner(
+        make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    monkeypatch.setattr(registry_module, "HUNG_GRACE_SECONDS", 0.2)
     rig = make_rig(config())  # replay.runner = "reference": attached runners first, then in-process
     prompts = [_expired_boundary(rig, 210 + 3 * i) for i in range(MAX_STRIKES + 3)]
     hold = threading.Event()
@@ -198,12 +247,44 @@ def test_a_hung_runner_gives_way_to_the_in_process_runner(make_rig: Callable[...
         got = [rig.client.resume(NAME, p, timeout_seconds=1.5).replay_status for p in prompts]
     finally:
         hold.set()
-    # The model's last attached runner, but not its last runner: detached after MAX_STRIKES
-    # timeouts, and the in-process runner replays the rest.
+    # The model's last attached runner, but not its last runner: benched after MAX_STRIKES
+    # timeouts (the in-process runner replays the rest), and detached when the grace passes
+    # without a snapshot.
     assert got == ["timeout"] * MAX_STRIKES + ["replayed"] * 3
     assert len(sick.jobs) == MAX_STRIKES
-    assert not rig.app.runners.runners() and rig.app.runners.misbehaved_total == 1
+    wait_for(lambda: not rig.app.runners.runners())
+    assert rig.app.runners.misbehaved_total == 1
     sick.close()
+
+
+def test_a_hung_runner_answering_its_cancels_with_errors_is_detached(
+        make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Its worker hangs; its stream thread answers each JobCancel with an error, once it holds its
+    next job. Errors show only the stream alive: each job still times out a strike, and it goes as
+    any hung runner does (taken for alive, it was never struck again and took every job)."""
+    monkeypatch.setattr(registry_module, "HUNG_GRACE_SECONDS", 0.2)
+    rig = make_rig(config())  # the in-process runner stands in
+    prompts = [_expired_boundary(rig, 270 + 3 * i) for i in range(MAX_STRIKES + 3)]
+    stop = threading.Event()
+
+    def hung(job: pb.ReplayJob, chunks: list[bytes]) -> str:
+        n = len(sick.jobs)
+        while not stop.wait(0.005):
+            if job.job_id in sick.cancelled and len(sick.jobs) > n:
+                break
+        return "job cancelled"
+
+    sick = _runner(rig, hung)
+    try:
+        got = [rig.client.resume(NAME, p, timeout_seconds=1.5).replay_status for p in prompts]
+    finally:
+        stop.set()
+    assert got == ["timeout"] * MAX_STRIKES + ["replayed"] * 3
+    assert len(sick.jobs) == MAX_STRIKES
+    wait_for(lambda: not rig.app.runners.runners())
+    assert rig.app.runners.misbehaved_total == 1
+    sick.close()
+    assert sick.error is None  # detached for strikes: its stream ended cleanly
 
 
 def test_a_batch_failing_at_once_is_one_strike(
@@ -309,8 +390,8 @@ def _job() -> ReplayJob:
     return ReplayJob("default", NAME, "bounded", toks, 0, len(toks), 0, 0, (), 5.0)
 
 
-def _registry(*names: str, jobs: int = 8) -> tuple[RunnerRegistry, list[RunnerLink]]:
-    reg = RunnerRegistry(16, {"default": 1.0})
+def _registry(*names: str, jobs: int = 8, grace: float = 0.05) -> tuple[RunnerRegistry, list[RunnerLink]]:
+    reg = RunnerRegistry(16, {"default": 1.0}, hung_grace_seconds=grace)
     return reg, [reg.attach(RunnerInfo(n, NAME, b"", "cpu", jobs, 1, "", "default")) for n in names]
 
 
@@ -325,7 +406,7 @@ def test_a_timeout_strikes_only_a_runner_that_finished_nothing_since_and_a_late_
     assert a.strikes == 1  # nothing since: a strike
     # Its late snapshot (dropped) shows it alive, not in time: it stays struck, passed over for b.
     also = reg.submit(_job(), avoid="b")
-    reg.late(a, hung.job_id)
+    reg.late(a, hung.job_id, snapshot=True)
     assert a.strikes == 1 and reg.misbehaved_total == 0
     assert reg.submit(_job()).job_id in b.in_flight
     reg.cancel_job(also.job_id, timed_out=True)
@@ -344,7 +425,9 @@ def test_timeouts_detach_a_runner_only_while_another_stands_in() -> None:
     assert reg.misbehaved_total == 0
     reg.attach(RunnerInfo("b", NAME, b"", "cpu", 8, 1, "", "default"))
     reg.cancel_job(reg.submit(_job(), avoid="b").job_id, timed_out=True)
-    assert [r.runner_id for r in reg.runners()] == ["b"] and reg.misbehaved_total == 1
+    assert a.benched and not reg.has_room(NAME, "default", avoid="b")  # b stands in: a gets no jobs
+    wait_for(lambda: [r.runner_id for r in reg.runners()] == ["b"])  # no snapshot in the grace
+    assert reg.misbehaved_total == 1
     # Errors are the runner's own answer: they detach even the last one.
     reg2, (c,) = _registry("c")
     for _ in range(MAX_STRIKES):
@@ -355,7 +438,73 @@ def test_timeouts_detach_a_runner_only_while_another_stands_in() -> None:
     reg3.set_fallback_models([NAME])
     for _ in range(MAX_STRIKES):
         reg3.cancel_job(reg3.submit(_job()).job_id, timed_out=True)
-    assert d.closed and not reg3.runners() and reg3.misbehaved_total == 1
+    wait_for(lambda: d.closed)
+    assert not reg3.runners() and reg3.misbehaved_total == 1
+
+
+def test_a_benched_runner_leaves_the_bench_with_a_snapshot_and_is_detached_without_one() -> None:
+    reg, (a,) = _registry("a", grace=60.0)
+    reg.set_fallback_models([NAME])
+    slow = []
+    for _ in range(MAX_STRIKES):
+        slow.append(reg.submit(_job()))
+        reg.cancel_job(slow[-1].job_id, timed_out=True)
+    # MAX_STRIKES timeouts (each a strike: jobs given one after the other, nothing sent since):
+    # benched, not detached; the in-process runner takes its jobs.
+    assert a.strikes == MAX_STRIKES and a.benched and not a.closed and reg.misbehaved_total == 0
+    assert [r.runner_id for r in reg.runners()] == ["a"] and not reg.has_room(NAME, "default")
+    reg.late(a, slow[0].job_id, snapshot=False)  # an error: its stream alive, not its worker
+    assert a.benched
+    reg.late(a, slow[0].job_id, snapshot=True)  # a late snapshot: slow, not hung
+    assert not a.benched and a.strikes == MAX_STRIKES and reg.has_room(NAME, "default")
+    again = reg.submit(_job())
+    reg.cancel_job(again.job_id, timed_out=True)  # late again: benched again
+    assert a.benched and a.strikes == MAX_STRIKES + 1
+    reg.late(a, again.job_id, snapshot=True)
+    assert not a.benched and not a.closed and reg.misbehaved_total == 0
+    # Hung: nothing in the grace, detached (counted once; its timer's judgement is its only one).
+    reg2, (b,) = _registry("b", grace=0.05)
+    reg2.set_fallback_models([NAME])
+    for _ in range(MAX_STRIKES):
+        reg2.cancel_job(reg2.submit(_job()).job_id, timed_out=True)
+    assert b.benched and not b.closed
+    wait_for(lambda: b.closed)
+    assert not reg2.runners() and reg2.misbehaved_total == 1
+    # The stand-in gone within the grace: not detached, only taken off the bench.
+    reg3, (c, d) = _registry("c", "d", grace=0.05)
+    for _ in range(MAX_STRIKES):
+        reg3.cancel_job(reg3.submit(_job(), avoid="d").job_id, timed_out=True)
+    assert c.benched
+    reg3.detach(d)
+    wait_for(lambda: not c.benched)
+    assert not c.closed and reg3.misbehaved_total == 0 and reg3.has_room(NAME, "default")
+
+
+def test_errors_do_not_show_a_hung_runner_alive() -> None:
+    """A hung worker whose stream thread answers each job it is told to cancel with an error, while
+    it holds the next one: every other timeout is a new strike, and it is benched, then detached."""
+    reg, (a,) = _registry("a", grace=0.05)
+    reg.set_fallback_models([NAME])
+    held = [reg.submit(_job()), reg.submit(_job())]
+    for _ in range(2 * MAX_STRIKES):
+        oldest = held.pop(0)
+        reg.cancel_job(oldest.job_id, timed_out=True)
+        if a.benched:
+            break
+        held.append(reg.submit(_job()))
+        reg.late(a, oldest.job_id, snapshot=False)  # "cancelled", from its stream thread
+    assert a.strikes == MAX_STRIKES and a.benched
+    wait_for(lambda: a.closed)
+    assert not reg.runners() and reg.misbehaved_total == 1
+    # An error in time is no sign of life for the timeouts either.
+    reg2, (b,) = _registry("b", grace=0.05)
+    reg2.set_fallback_models([NAME])
+    hung, failed = reg2.submit(_job()), reg2.submit(_job())
+    reg2.complete(b, failed.job_id, None, "bad job chunks")  # a strike
+    later = reg2.submit(_job())
+    reg2.cancel_job(hung.job_id, timed_out=True)  # given before that strike: the same fault
+    reg2.cancel_job(later.job_id, timed_out=True)  # given after it, nothing sent since: a strike
+    assert b.strikes == 2
 
 
 def test_jobs_failing_together_are_one_strike_and_a_detached_runners_answers_are_dropped() -> None:

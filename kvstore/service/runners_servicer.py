@@ -466,13 +466,13 @@ class RunnersServicer:
         """One JobResult piece. Checked against the job it answers before anything is allocated:
         a result for a job this runner was not given, or of another size than the job's snapshot,
         is a protocol error (the runner is detached); a late one for a cancelled job is dropped
-        (its end still tells the registry that the runner is alive)."""
+        (its end still tells the registry whether it was a snapshot: only one shows the runner alive)."""
         asm = partial.get(r.job_id)
         if asm is None:
             expected = self._expected_bytes(link, r)
             if expected is None:  # cancelled while the runner worked on it
                 if r.last or r.error:
-                    self._registry.late(link, r.job_id)
+                    self._registry.late(link, r.job_id, snapshot=not r.error)
                 return
             if not r.error:
                 asm = partial[r.job_id] = BlobAssembler(expected, "job result")
@@ -481,7 +481,7 @@ class RunnersServicer:
                     # job's buffer before this one was added, so it goes here.
                     partial.pop(r.job_id, None)
                     if r.last:
-                        self._registry.late(link, r.job_id)
+                        self._registry.late(link, r.job_id, snapshot=True)
                     return
         if r.error:
             partial.pop(r.job_id, None)
@@ -508,7 +508,7 @@ class RunnersServicer:
             shm, r.shm, expected, f"job {r.job_id}'s result span")
         link.outbox.put(ResultTaken(r.job_id))
         if snapshot is None:
-            self._registry.late(link, r.job_id)
+            self._registry.late(link, r.job_id, snapshot=True)
         else:
             shm.stored_bytes += len(snapshot)
             self._registry.complete(link, r.job_id, snapshot, "")
