@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvstore.keys.chunk_keys import chain_keys, chunk_token_bytes, full_chunk_bytes, prompt_bytes
 from kvstore.keys.memo import KeyMemo, footprint_bytes
-from kvstore.store import GlobalStore, global_store
+from kvstore.store import GlobalStore, lookups
 from tests.store_helpers import CHUNK, open_store, store_prefix, tokens_for
 
 STEP = 4 * CHUNK
@@ -173,7 +173,7 @@ def test_a_lookup_of_ids_read_in_place_copies_only_what_its_walk_reads(
     # It copied all of them to bytes first: 3.6 MB for a 900K-token prompt never seen, under the
     # interpreter lock. Hits shorter, as long as and longer than the first part copied, a prompt
     # that parts from the stored one past it, and the counters: as for ids that are bytes.
-    monkeypatch.setattr(global_store, "WALK_PROBE_CHUNKS", 2)
+    monkeypatch.setattr(lookups, "WALK_PROBE_CHUNKS", 2)
     store = open_store(tmp_path)
     ns = store.namespace("default", "reference-toy-8", "bounded")
     stored = tokens_for(70, 5 * CHUNK)

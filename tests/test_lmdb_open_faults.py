@@ -20,6 +20,7 @@ from typing import Any
 import lmdb
 import pytest
 
+import kvstore.tiers.lmdb_scan as lmdb_scan
 import kvstore.tiers.lmdb_tier as lmdb_tier
 from kvstore.errors import StorageError
 from kvstore.store import GlobalStore
@@ -222,7 +223,7 @@ def test_opening_reads_no_index_record_and_the_first_scan_counts_the_used_bytes(
 
 def test_a_write_during_the_counting_scan_gets_the_used_bytes_counted_whole(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lmdb_tier, "SCAN_BATCH", 4)
+    monkeypatch.setattr(lmdb_scan, "SCAN_BATCH", 4)
     keys = written(tmp_path, 12)
     tier = open_tier(tmp_path)
     try:

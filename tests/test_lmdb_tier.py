@@ -126,8 +126,8 @@ def index_keys(path: Path) -> list[bytes]:
 def test_a_format_1_directory_gets_its_index_built_once_with_progress_lines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("kvstore.tiers.lmdb_tier.SCAN_BATCH", 4)  # several write transactions
-    monkeypatch.setattr("kvstore.tiers.lmdb_tier.PROGRESS_EVERY", 5)
+    monkeypatch.setattr("kvstore.tiers.lmdb_scan.SCAN_BATCH", 4)  # several write transactions
+    monkeypatch.setattr("kvstore.tiers.lmdb_scan.PROGRESS_EVERY", 5)
     tier = open_tier(tmp_path)
     keys = put_chunks(tier, 1, 11)
     before = tier.stats()
@@ -693,7 +693,7 @@ def test_namespaces_are_kept_apart_from_chunks(tmp_path: Path) -> None:
 def test_scan_pages_through_more_entries_than_one_batch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("kvstore.tiers.lmdb_tier.SCAN_BATCH", 4)
+    monkeypatch.setattr("kvstore.tiers.lmdb_scan.SCAN_BATCH", 4)
     tier = open_tier(tmp_path, durability="async")
     keys = put_chunks(tier, 1, 11)
     assert sorted(sc.key for sc in tier.scan()) == sorted(keys)

@@ -22,7 +22,7 @@ from kvstore.layout import (
     engine_model_spec,
 )
 from kvstore.service.servicer import RecentModels
-from kvstore.store import global_store
+from kvstore.store import models
 from tests.fixtures.service import CHUNK, Service, make_config
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
@@ -67,13 +67,13 @@ def test_the_number_of_groups_is_bounded(service: Service) -> None:
 def test_a_repeated_description_is_not_validated_again(
         make_service: Callable[..., Service], monkeypatch: pytest.MonkeyPatch) -> None:
     validated: list[str] = []
-    real = global_store.engine_model_spec
+    real = models.engine_model_spec
 
     def counting(m: EngineModel) -> object:
         validated.append(m.model)
         return real(m)
 
-    monkeypatch.setattr(global_store, "engine_model_spec", counting)
+    monkeypatch.setattr(models, "engine_model_spec", counting)
     svc = _two_tenants(make_service)
     alice, bob = svc.client(ALICE), svc.client(BOB)
     first = alice.register_model(DESC)

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-import kvstore.store.global_store as global_store
-import kvstore.tiers.lmdb_tier as lmdb_tier
+import kvstore.store.index_load as index_load
+import kvstore.tiers.lmdb_scan as lmdb_scan
 from kvstore.client.sync_client import KvstoreClient
 from kvstore.tiers.base import ScanBatch
 from kvstore.tiers.lmdb_tier import LmdbTier
@@ -70,8 +70,8 @@ def test_a_restart_answers_while_its_index_loads_and_says_so(
 
     gate = threading.Event()
     monkeypatch.setattr(LmdbTier, "scan_batches", _stalling_scan(gate))
-    monkeypatch.setattr(lmdb_tier, "SCAN_BATCH", 1)
-    monkeypatch.setattr(global_store, "RECOVER_BATCH", 2)  # indexed two at a time: some are in early
+    monkeypatch.setattr(lmdb_scan, "SCAN_BATCH", 1)
+    monkeypatch.setattr(index_load, "RECOVER_BATCH", 2)  # indexed two at a time: some are in early
     cfg = make_config(store={"dram_capacity_bytes": 64 * 1024, "device_capacity_bytes": 0})
     again = make_service(cfg, data_dir=svc.data_dir, wait_ready=False)
     try:

@@ -444,7 +444,7 @@ def test_a_lookup_stops_hashing_soon_after_the_hit_ends(tmp_path: Path) -> None:
     """Only the head of a long prompt is held: the walk hashes runs that double while every key is
     held, so it stops in the run where the hit ends; the Store after it still gets every key."""
     from kvstore.keys.chunk_keys import chain_keys, chunk_token_bytes
-    from kvstore.store.global_store import WALK_FIRST_RUN
+    from kvstore.store.lookups import WALK_FIRST_RUN
 
     store = open_store(tmp_path, lmdb_capacity_bytes=64 << 20)
     ns = store.namespace("default", "reference-toy-8", "bounded")

@@ -16,6 +16,8 @@ import pytest
 
 import kvstore.store.cold as cold_module
 import kvstore.store.global_store as global_store
+import kvstore.store.index_load as index_load
+import kvstore.tiers.lmdb_scan as lmdb_scan
 import kvstore.tiers.lmdb_tier as lmdb_tier
 from kvstore.config.policies import EVICTION_POLICIES
 from kvstore.layout import get_model
@@ -241,8 +243,8 @@ class StalledScan:
                     assert self.go_on.wait(30)
 
         monkeypatch.setattr(LmdbTier, "scan_batches", scan_batches)
-        monkeypatch.setattr(lmdb_tier, "SCAN_BATCH", 1)
-        monkeypatch.setattr(global_store, "RECOVER_BATCH", 1)
+        monkeypatch.setattr(lmdb_scan, "SCAN_BATCH", 1)
+        monkeypatch.setattr(index_load, "RECOVER_BATCH", 1)
 
 
 def test_a_chunk_a_store_thaws_while_the_index_loads_stays_evictable(

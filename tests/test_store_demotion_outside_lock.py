@@ -299,10 +299,11 @@ def test_demotions_written_between_planning_turns_follow_the_deletes_of_the_vict
         tmp_path: Path, monkeypatch: Any) -> None:
     # Written at once past DEMOTION_BATCH_BYTES (here: every turn), they went to LMDB before the
     # same planning's LMDB victims were deleted: LMDB held both.
-    import kvstore.store.global_store as global_store
+    import kvstore.store.deferred_lmdb as deferred_lmdb
+    import kvstore.store.store_lock as store_lock
 
-    monkeypatch.setattr(global_store, "DEMOTION_BATCH_BYTES", 0)
-    monkeypatch.setattr(global_store, "CHUNKS_PER_LOCK_HOLD", 1)
+    monkeypatch.setattr(deferred_lmdb, "DEMOTION_BATCH_BYTES", 0)
+    monkeypatch.setattr(store_lock, "CHUNKS_PER_LOCK_HOLD", 1)
     capacity = 12 * LMDB_FP
     store = _open(tmp_path / "d", lmdb_capacity_bytes=capacity)
     ns = store.namespace("alice", TOY, "bounded")

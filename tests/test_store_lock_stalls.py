@@ -17,7 +17,7 @@ import pytest
 
 from kvstore.errors import ResourceExhausted, StorageError, UnknownModel
 from kvstore.layout import EngineLayerGroup, EngineModel, engine_model_spec
-from kvstore.store import GlobalStore, TenantQuota, global_store
+from kvstore.store import GlobalStore, TenantQuota, models
 from tests.helpers.calls import Call
 from tests.store_helpers import CHUNK, MODELS, small_config, store_prefix, tokens_for
 
@@ -158,8 +158,8 @@ def test_the_same_description_registered_at_once_is_one_model_created_once_per_t
 def test_the_model_limits_hold_under_concurrent_registrations(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(global_store, "MAX_ENGINE_MODELS", 5)
-    monkeypatch.setattr(global_store, "MAX_ENGINE_MODELS_PER_TENANT", 3)
+    monkeypatch.setattr(models, "MAX_ENGINE_MODELS", 5)
+    monkeypatch.setattr(models, "MAX_ENGINE_MODELS_PER_TENANT", 3)
     store = _open(tmp_path)
     _slow_records(store, monkeypatch)
     asks = [(tenant, i) for i in range(6) for tenant in ("alice", "bob")]
@@ -183,7 +183,7 @@ def test_the_model_limits_hold_under_concurrent_registrations(
 
 
 def test_a_failed_record_write_gives_its_place_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(global_store, "MAX_ENGINE_MODELS_PER_TENANT", 1)
+    monkeypatch.setattr(models, "MAX_ENGINE_MODELS_PER_TENANT", 1)
     store = _open(tmp_path)
     real = store._durable.put_model
     inside, gate = threading.Event(), threading.Event()

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 
 from kvstore.keys.chunk_keys import Namespace
-from kvstore.store import GlobalStore, TenantQuota, global_store
-from kvstore.store.global_store import CHUNKS_PER_LOCK_HOLD
-from kvstore.store.store_lock import StoreLock
+from kvstore.store import GlobalStore, TenantQuota, store_lock
+from kvstore.store.store_lock import CHUNKS_PER_LOCK_HOLD, StoreLock
 from policies.base import EvictionPolicy
 from tests.store_helpers import CHUNK, RecordingFates, expected_payloads, open_store, store_prefix, tokens_for
 
@@ -306,15 +305,15 @@ def test_a_commits_turns_under_the_lock_are_bounded_by_items_time_and_waiters(
     counter = _TurnCounter(store._lock)
     store._lock = counter  # type: ignore[assignment]
     done: list[int] = []
-    monkeypatch.setattr(global_store, "TURN_SECONDS", 1e9)
+    monkeypatch.setattr(store_lock, "TURN_SECONDS", 1e9)
     store._in_turns(list(range(100)), done.append)  # no one waits: full turns
     assert done == list(range(100)) and counter.turns == -(-100 // CHUNKS_PER_LOCK_HOLD)
     counter.turns = 0
-    monkeypatch.setattr(global_store, "TURN_SECONDS", 0.0)
+    monkeypatch.setattr(store_lock, "TURN_SECONDS", 0.0)
     store._in_turns(list(range(10)), lambda i: None)  # each item past its turn's time: one turn each
     assert counter.turns == 10
     # Another call waits for the lock during a long turn: the turn ends after the item under way.
-    monkeypatch.setattr(global_store, "TURN_SECONDS", 1e9)
+    monkeypatch.setattr(store_lock, "TURN_SECONDS", 1e9)
     got_at: list[int] = []
     seen: list[int] = []
 

@@ -1,11 +1,15 @@
 """The global store: it decides where each chunk of global KV lives and for how long.
 
-`global_store.GlobalStore` is the bookkeeper (the index, lookups, two-phase writes, models and
-counters), with parts mixed in: `reads.py` (loads and pins), `placement.py` (tiers, victims and
-budgets), `namespaces.py` (namespace records) and `index_load.py` (the index rebuilt at start);
+`global_store.GlobalStore` is the bookkeeper: it builds the state (the index, budgets, pins,
+policies), and its parts are mixed in, one a module: `models.py` (the models served and
+registered), `lookups.py` (the prefix walk and chunk keys), `commits.py` (two-phase writes),
+`reads.py` (loads and pins), `placement.py` (tiers, victims and budgets), `deferred_lmdb.py` (the
+LMDB deletes and demotion writes done after the lock), `namespaces.py` (namespace records),
+`index_load.py` (the index rebuilt at start) and `accounting.py` (counters, stats, invariants);
 `cold.py` keeps the chunks LMDB alone holds as arrays, `sessions.py` holds open writes and loads,
-`pins.py` the pins a Load holds, `types.py` the result types it returns, `fates.py` the sink it
-reports each chunk's fate to. The tiers move bytes; the store decides. It knows nothing of gRPC,
+`commit_plan.py` what one commit decided, `pins.py` the pins a Load holds, `store_lock.py` the lock
+and its turns, `types.py` the result types it returns, `fates.py` the sink it reports each chunk's
+fate to. The tiers move bytes; the store decides. It knows nothing of gRPC,
 replay or observers (docs/architecture.md §2).
 """
 

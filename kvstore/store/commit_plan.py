@@ -1,5 +1,5 @@
 """What one commit decided, chunk by chunk: the tiers reserved for each chunk of the prefix's head,
-and why every other chunk was skipped. `GlobalStore.commit_txn` fills it in under the store's
+and why every other chunk was skipped. `commit_txn` (commits.py) fills it in under the store's
 lock and turns it into the `CommitResult`; it takes no lock and touches no tier itself.
 """
 

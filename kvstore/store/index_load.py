@@ -30,6 +30,8 @@ from kvstore.store.namespaces import Namespaces
 from kvstore.tiers.base import ScanBatch, TierName
 
 _GROUP = np.dtype((np.void, 48))  # a recovered chunk's namespace, layout id and payload size, joined
+# Chunks found at start, appended to the cold arrays at a time (read as each batch is indexed).
+RECOVER_BATCH = 1024
 
 
 class IndexLoad(Namespaces):
@@ -44,7 +46,6 @@ class IndexLoad(Namespaces):
     _index_at_start: int  # the LMDB tier's chunks when the store opened
     _index_loaded: int  # of those, indexed so far
     _load_seconds: float
-    _recover_batch: int  # chunks found at start, appended to the cold arrays at a time
 
     def _load_index_thread(self) -> None:
         try:
@@ -88,7 +89,7 @@ class IndexLoad(Namespaces):
             good = row_kinds >= 0
             keys += batch.keys[good].tobytes()
             kinds += row_kinds[good].tolist()
-            if len(kinds) >= self._recover_batch:
+            if len(kinds) >= RECOVER_BATCH:
                 self._index_batch(bytes(keys), kinds)
                 keys, kinds = bytearray(), []
                 if self._stop_loading.is_set():

@@ -26,12 +26,13 @@ from kvstore.config.store import StoreConfig
 from kvstore.errors import ResourceExhausted, StorageError
 from kvstore.keys.chunk_keys import Namespace
 from kvstore.layout import CacheLayout
-from kvstore.store.placement import ChunkEntry, Placement
+from kvstore.store.deferred_lmdb import DeferredLmdb
+from kvstore.store.placement import ChunkEntry
 
 log = logging.getLogger("kvstore.store")
 
 
-class Namespaces(Placement):
+class Namespaces(DeferredLmdb):
     # State owned by GlobalStore.__init__; declared here for the type checker.
     cfg: StoreConfig
     _layouts: dict[bytes, CacheLayout]  # layout id -> the layouts served

@@ -13,7 +13,7 @@ same-host clients (`hold_in_place`). Pins are counted per tenant beside the pin 
 
 `Reads` is mixed into `GlobalStore` like `Placement`, and works on the store's state under its lock.
 It does not decide where a promoted chunk lands or what it evicts (placement.py), nor how a hit is
-found (the lookup, `GlobalStore._walk`), nor how bytes are laid out (the tiers).
+found (the lookup, lookups.py), nor how bytes are laid out (the tiers).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Reads(Placement):
     def _walk(
         self, ns: Namespace, tokens: np.ndarray, count: bool, keys_out: list[bytes] | None = None
     ) -> PrefixHit:
-        """The lookup (global_store.py); `keys_out` receives the key of every hit chunk."""
+        """The lookup (lookups.py); `keys_out` receives the key of every hit chunk."""
         raise NotImplementedError
 
     def layout(self, ns: Namespace) -> CacheLayout:

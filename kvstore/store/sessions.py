@@ -41,8 +41,8 @@ class Reader(Protocol):
     def release_load(self, receipt: PinReceipt, read_keys: Sequence[bytes]) -> None: ...
 
 
-class Bookkeeper(Reader, Protocol):
-    """What a session asks of the store that handed it out (`GlobalStore`): every decision."""
+class Committer(Protocol):
+    """What a store transaction asks of the store that handed it out (`GlobalStore`, its commit path)."""
 
     def commit_txn(self, txn: StoreTxn) -> CommitResult: ...
 
@@ -51,7 +51,7 @@ class StoreTxn:
     """One two-phase store: stage payloads with `write`, then `commit` or `abort`."""
 
     def __init__(
-        self, store: Bookkeeper, ns: Namespace, layout: CacheLayout, keys: list[bytes],
+        self, store: Committer, ns: Namespace, layout: CacheLayout, keys: list[bytes],
         chunks: list[bytes], needed: list[int], remainder_tokens: int,
     ) -> None:
         self._store = store

@@ -29,6 +29,8 @@ from kvstore.tiers.lmdb_map import LmdbMap, record_value_bytes
 from kvstore.tiers.value_format import ValueProblem
 
 MEASURE_RUN = 65_536  # index records joined at a time when the used bytes are counted in one pass
+SCAN_BATCH = 256  # entries read per read transaction by scan(); short transactions let the map grow
+PROGRESS_EVERY = 10_000  # values between two progress lines while an index is built
 
 
 class LmdbScan(LmdbMap):
@@ -42,9 +44,6 @@ class LmdbScan(LmdbMap):
     _count: int
     _counted: bool  # `_used` is the whole sum, not a scan's running one
     _counting: bool  # a scan's running sum is `_used` (`scan_batches`)
-    # lmdb_tier's SCAN_BATCH and PROGRESS_EVERY, read when the tier opens.
-    _scan_batch: int
-    _progress_every: int
 
     @property
     def used_counted(self) -> bool:
@@ -82,7 +81,7 @@ class LmdbScan(LmdbMap):
             with self._lock:
                 batch, after = self._index_batch(after)
             done += batch
-            if done >= next_line + self._progress_every:
+            if done >= next_line + PROGRESS_EVERY:
                 next_line = done
                 self._progress(f"indexed {done} of {values} LMDB values")
             if after is None:
@@ -104,7 +103,7 @@ class LmdbScan(LmdbMap):
                     ok = values.first() if start is None else values.set_range(start)
                     if ok and start is not None and bytes(values.key()) == start:
                         ok = values.next()
-                    while ok and seen < self._scan_batch:
+                    while ok and seen < SCAN_BATCH:
                         key = bytes(values.key())
                         self._drop_records_before(records, after, key)
                         if not records.set_key(key):
@@ -120,7 +119,7 @@ class LmdbScan(LmdbMap):
                 self._unindexed += unindexed
                 return seen, (last if ok else None)
             except lmdb.MapFullError:
-                self._grow(self._scan_batch * vf.INDEX_RECORD_BYTES)
+                self._grow(SCAN_BATCH * vf.INDEX_RECORD_BYTES)
             except lmdb.Error as e:
                 raise StorageError(f"cannot build the LMDB index: {e}") from e
 
@@ -186,7 +185,7 @@ class LmdbScan(LmdbMap):
             cur = txn.cursor(self._index)
             if not self._position(cur, after):
                 return out
-            for key, record in itertools.islice(cur.iternext(), self._scan_batch):
+            for key, record in itertools.islice(cur.iternext(), SCAN_BATCH):
                 out.append(self._scan_one(bytes(key), record, txn.get(key, db=self._chunks), True))
         return out
 
@@ -222,7 +221,7 @@ class LmdbScan(LmdbMap):
                         self._used = used
                     cur = txn.cursor(self._index)
                     found = self._position(cur, after)
-                    pairs = list(itertools.islice(cur.iternext(), self._scan_batch)) if found else []
+                    pairs = list(itertools.islice(cur.iternext(), SCAN_BATCH)) if found else []
                 if not pairs:
                     break
                 keys, records = zip(*pairs, strict=True)

@@ -90,9 +90,6 @@ OPEN_HEADROOM_BYTES = 4 * MiB
 # Read transactions open at once (one per reading thread): the service's call, runner and data-plane
 # threads together, with room. LMDB's default of 126 made reads fail with a full reader table.
 MAX_READERS = 1024
-# These two are read when a tier opens (lmdb_scan.py uses them): a test turns them down before.
-SCAN_BATCH = 256  # entries read per read transaction by scan(); short transactions let the map grow
-PROGRESS_EVERY = 10_000  # values between two progress lines while an index is built
 # 1: chunks only (kvstore 0.1); 2: an index record beside every value.
 LMDB_FORMAT_VERSION = 2
 _FORMAT_KEY = b"format_version"
@@ -155,7 +152,6 @@ class LmdbTier(LmdbScan):
         self.corrupt_total = 0
         self.problems: dict[str, int] = {}  # removed-on-read values by problem ("corrupt", ...)
         self._writes = 0  # bumped by every write; scan() rebuilds totals only if none happened
-        self._scan_batch, self._progress_every = SCAN_BATCH, PROGRESS_EVERY
         # Why the last write of each kind ("put", "delete", "record") failed, until one of that kind
         # succeeds: a delete that succeeds says nothing of puts, nor a put of the deletes still owed.
         self._failing: dict[str, str] = {}
