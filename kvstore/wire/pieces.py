@@ -11,7 +11,10 @@ trailers, local pieces: small) is parsed by the library as usual.
 The reader follows the protobuf wire format: fields in any order, unknown fields skipped, a
 repeated field packed or not, the last of a oneof's fields winning (a sub-message repeated in
 place merges). A message it cannot read raises DecodeError, as the library's parser would.
-tests/test_client_wire.py checks it against the library on generated messages.
+tests/test_client_wire.py checks it against the library on generated messages. A message of more
+than FIELDS_BY_HAND fields (unpacked tier labels, unknown fields: legal, but no client sends them)
+is parsed by the library instead, its payload copied: walked here, each field would cost ~100
+times what the library takes, all under the interpreter lock.
 
 What it does not know: what the chunks hold, or how a stream is reassembled (framing.py).
 """
@@ -19,13 +22,24 @@ What it does not know: what the chunks hold, or how a stream is reassembled (fra
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from google.protobuf.message import DecodeError, Message
 
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.messages import CHUNKS_FIELD  # its field numbers are checked there
-from kvstore.wire.wire_format import LEN, VARINT, as_int32, fields, packed_varints
+from kvstore.wire.wire_format import (
+    FIELDS_BY_HAND,
+    LEN,
+    MAX_DEPTH,
+    VARINT,
+    FieldBudget,
+    NotByHand,
+    as_int32,
+    fields,
+    packed_varints,
+)
 
 
 class PieceView(NamedTuple):
@@ -45,49 +59,83 @@ class Streamed(NamedTuple):
     value: PieceView | Message | None
 
 
-def _piece(buf: bytes, view: memoryview, start: int, end: int, base: PieceView | None = None) -> PieceView:
-    """The ChunkPiece in buf[start:end]; merged onto `base` (the same field seen earlier in the
-    message), as the library merges: the fields present replace, the tiers add on."""
-    first, offset, data, tiers = base if base is not None else (0, 0, view[0:0], ())
-    for field, wire, a, b, _ in fields(buf, start, end):
-        if field == 1 and wire == VARINT:
-            first = a & 0xFFFF_FFFF
-        elif field == 2 and wire == VARINT:
-            offset = a
-        elif field == 3 and wire == LEN:
-            data = view[a:b]
-        elif field == 4 and wire == LEN:
-            tiers += packed_varints(buf, a, b)
-        elif field == 4 and wire == VARINT:
-            tiers += (as_int32(a),)
-    return PieceView(first, offset, data, tiers)
+@dataclass
+class _Piece:
+    """A ChunkPiece being read: its tiers a list, since a tuple grown label by label would be
+    copied whole for each label."""
+
+    data: memoryview
+    first: int = 0
+    offset: int = 0
+    tiers: list[int] = field(default_factory=list)
+
+    def view(self) -> PieceView:
+        return PieceView(self.first, self.offset, self.data, tuple(self.tiers))
+
+
+def _read_piece(buf: bytes, view: memoryview, start: int, end: int, into: _Piece, budget: FieldBudget) -> None:
+    """The ChunkPiece in buf[start:end], merged onto `into` (empty, or the same field seen earlier
+    in the message) as the library merges: the fields present replace, the tiers add on."""
+    for number, wire, a, b, _ in fields(buf, start, end, budget, MAX_DEPTH - 1):
+        if number == 1 and wire == VARINT:
+            into.first = a & 0xFFFF_FFFF
+        elif number == 2 and wire == VARINT:
+            into.offset = a
+        elif number == 3 and wire == LEN:
+            into.data = view[a:b]
+        elif number == 4 and wire == LEN:
+            into.tiers += packed_varints(buf, a, b, budget)
+        elif number == 4 and wire == VARINT:
+            into.tiers.append(as_int32(a))
 
 
 def stream_decoder(cls: type[Message], others: dict[int, tuple[str, type[Message]]]) -> Callable[[bytes], Streamed]:
     """A response deserializer for `cls` (LoadResponse or ResumeResponse): its `chunks` field read
     without copies, `others` (field number -> oneof name, message type) parsed by the library."""
     name = cls.DESCRIPTOR.full_name
+    # The library's reading (below) names any field of the oneof: `others` must hold them all.
+    assert {f.name for f in cls.DESCRIPTOR.oneofs_by_name["kind"].fields} == {"chunks"} | {
+        n for n, _ in others.values()}, name
+
+    def by_hand(data: bytes) -> Streamed:
+        kind: str = ""
+        outer: Message | None = None  # holds the field of `others` last seen
+        piece: _Piece | None = None
+        view = memoryview(data)
+        budget = FieldBudget(FIELDS_BY_HAND)
+        for number, wire, a, b, at in fields(data, 0, len(data), budget):
+            if wire != LEN:
+                continue
+            if number == CHUNKS_FIELD:  # repeated in place, it merges as the others do
+                if kind != "chunks" or piece is None:
+                    piece = _Piece(view[0:0])
+                _read_piece(data, view, a, b, piece, budget)
+                kind = "chunks"
+            elif number in others:
+                # Parsed inside a `cls` of its own, so that the library counts its depth as in
+                # the whole message (a sub-message parsed alone would get one level more).
+                name_ = others[number][0]
+                if name_ == kind and outer is not None:  # a repeated sub-message merges
+                    outer.MergeFromString(data[at:b])
+                else:
+                    kind, outer = name_, cls.FromString(data[at:b])
+        if kind == "chunks" and piece is not None:
+            return Streamed(kind, piece.view())
+        return Streamed(kind, getattr(outer, kind) if kind and outer is not None else None)
 
     def decode(data: bytes) -> Streamed:
-        kind: str = ""
-        value: PieceView | Message | None = None
-        view = memoryview(data)
         try:
-            for field, wire, a, b, _ in fields(data, 0, len(data)):
-                if wire != LEN:
-                    continue
-                if field == CHUNKS_FIELD:  # repeated in place, it merges as the others do
-                    base = value if kind == "chunks" and isinstance(value, PieceView) else None
-                    kind, value = "chunks", _piece(data, view, a, b, base)
-                elif field in others:
-                    name_, sub = others[field]
-                    if name_ == kind and isinstance(value, Message):  # a repeated sub-message merges
-                        value.MergeFromString(data[a:b])
-                    else:
-                        kind, value = name_, sub.FromString(data[a:b])
+            return by_hand(data)
         except IndexError:
             raise DecodeError(f"truncated {name} message") from None
-        return Streamed(kind, value)
+        except NotByHand:
+            pass
+        msg = cls.FromString(data)
+        kind = msg.WhichOneof("kind") or ""
+        if kind == "chunks":
+            p = getattr(msg, kind)
+            return Streamed(kind, PieceView(p.first_chunk, p.offset, memoryview(p.data), tuple(p.tiers)))
+        return Streamed(kind, getattr(msg, kind) if kind else None)
 
     return decode
 
@@ -104,6 +152,7 @@ def decode_store_request(data: bytes) -> Streamed:
     """A `StoreRequest`: its header, end and shm spans parsed by the library, its chunk pieces read
     as views."""
     msg = _decode_store(data)
-    if isinstance(msg.value, PieceView) and len(data) - len(msg.value.data) > PIECE_SLACK_BYTES:
+    if (isinstance(msg.value, PieceView) and msg.value.data.obj is data
+            and len(data) - len(msg.value.data) > PIECE_SLACK_BYTES):
         return Streamed(msg.kind, msg.value._replace(data=memoryview(bytes(msg.value.data))))
     return msg

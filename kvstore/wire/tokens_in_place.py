@@ -14,7 +14,10 @@ of those are held): a prompt never seen costs a few hundred KiB of copies, not t
 The wire format is followed as the library reads it: fields in any order, unknown fields skipped,
 a `tokens` sub-message repeated in place merging (its last u32le wins, its ids add up). A message
 that does not parse raises DecodeError, as the library would. tests/test_tokens_in_place.py checks
-it against the library on generated and mutated messages.
+it against the library on generated and mutated messages. A request of more than FIELDS_BY_HAND
+fields (unpacked ids, unknown fields: legal, but no client sends them) is parsed whole by the
+library instead, its token bytes copied out: walked here, each field would cost ~100 times what the
+library takes, all under the interpreter lock.
 
 What it does not know: what the tokens mean, or the limits on their number (`messages.py`).
 """
@@ -28,7 +31,15 @@ from typing import Generic, TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.wire.wire_format import LEN, encode_varint, fields
+from kvstore.wire.wire_format import (
+    FIELDS_BY_HAND,
+    LEN,
+    MAX_DEPTH,
+    FieldBudget,
+    NotByHand,
+    encode_varint,
+    fields,
+)
 
 M = TypeVar("M", bound=Message)
 
@@ -63,13 +74,14 @@ def tokens_in_place(cls: type[M]) -> Callable[[bytes], WithTokens[M]]:
         view = memoryview(data)
         u32le = view[0:0]
         rest = bytearray()  # the message without tokens.u32le, for the library
+        budget = FieldBudget(FIELDS_BY_HAND)
         try:
-            for field, wire, a, b, at in fields(data, 0, len(data)):
+            for field, wire, a, b, at in fields(data, 0, len(data), budget):
                 if field != number or wire != LEN:
                     rest += view[at:b]
                     continue
                 others = bytearray()  # the Tokens fields besides u32le (the ids form, unknowns)
-                for inner, inner_wire, c, d, inner_at in fields(data, a, b):
+                for inner, inner_wire, c, d, inner_at in fields(data, a, b, budget, MAX_DEPTH - 1):
                     if inner == U32LE_FIELD and inner_wire == LEN:
                         u32le = view[c:d]
                     else:
@@ -77,6 +89,14 @@ def tokens_in_place(cls: type[M]) -> Callable[[bytes], WithTokens[M]]:
                 rest += tag + encode_varint(len(others)) + others
         except IndexError:
             raise DecodeError(f"truncated {name} message") from None
+        except NotByHand:
+            whole = cls.FromString(data)
+            u32le = view[0:0]
+            if whole.HasField("tokens"):
+                tokens = whole.tokens  # type: ignore[attr-defined]
+                u32le = memoryview(tokens.u32le)
+                tokens.ClearField("u32le")
+            return WithTokens(whole, u32le)
         return WithTokens(cls.FromString(bytes(rest)), u32le)
 
     return decode
