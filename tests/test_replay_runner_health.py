@@ -14,15 +14,17 @@ runners answer when the test opens their gate."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
 import pytest
 
+from kvstore.client import ResumeResult
 from kvstore.service.runners_servicer import RunnersServicer
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -111,46 +113,62 @@ def test_a_runner_failing_jobs_in_a_row_is_detached_and_one_that_recovers_is_not
 
 # --- a slow runner is not a hung one; a batch that fails at once is one fault ------------------------
 
-def test_a_slow_runner_is_not_detached_by_callers_shorter_deadlines(make_rig: Callable[..., Rig]) -> None:  # noqa: F811
-    rig = make_rig(config(replay={"runner": "attached"}))
-    prompts = [_expired_boundary(rig, 170 + 3 * i) for i in range(MAX_STRIKES + 2)]
+class _SlowRun(NamedTuple):
+    runner: FakeRunner
+    prompts: list[np.ndarray]
+    later: threading.Event  # opens the gate of every job but the long caller's
+    long: list[ResumeResult]  # the long caller's result, once its Resume returns
+
+
+@contextlib.contextmanager
+def _slow_runner_beside_a_long_caller(rig: Rig, offset: int, prompts: int) -> Iterator[_SlowRun]:
+    """A healthy runner slower than its callers (each snapshot comes when the test says), a
+    caller with time to spare whose job it holds, and MAX_STRIKES callers with short deadlines
+    timing out beside it. On leaving, every gate opens and the long caller's Resume has returned."""
+    prompts_ = [_expired_boundary(rig, offset + 3 * i) for i in range(prompts)]
     size = rig.svc.snapshot_bytes(NAME)
     first, later = threading.Event(), threading.Event()
 
     def slow(job: pb.ReplayJob, chunks: list[bytes]) -> bytes:
-        # Healthy, but slower than its callers: each snapshot comes when the test says.
         (first if job.job_id == runner.jobs[0].job_id else later).wait(60)
         return bytes(size)
 
     runner = _runner(rig, slow)
-    # A caller with time to spare, its job on the runner while short-deadline callers time out beside it.
-    long: list[pb.ResumeTrailer] = []
-    t = threading.Thread(target=lambda: long.append(rig.client.resume(NAME, prompts[0], timeout_seconds=30.0)))
+    run = _SlowRun(runner, prompts_, later, [])
+    t = threading.Thread(target=lambda: run.long.append(
+        rig.client.resume(NAME, run.prompts[0], timeout_seconds=30.0)))
     t.start()
     try:
         wait_for(lambda: len(runner.jobs) == 1)
-        short = [rig.client.resume(NAME, p, timeout_seconds=2.0).replay_status for p in prompts[1 : MAX_STRIKES + 1]]
+        short = [rig.client.resume(NAME, p, timeout_seconds=2.0).replay_status
+                 for p in run.prompts[1 : MAX_STRIKES + 1]]
         assert short == ["timeout"] * MAX_STRIKES
+        yield run
+    finally:
+        first.set()
+        run.later.set()
+        t.join(30)
+
+
+def test_a_slow_runner_is_not_detached_by_callers_shorter_deadlines(make_rig: Callable[..., Rig]) -> None:  # noqa: F811
+    rig = make_rig(config(replay={"runner": "attached"}))
+    with _slow_runner_beside_a_long_caller(rig, 170, MAX_STRIKES + 2) as run:
         # Each timed out on the runner without its answering anything meanwhile: struck, but it is
         # the model's only runner, so it stays (a slow runner is better than none).
         assert len(rig.app.runners.runners()) == 1 and rig.app.runners.misbehaved_total == 0
         assert _strikes(rig) == [MAX_STRIKES]
         # The late snapshots of the cancelled jobs are dropped quietly (no protocol error): they
         # show it alive, not in time for their callers, so its strikes stay.
-        later.set()
+        run.later.set()
         wait_for(lambda: _finished(rig) == [MAX_STRIKES])
         assert _strikes(rig) == [MAX_STRIKES]
-    finally:
-        first.set()
-        later.set()
-    t.join(30)
-    assert [r.replay_status for r in long] == ["replayed"]  # its replay was not failed by a detach
+    assert [r.replay_status for r in run.long] == ["replayed"]  # its replay was not failed by a detach
     assert _strikes(rig) == [0]  # a snapshot in time clears them
     # Still attached, its stream open, and the next caller's replay is its.
-    assert rig.client.resume(NAME, prompts[-1], timeout_seconds=30.0).replay_status == "replayed"
+    assert rig.client.resume(NAME, run.prompts[-1], timeout_seconds=30.0).replay_status == "replayed"
     assert len(rig.app.runners.runners()) == 1 and rig.app.runners.misbehaved_total == 0
-    assert runner.error is None
-    runner.close()
+    assert run.runner.error is None
+    run.runner.close()
 
 
 def test_a_slow_runner_another_stands_in_for_is_benched_not_detached(
@@ -160,42 +178,23 @@ def test_a_slow_runner_another_stands_in_for_is_benched_not_detached(
     long caller's job it was still working on; its late snapshots take it off the bench."""
     monkeypatch.setattr(registry_module, "HUNG_GRACE_SECONDS", 120.0)  # longer than the test
     rig = make_rig(config())  # replay.runner = "reference": attached runners first, then in-process
-    prompts = [_expired_boundary(rig, 250 + 3 * i) for i in range(MAX_STRIKES + 3)]
-    size = rig.svc.snapshot_bytes(NAME)
-    first, later = threading.Event(), threading.Event()
-
-    def slow(job: pb.ReplayJob, chunks: list[bytes]) -> bytes:
-        (first if job.job_id == runner.jobs[0].job_id else later).wait(60)
-        return bytes(size)
-
-    runner = _runner(rig, slow)
-    long: list[pb.ResumeTrailer] = []
-    t = threading.Thread(target=lambda: long.append(rig.client.resume(NAME, prompts[0], timeout_seconds=30.0)))
-    t.start()
-    try:
-        wait_for(lambda: len(runner.jobs) == 1)
-        short = [rig.client.resume(NAME, p, timeout_seconds=2.0).replay_status for p in prompts[1 : MAX_STRIKES + 1]]
-        assert short == ["timeout"] * MAX_STRIKES
+    with _slow_runner_beside_a_long_caller(rig, 250, MAX_STRIKES + 3) as run:
         # Benched, not detached: still attached, the long caller's job still its, none counted.
         assert len(rig.app.runners.runners()) == 1 and rig.app.runners.misbehaved_total == 0
         assert _strikes(rig) == [MAX_STRIKES]
         # Meanwhile the in-process runner takes the jobs.
-        assert rig.client.resume(NAME, prompts[MAX_STRIKES + 1], timeout_seconds=30.0).replay_status == "replayed"
-        assert len(runner.jobs) == MAX_STRIKES + 1
-        later.set()  # late snapshots: slow, not hung
+        assert rig.client.resume(NAME, run.prompts[MAX_STRIKES + 1], timeout_seconds=30.0).replay_status == "replayed"
+        assert len(run.runner.jobs) == MAX_STRIKES + 1
+        run.later.set()  # late snapshots: slow, not hung
         wait_for(lambda: _finished(rig) == [MAX_STRIKES])
         assert not any(lk.benched for lk in rig.app.runners._links.values())
-    finally:
-        first.set()
-        later.set()
-    t.join(30)
-    assert [r.replay_status for r in long] == ["replayed"]
+    assert [r.replay_status for r in run.long] == ["replayed"]
     assert _strikes(rig) == [0]  # its snapshot in time for the long caller
-    assert rig.client.resume(NAME, prompts[-1], timeout_seconds=30.0).replay_status == "replayed"
-    assert len(runner.jobs) == MAX_STRIKES + 2  # off the bench: the next job was its
+    assert rig.client.resume(NAME, run.prompts[-1], timeout_seconds=30.0).replay_status == "replayed"
+    assert len(run.runner.jobs) == MAX_STRIKES + 2  # off the bench: the next job was its
     assert len(rig.app.runners.runners()) == 1 and rig.app.runners.misbehaved_total == 0
-    assert runner.error is None
-    runner.close()
+    assert run.runner.error is None
+    run.runner.close()
 
 
 def _strikes(rig: Rig) -> list[int]:
