@@ -4,8 +4,11 @@ included), and the module paths that moved are gone."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
 import re
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -132,3 +135,26 @@ def test_every_section_the_code_cites_exists_in_the_design() -> None:
         for p in (REPO / root).rglob("*.py"):
             cited |= set(re.findall(r"docs/architecture\.md §(\d+(?:\.\d+)*)", p.read_text()))
     assert cited and cited <= headings, sorted(cited - headings)
+
+
+def _only_raises_not_implemented(f: object) -> bool:
+    """A declaration of a method another part of the store implements (its body, past a
+    docstring, is `raise NotImplementedError`)."""
+    if not inspect.isfunction(f):
+        return False
+    body = ast.parse(textwrap.dedent(inspect.getsource(f))).body[0].body  # type: ignore[attr-defined]
+    body = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    return (len(body) == 1 and isinstance(body[0], ast.Raise) and body[0].exc is not None
+            and "NotImplementedError" in ast.unparse(body[0].exc))
+
+
+def test_the_store_facade_resolves_every_name_to_an_implementation() -> None:
+    # GlobalStore is composed of parts that declare what they call of each other; the order of its
+    # bases decides which definition a name takes, and a declaration winning would fail only at run time.
+    from kvstore.store.global_store import GlobalStore
+
+    declared = {name for part in GlobalStore.__mro__ for name, f in vars(part).items()
+                if _only_raises_not_implemented(f)}
+    assert declared, "the parts declare what they call of each other"
+    winners = {name: inspect.getattr_static(GlobalStore, name) for name in declared}
+    assert [n for n, f in winners.items() if _only_raises_not_implemented(f)] == []
