@@ -16,6 +16,7 @@ import pytest
 
 from kvstore.client.async_client import AsyncKvstoreClient
 from kvstore.layout import EngineLayerGroup, EngineModel
+from kvstore.service import calls as calls_module
 from kvstore.service.calls import CallState
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -255,3 +256,25 @@ def test_messages_past_the_hard_receive_limit_are_refused_by_grpc_itself(service
     assert code == grpc.StatusCode.INVALID_ARGUMENT and f"limit of {limit} bytes" in details
     code, details = call(2 * limit + 8192)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details
+
+
+def test_one_tenants_fresh_salts_never_push_out_anothers_namespaces(service: Service,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # The calls' namespace cache was one dict emptied whole when full: a tenant sending a fresh
+    # cache_salt per call made every tenant's next call build its namespace again.
+    guard = service.server.kvcache.guard
+    monkeypatch.setattr(calls_module, "NAMESPACE_CACHE", 8)
+    ids = pb.Tokens(u32le=tokens(9, CHUNK).tobytes())
+    made: list[str] = []
+    real = service.app.store.namespace
+    monkeypatch.setattr(service.app.store, "namespace",
+                        lambda tenant, *a, **kw: made.append(tenant) or real(tenant, *a, **kw))
+    guard.resolve(CallState("Lookup", tenant="bob"), TOY, "", ids)
+    for i in range(40):
+        guard.resolve(CallState("Lookup", tenant="alice"), TOY, "", ids, cache_salt=f"salt-{i}")
+    guard.resolve(CallState("Lookup", tenant="bob"), TOY, "", ids)
+    assert made.count("bob") == 1 and made.count("alice") == 40
+    # Within a tenant, the least recently used goes first: alice's first salts are gone.
+    guard.resolve(CallState("Lookup", tenant="alice"), TOY, "", ids, cache_salt="salt-39")
+    guard.resolve(CallState("Lookup", tenant="alice"), TOY, "", ids, cache_salt="salt-0")
+    assert made.count("alice") == 41

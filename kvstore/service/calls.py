@@ -26,7 +26,9 @@ token ids.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,7 +55,7 @@ from kvstore.wire.request_ids import REQUEST_ID_RE, request_id_from
 log = logging.getLogger("kvstore.service")
 
 MAX_MODEL_NAME = 128
-NAMESPACE_CACHE = 4096
+NAMESPACE_CACHE = 4096  # per tenant
 
 
 @dataclass
@@ -121,9 +123,12 @@ class CallGuard:
         self._watch = watch
         self._max_tokens = app.config.service.max_lookup_tokens
         self._default_mode = app.config.replay.mode
-        # Namespaces of (tenant, model, mode) seen recently. Building one hashes the layout's JSON
-        # description (~0.1 ms), a third of a 32K-token lookup; its digest is cached inside it.
-        self._namespaces: dict[tuple[str, str, str, str], tuple[Namespace, ModelSpec, CacheLayout]] = {}
+        # Namespaces of (model, mode, salt) each tenant used recently, least recently used dropped
+        # first. Building one hashes the layout's JSON description (~0.1 ms), a third of a
+        # 32K-token lookup; its digest is cached inside it. Per tenant, so that one tenant's fresh
+        # salts never push out another's namespaces (a cache emptied whole when full did).
+        self._namespaces: dict[str, OrderedDict[tuple[str, str, str], tuple[Namespace, ModelSpec, CacheLayout]]] = {}
+        self._namespaces_lock = threading.Lock()
         # Calls `one_request` admitted before their message came, by id(context): the servicer
         # method's own `enter` is then a pass-through (one slot, one record per call).
         self._early: dict[int, CallState] = {}
@@ -291,15 +296,20 @@ class CallGuard:
         if mode not in REPLAY_MODES:
             shown = mode if len(mode) <= 32 and mode.isprintable() else "(unprintable)"
             raise InvalidInput(f"replay_mode must be one of {', '.join(REPLAY_MODES)} or empty, got '{shown}'")
-        key = (state.tenant, model, mode, cache_salt)
-        found = self._namespaces.get(key)
+        key = (model, mode, cache_salt)
+        with self._namespaces_lock:
+            recent = self._namespaces.setdefault(state.tenant, OrderedDict())
+            found = recent.get(key)
+            if found is not None:
+                recent.move_to_end(key)
         if found is None:
             store = self._app.store
             ns = store.namespace(state.tenant, model, mode, cache_salt)
             found = (ns, store.model(model), store.layout(ns))
-            if len(self._namespaces) >= NAMESPACE_CACHE:
-                self._namespaces.clear()
-            self._namespaces[key] = found
+            with self._namespaces_lock:
+                recent[key] = found
+                if len(recent) > NAMESPACE_CACHE:
+                    recent.popitem(last=False)
         ns, spec, layout = found
         state.model = model
         raw = tokens_from_proto(tokens, self._max_tokens, in_place)

@@ -90,6 +90,7 @@ class GlobalStore(Commits, Lookups, Models, Accounting, Reads, IndexLoad):
         self.cfg = cfg
         self._clock = clock
         self._models = {m.name: m for m in models}
+        self._chunk_layouts = {}
         # Chunk geometry comes from the config, so one store has one chunk size.
         self._layouts = {self._layout_for(m).layout_id: self._layout_for(m) for m in models}
         self._quotas = dict(quotas or {})

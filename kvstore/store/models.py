@@ -58,9 +58,16 @@ class Models:
     _registrants: dict[str, set[str]]
     # Engine model name -> the registration writing its record now (another waits for it).
     _models_writing: dict[str, _ModelWrite]
+    # Engine model name -> (its spec, its layout in this service's chunks).
+    _chunk_layouts: dict[str, tuple[ModelSpec, CacheLayout]]
 
     def _layout_for(self, model: ModelSpec) -> CacheLayout:
-        return model.layout.with_chunk_tokens(self.cfg.chunk_tokens)
+        """`model`'s layout in this service's chunks, made once per model: its id (JSON over every
+        layer, 0.6 ms at 1,024 layers) is cached inside it, and every new namespace asks for it."""
+        made = self._chunk_layouts.get(model.name)
+        if made is None or made[0] is not model:
+            made = self._chunk_layouts[model.name] = (model, model.layout.with_chunk_tokens(self.cfg.chunk_tokens))
+        return made[1]
 
     def model(self, name: str, tenant: str | None = None) -> ModelSpec:
         """The model `name`; unknown, an error naming the models served (to `tenant`, when given:
