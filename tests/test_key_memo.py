@@ -190,6 +190,12 @@ def test_a_lookup_of_ids_read_in_place_copies_only_what_its_walk_reads(
         assert store.stats().lookups == before + 3  # one each
     big = _in_place(tokens_for(72, 50_000 * CHUNK + 7))  # 3.2 MB never stored
     assert _lookup_peak_bytes(store, ns, big) < big.nbytes // 50
+    # The probe is the patched two chunks (the walk above went past it), then the rest once they hit.
+    read: list[int] = []
+    real = lookups.prompt_bytes
+    monkeypatch.setattr(lookups, "prompt_bytes", lambda t, most=None: read.append(len(got := real(t, most))) or got)
+    assert store.lookup(ns, _in_place(stored)).hit_chunks == 5
+    assert read == [2 * 4 * CHUNK, 5 * 4 * CHUNK]
     store.close()
 
 

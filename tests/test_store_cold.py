@@ -232,11 +232,13 @@ class StalledScan:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, key: bytes) -> None:
         self.started, self.scanned, self.go_on = threading.Event(), threading.Event(), threading.Event()
+        self.batch_sizes: list[int] = []  # the records of each batch scanned: checked by the tests
         real = LmdbTier.scan_batches
 
         def scan_batches(tier: LmdbTier) -> Iterator[ScanBatch]:
             assert self.started.wait(30)
             for batch in real(tier):
+                self.batch_sizes.append(len(batch.keys))
                 yield batch
                 if key in {bytes(k) for k in batch.keys}:
                     self.scanned.set()
@@ -274,6 +276,7 @@ def test_a_chunk_a_store_thaws_while_the_index_loads_stays_evictable(
     assert store_prefix(store, ns, late).already_present == 1
     scan.go_on.set()
     assert store.wait_ready(30)
+    assert set(scan.batch_sizes) == {1}  # the stall fell between records, as the test means
     assert late_key in store._policies["lmdb"]
     store.check_invariants()
     for seed in range(1000, 1400):  # LMDB's budget many times over: every old chunk goes
@@ -305,6 +308,7 @@ def test_a_chunk_left_in_lmdb_only_while_the_index_loads_is_folded_when_it_is_re
         assert store._index[late_key].footprint.keys() == {"lmdb"}  # not folded while loading
         scan.go_on.set()
         assert store.wait_ready(30)
+        assert set(scan.batch_sizes) == {1}  # the stall fell between records, as the test means
         assert late_key not in store._index and store._cold.folded == 1
         store.check_invariants()
         assert [c for _, c in load_all(store, ns, late)] == expected_payloads(store, ns, late, 1)
