@@ -19,7 +19,7 @@ service's listener lives in `kvstore.service.shm_listener`.
 
 from kvstore.dataplane.leases import Lease, LeaseTable, NoRoom, TableClosed
 from kvstore.dataplane.peer import LeaseLapsed, SessionClosed, ShmPath, ShmUnavailable
-from kvstore.dataplane.segments import Segment, map_segment, sealing_available
+from kvstore.dataplane.segments import Segment, SegmentWatch, map_segment, sealing_available, watching_available
 from kvstore.dataplane.side_socket import (
     HELLO_VERSION,
     ID_RE,
@@ -46,6 +46,7 @@ __all__ = [
     "LeaseTable",
     "NoRoom",
     "Segment",
+    "SegmentWatch",
     "SessionClosed",
     "ShmPath",
     "ShmUnavailable",
@@ -59,4 +60,5 @@ __all__ = [
     "sealing_available",
     "send_message",
     "unix_path_of",
+    "watching_available",
 ]

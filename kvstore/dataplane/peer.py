@@ -186,9 +186,9 @@ class ShmPath:
             self.closed = True
             reading = self._readers > 0
             self._unmap_when_read = reading
-        self._sock.close()  # the service drops the session and its leases on this
-        if not reading:
+        if not reading:  # first: the service gives the session's slot back once no process maps its segments
             self._unmap()
+        self._sock.close()  # the service drops the session and its leases on this
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:

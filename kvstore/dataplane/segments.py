@@ -5,6 +5,11 @@ can write it or map it writable from then on (F_SEAL_FUTURE_WRITE), while the se
 writable mapping keeps working. A client given its descriptor can therefore only read it, even by
 reopening it through /proc. A store segment is sealed against shrinking and growing only: the
 client writes it, and a client that truncated it could make the service fault on a read.
+
+Once a client has a segment's descriptor, its memory lives as long as any process keeps that
+descriptor (or a copy, or a mapping), whatever the service does: a sealed load segment cannot even
+have its pages dropped. `SegmentWatch` says when a segment is gone everywhere, so that the service
+can count a closed session's segments against its owner until then.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import errno
 import fcntl
 import mmap
 import os
+import struct
 import time
 from collections.abc import Callable
 
@@ -115,6 +121,86 @@ def map_segment(fd: int, nbytes: int, writable: bool) -> mmap.mmap:
         raise OSError(f"the segment is {size} bytes, not the {nbytes} announced")
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+
+
+# inotify (Linux 2.6.13 and later; not named by Python's modules). A memfd is an unlinked file:
+# when its last reference anywhere (a descriptor, a copy of one, a mapping) goes, the kernel drops
+# its watches and says so (IN_IGNORED). IN_DELETE_SELF is asked for only because a watch must ask for
+# something; no client can make it happen more than once per segment, so the queue never floods.
+IN_DELETE_SELF = 0x400
+IN_Q_OVERFLOW = 0x4000
+IN_IGNORED = 0x8000
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, length of the name that follows (none here)
+
+
+class SegmentWatch:
+    """Tells when segments are gone: unmapped and closed by every process that had them (their
+    creator included), their memory given back. Raises OSError where inotify cannot be had."""
+
+    def __init__(self) -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            self._add, init = libc.inotify_add_watch, libc.inotify_init1
+        except (OSError, AttributeError):
+            raise OSError(errno.ENOSYS, "no inotify in this C library") from None
+        self._add.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        self._add.restype = ctypes.c_int
+        self.fd = init(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"inotify: {os.strerror(err)}")
+        self.overflowed = False  # events were lost: some segments' end was never seen
+
+    def watch(self, seg: Segment) -> int:
+        """A watch on `seg` (while its creator still holds it): the id `gone` will name."""
+        wd = self._add(self.fd, f"/proc/self/fd/{seg.fd}".encode(), IN_DELETE_SELF)
+        if wd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot watch a segment ({os.strerror(err)}; see fs.inotify.max_user_watches)")
+        return wd
+
+    def gone(self) -> list[int]:
+        """The watches whose segments went since the last call; never waits."""
+        out: list[int] = []
+        while self.fd >= 0:
+            try:
+                data = os.read(self.fd, 64 * 1024)
+            except (BlockingIOError, InterruptedError):
+                break
+            at = 0
+            while at + _EVENT.size <= len(data):
+                wd, mask, _cookie, name_bytes = _EVENT.unpack_from(data, at)
+                at += _EVENT.size + name_bytes
+                if mask & IN_Q_OVERFLOW:
+                    self.overflowed = True
+                elif mask & IN_IGNORED:
+                    out.append(wd)
+        return out
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def watching_available() -> str:
+    """'' when this kernel says when a segment is let go by every process (`SegmentWatch`); else why not."""
+    try:
+        watch = SegmentWatch()
+    except OSError as e:
+        return f"the service cannot watch shared memory ({e.strerror})"
+    try:
+        seg = Segment("kvstore-probe", mmap.PAGESIZE, client_writable=False)
+        try:
+            wd = watch.watch(seg)
+        finally:
+            seg.close()
+        seen = wd in watch.gone()
+    except OSError as e:
+        return f"the service cannot watch shared memory ({e.strerror})"
+    finally:
+        watch.close()
+    return "" if seen else "this kernel does not say when shared memory is let go (inotify on a memfd)"
 
 
 def sealing_available() -> str:

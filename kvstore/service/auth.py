@@ -86,7 +86,10 @@ class Authenticator:
         return Caller(tenant, admin=admin)
 
     def _match_token(self, token: str) -> tuple[str | None, bool]:
-        presented = _digest(token)
+        try:
+            presented = _digest(token)
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800" in a side-socket hello's JSON): no token is one
+            raise Unauthenticated("the bearer token is not valid: it is not text UTF-8 can encode") from None
         found: str | None = None
         for digest, name in self._tokens:  # no early exit: constant work per call
             if hmac.compare_digest(presented, digest):

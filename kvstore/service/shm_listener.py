@@ -6,6 +6,14 @@ Load, Resume and Store calls, a load segment it can only read and a store segmen
 session lives exactly as long as that connection: when the client closes it, or dies (SIGKILL
 closes its sockets too), its leases are dropped and its segments unmapped at once.
 
+Its slot, though, is given back only once its segments are gone everywhere: a process of the
+client's that keeps a descriptor or a mapping of them keeps their memory alive (the service cannot
+drop a sealed load segment's pages), so until it lets go they count against its tenant as an open
+session does (`SegmentWatch` says when). Whatever clients keep, the segments alive are then never
+more than `max_shm_sessions` pairs and the spare; a tenant that keeps them is refused sessions of
+its own share, not another's. Segments are never reused: a call of a closed session still under
+way may write or read its own, and must not meet another session's bytes there.
+
 Isolation: a session belongs to the tenant its token names, and the service checks that every
 call naming a session comes from that tenant; the load segment only ever holds chunks that the
 session's own calls loaded, so no tenant can map another's chunks. Sessions are a bounded
@@ -63,11 +71,13 @@ from kvstore.dataplane import (
     FrameReader,
     LeaseTable,
     Segment,
+    SegmentWatch,
     SideSocketClosed,
     data_socket_path,
     new_id,
     sealing_available,
     send_message,
+    watching_available,
 )
 from kvstore.errors import ConfigError, InvalidInput, Unauthenticated
 from kvstore.layout import TierName
@@ -92,6 +102,8 @@ MAX_PENDING_PER_UID_PID_UNKNOWN = MAX_PENDING // 2
 # was ever granted, this many to spare, floods the one thread that serves every tenant, and is closed.
 RELEASE_SLACK = 1024
 _DROP_LOG_SECONDS = 60.0  # a flood is logged once a minute, not once per connection
+# The selector's mark for the segment watch (the listener's is None, a connection's its _Conn).
+_WATCH = "segment watch"
 _PEERCRED = struct.Struct("3i")
 KINDS = ("client", "runner")
 
@@ -165,6 +177,17 @@ class _Conn:
     session: ShmSession | None = None
 
 
+@dataclass
+class _Pair:
+    """A session's two segments, from their session's hello until every process let them go: one
+    slot of their member's. `watches`: those of its segments not gone yet."""
+
+    member: str
+    session_id: str
+    watches: set[int]
+    open: bool = True  # its session is open (else a process of its client still holds the segments)
+
+
 class ShmSessions:
     def __init__(self, grpc_socket_path: str, svc: ServiceConfig, auth: Authenticator,
                  weights: Mapping[str, float],
@@ -190,7 +213,10 @@ class ShmSessions:
         self._spare: Segment | None = None
         self._want_spare = threading.Event()
         self._spare_thread: threading.Thread | None = None
-        self.detail = sealing_available()  # "" when shared memory can be offered
+        self.detail = sealing_available() or watching_available()  # "" when shared memory can be offered
+        self._watch: SegmentWatch | None = None
+        self._pairs: dict[int, _Pair] = {}  # by each watch of its segments
+        self._pair_of: dict[str, _Pair] = {}  # by its session's id, until its segments are gone
         self.refused_total = 0  # connections closed before a session: a refused hello, none in time, a crowd
         self.pending_dropped_total = 0  # connections closed before their hello to make room for a newer one
         self.release_flood_closed_total = 0  # sessions closed for releasing more leases than they were granted
@@ -198,6 +224,8 @@ class ShmSessions:
         self.hold_releases_refused_total = 0  # of those asked for, refused: nothing of the tenant's held under it
         self._drop_logged_at = -_DROP_LOG_SECONDS
         self._flood_logged_at = -_DROP_LOG_SECONDS
+        self.failed_total = 0  # connections closed for an error of the service's own (logged once a minute)
+        self._failed_logged_at = -_DROP_LOG_SECONDS
 
     @property
     def enabled(self) -> bool:
@@ -209,6 +237,13 @@ class ShmSessions:
         if self.detail:
             log.warning("same-host shared memory is off: %s", self.detail)
             return
+        try:
+            self._watch = SegmentWatch()
+        except OSError as e:  # no inotify instance left for this user, say
+            self.detail = f"the service cannot watch shared memory ({e.strerror})"
+            log.warning("same-host shared memory is off: %s", self.detail)
+            return
+        self._sel.register(self._watch.fd, selectors.EVENT_READ, _WATCH)
         self._listener = _bind(self.path)
         self._listener.setblocking(False)
         self._sel.register(self._listener, selectors.EVENT_READ, None)
@@ -234,6 +269,8 @@ class ShmSessions:
             conn = key.data
             if isinstance(conn, _Conn):
                 self._drop(conn, "the service is stopping")
+        if self._watch is not None:
+            self._watch.close()
         if self._listener is not None:
             self._listener.close()
             with contextlib.suppress(OSError):
@@ -283,10 +320,17 @@ class ShmSessions:
                 try:
                     if key.data is None:
                         self._accept()
+                    elif key.data is _WATCH:
+                        self._collect()
                     else:
                         self._readable(key.data)
                 except Exception:  # one connection's fault must not end the listener for all
-                    log.exception("same-host socket: a connection failed unexpectedly")
+                    self.failed_total += 1
+                    now = time.monotonic()
+                    if now - self._failed_logged_at >= _DROP_LOG_SECONDS:  # a client may cause it again and again
+                        self._failed_logged_at = now
+                        log.exception("same-host socket: a connection failed unexpectedly (%d so far; logged "
+                                      "once a minute)", self.failed_total)
                     if isinstance(key.data, _Conn):
                         self._drop(key.data, "an unexpected error", refused=key.data.session is None)
             self._sweep()
@@ -378,13 +422,13 @@ class ShmSessions:
             self._refuse(conn, f"the service cannot create shared memory now ({e.strerror or e})")
         except (Unauthenticated, InvalidInput) as e:
             self._refuse(conn, str(e))
+        conn.session = session  # from now on its connection's end, whatever the cause, closes it
         # Runners read their jobs' chunks from the load segment: only clients map a tenant's memory.
         client = session.kind == "client" and bool(session.tenant)
         arenas = list(self._arena_memory(session.tenant)) if client else []
         # GPU memory only to a client that said it opens CUDA IPC handles (it has a GPU and cupy).
         devices = list(self._device_memory(session.tenant)) if client and hello.get("cuda") is True else []
         session.arenas = tuple(tier for tier, _, _ in arenas) + tuple(tier for tier, _, _ in devices)
-        conn.session = session
         # Known before the client hears of it: its first call may come at once.
         with self._lock:
             self._sessions[session.session_id] = session
@@ -463,7 +507,8 @@ class ShmSessions:
 
     def _open(self, conn: _Conn, hello: dict[str, Any]) -> ShmSession:
         if hello.get("v") != HELLO_VERSION:
-            raise InvalidInput(f"this service speaks side-socket version {HELLO_VERSION}, not {hello.get('v')!r}")
+            raise InvalidInput(f"this service speaks side-socket version {HELLO_VERSION}, "
+                               f"not {repr(hello.get('v'))[:40]}")
         kind = hello.get("kind", "client")
         if kind not in KINDS:
             raise InvalidInput(f"kind must be one of {', '.join(KINDS)}")
@@ -476,23 +521,67 @@ class ShmSessions:
         if not caller.tenant and kind != "runner":
             raise Unauthenticated("the admin token authenticates runners only; clients need a tenant's token")
         member = caller.tenant or ADMIN_MEMBER
-        with self._lock:
-            refusal = self._slots.try_take(member, 1)
-        if refusal is not None:
-            raise InvalidInput(refusal_message("too many same-host sessions", "sessions", refusal))
+        self._take_slot(member)
+        segments: list[Segment] = []
         try:
-            load = self._load_segment()
-            try:
-                store = Segment("kvstore-store", self._svc.shm_store_segment_bytes, client_writable=True)
-            except BaseException:
-                load.close()
-                raise
+            segments.append(self._load_segment())
+            segments.append(Segment("kvstore-store", self._svc.shm_store_segment_bytes, client_writable=True))
+            assert self._watch is not None
+            watches = {self._watch.watch(seg) for seg in segments}
         except BaseException:
+            for seg in segments:
+                seg.close()
+            self._collect()  # their watches, if any, are gone at once
             with self._lock:
                 self._slots.give_back(member, 1)
             raise
-        return ShmSession(new_id(), caller.tenant, kind, conn.pid, load, store,
+        load, store = segments
+        session_id = new_id()
+        pair = _Pair(member, session_id, watches)
+        self._pair_of[session_id] = pair
+        for wd in watches:
+            self._pairs[wd] = pair
+        return ShmSession(session_id, caller.tenant, kind, conn.pid, load, store,
                           LeaseTable(load.nbytes, self._svc.shm_lease_seconds))
+
+    def _take_slot(self, member: str) -> None:
+        """One of `member`'s session slots, or InvalidInput saying why not (and, where some are
+        taken by closed sessions whose segments its processes keep, that too)."""
+        with self._lock:
+            refusal = self._slots.try_take(member, 1)
+        if refusal is not None:  # a client that has just let go of segments may not have been seen yet
+            self._collect()
+            with self._lock:
+                refusal = self._slots.try_take(member, 1)
+        if refusal is None:
+            return
+        message = refusal_message("too many same-host sessions", "sessions", refusal)
+        kept = sum(1 for p in self._pair_of.values() if p.member == member and not p.open)
+        if kept:
+            message += (f" ({kept} of them closed sessions whose segments a process of this tenant still "
+                        "holds: a descriptor or a mapping of them; they count until it lets go)")
+        raise InvalidInput(message)
+
+    def _collect(self) -> None:
+        """Give back the slot of each session whose segments every process has let go of."""
+        if self._watch is None:
+            return
+        for wd in self._watch.gone():
+            pair = self._pairs.pop(wd, None)
+            if pair is None:  # a segment that never reached a session
+                continue
+            pair.watches.discard(wd)
+            if pair.watches:
+                continue
+            del self._pair_of[pair.session_id]
+            with self._lock:
+                self._slots.give_back(pair.member, 1)
+            if not pair.open:
+                log.debug("same-host session %s: its segments are let go everywhere", pair.session_id[:8])
+        if self._watch.overflowed:
+            self._watch.overflowed = False
+            log.warning("same-host socket: the kernel dropped segment watch events (fs.inotify.max_queued_events): "
+                        "the slots of sessions whose segments went meanwhile stay taken until the service restarts")
 
     def _load_segment(self) -> Segment:
         """The spare load segment if one is ready (another is then made), else a new one."""
@@ -547,12 +636,18 @@ class ShmSessions:
             return
         with self._lock:
             self._sessions.pop(s.session_id, None)
-            self._slots.give_back(s.tenant or ADMIN_MEMBER, 1)
             self._expired_by_tenant[s.tenant] = self._expired_by_tenant.get(s.tenant, 0) + s.leases.expired_total
         held = s.leases.close()
         s.load.close()
         s.store.close()
-        log.info("same-host session %s closed (%s): %d lease(s) released", s.session_id[:8], why, held)
+        pair = self._pair_of.get(s.session_id)
+        if pair is not None:
+            pair.open = False
+        self._collect()  # the slot comes back now unless a process still holds the segments
+        kept = s.session_id in self._pair_of
+        log.info("same-host session %s closed (%s): %d lease(s) released%s", s.session_id[:8], why, held,
+                 "; its segments are still held by a process of its client: its slot stays taken until it "
+                 "lets go" if kept else "")
 
     def _sweep(self) -> None:
         now = time.monotonic()
