@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.config import KvstoreConfig, LocalPoolConfig
-from kvstore.dataplane.segments import sealing_available
+from kvstore.dataplane.segments import sealing_available, watching_available
 from kvstore.errors import ConfigError, KvstoreError, StorageError, UnknownModel
 from kvstore.layout import CacheLayout, ModelSpec, exact_replay_tokens, get_model
 from kvstore.local_pool.base import LocalPool
@@ -199,7 +199,8 @@ def served_models(cfg: KvstoreConfig) -> dict[str, ModelSpec]:
 def in_place_loads(cfg: KvstoreConfig) -> bool:
     """Same-host clients will read chunks in place: the memory tiers are split between tenants."""
     svc = cfg.service
-    return bool(svc.unix_socket_path) and svc.shm_enabled and svc.shm_in_place and not sealing_available()
+    return (bool(svc.unix_socket_path) and svc.shm_enabled and svc.shm_in_place
+            and not sealing_available() and not watching_available())
 
 
 def tenant_quotas(cfg: KvstoreConfig) -> dict[str, TenantQuota]:
