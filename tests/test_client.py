@@ -383,7 +383,11 @@ def test_serve_prints_a_parseable_listening_line(tmp_path: Path, make_service: C
 
 def _small_config(tmp_path: Path) -> Path:
     p = tmp_path / "small.toml"
-    p.write_text(to_toml(base_table(local_pool={"capacity_bytes": 4 << 20})))  # no warning: room for a V4.1 snapshot
+    # No warning: room for a V4.1 snapshot, for a dense chunk in each memory tier, and for the
+    # clients' default 1 MiB messages.
+    p.write_text(to_toml(base_table(local_pool={"capacity_bytes": 4 << 20},
+                                    store={"device_capacity_bytes": 4 << 20, "dram_capacity_bytes": 4 << 20},
+                                    service={"max_message_bytes": 2 << 20})))
     return p
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import re
+import socket
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +60,8 @@ class KvstoreConfig:
 
     def validate(self, prefix: str) -> None:
         require("\0" not in self.data_dir, "data_dir", NUL_PROBLEM)
+        # As `serve --data-dir ''`: an empty path is the start directory, and LMDB's files landed in it.
+        require(bool(self.data_dir), "data_dir", "must name a directory (empty would be the directory serve starts in)")
         seen: dict[str, str] = {}
         for name, t in self.tenants.items():
             require(name.replace("-", "").replace("_", "").isalnum(), join("tenants", name),
@@ -146,16 +150,40 @@ def _require_shares(total: int, weights: dict[str, float], extra_weight: float, 
 
 
 def _binds_collide(a: str, b: str) -> bool:
-    """Whether one port can be bound on both hosts only once: the same host, or a wildcard address."""
-    if a == b:
+    """Whether one port can be bound on both hosts only once: the same host, or a wildcard address.
+    Addresses are compared as addresses: `::1` is `0:0:0:0:0:0:0:1`, and `127.1` is `127.0.0.1` to
+    the resolver that binds it (inet_aton's short forms)."""
+    ips = [_address(a), _address(b)]
+    if a == b or (ips[0] is not None and ips[0] == ips[1]):
         return True
-    for host in (a, b):
-        try:
-            if ipaddress.ip_address(host).is_unspecified:
-                return True
-        except ValueError:
-            pass
-    return {a, b} in ({"localhost", "127.0.0.1"}, {"localhost", "::1"})
+    if any(ip is not None and ip.is_unspecified for ip in ips):
+        return True
+    loopbacks = {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
+    names = [h.lower().rstrip(".") for h in (a, b)]
+    return any(n == "localhost" and ip in loopbacks for n, ip in ((names[0], ips[1]), (names[1], ips[0])))
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address `host` is (in any of the forms a resolver reads as one), or None for a name."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    if not re.fullmatch(r"[0-9A-Fa-fXx.]+", host):  # inet_aton reads past a space too
+        return None
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))  # 127.1, 2130706433, 0x7f.1
+    except OSError:
+        return None
+
+
+def _line_of_a_long_integer(raw: bytes) -> str:
+    """' line N' where the file's first run of 4000 or more digits is, or '' if there is none."""
+    m = re.search(rb"[0-9_]{4000,}", raw)
+    if m is None:
+        return ""
+    line = raw.count(b"\n", 0, m.start()) + 1
+    return f" line {line}"
 
 
 def parse_config(table: dict[str, Any]) -> KvstoreConfig:
@@ -178,4 +206,7 @@ def load_config(path: str | Path | None) -> KvstoreConfig:
         raise ConfigFileError(f"config file {p} is not valid TOML: {e}") from None
     except RecursionError:  # tomllib parses nested arrays and tables by recursion
         raise ConfigFileError(f"config file {p} is not a config: nested too deeply") from None
+    except ValueError:  # int() refuses a decimal of more than 4300 digits (sys.get_int_max_str_digits)
+        raise ConfigFileError(f"config file {p}{_line_of_a_long_integer(raw)} has an integer of thousands of digits: "
+                              "TOML's integers are 64-bit (-2**63..2**63-1)") from None
     return parse_config(table)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -34,13 +35,36 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+# TOML's integers are 64-bit; Python's tomllib reads any length. A larger one passed as a count or
+# a byte size overflowed torch, numpy or gRPC only once the service ran (a traceback, or every call
+# failing), and as a float key it overflowed float() here.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# A value an error shows is cut to this many characters (a 300-digit number is no help to read).
+SHOWN_CHARS = 60
+
+
+def _require_int64(value: int, key: str) -> None:
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ConfigError(key, f"must be within TOML's 64-bit integers (-2**63..2**63-1), got {_shown(value)}")
+
+
+def _shown(value: Any) -> str:
+    """`value` as an error shows it: its repr, or what it is where that is long."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** SHOWN_CHARS:
+        bits = abs(value).bit_length()  # str() refuses past 4300 digits
+        digits = len(str(abs(value))) if bits < 14_000 else f"about {int(bits * math.log10(2)) + 1}"
+        return f"an integer of {digits} digits"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS - 3]}... ({len(text)} characters)"
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = get_origin(tp)
     if tp is Any:
         return value
     if origin is Literal:
         if value not in get_args(tp):
-            raise ConfigError(key, f"must be {_describe(tp)}, got {value!r}")
+            raise ConfigError(key, f"must be {_describe(tp)}, got {_shown(value)}")
         return value
     if origin in (types.UnionType, typing.Union):
         errors = []
@@ -53,37 +77,40 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError as e:
                 errors.append(e.problem)
-        raise ConfigError(key, f"must be {_describe(tp)}, got {value!r}")
+        raise ConfigError(key, f"must be {_describe(tp)}, got {_shown(value)}")
     if origin is tuple:
         if not isinstance(value, list | tuple):
-            raise ConfigError(key, f"must be a list, got {value!r}")
+            raise ConfigError(key, f"must be a list, got {_shown(value)}")
         args = get_args(tp)
         item_tp = args[0] if args else Any
         return tuple(_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(key, f"must be a table, got {value!r}")
+            raise ConfigError(key, f"must be a table, got {_shown(value)}")
         _, val_tp = get_args(tp)
         return {str(k): _coerce(v, val_tp, f"{key}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if not isinstance(value, Mapping):
-            raise ConfigError(key, f"must be a table, got {value!r}")
+            raise ConfigError(key, f"must be a table, got {_shown(value)}")
         return parse_section(tp, value, key)
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(key, f"must be true or false, got {value!r}")
+            raise ConfigError(key, f"must be true or false, got {_shown(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(key, f"must be an integer, got {value!r}")
+            raise ConfigError(key, f"must be an integer, got {_shown(value)}")
+        _require_int64(value, key)
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(key, f"must be a number, got {value!r}")
+            raise ConfigError(key, f"must be a number, got {_shown(value)}")
+        if isinstance(value, int):
+            _require_int64(value, key)  # else float() overflowed (a traceback) past ~1e308
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(key, f"must be a string, got {value!r}")
+            raise ConfigError(key, f"must be a string, got {_shown(value)}")
         return value
     raise AssertionError(f"config field type {tp!r} at {key} is not supported by parse_section")
 
@@ -124,6 +151,10 @@ def parse_section(cls: type[T], table: Mapping[str, Any], prefix: str) -> T:
 # all take (an endless or 300-year timeout overflowed them, or read as "never" where none was meant).
 DAY_SECONDS = 86_400
 NUL_PROBLEM = "must not contain a NUL character (no path can)"
+# The most any byte budget (a tier, the embedded pool, the key memo) may be: no machine has a PiB of
+# memory or one disk of it, and 2**64 bytes passed validation, then failed the arena's allocation
+# with torch's C++ traceback.
+MAX_CAPACITY_BYTES = 1 << 50
 # Every TTL of local (sliding-window) state, the pool's and a tenant's alike: a snapshot held
 # longer is memory spent on a session long gone.
 MAX_LOCAL_TTL_SECONDS = 30 * DAY_SECONDS

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import parse_qsl, urlsplit
 
-from kvstore.config.fields import MAX_LOCAL_TTL_SECONDS, join, require
+from kvstore.config.fields import MAX_CAPACITY_BYTES, MAX_LOCAL_TTL_SECONDS, join, require
 
 MiB = 1 << 20
+MAX_PART_BYTES = 512 * MiB  # Redis refuses a longer string (proto-max-bulk-len)
 
 # Query options a Redis URL may carry. The rest are refused: kvstore sets the timeouts and retries
 # itself ([local_pool] keys) and reads replies as bytes, so e.g. `?socket_timeout=` or
@@ -20,6 +22,9 @@ _TLS_URL_OPTIONS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "s
 
 
 DEFAULT_REDIS_PORT = 6379
+# A database number: ASCII digits (int() reads '+1', ' 1' and '١' too), at most 9.
+_DECIMAL = re.compile(r"[0-9]{1,9}")
+_TLS_VERSIONS = frozenset({"769", "770", "771", "772"})  # ssl.TLSVersion's numbers, as redis-py reads them
 
 
 def url_hosts(url: str) -> list[tuple[str | None, int]]:
@@ -39,14 +44,15 @@ def url_hosts(url: str) -> list[tuple[str | None, int]]:
 
 
 def redis_url_problem(url: str) -> str | None:
-    """Why a Redis URL cannot be used (it does not parse, or has query options kvstore does not
-    take), or None."""
+    """Why a Redis URL cannot be used (it does not parse, has query options kvstore does not take,
+    or a value redis-py cannot read), or None."""
     scheme, _, rest = url.partition("://")
     allowed = _URL_OPTIONS | (_TLS_URL_OPTIONS if scheme.startswith("rediss") else frozenset())
     if scheme.endswith("+cluster"):
         allowed -= {"db"}  # a cluster has database 0 only
     try:
-        query = urlsplit(f"redis://{rest}").query
+        parts = urlsplit(f"redis://{rest}")
+        query, path = parts.query, parts.path
         hosts = [] if scheme == "unix" else url_hosts(url)
     except ValueError as e:  # e.g. an unbalanced '[' around an IPv6 host, or "host:abc"
         return f"is not a valid URL: {e}"
@@ -54,10 +60,27 @@ def redis_url_problem(url: str) -> str | None:
         return "is not a valid URL: every node of a cluster's URL needs a host (host[:port], comma-separated)"
     if not scheme.endswith("+cluster") and len(hosts) > 1:
         return f"names {len(hosts)} hosts: a Redis Cluster's URL is {scheme}+cluster://host[:port],host[:port]"
-    bad = sorted({name for name, _ in parse_qsl(query, keep_blank_values=True)} - allowed)
+    options = parse_qsl(query, keep_blank_values=True)
+    bad = sorted({name for name, _ in options} - allowed)
     if bad:
         return (f"has query options kvstore does not take: {', '.join(bad)} (timeouts and retries are "
                 f"[local_pool] keys; allowed: {', '.join(sorted(allowed))})")
+    # redis-py reads these when the pool is built (a ValueError traceback at serve), or, a path's
+    # database, drops one that is not a number and uses database 0.
+    for name, value in options:
+        if name == "db" and not _DECIMAL.fullmatch(value):
+            return f"has db={value!r}: must be a non-negative integer"
+        if name == "ssl_min_version" and value not in _TLS_VERSIONS:
+            return f"has ssl_min_version={value!r}: must be 771 (TLS 1.2) or 772 (TLS 1.3), or 769, 770 (1.0, 1.1)"
+        if name == "ssl_cert_reqs" and value not in ("none", "optional", "required"):
+            return f"has ssl_cert_reqs={value!r}: must be none, optional or required"
+    if scheme != "unix" and path not in ("", "/"):
+        if scheme.endswith("+cluster"):
+            return f"has the path {path!r}: a cluster has database 0 only, so its URL takes no path"
+        if not _DECIMAL.fullmatch(path[1:]):
+            return f"has the path {path!r}: the only path a Redis URL takes is its database, /0, /1, ..."
+        if any(name == "db" for name, _ in options):  # redis-py takes ?db= and ignores the path
+            return f"names its database twice, {path!r} and ?db=: give one"
     return None
 
 
@@ -87,6 +110,11 @@ def seconds_within(v: float, most: float) -> bool:
     return 0 < v <= most
 
 
+# Return gaps the adaptive policy keeps per tenant, 8 bytes each, allocated at a tenant's first
+# write: 4e9 asked for 29.8 GiB there, and every StoreLocal failed INTERNAL. A million is 8 MB.
+MAX_WINDOW_SAMPLES = 1_000_000
+
+
 @dataclass(frozen=True)
 class TtlPolicyConfig:
     kind: Literal["fixed", "sliding", "adaptive"] = "fixed"
@@ -109,8 +137,9 @@ class TtlPolicyConfig:
         require(0 < self.replay_cost_per_token <= MAX_COST, join(prefix, "replay_cost_per_token"), _COST)
         require(0 < self.hold_cost_per_byte_second <= MAX_COST, join(prefix, "hold_cost_per_byte_second"), _COST)
         require(self.adaptive_min_samples >= 1, join(prefix, "adaptive_min_samples"), "must be >= 1")
-        require(self.adaptive_window_samples >= self.adaptive_min_samples,
-                join(prefix, "adaptive_window_samples"), "must be >= adaptive_min_samples")
+        require(self.adaptive_min_samples <= self.adaptive_window_samples <= MAX_WINDOW_SAMPLES,
+                join(prefix, "adaptive_window_samples"),
+                f"must be >= adaptive_min_samples and <= {MAX_WINDOW_SAMPLES} (8 bytes each, per tenant)")
         for t, v in self.tenant_ttl_seconds.items():
             require(seconds_within(v, MAX_TTL_SECONDS), join(prefix, f"tenant_ttl_seconds.{t}"), _SECONDS)
 
@@ -148,12 +177,14 @@ class LocalPoolConfig:
                 "must be 'embedded' or a redis://, rediss://, unix:// or redis+cluster:// URL")
         problem = None if self.url == "embedded" else redis_url_problem(self.url)
         require(problem is None, join(prefix, "url"), problem or "")
-        require(self.capacity_bytes >= 0, join(prefix, "capacity_bytes"), "must be >= 0")
+        require(0 <= self.capacity_bytes <= MAX_CAPACITY_BYTES, join(prefix, "capacity_bytes"),
+                f"must be in 0..{MAX_CAPACITY_BYTES} (1 PiB)")
         for key in ("socket_timeout_seconds", "connect_timeout_seconds", "breaker_reset_seconds",
                     "call_budget_seconds"):
             require(seconds_within(getattr(self, key), MAX_CALL_SECONDS), join(prefix, key), _CALL_SECONDS)
         require(self.retries >= 0, join(prefix, "retries"), "must be >= 0")
         require(self.breaker_failures >= 1, join(prefix, "breaker_failures"), "must be >= 1")
-        require(self.part_bytes >= 4096, join(prefix, "part_bytes"), "must be >= 4096")
+        require(4096 <= self.part_bytes <= MAX_PART_BYTES, join(prefix, "part_bytes"),
+                f"must be in 4096..{MAX_PART_BYTES} (Redis's largest value, 512 MiB)")
         require(bool(self.key_prefix) and not any(c in self.key_prefix for c in "{}: \t\r\n"),
                 join(prefix, "key_prefix"), "must be non-empty, without braces, colons or spaces")

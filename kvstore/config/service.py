@@ -14,6 +14,13 @@ MIN_TOKEN_CHARS = 8
 # Points of /api/timeseries history kept in memory: 100,000 cost ~236 MB and seconds per read.
 MAX_TIMESERIES_POINTS = 20_000
 MAX_TIMESERIES_SECONDS = 30 * DAY_SECONDS
+# A tenant's weight against another's: at most a 1e9-to-1 split, so that a total that gives every
+# tenant a share stays a number one can configure.
+MIN_SHARE_WEIGHT = 1e-6
+MAX_SHARE_WEIGHT = 1000.0
+# The fewest payload bytes per streamed message (as local_pool.part_bytes): in 1-byte messages, a
+# Load of 20 KB took 2.6 s, and a V4.1 chunk's timed out.
+MIN_STREAM_MESSAGE_BYTES = 4096
 # A host name's labels (underscores too: container names have them and resolve).
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
@@ -77,7 +84,10 @@ class TenantConfig:
         ttl = self.local_ttl_seconds
         require(ttl == -1 or 0 < ttl <= MAX_LOCAL_TTL_SECONDS, join(prefix, "local_ttl_seconds"),
                 f"must be -1 (the pool's policy decides) or seconds > 0, at most {MAX_LOCAL_TTL_SECONDS} (30 days)")
-        require(0 < self.share_weight <= 1000, join(prefix, "share_weight"), "must be > 0 and <= 1000")
+        # Bounded below too: 5e-324 beside 1000 made the split's least total infinite (an
+        # OverflowError), and 1e-300 asked for a 300-digit number of call slots.
+        require(MIN_SHARE_WEIGHT <= self.share_weight <= MAX_SHARE_WEIGHT, join(prefix, "share_weight"),
+                f"must be in {MIN_SHARE_WEIGHT:g}..{MAX_SHARE_WEIGHT:g}")
 
 
 @dataclass(frozen=True)
@@ -142,8 +152,9 @@ class ServiceConfig:
         require(64 * 1024 <= self.max_message_bytes <= 512 * MiB, join(prefix, "max_message_bytes"),
                 "must be in 65536..536870912 (64 KiB..512 MiB)")
         require(
-            0 < self.stream_message_bytes <= self.max_message_bytes // 2,
-            join(prefix, "stream_message_bytes"), "must be > 0 and at most half of max_message_bytes",
+            MIN_STREAM_MESSAGE_BYTES <= self.stream_message_bytes <= self.max_message_bytes // 2,
+            join(prefix, "stream_message_bytes"),
+            f"must be at least {MIN_STREAM_MESSAGE_BYTES} and at most half of max_message_bytes",
         )
         require(self.max_concurrent_calls >= 1, join(prefix, "max_concurrent_calls"), "must be >= 1")
         require(self.max_staged_bytes >= self.max_message_bytes, join(prefix, "max_staged_bytes"),

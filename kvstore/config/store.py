@@ -6,13 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvstore.config.fields import DAY_SECONDS, join, require
+from kvstore.config.fields import DAY_SECONDS, MAX_CAPACITY_BYTES, join, require
 
 MiB = 1 << 20
 GiB = 1 << 30
 # The wire carries token counts as uint32 (a chunk of 2**33 tokens failed every Lookup). Chunks in
 # use are 8..128 tokens (an engine's block size must divide one); 65,536 leaves room for any block.
 MAX_CHUNK_TOKENS = 65_536
+_CAPACITY = f"must be in 0..{MAX_CAPACITY_BYTES} (1 PiB)"
 # Namespace records take room in the LMDB map beyond the byte budget (~2 KB each at most): a
 # million is ~2 GB of it.
 MAX_NAMESPACES = 1_000_000
@@ -70,14 +71,14 @@ class StoreConfig:
 
     def validate(self, prefix: str) -> None:
         for name in ("device_capacity_bytes", "dram_capacity_bytes", "lmdb_capacity_bytes"):
-            require(getattr(self, name) >= 0, join(prefix, name), "must be >= 0")
+            require(0 <= getattr(self, name) <= MAX_CAPACITY_BYTES, join(prefix, name), _CAPACITY)
         require(self.lmdb_capacity_bytes >= 1 * MiB, join(prefix, "lmdb_capacity_bytes"), "must be >= 1 MiB")
         require(
             self.page_bytes >= 4096 and self.page_bytes & (self.page_bytes - 1) == 0,
             join(prefix, "page_bytes"), "must be a power of two >= 4096",
         )
         require(1 <= self.zstd_level <= 19, join(prefix, "zstd_level"), "must be in 1..19")
-        require(self.key_memo_bytes >= 0, join(prefix, "key_memo_bytes"), "must be >= 0")
+        require(0 <= self.key_memo_bytes <= MAX_CAPACITY_BYTES, join(prefix, "key_memo_bytes"), _CAPACITY)
         require(1 <= self.max_namespaces <= MAX_NAMESPACES, join(prefix, "max_namespaces"),
                 f"must be in 1..{MAX_NAMESPACES}")
         require(0 < self.pin_timeout_seconds <= DAY_SECONDS, join(prefix, "pin_timeout_seconds"),

@@ -8,7 +8,7 @@ import math
 from kvstore.config import KvstoreConfig, least_total, tenants_without_a_share
 from kvstore.config.local_pool import ENTRY_OVERHEAD_BYTES
 from kvstore.config.service import is_loopback
-from kvstore.errors import UnknownModel
+from kvstore.errors import InvalidInput, UnknownModel
 from kvstore.layout import get_model
 from policies.fair_share import weighted_split
 
@@ -40,6 +40,57 @@ def config_warnings(cfg: KvstoreConfig) -> list[str]:
                    "who can reach the port")
     out += _zero_shares(cfg)
     out += _pool_below_a_snapshot(cfg)
+    out += _tiers_below_a_chunk(cfg)
+    out += _messages_clients_send(cfg)
+    return out
+
+
+# What kvstore's own clients put in one streamed message by default: KvstoreClient's `message_bytes`
+# (client/sync_client.py), which the vLLM connector does not change, plus a piece's header (30 bytes
+# for a Store's, 19 for a StoreLocal's, measured; 64 with room).
+CLIENT_MESSAGE_BYTES = 1 << 20
+PIECE_HEADER_BYTES = 64
+
+
+def _messages_clients_send(cfg: KvstoreConfig) -> list[str]:
+    """A message limit under what the project's clients send by default: their larger Stores and
+    StoreLocals are refused (the service's own INVALID_ARGUMENT, or past twice the limit + 4 KiB,
+    gRPC's RESOURCE_EXHAUSTED). Not refused: a client given a smaller `message_bytes` works."""
+    limit = cfg.service.max_message_bytes
+    least = CLIENT_MESSAGE_BYTES + PIECE_HEADER_BYTES
+    if limit >= least:
+        return []
+    return [f"service.max_message_bytes = {limit} is less than the {least}-byte messages kvstore's clients send "
+            f"by default (KvstoreClient's message_bytes, {CLIENT_MESSAGE_BYTES}, which the vLLM connector uses): their "
+            f"Stores and StoreLocals of more than {limit - PIECE_HEADER_BYTES} bytes are refused; set it to at least "
+            f"{least}, or give every KvstoreClient message_bytes <= {limit - PIECE_HEADER_BYTES}"]
+
+
+def _tiers_below_a_chunk(cfg: KvstoreConfig) -> list[str]:
+    """A tier with a budget (0 turns it off) that cannot hold one chunk of a served model: none of
+    that model's chunks ever goes in it. A quantized tier's chunks are smaller: not checked."""
+    s = cfg.store
+    sizes: dict[str, int] = {}
+    for name in cfg.service.models:
+        try:
+            sizes[name] = get_model(name).layout.with_chunk_tokens(s.chunk_tokens).chunk_bytes
+        except (UnknownModel, InvalidInput):  # refused when the service starts
+            continue
+    out = []
+    for tier, capacity, quantize, page in (("device", s.device_capacity_bytes, s.quantize_device, s.page_bytes),
+                                           ("dram", s.dram_capacity_bytes, s.quantize_dram, s.page_bytes),
+                                           ("lmdb", s.lmdb_capacity_bytes, s.quantize_lmdb, 1)):
+        if capacity == 0 or quantize != "off":
+            continue
+        # An arena holds whole pages, and a chunk takes whole pages; LMDB charges a chunk more than
+        # its bytes (a lower bound, then).
+        need = {m: -(-cb // page) * page for m, cb in sizes.items()}
+        big = sorted((m for m in need if need[m] > capacity // page * page), key=lambda m: -need[m])
+        if big:
+            also = f" (nor those of {', '.join(repr(m) for m in big[1:])})" if big[1:] else ""
+            out.append(f"store.{tier}_capacity_bytes = {capacity} is less than one chunk of '{big[0]}' "
+                       f"({need[big[0]]} bytes{' in whole pages' if page > 1 else ''}): its chunks never go in the "
+                       f"{tier} tier{also}")
     return out
 
 
