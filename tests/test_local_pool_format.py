@@ -9,6 +9,7 @@ import struct
 import pytest
 
 from kvstore.local_pool.snapshot_format import (
+    FORMAT_VERSION,
     HEADER,
     MAX_PARTS,
     MIN_PART_BYTES,
@@ -46,10 +47,23 @@ def test_round_trip(nbytes: int, part_bytes: int) -> None:
 
 
 def test_header_layout_is_fixed() -> None:
-    stored = _stored(encode_parts(LAYOUT, 640, b"abc", 4096))
+    tag = bytes(range(16))
+    stored = _stored(encode_parts(LAYOUT, 640, b"abc", 4096, key_tag=tag))
     magic, version, _flags, layout, boundary, nbytes, count = struct.unpack_from("<4sHH8sQQI", stored[0])
-    assert (magic, version, layout, boundary, nbytes, count) == (b"KVSW", 1, LAYOUT, 640, 3, 1)
-    assert len(stored[0]) == HEADER.size + 3
+    assert (magic, version, layout, boundary, nbytes, count) == (b"KVSW", 2, LAYOUT, 640, 3, 1)
+    assert stored[0][64:80] == tag and SnapshotHeader.unpack(stored[0]).key_tag == tag
+    assert len(stored[0]) == HEADER.size + 3 == 83
+
+
+def test_a_version_1_value_is_refused_for_its_version() -> None:
+    # Version 1 had no key tag (64 B headers): its values read as misses after the upgrade, saying
+    # why, not as a header too short or a bad CRC.
+    v1 = struct.pack("<4sHH", b"KVSW", 1, 0) + bytes(56) + b"abc"
+    with pytest.raises(SnapshotFormatError, match="format version 1, this build reads 2"):
+        SnapshotHeader.unpack(v1)
+    with pytest.raises(SnapshotFormatError, match="format version 1"):
+        SnapshotHeader.unpack(v1[:10])
+    assert FORMAT_VERSION == 2
 
 
 def test_single_part_read_is_a_view_not_a_copy() -> None:
@@ -108,7 +122,7 @@ def test_foreign_bytes_and_other_versions_are_rejected() -> None:
         SnapshotHeader.unpack(b"\x80\x04" + bytes(200))  # e.g. a pickle is not a snapshot
     stored = _stored(encode_parts(LAYOUT, 1, b"abc", 4096))
     newer = bytearray(stored[0])
-    newer[4:6] = struct.pack("<H", 2)
+    newer[4:6] = struct.pack("<H", FORMAT_VERSION + 1)
     with pytest.raises(SnapshotFormatError, match="version"):
         SnapshotHeader.unpack(bytes(newer))
 
@@ -142,7 +156,8 @@ def test_a_part_count_beyond_what_the_payload_needs_is_refused() -> None:
     with pytest.raises(SnapshotFormatError, match="part count 262144: a 10 B payload has at most 1"):
         SnapshotHeader.unpack(SnapshotHeader(LAYOUT, 128, 10, MAX_PARTS, 7, (0, 0)).pack())
     # Every writer's count passes, whatever its part_bytes: the smallest makes the most parts.
-    for nbytes in (0, 4032, 4033, 8112, 8113, 1_351_680):
+    first, later = MIN_PART_BYTES - HEADER.size, MIN_PART_BYTES - PART_HEADER.size
+    for nbytes in (0, first, first + 1, first + later, first + later + 1, 1_351_680):
         counts = []
         for part_bytes in (MIN_PART_BYTES, 65536):
             stored = _stored(encode_parts(LAYOUT, 1, bytes(nbytes), part_bytes))

@@ -23,7 +23,7 @@ import redis
 from kvstore.config.local_pool import LocalPoolConfig
 from kvstore.errors import ConfigError
 from kvstore.local_pool import LocalPool, build_local_pool, redis_transport
-from kvstore.local_pool.redis_pool import snapshot_key_base
+from kvstore.local_pool.redis_pool import snapshot_key_base, snapshot_key_tag
 from kvstore.local_pool.redis_process import RedisClusterProcesses, RedisProcess, free_port
 from kvstore.local_pool.redis_transport import ClusterTransport
 from kvstore.local_pool.snapshot_format import HEADER, MAX_PARTS, MIN_PART_BYTES, PART_HEADER, SnapshotHeader
@@ -531,6 +531,125 @@ def test_a_forged_part_count_is_a_corrupt_miss_that_changes_no_later_call(redis_
     s = pool.stats()
     assert s.errors == 0 and s.breaker_state == "closed" and s.misses["corrupt"] == 2
     pool.close()
+
+
+def test_a_value_of_another_size_teaches_a_reader_nothing(redis_server: RedisProcess) -> None:
+    # A 100-byte value of the layout verifies (anyone can compute a CRC and a checksum). Read once,
+    # it set the layout's part count (1) and size (100 B): every genuine 6-part snapshot of the
+    # layout, any tenant's, then read as corrupt and was removed, until this process next wrote one.
+    writer = _pool(redis_server.url)
+    reader = _pool(redis_server.url)  # another process: it has written nothing
+    c = redis_server.client()
+    data = os.urandom(SNAPSHOT)  # 6 parts
+    assert writer.put(_ns(0), _bk(), TENANT, LAYOUT, 128, data).written
+    assert _pool(redis_server.url).put(_ns(1), _bk(), TENANT, LAYOUT, 128, b"z" * 100).written
+    # A caller that says nothing of the size gets what verifies, and the reader learns nothing from it.
+    assert reader.get(_ns(1), _bk(), TENANT, LAYOUT).hit
+    got = reader.get(_ns(0), _bk(), TENANT, LAYOUT)
+    assert got.payload is not None and bytes(got.payload) == data
+    # One that says (the service: the layout's snapshot size) finds it corrupt, and it is removed.
+    got = reader.get(_ns(1), _bk(), TENANT, LAYOUT, payload_bytes=SNAPSHOT, boundary_tokens=128)
+    assert got.miss_reason == "corrupt"
+    assert c.exists(snapshot_key_base("kvs", _ns(1), _bk()) + b"0") == 0
+    c.config_resetstat()
+    got = reader.get(_ns(0), _bk(), TENANT, LAYOUT, payload_bytes=SNAPSHOT, boundary_tokens=128)
+    assert got.payload is not None and bytes(got.payload) == data
+    assert _calls(c, "get") == 6, "all 6 parts in the first round trip: the count follows from the size"
+    assert reader.stats().misses["corrupt"] == 1
+    for pool in (writer, reader):
+        pool.close()
+
+
+def test_a_header_claiming_max_parts_is_removed_without_a_part_fetched_on_its_word(
+        redis_server: RedisProcess) -> None:
+    # Its part count is what its claimed 1 GiB needs at the smallest part size, and a reader that
+    # had learnt no size yet (a fresh process) followed it: 262,144 GETs, the call budget spent 2-3
+    # times over, a `timeout` miss from a healthy Redis, and the value left for the next reader.
+    pool = _pool(redis_server.url)
+    c = redis_server.client()
+    base = snapshot_key_base("kvs", _ns(), _bk())
+    size = (MIN_PART_BYTES - HEADER.size) + (MAX_PARTS - 1) * (MIN_PART_BYTES - PART_HEADER.size)
+    header = SnapshotHeader(LAYOUT, 128, size, MAX_PARTS, 7, (0, 0), snapshot_key_tag(_ns(), _bk()))
+    c.set(base + b"0", header.pack() + b"x" * 100, px=30_000)
+    c.config_resetstat()
+    seen = pool.peek(_ns(), _bk(), TENANT, LAYOUT, payload_bytes=SNAPSHOT, boundary_tokens=128)
+    assert seen.miss_reason == "corrupt"
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT, payload_bytes=SNAPSHOT, boundary_tokens=128)
+    assert got.miss_reason == "corrupt"
+    assert c.exists(base + b"0") == 0, "left for every later reader to follow"
+    assert _calls(c, "getrange") == 6 and _calls(c, "get") == 6 + 1  # one round each; +1: the clean-up's
+    s = pool.stats()
+    assert (s.errors, s.misses["timeout"], s.breaker_state) == (0, 0, "closed")
+    pool.close()
+
+
+def test_a_value_copied_under_another_key_is_a_corrupt_miss(redis_server: RedisProcess) -> None:
+    # The header did not say which key it was written under: another tenant's snapshot copied
+    # under this key (RENAME, a dump restored) was served as this tenant's.
+    pool = _pool(redis_server.url)
+    c = redis_server.client()
+    data = os.urandom(SNAPSHOT)
+    assert pool.put(_ns(0), _bk(), TENANT, LAYOUT, 128, data).written
+    src, dst = snapshot_key_base("kvs", _ns(0), _bk()), snapshot_key_base("kvs", _ns(1), _bk())
+    reader = _pool(redis_server.url)  # another process, which has learnt nothing
+    # Told what to expect (the service) or not: the copy is not the snapshot of its key.
+    for p, expect in ((pool, {}), (reader, {"payload_bytes": SNAPSHOT, "boundary_tokens": 128})):
+        for i in range(6):
+            dumped = c.dump(src + b"%d" % i)
+            assert isinstance(dumped, bytes)
+            c.restore(dst + b"%d" % i, 30_000, dumped)
+        assert p.peek(_ns(1), _bk(), TENANT, LAYOUT, **expect).miss_reason == "corrupt"
+        assert p.get(_ns(1), _bk(), TENANT, LAYOUT, **expect).miss_reason == "corrupt"
+        assert c.exists(*[dst + b"%d" % i for i in range(6)]) == 0
+    got = pool.get(_ns(0), _bk(), TENANT, LAYOUT, payload_bytes=SNAPSHOT, boundary_tokens=128)
+    assert got.payload is not None and bytes(got.payload) == data  # the original is untouched
+    for p in (pool, reader):
+        p.close()
+
+
+def test_a_key_of_another_type_is_a_corrupt_miss_and_is_removed(
+        redis_server: RedisProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    # WRONGTYPE (a list under one of our keys) was an `error` miss on every read, for good: the
+    # key has no TTL and nothing removed it.
+    pool = _pool(redis_server.url)
+    c = redis_server.client()
+    base = snapshot_key_base("kvs", _ns(), _bk())
+    c.lpush(base + b"0", b"x")
+    assert pool.peek(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
+    assert c.exists(base + b"0") == 0
+    # At a later part of a snapshot: the whole snapshot goes.
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(SNAPSHOT)).written
+    c.delete(base + b"3")
+    c.rpush(base + b"3", b"x")
+    assert pool.peek(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
+    assert c.exists(*[base + b"%d" % i for i in range(6)]) == 0
+    # A snapshot written between the read and the clean-up is kept (fault injected: the write runs
+    # just before the reader's next command after its read).
+    c.sadd(base + b"0", b"x")
+    new = os.urandom(SNAPSHOT)
+    writer = _pool(redis_server.url)
+    transport = pool._transport  # type: ignore[attr-defined]
+    real = transport.transaction
+    raced: list[bool] = []
+
+    def racing(cmds: list[tuple[object, ...]], deadline_at: float) -> list[object]:
+        if cmds[0][0] != "GET" and not raced:
+            raced.append(writer.put(_ns(), _bk(), TENANT, LAYOUT, 128, new).written)
+        return real(cmds, deadline_at)
+
+    monkeypatch.setattr(transport, "transaction", racing)
+    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
+    assert raced == [True]
+    monkeypatch.undo()
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)
+    assert got.payload is not None and bytes(got.payload) == new
+    s = pool.stats()
+    assert (s.errors, s.misses["error"], s.breaker_state) == (0, 0, "closed")
+    _assert_ttl_invariant(c)
+    for p in (pool, writer):
+        p.close()
 
 
 def _output_bytes(client: redis.Redis) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvstore.local_pool.redis_process import RedisProcess
+from kvstore.local_pool.snapshot_format import encode_parts
 from tests.fixtures.service import V41, Service, make_config, payloads, tokens
 from tests.fixtures.tcp_proxy import TcpProxy
 
@@ -77,3 +78,44 @@ def test_a_lookup_that_finds_no_local_state_says_why(
     svc.app.flush_observers()
     assert [f.pool_miss_reason for f in facts] == ["absent"]
     assert svc.app.local_pool is not None and svc.app.local_pool.stats().misses["absent"] == 0
+
+
+ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
+
+
+def test_a_snapshot_not_of_the_layouts_size_reaches_no_engine_and_costs_no_other_tenant_theirs(
+    redis_server: RedisProcess, make_service: Callable[..., Service],
+) -> None:
+    # A 100-byte value of the layout under bob's key, CRC, checksum and key tag computed (as anyone
+    # who can write to Redis can): LoadLocal sent it to the engine as its 1.35 MB snapshot, Resume
+    # answered "hit" (billed as one) with no snapshot at all, and the pool, having learnt a 100-byte
+    # layout from it, found alice's genuine snapshot corrupt and removed it.
+    svc = make_service(make_config(local_pool={"url": redis_server.url},
+                                   tenants={"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB]}}))
+    alice, bob = (svc.client(token=t, message_bytes=64 * 1024) for t in (ALICE, BOB))
+    layout = svc.app.layouts()[V41]
+    ct, size = layout.chunk_tokens, layout.local_snapshot_bytes
+    mine, theirs = tokens(1, 2 * ct), tokens(2, 2 * ct)
+    for client, prompt, seed in ((alice, mine, 1), (bob, theirs, 2)):
+        assert client.store(V41, prompt, payloads(seed, 2, layout.chunk_bytes)).stored_chunks == 2
+    c = redis_server.client()
+    secret = os.urandom(size)
+    assert alice.store_local(V41, mine, secret).stored
+    alices = set(c.keys("kvs:*"))
+    assert len(alices) > 1, "a multi-part snapshot"
+    assert bob.store_local(V41, theirs, os.urandom(size)).stored
+    bobs = set(c.keys("kvs:*")) - alices
+    base = min(bobs).rsplit(b":p", 1)[0] + b":p"
+    tag = bytes.fromhex(base[base.index(b"{") + 1: base.index(b"}")].decode())
+    c.delete(*bobs)
+    ((head, body),) = encode_parts(layout.layout_id, 2 * ct, b"z" * 100, 512 * 1024, key_tag=tag)
+    c.set(base + b"0", head + bytes(body), px=30_000)
+
+    got = bob.load_local(V41, theirs)
+    assert (got.local_state, got.reason, got.snapshot) == ("expired", "corrupt", None)
+    resumed = bob.resume(V41, theirs)
+    assert resumed.local_state != "hit" and not resumed.snapshot
+    got = alice.load_local(V41, mine)
+    assert (got.local_state, got.snapshot) == ("hit", secret)
+    resumed = alice.resume(V41, mine)
+    assert (resumed.local_state, resumed.snapshot) == ("hit", secret)

@@ -26,7 +26,8 @@ BytesLike = bytes | bytearray | memoryview
 # - absent: no snapshot under the key (Redis cannot tell an expired key from one never written)
 # - expired: the embedded pool saw the entry but its TTL had passed
 # - incomplete: some parts of a multi-part snapshot are gone (evicted under memory pressure)
-# - corrupt: a part failed verification, or the snapshot is of another layout / format version
+# - corrupt: a part failed verification, or the snapshot is of another layout / format version /
+#   key, or not of the size or boundary the caller expects, or a key of ours holds another type
 # - timeout / error: the backend did not answer in time / failed; breaker-open: not even asked
 # - closed: the pool was closed
 MissReason = Literal["absent", "expired", "incomplete", "corrupt", "timeout", "error", "breaker-open",
@@ -162,8 +163,15 @@ class LocalPool(Protocol):
         tenant: str,
         layout_id: bytes,
         deadline_seconds: float | None = None,
+        *,
+        payload_bytes: int | None = None,
+        boundary_tokens: int | None = None,
     ) -> GetResult:
-        """The whole, verified snapshot, or a miss. A hit may refresh the TTL (sliding policy)."""
+        """The whole, verified snapshot, or a miss. A hit may refresh the TTL (sliding policy).
+        `payload_bytes` and `boundary_tokens`, when given, are what the caller expects (the layout's
+        snapshot size, the boundary it asks at): a snapshot of another size or boundary is a
+        `corrupt` miss and is removed, before any more of it is fetched. Only a read checked
+        against them teaches a backend anything about the layout."""
         ...
 
     def peek(
@@ -173,13 +181,16 @@ class LocalPool(Protocol):
         tenant: str,
         layout_id: bytes,
         deadline_seconds: float | None = None,
+        *,
+        payload_bytes: int | None = None,
+        boundary_tokens: int | None = None,
     ) -> PeekResult:
         """Whether `get` would find the snapshot, judged without moving its payload: for a caller
         that only reports the local state (a Lookup). Same deadline and failure handling as `get`,
-        and the same miss reason for what it can see (gone, incomplete, another layout or format
-        version, parts of the wrong sizes or of another write); a payload whose checksum fails is
-        seen only by the `get` that reads it. Refreshes no TTL, and counts a peek, not a hit or a
-        miss: the `get` that uses the snapshot counts it."""
+        and the same miss reason for what it can see (gone, incomplete, another layout, format
+        version or key, not the size or boundary expected, parts of the wrong sizes or of another
+        write); a payload whose checksum fails is seen only by the `get` that reads it. Refreshes
+        no TTL, and counts a peek, not a hit or a miss: the `get` that uses the snapshot counts it."""
         ...
 
     def delete(self, ns_digest: bytes, boundary_key: bytes, deadline_seconds: float | None = None) -> bool:

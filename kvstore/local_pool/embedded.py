@@ -69,6 +69,14 @@ class _TenantBook:
     heap: list[tuple[float, int, bytes]] = field(default_factory=list)
 
 
+def _is_expected(entry: _Entry, layout_id: bytes, payload_bytes: int | None, boundary_tokens: int | None) -> bool:
+    """The entry is of the layout asked for and, where the caller says, of its size and boundary:
+    as the Redis pool checks (a put of another size under the key is the caller's bug)."""
+    return (entry.layout_id == layout_id
+            and (payload_bytes is None or len(entry.payload) == payload_bytes)
+            and (boundary_tokens is None or entry.boundary_tokens == boundary_tokens))
+
+
 class EmbeddedPool:
     """In-process `LocalPool` with a byte budget shared by tenant weight. Thread-safe (one lock; no
     I/O under it). `share_weights`: each tenant's weight (`[tenants.NAME] share_weight`); a tenant
@@ -139,7 +147,8 @@ class EmbeddedPool:
 
     def get(
         self, ns_digest: bytes, boundary_key: bytes, tenant: str, layout_id: bytes,
-        deadline_seconds: float | None = None,
+        deadline_seconds: float | None = None, *, payload_bytes: int | None = None,
+        boundary_tokens: int | None = None,
     ) -> GetResult:
         key = ns_digest + boundary_key
         now = self._clock()
@@ -153,8 +162,8 @@ class EmbeddedPool:
                 self._drop(key)
                 self._counters.add("expirations")
                 return self._counters.miss("expired")
-            if entry.layout_id != layout_id:
-                self._drop(key)  # the namespace binds the layout, so this is a broken entry
+            if not _is_expected(entry, layout_id, payload_bytes, boundary_tokens):
+                self._drop(key)  # the namespace binds the layout (and so the size): a broken entry
                 return self._counters.miss("corrupt")
             ttl = self._policy.ttl_on_read(tenant, len(entry.payload), now)
             if ttl is not None and ttl > 0 and math.isfinite(ttl):
@@ -170,7 +179,8 @@ class EmbeddedPool:
 
     def peek(
         self, ns_digest: bytes, boundary_key: bytes, tenant: str, layout_id: bytes,
-        deadline_seconds: float | None = None,
+        deadline_seconds: float | None = None, *, payload_bytes: int | None = None,
+        boundary_tokens: int | None = None,
     ) -> PeekResult:
         # Looks only: an expired or broken entry is left for the get (or the purge) that drops
         # and counts it, and a TTL is refreshed only by the get that uses the snapshot.
@@ -184,7 +194,7 @@ class EmbeddedPool:
                 return PeekResult.missed("absent")
             if entry.expires_at <= now:
                 return PeekResult.missed("expired")
-            if entry.layout_id != layout_id:
+            if not _is_expected(entry, layout_id, payload_bytes, boundary_tokens):
                 return PeekResult.missed("corrupt")
             return PeekResult.found(entry.boundary_tokens)
 

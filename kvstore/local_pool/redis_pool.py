@@ -8,10 +8,14 @@ The braces are a Redis Cluster hash tag, so all parts of a snapshot live in one 
 MULTI/EXEC reaches them all. Every write is `SET key value PX ttl` for every part in one
 transaction, so the value and its TTL arrive together and no key exists without a TTL through
 any path (the only other commands are PEXPIRE on existing keys, GET and UNLINK, also inside the
-script that removes a snapshot found bad only if no write replaced it since, and a peek's
-GETRANGE and STRLEN). A read fetches the parts in one transaction and returns the snapshot only
-when all are present and verify; a peek (a Lookup's question) reads, in one transaction, only each
-part's header and length.
+script that removes a snapshot found bad only if no write replaced it since (with TYPE), and a
+peek's GETRANGE and STRLEN). A read fetches the parts in one transaction and returns the snapshot
+only when all are present and verify, and it is the snapshot asked for: of the layout, written
+under this key (the header's key tag is the hash in the key's name), and, when the caller says
+what it expects, of the layout's size and taken at the boundary asked about. Anything else is
+`corrupt` and removed, as is a key of ours holding another Redis type (WRONGTYPE). A header of
+the wrong size is refused before any further part is fetched on its word. A peek (a Lookup's
+question) reads, in one transaction, only each part's header and length.
 
 Occupancy (`stats().used_bytes`, `capacity_bytes`) is the server's own, INFO memory's
 `used_memory` and `maxmemory` (summed over a cluster's masters): every key on the server counts, not
@@ -41,7 +45,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from redis.exceptions import AskError, OutOfMemoryError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -62,12 +66,14 @@ from kvstore.local_pool.breaker import CircuitBreaker
 from kvstore.local_pool.redis_transport import Command, RedisTransport, ServerMemory, telling_timeout
 from kvstore.local_pool.snapshot_format import (
     HEADER,
+    KEY_TAG_BYTES,
     PART_HEADER,
     SnapshotFormatError,
     SnapshotHeader,
     check_parts,
     decode_parts,
     encode_parts,
+    part_count_for,
 )
 from policies.base import TtlPolicy
 from policies.ttl import WriteCountingTtl
@@ -84,12 +90,17 @@ _UNKNOWN_MEMORY = ServerMemory(-1, -1)
 # Why an attempt loop gave up without replies.
 Failure = Literal["breaker-open", "timeout", "error", "oom"]
 
-# UNLINK a snapshot's parts (KEYS) only if part 0 still holds what was read (ARGV[1]: its SHA-1):
-# checked and removed in one step, so a fresh snapshot written after the read is never deleted.
-# All KEYS share the snapshot's hash tag: one slot, so it runs on a cluster too.
+# UNLINK a snapshot's parts (KEYS) only if part 0 still holds what was read (ARGV[1]: its SHA-1;
+# "": part 0 held another type than a string, and still does): checked and removed in one step, so
+# a fresh snapshot written after the read is never deleted. All KEYS share the snapshot's hash tag:
+# one slot, so it runs on a cluster too.
 _UNLINK_IF_PART0 = """
-local v = redis.call('GET', KEYS[1])
-if not v or redis.sha1hex(v) ~= ARGV[1] then return 0 end
+local t = redis.call('TYPE', KEYS[1])['ok']
+if ARGV[1] == '' then
+  if t == 'string' or t == 'none' then return 0 end
+elseif t ~= 'string' or redis.sha1hex(redis.call('GET', KEYS[1])) ~= ARGV[1] then
+  return 0
+end
 return redis.call('UNLINK', unpack(KEYS))
 """
 
@@ -101,10 +112,25 @@ def ttl_milliseconds(ttl_seconds: float) -> int:
     return max(1, round(ttl_seconds * 1000))
 
 
+def snapshot_key_tag(ns_digest: bytes, boundary_key: bytes) -> bytes:
+    """The 16 bytes a snapshot's key is named by, also written in its header (`key_tag`): a value
+    copied under another key (another tenant's, say) does not carry that key's tag."""
+    return hashlib.sha256(ns_digest + boundary_key).digest()[:KEY_TAG_BYTES]
+
+
 def snapshot_key_base(prefix: str, ns_digest: bytes, boundary_key: bytes) -> bytes:
     """`<prefix>:{<hash>}:p`; part i is this plus str(i)."""
-    tag = hashlib.sha256(ns_digest + boundary_key).digest()[:16].hex()
-    return f"{prefix}:{{{tag}}}:p".encode()
+    return _key_base(prefix, snapshot_key_tag(ns_digest, boundary_key))
+
+
+def _key_base(prefix: str, key_tag: bytes) -> bytes:
+    return f"{prefix}:{{{key_tag.hex()}}}:p".encode()
+
+
+def _wrong_type(reply: Any) -> bool:
+    """A key of ours holding a list, a hash, ...: never a value of ours, and refused by every read
+    until removed."""
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
 
 
 class RedisPool:
@@ -127,11 +153,13 @@ class RedisPool:
         self._last_error = ""  # of the last failed call that said something about Redis
         self._counters = PoolCounters()
         self._lock = threading.Lock()
-        # Learned from verified reads and successful writes only, never from a header not yet
-        # verified: one bad part 0 would otherwise set what every later call sends, for good.
-        # Part counts per layout, so a read fetches all parts in its first round trip; the payload
-        # size per layout (fixed: the layout id covers it), the only one a header may claim to
-        # have a read fetch more parts than hinted.
+        # Learned from successful writes, and from reads only of a snapshot that passed every
+        # check, its size against the caller's: a value that only verifies (anyone can compute a
+        # CRC and a checksum) taught a 100-byte layout size once, and every genuine multi-part
+        # snapshot of that layout, any tenant's, then read as corrupt and was removed. Part counts
+        # per layout, so a read fetches all parts in its first round trip; the payload size per
+        # layout (fixed: the layout id covers it), the only one a header may claim to have a read
+        # fetch more parts than hinted.
         self._parts_hint: dict[bytes, int] = {}
         self._layout_bytes: dict[bytes, int] = {}
         self._max_parts = 1  # the most parts of any snapshot seen: what delete() removes
@@ -152,7 +180,8 @@ class RedisPool:
         deadline_at = self._deadline(deadline_seconds)
         if deadline_at - time.monotonic() < MIN_ATTEMPT_SECONDS:
             return self._counters.skip("timeout")  # as _run would, but before the policy counts a write
-        base = snapshot_key_base(self._cfg.key_prefix, ns_digest, boundary_key)
+        tag = snapshot_key_tag(ns_digest, boundary_key)
+        base = _key_base(self._cfg.key_prefix, tag)
         breaker = self._breaker_for(base)
         # The breaker's permission (in half-open, the one probe's) before the policy hears of a
         # write that would not be sent (a policy without the split of `WriteCountingTtl` counts
@@ -171,7 +200,7 @@ class RedisPool:
                 breaker.release()
                 return self._counters.skip("policy")
             ttl_ms = ttl_milliseconds(ttl)
-            parts = encode_parts(layout_id, boundary_tokens, payload, self._cfg.part_bytes)
+            parts = encode_parts(layout_id, boundary_tokens, payload, self._cfg.part_bytes, key_tag=tag)
             cmds: list[Command] = [("SET", base + b"%d" % i, part, "PX", ttl_ms) for i, part in enumerate(parts)]
             # Parts beyond this write's count, left by an earlier write of the same key with more
             # parts, would never be read again but would hold memory until their TTL. Only as many
@@ -197,13 +226,15 @@ class RedisPool:
 
     def get(
         self, ns_digest: bytes, boundary_key: bytes, tenant: str, layout_id: bytes,
-        deadline_seconds: float | None = None,
+        deadline_seconds: float | None = None, *, payload_bytes: int | None = None,
+        boundary_tokens: int | None = None,
     ) -> GetResult:
         if self._closed:
             return self._counters.miss("closed")
         deadline_at = self._deadline(deadline_seconds)
-        base = snapshot_key_base(self._cfg.key_prefix, ns_digest, boundary_key)
-        want = self._parts_hint.get(layout_id, 1)
+        expect = _Expected(layout_id, snapshot_key_tag(ns_digest, boundary_key), payload_bytes, boundary_tokens)
+        base = _key_base(self._cfg.key_prefix, expect.key_tag)
+        want = self._first_round_parts(expect)
         for _ in range(2):  # a second round only when the snapshot has more parts than hinted
             # Part 0's PTTL in the same transaction: what is left of a TTL no read refreshes.
             got = self._run([*(("GET", base + b"%d" % i) for i in range(want)), ("PTTL", base + b"0")],
@@ -211,7 +242,7 @@ class RedisPool:
             if isinstance(got, str):
                 return self._counters.miss(_miss_reason(got))
             replies, pttl = got[:-1], got[-1]
-            outcome = self._assemble(replies, layout_id)
+            outcome = self._assemble(replies, expect)
             if not isinstance(outcome, int):
                 break
             want = outcome  # for this read only: the header is not verified yet
@@ -222,7 +253,8 @@ class RedisPool:
                 self._unlink_if_unchanged(base, max(want, self._max_parts), replies[0], deadline_at)
             return self._counters.miss(outcome)
         header, payload = outcome
-        self._learn_parts(layout_id, header.part_count, header.payload_bytes, written=False)
+        if payload_bytes is not None:  # its size was checked against the caller's: worth learning
+            self._learn_parts(layout_id, header.part_count, header.payload_bytes, written=False)
         ttl = self._refresh(base, header.part_count, tenant, header.payload_bytes, deadline_at)
         if not ttl and isinstance(pttl, int) and pttl > 0:  # not refreshed: what was left at the read
             ttl = pttl / 1000
@@ -231,7 +263,8 @@ class RedisPool:
 
     def peek(
         self, ns_digest: bytes, boundary_key: bytes, tenant: str, layout_id: bytes,
-        deadline_seconds: float | None = None,
+        deadline_seconds: float | None = None, *, payload_bytes: int | None = None,
+        boundary_tokens: int | None = None,
     ) -> PeekResult:
         # One transaction of small reads: part 0's header, each later part's, every part's length.
         # No GET (a V4.1 snapshot is 1.35 MB), no PEXPIRE; nothing bad is removed either: that
@@ -240,13 +273,14 @@ class RedisPool:
         if self._closed:
             return PeekResult.missed("closed")
         deadline_at = self._deadline(deadline_seconds)
-        base = snapshot_key_base(self._cfg.key_prefix, ns_digest, boundary_key)
-        want = self._parts_hint.get(layout_id, 1)
+        expect = _Expected(layout_id, snapshot_key_tag(ns_digest, boundary_key), payload_bytes, boundary_tokens)
+        base = _key_base(self._cfg.key_prefix, expect.key_tag)
+        want = self._first_round_parts(expect)
         for _ in range(2):  # a second round only when the snapshot has more parts than hinted, as get's
             replies = self._run(_peek_commands(base, want), deadline_at, base, vouches=False)
             if isinstance(replies, str):
                 return PeekResult.missed(_miss_reason(replies))
-            outcome = self._judge(replies, layout_id)
+            outcome = self._judge(replies, expect)
             if not isinstance(outcome, int):
                 break
             want = outcome
@@ -430,19 +464,32 @@ class RedisPool:
             breaker.release()  # nothing learnt: in half-open, the next caller probes
         return failure
 
+    def _first_round_parts(self, expect: _Expected) -> int:
+        """How many parts a read asks for at once: as many as the layout's snapshots were seen to
+        have, else as many as this pool would write of the size the caller expects."""
+        hint = self._parts_hint.get(expect.layout_id)
+        if hint is not None:
+            return hint
+        return 1 if expect.payload_bytes is None else part_count_for(expect.payload_bytes, self._cfg.part_bytes)
+
     def _assemble(
-        self, replies: list[Any], layout_id: bytes,
+        self, replies: list[Any], expect: _Expected,
     ) -> tuple[SnapshotHeader, memoryview] | MissReason | int:
         """The verified snapshot, a miss reason, or the part count to fetch when it exceeds
         what was read."""
-        if any(isinstance(r, ResponseError) for r in replies):
-            return "error"
+        problem = _reply_problem(replies[:1])
+        if problem is not None:
+            return problem
         if replies[0] is None:
             return "absent"
-        header = self._header_of(replies[0], len(replies), layout_id)
+        header = self._header_of(replies[0], len(replies), expect)
         if not isinstance(header, SnapshotHeader):
             return header
+        # Replies beyond the part count (an earlier write's leftovers, or not ours) are not judged.
         parts = replies[: header.part_count]
+        problem = _reply_problem(parts)
+        if problem is not None:
+            return problem
         if any(p is None for p in parts):
             return "incomplete"  # parts evicted (volatile-ttl) or expired one by one
         try:
@@ -450,38 +497,51 @@ class RedisPool:
         except SnapshotFormatError:
             return "corrupt"
 
-    def _header_of(self, first: Any, parts_read: int, layout_id: bytes) -> SnapshotHeader | MissReason | int:
+    def _header_of(self, first: Any, parts_read: int, expect: _Expected) -> SnapshotHeader | MissReason | int:
         """Part 0's header, for a get and a peek alike: the header, the miss reason, or the part
         count to ask about when it exceeds the `parts_read`."""
         try:
             header = SnapshotHeader.unpack(first)
         except SnapshotFormatError:
-            return "corrupt"
-        if header.layout_id != layout_id:
+            return "corrupt"  # not ours, damaged, or of another format version (1: before key tags)
+        if header.layout_id != expect.layout_id:
             return "corrupt"  # the namespace digest binds the layout: not a snapshot of ours
+        if header.key_tag != expect.key_tag:
+            return "corrupt"  # written under another key (copied, renamed): another tenant's, maybe
+        if expect.boundary_tokens is not None and header.boundary_tokens != expect.boundary_tokens:
+            return "corrupt"
+        # Checked before any further part is fetched on the header's word: a 100-byte value was
+        # served as a snapshot, and a header claiming 262,144 parts was followed key by key.
+        if expect.payload_bytes is not None and header.payload_bytes != expect.payload_bytes:
+            return "corrupt"
         if header.part_count > parts_read:
             # Another round trip on the word of a header not verified yet: only for a snapshot of
-            # the layout's size (the format bounds its part count by its payload size).
-            known = self._layout_bytes.get(layout_id)
-            if known is not None and header.payload_bytes != known:
+            # the layout's size (the format bounds its part count by its payload size), the
+            # caller's or, when it says none, the one learnt.
+            known = self._layout_bytes.get(expect.layout_id)
+            if expect.payload_bytes is None and known is not None and header.payload_bytes != known:
                 return "corrupt"
             return header.part_count
         return header
 
-    def _judge(self, replies: list[Any], layout_id: bytes) -> SnapshotHeader | MissReason | int:
+    def _judge(self, replies: list[Any], expect: _Expected) -> SnapshotHeader | MissReason | int:
         """`_assemble` for the replies of `_peek_commands`: the header of a snapshot that `get`
         would take short of its payload checksum, the miss reason it would give, or the part
         count to ask about when it exceeds what was asked."""
-        if any(isinstance(r, ResponseError) for r in replies):
-            return "error"
+        problem = _reply_problem(replies[:2])
+        if problem is not None:
+            return problem
         heads, lengths = replies[0::2], replies[1::2]
         # GETRANGE and STRLEN read a missing key as empty: an empty value, which no writer makes,
         # reads as missing here and as corrupt to get; either way not a snapshot.
         if lengths[0] == 0:
             return "absent"
-        header = self._header_of(heads[0], len(lengths), layout_id)
+        header = self._header_of(heads[0], len(lengths), expect)
         if not isinstance(header, SnapshotHeader):
             return header
+        problem = _reply_problem(replies[: 2 * header.part_count])
+        if problem is not None:
+            return problem
         lengths = lengths[: header.part_count]
         if any(n == 0 for n in lengths):
             return "incomplete"
@@ -512,22 +572,44 @@ class RedisPool:
 
     def _unlink_if_unchanged(self, base: bytes, part_count: int, part0: Any, deadline_at: float) -> None:
         """Remove a snapshot found corrupt or incomplete, unless a write replaced it since it was
-        read: part 0 carries each write's fresh write id, so a changed part 0 is a new snapshot."""
-        if not isinstance(part0, bytes):
+        read: part 0 carries each write's fresh write id, so a changed part 0 is a new snapshot.
+        A part 0 of another type than a string is removed while it is still of one."""
+        if _wrong_type(part0):
+            digest = ""
+        elif isinstance(part0, bytes):
+            digest = hashlib.sha1(part0).hexdigest()  # a digest, not part 0 itself: it may be a part_bytes value
+        else:
             return
         keys = [base + b"%d" % i for i in range(part_count)]
-        # A digest, not part 0 itself, goes back: it may be a part_bytes value.
-        self._run([("EVAL", _UNLINK_IF_PART0, len(keys), *keys, hashlib.sha1(part0).hexdigest())], deadline_at,
-                  base)
+        self._run([("EVAL", _UNLINK_IF_PART0, len(keys), *keys, digest)], deadline_at, base)
 
     def _learn_parts(self, layout_id: bytes, count: int, payload_bytes: int, written: bool) -> None:
-        """From a verified read or a successful write only."""
+        """From a successful write, or a read checked against the caller's size, only."""
         with self._lock:
             self._parts_hint[layout_id] = count
             self._layout_bytes[layout_id] = payload_bytes
             self._max_parts = max(self._max_parts, count)
             if written:
                 self._max_written_parts = max(self._max_written_parts, count)
+
+
+class _Expected(NamedTuple):
+    """What a read must find: the layout and key it asks under; the size and boundary when the
+    caller says (None: not checked)."""
+
+    layout_id: bytes
+    key_tag: bytes
+    payload_bytes: int | None
+    boundary_tokens: int | None
+
+
+def _reply_problem(replies: Sequence[Any]) -> MissReason | None:
+    """What failed replies say: "corrupt" for a key of ours of another type (removed like a bad
+    value, or it would be an "error" miss for good), "error" for any other failure, None if none."""
+    errors = [r for r in replies if isinstance(r, ResponseError)]
+    if not errors:
+        return None
+    return "corrupt" if any(_wrong_type(r) for r in errors) else "error"
 
 
 def _peek_commands(base: bytes, part_count: int) -> list[Command]:

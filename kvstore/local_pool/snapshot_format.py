@@ -1,16 +1,22 @@
 """The byte format of a stored local-state snapshot: a fixed binary header, then the payload,
 split into parts of at most `part_bytes` each.
 
-    part 0:  HEADER (64 B)      + payload[0 : a]
+    part 0:  HEADER (80 B)      + payload[0 : a]
     part i:  PART_HEADER (16 B) + payload[a + ... ]          (i >= 1)
 
 HEADER = magic "KVSW", format version, flags, layout id (8 B), boundary position (tokens),
-payload size, part count, a CRC-32 of the header itself, a random write id, and the payload
-checksum. Every later part repeats the write id and its own index, so parts left over from an
-earlier write of the same key (with more parts) or mixed from two writes are told apart without
-trusting the checksum alone. Part sizes are not stored: the reader takes each part's payload
-bytes in order and checks that they add up to the payload size, so a reader whose `part_bytes`
-differs from the writer's still reads the snapshot.
+payload size, part count, a CRC-32 of the header itself, a random write id, the payload checksum,
+and the key tag: 16 bytes naming the key the snapshot was written under (the pool's choice; the
+Redis pool's is the hash its key is named by). A value copied under another key (RENAME, a dump
+restored elsewhere) is refused by the reader of that key instead of being served to another
+tenant. The tag binds, it does not authenticate: whoever can write to Redis can write any header.
+Version 2 added the tag (version 1: 64 B headers without it); a reader refuses any other version,
+so version-1 values read as misses until their TTL removes them. Every later part repeats the
+write id and its own index, so parts left over from an earlier write of the same key (with more
+parts) or mixed from two writes are told apart without trusting the checksum alone. Part sizes are
+not stored: the reader takes each part's payload bytes in order and checks that they add up to
+the payload size, so a reader whose `part_bytes` differs from the writer's still reads the
+snapshot.
 
 The payload checksum is a Fletcher-style pair of sums over little-endian 64-bit words, mod 2**64:
 the plain sum and the position-weighted sum (sum of (i+1) * w_i). It catches any one changed word
@@ -40,8 +46,10 @@ from kvstore.local_pool.base import BytesLike
 
 MAGIC = b"KVSW"
 PART_MAGIC = b"KVSp"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the key tag (a value copied to another key was served from it)
 LAYOUT_ID_BYTES = 8
+KEY_TAG_BYTES = 16
+NO_KEY_TAG = bytes(KEY_TAG_BYTES)  # bound to no key: what a writer that names none stores
 # More parts than any snapshot has (1 GiB at the smallest part size): a header claiming more is
 # not one of ours, and a reader must not ask Redis for billions of keys on its word.
 MAX_PARTS = 1 << 18
@@ -51,11 +59,12 @@ MAX_PARTS = 1 << 18
 MIN_PART_BYTES = 4096
 
 # magic, version, flags, layout id, boundary tokens, payload bytes, part count, header crc32,
-# write id, checksum sum, checksum weighted sum
-HEADER = struct.Struct("<4sHH8sQQIIQQQ")
+# write id, checksum sum, checksum weighted sum, key tag
+HEADER = struct.Struct("<4sHH8sQQIIQQQ16s")
+_MAGIC_VERSION = struct.Struct("<4sH")  # read first: a header of another version has another size
 # magic, part index, write id
 PART_HEADER = struct.Struct("<4sIQ")
-assert HEADER.size == 64 and PART_HEADER.size == 16
+assert HEADER.size == 80 and PART_HEADER.size == 16
 
 _MASK = (1 << 64) - 1
 _BLOCK_WORDS = 1024  # words per row of the 2-D view the sums run over (fastest of 64..4096 measured)
@@ -74,27 +83,31 @@ class SnapshotHeader:
     part_count: int
     write_id: int
     checksum: tuple[int, int]
+    key_tag: bytes = NO_KEY_TAG
 
     def pack(self) -> bytes:
         fields = self._fields(0)
         crc = zlib.crc32(HEADER.pack(*fields))
         return HEADER.pack(*fields[:7], crc, *fields[8:])
 
-    def _fields(self, crc: int) -> tuple[bytes, int, int, bytes, int, int, int, int, int, int, int]:
+    def _fields(self, crc: int) -> tuple[bytes, int, int, bytes, int, int, int, int, int, int, int, bytes]:
         return (MAGIC, FORMAT_VERSION, 0, self.layout_id, self.boundary_tokens, self.payload_bytes,
-                self.part_count, crc, self.write_id, self.checksum[0], self.checksum[1])
+                self.part_count, crc, self.write_id, self.checksum[0], self.checksum[1], self.key_tag)
 
     @staticmethod
     def unpack(part0: BytesLike) -> SnapshotHeader:
-        if len(part0) < HEADER.size:
+        if len(part0) < _MAGIC_VERSION.size:
             raise SnapshotFormatError(f"part 0 is {len(part0)} B, shorter than the header")
-        (magic, version, _flags, layout_id, boundary, nbytes, count, crc, write_id, s1, s2) = (
-            HEADER.unpack_from(part0, 0))
+        magic, version = _MAGIC_VERSION.unpack_from(part0, 0)
         if magic != MAGIC:
             raise SnapshotFormatError("bad magic")
         if version != FORMAT_VERSION:
             raise SnapshotFormatError(f"format version {version}, this build reads {FORMAT_VERSION}")
-        header = SnapshotHeader(layout_id, boundary, nbytes, count, write_id, (s1, s2))
+        if len(part0) < HEADER.size:
+            raise SnapshotFormatError(f"part 0 is {len(part0)} B, shorter than the header")
+        (_magic, _version, _flags, layout_id, boundary, nbytes, count, crc, write_id, s1, s2, tag) = (
+            HEADER.unpack_from(part0, 0))
+        header = SnapshotHeader(layout_id, boundary, nbytes, count, write_id, (s1, s2), tag)
         if zlib.crc32(HEADER.pack(*header._fields(0))) != crc:
             raise SnapshotFormatError("header checksum mismatch")
         if not 1 <= count <= MAX_PARTS:
@@ -149,12 +162,14 @@ def new_write_id() -> int:
 
 def encode_parts(
     layout_id: bytes, boundary_tokens: int, payload: BytesLike, part_bytes: int,
-    write_id: int | None = None,
+    write_id: int | None = None, key_tag: bytes = NO_KEY_TAG,
 ) -> list[tuple[bytes, memoryview]]:
     """The parts of one snapshot, each as (header bytes, payload slice): written back to back
     they are the stored value. Slices are views of `payload`, so nothing is copied here; a
-    backend that can send a value as two buffers never joins them."""
+    backend that can send a value as two buffers never joins them. `key_tag`: the key it is
+    written under, as its reader will check it."""
     assert len(layout_id) == LAYOUT_ID_BYTES, "layout ids are 8 bytes"
+    assert len(key_tag) == KEY_TAG_BYTES, "key tags are 16 bytes"
     assert part_bytes >= MIN_PART_BYTES, "a reader refuses a header with more parts than MIN_PART_BYTES makes"
     view = memoryview(payload).cast("B")
     n = len(view)
@@ -162,7 +177,7 @@ def encode_parts(
     later = part_bytes - PART_HEADER.size
     count = part_count_for(n, part_bytes)
     wid = new_write_id() if write_id is None else write_id
-    header = SnapshotHeader(layout_id, boundary_tokens, n, count, wid, payload_checksum(view))
+    header = SnapshotHeader(layout_id, boundary_tokens, n, count, wid, payload_checksum(view), key_tag)
     parts = [(header.pack(), view[:first])]
     for i in range(1, count):
         start = first + (i - 1) * later

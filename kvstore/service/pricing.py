@@ -72,7 +72,8 @@ def local_status(
     if isinstance(asked, str):
         return asked, None
     pool, key = asked
-    got = pool.get(res.ns.digest, key, res.ns.tenant, res.ns.layout_id, deadline_seconds)
+    got = pool.get(res.ns.digest, key, res.ns.tenant, res.ns.layout_id, deadline_seconds,
+                   payload_bytes=res.layout.local_snapshot_bytes, boundary_tokens=hit_chunks * res.chunk_tokens)
     return ("hit" if got.hit else "expired"), got
 
 
@@ -88,7 +89,8 @@ def peek_local_status(
     if isinstance(asked, str):
         return asked, None
     pool, key = asked
-    got = pool.peek(res.ns.digest, key, res.ns.tenant, res.ns.layout_id, deadline_seconds)
+    got = pool.peek(res.ns.digest, key, res.ns.tenant, res.ns.layout_id, deadline_seconds,
+                    payload_bytes=res.layout.local_snapshot_bytes, boundary_tokens=hit_chunks * res.chunk_tokens)
     return ("hit" if got.hit else "expired"), got
 
 

@@ -87,6 +87,21 @@ def replay_wait(remaining: float | None) -> float | None:
     return max(0.001, remaining - max(TRAILER_MARGIN_SECONDS, TRAILER_MARGIN_SHARE * remaining))
 
 
+def snapshot_as_expected(
+    state: str, got: GetResult | None, res: Resolved, boundary_tokens: int,
+) -> tuple[str, GetResult | None]:
+    """`local_status`'s answer, less a hit whose snapshot is not the layout's size or was taken at
+    another boundary: that is expired, its reason "corrupt". The pool refuses such a value itself
+    when told what to expect; checked here too, whatever it was told, because LoadLocal sent a
+    100-byte value to the engine as its snapshot and Resume answered "hit" with none."""
+    payload = got.payload if got is not None else None
+    if state != "hit" or got is None or payload is None:
+        return state, got
+    if payload.nbytes == res.layout.local_snapshot_bytes and got.boundary_tokens == boundary_tokens:
+        return state, got
+    return "expired", GetResult.missed("corrupt")
+
+
 class _Replay(NamedTuple):
     """A replay started for a Resume: its job, the admission its bill is settled through, and when
     it started and ended (`time.perf_counter`)."""
@@ -220,6 +235,7 @@ class LocalStateCalls:
             # The boundary's key, hashed once: the pool's get and, on a hit, the call's facts use it.
             key = boundary_key(self.app, res, n) if n else None
             state, got = local_status(self.app, res, n, context.time_remaining(), key=key)
+            state, got = snapshot_as_expected(state, got, res, n * res.chunk_tokens)
             call.local_state = state
             if state == "hit" and key is not None:
                 # The pool's get restarted a sliding TTL: the miss explainer must know of this read
@@ -303,6 +319,7 @@ class LocalStateCalls:
             deadline = context.time_remaining()
             pinned_key = session.keys[n - 1] if session is not None and n else None  # saves re-hashing
             state, got = local_status(self.app, res, n, deadline, r, pinned_key)
+            state, got = snapshot_as_expected(state, got, res, n * res.chunk_tokens)
             case = "cold" if n == 0 else ("expired" if state == "expired" else "warm")
             replay = self._start_replay(res, case, n * res.chunk_tokens, deadline, pinned_key, context)
             if replay is not None:
@@ -337,7 +354,9 @@ class LocalStateCalls:
         snapshot = outcome.snapshot
         if snapshot is not None and len(snapshot) != size:
             snapshot, outcome = None, ReplayOutcome(None, outcome.replay_tokens, "wrong snapshot size")
-        final = ("hit" if state == "hit" else "replayed") if snapshot is not None else state
+        # Left without a snapshot, a "hit" is none: the engine has no local state at the boundary.
+        final = ("hit" if state == "hit" else "replayed") if snapshot is not None else (
+            "expired" if state == "hit" else state)
         if final == "hit" and len(loaded) < n:
             final = "expired"
         view = memoryview(snapshot) if snapshot is not None else memoryview(b"")
