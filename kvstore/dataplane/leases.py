@@ -23,6 +23,7 @@ under it stops (`withdrawn`).
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import threading
 import time
@@ -34,6 +35,9 @@ ALIGN_BYTES = 64  # spans start on cache lines
 # Tags released lately, remembered so that a call still placing leases under one stops: a bound
 # the listener's one thread keeps small (a call's release follows its cancel within a second).
 WITHDRAWN_TAGS_KEPT = 256
+# Expiry entries of leases that ended otherwise are dropped lazily; the heap is rebuilt once they
+# outnumber the live ones (and are more than this), so it stays within twice the leases held.
+STALE_EXPIRIES_KEPT = 64
 
 
 class NoRoom(Exception):
@@ -66,6 +70,11 @@ class LeaseTable:
         self._tagged: dict[str, set[int]] = {}  # tag -> its leases held now
         self._tag_of: dict[int, str] = {}
         self._withdrawn: OrderedDict[str, None] = OrderedDict()
+        # (expires_at, lease_id) of every lease with a finite expiry, soonest first, so that an
+        # expiry sweep (after every listener round, for every session) touches only what is due.
+        # An entry whose lease is gone or now expires at another time is stale: skipped, or
+        # dropped by `_compact_expiries`.
+        self._expiries: list[tuple[float, int]] = []
         self._next_id = 1
         self._closed = False
         self.granted_total = 0
@@ -145,6 +154,7 @@ class LeaseTable:
             self._filling.discard(lease_id)
             lease = Lease(lease.lease_id, lease.offset, lease.length, self._clock() + self.lease_seconds)
             self._leases[lease_id] = lease
+            heapq.heappush(self._expiries, (lease.expires_at, lease_id))
             return lease
 
     def abandon(self, lease_id: int) -> None:
@@ -165,6 +175,8 @@ class LeaseTable:
         lease = Lease(self._next_id, offset, length, expires_at)
         self._next_id += 1
         self._leases[lease.lease_id] = lease
+        if expires_at != math.inf:  # one being filled gets its entry once `filled`
+            heapq.heappush(self._expiries, (expires_at, lease.lease_id))
         if tag:
             self._tagged.setdefault(tag, set()).add(lease.lease_id)
             self._tag_of[lease.lease_id] = tag
@@ -201,6 +213,7 @@ class LeaseTable:
                     ended.append(f)
             self.released_total += len(ids)
             if ids:
+                self._compact_expiries()
                 self._cond.notify_all()
         for f in ended:
             f()
@@ -230,6 +243,7 @@ class LeaseTable:
             self._untag(lease_id)
             ended = self._on_end.pop(lease_id, None)
             self.released_total += 1
+            self._compact_expiries()
             self._cond.notify_all()
         if ended is not None:
             ended()
@@ -253,6 +267,7 @@ class LeaseTable:
             self._tag_of.clear()
             ended = list(self._on_end.values())
             self._on_end.clear()
+            self._expiries.clear()
             self._free = [(0, self.segment_bytes)]
             self._closed = True
             self._cond.notify_all()
@@ -263,7 +278,13 @@ class LeaseTable:
     def _expire_locked(self) -> tuple[int, list[Callable[[], None]]]:
         """Drop the leases past their time: how many, and the `on_end`s to call (unlocked)."""
         now = self._clock()
-        gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        heap = self._expiries
+        gone: list[Lease] = []
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            if self._live_expiry(*entry):  # else stale: the lease ended already
+                gone.append(self._leases[entry[1]])
+        gone.sort(key=lambda lease: lease.lease_id)  # ended in the order they were granted, as ever
         ended: list[Callable[[], None]] = []
         for lease in gone:
             del self._leases[lease.lease_id]
@@ -278,9 +299,24 @@ class LeaseTable:
         return len(gone), ended
 
     def _next_expiry_in(self) -> float:
-        if not self._leases:
-            return 0.05
-        return max(0.001, min(lease.expires_at for lease in self._leases.values()) - self._clock())
+        heap = self._expiries
+        while heap and not self._live_expiry(*heap[0]):
+            heapq.heappop(heap)
+        if not heap:
+            return 0.05 if not self._leases else math.inf  # none, or all being filled: none due
+        return max(0.001, heap[0][0] - self._clock())
+
+    def _live_expiry(self, expires_at: float, lease_id: int) -> bool:
+        lease = self._leases.get(lease_id)
+        return lease is not None and lease.expires_at == expires_at
+
+    def _compact_expiries(self) -> None:
+        """Drop stale expiry entries once they outnumber the live ones, under the table's lock:
+        amortised O(1) a release, and the heap stays within twice the leases that expire."""
+        live = len(self._leases) - len(self._filling)  # leases with exactly one live entry each
+        if len(self._expiries) - live > max(live, STALE_EXPIRIES_KEPT):
+            self._expiries = [e for e in self._expiries if self._live_expiry(*e)]
+            heapq.heapify(self._expiries)
 
     def _take(self, size: int) -> int | None:
         for k, (off, length) in enumerate(self._free):
