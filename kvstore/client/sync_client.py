@@ -68,12 +68,18 @@ from kvstore.client.replies import _bills, _Chunks, _header, _lookup_result, _ma
 from kvstore.client.requests import U32_MAX as U32_MAX
 from kvstore.client.requests import (
     _as_blob,
+    _bytes_view,
     _check_target,
+    _check_tls,
     _chunk_count,
+    _flag,
     _gpu_bytes,
     _is_number,
     _load_request,
+    _names,
     _positive_seconds,
+    _register_request,
+    _text,
     _token_array,
     _token_u32le,
     _tokens,
@@ -228,7 +234,9 @@ class KvstoreClient:
         copies device to device; None: where this process has imported torch, sees a GPU and has
         cupy. `copy_threads`: threads a large copy out of shared memory uses (2 MiB and more;
         None: the cores this process may use, at most 4; 1: the calling thread only).
-        `timeout_seconds`: a call's timeout where the call names none (> 0). The channel
+        `timeout_seconds`: a call's timeout where the call names none (> 0, at most a day, as
+        every timeout). The TLS files are checked here (readable PEM; `tls_cert` and `tls_key`
+        together, the key the certificate's): InvalidInput names the argument. The channel
         reconnects by itself after an outage, trying again at most every
         MAX_RECONNECT_BACKOFF_MS."""
         self._closed = False
@@ -255,6 +263,7 @@ class KvstoreClient:
             raise InvalidInput(f"max_store_call_bytes must be an integer >= 1, got {max_store_call_bytes!r}")
         if not isinstance(retry, RetryPolicy):
             raise InvalidInput(f"retry must be a RetryPolicy, got {type(retry).__name__}")
+        ca, cert, key = _check_tls(tls_ca, tls_cert, tls_key)  # gRPC aborts the process on some
         self.target = target
         self.data_path = data_path
         self._token = token
@@ -267,8 +276,9 @@ class KvstoreClient:
         self._shm_retry_at = 0.0
         # Models whose chunks the session's load segment cannot hold: loaded over streams.
         self._stream_models: set[str] = set()
-        # Each model's chunk size as the service last answered it: `load_into` asks for what fits.
-        self._chunk_bytes: dict[str, int] = {}
+        # Each model's (chunk_tokens, chunk_bytes) as the service last answered them: `load_into`
+        # asks for what fits.
+        self._chunk_sizes: dict[str, tuple[int, int]] = {}
         self._gpu_memory = gpu_memory
         self.shm_detail = "" if self._unix_path else "the target is not a unix: address"
         self.timeout_seconds = timeout_seconds
@@ -287,9 +297,9 @@ class KvstoreClient:
         ]
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
-        if tls_ca or tls_cert:
+        if ca or cert:
             creds = grpc.ssl_channel_credentials(
-                root_certificates=_read(tls_ca), private_key=_read(tls_key), certificate_chain=_read(tls_cert))
+                root_certificates=_read(ca), private_key=_read(key), certificate_chain=_read(cert))
             self._channel = grpc.secure_channel(target, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(target, options=options)
@@ -518,12 +528,13 @@ class KvstoreClient:
                       timeout_seconds: float | None, cache_salt: str, request_id: str | None = None,
                       session: str | None = None, purpose: str = "", call_seconds: float | None = None) -> LookupResult:
         """`lookup`; `call_seconds`: as for `_idempotent`, where the lookup is part of a longer call."""
+        _names(model, replay_mode, cache_salt)
         req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt)
         rid, metadata = self._request_metadata("Lookup", request_id, session, purpose)
         r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), timeout_seconds,
                              call_seconds)
         if r.chunk_bytes:
-            self._chunk_bytes[model] = r.chunk_bytes
+            self._chunk_sizes[model] = (r.chunk_tokens, r.chunk_bytes)
         return _lookup_result(r, rid)
 
     @_open_only
@@ -551,8 +562,9 @@ class KvstoreClient:
             finally:
                 held.release()
         """
+        _names(model, replay_mode, cache_salt)
         hold_chunks = _chunk_count("hold_chunks", hold_chunks, "Lookup")
-        if into_session and not ID_RE.fullmatch(into_session):
+        if _text("into_session", into_session) and not ID_RE.fullmatch(into_session):
             raise InvalidInput(f"lookup_held: into_session must be a same-host session id (32 lowercase hex "
                                f"digits, as shm_session_id() returns), got {into_session[:80]!r}")
         seconds = self._timeout(timeout_seconds)
@@ -902,7 +914,8 @@ class KvstoreClient:
                 ok = got.still_held()   # False: a lease lapsed meanwhile; do not trust the copy
         """
         self._check_open()
-        _chunk_count("max_chunks", max_chunks, "Load")  # before a session's hello
+        _names(model, replay_mode, cache_salt)  # before a session's hello
+        _chunk_count("max_chunks", max_chunks, "Load")
         with self._cut_short_by_close():
             got, spans = self._load_shared(model, tokens, replay_mode, max_chunks, timeout_seconds, cache_salt,
                                            open_session)
@@ -967,22 +980,24 @@ class KvstoreClient:
         chunks past what it holds are not received. Into a GPU tensor, over a same-host session
         whose service holds chunks in the device tier of the same GPU, those chunks are copied
         device to device (CUDA IPC); others come through host memory."""
-        max_chunks = _chunk_count("max_chunks", max_chunks, "Load")
+        req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)  # every argument checked
         gpu = _gpu_bytes(buffer)
         dst: Any = _writable_bytes(buffer) if gpu is None else gpu
         # Only the chunks that fit are asked for (the model's chunk size known from an earlier
-        # answer), so that the service sends, and leases, none that would be dropped.
-        cb = self._chunk_bytes.get(model, 0)
-        fits = len(dst) // cb if cb else 0
-        if fits:
-            max_chunks = min(max_chunks, fits) if max_chunks > 0 else fits
-        req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
+        # answer), so that the service sends, and leases, none that would be dropped. None fits:
+        # no call (max_chunks=0 would ask for them all).
+        ct, cb = self._chunk_sizes.get(model, (0, 0))
+        if cb:
+            fits = len(dst) // cb
+            if fits == 0:
+                return LoadIntoResult(0, ct, cb, 0, ())
+            req.max_chunks = min(req.max_chunks, fits) if req.max_chunks > 0 else fits
         if gpu is None:
             got = self._idempotent("Load", lambda t: self._load_into(req, t, lambda nbytes: dst), timeout_seconds)
         else:
             got = self._idempotent("Load", lambda t: self._load_into_gpu(req, t, gpu), timeout_seconds)
         if got.chunk_bytes:
-            self._chunk_bytes[model] = got.chunk_bytes
+            self._chunk_sizes[model] = (got.chunk_tokens, got.chunk_bytes)
         return got
 
     def _load_into_gpu(self, req: pb.LoadRequest, timeout: float, out: Any) -> LoadIntoResult:
@@ -1078,7 +1093,8 @@ class KvstoreClient:
                     cache_salt: str = "") -> StoreLocalResult:
         """Keep the local SWA snapshot taken after `tokens` (a whole number of chunks). On the
         service's host it goes through the session's store segment when the service takes it so."""
-        view = memoryview(snapshot).cast("B")
+        _names(model, replay_mode, cache_salt)
+        view = _bytes_view(snapshot, "snapshot")
         header = pb.LocalHeader(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), snapshot_bytes=len(view),
                                 cache_salt=cache_salt)
         deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
@@ -1132,6 +1148,7 @@ class KvstoreClient:
         through the same-host session when there is one; if that fails, over a stream.
         `timeout_seconds` bounds the whole call; `open_session=False`: as for `load_shared`;
         `session`: the one the request's Lookup named (the trace files the read under it)."""
+        _names(model, replay_mode, cache_salt)
         req = pb.LoadLocalRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), cache_salt=cache_salt)
         metadata = self._metadata if session is None else self._request_metadata("LoadLocal", None, session)[1]
         seconds = self._timeout(timeout_seconds)
@@ -1181,6 +1198,8 @@ class KvstoreClient:
         """Lookup + load + local state (replayed if expired and a runner is available) in one call.
         The chunks come through the same-host session when there is one; if it fails, the call
         goes again over a stream (a Resume only reads, and a repeated replay is shared)."""
+        _names(model, replay_mode, cache_salt)
+        skip_chunks = _flag("skip_chunks", skip_chunks)
         max_chunks = _chunk_count("max_chunks", max_chunks, "Resume")
         req = pb.ResumeRequest(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), max_chunks=max_chunks,
                                skip_chunks=skip_chunks, cache_salt=cache_salt)
@@ -1259,14 +1278,10 @@ class KvstoreClient:
     @_open_only
     def register_model(self, model: EngineModel, timeout_seconds: float | None = None) -> RegisteredModel:
         """Describe an engine's cache; the answer names the model to send in every other call.
-        Idempotent, so it is retried like a lookup."""
-        req = pb.RegisterModelRequest(
-            model=model.model, revision=model.revision, chunk_tokens=model.chunk_tokens, vocab_size=model.vocab_size,
-            prefill_flops_per_token=model.prefill_flops_per_token,
-            groups=[pb.EngineLayerGroup(name=g.name, num_layers=g.num_layers, kv_heads=g.kv_heads,
-                                        head_size=g.head_size, dtype=g.dtype, sliding_window=g.sliding_window,
-                                        latent=g.latent)
-                    for g in model.groups])
+        Idempotent, so it is retried like a lookup. A field its request cannot hold (not a
+        string, not an integer in [0, 2**32)) is refused here, named (`model.groups[0].num_layers`);
+        the service bounds the rest."""
+        req = _register_request(model)
         r = self._idempotent("RegisterModel", lambda t: self._stub.RegisterModel(req, timeout=t,
                                                                          metadata=self._metadata),
                              timeout_seconds)
@@ -1282,6 +1297,7 @@ class KvstoreClient:
     @_open_only
     def health(self, service: str = "", timeout_seconds: float | None = None) -> str:
         """"SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN" for `service` ("" = overall)."""
+        _text("service", service)
         try:
             r = self._idempotent("Health", lambda t: self._health.Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=t), timeout_seconds)
@@ -1308,18 +1324,18 @@ class KvstoreClient:
     ) -> tuple[str, tuple[tuple[str, str], ...]]:
         """(the request id, the call's metadata). The server replaces an id it finds unsafe with
         one of its own, so a bad one is refused here, where the caller can still see it."""
-        if request_id is None and session is None and not purpose:  # the usual case: nothing to check
+        if request_id is None and session is None and purpose == "":  # the usual case: nothing to check
             rid = new_request_id()
             return rid, (*self._metadata, ("x-request-id", rid))
         rid = request_id if request_id is not None else new_request_id()
         extra = [("x-request-id", rid)]
-        if purpose:
+        if _text("purpose", purpose):
             if purpose not in PURPOSES:
                 raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, f"purpose must be one of "
                                            f"{', '.join(PURPOSES)} or empty, got {purpose[:80]!r}", method)
             extra.append((PURPOSE_KEY, purpose))
         for name, value in (("request_id", rid), ("session", session)):
-            if value is not None and not REQUEST_ID_RE.match(value):
+            if value is not None and not REQUEST_ID_RE.match(_text(name, value)):
                 raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} must be 1-64 letters, "
                                            f"digits or '._:-', got {value[:80]!r}", method)
         if session is not None:

@@ -4,13 +4,17 @@ runner that reconnects for ever."""
 
 from __future__ import annotations
 
-import ssl
 import urllib.parse
 
 from kvstore.config.fields import DAY_SECONDS
 from kvstore.config.service import token_problem
 from kvstore.errors import InvalidInput
 from kvstore.wire.targets import target_problem
+
+# The TLS file checks live below the commands, where the client checks its TLS arguments too; the
+# commands name their flags (--tls-ca) or config keys in the messages.
+from kvstore.wire.tls_files import check_tls_ca as check_tls_ca
+from kvstore.wire.tls_files import check_tls_client as check_tls_client
 
 
 def check_token(token: str | None, flag: str) -> None:
@@ -28,68 +32,12 @@ def check_not_empty(path: str | None, flag: str, what: str) -> None:
         raise InvalidInput(f"{flag} must not be empty (it names a {what})")
 
 
-def check_readable(path: str | None, flag: str) -> None:
-    """A file the command reads later (a TLS certificate or key): here it is said as the flag's."""
-    if path is None:
-        return
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as e:
-        raise InvalidInput(f"{flag} {path}: {e.strerror or e}") from None
-    except ValueError:  # a NUL in the name
-        raise InvalidInput(f"{flag} {path!r}: a file name cannot contain a NUL") from None
-
-
-def check_tls_ca(path: str | None, flag: str) -> None:
-    """A CA file that holds PEM certificates: gRPC takes any readable file, then logs from its
-    core and fails each connection (a runner reconnects for ever)."""
-    if path is None:
-        return
-    check_readable(path, flag)
-    if not _pem_certificates(path):
-        raise InvalidInput(f"{flag} {path}: not a PEM CA certificate")
-
-
-def check_tls_client(cert: str | None, key: str | None, cert_flag: str, key_flag: str) -> None:
-    """A certificate (a client's for mTLS, or the server's) and its key: both or neither, in PEM, the
-    key unencrypted and the certificate's. gRPC aborts the process on a client certificate without
-    a key, and takes no passphrase."""
-    if cert is None and key is None:
-        return
-    if cert is None or key is None:
-        raise InvalidInput(f"{cert_flag} and {key_flag} go together (mTLS): give both or neither")
-    check_readable(cert, cert_flag)
-    check_readable(key, key_flag)
-    if not _pem_certificates(cert):
-        raise InvalidInput(f"{cert_flag} {cert}: not a PEM certificate")
-
-    def no_passphrase() -> str:
-        raise ValueError("it is encrypted, and gRPC takes no passphrase")
-
-    try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert, key, password=no_passphrase)
-    except ValueError as e:
-        raise InvalidInput(f"{key_flag} {key}: {e}") from None
-    except ssl.SSLError as e:
-        why = f" ({e.reason.replace('_', ' ').lower()})" if e.reason and e.reason != "PEM_LIB" else ""
-        raise InvalidInput(f"{key_flag} {key}: not the PEM private key of {cert_flag} {cert}{why}") from None
-
-
 def check_server_tls(cert: str, key: str, client_ca: str) -> None:
     """The config's TLS files ("" where unset), checked as the flags are, named by their keys:
     gRPC takes any readable file, logs from its core, and the bind fails blaming the port."""
     if cert or key:
         check_tls_client(cert or None, key or None, "service.tls_cert_file", "service.tls_key_file")
     check_tls_ca(client_ca or None, "service.tls_client_ca_file")
-
-
-def _pem_certificates(path: str) -> bool:
-    try:
-        ssl.create_default_context(cafile=path)
-    except (ssl.SSLError, ValueError):
-        return False
-    return True
 
 
 def check_target(target: str, flag: str) -> None:

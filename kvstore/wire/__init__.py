@@ -2,6 +2,6 @@
 (`messages.py`), readers of the wire format that leave payloads and token ids where they arrived
 (`wire_format.py`, `pieces.py`, `tokens_in_place.py`), the framing of chunk payloads into stream
 messages (`framing.py`), request ids (`request_ids.py`), the purpose of a call that is not an
-engine's request (`purposes.py`), the typed bills a reply carries (`bills.py`) and whether a
-target string names a service (`targets.py`). Nothing here
-knows the store or the servicers."""
+engine's request (`purposes.py`), the typed bills a reply carries (`bills.py`), whether a target
+string names a service (`targets.py`) and whether TLS files can make gRPC credentials
+(`tls_files.py`). Nothing here knows the store or the servicers."""

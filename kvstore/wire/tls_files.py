@@ -1,0 +1,65 @@
+"""Whether TLS files can make gRPC credentials, judged before gRPC reads them: it takes any readable
+file as a CA (then logs from its core and fails each connection, which a runner retries for ever),
+aborts the process (SIGABRT) on a client certificate without its key or on one that is no PEM
+certificate, and takes no passphrase. Shared by the client (named by its arguments) and the
+commands (named by their flags or config keys)."""
+
+from __future__ import annotations
+
+import ssl
+
+from kvstore.errors import InvalidInput
+
+
+def check_readable(path: str | None, name: str) -> None:
+    """A file read later (a TLS certificate or key): here it is said as `name`'s."""
+    if path is None:
+        return
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise InvalidInput(f"{name} {path}: {e.strerror or e}") from None
+    except ValueError:  # a NUL in the name
+        raise InvalidInput(f"{name} {path!r}: a file name cannot contain a NUL") from None
+
+
+def check_tls_ca(path: str | None, name: str) -> None:
+    """A CA file that holds PEM certificates."""
+    if path is None:
+        return
+    check_readable(path, name)
+    if not _pem_certificates(path):
+        raise InvalidInput(f"{name} {path}: not a PEM CA certificate")
+
+
+def check_tls_client(cert: str | None, key: str | None, cert_name: str, key_name: str) -> None:
+    """A certificate (a client's for mTLS, or the server's) and its key: both or neither, in PEM, the
+    key unencrypted and the certificate's."""
+    if cert is None and key is None:
+        return
+    if cert is None or key is None:
+        raise InvalidInput(f"{cert_name} and {key_name} go together (mTLS): give both or neither")
+    check_readable(cert, cert_name)
+    check_readable(key, key_name)
+    if not _pem_certificates(cert):
+        raise InvalidInput(f"{cert_name} {cert}: not a PEM certificate")
+
+    def no_passphrase() -> str:
+        raise ValueError("it is encrypted, and gRPC takes no passphrase")
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert, key, password=no_passphrase)
+    except ValueError as e:
+        raise InvalidInput(f"{key_name} {key}: {e}") from None
+    except ssl.SSLError as e:
+        why = f" ({e.reason.replace('_', ' ').lower()})" if e.reason and e.reason != "PEM_LIB" else ""
+        raise InvalidInput(f"{key_name} {key}: not the PEM private key of {cert_name} {cert}{why}") from None
+
+
+def _pem_certificates(path: str) -> bool:
+    try:
+        ssl.create_default_context(cafile=path)
+    except (ssl.SSLError, ValueError):
+        return False
+    return True
