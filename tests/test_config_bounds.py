@@ -18,7 +18,7 @@ from kvstore.config.warnings import CLIENT_MESSAGE_BYTES, PIECE_HEADER_BYTES, co
 from kvstore.layout import get_model
 from kvstore.local_pool.reload import ConfigReloader
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.fixtures.service import DENSE, TOY, base_table
+from tests.fixtures.service import DENSE, base_table
 
 TOKEN_A, TOKEN_B = "tenant-token-aaaa", "tenant-token-bbbb"
 TWO_TENANTS = f'[tenants.a]\ntokens = ["{TOKEN_A}"]\nshare_weight = 1000\n[tenants.b]\ntokens = ["{TOKEN_B}"]\n'
@@ -139,15 +139,20 @@ def test_a_message_limit_under_the_clients_default_is_warned_about(tmp_path: Pat
     assert not [w for w in config_warnings(enough) if "max_message_bytes" in w]
 
 
-def test_a_tier_smaller_than_one_chunk_is_warned_about() -> None:
-    # The dense model's 2 MiB chunk (at 16 tokens) never lands in a 64 KiB device tier or a 128 KiB DRAM one.
+def test_a_tier_that_holds_no_chunk_or_a_model_no_tier_holds_is_warned_about() -> None:
+    # The dense model's 2 MiB chunk (at 16 tokens) fits neither a 64 KiB device tier, a 128 KiB DRAM
+    # one nor a 1 MiB LMDB: every Store of it was refused (no room) without a word at start.
     chunk = get_model(DENSE).layout.with_chunk_tokens(16).chunk_bytes
-    cfg = parse_config(base_table(store={"chunk_tokens": 16}))
-    said = [w for w in config_warnings(cfg) if w.startswith("store.")]
-    assert len(said) == 2 and all(f"'{DENSE}' ({chunk} bytes in whole pages)" in w for w in said), said
-    assert "store.device_capacity_bytes = 65536" in said[0] and "store.dram_capacity_bytes = 131072" in said[1]
-    for fine in (base_table(store={"chunk_tokens": 16}, service={"models": [TOY]}),
+    table = base_table(store={"chunk_tokens": 16, "lmdb_capacity_bytes": 1 << 20}, service={"models": [DENSE]})
+    said = [w for w in config_warnings(parse_config(table)) if "store." in w or "no tier" in w]
+    assert len(said) == 3, said
+    assert said[0].startswith("store.device_capacity_bytes = 65536 is less than one chunk of any served model")
+    assert said[1].startswith("store.dram_capacity_bytes = 131072 is less than one chunk of any served model")
+    assert said[2] == f"no tier can hold one chunk of '{DENSE}' ({chunk} bytes): every Store of it is refused " \
+                      "(no room); raise a tier's capacity_bytes above that"
+    # A tier too small for one model's chunks but not another's is how tiers are shared.
+    for fine in (base_table(store={"chunk_tokens": 16}),
                  base_table(store={"chunk_tokens": 16, "device_capacity_bytes": 0, "dram_capacity_bytes": 0}),
                  base_table(store={"chunk_tokens": 16, "quantize_device": "fp4", "quantize_dram": "fp8"})):
-        assert not [w for w in config_warnings(parse_config(fine)) if w.startswith("store.")]
-    assert not [w for w in config_warnings(parse_config({})) if w.startswith("store.")]  # the defaults
+        assert not [w for w in config_warnings(parse_config(fine)) if "store." in w or "no tier" in w]
+    assert not [w for w in config_warnings(parse_config({})) if "store." in w or "no tier" in w]  # the defaults

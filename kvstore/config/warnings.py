@@ -67,8 +67,10 @@ def _messages_clients_send(cfg: KvstoreConfig) -> list[str]:
 
 
 def _tiers_below_a_chunk(cfg: KvstoreConfig) -> list[str]:
-    """A tier with a budget (0 turns it off) that cannot hold one chunk of a served model: none of
-    that model's chunks ever goes in it. A quantized tier's chunks are smaller: not checked."""
+    """A served model none of whose chunks fits any tier: every Store of it is refused (no room).
+    And a memory tier with a budget (0 turns it off) that holds a chunk of no served model. A tier
+    too small for one model's chunks but not another's is how tiers are shared: not warned about. A
+    quantized tier's chunks are smaller: not checked."""
     s = cfg.store
     sizes: dict[str, int] = {}
     for name in cfg.service.models:
@@ -76,21 +78,31 @@ def _tiers_below_a_chunk(cfg: KvstoreConfig) -> list[str]:
             sizes[name] = get_model(name).layout.with_chunk_tokens(s.chunk_tokens).chunk_bytes
         except (UnknownModel, InvalidInput):  # refused when the service starts
             continue
+    if not sizes:
+        return []
+    # An arena holds whole pages, and a chunk takes whole pages; LMDB charges a chunk more than its
+    # bytes (a lower bound, then).
+    tiers = [(tier, capacity, page) for tier, capacity, quantize, page in (
+        ("device", s.device_capacity_bytes, s.quantize_device, s.page_bytes),
+        ("dram", s.dram_capacity_bytes, s.quantize_dram, s.page_bytes),
+        ("lmdb", s.lmdb_capacity_bytes, s.quantize_lmdb, 1)) if capacity > 0 and quantize == "off"]
+    quantized = any(q != "off" for q in (s.quantize_device, s.quantize_dram, s.quantize_lmdb))
+
+    def fits(cb: int, capacity: int, page: int) -> bool:
+        return -(-cb // page) * page <= capacity // page * page
+
     out = []
-    for tier, capacity, quantize, page in (("device", s.device_capacity_bytes, s.quantize_device, s.page_bytes),
-                                           ("dram", s.dram_capacity_bytes, s.quantize_dram, s.page_bytes),
-                                           ("lmdb", s.lmdb_capacity_bytes, s.quantize_lmdb, 1)):
-        if capacity == 0 or quantize != "off":
-            continue
-        # An arena holds whole pages, and a chunk takes whole pages; LMDB charges a chunk more than
-        # its bytes (a lower bound, then).
-        need = {m: -(-cb // page) * page for m, cb in sizes.items()}
-        big = sorted((m for m in need if need[m] > capacity // page * page), key=lambda m: -need[m])
-        if big:
-            also = f" (nor those of {', '.join(repr(m) for m in big[1:])})" if big[1:] else ""
-            out.append(f"store.{tier}_capacity_bytes = {capacity} is less than one chunk of '{big[0]}' "
-                       f"({need[big[0]]} bytes{' in whole pages' if page > 1 else ''}): its chunks never go in the "
-                       f"{tier} tier{also}")
+    for tier, capacity, page in tiers:
+        if tier != "lmdb" and not any(fits(cb, capacity, page) for cb in sizes.values()):
+            least = min(sizes, key=lambda m: sizes[m])
+            out.append(f"store.{tier}_capacity_bytes = {capacity} is less than one chunk of any served model (the "
+                       f"smallest, '{least}', takes {-(-sizes[least] // page) * page} bytes"
+                       f"{' in whole pages' if page > 1 else ''}): no chunk ever goes in the {tier} tier")
+    if not quantized:
+        for m, cb in sorted(sizes.items()):
+            if not any(fits(cb, capacity, page) for _, capacity, page in tiers):
+                out.append(f"no tier can hold one chunk of '{m}' ({cb} bytes): every Store of it is refused "
+                           "(no room); raise a tier's capacity_bytes above that")
     return out
 
 
