@@ -5,7 +5,7 @@ a live admin port."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from kvstore.keys.chunk_keys import Namespace, chain_keys, chunk_token_bytes
 from kvstore.local_pool.redis_process import RedisProcess
 from kvstore.observe.explainer import (
     MAX_RUNS,
+    ChunkRun,
     Explainer,
     Explanation,
     render_text,
@@ -98,21 +99,118 @@ def test_chunks_beyond_those_noted_at_the_answer_are_read_when_explained(ex: Exp
         (0, 0, "never_stored"), (1, 1, "unreachable"), (2, 2, "never_stored"), (3, 3, "unreachable")]
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 7, 300])
-def test_a_miss_without_fates_is_cut_into_the_runs_the_general_loop_makes(ex: Explainer, chunks: int) -> None:
-    # A long miss with no fate of its own takes a shortcut (runs from change points); it must
-    # say what the chunk-by-chunk loop says, the cap on runs included.
-    from kvstore.observe.explainer import _runs_without_fates
+def _runs_chunk_by_chunk(ex: Explainer, first_chunk: int, keys: list[bytes], namespace: bytes,
+                        token_mismatch: bool, present: set[bytes]) -> list[ChunkRun]:
+    """The explainer's runs as its per-chunk loop made them (before runs came from change points):
+    each chunk's reason in turn, merged into the previous run when reason, tier and policy match."""
+    runs: list[ChunkRun] = []
+    with ex._lock:
+        fates = [ex._fates.view("acme").get(k) for k in keys]
+    for j, (key, fate) in enumerate(zip(keys, fates, strict=True)):
+        if j == 0 and token_mismatch:
+            run = ChunkRun(0, 0, "token_mismatch", "")
+        elif fate is not None and fate.namespace == namespace:
+            run = ex._fated(fate)
+        elif j > 0 and key in present:
+            run = ChunkRun(0, 0, "unreachable", "")
+        else:
+            run = ChunkRun(0, 0, "never_stored", "")
+        idx = first_chunk + j
+        prev = runs[-1] if runs else None
+        if prev is not None and (prev.reason, prev.tier, prev.policy) == (run.reason, run.tier, run.policy):
+            times_first = [t for t in (prev.first_at, run.first_at) if t is not None]
+            times_last = [t for t in (prev.last_at, run.last_at) if t is not None]
+            runs[-1] = ChunkRun(prev.first_chunk, idx, prev.reason, prev.detail, prev.tier, prev.policy,
+                                min(times_first, default=None), max(times_last, default=None))
+        elif len(runs) < MAX_RUNS:
+            runs.append(ChunkRun(idx, idx, run.reason, run.detail, run.tier, run.policy, run.first_at, run.last_at))
+        else:
+            runs[-1] = ChunkRun(runs[-1].first_chunk, idx, "mixed", "")
+    return runs
 
+
+def _shape(runs: Sequence[ChunkRun]) -> list[tuple[object, ...]]:
+    """A run without its generic wording (the reference leaves those out)."""
+    return [(r.first_chunk, r.last_chunk, r.reason, r.tier, r.policy, r.first_at, r.last_at,
+             r.detail if r.reason in ("evicted", "corrupt", "over_quota", "no_room", "not_admitted") else "")
+            for r in runs]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 7, 300, 4096])
+def test_runs_from_change_points_are_what_the_chunk_by_chunk_loop_made(clock: FakeClock, chunks: int) -> None:
+    # Runs come from change points of a code per chunk (numpy), with or without fates of the
+    # namespace's own (a fate made the explainer step through all 4,096 chunks in Python: ~10 ms):
+    # they must say what the per-chunk loop said, the cap on runs included.
     keys = keys_for("acme", chunks, seed=chunks)
+    d = ns("acme").digest
     rng = np.random.default_rng(chunks)
-    for _ in range(5):
-        held = [bool(b) for b in rng.integers(0, 2, chunks)]
+    for trial in range(6):
+        ex = Explainer(eviction_policy="s3fifo", admission_policy="second-sighting", clock=clock,
+                       wall_clock=clock.wall)
+        ex._owners.put("acme", d, None)
+        fated = rng.random(chunks) < (0.0, 0.01, 0.3, 0.9, 0.0, 0.3)[trial]
+        for j in np.flatnonzero(fated).tolist():
+            clock.advance(1)
+            kind = int(rng.integers(0, 6))
+            if kind == 0:
+                ex.dropped(keys[j], d, "lmdb", "capacity")
+            elif kind == 1:
+                ex.dropped(keys[j], d, "dram", "quota")
+            elif kind == 2:
+                ex.corrupt(keys[j], d, "lmdb")
+            elif kind == 3:
+                ex.refused(keys[j], d, "no_room")
+            elif kind == 4:
+                ex.refused(keys[j], d, "not_admitted")
+            else:  # another namespace's fate under the same key: never this one's reason
+                ex.dropped(keys[j], ns("other").digest, "lmdb", "capacity", tenant="acme")
+        held = [bool(b) for b in rng.integers(0, 2, chunks)] if trial != 4 else [True] * chunks
         present = {k for k, h in zip(keys, held, strict=True) if h}
-        slow = ex._runs_with_fates(3, keys, [None] * chunks, ns("acme").digest, False, present.__contains__)
-        assert _runs_without_fates(3, list(held)) == slow
-        assert list(ex.explain_chunks(ns("acme").digest, 3, keys, present=present.__contains__)) == slow
-    assert chunks < 200 or any(r.reason == "mixed" for r in slow)
+        mismatch = trial == 5
+        want = _runs_chunk_by_chunk(ex, 3, keys, d, mismatch, present)
+        got = ex.explain_chunks(d, 3, keys, token_mismatch=mismatch,
+                                present_many=lambda ks, p=present: [k in p for k in ks])  # type: ignore[misc]
+        assert _shape(got) == _shape(want)
+        noted = ex.explain_chunks(d, 3, keys, token_mismatch=mismatch, held=held[: chunks // 2],
+                                  present=present.__contains__)
+        assert _shape(noted) == _shape(want)
+        if not fated.any() and not mismatch:
+            from kvstore.observe.explainer import _runs_without_fates
+
+            assert _shape(_runs_without_fates(3, list(held))) == _shape(want)
+    assert chunks < 200 or any(r.reason == "mixed" for r in got)
+
+
+@pytest.mark.parametrize("own_fate", [False, True])
+def test_a_long_miss_asks_the_store_once_about_the_chunks_not_noted_at_the_answer(
+        ex: Explainer, own_fate: bool) -> None:
+    # A 1M-token miss noted the first 256 of its chunks as it answered; the 3,840 more it examines
+    # were asked of the store one by one (store.contains: its lock and a search of the cold
+    # arrays each time, ~9 ms a request), and with one fate of the namespace's own among them,
+    # stepped through in Python. Now one question for all of them.
+    keys = keys_for("acme", 4096, seed=3)
+    d = ns("acme").digest
+    if own_fate:
+        ex.dropped(keys[5], d, "lmdb", "capacity", tenant="acme")
+    asked: list[int] = []
+
+    def held_now(ks: Sequence[bytes]) -> list[bool]:
+        asked.append(len(ks))
+        return [k in (keys[300], keys[301]) for k in ks]
+
+    bills = price(prompt_tokens=7812 * CHUNK, chunk_tokens=CHUNK, chunk_bytes=100, chunk_tiers=[],
+                  flops_per_token=1.0)
+    rec = RequestRecord("r-long", "lookup", "acme", "reference-toy-8", "cold", "absent", bills)
+    facts = lookup_facts(namespace=d, full_chunks=7812, hit_chunks=0, chunk_tokens=CHUNK, miss_keys=keys[:256],
+                         miss_held=[False] * 256, held_now_fn=held_now,
+                         miss_keys_fn=lambda n: keys[:n], window_tokens=128, replay_mode="bounded")
+    per_key: list[bytes] = []
+    e = ex.explain_request(rec, facts, lambda k: per_key.append(k) or False)
+    assert asked == [4096 - 256] and per_key == []
+    reasons = [(c.first_chunk, c.last_chunk, c.reason) for c in e.chunks]
+    head = [(0, 4, "never_stored"), (5, 5, "evicted"), (6, 299, "never_stored")] if own_fate else [
+        (0, 299, "never_stored")]
+    assert reasons == [*head, (300, 301, "unreachable"), (302, 4095, "never_stored"), (4096, 7811, "unexamined")]
 
 
 def test_chunks_past_those_examined_are_counted_unexamined(ex: Explainer) -> None:

@@ -171,3 +171,105 @@ def test_flushing_readers_do_not_make_the_observer_thread_spin() -> None:
     # Spinning, it took 0.3-0.6 s of the second; delivering a record every 20 ms takes a few ms.
     assert used < 0.1, f"the observer thread used {used:.2f} s of CPU in 1 s of flushing"
     q.close()
+
+
+class _Weighed:
+    """A record that keeps `size` bytes alive until lightened (as a cold Lookup's copied ids)."""
+
+    def __init__(self, n: int, size: int) -> None:
+        self.n, self.retained_bytes = n, size
+
+    def lightened(self) -> _Weighed:
+        return _Weighed(self.n, 10)
+
+
+def test_records_past_the_byte_budget_are_queued_lightened_and_counted_never_dropped() -> None:
+    # Bounded by count only, 10,000 waiting records of 4 MB requests could hold 40 GB. Past the
+    # byte budget a record is queued lightened (counted): its observers still see it.
+    gate, entered = threading.Event(), threading.Event()
+    seen: list[_Weighed] = []
+
+    def slow(r: _Weighed) -> None:
+        if r.n == 0:
+            entered.set()
+            assert gate.wait(10.0)  # the worker is stuck on record 0
+        seen.append(r)
+
+    q: ObserverQueue[_Weighed] = ObserverQueue(lambda: [slow], max_pending_bytes=1000)
+    q.submit(_Weighed(0, 300))
+    assert entered.wait(10.0)
+    for i in range(1, 11):
+        q.submit(_Weighed(i, 300))
+    # 0 (held until delivered), 1 and 2 fit (900 bytes); 3-10 found the budget spent and wait
+    # lightened, 10 bytes each.
+    assert q.shed == 8 and q.pending == 10 and q.pending_bytes == 3 * 300 + 8 * 10
+    gate.set()
+    assert q.flush(10.0)
+    assert [r.n for r in seen] == list(range(11))
+    assert [r.retained_bytes for r in seen] == [300] * 3 + [10] * 8
+    assert q.pending_bytes == 0
+    q.submit(_Weighed(11, 5000))  # alone, a record larger than the budget is queued whole
+    assert q.flush(10.0) and seen[-1].retained_bytes == 5000 and q.shed == 8
+    q.close()
+
+
+def test_queued_cold_million_token_lookups_do_not_keep_their_requests(tmp_path: Path) -> None:
+    # With the admin port on, each finished Lookup's record waits for the observers. A cold
+    # 1M-token Lookup's kept its whole 4 MB request alive (the deferred miss keys' closure held a
+    # view of it): with the observers behind, 49 of them held ~200 MB, and a tenant sending them
+    # grew the server's memory without bound. Now a record keeps a copy of the ids of the chunks
+    # the explainer examines, and past the queue's byte budget (16 MiB) not even that.
+    import tracemalloc
+
+    from kvstore.observe.call_observer import Observability
+
+    cfg = make_config(store={"chunk_tokens": 128, "key_memo_bytes": 0},  # the memo would add its own bytes
+                      service={"max_message_bytes": 5 << 20, "max_staged_bytes": 64 << 20})
+    svc: Service = start_service(cfg, tmp_path / "data", admin_port=0)
+    gate, entered = threading.Event(), threading.Event()
+
+    def blocked(rec: object) -> None:
+        entered.set()
+        assert gate.wait(60.0)
+
+    svc.app.observers.insert(0, blocked)
+    tracemalloc.start()
+    try:
+        kv = svc.client(timeout_seconds=60.0)
+        prompts = [tokens_for(50 + i, 1_000_000) for i in range(50)]
+        kv.lookup(TOY, prompts[0])
+        assert entered.wait(30.0)  # the observer thread holds this one
+        before = tracemalloc.get_traced_memory()[0]
+        for p in prompts[1:]:
+            kv.lookup(TOY, p)
+        del p
+        grown = tracemalloc.get_traced_memory()[0] - before
+        queue = svc.app._observe
+        assert queue is not None and queue.pending == 49
+        assert grown < 40 << 20, f"49 queued records grew traced memory {grown / 2**20:.0f} MB"
+        from kvstore.observe.queue import MAX_PENDING_BYTES
+
+        # Lightened records still wait (their noted keys, ~20 KB each): past the budget, only they.
+        assert queue.pending_bytes <= MAX_PENDING_BYTES + 49 * (32 << 10) and queue.shed >= 40
+        shed = queue.shed
+    finally:
+        tracemalloc.stop()
+        gate.set()
+    try:
+        assert svc.app.flush_observers(60.0)
+        obs = next(o for o in svc.app.observers if isinstance(o, Observability))
+        registry = obs.metrics.registry
+        # Every request is still counted; only the shed ones' explanations are cut short.
+        assert registry.get_sample_value("kvstore_requests_total", {"method": "lookup", "case": "cold"}) == 50
+        assert registry.get_sample_value("kvstore_explanations_shed_total") == shed
+        explained = [obs.explainer.get(rid) for rid in obs.explainer.recent_ids(50)]
+        cut = [e for e in explained if e is not None and "observers were behind" in e.chunks[-1].detail]
+        assert len(cut) == shed
+        e = cut[0]
+        assert [(c.first_chunk, c.last_chunk, c.reason) for c in e.chunks] == [
+            (0, 255, "never_stored"), (256, 7811, "unexamined")]
+        whole = [e for e in explained if e is not None and e not in cut]
+        assert [(c.first_chunk, c.last_chunk, c.reason) for c in whole[0].chunks] == [
+            (0, 4095, "never_stored"), (4096, 7811, "unexamined")]
+    finally:
+        svc.stop(1.0)

@@ -203,3 +203,33 @@ def test_a_line_is_timed_when_its_call_answered_not_when_its_record_arrived(tmp_
     tracer.close()
     records = list(read_trace(path))
     assert [(r.method, r.time) for r in records] == [("load_local", 5091.0), ("lookup", 5090.0)]
+
+
+def test_a_long_cold_request_hashes_no_more_keys_for_its_session_than_the_explainer_examines(
+        tmp_path: Path) -> None:
+    # A cold request's derived session is its last full chunk's key: the trace hashed every missed
+    # key on the observer thread (7,812 for 1M tokens at 128 a chunk), beside the explainer's 4,096,
+    # and the record kept the whole request alive to do so. Now the keys the explainer examines
+    # serve both, hashed once from a copy of those chunks' ids: a longer prompt's session is its
+    # 4,096th chunk's key.
+    from kvstore.keys.chunk_keys import chain_keys, chunk_token_bytes
+    from kvstore.observe.explainer import MAX_EXPLAINED_CHUNKS
+    from kvstore.observe.records import CallRecord, LookupFacts
+    from kvstore.observe.trace_recorder import derived_session
+
+    path = tmp_path / "trace.jsonl"
+    r = start(tmp_path / "data", replace(config(), trace=TraceConfig(enabled=True, path=str(path))))
+    seen: list[CallRecord] = []
+    r.app.observers.append(seen.append)
+    toks = prompt(21, MAX_EXPLAINED_CHUNKS + 100)
+    try:
+        assert r.client.lookup(MODEL, toks).hit_tokens == 0
+        assert r.app.flush_observers(30.0)
+    finally:
+        r.stop()
+    facts = next(c.facts for c in seen if c.method == "Lookup")
+    assert isinstance(facts, LookupFacts)
+    keys = chain_keys(facts.namespace, chunk_token_bytes(toks, CHUNK))
+    assert list(facts.missed_keys()) == keys[:MAX_EXPLAINED_CHUNKS]
+    (line,) = read_trace(path)
+    assert line.session == derived_session(facts.namespace, keys[MAX_EXPLAINED_CHUNKS - 1])

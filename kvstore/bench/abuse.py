@@ -70,6 +70,9 @@ def add_abuse_arguments(p: argparse.ArgumentParser) -> None:
                    help="the services' store.write_policy")
     p.add_argument("--lmdb-durability", choices=("sync", "nometasync", "async"), default="async",
                    help="the services' store.lmdb_durability (async: no fsync, the default here)")
+    # `kvstore serve` opens its admin port by default; then the observers explain every miss.
+    p.add_argument("--admin", action="store_true",
+                   help="the services' admin port on (its explainer examines every Lookup's misses)")
 
 
 def _config(tmp: Path, write_policy: str, lmdb_durability: str) -> Path:
@@ -86,7 +89,7 @@ def _config(tmp: Path, write_policy: str, lmdb_durability: str) -> Path:
 
 
 def _start_service(tmp: Path, args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
-    return start_serve(_config(tmp, args.write_policy, args.lmdb_durability), tmp / "data")
+    return start_serve(_config(tmp, args.write_policy, args.lmdb_durability), tmp / "data", admin=args.admin)
 
 
 def _status(pid: int, field: str) -> int:

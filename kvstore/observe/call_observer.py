@@ -174,6 +174,8 @@ class Observability:
         """Explain, then count: the explanation decides the miss reasons the counters use. `at`:
         when the call answered (observers run a moment later)."""
         exp = self.explainer.explain_request(rec, facts, self._present, at)
+        if facts is not None and facts.shed:  # the queue dropped its deferred keys (kvstore.observe.queue)
+            self.metrics.explanation_shed()
         miss = exp.first_miss_reason
         if miss and miss not in MISS_REASONS:
             miss = "other"

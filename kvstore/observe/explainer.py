@@ -283,93 +283,85 @@ class Explainer:
         *,
         token_mismatch: bool = False,
         present: Callable[[bytes], bool] | None = None,
+        present_many: Callable[[Sequence[bytes]], Sequence[bool]] | None = None,
         held: Sequence[bool] = (),
         before: float | None = None,
         missed: int | None = None,
+        shed: bool = False,
     ) -> tuple[ChunkRun, ...]:
         """Why each full chunk from `first_chunk` on missed, as runs of equal reasons. `held[j]`:
-        whether miss_keys[j] was held when the request was answered (`present` asks now about the
-        keys beyond `held`);
+        whether miss_keys[j] was held when the request was answered; the keys beyond `held` are
+        asked about now, all at once through `present_many` (the store's `held`: one lock hold, one
+        search of its cold arrays), else one at a time through `present`;
         `before`: when it was answered (fates recorded later did not cause its miss); `missed`: how
-        many chunks missed in all, when `miss_keys` holds only the first of them."""
+        many chunks missed in all, when `miss_keys` holds only the first of them; `shed`: those
+        others were dropped because the observers were behind (said so in the unexamined run)."""
         keys = miss_keys[:MAX_EXPLAINED_CHUNKS]
         with self._lock:
             # Its tenant's part, then the unattributed one (as `_find`, without a call per key).
             mine, loose = self._fates.view(self._owner(namespace)), self._fates.view(UNATTRIBUTED)
-            fates: list[_Fate | None] = [mine.get(k) or loose.get(k) for k in keys]
+            fates: list[_Fate | None] = list(map(mine.get, keys))
+            if loose:
+                fates = [f or loose.get(k) for f, k in zip(fates, keys, strict=True)]
         if before is not None and any(fates):
             fates = [f if f is not None and f.at <= before else None for f in fates]
         total = len(miss_keys) if missed is None else missed
-        if not token_mismatch and not any(f is not None and f.namespace == namespace for f in fates):
-            # The usual long miss: no fate of its own to tell, so every chunk was never stored or
-            # is unreachable; its runs come from change points, not a Python step per chunk.
-            runs = _runs_without_fates(first_chunk, self._presence(keys, held, present))
-        else:
-            runs = self._runs_with_fates(first_chunk, keys, fates, namespace, token_mismatch,
-                                         _held_at_answer(keys, held, present) if held else present)
+        flags = self._presence(keys, held, present, present_many)
+        told = self._told(keys, fates, namespace, token_mismatch) if token_mismatch or any(fates) else {}
+        # The usual long miss has no fate of its own to tell: every chunk was never stored or is
+        # unreachable. Either way runs come from change points, not a Python step per chunk.
+        runs = _runs_without_fates(first_chunk, flags) if not told else _runs_with_told(first_chunk, flags, told)
         if total > len(keys):
             n = total - len(keys)
+            why = ": the observers were behind when it was answered" if shed else ""
             runs.append(ChunkRun(first_chunk + len(keys), first_chunk + total - 1, "unexamined",
-                                 f"{n} more chunks were not examined"))
+                                 f"{n} more chunks were not examined{why}"))
         return tuple(runs)
 
     @staticmethod
-    def _presence(keys: Sequence[bytes], held: Sequence[bool], present: Callable[[bytes], bool] | None) -> list[bool]:
+    def _presence(keys: Sequence[bytes], held: Sequence[bool], present: Callable[[bytes], bool] | None,
+                  present_many: Callable[[Sequence[bytes]], Sequence[bool]] | None) -> list[bool]:
         """Whether each key counts as held: as noted at the answer where `held` covers it, else as
-        `present` says now (not held without it)."""
+        the store says now, in one question (not held when nobody can be asked)."""
         noted = list(held[: len(keys)])
         rest = keys[len(noted):]
+        if not rest:
+            return noted
+        if present_many is not None:
+            return noted + list(present_many(rest))
         return noted + (list(map(present, rest)) if present is not None else [False] * len(rest))
 
-    def _runs_with_fates(self, first_chunk: int, keys: Sequence[bytes], fates: list[_Fate | None], namespace: bytes,
-                         token_mismatch: bool, present: Callable[[bytes], bool] | None) -> list[ChunkRun]:
-        runs: list[ChunkRun] = []
-        for j, (key, fate) in enumerate(zip(keys, fates, strict=True)):
-            run = self._why(j, key, fate, namespace, token_mismatch, present)
-            idx = first_chunk + j
-            prev = runs[-1] if runs else None
-            same = prev is not None and (prev.reason, prev.tier, prev.policy) == (
-                run.reason, run.tier, run.policy)
-            if prev is not None and same and prev.last_chunk == idx - 1:
-                runs[-1] = ChunkRun(prev.first_chunk, idx, prev.reason, prev.detail, prev.tier, prev.policy,
-                                    _min(prev.first_at, run.first_at), _max(prev.last_at, run.last_at))
-            elif len(runs) < MAX_RUNS:
-                runs.append(ChunkRun(idx, idx, run.reason, run.detail, run.tier, run.policy,
-                                     run.first_at, run.last_at))
-            else:
-                last = runs[-1]
-                runs[-1] = ChunkRun(last.first_chunk, idx, "mixed", _MIXED)
-        return runs
+    def _told(self, keys: Sequence[bytes], fates: list[_Fate | None], namespace: bytes,
+              token_mismatch: bool) -> dict[int, ChunkRun]:
+        """The chunks whose miss has a story of its own (a fate in this namespace, the first
+        chunk's token mismatch), by position: one step each for those only."""
+        told = {j: self._fated(f) for j, f in enumerate(fates) if f is not None and f.namespace == namespace}
+        if token_mismatch and keys:
+            told[0] = ChunkRun(0, 0, "token_mismatch", "a chunk is held under this key but with other token ids "
+                               "(a hash collision or a corrupt index entry): treated as a miss")
+        return told
 
-    def _why(self, j: int, key: bytes, fate: _Fate | None, namespace: bytes, token_mismatch: bool,
-             present: Callable[[bytes], bool] | None) -> ChunkRun:
-        if j == 0 and token_mismatch:
-            return ChunkRun(0, 0, "token_mismatch", "a chunk is held under this key but with other token ids "
-                            "(a hash collision or a corrupt index entry): treated as a miss")
-        if fate is not None and fate.namespace == namespace:
-            if fate.kind == "evicted":
-                policy = self.eviction_policy
-                why = "the tier was full" if fate.reason == "capacity" else (
-                    "the tenant was over its quota" if fate.reason == "quota" else fate.reason)
-                return ChunkRun(0, 0, "evicted", f"evicted from {fate.tier} (the last tier holding it) by "
-                                f"{policy or 'the eviction policy'} because {why}", fate.tier, policy,
-                                fate.at_wall, fate.at_wall)
-            if fate.kind == "corrupt":
-                return ChunkRun(0, 0, "corrupt", f"its value in {fate.tier} failed verification on read and "
-                                "was removed", fate.tier, "", fate.at_wall, fate.at_wall)
-            if fate.kind == "over_quota":
-                return ChunkRun(0, 0, "over_quota", "not stored: the tenant was over its quota and nothing "
-                                "of its own could be evicted to make room", "", "",
-                                fate.at_wall, fate.at_wall)
-            if fate.kind == "no_room":
-                return ChunkRun(0, 0, "no_room", "not stored: no tier had room (everything was pinned or "
-                                "the chunk is larger than a tier)", "", "", fate.at_wall, fate.at_wall)
-            return ChunkRun(0, 0, "not_admitted", f"not stored: the admission policy "
-                            f"({self.admission_policy or 'configured'}) kept it out of the durable tier",
-                            "", self.admission_policy, fate.at_wall, fate.at_wall)
-        if j > 0 and present is not None and present(key):
-            return ChunkRun(0, 0, "unreachable", _UNREACHABLE)
-        return ChunkRun(0, 0, "never_stored", _NEVER_STORED)
+    def _fated(self, fate: _Fate) -> ChunkRun:
+        if fate.kind == "evicted":
+            policy = self.eviction_policy
+            why = "the tier was full" if fate.reason == "capacity" else (
+                "the tenant was over its quota" if fate.reason == "quota" else fate.reason)
+            return ChunkRun(0, 0, "evicted", f"evicted from {fate.tier} (the last tier holding it) by "
+                            f"{policy or 'the eviction policy'} because {why}", fate.tier, policy,
+                            fate.at_wall, fate.at_wall)
+        if fate.kind == "corrupt":
+            return ChunkRun(0, 0, "corrupt", f"its value in {fate.tier} failed verification on read and "
+                            "was removed", fate.tier, "", fate.at_wall, fate.at_wall)
+        if fate.kind == "over_quota":
+            return ChunkRun(0, 0, "over_quota", "not stored: the tenant was over its quota and nothing "
+                            "of its own could be evicted to make room", "", "",
+                            fate.at_wall, fate.at_wall)
+        if fate.kind == "no_room":
+            return ChunkRun(0, 0, "no_room", "not stored: no tier had room (everything was pinned or "
+                            "the chunk is larger than a tier)", "", "", fate.at_wall, fate.at_wall)
+        return ChunkRun(0, 0, "not_admitted", f"not stored: the admission policy "
+                        f"({self.admission_policy or 'configured'}) kept it out of the durable tier",
+                        "", self.admission_policy, fate.at_wall, fate.at_wall)
 
     # --- requests ---
 
@@ -394,8 +386,8 @@ class Explainer:
             if miss_keys:
                 chunks = self.explain_chunks(facts.namespace, facts.hit_chunks, miss_keys,
                                              token_mismatch=facts.token_mismatch, present=present,
-                                             held=facts.miss_held, before=at,
-                                             missed=max(len(miss_keys), full - hit_chunks))
+                                             present_many=facts.held_now_fn, held=facts.miss_held, before=at,
+                                             missed=max(len(miss_keys), full - hit_chunks), shed=facts.shed)
             if hit_chunks and facts.has_local_state and rec.local_outcome in ("expired", "replayed"):
                 local_reason, local_detail = self.explain_local(facts.namespace, facts.boundary_key,
                                                                 facts.pool_miss_reason, at)
@@ -506,42 +498,38 @@ def _ago(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h ago"
 
 
-def _min(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else min(a, b)
-
-
-def _max(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else max(a, b)
-
-
 def _runs_without_fates(first_chunk: int, held: list[bool]) -> list[ChunkRun]:
     """The runs of chunks that are either unreachable (held, behind the first miss) or never
     stored, as the general loop would cut them (MAX_RUNS, the last one "mixed")."""
+    return _runs_with_told(first_chunk, held, {})
+
+
+def _runs_with_told(first_chunk: int, held: list[bool], told: Mapping[int, ChunkRun]) -> list[ChunkRun]:
+    """The runs of equal reasons: a told chunk's own (`_told`: equal when reason, tier and policy
+    are, the first one's detail, the span of their times), else unreachable (held, behind the
+    first miss) or never stored; at most MAX_RUNS, the last one "mixed" when there were more.
+    Cut at change points of a code per chunk (numpy), with a Python step only per told chunk."""
     if not held:
         return []
+    n = len(held)
     held[0] = False  # the first missed chunk is the miss itself, never unreachable
-    flags = np.array(held, dtype=bool)
-    starts = [0, *(np.flatnonzero(flags[1:] != flags[:-1]) + 1).tolist()]
-    ends = [*(s - 1 for s in starts[1:]), len(held) - 1]
-    runs = [ChunkRun(first_chunk + a, first_chunk + b, *(("unreachable", _UNREACHABLE) if held[a]
-                                                          else ("never_stored", _NEVER_STORED)))
-            for a, b in zip(starts[:MAX_RUNS], ends[:MAX_RUNS], strict=True)]
+    codes = np.array(held, dtype=np.int32)  # 0: never stored, 1: unreachable, 2...: a told reason
+    kinds: dict[tuple[str, str, str], int] = {}
+    for j, run in told.items():
+        codes[j] = kinds.setdefault((run.reason, run.tier, run.policy), 2 + len(kinds))
+    starts = [0, *(np.flatnonzero(codes[1:] != codes[:-1]) + 1).tolist()]
+    ends = [*(s - 1 for s in starts[1:]), n - 1]
+    runs: list[ChunkRun] = []
+    for a, b in zip(starts[:MAX_RUNS], ends[:MAX_RUNS], strict=True):
+        if a not in told:
+            runs.append(ChunkRun(first_chunk + a, first_chunk + b, *(("unreachable", _UNREACHABLE) if held[a]
+                                                                      else ("never_stored", _NEVER_STORED))))
+            continue
+        r = told[a]
+        first_at = [t for j in range(a, b + 1) if (t := told[j].first_at) is not None]
+        last_at = [t for j in range(a, b + 1) if (t := told[j].last_at) is not None]
+        runs.append(ChunkRun(first_chunk + a, first_chunk + b, r.reason, r.detail, r.tier, r.policy,
+                             min(first_at) if first_at else None, max(last_at) if last_at else None))
     if len(starts) > MAX_RUNS:
-        runs[-1] = ChunkRun(runs[-1].first_chunk, first_chunk + len(held) - 1, "mixed", _MIXED)
+        runs[-1] = ChunkRun(runs[-1].first_chunk, first_chunk + n - 1, "mixed", _MIXED)
     return runs
-
-
-def _held_at_answer(keys: Sequence[bytes], held: Sequence[bool],
-                    now: Callable[[bytes], bool] | None) -> Callable[[bytes], bool]:
-    """`present` as it was when the request was answered, for the keys `held` covers; the keys
-    beyond read from `now` (not held without it)."""
-    at_answer = {k for k, h in zip(keys, held, strict=False) if h}
-    noted = set(keys[: len(held)])
-    if now is None or len(held) >= len(keys):
-        return at_answer.__contains__
-    ask_now = now
-
-    def present(k: bytes) -> bool:
-        return k in at_answer if k in noted else ask_now(k)
-
-    return present

@@ -535,6 +535,10 @@ class Metrics:
                                        "StoreLocal and holding Lookup calls by how their chunk or snapshot "
                                        "bytes moved: shm (same-host shared memory) or stream (gRPC messages).",
                                        ["method", "path"], registry=r)
+        self.explanations_shed = Counter("kvstore_explanations_shed_total", "Requests whose miss explanation "
+                                         "examined only the missed chunks noted as the call answered (the "
+                                         "rest: unexamined): the records waiting for the observers held their "
+                                         "byte budget. Every other counter still counts them.", registry=r)
         self.rpc_seconds = Histogram("kvstore_rpc_seconds", "gRPC call latency, by method and status code "
                                      "(Attach: a runner's handshake, to its Attached or refusal, not its "
                                      "stream).", ["method", "code"], buckets=RPC_BUCKETS, registry=r)
@@ -661,6 +665,10 @@ class Metrics:
                 self._child(self.bytes_moved, _label(tier, TIER_NAMES), *t).inc(n)
         if local_bytes:
             self.local_bytes_moved.inc(local_bytes)
+
+    def explanation_shed(self) -> None:
+        """A request explained from what was noted as it answered only (the observers were behind)."""
+        self.explanations_shed.inc()
 
     def side_call(self, method: str, purpose: str) -> None:
         """A call that is not an engine request (a pre-check, a probe, a retry)."""

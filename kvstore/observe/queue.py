@@ -13,11 +13,19 @@ out. What an observer must know of the moment a call answered travels in its rec
 (`CallRecord.at`), and for a lookup that missed, which of its missed chunks the store held.
 
 Readers that must see every call finished so far (a metrics scrape, the ledger and explain APIs,
-tests) call `flush()` first. Nothing is dropped: when `max_pending` records are waiting (observers
+tests) call `flush()` first. No record is dropped: when `max_pending` records are waiting (observers
 slower than the calls), the submitting call delivers its record itself, and the calls slow down
 instead of memory growing. `close()` delivers what is waiting and stops the thread.
 
-What it does not know: what observers do, or gRPC.
+Bounded by bytes too. A record may say roughly what it keeps alive (`retained_bytes`) and offer a
+lighter copy of itself (`lightened()`): a cold 1M-token Lookup's facts hold a copy of the ids of
+the chunks the miss explainer will hash (~2 MB), and its observers cost ~5x the call. When the
+records waiting hold `max_pending_bytes`, a new record is queued lightened (counted in `shed`): its
+observers still see it, and count it exactly, but skip the expensive part (the explainer examines
+only the chunks noted as it answered). So a tenant sending such calls cannot grow the queue's
+memory without bound, nor leave the metrics tens of seconds behind.
+
+What it does not know: what observers do, what a record holds, or gRPC.
 """
 
 from __future__ import annotations
@@ -27,12 +35,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 log = logging.getLogger("kvstore.service")
 
 R = TypeVar("R")
 MAX_PENDING = 10_000
+# What the records waiting may keep alive before new ones are queued lightened: 8 cold 1M-token
+# Lookups' copied ids (~2 MB each), ~30 ms of the observers' work. Only a record with a deferred
+# part (a miss past 256 chunks, with the admin port or the trace on) can be lightened; the others
+# keep up to ~20 KB each (their noted keys) and are bounded by `max_pending`.
+MAX_PENDING_BYTES = 16 << 20
 # How long records gather before a batch is delivered. By then the calls that made them have long
 # answered, and one wake-up serves the whole batch. Observers still need the interpreter: a batch
 # can hold up a call that arrives while it runs (the tail), not the calls in between (the median).
@@ -43,14 +56,20 @@ IDLE_RECHECK_SECONDS = 1.0  # a safety net: an idle thread looks at the queue at
 
 class ObserverQueue(Generic[R]):
     def __init__(self, observers: Callable[[], Sequence[Callable[[R], None]]], max_pending: int = MAX_PENDING,
-                 batch_delay_seconds: float = BATCH_DELAY_SECONDS) -> None:
+                 batch_delay_seconds: float = BATCH_DELAY_SECONDS,
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         """`observers`: read at each delivery (observers come and go, as the admin port does)."""
         assert max_pending >= 1
+        assert max_pending_bytes >= 0
         assert batch_delay_seconds > 0  # the thread polls at this interval while calls arrive
         self._observers = observers
         self._max = max_pending
+        self._max_bytes = max_pending_bytes
         self._delay = batch_delay_seconds
-        self._pending: deque[R] = deque()
+        self._pending: deque[tuple[R, int]] = deque()  # each record with the bytes it was weighed at
+        self._bytes = 0  # what the records waiting keep alive (`retained_bytes`)
+        self._bytes_lock = threading.Lock()  # submitting calls and the thread add and take concurrently
+        self.shed = 0  # records queued lightened because the waiting ones held `max_pending_bytes`
         self._wake = threading.Event()  # set by a call that finds the thread idle, by flush and close
         self._hurry = threading.Event()  # set while someone flushes or closes: no batch delay
         self._done = threading.Condition()  # notified after each batch (flush waits on it)
@@ -62,11 +81,20 @@ class ObserverQueue(Generic[R]):
         self._start_lock = threading.Lock()
 
     def submit(self, record: R) -> None:
-        """Queue a record (a deque append: no lock, no wake-up unless the thread is idle)."""
+        """Queue a record (a deque append, a short lock for its bytes; no wake-up unless the thread
+        is idle), lightened when the records waiting hold `max_pending_bytes`."""
         if self._closed or len(self._pending) >= self._max:
             self._deliver(record)  # full (observers slower than calls) or closed: deliver it here
             return
-        self._pending.append(record)
+        size = _retained_bytes(record)
+        with self._bytes_lock:
+            if self._bytes and self._bytes + size > self._max_bytes:  # one alone always fits
+                lighter = _lightened(record)
+                if lighter is not record:
+                    record, size = lighter, _retained_bytes(lighter)
+                    self.shed += 1
+            self._bytes += size
+        self._pending.append((record, size))
         if self._thread is None:
             self._start()
         elif self._idle:
@@ -106,6 +134,11 @@ class ObserverQueue(Generic[R]):
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def pending_bytes(self) -> int:
+        """What the records waiting keep alive, as they said (`retained_bytes`)."""
+        return self._bytes
+
     def _start(self) -> None:
         with self._start_lock:
             if self._thread is None and not self._closed:
@@ -116,10 +149,10 @@ class ObserverQueue(Generic[R]):
     def _drain(self) -> None:
         while True:
             try:
-                record = self._pending.popleft()
+                item = self._pending.popleft()
             except IndexError:  # empty (the thread may have taken the last one)
                 return
-            self._deliver(record)
+            self._deliver_pending(item)
 
     def _run(self) -> None:
         last_batch = time.monotonic()
@@ -130,7 +163,7 @@ class ObserverQueue(Generic[R]):
                 self._hurry.wait(self._delay)
                 self._busy = True
                 while self._pending:
-                    self._deliver(self._pending.popleft())
+                    self._deliver_pending(self._pending.popleft())
                 self._busy = False
                 with self._done:
                     self._done.notify_all()
@@ -152,9 +185,29 @@ class ObserverQueue(Generic[R]):
                 self._idle = False
                 last_batch = time.monotonic()
 
+    def _deliver_pending(self, item: tuple[R, int]) -> None:
+        record, size = item
+        try:
+            self._deliver(record)
+        finally:  # its bytes are let go once it has been delivered
+            with self._bytes_lock:
+                self._bytes -= size
+
     def _deliver(self, record: R) -> None:
         for observe in tuple(self._observers()):
             try:
                 observe(record)
             except Exception:  # an observer's bug must not stop the others, or the queue
                 log.exception("call observer failed")
+
+
+def _retained_bytes(record: Any) -> int:
+    """What a record says it keeps alive (0 for one that does not say)."""
+    size = getattr(record, "retained_bytes", 0)
+    return size if isinstance(size, int) else 0
+
+
+def _lightened(record: Any) -> Any:
+    """A record's lighter copy (itself for one that has none)."""
+    lighten = getattr(record, "lightened", None)
+    return lighten() if callable(lighten) else record

@@ -10,6 +10,11 @@ from typing import Any, Literal
 from kvstore.layout import TierName
 from kvstore.wire.bills import Bills
 
+# What a record waiting for the observers keeps alive, roughly: the record and its facts' objects,
+# and per key noted when the call answered a 32-byte bytes object (65 B) and two tuple slots.
+FACTS_OVERHEAD_BYTES = 1024
+NOTED_KEY_BYTES = 81
+
 
 @dataclass(frozen=True)
 class LookupFacts:
@@ -38,10 +43,19 @@ class LookupFacts:
     # observers run a moment later, when a Store may have filled the gap. The explainer asks the
     # store about the chunks beyond them.
     miss_held: tuple[bool, ...] = ()
-    # How to compute the first n missed keys, or all of them for None (`miss_keys` may hold only
+    # How to compute the first n missed keys, or all those kept for None (`miss_keys` may hold only
     # the first of them, or none): hashing the missed part of a prompt costs as much as the lookup
     # itself, so the service defers it until someone reads the keys, and then hashes what is read.
+    # It keeps a copy of the token ids of the chunks it hashes (never the request's buffer: a record
+    # waiting for the observers would keep a 4 MB message alive), of `deferred_bytes`.
     miss_keys_fn: Callable[[int | None], Sequence[bytes]] | None = field(default=None, compare=False, repr=False)
+    deferred_bytes: int = 0
+    # Which of the given keys the store holds now, read at one moment (the store's `held`): the
+    # explainer asks it once for the examined keys beyond `miss_held`, not once a key.
+    held_now_fn: Callable[[Sequence[bytes]], Sequence[bool]] | None = field(default=None, compare=False, repr=False)
+    # The observers were behind when the call answered: its deferred keys were dropped (`lightened`),
+    # so only the chunks in `miss_keys` are examined and the rest are reported unexamined.
+    shed: bool = False
     # A Lookup that held chunks (`hold_chunks`): the bytes of the chunks it copied or leased into a
     # same-host session, by tier. A Load's work done in the Lookup: counted as bytes moved, as a Load's are.
     held_bytes: tuple[tuple[str, int], ...] = ()
@@ -58,6 +72,18 @@ class LookupFacts:
         if self.miss_keys_fn is None:
             return self.miss_keys[:limit]
         return self.miss_keys_fn(limit)
+
+    @property
+    def retained_bytes(self) -> int:
+        """Roughly what these facts keep alive while they wait for the observers."""
+        return FACTS_OVERHEAD_BYTES + self.deferred_bytes + NOTED_KEY_BYTES * len(self.miss_keys)
+
+    def lightened(self) -> LookupFacts:
+        """These facts without their deferred keys (and the copy they hold): what the observers
+        get of a call that answered while they were behind. Itself when nothing was deferred."""
+        if self.miss_keys_fn is None:
+            return self
+        return replace(self, miss_keys_fn=None, deferred_bytes=0, shed=True)
 
 
 def lookup_facts(
@@ -76,17 +102,20 @@ def lookup_facts(
     replay_mode: str = "",
     miss_keys_fn: Callable[[int | None], Sequence[bytes]] | None = None,
     miss_held: Sequence[bool] = (),
+    deferred_bytes: int = 0,
+    held_now_fn: Callable[[Sequence[bytes]], Sequence[bool]] | None = None,
 ) -> LookupFacts:
     """The trace of one lookup. `miss_keys`: the keys of full chunks hit_chunks.. (the store's
     `chunk_keys(ns, tokens)[hit_chunks:]`; only worth hashing when something missed);
     `boundary_key`: the key of the last hit chunk (where local state is held); `miss_keys_fn`:
-    a function giving `miss_keys` when they are first needed, in their place."""
+    a function giving `miss_keys` when they are first needed, in their place (or those beyond
+    them), holding `deferred_bytes`; `held_now_fn`: the store's `held`, for the keys beyond `miss_held`."""
     return LookupFacts(
         namespace=namespace, chunk_tokens=chunk_tokens, full_chunks=full_chunks, hit_chunks=hit_chunks,
         remainder_tokens=remainder_tokens, miss_keys=tuple(miss_keys), token_mismatch=token_mismatches > 0,
         boundary_key=boundary_key, pool_miss_reason=pool_miss_reason, has_local_state=has_local_state,
         window_tokens=window_tokens, replay_mode=replay_mode, miss_keys_fn=miss_keys_fn,
-        miss_held=tuple(miss_held),
+        miss_held=tuple(miss_held), deferred_bytes=deferred_bytes, held_now_fn=held_now_fn,
     )
 
 
@@ -130,6 +159,19 @@ class CallRecord:
     at: float | None = None  # the app's clock when the call finished (observers see it later)
     # Load, Resume, Store, LoadLocal, StoreLocal, a holding Lookup: "shm" (same-host shared memory) or "stream"
     data_path: str = ""
+
+    # What the observer queue weighs and sheds (kvstore.observe.queue).
+    @property
+    def retained_bytes(self) -> int:
+        """Roughly what this record keeps alive while it waits for the observers."""
+        return self.facts.retained_bytes if isinstance(self.facts, LookupFacts) else FACTS_OVERHEAD_BYTES
+
+    def lightened(self) -> CallRecord:
+        """This record with its lookup facts' deferred part dropped (`LookupFacts.lightened`)."""
+        facts = self.facts
+        if not isinstance(facts, LookupFacts) or facts.miss_keys_fn is None:
+            return self
+        return replace(self, facts=facts.lightened())
 
 
 CallObserver = Callable[[CallRecord], None]

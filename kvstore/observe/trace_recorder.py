@@ -15,10 +15,12 @@ payloads.
 The session: the caller's `x-session-id` when it sent one (the client's `session=` option), else
 an opaque id derived from the namespace digest and the boundary chunk key (a hash prefix, which
 cannot be turned back into either): the key of the last hit chunk, or for a cold request the key
-of its last full chunk. A retry at the same boundary gets the same id, and a cold request's
-successor that hits exactly the prefix it sent does too; but an engine that stores more than the
-prompt (the generated tokens) moves the boundary each turn, so derived ids do not link turns.
-Engines that want `tune` to see whole sessions send `x-session-id`.
+of its last full chunk (of its first 4,096: the keys the miss explainer examines; a cold request
+answered while the observers were behind, whose keys were dropped, gets one of its own). A retry
+at the same boundary gets the same id, and a cold request's successor that hits exactly the
+prefix it sent does too; but an engine that stores more than the prompt (the generated tokens)
+moves the boundary each turn, so derived ids do not link turns. Engines that want `tune` to see
+whole sessions send `x-session-id`.
 
 Outcomes: "cold" (no global hit), "hit" (snapshot held, or a model that keeps no local state),
 "replayed" (rebuilt by a replay), "expired" (global hit, no snapshot: the pool cannot always tell
@@ -37,6 +39,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from kvstore.layout import CacheLayout, exact_replay_tokens
+from kvstore.observe.explainer import MAX_EXPLAINED_CHUNKS
 from kvstore.observe.records import LocalReadFacts, LookupFacts
 from kvstore.observe.retries import RecentRequests
 from kvstore.observe.trace_file import LocalOutcome, TraceRecord, TraceWriter
@@ -105,7 +108,7 @@ class TraceRecorder:
             mode = trace.replay_mode if trace is not None else ""
             replay = exact_replay_tokens(layout) if mode == "exact" else layout.local.window_tokens
         record = TraceRecord(
-            time=self._time_of(call), tenant=call.tenant, session=call.session or _session_of(trace),
+            time=self._time_of(call), tenant=call.tenant, session=call.session or _session_of(trace, call.request_id),
             prefix_tokens=int(call.bills.prompt_tokens),
             local_outcome=trace_outcome(call.local_state, int(call.bills.prefill_tokens_avoided)),
             snapshot_bytes=snapshot, replay_tokens=replay, purpose=call.purpose, model=call.model,
@@ -132,11 +135,16 @@ class TraceRecorder:
         self._writer.close()
 
 
-def _session_of(trace: LookupFacts | None) -> str:
+def _session_of(trace: LookupFacts | None, request_id: str) -> str:
     if trace is None:
         return derived_session(b"", b"")
     key = trace.boundary_key
     if not key and trace.full_chunks:
-        missed = trace.missed_keys()  # cold: hashes the prompt (only when the trace is on)
+        # Cold: the last missed chunk's key, of those the explainer examines (the same keys, hashed
+        # once). A longer prompt's is its 4,096th chunk's, which its successor's boundary is not.
+        missed = trace.missed_keys(MAX_EXPLAINED_CHUNKS)
         key = missed[-1] if missed else b""
+        if trace.shed:
+            # Its keys were dropped (the observers were behind): a session of its own, unlinked.
+            key = b"request\x00" + request_id.encode()
     return derived_session(trace.namespace, key)

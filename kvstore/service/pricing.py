@@ -11,12 +11,13 @@ What it does not know: gRPC status codes, or how the pool or the store keep thei
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvstore.keys.chain import chain_from
 from kvstore.layout import exact_replay_tokens
 from kvstore.local_pool.base import GetResult, LocalPool, PeekResult
+from kvstore.observe.explainer import MAX_EXPLAINED_CHUNKS
 from kvstore.observe.records import LookupFacts, lookup_facts
 from kvstore.service.calls import Resolved
 from kvstore.store import PrefixHit
@@ -130,9 +131,9 @@ def facts_for_lookup(
     read), `key`: the boundary key when the caller has it.
 
     The keys of the missed chunks are computed only when first read (the explainer, or the request
-    trace for a cold request), and then only for the missed part: they chain on from the boundary
-    key, so the hit prefix is not hashed again. A Lookup stays as cheap as it was when nobody reads
-    them."""
+    trace for a cold request), and then only for the missed part the explainer examines (its first
+    MAX_EXPLAINED_CHUNKS chunks): they chain on from the boundary key, so the hit prefix is not
+    hashed again, over a copy of those chunks' token ids. With neither reader on, none are kept."""
     ct, full = res.chunk_tokens, r.full_chunks
     boundary = b""
     if hit_chunks:
@@ -143,28 +144,28 @@ def facts_for_lookup(
         pool_reason = "no_pool"
     elif hit_chunks and has_local and got is not None:
         pool_reason = got.miss_reason or ""
-    miss_fn = None
+    miss_fn: DeferredMissKeys | None = None
     missed: tuple[bytes, ...] = ()
     held: tuple[bool, ...] = ()
-    if hit_chunks < full:
+    # Only the explainer and the request trace read the missed keys (and no more than it examines).
+    if hit_chunks < full and (app.explains_misses or app.config.trace.enabled):
         store, ns, tokens = app.store, res.ns, res.tokens
-
-        @functools.cache
-        def miss_keys(limit: int | None) -> tuple[bytes, ...]:
-            # Through the store's key memo: the hit part is remembered by the lookup, and the
-            # keys hashed here are remembered for the Store that usually follows a miss.
-            end = full if limit is None else min(full, hit_chunks + limit)
-            return tuple(store.chunk_keys(ns, tokens[: end * ct])[hit_chunks:])
-
-        miss_fn = miss_keys
+        first = hit_chunks  # the first missed chunk whose key is not hashed yet
         if app.explains_misses:
             # The explainer runs after the call has answered, when the Store that usually follows
             # a miss may have filled it: which missed chunks the store holds is read now, for the
-            # first HELD_AT_ANSWER_CHUNKS of them. Hashing every missed key of a 1M-token miss here
-            # doubled the call; the rest are hashed on the observer thread, and read there.
+            # first HELD_AT_ANSWER_CHUNKS of them (through the key memo, which hands their keys to
+            # that Store). Hashing every missed key of a 1M-token miss here doubled the call; the
+            # rest are hashed on the observer thread, and their presence read there.
             first = min(full, hit_chunks + HELD_AT_ANSWER_CHUNKS)
             missed = tuple(store.chunk_keys(ns, tokens[: first * ct])[hit_chunks:])
             held = store.held(missed)
+        end = min(full, hit_chunks + MAX_EXPLAINED_CHUNKS)
+        if end > first:
+            # A copy of the ids of the chunks still to hash (at most 4,096 chunks' worth): the
+            # record waits for the observers, and a view would keep the whole request alive.
+            raw = tokens[first * ct : end * ct].astype("<u4", copy=False).tobytes()
+            miss_fn = DeferredMissKeys(missed, missed[-1] if missed else boundary or ns.digest, raw, 4 * ct)
     return lookup_facts(
         namespace=res.ns.digest, full_chunks=full, hit_chunks=hit_chunks, chunk_tokens=ct,
         boundary_key=boundary, remainder_tokens=r.remainder_tokens,
@@ -172,4 +173,32 @@ def facts_for_lookup(
         token_mismatches=r.token_mismatches if hit_chunks == r.hit_chunks else 0,
         pool_miss_reason=pool_reason, has_local_state=has_local, window_tokens=res.layout.local.window_tokens,
         replay_mode=res.ns.replay_mode, miss_keys_fn=miss_fn, miss_keys=missed, miss_held=held,
+        deferred_bytes=miss_fn.nbytes if miss_fn is not None else 0,
+        held_now_fn=app.store.held if app.explains_misses else None,
     )
+
+
+class DeferredMissKeys:
+    """The keys of a lookup's missed chunks: those hashed as it answered (`noted`), then those of
+    the chunks whose token ids `raw` copies, chained on from the key `after`, hashed when first
+    read (then `raw` is let go). Thread-safe enough: two first reads would hash the same keys."""
+
+    __slots__ = ("_after", "_keys", "_noted", "_raw", "_step")
+
+    def __init__(self, noted: tuple[bytes, ...], after: bytes, raw: bytes, step: int) -> None:
+        self._noted, self._after, self._raw, self._step = noted, after, raw, step
+        self._keys: tuple[bytes, ...] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._raw)
+
+    def __call__(self, limit: int | None) -> tuple[bytes, ...]:
+        if limit is not None and limit <= len(self._noted):
+            return self._noted[:limit]
+        keys = self._keys
+        if keys is None:
+            keys = self._keys = self._noted + tuple(chain_from(self._after, self._raw, self._step))
+            self._raw = b""
+        return keys[:limit]
+
