@@ -11,6 +11,7 @@ several times longer), never speed.
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import threading
 import time
@@ -1013,3 +1014,24 @@ def test_a_closed_cluster_transport_builds_no_client(redis_cluster: RedisCluster
     with pytest.raises(redis.exceptions.ConnectionError, match="closed"):
         transport.transaction([("EXISTS", "kvs:{t}:p0")], time.monotonic() + 2.0)
     assert transport._client is None
+
+
+def test_instances_of_two_format_versions_sharing_a_pool_keep_out_of_each_others_snapshots(
+        redis_server: RedisProcess) -> None:
+    # In a rolling upgrade the last version wrote format 1 under the same key names: each version
+    # took the other's snapshot for corrupt and removed it, so neither kept a local hit.
+    pool = _pool(redis_server.url)
+    c = redis_server.client()
+    tag = snapshot_key_tag(_ns(), _bk())
+    old = f"kvs:{{{tag.hex()}}}:p0".encode()  # format 1's name and 64-byte header
+    c.set(old, struct.pack("<4sHH", b"KVSW", 1, 0) + bytes(56) + b"x" * 100, px=30_000)
+    got = pool.get(_ns(), _bk(), TENANT, LAYOUT, payload_bytes=SNAPSHOT, boundary_tokens=128)
+    assert got.miss_reason == "absent"
+    assert c.exists(old) == 1  # the older instance's, left to it (and to its TTL)
+    data = os.urandom(SNAPSHOT)
+    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, data).written
+    assert c.exists(old) == 1
+    again = pool.get(_ns(), _bk(), TENANT, LAYOUT, payload_bytes=SNAPSHOT, boundary_tokens=128)
+    assert again.hit and again.payload is not None and bytes(again.payload) == data
+    assert snapshot_key_base("kvs", _ns(), _bk()) == f"kvs:{{{tag.hex()}}}:v2:p".encode()
+    pool.close()

@@ -168,7 +168,7 @@ class LocalPoolConfig:
     # The most one pool call (get, put, delete) may take, retries included, when the caller
     # passes no deadline of its own; socket timeouts are cut down to what is left of it.
     call_budget_seconds: float = 0.5
-    key_prefix: str = "kvs"  # Redis keys are <key_prefix>:{<hash>}:p<i>
+    key_prefix: str = "kvs"  # Redis keys are <key_prefix>:{<hash>}:v<format version>:p<i>
 
     def validate(self, prefix: str) -> None:
         ok_scheme = self.url == "embedded" or self.url.split("://", 1)[0] in (

@@ -2,7 +2,7 @@
 
 Keys: one snapshot per (namespace digest, boundary chunk key), stored as parts
 
-    <prefix>:{<hex of sha256(ns_digest || boundary_key)[:16]>}:p<i>
+    <prefix>:{<hex of sha256(ns_digest || boundary_key)[:16]>}:v<format version>:p<i>
 
 The braces are a Redis Cluster hash tag, so all parts of a snapshot live in one slot and one
 MULTI/EXEC reaches them all. Every write is `SET key value PX ttl` for every part in one
@@ -65,6 +65,7 @@ from kvstore.local_pool.base import (
 from kvstore.local_pool.breaker import CircuitBreaker
 from kvstore.local_pool.redis_transport import Command, RedisTransport, ServerMemory, telling_timeout
 from kvstore.local_pool.snapshot_format import (
+    FORMAT_VERSION,
     HEADER,
     KEY_TAG_BYTES,
     PART_HEADER,
@@ -119,12 +120,15 @@ def snapshot_key_tag(ns_digest: bytes, boundary_key: bytes) -> bytes:
 
 
 def snapshot_key_base(prefix: str, ns_digest: bytes, boundary_key: bytes) -> bytes:
-    """`<prefix>:{<hash>}:p`; part i is this plus str(i)."""
+    """`<prefix>:{<hash>}:v<format version>:p`; part i is this plus str(i)."""
     return _key_base(prefix, snapshot_key_tag(ns_digest, boundary_key))
 
 
 def _key_base(prefix: str, key_tag: bytes) -> bytes:
-    return f"{prefix}:{{{key_tag.hex()}}}:p".encode()
+    # The format version in the name: instances of two versions sharing a pool (a rolling upgrade)
+    # each read only their own snapshots; under one name each took the other's for corrupt and
+    # removed it.
+    return f"{prefix}:{{{key_tag.hex()}}}:v{FORMAT_VERSION}:p".encode()
 
 
 def _wrong_type(reply: Any) -> bool:
