@@ -273,3 +273,34 @@ def test_queued_cold_million_token_lookups_do_not_keep_their_requests(tmp_path: 
             (0, 4095, "never_stored"), (4096, 7811, "unexamined")]
     finally:
         svc.stop(1.0)
+
+
+class _Heavy(_Weighed):
+    """A record with no lighter copy (a Lookup's noted keys: ~20 KB)."""
+
+    def lightened(self) -> _Heavy:
+        return self
+
+
+def test_records_too_heavy_to_wait_past_the_byte_budget_are_delivered_by_their_callers() -> None:
+    # Records that cannot be lightened were bounded by count only (10,000 of ~20 KB: ~200 MB).
+    gate, entered = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def slow(r: _Weighed) -> None:
+        if r.n == 0:
+            entered.set()
+            assert gate.wait(10.0)
+        seen.append(r.n)
+
+    q: ObserverQueue[_Weighed] = ObserverQueue(lambda: [slow], max_pending_bytes=1000)
+    q.submit(_Heavy(0, 300))
+    assert entered.wait(10.0)
+    for i in range(1, 11):
+        q.submit(_Heavy(i, 300))
+    # 1 and 2 wait beside 0 (900 bytes); 3-5 past the budget, within as much again (1,800); 6-10
+    # would have gone beyond: delivered by their callers, at once.
+    assert seen == list(range(6, 11)) and q.pending_bytes == 1800 and q.shed == 0
+    gate.set()
+    assert q.flush(10.0) and sorted(seen) == list(range(11)) and q.pending_bytes == 0
+    q.close()

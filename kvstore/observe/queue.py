@@ -22,8 +22,10 @@ lighter copy of itself (`lightened()`): a cold 1M-token Lookup's facts hold a co
 the chunks the miss explainer will hash (~2 MB), and its observers cost ~5x the call. When the
 records waiting hold `max_pending_bytes`, a new record is queued lightened (counted in `shed`): its
 observers still see it, and count it exactly, but skip the expensive part (the explainer examines
-only the chunks noted as it answered). So a tenant sending such calls cannot grow the queue's
-memory without bound, nor leave the metrics tens of seconds behind.
+only the chunks noted as it answered). Past the budget, records that cannot be lightened (or
+their lighter copies) wait within as much again; one that would go beyond is delivered by its
+submitting call, as when the queue is full. So a tenant sending such calls cannot grow the queue's
+memory past twice its budget, nor leave the metrics tens of seconds behind.
 
 What it does not know: what observers do, what a record holds, or gRPC.
 """
@@ -44,7 +46,7 @@ MAX_PENDING = 10_000
 # What the records waiting may keep alive before new ones are queued lightened: 8 cold 1M-token
 # Lookups' copied ids (~2 MB each), ~30 ms of the observers' work. Only a record with a deferred
 # part (a miss past 256 chunks, with the admin port or the trace on) can be lightened; the others
-# keep up to ~20 KB each (their noted keys) and are bounded by `max_pending`.
+# (up to ~20 KB each: their noted keys) count too, and past twice the budget their callers deliver them.
 MAX_PENDING_BYTES = 16 << 20
 # How long records gather before a batch is delivered. By then the calls that made them have long
 # answered, and one wake-up serves the whole batch. Observers still need the interpreter: a batch
@@ -88,12 +90,19 @@ class ObserverQueue(Generic[R]):
             return
         size = _retained_bytes(record)
         with self._bytes_lock:
-            if self._bytes and self._bytes + size > self._max_bytes:  # one alone always fits
+            over = bool(self._bytes) and self._bytes + size > self._max_bytes  # one alone always fits
+            if over:
                 lighter = _lightened(record)
                 if lighter is not record:
                     record, size = lighter, _retained_bytes(lighter)
                     self.shed += 1
-            self._bytes += size
+                # Past the budget only light records wait, within as much again.
+                over = self._bytes + size > 2 * self._max_bytes
+            if not over:
+                self._bytes += size
+        if over:  # still too heavy to wait: delivered here, as by a call that finds the queue full
+            self._deliver(record)
+            return
         self._pending.append((record, size))
         if self._thread is None:
             self._start()
