@@ -5,6 +5,9 @@ engine's own GPU worker speaking the same stream) connects, announces its model,
 weights, device and capacity in a `RunnerHello`, and then receives `ReplayJob`s, each followed by
 its global chunks in `JobChunks` pieces. It answers each job with the rebuilt snapshot in
 `JobResult` pieces (or an error). Jobs run through a `BatchWorker`, so jobs that arrive together run as one batch.
+A job the service cancels (`JobCancel`, at its deadline) is dropped if it has not started; one
+already running finishes, and its snapshot is sent all the same: the service drops it, but it is
+what shows a runner slow rather than hung (without it a runner benched for timeouts is detached).
 
 On the service's host (a `unix:` target) the runner opens a same-host session first and names it
 in its hello: job chunks then come as spans of the session's load segment, which the runner copies
@@ -246,6 +249,9 @@ class _Session:
         self._shm = shm
         self._incoming: dict[int, _Incoming] = {}
         self._running: dict[int, JobHandle] = {}
+        # Running jobs the service cancelled: a snapshot one still comes to is sent all the same,
+        # late (the service drops it): it shows the runner slow, not hung (see `RunnerRegistry`).
+        self._cancelled: set[int] = set()
         self._lock = threading.Lock()
         self._closed = False
         self._lent: dict[int, int] = {}  # job id -> hold of the store segment its result is in
@@ -314,10 +320,14 @@ class _Session:
     def cancel(self, job_id: int) -> None:
         inc = self._incoming.pop(job_id, None)
         with self._lock:
-            handle = self._running.pop(job_id, None)
+            handle = self._running.get(job_id)
+            if handle is not None:
+                self._cancelled.add(job_id)
             held = self._held.pop(job_id, [])
         if handle is not None:
-            handle.cancel()  # a job already running finishes unheard: what it reads no longer matters
+            # One still queued is dropped; one already running finishes, and its snapshot goes
+            # back late, only to show this runner alive: what it reads no longer matters.
+            handle.cancel()
         self._release_leases(held + (inc.held if inc is not None else []))
 
     def _start(self, inc: _Incoming) -> None:
@@ -342,8 +352,16 @@ class _Session:
     def _finished(self, job_id: int, result: ReplayResult) -> None:
         with self._lock:
             if self._running.pop(job_id, None) is None or self._closed:
-                return  # cancelled, or the stream it came from is gone
+                return  # the stream it came from is gone
+            late = job_id in self._cancelled
+            self._cancelled.discard(job_id)
             held = self._held.pop(job_id, [])
+        if late:
+            # Its leases went with the cancel: the snapshot is sent as a sign of life, not an answer
+            # (the service drops it); a job dropped unrun, or failed, sends nothing.
+            if result.snapshot is not None:
+                self._send_snapshot(job_id, result.snapshot)
+            return
         self._runner.jobs_done += 1
         # Chunks read in place were the service's only while their leases held: a lease that
         # lapsed during the job may have had its span reused, so the result cannot be trusted.
@@ -356,7 +374,9 @@ class _Session:
         if result.snapshot is None:
             self._send_error(job_id, result.error or "replay failed")
             return
-        snap = result.snapshot
+        self._send_snapshot(job_id, result.snapshot)
+
+    def _send_snapshot(self, job_id: int, snap: bytes) -> None:
         if self.result_spans and self._send_span(job_id, snap):
             return
         spans = list(blob_spans(len(snap), self.piece_bytes)) or [(0, 0)]
@@ -400,6 +420,7 @@ class _Session:
             self._closed = True
             running = list(self._running.values())
             self._running.clear()
+            self._cancelled.clear()
             self._held.clear()  # the session closes with the stream: the service drops its leases
         for h in running:
             h.cancel()

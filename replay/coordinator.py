@@ -29,7 +29,10 @@ ticket used runs the job (the leader), the others wait for its outcome, each wit
 deadline; the job runs until the last of them gives up (within `timeout_seconds`), not only the
 leader's deadline. A caller whose call ended (the service `release`s its ticket then, used or not)
 stops waiting at once and no longer keeps the replay going: one that joined does not hold its
-thread until its own deadline, and a replay every caller has left is cancelled. The slot is
+thread until its own deadline, and a replay every caller has left is cancelled (CALL_ENDED,
+counted as `abandoned`, not as a timeout). A joiner whose own deadline comes first stops waiting
+with WAIT_TIMEOUT (`wait_timeouts`, a caller's count): the replay runs on and is counted once,
+when it ends. The slot is
 given back when the flight ends, or when every ticket of a flight that never ran has been
 released. A flight's replay is billed once (`replay.port.ReplayBill`, on each of its tickets): to
 the leader's call when it takes the outcome, else to the first other caller that takes the
@@ -76,6 +79,7 @@ from replay.port import (
     NO_RUNNER,
     REPLAYED,
     TIMEOUT,
+    WAIT_TIMEOUT,
     ReplayBill,
     ReplayOutcome,
     ReplayParts,
@@ -111,7 +115,12 @@ class ReplayCounters:
     coalesced: int  # requests served by another request's replay
     requeued: int  # jobs re-sent after their runner died
     retried: int  # jobs re-sent to another runner after an attached runner answered them with an error
-    timeouts: int
+    timeouts: int  # replays that ran out of time: their last caller's deadline passed first
+    # Replays stopped because every caller's call ended before its deadline (gone, cancelled).
+    abandoned: int
+    # Callers that joined a replay and stopped waiting at their own deadline (it ran on, and is
+    # counted when it ends): callers, not replays.
+    wait_timeouts: int
     failures: int  # runner errors, runners lost with no other to take over, prefixes gone
     no_runner: int
     runners_busy: int  # replays no runner had room for before their deadline (runners attached, all busy)
@@ -169,7 +178,8 @@ class _Flight:
     done: bool = False  # its outcome is set (or it ended without running)
     # When each of its callers gives up (clock time), while its call lasts: the replay runs until
     # the last of them, so that a caller with time to spare is not cut short by a leader whose own
-    # deadline is near, and no longer once every call has ended.
+    # deadline is near, and no longer once every call has ended. A caller whose deadline passed
+    # stays on record (`_drop_until`): empty, every caller left before its deadline (CALL_ENDED).
     untils: dict[ReplayTicket, float] = field(default_factory=dict)
     # Set when a caller leaves or the job answers: the replay's wait looks again.
     wake: threading.Event = field(default_factory=threading.Event)
@@ -326,7 +336,7 @@ class ReplayCoordinator:
             if flight is None:
                 return
             flight.tickets -= 1
-            flight.untils.pop(ticket, None)
+            self._drop_until(flight, ticket)
             flight.wake.set()
             if flight.tickets or flight.led or flight.done:
                 return
@@ -339,10 +349,18 @@ class ReplayCoordinator:
         if waiting is None:
             return
         flight, woken = waiting
-        flight.untils.pop(ticket, None)
+        self._drop_until(flight, ticket)
         flight.wake.set()
         if woken is not None:
             woken.set()
+
+    def _drop_until(self, flight: _Flight, ticket: ReplayTicket) -> None:
+        """A caller leaves: before its deadline it no longer keeps the replay running; after it,
+        it stays on record, so that a replay its callers left at their deadlines ends as a timeout,
+        not as abandoned (called under the lock)."""
+        until = flight.untils.get(ticket)
+        if until is not None and until > self._clock():
+            del flight.untils[ticket]
 
     def resume_local(
         self, ns: Namespace, tokens: np.ndarray, hit_tokens: int, deadline_seconds: float,
@@ -432,12 +450,13 @@ class ReplayCoordinator:
         woken.wait(max(0.0, until - self._clock()))
         with self._lock:
             gone = self._waiting.pop(ticket, None) is None  # `release` took it: the call ended
-            flight.untils.pop(ticket, None)
+            self._drop_until(flight, ticket)
         if not flight.future.done():
             if gone:
                 return ReplayOutcome(None, 0, CALL_ENDED, shared=True)
-            self._bump("timeouts")
-            return ReplayOutcome(None, 0, TIMEOUT, shared=True)
+            # Its own deadline, not the replay's: that runs on and is counted when it ends.
+            self._bump("wait_timeouts")
+            return ReplayOutcome(None, 0, WAIT_TIMEOUT, shared=True)
         got = flight.future.result()
         # The leader's request carries the replay's compute bill, unless its call gave up before
         # taking the outcome: then the first caller that takes the snapshot does (the flight's
@@ -470,8 +489,8 @@ class ReplayCoordinator:
                 deadline_seconds=max(0.0, self._left(flight)), source=source,
             )
             result = self._run(job, flight)
-        if result is None:
-            return ReplayOutcome(None, 0, TIMEOUT)
+        if isinstance(result, str):  # TIMEOUT, CALL_ENDED
+            return ReplayOutcome(None, 0, result)
         if not result.ok:
             if source.lost:
                 return ReplayOutcome(None, 0, PREFIX_GONE)
@@ -502,6 +521,14 @@ class ReplayCoordinator:
             until = flight.until
         return until - self._clock()
 
+    def _out_of_time(self, flight: _Flight) -> str:
+        """Why the flight has no time left: TIMEOUT (its last caller's deadline passed), or
+        CALL_ENDED (every caller left before its own), counted as such."""
+        with self._lock:
+            why = TIMEOUT if flight.untils else CALL_ENDED
+            self._c.bump("timeouts" if why == TIMEOUT else "abandoned")
+        return why
+
     def _wait(self, handle: JobHandle, flight: _Flight) -> ReplayResult | None:
         """The job's result, or None once the flight's last caller has given up or gone. A caller
         that joins meanwhile may push that moment back, one that leaves bring it forward, so the
@@ -516,8 +543,9 @@ class ReplayCoordinator:
                 return None
             flight.wake.wait(left)
 
-    def _run(self, job: ReplayJob, flight: _Flight) -> ReplayResult | None:
-        """The job's result from the first runner that serves it (None: the deadline passed),
+    def _run(self, job: ReplayJob, flight: _Flight) -> ReplayResult | str:
+        """The job's result from the first runner that serves it (else `_out_of_time`: its
+        callers' deadlines passed, or they all left),
         re-queued on another runner when the one that had it went away (at most MAX_REQUEUES
         times), and tried once more on another runner when an attached one answered it with an
         error: never on that one again (`avoid`). Neither once a chunk of its prefix vanished (the
@@ -528,8 +556,10 @@ class ReplayCoordinator:
         avoid = ""  # the attached runner that answered the job with an error
         while True:
             runner = self._runner_for(job, flight, avoid)
-            if isinstance(runner, str):  # NO_RUNNER, RUNNERS_BUSY
+            if isinstance(runner, str):  # NO_RUNNER, RUNNERS_BUSY, CALL_ENDED
                 if last is None:
+                    if runner == CALL_ENDED:
+                        return self._out_of_time(flight)
                     self._bump("no_runner" if runner == NO_RUNNER else "runners_busy")
                     return ReplayResult.failed(runner)
                 break  # nowhere else to go: the last answer stands
@@ -537,8 +567,7 @@ class ReplayCoordinator:
             if left <= 0:
                 if last is not None and not last.lost:
                     break  # a runner answered in time, with an error: that answer stands, not a timeout
-                self._bump("timeouts")
-                return None
+                return self._out_of_time(flight)
             # A replay is started once: sending it again elsewhere is counted apart.
             self._bump("replays_started" if last is None else "requeued" if last.lost else "retried")
             with self._lock:
@@ -553,8 +582,7 @@ class ReplayCoordinator:
                     self._queued -= 1
             if got is None:
                 handle.cancel()
-                self._bump("timeouts")
-                return None
+                return self._out_of_time(flight)
             last = got
             if last.ok:
                 break
@@ -580,7 +608,8 @@ class ReplayCoordinator:
     def _runner_for(self, job: ReplayJob, flight: _Flight, avoid: str = "") -> Runner | str:
         """The first runner that serves the job now (a pool's runners but `avoid`); while runners
         that could are attached but all busy, the first that frees up within the flight's time.
-        Else why none: NO_RUNNER, or RUNNERS_BUSY once that time is up."""
+        Else why none: NO_RUNNER, or RUNNERS_BUSY once that time is up (CALL_ENDED once every
+        caller left before it was)."""
         m, t = job.model, job.tenant
         while True:
             runner = next((r for r in self.runners
@@ -593,7 +622,8 @@ class ReplayCoordinator:
                 return NO_RUNNER
             left = self._left(flight)
             if left <= 0:
-                return RUNNERS_BUSY
+                with self._lock:
+                    return RUNNERS_BUSY if flight.untils else CALL_ENDED
             full.wait_for_room(m, t, min(left, ROOM_WAIT_SLICE_SECONDS), avoid)
 
     # --- observability and lifecycle -------------------------------------------------------------
@@ -613,7 +643,7 @@ class ReplayCoordinator:
             return ReplayCounters(
                 requests=n("requests", 0), replays_started=n("replays_started", 0), replays_ok=n("replays_ok", 0),
                 coalesced=n("coalesced", 0), requeued=n("requeued", 0), retried=n("retried", 0),
-                timeouts=n("timeouts", 0),
+                timeouts=n("timeouts", 0), abandoned=n("abandoned", 0), wait_timeouts=n("wait_timeouts", 0),
                 failures=n("failures", 0), no_runner=n("no_runner", 0), runners_busy=n("runners_busy", 0),
                 rejected=n("rejected", 0),
                 disabled=n("disabled", 0), replay_tokens=n("replay_tokens", 0),

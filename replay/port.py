@@ -74,11 +74,13 @@ class ReplayOutcome:
 
 
 class ReplayBill:
-    """Which caller carries the compute bill of one replay that several callers share (coalesced):
-    exactly one that took its snapshot. The leader's call (its ticket ran the replay) when it takes
-    its outcome; when it gave up first (its own deadline came while the replay ran on for a caller
-    with more time, or its call went away), the first other caller that takes the snapshot, billed
-    the replay's tokens as if it had run it (not shared). Thread-safe.
+    """Which caller carries the compute bill of one replay that several callers share (coalesced),
+    and is counted as having run it: exactly one that took its outcome. The leader's call (its
+    ticket ran the replay) when it takes its outcome; when it gave up first (its own deadline came
+    while the replay ran on for a caller with more time, or its call went away), the first other
+    caller that takes the replay's outcome, billed the replay's tokens as if it had run it (not
+    shared). A failure too: it is that caller's to count (a failed replay would otherwise reach
+    only callers marked shared, and be counted as no replay run). Thread-safe.
 
     The service reports each call through its ticket: `take` when it got its outcome in time,
     `give_up` when its wait ended without one, `abandon` when the call ends without taking it.
@@ -104,13 +106,12 @@ class ReplayBill:
 
     def take(self, ticket: ReplayTicket, outcome: ReplayOutcome) -> ReplayOutcome:
         """`outcome` (what `resume_local` returned under `ticket`) as this call is billed for it."""
-        if outcome.snapshot is None:
-            return outcome  # nothing rebuilt for this caller: nothing to bill
         with self._lock:
             leader = ticket is self._leader
             done = self._done
-            mine = (not self._billed and done is not None and done.snapshot is not None
-                    and (leader or self._leader_gone))
+            # The replay's own outcome (this caller's wait ending first has another status).
+            final = done is not None and outcome.status == done.status
+            mine = not self._billed and final and (leader or self._leader_gone)
             if mine:
                 self._billed = True
         if mine:
@@ -119,8 +120,8 @@ class ReplayBill:
                 return outcome
             # The replay ran for this caller after all: its tokens, and its pool write, are its own.
             return dataclasses.replace(outcome, replay_tokens=done.replay_tokens, shared=False, put=done.put)
-        if leader:  # not reached (a leader that gave up takes nothing); never bill twice
-            return dataclasses.replace(outcome, replay_tokens=0, put=None)
+        if leader and outcome.snapshot is not None:  # not reached (a leader that gave up takes nothing)
+            return dataclasses.replace(outcome, replay_tokens=0, put=None)  # never bill twice
         return outcome
 
     def give_up(self, ticket: ReplayTicket) -> ReplayOutcome | None:

@@ -12,16 +12,17 @@ resolve with an outcome (never an exception): a failed job is an expected result
 for whose model every runner is busy may wait for one to have room (`wait_for_room`).
 
 A strike is counted against a runner that answers a job with an error, or still has a job when it
-is cancelled at its deadline (`cancel_job(..., timed_out=True)`) having sent no snapshot since it
-was given that job: a runner that answers, even late, is slow, not hung, and the deadline is the
-callers' budget, not a fault of the runner. Only a snapshot shows its worker alive: an error may
+is cancelled at its deadline (`cancel_job(..., timed_out=True)`) having answered no job in time
+since it was given that one: a runner busy with jobs answered in time is not the fault (the
+deadline is the callers' budget). Only a snapshot shows its worker alive: an error may
 come from the thread that reads its stream while the worker hangs (one answering each JobCancel
 with an error would otherwise never be struck for a timeout). Failures of jobs it was given
 before its last strike (a batch failing at once, jobs hung together) are the same fault: one
-strike. Only a snapshot in time clears its strikes: a late one (for a job cancelled at its
-deadline) shows it alive, so jobs it had meanwhile are not struck when they time out, but not fit
-for callers' deadlines (one that always answers late would otherwise look healthy and, given a job
-least recently, take every other job, each timing out). A runner with strikes gets jobs only while
+strike. Only a snapshot in time clears its strikes, or spares the jobs it had meanwhile: a late
+one (for a job cancelled at its deadline) shows it alive, slow rather than hung, but not fit for
+callers' deadlines (one that always answers late, each late snapshot coming while it holds the
+next job, would otherwise never be struck and, with the in-process runner tried after it, take
+every job, each timing out). A runner with strikes gets jobs only while
 no healthy runner has room, and one with `MAX_STRIKES` in a row is detached (counted in
 `misbehaved_total`; its stream ends cleanly, so it may reconnect). Timeouts never detach the last
 runner that serves its model and tenants, when no in-process runner does either
@@ -32,7 +33,14 @@ no jobs, its stream and jobs kept) and detached only if it sends no snapshot wit
 its strikes kept. Three callers' short deadlines would otherwise detach a runner still working on
 their jobs (and on longer callers' jobs, failed with it), to reconnect with no strikes and take the
 next job. A hung device otherwise took every job: cancelled at their deadlines, they left it
-looking idle. The jobs a detached runner still had count as cancelled, so that results it sends
+looking idle. Off the bench, while a fit runner stands in (the in-process one, or an attached one
+with fewer than `MAX_STRIKES`), it is on probation: one job at a time (a probe), none sooner than
+`probe_interval_seconds` after it was benched or last probed; a probe answered in time clears its
+strikes, one that times out benches it again. Else a runner that always answers just late cycled
+bench, late snapshot, next job: it took every job, each timing out, while the stand-in sat idle.
+A late answer shows it alive only if it is a whole snapshot (the servicer checks its size): a hung
+runner's stream thread acknowledging each JobCancel with an empty result would otherwise look
+alive. The jobs a detached runner still had count as cancelled, so that results it sends
 for them before its stream ends are dropped, not taken for a protocol error.
 
 What it does not know: gRPC messages (the servicer frames jobs), the store, or replay policy
@@ -45,8 +53,9 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -66,6 +75,9 @@ MAX_STRIKES = 3
 # How long a runner benched for timeouts has to send a snapshot (even late) before it is taken
 # for hung and detached: longer than a slow device's batch, and it gets no jobs meanwhile.
 HUNG_GRACE_SECONDS = 30.0
+# How often a runner on probation (off the bench, its strikes kept, while a fit runner stands in)
+# is given a job to see whether it answers in time again: each probe may cost a caller its deadline.
+PROBE_INTERVAL_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,7 @@ class _Pending:
     job: ReplayJob
     future: JobFuture
     given: int = 0  # its sequence number among jobs given (`RunnerLink.last_given`)
-    finished_before: int = 0  # its runner's `finished` when it was given the job
+    answered_before: int = 0  # its runner's `answered` when it was given the job
 
 
 @dataclass(frozen=True)
@@ -128,26 +140,38 @@ class RunnerLink:
     # The last job given (anyone's) when it was last struck: a failure of a job given no later is
     # part of the same fault (one batch, one hang), not another strike.
     struck_at: int = 0
-    # Snapshots it sent (late ones too): a timeout after one is not a hang. Not errors: its stream
+    # Snapshots it sent (late ones too): it is alive (the bench's test). Not errors: its stream
     # thread may send those while its worker hangs.
     finished: int = 0
+    # Snapshots it sent in time: a timeout of a job it held meanwhile is not its fault.
+    answered: int = 0
     # Benched: MAX_STRIKES timeouts while another runner stands in; no jobs until it sends a
     # snapshot, detached if none comes within the grace. `benches` tells a stale judgement apart.
     benched: bool = False
     benches: int = 0
     bench_timer: threading.Timer | None = None
+    # On probation (MAX_STRIKES or more, off the bench, a fit runner standing in): the probe job it
+    # has (0: none), and when (the registry's clock) it may be given the next one.
+    probe: int = 0
+    probe_due: float = 0.0
 
 
 class RunnerRegistry:
     def __init__(self, max_runners: int = 16, weights: Mapping[str, float] | None = None,
-                 admin_runners: bool = True, hung_grace_seconds: float | None = None) -> None:
+                 admin_runners: bool = True, hung_grace_seconds: float | None = None,
+                 probe_interval_seconds: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """`weights`: each tenant's share_weight; runner slots are split by them, and when
         `admin_runners` (an admin token is configured) admin runners count as one more member of
         weight 1. Without one no runner can attach as the admin: a member for it would only take
         the tenants' slots (with auth off, half of the one tenant's). `hung_grace_seconds`: how
-        long a benched runner has to show itself alive (None: HUNG_GRACE_SECONDS)."""
+        long a benched runner has to show itself alive (None: HUNG_GRACE_SECONDS).
+        `probe_interval_seconds`: how often a runner on probation gets a job (None:
+        PROBE_INTERVAL_SECONDS), on `clock`."""
         self.max_runners = max_runners
         self.hung_grace_seconds = HUNG_GRACE_SECONDS if hung_grace_seconds is None else hung_grace_seconds
+        self.probe_interval_seconds = (PROBE_INTERVAL_SECONDS if probe_interval_seconds is None
+                                       else probe_interval_seconds)
+        self._clock = clock
         self._slots = FairShare(max_runners, {**(weights or {}), **({ADMIN_MEMBER: 1.0} if admin_runners else {})})
         self._lock = threading.Lock()
         # Notified when a runner attaches, detaches or has a job fewer: jobs waiting for room.
@@ -249,6 +273,8 @@ class RunnerRegistry:
                     self._alive(link)  # late: alive, not healthy
                 return False
             self._jobs.pop(job_id, None)
+            if link.probe == job_id:
+                link.probe = 0
             self._answered(link, ok)
             out = False if ok else self._strike(link, p)
             self._room.notify_all()
@@ -260,9 +286,10 @@ class RunnerRegistry:
 
     def late(self, link: RunnerLink, job_id: int, snapshot: bool) -> None:
         """The runner answered job `job_id` after it was cancelled (the answer is dropped). With a
-        `snapshot` it is alive, so jobs it has now are not struck when they time out and it leaves
-        the bench, but its strikes stay: a runner that always answers late is no use to its
-        callers, and cleared it would be given a job least recently and so take every other one.
+        `snapshot` (a whole one: the caller checks its size) it is alive and leaves the bench, but
+        its strikes stay, and jobs it has now are struck when they time out: a runner that always
+        answers late is no use to its callers, and cleared it would be given a job least recently
+        and so take every other one.
         An error shows only its stream alive, not its worker: nothing changes."""
         with self._lock:
             if snapshot and job_id in link.cancelled:
@@ -272,6 +299,7 @@ class RunnerRegistry:
         """A job it had answered in time (called under the lock)."""
         if ok:
             link.strikes = 0
+            link.answered += 1
             self._alive(link)
 
     def _alive(self, link: RunnerLink) -> None:
@@ -284,14 +312,15 @@ class RunnerRegistry:
                 link.bench_timer = None
             self._room.notify_all()
 
-    def _strike(self, link: RunnerLink, p: _Pending, timed_out: bool = False) -> bool:
+    def _strike(self, link: RunnerLink, p: _Pending, timed_out: bool = False, probe: bool = False) -> bool:
         """Count failed job `p` against `link`, unless it was given before the last strike (the
-        same fault) or, `timed_out`, the runner sent a snapshot since (slow, not hung). True:
+        same fault) or, `timed_out`, the runner answered another job in time since; a `probe`
+        (its one job on probation) that failed counts whatever else it sent. True:
         that is MAX_STRIKES in a row: it is closed (no more jobs) and counted here, in the same
         step as the check for another runner, and the caller detaches it (called under the lock)."""
-        if link.closed or p.given <= link.struck_at:
+        if link.closed or (p.given <= link.struck_at and not probe):
             return False
-        if timed_out and link.finished != p.finished_before:
+        if timed_out and not probe and link.answered != p.answered_before:
             return False
         link.strikes += 1
         link.struck_at = self._given
@@ -313,6 +342,8 @@ class RunnerRegistry:
         (called under the lock)."""
         link.benched = True
         link.benches += 1
+        # Off the bench (a late snapshot) it is on probation: its next job no sooner than this.
+        link.probe_due = self._clock() + self.probe_interval_seconds
         t = threading.Timer(self.hung_grace_seconds, self._judge, (link, link.benches))
         t.daemon = True
         t.name = f"kvstore-bench-{link.info.runner_id}"
@@ -346,6 +377,30 @@ class RunnerRegistry:
             for other in self._links.values()
         )
 
+    def _fit_stands_in(self, link: RunnerLink) -> bool:
+        """The in-process runner, or another attached one fit for jobs (not benched, fewer than
+        MAX_STRIKES), serves `link`'s model for every tenant it serves (called under the lock).
+        Two struck runners do not put each other on probation: each would then wait on the other."""
+        if link.info.model in self._fallback_models:
+            return True
+        return any(
+            other is not link and not other.closed and not other.benched and other.strikes < MAX_STRIKES
+            and other.info.model == link.info.model and other.info.tenant in (None, link.info.tenant)
+            for other in self._links.values()
+        )
+
+    def _on_probation(self, link: RunnerLink) -> bool:
+        """MAX_STRIKES or more, off the bench, while a fit runner stands in: it gets one job (a
+        probe) at a time, at most every `probe_interval_seconds` (called under the lock)."""
+        return link.strikes >= MAX_STRIKES and not link.benched and self._fit_stands_in(link)
+
+    def _held_back(self, link: RunnerLink, now: float) -> bool:
+        """No job for `link` now: benched while another stands in, or on probation with its probe
+        out or not yet due (called under the lock)."""
+        if link.benched:
+            return self._stands_in(link)
+        return self._on_probation(link) and (link.probe != 0 or now < link.probe_due)
+
     def _detach_unhealthy(self, link: RunnerLink, last: str) -> None:
         """Detach `link`, which `_strike` closed and counted."""
         reason = f"{MAX_STRIKES} jobs in a row failed or timed out (the last: {last})"
@@ -356,11 +411,14 @@ class RunnerRegistry:
 
     def _serving(self, model: str, tenant: str, avoid: str = "") -> list[RunnerLink]:
         """The attached runners that may serve `tenant`'s jobs for `model`, but for the one whose
-        id is `avoid`, and for benched ones while another runner stands in (called under the lock)."""
+        id is `avoid`, and for those held back (benched, or on probation and not due for a probe):
+        so a job neither goes to one nor waits for its room, but to the runner standing in for it
+        (called under the lock)."""
+        now = self._clock()
         return [
             link for link in self._links.values()
             if not link.closed and link.info.model == model and (link.info.tenant is None or link.info.tenant == tenant)
-            and link.info.runner_id != avoid and not (link.benched and self._stands_in(link))
+            and link.info.runner_id != avoid and not self._held_back(link, now)
         ]
 
     def _has_room(self, model: str, tenant: str, avoid: str = "") -> bool:
@@ -405,8 +463,11 @@ class RunnerRegistry:
             self._given += 1
             link.last_given = self._given
             job_id = next(self._ids)
+            if self._on_probation(link):  # its probe: the next one no sooner than an interval from now
+                link.probe = job_id
+                link.probe_due = self._clock() + self.probe_interval_seconds
             fut = JobFuture(job_id)
-            pending = _Pending(job_id, job, fut, self._given, link.finished)
+            pending = _Pending(job_id, job, fut, self._given, link.answered)
             link.in_flight[job_id] = pending
             self._jobs[job_id] = link
             self.jobs_total += 1
@@ -418,8 +479,8 @@ class RunnerRegistry:
         """Give up on a job (e.g. its deadline passed); its future resolves with `reason`, and a
         result the runner still sends for it is dropped. The runner is told by a `JobCancel` queued
         on its link unless `tell_runner` is False (the caller sends it). `timed_out`: the runner
-        had the job until its deadline without answering, a strike against it if it finished
-        nothing meanwhile (its slot is free again at once, so without one a hung runner would look
+        had the job until its deadline without answering, a strike against it if it answered
+        nothing in time meanwhile (its slot is free again at once, so without one a hung runner would look
         idle and get the next job too). False: not in flight."""
         out = False
         with self._lock:
@@ -427,7 +488,10 @@ class RunnerRegistry:
             p = link.in_flight.pop(job_id, None) if link is not None else None
             if link is not None and p is not None:
                 link.cancelled.append(job_id)
-                out = timed_out and self._strike(link, p, timed_out=True)
+                probe = link.probe == job_id
+                if probe:
+                    link.probe = 0
+                out = timed_out and self._strike(link, p, timed_out=True, probe=probe)
                 self._room.notify_all()
         if link is None or p is None:
             return False

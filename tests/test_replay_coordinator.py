@@ -24,7 +24,17 @@ from kvstore.store import GlobalStore
 from policies.ttl import FixedTtl
 from replay.coordinator import PREFIX_GONE, ReplayCoordinator, plan_replay
 from replay.inprocess import InProcessRunner, ReferenceReplayer, reference_config_for
-from replay.port import DISABLED, FAILED, NO_RUNNER, REPLAYED, TIMEOUT, ReplayOutcome, ReplayTicket
+from replay.port import (
+    CALL_ENDED,
+    DISABLED,
+    FAILED,
+    NO_RUNNER,
+    REPLAYED,
+    TIMEOUT,
+    WAIT_TIMEOUT,
+    ReplayOutcome,
+    ReplayTicket,
+)
 from replay.reference.model import ModelConfig, ReferenceModel
 from replay.runner import BatchWorker, JobHandle, ReplayJob, ReplayResult, Runner, resolved
 
@@ -334,7 +344,7 @@ def test_a_shared_replay_runs_for_its_longest_waiting_caller_and_each_waits_its_
     follower = threading.Thread(target=call, args=(1, 30.0))
     follower.start()
     call(2, 0.2)  # a short deadline gives up on its own while the replay goes on
-    assert (outs[2].status, outs[2].snapshot) == (TIMEOUT, None)
+    assert (outs[2].status, outs[2].snapshot) == (WAIT_TIMEOUT, None)  # its wait's, not the replay's
     time.sleep(0.3)  # the leader's deadline has passed too: the replay still runs for the follower
     runner.gate.open.set()
     follower.join(30)
@@ -489,6 +499,45 @@ def test_timeout_degrades_to_no_local_state(rig: Rig) -> None:
     assert rig.pool.get(ns.digest, key, ns.tenant, ns.layout_id).payload is None
     assert co.counters().timeouts == 1
     assert rig.store.stats().pins_active == 0  # the pin went with the replay
+
+
+def test_a_replay_times_out_once_however_many_callers_and_one_its_callers_left_is_no_timeout(rig: Rig) -> None:
+    """`timeouts` counts replays that ran out of time: one per replay, not one more per joiner whose
+    own deadline came (`wait_timeouts`, a caller's outcome); and not a replay every caller left
+    before its deadline (`abandoned`, its status CALL_ENDED)."""
+    ns, toks = rig.ns(), tokens(33, 64)
+    rig.cache(ns, toks)
+    runner = GatedRunner()
+    co = rig.coordinator([runner])
+    # The joiners' deadlines come first (the replay runs on for the leader's, then times out).
+    deadlines = [1.5, 0.3, 0.3]
+    tickets = [co.admit(ns, toks, 64, deadline_seconds=d) for d in deadlines]
+    outs: list[ReplayOutcome] = []
+    calls = [threading.Thread(target=lambda t=t, d=d: outs.append(co.resume_local(ns, toks, 64, d, t)))
+             for t, d in zip(tickets, deadlines, strict=True)]
+    calls[0].start()
+    assert runner.gate.entered.wait(10)
+    for t in calls[1:]:
+        t.start()
+    for t in calls:
+        t.join(10)
+    assert sorted(o.status for o in outs) == sorted([TIMEOUT, WAIT_TIMEOUT, WAIT_TIMEOUT])
+    c = co.counters()
+    assert (c.replays_started, c.timeouts, c.wait_timeouts, c.abandoned) == (1, 1, 2, 0)
+    # Its only caller's call ends long before its deadline: abandoned, not timed out.
+    toks2 = tokens(34, 64)
+    rig.cache(ns, toks2)
+    ticket = co.admit(ns, toks2, 64, deadline_seconds=30.0)
+    out: list[ReplayOutcome] = []
+    t = threading.Thread(target=lambda: out.append(co.resume_local(ns, toks2, 64, 30.0, ticket)))
+    t.start()
+    wait_for(lambda: co.counters().replays_started == 2)
+    co.release(ticket)  # as the service does when the call is cancelled
+    t.join(10)
+    assert out[0].status == CALL_ENDED
+    c = co.counters()
+    assert (c.timeouts, c.wait_timeouts, c.abandoned) == (1, 2, 1)
+    runner.close()
 
 
 def test_runner_that_dies_is_replaced_by_another(rig: Rig, inproc: InProcessRunner) -> None:

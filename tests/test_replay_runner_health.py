@@ -5,9 +5,10 @@ job timed out or failed is passed over while a healthy one is attached, a failed
 on another runner, and a runner that fails `MAX_STRIKES` jobs in a row is detached. But a slow
 runner is not a hung one (callers' short deadlines never detach the model's only runner, one
 another stands in for is only benched until its late snapshots show it alive, though only a
-snapshot in time clears its strikes: one always late is passed over), a hung runner gives way to
-the in-process runner (errors it sends do not make it look alive), a batch failing at once is one
-strike, and a runner detached
+snapshot in time clears its strikes: one always late is passed over, and off the bench gets only a
+probe now and then; the real runner sends those late snapshots), a hung runner gives way to the
+in-process runner (errors, empty or short answers it sends do not make it look alive), a batch
+failing at once is one strike, and a runner detached
 for strikes gets a clean end of stream and reconnects (the real `AttachedRunner`). No test asserts
 on speed: the hung runner costs one Resume its deadline, which is what the test counts; slow
 runners answer when the test opens their gate."""
@@ -28,6 +29,7 @@ from kvstore.client import ResumeResult
 from kvstore.service.runners_servicer import RunnersServicer
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from replay import attached as attached_module
 from replay import registry as registry_module
 from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
 from replay.registry import MAX_STRIKES, RunnerInfo, RunnerLink, RunnerRegistry
@@ -256,22 +258,26 @@ def test_a_hung_runner_gives_way_to_the_in_process_runner(
     sick.close()
 
 
-def test_a_hung_runner_answering_its_cancels_with_errors_is_detached(
-        make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    """Its worker hangs; its stream thread answers each JobCancel with an error, once it holds its
-    next job. Errors show only the stream alive: each job still times out a strike, and it goes as
+@pytest.mark.parametrize("ack", ["error", "empty", "short"])
+def test_a_hung_runner_answering_its_cancels_is_detached(
+        make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch, ack: str) -> None:  # noqa: F811
+    """Its worker hangs; its stream thread answers each JobCancel, once it holds its next job,
+    with an error, an empty last JobResult, or a result shorter than a snapshot. None is a whole
+    snapshot, which alone shows its worker alive: each job still times out a strike, and it goes as
     any hung runner does (taken for alive, it was never struck again and took every job)."""
     monkeypatch.setattr(registry_module, "HUNG_GRACE_SECONDS", 0.2)
     rig = make_rig(config())  # the in-process runner stands in
     prompts = [_expired_boundary(rig, 270 + 3 * i) for i in range(MAX_STRIKES + 3)]
     stop = threading.Event()
+    answer: bytes | str = {"error": "job cancelled", "empty": b"",
+                           "short": bytes(rig.svc.snapshot_bytes(NAME) // 2)}[ack]
 
-    def hung(job: pb.ReplayJob, chunks: list[bytes]) -> str:
+    def hung(job: pb.ReplayJob, chunks: list[bytes]) -> bytes | str:
         n = len(sick.jobs)
         while not stop.wait(0.005):
             if job.job_id in sick.cancelled and len(sick.jobs) > n:
                 break
-        return "job cancelled"
+        return answer
 
     sick = _runner(rig, hung)
     try:
@@ -284,6 +290,83 @@ def test_a_hung_runner_answering_its_cancels_with_errors_is_detached(
     assert rig.app.runners.misbehaved_total == 1
     sick.close()
     assert sick.error is None  # detached for strikes: its stream ended cleanly
+
+
+def test_a_runner_always_late_gives_way_to_the_in_process_runner(make_rig: Callable[..., Rig]) -> None:  # noqa: F811
+    """It answers each job just after its deadline: benched at its MAX_STRIKES-th timeout and taken
+    off the bench by its late snapshots (alive, not hung), it is then on probation (a job every
+    PROBE_INTERVAL_SECONDS, longer than the test): the in-process runner replays the rest. Each
+    late snapshot took it off the bench, and it took every job, each timing out."""
+    rig = make_rig(config())  # replay.runner = "reference": attached runners first, then in-process
+    prompts = [_expired_boundary(rig, 330 + 3 * i) for i in range(MAX_STRIKES + 3)]
+    size = rig.svc.snapshot_bytes(NAME)
+
+    def late(job: pb.ReplayJob, chunks: list[bytes]) -> bytes:
+        wait_for(lambda: job.job_id in slow.cancelled)  # a good snapshot, just after the deadline
+        return bytes(size)
+
+    slow = _runner(rig, late)
+    got = []
+    for p in prompts:
+        got.append(rig.client.resume(NAME, p, timeout_seconds=1.5).replay_status)
+        if len(got) == MAX_STRIKES:  # its late snapshots are in: off the bench
+            wait_for(lambda: _finished(rig) == [MAX_STRIKES])
+    assert got == ["timeout"] * MAX_STRIKES + ["replayed"] * 3
+    assert len(slow.jobs) == MAX_STRIKES
+    (link,) = rig.app.runners._links.values()
+    assert not link.benched and link.strikes == MAX_STRIKES and rig.app.runners.misbehaved_total == 0
+    slow.close()
+
+
+def test_the_real_runner_sends_a_cancelled_jobs_snapshot_and_leaves_the_bench(
+        make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """`kvstore runner` (the real `AttachedRunner`) slower than its callers: a job it was running
+    when it was cancelled still sends its snapshot (the service drops it), so benched at its
+    MAX_STRIKES-th timeout it leaves the bench instead of being detached as hung at the grace's
+    end (counted misbehaved, it reconnected with no strikes and took the next job). Its jobs'
+    results in messages here; through its store segment in test_runner_shm."""
+    monkeypatch.setattr(registry_module, "HUNG_GRACE_SECONDS", 120.0)  # longer than the test
+    rig = make_rig(config())  # the in-process runner stands in
+    prompts = [_expired_boundary(rig, 370 + 3 * i) for i in range(MAX_STRIKES + 1)]
+    size = rig.svc.snapshot_bytes(NAME)
+    reg = rig.app.runners
+    lay = rig.app.layouts()[NAME]
+    batches: list[int] = []
+    cancels: list[int] = []  # the JobCancels the runner read
+    session_cancel = attached_module._Session.cancel
+
+    def cancel(self: Any, job_id: int) -> None:
+        session_cancel(self, job_id)
+        cancels.append(job_id)
+
+    monkeypatch.setattr(attached_module._Session, "cancel", cancel)
+
+    def run_batch(jobs: Sequence[ReplayJob]) -> list[ReplayResult]:
+        batches.append(len(jobs))
+        n = len(batches)
+        wait_for(lambda: len(cancels) >= n)  # done just after its job was cancelled at its deadline
+        return [ReplayResult(bytes(size), "", "dev")] * len(jobs)
+
+    runner = AttachedRunner(RunnerIdentity(lay.name, lay.layout_id, "cpu", 2, 1, "slow"), run_batch,
+                            AttachOptions(rig.svc.address, initial_backoff_seconds=0.05), say=lambda _: None)
+    stop = threading.Event()
+    t = threading.Thread(target=runner.run, args=(stop,), daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: len(reg.runners()) == 1)
+        (link,) = reg._links.values()
+        got = [rig.client.resume(NAME, p, timeout_seconds=1.5).replay_status for p in prompts[:MAX_STRIKES]]
+        assert got == ["timeout"] * MAX_STRIKES
+        wait_for(lambda: link.finished == MAX_STRIKES)  # each late snapshot came, none a protocol error
+        assert not link.benched and link.bench_timer is None and not link.closed
+        assert link.strikes == MAX_STRIKES and reg.misbehaved_total == 0 and link.protocol_error == ""
+        assert runner.sessions == 1 and runner.jobs_done == 0
+        # Alive but late: on probation, and the next job is the in-process runner's.
+        assert rig.client.resume(NAME, prompts[-1], timeout_seconds=30.0).replay_status == "replayed"
+        assert len(batches) == MAX_STRIKES
+    finally:
+        stop.set()
+        t.join(10)
 
 
 def test_a_batch_failing_at_once_is_one_strike(
@@ -389,12 +472,24 @@ def _job() -> ReplayJob:
     return ReplayJob("default", NAME, "bounded", toks, 0, len(toks), 0, 0, (), 5.0)
 
 
-def _registry(*names: str, jobs: int = 8, grace: float = 0.05) -> tuple[RunnerRegistry, list[RunnerLink]]:
-    reg = RunnerRegistry(16, {"default": 1.0}, hung_grace_seconds=grace)
+class _Clock:
+    """The registry's clock for probes, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _registry(*names: str, jobs: int = 8, grace: float = 0.05,
+              clock: Callable[[], float] = time.monotonic) -> tuple[RunnerRegistry, list[RunnerLink]]:
+    reg = RunnerRegistry(16, {"default": 1.0}, hung_grace_seconds=grace, probe_interval_seconds=30.0, clock=clock)
     return reg, [reg.attach(RunnerInfo(n, NAME, b"", "cpu", jobs, 1, "", "default")) for n in names]
 
 
-def test_a_timeout_strikes_only_a_runner_that_finished_nothing_since_and_a_late_snapshot_does_not_clear_it() -> None:
+def test_a_timeout_strikes_only_a_runner_that_answered_nothing_in_time_since_and_a_late_snapshot_does_not_clear_it(
+        ) -> None:
     reg, (a, b) = _registry("a", "b")
     slow, quick = reg.submit(_job(), avoid="b"), reg.submit(_job(), avoid="b")
     assert reg.complete(a, quick.job_id, b"snapshot", "")
@@ -409,7 +504,9 @@ def test_a_timeout_strikes_only_a_runner_that_finished_nothing_since_and_a_late_
     assert a.strikes == 1 and reg.misbehaved_total == 0
     assert reg.submit(_job()).job_id in b.in_flight
     reg.cancel_job(also.job_id, timed_out=True)
-    assert a.strikes == 1  # it answered something while it had that job: not struck again
+    # A late snapshot while it had that job does not spare it either: one always late, each late
+    # snapshot coming while it holds the next job, would never be struck and take every job.
+    assert a.strikes == 2
     # Only a snapshot in time clears them.
     reg.complete(a, reg.submit(_job(), avoid="b").job_id, b"snapshot", "")
     assert a.strikes == 0
@@ -442,7 +539,8 @@ def test_timeouts_detach_a_runner_only_while_another_stands_in() -> None:
 
 
 def test_a_benched_runner_leaves_the_bench_with_a_snapshot_and_is_detached_without_one() -> None:
-    reg, (a,) = _registry("a", grace=60.0)
+    clock = _Clock()
+    reg, (a,) = _registry("a", grace=60.0, clock=clock)
     reg.set_fallback_models([NAME])
     slow = []
     for _ in range(MAX_STRIKES):
@@ -455,7 +553,11 @@ def test_a_benched_runner_leaves_the_bench_with_a_snapshot_and_is_detached_witho
     reg.late(a, slow[0].job_id, snapshot=False)  # an error: its stream alive, not its worker
     assert a.benched
     reg.late(a, slow[0].job_id, snapshot=True)  # a late snapshot: slow, not hung
-    assert not a.benched and a.strikes == MAX_STRIKES and reg.has_room(NAME, "default")
+    assert not a.benched and a.strikes == MAX_STRIKES
+    # On probation: its next job (a probe) once the interval from its bench has passed.
+    assert not reg.has_room(NAME, "default")
+    clock.now += 30.0
+    assert reg.has_room(NAME, "default")
     again = reg.submit(_job())
     reg.cancel_job(again.job_id, timed_out=True)  # late again: benched again
     assert a.benched and a.strikes == MAX_STRIKES + 1
@@ -477,6 +579,61 @@ def test_a_benched_runner_leaves_the_bench_with_a_snapshot_and_is_detached_witho
     reg3.detach(d)
     wait_for(lambda: not c.benched)
     assert not c.closed and reg3.misbehaved_total == 0 and reg3.has_room(NAME, "default")
+
+
+def _benched_then_late(reg: RunnerRegistry, link: RunnerLink, avoid: str = "") -> None:
+    """MAX_STRIKES timeouts in a row on `link` (benched), then a late snapshot (off the bench)."""
+    jobs = []
+    for _ in range(MAX_STRIKES):
+        jobs.append(reg.submit(_job(), avoid=avoid))
+        assert jobs[-1].job_id in link.in_flight
+        reg.cancel_job(jobs[-1].job_id, timed_out=True)
+    assert link.benched
+    reg.late(link, jobs[-1].job_id, snapshot=True)
+    assert not link.benched and link.strikes >= MAX_STRIKES
+
+
+def test_a_runner_off_the_bench_gets_a_probe_per_interval_while_a_fit_runner_stands_in() -> None:
+    """Off the bench by a late snapshot, its strikes kept: while the in-process runner (or an
+    attached runner with fewer strikes) stands in, it gets one job at a time (a probe), at most
+    every interval; the other jobs go to the stand-in, neither to it nor waiting for its room. A
+    probe timing out benches it again, one answered in time clears its strikes. Each late snapshot
+    made it fit for the next job: one always late took every job while the stand-in sat idle."""
+    clock = _Clock()
+    reg, (a,) = _registry("a", grace=60.0, clock=clock)
+    reg.set_fallback_models([NAME])
+    _benched_then_late(reg, a)
+    # Not due: no room, and not even attached for the job (the coordinator goes on to the stand-in).
+    assert not reg.has_room(NAME, "default") and not reg.attached(NAME, "default")
+    clock.now += 30.0
+    probe = reg.submit(_job())
+    assert a.probe == probe.job_id and not reg.has_room(NAME, "default")  # one probe at a time
+    clock.now += 30.0
+    assert not reg.has_room(NAME, "default")  # still out
+    reg.cancel_job(probe.job_id, timed_out=True)  # late again: benched again, its grace restarted
+    assert a.benched and a.benches == 2 and a.strikes == MAX_STRIKES + 1 and a.probe == 0
+    reg.late(a, probe.job_id, snapshot=True)
+    assert not a.benched and not reg.has_room(NAME, "default")  # the interval runs from that bench
+    clock.now += 30.0
+    probe = reg.submit(_job())
+    assert reg.complete(a, probe.job_id, b"snapshot", "")  # in time: healthy again
+    assert a.strikes == 0 and a.probe == 0
+    again = [reg.submit(_job()) for _ in range(3)]  # every job its again
+    assert all(f.job_id in a.in_flight for f in again) and reg.misbehaved_total == 0
+    # An attached stand-in: the other jobs go to it, and wait for its room when it is full.
+    reg2, (c, d) = _registry("c", "d", jobs=1, grace=60.0, clock=clock)
+    _benched_then_late(reg2, c, avoid="d")
+    assert reg2.submit(_job()).job_id in d.in_flight
+    assert not reg2.has_room(NAME, "default") and reg2.attached(NAME, "default")
+    clock.now += 30.0
+    assert reg2.has_room(NAME, "default") and reg2.submit(_job()).job_id == c.probe != 0
+    # Two struck runners are no stand-in for each other (each would wait on the other): both serve.
+    reg3, (e, f) = _registry("e", "f", grace=60.0, clock=clock)
+    _benched_then_late(reg3, e, avoid="f")
+    _benched_then_late(reg3, f, avoid="e")
+    both = [reg3.submit(_job()), reg3.submit(_job())]
+    assert {both[0].job_id, both[1].job_id} == set(e.in_flight) | set(f.in_flight) and e.in_flight and f.in_flight
+    assert e.probe == f.probe == 0
 
 
 def test_errors_do_not_show_a_hung_runner_alive() -> None:

@@ -37,7 +37,7 @@ from kvstore.v1 import kvstore_pb2_grpc as pbg
 from kvstore.workload.demo import Engine, OffsetClock
 from replay.coordinator import ReplayCoordinator
 from replay.port import ReplayParts
-from replay.runner import Runner
+from replay.runner import ReplayResult, Runner
 from tests.fixtures.service import Service, make_config, start_service
 from tests.test_replay_coordinator import MODEL, NAME, ROW, SPEC, GatedRunner, W, tokens, wait_for
 
@@ -371,6 +371,40 @@ def test_a_shared_replay_its_leader_gave_up_on_is_billed_to_the_caller_that_got_
     assert got[("kvstore_replay_failures_total", (("reason", "timeout"),))] == 0
     assert got[("kvstore_replay_seconds_count", ())] == 1
     assert got[("kvstore_replay_gave_up_total", (("reason", "deadline"),))] == 1
+
+
+def test_a_shared_replay_that_fails_after_its_leader_gave_up_is_counted_as_failed(
+        make_rig: Callable[..., Rig]) -> None:
+    """As above, but the replay fails: the follower, the first caller to take its outcome, is the
+    one counted as having run it (it reached only callers marked shared, counted nowhere in
+    kvstore_replays_total or kvstore_replay_failures_total)."""
+    gated: list[GatedRunner] = []
+    rig = make_rig(runner_factory=gated_factory(gated))
+    admin = start_admin(rig.app, "127.0.0.1", 0)
+    prompt = _expired_boundary(rig, 46)
+    co = rig.coordinator()
+    got: dict[str, pb.ResumeTrailer] = {}
+
+    def call(who: str, timeout: float) -> None:
+        got[who] = _raw_resume(rig, prompt, timeout)[-1].trailer
+
+    leader = threading.Thread(target=call, args=("leader", 2.0))
+    leader.start()
+    assert gated[0].gate.entered.wait(30)
+    gated[0].gate.inner = lambda jobs: [ReplayResult.failed("CUDA error: device lost", "gated")] * len(jobs)
+    follower = threading.Thread(target=call, args=("follower", 60.0))
+    follower.start()
+    wait_for(lambda: co.counters().coalesced == 1)
+    leader.join(30)  # its deadline came first: it gave up; the replay runs on for the follower
+    gated[0].gate.open.set()
+    follower.join(30)
+    assert (got["leader"].replay_status, got["follower"].replay_status) == ("timeout", "failed")
+    rig.app.flush_observers()
+    m = _metrics(admin)
+    assert m[("kvstore_replays_total", (("result", "failed"),))] == 1
+    assert m[("kvstore_replay_failures_total", (("reason", "failed"),))] == 1
+    assert m[("kvstore_replay_shared_total", (("result", "failed"),))] == 0
+    assert m[("kvstore_replay_gave_up_total", (("reason", "deadline"),))] == 1
 
 
 def _metrics(admin: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

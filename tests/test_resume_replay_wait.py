@@ -209,7 +209,8 @@ def test_resumes_cancelled_while_they_wait_for_a_stalled_replay_free_their_threa
         wait_for(lambda: co.counters().in_flight == 0 and co.counters().tickets_held == 0, 10.0)
     b = svc.client(token=TOKENS["b"], timeout_seconds=60.0).resume(NAME, pb_, timeout_seconds=3.0)
     assert (b.local_state, b.replay_status) == ("replayed", "replayed")
-    assert co.counters().timeouts == 2  # the two replays tenant a gave up on, nothing of b's
+    # The two replays tenant a's calls left: abandoned, not timed out; nothing of b's.
+    assert (co.counters().timeouts, co.counters().abandoned) == (0, 2)
 
 
 def test_a_tenants_replays_that_outlive_their_calls_hold_at_most_its_share_of_the_threads(

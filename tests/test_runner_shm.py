@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -20,8 +21,9 @@ from kvstore.dataplane.peer import ShmPath
 from kvstore.service.shm_listener import ShmSession
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from replay import attached as attached_module
 from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
-from replay.registry import JobFuture, JobOutcome
+from replay.registry import MAX_STRIKES, JobFuture, JobOutcome
 from replay.runner import ReplayJob, ReplayResult
 from tests.fixtures.service import CHUNK, V41, Service, payloads, tokens
 from tests.helpers.waiting import wait_until
@@ -54,7 +56,8 @@ Attach = Callable[..., tuple[Service, AttachedRunner]]
 def make_attached(make_service: Callable[..., Service], sock_dir: Path) -> Iterator[Attach]:
     stops: list[tuple[threading.Event, threading.Thread]] = []
 
-    def make(gate: threading.Event | None = None, **service: object) -> tuple[Service, AttachedRunner]:
+    def make(gate: threading.Event | None = None, entered: threading.Event | None = None,
+             **service: object) -> tuple[Service, AttachedRunner]:
         # A 4 MiB store segment holds three V4.1 snapshots (1.35 MB) at once; a 4 MiB load
         # segment takes jobs of up to 2 MiB in place.
         svc = make_service(shm_config(sock_dir / "kv.sock", shm_store_segment_bytes=4 << 20, **service))
@@ -62,6 +65,8 @@ def make_attached(make_service: Callable[..., Service], sock_dir: Path) -> Itera
         layout = svc.app.layouts()[V41]
 
         def run_batch(jobs: Sequence[ReplayJob]) -> list[ReplayResult]:
+            if entered is not None:
+                entered.set()
             if gate is not None:
                 gate.wait(30)
             return [ReplayResult(_answer(j, sb)) for j in jobs]
@@ -309,8 +314,13 @@ def test_a_result_span_for_a_cancelled_job_is_dropped_and_acknowledged(raw: Call
     svc.app.runners.cancel_job(job_id, "deadline")
     assert next(r.call).cancel.job_id == job_id
     assert fut.result(timeout=10).error == "deadline"
+    r.send_span(job_id, 0, 1000, sb)  # no snapshot: acknowledged and dropped, but no sign of life
+    assert next(r.call).taken.job_id == job_id
     r.send_span(job_id, 0, sb)  # it had finished before it read the cancel
     assert next(r.call).taken.job_id == job_id  # the runner may reuse that memory
+    (link,) = svc.app.runners._links.values()
+    wait_until(lambda: link.finished >= 1)
+    assert link.finished == 1  # only the whole snapshot showed it alive
     # Pieces still work beside spans (a runner older than result spans sends them).
     job = _job(svc, 3)
     job_id, fut = r.take_job(job)
@@ -321,6 +331,42 @@ def test_a_result_span_for_a_cancelled_job_is_dropped_and_acknowledged(raw: Call
     assert fut.result(timeout=10).snapshot == snap
     assert svc.app.runners.misbehaved_total == 0
     assert _session(svc).stored_bytes == 0  # neither the dropped span nor the pieces went through it
+
+
+def test_a_job_cancelled_while_it_runs_sends_its_snapshot_late_and_its_runner_leaves_the_bench(
+        make_attached: Attach, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real runner's job cancelled at its deadline while it runs: its snapshot still goes back
+    (through the store segment), dropped and acknowledged by the service, but a sign of life, so
+    the runner, benched at its MAX_STRIKES-th timeout, leaves the bench instead of being detached
+    as hung at the grace's end. Jobs cancelled before they ran send nothing."""
+    gate, entered = threading.Event(), threading.Event()
+    cancels: list[int] = []  # the JobCancels the runner read
+    session_cancel = attached_module._Session.cancel
+
+    def cancel(self: Any, job_id: int) -> None:
+        session_cancel(self, job_id)
+        cancels.append(job_id)
+
+    monkeypatch.setattr(attached_module._Session, "cancel", cancel)
+    svc, runner = make_attached(gate, entered)
+    reg = svc.app.runners
+    reg.set_fallback_models([V41])  # an in-process runner stands in: its third timeout benches it
+    (link,) = reg._links.values()
+    s = _session(svc)
+    jobs = []
+    for seed in range(MAX_STRIKES):
+        jobs.append(reg.submit(_job(svc, 60 + seed)))
+        if seed == 0:
+            assert entered.wait(30)  # the first is running when it is cancelled
+        reg.cancel_job(jobs[-1].job_id, "deadline", timed_out=True)
+    assert link.benched and link.strikes == MAX_STRIKES
+    wait_until(lambda: jobs[0].job_id in cancels)  # it knows, while the job runs
+    gate.set()
+    wait_until(lambda: not link.benched)
+    assert link.finished == 1 and not link.closed and reg.misbehaved_total == 0 and not link.protocol_error
+    assert all(f.result(timeout=10).error == "deadline" for f in jobs)
+    assert runner.jobs_done == 0 and runner.sessions == 1
+    assert s.stored_bytes == 0  # dropped, not stored
 
 
 class _Vanishing:

@@ -58,7 +58,15 @@ from kvstore.wire.framing import BlobAssembler, plan_pieces
 from kvstore.wire.messages import Malformed, accept, job_chunks_frame, tokens_to_proto
 from policies.fair_share import FairShare
 from replay.inprocess import reference_config_for
-from replay.registry import ADMIN_MEMBER, ResultTaken, RunnerInfo, RunnerLink, RunnerRegistry, _Pending
+from replay.registry import (
+    ADMIN_MEMBER,
+    RECENTLY_CANCELLED,
+    ResultTaken,
+    RunnerInfo,
+    RunnerLink,
+    RunnerRegistry,
+    _Pending,
+)
 from replay.runner import ChunksGone, ReplayJob, seeded_weights
 
 log = logging.getLogger(__name__)
@@ -247,7 +255,7 @@ class RunnersServicer:
         # job is cancelled (else a runner told to stop mid-result left one, snapshot-sized, per job).
         partial: dict[int, BlobAssembler] = {}
         reader = threading.Thread(
-            target=self._read_results, args=(request_iterator, link, done, shm, partial),
+            target=self._read_results, args=(request_iterator, link, done, shm, partial, {}),
             name="kvstore-runner-reader", daemon=True,
         )
         reader.start()
@@ -438,8 +446,11 @@ class RunnersServicer:
 
     def _read_results(
         self, request_iterator: Iterator[pb.RunnerMessage | Malformed], link: RunnerLink, done: threading.Event,
-        shm: ShmSession | None, partial: dict[int, BlobAssembler],
+        shm: ShmSession | None, partial: dict[int, BlobAssembler], filled: dict[int, int],
     ) -> None:
+        """`filled`: where the next piece of each result under way starts (this thread's alone),
+        kept past the job's cancel, when `partial` drops its buffer: a late result is a sign of life
+        only if it came whole."""
         reason = ""
         try:
             for raw in request_iterator:
@@ -449,7 +460,7 @@ class RunnersServicer:
                 if msg.result.HasField("shm"):
                     self._take_result_span(link, msg.result, partial, shm)
                 else:
-                    self._take_result(link, msg.result, partial)
+                    self._take_result(link, msg.result, partial, filled)
         except InvalidInput as e:
             # Not when it was detached already (for strikes, say): its stream then ends cleanly.
             if self._registry.misbehaved(link, str(e)):
@@ -462,17 +473,18 @@ class RunnersServicer:
             done.set()
             self._registry.detach(link, reason or "runner stream ended")
 
-    def _take_result(self, link: RunnerLink, r: pb.JobResult, partial: dict[int, BlobAssembler]) -> None:
+    def _take_result(self, link: RunnerLink, r: pb.JobResult, partial: dict[int, BlobAssembler],
+                     filled: dict[int, int]) -> None:
         """One JobResult piece. Checked against the job it answers before anything is allocated:
         a result for a job this runner was not given, or of another size than the job's snapshot,
         is a protocol error (the runner is detached); a late one for a cancelled job is dropped
-        (its end still tells the registry whether it was a snapshot: only one shows the runner alive)."""
+        (its end still tells the registry whether it was a whole snapshot: only one shows the
+        runner alive)."""
         asm = partial.get(r.job_id)
         if asm is None:
             expected = self._expected_bytes(link, r)
             if expected is None:  # cancelled while the runner worked on it
-                if r.last or r.error:
-                    self._registry.late(link, r.job_id, snapshot=not r.error)
+                self._take_late(link, r, filled)
                 return
             if not r.error:
                 asm = partial[r.job_id] = BlobAssembler(expected, "job result")
@@ -480,18 +492,43 @@ class RunnersServicer:
                     # Cancelled between the check and now: the sender may have dropped the
                     # job's buffer before this one was added, so it goes here.
                     partial.pop(r.job_id, None)
-                    if r.last:
-                        self._registry.late(link, r.job_id, snapshot=True)
+                    self._take_late(link, r, filled)
                     return
         if r.error:
             partial.pop(r.job_id, None)
+            filled.pop(r.job_id, None)
             self._registry.complete(link, r.job_id, None, r.error)
             return
         assert asm is not None
         asm.add(r.offset, r.data)
         if r.last:
             partial.pop(r.job_id, None)
+            filled.pop(r.job_id, None)
             self._registry.complete(link, r.job_id, asm.finish(), "")
+        else:
+            filled[r.job_id] = r.offset + len(r.data)  # in order: the assembler checked it
+
+    def _take_late(self, link: RunnerLink, r: pb.JobResult, filled: dict[int, int]) -> None:
+        """A piece of the result of a job cancelled while the runner worked on it: dropped. Its last
+        piece tells the registry whether the runner sent a snapshot, whole (pieces in order, of the
+        snapshot's size): an error, or an empty or short answer (a hung runner's stream thread
+        acknowledging the cancel), is no sign of its worker alive."""
+        size = self._snapshot_bytes(link)
+        got = filled.pop(r.job_id, 0)
+        if r.error:
+            self._registry.late(link, r.job_id, snapshot=False)
+            return
+        # -1: out of order or another size: no snapshot, whatever follows.
+        got = got + len(r.data) if got >= 0 and r.offset == got and r.total_bytes == size else -1
+        if r.last:
+            self._registry.late(link, r.job_id, snapshot=got == size)
+            return
+        filled[r.job_id] = got
+        if len(filled) > RECENTLY_CANCELLED:
+            # A runner that stopped mid-result left an entry: keep those of jobs it may still answer.
+            for job_id in list(filled):
+                if self._registry.job_of(link, job_id) is None and not self._registry.was_cancelled(link, job_id):
+                    del filled[job_id]
 
     def _take_result_span(self, link: RunnerLink, r: pb.JobResult, partial: dict[int, BlobAssembler],
                           shm: ShmSession | None) -> None:
@@ -508,10 +545,21 @@ class RunnersServicer:
             shm, r.shm, expected, f"job {r.job_id}'s result span")
         link.outbox.put(ResultTaken(r.job_id))
         if snapshot is None:
-            self._registry.late(link, r.job_id, snapshot=True)
+            # Late (its job cancelled), dropped unread: a sign of life only if it spans a whole
+            # snapshot inside the segment.
+            size, span = self._snapshot_bytes(link), r.shm
+            whole = (size is not None and r.total_bytes == span.nbytes == size and not span.num_chunks
+                     and span.offset + span.nbytes <= shm.store.nbytes)
+            self._registry.late(link, r.job_id, snapshot=whole)
         else:
             shm.stored_bytes += len(snapshot)
             self._registry.complete(link, r.job_id, snapshot, "")
+
+    def _snapshot_bytes(self, link: RunnerLink) -> int | None:
+        """The size of a snapshot of the runner's model (every job it is given is of that model);
+        None if the model is no longer served."""
+        layout = self._layouts().get(link.info.model)
+        return layout.local_snapshot_bytes if layout is not None else None
 
     def _expected_bytes(self, link: RunnerLink, r: pb.JobResult) -> int | None:
         """The snapshot size of the job `r` answers; None for a job cancelled while the runner
