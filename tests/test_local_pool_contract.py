@@ -24,6 +24,7 @@ from kvstore.local_pool.redis_pool import snapshot_key_base
 from kvstore.local_pool.redis_process import RedisClusterProcesses
 from kvstore.local_pool.snapshot_format import HEADER, PART_HEADER, PART_MAGIC, SnapshotHeader
 from tests.fixtures.redis_server import RedisFactory, scan_pttls
+from tests.helpers.faults import write_before_the_clean_up
 from tests.helpers.static_ttl import StaticTtl
 
 V41_SNAPSHOT_BYTES = 1_351_680
@@ -368,16 +369,7 @@ def test_a_snapshot_written_after_a_bad_read_is_not_removed(
         c.delete(key)
     else:
         c.setrange(key, 100, b"\xff\xfe")
-    transport = reader._transport  # type: ignore[attr-defined]
-    real = transport.transaction
-    raced: list[bool] = []
-
-    def racing(cmds: list[tuple[object, ...]], deadline_at: float) -> list[object]:
-        if cmds[0][0] != "GET" and not raced:
-            raced.append(writer.put(_ns(), _bk(), TENANT, LAYOUT, 128, new).written)
-        return real(cmds, deadline_at)
-
-    monkeypatch.setattr(transport, "transaction", racing)
+    raced = write_before_the_clean_up(reader, lambda: writer.put(_ns(), _bk(), TENANT, LAYOUT, 128, new), monkeypatch)
     assert reader.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == damage
     assert raced == [True], "the reader never cleaned up"
     monkeypatch.undo()

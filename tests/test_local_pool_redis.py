@@ -32,6 +32,7 @@ from policies.ttl import AdaptiveTtl, AdaptiveTtlParams
 from tests.fixtures.openssl import openssl_or_skip
 from tests.fixtures.redis_server import RedisFactory, scan_pttls
 from tests.fixtures.tcp_proxy import TcpProxy
+from tests.helpers.faults import write_before_the_clean_up
 from tests.helpers.static_ttl import StaticTtl
 
 SNAPSHOT = 1_351_680
@@ -631,16 +632,7 @@ def test_a_key_of_another_type_is_a_corrupt_miss_and_is_removed(
     c.sadd(base + b"0", b"x")
     new = os.urandom(SNAPSHOT)
     writer = _pool(redis_server.url)
-    transport = pool._transport  # type: ignore[attr-defined]
-    real = transport.transaction
-    raced: list[bool] = []
-
-    def racing(cmds: list[tuple[object, ...]], deadline_at: float) -> list[object]:
-        if cmds[0][0] != "GET" and not raced:
-            raced.append(writer.put(_ns(), _bk(), TENANT, LAYOUT, 128, new).written)
-        return real(cmds, deadline_at)
-
-    monkeypatch.setattr(transport, "transaction", racing)
+    raced = write_before_the_clean_up(pool, lambda: writer.put(_ns(), _bk(), TENANT, LAYOUT, 128, new), monkeypatch)
     assert pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason == "corrupt"
     assert raced == [True]
     monkeypatch.undo()

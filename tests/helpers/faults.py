@@ -24,3 +24,20 @@ def hold_first_lmdb_commit(store: Any, monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(durable, "put_many", first_waits)
     return committing, gate
+
+
+def write_before_the_clean_up(reader: Any, write: Any, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Run `write()` (another pool's put of the same snapshot) just before the Redis pool
+    `reader`'s first command after its read (the clean-up of a value found bad): a list that gets
+    the write's `written` once it ran."""
+    transport = reader._transport
+    real = transport.transaction
+    raced: list[bool] = []
+
+    def racing(cmds: list[tuple[object, ...]], deadline_at: float) -> list[object]:
+        if cmds[0][0] != "GET" and not raced:
+            raced.append(write().written)
+        return real(cmds, deadline_at)
+
+    monkeypatch.setattr(transport, "transaction", racing)
+    return raced
