@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from kvstore.v1 import kvstore_pb2_grpc as pbg
 from kvstore.workload.demo import Engine, OffsetClock
 from replay.coordinator import ReplayCoordinator
 from replay.port import ReplayParts
-from replay.runner import ReplayResult, Runner
+from replay.runner import ReplayJob, ReplayResult, Runner
 from tests.fixtures.service import Service, make_config, start_service
 from tests.test_replay_coordinator import MODEL, NAME, ROW, SPEC, GatedRunner, W, tokens, wait_for
 
@@ -337,20 +337,7 @@ def test_a_shared_replay_its_leader_gave_up_on_is_billed_to_the_caller_that_got_
     rig.app.flush_observers()
     rig.app.observers.append(records.append)
     co = rig.coordinator()
-    got: dict[str, pb.ResumeTrailer] = {}
-
-    def call(who: str, timeout: float) -> None:
-        got[who] = _raw_resume(rig, prompt, timeout)[-1].trailer
-
-    leader = threading.Thread(target=call, args=("leader", 2.0))
-    leader.start()
-    assert gated[0].gate.entered.wait(30)  # the leader's replay runs (stalled)
-    follower = threading.Thread(target=call, args=("follower", 60.0))
-    follower.start()
-    wait_for(lambda: co.counters().coalesced == 1)
-    leader.join(30)  # its deadline came first: it gave up; the replay runs on for the follower
-    gated[0].gate.open.set()
-    follower.join(30)
+    got = _leader_gives_up_beside_a_follower(rig, gated[0], prompt)
     lead, follow = got["leader"], got["follower"]
     assert (lead.local_state, lead.replay_status, lead.replay_tokens, lead.bills.replay_tokens) == (
         pb.LOCAL_STATE_EXPIRED, "timeout", 0, 0)
@@ -382,6 +369,24 @@ def test_a_shared_replay_that_fails_after_its_leader_gave_up_is_counted_as_faile
     rig = make_rig(runner_factory=gated_factory(gated))
     admin = start_admin(rig.app, "127.0.0.1", 0)
     prompt = _expired_boundary(rig, 46)
+    got = _leader_gives_up_beside_a_follower(
+        rig, gated[0], prompt,
+        replay=lambda jobs: [ReplayResult.failed("CUDA error: device lost", "gated")] * len(jobs))
+    assert (got["leader"].replay_status, got["follower"].replay_status) == ("timeout", "failed")
+    rig.app.flush_observers()
+    m = _metrics(admin)
+    assert m[("kvstore_replays_total", (("result", "failed"),))] == 1
+    assert m[("kvstore_replay_failures_total", (("reason", "failed"),))] == 1
+    assert m[("kvstore_replay_shared_total", (("result", "failed"),))] == 0
+    assert m[("kvstore_replay_gave_up_total", (("reason", "deadline"),))] == 1
+
+
+def _leader_gives_up_beside_a_follower(rig: Rig, gated: GatedRunner, prompt: np.ndarray,
+                                       replay: Callable[[Sequence[ReplayJob]], list[ReplayResult]] | None = None,
+                                       ) -> dict[str, pb.ResumeTrailer]:
+    """A leader (2 s deadline) whose replay stalls on `gated`, a follower (60 s) that joins it; the
+    leader gives up first, then the replay (`replay`, if given, in place of the runner's) runs on
+    for the follower. Their trailers by role."""
     co = rig.coordinator()
     got: dict[str, pb.ResumeTrailer] = {}
 
@@ -390,21 +395,16 @@ def test_a_shared_replay_that_fails_after_its_leader_gave_up_is_counted_as_faile
 
     leader = threading.Thread(target=call, args=("leader", 2.0))
     leader.start()
-    assert gated[0].gate.entered.wait(30)
-    gated[0].gate.inner = lambda jobs: [ReplayResult.failed("CUDA error: device lost", "gated")] * len(jobs)
+    assert gated.gate.entered.wait(30)  # the leader's replay runs (stalled)
+    if replay is not None:
+        gated.gate.inner = replay
     follower = threading.Thread(target=call, args=("follower", 60.0))
     follower.start()
     wait_for(lambda: co.counters().coalesced == 1)
     leader.join(30)  # its deadline came first: it gave up; the replay runs on for the follower
-    gated[0].gate.open.set()
+    gated.gate.open.set()
     follower.join(30)
-    assert (got["leader"].replay_status, got["follower"].replay_status) == ("timeout", "failed")
-    rig.app.flush_observers()
-    m = _metrics(admin)
-    assert m[("kvstore_replays_total", (("result", "failed"),))] == 1
-    assert m[("kvstore_replay_failures_total", (("reason", "failed"),))] == 1
-    assert m[("kvstore_replay_shared_total", (("result", "failed"),))] == 0
-    assert m[("kvstore_replay_gave_up_total", (("reason", "deadline"),))] == 1
+    return got
 
 
 def _metrics(admin: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
