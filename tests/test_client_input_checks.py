@@ -264,6 +264,15 @@ def test_skip_chunks_must_be_a_bool(service: Service) -> None:
     assert kv.resume(TOY, tokens(410, CHUNK), skip_chunks=np.True_).chunks == []
 
 
+def test_skip_present_must_be_a_bool(service: Service) -> None:
+    # "no" is truthy: it skipped the chunks held, the opposite of what it says.
+    kv = service.client()
+    for value in ("no", None, 0):
+        with pytest.raises(InvalidInput, match=r"^skip_present must be True or False, got "):
+            kv.store(TOY, tokens(411, CHUNK), [bytes(service.chunk_bytes(TOY))], skip_present=value)
+    assert kv.store(TOY, tokens(411, CHUNK), [bytes(service.chunk_bytes(TOY))], skip_present=False).stored_chunks == 1
+
+
 # --- register_model -----------------------------------------------------------------------------------
 
 _GROUP = EngineLayerGroup("full", 2, 2, 64, "bfloat16")

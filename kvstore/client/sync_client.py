@@ -721,6 +721,7 @@ class KvstoreClient:
         that chunk (the service holds those before it; if it no longer does, only the prefix before
         the gap is stored and the rest is reported skipped)."""
         first_chunk = _chunk_count("first_chunk", first_chunk, "Store")
+        skip_present = _flag("skip_present", skip_present)
         arr = _token_array(tokens)
         seconds = self._timeout(timeout_seconds)
         deadline = _Deadline(time.monotonic() + seconds)
