@@ -133,6 +133,10 @@ class RunnerLink:
     outbox: queue.Queue[_Pending | int | ResultTaken | None] = field(default_factory=queue.Queue)
     in_flight: dict[int, _Pending] = field(default_factory=dict)
     cancelled: deque[int] = field(default_factory=lambda: deque(maxlen=RECENTLY_CANCELLED))
+    # The first and last job ids it was given (0: none yet): ids between them that no runner has
+    # now were this link's once, cancelled longer ago than `cancelled` remembers, or another's.
+    first_job: int = 0
+    last_job: int = 0
     closed: bool = False
     protocol_error: str = ""  # set when the registry detached the runner for breaking the protocol
     strikes: int = 0  # jobs in a row it failed or let time out
@@ -245,9 +249,16 @@ class RunnerRegistry:
             return p.job if p is not None else None
 
     def was_cancelled(self, link: RunnerLink, job_id: int) -> bool:
-        """The link was given `job_id` and it was cancelled lately (its results may still come)."""
+        """The link was given `job_id` and no longer has it: cancelled lately (its results may still
+        come), or an id from the range it was given that no runner has now. A device batch that
+        outlasts hundreds of callers' deadlines finishes a job cancelled longer ago than
+        `cancelled` remembers, and `kvstore runner` sends its snapshot: dropped, not taken for a
+        protocol error (the model's only runner was detached for it). An id in that range given to
+        another runner once is dropped the same way: nothing is read for it."""
         with self._lock:
-            return job_id in link.cancelled
+            if job_id in link.cancelled:
+                return True
+            return 0 < link.first_job <= job_id <= link.last_job and job_id not in self._jobs
 
     def misbehaved(self, link: RunnerLink, reason: str) -> bool:
         """Detach a runner that broke the protocol, and count it. False, doing nothing, when it is
@@ -377,29 +388,31 @@ class RunnerRegistry:
             for other in self._links.values()
         )
 
-    def _fit_stands_in(self, link: RunnerLink) -> bool:
+    def _fit_stands_in(self, link: RunnerLink, avoid: str = "") -> bool:
         """The in-process runner, or another attached one fit for jobs (not benched, fewer than
-        MAX_STRIKES), serves `link`'s model for every tenant it serves (called under the lock).
-        Two struck runners do not put each other on probation: each would then wait on the other."""
+        MAX_STRIKES, not `avoid`: the one a retry keeps off), serves `link`'s model for every
+        tenant it serves (called under the lock). Two struck runners do not put each other on
+        probation: each would then wait on the other."""
         if link.info.model in self._fallback_models:
             return True
         return any(
             other is not link and not other.closed and not other.benched and other.strikes < MAX_STRIKES
+            and other.info.runner_id != avoid
             and other.info.model == link.info.model and other.info.tenant in (None, link.info.tenant)
             for other in self._links.values()
         )
 
-    def _on_probation(self, link: RunnerLink) -> bool:
-        """MAX_STRIKES or more, off the bench, while a fit runner stands in: it gets one job (a
-        probe) at a time, at most every `probe_interval_seconds` (called under the lock)."""
-        return link.strikes >= MAX_STRIKES and not link.benched and self._fit_stands_in(link)
+    def _on_probation(self, link: RunnerLink, avoid: str = "") -> bool:
+        """MAX_STRIKES or more, off the bench, while a fit runner (not `avoid`) stands in: it gets
+        one job (a probe) at a time, at most every `probe_interval_seconds` (called under the lock)."""
+        return link.strikes >= MAX_STRIKES and not link.benched and self._fit_stands_in(link, avoid)
 
-    def _held_back(self, link: RunnerLink, now: float) -> bool:
+    def _held_back(self, link: RunnerLink, now: float, avoid: str = "") -> bool:
         """No job for `link` now: benched while another stands in, or on probation with its probe
         out or not yet due (called under the lock)."""
         if link.benched:
             return self._stands_in(link)
-        return self._on_probation(link) and (link.probe != 0 or now < link.probe_due)
+        return self._on_probation(link, avoid) and (link.probe != 0 or now < link.probe_due)
 
     def _detach_unhealthy(self, link: RunnerLink, last: str) -> None:
         """Detach `link`, which `_strike` closed and counted."""
@@ -418,7 +431,7 @@ class RunnerRegistry:
         return [
             link for link in self._links.values()
             if not link.closed and link.info.model == model and (link.info.tenant is None or link.info.tenant == tenant)
-            and link.info.runner_id != avoid and not self._held_back(link, now)
+            and link.info.runner_id != avoid and not self._held_back(link, now, avoid)
         ]
 
     def _has_room(self, model: str, tenant: str, avoid: str = "") -> bool:
@@ -463,9 +476,11 @@ class RunnerRegistry:
             self._given += 1
             link.last_given = self._given
             job_id = next(self._ids)
-            if self._on_probation(link):  # its probe: the next one no sooner than an interval from now
+            if self._on_probation(link, avoid):  # its probe: the next one no sooner than an interval from now
                 link.probe = job_id
                 link.probe_due = self._clock() + self.probe_interval_seconds
+            link.first_job = link.first_job or job_id
+            link.last_job = job_id
             fut = JobFuture(job_id)
             pending = _Pending(job_id, job, fut, self._given, link.answered)
             link.in_flight[job_id] = pending

@@ -16,6 +16,7 @@ runners answer when the test opens their gate."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -682,3 +683,54 @@ def test_jobs_failing_together_are_one_strike_and_a_detached_runners_answers_are
     assert not reg.misbehaved(a, "a result for a job it was not given")
     assert reg.misbehaved_total == 1 and not a.protocol_error
 
+
+
+def test_a_job_the_stand_in_failed_is_retried_on_the_runner_on_probation() -> None:
+    # The retry keeps off the stand-in that answered it with an error; the struck runner then has
+    # nobody fit standing in for it, so it takes the retry (a probe), where it was held back and
+    # the retry refused ("no other runner ... is attached").
+    clock = _Clock()
+    reg, (a, b) = _registry("a", "b", grace=60.0, clock=clock)  # no in-process runner
+    _benched_then_late(reg, a, avoid="b")  # a: slow, off the bench, MAX_STRIKES strikes
+    job = reg.submit(_job())
+    assert job.job_id in b.in_flight
+    reg.complete(b, job.job_id, None, "out of memory")
+    assert reg.attached(a.info.model, "default", avoid="b")
+    assert reg.submit(_job(), avoid="b").job_id in a.in_flight
+
+
+def test_a_late_snapshot_of_a_job_cancelled_hundreds_of_cancels_ago_is_dropped_not_a_protocol_error(
+        make_rig: Callable[..., Rig]) -> None:  # noqa: F811
+    # `kvstore runner` sends a cancelled job's snapshot when its batch ends. Past RECENTLY_CANCELLED
+    # cancels meanwhile (callers timing out beside a long batch), the service no longer knew the job
+    # and detached the model's only runner for "a result for job N, which is not one of this
+    # runner's jobs". (The fake answers every job, cancelled or not, once its gate opens.)
+    rig = make_rig(config(replay={"runner": "attached"}))  # no in-process runner: the only runner
+    reg = rig.app.runners
+    size = rig.svc.snapshot_bytes(NAME)
+    gate = threading.Event()
+
+    def slow(job: pb.ReplayJob, chunks: list[bytes]) -> bytes:
+        gate.wait(30)
+        return bytes(size)
+
+    runner = _runner(rig, slow)
+    (link,) = reg._links.values()
+    cb = rig.app.layouts()[NAME].chunk_bytes
+    job = dataclasses.replace(_job(), chunk_bytes=cb, chunks=(bytes(cb),))  # its one chunk, sent with it
+    first = reg.submit(job)
+    wait_for(lambda: len(runner.jobs) == 1)  # the device is busy with it
+    reg.cancel_job(first.job_id, timed_out=True)
+    for _ in range(registry_module.RECENTLY_CANCELLED):
+        reg.cancel_job(reg.submit(job).job_id, timed_out=True)
+    assert first.job_id not in link.cancelled
+    asked: list[int] = []
+    real_was_cancelled = reg.was_cancelled
+    reg.was_cancelled = lambda lk, job_id: asked.append(job_id) or real_was_cancelled(lk, job_id)  # type: ignore[method-assign]
+    gate.set()  # the long batch ends: its snapshot comes back late
+    wait_for(lambda: first.job_id in asked)
+    assert not link.closed and not link.protocol_error and reg.misbehaved_total == 0
+    assert [r.runner_id for r in reg.runners()] == [link.info.runner_id]
+    # A result for an id never given to it is still a protocol error.
+    assert not real_was_cancelled(link, link.last_job + 1000)
+    runner.close()
