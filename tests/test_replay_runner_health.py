@@ -200,6 +200,13 @@ def test_a_slow_runner_another_stands_in_for_is_benched_not_detached(
     run.runner.close()
 
 
+def _stand_in_deadline(i: int) -> float:
+    """The deadline of a test's i-th Resume: short while the runner under test strikes out, long
+    after, when the in-process runner stands in (its first replay loads its model, seconds on a
+    loaded machine; a job given to the runner under test instead would still time out)."""
+    return 1.5 if i < MAX_STRIKES else 30.0
+
+
 def _strikes(rig: Rig) -> list[int]:
     return [lk.strikes for lk in rig.app.runners._links.values()]
 
@@ -246,7 +253,8 @@ def test_a_hung_runner_gives_way_to_the_in_process_runner(
 
     sick = _runner(rig, hung)
     try:
-        got = [rig.client.resume(NAME, p, timeout_seconds=1.5).replay_status for p in prompts]
+        got = [rig.client.resume(NAME, p, timeout_seconds=_stand_in_deadline(i)).replay_status
+               for i, p in enumerate(prompts)]
     finally:
         hold.set()
     # The model's last attached runner, but not its last runner: benched after MAX_STRIKES
@@ -282,7 +290,8 @@ def test_a_hung_runner_answering_its_cancels_is_detached(
 
     sick = _runner(rig, hung)
     try:
-        got = [rig.client.resume(NAME, p, timeout_seconds=1.5).replay_status for p in prompts]
+        got = [rig.client.resume(NAME, p, timeout_seconds=_stand_in_deadline(i)).replay_status
+               for i, p in enumerate(prompts)]
     finally:
         stop.set()
     assert got == ["timeout"] * MAX_STRIKES + ["replayed"] * 3
@@ -308,8 +317,8 @@ def test_a_runner_always_late_gives_way_to_the_in_process_runner(make_rig: Calla
 
     slow = _runner(rig, late)
     got = []
-    for p in prompts:
-        got.append(rig.client.resume(NAME, p, timeout_seconds=1.5).replay_status)
+    for i, p in enumerate(prompts):
+        got.append(rig.client.resume(NAME, p, timeout_seconds=_stand_in_deadline(i)).replay_status)
         if len(got) == MAX_STRIKES:  # its late snapshots are in: off the bench
             wait_for(lambda: _finished(rig) == [MAX_STRIKES])
     assert got == ["timeout"] * MAX_STRIKES + ["replayed"] * 3
