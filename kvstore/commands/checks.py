@@ -10,11 +10,7 @@ from kvstore.config.fields import DAY_SECONDS
 from kvstore.config.service import token_problem
 from kvstore.errors import InvalidInput
 from kvstore.wire.targets import target_problem
-
-# The TLS file checks live below the commands, where the client checks its TLS arguments too; the
-# commands name their flags (--tls-ca) or config keys in the messages.
-from kvstore.wire.tls_files import check_tls_ca as check_tls_ca
-from kvstore.wire.tls_files import check_tls_client as check_tls_client
+from kvstore.wire.tls_files import check_tls_ca, check_tls_client
 
 
 def check_token(token: str | None, flag: str) -> None:

@@ -18,12 +18,13 @@ import logging
 import sys
 from dataclasses import replace
 
-from kvstore.commands.checks import check_target, check_tls_ca, check_token
+from kvstore.commands.checks import check_target, check_token
 from kvstore.commands.stop_signals import stop_on_signals
 from kvstore.config.replay import MAX_THREADS
 from kvstore.config.store import MAX_CHUNK_TOKENS
 from kvstore.errors import InvalidInput
 from kvstore.layout import MAX_ENGINE_NAME
+from kvstore.wire.tls_files import check_tls_ca
 
 # A longer window asked torch for terabytes at warm-up (a traceback); 65,536 loads in ~0.8 GB.
 MAX_WINDOW_TOKENS = 65_536

@@ -22,11 +22,10 @@ from kvstore.commands.checks import (
     check_admin_url,
     check_target,
     check_timeout,
-    check_tls_ca,
-    check_tls_client,
     check_token,
 )
 from kvstore.errors import InvalidInput
+from kvstore.wire.tls_files import check_tls_ca, check_tls_client
 
 if TYPE_CHECKING:  # kvstore.client imports grpc: only `run` needs it, not the parser `kvstore --help` builds
     from kvstore.client.types import ServiceStats
