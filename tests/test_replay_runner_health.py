@@ -30,11 +30,11 @@ from kvstore.client import ResumeResult
 from kvstore.service.runners_servicer import RunnersServicer
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from replay import attached as attached_module
 from replay import registry as registry_module
 from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
 from replay.registry import MAX_STRIKES, RunnerInfo, RunnerLink, RunnerRegistry
 from replay.runner import ReplayJob, ReplayResult
+from tests.helpers.faults import record_runner_cancels
 from tests.test_replay_coordinator import NAME, wait_for
 from tests.test_replay_service import Rig, _expired_boundary, config, make_rig  # noqa: F401 (a fixture)
 from tests.test_service_runners import FakeRunner
@@ -342,14 +342,7 @@ def test_the_real_runner_sends_a_cancelled_jobs_snapshot_and_leaves_the_bench(
     reg = rig.app.runners
     lay = rig.app.layouts()[NAME]
     batches: list[int] = []
-    cancels: list[int] = []  # the JobCancels the runner read
-    session_cancel = attached_module._Session.cancel
-
-    def cancel(self: Any, job_id: int) -> None:
-        session_cancel(self, job_id)
-        cancels.append(job_id)
-
-    monkeypatch.setattr(attached_module._Session, "cancel", cancel)
+    cancels = record_runner_cancels(monkeypatch)  # the JobCancels the runner read
 
     def run_batch(jobs: Sequence[ReplayJob]) -> list[ReplayResult]:
         batches.append(len(jobs))

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
@@ -21,11 +20,11 @@ from kvstore.dataplane.peer import ShmPath
 from kvstore.service.shm_listener import ShmSession
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from replay import attached as attached_module
 from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
 from replay.registry import MAX_STRIKES, JobFuture, JobOutcome
 from replay.runner import ReplayJob, ReplayResult
 from tests.fixtures.service import CHUNK, V41, Service, payloads, tokens
+from tests.helpers.faults import record_runner_cancels
 from tests.helpers.waiting import wait_until
 from tests.test_service_shm import shm_config
 
@@ -340,14 +339,7 @@ def test_a_job_cancelled_while_it_runs_sends_its_snapshot_late_and_its_runner_le
     the runner, benched at its MAX_STRIKES-th timeout, leaves the bench instead of being detached
     as hung at the grace's end. Jobs cancelled before they ran send nothing."""
     gate, entered = threading.Event(), threading.Event()
-    cancels: list[int] = []  # the JobCancels the runner read
-    session_cancel = attached_module._Session.cancel
-
-    def cancel(self: Any, job_id: int) -> None:
-        session_cancel(self, job_id)
-        cancels.append(job_id)
-
-    monkeypatch.setattr(attached_module._Session, "cancel", cancel)
+    cancels = record_runner_cancels(monkeypatch)  # the JobCancels the runner read
     svc, runner = make_attached(gate, entered)
     reg = svc.app.runners
     reg.set_fallback_models([V41])  # an in-process runner stands in: its third timeout benches it

@@ -41,3 +41,18 @@ def write_before_the_clean_up(reader: Any, write: Any, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(transport, "transaction", racing)
     return raced
+
+
+def record_runner_cancels(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The job ids of the JobCancels every `kvstore runner` session in this process reads, in order."""
+    from replay import attached
+
+    cancels: list[int] = []
+    session_cancel = attached._Session.cancel
+
+    def cancel(self: Any, job_id: int) -> None:
+        session_cancel(self, job_id)
+        cancels.append(job_id)
+
+    monkeypatch.setattr(attached._Session, "cancel", cancel)
+    return cancels
