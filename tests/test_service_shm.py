@@ -256,7 +256,8 @@ def test_forged_snapshot_spans_are_refused_both_ways(
     ({"unix_socket_mode": 0o1777}, "file mode"),
     ({"shm_load_segment_bytes": 4096}, "1 MiB..1 TiB"),
     ({"shm_lease_seconds": 0}, "0.1..3600"),
-    ({"max_shm_sessions": 0}, ">= 1"),
+    ({"max_shm_sessions": 0}, "1..4096"),
+    ({"max_shm_sessions": 4097}, "1..4096"),
     ({"shm_prefault_bytes": -1}, "0..1 TiB"),
 ])
 def test_same_host_config_keys_are_checked_at_start(keys: dict[str, Any], message: str) -> None:

@@ -232,3 +232,27 @@ def test_a_service_in_its_own_pid_namespace_counts_foreign_clients_by_user(sock_
             s.close()
         proc.kill()
         proc.wait()
+
+
+def test_an_inotify_queue_too_short_for_the_sessions_is_a_warning_at_start(
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A queue that overflows drops some segments' ends, and their sessions' slots stay taken until a
+    # restart: the operator hears of it at start, not when the slots run out.
+    from kvstore.service import shm_listener
+
+    monkeypatch.setattr(shm_listener, "watch_queue_events", lambda: 63)
+    with caplog.at_level("WARNING", logger=shm_listener.log.name):
+        svc = make_service(shm_config(sock_dir / "kv.sock", max_shm_sessions=32))
+    assert svc.server.shm is not None and svc.server.shm.enabled  # a warning, the socket still served
+    said = [r.getMessage() for r in caplog.records if "max_queued_events" in r.getMessage()]
+    assert said and "is 63, under the 64 segment watches" in said[0] and "max_shm_sessions = 32" in said[0], said
+
+
+def test_the_machines_inotify_queue_is_read() -> None:
+    from kvstore.dataplane import watch_queue_events
+
+    events = watch_queue_events()
+    assert events is None or events > 0
+    assert watch_queue_events("/nonexistent/max_queued_events") is None

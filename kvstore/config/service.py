@@ -21,6 +21,8 @@ MAX_SHARE_WEIGHT = 1000.0
 # The fewest payload bytes per streamed message (as local_pool.part_bytes): in 1-byte messages, a
 # Load of 20 KB took 2.6 s, and a V4.1 chunk's timed out.
 MIN_STREAM_MESSAGE_BYTES = 4096
+# Same-host sessions, all tenants: each backs two segments (see the check below).
+MAX_SHM_SESSIONS = 4096
 # A host name's labels (underscores too: container names have them and resolve).
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
@@ -184,7 +186,10 @@ class ServiceConfig:
             require(1 * MiB <= getattr(self, name) <= 1 << 40, join(prefix, name), "must be in 1 MiB..1 TiB")
         require(0.1 <= self.shm_lease_seconds <= 3600, join(prefix, "shm_lease_seconds"), "must be in 0.1..3600")
         require(0 <= self.shm_prefault_bytes <= 1 << 40, join(prefix, "shm_prefault_bytes"), "must be in 0..1 TiB")
-        require(self.max_shm_sessions >= 1, join(prefix, "max_shm_sessions"), "must be >= 1")
+        # Each session's two segments hold one inotify watch each, whose end is one queued event: at
+        # most 8,192 events pending, within the kernel's default queue of 16,384 (none dropped).
+        require(1 <= self.max_shm_sessions <= MAX_SHM_SESSIONS, join(prefix, "max_shm_sessions"),
+                f"must be in 1..{MAX_SHM_SESSIONS}")
         require(
             bool(self.tls_cert_file) == bool(self.tls_key_file),
             join(prefix, "tls_cert_file"), "tls_cert_file and tls_key_file must be set together",

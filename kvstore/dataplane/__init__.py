@@ -19,7 +19,14 @@ service's listener lives in `kvstore.service.shm_listener`.
 
 from kvstore.dataplane.leases import Lease, LeaseTable, NoRoom, TableClosed
 from kvstore.dataplane.peer import LeaseLapsed, SessionClosed, ShmPath, ShmUnavailable
-from kvstore.dataplane.segments import Segment, SegmentWatch, map_segment, sealing_available, watching_available
+from kvstore.dataplane.segments import (
+    Segment,
+    SegmentWatch,
+    map_segment,
+    sealing_available,
+    watch_queue_events,
+    watching_available,
+)
 from kvstore.dataplane.side_socket import (
     HELLO_VERSION,
     ID_RE,
@@ -60,5 +67,6 @@ __all__ = [
     "sealing_available",
     "send_message",
     "unix_path_of",
+    "watch_queue_events",
     "watching_available",
 ]

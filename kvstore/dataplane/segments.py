@@ -183,6 +183,15 @@ class SegmentWatch:
             self.fd = -1
 
 
+def watch_queue_events(path: str = "/proc/sys/fs/inotify/max_queued_events") -> int | None:
+    """How many events one inotify instance queues before dropping them (a sysctl); None if unread."""
+    try:
+        with open(path, "rb") as f:
+            return int(f.read(32))
+    except (OSError, ValueError):
+        return None
+
+
 def watching_available() -> str:
     """'' when this kernel says when a segment is let go by every process (`SegmentWatch`); else why not."""
     try:

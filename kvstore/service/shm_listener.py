@@ -77,6 +77,7 @@ from kvstore.dataplane import (
     new_id,
     sealing_available,
     send_message,
+    watch_queue_events,
     watching_available,
 )
 from kvstore.errors import ConfigError, InvalidInput, Unauthenticated
@@ -244,6 +245,13 @@ class ShmSessions:
             log.warning("same-host shared memory is off: %s", self.detail)
             return
         self._sel.register(self._watch.fd, selectors.EVENT_READ, _WATCH)
+        # One watch per segment, two segments per session, one event at each end: a queue shorter
+        # than that may drop some, and those sessions' slots then stay taken until a restart.
+        queue, watches = watch_queue_events(), 2 * self._svc.max_shm_sessions
+        if queue is not None and queue < watches:
+            log.warning("same-host socket: fs.inotify.max_queued_events is %d, under the %d segment watches "
+                        "service.max_shm_sessions = %d may hold: raise it (sysctl) or lower max_shm_sessions",
+                        queue, watches, self._svc.max_shm_sessions)
         self._listener = _bind(self.path)
         self._listener.setblocking(False)
         self._sel.register(self._listener, selectors.EVENT_READ, None)
