@@ -303,6 +303,7 @@ def test_local_state_pushed_out_early_never_stored_pool_down_and_no_pool(ex: Exp
         "breaker_open", "the local pool is down (its circuit breaker is open, so it was not asked): "
         "treated as a local miss")
     assert ex.explain_local(d, keys[1], "timeout")[0] == "timeout"
+    assert ex.explain_local(d, keys[1], "oom")[0] == "oom"  # Redis up but full: not "never stored"
     assert ex.explain_local(d, keys[1], "no_pool")[0] == "no_pool"
     e = explain(ex, "acme", keys, 2, local="expired", case="expired", replay=ReplaySummary(1.0, 0, "timeout"),
                 status="timeout", pool_reason="timeout")

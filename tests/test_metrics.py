@@ -190,6 +190,17 @@ def test_every_label_value_is_snake_case_and_reasons_do_not_overlap(reg: Collect
     assert not {"expired", "absent"} & set(LOCAL_MISS_REASONS)
 
 
+def test_every_pool_miss_reason_has_its_own_label() -> None:
+    # A reason the pool counts but the metrics do not name is counted as "other": a full Redis
+    # refusing reads (oom) read as an unknown failure.
+    from kvstore.local_pool.base import MISS_REASONS
+    from kvstore.observe.metrics import LOCAL_MISS_REASONS, POOL_MISS_REASONS
+
+    for reason in MISS_REASONS:
+        assert reason.replace("-", "_") in POOL_MISS_REASONS, reason
+    assert "oom" in LOCAL_MISS_REASONS
+
+
 def test_replay_failure_reasons_come_from_a_fixed_set() -> None:
     from kvstore.observe.metrics import replay_failure
 

@@ -29,11 +29,12 @@ BytesLike = bytes | bytearray | memoryview
 # - corrupt: a part failed verification, or the snapshot is of another layout / format version /
 #   key, or not of the size or boundary the caller expects, or a key of ours holds another type
 # - timeout / error: the backend did not answer in time / failed; breaker-open: not even asked
+# - oom: Redis refused the read for want of memory (over maxmemory under noeviction): up, and full
 # - closed: the pool was closed
-MissReason = Literal["absent", "expired", "incomplete", "corrupt", "timeout", "error", "breaker-open",
-                     "closed"]
+MissReason = Literal["absent", "expired", "incomplete", "corrupt", "timeout", "error", "oom",
+                     "breaker-open", "closed"]
 MISS_REASONS: tuple[MissReason, ...] = ("absent", "expired", "incomplete", "corrupt", "timeout", "error",
-                                        "breaker-open", "closed")
+                                        "oom", "breaker-open", "closed")
 
 # Why a put wrote nothing.
 # - oom: Redis refused the write (maxmemory under noeviction)

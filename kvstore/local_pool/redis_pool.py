@@ -5,17 +5,22 @@ Keys: one snapshot per (namespace digest, boundary chunk key), stored as parts
     <prefix>:{<hex of sha256(ns_digest || boundary_key)[:16]>}:v<format version>:p<i>
 
 The braces are a Redis Cluster hash tag, so all parts of a snapshot live in one slot and one
-MULTI/EXEC reaches them all. Every write is `SET key value PX ttl` for every part in one
+MULTI/EXEC (or one pipeline) reaches them all. Every write is `SET key value PX ttl` for every part in one
 transaction, so the value and its TTL arrive together and no key exists without a TTL through
 any path (the only other commands are PEXPIRE on existing keys, GET and UNLINK, also inside the
 script that removes a snapshot found bad only if no write replaced it since (with TYPE), and a
-peek's GETRANGE and STRLEN). A read fetches the parts in one transaction and returns the snapshot
-only when all are present and verify, and it is the snapshot asked for: of the layout, written
+peek's GETRANGE and STRLEN). Only a write is a transaction: a noeviction Redis over its maxmemory
+refuses any command queued in MULTI, a GET too, and every stored snapshot read as an `error` miss;
+outside MULTI it serves reads, PEXPIRE and UNLINK (an `oom` miss is a read it refused all the same).
+A read fetches the parts in one pipeline, part 0's PTTL first, and returns the snapshot only when
+all are present and verify, and it is the snapshot asked for: of the layout, written
 under this key (the header's key tag is the hash in the key's name), and, when the caller says
 what it expects, of the layout's size and taken at the boundary asked about. Anything else is
 `corrupt` and removed, as is a key of ours holding another Redis type (WRONGTYPE). A header of
-the wrong size is refused before any further part is fetched on its word. A peek (a Lookup's
-question) reads, in one transaction, only each part's header and length.
+the wrong size is refused before any further part is fetched on its word. A write landing between
+a pipeline's GETs leaves parts of two writes, told apart by the write id every part carries (and
+the sizes): `corrupt`, and not removed, since part 0 changed. A peek (a Lookup's question) reads,
+in one pipeline, only each part's header and length.
 
 Occupancy (`stats().used_bytes`, `capacity_bytes`) is the server's own, INFO memory's
 `used_memory` and `maxmemory` (summed over a cluster's masters): every key on the server counts, not
@@ -63,7 +68,13 @@ from kvstore.local_pool.base import (
     SkipReason,
 )
 from kvstore.local_pool.breaker import CircuitBreaker
-from kvstore.local_pool.redis_transport import Command, RedisTransport, ServerMemory, telling_timeout
+from kvstore.local_pool.redis_transport import (
+    AnsweringTimeout,
+    Command,
+    RedisTransport,
+    ServerMemory,
+    telling_timeout,
+)
 from kvstore.local_pool.snapshot_format import (
     FORMAT_VERSION,
     HEADER,
@@ -216,7 +227,7 @@ class RedisPool:
             # caller until the probe is given up, another breaker_reset_seconds.
             breaker.release()
             raise
-        replies = self._attempts(cmds, deadline_at, breaker)
+        replies = self._attempts(cmds, deadline_at, breaker, atomic=True)  # parts and TTLs land together
         if isinstance(replies, str):
             return self._counters.skip(_skip_reason(replies))
         for r in replies:
@@ -240,12 +251,13 @@ class RedisPool:
         base = _key_base(self._cfg.key_prefix, expect.key_tag)
         want = self._first_round_parts(expect)
         for _ in range(2):  # a second round only when the snapshot has more parts than hinted
-            # Part 0's PTTL in the same transaction: what is left of a TTL no read refreshes.
-            got = self._run([*(("GET", base + b"%d" % i) for i in range(want)), ("PTTL", base + b"0")],
+            # Part 0's PTTL in the same pipeline: what is left of a TTL no read refreshes. First: its
+            # small reply tells a slow link from a silent server (`AnsweringTimeout`).
+            got = self._run([("PTTL", base + b"0"), *(("GET", base + b"%d" % i) for i in range(want))],
                             deadline_at, base)
             if isinstance(got, str):
                 return self._counters.miss(_miss_reason(got))
-            replies, pttl = got[:-1], got[-1]
+            pttl, replies = got[0], got[1:]
             outcome = self._assemble(replies, expect)
             if not isinstance(outcome, int):
                 break
@@ -270,7 +282,7 @@ class RedisPool:
         deadline_seconds: float | None = None, *, payload_bytes: int | None = None,
         boundary_tokens: int | None = None,
     ) -> PeekResult:
-        # One transaction of small reads: part 0's header, each later part's, every part's length.
+        # One pipeline of small reads: part 0's header, each later part's, every part's length.
         # No GET (a V4.1 snapshot is 1.35 MB), no PEXPIRE; nothing bad is removed either: that
         # needs part 0 itself (`_unlink_if_unchanged`), and the get that follows does it.
         self._counters.add("peeks")
@@ -405,22 +417,25 @@ class RedisPool:
             return list(self._breakers.items()), self._dropped_opens
 
     def _run(self, cmds: Sequence[Command], deadline_at: float, key: bytes,
-             vouches: bool = True) -> list[Any] | Failure:
-        """Replies of one transaction on the node of `key` (every key of `cmds` shares its slot),
-        or why there are none: "breaker-open", "timeout", "error" or "oom". `vouches`: whether its
-        success tells the breaker Redis is well (not a peek's: a Redis that answers a few header
-        bytes in time but no snapshot would otherwise keep its breaker closed for good)."""
+             vouches: bool = True, atomic: bool = False) -> list[Any] | Failure:
+        """Replies of one pipeline (`atomic`: transaction) on the node of `key` (every key of
+        `cmds` shares its slot), or why there are none: "breaker-open", "timeout", "error" or
+        "oom". `vouches`: whether its success tells the breaker Redis is well (not a peek's: a Redis
+        that answers a few header bytes in time but no snapshot would otherwise keep its breaker
+        closed for good)."""
         if deadline_at - time.monotonic() < MIN_ATTEMPT_SECONDS:
             return "timeout"  # the caller is out of time; says nothing about Redis
         breaker = self._breaker_for(key)
         if not breaker.allow():
             return "breaker-open"
-        return self._attempts(cmds, deadline_at, breaker, vouches)
+        return self._attempts(cmds, deadline_at, breaker, vouches, atomic)
 
     def _attempts(self, cmds: Sequence[Command], deadline_at: float, breaker: CircuitBreaker,
-                  vouches: bool = True) -> list[Any] | Failure:
+                  vouches: bool = True, atomic: bool = False) -> list[Any] | Failure:
         """`_run` once `breaker` has let the call through: retries transport failures while the
-        deadline allows, and tells the breaker what they said about Redis."""
+        deadline allows, and tells the breaker what they said about Redis. `atomic`: one
+        MULTI/EXEC (a write), else a plain pipeline, which a Redis over maxmemory still serves."""
+        send = self._transport.transaction if atomic else self._transport.pipeline
         failure: Failure = "timeout"
         error_text = ""
         judged = False  # an attempt failed in a way that says something about Redis
@@ -429,7 +444,7 @@ class RedisPool:
             if deadline_at - started < MIN_ATTEMPT_SECONDS:
                 break
             try:
-                replies = self._transport.transaction(cmds, deadline_at)
+                replies = send(cmds, deadline_at)
             except OutOfMemoryError:
                 breaker.record_success()  # Redis is up; it is full
                 self._reached = True
@@ -445,11 +460,12 @@ class RedisPool:
                 timed_out = isinstance(e, RedisTimeoutError | TimeoutError)
                 failure = "timeout" if timed_out else "error"
                 error_text = f"{type(e).__name__}: {e}"
-                # A timeout that the caller's deadline cut short says nothing about Redis: counted
-                # against it, a few callers nearly out of time would open the breaker on a healthy
-                # server for everyone else.
+                # A timeout that the caller's deadline cut short says nothing about Redis: too soon
+                # to tell, or while Redis was answering (`AnsweringTimeout`). Counted against it,
+                # one tenant's short deadlines opened the breaker every tenant shares.
                 waited = time.monotonic() - started
-                judged = judged or not timed_out or telling_timeout(waited, self._cfg.socket_timeout_seconds)
+                judged = judged or not timed_out or (
+                    not isinstance(e, AnsweringTimeout) and telling_timeout(waited, self._cfg.socket_timeout_seconds))
                 continue
             except Exception as e:  # the client library's own failure: still a miss, never the caller's error
                 self._counters.add("errors")
@@ -585,7 +601,8 @@ class RedisPool:
         else:
             return
         keys = [base + b"%d" % i for i in range(part_count)]
-        self._run([("EVAL", _UNLINK_IF_PART0, len(keys), *keys, digest)], deadline_at, base)
+        # A script runs whole anyway; sent as a transaction, like a write.
+        self._run([("EVAL", _UNLINK_IF_PART0, len(keys), *keys, digest)], deadline_at, base, atomic=True)
 
     def _learn_parts(self, layout_id: bytes, count: int, payload_bytes: int, written: bool) -> None:
         """From a successful write, or a read checked against the caller's size, only."""
@@ -609,11 +626,14 @@ class _Expected(NamedTuple):
 
 def _reply_problem(replies: Sequence[Any]) -> MissReason | None:
     """What failed replies say: "corrupt" for a key of ours of another type (removed like a bad
-    value, or it would be an "error" miss for good), "error" for any other failure, None if none."""
+    value, or it would be an "error" miss for good), "oom" for a read a Redis over maxmemory
+    refused (up, and full: not an error), "error" for any other failure, None if none."""
     errors = [r for r in replies if isinstance(r, ResponseError)]
     if not errors:
         return None
-    return "corrupt" if any(_wrong_type(r) for r in errors) else "error"
+    if any(_wrong_type(r) for r in errors):
+        return "corrupt"
+    return "oom" if all(isinstance(r, OutOfMemoryError) for r in errors) else "error"
 
 
 def _peek_commands(base: bytes, part_count: int) -> list[Command]:
@@ -626,8 +646,8 @@ def _peek_commands(base: bytes, part_count: int) -> list[Command]:
 
 
 def _miss_reason(failure: Failure) -> MissReason:
-    if failure == "breaker-open":
-        return "breaker-open"
+    if failure in ("breaker-open", "oom"):
+        return failure  # oom: Redis is up and full, not failing
     return "timeout" if failure == "timeout" else "error"
 
 

@@ -1,6 +1,10 @@
-"""Moving one MULTI/EXEC transaction to Redis and back, under a deadline.
+"""Moving commands to Redis and back, under a deadline: as one MULTI/EXEC transaction, or as a
+plain pipeline (the same commands, without MULTI/EXEC).
 
-Two implementations of one small contract, `transaction(commands, deadline_at) -> replies`:
+Two implementations of one small contract, `transaction(commands, deadline_at) -> replies` and
+`pipeline(commands, deadline_at) -> replies`. A noeviction Redis over its maxmemory refuses every
+command queued in MULTI (a GET too) with -OOM; outside MULTI it refuses only commands that may grow
+memory (SET), so reads go as a pipeline and only writes that must land together as a transaction:
 
 - `SingleNodeTransport` (redis://, rediss://, unix://) keeps its own small set of redis-py
   `Connection`s instead of a redis-py `ConnectionPool`, for two reasons. The pool connects (and
@@ -27,7 +31,10 @@ Both raise redis-py's exceptions (`TimeoutError`, `ConnectionError`, `ResponseEr
 never retry: the pool owns retries, the deadline and the circuit breaker (a redirect followed is
 not a retry: nothing failed; one redirected again raises `MovedError` or `AskError`). Replies are
 as Redis sent them (SET: b"OK" or True, GET: bytes or None, PEXPIRE/UNLINK: int); an error inside
-EXEC is a `ResponseError` in the reply list. This module knows nothing about snapshots, TTL
+EXEC is a `ResponseError` in the reply list, as is an error reply in a pipeline (a redirect
+there raises, as in a transaction). A timeout that the caller's deadline cut short while Redis was
+answering raises `AnsweringTimeout`: a link slower than the caller's deadline, not a server in
+trouble. This module knows nothing about snapshots, TTL
 policy or key schemes (only where a command carries its key, to route it).
 """
 
@@ -63,8 +70,9 @@ Arg = bytes | str | int | tuple[BytesLike, ...]
 Command = tuple[Arg, ...]
 
 # Redis answers a transaction in milliseconds: an attempt that waited this long (or a whole socket
-# timeout) and timed out says the server is slow or gone, whoever's deadline ended it. One that
-# waited less, cut short by its caller's deadline, says nothing about the server.
+# timeout) without a reply and timed out says the server is slow or gone, whoever's deadline ended
+# it. One that waited less, cut short by its caller's deadline, says nothing about the server; nor
+# does one cut short while replies were coming (`AnsweringTimeout`).
 TELLING_TIMEOUT_SECONDS = 0.05
 
 # A cluster's slot map is asked for again after a call failed on the connection, at most this
@@ -85,6 +93,11 @@ class RedisTransport(Protocol):
 
     def transaction(self, commands: Sequence[Command], deadline_at: float) -> list[Any]:
         """Run `commands` in one MULTI/EXEC; `deadline_at` is on the time.monotonic() clock."""
+        ...
+
+    def pipeline(self, commands: Sequence[Command], deadline_at: float) -> list[Any]:
+        """Run `commands` back to back without MULTI (another client's commands may run between
+        them), one reply each: for reads, which a Redis over maxmemory refuses only in MULTI."""
         ...
 
     def node_for(self, key: bytes) -> str:
@@ -134,6 +147,13 @@ def parse_info(text: bytes | str) -> dict[str, str]:
     return out
 
 
+class AnsweringTimeout(RedisTimeoutError):
+    """The caller's deadline, shorter than the socket timeout, ended an attempt while Redis was
+    answering it (a reply had come): a link slower than that caller's deadline, which says nothing
+    against the server. Counted against it, one tenant's short deadlines opened the breaker that
+    every tenant shares."""
+
+
 def _remaining(deadline_at: float) -> float:
     left = deadline_at - time.monotonic()
     if left <= 0:
@@ -148,7 +168,7 @@ class SingleNodeTransport:
                  connect_timeout_seconds: float) -> None:
         # A URL, or (one node of a cluster) its connections' keyword arguments, connection_class too.
         self._kwargs: dict[str, Any] = parse_url(url) if isinstance(url, str) else dict(url)
-        self._cls: type[AbstractConnection] = self._kwargs.pop("connection_class", Connection)
+        self._cls: type[AbstractConnection] = _hearing(self._kwargs.pop("connection_class", Connection))
         self._socket_timeout = socket_timeout_seconds
         self._connect_timeout = connect_timeout_seconds
         self._lock = threading.Lock()
@@ -163,16 +183,41 @@ class SingleNodeTransport:
 
     def transaction(self, commands: Sequence[Command], deadline_at: float, asking: bool = False) -> list[Any]:
         """`asking`: ASKING before MULTI, for a cluster node importing the slot (an ASK redirect)."""
+        return self._exchange(commands, deadline_at, asking, atomic=True)
+
+    def pipeline(self, commands: Sequence[Command], deadline_at: float, asking: bool = False) -> list[Any]:
+        """`asking`: ASKING before each command (it holds for one command outside MULTI)."""
+        return self._exchange(commands, deadline_at, asking, atomic=False)
+
+    def _exchange(self, commands: Sequence[Command], deadline_at: float, asking: bool, atomic: bool) -> list[Any]:
         started = time.monotonic()
         conn = self._acquire()
         clean = False  # every reply read: the connection may be reused as it is
         server_trouble = True  # the failure, if any, may mean the server went away
+        heard = _replies_read(conn)  # more by the end: the server was answering this call
         # Socket timeouts bound each recv(), not a reply read in many of them: the watchdog ends
         # the transaction at its deadline however its bytes come.
         armed = _WATCHDOG.arm(conn, deadline_at)
         try:
             self._cap(conn, deadline_at)
-            conn.send_packed_command(_pack_transaction(commands, asking), check_health=False)
+            conn.send_packed_command(_pack(commands, asking, atomic), check_health=False)
+            if not atomic:
+                replies: list[Any] = []
+                for _ in commands:
+                    if asking:
+                        self._cap(conn, deadline_at)
+                        conn.read_response()  # +OK
+                    self._cap(conn, deadline_at)
+                    try:
+                        replies.append(conn.read_response())
+                    except ResponseError as e:  # an answer too: -OOM, -WRONGTYPE, -MOVED, -ASK
+                        replies.append(e)
+                clean = True
+                # Every key shares one slot: a redirect of one is the whole call's, as in MULTI.
+                redirect = next((r for r in replies if isinstance(r, AskError)), None)  # MovedError too
+                if redirect is not None:
+                    raise redirect
+                return replies
             queued_errors: list[ResponseError] = []
             # +OK for ASKING and MULTI, +QUEUED per command (or an error: -OOM, -MOVED, -ASK)
             for _ in range(len(commands) + 1 + asking):
@@ -196,7 +241,12 @@ class SingleNodeTransport:
             if not (timed_out or armed.fired):
                 raise
             # Out of the caller's time, not the server's: only this connection (replies unread) goes.
-            server_trouble = telling_timeout(time.monotonic() - started, self._socket_timeout)
+            # A frozen server accepts connections (its kernel does) but answers nothing, not even
+            # a new connection's handshake (CLIENT SETINFO, AUTH): those replies count too.
+            cut_answering = _replies_read(conn) > heard and deadline_at - started < self._socket_timeout
+            server_trouble = not cut_answering and telling_timeout(time.monotonic() - started, self._socket_timeout)
+            if cut_answering:
+                raise AnsweringTimeout("pool call deadline passed while Redis was answering") from e
             if timed_out:
                 raise
             raise RedisTimeoutError("pool call deadline passed while Redis was still answering") from e
@@ -271,6 +321,30 @@ class SingleNodeTransport:
         sock = getattr(conn, "_sock", None)
         if sock is not None:
             sock.settimeout(conn.socket_timeout)
+
+
+class _Hearing:
+    """Mixed into a connection class: counts the replies read, the handshake's too, so that a call
+    cut short by its caller's deadline tells a server answering slowly from a silent one."""
+
+    replies_read = 0
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            reply = super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except ResponseError:  # an error reply is an answer too
+            self.replies_read += 1
+            raise
+        self.replies_read += 1
+        return reply
+
+
+def _hearing(cls: type[AbstractConnection]) -> type[AbstractConnection]:
+    return type(f"Hearing{cls.__name__}", (_Hearing, cls), {})
+
+
+def _replies_read(conn: AbstractConnection) -> int:
+    return getattr(conn, "replies_read", 0)
 
 
 class _Armed:
@@ -352,13 +426,20 @@ def telling_timeout(waited_seconds: float, socket_timeout_seconds: float) -> boo
     return waited_seconds >= min(socket_timeout_seconds, TELLING_TIMEOUT_SECONDS)
 
 
-def _pack_transaction(commands: Sequence[Command], asking: bool = False) -> list[BytesLike]:
-    """RESP-encode [ASKING,] MULTI, the commands and EXEC as a list of buffers for sendall()."""
+_ASKING = b"*1\r\n$6\r\nASKING\r\n"
+
+
+def _pack(commands: Sequence[Command], asking: bool, atomic: bool) -> list[BytesLike]:
+    """RESP-encode [ASKING,] MULTI, the commands and EXEC (`atomic`), or the commands alone, each
+    after an ASKING when `asking`, as a list of buffers for sendall()."""
     out: list[BytesLike] = []
     # ASKING holds for a whole MULTI...EXEC: a node clears it only after a command outside one.
-    small = bytearray(b"*1\r\n$6\r\nASKING\r\n" if asking else b"")
-    small += b"*1\r\n$5\r\nMULTI\r\n"
+    small = bytearray(_ASKING if asking and atomic else b"")
+    if atomic:
+        small += b"*1\r\n$5\r\nMULTI\r\n"
     for cmd in commands:
+        if asking and not atomic:
+            small += _ASKING
         small += b"*%d\r\n" % len(cmd)
         for arg in cmd:
             segments: tuple[BytesLike, ...]
@@ -379,7 +460,8 @@ def _pack_transaction(commands: Sequence[Command], asking: bool = False) -> list
                 else:
                     small += seg
             small += b"\r\n"
-    small += b"*1\r\n$4\r\nEXEC\r\n"
+    if atomic:
+        small += b"*1\r\n$4\r\nEXEC\r\n"
     out.append(bytes(small))
     return out
 
@@ -404,6 +486,12 @@ class ClusterTransport:
         self._closed = False
 
     def transaction(self, commands: Sequence[Command], deadline_at: float) -> list[Any]:
+        return self._call(commands, deadline_at, atomic=True)
+
+    def pipeline(self, commands: Sequence[Command], deadline_at: float) -> list[Any]:
+        return self._call(commands, deadline_at, atomic=False)
+
+    def _call(self, commands: Sequence[Command], deadline_at: float, atomic: bool) -> list[Any]:
         _remaining(deadline_at)
         client = self._connect(deadline_at)
         try:
@@ -413,7 +501,7 @@ class ClusterTransport:
             raise
         try:
             try:
-                return self._node(node.host, node.port).transaction(commands, deadline_at)
+                return self._send(node.host, node.port, commands, deadline_at, atomic, asking=False)
             except AskError as e:  # MovedError is one too
                 host, port = e.host or node.host, e.port  # a node may leave its own host out
                 moved = isinstance(e, MovedError)
@@ -425,7 +513,9 @@ class ClusterTransport:
                     self._refresh_soon(client)
             # Followed once. Redirected again (the slot moved on meanwhile), the error reaches the
             # pool, whose next attempt starts over from the map.
-            return self._node(host, port).transaction(commands, deadline_at, asking=not moved)
+            return self._send(host, port, commands, deadline_at, atomic, asking=not moved)
+        except AnsweringTimeout:
+            raise  # the node answered: its slots are where the map says
         except (RedisConnectionError, RedisTimeoutError):
             # The node may be gone for good (its replica took its slots): redis-py would ask for
             # the map again only after several errors on one pipeline of its own.
@@ -478,6 +568,12 @@ class ClusterTransport:
             node.close()
         if client is not None:
             client.close()
+
+    def _send(self, host: str, port: int, commands: Sequence[Command], deadline_at: float, atomic: bool,
+              asking: bool) -> list[Any]:
+        node = self._node(host, port)
+        send = node.transaction if atomic else node.pipeline
+        return send(commands, deadline_at, asking=asking)
 
     def _node(self, host: str, port: int) -> SingleNodeTransport:
         """The connections to one node, made on first use."""

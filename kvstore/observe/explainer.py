@@ -245,8 +245,9 @@ class Explainer:
                       at: float | None = None) -> tuple[str, str]:
         """(reason, detail) for local state that was not found at a hit boundary by a call that
         answered `at` (None: now)."""
-        if pool_reason in ("timeout", "error", "breaker-open", "closed"):
+        if pool_reason in ("timeout", "error", "oom", "breaker-open", "closed"):
             words = {"timeout": "did not answer in time", "error": "failed",
+                     "oom": "is over its memory limit and refused the read (the snapshot may still be there)",
                      "breaker-open": "is down (its circuit breaker is open, so it was not asked)",
                      "closed": "is closed"}[pool_reason]
             # Reasons are snake_case like every other (the pool spells its own "breaker-open").

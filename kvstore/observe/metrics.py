@@ -77,14 +77,15 @@ MISS_REASONS = ("never_stored", "unreachable", "evicted", "corrupt", "over_quota
 # Why the local state at a hit boundary was not held, one reason each (explainer.py refines the
 # pool's): ttl_expired (its TTL ran out), evicted (pushed out before its TTL), never_stored (no
 # snapshot was written at this boundary), incomplete and corrupt (found, unusable), timeout, error,
-# breaker_open and closed (the pool did not answer), no_pool (none configured).
+# breaker_open and closed (the pool did not answer), oom (it refused the read: over its memory
+# limit), no_pool (none configured).
 LOCAL_MISS_REASONS = ("ttl_expired", "evicted", "never_stored", "incomplete", "corrupt", "timeout", "error",
-                      "breaker_open", "closed", "no_pool", OTHER)
+                      "oom", "breaker_open", "closed", "no_pool", OTHER)
 EVICTION_REASONS = ("capacity", "quota", OTHER)
 BREAKER_STATES = ("closed", "open", "half_open")
 # The pool's own view (kvstore_pool_misses_total): it cannot tell an expired snapshot from one never
 # written (Redis cannot), so its reasons are coarser than LOCAL_MISS_REASONS.
-POOL_MISS_REASONS = ("absent", "expired", "incomplete", "corrupt", "timeout", "error", "breaker_open",
+POOL_MISS_REASONS = ("absent", "expired", "incomplete", "corrupt", "timeout", "error", "oom", "breaker_open",
                      "closed")
 POOL_SKIP_REASONS = ("oom", "no_room", "policy", "timeout", "error", "breaker_open", "closed")
 RPC_METHODS = ("Lookup", "Store", "Load", "StoreLocal", "LoadLocal", "Resume", "Stats", "RegisterModel", "Attach",
