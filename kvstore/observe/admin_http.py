@@ -29,6 +29,8 @@ all, is closed: a client that sends its head at once is read before it is the ol
 finished head takes a slot and a thread: MAX_CONNECTIONS, plus HEALTH_RESERVE that only a request
 for /healthz may take (decided by its path); anything else past them gets 429 with Retry-After.
 Idle or trickling connections, authenticated or not, cannot hold the slots or the reserve.
+Rendering (/metrics, /api/*) is bounded per peer address (MAX_RENDERS_PER_PEER at once, past it
+429) and shared: concurrent readers of one answer share a render begun after they came (`_Renders`).
 
 What it does not know: what the figures mean (`admin_api.py` builds them), or gRPC.
 """
@@ -54,7 +56,7 @@ from collections.abc import Callable, Iterator, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from prometheus_client import CollectorRegistry
@@ -66,6 +68,7 @@ from kvstore.observe.admin_api import AdminApi, Viewer
 from kvstore.wire.request_ids import REQUEST_ID_RE
 
 log = logging.getLogger("kvstore.admin")
+_T = TypeVar("_T")
 
 DEFAULT_WINDOW_SECONDS = 900
 # Requests served at once (a thread each), once their head is read.
@@ -81,7 +84,20 @@ REQUEST_HEAD_SECONDS = 2.5
 MAX_HEADS_PER_PEER = 64
 MAX_HEADS = 256
 MAX_HEAD_BYTES = 131072  # twice the stdlib's limit for a request line: it judges what is under this
+# Read from one connection per turn of the head reader's loop: a peer sending a long head cannot
+# hold the thread that reads every peer's head (the rest is read on later turns).
+HEAD_READ_BYTES = 16384
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
+# Renders (flushing the observers, reading the store, encoding) that one peer address may have
+# running at once: the dashboard's two and a scraper's. Past it, 429; readers sharing another's
+# render (`_Renders`) count for nothing.
+MAX_RENDERS_PER_PEER = 3
+RENDER_PACE = 3.0
+SHARE_SECONDS = 1.0
+MAX_SHARED = 64  # keys paced at once; past it, a render is not shared
+# An Accept header's version of a metrics format: digits and dots (1.0.0, 0.0.4), nothing else
+# (prometheus_client compares its parts as numbers, and echoes it into the Content-Type).
+_FORMAT_VERSION_RE = re.compile(r"\d{1,6}(?:\.\d{1,6}){0,3}")
 _SCRIPT_RE = re.compile(rb"<script>(.*?)</script>", re.S)
 
 
@@ -155,6 +171,9 @@ class AdminHttpServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), name="kvstore-admin",
                                         daemon=True)
         self._closed = False
+        self._renders = _Renders()
+        self._busy_lock = threading.Lock()
+        self._busy: dict[str, int] = {}  # peer address -> renders running for it
 
     @property
     def url(self) -> str:
@@ -206,8 +225,8 @@ class AdminHttpServer:
     # --- routes ---
 
     def route(self, path: str, query: str, authorization: str | None,
-              accept: str = "", host: str | None = None) -> tuple[int, str, bytes, dict[str, str]]:
-        """(status, content type, body, extra headers) for a GET."""
+              accept: str = "", host: str | None = None, peer: str = "") -> tuple[int, str, bytes, dict[str, str]]:
+        """(status, content type, body, extra headers) for a GET from the address `peer`."""
         if path in ("/", ""):
             return 302, "text/plain", b"", {"Location": "/dashboard"}
         if path == "/healthz":
@@ -216,24 +235,29 @@ class AdminHttpServer:
             if self._metrics_auth and not self.viewer(authorization, required=True, host=host, admin_only=True).admin:
                 raise HttpError(403, "/metrics shows every tenant's series: it needs the admin token"
                                 + ("" if self._token else " (admin.admin_token is not set)"))
-            self._read_fresh()
-            return self._metrics(query, accept)
+            encoder, ctype = _encoder(accept)
+            params = _params(query)
+            _only(params, ("name[]",))
+            names = frozenset(params.get("name[]", ()))
+            source = _Only(self.registry, names) if names else self.registry
+            # It only calls collect().
+            return self._shared(peer, ("metrics", ctype, names), lambda: (200, ctype, encoder(source), {}))
         if path == "/dashboard":
             return 200, "text/html; charset=utf-8", self._page, {"Content-Security-Policy": self._page_csp}
         if path.startswith("/api/"):
             viewer = self.viewer(authorization, required=True, host=host)
             params = _params(query)
-            self._read_fresh()
             if path == "/api/stats":
                 _only(params, ())
-                return _json(200, self.api.stats(viewer))
+                return self._shared(peer, ("stats", viewer), lambda: _json(200, self.api.stats(viewer)))
             if path == "/api/timeseries":
                 _only(params, ("window", "step"))
                 # Longer than the history kept: clamped to it (the answer's window_seconds says so),
                 # not refused; the dashboard's fixed choices (15 min by default) outrun a short history.
                 window = min(_int_param(params, "window", DEFAULT_WINDOW_SECONDS, 1), self._max_window)
                 step = min(_int_param(params, "step", 0, 1), self._max_window) if "step" in params else None
-                return _json(200, self.api.timeseries(viewer, window, step))
+                return self._shared(peer, ("timeseries", viewer, window, step),
+                                    lambda: _json(200, self.api.timeseries(viewer, window, step)))
             if path.startswith("/api/explain/"):
                 _only(params, ("tenant",))
                 rid = unquote(path[len("/api/explain/"):])
@@ -245,15 +269,33 @@ class AdminHttpServer:
                 # Request ids are the clients' own: two tenants may send the same one. The admin
                 # names whose (`?tenant=`); without it, the latest request of that id.
                 tenant = params.get("tenant", [None])[0] if viewer.admin else None
-                doc = self.api.explain(viewer, rid, tenant)
+                doc = self._render(peer, lambda: self.api.explain(viewer, rid, tenant))
                 if doc is None:
                     raise HttpError(404, f"no recent request '{rid}' (unknown, or aged out of the journal)")
                 return _json(200, doc)
         raise HttpError(404, f"no such page: {path}")
 
-    def _read_fresh(self) -> None:
-        if self._before_read is not None:
-            self._before_read()
+    def _shared(self, peer: str, key: tuple[Any, ...],
+                answer: Callable[[], tuple[int, str, bytes, dict[str, str]]]) -> tuple[int, str, bytes, dict[str, str]]:
+        return self._renders.get(key, lambda: self._render(peer, answer))
+
+    def _render(self, peer: str, answer: Callable[[], _T]) -> _T:
+        """`answer()` after a flush of the observers, counted against the peer's renders."""
+        with self._busy_lock:
+            running = self._busy.get(peer, 0)
+            if running >= MAX_RENDERS_PER_PEER:
+                raise HttpError(429, f"{running} requests from this address are being answered: retry shortly",
+                                {"Retry-After": "1"})
+            self._busy[peer] = running + 1
+        try:
+            if self._before_read is not None:
+                self._before_read()
+            return answer()
+        finally:
+            with self._busy_lock:
+                left = self._busy.pop(peer) - 1
+                if left:
+                    self._busy[peer] = left
 
     def _healthz(self) -> tuple[int, str, bytes, dict[str, str]]:
         comps = dict(self._health()) if self._health is not None else {"": "SERVING"}
@@ -261,13 +303,108 @@ class AdminHttpServer:
         body = {"status": "SERVING" if serving else "NOT_SERVING", "components": comps}
         return _json(200 if serving else 503, body)
 
-    def _metrics(self, query: str, accept: str) -> tuple[int, str, bytes, dict[str, str]]:
-        encoder, ctype = choose_encoder(accept)
-        params = _params(query)
-        _only(params, ("name[]",))
-        names = params.get("name[]")
-        source = _Only(self.registry, frozenset(names)) if names else self.registry
-        return 200, ctype, encoder(source), {}  # it only calls collect()
+
+def _encoder(accept: str) -> tuple[Callable[[Any], bytes], str]:
+    """prometheus_client's encoder for an Accept header, with the media ranges whose version is not
+    digits and dots left out (it would compare "abc" with a number, or echo "1.0.0.<x>" into the
+    Content-Type); 406 when nothing else was asked for."""
+    kept, bad = [], ""
+    for media in accept.split(","):
+        versions = [v for k, _, v in (t.strip().partition("=") for t in media.split(";")[1:]) if k == "version"]
+        wrong = next((v for v in versions if not _FORMAT_VERSION_RE.fullmatch(v)), None)
+        if wrong is None:
+            kept.append(media)
+        else:
+            bad = bad or wrong
+    if bad and not any(m.strip() for m in kept):
+        raise HttpError(406, f"Accept names a format version '{bad[:40]}': a version is digits and dots "
+                             "(application/openmetrics-text; version=1.0.0, text/plain; version=0.0.4)")
+    try:
+        return choose_encoder(",".join(kept))
+    except (TypeError, ValueError):  # a parse it did not expect: answer the text format every scraper reads
+        return choose_encoder("")
+
+
+class _Render:
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.done = threading.Event()
+        self.answer: Any = None  # None until rendered, and for a render that failed
+
+
+class _Key:
+    def __init__(self) -> None:
+        self.running: _Render | None = None
+        self.last: _Render | None = None  # the latest that ended (a reader may wake after it did)
+        self.free_at = 0.0  # the next render of this key starts no sooner
+
+
+class _Renders:
+    """Renders shared between concurrent readers of a key, and paced: a reader waits for a render
+    that starts after it arrived (never one begun before: a read after a change sees it) and shares
+    it with every reader that came meanwhile; a key's next render starts RENDER_PACE times its last
+    one's length after it ended (at most SHARE_SECONDS), so that a flood of readers takes a key's
+    renders a quarter of the time, one at a time, not a render each at once."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._keys: dict[tuple[Any, ...], _Key] = {}
+        self.waiting = 0  # readers waiting for a render (read by the tests)
+
+    def get(self, key: tuple[Any, ...], render: Callable[[], Any]) -> Any:
+        arrived = time.monotonic()
+        with self._cond:
+            now = arrived
+            for k in [k for k, st in self._keys.items() if st.running is None and st.free_at <= now]:
+                del self._keys[k]
+            state = self._keys.get(key)
+            if state is None and len(self._keys) < MAX_SHARED:  # past it, not shared
+                state = self._keys[key] = _Key()
+            mine: _Render | None = None
+            joined: _Render | None = None
+            while state is not None and mine is None and joined is None:
+                now = time.monotonic()
+                if now - arrived > 30.0:
+                    break  # a render that hangs: this reader's own
+                if state.last is not None and state.last.started >= arrived and state.last.answer is not None:
+                    joined = state.last
+                elif state.running is not None:
+                    if state.running.started >= arrived:
+                        joined = state.running
+                    else:
+                        self._wait(30.0)
+                elif now < state.free_at:
+                    self._wait(state.free_at - now)
+                else:
+                    mine = state.running = _Render()
+                    self._cond.notify_all()
+        if joined is not None:
+            with self._cond:
+                self.waiting += 1
+            joined.done.wait(30.0)
+            with self._cond:
+                self.waiting -= 1
+            return joined.answer if joined.answer is not None else render()  # an error is not shared
+        if mine is None or state is None:
+            return render()
+        try:
+            mine.answer = render()
+            return mine.answer
+        finally:
+            end = time.monotonic()
+            with self._cond:
+                state.running = None
+                state.last = mine
+                state.free_at = end + min(SHARE_SECONDS, RENDER_PACE * (end - mine.started))
+                self._cond.notify_all()
+            mine.done.set()
+
+    def _wait(self, seconds: float) -> None:
+        self.waiting += 1
+        try:
+            self._cond.wait(seconds)
+        finally:
+            self.waiting -= 1
 
 
 class _Only:
@@ -381,6 +518,8 @@ class _Heads:
         self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._new: deque[tuple[Any, Any]] = deque()  # accepted, not yet taken by the thread
         # Unfinished heads, oldest first: socket -> [peer, accepted at, bytes so far, client address].
+        # A head is searched for its end in what each read adds (and the 3 bytes before, where a
+        # "\r\n\r\n" may have begun): never again from its start, which made a trickle quadratic.
         self._open: OrderedDict[Any, list[Any]] = OrderedDict()
         self._per_peer: dict[str, int] = {}
         self._closed = False
@@ -431,7 +570,7 @@ class _Heads:
             self._wake_w.close()
 
     def _take(self, sock: Any, client_address: Any) -> None:
-        peer = str(client_address[0]) if isinstance(client_address, tuple) and client_address else ""
+        peer = _peer(client_address)
         if self._per_peer.get(peer, 0) >= MAX_HEADS_PER_PEER:  # this peer's slowest goes, not another's
             self._drop(next(s for s, entry in self._open.items() if entry[0] == peer))
         elif len(self._open) >= MAX_HEADS:
@@ -442,14 +581,15 @@ class _Heads:
         except (OSError, ValueError):  # gone already
             self._server.shutdown_request(sock)
             return
-        self._open[sock] = [peer, time.monotonic(), b"", client_address]
+        self._open[sock] = [peer, time.monotonic(), bytearray(), client_address]
         self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         self._read(sock)  # a real client's head is usually there already
 
     def _read(self, sock: Any) -> None:
         entry = self._open[sock]
+        head: bytearray = entry[2]
         try:
-            data = sock.recv(MAX_HEAD_BYTES)
+            data = sock.recv(min(HEAD_READ_BYTES, MAX_HEAD_BYTES - len(head)))
         except BlockingIOError:
             return
         except OSError:
@@ -457,9 +597,15 @@ class _Heads:
         if not data:  # the client went away
             self._drop(sock)
             return
-        entry[2] += data
-        head = entry[2]
-        end = _HEAD_END.search(head)
+        if not head:
+            # Empty lines before the request line are ignored (RFC 7230 §3.5); they were read as an
+            # empty request, answered with nothing. A peer sending only those is cut at the deadline.
+            data = data.lstrip(b"\r\n")
+            if not data:
+                return
+        start = max(0, len(head) - 3)
+        head += data
+        end = _HEAD_END.search(head, start)
         if end is None and len(head) < MAX_HEAD_BYTES:
             return
         self._forget(sock)
@@ -468,7 +614,7 @@ class _Heads:
             self._server.shutdown_request(sock)
             return
         try:
-            self._server.admit(sock, entry[3], head[: end.end()])
+            self._server.admit(sock, entry[3], bytes(head[: end.end()]))
         except Exception:
             log.exception("admin connection from %s failed", entry[0])
 
@@ -485,6 +631,10 @@ class _Heads:
     def _drop(self, sock: Any) -> None:
         self._forget(sock)
         self._server.shutdown_request(sock)
+
+
+def _peer(client_address: Any) -> str:
+    return str(client_address[0]) if isinstance(client_address, tuple) and client_address else ""
 
 
 def _refuse(sock: Any, response: bytes) -> None:
@@ -547,7 +697,7 @@ class _Handler(BaseHTTPRequestHandler):
             parts = urlsplit(self.path)
             status, ctype, body, extra = admin.route(
                 parts.path, parts.query, self.headers.get("Authorization"), self.headers.get("Accept", ""),
-                self.headers.get("Host"))
+                self.headers.get("Host"), _peer(self.client_address))
         except HttpError as e:
             status, ctype, extra = e.status, "application/json", e.headers
             body = _error_body(e.status, e.message)

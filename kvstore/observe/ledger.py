@@ -179,7 +179,13 @@ class _Sums:
         self.local_bytes_moved += local_bytes
 
     def merge(self, other: _Sums) -> None:
-        for f in dataclasses.fields(self):
+        if not (other.requests or other.side_calls or other.bytes_moved or other.local_bytes_moved):
+            # No call landed in it, only occupancy (most buckets of a long quiet history): merging
+            # every counter of each made a long window's answer take a second.
+            for key, v in other.byte_seconds.items():
+                self.byte_seconds[key] = self.byte_seconds.get(key, 0.0) + v
+            return
+        for f in _SUMS_FIELDS:
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if isinstance(mine, LatencyHistogram):
                 mine.merge(theirs)
@@ -218,6 +224,9 @@ class _Sums:
             "hbm_byte_seconds": self.byte_seconds.get("device", 0.0),
             "persistent_byte_seconds": {t: self.byte_seconds.get(t, 0.0) for t in PERSISTENT_TIERS},
         }
+
+
+_SUMS_FIELDS = dataclasses.fields(_Sums)
 
 
 @dataclass
@@ -262,7 +271,9 @@ class Ledger:
         self._recent: deque[tuple[float, RequestRecord]] = deque(maxlen=recent_requests)
         self._last_t = clock()
         self._occ: Occupancy | None = None
-        self._evictions_seen: dict[str, int] | None = None
+        # The store's eviction counters start at 0 when it opens: evictions before the first sample
+        # land in its bucket, as in the totals (they counted them, the time series did not).
+        self._evictions_seen: dict[str, int] = {}
         self._evictions_total: Counter[str] = Counter()
         self.started_at = self._last_t
 
@@ -318,14 +329,11 @@ class Ledger:
             b = self._bucket(now)
             b.used = dict(occ.used_bytes)
             b.capacity = dict(occ.capacity_bytes)
-            if self._evictions_seen is not None:
-                for k, v in occ.evictions.items():
-                    d = v - self._evictions_seen.get(k, 0)
-                    if d > 0:  # a store that was reopened restarts its counters: not negative evictions
-                        b.evictions[k] += d
-                        self._evictions_total[k] += d
-            else:
-                self._evictions_total.update(occ.evictions)
+            for k, v in occ.evictions.items():
+                d = v - self._evictions_seen.get(k, 0)
+                if d > 0:  # a store that was reopened restarts its counters: not negative evictions
+                    b.evictions[k] += d
+                    self._evictions_total[k] += d
             self._evictions_seen = dict(occ.evictions)
 
     def _sample_for_output(self) -> None:
