@@ -1264,7 +1264,9 @@ class KvstoreClient:
             raise ServerError(grpc.StatusCode.UNKNOWN, "the Resume stream ended without its trailer", "Resume")
         final_state = PB_TO_LOCAL.get(trailer.local_state, "absent")
         return ResumeResult(
-            case=PB_TO_CASE.get(head.resume_case, "cold"),
+            # The trailer's case is what was delivered (the header's was planned before the chunks
+            # were read, some of which may have been evicted since); an older service sends none.
+            case=PB_TO_CASE.get(trailer.resume_case) or PB_TO_CASE.get(head.resume_case, "cold"),
             hit_tokens=head.hit_tokens if head.hit_chunks == 0 else len(chunks) * head.chunk_tokens,
             chunk_tokens=head.chunk_tokens, chunk_bytes=head.chunk_bytes, chunks=chunks,
             chunk_tiers=tuple(loaded_tiers) if head.hit_chunks else tiers_from_pb(head.chunk_tiers),

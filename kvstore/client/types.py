@@ -156,7 +156,7 @@ class LoadLocalResult:
 
 @dataclass(frozen=True)
 class ResumeResult:
-    case: str  # "cold" | "warm" | "expired"
+    case: str  # "cold" | "warm" | "expired", as delivered (the trailer's; an older service's header's)
     hit_tokens: int
     chunk_tokens: int
     chunk_bytes: int

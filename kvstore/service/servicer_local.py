@@ -3,9 +3,10 @@
 Resume is the engine's one-call path: it pins the hit prefix, decides the case (cold: no global
 hit; warm: global hit and a snapshot held, or a model without local state; expired: global hit,
 no snapshot), answers a `ResumeHeader` with the case and the planned bills at once, streams the
-global chunks, then the local snapshot, then a `ResumeTrailer` saying what happened. A caller on
-the service's host that names its same-host session gets the chunks and the snapshot as spans of
-its load segment instead of bytes (LoadLocal's snapshot too). When the
+global chunks, then the local snapshot, then a `ResumeTrailer` saying what happened, the case
+again among it: chunks evicted before their read shrink the hit, so the header's case is a plan.
+A caller on the service's host that names its same-host session gets the chunks and the snapshot
+as spans of its load segment instead of bytes (LoadLocal's snapshot too). When the
 case is expired and a replay coordinator is installed, the replay is admitted before the header
 is sent (over the tenant's replay bound the call fails with RESOURCE_EXHAUSTED there, having sent
 nothing and holding no pin), starts before the first chunk is sent and runs while the chunks
@@ -85,6 +86,15 @@ def replay_wait(remaining: float | None) -> float | None:
     if remaining is None or remaining > NO_DEADLINE_SECONDS:
         return None
     return max(0.001, remaining - max(TRAILER_MARGIN_SECONDS, TRAILER_MARGIN_SHARE * remaining))
+
+
+def resume_case(chunks: int, local_state: str) -> str:
+    """A Resume's case (docs/architecture.md §1) from its chunks and its local state: planned from
+    the walk for the header, then again from what was delivered for the trailer and the call record,
+    since chunks evicted before their read shrink the hit and take the snapshot's boundary with it."""
+    if chunks == 0:
+        return "cold"
+    return "warm" if local_state in ("hit", "not_applicable") else "expired"
 
 
 def snapshot_as_expected(
@@ -320,7 +330,7 @@ class LocalStateCalls:
             pinned_key = session.keys[n - 1] if session is not None and n else None  # saves re-hashing
             state, got = local_status(self.app, res, n, deadline, r, pinned_key)
             state, got = snapshot_as_expected(state, got, res, n * res.chunk_tokens)
-            case = "cold" if n == 0 else ("expired" if state == "expired" else "warm")
+            case = resume_case(n, state)
             replay = self._start_replay(res, case, n * res.chunk_tokens, deadline, pinned_key, context)
             if replay is not None:
                 started.append(replay)
@@ -372,7 +382,10 @@ class LocalStateCalls:
         # Left EXPIRED (no replay, or one that failed or timed out, or a prefix that shrank), the
         # engine cannot resume at the boundary: it prefills the whole prompt, and is billed so.
         bills = price(res, loaded, outcome.replay_tokens, len(view), moved=session is not None, local_state=final)
-        call.local_state, call.bills = final, bills
+        # The case as delivered, not as the header planned it: no chunk read is cold, a hit that
+        # lost its snapshot (the prefix shrank) is expired. The observers count this one.
+        case = resume_case(len(loaded), final)
+        call.case, call.local_state, call.bills = case, final, bills
         # The status only of a replay that was started ("" otherwise: nothing was replayed, nothing failed).
         call.facts = dataclasses.replace(facts_for_lookup(self.app, res, r, n, got, pinned_key),
                                          replay_status=outcome.status if replay is not None else "",
@@ -383,7 +396,8 @@ class LocalStateCalls:
             # "timeout" to the engine whichever timed out: the replay, or this call's wait for it.
             replay_status="timeout" if outcome.status == WAIT_TIMEOUT else outcome.status,
             bills=bills_to_pb(bills),
-            local_ttl_seconds=outcome.local_ttl_seconds if final in ("hit", "replayed") else 0.0))
+            local_ttl_seconds=outcome.local_ttl_seconds if final in ("hit", "replayed") else 0.0,
+            resume_case=CASE_TO_PB[case]))
 
     def _start_replay(
         self, res: Resolved, case: str, hit_tokens: int, deadline: float | None, boundary_key: bytes | None,

@@ -379,20 +379,22 @@ class ResumeHeader(_message.Message):
     def __init__(self, resume_case: _Optional[_Union[ResumeCase, str]] = ..., hit_tokens: _Optional[int] = ..., hit_chunks: _Optional[int] = ..., chunk_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., local_state: _Optional[_Union[LocalState, str]] = ..., bills: _Optional[_Union[Bills, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., local_snapshot_bytes: _Optional[int] = ..., replay_planned: _Optional[bool] = ...) -> None: ...
 
 class ResumeTrailer(_message.Message):
-    __slots__ = ("local_state", "snapshot_bytes", "replay_tokens", "replay_status", "bills", "local_ttl_seconds")
+    __slots__ = ("local_state", "snapshot_bytes", "replay_tokens", "replay_status", "bills", "local_ttl_seconds", "resume_case")
     LOCAL_STATE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPLAY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_STATUS_FIELD_NUMBER: _ClassVar[int]
     BILLS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_CASE_FIELD_NUMBER: _ClassVar[int]
     local_state: LocalState
     snapshot_bytes: int
     replay_tokens: int
     replay_status: str
     bills: Bills
     local_ttl_seconds: float
-    def __init__(self, local_state: _Optional[_Union[LocalState, str]] = ..., snapshot_bytes: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., replay_status: _Optional[str] = ..., bills: _Optional[_Union[Bills, _Mapping]] = ..., local_ttl_seconds: _Optional[float] = ...) -> None: ...
+    resume_case: ResumeCase
+    def __init__(self, local_state: _Optional[_Union[LocalState, str]] = ..., snapshot_bytes: _Optional[int] = ..., replay_tokens: _Optional[int] = ..., replay_status: _Optional[str] = ..., bills: _Optional[_Union[Bills, _Mapping]] = ..., local_ttl_seconds: _Optional[float] = ..., resume_case: _Optional[_Union[ResumeCase, str]] = ...) -> None: ...
 
 class ResumeResponse(_message.Message):
     __slots__ = ("header", "chunks", "local", "trailer", "shm", "local_shm")
