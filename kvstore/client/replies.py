@@ -21,6 +21,7 @@ from kvstore.client.chunk_views import PieceView, Streamed
 from kvstore.client.errors import ServerError
 from kvstore.client.types import LookupResult, StoreResult
 from kvstore.errors import InvalidInput
+from kvstore.layout import MAX_ENGINE_SNAPSHOT_BYTES
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.bills import Bills
 from kvstore.wire.bills import from_pb as bills_from_pb
@@ -58,6 +59,31 @@ def _header(stream: Iterator[Streamed], method: str) -> Any:
     if first is None or first.kind != "header":
         raise ServerError(grpc.StatusCode.UNKNOWN, f"the {method} stream did not start with its header", method)
     return first.value
+
+
+def _checked_header(head: Any, method: str, req: pb.LoadRequest | pb.ResumeRequest,
+                    known: tuple[int, int] | None) -> Any:
+    """A Load or Resume header whose sizes the client can believe before allocating for them: the
+    hit within what was asked (`max_chunks`, the prompt's whole chunks), chunks of the model's size
+    where an earlier answer told it (`known`: chunk tokens and bytes), a snapshot within any
+    model's. A service that says more would make the client allocate, and zero, whatever it says."""
+    hit, ct, cb = head.hit_chunks, head.chunk_tokens, head.chunk_bytes
+    prompt = len(req.tokens.u32le) // 4 or len(req.tokens.ids)
+    problem = ""
+    if hit and (ct <= 0 or cb <= 0):
+        problem = f"says {hit} chunks follow, of {ct} tokens and {cb} bytes"
+    elif req.max_chunks and hit > req.max_chunks:
+        problem = f"says {hit} chunks follow where at most {req.max_chunks} were asked for"
+    elif hit * ct > prompt:
+        problem = f"says {hit} chunks of {ct} tokens follow, for a prompt of {prompt} tokens"
+    elif hit and known is not None and (ct, cb) != known:
+        problem = (f"says chunks of {ct} tokens and {cb} bytes, where the service said {known[0]} tokens and "
+                   f"{known[1]} bytes for this model before")
+    elif getattr(head, "local_snapshot_bytes", 0) > MAX_ENGINE_SNAPSHOT_BYTES:
+        problem = f"says a local snapshot of {head.local_snapshot_bytes} bytes, more than any model's"
+    if problem:
+        raise ServerError(grpc.StatusCode.UNKNOWN, f"the {method} stream's header {problem}", method)
+    return head
 
 
 @contextlib.contextmanager

@@ -64,7 +64,16 @@ from kvstore.client.errors import (
 )
 from kvstore.client.errors import ResourceExhaustedError as ResourceExhaustedError
 from kvstore.client.errors import UnauthenticatedError as UnauthenticatedError
-from kvstore.client.replies import _bills, _Chunks, _header, _lookup_result, _malformed, _piece, _store_result
+from kvstore.client.replies import (
+    _bills,
+    _checked_header,
+    _Chunks,
+    _header,
+    _lookup_result,
+    _malformed,
+    _piece,
+    _store_result,
+)
 from kvstore.client.requests import U32_MAX as U32_MAX
 from kvstore.client.requests import (
     _as_blob,
@@ -840,7 +849,7 @@ class KvstoreClient:
                 req.shm_session = shm.session_id
                 stream = self._span_call(self._load_rpc, req, deadline.left(), shm)
                 try:
-                    head = _header(stream, "Load")
+                    head = self._load_header(stream, req)
                 except grpc.RpcError as e:
                     if not self._load_refused(shm, model, e):
                         raise
@@ -848,7 +857,7 @@ class KvstoreClient:
                     shm, req.shm_session = None, ""
             if shm is None:
                 stream = self._load(req, timeout=deadline.left(), metadata=self._metadata)
-                head = _header(stream, "Load")
+                head = self._load_header(stream, req)
                 asm = _Chunks(head.chunk_bytes, head.hit_chunks)
                 for msg in stream:
                     with _malformed("Load"):
@@ -942,7 +951,7 @@ class KvstoreClient:
         try:
             try:
                 stream = self._span_call(self._load_rpc, req, deadline.left(), shm)
-                head = _header(stream, "Load")
+                head = self._load_header(stream, req)
                 spans = _SharedSpans(shm, max(1, head.chunk_bytes))
                 for msg in stream:
                     spans.add(_span(msg, "Load"), "Load")
@@ -1043,13 +1052,23 @@ class KvstoreClient:
             self._no_stream_after_close()
         return self._load_into_stream(req, deadline.left(), stream_buffer_for or buffer_for)
 
+    def _load_header(self, stream: Any, req: pb.LoadRequest) -> Any:
+        """The header of a Load, checked (`_checked_header`); a size unlike the one known is
+        forgotten, so that the next answer tells it again."""
+        try:
+            return _checked_header(_header(stream, "Load"), "Load", req, self._chunk_sizes.get(req.model))
+        except ServerError:
+            self._chunk_sizes.pop(req.model, None)
+            stream.cancel()
+            raise
+
     def _load_into_shm(
         self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview], shm: ShmPath
     ) -> LoadIntoResult:
         """One Load answered with spans of the session's load segment, each copied into the
         buffer and its lease released at once."""
         stream = self._span_call(self._load_rpc, req, timeout, shm)
-        head = _header(stream, "Load")
+        head = self._load_header(stream, req)
         cb = max(1, head.chunk_bytes)
         dst = buffer_for(head.hit_chunks * head.chunk_bytes)
         limit = min(head.hit_chunks, len(dst) // cb)
@@ -1073,7 +1092,7 @@ class KvstoreClient:
         """One Load call streamed into `buffer_for(the hit's bytes)`; the stream is cancelled once
         the buffer is full."""
         stream = self._load(req, timeout=timeout, metadata=self._metadata)
-        head = _header(stream, "Load")
+        head = self._load_header(stream, req)
         writer = ChunkWriter(max(1, head.chunk_bytes), head.hit_chunks, buffer_for(head.hit_chunks * head.chunk_bytes))
         tiers: list[str] = []
         with _malformed("Load"):
@@ -1221,7 +1240,7 @@ class KvstoreClient:
         try:
             stream = (self._resume(req, timeout=timeout, metadata=metadata) if shm is None else
                       self._span_call(self._resume_rpc, req, timeout, shm, metadata))
-            head = _header(stream, "Resume")
+            head = _checked_header(_header(stream, "Resume"), "Resume", req, self._chunk_sizes.get(req.model))
             asm = _Chunks(head.chunk_bytes, head.hit_chunks)
             local: BlobAssembler | None = None
             chunks: list[memoryview] = []
@@ -1288,6 +1307,8 @@ class KvstoreClient:
         r = self._idempotent("RegisterModel", lambda t: self._stub.RegisterModel(req, timeout=t,
                                                                          metadata=self._metadata),
                              timeout_seconds)
+        if r.chunk_bytes:
+            self._chunk_sizes[r.model] = (r.chunk_tokens, r.chunk_bytes)
         return RegisteredModel(r.model, bytes(r.layout_id), r.chunk_tokens, r.chunk_bytes, r.local_snapshot_bytes,
                                r.local_window_tokens, r.created)
 
