@@ -6,21 +6,29 @@ it measures) only once that bench is chosen, so building the parser and `kvstore
 neither (tests/test_cli_imports.py checks).
 Errors a user can fix (bad flags, bad config, a service that is not running) print one clear
 line to stderr and exit 2; they never print a traceback. Output piped to a reader that stops
-early (`| head`) ends the command quietly with status 141, as SIGPIPE would.
+early (`| head`) ends the command quietly with status 141, as SIGPIPE would. SIGTERM stops a
+command as Ctrl-C does, its clean-up run (children stopped, temporary files removed): one line,
+status 143 (`serve` and `runner` drain instead, as their modules say).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
 from collections.abc import Sequence
 
+from kvstore.bench.flags import OutputPath
 from kvstore.commands.bench import BENCHES
+from kvstore.commands.stop_signals import Terminated, sigterm_raises
 from kvstore.errors import KvstoreError
 
 EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE
+EXIT_SIGTERM = 128 + 15  # what a shell reports for a command SIGTERM killed
+# What a write() that names no file fails with when the file cannot take the bytes.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS})
 
 # (subcommand, module under kvstore.commands, one-line help)
 COMMANDS: tuple[tuple[str, str, str], ...] = (
@@ -84,12 +92,43 @@ def _main(argv: Sequence[str] | None) -> int:
               f"{sys.byteorder}-endian", file=sys.stderr)
         return 2
     try:
-        return int(args._run(args))
+        # `serve` and `runner` set handlers of their own (a clean drain); every other command's
+        # `with` and `finally` blocks stop its children and remove its temporary files on SIGTERM.
+        with sigterm_raises():
+            return int(args._run(args))
     except KvstoreError as e:
         print(f"kvstore {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        print(f"kvstore {args.command}: stopped by SIGTERM", file=sys.stderr)
+        return EXIT_SIGTERM
+    except OSError as e:
+        said = _output_failure(args, e)
+        if said is None:
+            raise
+        print(f"kvstore {args.command}: {said}", file=sys.stderr)
+        return 1
+
+
+def _output_failure(args: argparse.Namespace, e: OSError) -> str | None:
+    """The line for an OSError in writing a file a flag named (`--markdown /dev/full`, a full disk),
+    or None when it is no such failure: another OSError keeps its traceback. A failed write() names
+    no file: one of WRITE_ERRNOS is taken to be the output's (with several given, all are named)."""
+    outputs = {f"--{dest.replace('_', '-')}": v for dest, v in vars(args).items() if isinstance(v, OutputPath)}
+    if not outputs or isinstance(e, BrokenPipeError):  # stdout's reader gone: main's to say
+        return None
+    why = e.strerror or str(e)
+    named = [flag for flag, path in outputs.items() if e.filename is not None and os.fspath(e.filename) == path]
+    if named:
+        return f"{named[0]} {outputs[named[0]]}: cannot write it: {why}"
+    if e.filename is not None or e.errno not in WRITE_ERRNOS:  # another file's failure, or no write's
+        return None
+    if len(outputs) == 1:
+        flag, path = next(iter(outputs.items()))
+        return f"{flag} {path}: cannot write it: {why}"
+    return "cannot write an output (" + ", ".join(f"{f} {p}" for f, p in outputs.items()) + f"): {why}"
 
 
 if __name__ == "__main__":

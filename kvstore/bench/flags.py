@@ -68,6 +68,13 @@ def writable_dir(text: str) -> str:
     return text
 
 
+class OutputPath(str):
+    """A path `writable_file` accepted: a file the command writes. The CLI tells such flags apart by
+    this type, to name the flag and path in one line when writing fails (a full disk, /dev/full)."""
+
+    __slots__ = ()
+
+
 def writable_file(make_parents: bool = False) -> Callable[[str], str]:
     """A file the command writes once its run is done (tables, a plot, a trace): no directory, in
     one that exists (or, with `make_parents`, under the nearest one that does, for a writer that
@@ -89,6 +96,6 @@ def writable_file(make_parents: bool = False) -> Callable[[str], str]:
         # os.access says yes to root on a read-only mount: ask the file system too.
         if not writable or os.statvfs(parent).f_flag & os.ST_RDONLY:
             raise argparse.ArgumentTypeError(f"{text}: not writable here")
-        return text
+        return OutputPath(text)
 
     return parse

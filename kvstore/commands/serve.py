@@ -14,6 +14,7 @@ line and the old config stays.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -44,7 +45,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _say(line: str) -> None:
-    print(f"kvstore: {line}", flush=True)
+    """A status line on stdout. One that cannot be written (the reader has gone: `serve | head`, a
+    log shipper that died) is dropped, said once on stderr: it must never stop the service or
+    skip the clean shutdown."""
+    global _stdout_gone
+    try:
+        print(f"kvstore: {line}", flush=True)
+    except (OSError, ValueError) as e:  # ValueError: stdout closed
+        if not _stdout_gone:
+            _stdout_gone = True
+            logging.getLogger("kvstore.serve").warning("status lines dropped from now on: stdout: %s", e)
+
+
+_stdout_gone = False
 
 
 def _stopped_while_starting(signum: int, frame: FrameType | None) -> None:
@@ -169,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
     # Everything is closed (LMDB synced, the pool and the ports shut). Finalizing the interpreter
     # while gRPC's core threads wind down aborted the process now and then ("terminate called
     # without an active exception", exit -6): leave without it.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone changes nothing now
+            stream.flush()
     os._exit(0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ from kvstore.commands.checks import (
     check_timeout,
     check_token,
 )
+from kvstore.commands.explain import NotAnAdminPort, admin_get, has_fields, kvstore_error
 from kvstore.errors import InvalidInput
 from kvstore.wire.tls_files import check_tls_ca, check_tls_client
 
@@ -91,19 +93,49 @@ def recent_requests(admin_url: str, token: str | None, limit: int, timeout: floa
     except ValueError as e:
         raise InvalidInput(f"--admin {admin_url!r} is not a URL: {e}") from None
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            doc = json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raise InvalidInput(f"--admin {admin_url}: HTTP {e.code} {e.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise InvalidInput(f"--admin {admin_url}: no admin port answered ({getattr(e, 'reason', e)})") from None
+        status, doc = admin_get(req, timeout)
+    except NotAnAdminPort as e:
+        raise InvalidInput(f"--admin {admin_url}: not a kvstore admin port: {e}") from None
     except http.client.HTTPException:  # something answered, not in HTTP/1 (a gRPC port answers HTTP/2)
         raise InvalidInput(f"--admin {admin_url}: not an HTTP admin port (is this the gRPC port?)") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise InvalidInput(f"--admin {admin_url}: no admin port answered ({getattr(e, 'reason', e)})") from None
+    if status != 200:
+        why = kvstore_error(doc)
+        if why is None:
+            raise InvalidInput(f"--admin {admin_url}: not a kvstore admin port: it answered {status} without "
+                               "kvstore's error body")
+        raise InvalidInput(f"--admin {admin_url}: HTTP {status}: {why}")
+    if not has_fields(doc, _STATS):
+        raise InvalidInput(f"--admin {admin_url}: not a kvstore admin port: its /api/stats answer is not kvstore's")
     rows = doc.get("recent_requests")
     if rows is None:
         raise InvalidInput(f"--admin {admin_url}: recent requests name tenants: pass the admin token or a "
                            "tenant's (--token or KVSTORE_TOKEN)")
-    return list(rows)[:limit]
+    if not isinstance(rows, list) or not all(_is_recent_row(r) for r in rows):
+        raise InvalidInput(f"--admin {admin_url}: not a kvstore admin port: its recent requests are not kvstore's")
+    return rows[:limit]
+
+
+# What every kvstore `/api/stats` holds, and what `render_recent` reads of a row, by type.
+_STATS = {"version": str, "viewer": dict, "totals": dict}
+_ROW = {"request_id": str, "tenant": str, "method": str, "case": str, "time": (int, float), "bills": dict}
+_ROW_BILLS = {"prompt_tokens": int, "prefill_tokens": int, "replay_tokens": int, "local_bytes": int, "tiers": dict}
+_TIER_BILL = {"hit_tokens": int, "bytes": int}
+
+
+def _is_recent_row(r: Any) -> bool:
+    return (has_fields(r, _ROW) and has_fields(r["bills"], _ROW_BILLS)
+            and all(has_fields(t, _TIER_BILL) for t in r["bills"]["tiers"].values())
+            and all(isinstance(r.get(k), str | None) for k in ("miss_reason", "local_reason"))
+            and math.isfinite(r["time"]))
+
+
+def _clock(wall: float) -> str:
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(wall))
+    except (OverflowError, ValueError, OSError):  # a time no clock shows (year 10000 and on)
+        return "?"
 
 
 def render_recent(rows: list[dict[str, Any]]) -> str:
@@ -117,7 +149,7 @@ def render_recent(rows: list[dict[str, Any]]) -> str:
         hit = sum(t["hit_tokens"] for t in b["tiers"].values())
         moved = sum(t["bytes"] for t in b["tiers"].values()) + b["local_bytes"]
         why = " · ".join(x.replace("_", " ") for x in (r.get("miss_reason"), r.get("local_reason")) if x)
-        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(r['time'])):8s} {r['request_id']:24s} "
+        lines.append(f"  {_clock(r['time']):8s} {r['request_id']:24s} "
                      f"{r['tenant']:10s} {r['method']:6s} {r['case']:7s} {b['prompt_tokens']:7d} {hit:7d} "
                      f"{b['prefill_tokens']:7d} {b['replay_tokens']:6d} {_size(moved):>10s}  {why}")
     return "\n".join(lines)

@@ -10,6 +10,7 @@ waited for until PING answers. Nothing here assumes a server is already running.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -18,14 +19,34 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import cache
 from pathlib import Path
 
 import redis
 
 START_TIMEOUT_SECONDS = 10.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 CLUSTER_SLOTS = 16384
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` for a child that must not outlive the process starting it (a throwaway server
+    whose data is a temporary directory): the kernel SIGKILLs it when its parent dies, even by
+    SIGKILL, where no clean-up of ours runs (Linux PR_SET_PDEATHSIG; None elsewhere). The kernel
+    counts the *thread* that started the child: start it from the main thread or one that lives as
+    long as the child does."""
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # resolved here, not after fork
+    if prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the line above took effect
+            os._exit(1)
+
+    return preexec
 
 
 def find_server_binary() -> str | None:
@@ -146,7 +167,7 @@ class RedisProcess:
         with contextlib.suppress(FileNotFoundError):
             (self.dir / "nodes.conf").unlink()  # a restarted node comes back empty, cluster too
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      cwd=self.dir)
+                                      cwd=self.dir, preexec_fn=die_with_parent())
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         probe = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
         try:

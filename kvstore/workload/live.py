@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import tempfile
 import time
 from collections import Counter
@@ -55,6 +54,9 @@ from kvstore.workload.results import Baseline, RequestLog, RunResult, TierIntegr
 from kvstore.workload.simulator import SimConfig, simulate
 
 _CASES = {"cold": 0, "warm": 1, "expired": 2}
+# Wall seconds per simulated second, at most: a scale past it sleeps for years between requests
+# (and one past ~1e9 overflows time.sleep), which no run means.
+MAX_TIME_SCALE = 1e4
 
 
 @dataclass(frozen=True)
@@ -213,8 +215,9 @@ def run_live(
     workload: Workload, opts: LiveOptions, progress: Callable[[str], None] | None = None,
     baseline: Baseline | None = None,
 ) -> RunResult:
-    if not (math.isfinite(opts.time_scale) and opts.time_scale > 0):  # NaN passes `<= 0`
-        raise InvalidInput(f"--time-scale must be a finite number > 0, got {opts.time_scale}")
+    if not 0 < opts.time_scale <= MAX_TIME_SCALE:  # NaN fails both comparisons
+        raise InvalidInput(f"--time-scale must be a finite number > 0 and at most {MAX_TIME_SCALE:g} (wall seconds "
+                           f"per simulated second), got {opts.time_scale:g}")
     cfg = None if opts.target else service_config(opts)
     timeline = simulate(workload, timeline_config(opts, cfg))
     if progress is not None:

@@ -98,14 +98,19 @@ class _Pass:
 
 
 def usable_device(device: str | torch.device | None) -> torch.device:
-    """The torch device to run on (None: cuda when present, else cpu). A CUDA device asked for on a
-    machine without one is refused here, with the reason, instead of deep inside torch."""
-    if device is None:
+    """The torch device to run on (None or 'auto': cuda when present, else cpu). A CUDA device asked
+    for on a machine without one is refused here, with the reason, instead of deep inside torch;
+    so is any device but cpu and cuda[:N] (torch's 'meta' holds no data, 'mps' and the rest are
+    untested here: each failed deep inside the model with a traceback)."""
+    if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except RuntimeError as e:
         raise InvalidInput(f"device '{device}' is not a torch device ({e})") from None
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index is not None):
+        raise InvalidInput(f"device '{device}': the reference model runs on cpu, cuda or cuda:N only "
+                           "(or auto: cuda when present, else cpu)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         why = "this torch was built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
         raise Unavailable(f"device '{device}' asked for, but CUDA is not available here: {why} "

@@ -1,0 +1,151 @@
+"""SIGTERM to a command other than `serve` and `runner` cleans up as Ctrl-C does: the children it
+started stop, its temporary directories go, and it exits 143 with one line. A child that must not
+outlive its parent dies with it even when the parent is SIGKILLed. `serve` whose stdout reader has
+gone still shuts down cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+WAIT_SECONDS = 120.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for(what: str, probe: Callable[[], object], seconds: float = WAIT_SECONDS) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if probe():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(x) for x in out]
+
+
+def _kvstore(argv: list[str], tmp: Path, **kw: Any) -> subprocess.Popen[str]:
+    env = dict(os.environ, TMPDIR=str(tmp))
+    return subprocess.Popen([sys.executable, "-m", "kvstore", *argv], env=env, text=True,
+                            start_new_session=True, **kw)
+
+
+def test_sigterm_to_bench_pool_stops_its_redis_and_removes_its_temp_dir(redis_binary: str, tmp_path: Path) -> None:
+    p = _kvstore(["bench", "pool", "--rounds", "10000", "--ops", "1000"], tmp_path,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_for("bench pool's redis-server", lambda: _children(p.pid))
+        redis_pid = _children(p.pid)[0]
+        _wait_for("its temp dir", lambda: glob.glob(f"{tmp_path}/kvsredis-*"))
+        os.kill(p.pid, signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    orphaned = _alive(redis_pid)
+    if orphaned:  # not left running for good when this fails
+        os.kill(redis_pid, signal.SIGKILL)
+    assert p.returncode == 143, (p.returncode, err[-2000:])
+    assert err.strip().splitlines() == ["kvstore bench: stopped by SIGTERM"]
+    assert not orphaned
+    assert glob.glob(f"{tmp_path}/kvsredis-*") == []
+
+
+def test_sigterm_to_demo_removes_its_temp_data_dir(tmp_path: Path) -> None:
+    p = _kvstore(["demo", "--repeats", "50", "--prompt-tokens", "2048"], tmp_path,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_for("the demo's data dir", lambda: glob.glob(f"{tmp_path}/kvstore-demo-*"))
+        time.sleep(2)  # playing, not starting
+        os.kill(p.pid, signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 143, (p.returncode, err[-2000:])
+    assert err.strip().splitlines()[-1] == "kvstore demo: stopped by SIGTERM"
+    assert glob.glob(f"{tmp_path}/kvstore-demo-*") == []
+
+
+_PARENT = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    if sys.argv[1] == "redis":
+        from kvstore.local_pool.redis_process import RedisProcess
+        pid = RedisProcess().start()._proc.pid
+    else:
+        from kvstore.bench.serve_proc import start_serve
+        tmp = Path(sys.argv[2])
+        (tmp / "c.toml").write_text("")
+        pid = start_serve(tmp / "c.toml", tmp / "data")[0].pid
+    print(pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _child_of_a_killed_parent(kind: str, tmp: Path) -> int:
+    """Start `kind` from a parent that is then SIGKILLed (no clean-up of its own runs); the child's pid."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, kind, str(tmp)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+    return child
+
+
+def test_a_started_redis_dies_with_its_parent(redis_binary: str, tmp_path: Path) -> None:
+    child = _child_of_a_killed_parent("redis", tmp_path)
+    try:
+        _wait_for("the orphaned redis-server to die", lambda: not _alive(child), 30)
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_bench_serve_child_dies_with_its_parent(tmp_path: Path) -> None:
+    child = _child_of_a_killed_parent("serve", tmp_path)
+    try:
+        _wait_for("the orphaned kvstore serve to die", lambda: not _alive(child), 30)
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_serve_whose_stdout_reader_went_away_still_stops_cleanly(tmp_path: Path) -> None:
+    p = _kvstore(["serve", "--grpc-port", "0", "--admin-port", "-1", "--data-dir", str(tmp_path / "data")],
+                 tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:
+            if "gRPC listening on" in line:
+                break
+        p.stdout.close()  # the reader goes away (`kvstore serve | head`)
+        os.kill(p.pid, signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, (p.returncode, err[-2000:])
+    assert "Traceback" not in err
