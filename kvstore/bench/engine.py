@@ -43,6 +43,7 @@ from kvstore.bench.flags import count
 from kvstore.bench.machine import machine
 from kvstore.bench.sections import positive_ints
 from kvstore.errors import InvalidInput
+from kvstore.local_pool.redis_process import die_with_parent
 
 CHUNK = 128
 MODEL_POSITIONS = 32_768  # write_llama's max_positions
@@ -64,7 +65,7 @@ class _Engine:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="WARNING")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.engine_proc", str(model), json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-                                     env=env)
+                                     env=env, preexec_fn=die_with_parent())  # no orphan if the bench is killed
         self.log = log
         self._read(lambda line: line.strip() == "engine-ready")
 
@@ -123,7 +124,8 @@ def _kvstore(workdir: Path, port: int, sock: Path | None) -> Iterator[subprocess
     unix = ["--unix-socket", str(sock)] if sock is not None else []
     proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--config", str(cfg), "--grpc-port", str(port),
                              "--admin-port", "-1", "--data-dir", str(workdir / "data"), "--log-level", "warning",
-                             *unix], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             *unix], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=die_with_parent())
     assert proc.stdout is not None
     backing = backed = False
     for line in proc.stdout:
