@@ -2,24 +2,29 @@
 step's loads and stores for the workers.
 
 A request's first `get_num_new_matched_tokens` starts a Lookup on a thread (the model's
-registration first, on a thread too) and answers None ("ask again next step", as vLLM allows);
+registration first, on a thread too, in either load mode) and answers None ("ask again next step",
+as vLLM allows; in sync mode, cold until the model is registered);
 once the Lookup is back (or the budget, counted from the call's start, is spent: then cold) it
 answers the usable hit. A Lookup that waits for a thread longer than `max_lookup_queue_ms` (a
 burst on a slow service) is never asked, and its request is computed cold. A request computed
 cold without a Lookup's answer (not asked: queued too long, or within the pause after a failure;
-or not answered) stores nothing, since what the service holds of it is unknown. A usable hit ends
+or not answered) stores nothing, since what the service holds of it is unknown. Only a failure
+that says the service is out of reach or overloaded pauses the Lookups (`retry_after_seconds`); one
+the service refuses for its own input (a prompt over its `max_lookup_tokens`, a token id past the
+vocabulary) is that request's alone: it is computed cold, the others are asked. A usable hit ends
 on a chunk boundary and leaves at least one prompt token to compute. For a hybrid model it also
 needs the sliding-window snapshot at that boundary (local state "hit"); without one the engine
 could not use the hit exactly (vLLM's V1 runner cannot replay a window), so it is reported as no
 hit.
 
 Loads are synchronous by default (`load_mode = "sync"`): the Lookup is asked on the scheduler's
-thread instead, within the budget, and the workers load in the step that computes the request,
-before its forward pass. On kvstore's host that Lookup also holds the usable chunks in the
-worker's same-host session (named in the worker's reports), and the worker scatters them without
-a Load call; chunks held for a request that is then not loaded stay leased until their lease
-lapses. With `"async"` (and always for a hybrid model) they fetch and scatter between steps and
-say when they are done: a step never waits for a load, at the price of a step or two of latency.
+thread instead, within the budget (once the model is registered, which starts with the engine), and
+the workers load in the step that computes the request, before its forward pass. On kvstore's
+host that Lookup also holds the usable chunks in the worker's same-host session (named in the
+worker's reports), and the worker scatters them without a Load call; chunks held for a request
+that is then not loaded stay leased until their lease lapses. With `"async"` (and always for a
+hybrid model) they fetch and scatter between steps and say when they are done: a step never
+waits for a load, at the price of a step or two of latency.
 """
 
 from __future__ import annotations
@@ -35,14 +40,17 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.client import LookupResult
+from kvstore.client import LookupResult, ResourceExhaustedError
 from kvstore.integrations.vllm.cache_layout import NO_BLOCK, EnginePlan
 from kvstore.integrations.vllm.identity import adapter_fingerprint, local_files
-from kvstore.integrations.vllm.link import REPLAY_MODE, Link
+from kvstore.integrations.vllm.link import OUTAGES, REPLAY_MODE, Link
 from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec
 
 log = logging.getLogger("kvstore.integrations.vllm")
 QUEUE_LOG_INTERVAL_SECONDS = 60.0
+# A failed Lookup that pauses the others: the service out of reach, or too busy for more calls
+# (RESOURCE_EXHAUSTED: its call slots or a tenant's limit). Any other failure is its request's own.
+PAUSING = (*OUTAGES, ResourceExhaustedError)
 
 
 @dataclass
@@ -54,6 +62,7 @@ class _Request:
     lookup_started: float = 0.0  # when the Lookup's call began (0: still queued for a thread)
     lookup_queued: float = 0.0  # when the Lookup was queued for a thread (asynchronous Lookups)
     queue_expired: bool = False  # its thread found it queued too long, and did not ask
+    lookup_paused: bool = False  # its Lookup failed in a way that pauses the others (PAUSING)
     usable_chunks: int | None = None  # decided: chunks a load may restore (None: not yet known)
     load_planned: bool = False
     loaded_tokens: int = 0
@@ -100,14 +109,16 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-lookup")
         self.sync = link.cfg.loads_synchronously(len(plan.groups))
-        # After a failed Lookup, requests are served cold for retry_after_seconds without asking:
-        # a service that is down must not cost every request the budget.
+        # After a Lookup found the service out of reach or overloaded (PAUSING), requests are served
+        # cold for retry_after_seconds without asking: a service that is down must not cost every
+        # request the budget.
         self._ask_after = 0.0
         self.worker_counters: Counter[str] = Counter()
         # The one worker's same-host session, where a synchronous Lookup holds the hit for it.
         self.worker_session = ""
-        # Asynchronous loads: the model's registration, made on the pool (it may wait the budget).
-        self._registering: cf.Future[str | None] | None = None
+        # The model's registration, made on the pool (it may wait the budget): from the start, so
+        # that it is done before the first request.
+        self._registering: cf.Future[str | None] | None = self._pool.submit(link.model_name)
         # The workers' failed synchronous loads this side has heard of (and rewound the requests
         # of): told in each step's metadata, so a worker knows which plans predate a failure.
         self._failures_seen = 0
@@ -163,10 +174,10 @@ class SchedulerSide:
             st.usable_chunks = 0
             return True
         if st.lookup is None:
-            if not self.sync and self.link.registered() is None:
+            name = self.link.registered()
+            if name is None:
                 return self._register(st)
-            name = self.link.model_name()
-            if name is None or time.monotonic() < self._ask_after:
+            if time.monotonic() < self._ask_after:
                 return self._cold_unknown(st)
             # Every full chunk is asked about, the last one too when the prompt ends on a chunk's
             # end: it is computed again (one token must be), and a save of it is needed only if the
@@ -178,8 +189,10 @@ class SchedulerSide:
                 # The budget counts from here: a Lookup queued behind others (a burst of requests,
                 # two threads) has not yet spent any of it.
                 st.lookup_started = time.monotonic()
-                return self.link.call("lookup", lambda c: c.lookup(
+                r, e = self.link.attempt("lookup", lambda c: c.lookup(
                     name, prefix, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds, cache_salt=st.salt))
+                st.lookup_paused = isinstance(e, PAUSING)
+                return r
 
             if not self.sync:
                 st.lookup_queued = time.monotonic()
@@ -208,7 +221,8 @@ class SchedulerSide:
             return self._cold_after_queue(st)
         r = st.lookup.result()
         if r is None:  # failed (in sync mode, also one not answered within the budget)
-            self._ask_after = time.monotonic() + self.link.cfg.retry_after_seconds
+            if st.lookup_paused:  # else refused for this request's own input: the others are asked
+                self._ask_after = time.monotonic() + self.link.cfg.retry_after_seconds
             return self._cold_unknown(st)
         held = r.hit_chunks
         hit = min(held, boundary)
@@ -256,22 +270,23 @@ class SchedulerSide:
         return True
 
     def _register(self, st: _Request) -> bool:
-        """Asynchronous loads promise a step that never waits on kvstore: the registration is made on
-        the pool, the request told "not yet" meanwhile (False), or cold (True) within the pause
-        after a failed one."""
-        if self._registering is not None and not self._registering.done():
-            return False
-        self._registering = None
-        if not self.link.may_register():
-            return self._cold_unknown(st)
-        self._registering = self._pool.submit(self.link.model_name)
-        return False
+        """The registration is made on the pool, never on the scheduler's thread (in sync mode too:
+        it would hold the step a budget before the Lookup's own). Meanwhile the request is cold
+        (True) in sync mode, whose promise is an answer within one budget, and told "not yet"
+        (False) in async mode; cold in both within the pause after a failed one."""
+        if self._registering is None or self._registering.done():
+            self._registering = None
+            if not self.link.may_register():
+                return self._cold_unknown(st)
+            self._registering = self._pool.submit(self.link.model_name)
+        return self._cold_unknown(st) if self.sync else False
 
     def _ask_held(self, name: str, prefix: np.ndarray, boundary: int, st: _Request) -> LookupResult | None:
         """The Lookup, holding the first `boundary` chunks of the hit in the worker's session."""
-        got = self.link.call("lookup", lambda c: c.lookup_held(
+        got, e = self.link.attempt("lookup", lambda c: c.lookup_held(
             name, prefix, boundary, REPLAY_MODE, timeout_seconds=self.link.cfg.budget_seconds, cache_salt=st.salt,
             into_session=self.worker_session))
+        st.lookup_paused = isinstance(e, PAUSING)
         if got is None:
             return None
         st.held_spans = got.spans

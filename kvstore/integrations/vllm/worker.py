@@ -1,15 +1,17 @@
 """The worker side: scatters loaded chunks into vLLM's paged blocks, and copies newly computed
 chunks out of them for a Store that runs off the forward pass.
 
-Loads run on threads between steps (vLLM asked for them asynchronously); a load that comes back
-short (a chunk corrupt or evicted, kvstore down, out of budget) reports the blocks it did not fill
-through `get_block_ids_with_load_errors`, so vLLM recomputes them: never wrong output. With more
+Loads run on threads between steps (vLLM asked for them asynchronously), each within the budget
+counted from when it was queued; a load that comes back short (a chunk corrupt or evicted, kvstore
+down, out of budget, chunks of another layout than the engine's) reports the blocks it did not
+fill through `get_block_ids_with_load_errors`, so vLLM recomputes them: never wrong output. With more
 than one KV cache group (a hybrid model) block ids are not unique across groups, so a failed load
 is reported for the whole request instead (`failed_recving`), which vLLM then recomputes in full.
 Saves copy each layer's new chunks into a staging buffer as the layer finishes (`save_kv_layer`);
 `wait_for_save` hands the buffer to one background thread that stores it. Staged bytes are
 bounded; beyond the bound a save is dropped and counted, never waited for; so are saves for
-`retry_after_seconds` after a Store found the service out of reach (down, or silent for the budget).
+`retry_after_seconds` after a Store found the service out of reach (down, or silent for the budget);
+so are asynchronous loads (failed at once: recomputed) after one found it so.
 """
 
 from __future__ import annotations
@@ -30,15 +32,19 @@ from kvstore.client import DeadlineExceededError, KvstoreClient, SharedLoad, Una
 from kvstore.integrations.vllm.cache_layout import EnginePlan, PagedCache
 from kvstore.integrations.vllm.link import OUTAGES, REPLAY_MODE, Link, T
 from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec, WorkerHandshake, WorkerReport
+from kvstore.local_pool.base import SKIP_REASONS
 
 log = logging.getLogger("kvstore.integrations.vllm")
 
 # A load in more pieces than this (chunks scattered in the service's memory) is gathered into one
 # buffer first: each piece costs a copy call per layer and per run of blocks.
 MAX_DIRECT_RUNS = 8
-# A step's synchronous load is not sent with less than this left of the step's budget (nor a tenth
-# of the budget, if less): it could not arrive in time, and would only cost a call.
+# A load is not sent with less than this left of its budget (a step's, for synchronous loads; nor a
+# tenth of the budget, if less): it could not arrive in time, and would only cost a call.
 MIN_LOAD_SECONDS = 0.02
+# Why the service did not keep a window state (StoreLocal's `reason`): its local pool's reasons, and
+# its own when it has no pool. Any other text counts as "other": a reason never names a counter.
+WINDOW_SKIP_REASONS = frozenset((*SKIP_REASONS, "no local pool"))
 
 
 # torch warns that a read-only array becomes a writable tensor; the chunks' tensors are only read.
@@ -65,11 +71,33 @@ class _StepLoads:
     from its first call, which is given the whole budget. Once the service is out of reach (it
     cannot be reached, or did not answer that whole budget) the rest fail at once instead of each
     waiting it out; a later call that ran out of what the step had left says only that the step's
-    loads needed more than the budget."""
+    loads needed more than the budget. An asynchronous load is one of its own (`queued`), its
+    budget counted from when it was queued: a load waiting for a thread spends it too."""
 
     budget: float
     deadline: float | None = None
     out_of_reach: bool = False
+    queued: bool = False
+
+    @staticmethod
+    def queued_now(budget: float) -> _StepLoads:
+        return _StepLoads(budget, time.monotonic() + budget, queued=True)
+
+    def start(self, at: float) -> None:
+        """The budget counts from `at` (a call before the loads': the worker's registration)."""
+        if self.deadline is None:
+            self.deadline = at + self.budget
+
+    def silent_too_long(self, timeout: float) -> bool:
+        """Whether a call given `timeout` that did not answer says the service is out of reach: the
+        step's first call (given the whole budget); an asynchronous load given half the budget or
+        more (less: it waited for a thread, and a busy service answers slower than that)."""
+        return timeout >= (self.budget / 2 if self.queued else self.budget)
+
+    @property
+    def short(self) -> str:
+        """The counter of a load not sent (or cut short) for want of what was left of the budget."""
+        return "loads_skipped_queue_wait" if self.queued else "loads_skipped_step_budget"
 
     def left(self) -> float:
         return self.budget if self.deadline is None else self.deadline - time.monotonic()
@@ -121,6 +149,9 @@ class WorkerSide:
         # After a Store found the service out of reach, the stores queued behind it are dropped
         # until then (each would wait out the budget, and close() would wait for them all).
         self._stores_paused_until = 0.0
+        # So are asynchronous loads after one found it out of reach (queued on two threads, each
+        # would wait out what is left of its budget).
+        self._loads_paused_until = 0.0
         self._store_futures: set[cf.Future[None]] = set()
         self._staged_meta: KvstoreMeta | None = None  # the metadata this step's saves were staged from
         # Same-host sessions are opened off the step's thread (`_session`): a synchronous load,
@@ -143,7 +174,8 @@ class WorkerSide:
         step = _StepLoads(self.link.cfg.budget_seconds) if self.sync else None
         for spec in meta.loads:
             if step is None:
-                self._loads[spec.req_id] = self._load_pool.submit(self._load, spec)
+                queued = _StepLoads.queued_now(self.link.cfg.budget_seconds)
+                self._loads[spec.req_id] = self._load_pool.submit(self._load, spec, queued)
                 continue
             every = {b for ids in spec.chunk_blocks.values() for b in ids if b >= 0}
             if skipped := self._skipped(step):
@@ -162,46 +194,59 @@ class WorkerSide:
                 self._failed_unheard.add(spec.req_id)
             self._settle(out)
 
-    def _skipped(self, step: _StepLoads | None) -> str:
+    def _skipped(self, step: _StepLoads) -> str:
         """Why a load of `step` is not sent (the counter), or "" when it is."""
-        if step is None:
-            return ""
-        if step.out_of_reach:
+        if step.out_of_reach or (step.queued and time.monotonic() < self._loads_paused_until):
             return "loads_skipped_out_of_reach"
         if step.left() < min(MIN_LOAD_SECONDS, step.budget / 10):
-            return "loads_skipped_step_budget"
+            return step.short
         return ""
 
-    def _call(self, kind: str, fn: Callable[[KvstoreClient], T], step: _StepLoads | None, timeout: float) -> T | None:
+    def _call(self, kind: str, fn: Callable[[KvstoreClient], T], step: _StepLoads, timeout: float) -> T | None:
         r, e = self.link.attempt(kind, fn)
-        if step is not None:
-            if isinstance(e, UnavailableError) or (isinstance(e, DeadlineExceededError) and timeout >= step.budget):
-                step.out_of_reach = True
-            elif isinstance(e, DeadlineExceededError):  # the service answers, just not within what was left
-                self.link.count("loads_skipped_step_budget")
+        if isinstance(e, UnavailableError) or (isinstance(e, DeadlineExceededError) and step.silent_too_long(timeout)):
+            step.out_of_reach = True
+            if step.queued:  # a step's synchronous loads ask again at the next step: it waits one budget at most
+                self._loads_paused_until = time.monotonic() + self.link.cfg.retry_after_seconds
+        elif isinstance(e, DeadlineExceededError):  # the service answers, just not within what was left
+            self.link.count(step.short)
         return r
 
-    def _load(self, spec: LoadSpec, step: _StepLoads | None = None) -> _LoadOutcome:
+    def _registered(self, step: _StepLoads) -> str | None:
+        """The model's name; this worker's registration, when it must make one, is a call of `step`
+        (its time comes out of the step's budget, not on top of it)."""
+        name = self.link.registered()
+        if name is None:
+            began = time.monotonic()
+            name = self.link.model_name()
+            if self.link.registered() is not None:  # registered now: a call was made
+                step.start(began)
+        return name
+
+    def _load(self, spec: LoadSpec, step: _StepLoads) -> _LoadOutcome:
         assert self.cache is not None
         wanted = spec.end_chunk - spec.first_chunk
         got = 0
-        name = self.link.model_name()
+        name: str | None = None
         if spec.held_spans:  # a failed or short read of them is loaded again
             # Read in shared memory, not asked of the service: its failure says nothing of its reach.
             r = self.link.call("load_held", lambda c: self._read_held(c, spec))
             got = r if r is not None else 0
-        if name is not None and got < wanted:
+        if got < wanted:
             if skipped := self._skipped(step):
                 self.link.count(skipped)
-            else:
-                timeout = self.link.cfg.budget_seconds if step is None else step.timeout()
-                r = self._call("load", lambda c: self._load_chunks(c, name, spec, timeout), step, timeout)
-                got = r if r is not None else 0
-                if r is not None and got < wanted:
-                    self.link.failed("load", ValueError(f"{wanted - got} of {wanted} chunks did not arrive"))
+            elif (name := self._registered(step)) is not None:
+                if skipped := self._skipped(step):  # the registration spent what the step had
+                    self.link.count(skipped)
+                else:
+                    timeout = step.timeout()
+                    r = self._call("load", lambda c: self._load_chunks(c, name, spec, timeout), step, timeout)
+                    got = r if r is not None else 0
+                    if r is not None and got < wanted:
+                        self.link.failed("load", ValueError(f"{wanted - got} of {wanted} chunks did not arrive"))
         ok = got == wanted
         if ok and self.plan.hybrid:
-            ok = self._load_window(name, spec)
+            ok = self._load_window(spec, step)
         failed = {b for ids in spec.chunk_blocks.values() for b in ids[got * self.plan.blocks_per_chunk :] if b >= 0}
         return _LoadOutcome(spec.req_id, ok, failed, got)
 
@@ -223,14 +268,19 @@ class WorkerSide:
         """Chunks [first_chunk, end_chunk) of `r` into the request's blocks, a run of chunks at a
         time; how many. A lease that lapsed during the copy fails the load (the caller recomputes)."""
         assert self.cache is not None
+        cb = self.plan.chunk_bytes
+        if r.chunk_bytes != cb or r.chunk_tokens != self.plan.chunk_tokens:
+            # Another layout's chunks (the service's answer, not this engine's): never scattered.
+            raise ValueError(f"the service sent chunks of {r.chunk_tokens} tokens and {r.chunk_bytes} bytes; this "
+                             f"engine's are {self.plan.chunk_tokens} tokens and {cb} bytes")
         end = min(spec.end_chunk, len(r.chunks))
         runs = r.runs_between(spec.first_chunk, end)
         if len(runs) > MAX_DIRECT_RUNS:  # scattered in many pieces: one gather first costs less
             runs = [(spec.first_chunk, memoryview(b"".join(r.chunks[spec.first_chunk : end])))]
         bpc = self.plan.blocks_per_chunk
         for at, run in runs:
-            k0, k1 = (at - spec.first_chunk) * bpc, (at - spec.first_chunk + len(run) // r.chunk_bytes) * bpc
-            self.cache.scatter_chunks(_chunk_rows(run, r.chunk_bytes),
+            k0, k1 = (at - spec.first_chunk) * bpc, (at - spec.first_chunk + len(run) // cb) * bpc
+            self.cache.scatter_chunks(_chunk_rows(run, cb),
                                       {g: ids[k0:k1] for g, ids in spec.chunk_blocks.items()})
         if not r.still_held():
             raise ValueError("a shared-memory lease lapsed while the chunks were copied")
@@ -239,12 +289,18 @@ class WorkerSide:
         self.link.count(f"load_path_{path}")
         return max(0, end - spec.first_chunk)
 
-    def _load_window(self, name: str | None, spec: LoadSpec) -> bool:
-        assert self.cache is not None and name is not None
-        r = self.link.call("load_local", lambda c: c.load_local(name, spec.tokens, REPLAY_MODE,
-                                                                timeout_seconds=self.link.cfg.budget_seconds,
-                                                                cache_salt=spec.cache_salt,
-                                                                open_session=not self.sync))
+    def _load_window(self, spec: LoadSpec, step: _StepLoads) -> bool:
+        assert self.cache is not None
+        if skipped := self._skipped(step):
+            self.link.count(skipped)
+            return False
+        name = self._registered(step)
+        if name is None:
+            return False
+        timeout = step.timeout()
+        r = self._call("load_local", lambda c: c.load_local(name, spec.tokens, REPLAY_MODE, timeout_seconds=timeout,
+                                                            cache_salt=spec.cache_salt, open_session=not self.sync),
+                       step, timeout)
         if r is None or r.snapshot is None or len(r.snapshot) != self.plan.snapshot_bytes:
             if r is not None:
                 self.link.failed("load_local", ValueError(f"the window state is {r.local_state}"))
@@ -399,7 +455,8 @@ class WorkerSide:
                 if kept is not None:
                     # A window state the service did not keep (its local pool slow, full or down)
                     # makes the next identical prompt a miss: counted, with the service's reason.
-                    why = (kept.reason or "unknown").replace(" ", "_").replace("-", "_")
+                    why = (kept.reason if kept.reason in WINDOW_SKIP_REASONS else "other").replace(" ", "_")
+                    why = why.replace("-", "_")
                     self.link.count("window_saves" if kept.stored else f"window_saves_skipped_{why}")
             if spec.end_chunk > spec.first_chunk:
                 view = st.chunks.numpy().data.cast("B")
