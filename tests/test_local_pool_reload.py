@@ -220,6 +220,21 @@ def test_a_restart_only_change_does_not_reach_the_callback(tmp_path: Path, caplo
     assert r.reload_now() and [c.local_pool.ttl.ttl_seconds for c in rec.seen] == [60]
 
 
+def test_a_file_put_back_as_the_service_started_is_not_said_to_need_a_restart(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "kvstore.toml"
+    _write(path, _toml(300))
+    r = _reloader(path, Recorder())
+    _write(path, _toml(300, extra="socket_timeout_seconds = 0.3"))
+    with caplog.at_level(logging.WARNING, logger="kvstore.local_pool.reload"):
+        assert r.reload_now()
+        assert "socket_timeout_seconds" in caplog.text
+        caplog.clear()
+        _write(path, _toml(300))  # back to what the service runs with
+        assert r.reload_now()
+    assert "restart" not in caplog.text, caplog.text
+
+
 def test_the_service_keeps_what_its_adaptive_policy_learnt_across_a_restart_only_change(tmp_path: Path) -> None:
     from dataclasses import replace
 

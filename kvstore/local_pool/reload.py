@@ -91,6 +91,7 @@ class ConfigReloader:
         self._path = Path(path)
         self._on_change = on_change
         self._current = current if isinstance(current, KvstoreConfig) else self._with_file(current)
+        self._started = self._current  # what restart-only keys are in force as, until a restart
         self._poll = poll_seconds
         # One reload at a time (signal, poller, direct calls); re-entrant because a SIGHUP handler
         # may run on the main thread while it is inside reload_now().
@@ -134,8 +135,11 @@ class ConfigReloader:
                 said = [f"{k}: {a!r} -> {b!r}" for k, a, b in live if k in done]
                 if said:
                     log.info("config reloaded from %s: %s", self._path, "; ".join(said))
-            # A TTL input the callback did not apply (a tenant not served yet) waits for a restart too.
-            cold = [k for k, _, _ in changed if k not in done]
+            # A TTL input the callback did not apply (a tenant not served yet) waits for a restart too;
+            # a restart-only key is named only while it differs from what the service started with
+            # (a file put back as it was needs no restart).
+            pending = {k for k, _, _ in differences(self._started, new)}
+            cold = [k for k, _, _ in changed if k not in done and (applied_live(k) or k in pending)]
             self._current = new
             if cold:
                 log.warning("config reload: %s changed in %s but take effect only after a restart (not applied)",
