@@ -5,7 +5,8 @@ and ranges (with the dotted key that is wrong), served model names, TLS files, t
 unauthenticated service binds loopback only, that a 'cuda' store or replay device exists on this
 machine, the TTL policy the local pool would run (built for real, so its parameters are
 checked too); that the data directory and an enabled trace file could be created and written
-here (without creating either) is a warning, since a config may be meant for another host or user.
+here (without creating either), and that an existing trace file is one, is a warning, since a
+config may be meant for another host or user.
 The output is the full effective config, defaults included, as TOML
 that parses back, with secrets redacted, followed by the TTL policy in force. Unknown keys (each
 with the closest known one) and values of the wrong type are all reported at once, and with them
@@ -31,7 +32,8 @@ from typing import Any
 from kvstore.commands.checks import check_not_empty, check_server_tls
 from kvstore.config import KvstoreConfig, load_config
 from kvstore.config.warnings import config_warnings
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, StorageError
+from kvstore.observe.trace_file import check_trace_file
 
 SECRET_KEYS = frozenset({"tokens", "admin_token"})
 
@@ -134,6 +136,18 @@ def _check_writable(path: Path, key: str, what: str) -> None:
         raise ConfigError(key, f"cannot use {path}: {e.strerror or e}") from None
 
 
+def _not_a_trace(path: Path) -> str | None:
+    """Serve appends to an existing trace.path, after cutting off a line a crash left half-written:
+    a file there that is no trace (an archive, a log) it refuses, and this warns of."""
+    try:
+        check_trace_file(path)
+    except StorageError as e:
+        return str(ConfigError("trace.path", str(e))) + " (serve, where it runs, refuses to start if so there)"
+    except OSError:  # unreadable here: `_writable` says so
+        pass
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     check_not_empty(args.file, "FILE", "file")  # else "cannot read config file .: Is a directory"
     from kvstore.service.app import build_ttl_policy, check_devices, served_models
@@ -154,13 +168,16 @@ def run(args: argparse.Namespace) -> int:
     if cfg.trace.enabled:
         paths.append((Path(cfg.trace.path), "trace.path", "file"))
     warnings += [w for p, key, what in paths if (w := _writable(p, key, what)) is not None]
+    if cfg.trace.enabled and (w := _not_a_trace(Path(cfg.trace.path))) is not None:
+        warnings.append(w)
     if args.json:
         json.dump({"valid": True, "warnings": warnings, "settings": settings, "ttl_policy": policy}, sys.stdout,
                   indent=2, default=str)
         print()
         return 0
     for w in warnings:  # contradictory, not invalid: on stderr, and first, where they are seen
-        print(f"kvstore check-config: warning: {w}", file=sys.stderr)
+        if sys.stderr is not None:  # closed: print() would put it into the TOML on stdout
+            print(f"kvstore check-config: warning: {w}", file=sys.stderr)
     print(f"# {args.file}: valid{f' ({len(warnings)} warning(s))' if warnings else ''}. "
           "Effective settings (defaults included, secrets redacted):")
     print("\n".join(to_toml(settings)))

@@ -5,8 +5,9 @@ byte-seconds held in the pool and the total cost; then the least-cost TTL of eac
 found by its own search, said to be an estimate where that search was one), which of the two to set
 and by how much it is the cheaper (`--json`: `recommended`, its `kind` and `ttl_seconds`), and what
 the adaptive policy would do. Costs and clamps come from `[local_pool.ttl]` of `--config` (or the defaults),
-overridden by flags. Progress goes to stderr so `--json` output stays clean. A trace file is read as
-a stream into numpy columns (~50 B a request), never held as records. Per-tenant TTL overrides
+overridden by flags. Progress (each phase as it starts) goes to stderr so `--json` output stays clean,
+and nowhere where stderr is closed. A trace file is read as a stream into numpy columns, never held
+as records: the peak is ~250 B a request (the columns and the evaluation's arrays over them). Per-tenant TTL overrides
 in the config are not applied (every tenant is priced at each row's TTL); the report says so.
 """
 
@@ -26,7 +27,7 @@ from kvstore.config.local_pool import MAX_COST, MAX_TTL_SECONDS
 from kvstore.config.store import MAX_CHUNK_TOKENS
 from kvstore.errors import InvalidInput
 from kvstore.layout import MAX_ENGINE_SNAPSHOT_BYTES, get_model
-from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace, synthetic_trace
+from kvstore.observe.trace_file import TraceRecord, read_trace, save_trace, synthetic_trace
 from kvstore.observe.ttl_tuning import (
     DEFAULT_TTLS_SECONDS,
     MAX_EXACT_RUN_REQUESTS,
@@ -99,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "tune_what", None) != "ttl":
-        print("kvstore tune: say what to tune: `kvstore tune ttl --trace FILE`", file=sys.stderr)
+        _say("kvstore tune: say what to tune: `kvstore tune ttl --trace FILE`")
         return 2
     # '' was read as the current directory, or (--save-trace) as the flag left out: exit 0, no file.
     for flag, path in (("--trace", args.trace), ("--config", args.config), ("--save-trace", args.save_trace)):
@@ -145,11 +146,12 @@ def run(args: argparse.Namespace) -> int:
     records: Iterable[TraceRecord]
     on_progress: Callable[[int], None] | None = None
     if args.synthetic is not None:
+        _say(f"kvstore tune: generating a synthetic trace of {args.synthetic:,} requests")
         records = synthetic_trace(args.synthetic, seed=args.seed)
         source = f"synthetic trace (seed {args.seed})"
         if args.save_trace is not None:
-            with TraceWriter(args.save_trace, truncate=True) as w:
-                w.write_many(records)
+            _say(f"kvstore tune: saving it to {args.save_trace} ({time.perf_counter() - started:.0f} s)")
+            save_trace(args.save_trace, records)
     else:
         records = read_trace(args.trace)
         source = args.trace
@@ -171,13 +173,14 @@ def run(args: argparse.Namespace) -> int:
     read_lines = f", {reads:,} LoadLocal reads" if reads or unmatched else ""
     if unmatched:
         read_lines += f" ({unmatched:,} more left out: no request of their session at or before them)"
-    print(f"kvstore tune: {cols.n} requests{read_lines} from {source}{left_out} in "
-          f"{time.perf_counter() - started:.2f} s", file=sys.stderr)
+    _say(f"kvstore tune: {cols.n} requests{read_lines} from {source}{left_out} in "
+         f"{time.perf_counter() - started:.2f} s")
     if cols.n == 0:
         raise InvalidInput(f"{source} holds no requests")
     cost = TtlCostModel(ttl_cfg.replay_cost_per_token, ttl_cfg.hold_cost_per_byte_second,
                      ttl_cfg.min_ttl_seconds, ttl_cfg.max_ttl_seconds)
-    report = tune_ttl(cols, args.ttl, cost, ttl_cfg)
+    report = tune_ttl(cols, args.ttl, cost, ttl_cfg,
+                      on_phase=lambda what: _say(f"kvstore tune: {what} ({time.perf_counter() - started:.0f} s)"))
     not_applied = sorted(overridden & set(report.tenants))
     if args.json:
         doc = report.as_dict()
@@ -205,10 +208,16 @@ def _progress(source: str, started: float) -> Callable[[int], None]:
     def report(n: int) -> None:
         if n // PROGRESS_EVERY_REQUESTS > shown[0]:
             shown[0] = n // PROGRESS_EVERY_REQUESTS
-            print(f"kvstore tune: {n:,} requests read from {source} ({time.perf_counter() - started:.0f} s)",
-                  file=sys.stderr, flush=True)
+            _say(f"kvstore tune: {n:,} requests read from {source} ({time.perf_counter() - started:.0f} s)")
 
     return report
+
+
+def _say(line: str) -> None:
+    """A progress or status line on stderr; none where stderr is closed (print() would then write
+    it to stdout, into the report or its JSON)."""
+    if sys.stderr is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _seconds(x: float) -> str:

@@ -17,13 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.config.fields import NUL_PROBLEM, join, parse_section, require
-from kvstore.config.local_pool import LocalPoolConfig, TtlPolicyConfig
+from kvstore.config.files import read_regular
+from kvstore.config.local_pool import TENANT_NAME_RULE, LocalPoolConfig, TtlPolicyConfig, is_tenant_name
 from kvstore.config.replay import ReplayConfig
 from kvstore.config.service import AdminConfig, ServiceConfig, TenantConfig, TraceConfig, is_loopback
 from kvstore.config.store import StoreConfig
 from kvstore.errors import ConfigError, ConfigFileError
 
 DEFAULT_TENANT = "default"
+# A config is a few KiB; past this a file named as one is a mistake (a log, a disk image), not read whole.
+MAX_CONFIG_FILE_BYTES = 16 << 20
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -64,8 +67,7 @@ class KvstoreConfig:
         require(bool(self.data_dir), "data_dir", "must name a directory (empty would be the directory serve starts in)")
         seen: dict[str, str] = {}
         for name, t in self.tenants.items():
-            require(name.replace("-", "").replace("_", "").isalnum(), join("tenants", name),
-                    "tenant names use letters, digits, '-' and '_' only")
+            require(is_tenant_name(name), join("tenants", repr(name)), TENANT_NAME_RULE)
             require(name != "other", join("tenants", name),
                     "'other' is reserved: the metrics' tenant label names every caller outside [tenants] so")
             require(bool(t.tokens) or bool(t.mtls_common_name), join("tenants", name),
@@ -195,7 +197,7 @@ def load_config(path: str | Path | None) -> KvstoreConfig:
         return KvstoreConfig()
     p = Path(path)
     try:
-        raw = p.read_bytes()
+        raw = read_regular(p, MAX_CONFIG_FILE_BYTES)
     except OSError as e:
         raise ConfigFileError(f"cannot read config file {p}: {e.strerror}") from None
     except ValueError:  # a NUL in the name: no such file can exist

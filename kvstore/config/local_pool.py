@@ -141,7 +141,17 @@ class TtlPolicyConfig:
                 join(prefix, "adaptive_window_samples"),
                 f"must be >= adaptive_min_samples and <= {MAX_WINDOW_SAMPLES} (8 bytes each, per tenant)")
         for t, v in self.tenant_ttl_seconds.items():
+            # A key is a tenant's name, and is printed as one (check-config's warnings, the tune report).
+            require(is_tenant_name(t), join(prefix, f"tenant_ttl_seconds.{t!r}"), TENANT_NAME_RULE)
             require(seconds_within(v, MAX_TTL_SECONDS), join(prefix, f"tenant_ttl_seconds.{t}"), _SECONDS)
+
+
+TENANT_NAME_RULE = "tenant names use letters, digits, '-' and '_' only"
+
+
+def is_tenant_name(name: str) -> bool:
+    """A tenant's name as [tenants] takes it: letters, digits, '-' and '_' (no spaces, no controls)."""
+    return name.replace("-", "").replace("_", "").isalnum()
 
 
 # What one entry of the embedded pool costs against `capacity_bytes` beyond its payload: the Python

@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from typing import IO, Literal, get_args
 
 import numpy as np
 
+from kvstore.config.files import open_regular
 from kvstore.errors import InvalidInput, StorageError
 from kvstore.wire.purposes import PURPOSES
 
@@ -60,6 +62,12 @@ TraceMethod = Literal["lookup", "resume", "load_local"]
 TRACE_METHODS: tuple[str, ...] = get_args(TraceMethod)
 # JSON integers are unbounded; past this one a float (or numpy's int64 sums) no longer holds them.
 MAX_INT = 2**53
+# A line's time, in seconds, lies within +-this (epoch seconds until the year 5138): a float's
+# spacing there is ~15 µs. Epoch milli- or nanoseconds lie past it, where spacing coarser than a
+# TTL's millisecond makes `t + ttl == t` and the evaluation meaningless (or endless).
+MAX_TIME_SECONDS = 1e11
+# A line is a few hundred bytes; a longer one (with its newline) is refused, not read whole.
+MAX_LINE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +113,9 @@ class TraceRecord:
         time = obj.get("time")
         if isinstance(time, bool) or not isinstance(time, int | float) or not _finite(time):
             raise InvalidInput(f"'time' must be a finite number of seconds, got {_shown(time)}")
+        if not -MAX_TIME_SECONDS <= time <= MAX_TIME_SECONDS:
+            raise InvalidInput(f"'time' must be seconds within +-{MAX_TIME_SECONDS:.0e} (epoch seconds, not milli- or "
+                               f"nanoseconds), got {_shown(time)}")
         tenant, session = obj.get("tenant"), obj.get("session")
         if not isinstance(tenant, str):
             raise InvalidInput(f"'tenant' must be a string, got {tenant!r}")
@@ -199,22 +210,98 @@ class TraceWriter:
         self.close()
 
 
+def save_trace(path: str | os.PathLike[str], records: Iterable[TraceRecord]) -> int:
+    """Write `records` as a new trace at `path` (replacing any file there), all or nothing: into a
+    temporary file beside it, renamed over `path` once whole, so that a run stopped part-way (a
+    SIGTERM, a full disk) leaves no shorter trace that reads as complete. A path that exists and is
+    not a regular file (a pipe, /dev/stdout) is written directly. A failed write is a StorageError."""
+    target = Path(os.path.realpath(path))
+    try:
+        if target.exists() and not target.is_file():
+            with TraceWriter(target, truncate=True) as w:
+                return w.write_many(records)
+        tmp = target.parent / f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)  # as open(): umask applies
+    except OSError as e:
+        raise StorageError(f"cannot write trace {path}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            n = 0
+            for r in records:
+                f.write(r.to_json() + "\n")
+                n += 1
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as e:
+        raise StorageError(f"cannot write trace {path}: {e.strerror or e}") from None
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    return n
+
+
+def check_trace_file(path: str | os.PathLike[str]) -> None:
+    """Whether `path` may be appended to as a trace: a StorageError saying it is "not a kvstore
+    trace file" where it is a regular file whose first and last whole lines are not JSON objects, or
+    whose cut-off tail is no piece of one (a gzip archive of an old trace, a log), so that no other
+    file is cut back or written into. A missing or empty file passes, and so does one that is not
+    regular (never read: a pipe or a device)."""
+    p = Path(path)
+    if not p.is_file() or p.stat().st_size == 0:
+        return
+    with p.open("rb") as f:
+        _check_looks_like_a_trace(f, p, *_tail_of(f))
+
+
+def _tail_of(f: IO[bytes], block: int = 1 << 16) -> tuple[int, int]:
+    """Where the part of the file after its last newline starts, and where the file ends; the
+    search stops once that part is longer than a line may be (no trace: a binary file)."""
+    end = f.seek(0, os.SEEK_END)
+    at = end
+    while at > 0 and end - at <= MAX_LINE_BYTES:
+        start = max(0, at - block)
+        f.seek(start)
+        newline = f.read(at - start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1, end
+        at = start
+    return 0, end
+
+
+def _check_looks_like_a_trace(f: IO[bytes], p: Path, at: int, end: int) -> None:
+    f.seek(0)
+    first = f.readline(MAX_LINE_BYTES + 1) if at > 0 else b""
+    f.seek(max(0, at - MAX_LINE_BYTES - 1))
+    before = f.read(at - f.tell()).split(b"\n")[:-1]  # the whole lines just before the tail
+    if at > MAX_LINE_BYTES + 1:
+        before = before[1:]  # the first piece may start mid-line
+    last = next((line for line in reversed(before) if line.strip()), b"")
+    tail = f.read(min(end - at, MAX_LINE_BYTES + 1))  # a piece of a line: no longer than one
+    whole = [line for line in (first, last) if line.strip()]
+    tail_ok = len(tail) <= MAX_LINE_BYTES and (
+        not tail.strip() or _json_object(tail) or tail.lstrip().startswith(b"{"))
+    if not tail_ok or not all(_json_object(line) for line in whole):
+        raise StorageError(f"{p} is not a kvstore trace file (its lines are not JSON objects): it is left as it "
+                           "is; name a new file or an existing trace")
+
+
+def _json_object(raw: bytes) -> bool:
+    try:
+        return isinstance(json.loads(raw), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
 def _drop_cut_off_line(path: Path, block: int = 1 << 16) -> None:
-    """Cut a regular file back to its last newline when what follows it is not JSON: a line a
-    crash cut off (a pipe or a device is never read)."""
+    """Cut a trace file back to its last newline when what follows it is not JSON: a line a crash
+    cut off (a pipe or a device is never read). A file that does not look like a trace is refused
+    (`check_trace_file`), never cut."""
     if not path.is_file() or path.stat().st_size == 0:
         return
     with path.open("r+b") as f:
-        end = f.seek(0, os.SEEK_END)
-        at = end
-        while at > 0:
-            start = max(0, at - block)
-            f.seek(start)
-            newline = f.read(at - start).rfind(b"\n")
-            if newline >= 0:
-                at = start + newline + 1
-                break
-            at = start
+        at, end = _tail_of(f, block)
+        _check_looks_like_a_trace(f, path, at, end)
         if at == end:
             return
         f.seek(at)
@@ -224,6 +311,7 @@ def _drop_cut_off_line(path: Path, block: int = 1 << 16) -> None:
             log.warning("%s: dropping the last %d bytes, a line cut off mid-write", path, end - at)
             f.truncate(at)
         else:
+            f.seek(end)
             f.write(b"\n")
 
 
@@ -234,15 +322,19 @@ def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRecord]:
     JSON: one cut off by a crash mid-write."""
     p = Path(path)
     try:
-        f = p.open("rb")
+        f = open_regular(p)
     except OSError as e:
         raise InvalidInput(f"cannot read trace {p}: {e.strerror}") from None
+    except ValueError:  # a NUL in the name
+        raise InvalidInput(f"cannot read trace {str(p)!r}: a file name cannot contain a NUL") from None
     return _records(f, p)
 
 
 def _records(f: IO[bytes], p: Path) -> Iterator[TraceRecord]:
     with f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise InvalidInput(f"{p}:{lineno}: not a trace record (a line longer than {MAX_LINE_BYTES:,} bytes)")
             if not raw.strip():
                 continue
             try:

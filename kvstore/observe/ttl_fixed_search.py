@@ -352,7 +352,8 @@ def _sample_run(
         ttl = float(cand[lo])
         chain = [0]
         while True:  # as `evaluate_fixed` walks it
-            k = bisect.bisect_left(times, times[chain[-1]] + ttl)
+            # one past the last write at least, where its time + ttl rounds to its time
+            k = max(chain[-1] + 1, bisect.bisect_left(times, times[chain[-1]] + ttl))
             if k >= size:
                 break
             chain.append(k)

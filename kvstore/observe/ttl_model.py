@@ -383,9 +383,11 @@ def evaluate_fixed(c: TraceColumns, d: Derived, ttl: float) -> tuple[np.ndarray,
     for s, e in zip(d.run_starts.tolist(), d.run_ends.tolist(), strict=True):
         times = t[s:e]
         anchor = t[s - 1]  # the structural request before the run wrote
+        k = -1
         while True:
-            # The first retry at or past the expiry misses (the pool's test: expiry <= now is gone).
-            k = int(np.searchsorted(times, anchor + ttl, side="left"))
+            # The first retry at or past the expiry misses (the pool's test: expiry <= now is gone);
+            # one after the last write at least, where anchor + ttl rounds to anchor.
+            k = max(k + 1, int(np.searchsorted(times, anchor + ttl, side="left")))
             if k >= e - s:
                 break
             write[s + k] = True  # expired: replayed and written again

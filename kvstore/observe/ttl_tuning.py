@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import array
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -232,18 +232,25 @@ def tune_ttl(
     ttls_seconds: Sequence[float],
     cost: TtlCostModel,
     ttl_cfg: TtlPolicyConfig,
+    on_phase: Callable[[str], None] | None = None,
 ) -> TuneReport:
     """Evaluate every TTL under fixed and sliding semantics, the best TTL of each (each by its own
     search), and the adaptive policy (configured from `ttl_cfg`, with the trace's mean snapshot and
-    replay sizes)."""
+    replay sizes). `on_phase`, if given, is told what each phase is as it starts (on a large trace
+    each takes from seconds to minutes)."""
+    say = on_phase or (lambda _: None)
+    say(f"evaluating {len(ttls_seconds)} TTL(s), fixed and sliding")
     d = Derived(c)
     rows: list[TtlEvaluation] = []
     for ttl in ttls_seconds:
         for semantics in ("fixed", "sliding"):
             hits, bs = evaluate_fixed(c, d, ttl) if semantics == "fixed" else evaluate_sliding(c, d, ttl)
             rows.append(make_evaluation(c, d, semantics, float(ttl), hits, bs, cost))
+    say("searching for the least-cost sliding TTL")
     sliding = best_sliding(c, d, cost, ttls_seconds, rows)
+    say("searching for the least-cost fixed TTL")
     fixed, fixed_exact = best_fixed_searched(c, d, cost, ttls_seconds, rows)
+    say("running the adaptive policy over the trace")
     ttl_after, ttl_read, ttl_load, final = run_adaptive(c, d, ttl_cfg)
     hits, bs = evaluate_sliding(c, d, ttl_after, ttl_read, ttl_load)
     adaptive = make_evaluation(c, d, "adaptive", None, hits, bs, cost)

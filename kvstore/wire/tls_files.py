@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import ssl
 
+from kvstore.config.files import open_regular
 from kvstore.errors import InvalidInput
+
+# A CA bundle is a few hundred KiB (the system's ~200 certificates); past this a file is no TLS file,
+# and OpenSSL would read it whole.
+MAX_TLS_FILE_BYTES = 16 << 20
 
 
 def check_readable(path: str | None, name: str) -> None:
@@ -16,7 +21,7 @@ def check_readable(path: str | None, name: str) -> None:
     if path is None:
         return
     try:
-        with open(path, "rb"):
+        with open_regular(path, MAX_TLS_FILE_BYTES):
             pass
     except OSError as e:
         raise InvalidInput(f"{name} {path}: {e.strerror or e}") from None

@@ -1,0 +1,237 @@
+"""Files and traces the CLI is pointed at that are not what it expects: times in epoch nanoseconds,
+a FIFO with no writer, a device, a huge line or file, an archive named as trace.path, a save cut
+short, a config key that would print escape sequences; and stderr closed under --json."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import resource
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvstore.cli import main
+from kvstore.config import TraceConfig, load_config
+from kvstore.errors import ConfigError, InvalidInput, StorageError
+from kvstore.observe import trace_file
+from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace
+from kvstore.observe.ttl_fixed_search import best_fixed_searched
+from kvstore.observe.ttl_model import Derived, evaluate_fixed
+from kvstore.observe.ttl_tuning import TtlCostModel, columns_from_records
+from kvstore.wire.tls_files import check_readable, check_tls_ca
+from tests.test_metrics_service import config, start
+
+ROOT = Path(__file__).resolve().parent.parent
+NS = 1.765e18  # epoch nanoseconds, written as seconds
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], *words: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert all(w in err[0] for w in words), err[0]
+    return err[0]
+
+
+# --- 1: times whose float spacing is coarser than a TTL ----------------------------------------------
+
+
+@pytest.mark.timeout(60)  # without the bound the evaluation never ends
+@pytest.mark.parametrize("t0", [NS, 1.7e308, -1.7e308])
+def test_times_past_the_bound_are_refused_naming_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], t0: float,
+) -> None:
+    path = tmp_path / "ns.jsonl"
+    path.write_text(TraceRecord(t0, "a", "s", 128, "cold").to_json() + "\n"
+                    + TraceRecord(t0 + 1e9, "a", "s", 128, "hit").to_json() + "\n")
+    assert main(["tune", "ttl", "--trace", str(path)]) == 2
+    _one_line_error(capsys, "ns.jsonl:1:", "'time' must be seconds within")
+
+
+@pytest.mark.timeout(60)
+def test_a_fixed_ttl_below_the_float_spacing_still_ends() -> None:
+    """Records made in code skip the reader's bound: the walk itself must progress. At 1.765e18 s a
+    float's spacing is 256 s, so a 1 s TTL ends at its write: every retry misses and writes."""
+    recs = [TraceRecord(NS + 1e9 * i, "a", "s", 128, "cold" if i == 0 else "hit", 1000, 100) for i in range(4)]
+    c = columns_from_records(recs, 128, 1000, 100)
+    hits, _ = evaluate_fixed(c, Derived(c), 1.0)
+    assert not hits.any()
+
+
+@pytest.mark.timeout(60)
+def test_the_fixed_search_over_a_long_run_below_the_float_spacing_still_ends() -> None:
+    # Past MAX_EXACT_RUN_REQUESTS same-boundary requests the search samples TTLs and walks each run.
+    recs = [TraceRecord(NS + 1e9 * i, "a", "s", 128, "cold" if i == 0 else "hit", 1000, 100) for i in range(1100)]
+    c = columns_from_records(recs, 128, 1000, 100)
+    best, exact = best_fixed_searched(c, Derived(c), TtlCostModel(1.0, 1e-9, 10, 3600), (10, 60))
+    assert not exact and best.local_hits == 0 and best.replays == 1099
+
+
+# --- 3: FIFOs, devices, huge lines and files ------------------------------------------------------------
+
+
+@pytest.fixture
+def fifo(tmp_path: Path) -> Iterator[Path]:
+    p = tmp_path / "fifo"
+    os.mkfifo(p)
+    yield p
+
+
+@pytest.mark.timeout(60)  # without the check, opening a FIFO with no writer waits for ever
+@pytest.mark.parametrize("argv", [["tune", "ttl", "--trace"], ["check-config"],
+                                  ["tune", "ttl", "--synthetic", "10", "--config"]])
+def test_a_fifo_is_refused_at_once(fifo: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    assert main([*argv, str(fifo)]) == 2
+    _one_line_error(capsys, "a FIFO, not a regular file")
+
+
+@pytest.mark.timeout(60)
+def test_tls_files_that_are_a_fifo_or_a_device_are_refused(fifo: Path) -> None:
+    with pytest.raises(InvalidInput, match=r"--tls-ca .*: a FIFO, not a regular file"):
+        check_tls_ca(str(fifo), "--tls-ca")
+    with pytest.raises(InvalidInput, match="--tls-cert /dev/zero: a character device, not a regular file"):
+        check_readable("/dev/zero", "--tls-cert")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv", [["tune", "ttl", "--trace", "/dev/zero"], ["check-config", "/dev/zero"]])
+def test_a_device_is_refused_not_read_until_memory_runs_out(argv: list[str]) -> None:
+    # Its own process, capped at 1 GiB: read whole, /dev/zero would fill it (a MemoryError traceback).
+    cap = 1 << 30
+    r = subprocess.run([sys.executable, "-m", "kvstore", *argv], capture_output=True, text=True, timeout=100,
+                       cwd=ROOT, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, r.stderr[-2000:]
+    assert "/dev/zero: a character device, not a regular file" in err[0]
+
+
+def test_a_trace_line_past_a_mebibyte_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "big.jsonl"
+    good = TraceRecord(1.0, "a", "s", 128, "cold").to_json()
+    path.write_text(good + "\n" + good.replace('"s"', '"' + "s" * (2 << 20) + '"') + "\n")
+    stream = read_trace(path)
+    assert next(stream).session == "s"
+    with pytest.raises(InvalidInput, match=r"big\.jsonl:2: not a trace record \(a line longer than 1,048,576 bytes"):
+        next(stream)
+
+
+def test_a_config_file_past_its_bound_is_refused_unread(tmp_path: Path) -> None:
+    path = tmp_path / "huge.toml"
+    with path.open("wb") as f:
+        f.truncate(17 << 20)  # sparse: 17 MiB of NULs
+    with pytest.raises(ConfigError, match=r"cannot read config file .*huge\.toml: 17,825,792 bytes, more than"):
+        load_config(path)
+
+
+# --- 5: a trace.path that is no trace is never cut back -----------------------------------------------
+
+
+def _archive(path: Path) -> bytes:
+    with gzip.open(path, "wb") as f:
+        for i in range(5000):
+            f.write(TraceRecord(float(i), "a", f"s{i}", 128, "cold").to_json().encode() + b"\n")
+    return path.read_bytes()
+
+
+def test_an_archive_named_as_the_trace_is_refused_and_left_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    old = tmp_path / "trace-old.jsonl.gz"
+    before = _archive(old)
+    with pytest.raises(StorageError, match="is not a kvstore trace file"):
+        TraceWriter(old)
+    with pytest.raises(ConfigError, match=r"trace\.path.*is not a kvstore trace file"):
+        start(tmp_path / "data", replace(config(), trace=TraceConfig(enabled=True, path=str(old))))
+    cfg = tmp_path / "k.toml"
+    cfg.write_text(f'[trace]\nenabled = true\npath = "{old}"\n')
+    assert main(["check-config", str(cfg)]) == 0
+    assert "warning: config key 'trace.path'" in capsys.readouterr().err
+    assert old.read_bytes() == before
+    gzip.decompress(before)  # still an archive
+
+
+def test_a_trace_cut_off_mid_line_is_still_mended(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    rec = TraceRecord(1.0, "a", "s", 128, "cold")
+    path.write_text(rec.to_json() + "\n" + rec.to_json()[:20])
+    with TraceWriter(path) as w:
+        w.write(rec)
+    assert list(read_trace(path)) == [rec, rec]
+
+
+# --- 6: --save-trace writes all or nothing ---------------------------------------------------------------
+
+
+def test_a_save_cut_short_leaves_the_old_file_and_no_piece(tmp_path: Path) -> None:
+    path = tmp_path / "saved.jsonl"
+    path.write_text("the old file\n")
+
+    def records() -> Iterator[TraceRecord]:
+        for i in range(1000):
+            yield TraceRecord(float(i), "a", "s", 128, "cold")
+        raise KeyboardInterrupt  # a stop part-way (SIGTERM is turned into an exception the same way)
+
+    with pytest.raises(KeyboardInterrupt):
+        trace_file.save_trace(path, records())
+    assert path.read_text() == "the old file\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved.jsonl"]
+    assert trace_file.save_trace(path, [TraceRecord(1.0, "a", "s", 128, "cold")]) == 1
+    assert len(list(read_trace(path))) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved.jsonl"]
+
+
+def test_a_failed_save_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", "ttl", "--synthetic", "200", "--save-trace", "/dev/full"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # the progress lines, then the error's one
+    assert err[-1] == "kvstore tune: cannot write trace /dev/full: No space left on device"
+    assert all(line.startswith("kvstore tune: ") for line in err)
+
+
+# --- 10: progress per phase --------------------------------------------------------------------------------
+
+
+def test_tune_says_each_phase_as_it_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", "ttl", "--synthetic", "500", "--json"]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)
+    for phase in ("generating a synthetic trace of 500 requests", "evaluating 8 TTL(s), fixed and sliding",
+                  "searching for the least-cost sliding TTL", "searching for the least-cost fixed TTL",
+                  "running the adaptive policy"):
+        assert f"kvstore tune: {phase}" in captured.err
+
+
+# --- 11: escape sequences in a config key; stderr closed ----------------------------------------------------
+
+
+def test_a_tenant_ttl_key_that_is_no_tenant_name_is_refused_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = tmp_path / "esc.toml"
+    path.write_text('[local_pool.ttl]\ntenant_ttl_seconds = { "\\u001b[2JEVIL\\nkvstore: all good" = 5 }\n')
+    with pytest.raises(ConfigError, match="tenant names use letters, digits"):
+        load_config(path)
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and err.count("\n") == 1 and "\\x1b[2J" in err
+
+
+def _with_stderr_closed(*argv: str) -> subprocess.CompletedProcess[str]:
+    cmd = " ".join([sys.executable, "-m", "kvstore", *argv])
+    return subprocess.run(["sh", "-c", f"exec {cmd} 2>&-"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_with_stderr_closed_progress_stays_out_of_stdout(tmp_path: Path) -> None:
+    r = _with_stderr_closed("tune", "ttl", "--synthetic", "300", "--json")
+    assert r.returncode == 0
+    json.loads(r.stdout)
+    cfg = tmp_path / "w.toml"  # valid, with a warning: the TOML on stdout must still parse back
+    cfg.write_text("[local_pool.ttl]\nttl_seconds = 5\nmin_ttl_seconds = 10\n")
+    r = _with_stderr_closed("check-config", str(cfg))
+    assert r.returncode == 0 and "kvstore check-config: warning" not in r.stdout
+    tomllib.loads(r.stdout)
