@@ -42,7 +42,7 @@ def check_length(env: lmdb.Environment, data: Path) -> None:
     first = size // psize  # the first page not wholly in the file
     try:
         free = _free_pages(data, psize, int(info["last_txnid"]), first, last)
-    except (OSError, ValueError, struct.error):  # the free list itself is cut, or unreadable
+    except (OSError, ValueError, OverflowError, MemoryError, struct.error):  # the free list is cut, or unreadable
         free = set()
     if len(free) < last + 1 - first:
         raise StorageError(
@@ -53,10 +53,13 @@ def check_length(env: lmdb.Environment, data: Path) -> None:
 def _free_pages(data: Path, psize: int, txnid: int, first: int, last: int) -> set[int]:
     """The pages in [first, last] that the free list of transaction `txnid`'s meta page holds, read
     with pread (a page missing from the file is an error here, not a SIGBUS). Each list is a count
-    and that many page numbers (an MDB_IDL), inline or on overflow pages."""
+    and that many page numbers (an MDB_IDL), inline or on overflow pages. A damaged or crafted file
+    is bounded: no page is read twice (a tree that loops), and none past the last one."""
     fd = os.open(data, os.O_RDONLY)
     try:
         def page(pgno: int, n: int = 1) -> bytes:
+            if pgno < 0 or n < 1 or pgno + n > last + 1:
+                raise ValueError(f"pages {pgno}+{n} are past the last page {last}")
             got = os.pread(fd, n * psize, pgno * psize)
             if len(got) != n * psize:
                 raise ValueError(f"page {pgno} is past the end of the file")
@@ -68,9 +71,14 @@ def _free_pages(data: Path, psize: int, txnid: int, first: int, last: int) -> se
         if not roots:
             raise ValueError(f"no meta page of transaction {txnid}")
         free: set[int] = set()
+        seen: set[int] = set()
         stack = [] if roots[0] == _NO_PAGE else [roots[0]]
         while stack:
-            p = page(stack.pop())
+            pgno = stack.pop()
+            if pgno in seen:
+                raise ValueError(f"page {pgno} is reached twice: the free list's tree is damaged")
+            seen.add(pgno)
+            p = page(pgno)
             flags, lower = struct.unpack_from("<HH", p, 10)
             for at in struct.unpack_from(f"<{(lower - PAGE_HEADER) >> 1}H", p, PAGE_HEADER):
                 lo, hi, nflags, ksize = struct.unpack_from("<HHHH", p, at)
@@ -85,6 +93,8 @@ def _free_pages(data: Path, psize: int, txnid: int, first: int, last: int) -> se
                 else:
                     ids = p[start : start + size]
                 n = struct.unpack_from("<Q", ids)[0]
+                if n > (len(ids) - 8) // 8:
+                    raise ValueError(f"a free list of {n} pages in {len(ids)} bytes")
                 free.update(i for i in struct.unpack_from(f"<{n}Q", ids, 8) if first <= i <= last)
         return free
     finally:

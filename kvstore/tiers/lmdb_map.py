@@ -72,8 +72,10 @@ class MapGuard:
 
 def record_value_bytes(record: memoryview | bytes) -> int:
     """An index record's value length, read without checking it (accounting only; a record that is
-    not the right size counts the value as empty until a read finds it bad)."""
-    return int.from_bytes(record[16:24], "little") if len(record) == vf.INDEX_RECORD_BYTES else 0
+    not the right size, or claims more than LMDB can hold, counts the value as empty until a read
+    finds it bad)."""
+    n = int.from_bytes(record[16:24], "little") if len(record) == vf.INDEX_RECORD_BYTES else 0
+    return n if n <= vf.MAX_VALUE_BYTES else 0
 
 
 class LmdbMap:

@@ -6,9 +6,10 @@ bytes of database per chunk and never a value's pages, in read transactions of S
 so that the store may write between them; `scan(verify=True)` reads and checks each value too. A
 whole scan sums the used bytes the tier reports (`used_counted`). Where values lack index records
 (a directory of format 1, or a value written without one), `_build_index` gives them one from each
-value's header, and drops records whose value is gone. An entry it cannot read is reported with its
-problem, never removed here: the store decides. It does not write values, delete them or read them
-for a Load (lmdb_tier.py), nor size the map (lmdb_map.py).
+value's header (a marker where the header is unreadable), and drops records whose value is gone.
+An entry it cannot read is reported with its problem, never removed here: the store decides. It
+does not write values, delete them or read them for a Load (lmdb_tier.py), nor size the map
+(lmdb_map.py).
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ PROGRESS_EVERY = 10_000  # values between two progress lines while an index is b
 class LmdbScan(LmdbMap):
     # State owned by LmdbTier.__init__ (and its _open_env); declared here for the type checker.
     _layouts: dict[bytes, CacheLayout]
-    # Values that have no index record because their header is bad: reported by every scan.
-    _unindexed: list[ScannedChunk]
     _progress: Callable[[str], None]
     _writes: int  # bumped by every write; a scan rebuilds totals only if none happened
     _used: int
@@ -53,7 +52,6 @@ class LmdbScan(LmdbMap):
 
     def _measure_used(self) -> int:
         """The used bytes, from every index record in one read transaction (a consistent sum)."""
-        used = sum(sc.stored_bytes for sc in self._unindexed)
         lengths: Counter[int] = Counter()
         with self._env.begin(db=self._index) as txn:
             records = txn.cursor().iternext(keys=False)
@@ -67,7 +65,8 @@ class LmdbScan(LmdbMap):
                     lengths.update(dict(zip(found.tolist(), counts.tolist(), strict=True)))
                 else:
                     lengths.update(map(record_value_bytes, run))
-        return used + sum(self.disk_bytes(n) * count for n, count in lengths.items())
+        # A length no value can have (a crafted record) counts as empty, as `record_value_bytes` says.
+        return sum(self.disk_bytes(n) * count for n, count in lengths.items() if n <= vf.MAX_VALUE_BYTES)
 
     # --- building the index --------------------------------------------------------------------
     def _build_index(self, values: int, migrating: bool) -> None:
@@ -76,27 +75,25 @@ class LmdbScan(LmdbMap):
         what = "migrating LMDB data to format 2: indexing" if migrating else "indexing"
         self._progress(f"{what} {values} LMDB values (once; later starts read the index only)")
         after: bytes | None = None
-        done = next_line = 0
+        done = next_line = bad = 0
         while True:
             with self._lock:
-                batch, after = self._index_batch(after)
-            done += batch
+                batch, unreadable, after = self._index_batch(after)
+            done, bad = done + batch, bad + unreadable
             if done >= next_line + PROGRESS_EVERY:
                 next_line = done
                 self._progress(f"indexed {done} of {values} LMDB values")
             if after is None:
                 break
-        bad = len(self._unindexed)
         self._progress(f"LMDB index built: {done - bad} values indexed, {bad} unreadable left out")
 
-    def _index_batch(self, start: bytes | None) -> tuple[int, bytes | None]:
+    def _index_batch(self, start: bytes | None) -> tuple[int, int, bytes | None]:
         """One write transaction of `_build_index`, from the value after `start`: (values looked at,
-        the last key, None at the end). A retry after a full map begins again at `start`: the
-        aborted transaction wrote nothing."""
+        values found unreadable, the last key, None at the end). A retry after a full map begins
+        again at `start`: the aborted transaction wrote nothing."""
         while True:
             try:
-                seen, last, after = 0, None, start
-                unindexed: list[ScannedChunk] = []
+                seen, unreadable, last, after = 0, 0, None, start
                 with self._env.begin(write=True, buffers=True) as txn:
                     values = txn.cursor(self._chunks)
                     records = txn.cursor(self._index)
@@ -109,15 +106,15 @@ class LmdbScan(LmdbMap):
                         if not records.set_key(key):
                             value = values.value()
                             try:
-                                txn.put(key, vf.index_record_of(value), db=self._index)
-                            except ValueProblem as p:
-                                unindexed.append(ScannedChunk(key, b"", b"", 0, self.disk_bytes(len(value)), p.problem))
+                                record = vf.index_record_of(value)
+                            except ValueProblem as p:  # a marker: reported by scans, and counted
+                                record, unreadable = vf.unreadable_record(p.problem, len(value)), unreadable + 1
+                            txn.put(key, record, db=self._index)
                         seen, last, after = seen + 1, key, key
                         ok = values.next()
                     if not ok:  # past the last value: records beyond it have no value
                         self._drop_records_before(records, after, None)
-                self._unindexed += unindexed
-                return seen, (last if ok else None)
+                return seen, unreadable, (last if ok else None)
             except lmdb.MapFullError:
                 self._grow(SCAN_BATCH * vf.INDEX_RECORD_BYTES)
             except lmdb.Error as e:
@@ -152,10 +149,6 @@ class LmdbScan(LmdbMap):
             return
         writes_at_start = self._writes
         used = count = 0
-        for sc in list(self._unindexed):
-            used += sc.stored_bytes
-            count += 1
-            yield sc
         after: bytes | None = None
         while True:
             with self._lock:
@@ -210,10 +203,6 @@ class LmdbScan(LmdbMap):
             self._counting |= counting
         try:
             used = count = 0
-            if self._unindexed:
-                first = ScanBatch.of(list(self._unindexed))
-                used, count = first.all_stored_bytes, first.entries
-                yield first
             after: bytes | None = None
             while True:
                 with self._lock, self._env.begin() as txn:
@@ -243,7 +232,13 @@ class LmdbScan(LmdbMap):
                                  for k, r in zip(keys, records, strict=True)])
         rows, ok = vf.index_rows(joined, m)
         layouts = rows["layout_id"]
-        ok &= np.isin(layouts.view("<u8").ravel(), self._layout_words())
+        words, known = layouts.view("<u8").ravel(), self._layout_words()
+        ok &= np.isin(words, known)
+        # A raw size past its layout's chunk: a damaged or crafted record (its value says the same).
+        limit = np.zeros(m, dtype=np.uint64)
+        for word, layout in zip(known.tolist(), self._layouts.values(), strict=True):
+            limit[words == word] = layout.chunk_bytes
+        ok &= rows["raw_size"] <= limit
         damaged = [self._scan_one(keys[i], memoryview(records[i]), None, False) for i in np.flatnonzero(~ok).tolist()]
         lengths, at = np.unique(rows["value_bytes"][ok], return_inverse=True)
         stored = np.array([self.disk_bytes(int(n)) for n in lengths], dtype=np.int64)[at]
@@ -258,8 +253,11 @@ class LmdbScan(LmdbMap):
         disk = self.disk_bytes(record_value_bytes(record))
         try:
             r = vf.parse_index_record(record)
-            if r.layout_id not in self._layouts:
+            layout = self._layouts.get(r.layout_id)
+            if layout is None:
                 raise ValueProblem("layout", "unknown layout id")
+            if r.raw_size > layout.chunk_bytes:
+                raise ValueProblem("corrupt", f"raw size {r.raw_size} past its layout's chunk")
             tokens = None
             if verify:
                 if value is None:

@@ -12,11 +12,14 @@ A restart reads the index records only (`scan`), ~110 bytes of database per chun
 value's pages: its cost does not depend on payload bytes. Values are verified when first read.
 A directory of format 1 (no `index`; kvstore 0.1) gets its index built once at open, from the
 value headers (one page per value), and so does any value found without a record: the two
-databases' entry counts are compared at every open, which costs two page reads. Otherwise opening
-reads no index record: the used bytes are summed by the first whole scan (the store's index load,
-on a thread when it loads in the background), so a restart listens before it has read the index.
-A data file shorter than the pages its newest transaction uses (a copy cut short) is refused at
-open, before LMDB reads a page through the map: past the file's end that read is a SIGBUS.
+databases' entry counts are compared at every open, which costs two page reads (a value whose
+header cannot be read gets a marker record, so that it costs one build, not one per open).
+Otherwise opening reads no index record: the used bytes are summed by the first whole scan (the
+store's index load, on a thread when it loads in the background), so a restart listens before it
+has read the index. Another program's environment (names in its main database that kvstore never
+writes, and no format version) is refused before anything is written into it. A data file
+shorter than the pages its newest transaction uses (a copy cut short) is refused at open, before
+LMDB reads a page through the map: past the file's end that read is a SIGBUS.
 
 Durability (StoreConfig.lmdb_durability) and what each mode loses on a power cut or kernel crash
 (a crash of the process alone loses nothing in any mode: committed pages are in the OS cache):
@@ -53,6 +56,7 @@ of layouts it was not told about.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import zlib
@@ -64,10 +68,10 @@ from typing import NamedTuple
 import lmdb
 
 from kvstore.config.store import Durability
-from kvstore.errors import InvalidInput, StorageError
+from kvstore.errors import ConfigError, InvalidInput, StorageError
 from kvstore.layout import CacheLayout
 from kvstore.tiers import value_format as vf
-from kvstore.tiers.base import KEY_BYTES, ChunkMeta, ScannedChunk, Tier, TierName, TierStats
+from kvstore.tiers.base import KEY_BYTES, ChunkMeta, Tier, TierName, TierStats
 from kvstore.tiers.checksum import copy_words_sum64, load_kernel, sum64
 from kvstore.tiers.compression import CODEC_NONE, Codec, Mode
 from kvstore.tiers.dir_lock import DirLock
@@ -93,6 +97,8 @@ MAX_READERS = 1024
 # 1: chunks only (kvstore 0.1); 2: an index record beside every value.
 LMDB_FORMAT_VERSION = 2
 _FORMAT_KEY = b"format_version"
+# The named databases (keys of LMDB's main database) this tier and kvstore 0.1 create.
+_OWN_DATABASES = frozenset({b"chunks", b"index", b"namespaces", b"models", b"meta"})
 # Free space under which a failed write is put down to a full disk: a transaction writes its
 # values and a few pages of each tree it changes, and the file system keeps a margin of its own.
 DISK_NEARLY_FULL_BYTES = 4 * MiB
@@ -137,6 +143,8 @@ class LmdbTier(LmdbScan):
         self.durability = durability
         self._capacity = capacity_bytes
         self._layouts = {layout.layout_id: layout for layout in layouts}
+        # A value's raw size is at most its layout's chunk (less where stored quantized).
+        self._chunk_limit = {lid: layout.chunk_bytes for lid, layout in self._layouts.items()}
         self._max_token_bytes = 4 * max((lo.chunk_tokens for lo in self._layouts.values()), default=128)
         self._budget_map = max_map_bytes or capacity_bytes + max(
             MAP_OVERHEAD_MIN_BYTES, int(capacity_bytes * MAP_OVERHEAD_FRACTION)
@@ -151,6 +159,10 @@ class LmdbTier(LmdbScan):
         self._map = MapGuard()
         self.corrupt_total = 0
         self.problems: dict[str, int] = {}  # removed-on-read values by problem ("corrupt", ...)
+        # Bad values a read found whose delete failed (a damaged tree, a full disk): never served,
+        # and deleted again at the next removal or delete (key -> the value's length and crc32).
+        self._unremoved: dict[bytes, tuple[int, int]] = {}
+        self.removal_failures = 0  # failed deletes of bad values (said once, through `progress`)
         self._writes = 0  # bumped by every write; scan() rebuilds totals only if none happened
         # Why the last write of each kind ("put", "delete", "record") failed, until one of that kind
         # succeeds: a delete that succeeds says nothing of puts, nor a put of the deletes still owed.
@@ -159,7 +171,7 @@ class LmdbTier(LmdbScan):
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StorageError(f"cannot open LMDB at {self.path}: {e}") from e
-        self._dir_lock = DirLock(self.path)  # before LMDB opens: one kvstore per directory
+        self._dir_lock = DirLock(self.path)  # before LMDB opens: one kvstore per directory and data file
         try:
             self._open_env(initial_map_bytes, durability, progress)
         except BaseException:
@@ -175,6 +187,11 @@ class LmdbTier(LmdbScan):
         try:
             data = self.path / "data.mdb"
             existing = data.stat().st_size if data.exists() else 0
+            if self._dir_lock.data_found_bytes == 0 and progress is not None:
+                # LMDB starts an empty file afresh, as a new one: said, since a copy or a restore
+                # that wrote nothing leaves one too (one cut short is refused: check_length).
+                progress(f"warning: the LMDB data file {data} was empty (0 bytes): starting with no chunks; "
+                         "if it held any, restore it from a copy")
             initial = initial_map_bytes or min(self._max_map, INITIAL_MAP_BYTES)
             # A file written under a larger capacity may already be past this one's map limit:
             # the store evicts down to the budget after the scan, and that needs pages too.
@@ -191,6 +208,7 @@ class LmdbTier(LmdbScan):
             check_length(self._env, data)  # before anything reads a page through the map
             # Reader slots of processes that died inside a read transaction pin old pages forever.
             self.stale_readers_cleared = self._env.reader_check()
+            self._check_ours()  # before a database is created in it
             self._chunks = self._env.open_db(b"chunks")
             self._index = self._env.open_db(b"index")
             self._ns = self._env.open_db(b"namespaces")
@@ -200,8 +218,6 @@ class LmdbTier(LmdbScan):
         except lmdb.Error as e:
             raise StorageError(f"cannot open LMDB at {self.path}: {e}") from e
         self._progress = progress or (lambda line: None)
-        # Values that have no index record because their header is bad: reported by every scan.
-        self._unindexed: list[ScannedChunk] = []
         # The entry count is in the database's header; the used bytes are a sum over every index
         # record, counted by the first whole scan (the store's index load reads them all anyway, on a
         # thread when it loads in the background): a restart does not read the index twice, nor once
@@ -223,6 +239,29 @@ class LmdbTier(LmdbScan):
             return int(txn.stat(db)["entries"])
 
     # --- the format version ------------------------------------------------------------------
+    def _check_ours(self) -> None:
+        """Refuse another program's LMDB environment: one whose main database holds a name kvstore
+        never writes and that has no format version of kvstore's (kvstore 0.1 wrote none, so a
+        missing version alone does not tell). Writing into it would damage that program's data."""
+        with self._env.begin() as txn:
+            foreign = list(itertools.islice(
+                (bytes(k) for k in txn.cursor().iternext(values=False) if bytes(k) not in _OWN_DATABASES), 3))
+            has_meta = txn.get(b"meta") is not None
+        if not foreign:
+            return
+        if has_meta:
+            try:
+                meta = self._env.open_db(b"meta", create=False)
+                with self._env.begin(db=meta) as txn:
+                    if txn.get(_FORMAT_KEY) is not None:
+                        return  # kvstore's own, with something added beside it
+            except lmdb.Error:
+                pass  # a "meta" key that is not a database: not kvstore's
+        shown = ", ".join(repr(k.decode("utf-8", "replace")[:40]) for k in foreign)
+        raise ConfigError("data_dir", f"the LMDB environment at {self.path} is not kvstore's (its main database "
+                                      f"holds {shown}); kvstore will not write into another program's data: give "
+                                      "it a data_dir of its own")
+
     def _open_format(self) -> bool:
         """Check the format version, and build the index where values lack records: whether it did."""
         with self._env.begin(db=self._meta) as txn:
@@ -308,6 +347,9 @@ class LmdbTier(LmdbScan):
             if self._counted:  # else `_used` is a scan's running sum: see `_rebuild_totals`
                 self._used = used
             self._writes += 1
+            if self._unremoved:  # a good value replaced a bad one whose delete failed
+                for p in planned:
+                    self._unremoved.pop(p.key, None)
             return
 
     def _write_failed(self, what: str, e: lmdb.Error, need_bytes: int) -> StorageError:
@@ -328,7 +370,12 @@ class LmdbTier(LmdbScan):
     def delete_many(self, keys: Iterable[bytes]) -> None:
         """Delete several chunks in one transaction (one fsync); absent keys are ignored."""
         with self._lock:
-            self._delete_locked(list(keys))
+            keys = list(keys)
+            self._delete_locked(keys)
+            if self._unremoved:
+                for key in keys:
+                    self._unremoved.pop(key, None)
+                self._retry_removals()
 
     def _value_bytes(self, txn: lmdb.Transaction, key: bytes) -> int | None:
         """The length of `key`'s value as its accounting knows it (its index record's, else the
@@ -381,6 +428,8 @@ class LmdbTier(LmdbScan):
     def get_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         """Verify and copy (or decompress) the payload into out; corrupt values are removed."""
         dst = _flat(out)
+        if self._unremoved and key in self._unremoved:
+            return None
         try:
             with self._map, self._env.begin(db=self._chunks, buffers=True) as txn:
                 value = txn.get(key)
@@ -404,11 +453,12 @@ class LmdbTier(LmdbScan):
             raise InvalidInput(f"{len(keys)} keys but {len(outs)} buffers")
         metas: list[ChunkMeta | None] = []
         bad: list[tuple[bytes, int, int, str]] = []
+        unremoved = self._unremoved
         try:
             with self._map, self._env.begin(db=self._chunks, buffers=True) as txn:
                 get, read = txn.get, self._read
                 for key, out in zip(keys, outs, strict=True):
-                    value = get(key)
+                    value = None if unremoved and key in unremoved else get(key)
                     meta = None
                     if value is not None:
                         try:
@@ -429,8 +479,11 @@ class LmdbTier(LmdbScan):
         # The hit path, ~2 us of Python around the copy: one header unpack, no header object,
         # each slice made once, and the payload copied and summed in one pass.
         codec, n_tok, layout_id, namespace, raw_size, stored_size, psum, po = vf.check_header(value)
-        if layout_id not in self._layouts:
+        limit = self._chunk_limit.get(layout_id)
+        if limit is None:
             raise ValueProblem("layout", f"layout id {layout_id.hex()} is not known to this tier")
+        if raw_size > limit:  # the stored sizes say so, not the caller's buffer: a damaged value
+            raise ValueProblem("corrupt", f"raw size {raw_size} is larger than its layout's {limit}-byte chunk")
         if len(dst) < raw_size:
             raise InvalidInput(f"buffer of {len(dst)} bytes is too small for a {raw_size}-byte chunk")
         target = dst if len(dst) == raw_size else dst[:raw_size]
@@ -453,18 +506,42 @@ class LmdbTier(LmdbScan):
 
     def _remove_bad(self, bad: list[tuple[bytes, int, int, str]]) -> None:
         """Delete values a read found bad (key, length, crc32, problem), each only if it is still
-        the value that read saw: a write may have replaced it with a good one since."""
+        the value that read saw: a write may have replaced it with a good one since. The read is a
+        miss whatever happens here: a delete that fails (a damaged tree, a full disk) leaves the
+        values marked, never served, and deleted again later (`_retry_removals`)."""
         with self._lock:
-            gone: list[bytes] = []
-            with self._env.begin(db=self._chunks, buffers=True) as txn:
-                for key, size, crc, problem in bad:
-                    value = txn.get(key)
-                    if value is not None and len(value) == size and zlib.crc32(value) == crc:
-                        self.corrupt_total += 1
-                        self.problems[problem] = self.problems.get(problem, 0) + 1
-                        gone.append(key)
-            if gone:
-                self._delete_locked(gone)
+            try:
+                with self._env.begin(db=self._chunks, buffers=True) as txn:
+                    for key, size, crc, problem in bad:
+                        value = txn.get(key)
+                        if value is not None and len(value) == size and zlib.crc32(value) == crc:
+                            self.corrupt_total += 1
+                            self.problems[problem] = self.problems.get(problem, 0) + 1
+                            self._unremoved[key] = (size, crc)
+            except lmdb.Error as e:  # the tree itself is damaged: the next read finds them again
+                self._removal_failed(StorageError(f"LMDB read failed: {e}"))
+                return
+            self._retry_removals()
+
+    def _retry_removals(self) -> None:
+        """Delete the bad values still marked (under the lock), in a transaction of their own: a
+        failure here is counted, said once, and never fails the read or the delete that tried."""
+        if not self._unremoved:
+            return
+        keys = list(self._unremoved)
+        try:
+            self._delete_locked(keys)
+        except StorageError as e:
+            self._removal_failed(e)
+            return
+        for key in keys:
+            self._unremoved.pop(key, None)
+
+    def _removal_failed(self, e: StorageError) -> None:
+        self.removal_failures += 1
+        if self.removal_failures == 1:
+            self._progress(f"cannot remove damaged LMDB values at {self.path} ({e}); they are misses, never "
+                           "served, and their removal is retried at the next delete")
 
     # --- namespaces and registered models -----------------------------------------------------
     def put_namespace(self, digest: bytes, record: bytes) -> None:
@@ -498,6 +575,7 @@ class LmdbTier(LmdbScan):
     def add_layout(self, layout: CacheLayout) -> None:
         with self._lock:
             self._layouts[layout.layout_id] = layout  # the codec reads the same dict
+            self._chunk_limit[layout.layout_id] = layout.chunk_bytes
             self._max_token_bytes = max(self._max_token_bytes, 4 * layout.chunk_tokens)
 
     def _put_record(self, db: lmdb._Database, key: bytes, record: bytes) -> None:

@@ -184,11 +184,22 @@ def header_meta(value: memoryview, header: ValueHeader) -> ChunkMeta:
 #
 # No token ids: they would make the record half a toy chunk's size. The value keeps them, and the
 # first read of a chunk recovered from the index checks them against its key (keys.next_key).
+#
+# A value whose header could not be read when the index was built gets a marker instead, of the
+# same layout: magic b"KVSX", flags the problem's number (UNREADABLE_PROBLEMS), the value's length,
+# zeros elsewhere. Scans report it with its problem, as they did the value, and the two databases'
+# entry counts then agree, so the next open does not build the index again.
 INDEX_MAGIC = b"KVSI"
+UNREADABLE_MAGIC = b"KVSX"
+UNREADABLE_PROBLEMS: tuple[Problem, ...] = ("corrupt", "format-version", "layout")
 INDEX_FORMAT_VERSION = 1
 _INDEX = struct.Struct("<4sHHIIQ8s32sQ")  # 72 bytes, then the crc
 _INDEX_CRC = struct.Struct("<I")
 INDEX_RECORD_BYTES = _INDEX.size + _INDEX_CRC.size
+# The longest value LMDB can hold (mdb.c keeps a node's data size in 32 bits), and so the largest
+# value length or raw size a record may claim: a crc32 is no proof against a crafted record, and
+# a larger one would overflow the scan's int64 arrays and the tier's accounting.
+MAX_VALUE_BYTES = 0xFFFF_FFFF
 
 
 class IndexRecord(NamedTuple):
@@ -204,6 +215,13 @@ def index_record(codec: int, token_count: int, value_bytes: int, layout_id: byte
                  raw_size: int) -> bytes:
     head = _INDEX.pack(INDEX_MAGIC, INDEX_FORMAT_VERSION, codec, token_count, 0, value_bytes, layout_id,
                        namespace, raw_size)
+    return head + _INDEX_CRC.pack(_crc32(head))
+
+
+def unreadable_record(problem: Problem, value_bytes: int) -> bytes:
+    """The marker of a value whose header cannot be read (see above)."""
+    head = _INDEX.pack(UNREADABLE_MAGIC, INDEX_FORMAT_VERSION, UNREADABLE_PROBLEMS.index(problem), 0, 0,
+                       min(value_bytes, MAX_VALUE_BYTES), bytes(8), bytes(32), 0)
     return head + _INDEX_CRC.pack(_crc32(head))
 
 
@@ -229,7 +247,9 @@ def index_rows(joined: bytes, m: int) -> tuple[np.ndarray, np.ndarray]:
     step, head = INDEX_RECORD_BYTES, _INDEX.size
     crcs = np.fromiter((_crc32(view[i : i + head]) for i in range(0, m * step, step)), dtype=np.uint32, count=m)
     ok = ((rows["magic"] == INDEX_MAGIC) & (rows["version"] == INDEX_FORMAT_VERSION)
-          & (rows["flags"] <= CODEC_MASK) & (rows["crc"] == crcs))
+          & (rows["flags"] <= CODEC_MASK) & (rows["crc"] == crcs)
+          & (rows["value_bytes"] <= MAX_VALUE_BYTES) & (rows["raw_size"] <= MAX_VALUE_BYTES)
+          & (rows["value_bytes"] >= HEADER_BYTES + 4 * rows["token_count"].astype(np.uint64)))
     return rows, ok
 
 
@@ -238,6 +258,9 @@ def parse_index_record(record: memoryview | bytes) -> IndexRecord:
     if len(record) != INDEX_RECORD_BYTES:
         raise ValueProblem("corrupt", f"index record of {len(record)} bytes")
     magic, version, flags, n_tok, _, value_len, layout_id, namespace, raw = _INDEX.unpack_from(record, 0)
+    if magic == UNREADABLE_MAGIC and flags < len(UNREADABLE_PROBLEMS) and (
+            _crc32(record[: _INDEX.size]) == _INDEX_CRC.unpack_from(record, _INDEX.size)[0]):
+        raise ValueProblem(UNREADABLE_PROBLEMS[flags], "the value's header was unreadable when it was indexed")
     if magic != INDEX_MAGIC:
         raise ValueProblem("corrupt", "bad index record magic")
     if version != INDEX_FORMAT_VERSION:
@@ -246,4 +269,7 @@ def parse_index_record(record: memoryview | bytes) -> IndexRecord:
         raise ValueProblem("corrupt", "index record checksum mismatch")
     if flags & ~CODEC_MASK:
         raise ValueProblem("format-version", f"unknown flags {flags:#x}")
+    if not HEADER_BYTES + 4 * n_tok <= value_len <= MAX_VALUE_BYTES or raw > MAX_VALUE_BYTES:
+        raise ValueProblem("corrupt", f"index record sizes out of range (value {value_len}, raw {raw}, "
+                                      f"{n_tok} tokens)")
     return IndexRecord(flags, n_tok, value_len, layout_id, namespace, raw)
