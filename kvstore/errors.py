@@ -74,5 +74,9 @@ class StorageError(KvstoreError):
     """A tier's backing resource failed (disk full, LMDB error, device out of memory)."""
 
 
+class StorageFull(StorageError):
+    """A tier had no room for a write (its disk full, or its LMDB map): the device works."""
+
+
 class Unavailable(KvstoreError):
     """A dependency is down (no runner attached, Redis unreachable, shutting down)."""

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from kvstore.errors import InvalidInput
+from kvstore.errors import InvalidInput, StorageFull
 from kvstore.keys.chunk_keys import Namespace, full_chunk_bytes, split_chunks
 from kvstore.layout import TIER_NAMES
 from kvstore.store.commit_plan import CommitPlan, PlannedChunk
@@ -36,6 +36,7 @@ from kvstore.tiers.base import ChunkMeta, TierName
 # not: the first missing chunk already explains the miss).
 _FATE_OF_SKIP: dict[SkipReason, RefusalReason] = {
     "no-room": "no_room", "over-quota": "over_quota", "not-admitted": "not_admitted",
+    "disk-full": "no_room",  # the explainer's fates name no failed write: LMDB had no room for it
 }
 
 
@@ -71,14 +72,18 @@ class Commits(Lookups, Namespaces):
         try:
             self._in_turns(plan.new, lambda new: self._plan_chunk(txn, plan, *new),
                            between=self._write_many_demotions)
-            # The victims' values go first, so LMDB never holds them and the new chunks at once.
-            self._delete_doomed()
-            ns, layout = txn.ns, txn.layout
-            durable = [(txn.keys[c.index], c.payload, ChunkMeta(ns.digest, layout.layout_id, txn.chunks[c.index]))
-                       for c in plan.planned if "lmdb" in c.tiers]
-            if durable:  # may fsync: outside the lock, and nothing is visible yet
-                self._record_namespace(ns)  # before its chunks: no chunk on disk lacks its record
-                self._durable.put_many(durable)
+            try:
+                # The victims' values go first, so LMDB never holds them and the new chunks at once.
+                self._delete_doomed()
+                ns, layout = txn.ns, txn.layout
+                durable = [(txn.keys[c.index], c.payload, ChunkMeta(ns.digest, layout.layout_id, txn.chunks[c.index]))
+                           for c in plan.planned if "lmdb" in c.tiers]
+                if durable:  # may fsync: outside the lock, and nothing is visible yet
+                    self._record_namespace(ns)  # before its chunks: no chunk on disk lacks its record
+                    self._durable.put_many(durable)
+            except StorageFull:  # the memory tiers still hold what they planned (a failing device: an error)
+                with self._lock:
+                    self._without_lmdb(txn, plan)
             # Last chunk first: the head of a prefix is then the most recently inserted, so
             # LRU-like policies evict a prefix from its tail (a lost head strands the rest).
             self._in_turns(plan.planned[::-1], lambda c: self._insert_planned(txn, plan, c))
@@ -168,6 +173,26 @@ class Commits(Lookups, Namespaces):
         not_admitted = write_through and not admitted and "lmdb" not in plan.full
         plan.cut = "not-admitted" if not_admitted else self._refusal(tenant, len(payload))
         self._skip(txn, plan, i, plan.cut)
+
+    def _without_lmdb(self, txn: StoreTxn, plan: CommitPlan) -> None:
+        """LMDB took none of the commit's chunks: each keeps the memory tier it reserved (stored,
+        not durable); the head of the prefix ends at the first that had LMDB alone (`disk-full`),
+        and the chunks behind it go too (`after-gap`: no lookup would reach them). Every LMDB
+        reservation is given back in this hold of the lock, so no Stats counts it in between."""
+        tenant = txn.ns.tenant
+        kept: list[PlannedChunk] = []
+        gap = False
+        for c in plan.planned:  # head first
+            if "lmdb" in c.tiers:
+                self._reserve("lmdb", tenant, -c.reserved.pop("lmdb"))
+                c.tiers.remove("lmdb")
+            if c.tiers and not gap:
+                kept.append(c)
+                continue
+            gap = True
+            self._release_reservations(tenant, c)
+            self._skip(txn, plan, c.index, "after-gap" if c.tiers else "disk-full")
+        plan.planned = kept
 
     def _reserve_room(self, tier: TierName, tenant: str, payload_bytes: int, plan: CommitPlan) -> int:
         """Make room for one chunk in `tier` and reserve it: the bytes reserved (0: no room); a tier

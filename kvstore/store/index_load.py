@@ -17,6 +17,7 @@ through placement.py) nor know how records are laid out on disk (the LMDB tier).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,8 @@ from kvstore.tiers.base import ScanBatch, TierName
 _GROUP = np.dtype((np.void, 48))  # a recovered chunk's namespace, layout id and payload size, joined
 # Chunks found at start, appended to the cold arrays at a time (read as each batch is indexed).
 RECOVER_BATCH = 1024
+# Why chunks a restart found are not served: their index records could not be read or indexed.
+UNREADABLE = "unreadable-index"
 
 
 class IndexLoad(Namespaces):
@@ -73,22 +76,27 @@ class IndexLoad(Namespaces):
         kinds: list[int] = []
         # (namespace, layout id, payload bytes) joined -> the cold kind of such chunks, or why they are ignored
         kind_of: dict[bytes, int | str] = {}
+        reached = 0  # entries the scan gave, indexed or not
+        unreached_bytes = 0  # at most, on disk, of those a failed scan never gave
         # Index records only (tiers/lmdb_scan.py): no value is read here, whatever their size.
-        for batch in self._durable.scan_batches():
+        scan = self._durable.scan_batches()
+        while True:
+            try:
+                batch = next(scan, None)
+            except Exception as e:  # the scan is over: what it gave is served, the rest left on disk
+                unreached_bytes = self._scan_failed(e, reached)
+                break
+            if batch is None:
+                break
             if background:
                 # Let the interpreter go after each batch (a fraction of a millisecond of work):
                 # a call that released it (hashing its keys, a numpy search) would otherwise wait
                 # up to a switch interval (5 ms) at each release: Lookups of tens of ms in a restart.
                 time.sleep(0)
-            for sc in batch.damaged:
-                self._ignored[sc.problem] = self._ignored.get(sc.problem, 0) + 1
-                self._ignored_bytes += sc.stored_bytes
-            if not len(batch.keys):
-                continue
-            row_kinds = self._recovered_kinds(batch, kind_of, cost)
-            good = row_kinds >= 0
-            keys += batch.keys[good].tobytes()
-            kinds += row_kinds[good].tolist()
+            reached += len(batch.keys) + len(batch.damaged)
+            found = self._batch_rows(batch, kind_of, cost)
+            keys += found[0]
+            kinds += found[1]
             if len(kinds) >= RECOVER_BATCH:
                 self._index_batch(bytes(keys), kinds)
                 keys, kinds = bytearray(), []
@@ -97,7 +105,7 @@ class IndexLoad(Namespaces):
         self._index_batch(bytes(keys), kinds)
         # Left on disk for a config that serves them again, outside the budget: the map must not
         # fill with them and the budget's own data together.
-        self._durable.keep_unserved(self._ignored_bytes)
+        self._durable.keep_unserved(self._ignored_bytes + unreached_bytes)
         if self._ignored:
             why = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self._ignored.items()))
             self._progress(f"index: {sum(self._ignored.values()):,} LMDB chunks this config does not serve "
@@ -142,6 +150,42 @@ class IndexLoad(Namespaces):
                     self._fold(key, entry)
         if self._index_at_start:
             self._progress(f"index: {cold.n - evicted:,} LMDB chunks ready in {self._load_seconds:.2f} s")
+
+    def _batch_rows(self, batch: ScanBatch, kind_of: dict[bytes, int | str], cost: float) -> tuple[bytes, list[int]]:
+        """The keys (joined) and cold kinds of a batch's chunks to index; the others counted by
+        reason. A batch that cannot be read (values no record can hold) is counted whole and left
+        on disk: one bad record must not keep the store from getting ready."""
+        ignored, ignored_bytes = dict(self._ignored), self._ignored_bytes
+        try:
+            for sc in batch.damaged:
+                self._ignored[sc.problem] = self._ignored.get(sc.problem, 0) + 1
+                self._ignored_bytes += sc.stored_bytes
+            if not len(batch.keys):
+                return b"", []
+            row_kinds = self._recovered_kinds(batch, kind_of, cost)
+            good = row_kinds >= 0
+            return batch.keys[good].tobytes(), row_kinds[good].tolist()
+        except Exception as e:  # whatever a crafted record makes numpy or the codecs raise
+            self._ignored, self._ignored_bytes = ignored, ignored_bytes  # counted once, below
+            n = len(batch.keys) + len(batch.damaged)
+            self._ignored[UNREADABLE] = self._ignored.get(UNREADABLE, 0) + n
+            with contextlib.suppress(Exception):  # sizes that do not add up are not counted
+                self._ignored_bytes += max(0, int(batch.stored_bytes.sum(dtype=np.int64)))
+            self._progress(f"index: a batch of {n:,} LMDB chunks could not be indexed ({type(e).__name__}: {e}); "
+                           "left on disk, not served")
+            return b"", []
+
+    def _scan_failed(self, e: Exception, reached: int) -> int:
+        """Count what a scan that failed never gave, said in one line; the most bytes it takes
+        on disk (the map holds it all): room the map keeps for it beside the budget. Every namespace
+        record stays (its chunks may be among those), so a later start can serve them."""
+        left = max(0, self._index_at_start - reached)
+        if left:
+            self._ignored[UNREADABLE] = self._ignored.get(UNREADABLE, 0) + left
+        self._ns_kept.update(self._known_ns)
+        self._progress(f"index: the LMDB scan failed after {reached:,} chunks ({type(e).__name__}: {e}); "
+                       f"{left:,} left on disk, not served")
+        return self._durable.stats().map_size_bytes
 
     def _recovered_kinds(self, batch: ScanBatch, kind_of: dict[bytes, int | str], cost: float) -> np.ndarray:
         """Each row's cold kind (-1 where its chunks are ignored, counted by reason), decided once

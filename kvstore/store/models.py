@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +32,12 @@ from kvstore.tiers.base import DurableTier, Tier, TierName
 # too, so one tenant cannot use up the room of the others.
 MAX_ENGINE_MODELS = 1024
 MAX_ENGINE_MODELS_PER_TENANT = 64
+# A model's record is its description (at most MAX_ENGINE_GROUPS groups of short names) and its
+# registrants: well under this. A larger one found at start is not parsed (a hostile or damaged file).
+MAX_MODEL_RECORD_BYTES = 4 << 20
+# What a record found at start may raise once parsed: deep nesting (RecursionError), numbers no
+# arithmetic holds (OverflowError), the wrong shapes (the rest). Counted and ignored, never fatal.
+BAD_RECORD_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RecursionError, ArithmeticError)
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class Models:
     _durable: DurableTier
     _tiers: dict[TierName, Tier]
     _ignored: dict[str, int]  # what was found on disk and not served, by reason
+    _progress: Callable[[str], None]  # told, a line at a time, about what start found
     _models: dict[str, ModelSpec]  # name -> every model served
     _layouts: dict[bytes, CacheLayout]  # layout id -> the layouts served
     _registered_by: dict[str, str]  # engine model name -> the tenant that registered it
@@ -168,8 +175,11 @@ class Models:
         self._models[spec.name] = spec
 
     def _recover_engine_models(self) -> None:
+        bad: list[str] = []
         for name, record in self._durable.models().items():
             try:
+                if len(record) > MAX_MODEL_RECORD_BYTES:
+                    raise ValueError(f"{len(record):,} bytes, over {MAX_MODEL_RECORD_BYTES:,}")
                 d = json.loads(record)
                 spec = engine_model_spec(EngineModel.from_json(json.dumps(d["model"]).encode()))
                 if spec.name != name.decode() or spec.layout.chunk_tokens != self.cfg.chunk_tokens:
@@ -178,5 +188,9 @@ class Models:
                 self._serve(spec, str(d["tenant"]))
                 # Older records name the first registrant only.
                 self._registrants[spec.name].update(str(t) for t in d.get("tenants", ()))
-            except (ValueError, KeyError, TypeError, AttributeError):
+            except BAD_RECORD_ERRORS as e:
                 self._ignored["bad-model-record"] = self._ignored.get("bad-model-record", 0) + 1
+                bad.append(f"{name[:64]!r}: {type(e).__name__}")
+        if bad:  # one line, however many: each is left on disk and counted in ignored_on_open
+            self._progress(f"models: {len(bad):,} registered-model records in LMDB are not valid, ignored "
+                           f"(first {bad[0]})")

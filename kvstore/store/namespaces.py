@@ -20,16 +20,21 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from kvstore.config.store import StoreConfig
 from kvstore.errors import ResourceExhausted, StorageError
 from kvstore.keys.chunk_keys import Namespace
 from kvstore.layout import CacheLayout
 from kvstore.store.deferred_lmdb import DeferredLmdb
+from kvstore.store.models import BAD_RECORD_ERRORS
 from kvstore.store.placement import ChunkEntry
 
 log = logging.getLogger("kvstore.store")
+
+# A namespace's record names its tenant, model, revision and cache_salt (each bounded, a few hundred
+# bytes): a larger one found at start is not parsed (a hostile or damaged file).
+MAX_NAMESPACE_RECORD_BYTES = 64 << 10
 
 
 class Namespaces(DeferredLmdb):
@@ -37,6 +42,7 @@ class Namespaces(DeferredLmdb):
     cfg: StoreConfig
     _layouts: dict[bytes, CacheLayout]  # layout id -> the layouts served
     _ignored: dict[str, int]  # what was found on disk and not served, by reason
+    _progress: Callable[[str], None]  # told, a line at a time, about what start found
     _known_ns: dict[bytes, str]  # namespace digest -> tenant, of the records in LMDB
     # A namespace's record is written with its first chunk that goes to LMDB and deleted once it
     # holds no chunk (a new cache_salt per call must not fill the map with records); the records
@@ -258,8 +264,11 @@ class Namespaces(DeferredLmdb):
 
     def _recover_namespaces(self) -> None:
         """Claim, at start, the records LMDB holds: each counts against its tenant's share."""
+        bad: list[str] = []
         for digest, record in self._durable.namespaces().items():
             try:
+                if len(record) > MAX_NAMESPACE_RECORD_BYTES:
+                    raise ValueError(f"{len(record):,} bytes, over {MAX_NAMESPACE_RECORD_BYTES:,}")
                 d = json.loads(record)
                 if not isinstance(d, dict):  # valid JSON, but a list or a string has no "tenant"
                     raise ValueError("not an object")
@@ -267,5 +276,9 @@ class Namespaces(DeferredLmdb):
                 self._claim_namespace(digest, str(d["tenant"]))
                 if not served:  # its chunks stay on disk for a config that serves them: so does it
                     self._ns_kept.add(digest)
-            except (ValueError, KeyError):
+            except BAD_RECORD_ERRORS as e:
                 self._ignored["bad-namespace-record"] = self._ignored.get("bad-namespace-record", 0) + 1
+                bad.append(f"{digest[:32].hex()}: {type(e).__name__}")
+        if bad:  # one line, however many: each is left on disk and counted in ignored_on_open
+            self._progress(f"namespaces: {len(bad):,} namespace records in LMDB are not valid, ignored "
+                           f"(first {bad[0]})")

@@ -47,11 +47,12 @@ class InPlaceRun:
 
 
 # Why a chunk of a Store was not stored (CommitResult.skipped_by_reason); each with what it means.
-SkipReason = Literal["no-room", "over-quota", "not-admitted", "after-gap", "not-sent"]
+SkipReason = Literal["no-room", "over-quota", "not-admitted", "disk-full", "after-gap", "not-sent"]
 SKIP_REASONS: dict[SkipReason, str] = {
     "no-room": "no tier had room within its budget",
     "over-quota": "the tenant's quota (or its part of a memory tier split between tenants) was full",
     "not-admitted": "kept out of LMDB by the admission policy, and no memory tier had room",
+    "disk-full": "LMDB's disk (or its map) was full, and no memory tier had room",
     "after-gap": "behind a chunk of the prefix that is not held, so no lookup reaches them",
     "not-sent": "held when the store began, evicted before it committed, and not sent",
 }

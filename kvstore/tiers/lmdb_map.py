@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import lmdb
 
-from kvstore.errors import StorageError
+from kvstore.errors import StorageError, StorageFull
 from kvstore.tiers import value_format as vf
 from kvstore.tiers.base import KEY_BYTES
 from kvstore.tiers.lmdb_file import NODE_HEADER, PAGE_HEADER
@@ -156,10 +156,10 @@ class LmdbMap:
                 return
             except lmdb.MapFullError as e:
                 if not reserve:
-                    raise StorageError(f"LMDB map is full and no page is free to reuse: {e}") from e
+                    raise StorageFull(f"LMDB map is full and no page is free to reuse: {e}") from e
                 self._grow(0, reserve)
             except lmdb.Error as e:  # called while handling a full map: not LMDB's error to the store
-                raise StorageError(f"LMDB map is full and no page is free to reuse: {e}") from e
+                raise StorageFull(f"LMDB map is full and no page is free to reuse: {e}") from e
 
     def _grow(self, need_bytes: int, reserve: int = 0) -> None:
         """Grow the map toward its limit (plus `reserve`, a delete's); StorageError at the limit."""
@@ -175,9 +175,9 @@ class LmdbMap:
             raise StorageError(f"cannot grow the LMDB map to {new} bytes: {e}") from e
         self._past_limit = self._past_limit or new > self._max_map
 
-    def _map_full(self, current: int, live: int | None, reserve: int = 0) -> StorageError:
+    def _map_full(self, current: int, live: int | None, reserve: int = 0) -> StorageFull:
         extra = " + a reserve for deletes" if reserve else ""
-        return StorageError(
+        return StorageFull(
             f"LMDB map is full: {'an unknown number' if live is None else live} of its {current} bytes hold "
             "live pages, and the rest (pages freed too recently to reuse, or too few) cannot take this write; "
             f"the map grows to at most capacity {self._capacity} + overhead{extra}")

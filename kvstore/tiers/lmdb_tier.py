@@ -68,7 +68,7 @@ from typing import NamedTuple
 import lmdb
 
 from kvstore.config.store import Durability
-from kvstore.errors import ConfigError, InvalidInput, StorageError
+from kvstore.errors import ConfigError, InvalidInput, StorageError, StorageFull
 from kvstore.layout import CacheLayout
 from kvstore.tiers import value_format as vf
 from kvstore.tiers.base import KEY_BYTES, ChunkMeta, Tier, TierName, TierStats
@@ -361,7 +361,7 @@ class LmdbTier(LmdbScan):
             return StorageError(f"{what}: {e}")
         free = st.f_bavail * st.f_frsize
         if free < max(need_bytes, DISK_NEARLY_FULL_BYTES):
-            return StorageError(f"{what}: the disk holding {self.path} is full ({free} bytes free): {e}")
+            return StorageFull(f"{what}: the disk holding {self.path} is full ({free} bytes free): {e}")
         return StorageError(f"{what}: {e}")
 
     def delete(self, key: bytes) -> None:
