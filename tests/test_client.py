@@ -203,6 +203,21 @@ def test_check_config_prints_effective_settings_and_the_ttl_policy(tmp_path: Pat
     assert doc["valid"] and doc["ttl_policy"]["kind"] == "sliding"
 
 
+def test_check_configs_printed_config_read_back_is_refused_for_its_hidden_tokens(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Its output parses as TOML; taken as a config, the stand-ins became the tenant's real tokens.
+    table = base_table(tenants={"alice": {"tokens": ["alice-token-0123456789"]}})
+    path = tmp_path / "ok.toml"
+    path.write_text(to_toml(table))
+    assert main(["check-config", str(path)]) == 0
+    printed = capsys.readouterr().out
+    again = tmp_path / "printed.toml"
+    again.write_text(printed[printed.index("[store]"):printed.index("TTL policy")] if "TTL policy" in printed
+                     else printed[printed.index("[store]"):])
+    assert main(["check-config", str(again)]) == 2
+    assert "stand-in for a hidden token" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("text", "key"), [
     ("[store]\ndram_capacity_bytes = -1\n", "store.dram_capacity_bytes"),
     ("[service]\ngrpc_host = \"0.0.0.0\"\n", "service.grpc_host"),

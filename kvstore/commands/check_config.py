@@ -31,6 +31,7 @@ from typing import Any
 
 from kvstore.commands.checks import check_not_empty, check_server_tls
 from kvstore.config import KvstoreConfig, load_config
+from kvstore.config.service import redacted
 from kvstore.config.warnings import config_warnings
 from kvstore.errors import ConfigError, StorageError
 from kvstore.observe.trace_file import check_trace_file
@@ -47,8 +48,8 @@ def _redact(key: str, value: Any) -> Any:
     if key not in SECRET_KEYS or not value:
         return value
     if isinstance(value, tuple | list):
-        return [f"<redacted, {len(v)} chars>" for v in value]
-    return "<redacted>"
+        return [redacted(v) for v in value]
+    return redacted("")
 
 
 def effective(cfg: KvstoreConfig) -> dict[str, Any]:

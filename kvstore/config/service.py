@@ -39,10 +39,21 @@ def is_host(host: str) -> bool:
     return 0 < len(name) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in name.split("."))
 
 
+def redacted(secret: str) -> str:
+    """What `kvstore check-config` prints in place of a secret; refused as a token (`token_problem`),
+    so that its printed config, read back as a config, fails instead of serving a stand-in."""
+    return f"<redacted, {len(secret)} chars>" if secret else "<redacted>"
+
+
+_REDACTED = re.compile(r"<redacted(, \d+ chars)?>")
+
+
 def token_problem(token: str) -> str | None:
     """Why a bearer token could never authenticate (None when it can): a header value carries
     printable ASCII only (gRPC refuses to send anything else), and the service strips the token it is
     shown, so one that begins or ends with a space never matches. Length is the config's rule."""
+    if _REDACTED.fullmatch(token):
+        return "is check-config's stand-in for a hidden token, not a token: write the real one here"
     if not all(" " <= c <= "~" for c in token):
         return "must be printable ASCII (a gRPC header cannot carry other characters)"
     if token != token.strip():
