@@ -257,10 +257,19 @@ class VictimReport:
     calls: int
     errors: int
     error_codes: list[str]
-    latencies_ms: list[float]
+    latencies_ms: list[float]  # the Lookups' only: the figure is the victim's Lookup latency
+    stats_latencies_ms: list[float]  # the Stats calls' (every tenth), apart: quicker, they lowered the p99
 
     def p99_ms(self) -> float:
-        return float(np.percentile(self.latencies_ms, 99)) if self.latencies_ms else float("nan")
+        """The p99 of the Lookups."""
+        return _p99(self.latencies_ms)
+
+    def stats_p99_ms(self) -> float:
+        return _p99(self.stats_latencies_ms)
+
+
+def _p99(latencies_ms: list[float]) -> float:
+    return float(np.percentile(latencies_ms, 99)) if latencies_ms else float("nan")
 
 
 class Victim:
@@ -277,6 +286,7 @@ class Victim:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lat: list[float] = []
+        self._stats_lat: list[float] = []
         self._errors: list[str] = []
 
     def call_once(self, i: int = 1) -> None:
@@ -284,9 +294,10 @@ class Victim:
         try:
             if i % 10 == 0:
                 self._stub.Stats(pb.StatsRequest(), metadata=self._md, timeout=self._timeout)
+                self._stats_lat.append((time.perf_counter() - t0) * 1e3)
             else:
                 self._stub.Lookup(self._req, metadata=self._md, timeout=self._timeout)
-            self._lat.append((time.perf_counter() - t0) * 1e3)
+                self._lat.append((time.perf_counter() - t0) * 1e3)
         except grpc.RpcError as e:
             self._errors.append(f"{e.code().name}: {e.details()}")
 
@@ -318,11 +329,12 @@ class Victim:
         return self.report()
 
     def report(self) -> VictimReport:
-        return VictimReport(len(self._lat) + len(self._errors), len(self._errors), list(self._errors),
-                            list(self._lat))
+        return VictimReport(len(self._lat) + len(self._stats_lat) + len(self._errors), len(self._errors),
+                            list(self._errors), list(self._lat), list(self._stats_lat))
 
     def reset(self) -> None:
         self._lat.clear()
+        self._stats_lat.clear()
         self._errors.clear()
 
     def close(self) -> None:

@@ -6,8 +6,10 @@ serve` (listening on TCP and on a Unix socket, as deployed), each figure is the 
 passes, the passes of the contenders taking turns:
 - `memcpy_gbps`: the same chunk bytes copied chunk by chunk into one destination buffer, in
   process, on one thread (the ceiling of a load into an engine's memory on one core);
-- `memcpy_threads_gbps`: the same copies split over `copy_threads` threads, as a load's copy
-  is (the client's default: the cores it may use, at most 4), each copying its share of the chunks;
+- `memcpy_threads_gbps`: the same bytes copied over `copy_threads` threads, as a load's copy
+  is (the client's default: the cores it may use, at most 4), from chunks spaced as the DRAM
+  tier's arena spaces them (page-rounded), each thread copying its share as one strided copy, as
+  the load copies a run of evenly spaced chunks;
 - `shm_load_gbps`: `KvstoreClient.load_into` over the Unix socket (shared memory: the client
   copies each chunk into its buffer from where the DRAM tier holds it, in the tenant's part of
   the tier it maps read-only; `shm_in_place_share` says what share of the loaded bytes went so),
@@ -81,6 +83,7 @@ from kvstore.bench.machine import machine
 from kvstore.bench.names import names_note
 from kvstore.bench.sections import pick_sections, positive_ints
 from kvstore.bench.serve_proc import start_serve
+from kvstore.config.store import StoreConfig
 from kvstore.dataplane.host_copy import in_parts
 from kvstore.errors import InvalidInput
 
@@ -140,14 +143,23 @@ def _copy_chunks(sources: list[bytes], dst: memoryview, chunk_bytes: int) -> Non
         dst[i * chunk_bytes : (i + 1) * chunk_bytes] = c
 
 
-def _copy_chunks_threaded(sources: list[np.ndarray], dst: np.ndarray, threads: int) -> None:
-    """The same copies as `_copy_chunks`, each of `threads` threads copying a run of the chunks
-    (numpy's copy lets go of the GIL); `dst` is [chunks, chunk_bytes]."""
-    def run(a: int, b: int) -> None:
-        for i in range(a, b):
-            np.copyto(dst[i], sources[i])
+def _spaced_like_the_arena(blob: bytes, chunk_bytes: int) -> np.ndarray:
+    """`blob`'s chunks as a [chunks, chunk_bytes] view whose rows lie as the DRAM tier's arena lays
+    out one Store's chunks: each at a whole number of pages (`store.page_bytes`) from the last."""
+    page = StoreConfig().page_bytes  # the bench's services keep the default
+    stride = -(-chunk_bytes // page) * page
+    n = len(blob) // chunk_bytes
+    held = np.zeros(n * stride, np.uint8)
+    rows = np.ndarray((n, chunk_bytes), np.uint8, buffer=held, strides=(stride, 1))
+    rows[:] = np.frombuffer(blob, np.uint8, n * chunk_bytes).reshape(n, chunk_bytes)
+    return rows
 
-    in_parts(len(sources), threads, run)
+
+def _copy_chunks_threaded(sources: np.ndarray, dst: np.ndarray, threads: int) -> None:
+    """The copy a shared-memory load makes (ShmPath.copy_chunks_out): each of `threads` threads
+    copies its share of the rows of `sources` (chunks evenly spaced) as one strided copy (numpy's
+    copy lets go of the GIL); `dst` is [chunks, chunk_bytes]."""
+    in_parts(len(sources), threads, lambda a, b: np.copyto(dst[a:b], sources[a:b]))
 
 
 def _config(tmp: Path, model: str, nbytes: int, sock: Path, gpu: bool = False, store: str = "",
@@ -253,7 +265,7 @@ def _prefix_figures(args: argparse.Namespace, ctx: Any, clients: tuple[Any, Any,
     memcpy_dst = memoryview(bytearray(len(blob)))
     shm_dst, shm1_dst, tcp_dst = bytearray(len(blob)), bytearray(len(blob)), bytearray(len(blob))
     threads = shm.copy_threads
-    arrays = [np.frombuffer(c, np.uint8) for c in sources]
+    arrays = _spaced_like_the_arena(blob, cb)
     threaded_dst = np.zeros((n_chunks, cb), np.uint8)
 
     def memcpy() -> int:

@@ -2,11 +2,12 @@
 
 - Redis backend put/get of V4.1 local snapshots (1,351,680 B) against raw redis-py `SET PX` /
   `GET` (and the first part's `PTTL`, as the pool's get asks) of the same bytes on the same
-  server, over the same kind of connection. The server is
+  server, over the same kind of connection, sent as the pool sends them: a put's SETs in one
+  MULTI/EXEC, a get's GETs in one plain pipeline. The server is
   started by the benchmark (as the test harness does: loopback, free port, nothing persisted)
   unless `--redis-url` names one.
 - Redis backend peek (a Lookup's presence check: each part's header and length, no payload)
-  against the same GETRANGE/STRLEN transaction in raw redis-py, checked alike, the two alone in
+  against the same GETRANGE/STRLEN pipeline in raw redis-py, checked alike, the two alone in
   their rotation; `redis_get_us`, the get's median from its own rotation, for what a Lookup no
   longer moves.
 - Embedded pool get against memcpy (a numpy copy into a preallocated buffer). A hit of the
@@ -162,7 +163,9 @@ def _bench_redis(url: str, payloads: list[bytes], args: argparse.Namespace) -> d
     ttl_ms = int(TTL_SECONDS * 1000)
     # The raw baselines do the pool's work with plain redis-py calls, so that the ratios measure
     # what the pool adds: the snapshot cut into the same checksummed parts, all SET with their TTL
-    # in one MULTI/EXEC; read back in one MULTI/EXEC with the first part's PTTL, checked and joined.
+    # in one MULTI/EXEC; read back in one plain pipeline with the first part's PTTL, checked and
+    # joined. Reads are plain pipelines because the pool's are (c207e37): a MULTI/EXEC around them
+    # is work the pool no longer does, which flattered its ratios.
     raw_parts = [encode_parts(LAYOUT, 128, p, args.part_bytes) for p in payloads]
     raw_keys = [[f"kvsbench:raw:{i}:p{j}" for j in range(len(raw_parts[i]))] for i in range(k)]
     # redis-py takes one buffer a value, where the pool's transport sends a part's header and
@@ -188,7 +191,7 @@ def _bench_redis(url: str, payloads: list[bytes], args: argparse.Namespace) -> d
         pipe.execute()
 
     def raw_get(i: int) -> None:
-        pipe = raw.pipeline(transaction=True)
+        pipe = raw.pipeline(transaction=False)
         for key in raw_keys[i % k]:
             pipe.get(key)
         pipe.pttl(raw_keys[i % k][0])  # the pool's get asks what is left of the TTL too
@@ -202,8 +205,8 @@ def _bench_redis(url: str, payloads: list[bytes], args: argparse.Namespace) -> d
 
     def raw_peek(i: int) -> None:
         # What a Lookup asks of the pool, in plain redis-py: each part's header and its length in
-        # one MULTI/EXEC, the header parsed and the parts checked against it.
-        pipe = raw.pipeline(transaction=True)
+        # one plain pipeline, the header parsed and the parts checked against it.
+        pipe = raw.pipeline(transaction=False)
         for j, key in enumerate(raw_keys[i % k]):
             pipe.getrange(key, 0, (HEADER.size if j == 0 else PART_HEADER.size) - 1)
             pipe.strlen(key)

@@ -2,7 +2,8 @@
 
 - Load: a 32,768-token DeepSeek-V4.1 prefix (~29 MB) held in the DRAM tier, streamed over loopback
   through `KvstoreClient.load`, against a plain gRPC server streaming the same bytes in the same
-  message sizes (pre-built `LoadResponse`s: the ceiling for protobuf streaming in Python).
+  message sizes, each message built per call from the bytes it holds with the one copy the
+  service makes (`_raw_messages`: the ceiling for protobuf streaming in Python).
 - Lookup: a 32,768-token prompt, p50 / p99, against a plain unary call carrying the same token list
   (the same request message) to a server that does nothing with it. The service remembers the
   chunk keys of prompts it has seen (kvstore/keys/memo.py), so a repeated Lookup, like the Lookup,
@@ -35,6 +36,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +73,48 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
 
 # --- the plain server (the ceiling) -----------------------------------------------------------------
 
-def _raw_server(port_out: Any, streams: dict[str, list[bytes]], stop: Any) -> None:
+@dataclass(frozen=True)
+class RawStream:
+    """What the plain server holds for one Load: its header message (serialized), the chunks'
+    bytes, and how they are cut into messages."""
+
+    header: bytes
+    data: bytes
+    chunk_bytes: int
+    message_bytes: int
+
+
+def _raw_messages(stream: RawStream) -> Iterator[bytes]:
+    """A Load's messages, each built in the call from the held bytes as the service builds it: a
+    message of whole chunks is its head joined with each chunk's bytes (DramTier.join_payloads,
+    one copy), a piece of a chunk is encoded with its bytes (`encode_chunk_piece`, one copy).
+    Messages built once and yielded again each call spared the baseline the copy the service makes."""
+    from kvstore.v1 import kvstore_pb2 as pb
+    from kvstore.wire.framing import plan_pieces
+    from kvstore.wire.messages import chunk_piece_head, encode_chunk_piece
+
+    cb = stream.chunk_bytes
+    view = memoryview(stream.data)
+    yield stream.header
+    for s in plan_pieces(0, len(stream.data) // cb, cb, stream.message_bytes):
+        at = s.first_chunk * cb + s.offset
+        if s.offset == 0 and s.nbytes % cb == 0:
+            labels = bytes([pb.TIER_DRAM]) * (s.nbytes // cb)
+            yield b"".join([chunk_piece_head(s.first_chunk, labels, s.nbytes),
+                            *(view[a : a + cb] for a in range(at, at + s.nbytes, cb))])
+        else:
+            yield encode_chunk_piece(s.first_chunk, s.offset, [pb.TIER_DRAM] if s.offset == 0 else [],
+                                     view[at : at + s.nbytes])
+
+
+def _raw_server(port_out: Any, streams: dict[str, RawStream], stop: Any) -> None:
     import grpc
 
     from kvstore.v1 import kvstore_pb2 as pb
 
-    def streamer(messages: list[bytes]) -> Callable[[bytes, Any], Iterator[bytes]]:
+    def streamer(held: RawStream) -> Callable[[bytes, Any], Iterator[bytes]]:
         def stream(request: bytes, context: Any) -> Iterator[bytes]:
-            # Serialized already, as the service sends its chunk messages: the transport remains.
-            yield from messages
+            yield from _raw_messages(held)
 
         return stream
 
@@ -92,8 +127,8 @@ def _raw_server(port_out: Any, streams: dict[str, list[bytes]], stop: Any) -> No
     handlers = {
         "LookupBytes": grpc.unary_unary_rpc_method_handler(bytes_unary),
         **{name: grpc.unary_stream_rpc_method_handler(
-            streamer(messages), request_deserializer=lambda b: b, response_serializer=lambda b: b)
-           for name, messages in streams.items()},
+            streamer(held), request_deserializer=lambda b: b, response_serializer=lambda b: b)
+           for name, held in streams.items()},
         "Lookup": grpc.unary_unary_rpc_method_handler(
             unary, request_deserializer=pb.LookupRequest.FromString,
             response_serializer=pb.LookupResponse.SerializeToString),
@@ -111,7 +146,7 @@ def _raw_server(port_out: Any, streams: dict[str, list[bytes]], stop: Any) -> No
 
 
 def _raw_load(channel: Any, request: bytes, method: str = "Load", into: np.ndarray | None = None) -> int:
-    """What the client does for a Load, against a server that only sends pre-built messages: the
+    """What the client does for a Load, against a server that only sends the held bytes: the
     same request bytes sent, each message read by the client's own decoder, its chunks written by
     its ChunkWriter into one buffer: a new one each call, as `load()` allocates, or `into`, reused
     as `load_into` reuses an engine's. The bytes written."""
@@ -275,7 +310,6 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
     from kvstore.client.sync_client import KvstoreClient
     from kvstore.layout import get_model
     from kvstore.v1 import kvstore_pb2 as pb
-    from kvstore.wire.framing import plan_pieces
 
     spec = get_model(args.model)
     layout = spec.layout
@@ -293,13 +327,10 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
     large_tokens = rng.integers(0, spec.vocab_size, args.large_tokens).astype("<u4")
     large_blob = rng.integers(0, 256, large_chunks * cb, dtype=np.uint8).tobytes()
 
-    def load_messages(data: bytes, chunks: int) -> list[bytes]:
+    def load_stream(data: bytes, chunks: int) -> RawStream:
         ct = layout.chunk_tokens
         header = pb.LoadHeader(hit_tokens=chunks * ct, hit_chunks=chunks, chunk_tokens=ct, chunk_bytes=cb)
-        return [pb.LoadResponse(header=header).SerializeToString()] + [
-            pb.LoadResponse(chunks=pb.ChunkPiece(first_chunk=s.first_chunk, data=data[s.first_chunk * cb:][:s.nbytes],
-                                                 tiers=[pb.TIER_DRAM] * (s.nbytes // cb))).SerializeToString()
-            for s in plan_pieces(0, chunks, cb, args.message_bytes)]
+        return RawStream(pb.LoadResponse(header=header).SerializeToString(), data, cb, args.message_bytes)
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmpdir:
@@ -307,7 +338,7 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
         proc, target = _start_service(tmp, args.model, total + len(large_blob), args.message_bytes)
         raw_port_q = ctx.Queue()
         raw_stop = ctx.Event()
-        streams = {"Load": load_messages(blob, n_chunks), "LoadLarge": load_messages(large_blob, large_chunks)}
+        streams = {"Load": load_stream(blob, n_chunks), "LoadLarge": load_stream(large_blob, large_chunks)}
         raw = ctx.Process(target=_raw_server, args=(raw_port_q, streams, raw_stop), daemon=True)
         raw.start()
         try:

@@ -7,7 +7,8 @@ Baselines measured here, beside the figures they judge:
   kvstore ships (sync); a get reads a Load's message of chunks in one read transaction
   (`buffers=True`), checks each header and copy-sums the payload into the message's slots.
 Targets (issue #2): DRAM get >= 0.5 x memcpy; LMDB tier put >= 0.7 x raw put and get >= 0.7 x
-raw get; lookup of a 1,000,000-token prompt <= 25 ms; on disk <= 917 B/token. `--sections` picks
+raw get; lookup of a 1,000,000-token prompt <= 25 ms (the median of 7, `lookup_1m_tokens_median_ms`;
+`lookup_1m_tokens_ms` is the best); on disk <= 917 B/token. `--sections` picks
 parts; the device section (store_device.py) runs where CUDA is present. Beside the lookup:
 `lookup_1m_first_sight_ms`, a 1M-token prompt seen for the first time of which only the first
 8,192 tokens are held (the walk hashes about as many keys as it hits), and `lookup_1m_miss_ms`.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import statistics
 import sys
 import tempfile
 import time
@@ -101,8 +103,11 @@ def run_store_bench(args: argparse.Namespace) -> dict[str, Any]:
         if "lookup" in sections:
             out.update(_lookup_figure(root, spec, payload, args.lookup_tokens))
             out.update(names_note(args, NAMED_SIZES))
-            targets.append({"name": "lookup 1M tokens <= 25 ms", "value": out["lookup_1m_tokens_ms"],
-                            "target": "<= 25", "ok": out["lookup_1m_tokens_ms"] <= 25.0})
+            # Judged on the median of the samples: the best one is the figure a shared machine
+            # disturbs least, but a target is what a Lookup usually takes.
+            median = out["lookup_1m_tokens_median_ms"]
+            targets.append({"name": "lookup 1M tokens (median) <= 25 ms", "value": median, "target": "<= 25",
+                            "ok": median <= 25.0})
     if "device" in sections:
         device = device_figures(layout, payload, args.chunks, large=(get_model("dense-gqa-32l").layout, 64))
         targets += device.pop("device_targets")
@@ -145,9 +150,11 @@ def _memory_figures(root: Path, layout: Any, payload: bytes, n: int) -> dict[str
     view = memoryview(payload)
     out_buf = memoryview(bytearray(len(payload)))
 
-    def dram_put() -> int:
+    def dram_clear() -> None:  # untimed before each put pass: the figure is of puts, not deletes
         for k in keys:
             dram.delete(k)
+
+    def dram_put() -> int:
         for k in keys:
             dram.put(k, view, meta)
         return n * len(payload)
@@ -158,7 +165,8 @@ def _memory_figures(root: Path, layout: Any, payload: bytes, n: int) -> dict[str
         return n * len(payload)
 
     # Taking turns, as every pair compared here: the machine is shared and drifts.
-    figures = interleaved_best_rates({"memcpy_gbps": memcpy, "dram_put_gbps": dram_put, "dram_get_gbps": dram_get})
+    figures = interleaved_best_rates({"memcpy_gbps": memcpy, "dram_put_gbps": dram_put, "dram_get_gbps": dram_get},
+                                     rotate=True, prepare={"dram_put_gbps": dram_clear})
     assert bytes(out_buf) == payload
     dram.close()
     lmdb_tier.close()
@@ -223,7 +231,9 @@ def _lmdb_figures(root: Path, layout: Any, payload: bytes, n: int) -> dict[str, 
 
     # A message's chunks through the call a Load makes for those only LMDB holds (`get_many_into`:
     # one read transaction), into the slots the raw get fills. `get_into` (a transaction per
-    # chunk) is reported beside it.
+    # chunk) is reported beside it, timed in turns of its own: in the message gets' turns it read the
+    # tier's values a second time each turn, leaving them in cache for the tier's get (a ratio of
+    # 1.24 to the raw get, against 0.87 without it).
     tier_batches = _message_batches(tkeys, slots)
 
     def tier_get() -> int:
@@ -237,10 +247,9 @@ def _lmdb_figures(root: Path, layout: Any, payload: bytes, n: int) -> dict[str, 
         return n * len(payload)
 
     figures: dict[str, Any] = {
-        **interleaved_best_rates({"raw_lmdb_put_gbps": raw_put, "lmdb_put_gbps": tier_put}, repeats=2),
-        **interleaved_best_rates(
-            {"raw_lmdb_get_gbps": raw_get, "lmdb_get_gbps": tier_get, "lmdb_get_single_gbps": tier_get_single}
-        ),
+        **interleaved_best_rates({"raw_lmdb_put_gbps": raw_put, "lmdb_put_gbps": tier_put}, repeats=2, rotate=True),
+        **interleaved_best_rates({"raw_lmdb_get_gbps": raw_get, "lmdb_get_gbps": tier_get}, rotate=True),
+        **interleaved_best_rates({"lmdb_get_single_gbps": tier_get_single}),
         "checksum_kernel": tier.checksum_kernel,
     }
     assert bytes(out_buf) == payload and all(bytes(b) == payload for b in slots)
@@ -297,8 +306,7 @@ def _lookup_figure(root: Path, spec: Any, payload: bytes, n_tokens: int) -> dict
         samples.append((time.perf_counter() - t0) * 1e3)
         assert look.hit_chunks == n_chunks
     store.close()
-    return {"lookup_1m_tokens_ms": min(samples) if n_tokens else 0.0,
-            "lookup_1m_tokens_median_ms": sorted(samples)[len(samples) // 2],
+    return {"lookup_1m_tokens_ms": min(samples), "lookup_1m_tokens_median_ms": statistics.median(samples),
             **_first_sight_figures(root, spec, payload, n_tokens)}
 
 
