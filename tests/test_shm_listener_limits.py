@@ -5,6 +5,7 @@ another pid namespace (pid 0 from SO_PEERCRED) are counted by user, with a large
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -256,3 +257,25 @@ def test_the_machines_inotify_queue_is_read() -> None:
     events = watch_queue_events()
     assert events is None or events > 0
     assert watch_queue_events("/nonexistent/max_queued_events") is None
+
+
+def test_a_watched_segment_queues_one_event_in_its_life() -> None:
+    # The warning above counts one queued event per segment: watched for IN_DELETE_SELF, a memfd
+    # that went queued two (that and IN_IGNORED), and a queue of 2x the sessions could overflow.
+    import select
+    import struct
+
+    from kvstore.dataplane.segments import SegmentWatch
+
+    watch = SegmentWatch()
+    try:
+        segs = [Segment(f"kvstore-test-{i}", 4096, client_writable=False) for i in range(4)]
+        wds = {watch.watch(seg) for seg in segs}
+        for seg in segs:
+            seg.close()
+        assert select.select([watch.fd], [], [], 5.0)[0]
+        data = os.read(watch.fd, 65536)
+        events = [struct.unpack_from("iIII", data, at) for at in range(0, len(data), 16)]
+        assert len(events) == 4 and {e[0] for e in events} == wds, events
+    finally:
+        watch.close()

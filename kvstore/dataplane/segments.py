@@ -125,9 +125,10 @@ def map_segment(fd: int, nbytes: int, writable: bool) -> mmap.mmap:
 
 # inotify (Linux 2.6.13 and later; not named by Python's modules). A memfd is an unlinked file:
 # when its last reference anywhere (a descriptor, a copy of one, a mapping) goes, the kernel drops
-# its watches and says so (IN_IGNORED). IN_DELETE_SELF is asked for only because a watch must ask for
-# something; no client can make it happen more than once per segment, so the queue never floods.
-IN_DELETE_SELF = 0x400
+# its watches and says so (IN_IGNORED). IN_MOVE_SELF is asked for only because a watch must ask for
+# something: a memfd is in no directory and never moves, so a watch queues one event in its life
+# (IN_DELETE_SELF would queue a second as the segment goes), and no client can add to the queue.
+IN_MOVE_SELF = 0x800
 IN_Q_OVERFLOW = 0x4000
 IN_IGNORED = 0x8000
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, length of the name that follows (none here)
@@ -153,7 +154,7 @@ class SegmentWatch:
 
     def watch(self, seg: Segment) -> int:
         """A watch on `seg` (while its creator still holds it): the id `gone` will name."""
-        wd = self._add(self.fd, f"/proc/self/fd/{seg.fd}".encode(), IN_DELETE_SELF)
+        wd = self._add(self.fd, f"/proc/self/fd/{seg.fd}".encode(), IN_MOVE_SELF)
         if wd < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"cannot watch a segment ({os.strerror(err)}; see fs.inotify.max_user_watches)")

@@ -245,7 +245,7 @@ class ShmSessions:
             log.warning("same-host shared memory is off: %s", self.detail)
             return
         self._sel.register(self._watch.fd, selectors.EVENT_READ, _WATCH)
-        # One watch per segment, two segments per session, one event at each end: a queue shorter
+        # One watch per segment, two segments per session, one event at a segment's end: a queue shorter
         # than that may drop some, and those sessions' slots then stay taken until a restart.
         queue, watches = watch_queue_events(), 2 * self._svc.max_shm_sessions
         if queue is not None and queue < watches:
