@@ -98,3 +98,15 @@ def test_a_true_header_still_loads(scripted: tuple[Scripted, KvstoreClient]) -> 
     svc.head = {"hit_tokens": 0, "hit_chunks": 0, "chunk_tokens": CT, "chunk_bytes": CB}
     got = client.load("m", PROMPT, max_chunks=3)
     assert got.chunks == [] and got.chunk_bytes == CB
+
+
+def test_a_resume_refused_for_a_changed_chunk_size_believes_the_next_answer(
+        scripted: tuple[Scripted, KvstoreClient]) -> None:
+    # A service restarted with another chunk_tokens: a client that only resumes must recover as a
+    # loading one does, not refuse every Resume until it is made again.
+    svc, client = scripted
+    client.lookup("m", PROMPT)
+    svc.head = {"hit_tokens": 0, "hit_chunks": 1, "chunk_tokens": 2 * CT, "chunk_bytes": 2 * CB}
+    with pytest.raises(ServerError, match="where the service said 128 tokens"):
+        client.resume("m", PROMPT)
+    assert client.resume("m", PROMPT).chunk_bytes == 2 * CB  # believed now

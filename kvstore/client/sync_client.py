@@ -1052,15 +1052,18 @@ class KvstoreClient:
             self._no_stream_after_close()
         return self._load_into_stream(req, deadline.left(), stream_buffer_for or buffer_for)
 
-    def _load_header(self, stream: Any, req: pb.LoadRequest) -> Any:
-        """The header of a Load, checked (`_checked_header`); a size unlike the one known is
-        forgotten, so that the next answer tells it again."""
+    def _load_header(self, stream: Any, req: pb.LoadRequest | pb.ResumeRequest, method: str = "Load") -> Any:
+        """The header of a Load or Resume, checked (`_checked_header`); a size unlike the one known
+        is forgotten (the call refused, its stream cancelled), so that the next answer tells it again."""
         try:
-            return _checked_header(_header(stream, "Load"), "Load", req, self._chunk_sizes.get(req.model))
+            head = _checked_header(_header(stream, method), method, req, self._chunk_sizes.get(req.model))
         except ServerError:
             self._chunk_sizes.pop(req.model, None)
             stream.cancel()
             raise
+        if head.hit_chunks:
+            self._chunk_sizes[req.model] = (head.chunk_tokens, head.chunk_bytes)
+        return head
 
     def _load_into_shm(
         self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview], shm: ShmPath
@@ -1240,7 +1243,7 @@ class KvstoreClient:
         try:
             stream = (self._resume(req, timeout=timeout, metadata=metadata) if shm is None else
                       self._span_call(self._resume_rpc, req, timeout, shm, metadata))
-            head = _checked_header(_header(stream, "Resume"), "Resume", req, self._chunk_sizes.get(req.model))
+            head = self._load_header(stream, req, "Resume")
             asm = _Chunks(head.chunk_bytes, head.hit_chunks)
             local: BlobAssembler | None = None
             chunks: list[memoryview] = []
