@@ -8,10 +8,12 @@ when the process dies, however it dies, so a crash never leaves the directory lo
 
 The lock is per directory, but LMDB's files need not be: a `data.mdb` that is a symbolic or hard
 link to another directory's would let two kvstores (each with its own `lock.mdb`, so no common
-writer lock) write one file, and corrupt it. So `data.mdb` and `lock.mdb` must be plain files of
-one link each, and `data.mdb` is locked too (flock: LMDB takes fcntl locks on `lock.mdb` only,
-and the two kinds never conflict), which holds however the file is reached. The lock file is
-opened without following a symbolic link, and must be a plain file: the pid is written into it.
+writer lock) write one file, and corrupt it. So `data.mdb` is locked too (flock: LMDB takes fcntl
+locks on `lock.mdb` only, and the two kinds never conflict), which holds however the file is
+reached: a hard link (a `cp -al` copy) opens while no other kvstore has the file open. `data.mdb`
+and `lock.mdb` must be regular files and not symbolic links (no kvstore makes one; a link to
+another directory's `lock.mdb` would share its reader table). The lock file is opened without
+following a symbolic link, and must be a regular file: the pid is written into it.
 """
 
 from __future__ import annotations
@@ -127,11 +129,7 @@ def _check_plain(directory: Path, name: str) -> None:
 
 
 def _why_not_plain(st: os.stat_result) -> str:
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_nlink > 1:
-        return f"a file with {st.st_nlink} hard links"
-    return ""
+    return "" if stat.S_ISREG(st.st_mode) else "not a regular file"
 
 
 def _not_plain(directory: Path, name: str, why: str) -> ConfigError:
