@@ -21,6 +21,7 @@ from kvstore.observe.admin_http import AdminHttpServer
 from kvstore.observe.ledger import Ledger, Occupancy
 from kvstore.service.admin_server import build_observability, serve_admin
 from tests.helpers.waiting import wait_until
+from tests.test_admin_http import _raw
 from tests.test_admin_workload import Rig, workload
 
 
@@ -29,15 +30,6 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     r = Rig(tmp_path)
     yield r
     r.close()
-
-
-def _raw(port: int, data: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(data)
-        out = b""
-        while chunk := s.recv(65536):
-            out += chunk
-    return out
 
 
 def _status(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:

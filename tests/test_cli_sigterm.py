@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 WAIT_SECONDS = 120.0
 
 
@@ -114,19 +116,11 @@ def _child_of_a_killed_parent(kind: str, tmp: Path) -> int:
     return child
 
 
-def test_a_started_redis_dies_with_its_parent(redis_binary: str, tmp_path: Path) -> None:
-    child = _child_of_a_killed_parent("redis", tmp_path)
+@pytest.mark.parametrize(("kind", "what"), [("redis", "redis-server"), ("serve", "kvstore serve")])
+def test_a_started_child_dies_with_its_parent(redis_binary: str, tmp_path: Path, kind: str, what: str) -> None:
+    child = _child_of_a_killed_parent(kind, tmp_path)
     try:
-        _wait_for("the orphaned redis-server to die", lambda: not _alive(child), 30)
-    finally:
-        if _alive(child):
-            os.kill(child, signal.SIGKILL)
-
-
-def test_a_bench_serve_child_dies_with_its_parent(tmp_path: Path) -> None:
-    child = _child_of_a_killed_parent("serve", tmp_path)
-    try:
-        _wait_for("the orphaned kvstore serve to die", lambda: not _alive(child), 30)
+        _wait_for(f"the orphaned {what} to die", lambda: not _alive(child), 30)
     finally:
         if _alive(child):
             os.kill(child, signal.SIGKILL)
