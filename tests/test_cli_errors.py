@@ -76,8 +76,11 @@ IN_PROCESS: list[tuple[list[str], str]] = [
      "--replay-tokens must be at most"),
     # A chunk no store can have (store.chunk_tokens' bound), shown as if it could.
     (["layout", "show", "dense-gqa-32l", "--chunk-tokens", "1048576"],
-     "--chunk-tokens must be at most 65,536 (store.chunk_tokens' bound), got 1,048,576"),
-    (["layout", "show", "dense-gqa-32l", "--chunk-tokens", "100000000000000000000"], "--chunk-tokens must be at most"),
+     "--chunk-tokens must be a positive multiple of 8, at most 65,536 (store.chunk_tokens' bound), got 1,048,576"),
+    (["layout", "show", "dense-gqa-32l", "--chunk-tokens", "100000000000000000000"], "--chunk-tokens must be a "),
+    # The flag named, not the layout's field.
+    (["layout", "show", "dense-gqa-32l", "--chunk-tokens", "0"], "--chunk-tokens must be a positive multiple of 8"),
+    (["layout", "show", "dense-gqa-32l", "--chunk-tokens", "12"], "--chunk-tokens must be a positive multiple of 8"),
     # NaN figures, written as NaN (not JSON), or a traceback from torch's allocator.
     (["replay-quality", "--sizes", "128", "--sharpness", "inf", "--json"], "argument --sharpness: must be a finite"),
     (["replay-quality", "--sizes", "128", "--sharpness", "nan"], "argument --sharpness: must be a finite"),

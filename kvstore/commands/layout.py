@@ -57,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     layout = get_model(args.name).layout
     if args.chunk_tokens is not None:
-        if args.chunk_tokens > MAX_CHUNK_TOKENS:  # the layout checks the rest (positive, a multiple of 8)
-            raise InvalidInput(f"--chunk-tokens must be at most {MAX_CHUNK_TOKENS:,} (store.chunk_tokens' bound), "
-                               f"got {args.chunk_tokens:,}")
+        if not 0 < args.chunk_tokens <= MAX_CHUNK_TOKENS or args.chunk_tokens % 8:
+            raise InvalidInput(f"--chunk-tokens must be a positive multiple of 8, at most {MAX_CHUNK_TOKENS:,} "
+                               f"(store.chunk_tokens' bound), got {args.chunk_tokens:,}")
         layout = layout.with_chunk_tokens(args.chunk_tokens)
     d = describe(layout)
     if args.json:
