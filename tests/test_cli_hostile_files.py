@@ -1,15 +1,20 @@
 """Files and traces the CLI is pointed at that are not what it expects: times in epoch nanoseconds,
-a FIFO with no writer, a device, a huge line or file, an archive named as trace.path, a save cut
-short, a config key that would print escape sequences; and stderr closed under --json."""
+a FIFO with no writer (and one with, which is read), a device, a huge line or file, an archive
+named as trace.path, a trace a power cut left ending in zero bytes, a save cut short, a config key
+that would print escape sequences; and stderr closed under --json."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import resource
+import shlex
 import subprocess
 import sys
+import tarfile
+import threading
 import tomllib
 from collections.abc import Iterator
 from dataclasses import replace
@@ -18,15 +23,16 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import main
-from kvstore.config import TraceConfig, load_config
+from kvstore.config import TraceConfig, files, load_config
 from kvstore.errors import ConfigError, InvalidInput, StorageError
+from kvstore.local_pool.reload import ConfigReloader
 from kvstore.observe import trace_file
 from kvstore.observe.trace_file import TraceRecord, TraceWriter, read_trace
 from kvstore.observe.ttl_fixed_search import best_fixed_searched
 from kvstore.observe.ttl_model import Derived, evaluate_fixed
 from kvstore.observe.ttl_tuning import TtlCostModel, columns_from_records
 from kvstore.wire.tls_files import check_readable, check_tls_ca
-from tests.test_metrics_service import config, start
+from tests.test_metrics_service import MODEL, config, prompt, start
 
 ROOT = Path(__file__).resolve().parent.parent
 NS = 1.765e18  # epoch nanoseconds, written as seconds
@@ -83,32 +89,142 @@ def fifo(tmp_path: Path) -> Iterator[Path]:
     yield p
 
 
-@pytest.mark.timeout(60)  # without the check, opening a FIFO with no writer waits for ever
+@pytest.fixture
+def short_wait(monkeypatch: pytest.MonkeyPatch) -> float:
+    """A FIFO's wait for its writer, cut from 10 s to a test's."""
+    monkeypatch.setattr(files, "PIPE_WAIT_SECONDS", 0.3)
+    return 0.3
+
+
+class _Writer(threading.Thread):
+    """Writes `data` into a FIFO once a reader opens it, then closes it, or (`hold`) keeps it open
+    until `release()`: a writer that hangs."""
+
+    def __init__(self, fifo: Path, data: bytes, hold: bool = False) -> None:
+        super().__init__(daemon=True)
+        self.fifo, self.data, self.hold, self.released = fifo, data, hold, threading.Event()
+
+    def run(self) -> None:
+        with self.fifo.open("wb") as f:
+            f.write(self.data)
+            f.flush()
+            if self.hold:
+                self.released.wait(60)
+
+    def release(self) -> None:
+        self.released.set()
+        if self.is_alive():  # never opened by the reader: an open to read unblocks it
+            os.close(os.open(self.fifo, os.O_RDONLY | os.O_NONBLOCK))
+        self.join(10)
+
+
+def _trace_lines(n: int) -> bytes:
+    return b"".join(TraceRecord(float(i), "a", f"s{i % 3}", 128, "cold" if i < 3 else "hit").to_json().encode()
+                    + b"\n" for i in range(n))
+
+
+@pytest.mark.timeout(60)  # opening a FIFO with no writer, or reading it, waits for ever
 @pytest.mark.parametrize("argv", [["tune", "ttl", "--trace"], ["check-config"],
                                   ["tune", "ttl", "--synthetic", "10", "--config"]])
-def test_a_fifo_is_refused_at_once(fifo: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+def test_a_fifo_with_no_writer_ends_with_a_clear_error(
+    fifo: Path, capsys: pytest.CaptureFixture[str], short_wait: float, argv: list[str],
+) -> None:
     assert main([*argv, str(fifo)]) == 2
-    _one_line_error(capsys, "a FIFO, not a regular file")
+    _one_line_error(capsys, f"{fifo}: no data within {short_wait:g} s (a FIFO): nothing writes to it?")
 
 
 @pytest.mark.timeout(60)
-def test_tls_files_that_are_a_fifo_or_a_device_are_refused(fifo: Path) -> None:
-    with pytest.raises(InvalidInput, match=r"--tls-ca .*: a FIFO, not a regular file"):
-        check_tls_ca(str(fifo), "--tls-ca")
-    with pytest.raises(InvalidInput, match="--tls-cert /dev/zero: a character device, not a regular file"):
-        check_readable("/dev/zero", "--tls-cert")
+def test_a_config_fifo_whose_writer_hangs_part_way_ends_with_a_clear_error(
+    fifo: Path, capsys: pytest.CaptureFixture[str], short_wait: float,
+) -> None:
+    writer = _Writer(fifo, b"[trace]\n", hold=True)
+    writer.start()
+    try:
+        assert main(["check-config", str(fifo)]) == 2
+    finally:
+        writer.release()
+    _one_line_error(capsys, f"{fifo}: not ended within {short_wait:g} s (a FIFO, 8 bytes came): does its writer hang?")
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_with_a_writer_is_read(fifo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    writer = _Writer(fifo, f'data_dir = "{tmp_path / "d"}"\n[local_pool.ttl]\nttl_seconds = 77\n'.encode())
+    writer.start()
+    try:
+        assert main(["check-config", str(fifo)]) == 0
+    finally:
+        writer.release()
+    assert "ttl_seconds = 77" in capsys.readouterr().out
+    writer = _Writer(fifo, _trace_lines(40))
+    writer.start()
+    try:
+        assert main(["tune", "ttl", "--trace", str(fifo), "--json"]) == 0
+    finally:
+        writer.release()
+    assert json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.timeout(60)
+def test_a_config_pipe_read_again_is_refused_not_taken_as_the_defaults(tmp_path: Path) -> None:
+    """`serve --config <(envsubst < tmpl)`: its reloader reads the file again at start and on SIGHUP,
+    when the pipe has nothing more; empty, it would be a config of defaults, every TTL reset."""
+    read, write = os.pipe()
+    os.write(write, b"[local_pool.ttl]\nttl_seconds = 77\n")
+    os.close(write)
+    path = f"/proc/self/fd/{read}"
+    try:
+        cfg = load_config(path)
+        assert cfg.local_pool.ttl.ttl_seconds == 77
+        reloader = ConfigReloader(path, lambda new: None, cfg)
+        assert not reloader.reload_now() and reloader.current == cfg
+        with pytest.raises(ConfigError, match=rf"cannot read config file {path}: a FIFO that ended with no data"):
+            load_config(path)
+    finally:
+        os.close(read)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("argv", [["tune", "ttl", "--trace", "/dev/zero"], ["check-config", "/dev/zero"]])
-def test_a_device_is_refused_not_read_until_memory_runs_out(argv: list[str]) -> None:
+def test_a_config_or_trace_piped_in_by_the_shell_is_read(tmp_path: Path) -> None:
+    """As users write it: process substitution and /dev/stdin on a pipe (what `serve --config`
+    reads too: `load_config`)."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'data_dir = "{tmp_path / "d"}"\n[local_pool.ttl]\nttl_seconds = 77\n')
+    with gzip.open(tmp_path / "t.jsonl.gz", "wb") as f:
+        f.write(_trace_lines(40))
+    kv = f"{shlex.quote(sys.executable)} -m kvstore"
+    c, t = shlex.quote(str(cfg)), shlex.quote(str(tmp_path / "t.jsonl.gz"))
+    for script in (f"{kv} check-config <(cat {c})", f"cat {c} | {kv} check-config /dev/stdin"):
+        r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=100, cwd=ROOT)
+        assert r.returncode == 0 and "ttl_seconds = 77" in r.stdout, (script, r.stderr[-2000:])
+    r = subprocess.run(["bash", "-c", f"gzip -dc {t} | {kv} tune ttl --trace /dev/stdin --json"],
+                       capture_output=True, text=True, timeout=100, cwd=ROOT)
+    assert r.returncode == 0 and json.loads(r.stdout), r.stderr[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_tls_files_that_are_a_fifo_or_a_device_are_refused_saying_why(fifo: Path) -> None:
+    # Read more than once (checked, then by ssl, then by gRPC): a pipe would give its data to the first.
+    with pytest.raises(InvalidInput, match=r"--tls-ca .*: a FIFO, not a regular file: it is read more than once"):
+        check_tls_ca(str(fifo), "--tls-ca")
+    with pytest.raises(InvalidInput, match="--tls-cert /dev/zero: a character device, not a regular file: it is"):
+        check_readable("/dev/zero", "--tls-cert")
+    with pytest.raises(InvalidInput, match=r"--tls-cert .*: a directory, not a regular file$"):
+        check_readable(str(fifo.parent), "--tls-cert")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("argv", "why"), [
+    (["tune", "ttl", "--trace", "/dev/zero"], "/dev/zero:1: not a trace record (more than 268,435,456 zero bytes)"),
+    (["check-config", "/dev/zero"], "/dev/zero: more than the 16,777,216 bytes it may hold"),
+])
+def test_a_device_is_read_within_its_bound_not_until_memory_runs_out(argv: list[str], why: str) -> None:
     # Its own process, capped at 1 GiB: read whole, /dev/zero would fill it (a MemoryError traceback).
     cap = 1 << 30
     r = subprocess.run([sys.executable, "-m", "kvstore", *argv], capture_output=True, text=True, timeout=100,
                        cwd=ROOT, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1, r.stderr[-2000:]
-    assert "/dev/zero: a character device, not a regular file" in err[0]
+    assert why in err[0]
 
 
 def test_a_trace_line_past_a_mebibyte_is_refused(tmp_path: Path) -> None:
@@ -163,6 +279,81 @@ def test_a_trace_cut_off_mid_line_is_still_mended(tmp_path: Path) -> None:
     with TraceWriter(path) as w:
         w.write(rec)
     assert list(read_trace(path)) == [rec, rec]
+
+
+def test_a_tar_archive_of_a_trace_is_refused_though_it_ends_in_zero_bytes(tmp_path: Path) -> None:
+    src = tmp_path / "trace.jsonl"
+    src.write_bytes(_trace_lines(50))
+    old = tmp_path / "traces.tar"
+    with tarfile.open(old, "w") as tar:
+        tar.add(src, arcname="trace.jsonl")
+    before = old.read_bytes()
+    assert before.endswith(b"\0" * 1024)  # its end-of-archive blocks
+    with pytest.raises(StorageError, match="is not a kvstore trace file"):
+        TraceWriter(old)
+    assert old.read_bytes() == before
+
+
+# --- a power cut: the trace ends in zero bytes -----------------------------------------------------------
+
+_REC = TraceRecord(1.0, "a", "s", 128, "cold")
+_LINE = _REC.to_json().encode()
+_ZEROS = b"\0" * 4096  # the last block: its size reached the disk, its data did not
+
+
+@pytest.mark.parametrize(("damage", "kept", "said"), [
+    (_ZEROS, 2, "dropping the last 4096 bytes, zero bytes a crash left"),
+    (_LINE[:20] + _ZEROS, 2, "dropping the last 4116 bytes, a line cut off mid-write, then zero bytes a crash left"),
+    (_LINE[:20] + b"\0" * (3 << 20), 2, "dropping the last 3145748 bytes, a line cut off mid-write, then zero"),
+    (_LINE + _ZEROS, 3, "dropping the last 4096 bytes, zero bytes a crash left"),  # lost only its newline
+    (b"\0" * (3 << 20), 2, "dropping the last 3145728 bytes, zero bytes a crash left"),  # longer than a line
+])
+def test_zero_bytes_a_crash_left_at_the_end_of_a_trace_are_cut_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: bytes, kept: int, said: str,
+) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(_LINE + b"\n" + _LINE + b"\n" + damage)
+    with caplog.at_level(logging.WARNING, logger="kvstore.observe.trace_file"):
+        assert list(read_trace(path)) == [_REC] * 2 + [_REC] * (kept - 2)  # read as it is, to its end
+        with TraceWriter(path) as w:
+            w.write(_REC)
+    assert said in caplog.text
+    assert path.read_bytes() == (_LINE + b"\n") * (kept + 1)
+
+
+def test_a_new_trace_whose_every_byte_a_crash_lost_is_started_afresh(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(_ZEROS)
+    with TraceWriter(path) as w:
+        w.write(_REC)
+    assert path.read_bytes() == _LINE + b"\n"
+
+
+def test_a_line_of_zero_bytes_inside_a_trace_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(_LINE + b"\n" + _ZEROS + b"\n" + _LINE + b"\n")
+    with caplog.at_level(logging.WARNING, logger="kvstore.observe.trace_file"), TraceWriter(path) as w:
+        w.write(_REC)
+    assert list(read_trace(path)) == [_REC] * 3
+    assert "t.jsonl:2: skipping 4096 zero bytes a crash left" in caplog.text
+
+
+def test_serve_starts_on_a_trace_a_power_cut_left_ending_in_zero_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(_LINE + b"\n" + _ZEROS)
+    cfg = tmp_path / "k.toml"
+    cfg.write_text(f'data_dir = "{tmp_path / "d"}"\n[trace]\nenabled = true\npath = "{path}"\n')
+    assert main(["check-config", str(cfg)]) == 0
+    assert "trace.path" not in capsys.readouterr().err
+    r = start(tmp_path / "data", replace(config(), trace=TraceConfig(enabled=True, path=str(path))))
+    try:
+        r.client.lookup(MODEL, prompt(1, 2))
+    finally:
+        r.stop()
+    records = list(read_trace(path))
+    assert records[0] == _REC and len(records) == 2 and records[1].local_outcome == "cold"
 
 
 # --- 6: --save-trace writes all or nothing ---------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.config.fields import NUL_PROBLEM, join, parse_section, require
-from kvstore.config.files import read_regular
+from kvstore.config.files import read_capped
 from kvstore.config.local_pool import TENANT_NAME_RULE, LocalPoolConfig, TtlPolicyConfig, is_tenant_name
 from kvstore.config.replay import ReplayConfig
 from kvstore.config.service import AdminConfig, ServiceConfig, TenantConfig, TraceConfig, is_loopback
@@ -197,7 +197,7 @@ def load_config(path: str | Path | None) -> KvstoreConfig:
         return KvstoreConfig()
     p = Path(path)
     try:
-        raw = read_regular(p, MAX_CONFIG_FILE_BYTES)
+        raw = read_capped(p, MAX_CONFIG_FILE_BYTES)  # a FIFO too: `serve --config <(envsubst < tmpl)`
     except OSError as e:
         raise ConfigFileError(f"cannot read config file {p}: {e.strerror}") from None
     except ValueError:  # a NUL in the name: no such file can exist

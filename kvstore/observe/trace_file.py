@@ -50,7 +50,7 @@ from typing import IO, Literal, get_args
 
 import numpy as np
 
-from kvstore.config.files import open_regular
+from kvstore.config.files import open_stream
 from kvstore.errors import InvalidInput, StorageError
 from kvstore.wire.purposes import PURPOSES
 
@@ -68,6 +68,11 @@ MAX_INT = 2**53
 MAX_TIME_SECONDS = 1e11
 # A line is a few hundred bytes; a longer one (with its newline) is refused, not read whole.
 MAX_LINE_BYTES = 1 << 20
+# A power cut mid-append may leave a file's end as zero bytes (ext4's and xfs's delayed allocation:
+# the size reached the disk, the data did not); they are looked for this far back from the end.
+MAX_ZERO_TAIL_BYTES = 256 << 20
+# What a blank line holds: whitespace, or the zero bytes a crash left.
+_BLANK = b" \t\n\r\x0b\x0c\0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,41 +249,65 @@ def save_trace(path: str | os.PathLike[str], records: Iterable[TraceRecord]) -> 
 def check_trace_file(path: str | os.PathLike[str]) -> None:
     """Whether `path` may be appended to as a trace: a StorageError saying it is "not a kvstore
     trace file" where it is a regular file whose first and last whole lines are not JSON objects, or
-    whose cut-off tail is no piece of one (a gzip archive of an old trace, a log), so that no other
-    file is cut back or written into. A missing or empty file passes, and so does one that is not
-    regular (never read: a pipe or a device)."""
+    whose cut-off tail (less the zero bytes a crash may leave) is no piece of one (a gzip or tar
+    archive of an old trace, a log), so that no other file is cut back or written into. A missing or
+    empty file passes, and so does one that is not regular (never read: a pipe or a device)."""
     p = Path(path)
     if not p.is_file() or p.stat().st_size == 0:
         return
     with p.open("rb") as f:
-        _check_looks_like_a_trace(f, p, *_tail_of(f))
+        at, data_end, _ = _layout(f)
+        _check_looks_like_a_trace(f, p, at, data_end)
 
 
-def _tail_of(f: IO[bytes], block: int = 1 << 16) -> tuple[int, int]:
-    """Where the part of the file after its last newline starts, and where the file ends; the
-    search stops once that part is longer than a line may be (no trace: a binary file)."""
+def _layout(f: IO[bytes], block: int = 1 << 16) -> tuple[int, int, int]:
+    """Where the piece after the last newline starts, where the data ends (before the zero bytes a
+    crash left, if any) and where the file ends."""
     end = f.seek(0, os.SEEK_END)
+    data_end = _end_of_data(f, end, max(block, 1 << 16))
+    return _tail_of(f, data_end, block), data_end, end
+
+
+def _end_of_data(f: IO[bytes], end: int, block: int) -> int:
+    """Where the zero bytes that end the file start (`end`: none); past MAX_ZERO_TAIL_BYTES of them
+    the search stops, and the rest is judged as data (no trace)."""
+    at = end
+    while at > 0 and end - at < MAX_ZERO_TAIL_BYTES:
+        start = max(0, at - block)
+        f.seek(start)
+        kept = len(f.read(at - start).rstrip(b"\0"))
+        if kept:
+            return start + kept
+        at = start
+    return at
+
+
+def _tail_of(f: IO[bytes], end: int, block: int) -> int:
+    """Where the part of the file before `end` after its last newline starts; the search stops once
+    that part is longer than a line may be (no trace: a binary file)."""
     at = end
     while at > 0 and end - at <= MAX_LINE_BYTES:
         start = max(0, at - block)
         f.seek(start)
         newline = f.read(at - start).rfind(b"\n")
         if newline >= 0:
-            return start + newline + 1, end
+            return start + newline + 1
         at = start
-    return 0, end
+    return 0
 
 
 def _check_looks_like_a_trace(f: IO[bytes], p: Path, at: int, end: int) -> None:
+    """Judged on whole lines (a line of zero bytes is blank) and the piece from `at` to `end`, the
+    data's end: a crash's zero bytes after it are no evidence either way."""
     f.seek(0)
     first = f.readline(MAX_LINE_BYTES + 1) if at > 0 else b""
     f.seek(max(0, at - MAX_LINE_BYTES - 1))
     before = f.read(at - f.tell()).split(b"\n")[:-1]  # the whole lines just before the tail
     if at > MAX_LINE_BYTES + 1:
         before = before[1:]  # the first piece may start mid-line
-    last = next((line for line in reversed(before) if line.strip()), b"")
+    last = next((line for line in reversed(before) if line.strip(_BLANK)), b"")
     tail = f.read(min(end - at, MAX_LINE_BYTES + 1))  # a piece of a line: no longer than one
-    whole = [line for line in (first, last) if line.strip()]
+    whole = [line for line in (first, last) if line.strip(_BLANK)]
     tail_ok = len(tail) <= MAX_LINE_BYTES and (
         not tail.strip() or _json_object(tail) or tail.lstrip().startswith(b"{"))
     if not tail_ok or not all(_json_object(line) for line in whole):
@@ -294,35 +323,43 @@ def _json_object(raw: bytes) -> bool:
 
 
 def _drop_cut_off_line(path: Path, block: int = 1 << 16) -> None:
-    """Cut a trace file back to its last newline when what follows it is not JSON: a line a crash
-    cut off (a pipe or a device is never read). A file that does not look like a trace is refused
-    (`check_trace_file`), never cut."""
+    """Cut a trace file back to its last newline when what follows it is not a JSON object: a line
+    a crash cut off, or zero bytes a power cut left in place of the last lines (a pipe or a device
+    is never read). A file that does not look like a trace is refused (`check_trace_file`), never
+    cut."""
     if not path.is_file() or path.stat().st_size == 0:
         return
     with path.open("r+b") as f:
-        at, end = _tail_of(f, block)
-        _check_looks_like_a_trace(f, path, at, end)
+        at, data_end, end = _layout(f, block)
+        _check_looks_like_a_trace(f, path, at, data_end)
         if at == end:
             return
         f.seek(at)
-        try:
-            json.loads(f.read())
-        except ValueError:
-            log.warning("%s: dropping the last %d bytes, a line cut off mid-write", path, end - at)
-            f.truncate(at)
-        else:
-            f.seek(end)
+        piece = f.read(data_end - at)  # within a line's length: checked just now
+        zeros = "zero bytes a crash left (their data never reached the disk)"
+        if _json_object(piece):  # a whole last line that lacks only its newline
+            if data_end < end:
+                log.warning("%s: dropping the last %d bytes, %s", path, end - data_end, zeros)
+            f.truncate(data_end)
+            f.seek(data_end)
             f.write(b"\n")
+            return
+        what = ("a line cut off mid-write" if data_end == end else zeros if at == data_end
+                else f"a line cut off mid-write, then {zeros}")
+        log.warning("%s: dropping the last %d bytes, %s", path, end - at, what)
+        f.truncate(at)
 
 
 def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRecord]:
     """Stream the records of a trace file. The file is opened now (a missing file fails here);
     a malformed line fails, when reached, with InvalidInput naming the file and line. Blank lines
     are skipped, and so is (with a logged warning) a last line that has no newline and is not
-    JSON: one cut off by a crash mid-write."""
+    JSON: one cut off by a crash mid-write, as are the zero bytes a power cut may leave. A FIFO or a
+    device is read too (`zcat trace.gz | kvstore tune ttl --trace /dev/stdin`), once it sends its
+    first byte (`open_stream`: a FIFO nothing writes to fails in seconds)."""
     p = Path(path)
     try:
-        f = open_regular(p)
+        f = open_stream(p)
     except OSError as e:
         raise InvalidInput(f"cannot read trace {p}: {e.strerror}") from None
     except ValueError:  # a NUL in the name
@@ -331,20 +368,34 @@ def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRecord]:
 
 
 def _records(f: IO[bytes], p: Path) -> Iterator[TraceRecord]:
+    zeros, zeros_at = 0, 0  # a run of zero bytes (a power cut's) and its first line: skipped, within a bound
+    cut: tuple[int, str] | None = None  # a line without its newline that is no JSON: cut off, if only zeros follow
     with f:
         for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
-            if len(raw) > MAX_LINE_BYTES:
-                raise InvalidInput(f"{p}:{lineno}: not a trace record (a line longer than {MAX_LINE_BYTES:,} bytes)")
-            if not raw.strip():
+            if not raw.strip(_BLANK):
+                zeros_at = zeros_at or (lineno if b"\0" in raw else 0)
+                zeros += raw.count(0)
+                if zeros > MAX_ZERO_TAIL_BYTES:  # /dev/zero, or a disk image: no trace
+                    raise InvalidInput(f"{p}:{zeros_at}: not a trace record (more than {MAX_ZERO_TAIL_BYTES:,} "
+                                       "zero bytes)")
                 continue
+            if cut is not None:  # not the last line after all: no crash cut it off
+                raise InvalidInput(f"{p}:{cut[0]}: not a JSON line ({cut[1]})")
+            if zeros:
+                log.warning("%s:%d: skipping %d zero bytes a crash left", p, zeros_at, zeros)
+                zeros, zeros_at = 0, 0
+            # Only a line read to no newline (the last, or one past the bound) may end in a power cut's zeros.
+            body = raw if raw.endswith(b"\n") else raw.rstrip(b"\0")
+            if len(body) > MAX_LINE_BYTES:
+                raise InvalidInput(f"{p}:{lineno}: not a trace record (a line longer than {MAX_LINE_BYTES:,} bytes)")
             try:
-                obj = json.loads(raw)  # bytes: decoded as UTF-8; a bad byte is a ValueError too
+                obj = json.loads(body)  # bytes: decoded as UTF-8; a bad byte is a ValueError too
             except RecursionError:
                 raise InvalidInput(f"{p}:{lineno}: not a trace record (nested too deeply)") from None
             except ValueError as e:
-                if not raw.endswith(b"\n"):  # only the last line can lack one: cut off by a crash
-                    log.warning("%s:%d: skipping the last line: cut off mid-write (%s)", p, lineno, _reason(e))
-                    return
+                if not raw.endswith(b"\n"):  # the last line, unless more than zeros follow: cut off by a crash
+                    cut = (lineno, _reason(e))
+                    continue
                 raise InvalidInput(f"{p}:{lineno}: not a JSON line ({_reason(e)})") from None
             if not isinstance(obj, dict):
                 raise InvalidInput(f"{p}:{lineno}: expected a JSON object, got {type(obj).__name__}")
@@ -352,6 +403,10 @@ def _records(f: IO[bytes], p: Path) -> Iterator[TraceRecord]:
                 yield TraceRecord.from_mapping(obj)
             except InvalidInput as e:
                 raise InvalidInput(f"{p}:{lineno}: {e}") from None
+    if cut is not None:
+        log.warning("%s:%d: skipping the last line: cut off mid-write (%s)", p, *cut)
+    if zeros:
+        log.warning("%s:%d: skipping %d zero bytes a crash left", p, zeros_at, zeros)
 
 
 def _reason(e: ValueError) -> str:

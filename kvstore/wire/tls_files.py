@@ -6,6 +6,7 @@ commands (named by their flags or config keys)."""
 
 from __future__ import annotations
 
+import errno
 import ssl
 
 from kvstore.config.files import open_regular
@@ -24,7 +25,10 @@ def check_readable(path: str | None, name: str) -> None:
         with open_regular(path, MAX_TLS_FILE_BYTES):
             pass
     except OSError as e:
-        raise InvalidInput(f"{name} {path}: {e.strerror or e}") from None
+        # A pipe (`<(vault read ...)`) cannot serve: the file is read here, then by ssl, then by gRPC.
+        why = (": it is read more than once; write it to a file (on a tmpfs, for a secret)"
+               if e.errno == errno.ESPIPE else "")
+        raise InvalidInput(f"{name} {path}: {e.strerror or e}{why}") from None
     except ValueError:  # a NUL in the name
         raise InvalidInput(f"{name} {path!r}: a file name cannot contain a NUL") from None
 
