@@ -201,6 +201,42 @@ def test_a_config_or_trace_piped_in_by_the_shell_is_read(tmp_path: Path) -> None
     assert r.returncode == 0 and json.loads(r.stdout), r.stderr[-2000:]
 
 
+@pytest.mark.timeout(120)
+def test_serve_on_a_piped_config_does_not_read_the_pipe_again(tmp_path: Path) -> None:
+    # The reloader read `<(...)` again at start and on SIGHUP: empty by then (a named FIFO with no
+    # writer held the start 10 s); a pipe gives its bytes once, and SIGHUP says there is nothing to read.
+    import signal
+    import time
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'data_dir = "{tmp_path / "d"}"\n')
+    kv = f"{shlex.quote(sys.executable)} -m kvstore"
+    p = subprocess.Popen(["bash", "-c", f"exec {kv} serve --config <(cat {shlex.quote(str(cfg))}) --grpc-port 0 "
+                                        "--admin-port -1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    said: list[str] = []
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:
+            said.append(line)
+            if "gRPC listening" in line:
+                break
+        p.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        for line in p.stdout:
+            said.append(line)
+            if "SIGHUP" in line or "reload" in line or time.monotonic() > deadline:
+                break
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    text = "".join(said)
+    assert "nothing to reload" in text and "reload rejected" not in text, text[-3000:]
+
+
 @pytest.mark.timeout(60)
 def test_tls_files_that_are_a_fifo_or_a_device_are_refused_saying_why(fifo: Path) -> None:
     # Read more than once (checked, then by ssl, then by gRPC): a pipe would give its data to the first.

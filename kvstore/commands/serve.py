@@ -20,6 +20,7 @@ import gc
 import logging
 import os
 import signal
+import stat
 import sys
 from types import FrameType
 
@@ -42,6 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: service.unix_socket_path; '' for none)")
     p.add_argument("--data-dir", metavar="DIR", help="where LMDB lives (default: data_dir in the config)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _regular_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _say(line: str) -> None:
@@ -143,7 +151,11 @@ def run(args: argparse.Namespace) -> int:
     # while the service drains (the reloader, stopped then, puts back the handler it found).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     reloader = None
-    if args.config is not None:
+    if args.config is not None and not _regular_file(args.config):
+        # A pipe (`--config <(envsubst < tmpl)`) gave its bytes once: nothing to read again.
+        signal.signal(signal.SIGHUP, lambda signum, frame: _say(f"SIGHUP: the config came from {args.config}, "
+                                                                "not a regular file: nothing to reload"))
+    elif args.config is not None:
         from kvstore.local_pool.reload import ConfigReloader
 
         # SIGHUP and edits of the file re-read it; the TTL policy applies to new writes.
