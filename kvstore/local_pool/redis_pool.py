@@ -99,10 +99,6 @@ MIN_ATTEMPT_SECONDS = 0.002
 MEMORY_REFRESH_SECONDS = 5.0
 _UNKNOWN_MEMORY = ServerMemory(-1, -1)
 
-# What a reply other than a GET's is taken to be, at most, when judging the pace of an attempt cut
-# short while Redis answered (`AnswerPace`): +OK, an integer, a header read by GETRANGE.
-SMALL_REPLY_BYTES = 128
-
 # Why an attempt loop gave up without replies.
 Failure = Literal["breaker-open", "timeout", "error", "oom"]
 
@@ -257,11 +253,8 @@ class RedisPool:
         for _ in range(2):  # a second round only when the snapshot has more parts than hinted
             # Part 0's PTTL in the same pipeline: what is left of a TTL no read refreshes. First: its
             # small reply tells a slow link from a silent server (`AnsweringTimeout`).
-            # The answer's size, for the pace of a read cut short (`AnswerPace`): the layout's
-            # snapshot, the caller's or the one learnt, else `want` whole parts.
-            size = expect.payload_bytes or self._layout_bytes.get(layout_id) or want * self._cfg.part_bytes
             got = self._run([("PTTL", base + b"0"), *(("GET", base + b"%d" % i) for i in range(want))],
-                            deadline_at, base, reply_bytes=size + (want + 1) * SMALL_REPLY_BYTES)
+                            deadline_at, base)
             if isinstance(got, str):
                 return self._counters.miss(_miss_reason(got))
             pttl, replies = got[0], got[1:]
@@ -424,27 +417,25 @@ class RedisPool:
             return list(self._breakers.items()), self._dropped_opens
 
     def _run(self, cmds: Sequence[Command], deadline_at: float, key: bytes,
-             vouches: bool = True, atomic: bool = False, reply_bytes: int | None = None) -> list[Any] | Failure:
+             vouches: bool = True, atomic: bool = False) -> list[Any] | Failure:
         """Replies of one pipeline (`atomic`: transaction) on the node of `key` (every key of
         `cmds` shares its slot), or why there are none: "breaker-open", "timeout", "error" or
         "oom". `vouches`: whether its success tells the breaker Redis is well (not a peek's: a Redis
         that answers a few header bytes in time but no snapshot would otherwise keep its breaker
-        closed for good). `reply_bytes`: the whole answer's size, if more than small replies."""
+        closed for good)."""
         if deadline_at - time.monotonic() < MIN_ATTEMPT_SECONDS:
             return "timeout"  # the caller is out of time; says nothing about Redis
         breaker = self._breaker_for(key)
         if not breaker.allow():
             return "breaker-open"
-        return self._attempts(cmds, deadline_at, breaker, vouches, atomic, reply_bytes)
+        return self._attempts(cmds, deadline_at, breaker, vouches, atomic)
 
     def _attempts(self, cmds: Sequence[Command], deadline_at: float, breaker: CircuitBreaker,
-                  vouches: bool = True, atomic: bool = False, reply_bytes: int | None = None) -> list[Any] | Failure:
+                  vouches: bool = True, atomic: bool = False) -> list[Any] | Failure:
         """`_run` once `breaker` has let the call through: retries transport failures while the
         deadline allows, and tells the breaker what they said about Redis. `atomic`: one
         MULTI/EXEC (a write), else a plain pipeline, which a Redis over maxmemory still serves."""
         send = self._transport.transaction if atomic else self._transport.pipeline
-        if reply_bytes is None:
-            reply_bytes = SMALL_REPLY_BYTES * len(cmds)
         failure: Failure = "timeout"
         error_text = ""
         judged = False  # an attempt failed in a way that says something about Redis
@@ -469,16 +460,12 @@ class RedisPool:
                 timed_out = isinstance(e, RedisTimeoutError | TimeoutError)
                 failure = "timeout" if timed_out else "error"
                 error_text = f"{type(e).__name__}: {e}"
-                # A timeout that the caller's deadline cut short says nothing about Redis when it
-                # came too soon to tell, or while Redis was answering at a pace that would have
-                # served a patient caller (`AnswerPace`). Counted against it, one tenant's short
-                # deadlines opened the breaker every tenant shares; never counted while Redis
-                # answered, a link too slow for anyone never opened it.
+                # A timeout that the caller's deadline cut short says nothing about Redis: too soon
+                # to tell, or while Redis was answering (`AnsweringTimeout`). Counted against it,
+                # one tenant's short deadlines opened the breaker every tenant shares.
                 waited = time.monotonic() - started
-                socket_timeout = self._cfg.socket_timeout_seconds
                 judged = judged or not timed_out or (
-                    e.pace.too_slow(reply_bytes, socket_timeout) if isinstance(e, AnsweringTimeout)
-                    else telling_timeout(waited, socket_timeout))
+                    not isinstance(e, AnsweringTimeout) and telling_timeout(waited, self._cfg.socket_timeout_seconds))
                 continue
             except Exception as e:  # the client library's own failure: still a miss, never the caller's error
                 self._counters.add("errors")

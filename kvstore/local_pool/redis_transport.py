@@ -33,22 +33,20 @@ not a retry: nothing failed; one redirected again raises `MovedError` or `AskErr
 as Redis sent them (SET: b"OK" or True, GET: bytes or None, PEXPIRE/UNLINK: int); an error inside
 EXEC is a `ResponseError` in the reply list, as is an error reply in a pipeline (a redirect
 there raises, as in a transaction). A timeout that the caller's deadline cut short while Redis was
-answering raises `AnsweringTimeout`, with what the attempt saw of the link (`AnswerPace`): the pool
-tells from it a link too slow for anyone from one too slow only for that caller's deadline. This
-module knows nothing about snapshots, TTL
+answering raises `AnsweringTimeout`: a link slower than the caller's deadline, not a server in
+trouble. This module knows nothing about snapshots, TTL
 policy or key schemes (only where a command carries its key, to route it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import heapq
 import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -73,8 +71,8 @@ Command = tuple[Arg, ...]
 
 # Redis answers a transaction in milliseconds: an attempt that waited this long (or a whole socket
 # timeout) without a reply and timed out says the server is slow or gone, whoever's deadline ended
-# it. One that waited less, cut short by its caller's deadline, says nothing about the server; one
-# cut short while replies were coming (`AnsweringTimeout`) says what its `AnswerPace` says.
+# it. One that waited less, cut short by its caller's deadline, says nothing about the server; nor
+# does one cut short while replies were coming (`AnsweringTimeout`).
 TELLING_TIMEOUT_SECONDS = 0.05
 
 # A cluster's slot map is asked for again after a call failed on the connection, at most this
@@ -149,52 +147,11 @@ def parse_info(text: bytes | str) -> dict[str, str]:
     return out
 
 
-@dataclass(frozen=True)
-class AnswerPace:
-    """What an attempt cut short while Redis was answering saw of the link, from its start (a new
-    connection's handshake included). Progress counts both ways: the bytes read, and the request
-    bytes the replies acknowledged (a write's parts go up; its replies are a few bytes) or, while
-    it was still being sent, what the kernel took of it."""
-
-    request_bytes: int  # the whole request, packed
-    waited_seconds: float  # start -> cut
-    # start -> a new connection's first handshake reply (a round trip's evidence); None: none
-    handshake_seconds: float | None
-    # start -> where the pace is taken from: that reply, else the request all sent (its replies
-    # are read only then: a large write's came in while the send blocked); None: neither
-    paced_from_seconds: float | None
-    paced_from_bytes: int  # progress then
-    moved_bytes: int  # progress at the cut, at most: the request the next reply acknowledges as arrived
-
-    def too_slow(self, reply_bytes: int, socket_timeout_seconds: float) -> bool:
-        """Whether the link, not the caller's deadline, failed the attempt (`reply_bytes`: what the
-        whole answer would be): a handshake's round trip as long as a silent server's wait; or, at
-        the pace bytes moved since, the whole exchange would have outlasted a socket timeout, what
-        a patient caller's attempt may wait. A link that moves it within that was too slow only for
-        this caller's deadline: counted against the breaker every tenant shares, one tenant's short
-        deadlines opened it; not counted at all, a link too slow for any caller never opened it."""
-        if self.handshake_seconds is not None and telling_timeout(self.handshake_seconds, socket_timeout_seconds):
-            return True
-        if self.paced_from_seconds is None:
-            return telling_timeout(self.waited_seconds, socket_timeout_seconds)
-        since = self.waited_seconds - self.paced_from_seconds
-        if not telling_timeout(since, socket_timeout_seconds):
-            return False  # too soon to tell a pace from a round trip or a scheduling hiccup
-        moved = self.moved_bytes - self.paced_from_bytes
-        if moved <= 0:
-            return True  # nothing at all since, for as long as a silent server
-        left = max(0, self.request_bytes + reply_bytes - self.paced_from_bytes)
-        return self.paced_from_seconds + left * since / moved > socket_timeout_seconds
-
-
 class AnsweringTimeout(RedisTimeoutError):
     """The caller's deadline, shorter than the socket timeout, ended an attempt while Redis was
-    answering it (a reply had come, a new connection's handshake too). `pace` says whether the
-    link or only that deadline was too slow."""
-
-    def __init__(self, message: str, pace: AnswerPace) -> None:
-        super().__init__(message)
-        self.pace = pace
+    answering it (a reply had come): a link slower than that caller's deadline, which says nothing
+    against the server. Counted against it, one tenant's short deadlines opened the breaker that
+    every tenant shares."""
 
 
 def _remaining(deadline_at: float) -> float:
@@ -238,17 +195,12 @@ class SingleNodeTransport:
         clean = False  # every reply read: the connection may be reused as it is
         server_trouble = True  # the failure, if any, may mean the server went away
         heard = _replies_read(conn)  # more by the end: the server was answering this call
-        progress = _Progress(conn, lambda: _slot_bytes(commands, asking, atomic))
-        _listen(conn, progress)
         # Socket timeouts bound each recv(), not a reply read in many of them: the watchdog ends
         # the transaction at its deadline however its bytes come.
         armed = _WATCHDOG.arm(conn, deadline_at)
         try:
             self._cap(conn, deadline_at)
-            conn.connect()  # a new one's handshake first: its replies acknowledge none of the request
-            progress.sending()
             conn.send_packed_command(_pack(commands, asking, atomic), check_health=False)
-            progress.sent()
             if not atomic:
                 replies: list[Any] = []
                 for _ in commands:
@@ -294,12 +246,11 @@ class SingleNodeTransport:
             cut_answering = _replies_read(conn) > heard and deadline_at - started < self._socket_timeout
             server_trouble = not cut_answering and telling_timeout(time.monotonic() - started, self._socket_timeout)
             if cut_answering:
-                raise AnsweringTimeout("pool call deadline passed while Redis was answering", progress.pace()) from e
+                raise AnsweringTimeout("pool call deadline passed while Redis was answering") from e
             if timed_out:
                 raise
             raise RedisTimeoutError("pool call deadline passed while Redis was still answering") from e
         finally:
-            _listen(conn, None)
             if _WATCHDOG.disarm(armed):
                 # Its socket was shut down, even if the last reply was in by then; if it was, the
                 # server answered in time: only this connection goes, not the idle ones.
@@ -374,30 +325,18 @@ class SingleNodeTransport:
 
 class _Hearing:
     """Mixed into a connection class: counts the replies read, the handshake's too, so that a call
-    cut short by its caller's deadline tells a server answering slowly from a silent one; and the
-    bytes moved (its socket metered), so that `AnswerPace` sees a reply coming in, a request going up."""
+    cut short by its caller's deadline tells a server answering slowly from a silent one."""
 
     replies_read = 0
-    bytes_read = 0
-    bytes_sent = 0
-    progress: _Progress | None = None  # of the exchange in progress on it
-
-    def _connect(self) -> Any:
-        return _Metered(super()._connect(), self)  # type: ignore[misc]
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
             reply = super().read_response(*args, **kwargs)  # type: ignore[misc]
         except ResponseError:  # an error reply is an answer too
-            self._replied()
+            self.replies_read += 1
             raise
-        self._replied()
-        return reply
-
-    def _replied(self) -> None:
         self.replies_read += 1
-        if self.progress is not None:
-            self.progress.replied()
+        return reply
 
 
 def _hearing(cls: type[AbstractConnection]) -> type[AbstractConnection]:
@@ -406,105 +345,6 @@ def _hearing(cls: type[AbstractConnection]) -> type[AbstractConnection]:
 
 def _replies_read(conn: AbstractConnection) -> int:
     return getattr(conn, "replies_read", 0)
-
-
-def _bytes_read(conn: AbstractConnection) -> int:
-    return getattr(conn, "bytes_read", 0)
-
-
-def _bytes_sent(conn: AbstractConnection) -> int:
-    return getattr(conn, "bytes_sent", 0)
-
-
-class _Metered:
-    """A connection's socket (plain or TLS), adding the bytes read from it and handed to it to its
-    owner's `bytes_read` and `bytes_sent`; the rest passes through."""
-
-    def __init__(self, sock: Any, owner: _Hearing) -> None:
-        self._inner = sock
-        self._owner = owner
-
-    def recv(self, bufsize: int, flags: int = 0) -> bytes:
-        data: bytes = self._inner.recv(bufsize, flags)
-        if not flags & socket.MSG_PEEK:
-            self._owner.bytes_read += len(data)
-        return data
-
-    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
-        n: int = self._inner.recv_into(buffer, nbytes, flags)
-        if not flags & socket.MSG_PEEK:
-            self._owner.bytes_read += n
-        return n
-
-    def sendall(self, data: Any, flags: int = 0) -> None:
-        self._inner.sendall(data, flags)
-        self._owner.bytes_sent += memoryview(data).nbytes
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-class _Progress:
-    """How far one exchange got since it started, for `AnswerPace`."""
-
-    def __init__(self, conn: AbstractConnection, slot_bytes: Callable[[], list[int]]) -> None:
-        self._conn = conn
-        # The request bytes each of its replies acknowledges, in order: packed again, so only for
-        # an exchange that timed out (most never need it).
-        self._slot_bytes = slot_bytes
-        self._started = time.monotonic()
-        self._read_at_start = _bytes_read(conn)
-        self._sent_at_sending = 0
-        self._sending = False  # the request is going out (replies from now on are the request's)
-        self._sent = False  # the kernel took all of it
-        self._replies = 0  # to the request, not the handshake's
-        self._handshake_at: float | None = None
-        self._from: tuple[float, int] | None = None  # (seconds in, progress) the pace is taken from
-
-    def sending(self) -> None:
-        self._sending = True
-        self._sent_at_sending = _bytes_sent(self._conn)
-
-    def sent(self) -> None:
-        self._sent = True
-        self._mark()
-
-    def replied(self) -> None:
-        if self._sending:
-            self._replies += 1
-        elif self._handshake_at is None:
-            self._handshake_at = time.monotonic() - self._started
-            self._mark()
-
-    def _mark(self) -> None:
-        if self._from is None:
-            self._from = (time.monotonic() - self._started, self._moved(in_flight=False))
-
-    def _moved(self, in_flight: bool) -> int:
-        read = _bytes_read(self._conn) - self._read_at_start
-        if not self._sending:
-            return read
-        if in_flight and not self._sent:
-            # Still handing a large request (a write's parts) to the kernel: what it took so far.
-            return read + _bytes_sent(self._conn) - self._sent_at_sending
-        # Replies acknowledge the request (a +QUEUED: its part arrived); `in_flight`: and the next.
-        acknowledged = self._replies + in_flight
-        return read + (sum(self._slots[:acknowledged]) if acknowledged else 0)
-
-    @functools.cached_property
-    def _slots(self) -> list[int]:
-        return self._slot_bytes()
-
-    def pace(self) -> AnswerPace:
-        from_at, from_bytes = self._from if self._from is not None else (None, 0)
-        return AnswerPace(sum(self._slots), time.monotonic() - self._started, self._handshake_at, from_at,
-                          from_bytes, self._moved(in_flight=True))
-
-
-def _listen(conn: AbstractConnection, progress: _Progress | None) -> None:
-    """Have `conn`'s replies noted in `progress` (None: no longer)."""
-    if isinstance(conn, _Hearing):
-        conn.progress = progress
 
 
 class _Armed:
@@ -587,8 +427,6 @@ def telling_timeout(waited_seconds: float, socket_timeout_seconds: float) -> boo
 
 
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
-_MULTI = b"*1\r\n$5\r\nMULTI\r\n"
-_EXEC = b"*1\r\n$4\r\nEXEC\r\n"
 
 
 def _pack(commands: Sequence[Command], asking: bool, atomic: bool) -> list[BytesLike]:
@@ -598,13 +436,21 @@ def _pack(commands: Sequence[Command], asking: bool, atomic: bool) -> list[Bytes
     # ASKING holds for a whole MULTI...EXEC: a node clears it only after a command outside one.
     small = bytearray(_ASKING if asking and atomic else b"")
     if atomic:
-        small += _MULTI
+        small += b"*1\r\n$5\r\nMULTI\r\n"
     for cmd in commands:
         if asking and not atomic:
             small += _ASKING
         small += b"*%d\r\n" % len(cmd)
         for arg in cmd:
-            segments = _segments(arg)
+            segments: tuple[BytesLike, ...]
+            if isinstance(arg, tuple):
+                segments = arg
+            elif isinstance(arg, str):
+                segments = (arg.encode(),)
+            elif isinstance(arg, int):
+                segments = (b"%d" % arg,)
+            else:
+                segments = (arg,)
             small += b"$%d\r\n" % sum(memoryview(s).nbytes for s in segments)
             for seg in segments:
                 if memoryview(seg).nbytes >= _SEND_DIRECT_BYTES:
@@ -615,33 +461,9 @@ def _pack(commands: Sequence[Command], asking: bool, atomic: bool) -> list[Bytes
                     small += seg
             small += b"\r\n"
     if atomic:
-        small += _EXEC
+        small += b"*1\r\n$4\r\nEXEC\r\n"
     out.append(bytes(small))
     return out
-
-
-def _segments(arg: Arg) -> tuple[BytesLike, ...]:
-    if isinstance(arg, tuple):
-        return arg
-    if isinstance(arg, str):
-        return (arg.encode(),)
-    if isinstance(arg, int):
-        return (b"%d" % arg,)
-    return (arg,)
-
-
-def _slot_bytes(commands: Sequence[Command], asking: bool, atomic: bool) -> list[int]:
-    """The request bytes (as `_pack` packs them) that each reply acknowledges, in reply order."""
-    sizes = []
-    for cmd in commands:
-        size = len(b"*%d\r\n" % len(cmd))
-        for arg in cmd:
-            n = sum(memoryview(s).nbytes for s in _segments(arg))
-            size += len(b"$%d\r\n" % n) + n + 2
-        sizes.append(size)
-    if atomic:
-        return [len(_ASKING)] * asking + [len(_MULTI), *sizes, len(_EXEC)]
-    return [n for size in sizes for n in ([len(_ASKING), size] if asking else [size])]
 
 
 class ClusterTransport:
