@@ -365,6 +365,17 @@ def test_a_new_trace_whose_every_byte_a_crash_lost_is_started_afresh(tmp_path: P
     assert path.read_bytes() == _LINE + b"\n"
 
 
+def test_a_large_file_of_zero_bytes_only_is_refused_not_cut(tmp_path: Path) -> None:
+    # A disk image or a swap file made with truncate/fallocate named as trace.path was cut to 0
+    # bytes as "zero bytes a crash left".
+    path = tmp_path / "disk.img"
+    with path.open("wb") as f:
+        f.truncate(64 << 20)  # sparse: no disk used
+    with pytest.raises(StorageError, match="all zero: a disk image or a swap file"):
+        TraceWriter(path)
+    assert path.stat().st_size == 64 << 20
+
+
 def test_a_line_of_zero_bytes_inside_a_trace_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "t.jsonl"
     path.write_bytes(_LINE + b"\n" + _ZEROS + b"\n" + _LINE + b"\n")

@@ -71,6 +71,8 @@ MAX_LINE_BYTES = 1 << 20
 # A power cut mid-append may leave a file's end as zero bytes (ext4's and xfs's delayed allocation:
 # the size reached the disk, the data did not); they are looked for this far back from the end.
 MAX_ZERO_TAIL_BYTES = 256 << 20
+# A file of zero bytes only, up to this size, is a new trace a crash left empty; larger, not a trace.
+MAX_ZERO_ONLY_BYTES = 1 << 20
 # What a blank line holds: whitespace, or the zero bytes a crash left.
 _BLANK = b" \t\n\r\x0b\x0c\0"
 
@@ -298,7 +300,11 @@ def _tail_of(f: IO[bytes], end: int, block: int) -> int:
 
 def _check_looks_like_a_trace(f: IO[bytes], p: Path, at: int, end: int) -> None:
     """Judged on whole lines (a line of zero bytes is blank) and the piece from `at` to `end`, the
-    data's end: a crash's zero bytes after it are no evidence either way."""
+    data's end: a crash's zero bytes after it are no evidence either way, but a file of nothing
+    else, larger than a crash leaves of a new trace, is no trace (a disk image, a swap file)."""
+    if end == 0 and (size := f.seek(0, os.SEEK_END)) > MAX_ZERO_ONLY_BYTES:
+        raise StorageError(f"{p} is not a kvstore trace file ({size} bytes, all zero: a disk image or a swap file?): "
+                           "it is left as it is; name a new file or an existing trace")
     f.seek(0)
     first = f.readline(MAX_LINE_BYTES + 1) if at > 0 else b""
     f.seek(max(0, at - MAX_LINE_BYTES - 1))
