@@ -87,9 +87,12 @@ def test_a_hard_linked_copy_of_a_closed_data_dir_opens(tmp_path: Path) -> None:
     keys = put_chunks(tier, 1, 4)
     tier.close()
     subprocess.run(["cp", "-al", str(a), str(b)], check=True)
-    tier = open_tier(b)
+    said: list[str] = []
+    tier = open_tier(b, progress=said.append)
     assert all(check_chunk(tier, k) == "" for k in keys)
     tier.close()
+    # It is no copy, though: said at open.
+    assert any("has 2 names (hard links)" in line and "changes it under every name" in line for line in said), said
 
 
 def test_a_data_file_locked_by_another_process_is_refused(tmp_path: Path) -> None:

@@ -66,8 +66,11 @@ class DirLock:
         missing, as LMDB would: locked before LMDB opens it). Records whether it was found empty."""
         _check_plain(directory, LMDB_LOCK_FILE)
         path = directory / DATA_FILE
+        self.data_links = 1  # names the data file has (a `cp -al` copy shares it: writes here change it there)
         try:
-            self.data_found_bytes: int | None = os.lstat(path).st_size
+            st = os.lstat(path)
+            self.data_found_bytes: int | None = st.st_size
+            self.data_links = st.st_nlink
         except FileNotFoundError:
             self.data_found_bytes = None
         except OSError as e:

@@ -187,6 +187,10 @@ class LmdbTier(LmdbScan):
         try:
             data = self.path / "data.mdb"
             existing = data.stat().st_size if data.exists() else 0
+            if self._dir_lock.data_links > 1 and progress is not None:
+                # Not refused: its own lock keeps two kvstores off it. But a `cp -al` "backup" is no copy.
+                progress(f"warning: the LMDB data file {data} has {self._dir_lock.data_links} names (hard links): "
+                         "it is one file, and what this kvstore writes changes it under every name")
             if self._dir_lock.data_found_bytes == 0 and progress is not None:
                 # LMDB starts an empty file afresh, as a new one: said, since a copy or a restore
                 # that wrote nothing leaves one too (one cut short is refused: check_length).
