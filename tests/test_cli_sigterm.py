@@ -49,19 +49,31 @@ def _kvstore(argv: list[str], tmp: Path, **kw: Any) -> subprocess.Popen[str]:
                             start_new_session=True, **kw)
 
 
-def test_sigterm_to_bench_pool_stops_its_redis_and_removes_its_temp_dir(redis_binary: str, tmp_path: Path) -> None:
-    p = _kvstore(["bench", "pool", "--rounds", "10000", "--ops", "1000"], tmp_path,
-                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _terminated(p: subprocess.Popen[str], ready: Callable[[], object]) -> str:
+    """SIGTERM to `p` once `ready()` returns; its stderr when it has ended (killed if it did not)."""
     try:
-        _wait_for("bench pool's redis-server", lambda: _children(p.pid))
-        redis_pid = _children(p.pid)[0]
-        _wait_for("its temp dir", lambda: glob.glob(f"{tmp_path}/kvsredis-*"))
+        ready()
         os.kill(p.pid, signal.SIGTERM)
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
+    return str(err)
+
+
+def test_sigterm_to_bench_pool_stops_its_redis_and_removes_its_temp_dir(redis_binary: str, tmp_path: Path) -> None:
+    p = _kvstore(["bench", "pool", "--rounds", "10000", "--ops", "1000"], tmp_path,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    redis: list[int] = []
+
+    def ready() -> None:
+        _wait_for("bench pool's redis-server", lambda: _children(p.pid))
+        redis.append(_children(p.pid)[0])
+        _wait_for("its temp dir", lambda: glob.glob(f"{tmp_path}/kvsredis-*"))
+
+    err = _terminated(p, ready)
+    redis_pid = redis[0]
     orphaned = _alive(redis_pid)
     if orphaned:  # not left running for good when this fails
         os.kill(redis_pid, signal.SIGKILL)
@@ -74,15 +86,12 @@ def test_sigterm_to_bench_pool_stops_its_redis_and_removes_its_temp_dir(redis_bi
 def test_sigterm_to_demo_removes_its_temp_data_dir(tmp_path: Path) -> None:
     p = _kvstore(["demo", "--repeats", "50", "--prompt-tokens", "2048"], tmp_path,
                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
+
+    def ready() -> None:
         _wait_for("the demo's data dir", lambda: glob.glob(f"{tmp_path}/kvstore-demo-*"))
         time.sleep(2)  # playing, not starting
-        os.kill(p.pid, signal.SIGTERM)
-        _, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+
+    err = _terminated(p, ready)
     assert p.returncode == 143, (p.returncode, err[-2000:])
     assert err.strip().splitlines()[-1] == "kvstore demo: stopped by SIGTERM"
     assert glob.glob(f"{tmp_path}/kvstore-demo-*") == []
@@ -129,17 +138,14 @@ def test_a_started_child_dies_with_its_parent(redis_binary: str, tmp_path: Path,
 def test_serve_whose_stdout_reader_went_away_still_stops_cleanly(tmp_path: Path) -> None:
     p = _kvstore(["serve", "--grpc-port", "0", "--admin-port", "-1", "--data-dir", str(tmp_path / "data")],
                  tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
+
+    def ready() -> None:
         assert p.stdout is not None
         for line in p.stdout:
             if "gRPC listening on" in line:
                 break
         p.stdout.close()  # the reader goes away (`kvstore serve | head`)
-        os.kill(p.pid, signal.SIGTERM)
-        _, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+
+    err = _terminated(p, ready)
     assert p.returncode == 0, (p.returncode, err[-2000:])
     assert "Traceback" not in err
