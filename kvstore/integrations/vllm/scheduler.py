@@ -30,6 +30,7 @@ waits for a load, at the price of a step or two of latency.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import logging
 import time
@@ -119,6 +120,8 @@ class SchedulerSide:
         # The model's registration, made on the pool (it may wait the budget): from the start, so
         # that it is done before the first request.
         self._registering: cf.Future[str | None] | None = self._pool.submit(link.model_name)
+        # A sync request waits for it (once), below.
+        self._first_registration: cf.Future[str | None] | None = self._registering
         # The workers' failed synchronous loads this side has heard of (and rewound the requests
         # of): told in each step's metadata, so a worker knows which plans predate a failure.
         self._failures_seen = 0
@@ -279,7 +282,19 @@ class SchedulerSide:
             if not self.link.may_register():
                 return self._cold_unknown(st)
             self._registering = self._pool.submit(self.link.model_name)
-        return self._cold_unknown(st) if self.sync else False
+        if not self.sync:
+            return False
+        # The engine's first requests come while the registration begun at its start runs: in sync
+        # mode they wait for it, within one budget (cold, they stored nothing of their prompts).
+        # Later ones (after a failure) are not waited for: a silent service would cost a budget each.
+        first = self._first_registration
+        if first is not None and first is self._registering:
+            self._first_registration = None
+            with contextlib.suppress(Exception):
+                first.result(timeout=self.link.cfg.budget_seconds)
+            if self.link.registered() is not None:
+                return self._decide(st)
+        return self._cold_unknown(st)
 
     def _ask_held(self, name: str, prefix: np.ndarray, boundary: int, st: _Request) -> LookupResult | None:
         """The Lookup, holding the first `boundary` chunks of the hit in the worker's session."""
