@@ -849,7 +849,7 @@ class KvstoreClient:
                 req.shm_session = shm.session_id
                 stream = self._span_call(self._load_rpc, req, deadline.left(), shm)
                 try:
-                    head = self._load_header(stream, req)
+                    head = self._stream_header(stream, req)
                 except grpc.RpcError as e:
                     if not self._load_refused(shm, model, e):
                         raise
@@ -857,7 +857,7 @@ class KvstoreClient:
                     shm, req.shm_session = None, ""
             if shm is None:
                 stream = self._load(req, timeout=deadline.left(), metadata=self._metadata)
-                head = self._load_header(stream, req)
+                head = self._stream_header(stream, req)
                 asm = _Chunks(head.chunk_bytes, head.hit_chunks)
                 for msg in stream:
                     with _malformed("Load"):
@@ -951,7 +951,7 @@ class KvstoreClient:
         try:
             try:
                 stream = self._span_call(self._load_rpc, req, deadline.left(), shm)
-                head = self._load_header(stream, req)
+                head = self._stream_header(stream, req)
                 spans = _SharedSpans(shm, max(1, head.chunk_bytes))
                 for msg in stream:
                     spans.add(_span(msg, "Load"), "Load")
@@ -1052,7 +1052,7 @@ class KvstoreClient:
             self._no_stream_after_close()
         return self._load_into_stream(req, deadline.left(), stream_buffer_for or buffer_for)
 
-    def _load_header(self, stream: Any, req: pb.LoadRequest | pb.ResumeRequest, method: str = "Load") -> Any:
+    def _stream_header(self, stream: Any, req: pb.LoadRequest | pb.ResumeRequest, method: str = "Load") -> Any:
         """The header of a Load or Resume, checked (`_checked_header`); a size unlike the one known
         is forgotten (the call refused, its stream cancelled), so that the next answer tells it again."""
         try:
@@ -1071,7 +1071,7 @@ class KvstoreClient:
         """One Load answered with spans of the session's load segment, each copied into the
         buffer and its lease released at once."""
         stream = self._span_call(self._load_rpc, req, timeout, shm)
-        head = self._load_header(stream, req)
+        head = self._stream_header(stream, req)
         cb = max(1, head.chunk_bytes)
         dst = buffer_for(head.hit_chunks * head.chunk_bytes)
         limit = min(head.hit_chunks, len(dst) // cb)
@@ -1095,7 +1095,7 @@ class KvstoreClient:
         """One Load call streamed into `buffer_for(the hit's bytes)`; the stream is cancelled once
         the buffer is full."""
         stream = self._load(req, timeout=timeout, metadata=self._metadata)
-        head = self._load_header(stream, req)
+        head = self._stream_header(stream, req)
         writer = ChunkWriter(max(1, head.chunk_bytes), head.hit_chunks, buffer_for(head.hit_chunks * head.chunk_bytes))
         tiers: list[str] = []
         with _malformed("Load"):
@@ -1243,7 +1243,7 @@ class KvstoreClient:
         try:
             stream = (self._resume(req, timeout=timeout, metadata=metadata) if shm is None else
                       self._span_call(self._resume_rpc, req, timeout, shm, metadata))
-            head = self._load_header(stream, req, "Resume")
+            head = self._stream_header(stream, req, "Resume")
             asm = _Chunks(head.chunk_bytes, head.hit_chunks)
             local: BlobAssembler | None = None
             chunks: list[memoryview] = []

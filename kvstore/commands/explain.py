@@ -16,12 +16,12 @@ import http.client
 import json
 import os
 import sys
-import threading
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
 
+from kvstore.commands.admin_client import NotAnAdminPort, admin_get, has_fields, kvstore_error
 from kvstore.commands.checks import check_admin_url, check_timeout, check_token
 from kvstore.errors import InvalidInput, Unavailable
 from kvstore.wire.request_ids import REQUEST_ID_RE
@@ -41,59 +41,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-seconds", type=float, default=5.0, help="HTTP timeout (default 5)")
 
 
-MAX_ANSWER_BYTES = 16 << 20  # an explanation or `/api/stats` is KiBs; far more is not an admin port's
-NOT_JSON = object()  # admin_get's body that is not JSON (a kvstore admin port answers JSON on /api/)
-
-
-class NotAnAdminPort(Exception):
-    """What answered is no kvstore admin port (or not one this command can read); the message says why."""
-
-
-def admin_get(req: urllib.request.Request, timeout_seconds: float) -> tuple[int, Any]:
-    """GET `req` from an admin port: (the HTTP status, the body parsed as JSON, or NOT_JSON). The
-    whole exchange gets `timeout_seconds`: urllib's timeout bounds each socket read only, and a
-    server sending a byte a second held the command for good. Raises TimeoutError past it, the
-    OSError and http.client.HTTPException that urllib raises, and NotAnAdminPort for a body over
-    MAX_ANSWER_BYTES."""
-    box: list[tuple[int, bytes] | BaseException] = []
-
-    def get() -> None:
-        try:
-            try:
-                with urllib.request.urlopen(req, timeout=timeout_seconds) as resp:
-                    box.append((resp.status, resp.read(MAX_ANSWER_BYTES + 1)))
-            except urllib.error.HTTPError as e:  # a status that is not 2xx: its body says why
-                with e:
-                    box.append((e.code, e.read(MAX_ANSWER_BYTES + 1)))
-        except BaseException as e:
-            box.append(e)
-
-    # A daemon thread, given up at the deadline: the command exits soon after, and its socket with it.
-    worker = threading.Thread(target=get, name="kvstore-admin-get", daemon=True)
-    worker.start()
-    worker.join(timeout_seconds)
-    if not box:
-        raise TimeoutError(f"no complete answer within {timeout_seconds:g} s")
-    got = box[0]
-    if isinstance(got, BaseException):
-        raise got
-    status, body = got
-    if len(body) > MAX_ANSWER_BYTES:
-        raise NotAnAdminPort(f"an answer over {MAX_ANSWER_BYTES >> 20} MiB")
-    try:
-        return status, json.loads(body)
-    except ValueError:  # UnicodeDecodeError included
-        return status, NOT_JSON
-
-
-def kvstore_error(doc: Any) -> str | None:
-    """The message of kvstore's JSON error body ({"error": {"status", "reason", "message"}}), else None."""
-    err = doc.get("error") if isinstance(doc, dict) else None
-    if isinstance(err, dict) and isinstance(err.get("status"), int) and isinstance(err.get("message"), str):
-        return str(err["message"])
-    return None
-
-
 # What `render_text` reads, by type: an answer without it is no explanation.
 _EXPLANATION = {"request_id": str, "method": str, "model": str, "tenant": str, "summary": str, "bills": dict,
                 "chunk_tokens": int, "chunks": list, "remainder_tokens": int, "local": dict, "replay": str}
@@ -101,12 +48,6 @@ _BILLS = {"prefill_tokens_avoided": int, "prefill_flops_avoided": (int, float), 
           "replay_tokens": int}
 _RUN = {"first_chunk": int, "last_chunk": int, "reason": str, "detail": str}
 _LOCAL = {"outcome": str, "reason": str, "detail": str}
-
-
-def has_fields(doc: Any, fields: dict[str, Any]) -> bool:
-    """Whether `doc` is a JSON object with each of `fields` of its type (a bool is no number)."""
-    return isinstance(doc, dict) and all(
-        k in doc and isinstance(doc[k], t) and not isinstance(doc[k], bool) for k, t in fields.items())
 
 
 def _is_explanation(doc: Any) -> bool:

@@ -19,13 +19,13 @@ import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
+from kvstore.commands.admin_client import NotAnAdminPort, admin_get, has_fields, kvstore_error
 from kvstore.commands.checks import (
     check_admin_url,
     check_target,
     check_timeout,
     check_token,
 )
-from kvstore.commands.explain import NotAnAdminPort, admin_get, has_fields, kvstore_error
 from kvstore.errors import InvalidInput
 from kvstore.wire.tls_files import check_tls_ca, check_tls_client
 
