@@ -42,7 +42,7 @@ import math
 import os
 import secrets
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -273,29 +273,35 @@ def _layout(f: IO[bytes], block: int = 1 << 16) -> tuple[int, int, int]:
 def _end_of_data(f: IO[bytes], end: int, block: int) -> int:
     """Where the zero bytes that end the file start (`end`: none); past MAX_ZERO_TAIL_BYTES of them
     the search stops, and the rest is judged as data (no trace)."""
-    at = end
-    while at > 0 and end - at < MAX_ZERO_TAIL_BYTES:
-        start = max(0, at - block)
-        f.seek(start)
-        kept = len(f.read(at - start).rstrip(b"\0"))
-        if kept:
-            return start + kept
-        at = start
-    return at
+    def data_ends(piece: bytes) -> int:
+        return len(piece.rstrip(b"\0")) or -1
+
+    return _scan_back(f, end, block, MAX_ZERO_TAIL_BYTES, data_ends, gave_up=None)
 
 
 def _tail_of(f: IO[bytes], end: int, block: int) -> int:
     """Where the part of the file before `end` after its last newline starts; the search stops once
     that part is longer than a line may be (no trace: a binary file)."""
+    def after_newline(piece: bytes) -> int:
+        return piece.rfind(b"\n") + 1 or -1
+
+    return _scan_back(f, end, block, MAX_LINE_BYTES + 1, after_newline, gave_up=0)
+
+
+def _scan_back(f: IO[bytes], end: int, block: int, most: int, found: Callable[[bytes], int],
+               gave_up: int | None) -> int:
+    """Read back from `end` a block at a time, at most `most` bytes, until `found(block)` gives the
+    offset in it that ends the search (-1: read on); not found, `gave_up` (None: where the reading
+    stopped, the file's start or the bound)."""
     at = end
-    while at > 0 and end - at <= MAX_LINE_BYTES:
+    while at > 0 and end - at < most:
         start = max(0, at - block)
         f.seek(start)
-        newline = f.read(at - start).rfind(b"\n")
-        if newline >= 0:
-            return start + newline + 1
+        offset = found(f.read(at - start))
+        if offset >= 0:
+            return start + offset
         at = start
-    return 0
+    return at if gave_up is None else gave_up
 
 
 def _check_looks_like_a_trace(f: IO[bytes], p: Path, at: int, end: int) -> None:
