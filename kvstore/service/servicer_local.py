@@ -59,7 +59,15 @@ from kvstore.store import LoadSession
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.bills import to_pb as bills_to_pb
 from kvstore.wire.framing import BlobAssembler, blob_spans
-from kvstore.wire.messages import CASE_TO_PB, LOCAL_TO_PB, TIER_TO_PB, Malformed, accept, accept_tokens
+from kvstore.wire.messages import (
+    CASE_TO_PB,
+    LOCAL_TO_PB,
+    NO_LOCAL_POOL,
+    TIER_TO_PB,
+    Malformed,
+    accept,
+    accept_tokens,
+)
 from kvstore.wire.tokens_in_place import WithTokens
 from replay.port import CALL_ENDED, WAIT_TIMEOUT, ReplayOutcome, ReplayTicket
 
@@ -201,7 +209,7 @@ class LocalStateCalls:
             return pb.StoreLocalResponse()
         pool = self.app.local_pool
         if pool is None:
-            return pb.StoreLocalResponse(stored=False, reason="no local pool", boundary_tokens=boundary)
+            return pb.StoreLocalResponse(stored=False, reason=NO_LOCAL_POOL, boundary_tokens=boundary)
         key = boundary_key(self.app, res, boundary // ct)
         r = pool.put(res.ns.digest, key, res.ns.tenant, res.ns.layout_id, boundary, payload,
                      context.time_remaining())

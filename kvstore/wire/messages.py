@@ -119,6 +119,8 @@ CASE_TO_PB: Final[dict[str, Any]] = {
     "expired": pb.RESUME_CASE_EXPIRED,
 }
 PB_TO_CASE: Final[dict[int, str]] = {v: k for k, v in CASE_TO_PB.items()}
+# StoreLocalResponse.reason where the service has no local pool (beside the pool's own skip reasons).
+NO_LOCAL_POOL: Final = "no local pool"
 
 
 # --- hand-encoded chunk pieces ------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from kvstore.integrations.vllm.cache_layout import EnginePlan, PagedCache
 from kvstore.integrations.vllm.link import OUTAGES, REPLAY_MODE, Link, T
 from kvstore.integrations.vllm.metadata import KvstoreMeta, LoadSpec, SaveSpec, WorkerHandshake, WorkerReport
 from kvstore.local_pool.base import SKIP_REASONS
+from kvstore.wire.messages import NO_LOCAL_POOL
 
 log = logging.getLogger("kvstore.integrations.vllm")
 
@@ -44,7 +45,7 @@ MAX_DIRECT_RUNS = 8
 MIN_LOAD_SECONDS = 0.02
 # Why the service did not keep a window state (StoreLocal's `reason`): its local pool's reasons, and
 # its own when it has no pool. Any other text counts as "other": a reason never names a counter.
-WINDOW_SKIP_REASONS = frozenset((*SKIP_REASONS, "no local pool"))
+WINDOW_SKIP_REASONS = frozenset((*SKIP_REASONS, NO_LOCAL_POOL))
 
 
 # torch warns that a read-only array becomes a writable tensor; the chunks' tensors are only read.
