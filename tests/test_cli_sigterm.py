@@ -43,8 +43,8 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out]
 
 
-def _kvstore(argv: list[str], tmp: Path, **kw: Any) -> subprocess.Popen[str]:
-    env = dict(os.environ, TMPDIR=str(tmp))
+def _kvstore(argv: list[str], tmp: Path, path: str | None = None, **kw: Any) -> subprocess.Popen[str]:
+    env = dict(os.environ, TMPDIR=str(tmp), PATH=path or os.environ.get("PATH", ""))
     return subprocess.Popen([sys.executable, "-m", "kvstore", *argv], env=env, text=True,
                             start_new_session=True, **kw)
 
@@ -80,6 +80,29 @@ def test_sigterm_to_bench_pool_stops_its_redis_and_removes_its_temp_dir(redis_bi
     assert p.returncode == 143, (p.returncode, err[-2000:])
     assert err.strip().splitlines() == ["kvstore bench: stopped by SIGTERM"]
     assert not orphaned
+    assert glob.glob(f"{tmp_path}/kvsredis-*") == []
+
+
+def test_sigterm_while_bench_pool_starts_its_redis_still_removes_its_temp_dir(tmp_path: Path) -> None:
+    # A redis-server that never answers PING holds bench pool in the server's start.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "redis-server"
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "Redis server v=7.2.4"; exit 0; }\nexec sleep 600\n')
+    fake.chmod(0o755)
+    p = _kvstore(["bench", "pool"], tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                 path=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    server: list[int] = []
+
+    def ready() -> None:
+        _wait_for("the hanging redis-server", lambda: _children(p.pid))
+        server.append(_children(p.pid)[0])
+        _wait_for("its temp dir", lambda: glob.glob(f"{tmp_path}/kvsredis-*"))
+
+    err = _terminated(p, ready)
+    assert p.returncode == 143, (p.returncode, err[-2000:])
+    assert err.strip().splitlines() == ["kvstore bench: stopped by SIGTERM"]
+    assert not _alive(server[0])
     assert glob.glob(f"{tmp_path}/kvsredis-*") == []
 
 

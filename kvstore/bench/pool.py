@@ -102,9 +102,11 @@ def run_pool_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidInput(f"pool: --part-bytes {e.problem}, not {args.part_bytes}") from None
     n, k = args.snapshot_bytes, args.snapshots
     payloads = [os.urandom(n) for _ in range(k)]
-    server = None if args.redis_url else RedisProcess().start()
-    url = args.redis_url or (server.url if server else "")
+    # Built before the try and started inside it: a SIGTERM while the server starts still removes
+    # its directory.
+    server = None if args.redis_url else RedisProcess()
     try:
+        url = server.start().url if server is not None else args.redis_url
         result = _bench_redis(url, payloads, args)
     finally:
         if server is not None:

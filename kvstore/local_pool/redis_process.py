@@ -182,6 +182,9 @@ class RedisProcess:
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                     pass
                 time.sleep(0.02)
+        except BaseException:  # e.g. SIGTERM or Ctrl-C while waiting: no server left half started
+            self._terminate(signal.SIGKILL)
+            raise
         finally:
             probe.close()
         self._terminate(signal.SIGKILL)
