@@ -192,6 +192,7 @@ def test_a_retry_waits_for_another_runner_to_have_room_not_for_the_one_that_fail
     reg, (a,), co, toks, _ = _setup(rig, 7, _error)
     b = LinkRunner(reg, "b", held_first, max_concurrent_jobs=1)
     other = reg.submit(ReplayJob("t1", NAME, "bounded", toks[:16], 0, 16, 0, 0, (), 10.0), avoid="a")
+    wait_for(lambda: len(b.jobs) == 1)  # b's reader thread has taken it: b has no room
     got: list[ReplayOutcome] = []
     t = threading.Thread(target=lambda: got.append(co.resume_local(rig.ns(), toks, 64, 20.0)))
     t.start()
