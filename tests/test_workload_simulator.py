@@ -270,3 +270,15 @@ def test_a_model_without_local_state_has_no_expired_case_and_writes_no_snapshots
     assert s["cases"]["expired"]["count"] == 0
     assert s["local_miss_reasons"] == {"ttl": 0, "capacity": 0, "never": 0}
     assert r.settings["expected_expired_share_of_returns"] == 0.0
+
+
+@pytest.mark.parametrize("ttl", [
+    TtlPolicyConfig(kind="adaptive", ttl_seconds=300.0),
+    TtlPolicyConfig(kind="fixed", ttl_seconds=300.0, tenant_ttl_seconds={"t0": 5.0}),
+], ids=["adaptive", "per-tenant"])
+def test_no_analytic_expired_share_is_claimed_where_no_one_ttl_holds_for_every_return(ttl: TtlPolicyConfig) -> None:
+    # The analytic share is the think times past one TTL: under an adaptive policy, or per-tenant
+    # TTLs, it described a TTL the run's returns did not all get.
+    w = hand_workload(session(0, 0, 0.0, [0.0, 10.0, 1000.0]))
+    assert simulate(w, config()).settings["expected_expired_share_of_returns"] is not None
+    assert simulate(w, config(ttl=ttl)).settings["expected_expired_share_of_returns"] is None

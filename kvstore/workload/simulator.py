@@ -237,9 +237,18 @@ class Simulator:
                        "global_bytes_per_token": self.layout.global_bytes_per_token,
                        "local_snapshot_bytes": self.snapshot_bytes},
             "cost_model": self.cost.describe(),
-            "expected_expired_share_of_returns": (expected_expired_share(self.workload, cfg.ttl.ttl_seconds)
-                                                  if self.snapshot_bytes else 0.0),
+            "expected_expired_share_of_returns": self._expected_expired_share(),
         }
+
+    def _expected_expired_share(self) -> float | None:
+        """The analytic share of returns past the TTL; None where no one TTL holds for every return
+        (an adaptive policy's moves, per-tenant TTLs): the run's own expired share then stands alone."""
+        ttl = self.cfg.ttl
+        if not self.snapshot_bytes:
+            return 0.0
+        if ttl.kind == "adaptive" or ttl.tenant_ttl_seconds:
+            return None
+        return expected_expired_share(self.workload, ttl.ttl_seconds)
 
     def _counters(self) -> dict[str, Any]:
         st, pool = self.store, self.pool
