@@ -192,6 +192,149 @@ def open_dashboard_expecting_401(browser: Any, url: str) -> tuple[Any, list[str]
     return page, errors
 
 
+def _pill(page: Any, id_: str) -> str:
+    return str(page.eval_on_selector(f"#{id_}", "e => e.textContent"))
+
+
+def _banner(page: Any) -> str:
+    return str(page.eval_on_selector("#banner", "e => getComputedStyle(e).display === 'none' ? '' : e.textContent"))
+
+
+def test_a_stopped_or_killed_service_is_shown_as_such(browser: Any, tmp_path: Path) -> None:
+    """SIGSTOP: the admin port still accepts connections but never answers. The page's fetches
+    give up, so within a bound the banner says so, health is unknown and the data is marked stale;
+    SIGCONT brings it back; a killed service (refused connections) also reads as unknown health."""
+    import re
+    import signal
+
+    from tests.fixtures.service import spawn_service
+
+    _chromium()
+    svc = spawn_service(tmp_path, extra=("--admin-port", "0"))
+    stopped = False
+    try:
+        m = re.search(r"admin HTTP on (http://\S+?)/?$", svc.output(), re.M)
+        assert m, svc.output()
+        page, errors = open_dashboard(browser, m.group(1) + "/dashboard?refresh=1")
+        assert _pill(page, "health") == "serving" and _banner(page) == ""
+        svc.proc.send_signal(signal.SIGSTOP)
+        stopped = True
+        page.wait_for_function(
+            "() => getComputedStyle(document.getElementById('banner')).display !== 'none'"
+            " && document.getElementById('health').textContent === 'unknown'"
+            " && document.getElementById('updated').textContent.startsWith('stale since')", timeout=20_000)
+        assert "did not answer within 3 s" in _banner(page)
+        svc.proc.send_signal(signal.SIGCONT)
+        stopped = False
+        page.wait_for_function(
+            "() => getComputedStyle(document.getElementById('banner')).display === 'none'"
+            " && document.getElementById('health').textContent === 'serving'"
+            " && document.getElementById('updated').textContent.startsWith('updated')", timeout=20_000)
+        svc.proc.kill()
+        svc.proc.wait(timeout=30)
+        page.wait_for_function(
+            "() => getComputedStyle(document.getElementById('banner')).display !== 'none'"
+            " && document.getElementById('health').textContent === 'unknown'", timeout=20_000)
+        assert [e for e in errors if e.startswith(("page error", "off-origin"))] == []
+        page.close()
+    finally:
+        if stopped:
+            svc.proc.send_signal(signal.SIGCONT)
+        svc.terminate(signal.SIGKILL)
+
+
+@pytest.fixture
+def small_rig(tmp_path: Path) -> Iterator[tuple[Rig, AdminHttpServer]]:
+    rig = Rig(tmp_path)
+    workload(rig, minutes=3, sessions=3)
+    yield rig, rig.serve()
+    rig.close()
+
+
+def test_a_refresh_that_is_no_number_falls_back_and_a_huge_one_is_clamped(
+        browser: Any, small_rig: tuple[Rig, AdminHttpServer]) -> None:
+    _, srv = small_rig
+    # "5s" is not a number: the default 2 s, not setInterval(NaN) firing back to back.
+    page, errors = open_dashboard(browser, srv.url + "/dashboard?refresh=5s")
+    api: list[str] = []
+    page.on("request", lambda r: api.append(r.url) if "/api/" in r.url else None)
+    page.wait_for_timeout(4000)
+    # Two requests a refresh: about 4 in 4 s at 2 s apart (setInterval(NaN) made some 400).
+    assert len(api) <= 10, len(api)
+    assert "refreshes every 2 s" in _pill(page, "foot")
+    page.close()
+    # A timer past ~24.8 days overflows and never fires: clamped to an hour; under 1 s: 1 s.
+    for arg, used in (("1e7", "3600"), ("0.2", "1"), ("", "2"), ("Infinity", "2")):
+        page, errors = open_dashboard(browser, srv.url + f"/dashboard?refresh={arg}")
+        assert f"refreshes every {used} s" in _pill(page, "foot"), arg
+        assert errors == []
+        page.close()
+
+
+def test_a_window_not_in_the_menu_still_loads_and_the_covered_span_is_shown(
+        browser: Any, small_rig: tuple[Rig, AdminHttpServer]) -> None:
+    _, srv = small_rig
+    # Not a number: the default window (15 min), not an empty menu asking window=0 for ever.
+    page, errors = open_dashboard(browser, srv.url + "/dashboard?window=abc")
+    assert page.eval_on_selector("#window", "e => e.value") == "900"
+    assert errors == []
+    page.close()
+    # A whole number of seconds not in the menu: added to it, and asked. The rig's clock stands
+    # still, so the page's answer covers what this one does.
+    page, errors = open_dashboard(browser, srv.url + "/dashboard?window=60")
+    assert page.eval_on_selector("#window", "e => [e.value, e.selectedOptions[0].textContent]") == ["60", "60 s"]
+    covered = _covered(srv, "/api/timeseries?window=60&step=1")
+    assert _seconds(_pill(page, "k-avoid-s").split("in the last ")[1]) == pytest.approx(covered, abs=0.5)
+    assert not page.is_visible("#covered")
+    page.close()
+    # Longer than the history kept (an hour, of which the workload filled minutes): the page labels
+    # the span the answer covers, never the 2 h asked.
+    page, errors = open_dashboard(browser, srv.url + "/dashboard?window=7200")
+    assert page.eval_on_selector("#window", "e => e.value") == "7200"
+    covered = _covered(srv, "/api/timeseries?window=7200&step=160")
+    assert covered <= 3600
+    assert page.is_visible("#covered")
+    for label in (_pill(page, "covered").split("data covers ")[1], _pill(page, "k-avoid-s").split("in the last ")[1],
+                  _pill(page, "cases-span").split("all requests in the last ")[1]):
+        assert _seconds(label) == pytest.approx(covered, rel=0.02, abs=0.5), label
+    assert errors == []
+    page.close()
+
+
+def _covered(srv: AdminHttpServer, path: str) -> float:
+    """The span, in seconds, an /api/timeseries answer says it covers."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(srv.url + path, timeout=10) as r:
+        return float(json.loads(r.read())["window_seconds"])
+
+
+def _seconds(label: str) -> float:
+    """'60 s', '2.5 min', '1 h' (the start of `label`) in seconds."""
+    number, unit = label.split()[:2]
+    return float(number) * {"s": 1, "min": 60, "h": 3600}[unit]
+
+
+def test_an_error_answer_is_shown_in_the_servers_words(browser: Any, small_rig: tuple[Rig, AdminHttpServer]) -> None:
+    import re
+
+    _, srv = small_rig
+    page = browser.new_page(viewport={"width": 1200, "height": 800})
+    try:
+        # The fault: the page's time-series request reaches the real server with window=0.
+        page.route("**/api/timeseries*",
+                   lambda route: route.continue_(url=re.sub(r"window=\d+", "window=0", route.request.url)))
+        page.goto(srv.url + "/dashboard")
+        page.wait_for_function("() => getComputedStyle(document.getElementById('banner')).display !== 'none'",
+                               timeout=15_000)
+        text = _banner(page)
+        assert "/api/timeseries answered 400: query parameter 'window' must be >= 1 seconds" in text, text
+        assert _pill(page, "health") == "unknown"
+    finally:
+        page.close()
+
+
 def render_readme_screenshot(target: Path) -> None:
     """The README's screenshot: a realistic DeepSeek-V4.1-Flash workload over fifteen minutes.
     Run as `python -m tests.test_dashboard_browser docs/dashboard.png`."""
