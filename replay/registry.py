@@ -521,6 +521,12 @@ class RunnerRegistry:
         with self._lock:
             return [link.info for link in self._links.values()]
 
+    def serving(self, tenant: str | None) -> int:
+        """How many runners serve `tenant`: its own and the shared ones (attached with the admin
+        token); None: every runner."""
+        with self._lock:
+            return sum(1 for link in self._links.values() if tenant is None or link.info.tenant in (None, tenant))
+
     def close(self) -> None:
         """Shutting down: detach every runner (their streams end) and refuse new attachments."""
         with self._lock:

@@ -46,7 +46,7 @@ def test_bobs_stats_and_timeseries_do_not_move_with_alices_traffic(tmp_path: Pat
         assert "lookups" not in st["store"] and "lookup_hit_tokens" not in st["store"]
         assert "tiers" in st["store"] and st["store"]["tenant_bytes"] == {"bob": {}}
         assert "hits" not in st["pool"] and "writes" not in st["pool"] and "capacity_bytes" in st["pool"]
-        assert set(st["withheld"]) == {"store", "pool", "timeseries"}
+        assert set(st["withheld"]) == {"store", "pool", "timeseries", "replay"}
         # The admin sees every tenant's traffic, summed and step by step.
         adm = _get(port, "/api/stats", ADMIN)
         assert adm["totals"]["requests"] == 8 and adm["store"]["lookups"] > 0 and "withheld" not in adm

@@ -25,7 +25,7 @@ from kvstore.config.service import AdminConfig
 from kvstore.keys.chunk_keys import Namespace
 from kvstore.local_pool.base import LocalPool
 from kvstore.local_pool.embedded import EmbeddedPool
-from kvstore.observe.admin_api import InfoSources
+from kvstore.observe.admin_api import InfoSources, ReplayInfo
 from kvstore.observe.admin_http import AdminHttpServer
 from kvstore.observe.call_observer import Observability, case_of
 from kvstore.observe.records import CallRecord, LocalWriteFacts, lookup_facts
@@ -103,7 +103,7 @@ class Rig:
         info = InfoSources(
             store=self.store.stats, pool=pool.stats if pool is not None else None,
             pool_health=pool.health if pool is not None else None,
-            replay=lambda: {"coordinator": True, "runners_attached": 1, "queue_depth": 0},
+            replay=lambda tenant: ReplayInfo(coordinator=True, runners_attached=1, queue_depth=0),
             policy=lambda: policy_doc(self.cfg),
             health=lambda: {"": "SERVING", "kvstore.store": "SERVING"})
         srv = serve_admin(self.obs, self.cfg, host=host, port=0, info=info, sample_seconds=0.2, **kw)

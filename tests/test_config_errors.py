@@ -211,13 +211,16 @@ def test_metrics_behind_a_token_need_one() -> None:
     parse_config({"admin": {"metrics_require_token": True, "admin_token": "admin-token-0123"}})
 
 
-def test_per_tenant_labels_on_an_open_metrics_port_beyond_loopback_are_warned_about() -> None:
+def test_per_tenant_labels_on_an_open_metrics_port_are_warned_about() -> None:
     tenants = {"a": {"tokens": [TOKEN]}}
-    open_port = parse_config({"tenants": tenants, "admin": {"host": "0.0.0.0", "per_tenant_labels": True}})
-    assert any("admin.per_tenant_labels" in w and "admin.metrics_require_token" in w
-               for w in config_warnings(open_port))
-    for admin in ({"host": "127.0.0.1", "per_tenant_labels": True},
-                  {"host": "0.0.0.0", "per_tenant_labels": True, "metrics_require_token": True,
+    # Beyond loopback, and on loopback too where there are tenants: any local caller reads them.
+    for host in ("0.0.0.0", "127.0.0.1"):
+        open_port = parse_config({"tenants": tenants, "admin": {"host": host, "per_tenant_labels": True}})
+        assert any("admin.per_tenant_labels" in w and "admin.metrics_require_token" in w
+                   for w in config_warnings(open_port))
+    assert not any("per_tenant_labels" in w for w in config_warnings(parse_config(
+        {"admin": {"host": "127.0.0.1", "per_tenant_labels": True}})))
+    for admin in ({"host": "0.0.0.0", "per_tenant_labels": True, "metrics_require_token": True,
                    "admin_token": "admin-token-0123"},
                   {"host": "0.0.0.0"}):
         assert not any("per_tenant_labels" in w for w in config_warnings(parse_config({"tenants": tenants,

@@ -38,6 +38,13 @@ def config_warnings(cfg: KvstoreConfig) -> list[str]:
         out.append(f"admin.per_tenant_labels = true with admin.metrics_require_token = false on admin.host = "
                    f"'{adm.host}' (not loopback): /metrics shows every tenant's name and traffic to anyone "
                    "who can reach the port")
+    elif adm.per_tenant_labels and not adm.metrics_require_token and cfg.tenants:
+        # A loopback bind keeps out other hosts, not this host's other users and processes: a
+        # tenant's token, or none, reads every other tenant's labelled series.
+        out.append(f"admin.per_tenant_labels = true with admin.metrics_require_token = false and [tenants] "
+                   f"configured: /metrics on admin.host = '{adm.host}' shows every tenant's name and traffic to "
+                   "any caller on this host, with no token (set admin.metrics_require_token = true and "
+                   "admin.admin_token)")
     out += _zero_shares(cfg)
     out += _pool_below_a_snapshot(cfg)
     out += _tiers_below_a_chunk(cfg)

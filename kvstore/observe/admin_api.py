@@ -6,9 +6,11 @@ request; a tenant (a tenant's bearer token) sees its own figures and requests, a
 only its state (tier and pool capacity and occupancy, evictions by reason, health, policy), as the
 gRPC `Stats` shows it: never a figure summed over tenants' traffic, from which subtracting its own
 would give the others' (its `totals` are its own, the store's and pool's traffic counters and the
-time series are withheld); an anonymous viewer (no admin token configured, non-loopback bind) sees
-aggregates only, and where there are tenants not even those (it could be a tenant that left its
-token off): the service's state, as a tenant sees it, without a tenant's own figures.
+time series and the replay queue's depth are withheld, and the runners it is shown are those
+serving it, its own and the shared ones, as `Stats` counts them); an anonymous viewer (no admin
+token configured, non-loopback bind) sees aggregates only, and where there are tenants not even
+those (it could be a tenant that left its token off): the service's state, as a tenant sees it,
+without a tenant's own figures.
 
 What it does not know: HTTP (status codes, headers, auth parsing: `admin_http.py`), Prometheus, or how
 the figures are produced (it reads the ledger, the explainer and `InfoSources` callables).
@@ -56,6 +58,15 @@ class Viewer:
         return self.admin or (self.tenant is None and not self.tenants_configured)
 
 
+@dataclass(frozen=True)
+class ReplayInfo:
+    """The replay side as one viewer may see it (`InfoSources.replay`)."""
+
+    coordinator: bool  # a replay coordinator runs
+    runners_attached: int  # the runners serving the tenant it was asked for (for None: every runner)
+    queue_depth: int | None  # jobs waiting, every tenant's (None: no coordinator, or no depth known)
+
+
 @dataclass
 class InfoSources:
     """Callables read per request; any may be None. Each returns plain data (dataclasses are
@@ -64,7 +75,9 @@ class InfoSources:
     store: Callable[[], Any] | None = None  # the store's StoreStats
     pool: Callable[[], Any] | None = None  # the pool's PoolStats
     pool_health: Callable[[], Any] | None = None  # the pool's PoolHealth
-    replay: Callable[[], Mapping[str, Any]] | None = None  # queue depth, runners, coordinator present
+    # The replay side for a tenant: runners serving it, its own and the shared ones ("": the shared
+    # ones only; None: every runner).
+    replay: Callable[[str | None], ReplayInfo] | None = None
     policy: Callable[[], Mapping[str, Any]] | None = None  # the TTL / eviction / replay policy in force
     health: Callable[[], Mapping[str, str]] | None = None  # component -> SERVING / NOT_SERVING
     extra: dict[str, Callable[[], Any]] = field(default_factory=dict)
@@ -112,7 +125,7 @@ class AdminApi:
             "store": self._store_view(self._read(s.store), viewer),
             "pool": _pool_view(self._read(s.pool), viewer),
             "pool_health": self._read(s.pool_health),
-            "replay": self._read(s.replay),
+            "replay": self._replay_view(viewer),
             "policy": _policy_view(self._read(s.policy), viewer),
             "health": self._read(s.health),
             "timeseries": {"step_seconds": self.ledger.step_seconds,
@@ -131,9 +144,24 @@ class AdminApi:
             out["withheld"] = {"store": "its lookup, pin and key-memo counters are " + WITHHELD_FROM_TENANTS,
                                "pool": "its hit, miss and write counters are " + WITHHELD_FROM_TENANTS,
                                "timeseries": "it is " + WITHHELD_FROM_TENANTS}
+            if s.replay is not None:
+                out["withheld"]["replay"] = "its queue depth is " + WITHHELD_FROM_TENANTS
             if viewer.tenant is None:
                 out["withheld"]["totals"] = "they are " + WITHHELD_FROM_TENANTS
         return out
+
+    def _replay_view(self, viewer: Viewer) -> Any:
+        """The replay side as this viewer may see it: the queue holds every tenant's jobs (its depth
+        is a sum), and a tenant's runners are another's business."""
+        fn = self.sources.replay
+        if fn is None:
+            return None
+        # "" names no tenant: a viewer without a token that may not see sums is shown the shared runners.
+        tenant = None if viewer.sees_sums else viewer.tenant or ""
+        doc = self._read(lambda: fn(tenant))
+        if not viewer.sees_sums and isinstance(doc, dict):
+            doc.pop("queue_depth", None)
+        return doc
 
     @staticmethod
     def _store_view(st: Any, viewer: Viewer) -> Any:

@@ -5,7 +5,8 @@ Role: `Ledger` adds bills up per tenant and over time, and integrates occupancy 
   caller: HBM byte-seconds (the device tier's bytes × time: the runtime-KV bill) and persistent
   byte-seconds per tier (DRAM and SSD: the persistent-KV bill). It keeps a rolling in-memory time
   series for `/api/timeseries`, with memory bounded by `window_seconds / step_seconds` buckets,
-  a bounded number of tenants and a bounded list of recent requests.
+  a bounded number of tenants and a bounded list of recent requests, kept per tenant
+  (`tenant_lru.TenantLru`, as the explainer's journals): one tenant's traffic ages out only its own.
 
 What it does not know: gRPC, Prometheus, the store or the pool. Occupancy comes from an injected
 callable returning `Occupancy` (built from anything shaped like the store's stats with
@@ -31,6 +32,7 @@ from typing import Any
 
 from kvstore.layout import TIER_NAMES
 from kvstore.observe.records import CASES, LOCAL_OUTCOMES, OTHER_TENANT, PERSISTENT_TIERS, RequestRecord
+from kvstore.observe.tenant_lru import TenantLru
 from kvstore.store.types import StoreStats
 from kvstore.wire.purposes import PURPOSES, RETRY
 
@@ -255,7 +257,10 @@ class Ledger:
         occupancy: Callable[[], Occupancy] | None = None,
         max_tenants: int = 1024,
         recent_requests: int = 200,
+        share_weights: Mapping[str, float] | None = None,
     ) -> None:
+        """`recent_requests`: all tenants together, split by `share_weights` (None: equally among the
+        tenants seen), as the explainer's journals are."""
         assert step_seconds > 0 and window_seconds >= step_seconds
         self.window_seconds = float(window_seconds)
         self.step_seconds = float(step_seconds)
@@ -268,7 +273,9 @@ class Ledger:
         self._total = _Sums()
         self._tenants: dict[str, _Sums] = {}
         self._buckets: deque[_Bucket] = deque(maxlen=math.ceil(window_seconds / step_seconds) + 1)
-        self._recent: deque[tuple[float, RequestRecord]] = deque(maxlen=recent_requests)
+        # Keyed by arrival number, which orders every tenant's parts into one list for the admin.
+        self._recent: TenantLru[int, tuple[float, RequestRecord]] = TenantLru(recent_requests, share_weights)
+        self._recorded = 0
         self._last_t = clock()
         self._occ: Occupancy | None = None
         # The store's eviction counters start at 0 when it opens: evictions before the first sample
@@ -276,6 +283,8 @@ class Ledger:
         self._evictions_seen: dict[str, int] = {}
         self._evictions_total: Counter[str] = Counter()
         self.started_at = self._last_t
+        # Where the buckets' history begins: the start, then past the buckets dropped for room.
+        self._history_from = self.started_at
 
     # --- input ---
 
@@ -286,7 +295,10 @@ class Ledger:
             self._total.add(rec)
             self._tenant(rec.tenant).add(rec)
             self._bucket(now).sums.add(rec)
-            self._recent.append((now, rec))
+            self._recorded += 1
+            # A tenant past `max_tenants` keeps its requests where its sums went, in "(other)"'s part.
+            part = rec.tenant if rec.tenant in self._tenants else OTHER_TENANT
+            self._recent.put(part, self._recorded, (now, rec))
 
     def side_call(self, tenant: str, purpose: str) -> None:
         """A call that was not a request, counted apart: a Lookup marked "precheck" or "probe", or a
@@ -380,14 +392,23 @@ class Ledger:
             if b.index < idx:
                 break
         nb = _Bucket(idx)
+        keep = self._buckets.maxlen or 0
         if self._buckets and self._buckets[-1].index > idx:
             # Only _advance asks for an older bucket, and only one inside the window: keep order.
             items = sorted([*self._buckets, nb], key=lambda x: x.index)
             self._buckets.clear()
-            self._buckets.extend(items[-(self._buckets.maxlen or len(items)):])
+            self._buckets.extend(items[-keep:])
+            if len(items) > keep:
+                self._dropped(items[-keep - 1])
         else:
+            if len(self._buckets) == keep:
+                self._dropped(self._buckets[0])
             self._buckets.append(nb)
         return nb
+
+    def _dropped(self, b: _Bucket) -> None:
+        """`b` leaves the history: what the buckets hold begins after it."""
+        self._history_from = max(self._history_from, (b.index + 1) * self.step_seconds)
 
     def _tenant(self, tenant: str) -> _Sums:
         s = self._tenants.get(tenant)
@@ -464,11 +485,17 @@ class Ledger:
             return out
 
     def recent(self, limit: int = 50, tenant: str | None = None) -> list[dict[str, Any]]:
-        """The most recent requests, newest first; only `tenant`'s when given."""
+        """The most recent requests, newest first; only `tenant`'s when given, else every tenant's
+        parts merged."""
         now, wall = self._clock(), self._wall()
         with self._lock:
-            items = [(t, r) for t, r in self._recent if tenant is None or r.tenant == tenant]
-        return [r.to_json(self._wall_of(t, now, wall)) for t, r in reversed(items[-limit:])]
+            if tenant is None:
+                items = [v for part in self._recent.tenants() for v in self._recent.items(part)]
+            else:
+                part = tenant if tenant in self._tenants else OTHER_TENANT
+                items = [(n, v) for n, v in self._recent.items(part) if v[1].tenant == tenant]
+        newest = sorted(items, key=lambda nv: nv[0], reverse=True)[:limit]
+        return [r.to_json(self._wall_of(t, now, wall)) for _, (t, r) in newest]
 
     def timeseries(self, window_seconds: float, step_seconds: float | None = None) -> dict[str, Any]:
         """Points over the last `window_seconds` (at most the ledger's window), one per
@@ -476,6 +503,12 @@ class Ledger:
         step), and at most `MAX_ANSWER_POINTS`: a finer step is coarsened to fit (the answer's
         `step_seconds` says so). A coarser step merges buckets: sums add, latency histograms merge
         (so percentiles stay true percentiles), occupancy is the last seen.
+
+        Points are whole steps aligned to the clock, so they cover from the start of the first step
+        to now, which can be more or less than `window_seconds` (a 600 s step answers a 300 s window
+        with 0..600 s), and nothing from before the history held (the ledger's start, or the oldest
+        step kept): the answer's `from` and `to` (wall times) and `window_seconds` (their
+        difference) say what the points cover, and each point's `t` and `seconds` its part.
 
         Built outside the lock (a long history takes seconds, and `record` must not wait on it):
         under it, references to the buckets no write can reach any more, and copies of the rest."""
@@ -492,6 +525,10 @@ class Ledger:
             # on (one earlier, for a bucket boundary): those are copied, the older ones are final.
             hot = math.floor(self._last_t / self.step_seconds) - 1
             buckets = [copy.deepcopy(b) if b.index >= hot else b for b in self._buckets]
+            history_from = self._history_from
+        # Steps from before the history held are left out, not answered as zeros.
+        start = min(now, max(first * step, history_from))
+        first = max(first, math.floor(start / step))
         groups: dict[int, list[_Bucket]] = {}
         older: _Bucket | None = None
         for b in buckets:
@@ -512,14 +549,15 @@ class Ledger:
                 if b.used:
                     used, capacity = dict(b.used), dict(b.capacity)
             p = sums.to_json()
-            span = min(step, now - g * step) if g == last else step
-            p["t"] = self._wall_of(g * step, now, wall)
-            p["seconds"] = max(span, 0.0)
+            begin = max(g * step, start)
+            p["t"] = self._wall_of(begin, now, wall)
+            p["seconds"] = max(min((g + 1) * step, now) - begin, 0.0)
             p["tiers"] = {t: {"used_bytes": used.get(t, 0), "capacity_bytes": capacity.get(t, 0)}
                           for t in TIER_NAMES if t in used}
             p["evictions"] = dict(evictions)
             points.append(p)
-        return {"step_seconds": step, "window_seconds": window, "now": wall, "points": points}
+        return {"step_seconds": step, "window_seconds": now - start, "from": self._wall_of(start, now, wall),
+                "to": wall, "now": wall, "points": points}
 
 
 def _add(d: dict[str, float], key: str, v: float) -> None:

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from kvstore.config import KvstoreConfig
 from kvstore.local_pool.base import PoolStats
-from kvstore.observe.admin_api import AdminApi, InfoSources
+from kvstore.observe.admin_api import AdminApi, InfoSources, ReplayInfo
 from kvstore.observe.admin_http import AdminHttpServer
 from kvstore.observe.call_observer import Observability, Sampler
 from kvstore.observe.explainer import Explainer
@@ -113,7 +113,7 @@ def build_observability(
         fn = store_stats
         occupancy = lambda: occupancy_from_stats(fn())  # noqa: E731
     ledger = Ledger(window_seconds=adm.timeseries_seconds, step_seconds=adm.timeseries_step_seconds,
-                    clock=clock, wall_clock=wall_clock, occupancy=occupancy)
+                    clock=clock, wall_clock=wall_clock, occupancy=occupancy, share_weights=cfg.share_weights())
     explainer = Explainer(
         max_requests=adm.explain_requests, max_fates=adm.explain_chunk_fates, share_weights=cfg.share_weights(),
         eviction_policy=cfg.store.eviction_policy,
@@ -201,10 +201,9 @@ def start_admin(app: App, host: str, port: int, *,
     app.observers.append(obs)
     app.explains_misses = True
 
-    def replay_doc() -> dict[str, Any]:
-        return {"coordinator": app.coordinator is not None,
-                "runners_attached": len(app.runners.runners()),
-                "queue_depth": depth() if callable(depth) else None}
+    def replay_doc(tenant: str | None) -> ReplayInfo:
+        return ReplayInfo(coordinator=app.coordinator is not None, runners_attached=app.runners.serving(tenant),
+                          queue_depth=depth() if callable(depth) else None)
 
     info = InfoSources(
         store=app.store.stats,

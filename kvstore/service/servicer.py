@@ -462,7 +462,7 @@ class KVCacheServicer(LocalStateCalls):
             corrupt_reads=own.corrupt_reads, pins_active=own.pins_active, pins_expired=own.pins_expired,
             admissions_refused=own.admissions_refused, evictions_by_reason=st.evictions_by_reason,
             local_pool=pool, models=[m for m in list(app.models) if m not in hidden],
-            runners_attached=sum(1 for r in app.runners.runners() if r.tenant in (None, tenant)),
+            runners_attached=app.runners.serving(tenant),
             calls_in_flight=self._limiter.tenant_in_flight(tenant),
             calls_rejected=self._limiter.tenant_rejected(tenant),
             replay_coordinator=app.coordinator is not None, data_plane=self._data_plane(tenant),
