@@ -34,6 +34,10 @@ whose write may still fail after its TTL is chosen (Redis: out of memory, a time
 (`WriteCountingTtl`): `ttl_for_write` is the two in one.
 The caller must report every return it sees through `observe_return`, including those that found
 the snapshot expired; reporting only hits would censor the gaps at the TTL and pull it down.
+
+A policy rebuilt from changed inputs (a config reload) takes over the gaps and counts its
+predecessor observed (`carry_learning`), and solves its TTLs from them under its own parameters.
+`TenantTtls.ttl_for_tenant` says the TTL in force for a tenant without counting a write.
 """
 
 from __future__ import annotations
@@ -72,6 +76,15 @@ class WriteCountingTtl(TtlPolicy, Protocol):
         ...
 
 
+@runtime_checkable
+class TenantTtls(TtlPolicy, Protocol):
+    """A policy that can say, without counting a write, the TTL a tenant's write gets now."""
+
+    def ttl_for_tenant(self, tenant: str) -> float:
+        """Seconds a default-size snapshot of `tenant` written now would live."""
+        ...
+
+
 class FixedTtl:
     def __init__(self, ttl_seconds: float) -> None:
         _require_finite_positive("ttl_seconds", ttl_seconds)
@@ -91,6 +104,9 @@ class FixedTtl:
 
     def observe_return(self, tenant: str, gap_seconds: float) -> None:
         pass
+
+    def ttl_for_tenant(self, tenant: str) -> float:
+        return self._ttl
 
     def describe(self) -> dict[str, object]:
         return {"kind": "fixed", "ttl_seconds": self._ttl}
@@ -141,6 +157,17 @@ class TenantOverrideTtl:
 
     def observe_return(self, tenant: str, gap_seconds: float) -> None:
         self._inner.observe_return(tenant, gap_seconds)
+
+    def ttl_for_tenant(self, tenant: str) -> float:
+        """The override, else the inner policy's (NaN where that one cannot say)."""
+        ttl = self._overrides.get(tenant)
+        if ttl is not None:
+            return ttl
+        return self._inner.ttl_for_tenant(tenant) if isinstance(self._inner, TenantTtls) else math.nan
+
+    @property
+    def inner(self) -> TtlPolicy:
+        return self._inner
 
     def describe(self) -> dict[str, object]:
         return {**self._inner.describe(), "tenant_ttl_seconds": dict(self._overrides)}
@@ -215,6 +242,21 @@ class _TenantGaps:
         if self.writes <= 0:
             return 0.0
         return min(1.0, max(0.0, 1.0 - self.returns / self.writes))
+
+    def carried(self, window: int) -> _TenantGaps:
+        """A copy in a ring of `window` gaps: the most recent ones, the counts as recent as them;
+        its TTL unsolved (a new policy's costs and clamps decide it)."""
+        n = self.gaps.shape[0]
+        recent = self.gaps[: self.filled] if self.filled < n else np.roll(self.gaps, -self.next)  # oldest first
+        keep = recent[-window:]
+        out = _TenantGaps(window)
+        out.gaps[: keep.shape[0]] = keep
+        out.filled = keep.shape[0]
+        out.next = out.filled % window
+        out.writes, out.returns = self.writes, self.returns
+        while out.writes + out.returns > 4 * window:
+            out._decay()
+        return out
 
 
 @dataclass(frozen=True)
@@ -296,6 +338,16 @@ class AdaptiveTtl:
         st = self._tenants.get(tenant) or self._tenants.get(_OTHER_TENANTS)
         return self._p.ttl_seconds if st is None else self._ttl(st, self._p.snapshot_bytes)
 
+    def adopt(self, old: AdaptiveTtl) -> None:
+        """Take over what `old` learnt: each tenant's return gaps and write and return counts. They
+        are observations of its sessions, whatever the costs and clamps: a reload that changes
+        those (or any tenant's override) must not send every tenant back to `ttl_seconds`. Each
+        TTL is solved again under this policy's parameters at its next use."""
+        window = self._p.window_samples
+        # A copy of the items first: the pool's threads may add a tenant to `old` meanwhile.
+        for name, st in list(old._tenants.items())[: self._p.max_tenants]:
+            self._tenants[name] = st.carried(window)
+
     # --- internals ----------------------------------------------------------------------------------
 
     def _state(self, tenant: str) -> _TenantGaps:
@@ -331,3 +383,19 @@ class AdaptiveTtl:
             st.since = 0
             st.ttl_nbytes = nbytes
         return st.ttl
+
+
+def carry_learning(old: TtlPolicy, new: TtlPolicy) -> bool:
+    """Hand what `old` learnt to `new`, built to replace it on a config reload (both adaptive,
+    overrides or not): see `AdaptiveTtl.adopt`. False where either learns nothing."""
+    a, b = _adaptive(old), _adaptive(new)
+    if a is None or b is None or a is b:
+        return False
+    b.adopt(a)
+    return True
+
+
+def _adaptive(policy: TtlPolicy) -> AdaptiveTtl | None:
+    while isinstance(policy, TenantOverrideTtl):
+        policy = policy.inner
+    return policy if isinstance(policy, AdaptiveTtl) else None

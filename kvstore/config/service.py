@@ -23,6 +23,7 @@ MAX_SHARE_WEIGHT = 1000.0
 MIN_STREAM_MESSAGE_BYTES = 4096
 # Same-host sessions, all tenants: each backs two segments (see the check below).
 MAX_SHM_SESSIONS = 4096
+MIN_TRACE_BYTES = 64 << 10  # [trace] max_bytes, when not 0
 # A host name's labels (underscores too: container names have them and resolve).
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
@@ -253,9 +254,15 @@ class AdminConfig:
 class TraceConfig:
     enabled: bool = False
     path: str = "kvstore-trace.jsonl"
+    # Past this size the file is moved to `<path>.1` (replacing an older one) and a new one begun:
+    # at ~200 B a request, 1 GiB is ~5 million requests. 0: no cap (the operator rotates it).
+    max_bytes: int = 1 << 30
 
     def validate(self, prefix: str) -> None:
         require(not self.enabled or bool(self.path), join(prefix, "path"), "must name a file when the trace is enabled")
         require("\0" not in self.path, join(prefix, "path"), NUL_PROBLEM)
+        # Smaller would keep only a few hundred requests across the two files: too few to tune from.
+        require(self.max_bytes == 0 or self.max_bytes >= MIN_TRACE_BYTES, join(prefix, "max_bytes"),
+                f"must be 0 (no cap) or at least {MIN_TRACE_BYTES} (64 KiB)")
 
 

@@ -218,6 +218,9 @@ class Sources:
     shm: Callable[[], ShmTotals] | None = None
     byte_seconds: Callable[[], ByteSeconds] | None = None
     policy: Callable[[], PolicyInfo] | None = None
+    # The TTL a snapshot written now gets, by tenant (`App.local_ttls_in_force`): an adaptive
+    # policy's learnt one, which `PolicyInfo.ttl_seconds`, the configured start value, is not.
+    local_ttls: Callable[[], Mapping[str, float]] | None = None
 
 
 # The store's single-number families: (family, name, help, how to read it from StoreStats).
@@ -285,6 +288,9 @@ class SourceCollector(Collector):
             yield from self._guarded("byte_seconds", lambda: self._byte_seconds(byte_seconds()))
         if policy is not None:
             yield from self._guarded("policy", lambda: self._policy(policy()))
+        ttls = s.local_ttls
+        if ttls is not None:
+            yield from self._guarded("local_ttls", lambda: self._local_ttls(ttls()))
         if shm is not None:
             yield from self._guarded("shm", lambda: self._shm(shm()))
         attaches = s.runner_attaches
@@ -456,8 +462,27 @@ class SourceCollector(Collector):
         fam.add_metric([_label(p.ttl_kind, TTL_KINDS), _label(p.eviction_policy, EVICTION_POLICIES),
                         _label(p.replay_mode, REPLAY_MODES)], 1.0)
         yield fam
-        yield GaugeMetricFamily("kvstore_local_ttl_seconds", "The local pool's base TTL in force.",
-                                value=p.ttl_seconds)
+        yield GaugeMetricFamily("kvstore_local_ttl_seconds", "The configured local TTL, local_pool.ttl.ttl_seconds "
+                                "(adaptive: the start value, until a tenant's returns are learnt; what writes "
+                                "get is kvstore_local_ttl_in_force_seconds).", value=p.ttl_seconds)
+
+    def _local_ttls(self, ttls: Mapping[str, float]) -> Iterator[Metric]:
+        help_text = ("The TTL a local snapshot written now gets (adaptive: the learnt one; a tenant's "
+                     "override where set): per tenant with per-tenant labels, else the shortest of them.")
+        known = {t: v for t, v in ttls.items() if v == v}  # NaN: a policy that cannot say
+        if not known:
+            return
+        if self._tenant_label is None:
+            yield GaugeMetricFamily("kvstore_local_ttl_in_force_seconds", help_text, value=min(known.values()))
+            return
+        fam = GaugeMetricFamily("kvstore_local_ttl_in_force_seconds", help_text, labels=["tenant"])
+        by_label: dict[str, float] = {}
+        for tenant, v in known.items():  # the configured tenants: "other" only if one is not
+            label = self._tenant_label(tenant)
+            by_label[label] = min(v, by_label.get(label, v))
+        for label, v in sorted(by_label.items()):
+            fam.add_metric([label], v)
+        yield fam
 
 
 # --- the recorder ------------------------------------------------------------------------------------

@@ -41,7 +41,9 @@ import logging
 import math
 import os
 import secrets
+import stat
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,9 +176,17 @@ class TraceWriter:
     `write` of one whole line, under a lock, then flushed: a crash loses at most the line being
     written, and lines never interleave. Appending to a file whose last line was cut off (a crash
     mid-write) first drops that piece of a line, so the file stays readable to its end; a whole
-    last line that only lacks its newline (written by hand) gets one."""
+    last line that only lacks its newline (written by hand) gets one.
 
-    def __init__(self, path: str | os.PathLike[str], truncate: bool = False) -> None:
+    A regular file is watched, at most once every `check_seconds`: once its path names another
+    file or none (an operator's `mv`, logrotate), the path is opened again (created with the old
+    file's mode), so that lines never go on into a moved file. With `max_bytes` (0: no cap), a line
+    that would take the file past it first moves the file to `<path>.1` (replacing an older one)
+    and begins a new one. Both happen between lines: a line is never split across two files."""
+
+    def __init__(self, path: str | os.PathLike[str], truncate: bool = False, *, max_bytes: int = 0,
+                 check_seconds: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        assert max_bytes >= 0 and check_seconds >= 0
         self._path = Path(path)
         try:
             if not truncate:
@@ -186,11 +196,21 @@ class TraceWriter:
         except OSError as e:
             raise StorageError(f"cannot open trace file {self._path}: {e.strerror}") from None
         self._lock = threading.Lock()
+        self._max_bytes = max_bytes
+        self._check_seconds = check_seconds
+        self._clock = clock
+        st = os.fstat(self._file.fileno())
+        # A pipe or a device (/dev/stdout) is never moved or capped: there is no file to rotate.
+        self._regular = stat.S_ISREG(st.st_mode)
+        self._size = st.st_size
+        self._checked_at = clock()
+        self._rotate_after = -math.inf  # after a failed move: not tried again before this
+        self._reopen_failed = self._rotate_failed = False  # each said once, until it succeeds
 
     def write(self, record: TraceRecord) -> None:
         line = record.to_json() + "\n"
         with self._lock:
-            self._file.write(line)
+            self._write_line(line)
             self._file.flush()
 
     def write_many(self, records: Iterable[TraceRecord]) -> int:
@@ -198,10 +218,105 @@ class TraceWriter:
         n = 0
         with self._lock:
             for r in records:
-                self._file.write(r.to_json() + "\n")
+                self._write_line(r.to_json() + "\n")
                 n += 1
             self._file.flush()
         return n
+
+    def _write_line(self, line: str) -> None:
+        """One whole line into the file the path names now (under the lock)."""
+        if self._regular:
+            nbytes = len(line.encode("utf-8"))
+            now = self._clock()
+            if now - self._checked_at >= self._check_seconds:
+                self._checked_at = now
+                self._follow_path()
+            if (self._max_bytes and self._size > 0 and self._size + nbytes > self._max_bytes
+                    and now >= self._rotate_after):
+                self._rotate(now)
+            self._size += nbytes
+        self._file.write(line)
+
+    def _follow_path(self) -> None:
+        """Reopen the path when it no longer names the file held (moved or removed)."""
+        self._file.flush()
+        held = os.fstat(self._file.fileno())
+        try:
+            now = os.stat(self._path)
+        except FileNotFoundError:
+            now = None
+        except OSError:
+            return  # not knowable now (a directory gone unreadable): keep writing where we are
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            self._size = held.st_size  # truncated by someone (logrotate's copytruncate): follow it
+            return
+        self._reopen(stat.S_IMODE(held.st_mode), f"{self._path} was moved or removed")
+
+    def _rotate(self, now: float) -> None:
+        """Move the full file to `<path>.1` and begin a new one."""
+        self._file.flush()
+        held = os.fstat(self._file.fileno())
+        mode = stat.S_IMODE(held.st_mode)
+        old = self._path.with_name(self._path.name + ".1")
+        error: OSError | None = None
+        try:
+            at = os.stat(self._path)
+        except FileNotFoundError:  # moved or removed since the last look: begin anew, nothing to move
+            self._reopen(mode, f"{self._path} was moved or removed")
+            return
+        except OSError as e:
+            at, error = None, e
+        if at is not None and (at.st_dev, at.st_ino) != (held.st_dev, held.st_ino):
+            self._reopen(mode, f"{self._path} was replaced")  # someone else's file now: never moved
+            return
+        if at is not None:
+            try:
+                os.replace(self._path, old)
+            except OSError as e:
+                error = e
+            else:
+                log.info("trace %s reached trace.max_bytes (%d): moved to %s, a new file begun", self._path,
+                         self._max_bytes, old)
+                self._reopen(mode, "")
+                return
+        # Tried again a check interval later, not at every line; said once.
+        self._rotate_after = now + self._check_seconds
+        if not self._rotate_failed:
+            log.warning("trace %s reached trace.max_bytes (%d) but cannot be moved to %s (%s); writing on",
+                        self._path, self._max_bytes, old, (error and error.strerror) or error)
+            self._rotate_failed = True
+
+    def _reopen(self, mode: int, why: str) -> None:
+        """Open the path afresh (created with `mode`; one that exists again, e.g. logrotate's
+        `create`, is appended to as found); on failure keep the file held and say so once."""
+        try:
+            created = True
+            try:
+                fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            except FileExistsError:
+                _drop_cut_off_line(self._path)  # refuses a file that is no trace (StorageError)
+                fd, created = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC), False
+            try:
+                if created:
+                    os.fchmod(fd, mode)  # the old file's mode, whatever the umask
+                new = os.fdopen(fd, "a", encoding="utf-8", newline="\n")
+            except BaseException:
+                os.close(fd)
+                raise
+        except (OSError, StorageError) as e:
+            if not self._reopen_failed:
+                log.warning("trace: cannot open %s again (%s); lines go on into the file held until it can be",
+                            self._path, getattr(e, "strerror", None) or e)
+                self._reopen_failed = True
+            self._rotate_after = self._clock() + self._check_seconds  # a cap reached: not at every line
+            return
+        old, self._file = self._file, new
+        old.close()
+        st = os.fstat(fd)
+        self._regular, self._size = stat.S_ISREG(st.st_mode), st.st_size
+        self._reopen_failed = self._rotate_failed = False
+        if why:
+            log.info("trace: %s; writing to a new %s", why, self._path)
 
     def close(self) -> None:
         with self._lock:

@@ -100,6 +100,7 @@ def build_observability(
     runners_attached: Callable[[], int] | None = None,
     runner_attaches: Callable[[], Mapping[tuple[str, str], int]] | None = None,
     shm_totals: Callable[[], ShmTotals] | None = None,
+    local_ttls: Callable[[], Mapping[str, float]] | None = None,
     present: Callable[[bytes], bool] | None = None,
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
@@ -124,7 +125,7 @@ def build_observability(
     sources = Sources(
         store=store_stats, pool=pool_stats, pool_up=pool_up, replay_queue_depth=replay_queue_depth,
         runners_attached=runners_attached, runner_attaches=runner_attaches,
-        shm=shm_totals,
+        shm=shm_totals, local_ttls=local_ttls,
         byte_seconds=lambda: ByteSeconds(ledger.byte_seconds()),
         policy=lambda: policy_info(current()),
     )
@@ -192,6 +193,7 @@ def start_admin(app: App, host: str, port: int, *,
         runners_attached=lambda: len(app.runners.runners()),
         runner_attaches=runner_attaches,
         shm_totals=shm_totals,
+        local_ttls=app.local_ttls_in_force,  # the TTL writes get (an adaptive policy's learnt one)
         present=store_contains if callable(store_contains) else None,
         clock=app.clock,
     )

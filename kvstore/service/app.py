@@ -45,6 +45,7 @@ from kvstore.observe.trace_file import TraceWriter
 from kvstore.observe.trace_recorder import TraceRecorder
 from kvstore.store import GlobalStore, TenantQuota
 from policies.base import TtlPolicy
+from policies.ttl import TenantTtls, carry_learning
 from replay.port import ReplayParts, ReplayPort
 from replay.registry import RunnerRegistry
 
@@ -104,7 +105,9 @@ class App:
         inputs, [local_pool.ttl] and each served tenant's `local_ttl_seconds`, take effect for new
         writes (and for stored snapshots when a hit refreshes them); `config` then shows the policy
         in force. A bare [local_pool] section brings its [local_pool.ttl] only. Other keys need a
-        restart and are not applied. Returns the dotted keys it applied, as the reloader names them."""
+        restart and are not applied. An adaptive policy's learning (each tenant's return gaps)
+        carries over to the new one, whose costs and clamps then set the TTLs (`carry_learning`).
+        Returns the dotted keys it applied, as the reloader names them."""
         ttl = new.ttl if isinstance(new, LocalPoolConfig) else new.local_pool.ttl
         applied = [key for key, _, _ in differences(self.config.local_pool.ttl, ttl, "local_pool.ttl")]
         tenants = self.config.tenants
@@ -115,14 +118,28 @@ class App:
             applied += [f"tenants.{name}.local_ttl_seconds" for name, t in tenants.items()
                         if t.local_ttl_seconds != self.config.tenants[name].local_ttl_seconds]
         if not applied:
-            return []  # only restart-only keys changed: a new policy would forget what an adaptive one learnt
+            return []  # only restart-only keys changed: the policy in force stays, nothing to rebuild
         cfg = dataclasses.replace(self.config, local_pool=dataclasses.replace(self.config.local_pool, ttl=ttl),
                                   tenants=tenants)
         if self.local_pool is not None:
-            self.ttl_policy = build_ttl_policy(cfg, self.models)
-            self.local_pool.set_ttl_policy(self.ttl_policy)
+            policy = build_ttl_policy(cfg, self.models)
+            if self.ttl_policy is not None:
+                # What an adaptive policy learnt carries over: one tenant's override, or a new cost,
+                # must not send every tenant back to the start value.
+                carry_learning(self.ttl_policy, policy)
+            self.ttl_policy = policy
+            self.local_pool.set_ttl_policy(policy)
         self.config = cfg
         return applied
+
+    def local_ttls_in_force(self) -> dict[str, float]:
+        """The TTL a default-size snapshot written now gets, per tenant served (`default` without
+        [tenants]): an adaptive policy's learnt TTL, not its start value. Empty without a pool, or
+        under a policy that cannot say."""
+        policy = self.ttl_policy
+        if self.local_pool is None or not isinstance(policy, TenantTtls):
+            return {}
+        return {name: policy.ttl_for_tenant(name) for name in list(self.config.tenants) or ["default"]}
 
     def describe(self) -> list[str]:
         """What this instance runs and where, for the start-up banner."""
@@ -240,7 +257,7 @@ def install_observers(app: App) -> None:
                                            share_weights=app.config.share_weights()))
     if app.config.trace.enabled:
         try:
-            writer = TraceWriter(app.config.trace.path)
+            writer = TraceWriter(app.config.trace.path, max_bytes=app.config.trace.max_bytes)
         except StorageError as e:
             raise ConfigError("trace.path", str(e)) from None
         tracer = TraceRecorder(writer, app.model_layout, clock=app.clock)
