@@ -107,12 +107,12 @@ def prompt(seed: int, chunks: int, extra: int = 3) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 512, chunks * CHUNK + extra).astype("<u4")
 
 
-def store(r: Running, tokens: np.ndarray, local: bool = True) -> None:
+def store(r: Running, tokens: np.ndarray, local: bool = True, session: str | None = None) -> None:
     lay = r.app.store.layout(r.app.store.namespace("default", MODEL, "bounded"))
     full = len(tokens) // CHUNK
     r.client.store(MODEL, tokens, [bytes([i % 251]) * lay.chunk_bytes for i in range(full)])
     if local:
-        res = r.client.store_local(MODEL, tokens[: full * CHUNK], bytes(lay.local_snapshot_bytes))
+        res = r.client.store_local(MODEL, tokens[: full * CHUNK], bytes(lay.local_snapshot_bytes), session=session)
         assert res.stored
 
 

@@ -31,7 +31,7 @@ def test_the_trace_records_each_lookup_and_resume_and_feeds_tune(
     toks = prompt(7, 5)  # 5 full chunks and 3 more tokens
     try:
         assert r.client.resume(MODEL, toks).case == "cold"  # no session named: derived
-        store(r, toks)  # its pre-check Lookup is traced, marked as one; Store and StoreLocal are not
+        store(r, toks)  # its pre-check Lookup is traced, marked as one, and its StoreLocal's write; Store is not
         assert r.client.resume(MODEL, toks, session="chat-1").case == "warm"
         r.clock.advance(r.app.config.local_pool.ttl.ttl_seconds + 1)
         assert r.client.resume(MODEL, toks, session="chat-1").local_state == "replayed"
@@ -43,6 +43,8 @@ def test_the_trace_records_each_lookup_and_resume_and_feeds_tune(
 
     text = path.read_text()
     lines = [json.loads(line) for line in text.splitlines()]
+    write = lines.pop(2)  # the StoreLocal's write: no request, no prompt, in the cold request's derived session
+    assert write["method"] == "store_local" and write["prefix_tokens"] == 0 and write["session"] == lines[0]["session"]
     fields = {"time", "tenant", "session", "prefix_tokens", "local_outcome", "snapshot_bytes", "replay_tokens",
               "model", "method"}
     assert len(lines) == 5 and all(set(d) == fields | ({"purpose"} if i == 1 else set())
@@ -51,7 +53,7 @@ def test_the_trace_records_each_lookup_and_resume_and_feeds_tune(
     # Which call: the pool only peeks on a Lookup, so `tune` restarts a sliding TTL on a Resume's hit only.
     assert [d["method"] for d in lines] == ["resume", "lookup", "resume", "resume", "lookup"]
     assert str(int(toks[1])) not in {str(v) for d in lines for v in d.values()}  # no token contents
-    records = list(read_trace(path))
+    records = [x for x in read_trace(path) if not x.is_write]
     assert [x.local_outcome for x in records] == ["cold", "cold", "hit", "replayed", "cold"]
     assert {x.prefix_tokens for x in records[:4]} == {5 * CHUNK + 3} and records[4].prefix_tokens == CHUNK + 3
     assert [x.session for x in records[2:]] == ["chat-1", "chat-1", "chat-2"]

@@ -1113,10 +1113,13 @@ class KvstoreClient:
     @_open_only
     def store_local(self, model: str, tokens: Sequence[int] | np.ndarray, snapshot: bytes | memoryview,
                     replay_mode: str = "", timeout_seconds: float | None = None,
-                    cache_salt: str = "") -> StoreLocalResult:
+                    cache_salt: str = "", session: str | None = None) -> StoreLocalResult:
         """Keep the local SWA snapshot taken after `tokens` (a whole number of chunks). On the
-        service's host it goes through the session's store segment when the service takes it so."""
+        service's host it goes through the session's store segment when the service takes it so.
+        `session`: the one the request's Lookup or Resume named (the trace files the write under it,
+        so that `kvstore tune ttl` times the next turn's return from this write)."""
         _names(model, replay_mode, cache_salt)
+        metadata = self._metadata if session is None else self._request_metadata("StoreLocal", None, session)[1]
         view = _bytes_view(snapshot, "snapshot")
         header = pb.LocalHeader(model=model, replay_mode=replay_mode, tokens=_tokens(tokens), snapshot_bytes=len(view),
                                 cache_salt=cache_salt)
@@ -1134,7 +1137,7 @@ class KvstoreClient:
                 head.MergeFrom(header)
                 try:
                     return self._store_local(iter([pb.StoreLocalRequest(header=head), pb.StoreLocalRequest(
-                        shm=pb.ShmSpan(offset=offset, nbytes=len(view)))]), deadline.left())
+                        shm=pb.ShmSpan(offset=offset, nbytes=len(view)))]), deadline.left(), metadata)
                 except UnknownSession:
                     raise  # the service never took the span; the caller drops the session
                 except BaseException as e:
@@ -1148,15 +1151,16 @@ class KvstoreClient:
                 for a, b in blob_spans(len(view), self.message_bytes):
                     yield pb.StoreLocalRequest(local=pb.LocalPiece(offset=a, data=bytes(view[a:b])))
 
-            return self._store_local(messages(), deadline.left())
+            return self._store_local(messages(), deadline.left(), metadata)
 
         shm = self._shm_path(deadline.left())
         return self._shm_or_stream(shm if shm is not None and shm.snapshot_spans else None, via_shm, via_stream,
                                    "StoreLocal")
 
-    def _store_local(self, messages: Iterator[pb.StoreLocalRequest], timeout: float) -> StoreLocalResult:
+    def _store_local(self, messages: Iterator[pb.StoreLocalRequest], timeout: float,
+                     metadata: tuple[tuple[str, str], ...]) -> StoreLocalResult:
         try:
-            r = self._stub.StoreLocal(messages, timeout=timeout, metadata=self._metadata)
+            r = self._stub.StoreLocal(messages, timeout=timeout, metadata=metadata)
         except grpc.RpcError as e:
             if _session_gone(e):
                 raise UnknownSession() from None

@@ -8,7 +8,9 @@ the adaptive policy would do. Costs and clamps come from `[local_pool.ttl]` of `
 overridden by flags. Progress (each phase as it starts) goes to stderr so `--json` output stays clean,
 and nowhere where stderr is closed. A trace file is read as a stream into numpy columns, never held
 as records: the peak is ~250 B a request (the columns and the evaluation's arrays over them). Per-tenant TTL overrides
-in the config are not applied (every tenant is priced at each row's TTL); the report says so.
+in the config are not applied (every tenant is priced at each row's TTL); the report says so. A trace
+that cannot see its returns (few requests with a global hit follow a write or request of their
+session) gets a warning, on stderr and in the report, and its recommendation is not called exact.
 """
 
 from __future__ import annotations
@@ -169,19 +171,26 @@ def run(args: argparse.Namespace) -> int:
     del records
     side_calls = side[0]
     left_out = f" ({side_calls:,} pre-check or probe lookups left out: not requests)" if side_calls else ""
-    reads, unmatched = cols.read_time.shape[0], cols.reads_unmatched
+    reads, unmatched = cols.read_time.shape[0] + cols.reads_idle, cols.reads_unmatched
     read_lines = f", {reads:,} LoadLocal reads" if reads or unmatched else ""
     if unmatched:
         read_lines += f" ({unmatched:,} more left out: no request of their session at or before them)"
-    _say(f"kvstore tune: {cols.n} requests{read_lines} from {source}{left_out} in "
+    writes = int((~cols.is_request).sum())
+    write_lines = f", {writes:,} StoreLocal writes" if writes else ""
+    if cols.writes_unlinked:
+        write_lines += f" ({cols.writes_unlinked:,} StoreLocal writes left out: in other sessions than the requests)"
+    _say(f"kvstore tune: {cols.requests} requests{read_lines}{write_lines} from {source}{left_out} in "
          f"{time.perf_counter() - started:.2f} s")
-    if cols.n == 0:
+    if cols.requests == 0:
         raise InvalidInput(f"{source} holds no requests")
     cost = TtlCostModel(ttl_cfg.replay_cost_per_token, ttl_cfg.hold_cost_per_byte_second,
                      ttl_cfg.min_ttl_seconds, ttl_cfg.max_ttl_seconds)
     report = tune_ttl(cols, args.ttl, cost, ttl_cfg,
                       on_phase=lambda what: _say(f"kvstore tune: {what} ({time.perf_counter() - started:.0f} s)"))
     not_applied = sorted(overridden & set(report.tenants))
+    if report.returns_unseen:
+        _say(f"kvstore tune: warning: the trace cannot see returns: {report.returns_unseen}; its recommendation "
+             "cannot be trusted (the least-cost TTL of a trace without returns is the shortest)")
     if args.json:
         doc = report.as_dict()
         doc["side_calls_left_out"] = side_calls
@@ -263,6 +272,8 @@ def _labelled(rep: TuneReport) -> list[str]:
     saves = other.total_cost - best.total_cost
     share = f" ({saves / other.total_cost:.1%})" if other.total_cost > 0 else ""
     estimate = "" if rep.fixed_exact and rep.sliding_exact else " (an estimate: see above)"
+    if rep.returns_unseen:
+        estimate = " (not to be trusted: the trace cannot see returns, see above)"
     out.append(f"recommended: kind = \"{best.semantics}\", ttl_seconds = {_seconds(best.ttl_seconds)}: total cost "
                f"{best.total_cost:.6g}, {saves:.6g} less{share} than {other.semantics} at its best "
                f"({_seconds(other.ttl_seconds)} s){estimate}")
@@ -279,18 +290,28 @@ def format_report(rep: TuneReport, side_calls: int = 0, overrides_not_applied: S
     """The report as text; `side_calls`: pre-check and probe lookups left out of the trace;
     `overrides_not_applied`: tenants of the trace that the config gives their own TTL."""
     c = rep.cost
-    eligible = rep.rows[0].eligible if rep.rows else rep.best_sliding.eligible
     left_out = f" ({side_calls:,} pre-check/probe lookups left out)" if side_calls else ""
+    linked = "write" if rep.store_local_writes else "request"
     lines = [
         f"trace: {rep.requests:,} requests{left_out}, {rep.sessions:,} sessions, {len(rep.tenants)} tenant(s); "
-        f"{eligible:,} could hit locally (global hit, session seen before); "
+        f"{rep.linked_returns:,} of {rep.global_hits:,} with a global hit were returns that could hit locally "
+        f"(after an earlier {linked} of their session); "
         f"{rep.same_boundary_requests:,} at an unchanged boundary"
         + (f"; {rep.load_local_reads:,} LoadLocal reads (no requests: under sliding semantics each that follows a "
            "hit restarts the TTL of the snapshot that hit found, if still alive; a Lookup's hit itself restarts none)"
-           if rep.load_local_reads else ""),
+           if rep.load_local_reads else "")
+        + (f"; {rep.store_local_writes:,} StoreLocal writes (no requests: each snapshot's TTL runs from its write, "
+           "and a request writes only where it replays)" if rep.store_local_writes else ""),
         f"cost: {c.replay_cost_per_token:g} per replayed token, "
         f"{c.hold_cost_per_byte_second:g} per byte-second held; " + _break_even(rep.break_even_seconds),
     ]
+    if rep.store_local_writes_unlinked:
+        lines.append(f"note: {rep.store_local_writes_unlinked:,} StoreLocal writes left out: they name other sessions "
+                     "than the requests (send the same x-session-id on both), so each request is taken to write at its "
+                     "own time, as in a trace without them")
+    if rep.returns_unseen:
+        lines.append(f"warning: the trace cannot see returns: {rep.returns_unseen}; the recommendation below cannot "
+                     "be trusted (the least-cost TTL of a trace without returns is the shortest)")
     if rep.load_local_reads_unmatched:
         # Most often an engine that names its session on Lookup but not on LoadLocal: the read's session
         # is then derived from its prompt and matches none of the requests.

@@ -1,5 +1,5 @@
-"""The request trace: one JSON line per request (and per read of a snapshot), for evaluating TTL
-policies offline.
+"""The request trace: one JSON line per request (and per read or write of a snapshot), for
+evaluating TTL policies offline.
 
 Role: defines `TraceRecord` (what one request looked like to the local pool), writes records as
 JSON lines (`TraceWriter`: append-only, flushed per record, safe from many threads), reads them
@@ -28,8 +28,12 @@ only peeks on a Lookup, so a Lookup's hit restarts no sliding TTL, a Resume's do
 "load_local": no request, but a LoadLocal that got the snapshot its session's request had just
 found (the engine's hybrid path: Lookup, Load, LoadLocal), a read that restarts a sliding TTL. Such
 a line has `"local_outcome": "hit"` and `"prefix_tokens": 0` (the read sends no prompt: the snapshot
-it read is the one its session's request before it resumed from). A line without `method` (an
-older trace) is a request whose hit counts as a read.
+it read is the one its session's request before it resumed from). "store_local": no request either,
+but a StoreLocal that wrote a snapshot (after the engine's decode: the pool's TTL runs from then),
+with `"local_outcome": "hit"` (held from then on), `"prefix_tokens": 0` and its `snapshot_bytes`, in
+the session the next request at its boundary gets. A line without `method` (an older trace) is a
+request whose hit counts as a read; a trace without "store_local" lines is one written before
+writes were traced (`kvstore tune ttl` then takes each request to write at its own time).
 
 What it does not know: the service, the pool, or how records are evaluated (kvstore.observe.ttl_tuning).
 """
@@ -60,7 +64,7 @@ log = logging.getLogger(__name__)
 
 LocalOutcome = Literal["hit", "expired", "absent", "replayed", "cold"]
 LOCAL_OUTCOMES: tuple[str, ...] = get_args(LocalOutcome)
-TraceMethod = Literal["lookup", "resume", "load_local"]
+TraceMethod = Literal["lookup", "resume", "load_local", "store_local"]
 TRACE_METHODS: tuple[str, ...] = get_args(TraceMethod)
 # JSON integers are unbounded; past this one a float (or numpy's int64 sums) no longer holds them.
 MAX_INT = 2**53
@@ -91,13 +95,19 @@ class TraceRecord:
     purpose: str = ""  # "precheck" | "probe": not an engine request (kvstore/wire/purposes.py)
     model: str = ""  # the model the request was for ("": not recorded)
     # "lookup" | "resume": the request's call; "load_local": a read of a snapshot, not a request;
-    # "": not recorded (an older trace: a request whose hit counts as a read)
+    # "store_local": a write of one, not a request; "": not recorded (an older trace: a request
+    # whose hit counts as a read)
     method: str = ""
 
     @property
     def is_read(self) -> bool:
         """A LoadLocal's read of a snapshot: no request."""
         return self.method == "load_local"
+
+    @property
+    def is_write(self) -> bool:
+        """A StoreLocal's write of a snapshot: no request."""
+        return self.method == "store_local"
 
     def to_json(self) -> str:
         obj: dict[str, object] = {

@@ -1,5 +1,6 @@
-"""The service's request trace (`[trace] enabled`): one JSON line per Lookup/Resume, and one per
-LoadLocal that got the snapshot, for `kvstore tune ttl --trace FILE`.
+"""The service's request trace (`[trace] enabled`): one JSON line per Lookup/Resume, one per
+LoadLocal that got the snapshot and one per StoreLocal that wrote one, for `kvstore tune ttl --trace
+FILE`.
 
 `TraceRecorder` is an `App` observer. For each successful Lookup or Resume it appends a
 `kvstore.observe.trace_file.TraceRecord`: wall-clock time, tenant, session, prompt tokens, the local-state
@@ -9,8 +10,13 @@ hit restarts a sliding TTL). A LoadLocal that got the snapshot (its facts name t
 request, but its read restarted a sliding TTL (the engine's hybrid path, Lookup, Load, LoadLocal,
 sends no Resume): it gets a line of method "load_local", outcome "hit" and no prompt, in the session
 of the Lookup that found the snapshot (the same id, named or derived from the same boundary), and
-written whether or not the call then ended OK, as the pool's read happened. Never token ids, keys or
-payloads.
+written whether or not the call then ended OK, as the pool's read happened. A StoreLocal that wrote
+a snapshot (its facts name the boundary) is no request either: it gets a line of method
+"store_local", outcome "hit", no prompt and the model's snapshot size, written whether or not the
+call then ended OK (the pool holds the snapshot). The pool's TTL runs from this write, after the
+engine's decode, not from the request before it; and its session is the one the next request at that
+boundary gets, so `tune` links a session-less engine's turns through their writes. Never token ids,
+keys or payloads.
 
 The session: the caller's `x-session-id` when it sent one (the client's `session=` option), else
 an opaque id derived from the namespace digest and the boundary chunk key (a hash prefix, which
@@ -18,9 +24,11 @@ cannot be turned back into either): the key of the last hit chunk, or for a cold
 of its last full chunk (of its first 4,096: the keys the miss explainer examines; a cold request
 answered while the observers were behind, whose keys were dropped, gets one of its own). A retry
 at the same boundary gets the same id, and a cold request's successor that hits exactly the
-prefix it sent does too; but an engine that stores more than the prompt (the generated tokens)
-moves the boundary each turn, so derived ids do not link turns. Engines that want `tune` to see
-whole sessions send `x-session-id`.
+prefix it sent does too. An engine that stores more than the prompt (the generated tokens) moves
+the boundary each turn, so derived ids link no request to the one before it; but a StoreLocal's
+line gets the id derived from its own boundary (namespace digest and the key of its last chunk),
+which is what the next turn's request that hits there derives from its last hit chunk: the
+write and that return share a session. `x-session-id`, where sent, is used for both.
 
 Outcomes: "cold" (no global hit), "hit" (snapshot held, or a model that keeps no local state),
 "replayed" (rebuilt by a replay), "expired" (global hit, no snapshot: the pool cannot always tell
@@ -40,7 +48,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.layout import CacheLayout, exact_replay_tokens
 from kvstore.observe.explainer import MAX_EXPLAINED_CHUNKS
-from kvstore.observe.records import LocalReadFacts, LookupFacts
+from kvstore.observe.records import LocalReadFacts, LocalWriteFacts, LookupFacts
 from kvstore.observe.retries import RecentRequests
 from kvstore.observe.trace_file import LocalOutcome, TraceRecord, TraceWriter
 
@@ -66,8 +74,8 @@ def trace_outcome(local_state: str, hit_tokens: int) -> LocalOutcome:
 
 
 class TraceRecorder:
-    """Writes one `TraceRecord` per successful Lookup/Resume and per LoadLocal that got the
-    snapshot; `close()` closes the file."""
+    """Writes one `TraceRecord` per successful Lookup/Resume, per LoadLocal that got the snapshot
+    and per StoreLocal that wrote one; `close()` closes the file."""
 
     def __init__(
         self,
@@ -94,6 +102,15 @@ class TraceRecorder:
                 time=self._time_of(call), tenant=call.tenant,
                 session=call.session or derived_session(call.facts.namespace, call.facts.boundary_key),
                 prefix_tokens=0, local_outcome="hit", model=call.model, method="load_local",
+            ))
+            return
+        if isinstance(call.facts, LocalWriteFacts):
+            layout = self._layout_of(call.model)
+            self._write(TraceRecord(
+                time=self._time_of(call), tenant=call.tenant,
+                session=call.session or derived_session(call.facts.namespace, call.facts.boundary_key),
+                prefix_tokens=0, local_outcome="hit", model=call.model, method="store_local",
+                snapshot_bytes=layout.local_snapshot_bytes if layout is not None else None,
             ))
             return
         if call.code != "OK" or call.method not in _TRACED or call.bills is None:

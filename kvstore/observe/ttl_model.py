@@ -11,7 +11,8 @@ the pool's backend, the service, files (the caller reads the trace), or output f
 
 The model, per session (sessions are (tenant, model, session): the pool keeps each model's snapshots
 apart, so two models' requests under one session id are two sessions; a trace without models is one):
-- Each request resumes from the session's latest snapshot and leaves a snapshot behind: a request
+- Where the trace records no writes (no "store_local" lines: written before they were traced), each
+  request resumes from the session's latest snapshot and leaves a snapshot behind: a request
   whose boundary (prefix rounded down to a chunk) moved writes a new snapshot at that boundary; a
   request at the same boundary (a retry) reads the same snapshot and writes only if it had to replay
   it. A cold request (global miss, recorded "cold") writes but cannot hit (and reads nothing):
@@ -30,6 +31,17 @@ apart, so two models' requests under one session id are two sessions; a trace wi
   reads after a request that could hit, a request hits under sliding semantics iff the session's
   previous request was less than TTL ago (`evaluate_sliding` then works on whole arrays; else it
   walks each session in order).
+- Where it records writes ("store_local" lines), those are the writes, at their own time (after the
+  engine's decode: the pool's TTL runs from then): rows in their session's sequence, never requests
+  (neither counted nor priced). A request then reads the session's latest write and writes only when
+  it replays (eligible and missed: the replay writes the rebuilt snapshot, beside the StoreLocal at
+  the new boundary that follows). A request is eligible when it is not cold and a write of its
+  session came before it; the others read and write nothing, and are left out of the columns
+  (`columns_from_records` counts them). Each write row is a key of its own (its line names no
+  boundary), which a replay of the snapshot it wrote rewrites. Where the writes link fewer requests
+  to their session than the requests do to each other (an engine that names its sessions on its
+  requests but not on StoreLocal, whose writes then have derived sessions), the writes are left out
+  and counted (`writes_unlinked`), and the trace is modelled as one without them.
 - The pool keys a snapshot by its boundary (kvstore.service.pricing.boundary_key): a new boundary's
   snapshot does not replace the last one, which stays until it expires (a turn that hits reads it
   first: sliding, that restarts its TTL). So a snapshot is held (bytes x seconds) from its write
@@ -73,12 +85,29 @@ class TraceColumns:
     # by that request then time: [r] int, that request's index; [r] float seconds, the read's time.
     read_after: np.ndarray
     read_time: np.ndarray
+    # [n] bool: a request's row; False for a StoreLocal's write ("store_local" lines, no request)
+    is_request: np.ndarray
+    # Whether the trace records writes (any "store_local" line): the rows are then the writes and the
+    # requests that could hit, the other requests (reading and writing nothing) counted only.
+    writes_traced: bool
+    requests: int  # request lines (not reads or writes), those left out of the rows included
+    global_hits: int  # of them, those with a global hit (not cold)
+    request_sessions: int  # sessions with at least one request
+    same_boundary_requests: int  # requests at their session's previous request's boundary, with a global hit
+    # Requests with a global hit after an earlier write (where writes are traced), else request, of their session
+    linked_returns: int
+    # "store_local" lines left out: they linked fewer requests to their session than the requests do
+    # to each other (the StoreLocal calls named other sessions than the requests)
+    writes_unlinked: int
     # LoadLocal reads left out: no request of their session at or before them (often an engine that
     # names its session on Lookup but not on LoadLocal, whose read then has a derived session).
     reads_unmatched: int = 0
+    # LoadLocal reads left out after a request left out of the rows (one that could not hit: they read nothing)
+    reads_idle: int = 0
 
     @property
     def n(self) -> int:
+        """Rows: requests, and writes where traced (`requests` counts the requests)."""
         return int(self.time.shape[0])
 
 
@@ -89,6 +118,11 @@ class TtlCostModel:
     min_ttl_seconds: float  # the recommendation is clamped to [min, max]
     max_ttl_seconds: float
 
+
+# Below this share of its requests with a global hit linked to an earlier write or request of their
+# session, a trace cannot see its returns (a session-less engine's, traced before writes were): its
+# least-cost TTL is the shortest one, which would make every return replay.
+LINKED_SHARE_AT_LEAST = 0.25
 
 # Records are turned into arrays this many at a time: a trace of any length then costs its arrays
 # (~50 B a request) plus one chunk of Python objects, not ~650 B a request held as records.
@@ -108,7 +142,9 @@ def columns_from_records(
     `force_sizes` (the operator asked "what if") puts the defaults everywhere. `on_progress`, if
     given, is called with the count of records read so far after every chunk. A LoadLocal's read
     (`TraceRecord.is_read`) is no request: it follows the request before it in its session (none:
-    it is left out, counted in `reads_unmatched`)."""
+    it is left out, counted in `reads_unmatched`). A StoreLocal's write (`TraceRecord.is_write`) is a
+    row that is no request; where the trace has any, a request that could not hit (cold, or no write
+    of its session before it) is counted and left out of the rows, as it reads and writes nothing."""
     assert chunk_tokens > 0
     tenant_ids: dict[str, int] = {}
     session_ids: dict[tuple[str, str, str], int] = {}
@@ -117,7 +153,7 @@ def columns_from_records(
     count = 0
     it = iter(records)
     while True:
-        tenant, session, time, prefix, cold, sbytes, rtoks, refresh = [], [], [], [], [], [], [], []
+        tenant, session, time, prefix, cold, sbytes, rtoks, refresh, request = [], [], [], [], [], [], [], [], []
         read_session, read_times = [], []
         chunk = 0
         for r in itertools.islice(it, COLUMN_CHUNK_RECORDS):
@@ -127,6 +163,7 @@ def columns_from_records(
                 read_times.append(r.time)
                 continue
             refresh.append(r.method != "lookup")
+            request.append(not r.is_write)
             tenant.append(tenant_ids.setdefault(r.tenant, len(tenant_ids)))
             session.append(session_ids.setdefault((r.tenant, r.model, r.session), len(session_ids)))
             time.append(r.time)
@@ -143,7 +180,7 @@ def columns_from_records(
             np.asarray(time, dtype=np.float64),
             np.asarray(prefix, dtype=np.int64) // chunk_tokens * chunk_tokens,
             np.asarray(cold, dtype=bool), np.asarray(sbytes, dtype=np.float64),
-            np.asarray(rtoks, dtype=np.float64), np.asarray(refresh, dtype=bool),
+            np.asarray(rtoks, dtype=np.float64), np.asarray(refresh, dtype=bool), np.asarray(request, dtype=bool),
         ))
         if read_times:
             read_parts.append((np.asarray(read_session, dtype=np.int64), np.asarray(read_times, dtype=np.float64)))
@@ -151,20 +188,60 @@ def columns_from_records(
         if on_progress is not None:
             on_progress(count)
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64),
-             np.zeros(0, bool), np.zeros(0), np.zeros(0), np.zeros(0, bool))
+             np.zeros(0, bool), np.zeros(0), np.zeros(0), np.zeros(0, bool), np.zeros(0, bool))
     cols = [np.concatenate(col) for col in zip(*parts, strict=True)] if parts else list(empty)
     del parts
-    ten, sess, t, boundary, is_cold, snap, replay, refreshes = cols
-    order = np.lexsort((t, sess))  # stable: equal times keep file order
-    sess, t = sess[order], t[order]
+    order = np.lexsort((cols[2], cols[1]))  # by session, then time; stable: equal times keep file order
+    ten, sess, t, boundary, is_cold, snap, replay, refreshes, is_request = (col[order] for col in cols)
+    del cols, order
+    writes_traced = not bool(is_request.all())
+    first = np.ones(t.shape[0], dtype=bool)
+    first[1:] = sess[1:] != sess[:-1]
+    counts = _request_counts(sess, boundary, is_cold, is_request)
     read_after, read_time = _reads_after(sess, t, *(np.concatenate(col) for col in zip(*read_parts, strict=True))) \
         if read_parts else (np.zeros(0, np.int64), np.zeros(0))
     reads_unmatched = sum(int(rt.shape[0]) for _, rt in read_parts) - int(read_time.shape[0])
+    writes_unlinked = reads_idle = 0
+    if writes_traced:
+        linked = is_request & ~is_cold & (_before_in_session(~is_request, first) > 0)
+        if int(linked.sum()) < LINKED_SHARE_AT_LEAST * counts["global_hits"] < counts["linked_returns"]:
+            # The writes are in other sessions than the requests: modelled without them, as before.
+            writes_unlinked = int((~is_request).sum())
+            keep, writes_traced = is_request, False
+        else:
+            # Only writes and the requests that could hit: the others read and write nothing.
+            keep = ~is_request | linked
+            counts["linked_returns"] = int(linked.sum())
+        ten, sess, t, boundary, is_cold, snap, replay, refreshes, is_request = (
+            col[keep] for col in (ten, sess, t, boundary, is_cold, snap, replay, refreshes, is_request))
+        # The reads follow the same rows, renumbered; those after a row left out read nothing.
+        idle = ~keep[read_after]
+        reads_idle = int(idle.sum())
+        read_after, read_time = (np.cumsum(keep) - 1)[read_after[~idle]], read_time[~idle]
     return TraceColumns(
-        tenants=tuple(tenant_ids), tenant=ten[order], session=sess, time=t,
-        boundary=boundary[order], cold=is_cold[order], snapshot_bytes=snap[order], replay_tokens=replay[order],
-        refreshes=refreshes[order], read_after=read_after, read_time=read_time, reads_unmatched=reads_unmatched,
+        tenants=tuple(tenant_ids), tenant=ten, session=sess, time=t,
+        boundary=boundary, cold=is_cold, snapshot_bytes=snap, replay_tokens=replay,
+        refreshes=refreshes, read_after=read_after, read_time=read_time, is_request=is_request,
+        writes_traced=writes_traced, **counts, writes_unlinked=writes_unlinked, reads_unmatched=reads_unmatched,
+        reads_idle=reads_idle,
     )
+
+
+def _before_in_session(mark: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """[n] how many rows of `mark` come before each row in its session (rows sorted by session)."""
+    before = np.cumsum(mark) - mark
+    return before - np.maximum.accumulate(np.where(first, before, 0))
+
+
+def _request_counts(sess: np.ndarray, boundary: np.ndarray, cold: np.ndarray, is_request: np.ndarray) -> dict[str, int]:
+    """`TraceColumns`' counts of the requests (rows sorted by session, then time), writes left out."""
+    s, b, c = sess[is_request], boundary[is_request], cold[is_request]
+    first = np.ones(s.shape[0], dtype=bool)
+    first[1:] = s[1:] != s[:-1]
+    same = np.zeros(s.shape[0], dtype=bool)
+    same[1:] = b[1:] == b[:-1]
+    return {"requests": int(s.shape[0]), "global_hits": int((~c).sum()), "request_sessions": int(first.sum()),
+            "same_boundary_requests": int((~first & ~c & same).sum()), "linked_returns": int((~first & ~c).sum())}
 
 
 def _reads_after(
@@ -217,31 +294,44 @@ class TtlEvaluation:
 
 
 class Derived:
-    """Per-request facts that do not depend on the TTL, computed once per trace."""
+    """Per-row facts that do not depend on the TTL, computed once per trace."""
 
     def __init__(self, c: TraceColumns) -> None:
         n = c.n
-        self.first = np.ones(n, dtype=bool)  # [n] first request of its session
+        self.first = np.ones(n, dtype=bool)  # [n] first row of its session
         self.first[1:] = c.session[1:] != c.session[:-1]
-        self.gap = np.zeros(n)  # [n] seconds since the session's previous request
+        self.gap = np.zeros(n)  # [n] seconds since the session's previous row (a write, or a request)
         self.gap[1:] = np.where(self.first[1:], 0.0, np.diff(c.time))
-        self.eligible = ~self.first & ~c.cold
-        same = np.zeros(n, dtype=bool)
-        same[1:] = c.boundary[1:] == c.boundary[:-1]
-        # Requests that write whatever the TTL: a session's first, cold ones, moved boundaries.
-        self.structural = self.first | c.cold | ~same
+        if c.writes_traced:
+            # The StoreLocals write whatever the TTL; a request could hit after its session's first
+            # write, and writes only where it replays (each of these rows is one of the two).
+            writes = ~c.is_request
+            self.eligible = c.is_request & ~c.cold & (_before_in_session(writes, self.first) > 0)
+            self.structural = writes
+            assert bool((self.eligible | self.structural).all()), "a request that cannot hit is left out of the rows"
+        else:
+            self.eligible = ~self.first & ~c.cold
+            same = np.zeros(n, dtype=bool)
+            same[1:] = c.boundary[1:] == c.boundary[:-1]
+            # Requests that write whatever the TTL: a session's first, cold ones, moved boundaries.
+            self.structural = self.first | c.cold | ~same
         # Runs of same-boundary requests (each follows a structural one in the same session).
         flex = (~self.structural).astype(np.int8)
         edges = np.diff(np.concatenate(([0], flex, [0])))
         self.run_starts = np.flatnonzero(edges == 1)
         self.run_ends = np.flatnonzero(edges == -1)
-        # Requests grouped by the pool's key, (session, boundary), in time order within a key (stable).
-        self.by_key = np.lexsort((c.boundary, c.session))  # [n]
-        s, b = c.session[self.by_key], c.boundary[self.by_key]
-        first_of_key = np.ones(n, dtype=bool)
-        first_of_key[1:] = (s[1:] != s[:-1]) | (b[1:] != b[:-1])
-        self.key = np.empty(n, dtype=np.int64)  # [n] a number per (session, boundary)
-        self.key[self.by_key] = np.cumsum(first_of_key)
+        # Rows grouped by the pool's key, (session, boundary), in time order within a key (stable).
+        if c.writes_traced:
+            # A write row names no boundary: a key of its own, which the replays after it rewrite.
+            self.by_key = np.arange(n)
+            self.key = np.cumsum(self.structural)
+        else:
+            self.by_key = np.lexsort((c.boundary, c.session))  # [n]
+            s, b = c.session[self.by_key], c.boundary[self.by_key]
+            first_of_key = np.ones(n, dtype=bool)
+            first_of_key[1:] = (s[1:] != s[:-1]) | (b[1:] != b[:-1])
+            self.key = np.empty(n, dtype=np.int64)  # [n] a number per (session, boundary)
+            self.key[self.by_key] = np.cumsum(first_of_key)
         # Whether every read of a snapshot is a request's hit (no Lookup's hit, which restarts no TTL,
         # and no LoadLocal's read that may restart one): sliding semantics are then a request's gap
         # from the one before it. A LoadLocal after a request that cannot hit (a session's first, a

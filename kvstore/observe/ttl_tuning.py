@@ -30,6 +30,7 @@ from kvstore.observe.ttl_fixed_search import (
 )
 from kvstore.observe.ttl_model import (
     COLUMN_CHUNK_RECORDS,
+    LINKED_SHARE_AT_LEAST,
     Derived,
     Semantics,
     TraceColumns,
@@ -76,6 +77,27 @@ class TuneReport:
     load_local_reads: int = 0
     # LoadLocal reads left out: none of their session's requests at or before them (`reads_unmatched`)
     load_local_reads_unmatched: int = 0
+    store_local_writes: int = 0  # "store_local" lines: the writes (none: each request writes at its own time)
+    global_hits: int = 0  # requests with a global hit
+    linked_returns: int = 0  # of them, those after an earlier write (else request) of their session
+    store_local_writes_unlinked: int = 0  # "store_local" lines left out: in other sessions than the requests
+
+    @property
+    def returns_unseen(self) -> str:
+        """Why the trace cannot see its returns ("": it can): too few of its requests with a global
+        hit are linked to an earlier write or request of their session."""
+        if not self.global_hits or self.linked_returns >= LINKED_SHARE_AT_LEAST * self.global_hits:
+            return ""
+        seen = (f"only {self.linked_returns:,} of {self.global_hits:,} requests with a global hit were returns "
+                "linked to an earlier ")
+        if self.store_local_writes:
+            return seen + ("StoreLocal of their session: the StoreLocal calls name other sessions than the requests "
+                           "(send the same x-session-id on both, or on neither)")
+        if self.store_local_writes_unlinked:
+            return seen + ("request of their session, and its store_local lines none (the requests name sessions "
+                           "that the StoreLocal calls do not: send the same x-session-id on both, or on neither)")
+        return seen + ("request of their session: the trace has no store_local lines (written before StoreLocal "
+                       "was traced) and its requests name no x-session-id, so no turn links to the one before it")
 
     @property
     def recommended(self) -> TtlEvaluation:
@@ -98,11 +120,17 @@ class TuneReport:
             return "exact" if exact else "estimate"
 
         rec, other = self.recommended, self.runner_up
+        unseen = self.returns_unseen
         return {
             "trace": {"requests": self.requests, "sessions": self.sessions, "tenants": list(self.tenants),
                       "same_boundary_requests": self.same_boundary_requests,
                       "load_local_reads": self.load_local_reads,
-                      "load_local_reads_unmatched": self.load_local_reads_unmatched},
+                      "load_local_reads_unmatched": self.load_local_reads_unmatched,
+                      "store_local_writes": self.store_local_writes,
+                      "store_local_writes_unlinked": self.store_local_writes_unlinked,
+                      "requests_with_global_hit": self.global_hits, "linked_returns": self.linked_returns},
+            # null, or why the recommendation cannot be trusted: the trace cannot see its returns.
+            "warning": f"the trace cannot see returns: {unseen}" if unseen else None,
             "cost_model": {"replay_cost_per_token": self.cost.replay_cost_per_token,
                            "hold_cost_per_byte_second": self.cost.hold_cost_per_byte_second,
                            "min_ttl_seconds": self.cost.min_ttl_seconds,
@@ -113,7 +141,7 @@ class TuneReport:
             # What to set: `kind` and `ttl_seconds` of [local_pool.ttl]. Chosen between the two
             # searches' bests, so an estimate if either search was.
             "recommended": {"kind": rec.semantics, **rec.as_dict(),
-                            "search": search(self.fixed_exact and self.sliding_exact),
+                            "search": "returns_unseen" if unseen else search(self.fixed_exact and self.sliding_exact),
                             "saves": other.total_cost - rec.total_cost,
                             "than": {"kind": other.semantics, "ttl_seconds": other.ttl_seconds,
                                      "total_cost": other.total_cost}},
@@ -137,9 +165,11 @@ def run_adaptive(
     boundary after it (the engine's StoreLocal). The service's bound on remembered writes is not
     modelled. A Lookup's hit asks nothing (the pool only peeks); a LoadLocal's read that finds the
     snapshot its request found still alive asks `ttl_on_read`, as the pool's get does. Returns
-    `ttl_after`, `ttl_read` and `ttl_load` for `evaluate_sliding`, and each tenant's TTL at the end."""
-    mean_bytes = int(c.snapshot_bytes.mean()) if c.n else 0
-    mean_replay = round(float(c.replay_tokens.mean())) if c.n else 0
+    `ttl_after`, `ttl_read` and `ttl_load` for `evaluate_sliding`, and each tenant's TTL at the end.
+    Where the trace records writes, a write row asks `ttl_for_write` and a request writes only where
+    it replays (`Derived`: a write row is structural and never eligible, a request never structural)."""
+    mean_bytes, mean_replay = _request_means(c)
+    mean_bytes, mean_replay = int(mean_bytes), round(mean_replay)
     policy = AdaptiveTtl(adaptive_params(ttl_cfg, mean_replay, mean_bytes))
     ttl_after = np.empty(c.n)
     ttl_read = np.empty(c.n)
@@ -227,6 +257,15 @@ def run_adaptive(
     return ttl_after, ttl_read, ttl_load, {name: policy.ttl_for_tenant(name) for name in names}
 
 
+def _request_means(c: TraceColumns) -> tuple[float, float]:
+    """The mean snapshot size and replay length of the requests' rows (a write row's replay length is
+    a default: it replays nothing); zeros where there are none."""
+    req = c.is_request
+    if not req.any():
+        return 0.0, 0.0
+    return float(c.snapshot_bytes[req].mean()), float(c.replay_tokens[req].mean())
+
+
 def tune_ttl(
     c: TraceColumns,
     ttls_seconds: Sequence[float],
@@ -254,15 +293,16 @@ def tune_ttl(
     ttl_after, ttl_read, ttl_load, final = run_adaptive(c, d, ttl_cfg)
     hits, bs = evaluate_sliding(c, d, ttl_after, ttl_read, ttl_load)
     adaptive = make_evaluation(c, d, "adaptive", None, hits, bs, cost)
-    mean_replay = float(c.replay_tokens.mean()) if c.n else 0.0
-    mean_bytes = float(c.snapshot_bytes.mean()) if c.n else 0.0
+    mean_bytes, mean_replay = _request_means(c)
     hold_per_s = mean_bytes * cost.hold_cost_per_byte_second
     return TuneReport(
-        requests=c.n, sessions=int(d.first.sum()), tenants=c.tenants,
-        same_boundary_requests=int((~d.structural).sum()), cost=cost, rows=tuple(rows),
+        requests=c.requests, sessions=c.request_sessions, tenants=c.tenants,
+        same_boundary_requests=c.same_boundary_requests, cost=cost, rows=tuple(rows),
         best_sliding=sliding, best_fixed=fixed, sliding_exact=_search_is_exact(c, d), fixed_exact=fixed_exact,
         adaptive=adaptive,
         adaptive_final_ttl_seconds=final,
         break_even_seconds=mean_replay * cost.replay_cost_per_token / hold_per_s if hold_per_s > 0 else math.inf,
-        load_local_reads=int(c.read_time.shape[0]), load_local_reads_unmatched=c.reads_unmatched,
+        load_local_reads=int(c.read_time.shape[0]) + c.reads_idle, load_local_reads_unmatched=c.reads_unmatched,
+        store_local_writes=int((~c.is_request).sum()), global_hits=c.global_hits, linked_returns=c.linked_returns,
+        store_local_writes_unlinked=c.writes_unlinked,
     )
