@@ -7,8 +7,10 @@ import argparse
 import json
 import os
 import re
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,12 +157,21 @@ def test_the_lookups_timed_while_the_index_loads_do_the_work_of_those_timed_once
     # divided one by the other. In process here, over a real data dir.
     case = restart.Case("toy", "reference-toy-8", 2 * restart.CHUNKS_PER_PROMPT)
     restart._fill(str(tmp_path), case)
-    index_batch = GlobalStore._index_batch
+    index_batch, lookup = GlobalStore._index_batch, GlobalStore.lookup
+    looked = threading.Event()
+
+    def lookup_seen(self: GlobalStore, *a: Any, **k: Any) -> Any:
+        looked.set()
+        return lookup(self, *a, **k)
 
     def slow(self: GlobalStore, keys: bytes, kinds: list[int]) -> None:
-        time.sleep(0.1)  # the fault: a slow loader, so that Lookups come while it loads
+        # The fault: a slow loader, so that Lookups come while it loads. Held until the first came:
+        # 0.1 s alone was over before a loaded machine's caller reached its first Lookup.
+        looked.wait(30)
+        time.sleep(0.1)
         index_batch(self, keys, kinds)
 
+    monkeypatch.setattr(GlobalStore, "lookup", lookup_seen)
     monkeypatch.setattr(GlobalStore, "_index_batch", slow)
     f = restart._lookups_while_loading(str(tmp_path), case.model, case.chunks)
     assert f["lookups_while_loading"] > 0 and f["lookup_p99_ms_while_loading"] is not None, f

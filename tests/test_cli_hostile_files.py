@@ -97,19 +97,28 @@ def short_wait(monkeypatch: pytest.MonkeyPatch) -> float:
 
 
 class _Writer(threading.Thread):
-    """Writes `data` into a FIFO once a reader opens it, then closes it, or (`hold`) keeps it open
-    until `release()`: a writer that hangs."""
+    """Writes `data` into a FIFO once a reader opens it, then closes it, or (`hold`) writes it at
+    once (`written`) and keeps it open until `release()`: a writer that hangs."""
 
     def __init__(self, fifo: Path, data: bytes, hold: bool = False) -> None:
         super().__init__(daemon=True)
         self.fifo, self.data, self.hold, self.released = fifo, data, hold, threading.Event()
+        self.written = threading.Event()
 
     def run(self) -> None:
+        if self.hold:  # in the FIFO before its reader opens it (O_RDWR does not wait for one), so
+            # that a reader's short wait does not depend on when this thread runs after the open
+            fd = os.open(self.fifo, os.O_RDWR)
+            try:
+                os.write(fd, self.data)
+                self.written.set()
+                self.released.wait(60)
+            finally:
+                os.close(fd)
+            return
         with self.fifo.open("wb") as f:
             f.write(self.data)
             f.flush()
-            if self.hold:
-                self.released.wait(60)
 
     def release(self) -> None:
         self.released.set()
@@ -139,6 +148,7 @@ def test_a_config_fifo_whose_writer_hangs_part_way_ends_with_a_clear_error(
 ) -> None:
     writer = _Writer(fifo, b"[trace]\n", hold=True)
     writer.start()
+    assert writer.written.wait(10)
     try:
         assert main(["check-config", str(fifo)]) == 2
     finally:

@@ -68,9 +68,10 @@ def test_sigterm_to_bench_pool_stops_its_redis_and_removes_its_temp_dir(redis_bi
     redis: list[int] = []
 
     def ready() -> None:
-        _wait_for("bench pool's redis-server", lambda: _children(p.pid))
-        redis.append(_children(p.pid)[0])
+        # Its temp dir is made once `redis-server --version` (a child too) has ended: the child
+        # after it is the server, taken in the probe that sees it (it may be gone by the next).
         _wait_for("its temp dir", lambda: glob.glob(f"{tmp_path}/kvsredis-*"))
+        _wait_for("bench pool's redis-server", lambda: redis.extend(_children(p.pid)) or redis)
 
     err = _terminated(p, ready)
     redis_pid = redis[0]
@@ -95,9 +96,9 @@ def test_sigterm_while_bench_pool_starts_its_redis_still_removes_its_temp_dir(tm
     server: list[int] = []
 
     def ready() -> None:
-        _wait_for("the hanging redis-server", lambda: _children(p.pid))
-        server.append(_children(p.pid)[0])
+        # After `redis-server --version` (a child too), as above.
         _wait_for("its temp dir", lambda: glob.glob(f"{tmp_path}/kvsredis-*"))
+        _wait_for("the hanging redis-server", lambda: server.extend(_children(p.pid)) or server)
 
     err = _terminated(p, ready)
     assert p.returncode == 143, (p.returncode, err[-2000:])
@@ -108,11 +109,14 @@ def test_sigterm_while_bench_pool_starts_its_redis_still_removes_its_temp_dir(tm
 
 def test_sigterm_to_demo_removes_its_temp_data_dir(tmp_path: Path) -> None:
     p = _kvstore(["demo", "--repeats", "50", "--prompt-tokens", "2048"], tmp_path,
-                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def ready() -> None:
         _wait_for("the demo's data dir", lambda: glob.glob(f"{tmp_path}/kvstore-demo-*"))
-        time.sleep(2)  # playing, not starting
+        assert p.stdout is not None
+        for line in p.stdout:  # playing, not starting: its first session has begun
+            if "session 1 of" in line:
+                break
 
     err = _terminated(p, ready)
     assert p.returncode == 143, (p.returncode, err[-2000:])

@@ -223,6 +223,9 @@ def test_every_call_after_close_raises_the_clients_own_error(service: Service) -
 def test_a_call_cut_short_by_close_says_so(black_hole: str) -> None:
     kv = KvstoreClient(black_hole, timeout_seconds=WAIT_SECONDS)
     got: list[BaseException] = []
+    in_flight = threading.Event()
+    lookup = kv._lookup
+    kv._lookup = lambda *a, **k: in_flight.set() or lookup(*a, **k)
 
     def call() -> None:
         try:
@@ -232,7 +235,7 @@ def test_a_call_cut_short_by_close_says_so(black_hole: str) -> None:
 
     t = threading.Thread(target=call)
     t.start()
-    time.sleep(0.3)
+    assert in_flight.wait(WAIT_SECONDS)  # the call has begun (a sleep let a late thread find it closed)
     kv.close()
     t.join(10)
     assert len(got) == 1 and isinstance(got[0], InvalidInput), got  # it was CANCELLED, a "ServerError"

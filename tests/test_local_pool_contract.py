@@ -25,6 +25,7 @@ from kvstore.local_pool.redis_process import RedisClusterProcesses
 from kvstore.local_pool.snapshot_format import HEADER, PART_HEADER, PART_MAGIC, SnapshotHeader
 from tests.fixtures.redis_server import RedisFactory, scan_pttls
 from tests.helpers.faults import write_before_the_clean_up
+from tests.helpers.in_time import due, until_in_time
 from tests.helpers.static_ttl import StaticTtl
 
 V41_SNAPSHOT_BYTES = 1_351_680
@@ -218,37 +219,62 @@ def test_delete(backend: Backend) -> None:
 
 # --- TTLs --------------------------------------------------------------------------------------
 def test_entries_really_expire(backend: Backend) -> None:
-    pool = backend.pool(backend.policy(0.3))
-    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
-    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
-    time.sleep(0.45)
-    got = pool.get(_ns(), _bk(), TENANT, LAYOUT)
-    assert not got.hit and got.miss_reason in ("expired", "absent")
-    if backend.is_redis:
-        assert backend.pttls() == {}, "expired parts are still in Redis"
+    def run(i: int) -> None:  # each hit checked only if in time (tests/helpers/in_time.py)
+        pool = backend.pool(backend.policy(0.3))
+        written = time.monotonic()
+        assert pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
+        got = pool.get(_ns(i), _bk(), TENANT, LAYOUT)
+        due(written, 0.3)
+        assert got.hit
+        time.sleep(0.45)
+        got = pool.get(_ns(i), _bk(), TENANT, LAYOUT)
+        assert not got.hit and got.miss_reason in ("expired", "absent")
+        if backend.is_redis:
+            assert backend.pttls() == {}, "expired parts are still in Redis"
+
+    until_in_time(run)
 
 
 def test_fixed_ttl_is_not_extended_by_reads(backend: Backend) -> None:
-    pool = backend.pool(backend.policy(0.6))
-    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(300_000)).written
-    time.sleep(0.35)
-    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
-    time.sleep(0.45)  # 0.8 s after the write
-    assert not pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+    def run(i: int) -> None:  # each hit checked only if in time (tests/helpers/in_time.py)
+        pool = backend.pool(backend.policy(0.6))
+        written = time.monotonic()
+        assert pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, os.urandom(300_000)).written
+        time.sleep(0.35)
+        got = pool.get(_ns(i), _bk(), TENANT, LAYOUT)
+        due(written, 0.6)
+        assert got.hit
+        time.sleep(0.45)  # 0.8 s after the write
+        assert not pool.get(_ns(i), _bk(), TENANT, LAYOUT).hit
+
+    until_in_time(run)
 
 
 def test_sliding_ttl_refreshes_on_hit(backend: Backend) -> None:
-    pool = backend.pool(backend.policy(0.6, read_seconds=0.6))
-    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
-    time.sleep(0.35)
-    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit  # refreshed to 0.6 s from now
-    if backend.is_redis:
-        assert min(backend.pttls().values()) > 450  # every part was refreshed
-    time.sleep(0.45)  # 0.8 s after the write, 0.45 s after the refresh
-    assert pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
-    assert pool.stats().refreshes == 2
-    time.sleep(0.75)  # no reads: it goes
-    assert not pool.get(_ns(), _bk(), TENANT, LAYOUT).hit
+    def run(i: int) -> None:  # each hit checked only if in time (tests/helpers/in_time.py)
+        pool = backend.pool(backend.policy(0.6, read_seconds=0.6))
+        base = snapshot_key_base("kvs", _ns(i), _bk())  # this try's parts
+        written = time.monotonic()
+        assert pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
+        time.sleep(0.35)
+        before = {k: v for k, v in backend.pttls().items() if k.startswith(base)}
+        read = time.monotonic()
+        got = pool.get(_ns(i), _bk(), TENANT, LAYOUT)
+        due(written, 0.6)
+        assert got.hit  # refreshed to 0.6 s from now
+        if backend.is_redis:  # every part was refreshed: each PTTL went up (left alone, they only go down)
+            after = {k: v for k, v in backend.pttls().items() if k.startswith(base)}
+            assert len(before) == 6 and after.keys() == before.keys()
+            assert all(after[k] > before[k] for k in before), (before, after)
+        time.sleep(0.45)  # 0.8 s after the write, 0.45 s after the refresh
+        got = pool.get(_ns(i), _bk(), TENANT, LAYOUT)
+        due(read, 0.6)
+        assert got.hit
+        assert pool.stats().refreshes == 2
+        time.sleep(0.75)  # no reads: it goes
+        assert not pool.get(_ns(i), _bk(), TENANT, LAYOUT).hit
+
+    until_in_time(run)
 
 
 def test_policy_lifetime_zero_skips_the_write(backend: Backend) -> None:
@@ -445,14 +471,20 @@ def test_a_peek_finds_a_snapshot_without_a_hit_a_refresh_or_its_payload(backend:
 
 
 def test_a_peek_does_not_keep_a_snapshot_alive(backend: Backend) -> None:
-    pool = backend.pool(backend.policy(0.6, read_seconds=0.6))
-    assert pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
-    time.sleep(0.35)
-    assert pool.peek(_ns(), _bk(), TENANT, LAYOUT).hit
-    time.sleep(0.45)  # 0.8 s after the write: a get at 0.35 s would have kept it
-    seen = pool.peek(_ns(), _bk(), TENANT, LAYOUT)
-    assert not seen.hit and seen.miss_reason == pool.get(_ns(), _bk(), TENANT, LAYOUT).miss_reason
-    assert seen.miss_reason in ("expired", "absent")  # Redis cannot tell expired from never written
+    def run(i: int) -> None:  # each hit checked only if in time (tests/helpers/in_time.py)
+        pool = backend.pool(backend.policy(0.6, read_seconds=0.6))
+        written = time.monotonic()
+        assert pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, os.urandom(V41_SNAPSHOT_BYTES)).written
+        time.sleep(0.35)
+        peeked = pool.peek(_ns(i), _bk(), TENANT, LAYOUT)
+        due(written, 0.6)
+        assert peeked.hit
+        time.sleep(0.45)  # 0.8 s after the write: a get at 0.35 s would have kept it
+        seen = pool.peek(_ns(i), _bk(), TENANT, LAYOUT)
+        assert not seen.hit and seen.miss_reason == pool.get(_ns(i), _bk(), TENANT, LAYOUT).miss_reason
+        assert seen.miss_reason in ("expired", "absent")  # Redis cannot tell expired from never written
+
+    until_in_time(run)
 
 
 def _peek_then_get(pool: LocalPool, ns: bytes, layout: bytes = LAYOUT) -> tuple[str | None, str | None]:

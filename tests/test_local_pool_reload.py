@@ -42,7 +42,7 @@ class Recorder:
         self.seen.append(cfg)
 
 
-def _wait_for(cond: object, timeout: float = 5.0) -> bool:
+def _wait_for(cond: object, timeout: float = 10.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if callable(cond) and cond():

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -67,7 +68,10 @@ def test_a_hung_or_failing_runner_gets_one_job_and_the_healthy_one_the_rest(
     sick = _runner(rig, bad)  # attached first: it gets the first job
     well = _runner(rig, _snapshot(rig))
     try:
-        got = [rig.client.resume(NAME, p, timeout_seconds=2.0) for p in prompts]
+        # Short only where the hung runner's job must time out: the healthy runner's replays get
+        # time to spare (2 s can run out on a loaded machine, and that replay reads "timeout").
+        got = [rig.client.resume(NAME, p, timeout_seconds=2.0 if i == 0 and fault == "hung" else 30.0)
+               for i, p in enumerate(prompts)]
     finally:
         hold.set()
     statuses = [r.replay_status for r in got]
@@ -229,7 +233,8 @@ def test_a_runner_that_always_answers_late_is_passed_over_for_a_healthy_one(
     well = _runner(rig, _snapshot(rig))
     got = []
     for i, p in enumerate(prompts):
-        got.append(rig.client.resume(NAME, p, timeout_seconds=1.5).replay_status)
+        # Short for the late runner's job only: the healthy one's replays get time to spare.
+        got.append(rig.client.resume(NAME, p, timeout_seconds=1.5 if i == 0 else 30.0).replay_status)
         if i == 0:  # its late answer is in before the next job is given
             wait_for(lambda: _finished(rig) == [1, 0])
     # Alive, but no use to callers' deadlines: its late snapshot does not make it healthy again
@@ -485,6 +490,21 @@ class _Clock:
         return self.now
 
 
+def _held_graces(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The registry's bench graces start only while the returned event is set: a 0.05 s grace
+    ran out (the runner detached, or taken off the bench) while a loaded machine stalled the test
+    between a bench and its checks of it. Cleared again, graces begun later wait once more."""
+    go = threading.Event()
+
+    class HeldTimer(threading.Timer):
+        def run(self) -> None:
+            go.wait(30)
+            super().run()
+
+    monkeypatch.setattr(registry_module, "threading", types.SimpleNamespace(**{**vars(threading), "Timer": HeldTimer}))
+    return go
+
+
 def _registry(*names: str, jobs: int = 8, grace: float = 0.05,
               clock: Callable[[], float] = time.monotonic) -> tuple[RunnerRegistry, list[RunnerLink]]:
     reg = RunnerRegistry(16, {"default": 1.0}, hung_grace_seconds=grace, probe_interval_seconds=30.0, clock=clock)
@@ -515,7 +535,8 @@ def test_a_timeout_strikes_only_a_runner_that_answered_nothing_in_time_since_and
     assert a.strikes == 0
 
 
-def test_timeouts_detach_a_runner_only_while_another_stands_in() -> None:
+def test_timeouts_detach_a_runner_only_while_another_stands_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    graces = _held_graces(monkeypatch)
     reg, (a,) = _registry("a")
     for _ in range(MAX_STRIKES + 1):
         reg.cancel_job(reg.submit(_job()).job_id, timed_out=True)
@@ -525,6 +546,7 @@ def test_timeouts_detach_a_runner_only_while_another_stands_in() -> None:
     reg.attach(RunnerInfo("b", NAME, b"", "cpu", 8, 1, "", "default"))
     reg.cancel_job(reg.submit(_job(), avoid="b").job_id, timed_out=True)
     assert a.benched and not reg.has_room(NAME, "default", avoid="b")  # b stands in: a gets no jobs
+    graces.set()
     wait_for(lambda: [r.runner_id for r in reg.runners()] == ["b"])  # no snapshot in the grace
     assert reg.misbehaved_total == 1
     # Errors are the runner's own answer: they detach even the last one.
@@ -541,7 +563,9 @@ def test_timeouts_detach_a_runner_only_while_another_stands_in() -> None:
     assert not reg3.runners() and reg3.misbehaved_total == 1
 
 
-def test_a_benched_runner_leaves_the_bench_with_a_snapshot_and_is_detached_without_one() -> None:
+def test_a_benched_runner_leaves_the_bench_with_a_snapshot_and_is_detached_without_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    graces = _held_graces(monkeypatch)
     clock = _Clock()
     reg, (a,) = _registry("a", grace=60.0, clock=clock)
     reg.set_fallback_models([NAME])
@@ -572,14 +596,17 @@ def test_a_benched_runner_leaves_the_bench_with_a_snapshot_and_is_detached_witho
     for _ in range(MAX_STRIKES):
         reg2.cancel_job(reg2.submit(_job()).job_id, timed_out=True)
     assert b.benched and not b.closed
+    graces.set()
     wait_for(lambda: b.closed)
     assert not reg2.runners() and reg2.misbehaved_total == 1
     # The stand-in gone within the grace: not detached, only taken off the bench.
+    graces.clear()
     reg3, (c, d) = _registry("c", "d", grace=0.05)
     for _ in range(MAX_STRIKES):
         reg3.cancel_job(reg3.submit(_job(), avoid="d").job_id, timed_out=True)
     assert c.benched
     reg3.detach(d)
+    graces.set()
     wait_for(lambda: not c.benched)
     assert not c.closed and reg3.misbehaved_total == 0 and reg3.has_room(NAME, "default")
 
@@ -639,9 +666,10 @@ def test_a_runner_off_the_bench_gets_a_probe_per_interval_while_a_fit_runner_sta
     assert e.probe == f.probe == 0
 
 
-def test_errors_do_not_show_a_hung_runner_alive() -> None:
+def test_errors_do_not_show_a_hung_runner_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     """A hung worker whose stream thread answers each job it is told to cancel with an error, while
     it holds the next one: every other timeout is a new strike, and it is benched, then detached."""
+    graces = _held_graces(monkeypatch)
     reg, (a,) = _registry("a", grace=0.05)
     reg.set_fallback_models([NAME])
     held = [reg.submit(_job()), reg.submit(_job())]
@@ -653,6 +681,7 @@ def test_errors_do_not_show_a_hung_runner_alive() -> None:
         held.append(reg.submit(_job()))
         reg.late(a, oldest.job_id, snapshot=False)  # "cancelled", from its stream thread
     assert a.strikes == MAX_STRIKES and a.benched
+    graces.set()
     wait_for(lambda: a.closed)
     assert not reg.runners() and reg.misbehaved_total == 1
     # An error in time is no sign of life for the timeouts either.

@@ -220,20 +220,24 @@ def _busy_rig(rig: Rig) -> tuple[RunnerRegistry, RunnerLink, ReplayCoordinator, 
     ns = rig.ns()
     a = model_tokens(1, 64)
     rig.cache(ns, a)
-    first = threading.Thread(target=co.resume_local, args=(ns, a, 64, 3.0))
+    # Its deadline outlasts the test, which answers its job: one of 3 s, passed while a loaded
+    # machine stalled the test, gave the runner's room to the next replay.
+    first = threading.Thread(target=co.resume_local, args=(ns, a, 64, 30.0))
     first.start()
     wait_for(lambda: co.queue_depth() == 1)
     return reg, link, co, first
 
 
 def test_a_replay_with_every_runner_busy_until_its_deadline_says_so(rig: Rig) -> None:
-    _, _, co, first = _busy_rig(rig)
+    reg, link, co, first = _busy_rig(rig)
     b = model_tokens(2, 64)
     rig.cache(rig.ns(), b)
     out = co.resume_local(rig.ns(), b, 64, 0.5)
     assert (out.status, out.snapshot) == (RUNNERS_BUSY, None)  # a runner is attached: not "no-runner"
     c = co.counters()
     assert (c.runners_busy, c.no_runner, c.replays_started) == (1, 0, 1)
+    (job_id,) = link.in_flight
+    reg.complete(link, job_id, None, "model says no")  # the first replay ends
     first.join(10)
 
 

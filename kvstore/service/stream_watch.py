@@ -108,12 +108,12 @@ class StreamWatch:
                        and now - w.waiting_since > self.idle_seconds]
             for w in stalled:
                 w.ended = True
+            self.ended_total += len(stalled)  # counted before a client can see its call ended
         for w in stalled:
             msg = (f"{w.method} stream ended: its client {w.stalled} for {self.idle_seconds:g} s "
                    f"(service.stream_idle_seconds)")
             log.info("tenant %s: %s", w.tenant, msg)
             cancel_with_status(w.context, grpc.StatusCode.DEADLINE_EXCEEDED, msg)
-        self.ended_total += len(stalled)
         return len(stalled)
 
     def _run(self) -> None:

@@ -34,15 +34,19 @@ class SlowLookups:
     """Counts the Lookups made, each answered `seconds` late (a service busy but well)."""
 
     def __init__(self, seconds: float) -> None:
-        self.seconds, self.lookups = seconds, 0
+        self.seconds, self.lookups, self.answered = seconds, 0, 0
         self._lock = threading.Lock()
 
     def wrap(self, lookup: Callable[..., Any]) -> Callable[..., Any]:
         def slow(*args: Any, **kw: Any) -> Any:
             with self._lock:
                 self.lookups += 1
-            time.sleep(self.seconds)
-            return lookup(*args, **kw)
+            try:
+                time.sleep(self.seconds)
+                return lookup(*args, **kw)
+            finally:
+                with self._lock:
+                    self.answered += 1
 
         return slow
 
@@ -129,6 +133,7 @@ def test_a_request_computed_cold_after_its_queue_wait_never_takes_an_answer_late
     assert side.matched(c, 0) == (0, False)  # queued 0.3 s: computed cold now
     time.sleep(0.9)  # the threads are free at 0.5 s; d's found it queued 0.5 s
     assert side.matched(d, 0) == (0, False)
+    assert _answer(side, a) == _answer(side, b) == 4 * CHUNK  # answered by now, later on a loaded machine
     assert side.matched(a, 0) == side.matched(b, 0) == (4 * CHUNK, True)
     time.sleep(0.6)  # what a Lookup for c or d would have taken
     assert side.matched(c, 0) == side.matched(d, 0) == (0, False)  # decided once
@@ -196,7 +201,10 @@ def test_requests_computed_cold_after_their_queue_wait_store_nothing(
     assert _decode(side, burst) == {} and side.link.counters["stores_skipped_unknown_prefix"] == skipped  # once
     # The service keeps up again: asked, the prompt it lacks is stored, and of a longer one only
     # the chunks past what it holds.
-    time.sleep(0.4)  # the burst's Lookups are done
+    t0 = time.monotonic()
+    while slow.answered < slow.lookups:  # the burst's Lookups are done (0.3 s each; a sleep was too short under load)
+        assert time.monotonic() - t0 < 30, "the burst's Lookups never ended"
+        time.sleep(STEP_SECONDS)
     again, longer = _asked("new-again", OTHER), _asked("longer", LONGER)
     assert _answer(side, again) == 0 and _answer(side, longer) == 4 * CHUNK
     assert _prefill(side, {"new-again": (again, 0), "longer": (longer, 4 * CHUNK)}) == {
