@@ -657,16 +657,21 @@ def test_a_load_waiting_for_room_when_its_session_closes_is_told_the_session_is_
         except grpc.RpcError as e:
             answer["code"], answer["details"] = e.code(), e.details()
 
+    alone = kv.stats().calls_in_flight  # the Stats call's own
     waiting = threading.Thread(target=load_again)
     waiting.start()
     full = [s for s in kv.stats().data_plane.sessions if s.session == shm.session_id[:8]]  # type: ignore[union-attr]
     assert full and full[0].leases_active >= 2  # two spans fill the 4 MiB segment
-    time.sleep(1.0)  # the second load now waits for room
+    deadline = time.monotonic() + 30
+    while kv.stats().calls_in_flight <= alone and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # in flight: the second load now waits for room
     shm.close()
     waiting.join(60)
     channel.close()
     assert answer["code"] == grpc.StatusCode.INVALID_ARGUMENT, answer
-    assert "unknown same-host session" in answer["details"]
+    # Told while it waited (a load that came after the close is told the session is unknown, no more).
+    assert "unknown same-host session (it closed during the call)" in answer["details"], answer
 
 
 def test_a_killed_client_releases_its_leases_and_its_segments(
