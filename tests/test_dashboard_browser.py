@@ -224,6 +224,7 @@ def test_a_stopped_or_killed_service_is_shown_as_such(browser: Any, tmp_path: Pa
             " && document.getElementById('health').textContent === 'unknown'"
             " && document.getElementById('updated').textContent.startsWith('stale since')", timeout=20_000)
         assert "did not answer within 3 s" in _banner(page)
+        assert (_pill(page, "pool"), _pill(page, "runner")) == ("pool unknown", "replay unknown")
         svc.proc.send_signal(signal.SIGCONT)
         stopped = False
         page.wait_for_function(
