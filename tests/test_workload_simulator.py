@@ -282,3 +282,20 @@ def test_no_analytic_expired_share_is_claimed_where_no_one_ttl_holds_for_every_r
     w = hand_workload(session(0, 0, 0.0, [0.0, 10.0, 1000.0]))
     assert simulate(w, config()).settings["expected_expired_share_of_returns"] is not None
     assert simulate(w, config(ttl=ttl)).settings["expected_expired_share_of_returns"] is None
+
+
+def test_the_bills_name_what_the_service_bills() -> None:
+    # Replay off: the 1000 s return finds its snapshot expired and prefills the whole prompt. The
+    # service bills its global hit as avoided all the same (and the prefill as the whole prompt);
+    # the simulator's field of that name was the hit used, 0 here. Pool byte-seconds were inside
+    # `persistent_byte_seconds`, which the service's ledger bills for DRAM and SSD only.
+    r = simulate(hand_workload(session(0, 0, 0.0, [0.0, 10.0, 1000.0])), config(replay_mode="off"))
+    log = r.log
+    assert log.case.tolist() == [0, 1, 2] and log.usable.tolist() == [0, 768, 0]
+    b = r.summary()["bills_per_request"]
+    assert b["prefill_tokens_avoided"] == pytest.approx((768 + 1280) / 3, rel=1e-12)
+    assert b["net_prefill_tokens_avoided"] == pytest.approx(768 / 3, rel=1e-12)
+    assert b["prefill_tokens"] == pytest.approx((640 + (1152 - 768) + 1664) / 3, rel=1e-12)
+    assert b["pool_byte_seconds"] == pytest.approx(r.pool_byte_seconds / 3, rel=1e-12) and b["pool_byte_seconds"] > 0
+    assert b["persistent_byte_seconds"] == pytest.approx(
+        r.integrals.persistent_chunk_seconds * r.spec.layout.chunk_bytes / 3, rel=1e-12)

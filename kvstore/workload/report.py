@@ -84,14 +84,16 @@ def bills_table(s: dict[str, Any]) -> str:
     b = s["bills_per_request"]
     rows = [
         "| bill (per request) | value |", "|---|---:|",
-        f"| prefill tokens avoided | {b['prefill_tokens_avoided']:,.0f} |",
+        f"| prefill tokens avoided (the global hit, as billed) | {b['prefill_tokens_avoided']:,.0f} |",
+        f"| of it used, less replay | {b['net_prefill_tokens_avoided']:,.0f} |",
         f"| prefill FLOPs avoided | {b['prefill_flops_avoided']:.3g} |",
         f"| prefill tokens still run | {b['prefill_tokens']:,.0f} |",
         f"| replay tokens | {b['replay_tokens']:,.1f} |",
         f"| HBM byte-seconds (runtime + device cache share) | {b['hbm_byte_seconds']:.3g} |",
         f"| persistent bytes written (global chunks + local snapshots) | {b['persistent_bytes']:,.0f} |",
         f"| persistent bytes loaded (DRAM, SSD, pool) | {b['persistent_bytes_loaded']:,.0f} |",
-        f"| persistent byte-seconds held | {b['persistent_byte_seconds']:.3g} |",
+        f"| persistent byte-seconds held (DRAM, SSD) | {b['persistent_byte_seconds']:.3g} |",
+        f"| local pool byte-seconds held | {b['pool_byte_seconds']:.3g} |",
     ]
     return "\n".join(rows)
 

@@ -7,8 +7,9 @@ turns them into the JSON object `kvstore bench workload --json` prints.
 
 Definitions (per request unless said otherwise):
 - case: cold (no global hit), warm (global and local hit), expired (global hit, local miss);
-- `prefill_tokens_avoided`: the global hit used (the ledger's definition); replay is reported apart,
-  and `net_prefill_tokens_avoided` = hit − replay;
+- `prefill_tokens_avoided`: the global hit, as the service bills it (also where the engine could not
+  use it: expired, no replay); `prefill_tokens` what the engine still prefilled, and
+  `net_prefill_tokens_avoided` the hit it used less the replay (replay is reported apart);
 - `hbm_byte_seconds`: the request's runtime KV × its residency, plus its share (1/requests) of the
   device tier's byte-seconds;
 - `persistent_bytes`: bytes this request parked off the GPU: its new global chunks, its local
@@ -16,7 +17,8 @@ Definitions (per request unless said otherwise):
 - `persistent_bytes_loaded`: bytes it moved back to the GPU from DRAM, SSD and the local pool;
 - persistent bytes held: time-averaged distinct global chunks in DRAM ∪ LMDB (payload bytes) plus
   the local pool's entries (payload + the embedded pool's per-entry overhead); per token: over the
-  tokens those chunks hold.
+  tokens those chunks hold. Held over time per request: `persistent_byte_seconds` the global chunks'
+  (DRAM and LMDB, as the service's ledger bills them), `pool_byte_seconds` the local pool's apart.
 - `global_bytes_per_token`: the device tier's bytes over the tokens it holds, time-averaged (the
   HBM figure to set against the layout's 890 B/token; page rounding shows up here).
 
@@ -222,7 +224,7 @@ class RunResult:
         written = float(log.written_chunks.sum() * lay.chunk_bytes + log.snapshot_written.sum())
         cache_share = self.integrals.tier_byte_seconds[0] / n
         return {
-            "prefill_tokens_avoided": float(log.usable.sum() / n),
+            "prefill_tokens_avoided": float(log.hit.sum() / n),
             "net_prefill_tokens_avoided": float((log.usable.sum() - log.replay.sum()) / n),
             "prefill_flops_avoided": float(log.usable.sum() / n * spec.prefill_flops_per_token),
             "prefill_tokens": float(log.prefill.sum() / n),
@@ -233,8 +235,8 @@ class RunResult:
             "hbm_cache_byte_seconds": float(cache_share),
             "persistent_bytes": written / n,
             "persistent_bytes_loaded": loaded_persistent / n,
-            "persistent_byte_seconds": float(
-                (self.integrals.persistent_chunk_seconds * lay.chunk_bytes + self.pool_byte_seconds) / n),
+            "persistent_byte_seconds": float(self.integrals.persistent_chunk_seconds * lay.chunk_bytes / n),
+            "pool_byte_seconds": float(self.pool_byte_seconds / n),
         }
 
     def throughput(self) -> dict[str, float | None]:
