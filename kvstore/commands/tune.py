@@ -11,6 +11,12 @@ as records: the peak is ~250 B a request (the columns and the evaluation's array
 in the config are not applied (every tenant is priced at each row's TTL); the report says so. A trace
 that cannot see its returns (few requests with a global hit follow a write or request of their
 session) gets a warning, on stderr and in the report, and its recommendation is not called exact.
+
+Each TTL's peak and mean bytes held are printed too. Where the pool's capacity is known (the config's
+`local_pool.capacity_bytes` where `--config` names an embedded pool, or `--pool-capacity-bytes`), a
+TTL whose peak exceeds it is marked (the pool would evict: its hits are an upper bound) and the
+recommendation is the least-cost TTL found that fits; where none fits, a warning names the peak the
+pool would need. Else the report says the capacity was not checked.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from dataclasses import replace
 from kvstore.commands.checks import check_not_empty
 from kvstore.commands.json_out import dump_json
 from kvstore.config import load_config
-from kvstore.config.local_pool import MAX_COST, MAX_TTL_SECONDS
+from kvstore.config.fields import MAX_CAPACITY_BYTES
+from kvstore.config.local_pool import ENTRY_OVERHEAD_BYTES, MAX_COST, MAX_TTL_SECONDS, LocalPoolConfig
 from kvstore.config.store import MAX_CHUNK_TOKENS
 from kvstore.errors import InvalidInput
 from kvstore.layout import MAX_ENGINE_SNAPSHOT_BYTES, get_model
@@ -97,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cost of one replayed token (default: the config's)")
     p.add_argument("--hold-cost-per-byte-second", type=float, metavar="X",
                    help="cost of holding one byte for one second (default: the config's)")
+    p.add_argument("--pool-capacity-bytes", type=int, metavar="N",
+                   help="the local pool's room: TTLs whose peak held exceeds it are marked and not recommended "
+                        "(default: the config's local_pool.capacity_bytes where --config names an embedded pool, "
+                        "else not checked)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -142,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInput(f"--seed must be >= 0, got {args.seed}")
     if args.save_trace is not None and args.synthetic is None:
         raise InvalidInput("--save-trace needs --synthetic")
+    capacity, pool_from = _pool_capacity(args.pool_capacity_bytes, args.config, cfg.local_pool)
     layout = get_model(args.model).layout
 
     started = time.perf_counter()
@@ -184,21 +196,43 @@ def run(args: argparse.Namespace) -> int:
     if cols.requests == 0:
         raise InvalidInput(f"{source} holds no requests")
     cost = TtlCostModel(ttl_cfg.replay_cost_per_token, ttl_cfg.hold_cost_per_byte_second,
-                     ttl_cfg.min_ttl_seconds, ttl_cfg.max_ttl_seconds)
+                        ttl_cfg.min_ttl_seconds, ttl_cfg.max_ttl_seconds, pool_capacity_bytes=capacity,
+                        pool_entry_overhead_bytes=ENTRY_OVERHEAD_BYTES if cfg.local_pool.url == "embedded" else 0)
     report = tune_ttl(cols, args.ttl, cost, ttl_cfg,
                       on_phase=lambda what: _say(f"kvstore tune: {what} ({time.perf_counter() - started:.0f} s)"))
     not_applied = sorted(overridden & set(report.tenants))
     if report.returns_unseen:
         _say(f"kvstore tune: warning: the trace cannot see returns: {report.returns_unseen}; its recommendation "
              "cannot be trusted (the least-cost TTL of a trace without returns is the shortest)")
+    if report.capacity_warning:
+        _say(f"kvstore tune: warning: {report.capacity_warning}")
     if args.json:
         doc = report.as_dict()
         doc["side_calls_left_out"] = side_calls
         doc["tenant_ttl_overrides_not_applied"] = not_applied
+        pool = doc["pool"]
+        assert isinstance(pool, dict)
+        pool["from"] = pool_from
         dump_json(doc, sys.stdout)
     else:
-        print(format_report(report, side_calls, not_applied))
+        print(format_report(report, side_calls, not_applied, pool_from))
     return 0
+
+
+def _pool_capacity(flag: int | None, config: str | None, pool: LocalPoolConfig) -> tuple[int | None, str]:
+    """The pool's capacity to check TTLs against (None: not known), and where it came from or why
+    it is not known."""
+    if flag is not None:
+        if not 1 <= flag <= MAX_CAPACITY_BYTES:
+            raise InvalidInput(f"--pool-capacity-bytes must be 1 to {MAX_CAPACITY_BYTES:,} (the pool's room in "
+                               f"bytes; local_pool.capacity_bytes' bound), got {flag:,}")
+        return flag, "--pool-capacity-bytes"
+    if config is None:
+        return None, "not checked: no --config or --pool-capacity-bytes"
+    if pool.url != "embedded":  # Redis's room is its server's maxmemory, which no config here names
+        return None, ("not checked: the config's pool is Redis (its room is the server's maxmemory): "
+                      "pass --pool-capacity-bytes")
+    return pool.capacity_bytes, f"{config}'s local_pool.capacity_bytes"
 
 
 def _requests_only(records: Iterable[TraceRecord], side: list[int]) -> Iterator[TraceRecord]:
@@ -234,10 +268,20 @@ def _seconds(x: float) -> str:
     return f"{x:.3f}".rstrip("0").rstrip(".")
 
 
-def _row(r: TtlEvaluation) -> str:
+def _size(n: float) -> str:
+    """Bytes as a person reads them: 1,023 B, 33.0 KiB, 922.4 MiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _row(r: TtlEvaluation, c: TtlCostModel) -> str:
     ttl = "adaptive" if r.ttl_seconds is None else _seconds(r.ttl_seconds)
+    fits = {None: "-", True: "fits", False: "OVER"}[c.fits(r)]
     return (f"{ttl:>9} {r.semantics:<9} {r.local_hit_rate:>8.1%} {r.replays:>9,} {r.replay_tokens:>14,} "
-            f"{r.byte_seconds:>14.4g} {r.replay_cost:>12.4g} {r.hold_cost:>12.4g} {r.total_cost:>12.4g}")
+            f"{r.byte_seconds:>14.4g} {_size(r.peak_bytes):>11} {_size(r.mean_bytes):>11} {fits:>4} "
+            f"{r.replay_cost:>12.4g} {r.hold_cost:>12.4g} {r.total_cost:>12.4g}")
 
 
 # What each search's "estimate" means, where it was one.
@@ -262,21 +306,41 @@ def _labelled(rep: TuneReport) -> list[str]:
     items.sort(key=lambda x: x[2] is not rep.recommended)
     out = []
     for kind, why, r in items:
-        if rep.exact(r):
-            out += [f"  {kind} at its least-cost TTL: {why}", _row(r)]
+        how = rep.search(r)
+        gone = rep.excluded(r)
+        if how == "capacity" and gone is not None and gone.ttl_seconds is not None:
+            out += [f"  {kind} at the least-cost TTL found that fits the pool ({_seconds(gone.ttl_seconds)} s, its "
+                    f"search's least-cost{'' if rep.exact(r) else ' estimate'}, would hold a peak of "
+                    f"{_size(gone.peak_bytes)}: over; the longest TTL that fits was sought by bisection on the "
+                    "peak, taken to grow with the TTL, and the search's cheapest at or below it evaluated, so a "
+                    f"cheaper {kind} TTL that fits may exist): {why}", _row(r, rep.cost)]
+        elif how == "none_fits":
+            found = "its least-cost TTL" if rep.exact(r) else (
+                f"the least-cost TTL its search found (an estimate: {_ESTIMATED[kind]})")
+            out += [f"  {kind} at {found}, though the pool is too small for it (and for every {kind} TTL "
+                    f"evaluated): {why}", _row(r, rep.cost)]
+        elif how == "exact":
+            out += [f"  {kind} at its least-cost TTL: {why}", _row(r, rep.cost)]
         else:
             out += [f"  {kind} at the least-cost TTL its search found (an estimate: {_ESTIMATED[kind]}; a cheaper "
-                    f"{kind} TTL may exist): {why}", _row(r)]
+                    f"{kind} TTL may exist): {why}", _row(r, rep.cost)]
     best, other = rep.recommended, rep.runner_up
     assert best.ttl_seconds is not None and other.ttl_seconds is not None
     saves = other.total_cost - best.total_cost
     share = f" ({saves / other.total_cost:.1%})" if other.total_cost > 0 else ""
     estimate = "" if rep.fixed_exact and rep.sliding_exact else " (an estimate: see above)"
+    if rep.fixed_excluded is not None or rep.sliding_excluded is not None:
+        estimate = " (the least-cost found that fits the pool: see above)"
+    if rep.capacity_warning:
+        estimate = " (the pool is too small for it: see above)"
     if rep.returns_unseen:
         estimate = " (not to be trusted: the trace cannot see returns, see above)"
+    than = f"{saves:.6g} less{share} than {other.semantics} at its best ({_seconds(other.ttl_seconds)} s)"
+    if saves < 0:  # the other costs less, but only the recommended one fits the pool
+        than = (f"{-saves:.6g} more than {other.semantics} at its best ({_seconds(other.ttl_seconds)} s), which does "
+                "not fit the pool")
     out.append(f"recommended: kind = \"{best.semantics}\", ttl_seconds = {_seconds(best.ttl_seconds)}: total cost "
-               f"{best.total_cost:.6g}, {saves:.6g} less{share} than {other.semantics} at its best "
-               f"({_seconds(other.ttl_seconds)} s){estimate}")
+               f"{best.total_cost:.6g}, {than}{estimate}")
     return out
 
 
@@ -286,9 +350,26 @@ def _break_even(seconds: float) -> str:
     return "no break-even hold: holding a snapshot costs nothing (zero-byte snapshots)"
 
 
-def format_report(rep: TuneReport, side_calls: int = 0, overrides_not_applied: Sequence[str] = ()) -> str:
+def _pool_line(rep: TuneReport, pool_from: str) -> str:
+    """What the rows' peaks were checked against, or that they were not."""
+    c = rep.cost
+    counted = (f", each snapshot counted with the pool's {c.pool_entry_overhead_bytes:,} B per entry"
+               if c.pool_entry_overhead_bytes else "")
+    if c.pool_capacity_bytes is None:
+        return (f"pool: capacity {pool_from or 'not checked'}; peak_held and mean_held are the bytes the pool "
+                f"would hold at most and on average{counted}, were it never full")
+    source = pool_from or "the caller"
+    return (f"pool: capacity {_size(c.pool_capacity_bytes)} ({c.pool_capacity_bytes:,} B, from {source}){counted}; "
+            "a row marked OVER holds more at its peak: the pool would evict, so its hits are an upper bound, and it "
+            "is not recommended")
+
+
+def format_report(
+    rep: TuneReport, side_calls: int = 0, overrides_not_applied: Sequence[str] = (), pool_from: str = "",
+) -> str:
     """The report as text; `side_calls`: pre-check and probe lookups left out of the trace;
-    `overrides_not_applied`: tenants of the trace that the config gives their own TTL."""
+    `overrides_not_applied`: tenants of the trace that the config gives their own TTL; `pool_from`:
+    where the pool's capacity came from, or why it was not checked."""
     c = rep.cost
     left_out = f" ({side_calls:,} pre-check/probe lookups left out)" if side_calls else ""
     linked = "write" if rep.store_local_writes else "request"
@@ -304,6 +385,7 @@ def format_report(rep: TuneReport, side_calls: int = 0, overrides_not_applied: S
            "and a request writes only where it replays)" if rep.store_local_writes else ""),
         f"cost: {c.replay_cost_per_token:g} per replayed token, "
         f"{c.hold_cost_per_byte_second:g} per byte-second held; " + _break_even(rep.break_even_seconds),
+        _pool_line(rep, pool_from),
     ]
     if rep.store_local_writes_unlinked:
         lines.append(f"note: {rep.store_local_writes_unlinked:,} StoreLocal writes left out: they name other sessions "
@@ -312,6 +394,8 @@ def format_report(rep: TuneReport, side_calls: int = 0, overrides_not_applied: S
     if rep.returns_unseen:
         lines.append(f"warning: the trace cannot see returns: {rep.returns_unseen}; the recommendation below cannot "
                      "be trusted (the least-cost TTL of a trace without returns is the shortest)")
+    if rep.capacity_warning:
+        lines.append(f"warning: {rep.capacity_warning}")
     if rep.load_local_reads_unmatched:
         # Most often an engine that names its session on Lookup but not on LoadLocal: the read's session
         # is then derived from its prompt and matches none of the requests.
@@ -324,15 +408,16 @@ def format_report(rep: TuneReport, side_calls: int = 0, overrides_not_applied: S
     lines += [
         "",
         f"{'ttl_s':>9} {'semantics':<9} {'hit_rate':>8} {'replays':>9} {'replay_tokens':>14} "
-        f"{'byte_seconds':>14} {'replay_cost':>12} {'hold_cost':>12} {'total_cost':>12}",
+        f"{'byte_seconds':>14} {'peak_held':>11} {'mean_held':>11} {'pool':>4} {'replay_cost':>12} "
+        f"{'hold_cost':>12} {'total_cost':>12}",
     ]
-    lines += [_row(r) for r in rep.rows]
+    lines += [_row(r, c) for r in rep.rows]
     lines += [
         "",
         f"recommended TTLs (within [{_seconds(c.min_ttl_seconds)}, {_seconds(c.max_ttl_seconds)}] s), cheapest first:",
         *_labelled(rep),
         "adaptive policy over this trace (sliding, TTL learned per tenant):",
-        _row(rep.adaptive),
+        _row(rep.adaptive, c),
         "  final TTL per tenant: "
         + ", ".join(f"{t} {v:,.0f} s" for t, v in sorted(rep.adaptive_final_ttl_seconds.items())),
     ]

@@ -4,9 +4,10 @@ Role: prices every candidate TTL under fixed semantics at once: segments (a stru
 the same-boundary retries after it) searched exactly over every pair of their requests, built and
 walked in batches within a budget, and the rest (too long, or past the budget) walked at a sample
 of TTLs, an estimate said to be one; then evaluates the best candidates as the pool holds them
-(kvstore.observe.ttl_model) to pick one. What it does not know: sliding semantics or their search
-(kvstore.observe.ttl_sliding_search), the adaptive policy or the report
-(kvstore.observe.ttl_tuning), files or output formats.
+(kvstore.observe.ttl_model) to pick one, the least-cost that fits the pool where its capacity is known
+(`search_fixed`, by `ttl_model.choose`: a few more candidates evaluated, not all). What it does not
+know: sliding semantics or their search (kvstore.observe.ttl_sliding_search), the adaptive policy or
+the report (kvstore.observe.ttl_tuning), files or output formats.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ import numpy as np
 from kvstore.observe.ttl_model import (
     REPRICED_CANDIDATES,
     Derived,
+    Searched,
     TraceColumns,
     TtlCostModel,
     TtlEvaluation,
+    choose,
     first_hit,
     least_of,
     ms_past,
     replaced_times,
-    with_also,
 )
 
 # A segment (a structural write, the same-boundary retries after it, and the next request where that
@@ -372,7 +374,8 @@ def best_fixed(
     """The least-cost fixed TTL (the shorter one on a tie), found by its own search (`fixed_costs`)
     and evaluated as the pool holds it: the search's best candidates (where its prices are
     estimates, its best few) and every TTL of `also_seconds` within the clamp, so that none of those
-    is cheaper. `evaluated`: fixed evaluations already made, reused by TTL."""
+    is cheaper (where the pool's capacity is known, none of those that fit: `search_fixed`).
+    `evaluated`: fixed evaluations already made, reused by TTL."""
     return best_fixed_searched(c, d, cost, also_seconds, evaluated)[0]
 
 
@@ -381,13 +384,23 @@ def best_fixed_searched(
     evaluated: Sequence[TtlEvaluation] = (),
 ) -> tuple[TtlEvaluation, bool]:
     """`best_fixed`, and whether its search was exact (else a cheaper fixed TTL may exist)."""
+    found = search_fixed(c, d, cost, also_seconds, evaluated)
+    return found.best, found.exact
+
+
+def search_fixed(
+    c: TraceColumns, d: Derived, cost: TtlCostModel, also_seconds: Sequence[float] = (),
+    evaluated: Sequence[TtlEvaluation] = (),
+) -> Searched:
+    """`best_fixed`'s search: where the pool's capacity is known (`cost.pool_capacity_bytes`), its
+    pick is the least-cost TTL found that fits, by `ttl_model.choose`'s rule."""
     if c.n == 0:
-        return least_of(c, d, cost, "fixed", [float(cost.min_ttl_seconds)], evaluated), True
+        return Searched(least_of(c, d, cost, "fixed", [float(cost.min_ttl_seconds)], evaluated), True)
     cand, total, exact = fixed_costs(c, d, cost, also_seconds)
-    order = np.argsort(total, kind="stable")  # candidates ascend: the shorter first on a tie
     if exact:  # the best, and any the sums' rounding may have put behind it
-        few = int(np.searchsorted(total[order], total[order[0]] * (1 + 1e-12) + 1e-12, side="right"))
+        low = float(total.min())
+        few = int(np.count_nonzero(total <= low * (1 + 1e-12) + 1e-12))
     else:
         few = REPRICED_CANDIDATES
-    best = cand[order[:max(1, min(few, REPRICED_CANDIDATES))]]
-    return least_of(c, d, cost, "fixed", with_also(best, also_seconds, cost), evaluated), exact
+    return choose(c, d, cost, "fixed", cand, total, max(1, min(few, REPRICED_CANDIDATES)), exact, also_seconds,
+                  evaluated)

@@ -3,8 +3,9 @@ the pool holds it.
 
 Role: turns trace records into columns (numpy arrays sorted by session, then time), derives the
 per-request facts that do not depend on the TTL (`Derived`), and evaluates one TTL under fixed or
-sliding semantics (`evaluate_fixed`, `evaluate_sliding`: hits and byte-seconds, priced by
-`make_evaluation`), with the helpers both searches share (`first_hit`, `least_of`). What it does not
+sliding semantics (`evaluate_fixed`, `evaluate_sliding`: hits and byte-seconds; `held_fixed`,
+`held_sliding`: hits and the snapshots held, priced by `make_evaluation` with their peak and mean),
+with the helpers both searches share (`first_hit`, `least_of`, `choose`). What it does not
 know: how the least-cost TTL is searched for (kvstore.observe.ttl_fixed_search,
 kvstore.observe.ttl_sliding_search), the adaptive policy or the report (kvstore.observe.ttl_tuning),
 the pool's backend, the service, files (the caller reads the trace), or output formats.
@@ -49,6 +50,13 @@ apart, so two models' requests under one session id are two sessions; a trace wi
   simulator's pool model counts it (less its per-entry overhead).
 
 Cost = replay tokens × replay_cost_per_token + byte-seconds × hold_cost_per_byte_second.
+
+The pool's room: from the same holds (each write's [write time, min(expiry, replaced))), an
+evaluation's peak bytes held at once (a sweep over the writes and the holds' ends, each snapshot
+counted with the pool's per-entry overhead) and mean (over the trace's span). The model itself never
+evicts: a TTL whose peak exceeds the pool's capacity (`TtlCostModel.pool_capacity_bytes`, where
+known) would make the pool evict, so its hits are an upper bound and its holds an overstatement;
+`choose` then picks the least-cost TTL that fits among those it evaluated.
 """
 
 from __future__ import annotations
@@ -117,6 +125,16 @@ class TtlCostModel:
     hold_cost_per_byte_second: float
     min_ttl_seconds: float  # the recommendation is clamped to [min, max]
     max_ttl_seconds: float
+    # The pool's room, a bound on the recommendation like the clamps: a TTL whose peak held exceeds it
+    # would make the pool evict (its hits are then an upper bound). None: not known, nothing checked.
+    pool_capacity_bytes: int | None = None
+    # What the pool counts against its room per snapshot beyond the payload (the embedded pool's
+    # ENTRY_OVERHEAD_BYTES), in each evaluation's `peak_bytes`.
+    pool_entry_overhead_bytes: int = 0
+
+    def fits(self, r: TtlEvaluation) -> bool | None:
+        """Whether `r`'s snapshots fit the pool at their peak (None: its capacity is not known)."""
+        return None if self.pool_capacity_bytes is None else r.peak_bytes <= self.pool_capacity_bytes
 
 
 # Below this share of its requests with a global hit linked to an earlier write or request of their
@@ -274,6 +292,10 @@ class TtlEvaluation:
     byte_seconds: float
     replay_cost: float
     hold_cost: float
+    # The most bytes held at once, as the pool counts them against its room (`Holds.peak_bytes`), and
+    # the bytes held on average over the trace's span (`Holds.mean_bytes`).
+    peak_bytes: int = 0
+    mean_bytes: float = 0.0
 
     @property
     def local_hit_rate(self) -> float:
@@ -290,6 +312,7 @@ class TtlEvaluation:
             "replays": self.replays, "replay_tokens": self.replay_tokens,
             "byte_seconds": self.byte_seconds, "replay_cost": self.replay_cost,
             "hold_cost": self.hold_cost, "total_cost": self.total_cost,
+            "peak_bytes": self.peak_bytes, "mean_bytes": self.mean_bytes,
         }
 
 
@@ -338,19 +361,67 @@ class Derived:
         # cold one) reads nothing under any TTL (it reads what that request found), so only reads
         # after eligible requests count.
         self.every_hit_reads = bool(c.refreshes[self.eligible].all()) and not self.eligible[c.read_after].any()
+        # Rows in time order, and the trace's span (its first row to its last): for the bytes held at
+        # once (`Holds`), a sweep over the writes in time order, and on average.
+        self.by_time = np.argsort(c.time, kind="stable")
+        self.first_seconds = float(c.time.min()) if n else 0.0
+        self.last_seconds = float(c.time.max()) if n else 0.0
+
+
+@dataclass(frozen=True)
+class Holds:
+    """The snapshots one evaluation holds: each write (the rows of `write`) from its time until `end`
+    (its expiry, or the write at its key that replaces it, whichever is first), the intervals its
+    byte-seconds, peak and mean all come from."""
+
+    write: np.ndarray  # [n] bool: the rows that write
+    end: np.ndarray  # [writes] seconds, in row order
+
+    def byte_seconds(self, c: TraceColumns) -> float:
+        """Payload bytes x seconds held (the pool's per-entry overhead left out: it is priced by the payload)."""
+        return float(np.dot(c.snapshot_bytes[self.write], self.end - c.time[self.write]))
+
+    def peak_bytes(self, c: TraceColumns, d: Derived, entry_overhead_bytes: int = 0) -> int:
+        """The most bytes held at once, each snapshot its payload plus `entry_overhead_bytes`, as the
+        pool counts them against its room: the held total only rises at a write, so it is taken at each
+        write (in time order: every write up to it, less those ended at or before its time, as the pool
+        drops an entry whose expiry is <= now, and the one a write replaces, before it counts room).
+        A sweep over start and end events: one sort of the ends, O(w log w)."""
+        starts = d.by_time[self.write[d.by_time]]  # the writes in time order
+        if not starts.size:
+            return 0
+        started = np.cumsum(c.snapshot_bytes[starts] + entry_overhead_bytes)
+        order = np.argsort(self.end)
+        ends = self.end[order]
+        ended = np.concatenate(([0.0], np.cumsum((c.snapshot_bytes[self.write] + entry_overhead_bytes)[order])))
+        # Sizes are whole bytes: the sums are exact below 2**53 (8 PiB).
+        return int((started - ended[np.searchsorted(ends, c.time[starts], side="right")]).max())
+
+    def mean_bytes(self, c: TraceColumns, d: Derived, entry_overhead_bytes: int = 0) -> float:
+        """The bytes held on average over the trace's span (its first row to its last; each hold cut at
+        its end, so a trace's tail of holds does not count), counted as `peak_bytes` counts them; 0
+        where the span is none."""
+        span = d.last_seconds - d.first_seconds
+        if span <= 0:
+            return 0.0
+        held = np.maximum(np.minimum(self.end, d.last_seconds) - c.time[self.write], 0.0)
+        return float(np.dot(c.snapshot_bytes[self.write] + entry_overhead_bytes, held)) / span
 
 
 def make_evaluation(
     c: TraceColumns, d: Derived, semantics: Semantics, ttl: float | None, hits: np.ndarray,
-    byte_seconds: float, cost: TtlCostModel,
+    held: Holds, cost: TtlCostModel,
 ) -> TtlEvaluation:
     miss = d.eligible & ~hits
     replay_tokens = int(c.replay_tokens[miss].sum())
+    byte_seconds = held.byte_seconds(c)
+    overhead = cost.pool_entry_overhead_bytes
     return TtlEvaluation(
         semantics=semantics, ttl_seconds=ttl, eligible=int(d.eligible.sum()),
         local_hits=int((d.eligible & hits).sum()), replays=int(miss.sum()), replay_tokens=replay_tokens,
         byte_seconds=byte_seconds, replay_cost=replay_tokens * cost.replay_cost_per_token,
         hold_cost=byte_seconds * cost.hold_cost_per_byte_second,
+        peak_bytes=held.peak_bytes(c, d, overhead), mean_bytes=held.mean_bytes(c, d, overhead),
     )
 
 
@@ -373,11 +444,10 @@ def replaced_times(c: TraceColumns, d: Derived, write: np.ndarray) -> np.ndarray
     return out
 
 
-def _byte_seconds(c: TraceColumns, d: Derived, write: np.ndarray, expires_at: np.ndarray) -> float:
+def _holds(c: TraceColumns, d: Derived, write: np.ndarray, expires_at: np.ndarray) -> Holds:
     """The writes held from their write until `expires_at` ([writes]) or until replaced, whichever is first."""
     w = np.flatnonzero(write)
-    end = np.minimum(expires_at, replaced_times(c, d, write)[w])
-    return float(np.dot(c.snapshot_bytes[w], end - c.time[w]))
+    return Holds(write, np.minimum(expires_at, replaced_times(c, d, write)[w]))
 
 
 def evaluate_sliding(
@@ -390,8 +460,17 @@ def evaluate_sliding(
     moved boundary) whose TTL is `ttl_after[i]`: the adaptive policy is asked for each apart.
     `ttl_load[r]`, where given, is the TTL LoadLocal read r restarts its snapshot with (else
     `ttl_after` of the request it follows). A Lookup's hit restarts nothing (`c.refreshes`)."""
+    hits, held = held_sliding(c, d, ttl_after, ttl_read, ttl_load)
+    return hits, held.byte_seconds(c)
+
+
+def held_sliding(
+    c: TraceColumns, d: Derived, ttl_after: np.ndarray | float, ttl_read: np.ndarray | None = None,
+    ttl_load: np.ndarray | None = None,
+) -> tuple[np.ndarray, Holds]:
+    """`evaluate_sliding`'s hits, and the snapshots held (`Holds`) in place of their byte-seconds."""
     if not d.every_hit_reads:
-        return _sliding_walk(c, d, ttl_after, ttl_read, ttl_load)
+        return _walk_holds(c, d, ttl_after, ttl_read, ttl_load)
     t = c.time
     ttl = np.broadcast_to(np.asarray(ttl_after, dtype=np.float64), (c.n,))  # [n]
     read_ttl = ttl if ttl_read is None else ttl_read
@@ -411,14 +490,23 @@ def evaluate_sliding(
         last = np.ones(reads.size, dtype=bool)
         last[:-1] = src[1:] != src[:-1]
         expires_at[np.searchsorted(w, src[last])] = t[reads[last]] + read_ttl[reads[last]]
-    return hits, _byte_seconds(c, d, write, expires_at)
+    return hits, _holds(c, d, write, expires_at)
 
 
 def _sliding_walk(
     c: TraceColumns, d: Derived, ttl_after: np.ndarray | float, ttl_read: np.ndarray | None,
     ttl_load: np.ndarray | None,
 ) -> tuple[np.ndarray, float]:
-    """`evaluate_sliding` where some hit reads nothing (a Lookup's) or a LoadLocal reads: a snapshot's
+    """`_walk_holds`' hits and byte-seconds."""
+    hits, held = _walk_holds(c, d, ttl_after, ttl_read, ttl_load)
+    return hits, held.byte_seconds(c)
+
+
+def _walk_holds(
+    c: TraceColumns, d: Derived, ttl_after: np.ndarray | float, ttl_read: np.ndarray | None,
+    ttl_load: np.ndarray | None,
+) -> tuple[np.ndarray, Holds]:
+    """`held_sliding` where some hit reads nothing (a Lookup's) or a LoadLocal reads: a snapshot's
     last touch is then no longer the request before the next one, and which reads find it alive
     depends on the TTL, so each session is walked in order (a Python loop: O(n), ~1 µs a request)."""
     n = c.n
@@ -455,7 +543,7 @@ def _sliding_walk(
                     expiry[src] = at + float(load_ttl[r])
     w = np.flatnonzero(write)
     expires_at = np.frombuffer(expiry, dtype=np.float64)[w]
-    return hits, _byte_seconds(c, d, write, expires_at)
+    return hits, _holds(c, d, write, expires_at)
 
 
 def _chunked(*columns: np.ndarray) -> Iterator[tuple[Any, ...]]:
@@ -467,6 +555,12 @@ def _chunked(*columns: np.ndarray) -> Iterator[tuple[Any, ...]]:
 
 def evaluate_fixed(c: TraceColumns, d: Derived, ttl: float) -> tuple[np.ndarray, float]:
     """Hits and byte-seconds when a snapshot lives `ttl` from its write."""
+    hits, held = held_fixed(c, d, ttl)
+    return hits, held.byte_seconds(c)
+
+
+def held_fixed(c: TraceColumns, d: Derived, ttl: float) -> tuple[np.ndarray, Holds]:
+    """`evaluate_fixed`'s hits, and the snapshots held (`Holds`) in place of their byte-seconds."""
     t = c.time
     write = d.structural.copy()
     # Same-boundary runs: walk the writes a run forces (one search per replay, not per request).
@@ -484,7 +578,7 @@ def evaluate_fixed(c: TraceColumns, d: Derived, ttl: float) -> tuple[np.ndarray,
             anchor = times[k]
     src = _latest_write_before(write)
     hits = d.eligible & (t[np.maximum(src, 0)] + ttl > t)
-    return hits, _byte_seconds(c, d, write, t[write] + ttl)
+    return hits, _holds(c, d, write, t[write] + ttl)
 
 
 def first_hit(t_prev: np.ndarray, t: np.ndarray, cand: np.ndarray) -> np.ndarray:
@@ -514,21 +608,93 @@ def with_also(best: np.ndarray, also_seconds: Sequence[float], cost: TtlCostMode
     return ttls | {float(x) for x in also_seconds if cost.min_ttl_seconds <= x <= cost.max_ttl_seconds}
 
 
+class _Priced:
+    """TTLs of one semantics ("fixed" or "sliding") evaluated as the pool holds them, each once;
+    evaluations in `evaluated` are reused by TTL. `asked`: those asked for, in order."""
+
+    def __init__(
+        self, c: TraceColumns, d: Derived, cost: TtlCostModel, semantics: Semantics,
+        evaluated: Sequence[TtlEvaluation],
+    ) -> None:
+        self.c, self.d, self.cost, self.semantics = c, d, cost, semantics
+        self.done = {r.ttl_seconds: r for r in evaluated if r.semantics == semantics}
+        self.asked: dict[float, TtlEvaluation] = {}
+
+    def __call__(self, ttl: float) -> TtlEvaluation:
+        if ttl not in self.done:
+            held = held_sliding if self.semantics == "sliding" else held_fixed
+            self.done[ttl] = make_evaluation(self.c, self.d, self.semantics, ttl, *held(self.c, self.d, ttl), self.cost)
+        self.asked[ttl] = self.done[ttl]
+        return self.done[ttl]
+
+
+def _cost_order(r: TtlEvaluation) -> tuple[float, float]:
+    """The cheaper first, the shorter TTL on a tie."""
+    return r.total_cost, r.ttl_seconds or 0.0
+
+
 def least_of(
     c: TraceColumns, d: Derived, cost: TtlCostModel, semantics: Semantics, ttls: Iterable[float],
     evaluated: Sequence[TtlEvaluation],
 ) -> TtlEvaluation:
     """The cheapest of `ttls` under `semantics` ("fixed" or "sliding"), each evaluated as the pool
-    holds it (the shorter one on a tie); evaluations in `evaluated` are reused by TTL."""
-    done = {r.ttl_seconds: r for r in evaluated if r.semantics == semantics}
-    evaluate = evaluate_sliding if semantics == "sliding" else evaluate_fixed
+    holds it (the shorter one on a tie); evaluations in `evaluated` are reused by TTL. The pool's
+    capacity is not looked at (`choose` does)."""
+    priced = _Priced(c, d, cost, semantics, evaluated)
+    return min((priced(x) for x in ttls), key=_cost_order)
 
-    def priced(ttl: float) -> TtlEvaluation:
-        if ttl not in done:
-            done[ttl] = make_evaluation(c, d, semantics, ttl, *evaluate(c, d, ttl), cost)
-        return done[ttl]
 
-    return min((priced(x) for x in ttls), key=lambda r: (r.total_cost, r.ttl_seconds))
+@dataclass(frozen=True)
+class Searched:
+    """What one semantics' search found."""
+
+    # The TTL to set: the least-cost of those evaluated that fits the pool; where none fits, or the
+    # capacity is not known, the least-cost of them all.
+    best: TtlEvaluation
+    exact: bool  # whether the search's prices were exact (its least-cost TTL is then the least of all)
+    # The search's least-cost TTL where the pool's capacity ruled it out (`best` is then the least-cost
+    # found among those that fit, not proven the least of all that fit); else None.
+    excluded: TtlEvaluation | None = None
+    # Where none of those evaluated fits: the one with the least peak (the least room that would do).
+    least_peak: TtlEvaluation | None = None
+
+
+def choose(
+    c: TraceColumns, d: Derived, cost: TtlCostModel, semantics: Semantics, cand: np.ndarray, total: np.ndarray,
+    few: int, exact: bool, also_seconds: Sequence[float], evaluated: Sequence[TtlEvaluation],
+) -> Searched:
+    """A search's pick from its candidates `cand` (ascending) priced `total` (`exact` or estimates):
+    the cheapest of its `few` best and of `also_seconds` within the clamp, each evaluated as the pool
+    holds it (`least_of`). That is all where the pool's capacity is not known or that one fits.
+
+    Where its peak exceeds the capacity, the peak is computed for a few more candidates, not for
+    all (each is an O(n) evaluation): the longest candidate that fits, found by bisection between the
+    shortest (if it fits) and the excluded one, taking the peak to grow with the TTL (usual, not
+    certain: a TTL long enough to turn a replay into a hit drops the replay's write), and the search's
+    `few` best at or below it. Every TTL so evaluated within the clamp is a candidate; the least-cost
+    of those that fit is the pick (so it fits, though a cheaper one that fits may exist). Between two
+    candidates a TTL's cost never falls and its holds never shrink, so were the peak monotone in the
+    TTL and the prices exact, it would be the least-cost TTL that fits."""
+    priced = _Priced(c, d, cost, semantics, evaluated)
+    order = np.argsort(total, kind="stable")  # candidates ascend: the shorter first on a tie
+    cheapest = min((priced(x) for x in with_also(cand[order[:few]], also_seconds, cost)), key=_cost_order)
+    if cost.fits(cheapest) is not False:
+        return Searched(cheapest, exact)
+    lo, hi = -1, int(np.searchsorted(cand, cheapest.ttl_seconds or 0.0, side="left"))
+    if hi > 0 and cost.fits(priced(float(cand[0]))):
+        lo = 0
+        while hi - lo > 1:  # cand[lo] fits; cand[hi] does not (or is past the last)
+            mid = (lo + hi) // 2
+            if cost.fits(priced(float(cand[mid]))):
+                lo = mid
+            else:
+                hi = mid
+    for x in order[order <= lo][:few].tolist():
+        priced(float(cand[x]))
+    fitting = [r for r in priced.asked.values() if cost.fits(r)]  # all within the clamp
+    if fitting:
+        return Searched(min(fitting, key=_cost_order), exact, excluded=cheapest)
+    return Searched(cheapest, exact, least_peak=min(priced.asked.values(), key=lambda r: (r.peak_bytes, r.ttl_seconds)))
 
 
 def ms_past(gaps: np.ndarray) -> np.ndarray:

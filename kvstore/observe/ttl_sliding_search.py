@@ -2,9 +2,11 @@
 
 Role: prices every candidate TTL under sliding semantics at once, in O(n log n), from the gaps
 between a session's requests (a TTL changes which requests hit only where it passes one), and
-evaluates the best candidates as the pool holds them (kvstore.observe.ttl_model) to pick one. What
-it does not know: fixed semantics or their search (kvstore.observe.ttl_fixed_search), the adaptive
-policy or the report (kvstore.observe.ttl_tuning), files or output formats.
+evaluates the best candidates as the pool holds them (kvstore.observe.ttl_model) to pick one, the
+least-cost that fits the pool where its capacity is known (`search_sliding`, by `ttl_model.choose`: a
+few more candidates evaluated, not all). What it does not know: fixed semantics or their search
+(kvstore.observe.ttl_fixed_search), the adaptive policy or the report (kvstore.observe.ttl_tuning),
+files or output formats.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ import numpy as np
 from kvstore.observe.ttl_model import (
     REPRICED_CANDIDATES,
     Derived,
+    Searched,
     TraceColumns,
     TtlCostModel,
     TtlEvaluation,
+    choose,
     first_hit,
     least_of,
     ms_past,
     replaced_times,
-    with_also,
 )
 
 
@@ -119,15 +122,26 @@ def best_sliding(
 ) -> TtlEvaluation:
     """The least-cost sliding TTL (the shorter one on a tie), evaluated as the pool holds it: the
     search's best candidate, or where its prices are estimates the cheapest of its best few and of
-    every TTL of `also_seconds` within the clamp, so that none of those is cheaper. `evaluated`:
-    sliding evaluations already made, reused by TTL."""
+    every TTL of `also_seconds` within the clamp, so that none of those is cheaper (where the pool's
+    capacity is known, none of those that fit: `search_sliding`). `evaluated`: sliding evaluations
+    already made, reused by TTL."""
+    return search_sliding(c, d, cost, also_seconds, evaluated).best
+
+
+def search_sliding(
+    c: TraceColumns, d: Derived, cost: TtlCostModel, also_seconds: Sequence[float] = (),
+    evaluated: Sequence[TtlEvaluation] = (),
+) -> Searched:
+    """`best_sliding`'s search, and whether it was exact (`_search_is_exact`): where the pool's
+    capacity is known (`cost.pool_capacity_bytes`), its pick is the least-cost TTL found that fits,
+    by `ttl_model.choose`'s rule."""
+    exact = _search_is_exact(c, d)
     if c.n == 0:
-        return least_of(c, d, cost, "sliding", [float(cost.min_ttl_seconds)], evaluated)
+        return Searched(least_of(c, d, cost, "sliding", [float(cost.min_ttl_seconds)], evaluated), exact)
     more = None if d.every_hit_reads else ms_past(_touch_gaps(c, d))
     cand, total = sliding_costs(c, d, cost, also_seconds, more)
-    order = np.argsort(total, kind="stable")  # candidates ascend: the shorter first on a tie
-    few = 1 if _search_is_exact(c, d) else REPRICED_CANDIDATES
-    return least_of(c, d, cost, "sliding", with_also(cand[order[:few]], also_seconds, cost), evaluated)
+    return choose(c, d, cost, "sliding", cand, total, 1 if exact else REPRICED_CANDIDATES, exact, also_seconds,
+                  evaluated)
 
 
 def _touch_gaps(c: TraceColumns, d: Derived) -> np.ndarray:

@@ -4,10 +4,11 @@ Role: evaluates a trace's columns (kvstore.observe.ttl_model) under each candida
 sliding; finds, for each of fixed and sliding, the TTL that minimises total cost by its own search
 (`best_fixed` in kvstore.observe.ttl_fixed_search, `best_sliding` in
 kvstore.observe.ttl_sliding_search; exact within their bounds, else the best of their estimates, and
-the report says which); runs the adaptive policy over the trace as the service would
-(`run_adaptive`); and gathers it all in a `TuneReport` (`tune_ttl`). The model of the pool and of a
-request is kvstore.observe.ttl_model's. What it does not know: the pool's backend, the service,
-files (the caller reads the trace), or output formats (kvstore.commands.tune).
+the report says which; where the pool's capacity is known, the least-cost found among the TTLs whose
+peak held fits it, said to be so: `ttl_model.choose`); runs the adaptive policy over the trace as the
+service would (`run_adaptive`); and gathers it all in a `TuneReport` (`tune_ttl`). The model of the
+pool and of a request is kvstore.observe.ttl_model's. What it does not know: the pool's backend, the
+service, files (the caller reads the trace), or output formats (kvstore.commands.tune).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvstore.observe.ttl_fixed_search import (
     best_fixed,
     best_fixed_searched,
     fixed_costs,
+    search_fixed,
 )
 from kvstore.observe.ttl_model import (
     COLUMN_CHUNK_RECORDS,
@@ -39,9 +41,11 @@ from kvstore.observe.ttl_model import (
     columns_from_records,
     evaluate_fixed,
     evaluate_sliding,
+    held_fixed,
+    held_sliding,
     make_evaluation,
 )
-from kvstore.observe.ttl_sliding_search import _search_is_exact, best_sliding, best_sliding_ttl, sliding_costs
+from kvstore.observe.ttl_sliding_search import best_sliding, best_sliding_ttl, search_sliding, sliding_costs
 from policies.ttl import AdaptiveTtl
 
 # What callers import from here: the evaluation's public names, wherever they are defined.
@@ -81,6 +85,12 @@ class TuneReport:
     global_hits: int = 0  # requests with a global hit
     linked_returns: int = 0  # of them, those after an earlier write (else request) of their session
     store_local_writes_unlinked: int = 0  # "store_local" lines left out: in other sessions than the requests
+    # Where the pool's capacity (`cost.pool_capacity_bytes`) ruled out a search's least-cost TTL: that
+    # one (its best is then the least-cost found that fits); else None.
+    sliding_excluded: TtlEvaluation | None = None
+    fixed_excluded: TtlEvaluation | None = None
+    # Where no TTL the searches evaluated fits the pool: the one with the least peak; else None.
+    least_peak: TtlEvaluation | None = None
 
     @property
     def returns_unseen(self) -> str:
@@ -101,10 +111,15 @@ class TuneReport:
 
     @property
     def recommended(self) -> TtlEvaluation:
-        """The one to set: the cheaper of `best_sliding` and `best_fixed`; fixed on a tie (a read
-        then refreshes nothing, and it is the config's default kind)."""
+        """The one to set: the cheaper of `best_sliding` and `best_fixed`, one that fits the pool
+        before one that does not; fixed on a tie (a read then refreshes nothing, and it is the
+        config's default kind)."""
         fixed, sliding = self.best_fixed, self.best_sliding
-        return sliding if sliding.total_cost < fixed.total_cost else fixed
+
+        def rank(r: TtlEvaluation) -> tuple[bool, float]:
+            return self.cost.fits(r) is False, r.total_cost
+
+        return sliding if rank(sliding) < rank(fixed) else fixed
 
     @property
     def runner_up(self) -> TtlEvaluation:
@@ -115,12 +130,55 @@ class TuneReport:
         """Whether `r` (`best_sliding` or `best_fixed`) came of an exact search."""
         return self.fixed_exact if r.semantics == "fixed" else self.sliding_exact
 
+    def excluded(self, r: TtlEvaluation) -> TtlEvaluation | None:
+        """The least-cost TTL of `r`'s search (`best_sliding` or `best_fixed`'s) that the pool's
+        capacity ruled out, if it did."""
+        return self.fixed_excluded if r.semantics == "fixed" else self.sliding_excluded
+
+    def search(self, r: TtlEvaluation) -> str:
+        """How `r` (`best_sliding` or `best_fixed`) was found: "exact" (the least-cost TTL), "estimate"
+        (the least-cost its estimates found), "capacity" (the least-cost found among those that fit the
+        pool: its search's least-cost did not, and a cheaper one that fits may exist) or "none_fits"
+        (the least-cost, though the pool is too small for it and every other TTL evaluated)."""
+        if self.cost.fits(r) is False:
+            return "none_fits"
+        if self.excluded(r) is not None:
+            return "capacity"
+        return "exact" if self.exact(r) else "estimate"
+
+    @property
+    def capacity_warning(self) -> str:
+        """Why no TTL can be set that the pool holds ("": it can, or its capacity is not known)."""
+        rec, least = self.recommended, self.least_peak
+        if self.cost.fits(rec) is not False or rec.ttl_seconds is None:
+            return ""
+        out = (f"the pool's capacity ({self.cost.pool_capacity_bytes:,} B) is too small for every TTL evaluated "
+               f"within [{self.cost.min_ttl_seconds:g}, {self.cost.max_ttl_seconds:g}] s: the recommended "
+               f"{rec.semantics} {rec.ttl_seconds:g} s needs room for a peak of {rec.peak_bytes:,} B")
+        if least is not None and least.ttl_seconds is not None and least.peak_bytes < rec.peak_bytes:
+            out += f" (the least any needs is {least.peak_bytes:,} B, {least.semantics} {least.ttl_seconds:g} s)"
+        return out + "; with less, the pool evicts, and its predicted hits are an upper bound"
+
     def as_dict(self) -> dict[str, object]:
         def search(exact: bool) -> str:
             return "exact" if exact else "estimate"
 
+        def excluded(r: TtlEvaluation) -> dict[str, object] | None:
+            gone = self.excluded(r)
+            return None if gone is None else {"ttl_seconds": gone.ttl_seconds, "total_cost": gone.total_cost,
+                                               "peak_bytes": gone.peak_bytes}
+
         rec, other = self.recommended, self.runner_up
         unseen = self.returns_unseen
+        fits = self.cost.fits
+        if unseen:
+            rec_search = "returns_unseen"
+        elif fits(rec) is False:
+            rec_search = "none_fits"
+        elif self.fixed_excluded is not None or self.sliding_excluded is not None:
+            rec_search = "capacity"  # chosen between two bests, one of them not proven the least-cost that fits
+        else:
+            rec_search = search(self.fixed_exact and self.sliding_exact)
         return {
             "trace": {"requests": self.requests, "sessions": self.sessions, "tenants": list(self.tenants),
                       "same_boundary_requests": self.same_boundary_requests,
@@ -137,17 +195,26 @@ class TuneReport:
                            "max_ttl_seconds": self.cost.max_ttl_seconds},
             # null for inf: JSON has no infinity.
             "break_even_seconds": self.break_even_seconds if math.isfinite(self.break_even_seconds) else None,
-            "rows": [r.as_dict() for r in self.rows],
+            # The pool's room each TTL's `peak_bytes` is checked against (null: not known, nothing
+            # checked, and every `fits_pool` null); `warning`: null, or why no TTL fits.
+            "pool": {"capacity_bytes": self.cost.pool_capacity_bytes,
+                     "entry_overhead_bytes": self.cost.pool_entry_overhead_bytes,
+                     "warning": self.capacity_warning or None},
+            "rows": [{**r.as_dict(), "fits_pool": fits(r)} for r in self.rows],
             # What to set: `kind` and `ttl_seconds` of [local_pool.ttl]. Chosen between the two
-            # searches' bests, so an estimate if either search was.
-            "recommended": {"kind": rec.semantics, **rec.as_dict(),
-                            "search": "returns_unseen" if unseen else search(self.fixed_exact and self.sliding_exact),
+            # searches' bests, so an estimate if either search was ("capacity" if either's
+            # least-cost TTL did not fit the pool).
+            "recommended": {"kind": rec.semantics, **rec.as_dict(), "fits_pool": fits(rec), "search": rec_search,
+                            # < 0 where only `rec` fits the pool: the other costs less, but the pool would evict
                             "saves": other.total_cost - rec.total_cost,
                             "than": {"kind": other.semantics, "ttl_seconds": other.ttl_seconds,
                                      "total_cost": other.total_cost}},
-            "best_sliding": {**self.best_sliding.as_dict(), "search": search(self.sliding_exact)},
-            "best_fixed": {**self.best_fixed.as_dict(), "search": search(self.fixed_exact)},
-            "adaptive": {**self.adaptive.as_dict(), "final_ttl_seconds": self.adaptive_final_ttl_seconds},
+            "best_sliding": {**self.best_sliding.as_dict(), "fits_pool": fits(self.best_sliding),
+                             "search": self.search(self.best_sliding), "excluded": excluded(self.best_sliding)},
+            "best_fixed": {**self.best_fixed.as_dict(), "fits_pool": fits(self.best_fixed),
+                           "search": self.search(self.best_fixed), "excluded": excluded(self.best_fixed)},
+            "adaptive": {**self.adaptive.as_dict(), "fits_pool": fits(self.adaptive),
+                         "final_ttl_seconds": self.adaptive_final_ttl_seconds},
         }
 
 
@@ -275,34 +342,39 @@ def tune_ttl(
 ) -> TuneReport:
     """Evaluate every TTL under fixed and sliding semantics, the best TTL of each (each by its own
     search), and the adaptive policy (configured from `ttl_cfg`, with the trace's mean snapshot and
-    replay sizes). `on_phase`, if given, is told what each phase is as it starts (on a large trace
-    each takes from seconds to minutes)."""
+    replay sizes). Every evaluation has its peak and mean bytes held; where `cost.pool_capacity_bytes`
+    is known, each search's best is the least-cost TTL found that fits it (`ttl_model.choose`).
+    `on_phase`, if given, is told what each phase is as it starts (on a large trace each takes from
+    seconds to minutes)."""
     say = on_phase or (lambda _: None)
     say(f"evaluating {len(ttls_seconds)} TTL(s), fixed and sliding")
     d = Derived(c)
     rows: list[TtlEvaluation] = []
     for ttl in ttls_seconds:
         for semantics in ("fixed", "sliding"):
-            hits, bs = evaluate_fixed(c, d, ttl) if semantics == "fixed" else evaluate_sliding(c, d, ttl)
-            rows.append(make_evaluation(c, d, semantics, float(ttl), hits, bs, cost))
+            hits, held = held_fixed(c, d, ttl) if semantics == "fixed" else held_sliding(c, d, ttl)
+            rows.append(make_evaluation(c, d, semantics, float(ttl), hits, held, cost))
     say("searching for the least-cost sliding TTL")
-    sliding = best_sliding(c, d, cost, ttls_seconds, rows)
+    sliding = search_sliding(c, d, cost, ttls_seconds, rows)
     say("searching for the least-cost fixed TTL")
-    fixed, fixed_exact = best_fixed_searched(c, d, cost, ttls_seconds, rows)
+    fixed = search_fixed(c, d, cost, ttls_seconds, rows)
     say("running the adaptive policy over the trace")
     ttl_after, ttl_read, ttl_load, final = run_adaptive(c, d, ttl_cfg)
-    hits, bs = evaluate_sliding(c, d, ttl_after, ttl_read, ttl_load)
-    adaptive = make_evaluation(c, d, "adaptive", None, hits, bs, cost)
+    hits, held = held_sliding(c, d, ttl_after, ttl_read, ttl_load)
+    adaptive = make_evaluation(c, d, "adaptive", None, hits, held, cost)
+    # Set where neither search found a TTL that fits (else one that fits is recommended).
+    least = [r for r in (sliding.least_peak, fixed.least_peak) if r is not None]
     mean_bytes, mean_replay = _request_means(c)
     hold_per_s = mean_bytes * cost.hold_cost_per_byte_second
     return TuneReport(
         requests=c.requests, sessions=c.request_sessions, tenants=c.tenants,
         same_boundary_requests=c.same_boundary_requests, cost=cost, rows=tuple(rows),
-        best_sliding=sliding, best_fixed=fixed, sliding_exact=_search_is_exact(c, d), fixed_exact=fixed_exact,
+        best_sliding=sliding.best, best_fixed=fixed.best, sliding_exact=sliding.exact, fixed_exact=fixed.exact,
         adaptive=adaptive,
         adaptive_final_ttl_seconds=final,
         break_even_seconds=mean_replay * cost.replay_cost_per_token / hold_per_s if hold_per_s > 0 else math.inf,
         load_local_reads=int(c.read_time.shape[0]) + c.reads_idle, load_local_reads_unmatched=c.reads_unmatched,
         store_local_writes=int((~c.is_request).sum()), global_hits=c.global_hits, linked_returns=c.linked_returns,
-        store_local_writes_unlinked=c.writes_unlinked,
+        store_local_writes_unlinked=c.writes_unlinked, sliding_excluded=sliding.excluded,
+        fixed_excluded=fixed.excluded, least_peak=min(least, key=lambda r: r.peak_bytes) if len(least) == 2 else None,
     )
