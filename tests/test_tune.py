@@ -448,3 +448,21 @@ def test_a_ttl_past_the_configs_bound_is_refused(capsys: pytest.CaptureFixture[s
         main(["tune", "ttl", "--synthetic", "50", "--ttl", "60,1e306", "--json"])
     assert e.value.code == 2
     assert "argument --ttl: TTLs must be finite numbers of seconds > 0 and <= 2592000" in capsys.readouterr().err
+
+
+def test_a_model_that_keeps_no_local_state_is_no_return_that_could_miss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The service answers a dense model's returns warm whatever the TTL: tune counted them as
+    # replays (0 tokens) and its pool as holding a 448 B entry per request.
+    path = tmp_path / "dense.jsonl"
+    path.write_text("".join(TraceRecord(
+        time=float(t), tenant="dense", session="d0", prefix_tokens=1000 + 200 * i,
+        local_outcome="cold" if i == 0 else "hit", snapshot_bytes=0, replay_tokens=0,
+    ).to_json() + "\n" for i, t in enumerate((0, 10, 20, 300))))
+    assert main(["tune", "ttl", "--trace", str(path), "--ttl", "5", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    for row in rep["rows"]:
+        assert (row["eligible"], row["replays"], row["peak_bytes"]) == (0, 0, 0), row
+    assert main(["tune", "ttl", "--trace", str(path), "--ttl", "5"]) == 0
+    assert re.search(r"^\s+5 fixed\s+- ", capsys.readouterr().out, re.M)

@@ -279,7 +279,8 @@ def _size(n: float) -> str:
 def _row(r: TtlEvaluation, c: TtlCostModel) -> str:
     ttl = "adaptive" if r.ttl_seconds is None else _seconds(r.ttl_seconds)
     fits = {None: "-", True: "fits", False: "OVER"}[c.fits(r)]
-    return (f"{ttl:>9} {r.semantics:<9} {r.local_hit_rate:>8.1%} {r.replays:>9,} {r.replay_tokens:>14,} "
+    rate = f"{r.local_hit_rate:.1%}" if r.eligible else "-"  # no request could hit (e.g. no local state)
+    return (f"{ttl:>9} {r.semantics:<9} {rate:>8} {r.replays:>9,} {r.replay_tokens:>14,} "
             f"{r.byte_seconds:>14.4g} {_size(r.peak_bytes):>11} {_size(r.mean_bytes):>11} {fits:>4} "
             f"{r.replay_cost:>12.4g} {r.hold_cost:>12.4g} {r.total_cost:>12.4g}")
 

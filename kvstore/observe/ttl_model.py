@@ -333,7 +333,10 @@ class Derived:
             self.structural = writes
             assert bool((self.eligible | self.structural).all()), "a request that cannot hit is left out of the rows"
         else:
-            self.eligible = ~self.first & ~c.cold
+            # A model that keeps no local state (no snapshot, no replay: as the recorder writes its
+            # lines) never misses one: not eligible.
+            keeps_local = (c.snapshot_bytes > 0) | (c.replay_tokens > 0)
+            self.eligible = ~self.first & ~c.cold & keeps_local
             same = np.zeros(n, dtype=bool)
             same[1:] = c.boundary[1:] == c.boundary[:-1]
             # Requests that write whatever the TTL: a session's first, cold ones, moved boundaries.
@@ -368,6 +371,12 @@ class Derived:
         self.last_seconds = float(c.time.max()) if n else 0.0
 
 
+def _entry_bytes(snapshot_bytes: np.ndarray, overhead_bytes: int) -> np.ndarray:
+    """What each snapshot takes of the pool's room: none for a model that keeps no local state (no
+    entry is written), else its payload and the per-entry overhead."""
+    return np.where(snapshot_bytes > 0, snapshot_bytes + overhead_bytes, 0.0)
+
+
 @dataclass(frozen=True)
 class Holds:
     """The snapshots one evaluation holds: each write (the rows of `write`) from its time until `end`
@@ -390,10 +399,11 @@ class Holds:
         starts = d.by_time[self.write[d.by_time]]  # the writes in time order
         if not starts.size:
             return 0
-        started = np.cumsum(c.snapshot_bytes[starts] + entry_overhead_bytes)
+        started = np.cumsum(_entry_bytes(c.snapshot_bytes[starts], entry_overhead_bytes))
         order = np.argsort(self.end)
         ends = self.end[order]
-        ended = np.concatenate(([0.0], np.cumsum((c.snapshot_bytes[self.write] + entry_overhead_bytes)[order])))
+        sizes = _entry_bytes(c.snapshot_bytes[self.write], entry_overhead_bytes)
+        ended = np.concatenate(([0.0], np.cumsum(sizes[order])))
         # Sizes are whole bytes: the sums are exact below 2**53 (8 PiB).
         return int((started - ended[np.searchsorted(ends, c.time[starts], side="right")]).max())
 
@@ -405,7 +415,7 @@ class Holds:
         if span <= 0:
             return 0.0
         held = np.maximum(np.minimum(self.end, d.last_seconds) - c.time[self.write], 0.0)
-        return float(np.dot(c.snapshot_bytes[self.write] + entry_overhead_bytes, held)) / span
+        return float(np.dot(_entry_bytes(c.snapshot_bytes[self.write], entry_overhead_bytes), held)) / span
 
 
 def make_evaluation(
