@@ -75,12 +75,15 @@ class Observability:
         explainer: Explainer,
         *,
         present: Callable[[bytes], bool] | None = None,
+        share_weights: Mapping[str, float] | None = None,
     ) -> None:
+        """`share_weights`: `KvstoreConfig.share_weights()`, how the request ids remembered (a
+        retry is counted once) are split between tenants."""
         self.metrics = metrics
         self.ledger = ledger
         self.explainer = explainer
         self._present = present
-        self._counted = RecentRequests()
+        self._counted = RecentRequests(share_weights=share_weights)
 
     def __call__(self, call: CallRecord) -> None:
         self.metrics.rpc(call.method, call.code, call.seconds)

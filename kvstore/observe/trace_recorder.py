@@ -83,6 +83,7 @@ class TraceRecorder:
         layouts: Mapping[str, CacheLayout] | Callable[[str], CacheLayout | None],
         wall_clock: Callable[[], float] = time.time,
         clock: Callable[[], float] | None = None,
+        share_weights: Mapping[str, float] | None = None,
     ) -> None:
         """`layouts`: a fixed table, or a lookup asked at each call (`App.model_layout`), which finds
         a model an engine registers after start (RegisterModel). `clock`: the app's, which stamps
@@ -93,7 +94,7 @@ class TraceRecorder:
         self._layout_of = dict(layouts).get if isinstance(layouts, Mapping) else layouts
         self._wall = wall_clock
         self._clock = clock
-        self._seen = RecentRequests()
+        self._seen = RecentRequests(share_weights=share_weights)  # split as the ledger's
         self._failed = False
 
     def __call__(self, call: CallRecord) -> None:

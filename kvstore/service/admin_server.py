@@ -132,7 +132,7 @@ def build_observability(
     metrics = Metrics(registry if registry is not None else CollectorRegistry(),
                       per_tenant_labels=adm.per_tenant_labels, tenants=tuple(cfg.tenants), sources=sources,
                       start_time=wall_clock())
-    return Observability(metrics, ledger, explainer, present=present)
+    return Observability(metrics, ledger, explainer, present=present, share_weights=cfg.share_weights())
 
 
 def serve_admin(

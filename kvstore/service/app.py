@@ -260,7 +260,7 @@ def install_observers(app: App) -> None:
             writer = TraceWriter(app.config.trace.path, max_bytes=app.config.trace.max_bytes)
         except StorageError as e:
             raise ConfigError("trace.path", str(e)) from None
-        tracer = TraceRecorder(writer, app.model_layout, clock=app.clock)
+        tracer = TraceRecorder(writer, app.model_layout, clock=app.clock, share_weights=app.config.share_weights())
         app.observers.append(tracer)
         app.on_close.append(tracer.close)
 
