@@ -17,6 +17,10 @@ the store runs (`fold`: written through and not placed in memory, or their last 
 left) come one at a time, in no key order: they go to a `KeyLog` (policies/key_log.py), with the
 recompute cost each one's entry had (the run's chunks all have one, their kind's). The store calls
 this under its lock; it holds no lock of its own.
+
+A kind counts its live rows, of both parts, and is freed when the last one is thawed: each
+`cache_salt` is a namespace, so kinds kept for good would grow with the salts ever seen, not with
+the chunks held. `fold` reuses a freed kind's slot; the restart's `kind` never does (below).
 """
 
 from __future__ import annotations
@@ -49,8 +53,12 @@ class ColdChunks:
         self._alive = np.zeros(cap, dtype=bool)
         self.n = 0  # chunks appended (live or not)
         self._live = 0  # of those, chunks still cold
-        self._kinds: list[ChunkEntry] = []  # the shared entry of each kind (never changed)
-        # (namespace digest, payload bytes, LMDB footprint) -> kind
+        # The shared entry of each kind (never changed: a reused slot gets a new one; a freed slot's
+        # stays until then, for the restart's `footprints` of rows thawed while it loads).
+        self._kinds: list[ChunkEntry] = []
+        self._rows: list[int] = []  # each kind's live rows; a list: `kind` appends to it outside the lock
+        self._free: set[int] = set()  # kinds whose rows all left: slots `fold` reuses
+        # (namespace digest, payload bytes, LMDB footprint) -> kind, for the kinds not freed
         self._kind_of: dict[tuple[bytes, int, int], int] = {}
         self._run = KeyRun(self._keys[:0], self._prefixes[:0])
         self._folded = KeyLog(KEY_BYTES, {"kind": np.uint32, "cost": np.float64}, tail_keys=_FOLDED_TAIL_KEYS)
@@ -66,14 +74,44 @@ class ColdChunks:
              payload_bytes: int | None = None) -> int:
         """The kind of the chunks of a namespace with that payload size (the layout's chunk by
         default) and LMDB footprint (made on first use). `cost` is that of the restart's chunks
-        of the kind; a folded chunk keeps its own."""
+        of the kind; a folded chunk keeps its own. Never a freed kind's slot: the restart's loader
+        keeps the kinds it was given until it is done (index_load.py), outside the lock, while
+        calls may thaw a kind's last row (freeing it) under the lock."""
+        return self._kind_for(namespace, tenant, layout, cost, footprint, payload_bytes, reuse=False)
+
+    def _kind_for(self, namespace: bytes, tenant: str, layout: CacheLayout, cost: float, footprint: int,
+                  payload_bytes: int | None, reuse: bool) -> int:
         nbytes = layout.chunk_bytes if payload_bytes is None else payload_bytes
-        k = self._kind_of.get((namespace, nbytes, footprint))
+        at = (namespace, nbytes, footprint)
+        k = self._kind_of.get(at)
         if k is None:
-            k = self._kind_of[(namespace, nbytes, footprint)] = len(self._kinds)
-            self._kinds.append(ChunkEntry(namespace, tenant, layout, None, nbytes, cost,
-                                          {"lmdb": footprint}, "lmdb", cold=True))
+            entry = ChunkEntry(namespace, tenant, layout, None, nbytes, cost, {"lmdb": footprint}, "lmdb", cold=True)
+            k = self._reusable() if reuse else -1
+            if k < 0:
+                k = len(self._kinds)
+                self._rows.append(0)
+                self._kinds.append(entry)
+            else:
+                self._kinds[k] = entry
+            self._kind_of[at] = k
         return k
+
+    def _reusable(self) -> int:
+        """A freed kind's slot, or -1."""
+        while self._free:
+            k = self._free.pop()
+            if not self._rows[k]:  # else the restart's loader gave it rows again after it was freed
+                return k
+        return -1
+
+    def _row_gone(self, k: int) -> None:
+        self._rows[k] -= 1
+        if not self._rows[k]:
+            e = self._kinds[k]
+            at = (e.namespace, e.payload_bytes, e.footprint["lmdb"])
+            if self._kind_of.get(at) == k:
+                del self._kind_of[at]
+            self._free.add(k)
 
     def append(self, keys: bytes, kinds: list[int]) -> None:
         """Chunks of the given kinds, their keys joined, each above every key held."""
@@ -90,6 +128,9 @@ class ColdChunks:
         self._prefixes[self.n : end] = key_prefixes(new)
         self._kind[self.n : end] = kinds
         self._alive[self.n : end] = True
+        per_kind = np.bincount(self._kind[self.n : end])
+        for k in np.flatnonzero(per_kind).tolist():
+            self._rows[k] += int(per_kind[k])
         self.n, self._live = end, self._live + m
         self._run = KeyRun(self._keys[: self.n], self._prefixes[: self.n])
 
@@ -105,9 +146,10 @@ class ColdChunks:
         """Keep a chunk that only LMDB holds, and that the store has dropped the entry of, as a row:
         its token ids go (each read checks them against its key), its cost stays."""
         assert len(key) == KEY_BYTES and set(entry.footprint) == {"lmdb"} and not entry.cold
-        kind = self.kind(entry.namespace, entry.tenant, entry.layout, entry.cost, entry.footprint["lmdb"],
-                         entry.payload_bytes)
+        kind = self._kind_for(entry.namespace, entry.tenant, entry.layout, entry.cost, entry.footprint["lmdb"],
+                              entry.payload_bytes, reuse=True)
         self._folded.append(key, kind=kind, cost=entry.cost)
+        self._rows[kind] += 1
         self._folded.tidy()
 
     # --- reading ------------------------------------------------------------------------------------
@@ -164,8 +206,15 @@ class ColdChunks:
             kind[folded] = self._folded.cols["kind"][found[folded] - _FOLDED]
         else:  # the restart's arrays only: one gather (index -1 reads the last row, then masked)
             kind = np.where(found >= 0, self._kind[found], np.int64(-1))
-        entries: list[ChunkEntry | None] = [*self._kinds, None]  # kind -1 is the last: None
-        return list(map(entries.__getitem__, kind.tolist()))
+        # Indexed in place, not copied (a copy per call was a millisecond under the lock at 100K kinds).
+        hit = np.flatnonzero(kind >= 0)
+        got: list[ChunkEntry | None] = list(map(self._kinds.__getitem__, kind[hit].tolist()))
+        if len(got) == len(kind):
+            return got
+        entries: list[ChunkEntry | None] = [None] * len(kind)
+        for j, e in zip(hit.tolist(), got, strict=True):
+            entries[j] = e
+        return entries
 
     def peek(self, key: bytes) -> ChunkEntry | None:
         """The shared entry of a cold chunk's kind: read it, never change it."""
@@ -181,7 +230,8 @@ class ColdChunks:
         i = self.find(key)
         if i < 0:
             return None
-        shared = self._kinds[self._kind_at(i)]
+        k = self._kind_at(i)
+        shared = self._kinds[k]
         cost = shared.cost
         if i < _FOLDED:
             self._alive[i] = False
@@ -190,6 +240,7 @@ class ColdChunks:
             cost = float(self._folded.cols["cost"][i - _FOLDED])
             self._folded.kill(i - _FOLDED)
             self._folded.tidy()
+        self._row_gone(k)
         return ChunkEntry(shared.namespace, shared.tenant, shared.layout, None, shared.payload_bytes,
                           cost, dict(shared.footprint), "lmdb")
 
