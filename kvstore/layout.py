@@ -268,6 +268,10 @@ MAX_ENGINE_GROUPS = 256
 MAX_ENGINE_HEAD_VALUES = 1 << 20  # kv_heads x head_size of one layer
 MAX_ENGINE_CHUNK_BYTES = 256 << 20
 MAX_ENGINE_SNAPSHOT_BYTES = 256 << 20
+# Registered engine models: at most this many per tenant, and an equal share of the total between
+# the configured tenants where that is fewer (the store's `engine_model_share`; check-config warns).
+MAX_ENGINE_MODELS = 1024
+MAX_ENGINE_MODELS_PER_TENANT = 64
 MAX_ENGINE_NAME = 128
 ENGINE_MODEL_PREFIX = "engine-"
 

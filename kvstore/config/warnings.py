@@ -9,7 +9,7 @@ from kvstore.config import KvstoreConfig, least_total, tenants_without_a_share
 from kvstore.config.local_pool import ENTRY_OVERHEAD_BYTES
 from kvstore.config.service import is_loopback
 from kvstore.errors import InvalidInput, UnknownModel
-from kvstore.layout import get_model
+from kvstore.layout import MAX_ENGINE_MODELS, MAX_ENGINE_MODELS_PER_TENANT, get_model
 from policies.fair_share import weighted_split
 
 
@@ -49,7 +49,21 @@ def config_warnings(cfg: KvstoreConfig) -> list[str]:
     out += _pool_below_a_snapshot(cfg)
     out += _tiers_below_a_chunk(cfg)
     out += _messages_clients_send(cfg)
+    out += _engine_models_below_their_share(cfg)
     return out
+
+
+def _engine_models_below_their_share(cfg: KvstoreConfig) -> list[str]:
+    """More tenants than the total of registered models gives each its per-tenant figure: each
+    then holds an equal share of the total, fewer (a tenant past it retires its unused models)."""
+    n = len(cfg.tenants)
+    share = max(1, MAX_ENGINE_MODELS // max(1, n))
+    if share >= MAX_ENGINE_MODELS_PER_TENANT:
+        return []
+    return [f"[tenants] names {n} tenants: each may hold {share} engine-registered models (RegisterModel), an "
+            f"equal share of the service's {MAX_ENGINE_MODELS}, not {MAX_ENGINE_MODELS_PER_TENANT}; a tenant holding "
+            f"{share} that registers another (a new revision) retires its least recently used model that holds no "
+            "chunks, and is refused where all of them hold chunks"]
 
 
 # What kvstore's own clients put in one streamed message by default: KvstoreClient's `message_bytes`

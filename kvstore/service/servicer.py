@@ -410,7 +410,7 @@ class KVCacheServicer(LocalStateCalls):
             # lookup. Keyed by the request's own bytes, re-serialized (~20 us for 256 groups).
             key = (call.tenant, hashlib.sha256(req.SerializeToString(deterministic=True)).digest())
             known = self.recent_models.get(key)
-            if known is not None:
+            if known is not None and self.app.store.touch_model(known.name, call.tenant):  # not retired since
                 call.model = known.name
                 return _registered(known, created=False)
             desc = EngineModel(
@@ -420,6 +420,10 @@ class KVCacheServicer(LocalStateCalls):
                                               g.latent) for g in req.groups))
             spec, created = self.app.store.register_engine_model(desc, call.tenant)
             self.app.models.setdefault(spec.name, spec)
+            if created:  # it may have retired models (store/models.py): no longer listed or given to runners
+                served = self.app.store.model_names()
+                for name in [n for n in list(self.app.models) if n not in served]:
+                    self.app.models.pop(name, None)
             self.recent_models.put(key, spec)
             call.model = spec.name
             return _registered(spec, created)
@@ -499,9 +503,9 @@ def _registered(spec: ModelSpec, created: bool) -> pb.RegisterModelResponse:
 class RecentModels:
     """The models tenants registered lately, by (tenant, digest of the request's bytes), least
     recently used out first within each tenant: one tenant registering many descriptions pushes
-    out only its own. Only successes are kept, and a registered model is never dropped by the
-    store, so a remembered answer stays true; the tenant is in the key because registering is
-    what names the model to that tenant."""
+    out only its own. Only successes are kept; the store may retire a model since (a tenant over
+    its share), so a remembered answer is used only while the store still serves it to the tenant;
+    the tenant is in the key because registering is what names the model to that tenant."""
 
     MAX_ENTRIES = 1024  # per tenant; ~100 B each beside the specs the store holds anyway
 

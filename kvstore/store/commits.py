@@ -51,10 +51,12 @@ class Commits(Lookups, Namespaces):
         raw = full_chunk_bytes(tokens, layout.chunk_tokens)  # encoded once, for the keys and the chunks
         chunks = split_chunks(raw, step)
         keys = self._keys_of(ns, raw, step)
+        remainder = len(tokens) - len(chunks) * layout.chunk_tokens
         with self._lock:
             needed = [i for i, h in enumerate(self._holds_many(keys)) if not h]
-        remainder = len(tokens) - len(chunks) * layout.chunk_tokens
-        return StoreTxn(self, ns, layout, keys, chunks, needed, remainder)
+            txn = StoreTxn(self, ns, layout, keys, chunks, needed, remainder)
+            self._store_opens(txn)  # with the check, in one hold: a model is never retired under it
+        return txn
 
     def commit_txn(self, txn: StoreTxn) -> CommitResult:
         """Store the longest head of the prefix the tiers have room for, never pushing out a chunk

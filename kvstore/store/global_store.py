@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -151,6 +152,11 @@ class GlobalStore(Commits, Lookups, Models, Accounting, Reads, IndexLoad):
         self._registrants: dict[str, set[str]] = {}
         # Engine model name -> the registration writing its record now (another waits for it).
         self._models_writing = {}
+        # What retiring registered models reads (models.py says what each holds).
+        self._engine_descs = {}
+        self._used_at = {}
+        self._ns_model = {}
+        self._stores_open = weakref.WeakSet()
         self._progress = progress or (lambda line: None)
         # The startup index load (index_load.py).
         self._ready = threading.Event()

@@ -2,10 +2,24 @@
 layouts, and the namespaces and token ids of a call to one of them.
 
 The config names some models; an engine registers others at run time (`register_engine_model`),
-validated and bounded (MAX_ENGINE_MODELS, and per tenant), its record written to LMDB outside the
-store's lock before the model is served, so that no chunk of it is stored before its record is on
-disk; a restart serves them again (`_recover_engine_models`). An engine model is named to the
-tenants that registered it only: its name is a hash of its description.
+validated and bounded, its record written to LMDB outside the store's lock before the model is
+served, so that no chunk of it is stored before its record is on disk; a restart serves them again
+(`_recover_engine_models`). An engine model is named to the tenants that registered it only: its
+name is a hash of its description.
+
+The bound is per tenant, and fair: each configured tenant may hold `engine_model_share()` models,
+MAX_ENGINE_MODELS_PER_TENANT, or fewer where an equal share of MAX_ENGINE_MODELS between the
+configured tenants is smaller (min(64, 1024 // tenants), at least 1). So the tenants together
+never hold more than MAX_ENGINE_MODELS, and one tenant's churn never takes another's room: a
+quiet tenant's first registration always finds room. A revision is a fingerprint of weights and
+code, so each fine-tune registers a new model: a tenant at its share that registers another
+retires its least recently used models (used: registered, or named by a call; `tokens` stamps it)
+that hold no chunk in any tier and have no Store or registration in flight (`_room_for_model`). A
+retired model is no longer served to that tenant; once no tenant has it, its record in LMDB is
+emptied (the tier deletes model records nowhere: an empty record is a retired model, which a
+restart skips), and its namespaces, holding no chunk, lose their records as any such namespace
+does. Where every model of the tenant holds chunks (or the index is still loading, so it cannot
+tell), the registration is refused (ResourceExhausted), saying so.
 
 `Models` is mixed into `GlobalStore` like `Placement`, and works on the store's state under its
 lock. It does not know what is stored for a model (the index), nor how a record is laid out on
@@ -16,6 +30,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,14 +39,19 @@ import numpy as np
 from kvstore.config.store import StoreConfig
 from kvstore.errors import InvalidInput, ResourceExhausted, UnknownModel, listed
 from kvstore.keys.chunk_keys import Namespace, as_token_array
-from kvstore.layout import CacheLayout, EngineModel, ModelSpec, engine_model_spec
+from kvstore.layout import (
+    MAX_ENGINE_MODELS,
+    MAX_ENGINE_MODELS_PER_TENANT,
+    CacheLayout,
+    EngineModel,
+    ModelSpec,
+    engine_model_spec,
+)
+from kvstore.store.sessions import StoreTxn
 from kvstore.store.store_lock import StoreLock
+from kvstore.store.types import TenantQuota
 from kvstore.tiers.base import DurableTier, Tier, TierName
 
-# Registered engine models are kept for good (their chunks outlive them): bounded, and per tenant
-# too, so one tenant cannot use up the room of the others.
-MAX_ENGINE_MODELS = 1024
-MAX_ENGINE_MODELS_PER_TENANT = 64
 # A model's record is its description (at most MAX_ENGINE_GROUPS groups of short names) and its
 # registrants: well under this. A larger one found at start is not parsed (a hostile or damaged file).
 MAX_MODEL_RECORD_BYTES = 4 << 20
@@ -40,13 +60,29 @@ MAX_MODEL_RECORD_BYTES = 4 << 20
 BAD_RECORD_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RecursionError, ArithmeticError)
 
 
+def engine_model_share(tenants: int) -> int:
+    """The engine models each of `tenants` configured tenants may hold registered."""
+    return max(1, min(MAX_ENGINE_MODELS_PER_TENANT, MAX_ENGINE_MODELS // max(1, tenants)))
+
+
 @dataclass(frozen=True)
 class _ModelWrite:
-    """A registration writing its model's record, outside the store's lock: counted in the limits."""
+    """A registration writing its model's record, outside the store's lock: counted in its tenant's
+    share; or a retirement writing the record of a model it retired (`retiring`), not counted."""
 
     done: threading.Event  # set when it is written, or failed
     tenant: str
     new: bool  # a model not served yet (else a tenant added to one)
+    retiring: bool = False
+
+
+@dataclass(frozen=True)
+class _Retirement:
+    """A model a registration retired under the lock: its record to write, outside it."""
+
+    name: str
+    record: bytes  # the remaining registrants' record, or b"" where none remains
+    write: _ModelWrite  # in _models_writing until the record is written
 
 
 class Models:
@@ -67,6 +103,20 @@ class Models:
     _models_writing: dict[str, _ModelWrite]
     # Engine model name -> (its spec, its layout in this service's chunks).
     _chunk_layouts: dict[str, tuple[ModelSpec, CacheLayout]]
+    _quotas: dict[str, TenantQuota]  # the configured tenants
+    _clock: Callable[[], float]
+    # What deciding which models may be retired reads (the rest of the state is the namespaces'):
+    _engine_descs: dict[str, bytes]  # engine model name -> its description (JSON), for its record
+    _used_at: dict[str, dict[str, float]]  # tenant -> its engine models -> when last used
+    # Namespace digest -> (tenant, model), for every namespace a Store opened here or a record
+    # named at start: which models hold chunks (pruned to the namespaces still live).
+    _ns_model: dict[bytes, tuple[str, str]]
+    _stores_open: weakref.WeakSet[StoreTxn]  # Stores begun and not yet let go: calls in flight
+    _ns_chunks: dict[bytes, int]  # namespace digest -> its chunks held, any tier
+    _ns_committing: dict[bytes, int]  # commits (and demotions into LMDB) in flight per namespace
+    _ns_writing: dict[bytes, threading.Event]  # namespace records being written
+    _known_ns: dict[bytes, str]  # namespace digest -> tenant, of the records in LMDB
+    _ns_all_counted: bool  # the index is loaded: a namespace counted empty is empty
 
     def _layout_for(self, model: ModelSpec) -> CacheLayout:
         """`model`'s layout in this service's chunks, made once per model: its id (JSON over every
@@ -97,7 +147,138 @@ class Models:
                          salt=salt)
 
     def tokens(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        return as_token_array(token_ids, self._models[ns.model].vocab_size)
+        """The call's token ids, checked. Every Lookup, Load and Store asks, so this is where an
+        engine model is stamped as used (its namespace may have been resolved before it was
+        retired: then it is unknown, in the words the vLLM connector registers again on)."""
+        spec = self._models.get(ns.model)
+        who = self._registrants.get(ns.model)
+        if spec is None or (who is not None and ns.tenant not in who):
+            raise UnknownModel(f"model '{ns.model}' is not served here (retired: register it again)")
+        if who is not None:
+            self._touch(ns.tenant, ns.model)
+        return as_token_array(token_ids, spec.vocab_size)
+
+    def touch_model(self, name: str, tenant: str) -> bool:
+        """Whether `tenant` may still name model `name` (a registration repeated from the service's
+        memory of it asks: the model may have been retired since); if so it is stamped as used."""
+        if self._models.get(name) is None:
+            return False
+        who = self._registrants.get(name)
+        if who is None:
+            return True
+        if tenant not in who:
+            return False
+        self._touch(tenant, name)
+        return True
+
+    def model_names(self) -> set[str]:
+        """The names of every model served now (the config's and the engine models)."""
+        with self._lock:
+            return set(self._models)
+
+    def engine_model_share(self) -> int:
+        """The engine models one tenant may hold registered (module docstring)."""
+        return engine_model_share(len(self._quotas))
+
+    def _touch(self, tenant: str, name: str) -> None:
+        # Without the lock: a dict store is atomic; one racing a retirement leaves a stale stamp,
+        # dropped by the next `_room_for_model` of that tenant.
+        self._used_at.setdefault(tenant, {})[name] = self._clock()
+
+    def _store_opens(self, txn: StoreTxn) -> None:
+        """Under the lock, as a Store begins: refuse one whose model was retired since its namespace
+        was resolved (no chunk of a retired model is ever stored), and count it in flight."""
+        ns = txn.ns
+        who = self._registrants.get(ns.model)
+        if ns.model not in self._models or (who is not None and ns.tenant not in who):
+            raise UnknownModel(f"model '{ns.model}' is not served here (retired: register it again)")
+        self._ns_model[ns.digest] = (ns.tenant, ns.model)
+        self._stores_open.add(txn)
+        live = len(self._ns_chunks) + len(self._ns_committing) + len(self._known_ns) + len(self._stores_open)
+        if len(self._ns_model) > 2 * live + 1024:  # a new cache_salt per call must not grow it for ever
+            keep = self._live_namespaces()
+            self._ns_model = {d: owner for d, owner in self._ns_model.items() if d in keep}
+
+    def _live_namespaces(self) -> set[bytes]:
+        """The namespaces that hold chunks, have a record, or have a commit, record write or Store
+        in flight. Under the lock."""
+        live = self._ns_chunks.keys() | self._ns_committing.keys() | self._ns_writing.keys() | self._known_ns.keys()
+        live.update(txn.ns.digest for txn in self._stores_open)
+        return live
+
+    def _models_in_use(self) -> set[tuple[str, str]]:
+        """(tenant, model) of every namespace holding chunks in any tier, or with a commit, a record
+        write or a Store in flight: the models no registration may retire. Under the lock."""
+        busy = {self._ns_model.get(d) for d in self._ns_chunks.keys() | self._ns_committing.keys()
+                | self._ns_writing.keys()}
+        busy.update((txn.ns.tenant, txn.ns.model) for txn in self._stores_open)
+        return {owner for owner in busy if owner is not None}
+
+    def _room_for_model(self, tenant: str) -> list[_Retirement]:
+        """Under the lock, before `tenant` registers a model it does not hold: where it holds its
+        share already (counting its registrations in flight), retire as many of its models as
+        bring it below, least recently used first, among those no call uses; else refuse."""
+        share = self.engine_model_share()
+        mine = [name for name, who in self._registrants.items() if tenant in who]
+        held = len(mine) + sum(w.tenant == tenant and not w.retiring for w in self._models_writing.values())
+        if held < share:
+            return []
+        over = held - share + 1
+        used = self._used_at.setdefault(tenant, {})
+        if len(used) > len(mine):  # stale stamps (see `_touch`)
+            self._used_at[tenant] = used = {name: used[name] for name in mine if name in used}
+        busy = self._models_in_use()
+        # A model this tenant alone has goes for good: then no tenant's chunks of it may be held.
+        anyones = {model for _, model in busy}
+        free = [name for name in mine if name not in self._models_writing and (tenant, name) not in busy
+                and (len(self._registrants[name]) > 1 or name not in anyones)]
+        limit = (f"a tenant may register at most {share} models ({MAX_ENGINE_MODELS_PER_TENANT}, or an equal "
+                 f"share of {MAX_ENGINE_MODELS} between the {max(1, len(self._quotas))} configured tenants); "
+                 f"tenant '{tenant}' has {held}")
+        if not self._ns_all_counted:
+            raise ResourceExhausted(f"{limit}, and the store is still loading its index, so it cannot yet tell "
+                                    "which of them hold no chunks (only those are retired): register again once "
+                                    "it is ready (kvstore.index SERVING)")
+        if len(free) < over:
+            raise ResourceExhausted(
+                f"{limit}, and {len(mine) - len(free)} of them still hold chunks or have a Store or registration "
+                "in flight, so none can be retired to make room (only a model that holds no chunk in any tier "
+                "is): register again once the chunks of old revisions are evicted, or give the tenant more "
+                "room (fewer configured tenants share the total)")
+        free.sort(key=lambda name: used.get(name, 0.0))  # never used since start: first; ties in registration order
+        return [self._retire(name, tenant) for name in free[:over]]
+
+    def _retire(self, name: str, tenant: str) -> _Retirement:
+        """Under the lock: no longer serve `name` to `tenant`, or at all where no other tenant
+        registered it; its record (rewritten, or emptied) is written by the caller, outside it."""
+        who = self._registrants[name]
+        write = self._models_writing[name] = _ModelWrite(threading.Event(), tenant, new=False, retiring=True)
+        self._used_at.get(tenant, {}).pop(name, None)
+        if len(who) > 1:
+            who.discard(tenant)
+            if self._registered_by[name] == tenant:
+                self._registered_by[name] = min(who)
+            record = json.dumps({"tenant": self._registered_by[name], "tenants": sorted(who),
+                                 "model": json.loads(self._engine_descs[name])}, sort_keys=True).encode()
+            return _Retirement(name, record, write)
+        del self._models[name]  # first: `model()` reads without the lock
+        del self._registrants[name], self._registered_by[name], self._engine_descs[name]
+        self._chunk_layouts.pop(name, None)
+        return _Retirement(name, b"", write)
+
+    def _write_retirements(self, retired: list[_Retirement]) -> None:
+        """Write the records of the models a registration retired, outside the lock. One that fails
+        raises (the registration with it): the model stays retired here, and its old record on disk
+        serves it again after a restart, counted in its tenant's share as before."""
+        try:
+            for r in retired:
+                self._durable.put_model(r.name.encode(), r.record)
+        finally:
+            with self._lock:
+                for r in retired:
+                    del self._models_writing[r.name]
+            for r in retired:
+                r.write.done.set()
 
     def register_engine_model(self, desc: EngineModel, tenant: str) -> tuple[ModelSpec, bool]:
         """Serve a model an engine described (validated and bounded), durably: its record is in the
@@ -117,14 +298,11 @@ class Models:
                     old = self._models.get(spec.name)
                     who = self._registrants.get(spec.name)
                     if old is not None and (who is None or tenant in who):  # served by config, or registered by it
+                        if who is not None:
+                            self._touch(tenant, spec.name)
                         return old, False
-                    # Registrations writing their records count: each limit holds however many run at once.
-                    writing = self._models_writing.values()
-                    if old is None and len(self._registered_by) + sum(w.new for w in writing) >= MAX_ENGINE_MODELS:
-                        raise ResourceExhausted(f"this service holds {MAX_ENGINE_MODELS} registered models already")
-                    mine = sum(1 for w in self._registrants.values() if tenant in w)
-                    if mine + sum(w.tenant == tenant for w in writing) >= MAX_ENGINE_MODELS_PER_TENANT:
-                        raise ResourceExhausted(f"a tenant may register at most {MAX_ENGINE_MODELS_PER_TENANT} models")
+                    # Registrations writing their records count: the share holds however many run at once.
+                    retired = self._room_for_model(tenant)
                     tenants = sorted({*(who or ()), tenant})
                     record = json.dumps({"tenant": self._registered_by.get(spec.name, tenant), "tenants": tenants,
                                          "model": model}, sort_keys=True).encode()
@@ -137,6 +315,7 @@ class Models:
         # no chunk of it is stored before its record is on disk.
         written = False
         try:
+            self._write_retirements(retired)  # first: a crash between leaves the tenant below its share
             if old is None:
                 self._learn_layout(spec)
             self._durable.put_model(spec.name.encode(), record)
@@ -147,7 +326,9 @@ class Models:
                 if written and old is not None:
                     self._registrants[spec.name].add(tenant)
                 elif written:
-                    self._serve(spec, tenant)
+                    self._serve(spec, tenant, desc.to_json())
+                if written:
+                    self._touch(tenant, spec.name)
             writing_this.done.set()
         return (spec if old is None else old), True
 
@@ -165,11 +346,12 @@ class Models:
         for tier in self._tiers.values():
             tier.add_layout(layout)
 
-    def _serve(self, spec: ModelSpec, tenant: str) -> None:
+    def _serve(self, spec: ModelSpec, tenant: str, desc: bytes) -> None:
         """Serve a model whose layout the tiers know. `model()` reads without the lock: the model is
         named last, so it is never seen without its registrants (as if served by the config)."""
         layout = self._layout_for(spec)
         self._layouts[layout.layout_id] = layout
+        self._engine_descs[spec.name] = desc
         self._registered_by[spec.name] = tenant
         self._registrants.setdefault(spec.name, set()).add(tenant)
         self._models[spec.name] = spec
@@ -177,15 +359,18 @@ class Models:
     def _recover_engine_models(self) -> None:
         bad: list[str] = []
         for name, record in self._durable.models().items():
+            if not record:  # a retired model (`_retire`)
+                continue
             try:
                 if len(record) > MAX_MODEL_RECORD_BYTES:
                     raise ValueError(f"{len(record):,} bytes, over {MAX_MODEL_RECORD_BYTES:,}")
                 d = json.loads(record)
-                spec = engine_model_spec(EngineModel.from_json(json.dumps(d["model"]).encode()))
+                desc = json.dumps(d["model"]).encode()
+                spec = engine_model_spec(EngineModel.from_json(desc))
                 if spec.name != name.decode() or spec.layout.chunk_tokens != self.cfg.chunk_tokens:
                     raise InvalidInput("the record does not match its name or this chunk size")
                 self._learn_layout(spec)
-                self._serve(spec, str(d["tenant"]))
+                self._serve(spec, str(d["tenant"]), desc)
                 # Older records name the first registrant only.
                 self._registrants[spec.name].update(str(t) for t in d.get("tenants", ()))
             except BAD_RECORD_ERRORS as e:

@@ -60,6 +60,7 @@ class Namespaces(DeferredLmdb):
     # Until the index is loaded, a namespace whose chunks the scan has not reached looks empty:
     # no record is doomed before then (the load's end dooms those no chunk needs).
     _ns_all_counted: bool
+    _ns_model: dict[bytes, tuple[str, str]]  # namespace digest -> (tenant, model) (models.py)
 
     @staticmethod
     def _namespace_record(ns: Namespace) -> bytes:
@@ -274,6 +275,7 @@ class Namespaces(DeferredLmdb):
                     raise ValueError("not an object")
                 served = bytes.fromhex(str(d.get("layout_id", ""))) in self._layouts
                 self._claim_namespace(digest, str(d["tenant"]))
+                self._ns_model[digest] = (str(d["tenant"]), str(d.get("model", "")))  # which models hold chunks
                 if not served:  # its chunks stay on disk for a config that serves them: so does it
                     self._ns_kept.add(digest)
             except BAD_RECORD_ERRORS as e:
