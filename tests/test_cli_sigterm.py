@@ -130,6 +130,13 @@ _PARENT = textwrap.dedent("""
     if sys.argv[1] == "redis":
         from kvstore.local_pool.redis_process import RedisProcess
         pid = RedisProcess().start()._proc.pid
+    elif sys.argv[1] == "pool":  # a bench's multiprocessing worker (bench restart, dataplane, service)
+        import multiprocessing, os
+        from kvstore.local_pool.redis_process import die_with
+        if __name__ == "__main__":
+            pool = multiprocessing.get_context("spawn").Pool(1, die_with, (os.getpid(),))
+            pid = pool.apply(os.getpid)
+            pool.apply_async(time.sleep, (600,))  # busy, as a bench's worker writing its data
     else:
         from kvstore.bench.serve_proc import start_serve
         tmp = Path(sys.argv[2])
@@ -152,7 +159,8 @@ def _child_of_a_killed_parent(kind: str, tmp: Path) -> int:
     return child
 
 
-@pytest.mark.parametrize(("kind", "what"), [("redis", "redis-server"), ("serve", "kvstore serve")])
+@pytest.mark.parametrize(("kind", "what"), [("redis", "redis-server"), ("serve", "kvstore serve"),
+                                           ("pool", "bench pool worker")])
 def test_a_started_child_dies_with_its_parent(redis_binary: str, tmp_path: Path, kind: str, what: str) -> None:
     child = _child_of_a_killed_parent(kind, tmp_path)
     try:

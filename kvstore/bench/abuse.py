@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing as mp
+import os
 import statistics
 import subprocess
 import sys
@@ -42,6 +43,7 @@ import numpy as np
 from kvstore.bench.abusers import Abuser, BodyLessCalls, IdleStoreStreams, RunnerFlood, UnreadLoadStreams, Victim
 from kvstore.bench.flags import count, seconds
 from kvstore.bench.serve_proc import start_serve
+from kvstore.local_pool.redis_process import die_with
 
 MiB = 1 << 20
 ALICE = "bench-alice-token"
@@ -248,6 +250,7 @@ def _make_abuser(name: str, address: str, layout_id: bytes) -> Abuser:
 
 
 def _abuse_process(name: str, address: str, layout_id: bytes, ready: Any, stop: Any, out: Any) -> None:
+    die_with(os.getppid())  # a bench killed with SIGKILL takes its abusers along
     abuser = _make_abuser(name, address, layout_id)
     if isinstance(abuser, RunnerFlood):
         abuser.start(with_bogus=False)

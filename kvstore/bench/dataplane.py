@@ -87,6 +87,7 @@ from kvstore.bench.serve_proc import start_serve
 from kvstore.config.store import StoreConfig
 from kvstore.dataplane.host_copy import in_parts
 from kvstore.errors import InvalidInput
+from kvstore.local_pool.redis_process import die_with
 
 MiB = 1 << 20
 
@@ -306,7 +307,7 @@ def _prefix_figures(args: argparse.Namespace, ctx: Any, clients: tuple[Any, Any,
     # common start, their bytes over the wall time from the first start to the last end, one
     # client and then all of them, twice in turn (the better of each kept).
     aggregate: dict[str, float] = {}
-    with ctx.Pool(args.clients) as pool:
+    with ctx.Pool(args.clients, die_with, (os.getpid(),)) as pool:
         for _ in range(2):
             for name, work, task, n_clients in (
                 ("shm_1", _loader, (unix_address, args.model, prompt.tobytes(), len(blob), args.repeats), 1),

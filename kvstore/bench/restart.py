@@ -69,6 +69,7 @@ from kvstore.config.store import GiB, StoreConfig
 from kvstore.errors import InvalidInput
 from kvstore.keys.chunk_keys import Namespace
 from kvstore.layout import ModelSpec, get_model
+from kvstore.local_pool.redis_process import die_with
 from kvstore.store import GlobalStore
 from kvstore.tiers.factory import LMDB_SUBDIR
 from kvstore.workload.report import SMALL_SAMPLE
@@ -140,16 +141,16 @@ def run_restart_bench(args: argparse.Namespace) -> dict[str, Any]:
         for case in cases:
             data_dir = Path(tmp) / case.name
             _log(f"{case.name}: writing {case.chunks} {case.model} chunks")
-            with ctx.Pool(1) as pool:
+            with ctx.Pool(1, die_with, (os.getpid(),)) as pool:
                 grown, grown_open = pool.apply(_fill, (str(data_dir), case, args.eviction_policy))
             figures: dict[str, Any] = {"chunks": case.chunks, "data_bytes": _data_bytes(data_dir),
                                        "written_index_bytes_per_chunk": grown / case.chunks,
                                        "written_tiers_open_bytes_per_chunk": grown_open / case.chunks}
-            with ctx.Pool(1) as pool:
+            with ctx.Pool(1, die_with, (os.getpid(),)) as pool:
                 cold = pool.apply(_reopen, (str(data_dir), case.model, case.chunks, True, args.eviction_policy))
-            with ctx.Pool(1) as pool:
+            with ctx.Pool(1, die_with, (os.getpid(),)) as pool:
                 warm = pool.apply(_reopen, (str(data_dir), case.model, case.chunks, False, args.eviction_policy))
-            with ctx.Pool(1) as pool:
+            with ctx.Pool(1, die_with, (os.getpid(),)) as pool:
                 figures.update(pool.apply(_lookups_while_loading,
                                           (str(data_dir), case.model, case.chunks, args.eviction_policy)))
             figures.update(reopen_cold_seconds=cold["seconds"], reopen_warm_seconds=warm["seconds"],
@@ -168,7 +169,7 @@ def run_restart_bench(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(PAIRED_REOPENS):
             for name in paired:
                 case, data_dir = kept[name]
-                with ctx.Pool(1) as pool:
+                with ctx.Pool(1, die_with, (os.getpid(),)) as pool:
                     pair[name].append(pool.apply(_reopen, (str(data_dir), case.model, case.chunks, True,
                                                            args.eviction_policy))["seconds"])
         for _case, data_dir in kept.values():

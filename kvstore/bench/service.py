@@ -46,6 +46,7 @@ from kvstore.bench.flags import count
 from kvstore.bench.names import names_note
 from kvstore.bench.serve_proc import start_serve
 from kvstore.errors import InvalidInput
+from kvstore.local_pool.redis_process import die_with
 
 MiB = 1 << 20
 MAX_TOKENS = 1 << 24  # of a prefix or prompt: 64 MiB of token ids, and a V4.1 prefix of ~15 GB
@@ -108,6 +109,7 @@ def _raw_messages(stream: RawStream) -> Iterator[bytes]:
 
 
 def _raw_server(port_out: Any, streams: dict[str, RawStream], stop: Any) -> None:
+    die_with(os.getppid())  # a bench killed with SIGKILL takes its server along
     import grpc
 
     from kvstore.v1 import kvstore_pb2 as pb
@@ -382,7 +384,7 @@ def run_service_bench(args: argparse.Namespace) -> dict[str, Any]:
                                                                     None, b"", seed=2)
 
             start_at = time.time() + 3.0
-            with ctx.Pool(args.clients) as pool:
+            with ctx.Pool(args.clients, die_with, (os.getpid(),)) as pool:
                 results = pool.starmap(_load_worker, [
                     (target, args.model, tokens.tobytes(), args.repeats, start_at) for _ in range(args.clients)])
             moved = sum(r[0] for r in results)

@@ -49,6 +49,17 @@ def die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
+def die_with(parent: int) -> None:
+    """In a child already running (a multiprocessing pool worker's `initializer`, with `parent` the
+    starting process's pid): the kernel SIGKILLs it when that process dies, as `die_with_parent`
+    arranges for a child not yet started. Module-level, so a spawn context can start it."""
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(1)
+
+
 def find_server_binary() -> str | None:
     for name in ("redis-server", "valkey-server"):
         path = shutil.which(name)
