@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +160,34 @@ def test_plan_writes_the_trace_format(tmp_path: Path) -> None:
 def _turn(w: Workload, r: TraceRecord) -> int:
     s = next(s for s in w.sessions if s.name == r.session)
     return next(t.turn for t in s.turns if t.prompt_tokens == r.prefix_tokens)
+
+
+def test_a_trace_written_is_whole_or_not_there_and_killed_writers_temps_are_swept(tmp_path: Path) -> None:
+    # `bench workload --trace FILE` cut FILE in place: a run killed part-way left a shorter trace
+    # that read as complete. And a killed `tune --save-trace` left its hidden temp file for good.
+    import subprocess
+    import sys
+
+    from kvstore.errors import StorageError
+
+    records = planned_trace(generate(SPEC), ttl_seconds=300.0, chunk_tokens=128, snapshot_bytes=1_351_680,
+                            replay_tokens=128)
+    path = tmp_path / "plan.jsonl"
+    assert write_trace(records, path) == len(records)
+
+    def cut_short() -> Iterator[TraceRecord]:
+        yield from records[:10]
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(StorageError):
+        write_trace(cut_short(), path)
+    assert list(read_trace(path)) == records  # the old trace, whole
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale = tmp_path / f".plan.jsonl.{dead}-0a1b2c3d.tmp"
+    live = tmp_path / f".plan.jsonl.{os.getpid()}-0a1b2c3d.tmp"  # a writer still at work: left alone
+    stale.write_text("{}\n")
+    live.write_text("{}\n")
+    assert write_trace(records[:3], path) == 3
+    assert not stale.exists() and live.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "plan.jsonl"])

@@ -40,6 +40,8 @@ What it does not know: the service, the pool, or how records are evaluated (kvst
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import logging
 import math
@@ -342,6 +344,26 @@ class TraceWriter:
         self.close()
 
 
+def _sweep_stale_temps(target: Path) -> None:
+    """Remove the temporary files an earlier `save_trace` to `target` left when it was killed
+    (SIGKILL runs no clean-up): those whose writer's pid no longer runs."""
+    for tmp in target.parent.glob(f".{glob.escape(target.name)}.*-*.tmp"):
+        pid = tmp.name[len(target.name) + 2:].split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process, or no pid at all: left alone
+    return True
+
+
 def save_trace(path: str | os.PathLike[str], records: Iterable[TraceRecord]) -> int:
     """Write `records` as a new trace at `path` (replacing any file there), all or nothing: into a
     temporary file beside it, renamed over `path` once whole, so that a run stopped part-way (a
@@ -352,6 +374,7 @@ def save_trace(path: str | os.PathLike[str], records: Iterable[TraceRecord]) -> 
         if target.exists() and not target.is_file():
             with TraceWriter(target, truncate=True) as w:
                 return w.write_many(records)
+        _sweep_stale_temps(target)
         tmp = target.parent / f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)  # as open(): umask applies
     except OSError as e:

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from kvstore.observe.trace_file import LocalOutcome, TraceRecord, TraceWriter
+from kvstore.observe.trace_file import LocalOutcome, TraceRecord, save_trace
 from kvstore.workload.generator import Workload
 from kvstore.workload.results import LOCAL_REASONS, RunResult
 
@@ -66,6 +66,6 @@ def run_trace(result: RunResult, workload: Workload) -> Iterator[TraceRecord]:
 
 
 def write_trace(records: Iterable[TraceRecord], path: str | os.PathLike[str]) -> int:
-    """Write records as a fresh JSON-lines trace; the number written."""
-    with TraceWriter(path, truncate=True) as w:
-        return w.write_many(records)
+    """Write records as a fresh JSON-lines trace, whole or not at all (`save_trace`: a run killed
+    part-way left the old file cut to a shorter trace that read as complete); the number written."""
+    return save_trace(path, records)
