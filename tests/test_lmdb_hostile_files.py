@@ -162,10 +162,21 @@ def test_another_programs_lmdb_environment_is_refused_and_left_alone(tmp_path: P
         txn.put(b"config", b"another program's settings")
         txn.put(b"alice", b"{'uid': 1}", db=users)
     env.close()
-    with pytest.raises(ConfigError, match=re.escape(f"the LMDB environment at {tmp_path} is not kvstore's "
-                                                    "(its main database holds 'config', 'users')")):
+    with pytest.raises(ConfigError, match=re.escape(f"the LMDB environment at {tmp_path} is not kvstore's, or is "
+                                                    "damaged (its main database holds 'config', 'users')")):
         open_tier(tmp_path)
     assert db_keys(tmp_path, None) == [b"config", b"users"]
+
+
+def test_names_that_are_no_text_are_shown_in_hex_with_a_word_on_torn_copies(tmp_path: Path) -> None:
+    # What a torn copy of a running service's data.mdb showed: binary names printed as mojibake,
+    # and "another program's data" with no word of the copy.
+    env = lmdb.open(str(tmp_path), max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(bytes(range(0x8b, 0x9f)), b"x")
+    env.close()
+    with pytest.raises(ConfigError, match=r"holds 0x8b8c8d8e.*copy with mdb_copy, or stop the service first"):
+        open_tier(tmp_path)
 
 
 def test_kvstore_data_with_a_database_added_beside_it_still_opens(tmp_path: Path) -> None:

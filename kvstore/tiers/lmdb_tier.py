@@ -261,10 +261,12 @@ class LmdbTier(LmdbScan):
                         return  # kvstore's own, with something added beside it
             except lmdb.Error:
                 pass  # a "meta" key that is not a database: not kvstore's
-        shown = ", ".join(repr(k.decode("utf-8", "replace")[:40]) for k in foreign)
-        raise ConfigError("data_dir", f"the LMDB environment at {self.path} is not kvstore's (its main database "
-                                      f"holds {shown}); kvstore will not write into another program's data: give "
-                                      "it a data_dir of its own")
+        shown = ", ".join(_printable(k) for k in foreign)
+        raise ConfigError("data_dir", f"the LMDB environment at {self.path} is not kvstore's, or is damaged (its "
+                                      f"main database holds {shown}); kvstore will not write into another "
+                                      "program's data: give it a data_dir of its own. A copy of a running "
+                                      "service's data.mdb taken with cp is torn: copy with mdb_copy, or stop the "
+                                      "service first")
 
     def _open_format(self) -> bool:
         """Check the format version, and build the index where values lack records: whether it did."""
@@ -634,3 +636,12 @@ class LmdbTier(LmdbScan):
 def _flat(out: memoryview) -> memoryview:
     """`out` as a flat byte view (a read's destination may be any writable buffer)."""
     return out if type(out) is memoryview and out.format == "B" and out.ndim == 1 else vf.byte_view(out)
+
+
+def _printable(name: bytes) -> str:
+    """A database name as text where it is printable, else as hex (a damaged tree's names are bytes)."""
+    try:
+        text = name.decode("utf-8")
+    except UnicodeDecodeError:
+        text = ""
+    return repr(text[:40]) if text.isprintable() and text else f"0x{name[:20].hex()}"
