@@ -365,20 +365,25 @@ def _running(pid: int) -> bool:
 
 
 def save_trace(path: str | os.PathLike[str], records: Iterable[TraceRecord]) -> int:
+    """`write_whole_trace`, a failed write a StorageError (`tune --save-trace`)."""
+    try:
+        return write_whole_trace(path, records)
+    except OSError as e:
+        raise StorageError(f"cannot write trace {path}: {e.strerror or e}") from None
+
+
+def write_whole_trace(path: str | os.PathLike[str], records: Iterable[TraceRecord]) -> int:
     """Write `records` as a new trace at `path` (replacing any file there), all or nothing: into a
     temporary file beside it, renamed over `path` once whole, so that a run stopped part-way (a
     SIGTERM, a full disk) leaves no shorter trace that reads as complete. A path that exists and is
-    not a regular file (a pipe, /dev/stdout) is written directly. A failed write is a StorageError."""
+    not a regular file (a pipe, /dev/stdout) is written directly. A failed write raises its OSError."""
     target = Path(os.path.realpath(path))
-    try:
-        if target.exists() and not target.is_file():
-            with TraceWriter(target, truncate=True) as w:
-                return w.write_many(records)
-        _sweep_stale_temps(target)
-        tmp = target.parent / f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)  # as open(): umask applies
-    except OSError as e:
-        raise StorageError(f"cannot write trace {path}: {e.strerror or e}") from None
+    if target.exists() and not target.is_file():
+        with TraceWriter(target, truncate=True) as w:
+            return w.write_many(records)
+    _sweep_stale_temps(target)
+    tmp = target.parent / f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)  # as open(): umask applies
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
             n = 0
@@ -388,8 +393,6 @@ def save_trace(path: str | os.PathLike[str], records: Iterable[TraceRecord]) -> 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
-    except OSError as e:
-        raise StorageError(f"cannot write trace {path}: {e.strerror or e}") from None
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)

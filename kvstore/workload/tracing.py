@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from kvstore.observe.trace_file import LocalOutcome, TraceRecord, save_trace
+from kvstore.observe.trace_file import LocalOutcome, TraceRecord, write_whole_trace
 from kvstore.workload.generator import Workload
 from kvstore.workload.results import LOCAL_REASONS, RunResult
 
@@ -67,5 +67,6 @@ def run_trace(result: RunResult, workload: Workload) -> Iterator[TraceRecord]:
 
 def write_trace(records: Iterable[TraceRecord], path: str | os.PathLike[str]) -> int:
     """Write records as a fresh JSON-lines trace, whole or not at all (`save_trace`: a run killed
-    part-way left the old file cut to a shorter trace that read as complete); the number written."""
-    return save_trace(path, records)
+    part-way left the old file cut to a shorter trace that read as complete); the number written.
+    A failed write raises its OSError (the command names the flag)."""
+    return write_whole_trace(path, records)
