@@ -30,32 +30,28 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 CLUSTER_SLOTS = 16384
 
 
+# Linux's prctl, resolved once at import (never after a fork, in a preexec_fn); None elsewhere.
+_PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+
+
 def die_with_parent() -> Callable[[], None] | None:
     """A `preexec_fn` for a child that must not outlive the process starting it (a throwaway server
     whose data is a temporary directory): the kernel SIGKILLs it when its parent dies, even by
     SIGKILL, where no clean-up of ours runs (Linux PR_SET_PDEATHSIG; None elsewhere). The kernel
     counts the *thread* that started the child: start it from the main thread or one that lives as
     long as the child does."""
-    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # resolved here, not after fork
-    if prctl is None:
+    if _PRCTL is None:
         return None
     parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the line above took effect
-            os._exit(1)
-
-    return preexec
+    return lambda: die_with(parent)
 
 
 def die_with(parent: int) -> None:
-    """In a child already running (a multiprocessing pool worker's `initializer`, with `parent` the
-    starting process's pid): the kernel SIGKILLs it when that process dies, as `die_with_parent`
-    arranges for a child not yet started. Module-level, so a spawn context can start it."""
-    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
-    if prctl is not None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    """In a child (a `preexec_fn`, or a multiprocessing pool worker's `initializer`, with `parent`
+    the starting process's pid): the kernel SIGKILLs it when that process dies. Module-level, so a
+    spawn context can start it."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the line above took effect
         os._exit(1)
 
