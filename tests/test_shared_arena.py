@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore.errors import StorageError
-from kvstore.store import GlobalStore
+from kvstore.store import GlobalStore, TenantQuota
 from kvstore.tiers.base import ChunkMeta
 from kvstore.tiers.dram import DramTier
 from tests.store_helpers import CHUNK, MODELS, small_config
@@ -155,6 +155,36 @@ def test_a_tenant_that_fills_its_part_never_pushes_out_anothers_chunks(tmp_path:
         usage = store.stats().tiers["dram"]
         assert usage.used_bytes <= 32 * PAGE
         store.check_invariants()
+    finally:
+        store.close()
+
+
+def test_evictions_within_a_tenants_part_are_told_apart_from_quota_and_capacity(tmp_path: Path) -> None:
+    # No quota is configured: what pushes Alice's chunks out is her part of the split tier, not a
+    # quota (the metric said "quota") and not the tier's capacity (half of it stays free for Bob).
+    store = _split_store(tmp_path)
+    try:
+        cb = store.layout(store.namespace("alice", "reference-toy-8", "exact")).chunk_bytes
+        per_part = 16 // -(-cb // PAGE)
+        for seed in range(2, 6):
+            _store(store, "alice", seed, per_part)
+        reasons = store.stats().evictions_by_reason
+        assert reasons.get("dram:tenant_part", 0) > 0, reasons
+        assert "dram:quota" not in reasons and "dram:capacity" not in reasons, reasons
+    finally:
+        store.close()
+
+
+def test_a_quota_below_a_tenants_part_is_the_reason_it_names(tmp_path: Path) -> None:
+    cfg = small_config(device_capacity_bytes=0, dram_capacity_bytes=32 * PAGE, eviction_policy="lru")
+    quotas = {"alice": TenantQuota(dram_bytes=8 * PAGE)}
+    store = GlobalStore(cfg, tmp_path, MODELS, quotas=quotas, arena_owners={"alice": 1.0, "bob": 1.0})
+    try:
+        for seed in range(2, 6):
+            _store(store, "alice", seed, 3)
+        reasons = store.stats().evictions_by_reason
+        assert reasons.get("dram:quota", 0) > 0, reasons
+        assert "dram:tenant_part" not in reasons, reasons
     finally:
         store.close()
 

@@ -346,7 +346,9 @@ class Explainer:
         if fate.kind == "evicted":
             policy = self.eviction_policy
             why = "the tier was full" if fate.reason == "capacity" else (
-                "the tenant was over its quota" if fate.reason == "quota" else fate.reason)
+                "the tenant was over its quota" if fate.reason == "quota" else
+                "the tenant's part of the tier (split between tenants) was full" if fate.reason == "tenant_part"
+                else fate.reason)
             return ChunkRun(0, 0, "evicted", f"evicted from {fate.tier} (the last tier holding it) by "
                             f"{policy or 'the eviction policy'} because {why}", fate.tier, policy,
                             fate.at_wall, fate.at_wall)

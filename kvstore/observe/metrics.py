@@ -81,7 +81,7 @@ MISS_REASONS = ("never_stored", "unreachable", "evicted", "corrupt", "over_quota
 # limit), no_pool (none configured).
 LOCAL_MISS_REASONS = ("ttl_expired", "evicted", "never_stored", "incomplete", "corrupt", "timeout", "error",
                       "oom", "breaker_open", "closed", "no_pool", OTHER)
-EVICTION_REASONS = ("capacity", "quota", OTHER)
+EVICTION_REASONS = ("capacity", "quota", "tenant_part", OTHER)
 BREAKER_STATES = ("closed", "open", "half_open")
 # The pool's own view (kvstore_pool_misses_total): it cannot tell an expired snapshot from one never
 # written (Redis cannot), so its reasons are coarser than LOCAL_MISS_REASONS.
@@ -389,7 +389,10 @@ class SourceCollector(Collector):
             yield GaugeMetricFamily("kvstore_lmdb_map_size_bytes", "The LMDB memory map's size.",
                                     value=lm.map_size_bytes)
             yield GaugeMetricFamily("kvstore_lmdb_readers", "LMDB reader slots in use.", value=lm.readers)
-        ev = CounterMetricFamily("kvstore_evictions", "Chunks evicted from a tier, by tier and reason.",
+        ev = CounterMetricFamily("kvstore_evictions",
+                                 "Chunks evicted from a tier, by tier and reason: capacity (the tier was full), "
+                                 "quota (the tenant's quota), tenant_part (the tenant's part of a tier split "
+                                 "between tenants).",
                                  labels=["tier", "reason"])
         by: dict[tuple[str, str], int] = {(t, r): 0 for t in TIER_NAMES for r in EVICTION_REASONS if r != OTHER}
         for key, n in st.evictions_by_reason.items():

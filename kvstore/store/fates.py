@@ -16,7 +16,8 @@ class ChunkFateSink(Protocol):
     whose chunk (the sink keeps each tenant's fates apart, so one cannot push another's out)."""
 
     def dropped(self, key: bytes, namespace: bytes, tier: str, reason: str, tenant: str | None = None) -> None:
-        """Evicted from `tier`, which was the last tier holding it; `reason`: "capacity" | "quota"."""
+        """Evicted from `tier`, which was the last tier holding it; `reason`: "capacity", "quota" or
+        "tenant_part" (its tenant's part of a tier split between tenants)."""
         ...
 
     def corrupt(self, key: bytes, namespace: bytes, tier: str, tenant: str | None = None) -> None:

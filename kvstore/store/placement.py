@@ -197,6 +197,15 @@ class Placement:
         part = parts.get(tenant, 0)
         return part if quota < 0 else min(quota, part)
 
+    def _limit_reason(self, tenant: str, tier: TierName) -> str:
+        """Which of `_limit`'s bounds an eviction down to it answers to: "quota" (the tenant's
+        configured quota) or "tenant_part" (its part of a tier split between tenants, lower)."""
+        quota = self._quotas.get(tenant, TenantQuota()).limit(tier)
+        parts = self._parts.get(tier)
+        if parts is None or 0 <= quota <= parts.get(tenant, 0):
+            return "quota"
+        return "tenant_part"
+
     def _make_room(self, tier: TierName, tenant: str, need: int, protect: Container[bytes]) -> bool:
         """Evict (demoting where a lower tier has room) until `need` bytes fit; False if they can't."""
         over_tier, over_tenant = self._budget_excess(tier, tenant, need)
@@ -208,7 +217,7 @@ class Placement:
             victims = policy.evict(over_tenant, protected, lambda k: _tenant_of(self._peek(k)) == tenant)
             if victims is None:
                 return False
-            self._evict(tier, victims, "quota", protect)
+            self._evict(tier, victims, self._limit_reason(tenant, tier), protect)
             over_tier, _ = self._budget_excess(tier, tenant, need)
         if over_tier > 0:
             victims = policy.evict(over_tier, protected)
@@ -245,7 +254,7 @@ class Placement:
                 if entry is not None and tenant in (None, entry.tenant):
                     held += entry.footprint.get(tier, 0)
             victims = policy.evict(used - held, protected, eligible) or []
-        self._evict(tier, victims, "capacity" if tenant is None else "quota", ())
+        self._evict(tier, victims, "capacity" if tenant is None else self._limit_reason(tenant, tier), ())
         left = (self._used[tier] if tenant is None else self._tenant_used.get((tenant, tier), 0)) - limit
         if left > 0:
             self._overage[(tenant, tier)] = left
