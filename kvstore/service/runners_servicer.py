@@ -48,6 +48,7 @@ from kvstore.errors import InvalidInput, KvstoreError, ResourceExhausted, Unavai
 from kvstore.layout import CacheLayout, ModelSpec
 from kvstore.observe.records import CallRecord
 from kvstore.service.auth import Authenticator, Caller
+from kvstore.service.calls import MAX_MODEL_NAME
 from kvstore.service.codes import status_for
 from kvstore.service.limits import refusal_message
 from kvstore.service.shm_calls import copy_spans, store_snapshot_data
@@ -73,6 +74,9 @@ log = logging.getLogger(__name__)
 
 # Of a runner's declared weights identity, the characters an error quotes (it is the caller's text).
 QUOTED_WEIGHTS_CHARS = 160
+# Of a runner's error for a job, the characters kept: it is logged, and an unbounded one was
+# logged whole (100 KB, twice).
+RUNNER_ERROR_CHARS = 300
 # Between the revision and the seed in a seeded identity (`seeded_weights`: "1+seed=0").
 SEED_SEP = "+seed="
 
@@ -161,6 +165,13 @@ def _quoted(text: str) -> str:
     """`text`, the caller's, quoted and cut to `QUOTED_WEIGHTS_CHARS`."""
     return repr(text) if len(text) <= QUOTED_WEIGHTS_CHARS else repr(text[:QUOTED_WEIGHTS_CHARS]) + "..."
 
+
+def _runner_error(text: str) -> str:
+    """A runner's error for a job as kept: cut to `RUNNER_ERROR_CHARS` ("..." says so) and on one
+    line, its unprintable characters escaped as repr writes them, since it reaches log lines that
+    are not all ours to quote (the registry's detach reason): a newline in it forged log lines."""
+    kept = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:RUNNER_ERROR_CHARS])
+    return kept + "..." if len(text) > RUNNER_ERROR_CHARS else kept
 
 
 class RunnersServicer:
@@ -328,6 +339,13 @@ class RunnersServicer:
         if msg.WhichOneof("kind") != "hello":
             raise HelloRefused(BAD_HELLO, "the first message of Attach must be a RunnerHello")
         h = msg.hello
+        # Checked as the KVCache calls check theirs, before it is looked up or quoted: a 100 KB name
+        # quoted whole in the refusal overflowed gRPC's metadata (RESOURCE_EXHAUSTED, not this).
+        if not h.model:
+            raise HelloRefused(BAD_HELLO, "runner model is required")
+        if len(h.model) > MAX_MODEL_NAME or not h.model.isprintable():
+            raise HelloRefused(BAD_HELLO, f"runner model {_quoted(h.model)} is not a valid model name (at most "
+                                          f"{MAX_MODEL_NAME} printable characters)")
         layouts = self._layouts()
         # As Stats does: a model another tenant registered is not named to this one. An admin
         # runner (no tenant) serves every tenant and may run any model.
@@ -335,16 +353,16 @@ class RunnersServicer:
         layout = layouts.get(h.model) if h.model not in hidden else None
         if layout is None:
             raise HelloRefused(UNKNOWN_MODEL,
-                               f"runner model '{h.model}' is not served here; served: {listed(set(layouts) - hidden)}")
+                               f"runner model {h.model!r} is not served here; served: {listed(set(layouts) - hidden)}")
         if h.layout_id != layout.layout_id:
             raise HelloRefused(LAYOUT,
                                f"runner layout id {h.layout_id.hex()} does not match the service's layout "
-                               f"{layout.layout_id.hex()} of '{h.model}' (different chunk size or record format)")
+                               f"{layout.layout_id.hex()} of {h.model!r} (different chunk size or record format)")
         want = self._expected_weights(h.model) if self._expected_weights is not None else None
         if want is not None and h.weights and h.weights != want.identity:
             raise HelloRefused(WEIGHTS,
                                f"runner weights {_quoted(h.weights)} are not the weights {want.identity!r} this "
-                               f"service has for '{h.model}' (its results would be pooled as that model's): "
+                               f"service has for {h.model!r} (its results would be pooled as that model's): "
                                f"{want.mismatch(h.weights)}")
         if h.max_concurrent_jobs < 1:
             raise HelloRefused(BAD_HELLO, "runner max_concurrent_jobs must be >= 1")
@@ -370,8 +388,10 @@ class RunnersServicer:
         except Unavailable:
             self._count(REFUSED, SHUTTING_DOWN)
             raise
-        # The name the runner gave (`kvstore runner --name`), quoted: it is the caller's text.
-        log.info("runner %s%s attached: model %s on %s, weights %s (%s; job chunks and results %s)",
+        # What the runner gave (its name, `kvstore runner --name`, its device) quoted: it is the
+        # caller's text, and a newline in it would start a log line of the runner's making (its
+        # model is one served here by now).
+        log.info("runner %s%s attached: model %s on %r, weights %s (%s; job chunks and results %s)",
                  info.runner_id, f" {info.name!r}" if info.name else "", info.model, info.device,
                  _quoted(h.weights) if h.weights else "unverified",
                  "all tenants" if info.tenant is None else f"tenant {info.tenant}",
@@ -497,7 +517,7 @@ class RunnersServicer:
         if r.error:
             partial.pop(r.job_id, None)
             filled.pop(r.job_id, None)
-            self._registry.complete(link, r.job_id, None, r.error)
+            self._registry.complete(link, r.job_id, None, _runner_error(r.error))
             return
         assert asm is not None
         asm.add(r.offset, r.data)
