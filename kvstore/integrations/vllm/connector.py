@@ -48,13 +48,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.integrations.vllm")
 # Of a configured revision hashed down to fit the service's bound, the characters kept as given.
 REVISION_KEPT_CHARS = 48
+# Of a default model name (the model's directory or file name) that the service would refuse, the
+# characters kept for people, and the hex digits of the whole name's hash after them (within 128).
+NAME_KEPT_CHARS = 96
+NAME_HASH_HEX = 24
 
 
 def model_identity(model_config: Any, cfg: ConnectorConfig) -> tuple[str, str]:
     """(name, revision): the configured revision, else the fingerprint of the weight files (a
     model directory's, or a single GGUF file's), with what vLLM changes at load mixed in."""
     path = Path(str(model_config.model))
-    name = cfg.model_name or path.name or str(model_config.model)
+    # A configured name is checked at start (ConnectorConfig); a derived one is made valid.
+    name = cfg.model_name or default_model_name(path.name or str(model_config.model))
     revision = cfg.revision
     if not revision:
         local = local_files(str(model_config.model), getattr(model_config, "revision", None))
@@ -68,6 +73,17 @@ def model_identity(model_config: Any, cfg: ConnectorConfig) -> tuple[str, str]:
         # start kept for people, the whole of it hashed (else every registration would fail).
         revision = f"{revision[:REVISION_KEPT_CHARS]}~{hashlib.sha256(revision.encode()).hexdigest()[:32]}"
     return name, revision + suffix
+
+
+def default_model_name(given: str) -> str:
+    """`given` (the model's directory or file name) as a name the service takes, 1 to
+    MAX_ENGINE_NAME printable characters; else every RegisterModel failed and the engine ran with
+    caching off. One it would refuse (too long, unprintable characters, empty) keeps its start, its
+    unprintable characters replaced, and a hash of the whole of it, so two such names stay apart."""
+    if given and len(given) <= MAX_ENGINE_NAME and given.isprintable():
+        return given
+    start = "".join(c if c.isprintable() else "_" for c in given[:NAME_KEPT_CHARS]) or "model"
+    return f"{start}~{hashlib.sha256(given.encode('utf-8', 'surrogatepass')).hexdigest()[:NAME_HASH_HEX]}"
 
 
 def load_options(model_config: Any) -> str:
