@@ -79,7 +79,7 @@ def test_a_store_segment_is_writable_by_the_peer_but_cannot_change_size() -> Non
         with pytest.raises(PermissionError):
             os.ftruncate(peer, 10)
         with pytest.raises(OSError, match="not the"):
-            map_segment(peer, 2 * MiB, writable=False)  # announced larger than it is
+            map_segment(peer, 2 * MiB, writable=True)  # announced larger than it is
         rw.close()
         os.close(peer)
     finally:

@@ -146,14 +146,18 @@ class ShmPath:
     @classmethod
     def _open(cls, grpc_socket_path: str, token: str | None, kind: str, cuda: bool, timeout_seconds: float) -> ShmPath:
         path = data_socket_path(grpc_socket_path)
+        # The whole exchange by then: a socket's timeout bounds each recv only, and a service
+        # trickling its answer a byte at a time would hold the call (and the client's lock) for hours.
+        deadline = time.monotonic() + max(0.001, timeout_seconds)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(max(0.001, timeout_seconds))
         try:
             sock.connect(path)
             sent_at = time.monotonic()
+            sock.settimeout(max(0.001, deadline - sent_at))
             send_message(sock, {"v": HELLO_VERSION, "kind": kind, **({"token": token} if token else {}),
                                 **({"cuda": True} if cuda else {})})
-            reply, fds = recv_message(sock)
+            reply, fds = recv_message(sock, deadline)
             sock.settimeout(HELLO_TIMEOUT_SECONDS)  # the session's later sends (releases) wait as before
         except (OSError, SideSocketClosed) as e:
             sock.close()
@@ -406,13 +410,15 @@ def release_held(grpc_socket_path: str, token: str | None, session: str, hold: s
     Raises ShmUnavailable when the side socket does not answer within `timeout_seconds`, and
     HoldNotReleased when the service released nothing (with its reason)."""
     path = data_socket_path(grpc_socket_path)
+    deadline = time.monotonic() + max(0.001, timeout_seconds)  # for the whole exchange, as a hello's
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(max(0.001, timeout_seconds))
     try:
         sock.connect(path)
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
         send_message(sock, {"v": HELLO_VERSION, "release_held": hold, "session": session,
                             **({"token": token} if token else {})})
-        reply, fds = recv_message(sock)
+        reply, fds = recv_message(sock, deadline)
     except (OSError, SideSocketClosed) as e:
         raise ShmUnavailable(f"no same-host side socket at {path} to release the hold: {e}") from None
     finally:

@@ -114,8 +114,19 @@ class Segment:
 
 
 def map_segment(fd: int, nbytes: int, writable: bool) -> mmap.mmap:
-    """Map a received segment; read-only unless `writable`. Checks the file is as large as said,
-    so that no access beyond its end can fault."""
+    """Map a received segment; read-only unless `writable`. Checks the file is as large as said
+    and sealed as `Segment` seals it (OSError if not): its size fixed, so that no access beyond
+    its end can fault, now or after the sender shrinks it (a SIGBUS that would kill this process
+    at its next copy); a read-only one sealed against writable maps too. F_SEAL_SEAL is not
+    required: a seal once set is never taken off. Seals first: the size read then cannot change."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:  # not a memfd made for sealing
+        raise OSError(e.errno, f"the segment cannot be sealed ({e.strerror}): its size could change") from None
+    if seals & _SIZE_SEALS != _SIZE_SEALS:
+        raise OSError(f"the segment is not sealed against shrinking and growing (seals {seals:#x})")
+    if not writable and not seals & (F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_WRITE):
+        raise OSError(f"the segment is not sealed read-only (seals {seals:#x})")
     size = os.fstat(fd).st_size
     if size < nbytes:
         raise OSError(f"the segment is {size} bytes, not the {nbytes} announced")

@@ -16,6 +16,7 @@ import re
 import secrets
 import socket
 import struct
+import time
 from typing import Any
 
 HELLO_VERSION = 1
@@ -71,20 +72,29 @@ def send_message(sock: socket.socket, message: dict[str, Any], fds: tuple[int, .
         sock.sendall(data)
 
 
-def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+def recv_message(sock: socket.socket, deadline: float | None = None) -> tuple[dict[str, Any], list[int]]:
     """The next message and the descriptors that came with it. Raises SideSocketClosed on a
-    closed socket or a malformed message (closing any descriptors received with it)."""
-    head, fds = _recv_exact(sock, _LEN.size, want_fds=True)
+    closed socket or a malformed message (closing any descriptors received with it). `deadline`
+    (time.monotonic()): the whole message is in by then, else TimeoutError (as a socket's own
+    timeout raises); the socket's timeout bounds only one recv, and a peer sending a byte within it each
+    time would hold the caller for as long as it liked. The socket's timeout is restored after."""
+    before = sock.gettimeout()
     try:
-        (n,) = _LEN.unpack(head)
-        if n > MAX_MESSAGE_BYTES:
-            raise SideSocketClosed(f"a side-socket message of {n} bytes is over {MAX_MESSAGE_BYTES}")
-        body, _ = _recv_exact(sock, n, want_fds=False)
-        message = _decode(body)
-    except BaseException:
-        for fd in fds:
-            _close_quietly(fd)
-        raise
+        head, fds = _recv_exact(sock, _LEN.size, want_fds=True, deadline=deadline)
+        try:
+            (n,) = _LEN.unpack(head)
+            if n > MAX_MESSAGE_BYTES:
+                raise SideSocketClosed(f"a side-socket message of {n} bytes is over {MAX_MESSAGE_BYTES}")
+            body, _ = _recv_exact(sock, n, want_fds=False, deadline=deadline)
+            message = _decode(body)
+        except BaseException:
+            for fd in fds:
+                _close_quietly(fd)
+            raise
+    finally:
+        if deadline is not None:
+            with contextlib.suppress(OSError):  # closed meanwhile: nothing to restore
+                sock.settimeout(before)
     return message, fds
 
 
@@ -98,25 +108,41 @@ def _decode(body: bytes) -> dict[str, Any]:
     return message
 
 
-def _recv_exact(sock: socket.socket, n: int, want_fds: bool) -> tuple[bytes, list[int]]:
+def _recv_exact(sock: socket.socket, n: int, want_fds: bool,
+                deadline: float | None = None) -> tuple[bytes, list[int]]:
     buf = bytearray()
     fds: list[int] = []
-    while len(buf) < n:
-        if want_fds and not buf:
-            data, ancdata, _flags, _addr = sock.recvmsg(n, socket.CMSG_SPACE(MAX_FDS * 4))
-            for level, kind, payload in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    got = array.array("i")
-                    got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
-                    fds.extend(got)
-        else:
-            data = sock.recv(n - len(buf))
-        if not data:
-            for fd in fds:
-                _close_quietly(fd)
-            raise SideSocketClosed("the side socket was closed")
-        buf += data
+    try:
+        while len(buf) < n:
+            if deadline is not None:
+                _shrink_timeout(sock, deadline)
+            if want_fds and not buf:
+                data, ancdata, _flags, _addr = sock.recvmsg(n, socket.CMSG_SPACE(MAX_FDS * 4))
+                for level, kind, payload in ancdata:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        got = array.array("i")
+                        got.frombytes(payload[: len(payload) - len(payload) % got.itemsize])
+                        fds.extend(got)
+            else:
+                data = sock.recv(n - len(buf))
+            if not data:
+                raise SideSocketClosed("the side socket was closed")
+            buf += data
+    except BaseException:  # a timeout after the first bytes too: their descriptors are closed
+        for fd in fds:
+            _close_quietly(fd)
+        raise
     return bytes(buf), fds
+
+
+def _shrink_timeout(sock: socket.socket, deadline: float) -> None:
+    """Make the next recv wait no later than `deadline`; past it, TimeoutError now."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    current = sock.gettimeout()
+    if current is None or current > left:
+        sock.settimeout(left)
 
 
 def _close_quietly(fd: int) -> None:
