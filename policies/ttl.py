@@ -36,7 +36,8 @@ The caller must report every return it sees through `observe_return`, including 
 the snapshot expired; reporting only hits would censor the gaps at the TTL and pull it down.
 
 A policy rebuilt from changed inputs (a config reload) takes over the gaps and counts its
-predecessor observed (`carry_learning`), and solves its TTLs from them under its own parameters.
+predecessor observed (`carry_learning`), and solves its TTLs from them under its own parameters;
+a fixed or sliding policy in between keeps them, unchanged, for the next adaptive one.
 `TenantTtls.ttl_for_tenant` says the TTL in force for a tenant without counting a write.
 """
 
@@ -89,6 +90,9 @@ class FixedTtl:
     def __init__(self, ttl_seconds: float) -> None:
         _require_finite_positive("ttl_seconds", ttl_seconds)
         self._ttl = float(ttl_seconds)
+        # The adaptive policy this one replaced, as it stopped: a reload back to adaptive takes over
+        # its gaps (`carry_learning`), else learning from scratch after a detour through another kind.
+        self.kept_learning: AdaptiveTtl | None = None
 
     def ttl_for_write(self, tenant: str, nbytes: int, now: float) -> float:
         return self._ttl
@@ -387,15 +391,29 @@ class AdaptiveTtl:
 
 def carry_learning(old: TtlPolicy, new: TtlPolicy) -> bool:
     """Hand what `old` learnt to `new`, built to replace it on a config reload (both adaptive,
-    overrides or not): see `AdaptiveTtl.adopt`. False where either learns nothing."""
-    a, b = _adaptive(old), _adaptive(new)
-    if a is None or b is None or a is b:
+    overrides or not): see `AdaptiveTtl.adopt`. False where either learns nothing; a fixed or
+    sliding `new` keeps it, unchanged, for the next adaptive one."""
+    a, b = _adaptive(old), _innermost(new)
+    if a is None or a is b:
+        return False
+    if isinstance(b, FixedTtl):
+        b.kept_learning = a
+        return False
+    if not isinstance(b, AdaptiveTtl):
         return False
     b.adopt(a)
     return True
 
 
-def _adaptive(policy: TtlPolicy) -> AdaptiveTtl | None:
+def _innermost(policy: TtlPolicy) -> TtlPolicy:
     while isinstance(policy, TenantOverrideTtl):
         policy = policy.inner
+    return policy
+
+
+def _adaptive(policy: TtlPolicy) -> AdaptiveTtl | None:
+    """The adaptive policy `policy` is, wraps, or keeps from before (a fixed or sliding one's)."""
+    policy = _innermost(policy)
+    if isinstance(policy, FixedTtl):
+        return policy.kept_learning
     return policy if isinstance(policy, AdaptiveTtl) else None

@@ -280,7 +280,7 @@ def test_check_config_reports_every_error_at_once_with_suggestions(
                     '[store]\nchunk_tokens = "x"\n')
     assert main(["check-config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvstore check-config: 4 problems:")
+    assert err.startswith(f"kvstore check-config: {path}: 4 problems:")
     for key in ("local_pool.ttl.ttl_secnds", "local_pool.ttl.kind", "replay.mode", "store.chunk_tokens"):
         assert f"'{key}'" in err, err
     assert "did you mean 'ttl_seconds'?" in err

@@ -14,10 +14,18 @@ import pytest
 
 from kvstore.cli import main
 from kvstore.commands.check_config import effective, to_toml
-from kvstore.config import AdminConfig, ReplayConfig, ServiceConfig, StoreConfig, TenantConfig, parse_config
+from kvstore.config import (
+    AdminConfig,
+    ReplayConfig,
+    ServiceConfig,
+    StoreConfig,
+    TenantConfig,
+    load_config,
+    parse_config,
+)
 from kvstore.config.local_pool import ENTRY_OVERHEAD_BYTES
 from kvstore.config.warnings import config_warnings
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, ConfigErrors
 from kvstore.layout import get_model
 from kvstore.local_pool.embedded import EmbeddedPool
 from policies.fair_share import FairShare
@@ -304,6 +312,38 @@ def test_one_token_in_two_tenants_is_refused() -> None:
     # Accepted, the token authenticated as whichever tenant came last: the other read its cache.
     e = _refused({"tenants": {"a": {"tokens": [TOKEN]}, "b": {"tokens": [TOKEN]}}}, "tenants.b.tokens")
     assert "tenant 'a'" in str(e)
+
+
+def test_one_mtls_common_name_in_two_tenants_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Accepted, a certificate of that name logged in as whichever tenant came last: the other's
+    # certificate read and wrote that tenant's cache.
+    service = {"tls_cert_file": "/c.pem", "tls_key_file": "/k.pem", "tls_client_ca_file": "/ca.pem"}
+    tenants = {"alice": {"tokens": [TOKEN], "mtls_common_name": "shared-cn"},
+               "bob": {"tokens": ["bob-token-0123"], "mtls_common_name": "shared-cn"}}
+    e = _refused({"service": service, "tenants": tenants}, "tenants.bob.mtls_common_name")
+    assert "tenant 'alice'" in str(e)
+    tenants["bob"]["mtls_common_name"] = "bob-cn"
+    assert parse_config({"service": service, "tenants": tenants}).tenants["bob"].mtls_common_name == "bob-cn"
+    text = ('[service]\ntls_cert_file = "/c.pem"\ntls_key_file = "/k.pem"\ntls_client_ca_file = "/ca.pem"\n'
+            '[tenants.alice]\nmtls_common_name = "shared-cn"\n[tenants.bob]\nmtls_common_name = "shared-cn"\n')
+    rc, _, err = _check_config(tmp_path, text, capsys)
+    assert rc == 2 and "'tenants.bob.mtls_common_name'" in err and "tenant 'alice'" in err, err
+
+
+def test_a_key_error_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # "config key 'x': ..." said no file: serve's, check-config's and a reload's look the same.
+    path = tmp_path / "c.toml"
+    path.write_text("[service]\nmax_concurrent_calls = 0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert e.value.key == "service.max_concurrent_calls"
+    assert str(e.value).startswith(f"{path}: config key 'service.max_concurrent_calls': ")
+    path.write_text("[service]\nmax_concurent_calls = 1\nstream_idle_seconds = true\n")  # two at once
+    with pytest.raises(ConfigErrors) as many:
+        load_config(path)
+    assert str(many.value).startswith(f"{path}: 2 problems:\n") and len(many.value.errors) == 2
+    rc, _, err = _check_config(tmp_path, "[store]\nchunk_tokens = 7\n", capsys)
+    assert rc == 2 and err.startswith(f"kvstore check-config: {path}: config key 'store.chunk_tokens': "), err
 
 
 @pytest.mark.parametrize(("table", "key", "problem"), [

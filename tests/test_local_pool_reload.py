@@ -256,7 +256,7 @@ def test_the_service_keeps_what_its_adaptive_policy_learnt_across_a_restart_only
             policy.observe_return("default", 20.0)
         learnt = policy.ttl_for_tenant("default")  # type: ignore[attr-defined]
         assert learnt < 300
-        r = ConfigReloader(path, app.reload_local_pool, cfg.local_pool, poll_seconds=3600)
+        r = ConfigReloader(path, app.reload_local_pool, cfg, poll_seconds=3600)
         table["local_pool"]["socket_timeout_seconds"] = 0.3
         _write(path, to_toml(table))
         assert r.reload_now()
@@ -290,8 +290,8 @@ def test_a_tenants_local_ttl_is_applied_and_every_other_change_is_named(
     app = build_app(cfg, tmp_path / "data", coordinator_factory=None)
     try:
         assert app.ttl_policy is not None and app.ttl_policy.ttl_for_write("acme", 1000, 0.0) == 600
-        # As `kvstore serve` wires it: the callback, and the [local_pool] section in force.
-        r = ConfigReloader(path, app.reload_local_pool, cfg.local_pool, poll_seconds=3600)
+        # As `kvstore serve` wires it: the callback, and the config in force.
+        r = ConfigReloader(path, app.reload_local_pool, cfg, poll_seconds=3600)
         table["tenants"]["acme"]["local_ttl_seconds"] = 20.0
         _write(path, to_toml(table))
         assert r.reload_now()
@@ -355,7 +355,7 @@ def test_a_local_ttl_of_a_tenant_not_served_yet_is_named_as_needing_a_restart(
     cfg = load_config(path)
     app = build_app(cfg, tmp_path / "data", coordinator_factory=None)
     try:
-        r = ConfigReloader(path, app.reload_local_pool, cfg.local_pool, poll_seconds=3600)
+        r = ConfigReloader(path, app.reload_local_pool, cfg, poll_seconds=3600)
         table["tenants"]["carol"] = {"tokens": ["c" * 40], "local_ttl_seconds": 60.0}
         _write(path, to_toml(table))
         assert r.reload_now()
@@ -384,7 +384,7 @@ def test_a_change_reload_does_not_apply_is_named_as_needing_a_restart(
     path = tmp_path / "kvstore.toml"
     _write(path, f'[tenants.acme]\ntokens = ["{leaked}"]\n')
     rec = Recorder()
-    r = ConfigReloader(path, rec, load_config(path).local_pool)  # as `kvstore serve` builds it
+    r = ConfigReloader(path, rec, load_config(path))  # as `kvstore serve` builds it
     _write(path, f'[tenants.acme]\ntokens = ["{fresh}"]\n[tenants.bob]\ntokens = ["{"b" * 40}"]\n'
                  '[service]\nmax_concurrent_calls = 8\n')
     with caplog.at_level(logging.INFO, logger="kvstore.local_pool.reload"):

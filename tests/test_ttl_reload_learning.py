@@ -57,7 +57,7 @@ def test_another_tenants_override_on_reload_keeps_what_the_policy_learnt(tmp_pat
     try:
         learnt = _turns(r, 5)
         assert GAP < learnt < GAP + 1, "learnt from the returns, not the start value"
-        reloader = ConfigReloader(path, r.app.reload_local_pool, cfg.local_pool, poll_seconds=3600)
+        reloader = ConfigReloader(path, r.app.reload_local_pool, cfg, poll_seconds=3600)
         table["local_pool"]["ttl"]["tenant_ttl_seconds"] = {"someone_else": 600.0}
         path.write_text(to_toml(table))
         assert reloader.reload_now()
@@ -87,7 +87,7 @@ def test_a_new_cost_re_solves_the_ttl_from_the_gaps_already_seen(tmp_path: Path)
         # Holding now costs far more than a replay: the same gaps, solved again, give the short TTL.
         cfg_table["local_pool"]["ttl"]["hold_cost_per_byte_second"] = 1e-3
         path.write_text(to_toml(cfg_table))
-        assert ConfigReloader(path, app.reload_local_pool, cfg.local_pool, poll_seconds=3600).reload_now()
+        assert ConfigReloader(path, app.reload_local_pool, cfg, poll_seconds=3600).reload_now()
         new = app.ttl_policy
         assert isinstance(new, AdaptiveTtl) and new is not policy
         assert new.describe()["tenants"]["default"]["samples"] == 6  # type: ignore[index]

@@ -8,7 +8,8 @@ calls (tests and scripts parse that line; `--grpc-port 0` picks a free port).
 SIGTERM/SIGINT: health NOT_SERVING, new calls refused, calls in flight get `grace_seconds`, the
 store (LMDB) closes cleanly, exit 0. SIGHUP, or an edit of `--config`, re-reads the file and applies
 what can change without a restart (the local TTL policy); a bad new file is rejected with one log
-line and the old config stays.
+line and the old config stays. A SIGHUP before the service listens is acted on once it does (an edit
+made while it started is a change too); one while it drains is said and ignored.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from types import FrameType
 from kvstore import __version__
 from kvstore.commands.checks import check_not_empty, check_server_tls
 from kvstore.commands.stop_signals import stop_on_signals
-from kvstore.config import load_config
+from kvstore.config import KvstoreConfig, load_config
 from kvstore.config.service import is_host
 from kvstore.config.warnings import config_warnings
 from kvstore.errors import ConfigError, InvalidInput, KvstoreError
@@ -76,18 +77,56 @@ def _stopped_while_starting(signum: int, frame: FrameType | None) -> None:
     os._exit(128 + signum)
 
 
+def _say_in_handler(line: str) -> None:
+    """`_say` from a signal handler: one that came while a status line was being written (stdout
+    full) would raise "reentrant call" into whatever the main thread was doing; the line is dropped."""
+    with contextlib.suppress(RuntimeError):
+        _say(line)
+
+
+class _HupsOutsideTheReloader:
+    """SIGHUP while no reloader handles it. Its default action ends the process: while starting it
+    is noted (acted on once the reloader, or the line saying there is none, is in place); while
+    draining it is said and ignored."""
+
+    def __init__(self) -> None:
+        self.pending = False
+        self.draining = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.draining:
+            _say_in_handler("SIGHUP while shutting down: ignored (nothing is reloaded)")
+        else:
+            self.pending = True
+
+
+def _flags_over(cfg: KvstoreConfig, unix_socket: str | None) -> KvstoreConfig:
+    """`cfg` with what the command line sets over the file (at start and at each reload)."""
+    if unix_socket is None:
+        return cfg
+    # The store splits its arenas for in-place loads only with a socket.
+    cfg = dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, unix_socket_path=unix_socket))
+    cfg.validate("")  # the rules across sections that a socket brings in
+    return cfg
+
+
 def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stopped_while_starting)
     signal.signal(signal.SIGINT, _stopped_while_starting)
+    hups = _HupsOutsideTheReloader()
+    signal.signal(signal.SIGHUP, hups)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # '' read as the current directory: "cannot read config file .", or LMDB made in it.
     check_not_empty(args.config, "--config", "file")
     check_not_empty(args.data_dir, "--data-dir", "directory")
+    from kvstore.local_pool.reload import file_signature
     from kvstore.service.app import build_app
     from kvstore.service.auth import check_bind_allowed
     from kvstore.service.server import KvstoreServer
 
+    # Before the file is read: an edit made while the service starts is then a change to reload.
+    read_at = file_signature(args.config) if args.config is not None else None
     cfg = load_config(args.config)
     check_server_tls(cfg.service.tls_cert_file, cfg.service.tls_key_file, cfg.service.tls_client_ca_file)
     host = args.grpc_host or cfg.service.grpc_host
@@ -111,9 +150,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInput("--unix-socket must be an absolute path of at most 100 bytes, without a NUL")
     if args.data_dir is not None and "\0" in args.data_dir:
         raise InvalidInput("--data-dir must not contain a NUL character (no path can)")
-    if args.unix_socket is not None:  # the store splits its arenas for in-place loads only with a socket
-        cfg = dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, unix_socket_path=args.unix_socket))
-        cfg.validate("")  # the rules across sections that a socket brings in
+    cfg = _flags_over(cfg, args.unix_socket)
     for w in config_warnings(cfg):  # with the socket's own (same-host session shares)
         logging.getLogger("kvstore.config").warning("%s", w)
     app = build_app(cfg, args.data_dir, progress=_say)
@@ -121,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
         server = KvstoreServer(app, host, args.grpc_port, args.admin_port, unix_socket=args.unix_socket).start()
     except KvstoreError as e:
         app.close()
+        if isinstance(e, ConfigError) and e.key == "service.grpc_host" and args.grpc_host is not None:
+            e = InvalidInput(f"--grpc-host {host}: {e.problem}")
         # As at a clean stop (below): gRPC's core threads may abort a finalizing interpreter.
         print(f"kvstore serve: {e}", file=sys.stderr, flush=True)
         os._exit(2)
@@ -147,24 +186,26 @@ def run(args: argparse.Namespace) -> int:
          f"{'on' if svc.reflection else 'off'}")
     # Before the line that says it listens: whoever waits for that line may signal at once.
     stop = stop_on_signals()
-    # SIGHUP's default action ends the process: an operator's reload must never do that, also
-    # while the service drains (the reloader, stopped then, puts back the handler it found).
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     reloader = None
-    if args.config is not None and not _regular_file(args.config):
-        # A pipe (`--config <(envsubst < tmpl)`) gave its bytes once: nothing to read again.
-        signal.signal(signal.SIGHUP, lambda signum, frame: _say(f"SIGHUP: the config came from {args.config}, "
-                                                                "not a regular file: nothing to reload"))
-    elif args.config is not None:
+    if args.config is not None and _regular_file(args.config):
         from kvstore.local_pool.reload import ConfigReloader
 
-        # SIGHUP and edits of the file re-read it; the TTL policy applies to new writes.
-        reloader = ConfigReloader(args.config, app.reload_local_pool, cfg.local_pool)
+        # SIGHUP and edits of the file re-read it; the TTL policy applies to new writes. Compared
+        # with the config in force, and with the file as it was before serve read it.
+        reloader = ConfigReloader(args.config, app.reload_local_pool, cfg, read_at=read_at,
+                                  with_flags=lambda new: _flags_over(new, args.unix_socket))
         reloader.start()
-        reloader.install_sighup()
+        reloader.install_sighup()  # in place of `hups`, which it puts back when stopped
+        if hups.pending:
+            _say("SIGHUP while starting: reading the config file again now")
+            reloader.reload_soon()
     else:
-        signal.signal(signal.SIGHUP, lambda signum, frame: _say("SIGHUP: no config file to reload "
-                                                                "(the embedded default is running)"))
+        # A pipe (`--config <(envsubst < tmpl)`) gave its bytes once: nothing to read again.
+        why = ("no config file to reload (the embedded default is running)" if args.config is None else
+               f"the config came from {args.config}, not a regular file: nothing to reload")
+        signal.signal(signal.SIGHUP, lambda signum, frame: _say_in_handler(f"SIGHUP: {why}"))
+        if hups.pending:
+            _say(f"SIGHUP while starting: {why}")
     # What start-up built (modules, torch, the recovered index: ~260,000 objects) is kept out of the
     # cycle collector's scans (reference counting still frees it): a full collection, which Store
     # traffic triggers every few seconds, then stalls every call for a few ms, not 130-180 ms.
@@ -184,8 +225,10 @@ def run(args: argparse.Namespace) -> int:
     _say(f"gRPC listening on {server.address} ({security})")
     while not stop.wait(0.5):
         pass
+    hups.draining = True
     if reloader is not None:
         reloader.stop()
+    signal.signal(signal.SIGHUP, hups)
     _say("shutting down: health NOT_SERVING, refusing new calls, "
          f"waiting up to {svc.grace_seconds:g} s for calls in flight")
     finished = server.stop()

@@ -42,6 +42,8 @@ __all__ = [
     "is_loopback",
     "load_config",
     "parse_config",
+    "parse_config_file",
+    "read_config_file",
 ]
 
 
@@ -66,6 +68,7 @@ class KvstoreConfig:
         # As `serve --data-dir ''`: an empty path is the start directory, and LMDB's files landed in it.
         require(bool(self.data_dir), "data_dir", "must name a directory (empty would be the directory serve starts in)")
         seen: dict[str, str] = {}
+        names: dict[str, str] = {}  # mtls_common_name -> its tenant
         for name, t in self.tenants.items():
             require(is_tenant_name(name), join("tenants", repr(name)), TENANT_NAME_RULE)
             require(name != "other", join("tenants", name),
@@ -80,6 +83,13 @@ class KvstoreConfig:
                 require(tok not in seen, join("tenants", name) + ".tokens",
                         f"token is already used by tenant '{seen.get(tok)}'")
                 seen[tok] = name
+            # As a shared token: one name maps to one tenant, so a certificate would log in as the other.
+            require(not t.mtls_common_name or t.mtls_common_name not in names,
+                    join("tenants", name) + ".mtls_common_name",
+                    f"is already the mtls_common_name of tenant '{names.get(t.mtls_common_name)}': "
+                    "each tenant needs its own")
+            if t.mtls_common_name:
+                names[t.mtls_common_name] = name
         # The admin token is tried beside the tenants' on every call: shared, that tenant is the admin.
         require(self.admin.admin_token not in seen, "admin.admin_token",
                 f"is also a token of tenant '{seen.get(self.admin.admin_token)}': the admin token must be its own")
@@ -195,13 +205,24 @@ def parse_config(table: dict[str, Any]) -> KvstoreConfig:
 def load_config(path: str | Path | None) -> KvstoreConfig:
     if path is None:
         return KvstoreConfig()
+    return parse_config_file(read_config_file(path), path)
+
+
+def read_config_file(path: str | Path) -> bytes:
+    """The bytes of the config file at `path`, read once (a reload compares two reads)."""
     p = Path(path)
     try:
-        raw = read_capped(p, MAX_CONFIG_FILE_BYTES)  # a FIFO too: `serve --config <(envsubst < tmpl)`
+        return read_capped(p, MAX_CONFIG_FILE_BYTES)  # a FIFO too: `serve --config <(envsubst < tmpl)`
     except OSError as e:
         raise ConfigFileError(f"cannot read config file {p}: {e.strerror}") from None
     except ValueError:  # a NUL in the name: no such file can exist
         raise ConfigFileError(f"cannot read config file {str(p)!r}: a file name cannot contain a NUL") from None
+
+
+def parse_config_file(raw: bytes, path: str | Path) -> KvstoreConfig:
+    """The config in `raw`, read from `path`. An error about a key starts with the path: a log line
+    read later (a reload's) says which file, as errors about the file itself do."""
+    p = Path(path)
     try:
         table = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -211,4 +232,8 @@ def load_config(path: str | Path | None) -> KvstoreConfig:
     except ValueError:  # int() refuses a decimal of more than 4300 digits (sys.get_int_max_str_digits)
         raise ConfigFileError(f"config file {p}{_line_of_a_long_integer(raw)} has an integer of thousands of digits: "
                               "TOML's integers are 64-bit (-2**63..2**63-1)") from None
-    return parse_config(table)
+    try:
+        return parse_config(table)
+    except ConfigError as e:
+        e.args = (f"{p}: {e}",)  # the same error (its key, its problems), said with its file
+        raise

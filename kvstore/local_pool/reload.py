@@ -3,19 +3,23 @@
 `ConfigReloader` watches one config file: on SIGHUP (a handler installed from the main thread)
 and when the file changes (a polling thread compares mtime, size and inode, so edits in place and
 editors that replace the file are both seen). A new file is validated in full with
-`kvstore.config.load_config`; if it is invalid, one clear log line says why and the old config
-stays in force. If it is valid and the TTL policy's inputs differ ([local_pool.ttl], or a
-tenant's `local_ttl_seconds`), the callback receives the new `KvstoreConfig` and answers which of
-those keys it applied (a tenant the service does not serve yet has no TTL to change); the service
-rebuilds the TTL policy from it and calls `pool.set_ttl_policy`: new writes get the new TTL, stored
-snapshots keep theirs until a hit refreshes them.
+`kvstore.config.parse_config_file`, once two reads a moment apart agree (a writer may be
+mid-write, and part of a file may parse as another config); an empty file is refused (truncated
+by `cat new > file` before its bytes came, it would put back every default). If it is invalid, one
+clear log line says why and the old config stays in force. If it is valid and the TTL policy's
+inputs differ ([local_pool.ttl], or a tenant's `local_ttl_seconds`), the callback receives the
+new `KvstoreConfig` and answers which of those keys it applied (a tenant the service does not
+serve yet has no TTL to change); the service rebuilds the TTL policy from it and calls
+`pool.set_ttl_policy`: new writes get the new TTL, stored snapshots keep theirs until a hit
+refreshes them.
 
 Only the TTL policy is applied live. The whole file is compared: a change to any other key (the
 pool's URL, a tenant's tokens, a new tenant, a [service] limit, ...) is logged as a warning that
 names each such key and says it needs a restart (names only: values may be secrets), as it does
 each TTL input the callback did not apply. Alone, a restart-only change does not call the callback
 (a rebuilt adaptive policy would forget what it learnt); with a TTL change the callback still
-receives the whole config, and applies only the TTL inputs.
+receives the whole config, and applies only the TTL inputs. An accepted file's contradictions
+(`config_warnings`) are logged, as at start.
 
 This module knows nothing about pools, policies or how the service applies a config.
 """
@@ -32,14 +36,19 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from kvstore.config import KvstoreConfig, load_config
+from kvstore.config import KvstoreConfig, parse_config_file, read_config_file
 from kvstore.config.fields import join
-from kvstore.config.local_pool import LocalPoolConfig
-from kvstore.errors import ConfigError
+from kvstore.config.warnings import config_warnings
+from kvstore.errors import ConfigError, ConfigFileError
 
 log = logging.getLogger(__name__)
 
-_FileSig = tuple[int, int, int] | None  # (mtime_ns, size, inode), None while the file is missing
+FileSignature = tuple[int, int, int]  # (mtime_ns, size, inode)
+MISSING: FileSignature = (-1, -1, -1)  # while the file is missing
+# Two reads this far apart must agree before a file is applied; at most this many tries (a writer
+# that takes longer is waited for by the poller: the file's signature changes again).
+SETTLE_SECONDS = 0.1
+SETTLE_READS = 20
 
 # Applies a re-read config; answers the dotted keys it applied (None: every changed TTL input).
 OnChange = Callable[[KvstoreConfig], Collection[str] | None]
@@ -83,14 +92,20 @@ class ConfigReloader:
         self,
         path: str | Path,
         on_change: OnChange,
-        current: KvstoreConfig | LocalPoolConfig,
+        current: KvstoreConfig,
         poll_seconds: float = 1.0,
+        *,
+        read_at: FileSignature | None = None,
+        with_flags: Callable[[KvstoreConfig], KvstoreConfig] | None = None,
     ) -> None:
-        """`current`: the config in force. A caller that passes its [local_pool] only gets the
-        other sections from the file as it is now (the service read it moments before)."""
+        """`current`: the config in force, as the service started with it. `read_at`: the file's
+        `file_signature` taken before `current` was read from it (None: now), so that an edit made
+        while the service started is a change. `with_flags`: what the command line sets over the
+        file, applied to each config read again (else a key a flag overrides reads as changed)."""
         self._path = Path(path)
         self._on_change = on_change
-        self._current = current if isinstance(current, KvstoreConfig) else self._with_file(current)
+        self._with_flags = with_flags or (lambda cfg: cfg)
+        self._current = current
         self._started = self._current  # what restart-only keys are in force as, until a restart
         self._poll = poll_seconds
         # One reload at a time (signal, poller, direct calls); re-entrant because a SIGHUP handler
@@ -99,7 +114,7 @@ class ConfigReloader:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._sig = self._signature()
+        self._sig = file_signature(self._path) if read_at is None else read_at
         self._old_handler: Any = None
         self._handler_installed = False
 
@@ -112,9 +127,14 @@ class ConfigReloader:
         """Read and validate the file; on success apply changed TTL policy inputs and warn about
         every other change. False when the new file was rejected (the old config stays)."""
         with self._lock:
-            self._sig = self._signature()
+            self._sig = file_signature(self._path)
             try:
-                new = load_config(self._path)
+                raw = self._settled()
+                if raw is None:  # stopping
+                    return False
+                if not raw.strip():
+                    raise ConfigFileError(f"config file {self._path} is empty: still being written?")
+                new = self._with_flags(parse_config_file(raw, self._path))
             except ConfigError as e:
                 log.error("config reload rejected, keeping the previous config: %s", e)
                 return False
@@ -140,17 +160,30 @@ class ConfigReloader:
             # (a file put back as it was needs no restart).
             pending = {k for k, _, _ in differences(self._started, new)}
             cold = [k for k, _, _ in changed if k not in done and (applied_live(k) or k in pending)]
+            in_force = set(config_warnings(self._current))
             self._current = new
             if cold:
                 log.warning("config reload: %s changed in %s but take effect only after a restart (not applied)",
                             ", ".join(cold), self._path)
+            # Valid but contradictory, as serve says at start: each one this file brings (those
+            # already in force were said before).
+            for w in config_warnings(new):
+                if w not in in_force:
+                    log.warning("config reload: %s", w)
             return True
 
-    def _with_file(self, pool: LocalPoolConfig) -> KvstoreConfig:
-        try:
-            return dataclasses.replace(load_config(self._path), local_pool=pool)
-        except ConfigError:  # changed since the service read it: compare with the defaults instead
-            return KvstoreConfig(local_pool=pool)
+    def _settled(self) -> bytes | None:
+        """The file's bytes once two reads `SETTLE_SECONDS` apart agree; None when stopping."""
+        raw = read_config_file(self._path)
+        for _ in range(SETTLE_READS):
+            if self._stop.wait(SETTLE_SECONDS):
+                return None
+            again = read_config_file(self._path)
+            if again == raw:
+                return raw
+            raw = again
+        raise ConfigFileError(f"config file {self._path} kept changing for {SETTLE_READS * SETTLE_SECONDS:g} s: "
+                              "still being written?")
 
     # --- watching ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -183,11 +216,15 @@ class ConfigReloader:
             signal.signal(signal.SIGHUP, self._old_handler)
             self._handler_installed = False
 
-    def _on_sighup(self, signum: int, frame: FrameType | None) -> None:
+    def reload_soon(self) -> None:
+        """Read the file again now, on the poller's thread once started (what a SIGHUP does)."""
         if self._thread is not None:
             self._wake.set()  # let the poller read the file, not the signal handler
         else:
             self.reload_now()
+
+    def _on_sighup(self, signum: int, frame: FrameType | None) -> None:
+        self.reload_soon()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -195,24 +232,17 @@ class ConfigReloader:
             self._wake.clear()
             if self._stop.is_set():
                 return
-            if woken or self._signature() != self._sig:
-                self._settle()
+            if woken or file_signature(self._path) != self._sig:
                 try:
                     self.reload_now()
                 except Exception:  # keep watching whatever went wrong with one reload
                     log.exception("config reload failed")
 
-    def _settle(self) -> None:
-        """Wait (briefly) until the file stops changing: an editor or `cat >` may be mid-write,
-        and a half-written file may even parse (as another, valid config)."""
-        for _ in range(20):
-            before = self._signature()
-            if self._stop.wait(0.05) or self._signature() == before:
-                return
 
-    def _signature(self) -> _FileSig:
-        try:
-            st = os.stat(self._path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
+def file_signature(path: str | Path) -> FileSignature:
+    """What tells an edit of the file at `path` (in place, or by an editor that replaces it)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return MISSING
+    return (st.st_mtime_ns, st.st_size, st.st_ino)

@@ -249,6 +249,7 @@ class KvstoreServer:
             # gRPC replaces whatever socket file is at the path, a live one too: look first.
             for path in (self.unix_socket, *((self.shm.path,) if self.shm is not None else ())):
                 check_socket_free(path)
+        self._check_host(addr)
         try:
             port = (self._server.add_secure_port(addr, creds) if creds is not None
                     else self._server.add_insecure_port(addr))
@@ -259,6 +260,26 @@ class KvstoreServer:
         self.port = port
         if self.unix_socket:
             self._listen_unix(self.unix_socket)
+
+    def _check_host(self, addr: str) -> None:
+        """Refuse, naming service.grpc_host, a host that does not resolve or is no address of this
+        machine: gRPC's core fails those as any port (blamed on the port) after an error line of its own."""
+        try:
+            found = socket.getaddrinfo(self.host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except (socket.gaierror, UnicodeError) as e:
+            why = getattr(e, "strerror", None) or str(e)
+            raise ConfigError("service.grpc_host", f"cannot listen on {addr}: {why}") from None
+        why = ""
+        for family, kind, proto, _, sockaddr in found:
+            try:  # port 0: whether the address is this machine's, not whether the port is free
+                with socket.socket(family, kind, proto) as probe:
+                    probe.bind((sockaddr[0], 0, *sockaddr[2:]))
+                return
+            except OSError as e:
+                if e.errno != errno.EADDRNOTAVAIL:
+                    return  # another reason (no IPv6 here, ...): gRPC's to say
+                why = e.strerror or str(e)
+        raise ConfigError("service.grpc_host", f"cannot listen on {addr}: {why} (no address of this machine)")
 
     def _listen_unix(self, path: str) -> None:
         """gRPC on the Unix socket too (plaintext: the socket never leaves the host, and tokens are

@@ -212,7 +212,8 @@ class PagedArena:
                                      device=device, pin_memory=pin_memory)
         except (RuntimeError, MemoryError) as e:  # CUDA OOM is a RuntimeError subclass
             self._close_owners()
-            raise StorageError(f"cannot allocate a {capacity_bytes}-byte arena on {device}: {e}") from e
+            raise StorageError(f"{self._capacity_key()} = {capacity_bytes}: cannot allocate a {capacity_bytes}-byte "
+                               f"arena on {device}: {e}") from e
         # Host pools are copied through memoryviews (a plain memcpy); device pools through torch.
         self._host: memoryview | None = None
         if self._pool.device.type == "cpu" and not self._owners:
@@ -237,8 +238,14 @@ class PagedArena:
                                        else _DevicePages(pages, self.page_bytes, device))
         except (OSError, RuntimeError) as e:  # no memory file, or no GPU memory
             self._close_owners()
-            raise StorageError(f"cannot create the {self.name} arena's shared memory: {e}") from e
+            raise StorageError(f"{self._capacity_key()} = {self.n_pages * self.page_bytes}: cannot create the "
+                               f"{self.name} arena's shared memory: {e}") from e
         self.n_pages = sum(o.n_pages for o in self._owners.values())
+
+    def _capacity_key(self) -> str:
+        """The config key whose size failed (the service's one line must say what to change)."""
+        name = getattr(self, "name", None)  # a bare arena (tests, benches) has none
+        return f"store.{name}_capacity_bytes" if name else "the arena's capacity_bytes"
 
     @property
     def host_pool(self) -> bool:
