@@ -1,0 +1,231 @@
+"""The same-host listener when accept() fails (no descriptor or memory left): it stops watching the
+listener for a pause instead of waking at once for the connection still queued, logs once a minute,
+refuses the queued clients at once where descriptors ran out, keeps serving the sessions it has, and
+takes connections again once accept() works."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.client import KvstoreClient
+from kvstore.dataplane import data_socket_path
+from kvstore.dataplane.peer import ShmPath, ShmUnavailable
+from kvstore.dataplane.side_socket import SideSocketClosed, recv_message
+from tests.fixtures.service import CHUNK, TOY, Service, payloads, tokens
+from tests.helpers.waiting import wait_until
+from tests.test_service_shm import REPO, shm_config
+
+# `kvstore serve`'s own app and server in a child process, whose descriptors it runs out of on
+# command ("fill": RLIMIT_NOFILE lowered to a few over those open, then every one left taken) and
+# gets back ("free"); "stats": its warnings and the listener's counters. One JSON line per answer.
+CHILD = r"""
+import json, logging, os, resource, sys
+from pathlib import Path
+from tests.fixtures.service import start_service
+from tests.test_service_shm import shm_config
+
+sock, data = sys.argv[1], Path(sys.argv[2])
+warnings = {"accept failed": 0, "all": 0}
+
+class Count(logging.Handler):
+    def emit(self, record):
+        warnings["all"] += 1
+        warnings["accept failed"] += "accept failed" in record.getMessage()
+
+logging.getLogger("kvstore").addHandler(Count(logging.WARNING))
+svc = start_service(shm_config(Path(sock)), data)
+shm = svc.server.shm
+say = lambda **kw: print(json.dumps(kw), flush=True)
+say(ready=True)
+held, limits = [], resource.getrlimit(resource.RLIMIT_NOFILE)
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "fill":
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, limits[1]))
+        while True:
+            try:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        say(held=len(held))
+    elif cmd == "free":
+        for fd in held:
+            os.close(fd)
+        held.clear()
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+        say(freed=True)
+    elif cmd == "stats":
+        say(warnings=warnings, refused=shm.refused_total, accept_failed=getattr(shm, "accept_failed_total", -1))
+    else:
+        break
+svc.stop(0.5)
+"""
+
+
+class Child:
+    def __init__(self, sock: Path, data: Path, stderr: Path) -> None:
+        self._err = stderr.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(sock), str(data)], cwd=REPO, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
+                                     env=dict(os.environ, PYTHONPATH=str(REPO)))
+        self._answers: queue.Queue[dict[str, Any]] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.answer(60.0)  # ready
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self._answers.put(json.loads(line))
+
+    def answer(self, timeout: float = 30.0) -> dict[str, Any]:
+        try:
+            return self._answers.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"the service process did not answer (exit {self.proc.poll()})") from None
+
+    def ask(self, cmd: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self.answer()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            with contextlib.suppress(OSError):  # it has gone already
+                self.proc.stdin.write("stop\n")
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._err.close()
+
+
+def _answered(sock: socket.socket, deadline: float) -> str:
+    """What a side-socket connection that sent nothing hears: the refusal, or that it was closed."""
+    try:
+        reply, _ = recv_message(sock, deadline)
+    except (SideSocketClosed, ConnectionResetError):
+        return "closed"
+    return "refused" if reply.get("ok") is False else f"answered {reply}"
+
+
+@pytest.fixture
+def child(sock_dir: Path, tmp_path: Path) -> Iterator[Child]:
+    c = Child(sock_dir / "kv.sock", tmp_path / "data", tmp_path / "child.err")
+    yield c
+    c.close()
+
+
+def test_out_of_descriptors_the_listener_refuses_newcomers_once_logged_and_recovers(
+        child: Child, sock_dir: Path) -> None:
+    # Under RLIMIT_NOFILE the failed accept was logged and returned, its connection still queued:
+    # the listener woke at once for ever (a full core, 140,933 warning lines in 5 s), and the
+    # newcomer waited out its hello.
+    path = str(sock_dir / "kv.sock")
+    prompt, chunks = tokens(1, CHUNK * 2), payloads(1, 2, 1272)
+    kv = KvstoreClient(f"unix://{path}", timeout_seconds=10.0)
+    try:
+        kv.store(TOY, prompt, chunks)
+        assert [bytes(c) for c in kv.load(TOY, prompt).chunks] == chunks
+        assert kv.data_path_in_use == "shm"
+        assert child.ask("fill")["held"] > 0
+
+        waves = []
+        for _ in range(2):  # a second wave meets the reserve descriptor taken back after the first
+            raws = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]
+            for s in raws:
+                s.connect(data_socket_path(path))
+            deadline = time.monotonic() + 5.0  # a client's own wait for its hello (HELLO_TIMEOUT_SECONDS)
+            waves.append([_answered(s, deadline) for s in raws])
+            for s in raws:
+                s.close()
+        with pytest.raises(ShmUnavailable) as refused:  # said at once, not the hello's wait run out
+            ShmPath.open(path, None)
+        assert "timed out" not in str(refused.value), refused.value
+        # The session opened before is served all along (its releases go through the same thread).
+        for _ in range(3):
+            assert [bytes(c) for c in kv.load(TOY, prompt).chunks] == chunks
+        assert kv.data_path_in_use == "shm"
+        time.sleep(1.0)  # the listener's pauses come and go meanwhile, with no connection to take
+        stats = child.ask("stats")
+        assert waves == [["refused"] * 3] * 2, waves
+        assert stats["accept_failed"] >= 2 and stats["refused"] == 7, stats
+        assert stats["warnings"]["accept failed"] == 1, stats  # once a minute, whatever the count
+
+        child.ask("free")
+        wait_until(lambda: _opens(path))  # watched again after its last pause (a second at most)
+        assert child.ask("stats")["warnings"]["accept failed"] == 1
+    finally:
+        kv.close()
+
+
+def _opens(path: str) -> bool:
+    try:
+        ShmPath.open(path, None).close()
+    except ShmUnavailable:
+        return False
+    return True
+
+
+def test_a_failing_accept_pauses_the_listener_and_the_others_are_served(
+        make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Out of memory there is no descriptor to spare: the connection stays queued, and each try at
+    # it must wait its pause (0.1 s doubling to 1 s), not follow the last at once.
+    from kvstore.service import shm_listener
+
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    shm = svc.server.shm
+    assert shm is not None and shm._listener is not None
+    listener, real_accept = shm._listener, socket.socket.accept
+    tries, failing = [0], threading.Event()
+
+    def accept(self: socket.socket) -> tuple[socket.socket, Any]:
+        if self is listener and failing.is_set():
+            tries[0] += 1
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        return real_accept(self)
+
+    path = str(sock_dir / "kv.sock")
+    prompt, chunks = tokens(2, CHUNK * 2), payloads(2, 2, 1272)
+    kv = KvstoreClient(f"unix://{path}", timeout_seconds=10.0)
+    svc._clients.append(kv)
+    kv.store(TOY, prompt, chunks)
+    assert kv.data_path_in_use == "shm"
+    monkeypatch.setattr(socket.socket, "accept", accept)
+    failing.set()
+    newcomer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    newcomer.connect(data_socket_path(path))
+    with caplog.at_level("WARNING", logger=shm_listener.log.name):
+        wait_until(lambda: tries[0] >= 1)
+        for _ in range(5):  # the session opened before is served meanwhile
+            assert [bytes(c) for c in kv.load(TOY, prompt).chunks] == chunks
+        assert kv.data_path_in_use == "shm"
+        time.sleep(1.0)
+        # 0.1 + 0.2 + 0.4 + 0.8 s of pauses fit in this second and the loads' time: a handful of
+        # tries (the spin made tens of thousands a second).
+        assert 1 <= tries[0] <= 20, tries
+        failing.clear()
+        newcomer.close()
+        wait_until(lambda: _opens(path))
+    said = [r.getMessage() for r in caplog.records if "accept failed" in r.getMessage()]
+    assert len(said) == 1 and "Cannot allocate memory" in said[0], said
+    assert shm.accept_failed_total == tries[0]
