@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -20,9 +21,11 @@ from google.protobuf.message import DecodeError
 
 from kvstore.client.chunk_views import Streamed
 from kvstore.client.errors import ServerError
+from kvstore.client.replies import _buffer
 from kvstore.client.types import SharedLoad
 from kvstore.dataplane.peer import ShmPath
 from kvstore.errors import InvalidInput
+from kvstore.layout import MAX_ENGINE_SNAPSHOT_BYTES
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.messages import PB_TO_TIER
 
@@ -38,29 +41,73 @@ def _span(msg: Streamed, method: str) -> pb.ShmSpan:
     return msg.value
 
 
-def _copy_span(shm: ShmPath, span: pb.ShmSpan, got: int, chunk_bytes: int, limit: int, dst: memoryview,
-               dst_first_chunk: int = 0) -> int:
-    """Copy the chunks of `span` (which must start at chunk `got`) that lie below chunk `limit`
-    into `dst`, whose byte 0 holds chunk `dst_first_chunk`; release its lease whatever happens.
-    How many chunks were copied."""
+def _checked_span(span: pb.ShmSpan, got: int, hit_chunks: int | None, method: str) -> int:
+    """`span.num_chunks`, the span checked against what its call was told, before anything is
+    allocated or copied for it: it starts at chunk `got` (none skipped), holds chunks, ends within
+    the `hit_chunks` its header announced (more were never asked for: a 2-chunk load came back with
+    6; None: spans another client was answered), and labels each chunk with its tier (and, read in
+    place, gives each its offset): the chunks are handed out by their labels, and a span with fewer
+    silently dropped chunks."""
+    n = span.num_chunks
+    if span.first_chunk != got or n == 0:
+        raise ServerError(grpc.StatusCode.UNKNOWN, f"a span of chunks {span.first_chunk}+{n} arrived where chunk "
+                          f"{got} was next", method)
+    if hit_chunks is not None and got + n > hit_chunks:
+        raise ServerError(grpc.StatusCode.UNKNOWN, f"a span of chunks {got}+{n} runs past the {hit_chunks} chunks "
+                          "its header announced", method)
+    if len(span.tiers) != n:
+        raise ServerError(grpc.StatusCode.UNKNOWN, f"a span of {n} chunks has {len(span.tiers)} tier labels", method)
+    if span.chunk_offsets:
+        _check_offsets(span, method)
+    return int(n)
+
+
+def _copy_span(shm: ShmPath, span: pb.ShmSpan, got: int, chunk_bytes: int, hit_chunks: int, limit: int,
+               dst: memoryview | Callable[[int], memoryview], method: str = "Load") -> int:
+    """Copy the chunks of `span` (`_checked_span` against chunk `got` and the header's
+    `hit_chunks`) that lie below chunk `limit` into `dst`, whose byte 0 holds chunk 0 (or into
+    `dst(chunks)`, allocated for them once the span is checked); release its lease whatever
+    happens. How many chunks were copied."""
     try:
-        if span.first_chunk != got or span.num_chunks == 0:
-            raise ServerError(grpc.StatusCode.UNKNOWN, f"a span of chunks {span.first_chunk}+{span.num_chunks} "
-                              f"arrived where chunk {got} was next", "Load")
+        _checked_span(span, got, hit_chunks, method)
         take = max(0, min(span.num_chunks, limit - got))
         if take:
-            at = (got - dst_first_chunk) * chunk_bytes
-            into = dst[at : at + take * chunk_bytes]
+            at = got * chunk_bytes
             try:
                 if span.chunk_offsets:  # read in place: the chunks where the tier holds them
-                    _check_offsets(span)
+                    into = dst(take) if callable(dst) else dst[at : at + take * chunk_bytes]
                     shm.copy_chunks_out(PB_TO_TIER.get(span.arena, ""), span.chunk_offsets[:take], chunk_bytes,
                                         into, span.lease_expires_at)
-                else:  # one run of the session's load segment
-                    shm.copy_out([shm.span(span.offset, take * chunk_bytes)], into, span.lease_expires_at)
+                else:  # one run of the session's load segment, found inside it before `dst(...)`
+                    src = shm.span(span.offset, take * chunk_bytes)
+                    into = dst(take) if callable(dst) else dst[at : at + take * chunk_bytes]
+                    shm.copy_out([src], into, span.lease_expires_at)
             except InvalidInput as e:
-                raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
+                raise ServerError(grpc.StatusCode.UNKNOWN, str(e), method) from None
         return take
+    finally:
+        shm.release([span.lease_id])
+
+
+def _copy_span_out(shm: ShmPath, span: pb.ShmSpan, got: int, chunk_bytes: int, hit_chunks: int, method: str,
+                   dst_for: Callable[[int], memoryview] | None = None) -> memoryview:
+    """`_copy_span` of all of `span`'s chunks into `dst_for(chunks)` (else a buffer of their own),
+    allocated once the span is checked and its bytes are found inside the memory it names: where
+    the chunk size is the header's word alone, the memory mapped bounds what is allocated, not the
+    word. A copy per run, not one strided copy: for a model's first load, and iter_load's spans.
+    The buffer written."""
+    try:
+        n = _checked_span(span, got, hit_chunks, method)
+        sources = _span_sources(shm, span, chunk_bytes, n, method)
+        try:
+            dst = _buffer(n * chunk_bytes, method) if dst_for is None else dst_for(n)
+            shm.copy_out(sources, dst, span.lease_expires_at)
+        except InvalidInput as e:
+            raise ServerError(grpc.StatusCode.UNKNOWN, str(e), method) from None
+        finally:
+            for src in sources:
+                src.release()  # a view left would keep the session's mapping from being closed
+        return dst
     finally:
         shm.release([span.lease_id])
 
@@ -159,9 +206,15 @@ def _copy_snapshot(shm: ShmPath, span: pb.ShmSpan, expected_bytes: int, method: 
         if span.num_chunks or span.nbytes != expected_bytes or not expected_bytes:
             raise ServerError(grpc.StatusCode.UNKNOWN, f"a snapshot span of {span.nbytes} bytes arrived where "
                               f"{expected_bytes} were announced", method)
-        out = bytearray(expected_bytes)
+        if expected_bytes > MAX_ENGINE_SNAPSHOT_BYTES:
+            raise ServerError(grpc.StatusCode.UNKNOWN, f"a snapshot span of {expected_bytes} bytes is larger than "
+                              "any model's", method)
         try:
-            shm.copy_out([shm.span(span.offset, expected_bytes)], memoryview(out), span.lease_expires_at)
+            # Found inside the segment before the copy's buffer is allocated: the segment, not the
+            # span's word, bounds it.
+            src = shm.span(span.offset, expected_bytes)
+            out = _buffer(expected_bytes, method)
+            shm.copy_out([src], out, span.lease_expires_at)
         except InvalidInput as e:
             raise ServerError(grpc.StatusCode.UNKNOWN, str(e), method) from None
         return bytes(out)
@@ -198,18 +251,18 @@ class _SharedSpans:
         self._tiers: list[str] = []
         self._expires: list[float] = []
 
-    def add(self, span: pb.ShmSpan, method: str) -> None:
+    def add(self, span: pb.ShmSpan, method: str, hit_chunks: int | None) -> None:
+        """Take `span`, the next of a load whose header (or Lookup) said `hit_chunks` (`_checked_span`)."""
         self._leases.append(span.lease_id)
-        if span.first_chunk != len(self._views) or span.num_chunks == 0:
-            raise ServerError(grpc.StatusCode.UNKNOWN, "shared-memory spans out of order", method)
+        _checked_span(span, len(self._views), hit_chunks, method)
         cb = self._cb
-        for src in _span_sources(self._shm, span, cb, span.num_chunks):
+        for src in _span_sources(self._shm, span, cb, span.num_chunks, method):
             self._runs.append(src)
             if len(src) == cb:  # a chunk alone (chunks in pages that leave a gap): its own view
                 self._views.append(src)
             else:
                 self._views.extend(src[k * cb : (k + 1) * cb] for k in range(len(src) // cb))
-        self._tiers.extend(map(PB_TO_TIER.get, span.tiers[: span.num_chunks], itertools.repeat("")))
+        self._tiers.extend(map(PB_TO_TIER.get, span.tiers, itertools.repeat("")))
         self._expires.append(span.lease_expires_at)
 
     def shared(self, chunk_tokens: int, chunk_bytes: int) -> SharedLoad:
@@ -223,20 +276,20 @@ class _SharedSpans:
         self._views, self._runs, self._leases = [], [], []
 
 
-def _span_sources(shm: ShmPath, span: pb.ShmSpan, chunk_bytes: int, take: int) -> list[memoryview]:
+def _span_sources(shm: ShmPath, span: pb.ShmSpan, chunk_bytes: int, take: int, method: str) -> list[memoryview]:
     """The bytes of a load span's first `take` chunks: a chunk each where the service's tiers
     hold them (the span's chunk offsets), else one run of the session's load segment; each
     checked to lie inside the memory it names."""
     try:
         if span.chunk_offsets:
-            _check_offsets(span)
+            _check_offsets(span, method)
             return shm.in_place_runs(PB_TO_TIER.get(span.arena, ""), span.chunk_offsets[:take], chunk_bytes)
         return [shm.span(span.offset, take * chunk_bytes)]
     except InvalidInput as e:
-        raise ServerError(grpc.StatusCode.UNKNOWN, str(e), "Load") from None
+        raise ServerError(grpc.StatusCode.UNKNOWN, str(e), method) from None
 
 
-def _check_offsets(span: pb.ShmSpan) -> None:
+def _check_offsets(span: pb.ShmSpan, method: str) -> None:
     if len(span.chunk_offsets) != span.num_chunks:
         raise ServerError(grpc.StatusCode.UNKNOWN, f"a span of {span.num_chunks} chunks has "
-                          f"{len(span.chunk_offsets)} chunk offsets", "Load")
+                          f"{len(span.chunk_offsets)} chunk offsets", method)

@@ -65,13 +65,19 @@ from kvstore.client.errors import (
 from kvstore.client.errors import ResourceExhaustedError as ResourceExhaustedError
 from kvstore.client.errors import UnauthenticatedError as UnauthenticatedError
 from kvstore.client.replies import (
+    MAX_CHUNK_BYTES,
     _bills,
+    _buffer,
     _checked_header,
+    _checked_local_header,
+    _checked_lookup,
     _Chunks,
+    _grown,
     _header,
     _lookup_result,
     _malformed,
     _piece,
+    _resume_outcome,
     _store_result,
 )
 from kvstore.client.requests import U32_MAX as U32_MAX
@@ -98,6 +104,7 @@ from kvstore.client.shm_spans import (
     UNREAD_SPANS_SECONDS,
     _copy_snapshot,
     _copy_span,
+    _copy_span_out,
     _give_back_unread,
     _held_span,
     _parse_held_span,
@@ -133,11 +140,11 @@ from kvstore.dataplane.peer import (
 )
 from kvstore.dataplane.side_socket import UNKNOWN_SESSION
 from kvstore.errors import InvalidInput
-from kvstore.layout import EngineModel
+from kvstore.layout import MAX_ENGINE_SNAPSHOT_BYTES, EngineModel
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire.framing import BlobAssembler, ChunkWriter, blob_spans, plan_pieces
-from kvstore.wire.messages import PB_TO_CASE, PB_TO_LOCAL, PB_TO_TIER, encode_lookup_request, tiers_from_pb
+from kvstore.wire.messages import PB_TO_LOCAL, PB_TO_TIER, encode_lookup_request, tiers_from_pb
 from kvstore.wire.purposes import PURPOSE_KEY, PURPOSES
 from kvstore.wire.request_ids import REQUEST_ID_RE, new_request_id
 
@@ -288,6 +295,8 @@ class KvstoreClient:
         # Each model's (chunk_tokens, chunk_bytes) as the service last answered them: `load_into`
         # asks for what fits.
         self._chunk_sizes: dict[str, tuple[int, int]] = {}
+        # And each model's local snapshot size (0: it keeps none), which LoadLocal and Resume must send.
+        self._snapshot_sizes: dict[str, int] = {}
         self._gpu_memory = gpu_memory
         self.shm_detail = "" if self._unix_path else "the target is not a unix: address"
         self.timeout_seconds = timeout_seconds
@@ -538,13 +547,20 @@ class KvstoreClient:
                       session: str | None = None, purpose: str = "", call_seconds: float | None = None) -> LookupResult:
         """`lookup`; `call_seconds`: as for `_idempotent`, where the lookup is part of a longer call."""
         _names(model, replay_mode, cache_salt)
-        req = encode_lookup_request(model, replay_mode, _token_u32le(tokens).data.cast("B"), cache_salt)
+        u32 = _token_u32le(tokens)
+        req = encode_lookup_request(model, replay_mode, u32.data.cast("B"), cache_salt)
         rid, metadata = self._request_metadata("Lookup", request_id, session, purpose)
         r = self._idempotent("Lookup", lambda t: self._lookup(req, timeout=t, metadata=metadata), timeout_seconds,
                              call_seconds)
+        self._learn_sizes(model, _checked_lookup(r, len(u32)))
+        return _lookup_result(r, rid)
+
+    def _learn_sizes(self, model: str, r: pb.LookupResponse | pb.RegisterModelResponse) -> None:
+        """The model's chunk and snapshot sizes as an answer (checked) told them: later loads
+        believe headers that agree with them, and allocate for them at once."""
         if r.chunk_bytes:
             self._chunk_sizes[model] = (r.chunk_tokens, r.chunk_bytes)
-        return _lookup_result(r, rid)
+            self._snapshot_sizes[model] = r.local_snapshot_bytes
 
     @_open_only
     def lookup_held(self, model: str, tokens: Sequence[int] | np.ndarray, hold_chunks: int, replay_mode: str = "",
@@ -626,7 +642,15 @@ class KvstoreClient:
         except BaseException:  # cancelled, or past its deadline: the service may have held them all the same
             self._give_back_hold(session, hold)
             raise
-        result = _lookup_result(r, rid)
+        try:
+            result = _lookup_result(_checked_lookup(r, len(token_bytes) // 4), rid)
+        except ServerError:  # an answer the client cannot use: what it held goes back now
+            if shm is not None:
+                shm.release([span.lease_id for span in r.held])
+            else:
+                self._give_back_hold(session, hold)
+            raise
+        self._learn_sizes(model, r)
         if not r.held:
             return HeldLookup(result)
         if shm is None:
@@ -637,8 +661,12 @@ class KvstoreClient:
             return HeldLookup(result, spans=tuple(_held_span(session, span) for span in r.held))
         spans = _SharedSpans(shm, max(1, r.chunk_bytes))
         try:
-            for span in r.held:
-                spans.add(span, "Lookup")
+            for i, span in enumerate(r.held):
+                try:
+                    spans.add(span, "Lookup", r.hit_chunks)
+                except ServerError:
+                    shm.release([s.lease_id for s in r.held[i + 1 :]])  # those not taken yet
+                    raise
         except LeaseLapsed as e:  # the session closed under the call: the answer holds, the chunks do not
             spans.release()
             self._shm_failed(shm, str(e))
@@ -709,7 +737,7 @@ class KvstoreClient:
                     raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the chunks were held in a same-host "
                                            "session this client no longer has (it was replaced)", "read_held")
                 try:
-                    got.add(span, "Lookup")
+                    got.add(span, "Lookup", None)  # the holding client's lookup said how many
                 except LeaseLapsed as e:  # the session closed meanwhile: its held chunks are gone
                     self._shm_failed(shm, str(e))
                     raise UnavailableError(grpc.StatusCode.UNAVAILABLE, str(e), "read_held") from None
@@ -843,6 +871,7 @@ class KvstoreClient:
                    timeout_seconds: float | None, cache_salt: str) -> Iterator[tuple[int, str, memoryview]]:
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
         deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
+        told = model in self._chunk_sizes  # before the header tells them: else its word alone
         shm = self._load_shm_path(model, deadline, "Load")
         try:
             if shm is not None:
@@ -867,13 +896,22 @@ class KvstoreClient:
                     asm.finish()
                 return
             cb, got, done = max(1, head.chunk_bytes), 0, False
+            own: list[memoryview] = []
+
+            def span_buffer(chunks: int) -> memoryview:  # each span's chunks a copy of their own
+                own[:] = [_buffer(chunks * cb, "Load")]
+                return own[0]
+
             try:
                 for msg in stream:
                     span = _span(msg, "Load")
-                    buf = memoryview(bytearray(span.num_chunks * cb))
-                    got += _copy_span(shm, span, got, cb, got + span.num_chunks, buf, dst_first_chunk=got)
-                    for k, t in enumerate(span.tiers[: span.num_chunks]):
-                        yield span.first_chunk + k, PB_TO_TIER.get(t, ""), buf[k * cb : (k + 1) * cb]
+                    if told:
+                        _copy_span(shm, span, got, cb, head.hit_chunks, head.hit_chunks, span_buffer)
+                    else:  # the chunk size is the header's word: the span's memory bounds the buffer
+                        own[:] = [_copy_span_out(shm, span, got, cb, head.hit_chunks, "Load")]
+                    for k, t in enumerate(span.tiers):  # a label per chunk (`_checked_span`)
+                        yield got + k, PB_TO_TIER.get(t, ""), own[0][k * cb : (k + 1) * cb]
+                    got += len(span.tiers)
                 done = True
             finally:
                 if not done:  # left early (or a span failed): the rest of the call's spans go back
@@ -897,11 +935,15 @@ class KvstoreClient:
         buffers: list[memoryview] = [memoryview(b"")]
 
         def fresh(nbytes: int) -> memoryview:
-            buffers[:] = [memoryview(bytearray(nbytes))]
+            buffers[:] = [_buffer(nbytes, "Load")]
+            return buffers[0]
+
+        def grow(nbytes: int, most: int) -> memoryview:
+            buffers[:] = [_grown(buffers[0], nbytes, most, "Load")]
             return buffers[0]
 
         def call(t: float) -> LoadResult:
-            got = self._load_into(req, t, fresh, open_session=open_session)
+            got = self._load_into(req, t, fresh, open_session=open_session, grow=grow)
             cb = got.chunk_bytes
             chunks = [buffers[0][i * cb : (i + 1) * cb] for i in range(got.loaded_chunks)]
             return LoadResult(got.hit_tokens, got.chunk_tokens, cb, chunks, got.chunk_tiers)
@@ -954,7 +996,7 @@ class KvstoreClient:
                 head = self._stream_header(stream, req)
                 spans = _SharedSpans(shm, max(1, head.chunk_bytes))
                 for msg in stream:
-                    spans.add(_span(msg, "Load"), "Load")
+                    spans.add(_span(msg, "Load"), "Load", head.hit_chunks)
                 return spans.shared(head.chunk_tokens, head.chunk_bytes), spans
             except BaseException:
                 if spans is not None:  # the spans read before the failure go back
@@ -1029,18 +1071,21 @@ class KvstoreClient:
     def _load_into(
         self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], Any],
         stream_buffer_for: Callable[[int], memoryview] | None = None, open_session: bool = True,
+        grow: Callable[[int, int], memoryview] | None = None,
     ) -> LoadIntoResult:
         """One Load call written into `buffer_for(the hit's bytes)`: through the same-host session
         when there is one (falling back to a stream if the session fails), else streamed (into
         `stream_buffer_for(...)` where given: host memory for a GPU destination).
         `open_session=False`: only a session already open is used. One deadline covers the call,
-        a session's hello included."""
+        a session's hello included. `grow(nbytes, most)`: `buffer_for`'s buffer is the client's own,
+        grown to hold `nbytes` of the `most` announced (`_grown`); where the model's sizes are the
+        header's word alone it is then `buffer_for(0)`, grown as chunks arrive."""
         deadline = _Deadline(time.monotonic() + timeout)
         shm = self._load_shm_path(req.model, deadline, "Load", open_session)
         if shm is not None:
             req.shm_session = shm.session_id
             try:
-                return self._load_into_shm(req, deadline.left(), buffer_for, shm)
+                return self._load_into_shm(req, deadline.left(), buffer_for, shm, grow)
             except LeaseLapsed as e:
                 self._shm_failed(shm, str(e))
                 self._insist_on_shm(f"the same-host session failed the call ({e})", "Load")
@@ -1050,15 +1095,18 @@ class KvstoreClient:
             finally:
                 req.shm_session = ""
             self._no_stream_after_close()
-        return self._load_into_stream(req, deadline.left(), stream_buffer_for or buffer_for)
+        return self._load_into_stream(req, deadline.left(), stream_buffer_for or buffer_for,
+                                      None if stream_buffer_for else grow)
 
     def _stream_header(self, stream: Any, req: pb.LoadRequest | pb.ResumeRequest, method: str = "Load") -> Any:
         """The header of a Load or Resume, checked (`_checked_header`); a size unlike the one known
         is forgotten (the call refused, its stream cancelled), so that the next answer tells it again."""
         try:
-            head = _checked_header(_header(stream, method), method, req, self._chunk_sizes.get(req.model))
+            head = _checked_header(_header(stream, method), method, req, self._chunk_sizes.get(req.model),
+                                   self._snapshot_sizes.get(req.model))
         except ServerError:
             self._chunk_sizes.pop(req.model, None)
+            self._snapshot_sizes.pop(req.model, None)
             stream.cancel()
             raise
         if head.hit_chunks:
@@ -1066,20 +1114,31 @@ class KvstoreClient:
         return head
 
     def _load_into_shm(
-        self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview], shm: ShmPath
+        self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview], shm: ShmPath,
+        grow: Callable[[int, int], memoryview] | None = None,
     ) -> LoadIntoResult:
         """One Load answered with spans of the session's load segment, each copied into the
         buffer and its lease released at once."""
+        grows = grow is not None and req.model not in self._chunk_sizes  # before the header tells them
         stream = self._span_call(self._load_rpc, req, timeout, shm)
         head = self._stream_header(stream, req)
         cb = max(1, head.chunk_bytes)
-        dst = buffer_for(head.hit_chunks * head.chunk_bytes)
-        limit = min(head.hit_chunks, len(dst) // cb)
+        total = head.hit_chunks * head.chunk_bytes
+        dst = buffer_for(0 if grows else total)
+        limit = head.hit_chunks if grows else min(head.hit_chunks, len(dst) // cb)
         got = 0
         tiers: list[str] = []
+
+        def grown_by(chunks: int) -> memoryview:  # the buffer grown by a span's chunks, once the span is checked
+            assert grow is not None
+            return grow((got + chunks) * cb, total)[got * cb : (got + chunks) * cb]
+
         for msg in stream:
             span = _span(msg, "Load")
-            take = _copy_span(shm, span, got, cb, limit, dst)
+            if grows:
+                take = len(_copy_span_out(shm, span, got, cb, head.hit_chunks, "Load", grown_by)) // cb
+            else:
+                take = _copy_span(shm, span, got, cb, head.hit_chunks, limit, dst)
             tiers.extend(PB_TO_TIER.get(t, "") for t in span.tiers[:take])
             got += take
             if limit <= got < head.hit_chunks:
@@ -1090,13 +1149,18 @@ class KvstoreClient:
         return LoadIntoResult(got * head.chunk_tokens, head.chunk_tokens, head.chunk_bytes, got, tuple(tiers))
 
     def _load_into_stream(
-        self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview]
+        self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview],
+        grow: Callable[[int, int], memoryview] | None = None,
     ) -> LoadIntoResult:
         """One Load call streamed into `buffer_for(the hit's bytes)`; the stream is cancelled once
         the buffer is full."""
+        grows = grow is not None and req.model not in self._chunk_sizes  # before the header tells them
         stream = self._load(req, timeout=timeout, metadata=self._metadata)
         head = self._stream_header(stream, req)
-        writer = ChunkWriter(max(1, head.chunk_bytes), head.hit_chunks, buffer_for(head.hit_chunks * head.chunk_bytes))
+        total = head.hit_chunks * head.chunk_bytes
+        writer = (ChunkWriter(max(1, head.chunk_bytes), head.hit_chunks, buffer_for(0),
+                              grow=lambda n: grow(n, total)) if grows and grow is not None else
+                  ChunkWriter(max(1, head.chunk_bytes), head.hit_chunks, buffer_for(total)))
         tiers: list[str] = []
         with _malformed("Load"):
             for msg in stream:
@@ -1199,7 +1263,12 @@ class KvstoreClient:
             if first is None or first.WhichOneof("kind") != "header":
                 raise ServerError(grpc.StatusCode.UNKNOWN, "the LoadLocal stream did not start with its header",
                                   "LoadLocal")
-            head = first.header
+            try:
+                head = _checked_local_header(first.header, self._snapshot_sizes.get(req.model))
+            except ServerError:
+                self._snapshot_sizes.pop(req.model, None)  # told again by the next answer
+                stream.cancel()
+                raise
             asm = BlobAssembler(head.snapshot_bytes)
             snap: bytes | None = None
             with _malformed("LoadLocal"):
@@ -1245,6 +1314,7 @@ class KvstoreClient:
                      shm: ShmPath | None) -> ResumeResult:
         snapshot: bytes | None = None
         try:
+            grows = req.model not in self._chunk_sizes  # before the header tells them: its word alone
             stream = (self._resume(req, timeout=timeout, metadata=metadata) if shm is None else
                       self._span_call(self._resume_rpc, req, timeout, shm, metadata))
             head = self._stream_header(stream, req, "Resume")
@@ -1254,7 +1324,8 @@ class KvstoreClient:
             loaded_tiers: list[str] = []
             trailer: pb.ResumeTrailer | None = None
             cb = max(1, head.chunk_bytes)
-            buf = memoryview(bytearray(head.hit_chunks * head.chunk_bytes)) if shm is not None else None
+            total = head.hit_chunks * head.chunk_bytes
+            buf = _buffer(0 if grows else total, "Resume") if shm is not None else None
             with _malformed("Resume"):
                 for msg in stream:
                     kind, value = msg
@@ -1267,8 +1338,14 @@ class KvstoreClient:
                         snapshot = _copy_snapshot(shm, value, head.local_snapshot_bytes, "Resume")
                     elif isinstance(value, pb.ShmSpan) and shm is not None and buf is not None:
                         got = len(chunks)
-                        take = _copy_span(shm, value, got, cb, head.hit_chunks, buf)
-                        chunks.extend(buf[(got + k) * cb : (got + k + 1) * cb] for k in range(take))
+                        if grows:  # a buffer of this span's chunks, once it is found in the session's memory
+                            own = _copy_span_out(shm, value, got, cb, head.hit_chunks, "Resume")
+                            take = len(own) // cb
+                            chunks.extend(own[k * cb : (k + 1) * cb] for k in range(take))
+                        else:
+                            take = _copy_span(shm, value, got, cb, head.hit_chunks, head.hit_chunks, buf,
+                                              method="Resume")
+                            chunks.extend(buf[(got + k) * cb : (got + k + 1) * cb] for k in range(take))
                         loaded_tiers.extend(PB_TO_TIER.get(t, "") for t in value.tiers[:take])
                     elif isinstance(value, pb.LocalPiece):
                         if local is None:
@@ -1288,16 +1365,17 @@ class KvstoreClient:
             raise _failure(e, "Resume") from None
         if trailer is None:
             raise ServerError(grpc.StatusCode.UNKNOWN, "the Resume stream ended without its trailer", "Resume")
-        final_state = PB_TO_LOCAL.get(trailer.local_state, "absent")
+        hit_tokens = head.hit_tokens if head.hit_chunks == 0 else len(chunks) * head.chunk_tokens
+        # The trailer's case is what was delivered (the header's was planned before the chunks
+        # were read, some of which may have been evicted since); an older service sends none.
+        # Checked against what did come (`_resume_outcome`).
+        case, final_state, snapshot = _resume_outcome(head, trailer, len(chunks), hit_tokens, snapshot)
         return ResumeResult(
-            # The trailer's case is what was delivered (the header's was planned before the chunks
-            # were read, some of which may have been evicted since); an older service sends none.
-            case=PB_TO_CASE.get(trailer.resume_case) or PB_TO_CASE.get(head.resume_case, "cold"),
-            hit_tokens=head.hit_tokens if head.hit_chunks == 0 else len(chunks) * head.chunk_tokens,
+            case=case, hit_tokens=hit_tokens,
             chunk_tokens=head.chunk_tokens, chunk_bytes=head.chunk_bytes, chunks=chunks,
             chunk_tiers=tuple(loaded_tiers) if head.hit_chunks else tiers_from_pb(head.chunk_tiers),
             local_state=final_state, initial_local_state=PB_TO_LOCAL.get(head.local_state, "absent"),
-            snapshot=snapshot if final_state in ("hit", "replayed") else None,
+            snapshot=snapshot,
             replay_planned=head.replay_planned, replay_tokens=trailer.replay_tokens,
             replay_status=trailer.replay_status, planned_bills=_bills(head.bills),
             bills=_bills(trailer.bills), request_id=rid,
@@ -1314,8 +1392,11 @@ class KvstoreClient:
         r = self._idempotent("RegisterModel", lambda t: self._stub.RegisterModel(req, timeout=t,
                                                                          metadata=self._metadata),
                              timeout_seconds)
-        if r.chunk_bytes:
-            self._chunk_sizes[r.model] = (r.chunk_tokens, r.chunk_bytes)
+        if r.chunk_bytes > MAX_CHUNK_BYTES or r.local_snapshot_bytes > MAX_ENGINE_SNAPSHOT_BYTES:
+            raise ServerError(grpc.StatusCode.UNKNOWN, f"the RegisterModel answer says chunks of {r.chunk_bytes} "
+                              f"bytes and a snapshot of {r.local_snapshot_bytes}, more than any model's",
+                              "RegisterModel")
+        self._learn_sizes(r.model, r)
         return RegisteredModel(r.model, bytes(r.layout_id), r.chunk_tokens, r.chunk_bytes, r.local_snapshot_bytes,
                                r.local_window_tokens, r.created)
 

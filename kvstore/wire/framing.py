@@ -13,7 +13,7 @@ or the store. Malformed sequences raise `InvalidInput` with what is wrong.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidInput
@@ -55,13 +55,17 @@ class ChunkAssembler:
     """Reassembles pieces of chunks [0, num_chunks) that arrive in ascending order.
 
     Chunks may be skipped (a client need not resend chunks the service already holds), but pieces
-    may not overlap, go backwards, or leave a chunk half-sent.
+    may not overlap, go backwards, or leave a chunk half-sent. `grow_partial`: a chunk split across
+    pieces is held in a buffer grown as its pieces arrive, not one of `chunk_bytes` at its first
+    piece, for a receiver that has only the sender's word for `chunk_bytes` (a client's first load
+    of a model): a 1-byte piece of a claimed 1 GiB chunk then costs a byte, not a zeroed GiB.
     """
 
-    def __init__(self, chunk_bytes: int, num_chunks: int) -> None:
+    def __init__(self, chunk_bytes: int, num_chunks: int, grow_partial: bool = False) -> None:
         assert chunk_bytes > 0
         self.chunk_bytes = chunk_bytes
         self.num_chunks = num_chunks
+        self._grow_partial = grow_partial
         self._next_pos = 0  # stream byte position the next piece may start at (or after)
         self._partial: bytearray | None = None  # a chunk split across pieces, being filled
         self._partial_index = -1
@@ -72,7 +76,7 @@ class ChunkAssembler:
         """The bytes a piece of `nbytes` will make its receiver hold anew, to be counted before
         `add`: the whole piece when a chunk is handed out as a view into it (the view keeps the
         piece), and a whole chunk's buffer when it starts a chunk it does not finish (allocated at
-        that chunk's first piece: its later pieces fill it and add nothing)."""
+        that chunk's first piece: its later pieces fill it and add nothing). Without `grow_partial`."""
         cb = self.chunk_bytes
         rest = nbytes - (min(cb - self._partial_fill, nbytes) if self._partial is not None else 0)
         return (nbytes if rest >= cb else 0) + (cb if rest % cb else 0)
@@ -108,7 +112,10 @@ class ChunkAssembler:
         p = 0
         if self._partial is not None:
             take = min(cb - self._partial_fill, len(mv))
-            self._partial[self._partial_fill : self._partial_fill + take] = mv[:take]
+            if self._grow_partial:
+                self._partial += mv[:take]
+            else:
+                self._partial[self._partial_fill : self._partial_fill + take] = mv[:take]
             self._partial_fill += take
             p = take
             if self._partial_fill == cb:
@@ -123,9 +130,12 @@ class ChunkAssembler:
             yield index, mv[p : p + cb]
             p += cb
         if p < len(mv):
-            self._partial = bytearray(cb)
+            if self._grow_partial:
+                self._partial = bytearray(mv[p:])
+            else:
+                self._partial = bytearray(cb)
+                self._partial[: len(mv) - p] = mv[p:]
             self._partial_index = (pos + p) // cb
-            self._partial[: len(mv) - p] = mv[p:]
             self._partial_fill = len(mv) - p
         self._next_pos = end
 
@@ -141,14 +151,19 @@ class ChunkAssembler:
 class ChunkWriter:
     """Writes a chunk stream that starts at chunk 0 and skips none (a Load's) straight into a
     caller's buffer, chunk i at byte i * chunk_bytes, as each piece arrives: nothing is kept. The
-    buffer bounds the chunks taken (`full`: the rest of the stream is not needed)."""
+    buffer bounds the chunks taken (`full`: the rest of the stream is not needed). `grow(nbytes)`:
+    for a buffer of the receiver's own whose size is the sender's word alone, one of at least
+    `nbytes` (at most the stream's) holding what the last held: `dst` then starts small and is
+    grown as pieces arrive, and bounds nothing."""
 
-    def __init__(self, chunk_bytes: int, num_chunks: int, dst: memoryview) -> None:
+    def __init__(self, chunk_bytes: int, num_chunks: int, dst: memoryview,
+                 grow: Callable[[int], memoryview] | None = None) -> None:
         assert chunk_bytes > 0 and dst.format == "B" and dst.ndim == 1
         self.chunk_bytes = chunk_bytes
         self._dst = dst
+        self._grow = grow
         self._stream_bytes = num_chunks * chunk_bytes
-        self._limit = min(num_chunks, len(dst) // chunk_bytes) * chunk_bytes
+        self._limit = self._stream_bytes if grow else min(num_chunks, len(dst) // chunk_bytes) * chunk_bytes
         self._fill = 0  # stream bytes received so far
 
     @property
@@ -172,6 +187,8 @@ class ChunkWriter:
         if pos + len(data) > self._stream_bytes:
             raise InvalidInput(f"chunk piece runs past the last hit chunk ({self._stream_bytes} bytes)")
         take = min(len(data), self._limit - pos)
+        if take > 0 and pos + take > len(self._dst) and self._grow is not None:
+            self._dst = self._grow(pos + take)
         if take > 0:
             self._dst[pos : pos + take] = data if take == len(data) else memoryview(data)[:take]
         self._fill = pos + len(data)
@@ -183,12 +200,14 @@ class ChunkWriter:
 
 
 class BlobAssembler:
-    """Reassembles one blob (a local snapshot) of a declared size from in-order pieces."""
+    """Reassembles one blob (a local snapshot) of a declared size from in-order pieces. Its buffer
+    grows as pieces arrive: the declared size is the sender's word, and a receiver that allocated
+    it at once zeroed whatever a lying header said before any byte came."""
 
     def __init__(self, total_bytes: int, what: str = "local snapshot") -> None:
         self.total_bytes = total_bytes
         self._what = what
-        self._buf = bytearray(total_bytes)
+        self._buf = bytearray()
         self._fill = 0
 
     def add(self, offset: int, data: bytes) -> None:
@@ -196,7 +215,7 @@ class BlobAssembler:
             raise InvalidInput(f"{self._what} piece at byte {offset}; expected byte {self._fill}")
         if self._fill + len(data) > self.total_bytes:
             raise InvalidInput(f"{self._what} is longer than the declared {self.total_bytes} bytes")
-        self._buf[self._fill : self._fill + len(data)] = data
+        self._buf += data
         self._fill += len(data)
 
     def finish(self) -> bytes:
