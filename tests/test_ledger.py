@@ -303,12 +303,13 @@ def test_a_request_priced_again_under_its_id_is_counted_once_whichever_try_comes
     totals = obs.ledger.totals()
     assert totals["requests"] == 7 and totals["retries"] == 2
     assert totals["prefill_tokens_avoided"] == 7 * 256
-    assert totals["bytes_moved"]["dram"] == 6 * 2 * CHUNK_BYTES  # a Lookup's bill moves nothing
+    # The retries' bytes did move again: billed as moved (as a Load's are), once each time.
+    # A Lookup's bill moves nothing.
+    assert totals["bytes_moved"]["dram"] == 8 * 2 * CHUNK_BYTES
     assert obs.ledger.tenants()["acme"]["retries"] == 2 and obs.ledger.tenants()["globex"]["retries"] == 0
     sample = obs.metrics.registry.get_sample_value
     assert sample("kvstore_requests_total", {"method": "resume", "case": "expired"}) == 6
     assert sample("kvstore_side_calls_total", {"method": "Resume", "purpose": "retry"}) == 2
-    # The retries' bytes did move: counted as moved (as a Load's), not billed to a request again.
     assert sample("kvstore_bytes_moved_total", {"tier": "dram"}) == 8 * 2 * CHUNK_BYTES
     assert sample("kvstore_local_bytes_moved_total") == 8 * b.local_bytes
 
@@ -367,14 +368,15 @@ def test_bytes_moved_outside_a_request_reach_the_ledger_as_they_reach_the_metric
 
     def call(method: str, b: Bills, rid: str, facts: LookupFacts | None = None) -> CallRecord:
         return CallRecord(method=method, tenant="acme", code="OK", seconds=0.01, model="deepseek-v4.1-flash",
-                          bills=b, request_id=rid, facts=facts, at=clock(), data_path="stream")
+                          bills=b, request_id=rid, facts=facts, at=clock(), data_path="stream", namespace=b"n" * 32)
 
     obs(call("Lookup", bills(["device", "device"], prompt=300), "r1", held))  # held 2 chunks
     obs(call("Load", load_bills, "r2"))
     obs(call("LoadLocal", local_bills, "r3"))
     obs(call("Resume", load_bills, "r4"))
     totals, acme = obs.ledger.totals(), obs.ledger.tenants()["acme"]
-    assert totals["requests"] == 2  # the Lookup and the Resume: a Load or a LoadLocal is not a request
+    # The Lookup and the Resume: the Load's hit was the Lookup's (billed there), a LoadLocal is no request.
+    assert totals["requests"] == 2
     assert totals["bytes_moved"] == {"device": 2 * CHUNK_BYTES, "dram": 2 * CHUNK_BYTES, "lmdb": 2 * CHUNK_BYTES}
     assert totals["local_bytes_moved"] == 1_351_680 + load_bills.local_bytes
     assert acme["bytes_moved"] == totals["bytes_moved"]
@@ -386,14 +388,14 @@ def test_bytes_moved_outside_a_request_reach_the_ledger_as_they_reach_the_metric
     points = obs.ledger.timeseries(60)["points"]
     assert sum(p["bytes_moved"]["dram"] for p in points) == 2 * CHUNK_BYTES
 
-    # A retry (the Resume again, and the Lookup that held chunks again): not a second request, nor
-    # billed again; its bytes did move again, which the metrics (traffic) count.
+    # A retry (the Resume again, and the Lookup that held chunks again): not a second request; its
+    # bytes did move again, billed as moved in the ledger as in the metrics.
     obs(call("Resume", load_bills, "r4"))
     obs(call("Lookup", bills(["device", "device"], prompt=300), "r1", held))
     again = obs.ledger.totals()
     assert again["requests"] == 2 and again["retries"] == 2
-    assert again["bytes_moved"] == totals["bytes_moved"]
-    assert again["local_bytes_moved"] == totals["local_bytes_moved"]
-    assert sample("kvstore_bytes_moved_total", {"tier": "dram"}) == 3 * CHUNK_BYTES
-    assert sample("kvstore_bytes_moved_total", {"tier": "device"}) == 4 * CHUNK_BYTES
-    assert sample("kvstore_local_bytes_moved_total") == totals["local_bytes_moved"] + load_bills.local_bytes
+    assert again["bytes_moved"] == {"device": 4 * CHUNK_BYTES, "dram": 3 * CHUNK_BYTES, "lmdb": 3 * CHUNK_BYTES}
+    assert again["local_bytes_moved"] == totals["local_bytes_moved"] + load_bills.local_bytes
+    for tier, n in again["bytes_moved"].items():
+        assert sample("kvstore_bytes_moved_total", {"tier": tier}) == n
+    assert sample("kvstore_local_bytes_moved_total") == again["local_bytes_moved"]

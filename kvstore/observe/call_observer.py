@@ -5,15 +5,22 @@ metrics and the ledger count).
 `Observability` is what the service's composition root holds: append it to `app.observers` and
 it receives each `CallRecord` (`records.py`): method, tenant, status code, seconds, model, case,
 local state, the typed bills the call priced, its request id and the facts a Lookup or Resume
-learnt (`records.LookupFacts`). A Lookup marked as a client's pre-check or a probe
-(`kvstore.wire.purposes`) is counted apart, never as a request. So is a retry: a priced Lookup or
-Resume whose (tenant, request id, method) was counted within `retries.RETRY_WINDOW_SECONDS` before (the
-client sent the request again after the service had answered it, e.g. over a stream once its
-same-host copy found a lease lapsed). The first one priced is the request; a retry's bills are not
-summed again, and the bytes it moved are counted as moved in the metrics (traffic), not in the
-ledger (billed once). A request id names one
-request of each method: an engine that sent two requests under one id within the window would have
-the second counted as a retry.
+learnt (`records.LookupFacts`). A Lookup marked as a client's pre-check (holding no chunks) or a
+probe (of zero tokens; the service drops a mark it does not honour, `kvstore.wire.purposes`) is
+counted apart, never as a request. So is a retry: a priced Lookup, Resume or Load whose (tenant,
+request id, method, prompt) was counted within `retries.RETRY_WINDOW_SECONDS` before (the client
+sent the request again after the service had answered it, e.g. over a stream once its same-host
+copy found a lease lapsed). The first one priced is the request; a retry's request is not counted
+again, but what it did is, once: the bytes it moved (metrics and ledger) and a replay it ran.
+
+A Load that delivered a hit is billed as a request of its own (method "load") unless a priced
+Lookup of its tenant and namespace billed a hit at least as large lately (`billed_hits`): the hit
+a tenant loads is billed once, on the Lookup that went with it or else on the Load, so marking that
+Lookup as a pre-check cannot leave it unbilled.
+
+A call that did not end OK (cancelled, past its deadline, failed) is no request, but what it
+handed to gRPC before it ended is billed: bytes moved (its record's bills say them), and a replay
+that ran for it (counted as run) or that it stopped waiting for (counted as given up).
 
 A LoadLocal that got the snapshot (its facts name the boundary) is no request either, but the
 explainer hears of its read: the pool's get restarted a sliding TTL (a Lookup only peeks), and an
@@ -21,8 +28,7 @@ engine's hybrid path (Lookup, Load, LoadLocal) sends no Resume to tell it.
 
 Bytes moved: a Resume's (with its request), a Load's and a LoadLocal's snapshot; a Lookup that held
 chunks in a same-host session (`hold_chunks`) counts theirs as a Load does. Those outside a
-request's bills go through `moved`, one place telling the metrics and the ledger alike; a retry's
-bytes are traffic again (the metrics) but not billed again (the ledger).
+request's bills (a retry's too) go through `moved`, one place telling the metrics and the ledger alike.
 
 `Sampler` is a daemon thread that shows the ledger the store's occupancy once per interval, so
 byte-seconds integrate between requests too.
@@ -37,6 +43,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 
+from kvstore.observe.billed_hits import BilledHits
 from kvstore.observe.explainer import Explainer
 from kvstore.observe.ledger import Ledger
 from kvstore.observe.metrics import LOCAL_MISS_REASONS, MISS_REASONS, Metrics, replay_failure, replay_gave_up
@@ -84,6 +91,7 @@ class Observability:
         self.explainer = explainer
         self._present = present
         self._counted = RecentRequests(share_weights=share_weights)
+        self._hits = BilledHits(share_weights=share_weights)
 
     def __call__(self, call: CallRecord) -> None:
         self.metrics.rpc(call.method, call.code, call.seconds)
@@ -95,6 +103,7 @@ class Observability:
             # OK. Told to the explainer only: a LoadLocal is no request (nothing counted here).
             self.explainer.local_read(facts.namespace, facts.boundary_key, call.at, call.tenant)
         if call.code != "OK":
+            self._unfinished(call)
             return
         if isinstance(facts, LocalWriteFacts):  # a StoreLocal that wrote a snapshot
             self.explainer.local_stored(facts.namespace, facts.boundary_key, facts.ttl_seconds, call.at, call.tenant)
@@ -112,16 +121,19 @@ class Observability:
         bills = call.bills
         method = _PRICED.get(call.method)
         if method is None:
-            if call.method == "Load":  # a Load prices the bytes it moved
-                self.moved(call.tenant, {name: t.bytes for name, t in bills.tiers.items()})
+            if call.method == "Load":  # the bytes it moved, and the hit it realised unless a Lookup billed it
+                self._load(call, bills)
             elif call.method == "LoadLocal":  # the snapshot it sent the engine
                 self.moved(call.tenant, {}, bills.local_bytes)
             return
         retry = self._counted.retry(call)
-        self.moved(call.tenant, held, billed=not retry)
+        self.moved(call.tenant, held)
         if retry:
             self._retry(call, method, bills, lookup)
             return
+        if method == "lookup":  # the hit it billed: a credit for the Load that realises it
+            self._hits.billed(call.tenant, call.namespace or (lookup.namespace if lookup is not None else b""),
+                              bills.prefill_tokens_avoided, call.at)
         local = _known(call.local_state, LOCAL_OUTCOMES, "absent")
         case = _known(call.case, CASES, "") or case_of(
             bills.prefill_tokens_avoided, local)  # type: ignore[arg-type]
@@ -154,24 +166,69 @@ class Observability:
 
     def _retry(self, call: CallRecord, method: str, bills: Bills, lookup: LookupFacts | None) -> None:
         """A request counted already, priced again: a side call ("retry"), not a second request.
-        What it did still happened: the bytes a Resume moved, a snapshot its replay stored."""
+        What it did still happened, and is counted once: the bytes a Resume moved (a Lookup's held
+        bytes were counted by the caller), a replay it ran, a snapshot its replay stored."""
         self.metrics.side_call(call.method, RETRY)
         self.ledger.side_call(call.tenant, RETRY)
         if method == "resume":
-            self.moved(call.tenant, {name: t.bytes for name, t in bills.tiers.items()}, bills.local_bytes,
-                       billed=False)
-        if lookup is not None and lookup.boundary_key and lookup.replay_stored_ttl is not None \
-                and lookup.replay_status == "replayed":
+            self.moved(call.tenant, {name: t.bytes for name, t in bills.tiers.items()}, bills.local_bytes)
+        self._replay_done(call, bills, lookup)
+
+    def _load(self, call: CallRecord, bills: Bills) -> None:
+        """A Load that ended OK: its bytes moved; its hit billed as a request of its own ("load")
+        unless it is a retry, or a priced Lookup's credit covers it (`billed_hits`)."""
+        self.moved(call.tenant, {name: t.bytes for name, t in bills.tiers.items()})
+        hit = bills.prefill_tokens_avoided
+        if not hit:
+            return
+        if self._counted.retry(call):
+            self.metrics.side_call(call.method, RETRY)
+            self.ledger.side_call(call.tenant, RETRY)
+            return
+        if self._hits.take(call.tenant, call.namespace, hit, call.at):
+            return
+        # A Load does not ask for the local state: "not_applicable", so a global hit is "warm".
+        self.record(RequestRecord(request_id=call.request_id, method="load", tenant=call.tenant, model=call.model,
+                                  case="warm", local_outcome="not_applicable", bills=bills), None, call.at)
+
+    def _unfinished(self, call: CallRecord) -> None:
+        """A call that did not end OK: no request, but what it handed to gRPC is billed (the bytes of
+        the chunks and snapshot in the messages it yielded) and a replay that ran for it is counted."""
+        bills = call.bills
+        if bills is None or call.method not in ("Load", "LoadLocal", "Resume"):
+            return
+        tiers = {} if call.method == "LoadLocal" else {name: t.bytes for name, t in bills.tiers.items()}
+        self.moved(call.tenant, tiers, bills.local_bytes)
+        facts = call.facts
+        self._replay_done(call, bills, facts if isinstance(facts, LookupFacts) else None)
+
+    def _replay_done(self, call: CallRecord, bills: Bills, lookup: LookupFacts | None) -> None:
+        """The replay of a call counted apart from a request (a retry's, one that did not end OK),
+        counted once as a request's is: run (ok or failed, its tokens billed), shared, or given up."""
+        if lookup is None or not lookup.replay_status:
+            if bills.replay_tokens:
+                self.metrics.replayed(call.tenant, None, bills.replay_tokens)
+                self.ledger.replayed(call.tenant, None, bills.replay_tokens, bills.replay_flops)
+            return
+        gave_up = replay_gave_up(lookup.replay_status)
+        replay: ReplaySummary | None = None
+        if gave_up is not None:
+            self.metrics.gave_up_on_replay(gave_up)
+        else:
+            failure = None if lookup.replay_status == "replayed" else replay_failure(lookup.replay_status)
+            replay = ReplaySummary(lookup.replay_seconds, bills.replay_tokens, failure, lookup.replay_shared)
+        self.metrics.replayed(call.tenant, replay, bills.replay_tokens)
+        self.ledger.replayed(call.tenant, replay, bills.replay_tokens, bills.replay_flops)
+        if lookup.boundary_key and lookup.replay_stored_ttl is not None and lookup.replay_status == "replayed":
             self.explainer.local_stored(lookup.namespace, lookup.boundary_key, lookup.replay_stored_ttl, call.at,
                                         call.tenant)
 
-    def moved(self, tenant: str, tier_bytes: Mapping[str, int], local_bytes: int = 0, *, billed: bool = True) -> None:
+    def moved(self, tenant: str, tier_bytes: Mapping[str, int], local_bytes: int = 0) -> None:
         """Bytes moved outside a request's bills (a Load's, a holding Lookup's, a LoadLocal's, a
-        retry's): the one place that tells the metrics and the ledger, so their "KV moved" sums agree.
-        `billed` False (a retry's): the metrics count the traffic, the ledger's bill took them once already."""
+        retry's, a call's that did not end OK): the one place that tells the metrics and the ledger,
+        so their "KV moved" sums agree."""
         self.metrics.load(tier_bytes, tenant, local_bytes)
-        if billed:
-            self.ledger.moved(tenant, tier_bytes, local_bytes)
+        self.ledger.moved(tenant, tier_bytes, local_bytes)
 
     def record(self, rec: RequestRecord, facts: LookupFacts | None = None, at: float | None = None) -> RequestRecord:
         """Explain, then count: the explanation decides the miss reasons the counters use. `at`:

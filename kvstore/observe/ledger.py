@@ -31,7 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.layout import TIER_NAMES
-from kvstore.observe.records import CASES, LOCAL_OUTCOMES, OTHER_TENANT, PERSISTENT_TIERS, RequestRecord
+from kvstore.observe.records import (
+    CASES,
+    LOCAL_OUTCOMES,
+    OTHER_TENANT,
+    PERSISTENT_TIERS,
+    ReplaySummary,
+    RequestRecord,
+)
 from kvstore.observe.tenant_lru import TenantLru
 from kvstore.store.types import StoreStats
 from kvstore.wire.purposes import PURPOSES, RETRY
@@ -159,20 +166,24 @@ class _Sums:
         self.prefill_tokens_avoided += b.prefill_tokens_avoided
         self.prefill_flops_avoided += b.prefill_flops_avoided
         self.prefill_tokens += b.prefill_tokens
-        self.replay_tokens += b.replay_tokens
-        self.replay_flops += b.replay_flops
-        if rec.replay is not None and rec.replay.shared:
-            self.replays_shared += 1
-        elif rec.replay is not None:
-            self.replays += 1
-            if rec.replay.seconds is not None:
-                self.latency.add(rec.replay.seconds)
-            if rec.replay.failure is not None:
-                self.replay_failures[rec.replay.failure] += 1
+        self.replayed(rec.replay, b.replay_tokens, b.replay_flops)
         if rec.miss_reason:
             self.miss_reasons[rec.miss_reason] += 1
         if rec.local_reason:
             self.local_reasons[rec.local_reason] += 1
+
+    def replayed(self, replay: ReplaySummary | None, tokens: int, flops: float) -> None:
+        """A call's replay (None: it ran none for the call) and the replay tokens and FLOPs billed to it."""
+        self.replay_tokens += tokens
+        self.replay_flops += flops
+        if replay is not None and replay.shared:
+            self.replays_shared += 1
+        elif replay is not None:
+            self.replays += 1
+            if replay.seconds is not None:
+                self.latency.add(replay.seconds)
+            if replay.failure is not None:
+                self.replay_failures[replay.failure] += 1
 
     def moved(self, tier_bytes: Mapping[str, int], local_bytes: int) -> None:
         for name, n in tier_bytes.items():
@@ -181,7 +192,8 @@ class _Sums:
         self.local_bytes_moved += local_bytes
 
     def merge(self, other: _Sums) -> None:
-        if not (other.requests or other.side_calls or other.bytes_moved or other.local_bytes_moved):
+        if not (other.requests or other.side_calls or other.bytes_moved or other.local_bytes_moved
+                or other.replays or other.replays_shared or other.replay_tokens):
             # No call landed in it, only occupancy (most buckets of a long quiet history): merging
             # every counter of each made a long window's answer take a second.
             for key, v in other.byte_seconds.items():
@@ -300,6 +312,17 @@ class Ledger:
             part = rec.tenant if rec.tenant in self._tenants else OTHER_TENANT
             self._recent.put(part, self._recorded, (now, rec))
 
+    def replayed(self, tenant: str, replay: ReplaySummary | None, tokens: int, flops: float) -> None:
+        """A replay outside a request's bills (a retry's, a call's that did not end OK): counted as
+        run, its tokens and FLOPs billed, once."""
+        if replay is None and not tokens:
+            return
+        with self._lock:
+            now = self._clock()
+            self._advance(now)
+            for sums in (self._total, self._tenant(tenant), self._bucket(now).sums):
+                sums.replayed(replay, tokens, flops)
+
     def side_call(self, tenant: str, purpose: str) -> None:
         """A call that was not a request, counted apart: a Lookup marked "precheck" or "probe", or a
         request priced again ("retry"), whose bills are not summed a second time."""
@@ -311,9 +334,9 @@ class Ledger:
 
     def moved(self, tenant: str, tier_bytes: Mapping[str, int], local_bytes: int = 0) -> None:
         """Bytes moved to the engine outside a request's bills: a Load's, a holding Lookup's, a
-        LoadLocal's snapshot (`local_bytes`). The metrics are told the same
-        (`call_observer.Observability.moved`), so the two "KV moved" sums agree; a retry's bytes
-        only the metrics count again (traffic), the bill took them once."""
+        LoadLocal's snapshot (`local_bytes`), a retry's, a call's that did not end OK (what it
+        handed to gRPC). The metrics are told the same (`call_observer.Observability.moved`), so
+        the two "KV moved" sums agree."""
         if not local_bytes and not any(tier_bytes.values()):
             return
         with self._lock:

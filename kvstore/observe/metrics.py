@@ -37,7 +37,7 @@ from prometheus_client.registry import Collector
 
 from kvstore.layout import TIER_NAMES
 from kvstore.local_pool.base import PoolStats
-from kvstore.observe.records import CASES, LOCAL_OUTCOMES, RequestRecord
+from kvstore.observe.records import CASES, LOCAL_OUTCOMES, ReplaySummary, RequestRecord
 from kvstore.store.types import StoreStats
 
 log = logging.getLogger("kvstore.metrics")
@@ -48,7 +48,7 @@ M = TypeVar("M", Counter, Histogram)
 disable_created_metrics()
 
 OTHER = "other"
-METHODS = ("lookup", "resume")
+METHODS = ("lookup", "resume", "load")  # "load": a Load whose hit no priced Lookup billed
 LOOKUP_RESULTS = ("hit", "miss")
 REPLAY_RESULTS = ("ok", "failed")
 # Label values are snake_case, whatever spelling the part that produced them uses ("breaker-open",
@@ -510,13 +510,15 @@ class Metrics:
         self._tenants = frozenset(tenants) | {"default"}
         t: list[str] = ["tenant"] if per_tenant_labels else []
         r = registry
-        self.lookups = Counter("kvstore_lookups_total", "Lookup and Resume requests, by whether any "
+        self.lookups = Counter("kvstore_lookups_total", "Lookup, Resume and Load requests, by whether any "
                                "global KV hit.", ["method", "result", *t], registry=r)
         self.lookup_tokens = Counter("kvstore_lookup_tokens_total", "Prompt tokens looked up: hits by the "
                                      "tier that served them, misses with tier=\"none\".",
                                      ["tier", "result", *t], registry=r)
         self.requests = Counter("kvstore_requests_total", "Requests by case (cold: global miss; warm: "
-                                "global and local hit; expired: global hit, local miss).",
+                                "global and local hit; expired: global hit, local miss). method=\"load\": "
+                                "a Load of a hit no priced Lookup billed, billed on the Load (counted warm, "
+                                "local state not_applicable: a Load does not ask for it).",
                                 ["method", "case", *t], registry=r)
         self.local_state = Counter("kvstore_local_state_total", "Local SWA state at the hit boundary, by "
                                    "outcome.", ["outcome", *t], registry=r)
@@ -556,10 +558,11 @@ class Metrics:
         self.local_bytes_moved = Counter("kvstore_local_bytes_moved_total", "Local snapshot bytes moved to "
                                          "the engine.", registry=r)
         self.side_calls = Counter("kvstore_side_calls_total", "Calls that are not engine requests, by "
-                                  "purpose: Lookups that are a client's pre-check before a Store or a probe; "
-                                  "retry: a Lookup or Resume that repeated the tenant, request id and method "
-                                  "of a request already counted (bills not counted again, bytes moved are). "
-                                  "Not in kvstore_requests_total.", ["method", "purpose"], registry=r)
+                                  "purpose: Lookups that are a client's pre-check before a Store (holding no "
+                                  "chunks) or a probe (of zero tokens); retry: a Lookup, Resume or Load that "
+                                  "repeated the tenant, request id, method and prompt of a request already "
+                                  "counted (its request not counted again; the bytes it moved and a replay it "
+                                  "ran are). Not in kvstore_requests_total.", ["method", "purpose"], registry=r)
         self.data_path_calls = Counter("kvstore_data_path_calls_total", "Load, Resume, Store, LoadLocal, "
                                        "StoreLocal and holding Lookup calls by how their chunk or snapshot "
                                        "bytes moved: shm (same-host shared memory) or stream (gRPC messages).",
@@ -632,6 +635,7 @@ class Metrics:
         for purpose in SIDE_CALL_PURPOSES:
             self.side_calls.labels("Lookup", purpose)
         self.side_calls.labels("Resume", "retry")
+        self.side_calls.labels("Load", "retry")
         for reason in LOCAL_MISS_REASONS:
             self.local_misses.labels(reason)
         for m in DATA_PATH_METHODS:
@@ -664,10 +668,15 @@ class Metrics:
         self._tc(self.prefill_avoided, t).inc(b.prefill_tokens_avoided)
         self._tc(self.prefill_flops_avoided, t).inc(b.prefill_flops_avoided)
         self._tc(self.prefill_tokens, t).inc(b.prefill_tokens)
-        if b.replay_tokens:
-            self._tc(self.replay_tokens, t).inc(b.replay_tokens)
-        if rec.replay is not None:
-            self.replay(rec.replay.seconds, rec.replay.failure, rec.replay.shared)
+        self.replayed(rec.tenant, rec.replay, b.replay_tokens)
+
+    def replayed(self, tenant: str, replay: ReplaySummary | None, tokens: int) -> None:
+        """A call's replay (None: none ran for it) and the replay tokens billed to it: a request's,
+        a retry's, or those of a call that did not end OK (counted as run all the same)."""
+        if tokens:
+            self._tc(self.replay_tokens, self._t(tenant)).inc(tokens)
+        if replay is not None:
+            self.replay(replay.seconds, replay.failure, replay.shared)
 
     def replay(self, seconds: float | None, failure: str | None, shared: bool = False) -> None:
         """A replay finished (its tokens are counted with the request's bills); `seconds` None: untimed.
@@ -686,8 +695,8 @@ class Metrics:
         self._child(self.replay_gave_up, _label(reason, REPLAY_GAVE_UP)).inc()
 
     def load(self, tier_bytes: Mapping[str, int], tenant: str = "default", local_bytes: int = 0) -> None:
-        """Bytes moved outside a request: a Load's, a holding Lookup's, a retried Resume's (with its
-        local snapshot's `local_bytes`), by the tier each chunk came from."""
+        """Bytes moved outside a request: a Load's, a holding Lookup's, a retried Resume's, a call's
+        that did not end OK (with a local snapshot's `local_bytes`), by the tier each chunk came from."""
         t = self._t(tenant)
         for tier, n in tier_bytes.items():
             if n:

@@ -140,7 +140,8 @@ class LocalReadFacts:
 @dataclass(frozen=True)
 class CallRecord:
     """One finished KVCache call, for metrics and the ledger. `bills`: what the call priced (Lookup,
-    Resume, Load; a LoadLocal: only the snapshot bytes it sent, `local_bytes`), else None."""
+    Resume, Load; a LoadLocal: only the snapshot bytes it sent, `local_bytes`), else None. A Load,
+    LoadLocal or Resume that did not end OK has the bills of what it handed to gRPC before it ended."""
 
     method: str
     tenant: str
@@ -159,6 +160,10 @@ class CallRecord:
     at: float | None = None  # the app's clock when the call finished (observers see it later)
     # Load, Resume, Store, LoadLocal, StoreLocal, a holding Lookup: "shm" (same-host shared memory) or "stream"
     data_path: str = ""
+    # Lookup, Resume, Load: `retries.prompt_digest` of the namespace and token ids (a retry is the
+    # same id and prompt); b"": not known.
+    prompt: bytes = b""
+    namespace: bytes = b""  # the call's namespace digest, once resolved (never reported)
 
     # What the observer queue weighs and sheds (kvstore.observe.queue).
     @property
@@ -183,7 +188,8 @@ Case = Literal["cold", "warm", "expired"]
 CASES: tuple[Case, ...] = ("cold", "warm", "expired")
 LocalOutcome = Literal["hit", "expired", "absent", "replayed", "not_applicable"]
 LOCAL_OUTCOMES: tuple[LocalOutcome, ...] = ("hit", "expired", "absent", "replayed", "not_applicable")
-Method = Literal["lookup", "resume"]
+# "load": a Load that realised a hit no priced Lookup had billed (`billed_hits`), billed on the Load.
+Method = Literal["lookup", "resume", "load"]
 OTHER_TENANT = "(other)"  # tenants beyond `max_tenants` are summed here
 
 
@@ -212,7 +218,8 @@ class RequestRecord:
 
     @property
     def moved(self) -> bool:
-        """Whether `bills` bytes moved (a Resume) or are only what a load would move (a Lookup)."""
+        """Whether `bills` bytes moved (a Resume) or are only what a load would move (a Lookup; a
+        Load's bytes are counted as moved apart from its request, `call_observer.Observability.moved`)."""
         return self.method == "resume"
 
     def to_json(self, wall_time: float) -> dict[str, Any]:

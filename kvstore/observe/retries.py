@@ -1,7 +1,9 @@
-"""A request seen again: the same (tenant, request id, method) priced twice, because a client sent
-it again after the service had answered (the Python client's stream fallback after a same-host
-copy found its lease lapsed, a retry after UNAVAILABLE). Each observer that counts requests keeps
-a `RecentRequests` and counts the first one only.
+"""A request seen again: the same (tenant, request id, method, prompt) priced twice, because a
+client sent it again after the service had answered (the Python client's stream fallback after a
+same-host copy found its lease lapsed, a retry after UNAVAILABLE). Each observer that counts
+requests keeps a `RecentRequests` and counts the first one only. The prompt (`prompt_digest`: the
+namespace and the token ids) is part of it: under the id alone, a tenant that sent every request
+under one id had each new prompt (and the replay it ran) counted as a retry of the first, unbilled.
 
 The memory is kept per tenant (`tenant_lru.TenantLru`, one total split by `share_weight`): in one
 shared memory a busy tenant's new requests pushed a quiet one's out, and its retry then counted
@@ -10,8 +12,11 @@ shared memory a busy tenant's new requests pushed a quiet one's out, and its ret
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Mapping
+
+import numpy as np
 
 from kvstore.observe.records import CallRecord
 from kvstore.observe.tenant_lru import TenantLru
@@ -26,31 +31,44 @@ RETRY_WINDOW_SECONDS = 120.0
 RETRY_MEMORY = 16384
 
 _Key = tuple[str, str, str]
+# Bytes of `prompt_digest` kept: 128 bits, so that no tenant can make two prompts collide.
+PROMPT_DIGEST_BYTES = 16
+
+
+def prompt_digest(namespace: bytes, tokens: np.ndarray) -> bytes:
+    """What names a request's prompt: its namespace digest (tenant, model, mode, salt) and token ids.
+    SHA-256, the fastest hash here (~1.7 GB/s: 0.08 ms for 32K tokens, a fraction of their lookup)."""
+    h = hashlib.sha256(namespace)
+    h.update(np.ascontiguousarray(tokens, dtype="<u4").data)
+    return h.digest()[:PROMPT_DIGEST_BYTES]
 
 
 class RecentRequests:
-    """The (tenant, request id, method) of the requests counted lately, and when each finished."""
+    """The (tenant, request id, method, prompt) of the requests counted lately, and when each finished."""
 
     def __init__(self, window_seconds: float = RETRY_WINDOW_SECONDS, max_entries: int = RETRY_MEMORY,
                  share_weights: Mapping[str, float] | None = None) -> None:
         """`share_weights`: `KvstoreConfig.share_weights()`; None: equal parts among the tenants seen."""
         self._window = window_seconds
-        self._at: TenantLru[tuple[str, str], float | None] = TenantLru(max_entries, share_weights)
+        self._at: TenantLru[tuple[str, str, bytes], float | None] = TenantLru(max_entries, share_weights)
         self._lock = threading.Lock()  # the observer thread, or a caller delivering its own record
 
-    def repeated(self, key: _Key, at: float | None) -> bool:
-        """Whether `key` was counted within the window before `at` (a retry); if not, it is now."""
+    def repeated(self, key: _Key, at: float | None, prompt: bytes = b"") -> bool:
+        """Whether `key` (tenant, request id, method) with `prompt` (`prompt_digest`) was counted
+        within the window before `at` (a retry); if not, it is now."""
         tenant, request_id, method = key
+        entry = (request_id, method, prompt)
         with self._lock:
             seen = self._at.view(tenant)
-            if (request_id, method) in seen:
-                before = seen[(request_id, method)]
+            if entry in seen:
+                before = seen[entry]
                 if at is None or before is None or at - before <= self._window:
                     return True
-            self._at.put(tenant, (request_id, method), at)
+            self._at.put(tenant, entry, at)
             return False
 
     def retry(self, call: CallRecord) -> bool:
-        """Whether `call` repeats a request counted within the window (calls without a request id
-        never do); if not, it is counted now."""
-        return bool(call.request_id) and self.repeated((call.tenant, call.request_id, call.method), call.at)
+        """Whether `call` repeats a request (its id and its prompt) counted within the window (calls
+        without a request id never do); if not, it is counted now."""
+        return bool(call.request_id) and self.repeated((call.tenant, call.request_id, call.method), call.at,
+                                                       call.prompt)

@@ -70,7 +70,11 @@ class CallState:
     bills: Bills | None = None
     request_id: str = ""
     session: str = ""
-    purpose: str = ""  # the caller's x-kvstore-purpose: "" for an engine request (wire/purposes.py)
+    # The caller's x-kvstore-purpose, where honoured (a Lookup narrows it: `purposes.honoured`);
+    # "" for an engine request (wire/purposes.py).
+    purpose: str = ""
+    prompt: bytes = b""  # Lookup, Resume, Load: `retries.prompt_digest`, what a retry repeats
+    namespace: bytes = b""  # the resolved namespace's digest
     facts: LookupFacts | LocalWriteFacts | LocalReadFacts | None = None
     extra: dict[str, float] = field(default_factory=dict)
     # Streaming calls: marks the waits on the client (the stream watch ends a call stalled there).
@@ -175,6 +179,10 @@ class CallGuard:
                     yield state
             else:
                 yield state
+            if not context.is_active():
+                # The handler stopped early because its client had gone (a stream checks between
+                # messages): the call ended so, whatever it returned; its record bills what it handed.
+                code, gone = _ended(context), True
         except GeneratorExit:
             code, gone = _ended(context), True  # a streaming call whose client went away
             raise
@@ -281,7 +289,7 @@ class CallGuard:
             method=state.method, tenant=state.tenant, code=code.name, seconds=seconds, model=state.model,
             case=state.case, local_state=state.local_state, bills=state.bills,
             request_id=state.request_id, session=state.session, facts=state.facts, at=self._app.clock(),
-            purpose=state.purpose, data_path=state.data_path,
+            purpose=state.purpose, data_path=state.data_path, prompt=state.prompt, namespace=state.namespace,
         ))
 
     def resolve(self, state: CallState, model: str, replay_mode: str, tokens: pb.Tokens,
@@ -311,6 +319,6 @@ class CallGuard:
                 if len(recent) > NAMESPACE_CACHE:
                     recent.popitem(last=False)
         ns, spec, layout = found
-        state.model = model
+        state.model, state.namespace = model, ns.digest
         raw = tokens_from_proto(tokens, self._max_tokens, in_place)
         return Resolved(ns, spec, layout, self._app.store.tokens(ns, raw))

@@ -45,8 +45,9 @@ def price(
 
 
 def price_local_load(res: Resolved, snapshot_bytes: int) -> Bills:
-    """A LoadLocal's bill, for the call record only: the snapshot bytes it sent (KV moved, local).
-    No tokens: the prompt's are billed to the Lookup or Load that went with it."""
+    """A LoadLocal's bill, for the call record only: the snapshot bytes it handed to gRPC (KV moved,
+    local). No tokens: the hit is billed to the Lookup that went with it, or else to the Load
+    (`kvstore.observe.billed_hits`)."""
     return bills.price(
         prompt_tokens=0, chunk_tokens=res.layout.chunk_tokens, chunk_bytes=res.layout.chunk_bytes, chunk_tiers=(),
         flops_per_token=res.spec.prefill_flops_per_token, local_bytes=snapshot_bytes,

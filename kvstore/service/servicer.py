@@ -34,6 +34,7 @@ from kvstore import __version__
 from kvstore.dataplane import UNKNOWN_SESSION
 from kvstore.errors import InvalidInput
 from kvstore.layout import EngineLayerGroup, EngineModel, ModelSpec, check_engine_group_count
+from kvstore.observe.retries import prompt_digest
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.pricing import facts_for_lookup, peek_local_status, price
 from kvstore.service.replay_threads import ReplayThreads
@@ -56,6 +57,7 @@ from kvstore.wire.messages import (
     encode_lookup_response,
 )
 from kvstore.wire.pieces import PieceView, Streamed
+from kvstore.wire.purposes import honoured
 from kvstore.wire.tokens_in_place import WithTokens
 
 if TYPE_CHECKING:
@@ -109,6 +111,10 @@ class KVCacheServicer(LocalStateCalls):
             if held:  # chunks copied or leased into a same-host session: the observers count their bytes moved
                 call.facts = call.facts.holding(r.chunk_tiers[: sum(s.num_chunks for s in held)],
                                                 res.layout.chunk_bytes)
+            # A mark that could hide the hit (a probe of a prompt, a pre-check that held chunks) is dropped.
+            call.purpose = honoured(call.purpose, len(res.tokens), bool(held))
+            if not call.purpose:  # a request: a retry of it repeats its id and this
+                call.prompt = prompt_digest(res.ns.digest, res.tokens)
             snapshot = res.layout.local_snapshot_bytes
             bills = price(res, r.chunk_tiers, replay_tokens=0,
                           local_bytes=snapshot if state == "hit" else 0)
@@ -288,19 +294,24 @@ class KVCacheServicer(LocalStateCalls):
             req = parsed.message
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt, parsed.u32le)
             shm = self.shm_session(call, req.shm_session, res.layout.chunk_bytes)
+            call.prompt = prompt_digest(res.ns.digest, res.tokens)
             with self.app.store.load(res.ns, res.tokens, req.max_chunks or None) as session:
                 n = len(session)
-                yield pb.LoadResponse(header=pb.LoadHeader(
-                    hit_tokens=n * res.chunk_tokens, hit_chunks=n, chunk_tokens=res.chunk_tokens,
-                    chunk_bytes=res.layout.chunk_bytes))
+                # The tier of each chunk handed to gRPC, added before the message that carries it is
+                # yielded: however the call ends (cancelled, past its deadline), it is billed for those.
                 loaded: list[str] = []
-                assert call.stream is not None
-                if shm is None:
-                    yield from call.stream.sent(self.stream_chunks(session, res, n, context, loaded))
-                else:
-                    yield from call.stream.sent(pb.LoadResponse(shm=span)
-                                                for span in self.shm_spans(session, shm, res, n, context, loaded))
-                call.bills = price(res, loaded, replay_tokens=0, local_bytes=0)
+                try:
+                    yield pb.LoadResponse(header=pb.LoadHeader(
+                        hit_tokens=n * res.chunk_tokens, hit_chunks=n, chunk_tokens=res.chunk_tokens,
+                        chunk_bytes=res.layout.chunk_bytes))
+                    assert call.stream is not None
+                    if shm is None:
+                        yield from call.stream.sent(self.stream_chunks(session, res, n, context, loaded))
+                    else:
+                        yield from call.stream.sent(pb.LoadResponse(shm=span) for span in
+                                                    self.shm_spans(session, shm, res, n, context, loaded))
+                finally:
+                    call.bills = price(res, loaded, replay_tokens=0, local_bytes=0)
 
     def stream_chunks(
         self, session: LoadSession, res: Resolved, n: int, context: grpc.ServicerContext,
@@ -368,8 +379,10 @@ class KVCacheServicer(LocalStateCalls):
             tier = session.read_into(i, chunk)
             if tier is None:
                 return
-            tiers_out.append(tier)
-            for span in plan_pieces(i, 1, cb, self.message_bytes):
+            pieces = list(plan_pieces(i, 1, cb, self.message_bytes))
+            for k, span in enumerate(pieces):
+                if k == len(pieces) - 1:  # the chunk is handed (and billed) with its last piece
+                    tiers_out.append(tier)
                 yield encode_chunk_piece(i, span.offset, [TIER_TO_PB[tier]] if span.offset == 0 else [],
                                          chunk[span.offset : span.offset + span.nbytes])
 

@@ -35,13 +35,15 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 
 from kvstore.errors import InvalidInput
 from kvstore.local_pool.base import GetResult
-from kvstore.observe.records import LocalReadFacts, LocalWriteFacts
+from kvstore.observe.records import LocalReadFacts, LocalWriteFacts, lookup_facts
+from kvstore.observe.retries import prompt_digest
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.codes import is_expected, status_for
 from kvstore.service.pricing import (
@@ -134,6 +136,21 @@ class _Replay(NamedTuple):
         waiting for it). Not the chunks streamed meanwhile, which a slow reader makes last longer."""
         end = self.ended_at[0] if self.ended_at else time.perf_counter()
         return max(0.0, end - self.started_at)
+
+
+@dataclass
+class _ResumeProgress:
+    """What a Resume has done so far, for the bills of a call that ends before its trailer: each
+    chunk's and snapshot byte counted before the message carrying it is handed to gRPC."""
+
+    chunks: list[str] = field(default_factory=list)  # the tier of each chunk handed
+    local_bytes: int = 0  # snapshot bytes handed
+    moved: bool = True  # False: skip_chunks (the engine kept the chunks; their bytes are not moved)
+    hit_chunks: int = 0
+    boundary_key: bytes = b""
+    replay: _Replay | None = None  # the replay the call started
+    outcome: ReplayOutcome | None = None  # its outcome as this call took it (or why none)
+    priced: bool = False  # the trailer's bills are set
 
 
 class LocalStateCalls:
@@ -262,13 +279,17 @@ class LocalStateCalls:
                 call.facts = LocalReadFacts(res.ns.digest, key)
             payload = got.payload if got is not None and got.payload is not None else None
             assert call.stream is not None
-            yield from call.stream.sent(self._local_messages(state, got, payload, n * res.chunk_tokens, shm, context))
-            # Once every message went out: the snapshot's bytes are KV moved (local), as a Resume's are.
-            call.bills = price_local_load(res, len(payload) if payload is not None else 0)
+            handed: list[int] = []  # the snapshot bytes of each message handed to gRPC
+            try:
+                yield from call.stream.sent(self._local_messages(state, got, payload, n * res.chunk_tokens, shm,
+                                                                 context, handed))
+            finally:
+                # The snapshot's bytes handed, however the call ends: KV moved (local), as a Resume's are.
+                call.bills = price_local_load(res, sum(handed))
 
     def _local_messages(
         self, state: str, got: GetResult | None, payload: memoryview | None, boundary: int, shm: ShmSession | None,
-        context: grpc.ServicerContext,
+        context: grpc.ServicerContext, handed: list[int],
     ) -> Iterator[pb.LoadLocalResponse]:
         yield pb.LoadLocalResponse(header=pb.LoadLocalHeader(
             local_state=LOCAL_TO_PB[state], boundary_tokens=boundary,
@@ -281,9 +302,11 @@ class LocalStateCalls:
         if span is not None:
             assert shm is not None
             with released_unless_sent(shm, span, context.is_active):
+                handed.append(len(payload))
                 yield pb.LoadLocalResponse(shm=span)
             return
         for off, end in blob_spans(len(payload), self.message_bytes):
+            handed.append(end - off)
             yield pb.LoadLocalResponse(local=pb.LocalPiece(offset=off, data=bytes(payload[off:end])))
 
     def _snapshot_span(self, shm: ShmSession | None, snapshot: bytes | memoryview,
@@ -302,25 +325,50 @@ class LocalStateCalls:
             parsed = accept_tokens(request, pb.ResumeRequest)
             req = parsed.message
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt, parsed.u32le)
+            call.prompt = prompt_digest(res.ns.digest, res.tokens)
             assert call.stream is not None
             yield from call.stream.sent(self._resume(call, req, res, context))
 
     def _resume(
         self, call: CallState, req: pb.ResumeRequest, res: Resolved, context: grpc.ServicerContext
     ) -> Iterator[pb.ResumeResponse | bytes]:
-        started: list[_Replay] = []
+        done = _ResumeProgress()
         try:
-            yield from self._resume_call(call, req, res, context, started)
+            yield from self._resume_call(call, req, res, context, done)
         finally:
+            if not done.priced:  # ended before its trailer (cancelled, past its deadline, failed)
+                self._price_unfinished(call, res, done)
             # A call that ends without taking its replay's outcome (it failed or went away while
             # the chunks streamed): the replay's bill passes to a caller that takes the snapshot.
             # A no-op once the outcome was taken or given up.
-            for replay in started:
-                replay.ticket.abandon()
+            if done.replay is not None:
+                done.replay.ticket.abandon()
+
+    def _price_unfinished(self, call: CallState, res: Resolved, done: _ResumeProgress) -> None:
+        """The bills and replay facts of a Resume that ended before its trailer: the chunks and
+        snapshot bytes it handed to gRPC, and its replay, counted as run (its tokens billed to this
+        call) if it had ended, else as given up (`CALL_ENDED`): it is counted when it ends."""
+        replay, outcome = done.replay, done.outcome
+        if replay is not None and outcome is None and replay.future.done():
+            try:
+                outcome = replay.ticket.take(replay.future.result(timeout=0))
+            except Exception:  # the coordinator failed: nothing ran for this call to be billed
+                outcome = None
+        call.bills = price(res, done.chunks, outcome.replay_tokens if outcome is not None else 0, done.local_bytes,
+                           moved=done.moved)
+        if replay is None:
+            return
+        facts = lookup_facts(namespace=res.ns.digest, full_chunks=res.full_chunks, hit_chunks=done.hit_chunks,
+                             chunk_tokens=res.chunk_tokens, boundary_key=done.boundary_key,
+                             window_tokens=res.layout.local.window_tokens, replay_mode=res.ns.replay_mode)
+        call.facts = dataclasses.replace(
+            facts, replay_status=outcome.status if outcome is not None else CALL_ENDED,
+            replay_seconds=replay.seconds(), replay_shared=outcome.shared if outcome is not None else False,
+            replay_stored_ttl=outcome.stored_ttl if outcome is not None else None)
 
     def _resume_call(
         self, call: CallState, req: pb.ResumeRequest, res: Resolved, context: grpc.ServicerContext,
-        started: list[_Replay],
+        done: _ResumeProgress,
     ) -> Iterator[pb.ResumeResponse | bytes]:
         store = self.app.store
         # A Resume that skips its chunks sends its snapshot in messages: a "stream" call.
@@ -340,8 +388,8 @@ class LocalStateCalls:
             state, got = snapshot_as_expected(state, got, res, n * res.chunk_tokens)
             case = resume_case(n, state)
             replay = self._start_replay(res, case, n * res.chunk_tokens, deadline, pinned_key, context)
-            if replay is not None:
-                started.append(replay)
+            done.replay, done.hit_chunks, done.boundary_key = replay, n, pinned_key or b""
+            done.moved = session is not None
             plan = planned_replay_tokens(res, n * res.chunk_tokens) if replay is not None else 0
             size = res.layout.local_snapshot_bytes
             call.case, call.local_state = case, state
@@ -356,7 +404,7 @@ class LocalStateCalls:
                 bills=bills_to_pb(planned),
                 chunk_tokens=res.chunk_tokens, chunk_bytes=res.layout.chunk_bytes, local_snapshot_bytes=size,
                 replay_planned=replay is not None))
-            loaded: list[str] = []
+            loaded = done.chunks  # each chunk's tier added before the message carrying it is handed
             if session is not None and shm is not None:
                 for span in self.shm_spans(session, shm, res, n, context, loaded):
                     yield pb.ResumeResponse(shm=span)
@@ -367,7 +415,7 @@ class LocalStateCalls:
                 session.close()
         if session is None:
             loaded = list(tiers)
-        outcome = self._local_outcome(state, got, replay, len(loaded) < n, context)
+        outcome = done.outcome = self._local_outcome(state, got, replay, len(loaded) < n, context)
         replay_seconds = replay.seconds() if replay is not None else 0.0
         snapshot = outcome.snapshot
         if snapshot is not None and len(snapshot) != size:
@@ -383,9 +431,11 @@ class LocalStateCalls:
         if local_span is not None:
             assert shm is not None
             with released_unless_sent(shm, local_span, context.is_active):
+                done.local_bytes = len(view)
                 yield pb.ResumeResponse(local_shm=local_span)
         else:
             for off, end in blob_spans(len(view), self.message_bytes):
+                done.local_bytes += end - off
                 yield pb.ResumeResponse(local=pb.LocalPiece(offset=off, data=bytes(view[off:end])))
         # Left EXPIRED (no replay, or one that failed or timed out, or a prefix that shrank), the
         # engine cannot resume at the boundary: it prefills the whole prompt, and is billed so.
@@ -399,6 +449,7 @@ class LocalStateCalls:
                                          replay_status=outcome.status if replay is not None else "",
                                          replay_seconds=replay_seconds, replay_shared=outcome.shared,
                                          replay_stored_ttl=outcome.stored_ttl)
+        done.priced = True  # the trailer carries no bytes: these bills stand however the call ends
         yield pb.ResumeResponse(trailer=pb.ResumeTrailer(
             local_state=LOCAL_TO_PB[final], snapshot_bytes=len(view), replay_tokens=outcome.replay_tokens,
             # "timeout" to the engine whichever timed out: the replay, or this call's wait for it.
