@@ -324,7 +324,7 @@ def test_a_write_failing_on_a_full_disk_says_the_disk_is_full(tmp_path: Path, mo
         return os.statvfs_result((st.f_bsize, 4096, st.f_blocks, free_bytes // 4096, free_bytes // 4096,
                                   *st[5:10]))
 
-    monkeypatch.setattr(lmdb_tier.os, "statvfs", statvfs)
+    monkeypatch.setattr(os, "statvfs", statvfs)
     tier._env = _FailingCommits(tier._env)  # type: ignore[assignment]
     try:
         new = key_of(9, 0)

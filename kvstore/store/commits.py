@@ -8,6 +8,9 @@ visible, last chunk first; its result counts what a lookup then reaches. `abort`
 or a cancelled stream) leaves nothing. While it runs, its keys are never evicted and their LMDB
 values never deleted (`_committing`), and the lock is held in turns (`_in_turns`), so a large
 commit stalls no other call. What one commit decided per chunk is a `CommitPlan` (commit_plan.py).
+Where LMDB had no room for the write (a full disk), the chunks a memory tier took are kept, the
+result says why it is not durable (`not_durable_reason`), and LMDB is evicted down to the budget
+the disk left it (deferred_lmdb.py).
 
 `Commits` is mixed into `GlobalStore` like `Placement`, and works on the store's state under its
 lock. It does not choose victims or budgets (placement.py), nor write the victims it demotes into
@@ -16,7 +19,9 @@ LMDB (deferred_lmdb.py), nor lay bytes out (the tiers).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -38,6 +43,8 @@ _FATE_OF_SKIP: dict[SkipReason, RefusalReason] = {
     "no-room": "no_room", "over-quota": "over_quota", "not-admitted": "not_admitted",
     "disk-full": "no_room",  # the explainer's fates name no failed write: LMDB had no room for it
 }
+
+log = logging.getLogger("kvstore.store")
 
 
 def _footprint(entry: ChunkEntry | None) -> Mapping[TierName, int]:
@@ -69,11 +76,17 @@ class Commits(Lookups, Namespaces):
             raise InvalidInput(
                 f"store is incomplete: chunk {missing[0]} (of {len(txn.keys)}) was never sent"
             )
+        if self._lmdb_deletes_failing:  # evicted values a full disk kept: deleted first, where room came back
+            self._delete_doomed_values()
         plan = CommitPlan()
         self._enter_commit(txn, plan)
+        said = ""
         try:
             self._in_turns(plan.new, lambda new: self._plan_chunk(txn, plan, *new),
                            between=self._write_many_demotions)
+            # LMDB takes none of its chunks for want of room on its disk: refused at planning (below
+            # what a full disk holds, or while deletes fail there), or failing below.
+            lmdb_full = "lmdb" in plan.full and (self._lmdb_deletes_failing or self._lmdb_disk_cap is not None)
             try:
                 # The victims' values go first, so LMDB never holds them and the new chunks at once.
                 self._delete_doomed()
@@ -83,9 +96,16 @@ class Commits(Lookups, Namespaces):
                 if durable:  # may fsync: outside the lock, and nothing is visible yet
                     self._record_namespace(ns)  # before its chunks: no chunk on disk lacks its record
                     self._durable.put_many(durable)
+                    with self._lock:
+                        said = self._lmdb_room_back()
             except StorageFull:  # the memory tiers still hold what they planned (a failing device: an error)
+                lmdb_full = True
                 with self._lock:
+                    failed = sum(c.reserved.get("lmdb", 0) for c in plan.planned)
                     self._without_lmdb(txn, plan)
+                    said = self._lmdb_without_room(failed)
+            if said:
+                log.warning("%s", said)
             # Last chunk first: the head of a prefix is then the most recently inserted, so
             # LRU-like policies evict a prefix from its tail (a lost head strands the rest).
             self._in_turns(plan.planned[::-1], lambda c: self._insert_planned(txn, plan, c))
@@ -105,7 +125,8 @@ class Commits(Lookups, Namespaces):
         with self._lock:
             self._leave_namespace(txn.ns.digest)
         self._delete_doomed()  # values a commit in flight kept from deletion
-        return plan.result(reach, durable_now, txn.remainder_tokens)
+        result = plan.result(reach, durable_now, txn.remainder_tokens)
+        return replace(result, not_durable_reason="lmdb-full") if lmdb_full and not durable_now else result
 
     def _enter_commit(self, txn: StoreTxn, plan: CommitPlan) -> None:
         """Protect the prefix's keys for the commit's duration (from eviction, and its LMDB values
@@ -203,7 +224,13 @@ class Commits(Lookups, Namespaces):
         t = self._tiers[tier]
         if t.capacity_bytes == 0 or tier in plan.full:
             return 0
+        if tier == "lmdb" and self._lmdb_deletes_failing:  # evicting would free nothing: deferred_lmdb.py
+            plan.full.add(tier)
+            return 0
         need = t.footprint(payload_bytes)
+        if tier == "lmdb" and not self._lmdb_fits_disk(need, ()):
+            plan.full.add(tier)
+            return 0
         if not self._make_room(tier, tenant, need, protect=()):
             plan.full.add(tier)
             return 0
@@ -255,4 +282,4 @@ class Commits(Lookups, Namespaces):
             limit = self._limit(tenant, t)
             if limit >= 0 and self._tenant_used.get((tenant, t), 0) + self._tiers[t].footprint(payload_bytes) > limit:
                 return "over-quota"
-        return "no-room"
+        return "disk-full" if self._lmdb_deletes_failing else "no-room"

@@ -57,6 +57,12 @@ SKIP_REASONS: dict[SkipReason, str] = {
     "not-sent": "held when the store began, evicted before it committed, and not sent",
 }
 
+# Why a Store whose chunks were all kept is not durable (CommitResult.not_durable_reason), in words.
+NotDurableReason = Literal["lmdb-full"]
+NOT_DURABLE_REASONS: dict[NotDurableReason, str] = {
+    "lmdb-full": "LMDB's disk (or its map) is full: they are in memory only",
+}
+
 
 @dataclass(frozen=True)
 class CommitResult:
@@ -69,14 +75,19 @@ class CommitResult:
     durable: bool  # every chunk of the prefix is now in the durable tier
     remainder_tokens: int = 0
     skipped_by_reason: Mapping[SkipReason, int] = field(default_factory=dict)
+    # Set where LMDB took none of the commit's chunks and the result is not durable.
+    not_durable_reason: NotDurableReason | None = None
 
     @property
     def skipped_reason(self) -> str:
-        """The skipped chunks' reasons in words; "" when nothing was skipped."""
-        return "; ".join(
-            f"{reason}: {n} chunk{'s' if n != 1 else ''} ({SKIP_REASONS[reason]})"
-            for reason, n in self.skipped_by_reason.items()
-        )
+        """The skipped chunks' reasons in words, then why the chunks kept are not durable (a
+        reply's one reason field: `durable: false` with no reason read as a Store that went well);
+        "" when nothing was skipped and nothing is owed."""
+        reasons = [f"{reason}: {n} chunk{'s' if n != 1 else ''} ({SKIP_REASONS[reason]})"
+                   for reason, n in self.skipped_by_reason.items()]
+        if self.not_durable_reason is not None:
+            reasons.append(f"not durable: {NOT_DURABLE_REASONS[self.not_durable_reason]}")
+        return "; ".join(reasons)
 
 
 @dataclass(frozen=True)

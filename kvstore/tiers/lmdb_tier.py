@@ -40,6 +40,13 @@ grow it a little further (DELETE_RESERVE_BYTES; a put never uses that room), and
 where even that is short, so that eviction can always make room. Stale reader slots left by dead
 processes are cleared at open (env.reader_check()).
 
+A full disk: LMDB's lock file (its reader table) gets its disk blocks before LMDB maps it
+(lmdb_lock_file.py), since a read transaction's slot on a page of a full disk never written is a
+SIGBUS. A put that fails for a full disk is tried once more after an empty commit (the pages the
+store's last deletes freed are reusable only then); failing again, `capacity_bytes` falls to what
+the values take until space is freed (lmdb_disk.py), so that the store evicts LMDB's oldest chunks
+to make room for new ones. A budget larger than the disk can give is warned about at open.
+
 Locking: writes (and map growth, and close) take the tier's lock; reads do not, since LMDB lets
 readers run beside the one writer: they only hold the map at its size (`MapGuard`), so a Load is
 never queued behind another Store's long write transaction.
@@ -47,7 +54,8 @@ never queued behind another Store's long write transaction.
 This file opens the environment and holds the write, delete and read paths and the small records
 databases; its bases hold the rest: lmdb_scan.py (`LmdbScan`: a restart's scan of the index, and
 the index build) on lmdb_map.py (`LmdbMap`: the map's growth and limits, and what a value costs in
-pages); lmdb_file.py refuses a data file cut short.
+pages); lmdb_file.py refuses a data file cut short; lmdb_lock_file.py allocates the lock file, and
+lmdb_disk.py keeps the budget within the disk.
 
 The tier moves bytes and decides nothing: the store keeps it within `capacity_bytes` using
 `footprint()`. It knows layouts only to split FP4 segments for compression and to flag entries
@@ -57,7 +65,6 @@ of layouts it was not told about.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -70,12 +77,14 @@ import lmdb
 from kvstore.config.store import Durability
 from kvstore.errors import ConfigError, InvalidInput, StorageError, StorageFull
 from kvstore.layout import CacheLayout
+from kvstore.tiers import lmdb_disk
 from kvstore.tiers import value_format as vf
 from kvstore.tiers.base import KEY_BYTES, ChunkMeta, Tier, TierName, TierStats
 from kvstore.tiers.checksum import copy_words_sum64, load_kernel, sum64
 from kvstore.tiers.compression import CODEC_NONE, Codec, Mode
-from kvstore.tiers.dir_lock import DirLock
+from kvstore.tiers.dir_lock import LMDB_LOCK_FILE, DirLock
 from kvstore.tiers.lmdb_file import check_length
+from kvstore.tiers.lmdb_lock_file import allocate, table_bytes
 from kvstore.tiers.lmdb_map import MapGuard, MiB, record_value_bytes
 from kvstore.tiers.lmdb_scan import LmdbScan
 from kvstore.tiers.value_format import ValueProblem
@@ -171,6 +180,7 @@ class LmdbTier(LmdbScan):
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StorageError(f"cannot open LMDB at {self.path}: {e}") from e
+        self._disk = lmdb_disk.DiskBudget(self.path, self.path / "data.mdb")
         self._dir_lock = DirLock(self.path)  # before LMDB opens: one kvstore per directory and data file
         try:
             self._open_env(initial_map_bytes, durability, progress)
@@ -196,19 +206,21 @@ class LmdbTier(LmdbScan):
                 # that wrote nothing leaves one too (one cut short is refused: check_length).
                 progress(f"warning: the LMDB data file {data} was empty (0 bytes): starting with no chunks; "
                          "if it held any, restore it from a copy")
+            if progress is not None and (short := self._disk.shortfall(self._capacity)):
+                progress(short)
             initial = initial_map_bytes or min(self._max_map, INITIAL_MAP_BYTES)
             # A file written under a larger capacity may already be past this one's map limit:
             # the store evicts down to the budget after the scan, and that needs pages too.
             self._open_floor = existing + OPEN_HEADROOM_BYTES if existing else 0
             self._max_map = max(self._budget_map, self._open_floor)
-            # readahead off: chunks are read at random, each already a contiguous run of pages;
-            # OS readahead would fill the page cache with neighbours nobody asked for once the
-            # database outgrows RAM (LMDB's own advice for MDB_NORDAHEAD).
-            self._env = lmdb.open(
-                str(self.path), map_size=max(initial, self._open_floor), subdir=True, max_dbs=8,
-                max_readers=MAX_READERS, writemap=False, map_async=False, readahead=False,
-                **_DURABILITY[durability],
-            )
+            map_size = max(initial, self._open_floor)
+            allocated = allocate(self.path, table_bytes(MAX_READERS))  # before LMDB maps it: lmdb_lock_file.py
+            self._env = self._lmdb_open(map_size, durability)
+            lock_size = (self.path / LMDB_LOCK_FILE).stat().st_size
+            if lock_size > allocated:  # an LMDB build with a larger reader table: allocated while closed
+                self._env.close()
+                allocate(self.path, lock_size)
+                self._env = self._lmdb_open(map_size, durability)
             check_length(self._env, data)  # before anything reads a page through the map
             # Reader slots of processes that died inside a read transaction pin old pages forever.
             self.stale_readers_cleared = self._env.reader_check()
@@ -233,10 +245,22 @@ class LmdbTier(LmdbScan):
         if self._open_format():  # the index was just built from every value: one more pass is cheap
             self._used, self._counted = self._measure_used(), True
 
+    def _lmdb_open(self, map_size: int, durability: Durability) -> lmdb.Environment:
+        # readahead off: chunks are read at random, each already a contiguous run of pages;
+        # OS readahead would fill the page cache with neighbours nobody asked for once the
+        # database outgrows RAM (LMDB's own advice for MDB_NORDAHEAD).
+        return lmdb.open(
+            str(self.path), map_size=map_size, subdir=True, max_dbs=8,
+            max_readers=MAX_READERS, writemap=False, map_async=False, readahead=False,
+            **_DURABILITY[durability],
+        )
+
     # --- sizes -------------------------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity
+        """The budget: the configured one, or what the values took when the disk filled, until
+        space is freed on it (lmdb_disk.py)."""
+        return self._disk.budget(self._capacity)
 
     def _entries(self, db: lmdb._Database) -> int:
         with self._env.begin() as txn:
@@ -330,7 +354,7 @@ class LmdbTier(LmdbScan):
         # freed beside the transaction's own pages.
         scratch = memoryview(bytearray(max(p.size for p in planned)))
         self._within_limit(p.size for p in planned)
-        advanced = False
+        advanced = retried = False
         while True:
             used, count = self._used, self._count
             try:
@@ -348,7 +372,21 @@ class LmdbTier(LmdbScan):
                 advanced = self._make_writable(advanced, sum(p.size for p in planned))
                 continue
             except lmdb.Error as e:
-                raise self._write_failed("LMDB write failed", e, sum(p.size for p in planned)) from e
+                failure = self._write_failed("LMDB write failed", e, sum(p.size for p in planned))
+                if not isinstance(failure, StorageFull):
+                    raise failure from e
+                if not retried:
+                    # The pages the store's last deletes freed (to make room) are reusable only
+                    # after one more commit, as on a full map: then the write may fit the file.
+                    retried = True
+                    try:
+                        self._advance()
+                        continue
+                    except StorageError:
+                        pass
+                if self._counted:  # the budget falls to what the disk holds (lmdb_disk.py)
+                    self._disk.filled(self._used, DISK_NEARLY_FULL_BYTES)
+                raise failure from e
             self._count = count
             if self._counted:  # else `_used` is a scan's running sum: see `_rebuild_totals`
                 self._used = used
@@ -361,11 +399,9 @@ class LmdbTier(LmdbScan):
     def _write_failed(self, what: str, e: lmdb.Error, need_bytes: int) -> StorageError:
         """The error of a failed write transaction. LMDB reports the short write of a full disk as
         an I/O error (EIO), which reads like a failing device: the free space says which it is."""
-        try:
-            st = os.statvfs(self.path)
-        except OSError:
+        free = lmdb_disk.free_bytes(self.path)
+        if free is None:
             return StorageError(f"{what}: {e}")
-        free = st.f_bavail * st.f_frsize
         if free < max(need_bytes, DISK_NEARLY_FULL_BYTES):
             return StorageFull(f"{what}: the disk holding {self.path} is full ({free} bytes free): {e}")
         return StorageError(f"{what}: {e}")
@@ -606,7 +642,7 @@ class LmdbTier(LmdbScan):
         info = self._env.info()
         failing = list(self._failing.values())  # one step under the GIL: a write may change the dict
         return TierStats(
-            used_bytes=self._used, capacity_bytes=self._capacity, entries=self._count,
+            used_bytes=self._used, capacity_bytes=self.capacity_bytes, entries=self._count,
             corrupt_total=self.corrupt_total, map_size_bytes=int(info["map_size"]),
             readers=int(info["num_readers"]), failing=failing[-1] if failing else "",
         )
