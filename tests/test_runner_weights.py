@@ -47,9 +47,9 @@ class Runners:
 def make_runners(make_service: Callable[..., Service]) -> Iterator[Callable[..., Runners]]:
     servers: list[grpc.Server] = []
 
-    def make(reference_seed: int = 0, **kw: Any) -> Runners:
+    def make(reference_seed: int = 0, require_weights: bool = False, **kw: Any) -> Runners:
         cfg = make_config(replay={"runner": "attached", "mode": "exact", "device": "cpu",
-                                  "reference_seed": reference_seed},
+                                  "reference_seed": reference_seed, "require_runner_weights": require_weights},
                           service={"models": [NAME], "max_concurrent_calls": 8},
                           local_pool={"capacity_bytes": 1 << 20, "ttl": {"kind": "fixed", "ttl_seconds": 60.0}})
         svc = make_service(cfg, **kw)
@@ -57,7 +57,8 @@ def make_runners(make_service: Callable[..., Service]) -> Iterator[Callable[...,
         servicer = RunnersServicer(
             app.runners, s.auth, app.layouts, sc.stream_message_bytes, sc.max_message_bytes, lambda: False,
             s.watch, None, sc.stream_idle_seconds, hidden_models=app.store.hidden_models,
-            expected_weights=expected_weights(app.models, cfg.store.chunk_tokens, cfg.replay.reference_seed))
+            expected_weights=expected_weights(app.models, cfg.store.chunk_tokens, cfg.replay.reference_seed),
+            require_weights=cfg.replay.require_runner_weights)
         server = grpc.server(ThreadPoolExecutor(max_workers=8), options=transport_options(sc))
         server.add_generic_rpc_handlers((generic_handler("Runners", servicer, sc.max_message_bytes),))
         port = server.add_insecure_port("127.0.0.1:0")
@@ -169,6 +170,23 @@ def test_a_hello_is_checked_against_the_configured_reference_seed(
     finally:
         right.close()
         older.close()
+
+
+def test_a_runner_that_declares_no_weights_is_refused_where_the_config_requires_them(
+        make_runners: Callable[..., Runners]) -> None:
+    r = make_runners(require_weights=True)
+    lid = r.svc.app.layouts()[NAME].layout_id
+    e = _refused(r.address, NAME, lid, "")  # an older runner: no weights in its hello
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    said = str(e.details())
+    assert "declares no weights identity" in said and "replay.require_runner_weights" in said, said
+    assert "'1+seed=0'" in said and "\n" not in said, said
+    assert r.svc.app.runners.runners() == [] and (r.servicer.refused_total, r.servicer.unverified_total) == (1, 0)
+    right = Hello(r.address, NAME, lid, "1+seed=0")
+    try:
+        assert right.attached() and len(r.svc.app.runners.runners()) == 1
+    finally:
+        right.close()
 
 
 def test_an_engine_models_runner_must_declare_the_revision_the_engine_registered(

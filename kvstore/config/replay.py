@@ -20,6 +20,9 @@ class ReplayConfig:
     reference_seed: int = 0
     # CPU threads for the in-process model (process-wide); 0: chosen for the machine (replay/threads.py).
     threads: int = 0
+    # Refuse an attached runner that declares no weights identity (one older than the field), whose
+    # snapshots would be served unchecked; off: accepted, counted and warned about, as before.
+    require_runner_weights: bool = False
 
     def validate(self, prefix: str) -> None:
         require(0 <= self.threads <= MAX_THREADS, join(prefix, "threads"), f"must be 0 (auto) to {MAX_THREADS}")

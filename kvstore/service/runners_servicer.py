@@ -191,13 +191,16 @@ class RunnersServicer:
         admin_runners: bool = True,
         expected_weights: Callable[[str], ExpectedWeights | None] | None = None,
         notify: Callable[[CallRecord], None] | None = None,
+        require_weights: bool = False,
     ) -> None:
         """`hidden_models(tenant)`: the engine models other tenants registered, which a runner
         attached with `tenant`'s credentials is neither told of nor given (`GlobalStore.hidden_models`).
         `weights`, `admin_runners`: as the registry's, for the split of the greeting slots.
         `expected_weights(model)`: the weights identity a runner of `model` must declare (see
         `expected_weights`); without it no declared identity is checked. `notify`: where each
-        Attach's handshake is reported (`App.notify`), None: nowhere."""
+        Attach's handshake is reported (`App.notify`), None: nowhere. `require_weights`
+        (`replay.require_runner_weights`): a runner that declares no weights identity is refused
+        where one is expected, not attached unverified."""
         self._registry = registry
         self._auth = auth
         # Read at each use, not copied: a model registered at runtime (RegisterModel) is served too.
@@ -209,6 +212,7 @@ class RunnersServicer:
         self._shm = shm
         self._idle_seconds = stream_idle_seconds
         self._hidden_models = hidden_models
+        self._require_weights = require_weights
         # Streams waiting for their hello, split as the runner slots are: at most `max_runners` in
         # all, and a tenant's share of them whatever the others hold.
         self._greeting = FairShare(registry.max_runners, {
@@ -364,6 +368,11 @@ class RunnersServicer:
                                f"runner weights {_quoted(h.weights)} are not the weights {want.identity!r} this "
                                f"service has for {h.model!r} (its results would be pooled as that model's): "
                                f"{want.mismatch(h.weights)}")
+        if want is not None and not h.weights and self._require_weights:
+            raise HelloRefused(WEIGHTS,
+                               f"runner declares no weights identity, and replay.require_runner_weights is on: its "
+                               f"results for {h.model!r} could not be checked against the weights {want.identity!r} "
+                               "this service has (a runner older than its service: upgrade it)")
         if h.max_concurrent_jobs < 1:
             raise HelloRefused(BAD_HELLO, "runner max_concurrent_jobs must be >= 1")
         shm = None

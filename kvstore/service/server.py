@@ -184,7 +184,7 @@ class KvstoreServer:
             self.shm, svc.stream_idle_seconds, hidden_models=app.store.hidden_models,
             weights=cfg.share_weights(), admin_runners=cfg.runner_admin_weight() > 0,
             expected_weights=expected_weights(app.models, cfg.store.chunk_tokens, cfg.replay.reference_seed),
-            notify=app.notify,
+            notify=app.notify, require_weights=cfg.replay.require_runner_weights,
         )
         threads = svc.max_concurrent_calls + 2 * app.runners.max_runners + SPARE_THREADS + MAX_HEALTH_WATCHES
         self._server = grpc.server(
