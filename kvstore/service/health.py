@@ -2,8 +2,10 @@
 
 Service names and what decides them:
 - "" and "kvstore.v1.KVCache": the service as a whole. SERVING while the store answers; NOT_SERVING
-  once shutdown begins (first thing on SIGTERM, so balancers stop sending before calls are refused).
-- "kvstore.v1.Runners": accepting runner attachments.
+  once shutdown begins (first thing on SIGTERM, so balancers stop sending before calls are refused),
+  and for good once gRPC's dispatch thread has ended (no call is answered again: only the admin
+  port can say so, with an error line in the log).
+- "kvstore.v1.Runners": accepting runner attachments (not once the dispatch thread has ended).
 - "kvstore.store", "kvstore.lmdb": the bookkeeper and the durable tier answer.
 - "kvstore.index": the LMDB tier's index is loaded (`store.load_index`). NOT_SERVING while a
   restart loads it in the background (or if loading failed): the service is SERVING meanwhile
@@ -44,7 +46,24 @@ class HealthReporter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._shutting_down = False
+        self._dispatch: threading.Thread | None = None
+        self._dispatch_lost = False
         self.last: dict[str, str] = {}
+
+    def watch_dispatch(self, thread: threading.Thread) -> None:
+        """The thread through which gRPC hands every call to the server's threads."""
+        self._dispatch = thread
+
+    def _dispatching(self) -> bool:
+        """False once the dispatch thread has ended while serving (an error escaped gRPC's loop)."""
+        thread = self._dispatch
+        if thread is None or thread.is_alive() or self._shutting_down:  # it ends at every stop
+            return True
+        if not self._dispatch_lost:
+            self._dispatch_lost = True
+            log.error("gRPC's dispatch thread has ended (its error is above): no call will be answered "
+                      "again; health is NOT_SERVING. Restart the service")
+        return False
 
     def evaluate(self) -> dict[str, bool]:
         """Component name -> healthy, computed now."""
@@ -65,8 +84,9 @@ class HealthReporter:
         # config asking for it is not enough), an attached one for its model.
         in_process = app.coordinator is not None and bool(app.inprocess_replay_models & app.models.keys())
         ok["kvstore.runners"] = in_process or any(r.model in app.models for r in app.runners.runners())
-        ok["kvstore.v1.Runners"] = not self._shutting_down
-        overall = ok["kvstore.store"] and not self._shutting_down
+        dispatching = self._dispatching()
+        ok["kvstore.v1.Runners"] = dispatching and not self._shutting_down
+        overall = ok["kvstore.store"] and dispatching and not self._shutting_down
         for name in OVERALL:
             ok[name] = overall
         return ok

@@ -22,14 +22,17 @@ What it does not know: what the calls do (servicers), or which parts the app hol
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import socket
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -65,6 +68,55 @@ SPARE_THREADS = 8
 assert SPARE_THREADS > MAX_HEALTH_CHECKS
 # The grace left to other streams (a health Watch) once every KVCache call has finished.
 STREAMS_LEFT_SECONDS = 0.5
+# How long the server's call threads may take to start, all together.
+THREADS_START_SECONDS = 30.0
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class CallThreads(ThreadPoolExecutor):
+    """gRPC's call threads, every one started with the server (`start_all`). Started as calls came,
+    a thread the host refused (a pids or thread limit) raised out of `submit` into gRPC's one
+    dispatch loop, which died of it: the process lived on and answered nothing, for good."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(max_workers=count, thread_name_prefix="kvstore-grpc")
+        self.count = count
+        self._refused = False
+
+    def start_all(self, timeout_seconds: float = THREADS_START_SECONDS) -> None:
+        """Start every thread now, or raise RuntimeError saying how many started. Each holds its first
+        task until all are up: a busy pool starts a new thread for each task (an idle one is reused)."""
+        up = threading.Barrier(self.count + 1, timeout=timeout_seconds)
+
+        def hold() -> None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                up.wait()
+
+        started = 0
+        try:
+            for _ in range(self.count):
+                super().submit(hold)
+                started += 1
+            up.wait()
+        except RuntimeError as e:  # BrokenBarrierError is one: they did not all start in time
+            up.abort()
+            raise RuntimeError(f"{started} of {self.count} started: "
+                               f"{e or f'not all running within {timeout_seconds:g} s'}") from None
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        """Never raises into gRPC's dispatch loop: a call that cannot be handed over (the pool shut
+        down) is left unanswered (its deadline ends it) and said once."""
+        try:
+            return super().submit(fn, *args, **kwargs)
+        except RuntimeError as e:
+            if not self._refused:
+                self._refused = True
+                log.error("a gRPC call could not be handed to a thread (%s): it is left unanswered", e)
+            failed: Future[T] = Future()
+            failed.set_exception(e)
+            return failed
 
 
 def generic_handler(service: str, servicer: object, max_message_bytes: int,
@@ -118,9 +170,13 @@ def transport_options(svc: ServiceConfig) -> list[tuple[str, int]]:
     - message sizes: the receive limit sits above `max_message_bytes` so that the servicer's own
       check answers oversize messages with a readable INVALID_ARGUMENT, up to twice the size
       (beyond, gRPC's own RESOURCE_EXHAUSTED: the bound on what core buffers for one message);
-    - streams per connection: a connection that opens and resets streams as fast as it can
-      ("rapid reset") holds at most this many of the server's call slots while gRPC's core counts
-      reset streams the application has not finished;
+    - streams per connection: at most this many open at once, as HTTP/2 counts them, which is what
+      a client queues its calls against. gRPC's "overload protection" (counting too the streams a
+      client has seen end but whose calls Python has not yet released) is off: with it, a channel
+      carrying more calls than the limit had a share of them refused (RST_STREAM, UNAVAILABLE), not
+      queued. What bounds a connection that opens and resets streams as fast as it can ("rapid
+      reset") is the calls a reset stream leaves: each is admitted against its tenant's share before
+      its request is read (`CallGuard.one_request`) and ends as the reset reaches it;
     - keepalive: the server pings an idle client every 30 s and drops it if no answer comes in
       10 s; a client pinging more often than every 5 s without data is told `too_many_pings`
       (GOAWAY) after two strikes;
@@ -136,6 +192,7 @@ def transport_options(svc: ServiceConfig) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", svc.max_message_bytes),
         ("grpc.so_reuseport", 0),
         ("grpc.max_concurrent_streams", svc.max_streams_per_connection),
+        ("grpc.http.overload_protection", 0),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -187,8 +244,9 @@ class KvstoreServer:
             notify=app.notify, require_weights=cfg.replay.require_runner_weights,
         )
         threads = svc.max_concurrent_calls + 2 * app.runners.max_runners + SPARE_THREADS + MAX_HEALTH_WATCHES
+        self._threads = CallThreads(threads)
         self._server = grpc.server(
-            ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-grpc"),
+            self._threads,
             maximum_concurrent_rpcs=threads,
             options=transport_options(svc),
         )
@@ -207,6 +265,7 @@ class KvstoreServer:
             self._server.add_generic_rpc_handlers((reflection_handler(names, self.guard),))
         self.port = 0
         self.admin: AdminServer | None = None
+        self._dispatch: threading.Thread | None = None
         self._stopped = False
 
     @property
@@ -216,13 +275,17 @@ class KvstoreServer:
 
     def start(self) -> KvstoreServer:
         try:
+            self._start_threads()  # first: a refusal leaves nothing else started
             self._bind()
         except BaseException:
             self._server.stop(0)  # a gRPC server left unstopped aborts the interpreter at exit
+            self._threads.shutdown(wait=False)
             raise
         self.health.start()
         self.watch.start()
+        before = set(threading.enumerate())
         self._server.start()
+        self._watch_dispatch(before)
         if self._admin_port >= 0:
             try:
                 self.admin = start_admin(self.app, self.health, self.app.config.admin.host, self._admin_port,
@@ -232,6 +295,27 @@ class KvstoreServer:
                 self.stop(0)
                 raise self._admin_bind_error(e) from None
         return self
+
+    def _start_threads(self) -> None:
+        """A host that cannot run every call thread says so now, in one line, not under load."""
+        try:
+            self._threads.start_all()
+        except RuntimeError as e:
+            raise ConfigError("service.max_concurrent_calls", (
+                f"cannot start the {self._threads.count} threads gRPC's calls need (max_concurrent_calls + "
+                f"2 x max_runners + {SPARE_THREADS + MAX_HEALTH_WATCHES}): {e}; lower them or raise this "
+                "host's thread limit (the cgroup's pids.max, ulimit -u)")) from None
+
+    def _watch_dispatch(self, before: set[threading.Thread]) -> None:
+        """Hand health gRPC's one dispatch thread, started by `grpc.Server.start` and named after its
+        function (`_serve`): should an error end it, no call is answered again."""
+        found = [t for t in threading.enumerate() if t not in before and t.name.endswith("(_serve)")]
+        if len(found) == 1:
+            self._dispatch = found[0]
+            self.health.watch_dispatch(found[0])
+        else:
+            log.warning("gRPC's dispatch thread was not found (%d candidates): health will not see it end",
+                        len(found))
 
     def _admin_bind_error(self, e: OSError | OverflowError) -> ConfigError:
         """The key to blame: the host when it does not resolve or is no address of this machine,
@@ -315,7 +399,11 @@ class KvstoreServer:
         # Once the KVCache calls are done, what is left are streams that never end by themselves (a
         # health Watch, already told NOT_SERVING): they would hold the exit for the whole grace.
         left = max(0.0, deadline - time.monotonic())
-        self._server.stop(min(left, STREAMS_LEFT_SECONDS) if finished else left).wait()
+        stopped = self._server.stop(min(left, STREAMS_LEFT_SECONDS) if finished else left)
+        # gRPC's dispatch thread says when it is done: one that an error ended never will.
+        while not stopped.wait(0.1) and (self._dispatch is None or self._dispatch.is_alive()):
+            pass
+        self._threads.shutdown(wait=False)  # idle threads end now, one still in a handler after it
         self.kvcache.close()
         if self.shm is not None:
             self.shm.stop()
