@@ -592,17 +592,17 @@ class ReplayCoordinator:
                 if requeues == MAX_REQUEUES:
                     break
                 requeues += 1
-                # Errors quoted: an attached runner's own text (bounded by its servicer) may be in them.
-                log.warning("replay runner %s went away mid-job (%r); re-queueing", last.runner or runner.name,
+                # An attached runner's own text may be in an error: made one line and bounded by its servicer.
+                log.warning("replay runner %s went away mid-job (%s); re-queueing", last.runner or runner.name,
                             last.error)
             elif avoid or not last.runner_id:
                 break  # its one retry failed too, or a runner with none beside it answered
             else:
                 avoid = last.runner_id
-                log.warning("replay runner %s failed the job (%r); trying another", last.runner, last.error)
+                log.warning("replay runner %s failed the job (%s); trying another", last.runner, last.error)
         assert last is not None
         if not last.ok:
-            log.warning("replay failed on %s: %r", last.runner, last.error)
+            log.warning("replay failed on %s: %s", last.runner, last.error)
             self._bump("failures")
         return last
 

@@ -6,7 +6,7 @@ client or raw gRPC stubs (to stop reading at a chosen message); mocks only slow 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,8 +21,12 @@ from kvstore.service.servicer import KVCacheServicer
 from kvstore.service.servicer_local import LocalStateCalls
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pbg
+from tests.fixtures.service import CHUNK as TOY_CHUNK
+from tests.fixtures.service import TOY, Service, payloads, tokens
 from tests.helpers.waiting import wait_until
 from tests.test_metrics_service import CHUNK, MODEL, Running, config, prompt, start, store
+from tests.test_service_shm import ALICE as SHM_ALICE
+from tests.test_service_shm import shm_config, unix
 
 MESSAGE_BYTES = 4096  # the smallest a config takes: a Load of 40 chunks is 14 messages
 
@@ -216,3 +220,24 @@ def test_a_call_that_ends_mid_stream_is_billed_for_what_it_handed_to_grpc(
         assert t["replay"]["count"] == 1 and t["replay"]["tokens"] == rec.bills.replay_tokens
         assert _sample(svc, "kvstore_replays_total", result="ok") == 1
         assert _sample(svc, "kvstore_replay_tokens_total") == rec.bills.replay_tokens
+
+
+def test_a_lookup_that_held_its_chunks_leaves_no_credit_for_another_requests_load(
+        sock_dir: Path, make_service: Callable[..., Service]) -> None:
+    # A Lookup that holds chunks in a same-host session realises its hit itself; a credit from it
+    # paid for the next request's Load (its own Lookup a pre-check): two hits delivered, one billed.
+    svc = make_service(shm_config(sock_dir / "kv.sock", tenants=True, shm_in_place=False), admin_port=0)
+    engine = unix(svc, SHM_ALICE)
+    cb = svc.chunk_bytes(TOY)
+    held_prompt = tokens(601, TOY_CHUNK * 4)
+    engine.store(TOY, held_prompt, payloads(602, 4, cb))
+    held = engine.lookup_held(TOY, held_prompt, hold_chunks=4)
+    assert held.chunks is not None
+    held.release()
+    assert svc.app.flush_observers()
+    obs = next(o for o in svc.app.observers if isinstance(o, Observability))
+    before = obs.ledger.totals()["requests"]
+    engine.lookup(TOY, held_prompt, purpose="precheck")
+    assert engine.load(TOY, held_prompt).hit_tokens == 4 * TOY_CHUNK
+    assert svc.app.flush_observers()
+    assert obs.ledger.totals()["requests"] == before + 1  # the Load, billed as a request of its own

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore.service.runners_servicer import RUNNER_ERROR_CHARS
+from kvstore.service.runners_servicer import RUNNER_ERROR_CHARS, _runner_error
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pbg
 from tests.fixtures.service import TOY, Service, make_config
@@ -112,7 +112,15 @@ def test_a_runners_device_and_errors_cannot_start_a_log_line_nor_flood_the_log(
         assert len(m) < 2 * RUNNER_ERROR_CHARS + 500, m[:200]
         assert "\n" not in m, m[:200]
     failed = [m for m in messages if m.startswith("replay failed on ")]
-    kept = "oops\\n" + FORGED + "\\n" + "E" * (RUNNER_ERROR_CHARS - len(FORGED) - 6) + "..."
-    assert len(failed) == 1 and failed[0].endswith(repr(kept)), failed[0][:400]
+    kept = "oops\\n" + FORGED + "\\n" + "E" * (RUNNER_ERROR_CHARS - len(FORGED) - 6 - 2) + "..."
+    assert len(failed) == 1 and failed[0].endswith(kept), failed[0][:400]
     attached = [m for m in messages if " attached: model " in m]
     assert len(attached) == 1 and f"on {('cpu' + chr(10) + FORGED)[:64]!r}, " in attached[0]
+
+
+def test_a_runners_error_kept_is_bounded_after_its_escapes() -> None:
+    # Escaped after the cut, 400 NULs grew to 1,203 characters ("\x00" each) and 400 tags to 3,003.
+    for text in ("\x00" * 400, "\U000e0001" * 400, "ok" * 400):
+        kept = _runner_error(text)
+        assert len(kept) <= RUNNER_ERROR_CHARS + 3 and kept.endswith("...") and "\n" not in kept, len(kept)
+    assert _runner_error("short\nerror") == "short\\nerror"

@@ -131,7 +131,8 @@ class Observability:
         if retry:
             self._retry(call, method, bills, lookup)
             return
-        if method == "lookup":  # the hit it billed: a credit for the Load that realises it
+        if method == "lookup" and not held:  # the hit it billed: a credit for the Load that realises it
+            # (one that held chunks realised its hit itself: a credit would pay another request's Load)
             self._hits.billed(call.tenant, call.namespace or (lookup.namespace if lookup is not None else b""),
                               bills.prefill_tokens_avoided, call.at)
         local = _known(call.local_state, LOCAL_OUTCOMES, "absent")

@@ -74,8 +74,7 @@ log = logging.getLogger(__name__)
 
 # Of a runner's declared weights identity, the characters an error quotes (it is the caller's text).
 QUOTED_WEIGHTS_CHARS = 160
-# Of a runner's error for a job, the characters kept: it is logged, and an unbounded one was
-# logged whole (100 KB, twice).
+# Of a runner's error for a job, the characters kept (escaped): it is logged, and it is the runner's text.
 RUNNER_ERROR_CHARS = 300
 # Between the revision and the seed in a seeded identity (`seeded_weights`: "1+seed=0").
 SEED_SEP = "+seed="
@@ -167,11 +166,12 @@ def _quoted(text: str) -> str:
 
 
 def _runner_error(text: str) -> str:
-    """A runner's error for a job as kept: cut to `RUNNER_ERROR_CHARS` ("..." says so) and on one
-    line, its unprintable characters escaped as repr writes them, since it reaches log lines that
-    are not all ours to quote (the registry's detach reason): a newline in it forged log lines."""
-    kept = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:RUNNER_ERROR_CHARS])
-    return kept + "..." if len(text) > RUNNER_ERROR_CHARS else kept
+    """A runner's error for a job as kept: on one line, its unprintable characters escaped as repr
+    writes them (it reaches log lines not all ours to quote, such as the registry's detach reason,
+    and a newline would start a line of the runner's making), then cut to `RUNNER_ERROR_CHARS`
+    ("..." says so): escaped first, so that escapes cannot make it longer."""
+    escaped = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: RUNNER_ERROR_CHARS + 1])
+    return escaped[:RUNNER_ERROR_CHARS] + "..." if len(escaped) > RUNNER_ERROR_CHARS else escaped
 
 
 class RunnersServicer:

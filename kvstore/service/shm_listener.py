@@ -109,6 +109,8 @@ _BACKLOG = 64  # connections the kernel queues for the listener
 # readable again at once: it is left unwatched this long, doubling up to the most, until one succeeds.
 _ACCEPT_PAUSE_FIRST = 0.1
 _ACCEPT_PAUSE_MOST = 1.0
+# Accept failures for want of a resource, which leave the connection queued (the host's, not a client's).
+_SHORT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 # The selector's mark for the segment watch (the listener's is None, a connection's its _Conn).
 _WATCH = "segment watch"
 _PEERCRED = struct.Struct("3i")
@@ -370,7 +372,8 @@ class ShmSessions:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
-            self._accept_failed(e)
+            if e.errno in _SHORT_OF:  # else one client's failure (it left meanwhile): the next is taken
+                self._accept_failed(e)
             return
         self._accept_pause = 0.0
         try:
