@@ -29,6 +29,9 @@ all, is closed: a client that sends its head at once is read before it is the ol
 finished head takes a slot and a thread: MAX_CONNECTIONS, plus HEALTH_RESERVE that only a request
 for /healthz may take (decided by its path); anything else past them gets 429 with Retry-After.
 Idle or trickling connections, authenticated or not, cannot hold the slots or the reserve.
+Out of descriptors or memory, a failed accept pauses the serving loop (ACCEPT_PAUSE_FIRST doubling to
+ACCEPT_PAUSE_MOST) and is logged once a minute; the queued connections get 503 at once through a
+descriptor kept in reserve.
 Rendering (/metrics, /api/*) is bounded per peer address (MAX_RENDERS_PER_PEER at once, past it
 429) and shared: concurrent readers of one answer share a render begun after they came (`_Renders`).
 
@@ -39,12 +42,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import hashlib
 import hmac
 import io
 import ipaddress
 import json
 import logging
+import os
 import re
 import selectors
 import socket
@@ -99,6 +104,14 @@ MAX_SHARED = 64  # keys paced at once; past it, a render is not shared
 # (prometheus_client compares its parts as numbers, and echoes it into the Content-Type).
 _FORMAT_VERSION_RE = re.compile(r"\d{1,6}(?:\.\d{1,6}){0,3}")
 _SCRIPT_RE = re.compile(rb"<script>(.*?)</script>", re.S)
+# A failed accept for want of descriptors or memory leaves its connection queued, so the listener is
+# readable again at once (the stdlib loop spun a core on it): the loop waits this long before its next
+# try, doubling up to the most, until one succeeds. As kvstore/service/shm_listener.py, which the
+# layers keep this module from importing.
+ACCEPT_PAUSE_FIRST = 0.1
+ACCEPT_PAUSE_MOST = 1.0
+ACCEPT_LOG_SECONDS = 60.0  # it fails at each try while it lasts: logged once a minute
+_SHORT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class HttpError(Exception):
@@ -441,8 +454,75 @@ class _Server(ThreadingHTTPServer):
         self._on_reserve: set[Any] = set()  # the sockets holding a reserve slot
         self._read: dict[Any, bytes] = {}  # each admitted socket's request head, until its handler takes it
         self._reserve_lock = threading.Lock()
+        self._stopping = threading.Event()  # set by shutdown(): ends a pause after a failed accept
+        self.accept_failed_total = 0  # accepts failed for want of descriptors or memory
+        self.refused_total = 0  # queued connections answered 503 meanwhile
+        self._accept_pause = 0.0  # the last pause after a failed accept; 0 once one succeeds
+        self._accept_logged_at = -ACCEPT_LOG_SECONDS
+        # A descriptor in reserve (/dev/null): with none left, it is freed to take the queued
+        # connections and answer them 503, so a probe hears no at once rather than hang.
+        self._reserve_fd = _open_reserve()
         super().server_activate()
         self._heads = _Heads(self)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            request, client_address = super().get_request()
+        except OSError as e:
+            if e.errno in _SHORT_OF:  # else one client's failure (it left meanwhile): the next is taken
+                self._accept_failed(e)
+            raise  # the stdlib loop drops it and selects again
+        self._accept_pause = 0.0
+        if self._reserve_fd < 0:
+            self._reserve_fd = _open_reserve()
+        return request, client_address
+
+    def _accept_failed(self, e: OSError) -> None:
+        """The queued connections refused where descriptors ran out, a line logged once a minute,
+        and a pause of this loop, the listener unwatched (the connections taken are served meanwhile)."""
+        self.accept_failed_total += 1
+        refused = self._refuse_queued(e) if e.errno in (errno.EMFILE, errno.ENFILE) else 0
+        self._accept_pause = min(ACCEPT_PAUSE_MOST, max(ACCEPT_PAUSE_FIRST, 2 * self._accept_pause))
+        now = time.monotonic()
+        if now - self._accept_logged_at >= ACCEPT_LOG_SECONDS:
+            self._accept_logged_at = now
+            log.warning("admin port: accept failed: %s (%d time(s) so far; tried again every %.1f s at most, "
+                        "%d waiting connection(s) answered 503 now; logged once a minute)",
+                        e, self.accept_failed_total, ACCEPT_PAUSE_MOST, refused)
+        self._stopping.wait(self._accept_pause)
+
+    def _refuse_queued(self, e: OSError) -> int:
+        """With no descriptor left, the reserve one is freed to accept each queued connection and
+        answer it 503, then taken again: how many were answered."""
+        if self._reserve_fd < 0:  # another thread took it the last time it was freed
+            return 0
+        os.close(self._reserve_fd)
+        self._reserve_fd = -1
+        answer = _raw_error(503, f"the service cannot take a connection now ({e.strerror}): retry shortly",
+                            b"Retry-After: 1\r\n")
+        refused, timeout = 0, self.socket.gettimeout()
+        self.socket.setblocking(False)  # only this thread accepts: an empty queue must not block it
+        try:
+            while refused < self.request_queue_size:
+                try:
+                    sock, _ = self.socket.accept()
+                except OSError:  # none queued, or the freed descriptor taken by another thread meanwhile
+                    break
+                _refuse(sock, answer)
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_WR)
+                    sock.recv(HEAD_READ_BYTES)  # its head, unread, would make the close a reset that loses the answer
+                sock.close()
+                refused += 1
+        finally:
+            self.socket.settimeout(timeout)
+            self._reserve_fd = _open_reserve()
+        self.refused_total += refused
+        return refused
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        super().shutdown()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         """Accepted: its head is read by `_Heads`, which calls `admit` once it is whole."""
@@ -492,6 +572,9 @@ class _Server(ThreadingHTTPServer):
         heads = getattr(self, "_heads", None)  # None: the bind failed, before server_activate
         if heads is not None:
             heads.close()
+        if getattr(self, "_reserve_fd", -1) >= 0:
+            os.close(self._reserve_fd)
+            self._reserve_fd = -1
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # The stdlib prints a traceback to stderr, outside logging, for every client that hangs up
@@ -643,6 +726,14 @@ def _refuse(sock: Any, response: bytes) -> None:
     with contextlib.suppress(OSError):
         sock.setblocking(False)
         sock.send(response)
+
+
+def _open_reserve() -> int:
+    """A descriptor to keep in reserve (see `_Server._refuse_queued`), or -1 when none is left."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY)
+    except OSError:
+        return -1
 
 
 class _Server6(_Server):

@@ -95,7 +95,8 @@ class TraceRecorder:
         self._wall = wall_clock
         self._clock = clock
         self._seen = RecentRequests(share_weights=share_weights)  # split as the ledger's
-        self._failed = False
+        self._failed = False  # writing fails now: logged at its first failure, and when it writes again
+        self._lost = 0  # records lost since writing began to fail
 
     def __call__(self, call: CallRecord) -> None:
         if isinstance(call.facts, LocalReadFacts):
@@ -145,9 +146,16 @@ class TraceRecorder:
         try:
             self._writer.write(record)
         except (OSError, ValueError):  # a full disk or a closed file: never fail the call over it
+            self._lost += 1
             if not self._failed:
                 self._failed = True
-                log.exception("cannot append to the request trace; further failures are not logged")
+                log.exception("cannot append to the request trace; further failures are not logged "
+                              "until it writes again")
+            return
+        if self._failed:  # an episode's end is said once, so that the next one is logged too
+            self._failed = False
+            log.warning("trace writing again (%d records lost)", self._lost)
+            self._lost = 0
 
     def close(self) -> None:
         self._writer.close()
