@@ -31,7 +31,7 @@ from kvstore.commands.stop_signals import stop_on_signals
 from kvstore.config import KvstoreConfig, load_config
 from kvstore.config.service import is_host
 from kvstore.config.warnings import config_warnings
-from kvstore.errors import ConfigError, InvalidInput, KvstoreError
+from kvstore.errors import ConfigError, InvalidInput, KvstoreError, StorageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,6 +110,32 @@ def _flags_over(cfg: KvstoreConfig, unix_socket: str | None) -> KvstoreConfig:
     return cfg
 
 
+def _check_host_memory(cfg: KvstoreConfig) -> None:
+    """Refuse a start whose host memory backed at start (prefaulted or pinned arenas) is more than
+    this process may take (its memory cgroup's limit, MemAvailable): it listened, then was killed
+    seconds later, a crash loop under a restart policy. What grows with use is warned about."""
+    from kvstore.service.app import in_place_loads
+    from kvstore.tiers.factory import host_arenas
+    from kvstore.tiers.host_memory import HostNeed, judge, read_host_memory
+
+    needs = host_arenas(cfg.store, split=in_place_loads(cfg))
+    if cfg.local_pool.url == "embedded":
+        needs.append(HostNeed(("local_pool.capacity_bytes",), cfg.local_pool.capacity_bytes))
+    svc = cfg.service
+    if svc.unix_socket_path and svc.shm_enabled:
+        # Every session's two segments, and the spare load segment's resident part.
+        needs.append(HostNeed(
+            ("service.max_shm_sessions", "service.shm_load_segment_bytes", "service.shm_store_segment_bytes"),
+            svc.max_shm_sessions * (svc.shm_load_segment_bytes + svc.shm_store_segment_bytes)
+            + min(svc.shm_prefault_bytes, svc.shm_load_segment_bytes),
+            what="same-host segments (service.max_shm_sessions × (shm_load_segment_bytes + shm_store_segment_bytes))"))
+    verdict = judge(needs, read_host_memory())
+    if verdict.refusal:
+        raise StorageError(verdict.refusal)
+    if verdict.warning:
+        logging.getLogger("kvstore.config").warning("%s", verdict.warning)
+
+
 def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stopped_while_starting)
     signal.signal(signal.SIGINT, _stopped_while_starting)
@@ -153,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = _flags_over(cfg, args.unix_socket)
     for w in config_warnings(cfg):  # with the socket's own (same-host session shares)
         logging.getLogger("kvstore.config").warning("%s", w)
+    _check_host_memory(cfg)  # before any arena is allocated
     app = build_app(cfg, args.data_dir, progress=_say)
     try:
         server = KvstoreServer(app, host, args.grpc_port, args.admin_port, unix_socket=args.unix_socket).start()

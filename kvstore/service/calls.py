@@ -6,8 +6,8 @@ the call while draining (UNAVAILABLE), authenticates the caller, refuses the cal
 tenant's share of call slots (RESOURCE_EXHAUSTED, saying which limit and whose), watches a
 streaming call for stalls on its client (`stream_watch`), releases the Store bytes the call
 staged, and on the way out maps any exception to a status code through `codes.status_for` (the
-only mapping there is) and reports a `CallRecord` to the app's observers (`App.notify`: they see
-it once the call has answered).
+only mapping there is; a MemoryError is logged once a minute at most, without its traceback) and
+reports a `CallRecord` to the app's observers (`App.notify`: they see it once the call has answered).
 `CallGuard.one_request` runs a method that takes one request message (all but Store and
 StoreLocal) as gRPC runs a request stream: at once, before the message arrives. So admission comes
 first and the wait for the message is watched: neither a caller without credentials nor a tenant
@@ -119,6 +119,31 @@ def session_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
     return ""
 
 
+# A MemoryError in a handler is logged at most once this often, without its traceback: one per
+# call flooded the log while memory was short (and formatting it allocates more).
+SHORT_OF_MEMORY_LOG_SECONDS = 60.0
+
+
+class _ShortOfMemoryLog:
+    """Says that calls failed for want of memory: the first at once, then at most one line per
+    `SHORT_OF_MEMORY_LOG_SECONDS`, counting the calls not said since the last line."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._said_at = float("-inf")
+        self._unsaid = 0
+
+    def note(self, method: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._said_at < SHORT_OF_MEMORY_LOG_SECONDS:
+                self._unsaid += 1
+                return
+            unsaid, self._unsaid, self._said_at = self._unsaid, 0, now
+        log.error("%s failed: the service is short of memory (MemoryError); %d more calls failed so since "
+                  "the last such line", method, unsaid)
+
+
 class CallGuard:
     def __init__(self, app: App, auth: Authenticator, limiter: CallLimiter, watch: StreamWatch) -> None:
         self._app = app
@@ -139,6 +164,7 @@ class CallGuard:
         # Calls admitted by `one_request` whose message has not come, by id(context): a shutdown
         # ends them at once (`end_awaiting`) rather than waiting its grace for bodies that may never come.
         self._awaiting: dict[int, grpc.ServicerContext] = {}
+        self._short_of_memory = _ShortOfMemoryLog()
 
     @contextmanager
     def enter(self, context: grpc.ServicerContext, method: str, streaming: bool = False,
@@ -192,7 +218,9 @@ class CallGuard:
                     code, gone = _ended(context), True
                     return
                 code, message = status_for(e)
-                if not is_expected(e):
+                if isinstance(e, MemoryError):
+                    self._short_of_memory.note(method)
+                elif not is_expected(e):
                     log.exception("%s failed unexpectedly", method)
             finally:
                 # gRPC keeps the errors it raised in the call's state, which the frames of this

@@ -2,7 +2,8 @@
 
 Only the servicers call `status_for`; nothing else in the code base knows gRPC codes. Bad input is
 always INVALID_ARGUMENT with the exception's own message (it says what is wrong); an unexpected
-exception is INTERNAL with a generic message, and the servicer logs its traceback.
+exception is INTERNAL with a generic message, and the servicer logs its traceback. A MemoryError
+is RESOURCE_EXHAUSTED: the service's shortage, which a retry later may not meet.
 """
 
 from __future__ import annotations
@@ -32,8 +33,14 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 )
 
 
+SHORT_OF_MEMORY = "the service is short of memory"
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a client sees for `exc`."""
+    if isinstance(exc, MemoryError):
+        # Its own message, if any, names sizes of internals; the client needs only to back off.
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, SHORT_OF_MEMORY
     for cls, code in _CODES:
         if isinstance(exc, cls):
             return code, str(exc) or cls.__name__

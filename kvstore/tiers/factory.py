@@ -3,7 +3,8 @@
 The device tier goes to CUDA when the config allows and CUDA is present; the DRAM tier pins its
 arena when CUDA is present; the LMDB tier lives in `<data_dir>/lmdb`. The factory decides
 nothing about chunks; it only turns config into objects. `quantize_tiers` wraps the tiers whose
-`quantize_<tier>` setting is on (lossy, off by default) in a QuantizingTier.
+`quantize_<tier>` setting is on (lossy, off by default) in a QuantizingTier. `host_arenas` says,
+before any is allocated, which arenas take host memory and which of them are backed at start.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+import torch
+
 from kvstore.config.store import StoreConfig
 from kvstore.layout import CacheLayout
 from kvstore.tiers.arena import PagedArena
 from kvstore.tiers.base import DurableTier, Tier
-from kvstore.tiers.device import DeviceTier
+from kvstore.tiers.device import DeviceTier, resolve_device
 from kvstore.tiers.dram import DramTier
+from kvstore.tiers.host_memory import HostNeed
 from kvstore.tiers.lmdb_tier import LmdbTier
 from kvstore.tiers.quantizing import QuantizingDurableTier, QuantizingTier
 
@@ -53,6 +57,22 @@ def build_tiers(
     if cfg.prefault_arenas:
         _prefault((device, dram), progress)
     return device, dram, lmdb_tier
+
+
+def host_arenas(cfg: StoreConfig, split: bool) -> list[HostNeed]:
+    """The arenas `build_tiers` would allocate in host memory, known before any is: DRAM, and the
+    device tier where it falls back to host memory. `split`: the arenas are split between tenants
+    (`arena_owners`), memory files that are never pinned. Backed at start where prefaulted, or
+    pinned (DRAM beside CUDA, whole); else they grow as chunks fill them."""
+    prefault = "store.prefault_arenas" if cfg.prefault_arenas else ""
+    cuda = torch.cuda.is_available()
+    dram_split = split and cfg.quantize_dram == "off"
+    needs = [HostNeed(("store.dram_capacity_bytes",), cfg.dram_capacity_bytes,
+                      "pinned" if cuda and not dram_split else prefault)]
+    # "cuda" without CUDA is refused when the tier is built; it is never host memory.
+    if cfg.device != "cuda" and resolve_device(cfg.device).type == "cpu":
+        needs.append(HostNeed(("store.device_capacity_bytes",), cfg.device_capacity_bytes, prefault))
+    return needs
 
 
 def _prefault(arenas: Iterable[PagedArena], progress: Callable[[str], None] | None) -> None:
