@@ -13,11 +13,18 @@ memory (SET), so reads go as a pipeline and only writes that must land together 
   left), and a watchdog shuts down the socket of a transaction still reading at its deadline (a
   reply that trickles in takes many reads). And it packs commands itself, so a snapshot part goes
   out as its header and a view of the caller's payload, never joined into one new buffer.
+  It opens at most `max_connections` (MAX_CONNECTIONS) and a caller finding none free waits for
+  one within its deadline. A Redis at its `maxclients` refuses a new connection in its handshake
+  (`MaxClientsReachedError`, a ConnectionError to redis-py; a ResponseError from a node in cluster
+  mode): here that means no connection is free now, not a server in trouble. The idle connections
+  stay, callers wait for those held, one more is tried every MAXCLIENTS_RETRY_SECONDS at most, and
+  one line a minute says so.
 - `ClusterTransport` (redis+cluster://, rediss+cluster://) uses redis-py's `RedisCluster` for the
   slot map only; a snapshot's parts share a hash tag, so one slot and one node, and the
   transaction goes to that node over a `SingleNodeTransport` of its own (redis-py's cluster
   pipeline keeps the configured socket timeouts however little time a caller has left, and
-  treats an ASK as a move). The client (which asks the cluster for its slot map) is built on a
+  treats an ASK as a move), so each node's connections are capped and wait as above. The
+  client (which asks the cluster for its slot map) is built on a
   thread of its own: callers wait for it only as long as their deadline allows. A call that
   fails on the connection, or is told MOVED, has the slot map asked for again, on a thread of its
   own too, so keys follow a failover or a resharding. A redirect is followed once, within the
@@ -34,14 +41,15 @@ as Redis sent them (SET: b"OK" or True, GET: bytes or None, PEXPIRE/UNLINK: int)
 EXEC is a `ResponseError` in the reply list, as is an error reply in a pipeline (a redirect
 there raises, as in a transaction). A timeout that the caller's deadline cut short while Redis was
 answering raises `AnsweringTimeout`: a link slower than the caller's deadline, not a server in
-trouble. This module knows nothing about snapshots, TTL
-policy or key schemes (only where a command carries its key, to route it).
+trouble; one that ended while it waited for a connection, `NoConnectionFree`. This module knows
+nothing about snapshots, TTL policy or key schemes (only where a command carries its key, to route it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import heapq
+import logging
 import math
 import socket
 import threading
@@ -55,7 +63,14 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import AbstractConnection, Connection, SSLConnection, parse_url
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS
-from redis.exceptions import AskError, ExecAbortError, MovedError, RedisClusterException, ResponseError
+from redis.exceptions import (
+    AskError,
+    ExecAbortError,
+    MaxClientsReachedError,
+    MovedError,
+    RedisClusterException,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -63,6 +78,8 @@ from redis.retry import Retry
 from kvstore.config.local_pool import redis_url_problem, url_hosts
 from kvstore.errors import ConfigError
 from kvstore.local_pool.base import BytesLike
+
+log = logging.getLogger(__name__)
 
 # One argument of a command. A tuple is one argument sent as several buffers back to back
 # (a part header and a view of the payload), joined only where a client library insists.
@@ -82,6 +99,17 @@ CLUSTER_REFRESH_MIN_INTERVAL_SECONDS = 1.0
 
 # How late past a deadline the watchdog may end a transaction still reading its reply.
 WATCHDOG_SLACK_SECONDS = 0.005
+
+# The most connections a transport opens to one node. A call holds one at a time, and the service
+# runs `service.max_concurrent_calls` (64 by default) at once; Redis runs one command at a time, so
+# more would only queue there. Uncapped, a burst opened one per caller, into the server's maxclients.
+MAX_CONNECTIONS = 64
+
+# Once Redis refused a connection for its maxclients, one more is tried at most this often (its
+# limit raised, other clients gone); meanwhile callers share the connections held. Each refusal
+# used to disconnect every idle connection too: 674 refused in 4 s, a fifth of the calls failed.
+MAXCLIENTS_RETRY_SECONDS = 0.25
+MAXCLIENTS_LOG_SECONDS = 60.0  # a refusal is logged at most this often, with the count so far
 
 _SEND_DIRECT_BYTES = 16 * 1024  # larger buffers go to sendall() as they are, smaller are coalesced
 _MAX_IDLE = 32
@@ -154,6 +182,12 @@ class AnsweringTimeout(RedisTimeoutError):
     every tenant shares."""
 
 
+class NoConnectionFree(AnsweringTimeout):
+    """The caller's deadline passed while it waited for a connection (all `max_connections` in use,
+    or Redis refusing more at its maxclients), or too soon after one came free to say anything
+    about the server. Not against the server either: it answers the connections held."""
+
+
 def _remaining(deadline_at: float) -> float:
     left = deadline_at - time.monotonic()
     if left <= 0:
@@ -165,14 +199,24 @@ class SingleNodeTransport:
     kind = "redis"
 
     def __init__(self, url: str | Mapping[str, Any], socket_timeout_seconds: float,
-                 connect_timeout_seconds: float) -> None:
+                 connect_timeout_seconds: float, max_connections: int = MAX_CONNECTIONS) -> None:
         # A URL, or (one node of a cluster) its connections' keyword arguments, connection_class too.
         self._kwargs: dict[str, Any] = parse_url(url) if isinstance(url, str) else dict(url)
         self._cls: type[AbstractConnection] = _hearing(self._kwargs.pop("connection_class", Connection))
+        host, port = self._kwargs.get("host", "localhost"), self._kwargs.get("port", 6379)
+        self._where = self._kwargs.get("path") or f"{host}:{port}"  # for the log
         self._socket_timeout = socket_timeout_seconds
         self._connect_timeout = connect_timeout_seconds
+        self._max_connections = max_connections
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  # a connection idle again, or room to open one
         self._idle: list[AbstractConnection] = []
+        self._open = 0  # lent out or idle (an idle one without a socket reconnects when taken)
+        self._limited = False  # Redis refused a connection for maxclients and took none new since
+        self._refused_at = -math.inf
+        self._try_at = -math.inf  # while limited: when one more connection may be tried
+        self._refusals = 0
+        self._refusal_logged_at = -math.inf
         self._closed = False
 
     def node_for(self, key: bytes) -> str:
@@ -190,16 +234,27 @@ class SingleNodeTransport:
         return self._exchange(commands, deadline_at, asking, atomic=False)
 
     def _exchange(self, commands: Sequence[Command], deadline_at: float, asking: bool, atomic: bool) -> list[Any]:
-        started = time.monotonic()
-        conn = self._acquire()
+        queued_at = time.monotonic()
+        while True:
+            conn = self._acquire(deadline_at)
+            try:
+                return self._exchange_on(conn, commands, deadline_at, asking, atomic, queued_at)
+            except MaxClientsReachedError:
+                continue  # refused in the handshake, nothing sent: wait for a connection held
+
+    def _exchange_on(self, conn: AbstractConnection, commands: Sequence[Command], deadline_at: float,
+                     asking: bool, atomic: bool, queued_at: float) -> list[Any]:
+        started = time.monotonic()  # the server's time: the wait for a connection is not
         clean = False  # every reply read: the connection may be reused as it is
         server_trouble = True  # the failure, if any, may mean the server went away
+        refused = False  # by a Redis at its maxclients
         heard = _replies_read(conn)  # more by the end: the server was answering this call
         # Socket timeouts bound each recv(), not a reply read in many of them: the watchdog ends
         # the transaction at its deadline however its bytes come.
         armed = _WATCHDOG.arm(conn, deadline_at)
         try:
             self._cap(conn, deadline_at)
+            self._connect(conn)
             conn.send_packed_command(_pack(commands, asking, atomic), check_health=False)
             if not atomic:
                 replies: list[Any] = []
@@ -236,6 +291,9 @@ class SingleNodeTransport:
                 raise
             clean = True
             return list(replies)
+        except MaxClientsReachedError:
+            refused = True  # the server is up and the connections held work
+            raise
         except (RedisTimeoutError, RedisConnectionError, OSError) as e:
             timed_out = isinstance(e, RedisTimeoutError)
             if not (timed_out or armed.fired):
@@ -247,6 +305,10 @@ class SingleNodeTransport:
             server_trouble = not cut_answering and telling_timeout(time.monotonic() - started, self._socket_timeout)
             if cut_answering:
                 raise AnsweringTimeout("pool call deadline passed while Redis was answering") from e
+            if not server_trouble and telling_timeout(time.monotonic() - queued_at, self._socket_timeout):
+                # Too soon to tell here; the pool, whose clock ran while the call waited for a
+                # connection, would count it against the server.
+                raise NoConnectionFree("pool call deadline passed soon after a connection came free") from e
             if timed_out:
                 raise
             raise RedisTimeoutError("pool call deadline passed while Redis was still answering") from e
@@ -256,20 +318,30 @@ class SingleNodeTransport:
                 # server answered in time: only this connection goes, not the idle ones.
                 server_trouble = server_trouble and not clean
                 clean = False
-            self._release(conn, clean, server_trouble)
+            if refused:
+                self._refused()
+            else:
+                self._release(conn, clean, server_trouble)
 
     def memory(self, deadline_at: float) -> ServerMemory:
-        conn = self._acquire()
-        clean = False
+        conn = self._acquire(deadline_at)
+        clean = refused = False
         try:
             self._cap(conn, deadline_at)
+            self._connect(conn)
             conn.send_command("INFO", "memory", check_health=False)
             self._cap(conn, deadline_at)
             reply = conn.read_response()
             clean = True
+        except MaxClientsReachedError:
+            refused = True  # not waited out: nobody waits on this figure
+            raise
         finally:
             # A failure here drops this connection only: the calls' own failures judge the server.
-            self._release(conn, clean, server_trouble=False)
+            if refused:
+                self._refused()
+            else:
+                self._release(conn, clean, server_trouble=False)
         if not isinstance(reply, bytes | str):
             raise ResponseError(f"INFO memory answered {type(reply).__name__}")
         return memory_of([parse_info(reply)])
@@ -278,19 +350,86 @@ class SingleNodeTransport:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            self._open -= len(idle)
+            self._freed.notify_all()  # waiters go on at once, as when a connection was free
         for conn in idle:
             conn.disconnect()
 
-    def _acquire(self) -> AbstractConnection:
+    def _acquire(self, deadline_at: float | None = None) -> AbstractConnection:
+        """An idle connection, else a new one (not connected yet) while fewer than
+        `max_connections` are open and Redis is not refusing them; else one waited for until
+        `deadline_at` (None: no limit), or `NoConnectionFree`. Closed, it opens one at once, which
+        goes at its release (a cluster closes the transport of a node leaving the map under calls)."""
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return self._cls(
-            **self._kwargs,
-            socket_timeout=self._socket_timeout,
-            socket_connect_timeout=self._connect_timeout,
-            retry=Retry(NoBackoff(), 0),  # the pool retries, within the caller's deadline
-        )
+            while True:
+                if self._idle:
+                    return self._idle.pop()
+                now = time.monotonic()
+                room = self._open < self._max_connections or self._closed
+                if room and (not self._limited or now >= self._try_at):
+                    if self._limited:
+                        self._try_at = now + MAXCLIENTS_RETRY_SECONDS  # one try at a time while refused
+                    self._open += 1
+                    break
+                left = math.inf if deadline_at is None else deadline_at - now
+                if left <= 0:
+                    why = "Redis refuses more (maxclients)" if self._limited else "all in use"
+                    raise NoConnectionFree(f"no connection to Redis came free within the call's deadline "
+                                           f"({self._open} open, {why})")
+                if room and self._limited:
+                    left = min(left, self._try_at - now)  # > 0: else it would have tried
+                self._freed.wait(None if math.isinf(left) else left)
+        try:
+            return self._cls(
+                **self._kwargs,
+                socket_timeout=self._socket_timeout,
+                socket_connect_timeout=self._connect_timeout,
+                retry=Retry(NoBackoff(), 0),  # the pool retries, within the caller's deadline
+            )
+        except BaseException:
+            with self._lock:
+                self._open -= 1
+                self._freed.notify()
+            raise
+
+    def _connect(self, conn: AbstractConnection) -> None:
+        """The handshake of a connection without a socket, where a Redis at its maxclients refuses
+        it (`MaxClientsReachedError`); one taken after the last refusal says there is room again."""
+        if getattr(conn, "_sock", None) is not None:
+            return
+        tried_at = time.monotonic()
+        try:
+            conn.connect()
+        except ResponseError as e:
+            # A node in cluster mode words it "max number of clients + cluster connections
+            # reached", which redis-py leaves a plain ResponseError.
+            if str(e).startswith("max number of clients"):
+                raise MaxClientsReachedError(str(e)) from e
+            raise
+        if self._limited:  # read without the lock: a stale False costs only a wait for a held one
+            with self._lock:
+                if self._limited and tried_at > self._refused_at:
+                    self._limited = False
+                    self._freed.notify_all()
+
+    def _refused(self) -> None:
+        """A connection Redis refused for its maxclients (redis-py closed it) is dropped; the idle
+        ones stay, and callers wait for those held. One line a minute, with the count."""
+        now = time.monotonic()
+        with self._lock:
+            self._open -= 1
+            self._limited, self._refused_at = True, now
+            self._try_at = now + MAXCLIENTS_RETRY_SECONDS
+            self._refusals += 1
+            held, refusals = self._open, self._refusals
+            say = now - self._refusal_logged_at >= MAXCLIENTS_LOG_SECONDS
+            if say:
+                self._refusal_logged_at = now
+        if say:
+            log.warning("Redis at %s refused a new connection: it has its maxclients clients (CONFIG GET "
+                        "maxclients); the local pool's calls share the %d connection(s) held, waiting within "
+                        "their deadlines, and try one more every %.2f s at most (%d refusal(s) so far; "
+                        "logged once a minute)", self._where, held, MAXCLIENTS_RETRY_SECONDS, refusals)
 
     def _release(self, conn: AbstractConnection, clean: bool, server_trouble: bool) -> None:
         stale: list[AbstractConnection] = []
@@ -306,6 +445,8 @@ class SingleNodeTransport:
             keep = not self._closed and len(self._idle) < _MAX_IDLE
             if keep:
                 self._idle.append(conn)
+            self._open -= len(stale) + (not keep)
+            self._freed.notify(len(stale) + 1)  # each one to take, or room to open one
         if not keep:
             conn.disconnect()
         for c in stale:
@@ -469,9 +610,11 @@ def _pack(commands: Sequence[Command], asking: bool, atomic: bool) -> list[Bytes
 class ClusterTransport:
     kind = "redis-cluster"
 
-    def __init__(self, url: str, socket_timeout_seconds: float, connect_timeout_seconds: float) -> None:
+    def __init__(self, url: str, socket_timeout_seconds: float, connect_timeout_seconds: float,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self._nodes, self._kwargs = parse_cluster_url(url)
         self._socket_timeout, self._connect_timeout = socket_timeout_seconds, connect_timeout_seconds
+        self._max_connections = max_connections  # per node
         node_kwargs = {k: v for k, v in self._kwargs.items() if k != "ssl"}
         node_kwargs["connection_class"] = SSLConnection if self._kwargs.get("ssl") else Connection
         self._node_kwargs = node_kwargs
@@ -584,7 +727,8 @@ class ClusterTransport:
             node = self._node_transports.get(name)
             if node is None:
                 node = self._node_transports[name] = SingleNodeTransport(
-                    {**self._node_kwargs, "host": host, "port": port}, self._socket_timeout, self._connect_timeout)
+                    {**self._node_kwargs, "host": host, "port": port}, self._socket_timeout, self._connect_timeout,
+                    self._max_connections)
         return node
 
     def _connect(self, deadline_at: float) -> RedisCluster:
