@@ -3,8 +3,10 @@ bill) as a new request, and the memory stays bounded in total."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvstore.config import KvstoreConfig
-from kvstore.observe.records import CallRecord
+from kvstore.observe.records import FACTS_OVERHEAD_BYTES, CallRecord, PromptKey
 from kvstore.observe.retries import RETRY_MEMORY, RecentRequests
 from kvstore.service.admin_server import build_observability
 from tests.test_admin_workload import FakeClock
@@ -43,3 +45,34 @@ def test_the_retry_memory_is_bounded_in_total_and_split_by_share_weight() -> Non
     assert seen.repeated(("alice", "a-999", "Lookup"), 1000.0)  # the latest are remembered
     assert seen.repeated(("bob", "b-999", "Lookup"), 1000.0)
     assert not seen.repeated(("bob", "b-0", "Lookup"), 1000.0)  # the oldest forgotten first
+
+
+def test_the_prompt_is_hashed_once_by_the_observers_and_its_tokens_let_go() -> None:
+    # The servicers hashed each prompt before answering (~3 ms for 1M tokens). Now the record
+    # references the call's tokens, the first observer to ask hashes them, and the others reuse it.
+    tokens = np.arange(1000, dtype="<u4")
+    key = PromptKey(b"ns", tokens)
+    rec = CallRecord(method="Lookup", tenant="acme", code="OK", seconds=0.001, request_id="r1", at=1.0, prompt=key)
+    assert rec.retained_bytes == FACTS_OVERHEAD_BYTES + tokens.nbytes
+    first, second = RecentRequests(), RecentRequests()
+    assert not first.retry(rec) and key.retained_bytes == 0  # hashed: the tokens are let go
+    assert not second.retry(rec) and first.retry(rec)
+    other = PromptKey(b"ns", tokens[::-1].copy())
+    assert not first.retry(CallRecord(method="Lookup", tenant="acme", code="OK", seconds=0.001,
+                                      request_id="r1", at=2.0, prompt=other))  # same id, new prompt
+    assert other.digest != key.digest and len(key.digest) == 16
+    assert PromptKey(b"other-ns", tokens).digest != key.digest
+
+
+def test_a_lightened_record_hashes_its_prompt_and_drops_the_tokens() -> None:
+    tokens = np.arange(4096, dtype="<u4")
+    rec = CallRecord(method="Load", tenant="acme", code="OK", seconds=0.001, request_id="r1",
+                     prompt=PromptKey(b"ns", tokens))
+    light = rec.lightened()
+    assert light is not rec and light.retained_bytes == FACTS_OVERHEAD_BYTES
+    assert light.prompt is not None and light.prompt.digest == PromptKey(b"ns", tokens).digest
+    assert light.lightened() is light
+    bare = CallRecord(method="Lookup", tenant="acme", code="OK", seconds=0.001, request_id="r2")
+    assert bare.lightened() is bare and bare.retained_bytes == FACTS_OVERHEAD_BYTES
+    seen = RecentRequests()
+    assert not seen.retry(bare) and seen.retry(bare)  # without a prompt: by the id alone

@@ -19,7 +19,8 @@ instead of memory growing. `close()` delivers what is waiting and stops the thre
 
 Bounded by bytes too. A record may say roughly what it keeps alive (`retained_bytes`) and offer a
 lighter copy of itself (`lightened()`): a cold 1M-token Lookup's facts hold a copy of the ids of
-the chunks the miss explainer will hash (~2 MB), and its observers cost ~5x the call. When the
+the chunks the miss explainer will hash (~2 MB), and its observers cost ~5x the call; a long
+prompt's record holds its token ids (4 MB for 1M tokens) until an observer hashes them. When the
 records waiting hold `max_pending_bytes`, a new record is queued lightened (counted in `shed`): its
 observers still see it, and count it exactly, but skip the expensive part (the explainer examines
 only the chunks noted as it answered). Past the budget, records that cannot be lightened (or
@@ -44,8 +45,9 @@ log = logging.getLogger("kvstore.service")
 R = TypeVar("R")
 MAX_PENDING = 10_000
 # What the records waiting may keep alive before new ones are queued lightened: 8 cold 1M-token
-# Lookups' copied ids (~2 MB each), ~30 ms of the observers' work. Only a record with a deferred
-# part (a miss past 256 chunks, with the admin port or the trace on) can be lightened; the others
+# Lookups' copied ids (~2 MB each), ~30 ms of the observers' work; or four 1M-token prompts' ids
+# (lightened: hashed by their caller). Only a record with a deferred part (a miss past 256 chunks,
+# with the admin port or the trace on; a prompt not yet hashed) can be lightened; the others
 # (up to ~20 KB each: their noted keys) count too, and past twice the budget their callers deliver them.
 MAX_PENDING_BYTES = 16 << 20
 # How long records gather before a batch is delivered. By then the calls that made them have long
@@ -91,15 +93,20 @@ class ObserverQueue(Generic[R]):
         size = _retained_bytes(record)
         with self._bytes_lock:
             over = bool(self._bytes) and self._bytes + size > self._max_bytes  # one alone always fits
-            if over:
-                lighter = _lightened(record)
+            if not over:
+                self._bytes += size
+        if over:
+            # Outside the lock: lightening may take milliseconds (hashing a long prompt), which
+            # other calls and the delivering thread need not wait for.
+            lighter = _lightened(record)
+            with self._bytes_lock:
                 if lighter is not record:
                     record, size = lighter, _retained_bytes(lighter)
                     self.shed += 1
                 # Past the budget only light records wait, within as much again.
-                over = self._bytes + size > 2 * self._max_bytes
-            if not over:
-                self._bytes += size
+                over = bool(self._bytes) and self._bytes + size > 2 * self._max_bytes
+                if not over:
+                    self._bytes += size
         if over:  # still too heavy to wait: delivered here, as by a call that finds the queue full
             self._deliver(record)
             return

@@ -3,9 +3,12 @@ that the metrics, the ledger and the explainer all see of a priced request (a Lo
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+import numpy as np
 
 from kvstore.layout import TierName
 from kvstore.wire.bills import Bills
@@ -14,6 +17,8 @@ from kvstore.wire.bills import Bills
 # and per key noted when the call answered a 32-byte bytes object (65 B) and two tuple slots.
 FACTS_OVERHEAD_BYTES = 1024
 NOTED_KEY_BYTES = 81
+# Bytes of `PromptKey.digest` kept: 128 bits, so that no tenant can make two prompts collide.
+PROMPT_DIGEST_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,43 @@ class LocalReadFacts:
     boundary_key: bytes
 
 
+class PromptKey:
+    """What names a request's prompt (a retry repeats it): its namespace digest (tenant, model,
+    mode, salt) and token ids. Hashed when first read (`digest`), by an observer after the call
+    answered: SHA-256 of a 1M-token prompt takes ~3 ms, which the caller would otherwise wait for.
+    Until then it references the call's token array (no copy), and lets it go once hashed."""
+
+    __slots__ = ("_digest", "_namespace", "_tokens")
+
+    def __init__(self, namespace: bytes, tokens: np.ndarray | None, digest: bytes = b"") -> None:
+        """`tokens`: the call's token ids; None with the `digest` already computed."""
+        self._namespace = namespace
+        self._tokens = tokens
+        self._digest = digest
+
+    @property
+    def digest(self) -> bytes:
+        """The first `PROMPT_DIGEST_BYTES` of SHA-256 over the namespace and the u32le token ids."""
+        tokens = self._tokens  # read once: another thread may hash it too (the same result)
+        if tokens is not None:
+            h = hashlib.sha256(self._namespace)
+            h.update(np.ascontiguousarray(tokens, dtype="<u4").data)
+            self._digest = h.digest()[:PROMPT_DIGEST_BYTES]
+            self._tokens = None
+        return self._digest
+
+    @property
+    def retained_bytes(self) -> int:
+        """The token bytes this key keeps alive until it is hashed."""
+        tokens = self._tokens
+        return 0 if tokens is None else int(tokens.nbytes)
+
+    def lightened(self) -> PromptKey:
+        """This key hashed now, without the tokens (itself when it holds none)."""
+        if self._tokens is None:
+            return self
+        return PromptKey(self._namespace, None, self.digest)
+
 
 @dataclass(frozen=True)
 class CallRecord:
@@ -160,23 +202,26 @@ class CallRecord:
     at: float | None = None  # the app's clock when the call finished (observers see it later)
     # Load, Resume, Store, LoadLocal, StoreLocal, a holding Lookup: "shm" (same-host shared memory) or "stream"
     data_path: str = ""
-    # Lookup, Resume, Load: `retries.prompt_digest` of the namespace and token ids (a retry is the
-    # same id and prompt); b"": not known.
-    prompt: bytes = b""
+    # Lookup, Resume, Load: the prompt, what a retry repeats with the request id; None: not known.
+    prompt: PromptKey | None = field(default=None, compare=False, repr=False)
     namespace: bytes = b""  # the call's namespace digest, once resolved (never reported)
 
     # What the observer queue weighs and sheds (kvstore.observe.queue).
     @property
     def retained_bytes(self) -> int:
         """Roughly what this record keeps alive while it waits for the observers."""
-        return self.facts.retained_bytes if isinstance(self.facts, LookupFacts) else FACTS_OVERHEAD_BYTES
+        held = self.facts.retained_bytes if isinstance(self.facts, LookupFacts) else FACTS_OVERHEAD_BYTES
+        return held + (0 if self.prompt is None else self.prompt.retained_bytes)
 
     def lightened(self) -> CallRecord:
-        """This record with its lookup facts' deferred part dropped (`LookupFacts.lightened`)."""
-        facts = self.facts
-        if not isinstance(facts, LookupFacts) or facts.miss_keys_fn is None:
+        """This record with its lookup facts' deferred part dropped (`LookupFacts.lightened`) and
+        its prompt hashed now (`PromptKey.lightened`). Itself when neither holds anything."""
+        facts, prompt = self.facts, self.prompt
+        light_facts = facts.lightened() if isinstance(facts, LookupFacts) else facts
+        light_prompt = None if prompt is None else prompt.lightened()
+        if light_facts is facts and light_prompt is prompt:
             return self
-        return replace(self, facts=facts.lightened())
+        return replace(self, facts=light_facts, prompt=light_prompt)
 
 
 CallObserver = Callable[[CallRecord], None]

@@ -40,7 +40,7 @@ import numpy as np
 from kvstore.errors import InvalidInput, ResourceExhausted, Unauthenticated, Unavailable
 from kvstore.keys.chunk_keys import REPLAY_MODES, Namespace
 from kvstore.layout import CacheLayout, ModelSpec
-from kvstore.observe.records import CallRecord, LocalReadFacts, LocalWriteFacts, LookupFacts
+from kvstore.observe.records import CallRecord, LocalReadFacts, LocalWriteFacts, LookupFacts, PromptKey
 from kvstore.service.app import App
 from kvstore.service.auth import Authenticator
 from kvstore.service.codes import is_expected, status_for
@@ -73,7 +73,7 @@ class CallState:
     # The caller's x-kvstore-purpose, where honoured (a Lookup narrows it: `purposes.honoured`);
     # "" for an engine request (wire/purposes.py).
     purpose: str = ""
-    prompt: bytes = b""  # Lookup, Resume, Load: `retries.prompt_digest`, what a retry repeats
+    prompt: PromptKey | None = None  # Lookup, Resume, Load: what a retry repeats (hashed by the observers)
     namespace: bytes = b""  # the resolved namespace's digest
     facts: LookupFacts | LocalWriteFacts | LocalReadFacts | None = None
     extra: dict[str, float] = field(default_factory=dict)

@@ -34,7 +34,7 @@ from kvstore import __version__
 from kvstore.dataplane import UNKNOWN_SESSION
 from kvstore.errors import InvalidInput
 from kvstore.layout import EngineLayerGroup, EngineModel, ModelSpec, check_engine_group_count
-from kvstore.observe.retries import prompt_digest
+from kvstore.observe.records import PromptKey
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.pricing import facts_for_lookup, peek_local_status, price
 from kvstore.service.replay_threads import ReplayThreads
@@ -114,7 +114,7 @@ class KVCacheServicer(LocalStateCalls):
             # A mark that could hide the hit (a probe of a prompt, a pre-check that held chunks) is dropped.
             call.purpose = honoured(call.purpose, len(res.tokens), bool(held))
             if not call.purpose:  # a request: a retry of it repeats its id and this
-                call.prompt = prompt_digest(res.ns.digest, res.tokens)
+                call.prompt = PromptKey(res.ns.digest, res.tokens)
             snapshot = res.layout.local_snapshot_bytes
             bills = price(res, r.chunk_tiers, replay_tokens=0,
                           local_bytes=snapshot if state == "hit" else 0)
@@ -294,7 +294,7 @@ class KVCacheServicer(LocalStateCalls):
             req = parsed.message
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt, parsed.u32le)
             shm = self.shm_session(call, req.shm_session, res.layout.chunk_bytes)
-            call.prompt = prompt_digest(res.ns.digest, res.tokens)
+            call.prompt = PromptKey(res.ns.digest, res.tokens)
             with self.app.store.load(res.ns, res.tokens, req.max_chunks or None) as session:
                 n = len(session)
                 # The tier of each chunk handed to gRPC, added before the message that carries it is

@@ -42,8 +42,7 @@ import grpc
 
 from kvstore.errors import InvalidInput
 from kvstore.local_pool.base import GetResult
-from kvstore.observe.records import LocalReadFacts, LocalWriteFacts, lookup_facts
-from kvstore.observe.retries import prompt_digest
+from kvstore.observe.records import LocalReadFacts, LocalWriteFacts, PromptKey, lookup_facts
 from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.codes import is_expected, status_for
 from kvstore.service.pricing import (
@@ -325,7 +324,7 @@ class LocalStateCalls:
             parsed = accept_tokens(request, pb.ResumeRequest)
             req = parsed.message
             res = self.guard.resolve(call, req.model, req.replay_mode, req.tokens, req.cache_salt, parsed.u32le)
-            call.prompt = prompt_digest(res.ns.digest, res.tokens)
+            call.prompt = PromptKey(res.ns.digest, res.tokens)
             assert call.stream is not None
             yield from call.stream.sent(self._resume(call, req, res, context))
 
