@@ -4,15 +4,10 @@ clients 503 at once where descriptors ran out, and takes connections again once 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import http.client
-import json
 import os
-import queue
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +17,7 @@ from typing import Any
 import pytest
 
 from kvstore.observe import admin_http
+from tests.helpers.scripted_child import ScriptedChild
 from tests.helpers.waiting import wait_until
 from tests.test_admin_workload import Rig
 
@@ -85,51 +81,9 @@ rig.close()
 """
 
 
-class Child:
-    def __init__(self, tmp: Path) -> None:
-        self._err = (tmp / "child.err").open("w")
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp)], cwd=REPO, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
-                                     env=dict(os.environ, PYTHONPATH=str(REPO)))
-        self._answers: queue.Queue[dict[str, Any]] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.port = int(self.answer(60.0)["port"])
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self._answers.put(json.loads(line))
-
-    def answer(self, timeout: float = 30.0) -> dict[str, Any]:
-        try:
-            return self._answers.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"the admin process did not answer (exit {self.proc.poll()})") from None
-
-    def ask(self, cmd: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        return self.answer()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            with contextlib.suppress(OSError):  # it has gone already
-                self.proc.stdin.write("stop\n")
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._err.close()
-
-
 @pytest.fixture
-def child(tmp_path: Path) -> Iterator[Child]:
-    c = Child(tmp_path)
+def child(tmp_path: Path) -> Iterator[ScriptedChild]:
+    c = ScriptedChild(CHILD, [str(tmp_path)], tmp_path / "child.err", "admin process")
     yield c
     c.close()
 
@@ -150,14 +104,14 @@ def _healthz(port: int, timeout: float = 10.0) -> int | str:
         conn.close()
 
 
-def test_out_of_descriptors_probes_get_503_at_once_one_line_is_logged_and_it_recovers(child: Child) -> None:
+def test_out_of_descriptors_probes_get_503_at_once_one_line_is_logged_and_it_recovers(child: ScriptedChild) -> None:
     # Under RLIMIT_NOFILE the stdlib loop caught accept()'s EMFILE and selected again at once, its
     # connection still queued: a full core, /healthz and /metrics timed out, and nothing was logged.
     assert child.ask("fill")["held"] > 0
     before = child.ask("stats")
     since = time.monotonic()
     # A second wave meets the reserve descriptor taken back after the first.
-    waves = [[_healthz(child.port) for _ in range(3)] for _ in range(2)]
+    waves = [[_healthz(child.ready["port"]) for _ in range(3)] for _ in range(2)]
     assert waves == [[503] * 3] * 2, waves
     stats = child.ask("stats")
     # Pauses of 0.1, 0.2, 0.4 s and then 1 s: T seconds hold at most 4 + T failed tries, however
@@ -167,7 +121,7 @@ def test_out_of_descriptors_probes_get_503_at_once_one_line_is_logged_and_it_rec
     assert stats["warnings"]["accept failed"] == 1, stats  # once a minute, whatever the count
 
     child.ask("free")
-    wait_until(lambda: _healthz(child.port) == 200)  # tried again after its last pause (a second at most)
+    wait_until(lambda: _healthz(child.ready["port"]) == 200)  # tried again after its last pause (a second at most)
     assert child.ask("stats")["warnings"]["accept failed"] == 1
 
 

@@ -5,14 +5,9 @@ takes connections again once accept() works."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import json
 import os
-import queue
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,8 +21,9 @@ from kvstore.dataplane import data_socket_path
 from kvstore.dataplane.peer import ShmPath, ShmUnavailable
 from kvstore.dataplane.side_socket import SideSocketClosed, recv_message
 from tests.fixtures.service import CHUNK, TOY, Service, payloads, tokens
+from tests.helpers.scripted_child import ScriptedChild
 from tests.helpers.waiting import wait_until
-from tests.test_service_shm import REPO, shm_config
+from tests.test_service_shm import shm_config
 
 # `kvstore serve`'s own app and server in a child process, whose descriptors it runs out of on
 # command ("fill": RLIMIT_NOFILE lowered to a few over those open, then every one left taken) and
@@ -76,48 +72,6 @@ svc.stop(0.5)
 """
 
 
-class Child:
-    def __init__(self, sock: Path, data: Path, stderr: Path) -> None:
-        self._err = stderr.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(sock), str(data)], cwd=REPO, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
-                                     env=dict(os.environ, PYTHONPATH=str(REPO)))
-        self._answers: queue.Queue[dict[str, Any]] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.answer(60.0)  # ready
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self._answers.put(json.loads(line))
-
-    def answer(self, timeout: float = 30.0) -> dict[str, Any]:
-        try:
-            return self._answers.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"the service process did not answer (exit {self.proc.poll()})") from None
-
-    def ask(self, cmd: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        return self.answer()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            with contextlib.suppress(OSError):  # it has gone already
-                self.proc.stdin.write("stop\n")
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._err.close()
-
-
 def _answered(sock: socket.socket, deadline: float) -> str:
     """What a side-socket connection that sent nothing hears: the refusal, or that it was closed."""
     try:
@@ -128,14 +82,15 @@ def _answered(sock: socket.socket, deadline: float) -> str:
 
 
 @pytest.fixture
-def child(sock_dir: Path, tmp_path: Path) -> Iterator[Child]:
-    c = Child(sock_dir / "kv.sock", tmp_path / "data", tmp_path / "child.err")
+def child(sock_dir: Path, tmp_path: Path) -> Iterator[ScriptedChild]:
+    c = ScriptedChild(CHILD, [str(sock_dir / "kv.sock"), str(tmp_path / "data")], tmp_path / "child.err",
+                      "service process")
     yield c
     c.close()
 
 
 def test_out_of_descriptors_the_listener_refuses_newcomers_once_logged_and_recovers(
-        child: Child, sock_dir: Path) -> None:
+        child: ScriptedChild, sock_dir: Path) -> None:
     # Under RLIMIT_NOFILE the failed accept was logged and returned, its connection still queued:
     # the listener woke at once for ever (a full core, 140,933 warning lines in 5 s), and the
     # newcomer waited out its hello.
