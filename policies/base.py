@@ -21,9 +21,9 @@ class EvictionPolicy(Protocol):
 
     def insert_run(self, run: KeyRun, nbytes: np.ndarray, cost: float) -> None:
         """The chunks of `run` (none of them tracked yet) entered the tier before every chunk
-        tracked now, in the run's order, key i with size `nbytes[i]`: into a policy that has
-        evicted nothing yet (one run at a time), and into an empty one the same as `insert`ing
-        them one by one in that order. Kept compactly (policies/key_run.py)
+        tracked now, in the run's order (`run.order`, else key order), key i with size `nbytes[i]`:
+        into a policy that has evicted nothing yet (one run at a time), and into an empty one the
+        same as `insert`ing them one by one in that order. Kept compactly (policies/key_run.py)
         until something happens to a key; `nbytes` is kept as given, not copied."""
         ...
 

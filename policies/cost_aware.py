@@ -19,9 +19,9 @@ outnumber live ones, so every operation stays O(log n) amortised.
 
 A run of keys (`insert_run`, a restart's chunks) is kept as arrays: each key's priority is fixed
 when the run goes in (the clock then + cost / size, frequency 1) and its sequence number is below
-every other, as if inserted first; the run's live keys, in (priority, run order), are a second
-sorted source beside the heap that `evict` merges with it. A key leaves the run (for the heap) when
-it is touched or inserted again.
+every other, as if inserted first; the run's live keys, in (priority, the run's order:
+`KeyRun.order`, a restart's deepest chunks first), are a second sorted source beside the heap that
+`evict` merges with it. A key leaves the run (for the heap) when it is touched or inserted again.
 
 With `young_keys` set, only that many entries are objects: the oldest inserted of the others
 leave, in batches, for a `KeyLog` (policies/key_log.py: size, cost, frequency, priority and
@@ -75,14 +75,14 @@ class CostAwarePolicy:
         self._clock = 0.0  # the "L" of GreedyDual: priority of the last victim
         self._seq = 0
         self._bytes = 0
-        # The run. _run_order: run indices by (priority, index); _run_next: no live key before it
-        # in that order. Sequence numbers of the run are index - len(run): below every other.
+        # The run. _run_order: run indices by (priority, the run's order); _run_next: no live key
+        # before it in that order. Sequence numbers of the run are negative: below every other.
         self._run: KeyRun | None = None
         self._run_sizes = np.zeros(0, dtype=np.int64)
         self._run_alive = np.zeros(0, dtype=bool)
         self._run_priority = np.zeros(0, dtype=np.float64)  # by size class
         self._run_size_of = np.zeros(0, dtype=np.uint16)  # each key's size class
-        self._run_order: np.ndarray | None = None  # None: the identity (one size for the whole run)
+        self._run_order: np.ndarray | None = None  # None: the identity (one size, and the run in key order)
         self._run_cost = 0.0
         self._run_live = 0
         self._run_next = 0
@@ -130,7 +130,11 @@ class CostAwarePolicy:
         per_size = self._clock + cost / np.maximum(sizes, 1).astype(np.float64)
         self._run_priority = per_size
         self._run_size_of = inverse.reshape(-1).astype(np.uint16 if len(sizes) <= 1 << 16 else np.int64, copy=False)
-        self._run_order = None if len(sizes) <= 1 else np.argsort(per_size[self._run_size_of], kind="stable")
+        order = run.order
+        if len(sizes) > 1:  # by priority, the run's order kept among equals
+            prio = per_size[self._run_size_of]
+            order = np.argsort(prio, kind="stable") if order is None else order[np.argsort(prio[order], kind="stable")]
+        self._run_order = order
         self._run_live, self._run_next = n, 0
         self._bytes += int(nbytes.sum())
 
@@ -198,7 +202,7 @@ class CostAwarePolicy:
             r = -1
             if pos < n_run:
                 r = self._run_at(pos)
-                best = (float(self._run_priority[self._run_size_of[r]]), r - n_run)
+                best = (float(self._run_priority[self._run_size_of[r]]), pos - n_run)
             if lheads and (best is None or lheads[0][:2] < best):
                 best, src = lheads[0][:2], lheads[0][2]
             if best is None and not heap:
@@ -294,7 +298,7 @@ class CostAwarePolicy:
         return self._run.key(r)
 
     def _run_at(self, pos: int) -> int:
-        """The run index at `pos` in the run's (priority, index) order."""
+        """The run index at `pos` in the run's (priority, the run's order) order."""
         return pos if self._run_order is None else int(self._run_order[pos])
 
     def _run_pos(self, start: int | None = None) -> int:
@@ -308,9 +312,7 @@ class CostAwarePolicy:
             return self._run_next
         if self._run_order is None:
             return first_alive(self._run_alive, start)
-        while start < n and not self._run_alive[self._run_order[start]]:
-            start += 1
-        return start
+        return first_alive_of(self._run_alive, self._run_order, start)
 
     def _from_run(self, key: bytes) -> _Entry | None:
         """Move `key` out of the run into an ordinary entry (as the run holds it: frequency 1,

@@ -9,6 +9,12 @@ policy given a run (`EvictionPolicy.insert_run`) keeps per key only what it need
 a size, a frequency counter) in arrays beside it, and moves a key into its ordinary structures
 only when something happens to it that the run cannot express.
 
+A run's keys are in key order, for the search; the order a policy takes them in (oldest first) is
+`order`, a permutation of their indices (4 B a key), or key order where it is None: the store
+orders a restart's run deepest chunk first, so that what eviction leaves of a prompt is its head.
+A policy's arrays stay indexed by key index; it walks them through `at(position)` and
+`next_alive`.
+
 Pure: no I/O, no clock; numpy only.
 """
 
@@ -31,11 +37,12 @@ def key_prefixes(keys: np.ndarray) -> np.ndarray:
 class KeyRun:
     """`n` distinct keys of one width in ascending byte order. `keys` is `(n, width)` uint8 and
     `prefixes` its `key_prefixes` (passed in when the caller holds them already: a view costs no
-    memory). Read-only once built: a policy that forgets a key marks it dead in its own arrays."""
+    memory). `order`: the key indices in the order a policy takes them (oldest first), None for key
+    order. Read-only once built: a policy that forgets a key marks it dead in its own arrays."""
 
-    __slots__ = ("keys", "prefixes", "width")
+    __slots__ = ("keys", "order", "prefixes", "width")
 
-    def __init__(self, keys: np.ndarray, prefixes: np.ndarray | None = None) -> None:
+    def __init__(self, keys: np.ndarray, prefixes: np.ndarray | None = None, order: np.ndarray | None = None) -> None:
         if keys.ndim != 2 or keys.dtype != np.uint8:
             raise ValueError("a key run is an (n, width) uint8 array")
         self.keys = keys
@@ -43,16 +50,32 @@ class KeyRun:
         self.prefixes = key_prefixes(keys) if prefixes is None else prefixes
         if len(self.prefixes) != len(keys):
             raise ValueError("one prefix per key")
+        if order is not None and (order.ndim != 1 or len(order) != len(keys) or order.dtype.kind != "u"):
+            raise ValueError("a run's order is one unsigned index per key")
+        self.order = order
+
+    def at(self, pos: int) -> int:
+        """The index of the key at `pos` in the run's order."""
+        return pos if self.order is None else int(self.order[pos])
+
+    def next_alive(self, alive: np.ndarray, start: int) -> int:
+        """The first position >= `start` in the run's order whose key's flag in `alive` (indexed
+        by key index) is set, or len(run)."""
+        return first_alive(alive, start) if self.order is None else first_alive_of(alive, self.order, start)
 
     @classmethod
-    def of(cls, keys: list[bytes]) -> KeyRun:
-        """A run of `keys` (sorted here; they must be distinct and of one width)."""
+    def of(cls, keys: list[bytes], in_given_order: bool = False) -> KeyRun:
+        """A run of `keys` (sorted here; they must be distinct and of one width), taken in key order,
+        or with `in_given_order` in the order given."""
         ordered = sorted(keys)
         width = len(ordered[0]) if ordered else _PREFIX_BYTES
         arr = np.frombuffer(b"".join(ordered), dtype=np.uint8).reshape(len(ordered), width).copy()
         if len(set(ordered)) != len(ordered):
             raise ValueError("the keys of a run are distinct")
-        return cls(arr)
+        if not in_given_order:
+            return cls(arr)
+        index = {k: i for i, k in enumerate(ordered)}
+        return cls(arr, order=np.array([index[k] for k in keys], dtype=np.uint32))
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -10,7 +10,8 @@ prefix ends up most recent and the suffix is evicted before the head (a missing 
 make every later chunk unreachable). The same holds for inserts: inserting a stored prefix's new
 chunks last-first gives the same order.
 
-A run of keys (`insert_run`, a restart's chunks) is the cold end of the order, in the run's order:
+A run of keys (`insert_run`, a restart's chunks) is the cold end of the order, in the run's order
+(`KeyRun.order`: a restart's deepest chunks first, so prefixes lose their tails there too):
 kept as arrays (a live flag per key beside the caller's sizes) until a key is touched or inserted
 again, when it moves to the recent end as an ordinary entry.
 
@@ -29,7 +30,7 @@ from collections.abc import Callable, Container, Sequence
 import numpy as np
 
 from policies.key_log import KeyLog, take
-from policies.key_run import KeyRun, first_alive
+from policies.key_run import KeyRun
 
 
 class LruPolicy:
@@ -39,7 +40,8 @@ class LruPolicy:
         assert young_keys is None or young_keys >= 1, young_keys
         self._sizes: OrderedDict[bytes, int] = OrderedDict()
         self._bytes = 0
-        # The run: older than every key in _sizes. _run_next: no live key before it.
+        # The run: older than every key in _sizes. _run_next: no live key before this position in
+        # the run's order (its arrays are indexed by key index).
         self._run: KeyRun | None = None
         self._run_sizes = np.zeros(0, dtype=np.int64)
         self._run_alive = np.zeros(0, dtype=bool)
@@ -160,14 +162,15 @@ class LruPolicy:
         freed = 0
         if self._run_live and self._run is not None:  # the run is the cold end
             alive, sizes, run = self._run_alive, self._run_sizes, self._run
-            i = self._run_next = first_alive(alive, self._run_next)
-            while i < len(alive) and freed < nbytes:
+            p = self._run_next = run.next_alive(alive, self._run_next)
+            while p < len(alive) and freed < nbytes:
+                i = run.at(p)
                 key = run.key(i)
                 if key not in protected and (eligible is None or eligible(key)):
                     run_victims.append(i)
                     victims.append(key)
                     freed += int(sizes[i])
-                i = first_alive(alive, i + 1)
+                p = run.next_alive(alive, p + 1)
         log_victims: list[int] = []
         if freed < nbytes and self._log is not None and self._log.live:  # then the log, oldest first
             log = self._log

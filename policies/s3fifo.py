@@ -21,9 +21,9 @@ free enough bytes, so a refusal changes nothing (the contract), and the work is 
 the victims plus the chunks passed over.
 
 A run of keys (`insert_run`, a restart's chunks) is the tail end of the small queue, in the run's
-order: a live flag and a frequency per key in arrays beside the caller's sizes. A touch raises the
-frequency in place; a key leaves the run (and becomes an ordinary entry) when it reaches the tail
-and is passed over, promoted or evicted.
+order (`KeyRun.order`: a restart's deepest chunks first): a live flag and a frequency per key in
+arrays beside the caller's sizes. A touch raises the frequency in place; a key leaves the run (and
+becomes an ordinary entry) when it reaches the tail and is passed over, promoted or evicted.
 
 With `young_keys` set, each queue (small, main, ghost) keeps only that many of its newest keys as
 ordinary entries: older ones leave the old end of its dict for the new end of a `KeyLog`
@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from policies.key_log import KeyLog, take
-from policies.key_run import KeyRun, first_alive
+from policies.key_run import KeyRun
 
 _MAX_FREQ = 3  # two bits, as in the paper: enough to tell "reused" from "reused a lot"
 
@@ -75,7 +75,8 @@ class _Entry:
         self.freq = 0
 
 
-_Journal = list[tuple[int, bytes, _Entry, int, int, int]]  # (op, key, entry, old frequency, source, index)
+# (op, key, entry, old frequency, source, index: a log's slot, or a position in the run's order)
+_Journal = list[tuple[int, bytes, _Entry, int, int, int]]
 
 
 class S3FifoPolicy:
@@ -97,7 +98,8 @@ class S3FifoPolicy:
         self._small_bytes = 0  # the run's and the small log's live keys included
         self._main_bytes = 0
         self._ghost_bytes = 0
-        # The run: the tail end of the small queue. _run_next: no live key before it.
+        # The run: the tail end of the small queue. _run_next: no live key before this position in
+        # the run's order (its arrays are indexed by key index).
         self._run: KeyRun | None = None
         self._run_sizes = np.zeros(0, dtype=np.int64)
         self._run_alive = np.zeros(0, dtype=bool)
@@ -245,21 +247,24 @@ class S3FifoPolicy:
         self._run_alive[i] = False
         self._run_live -= 1
 
-    def _run_revive(self, i: int, freq: int) -> None:
+    def _run_revive(self, pos: int, freq: int) -> None:
+        assert self._run is not None
+        i = self._run.at(pos)
         self._run_alive[i] = True
         self._run_freq[i] = freq
         self._run_live += 1
-        self._run_next = min(self._run_next, i)
+        self._run_next = min(self._run_next, pos)
 
     def _run_tail(self) -> int:
-        """The index of the run's oldest live key (the small queue's tail), or -1."""
-        if not self._run_live:
+        """The position in the run's order of its oldest live key (the small queue's tail), or -1."""
+        if not self._run_live or self._run is None:
             return -1
-        self._run_next = first_alive(self._run_alive, self._run_next)
+        self._run_next = self._run.next_alive(self._run_alive, self._run_next)
         return self._run_next
 
     def _small_compact_tail(self) -> tuple[int, int]:
-        """(source, index) of small's tail when it is a key of the run or of small's log, else (-1, -1)."""
+        """(source, index) of small's tail when it is a key of the run (its position) or of small's log
+        (its slot), else (-1, -1)."""
         r = self._run_tail()
         if r >= 0:
             return _RUN, r
@@ -273,9 +278,10 @@ class S3FifoPolicy:
         return log
 
     def _take_compact(self, source: int, i: int) -> tuple[bytes, int, int]:
-        """Take a key out of the run or a log: (key, size, frequency)."""
+        """Take a key out of the run (`i` its position) or a log (its slot): (key, size, frequency)."""
         if source == _RUN:
             assert self._run is not None
+            i = self._run.at(i)
             self._run_kill(i)
             return self._run.key(i), int(self._run_sizes[i]), int(self._run_freq[i])
         log = self._log_of(source)

@@ -373,12 +373,15 @@ def test_second_sighting_remembers_a_key_in_the_older_generation(others: int) ->
 class _RunTwins(RuleBasedStateMachine):
     """Two policies of one kind: `one` had RUN_KEYS inserted one by one, `run` took them as a
     `KeyRun` (or, with `with_run` off, one by one too) and keeps only `young_keys` keys as objects
-    (None: all); every operation after is applied to both, and every answer must be the same."""
+    (None: all); every operation after is applied to both, and every answer must be the same. With
+    `ordered`, the run is taken in an order of its own (`KeyRun.order`, as a restart's deepest chunks
+    first), and `one` had its keys inserted in that order."""
 
     policy_name = "lru"
     young_keys: int | None = None
     with_run = True
     one_size = False  # every key of the run of one size (one layout), or of a few
+    ordered = False
     KEYS = st.integers(0, 23).map(k)
     RUN_KEYS = 16  # k(0)..k(15) in the run, k(16).. only ever inserted later
 
@@ -387,12 +390,14 @@ class _RunTwins(RuleBasedStateMachine):
         self.one = build_eviction(self.policy_name)
         self.run = build_eviction(self.policy_name, young_keys=self.young_keys)
         self.sizes = [10 if self.one_size else 10 + (i % 3) * 5 for i in range(self.RUN_KEYS)]
-        for i in range(self.RUN_KEYS):
+        # 5 is prime to RUN_KEYS: a permutation that is neither key order nor its reverse.
+        order = [(5 * i + 3) % self.RUN_KEYS for i in range(self.RUN_KEYS)] if self.ordered else range(self.RUN_KEYS)
+        for i in order:
             self.one.insert(k(i), self.sizes[i], 128.0)
             if not self.with_run:
                 self.run.insert(k(i), self.sizes[i], 128.0)
-        if self.with_run:
-            self.run.insert_run(KeyRun.of([k(i) for i in range(self.RUN_KEYS)]),
+        if self.with_run:  # the sizes by key index (k(i) sorts as i)
+            self.run.insert_run(KeyRun.of([k(i) for i in order], in_given_order=self.ordered),
                                 np.array(self.sizes, dtype=np.int64), 128.0)
 
     @rule(key=KEYS, size=st.integers(1, 40), cost=st.floats(0.0, 100.0))
@@ -432,9 +437,10 @@ class _RunTwins(RuleBasedStateMachine):
 
 
 def _twins_for(policy_name: str, young_keys: int | None = None, with_run: bool = True,
-               one_size: bool = False) -> type[RuleBasedStateMachine]:
-    return type(f"Twins_{policy_name}_{young_keys}_{with_run}_{one_size}", (_RunTwins,),
-                {"policy_name": policy_name, "young_keys": young_keys, "with_run": with_run, "one_size": one_size})
+               one_size: bool = False, ordered: bool = False) -> type[RuleBasedStateMachine]:
+    return type(f"Twins_{policy_name}_{young_keys}_{with_run}_{one_size}_{ordered}", (_RunTwins,),
+                {"policy_name": policy_name, "young_keys": young_keys, "with_run": with_run, "one_size": one_size,
+                 "ordered": ordered})
 
 
 TestLruRunTwins = _twins_for("lru").TestCase
@@ -445,6 +451,17 @@ TestCostAwareRunTwins = _twins_for("cost-aware").TestCase
 TestCostAwareRunTwins.settings = _SETTINGS
 TestCostAwareOneSizeRunTwins = _twins_for("cost-aware", one_size=True).TestCase  # a run's priorities unsorted
 TestCostAwareOneSizeRunTwins.settings = _SETTINGS
+# A run in an order of its own (a restart's: deepest chunks first), not its keys' order.
+TestLruOrderedRunTwins = _twins_for("lru", ordered=True).TestCase
+TestLruOrderedRunTwins.settings = _SETTINGS
+TestS3FifoOrderedRunTwins = _twins_for("s3fifo", ordered=True).TestCase
+TestS3FifoOrderedRunTwins.settings = _SETTINGS
+TestCostAwareOrderedRunTwins = _twins_for("cost-aware", ordered=True).TestCase
+TestCostAwareOrderedRunTwins.settings = _SETTINGS
+TestCostAwareOneSizeOrderedRunTwins = _twins_for("cost-aware", one_size=True, ordered=True).TestCase
+TestCostAwareOneSizeOrderedRunTwins.settings = _SETTINGS
+TestS3FifoYoungOrderedRunTwins = _twins_for("s3fifo", young_keys=2, ordered=True).TestCase
+TestS3FifoYoungOrderedRunTwins.settings = _SETTINGS
 # Keys past the two newest kept in arrays (policies/key_log.py), with and without a run before them:
 # the logs spill, merge their index and drop their dead at every few steps.
 TestLruYoungTwins = _twins_for("lru", young_keys=2).TestCase

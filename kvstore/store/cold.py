@@ -3,19 +3,23 @@
 A `ChunkEntry` with its dict slot, its footprint dict and the 512 B of a 128-token chunk's token
 ids costs ~1 KB; a 4 TB SSD tier holds ~35 million V4.1 chunks. What such a chunk needs until it is
 used is its key and its kind (the namespace, hence tenant, layout, size and footprint, which all
-its fellows share): 32 B of key, 8 B of key prefix for the binary search (policies/key_run.py) and
-a 4-byte kind, plus a live flag. Every chunk of one kind is read through one shared, read-only
-entry (`peek`); a chunk is "thawed" into an ordinary entry of its own (`thaw`) only when the store
-changes something about it (reads it into a faster tier, evicts it, finds it corrupt). A looked-up
-or loaded chunk stays cold: its token ids are checked against its key at each read instead of
-being kept.
+its fellows share): 32 B of key, 8 B of key prefix for the binary search (policies/key_run.py), a
+4-byte kind and a 4-byte depth (its index in its prompt, from its index record), plus a live flag.
+Every chunk of one kind is read through one shared, read-only entry (`peek`); a chunk is "thawed"
+into an ordinary entry of its own (`thaw`, with its depth) only when the store changes something
+about it (reads it into a faster tier, evicts it, finds it corrupt). A looked-up or loaded chunk
+stays cold: its token ids are checked against its key at each read instead of being kept.
 
 Two parts. The chunks a restart found come in ascending key order (LMDB's, from the index
 database's scan), so appending keeps those arrays sorted, and the run the LMDB tier's eviction
-policy takes (`EvictionPolicy.insert_run`) is a view of them. Chunks that become LMDB-only while
-the store runs (`fold`: written through and not placed in memory, or their last copy in memory
-left) come one at a time, in no key order: they go to a `KeyLog` (policies/key_log.py), with the
-recompute cost each one's entry had (the run's chunks all have one, their kind's). The store calls
+policy takes (`EvictionPolicy.insert_run`) is a view of them, ordered deepest chunk first (4 B a
+chunk): keys are hashes, so key order would evict chunks at random within their prompts, and one
+evicted from a prompt's middle leaves every later chunk of it kept but unreachable. Deepest first,
+what is kept of each prompt is its head (chunks of depth 0, from records of older builds or rebuilt
+from values, are evicted last, in key order). Chunks that become LMDB-only while the store runs
+(`fold`: written through and not placed in memory, or their last copy in memory left) come one at
+a time, in no key order: they go to a `KeyLog` (policies/key_log.py), with the recompute cost and
+depth each one's entry had (the run's chunks all have one cost, their kind's). The store calls
 this under its lock; it holds no lock of its own.
 
 A kind counts its live rows, of both parts, and is freed when the last one is thawed: each
@@ -50,6 +54,7 @@ class ColdChunks:
         self._keys = np.zeros((cap, KEY_BYTES), dtype=np.uint8)
         self._prefixes = np.zeros(cap, dtype=np.uint64)
         self._kind = np.zeros(cap, dtype=np.uint32)
+        self._depth = np.zeros(cap, dtype=np.uint32)  # each chunk's index in its prompt (0: not known)
         self._alive = np.zeros(cap, dtype=bool)
         self.n = 0  # chunks appended (live or not)
         self._live = 0  # of those, chunks still cold
@@ -61,7 +66,8 @@ class ColdChunks:
         # (namespace digest, payload bytes, LMDB footprint) -> kind, for the kinds not freed
         self._kind_of: dict[tuple[bytes, int, int], int] = {}
         self._run = KeyRun(self._keys[:0], self._prefixes[:0])
-        self._folded = KeyLog(KEY_BYTES, {"kind": np.uint32, "cost": np.float64}, tail_keys=_FOLDED_TAIL_KEYS)
+        self._folded = KeyLog(KEY_BYTES, {"kind": np.uint32, "cost": np.float64, "depth": np.uint32},
+                              tail_keys=_FOLDED_TAIL_KEYS)
 
     @property
     def live(self) -> int:
@@ -113,8 +119,8 @@ class ColdChunks:
                 del self._kind_of[at]
             self._free.add(k)
 
-    def append(self, keys: bytes, kinds: list[int]) -> None:
-        """Chunks of the given kinds, their keys joined, each above every key held."""
+    def append(self, keys: bytes, kinds: list[int], depths: np.ndarray | None = None) -> None:
+        """Chunks of the given kinds and depths (None: 0), their keys joined, each above every key held."""
         m = len(kinds)
         if not m:
             return
@@ -127,6 +133,7 @@ class ColdChunks:
         self._keys[self.n : end] = new
         self._prefixes[self.n : end] = key_prefixes(new)
         self._kind[self.n : end] = kinds
+        self._depth[self.n : end] = 0 if depths is None else depths
         self._alive[self.n : end] = True
         per_kind = np.bincount(self._kind[self.n : end])
         for k in np.flatnonzero(per_kind).tolist():
@@ -136,7 +143,7 @@ class ColdChunks:
 
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * len(self._keys))
-        for name in ("_keys", "_prefixes", "_kind", "_alive"):
+        for name in ("_keys", "_prefixes", "_kind", "_depth", "_alive"):
             old = getattr(self, name)
             grown = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
             grown[: self.n] = old[: self.n]
@@ -148,7 +155,7 @@ class ColdChunks:
         assert len(key) == KEY_BYTES and set(entry.footprint) == {"lmdb"} and not entry.cold
         kind = self._kind_for(entry.namespace, entry.tenant, entry.layout, entry.cost, entry.footprint["lmdb"],
                               entry.payload_bytes, reuse=True)
-        self._folded.append(key, kind=kind, cost=entry.cost)
+        self._folded.append(key, kind=kind, cost=entry.cost, depth=min(entry.depth, 0xFFFF_FFFF))
         self._rows[kind] += 1
         self._folded.tidy()
 
@@ -234,19 +241,36 @@ class ColdChunks:
         shared = self._kinds[k]
         cost = shared.cost
         if i < _FOLDED:
+            depth = int(self._depth[i])
             self._alive[i] = False
             self._live -= 1
         else:
             cost = float(self._folded.cols["cost"][i - _FOLDED])
+            depth = int(self._folded.cols["depth"][i - _FOLDED])
             self._folded.kill(i - _FOLDED)
             self._folded.tidy()
         self._row_gone(k)
         return ChunkEntry(shared.namespace, shared.tenant, shared.layout, None, shared.payload_bytes,
-                          cost, dict(shared.footprint), "lmdb")
+                          cost, dict(shared.footprint), "lmdb", depth=depth)
 
     def run(self) -> KeyRun:
-        """Every chunk appended (not folded), as a run of keys (dead ones included: check `find`)."""
+        """Every chunk appended (not folded), as a run of keys (dead ones included: check `find`) in
+        key order: for finding them."""
         return self._run
+
+    def eviction_run(self) -> KeyRun:
+        """`run()` in the order the LMDB tier's policy takes it: deepest first, key order among
+        equals (a new permutation, 4 B a chunk; None where no depth is known, as key order is then)."""
+        n = self.n
+        depth = self._depth[:n]
+        order = None
+        if n and (deepest := int(depth.max())):
+            # Sorted on how much shallower than the deepest each is: numpy's stable sort of 8- or
+            # 16-bit integers is a radix sort (prompts of up to 65,536 chunks), one pass a byte.
+            below = deepest - depth
+            small = np.uint8 if deepest <= 0xFF else np.uint16 if deepest <= 0xFFFF else np.uint32
+            order = np.argsort(below.astype(small), kind="stable").astype(np.uint32 if n <= 0xFFFF_FFFF else np.uint64)
+        return KeyRun(self._keys[:n], self._prefixes[:n], order)
 
     def footprints(self) -> np.ndarray:
         """Each appended chunk's LMDB footprint, a new int64 array."""

@@ -91,7 +91,9 @@ class Commits(Lookups, Namespaces):
                 # The victims' values go first, so LMDB never holds them and the new chunks at once.
                 self._delete_doomed()
                 ns, layout = txn.ns, txn.layout
-                durable = [(txn.keys[c.index], c.payload, ChunkMeta(ns.digest, layout.layout_id, txn.chunks[c.index]))
+                # Each chunk's index in the prompt is its depth: a restart evicts the deepest first.
+                durable = [(txn.keys[c.index], c.payload,
+                            ChunkMeta(ns.digest, layout.layout_id, txn.chunks[c.index], c.index))
                            for c in plan.planned if "lmdb" in c.tiers]
                 if durable:  # may fsync: outside the lock, and nothing is visible yet
                     self._record_namespace(ns)  # before its chunks: no chunk on disk lacks its record
@@ -248,7 +250,7 @@ class Commits(Lookups, Namespaces):
         ns, layout = txn.ns, txn.layout
         key = txn.keys[c.index]
         entry = self._entry(key)
-        meta = ChunkMeta(ns.digest, layout.layout_id, txn.chunks[c.index])
+        meta = ChunkMeta(ns.digest, layout.layout_id, txn.chunks[c.index], c.index)
         if entry is None:
             for t in c.tiers:
                 if t != "lmdb":
@@ -261,7 +263,7 @@ class Commits(Lookups, Namespaces):
                 self._charge(key, entry, "lmdb", reserved["lmdb"])  # this commit's write holds it in LMDB
             return
         cost = float((len(txn.keys) - c.index) * layout.chunk_tokens)
-        entry = ChunkEntry(ns.digest, ns.tenant, layout, txn.chunks[c.index], len(c.payload), cost)
+        entry = ChunkEntry(ns.digest, ns.tenant, layout, txn.chunks[c.index], len(c.payload), cost, depth=c.index)
         self._index[key] = entry
         self._chunks_added(ns.digest, 1)
         if ns.digest not in self._ns_records:  # for a demotion into LMDB that must write it

@@ -249,7 +249,8 @@ class DeferredLmdb(Placement):
         entry = self._entry(key)
         if written:
             if entry is None:  # the usual case: it left memory, so the index
-                entry = ChunkEntry(old.namespace, old.tenant, old.layout, old.tokens, old.payload_bytes, old.cost)
+                entry = ChunkEntry(old.namespace, old.tenant, old.layout, old.tokens, old.payload_bytes, old.cost,
+                                   depth=old.depth)
                 self._index[key] = entry
                 self._demoted_chunk_back(old.namespace, d.record)
             if "lmdb" not in entry.footprint:  # else stored there again meanwhile, and charged once

@@ -3,12 +3,15 @@ index records, what the store holds after a restart, and says whether that is do
 
 The index *is* the database: every chunk the scan finds whose namespace has a record and whose
 layout and size this config serves goes into the cold arrays (store/cold.py) and into the LMDB
-tier's eviction policy; the others are counted by reason and left on disk, outside the budget, for
-a config that serves them. Loaded in the background (`store.load_index`), batches are indexed under
-the store's lock so that calls go on between them and see what is indexed so far; until `ready`,
-nothing is written to LMDB (its used bytes are not all known), which placement.py and the commit
-path check. At its end the load evicts down to the LMDB budget and each tenant's quota (lowered
-since the data was written) and dooms the namespace records no chunk needs.
+tier's eviction policy, deepest chunk first (its index in its prompt, from its record), so that
+whatever evicts them (this load, over the budget; later Stores, at capacity) takes prompts from
+their tails and what is kept of each is a prefix a lookup reaches; the others are counted by
+reason and left on disk, outside the budget, for a config that serves them. Loaded in the
+background (`store.load_index`), batches are indexed under the store's lock so that calls go on
+between them and see what is indexed so far; until `ready`, nothing is written to LMDB (its used
+bytes are not all known), which placement.py and the commit path check. At its end the load evicts
+down to the LMDB budget and each tenant's quota (lowered since the data was written) and dooms the
+namespace records no chunk needs.
 
 `IndexLoad` is mixed into `GlobalStore` like `Placement`, and works on the store's state. It reads
 index records only, never a value; it does not decide which chunks are evicted (the policies,
@@ -35,6 +38,7 @@ _GROUP = np.dtype((np.void, 48))  # a recovered chunk's namespace, layout id and
 RECOVER_BATCH = 1024
 # Why chunks a restart found are not served: their index records could not be read or indexed.
 UNREADABLE = "unreadable-index"
+_NO_DEPTHS = np.zeros(0, dtype=np.uint32)
 
 
 class IndexLoad(Namespaces):
@@ -60,7 +64,9 @@ class IndexLoad(Namespaces):
     def _load_index(self) -> None:
         """Rebuild the index from the durable tier's index records: the index *is* the database.
         Every chunk found goes into the cold arrays (store/cold.py), not an entry object each, and
-        into the LMDB tier's eviction policy as one run, in key order, as if inserted one by one.
+        into the LMDB tier's eviction policy as one run, deepest chunk first (key order among
+        equals), as if inserted one by one: keys are hashes, and in key order evictions took chunks
+        from the middle of prompts, keeping chunks no lookup could reach.
         Batches are indexed under the lock, so that calls go on between them (loading in the
         background) and see the chunks indexed so far."""
         t0 = time.perf_counter()
@@ -74,6 +80,7 @@ class IndexLoad(Namespaces):
         cost = float(self.cfg.chunk_tokens)  # what a recovered chunk was always given
         keys = bytearray()
         kinds: list[int] = []
+        depths: list[np.ndarray] = []
         # (namespace, layout id, payload bytes) joined -> the cold kind of such chunks, or why they are ignored
         kind_of: dict[bytes, int | str] = {}
         reached = 0  # entries the scan gave, indexed or not
@@ -97,12 +104,13 @@ class IndexLoad(Namespaces):
             found = self._batch_rows(batch, kind_of, cost)
             keys += found[0]
             kinds += found[1]
+            depths.append(found[2])
             if len(kinds) >= RECOVER_BATCH:
-                self._index_batch(bytes(keys), kinds)
-                keys, kinds = bytearray(), []
+                self._index_batch(bytes(keys), kinds, np.concatenate(depths))
+                keys, kinds, depths = bytearray(), [], []
                 if self._stop_loading.is_set():
                     return
-        self._index_batch(bytes(keys), kinds)
+        self._index_batch(bytes(keys), kinds, np.concatenate(depths) if depths else None)
         # Left on disk for a config that serves them again, outside the budget: the map must not
         # fill with them and the budget's own data together.
         self._durable.keep_unserved(self._ignored_bytes + unreached_bytes)
@@ -110,9 +118,11 @@ class IndexLoad(Namespaces):
             why = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self._ignored.items()))
             self._progress(f"index: {sum(self._ignored.values()):,} LMDB chunks this config does not serve "
                            f"({why}; {self._ignored_bytes / (1 << 20):,.1f} MiB) kept on disk outside the budget")
-        footprints = cold.footprints()  # an array as long as the run: made before the lock is taken
+        # Arrays as long as the run (its sizes, and its order: a sort): made before the lock is taken.
+        # Only this thread appends to the cold arrays; calls may thaw rows meanwhile (dealt with below).
+        footprints, run = cold.footprints(), cold.eviction_run()
         with self._lock:
-            self._policies["lmdb"].insert_run(cold.run(), footprints, cost)
+            self._policies["lmdb"].insert_run(run, footprints, cost)
             for key in cold.dead():  # lost while loading (a corrupt value read), or thawed by a call
                 entry = self._index.get(key)
                 if entry is None or "lmdb" not in entry.footprint:  # a thawed one stays, charged
@@ -151,8 +161,9 @@ class IndexLoad(Namespaces):
         if self._index_at_start:
             self._progress(f"index: {cold.n - evicted:,} LMDB chunks ready in {self._load_seconds:.2f} s")
 
-    def _batch_rows(self, batch: ScanBatch, kind_of: dict[bytes, int | str], cost: float) -> tuple[bytes, list[int]]:
-        """The keys (joined) and cold kinds of a batch's chunks to index; the others counted by
+    def _batch_rows(self, batch: ScanBatch, kind_of: dict[bytes, int | str],
+                    cost: float) -> tuple[bytes, list[int], np.ndarray]:
+        """The keys (joined), cold kinds and depths of a batch's chunks to index; the others counted by
         reason. A batch that cannot be read (values no record can hold) is counted whole and left
         on disk: one bad record must not keep the store from getting ready."""
         ignored, ignored_bytes = dict(self._ignored), self._ignored_bytes
@@ -161,10 +172,10 @@ class IndexLoad(Namespaces):
                 self._ignored[sc.problem] = self._ignored.get(sc.problem, 0) + 1
                 self._ignored_bytes += sc.stored_bytes
             if not len(batch.keys):
-                return b"", []
+                return b"", [], _NO_DEPTHS
             row_kinds = self._recovered_kinds(batch, kind_of, cost)
             good = row_kinds >= 0
-            return batch.keys[good].tobytes(), row_kinds[good].tolist()
+            return batch.keys[good].tobytes(), row_kinds[good].tolist(), batch.depth_array()[good]
         except Exception as e:  # whatever a crafted record makes numpy or the codecs raise
             self._ignored, self._ignored_bytes = ignored, ignored_bytes  # counted once, below
             n = len(batch.keys) + len(batch.damaged)
@@ -173,7 +184,7 @@ class IndexLoad(Namespaces):
                 self._ignored_bytes += max(0, int(batch.stored_bytes.sum(dtype=np.int64)))
             self._progress(f"index: a batch of {n:,} LMDB chunks could not be indexed ({type(e).__name__}: {e}); "
                            "left on disk, not served")
-            return b"", []
+            return b"", [], _NO_DEPTHS
 
     def _scan_failed(self, e: Exception, reached: int) -> int:
         """Count what a scan that failed never gave, said in one line; the most bytes it takes
@@ -222,26 +233,30 @@ class IndexLoad(Namespaces):
         return self._cold.kind(namespace, self._known_ns[namespace], layout, cost,
                                self._tiers["lmdb"].footprint(layout.chunk_bytes))
 
-    def _index_batch(self, keys: bytes, kinds: list[int]) -> None:
-        """Index chunks the scan found (keys joined, ascending), charging their LMDB bytes. A chunk a
-        call indexed meanwhile (a Store while loading: in memory only) is held by LMDB too."""
+    def _index_batch(self, keys: bytes, kinds: list[int], depths: np.ndarray | None) -> None:
+        """Index chunks the scan found (keys joined, ascending; their depths beside, None: 0),
+        charging their LMDB bytes. A chunk a call indexed meanwhile (a Store while loading: in
+        memory only) is held by LMDB too."""
         width = len(keys) // max(len(kinds), 1)
         found = len(kinds)
         with self._lock:
             if self._index:
                 kept = bytearray()
                 kept_kinds: list[int] = []
+                kept_rows: list[int] = []
                 for j, kind in enumerate(kinds):
                     key = keys[j * width : (j + 1) * width]
                     entry = self._index.get(key)
                     if entry is None:
                         kept += key
                         kept_kinds.append(kind)
+                        kept_rows.append(j)
                     elif "lmdb" not in entry.footprint and entry.namespace == self._cold.kind_entry(kind).namespace:
                         self._charge(key, entry, "lmdb")
                 keys, kinds = bytes(kept), kept_kinds
+                depths = None if depths is None else depths[kept_rows]
             first = self._cold.n
-            self._cold.append(keys, kinds)
+            self._cold.append(keys, kinds, depths)
             for kind, n in enumerate(np.bincount(np.asarray(kinds, dtype=np.int64)).tolist() if kinds else ()):
                 if n:
                     self._chunks_added(self._cold.kind_entry(kind).namespace, n)

@@ -58,6 +58,9 @@ class ChunkEntry:
     # The read-only entry shared by the cold chunks of one namespace (store/cold.py): never
     # charged, uncharged or given token ids.
     cold: bool = False
+    # Its index in the prompt that stored it: written into its LMDB index record, by which a
+    # restart evicts prompts from their tails (index_load.py). 0 where not known.
+    depth: int = 0
 
 
 def chunk_meta(entry: ChunkEntry) -> ChunkMeta:
@@ -65,7 +68,7 @@ def chunk_meta(entry: ChunkEntry) -> ChunkMeta:
     in memory, or read back once from LMDB since the start)."""
     if entry.tokens is None:
         raise AssertionError("a chunk recovered from LMDB is copied to another tier only after a read")
-    return ChunkMeta(entry.namespace, entry.layout.layout_id, entry.tokens)
+    return ChunkMeta(entry.namespace, entry.layout.layout_id, entry.tokens, entry.depth)
 
 
 

@@ -23,6 +23,9 @@ class ChunkMeta(NamedTuple):
     namespace: bytes  # 32-byte namespace digest (keys.Namespace.digest)
     layout_id: bytes  # 8 bytes (layout.CacheLayout.layout_id)
     tokens: bytes  # the chunk's token ids, little-endian uint32
+    # The chunk's index in the prompt that stored it, kept in its LMDB index record so that a
+    # restart evicts prompts from their tails (index_load.py); a read gives 0 (not read back).
+    depth: int = 0
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class ScannedChunk:
     stored_bytes: int  # bytes the value takes in the database
     problem: str = ""  # why it is unusable: "format-version", "layout" (unknown layout id), "corrupt"
     tokens: bytes | None = None  # the chunk's token ids, read only by a verifying scan
+    depth: int = 0  # its index in its prompt, as its record says (0: not known)
 
     @property
     def ok(self) -> bool:
@@ -59,6 +63,7 @@ class ScanBatch:
     payload_bytes: np.ndarray  # [m] int64: raw payload size
     stored_bytes: np.ndarray  # [m] int64: bytes the value takes in the database
     damaged: tuple[ScannedChunk, ...] = ()
+    depths: np.ndarray | None = None  # [m] uint32: each one's index in its prompt; None: all 0 (not known)
 
     @staticmethod
     def of(found: Sequence[ScannedChunk]) -> ScanBatch:
@@ -74,18 +79,25 @@ class ScanBatch:
         return ScanBatch(rows([sc.key for sc in good], KEY_BYTES), rows([sc.namespace for sc in good], 32),
                          rows([sc.layout_id for sc in good], 8),
                          np.array([sc.payload_bytes for sc in good], dtype=np.int64),
-                         np.array([sc.stored_bytes for sc in good], dtype=np.int64), damaged)
+                         np.array([sc.stored_bytes for sc in good], dtype=np.int64), damaged,
+                         np.array([sc.depth for sc in good], dtype=np.uint32))
 
     def select(self, rows: np.ndarray, damaged: Sequence[ScannedChunk] = ()) -> ScanBatch:
         """The rows `rows` (a mask) keeps, with more damaged entries."""
         return ScanBatch(self.keys[rows], self.namespaces[rows], self.layout_ids[rows], self.payload_bytes[rows],
-                         self.stored_bytes[rows], (*self.damaged, *damaged))
+                         self.stored_bytes[rows], (*self.damaged, *damaged),
+                         None if self.depths is None else self.depths[rows])
+
+    def depth_array(self) -> np.ndarray:
+        """Each row's depth, as uint32 (zeros where the batch carries none)."""
+        return np.zeros(len(self.keys), dtype=np.uint32) if self.depths is None else self.depths
 
     def chunks(self) -> list[ScannedChunk]:
         """The batch as `scan` gives it: an object per entry, in key order."""
-        rows = [ScannedChunk(key, ns, layout, payload, stored) for key, ns, layout, payload, stored in zip(
-            _row_bytes(self.keys), _row_bytes(self.namespaces), _row_bytes(self.layout_ids),
-            self.payload_bytes.tolist(), self.stored_bytes.tolist(), strict=True)]
+        rows = [ScannedChunk(key, ns, layout, payload, stored, depth=depth)
+                for key, ns, layout, payload, stored, depth in zip(
+                    _row_bytes(self.keys), _row_bytes(self.namespaces), _row_bytes(self.layout_ids),
+                    self.payload_bytes.tolist(), self.stored_bytes.tolist(), self.depth_array().tolist(), strict=True)]
         return sorted([*rows, *self.damaged], key=lambda sc: sc.key)
 
     @property

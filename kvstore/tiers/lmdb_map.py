@@ -24,6 +24,8 @@ from kvstore.tiers.lmdb_file import NODE_HEADER, PAGE_HEADER
 
 MiB = 1 << 20
 _ADVANCE_KEY = b"advance"  # the counter `_advance` bumps, in the meta database
+# In the meta database: the id of the last write transaction this kvstore committed (`_mark`).
+INDEXED_TXN_KEY = b"indexed_txn"
 
 # LMDB page arithmetic (mdb.c): a leaf node is an 8-byte header + key + data, plus a 2-byte slot;
 # a node larger than nodemax keeps its data on dedicated overflow pages, each run of which starts
@@ -144,6 +146,22 @@ class LmdbMap:
         size = vf.value_bytes(self._max_token_bytes, payload_bytes)
         return max(self.disk_bytes(size), self.disk_bytes(min(size, self._nodemax - NODE_HEADER - KEY_BYTES)))
 
+    def _mark(self, txn: lmdb.Transaction) -> None:
+        """Record this write transaction's id in it: a write that keeps the index agreeing with the
+        values (every one this tier commits, but an index build's, marked at its end). At open, a
+        last transaction id other than the recorded one is another writer's, such as an older
+        kvstore's that keeps no index records, and the index is merged with the values again
+        (lmdb_tier.py `_open_format`). Only a transaction that changes something else: one that
+        changes nothing commits nothing (no fsync) and leaves LMDB's id where it was."""
+        txn.put(INDEXED_TXN_KEY, txn.id().to_bytes(8, "little"), db=self._meta)
+
+    def _marked_last(self) -> bool:
+        """Whether the last transaction committed to the environment is one this tier marked."""
+        with self._env.begin(db=self._meta) as txn:
+            raw = txn.get(INDEXED_TXN_KEY)
+            last = txn.id()  # a read transaction's id is the last committed one
+        return raw is not None and int.from_bytes(raw, "little") == last
+
     # --- room for a write ----------------------------------------------------------------------
     def _advance(self, reserve: int = 0) -> None:
         """Commit one write transaction that changes nothing the store reads (a counter in the
@@ -153,6 +171,7 @@ class LmdbMap:
                 with self._env.begin(write=True, db=self._meta) as txn:
                     n = int.from_bytes(txn.get(_ADVANCE_KEY) or b"\0", "little")
                     txn.put(_ADVANCE_KEY, (n + 1 & 0xFFFFFFFF).to_bytes(4, "little"))
+                    self._mark(txn)
                 return
             except lmdb.MapFullError as e:
                 if not reserve:

@@ -5,8 +5,11 @@ restart reads the index records only (`scan_batches`, or `scan` for an object pe
 bytes of database per chunk and never a value's pages, in read transactions of SCAN_BATCH entries
 so that the store may write between them; `scan(verify=True)` reads and checks each value too. A
 whole scan sums the used bytes the tier reports (`used_counted`). Where values lack index records
-(a directory of format 1, or a value written without one), `_build_index` gives them one from each
-value's header (a marker where the header is unreadable), and drops records whose value is gone.
+(a directory of format 1, or a value written without one) or another writer committed since this
+tier's last write (an older kvstore after a rollback), `_build_index` gives each value lacking one a
+record from its header (a marker where the header is unreadable), and drops records whose value is
+gone. A record's depth (the chunk's index in its prompt) comes out with the rest, for the store's
+eviction order; one built from a header has none (0).
 An entry it cannot read is reported with its problem, never removed here: the store decides. It
 does not write values, delete them or read them for a Load (lmdb_tier.py), nor size the map
 (lmdb_map.py).
@@ -17,6 +20,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import Literal, NamedTuple
 
 import lmdb
 import numpy as np
@@ -32,6 +36,19 @@ from kvstore.tiers.value_format import ValueProblem
 MEASURE_RUN = 65_536  # index records joined at a time when the used bytes are counted in one pass
 SCAN_BATCH = 256  # entries read per read transaction by scan(); short transactions let the map grow
 PROGRESS_EVERY = 10_000  # values between two progress lines while an index is built
+# Why the index is built at open: a format-1 directory, values without records (the databases'
+# counts differ), or a writer other than this kvstore committed since its last write (lmdb_tier.py).
+IndexBuild = Literal["migrating", "unindexed", "other-writer"]
+
+
+class _IndexBatch(NamedTuple):
+    """What one transaction of an index build did."""
+
+    seen: int  # values looked at
+    unreadable: int  # of those, given a marker (an unreadable header)
+    added: int  # records written (markers included)
+    dropped: int  # records deleted: their values were gone
+    last: bytes | None  # the last value's key; None at the end
 
 
 class LmdbScan(LmdbMap):
@@ -69,31 +86,54 @@ class LmdbScan(LmdbMap):
         return sum(self.disk_bytes(n) * count for n, count in lengths.items() if n <= vf.MAX_VALUE_BYTES)
 
     # --- building the index --------------------------------------------------------------------
-    def _build_index(self, values: int, migrating: bool) -> None:
+    def _build_index(self, values: int, why: IndexBuild) -> None:
         """Give every value lacking an index record one, from its header (a page read each), and drop
-        records whose value is gone: a merge of the two databases' keys, SCAN_BATCH per transaction."""
-        what = "migrating LMDB data to format 2: indexing" if migrating else "indexing"
-        self._progress(f"{what} {values} LMDB values (once; later starts read the index only)")
+        records whose value is gone: a merge of the two databases' keys, SCAN_BATCH per transaction.
+        These transactions do not mark the index as agreeing with the values (`_mark`): a build cut
+        short runs again at the next open; the caller marks it once it is done. A merge after another
+        writer is said once it takes a while or finds something: one that found the records agreeing
+        with the values says nothing."""
+        if why == "other-writer":
+            lead = (f"the LMDB data was changed by another writer since this kvstore's last write (an older "
+                    f"kvstore, after a rollback?): merging the index with its {values} values")
+        else:
+            what = "migrating LMDB data to format 2: indexing" if why == "migrating" else "indexing"
+            lead = f"{what} {values} LMDB values (once; later starts read the index only)"
+        said = why != "other-writer"
+        if said:
+            self._progress(lead)
         after: bytes | None = None
-        done = next_line = bad = 0
+        done = next_line = bad = added = dropped = 0
         while True:
             with self._lock:
-                batch, unreadable, after = self._index_batch(after)
-            done, bad = done + batch, bad + unreadable
+                batch = self._index_batch(after)
+            after = batch.last
+            done, bad = done + batch.seen, bad + batch.unreadable
+            added, dropped = added + batch.added, dropped + batch.dropped
             if done >= next_line + PROGRESS_EVERY:
+                if not said:
+                    self._progress(lead)
+                    said = True
                 next_line = done
                 self._progress(f"indexed {done} of {values} LMDB values")
             if after is None:
                 break
+        if not (said or added or dropped):
+            return  # another writer's transactions left the index agreeing with the values
+        if not said:
+            self._progress(lead)
         self._progress(f"LMDB index built: {done - bad} values indexed, {bad} unreadable left out")
+        if why == "other-writer" or dropped:  # what the other writer did, said (else its chunks go unseen)
+            self._progress(f"LMDB index merge: {added} records added for values written without one, "
+                           f"{dropped} records of deleted values dropped")
 
-    def _index_batch(self, start: bytes | None) -> tuple[int, int, bytes | None]:
-        """One write transaction of `_build_index`, from the value after `start`: (values looked at,
-        values found unreadable, the last key, None at the end). A retry after a full map begins
-        again at `start`: the aborted transaction wrote nothing."""
+    def _index_batch(self, start: bytes | None) -> _IndexBatch:
+        """One write transaction of `_build_index`, from the value after `start`. A retry after a
+        full map begins again at `start`: the aborted transaction wrote nothing."""
         while True:
             try:
-                seen, unreadable, last, after = 0, 0, None, start
+                seen = unreadable = added = dropped = 0
+                last, after = None, start
                 with self._env.begin(write=True, buffers=True) as txn:
                     values = txn.cursor(self._chunks)
                     records = txn.cursor(self._index)
@@ -102,7 +142,7 @@ class LmdbScan(LmdbMap):
                         ok = values.next()
                     while ok and seen < SCAN_BATCH:
                         key = bytes(values.key())
-                        self._drop_records_before(records, after, key)
+                        dropped += self._drop_records_before(records, after, key)
                         if not records.set_key(key):
                             value = values.value()
                             try:
@@ -110,28 +150,32 @@ class LmdbScan(LmdbMap):
                             except ValueProblem as p:  # a marker: reported by scans, and counted
                                 record, unreadable = vf.unreadable_record(p.problem, len(value)), unreadable + 1
                             txn.put(key, record, db=self._index)
+                            added += 1
                         seen, last, after = seen + 1, key, key
                         ok = values.next()
                     if not ok:  # past the last value: records beyond it have no value
-                        self._drop_records_before(records, after, None)
-                return seen, unreadable, (last if ok else None)
+                        dropped += self._drop_records_before(records, after, None)
+                return _IndexBatch(seen, unreadable, added, dropped, last if ok else None)
             except lmdb.MapFullError:
                 self._grow(SCAN_BATCH * vf.INDEX_RECORD_BYTES)
             except lmdb.Error as e:
                 raise StorageError(f"cannot build the LMDB index: {e}") from e
 
     @staticmethod
-    def _drop_records_before(records: lmdb.Cursor, after: bytes | None, key: bytes | None) -> None:
+    def _drop_records_before(records: lmdb.Cursor, after: bytes | None, key: bytes | None) -> int:
         """Delete the index records strictly between `after` and `key` (None: no bound): their values
-        are gone (written by a version that kept no index, or deleted by one)."""
+        are gone (written by a version that kept no index, or deleted by one). How many."""
         ok = records.first() if after is None else records.set_range(after)
         if ok and after is not None and bytes(records.key()) == after:
             ok = records.next()
+        n = 0
         while ok:
             at = bytes(records.key())
             if not at or (key is not None and at >= key):
-                return
+                return n
             records.delete()  # and on to the next record
+            n += 1
+        return n
 
     # --- scans -------------------------------------------------------------------------------
     def scan(self, verify: bool = False) -> Iterator[ScannedChunk]:
@@ -243,7 +287,8 @@ class LmdbScan(LmdbMap):
         lengths, at = np.unique(rows["value_bytes"][ok], return_inverse=True)
         stored = np.array([self.disk_bytes(int(n)) for n in lengths], dtype=np.int64)[at]
         return ScanBatch(np.frombuffer(joined_keys, dtype=np.uint8).reshape(m, KEY_BYTES)[ok], rows["namespace"][ok],
-                         layouts[ok], rows["raw_size"][ok].astype(np.int64), stored, tuple(damaged))
+                         layouts[ok], rows["raw_size"][ok].astype(np.int64), stored, tuple(damaged),
+                         rows["depth"][ok].astype(np.uint32))
 
     def _layout_words(self) -> np.ndarray:
         """The known layout ids as little-endian 64-bit words (a batch's are compared at once)."""
@@ -265,7 +310,7 @@ class LmdbScan(LmdbMap):
                 tokens = self._verified_tokens(value, r)
         except ValueProblem as p:
             return ScannedChunk(key, b"", b"", 0, disk, p.problem)
-        return ScannedChunk(key, r.namespace, r.layout_id, r.raw_size, disk, tokens=tokens)
+        return ScannedChunk(key, r.namespace, r.layout_id, r.raw_size, disk, tokens=tokens, depth=r.depth)
 
     def _verified_tokens(self, value: memoryview, r: vf.IndexRecord) -> bytes:
         h = vf.parse_header(value)
@@ -273,7 +318,7 @@ class LmdbScan(LmdbMap):
             raise ValueProblem("layout", "unknown layout id")
         if sum64(value[h.payload_offset :]) != h.payload_sum:
             raise ValueProblem("corrupt", "payload checksum mismatch")
-        if (h.codec, h.token_count, len(value), h.layout_id, h.namespace, h.raw_size) != r:
+        if (h.codec, h.token_count, len(value), h.layout_id, h.namespace, h.raw_size) != r[:6]:  # not the depth
             raise ValueProblem("corrupt", "the value differs from its index record")
         return vf.header_meta(value, h).tokens
 

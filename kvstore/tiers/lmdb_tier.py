@@ -4,7 +4,8 @@ One LMDB environment (a directory) holds five named databases: `chunks` (32-byte
 value_format value), `index` (the same key -> its small index record, value_format.index_record,
 written and deleted in the same transaction as the value), `namespaces` (32-byte namespace digest
 -> the record the store gave), `models` (the name of a model registered at run time -> its
-description, so that its chunks are recovered after a restart) and `meta` (`format_version`).
+description, so that its chunks are recovered after a restart) and `meta` (`format_version`, and
+`indexed_txn`: the id of the last write transaction this tier committed, written inside it).
 Named databases are used for all because LMDB keeps the names of named databases as keys of its
 unnamed main database; putting chunks there would mix them with those names.
 
@@ -13,7 +14,12 @@ value's pages: its cost does not depend on payload bytes. Values are verified wh
 A directory of format 1 (no `index`; kvstore 0.1) gets its index built once at open, from the
 value headers (one page per value), and so does any value found without a record: the two
 databases' entry counts are compared at every open, which costs two page reads (a value whose
-header cannot be read gets a marker record, so that it costs one build, not one per open).
+header cannot be read gets a marker record, so that it costs one build, not one per open). The
+counts may agree after another writer, though: an older kvstore (a rollback) writes values without
+records and deletes values leaving theirs, as many of each as it likes. So every write transaction
+of this tier records its own id (`_mark`), and an open that finds LMDB's last transaction to be
+another merges the index with the values again (`_build_index`: a record for each value lacking
+one, records without a value dropped), and records the id once it is done.
 Otherwise opening reads no index record: the used bytes are summed by the first whole scan (the
 store's index load, on a thread when it loads in the background), so a restart listens before it
 has read the index. Another program's environment (names in its main database that kvstore never
@@ -86,7 +92,7 @@ from kvstore.tiers.dir_lock import LMDB_LOCK_FILE, DirLock
 from kvstore.tiers.lmdb_file import check_length
 from kvstore.tiers.lmdb_lock_file import allocate, table_bytes
 from kvstore.tiers.lmdb_map import MapGuard, MiB, record_value_bytes
-from kvstore.tiers.lmdb_scan import LmdbScan
+from kvstore.tiers.lmdb_scan import IndexBuild, LmdbScan
 from kvstore.tiers.value_format import ValueProblem
 
 INITIAL_MAP_BYTES = 64 * MiB
@@ -305,11 +311,21 @@ class LmdbTier(LmdbScan):
                                f"kvstore; this one reads formats up to {LMDB_FORMAT_VERSION}")
         version = int(digits or b"0") if digits is not None else 1
         values, records = self._entries(self._chunks), self._entries(self._index)
-        if values != records:
-            self._build_index(values, migrating=version < LMDB_FORMAT_VERSION)
-        if version < LMDB_FORMAT_VERSION:
+        why: IndexBuild | None = None
+        if version < LMDB_FORMAT_VERSION and values != records:
+            why = "migrating"
+        elif values != records:
+            why = "unindexed"
+        elif (values or records) and not self._marked_last():
+            # Another writer committed since this tier's last write: an older kvstore (a rollback)
+            # writes values without records and deletes values leaving theirs, as many of each as it
+            # likes, so the counts alone cannot tell. The merge reads only values lacking a record.
+            why = "other-writer"
+        if why is not None:
+            self._build_index(values, why)
+        if why is not None or version < LMDB_FORMAT_VERSION:  # and marked: the index agrees with the values
             self._put_record(self._meta, _FORMAT_KEY, str(LMDB_FORMAT_VERSION).encode())
-        return values != records
+        return why is not None
 
     # --- writes ------------------------------------------------------------------------------
     def put_from(self, src: Tier, keys: Sequence[bytes], owner: str = "") -> int:
@@ -331,7 +347,8 @@ class LmdbTier(LmdbScan):
                 raw = vf.byte_view(payload)
                 codec, stored = self._codec.encode(raw, meta.layout_id)
                 size = vf.value_bytes(len(meta.tokens), len(stored))
-                record = vf.index_record(codec, len(meta.tokens) // 4, size, meta.layout_id, meta.namespace, len(raw))
+                record = vf.index_record(codec, len(meta.tokens) // 4, size, meta.layout_id, meta.namespace, len(raw),
+                                         meta.depth)
                 planned.append(_PlannedValue(key, meta, codec, len(raw), stored, size, record))
             if planned:
                 with self._failures("put"):
@@ -368,6 +385,7 @@ class LmdbTier(LmdbScan):
                         txn.put(p.key, vf.build_value_into(scratch, p.meta, p.codec, p.raw_size, p.stored))
                         txn.put(p.key, p.record, db=self._index)  # same transaction: both or neither
                         used += self.disk_bytes(p.size)
+                    self._mark(txn)
             except lmdb.MapFullError:
                 advanced = self._make_writable(advanced, sum(p.size for p in planned))
                 continue
@@ -445,6 +463,8 @@ class LmdbTier(LmdbScan):
                             count -= 1
                             txn.delete(key)
                             txn.delete(key, db=self._index)
+                    if count != self._count:  # else nothing changed, and nothing is committed
+                        self._mark(txn)
             except lmdb.MapFullError:
                 # A delete needs pages too (the tree's copies, the free list): as for a write, with
                 # a reserve beyond the map's limit; where even that is short, fewer keys at a time
@@ -600,8 +620,8 @@ class LmdbTier(LmdbScan):
             while True:
                 try:
                     with self._env.begin(write=True, db=self._ns) as txn:
-                        for digest in digests:
-                            txn.delete(digest)
+                        if sum(txn.delete(digest) for digest in digests):  # else nothing is committed
+                            self._mark(txn)
                     return
                 except lmdb.MapFullError:  # a delete needs pages too: as for the chunks'
                     advanced = self._make_writable(advanced, 0, DELETE_RESERVE_BYTES)
@@ -626,6 +646,7 @@ class LmdbTier(LmdbScan):
                 try:
                     with self._env.begin(write=True, db=db) as txn:
                         txn.put(key, record)
+                        self._mark(txn)
                     return
                 except lmdb.MapFullError:
                     self._grow(len(record))

@@ -175,7 +175,7 @@ def header_meta(value: memoryview, header: ValueHeader) -> ChunkMeta:
 #     4       2     index record version (INDEX_FORMAT_VERSION)
 #     6       2     the value's flags (codec id)
 #     8       4     token count
-#     12      4     reserved, zero
+#     12      4     depth: the chunk's index in the prompt that stored it (0 where not known)
 #     16      8     value bytes (the whole value's length in the chunks database)
 #     24      8     layout id
 #     32      32    namespace digest
@@ -184,6 +184,11 @@ def header_meta(value: memoryview, header: ValueHeader) -> ChunkMeta:
 #
 # No token ids: they would make the record half a toy chunk's size. The value keeps them, and the
 # first read of a chunk recovered from the index checks them against its key (keys.next_key).
+#
+# The depth orders a restart's eviction (deepest first, so what is kept of a prompt is its head:
+# index_load.py). It was a reserved field, written as 0, that no reader checked: records of older
+# builds read as depth 0, and older builds read these (no version bump). A record built from a
+# value's header has depth 0 too: the value does not say where in its prompt it was.
 #
 # A value whose header could not be read when the index was built gets a marker instead, of the
 # same layout: magic b"KVSX", flags the problem's number (UNREADABLE_PROBLEMS), the value's length,
@@ -200,6 +205,7 @@ INDEX_RECORD_BYTES = _INDEX.size + _INDEX_CRC.size
 # value length or raw size a record may claim: a crc32 is no proof against a crafted record, and
 # a larger one would overflow the scan's int64 arrays and the tier's accounting.
 MAX_VALUE_BYTES = 0xFFFF_FFFF
+MAX_DEPTH = 0xFFFF_FFFF  # a depth past a u32 is written as this (deepest: evicted first anyway)
 
 
 class IndexRecord(NamedTuple):
@@ -209,12 +215,13 @@ class IndexRecord(NamedTuple):
     layout_id: bytes
     namespace: bytes
     raw_size: int
+    depth: int = 0
 
 
 def index_record(codec: int, token_count: int, value_bytes: int, layout_id: bytes, namespace: bytes,
-                 raw_size: int) -> bytes:
-    head = _INDEX.pack(INDEX_MAGIC, INDEX_FORMAT_VERSION, codec, token_count, 0, value_bytes, layout_id,
-                       namespace, raw_size)
+                 raw_size: int, depth: int = 0) -> bytes:
+    head = _INDEX.pack(INDEX_MAGIC, INDEX_FORMAT_VERSION, codec, token_count, min(max(depth, 0), MAX_DEPTH),
+                       value_bytes, layout_id, namespace, raw_size)
     return head + _INDEX_CRC.pack(_crc32(head))
 
 
@@ -233,7 +240,7 @@ def index_record_of(value: memoryview) -> bytes:
 
 # An index record's fields as a numpy record: _INDEX's, then the crc.
 INDEX_ROW = np.dtype({
-    "names": ["magic", "version", "flags", "token_count", "zero", "value_bytes", "layout_id", "namespace",
+    "names": ["magic", "version", "flags", "token_count", "depth", "value_bytes", "layout_id", "namespace",
               "raw_size", "crc"],
     "formats": ["S4", "<u2", "<u2", "<u4", "<u4", "<u8", ("u1", (8,)), ("u1", (32,)), "<u8", "<u4"],
     "offsets": [0, 4, 6, 8, 12, 16, 24, 32, 64, 72], "itemsize": INDEX_RECORD_BYTES})
@@ -257,7 +264,7 @@ def parse_index_record(record: memoryview | bytes) -> IndexRecord:
     """Check magic, version, size and crc of an index record; raise ValueProblem."""
     if len(record) != INDEX_RECORD_BYTES:
         raise ValueProblem("corrupt", f"index record of {len(record)} bytes")
-    magic, version, flags, n_tok, _, value_len, layout_id, namespace, raw = _INDEX.unpack_from(record, 0)
+    magic, version, flags, n_tok, depth, value_len, layout_id, namespace, raw = _INDEX.unpack_from(record, 0)
     if magic == UNREADABLE_MAGIC and flags < len(UNREADABLE_PROBLEMS) and (
             _crc32(record[: _INDEX.size]) == _INDEX_CRC.unpack_from(record, _INDEX.size)[0]):
         raise ValueProblem(UNREADABLE_PROBLEMS[flags], "the value's header was unreadable when it was indexed")
@@ -272,4 +279,4 @@ def parse_index_record(record: memoryview | bytes) -> IndexRecord:
     if not HEADER_BYTES + 4 * n_tok <= value_len <= MAX_VALUE_BYTES or raw > MAX_VALUE_BYTES:
         raise ValueProblem("corrupt", f"index record sizes out of range (value {value_len}, raw {raw}, "
                                       f"{n_tok} tokens)")
-    return IndexRecord(flags, n_tok, value_len, layout_id, namespace, raw)
+    return IndexRecord(flags, n_tok, value_len, layout_id, namespace, raw, depth)
