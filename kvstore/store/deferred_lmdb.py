@@ -314,7 +314,8 @@ class DeferredLmdb(Placement):
                 self._doomed.update(keys)  # tried again by the next call
             raise
         else:
-            self._lmdb_deletes_failing = False
+            with self._lock:  # set under it: a commit planning meanwhile sees one value throughout
+                self._lmdb_deletes_failing = False
         finally:
             with self._lock:
                 for key in keys:

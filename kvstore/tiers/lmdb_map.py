@@ -11,6 +11,7 @@ write, delete and read paths that call it (lmdb_tier.py).
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -187,6 +188,7 @@ class LmdbMap:
         if current >= limit:
             raise self._map_full(current, self._live_page_bytes(), reserve)
         new = min(limit, max(2 * current, current + 2 * need_bytes + MiB))
+        _address_space_for(new)
         try:
             with self._map.exclusive():  # no write is open (we hold the lock), and now no read
                 self._env.set_mapsize(new)
@@ -210,6 +212,7 @@ class LmdbMap:
         map is within its limit: the put path's usual case."""
         if not self._past_limit:
             return
+        _address_space_for(self._max_map)
         try:
             with self._map.exclusive():  # no write is open (we hold the lock), and now no read
                 self._env.set_mapsize(self._max_map)
@@ -245,3 +248,14 @@ class LmdbMap:
             return True
         self._grow(need_bytes, reserve)
         return advanced
+
+
+def _address_space_for(nbytes: int) -> None:
+    """StorageError unless `nbytes` of address space can be mapped now. LMDB unmaps its map before
+    it maps the larger one: refused then (an address-space limit), the environment is left closed,
+    and every later call fails until a restart. Tried first on a reservation that maps nothing."""
+    try:
+        probe = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=0)  # PROT_NONE
+    except (OSError, OverflowError, ValueError) as e:
+        raise StorageError(f"cannot grow the LMDB map to {nbytes} bytes: no address space for it ({e})") from None
+    probe.close()
