@@ -164,12 +164,12 @@ def test_the_lookups_timed_while_the_index_loads_do_the_work_of_those_timed_once
         looked.set()
         return lookup(self, *a, **k)
 
-    def slow(self: GlobalStore, keys: bytes, kinds: list[int]) -> None:
+    def slow(self: GlobalStore, *a: Any, **k: Any) -> None:
         # The fault: a slow loader, so that Lookups come while it loads. Held until the first came:
         # 0.1 s alone was over before a loaded machine's caller reached its first Lookup.
         looked.wait(30)
         time.sleep(0.1)
-        index_batch(self, keys, kinds)
+        index_batch(self, *a, **k)
 
     monkeypatch.setattr(GlobalStore, "lookup", lookup_seen)
     monkeypatch.setattr(GlobalStore, "_index_batch", slow)
