@@ -42,14 +42,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import errno
 import hashlib
 import hmac
 import io
 import ipaddress
 import json
 import logging
-import os
 import re
 import selectors
 import socket
@@ -70,6 +68,7 @@ from prometheus_client.exposition import choose_encoder
 
 from kvstore.config import is_loopback
 from kvstore.observe.admin_api import AdminApi, Viewer
+from kvstore.wire.accept_pause import PAUSE_MOST_SECONDS, AcceptPause
 from kvstore.wire.request_ids import REQUEST_ID_RE
 
 log = logging.getLogger("kvstore.admin")
@@ -104,14 +103,6 @@ MAX_SHARED = 64  # keys paced at once; past it, a render is not shared
 # (prometheus_client compares its parts as numbers, and echoes it into the Content-Type).
 _FORMAT_VERSION_RE = re.compile(r"\d{1,6}(?:\.\d{1,6}){0,3}")
 _SCRIPT_RE = re.compile(rb"<script>(.*?)</script>", re.S)
-# A failed accept for want of descriptors or memory leaves its connection queued, so the listener is
-# readable again at once (the stdlib loop spun a core on it): the loop waits this long before its next
-# try, doubling up to the most, until one succeeds. As kvstore/service/shm_listener.py, which the
-# layers keep this module from importing.
-ACCEPT_PAUSE_FIRST = 0.1
-ACCEPT_PAUSE_MOST = 1.0
-ACCEPT_LOG_SECONDS = 60.0  # it fails at each try while it lasts: logged once a minute
-_SHORT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class HttpError(Exception):
@@ -455,13 +446,9 @@ class _Server(ThreadingHTTPServer):
         self._read: dict[Any, bytes] = {}  # each admitted socket's request head, until its handler takes it
         self._reserve_lock = threading.Lock()
         self._stopping = threading.Event()  # set by shutdown(): ends a pause after a failed accept
-        self.accept_failed_total = 0  # accepts failed for want of descriptors or memory
-        self.refused_total = 0  # queued connections answered 503 meanwhile
-        self._accept_pause = 0.0  # the last pause after a failed accept; 0 once one succeeds
-        self._accept_logged_at = -ACCEPT_LOG_SECONDS
-        # A descriptor in reserve (/dev/null): with none left, it is freed to take the queued
-        # connections and answer them 503, so a probe hears no at once rather than hang.
-        self._reserve_fd = _open_reserve()
+        self.refused_total = 0  # queued connections answered 503 while accept() failed
+        # Accepts that fail for want of descriptors or memory: the stdlib loop spun a core on them.
+        self._accept_pause = AcceptPause()
         super().server_activate()
         self._heads = _Heads(self)
 
@@ -469,35 +456,30 @@ class _Server(ThreadingHTTPServer):
         try:
             request, client_address = super().get_request()
         except OSError as e:
-            if e.errno in _SHORT_OF:  # else one client's failure (it left meanwhile): the next is taken
+            if AcceptPause.short_of(e):  # else one client's failure (it left meanwhile): the next is taken
                 self._accept_failed(e)
             raise  # the stdlib loop drops it and selects again
-        self._accept_pause = 0.0
-        if self._reserve_fd < 0:
-            self._reserve_fd = _open_reserve()
+        self._accept_pause.succeeded()
         return request, client_address
+
+    @property
+    def accept_failed_total(self) -> int:
+        return self._accept_pause.failed_total
 
     def _accept_failed(self, e: OSError) -> None:
         """The queued connections refused where descriptors ran out, a line logged once a minute,
         and a pause of this loop, the listener unwatched (the connections taken are served meanwhile)."""
-        self.accept_failed_total += 1
-        refused = self._refuse_queued(e) if e.errno in (errno.EMFILE, errno.ENFILE) else 0
-        self._accept_pause = min(ACCEPT_PAUSE_MOST, max(ACCEPT_PAUSE_FIRST, 2 * self._accept_pause))
-        now = time.monotonic()
-        if now - self._accept_logged_at >= ACCEPT_LOG_SECONDS:
-            self._accept_logged_at = now
+        failed = self._accept_pause.failed(e, lambda: self._refuse_queued(e))
+        self.refused_total += failed.refused
+        if failed.log_now:
             log.warning("admin port: accept failed: %s (%d time(s) so far; tried again every %.1f s at most, "
                         "%d waiting connection(s) answered 503 now; logged once a minute)",
-                        e, self.accept_failed_total, ACCEPT_PAUSE_MOST, refused)
-        self._stopping.wait(self._accept_pause)
+                        e, self._accept_pause.failed_total, PAUSE_MOST_SECONDS, failed.refused)
+        self._stopping.wait(failed.pause_seconds)
 
     def _refuse_queued(self, e: OSError) -> int:
-        """With no descriptor left, the reserve one is freed to accept each queued connection and
-        answer it 503, then taken again: how many were answered."""
-        if self._reserve_fd < 0:  # another thread took it the last time it was freed
-            return 0
-        os.close(self._reserve_fd)
-        self._reserve_fd = -1
+        """Each queued connection accepted and answered 503 (the reserve descriptor is free
+        meanwhile): how many were answered."""
         answer = _raw_error(503, f"the service cannot take a connection now ({e.strerror}): retry shortly",
                             b"Retry-After: 1\r\n")
         refused, timeout = 0, self.socket.gettimeout()
@@ -516,8 +498,6 @@ class _Server(ThreadingHTTPServer):
                 refused += 1
         finally:
             self.socket.settimeout(timeout)
-            self._reserve_fd = _open_reserve()
-        self.refused_total += refused
         return refused
 
     def shutdown(self) -> None:
@@ -572,9 +552,9 @@ class _Server(ThreadingHTTPServer):
         heads = getattr(self, "_heads", None)  # None: the bind failed, before server_activate
         if heads is not None:
             heads.close()
-        if getattr(self, "_reserve_fd", -1) >= 0:
-            os.close(self._reserve_fd)
-            self._reserve_fd = -1
+        accept_pause = getattr(self, "_accept_pause", None)  # None: the bind failed, before server_activate
+        if accept_pause is not None:
+            accept_pause.close()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # The stdlib prints a traceback to stderr, outside logging, for every client that hangs up
@@ -726,14 +706,6 @@ def _refuse(sock: Any, response: bytes) -> None:
     with contextlib.suppress(OSError):
         sock.setblocking(False)
         sock.send(response)
-
-
-def _open_reserve() -> int:
-    """A descriptor to keep in reserve (see `_Server._refuse_queued`), or -1 when none is left."""
-    try:
-        return os.open(os.devnull, os.O_RDONLY)
-    except OSError:
-        return -1
 
 
 class _Server6(_Server):

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import logging
 import os
 import selectors
@@ -86,6 +85,7 @@ from kvstore.layout import TierName
 from kvstore.observe.metrics import ShmTotals
 from kvstore.service.auth import Authenticator
 from kvstore.service.limits import refusal_message
+from kvstore.wire.accept_pause import PAUSE_MOST_SECONDS, AcceptPause
 from policies.fair_share import FairShare
 from replay.registry import ADMIN_MEMBER
 
@@ -105,12 +105,6 @@ MAX_PENDING_PER_UID_PID_UNKNOWN = MAX_PENDING // 2
 RELEASE_SLACK = 1024
 _DROP_LOG_SECONDS = 60.0  # a flood is logged once a minute, not once per connection
 _BACKLOG = 64  # connections the kernel queues for the listener
-# A failed accept (out of descriptors or memory) leaves its connection queued, so the listener is
-# readable again at once: it is left unwatched this long, doubling up to the most, until one succeeds.
-_ACCEPT_PAUSE_FIRST = 0.1
-_ACCEPT_PAUSE_MOST = 1.0
-# Accept failures for want of a resource, which leave the connection queued (the host's, not a client's).
-_SHORT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 # The selector's mark for the segment watch (the listener's is None, a connection's its _Conn).
 _WATCH = "segment watch"
 _PEERCRED = struct.Struct("3i")
@@ -235,13 +229,13 @@ class ShmSessions:
         self._flood_logged_at = -_DROP_LOG_SECONDS
         self.failed_total = 0  # connections closed for an error of the service's own (logged once a minute)
         self._failed_logged_at = -_DROP_LOG_SECONDS
-        self.accept_failed_total = 0  # failed accepts (no descriptor or memory left; logged once a minute)
-        self._accept_logged_at = -_DROP_LOG_SECONDS
-        self._accept_pause = 0.0  # the listener's last pause after a failed accept; 0 once one succeeds
+        # Accepts that fail for want of descriptors or memory (made at start, with its reserve descriptor).
+        self._accept_pause: AcceptPause | None = None
         self._accept_resume_at: float | None = None  # while the listener is unwatched: when it is watched again
-        # A descriptor kept in reserve (/dev/null): with none left, it is freed to take the queued
-        # connections and close them, so their clients hear no at once rather than wait out their hello.
-        self._reserve_fd = -1
+
+    @property
+    def accept_failed_total(self) -> int:
+        return 0 if self._accept_pause is None else self._accept_pause.failed_total
 
     @property
     def enabled(self) -> bool:
@@ -270,7 +264,7 @@ class ShmSessions:
         self._listener = _bind(self.path)
         self._listener.setblocking(False)
         self._sel.register(self._listener, selectors.EVENT_READ, None)
-        self._reserve_fd = _open_reserve()
+        self._accept_pause = AcceptPause()
         self._thread = threading.Thread(target=self._run, name="kvstore-shm", daemon=True)
         self._thread.start()
         if self._svc.shm_prefault_bytes:
@@ -299,9 +293,8 @@ class ShmSessions:
             self._listener.close()
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
-        if self._reserve_fd >= 0:
-            os.close(self._reserve_fd)
-            self._reserve_fd = -1
+        if self._accept_pause is not None:
+            self._accept_pause.close()
         self._sel.close()
 
     # --- what the servicers ask ---------------------------------------------------------------------
@@ -372,10 +365,11 @@ class ShmSessions:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
-            if e.errno in _SHORT_OF:  # else one client's failure (it left meanwhile): the next is taken
+            if AcceptPause.short_of(e):  # else one client's failure (it left meanwhile): the next is taken
                 self._accept_failed(e)
             return
-        self._accept_pause = 0.0
+        assert self._accept_pause is not None
+        self._accept_pause.succeeded()
         try:
             pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         except OSError:
@@ -400,43 +394,32 @@ class ShmSessions:
     def _accept_failed(self, e: OSError) -> None:
         """The listener unwatched for a pause (the other connections are still served), the queued
         connections refused where descriptors ran out, and a line logged once a minute."""
-        assert self._listener is not None
-        self.accept_failed_total += 1
-        refused = self._refuse_queued(e) if e.errno in (errno.EMFILE, errno.ENFILE) else 0
-        self._accept_pause = min(_ACCEPT_PAUSE_MOST, max(_ACCEPT_PAUSE_FIRST, 2 * self._accept_pause))
-        self._accept_resume_at = time.monotonic() + self._accept_pause
+        assert self._listener is not None and self._accept_pause is not None
+        failed = self._accept_pause.failed(e, lambda: self._refuse_queued(e))
+        self.refused_total += failed.refused
+        self._accept_resume_at = time.monotonic() + failed.pause_seconds
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(self._listener)
-        now = time.monotonic()
-        if now - self._accept_logged_at >= _DROP_LOG_SECONDS:  # it fails again at each try while it lasts
-            self._accept_logged_at = now
+        if failed.log_now:
             log.warning("same-host socket: accept failed: %s (%d time(s) so far; tried again every %.1f s at most, "
                         "%d waiting connection(s) refused now; logged once a minute)",
-                        e, self.accept_failed_total, _ACCEPT_PAUSE_MOST, refused)
+                        e, self._accept_pause.failed_total, PAUSE_MOST_SECONDS, failed.refused)
 
     def _refuse_queued(self, e: OSError) -> int:
-        """With no descriptor left, the reserve one is freed to accept each queued connection and
-        close it with a refusal, then taken again: how many were refused."""
+        """Each queued connection accepted and closed with a refusal (the reserve descriptor is free
+        meanwhile): how many were refused."""
         assert self._listener is not None
-        if self._reserve_fd < 0:  # another thread took it the last time it was freed
-            return 0
-        os.close(self._reserve_fd)
-        self._reserve_fd = -1
         refused, why = 0, f"the service cannot take a connection now ({e.strerror})"
-        try:
-            while refused < _BACKLOG:
-                try:
-                    sock, _ = self._listener.accept()
-                except OSError:  # none queued, or the freed descriptor taken by another thread meanwhile
-                    break
-                with contextlib.suppress(OSError):  # a client that has gone needs no answer
-                    sock.setblocking(False)
-                    send_message(sock, {"ok": False, "error": why})
-                sock.close()
-                refused += 1
-        finally:
-            self._reserve_fd = _open_reserve()
-        self.refused_total += refused
+        while refused < _BACKLOG:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:  # none queued, or the freed descriptor taken by another thread meanwhile
+                break
+            with contextlib.suppress(OSError):  # a client that has gone needs no answer
+                sock.setblocking(False)
+                send_message(sock, {"ok": False, "error": why})
+            sock.close()
+            refused += 1
         return refused
 
     def _resume_accepting(self) -> None:
@@ -444,9 +427,8 @@ class ShmSessions:
         if self._accept_resume_at is None or time.monotonic() < self._accept_resume_at:
             return
         self._accept_resume_at = None
-        if self._reserve_fd < 0:
-            self._reserve_fd = _open_reserve()
-        assert self._listener is not None
+        assert self._listener is not None and self._accept_pause is not None
+        self._accept_pause.keep_reserve()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
 
     def _readable(self, conn: _Conn) -> None:
@@ -801,11 +783,3 @@ def _bind(path: str) -> socket.socket:
         sock.close()
         raise ConfigError("service.unix_socket_path", f"cannot listen on {path}: {e.strerror}") from None
     return sock
-
-
-def _open_reserve() -> int:
-    """A descriptor to keep in reserve (see `ShmSessions._reserve_fd`), or -1 when none is left."""
-    try:
-        return os.open(os.devnull, os.O_RDONLY)
-    except OSError:
-        return -1
