@@ -24,23 +24,15 @@ from tests.test_admin_workload import Rig
 REPO = Path(__file__).resolve().parents[1]
 
 # The admin port as the tests start it (`Rig.serve`), in a child process whose descriptors it runs
-# out of on command ("fill": RLIMIT_NOFILE lowered to a few over those open, then every one left
-# taken) and gets back ("free"); "stats": its warnings and the accept tries that failed. One JSON
-# line per answer.
+# out of on command (`tests.helpers.descriptor_commands`); "stats" adds the accept tries that failed.
 CHILD = r"""
-import json, logging, os, resource, sys
+import sys
 from pathlib import Path
 from kvstore.observe import admin_http
+from tests.helpers.descriptor_commands import answer_commands, count_warnings, say
 from tests.test_admin_workload import Rig
 
-warnings = {"accept failed": 0, "all": 0}
-
-class Count(logging.Handler):
-    def emit(self, record):
-        warnings["all"] += 1
-        warnings["accept failed"] += "accept failed" in record.getMessage()
-
-logging.getLogger("kvstore").addHandler(Count(logging.WARNING))
+warnings = count_warnings()
 failed = [0]
 real = admin_http._Server.get_request
 
@@ -54,29 +46,8 @@ def get_request(self):  # counts the tries that fail, with or without the pause
 admin_http._Server.get_request = get_request
 rig = Rig(Path(sys.argv[1]))
 srv = rig.serve()
-say = lambda **kw: print(json.dumps(kw), flush=True)
 say(port=srv.port)
-held, limits = [], resource.getrlimit(resource.RLIMIT_NOFILE)
-for line in sys.stdin:
-    cmd = line.strip()
-    if cmd == "fill":
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, limits[1]))
-        while True:
-            try:
-                held.append(os.open(os.devnull, os.O_RDONLY))
-            except OSError:
-                break
-        say(held=len(held))
-    elif cmd == "free":
-        for fd in held:
-            os.close(fd)
-        held.clear()
-        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
-        say(freed=True)
-    elif cmd == "stats":
-        say(warnings=warnings, failed=failed[0], refused=getattr(srv._httpd, "refused_total", -1))
-    else:
-        break
+answer_commands(warnings, lambda: {"failed": failed[0], "refused": srv._httpd.refused_total})
 rig.close()
 """
 

@@ -26,48 +26,19 @@ from tests.helpers.waiting import wait_until
 from tests.test_service_shm import shm_config
 
 # `kvstore serve`'s own app and server in a child process, whose descriptors it runs out of on
-# command ("fill": RLIMIT_NOFILE lowered to a few over those open, then every one left taken) and
-# gets back ("free"); "stats": its warnings and the listener's counters. One JSON line per answer.
+# command (`tests.helpers.descriptor_commands`); "stats" adds the listener's counters.
 CHILD = r"""
-import json, logging, os, resource, sys
+import sys
 from pathlib import Path
 from tests.fixtures.service import start_service
+from tests.helpers.descriptor_commands import answer_commands, count_warnings, say
 from tests.test_service_shm import shm_config
 
-sock, data = sys.argv[1], Path(sys.argv[2])
-warnings = {"accept failed": 0, "all": 0}
-
-class Count(logging.Handler):
-    def emit(self, record):
-        warnings["all"] += 1
-        warnings["accept failed"] += "accept failed" in record.getMessage()
-
-logging.getLogger("kvstore").addHandler(Count(logging.WARNING))
-svc = start_service(shm_config(Path(sock)), data)
+warnings = count_warnings()
+svc = start_service(shm_config(Path(sys.argv[1])), Path(sys.argv[2]))
 shm = svc.server.shm
-say = lambda **kw: print(json.dumps(kw), flush=True)
 say(ready=True)
-held, limits = [], resource.getrlimit(resource.RLIMIT_NOFILE)
-for line in sys.stdin:
-    cmd = line.strip()
-    if cmd == "fill":
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, limits[1]))
-        while True:
-            try:
-                held.append(os.open(os.devnull, os.O_RDONLY))
-            except OSError:
-                break
-        say(held=len(held))
-    elif cmd == "free":
-        for fd in held:
-            os.close(fd)
-        held.clear()
-        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
-        say(freed=True)
-    elif cmd == "stats":
-        say(warnings=warnings, refused=shm.refused_total, accept_failed=getattr(shm, "accept_failed_total", -1))
-    else:
-        break
+answer_commands(warnings, lambda: {"refused": shm.refused_total, "accept_failed": shm.accept_failed_total})
 svc.stop(0.5)
 """
 
