@@ -100,10 +100,48 @@ def test_a_write_on_a_full_disk_lowers_the_budget_to_what_lmdb_holds_until_space
         assert tier.capacity_bytes == held  # before: 64 MiB, room the disk does not have
         assert tier.stats().capacity_bytes == held
         disk.empty()
+        assert tier.capacity_bytes == held  # reading the budget looks at nothing
+        tier.refresh_capacity()
         assert tier.capacity_bytes == 64 << 20  # space freed on the disk: the configured budget again
         tier.put_many([_item(i) for i in range(4, 8)])
     finally:
         tier.close()
+
+
+def test_the_disk_is_never_looked_at_under_the_stores_lock(
+        tmp_path: Path, disk: Disk, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A lowered budget ran statvfs when read, once a second, under the store's lock: on a network
+    # file system that stalled every call. Now Stats and each Store look before taking it.
+    store = GlobalStore(small_config(device_capacity_bytes=0, dram_capacity_bytes=0, lmdb_capacity_bytes=64 << 20),
+                        tmp_path / "data", MODELS)
+    try:
+        ns = store.namespace("alice", "reference-toy-8", "bounded")
+        store_prefix(store, ns, tokens_for(1, 2 * CHUNK))
+        disk.fill()
+        store_prefix(store, ns, tokens_for(2, 2 * CHUNK))
+        lowered = store.stats().tiers["lmdb"].capacity_bytes
+        assert lowered < 64 << 20
+        looked, under_lock = [0], [0]
+        real = os.statvfs
+
+        def statvfs(path: Any) -> os.statvfs_result:
+            looked[0] += 1
+            under_lock[0] += store._lock._lock._is_owned()  # type: ignore[attr-defined]
+            return real(path)
+
+        monkeypatch.setattr(os, "statvfs", statvfs_with(statvfs, lambda: disk.free))
+        disk.empty()
+        assert store.stats().tiers["lmdb"].capacity_bytes == 64 << 20  # seen at the first Stats after
+        disk.fill()
+        store_prefix(store, ns, tokens_for(3, 2 * CHUNK))  # lowered again
+        disk.empty()
+        r = store_prefix(store, ns, tokens_for(4, 2 * CHUNK))  # seen by the next Store's placement
+        assert (r.durable, r.skipped_chunks) == (True, 0)
+        assert looked[0] > 0 and under_lock[0] == 0, (looked, under_lock)
+        store.check_invariants()
+    finally:
+        disk.failing = None
+        store.close()
 
 
 def test_a_budget_larger_than_the_disk_is_warned_about_at_open(tmp_path: Path, disk: Disk) -> None:

@@ -55,6 +55,7 @@ class Accounting(Reads, IndexLoad):
             )
 
     def stats(self) -> StoreStats:
+        self._durable.refresh_capacity()  # before the lock: it may statvfs
         with self._lock:
             self._expire_pins()
             tiers: dict[str, TierUsage] = {}

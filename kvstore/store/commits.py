@@ -78,6 +78,7 @@ class Commits(Lookups, Namespaces):
             )
         if self._lmdb_deletes_failing:  # evicted values a full disk kept: deleted first, where room came back
             self._delete_doomed_values()
+        self._durable.refresh_capacity()  # a full disk's freed space, looked at before the lock
         plan = CommitPlan()
         self._enter_commit(txn, plan)
         said = ""

@@ -173,6 +173,12 @@ class Tier(Protocol):
 
 
 class DurableTier(Tier, Protocol):
+    def refresh_capacity(self) -> None:
+        """Look again at what bounds `capacity_bytes` from outside (a full disk's space freed
+        since), at most once a second; reading `capacity_bytes` does no I/O. Called without the
+        store's lock: it may block on a network file system."""
+        ...
+
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[ChunkMeta | None]:
         """`get_into` for each key, into the buffer beside it, in one read transaction."""
         ...

@@ -5,9 +5,10 @@ that much room. Once a write fails for a full disk, `DiskBudget` lowers the tier
 bytes its values take then (`filled`), so that the store evicts LMDB's oldest chunks to make room
 for new ones, and the pages they free are reused, instead of every later write failing while the
 budget says there is room. The budget rises again by the space freed on the disk since (the data
-file's size plus the free space, against the two when it filled), looked at when the budget is
-read, at most every RECHECK_SECONDS (a statvfs), and is the configured one again once that much is
-free. It knows statvfs and the data file's size, nothing of LMDB or of the store.
+file's size plus the free space, against the two when it filled), looked at by `recheck`, at most
+every RECHECK_SECONDS (a statvfs), and is the configured one again once that much is free. Reading
+the budget does no I/O: it is read under the store's lock, and statvfs may block on a network file
+system. It knows statvfs and the data file's size, nothing of LMDB or of the store.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-# How often a lowered budget looks for space freed on the disk: it is read for every chunk a Store
-# places, and statvfs may cost a round trip on a network file system.
+# How often a lowered budget looks for space freed on the disk (`recheck`, before each Store and
+# Stats): statvfs may cost a round trip on a network file system.
 RECHECK_SECONDS = 1.0
 
 
@@ -64,27 +65,29 @@ class DiskBudget:
             return None
 
     def budget(self, configured: int) -> int:
-        """The budget in force: `configured`, or less while the disk is full."""
+        """The budget in force: `configured`, or less while the disk is full (as `recheck` last saw)."""
+        lowered = self._lowered
+        return configured if lowered is None else min(configured, lowered.budget)
+
+    def recheck(self, configured: int) -> None:
+        """While the budget is lowered, raise it by the space freed on the disk since, or back to
+        `configured`; at most once every RECHECK_SECONDS."""
         lowered = self._lowered
         if lowered is None:
-            return configured
+            return
         now = self._clock()
         if now - lowered.checked_at < RECHECK_SECONDS:
-            return min(configured, lowered.budget)
+            return
         with self._lock:
             lowered = self._lowered
             if lowered is None:
-                return configured
+                return
             room = self.room()
             if room is None or lowered.room is None:  # nothing to compare with yet
                 self._lowered = lowered._replace(room=lowered.room if room is None else room, checked_at=now)
-                return min(configured, lowered.budget)
+                return
             budget = max(lowered.budget, lowered.base + room - lowered.room)
-            if budget >= configured:
-                self._lowered = None
-                return configured
-            self._lowered = lowered._replace(budget=budget, checked_at=now)
-            return budget
+            self._lowered = None if budget >= configured else lowered._replace(budget=budget, checked_at=now)
 
     def filled(self, used_bytes: int, margin_bytes: int) -> None:
         """A write failed for a full disk while the tier's values took `used_bytes`: the budget is

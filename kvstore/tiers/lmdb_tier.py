@@ -268,6 +268,9 @@ class LmdbTier(LmdbScan):
         space is freed on it (lmdb_disk.py)."""
         return self._disk.budget(self._capacity)
 
+    def refresh_capacity(self) -> None:
+        self._disk.recheck(self._capacity)
+
     def _entries(self, db: lmdb._Database) -> int:
         with self._env.begin() as txn:
             return int(txn.stat(db)["entries"])

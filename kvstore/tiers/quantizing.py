@@ -116,6 +116,9 @@ class QuantizingDurableTier(QuantizingTier):
     def delete_many(self, keys: Iterable[bytes]) -> None:
         self._durable.delete_many(keys)
 
+    def refresh_capacity(self) -> None:
+        self._durable.refresh_capacity()
+
     def scan_batches(self) -> Iterator[ScanBatch]:
         for batch in self._durable.scan_batches():
             words = batch.layout_ids.view("<u8").ravel()
