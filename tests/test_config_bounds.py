@@ -51,6 +51,9 @@ def _check(tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]) -> tup
     ('[local_pool]\nurl = "redis://h:6391/abc"\n', "local_pool.url"),
     ('[local_pool]\nurl = "redis+cluster://h:1/3"\n', "local_pool.url"),
     ('[local_pool]\nurl = "rediss://h:1?ssl_min_version=abc"\n', "local_pool.url"),
+    # No connection to Redis at all (every pool call would wait out its deadline), or more than it takes.
+    ("[local_pool]\nmax_connections = 0\n", "local_pool.max_connections"),
+    ("[local_pool]\nmax_connections = 10001\n", "local_pool.max_connections"),
     # 7: every Load of a V4.1 chunk then timed out.
     ("[service]\nstream_message_bytes = 1\n", "service.stream_message_bytes"),
     # 1c: least_total's ceil(inf) overflowed (a traceback); 1e-300 asked for a 300-digit total.
@@ -65,7 +68,8 @@ def _check(tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]) -> tup
      "admin.port"),
 ], ids=["ttl-400-digits", "device-2**64", "dram-2**64", "dram-2**63", "lmdb-over-1PiB", "pool-2**64",
         "part-1GiB", "window-4e9", "seed-2**64", "redis-db-abc", "redis-path-abc", "cluster-path-db",
-        "ssl-min-version-abc", "stream-1-byte", "weight-5e-324", "weight-1e-300", "data-dir-empty",
+        "ssl-min-version-abc", "pool-connections-0", "pool-connections-10001",
+        "stream-1-byte", "weight-5e-324", "weight-1e-300", "data-dir-empty",
         "ipv6-spellings", "ipv4-short-form"])
 def test_a_value_serve_cannot_use_is_one_line_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                              text: str, key: str) -> None:
@@ -90,6 +94,7 @@ def test_the_bounds_keep_the_values_that_work() -> None:
                         "tenants": {"a": {"tokens": [TOKEN_A], "share_weight": 1e-6},
                                     "b": {"tokens": [TOKEN_B], "share_weight": 1e-6}}})
     assert cfg.replay.reference_seed == top and cfg.tenants["a"].share_weight == 1e-6
+    assert parse_config({"local_pool": {"max_connections": 10_000}}).local_pool.max_connections == 10_000
     assert parse_config({"replay": {"reference_seed": -(1 << 63)}}).replay.reference_seed == -(1 << 63)
     for url in ("redis://h:6379?db=2", "unix:///tmp/redis.sock?db=1", "redis+cluster://h:1,h:2/",
                 "rediss://h:1?ssl_min_version=771&ssl_cert_reqs=none"):

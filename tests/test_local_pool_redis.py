@@ -261,7 +261,7 @@ def test_a_transaction_done_when_the_watchdog_fires_keeps_the_idle_connections(
     # The deadline passes between the last reply and disarming (a preempted thread): the call
     # succeeds and its own connection, shut down, goes; the idle ones were all disconnected too, as
     # if the server had failed, each costing the next calls a reconnect.
-    transport = redis_transport.SingleNodeTransport(redis_server.url, 0.25, 0.25)
+    transport = redis_transport.SingleNodeTransport(redis_server.url, 0.25, 0.25, max_connections=64)
     conns = [transport._acquire() for _ in range(8)]
     for c in conns:
         c.connect()
@@ -1011,7 +1011,7 @@ def test_a_failed_over_master_leaves_the_pool_healthy_once_its_replica_serves(re
 def test_a_closed_cluster_transport_builds_no_client(redis_cluster: RedisClusterProcesses) -> None:
     # A call that passed the pool's closed check as close() ran once built a fresh client (with
     # its connections) that nothing would close.
-    transport = ClusterTransport(redis_cluster.url, 0.5, 0.5)
+    transport = ClusterTransport(redis_cluster.url, 0.5, 0.5, max_connections=64)
     assert transport.transaction([("EXISTS", "kvs:{t}:p0")], time.monotonic() + 2.0) == [0]
     transport.close()
     with pytest.raises(redis.exceptions.ConnectionError, match="closed"):

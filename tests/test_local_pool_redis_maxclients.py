@@ -134,6 +134,19 @@ def test_a_caller_refused_any_connection_misses_as_a_timeout_and_the_breaker_sta
         pool.close()
 
 
+def test_the_pool_opens_at_most_local_pool_max_connections(redis_server: RedisProcess) -> None:
+    # The cap was a constant (64) whatever the config: it is `local_pool.max_connections`.
+    admin = redis_server.client()
+    received_before = int(admin.info("stats")["total_connections_received"])
+    pool = _pool(redis_server.url, max_connections=2)
+    try:
+        outcomes = _callers(pool, 50_000)
+    finally:
+        pool.close()
+    assert outcomes == {"put ok": CALLERS * ROUNDS, "get hit": CALLERS * ROUNDS}, outcomes
+    assert int(admin.info("stats")["total_connections_received"]) - received_before <= 2
+
+
 def test_the_transport_opens_at_most_max_connections_and_callers_wait_for_one(redis_server: RedisProcess) -> None:
     admin = redis_server.client()
     received_before = int(admin.info("stats")["total_connections_received"])

@@ -22,6 +22,7 @@ _TLS_URL_OPTIONS = frozenset({"ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "s
 
 
 DEFAULT_REDIS_PORT = 6379
+MAX_REDIS_CLIENTS = 10_000  # a Redis server's default maxclients: more connections than it takes
 # A database number: ASCII digits (int() reads '+1', ' 1' and '١' too), at most 9.
 _DECIMAL = re.compile(r"[0-9]{1,9}")
 _TLS_VERSIONS = frozenset({"769", "770", "771", "772"})  # ssl.TLSVersion's numbers, as redis-py reads them
@@ -179,6 +180,9 @@ class LocalPoolConfig:
     # passes no deadline of its own; socket timeouts are cut down to what is left of it.
     call_budget_seconds: float = 0.5
     key_prefix: str = "kvs"  # Redis keys are <key_prefix>:{<hash>}:v<format version>:p<i>
+    # The most connections opened to one Redis node; a call holds one at a time and waits, within
+    # its deadline, while all are in use. Redis runs one command at a time: more only queue there.
+    max_connections: int = 64
 
     def validate(self, prefix: str) -> None:
         ok_scheme = self.url == "embedded" or self.url.split("://", 1)[0] in (
@@ -196,5 +200,7 @@ class LocalPoolConfig:
         require(self.breaker_failures >= 1, join(prefix, "breaker_failures"), "must be >= 1")
         require(4096 <= self.part_bytes <= MAX_PART_BYTES, join(prefix, "part_bytes"),
                 f"must be in 4096..{MAX_PART_BYTES} (Redis's largest value, 512 MiB)")
+        require(1 <= self.max_connections <= MAX_REDIS_CLIENTS, join(prefix, "max_connections"),
+                f"must be in 1..{MAX_REDIS_CLIENTS} (Redis's default maxclients)")
         require(bool(self.key_prefix) and not any(c in self.key_prefix for c in "{}: \t\r\n"),
                 join(prefix, "key_prefix"), "must be non-empty, without braces, colons or spaces")

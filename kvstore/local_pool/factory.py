@@ -32,7 +32,9 @@ def build_local_pool(
     scheme = cfg.url.split("://", 1)[0]
     transport: RedisTransport
     if scheme.endswith("+cluster"):
-        transport = ClusterTransport(cfg.url, cfg.socket_timeout_seconds, cfg.connect_timeout_seconds)
+        transport = ClusterTransport(cfg.url, cfg.socket_timeout_seconds, cfg.connect_timeout_seconds,
+                                     cfg.max_connections)
     else:
-        transport = SingleNodeTransport(cfg.url, cfg.socket_timeout_seconds, cfg.connect_timeout_seconds)
+        transport = SingleNodeTransport(cfg.url, cfg.socket_timeout_seconds, cfg.connect_timeout_seconds,
+                                        cfg.max_connections)
     return RedisPool(cfg, transport, ttl_policy, clock)

@@ -13,7 +13,7 @@ memory (SET), so reads go as a pipeline and only writes that must land together 
   left), and a watchdog shuts down the socket of a transaction still reading at its deadline (a
   reply that trickles in takes many reads). And it packs commands itself, so a snapshot part goes
   out as its header and a view of the caller's payload, never joined into one new buffer.
-  It opens at most `max_connections` (MAX_CONNECTIONS) and a caller finding none free waits for
+  It opens at most `max_connections` (`local_pool.max_connections`) and a caller finding none free waits for
   one within its deadline. A Redis at its `maxclients` refuses a new connection in its handshake
   (`MaxClientsReachedError`, a ConnectionError to redis-py; a ResponseError from a node in cluster
   mode): here that means no connection is free now, not a server in trouble. The idle connections
@@ -100,14 +100,8 @@ CLUSTER_REFRESH_MIN_INTERVAL_SECONDS = 1.0
 # How late past a deadline the watchdog may end a transaction still reading its reply.
 WATCHDOG_SLACK_SECONDS = 0.005
 
-# The most connections a transport opens to one node. A call holds one at a time, and the service
-# runs `service.max_concurrent_calls` (64 by default) at once; Redis runs one command at a time, so
-# more would only queue there. Uncapped, a burst opened one per caller, into the server's maxclients.
-MAX_CONNECTIONS = 64
-
 # Once Redis refused a connection for its maxclients, one more is tried at most this often (its
-# limit raised, other clients gone); meanwhile callers share the connections held. Each refusal
-# used to disconnect every idle connection too: 674 refused in 4 s, a fifth of the calls failed.
+# limit raised, other clients gone); meanwhile callers share the connections held, which stay.
 MAXCLIENTS_RETRY_SECONDS = 0.25
 MAXCLIENTS_LOG_SECONDS = 60.0  # a refusal is logged at most this often, with the count so far
 
@@ -199,7 +193,7 @@ class SingleNodeTransport:
     kind = "redis"
 
     def __init__(self, url: str | Mapping[str, Any], socket_timeout_seconds: float,
-                 connect_timeout_seconds: float, max_connections: int = MAX_CONNECTIONS) -> None:
+                 connect_timeout_seconds: float, max_connections: int) -> None:
         # A URL, or (one node of a cluster) its connections' keyword arguments, connection_class too.
         self._kwargs: dict[str, Any] = parse_url(url) if isinstance(url, str) else dict(url)
         self._cls: type[AbstractConnection] = _hearing(self._kwargs.pop("connection_class", Connection))
@@ -611,7 +605,7 @@ class ClusterTransport:
     kind = "redis-cluster"
 
     def __init__(self, url: str, socket_timeout_seconds: float, connect_timeout_seconds: float,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int) -> None:
         self._nodes, self._kwargs = parse_cluster_url(url)
         self._socket_timeout, self._connect_timeout = socket_timeout_seconds, connect_timeout_seconds
         self._max_connections = max_connections  # per node
