@@ -48,8 +48,8 @@ def _bills(m: pb.Bills) -> Bills:
 def _checked_lookup(r: pb.LookupResponse, prompt_tokens: int) -> pb.LookupResponse:
     """A Lookup's answer whose sizes the client can use: chunks of some tokens and bytes (within
     what any service holds), a hit and full chunks within the prompt of `prompt_tokens`, a snapshot
-    within any model's. `store` divides by the chunk bytes (0 raised a bare ZeroDivisionError) and
-    later loads allocate for the sizes it remembers from here."""
+    within any model's. `store` divides by the chunk bytes, and later loads allocate for the sizes
+    it remembers from here."""
     ct, cb, prompt = r.chunk_tokens, r.chunk_bytes, prompt_tokens
     problem = ""
     if ct <= 0 or cb <= 0:

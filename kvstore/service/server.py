@@ -76,9 +76,10 @@ T = TypeVar("T")
 
 
 class CallThreads(ThreadPoolExecutor):
-    """gRPC's call threads, every one started with the server (`start_all`). Started as calls came,
-    a thread the host refused (a pids or thread limit) raised out of `submit` into gRPC's one
-    dispatch loop, which died of it: the process lived on and answered nothing, for good."""
+    """gRPC's call threads, every one started with the server (`start_all`): a thread the host
+    refuses later (a pids or thread limit) would raise out of `submit` into gRPC's one dispatch
+    loop and end it, leaving a process that answers nothing. A host short of threads is found at
+    start instead."""
 
     def __init__(self, count: int) -> None:
         super().__init__(max_workers=count, thread_name_prefix="kvstore-grpc")
