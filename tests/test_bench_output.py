@@ -97,6 +97,22 @@ def test_bench_restart_reports_what_a_reopen_and_the_lookups_during_a_background
             assert f["lookup_p99_ms_while_loading"] is None and f["lookup_loading_ratio"] is None, f
 
 
+@pytest.mark.timeout(120)
+def test_an_index_load_that_fails_ends_the_restart_bench_with_its_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The bench waited for `ready`, which a failed load never sets: it hung until killed.
+    def failing(self: GlobalStore) -> None:
+        raise OSError(5, "Input/output error")
+
+    spec = get_model("reference-toy-8")
+    store = GlobalStore(restart._config(4, spec), tmp_path, [spec])
+    restart._write(store, spec, 4)
+    store.close()
+    monkeypatch.setattr(GlobalStore, "_load_index", failing)
+    with pytest.raises(RuntimeError, match="index did not load: failed: OSError"):
+        restart._lookups_while_loading(str(tmp_path), spec.name, 4)
+
+
 def test_a_p99_of_fewer_than_100_lookups_while_the_index_loads_is_marked_n_lt_100() -> None:
     # One Lookup while loading gave a "p99" that was that Lookup, unmarked.
     one = _loading_figures([0.002], [0.001] * 200, 0.5)

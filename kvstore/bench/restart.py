@@ -328,11 +328,13 @@ def _lookups_while_loading(data_dir: str, model: str, chunks: int, policy: str =
             0, spec.vocab_size, len(written), dtype=np.int64))
         loading: list[float] = []
         loading_hits: set[int] = set()
-        while not store.ready:
+        while (state := store.index_state()) == "loading":
             t0 = time.perf_counter()
             loading_hits.add(store.lookup(ns, unwritten).hit_chunks)
             loading.append(time.perf_counter() - t0)
             time.sleep(0.001)
+        if state != "ready":  # a load that failed never becomes ready: there is nothing to time
+            raise RuntimeError(f"the reopened store's index did not load: {state}")
         ready, ready_hits = _timed_lookups(store, ns, unwritten, max(LOOKUPS_READY, len(loading)))
         full, full_hits = _timed_lookups(store, ns, written, LOOKUPS_READY)
         load_seconds = store.stats().index_load_seconds
