@@ -6,6 +6,7 @@ line about what grows with use (the embedded pool here)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -166,3 +167,29 @@ def test_serve_warns_about_a_pool_that_would_outgrow_the_limit(tmp_path: Path) -
     assert rc is None, lines  # it listened
     warned = [line for line in lines if "grows with use" in line]
     assert len(warned) == 1 and "lower local_pool.capacity_bytes" in warned[0], lines
+
+
+def test_check_config_says_what_serve_would_refuse_on_this_machine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # check-config said "valid" with no word of it; serve then refused at start.
+    import kvstore.tiers.host_memory as hm
+    from kvstore.cli import main
+
+    proc, cg = fake_host(tmp_path / "host", "0::/kvs\n", {"kvs/memory.max": f"{96 * MiB}\n"})
+    monkeypatch.setattr(hm, "PROC", proc)
+    monkeypatch.setattr(hm, "CGROUP_ROOT", cg)
+    path = tmp_path / "kvstore.toml"
+    path.write_text(to_toml(base_table(store={"dram_capacity_bytes": 64 * MiB, "prefault_arenas": True},
+                                       local_pool={"capacity_bytes": 1 << 20})))
+    assert main(["check-config", str(path)]) == 0  # the config may be meant for another host
+    err = capsys.readouterr().err.splitlines()
+    said = [line for line in err if "store.dram_capacity_bytes" in line]
+    assert len(said) == 1 and "cannot allocate" in said[0] and "refuses to start if so there" in said[0], err
+    assert main(["check-config", "--json", str(path)]) == 0
+    warnings = json.loads(capsys.readouterr().out)["warnings"]
+    assert sum("memory cgroup's limit of 96.0 MiB" in w for w in warnings) == 1, warnings
+
+    path.write_text(to_toml(base_table(store={"dram_capacity_bytes": 8 * MiB, "prefault_arenas": True},
+                                       local_pool={"capacity_bytes": 1 << 20})))
+    assert main(["check-config", "--json", str(path)]) == 0
+    assert not [w for w in json.loads(capsys.readouterr().out)["warnings"] if "memory" in w]

@@ -5,8 +5,9 @@ and ranges (with the dotted key that is wrong), served model names, TLS files, t
 unauthenticated service binds loopback only, that a 'cuda' store or replay device exists on this
 machine, the TTL policy the local pool would run (built for real, so its parameters are
 checked too); that the data directory and an enabled trace file could be created and written
-here (without creating either), and that an existing trace file is one, is a warning, since a
-config may be meant for another host or user.
+here (without creating either), that an existing trace file is one, and that the host memory it
+plans fits this machine (serve's check before it allocates), is a warning, since a config may be
+meant for another host or user.
 The output is the full effective config, defaults included, as TOML
 that parses back, with secrets redacted, followed by the TTL policy in force. Unknown keys (each
 with the closest known one) and values of the wrong type are all reported at once, and with them
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.commands.checks import check_not_empty, check_server_tls
+from kvstore.commands.host_memory_plan import host_memory_verdict
 from kvstore.config import KvstoreConfig, load_config
 from kvstore.config.service import redacted
 from kvstore.config.warnings import config_warnings
@@ -149,6 +151,15 @@ def _not_a_trace(path: Path) -> str | None:
     return None
 
 
+def _host_memory(cfg: KvstoreConfig) -> list[str]:
+    """What serve's host memory check would say on this machine, as warnings: the config may be
+    meant for another host, and serve's own process holds more than this one."""
+    verdict = host_memory_verdict(cfg)
+    if verdict.refusal:
+        return [f"{verdict.refusal} (on this machine: serve, where it runs, refuses to start if so there)"]
+    return [verdict.warning] if verdict.warning else []
+
+
 def run(args: argparse.Namespace) -> int:
     check_not_empty(args.file, "FILE", "file")  # else "cannot read config file .: Is a directory"
     from kvstore.service.app import build_ttl_policy, check_devices, served_models
@@ -171,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
     warnings += [w for p, key, what in paths if (w := _writable(p, key, what)) is not None]
     if cfg.trace.enabled and (w := _not_a_trace(Path(cfg.trace.path))) is not None:
         warnings.append(w)
+    warnings += _host_memory(cfg)
     if args.json:
         json.dump({"valid": True, "warnings": warnings, "settings": settings, "ttl_policy": policy}, sys.stdout,
                   indent=2, default=str)

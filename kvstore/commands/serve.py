@@ -112,24 +112,11 @@ def _flags_over(cfg: KvstoreConfig, unix_socket: str | None) -> KvstoreConfig:
 
 def _check_host_memory(cfg: KvstoreConfig) -> None:
     """Refuse a start whose host memory backed at start (prefaulted or pinned arenas) is more than
-    this process may take (its memory cgroup's limit, MemAvailable): it listened, then was killed
-    seconds later, a crash loop under a restart policy. What grows with use is warned about."""
-    from kvstore.service.app import in_place_loads
-    from kvstore.tiers.factory import host_arenas
-    from kvstore.tiers.host_memory import HostNeed, judge, read_host_memory
+    this process may take (its memory cgroup's limit): it would listen, then be killed seconds
+    later, a crash loop under a restart policy. What may not fit otherwise is warned about."""
+    from kvstore.commands.host_memory_plan import host_memory_verdict
 
-    needs = host_arenas(cfg.store, split=in_place_loads(cfg))
-    if cfg.local_pool.url == "embedded":
-        needs.append(HostNeed(("local_pool.capacity_bytes",), cfg.local_pool.capacity_bytes))
-    svc = cfg.service
-    if svc.unix_socket_path and svc.shm_enabled:
-        # Every session's two segments, and the spare load segment's resident part.
-        needs.append(HostNeed(
-            ("service.max_shm_sessions", "service.shm_load_segment_bytes", "service.shm_store_segment_bytes"),
-            svc.max_shm_sessions * (svc.shm_load_segment_bytes + svc.shm_store_segment_bytes)
-            + min(svc.shm_prefault_bytes, svc.shm_load_segment_bytes),
-            what="same-host segments (service.max_shm_sessions × (shm_load_segment_bytes + shm_store_segment_bytes))"))
-    verdict = judge(needs, read_host_memory())
+    verdict = host_memory_verdict(cfg)
     if verdict.refusal:
         raise StorageError(verdict.refusal)
     if verdict.warning:
