@@ -484,6 +484,38 @@ def test_a_resume_sent_again_over_a_stream_after_a_lapsed_copy_is_billed_once(
     assert obs.explainer.get(got.request_id) is not None
 
 
+def test_a_load_sent_again_over_a_stream_after_a_lapsed_copy_is_billed_once(
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The client sent each attempt of one Load under a request id of the service's making: the
+    # Load no Lookup paid for was billed, and its stream fallback billed again as another request.
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    obs, records = _observed(svc)
+    kv = unix(svc)
+    cb = svc.chunk_bytes(TOY)
+    prompt, chunks = tokens(15, CHUNK * 8), payloads(16, 8, cb)
+    kv.store(TOY, prompt, chunks)
+    real = ShmPath.lease_valid
+    lapsed: list[bool] = []
+
+    def lapse_once(self: ShmPath, expires_at: float) -> bool:  # the fault: the first copy is too slow
+        if lapsed:
+            return real(self, expires_at)
+        lapsed.append(True)
+        wait_until(lambda: svc.app.flush_observers() and any(r.method == "Load" for r in records))
+        return False
+
+    monkeypatch.setattr(ShmPath, "lease_valid", lapse_once)
+    assert _same(kv.load(TOY, prompt).chunks, chunks) and kv.data_path_in_use == "stream"
+    svc.app.flush_observers()
+    tries = [(r.code, r.data_path, r.request_id) for r in records if r.method == "Load"]
+    assert [t[:2] for t in tries] == [("OK", "shm"), ("OK", "stream")] and tries[0][2] == tries[1][2], tries
+    totals = obs.ledger.totals()
+    assert totals["requests"] == 1 and totals["retries"] == 1, totals
+    sample = obs.metrics.registry.get_sample_value
+    assert sample("kvstore_side_calls_total", {"method": "Load", "purpose": "retry"}) == 1
+
+
 def test_a_lookup_that_holds_chunks_counts_their_bytes_moved_as_a_load_does(
     make_service: Callable[..., Service], sock_dir: Path
 ) -> None:

@@ -149,6 +149,7 @@ from kvstore.wire.purposes import PURPOSE_KEY, PURPOSES
 from kvstore.wire.request_ids import REQUEST_ID_RE, new_request_id
 
 T = TypeVar("T")
+Metadata = tuple[tuple[str, str], ...]  # a call's gRPC metadata
 P = ParamSpec("P")
 MiB = 1 << 20
 log = logging.getLogger("kvstore.client")
@@ -303,7 +304,7 @@ class KvstoreClient:
         self.message_bytes = message_bytes
         self.max_store_call_bytes = max_store_call_bytes
         self.retry = retry
-        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata: Metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", 256 * MiB),
             ("grpc.max_send_message_length", 256 * MiB),
@@ -872,11 +873,12 @@ class KvstoreClient:
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
         deadline = _Deadline(time.monotonic() + self._timeout(timeout_seconds))
         told = model in self._chunk_sizes  # before the header tells them: else its word alone
+        metadata = self._load_metadata()
         shm = self._load_shm_path(model, deadline, "Load")
         try:
             if shm is not None:
                 req.shm_session = shm.session_id
-                stream = self._span_call(self._load_rpc, req, deadline.left(), shm)
+                stream = self._span_call(self._load_rpc, req, deadline.left(), shm, metadata)
                 try:
                     head = self._stream_header(stream, req)
                 except grpc.RpcError as e:
@@ -885,7 +887,7 @@ class KvstoreClient:
                     self._no_stream_after_close()
                     shm, req.shm_session = None, ""
             if shm is None:
-                stream = self._load(req, timeout=deadline.left(), metadata=self._metadata)
+                stream = self._load(req, timeout=deadline.left(), metadata=metadata)
                 head = self._stream_header(stream, req)
                 asm = _Chunks(head.chunk_bytes, head.hit_chunks)
                 for msg in stream:
@@ -927,10 +929,10 @@ class KvstoreClient:
         """The cached prefix's chunk payloads, pinned on the server while sent: views of one buffer
         this call allocates once the hit is known, written as `load_into` writes."""
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
-        return self._load_buffered(req, timeout_seconds)[0]
+        return self._load_buffered(req, timeout_seconds, self._load_metadata())[0]
 
-    def _load_buffered(self, req: pb.LoadRequest, timeout_seconds: float | None, open_session: bool = True,
-                       call_seconds: float | None = None) -> tuple[LoadResult, memoryview]:
+    def _load_buffered(self, req: pb.LoadRequest, timeout_seconds: float | None, metadata: Metadata,
+                       open_session: bool = True, call_seconds: float | None = None) -> tuple[LoadResult, memoryview]:
         """`load`, and the one buffer its chunks are views of (`call_seconds`: as for `_idempotent`)."""
         buffers: list[memoryview] = [memoryview(b"")]
 
@@ -943,7 +945,7 @@ class KvstoreClient:
             return buffers[0]
 
         def call(t: float) -> LoadResult:
-            got = self._load_into(req, t, fresh, open_session=open_session, grow=grow)
+            got = self._load_into(req, t, fresh, metadata, open_session=open_session, grow=grow)
             cb = got.chunk_bytes
             chunks = [buffers[0][i * cb : (i + 1) * cb] for i in range(got.loaded_chunks)]
             return LoadResult(got.hit_tokens, got.chunk_tokens, cb, chunks, got.chunk_tiers)
@@ -984,15 +986,16 @@ class KvstoreClient:
         streamed, nothing leased)."""
         seconds = self._timeout(timeout_seconds)
         deadline = _Deadline(time.monotonic() + seconds)
+        metadata = self._load_metadata()
         shm = self._load_shm_path(model, deadline, "Load", open_session)
         if shm is None:
             return self._streamed_shared(model, tokens, replay_mode, max_chunks, deadline.left(), cache_salt,
-                                         seconds), None
+                                         seconds, metadata), None
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt, shm.session_id)
         spans: _SharedSpans | None = None
         try:
             try:
-                stream = self._span_call(self._load_rpc, req, deadline.left(), shm)
+                stream = self._span_call(self._load_rpc, req, deadline.left(), shm, metadata)
                 head = self._stream_header(stream, req)
                 spans = _SharedSpans(shm, max(1, head.chunk_bytes))
                 for msg in stream:
@@ -1011,14 +1014,15 @@ class KvstoreClient:
             self._insist_on_shm(f"the same-host session failed the call ({e})", "Load")
         self._no_stream_after_close()
         return self._streamed_shared(model, tokens, replay_mode, max_chunks, deadline.left(), cache_salt,
-                                     seconds), None
+                                     seconds, metadata), None
 
     def _streamed_shared(self, model: str, tokens: Sequence[int] | np.ndarray, replay_mode: str, max_chunks: int,
-                         timeout_seconds: float, cache_salt: str, call_seconds: float) -> SharedLoad:
+                         timeout_seconds: float, cache_salt: str, call_seconds: float,
+                         metadata: Metadata) -> SharedLoad:
         """`load_shared` without a session: a `load`'s views, which this client owns. No session is
         opened for it: `load_shared` found none to use, and the call's time may be spent."""
         req = _load_request(model, tokens, replay_mode, max_chunks, cache_salt)
-        r, buffer = self._load_buffered(req, timeout_seconds, open_session=False, call_seconds=call_seconds)
+        r, buffer = self._load_buffered(req, timeout_seconds, metadata, open_session=False, call_seconds=call_seconds)
         return SharedLoad(r.hit_tokens, r.chunk_tokens, r.chunk_bytes, r.chunks, r.chunk_tiers, "stream", [],
                           runs=[buffer[: len(r.chunks) * r.chunk_bytes]])
 
@@ -1044,15 +1048,17 @@ class KvstoreClient:
             if fits == 0:
                 return LoadIntoResult(0, ct, cb, 0, ())
             req.max_chunks = min(req.max_chunks, fits) if req.max_chunks > 0 else fits
+        metadata = self._load_metadata()
         if gpu is None:
-            got = self._idempotent("Load", lambda t: self._load_into(req, t, lambda nbytes: dst), timeout_seconds)
+            got = self._idempotent("Load", lambda t: self._load_into(req, t, lambda nbytes: dst, metadata),
+                                   timeout_seconds)
         else:
-            got = self._idempotent("Load", lambda t: self._load_into_gpu(req, t, gpu), timeout_seconds)
+            got = self._idempotent("Load", lambda t: self._load_into_gpu(req, t, gpu, metadata), timeout_seconds)
         if got.chunk_bytes:
             self._chunk_sizes[model] = (got.chunk_tokens, got.chunk_bytes)
         return got
 
-    def _load_into_gpu(self, req: pb.LoadRequest, timeout: float, out: Any) -> LoadIntoResult:
+    def _load_into_gpu(self, req: pb.LoadRequest, timeout: float, out: Any, metadata: Metadata) -> LoadIntoResult:
         """`_load_into` a 1-D uint8 GPU tensor: spans copied straight into it; a streamed load
         into host memory first, then copied up in one piece."""
         staged: list[memoryview] = []
@@ -1061,7 +1067,7 @@ class KvstoreClient:
             staged.append(memoryview(bytearray(min(nbytes, len(out)))))
             return staged[-1]
 
-        got = self._load_into(req, timeout, lambda nbytes: out, stream_buffer_for=staging)
+        got = self._load_into(req, timeout, lambda nbytes: out, metadata, stream_buffer_for=staging)
         if staged and got.loaded_chunks:
             from kvstore.dataplane.rows import host_to_tensor
 
@@ -1069,7 +1075,7 @@ class KvstoreClient:
         return got
 
     def _load_into(
-        self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], Any],
+        self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], Any], metadata: Metadata,
         stream_buffer_for: Callable[[int], memoryview] | None = None, open_session: bool = True,
         grow: Callable[[int, int], memoryview] | None = None,
     ) -> LoadIntoResult:
@@ -1085,7 +1091,7 @@ class KvstoreClient:
         if shm is not None:
             req.shm_session = shm.session_id
             try:
-                return self._load_into_shm(req, deadline.left(), buffer_for, shm, grow)
+                return self._load_into_shm(req, deadline.left(), buffer_for, shm, metadata, grow)
             except LeaseLapsed as e:
                 self._shm_failed(shm, str(e))
                 self._insist_on_shm(f"the same-host session failed the call ({e})", "Load")
@@ -1095,7 +1101,7 @@ class KvstoreClient:
             finally:
                 req.shm_session = ""
             self._no_stream_after_close()
-        return self._load_into_stream(req, deadline.left(), stream_buffer_for or buffer_for,
+        return self._load_into_stream(req, deadline.left(), stream_buffer_for or buffer_for, metadata,
                                       None if stream_buffer_for else grow)
 
     def _stream_header(self, stream: Any, req: pb.LoadRequest | pb.ResumeRequest, method: str = "Load") -> Any:
@@ -1115,12 +1121,12 @@ class KvstoreClient:
 
     def _load_into_shm(
         self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview], shm: ShmPath,
-        grow: Callable[[int, int], memoryview] | None = None,
+        metadata: Metadata, grow: Callable[[int, int], memoryview] | None = None,
     ) -> LoadIntoResult:
         """One Load answered with spans of the session's load segment, each copied into the
         buffer and its lease released at once."""
         grows = grow is not None and req.model not in self._chunk_sizes  # before the header tells them
-        stream = self._span_call(self._load_rpc, req, timeout, shm)
+        stream = self._span_call(self._load_rpc, req, timeout, shm, metadata)
         head = self._stream_header(stream, req)
         cb = max(1, head.chunk_bytes)
         total = head.hit_chunks * head.chunk_bytes
@@ -1149,13 +1155,13 @@ class KvstoreClient:
         return LoadIntoResult(got * head.chunk_tokens, head.chunk_tokens, head.chunk_bytes, got, tuple(tiers))
 
     def _load_into_stream(
-        self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview],
+        self, req: pb.LoadRequest, timeout: float, buffer_for: Callable[[int], memoryview], metadata: Metadata,
         grow: Callable[[int, int], memoryview] | None = None,
     ) -> LoadIntoResult:
         """One Load call streamed into `buffer_for(the hit's bytes)`; the stream is cancelled once
         the buffer is full."""
         grows = grow is not None and req.model not in self._chunk_sizes  # before the header tells them
-        stream = self._load(req, timeout=timeout, metadata=self._metadata)
+        stream = self._load(req, timeout=timeout, metadata=metadata)
         head = self._stream_header(stream, req)
         total = head.hit_chunks * head.chunk_bytes
         writer = (ChunkWriter(max(1, head.chunk_bytes), head.hit_chunks, buffer_for(0),
@@ -1430,6 +1436,11 @@ class KvstoreClient:
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"no service at {self.target}: nothing answered "
                                    f"within {timeout_seconds:g} s (is `kvstore serve` running there?)",
                                    "connect") from None
+
+    def _load_metadata(self) -> Metadata:
+        """One Load's metadata: the same request id on each of its attempts (a retry, or a stream
+        after the same-host session failed), so that the service prices them as one request."""
+        return (*self._metadata, ("x-request-id", new_request_id()))
 
     def _request_metadata(
         self, method: str, request_id: str | None, session: str | None, purpose: str = ""

@@ -1,12 +1,12 @@
 """Hits a priced Lookup billed, waiting for the Load that realises them.
 
 An engine's hybrid path is a Lookup (priced: its hit is the request's prefill avoided), then a Load
-of the hit and a LoadLocal of the snapshot. The Python client sends a Load under a fresh request id
-of its own, often for a shorter prompt (the vLLM connector loads up to its boundary), so a Load is
-matched to the Lookup that billed it by tenant and namespace only: each priced Lookup's hit is a
-credit that one Load of at most as many tokens uses up within `RETRY_WINDOW_SECONDS`. A Load that
-no credit covers is billed itself (`call_observer`): a Lookup marked as a pre-check, or none at
-all, cannot leave the hit a tenant loads unbilled.
+of the hit and a LoadLocal of the snapshot. The Python client sends a Load under a request id of
+its own (the same on each of its attempts), often for a shorter prompt (the vLLM connector loads up
+to its boundary), so a Load is matched to the Lookup that billed it by tenant and namespace only:
+each priced Lookup's hit is a credit that one Load of at most as many tokens uses up within
+`RETRY_WINDOW_SECONDS`. A Load that no credit covers is billed itself (`call_observer`): a Lookup
+marked as a pre-check, or none at all, cannot leave the hit a tenant loads unbilled.
 
 Credits are interchangeable within a namespace: a Load may use another request's, but never one
 smaller than its own hit, so every Load left unbilled was paid for by a Lookup at least as large,
