@@ -17,7 +17,8 @@ request id).
 `lookup` and `resume` send an `x-request-id` (the caller's `request_id=`, else a fresh one) and
 return it in their result, so an engine can ask `kvstore explain REQUEST_ID` why its request
 missed; `session=` sends an `x-session-id`, which names the session in the service's request
-trace (for `kvstore tune ttl`). Loaded chunks are zero-copy `memoryview`s into the
+trace (for `kvstore tune ttl`). A Load sends one id of its own, the same on each of its attempts,
+so that the service bills it once. Loaded chunks are zero-copy `memoryview`s into the
 received messages; `bytes(view)` makes an owned copy.
 
 This module holds the calls: the channel, the same-host session (opened, dropped, fallen back
