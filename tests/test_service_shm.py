@@ -442,6 +442,23 @@ def _moved(obs: Observability, svc: Service) -> float:
                for t in ("device", "dram", "lmdb"))
 
 
+def _lapse_the_first_copy(monkeypatch: pytest.MonkeyPatch, svc: Service, records: list[CallRecord],
+                          method: str) -> None:
+    """The fault: the client's first same-host copy is too slow, its lease lapsed, once the service
+    has answered the `method` call and priced it."""
+    real = ShmPath.lease_valid
+    lapsed: list[bool] = []
+
+    def lapse_once(self: ShmPath, expires_at: float) -> bool:
+        if lapsed:
+            return real(self, expires_at)
+        lapsed.append(True)
+        wait_until(lambda: svc.app.flush_observers() and any(r.method == method for r in records))
+        return False
+
+    monkeypatch.setattr(ShmPath, "lease_valid", lapse_once)
+
+
 def test_a_resume_sent_again_over_a_stream_after_a_lapsed_copy_is_billed_once(
     make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -454,18 +471,7 @@ def test_a_resume_sent_again_over_a_stream_after_a_lapsed_copy_is_billed_once(
     cb = svc.chunk_bytes(TOY)
     prompt, chunks = tokens(11, CHUNK * 8), payloads(12, 8, cb)
     kv.store(TOY, prompt, chunks)
-    real = ShmPath.lease_valid
-    lapsed: list[bool] = []
-
-    def lapse_once(self: ShmPath, expires_at: float) -> bool:  # the fault: the first copy is too slow
-        if lapsed:
-            return real(self, expires_at)
-        lapsed.append(True)
-        # Meanwhile the service has answered the call, and priced it.
-        wait_until(lambda: svc.app.flush_observers() and any(r.method == "Resume" for r in records))
-        return False
-
-    monkeypatch.setattr(ShmPath, "lease_valid", lapse_once)
+    _lapse_the_first_copy(monkeypatch, svc, records, "Resume")
     got = kv.resume(TOY, prompt)
     assert _same(got.chunks, chunks) and kv.data_path_in_use == "stream"
     svc.app.flush_observers()
@@ -495,17 +501,7 @@ def test_a_load_sent_again_over_a_stream_after_a_lapsed_copy_is_billed_once(
     cb = svc.chunk_bytes(TOY)
     prompt, chunks = tokens(15, CHUNK * 8), payloads(16, 8, cb)
     kv.store(TOY, prompt, chunks)
-    real = ShmPath.lease_valid
-    lapsed: list[bool] = []
-
-    def lapse_once(self: ShmPath, expires_at: float) -> bool:  # the fault: the first copy is too slow
-        if lapsed:
-            return real(self, expires_at)
-        lapsed.append(True)
-        wait_until(lambda: svc.app.flush_observers() and any(r.method == "Load" for r in records))
-        return False
-
-    monkeypatch.setattr(ShmPath, "lease_valid", lapse_once)
+    _lapse_the_first_copy(monkeypatch, svc, records, "Load")
     assert _same(kv.load(TOY, prompt).chunks, chunks) and kv.data_path_in_use == "stream"
     svc.app.flush_observers()
     tries = [(r.code, r.data_path, r.request_id) for r in records if r.method == "Load"]
