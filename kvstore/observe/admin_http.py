@@ -447,7 +447,8 @@ class _Server(ThreadingHTTPServer):
         self._reserve_lock = threading.Lock()
         self._stopping = threading.Event()  # set by shutdown(): ends a pause after a failed accept
         self.refused_total = 0  # queued connections answered 503 while accept() failed
-        # Accepts that fail for want of descriptors or memory: the stdlib loop spun a core on them.
+        # Accepts that fail for want of descriptors or memory: the loop pauses rather than select
+        # again at once for the connection still queued.
         self._accept_pause = AcceptPause()
         super().server_activate()
         self._heads = _Heads(self)
