@@ -83,6 +83,10 @@ log = logging.getLogger("kvstore.service")
 # itself ended the call DEADLINE_EXCEEDED instead, its chunks lost.
 TRAILER_MARGIN_SECONDS = 0.05
 TRAILER_MARGIN_SHARE = 0.1
+# The replay's own budget ends this much before its caller stops waiting for it, so that the caller
+# takes the replay's outcome, a timeout included, and it is counted (`kvstore_replays_total`). Ending
+# together, the caller's wait often ended first and the replay's timeout reached no caller.
+REPLAY_SETTLE_SECONDS = 0.02
 # gRPC reports a call sent with no deadline as ~9.2e18 s left: more than this is no deadline.
 # (Waited on as such, that time overflowed the replay's wait, failing every such trailer.)
 NO_DEADLINE_SECONDS = 1e6
@@ -464,9 +468,11 @@ class LocalStateCalls:
         coordinator = self.app.coordinator
         if case != "expired" or coordinator is None or planned_replay_tokens(res, hit_tokens) == 0:
             return None
-        # The replay may take what this call can wait for it, the trailer's margin kept.
+        # The replay may take what this call can wait for it, the trailer's margin kept, and ends
+        # before that wait does (the wait starts later, after the chunks are sent).
         wait = replay_wait(deadline)
-        budget = wait if wait is not None else self.app.config.replay.timeout_seconds
+        budget = (max(0.001, wait - REPLAY_SETTLE_SECONDS) if wait is not None
+                  else self.app.config.replay.timeout_seconds)
         started_at = time.perf_counter()
         # Admitted here, synchronously: a refusal (ResourceExhausted) fails the call before its header.
         ticket = coordinator.admit(res.ns, res.tokens, hit_tokens, boundary_key, budget)
