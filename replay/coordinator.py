@@ -146,7 +146,10 @@ class RunnerPool(Protocol):
 
     def wait_for_room(self, model: str, tenant: str, timeout_seconds: float, avoid: str = "") -> None: ...
 
-    def submit(self, job: ReplayJob, avoid: str = "") -> JobHandle: ...
+    def submit(self, job: ReplayJob, avoid: str = "") -> JobHandle | None:
+        """The job on one of them; None where none had room for it after all (another job took
+        the room `serves` saw, or the runner left): the job is not placed, and is placed again."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -568,13 +571,15 @@ class ReplayCoordinator:
                 if last is not None and not last.lost:
                     break  # a runner answered in time, with an error: that answer stands, not a timeout
                 return self._out_of_time(flight)
+            # The time left now: a re-queued job, or one that waited for room, has less than when built.
+            sent = dataclasses.replace(job, deadline_seconds=left)
+            handle = runner.submit(sent, avoid) if isinstance(runner, RunnerPool) else runner.submit(sent)
+            if handle is None:  # the room it was chosen for went to another job: choose again
+                continue
             # A replay is started once: sending it again elsewhere is counted apart.
             self._bump("replays_started" if last is None else "requeued" if last.lost else "retried")
             with self._lock:
                 self._queued += 1
-            # The time left now: a re-queued job, or one that waited for room, has less than when built.
-            sent = dataclasses.replace(job, deadline_seconds=left)
-            handle = runner.submit(sent, avoid) if isinstance(runner, RunnerPool) else runner.submit(sent)
             try:
                 got = self._wait(handle, flight)
             finally:

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 
 from kvstore.errors import Unavailable
 from replay.registry import JobOutcome, RunnerRegistry
-from replay.runner import JobHandle, ReplayJob, ReplayResult, resolved
+from replay.runner import JobHandle, ReplayJob, ReplayResult
 
 # A job cancelled this close to its deadline, or later, timed out on its runner (a strike): the
 # coordinator's deadline is counted from just before the job reaches the registry.
@@ -59,12 +59,14 @@ class AttachedRunners:
         """Until one of them (other than `avoid`) has room, or none is attached, at most `timeout_seconds`."""
         self._registry.wait_for_room(model, tenant, timeout_seconds, avoid)
 
-    def submit(self, job: ReplayJob, avoid: str = "") -> JobHandle:
-        """`job` on an attached runner other than `avoid` (the one that answered it with an error)."""
+    def submit(self, job: ReplayJob, avoid: str = "") -> JobHandle | None:
+        """`job` on an attached runner other than `avoid` (the one that answered it with an error);
+        None where none has room now: another job took it since `serves` (the check and the
+        submit are two holds of the registry's lock), or the last runner left."""
         try:
             fut = self._registry.submit(job, avoid)
-        except Unavailable as e:  # the last runner left, or filled up, between serves() and here
-            return resolved(ReplayResult.failed(str(e), self.name, lost=True))
+        except Unavailable:
+            return None
         given_at = time.monotonic()
         out: Future[ReplayResult] = Future()
         with self._lock:

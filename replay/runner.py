@@ -159,8 +159,9 @@ class Runner(Protocol):
         """True if a job for `model` on behalf of `tenant` can be submitted now."""
         ...
 
-    def submit(self, job: ReplayJob) -> JobHandle:
-        """Queue `job`. Never raises for runner trouble: the handle resolves as failed instead."""
+    def submit(self, job: ReplayJob) -> JobHandle | None:
+        """Queue `job`. Never raises for runner trouble: the handle resolves as failed instead.
+        None: it had no room for the job after all (`serves` said it had): the job is not queued."""
         ...
 
     def pending(self) -> int:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvstore.config.replay import ReplayConfig
+from kvstore.errors import Unavailable
 from replay.coordinator import MAX_REQUEUES, PREFIX_GONE, ReplayCoordinator
 from replay.inprocess import InProcessRunner
 from replay.port import FAILED, REPLAYED, TIMEOUT, ReplayOutcome
@@ -251,3 +252,26 @@ def test_an_error_from_a_chunk_that_vanished_is_prefix_gone_not_retried(
     assert (c.failures, c.retried, c.requeued) == (1, 0, 0)
     a.close()
     b.close()
+
+
+def test_a_job_whose_room_another_took_first_is_placed_again_not_counted_as_lost(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seeing room and submitting are two holds of the registry's lock: woken together, several
+    # replays saw one free slot, and the losers' refusals read as a runner gone with the job
+    # (re-queued, and FAILED on the third time, with most of the deadline left).
+    reg, (a,), co, toks, _ = _setup(rig, 8, _snapshot(rig, 4))
+    real, refusals = reg.submit, [0]
+
+    def taken_first(job: ReplayJob, avoid: str = "") -> object:
+        if refusals[0] < MAX_REQUEUES + 1:  # more times than a re-queue would have been allowed
+            refusals[0] += 1
+            raise Unavailable(f"every runner for model '{job.model}' has its max_concurrent_jobs in flight")
+        return real(job, avoid)
+
+    monkeypatch.setattr(reg, "submit", taken_first)
+    out = co.resume_local(rig.ns(), toks, 64, 10.0)
+    assert out.status == REPLAYED and out.snapshot is not None
+    c = co.counters()
+    assert (c.replays_started, c.requeued, c.retried, c.failures, c.replays_ok) == (1, 0, 0, 0, 1)
+    assert len(a.jobs) == 1 and refusals[0] == MAX_REQUEUES + 1
+    a.close()
