@@ -284,6 +284,38 @@ def test_a_sigterm_while_the_service_starts_ends_it_at_once_saying_so(tmp_path: 
         child.wait()
 
 
+def test_a_sigterm_once_calls_are_answered_drains_even_before_the_listening_line(tmp_path: Path) -> None:
+    # gRPC answered calls while serve still probed its pool (up to call_budget_seconds, longer with
+    # a hung Redis): a SIGTERM then ended it at once, exit 143, the calls in flight cut.
+    script = (
+        "import sys, time\n"
+        "from kvstore.local_pool.embedded import EmbeddedPool\n"
+        "real = EmbeddedPool.probe\n"
+        "def slow_probe(self):\n"
+        "    print('probing the pool', flush=True)\n"
+        "    time.sleep(2)\n"
+        "    return real(self)\n"
+        "EmbeddedPool.probe = slow_probe\n"
+        "from kvstore.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    cmd = [sys.executable, "-c", script, "serve", "--grpc-port", "0", "--admin-port", "-1",
+           "--data-dir", str(tmp_path / "data")]
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert child.stdout is not None
+    try:
+        for line in child.stdout:
+            if line.strip() == "probing the pool":
+                break
+        child.send_signal(signal.SIGTERM)
+        rest = child.stdout.read()
+        assert child.wait(30) == 0, rest
+        assert "stopped while starting" not in rest and "stopped cleanly" in rest, rest
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_serve_says_at_start_that_its_redis_cannot_be_reached(tmp_path: Path) -> None:
     # It used to say nothing until the first pool call; `stats` read "healthy" meanwhile.
     from kvstore.local_pool.redis_process import free_port

@@ -70,7 +70,7 @@ _stdout_gone = False
 
 
 def _stopped_while_starting(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM or SIGINT before the service listens: nothing acknowledged is in flight and LMDB
+    """SIGTERM or SIGINT before the service starts serving: nothing acknowledged is in flight and LMDB
     survives any stop, so end now, saying so (as PID 1 in a container, a signal's default action
     would be dropped, and a start-up that loads a large index would ignore `docker stop`)."""
     print(f"kvstore serve: stopped while starting ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
@@ -168,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("kvstore.config").warning("%s", w)
     _check_host_memory(cfg)  # before any arena is allocated
     app = build_app(cfg, args.data_dir, progress=_say)
+    # From here a stop drains: calls are answered from the moment gRPC starts, before the line that
+    # says it listens (the pool's probe below may take call_budget_seconds).
+    stop = stop_on_signals()
     try:
         server = KvstoreServer(app, host, args.grpc_port, args.admin_port, unix_socket=args.unix_socket).start()
     except KvstoreError as e:
@@ -198,8 +201,6 @@ def run(args: argparse.Namespace) -> int:
          f"{svc.max_runners} runners ({split}); messages <= {svc.max_message_bytes} B; streams idle "
          f"{svc.stream_idle_seconds:g} s; grace {svc.grace_seconds:g} s; reflection "
          f"{'on' if svc.reflection else 'off'}")
-    # Before the line that says it listens: whoever waits for that line may signal at once.
-    stop = stop_on_signals()
     reloader = None
     if args.config is not None and _regular_file(args.config):
         from kvstore.local_pool.reload import ConfigReloader
