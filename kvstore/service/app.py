@@ -284,7 +284,21 @@ def make_data_dir(ddir: Path) -> Path:
         os.unlink(probe)
     except OSError as e:
         raise ConfigError("data_dir", f"cannot write in the data directory {ddir}: {e.strerror or e}") from None
+    _refuse_a_bare_copy(ddir)
     return ddir
+
+
+def _refuse_a_bare_copy(ddir: Path) -> None:
+    """A data directory holding an LMDB data file of its own, where kvstore keeps none (its LMDB is
+    in `LMDB_SUBDIR`): a copy made by `mdb_copy DATA_DIR/lmdb COPY`, restored as `COPY`. Started
+    on, it would serve nothing, a new empty LMDB made beside the copy, with no word of it."""
+    from kvstore.tiers.factory import LMDB_SUBDIR
+
+    if (ddir / "data.mdb").is_file() and not (ddir / LMDB_SUBDIR / "data.mdb").exists():
+        raise ConfigError("data_dir", (
+            f"{ddir} holds an LMDB data file (data.mdb) itself, where kvstore keeps it in {ddir / LMDB_SUBDIR}: "
+            f"if it is a copy of a data dir's LMDB, move it there (mkdir {ddir / LMDB_SUBDIR} && "
+            f"mv {ddir / 'data.mdb'} {ddir / LMDB_SUBDIR}/), or give another --data-dir"))
 
 
 def check_devices(cfg: KvstoreConfig, *, replay: bool = True) -> None:
