@@ -28,7 +28,7 @@ from types import FrameType
 from kvstore import __version__
 from kvstore.commands.checks import check_not_empty, check_server_tls
 from kvstore.commands.stop_signals import stop_on_signals
-from kvstore.config import KvstoreConfig, load_config
+from kvstore.config import KvstoreConfig, binds_collide, load_config
 from kvstore.config.service import is_host
 from kvstore.config.warnings import config_warnings
 from kvstore.errors import ConfigError, InvalidInput, KvstoreError, StorageError
@@ -158,6 +158,13 @@ def run(args: argparse.Namespace) -> int:
     # Checked before anything opens: the admin port is bound only after gRPC has started.
     if args.admin_port is not None and not -1 <= args.admin_port <= 65535:
         raise InvalidInput("--admin-port must be -1 (none) or in 0..65535")
+    # The config's own rule, for the ports the flags make: else the admin port's bind is refused
+    # after gRPC has started, blamed on another process holding the port.
+    grpc_port = cfg.service.grpc_port if args.grpc_port is None else args.grpc_port
+    admin_port = cfg.admin.port if args.admin_port is None else args.admin_port
+    if grpc_port > 0 and grpc_port == admin_port and binds_collide(host, cfg.admin.host):
+        raise InvalidInput(f"gRPC and the admin port would both be {grpc_port} on one address "
+                           "(--grpc-port, --admin-port or the config's ports): the two ports must differ")
     if args.unix_socket and (not args.unix_socket.startswith("/") or len(args.unix_socket.encode()) > 100
                              or "\0" in args.unix_socket):
         raise InvalidInput("--unix-socket must be an absolute path of at most 100 bytes, without a NUL")

@@ -94,7 +94,7 @@ class KvstoreConfig:
         require(self.admin.admin_token not in seen, "admin.admin_token",
                 f"is also a token of tenant '{seen.get(self.admin.admin_token)}': the admin token must be its own")
         require(not (self.service.grpc_port and self.service.grpc_port == self.admin.port
-                     and _binds_collide(self.service.grpc_host, self.admin.host)),
+                     and binds_collide(self.service.grpc_host, self.admin.host)),
                 "admin.port", f"is service.grpc_port too ({self.admin.port}): the two ports must differ")
         weights = self.share_weights()
         whole = sum(weights.values())
@@ -161,7 +161,7 @@ def _require_shares(total: int, weights: dict[str, float], extra_weight: float, 
                                "or that tenant's share_weight")
 
 
-def _binds_collide(a: str, b: str) -> bool:
+def binds_collide(a: str, b: str) -> bool:
     """Whether one port can be bound on both hosts only once: the same host, or a wildcard address.
     Addresses are compared as addresses: `::1` is `0:0:0:0:0:0:0:1`, and `127.1` is `127.0.0.1` to
     the resolver that binds it (inet_aton's short forms)."""
