@@ -130,7 +130,7 @@ class ReplayCounters:
     replay_seconds: float  # summed over replays that rebuilt a snapshot
     pool_writes_skipped: int  # rebuilt snapshots the pool did not keep (full, down)
     in_flight: int  # distinct replays admitted or running now
-    queue_depth: int  # jobs submitted to runners and not answered yet
+    queue_depth: int  # replays waiting for a runner: for one with room, or for its answer
     tickets_held: int  # admissions neither used by resume_local nor released
 
 
@@ -547,6 +547,17 @@ class ReplayCoordinator:
             flight.wake.wait(left)
 
     def _run(self, job: ReplayJob, flight: _Flight) -> ReplayResult | str:
+        """`_runs`, counted in the queue depth meanwhile: waiting for a runner with room, or for
+        the answer of the runner that has it."""
+        with self._lock:
+            self._queued += 1
+        try:
+            return self._runs(job, flight)
+        finally:
+            with self._lock:
+                self._queued -= 1
+
+    def _runs(self, job: ReplayJob, flight: _Flight) -> ReplayResult | str:
         """The job's result from the first runner that serves it (else `_out_of_time`: its
         callers' deadlines passed, or they all left),
         re-queued on another runner when the one that had it went away (at most MAX_REQUEUES
@@ -578,13 +589,7 @@ class ReplayCoordinator:
                 continue
             # A replay is started once: sending it again elsewhere is counted apart.
             self._bump("replays_started" if last is None else "requeued" if last.lost else "retried")
-            with self._lock:
-                self._queued += 1
-            try:
-                got = self._wait(handle, flight)
-            finally:
-                with self._lock:
-                    self._queued -= 1
+            got = self._wait(handle, flight)
             if got is None:
                 handle.cancel()
                 return self._out_of_time(flight)
@@ -639,7 +644,7 @@ class ReplayCoordinator:
             self._c.bump(name, k)
 
     def queue_depth(self) -> int:
-        """Replay jobs submitted to runners and not answered yet."""
+        """Replays waiting for a runner: for one with room, or for its answer."""
         with self._lock:
             return self._queued
 

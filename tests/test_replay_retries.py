@@ -197,7 +197,7 @@ def test_a_retry_waits_for_another_runner_to_have_room_not_for_the_one_that_fail
     got: list[ReplayOutcome] = []
     t = threading.Thread(target=lambda: got.append(co.resume_local(rig.ns(), toks, 64, 20.0)))
     t.start()
-    wait_for(lambda: len(a.jobs) == 1 and co.queue_depth() == 0)  # a failed it: a retry waits for b
+    wait_for(lambda: len(a.jobs) == 1 and a.link.strikes == 1)  # a failed it: a retry waits for b
     assert not got and len(b.jobs) == 1  # a has room, but it is not asked again
     hold.set()
     t.join(20)

@@ -299,7 +299,7 @@ class SourceCollector(Collector):
         for name, gfn, metric, help_text in (
             ("pool_up", s.pool_up, "kvstore_pool_up", "1 while the local pool's backend answers, else 0."),
             ("replay_queue", s.replay_queue_depth, "kvstore_replay_queue_depth",
-             "Replay jobs waiting for a runner."),
+             "Replays waiting for a runner: for one with room, or for its answer."),
             ("runners", s.runners_attached, "kvstore_runners_attached", "Model runners attached now."),
         ):
             if gfn is None:
