@@ -90,6 +90,9 @@ from replay.runner import JobHandle, ReplayJob, ReplayMode, ReplayResult, Runner
 log = logging.getLogger("kvstore.replay")
 
 MAX_REQUEUES = 2  # a job whose runner died is offered to another runner at most this many times
+# A job whose runner went away with it, when no other is attached, waits this long (within its
+# deadline) for one to attach: `kvstore runner` reconnects within a second of a lost stream.
+REATTACH_WAIT_SECONDS = 2.0
 # A request can find the snapshot missing just before a replay of the same boundary finishes and
 # reach the coordinator just after: it gets that replay's outcome instead of running it again.
 # Snapshots are content-addressed (same namespace and boundary key, same bytes), so this is safe;
@@ -145,6 +148,8 @@ class RunnerPool(Protocol):
     def attached(self, model: str, tenant: str, avoid: str = "") -> bool: ...
 
     def wait_for_room(self, model: str, tenant: str, timeout_seconds: float, avoid: str = "") -> None: ...
+
+    def wait_for_attach(self, model: str, tenant: str, timeout_seconds: float, avoid: str = "") -> None: ...
 
     def submit(self, job: ReplayJob, avoid: str = "") -> JobHandle | None:
         """The job on one of them; None where none had room for it after all (another job took
@@ -569,11 +574,14 @@ class ReplayCoordinator:
         requeues = 0
         avoid = ""  # the attached runner that answered the job with an error
         while True:
-            runner = self._runner_for(job, flight, avoid)
+            lost = last is not None and last.lost
+            runner = self._runner_for(job, flight, avoid, REATTACH_WAIT_SECONDS if lost else 0.0)
             if isinstance(runner, str):  # NO_RUNNER, RUNNERS_BUSY, CALL_ENDED
-                if last is None:
+                if last is None or (lost and not avoid and runner != CALL_ENDED):
                     if runner == CALL_ENDED:
                         return self._out_of_time(flight)
+                    # A job whose runner went away with it, and no runner since: none ran it (one
+                    # that answered it with an error, `avoid`, has its answer stand instead).
                     self._bump("no_runner" if runner == NO_RUNNER else "runners_busy")
                     return ReplayResult.failed(runner)
                 break  # nowhere else to go: the last answer stands
@@ -603,8 +611,8 @@ class ReplayCoordinator:
                     break
                 requeues += 1
                 # An attached runner's own text may be in an error: made one line and bounded by its servicer.
-                log.warning("replay runner %s went away mid-job (%s); re-queueing", last.runner or runner.name,
-                            last.error)
+                log.warning("replay runner %s went away mid-job (%s); re-queueing it where a runner can take it",
+                            last.runner or runner.name, last.error)
             elif avoid or not last.runner_id:
                 break  # its one retry failed too, or a runner with none beside it answered
             else:
@@ -616,12 +624,15 @@ class ReplayCoordinator:
             self._bump("failures")
         return last
 
-    def _runner_for(self, job: ReplayJob, flight: _Flight, avoid: str = "") -> Runner | str:
+    def _runner_for(self, job: ReplayJob, flight: _Flight, avoid: str = "",
+                    reattach_seconds: float = 0.0) -> Runner | str:
         """The first runner that serves the job now (a pool's runners but `avoid`); while runners
-        that could are attached but all busy, the first that frees up within the flight's time.
-        Else why none: NO_RUNNER, or RUNNERS_BUSY once that time is up (CALL_ENDED once every
-        caller left before it was)."""
+        that could are attached but all busy, the first that frees up within the flight's time;
+        while none is attached, the first to attach within `reattach_seconds` (and the flight's
+        time). Else why none: NO_RUNNER, or RUNNERS_BUSY once that time is up (CALL_ENDED once
+        every caller left before it was)."""
         m, t = job.model, job.tenant
+        reattach_until = self._clock() + reattach_seconds
         while True:
             runner = next((r for r in self.runners
                            if (r.serves(m, t, avoid) if isinstance(r, RunnerPool) else r.serves(m, t))), None)
@@ -630,7 +641,12 @@ class ReplayCoordinator:
             # Attached, not just busy: one that had room by now returns at once and is taken above.
             full = next((r for r in self.runners if isinstance(r, RunnerPool) and r.attached(m, t, avoid)), None)
             if full is None:
-                return NO_RUNNER
+                wait = min(reattach_until - self._clock(), self._left(flight))
+                pool = next((r for r in self.runners if isinstance(r, RunnerPool)), None)
+                if wait <= 0 or pool is None:
+                    return NO_RUNNER
+                pool.wait_for_attach(m, t, min(wait, ROOM_WAIT_SLICE_SECONDS), avoid)
+                continue
             left = self._left(flight)
             if left <= 0:
                 with self._lock:

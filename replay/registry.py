@@ -449,6 +449,12 @@ class RunnerRegistry:
         with self._lock:
             return bool(self._serving(model, tenant, avoid))
 
+    def wait_for_attach(self, model: str, tenant: str, timeout_seconds: float, avoid: str = "") -> None:
+        """Wait until a runner that may serve the job (other than `avoid`) is attached, at most
+        `timeout_seconds`."""
+        with self._room:
+            self._room.wait_for(lambda: bool(self._serving(model, tenant, avoid)), max(0.0, timeout_seconds))
+
     def wait_for_room(self, model: str, tenant: str, timeout_seconds: float, avoid: str = "") -> None:
         """Wait until the job would not wait (a runner other than `avoid` has room, or none is
         attached), at most `timeout_seconds`."""

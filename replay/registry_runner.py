@@ -55,6 +55,10 @@ class AttachedRunners:
         """A runner for the job (other than `avoid`) is attached, with room for it now or not."""
         return self._registry.attached(model, tenant, avoid)
 
+    def wait_for_attach(self, model: str, tenant: str, timeout_seconds: float, avoid: str = "") -> None:
+        """Until one of them (other than `avoid`) is attached, at most `timeout_seconds`."""
+        self._registry.wait_for_attach(model, tenant, timeout_seconds, avoid)
+
     def wait_for_room(self, model: str, tenant: str, timeout_seconds: float, avoid: str = "") -> None:
         """Until one of them (other than `avoid`) has room, or none is attached, at most `timeout_seconds`."""
         self._registry.wait_for_room(model, tenant, timeout_seconds, avoid)

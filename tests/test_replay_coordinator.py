@@ -27,7 +27,6 @@ from replay.inprocess import InProcessRunner, ReferenceReplayer, reference_confi
 from replay.port import (
     CALL_ENDED,
     DISABLED,
-    FAILED,
     NO_RUNNER,
     REPLAYED,
     TIMEOUT,
@@ -557,8 +556,10 @@ def test_runner_that_dies_with_no_other_degrades(rig: Rig) -> None:
     rig.cache(ns, toks)
     co = rig.coordinator([DyingRunner()])
     out = co.resume_local(ns, toks, 64, 30.0)
-    assert (out.status, out.snapshot) == (FAILED, None)
-    assert co.counters().failures == 1
+    # No runner ran it to an answer, and none is left: "no-runner", as if none had been there,
+    # not "failed", which says a runner answered with an error.
+    assert (out.status, out.snapshot) == (NO_RUNNER, None)
+    assert (co.counters().no_runner, co.counters().failures) == (1, 0)
 
 
 def test_batch_worker_survives_a_model_error() -> None:

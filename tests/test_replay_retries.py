@@ -19,9 +19,10 @@ import pytest
 
 from kvstore.config.replay import ReplayConfig
 from kvstore.errors import Unavailable
+from replay import coordinator
 from replay.coordinator import MAX_REQUEUES, PREFIX_GONE, ReplayCoordinator
 from replay.inprocess import InProcessRunner
-from replay.port import FAILED, REPLAYED, TIMEOUT, ReplayOutcome
+from replay.port import FAILED, NO_RUNNER, REPLAYED, TIMEOUT, ReplayOutcome
 from replay.registry import ResultTaken, RunnerInfo, RunnerRegistry
 from replay.registry_runner import AttachedRunners
 from replay.runner import ReplayJob, Runner
@@ -275,3 +276,35 @@ def test_a_job_whose_room_another_took_first_is_placed_again_not_counted_as_lost
     assert (c.replays_started, c.requeued, c.retried, c.failures, c.replays_ok) == (1, 0, 0, 0, 1)
     assert len(a.jobs) == 1 and refusals[0] == MAX_REQUEUES + 1
     a.close()
+
+
+def test_a_job_whose_only_runner_went_away_goes_to_the_runner_that_attaches_next(rig: Rig) -> None:
+    # A runner's stream reset (a proxy, keepalive) failed every job it had at once, though
+    # `kvstore runner` reconnects within a second: the job now waits for it, within its deadline.
+    reg, (a,), co, toks, _ = _setup(rig, 9, _gone)
+    back: list[LinkRunner] = []
+
+    def reconnect() -> None:
+        wait_for(lambda: not reg.runners())  # a went away with the job
+        time.sleep(0.2)
+        back.append(LinkRunner(reg, "a2", _snapshot(rig, 6)))
+
+    t = threading.Thread(target=reconnect)
+    t.start()
+    out = co.resume_local(rig.ns(), toks, 64, 20.0)
+    t.join(10)
+    assert out.status == REPLAYED and out.snapshot is not None and set(out.snapshot) == {6}
+    assert len(a.jobs) == 1 and len(back[0].jobs) == 1
+    c = co.counters()
+    assert (c.replays_started, c.requeued, c.failures, c.no_runner) == (1, 1, 0, 0)
+    back[0].close()
+
+
+def test_a_job_whose_only_runner_went_away_for_good_says_no_runner(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coordinator, "REATTACH_WAIT_SECONDS", 0.2)
+    _, _, co, toks, _ = _setup(rig, 10, _gone)
+    out = co.resume_local(rig.ns(), toks, 64, 20.0)
+    assert (out.status, out.snapshot) == (NO_RUNNER, None)  # before: "failed", as if a runner had said so
+    c = co.counters()
+    assert (c.replays_started, c.requeued, c.no_runner, c.failures) == (1, 0, 1, 0)
