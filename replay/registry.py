@@ -49,6 +49,7 @@ What it does not know: gRPC messages (the servicer frames jobs), the store, or r
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -184,6 +185,11 @@ class RunnerRegistry:
         self._jobs: dict[int, RunnerLink] = {}
         self._ids = itertools.count(1)
         self._given = 0  # jobs given so far: the last one's sequence number
+        # Admin runners serve every tenant: their slots go by turns. Per (model, tenant), the
+        # sequence number of the last job given to one (none: 0, first in turn), and the jobs
+        # waiting for room by (model, tenant, avoid) (`_turn_is_theirs`).
+        self._turns: dict[tuple[str, str], int] = {}
+        self._waiting: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self._closed = False
         # Models the in-process runner replays (for every tenant): the coordinator tries it after
         # the attached runners, so it stands in for the last attached one (`set_fallback_models`).
@@ -436,7 +442,24 @@ class RunnerRegistry:
 
     def _has_room(self, model: str, tenant: str, avoid: str = "") -> bool:
         """Called under the lock."""
-        return any(len(lk.in_flight) < lk.info.max_concurrent_jobs for lk in self._serving(model, tenant, avoid))
+        return bool(self._with_room(model, tenant, avoid))
+
+    def _with_room(self, model: str, tenant: str, avoid: str = "") -> list[RunnerLink]:
+        """The runners `_serving` the job that would take it now: with fewer jobs than their
+        `max_concurrent_jobs` and, an admin runner, `tenant`'s turn on it (called under the lock)."""
+        return [lk for lk in self._serving(model, tenant, avoid)
+                if len(lk.in_flight) < lk.info.max_concurrent_jobs
+                and (lk.info.tenant is not None or self._turn_is_theirs(lk, model, tenant))]
+
+    def _turn_is_theirs(self, link: RunnerLink, model: str, tenant: str) -> bool:
+        """Whether no other tenant waits for room on `link` (an admin runner) whose last job on an
+        admin runner came before `tenant`'s: one tenant's many replays would otherwise take every
+        slot it frees, waking first, while another tenant's one waits out its deadline (called
+        under the lock)."""
+        mine = self._turns.get((model, tenant), 0)
+        return not any(
+            n and m == model and t != tenant and avoid != link.info.runner_id and self._turns.get((m, t), 0) < mine
+            for (m, t, avoid), n in self._waiting.items())
 
     def has_room(self, model: str, tenant: str, avoid: str = "") -> bool:
         """A runner that may serve the job (other than `avoid`) has fewer jobs than its
@@ -458,10 +481,18 @@ class RunnerRegistry:
     def wait_for_room(self, model: str, tenant: str, timeout_seconds: float, avoid: str = "") -> None:
         """Wait until the job would not wait (a runner other than `avoid` has room, or none is
         attached), at most `timeout_seconds`."""
+        key = (model, tenant, avoid)
         with self._room:
-            self._room.wait_for(
-                lambda: not self._serving(model, tenant, avoid) or self._has_room(model, tenant, avoid),
-                max(0.0, timeout_seconds))
+            self._waiting[key] += 1  # in turn for admin runners' room meanwhile
+            try:
+                self._room.wait_for(
+                    lambda: not self._serving(model, tenant, avoid) or self._has_room(model, tenant, avoid),
+                    max(0.0, timeout_seconds))
+            finally:
+                self._waiting[key] -= 1
+                if not self._waiting[key]:
+                    del self._waiting[key]
+                self._room.notify_all()  # a tenant whose turn it held back may go now
 
     def submit(self, job: ReplayJob, avoid: str = "") -> JobFuture:
         """Queue a job on a runner that may serve it and has room for it (a runner takes at most
@@ -473,14 +504,17 @@ class RunnerRegistry:
             if not candidates:
                 other = "other " if avoid else ""
                 raise Unavailable(f"no {other}runner for model '{job.model}' is attached")
-            candidates = [lk for lk in candidates if len(lk.in_flight) < lk.info.max_concurrent_jobs]
+            candidates = self._with_room(job.model, job.tenant, avoid)
             if not candidates:
-                raise Unavailable(f"every runner for model '{job.model}' has its max_concurrent_jobs in flight")
+                raise Unavailable(f"every runner for model '{job.model}' has its max_concurrent_jobs in flight "
+                                  "(or another tenant's turn on an admin runner)")
             healthy = [lk for lk in candidates if not lk.strikes]
             link = min(healthy or candidates,
                        key=lambda lk: (len(lk.in_flight) / lk.info.max_concurrent_jobs, lk.strikes, lk.last_given))
             self._given += 1
             link.last_given = self._given
+            if link.info.tenant is None:
+                self._turns[(job.model, job.tenant)] = self._given
             job_id = next(self._ids)
             if self._on_probation(link, avoid):  # its probe: the next one no sooner than an interval from now
                 link.probe = job_id

@@ -308,3 +308,47 @@ def test_a_job_whose_only_runner_went_away_for_good_says_no_runner(
     assert (out.status, out.snapshot) == (NO_RUNNER, None)  # before: "failed", as if a runner had said so
     c = co.counters()
     assert (c.replays_started, c.requeued, c.no_runner, c.failures) == (1, 0, 1, 0)
+
+
+def test_an_admin_runners_slots_go_by_turns_between_tenants(rig: Rig) -> None:
+    # An admin runner serves every tenant: its one slot went to whichever waiting replay woke first,
+    # so alice keeping 4 replays going had bob's replays time out (3 of 10 succeeded).
+    reg = RunnerRegistry(16, {"alice": 1.0, "bob": 1.0})
+    link = reg.attach(RunnerInfo("shared", NAME, b"", "cpu", 1, 1, "shared", None))
+    toks = tokens(11, 64)
+
+    def job(tenant: str) -> ReplayJob:
+        return ReplayJob(tenant, NAME, "bounded", toks[:16], 0, 16, 0, 0, (), 30.0)
+
+    given: list[str] = []
+    lock = threading.Lock()
+
+    def replay(tenant: str) -> None:  # as the coordinator places a job: wait for room, then submit
+        while True:
+            while not reg.has_room(NAME, tenant):
+                reg.wait_for_room(NAME, tenant, 0.5)
+            try:
+                fut = reg.submit(job(tenant))
+            except Unavailable:
+                continue  # another took the room first: wait again
+            with lock:
+                given.append(tenant)
+            fut.result(30)
+            return
+
+    threads = [threading.Thread(target=replay, args=("alice",)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(link.in_flight) == 1 and sum(reg._waiting.values()) == 3)  # one runs, 3 wait
+    threads.append(threading.Thread(target=replay, args=("bob",)))
+    threads[-1].start()
+    wait_for(lambda: sum(reg._waiting.values()) == 4)
+    for _ in range(5):  # the runner answers its job each time one is in flight
+        wait_for(lambda: len(link.in_flight) == 1)
+        (job_id,) = link.in_flight
+        reg.complete(link, job_id, b"s", "")
+    for t in threads:
+        t.join(30)
+    # bob's one replay goes next, before alice's 3 that waited longer: its turn came first.
+    assert given == ["alice", "bob", "alice", "alice", "alice"], given
+    reg.close()
