@@ -19,9 +19,11 @@ opened it takes and sends messages.
 When the stream breaks (the service restarts, the network drops, or the path goes silent and
 keepalive pings go unanswered) the runner reconnects with exponential backoff and jitter, and
 forgets the jobs of the old stream (the service has already failed or re-queued them). A refusal
-that retrying cannot fix (a wrong layout or weights, bad credentials) ends the process with an
-error instead; a same-host session the service no longer knows is not one. `stop` (set on SIGTERM by
-the command) cancels the stream and ends `run` cleanly, once a batch in flight has finished.
+that retrying cannot fix (a wrong layout or weights, bad credentials, TLS that cannot work: a client
+certificate the service requires and does not get, a service certificate not trusted, TLS on one
+side only) ends the process with an error instead; a same-host session the service no longer
+knows is not one. `stop` (set on SIGTERM by the command) cancels the stream and ends `run`
+cleanly, once a batch in flight has finished.
 
 What it does not know: replay policy, the store, or the pool; which model it runs (it is given
 a batch function and the identity to announce).
@@ -47,6 +49,8 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire.framing import ChunkAssembler, blob_spans
 from kvstore.wire.messages import tokens_from_proto
+from kvstore.wire.tls_files import check_tls_ca, check_tls_client
+from kvstore.wire.tls_probe import tls_refusal
 from replay.runner import CLOSE_WAIT_SECONDS, BatchFn, BatchWorker, JobHandle, ReplayJob, ReplayResult
 
 log = logging.getLogger("kvstore.runner")
@@ -57,6 +61,10 @@ SessionEnd = Literal["stopped", "refused", "lost", "unreachable"]
 # Refusals that reconnecting cannot fix: the service said no to who or what we are.
 _PERMANENT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
               grpc.StatusCode.PERMISSION_DENIED)
+# What gRPC says of a connection that failed at its TLS handshake, or that the service dropped
+# there: "Socket closed" is also said of one closed for other reasons, so a handshake of the
+# runner's own (`tls_refusal`) tells which.
+_AT_HANDSHAKE = ("socket closed", "handshake failed")
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,10 @@ class AttachOptions:
     target: str  # host:port of the service
     token: str | None = None  # bearer token (a tenant's, or the admin token to serve every tenant)
     tls_ca: str | None = None  # PEM file: use TLS and trust this CA
+    # PEM files: the client certificate and its key, for a service that requires one (mTLS); TLS is
+    # on with them even without `tls_ca` (the system's CAs are trusted then, as the client does).
+    tls_cert: str | None = None
+    tls_key: str | None = None
     initial_backoff_seconds: float = 0.2
     max_backoff_seconds: float = 10.0
     # Pings on the Attach stream, unanswered within the timeout, end it: without them a path that
@@ -101,6 +113,10 @@ class _Incoming:
 class AttachedRunner:
     def __init__(self, identity: RunnerIdentity, run_batch: BatchFn, opts: AttachOptions,
                  say: Callable[[str], None] | None = None) -> None:
+        # gRPC aborts the process on a certificate without its key, and takes any file as a CA (then
+        # fails every reconnect): said here, before anything is dialled.
+        check_tls_ca(opts.tls_ca, "tls_ca")
+        check_tls_client(opts.tls_cert, opts.tls_key, "tls_cert", "tls_key")
         self.identity = identity
         self.opts = opts
         self._worker = BatchWorker(run_batch, identity.max_batch, "replay-attached")
@@ -151,10 +167,23 @@ class AttachedRunner:
 
     def _channel(self) -> grpc.Channel:
         options = self.channel_options()
-        if self.opts.tls_ca:
-            creds = grpc.ssl_channel_credentials(root_certificates=Path(self.opts.tls_ca).read_bytes())
-            return grpc.secure_channel(self.opts.target, creds, options=options)
-        return grpc.insecure_channel(self.opts.target, options=options)
+        o = self.opts
+        if o.tls_ca or o.tls_cert:
+            def read(path: str | None) -> bytes | None:
+                return Path(path).read_bytes() if path else None
+
+            creds = grpc.ssl_channel_credentials(root_certificates=read(o.tls_ca), private_key=read(o.tls_key),
+                                                 certificate_chain=read(o.tls_cert))
+            return grpc.secure_channel(o.target, creds, options=options)
+        return grpc.insecure_channel(o.target, options=options)
+
+    def tls_refusal(self) -> str:
+        """Why TLS with the service fails in a way no reconnect mends ("" when it does not, or
+        cannot be told): gRPC reports a service that drops a connection whose client certificate
+        it does not take, and a TLS port dialled in plaintext, as "Socket closed", as it does a
+        service going away."""
+        o = self.opts
+        return tls_refusal(o.target, o.tls_ca, o.tls_cert, o.tls_key)
 
     def _open_shm(self) -> ShmPath | None:
         path = unix_path_of(self.opts.target)
@@ -227,6 +256,10 @@ class AttachedRunner:
             # closed the session, between its opening and the Attach): a new stream opens a new one.
             if code in _PERMANENT and UNKNOWN_SESSION not in details:
                 self._say(f"the service refused this runner: {code.name}: {details}")
+                return "refused"
+            if (not attached and code == grpc.StatusCode.UNAVAILABLE
+                    and any(sign in details.lower() for sign in _AT_HANDSHAKE) and (why := self.tls_refusal())):
+                self._say(f"TLS with {self.opts.target} cannot work, so this runner stops: {why}")
                 return "refused"
             self._say(f"stream to {self.opts.target} ended: {code.name}: {details}")
             return "lost" if attached else "unreachable"
@@ -425,3 +458,4 @@ class _Session:
         for h in running:
             h.cancel()
         self._incoming.clear()
+

@@ -8,13 +8,18 @@ its weights: the runner declares the model's revision (`--revision`, the referen
 default) and `--seed` ("1+seed=0"), which must be the revision the service serves the model as (a
 model of the reference's layout registered under another revision needs `--revision`) and its
 `replay.reference_seed` (it refuses other weights at attach, saying which part differs).
-Exit status: 0 when stopped by a signal, 2 when the service refused the runner.
+The bearer token comes from `--token` or, better (it stays out of `ps`), `KVSTORE_TOKEN`, as for
+`kvstore stats`. `--tls-ca` turns on TLS, and `--tls-cert` with `--tls-key` present a client
+certificate to a service that requires one (mTLS).
+Exit status: 0 when stopped by a signal, 2 when the service refused the runner (its TLS handshake
+included).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import replace
 
@@ -24,7 +29,7 @@ from kvstore.config.replay import MAX_THREADS
 from kvstore.config.store import MAX_CHUNK_TOKENS
 from kvstore.errors import InvalidInput
 from kvstore.layout import MAX_ENGINE_NAME
-from kvstore.wire.tls_files import check_tls_ca
+from kvstore.wire.tls_files import check_tls_ca, check_tls_client
 
 # A longer window asked torch for terabytes at warm-up (a traceback); 65,536 loads in ~0.8 GB.
 MAX_WINDOW_TOKENS = 65_536
@@ -32,6 +37,9 @@ MAX_WINDOW_TOKENS = 65_536
 MAX_U32 = (1 << 32) - 1
 # The seed must be the service's replay.reference_seed, a TOML (64-bit) integer; torch refuses more.
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+# Where the token is read from without --token, as `kvstore stats` reads it: /proc/PID/cmdline
+# shows --token to every local user, and the admin token serves (and reads) every tenant.
+TOKEN_ENV = "KVSTORE_TOKEN"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,8 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the service's gRPC address: host:port, or unix:///PATH for its Unix socket "
                         "(same host: jobs then go through shared memory)")
     p.add_argument("--token", metavar="TOKEN",
-                   help="bearer token: a tenant's (serves that tenant) or the admin token (serves all)")
+                   help=f"bearer token: a tenant's (serves that tenant) or the admin token (serves all); "
+                        f"default: ${TOKEN_ENV}, which, unlike --token, other local users cannot read in ps")
     p.add_argument("--tls-ca", metavar="FILE", help="connect with TLS, trusting this CA certificate (PEM)")
+    p.add_argument("--tls-cert", metavar="FILE",
+                   help="client certificate (PEM) for a service that requires one (mTLS); with --tls-key")
+    p.add_argument("--tls-key", metavar="FILE", help="the client certificate's unencrypted key (PEM)")
     p.add_argument("--model", metavar="NAME",
                    help="the model name the service serves it under (default: reference-toy-8, or "
                         "reference-toy-8-wW-cN for another window)")
@@ -95,9 +107,11 @@ def run(args: argparse.Namespace) -> int:
     check_revision(args.revision)
     # Before the model loads: a token gRPC cannot send, a bad port or an unreadable CA would
     # otherwise fail each reconnect for ever.
-    check_token(args.token, "--token")
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    check_token(token, "--token" if args.token is not None else TOKEN_ENV)
     check_target(args.connect, "--connect")
     check_tls_ca(args.tls_ca, "--tls-ca")
+    check_tls_client(args.tls_cert, args.tls_key, "--tls-cert", "--tls-key")
     from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
     from replay.inprocess import ReferenceReplayer, device_option
     from replay.reference.config import ModelConfig
@@ -126,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
         # own: their snapshots have the right size and would be pooled as the model's.
         weights=seeded_weights(args.revision if args.revision is not None else model.spec.revision, cfg.seed),
     )
-    runner = AttachedRunner(identity, replayer.run_batch, AttachOptions(args.connect, args.token, args.tls_ca),
-                            say=_say)
+    opts = AttachOptions(args.connect, token, args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    runner = AttachedRunner(identity, replayer.run_batch, opts, say=_say)
     stop = stop_on_signals()
     _say(f"model {layout.name} (window {cfg.window}, chunks of {cfg.chunk_tokens} tokens, weights "
          f"{identity.weights}) on {replayer.device_name}; connecting to {args.connect}")

@@ -9,12 +9,14 @@ from typing import Any
 
 from kvstore.config.service import token_problem
 from kvstore.config.store import MAX_CHUNK_TOKENS
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, InvalidInput
 from kvstore.layout import MAX_ENGINE_NAME
 from kvstore.wire.targets import target_problem
+from kvstore.wire.tls_files import check_tls_ca, check_tls_client
 
+TLS_KEYS = ("tls_ca", "tls_cert", "tls_key")
 KEYS = ("address", "token", "revision", "model_name", "budget_ms", "fingerprint_cache", "max_pending_store_mib",
-        "retry_after_ms", "load_mode", "chunk_tokens", "max_lookup_queue_ms")
+        "retry_after_ms", "load_mode", "chunk_tokens", "max_lookup_queue_ms", *TLS_KEYS)
 LOAD_MODES = ("sync", "async")
 # (key, default, least, largest value taken): an hour's budget, retry or queue wait, a TiB of staged
 # saves. A budget or queue wait under a millisecond would fail or skip every call: taken as a typo.
@@ -45,6 +47,13 @@ class ConnectorConfig:
     load_mode: str = "sync"
     # kvstore's chunk (the service's store.chunk_tokens); vLLM's block size must divide it.
     chunk_tokens: int = 128
+    # PEM files: a CA (or a client certificate, the system's CAs then trusted) turns TLS on; a
+    # client certificate and its key (together) are for a service that requires one (mTLS).
+    # Without them the client dials plaintext, which a TLS port never answers: every request
+    # would run cold.
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     def loads_synchronously(self, kv_cache_groups: int) -> bool:
         return self.load_mode == "sync" and kv_cache_groups == 1
@@ -94,6 +103,7 @@ class ConnectorConfig:
                 or not 0 < chunk_tokens <= MAX_CHUNK_TOKENS or chunk_tokens % 8):
             raise ConfigError("kv_connector_extra_config.chunk_tokens", f"must be a positive multiple of 8, at most "
                               f"{MAX_CHUNK_TOKENS} (the service's store.chunk_tokens), got {chunk_tokens!r}")
+        tls = _tls_files(d)
         cache = d.get("fingerprint_cache")
         return ConnectorConfig(
             address=str(address), token=d.get("token", ""), revision=d.get("revision", ""),
@@ -102,4 +112,25 @@ class ConnectorConfig:
             max_pending_store_bytes=int(numbers["max_pending_store_mib"] * (1 << 20)),
             retry_after_seconds=numbers["retry_after_ms"] / 1000, load_mode=load_mode, chunk_tokens=chunk_tokens,
             max_lookup_queue_seconds=numbers["max_lookup_queue_ms"] / 1000,
+            tls_ca=tls["tls_ca"], tls_cert=tls["tls_cert"], tls_key=tls["tls_key"],
         )
+
+
+def _tls_files(d: Mapping[str, Any]) -> dict[str, Path | None]:
+    """The TLS keys' files, checked as the commands check theirs (gRPC aborts the engine on a
+    certificate without its key, and takes any readable file as a CA, then fails every call)."""
+    named = {key: f"kv_connector_extra_config.{key}" for key in TLS_KEYS}
+    for key in TLS_KEYS:
+        if key in d and (not isinstance(d[key], str) or not d[key]):
+            raise ConfigError(named[key], f"must be a PEM file's path, got {d[key]!r}")
+    if ("tls_cert" in d) != ("tls_key" in d):
+        missing, given = ("tls_key", "tls_cert") if "tls_cert" in d else ("tls_cert", "tls_key")
+        raise ConfigError(named[missing], f"must be given with {given} (mTLS: a client certificate and its key)")
+    try:
+        check_tls_ca(d.get("tls_ca"), named["tls_ca"])
+        check_tls_client(d.get("tls_cert"), d.get("tls_key"), named["tls_cert"], named["tls_key"])
+    except InvalidInput as e:  # "NAME PATH: problem": said as the key's
+        said = str(e)
+        name = next((n for n in named.values() if said.startswith(f"{n} ")), "kv_connector_extra_config")
+        raise ConfigError(name, said.removeprefix(f"{name} ")) from None
+    return {key: Path(d[key]) if key in d else None for key in TLS_KEYS}
