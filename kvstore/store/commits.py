@@ -175,7 +175,7 @@ class Commits(Lookups, Namespaces):
     def _plan_chunk(self, txn: StoreTxn, plan: CommitPlan, i: int, payload: memoryview) -> None:
         """Reserve room for chunk `i` in LMDB (write-through, if admitted) and in the fastest memory
         tier with room; once a chunk finds no place, the prefix ends there."""
-        tenant = txn.ns.tenant
+        tenant, layout_id = txn.ns.tenant, txn.layout.layout_id
         # While the index loads, LMDB's used bytes are not all known yet: nothing is written there.
         write_through = self.cfg.write_policy == "write-through" and self._ready.is_set()
         # Every chunk is offered, even past the cut: a second-sighting policy counts the sighting.
@@ -185,19 +185,19 @@ class Commits(Lookups, Namespaces):
             return
         reserved: dict[TierName, int] = {}
         if write_through:
-            if admitted and (fp := self._reserve_room("lmdb", tenant, len(payload), plan)):
+            if admitted and (fp := self._reserve_room("lmdb", tenant, len(payload), layout_id, plan)):
                 reserved["lmdb"] = fp
             else:
                 self._bump("admissions_refused", 1, tenant)
         for tier in HOT_TIERS:
-            if fp := self._reserve_room(tier, tenant, len(payload), plan):
+            if fp := self._reserve_room(tier, tenant, len(payload), layout_id, plan):
                 reserved[tier] = fp
                 break
         if reserved:
             plan.planned.append(PlannedChunk(i, payload, list(reserved), reserved))
             return
         not_admitted = write_through and not admitted and "lmdb" not in plan.full
-        plan.cut = "not-admitted" if not_admitted else self._refusal(tenant, len(payload))
+        plan.cut = "not-admitted" if not_admitted else self._refusal(tenant, len(payload), layout_id)
         self._skip(txn, plan, i, plan.cut)
 
     def _without_lmdb(self, txn: StoreTxn, plan: CommitPlan) -> None:
@@ -220,7 +220,8 @@ class Commits(Lookups, Namespaces):
             self._skip(txn, plan, c.index, "after-gap" if c.tiers else "disk-full")
         plan.planned = kept
 
-    def _reserve_room(self, tier: TierName, tenant: str, payload_bytes: int, plan: CommitPlan) -> int:
+    def _reserve_room(self, tier: TierName, tenant: str, payload_bytes: int, layout_id: bytes,
+                      plan: CommitPlan) -> int:
         """Make room for one chunk in `tier` and reserve it: the bytes reserved (0: no room); a tier
         that refuses one chunk of a commit is not asked again for the next (it would need as much
         room, and evict in vain)."""
@@ -230,7 +231,7 @@ class Commits(Lookups, Namespaces):
         if tier == "lmdb" and self._lmdb_deletes_failing:  # evicting would free nothing: deferred_lmdb.py
             plan.full.add(tier)
             return 0
-        need = t.footprint(payload_bytes)
+        need = t.footprint(payload_bytes, layout_id)
         if tier == "lmdb" and not self._lmdb_fits_disk(need, ()):
             plan.full.add(tier)
             return 0
@@ -279,10 +280,11 @@ class Commits(Lookups, Namespaces):
         if fate is not None:
             self._fates.refused(txn.keys[i], txn.ns.digest, fate, txn.ns.tenant)
 
-    def _refusal(self, tenant: str, payload_bytes: int) -> SkipReason:
+    def _refusal(self, tenant: str, payload_bytes: int, layout_id: bytes) -> SkipReason:
         """Why a chunk found no place: the tenant's quota in some tier, else the tiers' room."""
         for t in TIER_NAMES:
             limit = self._limit(tenant, t)
-            if limit >= 0 and self._tenant_used.get((tenant, t), 0) + self._tiers[t].footprint(payload_bytes) > limit:
+            need = self._tiers[t].footprint(payload_bytes, layout_id)
+            if limit >= 0 and self._tenant_used.get((tenant, t), 0) + need > limit:
                 return "over-quota"
         return "disk-full" if self._lmdb_deletes_failing else "no-room"

@@ -103,7 +103,7 @@ class DeferredLmdb(Placement):
             return  # a restart would not serve it: dropped instead
         if self._lmdb_deletes_failing:
             return  # making room would free nothing (`_delete_doomed_values`): dropped instead
-        need = self._tiers["lmdb"].footprint(entry.payload_bytes)
+        need = self._tiers["lmdb"].footprint(entry.payload_bytes, entry.layout.layout_id)
         if not self._lmdb_fits_disk(need, protect) or not self._make_room("lmdb", entry.tenant, need, protect):
             return
         payload = memoryview(bytearray(entry.payload_bytes))  # a memcpy under the lock, not a write

@@ -231,7 +231,7 @@ class IndexLoad(Namespaces):
         if payload_bytes != layout.chunk_bytes:
             return "size-mismatch"
         return self._cold.kind(namespace, self._known_ns[namespace], layout, cost,
-                               self._tiers["lmdb"].footprint(layout.chunk_bytes))
+                               self._tiers["lmdb"].footprint(layout.chunk_bytes, layout.layout_id))
 
     def _index_batch(self, keys: bytes, kinds: list[int], depths: np.ndarray | None) -> None:
         """Index chunks the scan found (keys joined, ascending; their depths beside, None: 0),

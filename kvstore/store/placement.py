@@ -173,7 +173,7 @@ class Placement:
             t = self._tiers[tier]
             if t.capacity_bytes == 0 or tier in entry.footprint:
                 continue
-            if self._make_room(tier, entry.tenant, t.footprint(len(payload)), protect):
+            if self._make_room(tier, entry.tenant, t.footprint(len(payload), entry.layout.layout_id), protect):
                 t.put(key, payload, chunk_meta(entry), entry.tenant)
                 self._charge(key, entry, tier)
                 return True
@@ -313,7 +313,7 @@ class Placement:
             if t == "lmdb":
                 self._queue_demotion(key, entry, source, meta, protect)
                 return
-            if self._make_room(t, entry.tenant, tier.footprint(entry.payload_bytes), protect):
+            if self._make_room(t, entry.tenant, tier.footprint(entry.payload_bytes, entry.layout.layout_id), protect):
                 if not tier.put_from(self._tiers[source], [key], entry.tenant):
                     payload = memoryview(bytearray(entry.payload_bytes))
                     if self._tiers[source].get_into(key, payload) is None:
@@ -333,11 +333,10 @@ class Placement:
         raise NotImplementedError
 
     def _charge(self, key: bytes, entry: ChunkEntry, tier: TierName, fp: int | None = None) -> None:
-        """`fp`: the bytes reserved for it, where a reservation came first (a layout registered
-        meanwhile may have raised the tier's footprint for its size); else the footprint now."""
+        """`fp`: the bytes reserved for it, where a reservation came first; else the footprint now."""
         assert not entry.cold, "a cold chunk is thawed before it is charged"
         if fp is None:
-            fp = self._tiers[tier].footprint(entry.payload_bytes)
+            fp = self._tiers[tier].footprint(entry.payload_bytes, entry.layout.layout_id)
         entry.footprint[tier] = fp
         entry.fastest = fastest_tier(entry)
         self._used[tier] += fp

@@ -130,8 +130,9 @@ class Tier(Protocol):
     @property
     def capacity_bytes(self) -> int: ...
 
-    def footprint(self, payload_bytes: int) -> int:
-        """Bytes of capacity a payload of this size takes in this tier (page rounding etc.)."""
+    def footprint(self, payload_bytes: int, layout_id: bytes = b"") -> int:
+        """Bytes of capacity a payload of this size, of the layout `layout_id` (b"": unknown), takes
+        in this tier (page rounding; what a quantizing wrapper stores for that layout)."""
         ...
 
     def put(self, key: bytes, payload: memoryview, meta: ChunkMeta, owner: str = "") -> None:

@@ -4,7 +4,8 @@ Configured per tier (`StoreConfig.quantize_<tier>`, off by default) and built by
 around any tier. The store keeps seeing the layout's chunk bytes: `put` takes the bf16 payload,
 `get_into` writes a bf16 payload of the same size (dequantized, so not the bytes that were
 stored: see kvstore/tiers/quantize.py for the error bounds), and `footprint()` reports what the
-quantized value really takes in the wrapped tier, so budgets stay honest. Payloads of layouts
+value of its layout really takes in the wrapped tier, so budgets stay honest (and one tenant's
+layout never changes what another's chunks are charged). Payloads of layouts
 without bf16 segments (or of unknown layouts or sizes) pass through untouched.
 
 Stored values are not self-describing: the wrapper reads a tier's values in the mode it was
@@ -34,8 +35,8 @@ class QuantizingTier:
         self.name: TierName = inner.name
         self.mode = mode
         self._plans: dict[bytes, QuantPlan] = {}
-        # footprint() sees only a size: the largest stored size of any layout of that chunk size
-        # (an upper bound when layouts share a chunk size, so a budget is never exceeded).
+        # For a footprint asked without a layout: the largest stored size of any layout of that
+        # chunk size (an upper bound, so a budget is never exceeded).
         self._stored_for: dict[int, int] = {}
         for layout in layouts:
             self.add_layout(layout)
@@ -56,8 +57,13 @@ class QuantizingTier:
     def capacity_bytes(self) -> int:
         return self._inner.capacity_bytes
 
-    def footprint(self, payload_bytes: int) -> int:
-        return self._inner.footprint(self._stored_for.get(payload_bytes, payload_bytes))
+    def footprint(self, payload_bytes: int, layout_id: bytes = b"") -> int:
+        if layout_id:  # what `_encode` stores for this layout: quantized by its plan, else as it is
+            plan = self._plans.get(layout_id)
+            stored = plan.stored_bytes if plan is not None and plan.payload_bytes == payload_bytes else payload_bytes
+        else:
+            stored = self._stored_for.get(payload_bytes, payload_bytes)
+        return self._inner.footprint(stored, layout_id)
 
     def _encode(self, payload: memoryview, meta: ChunkMeta) -> memoryview:
         plan = self._plans.get(meta.layout_id)
