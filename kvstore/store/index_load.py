@@ -171,6 +171,8 @@ class IndexLoad(Namespaces):
             for sc in batch.damaged:
                 self._ignored[sc.problem] = self._ignored.get(sc.problem, 0) + 1
                 self._ignored_bytes += sc.stored_bytes
+                if sc.namespace:  # its namespace known (written in another quantize mode): kept with it
+                    self._ns_kept.add(sc.namespace)
             if not len(batch.keys):
                 return b"", [], _NO_DEPTHS
             row_kinds = self._recovered_kinds(batch, kind_of, cost)

@@ -34,8 +34,8 @@ class ScannedChunk:
     record says (a plain scan reads no value), or what its value says (a verifying scan)."""
 
     key: bytes
-    namespace: bytes  # b"" when problem is set
-    layout_id: bytes  # b"" when problem is set
+    namespace: bytes  # b"" when problem is set, unless it is known (a value of another quantize mode)
+    layout_id: bytes  # likewise
     payload_bytes: int  # raw payload size (0 when problem is set)
     stored_bytes: int  # bytes the value takes in the database
     problem: str = ""  # why it is unusable: "format-version", "layout" (unknown layout id), "corrupt"

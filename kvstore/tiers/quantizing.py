@@ -135,7 +135,9 @@ class QuantizingDurableTier(QuantizingTier):
                 payload[rows & (payload == plan.stored_bytes)] = plan.payload_bytes
                 # Written in another mode (or unquantized): not readable as this mode's bytes.
                 keep &= ~(rows & (batch.payload_bytes != plan.stored_bytes))
-            other = [ScannedChunk(bytes(batch.keys[i]), b"", b"", 0, int(batch.stored_bytes[i]), "format-version")
+            # Their namespace is kept: a config in their mode serves them again, so their record stays.
+            other = [ScannedChunk(bytes(batch.keys[i]), bytes(batch.namespaces[i]), bytes(batch.layout_ids[i]), 0,
+                                  int(batch.stored_bytes[i]), "format-version")
                      for i in np.flatnonzero(~keep).tolist()]
             yield replace(batch, payload_bytes=payload).select(keep, other)
 
