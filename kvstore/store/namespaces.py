@@ -8,7 +8,9 @@ lock: by a commit (`_record_namespace`), or by the write of the demotions into L
 is deleted once the namespace holds no chunk in any tier and no commit is writing to it: a new
 cache_salt per call must not fill the map with records. The records each tenant holds, or is
 writing, are bounded by an equal share of `store.max_namespaces` (`namespace_share`): a commit
-past it is refused (ResourceExhausted), a demotion past it drops the chunk instead.
+past it is refused (ResourceExhausted), a demotion past it drops the chunk instead. A record found
+at start whose layout the config does not serve (a model dropped, another chunk size) is kept with
+its chunks for a config that serves it again, and counts in no share, as they count in no budget.
 
 `Namespaces` is mixed into `GlobalStore` like `Placement`, and works on the store's state under its
 lock. It counts the chunks each namespace holds; it does not choose which chunks go (placement.py)
@@ -43,7 +45,7 @@ class Namespaces(DeferredLmdb):
     _layouts: dict[bytes, CacheLayout]  # layout id -> the layouts served
     _ignored: dict[str, int]  # what was found on disk and not served, by reason
     _progress: Callable[[str], None]  # told, a line at a time, about what start found
-    _known_ns: dict[bytes, str]  # namespace digest -> tenant, of the records in LMDB
+    _known_ns: dict[bytes, str]  # namespace digest -> tenant, of the records in LMDB counted in shares
     # A namespace's record is written with its first chunk that goes to LMDB and deleted once it
     # holds no chunk (a new cache_salt per call must not fill the map with records); the records
     # each tenant has, or is writing, are bounded by its share of cfg.max_namespaces.
@@ -56,7 +58,7 @@ class Namespaces(DeferredLmdb):
     _ns_demoting: dict[bytes, tuple[threading.Event, str, bytes]]
     _ns_doomed: set[bytes]  # records of namespaces that lost their last chunk
     _ns_deleting: dict[bytes, threading.Event]  # records being deleted; set when done
-    _ns_kept: set[bytes]  # namespaces of chunks kept on disk unserved: records stay
+    _ns_kept: set[bytes]  # namespaces of chunks kept on disk unserved: records stay (layout unserved: uncounted)
     # Until the index is loaded, a namespace whose chunks the scan has not reached looks empty:
     # no record is doomed before then (the load's end dooms those no chunk needs).
     _ns_all_counted: bool
@@ -264,8 +266,10 @@ class Namespaces(DeferredLmdb):
             done.set()
 
     def _recover_namespaces(self) -> None:
-        """Claim, at start, the records LMDB holds: each counts against its tenant's share."""
+        """Claim, at start, the records LMDB holds of the layouts served: each counts against its
+        tenant's share. The others are kept on disk, and counted nowhere."""
         bad: list[str] = []
+        unserved = 0
         for digest, record in self._durable.namespaces().items():
             try:
                 if len(record) > MAX_NAMESPACE_RECORD_BYTES:
@@ -274,13 +278,23 @@ class Namespaces(DeferredLmdb):
                 if not isinstance(d, dict):  # valid JSON, but a list or a string has no "tenant"
                     raise ValueError("not an object")
                 served = bytes.fromhex(str(d.get("layout_id", ""))) in self._layouts
-                self._claim_namespace(digest, str(d["tenant"]))
-                self._ns_model[digest] = (str(d["tenant"]), str(d.get("model", "")))  # which models hold chunks
-                if not served:  # its chunks stay on disk for a config that serves them: so does it
+                tenant = str(d["tenant"])
+                self._ns_model[digest] = (tenant, str(d.get("model", "")))  # which models hold chunks
+                if served:
+                    self._claim_namespace(digest, tenant)
+                else:
+                    # Its chunks stay on disk for a config that serves them, unserved and never evicted:
+                    # so does it. Outside every share, as they are outside the byte budget, else a
+                    # tenant's share would be held for good. Never doomed (not in _known_ns); a Store
+                    # whose layout is served again (a model registered now) claims it as a new one.
                     self._ns_kept.add(digest)
+                    unserved += 1
             except BAD_RECORD_ERRORS as e:
                 self._ignored["bad-namespace-record"] = self._ignored.get("bad-namespace-record", 0) + 1
                 bad.append(f"{digest[:32].hex()}: {type(e).__name__}")
         if bad:  # one line, however many: each is left on disk and counted in ignored_on_open
             self._progress(f"namespaces: {len(bad):,} namespace records in LMDB are not valid, ignored "
                            f"(first {bad[0]})")
+        if unserved:
+            self._progress(f"namespaces: {unserved:,} namespace records of models or chunk sizes this config does "
+                           "not serve kept on disk, outside store.max_namespaces")
