@@ -20,11 +20,10 @@ import pytest
 
 from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
 from replay.runner import ReplayJob, ReplayResult
-from tests.fixtures.openssl import openssl_or_skip
+from tests.fixtures.openssl import make_certs, openssl_or_skip
 from tests.fixtures.service import Service, make_config
 from tests.test_replay_coordinator import NAME, wait_for
 from tests.test_runner_weights import spawn_runner
-from tests.test_service_tenancy import _make_certs
 
 ACME = "acme-token-0123456789"
 
@@ -34,7 +33,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ca.pem, server.pem (localhost, 127.0.0.1) and alice.pem (CN alice-cn), with their keys."""
     openssl_or_skip()
     d = tmp_path_factory.mktemp("certs")
-    _make_certs(d)
+    make_certs(d)
     return d
 
 
@@ -43,7 +42,7 @@ def other_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another CA's files: its ca.pem trusts none of `certs`' certificates."""
     openssl_or_skip()
     d = tmp_path_factory.mktemp("other")
-    _make_certs(d)
+    make_certs(d)
     return d
 
 

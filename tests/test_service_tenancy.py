@@ -3,7 +3,6 @@ tenant misses, at every tier, after a restart, and whatever the other tenant for
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from kvstore.service.auth import Authenticator, check_bind_allowed
 from kvstore.service.server import KvstoreServer
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.fixtures.openssl import openssl_or_skip
+from tests.fixtures.openssl import make_certs, openssl_or_skip
 from tests.fixtures.service import CHUNK, TOY, Service, make_config, payloads, tokens
 
 ALICE, BOB, ADMIN = "alice-token-0123456789", "bob-token-0123456789", "admin-token-0123456789"
@@ -230,27 +229,11 @@ def test_stats_answers_the_callers_own_figures_never_another_tenants(make_servic
     assert reg.model in bob.stats().models
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _make_certs(d: Path) -> None:
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", "/CN=kvstore-test-ca", cwd=d)
-    (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name, cn in (("server", "localhost"), ("alice", "alice-cn"), ("mallory", "mallory-cn")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN={cn}", cwd=d)
-        ext = ["-extfile", "san.cnf"] if name == "server" else []
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "2", *ext, cwd=d)
-
-
 def test_mtls_peer_names_the_tenant(make_service: Callable[..., Service], tmp_path: Path) -> None:
     openssl_or_skip()
     certs = tmp_path / "certs"
     certs.mkdir()
-    _make_certs(certs)
+    make_certs(certs)
     cfg = make_config(
         tenants={"alice": {"mtls_common_name": "alice-cn"}, "bob": {"tokens": [BOB]}},
         service={"tls_cert_file": str(certs / "server.pem"), "tls_key_file": str(certs / "server.key"),

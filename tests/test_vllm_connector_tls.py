@@ -15,9 +15,9 @@ import pytest
 from kvstore.errors import ConfigError
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.link import Link
-from tests.fixtures.openssl import openssl_or_skip
+from tests.fixtures.openssl import make_certs, openssl_or_skip
 from tests.fixtures.service import Service, make_config
-from tests.test_service_tenancy import _ENGINE_MODEL, _make_certs
+from tests.test_service_tenancy import _ENGINE_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ca.pem, server.pem (localhost, 127.0.0.1) and alice.pem (CN alice-cn), with their keys."""
     openssl_or_skip()
     d = tmp_path_factory.mktemp("certs")
-    _make_certs(d)
+    make_certs(d)
     return d
 
 
