@@ -173,10 +173,10 @@ def test_the_model_limits_hold_under_concurrent_registrations(
             assert (c.error is None and c.result[1] is True) or isinstance(c.error, ResourceExhausted), c.error
         return sum(c.error is None for c in calls), {str(c.error) for c in calls if c.error is not None}
 
-    def held() -> int:  # the models served, and their records (a retired model's is empty)
-        records = sum(bool(r) for r in store._durable.models().values())
-        assert records == len(store.engine_models())
-        return records
+    def held() -> int:  # the models served, and their records (a retired model's is deleted)
+        records = store._durable.models()
+        assert all(records.values()) and len(records) == len(store.engine_models())
+        return len(records)
 
     # Alice's eight at once: her share holds (three), each one past it retiring one of hers that no
     # registration is writing (none holds chunks), or refused where all are being written.

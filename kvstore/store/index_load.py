@@ -30,6 +30,7 @@ import numpy as np
 
 from kvstore.errors import StorageError
 from kvstore.store.cold import ColdChunks
+from kvstore.store.models import RECORD_REASONS
 from kvstore.store.namespaces import Namespaces
 from kvstore.tiers.base import ScanBatch, TierName
 
@@ -114,9 +115,11 @@ class IndexLoad(Namespaces):
         # Left on disk for a config that serves them again, outside the budget: the map must not
         # fill with them and the budget's own data together.
         self._durable.keep_unserved(self._ignored_bytes + unreached_bytes)
-        if self._ignored:
-            why = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self._ignored.items()))
-            self._progress(f"index: {sum(self._ignored.values()):,} LMDB chunks this config does not serve "
+        # Chunks only: the records found at start (models', namespaces') had lines of their own.
+        unserved = {reason: n for reason, n in self._ignored.items() if reason not in RECORD_REASONS}
+        if unserved:
+            why = ", ".join(f"{n:,} {reason}" for reason, n in sorted(unserved.items()))
+            self._progress(f"index: {sum(unserved.values()):,} LMDB chunks this config does not serve "
                            f"({why}; {self._ignored_bytes / (1 << 20):,.1f} MiB) kept on disk outside the budget")
         # Arrays as long as the run (its sizes, and its order: a sort): made before the lock is taken.
         # Only this thread appends to the cold arrays; calls may thaw rows meanwhile (dealt with below).

@@ -15,11 +15,14 @@ quiet tenant's first registration always finds room. A revision is a fingerprint
 code, so each fine-tune registers a new model: a tenant at its share that registers another
 retires its least recently used models (used: registered, or named by a call; `tokens` stamps it)
 that hold no chunk in any tier and have no Store or registration in flight (`_room_for_model`). A
-retired model is no longer served to that tenant; once no tenant has it, its record in LMDB is
-emptied (the tier deletes model records nowhere: an empty record is a retired model, which a
-restart skips), and its namespaces, holding no chunk, lose their records as any such namespace
-does. Where every model of the tenant holds chunks (or the index is still loading, so it cannot
-tell), the registration is refused (ResourceExhausted), saying so.
+retired model is no longer served to that tenant; once no tenant has it, it frees what it held:
+its record in LMDB is deleted (builds of 2026-12-07 emptied it instead: a restart deletes such
+records), its layout is forgotten by the store and the tiers (unless a model served or a live
+namespace still uses it), and its namespaces, holding no chunk, lose their records as any such
+namespace does. So a tenant registering revisions in a loop holds a bounded amount of memory and
+records. Where every model of the tenant holds chunks (or the index is still loading, so it cannot
+tell), the registration is refused (ResourceExhausted), saying so. A record of another chunk size
+(a restart with another `store.chunk_tokens`) is kept, unserved, for a config of that size.
 
 `Models` is mixed into `GlobalStore` like `Placement`, and works on the store's state under its
 lock. It does not know what is stored for a model (the index), nor how a record is laid out on
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.config.store import StoreConfig
-from kvstore.errors import InvalidInput, ResourceExhausted, UnknownModel, listed
+from kvstore.errors import InvalidInput, ResourceExhausted, StorageError, UnknownModel, listed
 from kvstore.keys.chunk_keys import Namespace, as_token_array
 from kvstore.layout import (
     MAX_ENGINE_MODELS,
@@ -58,6 +61,12 @@ MAX_MODEL_RECORD_BYTES = 4 << 20
 # What a record found at start may raise once parsed: deep nesting (RecursionError), numbers no
 # arithmetic holds (OverflowError), the wrong shapes (the rest). Counted and ignored, never fatal.
 BAD_RECORD_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RecursionError, ArithmeticError)
+# Why a model record found at start is not served (ignored_on_open): it is not valid, or it is of
+# another chunk size (kept on disk for a config of that size).
+BAD_MODEL_RECORD = "bad-model-record"
+MODEL_OTHER_CHUNK_SIZE = "model-other-chunk-size"
+# The reasons in ignored_on_open that count records (these, and namespaces.py's), not chunks.
+RECORD_REASONS = frozenset({BAD_MODEL_RECORD, MODEL_OTHER_CHUNK_SIZE, "bad-namespace-record"})
 
 
 def engine_model_share(tenants: int) -> int:
@@ -78,11 +87,13 @@ class _ModelWrite:
 
 @dataclass(frozen=True)
 class _Retirement:
-    """A model a registration retired under the lock: its record to write, outside it."""
+    """A model a registration retired under the lock: its record to write (or delete) and the
+    layout the tiers forget, outside it."""
 
     name: str
-    record: bytes  # the remaining registrants' record, or b"" where none remains
+    record: bytes  # the remaining registrants' record, or b"" where none remains: deleted
     write: _ModelWrite  # in _models_writing until the record is written
+    forget: bytes = b""  # the layout id the tiers forget (the store forgot it): b"" where it stays
 
 
 class Models:
@@ -139,7 +150,10 @@ class Models:
         raise UnknownModel(f"model '{name}' is not served here; served: {listed(served)}")
 
     def layout(self, ns: Namespace) -> CacheLayout:
-        return self._layouts[ns.layout_id]
+        layout = self._layouts.get(ns.layout_id)
+        if layout is None:  # resolved before its model was retired, which forgot the layout
+            raise UnknownModel(f"model '{ns.model}' is not served here (retired: register it again)")
+        return layout
 
     def namespace(self, tenant: str, model: str, replay_mode: str, salt: str = "") -> Namespace:
         spec = self.model(model, tenant)
@@ -250,7 +264,8 @@ class Models:
 
     def _retire(self, name: str, tenant: str) -> _Retirement:
         """Under the lock: no longer serve `name` to `tenant`, or at all where no other tenant
-        registered it; its record (rewritten, or emptied) is written by the caller, outside it."""
+        registered it (then its layout is forgotten here); its record is rewritten, or deleted, and
+        the tiers forget the layout, by the caller, outside it."""
         who = self._registrants[name]
         write = self._models_writing[name] = _ModelWrite(threading.Event(), tenant, new=False, retiring=True)
         self._used_at.get(tenant, {}).pop(name, None)
@@ -261,18 +276,44 @@ class Models:
             record = json.dumps({"tenant": self._registered_by[name], "tenants": sorted(who),
                                  "model": json.loads(self._engine_descs[name])}, sort_keys=True).encode()
             return _Retirement(name, record, write)
+        layout_id = self._layout_for(self._models[name]).layout_id
         del self._models[name]  # first: `model()` reads without the lock
         del self._registrants[name], self._registered_by[name], self._engine_descs[name]
         self._chunk_layouts.pop(name, None)
-        return _Retirement(name, b"", write)
+        if self._layout_in_use(layout_id, name):
+            return _Retirement(name, b"", write)
+        del self._layouts[layout_id]
+        return _Retirement(name, b"", write, forget=layout_id)
+
+    def _layout_in_use(self, layout_id: bytes, name: str) -> bool:
+        """Under the lock: whether a model served, or a namespace of model `name` (just retired)
+        that holds chunks or has a commit, a record write or a Store in flight, uses `layout_id`.
+        `_room_for_model` retires no model with such namespaces; checked again here, since a
+        layout forgotten under its chunks would make them unreadable (LMDB drops them as corrupt)."""
+        if any(self._layout_for(spec).layout_id == layout_id for spec in self._models.values()):
+            return True
+        if any(txn.ns.layout_id == layout_id for txn in self._stores_open):
+            return True
+        live = self._ns_chunks.keys() | self._ns_committing.keys() | self._ns_writing.keys()
+        return any(self._ns_model.get(digest, ("", ""))[1] == name for digest in live)
 
     def _write_retirements(self, retired: list[_Retirement]) -> None:
-        """Write the records of the models a registration retired, outside the lock. One that fails
+        """Have the tiers forget the layouts of the models a registration retired, and write or
+        delete their records, outside the lock; each stays in _models_writing meanwhile, so that
+        registering it again waits, then learns its layout anew. A record write or delete that fails
         raises (the registration with it): the model stays retired here, and its old record on disk
         serves it again after a restart, counted in its tenant's share as before."""
         try:
             for r in retired:
-                self._durable.put_model(r.name.encode(), r.record)
+                if r.forget:
+                    for tier in self._tiers.values():
+                        tier.forget_layout(r.forget)
+            for r in retired:
+                if r.record:
+                    self._durable.put_model(r.name.encode(), r.record)
+            gone = [r.name.encode() for r in retired if not r.record]
+            if gone:
+                self._durable.delete_models(gone)
         finally:
             with self._lock:
                 for r in retired:
@@ -358,8 +399,11 @@ class Models:
 
     def _recover_engine_models(self) -> None:
         bad: list[str] = []
+        other_size = 0
+        emptied: list[bytes] = []
         for name, record in self._durable.models().items():
-            if not record:  # a retired model (`_retire`)
+            if not record:  # a model retired by a build that emptied records (2026-12-07)
+                emptied.append(name)
                 continue
             try:
                 if len(record) > MAX_MODEL_RECORD_BYTES:
@@ -367,15 +411,28 @@ class Models:
                 d = json.loads(record)
                 desc = json.dumps(d["model"]).encode()
                 spec = engine_model_spec(EngineModel.from_json(desc))
-                if spec.name != name.decode() or spec.layout.chunk_tokens != self.cfg.chunk_tokens:
-                    raise InvalidInput("the record does not match its name or this chunk size")
+                if spec.name != name.decode():
+                    raise InvalidInput("the record does not match its name")
+                if spec.layout.chunk_tokens != self.cfg.chunk_tokens:  # valid: kept for a config of its size
+                    other_size += 1
+                    self._ignored[MODEL_OTHER_CHUNK_SIZE] = self._ignored.get(MODEL_OTHER_CHUNK_SIZE, 0) + 1
+                    continue
                 self._learn_layout(spec)
                 self._serve(spec, str(d["tenant"]), desc)
                 # Older records name the first registrant only.
                 self._registrants[spec.name].update(str(t) for t in d.get("tenants", ()))
             except BAD_RECORD_ERRORS as e:
-                self._ignored["bad-model-record"] = self._ignored.get("bad-model-record", 0) + 1
+                self._ignored[BAD_MODEL_RECORD] = self._ignored.get(BAD_MODEL_RECORD, 0) + 1
                 bad.append(f"{name[:64]!r}: {type(e).__name__}")
         if bad:  # one line, however many: each is left on disk and counted in ignored_on_open
             self._progress(f"models: {len(bad):,} registered-model records in LMDB are not valid, ignored "
                            f"(first {bad[0]})")
+        if other_size:
+            self._progress(f"models: {other_size:,} registered-model records of another chunk size than "
+                           f"store.chunk_tokens = {self.cfg.chunk_tokens} kept on disk, not served")
+        if emptied:
+            try:
+                self._durable.delete_models(emptied)
+            except StorageError as e:  # skipped again at the next start: nothing is served from them
+                self._progress(f"models: the {len(emptied):,} empty records of retired models could not be "
+                               f"deleted: {e}")

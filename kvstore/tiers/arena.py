@@ -577,6 +577,9 @@ class PagedArena:
     def add_layout(self, layout: CacheLayout) -> None:
         """Nothing to learn: an arena moves payload bytes without reading them."""
 
+    def forget_layout(self, layout_id: bytes) -> None:
+        """Nothing to forget (see `add_layout`)."""
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -170,6 +170,12 @@ class Tier(Protocol):
         without reading them ignores it."""
         ...
 
+    def forget_layout(self, layout_id: bytes) -> None:
+        """Forget a layout learnt by `add_layout` that nothing uses any longer (a retired engine
+        model's: no model served has it, and the tier holds no chunk of it), so that registering
+        models in a loop does not grow the tier; a tier that keeps nothing per layout ignores it."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -214,6 +220,11 @@ class DurableTier(Tier, Protocol):
 
     def put_model(self, name: bytes, record: bytes) -> None:
         """Remember a model registered at run time (its description), durably."""
+        ...
+
+    def delete_models(self, names: Iterable[bytes]) -> None:
+        """Forget the records of models no tenant is served any longer (retired), in one
+        transaction; absent names are ignored."""
         ...
 
     def models(self) -> dict[bytes, bytes]: ...

@@ -617,13 +617,16 @@ class LmdbTier(LmdbScan):
 
     def delete_namespaces(self, digests: Iterable[bytes]) -> None:
         """Forget namespaces no chunk of which is held any longer, in one transaction."""
-        digests = list(digests)  # a retry after a full map deletes them all again
+        self._delete_records(self._ns, digests)
+
+    def _delete_records(self, db: lmdb._Database, keys: Iterable[bytes]) -> None:
+        keys = list(keys)  # a retry after a full map deletes them all again
         with self._lock, self._failures("delete"):
             advanced = False
             while True:
                 try:
-                    with self._env.begin(write=True, db=self._ns) as txn:
-                        if sum(txn.delete(digest) for digest in digests):  # else nothing is committed
+                    with self._env.begin(write=True, db=db) as txn:
+                        if sum(txn.delete(key) for key in keys):  # else nothing is committed
                             self._mark(txn)
                     return
                 except lmdb.MapFullError:  # a delete needs pages too: as for the chunks'
@@ -634,6 +637,10 @@ class LmdbTier(LmdbScan):
     def put_model(self, name: bytes, record: bytes) -> None:
         self._put_record(self._models, name, record)
 
+    def delete_models(self, names: Iterable[bytes]) -> None:
+        """Forget the records of retired models, in one transaction."""
+        self._delete_records(self._models, names)
+
     def models(self) -> dict[bytes, bytes]:
         return self._records(self._models)
 
@@ -642,6 +649,12 @@ class LmdbTier(LmdbScan):
             self._layouts[layout.layout_id] = layout  # the codec reads the same dict
             self._chunk_limit[layout.layout_id] = layout.chunk_bytes
             self._max_token_bytes = max(self._max_token_bytes, 4 * layout.chunk_tokens)
+
+    def forget_layout(self, layout_id: bytes) -> None:
+        # `_max_token_bytes` stays: one store's layouts share its chunk size.
+        with self._lock:
+            self._layouts.pop(layout_id, None)
+            self._chunk_limit.pop(layout_id, None)
 
     def _put_record(self, db: lmdb._Database, key: bytes, record: bytes) -> None:
         with self._lock, self._failures("record"):

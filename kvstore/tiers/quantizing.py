@@ -18,6 +18,7 @@ The wrapper decides nothing; it only changes the bytes on their way in and out.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 
@@ -38,16 +39,36 @@ class QuantizingTier:
         # For a footprint asked without a layout: the largest stored size of any layout of that
         # chunk size (an upper bound, so a budget is never exceeded).
         self._stored_for: dict[int, int] = {}
+        # Layout id -> (chunk bytes, stored bytes): what `_stored_for` is the largest of, so that
+        # forgetting a layout can lower it. Registrations and retirements change these on their
+        # own threads, outside the store's lock: under this one.
+        self._sizes: dict[bytes, tuple[int, int]] = {}
+        self._layouts_lock = threading.Lock()
         for layout in layouts:
             self.add_layout(layout)
 
     def add_layout(self, layout: CacheLayout) -> None:
         plan = plan_for(layout, self.mode)
         stored = layout.chunk_bytes if plan is None else plan.stored_bytes
-        if plan is not None:
-            self._plans[layout.layout_id] = plan
-        self._stored_for[layout.chunk_bytes] = max(self._stored_for.get(layout.chunk_bytes, 0), stored)
+        with self._layouts_lock:
+            if plan is not None:
+                self._plans[layout.layout_id] = plan
+            self._sizes[layout.layout_id] = (layout.chunk_bytes, stored)
+            self._stored_for[layout.chunk_bytes] = max(self._stored_for.get(layout.chunk_bytes, 0), stored)
         self._inner.add_layout(layout)
+
+    def forget_layout(self, layout_id: bytes) -> None:
+        with self._layouts_lock:
+            self._plans.pop(layout_id, None)
+            sizes = self._sizes.pop(layout_id, None)
+            if sizes is not None:
+                chunk = sizes[0]
+                left = [stored for cb, stored in self._sizes.values() if cb == chunk]
+                if left:
+                    self._stored_for[chunk] = max(left)
+                else:
+                    self._stored_for.pop(chunk, None)
+        self._inner.forget_layout(layout_id)
 
     @property
     def backend(self) -> str:
@@ -130,7 +151,7 @@ class QuantizingDurableTier(QuantizingTier):
             words = batch.layout_ids.view("<u8").ravel()
             keep = np.ones(len(words), dtype=bool)
             payload = batch.payload_bytes.copy()
-            for layout_id, plan in self._plans.items():
+            for layout_id, plan in list(self._plans.items()):  # registrations and retirements change it
                 rows = words == int.from_bytes(layout_id, "little")
                 payload[rows & (payload == plan.stored_bytes)] = plan.payload_bytes
                 # Written in another mode (or unquantized): not readable as this mode's bytes.
@@ -159,6 +180,9 @@ class QuantizingDurableTier(QuantizingTier):
 
     def put_model(self, name: bytes, record: bytes) -> None:
         self._durable.put_model(name, record)
+
+    def delete_models(self, names: Iterable[bytes]) -> None:
+        self._durable.delete_models(names)
 
     def models(self) -> dict[bytes, bytes]:
         return self._durable.models()
