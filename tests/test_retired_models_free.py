@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -166,3 +167,25 @@ def test_a_layout_a_store_in_flight_uses_is_never_forgotten(make_service: Callab
         assert retired.forget == b"" and ns.layout_id in store._layouts
         assert store.layout(ns) is not None
     assert spec.name.encode() not in store._durable.models()
+
+
+def test_a_model_retired_between_a_loads_walk_and_its_pin_leaves_no_pin(
+    make_service: Callable[..., Service], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The load took its layout after counting its session among the tenant's pins: a model retired
+    # in between raised there, and the pin stayed counted until pin_timeout_seconds.
+    svc = make_service(_config())
+    store = svc.app.store
+    spec, _ = store.register_engine_model(_rev(0), "alice")
+    ns = store.namespace("alice", spec.name, "bounded")
+    walk = type(store)._walk
+
+    def walk_then_retire(self: Any, *args: Any, **kw: Any) -> Any:
+        out = walk(self, *args, **kw)
+        self._layouts.pop(ns.layout_id)  # as a retirement forgets it, between the walk and the pin
+        return out
+
+    monkeypatch.setattr(type(store), "_walk", walk_then_retire)
+    with pytest.raises(UnknownModel):
+        store.load(ns, tokens(6, CHUNK, vocab=1000))
+    assert store.tenant_stats("alice").pins_active == 0

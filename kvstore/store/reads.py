@@ -93,11 +93,12 @@ class Reads(Placement):
         result = self._walk(ns, tokens, count, hit_keys)
         n = result.hit_chunks if max_chunks is None else min(result.hit_chunks, max_chunks)
         keys = hit_keys[:n]
+        layout = self.layout(ns)  # before the pin: a model retired meanwhile raises, holding none
         with self._lock:
             self._expire_pins()
             # A load's receipt pins no chunk: it counts the open session among its tenant's pins.
             receipt = self._hold_pin(keys if whole else (), ns.tenant, self.cfg.pin_timeout_seconds)
-        return LoadSession(self, ns, self.layout(ns), keys, receipt, result, whole=whole)
+        return LoadSession(self, ns, layout, keys, receipt, result, whole=whole)
 
     def pin_window(self, keys: Sequence[bytes], tenant: str) -> PinReceipt:
         """Pin the chunks a load is about to read, for `tenant`, until `unpin` (right after the
