@@ -20,7 +20,7 @@ import pytest
 
 from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
 from replay.runner import ReplayJob, ReplayResult
-from tests.fixtures.openssl import make_certs, openssl_or_skip
+from tests.fixtures.openssl import certs_dir
 from tests.fixtures.service import Service, make_config
 from tests.test_replay_coordinator import NAME, wait_for
 from tests.test_runner_weights import spawn_runner
@@ -31,19 +31,13 @@ ACME = "acme-token-0123456789"
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ca.pem, server.pem (localhost, 127.0.0.1) and alice.pem (CN alice-cn), with their keys."""
-    openssl_or_skip()
-    d = tmp_path_factory.mktemp("certs")
-    make_certs(d)
-    return d
+    return certs_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def other_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another CA's files: its ca.pem trusts none of `certs`' certificates."""
-    openssl_or_skip()
-    d = tmp_path_factory.mktemp("other")
-    make_certs(d)
-    return d
+    return certs_dir(tmp_path_factory, "other")
 
 
 def _service(make_service: Callable[..., Service], certs: Path | None, mtls: bool = False,

@@ -15,7 +15,7 @@ import pytest
 from kvstore.errors import ConfigError
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.link import Link
-from tests.fixtures.openssl import make_certs, openssl_or_skip
+from tests.fixtures.openssl import certs_dir
 from tests.fixtures.service import Service, make_config
 from tests.test_service_tenancy import _ENGINE_MODEL
 
@@ -23,10 +23,7 @@ from tests.test_service_tenancy import _ENGINE_MODEL
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ca.pem, server.pem (localhost, 127.0.0.1) and alice.pem (CN alice-cn), with their keys."""
-    openssl_or_skip()
-    d = tmp_path_factory.mktemp("certs")
-    make_certs(d)
-    return d
+    return certs_dir(tmp_path_factory)
 
 
 def _tls_service(make_service: Callable[..., Service], certs: Path, mtls: bool) -> Service:
