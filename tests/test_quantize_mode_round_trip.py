@@ -40,3 +40,36 @@ def test_chunks_of_a_mode_come_back_when_it_does(tmp_path: Path, first: str, bet
             svc.stop(0.5)
     assert hits[1] == (0, {"format-version": 3}), hits  # not readable in the other mode: kept, not served
     assert hits[2] == (3 * CHUNK, {}), hits  # before: (0, {"unknown-namespace": 3})
+
+
+def test_namespaces_kept_for_another_modes_chunks_hold_no_share(tmp_path: Path) -> None:
+    # Kept for the chunks this mode cannot read, the records stayed claimed in alice's share of
+    # store.max_namespaces (2 here): every new namespace was refused in the new mode, for good.
+    from kvstore.client.sync_client import ResourceExhaustedError
+
+    prompt = tokens(2, 3 * CHUNK + 5, vocab=1000)
+    data = tmp_path / "data"
+    got: dict[str, int] = {}
+    for i, mode in enumerate(("off", "fp8", "off")):
+        cfg = make_config(store={"quantize_lmdb": mode, "device_capacity_bytes": 0, "dram_capacity_bytes": 0,
+                                 "max_namespaces": 4},
+                          tenants={"alice": {"tokens": [ALICE]}, "bob": {"tokens": ["bob-token-0123456789"]}})
+        svc = start_service(cfg, data)
+        try:
+            kv = svc.client(ALICE)
+            reg = kv.register_model(DESC)
+            chunks = [np.full(reg.chunk_bytes // 2, 0x3F80 + k, dtype="<u2").tobytes() for k in range(3)]
+            if i == 0:
+                for salt in ("a", "b"):  # alice's whole share
+                    assert kv.store(reg.model, prompt, chunks, cache_salt=salt).durable
+            elif i == 1:
+                for salt in ("c", "d"):  # before: RESOURCE_EXHAUSTED at once (a and b held the share)
+                    assert kv.store(reg.model, prompt, chunks, cache_salt=salt).durable
+                with pytest.raises(ResourceExhaustedError):  # c and d hold it now
+                    kv.store(reg.model, prompt, chunks, cache_salt="e")
+            else:
+                got = {salt: kv.lookup(DESC.name, prompt, cache_salt=salt).hit_tokens for salt in "abc"}
+        finally:
+            svc.stop(0.5)
+    # Back in the first mode: a and b served again, c (written in fp8) kept, not served.
+    assert got == {"a": 3 * CHUNK, "b": 3 * CHUNK, "c": 0}, got

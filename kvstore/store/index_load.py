@@ -145,7 +145,7 @@ class IndexLoad(Namespaces):
             if self._overage and not background:
                 raise AssertionError("nothing is pinned or committing here, so every chunk can be evicted")
             self._ns_all_counted = True
-            for digest in self._known_ns:  # records no chunk found needs (written before they were deleted)
+            for digest in list(self._known_ns):  # records no chunk found needs (written before they were deleted)
                 self._doom_namespace(digest)
         try:
             self._delete_doomed()

@@ -225,9 +225,15 @@ class Namespaces(DeferredLmdb):
             self._doom_namespace(digest)  # a commit that stored nothing there
 
     def _doom_namespace(self, digest: bytes) -> None:
-        if (self._ns_all_counted and digest in self._known_ns and digest not in self._ns_chunks
-                and digest not in self._ns_kept):
+        """A namespace that holds no chunk: its record deleted, or, kept for chunks on disk this
+        config cannot read (another quantize mode's), left on disk and out of its tenant's share
+        while it holds none it serves (a Store to it claims it again)."""
+        if not (self._ns_all_counted and digest in self._known_ns and digest not in self._ns_chunks):
+            return
+        if digest not in self._ns_kept:
             self._ns_doomed.add(digest)
+        elif digest not in self._ns_committing:
+            self._release_namespace(digest)
 
     def _delete_doomed(self) -> None:
         """The evicted values, then the records of namespaces left with no chunk and no commit."""
