@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -189,3 +190,25 @@ def test_a_model_retired_between_a_loads_walk_and_its_pin_leaves_no_pin(
     with pytest.raises(UnknownModel):
         store.load(ns, tokens(6, CHUNK, vocab=1000))
     assert store.tenant_stats("alice").pins_active == 0
+
+
+def test_a_forgotten_layout_leaves_nothing_in_the_lmdb_codec(tmp_path: Path) -> None:
+    # The codec kept its split plan, `auto`'s samples and its decision for every layout it ever
+    # encoded: 300 revisions that stored chunks, 300 entries each, with 67 models served.
+    from kvstore.tiers.lmdb_tier import LmdbTier
+    from tests.helpers.tier_data import LAYOUT, key_of, meta_of, payload_of
+
+    tier = LmdbTier(tmp_path / "lmdb", 64 << 20, [LAYOUT], compression="auto")
+    try:
+        items = []
+        for i in range(40):
+            key = key_of(3, i)
+            items.append((key, memoryview(payload_of(key)), meta_of(key)))
+        tier.put_many(items)
+        codec = tier._codec
+        assert LAYOUT.layout_id in codec.decisions or LAYOUT.layout_id in codec._auto  # it learnt something
+        tier.forget_layout(LAYOUT.layout_id)
+        held = [m for m in (codec._plans, codec._auto, codec.decisions) if LAYOUT.layout_id in m]
+        assert not held, held
+    finally:
+        tier.close()

@@ -134,6 +134,13 @@ class Codec:
         self._auto: dict[bytes, _AutoSamples] = {}
         self.decisions: dict[bytes, int] = {}  # layout id -> codec auto settled on
 
+    def forget(self, layout_id: bytes) -> None:
+        """Drop what was learnt for a layout no longer served (its split plan, `auto`'s samples and
+        decision); under the LMDB tier's write lock, as encoding is."""
+        self._plans.pop(layout_id, None)
+        self._auto.pop(layout_id, None)
+        self.decisions.pop(layout_id, None)
+
     # --- encoding ----------------------------------------------------------------------------
     def encode(self, payload: memoryview, layout_id: bytes) -> tuple[int, memoryview | bytes]:
         """(codec id, stored bytes). The stored form is never larger than the payload."""

@@ -655,6 +655,7 @@ class LmdbTier(LmdbScan):
         with self._lock:
             self._layouts.pop(layout_id, None)
             self._chunk_limit.pop(layout_id, None)
+            self._codec.forget(layout_id)
 
     def _put_record(self, db: lmdb._Database, key: bytes, record: bytes) -> None:
         with self._lock, self._failures("record"):
