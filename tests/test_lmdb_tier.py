@@ -763,7 +763,7 @@ def test_v41_chunks_take_at_most_917_bytes_per_token_on_disk(tmp_path: Path) -> 
     tokens = n * layout.chunk_tokens
     assert tier.stats().used_bytes / tokens <= 917
     assert tier.file_bytes() / tokens <= 917
-    assert tier.footprint(layout.chunk_bytes) / layout.chunk_tokens <= 917
+    assert tier.footprint(layout.chunk_bytes, layout.layout_id) / layout.chunk_tokens <= 917
     tier.close()
 
 
@@ -796,7 +796,7 @@ def test_small_chunks_churned_within_the_budget_never_fill_the_map(tmp_path: Pat
     layout = LAYOUT.with_chunk_tokens(tokens)
     capacity = 64 << 20
     tier = LmdbTier(tmp_path, capacity, [layout], durability="async", compression="none")
-    fp = tier.footprint(layout.chunk_bytes)
+    fp = tier.footprint(layout.chunk_bytes, layout.layout_id)
     payload = memoryview(payload_of(key_of(0, 0), layout.chunk_bytes))
     meta = ChunkMeta(NAMESPACE, layout.layout_id, bytes(4 * tokens))
     rng = np.random.default_rng(1)
@@ -939,13 +939,13 @@ def test_the_footprint_grows_with_the_payload_and_bounds_what_any_stored_size_co
     # than the footprint the store charged for it.
     tier = LmdbTier(tmp_path, 1 << 20, [LAYOUT.with_chunk_tokens(8)], durability="async", compression="zstd")
     payloads = range(1, 12_000)
-    prints = [tier.footprint(p) for p in payloads]
+    prints = [tier.footprint(p, b"") for p in payloads]
     assert all(a <= b for a, b in itertools.pairwise(prints))
     # What a value of any length up to the uncompressed one costs (compressed, fewer tokens).
     costliest = list(itertools.accumulate((tier.disk_bytes(n) for n in range(vf.value_bytes(32, 12_000))), max))
     assert all(costliest[vf.value_bytes(32, p)] <= fp for p, fp in zip(payloads, prints, strict=True))
     big = DEEPSEEK_V41_FLASH.chunk_bytes  # overflow pages: charged as before
-    assert tier.footprint(big) == tier.disk_bytes(vf.value_bytes(32, big))
+    assert tier.footprint(big, b"") == tier.disk_bytes(vf.value_bytes(32, big))
     tier.close()
 
 

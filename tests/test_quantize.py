@@ -140,12 +140,13 @@ def test_wrapped_tier_stores_fewer_bytes_and_reads_bf16_back(tmp_path: Path, mod
     toy = REFERENCE_TOY8.with_chunk_tokens(8)
     plain = DramTier(8 << 20, 4096, pin_memory=False)
     tier = QuantizingTier(DramTier(8 << 20, 4096, pin_memory=False), mode, [DENSE, toy])
-    assert tier.footprint(DENSE.chunk_bytes) < plain.footprint(DENSE.chunk_bytes) * 0.55
-    assert tier.footprint(toy.chunk_bytes) == plain.footprint(toy.chunk_bytes)
+    dense = (DENSE.chunk_bytes, DENSE.layout_id)
+    assert tier.footprint(*dense) < plain.footprint(*dense) * 0.55
+    assert tier.footprint(toy.chunk_bytes, toy.layout_id) == plain.footprint(toy.chunk_bytes, toy.layout_id)
     sent = random_bf16(DENSE.chunk_bytes // 2, seed=4)
     tier.put(b"k" * 32, memoryview(sent), meta(DENSE, b"k"))
     plain.put(b"k" * 32, memoryview(sent), meta(DENSE, b"k"))
-    assert tier.stats().used_bytes == tier.footprint(DENSE.chunk_bytes) < plain.stats().used_bytes
+    assert tier.stats().used_bytes == tier.footprint(DENSE.chunk_bytes, DENSE.layout_id) < plain.stats().used_bytes
     out = bytearray(DENSE.chunk_bytes)
     assert tier.get_into(b"k" * 32, memoryview(out)) == meta(DENSE, b"k")
     assert_within_bound(sent, bytes(out), mode)
@@ -158,8 +159,8 @@ def test_wrapped_tier_stores_fewer_bytes_and_reads_bf16_back(tmp_path: Path, mod
     plain.close()
 
     lmdb = QuantizingDurableTier(LmdbTier(tmp_path, 64 << 20, [DENSE], compression="none"), mode, [DENSE])
-    assert lmdb.footprint(DENSE.chunk_bytes) < LmdbTier(tmp_path / "p", 64 << 20, [DENSE]).footprint(
-        DENSE.chunk_bytes) * 0.55
+    assert lmdb.footprint(DENSE.chunk_bytes, DENSE.layout_id) < LmdbTier(tmp_path / "p", 64 << 20, [DENSE]).footprint(
+        DENSE.chunk_bytes, DENSE.layout_id) * 0.55
     lmdb.put(b"k" * 32, memoryview(sent), meta(DENSE, b"k"))
     assert [(s.payload_bytes, s.ok) for s in lmdb.scan()] == [(DENSE.chunk_bytes, True)]
     lmdb.close()

@@ -141,8 +141,8 @@ def test_capacity_drops_from_the_last_tier(tmp_path: Path) -> None:
     chunk_fp = 4096  # toy chunk footprint in the arenas; LMDB charges its own footprint
     store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=chunk_fp,
                        lmdb_capacity_bytes=1 << 20)
-    lmdb_fp = store._tiers["lmdb"].footprint(store.layout(store.namespace("default", "reference-toy-8",
-                                                                              "bounded")).chunk_bytes)
+    toy = store.layout(store.namespace("default", "reference-toy-8", "bounded"))
+    lmdb_fp = store._tiers["lmdb"].footprint(toy.chunk_bytes, toy.layout_id)
     store.close()
     store = open_store(tmp_path / "b", device_capacity_bytes=0, dram_capacity_bytes=chunk_fp,
                        lmdb_capacity_bytes=max(1 << 20, 4 * lmdb_fp))
@@ -472,7 +472,7 @@ def test_a_reopened_store_keeps_its_chunks_cold_until_it_changes_something_about
     tokens = [tokens_for(40 + i, 3 * CHUNK) for i in range(3)]
     for t in tokens:
         store_prefix(store, ns, t)
-    lmdb_cap = 9 * store._tiers["lmdb"].footprint(store.layout(ns).chunk_bytes)
+    lmdb_cap = 9 * store._tiers["lmdb"].footprint(store.layout(ns).chunk_bytes, store.layout(ns).layout_id)
     store.close()
 
     store = open_store(tmp_path, device_capacity_bytes=0, dram_capacity_bytes=0)

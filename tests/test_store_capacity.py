@@ -123,7 +123,7 @@ def test_a_promotion_after_its_pin_lapsed_never_places_a_chunk_the_store_dropped
         first = tokens_for(0, 16)
         store_prefix(s, ns, first)
         seed = 1
-        while s.stats().tiers["lmdb"].used_bytes + s._tiers["lmdb"].footprint(1272) < \
+        while s.stats().tiers["lmdb"].used_bytes + s._tiers["lmdb"].footprint(1272, b"") < \
                 s.stats().tiers["lmdb"].capacity_bytes:
             store_prefix(s, ns, tokens_for(seed, 16))  # the first chunk goes down to LMDB; LMDB fills
             seed += 1

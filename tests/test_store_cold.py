@@ -153,8 +153,8 @@ def test_evictions_are_the_same_whether_chunks_are_folded_or_kept_as_entries(
         store.set_fate_sink(sink)
     rng = np.random.default_rng(7)
     roots = {t: [tokens_for(300 + 10 * i + j, 6 * CHUNK) for j in range(8)] for i, t in enumerate(("alice", "bob"))}
-    assert folded._tiers["lmdb"].footprint(folded.layout(folded.namespace("bob", "reference-toy-8", "bounded"))
-                                           .chunk_bytes) == fp
+    toy = folded.layout(folded.namespace("bob", "reference-toy-8", "bounded"))
+    assert folded._tiers["lmdb"].footprint(toy.chunk_bytes, toy.layout_id) == fp
     for _step in range(160):
         tenant = ("alice", "bob")[int(rng.integers(2))]
         prompt = roots[tenant][int(rng.integers(8))][: int(rng.integers(1, 7)) * CHUNK]

@@ -139,7 +139,7 @@ def test_a_store_churning_salts_keeps_kinds_for_the_namespaces_it_holds(tmp_path
     held reads back right from reused slots."""
     probe = open_store(tmp_path / "probe")
     toy = probe.layout(probe.namespace("alice", "reference-toy-8", "bounded"))
-    fp = probe._tiers["lmdb"].footprint(toy.chunk_bytes)
+    fp = probe._tiers["lmdb"].footprint(toy.chunk_bytes, toy.layout_id)
     probe.close()
     store = open_store(tmp_path / "store", device_capacity_bytes=0, dram_capacity_bytes=0,
                        lmdb_capacity_bytes=8 * fp)

@@ -254,14 +254,15 @@ def test_another_tenants_call_never_writes_the_demotions_a_commit_queued(tmp_pat
 
 
 def test_a_layout_registered_while_a_demotion_is_in_flight_never_takes_lmdb_over_capacity(tmp_path: Path) -> None:
-    # Quantized LMDB: a second model of the same chunk size raises the footprint charged for that
-    # size. The demotion reserved the old one and was charged the new: used over capacity.
+    # Quantized LMDB: a second model of the same chunk size raised the footprint charged for that
+    # size, and a demotion reserved the old one and was charged the new: used over capacity. Each
+    # layout is charged its own now: another's registration changes nothing of this one's.
     bf16 = EngineModel("m", "a", (EngineLayerGroup("full", 8, 4, 32, "bfloat16"),), chunk_tokens=CHUNK, vocab_size=1000)
     fp16 = EngineModel("m", "b", (EngineLayerGroup("full", 8, 4, 32, "float16"),), chunk_tokens=CHUNK, vocab_size=1000)
     store = _open(tmp_path / "d", dram_capacity_bytes=2 * 65536, quantize_lmdb="fp8", lmdb_capacity_bytes=6 * 36914)
     spec, _ = store.register_engine_model(bf16, "alice")
     ns = store.namespace("alice", spec.name, "bounded")
-    before = store._tiers["lmdb"].footprint(65536)
+    before = store._tiers["lmdb"].footprint(65536, spec.layout.layout_id)
     for seed in range(1, 5):
         store_prefix(store, ns, tokens_for(seed, 2 * CHUNK))  # LMDB full
     blocked = _BlockedWrites(store, first_only=True)
@@ -271,7 +272,7 @@ def test_a_layout_registered_while_a_demotion_is_in_flight_never_takes_lmdb_over
     try:
         assert blocked.entered.wait(WAIT_SECONDS)
         store.register_engine_model(fp16, "bob")
-        assert store._tiers["lmdb"].footprint(65536) > before  # the race is on
+        assert store._tiers["lmdb"].footprint(65536, spec.layout.layout_id) == before
     finally:
         blocked.release.set()
     assert writer.done() and writer.error is None

@@ -70,7 +70,7 @@ def test_a_namespace_record_goes_with_its_last_chunk(tmp_path: Path) -> None:
     # its record goes with it, so a tenant that rotates salts never runs out of its share.
     probe = _open(tmp_path / "probe")
     toy = probe.layout(probe.namespace("alice", TOY, "bounded"))
-    footprint = probe._tiers["lmdb"].footprint(toy.chunk_bytes)  # a toy chunk's, on disk
+    footprint = probe._tiers["lmdb"].footprint(toy.chunk_bytes, toy.layout_id)  # a toy chunk's, on disk
     probe.close()
     quotas = {"alice": TenantQuota(lmdb_bytes=5 * footprint), "bob": TenantQuota()}
     store = GlobalStore(small_config(max_namespaces=4, device_capacity_bytes=0, dram_capacity_bytes=0),
@@ -244,7 +244,7 @@ def test_a_record_outlives_the_deletion_of_its_last_values(tmp_path: Path, monke
     x = store.namespace("default", TOY, "bounded", salt="x")
     y = store.namespace("default", TOY, "bounded", salt="y")
     store_prefix(store, x, tokens_for(1, 2 * CHUNK))
-    footprint = store._tiers["lmdb"].footprint(store.layout(x).chunk_bytes)
+    footprint = store._tiers["lmdb"].footprint(store.layout(x).chunk_bytes, store.layout(x).layout_id)
     gate, inside = threading.Event(), threading.Event()
     delete_many = lmdb_tier.LmdbTier.delete_many
 

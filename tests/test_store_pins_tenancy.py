@@ -27,7 +27,7 @@ def _lmdb_only_store(tmp_path: Path, chunks: int) -> GlobalStore:
     """A store whose only tier, LMDB, holds `chunks` toy chunks (shared: no quotas)."""
     probe = GlobalStore(small_config(device_capacity_bytes=0, dram_capacity_bytes=0), tmp_path / "probe", MODELS)
     ns = probe.namespace("alice", TOY, "bounded")
-    fp = probe._tiers["lmdb"].footprint(probe.layout(ns).chunk_bytes)
+    fp = probe._tiers["lmdb"].footprint(probe.layout(ns).chunk_bytes, probe.layout(ns).layout_id)
     probe.close()
     return GlobalStore(small_config(device_capacity_bytes=0, dram_capacity_bytes=0, lmdb_capacity_bytes=chunks * fp,
                                     eviction_policy="lru"), tmp_path / "data", MODELS)

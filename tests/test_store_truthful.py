@@ -32,7 +32,7 @@ def prompt(seed: int, chunks: int) -> np.ndarray:
 def lmdb_chunks(store: GlobalStore, ns: Namespace) -> int:
     """How many chunks of the namespace's layout the LMDB tier holds when full."""
     lmdb = store._tiers["lmdb"]
-    return lmdb.capacity_bytes // lmdb.footprint(store.layout(ns).chunk_bytes)
+    return lmdb.capacity_bytes // lmdb.footprint(store.layout(ns).chunk_bytes, store.layout(ns).layout_id)
 
 
 def reach_and_held(store: GlobalStore, ns: Namespace, tokens: np.ndarray) -> tuple[int, int]:
@@ -101,7 +101,8 @@ def test_an_older_prefix_is_evicted_from_its_tail(tmp_path: Path) -> None:
 
 def test_a_store_over_its_tenants_quota_keeps_what_the_quota_allows(tmp_path: Path) -> None:
     probe = open_store(tmp_path / "probe", **SMALL)
-    fp = probe._tiers["lmdb"].footprint(probe.layout(probe.namespace("small", V41, "bounded")).chunk_bytes)
+    layout = probe.layout(probe.namespace("small", V41, "bounded"))
+    fp = probe._tiers["lmdb"].footprint(layout.chunk_bytes, layout.layout_id)
     probe.close()
     quotas = {"small": TenantQuota(device_bytes=0, dram_bytes=0, lmdb_bytes=20 * fp)}
     store = open_store(tmp_path / "store", quotas=quotas, **SMALL)

@@ -98,7 +98,7 @@ def test_put_over_an_existing_key_replaces_it(tier: Tier) -> None:
 
 
 def test_footprint_bounds_used_bytes(tier: Tier) -> None:
-    fp = tier.footprint(CHUNK)
+    fp = tier.footprint(CHUNK, b"")
     assert fp >= CHUNK
     keys = [put(tier, 1, i) for i in range(4)]
     st = tier.stats()
@@ -281,7 +281,7 @@ def test_the_device_copy_path_works_without_a_gpu() -> None:
 
 def test_a_zero_capacity_arena_holds_nothing() -> None:
     t = DramTier(0, PAGE)
-    assert t.capacity_bytes == 0 and t.footprint(CHUNK) == 3 * PAGE
+    assert t.capacity_bytes == 0 and t.footprint(CHUNK, b"") == 3 * PAGE
     with pytest.raises(StorageError):
         put(t, 1, 0)
 

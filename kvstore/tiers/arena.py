@@ -359,7 +359,7 @@ class PagedArena:
     def capacity_bytes(self) -> int:
         return self.n_pages * self.page_bytes
 
-    def footprint(self, payload_bytes: int, layout_id: bytes = b"") -> int:
+    def footprint(self, payload_bytes: int, layout_id: bytes) -> int:
         return -(-payload_bytes // self.page_bytes) * self.page_bytes
 
     def put(self, key: bytes, payload: memoryview, meta: ChunkMeta, owner: str = "") -> None:

@@ -130,9 +130,10 @@ class Tier(Protocol):
     @property
     def capacity_bytes(self) -> int: ...
 
-    def footprint(self, payload_bytes: int, layout_id: bytes = b"") -> int:
-        """Bytes of capacity a payload of this size, of the layout `layout_id` (b"": unknown), takes
-        in this tier (page rounding; what a quantizing wrapper stores for that layout)."""
+    def footprint(self, payload_bytes: int, layout_id: bytes) -> int:
+        """Bytes of capacity a payload of this size, of the layout `layout_id`, takes in this tier
+        (page rounding; what a quantizing wrapper stores for that layout: each layout its own, so
+        one tenant's layout never changes what another's chunks are charged)."""
         ...
 
     def put(self, key: bytes, payload: memoryview, meta: ChunkMeta, owner: str = "") -> None:

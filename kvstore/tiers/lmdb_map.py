@@ -138,7 +138,7 @@ class LmdbMap:
         per_page = (self._psize - PAGE_HEADER) // (node + 2)
         return -(-2 * self._psize // per_page)
 
-    def footprint(self, payload_bytes: int, layout_id: bytes = b"") -> int:
+    def footprint(self, payload_bytes: int, layout_id: bytes) -> int:
         """An upper bound: header, the longest chunk's token ids, the payload uncompressed. The store
         charges this, so compression saves disk, not budget (`stats().used_bytes` counts what is
         stored); charging stored sizes would need the store to learn each value's. A value just past

@@ -18,7 +18,6 @@ The wrapper decides nothing; it only changes the bytes on their way in and out.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 
@@ -36,38 +35,17 @@ class QuantizingTier:
         self.name: TierName = inner.name
         self.mode = mode
         self._plans: dict[bytes, QuantPlan] = {}
-        # For a footprint asked without a layout: the largest stored size of any layout of that
-        # chunk size (an upper bound, so a budget is never exceeded).
-        self._stored_for: dict[int, int] = {}
-        # Layout id -> (chunk bytes, stored bytes): what `_stored_for` is the largest of, so that
-        # forgetting a layout can lower it. Registrations and retirements change these on their
-        # own threads, outside the store's lock: under this one.
-        self._sizes: dict[bytes, tuple[int, int]] = {}
-        self._layouts_lock = threading.Lock()
         for layout in layouts:
             self.add_layout(layout)
 
     def add_layout(self, layout: CacheLayout) -> None:
         plan = plan_for(layout, self.mode)
-        stored = layout.chunk_bytes if plan is None else plan.stored_bytes
-        with self._layouts_lock:
-            if plan is not None:
-                self._plans[layout.layout_id] = plan
-            self._sizes[layout.layout_id] = (layout.chunk_bytes, stored)
-            self._stored_for[layout.chunk_bytes] = max(self._stored_for.get(layout.chunk_bytes, 0), stored)
+        if plan is not None:
+            self._plans[layout.layout_id] = plan
         self._inner.add_layout(layout)
 
     def forget_layout(self, layout_id: bytes) -> None:
-        with self._layouts_lock:
-            self._plans.pop(layout_id, None)
-            sizes = self._sizes.pop(layout_id, None)
-            if sizes is not None:
-                chunk = sizes[0]
-                left = [stored for cb, stored in self._sizes.values() if cb == chunk]
-                if left:
-                    self._stored_for[chunk] = max(left)
-                else:
-                    self._stored_for.pop(chunk, None)
+        self._plans.pop(layout_id, None)
         self._inner.forget_layout(layout_id)
 
     @property
@@ -78,12 +56,10 @@ class QuantizingTier:
     def capacity_bytes(self) -> int:
         return self._inner.capacity_bytes
 
-    def footprint(self, payload_bytes: int, layout_id: bytes = b"") -> int:
-        if layout_id:  # what `_encode` stores for this layout: quantized by its plan, else as it is
-            plan = self._plans.get(layout_id)
-            stored = plan.stored_bytes if plan is not None and plan.payload_bytes == payload_bytes else payload_bytes
-        else:
-            stored = self._stored_for.get(payload_bytes, payload_bytes)
+    def footprint(self, payload_bytes: int, layout_id: bytes) -> int:
+        # What `_encode` stores for this layout: quantized by its plan, else as it is.
+        plan = self._plans.get(layout_id)
+        stored = plan.stored_bytes if plan is not None and plan.payload_bytes == payload_bytes else payload_bytes
         return self._inner.footprint(stored, layout_id)
 
     def _encode(self, payload: memoryview, meta: ChunkMeta) -> memoryview:
