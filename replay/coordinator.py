@@ -577,9 +577,9 @@ class ReplayCoordinator:
             lost = last is not None and last.lost
             runner = self._runner_for(job, flight, avoid, REATTACH_WAIT_SECONDS if lost else 0.0)
             if isinstance(runner, str):  # NO_RUNNER, RUNNERS_BUSY, CALL_ENDED
-                if last is None or (lost and not avoid and runner != CALL_ENDED):
-                    if runner == CALL_ENDED:
-                        return self._out_of_time(flight)
+                if runner == CALL_ENDED and (last is None or lost):
+                    return self._out_of_time(flight)  # every caller left: no runner's answer to keep
+                if last is None or (lost and not avoid):
                     # A job whose runner went away with it, and no runner since: none ran it (one
                     # that answered it with an error, `avoid`, has its answer stand instead).
                     self._bump("no_runner" if runner == NO_RUNNER else "runners_busy")
@@ -641,8 +641,12 @@ class ReplayCoordinator:
             # Attached, not just busy: one that had room by now returns at once and is taken above.
             full = next((r for r in self.runners if isinstance(r, RunnerPool) and r.attached(m, t, avoid)), None)
             if full is None:
-                wait = min(reattach_until - self._clock(), self._left(flight))
+                left = self._left(flight)
+                wait = min(reattach_until - self._clock(), left)
                 pool = next((r for r in self.runners if isinstance(r, RunnerPool)), None)
+                if left <= 0:
+                    with self._lock:
+                        return NO_RUNNER if flight.untils else CALL_ENDED
                 if wait <= 0 or pool is None:
                     return NO_RUNNER
                 pool.wait_for_attach(m, t, min(wait, ROOM_WAIT_SLICE_SECONDS), avoid)

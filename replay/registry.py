@@ -236,6 +236,12 @@ class RunnerRegistry:
             if link.bench_timer is not None:
                 link.bench_timer.cancel()
                 link.bench_timer = None
+            if link.info.tenant is None and not any(
+                    lk.info.tenant is None and lk.info.model == link.info.model for lk in self._links.values()):
+                # The model's last admin runner: its turns go (model names are content hashes, so
+                # revisions registered in a loop would keep adding them).
+                for key in [k for k in self._turns if k[0] == link.info.model]:
+                    del self._turns[key]
             pending = list(link.in_flight.values())
             link.in_flight.clear()
             # Results it sends for them before its stream ends are dropped, not a protocol error.

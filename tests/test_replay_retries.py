@@ -22,7 +22,7 @@ from kvstore.errors import Unavailable
 from replay import coordinator
 from replay.coordinator import MAX_REQUEUES, PREFIX_GONE, ReplayCoordinator
 from replay.inprocess import InProcessRunner
-from replay.port import FAILED, NO_RUNNER, REPLAYED, TIMEOUT, ReplayOutcome
+from replay.port import CALL_ENDED, FAILED, NO_RUNNER, REPLAYED, TIMEOUT, ReplayOutcome
 from replay.registry import ResultTaken, RunnerInfo, RunnerRegistry
 from replay.registry_runner import AttachedRunners
 from replay.runner import ReplayJob, Runner
@@ -351,4 +351,21 @@ def test_an_admin_runners_slots_go_by_turns_between_tenants(rig: Rig) -> None:
         t.join(30)
     # bob's one replay goes next, before alice's 3 that waited longer: its turn came first.
     assert given == ["alice", "bob", "alice", "alice", "alice"], given
+    reg.detach(link)  # the model's last admin runner: its turns are forgotten, not kept for good
+    assert not [k for k in reg._turns if k[0] == NAME]
     reg.close()
+
+
+def test_a_job_waiting_for_its_runner_to_come_back_whose_callers_all_left_is_abandoned(rig: Rig) -> None:
+    # It was counted as "no runner", though no caller was left to want one.
+    reg, (a,), co, toks, _ = _setup(rig, 12, _gone)
+    ticket = co.admit(rig.ns(), toks, 64)
+    got: list[ReplayOutcome] = []
+    t = threading.Thread(target=lambda: got.append(co.resume_local(rig.ns(), toks, 64, 20.0, ticket)))
+    t.start()
+    wait_for(lambda: len(a.jobs) == 1 and not reg.runners())  # a went away with the job: the wait begins
+    co.release(ticket)  # the caller's call ended
+    t.join(10)
+    assert [o.status for o in got] == [CALL_ENDED]
+    c = co.counters()
+    assert (c.abandoned, c.no_runner, c.failures) == (1, 0, 0)

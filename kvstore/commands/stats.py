@@ -301,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     check_token(admin_token, admin_flag)
     if token is not None and token == admin_token:
         # A config refuses an admin token that is also a tenant's, so this one is no tenant's and gRPC
-        # would refuse it: the README once said to pass the admin token as KVSTORE_TOKEN.
+        # would refuse it: given as both, it goes to the admin port only.
         token = None
     if args.recent or admin_token is not None:  # before the service is asked: its answer would be thrown away
         check_admin_url(args.admin, "--admin")

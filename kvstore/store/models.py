@@ -16,9 +16,9 @@ code, so each fine-tune registers a new model: a tenant at its share that regist
 retires its least recently used models (used: registered, or named by a call; `tokens` stamps it)
 that hold no chunk in any tier and have no Store or registration in flight (`_room_for_model`). A
 retired model is no longer served to that tenant; once no tenant has it, it frees what it held:
-its record in LMDB is deleted (builds of 2026-12-07 emptied it instead: a restart deletes such
-records), its layout is forgotten by the store and the tiers (unless a model served or a live
-namespace still uses it), and its namespaces, holding no chunk, lose their records as any such
+its record in LMDB is deleted (an empty record, as older builds left, is deleted at start), its
+layout is forgotten by the store and the tiers (unless a model served or a live namespace still
+uses it), and its namespaces, holding no chunk, lose their records as any such
 namespace does. So a tenant registering revisions in a loop holds a bounded amount of memory and
 records. Where every model of the tenant holds chunks (or the index is still loading, so it cannot
 tell), the registration is refused (ResourceExhausted), saying so. A record of another chunk size
@@ -402,7 +402,7 @@ class Models:
         other_size = 0
         emptied: list[bytes] = []
         for name, record in self._durable.models().items():
-            if not record:  # a model retired by a build that emptied records (2026-12-07)
+            if not record:  # a retired model's, as older builds left it: deleted below
                 emptied.append(name)
                 continue
             try:
