@@ -66,6 +66,9 @@ def test_registering_revisions_in_a_loop_keeps_layouts_and_records_bounded_and_a
         assert kv.register_model(_rev(i)).created
     served = store.model_names()
     assert len(served) == configured + SHARE
+    # The servicer's memory of recent registrations keeps the models served only (it kept every spec,
+    # up to 1,024 a tenant, retired ones too).
+    assert len(svc.server.kvcache.recent_models) == SHARE
     # Every layout map holds the models served, no more (the plans: those with bf16 segments).
     maps = _layout_maps(store)
     assert all(n <= len(served) for n in maps.values()), maps

@@ -25,7 +25,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -437,6 +437,7 @@ class KVCacheServicer(LocalStateCalls):
                 served = self.app.store.model_names()
                 for name in [n for n in list(self.app.models) if n not in served]:
                     self.app.models.pop(name, None)
+                self.recent_models.keep_only(served)
             self.recent_models.put(key, spec)
             call.model = spec.name
             return _registered(spec, created)
@@ -520,7 +521,7 @@ class RecentModels:
     its share), so a remembered answer is used only while the store still serves it to the tenant;
     the tenant is in the key because registering is what names the model to that tenant."""
 
-    MAX_ENTRIES = 1024  # per tenant; ~100 B each beside the specs the store holds anyway
+    MAX_ENTRIES = 1024  # per tenant; ~100 B each beside the specs the store serves (`keep_only`)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -546,6 +547,14 @@ class RecentModels:
             mine.move_to_end(digest)
             while len(mine) > self.MAX_ENTRIES:
                 mine.popitem(last=False)
+
+    def keep_only(self, served: Collection[str]) -> None:
+        """Forget the models no longer `served` (retired): their specs, up to a tenant's
+        MAX_ENTRIES of them (a 1,024-layer model's is ~0.14 MiB), would outlive them here."""
+        with self._lock:
+            for mine in self._specs.values():
+                for digest in [d for d, spec in mine.items() if spec.name not in served]:
+                    del mine[digest]
 
     def __len__(self) -> int:
         with self._lock:
