@@ -65,8 +65,9 @@ BAD_RECORD_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RecursionE
 # another chunk size (kept on disk for a config of that size).
 BAD_MODEL_RECORD = "bad-model-record"
 MODEL_OTHER_CHUNK_SIZE = "model-other-chunk-size"
-# The reasons in ignored_on_open that count records (these, and namespaces.py's), not chunks.
-RECORD_REASONS = frozenset({BAD_MODEL_RECORD, MODEL_OTHER_CHUNK_SIZE, "bad-namespace-record"})
+BAD_NAMESPACE_RECORD = "bad-namespace-record"  # a namespace record that is not valid (namespaces.py)
+# The reasons in ignored_on_open that count records, not chunks.
+RECORD_REASONS = frozenset({BAD_MODEL_RECORD, MODEL_OTHER_CHUNK_SIZE, BAD_NAMESPACE_RECORD})
 
 
 def engine_model_share(tenants: int) -> int:

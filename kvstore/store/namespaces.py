@@ -29,7 +29,7 @@ from kvstore.errors import ResourceExhausted, StorageError
 from kvstore.keys.chunk_keys import Namespace
 from kvstore.layout import CacheLayout
 from kvstore.store.deferred_lmdb import DeferredLmdb
-from kvstore.store.models import BAD_RECORD_ERRORS
+from kvstore.store.models import BAD_NAMESPACE_RECORD, BAD_RECORD_ERRORS
 from kvstore.store.placement import ChunkEntry
 
 log = logging.getLogger("kvstore.store")
@@ -296,7 +296,7 @@ class Namespaces(DeferredLmdb):
                     self._ns_kept.add(digest)
                     unserved += 1
             except BAD_RECORD_ERRORS as e:
-                self._ignored["bad-namespace-record"] = self._ignored.get("bad-namespace-record", 0) + 1
+                self._ignored[BAD_NAMESPACE_RECORD] = self._ignored.get(BAD_NAMESPACE_RECORD, 0) + 1
                 bad.append(f"{digest[:32].hex()}: {type(e).__name__}")
         if bad:  # one line, however many: each is left on disk and counted in ignored_on_open
             self._progress(f"namespaces: {len(bad):,} namespace records in LMDB are not valid, ignored "
