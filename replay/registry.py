@@ -448,12 +448,12 @@ class RunnerRegistry:
 
     def _has_room(self, model: str, tenant: str, avoid: str = "") -> bool:
         """Called under the lock."""
-        return bool(self._with_room(model, tenant, avoid))
+        return bool(self._with_room(self._serving(model, tenant, avoid), model, tenant))
 
-    def _with_room(self, model: str, tenant: str, avoid: str = "") -> list[RunnerLink]:
-        """The runners `_serving` the job that would take it now: with fewer jobs than their
-        `max_concurrent_jobs` and, an admin runner, `tenant`'s turn on it (called under the lock)."""
-        return [lk for lk in self._serving(model, tenant, avoid)
+    def _with_room(self, serving: list[RunnerLink], model: str, tenant: str) -> list[RunnerLink]:
+        """Of the runners `serving` the job, those that would take it now: with fewer jobs than
+        their `max_concurrent_jobs` and, an admin runner, `tenant`'s turn on it (under the lock)."""
+        return [lk for lk in serving
                 if len(lk.in_flight) < lk.info.max_concurrent_jobs
                 and (lk.info.tenant is not None or self._turn_is_theirs(lk, model, tenant))]
 
@@ -463,9 +463,8 @@ class RunnerRegistry:
         slot it frees, waking first, while another tenant's one waits out its deadline (called
         under the lock)."""
         mine = self._turns.get((model, tenant), 0)
-        return not any(
-            n and m == model and t != tenant and avoid != link.info.runner_id and self._turns.get((m, t), 0) < mine
-            for (m, t, avoid), n in self._waiting.items())
+        return not any(m == model and t != tenant and avoid != link.info.runner_id and self._turns.get((m, t), 0) < mine
+                       for m, t, avoid in self._waiting)
 
     def has_room(self, model: str, tenant: str, avoid: str = "") -> bool:
         """A runner that may serve the job (other than `avoid`) has fewer jobs than its
@@ -498,7 +497,7 @@ class RunnerRegistry:
                 self._waiting[key] -= 1
                 if not self._waiting[key]:
                     del self._waiting[key]
-                self._room.notify_all()  # a tenant whose turn it held back may go now
+                    self._room.notify_all()  # a tenant whose turn it held back may go now
 
     def submit(self, job: ReplayJob, avoid: str = "") -> JobFuture:
         """Queue a job on a runner that may serve it and has room for it (a runner takes at most
@@ -510,7 +509,7 @@ class RunnerRegistry:
             if not candidates:
                 other = "other " if avoid else ""
                 raise Unavailable(f"no {other}runner for model '{job.model}' is attached")
-            candidates = self._with_room(job.model, job.tenant, avoid)
+            candidates = self._with_room(candidates, job.model, job.tenant)
             if not candidates:
                 raise Unavailable(f"every runner for model '{job.model}' has its max_concurrent_jobs in flight "
                                   "(or another tenant's turn on an admin runner)")
