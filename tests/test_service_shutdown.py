@@ -256,64 +256,51 @@ def test_a_sighup_to_the_embedded_default_is_said_and_ignored(tmp_path: Path) ->
         child.wait()
 
 
-def test_a_sigterm_while_the_service_starts_ends_it_at_once_saying_so(tmp_path: Path) -> None:
-    # Before, the default action ended it with no word (and as a container's PID 1 not at all).
-    script = (
-        "import sys, time\n"
-        "from kvstore.store import global_store\n"
-        "def slow_load(self):\n"
-        "    print('loading the index', flush=True)\n"
-        "    time.sleep(60)\n"
-        "global_store.GlobalStore._load_index = slow_load\n"
-        "from kvstore.cli import main\n"
-        "sys.exit(main(sys.argv[1:]))\n"
-    )
-    cmd = [sys.executable, "-c", script, "serve", "--grpc-port", "0", "--admin-port", "-1",
-           "--data-dir", str(tmp_path / "data")]
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert child.stdout is not None and child.stderr is not None
-    try:
-        for line in child.stdout:
-            if line.strip() == "loading the index":
-                break
-        child.send_signal(signal.SIGTERM)
-        assert child.wait(30) == 128 + signal.SIGTERM
-        assert "kvstore serve: stopped while starting (SIGTERM)" in child.stderr.read()
-    finally:
-        child.kill()
-        child.wait()
-
-
-def test_a_sigterm_once_calls_are_answered_drains_even_before_the_listening_line(tmp_path: Path) -> None:
-    # gRPC answered calls while serve still probed its pool (up to call_budget_seconds, longer with
-    # a hung Redis): a SIGTERM then ended it at once, exit 143, the calls in flight cut.
-    script = (
-        "import sys, time\n"
-        "from kvstore.local_pool.embedded import EmbeddedPool\n"
-        "real = EmbeddedPool.probe\n"
-        "def slow_probe(self):\n"
-        "    print('probing the pool', flush=True)\n"
-        "    time.sleep(2)\n"
-        "    return real(self)\n"
-        "EmbeddedPool.probe = slow_probe\n"
-        "from kvstore.cli import main\n"
-        "sys.exit(main(sys.argv[1:]))\n"
-    )
+def _serve_stopped_at(patch: str, marker: str, tmp_path: Path) -> tuple[int, str]:
+    """`kvstore serve` in a child whose code `patch` changes first (printing `marker` where the test
+    stops it), sent SIGTERM once `marker` is printed: its exit status and its output after that."""
+    script = "import sys, time\n" + patch + "from kvstore.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     cmd = [sys.executable, "-c", script, "serve", "--grpc-port", "0", "--admin-port", "-1",
            "--data-dir", str(tmp_path / "data")]
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert child.stdout is not None
     try:
         for line in child.stdout:
-            if line.strip() == "probing the pool":
+            if line.strip() == marker:
                 break
         child.send_signal(signal.SIGTERM)
         rest = child.stdout.read()
-        assert child.wait(30) == 0, rest
-        assert "stopped while starting" not in rest and "stopped cleanly" in rest, rest
+        return child.wait(30), rest
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_sigterm_while_the_service_starts_ends_it_at_once_saying_so(tmp_path: Path) -> None:
+    # Before, the default action ended it with no word (and as a container's PID 1 not at all).
+    rc, rest = _serve_stopped_at(
+        "from kvstore.store import global_store\n"
+        "def slow_load(self):\n"
+        "    print('loading the index', flush=True)\n"
+        "    time.sleep(60)\n"
+        "global_store.GlobalStore._load_index = slow_load\n", "loading the index", tmp_path)
+    assert rc == 128 + signal.SIGTERM
+    assert "kvstore serve: stopped while starting (SIGTERM)" in rest
+
+
+def test_a_sigterm_once_calls_are_answered_drains_even_before_the_listening_line(tmp_path: Path) -> None:
+    # gRPC answered calls while serve still probed its pool (up to call_budget_seconds, longer with
+    # a hung Redis): a SIGTERM then ended it at once, exit 143, the calls in flight cut.
+    rc, rest = _serve_stopped_at(
+        "from kvstore.local_pool.embedded import EmbeddedPool\n"
+        "real = EmbeddedPool.probe\n"
+        "def slow_probe(self):\n"
+        "    print('probing the pool', flush=True)\n"
+        "    time.sleep(2)\n"
+        "    return real(self)\n"
+        "EmbeddedPool.probe = slow_probe\n", "probing the pool", tmp_path)
+    assert rc == 0, rest
+    assert "stopped while starting" not in rest and "stopped cleanly" in rest, rest
 
 
 def test_serve_says_at_start_that_its_redis_cannot_be_reached(tmp_path: Path) -> None:
