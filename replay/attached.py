@@ -49,7 +49,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire.framing import ChunkAssembler, blob_spans
 from kvstore.wire.messages import tokens_from_proto
-from kvstore.wire.tls_files import check_tls_ca, check_tls_client
+from kvstore.wire.tls_files import check_tls_ca, check_tls_client, check_tls_server_name
 from kvstore.wire.tls_probe import tls_refusal
 from replay.runner import CLOSE_WAIT_SECONDS, BatchFn, BatchWorker, JobHandle, ReplayJob, ReplayResult
 
@@ -63,8 +63,9 @@ _PERMANENT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
               grpc.StatusCode.PERMISSION_DENIED)
 # What gRPC says of a connection that failed at its TLS handshake, or that the service dropped
 # there: "Socket closed" is also said of one closed for other reasons, so a handshake of the
-# runner's own (`tls_refusal`) tells which.
-_AT_HANDSHAKE = ("socket closed", "handshake failed")
+# runner's own (`tls_refusal`) tells which. A certificate that does not name the host dialled is
+# "verification check failed".
+_AT_HANDSHAKE = ("socket closed", "handshake failed", "verification check failed")
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class AttachOptions:
     # on with them even without `tls_ca` (the system's CAs are trusted then, as the client does).
     tls_cert: str | None = None
     tls_key: str | None = None
+    # The name the service's certificate is checked against instead of the target's host.
+    tls_server_name: str | None = None
     initial_backoff_seconds: float = 0.2
     max_backoff_seconds: float = 10.0
     # Pings on the Attach stream, unanswered within the timeout, end it: without them a path that
@@ -117,6 +120,7 @@ class AttachedRunner:
         # fails every reconnect): said here, before anything is dialled.
         check_tls_ca(opts.tls_ca, "tls_ca")
         check_tls_client(opts.tls_cert, opts.tls_key, "tls_cert", "tls_key")
+        check_tls_server_name(opts.tls_server_name, "tls_server_name", bool(opts.tls_ca or opts.tls_cert))
         self.identity = identity
         self.opts = opts
         self._worker = BatchWorker(run_batch, identity.max_batch, "replay-attached")
@@ -166,8 +170,10 @@ class AttachedRunner:
         ]
 
     def _channel(self) -> grpc.Channel:
-        options = self.channel_options()
+        options: list[tuple[str, int | str]] = [*self.channel_options()]
         o = self.opts
+        if o.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", o.tls_server_name))
         if o.tls_ca or o.tls_cert:
             def read(path: str | None) -> bytes | None:
                 return Path(path).read_bytes() if path else None
@@ -183,7 +189,7 @@ class AttachedRunner:
         it does not take, and a TLS port dialled in plaintext, as "Socket closed", as it does a
         service going away."""
         o = self.opts
-        return tls_refusal(o.target, o.tls_ca, o.tls_cert, o.tls_key)
+        return tls_refusal(o.target, o.tls_ca, o.tls_cert, o.tls_key, o.tls_server_name)
 
     def _open_shm(self) -> ShmPath | None:
         path = unix_path_of(self.opts.target)

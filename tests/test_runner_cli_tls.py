@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +129,7 @@ def test_a_half_given_client_certificate_is_one_line_naming_the_flags(certs: Pat
     assert line == "kvstore runner: --tls-cert and --tls-key go together (mTLS): give both or neither", line
 
 
-def _fails(jobs: list[ReplayJob]) -> list[ReplayResult]:
+def _fails(jobs: Sequence[ReplayJob]) -> list[ReplayResult]:
     raise AssertionError("no job reaches a runner that never attached")
 
 

@@ -148,6 +148,7 @@ from kvstore.wire.framing import BlobAssembler, ChunkWriter, blob_spans, plan_pi
 from kvstore.wire.messages import PB_TO_LOCAL, PB_TO_TIER, encode_lookup_request, tiers_from_pb
 from kvstore.wire.purposes import PURPOSE_KEY, PURPOSES
 from kvstore.wire.request_ids import REQUEST_ID_RE, new_request_id
+from kvstore.wire.tls_files import check_tls_server_name
 
 T = TypeVar("T")
 Metadata = tuple[tuple[str, str], ...]  # a call's gRPC metadata
@@ -253,9 +254,11 @@ class KvstoreClient:
         cupy. `copy_threads`: threads a large copy out of shared memory uses (2 MiB and more;
         None: the cores this process may use, at most 4; 1: the calling thread only).
         `timeout_seconds`: a call's timeout where the call names none (> 0, at most a day, as
-        every timeout). The TLS files are checked here (readable PEM; `tls_cert` and `tls_key`
-        together, the key the certificate's): InvalidInput names the argument. The channel
-        reconnects by itself after an outage, trying again at most every
+        every timeout). `tls_server_name`: the name the service's certificate is checked against
+        instead of the target's host (a service dialled by IP address). The TLS files are checked
+        here (readable PEM; `tls_cert` and `tls_key` together, the key the certificate's), and the
+        server name (a DNS name or IP address, with TLS): InvalidInput names the argument. The
+        channel reconnects by itself after an outage, trying again at most every
         MAX_RECONNECT_BACKOFF_MS."""
         self._closed = False
         target = _check_target(target)
@@ -282,6 +285,7 @@ class KvstoreClient:
         if not isinstance(retry, RetryPolicy):
             raise InvalidInput(f"retry must be a RetryPolicy, got {type(retry).__name__}")
         ca, cert, key = _check_tls(tls_ca, tls_cert, tls_key)  # gRPC aborts the process on some
+        tls_server_name = check_tls_server_name(tls_server_name, "tls_server_name", bool(ca or cert))
         self.target = target
         self.data_path = data_path
         self._token = token

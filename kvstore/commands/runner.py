@@ -29,7 +29,7 @@ from kvstore.config.replay import MAX_THREADS
 from kvstore.config.store import MAX_CHUNK_TOKENS
 from kvstore.errors import InvalidInput
 from kvstore.layout import MAX_ENGINE_NAME
-from kvstore.wire.tls_files import check_tls_ca, check_tls_client
+from kvstore.wire.tls_files import check_tls_ca, check_tls_client, check_tls_server_name
 
 # A longer window asked torch for terabytes at warm-up (a traceback); 65,536 loads in ~0.8 GB.
 MAX_WINDOW_TOKENS = 65_536
@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", metavar="FILE",
                    help="client certificate (PEM) for a service that requires one (mTLS); with --tls-key")
     p.add_argument("--tls-key", metavar="FILE", help="the client certificate's unencrypted key (PEM)")
+    p.add_argument("--tls-server-name", metavar="NAME",
+                   help="the name the service's certificate carries, checked instead of --connect's host "
+                        "(a service dialled by IP address)")
     p.add_argument("--model", metavar="NAME",
                    help="the model name the service serves it under (default: reference-toy-8, or "
                         "reference-toy-8-wW-cN for another window)")
@@ -112,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     check_target(args.connect, "--connect")
     check_tls_ca(args.tls_ca, "--tls-ca")
     check_tls_client(args.tls_cert, args.tls_key, "--tls-cert", "--tls-key")
+    check_tls_server_name(args.tls_server_name, "--tls-server-name", bool(args.tls_ca or args.tls_cert))
     from replay.attached import AttachedRunner, AttachOptions, RunnerIdentity
     from replay.inprocess import ReferenceReplayer, device_option
     from replay.reference.config import ModelConfig
@@ -140,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         # own: their snapshots have the right size and would be pooled as the model's.
         weights=seeded_weights(args.revision if args.revision is not None else model.spec.revision, cfg.seed),
     )
-    opts = AttachOptions(args.connect, token, args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    opts = AttachOptions(args.connect, token, args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                         tls_server_name=args.tls_server_name)
     runner = AttachedRunner(identity, replayer.run_batch, opts, say=_say)
     stop = stop_on_signals()
     _say(f"model {layout.name} (window {cfg.window}, chunks of {cfg.chunk_tokens} tokens, weights "

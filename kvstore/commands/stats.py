@@ -33,7 +33,7 @@ from kvstore.commands.checks import (
 )
 from kvstore.commands.json_out import dump_json
 from kvstore.errors import InvalidInput
-from kvstore.wire.tls_files import check_tls_ca, check_tls_client
+from kvstore.wire.tls_files import check_tls_ca, check_tls_client, check_tls_server_name
 
 if TYPE_CHECKING:  # kvstore.client imports grpc: only `run` needs it, not the parser `kvstore --help` builds
     from kvstore.client.types import ServiceStats
@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", metavar="FILE", help="CA certificate: use TLS")
     p.add_argument("--tls-cert", metavar="FILE", help="client certificate (mTLS)")
     p.add_argument("--tls-key", metavar="FILE", help="client key (mTLS)")
+    p.add_argument("--tls-server-name", metavar="NAME",
+                   help="the name the service's certificate carries, checked instead of the target's host")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--recent", type=int, default=0, metavar="N",
@@ -308,9 +310,11 @@ def run(args: argparse.Namespace) -> int:
     check_target(args.target, "--target")
     check_tls_ca(args.tls_ca, "--tls-ca")
     check_tls_client(args.tls_cert, args.tls_key, "--tls-cert", "--tls-key")
+    check_tls_server_name(args.tls_server_name, "--tls-server-name", bool(args.tls_ca or args.tls_cert))
     s: ServiceStats | None = None
     with KvstoreClient(args.target, token=token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                       tls_key=args.tls_key, timeout_seconds=args.timeout) as client:
+                       tls_key=args.tls_key, tls_server_name=args.tls_server_name,
+                       timeout_seconds=args.timeout) as client:
         try:
             s = client.stats()
         except RpcFailure as e:

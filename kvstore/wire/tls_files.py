@@ -7,6 +7,8 @@ commands (named by their flags or config keys)."""
 from __future__ import annotations
 
 import errno
+import ipaddress
+import re
 import ssl
 
 from kvstore.config.files import open_regular
@@ -15,6 +17,9 @@ from kvstore.errors import InvalidInput
 # A CA bundle is a few hundred KiB (the system's ~200 certificates); past this a file is no TLS file,
 # and OpenSSL would read it whole.
 MAX_TLS_FILE_BYTES = 16 << 20
+# A DNS name as certificates carry one (RFC 1123 labels; a leading "*." is a certificate's, not a name's).
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = re.compile(rf"(?=.{{1,253}}\Z){_LABEL}(\.{_LABEL})*\.?\Z")
 
 
 def check_readable(path: str | None, name: str) -> None:
@@ -64,6 +69,29 @@ def check_tls_client(cert: str | None, key: str | None, cert_name: str, key_name
     except ssl.SSLError as e:
         why = f" ({e.reason.replace('_', ' ').lower()})" if e.reason and e.reason != "PEM_LIB" else ""
         raise InvalidInput(f"{key_name} {key}: not the PEM private key of {cert_name} {cert}{why}") from None
+
+
+def check_tls_server_name(server_name: object, name: str, tls: bool) -> str | None:
+    """The name the service's certificate is checked against in place of the address's host (a
+    service dialled by IP address, or through a name its certificate does not carry): a DNS name or
+    an IP address. Without TLS it would be ignored, and every check it was meant for skipped."""
+    if server_name is None or server_name == "":
+        return None
+    if not isinstance(server_name, str) or not (_DNS_NAME.match(server_name) or _ip_address(server_name)):
+        shown = repr(server_name)
+        raise InvalidInput(f"{name} must be the host name (or IP address) the service's certificate names, "
+                           f"got {shown[:80]}{'...' if len(shown) > 80 else ''}")
+    if not tls:
+        raise InvalidInput(f"{name} is for TLS, which is off: turn it on with a CA (or a client certificate)")
+    return server_name
+
+
+def _ip_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _pem_certificates(path: str) -> bool:

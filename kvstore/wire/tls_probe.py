@@ -13,11 +13,15 @@ import ssl
 
 TLS_PROBE_SECONDS = 3.0
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH
+_NAME_MISMATCH = (62, 64)
 
 
-def tls_refusal(target: str, tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> str:
+def tls_refusal(target: str, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
+                server_name: str | None = None) -> str:
     """Why TLS between a client with these files (none: plaintext) and `target` fails in a way no
-    reconnect mends; "" when it does not, or cannot be told."""
+    reconnect mends; "" when it does not, or cannot be told. `server_name`: the name the service's
+    certificate is checked against instead of the target's host, as the client's channel does."""
     where = _host_port(target)
     if where is None:
         return ""
@@ -40,8 +44,11 @@ def tls_refusal(target: str, tls_ca: str | None, tls_cert: str | None, tls_key: 
         return ""
     with raw:
         try:
-            conn = ctx.wrap_socket(raw, server_hostname=host)
+            conn = ctx.wrap_socket(raw, server_hostname=server_name or host)
         except ssl.SSLCertVerificationError as e:
+            if e.verify_code in _NAME_MISMATCH:
+                return (f"the service's certificate does not name {server_name or host} ({e.verify_message}); "
+                        "give the name it carries (--tls-server-name)")
             return f"the service's certificate is not trusted ({e.verify_message}); check --tls-ca"
         except (ssl.SSLEOFError, ssl.SSLZeroReturnError, TimeoutError, ConnectionError):
             return ""  # cut off mid-handshake: a service going away does that too

@@ -12,11 +12,11 @@ from kvstore.config.store import MAX_CHUNK_TOKENS
 from kvstore.errors import ConfigError, InvalidInput
 from kvstore.layout import MAX_ENGINE_NAME
 from kvstore.wire.targets import target_problem
-from kvstore.wire.tls_files import check_tls_ca, check_tls_client
+from kvstore.wire.tls_files import check_tls_ca, check_tls_client, check_tls_server_name
 
 TLS_KEYS = ("tls_ca", "tls_cert", "tls_key")
 KEYS = ("address", "token", "revision", "model_name", "budget_ms", "fingerprint_cache", "max_pending_store_mib",
-        "retry_after_ms", "load_mode", "chunk_tokens", "max_lookup_queue_ms", *TLS_KEYS)
+        "retry_after_ms", "load_mode", "chunk_tokens", "max_lookup_queue_ms", *TLS_KEYS, "tls_server_name")
 LOAD_MODES = ("sync", "async")
 # (key, default, least, largest value taken): an hour's budget, retry or queue wait, a TiB of staged
 # saves. A budget or queue wait under a millisecond would fail or skip every call: taken as a typo.
@@ -54,6 +54,8 @@ class ConnectorConfig:
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # The name the service's certificate is checked against instead of the address's host.
+    tls_server_name: str | None = None
 
     def loads_synchronously(self, kv_cache_groups: int) -> bool:
         return self.load_mode == "sync" and kv_cache_groups == 1
@@ -104,6 +106,12 @@ class ConnectorConfig:
             raise ConfigError("kv_connector_extra_config.chunk_tokens", f"must be a positive multiple of 8, at most "
                               f"{MAX_CHUNK_TOKENS} (the service's store.chunk_tokens), got {chunk_tokens!r}")
         tls = _tls_files(d)
+        try:
+            server_name = check_tls_server_name(d.get("tls_server_name"), "kv_connector_extra_config.tls_server_name",
+                                                bool(tls["tls_ca"] or tls["tls_cert"]))
+        except InvalidInput as e:
+            raise ConfigError("kv_connector_extra_config.tls_server_name",
+                              str(e).removeprefix("kv_connector_extra_config.tls_server_name ")) from None
         cache = d.get("fingerprint_cache")
         return ConnectorConfig(
             address=str(address), token=d.get("token", ""), revision=d.get("revision", ""),
@@ -112,7 +120,7 @@ class ConnectorConfig:
             max_pending_store_bytes=int(numbers["max_pending_store_mib"] * (1 << 20)),
             retry_after_seconds=numbers["retry_after_ms"] / 1000, load_mode=load_mode, chunk_tokens=chunk_tokens,
             max_lookup_queue_seconds=numbers["max_lookup_queue_ms"] / 1000,
-            tls_ca=tls["tls_ca"], tls_cert=tls["tls_cert"], tls_key=tls["tls_key"],
+            tls_ca=tls["tls_ca"], tls_cert=tls["tls_cert"], tls_key=tls["tls_key"], tls_server_name=server_name,
         )
 
 

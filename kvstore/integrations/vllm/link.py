@@ -59,7 +59,8 @@ class Link:
             if self._client is None:
                 self._client = KvstoreClient(self.cfg.address, token=self.cfg.token or None,
                                              tls_ca=self.cfg.tls_ca, tls_cert=self.cfg.tls_cert,
-                                             tls_key=self.cfg.tls_key, timeout_seconds=self.cfg.budget_seconds)
+                                             tls_key=self.cfg.tls_key, tls_server_name=self.cfg.tls_server_name,
+                                             timeout_seconds=self.cfg.budget_seconds)
             return self._client
 
     def model_name(self) -> str | None:
