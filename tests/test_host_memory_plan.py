@@ -169,18 +169,26 @@ def test_serve_warns_about_a_pool_that_would_outgrow_the_limit(tmp_path: Path) -
     assert len(warned) == 1 and "lower local_pool.capacity_bytes" in warned[0], lines
 
 
-def test_check_config_says_what_serve_would_refuse_on_this_machine(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    # check-config said "valid" with no word of it; serve then refused at start.
+def _config_on_fake_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **sections: dict[str, object]) -> Path:
+    """A config file of these sections, read by check-config in this process as if on a host whose
+    memory cgroup allows 96 MiB (40 MiB used)."""
     import kvstore.tiers.host_memory as hm
-    from kvstore.cli import main
 
     proc, cg = fake_host(tmp_path / "host", "0::/kvs\n", {"kvs/memory.max": f"{96 * MiB}\n"})
     monkeypatch.setattr(hm, "PROC", proc)
     monkeypatch.setattr(hm, "CGROUP_ROOT", cg)
     path = tmp_path / "kvstore.toml"
-    path.write_text(to_toml(base_table(store={"dram_capacity_bytes": 64 * MiB, "prefault_arenas": True},
-                                       local_pool={"capacity_bytes": 1 << 20})))
+    path.write_text(to_toml(base_table(**sections)))
+    return path
+
+
+def test_check_config_says_what_serve_would_refuse_on_this_machine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # check-config said "valid" with no word of it; serve then refused at start.
+    from kvstore.cli import main
+
+    path = _config_on_fake_host(tmp_path, monkeypatch, store={"dram_capacity_bytes": 64 * MiB, "prefault_arenas": True},
+                                local_pool={"capacity_bytes": 1 << 20})
     assert main(["check-config", str(path)]) == 0  # the config may be meant for another host
     err = capsys.readouterr().err.splitlines()
     said = [line for line in err if "store.dram_capacity_bytes" in line]
@@ -193,3 +201,26 @@ def test_check_config_says_what_serve_would_refuse_on_this_machine(
                                        local_pool={"capacity_bytes": 1 << 20})))
     assert main(["check-config", "--json", str(path)]) == 0
     assert not [w for w in json.loads(capsys.readouterr().out)["warnings"] if "memory" in w]
+
+
+def test_check_config_counts_the_segments_of_the_socket_serve_will_be_given(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # A socket given on serve's command line (--unix-socket) brings same-host segments that
+    # check-config, judging the file alone, never counted.
+    from kvstore.cli import main
+
+    path = _config_on_fake_host(tmp_path, monkeypatch, store={"dram_capacity_bytes": 8 * MiB},
+                                local_pool={"capacity_bytes": 1 << 20}, service={"max_shm_sessions": 8})
+
+    def warnings(*flags: str) -> list[str]:
+        assert main(["check-config", "--json", *flags, str(path)]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["settings"]["service"]["unix_socket_path"] == (flags[1] if flags else "")
+        return [w for w in out["warnings"] if "same-host segments" in w]
+
+    assert warnings() == []
+    (said,) = warnings("--unix-socket", "/run/kvstore/kvstore.sock")
+    assert "service.max_shm_sessions" in said and "96.0 MiB" in said, said
+    assert main(["check-config", "--unix-socket", "run/kvstore.sock", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == ("kvstore check-config: --unix-socket must be an absolute path of "
+                                               "at most 100 bytes, without a NUL")

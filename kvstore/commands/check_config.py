@@ -32,6 +32,7 @@ from typing import Any
 
 from kvstore.commands.checks import check_not_empty, check_server_tls
 from kvstore.commands.host_memory_plan import host_memory_verdict
+from kvstore.commands.socket_flag import add_socket_flag, check_socket_flag, socket_over
 from kvstore.config import KvstoreConfig, load_config
 from kvstore.config.service import redacted
 from kvstore.config.warnings import config_warnings
@@ -44,6 +45,8 @@ SECRET_KEYS = frozenset({"tokens", "admin_token"})
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE", help="TOML config file")
     p.add_argument("--json", action="store_true", help="print the effective settings as JSON")
+    add_socket_flag(p, "the socket kvstore serve will be given (--unix-socket): checked with it, same-host "
+                       "segments counted in the host memory")
 
 
 def _redact(key: str, value: Any) -> Any:
@@ -165,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     from kvstore.service.app import build_ttl_policy, check_devices, served_models
     from kvstore.service.auth import check_bind_allowed, server_credentials
 
-    cfg = load_config(args.file)
+    check_socket_flag(args.unix_socket)
+    cfg = socket_over(load_config(args.file), args.unix_socket)
     models = served_models(cfg)
     check_devices(cfg)  # a 'cuda' store or replay device on a machine without CUDA
     check_bind_allowed(cfg, cfg.service.grpc_host)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import logging
 import os
@@ -27,6 +26,7 @@ from types import FrameType
 
 from kvstore import __version__
 from kvstore.commands.checks import check_not_empty, check_server_tls
+from kvstore.commands.socket_flag import add_socket_flag, check_socket_flag, socket_over
 from kvstore.commands.stop_signals import stop_on_signals
 from kvstore.config import KvstoreConfig, binds_collide, load_config
 from kvstore.config.service import is_host
@@ -39,9 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-host", metavar="HOST", help="address to bind (default: service.grpc_host)")
     p.add_argument("--grpc-port", type=int, metavar="N", help="gRPC port (0: any free port)")
     p.add_argument("--admin-port", type=int, metavar="N", help="admin HTTP port (0: any free port, -1: none)")
-    p.add_argument("--unix-socket", metavar="PATH",
-                   help="also serve gRPC on this Unix socket, with same-host shared memory beside it "
-                        "(default: service.unix_socket_path; '' for none)")
+    add_socket_flag(p, "also serve gRPC on this Unix socket, with same-host shared memory beside it")
     p.add_argument("--data-dir", metavar="DIR", help="where LMDB lives (default: data_dir in the config)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -100,16 +98,6 @@ class _HupsOutsideTheReloader:
             self.pending = True
 
 
-def _flags_over(cfg: KvstoreConfig, unix_socket: str | None) -> KvstoreConfig:
-    """`cfg` with what the command line sets over the file (at start and at each reload)."""
-    if unix_socket is None:
-        return cfg
-    # The store splits its arenas for in-place loads only with a socket.
-    cfg = dataclasses.replace(cfg, service=dataclasses.replace(cfg.service, unix_socket_path=unix_socket))
-    cfg.validate("")  # the rules across sections that a socket brings in
-    return cfg
-
-
 def _check_host_memory(cfg: KvstoreConfig) -> None:
     """Refuse a start whose host memory backed at start (prefaulted or pinned arenas) is more than
     this process may take (its memory cgroup's limit): it would listen, then be killed seconds
@@ -165,12 +153,10 @@ def run(args: argparse.Namespace) -> int:
     if grpc_port > 0 and grpc_port == admin_port and binds_collide(host, cfg.admin.host):
         raise InvalidInput(f"gRPC and the admin port would both be {grpc_port} on one address "
                            "(--grpc-port, --admin-port or the config's ports): the two ports must differ")
-    if args.unix_socket and (not args.unix_socket.startswith("/") or len(args.unix_socket.encode()) > 100
-                             or "\0" in args.unix_socket):
-        raise InvalidInput("--unix-socket must be an absolute path of at most 100 bytes, without a NUL")
+    check_socket_flag(args.unix_socket)
     if args.data_dir is not None and "\0" in args.data_dir:
         raise InvalidInput("--data-dir must not contain a NUL character (no path can)")
-    cfg = _flags_over(cfg, args.unix_socket)
+    cfg = socket_over(cfg, args.unix_socket)
     for w in config_warnings(cfg):  # with the socket's own (same-host session shares)
         logging.getLogger("kvstore.config").warning("%s", w)
     _check_host_memory(cfg)  # before any arena is allocated
@@ -215,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         # SIGHUP and edits of the file re-read it; the TTL policy applies to new writes. Compared
         # with the config in force, and with the file as it was before serve read it.
         reloader = ConfigReloader(args.config, app.reload_local_pool, cfg, read_at=read_at,
-                                  with_flags=lambda new: _flags_over(new, args.unix_socket))
+                                  with_flags=lambda new: socket_over(new, args.unix_socket))
         reloader.start()
         reloader.install_sighup()  # in place of `hups`, which it puts back when stopped
         if hups.pending:
