@@ -17,7 +17,7 @@ import pytest
 
 from kvstore.client.sync_client import InvalidArgumentError
 from kvstore.config import KvstoreConfig
-from kvstore.errors import UnknownModel
+from kvstore.errors import StorageError, StorageFull, UnknownModel
 from kvstore.layout import EngineLayerGroup, EngineModel
 from kvstore.store import GlobalStore
 from kvstore.tiers.quantizing import QuantizingDurableTier, QuantizingTier
@@ -213,3 +213,26 @@ def test_a_forgotten_layout_leaves_nothing_in_the_lmdb_codec(tmp_path: Path) -> 
         assert not held, held
     finally:
         tier.close()
+
+
+def test_a_registration_whose_record_write_fails_leaves_no_layout_in_the_tiers(
+    make_service: Callable[..., Service], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The tiers learnt the layout before the record was written; a write that failed left it there.
+    svc = make_service(_config())
+    store = svc.app.store
+    before = _layout_maps(store)
+    inner = store._durable._durable  # type: ignore[attr-defined]
+
+    def refused(name: bytes, record: bytes) -> None:
+        raise StorageFull("the disk is full")
+
+    monkeypatch.setattr(inner, "put_model", refused)
+    for i in range(3):
+        with pytest.raises(StorageError):
+            store.register_engine_model(_rev(i), "alice")
+    assert _layout_maps(store) == before
+    monkeypatch.undo()
+    _, created = store.register_engine_model(_rev(0), "alice")  # served once the disk takes it
+    assert created and _layout_maps(store)["lmdb layouts"] == before["lmdb layouts"] + 1
+    store.check_invariants()

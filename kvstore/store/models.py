@@ -355,10 +355,11 @@ class Models:
         # The tiers learning the layout (which waits for the LMDB tier's writes) and the durable
         # record (an fsync) happen outside the lock; the model is served only once both are done, so
         # no chunk of it is stored before its record is on disk.
-        written = False
+        written = learnt = False
         try:
             self._write_retirements(retired)  # first: a crash between leaves the tenant below its share
             if old is None:
+                learnt = True
                 self._learn_layout(spec)
             self._durable.put_model(spec.name.encode(), record)
             written = True
@@ -371,6 +372,12 @@ class Models:
                     self._serve(spec, tenant, desc.to_json())
                 if written:
                     self._touch(tenant, spec.name)
+                # Not served: the tiers forget the layout again (a disk refusing records would
+                # otherwise grow them by a layout for each model an engine tried to register).
+                forget = learnt and not written and not self._layout_in_use(self._layout_for(spec).layout_id, spec.name)
+            if forget:
+                for tier in self._tiers.values():
+                    tier.forget_layout(self._layout_for(spec).layout_id)
             writing_this.done.set()
         return (spec if old is None else old), True
 
