@@ -379,8 +379,7 @@ class KvstoreServer:
         mode = self.app.config.service.unix_socket_mode
         os.chmod(path, mode)
         if self.shm is not None:
-            self.shm.start()
-            os.chmod(self.shm.path, mode)
+            self.shm.start()  # its socket made with the same mode
 
     def stop(self, grace_seconds: float | None = None) -> bool:
         """Graceful shutdown; True if every call in flight finished within the grace period."""

@@ -51,6 +51,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import platform
 import selectors
 import socket
 import stat
@@ -84,6 +85,7 @@ from kvstore.errors import ConfigError, InvalidInput, Unauthenticated
 from kvstore.layout import TierName
 from kvstore.observe.metrics import ShmTotals
 from kvstore.service.auth import Authenticator
+from kvstore.service.deferred_close import DeferredClose
 from kvstore.service.limits import refusal_message
 from kvstore.wire.accept_pause import PAUSE_MOST_SECONDS, AcceptPause
 from policies.fair_share import FairShare
@@ -108,6 +110,19 @@ _BACKLOG = 64  # connections the kernel queues for the listener
 # The selector's mark for the segment watch (the listener's is None, a connection's its _Conn).
 _WATCH = "segment watch"
 _PEERCRED = struct.Struct("3i")
+# Descriptors a message can carry (the kernel's SCM_MAX_FD): all are taken out of a message read,
+# since those left in it would be closed by the kernel on the listener's thread.
+_FDS_ONE_MESSAGE = 253
+_FDS_SPACE = socket.CMSG_SPACE(_FDS_ONE_MESSAGE * 4)
+_GENERIC_OPTIONS = ("x86_64", "aarch64", "riscv64", "s390x")
+# Linux 6.16 and later: SO_PASSRIGHTS off, and a client's sendmsg of descriptors to the service fails
+# (EPERM) instead of reaching it. Older kernels refuse the option; a message with descriptors is read
+# whole there, the descriptors closed by the closer thread and the connection dropped.
+# 83 where socket options are the generic ones (not alpha, mips, parisc, sparc, which number them apart).
+_SO_PASSRIGHTS: int | None = getattr(socket, "SO_PASSRIGHTS", 83 if platform.machine() in _GENERIC_OPTIONS else None)
+# Sockets and descriptors the closer thread may have waiting before no new connection is accepted
+# (a client can make each close wait, and each descriptor taken counts against this process's limit).
+MAX_CLOSE_BACKLOG = 512
 KINDS = ("client", "runner")
 
 
@@ -178,6 +193,7 @@ class _Conn:
     pid: int = 0  # 0: unknown (another pid namespace, or no peer credentials)
     reader: FrameReader = field(default_factory=FrameReader)
     session: ShmSession | None = None
+    closed: bool = False  # dropped: its socket is handed to the closer thread
 
 
 @dataclass
@@ -232,6 +248,12 @@ class ShmSessions:
         # Accepts that fail for want of descriptors or memory (made at start, with its reserve descriptor).
         self._accept_pause: AcceptPause | None = None
         self._accept_resume_at: float | None = None  # while the listener is unwatched: when it is watched again
+        # Close what the listener lets go of (made at start): the sockets it drops, and apart, so
+        # that those never wait behind them, the descriptors clients passed in.
+        self._closer: DeferredClose | None = None
+        self._fds_closer: DeferredClose | None = None
+        self.fds_refused_total = 0  # connections dropped for passing descriptors to the service
+        self._fds_logged_at = -_DROP_LOG_SECONDS
 
     @property
     def accept_failed_total(self) -> int:
@@ -261,8 +283,10 @@ class ShmSessions:
             log.warning("same-host socket: fs.inotify.max_queued_events is %d, under the %d segment watches "
                         "service.max_shm_sessions = %d may hold: raise it (sysctl) or lower max_shm_sessions",
                         queue, watches, self._svc.max_shm_sessions)
-        self._listener = _bind(self.path)
+        self._listener = _bind(self.path, self._svc.unix_socket_mode)
         self._listener.setblocking(False)
+        self._closer = DeferredClose("kvstore-shm-close")
+        self._fds_closer = DeferredClose("kvstore-shm-close-passed")
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._accept_pause = AcceptPause()
         self._thread = threading.Thread(target=self._run, name="kvstore-shm", daemon=True)
@@ -296,6 +320,10 @@ class ShmSessions:
         if self._accept_pause is not None:
             self._accept_pause.close()
         self._sel.close()
+        for closer in (self._closer, self._fds_closer):
+            if closer is not None and not closer.stop(1.0):
+                log.warning("same-host socket: %d socket(s) or descriptor(s) still closing at stop (a client "
+                            "passed in descriptors whose close waits)", closer.backlog)
 
     # --- what the servicers ask ---------------------------------------------------------------------
 
@@ -359,7 +387,10 @@ class ShmSessions:
             self._resume_accepting()
 
     def _accept(self) -> None:
-        assert self._listener is not None
+        assert self._listener is not None and self._closer is not None and self._fds_closer is not None
+        if self._closer.backlog + self._fds_closer.backlog > MAX_CLOSE_BACKLOG:
+            self._pause_accepting(0.25)  # what a client made wait to close comes first
+            return
         try:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
@@ -370,6 +401,7 @@ class ShmSessions:
             return
         assert self._accept_pause is not None
         self._accept_pause.succeeded()
+        refuse_descriptors(sock)
         try:
             pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         except OSError:
@@ -397,18 +429,24 @@ class ShmSessions:
         assert self._listener is not None and self._accept_pause is not None
         failed = self._accept_pause.failed(e, lambda: self._refuse_queued(e))
         self.refused_total += failed.refused
-        self._accept_resume_at = time.monotonic() + failed.pause_seconds
-        with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(self._listener)
+        self._pause_accepting(failed.pause_seconds)
         if failed.log_now:
             log.warning("same-host socket: accept failed: %s (%d time(s) so far; tried again every %.1f s at most, "
                         "%d waiting connection(s) refused now; logged once a minute)",
                         e, self._accept_pause.failed_total, PAUSE_MOST_SECONDS, failed.refused)
 
+    def _pause_accepting(self, seconds: float) -> None:
+        """The listener unwatched for `seconds` (the connections taken are still served)."""
+        assert self._listener is not None
+        self._accept_resume_at = time.monotonic() + seconds
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(self._listener)
+
     def _refuse_queued(self, e: OSError) -> int:
         """Each queued connection accepted and closed with a refusal (the reserve descriptor is free
         meanwhile): how many were refused."""
         assert self._listener is not None
+        assert self._closer is not None
         refused, why = 0, f"the service cannot take a connection now ({e.strerror})"
         while refused < _BACKLOG:
             try:
@@ -418,7 +456,7 @@ class ShmSessions:
             with contextlib.suppress(OSError):  # a client that has gone needs no answer
                 sock.setblocking(False)
                 send_message(sock, {"ok": False, "error": why})
-            sock.close()
+            self._closer.close_socket(sock)
             refused += 1
         return refused
 
@@ -432,19 +470,25 @@ class ShmSessions:
         self._sel.register(self._listener, selectors.EVENT_READ, None)
 
     def _readable(self, conn: _Conn) -> None:
+        assert self._fds_closer is not None
         try:
-            data = conn.sock.recv(65536)
+            # recvmsg, never recv: descriptors a message carries would be closed by the kernel here.
+            data, ancdata, _flags, _addr = conn.sock.recvmsg(65536, _FDS_SPACE, socket.MSG_CMSG_CLOEXEC)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
             self._drop(conn, f"read failed: {e.strerror}")
+            return
+        if fds := passed_fds(ancdata):
+            self._fds_closer.close_fds(fds)
+            self._refuse_fds(conn, len(fds))
             return
         if not data:
             self._drop(conn, "closed by the client")
             return
         try:
             for message in conn.reader.feed(data):
-                if conn.sock.fileno() < 0:  # answered and closed (a release of a hold): nothing more is read
+                if conn.closed:  # answered and closed (a release of a hold): nothing more is read
                     return
                 self._handle(conn, message)
         except SideSocketClosed as e:
@@ -690,13 +734,26 @@ class ShmSessions:
             if not kept:
                 seg.close()
 
+    def _refuse_fds(self, conn: _Conn, n: int) -> None:
+        """A client passed descriptors in: the service takes none, and drops the connection."""
+        self.fds_refused_total += 1
+        now = time.monotonic()
+        if now - self._fds_logged_at >= _DROP_LOG_SECONDS:
+            self._fds_logged_at = now
+            log.warning("same-host socket: a client (uid %d, %s) passed %d file descriptor(s) in; the service takes "
+                        "none, and closed its connection (%d so far; logged once a minute)", conn.uid,
+                        pid_text(conn.pid), n, self.fds_refused_total)
+        self._drop(conn, "it passed file descriptors in", refused=conn.session is None)
+
     def _drop(self, conn: _Conn, why: str, *, refused: bool = False) -> None:
         """Close `conn` (and its session); `refused`: it is closed before it got one, by the service."""
+        assert self._closer is not None
         if refused:
             self.refused_total += 1
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
-        conn.sock.close()
+        conn.closed = True
+        self._closer.close_socket(conn.sock)  # descriptors still queued on it are closed with it
         s = conn.session
         if s is None:
             return
@@ -771,15 +828,36 @@ def check_socket_free(path: str) -> None:
         probe.close()
 
 
-def _bind(path: str) -> socket.socket:
-    """A listening Unix socket at `path`, replacing a stale socket file but never a live one."""
+def _bind(path: str, mode: int) -> socket.socket:
+    """A listening Unix socket at `path` with file mode `mode` before any client can connect,
+    replacing a stale socket file but never a live one."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     check_socket_free(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    refuse_descriptors(sock)  # the connections it accepts inherit it
     try:
         sock.bind(path)
+        os.chmod(path, mode)
         sock.listen(_BACKLOG)
     except OSError as e:
         sock.close()
         raise ConfigError("service.unix_socket_path", f"cannot listen on {path}: {e.strerror}") from None
     return sock
+
+
+def refuse_descriptors(sock: socket.socket) -> None:
+    """SO_PASSRIGHTS off where the kernel has it (Linux 6.16+): descriptors sent to `sock` are
+    refused to their sender. Elsewhere `passed_fds` finds them in what is read."""
+    if _SO_PASSRIGHTS is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, _SO_PASSRIGHTS, 0)
+
+
+def passed_fds(ancdata: Sequence[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors a message read with recvmsg carried (SCM_RIGHTS)."""
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            whole = len(data) - len(data) % 4
+            fds += struct.unpack(f"{whole // 4}i", data[:whole])
+    return fds
