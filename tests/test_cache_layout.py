@@ -3,9 +3,11 @@ snapshots, checked against the definition of the canonical order, block by block
 large as a chunk (vLLM on CPU) and smaller ones grouped into chunks (vLLM on GPU, and latent
 attention on CPU), for K/V layers and latent (MLA) layers, for block
 tables in one run, in several runs and with no two blocks adjacent; for the CPU backend's block
-interior (per head, K rows then V rows) and the CUDA backends' (per token, K then V, in any
-strides), which give the same chunks; with the engine's block tensors on the GPU where there is
-one (chunks and snapshots stay in host memory). No engine is started: these copies need torch only."""
+interior (its kernel's `vec` order: per head, K transposed then V), the CUDA backends' (per token,
+K then V, in any strides), which give the same chunks, and a CPU kernel's packed blocks (AMX),
+copied as they lie under a layout name of their own; with the engine's block tensors on the GPU
+where there is one (chunks and snapshots stay in host memory). No engine is started: these copies
+need torch only (tests/engine/test_vllm_cpu_block_order.py checks the order against vLLM's kernel)."""
 
 from __future__ import annotations
 
@@ -15,13 +17,14 @@ import torch
 from kvstore.integrations.vllm.cache_layout import EnginePlan, GroupPlan, PagedCache, block_runs, plan_from_vllm
 
 CHUNK, HEADS, HEAD = 8, 2, 4
-GROUPS = (GroupPlan(0, ("full.0", "full.1"), HEADS, HEAD, torch.bfloat16, 0),
-          GroupPlan(1, ("swa.0",), HEADS, HEAD, torch.bfloat16, 20))
+# On CPU, vLLM's kernel of the `vec` ISA (AVX-512 or AVX2, without AMX).
+GROUPS = (GroupPlan(0, ("full.0", "full.1"), HEADS, HEAD, torch.bfloat16, 0, cpu_isa="vec"),
+          GroupPlan(1, ("swa.0",), HEADS, HEAD, torch.bfloat16, 20, cpu_isa="vec"))
 # Two full-attention groups (as vLLM's hybrid allocator splits a model's full-attention layers):
 # each group's bytes are only part of a chunk.
-TWO_FULL = (GroupPlan(0, ("full.0", "full.1"), HEADS, HEAD, torch.bfloat16, 0),
-            GroupPlan(1, ("full.2",), HEADS, HEAD, torch.bfloat16, 0),
-            GroupPlan(2, ("swa.0",), HEADS, HEAD, torch.bfloat16, 20))
+TWO_FULL = (GroupPlan(0, ("full.0", "full.1"), HEADS, HEAD, torch.bfloat16, 0, cpu_isa="vec"),
+            GroupPlan(1, ("full.2",), HEADS, HEAD, torch.bfloat16, 0, cpu_isa="vec"),
+            GroupPlan(2, ("swa.0",), HEADS, HEAD, torch.bfloat16, 20, cpu_isa="vec"))
 BLOCKS = 64
 PLATFORMS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 TABLES = [list(range(5, 17)), [3, 4, 5, 9, 10, 30, 31, 32, 33, 1, 40, 41], [0, 2, 4, 6, 8, 39, 60, 58], [7, 8]]
@@ -37,11 +40,13 @@ def _cache(plan: EnginePlan, seed: int, platform: str = "cpu",
 
 def _k_and_v(block: torch.Tensor, backend: str) -> torch.Tensor:
     """One block of a layer ([heads, block, 2*head]) as [heads, K/V, block, head], as the backend
-    reads it: CPU_ATTN a head's K rows then its V rows, FLASH_ATTN each token's K then V."""
+    reads it: CPU_ATTN (`vec`) per head K transposed ([head, block]) then V ([block, head]),
+    FLASH_ATTN each token's K then V."""
     n = block.shape[1]
     if backend == "FLASH_ATTN":
         return block.cpu().view(HEADS, n, 2, HEAD).permute(0, 2, 1, 3)
-    return block.cpu().view(HEADS, 2, n, HEAD)
+    halves = block.cpu().reshape(HEADS, 2, n * HEAD)
+    return torch.stack([halves[:, 0].view(HEADS, HEAD, n).transpose(1, 2), halves[:, 1].view(HEADS, n, HEAD)], dim=1)
 
 
 def _canonical(plan: EnginePlan, caches: dict[str, torch.Tensor], layers: tuple[str, ...],
@@ -143,14 +148,17 @@ def test_a_cache_tensor_of_another_shape_is_refused() -> None:
 def test_a_flash_attention_block_is_read_as_each_tokens_k_then_v() -> None:
     # vLLM's CUDA FlashAttention backend reads a layer's [blocks, heads, block, 2*head] as
     # K = [..., :head] and V = [..., head:] for each token (flash_attn.py: kv_cache.transpose(1,
-    # 2).split(head_size, dim=-1)); its CPU backend as each head's K rows then V rows. The
+    # 2).split(head_size, dim=-1)); its CPU backend as each head's K (transposed) then V. The
     # connector once read both the CPU's way: on a GPU half of every K was V.
     plan = EnginePlan(GROUPS[:1], CHUNK, CHUNK // 2)
-    flash = torch.empty(BLOCKS, HEADS, plan.block_tokens, 2 * HEAD, dtype=torch.bfloat16)
-    flash[..., :HEAD], flash[..., HEAD:] = 1.0, 2.0
+    n = plan.block_tokens
+    flash = torch.empty(BLOCKS, HEADS, n, 2 * HEAD, dtype=torch.bfloat16)
+    flash[..., :HEAD] = torch.arange(HEAD).to(torch.bfloat16)  # K[t, h, d] = d, V = 10 + t
+    flash[..., HEAD:] = (10 + torch.arange(n)).to(torch.bfloat16)[:, None]
     cpu = torch.empty_like(flash)
-    cpu.view(BLOCKS, HEADS, 2, plan.block_tokens, HEAD)[:, :, 0], cpu.view(
-        BLOCKS, HEADS, 2, plan.block_tokens, HEAD)[:, :, 1] = 1.0, 2.0
+    halves = cpu.view(BLOCKS, HEADS, 2, n * HEAD)
+    halves[:, :, 0] = torch.arange(HEAD).to(torch.bfloat16).repeat_interleave(n)  # [head, block]
+    halves[:, :, 1] = (10 + torch.arange(n)).to(torch.bfloat16).repeat_interleave(HEAD)  # [block, head]
     names = GROUPS[0].layer_names
     chunks = {}
     for backend, t in (("FLASH_ATTN", flash), ("CPU_ATTN", cpu)):
@@ -159,7 +167,9 @@ def test_a_flash_attention_block_is_read_as_each_tokens_k_then_v() -> None:
         for name in names:
             cache.gather_chunks(name, [4, 5], out)
         rows = out.view(torch.bfloat16).view(CHUNK, len(names), 2, HEADS, HEAD)  # the canonical order
-        assert bool(rows[:, :, 0].eq(1).all()) and bool(rows[:, :, 1].eq(2).all()), backend
+        assert torch.equal(rows[:, :, 0], torch.arange(HEAD).to(torch.bfloat16).expand(CHUNK, len(names), HEADS, HEAD))
+        token = (10 + torch.arange(n)).repeat(CHUNK // n).to(torch.bfloat16)
+        assert torch.equal(rows[:, :, 1], token[:, None, None, None].expand(CHUNK, len(names), HEADS, HEAD)), backend
         chunks[backend] = out
     assert torch.equal(chunks["FLASH_ATTN"], chunks["CPU_ATTN"])  # a CPU engine and a GPU one share chunks
 
@@ -213,3 +223,35 @@ def test_block_runs_and_chunk_blocks() -> None:
 def test_blocks_that_do_not_divide_a_chunk_are_refused() -> None:
     with pytest.raises(ValueError, match="blocks of 48 tokens do not divide kvstore's chunks of 128"):
         plan_from_vllm(None, 48, 128)
+
+
+def test_a_packed_cpu_block_goes_and_comes_back_as_it_lies_under_a_name_of_its_own() -> None:
+    # vLLM's CPU kernel on AMX packs K and V in tiles of its own: no view reads them as tokens.
+    # Its blocks are copied as they lie, and the layout's group names say so, so that only engines
+    # that pack alike (same ISA, same block size) read them.
+    amx = tuple(GroupPlan(g.group_id, g.layer_names, HEADS, HEAD, torch.bfloat16, g.sliding_window, cpu_isa="amx")
+                for g in GROUPS)
+    plan = EnginePlan(amx, CHUNK, CHUNK // 2)
+    src, src_caches = _cache(plan, 5)
+    blocks = TABLES[1][:8]
+    out = torch.zeros(4, plan.chunk_bytes, dtype=torch.uint8)
+    for name in ("full.0", "full.1"):
+        src.gather_chunks(name, blocks, out)
+    dst, dst_caches = _cache(plan, 6)
+    dst.scatter_chunks(out, {0: blocks})
+    for name in ("full.0", "full.1"):
+        assert torch.equal(dst_caches[name][blocks], src_caches[name][blocks])
+    named = [g.name for g in plan.engine_model("m", "r", 100, 0.0).groups]
+    assert named == ["full-0/cpu-amx-b4", "sliding-1/cpu-amx-b4"]
+    assert [g.name for g in EnginePlan(GROUPS, CHUNK, CHUNK // 2).engine_model("m", "r", 100, 0.0).groups] == [
+        "full-0/tokens", "sliding-1/tokens"]
+    # The same model packed otherwise, or in other blocks, is another layout: other keys.
+    names = {EnginePlan(groups, CHUNK, block).engine_model("m", "r", 100, 0.0).name
+             for groups in (amx, GROUPS) for block in (CHUNK, CHUNK // 2)}
+    assert len(names) == 3  # `vec` (the canonical order) shares its chunks across block sizes
+
+
+def test_a_cpu_block_whose_kernel_isa_is_not_known_is_refused() -> None:
+    plan = EnginePlan((GroupPlan(0, ("full.0",), HEADS, HEAD, torch.bfloat16, 0),), CHUNK)
+    with pytest.raises(ValueError, match="the ISA of vLLM's CPU attention kernel is not known"):
+        PagedCache(plan, {"full.0": torch.zeros(4, HEADS, CHUNK, 2 * HEAD, dtype=torch.bfloat16)}, "cpu")

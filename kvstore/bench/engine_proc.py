@@ -54,9 +54,11 @@ def _serve() -> int:
     kw: dict[str, Any] = {}
     if spec.get("attention_backend"):  # e.g. "CPU_MLA": latent attention in blocks of 16 tokens
         kw["attention_backend"] = spec["attention_backend"]
+    if spec.get("block_size"):  # vLLM's block, in tokens (on CPU 128 unless given)
+        kw["block_size"] = spec["block_size"]
     if spec.get("connector") != "none":
         kw["kv_transfer_config"] = _connector_config(spec)
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"),
               max_model_len=spec.get("max_model_len", 4096), enforce_eager=True,
               enable_prefix_caching=spec.get("prefix_caching", True),
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), seed=0, **kw)

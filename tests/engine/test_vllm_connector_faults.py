@@ -37,7 +37,8 @@ from tests.test_client_session_open import HungSideSocket
 
 hung_service = session_open.hung_service  # a fixture: gRPC and side sockets that accept and never answer
 CT = 128
-PLAN = EnginePlan((GroupPlan(0, ("l0",), 2, 8, torch.float16, 0),), chunk_tokens=CT, block_size=CT)  # a CPU's blocks
+# A CPU's blocks, its kernel's `vec` order.
+PLAN = EnginePlan((GroupPlan(0, ("l0",), 2, 8, torch.float16, 0, cpu_isa="vec"),), chunk_tokens=CT, block_size=CT)
 
 
 class StoringLink(FakeLink):

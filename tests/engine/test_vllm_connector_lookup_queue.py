@@ -25,7 +25,7 @@ from kvstore.integrations.vllm.link import Link
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from tests.fixtures.service import CHUNK, Service
 
-PLAN = EnginePlan((GroupPlan(0, ("l0",), 2, 8, torch.float16, 0),), chunk_tokens=CHUNK)
+PLAN = EnginePlan((GroupPlan(0, ("l0",), 2, 8, torch.float16, 0, cpu_isa="vec"),), chunk_tokens=CHUNK)
 PROMPT = list(range(1000, 1000 + 4 * CHUNK + 1))  # 4 chunks and a token: a hit of 4 chunks is usable
 STEP_SECONDS = 0.05
 

@@ -29,7 +29,7 @@ from tests import test_client_session_open as session_open
 CT, BT = 128, 16
 hung = session_open.hung  # a fixture: a side socket that accepts and never answers
 hung_service = session_open.hung_service  # a fixture: its gRPC socket too accepts and never answers
-PLAN = EnginePlan((GroupPlan(0, ("l0",), 2, 8, torch.float16, 0),), chunk_tokens=CT, block_size=BT)
+PLAN = EnginePlan((GroupPlan(0, ("l0",), 2, 8, torch.float16, 0, cpu_isa="vec"),), chunk_tokens=CT, block_size=BT)
 
 
 class FakeLink:
@@ -252,9 +252,9 @@ def _hybrid_side(plan: EnginePlan, hit_chunks: int) -> SchedulerSide:
 def test_a_window_block_that_is_vllms_null_block_is_not_written() -> None:
     # With blocks smaller than a chunk and a window that is not a whole number of chunks, the
     # window's first blocks lie wholly before it: vLLM gives the request its null block there.
-    hybrid = EnginePlan((GroupPlan(0, ("full",), 2, 8, torch.float16, 0), GroupPlan(1, ("swa",), 2, 8, torch.float16,
-                                                                                    200)), chunk_tokens=CT,
-                        block_size=BT)
+    hybrid = EnginePlan((GroupPlan(0, ("full",), 2, 8, torch.float16, 0, cpu_isa="vec"),
+                         GroupPlan(1, ("swa",), 2, 8, torch.float16, 200, cpu_isa="vec")),
+                        chunk_tokens=CT, block_size=BT)
     s = _hybrid_side(hybrid, 3)
     req = _request(500)
     while (m := s.matched(req, 0))[0] is None:
@@ -402,9 +402,9 @@ def test_a_single_gguf_file_is_fingerprinted_itself(tmp_path: Path) -> None:
 def test_a_window_restored_by_a_load_is_not_stored_again_unless_the_load_failed() -> None:
     # Storing it again rewrote the pool's entry at every hit: a fixed TTL slid, and the hybrid
     # engine test's expired request could find the state the warm one had just rewritten.
-    hybrid = EnginePlan((GroupPlan(0, ("swa",), 2, 8, torch.float16, 256), GroupPlan(1, ("full",), 2, 8, torch.float16,
-                                                                                      0)), chunk_tokens=CT,
-                        block_size=CT)
+    hybrid = EnginePlan((GroupPlan(0, ("swa",), 2, 8, torch.float16, 256, cpu_isa="vec"),
+                         GroupPlan(1, ("full",), 2, 8, torch.float16, 0, cpu_isa="vec")),
+                        chunk_tokens=CT, block_size=CT)
     s = _hybrid_side(hybrid, 7)
     req = _request(7 * CT + 37)
     while (m := s.matched(req, 0))[0] is None:

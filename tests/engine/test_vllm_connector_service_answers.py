@@ -33,7 +33,7 @@ from tests.engine.test_vllm_connector_faults import hung_grpc  # noqa: F401 (a f
 from tests.fixtures.service import CHUNK, Service, make_config
 from tests.fixtures.tcp_proxy import TcpProxy
 
-PLAN = EnginePlan((GroupPlan(0, ("l0",), 2, 8, torch.float16, 0),), chunk_tokens=CHUNK)  # a CPU's blocks
+PLAN = EnginePlan((GroupPlan(0, ("l0",), 2, 8, torch.float16, 0, cpu_isa="vec"),), chunk_tokens=CHUNK)  # a CPU's blocks
 CB = PLAN.chunk_bytes
 VOCAB = 4096
 
@@ -388,8 +388,8 @@ def test_the_workers_registration_is_counted_in_the_steps_budget(
 # --- 7: a window state's reason ------------------------------------------------------------------------
 
 
-HYBRID = EnginePlan((GroupPlan(0, ("full",), 2, 8, torch.float16, 0),
-                     GroupPlan(1, ("swa",), 2, 8, torch.float16, 2 * CHUNK)), chunk_tokens=CHUNK)
+HYBRID = EnginePlan((GroupPlan(0, ("full",), 2, 8, torch.float16, 0, cpu_isa="vec"),
+                     GroupPlan(1, ("swa",), 2, 8, torch.float16, 2 * CHUNK, cpu_isa="vec")), chunk_tokens=CHUNK)
 
 
 def test_a_window_states_reason_names_one_of_a_fixed_set_of_counters(

@@ -8,7 +8,14 @@ A local snapshot (the sliding-window rows a boundary needs) is, for each sliding
 rows for the window's tokens in the same per-token form. Neither depends on how the attention
 backend lays out its paged blocks: `PagedCache` turns each backend's block tensor into K and V
 (or latent) views, by what that backend is known to hold, and only these views are copied; a
-backend it does not know is refused, so an engine on CPU and one on GPU share chunks byte for byte.
+backend it does not know is refused, so engines share chunks byte for byte whatever their block
+size, on CPU and on GPU.
+
+Except where vLLM's CPU kernel packs a block in an order of its own (AMX tiles, and the ISAs whose
+order is not known here: `CPU_TOKEN_ORDER_ISAS` lists those that are): such a group's blocks are
+copied as they lie, and its name in the registered layout says so (`packing`), so that only
+engines with the same kernel and block size share its chunks; read any other way they would be
+other K and V, silently.
 
 A chunk is `chunk_tokens` tokens (kvstore's, 128 by default): one of vLLM's blocks on CPU (whose
 block size is 128), several consecutive blocks of a request on GPU (16 or 32 tokens each) and for
@@ -38,6 +45,9 @@ class GroupPlan:
     dtype: torch.dtype
     sliding_window: int  # 0: full attention
     latent: bool = False  # one latent vector per token (MLA), not a K and a V
+    # The ISA vLLM's CPU attention kernel keeps this group's blocks for ("vec", "amx", ...; see
+    # `cpu_attention_isa`); "" off CPU, and for latent groups.
+    cpu_isa: str = ""
 
     @property
     def kv_parts(self) -> int:
@@ -50,6 +60,11 @@ class GroupPlan:
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def packed(self) -> bool:
+        """Whether its blocks are copied as they lie: the CPU kernel's own order, not known here."""
+        return bool(self.cpu_isa) and self.cpu_isa not in CPU_TOKEN_ORDER_ISAS
 
 
 @dataclass(frozen=True)
@@ -103,9 +118,18 @@ class EnginePlan:
         return EngineModel(
             model=model, revision=revision, chunk_tokens=self.chunk_tokens, vocab_size=vocab_size,
             prefill_flops_per_token=flops_per_token,
-            groups=tuple(EngineLayerGroup(f"{'sliding' if g.sliding_window else 'full'}-{g.group_id}",
-                                          len(g.layer_names), g.kv_heads, g.head_size, g.dtype_name,
-                                          g.sliding_window, g.latent) for g in self.groups))
+            groups=tuple(EngineLayerGroup(self.group_name(g), len(g.layer_names), g.kv_heads, g.head_size,
+                                          g.dtype_name, g.sliding_window, g.latent) for g in self.groups))
+
+    def group_name(self, g: GroupPlan) -> str:
+        """A group's name in the registered layout, which names the chunks' byte order: part of the
+        layout's content hash, and so of every key. K/V groups say "tokens" (the canonical order) or
+        their CPU kernel's packing and block size; chunks stored before the CPU kernel's own order
+        was read (K rows taken for untransposed) were named without either, and are never read."""
+        name = f"{'sliding' if g.sliding_window else 'full'}-{g.group_id}"
+        if g.latent:
+            return name
+        return f"{name}/cpu-{g.cpu_isa}-b{self.block_tokens}" if g.packed else f"{name}/tokens"
 
 
 def plan_from_vllm(kv_cache_config: Any, block_size: int, chunk_tokens: int) -> EnginePlan:
@@ -148,10 +172,14 @@ def plan_from_vllm(kv_cache_config: Any, block_size: int, chunk_tokens: int) -> 
 
 
 # How vLLM 0.32's attention backends (by name) hold a layer's [blocks, heads, block, 2*head]
-# tensor. CPU_ATTN: per head, the block's K rows then its V rows (it views the block as
-# [heads, 2*block, head] and halves it); the CUDA ones: per token, K then V in the last axis
-# (`kv_cache.transpose(1, 2).split(head_size, dim=-1)`), whatever the tensor's strides.
+# tensor. CPU_ATTN halves each head's part of a block ([heads, 2*block, head]) into K and V, in an
+# order its kernel's ISA decides (`CPU_TOKEN_ORDER_ISAS`); the CUDA ones: per token, K then V in the
+# last axis (`kv_cache.transpose(1, 2).split(head_size, dim=-1)`), whatever the tensor's strides.
 HEAD_ROWS_BACKENDS = frozenset({"CPU_ATTN"})
+# The CPU kernel's ISAs whose order is known (read from what `cpu_attn_reshape_and_cache` writes):
+# per head, K transposed ([head_size, block]) then V ([block, head_size]). AMX packs both in tiles;
+# neon, rvv, vxe and vsx are not known here: those groups are `packed`.
+CPU_TOKEN_ORDER_ISAS = frozenset({"vec", "vec16"})
 TOKEN_KV_BACKENDS = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER"})
 # Latent (MLA) backends whose block is [blocks, block, latent] (or with a head axis of 1), each
 # token's row the compressed KV then the rotary key (vLLM's common concat_and_cache_mla order).
@@ -178,7 +206,9 @@ class PagedCache:
             raise ValueError(f"the kvstore connector reads vLLM's CPU and CUDA cache layouts only (this is {platform})")
         self.plan = plan
         n = plan.block_tokens
-        self._views: dict[str, torch.Tensor] = {}
+        # Each layer's block tensor as views [blocks, heads, parts, block tokens, head_size], with
+        # the part (K, V or latent) each starts at: one view, or K and V apart where their orders differ.
+        self._views: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for g in plan.groups:
             # The shapes a backend's layer tensor may have (a latent one with one head: with or
             # without that axis).
@@ -229,9 +259,8 @@ class PagedCache:
         ([chunks, chunk_bytes], uint8)."""
         g = self._group_of[layer]
         dst = self._chunk_view(out, g)[:, :, :, self._layer_index[layer]]
-        blocks_view = self._views[layer]
         for first, n, rows in _run_rows(dst, blocks):
-            rows.copy_(blocks_view[first : first + n].permute(0, 3, 2, 1, 4))  # device to host on GPU
+            self._read(layer, first, n, rows)  # device to host on GPU
 
     def scatter_chunks(self, src: torch.Tensor, blocks: Mapping[int, Sequence[int]]) -> None:
         """Write canonical chunks (`src`, [chunks, chunk_bytes] uint8) into every full-attention
@@ -240,7 +269,7 @@ class PagedCache:
             runs = _run_rows(self._chunk_view(src, g), blocks[g.group_id])
             for i, name in enumerate(g.layer_names):
                 for first, n, rows in runs:
-                    self._views[name][first : first + n].copy_(rows[:, :, i].permute(0, 3, 2, 1, 4))
+                    self._write(name, first, n, rows[:, :, i])
 
     def gather_snapshot(self, layer: str, blocks: Sequence[int], out: torch.Tensor) -> None:
         """Copy one sliding-window layer's last `blocks` before a boundary into the snapshot `out`
@@ -249,7 +278,7 @@ class PagedCache:
         view = self._snap_view(out, g)[self._layer_index[layer]]
         skip = view.shape[0] - len(blocks)
         for first, at, n in block_runs(blocks):
-            view[skip + at : skip + at + n].copy_(self._views[layer][first : first + n].permute(0, 3, 2, 1, 4))
+            self._read(layer, first, n, view[skip + at : skip + at + n])
 
     def scatter_snapshot(self, src: torch.Tensor, blocks: Mapping[int, Sequence[int]]) -> None:
         """Write a snapshot's rows into the sliding-window layers' last blocks before the boundary
@@ -261,8 +290,17 @@ class PagedCache:
             skip = view.shape[1] - len(ids)
             for i, name in enumerate(g.layer_names):
                 for first, at, n in runs:
-                    self._views[name][first : first + n].copy_(
-                        view[i, skip + at : skip + at + n].permute(0, 3, 2, 1, 4))
+                    self._write(name, first, n, view[i, skip + at : skip + at + n])
+
+    def _read(self, layer: str, first: int, n: int, rows: torch.Tensor) -> None:
+        """Blocks [first, first + n) of `layer` into `rows` ([n, block tokens, parts, heads, head])."""
+        for part, view in self._views[layer]:
+            rows[:, :, part : part + view.shape[2]].copy_(view[first : first + n].permute(0, 3, 2, 1, 4))
+
+    def _write(self, layer: str, first: int, n: int, rows: torch.Tensor) -> None:
+        """`rows` ([n, block tokens, parts, heads, head]) into blocks [first, first + n) of `layer`."""
+        for part, view in self._views[layer]:
+            view[first : first + n].copy_(rows[:, :, part : part + view.shape[2]].permute(0, 3, 2, 1, 4))
 
 
 def _backend_of(layer: str, g: GroupPlan, platform: str, backends: Mapping[str, str] | None) -> str:
@@ -276,18 +314,27 @@ def _backend_of(layer: str, g: GroupPlan, platform: str, backends: Mapping[str, 
     return default[1] if g.latent else default[0]
 
 
-def _kv_view(layer: str, t: torch.Tensor, g: GroupPlan, n: int, backend: str) -> torch.Tensor:
-    """The layer's block tensor as [blocks, heads, K/V, block tokens, head_size], the same memory
-    (copies into the view write the engine's cache)."""
+def _kv_view(layer: str, t: torch.Tensor, g: GroupPlan, n: int, backend: str) -> list[tuple[int, torch.Tensor]]:
+    """The layer's block tensor as views [blocks, heads, parts, block tokens, head_size], each with
+    the part it starts at (K 0, V 1), the same memory (copies into them write the engine's cache)."""
     known = LATENT_BACKENDS if g.latent else HEAD_ROWS_BACKENDS | TOKEN_KV_BACKENDS
     if backend not in known:
         raise ValueError(f"layer {layer}: the kvstore connector does not know how vLLM's {backend} backend lays out "
                          f"its {'latent' if g.latent else 'K/V'} cache (it reads {', '.join(sorted(known))})")
+    if backend in HEAD_ROWS_BACKENDS and not g.cpu_isa:
+        raise ValueError(f"layer {layer}: the ISA of vLLM's CPU attention kernel is not known, and it decides the "
+                         "order of a block")
     try:
         if backend in TOKEN_KV_BACKENDS:  # [blocks, heads, block, (K|V) head]: any strides
-            return t.unflatten(-1, (2, g.head_size)).permute(0, 1, 3, 2, 4)
-        # CPU_ATTN's [blocks, heads, (K rows|V rows), head], or a latent row per token.
-        return t.view(t.shape[0], g.kv_heads, g.kv_parts, n, g.head_size)
+            return [(0, t.unflatten(-1, (2, g.head_size)).permute(0, 1, 3, 2, 4))]
+        halves = t.view(t.shape[0], g.kv_heads, g.kv_parts, n * g.head_size)
+        if backend in HEAD_ROWS_BACKENDS and not g.packed:
+            # Per head, K transposed ([head, block]) then V ([block, head]).
+            k = halves[:, :, :1].unflatten(-1, (g.head_size, n)).transpose(-1, -2)
+            return [(0, k), (1, halves[:, :, 1:].unflatten(-1, (n, g.head_size)))]
+        # A latent row per token; or a packed CPU block as it lies (any bijection both ways will do:
+        # only engines that pack alike read it).
+        return [(0, halves.unflatten(-1, (n, g.head_size)))]
     except RuntimeError as e:  # strides a view cannot follow
         raise ValueError(f"layer {layer}: the {backend} cache tensor's strides {t.stride()} are not its "
                          f"backend's layout: {e}") from None

@@ -16,6 +16,7 @@ connector's counters (failures by kind, chunks stored and loaded).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -33,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
-from kvstore.integrations.vllm.cache_layout import plan_from_vllm
+from kvstore.integrations.vllm.cache_layout import EnginePlan, plan_from_vllm
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.identity import fingerprint, local_files
 from kvstore.integrations.vllm.link import Link
@@ -98,6 +99,19 @@ def load_options(model_config: Any) -> str:
     return hashlib.sha256(json.dumps(options, sort_keys=True, default=repr).encode()).hexdigest()[:12]
 
 
+def with_cpu_isas(plan: EnginePlan, vllm_config: Any) -> EnginePlan:
+    """`plan` with each K/V group's CPU kernel ISA, picked as vLLM's CPU attention backend picks it
+    (by dtype, block size, head size, cache dtype and this machine's CPU): it decides how a block
+    lies. Both roles register the layout, so both ask (the scheduler has no attention layers)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    dtype, cache_dtype = vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype
+    return dataclasses.replace(plan, groups=tuple(
+        g if g.latent else dataclasses.replace(g, cpu_isa=_get_attn_isa(dtype, plan.block_tokens, g.head_size,
+                                                                        cache_dtype))
+        for g in plan.groups))
+
+
 def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> dict[str, str]:
     """Each layer's attention backend by vLLM's name: it decides how a block tensor holds K and V."""
     from vllm.config import get_layers_from_vllm_config
@@ -123,6 +137,8 @@ class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
                         self._kv_transfer_config.kv_load_failure_policy)
         cfg = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         plan = plan_from_vllm(kv_cache_config, vllm_config.cache_config.block_size, cfg.chunk_tokens)
+        if current_platform.device_type == "cpu":
+            plan = with_cpu_isas(plan, vllm_config)
         mc = vllm_config.model_config
         name, revision = model_identity(mc, cfg)
         link = Link(cfg, plan.engine_model(name, revision, mc.get_vocab_size(), 0.0))
