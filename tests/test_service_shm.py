@@ -1425,3 +1425,28 @@ def test_a_resume_that_skips_its_chunks_is_counted_on_the_stream_path(
     svc.app.flush_observers()
     sample = obs.metrics.registry.get_sample_value
     assert sample("kvstore_data_path_calls_total", {"method": "Resume", "path": "stream"}) == 1
+
+
+def test_a_holding_lookup_that_holds_nothing_is_counted_on_no_path(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # calls_by_path and kvstore_data_path_calls_total count the Lookups that hold chunks; one that
+    # asked to and held none (a miss, or chunks too large for the session) was counted as shm.
+    svc = make_service(shm_config(sock_dir / "kv.sock"))
+    obs, _ = _observed(svc)
+    kv = unix(svc)
+    prompt = tokens(17, CHUNK * 4)
+    before = dict(kv.stats().data_plane.calls_by_path)
+    missed = kv.lookup_held(TOY, prompt, hold_chunks=4)
+    assert missed.result.hit_chunks == 0 and missed.chunks is None
+    assert kv.stats().data_plane.calls_by_path == before
+    kv.store(TOY, prompt, payloads(18, 4, svc.chunk_bytes(TOY)))
+    before = dict(kv.stats().data_plane.calls_by_path)
+    held = kv.lookup_held(TOY, prompt, hold_chunks=4)
+    assert held.result.hit_chunks == 4 and held.chunks is not None
+    held.release()
+    after = kv.stats().data_plane.calls_by_path
+    assert after["shm"] == before["shm"] + 1 and after["stream"] == before["stream"]
+    svc.app.flush_observers()
+    sample = obs.metrics.registry.get_sample_value
+    assert sample("kvstore_data_path_calls_total", {"method": "Lookup", "path": "shm"}) == 1

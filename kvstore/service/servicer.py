@@ -99,9 +99,13 @@ class KVCacheServicer(LocalStateCalls):
             if bool(req.shm_session) != bool(req.hold_chunks):
                 raise InvalidInput("a Lookup that holds chunks names both shm_session and hold_chunks")
             held: list[pb.ShmSpan] = []
-            shm = self.shm_session(call, req.shm_session) if req.hold_chunks else None
+            # Counted by path only if it holds chunks: one that holds none moved no bytes.
+            shm = self.shm_session(call, req.shm_session, counted=False) if req.hold_chunks else None
             if shm is not None and chunks_fit(shm, res.layout.chunk_bytes):
                 r, held = self._lookup_held(res, req, shm, context)
+                if held:
+                    self.paths.count(call.tenant, "shm")
+                    call.data_path = "shm"
             else:
                 # Chunks too large for the session are not held (a Load of them goes over streams):
                 # the hit is answered all the same, as a Lookup that holds none.
@@ -386,12 +390,14 @@ class KVCacheServicer(LocalStateCalls):
                 yield encode_chunk_piece(i, span.offset, [TIER_TO_PB[tier]] if span.offset == 0 else [],
                                          chunk[span.offset : span.offset + span.nbytes])
 
-    def shm_session(self, call: CallState, session_id: str, load_chunk_bytes: int = 0) -> ShmSession | None:
+    def shm_session(self, call: CallState, session_id: str, load_chunk_bytes: int = 0,
+                    counted: bool = True) -> ShmSession | None:
         """The same-host session a Load, LoadLocal, Resume or Store names (None: byte streams),
-        counted by path for Stats; for a load of chunks of `load_chunk_bytes`, one they fit."""
+        `counted` by path for Stats; for a load of chunks of `load_chunk_bytes`, one they fit."""
         if not session_id:
-            self.paths.count(call.tenant, "stream")
-            call.data_path = "stream"
+            if counted:
+                self.paths.count(call.tenant, "stream")
+                call.data_path = "stream"
             return None
         if self.shm is None:
             # Named as an unknown session: a client that opened its session before a restart that
@@ -400,8 +406,9 @@ class KVCacheServicer(LocalStateCalls):
                                "unix_socket_path is unset, or shm_enabled is off): call without shm_session")
         s = self.shm.session(session_id, call.tenant)
         check_chunks_fit(s, load_chunk_bytes)
-        self.paths.count(call.tenant, "shm")
-        call.data_path = "shm"
+        if counted:
+            self.paths.count(call.tenant, "shm")
+            call.data_path = "shm"
         return s
 
     def shm_spans(
