@@ -255,3 +255,13 @@ def test_a_cpu_block_whose_kernel_isa_is_not_known_is_refused() -> None:
     plan = EnginePlan((GroupPlan(0, ("full.0",), HEADS, HEAD, torch.bfloat16, 0),), CHUNK)
     with pytest.raises(ValueError, match="the ISA of vLLM's CPU attention kernel is not known"):
         PagedCache(plan, {"full.0": torch.zeros(4, HEADS, CHUNK, 2 * HEAD, dtype=torch.bfloat16)}, "cpu")
+
+
+def test_each_tensor_parallel_rank_has_a_layout_of_its_own() -> None:
+    # A rank's cache holds its share of the KV heads: another rank's (or an engine's of one rank)
+    # with the same shape must never be read for it.
+    names = {EnginePlan(GROUPS, CHUNK, shard=shard).engine_model("m", "r", 100, 0.0).name
+             for shard in ("", "tp0of2", "tp1of2", "tp0of4")}
+    assert len(names) == 4
+    groups = EnginePlan(GROUPS, CHUNK, shard="tp1of2").engine_model("m", "r", 100, 0.0).groups
+    assert [g.name for g in groups] == ["full-0/tokens/tp1of2", "sliding-1/tokens/tp1of2"]

@@ -56,6 +56,11 @@ def _serve() -> int:
         kw["attention_backend"] = spec["attention_backend"]
     if spec.get("block_size"):  # vLLM's block, in tokens (on CPU 128 unless given)
         kw["block_size"] = spec["block_size"]
+    if spec.get("tensor_parallel_size", 1) > 1:
+        kw["tensor_parallel_size"] = spec["tensor_parallel_size"]
+        # vLLM's CPU workers bind their threads to a NUMA node each unless told which CPUs: a
+        # machine of one node needs the split given.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_split(spec["tensor_parallel_size"]))
     if spec.get("connector") != "none":
         kw["kv_transfer_config"] = _connector_config(spec)
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"),
@@ -79,6 +84,14 @@ def _serve() -> int:
             answer = {"outputs": [_output(o) for o in outs], "seconds": time.perf_counter() - t0}
         _say(ANSWER + json.dumps(answer))  # marked: vLLM and connectors log to stdout too
     return 0
+
+
+def cpu_split(parts: int) -> str:
+    """This process's CPUs in `parts` lists, as VLLM_CPU_OMP_THREADS_BIND takes them ("0,1|2,3"); a
+    machine with fewer CPUs than parts gives each part one, shared in turn."""
+    cpus = sorted(os.sched_getaffinity(0))
+    each = max(1, len(cpus) // parts)
+    return "|".join(",".join(map(str, cpus[(i * each) % len(cpus):][:each])) for i in range(parts))
 
 
 def _output(o: Any) -> dict[str, Any]:

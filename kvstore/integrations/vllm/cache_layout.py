@@ -72,6 +72,9 @@ class EnginePlan:
     groups: tuple[GroupPlan, ...]
     chunk_tokens: int  # kvstore's chunk
     block_size: int = 0  # vLLM's block, in tokens; it divides the chunk (0: the chunk itself)
+    # Which part of the model's cache this engine process holds ("tp1of2": tensor-parallel rank 1
+    # of 2, its share of the KV heads); "" for all of it.
+    shard: str = ""
 
     @property
     def block_tokens(self) -> int:
@@ -125,11 +128,12 @@ class EnginePlan:
         """A group's name in the registered layout, which names the chunks' byte order: part of the
         layout's content hash, and so of every key. K/V groups say "tokens" (the canonical order) or
         their CPU kernel's packing and block size; chunks stored before the CPU kernel's own order
-        was read (K rows taken for untransposed) were named without either, and are never read."""
+        was read (K rows taken for untransposed) were named without either, and are never read.
+        A tensor-parallel rank's groups name its shard: each rank stores and loads its own heads."""
         name = f"{'sliding' if g.sliding_window else 'full'}-{g.group_id}"
-        if g.latent:
-            return name
-        return f"{name}/cpu-{g.cpu_isa}-b{self.block_tokens}" if g.packed else f"{name}/tokens"
+        if not g.latent:
+            name += f"/cpu-{g.cpu_isa}-b{self.block_tokens}" if g.packed else "/tokens"
+        return f"{name}/{self.shard}" if self.shard else name
 
 
 def plan_from_vllm(kv_cache_config: Any, block_size: int, chunk_tokens: int) -> EnginePlan:

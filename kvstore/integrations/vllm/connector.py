@@ -112,6 +112,15 @@ def with_cpu_isas(plan: EnginePlan, vllm_config: Any) -> EnginePlan:
         for g in plan.groups))
 
 
+def tensor_rank(role: KVConnectorRole) -> int:
+    """This worker's tensor-parallel rank; the scheduler's connector speaks for rank 0."""
+    if role != KVConnectorRole.WORKER:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> dict[str, str]:
     """Each layer's attention backend by vLLM's name: it decides how a block tensor holds K and V."""
     from vllm.config import get_layers_from_vllm_config
@@ -125,12 +134,10 @@ class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         pc = vllm_config.parallel_config
-        if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
-            # Each rank holds a shard of the heads or of the layers, and the keys name none: ranks
-            # would load one another's shards.
-            raise ValueError(f"the kvstore connector does not yet support tensor or pipeline parallelism "
-                             f"(tensor_parallel_size={pc.tensor_parallel_size}, "
-                             f"pipeline_parallel_size={pc.pipeline_parallel_size}); run one rank per engine")
+        if pc.pipeline_parallel_size > 1:
+            # Each stage holds some of the layers, and a layout names them all.
+            raise ValueError(f"the kvstore connector does not yet support pipeline parallelism "
+                             f"(pipeline_parallel_size={pc.pipeline_parallel_size}); tensor parallelism it does")
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvstore: kv_load_failure_policy is %r: a chunk that cannot be loaded (corrupt, evicted, "
                         "kvstore down) fails its request instead of being computed; set it to 'recompute'",
@@ -139,6 +146,11 @@ class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
         plan = plan_from_vllm(kv_cache_config, vllm_config.cache_config.block_size, cfg.chunk_tokens)
         if current_platform.device_type == "cpu":
             plan = with_cpu_isas(plan, vllm_config)
+        if pc.tensor_parallel_size > 1:
+            # Each rank's cache holds its share of the KV heads: stored and loaded under a layout of
+            # its own. The scheduler asks about rank 0's (a rank that misses loads nothing and has
+            # vLLM compute those blocks again).
+            plan = dataclasses.replace(plan, shard=f"tp{tensor_rank(role)}of{pc.tensor_parallel_size}")
         mc = vllm_config.model_config
         name, revision = model_identity(mc, cfg)
         link = Link(cfg, plan.engine_model(name, revision, mc.get_vocab_size(), 0.0))
