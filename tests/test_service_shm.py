@@ -1450,3 +1450,25 @@ def test_a_holding_lookup_that_holds_nothing_is_counted_on_no_path(
     svc.app.flush_observers()
     sample = obs.metrics.registry.get_sample_value
     assert sample("kvstore_data_path_calls_total", {"method": "Lookup", "path": "shm"}) == 1
+
+
+def test_a_holding_lookup_with_no_room_in_the_session_is_answered_unheld_at_once(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # It waited for room up to stream_idle_seconds (its caller's deadline first: the vLLM
+    # connector's scheduler thread, every request held up the whole budget), though it only looks up.
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_in_place=False, stream_idle_seconds=60.0))
+    kv = unix(svc)  # calls of 10 s at most
+    cb = svc.chunk_bytes(V41)
+    n = (4 << 20) // cb  # as many as fill the 4 MiB load segment
+    prompt = tokens(19, CHUNK * n)
+    kv.store(V41, prompt, payloads(20, n, cb))
+    first = kv.lookup_held(V41, prompt, hold_chunks=n - 1)  # kept: the segment is nearly full
+    assert first.chunks is not None and first.result.hit_chunks == n
+    second = kv.lookup_held(V41, prompt, hold_chunks=4)  # no room for it
+    assert second.result.hit_chunks == n and second.chunks is None
+    assert svc.server.shm is not None and svc.server.shm.totals().leases > 0
+    first.release()
+    third = kv.lookup_held(V41, prompt, hold_chunks=4)  # room again
+    assert third.chunks is not None
+    third.release()

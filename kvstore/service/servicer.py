@@ -32,7 +32,7 @@ import grpc
 
 from kvstore import __version__
 from kvstore.dataplane import UNKNOWN_SESSION
-from kvstore.errors import InvalidInput
+from kvstore.errors import InvalidInput, ResourceExhausted
 from kvstore.layout import EngineLayerGroup, EngineModel, ModelSpec, check_engine_group_count
 from kvstore.observe.records import PromptKey
 from kvstore.service.calls import CallGuard, CallState, Resolved
@@ -141,7 +141,12 @@ class KVCacheServicer(LocalStateCalls):
         held: list[pb.ShmSpan] = []
         with self.app.store.load(res.ns, res.tokens, req.hold_chunks) as session:
             try:
-                held.extend(self.shm_spans(session, shm, res, len(session), context, []))
+                held.extend(self.shm_spans(session, shm, res, len(session), context, [], wait_seconds=0.0))
+            except ResourceExhausted:
+                # No room in the session's load segment now: answered unheld at once (its client
+                # loads them with a call of their own), not after waiting for room on a call that
+                # only looks up. The spans' generator released what it had granted.
+                return session.lookup, []
             except BaseException:
                 for span in held:  # never answered: nobody else will release them
                     shm.leases.release(span.lease_id)
@@ -413,10 +418,11 @@ class KVCacheServicer(LocalStateCalls):
 
     def shm_spans(
         self, session: LoadSession, shm: ShmSession, res: Resolved, n: int, context: grpc.ServicerContext,
-        loaded: list[str],
+        loaded: list[str], wait_seconds: float | None = None,
     ) -> Iterator[pb.ShmSpan]:
-        return load_spans(session, shm, res.layout.chunk_bytes, n, self.app.config.service.stream_idle_seconds,
-                          context.is_active, loaded)
+        """`wait_seconds` for room in the load segment (None: stream_idle_seconds, as a stream waits)."""
+        wait = self.app.config.service.stream_idle_seconds if wait_seconds is None else wait_seconds
+        return load_spans(session, shm, res.layout.chunk_bytes, n, wait, context.is_active, loaded)
 
     # --- RegisterModel ----------------------------------------------------------------------------
 
