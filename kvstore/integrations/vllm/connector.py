@@ -242,7 +242,7 @@ class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, WorkerReport):
             self._s().worker_report(meta.counters, meta.shm_sessions, meta.failed_loads, meta.dropped_saves,
-                                    meta.not_cached, meta.failed_steps)
+                                    meta.not_cached, meta.failed_steps, meta.failed_load_chunks)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, self._s().finished(request)

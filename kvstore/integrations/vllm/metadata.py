@@ -57,6 +57,11 @@ class KvstoreMeta(KVConnectorMetadata):
     # The workers' failed-load steps the scheduler had heard of when it planned this step (see
     # WorkerReport.failed_steps): a plan made before it heard of one may read unfilled blocks.
     failures_seen: int = 0
+    # The spans each of some requests' Lookups held in the worker's session that will not be
+    # loaded (vLLM's own prefix cache had the chunks, the request finished first...): the worker
+    # releases their leases (only the session's own client can), else they lapse only by
+    # shm_lease_seconds, pinning the chunks and the segment's room meanwhile.
+    unused_held: list[tuple[bytes, ...]] = field(default_factory=list)
 
 
 @dataclass
@@ -82,12 +87,16 @@ class WorkerReport(KVConnectorWorkerMetadata):
     # Steps whose synchronous load failed, so far: until a step's metadata says the scheduler
     # heard of them all, its saves are not made.
     failed_steps: int = 0
+    # (request, chunks its load scattered that vLLM keeps) of each of `failed_loads`: what the
+    # request's loaded_tokens says (0 where vLLM computes the whole request again).
+    failed_load_chunks: tuple[tuple[str, int], ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, WorkerReport):
             return WorkerReport(self.counters + other.counters, self.shm_sessions + other.shm_sessions,
                                 self.failed_loads + other.failed_loads, self.dropped_saves + other.dropped_saves,
-                                self.not_cached + other.not_cached, max(self.failed_steps, other.failed_steps))
+                                self.not_cached + other.not_cached, max(self.failed_steps, other.failed_steps),
+                                self.failed_load_chunks + other.failed_load_chunks)
         return self
 
 

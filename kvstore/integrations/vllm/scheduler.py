@@ -21,8 +21,10 @@ Loads are synchronous by default (`load_mode = "sync"`): the Lookup is asked on 
 thread instead, within the budget (once the model is registered, which starts with the engine), and
 the workers load in the step that computes the request, before its forward pass. On kvstore's
 host that Lookup also holds the usable chunks in the worker's same-host session (named in the
-worker's reports), and the worker scatters them without a Load call; chunks held for a request
-that is then not loaded stay leased until their lease lapses. With `"async"` (and always for a
+worker's reports), and the worker scatters them without a Load call. It holds only where a load
+may follow (a hit past vLLM's own prefix-cache hit, for a request that reads cached KV), and only
+while no other request's hold waits in that session (`_may_hold`); chunks held for a request that
+is then not loaded are released by the worker at the next step. With `"async"` (and always for a
 hybrid model) they fetch and scatter between steps and say when they are done: a step never
 waits for a load, at the price of a step or two of latency.
 """
@@ -129,6 +131,8 @@ class SchedulerSide:
         # may next be logged.
         self._queue_skips = 0
         self._queue_log_at = 0.0
+        # Held spans that will not be loaded, for the worker to release at the next step.
+        self._unused_held: list[tuple[bytes, ...]] = []
 
     # --- matching ---------------------------------------------------------------------------------
 
@@ -138,10 +142,16 @@ class SchedulerSide:
             return 0, False  # one load per request: a failed one is recomputed, not retried
         if st.uncacheable:
             return 0, False
-        if st.usable_chunks is None and not self._decide(st):
+        # vLLM reads no cached KV for some requests (prompt logprobs need every position computed):
+        # asked all the same (what the service holds decides their stores), but nothing is held.
+        local = len(st.tokens) if getattr(request, "skip_reading_prefix_cache", False) else num_computed_tokens
+        if st.usable_chunks is None and not self._decide(st, local):
             return None, False
         external = (st.usable_chunks or 0) * self.ct - num_computed_tokens
-        return (external, not self.sync) if external > 0 else (0, False)
+        if external <= 0:
+            self._give_back(st)  # vLLM's own prefix cache has it all
+            return 0, False
+        return external, not self.sync
 
     def _state(self, request: Any) -> _Request:
         st = self._requests.get(request.request_id)
@@ -170,8 +180,9 @@ class SchedulerSide:
             self.link.failed("lora_fingerprint", e)
             return None
 
-    def _decide(self, st: _Request) -> bool:
-        """Start or finish the Lookup; True once `usable_chunks` is known."""
+    def _decide(self, st: _Request, local: int) -> bool:
+        """Start or finish the Lookup; True once `usable_chunks` is known. `local`: the prompt's
+        tokens vLLM has already (its own prefix cache), which a load would not write."""
         boundary = max(0, (len(st.tokens) - 1) // self.ct)  # leave at least one token to compute
         if boundary == 0:
             st.usable_chunks = 0
@@ -179,7 +190,7 @@ class SchedulerSide:
         if st.lookup is None:
             name = self.link.registered()
             if name is None:
-                return self._register(st)
+                return self._register(st, local)
             if time.monotonic() < self._ask_after:
                 return self._cold_unknown(st)
             # Every full chunk is asked about, the last one too when the prompt ends on a chunk's
@@ -205,7 +216,8 @@ class SchedulerSide:
             # spares a hand-off to the pool and back on the step's critical path. On kvstore's host
             # the same call holds the usable chunks in the worker's session: it needs no Load.
             st.lookup = cf.Future()
-            st.lookup.set_result(self._ask_held(name, prefix, boundary, st) if self.worker_session else ask())
+            hold = self._may_hold(boundary, local)
+            st.lookup.set_result(self._ask_held(name, prefix, boundary, st) if hold else ask())
         if not st.lookup.done():
             started = st.lookup_started
             if not started:  # queued: cold without asking once another Lookup found the service failing
@@ -272,7 +284,7 @@ class SchedulerSide:
                         "requests arrive", self._queue_skips, self.link.cfg.max_lookup_queue_seconds * 1000)
         return True
 
-    def _register(self, st: _Request) -> bool:
+    def _register(self, st: _Request, local: int) -> bool:
         """The registration is made on the pool, never on the scheduler's thread (in sync mode too:
         it would hold the step a budget before the Lookup's own). Meanwhile the request is cold
         (True) in sync mode, whose promise is an answer within one budget, and told "not yet"
@@ -293,8 +305,28 @@ class SchedulerSide:
             with contextlib.suppress(Exception):
                 first.result(timeout=self.link.cfg.budget_seconds)
             if self.link.registered() is not None:
-                return self._decide(st)
+                return self._decide(st, local)
         return self._cold_unknown(st)
+
+    def _may_hold(self, boundary: int, local: int) -> bool:
+        """Whether the Lookup holds the hit in the worker's session: where a load may follow (a
+        hit past vLLM's own `local` tokens), and while no other request's hold waits there. Holds
+        keep their room in the session's load segment until the worker reads or releases them at
+        the next step; piled up they fill it, and the service then waits for room until the call's
+        deadline (the budget, on this thread: every request's step held up). The other requests'
+        chunks are loaded by the worker, a Load each, whose room is freed as each ends."""
+        if not self.worker_session or local >= boundary * self.ct or self._unused_held:
+            return False
+        return not any(st.held_spans for st in self._requests.values()) and not any(
+            load.held_spans for load in self._loads)
+
+    def _give_back(self, st: _Request) -> None:
+        """What `st`'s Lookup held and will not be loaded goes to the worker at the next step, which
+        releases it: only the session's own client can, and unreleased it would stay leased (its
+        chunks pinned, or its room in the segment taken) until shm_lease_seconds ran out."""
+        if st.held_spans:
+            self._unused_held.append(st.held_spans)
+            st.held_spans = ()
 
     def _ask_held(self, name: str, prefix: np.ndarray, boundary: int, st: _Request) -> LookupResult | None:
         """The Lookup, holding the first `boundary` chunks of the hit in the worker's session."""
@@ -309,7 +341,11 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
         st = self._requests.get(request.request_id)
-        if st is None or num_external_tokens <= 0 or st.load_planned or not st.usable_chunks:
+        if st is None:
+            return
+        if num_external_tokens <= 0 or st.load_planned or not st.usable_chunks:
+            # vLLM loads nothing for it (its own hit is as long, or it reads no cached KV).
+            self._give_back(st)
             return
         end = st.usable_chunks
         k, plan = self.plan.window_chunks, self.plan
@@ -339,8 +375,8 @@ class SchedulerSide:
     # --- each step --------------------------------------------------------------------------------
 
     def build_meta(self, scheduler_output: Any, block_ids_of: Any, null_block: int) -> KvstoreMeta:
-        meta = KvstoreMeta(loads=self._loads, failures_seen=self._failures_seen)
-        self._loads = []
+        meta = KvstoreMeta(loads=self._loads, failures_seen=self._failures_seen, unused_held=self._unused_held)
+        self._loads, self._unused_held = [], []
         for load in meta.loads:
             # With blocks smaller than a chunk, a window's first blocks can lie wholly before it:
             # vLLM gave the request its null block there (shared, and kept zero), never written.
@@ -395,9 +431,16 @@ class SchedulerSide:
 
     def worker_report(self, counters: Counter[str], sessions: tuple[str, ...], failed_loads: tuple[str, ...] = (),
                       dropped_saves: tuple[tuple[str, int], ...] = (), not_cached: tuple[str, ...] = (),
-                      failed_steps: int = 0) -> None:
+                      failed_steps: int = 0, failed_load_chunks: tuple[tuple[str, int], ...] = ()) -> None:
         self.worker_counters = Counter(counters)  # totals so far, summed over the workers
         self.worker_sessions(sessions)
+        for req_id, chunks in failed_load_chunks:
+            st = self._requests.get(req_id)
+            if st is not None and st.load_planned:
+                # What it loaded is what was scattered and kept: vLLM computes the rest again. (The
+                # load's first chunk may be partly vLLM's own: those tokens were never counted.)
+                missing = (st.usable_chunks or 0) - st.load_first_chunk - chunks
+                st.loaded_tokens = max(0, st.loaded_tokens - missing * self.ct)
         for req_id in failed_loads:
             st = self._requests.get(req_id)
             if st is not None:
@@ -430,6 +473,8 @@ class SchedulerSide:
 
     def finished(self, request: Any) -> dict[str, Any] | None:
         st = self._requests.pop(request.request_id, None)
+        if st is not None:
+            self._give_back(st)  # finished (or aborted) before its load was planned
         if st is not None and st.lookup is not None:
             st.lookup.cancel()  # one still queued is not asked: nobody would read its answer
         counters = dict(Counter(self.link.snapshot()) + self.worker_counters)

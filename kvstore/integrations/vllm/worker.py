@@ -17,6 +17,7 @@ so are asynchronous loads (failed at once: recomputed) after one found it so.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import logging
 import threading
 import time
@@ -56,6 +57,15 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 def _chunk_rows(run: memoryview, chunk_bytes: int) -> torch.Tensor:
     """A run of chunks as a [chunks, chunk_bytes] uint8 tensor over the same memory, only read."""
     return torch.from_numpy(np.frombuffer(run, dtype=np.uint8).reshape(-1, chunk_bytes))
+
+
+@dataclass
+class _LastRead:
+    """Where the chunks a load's latest read scattered came from: each one's tier, and the path.
+    A later read of the same load scatters from its first chunk again, over them."""
+
+    tiers: tuple[str, ...] = ()
+    path: str = ""
 
 
 @dataclass
@@ -144,6 +154,7 @@ class WorkerSide:
         self._step_failed = False  # this step's did: set in `start_loads`, cleared in `submit_saves`
         self._failed_unheard: set[str] = set()  # requests whose load failed, until the scheduler heard
         self._failed_loads: list[str] = []  # failed loads not yet reported to the scheduler
+        self._failed_load_chunks: list[tuple[str, int]] = []  # and the chunks each scattered that vLLM keeps
         self._dropped: list[tuple[str, int]] = []  # saves not made from a stale step (rewound)
         self._not_cached: list[str] = []  # requests new in a later stale step: not stored at all
         self._reported_failed_steps = 0
@@ -172,6 +183,8 @@ class WorkerSide:
         """Synchronous loads run here, before the forward pass, all within one budget; a short one
         reports the blocks it did not fill (vLLM recomputes them). Asynchronous ones go to threads."""
         self._stale(meta)
+        for spans in meta.unused_held:  # first: this step's loads may need their room
+            self.link.call("release_held", functools.partial(self._release_held, spans=spans))
         step = _StepLoads(self.link.cfg.budget_seconds) if self.sync else None
         for spec in meta.loads:
             if step is None:
@@ -228,10 +241,11 @@ class WorkerSide:
         assert self.cache is not None
         wanted = spec.end_chunk - spec.first_chunk
         got = 0
+        last = _LastRead()
         name: str | None = None
         if spec.held_spans:  # a failed or short read of them is loaded again
             # Read in shared memory, not asked of the service: its failure says nothing of its reach.
-            r = self.link.call("load_held", lambda c: self._read_held(c, spec))
+            r = self.link.call("load_held", lambda c: self._read_held(c, spec, last))
             got = r if r is not None else 0
         if got < wanted:
             if skipped := self._skipped(step):
@@ -241,33 +255,50 @@ class WorkerSide:
                     self.link.count(skipped)
                 else:
                     timeout = step.timeout()
-                    r = self._call("load", lambda c: self._load_chunks(c, name, spec, timeout), step, timeout)
+                    r = self._call("load", lambda c: self._load_chunks(c, name, spec, timeout, last), step, timeout)
                     got = r if r is not None else 0
                     if r is not None and got < wanted:
                         self.link.failed("load", ValueError(f"{wanted - got} of {wanted} chunks did not arrive"))
+        # Each chunk kept counted once, by the read that scattered it last (a short held read's
+        # chunks are scattered again by the load after it).
+        for tier in last.tiers[:got]:
+            self.link.count(f"loaded_chunks_{tier}")
+        if got and last.path:
+            self.link.count(f"load_path_{last.path}")
         ok = got == wanted
         if ok and self.plan.hybrid:
             ok = self._load_window(spec, step)
         failed = {b for ids in spec.chunk_blocks.values() for b in ids[got * self.plan.blocks_per_chunk :] if b >= 0}
         return _LoadOutcome(spec.req_id, ok, failed, got)
 
-    def _load_chunks(self, client: KvstoreClient, name: str, spec: LoadSpec, timeout_seconds: float) -> int:
+    def _load_chunks(self, client: KvstoreClient, name: str, spec: LoadSpec, timeout_seconds: float,
+                     last: _LastRead) -> int:
         """Chunks [first_chunk, end_chunk) of the request scattered into its blocks; how many.
         On the service's host they are read in place in shared memory (one copy, into vLLM's
         blocks); a lease that lapsed during the copy counts the load as failed (recompute)."""
         with client.load_shared(name, spec.tokens, REPLAY_MODE, max_chunks=spec.end_chunk,
                                 timeout_seconds=timeout_seconds, cache_salt=spec.cache_salt,
                                 open_session=not self.sync) as r:
-            return self._scatter(r, spec, r.path)
+            return self._scatter(r, spec, r.path, last)
 
-    def _read_held(self, client: KvstoreClient, spec: LoadSpec) -> int:
+    def _read_held(self, client: KvstoreClient, spec: LoadSpec, last: _LastRead) -> int:
         """The load from the chunks the scheduler's Lookup held in this worker's session."""
         with client.read_held(spec.held_spans, self.plan.chunk_tokens, self.plan.chunk_bytes) as r:
-            return self._scatter(r, spec, "held")
+            return self._scatter(r, spec, "held", last)
 
-    def _scatter(self, r: SharedLoad, spec: LoadSpec, path: str) -> int:
+    def _release_held(self, client: KvstoreClient, spans: tuple[bytes, ...]) -> None:
+        """Release, unread, the spans a Lookup held in this worker's session for a request that
+        loads nothing."""
+        try:
+            with client.read_held(spans, self.plan.chunk_tokens, self.plan.chunk_bytes):
+                pass
+        except UnavailableError:  # held in a session this client has since replaced: gone with it
+            pass
+
+    def _scatter(self, r: SharedLoad, spec: LoadSpec, path: str, last: _LastRead) -> int:
         """Chunks [first_chunk, end_chunk) of `r` into the request's blocks, a run of chunks at a
-        time; how many. A lease that lapsed during the copy fails the load (the caller recomputes)."""
+        time; how many (their tiers and path into `last`). A lease that lapsed during the copy
+        fails the load (the caller recomputes)."""
         assert self.cache is not None
         cb = self.plan.chunk_bytes
         if r.chunk_bytes != cb or r.chunk_tokens != self.plan.chunk_tokens:
@@ -285,9 +316,7 @@ class WorkerSide:
                                       {g: ids[k0:k1] for g, ids in spec.chunk_blocks.items()})
         if not r.still_held():
             raise ValueError("a shared-memory lease lapsed while the chunks were copied")
-        for tier in r.chunk_tiers[spec.first_chunk : end]:
-            self.link.count(f"loaded_chunks_{tier}")
-        self.link.count(f"load_path_{path}")
+        last.tiers, last.path = tuple(r.chunk_tiers[spec.first_chunk : end]), path
         return max(0, end - spec.first_chunk)
 
     def _load_window(self, spec: LoadSpec, step: _StepLoads) -> bool:
@@ -338,7 +367,9 @@ class WorkerSide:
         self._failed_loads.append(out.req_id)
         self.link.count("load_failed_requests")
         if len(self.plan.groups) > 1:
+            self._failed_load_chunks.append((out.req_id, 0))  # vLLM computes the whole request again
             return False
+        self._failed_load_chunks.append((out.req_id, out.loaded_chunks))  # it keeps the blocks before the first failed
         self._errors |= out.failed_blocks
         self.link.count("load_failed_blocks", len(out.failed_blocks))
         return True
@@ -511,6 +542,7 @@ class WorkerSide:
         session = self._session()
         snap = self.link.snapshot()
         failed, self._failed_loads = tuple(self._failed_loads), []
+        failed_chunks, self._failed_load_chunks = tuple(self._failed_load_chunks), []
         dropped, self._dropped = tuple(self._dropped), []
         not_cached, self._not_cached = tuple(self._not_cached), []
         if (snap == self._reported and session == self._reported_session and not failed and not dropped
@@ -518,7 +550,7 @@ class WorkerSide:
             return None
         self._reported, self._reported_session = snap, session
         self._reported_failed_steps = self._failed_steps
-        return WorkerReport(Counter(snap), (session,), failed, dropped, not_cached, self._failed_steps)
+        return WorkerReport(Counter(snap), (session,), failed, dropped, not_cached, self._failed_steps, failed_chunks)
 
     def close(self) -> None:
         # Stores still queued are waited for at most one budget (a hung service would hold the
