@@ -13,7 +13,7 @@ size, on CPU and on GPU.
 
 Except where vLLM's CPU kernel packs a block in an order of its own (AMX tiles, and the ISAs whose
 order is not known here: `CPU_TOKEN_ORDER_ISAS` lists those that are): such a group's blocks are
-copied as they lie, and its name in the registered layout says so (`packing`), so that only
+copied as they lie, and its name in the registered layout says so (`full-0/cpu-amx-b128`), so that only
 engines with the same kernel and block size share its chunks; read any other way they would be
 other K and V, silently.
 

@@ -134,10 +134,14 @@ class KvstoreConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         pc = vllm_config.parallel_config
-        if pc.pipeline_parallel_size > 1:
-            # Each stage holds some of the layers, and a layout names them all.
-            raise ValueError(f"the kvstore connector does not yet support pipeline parallelism "
-                             f"(pipeline_parallel_size={pc.pipeline_parallel_size}); tensor parallelism it does")
+        context = {name: getattr(pc, name, 1) or 1 for name in ("decode_context_parallel_size",
+                                                                 "prefill_context_parallel_size")}
+        if pc.pipeline_parallel_size > 1 or any(n > 1 for n in context.values()):
+            # A pipeline stage holds some of the layers, and a layout names them all; with context
+            # parallelism a rank's blocks hold some of the tokens, and a chunk is all of them.
+            raise ValueError(f"the kvstore connector does not yet support pipeline or context parallelism "
+                             f"(pipeline_parallel_size={pc.pipeline_parallel_size}, "
+                             + ", ".join(f"{k}={v}" for k, v in context.items()) + "); tensor parallelism it does")
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvstore: kv_load_failure_policy is %r: a chunk that cannot be loaded (corrupt, evicted, "
                         "kvstore down) fails its request instead of being computed; set it to 'recompute'",

@@ -69,6 +69,7 @@ class _Request:
     usable_chunks: int | None = None  # decided: chunks a load may restore (None: not yet known)
     load_planned: bool = False
     loaded_tokens: int = 0
+    planned_tokens: int = 0  # what the load was planned to write (loaded_tokens, before any failure)
     saved_chunks: int = 0  # chunks kvstore holds or that were sent to it
     # Computed cold without a Lookup's answer (not asked, or not answered): what the service holds
     # of its prompt is unknown, so nothing of it is stored.
@@ -354,7 +355,7 @@ class SchedulerSide:
         computed = end * self.ct - num_external_tokens
         first, skip = computed // self.ct, (computed % self.ct) // plan.block_tokens
         st.load_planned = True
-        st.loaded_tokens = num_external_tokens
+        st.loaded_tokens = st.planned_tokens = num_external_tokens
         st.load_first_chunk = first
         # The load restores the window at the prompt's boundary: storing it again would only
         # rewrite what the pool holds, renewing a fixed TTL at every hit.
@@ -437,10 +438,12 @@ class SchedulerSide:
         for req_id, chunks in failed_load_chunks:
             st = self._requests.get(req_id)
             if st is not None and st.load_planned:
-                # What it loaded is what was scattered and kept: vLLM computes the rest again. (The
-                # load's first chunk may be partly vLLM's own: those tokens were never counted.)
+                # What it loaded is what was scattered and kept: vLLM computes the rest again, from
+                # the first block any rank failed (tensor parallel ranks report apart, in any step:
+                # the least kept holds). The load's first chunk may be partly vLLM's own: those
+                # tokens were never counted.
                 missing = (st.usable_chunks or 0) - st.load_first_chunk - chunks
-                st.loaded_tokens = max(0, st.loaded_tokens - missing * self.ct)
+                st.loaded_tokens = min(st.loaded_tokens, max(0, st.planned_tokens - missing * self.ct))
         for req_id in failed_loads:
             st = self._requests.get(req_id)
             if st is not None:
@@ -468,8 +471,10 @@ class SchedulerSide:
     def worker_sessions(self, sessions: tuple[str, ...]) -> None:
         """The workers' same-host sessions, from their handshake at engine start and then from
         each report (a restarted service means new ones)."""
-        # Held chunks serve one worker only: with several (tensor parallel), each loads its own.
-        self.worker_session = sessions[0] if len(set(sessions)) == 1 and all(sessions) else ""
+        # Held chunks serve one worker only: with several (tensor parallel), each loads its own. A
+        # step's reports may come from some ranks only, one session then: never held for a rank.
+        self.worker_session = (sessions[0] if len(set(sessions)) == 1 and all(sessions) and not self.plan.shard
+                               else "")
 
     def finished(self, request: Any) -> dict[str, Any] | None:
         st = self._requests.pop(request.request_id, None)

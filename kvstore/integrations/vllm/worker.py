@@ -259,15 +259,17 @@ class WorkerSide:
                     got = r if r is not None else 0
                     if r is not None and got < wanted:
                         self.link.failed("load", ValueError(f"{wanted - got} of {wanted} chunks did not arrive"))
-        # Each chunk kept counted once, by the read that scattered it last (a short held read's
-        # chunks are scattered again by the load after it).
-        for tier in last.tiers[:got]:
-            self.link.count(f"loaded_chunks_{tier}")
-        if got and last.path:
-            self.link.count(f"load_path_{last.path}")
         ok = got == wanted
         if ok and self.plan.hybrid:
             ok = self._load_window(spec, step)
+        # Each chunk kept counted once, by the read that scattered it last (a short held read's
+        # chunks are scattered again by the load after it). With several cache groups a failed
+        # load keeps nothing: vLLM computes the whole request again (`_settle`).
+        kept = got if ok or len(self.plan.groups) == 1 else 0
+        for tier in last.tiers[:kept]:
+            self.link.count(f"loaded_chunks_{tier}")
+        if kept and last.path:
+            self.link.count(f"load_path_{last.path}")
         failed = {b for ids in spec.chunk_blocks.values() for b in ids[got * self.plan.blocks_per_chunk :] if b >= 0}
         return _LoadOutcome(spec.req_id, ok, failed, got)
 
@@ -545,8 +547,10 @@ class WorkerSide:
         failed_chunks, self._failed_load_chunks = tuple(self._failed_load_chunks), []
         dropped, self._dropped = tuple(self._dropped), []
         not_cached, self._not_cached = tuple(self._not_cached), []
+        # With tensor parallel ranks, each reports every step: vLLM sums the reports of a step, and
+        # totals summed over the ranks that happened to report would jump back and forth.
         if (snap == self._reported and session == self._reported_session and not failed and not dropped
-                and not not_cached and self._failed_steps == self._reported_failed_steps):
+                and not not_cached and self._failed_steps == self._reported_failed_steps and not self.plan.shard):
             return None
         self._reported, self._reported_session = snap, session
         self._reported_failed_steps = self._failed_steps
