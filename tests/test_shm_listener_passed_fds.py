@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+import grpc._server
 import pytest
 
 from kvstore.dataplane.peer import ShmPath
@@ -183,10 +185,10 @@ def test_closes_waiting_past_the_bound_pause_new_connections_until_they_end(
         attacker.close()
 
 
-def test_the_side_socket_has_its_mode_before_anyone_can_connect(
+def test_the_unix_sockets_have_their_mode_before_anyone_can_connect(
     make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # It was made with the umask's mode (0777 under umask 0) and served so, then chmodded.
+    # Each was made with the umask's mode (0777 under umask 0) and served so, then chmodded.
     modes: list[int] = []
     listen = socket.socket.listen
 
@@ -196,6 +198,17 @@ def test_the_side_socket_has_its_mode_before_anyone_can_connect(
         listen(self, *args)
 
     monkeypatch.setattr(socket.socket, "listen", noting)
+    # gRPC's own Unix socket listens as add_insecure_port returns (before the service's chmod).
+    grpc_modes: list[int] = []
+    add_port = grpc._server._Server.add_insecure_port
+
+    def noting_grpc(self: Any, address: str) -> int:
+        port = add_port(self, address)
+        if address.startswith("unix:"):
+            grpc_modes.append(Path(address.removeprefix("unix:")).stat().st_mode & 0o777)
+        return port
+
+    monkeypatch.setattr(grpc._server._Server, "add_insecure_port", noting_grpc)
     svc = make_service(shm_config(sock_dir / "kv.sock", tenants=True, unix_socket_mode=0o600))
     assert svc.server.shm is not None and svc.server.shm.enabled
-    assert modes == [0o600], modes
+    assert modes == [0o600] and grpc_modes == [0o600], (modes, grpc_modes)

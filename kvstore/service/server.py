@@ -369,14 +369,21 @@ class KvstoreServer:
     def _listen_unix(self, path: str) -> None:
         """gRPC on the Unix socket too (plaintext: the socket never leaves the host, and tokens are
         still checked), and the shared-memory side socket beside it."""
+        mode = self.app.config.service.unix_socket_mode
         try:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            bound = self._server.add_insecure_port(f"unix:{path}")
+            # gRPC binds and listens here: under the umask's mode (0777 under umask 0) a client could
+            # connect before the chmod below, and keep its connection. Made with `mode` instead (the
+            # umask is the process's: only files made in these microseconds share it).
+            old = os.umask(0o777 & ~mode)
+            try:
+                bound = self._server.add_insecure_port(f"unix:{path}")
+            finally:
+                os.umask(old)
         except (OSError, RuntimeError) as e:
             raise ConfigError("service.unix_socket_path", f"cannot listen on {path}: {e}") from None
         if bound == 0:
             raise ConfigError("service.unix_socket_path", f"cannot listen on {path}")
-        mode = self.app.config.service.unix_socket_mode
         os.chmod(path, mode)
         if self.shm is not None:
             self.shm.start()  # its socket made with the same mode
