@@ -11,8 +11,12 @@ second by leaving the option unset. Real service, real sockets, a real lingering
 from __future__ import annotations
 
 import array
+import os
+import resource
 import socket
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,8 +28,8 @@ import grpc._server
 import pytest
 
 from kvstore.dataplane.peer import ShmPath
-from kvstore.service import shm_listener
-from tests.fixtures.service import Service
+from kvstore.service import deferred_close, shm_listener
+from tests.fixtures.service import LISTENING, Service, base_table, to_toml
 from tests.helpers.waiting import wait_until
 from tests.test_service_shm import ALICE, BOB, shm_config
 
@@ -138,11 +142,17 @@ def test_descriptors_passed_in_never_hold_the_listener_for_other_tenants(
     pairs = [_nested(t) for t in tcps]
     attacker, delivered = _pass_in(shm.path, pairs, monkeypatch)
     try:
-        if delivered:  # read whole, the connection dropped, the closes waiting on the closer's thread
+        if delivered:  # read whole, the connection dropped, the descriptors closed on a thread of their own
             wait_until(lambda: shm.fds_refused_total == 1, timeout=30)
             attacker.settimeout(30)
             assert attacker.recv(16) == b""
-            assert shm._fds_closer.backlog >= 1  # still lingering: the close waits there, not on the listener
+            # Nor does that thread wait: the nested TCP sockets were taken out and reset, though
+            # their peers still live and never read.
+            wait_until(lambda: shm._fds_closer.backlog == 0, timeout=30)
+            tcps[0].reader.settimeout(30)
+            with pytest.raises(ConnectionResetError):
+                while tcps[0].reader.recv(1 << 20):  # what the writer had sent, then its reset
+                    pass
         alice = _hello(path, ALICE)
         assert isinstance(alice, ShmPath), alice
         alice.close()
@@ -156,27 +166,33 @@ def test_descriptors_passed_in_never_hold_the_listener_for_other_tenants(
 
 
 def test_closes_waiting_past_the_bound_pause_new_connections_until_they_end(
-    make_service: Callable[..., Service], sock_dir: Path, lingering: Callable[[], _Lingering],
-    monkeypatch: pytest.MonkeyPatch,
+    make_service: Callable[..., Service], sock_dir: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Each descriptor taken in counts against the process's limit (gRPC's too): past
-    # MAX_CLOSE_BACKLOG waiting to close, no connection is accepted until they are closed.
+    # MAX_CLOSE_BACKLOG waiting to close, no connection is accepted until they are closed. The
+    # fault injected: closes that wait (as a file's on a FUSE mount whose flush never ends can).
     monkeypatch.setattr(shm_listener, "_SO_PASSRIGHTS", None)
     monkeypatch.setattr(shm_listener, "MAX_CLOSE_BACKLOG", 1)
+    hung = threading.Event()
+    close_fds = deferred_close._close_fds
+
+    def waiting(fds: list[int], budget: list[int], depth: int = 0) -> None:
+        hung.wait(60)
+        close_fds(fds, budget, depth)
+
+    monkeypatch.setattr(deferred_close, "_close_fds", waiting)
     svc = make_service(shm_config(sock_dir / "kv.sock", tenants=True))
     shm = svc.server.shm
     assert shm is not None and shm._fds_closer is not None
     path = str(sock_dir / "kv.sock")
-    tcps = [lingering() for _ in range(2)]
-    pairs = [_nested(t) for t in tcps]
-    attacker, delivered = _pass_in(shm.path, pairs, monkeypatch)
+    files = [open(os.devnull, "rb") for _ in range(2)]  # noqa: SIM115 (closed by _pass_in)
+    attacker, delivered = _pass_in(shm.path, files, monkeypatch)  # type: ignore[arg-type]
     try:
         assert delivered
         wait_until(lambda: shm.fds_refused_total == 1, timeout=30)
         refused = _hello(path, ALICE)
         assert isinstance(refused, BaseException), "a connection was accepted past the bound"
-        for t in tcps:
-            t.end()
+        hung.set()
         wait_until(lambda: shm._fds_closer.backlog == 0, timeout=30)
         alice = _hello(path, ALICE)
         assert isinstance(alice, ShmPath), alice
@@ -212,3 +228,33 @@ def test_the_unix_sockets_have_their_mode_before_anyone_can_connect(
     svc = make_service(shm_config(sock_dir / "kv.sock", tenants=True, unix_socket_mode=0o600))
     assert svc.server.shm is not None and svc.server.shm.enabled
     assert modes == [0o600] and grpc_modes == [0o600], (modes, grpc_modes)
+
+
+SERVE_WITH_FEW_DESCRIPTORS = (
+    "import resource, runpy, sys\n"
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+    "sys.argv = ['kvstore', *sys.argv[1:]]\n"
+    "runpy.run_module('kvstore', run_name='__main__')\n"
+)
+
+
+def test_serve_raises_its_descriptor_limit_to_the_hard_one(tmp_path: Path) -> None:
+    # Started under systemd's default soft limit (1,024), a few hundred connections (or descriptors
+    # passed in) and gRPC refused every tenant's calls.
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    (tmp_path / "kvstore.toml").write_text(to_toml(base_table()))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_WITH_FEW_DESCRIPTORS, "serve", "--config", str(tmp_path / "kvstore.toml"),
+         "--grpc-port", "0", "--admin-port", "-1", "--data-dir", str(tmp_path / "data"), "--log-level", "info"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            if LISTENING.search(line):
+                break
+        (soft_now,) = [int(ln.split()[3]) for ln in Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
+                       if ln.startswith("Max open files")]
+        assert soft_now == (hard if hard != resource.RLIM_INFINITY else 1 << 20)
+    finally:
+        proc.terminate()
+        proc.wait(60)

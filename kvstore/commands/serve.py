@@ -19,6 +19,7 @@ import contextlib
 import gc
 import logging
 import os
+import resource
 import signal
 import stat
 import sys
@@ -111,6 +112,17 @@ def _check_host_memory(cfg: KvstoreConfig) -> None:
         logging.getLogger("kvstore.config").warning("%s", verdict.warning)
 
 
+def _raise_descriptor_limit() -> None:
+    """The soft limit on open descriptors raised to the hard one: every client connection, same-host
+    session segment and LMDB file is one, and systemd's default soft limit (1,024) is reached by
+    a few hundred clients; gRPC then refuses everyone's calls."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stopped_while_starting)
     signal.signal(signal.SIGINT, _stopped_while_starting)
@@ -118,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, hups)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _raise_descriptor_limit()
     # '' read as the current directory: "cannot read config file .", or LMDB made in it.
     check_not_empty(args.config, "--config", "file")
     check_not_empty(args.data_dir, "--data-dir", "directory")

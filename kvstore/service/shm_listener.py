@@ -85,7 +85,7 @@ from kvstore.errors import ConfigError, InvalidInput, Unauthenticated
 from kvstore.layout import TierName
 from kvstore.observe.metrics import ShmTotals
 from kvstore.service.auth import Authenticator
-from kvstore.service.deferred_close import DeferredClose
+from kvstore.service.deferred_close import FDS_SPACE, DeferredClose, passed_fds
 from kvstore.service.limits import refusal_message
 from kvstore.wire.accept_pause import PAUSE_MOST_SECONDS, AcceptPause
 from policies.fair_share import FairShare
@@ -110,10 +110,6 @@ _BACKLOG = 64  # connections the kernel queues for the listener
 # The selector's mark for the segment watch (the listener's is None, a connection's its _Conn).
 _WATCH = "segment watch"
 _PEERCRED = struct.Struct("3i")
-# Descriptors a message can carry (the kernel's SCM_MAX_FD): all are taken out of a message read,
-# since those left in it would be closed by the kernel on the listener's thread.
-_FDS_ONE_MESSAGE = 253
-_FDS_SPACE = socket.CMSG_SPACE(_FDS_ONE_MESSAGE * 4)
 _GENERIC_OPTIONS = ("x86_64", "aarch64", "riscv64", "s390x")
 # Linux 6.16 and later: SO_PASSRIGHTS off, and a client's sendmsg of descriptors to the service fails
 # (EPERM) instead of reaching it. Older kernels refuse the option; a message with descriptors is read
@@ -473,7 +469,7 @@ class ShmSessions:
         assert self._fds_closer is not None
         try:
             # recvmsg, never recv: descriptors a message carries would be closed by the kernel here.
-            data, ancdata, _flags, _addr = conn.sock.recvmsg(65536, _FDS_SPACE, socket.MSG_CMSG_CLOEXEC)
+            data, ancdata, _flags, _addr = conn.sock.recvmsg(65536, FDS_SPACE, socket.MSG_CMSG_CLOEXEC)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
@@ -851,13 +847,3 @@ def refuse_descriptors(sock: socket.socket) -> None:
     if _SO_PASSRIGHTS is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, _SO_PASSRIGHTS, 0)
-
-
-def passed_fds(ancdata: Sequence[tuple[int, int, bytes]]) -> list[int]:
-    """The descriptors a message read with recvmsg carried (SCM_RIGHTS)."""
-    fds: list[int] = []
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            whole = len(data) - len(data) % 4
-            fds += struct.unpack(f"{whole // 4}i", data[:whole])
-    return fds
