@@ -164,6 +164,27 @@ def test_a_held_hit_that_is_not_loaded_is_released_at_the_next_step(sides: Sides
     assert not any(k.endswith("_failures") for k in sides.w.link.counters), sides.w.link.counters
 
 
+def test_a_hit_is_not_held_while_another_requests_hold_waits_for_its_blocks(sides: Sides) -> None:
+    # vLLM asks about a request, finds no room for its blocks, and asks about the next one: the
+    # first one's hold is still in the session, so the second loads by itself.
+    prompts = [_prompt(11 + i, 4) for i in range(2)]
+    stored = [sides.store(p, 4, seed=13 + i) for i, p in enumerate(prompts)]
+    reqs = [_request(p, rid) for p, rid in zip(prompts, "ab", strict=True)]
+    assert sides.s.matched(reqs[0], 0) == (4 * CHUNK, False)
+    held = sides.shm().leases.active
+    assert held > 0
+    assert sides.s.matched(reqs[1], 0) == (4 * CHUNK, False)
+    assert sides.shm().leases.active == held  # nothing more held
+    tables = {"a": list(range(0, 4)), "b": list(range(4, 8))}
+    for req in reqs:
+        sides.s.after_alloc(req, (tables[req.request_id],), 4 * CHUNK)
+    meta = sides.step()
+    assert [bool(load.held_spans) for load in meta.loads] == [True, False]
+    assert sides.w.take_load_errors() == set()
+    for rid, want in zip(tables, stored, strict=True):
+        assert sides.scattered(tables[rid]) == want, rid
+
+
 def test_holds_never_fill_the_session_until_a_lookup_waits_for_room(sock_dir: Path, make_service: Any) -> None:
     # Two requests in one step, each with 20 chunks (640 KiB) to load, copied into a 1 MiB load
     # segment: the first Lookup's hold filled more than half of it, the second's waited for room

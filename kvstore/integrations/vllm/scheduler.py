@@ -134,6 +134,8 @@ class SchedulerSide:
         self._queue_log_at = 0.0
         # Held spans that will not be loaded, for the worker to release at the next step.
         self._unused_held: list[tuple[bytes, ...]] = []
+        # The request whose Lookup held chunks last (its spans are gone once loaded or given back).
+        self._holder: _Request | None = None
 
     # --- matching ---------------------------------------------------------------------------------
 
@@ -318,7 +320,8 @@ class SchedulerSide:
         chunks are loaded by the worker, a Load each, whose room is freed as each ends."""
         if not self.worker_session or local >= boundary * self.ct or self._unused_held:
             return False
-        return not any(st.held_spans for st in self._requests.values()) and not any(
+        # One request holds at a time (this rule), so the last to hold is the only one to check.
+        return not (self._holder is not None and self._holder.held_spans) and not any(
             load.held_spans for load in self._loads)
 
     def _give_back(self, st: _Request) -> None:
@@ -338,6 +341,7 @@ class SchedulerSide:
         if got is None:
             return None
         st.held_spans = got.spans
+        self._holder = st
         return got.result
 
     def after_alloc(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
