@@ -104,8 +104,7 @@ class KVCacheServicer(LocalStateCalls):
             if shm is not None and chunks_fit(shm, res.layout.chunk_bytes):
                 r, held = self._lookup_held(res, req, shm, context)
                 if held:
-                    self.paths.count(call.tenant, "shm")
-                    call.data_path = "shm"
+                    self._count_path(call, "shm")
             else:
                 # Chunks too large for the session are not held (a Load of them goes over streams):
                 # the hit is answered all the same, as a Lookup that holds none.
@@ -401,8 +400,7 @@ class KVCacheServicer(LocalStateCalls):
         `counted` by path for Stats; for a load of chunks of `load_chunk_bytes`, one they fit."""
         if not session_id:
             if counted:
-                self.paths.count(call.tenant, "stream")
-                call.data_path = "stream"
+                self._count_path(call, "stream")
             return None
         if self.shm is None:
             # Named as an unknown session: a client that opened its session before a restart that
@@ -412,9 +410,13 @@ class KVCacheServicer(LocalStateCalls):
         s = self.shm.session(session_id, call.tenant)
         check_chunks_fit(s, load_chunk_bytes)
         if counted:
-            self.paths.count(call.tenant, "shm")
-            call.data_path = "shm"
+            self._count_path(call, "shm")
         return s
+
+    def _count_path(self, call: CallState, path: str) -> None:
+        """`call` moves its bytes by `path` ("shm" or "stream"): counted for Stats and its record."""
+        self.paths.count(call.tenant, path)
+        call.data_path = path
 
     def shm_spans(
         self, session: LoadSession, shm: ShmSession, res: Resolved, n: int, context: grpc.ServicerContext,
