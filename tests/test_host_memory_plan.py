@@ -222,5 +222,7 @@ def test_check_config_counts_the_segments_of_the_socket_serve_will_be_given(
     (said,) = warnings("--unix-socket", "/run/kvstore/kvstore.sock")
     assert "service.max_shm_sessions" in said and "96.0 MiB" in said, said
     assert main(["check-config", "--unix-socket", "run/kvstore.sock", str(path)]) == 2
-    assert capsys.readouterr().err.strip() == ("kvstore check-config: --unix-socket must be an absolute path of "
-                                               "at most 100 bytes, without a NUL")
+    assert capsys.readouterr().err.strip() == ("kvstore check-config: --unix-socket must be an absolute path "
+                                               "(or empty for none)")
+    assert main(["check-config", "--unix-socket", "/" + "x" * 120, str(path)]) == 2
+    assert "--unix-socket must be at most 100 bytes" in capsys.readouterr().err

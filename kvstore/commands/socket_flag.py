@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 
 from kvstore.config import KvstoreConfig
+from kvstore.config.service import unix_socket_path_problem
 from kvstore.errors import InvalidInput
 
 
@@ -17,8 +18,9 @@ def add_socket_flag(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def check_socket_flag(unix_socket: str | None) -> None:
-    if unix_socket and (not unix_socket.startswith("/") or len(unix_socket.encode()) > 100 or "\0" in unix_socket):
-        raise InvalidInput("--unix-socket must be an absolute path of at most 100 bytes, without a NUL")
+    problem = unix_socket_path_problem(unix_socket) if unix_socket else ""
+    if problem:
+        raise InvalidInput(f"--unix-socket {problem}")
 
 
 def socket_over(cfg: KvstoreConfig, unix_socket: str | None) -> KvstoreConfig:

@@ -104,6 +104,18 @@ class TenantConfig:
                 f"must be in {MIN_SHARE_WEIGHT:g}..{MAX_SHARE_WEIGHT:g}")
 
 
+def unix_socket_path_problem(path: str) -> str:
+    """What is wrong with `path` as the service's Unix socket ("" if nothing): the rule of
+    service.unix_socket_path, and of the flag that overrides it."""
+    if not path.startswith("/"):
+        return "must be an absolute path (or empty for none)"
+    if "\0" in path:
+        return NUL_PROBLEM
+    if len(path.encode()) > 100:
+        return "must be at most 100 bytes (a Unix socket path, with room for the '.shm' beside it)"
+    return ""
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     grpc_host: str = "127.0.0.1"
@@ -186,12 +198,10 @@ class ServiceConfig:
         # Shutdown waits this long for calls in flight; an endless wait is no grace period.
         require(0 <= self.grace_seconds <= 3600, join(prefix, "grace_seconds"), "must be in 0..3600")
         require(self.max_lookup_tokens >= 1, join(prefix, "max_lookup_tokens"), "must be >= 1")
-        require(not self.unix_socket_path or self.unix_socket_path.startswith("/"), join(prefix, "unix_socket_path"),
-                "must be an absolute path (or empty for none)")
-        for name in ("unix_socket_path", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        problem = unix_socket_path_problem(self.unix_socket_path) if self.unix_socket_path else ""
+        require(not problem, join(prefix, "unix_socket_path"), problem)
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
             require("\0" not in getattr(self, name), join(prefix, name), NUL_PROBLEM)
-        require(len(self.unix_socket_path.encode()) <= 100, join(prefix, "unix_socket_path"),
-                "must be at most 100 bytes (a Unix socket path, with room for the '.shm' beside it)")
         require(0 <= self.unix_socket_mode <= 0o777, join(prefix, "unix_socket_mode"),
                 "must be a file mode in 0o000..0o777 (TOML: unix_socket_mode = 0o660)")
         for name in ("shm_load_segment_bytes", "shm_store_segment_bytes"):
