@@ -223,7 +223,7 @@ def test_with_asynchronous_loads_the_registration_never_holds_the_scheduler_up(h
         for i in range(12):  # 1.8 s of steps: the registration fails once (1 s), then pauses
             t = time.monotonic()
             answers.append(s.matched(_request(500, f"r{i}"), 0))
-            assert time.monotonic() - t < 0.25, f"step {i}"  # the budget is 1 s
+            assert time.monotonic() - t < 0.6, f"step {i}"  # the budget is 1 s
             time.sleep(0.15)
         assert answers[0] == (None, False) and (0, False) in answers  # not yet, then cold meanwhile
         assert link.counters["register_failures"] == 1
@@ -234,14 +234,14 @@ def test_with_asynchronous_loads_the_registration_never_holds_the_scheduler_up(h
 def test_a_failed_registration_pauses_retry_after_from_its_failure(hung_grpc: str) -> None:
     # The pause was counted from the call's start: a call that waited out the budget shortened it
     # by as much (budget_ms >= retry_after_ms: tried again at the very next request).
-    cfg = ConnectorConfig.from_extra({"address": hung_grpc, "budget_ms": 400, "retry_after_ms": 400,
+    cfg = ConnectorConfig.from_extra({"address": hung_grpc, "budget_ms": 1000, "retry_after_ms": 1000,
                                       "chunk_tokens": CT})
     link = Link(cfg, PLAN.engine_model("tiny", "rev", 1000, 0.0))
     try:
         assert link.model_name() is None
         t = time.monotonic()
         assert link.model_name() is None and link.counters["register_failures"] == 1  # not tried again
-        assert time.monotonic() - t < 0.2
+        assert time.monotonic() - t < 0.5  # trying again would wait the budget (1 s)
     finally:
         link.close()
 
