@@ -1038,3 +1038,19 @@ def test_instances_of_two_format_versions_sharing_a_pool_keep_out_of_each_others
     assert again.hit and again.payload is not None and bytes(again.payload) == data
     assert snapshot_key_base("kvs", _ns(), _bk()) == f"kvs:{{{tag.hex()}}}:v2:p".encode()
     pool.close()
+
+
+def test_a_server_whose_port_another_holds_does_not_take_that_one_for_its_own(redis_binary: str) -> None:
+    # Restarted on its port, a server found another's answer there (the port taken meanwhile, by
+    # another test process's server) and took it for its own: its clients then used, and could
+    # flush, someone else's data.
+    other = RedisProcess(redis_binary).start()
+    late = RedisProcess(redis_binary)
+    try:
+        late.port = other.port  # as after kill(): start() keeps the port it had
+        with pytest.raises(RuntimeError, match=f"did not start on port {other.port}"):
+            late.start()
+    finally:
+        late.close()
+        other.close()
+

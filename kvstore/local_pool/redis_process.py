@@ -182,7 +182,9 @@ class RedisProcess:
                 if self._proc.poll() is not None:
                     return False
                 try:
-                    if probe.ping():
+                    # Its own answer: another process's server can hold the port (a restart on the
+                    # same port races whoever took it meanwhile), and ours then exits.
+                    if probe.info("server").get("process_id") == self._proc.pid:
                         return True
                 except redis.exceptions.BusyLoadingError:
                     pass
