@@ -21,12 +21,28 @@ import pytest
 WAIT_SECONDS = 120.0
 
 
-def _alive(pid: int) -> bool:
+# A process by its pid and start time: another process may get the pid once it has ended (the
+# other test process starts thousands), and must be neither waited on nor killed in its place.
+Proc = tuple[int, str]
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields from the state on ([] once gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+            return f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def _proc(pid: int) -> Proc:
+    fields = _stat(pid)
+    return pid, fields[19] if fields else ""
+
+
+def _alive(proc: Proc) -> bool:
+    fields = _stat(proc[0])
+    return bool(fields) and fields[0] != "Z" and fields[19] == proc[1]
 
 
 def _wait_for(what: str, probe: Callable[[], object], seconds: float = WAIT_SECONDS) -> None:
@@ -38,9 +54,9 @@ def _wait_for(what: str, probe: Callable[[], object], seconds: float = WAIT_SECO
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _children(pid: int) -> list[int]:
+def _children(pid: int) -> list[Proc]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(x) for x in out]
+    return [_proc(int(x)) for x in out]
 
 
 def _kvstore(argv: list[str], tmp: Path, path: str | None = None, **kw: Any) -> subprocess.Popen[str]:
@@ -65,7 +81,7 @@ def _terminated(p: subprocess.Popen[str], ready: Callable[[], object]) -> str:
 def test_sigterm_to_bench_pool_stops_its_redis_and_removes_its_temp_dir(redis_binary: str, tmp_path: Path) -> None:
     p = _kvstore(["bench", "pool", "--rounds", "10000", "--ops", "1000"], tmp_path,
                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    redis: list[int] = []
+    redis: list[Proc] = []
 
     def ready() -> None:
         # Its temp dir is made once `redis-server --version` (a child too) has ended: the child
@@ -74,10 +90,9 @@ def test_sigterm_to_bench_pool_stops_its_redis_and_removes_its_temp_dir(redis_bi
         _wait_for("bench pool's redis-server", lambda: redis.extend(_children(p.pid)) or redis)
 
     err = _terminated(p, ready)
-    redis_pid = redis[0]
-    orphaned = _alive(redis_pid)
+    orphaned = _alive(redis[0])
     if orphaned:  # not left running for good when this fails
-        os.kill(redis_pid, signal.SIGKILL)
+        os.kill(redis[0][0], signal.SIGKILL)
     assert p.returncode == 143, (p.returncode, err[-2000:])
     assert err.strip().splitlines() == ["kvstore bench: stopped by SIGTERM"]
     assert not orphaned
@@ -93,7 +108,7 @@ def test_sigterm_while_bench_pool_starts_its_redis_still_removes_its_temp_dir(tm
     fake.chmod(0o755)
     p = _kvstore(["bench", "pool"], tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                  path=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    server: list[int] = []
+    server: list[Proc] = []
 
     def ready() -> None:
         # After `redis-server --version` (a child too), as above.
@@ -147,12 +162,12 @@ _PARENT = textwrap.dedent("""
 """)
 
 
-def _child_of_a_killed_parent(kind: str, tmp: Path) -> int:
-    """Start `kind` from a parent that is then SIGKILLed (no clean-up of its own runs); the child's pid."""
+def _child_of_a_killed_parent(kind: str, tmp: Path) -> Proc:
+    """Start `kind` from a parent that is then SIGKILLed (no clean-up of its own runs); the child."""
     parent = subprocess.Popen([sys.executable, "-c", _PARENT, kind, str(tmp)], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None
-        child = int(parent.stdout.readline())
+        child = _proc(int(parent.stdout.readline()))
     finally:
         parent.kill()
         parent.wait()
@@ -167,7 +182,7 @@ def test_a_started_child_dies_with_its_parent(redis_binary: str, tmp_path: Path,
         _wait_for(f"the orphaned {what} to die", lambda: not _alive(child), 30)
     finally:
         if _alive(child):
-            os.kill(child, signal.SIGKILL)
+            os.kill(child[0], signal.SIGKILL)
 
 
 def test_serve_whose_stdout_reader_went_away_still_stops_cleanly(tmp_path: Path) -> None:
