@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -530,19 +532,29 @@ def test_runner_killed_mid_replay_is_replaced_by_another(make_rig: Callable[...,
             helper.wait(30)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _held_port(port: int = 0) -> socket.socket:
+    """A loopback port kept bound, not listening (a connect to it is refused), until closed: no
+    other process (the other test process's services) takes it while the service is down."""
+    deadline = time.monotonic() + 10
+    while True:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the last server's TIME_WAITs
+        try:
+            s.bind(("127.0.0.1", port))
+            return s
+        except OSError:
+            s.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)  # a stopped server's listening socket may close a moment later
 
 
 def test_attached_runner_waits_for_the_service_and_reattaches_after_a_restart(tmp_path: Path) -> None:
     from kvstore.service.app import build_app
     from kvstore.service.server import KvstoreServer
 
-    port = _free_port()
+    held = _held_port()
+    port = int(held.getsockname()[1])
     cfg = config(replay={"runner": "attached"})
     proc = spawn_runner(f"127.0.0.1:{port}")
     lines: list[str] = []
@@ -554,13 +566,16 @@ def test_attached_runner_waits_for_the_service_and_reattaches_after_a_restart(tm
         assert proc.poll() is None, "".join(lines)  # nobody listening yet: it backs off and retries
         for _ in range(2):  # the service comes up, goes down, comes back: the runner follows
             app = build_app(cfg, tmp_path / "data")
+            held.close()
             server = KvstoreServer(app, "127.0.0.1", port, admin_port=-1).start()
             try:
                 wait_for(lambda a=app: len(a.runners.runners()) == 1, 60)  # type: ignore[misc]
             finally:
                 server.stop(0.5)
                 app.close()
+                held = _held_port(port)
     finally:
+        held.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         reader.join(10)
