@@ -144,10 +144,10 @@ def test_flag_errors_name_the_flag_and_come_before_the_intro(
 
     import torch
 
-    with socket.socket() as s:  # a port with nothing listening on it
+    with socket.socket() as s:  # a port bound, never listening, all along: nothing can answer there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert main(["demo", "--target", f"127.0.0.1:{port}", *SMALL]) == 2
+        assert main(["demo", "--target", f"127.0.0.1:{port}", *SMALL]) == 2
     out = capsys.readouterr()
     assert out.out == ""  # no intro before the error
     assert f"--target 127.0.0.1:{port}" in out.err and "nothing answered within 2 s" in out.err

@@ -808,13 +808,16 @@ def _make_certs(directory: Path) -> tuple[Path, Path, Path]:
 
 def test_tls_url(redis_factory: RedisFactory, tmp_path: Path) -> None:
     crt, key, ca = _make_certs(tmp_path)
-    tls_port = free_port()
-    try:
-        server = redis_factory({"tls-port": str(tls_port), "tls-cert-file": str(crt),
-                                "tls-key-file": str(key), "tls-ca-cert-file": str(ca),
-                                "tls-auth-clients": "no"})
-    except RuntimeError as e:
-        pytest.skip(f"this redis-server has no TLS support: {e}")
+    for attempt in range(3):  # a TLS port found free can be taken (by another process) before it binds
+        tls_port = free_port()
+        try:
+            server = redis_factory({"tls-port": str(tls_port), "tls-cert-file": str(crt),
+                                    "tls-key-file": str(key), "tls-ca-cert-file": str(ca),
+                                    "tls-auth-clients": "no"})
+            break
+        except RuntimeError as e:
+            if attempt == 2:
+                pytest.skip(f"this redis-server has no TLS support: {e}")
     pool = _pool(f"rediss://127.0.0.1:{tls_port}?ssl_ca_certs={ca}&ssl_cert_reqs=required",
                  socket_timeout_seconds=2.0, connect_timeout_seconds=2.0, call_budget_seconds=5.0)
     data = os.urandom(SNAPSHOT)

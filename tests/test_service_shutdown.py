@@ -305,18 +305,20 @@ def test_a_sigterm_once_calls_are_answered_drains_even_before_the_listening_line
 
 def test_serve_says_at_start_that_its_redis_cannot_be_reached(tmp_path: Path) -> None:
     # It used to say nothing until the first pool call; `stats` read "healthy" meanwhile.
-    from kvstore.local_pool.redis_process import free_port
+    import socket
 
-    table = base_table()
-    table["local_pool"] = {"url": f"redis://127.0.0.1:{free_port()}/0"}  # nothing listens there
-    proc = spawn_service(tmp_path, table)
-    try:
-        banner = "".join(proc.banner)
-        assert "local pool degraded: redis not reached yet: ConnectionError" in banner, banner
-        with KvstoreClient(proc.address) as kv:  # at once: health is read again after the probe
-            assert kv.health("kvstore.local_pool") == "NOT_SERVING"
-    finally:
-        assert proc.terminate(signal.SIGTERM) == 0, proc.output()
+    with socket.socket() as held:  # bound, never listening, all along: nothing can answer there
+        held.bind(("127.0.0.1", 0))
+        table = base_table()
+        table["local_pool"] = {"url": f"redis://127.0.0.1:{held.getsockname()[1]}/0"}
+        proc = spawn_service(tmp_path, table)
+        try:
+            banner = "".join(proc.banner)
+            assert "local pool degraded: redis not reached yet: ConnectionError" in banner, banner
+            with KvstoreClient(proc.address) as kv:  # at once: health is read again after the probe
+                assert kv.health("kvstore.local_pool") == "NOT_SERVING"
+        finally:
+            assert proc.terminate(signal.SIGTERM) == 0, proc.output()
 
 
 def test_serve_without_a_config_says_what_it_runs(tmp_path: Path) -> None:
