@@ -48,6 +48,14 @@ def _no_victim_errors(v: Victim) -> None:
     assert report.errors == 0, report.error_codes[:5]
 
 
+def _flood_state(flood: h2.PingFlood) -> str:
+    c = flood.conn
+    assert c is not None
+    reader = c._reader is not None and c._reader.is_alive()
+    return (f"{c.frames_sent} frames sent ({c.bytes_sent} B), closed by the server: {c.closed_by_server.is_set()}, "
+            f"reset: {c.reset_by_server}, goaway: {c.goaway!r}, reader alive: {reader}")
+
+
 @pytest.mark.parametrize("read_acks", [True, False], ids=["reading", "not-reading"])
 def test_a_ping_flood_is_cut_off_and_the_victim_is_served(svc: Service, victim: Victim, read_acks: bool) -> None:
     # 17 MB of PINGs: more than the sockets' buffers hold, so a flood that is sent whole was not cut
@@ -56,7 +64,7 @@ def test_a_ping_flood_is_cut_off_and_the_victim_is_served(svc: Service, victim: 
     flood = h2.PingFlood(svc.address, frames=frames, read=read_acks)
     flood.start()
     try:
-        assert flood.wait_finished(60)
+        assert flood.wait_finished(60), _flood_state(flood)
         assert flood.conn is not None and flood.conn.wait_closed(10)
         assert flood.conn.frames_sent < frames  # cut off before it was done
         if read_acks:  # the GOAWAY names why, unless a reset dropped it before it was read
