@@ -140,12 +140,11 @@ def _get_json(url: str) -> Any:
 
 def test_flag_errors_name_the_flag_and_come_before_the_intro(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import socket
-
     import torch
 
-    with socket.socket() as s:  # a port bound, never listening, all along: nothing can answer there
-        s.bind(("127.0.0.1", 0))
+    from tests.helpers.ports import held_port
+
+    with held_port() as s:  # nothing can answer there, all along
         port = s.getsockname()[1]
         assert main(["demo", "--target", f"127.0.0.1:{port}", *SMALL]) == 2
     out = capsys.readouterr()

@@ -11,12 +11,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +39,7 @@ from replay.coordinator import ReplayCoordinator
 from replay.port import ReplayParts
 from replay.runner import ReplayJob, ReplayResult, Runner
 from tests.fixtures.service import Service, make_config, start_service
+from tests.helpers.ports import held_port
 from tests.test_replay_coordinator import MODEL, NAME, ROW, SPEC, GatedRunner, W, tokens, wait_for
 
 register_model(SPEC)
@@ -532,28 +531,11 @@ def test_runner_killed_mid_replay_is_replaced_by_another(make_rig: Callable[...,
             helper.wait(30)
 
 
-def _held_port(port: int = 0) -> socket.socket:
-    """A loopback port kept bound, not listening (a connect to it is refused), until closed: no
-    other process (the other test process's services) takes it while the service is down."""
-    deadline = time.monotonic() + 10
-    while True:
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the last server's TIME_WAITs
-        try:
-            s.bind(("127.0.0.1", port))
-            return s
-        except OSError:
-            s.close()
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)  # a stopped server's listening socket may close a moment later
-
-
 def test_attached_runner_waits_for_the_service_and_reattaches_after_a_restart(tmp_path: Path) -> None:
     from kvstore.service.app import build_app
     from kvstore.service.server import KvstoreServer
 
-    held = _held_port()
+    held = held_port()
     port = int(held.getsockname()[1])
     cfg = config(replay={"runner": "attached"})
     proc = spawn_runner(f"127.0.0.1:{port}")
@@ -573,7 +555,7 @@ def test_attached_runner_waits_for_the_service_and_reattaches_after_a_restart(tm
             finally:
                 server.stop(0.5)
                 app.close()
-                held = _held_port(port)
+                held = held_port(port)
     finally:
         held.close()
         proc.send_signal(signal.SIGTERM)

@@ -305,10 +305,9 @@ def test_a_sigterm_once_calls_are_answered_drains_even_before_the_listening_line
 
 def test_serve_says_at_start_that_its_redis_cannot_be_reached(tmp_path: Path) -> None:
     # It used to say nothing until the first pool call; `stats` read "healthy" meanwhile.
-    import socket
+    from tests.helpers.ports import held_port
 
-    with socket.socket() as held:  # bound, never listening, all along: nothing can answer there
-        held.bind(("127.0.0.1", 0))
+    with held_port() as held:  # nothing can answer there, all along
         table = base_table()
         table["local_pool"] = {"url": f"redis://127.0.0.1:{held.getsockname()[1]}/0"}
         proc = spawn_service(tmp_path, table)
