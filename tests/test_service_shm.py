@@ -1468,7 +1468,8 @@ def test_a_holding_lookup_with_no_room_in_the_session_is_answered_unheld_at_once
     second = kv.lookup_held(V41, prompt, hold_chunks=4)  # no room for it
     assert second.result.hit_chunks == n and second.chunks is None
     assert svc.server.shm is not None and svc.server.shm.totals().leases > 0
-    first.release()
+    first.release()  # a message on the side socket, taken by the listener's thread in its time
+    wait_until(lambda: svc.server.shm is not None and svc.server.shm.totals().leases == 0)
     third = kv.lookup_held(V41, prompt, hold_chunks=4)  # room again
     assert third.chunks is not None
     third.release()
