@@ -28,6 +28,11 @@ from tests.fixtures.tcp_proxy import TcpProxy
 ROOT = Path(__file__).resolve().parents[2]
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
 ENGINE_START_SECONDS = 300
+# Greedy tokens must match exactly; bf16 logprobs within one bf16 step of a logit between 8 and 16
+# (2**-4, plus slack). Two cold runs of one prompt in two engines of the same config once differed
+# by 0.052 (same tokens) with another file's engine running beside them: a kernel that reduces in
+# another order moves a logit by a step. Wrong KV moves far more, and changes the tokens.
+BF16_LOGPROB_ABS = 0.07
 
 
 def service_table(**store: Any) -> dict[str, Any]:
@@ -148,6 +153,12 @@ def start_engine(model: Path, spec: dict[str, Any], log: Path) -> Engine:
     finally:
         timer.cancel()
     raise RuntimeError(f"the engine did not start; its log:\n{log.read_text()[-4000:]}")
+
+
+def same_output(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """`got` is the answer `want` is, to bf16's resolution (BF16_LOGPROB_ABS)."""
+    assert got["tokens"] == want["tokens"]
+    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=BF16_LOGPROB_ABS)
 
 
 def connector_spec(kv: Kvstore, token: str = ALICE, **extra: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import pytest
 from kvstore.bench.engine_models import TINY_VOCAB as VOCAB
 from kvstore.bench.engine_models import write_llama
 from kvstore.tiers import value_format as vf
-from tests.engine.conftest import BOB, Engine, Kvstore, connector_spec, service_table, start_engine
+from tests.engine.conftest import BOB, Engine, Kvstore, connector_spec, same_output, service_table, start_engine
 
 CT = 128
 N_TOKENS = 7 * CT + 37  # seven full chunks and a partial one
@@ -70,11 +70,6 @@ def warm_engine(cold: list[dict[str, Any]], models: dict[str, Path], kv: Kvstore
     return engine
 
 
-def _same_output(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert got["tokens"] == want["tokens"]
-    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=2e-2)
-
-
 def test_1_a_cold_prompt_caches_nothing_and_stores_its_chunks(cold: list[dict[str, Any]], kv: Kvstore) -> None:
     assert [o["kvstore"]["loaded_tokens"] for o in cold] == [0, 0, 0]
     assert [o["num_cached_tokens"] for o in cold] == [0, 0, 0]
@@ -89,7 +84,7 @@ def test_2_after_a_restart_a_fresh_engine_restores_the_prompt_from_lmdb(
     [warm] = warm_engine.generate({"tokens": PROMPT})
     assert warm["kvstore"]["loaded_tokens"] == 7 * CT
     assert warm["num_cached_tokens"] == 7 * CT
-    _same_output(warm, cold[0])
+    same_output(warm, cold[0])
     counters = warm["kvstore"]["counters"]
     assert counters.get("loaded_chunks_lmdb") == 7
     assert not any(k.endswith("_failures") for k in counters), counters
@@ -98,7 +93,7 @@ def test_2_after_a_restart_a_fresh_engine_restores_the_prompt_from_lmdb(
 def test_3a_another_cache_salt_sees_nothing(warm_engine: Engine, cold: list[dict[str, Any]]) -> None:
     [salted] = warm_engine.generate({"tokens": PROMPT, "cache_salt": "another-user"})
     assert (salted["kvstore"]["loaded_tokens"], salted["num_cached_tokens"]) == (0, 0)
-    _same_output(salted, cold[0])
+    same_output(salted, cold[0])
 
 
 def test_5_a_corrupt_value_on_disk_is_recomputed(warm_engine: Engine, kv: Kvstore,
@@ -108,7 +103,7 @@ def test_5_a_corrupt_value_on_disk_is_recomputed(warm_engine: Engine, kv: Kvstor
     kv.start()
     warm_engine.ask({"op": "reset_prefix_cache"})
     [out] = warm_engine.generate({"tokens": CORRUPTED})
-    _same_output(out, cold[1])
+    same_output(out, cold[1])
     counters = out["kvstore"]["counters"]
     # Chunks 0-1 loaded; the corrupt one ended the stream there, and its blocks were recomputed.
     assert counters["load_failed_blocks"] == 5, counters
@@ -127,7 +122,7 @@ def test_6_with_kvstore_stopped_the_engine_still_answers_as_cold(warm_engine: En
         assert time.monotonic() - t0 < 60  # bounded by the connector's budget, not hung
     finally:
         kv.start()
-    _same_output(out, cold[2])
+    same_output(out, cold[2])
     assert out["kvstore"]["loaded_tokens"] == 0
     assert out["kvstore"]["counters"].get("lookup_failures", 0) >= 1
 
@@ -150,7 +145,7 @@ def test_6b_with_kvstore_hung_the_engine_answers_as_cold_within_its_budget(warm_
     finally:
         kv.proxy.set_mode("pass")
     assert took < 30, took  # the Lookup's budget and a cold prefill, not a hang
-    _same_output(out, cold[0])
+    same_output(out, cold[0])
     assert out["kvstore"]["loaded_tokens"] == 0
     failures = {k: v for k, v in out["kvstore"]["counters"].items() if k.endswith("_failures")}
     assert failures.get("lookup_failures", 0) > before["kvstore"]["counters"].get("lookup_failures", 0), failures
@@ -162,7 +157,7 @@ def test_3b_another_tenant_sees_nothing(models: dict[str, Path], kv: Kvstore, wo
     engines.append(engine)
     [out] = engine.generate({"tokens": PROMPT})
     assert (out["kvstore"]["loaded_tokens"], out["num_cached_tokens"]) == (0, 0)
-    _same_output(out, cold[0])
+    same_output(out, cold[0])
     engine.close()
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvstore.bench.engine_models import TINY_VOCAB, write_gemma3
 from kvstore.integrations.vllm.link import REPLAY_MODE
-from tests.engine.conftest import Engine, Kvstore, connector_spec, service_table, start_engine
+from tests.engine.conftest import Engine, Kvstore, connector_spec, same_output, service_table, start_engine
 
 CT = 128
 LOCAL_TTL_SECONDS = 15.0  # room for the cold and warm requests while another test file runs an engine
@@ -73,7 +73,7 @@ def test_7_warm_restores_the_window_and_expired_is_cold(engine: Engine, kv: Kvst
     assert window == "hit", why
     assert time.monotonic() - started < LOCAL_TTL_SECONDS, "too slow to see the window state before its TTL"
     assert (warm["kvstore"]["loaded_tokens"], warm["num_cached_tokens"]) == (7 * CT, 7 * CT), why
-    _same(warm, cold)
+    same_output(warm, cold)
     counters: dict[str, Any] = warm["kvstore"]["counters"]
     assert not any(k.endswith("_failures") for k in counters), counters
     # The cold request's window state, kept by the service (a skip would be counted with its reason),
@@ -85,10 +85,5 @@ def test_7_warm_restores_the_window_and_expired_is_cold(engine: Engine, kv: Kvst
     engine.ask({"op": "reset_prefix_cache"})
     [expired] = engine.generate({"tokens": PROMPT})
     assert (expired["kvstore"]["loaded_tokens"], expired["num_cached_tokens"]) == (0, 0)
-    _same(expired, cold)
+    same_output(expired, cold)
     assert expired["kvstore"]["counters"]["hybrid_hits_without_window"] >= 1
-
-
-def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert got["tokens"] == want["tokens"]
-    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=2e-2)

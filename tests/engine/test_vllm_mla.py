@@ -21,7 +21,7 @@ import pytest
 from kvstore.bench.engine_models import TINY_VOCAB as VOCAB
 from kvstore.bench.engine_models import write_deepseek_v2
 from kvstore.integrations.vllm.cache_layout import plan_from_vllm
-from tests.engine.conftest import Engine, Kvstore, connector_spec, service_table, start_engine
+from tests.engine.conftest import Engine, Kvstore, connector_spec, same_output, service_table, start_engine
 
 CT = 128
 LATENT_ROW = 576 * 2  # bf16
@@ -81,8 +81,7 @@ def _restored_as_by_vllm(model: Path, kv: Kvstore, spec: dict[str, Any], logs: P
     assert warm["kvstore"]["block_tokens"] == _mla_block_tokens(spec["attention_backend"])
     counters = warm["kvstore"]["counters"]
     assert counters.get("loaded_chunks_lmdb") == 5 and not any(k.endswith("_failures") for k in counters), counters
-    assert warm["tokens"] == own["tokens"]
-    assert warm["logprobs"] == pytest.approx(own["logprobs"], abs=2e-2)
+    same_output(warm, own)
 
 
 def _groups(*specs: Any) -> Any:
