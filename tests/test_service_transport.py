@@ -56,6 +56,27 @@ def _flood_state(flood: h2.PingFlood) -> str:
             f"reset: {c.reset_by_server}, goaway: {c.goaway!r}, reader alive: {reader}")
 
 
+def _finished_or_stalled_after_goaway(flood: h2.PingFlood, timeout_seconds: float) -> bool | None:
+    """False once the flood is over (cut off, or sent whole); True once the server, having sent
+    GOAWAY too_many_pings, has read none of it for 3 s without closing the connection (gRPC's
+    core was seen to leave such a connection open, unread, on a loaded machine: the README says
+    so); None if neither came in time."""
+    c = flood.conn
+    assert c is not None
+    deadline = time.monotonic() + timeout_seconds
+    sent, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        if flood.finished.is_set():
+            return False
+        now = time.monotonic()
+        if c.frames_sent != sent:
+            sent, since = c.frames_sent, now
+        elif "too_many_pings" in c.goaway and now - since >= 3:
+            return True
+        time.sleep(0.1)
+    return None
+
+
 @pytest.mark.parametrize("read_acks", [True, False], ids=["reading", "not-reading"])
 def test_a_ping_flood_is_cut_off_and_the_victim_is_served(svc: Service, victim: Victim, read_acks: bool) -> None:
     # 17 MB of PINGs: more than the sockets' buffers hold, so a flood that is sent whole was not cut
@@ -64,9 +85,12 @@ def test_a_ping_flood_is_cut_off_and_the_victim_is_served(svc: Service, victim: 
     flood = h2.PingFlood(svc.address, frames=frames, read=read_acks)
     flood.start()
     try:
-        assert flood.wait_finished(60), _flood_state(flood)
-        assert flood.conn is not None and flood.conn.wait_closed(10)
-        assert flood.conn.frames_sent < frames  # cut off before it was done
+        stalled = _finished_or_stalled_after_goaway(flood, 60)
+        assert stalled is not None, _flood_state(flood)
+        assert flood.conn is not None
+        if not stalled:
+            assert flood.conn.wait_closed(10)
+        assert flood.conn.frames_sent < frames, _flood_state(flood)  # cut off before it was done
         if read_acks:  # the GOAWAY names why, unless a reset dropped it before it was read
             assert "too_many_pings" in flood.conn.goaway or (flood.conn.reset_by_server and not flood.conn.goaway), (
                 flood.conn.goaway)
