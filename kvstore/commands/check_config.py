@@ -165,11 +165,13 @@ def _host_memory(cfg: KvstoreConfig) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     check_not_empty(args.file, "FILE", "file")  # else "cannot read config file .: Is a directory"
+    check_socket_flag(args.unix_socket)
+    cfg = socket_over(load_config(args.file), args.unix_socket)
+    # Only once the file is read: gRPC (imported with these) starts threads, and a process that
+    # exits at once after it was seen to abort in gRPC's poller on a loaded machine.
     from kvstore.service.app import build_ttl_policy, check_devices, served_models
     from kvstore.service.auth import check_bind_allowed, server_credentials
 
-    check_socket_flag(args.unix_socket)
-    cfg = socket_over(load_config(args.file), args.unix_socket)
     models = served_models(cfg)
     check_devices(cfg)  # a 'cuda' store or replay device on a machine without CUDA
     check_bind_allowed(cfg, cfg.service.grpc_host)
