@@ -879,6 +879,27 @@ def test_a_dead_cluster_master_does_not_refuse_the_keys_of_the_live_ones(redis_b
         cluster.close()
 
 
+def test_a_caller_waiting_when_the_hung_clusters_build_gives_up_hears_a_timeout(redis_binary: str) -> None:
+    # The build (each startup node a socket timeout: ~0.75 s here) failed on "Timeout reading"
+    # while a caller waited for it, and the caller was told ConnectionError: the pool counted an
+    # "error" miss for a hung cluster (7 of 8 such gets, in three test processes on two cores).
+    cluster = RedisClusterProcesses(3, redis_binary).start()
+    try:
+        for node in cluster.nodes:
+            node.freeze()
+        transport = ClusterTransport(cluster.url, 0.25, 0.25, 4)
+        with pytest.raises(redis.TimeoutError, match="did not come within"):  # gives up before the build
+            transport.pipeline([("GET", b"k")], time.monotonic() + 0.3)
+        # Joins the same build, with time to outlast it.
+        with pytest.raises(redis.TimeoutError, match=r"cannot reach the cluster: .*Timeout reading"):
+            transport.pipeline([("GET", b"k")], time.monotonic() + 5.0)
+        transport.close()
+    finally:
+        for node in cluster.nodes:
+            node.thaw()
+        cluster.close()
+
+
 def test_a_hung_cluster_at_first_use_costs_each_caller_only_its_deadline(redis_binary: str) -> None:
     # The first calls build the cluster client (a slot map from each startup node in turn, a
     # socket timeout each when they hang). It was built under a lock that callers queued on:

@@ -744,7 +744,9 @@ class ClusterTransport:
         if not build.done.wait(max(0.0, deadline_at - time.monotonic())):
             raise RedisTimeoutError("the cluster's slot map did not come within the call's deadline")
         if build.client is None:
-            raise RedisConnectionError(f"cannot reach the cluster: {build.error}")
+            # Every startup node timed out (hung): a timeout to the caller, as a hung node's call is.
+            failed = RedisTimeoutError if build.timed_out else RedisConnectionError
+            raise failed(f"cannot reach the cluster: {build.error}")
         return build.client
 
     def _build(self, build: _Build) -> None:
@@ -752,6 +754,7 @@ class ClusterTransport:
             client = RedisCluster(startup_nodes=self._nodes, retry=Retry(NoBackoff(), 0), **self._kwargs)
         except Exception as e:  # any failure is the callers' to report; the next call builds anew
             build.error = f"{type(e).__name__}: {e}"
+            build.timed_out = isinstance(e.__cause__ or e, RedisTimeoutError | TimeoutError)
             client = None
         with self._lock:
             self._building = None
@@ -802,6 +805,7 @@ class _Build:
         self.done = threading.Event()
         self.client: RedisCluster | None = None
         self.error = ""
+        self.timed_out = False  # it failed because the last node it asked timed out
 
 
 def _key_of(command: Command) -> bytes | str:
