@@ -167,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
     check_not_empty(args.file, "FILE", "file")  # else "cannot read config file .: Is a directory"
     check_socket_flag(args.unix_socket)
     cfg = socket_over(load_config(args.file), args.unix_socket)
-    # Only once the file is read: gRPC (imported with these) starts threads, and a process that
-    # exits at once after it was seen to abort in gRPC's poller on a loaded machine.
+    # Only once the file is read: these import gRPC, and a process that imported it and exited at
+    # once was seen to abort in gRPC's poller on a loaded machine (an unreadable file never loads it).
     from kvstore.service.app import build_ttl_policy, check_devices, served_models
     from kvstore.service.auth import check_bind_allowed, server_credentials
 

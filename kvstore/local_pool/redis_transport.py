@@ -744,7 +744,8 @@ class ClusterTransport:
         if not build.done.wait(max(0.0, deadline_at - time.monotonic())):
             raise RedisTimeoutError("the cluster's slot map did not come within the call's deadline")
         if build.client is None:
-            # Every startup node timed out (hung): a timeout to the caller, as a hung node's call is.
+            # The last startup node asked timed out (a hung cluster): a timeout to the caller, as a
+            # hung node's call is; refused connections stay an error.
             failed = RedisTimeoutError if build.timed_out else RedisConnectionError
             raise failed(f"cannot reach the cluster: {build.error}")
         return build.client
