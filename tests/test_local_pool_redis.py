@@ -10,11 +10,13 @@ several times longer), never speed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,21 @@ def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
     t0 = time.monotonic()
     out = fn(*args, **kwargs)
     return out, time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def _frozen_cluster(redis_binary: str) -> Iterator[RedisClusterProcesses]:
+    """A Redis Cluster of three masters, every node frozen (SIGSTOP: nothing answers); thawed
+    and stopped after."""
+    cluster = RedisClusterProcesses(3, redis_binary).start()
+    try:
+        for node in cluster.nodes:
+            node.freeze()
+        yield cluster
+    finally:
+        for node in cluster.nodes:
+            node.thaw()
+        cluster.close()
 
 
 # --- expiry ------------------------------------------------------------------------------------
@@ -883,10 +900,7 @@ def test_a_caller_waiting_when_the_hung_clusters_build_gives_up_hears_a_timeout(
     # The build (each startup node a socket timeout: ~0.75 s here) failed on "Timeout reading"
     # while a caller waited for it, and the caller was told ConnectionError: the pool counted an
     # "error" miss for a hung cluster (7 of 8 such gets, in three test processes on two cores).
-    cluster = RedisClusterProcesses(3, redis_binary).start()
-    try:
-        for node in cluster.nodes:
-            node.freeze()
+    with _frozen_cluster(redis_binary) as cluster:
         transport = ClusterTransport(cluster.url, 0.25, 0.25, 4)
         with pytest.raises(redis.TimeoutError, match="did not come within"):  # gives up before the build
             transport.pipeline([("GET", b"k")], time.monotonic() + 0.3)
@@ -894,20 +908,13 @@ def test_a_caller_waiting_when_the_hung_clusters_build_gives_up_hears_a_timeout(
         with pytest.raises(redis.TimeoutError, match=r"cannot reach the cluster: .*Timeout reading"):
             transport.pipeline([("GET", b"k")], time.monotonic() + 5.0)
         transport.close()
-    finally:
-        for node in cluster.nodes:
-            node.thaw()
-        cluster.close()
 
 
 def test_a_hung_cluster_at_first_use_costs_each_caller_only_its_deadline(redis_binary: str) -> None:
     # The first calls build the cluster client (a slot map from each startup node in turn, a
     # socket timeout each when they hang). It was built under a lock that callers queued on:
     # 8 gets with 0.2 s left took 0.75 to 6 s, and answered "error".
-    cluster = RedisClusterProcesses(3, redis_binary).start()
-    try:
-        for node in cluster.nodes:
-            node.freeze()
+    with _frozen_cluster(redis_binary) as cluster:
         pool = _pool(cluster.url, socket_timeout_seconds=0.25, connect_timeout_seconds=0.25,
                      call_budget_seconds=0.5, breaker_failures=1000)
         got, took = _timed(pool.get, _ns(), _bk(), TENANT, LAYOUT)
@@ -930,10 +937,6 @@ def test_a_hung_cluster_at_first_use_costs_each_caller_only_its_deadline(redis_b
             node.thaw()
         assert _wait_until(lambda: pool.put(_ns(), _bk(), TENANT, LAYOUT, 128, b"x" * 100).written)
         pool.close()
-    finally:
-        for node in cluster.nodes:
-            node.thaw()
-        cluster.close()
 
 
 def test_the_breaker_of_a_cluster_not_reached_yet_does_not_stay_open_once_it_is(redis_binary: str) -> None:
@@ -941,10 +944,7 @@ def test_the_breaker_of_a_cluster_not_reached_yet_does_not_stay_open_once_it_is(
     # no cluster client (""). Once the client was built no call went to "" again, so nothing
     # closed it: health degraded and breaker_state open for the life of the process, every call
     # succeeding. Default breaker settings: it opens after 5 failures, probes after 5 s.
-    cluster = RedisClusterProcesses(3, redis_binary).start()
-    try:
-        for node in cluster.nodes:
-            node.freeze()
+    with _frozen_cluster(redis_binary) as cluster:
         # Socket timeouts long enough that the client's build is still waiting on a node at the thaw.
         pool = build_local_pool(LocalPoolConfig(url=cluster.url, socket_timeout_seconds=3.0,
                                                 connect_timeout_seconds=3.0), StaticTtl(TTL_SECONDS))
@@ -960,10 +960,6 @@ def test_the_breaker_of_a_cluster_not_reached_yet_does_not_stay_open_once_it_is(
         assert pool.health().status == "ok", pool.health()
         assert pool.stats().breaker_state == "closed" and pool.stats().breaker_opens >= 1
         pool.close()
-    finally:
-        for node in cluster.nodes:
-            node.thaw()
-        cluster.close()
 
 
 def _cluster_info(c: redis.Redis) -> dict[str, str]:
