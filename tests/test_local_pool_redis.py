@@ -998,8 +998,8 @@ def test_a_failed_over_master_leaves_the_pool_healthy_once_its_replica_serves(re
         pool = build_local_pool(LocalPoolConfig(url=cluster.url, breaker_reset_seconds=0.5), StaticTtl(TTL_SECONDS))
         data = os.urandom(10_000)
         n = 30
-        for i in range(n):
-            assert pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, data).written
+        for i in range(n):  # the first waits for the client's slot map, built off the caller's thread
+            assert _wait_until(lambda i=i: pool.put(_ns(i), _bk(), TENANT, LAYOUT, 128, data).written)
         # The replica has every key: its offset reached the master's. (WAIT would not do: it waits
         # for the writes of its own connection, and the pool wrote on others.)
         written = int(master.info("replication")["master_repl_offset"])
