@@ -55,6 +55,11 @@ class EvictionPolicy(Protocol):
 
     def __contains__(self, key: object) -> bool: ...
 
+    @property
+    def tracked_bytes(self) -> int:
+        """The sizes of the tracked keys, summed."""
+        ...
+
 
 class AdmissionPolicy(Protocol):
     """Decides whether a chunk is worth writing to the durable tier."""

@@ -28,16 +28,13 @@ def k(i: int) -> bytes:
 
 
 def drain(policy: EvictionPolicy) -> list[bytes]:
-    """Every tracked key in the order the policy would evict them (on a copy)."""
+    """Every tracked key in the order the policy would evict them (on a copy): one eviction of
+    exactly the tracked bytes (evict() refuses more than is tracked)."""
+    if not len(policy):
+        return []
     p = copy.deepcopy(policy)
-    out = p.evict(1 << 62, set()) if len(p) else []
-    # evict() refuses more than is tracked; ask for exactly what is there, one key at a time.
-    if out is None:
-        out = []
-        while len(p):
-            v = p.evict(1, set())
-            assert v
-            out.extend(v)
+    out = p.evict(p.tracked_bytes, set())
+    assert out is not None and len(p) == 0 and len(out) == len(policy), (out, len(p), len(policy))
     return out
 
 
