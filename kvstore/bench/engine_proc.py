@@ -86,10 +86,10 @@ def _serve() -> int:
     return 0
 
 
-def cpu_split(parts: int) -> str:
-    """This process's CPUs in `parts` lists, as VLLM_CPU_OMP_THREADS_BIND takes them ("0,1|2,3"); a
-    machine with fewer CPUs than parts gives each part one, shared in turn."""
-    cpus = sorted(os.sched_getaffinity(0))
+def cpu_split(parts: int, cpus: list[int] | None = None) -> str:
+    """`cpus` (default: this process's) in `parts` lists, as VLLM_CPU_OMP_THREADS_BIND takes them
+    ("0,1|2,3"); fewer CPUs than parts give each part one, shared in turn."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
     each = max(1, len(cpus) // parts)
     return "|".join(",".join(map(str, cpus[(i * each) % len(cpus):][:each])) for i in range(parts))
 

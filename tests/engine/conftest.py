@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvstore.bench.engine_proc import ANSWER
+from kvstore.bench.engine_proc import ANSWER, cpu_split
 from kvstore.client import KvstoreClient
 from tests.fixtures.service import ServiceProcess, base_table, spawn_service
 from tests.fixtures.tcp_proxy import TcpProxy
@@ -139,7 +139,7 @@ def start_engine(model: Path, spec: dict[str, Any], log: Path) -> Engine:
     rpc = log.parent / "vllm-rpc"  # vLLM's socket files: here, not in the system's temporary directory
     rpc.mkdir(exist_ok=True)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", VLLM_LOGGING_LEVEL="WARNING",
-               VLLM_RPC_BASE_PATH=str(rpc))
+               VLLM_RPC_BASE_PATH=str(rpc), **_omp_bind(spec))
     err = log.open("w")
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.engine_proc", str(model), json.dumps(spec)],
                             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
@@ -153,6 +153,20 @@ def start_engine(model: Path, spec: dict[str, Any], log: Path) -> Engine:
     finally:
         timer.cancel()
     raise RuntimeError(f"the engine did not start; its log:\n{log.read_text()[-4000:]}")
+
+
+def _omp_bind(spec: dict[str, Any]) -> dict[str, str]:
+    """Each test process's engines get CPUs of their own for their OpenMP threads. Left to itself,
+    vLLM binds every engine's threads to the machine's first cores (all but one): two test
+    processes' engines then spin on the same cores. An engine of more ranks than its share has
+    CPUs is left to vLLM (ranks sharing one CPU ran a third slower than on two shared ones)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cpus, ranks = sorted(os.sched_getaffinity(0)), spec.get("tensor_parallel_size", 1)
+    if not worker.startswith("gw") or count < 2:
+        return {}
+    i = int(worker.removeprefix("gw")) % count
+    share = cpus[i * len(cpus) // count:(i + 1) * len(cpus) // count]
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_split(ranks, share)} if len(share) >= ranks else {}
 
 
 def same_output(got: dict[str, Any], want: dict[str, Any]) -> None:
