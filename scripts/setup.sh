@@ -46,6 +46,13 @@ if [ "${1:-}" = "engine" ]; then
   engine
   exit 0
 fi
+engine_pid=""
+if [ "${1:-}" = "test" ]; then
+  # The engine environment (mostly downloads) is made beside the main one, not after it.
+  engine &
+  engine_pid=$!
+  trap '[ -n "$engine_pid" ] && kill "$engine_pid" 2>/dev/null' EXIT
+fi
 echo "kvstore environment (.venv): creating it if missing (1/3)"
 make_venv .venv
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
@@ -56,7 +63,12 @@ fi
 if [ "${1:-}" = "test" ]; then
   echo "kvstore environment (.venv): kvstore with its test, lint and type-check tools (3/3)"
   "${PIP[@]}" -e '.[test]'
-  engine
+  pid=$engine_pid
+  engine_pid=""
+  if ! wait "$pid"; then
+    echo "the engine environment (.venv-engine) could not be made: its error is above" >&2
+    exit 1
+  fi
 else
   echo "kvstore environment (.venv): kvstore (3/3)"
   "${PIP[@]}" -e .
