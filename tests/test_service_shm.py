@@ -1473,3 +1473,29 @@ def test_a_holding_lookup_with_no_room_in_the_session_is_answered_unheld_at_once
     third = kv.lookup_held(V41, prompt, hold_chunks=4)  # room again
     assert third.chunks is not None
     third.release()
+
+
+def test_a_holding_lookup_answered_unheld_counts_none_of_its_spans_as_loaded(
+    make_service: Callable[..., Service], sock_dir: Path
+) -> None:
+    # The spans granted before the segment ran out were released unanswered, yet counted in the
+    # session's loaded_bytes: its client never saw them.
+    svc = make_service(shm_config(sock_dir / "kv.sock", shm_in_place=False))
+    kv = unix(svc)
+    cb = svc.chunk_bytes(V41)
+    n, per = (4 << 20) // cb, (2 << 20) // cb  # the 4 MiB load segment's chunks; a span's (half of it)
+    prompt = tokens(21, CHUNK * n)
+    kv.store(V41, prompt, payloads(22, n, cb))
+    first = kv.lookup_held(V41, prompt, hold_chunks=per)  # kept: room for one more span, not two
+    assert first.chunks is not None
+
+    def loaded_bytes() -> int:
+        dp = kv.stats().data_plane
+        assert dp is not None and len(dp.sessions) == 1
+        return dp.sessions[0].loaded_bytes
+
+    assert loaded_bytes() == per * cb
+    second = kv.lookup_held(V41, prompt, hold_chunks=2 * per)  # its first span is granted, its second is not
+    assert second.result.hit_chunks == n and second.chunks is None
+    assert loaded_bytes() == per * cb
+    first.release()

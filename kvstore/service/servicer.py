@@ -39,7 +39,14 @@ from kvstore.service.calls import CallGuard, CallState, Resolved
 from kvstore.service.pricing import facts_for_lookup, peek_local_status, price
 from kvstore.service.replay_threads import ReplayThreads
 from kvstore.service.servicer_local import LocalStateCalls
-from kvstore.service.shm_calls import PathCounts, check_chunks_fit, chunks_fit, load_spans, store_span_data
+from kvstore.service.shm_calls import (
+    PathCounts,
+    check_chunks_fit,
+    chunks_fit,
+    load_spans,
+    store_span_data,
+    uncount_unsent,
+)
 from kvstore.service.shm_listener import ShmSession, ShmSessions
 from kvstore.store import CommitResult, LoadSession, PrefixHit
 from kvstore.v1 import kvstore_pb2 as pb
@@ -145,10 +152,12 @@ class KVCacheServicer(LocalStateCalls):
                 # No room in the session's load segment now: answered unheld at once (its client
                 # loads them with a call of their own), not after waiting for room on a call that
                 # only looks up. The spans' generator released what it had granted.
+                uncount_unsent(shm, held, res.layout.chunk_bytes)
                 return session.lookup, []
             except BaseException:
                 for span in held:  # never answered: nobody else will release them
                     shm.leases.release(span.lease_id)
+                uncount_unsent(shm, held, res.layout.chunk_bytes)
                 raise
         return session.lookup, held
 

@@ -74,6 +74,16 @@ def load_spans(
                 shm.leases.release(lease_id, quiet=True)  # the client may have released it first
 
 
+def uncount_unsent(shm: ShmSession, spans: Sequence[pb.ShmSpan], chunk_bytes: int) -> None:
+    """Takes back what `load_spans` counted of spans it yielded that were never answered (their
+    leases released with the call): the session's client never loaded them."""
+    for span in spans:
+        nbytes = span.num_chunks * chunk_bytes
+        shm.loaded_bytes -= nbytes
+        if span.chunk_offsets:  # read in place
+            shm.in_place_bytes -= nbytes
+
+
 def _not_withdrawn(shm: ShmSession, still_wanted: Callable[[], bool]) -> bool:
     return still_wanted() and not shm.leases.withdrawn(shm.hold)
 
