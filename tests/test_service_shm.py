@@ -61,6 +61,13 @@ def unix(svc: Service, token: str | None = None, **kw: Any) -> KvstoreClient:
     return c
 
 
+def _session_loaded_bytes(kv: KvstoreClient) -> int:
+    """The loaded_bytes of the client's one same-host session, as Stats says."""
+    dp = kv.stats().data_plane
+    assert dp is not None and len(dp.sessions) == 1
+    return dp.sessions[0].loaded_bytes
+
+
 def _same(chunks: list[memoryview] | list[bytes], want: list[bytes]) -> bool:
     return len(chunks) == len(want) and all(bytes(a) == b for a, b in zip(chunks, want, strict=True))
 
@@ -128,9 +135,7 @@ def test_local_snapshots_come_through_shared_memory(make_service: Callable[..., 
         return dp.calls_by_path["shm"]
 
     def loaded_bytes() -> int:
-        dp = kv.stats().data_plane
-        assert dp is not None
-        return dp.sessions[0].loaded_bytes
+        return _session_loaded_bytes(kv)
 
     before, bytes_before = shm_calls(), loaded_bytes()
     got = kv.load_local(V41, prompt)
@@ -1488,14 +1493,8 @@ def test_a_holding_lookup_answered_unheld_counts_none_of_its_spans_as_loaded(
     kv.store(V41, prompt, payloads(22, n, cb))
     first = kv.lookup_held(V41, prompt, hold_chunks=per)  # kept: room for one more span, not two
     assert first.chunks is not None
-
-    def loaded_bytes() -> int:
-        dp = kv.stats().data_plane
-        assert dp is not None and len(dp.sessions) == 1
-        return dp.sessions[0].loaded_bytes
-
-    assert loaded_bytes() == per * cb
+    assert _session_loaded_bytes(kv) == per * cb
     second = kv.lookup_held(V41, prompt, hold_chunks=2 * per)  # its first span is granted, its second is not
     assert second.result.hit_chunks == n and second.chunks is None
-    assert loaded_bytes() == per * cb
+    assert _session_loaded_bytes(kv) == per * cb
     first.release()
